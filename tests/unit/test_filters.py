@@ -1,0 +1,649 @@
+"""Unit tests for workqueue.filters: the validator's rejection rules, the matcher's semantics and
+properties of the canonical form. Pure Python; no database."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workqueue.filters import (
+    MAX_FIELDS,
+    MAX_VALUES,
+    AnyOf,
+    AttributeFilter,
+    Condition,
+    FilterError,
+    Operator,
+    filter_matches,
+    parse_filter,
+)
+
+# Hypothesis' example database would write a .hypothesis/ directory into the checkout.
+HYPOTHESIS = settings(database=None, max_examples=300)
+
+
+def leaf(field: str, operator: str, value: Any = ..., **extra: Any) -> dict[str, Any]:
+    node: dict[str, Any] = {"field": field, "operator": operator, **extra}
+    if value is not ...:
+        node["value"] = value
+    return node
+
+
+def any_of(field: str, *values: str) -> dict[str, Any]:
+    return {"logic": "or", "filters": [leaf(field, "eq", v) for v in values]}
+
+
+def root(*clauses: dict[str, Any]) -> dict[str, Any]:
+    return {"logic": "and", "filters": list(clauses)}
+
+
+def rejection(raw: object) -> FilterError:
+    with pytest.raises(FilterError) as info:
+        parse_filter(raw)
+    return info.value
+
+
+# --- "matches everything" inputs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, "", "   \n", "null", {}, "{}", root(), '{"logic": "and", "filters": []}'],
+    ids=[
+        "none",
+        "empty-str",
+        "blank-str",
+        "json-null",
+        "empty-dict",
+        "empty-json",
+        "no-filters",
+        "no-filters-json",
+    ],
+)
+def test_match_all_inputs_parse_to_none(raw: object) -> None:
+    assert parse_filter(raw) is None
+    assert filter_matches(parse_filter(raw), {"anything": "at all"})
+    assert filter_matches(parse_filter(raw), None)
+
+
+# --- accepted input and normalisation -------------------------------------------------------
+
+
+def test_dict_and_json_text_give_the_same_result() -> None:
+    raw = root(leaf("region", "eq", "eu"), any_of("kind", "b", "a"), leaf("trace", "isnull"))
+    assert parse_filter(raw) == parse_filter(json.dumps(raw))
+
+
+def test_normalisation_sorts_clauses_and_values_and_drops_duplicates() -> None:
+    parsed = parse_filter(
+        root(leaf("zeta", "startswith", "pre"), any_of("alpha", "c", "a", "c", "b"))
+    )
+    assert parsed is not None
+    assert parsed.clauses == (
+        AnyOf("alpha", ("a", "b", "c")),
+        Condition("zeta", Operator.STARTSWITH, "pre"),
+    )
+    assert parsed.fields == ("alpha", "zeta")
+    assert parsed.to_json() == {
+        "logic": "and",
+        "filters": [
+            {
+                "logic": "or",
+                "filters": [
+                    {"field": "alpha", "operator": "eq", "value": "a"},
+                    {"field": "alpha", "operator": "eq", "value": "b"},
+                    {"field": "alpha", "operator": "eq", "value": "c"},
+                ],
+            },
+            {"field": "zeta", "operator": "startswith", "value": "pre"},
+        ],
+    }
+
+
+def test_single_value_group_collapses_to_eq() -> None:
+    parsed = parse_filter(root(any_of("kind", "click", "click")))
+    assert parsed is not None
+    assert parsed.clauses == (Condition("kind", Operator.EQ, "click"),)
+    assert parsed == parse_filter(root(leaf("kind", "eq", "click")))
+
+
+def test_value_less_operators_accept_explicit_null_and_store_no_value() -> None:
+    parsed = parse_filter(root(leaf("a", "isnull", None), leaf("b", "isnotnull")))
+    assert parsed is not None
+    assert parsed.to_json()["filters"] == [
+        {"field": "a", "operator": "isnull"},
+        {"field": "b", "operator": "isnotnull"},
+    ]
+
+
+def test_limits_are_inclusive() -> None:
+    # Exactly 5 fields and exactly 50 values is fine.
+    group = any_of("f0", *(f"v{i}" for i in range(46)))
+    raw = root(group, *(leaf(f"f{i}", "eq", "x") for i in range(1, MAX_FIELDS)))
+    parsed = parse_filter(raw)
+    assert parsed is not None
+    assert len(parsed.fields) == MAX_FIELDS
+    assert len(parsed.clauses[0].values) + MAX_FIELDS - 1 == MAX_VALUES  # type: ignore[union-attr]
+
+
+def test_field_name_edges_accepted() -> None:
+    for name in ("a", "A-Z_09", "x" * 64, "-", "_"):
+        assert parse_filter(root(leaf(name, "isnotnull"))) is not None
+
+
+def test_already_parsed_filter_passes_through() -> None:
+    parsed = parse_filter(root(leaf("a", "eq", "x")))
+    assert parse_filter(parsed) is parsed
+
+
+def test_result_is_immutable() -> None:
+    parsed = parse_filter(root(leaf("a", "eq", "x")))
+    assert parsed is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parsed.clauses = ()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parsed.clauses[0].value = "y"  # type: ignore[misc,union-attr]
+    assert isinstance(parsed.clauses, tuple)
+
+
+# --- rejection rules ------------------------------------------------------------------------
+
+# (id, raw, path the error must name, fragments the message must contain)
+REJECTIONS: list[tuple[str, object, str, tuple[str, ...]]] = [
+    # Shape of the whole thing.
+    ("list-root", [leaf("a", "eq", "x")], "filter", ("JSON object", "a list")),
+    ("number-root", 5, "filter", ("JSON object", "a number")),
+    ("bad-json", "{logic: and}", "filter", ("not valid JSON",)),
+    ("json-array", "[]", "filter", ("JSON object", "a list")),
+    (
+        "duplicate-json-key",
+        '{"logic": "and", "logic": "or", "filters": []}',
+        "filter",
+        ("duplicate key 'logic'",),
+    ),
+    (
+        "root-unknown-key",
+        {"logic": "and", "filters": [], "ignoreCase": True},
+        "filter",
+        ("unknown key 'ignoreCase'", "allowed keys: filters, logic"),
+    ),
+    ("root-is-a-condition", leaf("a", "eq", "x"), "filter", ("unknown key",)),
+    (
+        "root-missing-logic",
+        {"filters": [leaf("a", "eq", "x")]},
+        "filter",
+        ("missing 'logic'", "'and'"),
+    ),
+    (
+        "root-logic-or",
+        {"logic": "or", "filters": [leaf("a", "eq", "x")]},
+        "filter.logic",
+        ("root logic must be 'and'", "got 'or'"),
+    ),
+    (
+        "root-logic-uppercase",
+        {"logic": "AND", "filters": []},
+        "filter.logic",
+        ("must be 'and'", "'AND'"),
+    ),
+    ("root-missing-filters", {"logic": "and"}, "filter", ("missing 'filters'",)),
+    (
+        "filters-not-list",
+        {"logic": "and", "filters": "a eq x"},
+        "filter.filters",
+        ("must be a list", "a string"),
+    ),
+    (
+        "item-not-object",
+        root("a eq x"),
+        "filter.filters[0]",  # type: ignore[arg-type]
+        ("must be an object", "a string"),
+    ),
+    # Conditions.
+    (
+        "unknown-condition-key",
+        root(leaf("a", "eq", "x", ignoreCase=True)),
+        "filter.filters[0]",
+        ("unknown key 'ignoreCase'", "field, operator, value"),
+    ),
+    (
+        "missing-field",
+        root({"operator": "eq", "value": "x"}),
+        "filter.filters[0]",
+        ("missing 'field'",),
+    ),
+    (
+        "field-not-string",
+        root(leaf(7, "eq", "x")),
+        "filter.filters[0].field",  # type: ignore[arg-type]
+        ("must be a string", "a number"),
+    ),
+    (
+        "field-dotted",
+        root(leaf("payload.kind", "eq", "x")),
+        "filter.filters[0].field",
+        ("invalid attribute name 'payload.kind'", "1-64", "dotted"),
+    ),
+    (
+        "field-empty",
+        root(leaf("", "eq", "x")),
+        "filter.filters[0].field",
+        ("invalid attribute name ''",),
+    ),
+    (
+        "field-too-long",
+        root(leaf("x" * 65, "eq", "x")),
+        "filter.filters[0].field",
+        ("invalid attribute name", "1-64"),
+    ),
+    (
+        "field-space",
+        root(leaf("a b", "eq", "x")),
+        "filter.filters[0].field",
+        ("invalid attribute name 'a b'",),
+    ),
+    (
+        "field-non-ascii",
+        root(leaf("é", "eq", "x")),
+        "filter.filters[0].field",
+        ("invalid attribute name",),
+    ),
+    (
+        "field-trailing-newline",
+        root(leaf("a\n", "eq", "x")),
+        "filter.filters[0].field",
+        ("invalid attribute name",),
+    ),
+    (
+        "missing-operator",
+        root({"field": "a", "value": "x"}),
+        "filter.filters[0]",
+        ("missing 'operator'", "'eq'", "'isnotnull'"),
+    ),
+    (
+        "unknown-operator",
+        root(leaf("a", "contains", "x")),
+        "filter.filters[0].operator",
+        ("unsupported operator 'contains'", "'startswith'"),
+    ),
+    (
+        "operator-wrong-case",
+        root(leaf("a", "EQ", "x")),
+        "filter.filters[0].operator",
+        ("unsupported operator 'EQ'",),
+    ),
+    (
+        "operator-not-string",
+        root(leaf("a", 1, "x")),
+        "filter.filters[0].operator",  # type: ignore[arg-type]
+        ("unsupported operator 1",),
+    ),
+    (
+        "eq-without-value",
+        root(leaf("a", "eq")),
+        "filter.filters[0]",
+        ("'eq' needs a non-empty string 'value'",),
+    ),
+    (
+        "neq-null-value",
+        root(leaf("a", "neq", None)),
+        "filter.filters[0]",
+        ("'neq' needs a non-empty string 'value'",),
+    ),
+    (
+        "startswith-empty-value",
+        root(leaf("a", "startswith", "")),
+        "filter.filters[0].value",
+        ("'startswith' needs a non-empty string",),
+    ),
+    (
+        "eq-number-value",
+        root(leaf("a", "eq", 5)),
+        "filter.filters[0].value",
+        ("must be a non-empty string", "a number", 'write "5"'),
+    ),
+    (
+        "eq-bool-value",
+        root(leaf("a", "eq", True)),
+        "filter.filters[0].value",
+        ("must be a non-empty string", "a boolean"),
+    ),
+    (
+        "eq-list-value",
+        root(leaf("a", "eq", ["x", "y"])),
+        "filter.filters[0].value",
+        ("must be a non-empty string", "a list"),
+    ),
+    (
+        "isnull-with-value",
+        root(leaf("a", "isnull", "x")),
+        "filter.filters[0].value",
+        ("'isnull' takes no value",),
+    ),
+    (
+        "isnotnull-with-empty-value",
+        root(leaf("a", "isnotnull", "")),
+        "filter.filters[0].value",
+        ("'isnotnull' takes no value",),
+    ),
+    ("value-with-nul", root(leaf("a", "eq", "x\x00y")), "filter.filters[0].value", ("NUL",)),
+    (
+        "value-with-lone-surrogate",
+        root(leaf("a", "eq", "x\ud800")),
+        "filter.filters[0].value",
+        ("unpaired surrogates",),
+    ),
+    # Nested groups.
+    (
+        "group-logic-and",
+        root({"logic": "and", "filters": [leaf("a", "eq", "x")]}),
+        "filter.filters[0].logic",
+        ("nested group must use logic 'or'", "got 'and'"),
+    ),
+    (
+        "group-missing-logic",
+        root({"filters": [leaf("a", "eq", "x")]}),
+        "filter.filters[0].logic",
+        ("nested group must use logic 'or'", "got None"),
+    ),
+    (
+        "group-unknown-key",
+        root({**any_of("a", "x", "y"), "field": "a"}),
+        "filter.filters[0]",
+        ("unknown key 'field'",),
+    ),
+    (
+        "group-filters-not-list",
+        root({"logic": "or", "filters": None}),
+        "filter.filters[0].filters",
+        ("list of 'eq' conditions", "null"),
+    ),
+    (
+        "group-empty",
+        root({"logic": "or", "filters": []}),
+        "filter.filters[0].filters",
+        ("at least one 'eq' condition",),
+    ),
+    (
+        "group-too-deep",
+        root({"logic": "or", "filters": [any_of("a", "x", "y")]}),
+        "filter.filters[0].filters[0]",
+        ("nested only one level deep",),
+    ),
+    (
+        "group-member-not-object",
+        root({"logic": "or", "filters": ["x"]}),
+        "filter.filters[0].filters[0]",
+        ("'eq' condition object", "a string"),
+    ),
+    (
+        "group-neq",
+        root({"logic": "or", "filters": [leaf("a", "eq", "x"), leaf("a", "neq", "y")]}),
+        "filter.filters[0].filters[1].operator",
+        ("operator 'neq' is not allowed inside an 'or' group", "only 'eq'"),
+    ),
+    (
+        "group-isnull",
+        root({"logic": "or", "filters": [leaf("a", "isnull")]}),
+        "filter.filters[0].filters[0].operator",
+        ("'isnull' is not allowed inside an 'or' group",),
+    ),
+    (
+        "group-two-fields",
+        root({"logic": "or", "filters": [leaf("a", "eq", "x"), leaf("b", "eq", "y")]}),
+        "filter.filters[0].filters[1].field",
+        ("single field", "about 'a'", "names 'b'"),
+    ),
+    (
+        "group-member-bad-field",
+        root(any_of("a.b", "x")),
+        "filter.filters[0].filters[0].field",
+        ("invalid attribute name 'a.b'",),
+    ),
+    # Cross-clause limits.
+    (
+        "same-field-twice",
+        root(leaf("a", "eq", "x"), leaf("a", "neq", "y")),
+        "filter.filters[1]",
+        ("field 'a' is already constrained by filter.filters[0]", "only once", "'or'"),
+    ),
+    (
+        "field-in-leaf-and-group",
+        root(leaf("a", "isnotnull"), any_of("a", "x", "y")),
+        "filter.filters[1]",
+        ("field 'a' is already constrained by filter.filters[0]",),
+    ),
+    (
+        "too-many-fields",
+        root(*(leaf(f"f{i}", "isnotnull") for i in range(MAX_FIELDS + 1))),
+        "filter.filters[5]",
+        ("field number 6", "at most 5 distinct fields"),
+    ),
+    (
+        "too-many-values-in-group",
+        root(any_of("a", *(f"v{i}" for i in range(MAX_VALUES + 1)))),
+        "filter.filters[0].filters[50].value",
+        ("too many values", "at most 50"),
+    ),
+    (
+        "too-many-values-overall",
+        root(
+            any_of("a", *(f"v{i}" for i in range(MAX_VALUES - 1))),
+            leaf("b", "neq", "x"),
+            leaf("c", "eq", "y"),
+        ),
+        "filter.filters[2].value",
+        ("too many values", "at most 50"),
+    ),
+    # Duplicates count as written: the limit is about what the author typed.
+    (
+        "too-many-values-with-duplicates",
+        root(any_of("a", *(["x"] * (MAX_VALUES + 1)))),
+        "filter.filters[0].filters[50].value",
+        ("too many values",),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "fragments"),
+    [
+        pytest.param(raw, path, fragments, id=case_id)
+        for case_id, raw, path, fragments in REJECTIONS
+    ],
+)
+def test_rejections_name_the_problem(raw: object, path: str, fragments: tuple[str, ...]) -> None:
+    error = rejection(raw)
+    assert error.path == path
+    message = str(error)
+    assert message.startswith(f"{path}: ")
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_rejections_also_apply_to_json_text() -> None:
+    error = rejection(json.dumps(root(leaf("a.b", "eq", "x"))))
+    assert error.path == "filter.filters[0].field"
+
+
+def test_filter_error_is_a_value_error() -> None:
+    assert issubclass(FilterError, ValueError)
+    assert isinstance(rejection(42), ValueError)
+
+
+# --- matching semantics ---------------------------------------------------------------------
+
+MATCH_CASES: list[tuple[str, dict[str, Any], dict[str, str] | None, bool]] = [
+    ("eq-equal", leaf("k", "eq", "click"), {"k": "click"}, True),
+    ("eq-different", leaf("k", "eq", "click"), {"k": "view"}, False),
+    ("eq-case-sensitive", leaf("k", "eq", "click"), {"k": "Click"}, False),
+    ("eq-no-trimming", leaf("k", "eq", "click"), {"k": "click "}, False),
+    ("eq-missing", leaf("k", "eq", "click"), {"other": "click"}, False),
+    ("eq-key-case-sensitive", leaf("k", "eq", "click"), {"K": "click"}, False),
+    ("neq-different", leaf("k", "neq", "click"), {"k": "view"}, True),
+    ("neq-equal", leaf("k", "neq", "click"), {"k": "click"}, False),
+    ("neq-case-differs", leaf("k", "neq", "click"), {"k": "CLICK"}, True),
+    ("neq-missing", leaf("k", "neq", "click"), {}, False),
+    ("neq-no-attributes", leaf("k", "neq", "click"), None, False),
+    ("startswith-prefix", leaf("k", "startswith", "ord"), {"k": "order.created"}, True),
+    ("startswith-whole", leaf("k", "startswith", "ord"), {"k": "ord"}, True),
+    ("startswith-longer-value", leaf("k", "startswith", "order"), {"k": "ord"}, False),
+    ("startswith-case", leaf("k", "startswith", "Ord"), {"k": "order"}, False),
+    ("startswith-not-pattern", leaf("k", "startswith", "o%"), {"k": "order"}, False),
+    ("startswith-literal-percent", leaf("k", "startswith", "o%"), {"k": "o%rder"}, True),
+    ("startswith-missing", leaf("k", "startswith", "o"), {}, False),
+    ("isnull-missing", leaf("k", "isnull"), {"other": "x"}, True),
+    ("isnull-no-attributes", leaf("k", "isnull"), None, True),
+    ("isnull-present", leaf("k", "isnull"), {"k": "x"}, False),
+    ("isnull-empty-string-is-present", leaf("k", "isnull"), {"k": ""}, False),
+    ("isnotnull-present", leaf("k", "isnotnull"), {"k": "x"}, True),
+    ("isnotnull-missing", leaf("k", "isnotnull"), {}, False),
+    ("or-first", any_of("k", "a", "b"), {"k": "a"}, True),
+    ("or-second", any_of("k", "a", "b"), {"k": "b"}, True),
+    ("or-none", any_of("k", "a", "b"), {"k": "c"}, False),
+    ("or-case", any_of("k", "a", "b"), {"k": "A"}, False),
+    ("or-missing", any_of("k", "a", "b"), {}, False),
+    ("unicode-eq", leaf("k", "eq", "größe"), {"k": "größe"}, True),
+    ("unicode-no-normalisation", leaf("k", "eq", "é"), {"k": "e\u0301"}, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("clause", "attributes", "expected"),
+    [pytest.param(c, a, e, id=case_id) for case_id, c, a, e in MATCH_CASES],
+)
+def test_single_clause_semantics(
+    clause: dict[str, Any], attributes: dict[str, str] | None, expected: bool
+) -> None:
+    parsed = parse_filter(root(clause))
+    assert parsed is not None
+    assert parsed.matches(attributes) is expected
+
+
+def test_clauses_are_anded() -> None:
+    parsed = parse_filter(
+        root(leaf("type", "eq", "click"), any_of("region", "eu", "us"), leaf("debug", "isnull"))
+    )
+    assert parsed is not None
+    assert parsed.matches({"type": "click", "region": "eu"})
+    assert parsed.matches({"type": "click", "region": "us", "extra": "ignored"})
+    assert not parsed.matches({"type": "click", "region": "apac"})
+    assert not parsed.matches({"type": "click", "region": "eu", "debug": "1"})
+    assert not parsed.matches({"region": "eu"})
+    assert not parsed.matches(None)
+
+
+def test_filter_matches_helper() -> None:
+    assert filter_matches(None, None)
+    assert filter_matches(None, {"a": "b"})
+    parsed = parse_filter(root(leaf("a", "eq", "b")))
+    assert filter_matches(parsed, {"a": "b"})
+    assert not filter_matches(parsed, {"a": "c"})
+
+
+# --- properties -----------------------------------------------------------------------------
+
+FIELD_POOL = ["a", "b", "kind", "Kind", "event-type", "x_1"]
+# Shared prefixes and case variants so that eq/neq/startswith see both outcomes often.
+VALUE_POOL = ["x", "X", "xy", "xyz", "ab", "abc", "é", "日本", "a b", "0", "%", "_"]
+values = st.one_of(
+    st.sampled_from(VALUE_POOL),
+    st.text(
+        alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+        min_size=1,
+        max_size=6,
+    ),
+)
+
+
+@st.composite
+def raw_clause(draw: st.DrawFn, field: str) -> dict[str, Any]:
+    """A valid clause for ``field`` in any of the forms an author might write."""
+    kind = draw(st.sampled_from(["eq", "neq", "startswith", "isnull", "isnotnull", "or"]))
+    if kind == "or":
+        # Duplicates and one-member groups exercise normalisation.
+        members = draw(st.lists(values, min_size=1, max_size=6))
+        return any_of(field, *members)
+    if kind in ("isnull", "isnotnull"):
+        return leaf(field, kind, None) if draw(st.booleans()) else leaf(field, kind)
+    return leaf(field, kind, draw(values))
+
+
+@st.composite
+def raw_filters(draw: st.DrawFn) -> dict[str, Any]:
+    fields = draw(st.lists(st.sampled_from(FIELD_POOL), unique=True, min_size=1, max_size=5))
+    clauses = [draw(raw_clause(f)) for f in fields]
+    return root(*draw(st.permutations(clauses)))
+
+
+attribute_maps = st.dictionaries(
+    st.sampled_from([*FIELD_POOL, "other"]), st.one_of(st.just(""), values), max_size=10
+)
+
+
+def reference_matches(raw: dict[str, Any], attributes: dict[str, str] | None) -> bool:
+    """Deliberately naive evaluation of the raw (unnormalised) grammar, as an oracle."""
+    attrs = attributes or {}
+    for clause in raw["filters"]:
+        if "logic" in clause:
+            if not any(attrs.get(m["field"]) == m["value"] for m in clause["filters"]):
+                return False
+            continue
+        present = clause["field"] in attrs
+        actual = attrs.get(clause["field"])
+        ok = {
+            "eq": present and actual == clause.get("value"),
+            "neq": present and actual != clause.get("value"),
+            "startswith": present and str(actual).startswith(str(clause.get("value"))),
+            "isnull": not present,
+            "isnotnull": present,
+        }[clause["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+@HYPOTHESIS
+@given(raw_filters())
+def test_canonical_form_round_trips(raw: dict[str, Any]) -> None:
+    parsed = parse_filter(raw)
+    assert isinstance(parsed, AttributeFilter)
+    canonical = parsed.to_json()
+    # The stored form re-parses to the same value, as a dict and as JSON text...
+    assert parse_filter(canonical) == parsed
+    assert parse_filter(json.dumps(canonical)) == parsed
+    # ...and is a fixed point, so saving a subscription twice never rewrites its filter.
+    assert parse_filter(canonical).to_json() == canonical  # type: ignore[union-attr]
+    assert json.loads(json.dumps(canonical)) == canonical
+
+
+@HYPOTHESIS
+@given(raw_filters(), st.randoms(use_true_random=False))
+def test_canonical_form_ignores_order(raw: dict[str, Any], rnd: random.Random) -> None:
+    # Deep copy: shuffling the nested lists in place would also reorder `raw` itself.
+    shuffled = copy.deepcopy(raw)
+    rnd.shuffle(shuffled["filters"])
+    for clause in shuffled["filters"]:
+        if "logic" in clause:
+            rnd.shuffle(clause["filters"])
+    assert parse_filter(shuffled) == parse_filter(raw)
+
+
+@HYPOTHESIS
+@given(raw_filters(), st.one_of(st.none(), attribute_maps))
+def test_matcher_agrees_with_reference(
+    raw: dict[str, Any], attributes: dict[str, str] | None
+) -> None:
+    parsed = parse_filter(raw)
+    assert parsed is not None
+    expected = reference_matches(raw, attributes)
+    assert parsed.matches(attributes) is expected
+    # Normalisation must not change meaning.
+    assert parse_filter(parsed.to_json()).matches(attributes) is expected  # type: ignore[union-attr]

@@ -1,0 +1,38 @@
+"""django-workqueue: a durable work queue for Django.
+
+The public API is imported lazily so that ``import workqueue`` never touches models before the
+app registry is ready.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BaseWorkHandler",
+    "FatalWorkError",
+    "Outcome",
+    "TransientWorkError",
+    "publish",
+    "publish_many",
+    "register_handler",
+]
+
+_EXPORTS = {
+    "publish": "workqueue.publishing",
+    "publish_many": "workqueue.publishing",
+    "BaseWorkHandler": "workqueue.runtime.handlers",
+    "register_handler": "workqueue.runtime.handlers",
+    "Outcome": "workqueue.runtime.outcome",
+    "FatalWorkError": "workqueue.runtime.outcome",
+    "TransientWorkError": "workqueue.runtime.outcome",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workqueue' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(module), name)

@@ -1,0 +1,84 @@
+"""The one reader of ``settings.WORKQUEUE`` and the ``WORKQUEUE_*`` environment overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from django.conf import settings
+
+from workqueue.exceptions import WorkQueueConfigurationError
+
+
+@dataclass(frozen=True, slots=True)
+class WorkQueueSettings:
+    #: Username or e-mail of an existing user that handlers, the sweeper and default publishes
+    #: run as. Required to run a host.
+    SYSTEM_USER: str = ""
+    #: What a host runs: [{"name": "<subscription or *>", "concurrency": N}, ...].
+    SUBSCRIPTIONS: tuple[dict[str, Any], ...] = ({"name": "*", "concurrency": 4},)
+    #: Idle back-off bounds between empty claims (milliseconds).
+    IDLE_POLL_MIN_MS: int = 250
+    IDLE_POLL_MAX_MS: int = 5000
+    #: How long a host waits for running handlers on shutdown before aborting them.
+    SHUTDOWN_DRAIN_MS: int = 8000
+    SWEEPER_ENABLED: bool = True
+    SWEEPER_INTERVAL_MS: int = 60000
+    #: How often a host re-reads topology (0: plan once at start).
+    RECONCILE_INTERVAL_MS: int = 30000
+    #: Extra modules holding handlers, besides each installed app's work_handlers.py.
+    HANDLER_MODULES: tuple[str, ...] = ()
+    #: The database alias whose queue tables the work queue uses.
+    DATABASE_ALIAS: str = "default"
+    #: Largest batch accepted by the REST publish endpoint.
+    PUBLISH_MAX_BATCH: int = 100
+
+
+_INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type == "int"}
+_BOOL_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type == "bool"}
+
+
+def _from_environment(key: str, raw: str) -> Any:
+    if key in _INT_KEYS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise WorkQueueConfigurationError(
+                f"WORKQUEUE_{key}={raw!r} is not an integer; set it to a number of milliseconds "
+                "or remove it."
+            ) from None
+    if key in _BOOL_KEYS:
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if key == "SUBSCRIPTIONS":
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise WorkQueueConfigurationError(
+                f"WORKQUEUE_SUBSCRIPTIONS must be JSON, e.g. "
+                f'\'[{{"name": "*", "concurrency": 4}}]\'; got {raw!r}.'
+            ) from None
+    if key == "HANDLER_MODULES":
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    return raw
+
+
+def get_settings() -> WorkQueueSettings:
+    """Read the settings now (cheap; call it where needed rather than caching it globally)."""
+    configured = dict(getattr(settings, "WORKQUEUE", {}) or {})
+    known = {f.name for f in fields(WorkQueueSettings)}
+    unknown = sorted(set(configured) - known)
+    if unknown:
+        raise WorkQueueConfigurationError(
+            f"Unknown WORKQUEUE setting(s) {', '.join(unknown)}; known settings are "
+            f"{', '.join(sorted(known))}."
+        )
+    for key in known:
+        raw = os.environ.get(f"WORKQUEUE_{key}")
+        if raw is not None:
+            configured[key] = _from_environment(key, raw)
+    for key in ("SUBSCRIPTIONS", "HANDLER_MODULES"):
+        if key in configured:
+            configured[key] = tuple(configured[key])
+    return WorkQueueSettings(**configured)

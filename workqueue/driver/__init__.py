@@ -1,0 +1,60 @@
+"""The driver layer: the ONLY place that reads a connection's vendor.
+
+``get_driver(alias)`` returns the driver for a database alias; every other module asks the
+driver's methods and ``features`` flags instead of naming a vendor.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from django.db import connections
+
+from workqueue.driver.base import BaseDriver
+from workqueue.exceptions import UnsupportedDatabaseError
+
+_DRIVER_CLASSES = {
+    "postgresql": "workqueue.driver.postgresql.PostgresDriver",
+    "microsoft": "workqueue.driver.sqlserver.SqlServerDriver",
+}
+_drivers: dict[str, BaseDriver] = {}
+_lock = threading.Lock()
+
+
+def driver_class_for_vendor(vendor: str) -> type[BaseDriver]:
+    from django.utils.module_loading import import_string
+
+    try:
+        path = _DRIVER_CLASSES[vendor]
+    except KeyError:
+        raise UnsupportedDatabaseError(
+            f"The work queue supports PostgreSQL and SQL Server; this database is '{vendor}'. "
+            "Point DATABASES (or DATABASE_URL) at PostgreSQL or SQL Server (mssql-django)."
+        ) from None
+    return import_string(path)
+
+
+def get_driver(alias: str = "default") -> BaseDriver:
+    """Return the (cached, thread-safe) driver for database ``alias``."""
+    driver = _drivers.get(alias)
+    if driver is None:
+        with _lock:
+            driver = _drivers.get(alias)
+            if driver is None:
+                cls = driver_class_for_vendor(connections[alias].vendor)
+                driver = _drivers[alias] = cls(alias)
+    return driver
+
+
+def binary_collation(connection: Any) -> str:
+    """The collation that makes keys compare byte for byte on ``connection``'s vendor."""
+    return driver_class_for_vendor(connection.vendor).features.binary_collation
+
+
+def driver_for_connection(connection: Any) -> BaseDriver:
+    """The driver for an open Django connection (used by migrations, which get one)."""
+    return get_driver(connection.alias)
+
+
+__all__ = ["BaseDriver", "binary_collation", "driver_for_connection", "get_driver"]

@@ -1,0 +1,218 @@
+"""The narrow driver interface every vendor implements.
+
+A driver renders a registered procedure's call for its vendor, runs it on the right connection
+and turns rows into plain Python values; database errors leave it as ``DriverError`` subclasses.
+It knows nothing about models, the runtime or operators.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from workqueue.driver.procedures import Param, ParamType, Procedure, get_procedure
+from workqueue.exceptions import DriverError
+
+
+@dataclass(frozen=True, slots=True)
+class DriverFeatures:
+    """What a vendor can do; callers ask these flags instead of naming the vendor."""
+
+    #: Publishes announce themselves so consumers can wake without polling.
+    supports_listen_notify: bool
+    #: Collation under which partition and deduplication keys compare byte for byte.
+    binary_collation: str
+
+
+Row = dict[str, Any]
+
+
+class BaseDriver:
+    """Runs ``wq_*`` procedures for one database alias."""
+
+    features: DriverFeatures
+    vendor_label: str
+    #: Folder under ``workqueue/sql`` holding this vendor's procedure files.
+    sql_directory: str
+
+    def __init__(self, alias: str = "default") -> None:
+        self.alias = alias
+        self._local = threading.local()
+
+    # -- rendering and errors: the vendor-specific part ------------------------------------
+
+    def render_call(self, procedure: Procedure) -> str:
+        """Return the SQL that calls ``procedure`` with one placeholder per parameter."""
+        raise NotImplementedError
+
+    def translate_error(self, error: DatabaseError) -> DriverError:
+        """Map a database error to the app's own error class, keeping it as ``__cause__``."""
+        raise NotImplementedError
+
+    def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        """Create or replace every procedure on ``connection`` (inside a migration), and drop
+        ``wq_*`` procedures that the current files no longer declare."""
+        raise NotImplementedError
+
+    def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        """Drop every ``wq_*`` procedure (reversing the first procedure migration)."""
+        raise NotImplementedError
+
+    def grant_runtime_statements(self, role: str) -> list[str]:
+        """Statements giving ``role`` EXECUTE on the procedures and SELECT on the tables."""
+        raise NotImplementedError
+
+    def grant_scaler_statements(self, role: str) -> list[str]:
+        """Statements giving an autoscaler login SELECT on the tables its query reads."""
+        raise NotImplementedError
+
+    def scaler_query(self) -> str:
+        """SQL an autoscaler runs (parameter: subscription name) to size its workers."""
+        raise NotImplementedError
+
+    def listen(self, channels: list[str]) -> Any:
+        """Open a connection listening on ``channels`` (see ``supports_listen_notify``)."""
+        raise NotImplementedError(f"{self.vendor_label} has no LISTEN/NOTIFY")
+
+    def topic_channel(self, topic_id: str) -> str:
+        """The notification channel a publish to ``topic_id`` is announced on."""
+        return "wq_" + str(topic_id).replace("-", "").lower()
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _private_connection(self) -> BaseDatabaseWrapper:
+        """This thread's own autocommit connection: never the caller's transaction."""
+        conn = getattr(self._local, "connection", None)
+        if conn is None:
+            conn = connections.create_connection(self.alias)
+            self._local.connection = conn
+        return conn
+
+    def close(self) -> None:
+        """Close this thread's private connection (the next call opens a new one)."""
+        conn = getattr(self._local, "connection", None)
+        if conn is not None:
+            self._local.connection = None
+            conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[BaseDatabaseWrapper]:
+        """Run several calls in one transaction on this thread's private connection."""
+        conn = self._private_connection()
+        try:
+            conn.ensure_connection()
+            conn.set_autocommit(False)
+            try:
+                yield conn
+                conn.commit()
+            except BaseException:
+                conn.rollback()
+                raise
+            finally:
+                conn.set_autocommit(True)
+        except DatabaseError as exc:
+            self._discard_if_broken(conn)
+            raise self.translate_error(exc) from exc
+
+    def _discard_if_broken(self, conn: BaseDatabaseWrapper) -> None:
+        try:
+            broken = conn.connection is None or not conn.is_usable()
+        except Exception:
+            broken = True
+        if broken:
+            self.close()
+
+    # -- calling ---------------------------------------------------------------------------
+
+    def call(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+    ) -> list[Row]:
+        """Call procedure ``name`` and return its rows as dicts of decoded values.
+
+        Runs on this thread's private autocommit connection unless ``connection`` is given (an
+        enlisted publish passes the caller's, so the write joins the caller's transaction).
+        Missing parameters are passed as NULL; unknown ones are a programming error.
+        """
+        procedure = get_procedure(name)
+        params = dict(params or {})
+        unknown = set(params) - set(procedure.param_names)
+        if unknown:
+            raise TypeError(f"{name} has no parameter(s) {sorted(unknown)}")
+        values = [self.adapt(p, params.get(p.name)) for p in procedure.params]
+        sql = self.render_call(procedure)
+        conn = connection if connection is not None else self._private_connection()
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(sql, values)
+                rows = cursor.fetchall() if cursor.description else []
+        except DatabaseError as exc:
+            if connection is None:
+                self._discard_if_broken(conn)
+            raise self.translate_error(exc) from exc
+        return [self.decode_row(procedure, row) for row in rows]
+
+    def call_one(self, name: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Row:
+        rows = self.call(name, params, **kw)
+        if len(rows) != 1:
+            raise DriverError(f"{name} returned {len(rows)} rows where one was expected")
+        return rows[0]
+
+    def call_rowcount(self, name: str, params: Mapping[str, Any] | None = None) -> int:
+        return int(self.call_one(name, params)["affected_rows"])
+
+    # -- values ----------------------------------------------------------------------------
+
+    def adapt(self, param: Param, value: Any) -> Any:
+        """Turn a Python value into what the vendor's placeholder expects."""
+        if value is None:
+            return None
+        if param.type is ParamType.JSON:
+            return value if isinstance(value, str) else canonical_json(value)
+        if param.type is ParamType.UUID:
+            return str(uuid.UUID(str(value)))
+        if param.type is ParamType.INT:
+            return int(value)
+        if param.type is ParamType.BOOL:
+            return bool(value)
+        return str(value)
+
+    def decode_row(self, procedure: Procedure, row: tuple[Any, ...]) -> Row:
+        return {
+            column.name: decode_value(column.type, value)
+            for column, value in zip(procedure.columns, row, strict=True)
+        }
+
+
+def canonical_json(value: Any) -> str:
+    """Serialise JSON with sorted keys and no spaces, so equal values give equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def decode_value(kind: ParamType, value: Any) -> Any:
+    """Decode one result value; UUIDs come back as lower-case strings whatever the vendor."""
+    if value is None:
+        return None
+    if kind is ParamType.UUID:
+        return str(value).lower()
+    if kind is ParamType.JSON:
+        return json.loads(value) if isinstance(value, str | bytes) else value
+    if kind is ParamType.INT:
+        return int(value)
+    if kind is ParamType.BOOL:
+        return bool(value)
+    if kind is ParamType.TIMESTAMP and isinstance(value, dt.datetime) and value.tzinfo is None:
+        return value.replace(tzinfo=dt.UTC)
+    return value

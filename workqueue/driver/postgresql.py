@@ -1,0 +1,146 @@
+"""PostgreSQL: PL/pgSQL functions called with named arguments, SQLSTATE error mapping and
+LISTEN/NOTIFY wake-ups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import DatabaseError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from workqueue.driver.base import BaseDriver, DriverFeatures
+from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
+from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.sql import load_procedures
+
+_CASTS = {
+    ParamType.UUID: "uuid",
+    ParamType.TEXT: "text",
+    ParamType.INT: "integer",
+    ParamType.BOOL: "boolean",
+    ParamType.JSON: "jsonb",
+    ParamType.TIMESTAMP: "timestamptz",
+}
+
+# deadlock, serialization failure, lock timeout, and the connection-exception class.
+_TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
+
+
+def _quote_identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+# Every wq_* function in the current schema, as "name(argument types)".
+_LIST_FUNCTIONS = """
+    SELECT p.oid::regprocedure::text, p.xmin = pg_current_xact_id()::xid
+      FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+     WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
+"""
+
+
+class PostgresDriver(BaseDriver):
+    vendor_label = "PostgreSQL"
+    sql_directory = "postgresql"
+    features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
+
+    def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        with connection.cursor() as cursor:
+            # SECURITY DEFINER functions pin search_path FROM CURRENT: the schema the tables
+            # were migrated into, then pg_temp last so temporary objects cannot shadow them.
+            cursor.execute(
+                "SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', "
+                "true)"
+            )
+            for _name, text in load_procedures(self.sql_directory):
+                cursor.execute(text)
+            # CREATE OR REPLACE rewrites a function's catalogue row in this transaction, so a
+            # row with an older xmin belongs to a function the current files no longer declare.
+            cursor.execute(_LIST_FUNCTIONS)
+            stale = [signature for signature, current in cursor.fetchall() if not current]
+            for signature in stale:
+                cursor.execute(f"DROP FUNCTION {signature}")
+
+    def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(_LIST_FUNCTIONS)
+            for signature, _current in cursor.fetchall():
+                cursor.execute(f"DROP FUNCTION IF EXISTS {signature} CASCADE")
+            cursor.execute("DROP SEQUENCE IF EXISTS wq_publish_ordinal_seq")
+
+    def render_call(self, procedure: Procedure) -> str:
+        # Named arguments with explicit casts: the call cannot bind to the wrong parameter, and
+        # an untyped NULL still resolves to the one function of that name.
+        args = ", ".join(f"p_{p.name} => %s::{_CASTS[p.type]}" for p in procedure.params)
+        return f"SELECT {', '.join(procedure.column_names)} FROM {procedure.name}({args})"
+
+    def translate_error(self, error: DatabaseError) -> DriverError:
+        cause = error.__cause__ or error
+        sqlstate = getattr(cause, "sqlstate", None)
+        message = str(cause).strip()
+        if sqlstate == "23505":
+            return UniqueViolationError(message)
+        if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
+            return TransientDriverError(message)
+        if sqlstate is None:
+            # No SQLSTATE at all: the connection itself failed (closed, reset, timed out).
+            return TransientDriverError(message or "lost the database connection")
+        return DriverError(message)
+
+    def grant_runtime_statements(self, role: str) -> list[str]:
+        quoted = _quote_identifier(role)
+        statements = [
+            f"GRANT SELECT ON workqueue_transport, workqueue_topic, workqueue_subscription, "
+            f"workqueue_message, workqueue_delivery, workqueue_deduplication TO {quoted}",
+            f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON workqueue_message, workqueue_delivery, "
+            f"workqueue_deduplication FROM {quoted}",
+        ]
+        statements += [
+            f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}" for name in sorted(PROCEDURES)
+        ]
+        return statements
+
+    def grant_scaler_statements(self, role: str) -> list[str]:
+        quoted = _quote_identifier(role)
+        return [f"GRANT SELECT ON workqueue_subscription, workqueue_delivery TO {quoted}"]
+
+    def scaler_query(self) -> str:
+        return SCALER_QUERY
+
+    def listen(self, channels: list[str]) -> Any:
+        import psycopg
+        from django.db import connections
+
+        params = connections[self.alias].get_connection_params()
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        conn = psycopg.connect(autocommit=True, **params)
+        for channel in channels:
+            conn.execute(f"LISTEN {_quote_identifier(channel)}")
+        return conn
+
+
+# Claimable now (keyless visible Pending rows, plus one per key that could be claimed) plus
+# InFlight rows, for one subscription by name, capped at 1000. Reads two tables only.
+SCALER_QUERY = """\
+WITH s AS (
+    SELECT id, partition_mode, status FROM workqueue_subscription WHERE name = lower(%(name)s)
+), ready AS (
+    SELECT d.partition_key FROM workqueue_delivery d, s
+     WHERE d.subscription_id = s.id AND s.status = 'Active' AND d.status = 'Pending'
+       AND d.visible_at <= now()
+       AND (d.partition_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM workqueue_delivery f WHERE f.subscription_id = s.id
+               AND f.partition_key = d.partition_key AND f.status = 'InFlight'))
+       AND (s.partition_mode <> 'Ordered' OR d.partition_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM workqueue_delivery h WHERE h.subscription_id = s.id
+               AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+               AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
+     LIMIT 1000
+)
+SELECT LEAST(1000,
+    (SELECT count(*) FROM ready WHERE partition_key IS NULL)
+  + (SELECT count(DISTINCT partition_key) FROM ready)
+  + (SELECT count(*) FROM (SELECT 1 FROM workqueue_delivery d, s
+      WHERE d.subscription_id = s.id AND d.status = 'InFlight' LIMIT 1000) AS held)
+) AS desired_workers
+"""

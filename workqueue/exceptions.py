@@ -1,0 +1,42 @@
+"""The work queue's error hierarchy.
+
+Expected outcomes (a duplicate publish, a stale lease token, a row that is not there) are result
+values, not exceptions: the procedures decide them by affected-row count. Exceptions are for
+configuration mistakes, bad input and database failures.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+class WorkQueueError(Exception):
+    """Base class of every error the work queue raises on purpose."""
+
+
+class WorkQueueConfigurationError(WorkQueueError, ImproperlyConfigured):
+    """The work queue is configured in a way it cannot run with; the message names the fix."""
+
+
+class InvalidInputError(WorkQueueError, ValueError):
+    """An operator or API input failed validation before any database work was done."""
+
+
+class DriverOwnedWriteError(WorkQueueError):
+    """An ORM write was attempted on a table that only the stored procedures may change."""
+
+
+class DriverError(WorkQueueError):
+    """A database call made by the driver failed; the library's error is kept as ``__cause__``."""
+
+
+class TransientDriverError(DriverError):
+    """A failure worth retrying: deadlock, serialization failure, lock timeout, lost connection."""
+
+
+class UniqueViolationError(DriverError):
+    """A unique constraint rejected a write (for example a lost race for a partition key)."""
+
+
+class UnsupportedDatabaseError(WorkQueueConfigurationError):
+    """The configured database vendor has no work-queue driver."""

@@ -1,0 +1,848 @@
+"""The embedded default database: a private PostgreSQL cluster owned by the project.
+
+When ``DATABASE_URL`` is unset, the project's settings call :func:`ensure_running`, which starts
+(or reuses) one cluster per folder and returns its URL. Guarantees:
+
+* **One server per folder.** An ``fcntl.flock`` on ``<folder>/lock`` serialises every start and
+  stop, so any number of concurrent processes (pytest-xdist workers, subprocess hosts) start the
+  cluster once and all get the same URL.
+* **Cheap when running.** The fast path reads two small files and two ``/proc`` entries (well
+  under a millisecond); it runs no subprocess, opens no connection and takes no lock.
+* **Self-healing.** A stale ``postmaster.pid`` (killed or crashed server, a zombie postmaster), a
+  deleted socket folder (``/tmp`` cleaned) or a half-finished ``initdb`` lead to a clean restart.
+  Before a new server starts on an existing data folder, the old server's shared memory must no
+  longer be attached by any process, which is PostgreSQL's own interlock against two servers.
+* **Durable.** ``fsync`` and ``synchronous_commit`` keep PostgreSQL's defaults.
+
+URL: ``postgres://USER@127.0.0.1:PORT/workqueue`` (TCP on loopback, trust authentication, no
+password). The port is ephemeral, chosen at start and kept across restarts when it is still free.
+The server also listens on a unix socket in a private ``/tmp/wq-pg-*`` folder (mode 0700).
+Trust authentication means any local account that can reach the loopback port may connect as the
+superuser: this is a development database; point ``DATABASE_URL`` at a real server for anything
+shared.
+
+Folder (:func:`data_dir`): ``$WORKQUEUE_LOCALDB_DIR`` if set; otherwise
+``$XDG_DATA_HOME/django-workqueue/pg`` (default ``~/.local/share/django-workqueue/pg``); as root
+without ``XDG_DATA_HOME``, ``/var/lib/django-workqueue/pg``, because the server then runs as the
+``postgres`` OS user (``initdb`` and ``postgres`` refuse root) and ``/root`` is private. The folder
+holds ``data/`` (the cluster), ``server.log``, ``state.json`` and ``lock``.
+
+Server binaries are looked up in ``$WORKQUEUE_LOCALDB_BINDIR``, ``pg_config --bindir``,
+``/usr/lib/postgresql/*/bin`` (newest first), ``/usr/local/pgsql/bin`` and ``PATH``; an existing
+cluster is always started with binaries of its own major version.
+
+Command line, without Django settings:
+``python -m workqueue.localdb start|stop|url|path|destroy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from django.core.exceptions import ImproperlyConfigured
+
+DATABASE_NAME = "workqueue"
+MAX_CONNECTIONS = 200
+
+_STATE_FILE = "state.json"
+_LOCK_FILE = "lock"
+_LOG_FILE = "server.log"
+_INITDB_DONE = "initdb.done"
+_LOG_ROTATE_BYTES = 16 * 1024 * 1024
+_LOCK_TIMEOUT_S = 180.0
+_START_TIMEOUT_S = 60
+_STOP_TIMEOUT_S = 60.0
+_SHMEM_RELEASE_TIMEOUT_S = 30.0
+_PORT_ATTEMPTS = 5
+_SERVER_ACCOUNT_AS_ROOT = "postgres"
+_INSTALL_HINT = (
+    "Install the PostgreSQL server (Debian/Ubuntu: `apt-get install postgresql`; macOS: "
+    "`brew install postgresql`), or set DATABASE_URL to use an existing database "
+    "(WORKQUEUE_LOCALDB_BINDIR may name the folder holding initdb, pg_ctl and postgres)."
+)
+
+
+class LocalDBError(ImproperlyConfigured):
+    """The embedded database could not be found, initialised, started or stopped.
+
+    A subclass of ``ImproperlyConfigured`` so that settings-time failures read like any other
+    configuration problem; the message says what to do and includes the server log's tail.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def data_dir() -> Path:
+    """Return the cluster's folder (see the module docstring); it may not exist yet."""
+    override = os.environ.get("WORKQUEUE_LOCALDB_DIR")
+    if override:
+        return Path(os.path.abspath(os.path.expanduser(override)))
+    xdg = os.environ.get("XDG_DATA_HOME")
+    if xdg:
+        return Path(os.path.abspath(xdg)) / "django-workqueue" / "pg"
+    if os.geteuid() == 0:
+        return Path("/var/lib/django-workqueue/pg")
+    return Path.home() / ".local" / "share" / "django-workqueue" / "pg"
+
+
+def url() -> str | None:
+    """Return the URL if this folder's server is running and accepting connections, else None.
+
+    Runs no subprocess and takes no lock. A URL is only returned once the ``workqueue`` database
+    exists (the state file is written after it is created).
+    """
+    base = data_dir()
+    try:
+        state = json.loads((base / _STATE_FILE).read_text())
+        pid, start, port, db_url = state["pid"], state["start"], state["port"], state["url"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    pgdata = base / "data"
+    pm = _read_pidfile(pgdata)
+    if pm is None or (pm.pid, pm.start, pm.port) != (pid, start, port) or pm.status != "ready":
+        return None
+    # A live, non-zombie process whose command line names this data folder: the postmaster
+    # itself, not a process that reused its pid. (No TCP probe: each one forks a backend.)
+    if not _process_alive(pid) or not _is_postmaster_of(pid, pgdata):
+        return None
+    return str(db_url)
+
+
+def ensure_running() -> str:
+    """Start this folder's cluster unless it is running, and return its database URL.
+
+    Guarantees on return: the server accepts TCP connections on the URL's port and the
+    ``workqueue`` database exists. Concurrent callers (threads or processes) start it once.
+    Raises :class:`LocalDBError` (an ``ImproperlyConfigured``) when it cannot.
+    """
+    current = url()
+    if current is not None:
+        return current
+    base = data_dir()
+    account = _server_account()
+    _prepare_folder(base, account)
+    with _locked(base):
+        # Another process may have finished starting it while we waited for the lock.
+        current = url()
+        if current is not None:
+            return current
+        return _start(base, account)
+
+
+def stop() -> None:
+    """Stop this folder's server (fast shutdown) if it runs; a no-op otherwise.
+
+    On return no server runs on the folder. Needs no PostgreSQL binaries (it signals the
+    postmaster directly).
+    """
+    base = data_dir()
+    if not base.is_dir():
+        return
+    with _locked(base):
+        # state.json stays: it no longer matches postmaster.pid (url() returns None as soon as
+        # the server reports "stopping"), and it remembers the port for the next start.
+        _stop_postmaster(base / "data")
+
+
+def destroy() -> None:
+    """Stop the server and delete the folder (all data) and its socket folder."""
+    base = data_dir()
+    stop()
+    shutil.rmtree(_socket_dir(base), ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server account and folders
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Account:
+    """The OS account the server runs as; ``switch`` when it differs from the caller (root)."""
+
+    name: str
+    uid: int
+    gid: int
+    switch: bool
+
+
+def _server_account() -> _Account:
+    if os.geteuid() != 0:
+        uid = os.geteuid()
+        try:
+            name = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            # Containers may run with an uid that has no passwd entry; initdb gets -U anyway.
+            name = os.environ.get("USER") or "workqueue"
+        return _Account(name=name, uid=uid, gid=os.getegid(), switch=False)
+    try:
+        entry = pwd.getpwnam(_SERVER_ACCOUNT_AS_ROOT)
+    except KeyError:
+        _create_postgres_account()
+        entry = pwd.getpwnam(_SERVER_ACCOUNT_AS_ROOT)
+    return _Account(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, switch=True)
+
+
+def _create_postgres_account() -> None:
+    import grp
+
+    try:
+        grp.getgrnam(_SERVER_ACCOUNT_AS_ROOT)
+        group_args = ["-g", _SERVER_ACCOUNT_AS_ROOT]
+    except KeyError:
+        group_args = ["--user-group"]
+    cmd = [
+        "useradd",
+        "--system",
+        *group_args,
+        "--no-create-home",
+        "--home-dir",
+        "/nonexistent",
+        "--shell",
+        "/usr/sbin/nologin",
+        _SERVER_ACCOUNT_AS_ROOT,
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        proc = None
+        detail = str(exc)
+    else:
+        detail = (proc.stdout + proc.stderr).strip()
+    if proc is None or proc.returncode != 0:
+        raise LocalDBError(
+            "Running as root, the embedded PostgreSQL must run as the 'postgres' OS user "
+            f"(initdb refuses root), and creating it failed: {' '.join(cmd)}: {detail}"
+        )
+
+
+def _socket_dir(base: Path) -> Path:
+    # Unix socket paths are limited to 107 bytes and the server account must reach the folder,
+    # so it lives directly in /tmp under a short name derived from the owner and data folder.
+    digest = hashlib.sha256(f"{os.geteuid()}:{base}".encode()).hexdigest()[:16]
+    return Path("/tmp") / f"wq-pg-{digest}"
+
+
+def _prepare_folder(base: Path, account: _Account) -> None:
+    missing = [p for p in (base, *base.parents) if not p.exists()]
+    try:
+        for folder in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir()
+            if account.switch and folder != base:
+                # Folders we create on the way must be searchable by the server account even
+                # under a strict umask.
+                os.chmod(folder, 0o755)
+    except OSError as exc:
+        raise LocalDBError(f"Cannot create the embedded database folder {base}: {exc}") from exc
+    if account.switch:
+        _check_reachable(base, account)
+        st = base.stat()
+        if st.st_uid != account.uid:
+            os.chown(base, account.uid, account.gid)
+    os.chmod(base, 0o700)
+
+
+def _check_reachable(base: Path, account: _Account) -> None:
+    """Raise unless ``account`` can search every ancestor of ``base`` (root's home is 0700)."""
+    groups = set(os.getgrouplist(account.name, account.gid))
+    for parent in reversed(base.parents):
+        st = parent.stat()
+        if st.st_uid == account.uid:
+            ok = bool(st.st_mode & 0o100)
+        elif st.st_gid in groups:
+            ok = bool(st.st_mode & 0o010)
+        else:
+            ok = bool(st.st_mode & 0o001)
+        if not ok:
+            raise LocalDBError(
+                f"The embedded PostgreSQL runs as the OS user {account.name!r} (initdb refuses "
+                f"root), which cannot reach {base} because {parent} is not searchable by it. "
+                "Set WORKQUEUE_LOCALDB_DIR to a folder outside private home directories "
+                "(e.g. /var/lib/django-workqueue/pg), or set DATABASE_URL."
+            )
+
+
+def _prepare_socket_dir(base: Path, account: _Account) -> Path:
+    path = _socket_dir(base)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    is_dir = (st.st_mode & 0o170000) == 0o040000
+    if not is_dir or (st.st_uid not in (account.uid, os.geteuid())):
+        # Someone else's file at our name: never use it (it could redirect the socket).
+        raise LocalDBError(
+            f"{path} exists but is not a folder owned by this user; remove it and retry."
+        )
+    if account.switch and st.st_uid != account.uid:
+        os.chown(path, account.uid, account.gid)
+    os.chmod(path, 0o700)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(base: Path) -> Iterator[None]:
+    fd = os.open(base / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + _LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # Polling (not a blocking flock) so a stuck holder becomes a clear error.
+                if time.monotonic() > deadline:
+                    raise LocalDBError(
+                        f"Another process has held {base / _LOCK_FILE} for over "
+                        f"{_LOCK_TIMEOUT_S:.0f}s while starting or stopping the embedded "
+                        "PostgreSQL; see its server.log."
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspecting a server: postmaster.pid, /proc, shared memory
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Postmaster:
+    pid: int
+    start: str
+    port: int
+    status: str
+    shmid: int | None
+
+
+def _read_pidfile(pgdata: Path) -> _Postmaster | None:
+    """Parse ``postmaster.pid`` (pid, data dir, start time, port, socket dir, host, shm, status)."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        pid = int(lines[0])
+        start = lines[2].strip()
+        port = int(lines[3])
+    except (OSError, ValueError, IndexError):
+        return None
+    shmid = None
+    if len(lines) > 6:
+        parts = lines[6].split()
+        if len(parts) == 2 and parts[1].isdigit():
+            shmid = int(parts[1])
+    status = lines[7].strip() if len(lines) > 7 else ""
+    return _Postmaster(pid=pid, start=start, port=port, status=status, shmid=shmid)
+
+
+def _process_alive(pid: int) -> bool:
+    """True if ``pid`` runs; zombies count as dead (this machine's init may never reap them)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        if not os.path.isdir("/proc/self"):
+            return _signal_alive(pid)
+        return False
+    except OSError:
+        return _signal_alive(pid)
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X", b"x")
+
+
+def _signal_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_postmaster_of(pid: int, pgdata: Path) -> bool:
+    """True unless ``/proc`` shows ``pid`` is something other than a postmaster on ``pgdata``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            args = fh.read().split(b"\0")
+    except OSError:
+        return True  # cannot tell: assume it is, which errs on the safe side
+    return os.fsencode(str(pgdata)) in args
+
+
+def _shmem_attached(shmid: int | None) -> bool:
+    """True while any process is attached to the old server's SysV segment.
+
+    PostgreSQL itself refuses to start while the previous server's segment is attached; checking
+    it here lets us remove a stale ``postmaster.pid`` (e.g. naming a zombie) without losing that
+    protection against two servers on one data folder.
+    """
+    if shmid is None:
+        return False
+    try:
+        rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    for row in rows:
+        cols = row.split()
+        if len(cols) > 6 and cols[1] == str(shmid):
+            return int(cols[6]) > 0
+    return False
+
+
+def _port_accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Binaries
+# ---------------------------------------------------------------------------------------------
+
+_SERVER_PROGRAMS = ("initdb", "pg_ctl", "postgres")
+
+
+def _has_server_programs(bindir: Path) -> bool:
+    return all(os.access(bindir / prog, os.X_OK) for prog in _SERVER_PROGRAMS)
+
+
+def _candidate_bindirs() -> list[Path]:
+    found: list[Path] = []
+
+    def add(path: Path | str | None) -> None:
+        if path:
+            p = Path(path)
+            if p not in found and _has_server_programs(p):
+                found.append(p)
+
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"],
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                timeout=30,
+            )
+            if out.returncode == 0:
+                add(out.stdout.strip())
+
+    def version_key(p: Path) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", p.parent.name))
+
+    for p in sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=version_key, reverse=True):
+        add(p)
+    add("/usr/local/pgsql/bin")
+    initdb = shutil.which("initdb")
+    if initdb:
+        add(Path(os.path.realpath(initdb)).parent)
+    return found
+
+
+def _major_version(bindir: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            [str(bindir / "postgres"), "--version"],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\)\s*(\d+)(?:\.(\d+))?", out)
+    if not match:
+        return None
+    major = int(match.group(1))
+    # Before PostgreSQL 10 the major version had two parts (9.6).
+    return str(major) if major >= 10 else f"{major}.{match.group(2)}"
+
+
+def _find_bindir(wanted: str | None) -> Path:
+    """Binaries to use; ``wanted`` is the existing cluster's major version (PG_VERSION)."""
+    override = os.environ.get("WORKQUEUE_LOCALDB_BINDIR")
+    if override:
+        if not _has_server_programs(Path(override)):
+            raise LocalDBError(
+                f"WORKQUEUE_LOCALDB_BINDIR={override} does not contain initdb, pg_ctl and "
+                f"postgres. {_INSTALL_HINT}"
+            )
+        candidates = [Path(override)]
+    else:
+        candidates = _candidate_bindirs()
+    if not candidates:
+        raise LocalDBError(
+            "No PostgreSQL server binaries (initdb, pg_ctl, postgres) were found for the embedded "
+            f"database. {_INSTALL_HINT}"
+        )
+    if wanted is None:
+        return candidates[0]
+    for bindir in candidates:
+        if _major_version(bindir) == wanted:
+            return bindir
+    raise LocalDBError(
+        f"The embedded cluster in {data_dir()} was created by PostgreSQL {wanted}, but only other "
+        f"versions were found ({', '.join(map(str, candidates))}). Install PostgreSQL {wanted}, "
+        "or delete the cluster and its data with `make clean-db` (or "
+        "`python -m workqueue.localdb destroy`)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting and stopping
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_as(
+    account: _Account, cmd: list[str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # English messages from the server tools; keep libpq variables from redirecting them.
+    env["LC_ALL"] = "C"
+    for key in ("PGDATA", "PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGOPTIONS"):
+        env.pop(key, None)
+    extra: dict[str, object] = {}
+    if account.switch:
+        env["HOME"] = str(cwd)
+        env["USER"] = env["LOGNAME"] = account.name
+        extra = {"user": account.uid, "group": account.gid, "extra_groups": []}
+    try:
+        return subprocess.run(
+            cmd,
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            **extra,  # type: ignore[arg-type]
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise LocalDBError(f"{' '.join(cmd)} did not finish within {timeout:.0f}s") from exc
+    except OSError as exc:
+        raise LocalDBError(f"Cannot run {cmd[0]}: {exc}. {_INSTALL_HINT}") from exc
+
+
+def _log_tail(base: Path, lines: int = 30) -> str:
+    try:
+        text = (base / _LOG_FILE).read_text(errors="replace")
+    except OSError:
+        return "(no server log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(server log is empty)"
+
+
+def _initialised_version(base: Path, pgdata: Path) -> str | None:
+    """The cluster's major version, or None when there is no completed initdb."""
+    if not (base / _INITDB_DONE).exists():
+        return None
+    try:
+        return (pgdata / "PG_VERSION").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
+    # Called without a completed initdb: nothing there, or an initdb that was interrupted.
+    # No server runs on it (the caller made sure), so start from scratch.
+    (base / _INITDB_DONE).unlink(missing_ok=True)
+    shutil.rmtree(pgdata, ignore_errors=True)
+    cmd = [
+        str(bindir / "initdb"),
+        "-D",
+        str(pgdata),
+        "--auth=trust",
+        "-E",
+        "UTF8",
+        "--no-locale",
+        "-U",
+        account.name,
+    ]
+    proc = _run_as(account, cmd, cwd=base, timeout=300)
+    if proc.returncode != 0:
+        raise LocalDBError(
+            f"initdb failed for the embedded database in {pgdata} (exit {proc.returncode}):\n"
+            f"{(proc.stdout + proc.stderr).strip()}"
+        )
+    (base / _INITDB_DONE).write_text(f"{bindir}\n")
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _stop_postmaster(pgdata: Path) -> None:
+    pm = _read_pidfile(pgdata)
+    if pm is None or not _process_alive(pm.pid) or not _is_postmaster_of(pm.pid, pgdata):
+        return
+
+    def gone() -> bool:
+        return not _process_alive(pm.pid)
+
+    # SIGINT is PostgreSQL's "fast" shutdown; SIGQUIT its "immediate" one (crash recovery next).
+    for sig, timeout in ((signal.SIGINT, _STOP_TIMEOUT_S), (signal.SIGQUIT, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pm.pid, sig)
+        if _wait_until(gone, timeout):
+            return
+    raise LocalDBError(f"The embedded PostgreSQL (pid {pm.pid}) did not stop.")
+
+
+def _clear_stale_server(pgdata: Path, sockdir: Path) -> None:
+    """Make sure no server runs on ``pgdata`` and no stale lock file blocks a new one."""
+    pm = _read_pidfile(pgdata)
+    if pm is None:
+        return
+    if _process_alive(pm.pid) and _is_postmaster_of(pm.pid, pgdata):
+        # A live server we cannot use (not ready, or its port does not answer): stop it.
+        _stop_postmaster(pgdata)
+    # The postmaster is gone (maybe a zombie whose pid PostgreSQL would still consider alive);
+    # its children exit on their own once they notice. Wait for them to detach.
+    if not _wait_until(lambda: not _shmem_attached(pm.shmid), _SHMEM_RELEASE_TIMEOUT_S):
+        raise LocalDBError(
+            f"Processes of a previous PostgreSQL server on {pgdata} are still running "
+            f"(shared memory segment {pm.shmid} is attached); stop them and retry."
+        )
+    with contextlib.suppress(FileNotFoundError):
+        (pgdata / "postmaster.pid").unlink()
+    # Socket lock files in our private socket folder name the dead pid, too.
+    for leftover in sockdir.glob(".s.PGSQL.*"):
+        with contextlib.suppress(FileNotFoundError):
+            leftover.unlink()
+
+
+def _adopt_running(pgdata: Path) -> _Postmaster | None:
+    """A ready, answering server on ``pgdata`` (e.g. state file lost): use it as it is."""
+    pm = _read_pidfile(pgdata)
+    if pm is None or not _process_alive(pm.pid) or not _is_postmaster_of(pm.pid, pgdata):
+        return None
+    if pm.status == "starting":
+        pid = pm.pid
+        _wait_until(
+            lambda: (
+                (cur := _read_pidfile(pgdata)) is None
+                or cur.status != "starting"
+                or not _process_alive(pid)
+            ),
+            _START_TIMEOUT_S,
+        )
+        pm = _read_pidfile(pgdata)
+        if pm is None or not _process_alive(pm.pid):
+            return None
+    if pm.status == "ready" and _port_accepts(pm.port):
+        return pm
+    return None
+
+
+def _rotate_log(base: Path) -> None:
+    log = base / _LOG_FILE
+    with contextlib.suppress(OSError):
+        if log.stat().st_size > _LOG_ROTATE_BYTES:
+            os.replace(log, base / f"{_LOG_FILE}.1")
+
+
+def _previous_port(base: Path) -> int | None:
+    try:
+        return int(json.loads((base / _STATE_FILE).read_text())["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _start_postmaster(
+    base: Path, pgdata: Path, bindir: Path, account: _Account, sockdir: Path
+) -> _Postmaster:
+    _rotate_log(base)
+    # Keep the previous port when it is free, so processes holding the old URL reconnect.
+    previous = _previous_port(base)
+    ports = [previous] if previous and _port_free(previous) else []
+    failures: list[str] = []
+    for attempt in range(_PORT_ATTEMPTS):
+        port = ports[attempt] if attempt < len(ports) else _ephemeral_port()
+        options = (
+            f"-c listen_addresses=127.0.0.1 -c port={port} "
+            f"-c unix_socket_directories='{sockdir}' -c max_connections={MAX_CONNECTIONS}"
+        )
+        cmd = [
+            str(bindir / "pg_ctl"),
+            "start",
+            "-D",
+            str(pgdata),
+            "-l",
+            str(base / _LOG_FILE),
+            "-w",
+            "-t",
+            str(_START_TIMEOUT_S),
+            "-o",
+            options,
+        ]
+        log_size = _file_size(base / _LOG_FILE)
+        proc = _run_as(account, cmd, cwd=base, timeout=_START_TIMEOUT_S + 30)
+        pm = _read_pidfile(pgdata)
+        if proc.returncode == 0 and pm is not None and pm.status == "ready":
+            return pm
+        new_log = _read_from(base / _LOG_FILE, log_size)
+        failures.append((proc.stdout + proc.stderr).strip())
+        # Another process took the port between choosing and binding it: pick another one.
+        if "could not bind" in new_log or ".s.PGSQL." in new_log:
+            _stop_postmaster(pgdata)
+            continue
+        break
+    raise LocalDBError(
+        f"The embedded PostgreSQL in {pgdata} did not start.\n"
+        f"pg_ctl: {failures[-1] if failures else ''}\n"
+        f"Last lines of {base / _LOG_FILE}:\n{_log_tail(base)}"
+    )
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _make_url(user: str, port: int) -> str:
+    return f"postgres://{quote(user, safe='')}@127.0.0.1:{port}/{DATABASE_NAME}"
+
+
+def _create_database(user: str, port: int) -> None:
+    import psycopg
+    from psycopg import errors, sql
+
+    try:
+        with psycopg.connect(
+            host="127.0.0.1",
+            port=port,
+            user=user,
+            dbname="postgres",
+            autocommit=True,
+            connect_timeout=10,
+        ) as conn:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE_NAME,)
+            ).fetchone()
+            if not exists:
+                with contextlib.suppress(errors.DuplicateDatabase):
+                    conn.execute(
+                        sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE_NAME))
+                    )
+    except psycopg.Error as exc:
+        raise LocalDBError(
+            f"Cannot create the {DATABASE_NAME!r} database on the embedded PostgreSQL "
+            f"(127.0.0.1:{port}): {exc}"
+        ) from exc
+
+
+def _write_state(base: Path, pm: _Postmaster, user: str) -> str:
+    db_url = _make_url(user, pm.port)
+    state = {"pid": pm.pid, "start": pm.start, "port": pm.port, "user": user, "url": db_url}
+    tmp = base / f"{_STATE_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(state) + "\n")
+    os.replace(tmp, base / _STATE_FILE)  # readers never see a half-written file
+    return db_url
+
+
+def _start(base: Path, account: _Account) -> str:
+    """Under the lock: initialise if needed, adopt or (re)start the server, create the DB."""
+    pgdata = base / "data"
+    sockdir = _prepare_socket_dir(base, account)
+    pm = _adopt_running(pgdata)
+    if pm is None:
+        _clear_stale_server(pgdata, sockdir)
+        version = _initialised_version(base, pgdata)
+        bindir = _find_bindir(version)
+        if version is None:
+            _initdb(base, pgdata, bindir, account)
+        pm = _start_postmaster(base, pgdata, bindir, account, sockdir)
+    _create_database(account.name, pm.port)
+    return _write_state(base, pm, account.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: python -m workqueue.localdb start|stop|url|path|destroy
+# ---------------------------------------------------------------------------------------------
+
+
+def _main(argv: list[str]) -> int:
+    verbs = ("start", "stop", "url", "path", "destroy")
+    if len(argv) != 1 or argv[0] not in verbs:
+        print(f"usage: python -m workqueue.localdb {{{'|'.join(verbs)}}}", file=sys.stderr)
+        return 2
+    verb = argv[0]
+    try:
+        if verb == "start":
+            print(ensure_running())
+        elif verb == "stop":
+            stop()
+        elif verb == "destroy":
+            destroy()
+        elif verb == "path":
+            print(data_dir())
+        else:
+            current = url()
+            if current is None:
+                print("The embedded PostgreSQL is not running.", file=sys.stderr)
+                return 1
+            print(current)
+    except ImproperlyConfigured as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

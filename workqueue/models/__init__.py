@@ -1,0 +1,6 @@
+from __future__ import annotations
+
+from workqueue.models.queue import Deduplication, Delivery, Message
+from workqueue.models.topology import Subscription, Topic, Transport
+
+__all__ = ["Deduplication", "Delivery", "Message", "Subscription", "Topic", "Transport"]

@@ -1,0 +1,169 @@
+"""Queue tables: messages, deliveries and the deduplication ledger.
+
+The ORM and the admin read these tables; every write is a ``wq_*`` stored procedure (see
+``workqueue/sql``). Constraints and partial indexes are declared here so that Django's migrations
+create them on every vendor.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from workqueue.models.fields import ByteExactKeyField
+from workqueue.models.readonly import DriverOwnedModel
+from workqueue.models.topology import Subscription, Topic
+from workqueue.types import DeduplicationStatus, DeliveryStatus
+
+OPEN_STATUSES = [DeliveryStatus.PENDING, DeliveryStatus.IN_FLIGHT, DeliveryStatus.DEAD_LETTERED]
+TERMINAL_STATUSES = [DeliveryStatus.COMPLETED, DeliveryStatus.DISCARDED]
+
+
+class Message(DriverOwnedModel):
+    """One published message. Its id is globally unique and chosen by the publisher."""
+
+    id = models.UUIDField(primary_key=True, editable=False)
+    # Global publish order, assigned from a database sequence by wq_publish; copied into each
+    # delivery's order_key so Ordered subscriptions run a key's messages in this order.
+    publish_ordinal = models.BigIntegerField(unique=True, editable=False)
+    # Not indexed alone: wq_msg_purge_ix (topic, published_at) leads with it.
+    topic = models.ForeignKey(
+        Topic, on_delete=models.PROTECT, related_name="messages", db_index=False
+    )
+    partition_key = ByteExactKeyField(max_length=200, null=True, blank=True)
+    attributes = models.JSONField(null=True, blank=True)
+    payload = models.JSONField(null=True, blank=True)
+    payload_ref = models.JSONField(null=True, blank=True)
+    correlation_id = models.CharField(max_length=200, null=True, blank=True)
+    published_at = models.DateTimeField(db_default=Now())
+    published_by = models.CharField(
+        max_length=150, null=True, blank=True, help_text="Username of the publishing user."
+    )
+
+    class Meta:
+        ordering = ["publish_ordinal"]
+        indexes = [models.Index(fields=["topic", "published_at"], name="wq_msg_purge_ix")]
+        permissions = [("view_payload", "Can view message payloads (may hold personal data)")]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class Delivery(DriverOwnedModel):
+    """One subscription's copy of one message; its id is stable across attempts."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    message = models.ForeignKey(Message, on_delete=models.PROTECT, related_name="deliveries")
+    # Not indexed alone: the (subscription, message) unique constraint leads with it.
+    subscription = models.ForeignKey(
+        Subscription, on_delete=models.PROTECT, related_name="deliveries", db_index=False
+    )
+    status = models.CharField(
+        max_length=20, choices=DeliveryStatus.choices, db_default=DeliveryStatus.PENDING
+    )
+    # Filled only for Exclusive and Ordered subscriptions; None-mode deliveries never hold a key.
+    partition_key = ByteExactKeyField(max_length=200, null=True, blank=True)
+    order_key = models.BigIntegerField()
+    attempt_count = models.IntegerField(db_default=0)
+    is_replay = models.BooleanField(db_default=False)
+    visible_at = models.DateTimeField(db_default=Now())
+    lease_owner = models.CharField(max_length=200, null=True, blank=True)
+    lease_token = models.UUIDField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    progress = models.JSONField(null=True, blank=True)
+    last_error = models.TextField(null=True, blank=True)
+    dead_letter_reason = models.CharField(max_length=100, null=True, blank=True)
+    dead_lettered_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When it became Completed or Discarded."
+    )
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    resolved_by = models.CharField(max_length=150, null=True, blank=True)
+    resolution_note = models.CharField(max_length=1000, null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "deliveries"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["subscription", "message"], name="wq_delivery_sub_message_uq"
+            ),
+            # The real single-flight guarantee for Exclusive and Ordered subscriptions: a second
+            # InFlight row for the same (subscription, key) cannot exist, whatever the race.
+            models.UniqueConstraint(
+                fields=["subscription", "partition_key"],
+                condition=Q(status=DeliveryStatus.IN_FLIGHT, partition_key__isnull=False),
+                name="wq_delivery_inflight_key_uq",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=DeliveryStatus.values), name="wq_delivery_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(attempt_count__gte=0), name="wq_delivery_attempts_nonneg"
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["subscription", "visible_at"],
+                include=["partition_key", "order_key", "attempt_count"],
+                condition=Q(status=DeliveryStatus.PENDING),
+                name="wq_dlv_claim_ix",
+            ),
+            models.Index(
+                fields=["subscription", "partition_key", "order_key"],
+                include=["status"],
+                condition=Q(partition_key__isnull=False, status__in=OPEN_STATUSES),
+                name="wq_dlv_partition_head_ix",
+            ),
+            models.Index(
+                fields=["status", "lease_expires_at"],
+                condition=Q(status=DeliveryStatus.IN_FLIGHT),
+                name="wq_dlv_lease_ix",
+            ),
+            models.Index(
+                fields=["subscription", "status"],
+                condition=Q(status__in=[DeliveryStatus.IN_FLIGHT, DeliveryStatus.DEAD_LETTERED]),
+                name="wq_dlv_open_ix",
+            ),
+            models.Index(
+                fields=["completed_at"],
+                include=["subscription", "status"],
+                condition=Q(status__in=TERMINAL_STATUSES),
+                name="wq_dlv_purge_ix",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.subscription_id}/{self.id} ({self.status})"
+
+
+class Deduplication(DriverOwnedModel):
+    """The publish-time deduplication ledger: one owner message per (topic, key) per window."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # Not indexed alone: the (topic, deduplication_key) unique constraint leads with it.
+    topic = models.ForeignKey(
+        Topic, on_delete=models.PROTECT, related_name="deduplications", db_index=False
+    )
+    deduplication_key = ByteExactKeyField(max_length=200)
+    # No foreign key: the owning message may have been purged while the window is still open.
+    message_id = models.UUIDField()
+    status = models.CharField(max_length=20, choices=DeduplicationStatus.choices)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["topic", "deduplication_key"], name="wq_dedup_topic_key_uq"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=DeduplicationStatus.values), name="wq_dedup_status_valid"
+            ),
+        ]
+        indexes = [models.Index(fields=["expires_at"], name="wq_dedup_expires_ix")]
+
+    def __str__(self) -> str:
+        return f"{self.deduplication_key} → {self.message_id}"

@@ -1,0 +1,361 @@
+"""Publishing: validate a message, then hand it to ``wq_publish`` in one call.
+
+Checks run in a fixed order and the first failure wins: topic-level problems (unknown, disabled,
+not externally publishable) before problems with the message itself, and the size limit last.
+Messages that pass local validation go straight to the procedure, which applies the topic checks
+itself, so an accepted publish is a single round trip. Only a locally rejected message costs a
+topology read, to report a topic problem first when there is one.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connections
+
+from workqueue.conf import get_settings
+from workqueue.driver import get_driver
+from workqueue.driver.base import canonical_json
+from workqueue.exceptions import TransientDriverError
+from workqueue.types import PublishError, PublishErrorCode, PublishResult, PublishStatus
+
+MAX_ATTRIBUTES = 10
+ATTRIBUTE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+RESERVED_ATTRIBUTE_PREFIXES = ("wq.", "wq_")
+MAX_KEY_LENGTH = 200
+MIN_DEDUP_TTL, MAX_DEDUP_TTL = 60, 2_592_000
+TRANSIENT_RETRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """One message for ``publish_many`` (``publish`` takes the same fields as arguments)."""
+
+    payload: Any = None
+    partition_key: str | None = None
+    attributes: Mapping[str, str] | None = None
+    correlation_id: str | None = None
+    deduplication_key: str | None = None
+    deduplication_ttl: int | None = None
+    message_id: str | uuid.UUID | None = None
+    payload_ref: Mapping[str, Any] | None = None
+
+
+class _Invalid(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.error = PublishError(code, message)
+
+
+def publish(
+    topic: str,
+    payload: Any = None,
+    *,
+    partition_key: str | None = None,
+    attributes: Mapping[str, str] | None = None,
+    correlation_id: str | None = None,
+    deduplication_key: str | None = None,
+    deduplication_ttl: int | None = None,
+    message_id: str | uuid.UUID | None = None,
+    payload_ref: Mapping[str, Any] | None = None,
+    user: Any = None,
+    enlist: bool = False,
+    external: bool = False,
+) -> PublishResult:
+    """Publish one message to ``topic`` and fan it out to the topic's matching subscriptions.
+
+    Returns ``Accepted`` (with the message id), ``Duplicate`` (with the id of the message that
+    already owns the deduplication key, or this id if it was published before with the same
+    content) or ``Rejected`` with an error code. Re-publishing with the same ``message_id`` is
+    safe: the id makes the publish idempotent.
+
+    By default the publish commits on its own connection whatever the caller's transaction does.
+    With ``enlist=True`` it joins the caller's ``transaction.atomic()`` on the work queue's
+    database alias: it commits or rolls back with the caller, and database errors are raised.
+    """
+    message = OutgoingMessage(
+        payload=payload,
+        partition_key=partition_key,
+        attributes=attributes,
+        correlation_id=correlation_id,
+        deduplication_key=deduplication_key,
+        deduplication_ttl=deduplication_ttl,
+        message_id=message_id,
+        payload_ref=payload_ref,
+    )
+    return publish_many(topic, [message], user=user, enlist=enlist, external=external)[0]
+
+
+def publish_many(
+    topic: str,
+    messages: Iterable[OutgoingMessage | Mapping[str, Any]],
+    *,
+    user: Any = None,
+    enlist: bool = False,
+    external: bool = False,
+) -> list[PublishResult]:
+    """Publish a batch to one topic in one round trip; results align with ``messages``.
+
+    The batch is one transaction applied in order, so two messages of one partition key keep
+    their order. Each message is accepted or rejected on its own.
+    """
+    items = [m if isinstance(m, OutgoingMessage) else OutgoingMessage(**m) for m in messages]
+    results: list[PublishResult | None] = [None] * len(items)
+    prepared: list[tuple[int, dict[str, Any]]] = []
+    for index, item in enumerate(items):
+        try:
+            prepared.append((index, _prepare(item)))
+        except _Invalid as invalid:
+            results[index] = _rejected(item.message_id, invalid.error)
+
+    if len(prepared) < len(items):
+        topic_error = _topic_error(topic, external)
+        if topic_error is not None:
+            return [_rejected(item.message_id, topic_error) for item in items]
+
+    if prepared:
+        rows = _call_publish(topic, [p for _, p in prepared], _publisher(user), enlist, external)
+        for (index, _), row in zip(prepared, rows, strict=True):
+            results[index] = _result_from_row(row)
+    return [r for r in results if r is not None]
+
+
+def _call_publish(
+    topic: str, prepared: list[dict[str, Any]], publisher: str, enlist: bool, external: bool
+) -> list[dict[str, Any]]:
+    alias = get_settings().DATABASE_ALIAS
+    driver = get_driver(alias)
+    connection = connections[alias] if enlist else None
+    if len(prepared) == 1:
+        procedure, params = (
+            "wq_publish",
+            {
+                "topic_name": topic,
+                **prepared[0],
+                "external": external,
+                "published_by": publisher,
+            },
+        )
+    else:
+        procedure, params = (
+            "wq_publish_many",
+            {
+                "topic_name": topic,
+                "messages": canonical_json(prepared),
+                "external": external,
+                "published_by": publisher,
+            },
+        )
+    for attempt in range(1, TRANSIENT_RETRIES + 2):
+        try:
+            return driver.call(procedure, params, connection=connection)
+        except TransientDriverError:
+            # An enlisted publish shares the caller's transaction, which is now aborted: only
+            # the caller can retry it. On our own connection the whole call simply re-runs.
+            if enlist:
+                raise
+            if attempt > TRANSIENT_RETRIES:
+                error = PublishError(
+                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                    "The database stayed busy (deadlock or lock timeout); publish again.",
+                )
+                return [
+                    {
+                        "message_id": p["message_id"],
+                        "status": PublishStatus.REJECTED,
+                        "error_code": None,
+                        "_error": error,
+                    }
+                    for p in prepared
+                ]
+            time.sleep((20 * attempt + random.uniform(0, 80)) / 1000)
+    raise AssertionError("unreachable")
+
+
+_ERROR_TEXT = {
+    PublishErrorCode.TOPIC_NOT_FOUND: "No topic has this name.",
+    PublishErrorCode.TOPIC_DISABLED: "The topic or its transport is disabled.",
+    PublishErrorCode.TOPIC_NOT_EXTERNALLY_PUBLISHABLE: (
+        "The topic does not allow external publishing (allow_external_publish is off)."
+    ),
+    PublishErrorCode.PAYLOAD_TOO_LARGE: "The message is larger than the topic's max_payload_bytes.",
+    PublishErrorCode.MESSAGE_ID_CONFLICT: (
+        "A different message was already published with this message id."
+    ),
+    PublishErrorCode.DEDUPLICATION_PENDING: (
+        "Another publish holds this deduplication key and has not finished; try again shortly."
+    ),
+    PublishErrorCode.TRANSPORT_UNAVAILABLE: "The queue could not take the message now; retry.",
+}
+
+
+def _result_from_row(row: Mapping[str, Any]) -> PublishResult:
+    if "_error" in row:
+        return PublishResult(row["message_id"], PublishStatus.REJECTED, row["_error"])
+    code = row["error_code"]
+    error = PublishError(code, _ERROR_TEXT.get(code, code)) if code else None
+    return PublishResult(row["message_id"], row["status"], error)
+
+
+def _rejected(message_id: Any, error: PublishError) -> PublishResult:
+    text = str(message_id) if message_id is not None else None
+    return PublishResult(text, PublishStatus.REJECTED, error)
+
+
+def _publisher(user: Any) -> str:
+    if user is not None:
+        return user.get_username()
+    return get_settings().SYSTEM_USER
+
+
+def _topic_error(topic: str, external: bool) -> PublishError | None:
+    """The topic-level rejection for ``topic``, if any (outranks a message's own problems)."""
+    # Imported here: publishing reads topology only on this rare path (layering rule 6).
+    from workqueue.models import Topic
+
+    name = topic.strip().lower() if isinstance(topic, str) else ""
+    found = Topic.objects.select_related("transport").filter(name=name).first()
+    if found is None:
+        code = PublishErrorCode.TOPIC_NOT_FOUND
+    elif found.status != "Active" or found.transport.status != "Active":
+        code = PublishErrorCode.TOPIC_DISABLED
+    elif external and not found.allow_external_publish:
+        code = PublishErrorCode.TOPIC_NOT_EXTERNALLY_PUBLISHABLE
+    else:
+        return None
+    return PublishError(code, _ERROR_TEXT[code])
+
+
+def _prepare(message: OutgoingMessage) -> dict[str, Any]:
+    """Validate one message and return the procedure's parameters for it (raises _Invalid)."""
+    message_id = _message_id(message.message_id)
+    attributes = _attributes(message.attributes)
+    payload, payload_ref = _payload(message.payload, message.payload_ref)
+    partition_key = message.partition_key
+    if partition_key is not None and (
+        not isinstance(partition_key, str) or not 1 <= len(partition_key) <= MAX_KEY_LENGTH
+    ):
+        raise _Invalid(
+            PublishErrorCode.INVALID_PARTITION_KEY,
+            f"partition_key must be a string of 1 to {MAX_KEY_LENGTH} characters.",
+        )
+    dedup_key, dedup_ttl = _deduplication(message.deduplication_key, message.deduplication_ttl)
+    correlation_id = message.correlation_id
+    if correlation_id is not None and (
+        not isinstance(correlation_id, str) or len(correlation_id) > MAX_KEY_LENGTH
+    ):
+        raise _Invalid(
+            PublishErrorCode.INVALID_PAYLOAD,
+            f"correlation_id must be a string of at most {MAX_KEY_LENGTH} characters.",
+        )
+    envelope = {
+        "partition_key": partition_key,
+        "attributes": attributes,
+        "payload": payload,
+        "payload_ref": payload_ref,
+        "correlation_id": correlation_id,
+    }
+    return {
+        "message_id": message_id,
+        "partition_key": partition_key,
+        "attributes": attributes,
+        "payload": payload,
+        "payload_ref": payload_ref,
+        "correlation_id": correlation_id,
+        "deduplication_key": dedup_key,
+        "deduplication_ttl_seconds": dedup_ttl,
+        "envelope_bytes": len(canonical_json(envelope).encode("utf-8")),
+    }
+
+
+def _message_id(value: Any) -> str:
+    if value is None:
+        return str(uuid.uuid4())
+    try:
+        return str(uuid.UUID(str(value)))
+    except ValueError:
+        raise _Invalid(PublishErrorCode.INVALID_MESSAGE_ID, "message_id must be a UUID.") from None
+
+
+def _attributes(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _Invalid(PublishErrorCode.INVALID_ATTRIBUTES, "attributes must be an object.")
+    if len(value) > MAX_ATTRIBUTES:
+        raise _Invalid(
+            PublishErrorCode.INVALID_ATTRIBUTES,
+            f"At most {MAX_ATTRIBUTES} attributes are allowed; got {len(value)}.",
+        )
+    for name, text in value.items():
+        if not isinstance(name, str) or not ATTRIBUTE_NAME.match(name):
+            raise _Invalid(
+                PublishErrorCode.INVALID_ATTRIBUTES,
+                f"Attribute name {name!r} must be 1-64 letters, digits, '_' or '-'.",
+            )
+        if name.lower().startswith(RESERVED_ATTRIBUTE_PREFIXES):
+            raise _Invalid(
+                PublishErrorCode.INVALID_ATTRIBUTES,
+                f"Attribute name {name!r} uses the reserved prefix 'wq.' or 'wq_'.",
+            )
+        if not isinstance(text, str) or not 1 <= len(text) <= 256:
+            raise _Invalid(
+                PublishErrorCode.INVALID_ATTRIBUTES,
+                f"Attribute {name!r} must be a string of 1 to 256 characters.",
+            )
+    # An empty object and no object mean the same; store one form so duplicates compare equal.
+    return dict(value) or None
+
+
+def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None]:
+    if payload is not None and payload_ref is not None:
+        raise _Invalid(
+            PublishErrorCode.INVALID_PAYLOAD, "Give either payload or payload_ref, not both."
+        )
+    if payload_ref is not None:
+        uri = payload_ref.get("uri") if isinstance(payload_ref, Mapping) else None
+        if not isinstance(uri, str) or not uri.strip():
+            raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, "payload_ref needs a non-empty 'uri'.")
+        payload_ref = {k: v for k, v in payload_ref.items() if v is not None}
+    try:
+        canonical_json(payload if payload_ref is None else payload_ref)
+    except (TypeError, ValueError) as exc:
+        raise _Invalid(
+            PublishErrorCode.INVALID_PAYLOAD, f"The payload is not JSON-serialisable: {exc}"
+        ) from None
+    return payload, payload_ref
+
+
+def _deduplication(key: Any, ttl: Any) -> tuple[str | None, int | None]:
+    if key is not None and not isinstance(key, str):
+        raise _Invalid(PublishErrorCode.INVALID_DEDUPLICATION, "deduplication_key must be text.")
+    key = key.strip() if key else None
+    key = key or None
+    if key is not None and len(key) > MAX_KEY_LENGTH:
+        raise _Invalid(
+            PublishErrorCode.INVALID_DEDUPLICATION,
+            f"deduplication_key must be at most {MAX_KEY_LENGTH} characters.",
+        )
+    if ttl is not None:
+        if key is None:
+            raise _Invalid(
+                PublishErrorCode.INVALID_DEDUPLICATION,
+                "deduplication_ttl needs a deduplication_key.",
+            )
+        if (
+            isinstance(ttl, bool)
+            or not isinstance(ttl, int)
+            or not (MIN_DEDUP_TTL <= ttl <= MAX_DEDUP_TTL)
+        ):
+            raise _Invalid(
+                PublishErrorCode.INVALID_DEDUPLICATION,
+                f"deduplication_ttl must be a whole number of seconds from {MIN_DEDUP_TTL} "
+                f"to {MAX_DEDUP_TTL}.",
+            )
+    return key, ttl

@@ -1,0 +1,217 @@
+"""Plain values shared by every layer (no Django models here, so drivers stay import-safe)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import models
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "Pending"
+    IN_FLIGHT = "InFlight"
+    COMPLETED = "Completed"
+    DEAD_LETTERED = "DeadLettered"
+    DISCARDED = "Discarded"
+
+
+class PartitionMode(models.TextChoices):
+    NONE = "None"
+    EXCLUSIVE = "Exclusive"
+    ORDERED = "Ordered"
+
+
+class TopologyStatus(models.TextChoices):
+    ACTIVE = "Active"
+    DISABLED = "Disabled"
+
+
+class SubscriptionStatus(models.TextChoices):
+    ACTIVE = "Active"
+    PAUSED = "Paused"
+    DISABLED = "Disabled"
+
+
+class HeartbeatMode(models.TextChoices):
+    AUTO = "Auto"
+    MANUAL = "Manual"
+
+
+class HostType(models.TextChoices):
+    WORKER = "Worker", "Work-queue host"
+    EXTERNAL = "External", "External consumer"
+
+
+class DeduplicationStatus(models.TextChoices):
+    RESERVED = "Reserved"
+    CONFIRMED = "Confirmed"
+
+
+class PublishStatus(models.TextChoices):
+    ACCEPTED = "Accepted"
+    DUPLICATE = "Duplicate"
+    REJECTED = "Rejected"
+
+
+class LeaseState(models.TextChoices):
+    HELD = "Held"
+    CANCELLED = "Cancelled"
+    LOST = "Lost"
+
+
+class PartitionCondition(models.TextChoices):
+    IDLE = "Idle"
+    IN_FLIGHT = "InFlight"
+    BLOCKED = "Blocked"
+
+
+# Publish error codes; RETRYABLE_PUBLISH_ERRORS marks those a caller may simply try again.
+class PublishErrorCode(models.TextChoices):
+    TOPIC_NOT_FOUND = "TopicNotFound"
+    TOPIC_DISABLED = "TopicDisabled"
+    TOPIC_NOT_EXTERNALLY_PUBLISHABLE = "TopicNotExternallyPublishable"
+    INVALID_MESSAGE_ID = "InvalidMessageID"
+    INVALID_ATTRIBUTES = "InvalidAttributes"
+    INVALID_PAYLOAD = "InvalidPayload"
+    INVALID_PARTITION_KEY = "InvalidPartitionKey"
+    INVALID_DEDUPLICATION = "InvalidDeduplication"
+    PAYLOAD_TOO_LARGE = "PayloadTooLarge"
+    MESSAGE_ID_CONFLICT = "MessageIDConflict"
+    DEDUPLICATION_PENDING = "DeduplicationPending"
+    TRANSPORT_UNAVAILABLE = "TransportUnavailable"
+
+
+RETRYABLE_PUBLISH_ERRORS = frozenset(
+    {PublishErrorCode.DEDUPLICATION_PENDING, PublishErrorCode.TRANSPORT_UNAVAILABLE}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishError:
+    code: str
+    message: str
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE_PUBLISH_ERRORS
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """What happened to one published message.
+
+    ``message_id`` is the accepted message's id, or for a ``Duplicate`` the id of the message that
+    already owns the deduplication key (or the same id re-published).
+    """
+
+    message_id: str | None
+    status: str
+    error: PublishError | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == PublishStatus.ACCEPTED
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedDelivery:
+    """One delivery leased to a consumer, with its message."""
+
+    delivery_id: str
+    subscription_id: str
+    lease_token: str
+    lease_expires_at: dt.datetime
+    attempt: int
+    is_replay: bool
+    message_id: str
+    topic_id: str
+    partition_key: str | None
+    attributes: dict[str, str]
+    payload: Any
+    payload_ref: dict[str, Any] | None
+    correlation_id: str | None
+    published_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredDeadLetter:
+    """A delivery that the lease-expiry step dead-lettered (its last attempt timed out)."""
+
+    delivery_id: str
+    subscription_id: str
+    partition_key: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    deliveries: list[ClaimedDelivery]
+    expired_dead_letters: list[ExpiredDeadLetter] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExtension:
+    state: str
+    lease_expires_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionStats:
+    subscription_name: str
+    pending: int
+    in_flight: int
+    dead_lettered: int
+    blocked_keys: int | None
+    oldest_pending_age_seconds: int | None
+    completed_last_hour: int
+    as_of: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterItem:
+    delivery_id: str
+    partition_key: str | None
+    attempts: int
+    reason: str | None
+    last_error: str | None
+    dead_lettered_at: dt.datetime | None
+    blocks_key: bool
+    message_id: str
+    topic: str
+    message_partition_key: str | None
+    attributes: dict[str, str]
+    payload: Any
+    payload_ref: dict[str, Any] | None
+    correlation_id: str | None
+    published_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionItem:
+    partition_key: str
+    condition: str
+    head_delivery_id: str
+    waiting_items: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    claimable: int
+    in_flight: int
+    capped: bool
+
+    @property
+    def total(self) -> int:
+        return self.claimable + self.in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeCounts:
+    """Rows removed by one sweeper pass; -1 marks a step that failed (the pass went on)."""
+
+    expired_dead_letters: list[ExpiredDeadLetter] = field(default_factory=list)
+    terminal_deliveries: int = 0
+    orphan_messages: int = 0
+    expired_deduplications: int = 0
