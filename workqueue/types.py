@@ -215,3 +215,30 @@ class PurgeCounts:
     terminal_deliveries: int = 0
     orphan_messages: int = 0
     expired_deduplications: int = 0
+
+
+class SettleOutcome(models.TextChoices):
+    SETTLED = "Settled"
+    LEASE_LOST = "LeaseLost"
+
+
+@dataclass(frozen=True, slots=True)
+class SettleResult:
+    """What a settle call achieved: ``Settled`` with the delivery's new status, or
+    ``LeaseLost`` when the caller's lease token no longer held the delivery."""
+
+    outcome: str
+    status: str | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome == SettleOutcome.SETTLED
+
+
+@dataclass(frozen=True, slots=True)
+class DiscardResult:
+    """``changed``: the delivery was discarded or a cancel was requested;
+    ``cancel_requested``: it was running, so its holder was asked to stop."""
+
+    changed: bool
+    cancel_requested: bool = False

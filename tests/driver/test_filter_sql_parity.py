@@ -84,39 +84,62 @@ def raw_filters(draw: st.DrawFn) -> dict[str, Any]:
     return {"logic": "and", "filters": clauses}
 
 
-def _mentioned_values(raw: dict[str, Any]) -> list[str]:
-    found: list[str] = []
-    for clause in raw["filters"]:
-        for node in clause.get("filters", [clause]):
-            if isinstance(node.get("value"), str):
-                found.append(node["value"])
-    return found
+def _near_misses(value: str) -> list[str]:
+    """Strings that differ from ``value`` in the ways a faulty matcher would overlook."""
+    return [value.swapcase(), value.upper(), value.lower(), value + "z", value[:-1], ""]
+
+
+@st.composite
+def _attribute_for(draw: st.DrawFn, clause: dict[str, Any]) -> tuple[bool, str | None]:
+    """(present, value) for the attribute ``clause`` tests: usually one that satisfies it,
+    otherwise a near miss (absent, JSON null, other case, one character more or less, ...)."""
+    members = clause.get("filters", [clause])
+    value = next((m["value"] for m in members if isinstance(m.get("value"), str)), None)
+    operator = clause.get("operator", "eq")
+    if draw(st.integers(0, 9)) < 7:
+        # Aim to satisfy the clause, so that the other clauses decide the outcome.
+        if operator == "isnull":
+            return False, None
+        if operator == "isnotnull":
+            return True, draw(values)
+        assert value is not None
+        if operator == "eq":
+            return True, draw(st.sampled_from([m["value"] for m in members]))
+        if operator == "startswith":
+            return True, value + draw(st.one_of(st.just(""), values))
+        return True, draw(st.sampled_from([*_near_misses(value), *VALUE_POOL]))  # neq
+    choice = draw(st.integers(0, 3))
+    if choice == 0:
+        return False, None  # absent
+    if choice == 1:
+        return True, None  # JSON null: documented as absent on both sides
+    if value is None:
+        return True, draw(values)
+    return True, draw(st.sampled_from([value, *_near_misses(value)]))
 
 
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """A filter plus attributes aimed at it.
 
-    Independent random attributes almost never hit a filter's values, so most examples would
-    only exercise "absent" and "different". Attribute values are therefore drawn mostly from
-    the filter's own values and near misses of them (other case, one character longer or
-    shorter, empty), which makes equal, prefix and case-only differences common.
+    Independent random attributes almost never hit a filter's values, so nearly every example
+    would be decided by "absent" or "different". Instead each clause's attribute is either
+    chosen to satisfy it or is a near miss, so each example usually turns on one or two
+    clauses, on exactly the edges (case, prefix, empty, absent vs null) where SQL and Python
+    could disagree.
     """
     raw = draw(raw_filters())
-    if draw(st.integers(0, 9)) == 0:
+    if draw(st.integers(0, 19)) == 0:
         return raw, None
-    near: list[str] = []
-    for v in _mentioned_values(raw):
-        near += [v, v.swapcase(), v + "z", v[:-1], v.upper()]
-    candidates = st.one_of(st.sampled_from(near), values) if near else values
     attributes: dict[str, Any] = {}
-    for key in [*FIELD_POOL, "other"]:
-        choice = draw(st.integers(0, 9))
-        if choice < 3:
-            continue  # absent
-        # Mostly strings (the publish contract); occasionally a JSON null value, which both
-        # sides document as "absent".
-        attributes[key] = None if choice == 3 else draw(candidates)
+    for clause in raw["filters"]:
+        field = clause.get("field") or clause["filters"][0]["field"]
+        present, value = draw(_attribute_for(clause))
+        if present:
+            attributes[field] = value
+    # Attributes the filter does not mention must not matter.
+    if draw(st.booleans()):
+        attributes["other"] = draw(values)
     return raw, attributes
 
 

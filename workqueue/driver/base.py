@@ -79,6 +79,24 @@ class BaseDriver:
         """SQL an autoscaler runs (parameter: subscription name) to size its workers."""
         raise NotImplementedError
 
+    def shift_time(
+        self, seconds: int, *, subscription_id: str | None = None, topic_id: str | None = None
+    ) -> None:
+        """Move a subscription's (or a topic's) stored timestamps ``seconds`` into the past.
+
+        For tests and the conformance suite only (never granted to runtime roles): it stands in
+        for waiting on the database clock when a case is about leases, backoff or retention.
+        """
+        raise NotImplementedError
+
+    def remove_topic(self, topic_id: str) -> None:
+        """Delete a topic with its subscriptions, messages, deliveries and ledger rows.
+
+        For tests and the conformance suite only: the queue tables are otherwise written by
+        the procedures alone.
+        """
+        raise NotImplementedError
+
     def listen(self, channels: list[str]) -> Any:
         """Open a connection listening on ``channels`` (see ``supports_listen_notify``)."""
         raise NotImplementedError(f"{self.vendor_label} has no LISTEN/NOTIFY")

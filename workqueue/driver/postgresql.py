@@ -106,6 +106,50 @@ class PostgresDriver(BaseDriver):
     def scaler_query(self) -> str:
         return SCALER_QUERY
 
+    def shift_time(
+        self, seconds: int, *, subscription_id: str | None = None, topic_id: str | None = None
+    ) -> None:
+        shift = f"interval '{int(seconds)} seconds'"
+        with self.transaction() as connection, connection.cursor() as cursor:
+            cursor.execute(
+                f"""UPDATE workqueue_delivery d
+                       SET visible_at = visible_at - {shift},
+                           lease_expires_at = lease_expires_at - {shift},
+                           last_heartbeat_at = last_heartbeat_at - {shift},
+                           completed_at = completed_at - {shift},
+                           dead_lettered_at = dead_lettered_at - {shift}
+                     WHERE d.subscription_id = %(s)s
+                        OR d.subscription_id IN (SELECT id FROM workqueue_subscription
+                                                  WHERE topic_id = %(t)s)""",
+                {"s": subscription_id, "t": topic_id},
+            )
+            cursor.execute(
+                f"""UPDATE workqueue_message SET published_at = published_at - {shift}
+                     WHERE topic_id = %(t)s
+                        OR id IN (SELECT message_id FROM workqueue_delivery
+                                   WHERE subscription_id = %(s)s)""",
+                {"s": subscription_id, "t": topic_id},
+            )
+            cursor.execute(
+                f"""UPDATE workqueue_deduplication SET expires_at = expires_at - {shift}
+                     WHERE topic_id = %(t)s""",
+                {"t": topic_id},
+            )
+
+    def remove_topic(self, topic_id: str) -> None:
+        with self.transaction() as connection, connection.cursor() as cursor:
+            for statement in (
+                "DELETE FROM workqueue_delivery WHERE subscription_id IN "
+                "(SELECT id FROM workqueue_subscription WHERE topic_id = %(t)s)",
+                "DELETE FROM workqueue_delivery WHERE message_id IN "
+                "(SELECT id FROM workqueue_message WHERE topic_id = %(t)s)",
+                "DELETE FROM workqueue_message WHERE topic_id = %(t)s",
+                "DELETE FROM workqueue_deduplication WHERE topic_id = %(t)s",
+                "DELETE FROM workqueue_subscription WHERE topic_id = %(t)s",
+                "DELETE FROM workqueue_topic WHERE id = %(t)s",
+            ):
+                cursor.execute(statement, {"t": topic_id})
+
     def listen(self, channels: list[str]) -> Any:
         import psycopg
         from django.db import connections

@@ -1,0 +1,45 @@
+# django-workqueue developer entry points. `make demo` and `make test` work on a fresh machine:
+# they create .venv, install requirements.txt and use the embedded PostgreSQL (workqueue/localdb.py)
+# unless DATABASE_URL is set.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+# Touched after a successful install: the venv is rebuilt only when requirements.txt is newer.
+STAMP := $(VENV)/.requirements-installed
+
+.PHONY: venv test lint format demo clean-db
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	@# A venv whose interpreter no longer runs (e.g. its base Python was removed) is rebuilt.
+	@if [ -d $(VENV) ] && ! $(VENV_PY) -c '' 2>/dev/null; then \
+		echo "Rebuilding broken $(VENV)"; rm -rf $(VENV); fi
+	@if [ ! -x $(VENV_PY) ]; then \
+		test -n "$(PYTHON)" || { echo "No python3.11 or python3 on PATH" >&2; exit 1; }; \
+		$(PYTHON) -m venv $(VENV); fi
+	$(VENV_PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	touch $@
+
+test: venv
+	$(VENV_PY) -m pytest -n 2
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+demo: venv
+	$(VENV_PY) manage.py migrate
+	@echo "demo: database migrated (seeding, publishing and the host run are still to come)"
+
+# Stops the embedded PostgreSQL and deletes its folder (all its data). Does not touch a
+# database named by DATABASE_URL.
+clean-db: venv
+	$(VENV_PY) -m workqueue.localdb destroy

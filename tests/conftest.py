@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded PostgreSQL (started by project.settings), settings isolation and
+a psycopg connection for tests that talk SQL directly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Settings must not leak from the developer's shell into the suite.
+for _name in [n for n in os.environ if n.startswith("WORKQUEUE_")]:
+    if _name not in {"WORKQUEUE_LOCALDB_DIR", "WORKQUEUE_TEST_MSSQL_URL"}:
+        del os.environ[_name]
+
+
+@pytest.fixture
+def pg_conn(django_db_setup, django_db_blocker):
+    """An autocommit psycopg connection to this worker's test database (procedures installed)."""
+    import psycopg
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    with psycopg.connect(autocommit=True, **params) as conn:
+        yield conn
+
+
+@pytest.fixture
+def queue_db(transactional_db):
+    """Database access for tests that use the driver: the driver works on its own connection, so
+    test data must be committed (a transactional test) for it to be seen."""
+    from workqueue.driver import get_driver
+
+    yield
+    get_driver().close()

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from workqueue import publish, publish_many
+from workqueue.models import Delivery, Message
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def test_publish_fans_out_one_pending_delivery_per_active_subscription():
+    topic = TopicFactory()
+    a = SubscriptionFactory(topic=topic)
+    b = SubscriptionFactory(topic=topic, status="Paused")
+    SubscriptionFactory(topic=topic, status="Disabled")
+
+    result = publish(topic.name, {"hello": "world"})
+
+    assert result.status == "Accepted"
+    deliveries = Delivery.objects.filter(message_id=result.message_id)
+    assert {d.subscription_id for d in deliveries} == {a.id, b.id}
+    assert {d.status for d in deliveries} == {"Pending"}
+
+
+def test_publish_many_keeps_positions_and_rejects_bad_items_alone():
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+
+    results = publish_many(
+        topic.name,
+        [{"payload": 1}, {"payload": 2, "attributes": {"bad name": "x"}}, {"payload": 3}],
+    )
+
+    assert [r.status for r in results] == ["Accepted", "Rejected", "Accepted"]
+    assert results[1].error.code == "InvalidAttributes"
+    assert Message.objects.filter(topic=topic).count() == 2
+
+
+def test_receive_claims_in_one_call_and_complete_settles():
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    receiver = Receiver(sub.id)
+
+    claimed = receiver.receive(10).deliveries
+    assert len(claimed) == 1 and claimed[0].attempt == 1
+    assert receiver.complete(claimed[0]).settled
+    assert not receiver.complete(claimed[0]).settled

@@ -1,0 +1,297 @@
+"""The Database transport's Python face: typed wrappers over the ``wq_*`` procedures.
+
+``Receiver`` is what a consumer holds for one subscription (receive, heartbeat, settle);
+the module functions are the operator and sweeper primitives. Everything here is one procedure
+call on the driver's own connection, so none of it ever rides the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from workqueue.conf import get_settings
+from workqueue.driver import get_driver
+from workqueue.driver.base import BaseDriver
+from workqueue.types import (
+    Backlog,
+    ClaimedDelivery,
+    ClaimResult,
+    DeadLetterItem,
+    DeliveryStatus,
+    DiscardResult,
+    ExpiredDeadLetter,
+    LeaseExtension,
+    PartitionItem,
+    SettleOutcome,
+    SettleResult,
+)
+
+EXPIRE_BATCH_SIZE = 500
+BACKLOG_CAP = 1000
+
+
+def _driver() -> BaseDriver:
+    return get_driver(get_settings().DATABASE_ALIAS)
+
+
+def new_instance_id() -> str:
+    """An id naming this process as a lease owner: ``hostname:pid:8 hex``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _settled(affected_rows: int, status: str) -> SettleResult:
+    if affected_rows == 1:
+        return SettleResult(SettleOutcome.SETTLED, status)
+    return SettleResult(SettleOutcome.LEASE_LOST)
+
+
+def _claimed(row: dict[str, Any], subscription_id: str) -> ClaimedDelivery:
+    return ClaimedDelivery(
+        delivery_id=row["delivery_id"],
+        subscription_id=subscription_id,
+        lease_token=row["lease_token"],
+        lease_expires_at=row["lease_expires_at"],
+        attempt=row["attempt_count"],
+        is_replay=row["is_replay"],
+        message_id=row["message_id"],
+        topic_id=row["topic_id"],
+        partition_key=row["partition_key"],
+        attributes=row["attributes"] or {},
+        payload=row["payload"],
+        payload_ref=row["payload_ref"],
+        correlation_id=row["correlation_id"],
+        published_at=row["published_at"],
+    )
+
+
+class Receiver:
+    """Claims and settles deliveries of one subscription on behalf of ``lease_owner``."""
+
+    def __init__(self, subscription_id: str | uuid.UUID, lease_owner: str | None = None) -> None:
+        self.subscription_id = str(subscription_id).lower()
+        self.lease_owner = lease_owner or new_instance_id()
+        self.driver = _driver()
+
+    def receive(self, max_rows: int) -> ClaimResult:
+        """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).
+
+        Also reports deliveries whose expired lease was their last attempt, now dead-lettered.
+        """
+        rows = self.driver.call(
+            "wq_claim",
+            {
+                "subscription_id": self.subscription_id,
+                "lease_owner": self.lease_owner,
+                "max_rows": max_rows,
+            },
+        )
+        claimed = [_claimed(r, self.subscription_id) for r in rows if r["kind"] == "Claimed"]
+        expired = [
+            ExpiredDeadLetter(
+                r["delivery_id"], self.subscription_id, r["partition_key"], "LeaseExpired"
+            )
+            for r in rows
+            if r["kind"] == "ExpiredDeadLetter"
+        ]
+        return ClaimResult(claimed, expired)
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        row = self.driver.call_one(
+            "wq_extend_lease",
+            {
+                "delivery_id": delivery.delivery_id,
+                "lease_token": delivery.lease_token,
+                "progress": progress,
+            },
+        )
+        return LeaseExtension(row["lease_state"], row["lease_expires_at"])
+
+    def complete(self, delivery: ClaimedDelivery) -> SettleResult:
+        return _settled(
+            self.driver.call_rowcount("wq_complete", _fence(delivery)), DeliveryStatus.COMPLETED
+        )
+
+    def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]:
+        """Complete several deliveries in one round trip; results keyed by delivery id."""
+        items = [_fence(d) for d in deliveries]
+        if not items:
+            return {}
+        rows = self.driver.call("wq_complete_many", {"items": items})
+        done = {r["delivery_id"] for r in rows}
+        return {
+            item["delivery_id"]: _settled(
+                int(item["delivery_id"] in done), DeliveryStatus.COMPLETED
+            )
+            for item in items
+        }
+
+    def retry(
+        self, delivery: ClaimedDelivery, delay_seconds: int = 0, error: str | None = None
+    ) -> SettleResult:
+        params = {**_fence(delivery), "delay_seconds": max(int(delay_seconds), 0), "error": error}
+        return _settled(self.driver.call_rowcount("wq_retry", params), DeliveryStatus.PENDING)
+
+    def dead_letter(
+        self, delivery: ClaimedDelivery, reason: str, error: str | None = None
+    ) -> SettleResult:
+        params = {**_fence(delivery), "reason": reason, "error": error}
+        return _settled(
+            self.driver.call_rowcount("wq_dead_letter", params), DeliveryStatus.DEAD_LETTERED
+        )
+
+    def release(self, delivery: ClaimedDelivery) -> SettleResult:
+        return _settled(
+            self.driver.call_rowcount("wq_release", _fence(delivery)), DeliveryStatus.PENDING
+        )
+
+    def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult:
+        return _settled(
+            self.driver.call_rowcount("wq_acknowledge_cancel", _fence(delivery)),
+            DeliveryStatus.DISCARDED,
+        )
+
+
+def _fence(delivery: ClaimedDelivery) -> dict[str, str]:
+    return {"delivery_id": delivery.delivery_id, "lease_token": delivery.lease_token}
+
+
+# -- operator primitives -------------------------------------------------------------------
+
+
+def subscription_stats(subscription_id: str) -> dict[str, Any] | None:
+    rows = _driver().call("wq_subscription_stats", {"subscription_id": subscription_id})
+    return rows[0] if rows else None
+
+
+def list_dead_letters(
+    subscription_id: str, after_delivery_id: str | None, page_size: int
+) -> list[DeadLetterItem]:
+    rows = _driver().call(
+        "wq_list_dead_letters",
+        {
+            "subscription_id": subscription_id,
+            "after_delivery_id": after_delivery_id,
+            "page_size": page_size,
+        },
+    )
+    return [
+        DeadLetterItem(
+            delivery_id=r["delivery_id"],
+            partition_key=r["partition_key"],
+            attempts=r["attempt_count"],
+            reason=r["dead_letter_reason"],
+            last_error=r["last_error"],
+            dead_lettered_at=r["dead_lettered_at"],
+            blocks_key=r["blocks_key"],
+            message_id=r["message_id"],
+            topic=r["topic_name"],
+            message_partition_key=r["message_partition_key"],
+            attributes=r["attributes"] or {},
+            payload=r["payload"],
+            payload_ref=r["payload_ref"],
+            correlation_id=r["correlation_id"],
+            published_at=r["published_at"],
+        )
+        for r in rows
+    ]
+
+
+def list_partitions(
+    subscription_id: str, condition: str | None, after_partition_key: str | None, page_size: int
+) -> list[PartitionItem]:
+    rows = _driver().call(
+        "wq_list_partitions",
+        {
+            "subscription_id": subscription_id,
+            "condition": condition,
+            "after_partition_key": after_partition_key,
+            "page_size": page_size,
+        },
+    )
+    return [
+        PartitionItem(r["partition_key"], r["condition"], r["head_delivery_id"], r["waiting_items"])
+        for r in rows
+    ]
+
+
+def replay(subscription_id: str, delivery_id: str, actor: str | None, note: str | None) -> bool:
+    params = {
+        "subscription_id": subscription_id,
+        "delivery_id": delivery_id,
+        "actor": actor,
+        "note": note,
+    }
+    return _driver().call_rowcount("wq_replay", params) == 1
+
+
+def discard_or_cancel(
+    subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
+) -> DiscardResult:
+    """Discard a Pending or dead-lettered delivery, or ask the holder of a running one to stop.
+
+    The status can change between the two guarded statements (a Pending row claimed, a running
+    one settled), so the pair is tried twice before reporting no change.
+    """
+    driver = _driver()
+    params = {
+        "subscription_id": subscription_id,
+        "delivery_id": delivery_id,
+        "actor": actor,
+        "reason": reason,
+    }
+    for _ in range(2):
+        if driver.call_rowcount("wq_discard", {**params, "allow_pending": True}) == 1:
+            return DiscardResult(changed=True)
+        if driver.call_rowcount("wq_cancel", params) == 1:
+            return DiscardResult(changed=True, cancel_requested=True)
+    return DiscardResult(changed=False)
+
+
+def backlog(subscription_id: str, cap: int = BACKLOG_CAP) -> Backlog | None:
+    rows = _driver().call("wq_backlog", {"subscription_id": subscription_id, "cap": cap})
+    if not rows:
+        return None
+    claimable, in_flight = rows[0]["claimable"], rows[0]["in_flight"]
+    return Backlog(claimable, in_flight, capped=claimable >= cap or in_flight >= cap)
+
+
+def read_committed_snapshot_on() -> bool:
+    return bool(_driver().call_one("wq_read_committed_snapshot_state")["snapshot_on"])
+
+
+# -- sweeper primitives --------------------------------------------------------------------
+
+
+def expire_leases_all(batch_size: int = EXPIRE_BATCH_SIZE) -> list[dict[str, Any]]:
+    """Expire passed leases across subscriptions; returns each changed row and its new status."""
+    return _driver().call("wq_expire_leases_all", {"batch_size": batch_size})
+
+
+def purge(step: str, batch_size: int) -> int:
+    """Run one purge batch: ``terminal_deliveries``, ``orphan_messages`` or
+    ``expired_deduplications``; returns the rows removed."""
+    return _driver().call_rowcount(f"wq_purge_{step}", {"batch_size": batch_size})
+
+
+@contextmanager
+def sweep_lock() -> Iterator[bool]:
+    """Hold the cluster-wide sweep lock for the block, on a connection of its own.
+
+    Yields False (and holds nothing) when another sweeper is mid-pass. The lock is
+    transaction-scoped, so a crashed sweeper can never leave it held.
+    """
+    driver = get_driver(get_settings().DATABASE_ALIAS)
+    lock_driver = type(driver)(driver.alias)  # a separate connection from the pass's own work
+    try:
+        with lock_driver.transaction() as connection:
+            row = lock_driver.call_one("wq_try_sweep_lock", connection=connection)
+            yield bool(row["acquired"])
+    finally:
+        lock_driver.close()
