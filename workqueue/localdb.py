@@ -71,6 +71,7 @@ _STOP_TIMEOUT_S = 60.0
 _SHMEM_RELEASE_TIMEOUT_S = 30.0
 _PORT_ATTEMPTS = 5
 _SERVER_ACCOUNT_AS_ROOT = "postgres"
+_SOCKET_LOCK_ERROR = re.compile(r'could not create lock file "[^"]*\.s\.PGSQL\.\d+\.lock"')
 _INSTALL_HINT = (
     "Install the PostgreSQL server (Debian/Ubuntu: `apt-get install postgresql`; macOS: "
     "`brew install postgresql`), or set DATABASE_URL to use an existing database "
@@ -92,23 +93,29 @@ class LocalDBError(ImproperlyConfigured):
 
 
 def data_dir() -> Path:
-    """Return the cluster's folder (see the module docstring); it may not exist yet."""
+    """Return the cluster's folder (see the module docstring); it may not exist yet.
+
+    The path is canonical (symlinks resolved), so every process names the cluster alike.
+    """
     override = os.environ.get("WORKQUEUE_LOCALDB_DIR")
     if override:
-        return Path(os.path.abspath(os.path.expanduser(override)))
-    xdg = os.environ.get("XDG_DATA_HOME")
-    if xdg:
-        return Path(os.path.abspath(xdg)) / "django-workqueue" / "pg"
-    if os.geteuid() == 0:
-        return Path("/var/lib/django-workqueue/pg")
-    return Path.home() / ".local" / "share" / "django-workqueue" / "pg"
+        path = os.path.expanduser(override)
+    elif os.environ.get("XDG_DATA_HOME"):
+        path = os.path.join(os.environ["XDG_DATA_HOME"], "django-workqueue", "pg")
+    elif os.geteuid() == 0:
+        path = "/var/lib/django-workqueue/pg"
+    else:
+        path = os.path.join(Path.home(), ".local", "share", "django-workqueue", "pg")
+    return Path(os.path.realpath(path))
 
 
 def url() -> str | None:
-    """Return the URL if this folder's server is running and accepting connections, else None.
+    """Return the URL if this folder's server is running, else None.
 
-    Runs no subprocess and takes no lock. A URL is only returned once the ``workqueue`` database
-    exists (the state file is written after it is created).
+    Running means: the postmaster recorded at the last start is alive (not a zombie), is the
+    postmaster of this folder, and reports "ready" (it then listens on the URL's port). The
+    ``workqueue`` database exists whenever a URL is returned. Runs no subprocess, opens no
+    connection and takes no lock.
     """
     base = data_dir()
     try:
@@ -130,8 +137,9 @@ def url() -> str | None:
 def ensure_running() -> str:
     """Start this folder's cluster unless it is running, and return its database URL.
 
-    Guarantees on return: the server accepts TCP connections on the URL's port and the
-    ``workqueue`` database exists. Concurrent callers (threads or processes) start it once.
+    Guarantees on return: the server runs as described in :func:`url` and the ``workqueue``
+    database exists. Only an explicit :func:`stop` (or a crash) stops it again; it outlives
+    the calling process. Concurrent callers (threads or processes) start it once.
     Raises :class:`LocalDBError` (an ``ImproperlyConfigured``) when it cannot.
     """
     current = url()
@@ -387,7 +395,14 @@ def _is_postmaster_of(pid: int, pgdata: Path) -> bool:
             args = fh.read().split(b"\0")
     except OSError:
         return True  # cannot tell: assume it is, which errs on the safe side
-    return os.fsencode(str(pgdata)) in args
+    try:
+        target = os.fsdecode(args[args.index(b"-D") + 1])
+    except (ValueError, IndexError):
+        return False  # pg_ctl always passes -D; a zombie's command line is empty
+    try:
+        return os.path.samestat(os.stat(target), os.stat(pgdata))
+    except OSError:
+        return target == str(pgdata)
 
 
 def _shmem_attached(shmid: int | None) -> bool:
@@ -728,8 +743,8 @@ def _start_postmaster(
         new_log = _read_from(base / _LOG_FILE, log_size)
         failures.append((proc.stdout + proc.stderr).strip())
         # Another process took the port between choosing and binding it: pick another one.
-        if "could not bind" in new_log or ".s.PGSQL." in new_log:
-            _stop_postmaster(pgdata)
+        if "could not bind" in new_log or _SOCKET_LOCK_ERROR.search(new_log):
+            _clear_stale_server(pgdata, sockdir)
             continue
         break
     raise LocalDBError(

@@ -56,9 +56,13 @@ class PostgresDriver(BaseDriver):
             # CREATE OR REPLACE rewrites a function's catalogue row in this transaction, so a
             # row with an older xmin belongs to a function the current files no longer declare.
             cursor.execute(_LIST_FUNCTIONS)
-            stale = [signature for signature, current in cursor.fetchall() if not current]
-            for signature in stale:
-                cursor.execute(f"DROP FUNCTION {signature}")
+            for signature, current in cursor.fetchall():
+                if current:
+                    # New functions are executable by PUBLIC by default; only roles given
+                    # `manage.py workqueue grant-runtime` may call these.
+                    cursor.execute(f"REVOKE ALL ON FUNCTION {signature} FROM PUBLIC")
+                else:
+                    cursor.execute(f"DROP FUNCTION {signature}")
 
     def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
         with connection.cursor() as cursor:

@@ -118,7 +118,9 @@ BEGIN
                     WHERE h.subscription_id = d.subscription_id
                       AND h.partition_key = d.partition_key AND h.order_key < d.order_key
                       AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
-             ORDER BY d.visible_at, d.order_key
+             -- Index order of wq_dlv_claim_ix, so the scan stops after the first candidates
+             -- instead of sorting the backlog. Ties need no order: Ordered candidates are heads.
+             ORDER BY d.visible_at
              LIMIT p_max_rows * 4
         LOOP
             EXIT WHEN v_remaining <= 0;

@@ -248,13 +248,13 @@ AS $$
         CASE WHEN s.status <> 'Active' THEN 0 ELSE LEAST(p_cap,
             (SELECT count(*) FROM (
                 SELECT 1 FROM workqueue_delivery d
-                 WHERE d.subscription_id = s.id AND d.status = 'Pending'
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
                    AND d.partition_key IS NULL AND d.visible_at <= now()
                  LIMIT p_cap) AS keyless)
           + (SELECT count(*) FROM (
                 SELECT DISTINCT d.partition_key FROM workqueue_delivery d
                  WHERE s.partition_mode <> 'None'
-                   AND d.subscription_id = s.id AND d.status = 'Pending'
+                   AND d.subscription_id = p_subscription_id AND d.status = 'Pending'
                    AND d.partition_key IS NOT NULL AND d.visible_at <= now()
                    AND NOT EXISTS (
                        SELECT 1 FROM workqueue_delivery f
@@ -270,7 +270,7 @@ AS $$
         END,
         (SELECT count(*) FROM (
             SELECT 1 FROM workqueue_delivery d
-             WHERE d.subscription_id = s.id AND d.status = 'InFlight' LIMIT p_cap) AS held)
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight' LIMIT p_cap) AS held)
       FROM workqueue_subscription s
      WHERE s.id = p_subscription_id;
 $$;

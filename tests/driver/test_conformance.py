@@ -1,0 +1,149 @@
+"""The transport conformance suite (C01-C26) against the live PostgreSQL, one test per case,
+plus proof that the runner reports failures (a suite that cannot fail proves nothing)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from workqueue.models import Message, Topic
+from workqueue.testing.conformance import (
+    CASES,
+    ConformanceFailure,
+    TransportTraits,
+    all_passed,
+    execute_case,
+    format_table,
+    run_conformance,
+)
+from workqueue.testing.conformance.harness import CaseContext, expect_equal
+from workqueue.transport import Receiver
+from workqueue.types import SettleResult
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+DIGEST_CASE_IDS = [f"C{number:02d}" for number in range(1, 27)]
+
+#: Cases failing because of a bug outside the suite: id -> "file:line, failing case, fix".
+KNOWN_BUGS: dict[str, str] = {}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _case_params() -> list[object]:
+    params = []
+    for case in CASES:
+        marks = []
+        if case.id in KNOWN_BUGS:
+            marks.append(
+                pytest.mark.xfail(
+                    reason=KNOWN_BUGS[case.id], raises=ConformanceFailure, strict=True
+                )
+            )
+        params.append(pytest.param(case, id=f"{case.id}-{_slug(case.name)}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("case", _case_params())
+def test_postgresql_transport_meets_conformance_case(case):
+    execute_case(case, alias="default")
+
+
+def test_every_digest_case_is_registered_once_with_a_behaviour_sentence():
+    assert CASES.ids() == DIGEST_CASE_IDS
+    assert all(len(case.name.split()) >= 5 for case in CASES)
+
+
+def test_runner_table_lists_all_26_cases_and_reports_the_run():
+    results = run_conformance("default")
+
+    table = format_table(results)
+    assert [r.case_id for r in results] == DIGEST_CASE_IDS
+    for case in CASES:
+        assert re.search(rf"^{case.id}\s+(PASS|FAIL)\s+.*{re.escape(case.name)}$", table, re.M)
+    failed = {r.case_id for r in results if not r.passed}
+    assert failed == set(KNOWN_BUGS), table
+    assert table.splitlines()[-1].startswith("OK: 26 cases, 26 passed" if not failed else "FAILED")
+    assert all_passed(results) is not bool(failed)
+
+
+def test_a_failing_case_fails_the_run_and_still_removes_its_data():
+    registry = CASES.copy()
+    seen: dict[str, str] = {}
+
+    @registry.case("C98", "a deliberately wrong expectation is reported as a failure")
+    def wrong_expectation(ctx: CaseContext) -> None:
+        ctx.subscribe("a")
+        ctx.publish()
+        seen["C98"] = ctx.topic_name
+        expect_equal(len(ctx.receive("a")), 2, "deliveries received")
+
+    @registry.case("C99", "an unexpected error inside a case is reported as a failure")
+    def crashes(ctx: CaseContext) -> None:
+        ctx.subscribe("a")
+        ctx.publish()
+        seen["C99"] = ctx.topic_name
+        raise RuntimeError("boom inside the case")
+
+    results = run_conformance("default", only=["C01", "C98", "C99"], registry=registry)
+
+    assert [(r.case_id, r.passed) for r in results] == [
+        ("C01", True),
+        ("C98", False),
+        ("C99", False),
+    ]
+    assert results[1].error == "deliveries received: expected 2, got 1"
+    assert "RuntimeError: boom inside the case" in (results[2].error or "")
+    assert not all_passed(results)
+    table = format_table(results)
+    assert re.search(r"^C98\s+FAIL\b", table, re.M)
+    assert "    deliveries received: expected 2, got 1" in table
+    assert table.splitlines()[-1].startswith("FAILED: 3 cases, 1 passed, 2 failed")
+    # The failed cases removed their topics, subscriptions and messages all the same.
+    assert set(seen) == {"C98", "C99"}
+    assert not Topic.objects.filter(name__in=seen.values()).exists()
+    assert not Message.objects.filter(topic__name__in=seen.values()).exists()
+    # The copy was extended, not the shared registry.
+    assert CASES.ids() == DIGEST_CASE_IDS
+
+
+def _complete_without_writing(self: Receiver, delivery: object) -> SettleResult:
+    return SettleResult("Settled", "Completed")
+
+
+def _release_like_retry(self: Receiver, delivery: object) -> SettleResult:
+    return self.retry(delivery, 0)
+
+
+@pytest.mark.parametrize(
+    ("method", "broken", "caught_by"),
+    [
+        pytest.param("complete", _complete_without_writing, ["C04", "C23"], id="complete-is-lost"),
+        pytest.param("release", _release_like_retry, ["C21"], id="release-spends-an-attempt"),
+    ],
+)
+def test_a_broken_transport_fails_the_cases_that_cover_it(monkeypatch, method, broken, caught_by):
+    monkeypatch.setattr(Receiver, method, broken)
+
+    results = run_conformance("default", only=caught_by)
+
+    assert [r.case_id for r in results if not r.passed] == caught_by, format_table(results)
+    with pytest.raises(ConformanceFailure):
+        execute_case(CASES.get(caught_by[0]))
+
+
+def test_cases_gated_off_by_transport_traits_are_skipped_not_failed():
+    results = run_conformance(
+        "default", only=["C14", "C16"], traits=TransportTraits(supports_ordered=False)
+    )
+
+    assert [(r.passed, r.skipped) for r in results] == [(True, True), (True, True)]
+    assert "(skipped: transport lacks supports_ordered)" in format_table(results)
+
+
+def test_unknown_case_ids_are_rejected_before_anything_runs():
+    with pytest.raises(KeyError, match="no conformance case 'C77'"):
+        run_conformance("default", only=["C01", "C77"])

@@ -1,0 +1,90 @@
+"""Procedure versioning: a fresh install equals an upgraded one, and the models match the
+migrations."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.db import connection, transaction
+
+from workqueue.driver import get_driver
+from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
+
+# Everything a migration decides about the schema, in comparable text.
+CATALOG_QUERIES = {
+    "columns": """
+        SELECT table_name, column_name, data_type, character_maximum_length, is_nullable,
+               column_default, collation_name
+          FROM information_schema.columns
+         WHERE table_schema = current_schema() AND table_name LIKE 'workqueue\\_%%'
+         ORDER BY 1, 2""",
+    "indexes": """
+        SELECT tablename, indexname, indexdef FROM pg_indexes
+         WHERE schemaname = current_schema() AND tablename LIKE 'workqueue\\_%%'
+         ORDER BY 1, 2""",
+    "constraints": """
+        SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint
+         WHERE connamespace = current_schema()::regnamespace
+           AND conrelid::regclass::text LIKE 'workqueue\\_%%'
+         ORDER BY 1, 2""",
+    "functions": """
+        SELECT p.oid::regprocedure::text, md5(p.prosrc), p.prosecdef, p.proconfig,
+               p.provolatile, pg_get_function_result(p.oid), p.proacl
+          FROM pg_proc p
+         WHERE p.pronamespace = current_schema()::regnamespace AND p.proname LIKE 'wq\\_%%'
+         ORDER BY 1""",
+}
+
+
+def _catalog() -> dict[str, list[tuple]]:
+    with connection.cursor() as cursor:
+        result = {}
+        for name, query in CATALOG_QUERIES.items():
+            cursor.execute(query)
+            result[name] = cursor.fetchall()
+        return result
+
+
+@pytest.mark.django_db
+def test_models_and_migrations_agree():
+    out = io.StringIO()
+    call_command("makemigrations", "workqueue", "--check", "--dry-run", stdout=out)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_upgraded_database_equals_a_fresh_one():
+    fresh = _catalog()
+    assert fresh["functions"], "the procedures should be installed by the migrations"
+
+    # An older database (tables only, before any procedure migration) upgraded to the latest.
+    call_command("migrate", "workqueue", "0001", verbosity=0)
+    assert not _catalog()["functions"]
+    call_command("migrate", "workqueue", verbosity=0)
+
+    assert _catalog() == fresh
+
+
+@pytest.mark.django_db(transaction=True)
+def test_installing_drops_procedures_the_files_no_longer_declare():
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE FUNCTION wq_obsolete() RETURNS integer LANGUAGE sql AS 'SELECT 1'")
+    with transaction.atomic():
+        get_driver().install_procedures(connection)
+    names = [row[0] for row in _catalog()["functions"]]
+    assert "wq_obsolete()" not in names
+    assert "wq_claim(uuid,text,integer)" in names
+
+
+def test_only_the_latest_procedure_migration_installs():
+    migrations = Path(__file__).resolve().parents[2] / "workqueue" / "migrations"
+    installing = sorted(
+        path.stem
+        for path in migrations.glob("0*.py")
+        if re.search(r"install_procedures_step\(", path.read_text())
+    )
+    assert installing, "some migration must install the procedures"
+    assert installing[-1] == LATEST_PROCEDURE_MIGRATION

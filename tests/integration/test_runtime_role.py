@@ -1,0 +1,101 @@
+"""The runtime role: EXECUTE on the procedures and SELECT on the tables, never DML on the queue
+tables, so the claim/settle/sweep rules cannot be bypassed."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from tests.factories import SubscriptionFactory
+from workqueue.driver import get_driver
+from workqueue.driver.procedures import get_procedure
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+@pytest.fixture
+def runtime_role(pg_conn):
+    role = f"wq_runtime_{uuid.uuid4().hex[:8]}"
+    pg_conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    yield role
+    pg_conn.execute(f'DROP OWNED BY "{role}"')
+    pg_conn.execute(f'DROP ROLE "{role}"')
+
+
+def _connect_as(role: str) -> psycopg.Connection:
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    params["user"] = role
+    return psycopg.connect(autocommit=True, **params)
+
+
+def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_complete(
+    runtime_role,
+):
+    subscription = SubscriptionFactory()
+    call_command("workqueue", "grant-runtime", runtime_role)
+    driver = get_driver()
+
+    with _connect_as(runtime_role) as conn:
+        publish_sql = driver.render_call(get_procedure("wq_publish"))
+        message_id = str(uuid.uuid4())
+        row = conn.execute(
+            publish_sql,
+            [
+                subscription.topic.name,
+                message_id,
+                None,
+                None,
+                '{"a": 1}',
+                None,
+                None,
+                None,
+                None,
+                10,
+                False,
+                "runtime",
+            ],
+        ).fetchone()
+        assert row[1] == "Accepted"
+
+        for statement in (
+            "UPDATE workqueue_delivery SET attempt_count = 0",
+            "DELETE FROM workqueue_delivery",
+            "INSERT INTO workqueue_deduplication (id, topic_id, deduplication_key, message_id, "
+            "status, expires_at) VALUES (gen_random_uuid(), gen_random_uuid(), 'k', "
+            "gen_random_uuid(), 'Confirmed', now())",
+            "DELETE FROM workqueue_message",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+
+        claimed = conn.execute(
+            "SELECT delivery_id, lease_token FROM wq_claim(p_subscription_id => %s, "
+            "p_lease_owner => 'runtime', p_max_rows => 10) WHERE kind = 'Claimed'",
+            [subscription.id],
+        ).fetchall()
+        assert len(claimed) == 1
+        completed = conn.execute(
+            "SELECT affected_rows FROM wq_complete(p_delivery_id => %s, p_lease_token => %s)",
+            claimed[0],
+        ).fetchone()
+        assert completed == (1,)
+        status = conn.execute(
+            "SELECT status FROM workqueue_delivery WHERE id = %s", [claimed[0][0]]
+        ).fetchone()
+        assert status == ("Completed",)
+
+
+def test_a_role_without_the_grant_cannot_call_the_procedures(runtime_role):
+    subscription = SubscriptionFactory()
+    with _connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(
+            "SELECT * FROM wq_claim(p_subscription_id => %s, p_lease_owner => 'x', "
+            "p_max_rows => 1)",
+            [subscription.id],
+        )

@@ -1,0 +1,139 @@
+"""Verbs about the database itself: the embedded cluster, grants, the scaler query and the
+conformance suite. These are the surfaces allowed to reach the driver directly."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from workqueue.cli import Verb
+from workqueue.cli.output import to_json
+
+
+class LocalDbVerb(Verb):
+    name = "localdb"
+    help = "Control the embedded PostgreSQL cluster used when DATABASE_URL is unset."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("action", choices=["start", "stop", "url"])
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue import localdb
+
+        action = options["action"]
+        if action == "start":
+            command.stdout.write(localdb.ensure_running())
+        elif action == "stop":
+            localdb.stop()
+            command.stdout.write("stopped")
+        else:
+            current = localdb.url()
+            if current is None:
+                raise CommandError(
+                    "The embedded PostgreSQL is not running; start it with "
+                    "`manage.py workqueue localdb start`."
+                )
+            command.stdout.write(current)
+
+
+class _GrantVerb(Verb):
+    statements_for: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("role", help="An existing database role (login or group).")
+        parser.add_argument(
+            "--print",
+            action="store_true",
+            dest="print_only",
+            help="Print the statements instead of running them.",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.conf import get_settings
+        from workqueue.driver import install
+        from workqueue.exceptions import DriverError
+
+        alias = get_settings().DATABASE_ALIAS
+        statements = getattr(install, self.statements_for)(options["role"], alias)
+        if options["print_only"]:
+            command.stdout.write(";\n".join(statements) + ";")
+            return
+        try:
+            install.apply_statements(statements, alias)
+        except DriverError as exc:
+            raise CommandError(
+                f"Could not grant to {options['role']!r}: {exc}. Create the role first (for "
+                f"example CREATE ROLE ... LOGIN PASSWORD '...') and run this as the database "
+                "user that owns the work-queue tables."
+            ) from exc
+        command.stdout.write(f"Granted {len(statements)} privileges to {options['role']}.")
+
+
+class GrantRuntimeVerb(_GrantVerb):
+    name = "grant-runtime"
+    help = (
+        "Let a role run hosts and publish: EXECUTE on the wq_* procedures and SELECT on the "
+        "tables, never INSERT/UPDATE/DELETE on the queue tables."
+    )
+    statements_for = "grant_runtime_statements"
+
+
+class GrantScalerVerb(_GrantVerb):
+    name = "grant-scaler"
+    help = "Let an autoscaler login read the two tables its scaler query needs, nothing else."
+    statements_for = "grant_scaler_statements"
+
+
+class ScalerQueryVerb(Verb):
+    name = "scaler-query"
+    help = "Print the autoscaler SQL for this database's vendor (desired workers, capped 1000)."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("-s", "--subscription", required=True)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.conf import get_settings
+        from workqueue.driver import get_driver
+
+        sql = get_driver(get_settings().DATABASE_ALIAS).scaler_query()
+        name = options["subscription"].strip().lower()
+        if options["json"]:
+            command.stdout.write(to_json({"sql": sql, "parameters": {"name": name}}))
+        else:
+            command.stdout.write(f"-- parameter: name = {name!r}\n{sql}")
+
+
+class ConformanceVerb(Verb):
+    name = "conformance"
+    help = "Run the transport conformance suite against the configured database."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--case",
+            action="append",
+            dest="cases",
+            metavar="ID",
+            help="Run only this case (repeatable), e.g. --case C14.",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.conf import get_settings
+        from workqueue.testing.conformance.runner import format_table, run_conformance
+
+        results = run_conformance(get_settings().DATABASE_ALIAS, only=options["cases"])
+        if options["json"]:
+            command.stdout.write(to_json([r.as_dict() for r in results]))
+        else:
+            command.stdout.write(format_table(results))
+        failed = [r for r in results if not r.passed]
+        if failed or not results:
+            raise CommandError(
+                f"{len(failed)} of {len(results)} conformance cases failed."
+                if results
+                else "No conformance case matched."
+            )
+
+
+DATABASE_VERBS = [LocalDbVerb, GrantRuntimeVerb, GrantScalerVerb, ScalerQueryVerb, ConformanceVerb]

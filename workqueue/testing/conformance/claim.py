@@ -1,0 +1,144 @@
+"""Claim and lease cases: redelivery, backoff, expiry, fencing and heartbeats
+(C04-C09, C21, C22). Time passes through ``advance_time``, never a sleep."""
+
+from __future__ import annotations
+
+from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_true
+from workqueue.testing.conformance.registry import CASES
+
+LEASE = 5  # the shortest lease a subscription may have
+
+
+@CASES.case("C04", "a completed delivery is never delivered again")
+def completed_not_redelivered(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE)
+    ctx.publish()
+    delivery = ctx.receive_one("a")
+
+    settled = ctx.receiver("a").complete(delivery)
+
+    expect_equal((settled.outcome, settled.status), ("Settled", "Completed"), "complete result")
+    ctx.expect_nothing_receivable("a", "right after completion")
+    # Even once the old lease would have run out, nothing comes back.
+    ctx.advance_time(LEASE + 1)
+    ctx.expect_nothing_receivable("a", "after the old lease's expiry time")
+
+
+@CASES.case("C05", "a retried delivery stays hidden for its delay, then returns as attempt 2")
+def retry_with_delay(ctx: CaseContext) -> None:
+    ctx.subscribe("a")
+    sent = ctx.publish()
+    first = ctx.receive_one("a")
+
+    settled = ctx.receiver("a").retry(first, delay_seconds=2, error="try later")
+
+    expect_equal((settled.outcome, settled.status), ("Settled", "Pending"), "retry result")
+    ctx.expect_nothing_receivable("a", "during the 2 s backoff")
+    ctx.advance_time(3)
+    again = ctx.receive_one("a")
+    expect_equal(again.message_id, sent.message_id, "message id after the backoff")
+    expect_equal(again.delivery_id, first.delivery_id, "delivery id after the backoff")
+    expect_equal(again.attempt, 2, "attempt number after one retry")
+
+
+@CASES.case("C06", "a delivery whose lease expires unsettled is delivered again as attempt 2")
+def lease_expiry_redelivers(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE)
+    sent = ctx.publish()
+    ctx.receive_one("a")
+
+    ctx.expect_nothing_receivable("a", "while the lease is held")
+    ctx.advance_time(LEASE + 1)
+
+    again = ctx.receive_one("a", owner="second")
+    expect_equal(again.message_id, sent.message_id, "message id redelivered after expiry")
+    expect_equal(again.attempt, 2, "attempt number after lease expiry")
+
+
+@CASES.case("C07", "a stale lease token cannot settle; the new holder's token can")
+def fencing_on_complete(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE)
+    ctx.publish()
+    stale = ctx.receive_one("a")
+    ctx.advance_time(LEASE + 1)
+    current = ctx.receive_one("a", owner="second")
+    expect_true(stale.lease_token != current.lease_token, "re-claim issues a new lease token")
+
+    lost = ctx.receiver("a").complete(stale)
+    won = ctx.receiver("a", "second").complete(current)
+
+    expect_equal(lost.outcome, "LeaseLost", "complete with the stale token")
+    expect_equal((won.outcome, won.status), ("Settled", "Completed"), "complete with new token")
+
+
+@CASES.case("C08", "a heartbeat renews the full lease, so the delivery is not taken over")
+def heartbeat_keeps_lease(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE)
+    ctx.publish()
+    delivery = ctx.receive_one("a")
+
+    ctx.advance_time(4)
+    extension = ctx.receiver("a").extend_lease(delivery, progress={"percent": 50})
+    expect_equal(extension.state, "Held", "lease state after a heartbeat 4 s in")
+    # 7 s after the claim: past the original lease, within the renewed one.
+    ctx.advance_time(3)
+    ctx.expect_nothing_receivable("a", "3 s after the heartbeat")
+
+    settled = ctx.receiver("a").complete(delivery)
+    expect_equal(settled.outcome, "Settled", "complete after the heartbeat")
+
+
+@CASES.case("C09", "a heartbeat with a stale token after a takeover reports the lease lost")
+def heartbeat_after_takeover(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE)
+    ctx.publish()
+    stale = ctx.receive_one("a")
+    ctx.advance_time(LEASE + 1)
+    current = ctx.receive_one("a", owner="second")
+
+    expect_equal(ctx.receiver("a").extend_lease(stale).state, "Lost", "stale heartbeat")
+    expect_equal(
+        ctx.receiver("a", "second").extend_lease(current).state, "Held", "new holder's heartbeat"
+    )
+
+
+@CASES.case("C21", "a released delivery is delivered again without using up an attempt")
+def release_refunds_attempt(ctx: CaseContext) -> None:
+    ctx.subscribe("a")
+    sent = ctx.publish()
+    first = ctx.receive_one("a")
+
+    settled = ctx.receiver("a").release(first)
+
+    expect_equal((settled.outcome, settled.status), ("Settled", "Pending"), "release result")
+    again = ctx.receive_one("a")
+    expect_equal(again.message_id, sent.message_id, "message id after release")
+    expected_attempt = 2 if ctx.traits.release_consumes_attempt else 1
+    expect_equal(again.attempt, expected_attempt, "attempt number after release")
+
+
+@CASES.case(
+    "C22",
+    "a lease expiring on the last attempt dead-letters the delivery as LeaseExpired",
+    requires=("expired_lease_dead_letters",),
+)
+def expiry_on_last_attempt(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE, max_attempts=1)
+    sent = ctx.publish()
+    delivery = ctx.receive_one("a")
+    ctx.advance_time(LEASE + 1)
+
+    result = ctx.receive_result("a")
+
+    expect_equal(len(result.deliveries), 0, "deliveries receivable after the last attempt expired")
+    expect_equal(
+        [(e.delivery_id, e.reason) for e in result.expired_dead_letters],
+        [(delivery.delivery_id, "LeaseExpired")],
+        "dead letters reported by the receive that expired the lease",
+    )
+    letters = ctx.dead_letters("a")
+    expect_equal(
+        [(d.message_id, d.reason) for d in letters],
+        [(sent.message_id, "LeaseExpired")],
+        "dead letters listed",
+    )

@@ -1,0 +1,183 @@
+"""Partition cases: Exclusive single flight per key, Ordered heads, and cancelled heads
+(C11-C17, C25, C26)."""
+
+from __future__ import annotations
+
+from workqueue.testing.conformance.harness import CaseContext, expect_equal, numbers
+from workqueue.testing.conformance.registry import CASES
+
+LEASE = 5
+
+
+@CASES.case("C11", "Exclusive: a key runs one delivery at a time; the next follows completion")
+def exclusive_one_in_flight(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.keyed(2)
+
+    first = ctx.receive_one("a")
+    ctx.expect_nothing_receivable("a", "while the key's first delivery is in flight")
+    ctx.receiver("a").complete(first)
+
+    second = ctx.receive_one("a")
+    expect_equal(sorted(numbers([first, second])), [1, 2], "messages received one after the other")
+
+
+@CASES.case("C12", "Exclusive: deliveries of different keys are received together")
+def exclusive_keys_in_parallel(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.publish(key="k1")
+    ctx.publish(key="k2")
+
+    deliveries = ctx.receive("a")
+
+    expect_equal(
+        sorted(d.partition_key or "" for d in deliveries), ["k1", "k2"], "keys received at once"
+    )
+
+
+@CASES.case("C13", "Exclusive: a dead-lettered delivery does not block its key")
+def exclusive_dead_letter_frees_key(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.keyed(2)
+    first = ctx.receive_one("a")
+
+    ctx.receiver("a").dead_letter(first, "Poison")
+
+    second = ctx.receive_one("a")
+    expect_equal(
+        sorted(numbers([first, second])), [1, 2], "the key's other message follows the dead letter"
+    )
+
+
+@CASES.case(
+    "C14",
+    "Ordered: only a key's head is delivered; the next follows its completion",
+    requires=("supports_ordered",),
+)
+def ordered_head_only(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Ordered")
+    ctx.keyed(3)
+
+    for expected in (1, 2, 3):
+        head = ctx.receive_one("a")
+        expect_equal(numbers([head]), [expected], "message delivered as the key's head")
+        ctx.expect_nothing_receivable("a", f"while message {expected} is in flight")
+        ctx.receiver("a").complete(head)
+
+
+@CASES.case(
+    "C15",
+    "Ordered: a head in retry backoff holds its key and returns first as attempt 2",
+    requires=("supports_ordered",),
+)
+def ordered_retry_holds_key(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Ordered")
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+
+    ctx.receiver("a").retry(head, delay_seconds=2)
+
+    ctx.expect_nothing_receivable("a", "while the head waits out its backoff")
+    ctx.advance_time(3)
+    again = ctx.receive_one("a")
+    expect_equal((numbers([again])[0], again.attempt), (1, 2), "head after backoff (n, attempt)")
+
+
+@CASES.case(
+    "C16",
+    "Ordered: a dead-lettered head blocks its key until it is replayed and completed",
+    requires=("supports_ordered",),
+)
+def ordered_dead_letter_blocks_until_replay(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Ordered")
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+    ctx.receiver("a").dead_letter(head, "Poison")
+
+    ctx.expect_nothing_receivable("a", "while the dead-lettered head blocks the key")
+    if ctx.traits.supports_list_partitions:
+        blocked = ctx.partitions("a", "Blocked")
+        expect_equal(
+            [(p.partition_key, p.head_delivery_id) for p in blocked],
+            [("k", head.delivery_id)],
+            "keys listed as Blocked (key, head delivery)",
+        )
+
+    replayed = ctx.replay("a", head.delivery_id)
+
+    expect_equal(replayed, True, "replay of the dead-lettered head changed it")
+    again = ctx.receive_one("a")
+    expect_equal(
+        (numbers([again])[0], again.is_replay, again.attempt),
+        (1, True, 1),
+        "replayed head (n, is_replay, attempt)",
+    )
+    ctx.receiver("a").complete(again)
+    expect_equal(numbers([ctx.receive_one("a")]), [2], "message after the replayed head")
+
+
+@CASES.case(
+    "C17",
+    "Ordered: discarding a dead-lettered head unblocks its key",
+    requires=("supports_ordered",),
+)
+def ordered_discard_unblocks(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Ordered")
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+    ctx.receiver("a").dead_letter(head, "Poison")
+
+    result = ctx.discard("a", head.delivery_id)
+
+    expect_equal(
+        (result.changed, result.cancel_requested), (True, False), "discard (changed, cancel)"
+    )
+    expect_equal(numbers([ctx.receive_one("a")]), [2], "message after the discarded head")
+
+
+@CASES.case(
+    "C25",
+    "Exclusive: a cancelled head keeps its key busy until its holder acknowledges",
+    requires=("cancel_in_flight",),
+)
+def exclusive_cancel_frees_key_on_acknowledge(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+
+    result = ctx.discard("a", head.delivery_id)
+
+    expect_equal(result.cancel_requested, True, "discard of a running head requests a cancel")
+    ctx.expect_nothing_receivable("a", "before the holder acknowledges the cancel")
+    acknowledged = ctx.receiver("a").acknowledge_cancel(head)
+    expect_equal(acknowledged.status, "Discarded", "status after acknowledging the cancel")
+    second = ctx.receive_one("a")
+    expect_equal(
+        sorted(numbers([head, second])), [1, 2], "the key's other message follows the cancel"
+    )
+
+
+@CASES.case(
+    "C26",
+    "Exclusive: an unacknowledged cancelled head is discarded at lease expiry, never retried",
+    requires=("cancel_in_flight",),
+)
+def exclusive_cancel_discarded_on_expiry(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive", lease_seconds=LEASE)
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+    expect_equal(ctx.discard("a", head.delivery_id).cancel_requested, True, "cancel requested")
+    ctx.expect_nothing_receivable("a", "while the cancelled head's lease runs")
+
+    ctx.advance_time(LEASE + 1)
+
+    second = ctx.receive_one("a", owner="second")
+    expect_equal(
+        sorted(numbers([head, second])), [1, 2], "the key's other message after the expiry"
+    )
+    stats = ctx.stats("a")
+    expect_equal(
+        (stats["pending"], stats["in_flight"], stats["dead_lettered"]),
+        (0, 1, 0),
+        "stats (pending, in flight, dead-lettered): the cancelled head was not retried",
+    )
