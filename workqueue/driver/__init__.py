@@ -35,6 +35,11 @@ def driver_class_for_vendor(vendor: str) -> type[BaseDriver]:
     return import_string(path)
 
 
+def driver_class_for_alias(alias: str) -> type[BaseDriver]:
+    """The driver class for database ``alias`` (raises UnsupportedDatabaseError)."""
+    return driver_class_for_vendor(connections[alias].vendor)
+
+
 def get_driver(alias: str = "default") -> BaseDriver:
     """Return the (cached, thread-safe) driver for database ``alias``."""
     driver = _drivers.get(alias)
@@ -42,7 +47,7 @@ def get_driver(alias: str = "default") -> BaseDriver:
         with _lock:
             driver = _drivers.get(alias)
             if driver is None:
-                cls = driver_class_for_vendor(connections[alias].vendor)
+                cls = driver_class_for_alias(alias)
                 driver = _drivers[alias] = cls(alias)
     return driver
 
