@@ -19,6 +19,7 @@ from typing import Any
 
 from django.db import connections
 
+from workqueue import signals
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
@@ -123,7 +124,13 @@ def publish_many(
         rows = _call_publish(topic, [p for _, p in prepared], _publisher(user), enlist, external)
         for (index, _), row in zip(prepared, rows, strict=True):
             results[index] = _result_from_row(row)
-    return [r for r in results if r is not None]
+    final = [r for r in results if r is not None]
+    accepted = [r.message_id for r in final if r.accepted]
+    if accepted and not enlist:
+        # In-process consumers of the topic claim at once instead of at their next poll. (An
+        # enlisted publish is not visible until the caller commits; NOTIFY covers that.)
+        signals.published.send(sender=publish_many, topic=topic, message_ids=accepted)
+    return final
 
 
 def _call_publish(

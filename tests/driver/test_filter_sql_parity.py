@@ -292,7 +292,7 @@ def test_absent_or_empty_filter_matches_everything(
         ),
     ],
 )
-def test_corrupt_filter_raises_instead_of_guessing(
+def test_corrupt_clause_raises_instead_of_guessing(
     pg_conn: psycopg.Connection[Any], clause_json: str, attributes_json: str
 ) -> None:
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="wq_filter_matches"):
@@ -300,3 +300,21 @@ def test_corrupt_filter_raises_instead_of_guessing(
             "SELECT wq_filter_matches(%s::jsonb, %s::jsonb)",
             (f'{{"logic": "and", "filters": [{clause_json}]}}', attributes_json),
         )
+
+
+@pytest.mark.parametrize(
+    "filter_json",
+    [
+        '[{"field": "a", "operator": "isnull"}]',
+        '"a eq x"',
+        '{"logic": "and", "filters": null}',
+        '{"logic": "and", "filters": {"field": "a", "operator": "isnull"}}',
+        '{"logic": "and", "filters": [{"logic": "or", "filters": []}]}',
+    ],
+    ids=["root-array", "root-string", "filters-null", "filters-object", "empty-group"],
+)
+def test_corrupt_filter_shape_raises_instead_of_guessing(
+    pg_conn: psycopg.Connection[Any], filter_json: str
+) -> None:
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="wq_filter_matches"):
+        pg_conn.execute("SELECT wq_filter_matches(%s::jsonb, '{}'::jsonb)", (filter_json,))

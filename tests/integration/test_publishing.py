@@ -4,6 +4,7 @@ import pytest
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
+from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message
 from workqueue.transport import Receiver
 
@@ -47,3 +48,40 @@ def test_receive_claims_in_one_call_and_complete_settles():
     assert len(claimed) == 1 and claimed[0].attempt == 1
     assert receiver.complete(claimed[0]).settled
     assert not receiver.complete(claimed[0]).settled
+
+
+class _StatementCounter:
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+
+    def __call__(self, execute, sql, params, many, context):
+        self.statements.append(sql)
+        return execute(sql, params, many, context)
+
+
+def test_publishing_to_ten_subscriptions_is_one_statement():
+    topic = TopicFactory()
+    for _ in range(10):
+        SubscriptionFactory(topic=topic)
+    counter = _StatementCounter()
+    connection = get_driver()._private_connection()
+
+    with connection.execute_wrapper(counter):
+        result = publish(topic.name, {"n": 1})
+
+    assert result.status == "Accepted"
+    assert len(counter.statements) == 1 and "wq_publish(" in counter.statements[0]
+    assert Delivery.objects.filter(message_id=result.message_id).count() == 10
+
+
+def test_receiving_a_hundred_deliveries_is_one_statement():
+    sub = SubscriptionFactory()
+    publish_many(sub.topic.name, [{"payload": n} for n in range(150)])
+    receiver = Receiver(sub.id)
+    counter = _StatementCounter()
+
+    with receiver.driver._private_connection().execute_wrapper(counter):
+        claimed = receiver.receive(100).deliveries
+
+    assert len(claimed) == 100
+    assert len(counter.statements) == 1 and "wq_claim(" in counter.statements[0]

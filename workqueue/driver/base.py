@@ -97,8 +97,10 @@ class BaseDriver:
         """
         raise NotImplementedError
 
-    def listen(self, channels: list[str]) -> Any:
-        """Open a connection listening on ``channels`` (see ``supports_listen_notify``)."""
+    def open_listener(self) -> Any:
+        """A dedicated connection with ``listen(channel)``, ``unlisten(channel)``,
+        ``notifications(timeout)`` (yields channel names) and ``close()``; only where
+        ``features.supports_listen_notify``."""
         raise NotImplementedError(f"{self.vendor_label} has no LISTEN/NOTIFY")
 
     def topic_channel(self, topic_id: str) -> str:

@@ -3,7 +3,7 @@ LISTEN/NOTIFY wake-ups."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
 
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -101,6 +101,8 @@ class PostgresDriver(BaseDriver):
         statements += [
             f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}" for name in sorted(PROCEDURES)
         ]
+        # Hosts record their own health (not a queue table: no fencing rules to protect).
+        statements.append(f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}")
         return statements
 
     def grant_scaler_statements(self, role: str) -> list[str]:
@@ -154,17 +156,35 @@ class PostgresDriver(BaseDriver):
             ):
                 cursor.execute(statement, {"t": topic_id})
 
-    def listen(self, channels: list[str]) -> Any:
+    def open_listener(self) -> PostgresListener:
+        return PostgresListener(self.alias)
+
+
+class PostgresListener:
+    """A dedicated autocommit connection that LISTENs for publish notifications."""
+
+    def __init__(self, alias: str) -> None:
         import psycopg
         from django.db import connections
 
-        params = connections[self.alias].get_connection_params()
+        params = connections[alias].get_connection_params()
         params.pop("cursor_factory", None)
         params.pop("context", None)
-        conn = psycopg.connect(autocommit=True, **params)
-        for channel in channels:
-            conn.execute(f"LISTEN {_quote_identifier(channel)}")
-        return conn
+        self._connection = psycopg.connect(autocommit=True, **params)
+
+    def listen(self, channel: str) -> None:
+        self._connection.execute(f"LISTEN {_quote_identifier(channel)}")
+
+    def unlisten(self, channel: str) -> None:
+        self._connection.execute(f"UNLISTEN {_quote_identifier(channel)}")
+
+    def notifications(self, timeout: float) -> Iterator[str]:
+        """Yield the channel of each notification arriving within ``timeout`` seconds."""
+        for notify in self._connection.notifies(timeout=timeout):
+            yield notify.channel
+
+    def close(self) -> None:
+        self._connection.close()
 
 
 # Claimable now (keyless visible Pending rows, plus one per key that could be claimed) plus

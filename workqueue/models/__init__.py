@@ -1,6 +1,15 @@
 from __future__ import annotations
 
+from workqueue.models.hosts import HostRecord
 from workqueue.models.queue import Deduplication, Delivery, Message
 from workqueue.models.topology import Subscription, Topic, Transport
 
-__all__ = ["Deduplication", "Delivery", "Message", "Subscription", "Topic", "Transport"]
+__all__ = [
+    "Deduplication",
+    "Delivery",
+    "HostRecord",
+    "Message",
+    "Subscription",
+    "Topic",
+    "Transport",
+]

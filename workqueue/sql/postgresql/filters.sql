@@ -6,7 +6,7 @@
 -- tests/driver/test_filter_sql_parity.py checks that on generated cases.
 --
 -- Guarantees, for a filter accepted by workqueue.filters.parse_filter (canonical or as written):
---   * NULL filter, JSON null, {} or an empty/missing "filters" list -> true (matches all).
+--   * NULL filter, JSON null, {} or an empty or missing "filters" list -> true (matches all).
 --   * NULL attributes (or JSON null) are treated as "no attributes".
 --   * The result is the AND of the root clauses:
 --       eq          attribute present and equal to value
@@ -19,9 +19,12 @@
 --   * Comparison is exact and case-sensitive (byte-wise, COLLATE "C"), whatever the database
 --     collation, matching Python's code-point comparison of str.
 --   * Evaluation stops at the first failing clause.
---   * A clause with an operator outside the grammar, or eq/neq/startswith without a value,
---     raises SQLSTATE 22023 instead of quietly returning a guess: a corrupt stored filter must
---     surface, not silently drop or misroute deliveries.
+--   * Input it cannot interpret raises SQLSTATE 22023 (invalid_parameter_value) instead of
+--     quietly returning a guess, because a corrupt stored filter must surface rather than
+--     silently drop or misroute deliveries: a filter that is not an object, "filters" that is
+--     not an array, an "or" group without a first member naming a field, and (when evaluation
+--     reaches it) a clause with an operator outside the grammar or eq/neq/startswith without a
+--     value.
 --   * IMMUTABLE and PARALLEL SAFE: depends only on its arguments, touches no tables.
 --
 -- The function does not re-validate the grammar (field names, limits, group shape); that is
@@ -34,7 +37,7 @@ IMMUTABLE
 PARALLEL SAFE
 AS $wq_filter_matches$
 DECLARE
-    v_clauses  jsonb := p_filter -> 'filters';   -- NULL for SQL NULL, JSON null or a missing key
+    v_clauses  jsonb;
     v_count    integer;
     v_clause   jsonb;
     v_members  jsonb;
@@ -44,8 +47,22 @@ DECLARE
     v_actual   text COLLATE "C";
     v_expected text COLLATE "C";
 BEGIN
-    IF v_clauses IS NULL OR jsonb_typeof(v_clauses) <> 'array' THEN
+    IF p_filter IS NULL OR jsonb_typeof(p_filter) = 'null' THEN
         RETURN true;
+    END IF;
+    IF jsonb_typeof(p_filter) <> 'object' THEN
+        RAISE EXCEPTION 'wq_filter_matches: filter must be a JSON object, got %',
+            jsonb_typeof(p_filter)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_clauses := p_filter -> 'filters';
+    IF v_clauses IS NULL THEN
+        RETURN true;  -- {} and {"logic": "and"}: no conditions
+    END IF;
+    IF jsonb_typeof(v_clauses) <> 'array' THEN
+        RAISE EXCEPTION 'wq_filter_matches: "filters" must be a JSON array, got %',
+            jsonb_typeof(v_clauses)
+            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     v_count := jsonb_array_length(v_clauses);
 
@@ -60,6 +77,10 @@ BEGIN
             -- An "or" group of eq conditions on one field: present and equal to some member.
             -- All members name the same field (validated on save), so read it from the first.
             v_field := v_members -> 0 ->> 'field';
+            IF v_field IS NULL THEN
+                RAISE EXCEPTION 'wq_filter_matches: "or" group % has no member naming a field', i
+                    USING ERRCODE = 'invalid_parameter_value';
+            END IF;
             v_actual := p_attributes ->> v_field;
             -- jsonb containment compares JSON strings exactly, so this is "v_actual is one of
             -- the member values" in a single operator call instead of a per-member loop.

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_true
+from workqueue.testing.conformance.harness import (
+    CaseContext,
+    expect_equal,
+    expect_settled,
+    expect_true,
+)
 from workqueue.testing.conformance.registry import CASES
 
 LEASE = 5  # the shortest lease a subscription may have
@@ -17,7 +22,7 @@ def completed_not_redelivered(ctx: CaseContext) -> None:
 
     settled = ctx.receiver("a").complete(delivery)
 
-    expect_equal((settled.outcome, settled.status), ("Settled", "Completed"), "complete result")
+    expect_settled(settled, "Completed", "complete result")
     ctx.expect_nothing_receivable("a", "right after completion")
     # Even once the old lease would have run out, nothing comes back.
     ctx.advance_time(LEASE + 1)
@@ -32,7 +37,7 @@ def retry_with_delay(ctx: CaseContext) -> None:
 
     settled = ctx.receiver("a").retry(first, delay_seconds=2, error="try later")
 
-    expect_equal((settled.outcome, settled.status), ("Settled", "Pending"), "retry result")
+    expect_settled(settled, "Pending", "retry result")
     ctx.expect_nothing_receivable("a", "during the 2 s backoff")
     ctx.advance_time(3)
     again = ctx.receive_one("a")
@@ -68,7 +73,7 @@ def fencing_on_complete(ctx: CaseContext) -> None:
     won = ctx.receiver("a", "second").complete(current)
 
     expect_equal(lost.outcome, "LeaseLost", "complete with the stale token")
-    expect_equal((won.outcome, won.status), ("Settled", "Completed"), "complete with new token")
+    expect_settled(won, "Completed", "complete with new token")
 
 
 @CASES.case("C08", "a heartbeat renews the full lease, so the delivery is not taken over")
@@ -85,7 +90,7 @@ def heartbeat_keeps_lease(ctx: CaseContext) -> None:
     ctx.expect_nothing_receivable("a", "3 s after the heartbeat")
 
     settled = ctx.receiver("a").complete(delivery)
-    expect_equal(settled.outcome, "Settled", "complete after the heartbeat")
+    expect_settled(settled, "Completed", "complete after the heartbeat")
 
 
 @CASES.case("C09", "a heartbeat with a stale token after a takeover reports the lease lost")
@@ -110,7 +115,7 @@ def release_refunds_attempt(ctx: CaseContext) -> None:
 
     settled = ctx.receiver("a").release(first)
 
-    expect_equal((settled.outcome, settled.status), ("Settled", "Pending"), "release result")
+    expect_settled(settled, "Pending", "release result")
     again = ctx.receive_one("a")
     expect_equal(again.message_id, sent.message_id, "message id after release")
     expected_attempt = 2 if ctx.traits.release_consumes_attempt else 1

@@ -32,6 +32,7 @@ from workqueue.types import (
     DiscardResult,
     PartitionItem,
     PublishResult,
+    SettleResult,
 )
 
 TOPIC_PREFIX = "wqconf."
@@ -53,6 +54,11 @@ def expect_true(condition: bool, what: str, got: Any = None) -> None:
     if not condition:
         detail = f" (got {got!r})" if got is not None else ""
         raise ConformanceFailure(f"{what}{detail}")
+
+
+def expect_settled(result: SettleResult, status: str, what: str) -> None:
+    """Fail unless a settle call took effect and left the delivery in ``status``."""
+    expect_equal((result.outcome, result.status), ("Settled", status), what)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workqueue.testing.conformance.harness import CaseContext, expect_equal
+from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_settled
 from workqueue.testing.conformance.registry import CASES
 
 LEASE = 5
@@ -18,7 +18,7 @@ def discard_pending(ctx: CaseContext) -> None:
     ctx.publish()
     delivery = ctx.receive_one("a")
     released = ctx.receiver("a").release(delivery)
-    expect_equal((released.outcome, released.status), ("Settled", "Pending"), "release result")
+    expect_settled(released, "Pending", "release result")
 
     result = ctx.discard("a", delivery.delivery_id)
 
@@ -40,7 +40,7 @@ def stats_count_completed(ctx: CaseContext) -> None:
 
     done = ctx.receive("a", max=1)
     expect_equal(len(done), 1, "deliveries received with max=1")
-    ctx.receiver("a").complete(done[0])
+    expect_settled(ctx.receiver("a").complete(done[0]), "Completed", "complete result")
 
     stats = ctx.stats("a")
     expect_equal(
@@ -60,6 +60,10 @@ def cancel_in_flight(ctx: CaseContext) -> None:
     ctx.publish()
     delivery = ctx.receive_one("a")
     receiver = ctx.receiver("a")
+    # Acknowledging is only for cancelled deliveries; this one is still running normally.
+    expect_equal(
+        receiver.acknowledge_cancel(delivery).outcome, "LeaseLost", "acknowledge before a cancel"
+    )
 
     result = ctx.discard("a", delivery.delivery_id)
 
@@ -69,12 +73,13 @@ def cancel_in_flight(ctx: CaseContext) -> None:
     expect_equal(receiver.extend_lease(delivery).state, "Cancelled", "heartbeat after cancel")
     expect_equal(receiver.complete(delivery).outcome, "LeaseLost", "complete after cancel")
     expect_equal(receiver.retry(delivery, 0).outcome, "LeaseLost", "retry after cancel")
-    acknowledged = receiver.acknowledge_cancel(delivery)
+    # The digest names complete and retry; the same fence stops the other two settles.
     expect_equal(
-        (acknowledged.outcome, acknowledged.status),
-        ("Settled", "Discarded"),
-        "first acknowledgement of the cancel",
+        receiver.dead_letter(delivery, "X").outcome, "LeaseLost", "dead-letter after cancel"
     )
+    expect_equal(receiver.release(delivery).outcome, "LeaseLost", "release after cancel")
+    acknowledged = receiver.acknowledge_cancel(delivery)
+    expect_settled(acknowledged, "Discarded", "first acknowledgement of the cancel")
     expect_equal(
         receiver.acknowledge_cancel(delivery).outcome, "LeaseLost", "second acknowledgement"
     )

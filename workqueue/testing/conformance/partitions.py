@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from workqueue.testing.conformance.harness import CaseContext, expect_equal, numbers
+from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_settled, numbers
 from workqueue.testing.conformance.registry import CASES
 
 LEASE = 5
@@ -16,7 +16,7 @@ def exclusive_one_in_flight(ctx: CaseContext) -> None:
 
     first = ctx.receive_one("a")
     ctx.expect_nothing_receivable("a", "while the key's first delivery is in flight")
-    ctx.receiver("a").complete(first)
+    expect_settled(ctx.receiver("a").complete(first), "Completed", "complete result")
 
     second = ctx.receive_one("a")
     expect_equal(sorted(numbers([first, second])), [1, 2], "messages received one after the other")
@@ -41,7 +41,9 @@ def exclusive_dead_letter_frees_key(ctx: CaseContext) -> None:
     ctx.keyed(2)
     first = ctx.receive_one("a")
 
-    ctx.receiver("a").dead_letter(first, "Poison")
+    expect_settled(
+        ctx.receiver("a").dead_letter(first, "Poison"), "DeadLettered", "dead letter result"
+    )
 
     second = ctx.receive_one("a")
     expect_equal(
@@ -62,7 +64,7 @@ def ordered_head_only(ctx: CaseContext) -> None:
         head = ctx.receive_one("a")
         expect_equal(numbers([head]), [expected], "message delivered as the key's head")
         ctx.expect_nothing_receivable("a", f"while message {expected} is in flight")
-        ctx.receiver("a").complete(head)
+        expect_settled(ctx.receiver("a").complete(head), "Completed", "complete result")
 
 
 @CASES.case(
@@ -75,7 +77,7 @@ def ordered_retry_holds_key(ctx: CaseContext) -> None:
     ctx.keyed(2)
     head = ctx.receive_one("a")
 
-    ctx.receiver("a").retry(head, delay_seconds=2)
+    expect_settled(ctx.receiver("a").retry(head, delay_seconds=2), "Pending", "retry result")
 
     ctx.expect_nothing_receivable("a", "while the head waits out its backoff")
     ctx.advance_time(3)
@@ -92,7 +94,9 @@ def ordered_dead_letter_blocks_until_replay(ctx: CaseContext) -> None:
     ctx.subscribe("a", partition_mode="Ordered")
     ctx.keyed(2)
     head = ctx.receive_one("a")
-    ctx.receiver("a").dead_letter(head, "Poison")
+    expect_settled(
+        ctx.receiver("a").dead_letter(head, "Poison"), "DeadLettered", "dead letter result"
+    )
 
     ctx.expect_nothing_receivable("a", "while the dead-lettered head blocks the key")
     if ctx.traits.supports_list_partitions:
@@ -112,7 +116,7 @@ def ordered_dead_letter_blocks_until_replay(ctx: CaseContext) -> None:
         (1, True, 1),
         "replayed head (n, is_replay, attempt)",
     )
-    ctx.receiver("a").complete(again)
+    expect_settled(ctx.receiver("a").complete(again), "Completed", "complete result")
     expect_equal(numbers([ctx.receive_one("a")]), [2], "message after the replayed head")
 
 
@@ -125,7 +129,9 @@ def ordered_discard_unblocks(ctx: CaseContext) -> None:
     ctx.subscribe("a", partition_mode="Ordered")
     ctx.keyed(2)
     head = ctx.receive_one("a")
-    ctx.receiver("a").dead_letter(head, "Poison")
+    expect_settled(
+        ctx.receiver("a").dead_letter(head, "Poison"), "DeadLettered", "dead letter result"
+    )
 
     result = ctx.discard("a", head.delivery_id)
 

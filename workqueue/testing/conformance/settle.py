@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workqueue.testing.conformance.harness import CaseContext, expect_equal, numbers
+from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_settled, numbers
 from workqueue.testing.conformance.registry import CASES
 
 
@@ -17,8 +17,8 @@ def independent_settle(ctx: CaseContext) -> None:
     completed = ctx.receiver("a").complete(on_a)
     dead = ctx.receiver("b").dead_letter(on_b, "Poison", error="cannot parse")
 
-    expect_equal(completed.outcome, "Settled", "complete on 'a'")
-    expect_equal((dead.outcome, dead.status), ("Settled", "DeadLettered"), "dead-letter on 'b'")
+    expect_settled(completed, "Completed", "complete on 'a'")
+    expect_settled(dead, "DeadLettered", "dead-letter on 'b'")
     ctx.expect_nothing_receivable("a", "after completing on 'a'")
     expect_equal(ctx.dead_letters("a"), [], "dead letters of 'a'")
     expect_equal(
@@ -36,9 +36,13 @@ def dead_letter_listed(ctx: CaseContext) -> None:
     received = sorted(ctx.receive("a"), key=lambda d: numbers([d]))
     expect_equal(numbers(received), [1, 2], "messages received")
     first, second = received
-    ctx.receiver("a").complete(first)
+    expect_settled(ctx.receiver("a").complete(first), "Completed", "complete result")
 
-    ctx.receiver("a").dead_letter(second, "BadInput", error="field x missing")
+    expect_settled(
+        ctx.receiver("a").dead_letter(second, "BadInput", error="field x missing"),
+        "DeadLettered",
+        "dead letter result",
+    )
 
     letters = ctx.dead_letters("a")
     expect_equal(

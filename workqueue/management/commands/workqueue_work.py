@@ -1,0 +1,70 @@
+"""``manage.py workqueue_work -s NAME --once``: container-job mode.
+
+Exit 0 when the host ran (empty queue, budget spent, duration reached, signal, paused
+subscription); exit 2 when a requested subscription could not run (unknown,
+HandlerNotRegistered, Unsupported, Error) or the configuration is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from workqueue.conf import get_settings
+from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.runtime.host import Host, HostConfig, PlanState
+from workqueue.runtime.process import host_disabled, stop_on_signals
+
+CANNOT_RUN = {PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED}
+
+
+class Command(BaseCommand):
+    help = "Process a subscription's deliveries once (for container jobs), then exit."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("-s", "--subscription", required=True, help="Name, or '*' for all.")
+        parser.add_argument("--once", action="store_true", required=True)
+        parser.add_argument("--max", type=int, default=1, help="Deliveries to receive (≥ 1).")
+        parser.add_argument("--concurrency", type=int, default=1)
+        parser.add_argument("--max-duration-ms", type=int, default=None)
+        parser.add_argument("--idle-exit-ms", type=int, default=5000)
+        parser.add_argument("--shutdown-drain-ms", type=int, default=30000)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if host_disabled():
+            self.stdout.write("WORKQUEUE_DISABLE_HOST is set; not running.")
+            return
+        if options["max"] < 1:
+            raise CommandError("--max must be at least 1.")
+        if options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1.")
+        if options["max_duration_ms"] is not None and options["max_duration_ms"] < 1000:
+            raise CommandError("--max-duration-ms must be at least 1000.")
+        stop = stop_on_signals()
+        config = HostConfig.from_settings(
+            get_settings(),
+            [options["subscription"]],
+            concurrency=options["concurrency"],
+            idle_poll_min_ms=250,
+            idle_poll_max_ms=2000,
+            shutdown_drain_ms=options["shutdown_drain_ms"],
+            sweeper_interval_ms=0,
+            reconcile_interval_ms=0,
+        )
+        host = Host(config)
+        try:
+            result = host.run_once(
+                max_deliveries=options["max"],
+                idle_exit_ms=options["idle_exit_ms"],
+                max_duration_ms=options["max_duration_ms"],
+                stop_requested=stop,
+            )
+        except WorkQueueConfigurationError as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        states = host.health()["subscriptions"]
+        self.stdout.write(f"processed={result.processed} reason={result.reason}")
+        failed = [s for s in states if s["state"] in CANNOT_RUN]
+        if failed:
+            details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
+            raise CommandError(f"Could not run: {details}", returncode=2)

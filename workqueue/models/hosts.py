@@ -1,0 +1,42 @@
+"""Host health: each running host records its state here so any web process can report it."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import models
+from django.utils import timezone
+
+# A host that has not reported for this long is shown as gone (it reports every 10 s).
+STALE_AFTER = dt.timedelta(seconds=45)
+
+
+class HostRecordQuerySet(models.QuerySet):
+    def live(self) -> HostRecordQuerySet:
+        return self.filter(stopped_at__isnull=True, last_seen_at__gte=timezone.now() - STALE_AFTER)
+
+
+class HostRecord(models.Model):
+    instance_id = models.CharField(max_length=200, primary_key=True)
+    hostname = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    started_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    #: [{"name", "state", "reason", "in_flight", "handler_key"}, ...]
+    subscriptions = models.JSONField(default=list)
+    #: Handler keys this host has registered (validate-bindings reports unserved ones).
+    handler_keys = models.JSONField(default=list)
+
+    objects = HostRecordQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-last_seen_at"]
+        indexes = [models.Index(fields=["last_seen_at"], name="wq_host_seen_ix")]
+
+    def __str__(self) -> str:
+        return self.instance_id
+
+    @property
+    def is_live(self) -> bool:
+        return self.stopped_at is None and self.last_seen_at >= timezone.now() - STALE_AFTER

@@ -1,0 +1,1 @@
+"""Running handlers: execution of one delivery, the claim loop, the host and the sweeper."""

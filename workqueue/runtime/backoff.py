@@ -1,0 +1,30 @@
+"""Retry delays: the handler's own delay when it gives one, else full-jitter exponential."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+MAX_EXPONENT = 30
+
+
+def retry_delay_seconds(
+    attempt: int,
+    base_seconds: int,
+    max_seconds: int,
+    requested: float | None = None,
+    rand: Callable[[], float] = random.random,
+) -> int:
+    """Seconds to wait before the next attempt of a delivery now on ``attempt`` (1-based).
+
+    A finite ``requested`` delay (from ``Outcome.retry`` or ``TransientWorkError``) is rounded
+    up and clamped to ``[0, max_seconds]``. Otherwise the delay is drawn uniformly from
+    ``[0, min(max_seconds, base_seconds * 2**(attempt-1))]`` (full jitter), so a burst of
+    failures spreads out instead of retrying in lock-step.
+    """
+    if requested is not None and math.isfinite(requested):
+        return int(min(max(math.ceil(requested), 0), max_seconds))
+    exponent = min(max(attempt - 1, 0), MAX_EXPONENT)
+    ceiling = min(max_seconds, base_seconds * 2**exponent)
+    return max(0, round(rand() * ceiling))

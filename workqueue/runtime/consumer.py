@@ -1,0 +1,311 @@
+"""The claim loop of one subscription: claim only what free slots can run, run each delivery
+on a worker thread, batch the completions, back off when idle, wake up on a kick.
+
+Reading order: ``_loop`` (claim → start → wait), ``_execute`` (one delivery on a worker
+thread), ``stop`` (drain, abort, drain).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from workqueue import signals
+from workqueue.exceptions import WorkQueueError
+from workqueue.runtime.context import AbortReason
+from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.handlers import HandlerRegistry
+from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.timers import TimerQueue
+from workqueue.transport import Receiver
+from workqueue.types import ClaimedDelivery, ClaimResult, SettleResult
+
+logger = logging.getLogger(__name__)
+
+COMPLETION_BATCH_LIMIT = 500
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    concurrency: int
+    idle_poll_min_ms: int = 250
+    idle_poll_max_ms: int = 5000
+    shutdown_drain_ms: int = 8000
+
+
+class RunBudget:
+    """How many deliveries a one-shot run may still receive (None: unlimited)."""
+
+    def __init__(self, max_deliveries: int | None) -> None:
+        self.remaining = max_deliveries
+        self._lock = threading.Lock()
+
+    def take(self, wanted: int) -> int:
+        with self._lock:
+            if self.remaining is None:
+                return wanted
+            granted = min(wanted, self.remaining)
+            self.remaining -= granted
+            return granted
+
+    def give_back(self, unused: int) -> None:
+        with self._lock:
+            if self.remaining is not None:
+                self.remaining += unused
+
+    @property
+    def spent(self) -> bool:
+        with self._lock:
+            return self.remaining == 0
+
+
+class CompletionBatcher:
+    """Settles completions in batches: while one ``wq_complete_many`` call runs, the next
+    completions queue up and go together in the following call. Each caller still gets its
+    own fenced result."""
+
+    def __init__(self, receiver: Receiver, name: str) -> None:
+        self._receiver = receiver
+        self._queue: queue.SimpleQueue[tuple[ClaimedDelivery, Future[SettleResult]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=f"{name}-completions", daemon=True)
+        self._thread.start()
+
+    def complete(self, delivery: ClaimedDelivery) -> SettleResult:
+        future: Future[SettleResult] = Future()
+        self._queue.put((delivery, future))
+        return future.result()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                batch = [item]
+                while len(batch) < COMPLETION_BATCH_LIMIT:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self._queue.put(None)  # finish this batch, then stop
+                        break
+                    batch.append(more)
+                try:
+                    results = self._receiver.complete_many(d for d, _ in batch)
+                except Exception as exc:  # every waiter must hear about it
+                    for _, future in batch:
+                        future.set_exception(exc)
+                else:
+                    for delivery, future in batch:
+                        future.set_result(results[delivery.delivery_id])
+        finally:
+            self._receiver.driver.close()
+
+
+class Consumer:
+    """Runs one subscription's deliveries with at most ``concurrency`` handlers at a time."""
+
+    def __init__(
+        self,
+        plan: SubscriptionPlan,
+        config: ConsumerConfig,
+        *,
+        lease_owner: str,
+        handlers: HandlerRegistry,
+        user: Any,
+        timers: TimerQueue,
+        budget: RunBudget | None = None,
+        on_result: Callable[[ExecutionResult], None] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.config = config
+        self.budget = budget
+        self._on_result = on_result
+        self.receiver = Receiver(plan.subscription_id, lease_owner)
+        name = f"wq-{plan.name}"
+        self._workers = ThreadPoolExecutor(config.concurrency, thread_name_prefix=name)
+        self._background = ThreadPoolExecutor(2, thread_name_prefix=f"{name}-bg")
+        self._completions = CompletionBatcher(self.receiver, name)
+        self._services = ExecutionServices(
+            receiver=self.receiver,
+            complete=self._completions.complete,
+            timers=timers,
+            background=self._background,
+            handlers=handlers,
+            user=user,
+            cancel_drain_seconds=config.shutdown_drain_ms / 1000,
+        )
+        self._running: dict[tuple[str, str], DeliveryExecution] = {}
+        self._lock = threading.Condition()
+        self._wake = threading.Event()
+        self._kicked = False
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.received = 0
+        self.finished = 0
+        self.last_activity = time.monotonic()
+        self.receive_pending = False
+        self.last_receive_empty = False
+
+    # -- public ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def kick(self) -> None:
+        """Wake the loop now (something was published to the subscription's topic)."""
+        self._kicked = True
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop claiming, let running handlers finish, then abort the rest with Shutdown.
+
+        Each phase waits at most SHUTDOWN_DRAIN_MS; anything still running after the second
+        wait is left to lease expiry. Safe to call twice and before ``start``.
+        """
+        drain = self.config.shutdown_drain_ms / 1000
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(drain)
+        if not self._wait_idle(drain):
+            with self._lock:
+                running = list(self._running.values())
+            for execution in running:
+                execution.abort(AbortReason.SHUTDOWN)
+            if not self._wait_idle(drain):
+                logger.warning(
+                    "%s: %d handler(s) did not stop; their deliveries will be retried after "
+                    "lease expiry",
+                    self.plan.name,
+                    self.in_flight,
+                )
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._completions.stop()
+        self._background.shutdown(wait=False)
+        self.receiver.driver.close()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        min_delay = self.config.idle_poll_min_ms / 1000
+        max_delay = self.config.idle_poll_max_ms / 1000
+        delay = min_delay
+        while not self._stopping.is_set():
+            free = self.config.concurrency - self.in_flight
+            if self.budget is not None:
+                free = self.budget.take(free)
+            if free <= 0:
+                # Full (or the one-shot budget is spent): wait for a slot or a stop.
+                self._wait(max_delay)
+                continue
+            claimed = self._receive(free)
+            if self.budget is not None:
+                self.budget.give_back(free - len(claimed.deliveries))
+            if self._stopping.is_set():
+                for delivery in claimed.deliveries:
+                    self._release(delivery)
+                break
+            for delivery in claimed.deliveries:
+                self._start(delivery)
+            if claimed.deliveries:
+                delay = min_delay
+                continue
+            # Empty: back off, unless a publish to the topic kicked us awake.
+            delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
+        self.receiver.driver.close()
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep until woken (a kick, a freed slot, a stop) or ``seconds`` pass; True on a kick."""
+        self._wake.wait(seconds)
+        self._wake.clear()
+        kicked, self._kicked = self._kicked, False
+        return kicked
+
+    def _receive(self, max_rows: int) -> ClaimResult:
+        self.receive_pending = True
+        try:
+            result = self.receiver.receive(max_rows)
+        except WorkQueueError as exc:
+            logger.warning("%s: receive failed: %s", self.plan.name, exc)
+            result = ClaimResult([])
+        finally:
+            self.receive_pending = False
+        self.last_receive_empty = not result.deliveries
+        if result.deliveries:
+            self.received += len(result.deliveries)
+            self.last_activity = time.monotonic()
+        for expired in result.expired_dead_letters:
+            signals.dead_lettered.send(
+                sender=Consumer,
+                subscription_id=expired.subscription_id,
+                delivery_id=expired.delivery_id,
+                partition_key=expired.partition_key,
+                reason=expired.reason,
+            )
+        return result
+
+    def _start(self, delivery: ClaimedDelivery) -> None:
+        execution = DeliveryExecution(delivery, self.plan, self._services)
+        with self._lock:
+            self._running[execution.key] = execution
+        try:
+            self._workers.submit(self._execute, execution)
+        except RuntimeError:  # the pool is shutting down: hand the delivery back
+            with self._lock:
+                self._running.pop(execution.key, None)
+            self._release(delivery)
+
+    def _execute(self, execution: DeliveryExecution) -> None:
+        try:
+            result = execution.run()
+        except Exception:
+            logger.exception("%s: delivery execution crashed", self.plan.name)
+            result = ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
+        finally:
+            with self._lock:
+                self._running.pop(execution.key, None)
+                self.finished += 1
+                self._lock.notify_all()
+            self.last_activity = time.monotonic()
+            self._wake.set()
+        if self._on_result is not None:
+            self._on_result(result)
+
+    def _release(self, delivery: ClaimedDelivery) -> None:
+        try:
+            self.receiver.release(delivery)
+        except WorkQueueError as exc:
+            logger.warning("%s: release failed (lease expiry will retry): %s", self.plan.name, exc)
+
+    def _wait_idle(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while self._running:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._lock.wait(remaining)
+        return True

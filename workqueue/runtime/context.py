@@ -1,0 +1,100 @@
+"""What a handler sees: the message, and a context with its delivery's facts and controls."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import models
+
+
+class AbortReason(models.TextChoices):
+    CANCELLED = "Cancelled"  # an operator discarded the running delivery
+    LEASE_LOST = "LeaseLost"  # the lease is gone: another consumer may run it now
+    MAX_PROCESSING_SECONDS = "MaxProcessingSeconds"  # the subscription's time cap passed
+    SHUTDOWN = "Shutdown"  # the host is draining
+
+
+class AbortSignal:
+    """Tells a running handler to stop. Handlers poll ``aborted`` or block on ``wait()``.
+
+    Several reasons may arrive; ``reason`` is the first. The runtime reads all of them
+    (``has()``) because shutdown and the time cap each change how the outcome is settled.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._reasons: list[str] = []
+        self._listeners: list[Callable[[str], None]] = []
+
+    @property
+    def aborted(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def reason(self) -> str | None:
+        with self._lock:
+            return self._reasons[0] if self._reasons else None
+
+    def has(self, reason: str) -> bool:
+        with self._lock:
+            return reason in self._reasons
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until aborted or ``timeout`` seconds pass; True when aborted."""
+        return self._event.wait(timeout)
+
+    def abort(self, reason: str) -> bool:
+        """Record ``reason``; True if it is new. (Called by the runtime, not by handlers.)"""
+        with self._lock:
+            if reason in self._reasons:
+                return False
+            self._reasons.append(reason)
+            listeners = list(self._listeners)
+        self._event.set()
+        for listener in listeners:
+            listener(reason)
+        return True
+
+    def on_abort(self, listener: Callable[[str], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkMessage:
+    message_id: str
+    topic: str
+    payload: Any
+    payload_ref: Mapping[str, Any] | None
+    partition_key: str | None
+    attributes: Mapping[str, str]
+    correlation_id: str | None
+    published_at: dt.datetime
+
+
+@dataclass(slots=True)
+class WorkContext:
+    """A delivery's facts and the handler's controls.
+
+    ``heartbeat(progress=None)`` renews the lease now (``Manual`` subscriptions must call it
+    within every lease); it returns False once the lease is lost, the delivery was cancelled or
+    the time cap passed, and the handler should then stop.
+    """
+
+    subscription_name: str
+    delivery_id: str
+    attempt: int
+    max_attempts: int
+    is_replay: bool
+    signal: AbortSignal
+    logger: logging.LoggerAdapter
+    _heartbeat: Callable[[Mapping[str, Any] | None], bool] = field(repr=False)
+
+    def heartbeat(self, progress: Mapping[str, Any] | None = None) -> bool:
+        return self._heartbeat(progress)

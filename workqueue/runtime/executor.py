@@ -1,0 +1,354 @@
+"""Running ONE claimed delivery: the handler call, heartbeats, the lease horizon, the time cap,
+cancellation, and the settle call that records the outcome.
+
+Abort reasons decide how the outcome is settled:
+* LeaseLost (a heartbeat reported Lost, or the local lease horizon passed): the outcome is
+  dropped and nothing is written; another consumer may already run the delivery.
+* Cancelled: the outcome is dropped and the cancel is acknowledged (→ Discarded, key freed).
+* Shutdown: a Complete is still recorded; anything else releases the delivery without using up
+  an attempt.
+* MaxProcessingSeconds: renewals stop; the eventual outcome is settled as usual (the fence
+  rejects it if the lease ran out meanwhile).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import close_old_connections
+
+from workqueue import signals
+from workqueue.exceptions import WorkQueueError
+from workqueue.runtime.backoff import retry_delay_seconds
+from workqueue.runtime.context import AbortReason, AbortSignal, WorkContext, WorkMessage
+from workqueue.runtime.handlers import HandlerRegistry
+from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
+from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.timers import Timer, TimerQueue
+from workqueue.transport import Receiver
+from workqueue.types import ClaimedDelivery, DeliveryStatus, LeaseState, SettleResult
+
+logger = logging.getLogger(__name__)
+
+LEASE_EXPIRY_GRACE_SECONDS = 5.0
+MAX_REASON_LENGTH = 100
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionResult:
+    """``Settled`` (with the delivery's new status), ``LeaseLost`` or ``Failed``."""
+
+    kind: str
+    status: str | None = None
+    error: str | None = None
+
+    SETTLED = "Settled"
+    LEASE_LOST = "LeaseLost"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    kind: str
+    reason: str | None = None
+    delay_seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ExecutionServices:
+    """What every execution of one consumer shares."""
+
+    receiver: Receiver
+    complete: Callable[[ClaimedDelivery], SettleResult]
+    timers: TimerQueue
+    background: Executor  # heartbeats and late cancel acknowledgements
+    handlers: HandlerRegistry
+    user: Any
+    cancel_drain_seconds: float
+    lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
+
+
+class DeliveryExecution:
+    """One attempt at one delivery, identified by (delivery id, lease token)."""
+
+    def __init__(
+        self, delivery: ClaimedDelivery, plan: SubscriptionPlan, services: ExecutionServices
+    ) -> None:
+        self.delivery = delivery
+        self.plan = plan
+        self.services = services
+        self.signal = AbortSignal()
+        self._lock = threading.Lock()
+        self._finished = False  # settled (or given up) — later events change nothing
+        self._horizon: Timer | None = None
+        self._timers: list[Timer] = []
+        self._beat_in_flight: Future[bool] | None = None
+        self.log = logging.LoggerAdapter(
+            logger,
+            {
+                "subscription": plan.name,
+                "message_id": delivery.message_id,
+                "delivery_id": delivery.delivery_id,
+                "attempt": delivery.attempt,
+            },
+        )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.delivery.delivery_id, self.delivery.lease_token)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> ExecutionResult:
+        self._arm_horizon()
+        if self.plan.heartbeat_mode == "Auto":
+            self._schedule_auto_heartbeat()
+        if self.plan.max_processing_seconds:
+            self._timers.append(
+                self.services.timers.schedule(
+                    self.plan.max_processing_seconds,
+                    lambda: self.signal.abort(AbortReason.MAX_PROCESSING_SECONDS),
+                )
+            )
+        self.signal.on_abort(self._on_abort)
+        try:
+            decision = self._call_handler()
+        finally:
+            for timer in [*self._timers, self._horizon]:
+                if timer is not None:
+                    timer.cancel()
+        return self._settle(decision)
+
+    def abort(self, reason: str) -> None:
+        self.signal.abort(reason)
+
+    def _call_handler(self) -> _Decision:
+        handler_class = self.services.handlers.get(self.plan.handler_key)
+        if handler_class is None:
+            return _Decision(Outcome.DEAD_LETTER, reason="HandlerNotRegistered")
+        message = WorkMessage(
+            message_id=self.delivery.message_id,
+            topic=self.plan.topic_name,
+            payload=self.delivery.payload,
+            payload_ref=self.delivery.payload_ref,
+            partition_key=self.delivery.partition_key,
+            attributes=self.delivery.attributes,
+            correlation_id=self.delivery.correlation_id,
+            published_at=self.delivery.published_at,
+        )
+        context = WorkContext(
+            subscription_name=self.plan.name,
+            delivery_id=self.delivery.delivery_id,
+            attempt=self.delivery.attempt,
+            max_attempts=self.plan.max_attempts,
+            is_replay=self.delivery.is_replay,
+            signal=self.signal,
+            logger=self.log,
+            _heartbeat=self._manual_heartbeat,
+        )
+        # The handler may use the ORM: give it fresh connections, like a request would.
+        close_old_connections()
+        try:
+            outcome = handler_class(self.services.user).handle(message, context)
+        except FatalWorkError as exc:
+            return _Decision(Outcome.DEAD_LETTER, reason=_short(str(exc)), error=_describe(exc))
+        except TransientWorkError as exc:
+            return _Decision(
+                Outcome.RETRY, delay_seconds=exc.retry_after_seconds, error=_describe(exc)
+            )
+        except Exception as exc:
+            return _Decision(Outcome.RETRY, error=_describe(exc))
+        finally:
+            close_old_connections()
+        if not isinstance(outcome, Outcome) or outcome.kind not in {
+            Outcome.COMPLETE,
+            Outcome.RETRY,
+            Outcome.DEAD_LETTER,
+        }:
+            return _Decision(Outcome.RETRY, error="Handler returned no valid outcome")
+        # A handler's own dead letter keeps last_error as it was; a retry records its reason.
+        error = outcome.reason if outcome.kind == Outcome.RETRY else None
+        return _Decision(outcome.kind, outcome.reason, outcome.delay_seconds, error)
+
+    # -- heartbeats and timers -------------------------------------------------------------
+
+    def _arm_horizon(self) -> None:
+        # The local horizon aborts the handler even when a renewal call hangs: past it the
+        # lease has surely expired in the database and another consumer may own the delivery.
+        delay = self.plan.lease_seconds + self.services.lease_grace_seconds
+        timer = self.services.timers.schedule(
+            delay, lambda: self.signal.abort(AbortReason.LEASE_LOST)
+        )
+        with self._lock:
+            previous, self._horizon = self._horizon, timer
+        if previous is not None:
+            previous.cancel()
+
+    def _schedule_auto_heartbeat(self) -> None:
+        def tick() -> None:
+            if self._stopped_renewing():
+                return
+            future = self.services.background.submit(self._beat, None)
+            future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
+
+        if not self._stopped_renewing():
+            timer = self.services.timers.schedule(self.plan.heartbeat_interval_seconds, tick)
+            self._timers.append(timer)
+
+    def _stopped_renewing(self) -> bool:
+        return (
+            self._finished
+            or self.signal.has(AbortReason.LEASE_LOST)
+            or self.signal.has(AbortReason.CANCELLED)
+            or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
+        )
+
+    def _manual_heartbeat(self, progress: Mapping[str, Any] | None) -> bool:
+        return self._beat(progress)
+
+    def _beat(self, progress: Mapping[str, Any] | None) -> bool:
+        """Renew the lease; concurrent calls share one database call (the first progress wins)."""
+        if self._stopped_renewing():
+            return False
+        with self._lock:
+            shared = self._beat_in_flight
+            if shared is None:
+                shared = self._beat_in_flight = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return shared.result()
+        held = True
+        try:
+            extension = self.services.receiver.extend_lease(
+                self.delivery, _progress(progress) if progress else None
+            )
+            if extension.state == LeaseState.HELD:
+                self._arm_horizon()
+            elif extension.state == LeaseState.CANCELLED:
+                held = False
+                self.signal.abort(AbortReason.CANCELLED)
+            else:
+                held = False
+                self.signal.abort(AbortReason.LEASE_LOST)
+        except WorkQueueError as exc:
+            # A failed call is not a lost lease: keep running, the next tick retries, and the
+            # horizon still aborts the handler if renewals keep failing past the lease.
+            self.log.warning("Heartbeat failed: %s", exc)
+        finally:
+            with self._lock:
+                self._beat_in_flight = None
+            shared.set_result(held)
+        return held
+
+    def _on_abort(self, reason: str) -> None:
+        if reason == AbortReason.CANCELLED:
+            # A handler that ignores the signal must not hold the key forever: acknowledge
+            # after the drain period even if it is still running.
+            self._timers.append(
+                self.services.timers.schedule(
+                    self.services.cancel_drain_seconds,
+                    lambda: self.services.background.submit(self._acknowledge_late_cancel),
+                )
+            )
+
+    def _acknowledge_late_cancel(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        self.log.warning("Handler did not stop after the cancel request; acknowledging anyway")
+        self._acknowledge_cancel()
+
+    # -- settling --------------------------------------------------------------------------
+
+    def _settle(self, decision: _Decision) -> ExecutionResult:
+        with self._lock:
+            if self._finished:
+                return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.DISCARDED)
+            self._finished = True
+        receiver = self.services.receiver
+        try:
+            if self.signal.has(AbortReason.LEASE_LOST):
+                self.log.warning("Lease lost; the handler's outcome was not recorded")
+                return ExecutionResult(ExecutionResult.LEASE_LOST)
+            if self.signal.has(AbortReason.CANCELLED):
+                return self._acknowledge_cancel()
+            if self.signal.has(AbortReason.SHUTDOWN) and decision.kind != Outcome.COMPLETE:
+                return self._result(receiver.release(self.delivery))
+            if decision.kind == Outcome.COMPLETE:
+                return self._result(self.services.complete(self.delivery))
+            if decision.kind == Outcome.DEAD_LETTER:
+                return self._dead_letter(decision.reason or "DeadLettered", decision.error)
+            error = decision.error or "Retry requested by handler"
+            if self.delivery.attempt >= self.plan.max_attempts:
+                return self._dead_letter("MaxAttemptsExceeded", error)
+            delay = retry_delay_seconds(
+                self.delivery.attempt,
+                self.plan.backoff_base_seconds,
+                self.plan.backoff_max_seconds,
+                decision.delay_seconds,
+            )
+            return self._result(receiver.retry(self.delivery, delay, error))
+        except WorkQueueError as exc:
+            # The row is left for lease expiry, which retries or dead-letters it.
+            self.log.error("Delivery settle failed: %s", exc)
+            return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
+
+    def _dead_letter(self, reason: str, error: str | None) -> ExecutionResult:
+        result = self._result(self.services.receiver.dead_letter(self.delivery, reason, error))
+        if result.status == DeliveryStatus.DEAD_LETTERED:
+            signals.dead_lettered.send(
+                sender=DeliveryExecution,
+                subscription_id=self.plan.subscription_id,
+                delivery_id=self.delivery.delivery_id,
+                partition_key=self.delivery.partition_key,
+                reason=reason,
+            )
+        return result
+
+    def _acknowledge_cancel(self) -> ExecutionResult:
+        try:
+            settled = self.services.receiver.acknowledge_cancel(self.delivery)
+        except WorkQueueError as exc:
+            self.log.error("Acknowledging the cancel failed: %s", exc)
+            return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
+        if settled.settled:
+            return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.DISCARDED)
+        return ExecutionResult(ExecutionResult.LEASE_LOST)
+
+    def _result(self, settled: SettleResult) -> ExecutionResult:
+        if settled.settled:
+            return ExecutionResult(ExecutionResult.SETTLED, settled.status)
+        # A cancel may have landed after the last heartbeat: acknowledging it frees the key now
+        # instead of at lease expiry.
+        return self._acknowledge_cancel()
+
+
+def _short(text: str) -> str:
+    text = text.strip() or "FatalWorkError"
+    return text if len(text) <= MAX_REASON_LENGTH else text[: MAX_REASON_LENGTH - 1] + "…"
+
+
+def _describe(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).strip()
+
+
+def _progress(progress: Mapping[str, Any]) -> dict[str, Any]:
+    """Keep progress within 4000 characters of JSON: drop the checkpoint, then cut the text."""
+    value = dict(progress)
+    if len(json.dumps(value, default=str)) <= 4000:
+        return value
+    value.pop("checkpoint", None)
+    if isinstance(value.get("message"), str):
+        value["message"] = value["message"][:500]
+    return value

@@ -1,0 +1,98 @@
+"""Handler classes, the registry that maps handler keys to them, and their discovery."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any, TypeVar
+
+from django.utils.module_loading import autodiscover_modules
+
+from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.runtime.context import WorkContext, WorkMessage
+from workqueue.runtime.outcome import Outcome
+
+
+class BaseWorkHandler:
+    """Subclass, implement ``handle``, and register under a key with ``@register_handler``.
+
+    A fresh instance handles each delivery, bound to the host's system user (``self.user``),
+    never to the publisher: anyone allowed to publish can make this code run, so check
+    authorisation inside the handler where it matters.
+    """
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        raise NotImplementedError(f"{type(self).__name__} must implement handle()")
+
+
+H = TypeVar("H", bound=type[BaseWorkHandler])
+
+
+class HandlerRegistry:
+    """Handler key → handler class. One key has one class; a clash fails at import time."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, type[BaseWorkHandler]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, key: str, handler: type[BaseWorkHandler]) -> None:
+        if not isinstance(handler, type) or not issubclass(handler, BaseWorkHandler):
+            raise WorkQueueConfigurationError(
+                f"Handler {handler!r} for key {key!r} must subclass BaseWorkHandler."
+            )
+        key = key.strip()
+        with self._lock:
+            existing = self._handlers.get(key)
+            if existing is not None and existing is not handler:
+                raise WorkQueueConfigurationError(
+                    f"Handler key {key!r} is registered twice ({_path(existing)} and "
+                    f"{_path(handler)}); give one of them another key."
+                )
+            self._handlers[key] = handler
+
+    def unregister(self, key: str) -> None:
+        with self._lock:
+            self._handlers.pop(key.strip(), None)
+
+    def get(self, key: str | None) -> type[BaseWorkHandler] | None:
+        return self._handlers.get((key or "").strip())
+
+    def keys(self) -> list[str]:
+        return sorted(self._handlers)
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+handler_registry = HandlerRegistry()
+
+
+def register_handler(key: str) -> Callable[[H], H]:
+    """Class decorator: ``@register_handler("billing.invoice-created")``."""
+
+    def decorate(handler: H) -> H:
+        handler_registry.register(key, handler)
+        return handler
+
+    return decorate
+
+
+def autodiscover(extra_modules: tuple[str, ...] = ()) -> None:
+    """Import every installed app's ``work_handlers`` module, then ``extra_modules``.
+
+    Like the admin's autodiscovery: an app without the module is fine; a module that fails to
+    import raises, so a broken handler never silently plans as HandlerNotRegistered.
+    """
+    autodiscover_modules("work_handlers")
+    for module in extra_modules:
+        try:
+            import_module(module)
+        except ImportError as exc:
+            raise WorkQueueConfigurationError(
+                f"WORKQUEUE['HANDLER_MODULES'] names {module!r}, which cannot be imported: {exc}"
+            ) from exc

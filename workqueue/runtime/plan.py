@@ -1,0 +1,44 @@
+"""A subscription's settings as one running consumer sees them (a snapshot of the row)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionPlan:
+    subscription_id: str
+    name: str
+    topic_id: str
+    topic_name: str
+    handler_key: str
+    partition_mode: str
+    lease_seconds: int
+    heartbeat_mode: str
+    max_attempts: int
+    backoff_base_seconds: int
+    backoff_max_seconds: int
+    max_processing_seconds: int | None
+
+    @classmethod
+    def from_subscription(cls, subscription: Any) -> SubscriptionPlan:
+        return cls(
+            subscription_id=str(subscription.id),
+            name=subscription.name,
+            topic_id=str(subscription.topic_id),
+            topic_name=subscription.topic.name,
+            handler_key=subscription.handler_key.strip(),
+            partition_mode=subscription.partition_mode,
+            lease_seconds=subscription.lease_seconds,
+            heartbeat_mode=subscription.heartbeat_mode,
+            max_attempts=subscription.max_attempts,
+            backoff_base_seconds=subscription.backoff_base_seconds,
+            backoff_max_seconds=subscription.backoff_max_seconds,
+            max_processing_seconds=subscription.max_processing_seconds,
+        )
+
+    @property
+    def heartbeat_interval_seconds(self) -> float:
+        """Renew well before expiry, and at least every 30 s whatever the lease length."""
+        return min(self.lease_seconds / 3, 30.0)

@@ -1,0 +1,495 @@
+-- Publishing: one transaction per call that checks the topic, takes the ordered-publish lock,
+-- reserves the deduplication key, inserts the message, fans it out to every matching
+-- subscription in one set-based INSERT and confirms the key. SQL Server has no NOTIFY, so
+-- consumers find new deliveries by polling and nothing replaces PostgreSQL's wq_topic_channel.
+
+-- wq_uuid_text --
+-- The stored form of a UUID: Django's UUIDField is char(32) on SQL Server, lower-case hex
+-- without dashes. Deterministic; NULL in, NULL out.
+CREATE OR ALTER FUNCTION dbo.wq_uuid_text(@value uniqueidentifier)
+RETURNS char(32)
+WITH SCHEMABINDING
+AS
+BEGIN
+    RETURN LOWER(REPLACE(CONVERT(char(36), @value), '-', ''));
+END;
+GO
+
+-- wq_text_uuid --
+-- The inverse of wq_uuid_text: a stored char(32) id back as a uniqueidentifier, so every
+-- procedure returns real UUIDs (the driver lower-cases them). Deterministic; NULL in, NULL out.
+CREATE OR ALTER FUNCTION dbo.wq_text_uuid(@value char(32))
+RETURNS uniqueidentifier
+WITH SCHEMABINDING
+AS
+BEGIN
+    RETURN CONVERT(
+        uniqueidentifier,
+        STUFF(STUFF(STUFF(STUFF(@value, 21, 0, '-'), 17, 0, '-'), 13, 0, '-'), 9, 0, '-')
+    );
+END;
+GO
+
+-- wq_publish_ordinal_seq --
+-- The global publish order. Each accepted message takes the next value, after its ordered-publish
+-- lock is held, and its deliveries copy it into order_key. Created once; re-running is harmless.
+IF OBJECT_ID(N'dbo.wq_publish_ordinal_seq', N'SO') IS NULL
+    CREATE SEQUENCE dbo.wq_publish_ordinal_seq AS bigint START WITH 1 INCREMENT BY 1 CACHE 50;
+GO
+
+-- wq_lock_publish_order --
+-- Serialise publishes of one (topic, partition key) so that their publish ordinals commit in key
+-- order. Takes an exclusive application lock owned by the caller's transaction (released at
+-- commit or rollback), on the resource 'wq:<topic id, lower case>:<key exactly>' (application
+-- lock names compare byte for byte). Waits at most 5000 ms; a timeout or a deadlock raises error
+-- 51001, which the driver treats as retryable; any other failure raises 51000. Must be called
+-- inside a transaction.
+CREATE OR ALTER PROCEDURE dbo.wq_lock_publish_order
+    @topic_id uniqueidentifier,
+    @partition_key nvarchar(4000)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @resource nvarchar(255) =
+        LEFT(N'wq:' + LOWER(CONVERT(nchar(36), @topic_id)) + N':' + @partition_key, 255);
+    DECLARE @granted int;
+
+    IF @@TRANCOUNT = 0
+        THROW 51000, N'wq_lock_publish_order must run inside a transaction (error 51000).', 1;
+
+    EXEC @granted = sys.sp_getapplock
+        @Resource = @resource,
+        @LockMode = N'Exclusive',
+        @LockOwner = N'Transaction',
+        @LockTimeout = 5000;
+
+    IF @granted IN (-1, -3)
+        THROW 51001, N'wq_lock_publish_order: the ordered-publish lock was not granted within 5000 ms (error 51001); publish again.', 1;
+    IF @granted < 0
+        THROW 51000, N'wq_lock_publish_order: sp_getapplock failed (error 51000).', 1;
+END;
+GO
+
+-- wq_publish_one --
+-- The body of wq_publish, with its result in OUTPUT parameters so that wq_publish_many can run it
+-- once per item without INSERT ... EXEC (which cannot nest and forbids the rollback paths of
+-- XACT_ABORT). Same guarantees as wq_publish; runs in its own transaction, nested inside the
+-- caller's when there is one.
+CREATE OR ALTER PROCEDURE dbo.wq_publish_one
+    @topic_name nvarchar(4000),
+    @message_id uniqueidentifier,
+    @partition_key nvarchar(4000),
+    @attributes nvarchar(max),
+    @payload nvarchar(max),
+    @payload_ref nvarchar(max),
+    @correlation_id nvarchar(4000),
+    @deduplication_key nvarchar(4000),
+    @deduplication_ttl_seconds int,
+    @envelope_bytes int,
+    @external bit,
+    @published_by nvarchar(4000),
+    @out_message_id uniqueidentifier OUTPUT,
+    @out_status nvarchar(20) OUTPUT,
+    @out_error_code nvarchar(50) OUTPUT
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @message_key char(32) = dbo.wq_uuid_text(@message_id);
+    DECLARE @topic_key char(32);
+    DECLARE @topic_uuid uniqueidentifier;
+    DECLARE @topic_status nvarchar(20);
+    DECLARE @transport_status nvarchar(20);
+    DECLARE @allow_external bit;
+    DECLARE @max_payload_bytes int;
+    DECLARE @default_ttl int;
+    DECLARE @ordinal bigint;
+    DECLARE @owner_key char(32);
+    DECLARE @owner_status nvarchar(20);
+    DECLARE @owner TABLE (message_id char(32));
+    DECLARE @inserted TABLE (id char(32));
+    DECLARE @same bit;
+
+    SET @out_message_id = @message_id;
+    SET @out_status = N'Rejected';
+    SET @out_error_code = NULL;
+
+    SELECT @topic_key = t.id,
+           @topic_status = t.status,
+           @transport_status = tr.status,
+           @allow_external = t.allow_external_publish,
+           @max_payload_bytes = t.max_payload_bytes,
+           @default_ttl = t.default_deduplication_ttl_seconds
+      FROM dbo.workqueue_topic AS t
+      JOIN dbo.workqueue_transport AS tr ON tr.id = t.transport_id
+     WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)));
+
+    IF @topic_key IS NULL
+    BEGIN
+        SET @out_error_code = N'TopicNotFound';
+        RETURN;
+    END;
+    IF @topic_status <> N'Active' OR @transport_status <> N'Active'
+    BEGIN
+        SET @out_error_code = N'TopicDisabled';
+        RETURN;
+    END;
+    IF @external = 1 AND @allow_external = 0
+    BEGIN
+        SET @out_error_code = N'TopicNotExternallyPublishable';
+        RETURN;
+    END;
+    IF @envelope_bytes > CASE WHEN @max_payload_bytes < 262144 THEN @max_payload_bytes ELSE 262144 END
+    BEGIN
+        SET @out_error_code = N'PayloadTooLarge';
+        RETURN;
+    END;
+
+    BEGIN TRANSACTION;
+
+    -- Ordered subscriptions need a key's ordinals to commit in publish order.
+    IF @partition_key IS NOT NULL AND EXISTS (
+        SELECT 1
+          FROM dbo.workqueue_subscription AS s
+         WHERE s.topic_id = @topic_key AND s.partition_mode = N'Ordered'
+           AND s.status <> N'Disabled' AND dbo.wq_filter_matches(s.[filter], @attributes) = 1
+    )
+    BEGIN
+        SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
+        EXEC dbo.wq_lock_publish_order @topic_id = @topic_uuid, @partition_key = @partition_key;
+    END;
+
+    IF @deduplication_key IS NOT NULL
+    BEGIN
+        -- Take the key when it is free, when its window has passed, or when this same message
+        -- reserved it before (a retry after a crash); never a confirmed key or another message's
+        -- live reservation. HOLDLOCK keeps the key range locked until commit, so the owner read
+        -- below sees a row that cannot change or vanish meanwhile.
+        MERGE dbo.workqueue_deduplication WITH (HOLDLOCK) AS x
+        USING (SELECT @topic_key AS topic_id, @deduplication_key AS deduplication_key) AS k
+           ON x.topic_id = k.topic_id AND x.deduplication_key = k.deduplication_key
+        WHEN MATCHED AND (x.expires_at <= @now
+                          OR (x.status = N'Reserved' AND x.message_id = @message_key)) THEN
+            UPDATE SET message_id = @message_key,
+                       status = N'Reserved',
+                       expires_at = DATEADD(second, 120, @now)
+        WHEN NOT MATCHED THEN
+            INSERT (id, topic_id, deduplication_key, message_id, status, expires_at)
+            VALUES (LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')), @topic_key,
+                    @deduplication_key, @message_key, N'Reserved', DATEADD(second, 120, @now))
+        OUTPUT inserted.message_id INTO @owner;
+
+        IF NOT EXISTS (SELECT 1 FROM @owner)
+        BEGIN
+            SELECT @owner_key = x.message_id, @owner_status = x.status
+              FROM dbo.workqueue_deduplication AS x
+             WHERE x.topic_id = @topic_key AND x.deduplication_key = @deduplication_key
+               AND x.expires_at > @now;
+            IF @owner_status = N'Confirmed'
+            BEGIN
+                SET @out_message_id = dbo.wq_text_uuid(@owner_key);
+                SET @out_status = N'Duplicate';
+            END
+            ELSE IF @owner_key IS NOT NULL
+                SET @out_error_code = N'DeduplicationPending';
+            ELSE
+                -- Unreachable while the range lock is held; kept so the outcome is explicit.
+                SET @out_error_code = N'TransportUnavailable';
+            COMMIT TRANSACTION;
+            RETURN;
+        END;
+    END;
+
+    SET @ordinal = NEXT VALUE FOR dbo.wq_publish_ordinal_seq;
+
+    INSERT INTO dbo.workqueue_message
+           (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
+            correlation_id, published_at, published_by)
+    OUTPUT inserted.id INTO @inserted
+    SELECT @message_key, @ordinal, @topic_key, @partition_key, @attributes, @payload,
+           @payload_ref, @correlation_id, @now, @published_by
+     WHERE NOT EXISTS (
+           SELECT 1 FROM dbo.workqueue_message AS m WITH (UPDLOCK, HOLDLOCK)
+            WHERE m.id = @message_key);
+
+    IF NOT EXISTS (SELECT 1 FROM @inserted)
+    BEGIN
+        -- The id is taken. Undo this call's own reservation; nobody else can see it yet.
+        IF @deduplication_key IS NOT NULL
+            DELETE x
+              FROM dbo.workqueue_deduplication AS x
+             WHERE x.topic_id = @topic_key AND x.deduplication_key = @deduplication_key
+               AND x.message_id = @message_key AND x.status = N'Reserved';
+
+        -- Same topic and the same canonical envelope (the driver sends JSON with sorted keys, so
+        -- equal text means equal JSON; compared byte for byte, lengths included) = Duplicate.
+        SELECT @same = CASE
+            WHEN m.topic_id = @topic_key
+             AND ((m.partition_key IS NULL AND @partition_key IS NULL)
+                  OR (m.partition_key = @partition_key
+                      AND DATALENGTH(m.partition_key) = DATALENGTH(@partition_key)))
+             AND ((m.attributes IS NULL AND @attributes IS NULL)
+                  OR (m.attributes COLLATE Latin1_General_100_BIN2 = @attributes
+                      AND DATALENGTH(m.attributes) = DATALENGTH(@attributes)))
+             AND ((m.payload IS NULL AND @payload IS NULL)
+                  OR (m.payload COLLATE Latin1_General_100_BIN2 = @payload
+                      AND DATALENGTH(m.payload) = DATALENGTH(@payload)))
+             AND ((m.payload_ref IS NULL AND @payload_ref IS NULL)
+                  OR (m.payload_ref COLLATE Latin1_General_100_BIN2 = @payload_ref
+                      AND DATALENGTH(m.payload_ref) = DATALENGTH(@payload_ref)))
+             AND ((m.correlation_id IS NULL AND @correlation_id IS NULL)
+                  OR (m.correlation_id COLLATE Latin1_General_100_BIN2 = @correlation_id
+                      AND DATALENGTH(m.correlation_id) = DATALENGTH(@correlation_id)))
+            THEN 1 ELSE 0 END
+          FROM dbo.workqueue_message AS m
+         WHERE m.id = @message_key;
+
+        IF @same IS NULL
+            -- Purged between the insert and this read; the caller may retry.
+            SET @out_error_code = N'TransportUnavailable';
+        ELSE IF @same = 1
+            SET @out_status = N'Duplicate';
+        ELSE
+            SET @out_error_code = N'MessageIDConflict';
+        COMMIT TRANSACTION;
+        RETURN;
+    END;
+
+    INSERT INTO dbo.workqueue_delivery
+           (id, message_id, subscription_id, status, partition_key, order_key, attempt_count,
+            is_replay, visible_at)
+    SELECT LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')), @message_key, s.id, N'Pending',
+           CASE WHEN s.partition_mode <> N'None' THEN @partition_key END,
+           @ordinal, 0, 0, @now
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.topic_id = @topic_key AND s.status <> N'Disabled'
+       AND dbo.wq_filter_matches(s.[filter], @attributes) = 1;
+
+    IF @deduplication_key IS NOT NULL
+        UPDATE x
+           SET status = N'Confirmed',
+               expires_at = DATEADD(second, COALESCE(@deduplication_ttl_seconds, @default_ttl), @now)
+          FROM dbo.workqueue_deduplication AS x
+         WHERE x.topic_id = @topic_key AND x.deduplication_key = @deduplication_key
+           AND x.message_id = @message_key;
+
+    COMMIT TRANSACTION;
+    SET @out_status = N'Accepted';
+END;
+GO
+
+-- wq_publish --
+-- Publish one message in one call and one transaction. Returns exactly one row: the message id
+-- (for a Duplicate by deduplication key, the id of the message that owns the key), the status
+-- Accepted | Duplicate | Rejected, and an error code for rejections (TopicNotFound,
+-- TopicDisabled, TopicNotExternallyPublishable, PayloadTooLarge, DeduplicationPending,
+-- MessageIDConflict, TransportUnavailable). Nothing is written unless the status is Accepted;
+-- a re-publish of an existing id with the same canonical envelope is a Duplicate.
+-- returns: message_id, status, error_code
+CREATE OR ALTER PROCEDURE dbo.wq_publish
+    @topic_name nvarchar(4000),
+    @message_id uniqueidentifier,
+    @partition_key nvarchar(4000),
+    @attributes nvarchar(max),
+    @payload nvarchar(max),
+    @payload_ref nvarchar(max),
+    @correlation_id nvarchar(4000),
+    @deduplication_key nvarchar(4000),
+    @deduplication_ttl_seconds int,
+    @envelope_bytes int,
+    @external bit,
+    @published_by nvarchar(4000)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @result_id uniqueidentifier;
+    DECLARE @result_status nvarchar(20);
+    DECLARE @result_error nvarchar(50);
+
+    EXEC dbo.wq_publish_one
+        @topic_name = @topic_name,
+        @message_id = @message_id,
+        @partition_key = @partition_key,
+        @attributes = @attributes,
+        @payload = @payload,
+        @payload_ref = @payload_ref,
+        @correlation_id = @correlation_id,
+        @deduplication_key = @deduplication_key,
+        @deduplication_ttl_seconds = @deduplication_ttl_seconds,
+        @envelope_bytes = @envelope_bytes,
+        @external = @external,
+        @published_by = @published_by,
+        @out_message_id = @result_id OUTPUT,
+        @out_status = @result_status OUTPUT,
+        @out_error_code = @result_error OUTPUT;
+
+    -- result set
+    SELECT @result_id AS message_id, @result_status AS status, @result_error AS error_code;
+END;
+GO
+
+-- wq_publish_many --
+-- Publish a JSON array of messages (objects with the wq_publish parameters as keys) to one topic
+-- in one transaction, in array order. The ordered-publish locks of every key in the batch are
+-- taken first, in binary key order, so two batches sharing keys cannot deadlock on them. Returns
+-- one row per item with its zero-based position; each item is accepted or rejected on its own.
+-- Item JSON values are stored as the canonical text they arrive in.
+-- returns: item_index, message_id, status, error_code
+CREATE OR ALTER PROCEDURE dbo.wq_publish_many
+    @topic_name nvarchar(4000),
+    @messages nvarchar(max),
+    @external bit,
+    @published_by nvarchar(4000)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @topic_key char(32);
+    DECLARE @topic_uuid uniqueidentifier;
+    DECLARE @key_ord int = 0;
+    DECLARE @key nvarchar(4000);
+    DECLARE @index int = -1;
+    DECLARE @next int;
+    DECLARE @message_id uniqueidentifier;
+    DECLARE @partition_key nvarchar(4000);
+    DECLARE @attributes nvarchar(max);
+    DECLARE @payload nvarchar(max);
+    DECLARE @payload_ref nvarchar(max);
+    DECLARE @correlation_id nvarchar(4000);
+    DECLARE @deduplication_key nvarchar(4000);
+    DECLARE @deduplication_ttl_seconds int;
+    DECLARE @envelope_bytes int;
+    DECLARE @result_id uniqueidentifier;
+    DECLARE @result_status nvarchar(20);
+    DECLARE @result_error nvarchar(50);
+    DECLARE @items TABLE (
+        item_index int PRIMARY KEY,
+        message_id uniqueidentifier,
+        partition_key nvarchar(4000) COLLATE Latin1_General_100_BIN2,
+        attributes nvarchar(max),
+        payload nvarchar(max),
+        payload_ref nvarchar(max),
+        correlation_id nvarchar(4000),
+        deduplication_key nvarchar(4000),
+        deduplication_ttl_seconds int,
+        envelope_bytes int
+    );
+    DECLARE @keys TABLE (
+        ord int IDENTITY(1, 1) PRIMARY KEY,
+        partition_key nvarchar(4000) COLLATE Latin1_General_100_BIN2
+    );
+    DECLARE @results TABLE (
+        item_index int PRIMARY KEY,
+        message_id uniqueidentifier,
+        status nvarchar(20),
+        error_code nvarchar(50)
+    );
+
+    -- The payload may be any JSON value. Objects and arrays arrive as their own text; a string is
+    -- re-escaped the way the driver's canonical JSON writes it (STRING_ESCAPE also escapes '/',
+    -- which canonical JSON leaves alone); numbers and booleans keep their literal text.
+    INSERT INTO @items
+           (item_index, message_id, partition_key, attributes, payload, payload_ref,
+            correlation_id, deduplication_key, deduplication_ttl_seconds, envelope_bytes)
+    SELECT CAST(e.[key] AS int), j.message_id, j.partition_key, j.attributes,
+           CASE p.[type]
+               WHEN 0 THEN NULL
+               WHEN 1 THEN N'"' + REPLACE(STRING_ESCAPE(p.[value], 'json'), N'\/', N'/') + N'"'
+               ELSE p.[value]
+           END,
+           j.payload_ref, j.correlation_id, j.deduplication_key, j.deduplication_ttl_seconds,
+           j.envelope_bytes
+      FROM OPENJSON(@messages) AS e
+     CROSS APPLY OPENJSON(e.[value])
+           WITH (
+               message_id uniqueidentifier '$.message_id',
+               partition_key nvarchar(4000) '$.partition_key',
+               attributes nvarchar(max) '$.attributes' AS JSON,
+               payload_ref nvarchar(max) '$.payload_ref' AS JSON,
+               correlation_id nvarchar(4000) '$.correlation_id',
+               deduplication_key nvarchar(4000) '$.deduplication_key',
+               deduplication_ttl_seconds int '$.deduplication_ttl_seconds',
+               envelope_bytes int '$.envelope_bytes'
+           ) AS j
+     OUTER APPLY (
+           SELECT v.[value], v.[type] FROM OPENJSON(e.[value]) AS v WHERE v.[key] = N'payload'
+     ) AS p;
+
+    BEGIN TRANSACTION;
+
+    SELECT @topic_key = t.id FROM dbo.workqueue_topic AS t WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)));
+    IF @topic_key IS NOT NULL AND EXISTS (
+        SELECT 1
+          FROM dbo.workqueue_subscription AS s
+         WHERE s.topic_id = @topic_key AND s.partition_mode = N'Ordered' AND s.status <> N'Disabled'
+    )
+    BEGIN
+        SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
+        INSERT INTO @keys (partition_key)
+        SELECT DISTINCT i.partition_key FROM @items AS i
+         WHERE i.partition_key IS NOT NULL
+         ORDER BY i.partition_key;
+        WHILE 1 = 1
+        BEGIN
+            SET @key = NULL;
+            SELECT TOP (1) @key_ord = k.ord, @key = k.partition_key
+              FROM @keys AS k WHERE k.ord > @key_ord ORDER BY k.ord;
+            IF @key IS NULL
+                BREAK;
+            EXEC dbo.wq_lock_publish_order @topic_id = @topic_uuid, @partition_key = @key;
+        END;
+    END;
+
+    WHILE 1 = 1
+    BEGIN
+        SET @next = NULL;
+        SELECT TOP (1)
+               @next = i.item_index,
+               @message_id = i.message_id,
+               @partition_key = i.partition_key,
+               @attributes = i.attributes,
+               @payload = i.payload,
+               @payload_ref = i.payload_ref,
+               @correlation_id = i.correlation_id,
+               @deduplication_key = i.deduplication_key,
+               @deduplication_ttl_seconds = i.deduplication_ttl_seconds,
+               @envelope_bytes = i.envelope_bytes
+          FROM @items AS i
+         WHERE i.item_index > @index
+         ORDER BY i.item_index;
+        IF @next IS NULL
+            BREAK;
+        SET @index = @next;
+
+        EXEC dbo.wq_publish_one
+            @topic_name = @topic_name,
+            @message_id = @message_id,
+            @partition_key = @partition_key,
+            @attributes = @attributes,
+            @payload = @payload,
+            @payload_ref = @payload_ref,
+            @correlation_id = @correlation_id,
+            @deduplication_key = @deduplication_key,
+            @deduplication_ttl_seconds = @deduplication_ttl_seconds,
+            @envelope_bytes = @envelope_bytes,
+            @external = @external,
+            @published_by = @published_by,
+            @out_message_id = @result_id OUTPUT,
+            @out_status = @result_status OUTPUT,
+            @out_error_code = @result_error OUTPUT;
+
+        INSERT INTO @results (item_index, message_id, status, error_code)
+        VALUES (@index, @result_id, @result_status, @result_error);
+    END;
+
+    COMMIT TRANSACTION;
+
+    -- result set
+    SELECT r.item_index, r.message_id, r.status, r.error_code
+      FROM @results AS r
+     ORDER BY r.item_index;
+END;
+GO
