@@ -1,0 +1,47 @@
+-- Leases: the holder's heartbeat.
+
+-- wq_extend_lease --
+-- Renew a held lease by the subscription's full lease_seconds from now, fenced in one UPDATE by
+-- (delivery id, lease token, InFlight, no cancel request); the progress is replaced only when one
+-- is given. Returns exactly one row: lease_state Held with the new expiry; Cancelled when an
+-- operator asked to cancel (the holder should stop and call wq_acknowledge_cancel); or Lost when
+-- the token no longer holds the delivery. A cancel request never changes the token.
+-- returns: lease_state, lease_expires_at
+CREATE OR ALTER PROCEDURE dbo.wq_extend_lease
+    @delivery_id uniqueidentifier,
+    @lease_token uniqueidentifier,
+    @progress nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
+    DECLARE @token_key char(32) = dbo.wq_uuid_text(@lease_token);
+    DECLARE @state nvarchar(20) = N'Lost';
+    DECLARE @expires datetimeoffset(7);
+    DECLARE @held TABLE (lease_expires_at datetimeoffset(7));
+
+    UPDATE d
+       SET lease_expires_at = DATEADD(second, s.lease_seconds, @now),
+           last_heartbeat_at = @now,
+           progress = COALESCE(@progress, d.progress)
+    OUTPUT inserted.lease_expires_at INTO @held
+      FROM dbo.workqueue_delivery AS d
+      JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
+     WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight'
+       AND d.cancel_requested_at IS NULL;
+
+    SELECT @expires = h.lease_expires_at FROM @held AS h;
+    IF @expires IS NOT NULL
+        SET @state = N'Held';
+    ELSE IF EXISTS (
+        SELECT 1 FROM dbo.workqueue_delivery AS d
+         WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight'
+           AND d.cancel_requested_at IS NOT NULL)
+        SET @state = N'Cancelled';
+
+    -- result set
+    SELECT @state AS lease_state, @expires AS lease_expires_at;
+END;
+GO

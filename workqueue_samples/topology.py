@@ -1,0 +1,51 @@
+"""The sample topology: topic ``samples.hello`` fanning out to one subscription per partition
+mode. ``seed()`` is idempotent: it creates what is missing and leaves the rest alone."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from workqueue.models import Subscription, Topic, Transport
+
+TOPIC = "samples.hello"
+SUBSCRIPTIONS = {
+    "samples.hello-log": "None",
+    "samples.hello-exclusive": "Exclusive",
+    "samples.hello-ordered": "Ordered",
+}
+
+
+@transaction.atomic
+def seed() -> list[str]:
+    """Create the sample topic and subscriptions if missing; return what was created."""
+    created = []
+    transport = Transport.objects.get(name="Database")
+    topic, new = Topic.objects.get_or_create(
+        name=TOPIC,
+        defaults={
+            "transport": transport,
+            "description": "Greetings for the hello-world sample handler.",
+            "allow_external_publish": True,
+            "default_deduplication_ttl_seconds": 3600,
+            "retention_days": 7,
+        },
+    )
+    if new:
+        created.append(f"topic {TOPIC}")
+    for name, mode in SUBSCRIPTIONS.items():
+        subscription = Subscription(
+            topic=topic,
+            name=name,
+            partition_mode=mode,
+            max_attempts=3,
+            backoff_base_seconds=2,
+            backoff_max_seconds=30,
+            lease_seconds=60,
+            handler_key="samples.hello",
+            description=f"Hello-world sample, partition mode {mode}.",
+        )
+        if not Subscription.objects.filter(name=name).exists():
+            subscription.full_clean()
+            subscription.save()
+            created.append(f"subscription {name}")
+    return created
