@@ -36,8 +36,14 @@ format: venv
 	$(VENV)/bin/ruff format .
 
 demo: venv
-	$(VENV_PY) manage.py migrate
-	@echo "demo: database migrated (seeding, publishing and the host run are still to come)"
+	$(VENV_PY) manage.py migrate --verbosity 0
+	$(VENV_PY) manage.py workqueue_samples demo
+	@echo
+	$(VENV_PY) manage.py workqueue stats
+	@echo
+	@echo "Next: create an admin user with  $(VENV_PY) manage.py createsuperuser"
+	@echo "      then run  $(VENV_PY) manage.py runserver  and open http://127.0.0.1:8000/admin/"
+	@echo "      Walkthrough: workqueue_samples/README.md"
 
 # Stops the embedded PostgreSQL and deletes its folder (all its data). Does not touch a
 # database named by DATABASE_URL.

@@ -85,4 +85,6 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env.str("DJANGO_LOG_LEVEL", default="WARNING")},
+    # Handlers log through "workqueue.handlers.<key>"; the sample's greetings are the demo.
+    "loggers": {"workqueue.handlers": {"level": "INFO"}},
 }

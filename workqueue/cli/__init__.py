@@ -25,5 +25,6 @@ class Verb:
 
 def all_verbs() -> list[Verb]:
     from workqueue.cli.database import DATABASE_VERBS
+    from workqueue.cli.operators import OPERATOR_VERBS
 
-    return [cls() for cls in DATABASE_VERBS]
+    return [cls() for cls in [*OPERATOR_VERBS, *DATABASE_VERBS]]

@@ -151,7 +151,9 @@ class DeliveryExecution:
             max_attempts=self.plan.max_attempts,
             is_replay=self.delivery.is_replay,
             signal=self.signal,
-            logger=self.log,
+            logger=logging.LoggerAdapter(
+                logging.getLogger(f"workqueue.handlers.{self.plan.handler_key}"), self.log.extra
+            ),
             _heartbeat=self._manual_heartbeat,
         )
         # The handler may use the ORM: give it fresh connections, like a request would.

@@ -6,15 +6,22 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
+from workqueue_samples.demo import run_demo
 from workqueue_samples.topology import seed
 
 
 class Command(BaseCommand):
-    help = "Seed the sample topology: topic samples.hello and its three subscriptions."
+    help = (
+        "seed: create the sample topology (topic samples.hello, three subscriptions); "
+        "demo: seed, publish sample work and process it."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("action", choices=["seed"])
+        parser.add_argument("action", choices=["seed", "demo"])
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["action"] == "demo":
+            run_demo(self.stdout.write)
+            return
         created = seed()
         self.stdout.write("created " + ", ".join(created) if created else "already seeded")

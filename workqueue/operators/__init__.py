@@ -1,0 +1,1 @@
+"""Operator operations shared by the CLI, the REST API and the admin (one implementation)."""

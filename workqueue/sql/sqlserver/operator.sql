@@ -1,0 +1,327 @@
+-- Operator reads and actions. Reads are bounded (keyset pages, capped counts) and return one
+-- result set; actions are single guarded UPDATEs whose affected_rows says whether they took
+-- effect. The acting user's name and the note are recorded on the delivery.
+
+-- wq_subscription_stats --
+-- Counts by status for one subscription, the number of Ordered keys blocked by a dead-lettered
+-- head (NULL for other modes), the age in whole seconds of the oldest Pending delivery (never
+-- negative; NULL when none is pending) and completions in the last hour, all as of the database
+-- clock. No row when the subscription does not exist.
+-- returns: pending, in_flight, dead_lettered, blocked_keys, oldest_pending_age_seconds, completed_last_hour, as_of
+CREATE OR ALTER PROCEDURE dbo.wq_subscription_stats
+    @subscription_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+
+    -- result set
+    SELECT
+        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
+          WHERE d.subscription_id = s.id AND d.status = N'Pending') AS pending,
+        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
+          WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS in_flight,
+        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
+          WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS dead_lettered,
+        CASE WHEN s.partition_mode = N'Ordered' THEN (
+            SELECT COUNT(DISTINCT d.partition_key) FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
+               AND d.partition_key IS NOT NULL
+               AND NOT EXISTS (
+                   SELECT 1 FROM dbo.workqueue_delivery AS h
+                    WHERE h.subscription_id = d.subscription_id
+                      AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                      AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')))
+        END AS blocked_keys,
+        (SELECT CASE WHEN MIN(d.visible_at) IS NULL THEN NULL
+                     WHEN MIN(d.visible_at) >= @now THEN 0
+                     ELSE DATEDIFF_BIG(millisecond, MIN(d.visible_at), @now) / 1000 END
+           FROM dbo.workqueue_delivery AS d
+          WHERE d.subscription_id = s.id AND d.status = N'Pending') AS oldest_pending_age_seconds,
+        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
+          WHERE d.subscription_id = s.id AND d.status = N'Completed'
+            AND d.completed_at > DATEADD(hour, -1, @now)) AS completed_last_hour,
+        @now AS as_of
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.id = @subscription_key;
+END;
+GO
+
+-- wq_list_dead_letters --
+-- One keyset page (by delivery id ascending, after @after_delivery_id; NULL starts at the
+-- beginning) of a subscription's dead letters with their messages. blocks_key is 1 for an
+-- Ordered key's head, which holds back every later delivery of its key.
+-- returns: delivery_id, attempt_count, dead_letter_reason, last_error, dead_lettered_at, partition_key, blocks_key, message_id, topic_name, message_partition_key, attributes, payload, payload_ref, correlation_id, published_at
+CREATE OR ALTER PROCEDURE dbo.wq_list_dead_letters
+    @subscription_id uniqueidentifier,
+    @after_delivery_id uniqueidentifier,
+    @page_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @after_key char(32) = dbo.wq_uuid_text(@after_delivery_id);
+    DECLARE @limit int = COALESCE(@page_size, 2147483647);
+
+    -- result set
+    SELECT TOP (@limit)
+           dbo.wq_text_uuid(d.id) AS delivery_id,
+           d.attempt_count,
+           d.dead_letter_reason,
+           d.last_error,
+           d.dead_lettered_at,
+           d.partition_key,
+           CAST(CASE WHEN s.partition_mode = N'Ordered' AND d.partition_key IS NOT NULL
+                      AND NOT EXISTS (
+                          SELECT 1 FROM dbo.workqueue_delivery AS h
+                           WHERE h.subscription_id = d.subscription_id
+                             AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                             AND h.status IN (N'Pending', N'InFlight', N'DeadLettered'))
+                     THEN 1 ELSE 0 END AS bit) AS blocks_key,
+           dbo.wq_text_uuid(m.id) AS message_id,
+           t.name AS topic_name,
+           m.partition_key AS message_partition_key,
+           m.attributes,
+           m.payload,
+           m.payload_ref,
+           m.correlation_id,
+           m.published_at
+      FROM dbo.workqueue_delivery AS d
+      JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
+      JOIN dbo.workqueue_message AS m ON m.id = d.message_id
+      JOIN dbo.workqueue_topic AS t ON t.id = m.topic_id
+     WHERE d.subscription_id = @subscription_key AND d.status = N'DeadLettered'
+       AND (@after_key IS NULL OR d.id > @after_key)
+     ORDER BY d.id;
+END;
+GO
+
+-- wq_list_partitions --
+-- One keyset page (by partition key in binary order, after @after_partition_key) of a
+-- subscription's keys that have open (Pending, InFlight or DeadLettered) deliveries. condition:
+-- InFlight when any delivery of the key is in flight, else Blocked when an Ordered key's head is
+-- dead-lettered, else Idle; @condition NULL lists only the keys that are not Idle.
+-- head_delivery_id is the key's earliest open delivery; waiting_items counts its Pending ones.
+-- returns: partition_key, condition, head_delivery_id, waiting_items
+CREATE OR ALTER PROCEDURE dbo.wq_list_partitions
+    @subscription_id uniqueidentifier,
+    @condition nvarchar(4000),
+    @after_partition_key nvarchar(4000),
+    @page_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @limit int = COALESCE(@page_size, 2147483647);
+
+    WITH keyed AS (
+        SELECT d.partition_key,
+               MAX(CASE WHEN d.status = N'InFlight' THEN 1 ELSE 0 END) AS any_in_flight,
+               MIN(d.order_key) AS head_order_key,
+               SUM(CASE WHEN d.status = N'Pending' THEN 1 ELSE 0 END) AS waiting
+          FROM dbo.workqueue_delivery AS d
+         WHERE d.subscription_id = @subscription_key AND d.partition_key IS NOT NULL
+           AND d.status IN (N'Pending', N'InFlight', N'DeadLettered')
+           AND (@after_partition_key IS NULL OR d.partition_key > @after_partition_key)
+         GROUP BY d.partition_key
+    ), classified AS (
+        SELECT k.partition_key,
+               CASE WHEN k.any_in_flight = 1 THEN N'InFlight'
+                    WHEN s.partition_mode = N'Ordered' AND head.status = N'DeadLettered'
+                        THEN N'Blocked'
+                    ELSE N'Idle' END AS condition,
+               head.id AS head_id,
+               k.waiting
+          FROM keyed AS k
+          JOIN dbo.workqueue_subscription AS s ON s.id = @subscription_key
+          JOIN dbo.workqueue_delivery AS head
+            ON head.subscription_id = @subscription_key
+           AND head.partition_key = k.partition_key AND head.order_key = k.head_order_key
+    )
+    -- result set
+    SELECT TOP (@limit)
+           c.partition_key,
+           c.condition,
+           dbo.wq_text_uuid(c.head_id) AS head_delivery_id,
+           c.waiting AS waiting_items
+      FROM classified AS c
+     WHERE (@condition IS NULL AND c.condition <> N'Idle') OR c.condition = @condition
+     ORDER BY c.partition_key;
+END;
+GO
+
+-- wq_replay --
+-- DeadLettered -> Pending, visible now, with attempts reset to 0 and is_replay set; the reason
+-- and time of the dead letter are cleared and the actor and note (cut to 1000 characters)
+-- recorded. The order key is kept, so a replayed Ordered head keeps its place in its key.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_replay
+    @subscription_id uniqueidentifier,
+    @delivery_id uniqueidentifier,
+    @actor nvarchar(4000),
+    @note nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE d
+       SET status = N'Pending', attempt_count = 0, is_replay = 1, visible_at = @now,
+           dead_letter_reason = NULL, dead_lettered_at = NULL,
+           resolved_by = @actor, resolution_note = LEFT(@note, 1000)
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id = @delivery_key AND d.subscription_id = @subscription_key
+       AND d.status = N'DeadLettered';
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_discard --
+-- DeadLettered (or Pending, when @allow_pending = 1) -> Discarded, completed now, with the actor
+-- and reason recorded and any lease columns cleared. Never touches an InFlight delivery; that
+-- needs wq_cancel.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_discard
+    @subscription_id uniqueidentifier,
+    @delivery_id uniqueidentifier,
+    @allow_pending bit,
+    @actor nvarchar(4000),
+    @reason nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE d
+       SET status = N'Discarded', completed_at = @now,
+           resolved_by = @actor, resolution_note = LEFT(@reason, 1000),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id = @delivery_key AND d.subscription_id = @subscription_key
+       AND (d.status = N'DeadLettered' OR (@allow_pending = 1 AND d.status = N'Pending'));
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_cancel --
+-- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
+-- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
+-- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
+-- again.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_cancel
+    @subscription_id uniqueidentifier,
+    @delivery_id uniqueidentifier,
+    @actor nvarchar(4000),
+    @reason nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE d
+       SET cancel_requested_at = @now,
+           resolved_by = @actor, resolution_note = LEFT(@reason, 1000)
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id = @delivery_key AND d.subscription_id = @subscription_key
+       AND d.status = N'InFlight' AND d.cancel_requested_at IS NULL;
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_backlog --
+-- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
+-- that could be claimed now under the subscription's partition mode; 0 unless the subscription
+-- is Active) and InFlight rows, each counted up to @cap (NULL: uncapped). No row when the
+-- subscription does not exist.
+-- returns: claimable, in_flight
+CREATE OR ALTER PROCEDURE dbo.wq_backlog
+    @subscription_id uniqueidentifier,
+    @cap int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @limit int = COALESCE(@cap, 2147483647);
+
+    -- result set
+    SELECT CASE WHEN s.status <> N'Active' THEN 0
+                WHEN x.keyless + x.keyed > @limit THEN @limit
+                ELSE x.keyless + x.keyed END AS claimable,
+           x.held AS in_flight
+      FROM dbo.workqueue_subscription AS s
+     CROSS APPLY (
+           SELECT
+               (SELECT COUNT(*) FROM (
+                    SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
+                     WHERE d.subscription_id = s.id AND d.status = N'Pending'
+                       AND d.partition_key IS NULL AND d.visible_at <= @now) AS a) AS keyless,
+               (SELECT COUNT(*) FROM (
+                    SELECT DISTINCT TOP (@limit) d.partition_key
+                      FROM dbo.workqueue_delivery AS d
+                     WHERE s.partition_mode <> N'None'
+                       AND d.subscription_id = s.id AND d.status = N'Pending'
+                       AND d.partition_key IS NOT NULL AND d.visible_at <= @now
+                       AND NOT EXISTS (
+                           SELECT 1 FROM dbo.workqueue_delivery AS f
+                            WHERE f.subscription_id = d.subscription_id
+                              AND f.partition_key = d.partition_key AND f.status = N'InFlight')
+                       AND (s.partition_mode <> N'Ordered' OR NOT EXISTS (
+                           SELECT 1 FROM dbo.workqueue_delivery AS h
+                            WHERE h.subscription_id = d.subscription_id
+                              AND h.partition_key = d.partition_key
+                              AND h.order_key < d.order_key
+                              AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')))
+                    ) AS b) AS keyed,
+               (SELECT COUNT(*) FROM (
+                    SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
+                     WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS c) AS held
+     ) AS x
+     WHERE s.id = @subscription_key;
+END;
+GO
+
+-- wq_read_committed_snapshot_state --
+-- Whether this database runs READ COMMITTED with row versioning (READ_COMMITTED_SNAPSHOT ON),
+-- which the work queue requires on SQL Server so that readers never block claims. Exactly one
+-- row: the current database is always visible in sys.databases to its own users.
+-- returns: snapshot_on
+CREATE OR ALTER PROCEDURE dbo.wq_read_committed_snapshot_state
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+
+    -- result set
+    SELECT CAST(db.is_read_committed_snapshot_on AS bit) AS snapshot_on
+      FROM sys.databases AS db
+     WHERE db.database_id = DB_ID();
+END;
+GO

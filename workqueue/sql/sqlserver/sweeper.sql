@@ -1,0 +1,179 @@
+-- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches that
+-- skip rows other sessions hold locked (READPAST). One pass at a time across all hosts: the
+-- sweeper holds wq_try_sweep_lock's transaction-owned application lock on a private connection
+-- while it runs the steps on another.
+
+-- wq_expire_leases_all --
+-- wq_expire_leases for every subscription at once (each with its own max_attempts), at most
+-- @batch_size rows, oldest expiry first. Returns every changed row with its new status.
+-- returns: delivery_id, subscription_id, partition_key, new_status
+CREATE OR ALTER PROCEDURE dbo.wq_expire_leases_all
+    @batch_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @changed TABLE (
+        id char(32),
+        subscription_id char(32),
+        partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2,
+        new_status nvarchar(20)
+    );
+
+    UPDATE d
+       SET status = CASE WHEN d.cancel_requested_at IS NOT NULL THEN N'Discarded'
+                         WHEN d.attempt_count < s.max_attempts THEN N'Pending'
+                         ELSE N'DeadLettered' END,
+           visible_at = CASE WHEN d.cancel_requested_at IS NULL AND d.attempt_count < s.max_attempts
+                             THEN @now ELSE d.visible_at END,
+           completed_at = CASE WHEN d.cancel_requested_at IS NOT NULL THEN @now
+                               ELSE d.completed_at END,
+           last_error = CASE WHEN d.cancel_requested_at IS NOT NULL THEN d.last_error
+                             ELSE N'LeaseExpired' END,
+           dead_letter_reason = CASE WHEN d.cancel_requested_at IS NULL
+                                      AND d.attempt_count >= s.max_attempts
+                                     THEN N'LeaseExpired' ELSE d.dead_letter_reason END,
+           dead_lettered_at = CASE WHEN d.cancel_requested_at IS NULL
+                                    AND d.attempt_count >= s.max_attempts
+                                   THEN @now ELSE d.dead_lettered_at END,
+           lease_owner = NULL,
+           lease_token = NULL,
+           lease_expires_at = NULL
+    OUTPUT inserted.id, inserted.subscription_id, inserted.partition_key, inserted.status
+      INTO @changed
+      FROM dbo.workqueue_delivery AS d
+      JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
+     WHERE d.id IN (
+               SELECT TOP (@batch_size) x.id
+                 FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+                WHERE x.status = N'InFlight' AND x.lease_expires_at < @now
+                ORDER BY x.lease_expires_at)
+       AND d.status = N'InFlight' AND d.lease_expires_at < @now;
+
+    -- result set
+    SELECT dbo.wq_text_uuid(c.id) AS delivery_id,
+           dbo.wq_text_uuid(c.subscription_id) AS subscription_id,
+           c.partition_key,
+           c.new_status
+      FROM @changed AS c;
+END;
+GO
+
+-- wq_purge_terminal_deliveries --
+-- Delete up to @batch_size Completed/Discarded deliveries whose completed_at is older than their
+-- topic's retention_days, oldest first. Dead letters are never purged: they wait for an operator.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_purge_terminal_deliveries
+    @batch_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @shortest_retention int;
+    DECLARE @deleted TABLE (id char(32));
+
+    -- The shortest retention bounds the index range scan; each topic's own decides.
+    SELECT @shortest_retention = COALESCE(MIN(t.retention_days), 1) FROM dbo.workqueue_topic AS t;
+
+    DELETE d
+    OUTPUT deleted.id INTO @deleted
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id IN (
+               SELECT TOP (@batch_size) x.id
+                 FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+                 JOIN dbo.workqueue_subscription AS s ON s.id = x.subscription_id
+                 JOIN dbo.workqueue_topic AS t ON t.id = s.topic_id
+                WHERE x.status IN (N'Completed', N'Discarded')
+                  AND x.completed_at < DATEADD(day, -@shortest_retention, @now)
+                  AND x.completed_at < DATEADD(day, -t.retention_days, @now)
+                ORDER BY x.completed_at)
+       AND d.status IN (N'Completed', N'Discarded');
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @deleted;
+END;
+GO
+
+-- wq_purge_orphan_messages --
+-- Delete up to @batch_size messages older than their topic's retention that no delivery refers
+-- to any more (every delivery was purged, or the publish matched no subscription).
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_purge_orphan_messages
+    @batch_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @deleted TABLE (id char(32));
+
+    DELETE m
+    OUTPUT deleted.id INTO @deleted
+      FROM dbo.workqueue_message AS m
+     WHERE m.id IN (
+               SELECT TOP (@batch_size) x.id
+                 FROM dbo.workqueue_message AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+                 JOIN dbo.workqueue_topic AS t ON t.id = x.topic_id
+                WHERE x.published_at < DATEADD(day, -t.retention_days, @now)
+                  AND NOT EXISTS (
+                      SELECT 1 FROM dbo.workqueue_delivery AS d WHERE d.message_id = x.id))
+       AND NOT EXISTS (SELECT 1 FROM dbo.workqueue_delivery AS d WHERE d.message_id = m.id);
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @deleted;
+END;
+GO
+
+-- wq_purge_expired_deduplications --
+-- Delete up to @batch_size deduplication ledger rows whose window has passed.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_purge_expired_deduplications
+    @batch_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @deleted TABLE (id char(32));
+
+    DELETE TOP (@batch_size) x
+    OUTPUT deleted.id INTO @deleted
+      FROM dbo.workqueue_deduplication AS x WITH (READPAST, ROWLOCK)
+     WHERE x.expires_at <= @now;
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @deleted;
+END;
+GO
+
+-- wq_try_sweep_lock --
+-- Try, without waiting, to take the cluster-wide sweep lock: an exclusive application lock owned
+-- by the caller's transaction and released when it ends. acquired = 0 means another sweeper is
+-- mid-pass; skip this one. Must be called inside a transaction (raises 51000 otherwise), since a
+-- lock owned by a statement's own transaction would be gone before the caller could use it.
+-- returns: acquired
+CREATE OR ALTER PROCEDURE dbo.wq_try_sweep_lock
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @granted int;
+
+    IF @@TRANCOUNT = 0
+        THROW 51000, N'wq_try_sweep_lock must run inside the transaction that holds the sweep lock (error 51000).', 1;
+
+    EXEC @granted = sys.sp_getapplock
+        @Resource = N'wq-sweep',
+        @LockMode = N'Exclusive',
+        @LockOwner = N'Transaction',
+        @LockTimeout = 0;
+
+    IF @granted < -1
+        THROW 51000, N'wq_try_sweep_lock: sp_getapplock failed (error 51000).', 1;
+
+    -- result set
+    SELECT CAST(CASE WHEN @granted >= 0 THEN 1 ELSE 0 END AS bit) AS acquired;
+END;
+GO
