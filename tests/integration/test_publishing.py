@@ -50,38 +50,39 @@ def test_receive_claims_in_one_call_and_complete_settles():
     assert not receiver.complete(claimed[0]).settled
 
 
-class _StatementCounter:
-    def __init__(self) -> None:
-        self.statements: list[str] = []
+@pytest.fixture
+def statements(monkeypatch):
+    """Every statement the driver sends (its ``execute`` is the only way to the database)."""
+    driver = get_driver()
+    sent: list[str] = []
+    original = driver.execute
 
-    def __call__(self, execute, sql, params, many, context):
-        self.statements.append(sql)
-        return execute(sql, params, many, context)
+    def counting(sql, values, connection=None):
+        sent.append(sql)
+        return original(sql, values, connection)
+
+    monkeypatch.setattr(driver, "execute", counting)
+    return sent
 
 
-def test_publishing_to_ten_subscriptions_is_one_statement():
+def test_publishing_to_ten_subscriptions_is_one_statement(statements):
     topic = TopicFactory()
     for _ in range(10):
         SubscriptionFactory(topic=topic)
-    counter = _StatementCounter()
-    connection = get_driver()._private_connection()
 
-    with connection.execute_wrapper(counter):
-        result = publish(topic.name, {"n": 1})
+    result = publish(topic.name, {"n": 1})
 
     assert result.status == "Accepted"
-    assert len(counter.statements) == 1 and "wq_publish(" in counter.statements[0]
+    assert len(statements) == 1 and "wq_publish(" in statements[0]
     assert Delivery.objects.filter(message_id=result.message_id).count() == 10
 
 
-def test_receiving_a_hundred_deliveries_is_one_statement():
+def test_receiving_a_hundred_deliveries_is_one_statement(statements):
     sub = SubscriptionFactory()
     publish_many(sub.topic.name, [{"payload": n} for n in range(150)])
-    receiver = Receiver(sub.id)
-    counter = _StatementCounter()
+    statements.clear()
 
-    with receiver.driver._private_connection().execute_wrapper(counter):
-        claimed = receiver.receive(100).deliveries
+    claimed = Receiver(sub.id).receive(100).deliveries
 
     assert len(claimed) == 100
-    assert len(counter.statements) == 1 and "wq_claim(" in counter.statements[0]
+    assert len(statements) == 1 and "wq_claim(" in statements[0]

@@ -122,7 +122,10 @@ class ConformanceVerb(Verb):
         from workqueue.conf import get_settings
         from workqueue.testing.conformance.runner import format_table, run_conformance
 
-        results = run_conformance(get_settings().DATABASE_ALIAS, only=options["cases"])
+        try:
+            results = run_conformance(get_settings().DATABASE_ALIAS, only=options["cases"])
+        except KeyError as exc:
+            raise CommandError(exc.args[0]) from None
         if options["json"]:
             command.stdout.write(to_json([r.as_dict() for r in results]))
         else:

@@ -172,17 +172,26 @@ class BaseDriver:
         if unknown:
             raise TypeError(f"{name} has no parameter(s) {sorted(unknown)}")
         values = [self.adapt(p, params.get(p.name)) for p in procedure.params]
-        sql = self.render_call(procedure)
+        rows = self.execute(self.render_call(procedure), values, connection)
+        return [self.decode_row(procedure, row) for row in rows]
+
+    def execute(
+        self, sql: str, values: list[Any], connection: BaseDatabaseWrapper | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Send one statement and fetch its rows: the driver's only way to the database.
+
+        Without ``connection`` it runs on this thread's private autocommit connection. A
+        vendor driver may override this with a leaner path to its database library.
+        """
         conn = connection if connection is not None else self._private_connection()
         try:
             with conn.cursor() as cursor:
                 cursor.execute(sql, values)
-                rows = cursor.fetchall() if cursor.description else []
+                return cursor.fetchall() if cursor.description else []
         except DatabaseError as exc:
             if connection is None:
                 self._discard_if_broken(conn)
             raise self.translate_error(exc) from exc
-        return [self.decode_row(procedure, row) for row in rows]
 
     def call_one(self, name: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Row:
         rows = self.call(name, params, **kw)

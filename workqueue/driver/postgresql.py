@@ -4,6 +4,7 @@ LISTEN/NOTIFY wake-ups."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -77,8 +78,8 @@ class PostgresDriver(BaseDriver):
         args = ", ".join(f"p_{p.name} => %s::{_CASTS[p.type]}" for p in procedure.params)
         return f"SELECT {', '.join(procedure.column_names)} FROM {procedure.name}({args})"
 
-    def translate_error(self, error: DatabaseError) -> DriverError:
-        cause = error.__cause__ or error
+    def translate_error(self, error: BaseException) -> DriverError:
+        cause = error.__cause__ if isinstance(error, DatabaseError) and error.__cause__ else error
         sqlstate = getattr(cause, "sqlstate", None)
         message = str(cause).strip()
         if sqlstate == "23505":
@@ -159,18 +160,53 @@ class PostgresDriver(BaseDriver):
     def open_listener(self) -> PostgresListener:
         return PostgresListener(self.alias)
 
+    def execute(
+        self, sql: str, values: list[Any], connection: BaseDatabaseWrapper | None = None
+    ) -> list[tuple[Any, ...]]:
+        if connection is not None:
+            return super().execute(sql, values, connection)
+        # The private path talks to psycopg directly: Django's cursor wrapper (debug logging,
+        # client-side binding) costs more per call than a settle itself, and psycopg prepares
+        # statements it sees repeatedly.
+        import psycopg
+
+        raw = getattr(self._local, "raw", None)
+        try:
+            if raw is None or raw.closed:
+                raw = self._local.raw = _connect(self.alias)
+            cursor = raw.execute(sql, values)
+            return cursor.fetchall() if cursor.description else []
+        except psycopg.Error as exc:
+            if raw is not None and (raw.closed or raw.broken):
+                self._local.raw = None
+            raise self.translate_error(exc) from exc
+
+    def close(self) -> None:
+        raw = getattr(self._local, "raw", None)
+        if raw is not None:
+            self._local.raw = None
+            raw.close()
+        super().close()
+
+
+def _connect(alias: str) -> Any:
+    """A new autocommit psycopg connection with the alias's Django connection settings."""
+    import psycopg
+    from django.db import connections
+
+    params = connections[alias].get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    connection = psycopg.connect(autocommit=True, **params)
+    connection.execute("SET TIME ZONE 'UTC'")
+    return connection
+
 
 class PostgresListener:
     """A dedicated autocommit connection that LISTENs for publish notifications."""
 
     def __init__(self, alias: str) -> None:
-        import psycopg
-        from django.db import connections
-
-        params = connections[alias].get_connection_params()
-        params.pop("cursor_factory", None)
-        params.pop("context", None)
-        self._connection = psycopg.connect(autocommit=True, **params)
+        self._connection = _connect(alias)
 
     def listen(self, channel: str) -> None:
         self._connection.execute(f"LISTEN {_quote_identifier(channel)}")

@@ -1,40 +1,153 @@
-"""SQL Server: T-SQL procedures called with EXEC and named parameters, error-number mapping."""
+"""SQL Server: T-SQL procedures called with EXEC and named parameters, error-number mapping.
+
+Works with mssql-django over either of its drivers (mssql-python or pyodbc). Procedures take and
+return ``uniqueidentifier`` values; the tables keep Django's char(32) form and the procedures
+convert at the edge, so callers only ever see canonical lower-case UUID strings.
+"""
 
 from __future__ import annotations
 
-from django.db import DatabaseError
+import re
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import DatabaseError, InterfaceError
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.base import BaseDriver, DriverFeatures
-from workqueue.driver.procedures import PROCEDURES, Procedure
+from workqueue.driver.procedures import PROCEDURES, Param, ParamType, Procedure
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.sql import load_procedures
 
-# 2601/2627: duplicate key in a unique index / constraint.
-_UNIQUE_ERRORS = {2601, 2627}
-# 1205 deadlock victim, 1222 lock request timeout, 51001 the publish-order lock timed out
-# (raised by wq_lock_publish_order), -2 client timeout, 10054/10053/233 lost connection.
-_TRANSIENT_ERRORS = {1205, 1222, 51001, -2, 233, 10053, 10054}
+# 2601/2627: duplicate key in a unique index / a PRIMARY KEY or UNIQUE constraint.
+UNIQUE_ERRORS = frozenset({2601, 2627})
+# Worth retrying: 1205 deadlock victim, 1222 lock request timeout, 51001 the ordered-publish lock
+# was not granted in time (raised by wq_lock_publish_order); lost connections (233, 64, 10053,
+# 10054, 10060) and Azure SQL failover/throttling (40197, 40501, 40613).
+TRANSIENT_ERRORS = frozenset({1205, 1222, 51001, 64, 233, 10053, 10054, 10060, 40197, 40501, 40613})
 
+# Message fragments for drivers that do not report the error number (mssql-python puts only the
+# SQLSTATE class and the server's text in its exceptions).
+_MESSAGE_NUMBERS = (
+    ("cannot insert duplicate key row", 2601),
+    ("violation of primary key constraint", 2627),
+    ("violation of unique key constraint", 2627),
+    ("was deadlocked on", 1205),
+    ("lock request time out period exceeded", 1222),
+)
+# pyodbc ends a server message with "(<number>) (SQLExecDirectW)".
+_PYODBC_NUMBER = re.compile(r"\((-?\d{1,6})\)\s*\(SQL[A-Za-z]+\)")
+# The procedures' own THROWs (51000-59999) name their number as "error 5xxxx".
+_OWN_NUMBER = re.compile(r"\berror (5\d{4})\b")
+_SQLSTATE = re.compile(r"^[0-9A-Z]{5}$")
+# mssql-python names the SQLSTATE class of a lost connection in ``driver_error``.
+_CONNECTION_LOST = frozenset(
+    {
+        "communication link failure",
+        "connection not open",
+        "connection failure during transaction",
+        "disconnect error",
+        "client unable to establish connection",
+        "connection timeout expired",
+    }
+)
 
-def _error_number(error: BaseException) -> int | None:
-    """Find the SQL Server error number in a driver exception's args or message."""
-    for arg in getattr(error, "args", ()):
-        if isinstance(arg, int):
-            return arg
-        text = str(arg)
-        for marker in ("(", "Error "):
-            start = text.rfind(marker)
-            while start != -1:
-                digits = "".join(
-                    ch for ch in text[start + len(marker) :].split(")")[0] if ch.isdigit()
-                )
-                if digits and len(digits) <= 6:
-                    return int(digits)
-                start = text.rfind(marker, 0, start)
-    return None
+# A batch separator: a line holding only GO (any case).
+_GO_LINE = re.compile(r"^[ \t]*GO[ \t]*;?[ \t]*$", re.IGNORECASE | re.MULTILINE)
+_LINE_COMMENT = re.compile(r"--[^\n]*")
+_DECLARED_ROUTINE = re.compile(
+    r"\bCREATE\s+OR\s+ALTER\s+(PROCEDURE|PROC|FUNCTION)\s+(?:\[?dbo\]?\.)?\[?(wq_\w+)\]?",
+    re.IGNORECASE,
+)
+
+SEQUENCE = "dbo.wq_publish_ordinal_seq"
+
+# Every wq_* procedure and function in dbo, procedures first (they may call the functions).
+_LIST_ROUTINES = """
+    SELECT o.name, CASE WHEN o.type = 'P' THEN 'PROCEDURE' ELSE 'FUNCTION' END
+      FROM sys.objects AS o
+     WHERE o.schema_id = SCHEMA_ID(N'dbo') AND o.name LIKE N'wq[_]%'
+       AND o.type IN ('P', 'FN', 'IF', 'TF')
+     ORDER BY CASE WHEN o.type = 'P' THEN 0 ELSE 1 END, o.name
+"""
 
 
 def _quote_identifier(name: str) -> str:
     return "[" + name.replace("]", "]]") + "]"
+
+
+def split_batches(text: str) -> list[str]:
+    """Split a T-SQL script on its GO lines, dropping batches that hold only comments."""
+    batches = []
+    for batch in _GO_LINE.split(text):
+        if _LINE_COMMENT.sub("", batch).strip():
+            batches.append(batch.strip() + "\n")
+    return batches
+
+
+def declared_routines(texts: Iterable[str]) -> set[str]:
+    """The (lower-case) names of the wq_* procedures and functions the scripts create."""
+    names: set[str] = set()
+    for text in texts:
+        names.update(m.group(2).lower() for m in _DECLARED_ROUTINE.finditer(text))
+    return names
+
+
+def stored_uuid(value: Any) -> str | None:
+    """A UUID as Django stores it on SQL Server: char(32), lower-case hex without dashes."""
+    return None if value is None else uuid.UUID(str(value)).hex
+
+
+def _texts(error: BaseException) -> list[str]:
+    texts = [str(arg) for arg in getattr(error, "args", ()) if isinstance(arg, str)]
+    for attribute in ("driver_error", "ddbc_error", "message"):
+        value = getattr(error, attribute, None)
+        if isinstance(value, str):
+            texts.append(value)
+    texts.append(str(error))
+    return texts
+
+
+def error_number(error: BaseException) -> int | None:
+    """The SQL Server error number behind a driver exception, when it can be told."""
+    number = getattr(error, "number", None)
+    if isinstance(number, int):
+        return number
+    for arg in getattr(error, "args", ()):
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            return arg
+    texts = _texts(error)
+    for text in texts:
+        found = _PYODBC_NUMBER.findall(text)
+        if found:
+            return int(found[-1])
+    for text in texts:
+        found = _OWN_NUMBER.search(text)
+        if found:
+            return int(found.group(1))
+    lowered = " ".join(texts).lower()
+    for fragment, fragment_number in _MESSAGE_NUMBERS:
+        if fragment in lowered:
+            return fragment_number
+    return None
+
+
+def _sqlstate(error: BaseException) -> str | None:
+    args = getattr(error, "args", ())
+    if args and isinstance(args[0], str) and _SQLSTATE.match(args[0]):
+        return args[0]
+    return None
+
+
+def _connection_lost(error: BaseException, outer: BaseException) -> bool:
+    if isinstance(outer, InterfaceError) or isinstance(error, InterfaceError):
+        return True
+    sqlstate = _sqlstate(error)
+    if sqlstate is not None and sqlstate.startswith("08"):
+        return True
+    driver_error = getattr(error, "driver_error", None)
+    return isinstance(driver_error, str) and driver_error.strip().lower() in _CONNECTION_LOST
 
 
 class SqlServerDriver(BaseDriver):
@@ -44,19 +157,58 @@ class SqlServerDriver(BaseDriver):
         supports_listen_notify=False, binary_collation="Latin1_General_100_BIN2"
     )
 
+    # -- calls -----------------------------------------------------------------------------
+
     def render_call(self, procedure: Procedure) -> str:
+        # Named parameters: the call cannot bind a value to the wrong parameter. mssql-django
+        # turns each %s into the driver's "?" placeholder.
         args = ", ".join(f"@{p.name} = %s" for p in procedure.params)
         return f"EXEC dbo.{procedure.name} {args}".rstrip()
 
+    def adapt(self, param: Param, value: Any) -> Any:
+        # Both mssql-python and pyodbc bind uuid.UUID as a native GUID (SQL_GUID), so a
+        # malformed id fails here rather than as a string conversion on the server.
+        if value is not None and param.type is ParamType.UUID:
+            return uuid.UUID(str(value))
+        return super().adapt(param, value)
+
     def translate_error(self, error: DatabaseError) -> DriverError:
         cause = error.__cause__ or error
-        number = _error_number(cause)
-        message = str(cause).strip()
-        if number in _UNIQUE_ERRORS:
+        number = error_number(cause)
+        message = str(cause).strip() or str(error).strip()
+        if number in UNIQUE_ERRORS:
             return UniqueViolationError(message)
-        if number in _TRANSIENT_ERRORS:
+        if number in TRANSIENT_ERRORS or _sqlstate(cause) == "40001":
             return TransientDriverError(message)
+        if _connection_lost(cause, error):
+            return TransientDriverError(message or "lost the database connection")
         return DriverError(message)
+
+    # -- installation ----------------------------------------------------------------------
+
+    def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        files = load_procedures(self.sql_directory)
+        declared = declared_routines(text for _name, text in files)
+        with connection.cursor() as cursor:
+            for name, text in files:
+                for batch in split_batches(text):
+                    if "%s" in batch:
+                        # mssql-django rewrites %s in any batch containing GROUP BY.
+                        raise DriverError(f"sqlserver/{name}.sql must not contain '%s'")
+                    cursor.execute(batch)
+            cursor.execute(_LIST_ROUTINES)
+            for routine, kind in cursor.fetchall():
+                if routine.lower() not in declared:
+                    cursor.execute(f"DROP {kind} dbo.{_quote_identifier(routine)}")
+
+    def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(_LIST_ROUTINES)
+            for routine, kind in cursor.fetchall():
+                cursor.execute(f"DROP {kind} IF EXISTS dbo.{_quote_identifier(routine)}")
+            cursor.execute(f"DROP SEQUENCE IF EXISTS {SEQUENCE}")
+
+    # -- grants and the scaler query -------------------------------------------------------
 
     def grant_runtime_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
@@ -69,6 +221,7 @@ class SqlServerDriver(BaseDriver):
             "workqueue_deduplication",
         ]
         statements = [f"GRANT SELECT ON dbo.{table} TO {quoted}" for table in tables]
+        # The procedures still write: ownership chaining (same owner, dbo) skips these checks.
         statements += [
             f"DENY INSERT, UPDATE, DELETE ON dbo.{table} TO {quoted}" for table in tables[3:]
         ]
@@ -85,7 +238,60 @@ class SqlServerDriver(BaseDriver):
     def scaler_query(self) -> str:
         return SCALER_QUERY
 
+    # -- test support ----------------------------------------------------------------------
 
+    def shift_time(
+        self, seconds: int, *, subscription_id: str | None = None, topic_id: str | None = None
+    ) -> None:
+        shift = -int(seconds)
+        s, t = stored_uuid(subscription_id), stored_uuid(topic_id)
+        with self.transaction() as connection, connection.cursor() as cursor:
+            cursor.execute(
+                f"""UPDATE dbo.workqueue_delivery
+                       SET visible_at = DATEADD(second, {shift}, visible_at),
+                           lease_expires_at = DATEADD(second, {shift}, lease_expires_at),
+                           last_heartbeat_at = DATEADD(second, {shift}, last_heartbeat_at),
+                           completed_at = DATEADD(second, {shift}, completed_at),
+                           dead_lettered_at = DATEADD(second, {shift}, dead_lettered_at)
+                     WHERE subscription_id = %s
+                        OR subscription_id IN (SELECT id FROM dbo.workqueue_subscription
+                                                WHERE topic_id = %s)""",
+                [s, t],
+            )
+            cursor.execute(
+                f"""UPDATE dbo.workqueue_message
+                       SET published_at = DATEADD(second, {shift}, published_at)
+                     WHERE topic_id = %s
+                        OR id IN (SELECT message_id FROM dbo.workqueue_delivery
+                                   WHERE subscription_id = %s)""",
+                [t, s],
+            )
+            cursor.execute(
+                f"""UPDATE dbo.workqueue_deduplication
+                       SET expires_at = DATEADD(second, {shift}, expires_at)
+                     WHERE topic_id = %s""",
+                [t],
+            )
+
+    def remove_topic(self, topic_id: str) -> None:
+        t = stored_uuid(topic_id)
+        with self.transaction() as connection, connection.cursor() as cursor:
+            for statement in (
+                "DELETE FROM dbo.workqueue_delivery WHERE subscription_id IN "
+                "(SELECT id FROM dbo.workqueue_subscription WHERE topic_id = %s)",
+                "DELETE FROM dbo.workqueue_delivery WHERE message_id IN "
+                "(SELECT id FROM dbo.workqueue_message WHERE topic_id = %s)",
+                "DELETE FROM dbo.workqueue_message WHERE topic_id = %s",
+                "DELETE FROM dbo.workqueue_deduplication WHERE topic_id = %s",
+                "DELETE FROM dbo.workqueue_subscription WHERE topic_id = %s",
+                "DELETE FROM dbo.workqueue_topic WHERE id = %s",
+            ):
+                cursor.execute(statement, [t])
+
+
+# Claimable now (keyless visible Pending rows, plus one per key that could be claimed) plus
+# InFlight rows, for one subscription by name (the one "?" parameter), capped at 1000. Reads two
+# tables only.
 SCALER_QUERY = """\
 DECLARE @name nvarchar(200) = LOWER(?);
 WITH s AS (

@@ -29,6 +29,7 @@ from workqueue.types import ClaimedDelivery, ClaimResult, SettleResult
 logger = logging.getLogger(__name__)
 
 COMPLETION_BATCH_LIMIT = 500
+GATHER_SECONDS = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,9 @@ class Consumer:
         self._on_result = on_result
         self.receiver = Receiver(plan.subscription_id, lease_owner)
         name = f"wq-{plan.name}"
-        self._workers = ThreadPoolExecutor(config.concurrency, thread_name_prefix=name)
+        # Twice the concurrency: a finished handler frees its slot at once while its thread
+        # waits for the (batched) settle, so claiming overlaps settling.
+        self._workers = ThreadPoolExecutor(2 * config.concurrency, thread_name_prefix=name)
         self._background = ThreadPoolExecutor(2, thread_name_prefix=f"{name}-bg")
         self._completions = CompletionBatcher(self.receiver, name)
         self._services = ExecutionServices(
@@ -148,7 +151,8 @@ class Consumer:
             user=user,
             cancel_drain_seconds=config.shutdown_drain_ms / 1000,
         )
-        self._running: dict[tuple[str, str], DeliveryExecution] = {}
+        self._running: dict[tuple[str, str], DeliveryExecution] = {}  # until settled
+        self._handlers_running = 0  # slots taken: from claim until the handler returns
         self._lock = threading.Condition()
         self._wake = threading.Event()
         self._kicked = False
@@ -213,8 +217,19 @@ class Consumer:
         min_delay = self.config.idle_poll_min_ms / 1000
         max_delay = self.config.idle_poll_max_ms / 1000
         delay = min_delay
+        gathered = False
         while not self._stopping.is_set():
-            free = self.config.concurrency - self.in_flight
+            with self._lock:
+                free = self.config.concurrency - self._handlers_running
+                busy = self._handlers_running > 0
+            if 0 < free < self.config.concurrency / 2 and busy and not gathered:
+                # Only a few slots are free and handlers are finishing: a moment's wait lets
+                # one claim fill many slots instead of many claims filling one each (each claim
+                # is a round trip and a commit).
+                gathered = True
+                self._wait_for_slots(self.config.concurrency / 2, GATHER_SECONDS)
+                continue
+            gathered = False
             if self.budget is not None:
                 free = self.budget.take(free)
             if free <= 0:
@@ -236,6 +251,15 @@ class Consumer:
             # Empty: back off, unless a publish to the topic kicked us awake.
             delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
         self.receiver.driver.close()
+
+    def _wait_for_slots(self, wanted: float, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while self.config.concurrency - self._handlers_running < wanted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping.is_set():
+                    return
+                self._lock.wait(remaining)
 
     def _wait(self, seconds: float) -> bool:
         """Sleep until woken (a kick, a freed slot, a stop) or ``seconds`` pass; True on a kick."""
@@ -268,15 +292,25 @@ class Consumer:
         return result
 
     def _start(self, delivery: ClaimedDelivery) -> None:
-        execution = DeliveryExecution(delivery, self.plan, self._services)
+        execution = DeliveryExecution(
+            delivery, self.plan, self._services, on_handler_done=self._free_slot
+        )
         with self._lock:
             self._running[execution.key] = execution
+            self._handlers_running += 1
         try:
             self._workers.submit(self._execute, execution)
         except RuntimeError:  # the pool is shutting down: hand the delivery back
             with self._lock:
                 self._running.pop(execution.key, None)
+                self._handlers_running -= 1
             self._release(delivery)
+
+    def _free_slot(self) -> None:
+        with self._lock:
+            self._handlers_running -= 1
+            self._lock.notify_all()
+        self._wake.set()
 
     def _execute(self, execution: DeliveryExecution) -> None:
         try:

@@ -80,11 +80,16 @@ class DeliveryExecution:
     """One attempt at one delivery, identified by (delivery id, lease token)."""
 
     def __init__(
-        self, delivery: ClaimedDelivery, plan: SubscriptionPlan, services: ExecutionServices
+        self,
+        delivery: ClaimedDelivery,
+        plan: SubscriptionPlan,
+        services: ExecutionServices,
+        on_handler_done: Callable[[], None] | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
         self.services = services
+        self._on_handler_done = on_handler_done
         self.signal = AbortSignal()
         self._lock = threading.Lock()
         self._finished = False  # settled (or given up) — later events change nothing
@@ -125,6 +130,9 @@ class DeliveryExecution:
             for timer in [*self._timers, self._horizon]:
                 if timer is not None:
                     timer.cancel()
+            if self._on_handler_done is not None:
+                # The handler's slot is free now; settling goes on without holding it.
+                self._on_handler_done()
         return self._settle(decision)
 
     def abort(self, reason: str) -> None:

@@ -9,10 +9,13 @@
 -- Returns every row it changed with its new status.
 CREATE OR REPLACE FUNCTION wq_expire_leases(p_subscription_id uuid, p_batch_size integer)
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
-LANGUAGE sql
+LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH expired AS (
         SELECT d.id
           FROM workqueue_delivery d
@@ -43,7 +46,8 @@ AS $$
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
       FROM decided x
      WHERE d.id = x.id AND d.status = 'InFlight' AND d.lease_expires_at < now()
-    RETURNING d.id, d.subscription_id, d.partition_key, d.status;
+    RETURNING d.id, d.subscription_id, d.partition_key::text, d.status::text;
+END;
 $$;
 
 -- wq_claim --
@@ -88,12 +92,20 @@ DECLARE
     v_candidate record;
     v_lease interval;
 BEGIN
-    RETURN QUERY
-    SELECT 'ExpiredDeadLetter'::text, e.delivery_id, NULL::uuid, NULL::timestamptz, NULL::integer,
-           NULL::boolean, NULL::uuid, NULL::uuid, e.partition_key, NULL::jsonb, NULL::jsonb,
-           NULL::jsonb, NULL::text, NULL::timestamptz
-      FROM wq_expire_leases(p_subscription_id, 500) e
-     WHERE e.new_status = 'DeadLettered';
+    -- A cheap probe of the lease index first: most claims find no passed lease, and then the
+    -- expiry statement (row locks, a write) is skipped.
+    IF EXISTS (
+        SELECT 1 FROM workqueue_delivery x
+         WHERE x.status = 'InFlight' AND x.lease_expires_at < now()
+           AND x.subscription_id = p_subscription_id
+    ) THEN
+        RETURN QUERY
+        SELECT 'ExpiredDeadLetter'::text, e.delivery_id, NULL::uuid, NULL::timestamptz,
+               NULL::integer, NULL::boolean, NULL::uuid, NULL::uuid, e.partition_key,
+               NULL::jsonb, NULL::jsonb, NULL::jsonb, NULL::text, NULL::timestamptz
+          FROM wq_expire_leases(p_subscription_id, 500) e
+         WHERE e.new_status = 'DeadLettered';
+    END IF;
 
     SELECT s.partition_mode, s.lease_seconds, s.status INTO v_sub
       FROM workqueue_subscription s WHERE s.id = p_subscription_id;

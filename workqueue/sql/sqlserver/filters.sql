@@ -7,8 +7,8 @@
 --     saying what it guarantees; a procedure that returns rows lists its result columns on a
 --     "-- returns: a, b, c" line of that header, and the one statement that produces the result
 --     set is preceded by a line holding only "-- result set";
---   * SYSDATETIMEOFFSET() is the only clock; no dynamic SQL; no "%s" anywhere (mssql-django
---     rewrites it in batches that contain GROUP BY).
+--   * SYSDATETIMEOFFSET() is the only clock; no dynamic SQL; no percent sign followed by "s"
+--     anywhere, comments included (mssql-django rewrites it in batches that contain GROUP BY).
 --
 -- Storage notes shared by all files: Django keeps UUIDField values in char(32) columns (lower-case
 -- hex, no dashes) on SQL Server, JSONField values in nvarchar(max) as text, and partition and
@@ -42,8 +42,8 @@ BEGIN
     DECLARE @members nvarchar(max);
     DECLARE @field nvarchar(4000);
     DECLARE @operator nvarchar(4000);
-    DECLARE @actual nvarchar(4000);
-    DECLARE @expected nvarchar(4000);
+    DECLARE @actual nvarchar(max);
+    DECLARE @expected nvarchar(max);
     DECLARE @count int;
     DECLARE @i int = 0;
 
@@ -79,14 +79,15 @@ BEGIN
             -- An "or" group of eq conditions on one field (validated on save): the field is read
             -- from the first member, and the attribute must equal one member's value.
             SET @field = JSON_VALUE(@members, N'$[0].field');
-            SET @actual = CASE
-                WHEN @field IS NOT NULL THEN JSON_VALUE(@attributes, N'$."' + @field + N'"')
-            END;
+            SET @actual = NULL;
+            SELECT @actual = a.[value]
+              FROM OPENJSON(@attributes) AS a
+             WHERE a.[key] = @field AND DATALENGTH(a.[key]) = DATALENGTH(@field) AND a.[type] <> 0;
             IF @actual IS NULL
                OR NOT EXISTS (
                    SELECT 1
                      FROM OPENJSON(@members)
-                          WITH (field nvarchar(4000) '$.field', value nvarchar(4000) '$.value') AS g
+                          WITH (field nvarchar(4000) '$.field', value nvarchar(max) '$.value') AS g
                     WHERE g.field COLLATE Latin1_General_100_BIN2 = @field
                       AND DATALENGTH(g.field) = DATALENGTH(@field)
                       AND g.value COLLATE Latin1_General_100_BIN2 = @actual
@@ -95,12 +96,20 @@ BEGIN
             CONTINUE;
         END;
 
-        SET @field = JSON_VALUE(@clause, N'$.field');
-        SET @operator = JSON_VALUE(@clause, N'$.operator');
-        -- JSON_VALUE yields NULL for a missing key and for a JSON null: both are "absent".
-        SET @actual = CASE
-            WHEN @field IS NOT NULL THEN JSON_VALUE(@attributes, N'$."' + @field + N'"')
-        END;
+        SET @field = NULL;
+        SET @operator = NULL;
+        SET @expected = NULL;
+        SELECT @field = w.field, @operator = w.operator, @expected = w.value
+          FROM OPENJSON(@clause)
+               WITH (field nvarchar(4000) '$.field',
+                     operator nvarchar(4000) '$.operator',
+                     value nvarchar(max) '$.value') AS w;
+        -- A missing key and a JSON null are both "absent" (type 0 is null). Attribute names
+        -- are looked up exactly: OPENJSON's key column has a binary collation.
+        SET @actual = NULL;
+        SELECT @actual = a.[value]
+          FROM OPENJSON(@attributes) AS a
+         WHERE a.[key] = @field AND DATALENGTH(a.[key]) = DATALENGTH(@field) AND a.[type] <> 0;
 
         IF @operator = N'isnull'
         BEGIN
@@ -121,7 +130,6 @@ BEGIN
         END
         ELSE
         BEGIN
-            SET @expected = JSON_VALUE(@clause, N'$.value');
             IF @expected IS NULL
                 RETURN CAST(N'wq_filter_matches: operator ' + COALESCE(@operator, N'(none)') + N' has no value' AS int);
             IF @operator = N'eq'

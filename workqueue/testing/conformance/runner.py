@@ -12,6 +12,7 @@ import time
 import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from workqueue.testing.conformance.harness import (
     DATABASE_TRAITS,
@@ -32,6 +33,17 @@ class CaseResult:
     duration_s: float
     error: str | None = None
     skipped: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (for ``manage.py workqueue conformance --json``)."""
+        return {
+            "case_id": self.case_id,
+            "name": self.name,
+            "passed": self.passed,
+            "skipped": self.skipped,
+            "duration_s": round(self.duration_s, 4),
+            "error": self.error,
+        }
 
 
 def execute_case(

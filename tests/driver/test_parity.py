@@ -1,0 +1,510 @@
+"""Parity of the procedure contract across the registry, PostgreSQL and SQL Server.
+
+Reads ``workqueue/sql/postgresql/*.sql``, ``workqueue/sql/sqlserver/*.sql`` and
+``workqueue.driver.procedures.PROCEDURES`` and fails on any difference in procedure names,
+parameter names and order, parameter types, result column names and order, or the file a
+procedure lives in.
+
+How each side declares its contract:
+
+* Registry: ``Procedure(name, params, columns, ...)``.
+* PostgreSQL: ``CREATE OR REPLACE FUNCTION name(p_a type, ...) RETURNS TABLE (col type, ...)``;
+  parameter names lose their ``p_`` prefix.
+* SQL Server: ``CREATE OR ALTER PROCEDURE dbo.name @a type, ... AS`` (or ``CREATE OR ALTER
+  FUNCTION dbo.name(@a type, ...)``). A procedure that returns rows declares its columns twice:
+  on a ``-- returns: col, col`` line of the comment header right above it, and in the one
+  statement that produces its result set, which is preceded by a line holding only
+  ``-- result set``. The columns of that statement's outer SELECT list are its aliases (or the
+  column name of an unaliased ``alias.column``). The test requires the header, the SELECT and the
+  registry to agree, and exactly one ``-- result set`` per registered procedure.
+
+Functions or procedures that are not in the registry are internal helpers. A helper must exist
+on both vendors with the same parameter names, unless it is listed in ``VENDOR_ONLY_HELPERS``
+with the reason it has no twin.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
+from workqueue.sql import INSTALL_ORDER
+
+SQL_ROOT = Path(__file__).resolve().parents[2] / "workqueue" / "sql"
+
+VENDOR_ONLY_HELPERS = {
+    "postgresql": {
+        "wq_topic_channel": "LISTEN/NOTIFY channel name; SQL Server has no NOTIFY (consumers poll)",
+    },
+    "sqlserver": {
+        "wq_publish_one": "wq_publish's body with OUTPUT parameters, so wq_publish_many can run "
+        "it per item without INSERT ... EXEC; PL/pgSQL can select from a function instead",
+        "wq_uuid_text": "UUIDs are stored as char(32) hex on SQL Server; PostgreSQL has uuid",
+        "wq_text_uuid": "UUIDs are stored as char(32) hex on SQL Server; PostgreSQL has uuid",
+    },
+}
+
+PG_TYPES = {
+    ParamType.UUID: {"uuid"},
+    ParamType.TEXT: {"text"},
+    ParamType.INT: {"integer"},
+    ParamType.BOOL: {"boolean"},
+    ParamType.JSON: {"jsonb"},
+    ParamType.TIMESTAMP: {"timestamptz"},
+}
+TSQL_TYPES = {
+    ParamType.UUID: {"uniqueidentifier"},
+    ParamType.TEXT: {"nvarchar(4000)", "nvarchar(max)"},
+    ParamType.INT: {"int"},
+    ParamType.BOOL: {"bit"},
+    ParamType.JSON: {"nvarchar(max)"},
+    ParamType.TIMESTAMP: {"datetimeoffset", "datetimeoffset(7)"},
+}
+
+
+@dataclass(frozen=True)
+class Routine:
+    """One procedure or function as a vendor's SQL file declares it."""
+
+    name: str
+    file: str
+    params: tuple[str, ...]
+    param_types: tuple[str, ...]
+    # Result columns; None for a routine that returns no rows (or a scalar).
+    columns: tuple[str, ...] | None
+    # SQL Server only: the columns of each statement marked "-- result set".
+    result_sets: tuple[tuple[str, ...], ...] = ()
+
+
+# -- scanning helpers -------------------------------------------------------------------------
+
+
+def _scan(sql: str) -> tuple[str, str]:
+    """Return ``sql`` with comments blanked, and with comments and string contents blanked.
+
+    One left-to-right pass, so an apostrophe inside a comment or "--" inside a string cannot
+    confuse it. Every offset is kept (blanked characters become spaces; newlines stay).
+    """
+    code, masked = list(sql), list(sql)
+    i, n = 0, len(sql)
+    while i < n:
+        if sql.startswith("--", i):
+            end = sql.find("\n", i)
+            end = n if end == -1 else end
+        elif sql.startswith("/*", i):
+            end = sql.find("*/", i + 2)
+            end = n if end == -1 else end + 2
+        elif sql[i] == "'":
+            end = i + 1
+            while end < n:
+                if sql[end] == "'" and sql.startswith("''", end):
+                    end += 2
+                elif sql[end] == "'":
+                    break
+                else:
+                    end += 1
+            for j in range(i + 1, min(end, n)):
+                if masked[j] != "\n":
+                    masked[j] = " "
+            i = end + 1
+            continue
+        else:
+            i += 1
+            continue
+        for j in range(i, end):
+            if code[j] != "\n":
+                code[j] = masked[j] = " "
+        i = end
+    return "".join(code), "".join(masked)
+
+
+def _strip_comments(sql: str) -> str:
+    return _scan(sql)[0]
+
+
+def _blank_strings(sql: str) -> str:
+    """Blank comments and the inside of string literals, keeping every offset."""
+    return _scan(sql)[1]
+
+
+def _split_top_level(text: str, separator: str = ",") -> list[str]:
+    """Split on ``separator`` outside parentheses and string literals."""
+    masked = _blank_strings(text)
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(masked):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _matching_paren(text: str, open_index: int) -> int:
+    masked = _blank_strings(text)
+    depth = 0
+    for i in range(open_index, len(masked)):
+        if masked[i] == "(":
+            depth += 1
+        elif masked[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError("unbalanced parentheses")
+
+
+def _normalise_type(text: str) -> str:
+    return re.sub(r"\s+", "", text).lower()
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+_PG_FUNCTION = re.compile(r"\bCREATE\s+OR\s+REPLACE\s+FUNCTION\s+(\w+)\s*\(", re.IGNORECASE)
+
+
+def parse_postgresql(files: Mapping[str, str]) -> dict[str, list[Routine]]:
+    routines: dict[str, list[Routine]] = {}
+    for file, raw in files.items():
+        sql = _strip_comments(raw)
+        for match in _PG_FUNCTION.finditer(sql):
+            name = match.group(1).lower()
+            close = _matching_paren(sql, match.end() - 1)
+            params, types = [], []
+            for item in _split_top_level(sql[match.end() : close]):
+                param_name, _, param_type = item.partition(" ")
+                params.append(param_name.removeprefix("p_"))
+                types.append(_normalise_type(param_type))
+            rest = sql[close + 1 :]
+            columns = None
+            returns = re.match(r"\s*RETURNS\s+TABLE\s*\(", rest, re.IGNORECASE)
+            if returns:
+                open_index = close + 1 + returns.end() - 1
+                table_close = _matching_paren(sql, open_index)
+                columns = tuple(
+                    item.split()[0].lower()
+                    for item in _split_top_level(sql[open_index + 1 : table_close])
+                )
+            routine = Routine(name, file, tuple(params), tuple(types), columns)
+            routines.setdefault(name, []).append(routine)
+    return routines
+
+
+# -- SQL Server -------------------------------------------------------------------------------
+
+_TSQL_ROUTINE = re.compile(
+    r"\bCREATE\s+OR\s+ALTER\s+(PROCEDURE|PROC|FUNCTION)\s+(?:\[?dbo\]?\.)?\[?(\w+)\]?",
+    re.IGNORECASE,
+)
+_TSQL_PARAM = re.compile(r"@(\w+)\s+([\w]+(?:\s*\(\s*(?:\d+|max)\s*(?:,\s*\d+\s*)?\))?)", re.I)
+_GO = re.compile(r"^[ \t]*GO[ \t]*$", re.IGNORECASE | re.MULTILINE)
+
+
+def _header_returns(raw: str, start: int) -> tuple[str, ...] | None:
+    """Columns of the "-- returns:" line in the comment block right above ``start``."""
+    lines = raw[:start].rstrip("\n").split("\n")
+    header = []
+    for line in reversed(lines):
+        if not line.strip().startswith("--"):
+            break
+        header.append(line.strip())
+    for line in header:
+        found = re.match(r"--\s*returns:\s*(.*)$", line, re.IGNORECASE)
+        if found:
+            return tuple(c.strip().lower() for c in found.group(1).split(",") if c.strip())
+    return None
+
+
+def select_list_names(statement: str) -> tuple[str, ...]:
+    """Output column names of the outer SELECT of ``statement`` (comments already blanked)."""
+    masked = _blank_strings(statement)
+    select = re.search(r"\bSELECT\b", masked, re.IGNORECASE)
+    if select is None:
+        raise ValueError("no SELECT after the '-- result set' marker")
+    body_start = select.end()
+    head = re.match(r"\s*(DISTINCT\s+)?(TOP\s*\()?", masked[body_start:], re.IGNORECASE)
+    if head and head.group(2):
+        body_start = _matching_paren(statement, body_start + head.end() - 1) + 1
+    elif head and head.group(1):
+        body_start += head.end()
+    depth, end = 0, len(statement)
+    for match in re.finditer(r"\(|\)|\bFROM\b|;", masked[body_start:], re.IGNORECASE):
+        token = match.group(0)
+        if token == "(":
+            depth += 1
+        elif token == ")":
+            depth -= 1
+        elif depth == 0:
+            end = body_start + match.start()
+            break
+    names = []
+    for item in _split_top_level(statement[body_start:end]):
+        item_masked = _blank_strings(item)
+        alias = None
+        depth = 0
+        for match in re.finditer(r"\(|\)|\bAS\s+\[?(\w+)\]?\s*$", item_masked, re.IGNORECASE):
+            if match.group(0) == "(":
+                depth += 1
+            elif match.group(0) == ")":
+                depth -= 1
+            elif depth == 0:
+                alias = match.group(1)
+        if alias is None:
+            bare = re.fullmatch(r"(?:\w+\.)?\[?(\w+)\]?", item.strip())
+            if bare is None:
+                raise ValueError(f"result column without a name: {item.strip()!r}")
+            alias = bare.group(1)
+        names.append(alias.lower())
+    return tuple(names)
+
+
+def parse_sqlserver(files: Mapping[str, str]) -> dict[str, list[Routine]]:
+    routines: dict[str, list[Routine]] = {}
+    for file, raw in files.items():
+        sql = _strip_comments(raw)
+        for match in _TSQL_ROUTINE.finditer(sql):
+            kind, name = match.group(1).upper(), match.group(2).lower()
+            after = sql[match.end() :]
+            if kind == "FUNCTION":
+                open_index = match.end() + after.index("(")
+                signature = sql[open_index + 1 : _matching_paren(sql, open_index)]
+            else:
+                as_line = re.search(r"^\s*AS\s*$", after, re.MULTILINE | re.IGNORECASE)
+                signature = after[: as_line.start()] if as_line else ""
+            found = _TSQL_PARAM.findall(signature)
+            go = _GO.search(raw, match.end())
+            body_raw = raw[match.end() : go.start() if go else len(raw)]
+            result_sets = []
+            for marker in re.finditer(r"^[ \t]*--[ \t]*result set[ \t]*$", body_raw, re.M | re.I):
+                statement = _strip_comments(body_raw[marker.end() :])
+                result_sets.append(select_list_names(statement))
+            routine = Routine(
+                name,
+                file,
+                tuple(p.lower() for p, _ in found),
+                tuple(_normalise_type(t) for _, t in found),
+                _header_returns(raw, match.start()),
+                tuple(result_sets),
+            )
+            routines.setdefault(name, []).append(routine)
+    return routines
+
+
+# -- comparison -------------------------------------------------------------------------------
+
+
+def read_vendor(root: Path, vendor: str) -> dict[str, str]:
+    return {name: (root / vendor / f"{name}.sql").read_text("utf-8") for name in INSTALL_ORDER}
+
+
+def contract_differences(
+    registry: Mapping[str, Procedure],
+    pg_files: Mapping[str, str],
+    tsql_files: Mapping[str, str],
+) -> list[str]:
+    """Every way the two vendors' SQL and the registry disagree, as readable sentences."""
+    problems: list[str] = []
+    vendors = {"postgresql": parse_postgresql(pg_files), "sqlserver": parse_sqlserver(tsql_files)}
+    single: dict[str, dict[str, Routine]] = {}
+    for vendor, found in vendors.items():
+        single[vendor] = {}
+        for name, routines in found.items():
+            if len(routines) > 1:
+                problems.append(f"{vendor}: {name} is declared {len(routines)} times")
+            single[vendor][name] = routines[0]
+
+    for name, procedure in registry.items():
+        expected_params = procedure.param_names
+        expected_columns = procedure.column_names
+        for vendor, routines in single.items():
+            routine = routines.get(name)
+            if routine is None:
+                problems.append(f"{vendor}: {name} is in the registry but not in the SQL files")
+                continue
+            if routine.params != expected_params:
+                problems.append(
+                    f"{vendor}: {name} parameters {list(routine.params)} differ from the "
+                    f"registry's {list(expected_params)}"
+                )
+            else:
+                allowed = PG_TYPES if vendor == "postgresql" else TSQL_TYPES
+                for param, declared in zip(procedure.params, routine.param_types, strict=True):
+                    if declared not in allowed[param.type]:
+                        problems.append(
+                            f"{vendor}: {name} parameter {param.name} is {declared}, expected "
+                            f"one of {sorted(allowed[param.type])} for {param.type.value}"
+                        )
+            if routine.columns != expected_columns:
+                where = "RETURNS TABLE" if vendor == "postgresql" else "'-- returns:' header"
+                problems.append(
+                    f"{vendor}: {name} {where} columns {list(routine.columns or ())} differ from "
+                    f"the registry's {list(expected_columns)}"
+                )
+            if vendor == "sqlserver":
+                if len(routine.result_sets) != 1:
+                    problems.append(
+                        f"sqlserver: {name} has {len(routine.result_sets)} '-- result set' "
+                        "statements; exactly one is required"
+                    )
+                for columns in routine.result_sets:
+                    if columns != expected_columns:
+                        problems.append(
+                            f"sqlserver: {name} result set columns {list(columns)} differ from "
+                            f"the registry's {list(expected_columns)}"
+                        )
+        if name in single["postgresql"] and name in single["sqlserver"]:
+            pg_file, tsql_file = single["postgresql"][name].file, single["sqlserver"][name].file
+            if pg_file != tsql_file:
+                problems.append(
+                    f"{name} lives in {pg_file}.sql on PostgreSQL, {tsql_file}.sql on SQL Server"
+                )
+
+    helpers = {
+        vendor: {n: r for n, r in routines.items() if n not in registry}
+        for vendor, routines in single.items()
+    }
+    for vendor, other in (("postgresql", "sqlserver"), ("sqlserver", "postgresql")):
+        for name, routine in helpers[vendor].items():
+            if name in VENDOR_ONLY_HELPERS[vendor]:
+                if name in helpers[other]:
+                    problems.append(f"{name} is listed as {vendor}-only but exists on {other}")
+                continue
+            twin = helpers[other].get(name)
+            if twin is None:
+                problems.append(f"{vendor}: helper {name} has no {other} twin")
+            elif vendor == "postgresql" and twin.params != routine.params:
+                problems.append(
+                    f"helper {name} parameters differ: postgresql {list(routine.params)}, "
+                    f"sqlserver {list(twin.params)}"
+                )
+        for name in VENDOR_ONLY_HELPERS[vendor]:
+            if name not in helpers[vendor]:
+                problems.append(f"{vendor}: {name} is listed as a {vendor}-only helper but missing")
+    return problems
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+
+def test_both_vendors_declare_the_registry_contract_exactly():
+    problems = contract_differences(
+        PROCEDURES, read_vendor(SQL_ROOT, "postgresql"), read_vendor(SQL_ROOT, "sqlserver")
+    )
+    assert problems == [], "\n".join(problems)
+
+
+def test_every_vendor_folder_holds_exactly_the_install_order_files():
+    for vendor in ("postgresql", "sqlserver"):
+        names = sorted(p.stem for p in (SQL_ROOT / vendor).glob("*.sql"))
+        assert names == sorted(INSTALL_ORDER), vendor
+
+
+def test_parsers_see_every_registered_procedure_with_its_columns():
+    # Guards the parsers themselves: an empty parse would make the comparison vacuous.
+    pg = parse_postgresql(read_vendor(SQL_ROOT, "postgresql"))
+    tsql = parse_sqlserver(read_vendor(SQL_ROOT, "sqlserver"))
+    assert set(PROCEDURES) <= set(pg)
+    assert set(PROCEDURES) <= set(tsql)
+    assert tsql["wq_claim"][0].result_sets[0][:3] == ("kind", "delivery_id", "lease_token")
+    assert pg["wq_publish"][0].params[0] == "topic_name"
+    assert tsql["wq_filter_matches"][0].params == ("filter", "attributes")
+
+
+def _copy_sql(tmp_path: Path) -> Path:
+    shutil.copytree(SQL_ROOT / "postgresql", tmp_path / "postgresql")
+    shutil.copytree(SQL_ROOT / "sqlserver", tmp_path / "sqlserver")
+    return tmp_path
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text("utf-8")
+    assert text.count(old) >= 1, f"{old!r} not in {path.name}"
+    path.write_text(text.replace(old, new), "utf-8")
+
+
+def _differences(root: Path) -> list[str]:
+    return contract_differences(
+        PROCEDURES, read_vendor(root, "postgresql"), read_vendor(root, "sqlserver")
+    )
+
+
+def test_parity_check_reports_a_renamed_tsql_parameter(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(root / "sqlserver" / "claim.sql", "@lease_owner", "@lease_holder")
+    problems = _differences(root)
+    assert any("sqlserver: wq_claim parameters" in p and "lease_holder" in p for p in problems), (
+        problems
+    )
+
+
+def test_parity_check_reports_a_renamed_postgresql_parameter(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(root / "postgresql" / "settle.sql", "p_delay_seconds", "p_delay")
+    problems = _differences(root)
+    assert any("postgresql: wq_retry parameters" in p for p in problems), problems
+
+
+def test_parity_check_reports_reordered_parameters(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(
+        root / "sqlserver" / "lease.sql",
+        "    @delivery_id uniqueidentifier,\n    @lease_token uniqueidentifier,",
+        "    @lease_token uniqueidentifier,\n    @delivery_id uniqueidentifier,",
+    )
+    problems = _differences(root)
+    assert any("sqlserver: wq_extend_lease parameters" in p for p in problems), problems
+
+
+def test_parity_check_reports_a_renamed_result_column(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(root / "sqlserver" / "lease.sql", "@expires AS lease_expires_at", "@expires AS expires")
+    problems = _differences(root)
+    assert any("wq_extend_lease result set columns" in p for p in problems), problems
+
+
+def test_parity_check_reports_a_header_that_disagrees_with_the_registry(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(root / "sqlserver" / "sweeper.sql", "-- returns: acquired", "-- returns: granted")
+    problems = _differences(root)
+    assert any("wq_try_sweep_lock '-- returns:' header" in p for p in problems), problems
+
+
+def test_parity_check_reports_a_missing_procedure_and_a_lonely_helper(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(root / "sqlserver" / "settle.sql", "dbo.wq_release\n", "dbo.wq_release_it\n")
+    problems = _differences(root)
+    assert any("sqlserver: wq_release is in the registry" in p for p in problems), problems
+    assert any("helper wq_release_it has no postgresql twin" in p for p in problems), problems
+
+
+def test_parity_check_reports_a_wrong_parameter_type(tmp_path):
+    root = _copy_sql(tmp_path)
+    _edit(root / "sqlserver" / "settle.sql", "@delay_seconds int", "@delay_seconds bigint")
+    problems = _differences(root)
+    assert any("wq_retry parameter delay_seconds is bigint" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("statement", "names"),
+    [
+        ("SELECT COUNT(*) AS affected_rows FROM @changed;", ("affected_rows",)),
+        ("SELECT TOP (@limit) d.id, CAST(x AS bit) AS flag, [y] FROM t;", ("id", "flag", "y")),
+        ("SELECT @a AS one, N'x, FROM y' AS two;", ("one", "two")),
+        ("SELECT (SELECT 1 FROM t AS q) AS nested, r.c\n  FROM r ORDER BY r.c;", ("nested", "c")),
+    ],
+)
+def test_select_list_names_reads_aliases_and_bare_columns(statement, names):
+    assert select_list_names(statement) == names
+
+
+def test_select_list_names_rejects_an_unnamed_expression():
+    with pytest.raises(ValueError, match="without a name"):
+        select_list_names("SELECT COUNT(*) FROM t;")

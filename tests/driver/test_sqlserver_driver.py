@@ -1,0 +1,502 @@
+"""The SQL Server driver without a server: call rendering, values, error mapping, installation.
+
+The live behaviour of the procedures is the conformance suite's job (run against a real server
+when WORKQUEUE_TEST_MSSQL_URL is set); these tests cover what can be decided offline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import uuid
+from contextlib import contextmanager
+from typing import Any
+
+import pyodbc
+import pytest
+from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError
+from mssql_python import exceptions as mssql_python_errors
+
+from tests.driver.test_tsql_parses import parse_tsql
+from workqueue.driver.procedures import PROCEDURES, ParamType, get_procedure
+from workqueue.driver.sqlserver import (
+    SqlServerDriver,
+    declared_routines,
+    error_number,
+    split_batches,
+    stored_uuid,
+)
+from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.sql import load_procedures
+
+
+@pytest.fixture
+def driver() -> SqlServerDriver:
+    return SqlServerDriver("sqlserver-offline")
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PROCEDURES))
+def test_every_registered_procedure_renders_as_exec_with_named_parameters(driver, name):
+    procedure = get_procedure(name)
+    sql = driver.render_call(procedure)
+    expected = f"EXEC dbo.{name}"
+    if procedure.params:
+        expected += " " + ", ".join(f"@{p.name} = %s" for p in procedure.params)
+    assert sql == expected
+    assert sql.count("%s") == len(procedure.params)
+
+
+def test_a_call_without_parameters_is_a_bare_exec(driver):
+    sql = driver.render_call(get_procedure("wq_read_committed_snapshot_state"))
+    assert sql == "EXEC dbo.wq_read_committed_snapshot_state"
+
+
+def test_rendered_calls_are_valid_tsql(driver, tmp_path):
+    script = tmp_path / "calls.sql"
+    calls = [driver.render_call(p).replace("%s", "NULL") + ";" for p in PROCEDURES.values()]
+    script.write_text("\n".join(calls) + "\nGO\n")
+    result = parse_tsql(script)
+    assert result.returncode == 0, result.stderr
+
+
+class _RecordingCursor:
+    def __init__(self) -> None:
+        self.executed: list[tuple[str, tuple[Any, ...]]] = []
+
+    def execute(self, sql: str, params: Any = ()) -> None:
+        self.executed.append((sql, params))
+
+
+def test_mssql_django_turns_the_rendered_call_into_odbc_placeholders(driver):
+    # The real mssql-django cursor wrapper, over a recording DB-API cursor.
+    from mssql.base import CursorWrapper
+
+    class _Connection:
+        driver_charset = None
+
+    procedure = get_procedure("wq_discard")
+    raw = _RecordingCursor()
+    values = [
+        driver.adapt(p, v)
+        for p, v in zip(
+            procedure.params,
+            ["0F8FAD5B-D9CB-469F-A165-70867728950E", uuid.uuid4(), True, "ops", "gone"],
+            strict=True,
+        )
+    ]
+    CursorWrapper(raw, _Connection()).execute(driver.render_call(procedure), values)
+    ((sql, params),) = raw.executed
+    assert sql == (
+        "EXEC dbo.wq_discard @subscription_id = ?, @delivery_id = ?, @allow_pending = ?, "
+        "@actor = ?, @reason = ?"
+    )
+    assert params[0] == uuid.UUID("0f8fad5b-d9cb-469f-a165-70867728950e")
+    assert isinstance(params[1], uuid.UUID)
+    assert params[2:] == (1, "ops", "gone")
+
+
+# -- values -----------------------------------------------------------------------------------
+
+
+def test_parameters_are_adapted_to_what_the_odbc_drivers_bind(driver):
+    procedure = get_procedure("wq_publish")
+    by_name = {p.name: p for p in procedure.params}
+    assert driver.adapt(by_name["message_id"], "0F8FAD5B-D9CB-469F-A165-70867728950E") == (
+        uuid.UUID("0f8fad5b-d9cb-469f-a165-70867728950e")
+    )
+    assert driver.adapt(by_name["attributes"], {"b": "2", "a": "1"}) == '{"a":"1","b":"2"}'
+    assert driver.adapt(by_name["payload"], '{"kept":"as text"}') == '{"kept":"as text"}'
+    assert driver.adapt(by_name["envelope_bytes"], "12") == 12
+    assert driver.adapt(by_name["external"], 0) is False
+    assert driver.adapt(by_name["partition_key"], None) is None
+    with pytest.raises(ValueError):
+        driver.adapt(by_name["message_id"], "not-a-uuid")
+
+
+def test_results_come_back_with_lower_case_uuids_and_aware_timestamps(driver):
+    procedure = get_procedure("wq_extend_lease")
+    assert driver.decode_row(procedure, ("Held", dt.datetime(2030, 1, 1, 12, 0))) == {
+        "lease_state": "Held",
+        "lease_expires_at": dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC),
+    }
+    claimed = get_procedure("wq_complete_many")
+    upper = "0F8FAD5B-D9CB-469F-A165-70867728950E"
+    assert driver.decode_row(claimed, (upper,)) == {"delivery_id": upper.lower()}
+    assert driver.decode_row(claimed, (uuid.UUID(upper),)) == {"delivery_id": upper.lower()}
+
+
+def test_every_uuid_result_column_is_declared_as_such():
+    # decode_value lower-cases only columns typed uuid, so none may be typed text by mistake.
+    ids = {"delivery_id", "message_id", "subscription_id", "topic_id", "head_delivery_id"}
+    for procedure in PROCEDURES.values():
+        for column in procedure.columns:
+            if column.name in ids or column.name == "lease_token":
+                assert column.type is ParamType.UUID, (procedure.name, column.name)
+
+
+def test_stored_uuid_is_djangos_char32_form():
+    assert stored_uuid("0F8FAD5B-D9CB-469F-A165-70867728950E") == "0f8fad5bd9cb469fa16570867728950e"
+    assert stored_uuid(None) is None
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+PYODBC_DUPLICATE_ROW = (
+    "[23000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Cannot insert duplicate key "
+    "row in object 'dbo.workqueue_delivery' with unique index 'wq_delivery_inflight_key_uq'. "
+    "The duplicate key value is (0f8fad5bd9cb469fa16570867728950e, key-42). (2601) "
+    "(SQLExecDirectW)"
+)
+
+
+def _wrapped(django_class: type[DatabaseError], cause: BaseException) -> DatabaseError:
+    """A Django error the way django.db.utils.DatabaseErrorWrapper raises it."""
+    error = django_class(*cause.args)
+    error.__cause__ = cause
+    return error
+
+
+def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
+    return cls(driver_error=driver_error, ddbc_error="[Microsoft][SQL Server]" + message)
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        pytest.param(
+            _wrapped(IntegrityError, pyodbc.IntegrityError("23000", PYODBC_DUPLICATE_ROW)),
+            UniqueViolationError,
+            id="pyodbc-2601",
+        ),
+        pytest.param(
+            _wrapped(
+                IntegrityError,
+                _python_driver(
+                    mssql_python_errors.IntegrityError,
+                    "Integrity constraint violation",
+                    "Violation of PRIMARY KEY constraint 'PK__workqueu__3213E83F'. Cannot insert "
+                    "duplicate key in object 'dbo.workqueue_message'. The duplicate key value is "
+                    "(0f8fad5bd9cb469fa16570867728950e).",
+                ),
+            ),
+            UniqueViolationError,
+            id="mssql-python-2627",
+        ),
+        pytest.param(
+            _wrapped(
+                IntegrityError,
+                _python_driver(
+                    mssql_python_errors.IntegrityError,
+                    "Integrity constraint violation",
+                    "The INSERT statement conflicted with the FOREIGN KEY constraint "
+                    '"workqueue_delivery_message_id_fk". The conflict occurred in database '
+                    '"wq", table "dbo.workqueue_message", column \'id\'.',
+                ),
+            ),
+            DriverError,
+            id="foreign-key-547-is-not-unique",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                pyodbc.OperationalError(
+                    "40001",
+                    "[40001] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Transaction "
+                    "(Process ID 57) was deadlocked on lock resources with another process and "
+                    "has been chosen as the deadlock victim. Rerun the transaction. (1205) "
+                    "(SQLExecDirectW)",
+                ),
+            ),
+            TransientDriverError,
+            id="pyodbc-1205",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                _python_driver(
+                    mssql_python_errors.OperationalError,
+                    "Serialization failure",
+                    "Transaction (Process ID 61) was deadlocked on lock resources with another "
+                    "process and has been chosen as the deadlock victim. Rerun the transaction.",
+                ),
+            ),
+            TransientDriverError,
+            id="mssql-python-1205",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                _python_driver(
+                    mssql_python_errors.OperationalError,
+                    "General error",
+                    "Lock request time out period exceeded.",
+                ),
+            ),
+            TransientDriverError,
+            id="mssql-python-1222",
+        ),
+        pytest.param(
+            _wrapped(
+                DatabaseError,
+                _python_driver(
+                    mssql_python_errors.ProgrammingError,
+                    "Syntax error or access violation",
+                    "wq_lock_publish_order: the ordered-publish lock was not granted within "
+                    "5000 ms (error 51001); publish again.",
+                ),
+            ),
+            TransientDriverError,
+            id="mssql-python-51001",
+        ),
+        pytest.param(
+            _wrapped(
+                DatabaseError,
+                pyodbc.ProgrammingError(
+                    "42000",
+                    "[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]"
+                    "wq_lock_publish_order: the ordered-publish lock was not granted within "
+                    "5000 ms (error 51001); publish again. (51001) (SQLExecDirectW)",
+                ),
+            ),
+            TransientDriverError,
+            id="pyodbc-51001",
+        ),
+        pytest.param(
+            _wrapped(
+                DatabaseError,
+                _python_driver(
+                    mssql_python_errors.ProgrammingError,
+                    "Syntax error or access violation",
+                    "wq_try_sweep_lock must run inside the transaction that holds the sweep "
+                    "lock (error 51000).",
+                ),
+            ),
+            DriverError,
+            id="own-51000-is-not-transient",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                pyodbc.OperationalError("08S01", "[08S01] Communication link failure (10054)"),
+            ),
+            TransientDriverError,
+            id="pyodbc-connection-lost",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                _python_driver(
+                    mssql_python_errors.OperationalError,
+                    "Communication link failure",
+                    "TCP Provider: Error code 0x68 (104)",
+                ),
+            ),
+            TransientDriverError,
+            id="mssql-python-connection-lost",
+        ),
+        pytest.param(
+            InterfaceError("connection already closed"),
+            TransientDriverError,
+            id="django-connection-closed",
+        ),
+        pytest.param(
+            _wrapped(
+                DatabaseError,
+                pyodbc.ProgrammingError(
+                    "42S02",
+                    "[42S02] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Could not "
+                    "find stored procedure 'dbo.wq_claim'. (2812) (SQLExecDirectW)",
+                ),
+            ),
+            DriverError,
+            id="missing-procedure-2812",
+        ),
+    ],
+)
+def test_sql_server_errors_map_to_the_apps_error_classes(driver, error, expected):
+    translated = driver.translate_error(error)
+    assert type(translated) is expected
+    assert str(translated)
+
+
+def test_error_numbers_are_read_from_every_driver_style():
+    assert error_number(pyodbc.IntegrityError("23000", PYODBC_DUPLICATE_ROW)) == 2601
+
+    class PymssqlStyle(Exception):
+        number = 1205
+
+    assert error_number(PymssqlStyle("deadlock")) == 1205
+    assert error_number(Exception(2627, b"Violation of UNIQUE KEY constraint")) == 2627
+    # A number inside the duplicate key value is not mistaken for the error number.
+    assert error_number(Exception("The duplicate key value is (12345).")) is None
+
+
+def test_a_driver_call_raises_the_translated_error_with_the_cause_kept(driver, monkeypatch):
+    cause = pyodbc.IntegrityError("23000", PYODBC_DUPLICATE_ROW)
+
+    class _FailingCursor:
+        def __enter__(self) -> _FailingCursor:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def execute(self, sql: str, params: Any) -> None:
+            raise _wrapped(IntegrityError, cause)
+
+    class _Connection:
+        def cursor(self) -> _FailingCursor:
+            return _FailingCursor()
+
+    with pytest.raises(UniqueViolationError) as raised:
+        driver.call("wq_complete", {"delivery_id": uuid.uuid4()}, connection=_Connection())
+    assert raised.value.__cause__.__cause__ is cause
+
+
+# -- installation, grants, test support --------------------------------------------------------
+
+
+class _FakeConnection:
+    """Records executed statements; answers the routine listing with ``routines``."""
+
+    def __init__(self, routines: list[tuple[str, str]] | None = None) -> None:
+        self.executed: list[tuple[str, Any]] = []
+        self.routines = routines or []
+        self._last = ""
+
+    @contextmanager
+    def cursor(self):
+        yield self
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        self.executed.append((sql, params))
+        self._last = sql
+
+    def fetchall(self) -> list[tuple[str, str]]:
+        assert "sys.objects" in self._last
+        return self.routines
+
+
+def test_install_runs_every_batch_in_order_and_drops_only_stale_routines(driver):
+    connection = _FakeConnection(
+        [("wq_claim", "PROCEDURE"), ("wq_old_claim", "PROCEDURE"), ("wq_old_fn", "FUNCTION")]
+    )
+    driver.install_procedures(connection)
+    executed = [sql for sql, _ in connection.executed]
+    expected = [b for _name, text in load_procedures("sqlserver") for b in split_batches(text)]
+    assert executed[: len(expected)] == expected
+    assert all(not re.search(r"^\s*GO\s*$", b, re.M | re.I) for b in expected)
+    assert "sys.objects" in executed[len(expected)]
+    assert executed[len(expected) + 1 :] == [
+        "DROP PROCEDURE dbo.[wq_old_claim]",
+        "DROP FUNCTION dbo.[wq_old_fn]",
+    ]
+
+
+def test_install_declares_every_registered_procedure(driver):
+    declared = declared_routines(text for _name, text in load_procedures("sqlserver"))
+    assert set(PROCEDURES) <= declared
+    assert {"wq_filter_matches", "wq_lock_publish_order"} <= declared
+
+
+def test_each_batch_holds_one_object_and_no_stray_separators():
+    for name, text in load_procedures("sqlserver"):
+        for batch in split_batches(text):
+            code = re.sub(r"--[^\n]*", "", batch)
+            creates = re.findall(r"\bCREATE\s+(?:OR\s+ALTER|SEQUENCE)\b", code, re.I)
+            assert len(creates) <= 1, f"{name}.sql has a batch with {len(creates)} objects"
+
+
+def test_drop_removes_every_routine_and_the_sequence(driver):
+    connection = _FakeConnection([("wq_claim", "PROCEDURE"), ("wq_filter_matches", "FUNCTION")])
+    driver.drop_procedures(connection)
+    executed = [sql for sql, _ in connection.executed]
+    assert executed[1:] == [
+        "DROP PROCEDURE IF EXISTS dbo.[wq_claim]",
+        "DROP FUNCTION IF EXISTS dbo.[wq_filter_matches]",
+        "DROP SEQUENCE IF EXISTS dbo.wq_publish_ordinal_seq",
+    ]
+
+
+def test_runtime_grants_execute_every_procedure_and_deny_queue_writes(driver):
+    statements = driver.grant_runtime_statements("work]er")
+    assert all(s.endswith(" TO [work]]er]") for s in statements)
+    executes = {s.split()[3] for s in statements if s.startswith("GRANT EXECUTE")}
+    assert executes == {f"dbo.{name}" for name in PROCEDURES}
+    denies = [s for s in statements if s.startswith("DENY")]
+    assert {s.split()[5] for s in denies} == {
+        "dbo.workqueue_message",
+        "dbo.workqueue_delivery",
+        "dbo.workqueue_deduplication",
+    }
+    assert not any("GRANT INSERT" in s or "GRANT UPDATE" in s for s in statements)
+
+
+def test_scaler_grants_read_two_tables_only(driver):
+    assert driver.grant_scaler_statements("keda") == [
+        "GRANT SELECT ON dbo.workqueue_subscription TO [keda]",
+        "GRANT SELECT ON dbo.workqueue_delivery TO [keda]",
+    ]
+
+
+def test_grant_and_scaler_sql_parses(driver, tmp_path):
+    script = tmp_path / "grants.sql"
+    statements = driver.grant_runtime_statements("runtime") + driver.grant_scaler_statements("k")
+    script.write_text(
+        ";\n".join(statements) + ";\nGO\n" + driver.scaler_query().replace("?", "N'orders'")
+    )
+    result = parse_tsql(script)
+    assert result.returncode == 0, result.stderr
+
+
+def _capture_transaction(driver: SqlServerDriver, monkeypatch) -> _FakeConnection:
+    connection = _FakeConnection()
+
+    @contextmanager
+    def transaction():
+        yield connection
+
+    monkeypatch.setattr(driver, "transaction", transaction)
+    return connection
+
+
+def test_shift_time_moves_timestamps_back_for_stored_ids(driver, monkeypatch, tmp_path):
+    connection = _capture_transaction(driver, monkeypatch)
+    topic = "0F8FAD5B-D9CB-469F-A165-70867728950E"
+    driver.shift_time(90, topic_id=topic)
+    assert len(connection.executed) == 3
+    for sql, params in connection.executed:
+        assert "DATEADD(second, -90," in sql
+        assert sql.count("%s") == len(params)
+        assert "0f8fad5bd9cb469fa16570867728950e" in params
+    script = tmp_path / "shift.sql"
+    script.write_text(";\n".join(sql.replace("%s", "NULL") for sql, _ in connection.executed))
+    assert parse_tsql(script).returncode == 0
+
+
+def test_remove_topic_deletes_children_before_the_topic(driver, monkeypatch, tmp_path):
+    connection = _capture_transaction(driver, monkeypatch)
+    driver.remove_topic("0f8fad5b-d9cb-469f-a165-70867728950e")
+    tables = [re.search(r"DELETE FROM dbo\.(\w+)", sql).group(1) for sql, _ in connection.executed]
+    assert tables == [
+        "workqueue_delivery",
+        "workqueue_delivery",
+        "workqueue_message",
+        "workqueue_deduplication",
+        "workqueue_subscription",
+        "workqueue_topic",
+    ]
+    assert all(params == ["0f8fad5bd9cb469fa16570867728950e"] for _, params in connection.executed)
+    script = tmp_path / "remove.sql"
+    script.write_text(";\n".join(sql.replace("%s", "NULL") for sql, _ in connection.executed))
+    assert parse_tsql(script).returncode == 0
+
+
+def test_sql_server_has_no_listen_notify(driver):
+    assert driver.features.supports_listen_notify is False
+    assert driver.features.binary_collation == "Latin1_General_100_BIN2"
+    with pytest.raises(NotImplementedError):
+        driver.open_listener()

@@ -1,0 +1,236 @@
+"""Test-only handlers.
+
+* ``registry``: a private HandlerRegistry for in-process tests (``Host(config, registry=...)``).
+  Its handlers do what the payload says and report to ``probe``, so a test can wait for a
+  handler to start, see the abort reason it got, and read its heartbeat results.
+* ``tests.record`` (global registry, for subprocess hosts via WORKQUEUE_HANDLER_MODULES): appends
+  one JSON line per event to the file named by WQ_TEST_EVENT_LOG, sleeps and fails on request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workqueue.runtime.context import WorkContext, WorkMessage
+from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry, register_handler
+from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
+
+# -- in-process handlers (private registry) -----------------------------------------------------
+
+registry = HandlerRegistry()
+
+
+@dataclass
+class Run:
+    """What one handler call saw."""
+
+    message_id: str
+    attempt: int
+    max_attempts: int
+    delivery_id: str
+    subscription: str
+    user: Any
+    thread: str
+    started_at: float
+    started: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    signal_reason: str | None = None
+    heartbeats: list[bool] = field(default_factory=list)
+
+
+class Probe:
+    """Collects every handler run; tests wait on it instead of sleeping."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self.runs: list[Run] = []
+
+    def reset(self) -> None:
+        with self._lock:
+            self.runs = []
+
+    def add(self, run: Run) -> None:
+        with self._lock:
+            self.runs.append(run)
+            self._lock.notify_all()
+
+    def wait_for(self, count: int = 1, timeout: float = 10.0, **match: Any) -> list[Run]:
+        """Wait until ``count`` runs match ``match`` (attribute equality); return them."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                found = [r for r in self.runs if all(getattr(r, k) == v for k, v in match.items())]
+                if len(found) >= count:
+                    return found
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(
+                        f"expected {count} run(s) matching {match} within {timeout}s; "
+                        f"saw {len(found)} of {len(self.runs)}"
+                    )
+                self._lock.wait(remaining)
+
+
+probe = Probe()
+
+
+class ScriptedHandler(BaseWorkHandler):
+    """Does what the payload says, in this order:
+
+    * ``parallelHeartbeats`` N: N threads call ``context.heartbeat()`` at once (results recorded);
+    * ``heartbeatEveryMs`` N: call ``context.heartbeat(progress)`` every N ms (recording each
+      result) until it returns False, the signal fires or ``sleepMs`` passes;
+    * ``sleepMs`` N: wait up to N ms for the abort signal (``ignoreSignal``: just sleep);
+    * ``then``: ``complete`` (default), ``retry`` (``reason``, ``delay``), ``dead_letter``
+      (``reason``), ``fatal`` / ``transient`` (``message``, ``retryAfter``), ``crash``
+      (a ValueError with ``message``), ``invalid`` (returns ``value``);
+    * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired.
+    """
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Any:
+        payload = message.payload if isinstance(message.payload, dict) else {}
+        run = Run(
+            message_id=message.message_id,
+            attempt=context.attempt,
+            max_attempts=context.max_attempts,
+            delivery_id=context.delivery_id,
+            subscription=context.subscription_name,
+            user=self.user,
+            thread=threading.current_thread().name,
+            started_at=time.monotonic(),
+        )
+        probe.add(run)
+        run.started.set()
+        try:
+            self._wait(payload, context, run)
+            run.signal_reason = context.signal.reason
+            action = payload.get("then", "complete")
+            if context.signal.aborted and "thenOnAbort" in payload:
+                action = payload["thenOnAbort"]
+            return self._finish(action, payload)
+        finally:
+            run.finished.set()
+
+    def _wait(self, payload: dict[str, Any], context: WorkContext, run: Run) -> None:
+        sleep = payload.get("sleepMs", 0) / 1000
+        every = payload.get("heartbeatEveryMs")
+        deadline = time.monotonic() + sleep
+        if payload.get("parallelHeartbeats"):
+            self._parallel_heartbeats(payload["parallelHeartbeats"], context, run)
+        if every:
+            while time.monotonic() < deadline:
+                progress = payload.get("progress") or {"message": f"beat {len(run.heartbeats)}"}
+                held = context.heartbeat(progress)
+                run.heartbeats.append(held)
+                if not held or context.signal.wait(every / 1000):
+                    return
+            return
+        if payload.get("ignoreSignal"):
+            time.sleep(sleep)
+        elif sleep:
+            context.signal.wait(sleep)
+
+    @staticmethod
+    def _parallel_heartbeats(count: int, context: WorkContext, run: Run) -> None:
+        """``count`` threads call ``heartbeat`` at the same moment."""
+        barrier = threading.Barrier(count)
+        results: list[bool] = []
+
+        def beat(n: int) -> None:
+            barrier.wait()
+            results.append(context.heartbeat({"message": f"caller {n}"}))
+
+        threads = [threading.Thread(target=beat, args=(n,)) for n in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        run.heartbeats.extend(results)
+
+    @staticmethod
+    def _finish(action: str, payload: dict[str, Any]) -> Any:
+        message = payload.get("message", "")
+        if action == "complete":
+            return Outcome.complete()
+        if action == "retry":
+            return Outcome.retry(payload.get("reason"), payload.get("delay"))
+        if action == "dead_letter":
+            return Outcome.dead_letter(payload.get("reason", "dead"))
+        if action == "fatal":
+            raise FatalWorkError(message)
+        if action == "transient":
+            raise TransientWorkError(message, payload.get("retryAfter"))
+        if action == "crash":
+            raise ValueError(message)
+        if action == "invalid":
+            return payload.get("value")
+        raise AssertionError(f"unknown action {action!r}")
+
+
+registry.register("t.script", ScriptedHandler)
+
+
+# -- subprocess handler (global registry) -------------------------------------------------------
+
+EVENT_LOG_ENV = "WQ_TEST_EVENT_LOG"
+
+
+def fails_transiently(message_id: str, attempt: int, percent: float) -> bool:
+    """Deterministic per (message, attempt): the same run fails in every process."""
+    digest = hashlib.sha256(f"{message_id}:{attempt}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 10_000 < percent * 100
+
+
+def record(event: str, message: WorkMessage, context: WorkContext, **extra: Any) -> None:
+    path = os.environ.get(EVENT_LOG_ENV)
+    if not path:
+        return
+    payload = message.payload if isinstance(message.payload, dict) else {}
+    line = json.dumps(
+        {
+            "event": event,
+            "pid": os.getpid(),
+            "t": time.monotonic_ns(),  # CLOCK_MONOTONIC: comparable across processes
+            "sub": context.subscription_name,
+            "key": message.partition_key,
+            "ordinal": payload.get("ordinal"),
+            "message": message.message_id,
+            "delivery": context.delivery_id,
+            "attempt": context.attempt,
+            **extra,
+        }
+    )
+    # One O_APPEND write per line: lines from concurrent processes never interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@register_handler("tests.record")
+class RecordingHandler(BaseWorkHandler):
+    """Payload: ``ordinal`` (echoed to the log), ``sleepMs`` (every attempt) or
+    ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal, and
+    ``failPercent`` (transient failure when the hash of message id + attempt says so)."""
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        payload = message.payload if isinstance(message.payload, dict) else {}
+        record("start", message, context)
+        sleep_ms = payload.get("sleepMs", 0)
+        if context.attempt == 1:
+            sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
+        if sleep_ms and context.signal.wait(sleep_ms / 1000):
+            record("abort", message, context, reason=context.signal.reason)
+            return Outcome.retry(f"stopped: {context.signal.reason}")
+        if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):
+            record("fail", message, context)
+            raise TransientWorkError("chaos: transient failure")
+        record("end", message, context)
+        return Outcome.complete()
