@@ -40,3 +40,11 @@ class UniqueViolationError(DriverError):
 
 class UnsupportedDatabaseError(WorkQueueConfigurationError):
     """The configured database vendor has no work-queue driver."""
+
+
+class NotFoundError(WorkQueueError, LookupError):
+    """A named subscription, topic or transport does not exist."""
+
+
+class PermissionDeniedError(WorkQueueError, PermissionError):
+    """The caller lacks the scope or Django permission for an operation."""

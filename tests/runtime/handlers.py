@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from workqueue.driver import get_driver
 from workqueue.runtime.context import WorkContext, WorkMessage
 from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry, register_handler
 from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
@@ -90,6 +91,7 @@ class ScriptedHandler(BaseWorkHandler):
     * ``then``: ``complete`` (default), ``retry`` (``reason``, ``delay``), ``dead_letter``
       (``reason``), ``fatal`` / ``transient`` (``message``, ``retryAfter``), ``crash``
       (a ValueError with ``message``), ``invalid`` (returns ``value``);
+    * ``thenByAttempt``: {"<attempt>": action} overrides ``then`` on that attempt;
     * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired.
     """
 
@@ -110,7 +112,8 @@ class ScriptedHandler(BaseWorkHandler):
         try:
             self._wait(payload, context, run)
             run.signal_reason = context.signal.reason
-            action = payload.get("then", "complete")
+            action = payload.get("thenByAttempt", {}).get(str(context.attempt))
+            action = action or payload.get("then", "complete")
             if context.signal.aborted and "thenOnAbort" in payload:
                 action = payload["thenOnAbort"]
             return self._finish(action, payload)
@@ -144,7 +147,10 @@ class ScriptedHandler(BaseWorkHandler):
 
         def beat(n: int) -> None:
             barrier.wait()
-            results.append(context.heartbeat({"message": f"caller {n}"}))
+            try:
+                results.append(context.heartbeat({"message": f"caller {n}"}))
+            finally:
+                get_driver().close()  # the renewing caller used this thread's connection
 
         threads = [threading.Thread(target=beat, args=(n,)) for n in range(count)]
         for thread in threads:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from workqueue.models.apikeys import ApiKey
 from workqueue.models.hosts import HostRecord
 from workqueue.models.queue import Deduplication, Delivery, Message
 from workqueue.models.topology import Subscription, Topic, Transport
 
 __all__ = [
+    "ApiKey",
     "Deduplication",
     "Delivery",
     "HostRecord",

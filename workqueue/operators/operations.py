@@ -1,14 +1,26 @@
-"""The operator operations. Each validates its input before touching the queue, and returns
-plain values from ``workqueue.types``."""
+"""The seven operator operations. Each checks permissions and validates its input before any
+queue call, and returns plain values (dataclasses) that every surface renders its own way."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from workqueue import transport
-from workqueue.types import SubscriptionStats
+from workqueue.exceptions import InvalidInputError, NotFoundError, WorkQueueError
+from workqueue.operators import cursors
+from workqueue.operators.permissions import CLI, OPERATE, READ, Actor, may_view_payload, require
+from workqueue.types import (
+    DeadLetterItem,
+    PartitionCondition,
+    PartitionItem,
+    SubscriptionStats,
+)
 
 STATS_UNAVAILABLE = "Stats are unavailable for this subscription"
+MAX_NAME_LENGTH = 200
+MAX_NOTE_LENGTH = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,29 +29,115 @@ class StatsReport:
     failures: list[dict[str, str]] = field(default_factory=list)
 
 
-def subscription_stats(subscription_name: str | None = None) -> StatsReport:
-    """Counts for one subscription (by name) or for all, sorted by name.
+@dataclass(frozen=True, slots=True)
+class Page:
+    supported: bool
+    items: list[Any]
+    next_cursor: str | None = None
 
-    A subscription whose stats cannot be read is listed under ``failures`` with a fixed
-    message; the others are still reported.
-    """
-    # Imported here: operators read topology lazily so importing them stays cheap.
+
+@dataclass(frozen=True, slots=True)
+class ReplayOutcome:
+    supported: bool
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DiscardOutcome:
+    supported: bool
+    discarded: bool
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BacklogReport:
+    supported: bool
+    claimable: int
+    in_flight: int
+    total: int
+    capped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BindingIssue:
+    severity: str  # Error | Warning
+    subject: str
+    message: str
+
+
+# -- input rules ---------------------------------------------------------------------------
+
+
+def _name(value: Any, what: str = "subscription_name") -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidInputError(f"{what} is required.")
+    value = value.strip()
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidInputError(f"{what} must be at most {MAX_NAME_LENGTH} characters.")
+    return value.lower()
+
+
+def _note(value: Any, what: str, *, required: bool = False) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if required:
+            raise InvalidInputError(f"{what} is required.")
+        return None
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} must be text.")
+    if len(value) > MAX_NOTE_LENGTH:
+        raise InvalidInputError(f"{what} must be at most {MAX_NOTE_LENGTH} characters.")
+    return value.strip()
+
+
+def _delivery_id(value: Any) -> str | None:
+    """A normalised delivery id, or None when it is not a UUID (nothing can match it)."""
+    try:
+        return str(uuid.UUID(str(value)))
+    except ValueError:
+        return None
+
+
+def _subscription(name: str) -> Any:
+    # Imported here: operators read topology only when called (keeps imports cheap).
+    from workqueue.models import Subscription
+
+    found = Subscription.objects.filter(name=name).select_related("topic").first()
+    if found is None:
+        raise NotFoundError(f"No subscription is named {name!r}.")
+    return found
+
+
+# -- the operations ------------------------------------------------------------------------
+
+
+def subscription_stats(subscription_name: str | None = None, *, actor: Actor = CLI) -> StatsReport:
+    """Counts for one subscription or all of them (sorted by name). A subscription whose
+    stats cannot be read is listed under ``failures`` with a fixed message."""
     from workqueue.models import Subscription
 
     queryset = Subscription.objects.order_by("name")
     if subscription_name is not None:
-        queryset = queryset.filter(name=subscription_name.strip().lower())
+        name = _name(subscription_name)
+        require(actor, READ, subscription=name)
+        queryset = queryset.filter(name=name)
+        if not queryset.exists():
+            raise NotFoundError(f"No subscription is named {name!r}.")
+    else:
+        require(actor, READ)
     report = StatsReport([])
     for subscription in queryset:
+        if actor.subscriptions and subscription.name not in actor.subscriptions:
+            continue
         try:
             row = transport.subscription_stats(str(subscription.id))
-        except Exception:
+        except WorkQueueError:
             report.failures.append(
                 {"subscription_name": subscription.name, "error": STATS_UNAVAILABLE}
             )
             continue
         if row is None:
             continue
+        age = row["oldest_pending_age_seconds"]
         report.subscriptions.append(
             SubscriptionStats(
                 subscription_name=subscription.name,
@@ -47,9 +145,181 @@ def subscription_stats(subscription_name: str | None = None) -> StatsReport:
                 in_flight=row["in_flight"],
                 dead_lettered=row["dead_lettered"],
                 blocked_keys=row["blocked_keys"],
-                oldest_pending_age_seconds=row["oldest_pending_age_seconds"],
+                oldest_pending_age_seconds=None if age is None else max(age, 0),
                 completed_last_hour=row["completed_last_hour"],
                 as_of=row["as_of"],
             )
         )
     return report
+
+
+def list_dead_letters(
+    subscription_name: str,
+    *,
+    cursor: str | None = None,
+    page_size: Any = None,
+    actor: Actor = CLI,
+) -> Page:
+    """One page of a subscription's dead letters, oldest id first. Payloads are blanked for
+    callers without ``workqueue.view_payload``."""
+    name = _name(subscription_name)
+    size = cursors.page_size(page_size)
+    after = cursors.decode(cursor, "delivery_id")
+    if after is not None and _delivery_id(after) is None:
+        raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
+    require(actor, READ, subscription=name)
+    subscription = _subscription(name)
+    items = transport.list_dead_letters(str(subscription.id), after, size + 1)
+    if not may_view_payload(actor):
+        items = [_without_payload(item) for item in items]
+    next_cursor = (
+        cursors.encode({"delivery_id": items[size - 1].delivery_id}) if len(items) > size else None
+    )
+    return Page(True, items[:size], next_cursor)
+
+
+def _without_payload(item: DeadLetterItem) -> DeadLetterItem:
+    return replace(item, payload=None, payload_ref=None)
+
+
+def list_partitions(
+    subscription_name: str,
+    *,
+    condition: str | None = None,
+    cursor: str | None = None,
+    page_size: Any = None,
+    actor: Actor = CLI,
+) -> Page:
+    """One page of a partitioned subscription's keys that are InFlight or Blocked (or the
+    given ``condition``), by key. A subscription without partitions lists nothing."""
+    name = _name(subscription_name)
+    if condition is not None and condition not in PartitionCondition.values:
+        raise InvalidInputError(
+            f"condition must be one of {', '.join(PartitionCondition.values)}; got {condition!r}."
+        )
+    size = cursors.page_size(page_size)
+    after = cursors.decode(cursor, "partition_key")
+    require(actor, READ, subscription=name)
+    subscription = _subscription(name)
+    if subscription.partition_mode == "None":
+        return Page(True, [])
+    items: list[PartitionItem] = transport.list_partitions(
+        str(subscription.id), condition, after, size + 1
+    )
+    next_cursor = (
+        cursors.encode({"partition_key": items[size - 1].partition_key})
+        if len(items) > size
+        else None
+    )
+    return Page(True, items[:size], next_cursor)
+
+
+def replay(
+    subscription_name: str, delivery_id: Any, *, note: str | None = None, actor: Actor = CLI
+) -> ReplayOutcome:
+    """Send a dead letter back to Pending with its attempts reset (an Ordered head keeps its
+    place). ``replayed`` is False when the delivery is not a dead letter of this subscription."""
+    name = _name(subscription_name)
+    note = _note(note, "note")
+    require(actor, OPERATE, subscription=name)
+    subscription = _subscription(name)
+    target = _delivery_id(delivery_id)
+    if target is None:
+        return ReplayOutcome(True, False)
+    return ReplayOutcome(True, transport.replay(str(subscription.id), target, actor.name, note))
+
+
+def discard(
+    subscription_name: str, delivery_id: Any, *, reason: str, actor: Actor = CLI
+) -> DiscardOutcome:
+    """Discard a Pending or dead-lettered delivery; for a running one, ask its holder to stop
+    (``cancel_requested``): it is acknowledged as Discarded and never runs again."""
+    name = _name(subscription_name)
+    reason = _note(reason, "reason", required=True)
+    require(actor, OPERATE, subscription=name)
+    subscription = _subscription(name)
+    target = _delivery_id(delivery_id)
+    if target is None:
+        return DiscardOutcome(True, False, False)
+    result = transport.discard_or_cancel(str(subscription.id), target, actor.name, reason)
+    return DiscardOutcome(True, result.changed, result.cancel_requested)
+
+
+def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
+    """Claimable and in-flight counts for autoscaling, each capped at 1000."""
+    name = _name(subscription_name)
+    require(actor, READ, subscription=name)
+    subscription = _subscription(name)
+    result = transport.backlog(str(subscription.id))
+    if result is None:
+        raise NotFoundError(f"No subscription is named {name!r}.")
+    return BacklogReport(True, result.claimable, result.in_flight, result.total, result.capped)
+
+
+def validate_bindings(
+    transport_name: str | None = None, *, actor: Actor = CLI
+) -> list[BindingIssue]:
+    """Configuration problems that would stop work from flowing, as Errors and Warnings."""
+    from workqueue.models import HostRecord, Subscription, Transport
+
+    require(actor, READ)
+    transports = Transport.objects.all()
+    if transport_name is not None:
+        transports = transports.filter(name__iexact=_name(transport_name, "transport_name"))
+        if not transports.exists():
+            raise NotFoundError(f"No transport is named {transport_name!r}.")
+    issues: list[BindingIssue] = []
+    if not transport.read_committed_snapshot_on():
+        issues.append(
+            BindingIssue(
+                "Error",
+                "database",
+                "READ_COMMITTED_SNAPSHOT is off: readers block claims and claims block readers. "
+                "Run: ALTER DATABASE CURRENT SET READ_COMMITTED_SNAPSHOT ON WITH ROLLBACK "
+                "IMMEDIATE;",
+            )
+        )
+    live_keys: set[str] = set()
+    for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
+        live_keys.update(keys or [])
+    for tr in transports.order_by("name"):
+        if not tr.is_database:
+            issues.append(
+                BindingIssue(
+                    "Error",
+                    f"transport {tr.name}",
+                    f"No driver is registered for {tr.driver_class!r}.",
+                )
+            )
+        if tr.status != "Active":
+            issues.append(
+                BindingIssue(
+                    "Warning",
+                    f"transport {tr.name}",
+                    "The transport is disabled: publishes to its topics are rejected.",
+                )
+            )
+        for topic in tr.topics.order_by("name"):
+            if topic.is_fifo and tr.is_database:
+                issues.append(
+                    BindingIssue(
+                        "Warning",
+                        f"topic {topic.name}",
+                        "is_fifo has no effect on the Database transport.",
+                    )
+                )
+        subscriptions = Subscription.objects.filter(topic__transport=tr).order_by("name")
+        for sub in subscriptions:
+            subject = f"subscription {sub.name}"
+            if sub.host_type == "Worker" and not sub.handler_key.strip():
+                issues.append(BindingIssue("Error", subject, "No handler key is set."))
+            elif sub.host_type == "Worker" and sub.handler_key.strip() not in live_keys:
+                issues.append(
+                    BindingIssue(
+                        "Warning",
+                        subject,
+                        f"Handler key {sub.handler_key!r} is not registered in any live host; "
+                        "its deliveries wait until a host with that handler runs.",
+                    )
+                )
+    return issues

@@ -3,6 +3,12 @@
 -- on (subscription_id, partition_key) WHERE status = 'InFlight' is the final word on single
 -- flight per key, whatever the isolation level shows the re-checks.
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_expire_leases --
 -- Settle up to @batch_size InFlight deliveries of one subscription whose lease has passed, oldest
 -- expiry first, skipping rows another session holds locked: a cancelled one becomes Discarded

@@ -16,6 +16,12 @@
 -- uniqueidentifier values and convert at the edge with dbo.wq_uuid_text / dbo.wq_text_uuid
 -- (publish.sql).
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_filter_matches --
 -- Decides whether a message's attributes (a JSON object of strings, or NULL) satisfy a
 -- subscription's stored attribute filter, exactly as workqueue.filters.AttributeFilter.matches

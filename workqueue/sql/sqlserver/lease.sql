@@ -1,5 +1,11 @@
 -- Leases: the holder's heartbeat.
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_extend_lease --
 -- Renew a held lease by the subscription's full lease_seconds from now, fenced in one UPDATE by
 -- (delivery id, lease token, InFlight, no cancel request); the progress is replaced only when one

@@ -2,6 +2,12 @@
 -- result set; actions are single guarded UPDATEs whose affected_rows says whether they took
 -- effect. The acting user's name and the note are recorded on the delivery.
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_subscription_stats --
 -- Counts by status for one subscription, the number of Ordered keys blocked by a dead-lettered
 -- head (NULL for other modes), the age in whole seconds of the oldest Pending delivery (never

@@ -3,6 +3,12 @@
 -- subscription in one set-based INSERT and confirms the key. SQL Server has no NOTIFY, so
 -- consumers find new deliveries by polling and nothing replaces PostgreSQL's wq_topic_channel.
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_uuid_text --
 -- The stored form of a UUID: Django's UUIDField is char(32) on SQL Server, lower-case hex
 -- without dashes. Deterministic; NULL in, NULL out.

@@ -4,6 +4,12 @@
 -- lease columns. The changed ids are captured with OUTPUT and counted, so the count cannot be
 -- disturbed by later statements the way @@ROWCOUNT can.
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_complete --
 -- InFlight -> Completed, completed now.
 -- returns: affected_rows

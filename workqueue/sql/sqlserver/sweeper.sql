@@ -3,6 +3,12 @@
 -- sweeper holds wq_try_sweep_lock's transaction-owned application lock on a private connection
 -- while it runs the steps on another.
 
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
 -- wq_expire_leases_all --
 -- wq_expire_leases for every subscription at once (each with its own max_attempts), at most
 -- @batch_size rows, oldest expiry first. Returns every changed row with its new status.

@@ -1,0 +1,617 @@
+"""One delivery's execution (``DeliveryExecution``) against PostgreSQL: how each handler outcome
+is settled, heartbeats, cancel, the lease horizon, the time cap and shutdown.
+
+Each test claims a real delivery with a ``Receiver`` and runs it with ``ExecutionServices`` it
+builds itself, so lease lengths, the horizon grace and the cancel drain can be made small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+
+from tests.factories import SubscriptionFactory
+from tests.runtime.handlers import probe, registry
+from workqueue import publish, signals, transport
+from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
+from workqueue.models import Delivery, Subscription
+from workqueue.runtime.context import AbortReason
+from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.outcome import Outcome
+from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.timers import TimerQueue
+from workqueue.transport import Receiver
+from workqueue.types import ClaimedDelivery, LeaseExtension
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+MESSAGE_150 = "x" * 140 + " the end!!"
+
+
+def db_now() -> dt.datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        return cursor.fetchone()[0]
+
+
+def row(delivery: ClaimedDelivery) -> Delivery:
+    return Delivery.objects.get(pk=delivery.delivery_id)
+
+
+def wait_until(condition: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+class Rig:
+    """Claims deliveries and runs them with small, test-chosen timings."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+        self.timers = TimerQueue("test-timers")
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="test-heartbeats")
+        self.threads: list[threading.Thread] = []
+
+    def subscription(self, **fields: Any) -> Subscription:
+        fields.setdefault("handler_key", "t.script")
+        return SubscriptionFactory(**fields)
+
+    def claim(
+        self, sub: Subscription, payload: dict[str, Any], *, key: str | None = None
+    ) -> tuple[Receiver, ClaimedDelivery]:
+        publish(sub.topic.name, payload, partition_key=key)
+        receiver = Receiver(sub.id, "test-holder")
+        (delivery,) = receiver.receive(1).deliveries
+        return receiver, delivery
+
+    def execution(
+        self,
+        sub: Subscription,
+        receiver: Receiver,
+        delivery: ClaimedDelivery,
+        *,
+        grace: float = 5.0,
+        cancel_drain: float = 5.0,
+        **plan_changes: Any,
+    ) -> DeliveryExecution:
+        plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
+        services = ExecutionServices(
+            receiver=receiver,
+            complete=receiver.complete,
+            timers=self.timers,
+            background=self.background,
+            handlers=registry,
+            user=self.user,
+            cancel_drain_seconds=cancel_drain,
+            lease_grace_seconds=grace,
+        )
+        return DeliveryExecution(delivery, plan, services)
+
+    def run(self, sub: Subscription, payload: dict[str, Any], **kw: Any) -> tuple[Any, ...]:
+        """Publish, claim and execute one delivery in this thread."""
+        receiver, delivery = self.claim(sub, payload)
+        result = self.execution(sub, receiver, delivery, **kw).run()
+        return result, row(delivery), probe.runs[-1] if probe.runs else None
+
+    def start(self, execution: DeliveryExecution) -> Future[ExecutionResult]:
+        """Run ``execution`` on its own thread (closing that thread's connection after)."""
+        future: Future[ExecutionResult] = Future()
+
+        def target() -> None:
+            try:
+                future.set_result(execution.run())
+            except BaseException as exc:  # surfaced by future.result()
+                future.set_exception(exc)
+            finally:
+                get_driver().close()
+
+        thread = threading.Thread(target=target, name="test-execution")
+        self.threads.append(thread)
+        thread.start()
+        return future
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=30)
+        self.timers.stop()
+        self.background.submit(get_driver().close).result()
+        self.background.shutdown(wait=True)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    probe.reset()
+    user = get_user_model().objects.create_user("workqueue-system")
+    rig = Rig(user)
+    yield rig
+    rig.close()
+
+
+@pytest.fixture
+def dead_letters() -> Iterator[list[dict[str, Any]]]:
+    """Every ``dead_lettered`` signal sent while the test runs."""
+    received: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        received.append({"sender": sender, **kwargs})
+
+    signals.dead_lettered.connect(receiver, weak=False, dispatch_uid="test-executor")
+    yield received
+    signals.dead_lettered.disconnect(dispatch_uid="test-executor")
+
+
+class SlowReceiver(Receiver):
+    """A Receiver whose heartbeats fail, hang or just take a while; counts them."""
+
+    def __init__(self, subscription_id: Any, mode: str, delay: float = 0.0) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.mode = mode
+        self.delay = delay
+        self.extend_calls = 0
+        self.unblock = threading.Event()
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        self.extend_calls += 1
+        if self.mode == "fail":
+            raise TransientDriverError("connection reset (test)")
+        if self.mode == "hang":
+            self.unblock.wait(60)
+            raise TransientDriverError("gave up (test)")
+        time.sleep(self.delay)
+        return super().extend_lease(delivery, progress)
+
+
+# -- outcome mapping ------------------------------------------------------------------------------
+
+
+def test_a_complete_outcome_settles_the_delivery_as_completed_and_runs_as_the_system_user(rig):
+    sub = rig.subscription(max_attempts=4)
+
+    result, delivery, run = rig.run(sub, {"then": "complete"})
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert delivery.status == "Completed" and delivery.completed_at is not None
+    assert delivery.lease_token is None and delivery.attempt_count == 1
+    assert (run.attempt, run.max_attempts, run.delivery_id) == (1, 4, str(delivery.id))
+    assert run.user == rig.user and run.user.username == "workqueue-system"
+    assert run.signal_reason is None
+
+
+def test_a_retry_with_a_delay_returns_the_delivery_to_pending_until_the_delay_passes(rig):
+    sub = rig.subscription(max_attempts=3)
+
+    result, delivery, _ = rig.run(sub, {"then": "retry", "reason": "later", "delay": 30})
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Pending")
+    assert (delivery.status, delivery.attempt_count, delivery.last_error) == ("Pending", 1, "later")
+    assert 28 <= (delivery.visible_at - db_now()).total_seconds() <= 30
+    assert delivery.lease_token is None and delivery.dead_letter_reason is None
+
+
+def test_a_retry_without_a_reason_records_retry_requested_by_handler(rig):
+    sub = rig.subscription(max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0)
+
+    result, delivery, _ = rig.run(sub, {"then": "retry"})
+
+    assert result.status == "Pending"
+    assert delivery.last_error == "Retry requested by handler"
+    assert delivery.visible_at <= db_now()  # backoff 0: claimable again at once
+
+
+def test_a_retry_on_the_last_attempt_dead_letters_with_max_attempts_exceeded_and_the_error(
+    rig, dead_letters
+):
+    sub = rig.subscription(max_attempts=1)
+
+    result, delivery, _ = rig.run(sub, {"then": "retry", "reason": "still broken", "delay": 5})
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "DeadLettered")
+    assert (delivery.status, delivery.dead_letter_reason, delivery.last_error) == (
+        "DeadLettered",
+        "MaxAttemptsExceeded",
+        "still broken",
+    )
+    assert delivery.dead_lettered_at is not None and delivery.lease_token is None
+    assert dead_letters == [
+        {
+            "sender": DeliveryExecution,
+            "signal": signals.dead_lettered,
+            "subscription_id": str(sub.id),
+            "delivery_id": str(delivery.id),
+            "partition_key": None,
+            "reason": "MaxAttemptsExceeded",
+        }
+    ]
+
+
+def test_a_retry_before_the_last_attempt_does_not_send_the_dead_lettered_signal(
+    rig, dead_letters
+):
+    sub = rig.subscription(max_attempts=2)
+
+    result, _, _ = rig.run(sub, {"then": "crash", "message": "boom"})
+
+    assert result.status == "Pending"
+    assert dead_letters == []
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        ("card declined", "card declined"),
+        (MESSAGE_150, MESSAGE_150[:99] + "…"),
+    ],
+    ids=["short", "cut-to-100"],
+)
+def test_a_fatal_work_error_dead_letters_at_once_with_its_message_as_the_reason(
+    rig, dead_letters, message, reason
+):
+    sub = rig.subscription(max_attempts=5)
+
+    result, delivery, _ = rig.run(sub, {"then": "fatal", "message": message})
+
+    assert result.status == "DeadLettered"
+    assert delivery.attempt_count == 1  # attempts left did not matter
+    assert delivery.dead_letter_reason == reason and len(reason) <= 100
+    assert f"FatalWorkError: {message}" in delivery.last_error
+    assert "Traceback (most recent call last)" in delivery.last_error
+    assert [(s["delivery_id"], s["reason"]) for s in dead_letters] == [(str(delivery.id), reason)]
+
+
+def test_a_transient_work_error_retries_after_its_retry_after_seconds(rig):
+    sub = rig.subscription(max_attempts=3, backoff_base_seconds=1, backoff_max_seconds=900)
+
+    result, delivery, _ = rig.run(sub, {"then": "transient", "message": "429", "retryAfter": 42})
+
+    assert result.status == "Pending"
+    assert 40 <= (delivery.visible_at - db_now()).total_seconds() <= 42
+    assert "TransientWorkError: 429" in delivery.last_error
+
+
+def test_a_transient_retry_after_beyond_the_backoff_maximum_is_clamped_to_it(rig):
+    sub = rig.subscription(max_attempts=3, backoff_base_seconds=1, backoff_max_seconds=20)
+
+    _, delivery, _ = rig.run(sub, {"then": "transient", "retryAfter": 5000})
+
+    assert 18 <= (delivery.visible_at - db_now()).total_seconds() <= 20
+
+
+def test_a_transient_work_error_without_retry_after_uses_the_jittered_backoff(rig):
+    # Attempt 1 with base 60: the delay is drawn from [0, 60] s, never above.
+    sub = rig.subscription(max_attempts=3, backoff_base_seconds=60, backoff_max_seconds=900)
+    delays = []
+    for _ in range(4):
+        _, delivery, _ = rig.run(sub, {"then": "transient"})
+        delays.append((delivery.visible_at - db_now()).total_seconds())
+
+    assert all(-1 <= d <= 60 for d in delays), delays
+    assert len({round(d) for d in delays}) > 1, f"no jitter across 4 draws: {delays}"
+
+
+def test_any_other_exception_retries_with_the_traceback_in_last_error(rig):
+    sub = rig.subscription(max_attempts=3)
+
+    result, delivery, _ = rig.run(sub, {"then": "crash", "message": "kaboom"})
+
+    assert result.status == "Pending"
+    assert delivery.attempt_count == 1 and delivery.dead_letter_reason is None
+    assert "Traceback (most recent call last)" in delivery.last_error
+    assert "ValueError: kaboom" in delivery.last_error
+    assert "tests/runtime/handlers.py" in delivery.last_error
+
+
+@pytest.mark.parametrize("value", [None, "done", {"kind": "Complete"}], ids=repr)
+def test_a_return_value_that_is_not_an_outcome_retries_with_no_valid_outcome(rig, value):
+    sub = rig.subscription(max_attempts=3)
+
+    result, delivery, _ = rig.run(sub, {"then": "invalid", "value": value})
+
+    assert result.status == "Pending"
+    assert delivery.last_error == "Handler returned no valid outcome"
+
+
+def test_an_outcome_of_an_unknown_kind_is_not_a_valid_outcome(rig, monkeypatch):
+    sub = rig.subscription(max_attempts=3)
+    monkeypatch.setattr(Outcome, "complete", classmethod(lambda cls: cls("Bogus")))
+
+    _, delivery, _ = rig.run(sub, {"then": "complete"})
+
+    assert (delivery.status, delivery.last_error) == ("Pending", "Handler returned no valid outcome")
+
+
+def test_a_handler_dead_letter_uses_its_reason_and_keeps_the_last_error(rig, dead_letters):
+    sub = rig.subscription(max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0)
+    payload = {"thenByAttempt": {"1": "crash", "2": "dead_letter"}, "reason": "poison pill"}
+    _, first, _ = rig.run(sub, {**payload, "message": "first try failed"})
+    assert first.status == "Pending"
+    receiver = Receiver(sub.id, "test-holder")
+    (again,) = receiver.receive(1).deliveries
+    assert again.attempt == 2
+
+    result = rig.execution(sub, receiver, again).run()
+
+    stored = row(again)
+    assert result.status == "DeadLettered"
+    assert stored.dead_letter_reason == "poison pill"
+    assert stored.last_error == first.last_error and "ValueError: first try failed" in (
+        stored.last_error
+    )
+    assert [s["reason"] for s in dead_letters] == ["poison pill"]
+
+
+def test_a_handler_key_that_no_longer_resolves_dead_letters_with_handler_not_registered(
+    rig, dead_letters
+):
+    sub = rig.subscription(max_attempts=5)
+    receiver, delivery = rig.claim(sub, {"then": "complete"}, key=None)
+
+    result = rig.execution(sub, receiver, delivery, handler_key="t.removed-since-planning").run()
+
+    assert result.status == "DeadLettered"
+    stored = row(delivery)
+    assert (stored.status, stored.dead_letter_reason, stored.attempt_count) == (
+        "DeadLettered",
+        "HandlerNotRegistered",
+        1,
+    )
+    assert probe.runs == []  # no handler ran
+    assert [s["reason"] for s in dead_letters] == ["HandlerNotRegistered"]
+
+
+def test_the_dead_lettered_signal_carries_the_partition_key_of_a_keyed_delivery(
+    rig, dead_letters
+):
+    sub = rig.subscription(partition_mode="Exclusive", max_attempts=3)
+    receiver, delivery = rig.claim(sub, {"then": "fatal", "message": "no"}, key="cust-7")
+
+    rig.execution(sub, receiver, delivery).run()
+
+    assert [(s["partition_key"], s["subscription_id"]) for s in dead_letters] == [
+        ("cust-7", str(sub.id))
+    ]
+
+
+# -- heartbeats and cancel --------------------------------------------------------------------------
+
+
+def test_a_manual_heartbeat_renews_the_lease_and_returns_false_once_the_delivery_is_cancelled(rig):
+    sub = rig.subscription(heartbeat_mode="Manual", lease_seconds=30)
+    receiver, delivery = rig.claim(sub, {"heartbeatEveryMs": 50, "sleepMs": 20_000})
+    first_expiry = row(delivery).lease_expires_at
+    future = rig.start(rig.execution(sub, receiver, delivery))
+    (run,) = probe.wait_for(1)
+    wait_until(lambda: len(run.heartbeats) >= 2)
+    renewed = row(delivery)
+    assert renewed.lease_expires_at > first_expiry
+    assert renewed.progress == {"message": "beat 1"} or renewed.progress["message"].startswith(
+        "beat"
+    )
+
+    cancel = transport.discard_or_cancel(str(sub.id), delivery.delivery_id, "ops", "stop it")
+
+    assert cancel.cancel_requested
+    result = future.result(timeout=5)
+    assert run.heartbeats[-1] is False and all(run.heartbeats[:-1])
+    assert run.signal_reason == AbortReason.CANCELLED
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Discarded")
+    stored = row(delivery)
+    assert stored.status == "Discarded" and stored.cancel_requested_at is not None
+
+
+def test_cancelling_a_running_handler_discards_the_delivery_and_frees_its_exclusive_key_at_once(
+    rig,
+):
+    sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
+    receiver, first = rig.claim(sub, {"sleepMs": 30_000}, key="acct-1")
+    publish(sub.topic.name, {"then": "complete"}, partition_key="acct-1")
+    assert receiver.receive(5).deliveries == []  # the key is held
+    # Plan lease 1 s: auto heartbeats every 1/3 s, so the cancel is seen within ~0.3 s.
+    future = rig.start(rig.execution(sub, receiver, first, lease_seconds=1))
+    (run,) = probe.wait_for(1)
+
+    assert transport.discard_or_cancel(str(sub.id), first.delivery_id, "ops", "x").cancel_requested
+    result = future.result(timeout=5)
+    (second,) = receiver.receive(5).deliveries
+
+    assert run.signal_reason == AbortReason.CANCELLED
+    assert result.status == "Discarded" and row(first).status == "Discarded"
+    assert second.partition_key == "acct-1" and second.delivery_id != first.delivery_id
+    # The lease (60 s) was far from over: the key was freed by the acknowledgement.
+    assert row(second).status == "InFlight"
+
+
+def test_a_handler_that_ignores_the_cancel_is_acknowledged_after_the_drain_period(rig):
+    sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
+    receiver, delivery = rig.claim(sub, {"sleepMs": 2500, "ignoreSignal": True}, key="k")
+    future = rig.start(rig.execution(sub, receiver, delivery, lease_seconds=1, cancel_drain=0.3))
+    (run,) = probe.wait_for(1)
+
+    transport.discard_or_cancel(str(sub.id), delivery.delivery_id, "ops", "x")
+
+    wait_until(lambda: row(delivery).status == "Discarded", timeout=3)
+    assert not run.finished.is_set(), "acknowledged only after the handler returned"
+    result = future.result(timeout=5)
+    assert result.status == "Discarded"
+
+
+def test_concurrent_heartbeats_share_one_database_call(rig):
+    sub = rig.subscription(heartbeat_mode="Manual", lease_seconds=30)
+    publish(sub.topic.name, {"parallelHeartbeats": 5})
+    receiver = SlowReceiver(sub.id, "slow", delay=0.3)
+    (delivery,) = receiver.receive(1).deliveries
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    (run,) = probe.runs
+    assert run.heartbeats == [True] * 5
+    assert receiver.extend_calls == 1
+    assert result.status == "Completed"
+    assert row(delivery).progress["message"].startswith("caller ")
+
+
+def test_oversized_progress_drops_the_checkpoint_and_cuts_the_message_to_500_characters(rig):
+    sub = rig.subscription(heartbeat_mode="Manual", lease_seconds=30)
+    progress = {"message": "m" * 3000, "checkpoint": {"cursor": "c" * 3000}, "percent": 40}
+    receiver, delivery = rig.claim(
+        sub, {"heartbeatEveryMs": 10, "sleepMs": 15, "progress": progress}
+    )
+
+    rig.execution(sub, receiver, delivery).run()
+
+    assert row(delivery).progress == {"message": "m" * 500, "percent": 40}
+
+
+# -- lease horizon, time cap, shutdown --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_the_lease_horizon_aborts_with_lease_lost_when_heartbeats_cannot_succeed(rig, mode):
+    sub = rig.subscription(lease_seconds=60)
+    publish(sub.topic.name, {"sleepMs": 30_000})
+    receiver = SlowReceiver(sub.id, mode)
+    (delivery,) = receiver.receive(1).deliveries
+    # The handler thinks its lease is 1 s (auto heartbeat every 1/3 s) with a 0.3 s grace.
+    execution = rig.execution(sub, receiver, delivery, lease_seconds=1, grace=0.3)
+    started = time.monotonic()
+    future = rig.start(execution)
+    (run,) = probe.wait_for(1)
+
+    try:
+        result = future.result(timeout=5)
+    finally:
+        receiver.unblock.set()
+    elapsed = time.monotonic() - started
+
+    assert run.signal_reason == AbortReason.LEASE_LOST
+    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert 1.2 <= elapsed < 3.0
+    assert receiver.extend_calls >= (2 if mode == "fail" else 1)
+    # Nothing was written: the row is still held by this (now abandoned) token.
+    stored = row(delivery)
+    assert (stored.status, str(stored.lease_token), stored.last_error) == (
+        "InFlight",
+        delivery.lease_token,
+        None,
+    )
+
+
+def test_a_heartbeat_that_finds_the_lease_taken_over_aborts_with_lease_lost_and_writes_nothing(
+    rig,
+):
+    sub = rig.subscription(heartbeat_mode="Manual", lease_seconds=5)
+    receiver, stale = rig.claim(sub, {"heartbeatEveryMs": 100, "sleepMs": 20_000})
+    get_driver().shift_time(10, subscription_id=str(sub.id))  # the lease ran out...
+    (fresh,) = Receiver(sub.id, "other-host").receive(1).deliveries  # ...and was re-claimed
+    assert fresh.delivery_id == stale.delivery_id
+
+    result = rig.start(rig.execution(sub, receiver, stale)).result(timeout=5)
+
+    (run,) = probe.runs
+    assert run.heartbeats == [False]
+    assert run.signal_reason == AbortReason.LEASE_LOST
+    assert result.kind == ExecutionResult.LEASE_LOST
+    stored = row(fresh)
+    assert (stored.status, str(stored.lease_token), stored.lease_owner) == (
+        "InFlight",
+        fresh.lease_token,
+        "other-host",
+    )
+
+
+def test_max_processing_seconds_aborts_stops_renewals_and_settles_the_retry_as_an_attempt(rig):
+    sub = rig.subscription(
+        heartbeat_mode="Manual", lease_seconds=30, max_processing_seconds=1, max_attempts=3
+    )
+    receiver, delivery = rig.claim(
+        sub, {"heartbeatEveryMs": 100, "sleepMs": 10_000, "then": "retry", "reason": "capped"}
+    )
+    started = time.monotonic()
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    (run,) = probe.runs
+    assert 0.9 <= time.monotonic() - started < 3
+    assert run.signal_reason == AbortReason.MAX_PROCESSING_SECONDS
+    assert run.heartbeats[-1] is False and all(run.heartbeats[:-1])
+    assert result.status == "Pending"
+    stored = row(delivery)
+    assert (stored.attempt_count, stored.last_error) == (1, "capped")
+
+
+def test_shutdown_releases_a_sleeping_handlers_delivery_without_using_an_attempt(rig):
+    sub = rig.subscription(max_attempts=3)
+    receiver, delivery = rig.claim(sub, {"sleepMs": 30_000, "thenOnAbort": "retry"})
+    execution = rig.execution(sub, receiver, delivery)
+    future = rig.start(execution)
+    (run,) = probe.wait_for(1)
+
+    execution.abort(AbortReason.SHUTDOWN)
+
+    result = future.result(timeout=5)
+    assert run.signal_reason == AbortReason.SHUTDOWN
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Pending")
+    stored = row(delivery)
+    assert (stored.status, stored.attempt_count, stored.last_error) == ("Pending", 0, None)
+    assert stored.visible_at <= db_now() and stored.lease_token is None
+
+
+@pytest.mark.parametrize("action", ["crash", "fatal", "dead_letter"])
+def test_shutdown_releases_whatever_the_handler_returns_except_complete(rig, action):
+    sub = rig.subscription(max_attempts=1)
+    receiver, delivery = rig.claim(sub, {"sleepMs": 30_000, "thenOnAbort": action})
+    execution = rig.execution(sub, receiver, delivery)
+    future = rig.start(execution)
+    probe.wait_for(1)
+
+    execution.abort(AbortReason.SHUTDOWN)
+
+    assert future.result(timeout=5).status == "Pending"
+    assert (row(delivery).status, row(delivery).attempt_count) == ("Pending", 0)
+
+
+def test_shutdown_still_records_a_complete_returned_after_the_abort(rig):
+    sub = rig.subscription()
+    receiver, delivery = rig.claim(sub, {"sleepMs": 30_000, "thenOnAbort": "complete"})
+    execution = rig.execution(sub, receiver, delivery)
+    future = rig.start(execution)
+    (run,) = probe.wait_for(1)
+
+    execution.abort(AbortReason.SHUTDOWN)
+
+    assert future.result(timeout=5) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert run.signal_reason == AbortReason.SHUTDOWN
+    assert row(delivery).status == "Completed"
+
+
+def test_a_settle_that_fails_is_reported_as_failed_and_leaves_the_row_for_lease_expiry(rig):
+    class BrokenRetry(Receiver):
+        def retry(self, *args: Any, **kwargs: Any) -> Any:
+            raise TransientDriverError("connection lost (test)")
+
+    sub = rig.subscription(max_attempts=3)
+    publish(sub.topic.name, {"then": "crash"})
+    receiver = BrokenRetry(sub.id, "test-holder")
+    (delivery,) = receiver.receive(1).deliveries
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert result.kind == ExecutionResult.FAILED and "connection lost" in result.error
+    assert row(delivery).status == "InFlight"

@@ -1,0 +1,112 @@
+"""API keys for the REST API: stored as a SHA-256 hash with a display prefix, shown once.
+
+A key acts as its owner: a request needs the key's scope AND the owner's Django permission.
+Keys may be limited to named topics (publish) and subscriptions (read/operate), expire, and be
+revoked. SHA-256 (not a password hash) because the key is 32 random bytes: it cannot be guessed,
+and a slow hash would cost every request.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import secrets
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+KEY_PREFIX = "wq"
+# last_used_at is written at most this often per key, so busy keys do not write every request.
+LAST_USED_RESOLUTION = dt.timedelta(seconds=60)
+
+
+def hash_key(raw_key: str) -> str:
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+class ApiKeyQuerySet(models.QuerySet):
+    def issue(
+        self,
+        owner: Any,
+        scopes: list[str],
+        *,
+        name: str = "",
+        topics: list[str] | None = None,
+        subscriptions: list[str] | None = None,
+        expires_days: int | None = None,
+    ) -> tuple[ApiKey, str]:
+        """Create a key; returns it and the raw key, which is never stored or shown again."""
+        from workqueue.operators.permissions import SCOPES
+
+        unknown = sorted(set(scopes) - set(SCOPES))
+        if not scopes or unknown:
+            raise ValueError(
+                f"Scopes must be some of {', '.join(SCOPES)}"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+        prefix = secrets.token_hex(4)
+        raw_key = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
+        key = self.create(
+            owner=owner,
+            name=name,
+            prefix=prefix,
+            key_hash=hash_key(raw_key),
+            scopes=sorted(set(scopes)),
+            topics=sorted({t.strip().lower() for t in topics or []}),
+            subscriptions=sorted({s.strip().lower() for s in subscriptions or []}),
+            expires_at=timezone.now() + dt.timedelta(days=expires_days) if expires_days else None,
+        )
+        return key, raw_key
+
+    def authenticate(self, raw_key: str) -> ApiKey | None:
+        """The active key matching ``raw_key`` (not revoked, not expired, owner active)."""
+        if not raw_key or not raw_key.startswith(f"{KEY_PREFIX}_"):
+            return None
+        key = self.select_related("owner").filter(key_hash=hash_key(raw_key)).first()
+        if key is None or not key.is_active:
+            return None
+        now = timezone.now()
+        if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
+            type(key).objects.filter(pk=key.pk).update(last_used_at=now)
+            key.last_used_at = now
+        return key
+
+
+class ApiKey(models.Model):
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="workqueue_api_keys"
+    )
+    name = models.CharField(max_length=100, blank=True, default="")
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    scopes = models.JSONField(default=list)
+    topics = models.JSONField(default=list, blank=True, help_text="Empty: any topic.")
+    subscriptions = models.JSONField(default=list, blank=True, help_text="Empty: any subscription.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{KEY_PREFIX}_{self.prefix}_… ({self.owner})"
+
+    @property
+    def is_active(self) -> bool:
+        return (
+            self.revoked_at is None
+            and (self.expires_at is None or self.expires_at > timezone.now())
+            and self.owner.is_active
+        )
+
+    def revoke(self) -> None:
+        if self.revoked_at is None:
+            self.revoked_at = timezone.now()
+            self.save(update_fields=["revoked_at"])

@@ -1,0 +1,79 @@
+"""Who may do what, the same for the CLI, the REST API and the admin.
+
+Read operations need the Django permission ``workqueue.view_delivery``; replay and discard need
+``workqueue.change_subscription``; payloads are shown only with ``workqueue.view_payload``. A
+caller using an API key needs the key's scope too (``workqueue:read`` / ``workqueue:operate`` /
+``workqueue:publish``), and a key limited to named subscriptions or topics works only on those.
+Every check fails closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from workqueue.exceptions import PermissionDeniedError
+
+READ = "workqueue:read"
+OPERATE = "workqueue:operate"
+PUBLISH = "workqueue:publish"
+SCOPES = (PUBLISH, READ, OPERATE)
+
+READ_PERMISSION = "workqueue.view_delivery"
+OPERATE_PERMISSION = "workqueue.change_subscription"
+PAYLOAD_PERMISSION = "workqueue.view_payload"
+PUBLISH_PERMISSION = "workqueue.add_message"
+
+
+@dataclass(frozen=True, slots=True)
+class Actor:
+    """The caller of an operation. ``user`` None means a trusted local operator (the CLI,
+    which has the database credentials anyway). ``scopes`` is None without an API key."""
+
+    user: Any = None
+    scopes: frozenset[str] | None = None
+    subscriptions: frozenset[str] = field(default_factory=frozenset)  # empty: any
+    topics: frozenset[str] = field(default_factory=frozenset)  # empty: any
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.user is not None:
+            return self.user.get_username()
+        return self.label or "cli"
+
+
+CLI = Actor(label="cli")
+
+
+def _has_perm(actor: Actor, permission: str) -> bool:
+    if actor.user is None:
+        return True
+    return bool(actor.user.is_active and actor.user.has_perm(permission))
+
+
+def _in_limit(limit: Collection[str], name: str) -> bool:
+    return not limit or name.strip().lower() in limit
+
+
+def require(
+    actor: Actor, scope: str, *, subscription: str | None = None, topic: str | None = None
+) -> None:
+    """Raise PermissionDeniedError unless ``actor`` may use ``scope`` on the resource."""
+    permission = {READ: READ_PERMISSION, OPERATE: OPERATE_PERMISSION, PUBLISH: PUBLISH_PERMISSION}[
+        scope
+    ]
+    if actor.scopes is not None:
+        if scope not in actor.scopes:
+            raise PermissionDeniedError(f"The API key lacks the {scope} scope.")
+        if subscription is not None and not _in_limit(actor.subscriptions, subscription):
+            raise PermissionDeniedError("The API key is not allowed on this subscription.")
+        if topic is not None and not _in_limit(actor.topics, topic):
+            raise PermissionDeniedError("The API key is not allowed on this topic.")
+    if not _has_perm(actor, permission):
+        raise PermissionDeniedError(f"This needs the {permission} permission.")
+
+
+def may_view_payload(actor: Actor) -> bool:
+    return _has_perm(actor, PAYLOAD_PERMISSION)
