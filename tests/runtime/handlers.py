@@ -86,7 +86,7 @@ class ScriptedHandler(BaseWorkHandler):
 
     * ``parallelHeartbeats`` N: N threads call ``context.heartbeat()`` at once (results recorded);
     * ``heartbeatEveryMs`` N: call ``context.heartbeat(progress)`` every N ms (recording each
-      result) until it returns False, the signal fires or ``sleepMs`` passes;
+      result) until it returns False, the signal fires (then once more) or ``sleepMs`` passes;
     * ``sleepMs`` N: wait up to N ms for the abort signal (``ignoreSignal``: just sleep);
     * ``then``: ``complete`` (default), ``retry`` (``reason``, ``delay``), ``dead_letter``
       (``reason``), ``fatal`` / ``transient`` (``message``, ``retryAfter``), ``crash``
@@ -131,7 +131,10 @@ class ScriptedHandler(BaseWorkHandler):
                 progress = payload.get("progress") or {"message": f"beat {len(run.heartbeats)}"}
                 held = context.heartbeat(progress)
                 run.heartbeats.append(held)
-                if not held or context.signal.wait(every / 1000):
+                if not held:
+                    return
+                if context.signal.wait(every / 1000):
+                    run.heartbeats.append(context.heartbeat(progress))  # after the abort
                     return
             return
         if payload.get("ignoreSignal"):

@@ -26,5 +26,6 @@ class Verb:
 def all_verbs() -> list[Verb]:
     from workqueue.cli.database import DATABASE_VERBS
     from workqueue.cli.operators import OPERATOR_VERBS
+    from workqueue.cli.publishing import PUBLISHING_VERBS
 
-    return [cls() for cls in [*OPERATOR_VERBS, *DATABASE_VERBS]]
+    return [cls() for cls in [*PUBLISHING_VERBS, *OPERATOR_VERBS, *DATABASE_VERBS]]

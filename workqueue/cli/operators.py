@@ -22,9 +22,7 @@ class StatsVerb(Verb):
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.operators.operations import subscription_stats
 
-        report = subscription_stats(options["subscription"])
-        if options["subscription"] and not report.subscriptions and not report.failures:
-            raise CommandError(f"No subscription is named {options['subscription']!r}.")
+        report = _operation_errors(lambda: subscription_stats(options["subscription"]))
         if options["json"]:
             command.stdout.write(
                 to_json(
@@ -61,4 +59,219 @@ class StatsVerb(Verb):
             command.stderr.write(f"{failure['subscription_name']}: {failure['error']}")
 
 
-OPERATOR_VERBS = [StatsVerb]
+def _operation_errors(run: Any) -> Any:
+    """Turn the operators' expected errors into CommandError (stderr, non-zero exit)."""
+    from workqueue.exceptions import InvalidInputError, NotFoundError, PermissionDeniedError
+
+    try:
+        return run()
+    except (InvalidInputError, NotFoundError, PermissionDeniedError) as exc:
+        raise CommandError(str(exc)) from exc
+
+
+def _subscription_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-s", "--subscription", required=True)
+
+
+class DeadLettersVerb(Verb):
+    name = "dead-letters"
+    help = "List a subscription's dead letters (oldest first), a page at a time."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        _subscription_argument(parser)
+        parser.add_argument("--cursor", default=None)
+        parser.add_argument("--page-size", type=int, default=None)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import list_dead_letters
+
+        page = _operation_errors(
+            lambda: list_dead_letters(
+                options["subscription"], cursor=options["cursor"], page_size=options["page_size"]
+            )
+        )
+        if options["json"]:
+            command.stdout.write(
+                to_json(
+                    {
+                        "items": [dataclasses.asdict(i) for i in page.items],
+                        "next_cursor": page.next_cursor,
+                    }
+                )
+            )
+            return
+        rows = [
+            (
+                i.delivery_id,
+                i.partition_key or "",
+                i.attempts,
+                i.reason or "",
+                "yes" if i.blocks_key else "",
+                i.dead_lettered_at,
+                (i.last_error or "").splitlines()[-1][:60] if i.last_error else "",
+            )
+            for i in page.items
+        ]
+        headers = (
+            "DELIVERY",
+            "KEY",
+            "ATTEMPTS",
+            "REASON",
+            "BLOCKS KEY",
+            "DEAD LETTERED AT",
+            "LAST ERROR",
+        )
+        command.stdout.write(table(rows, headers))
+        if page.next_cursor:
+            command.stdout.write(f"next page: --cursor {page.next_cursor}")
+
+
+class PartitionsVerb(Verb):
+    name = "partitions"
+    help = "List a partitioned subscription's busy or blocked keys."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        _subscription_argument(parser)
+        parser.add_argument("--condition", choices=["Idle", "InFlight", "Blocked"], default=None)
+        parser.add_argument("--cursor", default=None)
+        parser.add_argument("--page-size", type=int, default=None)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import list_partitions
+
+        page = _operation_errors(
+            lambda: list_partitions(
+                options["subscription"],
+                condition=options["condition"],
+                cursor=options["cursor"],
+                page_size=options["page_size"],
+            )
+        )
+        if options["json"]:
+            command.stdout.write(
+                to_json(
+                    {
+                        "items": [dataclasses.asdict(i) for i in page.items],
+                        "next_cursor": page.next_cursor,
+                    }
+                )
+            )
+            return
+        rows = [
+            (i.partition_key, i.condition, i.head_delivery_id, i.waiting_items) for i in page.items
+        ]
+        command.stdout.write(table(rows, ("KEY", "CONDITION", "HEAD DELIVERY", "WAITING")))
+        if page.next_cursor:
+            command.stdout.write(f"next page: --cursor {page.next_cursor}")
+
+
+class ReplayVerb(Verb):
+    name = "replay"
+    help = "Send a dead letter back to Pending (attempts reset; an Ordered head keeps its place)."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        _subscription_argument(parser)
+        parser.add_argument("--delivery", required=True)
+        parser.add_argument("--note", default=None)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import replay
+
+        outcome = _operation_errors(
+            lambda: replay(options["subscription"], options["delivery"], note=options["note"])
+        )
+        if options["json"]:
+            command.stdout.write(to_json(dataclasses.asdict(outcome)))
+        elif outcome.replayed:
+            command.stdout.write(f"Replayed {options['delivery']}.")
+        if not outcome.replayed:
+            raise CommandError(
+                f"Nothing replayed: {options['delivery']} is not a dead letter of "
+                f"{options['subscription']}."
+            )
+
+
+class DiscardVerb(Verb):
+    name = "discard"
+    help = "Discard a Pending or dead-lettered delivery, or cancel a running one."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        _subscription_argument(parser)
+        parser.add_argument("--delivery", required=True)
+        parser.add_argument("--reason", required=True)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import discard
+
+        outcome = _operation_errors(
+            lambda: discard(options["subscription"], options["delivery"], reason=options["reason"])
+        )
+        if options["json"]:
+            command.stdout.write(to_json(dataclasses.asdict(outcome)))
+        elif outcome.cancel_requested:
+            command.stdout.write(
+                f"Cancel requested: {options['delivery']} is running; its host stops it and "
+                "it becomes Discarded."
+            )
+        elif outcome.discarded:
+            command.stdout.write(f"Discarded {options['delivery']}.")
+        if not outcome.discarded:
+            raise CommandError(
+                f"Nothing discarded: {options['delivery']} is not a Pending, running or "
+                f"dead-lettered delivery of {options['subscription']}."
+            )
+
+
+class BacklogVerb(Verb):
+    name = "backlog"
+    help = "Claimable and in-flight deliveries of a subscription (each capped at 1000)."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        _subscription_argument(parser)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import backlog
+
+        report = _operation_errors(lambda: backlog(options["subscription"]))
+        if options["json"]:
+            command.stdout.write(to_json(dataclasses.asdict(report)))
+            return
+        rows = [(report.claimable, report.in_flight, report.total, "yes" if report.capped else "")]
+        command.stdout.write(table(rows, ("CLAIMABLE", "IN FLIGHT", "TOTAL", "CAPPED")))
+
+
+class ValidateBindingsVerb(Verb):
+    name = "validate-bindings"
+    help = "Report configuration that would stop work from flowing (Errors and Warnings)."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--transport", default=None)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import validate_bindings
+
+        issues = _operation_errors(lambda: validate_bindings(options["transport"]))
+        if options["json"]:
+            command.stdout.write(to_json([dataclasses.asdict(i) for i in issues]))
+        elif issues:
+            command.stdout.write(
+                table(
+                    [(i.severity, i.subject, i.message) for i in issues],
+                    ("SEVERITY", "SUBJECT", "MESSAGE"),
+                )
+            )
+        else:
+            command.stdout.write("No problems found.")
+        if any(i.severity == "Error" for i in issues):
+            raise CommandError("validate-bindings found errors.")
+
+
+OPERATOR_VERBS = [
+    StatsVerb,
+    DeadLettersVerb,
+    PartitionsVerb,
+    ReplayVerb,
+    DiscardVerb,
+    BacklogVerb,
+    ValidateBindingsVerb,
+]

@@ -6,32 +6,51 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('workqueue', '0004_host_records'),
+        ("workqueue", "0004_host_records"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ApiKey',
+            name="ApiKey",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(blank=True, default='', max_length=100)),
-                ('prefix', models.CharField(editable=False, max_length=16, unique=True)),
-                ('key_hash', models.CharField(editable=False, max_length=64, unique=True)),
-                ('scopes', models.JSONField(default=list)),
-                ('topics', models.JSONField(blank=True, default=list, help_text='Empty: any topic.')),
-                ('subscriptions', models.JSONField(blank=True, default=list, help_text='Empty: any subscription.')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('owner', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='workqueue_api_keys', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(blank=True, default="", max_length=100)),
+                ("prefix", models.CharField(editable=False, max_length=16, unique=True)),
+                ("key_hash", models.CharField(editable=False, max_length=64, unique=True)),
+                ("scopes", models.JSONField(default=list)),
+                (
+                    "topics",
+                    models.JSONField(blank=True, default=list, help_text="Empty: any topic."),
+                ),
+                (
+                    "subscriptions",
+                    models.JSONField(
+                        blank=True, default=list, help_text="Empty: any subscription."
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "owner",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="workqueue_api_keys",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'API key',
-                'ordering': ['-created_at'],
+                "verbose_name": "API key",
+                "ordering": ["-created_at"],
             },
         ),
     ]

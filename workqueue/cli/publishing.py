@@ -1,0 +1,210 @@
+"""The publish and apikey verbs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from workqueue.cli import Verb
+from workqueue.cli.output import table, to_json
+
+BATCH = 100
+
+
+class PublishVerb(Verb):
+    name = "publish"
+    help = "Publish a message (or --count copies) to a topic."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--topic", required=True)
+        parser.add_argument("--payload", default="null", help='JSON, e.g. \'{"name": "Ada"}\'.')
+        parser.add_argument("--partition-key", default=None)
+        parser.add_argument("--dedup-key", default=None)
+        parser.add_argument("--count", type=int, default=1)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.publishing import publish_many
+
+        try:
+            payload = json.loads(options["payload"])
+        except ValueError as exc:
+            raise CommandError(f"--payload is not valid JSON: {exc}") from None
+        count = options["count"]
+        if count < 1:
+            raise CommandError("--count must be at least 1.")
+        message = {
+            "payload": payload,
+            "partition_key": options["partition_key"],
+            "deduplication_key": options["dedup_key"],
+        }
+        results = []
+        started = time.monotonic()
+        progress = _Progress(count, command.stderr) if count >= 1000 else None
+        for offset in range(0, count, BATCH):
+            results += publish_many(options["topic"], [message] * min(BATCH, count - offset))
+            if progress:
+                progress.update(len(results))
+        elapsed = max(time.monotonic() - started, 1e-9)
+        if progress:
+            progress.finish()
+        rejected = [r for r in results if r.status == "Rejected"]
+        if options["json"]:
+            command.stdout.write(
+                to_json(
+                    [
+                        {
+                            "message_id": r.message_id,
+                            "status": r.status,
+                            "error": None if r.error is None else r.error.code,
+                        }
+                        for r in results
+                    ]
+                )
+            )
+        elif count == 1:
+            r = results[0]
+            command.stdout.write(f"{r.status} {r.message_id}")
+        else:
+            accepted = sum(r.accepted for r in results)
+            command.stdout.write(
+                f"Published {count}: {accepted} accepted, {count - accepted - len(rejected)} "
+                f"duplicate, {len(rejected)} rejected in {elapsed:.2f}s "
+                f"({count / elapsed:,.0f}/s)"
+            )
+        if rejected:
+            first = rejected[0].error
+            raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn in place."""
+
+    def __init__(self, total: int, stream: Any) -> None:
+        self.total = total
+        self.stream = stream
+        self.started = time.monotonic()
+
+    def update(self, done: int) -> None:
+        width = 30
+        filled = int(width * done / self.total)
+        rate = done / max(time.monotonic() - self.started, 1e-9)
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {rate:,.0f}/s",
+            ending="",
+        )
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self.stream.write("")
+
+
+class ApiKeyVerb(Verb):
+    name = "apikey"
+    help = "Create, list or revoke REST API keys."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        actions = parser.add_subparsers(dest="action", required=True)
+        create = actions.add_parser("create", help="Create a key; it is printed once.")
+        create.add_argument("--user", required=True, help="Owner's username; the key acts as it.")
+        create.add_argument(
+            "--scopes",
+            nargs="+",
+            required=True,
+            help="workqueue:publish workqueue:read workqueue:operate",
+        )
+        create.add_argument("--topics", nargs="*", default=[])
+        create.add_argument("--subscriptions", nargs="*", default=[])
+        create.add_argument("--expires-days", type=int, default=None)
+        create.add_argument("--name", default="")
+        listing = actions.add_parser("list", help="List keys (prefix, owner, scopes, state).")
+        for sub in (create, listing):
+            sub.add_argument("--json", action="store_true", help="Print JSON for machines.")
+        revoke = actions.add_parser("revoke", help="Revoke a key by its prefix.")
+        revoke.add_argument("prefix")
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from django.contrib.auth import get_user_model
+
+        from workqueue.models import ApiKey
+
+        action = options["action"]
+        if action == "create":
+            User = get_user_model()
+            owner = User._default_manager.filter(**{User.USERNAME_FIELD: options["user"]}).first()
+            if owner is None:
+                raise CommandError(f"No user is named {options['user']!r}.")
+            if options["expires_days"] is not None and options["expires_days"] < 1:
+                raise CommandError("--expires-days must be at least 1.")
+            try:
+                key, raw = ApiKey.objects.issue(
+                    owner,
+                    options["scopes"],
+                    name=options["name"],
+                    topics=options["topics"],
+                    subscriptions=options["subscriptions"],
+                    expires_days=options["expires_days"],
+                )
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            if options["json"]:
+                command.stdout.write(to_json({"key": raw, "prefix": key.prefix}))
+            else:
+                command.stdout.write(raw)
+                print(
+                    f"Key {key.prefix} created for {owner.get_username()}; it is shown only "
+                    "once: store it now.",
+                    file=sys.stderr,
+                )
+        elif action == "list":
+            keys = ApiKey.objects.select_related("owner")
+            if options["json"]:
+                command.stdout.write(
+                    to_json(
+                        [
+                            {
+                                "prefix": k.prefix,
+                                "owner": k.owner.get_username(),
+                                "scopes": k.scopes,
+                                "topics": k.topics,
+                                "subscriptions": k.subscriptions,
+                                "active": k.is_active,
+                                "expires_at": k.expires_at,
+                                "last_used_at": k.last_used_at,
+                            }
+                            for k in keys
+                        ]
+                    )
+                )
+                return
+            rows = [
+                (
+                    k.prefix,
+                    k.owner.get_username(),
+                    " ".join(k.scopes),
+                    " ".join(k.topics) or "any",
+                    " ".join(k.subscriptions) or "any",
+                    "active" if k.is_active else ("revoked" if k.revoked_at else "expired"),
+                    k.last_used_at,
+                )
+                for k in keys
+            ]
+            command.stdout.write(
+                table(
+                    rows,
+                    ("PREFIX", "OWNER", "SCOPES", "TOPICS", "SUBSCRIPTIONS", "STATE", "LAST USED"),
+                )
+            )
+        else:
+            key = ApiKey.objects.filter(prefix=options["prefix"]).first()
+            if key is None:
+                raise CommandError(f"No API key has the prefix {options['prefix']!r}.")
+            key.revoke()
+            command.stdout.write(f"Revoked {key.prefix}.")
+
+
+PUBLISHING_VERBS = [PublishVerb, ApiKeyVerb]
