@@ -2,12 +2,13 @@
 -- consumer. Every claim is a guarded UPDATE; the partial unique index on (subscription,
 -- partition_key) WHERE InFlight is the final word on single flight per key.
 
--- wq_expire_leases --
--- Settle up to p_batch_size InFlight deliveries of one subscription whose lease has passed:
+-- wq_settle_expired_leases --
+-- Settle the given InFlight deliveries whose lease has passed (callers select and lock them):
 -- a cancelled one becomes Discarded, one with attempts left becomes Pending again (visible now,
--- no backoff), one on its last attempt becomes DeadLettered with reason LeaseExpired.
--- Returns every row it changed with its new status.
-CREATE OR REPLACE FUNCTION wq_expire_leases(p_subscription_id uuid, p_batch_size integer)
+-- no backoff), one on its last attempt becomes DeadLettered with reason LeaseExpired. The
+-- status and expiry are re-checked, so a row settled meanwhile is left alone. Returns every row
+-- it changed with its new status.
+CREATE OR REPLACE FUNCTION wq_settle_expired_leases(p_delivery_ids uuid[])
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -16,22 +17,14 @@ AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
-    WITH expired AS (
-        SELECT d.id
-          FROM workqueue_delivery d
-         WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
-           AND d.subscription_id = p_subscription_id
-         ORDER BY d.lease_expires_at
-         LIMIT p_batch_size
-           FOR UPDATE SKIP LOCKED
-    ), decided AS (
-        SELECT e.id,
+    WITH decided AS (
+        SELECT d.id,
                CASE WHEN d.cancel_requested_at IS NOT NULL THEN 'Discarded'
                     WHEN d.attempt_count < s.max_attempts THEN 'Pending'
                     ELSE 'DeadLettered' END AS next_status
-          FROM expired e
-          JOIN workqueue_delivery d ON d.id = e.id
+          FROM workqueue_delivery d
           JOIN workqueue_subscription s ON s.id = d.subscription_id
+         WHERE d.id = ANY (p_delivery_ids)
     )
     UPDATE workqueue_delivery d
        SET status = x.next_status,
@@ -47,6 +40,28 @@ BEGIN
       FROM decided x
      WHERE d.id = x.id AND d.status = 'InFlight' AND d.lease_expires_at < now()
     RETURNING d.id, d.subscription_id, d.partition_key::text, d.status::text;
+END;
+$$;
+
+-- wq_expire_leases --
+-- wq_settle_expired_leases for up to p_batch_size passed leases of one subscription (oldest
+-- first; rows locked by a concurrent settle are skipped, not waited for).
+CREATE OR REPLACE FUNCTION wq_expire_leases(p_subscription_id uuid, p_batch_size integer)
+RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT * FROM wq_settle_expired_leases(ARRAY(
+        SELECT d.id
+          FROM workqueue_delivery d
+         WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
+           AND d.subscription_id = p_subscription_id
+         ORDER BY d.lease_expires_at
+         LIMIT p_batch_size
+           FOR UPDATE SKIP LOCKED));
 END;
 $$;
 

@@ -3,44 +3,24 @@
 -- on a private connection while it runs the steps on another.
 
 -- wq_expire_leases_all --
--- wq_expire_leases for every subscription at once (each with its own max_attempts), at most
--- p_batch_size rows. Returns every changed row with its new status.
+-- wq_settle_expired_leases for up to p_batch_size passed leases across every subscription
+-- (each with its own max_attempts), oldest first, skipping rows locked by a concurrent settle.
 CREATE OR REPLACE FUNCTION wq_expire_leases_all(p_batch_size integer)
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
-LANGUAGE sql
+LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
-    WITH expired AS (
+BEGIN
+    RETURN QUERY
+    SELECT * FROM wq_settle_expired_leases(ARRAY(
         SELECT d.id
           FROM workqueue_delivery d
          WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
          ORDER BY d.lease_expires_at
          LIMIT p_batch_size
-           FOR UPDATE SKIP LOCKED
-    ), decided AS (
-        SELECT e.id,
-               CASE WHEN d.cancel_requested_at IS NOT NULL THEN 'Discarded'
-                    WHEN d.attempt_count < s.max_attempts THEN 'Pending'
-                    ELSE 'DeadLettered' END AS next_status
-          FROM expired e
-          JOIN workqueue_delivery d ON d.id = e.id
-          JOIN workqueue_subscription s ON s.id = d.subscription_id
-    )
-    UPDATE workqueue_delivery d
-       SET status = x.next_status,
-           visible_at = CASE WHEN x.next_status = 'Pending' THEN now() ELSE d.visible_at END,
-           completed_at = CASE WHEN x.next_status = 'Discarded' THEN now() ELSE d.completed_at END,
-           last_error = CASE WHEN x.next_status = 'Discarded' THEN d.last_error
-                             ELSE 'LeaseExpired' END,
-           dead_letter_reason = CASE WHEN x.next_status = 'DeadLettered' THEN 'LeaseExpired'
-                                     ELSE d.dead_letter_reason END,
-           dead_lettered_at = CASE WHEN x.next_status = 'DeadLettered' THEN now()
-                                   ELSE d.dead_lettered_at END,
-           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-      FROM decided x
-     WHERE d.id = x.id AND d.status = 'InFlight' AND d.lease_expires_at < now()
-    RETURNING d.id, d.subscription_id, d.partition_key, d.status;
+           FOR UPDATE SKIP LOCKED));
+END;
 $$;
 
 -- wq_purge_terminal_deliveries --

@@ -1,0 +1,198 @@
+"""`manage.py workqueue VERB`: every verb's happy path, its --json form and its errors."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from workqueue import publish
+from workqueue.models import ApiKey, Delivery
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def dead_letter(subscription, key: str | None = None) -> str:
+    publish(subscription.topic.name, {"n": 1}, partition_key=key)
+    receiver = Receiver(subscription.id)
+    [claimed] = receiver.receive(1).deliveries
+    assert receiver.dead_letter(claimed, "Poison", "boom").settled
+    return claimed.delivery_id
+
+
+def test_stats_lists_every_subscription_and_json_matches():
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+
+    text = run("stats")
+    data = json.loads(run("stats", "-s", sub.name, "--json"))
+
+    assert sub.name in text and "PENDING" in text
+    [row] = data["subscriptions"]
+    assert row["subscription_name"] == sub.name and row["pending"] == 1
+
+
+def test_stats_for_an_unknown_subscription_fails():
+    with pytest.raises(CommandError, match="No subscription is named 'nope'"):
+        run("stats", "-s", "nope")
+
+
+def test_dead_letters_then_replay_then_nothing_left():
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+
+    listed = json.loads(run("dead-letters", "-s", sub.name, "--json"))
+    assert [i["delivery_id"] for i in listed["items"]] == [delivery_id]
+    assert "Replayed" in run("replay", "-s", sub.name, "--delivery", delivery_id, "--note", "ok")
+    assert Delivery.objects.get(id=delivery_id).status == "Pending"
+    with pytest.raises(CommandError, match="Nothing replayed"):
+        run("replay", "-s", sub.name, "--delivery", delivery_id)
+
+
+def test_dead_letters_page_through_with_the_cursor():
+    sub = SubscriptionFactory()
+    ids = sorted(dead_letter(sub) for _ in range(3))
+
+    first = json.loads(run("dead-letters", "-s", sub.name, "--page-size", "2", "--json"))
+    second = json.loads(
+        run("dead-letters", "-s", sub.name, "--cursor", first["next_cursor"], "--json")
+    )
+
+    assert [i["delivery_id"] for i in first["items"]] == ids[:2]
+    assert [i["delivery_id"] for i in second["items"]] == ids[2:]
+    assert second["next_cursor"] is None
+
+
+def test_bad_page_size_and_cursor_are_refused():
+    sub = SubscriptionFactory()
+    with pytest.raises(CommandError, match="page_size"):
+        run("dead-letters", "-s", sub.name, "--page-size", "501")
+    with pytest.raises(CommandError, match="cursor"):
+        run("dead-letters", "-s", sub.name, "--cursor", "!!!")
+
+
+def test_partitions_show_a_blocked_ordered_key_until_discard():
+    sub = SubscriptionFactory(partition_mode="Ordered")
+    head = dead_letter(sub, key="venue-1")
+    publish(sub.topic.name, {"n": 2}, partition_key="venue-1")
+
+    blocked = json.loads(run("partitions", "-s", sub.name, "--json"))
+    assert blocked["items"][0]["partition_key"] == "venue-1"
+    assert blocked["items"][0]["condition"] == "Blocked"
+
+    assert "Discarded" in run("discard", "-s", sub.name, "--delivery", head, "--reason", "bad")
+    assert json.loads(run("partitions", "-s", sub.name, "--json"))["items"] == []
+
+
+def test_discard_of_a_running_delivery_requests_a_cancel():
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    [claimed] = Receiver(sub.id).receive(1).deliveries
+
+    out = json.loads(
+        run(
+            "discard",
+            "-s",
+            sub.name,
+            "--delivery",
+            claimed.delivery_id,
+            "--reason",
+            "stop",
+            "--json",
+        )
+    )
+
+    assert out == {"supported": True, "discarded": True, "cancel_requested": True}
+
+
+def test_discard_needs_a_reason_and_a_known_delivery():
+    sub = SubscriptionFactory()
+    with pytest.raises(CommandError, match="reason is required"):
+        run("discard", "-s", sub.name, "--delivery", "x", "--reason", " ")
+    with pytest.raises(CommandError, match="Nothing discarded"):
+        run("discard", "-s", sub.name, "--delivery", "not-a-uuid", "--reason", "r")
+
+
+def test_backlog_counts_claimable_and_in_flight():
+    sub = SubscriptionFactory()
+    for n in range(3):
+        publish(sub.topic.name, {"n": n})
+    Receiver(sub.id).receive(1)
+
+    data = json.loads(run("backlog", "-s", sub.name, "--json"))
+
+    assert data == {"supported": True, "claimable": 2, "in_flight": 1, "total": 3, "capped": False}
+
+
+def test_validate_bindings_warns_about_handlers_no_live_host_serves():
+    sub = SubscriptionFactory(handler_key="nobody.serves.this")
+    out = run("validate-bindings")
+    assert sub.name in out and "not registered in any live host" in out
+
+
+def test_publish_count_reports_a_rate_and_bad_json_is_refused():
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+
+    out = run("publish", "--topic", topic.name, "--payload", '{"a": 1}', "--count", "5")
+
+    assert "Published 5: 5 accepted" in out and "/s" in out
+    assert Delivery.objects.filter(subscription__topic=topic).count() == 5
+    with pytest.raises(CommandError, match="not valid JSON"):
+        run("publish", "--topic", topic.name, "--payload", "{bad")
+
+
+def test_publish_to_an_unknown_topic_exits_with_the_error_code():
+    with pytest.raises(CommandError, match="TopicNotFound"):
+        run("publish", "--topic", "no.such.topic")
+
+
+def test_apikey_create_prints_the_key_once_and_it_can_be_revoked():
+    owner = get_user_model().objects.create_user("keyowner")
+
+    created = json.loads(
+        run("apikey", "create", "--user", "keyowner", "--scopes", "workqueue:read", "--json")
+    )
+    key = ApiKey.objects.get(prefix=created["prefix"])
+    assert key.owner == owner and created["key"].startswith("wq_")
+    assert ApiKey.objects.authenticate(created["key"]) == key
+    assert created["key"] not in run("apikey", "list")
+
+    run("apikey", "revoke", created["prefix"])
+    assert ApiKey.objects.authenticate(created["key"]) is None
+
+
+def test_apikey_create_refuses_unknown_users_and_scopes():
+    get_user_model().objects.create_user("keyowner")
+    with pytest.raises(CommandError, match="No user"):
+        run("apikey", "create", "--user", "ghost", "--scopes", "workqueue:read")
+    with pytest.raises(CommandError, match="unknown: workqueue:everything"):
+        run("apikey", "create", "--user", "keyowner", "--scopes", "workqueue:everything")
+
+
+def test_scaler_query_counts_claimable_and_in_flight_on_the_database(pg_conn):
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    for n in range(3):
+        publish(sub.topic.name, {"n": n}, partition_key="same")
+    publish(sub.topic.name, {"n": 9}, partition_key="other")
+    sql = json.loads(run("scaler-query", "-s", sub.name, "--json"))["sql"]
+
+    [(desired,)] = pg_conn.execute(sql, {"name": sub.name}).fetchall()
+
+    assert desired == 2  # one per claimable key; the rest of "same" must wait
+
+
+def test_conformance_verb_prints_the_table():
+    out = run("conformance", "--case", "C01", "--case", "C04")
+    assert "C01" in out and "PASS" in out and "2 passed" in out
