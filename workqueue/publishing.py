@@ -154,7 +154,7 @@ def _call_publish(
             "wq_publish_many",
             {
                 "topic_name": topic,
-                "messages": canonical_json(prepared),
+                "messages": prepared,
                 "external": external,
                 "published_by": publisher,
             },

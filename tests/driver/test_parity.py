@@ -41,6 +41,9 @@ SQL_ROOT = Path(__file__).resolve().parents[2] / "workqueue" / "sql"
 VENDOR_ONLY_HELPERS = {
     "postgresql": {
         "wq_topic_channel": "LISTEN/NOTIFY channel name; SQL Server has no NOTIFY (consumers poll)",
+        "wq_settle_expired_leases": "takes a uuid[] of rows its callers locked; T-SQL has no "
+        "array parameters and a set-returning procedure cannot be shared through nested INSERT "
+        "... EXEC, so each T-SQL caller selects (UPDLOCK, READPAST) and settles in one statement",
     },
     "sqlserver": {
         "wq_publish_one": "wq_publish's body with OUTPUT parameters, so wq_publish_many can run "

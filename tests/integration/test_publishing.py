@@ -86,3 +86,15 @@ def test_receiving_a_hundred_deliveries_is_one_statement(statements):
 
     assert len(claimed) == 100
     assert len(statements) == 1 and "wq_claim(" in statements[0]
+
+
+@pytest.mark.parametrize("payload", ["hello", 42, [1, "two"], {"nested": {"b": 1, "a": [None]}}])
+def test_any_json_payload_round_trips_alone_and_in_a_batch(payload):
+    sub = SubscriptionFactory()
+    single = publish(sub.topic.name, payload)
+    [batched, _] = publish_many(sub.topic.name, [{"payload": payload}, {"payload": payload}])
+
+    claimed = {d.message_id: d.payload for d in Receiver(sub.id).receive(10).deliveries}
+
+    assert claimed[single.message_id] == payload
+    assert claimed[batched.message_id] == payload

@@ -209,7 +209,8 @@ class BaseDriver:
         if value is None:
             return None
         if param.type is ParamType.JSON:
-            return value if isinstance(value, str) else canonical_json(value)
+            # Always encode: a Python str is a JSON string value, never pre-encoded JSON.
+            return canonical_json(value)
         if param.type is ParamType.UUID:
             return str(uuid.UUID(str(value)))
         if param.type is ParamType.INT:

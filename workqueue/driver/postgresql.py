@@ -199,6 +199,12 @@ def _connect(alias: str) -> Any:
     params.pop("context", None)
     connection = psycopg.connect(autocommit=True, **params)
     connection.execute("SET TIME ZONE 'UTC'")
+    # JSON comes back as text, as it does through Django and on SQL Server, so decoding is one
+    # rule for every path (a decoded JSON string would be indistinguishable from raw text).
+    from psycopg.types.string import TextLoader
+
+    connection.adapters.register_loader("jsonb", TextLoader)
+    connection.adapters.register_loader("json", TextLoader)
     return connection
 
 

@@ -146,8 +146,15 @@ BEGIN
         published_at datetimeoffset(7)
     );
 
-    INSERT INTO @expired (delivery_id, subscription_id, partition_key, new_status)
-    EXEC dbo.wq_expire_leases @subscription_id = @subscription_id, @batch_size = 500;
+    -- A cheap probe of the lease index first: most claims find no passed lease, and then the
+    -- expiry statement (row locks, a write) is skipped.
+    IF EXISTS (
+        SELECT 1 FROM dbo.workqueue_delivery AS x
+         WHERE x.status = N'InFlight' AND x.lease_expires_at < @now
+           AND x.subscription_id = @subscription_key
+    )
+        INSERT INTO @expired (delivery_id, subscription_id, partition_key, new_status)
+        EXEC dbo.wq_expire_leases @subscription_id = @subscription_id, @batch_size = 500;
 
     INSERT INTO @result (phase, kind, delivery_id, partition_key)
     SELECT 1, N'ExpiredDeadLetter', e.delivery_id, e.partition_key
