@@ -25,6 +25,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "ninja",
     "workqueue",
     "workqueue_samples",
 ]
@@ -68,6 +69,13 @@ def _database_url() -> str:
 
 
 DATABASES = {"default": env.db_url_config(_database_url())}
+
+# A SQL Server to run the conformance suite against (tests/driver/test_conformance_sqlserver.py).
+if "WORKQUEUE_TEST_MSSQL_URL" in env.ENVIRON:
+    DATABASES["mssql"] = {
+        **env.db_url_config(env.str("WORKQUEUE_TEST_MSSQL_URL")),
+        "OPTIONS": {"python_driver": "mssql_python"},
+    }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LANGUAGE_CODE = "en-us"
