@@ -207,6 +207,11 @@ class Consumer:
                     self.in_flight,
                 )
         self._workers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            never_started = [e for e in self._running.values() if not e.started]
+        for execution in never_started:
+            # Claimed but still queued for a worker thread: hand it back, attempt refunded.
+            self._release(execution.delivery)
         self._completions.stop()
         self._background.shutdown(wait=False)
         self.receiver.driver.close()

@@ -90,6 +90,7 @@ class DeliveryExecution:
         self.plan = plan
         self.services = services
         self._on_handler_done = on_handler_done
+        self.started = False
         self.signal = AbortSignal()
         self._lock = threading.Lock()
         self._finished = False  # settled (or given up) — later events change nothing
@@ -113,6 +114,7 @@ class DeliveryExecution:
     # -- running ---------------------------------------------------------------------------
 
     def run(self) -> ExecutionResult:
+        self.started = True
         self._arm_horizon()
         if self.plan.heartbeat_mode == "Auto":
             self._schedule_auto_heartbeat()

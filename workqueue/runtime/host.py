@@ -403,6 +403,7 @@ class Host:
         began = time.monotonic()
         self.start(once=True)
         reason = "Idle"
+        consumers: list[Consumer] = []
         try:
             while True:
                 with self._lock:
