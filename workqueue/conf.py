@@ -34,6 +34,8 @@ class WorkQueueSettings:
     DATABASE_ALIAS: str = "default"
     #: Largest batch accepted by the REST publish endpoint.
     PUBLISH_MAX_BATCH: int = 100
+    #: Largest REST publish request body, in bytes (larger bodies get 413 unread).
+    PUBLISH_BODY_LIMIT_BYTES: int = 30 * 1024 * 1024
 
 
 _INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type == "int"}

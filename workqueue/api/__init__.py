@@ -1,0 +1,91 @@
+"""The work queue's REST API: one NinjaAPI assembled from a router per resource.
+
+Mount it with ``path("work-queue/", include("workqueue.api.urls"))``; the OpenAPI docs are then
+at ``/work-queue/docs``. Every endpoint needs an API key (``X-API-Key``) or a Django session.
+
+Errors are mapped to status codes here, in one place: bad input 400, missing scope or permission
+403, unknown name 404. Error bodies are ``{"detail": "..."}`` with a message written for the
+caller; anything unexpected is logged and answered with a fixed text, never with internals.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.http import Http404, HttpRequest, HttpResponse
+from ninja import NinjaAPI
+from ninja.errors import HttpError, ValidationError
+
+from workqueue.api import health, publish, subscriptions
+from workqueue.api.auth import ApiKeyAuth, SessionAuth
+from workqueue.exceptions import (
+    DriverError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    WorkQueueError,
+)
+
+logger = logging.getLogger(__name__)
+
+api = NinjaAPI(
+    title="Work queue",
+    version="1",
+    description="Publish messages and operate the work queue's subscriptions.",
+    urls_namespace="workqueue",
+    auth=[ApiKeyAuth(), SessionAuth()],
+    docs_url="/docs",
+)
+api.add_router("", publish.router)
+api.add_router("/subscriptions", subscriptions.router)
+api.add_router("", health.router)
+
+# The caller's mistakes: the operators' messages are written for the caller, so they are shown.
+_CALLER_ERRORS: dict[type[WorkQueueError], int] = {
+    InvalidInputError: 400,
+    PermissionDeniedError: 403,
+    NotFoundError: 404,
+}
+SERVER_ERROR = "The request could not be completed; the error was logged."
+DATABASE_UNAVAILABLE = "The work queue's database is unavailable; try again shortly."
+
+
+def _error(request: HttpRequest, status: int, detail: str, **extra: object) -> HttpResponse:
+    return api.create_response(request, {"detail": detail, **extra}, status=status)
+
+
+@api.exception_handler(WorkQueueError)
+def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse:
+    for error_class, status in _CALLER_ERRORS.items():
+        if isinstance(exc, error_class):
+            return _error(request, status, str(exc))
+    logger.exception("Work queue API request failed", extra={"action": "api_error"})
+    if isinstance(exc, DriverError):
+        return _error(request, 503, DATABASE_UNAVAILABLE)
+    return _error(request, 500, SERVER_ERROR)
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    errors = getattr(exc, "errors", None)
+    extra = {"errors": errors} if errors is not None else {}
+    return _error(request, exc.status_code, exc.message, **extra)
+
+
+@api.exception_handler(ValidationError)
+def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    # ninja's own parameter checks (e.g. page_size=abc): 400 like every other bad input, with
+    # where and what, but not the input itself.
+    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors]
+    return _error(request, 400, "The request is not valid.", errors=errors)
+
+
+@api.exception_handler(Http404)
+def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return _error(request, 404, "Not found.")
+
+
+@api.exception_handler(Exception)
+def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
+    logger.exception("Work queue API request failed", extra={"action": "api_error"})
+    return _error(request, 500, SERVER_ERROR)

@@ -1,0 +1,107 @@
+"""``GET /health`` (live hosts and what each subscription is doing) and
+``GET /bindings/validate`` (configuration problems). Both need read access."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Router
+
+from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
+from workqueue.models import HostRecord
+from workqueue.operators import operations
+from workqueue.operators.permissions import READ, Actor, require
+
+router = Router(tags=["health"])
+
+RUNNING = "Running"
+
+
+@router.get(
+    "/health",
+    response={200: HealthOut, 401: ErrorOut, 403: ErrorOut},
+    by_alias=True,
+    operation_id="getHealth",
+    summary="Live hosts and per-subscription states",
+)
+def health(request: HttpRequest) -> dict[str, Any]:
+    """Read from the records that running hosts refresh every few seconds; a host that stopped
+    or has not reported recently is left out. A key limited to named subscriptions sees only
+    those subscriptions."""
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    require(actor, READ)
+    hosts = []
+    summary: dict[str, dict[str, Any]] = {}
+    for record in HostRecord.objects.live().order_by("instance_id"):
+        entries = [
+            _host_subscription(entry)
+            for entry in record.subscriptions or []
+            if isinstance(entry, dict) and _visible(actor, str(entry.get("name", "")))
+        ]
+        hosts.append(
+            {
+                "instance_id": record.instance_id,
+                "hostname": record.hostname,
+                "pid": record.pid,
+                "started_at": record.started_at,
+                "last_seen_at": record.last_seen_at,
+                "subscriptions": entries,
+            }
+        )
+        for entry in entries:
+            _merge(summary, entry)
+    subscriptions = [summary[name] for name in sorted(summary)]
+    if not hosts:
+        status = "down"
+    elif all(s["state"] == RUNNING for s in subscriptions):
+        status = "ok"
+    else:
+        status = "degraded"
+    return {"status": status, "hosts": hosts, "subscriptions": subscriptions}
+
+
+def _visible(actor: Actor, name: str) -> bool:
+    return not actor.subscriptions or name.strip().lower() in actor.subscriptions
+
+
+def _host_subscription(entry: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": str(entry.get("name", "")),
+        "state": str(entry.get("state", "")),
+        "reason": str(entry.get("reason") or ""),
+        "in_flight": int(entry.get("in_flight") or 0),
+        "concurrency": int(entry.get("concurrency") or 0),
+    }
+
+
+def _merge(summary: dict[str, dict[str, Any]], entry: dict[str, Any]) -> None:
+    running = entry["state"] == RUNNING
+    current = summary.setdefault(
+        entry["name"],
+        {
+            "name": entry["name"],
+            "state": entry["state"],
+            "reason": entry["reason"],
+            "running_hosts": 0,
+            "in_flight": 0,
+        },
+    )
+    if running:
+        current["running_hosts"] += 1
+        current["state"], current["reason"] = RUNNING, ""
+    current["in_flight"] += entry["in_flight"]
+
+
+@router.get(
+    "/bindings/validate",
+    response={200: BindingIssuesOut, 400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut},
+    by_alias=True,
+    operation_id="validateBindings",
+    summary="Configuration problems that would stop work from flowing",
+)
+def validate_bindings(request: HttpRequest, transport: str | None = None) -> dict[str, Any]:
+    """Errors and Warnings, e.g. a handler key that no live host has registered. ``transport``
+    limits the check to one transport."""
+    issues = operations.validate_bindings(transport, actor=request.auth)  # type: ignore[attr-defined]
+    return {"issues": issues}

@@ -1,0 +1,249 @@
+"""Request and response shapes of the REST API. JSON field names are camelCase.
+
+Responses are ninja Schemas filled from the operators' dataclasses (attribute names are the
+snake_case field names; the camelCase aliases are what goes on the wire, so every operation sets
+``by_alias=True``). The publish request is validated by the publish view itself, after the auth,
+topic and size checks, so its models are plain strict pydantic models.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from typing import Any
+
+from ninja import Schema
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class _Out(Schema):
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=True)
+
+
+class _In(BaseModel):
+    # Strict: a number where text is expected (or "60" for a number) is a shape error, not
+    # something to coerce; unknown fields are refused so a misspelt field never goes missing.
+    model_config = ConfigDict(
+        alias_generator=to_camel, validate_by_name=False, strict=True, extra="forbid"
+    )
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+class FieldErrorOut(Schema):
+    loc: list[str | int]
+    msg: str
+
+
+class ErrorOut(Schema):
+    detail: str
+    errors: list[FieldErrorOut] | None = None
+
+
+# -- publish --------------------------------------------------------------------------------
+
+
+class PayloadRefIn(_In):
+    uri: str
+    content_type: str | None = None
+    size_bytes: int | None = Field(default=None, ge=0)
+    checksum: str | None = None
+
+
+class PublishMessageIn(_In):
+    message_id: str | None = Field(
+        default=None, description="A UUID; give one so a retried request cannot publish twice."
+    )
+    partition_key: str | None = None
+    attributes: dict[str, str] | None = None
+    payload: Any = Field(default=None, description="Any JSON value (or give payloadRef).")
+    payload_ref: PayloadRefIn | None = None
+    correlation_id: str | None = None
+    deduplication_key: str | None = None
+    deduplication_ttl_seconds: int | None = None
+
+
+class PublishRequest(_In):
+    messages: list[PublishMessageIn] = Field(
+        min_length=1, description="1 to PUBLISH_MAX_BATCH (default 100) messages."
+    )
+
+
+class PublishErrorOut(Schema):
+    code: str
+    message: str
+    retryable: bool
+
+
+class PublishResultOut(_Out):
+    message_id: str | None
+    status: str = Field(description="Accepted, Duplicate or Rejected.")
+    error: PublishErrorOut | None = None
+
+
+class PublishResponse(Schema):
+    results: list[PublishResultOut] = Field(description="One result per message, in order.")
+
+
+# -- operators ------------------------------------------------------------------------------
+
+
+class SubscriptionStatsOut(_Out):
+    subscription_name: str
+    pending: int
+    in_flight: int
+    dead_lettered: int
+    blocked_keys: int | None
+    oldest_pending_age_seconds: int | None
+    completed_last_hour: int
+    as_of: dt.datetime
+
+
+class StatsFailureOut(_Out):
+    subscription_name: str
+    error: str
+
+
+class StatsOut(_Out):
+    subscriptions: list[SubscriptionStatsOut]
+    failures: list[StatsFailureOut]
+
+
+class DeadLetterMessageOut(_Out):
+    message_id: str
+    topic: str
+    partition_key: str | None
+    attributes: dict[str, str]
+    payload: Any = Field(description="Null unless the caller has workqueue.view_payload.")
+    payload_ref: dict[str, Any] | None
+    correlation_id: str | None
+    published_at: dt.datetime
+
+
+class DeadLetterOut(_Out):
+    delivery_id: str
+    partition_key: str | None
+    attempts: int
+    reason: str | None
+    last_error: str | None
+    dead_lettered_at: dt.datetime | None
+    blocks_key: bool
+    message: DeadLetterMessageOut
+
+
+class DeadLetterPageOut(_Out):
+    supported: bool
+    items: list[DeadLetterOut]
+    next_cursor: str | None
+
+
+class PartitionOut(_Out):
+    partition_key: str
+    condition: str
+    head_delivery_id: str
+    waiting_items: int
+
+
+class PartitionPageOut(_Out):
+    supported: bool
+    items: list[PartitionOut]
+    next_cursor: str | None
+
+
+class BacklogOut(_Out):
+    supported: bool
+    claimable: int
+    in_flight: int
+    total: int
+    capped: bool
+
+
+class ReplayIn(Schema):
+    note: str | None = Field(default=None, description="At most 1000 characters.")
+
+
+class ReplayOut(_Out):
+    supported: bool
+    replayed: bool
+
+
+class DiscardIn(Schema):
+    reason: str = Field(description="Why the delivery is discarded; at most 1000 characters.")
+
+
+class DiscardOut(_Out):
+    supported: bool
+    discarded: bool
+    cancel_requested: bool
+
+
+class BindingIssueOut(_Out):
+    severity: str = Field(description="Error or Warning.")
+    subject: str
+    message: str
+
+
+class BindingIssuesOut(_Out):
+    issues: list[BindingIssueOut]
+
+
+# -- health ---------------------------------------------------------------------------------
+
+
+class HostSubscriptionOut(_Out):
+    name: str
+    state: str
+    reason: str
+    in_flight: int
+    concurrency: int
+
+
+class HostOut(_Out):
+    instance_id: str
+    hostname: str
+    pid: int
+    started_at: dt.datetime
+    last_seen_at: dt.datetime
+    subscriptions: list[HostSubscriptionOut]
+
+
+class SubscriptionHealthOut(_Out):
+    name: str
+    state: str = Field(description="Running when any live host runs it, else a host's state.")
+    reason: str
+    running_hosts: int
+    in_flight: int
+
+
+class HealthOut(_Out):
+    status: str = Field(
+        description="ok: live hosts, every subscription running; degraded: some subscription "
+        "is not running; down: no live host."
+    )
+    hosts: list[HostOut]
+    subscriptions: list[SubscriptionHealthOut]
+
+
+# -- OpenAPI helper ---------------------------------------------------------------------------
+
+
+def inline_json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema (by alias) with every ``$ref`` replaced by its definition, for
+    documenting a body the view reads itself (its definitions are not in the components)."""
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                target = copy.deepcopy(definitions[ref.removeprefix("#/$defs/")])
+                return resolve({**target, **{k: v for k, v in node.items() if k != "$ref"}})
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(value) for value in node]
+        return node
+
+    return resolve(schema)

@@ -1,0 +1,185 @@
+"""Operator endpoints for subscriptions: stats, dead letters, partitions, backlog, replay and
+discard. Each is a thin call into ``workqueue.operators.operations`` (the same code as the CLI
+and the admin), which checks permissions and validates input before touching the queue."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Router
+
+from workqueue.api.schemas import (
+    BacklogOut,
+    DeadLetterPageOut,
+    DiscardIn,
+    DiscardOut,
+    ErrorOut,
+    PartitionPageOut,
+    ReplayIn,
+    ReplayOut,
+    StatsOut,
+)
+from workqueue.operators import operations
+from workqueue.types import DeadLetterItem
+
+router = Router(tags=["subscriptions"])
+
+READ_ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
+
+
+@router.get(
+    "/stats",
+    response={200: StatsOut, 401: ErrorOut, 403: ErrorOut},
+    by_alias=True,
+    operation_id="listSubscriptionStats",
+    summary="Counts for every subscription",
+)
+def all_stats(request: HttpRequest) -> operations.StatsReport:
+    """Pending, in-flight, dead-lettered and blocked counts for each subscription the caller
+    may read, by name. A subscription whose counts cannot be read is listed in ``failures``."""
+    return operations.subscription_stats(actor=request.auth)  # type: ignore[attr-defined]
+
+
+@router.get(
+    "/{name}/stats",
+    response={200: StatsOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="getSubscriptionStats",
+    summary="Counts for one subscription",
+)
+def stats(request: HttpRequest, name: str) -> operations.StatsReport:
+    return operations.subscription_stats(name, actor=request.auth)  # type: ignore[attr-defined]
+
+
+@router.get(
+    "/{name}/dead-letters",
+    response={200: DeadLetterPageOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="listDeadLetters",
+    summary="A page of dead letters",
+)
+def dead_letters(
+    request: HttpRequest, name: str, cursor: str | None = None, page_size: int | None = None
+) -> dict[str, Any]:
+    """Dead letters oldest first, ``page_size`` (1-500, default 50) at a time; pass
+    ``nextCursor`` back as ``cursor`` for the next page. Payloads are null unless the caller
+    has ``workqueue.view_payload``."""
+    page = operations.list_dead_letters(
+        name,
+        cursor=cursor,
+        page_size=page_size,
+        actor=request.auth,  # type: ignore[attr-defined]
+    )
+    return {
+        "supported": page.supported,
+        "items": [_dead_letter(item) for item in page.items],
+        "next_cursor": page.next_cursor,
+    }
+
+
+def _dead_letter(item: DeadLetterItem) -> dict[str, Any]:
+    return {
+        "delivery_id": item.delivery_id,
+        "partition_key": item.partition_key,
+        "attempts": item.attempts,
+        "reason": item.reason,
+        "last_error": item.last_error,
+        "dead_lettered_at": item.dead_lettered_at,
+        "blocks_key": item.blocks_key,
+        "message": {
+            "message_id": item.message_id,
+            "topic": item.topic,
+            "partition_key": item.message_partition_key,
+            "attributes": item.attributes,
+            "payload": item.payload,
+            "payload_ref": item.payload_ref,
+            "correlation_id": item.correlation_id,
+            "published_at": item.published_at,
+        },
+    }
+
+
+@router.get(
+    "/{name}/partitions",
+    response={200: PartitionPageOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="listPartitions",
+    summary="A page of partition keys that are in flight or blocked",
+)
+def partitions(
+    request: HttpRequest,
+    name: str,
+    condition: str | None = None,
+    cursor: str | None = None,
+    page_size: int | None = None,
+) -> dict[str, Any]:
+    """Keys of an Exclusive or Ordered subscription by key, with their head delivery;
+    ``condition`` (Idle, InFlight or Blocked) narrows the list."""
+    page = operations.list_partitions(
+        name,
+        condition=condition,
+        cursor=cursor,
+        page_size=page_size,
+        actor=request.auth,  # type: ignore[attr-defined]
+    )
+    return {
+        "supported": page.supported,
+        "items": [asdict(item) for item in page.items],
+        "next_cursor": page.next_cursor,
+    }
+
+
+@router.get(
+    "/{name}/backlog",
+    response={200: BacklogOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="getBacklog",
+    summary="Claimable and in-flight counts for autoscaling",
+)
+def backlog(request: HttpRequest, name: str) -> operations.BacklogReport:
+    """Each count is capped at 1000 (``capped`` says so)."""
+    return operations.backlog(name, actor=request.auth)  # type: ignore[attr-defined]
+
+
+@router.post(
+    "/{name}/deliveries/{delivery_id}/replay",
+    response={200: ReplayOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="replayDeadLetter",
+    summary="Send a dead letter back to the queue",
+)
+def replay(
+    request: HttpRequest, name: str, delivery_id: str, body: ReplayIn | None = None
+) -> operations.ReplayOutcome:
+    """Needs ``workqueue:operate`` and ``workqueue.change_subscription``. The delivery goes back
+    to Pending with its attempts reset; an Ordered key's head keeps its place. ``replayed`` is
+    false when the delivery is not a dead letter of this subscription."""
+    return operations.replay(
+        name,
+        delivery_id,
+        note=body.note if body else None,
+        actor=request.auth,  # type: ignore[attr-defined]
+    )
+
+
+@router.post(
+    "/{name}/deliveries/{delivery_id}/discard",
+    response={200: DiscardOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="discardDelivery",
+    summary="Discard a delivery, or cancel it if it is running",
+)
+def discard(
+    request: HttpRequest, name: str, delivery_id: str, body: DiscardIn
+) -> operations.DiscardOutcome:
+    """Needs ``workqueue:operate`` and ``workqueue.change_subscription``. A Pending or dead-
+    lettered delivery is discarded; a running one is asked to stop (``cancelRequested``) and
+    never runs again."""
+    return operations.discard(
+        name,
+        delivery_id,
+        reason=body.reason,
+        actor=request.auth,  # type: ignore[attr-defined]
+    )
