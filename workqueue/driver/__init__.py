@@ -52,6 +52,13 @@ def get_driver(alias: str = "default") -> BaseDriver:
     return driver
 
 
+def close_thread_connections(**kwargs: Any) -> None:
+    """Close this thread's private driver connections (connected to ``request_finished``, since
+    servers may run each request on a new thread that would otherwise leave one open)."""
+    for driver in list(_drivers.values()):
+        driver.close()
+
+
 def binary_collation(connection: Any) -> str:
     """The collation that makes keys compare byte for byte on ``connection``'s vendor."""
     return driver_class_for_vendor(connection.vendor).features.binary_collation
@@ -62,4 +69,10 @@ def driver_for_connection(connection: Any) -> BaseDriver:
     return get_driver(connection.alias)
 
 
-__all__ = ["BaseDriver", "binary_collation", "driver_for_connection", "get_driver"]
+__all__ = [
+    "BaseDriver",
+    "binary_collation",
+    "close_thread_connections",
+    "driver_for_connection",
+    "get_driver",
+]

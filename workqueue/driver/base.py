@@ -99,9 +99,12 @@ class BaseDriver:
 
     def open_listener(self) -> Any:
         """A dedicated connection with ``listen(channel)``, ``unlisten(channel)``,
-        ``notifications(timeout)`` (yields channel names) and ``close()``; only where
+        ``notifications(timeout)`` (yields (channel, payload)) and ``close()``; only where
         ``features.supports_listen_notify``."""
         raise NotImplementedError(f"{self.vendor_label} has no LISTEN/NOTIFY")
+
+    #: The notification channel on which cancel requests are announced (payload: delivery id).
+    cancel_channel = "wq_cancel"
 
     def topic_channel(self, topic_id: str) -> str:
         """The notification channel a publish to ``topic_id`` is announced on."""

@@ -220,10 +220,10 @@ class PostgresListener:
     def unlisten(self, channel: str) -> None:
         self._connection.execute(f"UNLISTEN {_quote_identifier(channel)}")
 
-    def notifications(self, timeout: float) -> Iterator[str]:
-        """Yield the channel of each notification arriving within ``timeout`` seconds."""
+    def notifications(self, timeout: float) -> Iterator[tuple[str, str]]:
+        """Yield (channel, payload) of each notification arriving within ``timeout`` seconds."""
         for notify in self._connection.notifies(timeout=timeout):
-            yield notify.channel
+            yield notify.channel, notify.payload
 
     def close(self) -> None:
         self._connection.close()

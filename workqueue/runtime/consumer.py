@@ -174,6 +174,16 @@ class Consumer:
         self._kicked = True
         self._wake.set()
 
+    def check_lease(self, delivery_id: str) -> None:
+        """Renew the lease of a running delivery now (it may just have been cancelled): the
+        renewal reports the cancel and the handler is signalled without waiting a heartbeat."""
+        with self._lock:
+            executions = [
+                e for e in self._running.values() if e.delivery.delivery_id == delivery_id
+            ]
+        for execution in executions:
+            execution.check_lease_soon()
+
     @property
     def in_flight(self) -> int:
         with self._lock:

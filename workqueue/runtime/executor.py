@@ -215,6 +215,11 @@ class DeliveryExecution:
             timer = self.services.timers.schedule(self.plan.heartbeat_interval_seconds, tick)
             self._timers.append(timer)
 
+    def check_lease_soon(self) -> None:
+        """Renew now on a background thread (used when a cancel is announced)."""
+        if not self._stopped_renewing():
+            self.services.background.submit(self._beat, None)
+
     def _stopped_renewing(self) -> bool:
         return (
             self._finished

@@ -150,6 +150,7 @@ class Host:
             self.user = resolve_system_user(conf)
             self._timers = TimerQueue()
             self._wakeup = Wakeup(get_driver(conf.DATABASE_ALIAS))
+            self._wakeup.on_cancel(self._on_cancel)
             self._wakeup.start()
             signals.published.connect(self._on_published, dispatch_uid=self.instance_id)
             self.reconcile()
@@ -334,6 +335,12 @@ class Host:
             consumers = [c for c in self._consumers.values() if c.plan.topic_name == name]
         for consumer in consumers:
             consumer.kick()
+
+    def _on_cancel(self, delivery_id: str) -> None:
+        with self._lock:
+            consumers = list(self._consumers.values())
+        for consumer in consumers:
+            consumer.check_lease(delivery_id)
 
     # -- health ----------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""Wake consumers within milliseconds of a publish, through the database's notifications.
+"""Wake consumers within milliseconds of a publish or a cancel, through the database's
+notifications.
 
 Where the driver supports LISTEN/NOTIFY, one thread holds a dedicated connection listening on
-the channels of the running subscriptions' topics and kicks the matching consumers. Polling
-stays the fallback: a lost connection is re-opened with back-off, and every consumer is kicked
-after a reconnect in case a notification was missed meanwhile.
+the channels of the running subscriptions' topics (a publish kicks the matching consumers) and
+on the cancel channel (the running delivery's holder checks its lease at once instead of at its
+next heartbeat). Polling and heartbeats stay the fallback: a lost connection is re-opened with
+back-off, and every consumer is kicked after a reconnect in case a publish was missed meanwhile.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 MAX_RECONNECT_DELAY = 10.0
 
+Kick = Callable[[], None]
+CancelCallback = Callable[[str], None]
+
 
 class Wakeup:
     def __init__(self, driver: BaseDriver) -> None:
         self._driver = driver
-        self._callbacks: dict[str, dict[int, Callable[[], None]]] = {}
+        self._kicks: dict[str, dict[int, Kick]] = {}
+        self._on_cancel: CancelCallback | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wq-wakeup", daemon=True)
@@ -43,49 +49,59 @@ class Wakeup:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def subscribe(self, topic_id: str, callback: Callable[[], None]) -> None:
+    def subscribe(self, topic_id: str, kick: Kick) -> None:
+        channel = self._driver.topic_channel(topic_id)
         with self._lock:
-            self._callbacks.setdefault(self._driver.topic_channel(topic_id), {})[id(callback)] = (
-                callback
-            )
+            self._kicks.setdefault(channel, {})[id(kick)] = kick
 
-    def unsubscribe(self, topic_id: str, callback: Callable[[], None]) -> None:
+    def unsubscribe(self, topic_id: str, kick: Kick) -> None:
+        channel = self._driver.topic_channel(topic_id)
         with self._lock:
-            channel = self._driver.topic_channel(topic_id)
-            self._callbacks.get(channel, {}).pop(id(callback), None)
-            if not self._callbacks.get(channel):
-                self._callbacks.pop(channel, None)
+            self._kicks.get(channel, {}).pop(id(kick), None)
+            if not self._kicks.get(channel):
+                self._kicks.pop(channel, None)
+
+    def on_cancel(self, callback: CancelCallback) -> None:
+        """Call ``callback(delivery_id)`` when an operator cancels a running delivery."""
+        self._on_cancel = callback
 
     def _wanted(self) -> set[str]:
         with self._lock:
-            return set(self._callbacks)
+            channels = set(self._kicks)
+        if self._on_cancel is not None:
+            channels.add(self._driver.cancel_channel)
+        return channels
 
-    def _dispatch(self, channel: str) -> None:
+    def _dispatch(self, channel: str, payload: str | None) -> None:
+        if channel == self._driver.cancel_channel:
+            if self._on_cancel is not None and payload:
+                self._on_cancel(payload)
+            return
         with self._lock:
-            callbacks = list(self._callbacks.get(channel, {}).values())
-        for callback in callbacks:
-            callback()
+            kicks = list(self._kicks.get(channel, {}).values())
+        for kick in kicks:
+            kick()
 
     def _run(self) -> None:
         delay = 0.2
         while not self._stop.is_set():
             try:
-                self._listen_until_stopped_or_broken()
+                self._listen_until_stopped()
                 delay = 0.2
             except Exception as exc:
-                logger.warning("Publish notifications lost (%s); polling until reconnected", exc)
+                logger.warning("Notifications lost (%s); polling until reconnected", exc)
                 self.connected.clear()
                 self._stop.wait(delay)
                 delay = min(delay * 2, MAX_RECONNECT_DELAY)
 
-    def _listen_until_stopped_or_broken(self) -> None:
+    def _listen_until_stopped(self) -> None:
         listening: set[str] = set()
         listener: Any = self._driver.open_listener()
         try:
             self.connected.set()
             # Anything published while we were not listening must not wait for a poll.
             for channel in self._wanted():
-                self._dispatch(channel)
+                self._dispatch(channel, None)
             while not self._stop.is_set():
                 wanted = self._wanted()
                 for channel in wanted - listening:
@@ -93,8 +109,8 @@ class Wakeup:
                 for channel in listening - wanted:
                     listener.unlisten(channel)
                 listening = wanted
-                for channel in listener.notifications(timeout=POLL_SECONDS):
-                    self._dispatch(channel)
+                for channel, payload in listener.notifications(timeout=POLL_SECONDS):
+                    self._dispatch(channel, payload)
         finally:
             self.connected.clear()
             listener.close()

@@ -210,7 +210,7 @@ $$;
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
 -- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
--- again.
+-- again. Hosts listening on channel wq_cancel hear of it at commit.
 CREATE OR REPLACE FUNCTION wq_cancel(
     p_subscription_id uuid,
     p_delivery_id uuid,
@@ -218,19 +218,25 @@ CREATE OR REPLACE FUNCTION wq_cancel(
     p_reason text
 )
 RETURNS TABLE (affected_rows integer)
-LANGUAGE sql
+LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
-    WITH changed AS (
-        UPDATE workqueue_delivery d
-           SET cancel_requested_at = now(),
-               resolved_by = p_actor, resolution_note = left(p_reason, 1000)
-         WHERE d.id = p_delivery_id AND d.subscription_id = p_subscription_id
-           AND d.status = 'InFlight' AND d.cancel_requested_at IS NULL
-        RETURNING 1
-    )
-    SELECT count(*)::integer FROM changed;
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET cancel_requested_at = now(),
+           resolved_by = p_actor, resolution_note = left(p_reason, 1000)
+     WHERE d.id = p_delivery_id AND d.subscription_id = p_subscription_id
+       AND d.status = 'InFlight' AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    IF v_rows > 0 THEN
+        -- Listening hosts check the delivery's lease at once instead of at the next heartbeat.
+        PERFORM pg_notify('wq_cancel', lower(p_delivery_id::text));
+    END IF;
+    RETURN QUERY SELECT v_rows;
+END;
 $$;
 
 -- wq_backlog --

@@ -1,0 +1,446 @@
+"""The admin through Django's test client, for permitted and refused staff users.
+
+Deliveries are made the real way (publish, then receive / dead-letter through the transport's
+Receiver), which runs on the driver's own connection: these tests use committed data.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.urls import reverse
+from django.utils import timezone
+
+from tests.factories import SubscriptionFactory
+from workqueue import publish
+from workqueue.models import ApiKey, Delivery, HostRecord, Subscription
+from workqueue.models.apikeys import hash_key
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+OPERATOR_PERMISSIONS = [
+    "view_delivery",
+    "view_message",
+    "view_deduplication",
+    "view_subscription",
+    "change_subscription",
+    "view_topic",
+    "view_transport",
+]
+QUEUE_CHANGELISTS = ["delivery", "message", "deduplication"]
+TOPOLOGY_CHANGELISTS = ["subscription", "topic", "transport"]
+
+
+def _staff(username: str, *codenames: str) -> User:
+    user = User.objects.create_user(username, password="pw", is_staff=True)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="workqueue", codename__in=codenames)
+    )
+    return user
+
+
+@pytest.fixture
+def operator_client(client):
+    client.force_login(_staff("operator", *OPERATOR_PERMISSIONS))
+    return client
+
+
+@pytest.fixture
+def reader_client(client):
+    client.force_login(_staff("reader", "view_delivery", "view_message"))
+    return client
+
+
+@pytest.fixture
+def refused_client(client):
+    client.force_login(_staff("refused"))
+    return client
+
+
+def _url(name: str, *args: object) -> str:
+    return reverse(f"admin:{name}", args=args)
+
+
+def _pending(subscription: Subscription, **message: object) -> str:
+    result = publish(subscription.topic.name, {"n": 1}, **message)
+    return str(Delivery.objects.get(message_id=result.message_id, subscription=subscription).pk)
+
+
+def _in_flight(subscription: Subscription) -> str:
+    delivery_id = _pending(subscription)
+    claimed = Receiver(subscription.id).receive(1).deliveries
+    assert [c.delivery_id for c in claimed] == [delivery_id]
+    return delivery_id
+
+
+def _dead_letter(subscription: Subscription, **message: object) -> str:
+    delivery_id = _pending(subscription, **message)
+    receiver = Receiver(subscription.id)
+    (claimed,) = receiver.receive(1).deliveries
+    assert str(claimed.delivery_id) == delivery_id
+    assert receiver.dead_letter(claimed, "Poison", "boom").settled
+    return delivery_id
+
+
+def _messages(response) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+def _act(client, action: str, ids: list[str], **form: str):
+    """The changelist's action POST; with ``post="yes"`` it is the confirmation POST."""
+    data = {"action": action, "_selected_action": ids, **form}
+    if "post" not in form:
+        data["index"] = "0"
+    return client.post(_url("workqueue_delivery_changelist"), data, follow="post" in form)
+
+
+# -- rendering and permissions --------------------------------------------------------------
+
+
+def test_changelists_render_for_a_permitted_staff_user(operator_client):
+    _dead_letter(SubscriptionFactory())
+
+    for model in QUEUE_CHANGELISTS + TOPOLOGY_CHANGELISTS:
+        response = operator_client.get(_url(f"workqueue_{model}_changelist"))
+        assert response.status_code == 200, model
+
+
+def test_a_staff_user_without_permissions_is_refused_everything(refused_client):
+    _dead_letter(SubscriptionFactory())
+
+    for model in QUEUE_CHANGELISTS + TOPOLOGY_CHANGELISTS + ["apikey"]:
+        assert refused_client.get(_url(f"workqueue_{model}_changelist")).status_code == 403
+    assert refused_client.get(_url("workqueue_dashboard")).status_code == 403
+    index = refused_client.get(_url("index"))
+    assert index.status_code == 200
+    assert _url("workqueue_dashboard") not in index.content.decode()
+
+
+def test_the_admin_index_links_the_dashboard_for_a_permitted_user(operator_client):
+    index = operator_client.get(_url("index"))
+
+    assert _url("workqueue_dashboard") in index.content.decode()
+
+
+def test_queue_models_have_no_add_change_or_delete_even_for_a_superuser(admin_client):
+    subscription = SubscriptionFactory()
+    delivery_id = _dead_letter(subscription)
+    delivery = Delivery.objects.get(pk=delivery_id)
+
+    for model, pk in [("delivery", delivery_id), ("message", delivery.message_id)]:
+        assert admin_client.get(_url(f"workqueue_{model}_add")).status_code == 403
+        assert admin_client.get(_url(f"workqueue_{model}_delete", pk)).status_code == 403
+        page = admin_client.get(_url(f"workqueue_{model}_change", pk))
+        assert page.status_code == 200
+        assert page.context["has_change_permission"] is False
+        assert 'name="_save"' not in page.content.decode()
+        posted = admin_client.post(_url(f"workqueue_{model}_change", pk), {"status": "Pending"})
+        assert posted.status_code == 403
+    assert admin_client.get(_url("workqueue_deduplication_add")).status_code == 403
+    changelist = admin_client.get(_url("workqueue_delivery_changelist"))
+    actions = dict(changelist.context["action_form"].fields["action"].choices)
+    assert "delete_selected" not in actions
+    assert {"replay_deliveries", "discard_deliveries"} <= set(actions)
+    assert Delivery.objects.get(pk=delivery_id).status == "DeadLettered"
+
+
+def test_deliveries_filter_by_subscription_and_status_and_search_by_key_and_ids(operator_client):
+    ordered = SubscriptionFactory(partition_mode="Ordered")
+    other = SubscriptionFactory()
+    dead = _dead_letter(ordered, partition_key="venue-42", correlation_id="corr-7")
+    waiting = _pending(ordered, partition_key="venue-42")
+    elsewhere = _pending(other)
+    changelist = _url("workqueue_delivery_changelist")
+
+    def listed(query: dict[str, str]) -> set[str]:
+        response = operator_client.get(changelist, query)
+        assert response.status_code == 200
+        return {str(d.pk) for d in response.context["cl"].result_list}
+
+    assert listed({"subscription__id__exact": str(ordered.pk)}) == {dead, waiting}
+    assert listed({"status__exact": "DeadLettered"}) == {dead}
+    assert listed({"q": "venue-42"}) == {dead, waiting}
+    assert listed({"q": "Venue-42"}) == set()  # keys compare byte for byte
+    assert listed({"q": "corr-7"}) == {dead}
+    assert listed({"q": elsewhere}) == {elsewhere}
+    message_id = str(Delivery.objects.get(pk=dead).message_id)
+    assert listed({"q": message_id}) == {dead}
+    messages = operator_client.get(_url("workqueue_message_changelist"), {"q": "corr-7"})
+    assert [str(m.pk) for m in messages.context["cl"].result_list] == [message_id]
+
+
+# -- actions ----------------------------------------------------------------------------------
+
+
+def test_replay_asks_for_a_note_then_replays_the_dead_letter_and_reports_each_row(
+    operator_client,
+):
+    subscription = SubscriptionFactory()
+    dead = _dead_letter(subscription)
+    pending = _pending(subscription)
+
+    form = _act(operator_client, "replay_deliveries", [dead, pending])
+
+    assert form.status_code == 200
+    assert "workqueue/admin/delivery_action.html" in [t.name for t in form.templates]
+    assert 'name="note"' in form.content.decode()
+    assert Delivery.objects.get(pk=dead).status == "DeadLettered"  # nothing happened yet
+
+    done = _act(operator_client, "replay_deliveries", [dead, pending], post="yes", note="fixed")
+
+    assert done.status_code == 200
+    assert _messages(done) == ["Replayed 1; not a dead letter: 1"]
+    replayed = Delivery.objects.get(pk=dead)
+    assert replayed.status == "Pending"
+    assert replayed.is_replay and replayed.attempt_count == 0
+    assert (replayed.resolved_by, replayed.resolution_note) == ("operator", "fixed")
+    assert Delivery.objects.get(pk=pending).status == "Pending"
+
+
+def test_discard_requires_a_reason_discards_pending_and_cancels_running(operator_client):
+    waiting = SubscriptionFactory()
+    running = SubscriptionFactory()
+    pending = _pending(waiting)
+    in_flight = _in_flight(running)
+
+    missing = _act(operator_client, "discard_deliveries", [pending, in_flight], post="yes")
+
+    assert missing.status_code == 200
+    assert missing.context["form"].errors == {"reason": ["This field is required."]}
+    assert Delivery.objects.get(pk=pending).status == "Pending"
+
+    done = _act(
+        operator_client, "discard_deliveries", [pending, in_flight], post="yes", reason="dupe"
+    )
+
+    assert _messages(done) == ["Discarded 1; cancel requested (running): 1"]
+    discarded = Delivery.objects.get(pk=pending)
+    assert (discarded.status, discarded.resolution_note) == ("Discarded", "dupe")
+    cancelled = Delivery.objects.get(pk=in_flight)
+    assert cancelled.status == "InFlight" and cancelled.cancel_requested_at is not None
+
+
+def test_a_reader_without_operate_permission_gets_no_actions(reader_client):
+    dead = _dead_letter(SubscriptionFactory())
+
+    changelist = reader_client.get(_url("workqueue_delivery_changelist"))
+
+    assert changelist.status_code == 200
+    assert "action_form" not in changelist.context or changelist.context["action_form"] is None
+    assert "replay_deliveries" not in changelist.content.decode()
+    for form in ({}, {"post": "yes", "note": "sneaky"}):
+        _act(reader_client, "replay_deliveries", [dead], **form)
+    assert Delivery.objects.get(pk=dead).status == "DeadLettered"
+
+
+def test_a_refused_user_cannot_post_an_action(refused_client):
+    dead = _dead_letter(SubscriptionFactory())
+
+    response = _act(refused_client, "replay_deliveries", [dead])
+
+    assert response.status_code == 403
+    assert Delivery.objects.get(pk=dead).status == "DeadLettered"
+
+
+# -- dashboard --------------------------------------------------------------------------------
+
+
+def test_dashboard_shows_counts_blocked_keys_hosts_and_an_svg_chart(operator_client):
+    ordered = SubscriptionFactory(partition_mode="Ordered")
+    _dead_letter(ordered, partition_key="k1")
+    _pending(ordered, partition_key="k1")
+    plain = SubscriptionFactory()
+    receiver = Receiver(plain.id)
+    _pending(plain)
+    assert receiver.complete(receiver.receive(1).deliveries[0]).settled
+    now = timezone.now()
+    HostRecord.objects.create(
+        instance_id="worker-1:42:abcd",
+        hostname="worker-1",
+        pid=42,
+        started_at=now,
+        last_seen_at=now,
+        subscriptions=[{"name": plain.name, "state": "HandlerNotRegistered", "in_flight": 0}],
+    )
+
+    response = operator_client.get(_url("workqueue_dashboard"))
+
+    assert response.status_code == 200
+    rows = {row["stats"].subscription_name: row["stats"] for row in response.context["rows"]}
+    assert (rows[ordered.name].pending, rows[ordered.name].dead_lettered) == (1, 1)
+    assert rows[ordered.name].blocked_keys == 1
+    assert rows[plain.name].completed_last_hour == 1
+    assert response.context["chart"]["completed"] == 1
+    assert response.context["chart"]["dead_lettered"] == 1
+    (host,) = response.context["hosts"]
+    assert host["record"].hostname == "worker-1" and not host["healthy"]
+    html = response.content.decode()
+    assert '<svg id="workqueue-chart"' in html and "<rect" in html
+    assert "HandlerNotRegistered" in html and "needs attention" in html
+    assert "<script" not in html.split('id="workqueue-dashboard"')[1]
+
+
+def test_dashboard_lists_only_live_hosts(operator_client):
+    stale = timezone.now() - timezone.timedelta(minutes=5)
+    HostRecord.objects.create(
+        instance_id="gone", hostname="gone", pid=1, started_at=stale, last_seen_at=stale
+    )
+
+    response = operator_client.get(_url("workqueue_dashboard"))
+
+    assert response.context["hosts"] == []
+    assert 'id="workqueue-no-hosts"' in response.content.decode()
+
+
+# -- payloads -----------------------------------------------------------------------------
+
+
+def test_payloads_are_hidden_without_view_payload(client):
+    subscription = SubscriptionFactory()
+    result = publish(subscription.topic.name, {"card": "secret-payload-value"})
+    delivery = Delivery.objects.get(message_id=result.message_id)
+    pages = [
+        _url("workqueue_message_change", result.message_id),
+        _url("workqueue_delivery_change", delivery.pk),
+    ]
+
+    client.force_login(_staff("no-payload", *OPERATOR_PERMISSIONS))
+    for page in pages:
+        response = client.get(page)
+        assert response.status_code == 200
+        assert "secret-payload-value" not in response.content.decode()
+
+    client.force_login(_staff("payload", *OPERATOR_PERMISSIONS, "view_payload"))
+    for page in pages:
+        assert "secret-payload-value" in client.get(page).content.decode()
+
+
+# -- topology -----------------------------------------------------------------------------
+
+
+def _subscription_form(subscription: Subscription, **changes: object) -> dict[str, object]:
+    data = {
+        field: getattr(subscription, field)
+        for field in [
+            "name",
+            "description",
+            "partition_mode",
+            "max_attempts",
+            "backoff_base_seconds",
+            "backoff_max_seconds",
+            "lease_seconds",
+            "heartbeat_mode",
+            "host_type",
+            "handler_key",
+            "external_ref",
+            "status",
+        ]
+    }
+    data.update(
+        topic=subscription.topic_id, filter="", binding_config="", max_processing_seconds=""
+    )
+    data.update(changes)
+    return data
+
+
+def test_subscription_clean_errors_are_shown_on_their_fields(admin_client):
+    subscription = SubscriptionFactory()
+    url = _url("workqueue_subscription_change", subscription.pk)
+
+    response = admin_client.post(
+        url,
+        _subscription_form(
+            subscription,
+            backoff_base_seconds=100,
+            backoff_max_seconds=10,
+            handler_key="",
+            filter='{"logic": "xor"}',
+        ),
+    )
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert {"backoff_max_seconds", "handler_key", "filter"} <= set(errors)
+    assert "Must be at least backoff_base_seconds" in errors["backoff_max_seconds"][0]
+
+
+def test_partition_mode_cannot_change_once_deliveries_exist(admin_client):
+    subscription = SubscriptionFactory()
+    _pending(subscription)
+    url = _url("workqueue_subscription_change", subscription.pk)
+
+    response = admin_client.post(url, _subscription_form(subscription, partition_mode="Ordered"))
+
+    assert response.status_code == 200
+    assert "partition_mode" in response.context["adminform"].form.errors
+    assert Subscription.objects.get(pk=subscription.pk).partition_mode == "None"
+
+
+def test_a_valid_subscription_change_saves(admin_client):
+    subscription = SubscriptionFactory()
+    url = _url("workqueue_subscription_change", subscription.pk)
+
+    response = admin_client.post(url, _subscription_form(subscription, max_attempts=9))
+
+    assert response.status_code == 302
+    assert Subscription.objects.get(pk=subscription.pk).max_attempts == 9
+
+
+# -- API keys -----------------------------------------------------------------------------
+
+
+def test_creating_an_api_key_shows_the_raw_key_once_and_never_the_hash(admin_client, admin_user):
+    response = admin_client.post(
+        _url("workqueue_apikey_add"),
+        {
+            "owner": admin_user.pk,
+            "name": "ci",
+            "scopes": ["workqueue:read", "workqueue:operate"],
+            "topics": "",
+            "subscriptions": "Orders.Billing, orders.billing",
+            "expires_days": "30",
+        },
+        follow=True,
+    )
+
+    assert response.status_code == 200
+    key = ApiKey.objects.get()
+    shown = [m for m in _messages(response) if "not be shown again" in m]
+    assert len(shown) == 1
+    raw_key = shown[0].rsplit(": ", 1)[1]
+    assert hash_key(raw_key) == key.key_hash
+    assert ApiKey.objects.authenticate(raw_key) == key
+    assert key.subscriptions == ["orders.billing"] and key.expires_at is not None
+    for page in [_url("workqueue_apikey_change", key.pk), _url("workqueue_apikey_changelist")]:
+        html = admin_client.get(page).content.decode()
+        assert key.key_hash not in html and raw_key not in html
+        assert f"wq_{key.prefix}_" in html
+
+
+def test_a_non_superuser_can_create_keys_only_for_themselves(client, admin_user):
+    user = _staff("keymaker", "add_apikey", "view_apikey", "change_apikey")
+    client.force_login(user)
+
+    response = client.post(
+        _url("workqueue_apikey_add"),
+        {"owner": admin_user.pk, "name": "x", "scopes": ["workqueue:operate"]},
+    )
+
+    assert response.status_code == 200
+    assert "owner" in response.context["adminform"].form.errors
+    assert not ApiKey.objects.exists()
+
+
+def test_the_revoke_action_revokes_keys(admin_client, admin_user):
+    key, raw_key = ApiKey.objects.issue(admin_user, ["workqueue:read"])
+
+    response = admin_client.post(
+        _url("workqueue_apikey_changelist"),
+        {"action": "revoke_keys", "_selected_action": [key.pk], "index": "0"},
+        follow=True,
+    )
+
+    assert _messages(response) == ["Revoked 1 API key(s)."]
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is not None
+    assert ApiKey.objects.authenticate(raw_key) is None

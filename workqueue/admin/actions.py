@@ -1,0 +1,202 @@
+"""Replay and Discard/Cancel as Delivery admin actions.
+
+Each action declares its permission (``@admin.action(permissions=[...])``), so Django offers it
+only when ``has_<name>_permission`` allows; those delegate to ``workqueue.operators.permissions``,
+the rules the CLI and the REST API use. The first POST shows an intermediate page asking for the
+note (replay) or the required reason (discard); the confirmed POST calls the operator operation
+once per selected row and reports how each row ended.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+
+from workqueue.exceptions import PermissionDeniedError, WorkQueueError
+from workqueue.operators import operations
+from workqueue.operators.permissions import OPERATE, Actor, require
+
+# The operator API pages at most 500 rows; an admin action acts on no more in one go.
+MAX_ROWS = 500
+ACTION_TEMPLATE = "workqueue/admin/delivery_action.html"
+CANCEL_REQUESTED = "cancel requested (running)"
+
+
+def may_operate(request: HttpRequest) -> bool:
+    """True when the request's user may replay and discard (the operators' OPERATE rule)."""
+    try:
+        require(Actor(user=request.user), OPERATE)
+    except PermissionDeniedError:
+        return False
+    return True
+
+
+class ReplayForm(forms.Form):
+    note = forms.CharField(
+        required=False,
+        max_length=operations.MAX_NOTE_LENGTH,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
+        help_text="Optional; recorded on each delivery with your username.",
+    )
+
+
+class DiscardForm(forms.Form):
+    reason = forms.CharField(
+        max_length=operations.MAX_NOTE_LENGTH,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
+        help_text="Required; recorded on each delivery with your username.",
+    )
+
+
+class DeliveryActionsMixin:
+    """The permission hooks Django looks up for the actions' ``permissions=[...]``."""
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return may_operate(request)
+
+    def has_discard_permission(self, request: HttpRequest) -> bool:
+        return may_operate(request)
+
+
+def _report(
+    modeladmin: Any, request: HttpRequest, counts: Counter[str], done: str, *, ok: set[str]
+) -> None:
+    """One message for the whole action: ``Replayed 2; not a dead letter: 1``."""
+    others = [f"{label}: {n}" for label, n in counts.items() if label != done and n]
+    text = "; ".join([f"{done} {counts[done]}", *others])
+    succeeded = sum(n for label, n in counts.items() if label in ok)
+    if succeeded == sum(counts.values()):
+        level = messages.SUCCESS
+    elif succeeded:
+        level = messages.WARNING
+    else:
+        level = messages.ERROR
+    modeladmin.message_user(request, text, level)
+
+
+def _intermediate_page(
+    modeladmin: Any,
+    request: HttpRequest,
+    queryset: QuerySet,
+    *,
+    form: forms.Form,
+    action: str,
+    title: str,
+    intro: str,
+    submit: str,
+) -> TemplateResponse:
+    opts = modeladmin.model._meta
+    request.current_app = modeladmin.admin_site.name
+    context = {
+        **modeladmin.admin_site.each_context(request),
+        "title": title,
+        "subtitle": None,
+        "intro": intro,
+        "submit_label": submit,
+        "form": form,
+        "action_name": action,
+        "deliveries": queryset.select_related("subscription").order_by("subscription__name", "pk"),
+        "opts": opts,
+        "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        "media": modeladmin.media + form.media,
+    }
+    return TemplateResponse(request, ACTION_TEMPLATE, context)
+
+
+def _too_many(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> bool:
+    if queryset.count() <= MAX_ROWS:
+        return False
+    modeladmin.message_user(
+        request,
+        f"Select at most {MAX_ROWS} deliveries per action (narrow the list with the filters).",
+        messages.ERROR,
+    )
+    return True
+
+
+def _rows(queryset: QuerySet) -> list[tuple[str, str]]:
+    return list(queryset.order_by("pk").values_list("subscription__name", "pk"))
+
+
+@admin.action(description="Replay selected dead letters", permissions=["replay"])
+def replay_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> Any:
+    """Ask for an optional note, then replay each selected dead letter."""
+    if _too_many(modeladmin, request, queryset):
+        return None
+    form = ReplayForm(request.POST if request.POST.get("post") else None)
+    if not form.is_valid():
+        return _intermediate_page(
+            modeladmin,
+            request,
+            queryset,
+            form=form,
+            action="replay_deliveries",
+            title="Replay dead letters",
+            intro="Dead letters go back to Pending with their attempts reset; an Ordered "
+            "key's head keeps its place. Rows that are not dead letters are left alone.",
+            submit="Replay",
+        )
+    actor = Actor(user=request.user)
+    counts: Counter[str] = Counter()
+    for subscription_name, delivery_id in _rows(queryset):
+        try:
+            outcome = operations.replay(
+                subscription_name, delivery_id, note=form.cleaned_data["note"], actor=actor
+            )
+        except PermissionDeniedError:
+            counts["refused"] += 1
+        except WorkQueueError:
+            counts["failed"] += 1
+        else:
+            counts["Replayed" if outcome.replayed else "not a dead letter"] += 1
+    _report(modeladmin, request, counts, "Replayed", ok={"Replayed"})
+    return None
+
+
+@admin.action(description="Discard / cancel selected deliveries", permissions=["discard"])
+def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> Any:
+    """Ask for the required reason, then discard each Pending or dead-lettered row and ask
+    the holder of each running row to stop."""
+    if _too_many(modeladmin, request, queryset):
+        return None
+    form = DiscardForm(request.POST if request.POST.get("post") else None)
+    if not form.is_valid():
+        return _intermediate_page(
+            modeladmin,
+            request,
+            queryset,
+            form=form,
+            action="discard_deliveries",
+            title="Discard or cancel deliveries",
+            intro="Pending and dead-lettered deliveries become Discarded and never run. A "
+            "running delivery's holder is asked to stop; it is then Discarded. Completed and "
+            "Discarded rows are left alone.",
+            submit="Discard",
+        )
+    actor = Actor(user=request.user)
+    counts: Counter[str] = Counter()
+    for subscription_name, delivery_id in _rows(queryset):
+        try:
+            outcome = operations.discard(
+                subscription_name, delivery_id, reason=form.cleaned_data["reason"], actor=actor
+            )
+        except PermissionDeniedError:
+            counts["refused"] += 1
+        except WorkQueueError:
+            counts["failed"] += 1
+        else:
+            if outcome.cancel_requested:
+                counts[CANCEL_REQUESTED] += 1
+            elif outcome.discarded:
+                counts["Discarded"] += 1
+            else:
+                counts["already finished"] += 1
+    _report(modeladmin, request, counts, "Discarded", ok={"Discarded", CANCEL_REQUESTED})
+    return None

@@ -1,0 +1,190 @@
+"""Admin for REST API keys: list, create (the raw key is shown once), edit limits, revoke.
+
+Only the key's display prefix is ever shown; the hash is never displayed. A key acts as its
+owner, so only superusers may create keys for other users: anyone else creating a key for a
+more privileged owner would receive that owner's powers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
+from django.db.models import Model, Q, QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+
+from workqueue.models import ApiKey
+from workqueue.models.apikeys import KEY_PREFIX
+from workqueue.operators.permissions import SCOPES
+
+
+class NameListField(forms.CharField):
+    """Comma-separated names edited as text and stored as a sorted list of lower-case names."""
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return ", ".join(value)
+        return value
+
+    def to_python(self, value: Any) -> list[str]:
+        text = super().to_python(value)
+        return sorted({name.strip().lower() for name in text.split(",") if name.strip()})
+
+
+class _KeyLimitsForm(forms.ModelForm):
+    scopes = forms.MultipleChoiceField(
+        choices=[(scope, scope) for scope in SCOPES],
+        widget=forms.CheckboxSelectMultiple,
+        help_text="The key needs the scope AND its owner the matching Django permission.",
+    )
+    topics = NameListField(
+        required=False, help_text="Comma-separated topic names; empty allows any topic."
+    )
+    subscriptions = NameListField(
+        required=False,
+        help_text="Comma-separated subscription names; empty allows any subscription.",
+    )
+
+
+class ApiKeyCreateForm(_KeyLimitsForm):
+    expires_days = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=3650,
+        help_text="Days until the key expires; empty for no expiry.",
+    )
+
+    class Meta:
+        model = ApiKey
+        fields = ["owner", "name", "scopes", "topics", "subscriptions"]
+
+
+class ApiKeyChangeForm(_KeyLimitsForm):
+    class Meta:
+        model = ApiKey
+        fields = ["name", "scopes", "topics", "subscriptions", "expires_at"]
+
+
+class KeyStateFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("active", "Active"), ("revoked", "Revoked"), ("expired", "Expired")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        now = timezone.now()
+        if self.value() == "active":
+            return queryset.filter(revoked_at__isnull=True).filter(
+                Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+            )
+        if self.value() == "revoked":
+            return queryset.filter(revoked_at__isnull=False)
+        if self.value() == "expired":
+            return queryset.filter(revoked_at__isnull=True, expires_at__lte=now)
+        return queryset
+
+
+ADD_FIELDS = ["owner", "name", "scopes", "topics", "subscriptions", "expires_days"]
+CHANGE_FIELDS = [
+    "display_key",
+    "owner",
+    "name",
+    "scopes",
+    "topics",
+    "subscriptions",
+    "expires_at",
+    "created_at",
+    "last_used_at",
+    "revoked_at",
+]
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    form = ApiKeyChangeForm
+    add_form = ApiKeyCreateForm
+    list_display = (
+        "display_key",
+        "name",
+        "owner",
+        "scope_list",
+        "created_at",
+        "expires_at",
+        "last_used_at",
+        "active",
+    )
+    list_filter = (KeyStateFilter,)
+    list_select_related = ("owner",)
+    search_fields = ("name", "prefix", "owner__username")
+    search_help_text = "Name, prefix (the 8 characters after 'wq_') or owner's username."
+    readonly_fields = ("display_key", "owner", "created_at", "last_used_at", "revoked_at")
+    actions = ["revoke_keys"]
+
+    @admin.display(description="key")
+    def display_key(self, obj: ApiKey) -> str:
+        return f"{KEY_PREFIX}_{obj.prefix}_…"
+
+    @admin.display(description="scopes")
+    def scope_list(self, obj: ApiKey) -> str:
+        return ", ".join(obj.scopes or [])
+
+    @admin.display(description="active", boolean=True)
+    def active(self, obj: ApiKey) -> bool:
+        return obj.is_active
+
+    def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        return list(ADD_FIELDS if obj is None else CHANGE_FIELDS)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> Any:
+        return () if obj is None else self.readonly_fields
+
+    def get_form(
+        self, request: HttpRequest, obj: Model | None = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        if obj is None:
+            kwargs["form"] = self.add_form
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        return {"owner": request.user.pk, **super().get_changeform_initial_data(request)}
+
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "owner" and not request.user.is_superuser:
+            kwargs["queryset"] = get_user_model().objects.filter(pk=request.user.pk)
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        key, raw_key = ApiKey.objects.issue(
+            obj.owner,
+            obj.scopes,
+            name=obj.name,
+            topics=obj.topics,
+            subscriptions=obj.subscriptions,
+            expires_days=form.cleaned_data.get("expires_days"),
+        )
+        # The admin goes on with the form's instance (log entry, redirect): make it the key.
+        for field in ApiKey._meta.concrete_fields:
+            setattr(obj, field.attname, getattr(key, field.attname))
+        obj._state.adding = False
+        obj._state.db = key._state.db
+        self.message_user(
+            request,
+            f"Copy the new API key now; it is not stored and will not be shown again: {raw_key}",
+            messages.WARNING,
+        )
+
+    @admin.action(description="Revoke selected API keys", permissions=["change"])
+    def revoke_keys(self, request: HttpRequest, queryset: QuerySet) -> None:
+        revoked = 0
+        for key in queryset.filter(revoked_at__isnull=True):
+            key.revoke()
+            self.log_change(request, key, "Revoked.")
+            revoked += 1
+        self.message_user(request, f"Revoked {revoked} API key(s).", messages.SUCCESS)

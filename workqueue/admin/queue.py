@@ -1,0 +1,160 @@
+"""View-only admin for the driver-owned queue tables: messages, deliveries, deduplication rows.
+
+Only the ``wq_*`` procedures write these tables, so the admin offers no add, change or delete
+(procrastinate's view-only admin); deliveries change through the Replay and Discard/Cancel
+actions, which call the operator operations. Payloads are shown only to users with
+``workqueue.view_payload``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import Model, Q, QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html
+
+from workqueue.admin.actions import DeliveryActionsMixin, discard_deliveries, replay_deliveries
+from workqueue.admin.dashboard import DashboardMixin
+from workqueue.models import Deduplication, Delivery, Message
+from workqueue.operators.permissions import Actor, may_view_payload
+
+PAYLOAD_FIELDS = ("payload", "payload_ref")
+
+
+def _uuid(term: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(term)
+    except ValueError:
+        return None
+
+
+class ViewOnlyAdmin(admin.ModelAdmin):
+    """Lists and detail pages only; the rows belong to the stored procedures."""
+
+    show_full_result_count = False
+    list_per_page = 100
+
+    def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def exact_search(self, term: str) -> Q:
+        """The rows a search term names exactly (ids, keys and correlation ids are exact)."""
+        raise NotImplementedError
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
+        # Exact matches only: they use the indexes, and a partition key is compared byte for
+        # byte everywhere else too.
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        return queryset.filter(self.exact_search(term)), False
+
+
+@admin.register(Message)
+class MessageAdmin(ViewOnlyAdmin):
+    list_display = (
+        "id",
+        "topic",
+        "partition_key",
+        "correlation_id",
+        "published_at",
+        "published_by",
+    )
+    list_filter = ("topic",)
+    list_select_related = ("topic",)
+    ordering = ("-publish_ordinal",)
+    search_fields = ("id", "partition_key", "correlation_id")
+    search_help_text = "An exact message id, partition key or correlation id."
+
+    def exact_search(self, term: str) -> Q:
+        found = Q(partition_key=term) | Q(correlation_id=term)
+        if (term_id := _uuid(term)) is not None:
+            found |= Q(pk=term_id)
+        return found
+
+    def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = list(super().get_fields(request, obj))
+        if may_view_payload(Actor(user=request.user)):
+            return fields
+        return [name for name in fields if name not in PAYLOAD_FIELDS]
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
+    actions = [replay_deliveries, discard_deliveries]
+    change_list_template = "workqueue/admin/delivery_change_list.html"
+    list_display = (
+        "id",
+        "subscription",
+        "status",
+        "partition_key",
+        "attempt_count",
+        "is_replay",
+        "visible_at",
+        "dead_letter_reason",
+        "cancel_requested_at",
+    )
+    list_filter = ("status", "subscription", "is_replay")
+    list_select_related = ("subscription",)
+    ordering = ("-order_key",)
+    search_fields = ("id", "message__id", "partition_key", "message__correlation_id")
+    search_help_text = (
+        "An exact delivery id, message id, partition key or correlation id of the message."
+    )
+    readonly_fields = ("message_link", "message_payload")
+
+    def exact_search(self, term: str) -> Q:
+        found = Q(partition_key=term) | Q(message__correlation_id=term)
+        if (term_id := _uuid(term)) is not None:
+            found |= Q(pk=term_id) | Q(message_id=term_id)
+        return found
+
+    def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = [f for f in super().get_fields(request, obj) if f not in self.readonly_fields]
+        extra = ["message_link"]
+        if may_view_payload(Actor(user=request.user)):
+            extra.append("message_payload")
+        return [*extra, *(f for f in fields if f != "message")]
+
+    @admin.display(description="message")
+    def message_link(self, obj: Delivery) -> str:
+        url = reverse(f"{self.admin_site.name}:workqueue_message_change", args=[obj.message_id])
+        return format_html('<a href="{}">{}</a>', url, obj.message_id)
+
+    @admin.display(description="payload")
+    def message_payload(self, obj: Delivery) -> str:
+        # Only listed in get_fields() for users with workqueue.view_payload.
+        return format_html("<pre>{}</pre>", _json(obj.message.payload))
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+
+
+@admin.register(Deduplication)
+class DeduplicationAdmin(ViewOnlyAdmin):
+    list_display = ("deduplication_key", "topic", "message_id", "status", "expires_at")
+    list_filter = ("status", "topic")
+    list_select_related = ("topic",)
+    ordering = ("-expires_at",)
+    search_fields = ("deduplication_key", "message_id")
+    search_help_text = "An exact deduplication key or message id."
+
+    def exact_search(self, term: str) -> Q:
+        found = Q(deduplication_key=term)
+        if (term_id := _uuid(term)) is not None:
+            found |= Q(message_id=term_id)
+        return found

@@ -1,0 +1,105 @@
+"""Admin for the topology: transports, topics and subscriptions (ordinary, editable models).
+
+The ModelAdmin's form runs the model's ``full_clean()``, so the rules in ``clean()`` (filter
+grammar, backoff order, handler key, partition mode fixed once deliveries exist) are shown on the
+form next to the field they concern.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+
+from workqueue.models import Subscription, Topic, Transport
+
+
+class TopologyForm(forms.ModelForm):
+    """A model form that never fails on a model error for a field it does not show.
+
+    ``clean()`` reports errors by field name; ``BaseForm.add_error`` raises ``ValueError`` for a
+    name that is not a form field (for example one an admin made read-only), which would turn a
+    validation message into a server error. Such messages are shown above the form instead,
+    prefixed with the field's name.
+    """
+
+    def add_error(self, field: str | None, error: Any) -> None:
+        if field is None and isinstance(error, ValidationError) and hasattr(error, "error_dict"):
+            kept: dict[str, list[Any]] = {}
+            for name, errors in error.error_dict.items():
+                if name == NON_FIELD_ERRORS or name in self.fields:
+                    kept.setdefault(name, []).extend(errors)
+                    continue
+                label = name.replace("_", " ")
+                for message in ValidationError(errors).messages:
+                    kept.setdefault(NON_FIELD_ERRORS, []).append(
+                        ValidationError(f"{label}: {message}")
+                    )
+            error = ValidationError(kept)
+        super().add_error(field, error)
+
+
+@admin.register(Transport)
+class TransportAdmin(admin.ModelAdmin):
+    form = TopologyForm
+    list_display = ("name", "driver_class", "status", "description")
+    list_filter = ("status", "driver_class")
+    search_fields = ("name", "description")
+
+
+@admin.register(Topic)
+class TopicAdmin(admin.ModelAdmin):
+    form = TopologyForm
+    list_display = (
+        "name",
+        "transport",
+        "status",
+        "allow_external_publish",
+        "max_payload_bytes",
+        "retention_days",
+    )
+    list_filter = ("status", "allow_external_publish", "transport")
+    list_select_related = ("transport",)
+    search_fields = ("name", "description")
+
+
+@admin.register(Subscription)
+class SubscriptionAdmin(admin.ModelAdmin):
+    form = TopologyForm
+    list_display = (
+        "name",
+        "topic",
+        "status",
+        "partition_mode",
+        "host_type",
+        "handler_key",
+        "max_attempts",
+        "lease_seconds",
+    )
+    list_filter = ("status", "partition_mode", "host_type", "topic")
+    list_select_related = ("topic",)
+    search_fields = ("name", "handler_key", "topic__name", "description")
+    fieldsets = (
+        (None, {"fields": ("name", "topic", "description", "status")}),
+        ("Routing", {"fields": ("filter", "partition_mode")}),
+        (
+            "Execution",
+            {
+                "fields": (
+                    "host_type",
+                    "handler_key",
+                    "max_attempts",
+                    ("backoff_base_seconds", "backoff_max_seconds"),
+                    "lease_seconds",
+                    "heartbeat_mode",
+                    "max_processing_seconds",
+                )
+            },
+        ),
+        (
+            "Binding",
+            {"classes": ("collapse",), "fields": ("external_ref", "binding_config")},
+        ),
+    )
