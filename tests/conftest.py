@@ -4,6 +4,7 @@ a psycopg connection for tests that talk SQL directly."""
 from __future__ import annotations
 
 import os
+import uuid
 
 import pytest
 
@@ -35,3 +36,25 @@ def queue_db(transactional_db):
 
     yield
     get_driver().close()
+
+
+@pytest.fixture
+def scratch_database(django_db_setup, django_db_blocker):
+    """A fresh, empty database on the test server (for a subprocess project to migrate); its
+    URL. Dropped afterwards."""
+    import psycopg
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        params = connection.get_connection_params()
+        settings = connection.settings_dict
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    params["dbname"] = "postgres"
+    name = f"wq_scratch_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(autocommit=True, **params) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    user = settings["USER"]
+    yield f"postgres://{user}@{settings['HOST']}:{settings['PORT']}/{name}"
+    with psycopg.connect(autocommit=True, **params) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -6,8 +6,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from django.contrib.auth import get_user_model
-
 from workqueue import publish
 from workqueue.conf import get_settings
 from workqueue.runtime.host import Host, HostConfig
@@ -32,11 +30,6 @@ def _sample_messages(run: str) -> list[dict]:
 def run_demo(write: Callable[[str], None]) -> None:
     created = seed()
     write("Sample topology: " + (", ".join(created) if created else "already seeded"))
-    system_user = get_settings().SYSTEM_USER
-    User = get_user_model()
-    if not User._default_manager.filter(**{User.USERNAME_FIELD: system_user}).exists():
-        User._default_manager.create_user(**{User.USERNAME_FIELD: system_user})
-        write(f"Created the system user {system_user!r} that handlers run as")
 
     run = uuid.uuid4().hex[:8]
     for message in _sample_messages(run):

@@ -3,8 +3,10 @@ mode. ``seed()`` is idempotent: it creates what is missing and leaves the rest a
 
 from __future__ import annotations
 
+from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from workqueue.conf import get_settings
 from workqueue.models import Subscription, Topic, Transport
 
 TOPIC = "samples.hello"
@@ -17,8 +19,18 @@ SUBSCRIPTIONS = {
 
 @transaction.atomic
 def seed() -> list[str]:
-    """Create the sample topic and subscriptions if missing; return what was created."""
+    """Create the sample topic and subscriptions, and the system user handlers run as, if
+    missing; return what was created."""
     created = []
+    system_user = get_settings().SYSTEM_USER
+    User = get_user_model()
+    if (
+        system_user
+        and not User._default_manager.filter(**{User.USERNAME_FIELD: system_user}).exists()
+    ):
+        # No password: nobody logs in as it; handlers and the sweeper act as it.
+        User._default_manager.create_user(**{User.USERNAME_FIELD: system_user})
+        created.append(f"system user {system_user}")
     transport = Transport.objects.get(name="Database")
     topic, new = Topic.objects.get_or_create(
         name=TOPIC,

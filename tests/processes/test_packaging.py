@@ -8,12 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
-
-import psycopg
-import pytest
-from django.db import connection
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,24 +47,6 @@ def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) 
     )
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
-
-
-@pytest.fixture
-def scratch_database(django_db_setup, django_db_blocker):
-    """A fresh, empty database on the test server for the new project to migrate."""
-    with django_db_blocker.unblock():
-        params = connection.get_connection_params()
-        settings = connection.settings_dict
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    params["dbname"] = "postgres"
-    name = f"wq_pkg_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(autocommit=True, **params) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    user = settings["USER"]
-    yield f"postgres://{user}@{settings['HOST']}:{settings['PORT']}/{name}"
-    with psycopg.connect(autocommit=True, **params) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_the_wheel_installs_into_a_new_project_and_processes_a_message(tmp_path, scratch_database):
