@@ -442,19 +442,6 @@ def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode
             assert by_time == sorted(by_time)
 
 
-CLAIM_DEADLOCK = (
-    "BUG workqueue/sql/postgresql/claim.sql, wq_claim partition loop (lines 132-189): all "
-    "candidates of one receive are claimed inside ONE transaction (the function call), so the "
-    "row locks and InFlight unique-index entries of earlier candidates -- and rows locked by "
-    "UPDATE re-checks that then fail -- stay held while later candidates wait on other "
-    "claimers. Claimers whose candidate lists differ in order (a retry moves visible_at) wait on "
-    "each other in a cycle; PostgreSQL aborts one with 40P01 'deadlock detected' after "
-    "deadlock_timeout (1 s), raised as TransientDriverError from Receiver.receive() and "
-    "sometimes from a holder's Receiver.retry()/complete()."
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CLAIM_DEADLOCK)
 def test_concurrent_claimers_of_an_ordered_subscription_never_deadlock():
     """Keys keep changing hands (every claim is retried with no delay) while six receivers claim
     batches at once; none of their calls may fail."""

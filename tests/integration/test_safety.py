@@ -257,18 +257,7 @@ def test_the_partition_mode_can_change_while_the_subscription_has_no_deliveries(
     assert Delivery.objects.get(subscription=sub).partition_key == "p"
 
 
-PARTITION_MODE_RACE = (
-    "BUG workqueue/models/topology.py Subscription.save()/partition_mode_change_error(): the "
-    "'no deliveries yet' check is a read (self.deliveries.exists()) followed by a separate UPDATE, "
-    "with no lock shared with wq_publish. A publish whose fan-out is in progress (deliveries "
-    "inserted but not yet committed) is invisible to the check, so the mode changes anyway; when "
-    "the publish commits, its Ordered deliveries (partition_key set) sit in a None-mode "
-    "subscription, whose claim path only takes partition_key IS NULL rows: stuck forever."
-)
-
-
 @queue_db
-@pytest.mark.xfail(strict=True, reason=PARTITION_MODE_RACE)
 def test_the_partition_mode_cannot_change_under_a_publish_that_is_still_fanning_out():
     topic = TopicFactory()
     sub = SubscriptionFactory(topic=topic, partition_mode="Ordered")
@@ -289,10 +278,11 @@ def test_the_partition_mode_cannot_change_under_a_publish_that_is_still_fanning_
     thread.start()
     assert published.wait(10)
     sub.partition_mode = "None"
+    # The publish commits half a second later, while the save waits for its topology lock.
+    threading.Timer(0.5, may_commit.set).start()
     try:
-        sub.save()
-    except ValidationError:
-        pass  # refused: the right answer
+        with pytest.raises(ValidationError, match="cannot change"):
+            sub.save()
     finally:
         may_commit.set()
         thread.join(10)

@@ -94,6 +94,7 @@ PROCEDURES: dict[str, Procedure] = {
             _c("item_index:int, message_id:uuid, status, error_code"),
             ResultKind.MANY,
         ),
+        Procedure("wq_lock_topology", _p("topic_id:uuid"), _c("locked:bool"), ResultKind.ONE),
         # Claiming and leases
         Procedure(
             "wq_claim",

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
-from django.db import models
+from django.db import connections, models, router, transaction
 from django.db.models import Q
 
 from workqueue.filters import FilterError, parse_filter
@@ -230,7 +230,20 @@ class Subscription(models.Model):
         return None
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        error = self.partition_mode_change_error()
-        if error:
-            raise ValidationError({"partition_mode": error})
-        super().save(*args, **kwargs)
+        if self._state.adding:
+            super().save(*args, **kwargs)
+            return
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using):
+            # Publishes hold the topic's topology lock shared while they fan out; taking it
+            # exclusive here means deliveries being written right now are seen by the check.
+            # Imported here: models must not depend on the driver at import time.
+            from workqueue.driver import get_driver
+
+            get_driver(using).call(
+                "wq_lock_topology", {"topic_id": self.topic_id}, connection=connections[using]
+            )
+            error = self.partition_mode_change_error()
+            if error:
+                raise ValidationError({"partition_mode": error})
+            super().save(*args, **kwargs)

@@ -153,6 +153,14 @@ BEGIN
             EXIT WHEN v_remaining <= 0;
             CONTINUE WHEN v_candidate.partition_key = ANY (v_seen);
             v_seen := v_seen || v_candidate.partition_key;
+            -- Never wait on another claimer: waiting while holding this call's earlier claims
+            -- can deadlock two claimers that meet keys in different orders. A key another
+            -- claimer is working on, or a row someone else has locked, is skipped this time.
+            CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(
+                'wq-claim:' || lower(p_subscription_id::text) || ':' || v_candidate.partition_key,
+                0));
+            PERFORM 1 FROM workqueue_delivery r WHERE r.id = v_candidate.id FOR UPDATE SKIP LOCKED;
+            CONTINUE WHEN NOT FOUND;
             BEGIN
                 RETURN QUERY
                 WITH claimed AS (

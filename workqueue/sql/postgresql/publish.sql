@@ -19,6 +19,24 @@ AS $$
     );
 $$;
 
+-- wq_lock_topology --
+-- Take the transaction-scoped lock that orders a topic's subscription changes against its
+-- publishes: every publish holds it shared while it fans out; a change that depends on the
+-- subscription having no deliveries (the partition mode) takes it exclusive, so it waits for
+-- publishes in progress and sees their deliveries. Waits at most 5 s (then SQLSTATE 55P03).
+CREATE OR REPLACE FUNCTION wq_lock_topology(p_topic_id uuid)
+RETURNS TABLE (locked boolean)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET lock_timeout = '5s'
+AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq-topology:' || lower(p_topic_id::text), 0));
+    RETURN QUERY SELECT true;
+END;
+$$;
+
 -- wq_publish --
 -- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the
 -- message that already owns the deduplication key), the status (Accepted | Duplicate | Rejected)
@@ -74,6 +92,10 @@ BEGIN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text;
         RETURN;
     END IF;
+
+    -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
+    PERFORM pg_advisory_xact_lock_shared(
+        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
 
     -- Ordered subscriptions need a key's ordinals to commit in publish order.
     IF p_partition_key IS NOT NULL AND EXISTS (

@@ -77,6 +77,40 @@ BEGIN
 END;
 GO
 
+-- wq_lock_topology --
+-- returns: locked
+-- Take the transaction-owned application lock that orders a topic's subscription changes against
+-- its publishes: publishes hold it shared while they fan out; a change that depends on the
+-- subscription having no deliveries (the partition mode) takes it exclusive. Waits at most
+-- 5000 ms; a timeout raises error 51001 (retryable). Must be called inside a transaction.
+CREATE OR ALTER PROCEDURE dbo.wq_lock_topology
+    @topic_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @granted int;
+    DECLARE @resource nvarchar(255) = N'wq-topology:' + LOWER(CONVERT(nchar(36), @topic_id));
+
+    IF @@TRANCOUNT = 0
+        THROW 51000, N'wq_lock_topology must run inside a transaction (error 51000).', 1;
+
+    EXEC @granted = sys.sp_getapplock
+        @Resource = @resource,
+        @LockMode = N'Exclusive',
+        @LockOwner = N'Transaction',
+        @LockTimeout = 5000;
+
+    IF @granted IN (-1, -3)
+        THROW 51001, N'wq_lock_topology: the topology lock was not granted within 5000 ms (error 51001).', 1;
+    IF @granted < 0
+        THROW 51000, N'wq_lock_topology: sp_getapplock failed (error 51000).', 1;
+
+    -- result set
+    SELECT CAST(1 AS bit) AS locked;
+END;
+GO
+
 -- wq_publish_one --
 -- The body of wq_publish, with its result in OUTPUT parameters so that wq_publish_many can run it
 -- once per item without INSERT ... EXEC (which cannot nest and forbids the rollback paths of
@@ -154,6 +188,18 @@ BEGIN
     END;
 
     BEGIN TRANSACTION;
+
+    -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
+    DECLARE @topology_granted int;
+    DECLARE @topology_resource nvarchar(255) = N'wq-topology:'
+        + LOWER(CONVERT(nchar(36), dbo.wq_text_uuid(@topic_key)));
+    EXEC @topology_granted = sys.sp_getapplock
+        @Resource = @topology_resource,
+        @LockMode = N'Shared',
+        @LockOwner = N'Transaction',
+        @LockTimeout = 5000;
+    IF @topology_granted < 0
+        THROW 51001, N'wq_publish: the topology lock was not granted within 5000 ms (error 51001); publish again.', 1;
 
     -- Ordered subscriptions need a key's ordinals to commit in publish order.
     IF @partition_key IS NOT NULL AND EXISTS (
