@@ -226,8 +226,9 @@ def record(event: str, message: WorkMessage, context: WorkContext, **extra: Any)
 @register_handler("tests.record")
 class RecordingHandler(BaseWorkHandler):
     """Payload: ``ordinal`` (echoed to the log), ``sleepMs`` (every attempt) or
-    ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal, and
-    ``failPercent`` (transient failure when the hash of message id + attempt says so)."""
+    ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal unless
+    ``ignoreSignal``, and ``failPercent`` (transient failure when the hash of message id +
+    attempt says so)."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         payload = message.payload if isinstance(message.payload, dict) else {}
@@ -235,7 +236,9 @@ class RecordingHandler(BaseWorkHandler):
         sleep_ms = payload.get("sleepMs", 0)
         if context.attempt == 1:
             sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
-        if sleep_ms and context.signal.wait(sleep_ms / 1000):
+        if sleep_ms and payload.get("ignoreSignal"):
+            time.sleep(sleep_ms / 1000)
+        elif sleep_ms and context.signal.wait(sleep_ms / 1000):
             record("abort", message, context, reason=context.signal.reason)
             return Outcome.retry(f"stopped: {context.signal.reason}")
         if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):

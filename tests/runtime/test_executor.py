@@ -242,9 +242,7 @@ def test_a_retry_on_the_last_attempt_dead_letters_with_max_attempts_exceeded_and
     ]
 
 
-def test_a_retry_before_the_last_attempt_does_not_send_the_dead_lettered_signal(
-    rig, dead_letters
-):
+def test_a_retry_before_the_last_attempt_does_not_send_the_dead_lettered_signal(rig, dead_letters):
     sub = rig.subscription(max_attempts=2)
 
     result, _, _ = rig.run(sub, {"then": "crash", "message": "boom"})
@@ -334,7 +332,10 @@ def test_an_outcome_of_an_unknown_kind_is_not_a_valid_outcome(rig, monkeypatch):
 
     _, delivery, _ = rig.run(sub, {"then": "complete"})
 
-    assert (delivery.status, delivery.last_error) == ("Pending", "Handler returned no valid outcome")
+    assert (delivery.status, delivery.last_error) == (
+        "Pending",
+        "Handler returned no valid outcome",
+    )
 
 
 def test_a_handler_dead_letter_uses_its_reason_and_keeps_the_last_error(rig, dead_letters):
@@ -376,9 +377,7 @@ def test_a_handler_key_that_no_longer_resolves_dead_letters_with_handler_not_reg
     assert [s["reason"] for s in dead_letters] == ["HandlerNotRegistered"]
 
 
-def test_the_dead_lettered_signal_carries_the_partition_key_of_a_keyed_delivery(
-    rig, dead_letters
-):
+def test_the_dead_lettered_signal_carries_the_partition_key_of_a_keyed_delivery(rig, dead_letters):
     sub = rig.subscription(partition_mode="Exclusive", max_attempts=3)
     receiver, delivery = rig.claim(sub, {"then": "fatal", "message": "no"}, key="cust-7")
 
@@ -389,7 +388,7 @@ def test_the_dead_lettered_signal_carries_the_partition_key_of_a_keyed_delivery(
     ]
 
 
-# -- heartbeats and cancel --------------------------------------------------------------------------
+# -- heartbeats and cancel ------------------------------------------------------------------------
 
 
 def test_a_manual_heartbeat_renews_the_lease_and_returns_false_once_the_delivery_is_cancelled(rig):
@@ -401,9 +400,7 @@ def test_a_manual_heartbeat_renews_the_lease_and_returns_false_once_the_delivery
     wait_until(lambda: len(run.heartbeats) >= 2)
     renewed = row(delivery)
     assert renewed.lease_expires_at > first_expiry
-    assert renewed.progress == {"message": "beat 1"} or renewed.progress["message"].startswith(
-        "beat"
-    )
+    assert renewed.progress["message"].startswith("beat ")
 
     cancel = transport.discard_or_cancel(str(sub.id), delivery.delivery_id, "ops", "stop it")
 
@@ -440,7 +437,7 @@ def test_cancelling_a_running_handler_discards_the_delivery_and_frees_its_exclus
 
 def test_a_handler_that_ignores_the_cancel_is_acknowledged_after_the_drain_period(rig):
     sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
-    receiver, delivery = rig.claim(sub, {"sleepMs": 2500, "ignoreSignal": True}, key="k")
+    receiver, delivery = rig.claim(sub, {"sleepMs": 1500, "ignoreSignal": True}, key="k")
     future = rig.start(rig.execution(sub, receiver, delivery, lease_seconds=1, cancel_drain=0.3))
     (run,) = probe.wait_for(1)
 
@@ -479,7 +476,7 @@ def test_oversized_progress_drops_the_checkpoint_and_cuts_the_message_to_500_cha
     assert row(delivery).progress == {"message": "m" * 500, "percent": 40}
 
 
-# -- lease horizon, time cap, shutdown --------------------------------------------------------------
+# -- lease horizon, time cap, shutdown ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["fail", "hang"])

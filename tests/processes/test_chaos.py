@@ -1,0 +1,359 @@
+"""Chaos: two host processes under a steady stream of work, one of them SIGKILLed and restarted,
+transient handler failures and operator cancels of running deliveries.
+
+The CI size (~2,000 messages over 50 keys, three subscriptions: None, Exclusive and Ordered)
+runs in the default suite. The reference's full soak (50,000 messages, 500 keys, ~10 minutes)
+runs on demand: ``pytest -m slow tests/processes/test_chaos.py``.
+
+It passes when every delivery ends Completed, DeadLettered or Discarded; a sampler reading the
+table throughout never sees two InFlight rows of one (subscription, key); the handlers' event log
+(one O_APPEND line per event, from every process) shows each Ordered key's messages starting in
+publish order and no two runs of one key overlapping; and Ordered completions per key follow
+publish order in the database too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
+from workqueue import publish_many, transport
+from workqueue.driver import get_driver
+from workqueue.models import Delivery
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+TERMINAL = {"Completed", "DeadLettered", "Discarded"}
+MODES = ("None", "Exclusive", "Ordered")
+
+
+@dataclass(frozen=True)
+class ChaosSize:
+    messages: int
+    keys: int
+    publish_seconds: float
+    kill_at: tuple[float, ...]  # seconds after publishing starts: SIGKILL host A, restart it
+    slow_messages: int  # messages that run 4 s, so a cancel finds them running
+    cancels: int
+    concurrency: int
+    drain_timeout: float  # after the last publish, for every delivery to settle
+
+
+CI = ChaosSize(
+    messages=2000,
+    keys=50,
+    publish_seconds=8,
+    kill_at=(2.5, 6.0),
+    slow_messages=6,
+    cancels=4,
+    concurrency=6,
+    drain_timeout=60,
+)
+SOAK = ChaosSize(
+    messages=50_000,
+    keys=500,
+    publish_seconds=540,
+    kill_at=(60, 150, 240, 330, 420, 500),
+    slow_messages=60,
+    cancels=25,
+    concurrency=8,
+    drain_timeout=240,
+)
+
+
+@dataclass
+class Sampler:
+    """Reads the delivery table every few milliseconds on its own connection."""
+
+    params: dict[str, Any]
+    samples: int = 0
+    max_keyed_in_flight: int = 0
+    violations: list[tuple[int, int]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        with psycopg.connect(autocommit=True, **self.params) as conn:
+            while not self.stop.wait(0.005):
+                # One statement, one snapshot: duplicates would show as count > distinct.
+                total, distinct = conn.execute(
+                    "SELECT count(*), count(DISTINCT (subscription_id, partition_key)) "
+                    "FROM workqueue_delivery "
+                    "WHERE status = 'InFlight' AND partition_key IS NOT NULL"
+                ).fetchone()
+                self.samples += 1
+                self.max_keyed_in_flight = max(self.max_keyed_in_flight, total)
+                if total != distinct:
+                    self.violations.append((total, distinct))
+
+
+@dataclass
+class Canceller:
+    """Cancels running slow deliveries (operator discard of an InFlight row)."""
+
+    subscription_ids: list[str]
+    wanted: int
+    requested: list[str] = field(default_factory=list)  # delivery ids with a cancel request
+    discarded: list[str] = field(default_factory=list)  # were Pending by then: discarded
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(0.05) and len(self.requested) < self.wanted:
+                running = (
+                    Delivery.objects.filter(
+                        subscription_id__in=self.subscription_ids,
+                        status="InFlight",
+                        message__payload__slow=True,
+                    )
+                    .exclude(id__in=self.requested + self.discarded)
+                    .values_list("id", "subscription_id")[:1]
+                )
+                for delivery_id, subscription_id in running:
+                    result = transport.discard_or_cancel(
+                        str(subscription_id), str(delivery_id), "chaos", "cancel while running"
+                    )
+                    if result.cancel_requested:
+                        self.requested.append(str(delivery_id))
+                    elif result.changed:
+                        self.discarded.append(str(delivery_id))
+        finally:
+            get_driver().close()
+            connection.close()
+
+
+def psycopg_params() -> dict[str, Any]:
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return params
+
+
+@pytest.fixture
+def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
+    get_user_model().objects.create_user(SYSTEM_USER)
+    procs = Processes(tmp_path)
+    procs.env.update(
+        WORKQUEUE_SWEEPER_INTERVAL_MS="500",
+        WORKQUEUE_SHUTDOWN_DRAIN_MS="1000",
+        WORKQUEUE_IDLE_POLL_MIN_MS="20",
+        WORKQUEUE_IDLE_POLL_MAX_MS="250",
+    )
+    try:
+        yield procs
+    finally:
+        procs.close()
+        get_driver().close()
+
+
+def run_chaos(procs: Processes, size: ChaosSize) -> None:
+    began = time.monotonic()
+    topic = TopicFactory()
+    subs = {
+        mode: SubscriptionFactory(
+            topic=topic,
+            name=f"chaos-{mode.lower()}",
+            handler_key="tests.record",
+            partition_mode=mode,
+            lease_seconds=5,
+            max_attempts=10,
+            backoff_base_seconds=1,
+            backoff_max_seconds=2,
+        )
+        for mode in MODES
+    }
+    names = [s.name for s in subs.values()]
+    by_id = {str(s.id): s for s in subs.values()}
+
+    def start_host() -> Any:
+        return procs.host(*names, concurrency=size.concurrency)
+
+    hosts = {"a": start_host(), "b": start_host()}
+
+    sampler = Sampler(psycopg_params())
+    canceller = Canceller(list(by_id), size.cancels)
+    rng = random.Random(20240601)
+    slow = set(rng.sample(range(size.messages // 10, size.messages // 2), size.slow_messages))
+    publisher_error: list[BaseException] = []
+
+    def publish_all() -> None:
+        try:
+            batches = max(int(size.publish_seconds / 0.2), 1)
+            per_batch = -(-size.messages // batches)
+            start = time.monotonic()
+            for n, first in enumerate(range(0, size.messages, per_batch)):
+                items = []
+                for ordinal in range(first, min(first + per_batch, size.messages)):
+                    # Mostly a few ms; one in 40 takes 300 ms, so a kill finds work running.
+                    sleep_ms = 300 if ordinal % 40 == 7 else ordinal % 8
+                    payload = {"ordinal": ordinal, "sleepMs": sleep_ms, "failPercent": 2}
+                    if ordinal in slow:
+                        payload.update(sleepMs=4000, slow=True, failPercent=0)
+                    items.append({"payload": payload, "partition_key": f"k{ordinal % size.keys}"})
+                results = publish_many(topic.name, items)
+                assert all(r.accepted for r in results), results
+                pause = start + (n + 1) * 0.2 - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+        except BaseException as exc:
+            publisher_error.append(exc)
+        finally:
+            get_driver().close()
+
+    threads = [
+        threading.Thread(target=sampler.run, name="chaos-sampler"),
+        threading.Thread(target=canceller.run, name="chaos-canceller"),
+        threading.Thread(target=publish_all, name="chaos-publisher"),
+    ]
+    for thread in threads:
+        thread.start()
+    publishing_began = time.monotonic()
+    orphans: list[tuple[str, int]] = []  # (delivery id, attempt) running when its host died
+    try:
+        for at in size.kill_at:
+            time.sleep(max(0.0, publishing_began + at - time.monotonic()))
+            victim = hosts["a"]
+            held = Delivery.objects.filter(
+                status="InFlight", lease_owner__contains=f":{victim.pid}:"
+            )
+            wait_until(lambda held=held: held.count() >= 2, timeout=10, interval=0.01)
+            victim.popen.kill()
+            victim.wait(timeout=10)
+            orphans += [(str(i), n) for i, n in held.values_list("id", "attempt_count")]
+            hosts["a"] = start_host()
+        threads[2].join(timeout=size.publish_seconds + 120)
+        assert not publisher_error, publisher_error
+
+        expected = size.messages * len(MODES)
+        open_statuses = ["Pending", "InFlight"]
+
+        def settled() -> bool:
+            rows = Delivery.objects.filter(subscription__in=list(subs.values()))
+            return rows.count() == expected and not rows.filter(status__in=open_statuses).exists()
+
+        wait_until(settled, timeout=size.drain_timeout, interval=0.25)
+    finally:
+        sampler.stop.set()
+        canceller.stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+
+    for host in hosts.values():
+        host.popen.terminate()
+    exit_codes = [host.wait(timeout=30) for host in hosts.values()]
+    elapsed = time.monotonic() - began
+
+    # -- every delivery settled -------------------------------------------------------------------
+    rows = list(
+        Delivery.objects.filter(subscription__in=list(subs.values())).values(
+            "id",
+            "subscription_id",
+            "status",
+            "partition_key",
+            "completed_at",
+            "attempt_count",
+            "message__publish_ordinal",
+            "message__payload",
+        )
+    )
+    statuses = defaultdict(int)
+    for r in rows:
+        statuses[r["status"]] += 1
+    assert len(rows) == size.messages * len(MODES)
+    assert set(statuses) <= TERMINAL, dict(statuses)
+    # Ten attempts are far more than 2 % failures and two kills can use up.
+    assert statuses["DeadLettered"] == 0, dict(statuses)
+    assert exit_codes == [0, 0], [h.stderr()[-2000:] for h in hosts.values()]
+
+    # -- cancels: every cancelled delivery, and nothing else, was discarded -----------------------
+    discarded = {str(r["id"]) for r in rows if r["status"] == "Discarded"}
+    assert discarded == set(canceller.requested) | set(canceller.discarded)
+    assert len(canceller.requested) >= min(size.cancels, 2), "cancels of running deliveries"
+
+    # -- kills landed on running work, which was recovered through lease expiry -------------------
+    assert orphans, "no delivery was running on the killed host"
+    final = {str(r["id"]): r for r in rows}
+    for delivery_id, attempt in orphans:
+        status, attempts = final[delivery_id]["status"], final[delivery_id]["attempt_count"]
+        # Re-run by a live host after lease expiry, or (cancelled meanwhile) discarded.
+        assert (status == "Completed" and attempts > attempt) or status == "Discarded", (
+            delivery_id,
+            attempt,
+            final[delivery_id],
+        )
+
+    # -- single flight per (subscription, key), sampled throughout --------------------------------
+    assert sampler.violations == []
+    assert sampler.samples > 200 and sampler.max_keyed_in_flight > 1, (
+        sampler.samples,
+        sampler.max_keyed_in_flight,
+    )
+
+    # -- the handlers' own view: order and no overlap per key -------------------------------------
+    events = read_events(procs.events)
+    assert sum(e["event"] == "fail" for e in events) > 0, "transient failures happened"
+    runs: dict[tuple[str, str, int, int], dict[str, int]] = defaultdict(dict)
+    for e in events:
+        runs[(e["delivery"], e["sub"], e["attempt"], e["pid"])][e["event"]] = e["t"]
+        runs[(e["delivery"], e["sub"], e["attempt"], e["pid"])]["ordinal"] = e["ordinal"]
+        runs[(e["delivery"], e["sub"], e["attempt"], e["pid"])]["key"] = e["key"]
+    per_key: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for (_, sub_name, _, _), run in runs.items():
+        if sub_name != subs["None"].name and "start" in run:
+            per_key[(sub_name, run["key"])].append(run)
+    for (sub_name, key), key_runs in per_key.items():
+        key_runs.sort(key=lambda r: r["start"])
+        for before, after in itertools.pairwise(key_runs):
+            finished = before.get("end") or before.get("fail") or before.get("abort")
+            if finished is not None:  # a run with no finish was killed mid-handler
+                assert after["start"] >= finished, f"{sub_name}/{key}: two runs overlapped"
+        if sub_name == subs["Ordered"].name:
+            started = [r["ordinal"] for r in key_runs]
+            assert started == sorted(started), f"{key}: a later message started first"
+
+    ordered_id = subs["Ordered"].id
+    completions: dict[str, list[tuple[Any, int]]] = defaultdict(list)
+    for r in rows:
+        if r["subscription_id"] == ordered_id and r["status"] == "Completed":
+            completions[r["partition_key"]].append(
+                (r["completed_at"], r["message__publish_ordinal"])
+            )
+    for key, done in completions.items():
+        by_time = [ordinal for _, ordinal in sorted(done)]
+        assert by_time == sorted(by_time), f"{key}: completed out of publish order"
+        assert len({at for at, _ in done}) == len(done), f"{key}: equal completion times"
+
+    print(
+        f"chaos {size.messages} messages: {elapsed:.1f}s, statuses {dict(statuses)}, "
+        f"{len(orphans)} orphaned by kills, cancels {len(canceller.requested)} running + "
+        f"{len(canceller.discarded)} pending, {sampler.samples} samples "
+        f"(max keyed in flight {sampler.max_keyed_in_flight})"
+    )
+
+
+def test_chaos_two_hosts_one_killed_twice_with_failures_and_cancels_lose_nothing(
+    chaos_processes,
+):
+    began = time.monotonic()
+
+    run_chaos(chaos_processes, CI)
+
+    assert time.monotonic() - began < 100, "the CI chaos run must stay well under 2 minutes"
+
+
+@pytest.mark.slow
+def test_full_soak_of_50000_messages_over_500_keys_for_ten_minutes(chaos_processes):
+    run_chaos(chaos_processes, SOAK)
