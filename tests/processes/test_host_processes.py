@@ -248,12 +248,6 @@ def test_sigterm_lets_a_handler_that_finishes_within_the_drain_complete(processe
     assert delivery(message).status == "Completed"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG workqueue/runtime/consumer.py Consumer.stop (l. 219 at 20b480c): a handler "
-    "still running after both drain phases is meant to be left to lease expiry, but the pool's "
-    "non-daemon worker threads are joined at interpreter exit, so the process waits for it",
-)
 def test_sigterm_exits_within_the_drain_budget_even_if_a_handler_ignores_the_abort(processes):
     sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
     host = processes.host(sub.name)
@@ -271,12 +265,6 @@ def test_sigterm_exits_within_the_drain_budget_even_if_a_handler_ignores_the_abo
     assert delivery(message).status == "InFlight"  # left to lease expiry
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG workqueue/runtime/consumer.py CompletionBatcher.complete (l. 82-85 at "
-    "20b480c): after stop() it queues onto a finished thread and waits forever, so a handler "
-    "returning Complete after the drain hangs its worker thread and the process never exits",
-)
 def test_a_handler_completing_after_the_drain_does_not_hang_the_host_process(processes):
     sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
     host = processes.host(sub.name, WORKQUEUE_SHUTDOWN_DRAIN_MS="300")

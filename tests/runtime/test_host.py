@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
+from django.db import connection, connections
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.runtime.handlers import probe, registry
@@ -29,13 +29,7 @@ from workqueue.runtime.context import AbortReason
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.transport import Receiver
 
-# Stopped consumers leave their worker threads' connections to the garbage collector, which
-# warns (see test_a_shut_down_host_leaves_no_database_connection_open). Keep that warning out
-# of these tests; the fixture below collects the garbage before the next test starts.
-pytestmark = [
-    pytest.mark.usefixtures("queue_db"),
-    pytest.mark.filterwarnings("ignore:.*deleted while still open:ResourceWarning"),
-]
+pytestmark = pytest.mark.usefixtures("queue_db")
 
 RUNTIME_THREADS = ("wq-", "workqueue-timers")
 
@@ -163,8 +157,11 @@ def test_shutdown_is_idempotent_and_every_caller_returns_after_the_drain(make_ho
     returned: list[str] = []
 
     def stop() -> None:
-        host.shutdown()
-        returned.append(status_of(message))
+        try:
+            host.shutdown()
+            returned.append(status_of(message))
+        finally:
+            connections.close_all()  # this thread's ORM connection
 
     callers = [threading.Thread(target=stop) for _ in range(3)]
     for caller in callers:
@@ -541,12 +538,6 @@ def test_the_listener_reconnects_after_losing_its_connection_and_wakes_consumers
     assert run.started_at - published_at < 2.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG workqueue/runtime/wakeup.py Wakeup._listen_until_stopped (l. 107-108 at 20b480c): "
-    "a channel LISTENed after the listener started is never dispatched once, so a publish "
-    "between a consumer's first claim and its LISTEN waits for the idle poll",
-)
 def test_a_consumer_started_by_reconcile_hears_a_publish_made_before_its_listen(
     make_host, monkeypatch
 ):
@@ -571,12 +562,6 @@ def test_a_consumer_started_by_reconcile_hears_a_publish_made_before_its_listen(
 # -- connections --------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG workqueue/runtime/consumer.py Consumer.stop (l. 219, 226 at 20b480c): the "
-    "worker and heartbeat pool threads' private driver connections are never closed; they go "
-    "with their threads and psycopg warns 'deleted while still open' (ResourceWarning)",
-)
 def test_a_shut_down_host_closes_the_database_connections_its_threads_opened(make_host):
     s = sub(max_attempts=5, backoff_base_seconds=0, backoff_max_seconds=0)
     with warnings.catch_warnings(record=True) as caught:

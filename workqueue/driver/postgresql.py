@@ -3,6 +3,7 @@ LISTEN/NOTIFY wake-ups."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -170,10 +171,12 @@ class PostgresDriver(BaseDriver):
         # statements it sees repeatedly.
         import psycopg
 
-        raw = getattr(self._local, "raw", None)
+        owned = getattr(self._local, "raw", None)
+        raw = owned.connection if owned is not None else None
         try:
             if raw is None or raw.closed:
-                raw = self._local.raw = _connect(self.alias)
+                owned = self._local.raw = _ThreadConnection(_connect(self.alias))
+                raw = owned.connection
             cursor = raw.execute(sql, values)
             return cursor.fetchall() if cursor.description else []
         except psycopg.Error as exc:
@@ -182,11 +185,26 @@ class PostgresDriver(BaseDriver):
             raise self.translate_error(exc) from exc
 
     def close(self) -> None:
-        raw = getattr(self._local, "raw", None)
-        if raw is not None:
+        owned = getattr(self._local, "raw", None)
+        if owned is not None:
             self._local.raw = None
-            raw.close()
+            owned.connection.close()
         super().close()
+
+
+class _ThreadConnection:
+    """Holds one thread's connection and closes it when the thread ends (its thread-local
+    storage is released then), so pool threads that finish never leak an open connection."""
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the close may fail; there is nothing left to tidy then.
+        with contextlib.suppress(Exception):
+            self.connection.close()
 
 
 def _connect(alias: str) -> Any:

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, Execu
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
+from workqueue.runtime.workers import WorkerPool
 from workqueue.transport import Receiver
 from workqueue.types import ClaimedDelivery, ClaimResult, SettleResult
 
@@ -76,16 +77,29 @@ class CompletionBatcher:
         self._queue: queue.SimpleQueue[tuple[ClaimedDelivery, Future[SettleResult]] | None] = (
             queue.SimpleQueue()
         )
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{name}-completions", daemon=True)
         self._thread.start()
 
     def complete(self, delivery: ClaimedDelivery) -> SettleResult:
         future: Future[SettleResult] = Future()
-        self._queue.put((delivery, future))
+        with self._lock:
+            if not self._stopped:
+                self._queue.put((delivery, future))
+                queued = True
+            else:
+                queued = False
+        if not queued:
+            # A handler that outlived the drain finishes after the batcher stopped: settle it
+            # on its own thread rather than queueing where nobody listens.
+            return self._receiver.complete(delivery)
         return future.result()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)  # everything queued before this is still settled
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
@@ -139,8 +153,8 @@ class Consumer:
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
         # waits for the (batched) settle, so claiming overlaps settling.
-        self._workers = ThreadPoolExecutor(2 * config.concurrency, thread_name_prefix=name)
-        self._background = ThreadPoolExecutor(2, thread_name_prefix=f"{name}-bg")
+        self._workers = WorkerPool(2 * config.concurrency, name)
+        self._background = WorkerPool(2, f"{name}-bg")
         self._completions = CompletionBatcher(self.receiver, name)
         self._services = ExecutionServices(
             receiver=self.receiver,
@@ -163,6 +177,7 @@ class Consumer:
         self.last_activity = time.monotonic()
         self.receive_pending = False
         self.last_receive_empty = False
+        self.abandoned = 0  # handlers still running when stop() gave up on them
 
     # -- public ----------------------------------------------------------------------------
 
@@ -210,20 +225,21 @@ class Consumer:
             for execution in running:
                 execution.abort(AbortReason.SHUTDOWN)
             if not self._wait_idle(drain):
+                self.abandoned = self.in_flight
                 logger.warning(
                     "%s: %d handler(s) did not stop; their deliveries will be retried after "
                     "lease expiry",
                     self.plan.name,
-                    self.in_flight,
+                    self.abandoned,
                 )
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown()
         with self._lock:
             never_started = [e for e in self._running.values() if not e.started]
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
             self._release(execution.delivery)
         self._completions.stop()
-        self._background.shutdown(wait=False)
+        self._background.shutdown()
         self.receiver.driver.close()
 
     # -- the loop --------------------------------------------------------------------------
@@ -245,9 +261,13 @@ class Consumer:
                 self._wait_for_slots(self.config.concurrency / 2, GATHER_SECONDS)
                 continue
             gathered = False
+            # Marked before the budget is taken, so a one-shot run never sees the budget spent
+            # while the claim that spent it has not returned yet.
+            self.receive_pending = True
             if self.budget is not None:
                 free = self.budget.take(free)
             if free <= 0:
+                self.receive_pending = False
                 # Full (or the one-shot budget is spent): wait for a slot or a stop.
                 self._wait(max_delay)
                 continue
@@ -284,7 +304,6 @@ class Consumer:
         return kicked
 
     def _receive(self, max_rows: int) -> ClaimResult:
-        self.receive_pending = True
         try:
             result = self.receiver.receive(max_rows)
         except WorkQueueError as exc:

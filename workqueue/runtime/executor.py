@@ -18,7 +18,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ class ExecutionServices:
     receiver: Receiver
     complete: Callable[[ClaimedDelivery], SettleResult]
     timers: TimerQueue
-    background: Executor  # heartbeats and late cancel acknowledgements
+    background: Any  # a WorkerPool: heartbeats and late cancel acknowledgements
     handlers: HandlerRegistry
     user: Any
     cancel_drain_seconds: float

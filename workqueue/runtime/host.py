@@ -133,6 +133,8 @@ class Host:
         self._wakeup: Wakeup | None = None
         self._budget: RunBudget | None = None
         self.user: Any = None
+        #: Handlers still running when shutdown gave up waiting (left to lease expiry).
+        self.abandoned_handlers = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -205,6 +207,7 @@ class Host:
                 thread.start()
             for thread in stoppers:
                 thread.join()
+            self.abandoned_handlers = sum(c.abandoned for c in consumers)
             if self._wakeup is not None:
                 self._wakeup.stop()
             if self._timers is not None:

@@ -23,3 +23,18 @@ def stop_on_signals() -> threading.Event:
 def host_disabled() -> bool:
     """WORKQUEUE_DISABLE_HOST=1 makes the host commands exit 0 at once."""
     return os.environ.get("WORKQUEUE_DISABLE_HOST", "").strip().lower() in {"1", "true", "yes"}
+
+
+def exit_now_if_abandoned(host: Any, code: int = 0) -> None:
+    """End the process at once when handlers outlived the drain.
+
+    Worker threads are joined at interpreter exit, so a handler that ignores its abort signal
+    would otherwise keep a draining process alive past its termination grace period. Its
+    delivery is left to lease expiry, as the drain promised.
+    """
+    if host.abandoned_handlers:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

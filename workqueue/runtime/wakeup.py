@@ -106,6 +106,8 @@ class Wakeup:
                 wanted = self._wanted()
                 for channel in wanted - listening:
                     listener.listen(channel)
+                    # A publish may have landed before this LISTEN took effect.
+                    self._dispatch(channel, None)
                 for channel in listening - wanted:
                     listener.unlisten(channel)
                 listening = wanted

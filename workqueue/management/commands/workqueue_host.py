@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig
-from workqueue.runtime.process import host_disabled, stop_on_signals
+from workqueue.runtime.process import exit_now_if_abandoned, host_disabled, stop_on_signals
 
 
 class Command(BaseCommand):
@@ -50,3 +50,4 @@ class Command(BaseCommand):
             stop.wait()
         finally:
             host.shutdown()
+        exit_now_if_abandoned(host)

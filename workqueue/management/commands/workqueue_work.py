@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, PlanState
-from workqueue.runtime.process import host_disabled, stop_on_signals
+from workqueue.runtime.process import exit_now_if_abandoned, host_disabled, stop_on_signals
 
 CANNOT_RUN = {PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED}
 
@@ -68,3 +68,4 @@ class Command(BaseCommand):
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
+        exit_now_if_abandoned(host)
