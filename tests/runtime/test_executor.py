@@ -293,10 +293,11 @@ def test_a_transient_retry_after_beyond_the_backoff_maximum_is_clamped_to_it(rig
 
 
 def test_a_transient_work_error_without_retry_after_uses_the_jittered_backoff(rig):
-    # Attempt 1 with base 60: the delay is drawn from [0, 60] s, never above.
-    sub = rig.subscription(max_attempts=3, backoff_base_seconds=60, backoff_max_seconds=900)
+    # Attempt 1 with base 60: the delay is drawn from [0, 60] s, never above. A fresh
+    # subscription per draw: a drawn delay of 0 would otherwise make the next run attempt 2.
     delays = []
     for _ in range(4):
+        sub = rig.subscription(max_attempts=3, backoff_base_seconds=60, backoff_max_seconds=900)
         _, delivery, _ = rig.run(sub, {"then": "transient"})
         delays.append((delivery.visible_at - db_now()).total_seconds())
 
