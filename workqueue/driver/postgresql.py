@@ -201,9 +201,10 @@ class _ThreadConnection:
     def __init__(self, connection: Any) -> None:
         self.connection = connection
 
-    def __del__(self) -> None:
-        # At interpreter shutdown the close may fail; there is nothing left to tidy then.
-        with contextlib.suppress(Exception):
+    def __del__(self, _suppress: Any = contextlib.suppress) -> None:
+        # Bound at definition: at interpreter shutdown module globals may already be gone, and
+        # a failing close then leaves nothing to tidy anyway.
+        with _suppress(Exception):
             self.connection.close()
 
 
