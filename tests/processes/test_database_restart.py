@@ -1,0 +1,148 @@
+"""Nothing accepted is lost across a database restart: a host keeps running while its
+PostgreSQL is stopped and started again mid-stream, and every message whose publish was
+Accepted (before, during or after the restart) ends Completed.
+
+Runs on a private throwaway cluster, so restarting it disturbs nothing else in the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from workqueue import localdb
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOPOLOGY = """
+from workqueue.models import Subscription, Topic, Transport
+topic = Topic.objects.create(name="restart.t", transport=Transport.objects.get(name="Database"))
+for mode in ("None", "Exclusive", "Ordered"):
+    Subscription.objects.create(
+        topic=topic, name=f"restart.{mode.lower()}", partition_mode=mode, lease_seconds=5,
+        handler_key="samples.hello",
+    )
+"""
+
+
+@pytest.fixture
+def private_cluster(monkeypatch: pytest.MonkeyPatch):
+    # Under /tmp, not tmp_path: as root the server runs as 'postgres', which must reach it.
+    path = Path(tempfile.mkdtemp(prefix="wq-restart-test-", dir="/tmp"))
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(path))
+    try:
+        yield localdb.ensure_running()
+    finally:
+        localdb.destroy()
+
+
+def _env(url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
+    env.update(
+        DATABASE_URL=url,
+        WORKQUEUE_SWEEPER_INTERVAL_MS="1000",
+        WORKQUEUE_IDLE_POLL_MAX_MS="500",
+        WORKQUEUE_SHUTDOWN_DRAIN_MS="2000",
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+def _manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _publish(env: dict[str, str], batch: int, count: int) -> list[str]:
+    """Publish ``count`` messages (keys k0..k4); the ids whose publish was Accepted."""
+    done = _manage(
+        env,
+        "workqueue",
+        "publish",
+        "--topic",
+        "restart.t",
+        "--count",
+        str(count),
+        "--partition-key",
+        f"k{batch % 5}",
+        "--payload",
+        json.dumps({"name": f"b{batch}"}),
+        "--json",
+    )
+    try:
+        results = json.loads(done.stdout)
+    except ValueError:
+        return []  # the database was down for the whole call: nothing was accepted
+    return [r["message_id"] for r in results if r["status"] == "Accepted"]
+
+
+def test_every_accepted_message_is_completed_across_a_database_restart(private_cluster, tmp_path):
+    url = private_cluster
+    log = tmp_path / "host.log"
+    env = _env(url)
+    for args in (("migrate", "-v0"), ("workqueue_samples", "seed"), ("shell", "-c", TOPOLOGY)):
+        done = _manage(env, *args)
+        assert done.returncode == 0, done.stderr
+    # Output to a file, not a pipe: an unread pipe fills up and blocks the host's logging.
+    output = log.open("w")
+    host = subprocess.Popen(
+        [sys.executable, "manage.py", "workqueue_host"],
+        cwd=ROOT,
+        env=env,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    accepted: list[str] = []
+    try:
+        for batch in range(3):
+            accepted += _publish(env, batch, 20)
+        localdb.stop()  # the database goes away under the running host ...
+        accepted += _publish(env, 3, 20)  # ... and publishing meanwhile is refused, not lost
+        time.sleep(1.0)
+        assert localdb.ensure_running() == url
+        for batch in range(4, 7):
+            accepted += _publish(env, batch, 20)
+
+        assert len(accepted) >= 120, "the publishes before and after the restart are accepted"
+        deadline = time.monotonic() + 90
+        with psycopg.connect(url, autocommit=True) as conn:
+            while True:
+                rows = conn.execute(
+                    "SELECT d.status, count(*) FROM workqueue_delivery d "
+                    "WHERE d.message_id = ANY(%s::uuid[]) GROUP BY d.status",
+                    [accepted],
+                ).fetchall()
+                counts = dict(rows)
+                if counts == {"Completed": 3 * len(accepted)}:
+                    break
+                if time.monotonic() > deadline:
+                    pytest.fail(f"not all completed: {counts}\n{log.read_text()[-5000:]}")
+                time.sleep(0.5)
+            messages = conn.execute(
+                "SELECT count(*) FROM workqueue_message WHERE id = ANY(%s::uuid[])", [accepted]
+            ).fetchone()
+        assert messages == (len(accepted),)
+        assert host.poll() is None, "the host must survive the database restart"
+    finally:
+        if host.poll() is None:
+            host.send_signal(signal.SIGTERM)
+        host.wait(timeout=60)
+        output.close()
+    assert host.returncode == 0, log.read_text()[-5000:]
