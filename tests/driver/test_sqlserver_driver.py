@@ -446,9 +446,7 @@ def test_scaler_grants_read_two_tables_only(driver):
 def test_grant_and_scaler_sql_parses(driver, tmp_path):
     script = tmp_path / "grants.sql"
     statements = driver.grant_runtime_statements("runtime") + driver.grant_scaler_statements("k")
-    script.write_text(
-        ";\n".join(statements) + ";\nGO\n" + driver.scaler_query().replace("?", "N'orders'")
-    )
+    script.write_text(";\n".join(statements) + ";\nGO\n" + driver.scaler_query("orders"))
     result = parse_tsql(script)
     assert result.returncode == 0, result.stderr
 

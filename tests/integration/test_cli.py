@@ -188,7 +188,7 @@ def test_scaler_query_counts_claimable_and_in_flight_on_the_database(pg_conn):
     publish(sub.topic.name, {"n": 9}, partition_key="other")
     sql = json.loads(run("scaler-query", "-s", sub.name, "--json"))["sql"]
 
-    [(desired,)] = pg_conn.execute(sql, {"name": sub.name}).fetchall()
+    [(desired,)] = pg_conn.execute(sql).fetchall()
 
     assert desired == 2  # one per claimable key; the rest of "same" must wait
 

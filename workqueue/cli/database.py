@@ -97,12 +97,12 @@ class ScalerQueryVerb(Verb):
         from workqueue.conf import get_settings
         from workqueue.driver import get_driver
 
-        sql = get_driver(get_settings().DATABASE_ALIAS).scaler_query()
         name = options["subscription"].strip().lower()
+        sql = get_driver(get_settings().DATABASE_ALIAS).scaler_query(name)
         if options["json"]:
-            command.stdout.write(to_json({"sql": sql, "parameters": {"name": name}}))
+            command.stdout.write(to_json({"subscription": name, "sql": sql}))
         else:
-            command.stdout.write(f"-- parameter: name = {name!r}\n{sql}")
+            command.stdout.write(sql)
 
 
 class ConformanceVerb(Verb):

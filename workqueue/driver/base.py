@@ -75,8 +75,10 @@ class BaseDriver:
         """Statements giving an autoscaler login SELECT on the tables its query reads."""
         raise NotImplementedError
 
-    def scaler_query(self) -> str:
-        """SQL an autoscaler runs (parameter: subscription name) to size its workers."""
+    def scaler_query(self, subscription_name: str) -> str:
+        """Self-contained SQL an autoscaler runs to size its workers for one subscription:
+        claimable deliveries (one per key that could run now) plus those in flight, capped at
+        1000. The name is embedded as a quoted literal (scalers take no parameters)."""
         raise NotImplementedError
 
     def shift_time(

@@ -111,8 +111,9 @@ class PostgresDriver(BaseDriver):
         quoted = _quote_identifier(role)
         return [f"GRANT SELECT ON workqueue_subscription, workqueue_delivery TO {quoted}"]
 
-    def scaler_query(self) -> str:
-        return SCALER_QUERY
+    def scaler_query(self, subscription_name: str) -> str:
+        literal = "'" + subscription_name.strip().lower().replace("'", "''") + "'"
+        return SCALER_QUERY.replace("%(name)s", literal)
 
     def shift_time(
         self, seconds: int, *, subscription_id: str | None = None, topic_id: str | None = None
@@ -252,7 +253,7 @@ class PostgresListener:
 # InFlight rows, for one subscription by name, capped at 1000. Reads two tables only.
 SCALER_QUERY = """\
 WITH s AS (
-    SELECT id, partition_mode, status FROM workqueue_subscription WHERE name = lower(%(name)s)
+    SELECT id, partition_mode, status FROM workqueue_subscription WHERE name = %(name)s
 ), ready AS (
     SELECT d.partition_key FROM workqueue_delivery d, s
      WHERE d.subscription_id = s.id AND s.status = 'Active' AND d.status = 'Pending'

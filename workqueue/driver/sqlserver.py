@@ -235,8 +235,9 @@ class SqlServerDriver(BaseDriver):
             f"GRANT SELECT ON dbo.workqueue_delivery TO {quoted}",
         ]
 
-    def scaler_query(self) -> str:
-        return SCALER_QUERY
+    def scaler_query(self, subscription_name: str) -> str:
+        literal = "N'" + subscription_name.strip().lower().replace("'", "''") + "'"
+        return SCALER_QUERY.replace("LOWER(?)", literal)
 
     # -- test support ----------------------------------------------------------------------
 
