@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -27,6 +27,7 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 
 from tests.factories import SubscriptionFactory
+from tests.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -44,17 +45,6 @@ def database_url() -> str:
     if s.get("PASSWORD"):
         auth += ":" + quote(s["PASSWORD"], safe="")
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT']}/{quote(s['NAME'])}"
-
-
-def wait_until(condition: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

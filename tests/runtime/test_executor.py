@@ -21,6 +21,7 @@ from django.db import connection
 
 from tests.factories import SubscriptionFactory
 from tests.runtime.handlers import probe, registry
+from tests.waiting import wait_until
 from workqueue import publish, signals, transport
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
@@ -46,17 +47,6 @@ def db_now() -> dt.datetime:
 
 def row(delivery: ClaimedDelivery) -> Delivery:
     return Delivery.objects.get(pk=delivery.delivery_id)
-
-
-def wait_until(condition: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 class Rig:

@@ -21,6 +21,7 @@ from django.db import connection, connections
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.runtime.handlers import probe, registry
+from tests.waiting import wait_until
 from workqueue import publish, publish_many, signals, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -36,17 +37,6 @@ RUNTIME_THREADS = ("wq-", "workqueue-timers")
 
 def runtime_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(RUNTIME_THREADS)]
-
-
-def wait_until(condition: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 def status_of(message_id: str) -> str:

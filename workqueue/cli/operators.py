@@ -69,6 +69,16 @@ def _operation_errors(run: Any) -> Any:
         raise CommandError(str(exc)) from exc
 
 
+def _write_page_json(command: BaseCommand, page: Any) -> None:
+    items = [dataclasses.asdict(i) for i in page.items]
+    command.stdout.write(to_json({"items": items, "next_cursor": page.next_cursor}))
+
+
+def _write_next_page_hint(command: BaseCommand, page: Any) -> None:
+    if page.next_cursor:
+        command.stdout.write(f"next page: --cursor {page.next_cursor}")
+
+
 def _subscription_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-s", "--subscription", required=True)
 
@@ -91,14 +101,7 @@ class DeadLettersVerb(Verb):
             )
         )
         if options["json"]:
-            command.stdout.write(
-                to_json(
-                    {
-                        "items": [dataclasses.asdict(i) for i in page.items],
-                        "next_cursor": page.next_cursor,
-                    }
-                )
-            )
+            _write_page_json(command, page)
             return
         rows = [
             (
@@ -122,8 +125,7 @@ class DeadLettersVerb(Verb):
             "LAST ERROR",
         )
         command.stdout.write(table(rows, headers))
-        if page.next_cursor:
-            command.stdout.write(f"next page: --cursor {page.next_cursor}")
+        _write_next_page_hint(command, page)
 
 
 class PartitionsVerb(Verb):
@@ -148,21 +150,13 @@ class PartitionsVerb(Verb):
             )
         )
         if options["json"]:
-            command.stdout.write(
-                to_json(
-                    {
-                        "items": [dataclasses.asdict(i) for i in page.items],
-                        "next_cursor": page.next_cursor,
-                    }
-                )
-            )
+            _write_page_json(command, page)
             return
         rows = [
             (i.partition_key, i.condition, i.head_delivery_id, i.waiting_items) for i in page.items
         ]
         command.stdout.write(table(rows, ("KEY", "CONDITION", "HEAD DELIVERY", "WAITING")))
-        if page.next_cursor:
-            command.stdout.write(f"next page: --cursor {page.next_cursor}")
+        _write_next_page_hint(command, page)
 
 
 class ReplayVerb(Verb):
