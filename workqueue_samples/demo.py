@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 from workqueue import publish
 from workqueue.conf import get_settings
+from workqueue.exceptions import WorkQueueError
+from workqueue.models import Delivery
 from workqueue.runtime.host import Host, HostConfig
 from workqueue_samples.topology import TOPIC, seed
 
@@ -32,9 +34,13 @@ def run_demo(write: Callable[[str], None]) -> None:
     write("Sample topology: " + (", ".join(created) if created else "already seeded"))
 
     run = uuid.uuid4().hex[:8]
+    expected: dict[str, str] = {}
     for message in _sample_messages(run):
         result = publish(TOPIC, **message)
         write(f"publish {message['payload']} -> {result.status} {result.message_id}")
+        if result.accepted:
+            fatal = message["payload"].get("fail") == "fatal"
+            expected[result.message_id] = "DeadLettered" if fatal else "Completed"
 
     write("Running the host until the queue is quiet ...")
     host = Host(
@@ -51,3 +57,22 @@ def run_demo(write: Callable[[str], None]) -> None:
     # Barbara's retry waits up to backoff_base_seconds (2 s) before her second attempt.
     result = host.run_once(idle_exit_ms=3500, max_duration_ms=60_000)
     write(f"Host processed {result.processed} deliveries ({result.reason}).")
+    _check_outcomes(expected, write)
+
+
+def _check_outcomes(expected: dict[str, str], write: Callable[[str], None]) -> None:
+    """Every sample delivery must have ended as its payload says (fatal: dead letter)."""
+    deliveries = Delivery.objects.filter(message_id__in=list(expected)).values_list(
+        "message_id", "subscription__name", "status"
+    )
+    wrong = [
+        f"{name}: {message_id} is {status}, expected {expected[str(message_id)]}"
+        for message_id, name, status in deliveries
+        if status != expected[str(message_id)]
+    ]
+    if wrong or len(deliveries) != 3 * len(expected):
+        raise WorkQueueError("The demo did not end as expected:\n" + "\n".join(wrong))
+    write(
+        f"All {len(deliveries)} sample deliveries ended as expected "
+        f"({sum(s == 'DeadLettered' for s in expected.values()) * 3} dead-lettered on purpose)."
+    )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from workqueue.exceptions import WorkQueueError
 from workqueue_samples.demo import run_demo
 from workqueue_samples.topology import seed
 
@@ -21,7 +22,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["action"] == "demo":
-            run_demo(self.stdout.write)
+            try:
+                run_demo(self.stdout.write)
+            except WorkQueueError as exc:
+                raise CommandError(str(exc)) from exc
             return
         created = seed()
         self.stdout.write("created " + ", ".join(created) if created else "already seeded")
