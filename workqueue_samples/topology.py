@@ -31,7 +31,10 @@ def seed() -> list[str]:
         # No password: nobody logs in as it; handlers and the sweeper act as it.
         User._default_manager.create_user(**{User.USERNAME_FIELD: system_user})
         created.append(f"system user {system_user}")
-    transport = Transport.objects.get(name="Database")
+    # Seeded by the workqueue migrations; recreated here only if someone deleted it.
+    transport, _ = Transport.objects.get_or_create(
+        name="Database", defaults={"driver_class": "Database"}
+    )
     topic, new = Topic.objects.get_or_create(
         name=TOPIC,
         defaults={
