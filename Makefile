@@ -8,7 +8,7 @@ VENV_PY := $(VENV)/bin/python
 # Touched after a successful install: the venv is rebuilt only when requirements.txt is newer.
 STAMP := $(VENV)/.requirements-installed
 
-.PHONY: venv test lint format demo clean-db
+.PHONY: venv test lint format demo clean-db system-packages system-packages-for-tests
 
 venv: $(STAMP)
 
@@ -22,7 +22,14 @@ $(STAMP): requirements.txt
 	$(VENV_PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	touch $@
 
-test: venv
+# PostgreSQL server binaries and unixodbc (plus chromium and curl for the tests) when missing.
+system-packages:
+	@bash .ci/install-system-packages
+
+system-packages-for-tests:
+	@bash .ci/install-system-packages --for-tests
+
+test: system-packages-for-tests venv
 	$(VENV_PY) -m pytest -n 2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -35,7 +42,7 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-demo: venv
+demo: system-packages venv
 	$(VENV_PY) manage.py migrate --verbosity 0
 	$(VENV_PY) manage.py workqueue_samples demo
 	@echo
