@@ -196,3 +196,24 @@ def test_scaler_query_counts_claimable_and_in_flight_on_the_database(pg_conn):
 def test_conformance_verb_prints_the_table():
     out = run("conformance", "--case", "C01", "--case", "C04")
     assert "C01" in out and "PASS" in out and "2 passed" in out
+
+
+def test_grant_scaler_prints_select_on_the_two_tables_its_query_reads():
+    out = run("grant-scaler", "keda_reader", "--print")
+    assert out.strip().splitlines() == [
+        'GRANT SELECT ON workqueue_subscription, workqueue_delivery TO "keda_reader";'
+    ]
+
+
+def test_grant_runtime_names_a_missing_role_in_its_error():
+    with pytest.raises(CommandError, match="Create the role first"):
+        run("grant-runtime", "no_such_role_here")
+
+
+def test_localdb_url_prints_the_embedded_database_url():
+    from workqueue import localdb
+
+    expected = localdb.url()
+    if expected is None:
+        pytest.skip("the suite is running against DATABASE_URL, not the embedded database")
+    assert run("localdb", "url").strip() == expected
