@@ -7,6 +7,7 @@ Receiver), which runs on the driver's own connection: these tests use committed 
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.urls import reverse
 from django.utils import timezone
@@ -196,6 +197,11 @@ def test_replay_asks_for_a_note_then_replays_the_dead_letter_and_reports_each_ro
     assert replayed.is_replay and replayed.attempt_count == 0
     assert (replayed.resolved_by, replayed.resolution_note) == ("operator", "fixed")
     assert Delivery.objects.get(pk=pending).status == "Pending"
+    history = LogEntry.objects.filter(object_id=str(dead))
+    assert [(e.user.username, e.change_message) for e in history] == [
+        ("operator", "Replayed (note: fixed)")
+    ]
+    assert not LogEntry.objects.filter(object_id=str(pending)).exists()
 
 
 def test_discard_requires_a_reason_discards_pending_and_cancels_running(operator_client):

@@ -121,6 +121,20 @@ def _too_many(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> bool
     return True
 
 
+def _log_history(
+    modeladmin: Any,
+    request: HttpRequest,
+    queryset: QuerySet,
+    changed: list[str],
+    what: str,
+    note: str | None,
+) -> None:
+    """Record each changed delivery in the admin's history (who, when, the note or reason)."""
+    message = f"{what} (note: {note})" if note else what
+    for delivery in queryset.filter(pk__in=changed):
+        modeladmin.log_change(request, delivery, message)
+
+
 def _rows(queryset: QuerySet) -> list[tuple[str, str]]:
     return list(queryset.order_by("pk").values_list("subscription__name", "pk"))
 
@@ -145,6 +159,7 @@ def replay_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet)
         )
     actor = Actor(user=request.user)
     counts: Counter[str] = Counter()
+    changed: list[str] = []
     for subscription_name, delivery_id in _rows(queryset):
         try:
             outcome = operations.replay(
@@ -156,6 +171,9 @@ def replay_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet)
             counts["failed"] += 1
         else:
             counts["Replayed" if outcome.replayed else "not a dead letter"] += 1
+            if outcome.replayed:
+                changed.append(delivery_id)
+    _log_history(modeladmin, request, queryset, changed, "Replayed", form.cleaned_data["note"])
     _report(modeladmin, request, counts, "Replayed", ok={"Replayed"})
     return None
 
@@ -182,6 +200,7 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
         )
     actor = Actor(user=request.user)
     counts: Counter[str] = Counter()
+    changed: list[str] = []
     for subscription_name, delivery_id in _rows(queryset):
         try:
             outcome = operations.discard(
@@ -198,5 +217,15 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
                 counts["Discarded"] += 1
             else:
                 counts["already finished"] += 1
+            if outcome.discarded:
+                changed.append(delivery_id)
+    _log_history(
+        modeladmin,
+        request,
+        queryset,
+        changed,
+        "Discarded or cancelled",
+        form.cleaned_data["reason"],
+    )
     _report(modeladmin, request, counts, "Discarded", ok={"Discarded", CANCEL_REQUESTED})
     return None
