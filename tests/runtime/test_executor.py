@@ -555,7 +555,7 @@ def test_shutdown_releases_a_sleeping_handlers_delivery_without_using_an_attempt
 
     result = future.result(timeout=5)
     assert run.signal_reason == AbortReason.SHUTDOWN
-    assert result == ExecutionResult(ExecutionResult.SETTLED, "Pending")
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Pending", released=True)
     stored = row(delivery)
     assert (stored.status, stored.attempt_count, stored.last_error) == ("Pending", 0, None)
     assert stored.visible_at <= db_now() and stored.lease_token is None

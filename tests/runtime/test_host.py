@@ -370,7 +370,7 @@ def test_run_once_returns_max_duration_and_releases_the_unfinished_delivery(make
 
     result = host.run_once(max_deliveries=10, idle_exit_ms=60_000, max_duration_ms=500)
 
-    assert result.reason == "MaxDuration"
+    assert (result.reason, result.processed) == ("MaxDuration", 0)  # released, not processed
     assert 0.5 <= time.monotonic() - began < 3.0
     row = Delivery.objects.get(message_id=message)
     assert (row.status, row.attempt_count) == ("Pending", 0)

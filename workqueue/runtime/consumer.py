@@ -173,7 +173,8 @@ class Consumer:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.received = 0
-        self.finished = 0
+        self.finished = 0  # executions ended, however
+        self.processed = 0  # of which the handler's outcome was recorded (not released)
         self.last_activity = time.monotonic()
         self.receive_pending = False
         self.last_receive_empty = False
@@ -347,15 +348,17 @@ class Consumer:
         self._wake.set()
 
     def _execute(self, execution: DeliveryExecution) -> None:
+        result = ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
         try:
             result = execution.run()
         except Exception:
             logger.exception("%s: delivery execution crashed", self.plan.name)
-            result = ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
         finally:
             with self._lock:
                 self._running.pop(execution.key, None)
                 self.finished += 1
+                if not result.released:
+                    self.processed += 1
                 self._lock.notify_all()
             self.last_activity = time.monotonic()
             self._wake.set()

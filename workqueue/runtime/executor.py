@@ -19,7 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.db import close_old_connections
@@ -48,6 +48,8 @@ class ExecutionResult:
     kind: str
     status: str | None = None
     error: str | None = None
+    #: Handed back unprocessed at shutdown (attempt refunded): not counted as processed.
+    released: bool = False
 
     SETTLED = "Settled"
     LEASE_LOST = "LeaseLost"
@@ -301,7 +303,8 @@ class DeliveryExecution:
             if self.signal.has(AbortReason.CANCELLED):
                 return self._acknowledge_cancel()
             if self.signal.has(AbortReason.SHUTDOWN) and decision.kind != Outcome.COMPLETE:
-                return self._result(receiver.release(self.delivery))
+                result = self._result(receiver.release(self.delivery))
+                return replace(result, released=result.status == DeliveryStatus.PENDING)
             if decision.kind == Outcome.COMPLETE:
                 return self._result(self.services.complete(self.delivery))
             if decision.kind == Outcome.DEAD_LETTER:

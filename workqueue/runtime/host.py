@@ -443,7 +443,7 @@ class Host:
                     break
                 stop_requested.wait(0.02)
         finally:
-            processed = sum(c.finished for c in consumers)
+            processed = sum(c.processed for c in consumers)
             self.shutdown()
-            processed = max(processed, sum(c.finished for c in consumers))
+            processed = max(processed, sum(c.processed for c in consumers))
         return RunOnceResult(processed, reason)
