@@ -207,16 +207,6 @@ class Backlog:
         return self.claimable + self.in_flight
 
 
-@dataclass(frozen=True, slots=True)
-class PurgeCounts:
-    """Rows removed by one sweeper pass; -1 marks a step that failed (the pass went on)."""
-
-    expired_dead_letters: list[ExpiredDeadLetter] = field(default_factory=list)
-    terminal_deliveries: int = 0
-    orphan_messages: int = 0
-    expired_deduplications: int = 0
-
-
 class SettleOutcome(models.TextChoices):
     SETTLED = "Settled"
     LEASE_LOST = "LeaseLost"

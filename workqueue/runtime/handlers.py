@@ -54,10 +54,6 @@ class HandlerRegistry:
                 )
             self._handlers[key] = handler
 
-    def unregister(self, key: str) -> None:
-        with self._lock:
-            self._handlers.pop(key.strip(), None)
-
     def get(self, key: str | None) -> type[BaseWorkHandler] | None:
         return self._handlers.get((key or "").strip())
 
