@@ -168,16 +168,12 @@ def _call_publish(
             if enlist:
                 raise
             if attempt > TRANSIENT_RETRIES:
-                error = PublishError(
-                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                    "The database stayed busy (deadlock or lock timeout); publish again.",
-                )
+                # Still busy after the retries: each message is rejected as retryable.
                 return [
                     {
                         "message_id": p["message_id"],
                         "status": PublishStatus.REJECTED,
-                        "error_code": None,
-                        "_error": error,
+                        "error_code": PublishErrorCode.TRANSPORT_UNAVAILABLE,
                     }
                     for p in prepared
                 ]
@@ -198,13 +194,13 @@ _ERROR_TEXT = {
     PublishErrorCode.DEDUPLICATION_PENDING: (
         "Another publish holds this deduplication key and has not finished; try again shortly."
     ),
-    PublishErrorCode.TRANSPORT_UNAVAILABLE: "The queue could not take the message now; retry.",
+    PublishErrorCode.TRANSPORT_UNAVAILABLE: (
+        "The database stayed busy (deadlock, lock timeout or lost connection); publish again."
+    ),
 }
 
 
 def _result_from_row(row: Mapping[str, Any]) -> PublishResult:
-    if "_error" in row:
-        return PublishResult(row["message_id"], PublishStatus.REJECTED, row["_error"])
     code = row["error_code"]
     error = PublishError(code, _ERROR_TEXT.get(code, code)) if code else None
     return PublishResult(row["message_id"], row["status"], error)

@@ -166,7 +166,7 @@ class DeliveryExecution:
             logger=logging.LoggerAdapter(
                 logging.getLogger(f"workqueue.handlers.{self.plan.handler_key}"), self.log.extra
             ),
-            _heartbeat=self._manual_heartbeat,
+            _heartbeat=self._beat,
         )
         # The handler may use the ORM: give it fresh connections, like a request would.
         close_old_connections()
@@ -229,9 +229,6 @@ class DeliveryExecution:
             or self.signal.has(AbortReason.CANCELLED)
             or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
         )
-
-    def _manual_heartbeat(self, progress: Mapping[str, Any] | None) -> bool:
-        return self._beat(progress)
 
     def _beat(self, progress: Mapping[str, Any] | None) -> bool:
         """Renew the lease; concurrent calls share one database call (the first progress wins)."""

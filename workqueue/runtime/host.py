@@ -333,6 +333,8 @@ class Host:
             self._wakeup.unsubscribe(consumer.plan.topic_id, consumer.kick)
 
     def _on_published(self, sender: Any, topic: str, **kwargs: Any) -> None:
+        if self._wakeup is not None and self._wakeup.connected.is_set():
+            return  # the publish's NOTIFY wakes the consumers; a kick too would claim twice
         name = topic.strip().lower()
         with self._lock:
             consumers = [c for c in self._consumers.values() if c.plan.topic_name == name]
