@@ -159,6 +159,16 @@ def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
         get_driver().close()
 
 
+def backends_of(pid: int) -> int:
+    """How many server backends a workqueue process with this pid still has."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+            [f"workqueue:{pid}"],
+        )
+        return cursor.fetchone()[0]
+
+
 def run_chaos(procs: Processes, size: ChaosSize) -> None:
     began = time.monotonic()
     topic = TopicFactory()
@@ -230,8 +240,12 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
                 status="InFlight", lease_owner__contains=f":{victim.pid}:"
             )
             wait_until(lambda held=held: held.count() >= 2, timeout=10, interval=0.01)
+            assert backends_of(victim.pid) > 0, "host connections carry application_name"
             victim.popen.kill()
             victim.wait(timeout=10)
+            # A statement the victim sent just before it died still runs (and commits) on its
+            # server backend; only once those backends are gone is "still InFlight" final.
+            wait_until(lambda pid=victim.pid: not backends_of(pid), timeout=10, interval=0.01)
             orphans += [(str(i), n) for i, n in held.values_list("id", "attempt_count")]
             hosts["a"] = start_host()
         threads[2].join(timeout=size.publish_seconds + 120)

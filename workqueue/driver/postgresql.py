@@ -4,6 +4,7 @@ LISTEN/NOTIFY wake-ups."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -217,6 +218,9 @@ def _connect(alias: str) -> Any:
     params = connections[alias].get_connection_params()
     params.pop("cursor_factory", None)
     params.pop("context", None)
+    # Names the process in pg_stat_activity, so an operator (or a test) can tell which backends
+    # belong to which host; a name set in the database's OPTIONS wins.
+    params.setdefault("application_name", f"workqueue:{os.getpid()}")
     connection = psycopg.connect(autocommit=True, **params)
     connection.execute("SET TIME ZONE 'UTC'")
     # JSON comes back as text, as it does through Django and on SQL Server, so decoding is one
