@@ -14,7 +14,9 @@ from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
 from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.cache import patch_cache_control
 
 from workqueue.models import ApiKey
 from workqueue.models.apikeys import KEY_PREFIX
@@ -174,11 +176,27 @@ class ApiKeyAdmin(admin.ModelAdmin):
             setattr(obj, field.attname, getattr(key, field.attname))
         obj._state.adding = False
         obj._state.db = key._state.db
-        self.message_user(
+        # Kept on this request only: a message would park the secret in the messages cookie
+        # (signed, not encrypted) or the session table until the next page is drawn.
+        request._workqueue_new_api_key = raw_key  # type: ignore[attr-defined]
+
+    def response_add(self, request: HttpRequest, obj: ApiKey, post_url_continue: Any = None) -> Any:
+        raw_key = getattr(request, "_workqueue_new_api_key", None)
+        if raw_key is None:
+            return super().response_add(request, obj, post_url_continue)
+        response = TemplateResponse(
             request,
-            f"Copy the new API key now; it is not stored and will not be shown again: {raw_key}",
-            messages.WARNING,
+            "workqueue/admin/apikey_created.html",
+            {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": "API key created",
+                "key": obj,
+                "raw_key": raw_key,
+            },
         )
+        patch_cache_control(response, no_store=True, private=True)
+        return response
 
     @admin.action(description="Revoke selected API keys", permissions=["change"])
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet) -> None:
