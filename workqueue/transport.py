@@ -76,6 +76,9 @@ class Receiver:
         self.subscription_id = str(subscription_id).lower()
         self.lease_owner = lease_owner or new_instance_id()
         self.driver = _driver()
+        # Where the last claim's walk over partition keys stopped (see wq_claim): the next claim
+        # goes on from there, so every key gets its turn when a hot key clogs the oldest rows.
+        self.key_cursor: str | None = None
 
     def receive(self, max_rows: int) -> ClaimResult:
         """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).
@@ -88,8 +91,12 @@ class Receiver:
                 "subscription_id": self.subscription_id,
                 "lease_owner": self.lease_owner,
                 "max_rows": max_rows,
+                "after_key": self.key_cursor,
             },
         )
+        for r in rows:
+            if r["kind"] == "KeyCursor":
+                self.key_cursor = r["partition_key"]
         claimed = [_claimed(r, self.subscription_id) for r in rows if r["kind"] == "Claimed"]
         expired = [
             ExpiredDeadLetter(

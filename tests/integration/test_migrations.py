@@ -69,6 +69,24 @@ def test_an_upgraded_database_equals_a_fresh_one():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_database_at_0005_with_its_procedures_upgrades_to_equal_a_fresh_one():
+    fresh = _catalog()
+
+    # 0005 as deployed: the old schema, and wq_claim still with its three-argument signature.
+    call_command("migrate", "workqueue", "0005", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION wq_claim(p_subscription_id uuid, p_lease_owner text, "
+            "p_max_rows integer) RETURNS SETOF workqueue_delivery LANGUAGE sql "
+            "AS 'SELECT * FROM workqueue_delivery WHERE false'"
+        )
+    assert _catalog() != fresh
+    call_command("migrate", "workqueue", verbosity=0)
+
+    assert _catalog() == fresh
+
+
+@pytest.mark.django_db(transaction=True)
 def test_installing_drops_procedures_the_files_no_longer_declare():
     with connection.cursor() as cursor:
         cursor.execute("CREATE FUNCTION wq_obsolete() RETURNS integer LANGUAGE sql AS 'SELECT 1'")
@@ -76,7 +94,7 @@ def test_installing_drops_procedures_the_files_no_longer_declare():
         get_driver().install_procedures(connection)
     names = [row[0] for row in _catalog()["functions"]]
     assert "wq_obsolete()" not in names
-    assert "wq_claim(uuid,text,integer)" in names
+    assert "wq_claim(uuid,text,integer,text)" in names
 
 
 def test_only_the_latest_procedure_migration_installs():

@@ -7,6 +7,7 @@ as notices, so the test reads the plans PostgreSQL actually chose.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -43,13 +44,14 @@ def _seed_backlog(pg_conn, subscription, keyed: bool) -> None:
     )
 
 
-def _nested_plans(pg_conn, procedure: str, params: dict) -> str:
+def _nested_plans(pg_conn, procedure: str, params: dict, analyze: bool = False) -> str:
     notices: list[str] = []
     pg_conn.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
     pg_conn.execute("LOAD 'auto_explain'")
     for setting in (
         "auto_explain.log_min_duration = 0",
         "auto_explain.log_nested_statements = on",
+        f"auto_explain.log_analyze = {'on' if analyze else 'off'}",
         "client_min_messages = log",
     ):
         pg_conn.execute(f"SET {setting}")
@@ -95,3 +97,79 @@ def test_hot_paths_use_indexes_with_a_large_backlog(pg_conn):
             [subscription.id],
         ).fetchone()[0]
         assert claimed == 100, mode
+
+
+HOT_BACKLOG = 20_000
+
+
+def _seed_hot_key(pg_conn, subscription, head_status: str) -> None:
+    """HOT_BACKLOG deliveries of key 'hot' (the oldest rows, its head in ``head_status``), then
+    one Pending delivery for each of 50 other keys."""
+    pg_conn.execute(
+        """
+        WITH m AS (
+            INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
+                                           payload, published_at)
+            SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s,
+                   CASE WHEN g <= %(hot)s THEN 'hot' ELSE 'k' || g END, '{}'::jsonb, now()
+              FROM generate_series(1, %(hot)s + 50) g
+            RETURNING id, publish_ordinal, partition_key
+        )
+        INSERT INTO workqueue_delivery (id, message_id, subscription_id, status, partition_key,
+                                        order_key, attempt_count, is_replay, visible_at,
+                                        lease_owner, lease_token, lease_expires_at)
+        SELECT gen_random_uuid(), m.id, %(sub)s, 'Pending', m.partition_key, m.publish_ordinal,
+               0, false, now() - interval '1 hour' + m.publish_ordinal * interval '1 microsecond',
+               NULL, NULL, NULL
+          FROM m
+        """,
+        {"topic": subscription.topic_id, "sub": subscription.id, "hot": HOT_BACKLOG},
+    )
+    leased = head_status == "InFlight"
+    pg_conn.execute(
+        "UPDATE workqueue_delivery SET status = %(status)s, attempt_count = 1, "
+        "lease_owner = %(owner)s, lease_token = %(token)s, "
+        "lease_expires_at = now() + %(lease)s * interval '1 hour', "
+        "dead_letter_reason = %(reason)s, dead_lettered_at = %(dead_lettered_at)s "
+        "WHERE id = (SELECT id FROM workqueue_delivery WHERE subscription_id = %(sub)s "
+        "AND partition_key = 'hot' ORDER BY order_key LIMIT 1)",
+        {
+            "status": head_status,
+            "sub": subscription.id,
+            "owner": "elsewhere" if leased else None,
+            "token": uuid.uuid4() if leased else None,
+            "lease": 1 if leased else None,
+            "reason": None if leased else "Poison",
+            "dead_lettered_at": None if leased else "now",
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "head_status"), [("Exclusive", "InFlight"), ("Ordered", "DeadLettered")]
+)
+def test_a_hot_keys_blocked_backlog_is_not_read_by_claims(pg_conn, mode, head_status):
+    # Statistics taken while the table was small, then a burst: the planner believes the new
+    # subscription has about one row, which is when a wrong index choice would hurt most.
+    SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    subscription = SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
+    _seed_hot_key(pg_conn, subscription, head_status)
+
+    params = {"subscription_id": subscription.id, "lease_owner": "plan-test", "max_rows": 8}
+    plans = _nested_plans(pg_conn, "wq_claim", params, analyze=True)
+
+    assert "Seq Scan on workqueue_delivery" not in plans, plans
+    rows_read = [
+        int(rows) * int(loops)
+        for rows, loops in re.findall(r"actual time=[\d.]+\.\.[\d.]+ rows=(\d+) loops=(\d+)", plans)
+    ]
+    assert rows_read, plans
+    # The whole claim reads a window of rows and a few index entries per key, never the backlog.
+    assert max(rows_read) < 200, plans
+    claimed = pg_conn.execute(
+        "SELECT count(*), count(*) FILTER (WHERE partition_key = 'hot') FROM workqueue_delivery "
+        "WHERE subscription_id = %s AND status = 'InFlight' AND lease_owner = 'plan-test'",
+        [subscription.id],
+    ).fetchone()
+    assert claimed == (8, 0), mode

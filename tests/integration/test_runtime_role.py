@@ -76,7 +76,8 @@ def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_comple
 
         claimed = conn.execute(
             "SELECT delivery_id, lease_token FROM wq_claim(p_subscription_id => %s, "
-            "p_lease_owner => 'runtime', p_max_rows => 10) WHERE kind = 'Claimed'",
+            "p_lease_owner => 'runtime', p_max_rows => 10, p_after_key => NULL) "
+            "WHERE kind = 'Claimed'",
             [subscription.id],
         ).fetchall()
         assert len(claimed) == 1
@@ -96,6 +97,6 @@ def test_a_role_without_the_grant_cannot_call_the_procedures(runtime_role):
     with _connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
         conn.execute(
             "SELECT * FROM wq_claim(p_subscription_id => %s, p_lease_owner => 'x', "
-            "p_max_rows => 1)",
+            "p_max_rows => 1, p_after_key => NULL)",
             [subscription.id],
         )

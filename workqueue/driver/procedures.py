@@ -98,7 +98,7 @@ PROCEDURES: dict[str, Procedure] = {
         # Claiming and leases
         Procedure(
             "wq_claim",
-            _p("subscription_id:uuid, lease_owner:text, max_rows:int"),
+            _p("subscription_id:uuid, lease_owner:text, max_rows:int, after_key:text"),
             _CLAIMED,
             ResultKind.MANY,
         ),

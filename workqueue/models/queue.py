@@ -56,8 +56,14 @@ class Delivery(DriverOwnedModel):
     """One subscription's copy of one message; its id is stable across attempts."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    message = models.ForeignKey(Message, on_delete=models.PROTECT, related_name="deliveries")
-    # Not indexed alone: the (subscription, message) unique constraint leads with it.
+    # Not indexed alone: the (message, subscription) unique constraint leads with it.
+    message = models.ForeignKey(
+        Message, on_delete=models.PROTECT, related_name="deliveries", db_index=False
+    )
+    # Deliberately in no index of its own or as a leading column of a full index: every query
+    # by subscription must take one of the partial indexes below. A full index led by the
+    # subscription is a trap when statistics lag a burst (a new subscription looks like one
+    # row): the planner picks it and sorts the whole backlog on every claim.
     subscription = models.ForeignKey(
         Subscription, on_delete=models.PROTECT, related_name="deliveries", db_index=False
     )
@@ -89,7 +95,7 @@ class Delivery(DriverOwnedModel):
         verbose_name_plural = "deliveries"
         constraints = [
             models.UniqueConstraint(
-                fields=["subscription", "message"], name="wq_delivery_sub_message_uq"
+                fields=["message", "subscription"], name="wq_delivery_message_sub_uq"
             ),
             # The real single-flight guarantee for Exclusive and Ordered subscriptions: a second
             # InFlight row for the same (subscription, key) cannot exist, whatever the race.

@@ -69,15 +69,21 @@ $$;
 -- Lease up to p_max_rows deliveries of an Active subscription to p_lease_owner in one call.
 -- First expires this subscription's passed leases (rows of kind 'ExpiredDeadLetter' report the
 -- ones that were dead-lettered). Partitioned subscriptions then claim at most one delivery per
--- key, each with its own guarded statement that re-checks every rule (Exclusive: nothing of the
--- key in flight; Ordered: also no earlier Pending/InFlight/DeadLettered delivery of the key); a
--- unique violation means another consumer won that key and only that candidate is skipped.
+-- key: the key's first Pending row by order_key, when nothing of the key is in flight (Ordered:
+-- when that row is the key's head, so no earlier Pending/InFlight/DeadLettered delivery exists).
+-- Keys are taken first from a window of the oldest visible keyed rows; when that window is full
+-- of rows whose keys cannot run (a hot key's backlog behind its in-flight or dead-lettered head)
+-- and capacity is left, a bounded walk over the keys continues after p_after_key, so the cost of
+-- a claim never follows a blocked backlog. A row of kind 'KeyCursor' carries where the walk
+-- stopped, for the caller's next claim. Each claim is a guarded statement that re-checks every
+-- rule; a unique violation means another consumer won that key and only that key is skipped.
 -- Remaining capacity goes to keyless deliveries, claimed in one skip-locked batch.
 -- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1.
 CREATE OR REPLACE FUNCTION wq_claim(
     p_subscription_id uuid,
     p_lease_owner text,
-    p_max_rows integer
+    p_max_rows integer,
+    p_after_key text
 )
 RETURNS TABLE (
     kind text,
@@ -102,9 +108,20 @@ AS $$
 #variable_conflict use_column
 DECLARE
     v_sub record;
+    v_ordered boolean;
     v_remaining integer := p_max_rows;
+    v_window_size integer := p_max_rows * 4 + 32;
+    v_window_keys text[];
+    v_window_full boolean;
+    v_next integer := 0;
+    v_walking boolean := false;
+    v_walk_budget integer := p_max_rows * 4 + 64;
+    v_walked_from_start boolean := false;
+    v_walked_to text;
+    v_key text;
     v_seen text[] := '{}';
-    v_candidate record;
+    v_candidate_id uuid;
+    v_head record;
     v_lease interval;
 BEGIN
     -- A cheap probe of the lease index first: most claims find no passed lease, and then the
@@ -128,38 +145,105 @@ BEGIN
         RETURN;
     END IF;
     v_lease := make_interval(secs => v_sub.lease_seconds);
+    v_ordered := v_sub.partition_mode = 'Ordered';
 
     IF v_sub.partition_mode <> 'None' THEN
-        FOR v_candidate IN
-            SELECT d.id, d.partition_key
-              FROM workqueue_delivery d
-             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-               AND d.partition_key IS NOT NULL AND d.visible_at <= now()
-               AND d.cancel_requested_at IS NULL
-               AND NOT EXISTS (
-                   SELECT 1 FROM workqueue_delivery f
-                    WHERE f.subscription_id = d.subscription_id
-                      AND f.partition_key = d.partition_key AND f.status = 'InFlight')
-               AND (v_sub.partition_mode <> 'Ordered' OR NOT EXISTS (
-                   SELECT 1 FROM workqueue_delivery h
-                    WHERE h.subscription_id = d.subscription_id
-                      AND h.partition_key = d.partition_key AND h.order_key < d.order_key
-                      AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
-             -- Index order of wq_dlv_claim_ix, so the scan stops after the first candidates
-             -- instead of sorting the backlog. Ties need no order: Ordered candidates are heads.
-             ORDER BY d.visible_at
-             LIMIT p_max_rows * 4
+        -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads a
+        -- fixed number of index entries (wq_dlv_claim_ix order), whatever the backlog.
+        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
+               sum(w.n) >= v_window_size
+          INTO v_window_keys, v_window_full
+          FROM (
+                SELECT r.partition_key, min(r.visible_at) AS first_visible,
+                       min(r.order_key) AS first_order, count(*) AS n
+                  FROM (
+                        SELECT d.partition_key, d.visible_at, d.order_key
+                          FROM workqueue_delivery d
+                         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                           AND d.partition_key IS NOT NULL AND d.visible_at <= now()
+                         ORDER BY d.visible_at
+                         LIMIT v_window_size
+                       ) r
+                 GROUP BY r.partition_key
+               ) w;
+
         LOOP
             EXIT WHEN v_remaining <= 0;
-            CONTINUE WHEN v_candidate.partition_key = ANY (v_seen);
-            v_seen := v_seen || v_candidate.partition_key;
+            -- The next key to try: from the window, then (if it was full) from the walk.
+            IF NOT v_walking THEN
+                v_next := v_next + 1;
+                IF v_next <= coalesce(cardinality(v_window_keys), 0) THEN
+                    v_key := v_window_keys[v_next];
+                ELSIF v_window_full THEN
+                    v_walking := true;
+                    v_key := p_after_key;
+                ELSE
+                    EXIT;
+                END IF;
+            END IF;
+            IF v_walking THEN
+                EXIT WHEN v_walk_budget <= 0;
+                v_walk_budget := v_walk_budget - 1;
+                -- One step of a loose scan of wq_dlv_partition_head_ix: the next key with open
+                -- deliveries, wrapping around to the first key once.
+                -- Two statements, each ORDER BY ... LIMIT 1 rather than min(), so that each stays
+                -- one index probe even when stale statistics make the subscription look tiny.
+                IF v_key IS NULL THEN
+                    v_key := (SELECT k.partition_key FROM workqueue_delivery k
+                               WHERE k.subscription_id = p_subscription_id
+                                 AND k.partition_key IS NOT NULL
+                                 AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+                               ORDER BY k.partition_key LIMIT 1);
+                ELSE
+                    v_key := (SELECT k.partition_key FROM workqueue_delivery k
+                               WHERE k.subscription_id = p_subscription_id
+                                 AND k.partition_key IS NOT NULL
+                                 AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+                                 AND k.partition_key > v_key
+                               ORDER BY k.partition_key LIMIT 1);
+                END IF;
+                IF v_key IS NULL THEN
+                    EXIT WHEN v_walked_from_start;
+                    v_walked_from_start := true;
+                    CONTINUE;
+                END IF;
+                v_walked_to := v_key;
+            END IF;
+            CONTINUE WHEN v_key = ANY (v_seen);
+            v_seen := v_seen || v_key;
+
+            -- The key's candidate, read through wq_dlv_partition_head_ix.
+            IF v_ordered THEN
+                SELECT h.id, h.status, h.visible_at, h.cancel_requested_at INTO v_head
+                  FROM workqueue_delivery h
+                 WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
+                   AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY h.order_key
+                 LIMIT 1;
+                CONTINUE WHEN NOT FOUND OR v_head.status <> 'Pending' OR v_head.visible_at > now()
+                           OR v_head.cancel_requested_at IS NOT NULL;
+                v_candidate_id := v_head.id;
+            ELSE
+                CONTINUE WHEN EXISTS (
+                    SELECT 1 FROM workqueue_delivery f
+                     WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
+                       AND f.status = 'InFlight');
+                SELECT c.id INTO v_candidate_id
+                  FROM workqueue_delivery c
+                 WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key
+                   AND c.status = 'Pending' AND c.visible_at <= now()
+                   AND c.cancel_requested_at IS NULL
+                 ORDER BY c.order_key
+                 LIMIT 1;
+                CONTINUE WHEN NOT FOUND;
+            END IF;
+
             -- Never wait on another claimer: waiting while holding this call's earlier claims
             -- can deadlock two claimers that meet keys in different orders. A key another
             -- claimer is working on, or a row someone else has locked, is skipped this time.
             CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(
-                'wq-claim:' || lower(p_subscription_id::text) || ':' || v_candidate.partition_key,
-                0));
-            PERFORM 1 FROM workqueue_delivery r WHERE r.id = v_candidate.id FOR UPDATE SKIP LOCKED;
+                'wq-claim:' || lower(p_subscription_id::text) || ':' || v_key, 0));
+            PERFORM 1 FROM workqueue_delivery r WHERE r.id = v_candidate_id FOR UPDATE SKIP LOCKED;
             CONTINUE WHEN NOT FOUND;
             BEGIN
                 RETURN QUERY
@@ -169,13 +253,13 @@ BEGIN
                            lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
                            last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                            progress = NULL
-                     WHERE d.id = v_candidate.id AND d.status = 'Pending'
+                     WHERE d.id = v_candidate_id AND d.status = 'Pending'
                        AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
                        AND NOT EXISTS (
                            SELECT 1 FROM workqueue_delivery f
                             WHERE f.subscription_id = d.subscription_id
                               AND f.partition_key = d.partition_key AND f.status = 'InFlight')
-                       AND (v_sub.partition_mode <> 'Ordered' OR NOT EXISTS (
+                       AND (NOT v_ordered OR NOT EXISTS (
                            SELECT 1 FROM workqueue_delivery h
                             WHERE h.subscription_id = d.subscription_id
                               AND h.partition_key = d.partition_key AND h.order_key < d.order_key
@@ -195,6 +279,13 @@ BEGIN
                 NULL;
             END;
         END LOOP;
+
+        IF v_walked_to IS NOT NULL THEN
+            RETURN QUERY
+            SELECT 'KeyCursor'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::integer,
+                   NULL::boolean, NULL::uuid, NULL::uuid, v_walked_to, NULL::jsonb, NULL::jsonb,
+                   NULL::jsonb, NULL::text, NULL::timestamptz;
+        END IF;
     END IF;
 
     IF v_remaining > 0 THEN

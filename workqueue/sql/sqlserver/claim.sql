@@ -77,13 +77,18 @@ GO
 -- Lease up to @max_rows deliveries of an Active subscription to @lease_owner in one call.
 -- First expires this subscription's passed leases (up to 500); rows of kind 'ExpiredDeadLetter'
 -- report the ones that were dead-lettered. Partitioned subscriptions then claim at most one
--- delivery per key, oldest visible first, each with its own guarded UPDATE that re-checks every
--- rule (Exclusive: nothing of the key in flight; Ordered: also no earlier Pending, InFlight or
--- DeadLettered delivery of the key); a unique-index violation (2601/2627) means another consumer
--- won that key, and only that candidate is skipped. Remaining capacity goes to keyless
--- deliveries, claimed in one skip-locked batch (UPDLOCK, READPAST, ROWLOCK). Each claim sets a
--- fresh lease token, lease_expires_at = now + lease_seconds, last_heartbeat_at = now,
--- attempt_count + 1 and clears progress. Rows of kind 'Claimed' come in claim order.
+-- delivery per key: the key's first Pending row by order_key when nothing of the key is in
+-- flight (Ordered: when that row is the key's head, so no earlier Pending, InFlight or
+-- DeadLettered delivery exists). Keys come first from a window of the oldest visible keyed rows;
+-- when that window is full of rows whose keys cannot run and capacity is left, a bounded walk
+-- over the keys continues after @after_key, so a hot key's blocked backlog never makes claims
+-- slower. A row of kind 'KeyCursor' carries where the walk stopped, for the caller's next claim.
+-- Each claim is a guarded UPDATE that re-checks every rule; a unique-index violation
+-- (2601/2627) means another consumer won that key, and only that key is skipped. Remaining
+-- capacity goes to keyless deliveries, claimed in one skip-locked batch (UPDLOCK, READPAST,
+-- ROWLOCK). Each claim sets a fresh lease token, lease_expires_at = now + lease_seconds,
+-- last_heartbeat_at = now, attempt_count + 1 and clears progress. Rows of kind 'Claimed' come
+-- in claim order.
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
 -- is raised instead of skipped. It runs wq_expire_leases through INSERT ... EXEC, so it cannot
 -- itself be the target of an INSERT ... EXEC.
@@ -91,7 +96,8 @@ GO
 CREATE OR ALTER PROCEDURE dbo.wq_claim
     @subscription_id uniqueidentifier,
     @lease_owner nvarchar(4000),
-    @max_rows int
+    @max_rows int,
+    @after_key nvarchar(4000)
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -103,19 +109,31 @@ BEGIN
     DECLARE @subscription_status nvarchar(20);
     DECLARE @ordered bit;
     DECLARE @remaining int = @max_rows;
-    DECLARE @ord int = 0;
     DECLARE @candidate char(32);
+    DECLARE @window_size int = @max_rows * 4 + 32;
+    DECLARE @window_full bit = 0;
+    DECLARE @next int = 0;
+    DECLARE @walking bit = 0;
+    DECLARE @walk_budget int = @max_rows * 4 + 64;
+    DECLARE @walked_from_start bit = 0;
+    DECLARE @walked_to nvarchar(200);
+    DECLARE @key nvarchar(200);
+    DECLARE @next_key nvarchar(200);
+    DECLARE @head_id char(32);
+    DECLARE @head_status nvarchar(20);
+    DECLARE @head_visible_at datetimeoffset(7);
+    DECLARE @head_cancel_requested_at datetimeoffset(7);
+    DECLARE @window_keys TABLE (
+        ord int PRIMARY KEY,
+        partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2,
+        rows_in_window int
+    );
+    DECLARE @seen TABLE (partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2);
     DECLARE @expired TABLE (
         delivery_id uniqueidentifier,
         subscription_id uniqueidentifier,
         partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2,
         new_status nvarchar(20)
-    );
-    DECLARE @candidates TABLE (
-        ord int PRIMARY KEY,
-        id char(32),
-        partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2,
-        first_of_key bit
     );
     DECLARE @claimed TABLE (
         id char(32),
@@ -172,41 +190,104 @@ BEGIN
     BEGIN
         IF @partition_mode <> N'None'
         BEGIN
-            -- Read-only candidate list; the claim statement below re-checks every rule.
-            INSERT INTO @candidates (ord, id, partition_key, first_of_key)
-            SELECT c.ord, c.id, c.partition_key,
-                   CASE WHEN ROW_NUMBER() OVER (PARTITION BY c.partition_key ORDER BY c.ord) = 1
-                        THEN 1 ELSE 0 END
+            -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads
+            -- a fixed number of index entries (wq_dlv_claim_ix order), whatever the backlog.
+            INSERT INTO @window_keys (ord, partition_key, rows_in_window)
+            SELECT ROW_NUMBER() OVER (ORDER BY MIN(r.visible_at), MIN(r.order_key)),
+                   r.partition_key, COUNT(*)
               FROM (
-                    SELECT TOP (@max_rows * 4)
-                           d.id, d.partition_key,
-                           ROW_NUMBER() OVER (ORDER BY d.visible_at, d.order_key) AS ord
+                    SELECT TOP (@window_size) d.partition_key, d.visible_at, d.order_key
                       FROM dbo.workqueue_delivery AS d
                      WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
                        AND d.partition_key IS NOT NULL AND d.visible_at <= @now
-                       AND d.cancel_requested_at IS NULL
-                       AND NOT EXISTS (
-                           SELECT 1 FROM dbo.workqueue_delivery AS f
-                            WHERE f.subscription_id = d.subscription_id
-                              AND f.partition_key = d.partition_key AND f.status = N'InFlight')
-                       AND (@ordered = 0 OR NOT EXISTS (
-                           SELECT 1 FROM dbo.workqueue_delivery AS h
-                            WHERE h.subscription_id = d.subscription_id
-                              AND h.partition_key = d.partition_key
-                              AND h.order_key < d.order_key
-                              AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')))
-                     ORDER BY d.visible_at, d.order_key
-                   ) AS c;
+                     ORDER BY d.visible_at
+                   ) AS r
+             GROUP BY r.partition_key;
+            IF (SELECT SUM(w.rows_in_window) FROM @window_keys AS w) >= @window_size
+                SET @window_full = 1;
 
             WHILE @remaining > 0
             BEGIN
+                -- The next key to try: from the window, then (if it was full) from the walk.
+                IF @walking = 0
+                BEGIN
+                    SET @next += 1;
+                    SET @key = NULL;
+                    SELECT @key = w.partition_key FROM @window_keys AS w WHERE w.ord = @next;
+                    IF @key IS NULL
+                    BEGIN
+                        IF @window_full = 0
+                            BREAK;
+                        SET @walking = 1;
+                        SET @key = @after_key;
+                    END;
+                END;
+                IF @walking = 1
+                BEGIN
+                    IF @walk_budget <= 0
+                        BREAK;
+                    SET @walk_budget -= 1;
+                    -- One step of a loose scan of wq_dlv_partition_head_ix: the next key with
+                    -- open deliveries, wrapping around to the first key once.
+                    SET @next_key = NULL;
+                    IF @key IS NULL
+                        SELECT TOP (1) @next_key = k.partition_key
+                          FROM dbo.workqueue_delivery AS k
+                         WHERE k.subscription_id = @subscription_key
+                           AND k.partition_key IS NOT NULL
+                           AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                         ORDER BY k.partition_key;
+                    ELSE
+                        SELECT TOP (1) @next_key = k.partition_key
+                          FROM dbo.workqueue_delivery AS k
+                         WHERE k.subscription_id = @subscription_key
+                           AND k.partition_key IS NOT NULL
+                           AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                           AND k.partition_key > @key
+                         ORDER BY k.partition_key;
+                    SET @key = @next_key;
+                    IF @key IS NULL
+                    BEGIN
+                        IF @walked_from_start = 1
+                            BREAK;
+                        SET @walked_from_start = 1;
+                        CONTINUE;
+                    END;
+                    SET @walked_to = @key;
+                END;
+                IF EXISTS (SELECT 1 FROM @seen AS s WHERE s.partition_key = @key)
+                    CONTINUE;
+                INSERT INTO @seen (partition_key) VALUES (@key);
+
+                -- The key's candidate, read through wq_dlv_partition_head_ix.
                 SET @candidate = NULL;
-                SELECT TOP (1) @ord = c.ord, @candidate = c.id
-                  FROM @candidates AS c
-                 WHERE c.ord > @ord AND c.first_of_key = 1
-                 ORDER BY c.ord;
+                IF @ordered = 1
+                BEGIN
+                    SET @head_id = NULL;
+                    SELECT TOP (1) @head_id = h.id, @head_status = h.status,
+                           @head_visible_at = h.visible_at,
+                           @head_cancel_requested_at = h.cancel_requested_at
+                      FROM dbo.workqueue_delivery AS h
+                     WHERE h.subscription_id = @subscription_key AND h.partition_key = @key
+                       AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                     ORDER BY h.order_key;
+                    IF @head_id IS NOT NULL AND @head_status = N'Pending'
+                       AND @head_visible_at <= @now
+                       AND @head_cancel_requested_at IS NULL
+                        SET @candidate = @head_id;
+                END
+                ELSE IF NOT EXISTS (
+                    SELECT 1 FROM dbo.workqueue_delivery AS f
+                     WHERE f.subscription_id = @subscription_key AND f.partition_key = @key
+                       AND f.status = N'InFlight')
+                    SELECT TOP (1) @candidate = c.id
+                      FROM dbo.workqueue_delivery AS c
+                     WHERE c.subscription_id = @subscription_key AND c.partition_key = @key
+                       AND c.status = N'Pending' AND c.visible_at <= @now
+                       AND c.cancel_requested_at IS NULL
+                     ORDER BY c.order_key;
                 IF @candidate IS NULL
-                    BREAK;
+                    CONTINUE;
 
                 DELETE FROM @claimed;
                 BEGIN TRY
@@ -261,6 +342,10 @@ BEGIN
                     SET @remaining -= 1;
                 END;
             END;
+
+            IF @walked_to IS NOT NULL
+                INSERT INTO @result (phase, kind, partition_key)
+                VALUES (2, N'KeyCursor', @walked_to);
         END;
 
         IF @remaining > 0

@@ -1,5 +1,5 @@
 """Partition cases: Exclusive single flight per key, Ordered heads, and cancelled heads
-(C11-C17, C25, C26)."""
+(C11-C17, C25-C28)."""
 
 from __future__ import annotations
 
@@ -186,4 +186,54 @@ def exclusive_cancel_discarded_on_expiry(ctx: CaseContext) -> None:
         (stats["pending"], stats["in_flight"], stats["dead_lettered"]),
         (0, 1, 0),
         "stats (pending, in flight, dead-lettered): the cancelled head was not retried",
+    )
+
+
+# More rows of one key than a claim's window of oldest rows (4 x max rows + 32 for a claim of 2):
+# with that key blocked, the window holds nothing claimable and the claim must walk the keys.
+HOT_BACKLOG = 45
+
+
+@CASES.case("C27", "Exclusive: a busy key's backlog filling the oldest rows hides no other key")
+def exclusive_hot_key_hides_nothing(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.keyed(HOT_BACKLOG, key="hot")
+    hot = ctx.receive("a", max=1)
+    expect_equal([d.partition_key for d in hot], ["hot"], "the hot key's first delivery")
+    for key in ("x1", "x2", "x3"):
+        ctx.publish(key=key)
+
+    first = ctx.receive("a", max=2)
+    second = ctx.receive("a", max=2)
+
+    expect_equal(
+        sorted(d.partition_key or "" for d in first + second),
+        ["x1", "x2", "x3"],
+        "keys received past the busy key's backlog",
+    )
+    ctx.expect_nothing_receivable("a", "while every key is in flight")
+
+
+@CASES.case(
+    "C28",
+    "Ordered: a dead-lettered head with a long backlog blocks only its own key",
+    requires=("supports_ordered",),
+)
+def ordered_blocked_hot_key_hides_nothing(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Ordered")
+    ctx.keyed(HOT_BACKLOG, key="hot")
+    head = ctx.receive_one("a")
+    expect_settled(
+        ctx.receiver("a").dead_letter(head, "Poison"), "DeadLettered", "dead letter result"
+    )
+    for key in ("x1", "x2"):
+        ctx.publish(key=key)
+        ctx.publish(key=key)
+
+    received = ctx.receive("a", max=2)
+
+    expect_equal(
+        sorted(zip([d.partition_key for d in received], numbers(received), strict=True)),
+        [("x1", HOT_BACKLOG + 1), ("x2", HOT_BACKLOG + 3)],
+        "each other key's head, received past the blocked backlog",
     )

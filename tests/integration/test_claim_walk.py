@@ -1,0 +1,57 @@
+"""The key walk of wq_claim: when a hot key's backlog fills a claim's window of oldest rows, the
+claim walks the keys instead, resuming where the receiver's last walk stopped. Without the
+cursor, keys past one walk's budget would never be reached while the window stays clogged."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import SubscriptionFactory
+from workqueue import publish_many
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+BLOCKED_KEYS = 100  # more than one claim of one delivery may walk (4 x 1 + 64 keys)
+
+
+def _publish(topic: str, keys: list[str]) -> None:
+    results = publish_many(topic, [{"payload": {}, "partition_key": key} for key in keys])
+    assert all(r.accepted for r in results)
+
+
+def test_successive_claims_walk_on_from_the_cursor_until_a_free_key_is_reached():
+    subscription = SubscriptionFactory(partition_mode="Ordered")
+    topic = subscription.topic.name
+    holder = Receiver(subscription.id, "holder")
+    # The oldest rows: a hot key whose head is held, then two rows on each of 100 keys whose
+    # heads are held too. Only the keys published last are free.
+    _publish(topic, ["hot"] * 60)
+    assert [d.partition_key for d in holder.receive(1).deliveries] == ["hot"]
+    blocked = [f"b{n:03d}" for n in range(BLOCKED_KEYS)]
+    _publish(topic, blocked * 2)
+    assert len(holder.receive(BLOCKED_KEYS).deliveries) == BLOCKED_KEYS
+    _publish(topic, ["c000", "c001"])
+
+    walker = Receiver(subscription.id, "walker")
+    first = walker.receive(1)
+    assert first.deliveries == []
+    assert walker.key_cursor is not None and walker.key_cursor.startswith("b")
+    # A claim that starts over each time never gets past the blocked keys.
+    assert Receiver(subscription.id, "forgetful").receive(1).deliveries == []
+
+    second = walker.receive(1)
+    third = walker.receive(1)
+
+    assert [d.partition_key for d in second.deliveries + third.deliveries] == ["c000", "c001"]
+
+
+def test_a_window_with_room_needs_no_walk_and_keeps_publish_age_order():
+    subscription = SubscriptionFactory(partition_mode="Exclusive")
+    _publish(subscription.topic.name, ["z", "y", "x"])
+    receiver = Receiver(subscription.id)
+
+    claimed = receiver.receive(10).deliveries
+
+    assert [d.partition_key for d in claimed] == ["z", "y", "x"]
+    assert receiver.key_cursor is None
