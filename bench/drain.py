@@ -1,12 +1,14 @@
-"""Drain and pickup benchmark for one host process on one None subscription.
+"""Drain and pickup benchmark for one host process on one subscription.
 
 Usage (against the embedded PostgreSQL, or DATABASE_URL):
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --concurrency 1 8 32
     PYTHONPATH=. .venv/bin/python bench/drain.py --pickup 300
+    PYTHONPATH=. .venv/bin/python bench/drain.py --partition-mode Exclusive --keys 100 --pickup 0
 
-Drain: publish N no-op messages first, then time a host (in this process) from start until it
-has completed them all. Pickup: with the host idle and listening, publish one message at a time
-and measure from the publish call's return (committed) to the handler starting.
+Drain: publish N no-op messages first (keyless, or spread over --keys partition keys), then time
+a host (in this process) from start until it has completed them all. Pickup: with the host idle
+and listening, publish one message at a time and measure from the publish call's return
+(committed) to the handler starting.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ class NoopHandler(BaseWorkHandler):
         return Outcome.complete()
 
 
-def make_subscription(tag: str) -> Subscription:
+def make_subscription(tag: str, partition_mode: str = "None") -> Subscription:
     topic = Topic.objects.create(
         name=f"bench.{tag}", transport=Transport.objects.get(name="Database")
     )
-    return Subscription.objects.create(topic=topic, name=f"bench.{tag}-sub", handler_key="bench")
+    return Subscription.objects.create(
+        topic=topic, name=f"bench.{tag}-sub", handler_key="bench", partition_mode=partition_mode
+    )
 
 
 def remove(subscription: Subscription) -> None:
@@ -78,13 +82,16 @@ def vacuum_queue_tables() -> None:
             cursor.execute(f"VACUUM ANALYZE {table}")
 
 
-def drain(messages: int, concurrency: int) -> float:
-    subscription = make_subscription(f"drain-{uuid.uuid4().hex[:6]}")
+def drain(messages: int, concurrency: int, partition_mode: str, keys: int) -> float:
+    subscription = make_subscription(f"drain-{uuid.uuid4().hex[:6]}", partition_mode)
     try:
         for offset in range(0, messages, 500):
             publish_many(
                 subscription.topic.name,
-                [{"payload": {"n": n}} for n in range(offset, min(offset + 500, messages))],
+                [
+                    {"payload": {"n": n}, "partition_key": f"k{n % keys}" if keys else None}
+                    for n in range(offset, min(offset + 500, messages))
+                ],
             )
         started.clear()
         host = host_for(subscription, concurrency)
@@ -132,6 +139,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--pickup", type=int, default=300, help="pickup samples (0: skip)")
     parser.add_argument(
+        "--partition-mode", choices=["None", "Exclusive", "Ordered"], default="None"
+    )
+    parser.add_argument(
+        "--keys", type=int, default=0, help="spread messages over this many partition keys"
+    )
+    parser.add_argument(
         "--no-vacuum",
         dest="vacuum",
         action="store_false",
@@ -145,8 +158,11 @@ def main() -> int:
     for concurrency in args.concurrency:
         if args.vacuum:
             vacuum_queue_tables()
-        rate = drain(args.messages, concurrency)
-        print(f"drain {args.messages} no-op messages, concurrency {concurrency}: {rate:,.0f}/s")
+        rate = drain(args.messages, concurrency, args.partition_mode, args.keys)
+        shape = f", {args.partition_mode} over {args.keys} keys" if args.keys else ""
+        print(
+            f"drain {args.messages} no-op messages{shape}, concurrency {concurrency}: {rate:,.0f}/s"
+        )
     if args.pickup:
         lat = pickup(args.pickup)
         print(
