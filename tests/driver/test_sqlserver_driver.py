@@ -443,12 +443,24 @@ def test_scaler_grants_read_two_tables_only(driver):
     ]
 
 
-def test_grant_and_scaler_sql_parses(driver, tmp_path):
+def test_grant_reindex_and_scaler_sql_parses(driver, tmp_path):
     script = tmp_path / "grants.sql"
-    statements = driver.grant_runtime_statements("runtime") + driver.grant_scaler_statements("k")
+    statements = (
+        driver.grant_runtime_statements("runtime")
+        + driver.grant_scaler_statements("k")
+        + driver.rebuild_index_statements()
+    )
     script.write_text(";\n".join(statements) + ";\nGO\n" + driver.scaler_query("orders"))
     result = parse_tsql(script)
     assert result.returncode == 0, result.stderr
+
+
+def test_reindex_reorganizes_every_queue_table_online(driver):
+    assert driver.rebuild_index_statements() == [
+        "ALTER INDEX ALL ON dbo.workqueue_message REORGANIZE",
+        "ALTER INDEX ALL ON dbo.workqueue_delivery REORGANIZE",
+        "ALTER INDEX ALL ON dbo.workqueue_deduplication REORGANIZE",
+    ]
 
 
 def _capture_transaction(driver: SqlServerDriver, monkeypatch) -> _FakeConnection:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import uuid
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -217,3 +218,61 @@ def test_localdb_url_prints_the_embedded_database_url():
     if expected is None:
         pytest.skip("the suite is running against DATABASE_URL, not the embedded database")
     assert run("localdb", "url").strip() == expected
+
+
+def _bloat_the_delivery_indexes(pg_conn, subscription, rows: int = 20_000) -> None:
+    """A drained backlog: many deliveries inserted, then gone (test-only SQL)."""
+    pg_conn.execute(
+        """
+        WITH m AS (
+            INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
+                                           payload, published_at)
+            SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s, 'k' || g,
+                   '{}'::jsonb, now()
+              FROM generate_series(1, %(rows)s) g
+            RETURNING id, publish_ordinal, partition_key
+        )
+        INSERT INTO workqueue_delivery (id, message_id, subscription_id, status, partition_key,
+                                        order_key, attempt_count, is_replay, visible_at)
+        SELECT gen_random_uuid(), m.id, %(sub)s, 'Pending', m.partition_key, m.publish_ordinal,
+               0, false, now()
+          FROM m
+        """,
+        {"topic": subscription.topic_id, "sub": subscription.id, "rows": rows},
+    )
+    pg_conn.execute("DELETE FROM workqueue_delivery WHERE subscription_id = %s", [subscription.id])
+    pg_conn.execute("DELETE FROM workqueue_message WHERE topic_id = %s", [subscription.topic_id])
+
+
+def test_reindex_shrinks_the_indexes_a_drained_backlog_left_behind(pg_conn):
+    subscription = SubscriptionFactory(partition_mode="Exclusive")
+    _bloat_the_delivery_indexes(pg_conn, subscription)
+    pg_conn.execute("VACUUM workqueue_delivery")
+
+    assert "REINDEX TABLE CONCURRENTLY workqueue_delivery" in run("reindex", "--print")
+    sizes = json.loads(run("reindex", "--json"))
+
+    assert sizes["bytes_after"] * 4 < sizes["bytes_before"], sizes
+    # Every index is valid afterwards (a failed concurrent rebuild would leave one invalid).
+    invalid = pg_conn.execute(
+        "SELECT count(*) FROM pg_index WHERE indrelid = 'workqueue_delivery'::regclass "
+        "AND NOT indisvalid"
+    ).fetchone()[0]
+    assert invalid == 0
+
+
+def test_reindex_as_a_role_that_does_not_own_the_tables_says_who_must_run_it(pg_conn):
+    from django.db import connection
+
+    role = f"wq_not_owner_{uuid.uuid4().hex[:8]}"
+    pg_conn.execute(f"DROP ROLE IF EXISTS {role}")
+    pg_conn.execute(f"CREATE ROLE {role}")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET ROLE {role}")
+        with pytest.raises(CommandError, match="as the database user that owns"):
+            run("reindex")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET ROLE")
+        pg_conn.execute(f"DROP ROLE {role}")

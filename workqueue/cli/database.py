@@ -105,6 +105,56 @@ class ScalerQueryVerb(Verb):
             command.stdout.write(sql)
 
 
+class ReindexVerb(Verb):
+    name = "reindex"
+    help = (
+        "Rebuild the queue tables' indexes online. After a large backlog drains, the partial "
+        "indexes keep their size while holding few entries, and the planner starts to avoid "
+        "them; run this then, as the database user that owns the tables."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--print",
+            action="store_true",
+            dest="print_only",
+            help="Print the statements instead of running them.",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from django.db import DatabaseError, connections
+
+        from workqueue.conf import get_settings
+        from workqueue.driver import get_driver
+
+        alias = get_settings().DATABASE_ALIAS
+        driver = get_driver(alias)
+        statements = driver.rebuild_index_statements()
+        if options["print_only"]:
+            command.stdout.write(";\n".join(statements) + ";")
+            return
+        connection = connections[alias]
+        before = driver.queue_index_bytes(connection)
+        try:
+            for statement in statements:
+                # Each on its own: an online rebuild cannot run inside a transaction.
+                with connection.cursor() as cursor:
+                    cursor.execute(statement)
+        except DatabaseError as exc:
+            raise CommandError(
+                f"Could not rebuild the queue indexes: {exc}. Run `workqueue reindex` as the "
+                "database user that owns the work-queue tables (the one that runs migrate)."
+            ) from exc
+        after = driver.queue_index_bytes(connection)
+        if options["json"]:
+            command.stdout.write(to_json({"bytes_before": before, "bytes_after": after}))
+        else:
+            command.stdout.write(
+                f"Rebuilt the queue tables' indexes: {before / 1e6:.1f} MB before, "
+                f"{after / 1e6:.1f} MB after."
+            )
+
+
 class ConformanceVerb(Verb):
     name = "conformance"
     help = "Run the transport conformance suite against the configured database."
@@ -139,4 +189,11 @@ class ConformanceVerb(Verb):
             )
 
 
-DATABASE_VERBS = [LocalDbVerb, GrantRuntimeVerb, GrantScalerVerb, ScalerQueryVerb, ConformanceVerb]
+DATABASE_VERBS = [
+    LocalDbVerb,
+    GrantRuntimeVerb,
+    GrantScalerVerb,
+    ScalerQueryVerb,
+    ReindexVerb,
+    ConformanceVerb,
+]

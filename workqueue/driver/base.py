@@ -22,6 +22,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver.procedures import Param, ParamType, Procedure, get_procedure
 from workqueue.exceptions import DriverError
 
+#: The driver-owned tables; their indexes churn with every publish, claim and settle.
+QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplication")
+
 
 @dataclass(frozen=True, slots=True)
 class DriverFeatures:
@@ -73,6 +76,15 @@ class BaseDriver:
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         """Statements giving an autoscaler login SELECT on the tables its query reads."""
+        raise NotImplementedError
+
+    def rebuild_index_statements(self) -> list[str]:
+        """Statements that rebuild the queue tables' indexes without blocking claims or
+        publishes; each runs on its own, outside any transaction, as the tables' owner."""
+        raise NotImplementedError
+
+    def queue_index_bytes(self, connection: BaseDatabaseWrapper) -> int:
+        """The disk space the queue tables' indexes take now."""
         raise NotImplementedError
 
     def scaler_query(self, subscription_name: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import BaseDriver, DriverFeatures
+from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures
 from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
 from workqueue.sql import load_procedures
@@ -111,6 +111,18 @@ class PostgresDriver(BaseDriver):
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [f"GRANT SELECT ON workqueue_subscription, workqueue_delivery TO {quoted}"]
+
+    def rebuild_index_statements(self) -> list[str]:
+        return [f"REINDEX TABLE CONCURRENTLY {table}" for table in QUEUE_TABLES]
+
+    def queue_index_bytes(self, connection: BaseDatabaseWrapper) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT coalesce(sum(pg_relation_size(indexrelid)), 0) FROM pg_index "
+                "WHERE indrelid = ANY (%s::regclass[])",
+                [list(QUEUE_TABLES)],
+            )
+            return int(cursor.fetchone()[0])
 
     def scaler_query(self, subscription_name: str) -> str:
         literal = "'" + subscription_name.strip().lower().replace("'", "''") + "'"

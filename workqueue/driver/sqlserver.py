@@ -15,7 +15,7 @@ from typing import Any
 from django.db import DatabaseError, InterfaceError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import BaseDriver, DriverFeatures
+from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures
 from workqueue.driver.procedures import PROCEDURES, Param, ParamType, Procedure
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
 from workqueue.sql import load_procedures
@@ -234,6 +234,21 @@ class SqlServerDriver(BaseDriver):
             f"GRANT SELECT ON dbo.workqueue_subscription TO {quoted}",
             f"GRANT SELECT ON dbo.workqueue_delivery TO {quoted}",
         ]
+
+    def rebuild_index_statements(self) -> list[str]:
+        # REORGANIZE is always online (REBUILD WITH (ONLINE = ON) needs Enterprise or Azure).
+        return [f"ALTER INDEX ALL ON dbo.{table} REORGANIZE" for table in QUEUE_TABLES]
+
+    def queue_index_bytes(self, connection: BaseDatabaseWrapper) -> int:
+        placeholders = ", ".join(["OBJECT_ID(%s)"] * len(QUEUE_TABLES))
+        with connection.cursor() as cursor:
+            # index_id 0 and 1 are the table itself (heap or clustered index).
+            cursor.execute(
+                "SELECT COALESCE(SUM(used_page_count), 0) * 8192 FROM sys.dm_db_partition_stats "
+                f"WHERE index_id > 1 AND object_id IN ({placeholders})",
+                [f"dbo.{table}" for table in QUEUE_TABLES],
+            )
+            return int(cursor.fetchone()[0])
 
     def scaler_query(self, subscription_name: str) -> str:
         literal = "N'" + subscription_name.strip().lower().replace("'", "''") + "'"
