@@ -38,17 +38,31 @@ class LocalDbVerb(Verb):
             command.stdout.write(current)
 
 
-class _GrantVerb(Verb):
-    statements_for: str
+class _StatementsVerb(Verb):
+    """A verb that runs a list of SQL statements, or with ``--print`` only shows them."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("role", help="An existing database role (login or group).")
         parser.add_argument(
             "--print",
             action="store_true",
             dest="print_only",
             help="Print the statements instead of running them.",
         )
+
+    @staticmethod
+    def printed(command: BaseCommand, options: dict[str, Any], statements: list[str]) -> bool:
+        """Print ``statements`` if ``--print`` was given; whether they were."""
+        if options["print_only"]:
+            command.stdout.write(";\n".join(statements) + ";")
+        return options["print_only"]
+
+
+class _GrantVerb(_StatementsVerb):
+    statements_for: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("role", help="An existing database role (login or group).")
+        super().add_arguments(parser)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.conf import get_settings
@@ -57,8 +71,7 @@ class _GrantVerb(Verb):
 
         alias = get_settings().DATABASE_ALIAS
         statements = getattr(install, self.statements_for)(options["role"], alias)
-        if options["print_only"]:
-            command.stdout.write(";\n".join(statements) + ";")
+        if self.printed(command, options, statements):
             return
         try:
             install.apply_statements(statements, alias)
@@ -105,21 +118,13 @@ class ScalerQueryVerb(Verb):
             command.stdout.write(sql)
 
 
-class ReindexVerb(Verb):
+class ReindexVerb(_StatementsVerb):
     name = "reindex"
     help = (
         "Rebuild the queue tables' indexes online. After a large backlog drains, the partial "
         "indexes keep their size while holding few entries, and the planner starts to avoid "
         "them; run this then, as the database user that owns the tables."
     )
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--print",
-            action="store_true",
-            dest="print_only",
-            help="Print the statements instead of running them.",
-        )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from django.db import DatabaseError, connections
@@ -130,8 +135,7 @@ class ReindexVerb(Verb):
         alias = get_settings().DATABASE_ALIAS
         driver = get_driver(alias)
         statements = driver.rebuild_index_statements()
-        if options["print_only"]:
-            command.stdout.write(";\n".join(statements) + ";")
+        if self.printed(command, options, statements):
             return
         connection = connections[alias]
         before = driver.queue_index_bytes(connection)

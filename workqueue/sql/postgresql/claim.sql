@@ -148,9 +148,12 @@ BEGIN
     v_ordered := v_sub.partition_mode = 'Ordered';
 
     IF v_sub.partition_mode <> 'None' THEN
-        -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads a
-        -- fixed number of index entries (wq_dlv_claim_ix order), whatever the backlog.
-        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
+        -- The window: keys among the oldest visible Pending rows, oldest first. It reads a
+        -- fixed number of wq_dlv_claim_ix entries, whatever the backlog. (Keyless rows take
+        -- window places too: asking for keyed rows only would let the planner read them
+        -- through wq_dlv_partition_head_ix, in the wrong order, sorting the whole backlog.)
+        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order)
+                   FILTER (WHERE w.partition_key IS NOT NULL),
                sum(w.n) >= v_window_size
           INTO v_window_keys, v_window_full
           FROM (
@@ -160,7 +163,7 @@ BEGIN
                         SELECT d.partition_key, d.visible_at, d.order_key
                           FROM workqueue_delivery d
                          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                           AND d.partition_key IS NOT NULL AND d.visible_at <= now()
+                           AND d.visible_at <= now()
                          ORDER BY d.visible_at
                          LIMIT v_window_size
                        ) r
@@ -228,12 +231,19 @@ BEGIN
                     SELECT 1 FROM workqueue_delivery f
                      WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
                        AND f.status = 'InFlight');
-                SELECT c.id INTO v_candidate_id
-                  FROM workqueue_delivery c
-                 WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key
-                   AND c.status = 'Pending' AND c.visible_at <= now()
-                   AND c.cancel_requested_at IS NULL
-                 ORDER BY c.order_key
+                -- The key's open rows in order_key order, first runnable one wins. Asking for
+                -- every open status (and fencing the Pending test off with OFFSET 0) leaves
+                -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
+                -- the planner would otherwise pick wq_dlv_claim_ix and read every Pending row.
+                SELECT o.id INTO v_candidate_id
+                  FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
+                          FROM workqueue_delivery c
+                         WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key
+                           AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
+                         ORDER BY c.order_key
+                        OFFSET 0) o
+                 WHERE o.status = 'Pending' AND o.visible_at <= now()
+                   AND o.cancel_requested_at IS NULL
                  LIMIT 1;
                 CONTINUE WHEN NOT FOUND;
             END IF;
@@ -270,7 +280,13 @@ BEGIN
                 SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
                        c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
                        m.payload_ref, m.correlation_id::text, m.published_at
-                  FROM claimed c JOIN workqueue_message m ON m.id = c.message_id;
+                  FROM claimed c
+                 CROSS JOIN LATERAL (
+                       -- By primary key for each claimed row (OFFSET 0 keeps it a per-row probe:
+                       -- joined plainly, stale statistics can make the planner scan messages).
+                       SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
+                              x.payload_ref, x.correlation_id, x.published_at
+                         FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m;
                 IF FOUND THEN
                     v_remaining := v_remaining - 1;
                 END IF;
@@ -313,7 +329,12 @@ BEGIN
         SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
                c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
                m.payload_ref, m.correlation_id::text, m.published_at
-          FROM claimed c JOIN workqueue_message m ON m.id = c.message_id
+          FROM claimed c
+         CROSS JOIN LATERAL (
+               -- A per-row probe by primary key, as in the keyed claim above.
+               SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
+                      x.payload_ref, x.correlation_id, x.published_at
+                 FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m
          ORDER BY c.visible_at;
     END IF;
 END;
