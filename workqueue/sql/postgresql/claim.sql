@@ -121,6 +121,7 @@ DECLARE
     v_key text;
     v_seen text[] := '{}';
     v_candidate_id uuid;
+    v_candidate_row tid;
     v_head record;
     v_lease interval;
 BEGIN
@@ -253,7 +254,8 @@ BEGIN
             -- claimer is working on, or a row someone else has locked, is skipped this time.
             CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(
                 'wq-claim:' || lower(p_subscription_id::text) || ':' || v_key, 0));
-            PERFORM 1 FROM workqueue_delivery r WHERE r.id = v_candidate_id FOR UPDATE SKIP LOCKED;
+            SELECT r.ctid INTO v_candidate_row
+              FROM workqueue_delivery r WHERE r.id = v_candidate_id FOR UPDATE SKIP LOCKED;
             CONTINUE WHEN NOT FOUND;
             BEGIN
                 RETURN QUERY
@@ -263,7 +265,10 @@ BEGIN
                            lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
                            last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                            progress = NULL
-                     WHERE d.id = v_candidate_id AND d.status = 'Pending'
+                     -- By the locked row's ctid (it cannot move while locked): with a status
+                     -- test in the statement, stale statistics can make the planner walk
+                     -- wq_dlv_claim_ix for it instead of one primary-key probe.
+                     WHERE d.ctid = v_candidate_row AND d.status = 'Pending'
                        AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
                        AND NOT EXISTS (
                            SELECT 1 FROM workqueue_delivery f
