@@ -31,6 +31,11 @@ CATALOG_QUERIES = {
          WHERE connamespace = current_schema()::regnamespace
            AND conrelid::regclass::text LIKE 'workqueue\\_%%'
          ORDER BY 1, 2""",
+    "table_options": """
+        SELECT relname, reloptions FROM pg_class
+         WHERE relnamespace = current_schema()::regnamespace AND relkind = 'r'
+           AND relname LIKE 'workqueue\\_%%'
+         ORDER BY 1""",
     "functions": """
         SELECT p.oid::regprocedure::text, md5(p.prosrc), p.prosecdef, p.proconfig,
                p.provolatile, pg_get_function_result(p.oid), p.proacl
@@ -59,6 +64,8 @@ def test_models_and_migrations_agree():
 def test_an_upgraded_database_equals_a_fresh_one():
     fresh = _catalog()
     assert fresh["functions"], "the procedures should be installed by the migrations"
+    tuned = {name for name, options in fresh["table_options"] if options}
+    assert tuned == {"workqueue_message", "workqueue_delivery", "workqueue_deduplication"}
 
     # An older database (tables only, before any procedure migration) upgraded to the latest.
     call_command("migrate", "workqueue", "0001", verbosity=0)

@@ -66,6 +66,10 @@ class BaseDriver:
         ``wq_*`` procedures that the current files no longer declare."""
         raise NotImplementedError
 
+    def tune_queue_tables(self, connection: BaseDatabaseWrapper) -> None:
+        """Apply vendor settings that suit tables rewritten by every claim and settle (by
+        default none)."""
+
     def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
         """Drop every ``wq_*`` procedure (reversing the first procedure migration)."""
         raise NotImplementedError

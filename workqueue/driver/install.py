@@ -22,13 +22,14 @@ MigrationStep = Callable[[Any, Any], None]
 
 
 def install_procedures_step(migration_name: str) -> MigrationStep:
-    """A RunPython forward step that installs the procedures if ``migration_name`` is latest."""
+    """A RunPython forward step that installs the procedures (and the queue tables' vendor
+    settings, versioned the same way) if ``migration_name`` is the latest."""
 
     def install(apps: Any, schema_editor: Any) -> None:
         if migration_name == LATEST_PROCEDURE_MIGRATION:
-            driver_for_connection(schema_editor.connection).install_procedures(
-                schema_editor.connection
-            )
+            driver = driver_for_connection(schema_editor.connection)
+            driver.install_procedures(schema_editor.connection)
+            driver.tune_queue_tables(schema_editor.connection)
 
     return install
 
