@@ -109,8 +109,10 @@ def test_partition_and_deduplication_keys_use_the_binary_collation(ddl):
 
 
 def test_other_indexes_the_procedures_rely_on_are_filtered_as_designed(ddl):
-    claim = re.sub(r"\s+", " ", _statement(ddl, r"\[wq_dlv_claim_ix\]"))
-    assert "([subscription_id], [visible_at])" in claim and "WHERE [status] = 'Pending'" in claim
+    for name, key_test in [("keyed", "IS NOT NULL"), ("keyless", "IS NULL")]:
+        claim = re.sub(r"\s+", " ", _statement(ddl, rf"^CREATE INDEX \[wq_dlv_claim_{name}_ix\]"))
+        assert "([subscription_id], [visible_at])" in claim, claim
+        assert f"[partition_key] {key_test}" in claim and "[status] = 'Pending'" in claim, claim
     unique_dedup = _statement(ddl, r"\[wq_dedup_topic_key_uq\]")
     assert "UNIQUE ([topic_id], [deduplication_key])" in unique_dedup
 

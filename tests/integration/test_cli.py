@@ -199,10 +199,11 @@ def test_conformance_verb_prints_the_table():
     assert "C01" in out and "PASS" in out and "2 passed" in out
 
 
-def test_grant_scaler_prints_select_on_the_two_tables_its_query_reads():
+def test_grant_scaler_prints_select_on_subscriptions_and_execute_on_wq_backlog():
     out = run("grant-scaler", "keda_reader", "--print")
     assert out.strip().splitlines() == [
-        'GRANT SELECT ON workqueue_subscription, workqueue_delivery TO "keda_reader";'
+        'GRANT SELECT ON workqueue_subscription TO "keda_reader";',
+        'GRANT EXECUTE ON FUNCTION wq_backlog(uuid, integer) TO "keda_reader";',
     ]
 
 

@@ -102,6 +102,13 @@ def test_hot_paths_use_indexes_with_a_large_backlog(pg_conn):
 HOT_BACKLOG = 20_000
 
 
+def _rows_read(plans: str) -> list[int]:
+    """Rows each plan node returned, and rows it read only to throw away."""
+    returned = re.findall(r"actual time=[\d.]+\.\.[\d.]+ rows=(\d+) loops=(\d+)", plans)
+    discarded = re.findall(r"Rows Removed by (?:Filter|Index Recheck): (\d+)", plans)
+    return [int(rows) * int(loops) for rows, loops in returned] + [int(n) for n in discarded]
+
+
 def _seed_hot_key(pg_conn, subscription, head_status: str) -> None:
     """HOT_BACKLOG deliveries of key 'hot' (the oldest rows, its head in ``head_status``), then
     one Pending delivery for each of 50 other keys."""
@@ -160,11 +167,7 @@ def test_a_hot_keys_blocked_backlog_is_not_read_by_claims(pg_conn, mode, head_st
     plans = _nested_plans(pg_conn, "wq_claim", params, analyze=True)
 
     assert "Seq Scan on workqueue_delivery" not in plans, plans
-    # Rows each plan node returned, and rows it read only to throw away.
-    rows_read = [
-        int(rows) * int(loops)
-        for rows, loops in re.findall(r"actual time=[\d.]+\.\.[\d.]+ rows=(\d+) loops=(\d+)", plans)
-    ] + [int(n) for n in re.findall(r"Rows Removed by (?:Filter|Index Recheck): (\d+)", plans)]
+    rows_read = _rows_read(plans)
     assert rows_read, plans
     # The whole claim reads a window of rows and a few index entries per key, never the backlog.
     assert max(rows_read) < 200, plans
@@ -174,3 +177,12 @@ def test_a_hot_keys_blocked_backlog_is_not_read_by_claims(pg_conn, mode, head_st
         [subscription.id],
     ).fetchone()
     assert claimed == (8, 0), mode
+
+    # The operators' and autoscaler's count walks keys the same way: the hot key is one step.
+    plans = _nested_plans(pg_conn, "wq_backlog", {**params, "cap": 1000}, analyze=True)
+    assert "Seq Scan on workqueue_delivery" not in plans, plans
+    assert max(_rows_read(plans)) < 200, plans
+    backlog = pg_conn.execute(
+        "SELECT claimable, in_flight FROM wq_backlog(%s, 1000)", [subscription.id]
+    ).fetchone()
+    assert backlog == (42, 8 + (head_status == "InFlight")), mode

@@ -11,6 +11,7 @@ from django.core.management import call_command
 from django.db import connection
 
 from tests.factories import SubscriptionFactory
+from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.driver.procedures import get_procedure
 
@@ -100,3 +101,17 @@ def test_a_role_without_the_grant_cannot_call_the_procedures(runtime_role):
             "p_max_rows => 1, p_after_key => NULL)",
             [subscription.id],
         )
+
+
+def test_a_scaler_role_runs_the_scaler_query_and_reads_no_delivery(runtime_role):
+    subscription = SubscriptionFactory(partition_mode="Ordered")
+    for key in ("a", "a", "b"):
+        publish(subscription.topic.name, {}, partition_key=key)
+    call_command("workqueue", "grant-scaler", runtime_role)
+    sql = get_driver().scaler_query(subscription.name)
+
+    with _connect_as(runtime_role) as conn:
+        assert conn.execute(sql).fetchall() == [(2,)]  # the heads of "a" and "b"
+        assert conn.execute(get_driver().scaler_query("no.such.subscription")).fetchall() == [(0,)]
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT count(*) FROM workqueue_delivery")

@@ -79,7 +79,7 @@ class BaseDriver:
         raise NotImplementedError
 
     def grant_scaler_statements(self, role: str) -> list[str]:
-        """Statements giving an autoscaler login SELECT on the tables its query reads."""
+        """Statements giving an autoscaler login what its scaler query needs, nothing more."""
         raise NotImplementedError
 
     def rebuild_index_statements(self) -> list[str]:

@@ -124,7 +124,10 @@ class PostgresDriver(BaseDriver):
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
-        return [f"GRANT SELECT ON workqueue_subscription, workqueue_delivery TO {quoted}"]
+        return [
+            f"GRANT SELECT ON workqueue_subscription TO {quoted}",
+            f"GRANT EXECUTE ON FUNCTION wq_backlog(uuid, integer) TO {quoted}",
+        ]
 
     def rebuild_index_statements(self) -> list[str]:
         return [f"REINDEX TABLE CONCURRENTLY {table}" for table in QUEUE_TABLES]
@@ -279,28 +282,11 @@ class PostgresListener:
         self._connection.close()
 
 
-# Claimable now (keyless visible Pending rows, plus one per key that could be claimed) plus
-# InFlight rows, for one subscription by name, capped at 1000. Reads two tables only.
+# Claimable now plus InFlight, for one subscription by name, capped at 1000, from wq_backlog (the
+# same count the operators see); one row, 0 when no subscription has that name.
 SCALER_QUERY = """\
-WITH s AS (
-    SELECT id, partition_mode, status FROM workqueue_subscription WHERE name = %(name)s
-), ready AS (
-    SELECT d.partition_key FROM workqueue_delivery d, s
-     WHERE d.subscription_id = s.id AND s.status = 'Active' AND d.status = 'Pending'
-       AND d.visible_at <= now()
-       AND (d.partition_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM workqueue_delivery f WHERE f.subscription_id = s.id
-               AND f.partition_key = d.partition_key AND f.status = 'InFlight'))
-       AND (s.partition_mode <> 'Ordered' OR d.partition_key IS NULL OR NOT EXISTS (
-            SELECT 1 FROM workqueue_delivery h WHERE h.subscription_id = s.id
-               AND h.partition_key = d.partition_key AND h.order_key < d.order_key
-               AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
-     LIMIT 1000
-)
-SELECT LEAST(1000,
-    (SELECT count(*) FROM ready WHERE partition_key IS NULL)
-  + (SELECT count(DISTINCT partition_key) FROM ready)
-  + (SELECT count(*) FROM (SELECT 1 FROM workqueue_delivery d, s
-      WHERE d.subscription_id = s.id AND d.status = 'InFlight' LIMIT 1000) AS held)
-) AS desired_workers
+SELECT coalesce((
+    SELECT LEAST(1000, b.claimable + b.in_flight)
+      FROM workqueue_subscription s CROSS JOIN LATERAL wq_backlog(s.id, 1000) b
+     WHERE s.name = %(name)s), 0) AS desired_workers
 """

@@ -4,6 +4,9 @@
   walk over partition keys goes on from where the caller's last walk stopped (see
   ``workqueue/sql/*/claim.sql``). Procedures are reinstalled from the current files; the
   three-argument wq_claim is dropped as no longer declared.
+- The claim index is split into keyed and keyless halves, so that neither claim path walks
+  the other's rows (a partitioned subscription's keyless batch used to read its whole keyed
+  backlog to find none).
 - The delivery uniqueness constraint now leads with the message, so no full index leads with
   the subscription: with lagging statistics the planner preferred it to the partial claim
   indexes and sorted a whole backlog on every claim. The message's own index is dropped, as
@@ -36,6 +39,24 @@ class Migration(migrations.Migration):
     dependencies = [("workqueue", "0005_api_keys")]
 
     operations = [
+        migrations.AddIndex(
+            model_name="delivery",
+            index=models.Index(
+                condition=models.Q(("partition_key__isnull", False), ("status", "Pending")),
+                fields=["subscription", "visible_at"],
+                include=["partition_key", "order_key"],
+                name="wq_dlv_claim_keyed_ix",
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="delivery",
+            index=models.Index(
+                condition=models.Q(("partition_key__isnull", True), ("status", "Pending")),
+                fields=["subscription", "visible_at"],
+                name="wq_dlv_claim_keyless_ix",
+            ),
+        ),
+        migrations.RemoveIndex(model_name="delivery", name="wq_dlv_claim_ix"),
         migrations.AddConstraint(
             model_name="delivery",
             constraint=models.UniqueConstraint(

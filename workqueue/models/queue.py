@@ -112,11 +112,19 @@ class Delivery(DriverOwnedModel):
             ),
         ]
         indexes = [
+            # Claims read Pending rows oldest first, keyed and keyless ones apart: the keyless
+            # batch of a partitioned subscription must not walk past its keyed backlog (nor the
+            # window of keyed rows past keyless ones).
             models.Index(
                 fields=["subscription", "visible_at"],
-                include=["partition_key", "order_key", "attempt_count"],
-                condition=Q(status=DeliveryStatus.PENDING),
-                name="wq_dlv_claim_ix",
+                include=["partition_key", "order_key"],
+                condition=Q(status=DeliveryStatus.PENDING, partition_key__isnull=False),
+                name="wq_dlv_claim_keyed_ix",
+            ),
+            models.Index(
+                fields=["subscription", "visible_at"],
+                condition=Q(status=DeliveryStatus.PENDING, partition_key__isnull=True),
+                name="wq_dlv_claim_keyless_ix",
             ),
             models.Index(
                 fields=["subscription", "partition_key", "order_key"],

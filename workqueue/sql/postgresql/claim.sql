@@ -149,12 +149,9 @@ BEGIN
     v_ordered := v_sub.partition_mode = 'Ordered';
 
     IF v_sub.partition_mode <> 'None' THEN
-        -- The window: keys among the oldest visible Pending rows, oldest first. It reads a
-        -- fixed number of wq_dlv_claim_ix entries, whatever the backlog. (Keyless rows take
-        -- window places too: asking for keyed rows only would let the planner read them
-        -- through wq_dlv_partition_head_ix, in the wrong order, sorting the whole backlog.)
-        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order)
-                   FILTER (WHERE w.partition_key IS NOT NULL),
+        -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads a
+        -- fixed number of wq_dlv_claim_keyed_ix entries, whatever the backlog.
+        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
                sum(w.n) >= v_window_size
           INTO v_window_keys, v_window_full
           FROM (
@@ -164,7 +161,7 @@ BEGIN
                         SELECT d.partition_key, d.visible_at, d.order_key
                           FROM workqueue_delivery d
                          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                           AND d.visible_at <= now()
+                           AND d.partition_key IS NOT NULL AND d.visible_at <= now()
                          ORDER BY d.visible_at
                          LIMIT v_window_size
                        ) r
@@ -235,7 +232,8 @@ BEGIN
                 -- The key's open rows in order_key order, first runnable one wins. Asking for
                 -- every open status (and fencing the Pending test off with OFFSET 0) leaves
                 -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
-                -- the planner would otherwise pick wq_dlv_claim_ix and read every Pending row.
+                -- the planner would otherwise pick wq_dlv_claim_keyed_ix and read every Pending
+                -- row.
                 SELECT o.id INTO v_candidate_id
                   FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
                           FROM workqueue_delivery c
@@ -267,7 +265,7 @@ BEGIN
                            progress = NULL
                      -- By the locked row's ctid (it cannot move while locked): with a status
                      -- test in the statement, stale statistics can make the planner walk
-                     -- wq_dlv_claim_ix for it instead of one primary-key probe.
+                     -- wq_dlv_claim_keyed_ix for it instead of one primary-key probe.
                      WHERE d.ctid = v_candidate_row AND d.status = 'Pending'
                        AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
                        AND NOT EXISTS (

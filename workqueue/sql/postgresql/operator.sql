@@ -242,43 +242,93 @@ $$;
 -- wq_backlog --
 -- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
 -- that could be claimed now under the subscription's partition mode; 0 unless the subscription is
--- Active) and InFlight rows, each counted up to p_cap.
+-- Active) and InFlight rows, each counted up to p_cap (NULL: uncapped). No row when the
+-- subscription does not exist. Keys are counted by walking wq_dlv_partition_head_ix one key at a
+-- time (as wq_claim walks them), so a hot key's blocked backlog costs one step, not its rows.
 CREATE OR REPLACE FUNCTION wq_backlog(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (claimable bigint, in_flight bigint)
-LANGUAGE sql
+LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
-    SELECT
-        CASE WHEN s.status <> 'Active' THEN 0 ELSE LEAST(p_cap,
-            (SELECT count(*) FROM (
-                SELECT 1 FROM workqueue_delivery d
-                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                   AND d.partition_key IS NULL AND d.visible_at <= now()
-                 LIMIT p_cap) AS keyless)
-          + (SELECT count(*) FROM (
-                SELECT DISTINCT d.partition_key FROM workqueue_delivery d
-                 WHERE s.partition_mode <> 'None'
-                   AND d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                   AND d.partition_key IS NOT NULL AND d.visible_at <= now()
-                   AND NOT EXISTS (
-                       SELECT 1 FROM workqueue_delivery f
-                        WHERE f.subscription_id = d.subscription_id
-                          AND f.partition_key = d.partition_key AND f.status = 'InFlight')
-                   AND (s.partition_mode <> 'Ordered' OR NOT EXISTS (
-                       SELECT 1 FROM workqueue_delivery h
-                        WHERE h.subscription_id = d.subscription_id
-                          AND h.partition_key = d.partition_key
-                          AND h.order_key < d.order_key
-                          AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
-                 LIMIT p_cap) AS keyed))
-        END,
-        (SELECT count(*) FROM (
-            SELECT 1 FROM workqueue_delivery d
-             WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight' LIMIT p_cap) AS held)
-      FROM workqueue_subscription s
-     WHERE s.id = p_subscription_id;
+#variable_conflict use_column
+DECLARE
+    v_sub record;
+    v_limit bigint := coalesce(p_cap, 9223372036854775807);
+    v_claimable bigint;
+    v_key text;
+    v_head record;
+BEGIN
+    SELECT s.partition_mode, s.status INTO v_sub
+      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    in_flight := (SELECT count(*) FROM (
+        SELECT 1 FROM workqueue_delivery d
+         WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+         LIMIT v_limit) AS held);
+    IF v_sub.status <> 'Active' THEN
+        claimable := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    v_claimable := (SELECT count(*) FROM (
+        SELECT 1 FROM workqueue_delivery d
+         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+           AND d.partition_key IS NULL AND d.visible_at <= now()
+         LIMIT v_limit) AS keyless);
+
+    IF v_sub.partition_mode <> 'None' THEN
+        LOOP
+            EXIT WHEN v_claimable >= v_limit;
+            IF v_key IS NULL THEN
+                v_key := (SELECT k.partition_key FROM workqueue_delivery k
+                           WHERE k.subscription_id = p_subscription_id
+                             AND k.partition_key IS NOT NULL
+                             AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+                           ORDER BY k.partition_key LIMIT 1);
+            ELSE
+                v_key := (SELECT k.partition_key FROM workqueue_delivery k
+                           WHERE k.subscription_id = p_subscription_id
+                             AND k.partition_key IS NOT NULL
+                             AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+                             AND k.partition_key > v_key
+                           ORDER BY k.partition_key LIMIT 1);
+            END IF;
+            EXIT WHEN v_key IS NULL;
+            IF v_sub.partition_mode = 'Ordered' THEN
+                -- Claimable when the key's head is a visible Pending delivery.
+                SELECT h.status, h.visible_at INTO v_head
+                  FROM workqueue_delivery h
+                 WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
+                   AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY h.order_key
+                 LIMIT 1;
+                IF v_head.status = 'Pending' AND v_head.visible_at <= now() THEN
+                    v_claimable := v_claimable + 1;
+                END IF;
+            ELSIF NOT EXISTS (
+                    SELECT 1 FROM workqueue_delivery f
+                     WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
+                       AND f.status = 'InFlight')
+              AND EXISTS (
+                    -- Fenced like wq_claim's candidate lookup, to keep to the key's index.
+                    SELECT 1 FROM (SELECT c.status, c.visible_at
+                                     FROM workqueue_delivery c
+                                    WHERE c.subscription_id = p_subscription_id
+                                      AND c.partition_key = v_key
+                                      AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
+                                   OFFSET 0) o
+                     WHERE o.status = 'Pending' AND o.visible_at <= now()) THEN
+                v_claimable := v_claimable + 1;
+            END IF;
+        END LOOP;
+    END IF;
+    claimable := LEAST(v_claimable, v_limit);
+    RETURN NEXT;
+END;
 $$;
 
 -- wq_read_committed_snapshot_state --

@@ -190,20 +190,16 @@ BEGIN
     BEGIN
         IF @partition_mode <> N'None'
         BEGIN
-            -- The window: keys among the oldest visible Pending rows, oldest first. It reads a
-            -- fixed number of wq_dlv_claim_ix entries, whatever the backlog; keyless rows take
-            -- window places too (they are counted, under ord 0, but never tried as keys).
+            -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads
+            -- a fixed number of wq_dlv_claim_keyed_ix entries, whatever the backlog.
             INSERT INTO @window_keys (ord, partition_key, rows_in_window)
-            SELECT CASE WHEN r.partition_key IS NULL THEN 0
-                        ELSE ROW_NUMBER() OVER (
-                            ORDER BY CASE WHEN r.partition_key IS NULL THEN 1 ELSE 0 END,
-                                     MIN(r.visible_at), MIN(r.order_key)) END,
+            SELECT ROW_NUMBER() OVER (ORDER BY MIN(r.visible_at), MIN(r.order_key)),
                    r.partition_key, COUNT(*)
               FROM (
                     SELECT TOP (@window_size) d.partition_key, d.visible_at, d.order_key
                       FROM dbo.workqueue_delivery AS d
                      WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-                       AND d.visible_at <= @now
+                       AND d.partition_key IS NOT NULL AND d.visible_at <= @now
                      ORDER BY d.visible_at
                    ) AS r
              GROUP BY r.partition_key;

@@ -264,7 +264,8 @@ GO
 -- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
 -- that could be claimed now under the subscription's partition mode; 0 unless the subscription
 -- is Active) and InFlight rows, each counted up to @cap (NULL: uncapped). No row when the
--- subscription does not exist.
+-- subscription does not exist. Keys are counted by walking wq_dlv_partition_head_ix one key at a
+-- time (as wq_claim walks them), so a hot key's blocked backlog costs one step, not its rows.
 -- returns: claimable, in_flight
 CREATE OR ALTER PROCEDURE dbo.wq_backlog
     @subscription_id uniqueidentifier,
@@ -276,40 +277,81 @@ BEGIN
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @limit int = COALESCE(@cap, 2147483647);
+    DECLARE @partition_mode nvarchar(20);
+    DECLARE @subscription_status nvarchar(20);
+    DECLARE @claimable int = 0;
+    DECLARE @in_flight int = 0;
+    DECLARE @key nvarchar(200);
+    DECLARE @next_key nvarchar(200);
+    DECLARE @head_status nvarchar(20);
+    DECLARE @head_visible_at datetimeoffset(7);
+
+    SELECT @partition_mode = s.partition_mode, @subscription_status = s.status
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.id = @subscription_key;
+
+    IF @subscription_status IS NOT NULL
+    BEGIN
+        SELECT @in_flight = COUNT(*) FROM (
+            SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = @subscription_key AND d.status = N'InFlight') AS held;
+    END;
+
+    IF @subscription_status = N'Active'
+    BEGIN
+        SELECT @claimable = COUNT(*) FROM (
+            SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+               AND d.partition_key IS NULL AND d.visible_at <= @now) AS keyless;
+
+        WHILE @partition_mode <> N'None' AND @claimable < @limit
+        BEGIN
+            SET @next_key = NULL;
+            IF @key IS NULL
+                SELECT TOP (1) @next_key = k.partition_key
+                  FROM dbo.workqueue_delivery AS k
+                 WHERE k.subscription_id = @subscription_key AND k.partition_key IS NOT NULL
+                   AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                 ORDER BY k.partition_key;
+            ELSE
+                SELECT TOP (1) @next_key = k.partition_key
+                  FROM dbo.workqueue_delivery AS k
+                 WHERE k.subscription_id = @subscription_key AND k.partition_key IS NOT NULL
+                   AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                   AND k.partition_key > @key
+                 ORDER BY k.partition_key;
+            IF @next_key IS NULL
+                BREAK;
+            SET @key = @next_key;
+
+            IF @partition_mode = N'Ordered'
+            BEGIN
+                -- Claimable when the key's head is a visible Pending delivery.
+                SET @head_status = NULL;
+                SELECT TOP (1) @head_status = h.status, @head_visible_at = h.visible_at
+                  FROM dbo.workqueue_delivery AS h
+                 WHERE h.subscription_id = @subscription_key AND h.partition_key = @key
+                   AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                 ORDER BY h.order_key;
+                IF @head_status = N'Pending' AND @head_visible_at <= @now
+                    SET @claimable += 1;
+            END
+            ELSE IF NOT EXISTS (
+                    SELECT 1 FROM dbo.workqueue_delivery AS f
+                     WHERE f.subscription_id = @subscription_key AND f.partition_key = @key
+                       AND f.status = N'InFlight')
+                AND EXISTS (
+                    SELECT 1 FROM dbo.workqueue_delivery AS c
+                     WHERE c.subscription_id = @subscription_key AND c.partition_key = @key
+                       AND c.status = N'Pending' AND c.visible_at <= @now)
+                SET @claimable += 1;
+        END;
+    END;
 
     -- result set
-    SELECT CASE WHEN s.status <> N'Active' THEN 0
-                WHEN x.keyless + x.keyed > @limit THEN @limit
-                ELSE x.keyless + x.keyed END AS claimable,
-           x.held AS in_flight
+    SELECT CASE WHEN @claimable > @limit THEN @limit ELSE @claimable END AS claimable,
+           @in_flight AS in_flight
       FROM dbo.workqueue_subscription AS s
-     CROSS APPLY (
-           SELECT
-               (SELECT COUNT(*) FROM (
-                    SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
-                     WHERE d.subscription_id = s.id AND d.status = N'Pending'
-                       AND d.partition_key IS NULL AND d.visible_at <= @now) AS a) AS keyless,
-               (SELECT COUNT(*) FROM (
-                    SELECT DISTINCT TOP (@limit) d.partition_key
-                      FROM dbo.workqueue_delivery AS d
-                     WHERE s.partition_mode <> N'None'
-                       AND d.subscription_id = s.id AND d.status = N'Pending'
-                       AND d.partition_key IS NOT NULL AND d.visible_at <= @now
-                       AND NOT EXISTS (
-                           SELECT 1 FROM dbo.workqueue_delivery AS f
-                            WHERE f.subscription_id = d.subscription_id
-                              AND f.partition_key = d.partition_key AND f.status = N'InFlight')
-                       AND (s.partition_mode <> N'Ordered' OR NOT EXISTS (
-                           SELECT 1 FROM dbo.workqueue_delivery AS h
-                            WHERE h.subscription_id = d.subscription_id
-                              AND h.partition_key = d.partition_key
-                              AND h.order_key < d.order_key
-                              AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')))
-                    ) AS b) AS keyed,
-               (SELECT COUNT(*) FROM (
-                    SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
-                     WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS c) AS held
-     ) AS x
      WHERE s.id = @subscription_key;
 END;
 GO
