@@ -16,7 +16,7 @@ from typing import Any
 
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
-from workqueue.driver.base import BaseDriver
+from workqueue.driver.base import BaseDriver, SparseIndex
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -271,6 +271,10 @@ def backlog(subscription_id: str, cap: int = BACKLOG_CAP) -> Backlog | None:
 
 def read_committed_snapshot_on() -> bool:
     return bool(_driver().call_one("wq_read_committed_snapshot_state")["snapshot_on"])
+
+
+def sparse_queue_indexes() -> list[SparseIndex]:
+    return _driver().sparse_queue_indexes()
 
 
 # -- sweeper primitives --------------------------------------------------------------------

@@ -27,6 +27,13 @@ QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplicat
 
 
 @dataclass(frozen=True, slots=True)
+class SparseIndex:
+    name: str
+    pages: int
+    entries: int
+
+
+@dataclass(frozen=True, slots=True)
 class DriverFeatures:
     """What a vendor can do; callers ask these flags instead of naming the vendor."""
 
@@ -86,6 +93,11 @@ class BaseDriver:
         """Statements that rebuild the queue tables' indexes without blocking claims or
         publishes; each runs on its own, outside any transaction, as the tables' owner."""
         raise NotImplementedError
+
+    def sparse_queue_indexes(self) -> list[SparseIndex]:
+        """Queue indexes holding far fewer entries than their size (what a drained backlog
+        leaves), which a planner pricing indexes by pages per entry may stop using."""
+        return []
 
     def queue_index_bytes(self, connection: BaseDatabaseWrapper) -> int:
         """The disk space the queue tables' indexes take now."""

@@ -11,7 +11,7 @@ from typing import Any
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures
+from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures, SparseIndex
 from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
 from workqueue.sql import load_procedures
@@ -131,6 +131,23 @@ class PostgresDriver(BaseDriver):
 
     def rebuild_index_statements(self) -> list[str]:
         return [f"REINDEX TABLE CONCURRENTLY {table}" for table in QUEUE_TABLES]
+
+    def sparse_queue_indexes(self) -> list[SparseIndex]:
+        # Fewer entries than pages, in an index of 64 pages or more: a B-tree page holds
+        # hundreds of entries, so this is what a drained backlog leaves, never a busy index.
+        # reltuples is as fresh as the last (auto)vacuum or analyze; -1 means never counted.
+        rows = self.execute(
+            "SELECT c.relname::text, (pg_relation_size(c.oid) / "
+            "current_setting('block_size')::int)::int, c.reltuples::bigint "
+            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = ANY (%s::regclass[]) ORDER BY 1",
+            [list(QUEUE_TABLES)],
+        )
+        return [
+            SparseIndex(name, pages, entries)
+            for name, pages, entries in rows
+            if pages >= 64 and 0 <= entries < pages
+        ]
 
     def queue_index_bytes(self, connection: BaseDatabaseWrapper) -> int:
         with connection.cursor() as cursor:

@@ -279,6 +279,18 @@ def validate_bindings(
                 "IMMEDIATE;",
             )
         )
+    sparse = transport.sparse_queue_indexes()
+    if sparse:
+        listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)
+        issues.append(
+            BindingIssue(
+                "Warning",
+                "database",
+                f"Queue indexes far larger than their entries need, as a drained backlog leaves "
+                f"them: {listed}. The planner may avoid them and claims slow down; run "
+                "`manage.py workqueue reindex` as the owner of the work-queue tables.",
+            )
+        )
     live_keys: set[str] = set()
     for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
         live_keys.update(keys or [])
