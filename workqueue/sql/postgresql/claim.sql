@@ -65,6 +65,33 @@ BEGIN
 END;
 $$;
 
+-- wq_next_open_key --
+-- The first partition key after p_after_key (the very first when it is NULL) among the
+-- subscription's open deliveries: one step of a loose scan of wq_dlv_partition_head_ix, shared
+-- by wq_claim's key walk and wq_backlog. Two statements, each ORDER BY ... LIMIT 1 rather than
+-- min(), so that each stays one index probe even when stale statistics make the subscription
+-- look tiny. Only the procedures call it (EXECUTE is revoked from PUBLIC), inside their pinned
+-- search_path, so it needs neither SECURITY DEFINER nor a search_path of its own.
+CREATE OR REPLACE FUNCTION wq_next_open_key(p_subscription_id uuid, p_after_key text)
+RETURNS text
+LANGUAGE plpgsql
+STABLE
+AS $$
+BEGIN
+    IF p_after_key IS NULL THEN
+        RETURN (SELECT k.partition_key FROM workqueue_delivery k
+                 WHERE k.subscription_id = p_subscription_id AND k.partition_key IS NOT NULL
+                   AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY k.partition_key LIMIT 1);
+    END IF;
+    RETURN (SELECT k.partition_key FROM workqueue_delivery k
+             WHERE k.subscription_id = p_subscription_id AND k.partition_key IS NOT NULL
+               AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+               AND k.partition_key > p_after_key
+             ORDER BY k.partition_key LIMIT 1);
+END;
+$$;
+
 -- wq_claim --
 -- Lease up to p_max_rows deliveries of an Active subscription to p_lease_owner in one call.
 -- First expires this subscription's passed leases (rows of kind 'ExpiredDeadLetter' report the
@@ -185,24 +212,8 @@ BEGIN
             IF v_walking THEN
                 EXIT WHEN v_walk_budget <= 0;
                 v_walk_budget := v_walk_budget - 1;
-                -- One step of a loose scan of wq_dlv_partition_head_ix: the next key with open
-                -- deliveries, wrapping around to the first key once.
-                -- Two statements, each ORDER BY ... LIMIT 1 rather than min(), so that each stays
-                -- one index probe even when stale statistics make the subscription look tiny.
-                IF v_key IS NULL THEN
-                    v_key := (SELECT k.partition_key FROM workqueue_delivery k
-                               WHERE k.subscription_id = p_subscription_id
-                                 AND k.partition_key IS NOT NULL
-                                 AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
-                               ORDER BY k.partition_key LIMIT 1);
-                ELSE
-                    v_key := (SELECT k.partition_key FROM workqueue_delivery k
-                               WHERE k.subscription_id = p_subscription_id
-                                 AND k.partition_key IS NOT NULL
-                                 AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
-                                 AND k.partition_key > v_key
-                               ORDER BY k.partition_key LIMIT 1);
-                END IF;
+                -- The next key with open deliveries, wrapping around to the first key once.
+                v_key := wq_next_open_key(p_subscription_id, v_key);
                 IF v_key IS NULL THEN
                     EXIT WHEN v_walked_from_start;
                     v_walked_from_start := true;

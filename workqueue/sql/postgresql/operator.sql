@@ -283,20 +283,7 @@ BEGIN
     IF v_sub.partition_mode <> 'None' THEN
         LOOP
             EXIT WHEN v_claimable >= v_limit;
-            IF v_key IS NULL THEN
-                v_key := (SELECT k.partition_key FROM workqueue_delivery k
-                           WHERE k.subscription_id = p_subscription_id
-                             AND k.partition_key IS NOT NULL
-                             AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
-                           ORDER BY k.partition_key LIMIT 1);
-            ELSE
-                v_key := (SELECT k.partition_key FROM workqueue_delivery k
-                           WHERE k.subscription_id = p_subscription_id
-                             AND k.partition_key IS NOT NULL
-                             AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
-                             AND k.partition_key > v_key
-                           ORDER BY k.partition_key LIMIT 1);
-            END IF;
+            v_key := wq_next_open_key(p_subscription_id, v_key);
             EXIT WHEN v_key IS NULL;
             IF v_sub.partition_mode = 'Ordered' THEN
                 -- Claimable when the key's head is a visible Pending delivery.

@@ -73,6 +73,35 @@ BEGIN
 END;
 GO
 
+-- wq_next_open_key --
+-- The first partition key after @after_key (the very first when it is NULL) among the
+-- subscription's open deliveries: one step of a loose scan of wq_dlv_partition_head_ix, shared
+-- by wq_claim's key walk and wq_backlog. @subscription_id is the stored char(32) form.
+CREATE OR ALTER FUNCTION dbo.wq_next_open_key(
+    @subscription_id char(32),
+    @after_key nvarchar(200)
+)
+RETURNS nvarchar(200)
+AS
+BEGIN
+    DECLARE @next_key nvarchar(200);
+    IF @after_key IS NULL
+        SELECT TOP (1) @next_key = k.partition_key
+          FROM dbo.workqueue_delivery AS k
+         WHERE k.subscription_id = @subscription_id AND k.partition_key IS NOT NULL
+           AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
+         ORDER BY k.partition_key;
+    ELSE
+        SELECT TOP (1) @next_key = k.partition_key
+          FROM dbo.workqueue_delivery AS k
+         WHERE k.subscription_id = @subscription_id AND k.partition_key IS NOT NULL
+           AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
+           AND k.partition_key > @after_key
+         ORDER BY k.partition_key;
+    RETURN @next_key;
+END;
+GO
+
 -- wq_claim --
 -- Lease up to @max_rows deliveries of an Active subscription to @lease_owner in one call.
 -- First expires this subscription's passed leases (up to 500); rows of kind 'ExpiredDeadLetter'
@@ -118,7 +147,6 @@ BEGIN
     DECLARE @walked_from_start bit = 0;
     DECLARE @walked_to nvarchar(200);
     DECLARE @key nvarchar(200);
-    DECLARE @next_key nvarchar(200);
     DECLARE @head_id char(32);
     DECLARE @head_status nvarchar(20);
     DECLARE @head_visible_at datetimeoffset(7);
@@ -227,25 +255,8 @@ BEGIN
                     IF @walk_budget <= 0
                         BREAK;
                     SET @walk_budget -= 1;
-                    -- One step of a loose scan of wq_dlv_partition_head_ix: the next key with
-                    -- open deliveries, wrapping around to the first key once.
-                    SET @next_key = NULL;
-                    IF @key IS NULL
-                        SELECT TOP (1) @next_key = k.partition_key
-                          FROM dbo.workqueue_delivery AS k
-                         WHERE k.subscription_id = @subscription_key
-                           AND k.partition_key IS NOT NULL
-                           AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
-                         ORDER BY k.partition_key;
-                    ELSE
-                        SELECT TOP (1) @next_key = k.partition_key
-                          FROM dbo.workqueue_delivery AS k
-                         WHERE k.subscription_id = @subscription_key
-                           AND k.partition_key IS NOT NULL
-                           AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
-                           AND k.partition_key > @key
-                         ORDER BY k.partition_key;
-                    SET @key = @next_key;
+                    -- The next key with open deliveries, wrapping around to the first once.
+                    SET @key = dbo.wq_next_open_key(@subscription_key, @key);
                     IF @key IS NULL
                     BEGIN
                         IF @walked_from_start = 1

@@ -282,7 +282,6 @@ BEGIN
     DECLARE @claimable int = 0;
     DECLARE @in_flight int = 0;
     DECLARE @key nvarchar(200);
-    DECLARE @next_key nvarchar(200);
     DECLARE @head_status nvarchar(20);
     DECLARE @head_visible_at datetimeoffset(7);
 
@@ -306,23 +305,9 @@ BEGIN
 
         WHILE @partition_mode <> N'None' AND @claimable < @limit
         BEGIN
-            SET @next_key = NULL;
+            SET @key = dbo.wq_next_open_key(@subscription_key, @key);
             IF @key IS NULL
-                SELECT TOP (1) @next_key = k.partition_key
-                  FROM dbo.workqueue_delivery AS k
-                 WHERE k.subscription_id = @subscription_key AND k.partition_key IS NOT NULL
-                   AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
-                 ORDER BY k.partition_key;
-            ELSE
-                SELECT TOP (1) @next_key = k.partition_key
-                  FROM dbo.workqueue_delivery AS k
-                 WHERE k.subscription_id = @subscription_key AND k.partition_key IS NOT NULL
-                   AND k.status IN (N'Pending', N'InFlight', N'DeadLettered')
-                   AND k.partition_key > @key
-                 ORDER BY k.partition_key;
-            IF @next_key IS NULL
                 BREAK;
-            SET @key = @next_key;
 
             IF @partition_mode = N'Ordered'
             BEGIN
