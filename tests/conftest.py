@@ -18,12 +18,11 @@ for _name in [n for n in os.environ if n.startswith("WORKQUEUE_")]:
 def pg_conn(django_db_setup, django_db_blocker):
     """An autocommit psycopg connection to this worker's test database (procedures installed)."""
     import psycopg
-    from django.db import connection
+
+    from tests.database import psycopg_params
 
     with django_db_blocker.unblock():
-        params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
+        params = psycopg_params()
     with psycopg.connect(autocommit=True, **params) as conn:
         yield conn
 
@@ -45,11 +44,11 @@ def scratch_database(django_db_setup, django_db_blocker):
     import psycopg
     from django.db import connection
 
+    from tests.database import psycopg_params
+
     with django_db_blocker.unblock():
-        params = connection.get_connection_params()
+        params = psycopg_params()
         settings = connection.settings_dict
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
     params["dbname"] = "postgres"
     name = f"wq_scratch_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(autocommit=True, **params) as admin:

@@ -20,12 +20,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connections, transaction
 
+from tests.database import database_url, psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
@@ -155,19 +155,11 @@ _PROCESS_SCRIPT = (
 )
 
 
-def _test_database_url() -> str:
-    s = connection.settings_dict
-    auth = quote(s["USER"] or "", safe="")
-    if s.get("PASSWORD"):
-        auth += ":" + quote(s["PASSWORD"], safe="")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT']}/{s['NAME']}"
-
-
 def _start_worker_process(subscription_ids: list[str], owner: str, hold_ms: float):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     env.update(
         DJANGO_SETTINGS_MODULE="project.settings",
-        DATABASE_URL=_test_database_url(),
+        DATABASE_URL=database_url(),
         PYTHONPATH=str(PROJECT_ROOT),
         PYTHONWARNINGS="ignore",
     )
@@ -197,13 +189,6 @@ def _collect(proc: subprocess.Popen) -> dict[str, Any]:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     pytest.fail(f"worker process exited {proc.returncode} without a result\n{out}\n{err}")
-
-
-def _psycopg_params() -> dict[str, Any]:
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return params
 
 
 class _Threads:
@@ -373,7 +358,7 @@ def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode
     sub = SubscriptionFactory(partition_mode=mode)
     _publish_keyed(sub.topic.name)
     sub_ids = [str(sub.id)]
-    params = _psycopg_params()
+    params = psycopg_params()
 
     processes = [_start_worker_process(sub_ids, f"process-{i}", hold_ms=2) for i in range(2)]
     try:
@@ -736,7 +721,7 @@ def test_interleaved_ordered_publishers_commit_each_keys_ordinals_in_order(monke
 
     snapshots: list[dict[str, list[int]]] = []
     stop = threading.Event()
-    params = _psycopg_params()
+    params = psycopg_params()
 
     def observe() -> None:
         with psycopg.connect(autocommit=True, **params) as conn:

@@ -8,8 +8,8 @@ import uuid
 import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection
 
+from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory
 from workqueue import publish
 from workqueue.driver import get_driver
@@ -28,9 +28,7 @@ def runtime_role(pg_conn):
 
 
 def _connect_as(role: str) -> psycopg.Connection:
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
+    params = psycopg_params()
     params["user"] = role
     return psycopg.connect(autocommit=True, **params)
 

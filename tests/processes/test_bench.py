@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
+from tests.database import database_url
 from tests.factories import TransportFactory
-from tests.processes.test_host_processes import PROJECT_ROOT, database_url
+from tests.processes.test_host_processes import PROJECT_ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

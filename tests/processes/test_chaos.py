@@ -29,6 +29,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 
+from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
 from workqueue import publish_many, transport
@@ -133,13 +134,6 @@ class Canceller:
         finally:
             get_driver().close()
             connection.close()
-
-
-def psycopg_params() -> dict[str, Any]:
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return params
 
 
 @pytest.fixture

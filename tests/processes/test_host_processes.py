@@ -20,12 +20,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
 
+from tests.database import database_url
 from tests.factories import SubscriptionFactory
 from tests.waiting import wait_until
 from workqueue import publish, publish_many
@@ -37,14 +36,6 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_USER = "workqueue-proc-user"
 DRAIN_MS = 500
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    auth = quote(s["USER"] or "", safe="")
-    if s.get("PASSWORD"):
-        auth += ":" + quote(s["PASSWORD"], safe="")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT']}/{quote(s['NAME'])}"
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ once per selected row and reports how each row ended.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from django import forms
@@ -125,7 +126,7 @@ def _log_history(
     modeladmin: Any,
     request: HttpRequest,
     queryset: QuerySet,
-    changed: list[str],
+    changed: list[Any],
     what: str,
     note: str | None,
 ) -> None:
@@ -135,8 +136,28 @@ def _log_history(
         modeladmin.log_change(request, delivery, message)
 
 
-def _rows(queryset: QuerySet) -> list[tuple[str, str]]:
-    return list(queryset.order_by("pk").values_list("subscription__name", "pk"))
+def _apply_each(
+    queryset: QuerySet, operate: Callable[[str, Any], tuple[str, bool]]
+) -> tuple[Counter[str], list[Any]]:
+    """Run ``operate(subscription name, delivery id)`` on each selected row, which returns an
+    outcome label and whether it changed the row. Returns the count of each label (refusals and
+    failures included) and the ids of the changed rows."""
+    counts: Counter[str] = Counter()
+    changed: list[Any] = []
+    for subscription_name, delivery_id in queryset.order_by("pk").values_list(
+        "subscription__name", "pk"
+    ):
+        try:
+            label, did_change = operate(subscription_name, delivery_id)
+        except PermissionDeniedError:
+            counts["refused"] += 1
+        except WorkQueueError:
+            counts["failed"] += 1
+        else:
+            counts[label] += 1
+            if did_change:
+                changed.append(delivery_id)
+    return counts, changed
 
 
 @admin.action(description="Replay selected dead letters", permissions=["replay"])
@@ -158,21 +179,14 @@ def replay_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet)
             submit="Replay",
         )
     actor = Actor(user=request.user)
-    counts: Counter[str] = Counter()
-    changed: list[str] = []
-    for subscription_name, delivery_id in _rows(queryset):
-        try:
-            outcome = operations.replay(
-                subscription_name, delivery_id, note=form.cleaned_data["note"], actor=actor
-            )
-        except PermissionDeniedError:
-            counts["refused"] += 1
-        except WorkQueueError:
-            counts["failed"] += 1
-        else:
-            counts["Replayed" if outcome.replayed else "not a dead letter"] += 1
-            if outcome.replayed:
-                changed.append(delivery_id)
+
+    def replay(subscription_name: str, delivery_id: Any) -> tuple[str, bool]:
+        outcome = operations.replay(
+            subscription_name, delivery_id, note=form.cleaned_data["note"], actor=actor
+        )
+        return ("Replayed" if outcome.replayed else "not a dead letter"), outcome.replayed
+
+    counts, changed = _apply_each(queryset, replay)
     _log_history(modeladmin, request, queryset, changed, "Replayed", form.cleaned_data["note"])
     _report(modeladmin, request, counts, "Replayed", ok={"Replayed"})
     return None
@@ -199,26 +213,16 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
             submit="Discard",
         )
     actor = Actor(user=request.user)
-    counts: Counter[str] = Counter()
-    changed: list[str] = []
-    for subscription_name, delivery_id in _rows(queryset):
-        try:
-            outcome = operations.discard(
-                subscription_name, delivery_id, reason=form.cleaned_data["reason"], actor=actor
-            )
-        except PermissionDeniedError:
-            counts["refused"] += 1
-        except WorkQueueError:
-            counts["failed"] += 1
-        else:
-            if outcome.cancel_requested:
-                counts[CANCEL_REQUESTED] += 1
-            elif outcome.discarded:
-                counts["Discarded"] += 1
-            else:
-                counts["already finished"] += 1
-            if outcome.discarded:
-                changed.append(delivery_id)
+
+    def discard(subscription_name: str, delivery_id: Any) -> tuple[str, bool]:
+        outcome = operations.discard(
+            subscription_name, delivery_id, reason=form.cleaned_data["reason"], actor=actor
+        )
+        if outcome.cancel_requested:
+            return CANCEL_REQUESTED, outcome.discarded
+        return ("Discarded" if outcome.discarded else "already finished"), outcome.discarded
+
+    counts, changed = _apply_each(queryset, discard)
     _log_history(
         modeladmin,
         request,
