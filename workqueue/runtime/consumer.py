@@ -31,6 +31,13 @@ logger = logging.getLogger(__name__)
 
 COMPLETION_BATCH_LIMIT = 500
 GATHER_SECONDS = 0.002
+RESTART_MIN_SECONDS = 1.0
+RESTART_MAX_SECONDS = 30.0
+
+
+def restart_delay_seconds(failures_in_a_row: int) -> float:
+    """How long a failed consumer waits before it tries again: 1 s, 2 s, 4 s ... at most 30 s."""
+    return min(RESTART_MIN_SECONDS * 2 ** (failures_in_a_row - 1), RESTART_MAX_SECONDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +178,7 @@ class Consumer:
         self._wake = threading.Event()
         self._kicked = False
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.received = 0
         self.finished = 0  # executions ended, however
         self.processed = 0  # of which the handler's outcome was recorded (not released)
@@ -179,6 +186,10 @@ class Consumer:
         self.receive_pending = False
         self.last_receive_empty = False
         self.abandoned = 0  # handlers still running when stop() gave up on them
+        #: Why the claim loop is not claiming right now (health reports the subscription as
+        #: Error with this reason); None while it works.
+        self.failure: str | None = None
+        self._failures_in_a_row = 0
 
     # -- public ----------------------------------------------------------------------------
 
@@ -245,6 +256,35 @@ class Consumer:
 
     # -- the loop --------------------------------------------------------------------------
 
+    def _run(self) -> None:
+        """Run the claim loop; restart it with capped backoff whenever it fails, so a bug or
+        an unexpected driver error never silently ends this subscription's consumer."""
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._loop()
+                    return
+                except Exception as exc:
+                    delay = self._failed(f"Claim loop failed: {exc!r}")
+                    logger.exception(
+                        "%s: the claim loop failed; restarting it in %.1f s", self.plan.name, delay
+                    )
+                    self._stopping.wait(delay)
+        finally:
+            self.receiver.driver.close()
+
+    def _failed(self, reason: str) -> float:
+        """Record a failure (health shows it); return the backoff before the next try."""
+        self._failures_in_a_row += 1
+        self.failure = reason
+        return restart_delay_seconds(self._failures_in_a_row)
+
+    def _recovered(self) -> None:
+        if self.failure is not None:
+            logger.info("%s: claiming again after: %s", self.plan.name, self.failure)
+        self.failure = None
+        self._failures_in_a_row = 0
+
     def _loop(self) -> None:
         min_delay = self.config.idle_poll_min_ms / 1000
         max_delay = self.config.idle_poll_max_ms / 1000
@@ -272,21 +312,24 @@ class Consumer:
                 # Full (or the one-shot budget is spent): wait for a slot or a stop.
                 self._wait(max_delay)
                 continue
-            claimed = self._receive(free)
-            if self.budget is not None:
-                self.budget.give_back(free - len(claimed.deliveries))
-            if self._stopping.is_set():
-                for delivery in claimed.deliveries:
-                    self._release(delivery)
-                break
-            for delivery in claimed.deliveries:
-                self._start(delivery)
+            try:
+                claimed = self._receive(free)
+                if self.budget is not None:
+                    self.budget.give_back(free - len(claimed.deliveries))
+                if self._stopping.is_set():
+                    for delivery in claimed.deliveries:
+                        self._release(delivery)
+                    break
+                self._start_all(claimed.deliveries)
+            finally:
+                # Only now: until the claimed deliveries count as running, a one-shot run must
+                # not take "budget spent and nothing in flight" for done.
+                self.receive_pending = False
             if claimed.deliveries:
                 delay = min_delay
                 continue
             # Empty: back off, unless a publish to the topic kicked us awake.
             delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
-        self.receiver.driver.close()
 
     def _wait_for_slots(self, wanted: float, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -308,10 +351,13 @@ class Consumer:
         try:
             result = self.receiver.receive(max_rows)
         except WorkQueueError as exc:
+            # Expected while the database is away: no traceback, and the idle backoff paces
+            # the retries; health says why nothing is claimed meanwhile.
+            self._failed(f"Receive failed: {exc}")
             logger.warning("%s: receive failed: %s", self.plan.name, exc)
             result = ClaimResult([])
-        finally:
-            self.receive_pending = False
+        else:
+            self._recovered()
         self.last_receive_empty = not result.deliveries
         if result.deliveries:
             self.received += len(result.deliveries)
@@ -326,6 +372,16 @@ class Consumer:
             )
         return result
 
+    def _start_all(self, deliveries: list[ClaimedDelivery]) -> None:
+        for index, delivery in enumerate(deliveries):
+            try:
+                self._start(delivery)
+            except BaseException:
+                # Claimed but never started: hand them back rather than leave them to expiry.
+                for unstarted in deliveries[index:]:
+                    self._release(unstarted)
+                raise
+
     def _start(self, delivery: ClaimedDelivery) -> None:
         execution = DeliveryExecution(
             delivery, self.plan, self._services, on_handler_done=self._free_slot
@@ -335,11 +391,13 @@ class Consumer:
             self._handlers_running += 1
         try:
             self._workers.submit(self._execute, execution)
-        except RuntimeError:  # the pool is shutting down: hand the delivery back
+        except BaseException as exc:
             with self._lock:
                 self._running.pop(execution.key, None)
                 self._handlers_running -= 1
-            self._release(delivery)
+            if not isinstance(exc, RuntimeError):
+                raise
+            self._release(delivery)  # the pool is shutting down: hand the delivery back
 
     def _free_slot(self) -> None:
         with self._lock:

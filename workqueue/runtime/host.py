@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,12 @@ from workqueue import signals
 from workqueue.conf import WorkQueueSettings, get_settings
 from workqueue.driver import get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.runtime.consumer import Consumer, ConsumerConfig, RunBudget
+from workqueue.runtime.consumer import (
+    Consumer,
+    ConsumerConfig,
+    RunBudget,
+    restart_delay_seconds,
+)
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.service import PeriodicService
@@ -37,6 +43,7 @@ from workqueue.transport import new_instance_id
 logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_SECONDS = 10.0
+SUPERVISE_INTERVAL_SECONDS = 0.5
 WILDCARD = "*"
 
 
@@ -57,6 +64,16 @@ class PlanEntry:
     plan: SubscriptionPlan | None = None
 
 
+_NOT_PLANNED = PlanEntry("", PlanState.ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailure:
+    reason: str
+    attempts: int
+    retry_at: float  # time.monotonic()
+
+
 @dataclass(frozen=True, slots=True)
 class RunOnceResult:
     processed: int
@@ -65,7 +82,18 @@ class RunOnceResult:
 
 @dataclass(slots=True)
 class HostConfig:
+    """What a host runs and how.
+
+    ``subscriptions`` has the settings' shape (``WORKQUEUE['SUBSCRIPTIONS']``): which
+    subscriptions to run (``*``: every Worker subscription) and each one's concurrency.
+    ``only`` (the commands' ``-s``) narrows the set to those names and still takes each one's
+    concurrency from ``subscriptions`` (its own entry, else the ``*`` entry, else 1);
+    ``concurrency`` (``--concurrency``) overrides it for every subscription the host runs.
+    """
+
     subscriptions: list[dict[str, Any]]
+    only: list[str] | None = None
+    concurrency: int | None = None
     idle_poll_min_ms: int = 250
     idle_poll_max_ms: int = 5000
     shutdown_drain_ms: int = 8000
@@ -77,13 +105,9 @@ class HostConfig:
     def from_settings(
         cls, conf: WorkQueueSettings, names: list[str] | None = None, **overrides: Any
     ) -> HostConfig:
-        subscriptions = (
-            [{"name": name, "concurrency": overrides.pop("concurrency", 1)} for name in names]
-            if names
-            else [dict(entry) for entry in conf.SUBSCRIPTIONS]
-        )
         config = cls(
-            subscriptions=subscriptions,
+            subscriptions=[dict(entry) for entry in conf.SUBSCRIPTIONS],
+            only=list(names) if names else None,
             idle_poll_min_ms=conf.IDLE_POLL_MIN_MS,
             idle_poll_max_ms=conf.IDLE_POLL_MAX_MS,
             shutdown_drain_ms=conf.SHUTDOWN_DRAIN_MS,
@@ -91,8 +115,37 @@ class HostConfig:
             reconcile_interval_ms=conf.RECONCILE_INTERVAL_MS,
         )
         for key, value in overrides.items():
-            setattr(config, key, value)
+            setattr(config, key, value)  # slots: an unknown name raises AttributeError
         return config
+
+    def selection(self) -> tuple[set[str], bool]:
+        """The names this host runs, and whether it also runs every other Worker
+        subscription (``*``)."""
+        if self.only is None:
+            names = {_normalise(entry.get("name", "")) for entry in self.subscriptions}
+        else:
+            names = {_normalise(name) for name in self.only}
+        run_all = WILDCARD in names
+        return names - {WILDCARD, ""}, run_all
+
+    def concurrency_for(self, name: str) -> int:
+        """``--concurrency``, else the subscription's own settings entry, else the ``*`` entry,
+        else 1."""
+        if self.concurrency is not None:
+            return self.concurrency
+        configured = {_normalise(e.get("name", "")): e for e in self.subscriptions}
+        entry = configured.get(_normalise(name)) or configured.get(WILDCARD) or {}
+        return max(int(entry.get("concurrency", 1)), 1)
+
+
+def _normalise(name: Any) -> str:
+    return str(name).strip().lower()
+
+
+def describe_subscription(entry: dict[str, Any]) -> str:
+    """One start-up line: ``name: State, concurrency N`` and the reason, if any."""
+    reason = f" ({entry['reason']})" if entry["reason"] else ""
+    return f"{entry['name']}: {entry['state']}, concurrency {entry['concurrency']}{reason}"
 
 
 def resolve_system_user(conf: WorkQueueSettings | None = None) -> Any:
@@ -125,6 +178,8 @@ class Host:
         self._lock = threading.RLock()
         self._consumers: dict[str, Consumer] = {}
         self._plans: dict[str, PlanEntry] = {}
+        self._start_failures: dict[str, StartFailure] = {}
+        self._recorded_states: list[tuple[str, str, str]] = []
         self._started = False
         self._shut_down = threading.Event()
         self._shutting_down = False
@@ -159,6 +214,9 @@ class Host:
             self._services.append(
                 PeriodicService("wq-health", HEALTH_INTERVAL_SECONDS, self.record_health)
             )
+            self._services.append(
+                PeriodicService("wq-supervisor", SUPERVISE_INTERVAL_SECONDS, self.supervise)
+            )
             if not once:
                 self._services.append(
                     PeriodicService(
@@ -176,7 +234,8 @@ class Host:
         logger.info(
             "Host %s started: %s",
             self.instance_id,
-            ", ".join(f"{e.name}={e.state}" for e in self._plans.values()) or "no subscriptions",
+            "; ".join(describe_subscription(e) for e in self.health()["subscriptions"])
+            or "no subscriptions",
             extra={"action": "host_started"},
         )
 
@@ -196,6 +255,7 @@ class Host:
             with self._lock:
                 consumers = list(self._consumers.values())
                 self._consumers.clear()
+                self._start_failures.clear()
                 self._plans = {
                     name: PlanEntry(name, PlanState.PAUSED, "Host is shut down", entry.concurrency)
                     if entry.state == PlanState.RUNNING
@@ -224,24 +284,16 @@ class Host:
         """Decide what each requested subscription should do now (reads topology)."""
         from workqueue.models import Subscription
 
-        requested: dict[str, int] = {}
-        wildcard: int | None = None
-        for entry in self.config.subscriptions:
-            name = str(entry.get("name", "")).strip().lower()
-            concurrency = max(int(entry.get("concurrency", 1)), 1)
-            if name == WILDCARD:
-                wildcard = concurrency
-            elif name:
-                requested[name] = concurrency
+        names, run_all = self.config.selection()
         subscriptions = Subscription.objects.select_related("topic__transport")
-        found = {s.name: s for s in subscriptions.filter(name__in=list(requested))}
-        if wildcard is not None:
+        found = {s.name: s for s in subscriptions.filter(name__in=list(names))}
+        if run_all:
             for subscription in subscriptions.filter(host_type="Worker"):
                 found.setdefault(subscription.name, subscription)
-                requested.setdefault(subscription.name, wildcard)
+                names.add(subscription.name)
         return {
-            name: self._plan_one(name, found.get(name), concurrency)
-            for name, concurrency in sorted(requested.items())
+            name: self._plan_one(name, found.get(name), self.config.concurrency_for(name))
+            for name in sorted(names)
         }
 
     def _plan_one(self, name: str, subscription: Any, concurrency: int) -> PlanEntry:
@@ -303,9 +355,48 @@ class Host:
             self._detach(consumer)
             consumer.stop()
         with self._lock:
+            if self._shutting_down:
+                return
+            for name in list(self._start_failures):
+                if plans.get(name, _NOT_PLANNED).state != PlanState.RUNNING:
+                    del self._start_failures[name]  # no longer wanted: stop retrying
             for name, entry in plans.items():
                 if entry.state == PlanState.RUNNING and name not in self._consumers:
-                    self._consumers[name] = self._start_consumer(entry)
+                    self._try_start(entry)
+
+    def _try_start(self, entry: PlanEntry) -> None:
+        """Start ``entry``'s consumer; if that fails, log why, report Error in health and let
+        the supervisor try again after a capped backoff. Called with the lock held."""
+        try:
+            self._consumers[entry.name] = self._start_consumer(entry)
+        except Exception as exc:
+            previous = self._start_failures.get(entry.name)
+            attempts = previous.attempts + 1 if previous else 1
+            delay = restart_delay_seconds(attempts)
+            self._start_failures[entry.name] = StartFailure(
+                f"Consumer could not start: {exc!r}", attempts, time.monotonic() + delay
+            )
+            logger.exception(
+                "%s: the consumer could not start; trying again in %.1f s", entry.name, delay
+            )
+        else:
+            if self._start_failures.pop(entry.name, None) is not None:
+                logger.info("%s: the consumer started after earlier failures", entry.name)
+
+    def supervise(self) -> None:
+        """Retry consumers that could not start once their backoff is over, and record health
+        at once when a subscription's state changed (Error or back to Running)."""
+        with self._lock:
+            if self._shutting_down:
+                return
+            now = time.monotonic()
+            for name, failure in list(self._start_failures.items()):
+                entry = self._plans.get(name)
+                if entry is not None and failure.retry_at <= now and name not in self._consumers:
+                    self._try_start(entry)
+        states = [(s["name"], s["state"], s["reason"]) for s in self.health()["subscriptions"]]
+        if states != self._recorded_states:
+            self.record_health()
 
     def _start_consumer(self, entry: PlanEntry) -> Consumer:
         assert entry.plan is not None and self._timers is not None
@@ -323,7 +414,11 @@ class Host:
             timers=self._timers,
             budget=self._budget,
         )
-        consumer.start()
+        try:
+            consumer.start()
+        except BaseException:
+            consumer.stop()  # its completion thread and pools are already running
+            raise
         if self._wakeup is not None:
             self._wakeup.subscribe(entry.plan.topic_id, consumer.kick)
         return consumer
@@ -353,25 +448,36 @@ class Host:
         with self._lock:
             consumers = dict(self._consumers)
             plans = dict(self._plans)
+            start_failures = dict(self._start_failures)
+        subscriptions = []
+        for name, entry in plans.items():
+            state, reason = entry.state, entry.reason
+            consumer = consumers.get(name)
+            failure = start_failures[name].reason if name in start_failures else None
+            failure = failure or (consumer.failure if consumer is not None else None)
+            if state == PlanState.RUNNING and failure:
+                state, reason = PlanState.ERROR, failure
+            subscriptions.append(
+                {
+                    "name": entry.name,
+                    "state": state,
+                    "reason": reason,
+                    "in_flight": consumer.in_flight if consumer is not None else 0,
+                    "concurrency": entry.concurrency,
+                }
+            )
         return {
             "instance_id": self.instance_id,
             "started_at": self.started_at,
-            "subscriptions": [
-                {
-                    "name": entry.name,
-                    "state": entry.state,
-                    "reason": entry.reason,
-                    "in_flight": consumers[name].in_flight if name in consumers else 0,
-                    "concurrency": entry.concurrency,
-                }
-                for name, entry in plans.items()
-            ],
+            "subscriptions": subscriptions,
         }
 
     def record_health(self, stopped: bool = False) -> None:
         from workqueue.models import HostRecord
 
         now = timezone.now()
+        subscriptions = self.health()["subscriptions"]
+        self._recorded_states = [(s["name"], s["state"], s["reason"]) for s in subscriptions]
         try:
             HostRecord.objects.update_or_create(
                 instance_id=self.instance_id,
@@ -381,7 +487,7 @@ class Host:
                     "started_at": self.started_at,
                     "last_seen_at": now,
                     "stopped_at": now if stopped else None,
-                    "subscriptions": self.health()["subscriptions"],
+                    "subscriptions": subscriptions,
                     "handler_keys": self.registry.keys(),
                 },
             )
@@ -399,6 +505,7 @@ class Host:
         idle_exit_ms: int = 5000,
         max_duration_ms: int | None = None,
         stop_requested: threading.Event | None = None,
+        on_started: Callable[[Host], None] | None = None,
     ) -> RunOnceResult:
         """Run until the budget is received and done, the queue stays empty for
         ``idle_exit_ms``, ``max_duration_ms`` passes, or ``stop_requested`` is set; then drain.
@@ -414,6 +521,8 @@ class Host:
         stop_requested = stop_requested or threading.Event()
         began = time.monotonic()
         self.start(once=True)
+        if on_started is not None:
+            on_started(self)
         reason = "Idle"
         consumers: list[Consumer] = []
         try:

@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.runtime.host import Host, HostConfig
+from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import exit_now_if_abandoned, host_disabled, stop_on_signals
 
 
@@ -27,24 +27,33 @@ class Command(BaseCommand):
             metavar="NAME",
             help="Run this subscription (repeatable; '*' for all). Default: the settings.",
         )
-        parser.add_argument("--concurrency", type=int, default=None)
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Handlers at once for every subscription this host runs. Default: each "
+            "subscription's WORKQUEUE['SUBSCRIPTIONS'] entry, else the '*' entry, else 1.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if host_disabled():
             self.stdout.write("WORKQUEUE_DISABLE_HOST is set; not starting the host.")
             return
+        if options["concurrency"] is not None and options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1.")
         stop = stop_on_signals()
-        overrides = {}
-        if options["concurrency"] is not None:
-            overrides["concurrency"] = options["concurrency"]
-        host = Host(HostConfig.from_settings(get_settings(), options["subscriptions"], **overrides))
+        host = Host(
+            HostConfig.from_settings(
+                get_settings(), options["subscriptions"], concurrency=options["concurrency"]
+            )
+        )
         try:
             host.start()
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc)) from exc
         for entry in host.health()["subscriptions"]:
-            reason = f" ({entry['reason']})" if entry["reason"] else ""
-            self.stdout.write(f"{entry['name']}: {entry['state']}{reason}")
+            self.stdout.write(describe_subscription(entry))
         self.stdout.flush()
         try:
             stop.wait()

@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.runtime.host import Host, HostConfig, PlanState
+from workqueue.runtime.host import Host, HostConfig, PlanState, describe_subscription
 from workqueue.runtime.process import exit_now_if_abandoned, host_disabled, stop_on_signals
 
 CANNOT_RUN = {PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED}
@@ -26,7 +26,14 @@ class Command(BaseCommand):
         parser.add_argument("-s", "--subscription", required=True, help="Name, or '*' for all.")
         parser.add_argument("--once", action="store_true", required=True)
         parser.add_argument("--max", type=int, default=1, help="Deliveries to receive (≥ 1).")
-        parser.add_argument("--concurrency", type=int, default=1)
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Handlers at once. Default: the subscription's WORKQUEUE['SUBSCRIPTIONS'] "
+            "entry, else the '*' entry, else 1.",
+        )
         parser.add_argument("--max-duration-ms", type=int, default=None)
         parser.add_argument("--idle-exit-ms", type=int, default=5000)
         parser.add_argument("--shutdown-drain-ms", type=int, default=30000)
@@ -37,7 +44,7 @@ class Command(BaseCommand):
             return
         if options["max"] < 1:
             raise CommandError("--max must be at least 1.")
-        if options["concurrency"] < 1:
+        if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
         if options["max_duration_ms"] is not None and options["max_duration_ms"] < 1000:
             raise CommandError("--max-duration-ms must be at least 1000.")
@@ -59,6 +66,7 @@ class Command(BaseCommand):
                 idle_exit_ms=options["idle_exit_ms"],
                 max_duration_ms=options["max_duration_ms"],
                 stop_requested=stop,
+                on_started=self._print_plan,
             )
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc), returncode=2) from exc
@@ -69,3 +77,8 @@ class Command(BaseCommand):
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
         exit_now_if_abandoned(host)
+
+    def _print_plan(self, host: Host) -> None:
+        for entry in host.health()["subscriptions"]:
+            self.stdout.write(describe_subscription(entry))
+        self.stdout.flush()

@@ -1,0 +1,129 @@
+"""A consumer that fails is reported and restarted, never silently gone; a one-shot run never
+releases what it claimed because its budget looked spent.
+
+Faults are injected into the real driver (it raises an unexpected exception a few times), and
+a slow thread is simulated by delaying the step that hands a claimed delivery to a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.runtime import test_host
+from tests.runtime.test_host import one, states, status_of, sub
+from tests.waiting import wait_until
+from workqueue import publish, transport
+from workqueue.driver import get_driver
+from workqueue.models import Delivery, HostRecord
+from workqueue.runtime import consumer as consumer_module
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+make_host = test_host.make_host  # the fixture
+
+
+class InjectedFault(Exception):
+    """Not a WorkQueueError: what a bug or an unmapped driver error looks like."""
+
+
+def failing(times: int, original: Callable[..., Any], when: Callable[..., bool]) -> Callable:
+    """``original``, except that its first ``times`` calls for which ``when(*args)`` holds raise
+    InjectedFault."""
+    lock = threading.Lock()
+    left = [times]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if when(*args, **kwargs):
+            with lock:
+                fail = left[0] > 0
+                left[0] -= fail
+            if fail:
+                raise InjectedFault("injected fault")
+        return original(*args, **kwargs)
+
+    return call
+
+
+@pytest.fixture(autouse=True)
+def fast_restarts(monkeypatch):
+    monkeypatch.setattr(consumer_module, "RESTART_MIN_SECONDS", 0.05)
+
+
+def recorded_state(host: Any, name: str) -> tuple[str, str] | None:
+    record = HostRecord.objects.filter(instance_id=host.instance_id).first()
+    for entry in record.subscriptions if record else []:
+        if entry["name"] == name:
+            return entry["state"], entry["reason"]
+    return None
+
+
+def test_a_claim_loop_that_raises_is_reported_as_error_then_restarted(
+    make_host, monkeypatch, caplog
+):
+    s = sub()
+    driver = get_driver()
+    monkeypatch.setattr(
+        driver,
+        "call",
+        failing(3, driver.call, lambda name, *args, **kwargs: name == "wq_claim"),
+    )
+    host = make_host(one(s))
+    caplog.set_level(logging.ERROR, logger="workqueue.runtime.consumer")
+
+    host.start()
+
+    state, reason = wait_until(lambda: states(host)[s.name][0] == "Error" and states(host)[s.name])
+    assert "InjectedFault('injected fault')" in reason
+    assert wait_until(lambda: recorded_state(host, s.name) == (state, reason) or None)
+    failures = [r for r in caplog.records if "claim loop failed" in r.getMessage()]
+    assert failures and failures[0].exc_info is not None  # logged with its traceback
+
+    wait_until(lambda: states(host)[s.name] == ("Running", ""))
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(message) == "Completed")
+    assert wait_until(lambda: recorded_state(host, s.name) == ("Running", "") or None)
+
+
+def test_a_consumer_that_cannot_start_is_reported_as_error_then_started(make_host, monkeypatch):
+    s = sub()
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    monkeypatch.setattr(
+        transport, "_driver", failing(2, transport._driver, lambda *args, **kwargs: True)
+    )
+    host = make_host(one(s))
+
+    host.start()  # does not raise
+
+    state, reason = states(host)[s.name]
+    assert (state, reason) == ("Error", "Consumer could not start: InjectedFault('injected fault')")
+    wait_until(lambda: status_of(message) == "Completed")
+    assert states(host)[s.name] == ("Running", "")
+
+
+def test_run_once_with_max_1_processes_the_delivery_it_claimed_even_on_a_slow_thread(
+    make_host, monkeypatch
+):
+    """Between the claim's return and the delivery counting as running, the run looked idle
+    with its budget spent: a thread descheduled there made the run release its only delivery."""
+    s = sub()
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    original = consumer_module.RunBudget.give_back
+
+    def descheduled(self: Any, unused: int) -> None:
+        time.sleep(0.3)  # the claim has returned; the loop thread loses the CPU here
+        original(self, unused)
+
+    monkeypatch.setattr(consumer_module.RunBudget, "give_back", descheduled)
+    host = make_host(one(s, concurrency=1))
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=200)
+
+    assert (result.processed, result.reason) == (1, "MaxDeliveries")
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.attempt_count) == ("Completed", 1)
