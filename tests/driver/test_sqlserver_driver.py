@@ -443,6 +443,17 @@ def test_scaler_grants_read_two_tables_only(driver):
     ]
 
 
+def test_scaler_query_caps_each_half_at_1000_reads_ready_once_and_returns_backlog(driver):
+    # No SQL Server runs here, so the shape is checked instead: the PostgreSQL twin's values
+    # are proved live in tests/integration/test_runtime_role.py.
+    sql = driver.scaler_query("orders")
+    *_, final = sql.split("\n)\n")
+    assert sql.count("TOP (1000)") == 2  # the claimable rows and the InFlight rows
+    assert final.count("FROM ready") == 1  # one evaluation of the unordered TOP
+    assert re.fullmatch(r"SELECT \(SELECT [^;]*\) AS Backlog;\n", final, re.S)
+    assert "1000" not in final.split("FROM ready")[0]  # the sum is not capped
+
+
 def test_grant_reindex_and_scaler_sql_parses(driver, tmp_path):
     script = tmp_path / "grants.sql"
     statements = (

@@ -11,9 +11,10 @@ from django.core.management import call_command
 
 from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory
-from workqueue import publish
+from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.procedures import get_procedure
+from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -113,3 +114,20 @@ def test_a_scaler_role_runs_the_scaler_query_and_reads_no_delivery(runtime_role)
         assert conn.execute(get_driver().scaler_query("no.such.subscription")).fetchall() == [(0,)]
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("SELECT count(*) FROM workqueue_delivery")
+
+
+def test_the_scaler_query_caps_claimable_and_in_flight_at_1000_each_in_a_backlog_column(
+    runtime_role,
+):
+    # 1,250 claimable and 1,250 in flight: each half is capped on its own, as the reference's
+    # query does, so the scaler sees 2,000 and never loses sight of its running jobs.
+    subscription = SubscriptionFactory()
+    for _ in range(25):
+        publish_many(subscription.topic.name, [{"payload": {}} for _ in range(100)])
+    assert len(Receiver(subscription.id).receive(1250).deliveries) == 1250
+    call_command("workqueue", "grant-scaler", runtime_role)
+
+    with _connect_as(runtime_role) as conn:
+        cursor = conn.execute(get_driver().scaler_query(subscription.name))
+        assert [column.name for column in cursor.description] == ["Backlog"]
+        assert cursor.fetchall() == [(2000,)]

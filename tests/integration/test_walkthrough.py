@@ -31,6 +31,7 @@ def test_the_walkthrough_has_commands_for_every_step():
         "workqueue publish",
         "workqueue stats",
         "workqueue_work",
+        "failUntilAttempt",
         "replay",
         "discard",
         "partitions",
@@ -66,6 +67,13 @@ def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_da
     assert "system user workqueue-system" in out
     assert out.count("Accepted ") >= 5
     assert "processed=3 reason=Idle" in out
+    # The retry step: each of Flaky's three deliveries fails once, waits out its backoff and
+    # completes on attempt 2, all in one job.
+    assert "processed=6 reason=Idle" in out
+    for name in ("samples.hello-log", "samples.hello-exclusive", "samples.hello-ordered"):
+        for attempt in (1, 2):
+            greeting = rf"Hello, Flaky! subscription={re.escape(name)} .* attempt={attempt}/3 "
+            assert re.search(greeting, done.stderr), (name, attempt)
     assert re.search(r"venue-3\s+Blocked", out)
     assert "Replayed" in out
     assert "Discarded" in out and "Cancel requested" in out
@@ -85,6 +93,11 @@ def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_da
                 ["Sleepy"],
             ).fetchall()
         )
+        flaky = conn.execute(
+            """SELECT d.status, d.attempt_count, d.last_error FROM workqueue_delivery d
+                 JOIN workqueue_message m ON m.id = d.message_id
+                WHERE m.payload ->> 'name' = 'Flaky'"""
+        ).fetchall()
         eve = conn.execute(
             """SELECT d.status FROM workqueue_delivery d
                  JOIN workqueue_subscription s ON s.id = d.subscription_id
@@ -93,3 +106,7 @@ def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_da
         ).fetchone()
     assert states["samples.hello-exclusive"] == "Discarded"
     assert eve == ("Completed",)
+    assert len(flaky) == 3
+    for status, attempts, last_error in flaky:
+        assert (status, attempts) == ("Completed", 2)
+        assert "Failing until attempt 2 (this is attempt 1)" in last_error

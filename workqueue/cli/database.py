@@ -101,7 +101,10 @@ class GrantScalerVerb(_GrantVerb):
 
 class ScalerQueryVerb(Verb):
     name = "scaler-query"
-    help = "Print the autoscaler SQL for this database's vendor (desired workers, capped 1000)."
+    help = (
+        "Print the autoscaler SQL for this database's vendor: one column, Backlog, claimable "
+        "plus in-flight deliveries, each capped at 1000."
+    )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("-s", "--subscription", required=True)

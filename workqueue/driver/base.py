@@ -104,9 +104,10 @@ class BaseDriver:
         raise NotImplementedError
 
     def scaler_query(self, subscription_name: str) -> str:
-        """Self-contained SQL an autoscaler runs to size its workers for one subscription:
-        claimable deliveries (one per key that could run now) plus those in flight, capped at
-        1000. The name is embedded as a quoted literal (scalers take no parameters)."""
+        """Self-contained SQL an autoscaler runs to size its workers for one subscription: one
+        row, one column named ``Backlog``, holding claimable deliveries (one per key that could
+        run now) plus those in flight, each half capped at 1000. The name is embedded as a
+        quoted literal (scalers take no parameters)."""
         raise NotImplementedError
 
     def shift_time(

@@ -299,11 +299,13 @@ class PostgresListener:
         self._connection.close()
 
 
-# Claimable now plus InFlight, for one subscription by name, capped at 1000, from wq_backlog (the
-# same count the operators see); one row, 0 when no subscription has that name.
+# Claimable now plus InFlight, for one subscription by name, from wq_backlog (the same count the
+# operators see); one row, 0 when no subscription has that name. wq_backlog caps each half at
+# 1000, and the sum is left uncapped: capping it would let a full claimable half hide the running
+# jobs that schedulers subtract from the value.
 SCALER_QUERY = """\
 SELECT coalesce((
-    SELECT LEAST(1000, b.claimable + b.in_flight)
+    SELECT b.claimable + b.in_flight
       FROM workqueue_subscription s CROSS JOIN LATERAL wq_backlog(s.id, 1000) b
-     WHERE s.name = %(name)s), 0) AS desired_workers
+     WHERE s.name = %(name)s), 0) AS "Backlog"
 """

@@ -306,8 +306,10 @@ class SqlServerDriver(BaseDriver):
 
 
 # Claimable now (keyless visible Pending rows, plus one per key that could be claimed) plus
-# InFlight rows, for one subscription by name (the one "?" parameter), capped at 1000. Reads two
-# tables only.
+# InFlight rows, for one subscription by name (the one "?" parameter), each half capped at 1000
+# and the sum not (as on PostgreSQL). Reads two tables only. The claimable half reads `ready`
+# once (keyless rows are COUNT(*) - COUNT(partition_key)): SQL Server evaluates a CTE once per
+# reference, and two reads of an unordered TOP (1000) may see different rows and pass 1000.
 SCALER_QUERY = """\
 DECLARE @name nvarchar(200) = LOWER(?);
 WITH s AS (
@@ -324,9 +326,7 @@ WITH s AS (
                AND h.partition_key = d.partition_key AND h.order_key < d.order_key
                AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
 )
-SELECT CASE WHEN x.n > 1000 THEN 1000 ELSE x.n END AS desired_workers
-  FROM (SELECT (SELECT COUNT(*) FROM ready WHERE partition_key IS NULL)
-             + (SELECT COUNT(DISTINCT partition_key) FROM ready)
-             + (SELECT COUNT(*) FROM (SELECT TOP (1000) 1 AS one FROM dbo.workqueue_delivery d
-                  JOIN s ON d.subscription_id = s.id WHERE d.status = 'InFlight') AS held) AS n) x;
+SELECT (SELECT COUNT(*) - COUNT(partition_key) + COUNT(DISTINCT partition_key) FROM ready)
+     + (SELECT COUNT(*) FROM (SELECT TOP (1000) 1 AS one FROM dbo.workqueue_delivery d
+          JOIN s ON d.subscription_id = s.id WHERE d.status = 'InFlight') AS held) AS Backlog;
 """
