@@ -1,0 +1,133 @@
+"""A handler that finishes while PostgreSQL is down still gets its result recorded: the settle is
+retried on a fresh connection once the database is back, so the delivery ends Completed at
+attempt 1 (never re-run) within seconds, not after its lease expires.
+
+Runs a real host process against a private throwaway cluster that is restarted with a fast
+shutdown (SIGINT) and with an immediate one (SIGQUIT: crash recovery on the next start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psycopg
+import pytest
+
+from tests.processes.test_database_restart import ROOT, _env, _manage, private_cluster
+from workqueue import localdb
+
+__all__ = ["private_cluster"]  # the fixture, used by name
+
+HANDLER_MS = 1500
+LEASE_SECONDS = 30  # far longer than the outage: a re-run could only come from lease expiry
+
+TOPOLOGY = f"""
+from workqueue.models import Subscription, Topic, Transport
+topic = Topic.objects.create(name="settle.t", transport=Transport.objects.get(name="Database"))
+for mode in ("None", "Exclusive", "Ordered"):
+    Subscription.objects.create(
+        topic=topic, name=f"settle.{{mode.lower()}}", partition_mode=mode,
+        lease_seconds={LEASE_SECONDS}, max_attempts=1, handler_key="samples.hello",
+    )
+"""
+
+
+PUBLISH = f"""
+from workqueue import publish_many
+publish_many("settle.t", [
+    {{"payload": {{"sleepMs": {HANDLER_MS}}}, "partition_key": key}} for key in ("k0", "k1", "k2")
+])
+"""
+
+
+def _postmaster_pid() -> int:
+    return int((localdb.data_dir() / "data" / "postmaster.pid").read_text().split()[0])
+
+
+def _stop(mode: str) -> None:
+    if mode == "fast":
+        localdb.stop()
+        return
+    pid = _postmaster_pid()
+    os.kill(pid, signal.SIGQUIT)  # immediate shutdown: no checkpoint, crash recovery next
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("PostgreSQL did not stop on SIGQUIT")
+
+
+def _rows(url: str, sql: str, params: list | None = None) -> list[tuple]:
+    with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+        return conn.execute(sql, params or []).fetchall()
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_handlers_that_finish_during_a_restart_are_completed_at_attempt_1_soon_after(
+    private_cluster, tmp_path, mode
+):
+    url = private_cluster
+    env = _env(url)
+    env["WORKQUEUE_SWEEPER_INTERVAL_MS"] = "600000"  # nothing but the host settles these rows
+    for args in (("migrate", "-v0"), ("workqueue_samples", "seed"), ("shell", "-c", TOPOLOGY)):
+        done = _manage(env, *args)
+        assert done.returncode == 0, done.stderr
+    log = tmp_path / "host.log"
+    output = log.open("w")
+    host = subprocess.Popen(
+        [sys.executable, "manage.py", "workqueue_host", "--concurrency", "4"],
+        cwd=ROOT,
+        env=env,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        done = _manage(env, "shell", "-c", PUBLISH)
+        assert done.returncode == 0, done.stderr
+        in_flight_sql = "SELECT count(*) FROM workqueue_delivery WHERE status = 'InFlight'"
+        deadline = time.monotonic() + 30
+        while _rows(url, in_flight_sql) != [(9,)]:
+            assert time.monotonic() < deadline, log.read_text()[-5000:]
+            time.sleep(0.05)
+
+        _stop(mode)  # every handler is running and finishes while the database is away
+        time.sleep(HANDLER_MS / 1000 + 1.5)
+        assert localdb.ensure_running() == url
+        back = time.monotonic()
+
+        deadline = back + 20
+        while True:
+            rows = _rows(
+                url,
+                "SELECT s.name, d.partition_key, d.status, d.attempt_count "
+                "FROM workqueue_delivery d JOIN workqueue_subscription s "
+                "ON s.id = d.subscription_id ORDER BY 1, 2",
+            )
+            if all(status == "Completed" for _, _, status, _ in rows):
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"not settled 20 s after the restart: {rows}\n{log.read_text()[-5000:]}"
+                )
+            time.sleep(0.1)
+        settled_after = time.monotonic() - back
+    finally:
+        host.send_signal(signal.SIGTERM)
+        host.wait(timeout=60)
+        output.close()
+
+    assert len(rows) == 9
+    assert {(status, attempts) for _, _, status, attempts in rows} == {("Completed", 1)}
+    # Within seconds of the database coming back, not after the 30 s lease.
+    assert settled_after < LEASE_SECONDS / 2, settled_after
+    handler_runs = log.read_text().count("Hello, World!")
+    assert handler_runs == 9, "no handler ran twice"
+    assert host.returncode == 0, log.read_text()[-5000:]
