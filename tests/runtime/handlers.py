@@ -233,8 +233,8 @@ def record(event: str, message: WorkMessage, context: WorkContext, **extra: Any)
 class RecordingHandler(BaseWorkHandler):
     """Payload: ``ordinal`` (echoed to the log), ``sleepMs`` (every attempt) or
     ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal unless
-    ``ignoreSignal``, and ``failPercent`` (transient failure when the hash of message id +
-    attempt says so)."""
+    ``ignoreSignal`` (then sleeping on, and logging when the signal fired as ``signalled_at``),
+    and ``failPercent`` (transient failure when the hash of message id + attempt says so)."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         payload = message.payload if isinstance(message.payload, dict) else {}
@@ -242,13 +242,17 @@ class RecordingHandler(BaseWorkHandler):
         sleep_ms = payload.get("sleepMs", 0)
         if context.attempt == 1:
             sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
+        signalled_at = None  # when an ignored abort signal fired (CLOCK_MONOTONIC ns)
         if sleep_ms and payload.get("ignoreSignal"):
-            time.sleep(sleep_ms / 1000)
+            deadline = time.monotonic() + sleep_ms / 1000
+            if context.signal.wait(sleep_ms / 1000):
+                signalled_at = time.monotonic_ns()
+                time.sleep(max(0.0, deadline - time.monotonic()))
         elif sleep_ms and context.signal.wait(sleep_ms / 1000):
             record("abort", message, context)
             return Outcome.retry(f"stopped: {context.signal.reason}")
         if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):
-            record("fail", message, context)
+            record("fail", message, context, signalled_at=signalled_at)
             raise TransientWorkError("chaos: transient failure")
-        record("end", message, context)
+        record("end", message, context, signalled_at=signalled_at)
         return Outcome.complete()
