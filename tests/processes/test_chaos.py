@@ -3,8 +3,10 @@ transient handler failures and operator cancels of running deliveries, half of t
 that ignore their cancel.
 
 The CI size (~2,000 messages over 50 keys, three subscriptions: None, Exclusive and Ordered)
-runs in the default suite. The reference's full soak (50,000 messages, 500 keys, ~10 minutes)
-runs on demand: ``pytest -m slow tests/processes/test_chaos.py``.
+runs in the default suite. The reference's full soak (50,000 messages, 500 keys, ~10 minutes,
+published through the REST API by one producer per key that awaits each acceptance) runs on
+demand: ``pytest -m slow tests/processes/test_chaos.py``; its REST publishing runs at a small
+size in the default suite.
 
 It passes when every delivery ends Completed, DeadLettered or Discarded; a sampler reading the
 table throughout never sees two InFlight rows of one (subscription, key); the handlers' own
@@ -16,11 +18,13 @@ completions per key follow publish order in the database too.
 
 from __future__ import annotations
 
+import http.client
+import json
 import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 
+from tests.api.factories import ApiKeyFactory
 from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
@@ -60,6 +65,9 @@ class ChaosSize:
     cancels: int
     concurrency: int
     drain_timeout: float  # after the last publish, for every delivery to settle
+    # Publish through POST /work-queue/topics/<topic>/messages, one producer per key awaiting
+    # each acceptance (the reference's soak), instead of publish_many() batches in-process.
+    rest_api: bool = False
 
 
 CI = ChaosSize(
@@ -81,6 +89,19 @@ SOAK = ChaosSize(
     cancels=25,
     concurrency=8,
     drain_timeout=240,
+    rest_api=True,
+)
+# The soak's REST publishing at a size the default suite can afford.
+REST_SMALL = ChaosSize(
+    messages=300,
+    keys=12,
+    publish_seconds=4,
+    kill_at=(2.0,),
+    slow_messages=4,
+    cancels=2,
+    concurrency=4,
+    drain_timeout=60,
+    rest_api=True,
 )
 
 
@@ -209,6 +230,58 @@ def overlapping(runs: list[Execution], reaped_at: dict[int, int]) -> list[str]:
     return found
 
 
+def start_rest_server(procs: Processes) -> int:
+    """``manage.py runserver`` on a loopback port the OS picks (it prints it); the port."""
+    server = procs.start("runserver", "--noreload", "127.0.0.1:0", DJANGO_DEBUG="false")
+    banner = "Starting development server at http://127.0.0.1:"
+    server.wait_for_line(banner)
+    line = next(line for line in server.lines if banner in line)
+    return int(line.split(banner)[1].rstrip("/"))
+
+
+def publish_through_rest_api(
+    port: int, topic: str, api_key: str, size: ChaosSize, payload: Callable[[int], Any]
+) -> None:
+    """One producer thread per key, each publishing its key's messages in ordinal order on the
+    run's schedule and awaiting each acceptance before the next (the reference soak's shape)."""
+    errors: list[BaseException] = []
+    began = time.monotonic()
+
+    def produce(key: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            for ordinal in range(key, size.messages, size.keys):
+                pause = began + ordinal * size.publish_seconds / size.messages - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                body = {"messages": [{"payload": payload(ordinal), "partitionKey": f"k{key}"}]}
+                conn.request(
+                    "POST",
+                    f"/work-queue/topics/{topic}/messages",
+                    json.dumps(body),
+                    {"Content-Type": "application/json", "X-API-Key": api_key},
+                )
+                response = conn.getresponse()
+                answer = response.read()
+                assert response.status == 202, (response.status, answer)
+                (result,) = json.loads(answer)["results"]
+                assert result["status"] == "Accepted", result
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            conn.close()
+
+    producers = [
+        threading.Thread(target=produce, args=(key,), name=f"chaos-producer-{key}")
+        for key in range(size.keys)
+    ]
+    for producer in producers:
+        producer.start()
+    for producer in producers:
+        producer.join()
+    assert not errors, errors[:3]
+
+
 @pytest.fixture
 def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
     get_user_model().objects.create_user(SYSTEM_USER)
@@ -238,7 +311,7 @@ def backends_of(pid: int) -> int:
 
 def run_chaos(procs: Processes, size: ChaosSize) -> None:
     began = time.monotonic()
-    topic = TopicFactory()
+    topic = TopicFactory(allow_external_publish=size.rest_api)
     subs = {
         mode: SubscriptionFactory(
             topic=topic,
@@ -280,21 +353,31 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         sleep_ms = 300 if ordinal % 40 == 7 else ordinal % 8
         return {"ordinal": ordinal, "sleepMs": sleep_ms, "failPercent": 2}
 
+    def publish_in_batches() -> None:
+        batches = max(int(size.publish_seconds / 0.2), 1)
+        per_batch = -(-size.messages // batches)
+        start = time.monotonic()
+        for n, first in enumerate(range(0, size.messages, per_batch)):
+            items = [
+                {"payload": payload(ordinal), "partition_key": f"k{ordinal % size.keys}"}
+                for ordinal in range(first, min(first + per_batch, size.messages))
+            ]
+            results = publish_many(topic.name, items)
+            assert all(r.accepted for r in results), results
+            pause = start + (n + 1) * 0.2 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+
+    if size.rest_api:
+        port = start_rest_server(procs)
+        api_key = ApiKeyFactory(scopes=["workqueue:publish"], topics=[topic.name]).raw_key
+
     def publish_all() -> None:
         try:
-            batches = max(int(size.publish_seconds / 0.2), 1)
-            per_batch = -(-size.messages // batches)
-            start = time.monotonic()
-            for n, first in enumerate(range(0, size.messages, per_batch)):
-                items = [
-                    {"payload": payload(ordinal), "partition_key": f"k{ordinal % size.keys}"}
-                    for ordinal in range(first, min(first + per_batch, size.messages))
-                ]
-                results = publish_many(topic.name, items)
-                assert all(r.accepted for r in results), results
-                pause = start + (n + 1) * 0.2 - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
+            if size.rest_api:
+                publish_through_rest_api(port, topic.name, api_key, size, payload)
+            else:
+                publish_in_batches()
         except BaseException as exc:
             publisher_error.append(exc)
         finally:
@@ -451,6 +534,12 @@ def test_chaos_two_hosts_one_killed_twice_with_failures_and_cancels_lose_nothing
     run_chaos(chaos_processes, CI)
 
     assert time.monotonic() - began < 100, "the CI chaos run must stay well under 2 minutes"
+
+
+def test_soak_publishing_through_the_rest_api_one_producer_per_key_runs_at_a_small_size(
+    chaos_processes,
+):
+    run_chaos(chaos_processes, REST_SMALL)
 
 
 @pytest.mark.slow
