@@ -350,10 +350,14 @@ class Consumer:
         try:
             result = self.receiver.receive(max_rows)
         except WorkQueueError as exc:
-            # Expected while the database is away: no traceback, and the idle backoff paces
-            # the retries; health says why nothing is claimed meanwhile.
-            self._failed(f"Receive failed: {exc}")
-            logger.warning("%s: receive failed: %s", self.plan.name, exc)
+            # Expected while the database is away: no traceback, one log line per outage, and
+            # the idle backoff paces the retries. Running handlers carry on (their settles
+            # retry on their own); health says why nothing is claimed meanwhile.
+            if self.failure is None:
+                logger.warning(
+                    "%s: not claiming until the database answers again: %s", self.plan.name, exc
+                )
+            self._failed(f"Not claiming: receive failed: {exc}")
             result = ClaimResult([])
         else:
             self._recovered()

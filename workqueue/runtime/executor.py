@@ -22,16 +22,17 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import close_old_connections
 
 from workqueue import signals
-from workqueue.exceptions import WorkQueueError
+from workqueue.exceptions import TransientDriverError, WorkQueueError
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import AbortReason, AbortSignal, WorkContext, WorkMessage
 from workqueue.runtime.handlers import HandlerRegistry
@@ -45,6 +46,12 @@ logger = logging.getLogger(__name__)
 
 LEASE_EXPIRY_GRACE_SECONDS = 5.0
 MAX_REASON_LENGTH = 100
+# A settle or renewal that failed on a lost connection (or a deadlock) is tried again after
+# 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
+RETRY_MIN_SECONDS = 0.1
+RETRY_MAX_SECONDS = 2.0
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,10 @@ class DeliveryExecution:
         self._lock = threading.Lock()
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
+        # When the lease surely ended in the database (local clock): the claim, or the last
+        # renewal, plus the lease and a grace. Settles are retried until then.
+        self._lease_deadline = time.monotonic() + self._lease_span()
+        self._beat_retry_seconds = RETRY_MIN_SECONDS
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
         self.log = logging.LoggerAdapter(
@@ -198,12 +209,16 @@ class DeliveryExecution:
 
     # -- heartbeats and timers -------------------------------------------------------------
 
+    def _lease_span(self) -> float:
+        return self.plan.lease_seconds + self.services.lease_grace_seconds
+
     def _arm_horizon(self) -> None:
         # The local horizon aborts the handler even when a renewal call hangs: past it the
         # lease has surely expired in the database and another consumer may own the delivery.
-        delay = self.plan.lease_seconds + self.services.lease_grace_seconds
+        # A failed renewal does not move it, so one lost heartbeat aborts nothing by itself.
         timer = self.services.timers.schedule(
-            delay, lambda: self.signal.abort(AbortReason.LEASE_LOST)
+            self._lease_deadline - time.monotonic(),
+            lambda: self.signal.abort(AbortReason.LEASE_LOST),
         )
         with self._lock:
             previous, self._horizon = self._horizon, timer
@@ -248,11 +263,14 @@ class DeliveryExecution:
         if not owner:
             return shared.result()
         held = True
+        began = time.monotonic()
         try:
             extension = self.services.receiver.extend_lease(
                 self.delivery, _progress(progress) if progress else None
             )
             if extension.state == LeaseState.HELD:
+                self._lease_deadline = began + self._lease_span()
+                self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()
             elif extension.state == LeaseState.CANCELLED:
                 held = False
@@ -261,16 +279,44 @@ class DeliveryExecution:
                 held = False
                 self.signal.abort(AbortReason.LEASE_LOST)
         except WorkQueueError as exc:
-            # A failed call is not a lost lease: keep running, the next tick retries, and the
-            # horizon still aborts the handler if renewals keep failing past the lease.
+            # A failed call is not a lost lease: keep running, and the horizon still aborts the
+            # handler if renewals keep failing past the lease. A lost connection is worth
+            # trying again soon, on a fresh one, rather than a whole heartbeat interval later.
             self.log.warning("Heartbeat failed: %s", exc)
+            if isinstance(exc, TransientDriverError):
+                self._retry_beat_soon()
         finally:
             with self._lock:
                 self._beat_in_flight = None
             shared.set_result(held)
         return held
 
+    def _retry_beat_soon(self) -> None:
+        delay = self._beat_retry_seconds
+        self._beat_retry_seconds = min(delay * 2, RETRY_MAX_SECONDS)
+        if time.monotonic() + delay < self._lease_deadline:
+            self._timers.append(self.services.timers.schedule(delay, self.check_lease_soon))
+
     # -- settling --------------------------------------------------------------------------
+
+    def _while_lease_lasts(self, settle: Callable[[], T]) -> T:
+        """Run a settle call; when it fails on a lost connection (or another transient error)
+        run it again on a fresh connection, backing off, for as long as the lease can still
+        be held. Safe because every settle is fenced by the lease token: a call that did take
+        effect before its connection dropped makes the retry answer "not settled", never apply
+        twice. Past the lease the row is lease expiry's to retry, and the error stands."""
+        delay = RETRY_MIN_SECONDS
+        while True:
+            try:
+                return settle()
+            except TransientDriverError as exc:
+                if time.monotonic() + delay >= self._lease_deadline:
+                    raise
+                self.log.warning(
+                    "Settle failed (%s); trying again in %.1f s while the lease lasts", exc, delay
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
 
     def _settle(self, decision: _Decision) -> ExecutionResult:
         self._finished = True  # the handler returned: no renewal starts after this
@@ -282,10 +328,14 @@ class DeliveryExecution:
                 self.log.warning("Lease lost; the handler's outcome was not recorded")
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
             if self.signal.has(AbortReason.SHUTDOWN) and decision.kind != Outcome.COMPLETE:
-                result = self._result(receiver.release(self.delivery))
+                result = self._result(
+                    self._while_lease_lasts(lambda: receiver.release(self.delivery))
+                )
                 return replace(result, released=result.status == DeliveryStatus.PENDING)
             if decision.kind == Outcome.COMPLETE:
-                return self._result(self.services.complete(self.delivery))
+                return self._result(
+                    self._while_lease_lasts(lambda: self.services.complete(self.delivery))
+                )
             if decision.kind == Outcome.DEAD_LETTER:
                 return self._dead_letter(decision.reason or "DeadLettered", decision.error)
             error = decision.error or "Retry requested by handler"
@@ -297,14 +347,20 @@ class DeliveryExecution:
                 self.plan.backoff_max_seconds,
                 decision.delay_seconds,
             )
-            return self._result(receiver.retry(self.delivery, delay, error))
+            return self._result(
+                self._while_lease_lasts(lambda: receiver.retry(self.delivery, delay, error))
+            )
         except WorkQueueError as exc:
             # The row is left for lease expiry, which retries or dead-letters it.
             self.log.error("Delivery settle failed: %s", exc)
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
 
     def _dead_letter(self, reason: str, error: str | None) -> ExecutionResult:
-        result = self._result(self.services.receiver.dead_letter(self.delivery, reason, error))
+        result = self._result(
+            self._while_lease_lasts(
+                lambda: self.services.receiver.dead_letter(self.delivery, reason, error)
+            )
+        )
         if result.status == DeliveryStatus.DEAD_LETTERED:
             signals.dead_lettered.send(
                 sender=DeliveryExecution,
@@ -317,7 +373,9 @@ class DeliveryExecution:
 
     def _acknowledge_cancel(self) -> ExecutionResult:
         try:
-            settled = self.services.receiver.acknowledge_cancel(self.delivery)
+            settled = self._while_lease_lasts(
+                lambda: self.services.receiver.acknowledge_cancel(self.delivery)
+            )
         except WorkQueueError as exc:
             self.log.error("Acknowledging the cancel failed: %s", exc)
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
