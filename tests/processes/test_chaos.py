@@ -1,25 +1,30 @@
 """Chaos: two host processes under a steady stream of work, one of them SIGKILLed and restarted,
-transient handler failures and operator cancels of running deliveries.
+transient handler failures and operator cancels of running deliveries, half of them of handlers
+that ignore their cancel.
 
 The CI size (~2,000 messages over 50 keys, three subscriptions: None, Exclusive and Ordered)
-runs in the default suite. The reference's full soak (50,000 messages, 500 keys, ~10 minutes)
-runs on demand: ``pytest -m slow tests/processes/test_chaos.py``.
+runs in the default suite. The reference's full soak (50,000 messages, 500 keys, ~10 minutes,
+published through the REST API by one producer per key that awaits each acceptance) runs on
+demand: ``pytest -m slow tests/processes/test_chaos.py``; its REST publishing runs at a small
+size in the default suite.
 
 It passes when every delivery ends Completed, DeadLettered or Discarded; a sampler reading the
-table throughout never sees two InFlight rows of one (subscription, key); the handlers' event log
-(one O_APPEND line per event, from every process) shows each Ordered key's messages starting in
-publish order and no two runs of one key overlapping; and Ordered completions per key follow
-publish order in the database too.
+table throughout never sees two InFlight rows of one (subscription, key); the handlers' own
+event log (start and finish of every execution, written by each process on the system-wide
+monotonic clock, merged afterwards) shows no two executions of one (subscription, key)
+overlapping in time and each Ordered key's messages starting in publish order; and Ordered
+completions per key follow publish order in the database too.
 """
 
 from __future__ import annotations
 
-import itertools
+import http.client
+import json
 import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 
+from tests.api.factories import ApiKeyFactory
 from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
@@ -40,6 +46,13 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 
 TERMINAL = {"Completed", "DeadLettered", "Discarded"}
 MODES = ("None", "Exclusive", "Ordered")
+LEASE_SECONDS = 5
+DRAIN_MS = 500  # the hosts' SHUTDOWN_DRAIN_MS
+# A handler that ignores its cancel runs this long: seconds beyond the drain, so acknowledging a
+# cancel after the drain (as the runtime once did) frees its key while it still runs; well
+# within the lease, which is set at claim and no longer renewed once the cancel is seen, so it
+# still holds its key when it returns.
+IGNORING_MS = 3000
 
 
 @dataclass(frozen=True)
@@ -48,10 +61,13 @@ class ChaosSize:
     keys: int
     publish_seconds: float
     kill_at: tuple[float, ...]  # seconds after publishing starts: SIGKILL host A, restart it
-    slow_messages: int  # messages that run 4 s, so a cancel finds them running
+    slow_messages: int  # run long enough for a cancel to find them: half stop, half ignore it
     cancels: int
     concurrency: int
     drain_timeout: float  # after the last publish, for every delivery to settle
+    # Publish through POST /work-queue/topics/<topic>/messages, one producer per key awaiting
+    # each acceptance (the reference's soak), instead of publish_many() batches in-process.
+    rest_api: bool = False
 
 
 CI = ChaosSize(
@@ -59,8 +75,8 @@ CI = ChaosSize(
     keys=50,
     publish_seconds=8,
     kill_at=(2.5, 6.0),
-    slow_messages=6,
-    cancels=4,
+    slow_messages=8,
+    cancels=6,
     concurrency=6,
     drain_timeout=60,
 )
@@ -73,6 +89,19 @@ SOAK = ChaosSize(
     cancels=25,
     concurrency=8,
     drain_timeout=240,
+    rest_api=True,
+)
+# The soak's REST publishing at a size the default suite can afford.
+REST_SMALL = ChaosSize(
+    messages=300,
+    keys=12,
+    publish_seconds=4,
+    kill_at=(2.0,),
+    slow_messages=4,
+    cancels=2,
+    concurrency=4,
+    drain_timeout=60,
+    rest_api=True,
 )
 
 
@@ -103,7 +132,10 @@ class Sampler:
 
 @dataclass
 class Canceller:
-    """Cancels running slow deliveries (operator discard of an InFlight row)."""
+    """Cancels running slow deliveries (operator discard of an InFlight row) of the keyed
+    subscriptions, where a cancel frees a key: in turn a handler that ignores the signal and one
+    that stops on it, on each subscription in turn. The first slow message ignores its cancel,
+    so the first cancel finds it as soon as it starts."""
 
     subscription_ids: list[str]
     wanted: int
@@ -114,18 +146,21 @@ class Canceller:
     def run(self) -> None:
         try:
             while not self.stop.wait(0.05) and len(self.requested) < self.wanted:
+                turn = len(self.requested)
+                subscription_id = self.subscription_ids[turn // 2 % len(self.subscription_ids)]
                 running = (
                     Delivery.objects.filter(
-                        subscription_id__in=self.subscription_ids,
+                        subscription_id=subscription_id,
                         status="InFlight",
                         message__payload__slow=True,
+                        message__payload__ignoreSignal=turn % 2 == 0,
                     )
                     .exclude(id__in=self.requested + self.discarded)
-                    .values_list("id", "subscription_id")[:1]
+                    .values_list("id", flat=True)[:1]
                 )
-                for delivery_id, subscription_id in running:
+                for delivery_id in running:
                     result = transport.discard_or_cancel(
-                        str(subscription_id), str(delivery_id), "chaos", "cancel while running"
+                        subscription_id, str(delivery_id), "chaos", "cancel while running"
                     )
                     if result.cancel_requested:
                         self.requested.append(str(delivery_id))
@@ -136,13 +171,124 @@ class Canceller:
             connection.close()
 
 
+@dataclass
+class Execution:
+    """One handler execution as its process logged it (times: CLOCK_MONOTONIC, ns)."""
+
+    pid: int
+    delivery: str
+    attempt: int
+    sub: str
+    key: str | None
+    ordinal: int
+    start: int
+    finish: int | None = None  # None: its process was killed mid-handler
+    finished_by: str | None = None  # end, fail or abort
+    signal: str | None = None  # the abort reason it had been given when it finished
+    signalled_at: int | None = None  # when that signal fired, if the handler ignored it
+
+
+def executions(events: list[dict[str, Any]]) -> list[Execution]:
+    """Merge the processes' start/finish lines into one record per handler execution."""
+    runs: dict[tuple[int, str, int], Execution] = {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        run_id = (e["pid"], e["delivery"], e["attempt"])
+        if e["event"] == "start":
+            runs[run_id] = Execution(
+                e["pid"], e["delivery"], e["attempt"], e["sub"], e["key"], e["ordinal"], e["t"]
+            )
+        else:
+            run = runs[run_id]
+            run.finish, run.finished_by, run.signal = e["t"], e["event"], e["signal"]
+            run.signalled_at = e.get("signalled_at")
+    return list(runs.values())
+
+
+def overlapping(runs: list[Execution], reaped_at: dict[int, int]) -> list[str]:
+    """Each pair of executions of one (subscription, key) that overlap in time, described. A run
+    cut short by a kill ended, at the latest, when its process was reaped."""
+
+    def end(run: Execution) -> int:
+        return run.finish if run.finish is not None else reaped_at[run.pid]
+
+    per_key: dict[tuple[str, str | None], list[Execution]] = defaultdict(list)
+    for run in runs:
+        per_key[(run.sub, run.key)].append(run)
+    found = []
+    for key_runs in per_key.values():
+        key_runs.sort(key=lambda r: r.start)
+        last = key_runs[0]  # of the runs started so far, the one that ended last
+        for run in key_runs[1:]:
+            if run.start < end(last):
+                found.append(
+                    f"{run.sub}/{run.key}: ordinal {run.ordinal} (pid {run.pid}) started "
+                    f"{(end(last) - run.start) / 1e6:.0f} ms before ordinal {last.ordinal} "
+                    f"(pid {last.pid}, signal {last.signal}) finished"
+                )
+            if end(run) > end(last):
+                last = run
+    return found
+
+
+def start_rest_server(procs: Processes) -> int:
+    """``manage.py runserver`` on a loopback port the OS picks (it prints it); the port."""
+    server = procs.start("runserver", "--noreload", "127.0.0.1:0", DJANGO_DEBUG="false")
+    banner = "Starting development server at http://127.0.0.1:"
+    server.wait_for_line(banner)
+    line = next(line for line in server.lines if banner in line)
+    return int(line.split(banner)[1].rstrip("/"))
+
+
+def publish_through_rest_api(
+    port: int, topic: str, api_key: str, size: ChaosSize, payload: Callable[[int], Any]
+) -> None:
+    """One producer thread per key, each publishing its key's messages in ordinal order on the
+    run's schedule and awaiting each acceptance before the next (the reference soak's shape)."""
+    errors: list[BaseException] = []
+    began = time.monotonic()
+
+    def produce(key: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            for ordinal in range(key, size.messages, size.keys):
+                pause = began + ordinal * size.publish_seconds / size.messages - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                body = {"messages": [{"payload": payload(ordinal), "partitionKey": f"k{key}"}]}
+                conn.request(
+                    "POST",
+                    f"/work-queue/topics/{topic}/messages",
+                    json.dumps(body),
+                    {"Content-Type": "application/json", "X-API-Key": api_key},
+                )
+                response = conn.getresponse()
+                answer = response.read()
+                assert response.status == 202, (response.status, answer)
+                (result,) = json.loads(answer)["results"]
+                assert result["status"] == "Accepted", result
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            conn.close()
+
+    producers = [
+        threading.Thread(target=produce, args=(key,), name=f"chaos-producer-{key}")
+        for key in range(size.keys)
+    ]
+    for producer in producers:
+        producer.start()
+    for producer in producers:
+        producer.join()
+    assert not errors, errors[:3]
+
+
 @pytest.fixture
 def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
     get_user_model().objects.create_user(SYSTEM_USER)
     procs = Processes(tmp_path)
     procs.env.update(
         WORKQUEUE_SWEEPER_INTERVAL_MS="500",
-        WORKQUEUE_SHUTDOWN_DRAIN_MS="1000",
+        WORKQUEUE_SHUTDOWN_DRAIN_MS=str(DRAIN_MS),
         WORKQUEUE_IDLE_POLL_MIN_MS="20",
         WORKQUEUE_IDLE_POLL_MAX_MS="250",
     )
@@ -165,14 +311,14 @@ def backends_of(pid: int) -> int:
 
 def run_chaos(procs: Processes, size: ChaosSize) -> None:
     began = time.monotonic()
-    topic = TopicFactory()
+    topic = TopicFactory(allow_external_publish=size.rest_api)
     subs = {
         mode: SubscriptionFactory(
             topic=topic,
             name=f"chaos-{mode.lower()}",
             handler_key="tests.record",
             partition_mode=mode,
-            lease_seconds=5,
+            lease_seconds=LEASE_SECONDS,
             max_attempts=10,
             backoff_base_seconds=1,
             backoff_max_seconds=2,
@@ -180,7 +326,6 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         for mode in MODES
     }
     names = [s.name for s in subs.values()]
-    by_id = {str(s.id): s for s in subs.values()}
 
     def start_host() -> Any:
         return procs.host(*names, concurrency=size.concurrency)
@@ -188,30 +333,51 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     hosts = {"a": start_host(), "b": start_host()}
 
     sampler = Sampler(psycopg_params())
-    canceller = Canceller(list(by_id), size.cancels)
+    canceller = Canceller([str(subs["Exclusive"].id), str(subs["Ordered"].id)], size.cancels)
     rng = random.Random(20240601)
-    slow = set(rng.sample(range(size.messages // 10, size.messages // 2), size.slow_messages))
+    slow = sorted(rng.sample(range(size.messages // 10, size.messages // 2), size.slow_messages))
+    ignores_cancel = {ordinal: n % 2 == 0 for n, ordinal in enumerate(slow)}
     publisher_error: list[BaseException] = []
+
+    def payload(ordinal: int) -> dict[str, Any]:
+        if ordinal in ignores_cancel:
+            ignoring = ignores_cancel[ordinal]
+            return {
+                "ordinal": ordinal,
+                "sleepMs": IGNORING_MS if ignoring else 4000,
+                "slow": True,
+                "ignoreSignal": ignoring,
+                "failPercent": 0,
+            }
+        # Mostly a few ms; one in 40 takes 300 ms, so a kill finds work running.
+        sleep_ms = 300 if ordinal % 40 == 7 else ordinal % 8
+        return {"ordinal": ordinal, "sleepMs": sleep_ms, "failPercent": 2}
+
+    def publish_in_batches() -> None:
+        batches = max(int(size.publish_seconds / 0.2), 1)
+        per_batch = -(-size.messages // batches)
+        start = time.monotonic()
+        for n, first in enumerate(range(0, size.messages, per_batch)):
+            items = [
+                {"payload": payload(ordinal), "partition_key": f"k{ordinal % size.keys}"}
+                for ordinal in range(first, min(first + per_batch, size.messages))
+            ]
+            results = publish_many(topic.name, items)
+            assert all(r.accepted for r in results), results
+            pause = start + (n + 1) * 0.2 - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+
+    if size.rest_api:
+        port = start_rest_server(procs)
+        api_key = ApiKeyFactory(scopes=["workqueue:publish"], topics=[topic.name]).raw_key
 
     def publish_all() -> None:
         try:
-            batches = max(int(size.publish_seconds / 0.2), 1)
-            per_batch = -(-size.messages // batches)
-            start = time.monotonic()
-            for n, first in enumerate(range(0, size.messages, per_batch)):
-                items = []
-                for ordinal in range(first, min(first + per_batch, size.messages)):
-                    # Mostly a few ms; one in 40 takes 300 ms, so a kill finds work running.
-                    sleep_ms = 300 if ordinal % 40 == 7 else ordinal % 8
-                    payload = {"ordinal": ordinal, "sleepMs": sleep_ms, "failPercent": 2}
-                    if ordinal in slow:
-                        payload.update(sleepMs=4000, slow=True, failPercent=0)
-                    items.append({"payload": payload, "partition_key": f"k{ordinal % size.keys}"})
-                results = publish_many(topic.name, items)
-                assert all(r.accepted for r in results), results
-                pause = start + (n + 1) * 0.2 - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
+            if size.rest_api:
+                publish_through_rest_api(port, topic.name, api_key, size, payload)
+            else:
+                publish_in_batches()
         except BaseException as exc:
             publisher_error.append(exc)
         finally:
@@ -226,6 +392,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         thread.start()
     publishing_began = time.monotonic()
     orphans: list[tuple[str, int]] = []  # (delivery id, attempt) running when its host died
+    reaped_at: dict[int, int] = {}  # killed host pid -> when it was reaped (monotonic ns)
     try:
         for at in size.kill_at:
             time.sleep(max(0.0, publishing_began + at - time.monotonic()))
@@ -233,10 +400,13 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             held = Delivery.objects.filter(
                 status="InFlight", lease_owner__contains=f":{victim.pid}:"
             )
-            wait_until(lambda held=held: held.count() >= 2, timeout=10, interval=0.01)
+            # Kill while it runs a handler of 300 ms or more: still running when the kill lands.
+            long_held = held.filter(message__payload__sleepMs__gte=300)
+            wait_until(long_held.exists, timeout=10, interval=0.01)
             assert backends_of(victim.pid) > 0, "host connections carry application_name"
             victim.popen.kill()
             victim.wait(timeout=10)
+            reaped_at[victim.pid] = time.monotonic_ns()
             # A statement the victim sent just before it died still runs (and commits) on its
             # server backend; only once those backends are gone is "still InFlight" final.
             wait_until(lambda pid=victim.pid: not backends_of(pid), timeout=10, interval=0.01)
@@ -310,27 +480,30 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         sampler.max_keyed_in_flight,
     )
 
-    # -- the handlers' own view: order and no overlap per key -------------------------------------
+    # -- the handlers' own view: no two executions of one key at once, Ordered in order ---------
     events = read_events(procs.events)
     assert sum(e["event"] == "fail" for e in events) > 0, "transient failures happened"
-    runs: dict[tuple[str, str, int, int], dict[str, int]] = defaultdict(dict)
-    for e in events:
-        runs[(e["delivery"], e["sub"], e["attempt"], e["pid"])][e["event"]] = e["t"]
-        runs[(e["delivery"], e["sub"], e["attempt"], e["pid"])]["ordinal"] = e["ordinal"]
-        runs[(e["delivery"], e["sub"], e["attempt"], e["pid"])]["key"] = e["key"]
-    per_key: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for (_, sub_name, _, _), run in runs.items():
-        if sub_name != subs["None"].name and "start" in run:
-            per_key[(sub_name, run["key"])].append(run)
-    for (sub_name, key), key_runs in per_key.items():
-        key_runs.sort(key=lambda r: r["start"])
-        for before, after in itertools.pairwise(key_runs):
-            finished = before.get("end") or before.get("fail") or before.get("abort")
-            if finished is not None:  # a run with no finish was killed mid-handler
-                assert after["start"] >= finished, f"{sub_name}/{key}: two runs overlapped"
-        if sub_name == subs["Ordered"].name:
-            started = [r["ordinal"] for r in key_runs]
-            assert started == sorted(started), f"{key}: a later message started first"
+    runs = executions(events)
+    unfinished = [r for r in runs if r.finish is None and r.pid not in reaped_at]
+    assert unfinished == [], "only a killed process leaves a handler execution unfinished"
+    keyed = [r for r in runs if r.sub != subs["None"].name]
+    assert overlapping(keyed, reaped_at) == []
+    # Cancelled handlers ignored the signal and ran on well past the drain: had the cancel been
+    # acknowledged then, the next delivery of their key would have overlapped them.
+    ignored = [
+        r
+        for r in runs
+        if r.signal == "Cancelled"
+        and r.signalled_at is not None
+        and r.finish - r.signalled_at > 2 * DRAIN_MS * 1_000_000
+    ]
+    assert ignored, "no cancelled handler ignored its signal past the drain"
+    ordered_starts: dict[str | None, list[int]] = defaultdict(list)
+    for run in sorted(runs, key=lambda r: r.start):
+        if run.sub == subs["Ordered"].name:
+            ordered_starts[run.key].append(run.ordinal)
+    for key, started in ordered_starts.items():
+        assert started == sorted(started), f"{key}: a later message started first"
 
     ordered_id = subs["Ordered"].id
     completions: dict[str, list[tuple[Any, int]]] = defaultdict(list)
@@ -347,7 +520,8 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     print(
         f"chaos {size.messages} messages: {elapsed:.1f}s, statuses {dict(statuses)}, "
         f"{len(orphans)} orphaned by kills, cancels {len(canceller.requested)} running + "
-        f"{len(canceller.discarded)} pending, {sampler.samples} samples "
+        f"{len(canceller.discarded)} pending ({len(ignored)} ignored past the drain), "
+        f"{len(runs)} handler executions, {sampler.samples} samples "
         f"(max keyed in flight {sampler.max_keyed_in_flight})"
     )
 
@@ -360,6 +534,12 @@ def test_chaos_two_hosts_one_killed_twice_with_failures_and_cancels_lose_nothing
     run_chaos(chaos_processes, CI)
 
     assert time.monotonic() - began < 100, "the CI chaos run must stay well under 2 minutes"
+
+
+def test_soak_publishing_through_the_rest_api_one_producer_per_key_runs_at_a_small_size(
+    chaos_processes,
+):
+    run_chaos(chaos_processes, REST_SMALL)
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from django.contrib.auth import get_user_model
 from tests.database import database_url
 from tests.factories import SubscriptionFactory
 from tests.waiting import wait_until
-from workqueue import publish, publish_many
+from workqueue import publish, publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
 
@@ -295,6 +295,37 @@ def test_kill_9_mid_handler_leaves_the_delivery_to_lease_expiry_and_another_host
     assert delivery(message).attempt_count == 2
     runs = [(e["event"], e["pid"], e["attempt"]) for e in read_events(processes.events)]
     assert runs == [("start", first.pid, 1), ("start", second.pid, 2), ("end", second.pid, 2)]
+
+
+def test_a_cancelled_handler_that_ignores_its_signal_keeps_its_exclusive_key_until_it_returns(
+    processes,
+):
+    # The handler ignores the cancel for 3 s: far longer than the host's drain (0.5 s), well
+    # within the lease (10 s), which is no longer renewed once the cancel is seen.
+    sub = SubscriptionFactory(
+        handler_key="tests.record", partition_mode="Exclusive", lease_seconds=10
+    )
+    processes.host(sub.name, concurrency=2)
+    payload = {"ordinal": 1, "sleepMs": 3000, "ignoreSignal": True}
+    first = publish(sub.topic.name, payload, partition_key="acct").message_id
+    second = publish(sub.topic.name, {"ordinal": 2}, partition_key="acct").message_id
+    wait_until(lambda: any(e["event"] == "start" for e in read_events(processes.events)))
+
+    cancel = transport.discard_or_cancel(str(sub.id), str(delivery(first).id), "ops", "stop")
+
+    assert cancel.cancel_requested
+    wait_until(lambda: delivery(second).status == "Completed", timeout=20)
+    stopped = delivery(first)
+    assert (stopped.status, stopped.attempt_count) == ("Discarded", 1)
+    events = sorted(read_events(processes.events), key=lambda e: e["t"])
+    # The first handler saw the cancel, kept running to its end, and only then did the key's
+    # next delivery start: never two handlers of the key at once.
+    assert [(e["event"], e["ordinal"], e.get("signal")) for e in events] == [
+        ("start", 1, None),
+        ("end", 1, "Cancelled"),
+        ("start", 2, None),
+        ("end", 2, None),
+    ]
 
 
 def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hosts(processes):

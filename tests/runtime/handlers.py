@@ -4,7 +4,11 @@
   Its handlers do what the payload says and report to ``probe``, so a test can wait for a
   handler to start, see the abort reason it got, and read its heartbeat results.
 * ``tests.record`` (global registry, for subprocess hosts via WORKQUEUE_HANDLER_MODULES): appends
-  one JSON line per event to the file named by WQ_TEST_EVENT_LOG, sleeps and fails on request.
+  one JSON line per event to the file named by WQ_TEST_EVENT_LOG, sleeps (stopping early on the
+  abort signal, or ignoring it) and fails on request. Every run writes ``start`` and then exactly
+  one of ``end``, ``fail`` or ``abort`` just before it returns (unless its process is killed),
+  each with the process id, a CLOCK_MONOTONIC time and the abort reason seen by then, so the
+  logs of several processes merge into one timeline of handler executions.
 """
 
 from __future__ import annotations
@@ -212,6 +216,8 @@ def record(event: str, message: WorkMessage, context: WorkContext, **extra: Any)
             "message": message.message_id,
             "delivery": context.delivery_id,
             "attempt": context.attempt,
+            # The abort reason the handler had been given by now (None: not signalled).
+            "signal": context.signal.reason,
             **extra,
         }
     )
@@ -227,8 +233,8 @@ def record(event: str, message: WorkMessage, context: WorkContext, **extra: Any)
 class RecordingHandler(BaseWorkHandler):
     """Payload: ``ordinal`` (echoed to the log), ``sleepMs`` (every attempt) or
     ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal unless
-    ``ignoreSignal``, and ``failPercent`` (transient failure when the hash of message id +
-    attempt says so)."""
+    ``ignoreSignal`` (then sleeping on, and logging when the signal fired as ``signalled_at``),
+    and ``failPercent`` (transient failure when the hash of message id + attempt says so)."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         payload = message.payload if isinstance(message.payload, dict) else {}
@@ -236,13 +242,17 @@ class RecordingHandler(BaseWorkHandler):
         sleep_ms = payload.get("sleepMs", 0)
         if context.attempt == 1:
             sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
+        signalled_at = None  # when an ignored abort signal fired (CLOCK_MONOTONIC ns)
         if sleep_ms and payload.get("ignoreSignal"):
-            time.sleep(sleep_ms / 1000)
+            deadline = time.monotonic() + sleep_ms / 1000
+            if context.signal.wait(sleep_ms / 1000):
+                signalled_at = time.monotonic_ns()
+                time.sleep(max(0.0, deadline - time.monotonic()))
         elif sleep_ms and context.signal.wait(sleep_ms / 1000):
-            record("abort", message, context, reason=context.signal.reason)
+            record("abort", message, context)
             return Outcome.retry(f"stopped: {context.signal.reason}")
         if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):
-            record("fail", message, context)
+            record("fail", message, context, signalled_at=signalled_at)
             raise TransientWorkError("chaos: transient failure")
-        record("end", message, context)
+        record("end", message, context, signalled_at=signalled_at)
         return Outcome.complete()

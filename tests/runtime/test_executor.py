@@ -2,7 +2,7 @@
 is settled, heartbeats, cancel, the lease horizon, the time cap and shutdown.
 
 Each test claims a real delivery with a ``Receiver`` and runs it with ``ExecutionServices`` it
-builds itself, so lease lengths, the horizon grace and the cancel drain can be made small.
+builds itself, so lease lengths and the horizon grace can be made small.
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ class Rig:
         delivery: ClaimedDelivery,
         *,
         grace: float = 5.0,
-        cancel_drain: float = 5.0,
         **plan_changes: Any,
     ) -> DeliveryExecution:
         plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
@@ -88,7 +87,6 @@ class Rig:
             background=self.background,
             handlers=registry,
             user=self.user,
-            cancel_drain_seconds=cancel_drain,
             lease_grace_seconds=grace,
         )
         return DeliveryExecution(delivery, plan, services)
@@ -426,18 +424,91 @@ def test_cancelling_a_running_handler_discards_the_delivery_and_frees_its_exclus
     assert row(second).status == "InFlight"
 
 
-def test_a_handler_that_ignores_the_cancel_is_acknowledged_after_the_drain_period(rig):
+def test_a_handler_that_ignores_the_cancel_keeps_its_key_until_it_returns_then_is_acknowledged(
+    rig,
+):
     sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
-    receiver, delivery = rig.claim(sub, {"sleepMs": 1500, "ignoreSignal": True}, key="k")
-    future = rig.start(rig.execution(sub, receiver, delivery, lease_seconds=1, cancel_drain=0.3))
+    receiver, first = rig.claim(sub, {"sleepMs": 2000, "ignoreSignal": True}, key="k")
+    publish(sub.topic.name, {"then": "complete"}, partition_key="k")
+    # Plan lease 1 s: auto heartbeats every 1/3 s, so the cancel is seen within ~0.3 s.
+    execution = rig.execution(sub, receiver, first, lease_seconds=1)
+    future = rig.start(execution)
     (run,) = probe.wait_for(1)
 
-    transport.discard_or_cancel(str(sub.id), delivery.delivery_id, "ops", "x")
+    transport.discard_or_cancel(str(sub.id), first.delivery_id, "ops", "x")
 
-    wait_until(lambda: row(delivery).status == "Discarded", timeout=3)
-    assert not run.finished.is_set(), "acknowledged only after the handler returned"
+    wait_until(lambda: execution.signal.has(AbortReason.CANCELLED), timeout=3)
+    lease_at_cancel = row(first).lease_expires_at
+    samples = 0
+    while True:
+        stored, claimed = row(first), receiver.receive(5).deliveries
+        if run.finished.is_set():
+            break
+        # Sampled while the handler still ran: the key stays held and the lease unrenewed.
+        assert (stored.status, stored.lease_expires_at, claimed) == (
+            "InFlight",
+            lease_at_cancel,
+            [],
+        )
+        samples += 1
+        time.sleep(0.05)
     result = future.result(timeout=5)
-    assert result.status == "Discarded"
+    # The sample that ended the loop may postdate the acknowledgement and hold the next delivery.
+    (second,) = claimed or receiver.receive(5).deliveries
+
+    assert samples > 10, "the handler ran on well after the cancel was seen"
+    assert run.signal_reason == AbortReason.CANCELLED
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Discarded")
+    assert (row(first).status, row(first).attempt_count) == ("Discarded", 1)
+    assert second.partition_key == "k" and second.delivery_id != first.delivery_id
+
+
+def test_a_cancelled_handler_past_its_local_lease_horizon_is_acknowledged_while_its_token_holds(
+    rig,
+):
+    sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
+    receiver, first = rig.claim(sub, {"sleepMs": 2500, "ignoreSignal": True}, key="k")
+    publish(sub.topic.name, {"then": "complete"}, partition_key="k")
+    # Plan lease 1 s, grace 0.3 s: once the cancel stops renewals the local horizon passes
+    # before the handler returns, while the database lease (60 s) still holds the token.
+    execution = rig.execution(sub, receiver, first, lease_seconds=1, grace=0.3)
+    future = rig.start(execution)
+    probe.wait_for(1)
+
+    transport.discard_or_cancel(str(sub.id), first.delivery_id, "ops", "x")
+    result = future.result(timeout=10)
+
+    assert execution.signal.has(AbortReason.CANCELLED)
+    assert execution.signal.has(AbortReason.LEASE_LOST), "the horizon passed before the return"
+    # The cancel is acknowledged (fenced by the token) instead of left for lease expiry: the
+    # key is free now, not in a minute.
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Discarded")
+    assert row(first).status == "Discarded"
+    (second,) = receiver.receive(5).deliveries
+    assert second.partition_key == "k"
+
+
+def test_a_cancelled_handler_that_outlives_its_lease_finds_the_row_discarded_by_expiry(rig):
+    sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60, max_attempts=3)
+    receiver, first = rig.claim(sub, {"sleepMs": 1500, "ignoreSignal": True}, key="k")
+    publish(sub.topic.name, {"then": "complete"}, partition_key="k")
+    execution = rig.execution(sub, receiver, first, lease_seconds=1)
+    future = rig.start(execution)
+    (run,) = probe.wait_for(1)
+    transport.discard_or_cancel(str(sub.id), first.delivery_id, "ops", "x")
+    wait_until(lambda: execution.signal.has(AbortReason.CANCELLED), timeout=3)
+
+    # The unrenewed lease runs out while the handler still ignores its signal; the next claim
+    # expires it: the cancelled row is discarded (never retried) and the key moves on.
+    get_driver().shift_time(120, subscription_id=str(sub.id))
+    (second,) = Receiver(sub.id, "other-host").receive(5).deliveries
+
+    assert not run.finished.is_set()
+    assert second.partition_key == "k" and second.delivery_id != first.delivery_id
+    assert (row(first).status, row(first).attempt_count) == ("Discarded", 1)
+    # The handler's late return writes nothing: the acknowledgement is fenced off.
+    assert future.result(timeout=5) == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert row(first).status == "Discarded" and row(second).status == "InFlight"
 
 
 def test_concurrent_heartbeats_share_one_database_call(rig):

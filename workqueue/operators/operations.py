@@ -233,7 +233,8 @@ def discard(
     subscription_name: str, delivery_id: Any, *, reason: str, actor: Actor = CLI
 ) -> DiscardOutcome:
     """Discard a Pending or dead-lettered delivery; for a running one, ask its holder to stop
-    (``cancel_requested``): it is acknowledged as Discarded and never runs again."""
+    (``cancel_requested``): it becomes Discarded when its handler returns (or at lease expiry,
+    if the handler ignores the signal that long) and never runs again."""
     name = _name(subscription_name)
     reason = _note(reason, "reason", required=True)
     require(actor, OPERATE, subscription=name)

@@ -170,7 +170,6 @@ class Consumer:
             background=self._background,
             handlers=handlers,
             user=user,
-            cancel_drain_seconds=config.shutdown_drain_ms / 1000,
         )
         self._running: dict[tuple[str, str], DeliveryExecution] = {}  # until settled
         self._handlers_running = 0  # slots taken: from claim until the handler returns

@@ -2,9 +2,15 @@
 cancellation, and the settle call that records the outcome.
 
 Abort reasons decide how the outcome is settled:
+* Cancelled: renewals stop; when the handler returns, its outcome is dropped and the cancel is
+  acknowledged (→ Discarded, key freed). Never before it returns: the acknowledgement frees an
+  Exclusive/Ordered key, and the key's next delivery must not start beside a handler that is
+  still running. A handler that ignores the signal keeps the key until its lease runs out;
+  lease expiry then discards the row. Checked before LeaseLost: the acknowledgement is fenced
+  by the lease token, so it succeeds exactly when nobody expired the row meanwhile, even if the
+  local horizon has passed.
 * LeaseLost (a heartbeat reported Lost, or the local lease horizon passed): the outcome is
   dropped and nothing is written; another consumer may already run the delivery.
-* Cancelled: the outcome is dropped and the cancel is acknowledged (→ Discarded, key freed).
 * Shutdown: a Complete is still recorded; anything else releases the delivery without using up
   an attempt.
 * MaxProcessingSeconds: renewals stop; the eventual outcome is settled as usual (the fence
@@ -71,10 +77,9 @@ class ExecutionServices:
     receiver: Receiver
     complete: Callable[[ClaimedDelivery], SettleResult]
     timers: TimerQueue
-    background: Any  # a WorkerPool: heartbeats and late cancel acknowledgements
+    background: Any  # a WorkerPool: heartbeats
     handlers: HandlerRegistry
     user: Any
-    cancel_drain_seconds: float
     lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
 
 
@@ -95,7 +100,7 @@ class DeliveryExecution:
         self.started = False
         self.signal = AbortSignal()
         self._lock = threading.Lock()
-        self._finished = False  # settled (or given up) — later events change nothing
+        self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
@@ -127,7 +132,6 @@ class DeliveryExecution:
                     lambda: self.signal.abort(AbortReason.MAX_PROCESSING_SECONDS),
                 )
             )
-        self.signal.on_abort(self._on_abort)
         try:
             decision = self._call_handler()
         finally:
@@ -266,39 +270,17 @@ class DeliveryExecution:
             shared.set_result(held)
         return held
 
-    def _on_abort(self, reason: str) -> None:
-        if reason == AbortReason.CANCELLED:
-            # A handler that ignores the signal must not hold the key forever: acknowledge
-            # after the drain period even if it is still running.
-            self._timers.append(
-                self.services.timers.schedule(
-                    self.services.cancel_drain_seconds,
-                    lambda: self.services.background.submit(self._acknowledge_late_cancel),
-                )
-            )
-
-    def _acknowledge_late_cancel(self) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-        self.log.warning("Handler did not stop after the cancel request; acknowledging anyway")
-        self._acknowledge_cancel()
-
     # -- settling --------------------------------------------------------------------------
 
     def _settle(self, decision: _Decision) -> ExecutionResult:
-        with self._lock:
-            if self._finished:
-                return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.DISCARDED)
-            self._finished = True
+        self._finished = True  # the handler returned: no renewal starts after this
         receiver = self.services.receiver
         try:
+            if self.signal.has(AbortReason.CANCELLED):
+                return self._acknowledge_cancel()
             if self.signal.has(AbortReason.LEASE_LOST):
                 self.log.warning("Lease lost; the handler's outcome was not recorded")
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
-            if self.signal.has(AbortReason.CANCELLED):
-                return self._acknowledge_cancel()
             if self.signal.has(AbortReason.SHUTDOWN) and decision.kind != Outcome.COMPLETE:
                 result = self._result(receiver.release(self.delivery))
                 return replace(result, released=result.status == DeliveryStatus.PENDING)
