@@ -23,14 +23,14 @@ class AbortSignal:
     """Tells a running handler to stop. Handlers poll ``aborted`` or block on ``wait()``.
 
     Several reasons may arrive; ``reason`` is the first. The runtime reads all of them
-    (``has()``) because shutdown and the time cap each change how the outcome is settled.
+    (``has()``) because a cancel, shutdown and the time cap each change how the outcome is
+    settled, whatever arrived first (a cancel is acknowledged even after the lease horizon).
     """
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._reasons: list[str] = []
-        self._listeners: list[Callable[[str], None]] = []
 
     @property
     def aborted(self) -> bool:
@@ -55,15 +55,8 @@ class AbortSignal:
             if reason in self._reasons:
                 return False
             self._reasons.append(reason)
-            listeners = list(self._listeners)
         self._event.set()
-        for listener in listeners:
-            listener(reason)
         return True
-
-    def on_abort(self, listener: Callable[[str], None]) -> None:
-        with self._lock:
-            self._listeners.append(listener)
 
 
 @dataclass(frozen=True, slots=True)
