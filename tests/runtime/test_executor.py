@@ -660,17 +660,112 @@ def test_shutdown_still_records_a_complete_returned_after_the_abort(rig):
     assert row(delivery).status == "Completed"
 
 
-def test_a_settle_that_fails_is_reported_as_failed_and_leaves_the_row_for_lease_expiry(rig):
-    class BrokenRetry(Receiver):
-        def retry(self, *args: Any, **kwargs: Any) -> Any:
-            raise TransientDriverError("connection lost (test)")
+class FlakyReceiver(Receiver):
+    """A Receiver whose named calls fail on a lost connection the first ``failures`` times
+    (``None``: every time), then reach the database."""
 
+    def __init__(self, subscription_id: Any, failing: set[str], failures: int | None) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.failing = failing
+        self.failures_left = failures
+        self.calls: dict[str, int] = {}
+        self.times: list[float] = []  # when each failing-or-not call was made
+        self.results: list[Any] = []  # what the calls that reached the database returned
+
+    def __getattribute__(self, name: str) -> Any:
+        attribute = super().__getattribute__(name)
+        if name not in super().__getattribute__("failing"):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.times.append(time.monotonic())
+            if self.failures_left is None or self.failures_left > 0:
+                if self.failures_left is not None:
+                    self.failures_left -= 1
+                raise TransientDriverError("server closed the connection unexpectedly (test)")
+            self.results.append(attribute(*args, **kwargs))
+            return self.results[-1]
+
+        return call
+
+
+@pytest.mark.parametrize(
+    ("payload", "settle", "status"),
+    [
+        ({"then": "complete"}, "complete", "Completed"),
+        ({"then": "crash"}, "retry", "Pending"),
+        ({"then": "dead_letter"}, "dead_letter", "DeadLettered"),
+    ],
+)
+def test_a_settle_that_fails_on_a_lost_connection_is_retried_until_it_is_recorded(
+    rig, payload, settle, status
+):
     sub = rig.subscription(max_attempts=3)
-    publish(sub.topic.name, {"then": "crash"})
-    receiver = BrokenRetry(sub.id, "test-holder")
+    publish(sub.topic.name, payload)
+    receiver = FlakyReceiver(sub.id, {settle}, failures=3)
     (delivery,) = receiver.receive(1).deliveries
 
     result = rig.execution(sub, receiver, delivery).run()
 
-    assert result.kind == ExecutionResult.FAILED and "connection lost" in result.error
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, status)
+    assert receiver.calls[settle] == 4
+    assert (row(delivery).status, row(delivery).attempt_count) == (status, 1)
+
+
+def test_acknowledging_a_cancel_is_retried_after_a_lost_connection(rig):
+    sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
+    receiver = FlakyReceiver(sub.id, {"acknowledge_cancel"}, failures=2)
+    publish(sub.topic.name, {"sleepMs": 30_000}, partition_key="k")
+    (delivery,) = receiver.receive(1).deliveries
+    # Plan lease 1 s: auto heartbeats every 1/3 s, so the cancel is seen within ~0.3 s.
+    future = rig.start(rig.execution(sub, receiver, delivery, lease_seconds=1))
+    probe.wait_for(1)
+
+    assert transport.discard_or_cancel(
+        str(sub.id), delivery.delivery_id, "ops", "x"
+    ).cancel_requested
+    result = future.result(timeout=10)
+
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Discarded")
+    assert receiver.calls["acknowledge_cancel"] == 3
+    assert row(delivery).status == "Discarded"
+
+
+def test_a_settle_that_keeps_failing_past_the_lease_is_reported_as_failed_and_left_to_expiry(
+    rig,
+):
+    sub = rig.subscription(max_attempts=3)
+    publish(sub.topic.name, {"then": "crash"})
+    receiver = FlakyReceiver(sub.id, {"retry"}, failures=None)
+    (delivery,) = receiver.receive(1).deliveries
+    began = time.monotonic()
+
+    # The execution thinks its lease is 1 s with a 0.3 s grace: retries stop after ~1.3 s.
+    result = rig.execution(sub, receiver, delivery, lease_seconds=1, grace=0.3).run()
+
+    assert result.kind == ExecutionResult.FAILED and "closed the connection" in result.error
+    assert receiver.calls["retry"] >= 3  # 0.1 s, 0.2 s, 0.4 s ... apart
+    assert time.monotonic() - began < 3.0
     assert row(delivery).status == "InFlight"
+
+
+def test_a_heartbeat_that_fails_once_then_succeeds_keeps_the_lease_and_the_handler_running(rig):
+    sub = rig.subscription(lease_seconds=6)  # automatic heartbeats every 2 s
+    publish(sub.topic.name, {"sleepMs": 2_600})
+    receiver = FlakyReceiver(sub.id, {"extend_lease"}, failures=1)
+    (delivery,) = receiver.receive(1).deliveries
+    claimed_until = row(delivery).lease_expires_at
+
+    result = rig.execution(sub, receiver, delivery, grace=0.0).run()
+
+    (run,) = probe.runs
+    assert run.signal_reason is None  # never aborted
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Completed")
+    # The beat that failed at ~2 s was tried again within a fraction of a second (not a whole
+    # interval later), and that renewal moved the lease on.
+    assert receiver.calls["extend_lease"] == 2
+    failed_at, renewed_at = receiver.times
+    assert renewed_at - failed_at < 1.0
+    (renewal,) = receiver.results
+    assert renewal.state == "Held" and renewal.lease_expires_at > claimed_until
