@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -769,3 +770,63 @@ def test_a_heartbeat_that_fails_once_then_succeeds_keeps_the_lease_and_the_handl
     assert renewed_at - failed_at < 1.0
     (renewal,) = receiver.results
     assert renewal.state == "Held" and renewal.lease_expires_at > claimed_until
+
+
+# -- logging --------------------------------------------------------------------------------------
+
+
+def delivery_logs(caplog: Any) -> list[Any]:
+    return [r for r in caplog.records if r.name == "workqueue.deliveries"]
+
+
+@pytest.mark.parametrize(
+    ("payload", "max_attempts", "level", "text", "exception"),
+    [
+        ({"then": "crash", "message": "boom"}, 3, "WARNING", "retrying in", ValueError),
+        ({"then": "transient", "message": "busy"}, 3, "WARNING", "retrying in", Exception),
+        ({"then": "crash", "message": "boom"}, 1, "ERROR", "MaxAttemptsExceeded", ValueError),
+        (
+            {"then": "fatal", "message": "bad data"},
+            3,
+            "ERROR",
+            "dead-lettered: bad data",
+            Exception,
+        ),
+        ({"then": "dead_letter", "reason": "poison"}, 3, "ERROR", "dead-lettered: poison", None),
+    ],
+)
+def test_handler_failures_are_logged_with_the_delivery_and_the_traceback(
+    rig, caplog, payload, max_attempts, level, text, exception
+):
+    sub = rig.subscription(max_attempts=max_attempts, partition_mode="Exclusive")
+    receiver, delivery = rig.claim(sub, payload, key="cust-7")
+    caplog.set_level(logging.WARNING, logger="workqueue.deliveries")
+
+    rig.execution(sub, receiver, delivery).run()
+
+    (record,) = delivery_logs(caplog)
+    message = record.getMessage()
+    assert record.levelname == level and text in message
+    for fact in (sub.name, delivery.delivery_id, f"attempt=1/{max_attempts}", "key=cust-7"):
+        assert fact in message
+    assert (record.delivery_id, record.partition_key) == (delivery.delivery_id, "cust-7")
+    if exception is None:
+        assert record.exc_info is None
+    else:
+        assert record.exc_info is not None and issubclass(record.exc_info[0], exception)
+
+
+def test_a_completed_delivery_logs_nothing_and_a_lost_lease_logs_an_error(rig, caplog):
+    sub = rig.subscription(lease_seconds=60)
+    caplog.set_level(logging.DEBUG, logger="workqueue.deliveries")
+    rig.run(sub, {"then": "complete"})
+    assert delivery_logs(caplog) == []
+
+    publish(sub.topic.name, {"sleepMs": 30_000})
+    receiver = SlowReceiver(sub.id, "fail")
+    (delivery,) = receiver.receive(1).deliveries
+    rig.execution(sub, receiver, delivery, lease_seconds=1, grace=0.3).run()
+
+    errors = [r for r in delivery_logs(caplog) if r.levelname == "ERROR"]
+    assert [r.getMessage().split(" (")[0] for r in errors] == ["Lease lost"]
+    assert delivery.delivery_id in errors[0].getMessage()

@@ -366,6 +366,19 @@ class Consumer:
             self.received += len(result.deliveries)
             self.last_activity = time.monotonic()
         for expired in result.expired_dead_letters:
+            # Same logger and level as a handler's dead letter: alerting sees both.
+            logging.getLogger("workqueue.deliveries").error(
+                "Delivery dead-lettered: LeaseExpired (subscription=%s delivery=%s key=%s): "
+                "its holder stopped renewing the lease on its last attempt",
+                self.plan.name,
+                expired.delivery_id,
+                expired.partition_key,
+                extra={
+                    "subscription": self.plan.name,
+                    "delivery_id": expired.delivery_id,
+                    "partition_key": expired.partition_key,
+                },
+            )
             signals.dead_lettered.send(
                 sender=Consumer,
                 subscription_id=expired.subscription_id,

@@ -42,7 +42,10 @@ from workqueue.runtime.timers import Timer, TimerQueue
 from workqueue.transport import Receiver
 from workqueue.types import ClaimedDelivery, DeliveryStatus, LeaseState, SettleResult
 
-logger = logging.getLogger(__name__)
+# One documented name for everything that happens to a delivery (README "Logging"): retries
+# at WARNING, dead letters, lost leases and failed settles at ERROR, each with the delivery's
+# facts in the text and as ``extra`` fields.
+logger = logging.getLogger("workqueue.deliveries")
 
 LEASE_EXPIRY_GRACE_SECONDS = 5.0
 MAX_REASON_LENGTH = 100
@@ -75,6 +78,7 @@ class _Decision:
     reason: str | None = None
     delay_seconds: float | None = None
     error: str | None = None
+    exception: BaseException | None = None  # what the handler raised, for the log's traceback
 
 
 @dataclass(slots=True)
@@ -122,7 +126,14 @@ class DeliveryExecution:
                 "message_id": delivery.message_id,
                 "delivery_id": delivery.delivery_id,
                 "attempt": delivery.attempt,
+                "max_attempts": plan.max_attempts,
+                "partition_key": delivery.partition_key,
             },
+        )
+        # Every line names the delivery, so a plain-text log is enough to find it again.
+        self._where = (
+            f"subscription={plan.name} delivery={delivery.delivery_id} "
+            f"attempt={delivery.attempt}/{plan.max_attempts} key={delivery.partition_key}"
         )
 
     @property
@@ -188,13 +199,18 @@ class DeliveryExecution:
         try:
             outcome = handler_class(self.services.user).handle(message, context)
         except FatalWorkError as exc:
-            return _Decision(Outcome.DEAD_LETTER, reason=_short(str(exc)), error=_describe(exc))
+            return _Decision(
+                Outcome.DEAD_LETTER, reason=_short(str(exc)), error=_describe(exc), exception=exc
+            )
         except TransientWorkError as exc:
             return _Decision(
-                Outcome.RETRY, delay_seconds=exc.retry_after_seconds, error=_describe(exc)
+                Outcome.RETRY,
+                delay_seconds=exc.retry_after_seconds,
+                error=_describe(exc),
+                exception=exc,
             )
         except Exception as exc:
-            return _Decision(Outcome.RETRY, error=_describe(exc))
+            return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
             close_old_connections()
         if not isinstance(outcome, Outcome) or outcome.kind not in {
@@ -325,7 +341,11 @@ class DeliveryExecution:
             if self.signal.has(AbortReason.CANCELLED):
                 return self._acknowledge_cancel()
             if self.signal.has(AbortReason.LEASE_LOST):
-                self.log.warning("Lease lost; the handler's outcome was not recorded")
+                self.log.error(
+                    "Lease lost (%s); the handler's outcome was not recorded and the delivery "
+                    "may run again",
+                    self._where,
+                )
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
             if self.signal.has(AbortReason.SHUTDOWN) and decision.kind != Outcome.COMPLETE:
                 result = self._result(
@@ -337,31 +357,51 @@ class DeliveryExecution:
                     self._while_lease_lasts(lambda: self.services.complete(self.delivery))
                 )
             if decision.kind == Outcome.DEAD_LETTER:
-                return self._dead_letter(decision.reason or "DeadLettered", decision.error)
+                return self._dead_letter(
+                    decision.reason or "DeadLettered", decision.error, decision.exception
+                )
             error = decision.error or "Retry requested by handler"
             if self.delivery.attempt >= self.plan.max_attempts:
-                return self._dead_letter("MaxAttemptsExceeded", error)
+                return self._dead_letter("MaxAttemptsExceeded", error, decision.exception)
             delay = retry_delay_seconds(
                 self.delivery.attempt,
                 self.plan.backoff_base_seconds,
                 self.plan.backoff_max_seconds,
                 decision.delay_seconds,
             )
-            return self._result(
+            result = self._result(
                 self._while_lease_lasts(lambda: receiver.retry(self.delivery, delay, error))
             )
+            if result.status == DeliveryStatus.PENDING:
+                self.log.warning(
+                    "Delivery failed, retrying in %.1f s (%s): %s",
+                    delay,
+                    self._where,
+                    _first_line(error),
+                    exc_info=decision.exception,
+                )
+            return result
         except WorkQueueError as exc:
             # The row is left for lease expiry, which retries or dead-letters it.
-            self.log.error("Delivery settle failed: %s", exc)
+            self.log.error("Delivery settle failed (%s): %s", self._where, exc)
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
 
-    def _dead_letter(self, reason: str, error: str | None) -> ExecutionResult:
+    def _dead_letter(
+        self, reason: str, error: str | None, exception: BaseException | None
+    ) -> ExecutionResult:
         result = self._result(
             self._while_lease_lasts(
                 lambda: self.services.receiver.dead_letter(self.delivery, reason, error)
             )
         )
         if result.status == DeliveryStatus.DEAD_LETTERED:
+            self.log.error(
+                "Delivery dead-lettered: %s (%s)%s",
+                reason,
+                self._where,
+                f": {_first_line(error)}" if error else "",
+                exc_info=exception,
+            )
             signals.dead_lettered.send(
                 sender=DeliveryExecution,
                 subscription_id=self.plan.subscription_id,
@@ -394,6 +434,14 @@ class DeliveryExecution:
 def _short(text: str) -> str:
     text = text.strip() or "FatalWorkError"
     return text if len(text) <= MAX_REASON_LENGTH else text[: MAX_REASON_LENGTH - 1] + "…"
+
+
+def _first_line(text: str) -> str:
+    """A traceback's last line names the exception; plain text keeps its first line."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[-1] if lines[0].startswith("Traceback") else lines[0]
 
 
 def _describe(exc: BaseException) -> str:
