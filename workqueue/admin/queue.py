@@ -3,7 +3,8 @@
 Only the ``wq_*`` procedures write these tables, so the admin offers no add, change or delete
 (procrastinate's view-only admin); deliveries change through the Replay and Discard/Cancel
 actions, which call the operator operations. Payloads are shown only to users with
-``workqueue.view_payload``.
+``workqueue.view_payload``, and the lists accept only their declared filters and an exact search,
+so no query string can probe a column the pages do not show.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import uuid
 from typing import Any
 
 from django.contrib import admin
+from django.contrib.admin import FieldListFilter
+from django.contrib.admin.utils import get_fields_from_path
 from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
@@ -47,6 +50,29 @@ class ViewOnlyAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
+        # Only the parameters the declared list filters read. Django's default also accepts any
+        # lookup on a local field, so ``?payload__card__startswith=4`` (or a regex on
+        # ``last_error``) would tell, by which rows are listed, what the page never shows; the
+        # refusal is Django's own: DisallowedModelAdminLookup, answered with 400.
+        return lookup in self.filter_parameters(request)
+
+    def filter_parameters(self, request: HttpRequest) -> set[str]:
+        """The query-string parameters of this list's declared filters, asked of the filters
+        themselves (built the way the changelist builds them, with no parameters given)."""
+        names: set[str] = set()
+        for item in self.get_list_filter(request):
+            if callable(item):  # a ListFilter class
+                spec = item(request, {}, self.model, self)
+            else:
+                path, filter_class = (
+                    item if isinstance(item, list | tuple) else (item, FieldListFilter.create)
+                )
+                field = get_fields_from_path(self.model, path)[-1]
+                spec = filter_class(field, request, {}, self.model, self, field_path=path)
+            names.update(spec.expected_parameters())
+        return names
 
     def exact_search(self, term: str) -> Q:
         """The rows a search term names exactly (ids, keys and correlation ids are exact)."""
