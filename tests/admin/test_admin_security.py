@@ -14,11 +14,12 @@ from django.contrib.admin.views.main import ChangeList
 from django.test import Client
 from django.urls import reverse
 
-from tests.api.factories import UserFactory
+from tests.api.factories import ApiKeyFactory, UserFactory
 from tests.factories import SubscriptionFactory
 from workqueue import publish
 from workqueue.admin.queue import ViewOnlyAdmin
-from workqueue.models import Delivery, Subscription
+from workqueue.models import ApiKey, Delivery, Subscription
+from workqueue.operators.permissions import OPERATE, PUBLISH, READ
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -200,3 +201,136 @@ def test_a_list_filter_class_on_a_view_only_admin_declares_its_own_parameter(rf)
     assert model_admin.filter_parameters(request) == {"failed", "status__exact", "status__isnull"}
     assert model_admin.lookup_allowed("failed", "yes", request)
     assert not model_admin.lookup_allowed("last_error__contains", "x", request)
+
+
+# -- item 3: a staff user manages their own API keys only -------------------------------------
+
+KEY_ADMIN_PERMISSIONS = [
+    "workqueue.add_apikey",
+    "workqueue.view_apikey",
+    "workqueue.change_apikey",
+    "workqueue.delete_apikey",
+]
+
+
+@pytest.fixture
+def keys(admin_user: Any) -> dict[str, Any]:
+    """A superuser's narrow key, and a staff user allowed to manage keys with a key of their own."""
+    keymaker = UserFactory(is_staff=True, perms=KEY_ADMIN_PERMISSIONS)
+    return {
+        "keymaker": keymaker,
+        "boss": ApiKeyFactory(owner=admin_user, scopes=[READ]),
+        "own": ApiKeyFactory(owner=keymaker),
+    }
+
+
+def _key_form(**changes: Any) -> dict[str, Any]:
+    return {
+        "name": "widened",
+        "scopes": [PUBLISH, READ, OPERATE],
+        "topics": "",
+        "subscriptions": "",
+        "expires_at_0": "",
+        "expires_at_1": "",
+        **changes,
+    }
+
+
+def test_a_staff_user_sees_only_their_own_api_keys(client, keys):
+    client.force_login(keys["keymaker"])
+
+    listed = client.get(_url("workqueue_apikey_changelist"))
+    searched = client.get(_url("workqueue_apikey_changelist"), {"q": keys["boss"].prefix})
+
+    assert listed.status_code == 200
+    assert _listed(listed) == {str(keys["own"].pk)}
+    assert _listed(searched) == set()
+    assert keys["boss"].prefix not in listed.content.decode()
+
+
+def test_a_staff_user_cannot_open_or_widen_another_users_key(client, keys):
+    boss = keys["boss"]
+    client.force_login(keys["keymaker"])
+
+    opened = client.get(_url("workqueue_apikey_change", boss.pk))
+    history = client.get(_url("workqueue_apikey_history", boss.pk))
+    posted = client.post(_url("workqueue_apikey_change", boss.pk), _key_form())
+
+    # Django's answer for an object outside the admin's queryset: back to the index, "doesn't
+    # exist"; nothing about the key is drawn.
+    for response in (opened, history, posted):
+        assert response.status_code == 302 and response["Location"] == _url("index")
+    boss.refresh_from_db()
+    assert (boss.scopes, boss.name) == ([READ], "")
+
+
+def test_a_staff_user_cannot_revoke_or_delete_another_users_key(client, keys):
+    boss, own = keys["boss"], keys["own"]
+    client.force_login(keys["keymaker"])
+    changelist = _url("workqueue_apikey_changelist")
+
+    client.post(
+        changelist,
+        {"action": "revoke_keys", "_selected_action": [boss.pk, own.pk], "index": "0"},
+    )
+    client.post(
+        changelist,
+        {"action": "delete_selected", "_selected_action": [boss.pk], "post": "yes"},
+    )
+    deleted = client.post(_url("workqueue_apikey_delete", boss.pk), {"post": "yes"})
+
+    assert deleted.status_code == 302 and deleted["Location"] == _url("index")
+    boss.refresh_from_db()
+    assert boss.revoked_at is None
+    assert ApiKey.objects.authenticate(boss.raw_key) == boss
+    own.refresh_from_db()
+    assert own.revoked_at is not None  # the same action on their own key worked
+
+
+def test_a_staff_user_still_edits_and_deletes_their_own_key(client, keys):
+    own = keys["own"]
+    client.force_login(keys["keymaker"])
+
+    changed = client.post(
+        _url("workqueue_apikey_change", own.pk), _key_form(subscriptions="orders.billing")
+    )
+
+    assert changed.status_code == 302, changed.context and changed.context["adminform"].errors
+    own.refresh_from_db()
+    assert set(own.scopes) == {OPERATE, PUBLISH, READ}
+    assert own.subscriptions == ["orders.billing"]
+    deleted = client.post(_url("workqueue_apikey_delete", own.pk), {"post": "yes"})
+    assert deleted.status_code == 302
+    assert not ApiKey.objects.filter(pk=own.pk).exists()
+
+
+def test_a_superuser_manages_every_users_keys(admin_client, keys):
+    own = keys["own"]
+
+    listed = admin_client.get(_url("workqueue_apikey_changelist"))
+    changed = admin_client.post(_url("workqueue_apikey_change", own.pk), _key_form())
+    admin_client.post(
+        _url("workqueue_apikey_changelist"),
+        {"action": "revoke_keys", "_selected_action": [own.pk], "index": "0"},
+    )
+
+    assert _listed(listed) == {str(keys["boss"].pk), str(own.pk)}
+    assert changed.status_code == 302
+    own.refresh_from_db()
+    assert own.name == "widened" and own.revoked_at is not None
+
+
+def test_the_key_admin_refuses_another_users_key_even_when_handed_the_object(rf, keys):
+    # Views reach keys through get_queryset(); the per-object rule holds without it too.
+    model_admin = admin.site._registry[ApiKey]
+    request = rf.get("/")
+    request.user = keys["keymaker"]
+
+    for check in (
+        model_admin.has_view_permission,
+        model_admin.has_change_permission,
+        model_admin.has_delete_permission,
+    ):
+        assert not check(request, keys["boss"])
+        assert check(request, keys["own"])
+        assert check(request)  # the list and the add page stay open to them
