@@ -334,3 +334,66 @@ def test_the_key_admin_refuses_another_users_key_even_when_handed_the_object(rf,
         assert not check(request, keys["boss"])
         assert check(request, keys["own"])
         assert check(request)  # the list and the add page stay open to them
+
+
+# -- item 11: operating and re-routing are separate permissions -------------------------------
+
+TOPOLOGY_EDITOR = [
+    "workqueue.view_delivery",
+    "workqueue.view_subscription",
+    "workqueue.change_subscription",
+]
+OPERATOR = [
+    "workqueue.view_delivery",
+    "workqueue.view_subscription",
+    "workqueue.operate_subscription",
+]
+
+
+def _act(client: Client, action: str, ids: list[str], **form: str) -> Any:
+    data = {"action": action, "_selected_action": ids, "post": "yes", **form}
+    return client.post(_url("workqueue_delivery_changelist"), data, follow=True)
+
+
+def _actions(client: Client) -> set[str]:
+    page = client.get(_url("workqueue_delivery_changelist"))
+    assert page.status_code == 200
+    action_form = page.context["action_form"]
+    return set(dict(action_form.fields["action"].choices)) if action_form else set()
+
+
+def test_editing_subscriptions_does_not_let_a_user_replay_or_discard(client):
+    dead = _dead_letter(SubscriptionFactory(), payload={"n": 1})
+    _signed_in(client, *TOPOLOGY_EDITOR)
+
+    offered = _actions(client)
+    _act(client, "replay_deliveries", [str(dead.pk)], note="sneaky")
+    _act(client, "discard_deliveries", [str(dead.pk)], reason="sneaky")
+
+    assert not offered & {"replay_deliveries", "discard_deliveries"}
+    dead.refresh_from_db()
+    assert (dead.status, dead.resolved_by) == ("DeadLettered", None)
+
+
+def test_an_operator_replays_and_discards_without_editing_topology(client):
+    subscription = SubscriptionFactory()
+    dead = _dead_letter(subscription, payload={"n": 1})
+    other = _dead_letter(SubscriptionFactory(), payload={"n": 2})
+    _signed_in(client, *OPERATOR)
+
+    offered = _actions(client)
+    replayed = _act(client, "replay_deliveries", [str(dead.pk)], note="fixed")
+    discarded = _act(client, "discard_deliveries", [str(other.pk)], reason="dupe")
+    rerouted = client.post(
+        _url("workqueue_subscription_change", subscription.pk),
+        {"name": subscription.name, "topic": subscription.topic_id, "filter": '{"x": 1}'},
+    )
+
+    assert {"replay_deliveries", "discard_deliveries"} <= offered
+    assert [str(m) for m in replayed.context["messages"]] == ["Replayed 1"]
+    assert [str(m) for m in discarded.context["messages"]] == ["Discarded 1"]
+    assert Delivery.objects.get(pk=dead.pk).status == "Pending"
+    assert Delivery.objects.get(pk=other.pk).status == "Discarded"
+    assert rerouted.status_code == 403
+    subscription.refresh_from_db()
+    assert subscription.filter is None

@@ -8,17 +8,30 @@ import json
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ApiKeyFactory
+from tests.api.factories import ApiKeyFactory, UserFactory
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from workqueue import publish
 from workqueue.driver.base import SparseIndex
-from workqueue.models import HostRecord
+from workqueue.exceptions import PermissionDeniedError
+from workqueue.models import Delivery, HostRecord
 from workqueue.operators import operations
-from workqueue.operators.permissions import READ
+from workqueue.operators.permissions import (
+    OPERATE,
+    OPERATE_PERMISSION,
+    READ,
+    READ_PERMISSION,
+    Actor,
+)
+from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
+
+# Spelled out: the tests pin the permission's public name, not whatever the constant holds.
+OPERATE_SUBSCRIPTION = "workqueue.operate_subscription"
 
 
 def get(client: Client, path: str, key: Any, **params: Any) -> Any:
@@ -140,3 +153,76 @@ def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts
         ("db-worker-7:4242:aaaa1111", "db-worker-7", 4242),
         ("pay-worker-3:77:bbbb2222", "pay-worker-3", 77),
     ]
+
+
+# -- item 11: operating needs its own permission, not the right to edit subscriptions --------
+
+
+def post(client: Client, path: str, key: Any, body: dict[str, Any]) -> Any:
+    return client.post(
+        f"/work-queue{path}",
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+
+def dead_letter(subscription: Any) -> str:
+    result = publish(subscription.topic.name, {"n": 1})
+    receiver = Receiver(subscription.id)
+    (claimed,) = receiver.receive(1).deliveries
+    assert claimed.message_id == result.message_id
+    assert receiver.dead_letter(claimed, "Boom", "boom").settled
+    return claimed.delivery_id
+
+
+def operate_key(*perms: str) -> Any:
+    return ApiKeyFactory(scopes=[OPERATE], owner=UserFactory(perms=list(perms)))
+
+
+def test_a_key_whose_owner_may_only_edit_subscriptions_cannot_replay_or_discard(client):
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+    key = operate_key(READ_PERMISSION, "workqueue.change_subscription")
+    path = f"/subscriptions/{sub.name}/deliveries/{delivery_id}"
+
+    replayed = post(client, f"{path}/replay", key, {"note": "sneaky"})
+    discarded = post(client, f"{path}/discard", key, {"reason": "sneaky"})
+
+    assert (replayed.status_code, discarded.status_code) == (403, 403)
+    assert "workqueue.operate_subscription" in replayed.json()["detail"]
+    assert Delivery.objects.get(pk=delivery_id).status == "DeadLettered"
+
+
+def test_a_key_whose_owner_may_operate_replays_and_discards(client):
+    sub = SubscriptionFactory()
+    first, second = dead_letter(sub), dead_letter(sub)
+    key = operate_key(OPERATE_SUBSCRIPTION)
+    path = f"/subscriptions/{sub.name}/deliveries"
+
+    replayed = post(client, f"{path}/{first}/replay", key, {"note": "fixed"})
+    discarded = post(client, f"{path}/{second}/discard", key, {"reason": "dupe"})
+
+    assert replayed.json() == {"supported": True, "replayed": True}
+    assert discarded.json() == {"supported": True, "discarded": True, "cancelRequested": False}
+
+
+def test_the_operator_service_holds_a_user_to_the_operate_permission():
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+    editor = Actor(user=UserFactory(perms=["workqueue.change_subscription"]))
+    operator = Actor(user=UserFactory(perms=[OPERATE_SUBSCRIPTION]))
+
+    with pytest.raises(PermissionDeniedError, match=r"workqueue\.operate_subscription"):
+        operations.replay(sub.name, delivery_id, actor=editor)
+    with pytest.raises(PermissionDeniedError, match=r"workqueue\.operate_subscription"):
+        operations.discard(sub.name, delivery_id, reason="x", actor=editor)
+    assert operations.replay(sub.name, delivery_id, actor=operator).replayed
+
+
+def test_the_operate_permission_is_declared_on_subscriptions():
+    assert OPERATE_PERMISSION == OPERATE_SUBSCRIPTION
+    permission = Permission.objects.get(
+        content_type__app_label="workqueue", codename="operate_subscription"
+    )
+    assert permission.content_type.model == "subscription"
