@@ -14,8 +14,6 @@ import uuid
 from typing import Any
 
 from django.contrib import admin
-from django.contrib.admin import FieldListFilter
-from django.contrib.admin.utils import get_fields_from_path
 from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
@@ -23,6 +21,7 @@ from django.utils.html import format_html
 
 from workqueue.admin.actions import DeliveryActionsMixin, discard_deliveries, replay_deliveries
 from workqueue.admin.dashboard import DashboardMixin
+from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import Deduplication, Delivery, Message
 from workqueue.operators.permissions import Actor, may_view_payload
 
@@ -36,8 +35,9 @@ def _uuid(term: str) -> uuid.UUID | None:
         return None
 
 
-class ViewOnlyAdmin(admin.ModelAdmin):
-    """Lists and detail pages only; the rows belong to the stored procedures."""
+class ViewOnlyAdmin(DeclaredFiltersAdmin):
+    """Lists and detail pages only; the rows belong to the stored procedures. The lists answer
+    only their declared filters and an exact search: no query string probes a payload."""
 
     show_full_result_count = False
     list_per_page = 100
@@ -50,29 +50,6 @@ class ViewOnlyAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
-
-    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
-        # Only the parameters the declared list filters read. Django's default also accepts any
-        # lookup on a local field, so ``?payload__card__startswith=4`` (or a regex on
-        # ``last_error``) would tell, by which rows are listed, what the page never shows; the
-        # refusal is Django's own: DisallowedModelAdminLookup, answered with 400.
-        return lookup in self.filter_parameters(request)
-
-    def filter_parameters(self, request: HttpRequest) -> set[str]:
-        """The query-string parameters of this list's declared filters, asked of the filters
-        themselves (built the way the changelist builds them, with no parameters given)."""
-        names: set[str] = set()
-        for item in self.get_list_filter(request):
-            if callable(item):  # a ListFilter class
-                spec = item(request, {}, self.model, self)
-            else:
-                path, filter_class = (
-                    item if isinstance(item, list | tuple) else (item, FieldListFilter.create)
-                )
-                field = get_fields_from_path(self.model, path)[-1]
-                spec = filter_class(field, request, {}, self.model, self, field_path=path)
-            names.update(spec.expected_parameters())
-        return names
 
     def exact_search(self, term: str) -> Q:
         """The rows a search term names exactly (ids, keys and correlation ids are exact)."""
