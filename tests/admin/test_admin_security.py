@@ -60,7 +60,8 @@ def _dead_letter(subscription: Subscription, **message: Any) -> Delivery:
 
 @pytest.fixture
 def secret() -> Delivery:
-    """A dead letter whose message carries a card number, beside an innocent one."""
+    """A dead letter whose message carries a card number (its last error quotes it), beside
+    another card and two payload references, one of them pointing into a vault."""
     subscription = SubscriptionFactory()
     delivery = _dead_letter(subscription, payload={"card": CARD})
     publish(subscription.topic.name, {"card": "5500000000000004"})
