@@ -25,7 +25,7 @@ OPERATOR_PERMISSIONS = [
     "view_message",
     "view_deduplication",
     "view_subscription",
-    "change_subscription",
+    "operate_subscription",
     "view_topic",
     "view_transport",
 ]

@@ -50,7 +50,7 @@ def _operator() -> None:
                 "view_delivery",
                 "view_message",
                 "view_subscription",
-                "change_subscription",
+                "operate_subscription",
             ],
         )
     )

@@ -433,7 +433,7 @@ def test_replay_on_an_unknown_subscription_is_404(client):
         pytest.param(lambda sub: operator(subscriptions=["some.other-sub"]), id="outside-limit"),
         pytest.param(
             lambda sub: operator(owner=owner_with(READ_PERMISSION, PAYLOAD_PERMISSION)),
-            id="owner-lacks-change-subscription",
+            id="owner-lacks-operate-permission",
         ),
     ],
 )

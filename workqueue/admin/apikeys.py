@@ -1,8 +1,9 @@
 """Admin for REST API keys: list, create (the raw key is shown once), edit limits, revoke.
 
 Only the key's display prefix is ever shown; the hash is never displayed. A key acts as its
-owner, so only superusers may create keys for other users: anyone else creating a key for a
-more privileged owner would receive that owner's powers.
+owner, so only superusers may create, see or change keys of other users: anyone else creating a
+key for a more privileged owner would receive that owner's powers, and editing or revoking one
+would widen or cut off what someone else relies on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.cache import patch_cache_control
 
+from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import ApiKey
 from workqueue.models.apikeys import KEY_PREFIX
 from workqueue.operators.permissions import SCOPES
@@ -106,7 +108,8 @@ CHANGE_FIELDS = [
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(DeclaredFiltersAdmin):
+    # Declared filters only: ``?key_hash__startswith=`` would probe the hash never shown.
     form = ApiKeyChangeForm
     add_form = ApiKeyCreateForm
     list_display = (
@@ -137,6 +140,27 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.display(description="active", boolean=True)
     def active(self, obj: ApiKey) -> bool:
         return obj.is_active
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        # Every view, search and action starts here: a non-superuser's admin holds only their
+        # own keys, so another user's key is "not found" rather than refused.
+        keys = super().get_queryset(request)
+        if request.user.is_superuser:
+            return keys
+        return keys.filter(owner=request.user)
+
+    def _may_manage(self, request: HttpRequest, obj: Any) -> bool:
+        # The same rule per object, for any path that reaches a key without get_queryset().
+        return obj is None or request.user.is_superuser or obj.owner_id == request.user.pk
+
+    def has_view_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return super().has_view_permission(request, obj) and self._may_manage(request, obj)
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return super().has_change_permission(request, obj) and self._may_manage(request, obj)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return super().has_delete_permission(request, obj) and self._may_manage(request, obj)
 
     def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
         return list(ADD_FIELDS if obj is None else CHANGE_FIELDS)

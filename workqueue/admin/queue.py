@@ -3,7 +3,8 @@
 Only the ``wq_*`` procedures write these tables, so the admin offers no add, change or delete
 (procrastinate's view-only admin); deliveries change through the Replay and Discard/Cancel
 actions, which call the operator operations. Payloads are shown only to users with
-``workqueue.view_payload``.
+``workqueue.view_payload``, and the lists accept only their declared filters and an exact search,
+so no query string can probe a column the pages do not show.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from django.utils.html import format_html
 
 from workqueue.admin.actions import DeliveryActionsMixin, discard_deliveries, replay_deliveries
 from workqueue.admin.dashboard import DashboardMixin
+from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import Deduplication, Delivery, Message
 from workqueue.operators.permissions import Actor, may_view_payload
 
@@ -33,8 +35,9 @@ def _uuid(term: str) -> uuid.UUID | None:
         return None
 
 
-class ViewOnlyAdmin(admin.ModelAdmin):
-    """Lists and detail pages only; the rows belong to the stored procedures."""
+class ViewOnlyAdmin(DeclaredFiltersAdmin):
+    """Lists and detail pages only; the rows belong to the stored procedures. The lists answer
+    only their declared filters and an exact search: no query string probes a payload."""
 
     show_full_result_count = False
     list_per_page = 100

@@ -1,11 +1,13 @@
 """``GET /health`` (live hosts and what each subscription is doing) and
-``GET /bindings/validate`` (configuration problems). Both need read access."""
+``GET /bindings/validate`` (configuration problems). Both need read access; a key limited to
+named subscriptions sees only what concerns those subscriptions."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.http import HttpRequest
+from django.utils.crypto import salted_hmac
 from ninja import Router
 
 from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
@@ -16,6 +18,7 @@ from workqueue.operators.permissions import READ, Actor, require
 router = Router(tags=["health"])
 
 RUNNING = "Running"
+PSEUDONYM_SALT = "workqueue.api.health.host"
 
 
 @router.get(
@@ -28,9 +31,11 @@ RUNNING = "Running"
 def health(request: HttpRequest) -> dict[str, Any]:
     """Read from the records that running hosts refresh every few seconds; a host that stopped
     or has not reported recently is left out. A key limited to named subscriptions sees only
-    those subscriptions."""
+    those subscriptions and the hosts that run one of them, each under a pseudonym instead of
+    its instance id, without hostname or pid."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     require(actor, READ)
+    limited = bool(actor.subscriptions)
     hosts = []
     summary: dict[str, dict[str, Any]] = {}
     for record in HostRecord.objects.live().order_by("instance_id"):
@@ -39,11 +44,15 @@ def health(request: HttpRequest) -> dict[str, Any]:
             for entry in record.subscriptions or []
             if isinstance(entry, dict) and _visible(actor, str(entry.get("name", "")))
         ]
+        if limited and not entries:
+            continue
+        # Machine names and process ids map the deployment (and the instance id is made of
+        # them): only callers who may see every subscription get them.
         hosts.append(
             {
-                "instance_id": record.instance_id,
-                "hostname": record.hostname,
-                "pid": record.pid,
+                "instance_id": _pseudonym(record.instance_id) if limited else record.instance_id,
+                "hostname": None if limited else record.hostname,
+                "pid": None if limited else record.pid,
                 "started_at": record.started_at,
                 "last_seen_at": record.last_seen_at,
                 "subscriptions": entries,
@@ -59,6 +68,11 @@ def health(request: HttpRequest) -> dict[str, Any]:
     else:
         status = "degraded"
     return {"status": status, "hosts": hosts, "subscriptions": subscriptions}
+
+
+def _pseudonym(instance_id: str) -> str:
+    """A stable name for a host that reveals nothing of it without the SECRET_KEY."""
+    return "host-" + salted_hmac(PSEUDONYM_SALT, instance_id).hexdigest()[:16]
 
 
 def _visible(actor: Actor, name: str) -> bool:

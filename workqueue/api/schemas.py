@@ -201,9 +201,12 @@ class HostSubscriptionOut(_Out):
 
 
 class HostOut(_Out):
-    instance_id: str
-    hostname: str
-    pid: int
+    instance_id: str = Field(
+        description="hostname:pid:random; for a key limited to subscriptions, a stable "
+        "pseudonym instead."
+    )
+    hostname: str | None = Field(description="Null for a key limited to subscriptions.")
+    pid: int | None = Field(description="Null for a key limited to subscriptions.")
     started_at: dt.datetime
     last_seen_at: dt.datetime
     subscriptions: list[HostSubscriptionOut]

@@ -153,7 +153,7 @@ def backlog(request: HttpRequest, name: str) -> operations.BacklogReport:
 def replay(
     request: HttpRequest, name: str, delivery_id: str, body: ReplayIn | None = None
 ) -> operations.ReplayOutcome:
-    """Needs ``workqueue:operate`` and ``workqueue.change_subscription``. The delivery goes back
+    """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. The delivery goes back
     to Pending with its attempts reset; an Ordered key's head keeps its place. ``replayed`` is
     false when the delivery is not a dead letter of this subscription."""
     return operations.replay(
@@ -174,7 +174,7 @@ def replay(
 def discard(
     request: HttpRequest, name: str, delivery_id: str, body: DiscardIn
 ) -> operations.DiscardOutcome:
-    """Needs ``workqueue:operate`` and ``workqueue.change_subscription``. A Pending or dead-
+    """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. A Pending or dead-
     lettered delivery is discarded; a running one is asked to stop (``cancelRequested``) and
     never runs again."""
     return operations.discard(

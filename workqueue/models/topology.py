@@ -160,6 +160,8 @@ class Subscription(models.Model):
 
     class Meta:
         ordering = ["name"]
+        # Apart from change_subscription, which edits topic and filter (where messages go).
+        permissions = [("operate_subscription", "Can replay, discard and cancel deliveries")]
         constraints = [
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="wq_sub_attempts_min"),
             models.CheckConstraint(condition=Q(lease_seconds__gte=5), name="wq_sub_lease_min"),

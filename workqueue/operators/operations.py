@@ -260,14 +260,20 @@ def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
 def validate_bindings(
     transport_name: str | None = None, *, actor: Actor = CLI
 ) -> list[BindingIssue]:
-    """Configuration problems that would stop work from flowing, as Errors and Warnings."""
+    """Configuration problems that would stop work from flowing, as Errors and Warnings.
+
+    A caller limited to named subscriptions gets only the issues about those subscriptions,
+    their topics and those topics' transports (see ``_visible_subjects``)."""
     from workqueue.models import HostRecord, Subscription, Transport
 
     require(actor, READ)
+    visible = _visible_subjects(actor)
     transports = Transport.objects.all()
     if transport_name is not None:
         transports = transports.filter(name__iexact=_name(transport_name, "transport_name"))
-        if not transports.exists():
+        names = transports.values_list("name", flat=True)
+        # A transport the caller may not see answers like one that does not exist.
+        if not any(visible is None or f"transport {name}" in visible for name in names):
             raise NotFoundError(f"No transport is named {transport_name!r}.")
     issues: list[BindingIssue] = []
     if not transport.read_committed_snapshot_on():
@@ -335,4 +341,24 @@ def validate_bindings(
                         "its deliveries wait until a host with that handler runs.",
                     )
                 )
-    return issues
+    if visible is None:
+        return issues
+    return [issue for issue in issues if issue.subject in visible]
+
+
+def _visible_subjects(actor: Actor) -> set[str] | None:
+    """The issue subjects a caller limited to named subscriptions may see, or None when the
+    caller is not limited. Issues about other subscriptions and topics would show the rest of
+    the topology, and database-wide ones name indexes sized by every subscription's backlog.
+    A subject not listed here is left out, so a new kind of issue stays hidden from limited
+    callers until it is given a subject they may see."""
+    from workqueue.models import Subscription
+
+    if not actor.subscriptions:
+        return None
+    visible: set[str] = set()
+    for name, topic, transport_name in Subscription.objects.filter(
+        name__in=actor.subscriptions
+    ).values_list("name", "topic__name", "topic__transport__name"):
+        visible |= {f"subscription {name}", f"topic {topic}", f"transport {transport_name}"}
+    return visible

@@ -1,7 +1,10 @@
 """Who may do what, the same for the CLI, the REST API and the admin.
 
-Read operations need the Django permission ``workqueue.view_delivery``; replay and discard need
-``workqueue.change_subscription``; payloads are shown only with ``workqueue.view_payload``. A
+Read operations need the Django permission ``workqueue.view_delivery``; replay, discard and
+cancel need ``workqueue.operate_subscription``; payloads are shown only with
+``workqueue.view_payload``. Operating has a permission of its own because
+``workqueue.change_subscription`` edits a subscription's topic and filter, i.e. where messages
+go: an operator need not be able to re-route, nor a topology editor to replay or discard. A
 caller using an API key needs the key's scope too (``workqueue:read`` / ``workqueue:operate`` /
 ``workqueue:publish``), and a key limited to named subscriptions or topics works only on those.
 Every check fails closed.
@@ -21,7 +24,7 @@ PUBLISH = "workqueue:publish"
 SCOPES = (PUBLISH, READ, OPERATE)
 
 READ_PERMISSION = "workqueue.view_delivery"
-OPERATE_PERMISSION = "workqueue.change_subscription"
+OPERATE_PERMISSION = "workqueue.operate_subscription"
 PAYLOAD_PERMISSION = "workqueue.view_payload"
 PUBLISH_PERMISSION = "workqueue.add_message"
 

@@ -1,0 +1,228 @@
+"""Attacks on the operator endpoints by callers holding a valid key, each refused, with the
+legitimate caller shown to keep what it needs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.test import Client
+from django.utils import timezone
+
+from tests.api.factories import ApiKeyFactory, UserFactory
+from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from workqueue import publish
+from workqueue.driver.base import SparseIndex
+from workqueue.exceptions import PermissionDeniedError
+from workqueue.models import Delivery, HostRecord
+from workqueue.operators import operations
+from workqueue.operators.permissions import (
+    OPERATE,
+    OPERATE_PERMISSION,
+    READ,
+    READ_PERMISSION,
+    Actor,
+)
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+# Spelled out: the tests pin the permission's public name, not whatever the constant holds.
+OPERATE_SUBSCRIPTION = "workqueue.operate_subscription"
+
+
+def get(client: Client, path: str, key: Any, **params: Any) -> Any:
+    return client.get(f"/work-queue{path}", params, headers={"X-API-Key": key.raw_key})
+
+
+def limited_reader() -> Any:
+    return ApiKeyFactory(scopes=[READ], subscriptions=["mine.sub"])
+
+
+def unrestricted_reader() -> Any:
+    return ApiKeyFactory(scopes=[READ])
+
+
+# -- item 10: a key limited to subscriptions sees only their part of the system --------------
+
+
+@pytest.fixture
+def topology(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two subscriptions with an issue each, on FIFO topics (a Warning each), one of them on a
+    disabled second transport, and a database-wide finding."""
+    SubscriptionFactory(
+        name="mine.sub", handler_key="mine.handler", topic=TopicFactory(name="mine", is_fifo=True)
+    )
+    other = TransportFactory(name="Other", status="Disabled")
+    SubscriptionFactory(
+        name="theirs.sub",
+        handler_key="theirs.handler",
+        topic=TopicFactory(name="theirs", is_fifo=True, transport=other),
+    )
+    sparse = [SparseIndex("wq_dlv_claim_keyless_ix", pages=9000, entries=3)]
+    monkeypatch.setattr(operations.transport, "sparse_queue_indexes", lambda: sparse)
+
+
+def subjects(response: Any) -> set[str]:
+    assert response.status_code == 200, response.content
+    return {issue["subject"] for issue in response.json()["issues"]}
+
+
+def test_a_limited_key_sees_only_binding_issues_of_its_subscriptions(client, topology):
+    limited = get(client, "/bindings/validate", limited_reader())
+
+    assert subjects(limited) == {"subscription mine.sub", "topic mine"}
+    assert "theirs" not in limited.content.decode()
+    assert "wq_dlv_claim_keyless_ix" not in limited.content.decode()
+
+
+def test_a_limited_key_cannot_probe_transports_outside_its_subscriptions(client, topology):
+    key = limited_reader()
+
+    outside = get(client, "/bindings/validate", key, transport="Other")
+    unknown = get(client, "/bindings/validate", key, transport="Nowhere")
+    own = get(client, "/bindings/validate", key, transport="Database")
+
+    # An existing transport the key cannot see answers exactly like one that does not exist.
+    assert (outside.status_code, unknown.status_code) == (404, 404)
+    assert outside.json()["detail"].replace("Other", "Nowhere") == unknown.json()["detail"]
+    assert subjects(own) == {"subscription mine.sub", "topic mine"}
+
+
+def test_an_unrestricted_key_still_sees_every_binding_issue(client, topology):
+    response = get(client, "/bindings/validate", unrestricted_reader())
+
+    assert subjects(response) == {
+        "database",
+        "transport Other",
+        "topic mine",
+        "topic theirs",
+        "subscription mine.sub",
+        "subscription theirs.sub",
+    }
+
+
+def host(instance_id: str, names: list[str], hostname: str, pid: int) -> HostRecord:
+    now = timezone.now()
+    return HostRecord.objects.create(
+        instance_id=instance_id,
+        hostname=hostname,
+        pid=pid,
+        started_at=now - dt.timedelta(minutes=5),
+        last_seen_at=now,
+        subscriptions=[
+            {"name": name, "state": "Running", "reason": "", "in_flight": 0, "concurrency": 2}
+            for name in names
+        ],
+        handler_keys=[],
+    )
+
+
+@pytest.fixture
+def hosts() -> None:
+    host("db-worker-7:4242:aaaa1111", ["mine.sub", "theirs.sub"], "db-worker-7", 4242)
+    host("pay-worker-3:77:bbbb2222", ["theirs.sub"], "pay-worker-3", 77)
+
+
+def test_a_limited_key_sees_hosts_only_through_its_subscriptions_without_names_or_pids(
+    client, hosts
+):
+    response = get(client, "/health", limited_reader())
+
+    assert response.status_code == 200, response.content
+    body = response.json()
+    (shown,) = body["hosts"]
+    assert (shown["hostname"], shown["pid"]) == (None, None)
+    assert [s["name"] for s in shown["subscriptions"]] == ["mine.sub"]
+    assert [s["name"] for s in body["subscriptions"]] == ["mine.sub"]
+    text = json.dumps(body)
+    for secret in ["db-worker-7", "4242", "aaaa1111", "pay-worker-3", "theirs"]:
+        assert secret not in text, secret
+    # A pseudonym, stable across calls, so a caller can still tell hosts apart over time.
+    again = get(client, "/health", limited_reader()).json()
+    assert again["hosts"][0]["instanceId"] == shown["instanceId"]
+
+
+def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts):
+    body = get(client, "/health", unrestricted_reader()).json()
+
+    assert [(h["instanceId"], h["hostname"], h["pid"]) for h in body["hosts"]] == [
+        ("db-worker-7:4242:aaaa1111", "db-worker-7", 4242),
+        ("pay-worker-3:77:bbbb2222", "pay-worker-3", 77),
+    ]
+
+
+# -- item 11: operating needs its own permission, not the right to edit subscriptions --------
+
+
+def post(client: Client, path: str, key: Any, body: dict[str, Any]) -> Any:
+    return client.post(
+        f"/work-queue{path}",
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+
+def dead_letter(subscription: Any) -> str:
+    result = publish(subscription.topic.name, {"n": 1})
+    receiver = Receiver(subscription.id)
+    (claimed,) = receiver.receive(1).deliveries
+    assert claimed.message_id == result.message_id
+    assert receiver.dead_letter(claimed, "Boom", "boom").settled
+    return claimed.delivery_id
+
+
+def operate_key(*perms: str) -> Any:
+    return ApiKeyFactory(scopes=[OPERATE], owner=UserFactory(perms=list(perms)))
+
+
+def test_a_key_whose_owner_may_only_edit_subscriptions_cannot_replay_or_discard(client):
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+    key = operate_key(READ_PERMISSION, "workqueue.change_subscription")
+    path = f"/subscriptions/{sub.name}/deliveries/{delivery_id}"
+
+    replayed = post(client, f"{path}/replay", key, {"note": "sneaky"})
+    discarded = post(client, f"{path}/discard", key, {"reason": "sneaky"})
+
+    assert (replayed.status_code, discarded.status_code) == (403, 403)
+    assert "workqueue.operate_subscription" in replayed.json()["detail"]
+    assert Delivery.objects.get(pk=delivery_id).status == "DeadLettered"
+
+
+def test_a_key_whose_owner_may_operate_replays_and_discards(client):
+    sub = SubscriptionFactory()
+    first, second = dead_letter(sub), dead_letter(sub)
+    key = operate_key(OPERATE_SUBSCRIPTION)
+    path = f"/subscriptions/{sub.name}/deliveries"
+
+    replayed = post(client, f"{path}/{first}/replay", key, {"note": "fixed"})
+    discarded = post(client, f"{path}/{second}/discard", key, {"reason": "dupe"})
+
+    assert replayed.json() == {"supported": True, "replayed": True}
+    assert discarded.json() == {"supported": True, "discarded": True, "cancelRequested": False}
+
+
+def test_the_operator_service_holds_a_user_to_the_operate_permission():
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+    editor = Actor(user=UserFactory(perms=["workqueue.change_subscription"]))
+    operator = Actor(user=UserFactory(perms=[OPERATE_SUBSCRIPTION]))
+
+    with pytest.raises(PermissionDeniedError, match=r"workqueue\.operate_subscription"):
+        operations.replay(sub.name, delivery_id, actor=editor)
+    with pytest.raises(PermissionDeniedError, match=r"workqueue\.operate_subscription"):
+        operations.discard(sub.name, delivery_id, reason="x", actor=editor)
+    assert operations.replay(sub.name, delivery_id, actor=operator).replayed
+
+
+def test_the_operate_permission_is_declared_on_subscriptions():
+    assert OPERATE_PERMISSION == OPERATE_SUBSCRIPTION
+    permission = Permission.objects.get(
+        content_type__app_label="workqueue", codename="operate_subscription"
+    )
+    assert permission.content_type.model == "subscription"
