@@ -4,6 +4,7 @@ wq_filter_problem must both name it) and fragments of Python's message."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from workqueue.filters import MAX_FIELDS, MAX_VALUES
@@ -318,4 +319,23 @@ REJECTIONS: list[tuple[str, object, str, tuple[str, ...]]] = [
         "filter.filters[0].filters[50].value",
         ("too many values",),
     ),
+]
+
+
+def _storable(raw: object) -> bool:
+    """A JSON column can hold it: not text (which a JSON column holds as a JSON string, never a
+    filter), no U+0000 (jsonb refuses it) and no lone surrogate (UTF-8 cannot encode it)."""
+    if isinstance(raw, str):
+        return False
+    text = json.dumps(raw, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\\u0000" not in text  # json.dumps writes U+0000 as this escape
+
+
+#: (id, stored value, path) of every rejection a Subscription.filter column can hold.
+STORED_REJECTIONS: list[tuple[str, object, str]] = [
+    (case_id, raw, path) for case_id, raw, path, _ in REJECTIONS if _storable(raw)
 ]

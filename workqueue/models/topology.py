@@ -11,7 +11,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import connections, models, router, transaction
 from django.db.models import Q
 
-from workqueue.filters import FilterError, parse_filter
+from workqueue.filters import FilterError, parse_filter, stored_filter_problem
 from workqueue.types import (
     HeartbeatMode,
     HostType,
@@ -209,6 +209,14 @@ class Subscription(models.Model):
             errors["partition_mode"] = mode_error
         if errors:
             raise ValidationError(errors)
+
+    def filter_problem(self) -> str | None:
+        """Why the filter this row holds is invalid, or None when it is valid.
+
+        Writes through the ORM and the database's guard keep invalid filters out; one stored
+        anyway (raw SQL behind the guard, or a row older than it) matches no message.
+        """
+        return stored_filter_problem(self.filter)
 
     def partition_mode_change_error(self) -> str | None:
         """Say why the partition mode may not change, or None when the change is allowed.
