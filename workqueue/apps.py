@@ -11,9 +11,22 @@ class WorkqueueConfig(AppConfig):
 
     def ready(self) -> None:
         from django.core.signals import request_finished
+        from django.db.models.signals import pre_save
 
         from workqueue.checks import check_settings
         from workqueue.driver import close_thread_connections
+        from workqueue.models.topology import (
+            Subscription,
+            Topic,
+            Transport,
+            validate_topology_write,
+        )
 
         checks.register(check_settings, "workqueue")
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
+        # pre_save rather than save(): loaddata writes through Model.save_base (raw=True),
+        # which skips a model's save() but still sends the signal.
+        for model in (Transport, Topic, Subscription):
+            pre_save.connect(
+                validate_topology_write, sender=model, dispatch_uid=f"workqueue-{model.__name__}"
+            )

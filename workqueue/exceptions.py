@@ -7,7 +7,9 @@ configuration mistakes, bad input and database failures.
 
 from __future__ import annotations
 
-from django.core.exceptions import ImproperlyConfigured
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 
 
 class WorkQueueError(Exception):
@@ -48,3 +50,21 @@ class NotFoundError(WorkQueueError, LookupError):
 
 class PermissionDeniedError(WorkQueueError, PermissionError):
     """The caller lacks the scope or Django permission for an operation."""
+
+
+class TopologyValidationError(WorkQueueError, ValidationError):
+    """A transport, topic or subscription breaks a rule the admin enforces; nothing was written.
+
+    ``message_dict`` maps each field to its problems, as ``full_clean()`` does; the text names
+    the row, each field and what to change.
+    """
+
+    def __init__(self, row: str, errors: dict[str, Any]) -> None:
+        super().__init__(errors)
+        self.row = row
+
+    def __str__(self) -> str:
+        problems = "; ".join(
+            f"{field}: {' '.join(messages)}" for field, messages in self.message_dict.items()
+        )
+        return f"{self.row} was not saved: {problems}"

@@ -33,6 +33,13 @@ Matching semantics (mirrored exactly by ``wq_filter_matches`` in
 * a null/blank filter, ``{}`` or an empty ``filters`` list matches every message — in that
   case :func:`parse_filter` returns ``None`` rather than an :class:`AttributeFilter`.
 
+A *stored* filter (the value of ``Subscription.filter`` as read back from the database) is held
+to the same grammar: one that is not JSON null or an object the grammar accepts — written by raw
+SQL behind the guards, say — matches no message at all (:func:`stored_filter_matches`), so only
+its own subscription misses work and the publish goes on. ``wq_filter_problem`` and
+``wq_filter_matches`` in both vendors' ``filters.sql`` decide exactly the same, and
+:func:`stored_filter_problem` says why a stored filter is invalid.
+
 This module is pure Python: it imports nothing from Django so it can run in the publish hot
 path, in the API layer and in tests alike. Validation failures raise :class:`FilterError`
 (a ``ValueError``); model code is expected to convert it into a ``ValidationError``.
@@ -57,6 +64,8 @@ __all__ = [
     "Operator",
     "filter_matches",
     "parse_filter",
+    "stored_filter_matches",
+    "stored_filter_problem",
 ]
 
 MAX_FIELDS = 5
@@ -190,6 +199,35 @@ def filter_matches(
 ) -> bool:
     """Match with the "no filter matches everything" rule applied for ``None``."""
     return attribute_filter is None or attribute_filter.matches(attributes)
+
+
+def stored_filter_problem(stored: object) -> str | None:
+    """Say why a stored filter is invalid, or return ``None`` when it is valid.
+
+    ``stored`` is the decoded JSON a ``Subscription.filter`` column holds: ``None`` (no filter)
+    or an object the grammar accepts is valid. Unlike :func:`parse_filter`, text is not parsed
+    as JSON: a JSON string stored in the column is a string, not a filter.
+    """
+    try:
+        _parse_stored(stored)
+    except FilterError as exc:
+        return str(exc)
+    return None
+
+
+def stored_filter_matches(stored: object, attributes: Mapping[str, str] | None) -> bool:
+    """Match a stored filter the way the fan-out does: an invalid one matches nothing."""
+    try:
+        parsed = _parse_stored(stored)
+    except FilterError:
+        return False
+    return filter_matches(parsed, attributes)
+
+
+def _parse_stored(stored: object) -> AttributeFilter | None:
+    if stored is not None and not isinstance(stored, Mapping):
+        raise FilterError("filter", f"must be a JSON object, got {_kind(stored)}")
+    return parse_filter(stored)
 
 
 def parse_filter(raw: object) -> AttributeFilter | None:

@@ -7,34 +7,18 @@ skipped with the reason shown.
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
-from django.conf import settings
 
+from tests.database import MSSQL_ALIAS, mssql_skip_reason
 from workqueue.testing.conformance import CASES, ConformanceFailure, execute_case
-
-MSSQL_URL_ENV = "WORKQUEUE_TEST_MSSQL_URL"
-MSSQL_ALIAS = "mssql"
 
 #: Cases failing on SQL Server because of a bug outside the suite: id -> "file:line, case, fix".
 KNOWN_BUGS: dict[str, str] = {}
 
 
-def _skip_reason() -> str | None:
-    if not os.environ.get(MSSQL_URL_ENV):
-        return f"{MSSQL_URL_ENV} is not set: no SQL Server to run the conformance suite against"
-    if MSSQL_ALIAS not in settings.DATABASES:
-        return (
-            f"{MSSQL_URL_ENV} is set, but project/settings.py defines no {MSSQL_ALIAS!r} "
-            f"database alias from it; add DATABASES[{MSSQL_ALIAS!r}] = "
-            f"env.db_url_config(env.str({MSSQL_URL_ENV!r})) to run these tests"
-        )
-    return None
-
-
-SKIP_REASON = _skip_reason()
+SKIP_REASON = mssql_skip_reason()
 if SKIP_REASON is not None:
     pytestmark = pytest.mark.skip(reason=SKIP_REASON)
 else:

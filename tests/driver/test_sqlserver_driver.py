@@ -411,11 +411,17 @@ def test_each_batch_holds_one_object_and_no_stray_separators():
             assert len(creates) <= 1, f"{name}.sql has a batch with {len(creates)} objects"
 
 
-def test_drop_removes_every_routine_and_the_sequence(driver):
+def test_drop_removes_the_filter_guard_then_every_routine_and_the_sequence(driver):
     connection = _FakeConnection([("wq_claim", "PROCEDURE"), ("wq_filter_matches", "FUNCTION")])
     driver.drop_procedures(connection)
     executed = [sql for sql, _ in connection.executed]
-    assert executed[1:] == [
+    # The CHECK constraint uses wq_filter_problem, which SQL Server will not drop under it.
+    assert executed[0] == (
+        "IF OBJECT_ID(N'dbo.wq_sub_filter_valid', N'C') IS NOT NULL "
+        "ALTER TABLE dbo.workqueue_subscription DROP CONSTRAINT wq_sub_filter_valid"
+    )
+    assert "sys.objects" in executed[1]
+    assert executed[2:] == [
         "DROP PROCEDURE IF EXISTS dbo.[wq_claim]",
         "DROP FUNCTION IF EXISTS dbo.[wq_filter_matches]",
         "DROP SEQUENCE IF EXISTS dbo.wq_publish_ordinal_seq",

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.filter_cases import REJECTIONS, STORED_REJECTIONS, any_of, leaf, root
 from workqueue.filters import (
     MAX_FIELDS,
     MAX_VALUES,
@@ -23,25 +24,12 @@ from workqueue.filters import (
     Operator,
     filter_matches,
     parse_filter,
+    stored_filter_matches,
+    stored_filter_problem,
 )
 
 # Hypothesis' example database would write a .hypothesis/ directory into the checkout.
 HYPOTHESIS = settings(database=None, max_examples=200)
-
-
-def leaf(field: str, operator: str, value: Any = ..., **extra: Any) -> dict[str, Any]:
-    node: dict[str, Any] = {"field": field, "operator": operator, **extra}
-    if value is not ...:
-        node["value"] = value
-    return node
-
-
-def any_of(field: str, *values: str) -> dict[str, Any]:
-    return {"logic": "or", "filters": [leaf(field, "eq", v) for v in values]}
-
-
-def root(*clauses: dict[str, Any]) -> dict[str, Any]:
-    return {"logic": "and", "filters": list(clauses)}
 
 
 def rejection(raw: object) -> FilterError:
@@ -155,302 +143,6 @@ def test_result_is_immutable() -> None:
 
 # --- rejection rules ------------------------------------------------------------------------
 
-# (id, raw, path the error must name, fragments the message must contain)
-REJECTIONS: list[tuple[str, object, str, tuple[str, ...]]] = [
-    # Shape of the whole thing.
-    ("list-root", [leaf("a", "eq", "x")], "filter", ("JSON object", "a list")),
-    ("number-root", 5, "filter", ("JSON object", "a number")),
-    ("bad-json", "{logic: and}", "filter", ("not valid JSON",)),
-    ("json-array", "[]", "filter", ("JSON object", "a list")),
-    (
-        "duplicate-json-key",
-        '{"logic": "and", "logic": "or", "filters": []}',
-        "filter",
-        ("duplicate key 'logic'",),
-    ),
-    (
-        "root-unknown-key",
-        {"logic": "and", "filters": [], "ignoreCase": True},
-        "filter",
-        ("unknown key 'ignoreCase'", "allowed keys: filters, logic"),
-    ),
-    ("root-is-a-condition", leaf("a", "eq", "x"), "filter", ("unknown key",)),
-    (
-        "root-missing-logic",
-        {"filters": [leaf("a", "eq", "x")]},
-        "filter",
-        ("missing 'logic'", "'and'"),
-    ),
-    (
-        "root-logic-or",
-        {"logic": "or", "filters": [leaf("a", "eq", "x")]},
-        "filter.logic",
-        ("root logic must be 'and'", "got 'or'"),
-    ),
-    (
-        "root-logic-uppercase",
-        {"logic": "AND", "filters": []},
-        "filter.logic",
-        ("must be 'and'", "'AND'"),
-    ),
-    ("root-missing-filters", {"logic": "and"}, "filter", ("missing 'filters'",)),
-    (
-        "filters-not-list",
-        {"logic": "and", "filters": "a eq x"},
-        "filter.filters",
-        ("must be a list", "a string"),
-    ),
-    (
-        "item-not-object",
-        root("a eq x"),
-        "filter.filters[0]",  # type: ignore[arg-type]
-        ("must be an object", "a string"),
-    ),
-    # Conditions.
-    (
-        "unknown-condition-key",
-        root(leaf("a", "eq", "x", ignoreCase=True)),
-        "filter.filters[0]",
-        ("unknown key 'ignoreCase'", "field, operator, value"),
-    ),
-    (
-        "missing-field",
-        root({"operator": "eq", "value": "x"}),
-        "filter.filters[0]",
-        ("missing 'field'",),
-    ),
-    (
-        "field-not-string",
-        root(leaf(7, "eq", "x")),
-        "filter.filters[0].field",  # type: ignore[arg-type]
-        ("must be a string", "a number"),
-    ),
-    (
-        "field-dotted",
-        root(leaf("payload.kind", "eq", "x")),
-        "filter.filters[0].field",
-        ("invalid attribute name 'payload.kind'", "1-64", "dotted"),
-    ),
-    (
-        "field-empty",
-        root(leaf("", "eq", "x")),
-        "filter.filters[0].field",
-        ("invalid attribute name ''",),
-    ),
-    (
-        "field-too-long",
-        root(leaf("x" * 65, "eq", "x")),
-        "filter.filters[0].field",
-        ("invalid attribute name", "1-64"),
-    ),
-    (
-        "field-space",
-        root(leaf("a b", "eq", "x")),
-        "filter.filters[0].field",
-        ("invalid attribute name 'a b'",),
-    ),
-    (
-        "field-non-ascii",
-        root(leaf("é", "eq", "x")),
-        "filter.filters[0].field",
-        ("invalid attribute name",),
-    ),
-    (
-        "field-trailing-newline",
-        root(leaf("a\n", "eq", "x")),
-        "filter.filters[0].field",
-        ("invalid attribute name",),
-    ),
-    (
-        "missing-operator",
-        root({"field": "a", "value": "x"}),
-        "filter.filters[0]",
-        ("missing 'operator'", "'eq'", "'isnotnull'"),
-    ),
-    (
-        "unknown-operator",
-        root(leaf("a", "contains", "x")),
-        "filter.filters[0].operator",
-        ("unsupported operator 'contains'", "'startswith'"),
-    ),
-    (
-        "operator-wrong-case",
-        root(leaf("a", "EQ", "x")),
-        "filter.filters[0].operator",
-        ("unsupported operator 'EQ'",),
-    ),
-    (
-        "operator-not-string",
-        root(leaf("a", 1, "x")),
-        "filter.filters[0].operator",  # type: ignore[arg-type]
-        ("unsupported operator 1",),
-    ),
-    (
-        "eq-without-value",
-        root(leaf("a", "eq")),
-        "filter.filters[0]",
-        ("'eq' needs a non-empty string 'value'",),
-    ),
-    (
-        "neq-null-value",
-        root(leaf("a", "neq", None)),
-        "filter.filters[0]",
-        ("'neq' needs a non-empty string 'value'",),
-    ),
-    (
-        "startswith-empty-value",
-        root(leaf("a", "startswith", "")),
-        "filter.filters[0].value",
-        ("'startswith' needs a non-empty string",),
-    ),
-    (
-        "eq-number-value",
-        root(leaf("a", "eq", 5)),
-        "filter.filters[0].value",
-        ("must be a non-empty string", "a number", 'write "5"'),
-    ),
-    (
-        "eq-bool-value",
-        root(leaf("a", "eq", True)),
-        "filter.filters[0].value",
-        ("must be a non-empty string", "a boolean"),
-    ),
-    (
-        "eq-list-value",
-        root(leaf("a", "eq", ["x", "y"])),
-        "filter.filters[0].value",
-        ("must be a non-empty string", "a list"),
-    ),
-    (
-        "isnull-with-value",
-        root(leaf("a", "isnull", "x")),
-        "filter.filters[0].value",
-        ("'isnull' takes no value",),
-    ),
-    (
-        "isnotnull-with-empty-value",
-        root(leaf("a", "isnotnull", "")),
-        "filter.filters[0].value",
-        ("'isnotnull' takes no value",),
-    ),
-    ("value-with-nul", root(leaf("a", "eq", "x\x00y")), "filter.filters[0].value", ("NUL",)),
-    (
-        "value-with-lone-surrogate",
-        root(leaf("a", "eq", "x\ud800")),
-        "filter.filters[0].value",
-        ("unpaired surrogates",),
-    ),
-    # Nested groups.
-    (
-        "group-logic-and",
-        root({"logic": "and", "filters": [leaf("a", "eq", "x")]}),
-        "filter.filters[0].logic",
-        ("nested group must use logic 'or'", "got 'and'"),
-    ),
-    (
-        "group-missing-logic",
-        root({"filters": [leaf("a", "eq", "x")]}),
-        "filter.filters[0].logic",
-        ("nested group must use logic 'or'", "got None"),
-    ),
-    (
-        "group-unknown-key",
-        root({**any_of("a", "x", "y"), "field": "a"}),
-        "filter.filters[0]",
-        ("unknown key 'field'",),
-    ),
-    (
-        "group-filters-not-list",
-        root({"logic": "or", "filters": None}),
-        "filter.filters[0].filters",
-        ("list of 'eq' conditions", "null"),
-    ),
-    (
-        "group-empty",
-        root({"logic": "or", "filters": []}),
-        "filter.filters[0].filters",
-        ("at least one 'eq' condition",),
-    ),
-    (
-        "group-too-deep",
-        root({"logic": "or", "filters": [any_of("a", "x", "y")]}),
-        "filter.filters[0].filters[0]",
-        ("nested only one level deep",),
-    ),
-    (
-        "group-member-not-object",
-        root({"logic": "or", "filters": ["x"]}),
-        "filter.filters[0].filters[0]",
-        ("'eq' condition object", "a string"),
-    ),
-    (
-        "group-neq",
-        root({"logic": "or", "filters": [leaf("a", "eq", "x"), leaf("a", "neq", "y")]}),
-        "filter.filters[0].filters[1].operator",
-        ("operator 'neq' is not allowed inside an 'or' group", "only 'eq'"),
-    ),
-    (
-        "group-isnull",
-        root({"logic": "or", "filters": [leaf("a", "isnull")]}),
-        "filter.filters[0].filters[0].operator",
-        ("'isnull' is not allowed inside an 'or' group",),
-    ),
-    (
-        "group-two-fields",
-        root({"logic": "or", "filters": [leaf("a", "eq", "x"), leaf("b", "eq", "y")]}),
-        "filter.filters[0].filters[1].field",
-        ("single field", "about 'a'", "names 'b'"),
-    ),
-    (
-        "group-member-bad-field",
-        root(any_of("a.b", "x")),
-        "filter.filters[0].filters[0].field",
-        ("invalid attribute name 'a.b'",),
-    ),
-    # Cross-clause limits.
-    (
-        "same-field-twice",
-        root(leaf("a", "eq", "x"), leaf("a", "neq", "y")),
-        "filter.filters[1]",
-        ("field 'a' is already constrained by filter.filters[0]", "only once", "'or'"),
-    ),
-    (
-        "field-in-leaf-and-group",
-        root(leaf("a", "isnotnull"), any_of("a", "x", "y")),
-        "filter.filters[1]",
-        ("field 'a' is already constrained by filter.filters[0]",),
-    ),
-    (
-        "too-many-fields",
-        root(*(leaf(f"f{i}", "isnotnull") for i in range(MAX_FIELDS + 1))),
-        "filter.filters[5]",
-        ("field number 6", "at most 5 distinct fields"),
-    ),
-    (
-        "too-many-values-in-group",
-        root(any_of("a", *(f"v{i}" for i in range(MAX_VALUES + 1)))),
-        "filter.filters[0].filters[50].value",
-        ("too many values", "at most 50"),
-    ),
-    (
-        "too-many-values-overall",
-        root(
-            any_of("a", *(f"v{i}" for i in range(MAX_VALUES - 1))),
-            leaf("b", "neq", "x"),
-            leaf("c", "eq", "y"),
-        ),
-        "filter.filters[2].value",
-        ("too many values", "at most 50"),
-    ),
-    # Duplicates count as written: the limit is about what the author typed.
-    (
-        "too-many-values-with-duplicates",
-        root(any_of("a", *(["x"] * (MAX_VALUES + 1)))),
-        "filter.filters[0].filters[50].value",
-        ("too many values",),
-    ),
-]
-
 
 @pytest.mark.parametrize(
     ("raw", "path", "fragments"),
@@ -476,6 +168,56 @@ def test_rejections_also_apply_to_json_text() -> None:
 def test_filter_error_is_a_value_error() -> None:
     assert issubclass(FilterError, ValueError)
     assert isinstance(rejection(42), ValueError)
+
+
+# --- stored filters: what the fan-out does with the column's value ---------------------------
+
+STORED = [pytest.param(raw, path, id=case_id) for case_id, raw, path in STORED_REJECTIONS]
+
+
+@pytest.mark.parametrize(("raw", "path"), STORED)
+def test_a_stored_filter_the_grammar_rejects_matches_nothing(raw: object, path: str) -> None:
+    problem = stored_filter_problem(raw)
+    assert problem is not None and problem.startswith(f"{path}: ")
+    attributes: list[dict[str, str] | None] = [None, {}, {"a": "x"}, {"a": "x", "b": "y"}]
+    assert [stored_filter_matches(raw, a) for a in attributes] == [False] * len(attributes)
+
+
+def test_a_root_or_is_invalid_rather_than_read_as_and() -> None:
+    stored = {"logic": "or", "filters": [leaf("a", "eq", "x"), leaf("b", "eq", "y")]}
+    assert stored_filter_problem(stored) == (
+        "filter.logic: the root logic must be 'and', got 'or'; to accept one of several values "
+        "of a field, nest {'logic': 'or', 'filters': [...]} inside the root"
+    )
+    assert not stored_filter_matches(stored, {"a": "x", "b": "y"})
+
+
+@pytest.mark.parametrize(
+    ("stored", "kind"),
+    [
+        ('{"logic": "and", "filters": []}', "a string"),  # text in a JSON column is a string
+        ("", "a string"),
+        (5, "a number"),
+        (True, "a boolean"),
+        ([], "a list"),
+    ],
+)
+def test_a_stored_value_that_is_not_an_object_is_invalid(stored: object, kind: str) -> None:
+    assert stored_filter_problem(stored) == f"filter: must be a JSON object, got {kind}"
+    assert not stored_filter_matches(stored, {"a": "x"})
+
+
+@pytest.mark.parametrize("stored", [None, {}, root()])
+def test_a_stored_null_or_empty_filter_matches_everything(stored: object) -> None:
+    assert stored_filter_problem(stored) is None
+    assert stored_filter_matches(stored, None) and stored_filter_matches(stored, {"a": "x"})
+
+
+def test_a_valid_stored_filter_matches_as_parsed() -> None:
+    stored = root(leaf("kind", "eq", "click"), any_of("region", "eu", "us"))
+    assert stored_filter_problem(stored) is None
+    assert stored_filter_matches(stored, {"kind": "click", "region": "us"})
+    assert not stored_filter_matches(stored, {"kind": "click", "region": "uk"})
 
 
 # --- matching semantics ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 from workqueue.driver import driver_for_connection, get_driver
 
-LATEST_PROCEDURE_MIGRATION = "0006_claim_key_walk"
+LATEST_PROCEDURE_MIGRATION = "0007_filter_guards"
 
 MigrationStep = Callable[[Any, Any], None]
 

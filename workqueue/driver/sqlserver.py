@@ -62,6 +62,8 @@ _DECLARED_ROUTINE = re.compile(
 )
 
 SEQUENCE = "dbo.wq_publish_ordinal_seq"
+# The CHECK constraint on workqueue_subscription.filter that filters.sql adds.
+FILTER_GUARD = "wq_sub_filter_valid"
 
 # Every wq_* procedure and function in dbo, procedures first (they may call the functions).
 _LIST_ROUTINES = """
@@ -203,6 +205,11 @@ class SqlServerDriver(BaseDriver):
 
     def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
         with connection.cursor() as cursor:
+            # The filter guard uses wq_filter_problem, which cannot be dropped while it does.
+            cursor.execute(
+                f"IF OBJECT_ID(N'dbo.{FILTER_GUARD}', N'C') IS NOT NULL "
+                f"ALTER TABLE dbo.workqueue_subscription DROP CONSTRAINT {FILTER_GUARD}"
+            )
             cursor.execute(_LIST_ROUTINES)
             for routine, kind in cursor.fetchall():
                 cursor.execute(f"DROP {kind} IF EXISTS dbo.{_quote_identifier(routine)}")

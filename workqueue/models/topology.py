@@ -1,4 +1,14 @@
-"""Topology: transports, topics and subscriptions (ordinary, validated Django models)."""
+"""Topology: transports, topics and subscriptions (ordinary, validated Django models).
+
+A row the admin would refuse cannot be written from code either. The admin's form runs
+``full_clean()``; every other ORM write runs the same rules (the fields' validators and the
+model's ``check_rules()``, which ``clean()`` also runs) before it writes: ``save()`` (so
+``objects.create`` and ``update_or_create``) and ``loaddata`` through the ``pre_save`` signal
+(connected in ``WorkqueueConfig.ready``, which also fires for fixtures' raw saves), queryset
+``update()`` (so ``bulk_update``) and ``bulk_create`` through ``TopologyQuerySet``. A refusal is
+a ``TopologyValidationError`` naming the row, the field and the fix. The database guards what it
+can on its own: CHECK constraints, and ``wq_sub_filter_valid`` for filters (filters.sql).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +16,13 @@ import re
 import uuid
 from typing import Any
 
-from django.core.exceptions import ValidationError
+from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import connections, models, router, transaction
 from django.db.models import Q
 
-from workqueue.filters import FilterError, parse_filter
+from workqueue.exceptions import TopologyValidationError
+from workqueue.filters import FilterError, parse_filter, stored_filter_problem
 from workqueue.types import (
     HeartbeatMode,
     HostType,
@@ -41,7 +52,106 @@ def _require_json_object(value: Any, field: str) -> None:
         raise ValidationError({field: "Must be a JSON object."})
 
 
-class Transport(models.Model):
+# Prefix of the annotations that compute what a queryset update() would write.
+_NEW_VALUE = "wq_new_"
+
+
+class TopologyQuerySet(models.QuerySet):
+    """Holds the queryset writes that skip ``save()`` to the model's rules: ``bulk_create``
+    checks each new row; ``update()`` (which ``bulk_update`` uses) computes each row's new
+    values, checks them, then writes, in one transaction."""
+
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        self._for_write = True
+        objs = list(objs)
+        with transaction.atomic(using=self.db):
+            for obj in objs:
+                obj.validate_for_write(self.db)
+            return super().bulk_create(objs, *args, **kwargs)
+
+    def update(self, **kwargs: Any) -> int:
+        if self.query.is_sliced:
+            raise TypeError("Cannot update a query once a slice has been taken.")
+        self._for_write = True
+        values = self.model.normalise_update(kwargs)
+        meta = self.model._meta
+        # Expressions (F(), the Case that bulk_update builds, ...) are computed by the database:
+        # selected as annotations first, they can be checked before anything is written, which
+        # the tables' own CHECK constraints would otherwise refuse with a bare IntegrityError.
+        expressions = {n: v for n, v in values.items() if hasattr(v, "resolve_expression")}
+        rows = self.model._base_manager.db_manager(self.db)
+        with transaction.atomic(using=self.db):
+            changed = list(
+                rows.filter(pk__in=self.values("pk")).annotate(
+                    **{_NEW_VALUE + name: value for name, value in expressions.items()}
+                )
+            )
+            for row in changed:
+                for name, value in values.items():
+                    field = meta.get_field(name)
+                    if name in expressions:
+                        setattr(row, field.attname, getattr(row, _NEW_VALUE + name))
+                    elif field.is_relation and isinstance(value, models.Model):
+                        setattr(row, field.name, value)
+                    else:
+                        setattr(row, field.attname, value)
+                row.validate_for_write(self.db)
+            pks = [row.pk for row in changed]
+            count = rows.filter(pk__in=pks).update(**values)
+            if expressions:
+                # The expressions ran again in the UPDATE; check what they wrote, now that this
+                # transaction holds the rows, in case a field they read changed in between.
+                for row in rows.filter(pk__in=pks):
+                    row.validate_for_write(self.db)
+            return count
+
+
+class TopologyModel(models.Model):
+    """Base of the topology models: the admin's rules hold on every write path."""
+
+    objects = TopologyQuerySet.as_manager()
+
+    class Meta:
+        abstract = True
+
+    def clean(self) -> None:
+        self.check_rules(self._state.db or router.db_for_write(type(self), instance=self))
+
+    def check_rules(self, using: str) -> None:
+        """Raise ``ValidationError`` by field for what breaks the model's own rules (may read
+        database ``using``, and normalise values in place)."""
+
+    @classmethod
+    def normalise_update(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The values a queryset ``update()`` writes, in their stored form."""
+        return values
+
+    def validate_for_write(self, using: str) -> None:
+        """Refuse to write a row the admin would refuse: the fields' validators and
+        ``check_rules()``. The primary key and foreign keys are the database's to check
+        (``loaddata`` may write a row before the row it points to, checked at commit)."""
+        keys = [f.name for f in self._meta.concrete_fields if f.primary_key or f.is_relation]
+        errors: dict[str, list[ValidationError]] = {}
+        try:
+            self.clean_fields(exclude=keys)
+        except ValidationError as exc:
+            errors = exc.update_error_dict(errors)
+        try:
+            self.check_rules(using)
+        except ValidationError as exc:
+            errors = exc.update_error_dict(errors)
+        if errors:
+            raise TopologyValidationError(f"{type(self).__name__} '{self}'", errors)
+
+
+def validate_topology_write(
+    sender: Any, instance: TopologyModel, using: str, **kwargs: Any
+) -> None:
+    """``pre_save`` receiver: saves and fixtures (raw saves included) pass the admin's rules."""
+    instance.validate_for_write(using)
+
+
+class Transport(TopologyModel):
     """Where a topic's messages live. ``Database`` keeps them in this database's queue tables."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -68,7 +178,7 @@ class Transport(models.Model):
     def is_database(self) -> bool:
         return self.driver_class == DATABASE_DRIVER
 
-    def clean(self) -> None:
+    def check_rules(self, using: str) -> None:
         _require_json_object(self.configuration, "configuration")
         if self.driver_class != DATABASE_DRIVER:
             raise ValidationError(
@@ -76,7 +186,7 @@ class Transport(models.Model):
             )
 
 
-class Topic(models.Model):
+class Topic(TopologyModel):
     """A named stream of messages; each publish fans out to the topic's subscriptions."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -120,11 +230,11 @@ class Topic(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def clean(self) -> None:
+    def check_rules(self, using: str) -> None:
         _require_json_object(self.binding_config, "binding_config")
 
 
-class Subscription(models.Model):
+class Subscription(TopologyModel):
     """A consumer's view of a topic: its own delivery per message, claim rules and retry policy."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -184,7 +294,7 @@ class Subscription(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def clean(self) -> None:
+    def check_rules(self, using: str) -> None:
         errors: dict[str, str] = {}
         try:
             parsed = parse_filter(self.filter)
@@ -198,33 +308,80 @@ class Subscription(models.Model):
                 f"({self.backoff_base_seconds}); raise it or lower the base."
             )
         if self.host_type == HostType.WORKER and not self.handler_key.strip():
-            errors["handler_key"] = "A work-queue host subscription needs the handler key to run."
-        transport = self.topic.transport if self.topic_id else None
-        if transport is not None and transport.is_database and self.host_type != HostType.WORKER:
-            errors["host_type"] = "External consumers are not available on the Database transport."
+            errors["handler_key"] = (
+                "A work-queue host subscription needs the handler key to run: set it to the key "
+                "its handler is registered under (@register_handler)."
+            )
+        if self.host_type != HostType.WORKER:
+            transport = self._transport()
+            if transport is not None and transport.is_database:
+                errors["host_type"] = (
+                    "External consumers are not available on the Database transport; use "
+                    f"{HostType.WORKER.value!r}."
+                )
         try:
             _require_json_object(self.binding_config, "binding_config")
         except ValidationError as exc:
             errors.update({k: v[0] for k, v in exc.message_dict.items()})
-        mode_error = self.partition_mode_change_error()
+        mode_error = self.partition_mode_change_error(using)
         if mode_error:
             errors["partition_mode"] = mode_error
         if errors:
             raise ValidationError(errors)
 
-    def partition_mode_change_error(self) -> str | None:
+    @classmethod
+    def normalise_update(cls, values: dict[str, Any]) -> dict[str, Any]:
+        # The same canonical form save() stores; a filter that does not parse is left for the
+        # row-by-row check to refuse, naming the subscription.
+        raw = values.get("filter")
+        if raw is None or hasattr(raw, "resolve_expression"):
+            return values
+        try:
+            parsed = parse_filter(raw)
+        except FilterError:
+            return values
+        return {**values, "filter": parsed.to_json() if parsed is not None else None}
+
+    def _transport(self) -> Transport | None:
+        if not self.topic_id:
+            return None
+        try:
+            return self.topic.transport
+        except ObjectDoesNotExist:
+            return None  # a fixture's topic not loaded yet; its foreign key is checked at commit
+
+    def filter_problem(self) -> str | None:
+        """Why the filter this row holds is invalid, or None when it is valid.
+
+        Writes through the ORM and the database's guard keep invalid filters out; one stored
+        anyway (raw SQL behind the guard, or a row older than it) matches no message.
+        """
+        return stored_filter_problem(self.filter)
+
+    def partition_mode_change_error(self, using: str | None = None) -> str | None:
         """Say why the partition mode may not change, or None when the change is allowed.
 
         Deliveries already written under one mode carry (or lack) partition keys for it, so the
-        mode is fixed once the subscription has any delivery.
+        mode is fixed once the subscription has any delivery. The stored row is read whether or
+        not this instance was loaded from it: a fixture overwrites rows it did not load.
         """
-        if self._state.adding:
-            return None
-        stored = type(self).objects.filter(pk=self.pk).values_list("partition_mode", flat=True)
-        previous = stored.first()
+        using = using or router.db_for_write(type(self), instance=self)
+        rows = type(self)._base_manager.using(using).filter(pk=self.pk)
+        previous = rows.values_list("partition_mode", flat=True).first()
         if previous is None or previous == self.partition_mode:
             return None
-        if self.deliveries.exists():
+        connection = connections[using]
+        if connection.in_atomic_block:
+            # Publishes hold the topic's topology lock shared while they fan out; taking it
+            # exclusive here (until this transaction ends, after the row is written) means
+            # deliveries being written right now are seen by the check below.
+            # Imported here: models must not depend on the driver at import time.
+            from workqueue.driver import get_driver
+
+            get_driver(using).call(
+                "wq_lock_topology", {"topic_id": self.topic_id}, connection=connection
+            )
+        if self.deliveries.using(using).exists():
             return (
                 f"The partition mode cannot change from {previous} to {self.partition_mode} "
                 "once the subscription has deliveries; create a new subscription instead."
@@ -232,20 +389,8 @@ class Subscription(models.Model):
         return None
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        if self._state.adding:
-            super().save(*args, **kwargs)
-            return
+        # One transaction for the check (pre_save) and the write, so a partition-mode change
+        # holds the topology lock it takes until the row is written.
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         with transaction.atomic(using=using):
-            # Publishes hold the topic's topology lock shared while they fan out; taking it
-            # exclusive here means deliveries being written right now are seen by the check.
-            # Imported here: models must not depend on the driver at import time.
-            from workqueue.driver import get_driver
-
-            get_driver(using).call(
-                "wq_lock_topology", {"topic_id": self.topic_id}, connection=connections[using]
-            )
-            error = self.partition_mode_change_error()
-            if error:
-                raise ValidationError({"partition_mode": error})
             super().save(*args, **kwargs)

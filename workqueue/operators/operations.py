@@ -330,6 +330,17 @@ def validate_bindings(
         subscriptions = Subscription.objects.filter(topic__transport=tr).order_by("name")
         for sub in subscriptions:
             subject = f"subscription {sub.name}"
+            filter_problem = sub.filter_problem()
+            if filter_problem is not None:
+                issues.append(
+                    BindingIssue(
+                        "Error",
+                        subject,
+                        f"The stored filter is invalid, so the subscription matches no message "
+                        f"until it is fixed: {filter_problem}. Correct it in the admin (or save "
+                        "the subscription from code), where it is checked.",
+                    )
+                )
             if sub.host_type == "Worker" and not sub.handler_key.strip():
                 issues.append(BindingIssue("Error", subject, "No handler key is set."))
             elif sub.host_type == "Worker" and sub.handler_key.strip() not in live_keys:

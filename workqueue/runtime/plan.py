@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# (subscription id, filter) pairs already reported as invalid by this process: a host re-plans
+# every RECONCILE_INTERVAL_MS and would otherwise log the same problem each time.
+_reported_filters: set[tuple[str, str]] = set()
+_reported_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +33,7 @@ class SubscriptionPlan:
 
     @classmethod
     def from_subscription(cls, subscription: Any) -> SubscriptionPlan:
+        _report_invalid_filter(subscription)
         return cls(
             subscription_id=str(subscription.id),
             name=subscription.name,
@@ -42,3 +53,23 @@ class SubscriptionPlan:
     def heartbeat_interval_seconds(self) -> float:
         """Renew well before expiry, and at least every 30 s whatever the lease length."""
         return min(self.lease_seconds / 3, 30.0)
+
+
+def _report_invalid_filter(subscription: Any) -> None:
+    """Log, once per process and filter, that a subscription to be run holds an invalid filter:
+    the fan-out gives it no deliveries, and nothing else would tell its operators why."""
+    problem = subscription.filter_problem()
+    if problem is None:
+        return
+    key = (str(subscription.id), json.dumps(subscription.filter, sort_keys=True))
+    with _reported_lock:
+        if key in _reported_filters:
+            return
+        _reported_filters.add(key)
+    logger.error(
+        "Subscription %s matches no message: its stored filter is invalid (%s). Correct the "
+        "filter in the admin; `manage.py workqueue validate-bindings` lists every subscription "
+        "in this state.",
+        subscription.name,
+        problem,
+    )

@@ -130,9 +130,7 @@ class CaseContext:
             raise RuntimeError("the case's topic has not been created")
         options.setdefault("handler_key", "conformance.noop")
         subscription = Subscription(topic=self.topic, name=f"{self.topic_name}.{name}", **options)
-        # clean() normalises the filter and applies the model's own rules; full_clean() would
-        # also run unique checks on the default alias, which is wrong for another database.
-        subscription.clean()
+        # save() applies the model's rules on this alias and stores the filter in canonical form.
         subscription.save(using=self.alias)
         self.subscriptions[name] = subscription
         return subscription

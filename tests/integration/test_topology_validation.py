@@ -1,0 +1,209 @@
+"""A transport, topic or subscription the admin would refuse cannot be written from code either.
+
+Every ORM write path (``save()``, ``objects.create``, ``update_or_create``, queryset
+``update``, ``bulk_create``, ``bulk_update`` and ``loaddata``) applies the rules the admin
+applies (the fields' validators and the model's ``clean()``) and refuses with a
+``ValidationError`` that names the row, the field and the fix; nothing is written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core import serializers
+from django.core.exceptions import ValidationError
+from django.core.management import call_command
+from django.db import models, transaction
+
+from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.filter_cases import any_of, leaf, root
+from workqueue import publish
+from workqueue.models import Subscription, Topic, Transport
+
+pytestmark = pytest.mark.django_db
+
+ROOT_OR = {"logic": "or", "filters": [leaf("a", "eq", "x")]}
+
+
+def _row(model: type[models.Model]) -> models.Model:
+    """A saved, valid row of ``model``."""
+    if model is Transport:
+        return TransportFactory(name="Spare")
+    if model is Topic:
+        return TopicFactory()
+    return SubscriptionFactory()
+
+
+def _fields(instance: models.Model, *, copy: bool = False, **changes: Any) -> dict[str, Any]:
+    """Every concrete field of ``instance`` (foreign keys by id) with ``changes`` applied; for a
+    ``copy``, without the primary key and under another name."""
+    values = {f.attname: getattr(instance, f.attname) for f in type(instance)._meta.concrete_fields}
+    if copy:
+        del values["id"]
+        values["name"] = f"{values['name']}-copy"
+    return {**values, **changes}
+
+
+def _loaddata(tmp_path: Path, model: type[models.Model], fields: dict[str, Any]) -> None:
+    fixture = tmp_path / "topology.json"
+    fixture.write_text(serializers.serialize("json", [model(**fields)]))
+    call_command("loaddata", str(fixture), stdout=io.StringIO())
+
+
+# Each write path writes ``changes`` over a valid row: a new row from its fields, or the row.
+WRITES: dict[str, Callable[[models.Model, dict[str, Any], Path], Any]] = {
+    "instance.save": lambda row, changes, _: (
+        [setattr(row, name, value) for name, value in changes.items()],
+        row.save(),
+    ),
+    "manager.create": lambda row, changes, _: type(row).objects.create(
+        **_fields(row, copy=True, **changes)
+    ),
+    "manager.update_or_create": lambda row, changes, _: type(row).objects.update_or_create(
+        pk=row.pk, defaults=changes
+    ),
+    "queryset.update": lambda row, changes, _: type(row)
+    .objects.filter(pk=row.pk)
+    .update(**changes),
+    "manager.bulk_create": lambda row, changes, _: type(row).objects.bulk_create(
+        [type(row)(**_fields(row, copy=True, **changes))]
+    ),
+    "manager.bulk_update": lambda row, changes, _: type(row).objects.bulk_update(
+        [type(row)(**_fields(row, **changes))], list(changes)
+    ),
+    "loaddata": lambda row, changes, tmp_path: _loaddata(
+        tmp_path, type(row), _fields(row, **changes)
+    ),
+}
+
+# (model, changes, field the error names, a fragment of its message)
+REFUSED: list[tuple[type[models.Model], dict[str, Any], str, str]] = [
+    (Subscription, {"filter": ROOT_OR}, "filter", "the root logic must be 'and'"),
+    (
+        Subscription,
+        {"filter": root(leaf("a", "contains", "x"))},
+        "filter",
+        "unsupported operator 'contains'",
+    ),
+    (
+        Subscription,
+        {"backoff_base_seconds": 60, "backoff_max_seconds": 10},
+        "backoff_max_seconds",
+        "Must be at least backoff_base_seconds (60)",
+    ),
+    (Subscription, {"handler_key": "  "}, "handler_key", "needs the handler key"),
+    (Subscription, {"name": "Orders Billing"}, "name", "lower-case words"),
+    (Subscription, {"lease_seconds": 2}, "lease_seconds", "greater than or equal to 5"),
+    (Subscription, {"partition_mode": "Sometimes"}, "partition_mode", "not a valid choice"),
+    (
+        Subscription,
+        {"host_type": "External", "handler_key": ""},
+        "host_type",
+        "not available on the Database transport",
+    ),
+    (Subscription, {"binding_config": ["queue"]}, "binding_config", "JSON object"),
+    (Topic, {"name": "Orders Created"}, "name", "lower-case words"),
+    (Topic, {"max_payload_bytes": 0}, "max_payload_bytes", "greater than or equal to 1"),
+    (Topic, {"binding_config": "arn:aws:sns:x"}, "binding_config", "JSON object"),
+    (Transport, {"driver_class": "Kafka"}, "driver_class", "Only the 'Database' transport"),
+    (Transport, {"name": "-spare"}, "name", "starting with a letter or digit"),
+    (Transport, {"configuration": [1, 2]}, "configuration", "JSON object"),
+]
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize(
+    ("model", "changes", "field", "fragment"),
+    [pytest.param(*case, id=f"{case[0].__name__}-{case[2]}") for case in REFUSED],
+)
+def test_a_row_the_admin_would_refuse_is_refused_on_every_write_path(
+    tmp_path: Path,
+    write: str,
+    model: type[models.Model],
+    changes: dict[str, Any],
+    field: str,
+    fragment: str,
+):
+    row = _row(model)
+    before = list(model.objects.order_by("pk").values())
+
+    # In a savepoint of its own: bulk_update, like Django's other multi-statement writes, marks
+    # the caller's transaction for rollback on any error.
+    with pytest.raises(ValidationError) as refused, transaction.atomic():
+        WRITES[write](row, changes, tmp_path)
+
+    assert field in refused.value.message_dict, refused.value.message_dict
+    assert fragment in " ".join(refused.value.message_dict[field])
+    text = str(refused.value)
+    assert text.startswith(f"{model.__name__} '") and "was not saved" in text
+    assert f"{field}: " in text and fragment in text
+    assert list(model.objects.order_by("pk").values()) == before
+
+
+# -- what is accepted is stored in canonical form --------------------------------------------
+
+
+WRITTEN = root(leaf("zeta", "eq", "z"), any_of("alpha", "b", "a", "b"))
+CANONICAL = {
+    "logic": "and",
+    "filters": [
+        {
+            "logic": "or",
+            "filters": [
+                {"field": "alpha", "operator": "eq", "value": "a"},
+                {"field": "alpha", "operator": "eq", "value": "b"},
+            ],
+        },
+        {"field": "zeta", "operator": "eq", "value": "z"},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "write", ["instance.save", "manager.create", "queryset.update", "loaddata"]
+)
+@pytest.mark.parametrize("given", [WRITTEN, json.dumps(WRITTEN)], ids=["object", "json-text"])
+def test_a_valid_filter_is_stored_in_its_canonical_form(tmp_path: Path, write: str, given: Any):
+    row = SubscriptionFactory()
+
+    WRITES[write](row, {"filter": given}, tmp_path)
+
+    name = f"{row.name}-copy" if write == "manager.create" else row.name
+    assert Subscription.objects.get(name=name).filter == CANONICAL
+
+
+def test_topology_moves_between_databases_with_dumpdata_and_loaddata(tmp_path: Path):
+    sub = SubscriptionFactory(filter=WRITTEN, partition_mode="Exclusive")
+    fixture = tmp_path / "topology.json"
+    with fixture.open("w") as out:
+        call_command("dumpdata", "workqueue.transport", "workqueue.topic", "workqueue.subscription",
+                     stdout=out)  # fmt: skip
+    Subscription.objects.filter(pk=sub.pk).delete()
+    Topic.objects.filter(pk=sub.topic_id).delete()
+
+    call_command("loaddata", str(fixture), stdout=io.StringIO())
+
+    loaded = Subscription.objects.get(pk=sub.pk)
+    assert (loaded.name, loaded.topic.name, loaded.filter) == (sub.name, sub.topic.name, CANONICAL)
+
+
+# -- the partition mode is fixed once deliveries exist, on every path -----------------------------
+
+
+@pytest.mark.parametrize("write", ["instance.save", "queryset.update", "loaddata"])
+def test_the_partition_mode_cannot_change_on_any_path_once_deliveries_exist(
+    tmp_path: Path, write: str
+):
+    sub = SubscriptionFactory(partition_mode="None")
+    publish(sub.topic.name, {"n": 1}, enlist=True)
+
+    with pytest.raises(ValidationError) as refused:
+        WRITES[write](sub, {"partition_mode": "Ordered"}, tmp_path)
+
+    assert "cannot change from None to Ordered" in refused.value.message_dict["partition_mode"][0]
+    assert Subscription.objects.get(pk=sub.pk).partition_mode == "None"
