@@ -12,7 +12,7 @@ from django.db import migrations
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workqueue", "0006_claim_key_walk"),
+        ("workqueue", "0007_filter_guards"),
     ]
 
     operations = [
