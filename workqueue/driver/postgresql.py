@@ -29,6 +29,14 @@ _CASTS = {
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
 
 
+def _is_connection_error(error: BaseException) -> bool:
+    import psycopg
+    from django.db import InterfaceError, OperationalError
+
+    connection_errors = (psycopg.OperationalError, psycopg.InterfaceError)
+    return isinstance(error, (*connection_errors, OperationalError, InterfaceError))
+
+
 def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -109,8 +117,12 @@ class PostgresDriver(BaseDriver):
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
         if sqlstate is None:
-            # No SQLSTATE at all: the connection itself failed (closed, reset, timed out).
-            return TransientDriverError(message or "lost the database connection")
+            # No SQLSTATE: the server never judged the statement. A failed or broken connection
+            # is worth retrying; anything else failed on this side (a NUL character in a
+            # string, a value psycopg cannot adapt) and would fail the same way again.
+            if _is_connection_error(cause) or _is_connection_error(error):
+                return TransientDriverError(message or "lost the database connection")
+            return DriverError(message)
         return DriverError(message)
 
     def grant_runtime_statements(self, role: str) -> list[str]:

@@ -1,0 +1,98 @@
+"""PostgreSQL errors, provoked for real, reach callers as the right class: what is worth retrying
+(deadlock, lock timeout, a terminated backend, a lost connection) is a TransientDriverError; a
+unique violation is a UniqueViolationError; what would fail again (bad SQL, a string psycopg
+cannot send) is a plain DriverError, never retried."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from tests.database import psycopg_params
+from workqueue.driver import get_driver
+from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+@pytest.fixture
+def tables(pg_conn):
+    pg_conn.execute("CREATE TABLE wq_test_errors (id int PRIMARY KEY, v text)")
+    pg_conn.execute("INSERT INTO wq_test_errors VALUES (1, 'a'), (2, 'b')")
+    yield
+    get_driver().close()
+    pg_conn.execute("DROP TABLE wq_test_errors")
+
+
+def raised(sql: str, values: list | None = None) -> DriverError:
+    with pytest.raises(DriverError) as caught:
+        get_driver().execute(sql, values or [])
+    return caught.value
+
+
+def test_a_unique_violation_is_a_unique_violation_error(tables):
+    error = raised("INSERT INTO wq_test_errors VALUES (1, 'again')")
+    assert type(error) is UniqueViolationError
+
+
+def test_a_lock_timeout_is_transient(tables, pg_conn):
+    with pg_conn.transaction():
+        pg_conn.execute("SELECT * FROM wq_test_errors WHERE id = 1 FOR UPDATE")
+        get_driver().execute("SET lock_timeout = '100ms'", [])
+        error = raised("UPDATE wq_test_errors SET v = 'x' WHERE id = 1")
+    assert type(error) is TransientDriverError and "lock timeout" in str(error)
+
+
+def test_a_deadlock_between_two_connections_is_transient(tables):
+    """Two transactions lock rows 1 and 2 in opposite orders; PostgreSQL kills one of them."""
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def worker(first: int, second: int) -> None:
+        driver = get_driver()
+        try:
+            with driver.transaction() as conn, conn.cursor() as cursor:
+                cursor.execute("UPDATE wq_test_errors SET v = 'x' WHERE id = %s", [first])
+                barrier.wait(timeout=10)
+                cursor.execute("UPDATE wq_test_errors SET v = 'y' WHERE id = %s", [second])
+        except DriverError as exc:
+            errors.append(exc)
+        finally:
+            driver.close()
+
+    threads = [threading.Thread(target=worker, args=pair) for pair in ((1, 2), (2, 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    (error,) = errors
+    assert type(error) is TransientDriverError and "deadlock" in str(error)
+
+
+def test_a_terminated_backend_is_transient_and_the_next_call_reconnects(tables):
+    driver = get_driver()
+    (pid,) = driver.execute("SELECT pg_backend_pid()", [])[0]
+    with psycopg.connect(autocommit=True, **psycopg_params()) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+    error = raised("SELECT 1")
+
+    assert isinstance(error, TransientDriverError)
+    assert driver.execute("SELECT 1", []) == [(1,)]  # a fresh connection
+
+
+@pytest.mark.parametrize(
+    ("sql", "values"),
+    [
+        ("SELEKT 1", []),  # a syntax error (42601)
+        ("SELECT * FROM wq_no_such_table", []),  # 42P01
+        ("INSERT INTO wq_test_errors VALUES (3, %s)", ["nul \x00 inside"]),  # client-side
+    ],
+    ids=["syntax", "missing-table", "nul-character"],
+)
+def test_errors_that_would_fail_again_are_not_transient(tables, sql, values):
+    error = raised(sql, values)
+    assert type(error) is DriverError
