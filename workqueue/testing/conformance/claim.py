@@ -1,5 +1,5 @@
 """Claim and lease cases: redelivery, backoff, expiry, fencing and heartbeats
-(C04-C09, C21, C22). Time passes through ``advance_time``, never a sleep."""
+(C04-C09, C21, C22, C29, C30). Time passes through ``advance_time``, never a sleep."""
 
 from __future__ import annotations
 
@@ -146,4 +146,62 @@ def expiry_on_last_attempt(ctx: CaseContext) -> None:
         [(d.message_id, d.reason) for d in letters],
         [(sent.message_id, "LeaseExpired")],
         "dead letters listed",
+    )
+
+
+@CASES.case(
+    "C29",
+    "until the delivery is taken back, a holder whose lease ran out may still renew and settle",
+)
+def expired_but_not_taken_back(ctx: CaseContext) -> None:
+    # The token, not the clock, fences a holder: nobody else can have run the delivery before a
+    # claim or the sweeper takes it back, so the holder's work still counts until then.
+    ctx.subscribe("a", lease_seconds=LEASE)
+    ctx.publish()
+    ctx.publish()
+    first, second = ctx.receive("a")
+    receiver = ctx.receiver("a")
+    ctx.advance_time(LEASE + 1)
+
+    expect_equal(receiver.extend_lease(first).state, "Held", "renewal after the expiry time")
+    expect_settled(receiver.complete(second), "Completed", "complete after the expiry time")
+    ctx.advance_time(LEASE - 1)  # the renewal gave a whole new lease
+    ctx.expect_nothing_receivable("a", "while the renewed lease is held")
+    expect_settled(receiver.complete(first), "Completed", "complete within the renewed lease")
+
+
+@CASES.case(
+    "C30",
+    "a batch completion settles only the deliveries whose tokens still hold; a stale holder "
+    "cannot acknowledge a cancel",
+    requires=("cancel_in_flight",),
+)
+def batch_completion_with_stale_tokens(ctx: CaseContext) -> None:
+    ctx.subscribe("a", lease_seconds=LEASE)
+    ctx.publish()
+    ctx.publish()
+    stale_one, stale_two = ctx.receive("a")
+    ctx.advance_time(LEASE + 1)
+    retaken = {d.delivery_id: d for d in ctx.receive("a", owner="second")}
+    expect_equal(set(retaken), {stale_one.delivery_id, stale_two.delivery_id}, "taken back")
+    ctx.publish()
+    fresh = ctx.receive_one("a")
+
+    results = ctx.receiver("a").complete_many([stale_one, fresh, stale_two])
+
+    expect_equal(
+        {key: result.outcome for key, result in results.items()},
+        {stale_one.delivery_id: "LeaseLost", fresh.delivery_id: "Settled",
+         stale_two.delivery_id: "LeaseLost"},
+        "outcome per delivery",
+    )  # fmt: skip
+    ctx.discard("a", stale_one.delivery_id)  # a cancel of the second holder's run
+    expect_equal(
+        ctx.receiver("a").acknowledge_cancel(stale_one).outcome,
+        "LeaseLost",
+        "acknowledgement with the stale token",
+    )
+    current = retaken[stale_one.delivery_id]
+    expect_settled(
+        ctx.receiver("a", "second").acknowledge_cancel(current), "Discarded", "holder's ack"
     )
