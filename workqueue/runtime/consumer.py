@@ -19,7 +19,12 @@ from typing import Any
 from workqueue import signals
 from workqueue.exceptions import WorkQueueError
 from workqueue.runtime.context import AbortReason
-from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.executor import (
+    DeliveryExecution,
+    ExecutionResult,
+    ExecutionServices,
+    log_lease_expired_dead_letter,
+)
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
@@ -366,18 +371,8 @@ class Consumer:
             self.received += len(result.deliveries)
             self.last_activity = time.monotonic()
         for expired in result.expired_dead_letters:
-            # Same logger and level as a handler's dead letter: alerting sees both.
-            logging.getLogger("workqueue.deliveries").error(
-                "Delivery dead-lettered: LeaseExpired (subscription=%s delivery=%s key=%s): "
-                "its holder stopped renewing the lease on its last attempt",
-                self.plan.name,
-                expired.delivery_id,
-                expired.partition_key,
-                extra={
-                    "subscription": self.plan.name,
-                    "delivery_id": expired.delivery_id,
-                    "partition_key": expired.partition_key,
-                },
+            log_lease_expired_dead_letter(
+                self.plan.name, expired.delivery_id, expired.partition_key
             )
             signals.dead_lettered.send(
                 sender=Consumer,

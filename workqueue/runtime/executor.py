@@ -431,6 +431,25 @@ class DeliveryExecution:
         return self._acknowledge_cancel()
 
 
+def log_lease_expired_dead_letter(
+    subscription: str, delivery_id: str, partition_key: str | None
+) -> None:
+    """A dead letter made by lease expiry (a claim or the sweeper found its holder gone on the
+    last attempt): logged like a handler's, so alerting sees both."""
+    logger.error(
+        "Delivery dead-lettered: LeaseExpired (subscription=%s delivery=%s key=%s): its holder "
+        "stopped renewing the lease on its last attempt",
+        subscription,
+        delivery_id,
+        partition_key,
+        extra={
+            "subscription": subscription,
+            "delivery_id": delivery_id,
+            "partition_key": partition_key,
+        },
+    )
+
+
 def _short(text: str) -> str:
     text = text.strip() or "FatalWorkError"
     return text if len(text) <= MAX_REASON_LENGTH else text[: MAX_REASON_LENGTH - 1] + "…"

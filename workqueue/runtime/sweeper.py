@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from workqueue import signals, transport
+from workqueue.runtime.executor import log_lease_expired_dead_letter
 from workqueue.types import DeliveryStatus
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class Sweeper:
                 for row in rows:
                     if row["new_status"] == DeliveryStatus.DEAD_LETTERED:
                         result.expired_dead_letters += 1
+                        log_lease_expired_dead_letter(
+                            row["subscription_id"], row["delivery_id"], row["partition_key"]
+                        )
                         signals.dead_lettered.send(
                             sender=Sweeper,
                             subscription_id=row["subscription_id"],
