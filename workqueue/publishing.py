@@ -24,6 +24,7 @@ from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import TransientDriverError
+from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
 from workqueue.types import PublishError, PublishErrorCode, PublishResult, PublishStatus
 
 MAX_ATTRIBUTES = 10
@@ -45,6 +46,8 @@ class OutgoingMessage:
     deduplication_key: str | None = None
     deduplication_ttl: int | None = None
     message_id: str | uuid.UUID | None = None
+    #: A claim-check reference instead of a payload: ``uri`` and optionally ``content_type``,
+    #: ``size_bytes``, ``checksum``, in any spelling (``contentType`` too); stored with these keys.
     payload_ref: Mapping[str, Any] | None = None
 
 
@@ -74,7 +77,10 @@ def publish(
     Returns ``Accepted`` (with the message id), ``Duplicate`` (with the id of the message that
     already owns the deduplication key, or this id if it was published before with the same
     content) or ``Rejected`` with an error code. Re-publishing with the same ``message_id`` is
-    safe: the id makes the publish idempotent.
+    safe: the id makes the publish idempotent. A claim-check ``payload_ref`` (instead of
+    ``payload``) is stored, and reaches handlers, as ``{"uri", "content_type", "size_bytes",
+    "checksum"}`` (all but ``uri`` optional) whatever the spelling of its keys; a bad one is
+    ``Rejected`` with ``InvalidPayload``.
 
     By default the publish commits on its own connection whatever the caller's transaction does.
     With ``enlist=True`` it joins the caller's ``transaction.atomic()`` on the work queue's
@@ -322,10 +328,10 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
             PublishErrorCode.INVALID_PAYLOAD, "Give either payload or payload_ref, not both."
         )
     if payload_ref is not None:
-        uri = payload_ref.get("uri") if isinstance(payload_ref, Mapping) else None
-        if not isinstance(uri, str) or not uri.strip():
-            raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, "payload_ref needs a non-empty 'uri'.")
-        payload_ref = {k: v for k, v in payload_ref.items() if v is not None}
+        try:
+            payload_ref = canonical_payload_ref(payload_ref)
+        except PayloadRefError as exc:
+            raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, str(exc)) from None
     try:
         canonical_json(payload if payload_ref is None else payload_ref)
     except (TypeError, ValueError) as exc:

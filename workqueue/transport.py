@@ -17,6 +17,7 @@ from typing import Any
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import BaseDriver, SparseIndex
+from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -63,7 +64,7 @@ def _claimed(row: dict[str, Any], subscription_id: str) -> ClaimedDelivery:
         partition_key=row["partition_key"],
         attributes=row["attributes"] or {},
         payload=row["payload"],
-        payload_ref=row["payload_ref"],
+        payload_ref=stored_payload_ref(row["payload_ref"]),
         correlation_id=row["correlation_id"],
         published_at=row["published_at"],
     )
@@ -202,7 +203,7 @@ def list_dead_letters(
             message_partition_key=r["message_partition_key"],
             attributes=r["attributes"] or {},
             payload=r["payload"],
-            payload_ref=r["payload_ref"],
+            payload_ref=stored_payload_ref(r["payload_ref"]),
             correlation_id=r["correlation_id"],
             published_at=r["published_at"],
         )

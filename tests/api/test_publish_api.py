@@ -105,10 +105,11 @@ def test_a_batch_is_accepted_as_the_keys_owner_with_results_in_request_order(cli
     assert first.attributes == {"region": "eu"}
     assert first.correlation_id == "corr-1"
     second = Message.objects.get(pk=results[1]["messageId"])
+    # Stored with the keys every entry path uses (tests/integration/test_payload_ref.py).
     assert second.payload_ref == {
         "uri": "s3://bucket/object",
-        "contentType": "application/json",
-        "sizeBytes": 12,
+        "content_type": "application/json",
+        "size_bytes": 12,
         "checksum": "sha256:abc",
     }
     assert Delivery.objects.filter(message__topic=topic).count() == 2
@@ -124,6 +125,7 @@ def test_a_rejected_item_gets_its_error_in_place_and_the_batch_is_still_202(clie
                 {"payload": 2, "attributes": {"bad name": "x"}},
                 {"payload": 3, "messageId": "not-a-uuid"},
                 {"payload": 4},
+                {"payloadRef": {"contentType": "text/plain"}},
             ]
         },
         key=key,
@@ -131,10 +133,18 @@ def test_a_rejected_item_gets_its_error_in_place_and_the_batch_is_still_202(clie
 
     assert response.status_code == 202
     results = response.json()["results"]
-    assert [r["status"] for r in results] == ["Accepted", "Rejected", "Rejected", "Accepted"]
+    assert [r["status"] for r in results] == [
+        "Accepted",
+        "Rejected",
+        "Rejected",
+        "Accepted",
+        "Rejected",
+    ]
     assert results[1]["error"]["code"] == "InvalidAttributes"
     assert results[1]["error"]["retryable"] is False
     assert results[2]["error"]["code"] == "InvalidMessageID"
+    assert results[4]["error"]["code"] == "InvalidPayload"
+    assert "needs a 'uri'" in results[4]["error"]["message"]
     assert results[0]["error"] is None and results[3]["error"] is None
     assert Message.objects.filter(topic=topic).count() == 2
 
@@ -311,7 +321,6 @@ def test_a_body_that_is_not_json_is_400(client, topic, key, raw):
         {"messages": [{"attributes": {"region": 1}}]},
         {"messages": [{"deduplicationTtlSeconds": "3600"}]},
         {"messages": [{"deduplicationTtlSeconds": True}]},
-        {"messages": [{"payloadRef": {"contentType": "text/plain"}}]},
         {"messages": [{"partition_key": "snake case is not the API's spelling"}]},
         {"messages": [{"payload": 1}], "extra": True},
     ],

@@ -45,6 +45,7 @@ class Run:
     started_at: float
     started: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
+    payload_ref: Any = None
     signal_reason: str | None = None
     heartbeats: list[bool] = field(default_factory=list)
 
@@ -110,6 +111,7 @@ class ScriptedHandler(BaseWorkHandler):
             user=self.user,
             thread=threading.current_thread().name,
             started_at=time.monotonic(),
+            payload_ref=message.payload_ref,
         )
         probe.add(run)
         run.started.set()

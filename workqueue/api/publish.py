@@ -94,12 +94,7 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
             deduplication_key=item.deduplication_key,
             deduplication_ttl=item.deduplication_ttl_seconds,
             message_id=item.message_id,
-            # Stored in its wire form ({uri, contentType, sizeBytes, checksum}), as sent.
-            payload_ref=(
-                item.payload_ref.model_dump(by_alias=True, exclude_none=True)
-                if item.payload_ref
-                else None
-            ),
+            payload_ref=item.payload_ref,
         )
         for item in body.messages
     ]

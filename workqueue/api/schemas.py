@@ -45,11 +45,22 @@ class ErrorOut(Schema):
 # -- publish --------------------------------------------------------------------------------
 
 
-class PayloadRefIn(_In):
-    uri: str
-    content_type: str | None = None
-    size_bytes: int | None = Field(default=None, ge=0)
-    checksum: str | None = None
+# The claim-check reference as documented; the publish view passes whatever JSON the caller sent
+# to publishing, which checks it and stores its keys in one spelling (an item with a bad
+# reference is Rejected with InvalidPayload, like other publish validation, not a 400).
+PAYLOAD_REF_SCHEMA = {
+    "type": "object",
+    "description": "Where the payload is kept, instead of payload. Keys may also be spelt "
+    "snake_case (content_type, size_bytes); handlers receive uri, content_type, size_bytes and "
+    "checksum.",
+    "properties": {
+        "uri": {"type": "string", "minLength": 1},
+        "contentType": {"type": "string", "minLength": 1},
+        "sizeBytes": {"type": "integer", "minimum": 0},
+        "checksum": {"type": "string", "minLength": 1},
+    },
+    "required": ["uri"],
+}
 
 
 class PublishMessageIn(_In):
@@ -59,7 +70,7 @@ class PublishMessageIn(_In):
     partition_key: str | None = None
     attributes: dict[str, str] | None = None
     payload: Any = Field(default=None, description="Any JSON value (or give payloadRef).")
-    payload_ref: PayloadRefIn | None = None
+    payload_ref: Any = Field(default=None, json_schema_extra=PAYLOAD_REF_SCHEMA)
     correlation_id: str | None = None
     deduplication_key: str | None = None
     deduplication_ttl_seconds: int | None = None
@@ -111,13 +122,22 @@ class StatsOut(_Out):
     failures: list[StatsFailureOut]
 
 
+class PayloadRefOut(_Out):
+    uri: str
+    content_type: str | None = None
+    size_bytes: int | None = None
+    checksum: str | None = None
+
+
 class DeadLetterMessageOut(_Out):
     message_id: str
     topic: str
     partition_key: str | None
     attributes: dict[str, str]
     payload: Any = Field(description="Null unless the caller has workqueue.view_payload.")
-    payload_ref: dict[str, Any] | None
+    payload_ref: PayloadRefOut | None = Field(
+        description="Null unless the caller has workqueue.view_payload."
+    )
     correlation_id: str | None
     published_at: dt.datetime
 

@@ -23,6 +23,13 @@ class PublishVerb(Verb):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--topic", required=True)
         parser.add_argument("--payload", default="null", help='JSON, e.g. \'{"name": "Ada"}\'.')
+        parser.add_argument(
+            "--payload-ref",
+            default=None,
+            help="A claim-check reference instead of --payload, as JSON: "
+            '\'{"uri": "s3://bucket/key", "content_type": "application/json", "size_bytes": 12, '
+            '"checksum": "sha256:..."}\' (only uri is required; contentType etc. work too).',
+        )
         parser.add_argument("--partition-key", default=None)
         parser.add_argument("--dedup-key", default=None)
         parser.add_argument("--count", type=int, default=1)
@@ -30,15 +37,14 @@ class PublishVerb(Verb):
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.publishing import publish_many
 
-        try:
-            payload = json.loads(options["payload"])
-        except ValueError as exc:
-            raise CommandError(f"--payload is not valid JSON: {exc}") from None
+        payload = _json_option(options, "payload")
+        payload_ref = _json_option(options, "payload_ref")
         count = options["count"]
         if count < 1:
             raise CommandError("--count must be at least 1.")
         message = {
             "payload": payload,
+            "payload_ref": payload_ref,
             "partition_key": options["partition_key"],
             "deduplication_key": options["dedup_key"],
         }
@@ -79,6 +85,16 @@ class PublishVerb(Verb):
         if rejected:
             first = rejected[0].error
             raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
+
+
+def _json_option(options: dict[str, Any], name: str) -> Any:
+    text = options[name]
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CommandError(f"--{name.replace('_', '-')} is not valid JSON: {exc}") from None
 
 
 class _Progress:
