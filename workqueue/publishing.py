@@ -19,7 +19,7 @@ from typing import Any
 
 from django.db import connections
 
-from workqueue import signals
+from workqueue import metrics, signals
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
@@ -124,13 +124,16 @@ def publish_many(
     if len(prepared) < len(items):
         topic_error = _topic_error(topic, external)
         if topic_error is not None:
-            return [_rejected(item.message_id, topic_error) for item in items]
+            rejected = [_rejected(item.message_id, topic_error) for item in items]
+            metrics.count_published(topic, rejected)
+            return rejected
 
     if prepared:
         rows = _call_publish(topic, [p for _, p in prepared], _publisher(user), enlist, external)
         for (index, _), row in zip(prepared, rows, strict=True):
             results[index] = _result_from_row(row)
     final = [r for r in results if r is not None]
+    metrics.count_published(topic, final)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An

@@ -16,7 +16,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import HttpError, ValidationError
 
-from workqueue.api import health, publish, subscriptions
+from workqueue.api import health, metrics, publish, subscriptions
 from workqueue.api.auth import ApiKeyAuth, SessionAuth
 from workqueue.exceptions import (
     DriverError,
@@ -39,6 +39,7 @@ api = NinjaAPI(
 api.add_router("", publish.router)
 api.add_router("/subscriptions", subscriptions.router)
 api.add_router("", health.router)
+api.add_router("", metrics.router)
 
 # The caller's mistakes: the operators' messages are written for the caller, so they are shown.
 _CALLER_ERRORS: dict[type[WorkQueueError], int] = {

@@ -260,8 +260,22 @@ class ValidateBindingsVerb(Verb):
             raise CommandError("validate-bindings found errors.")
 
 
+class MetricsVerb(Verb):
+    name = "metrics"
+    help = (
+        "Print the Prometheus metrics once: the queue's gauges read from the database (this "
+        "one-shot process has no runtime counters of its own)."
+    )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue import metrics
+
+        command.stdout.write(metrics.render().decode(), ending="")
+
+
 OPERATOR_VERBS = [
     StatsVerb,
+    MetricsVerb,
     DeadLettersVerb,
     PartitionsVerb,
     ReplayVerb,

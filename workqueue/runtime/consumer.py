@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from workqueue import signals
+from workqueue import metrics, signals
 from workqueue.exceptions import WorkQueueError
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
@@ -130,6 +130,7 @@ class CompletionBatcher:
                         self._queue.put(None)  # finish this batch, then stop
                         break
                     batch.append(more)
+                metrics.SETTLE_BATCH.observe(len(batch))
                 try:
                     results = self._receiver.complete_many(d for d, _ in batch)
                 except Exception as exc:  # every waiter must hear about it
@@ -352,6 +353,7 @@ class Consumer:
         return kicked
 
     def _receive(self, max_rows: int) -> ClaimResult:
+        began = time.monotonic()
         try:
             result = self.receiver.receive(max_rows)
         except WorkQueueError as exc:
@@ -365,6 +367,7 @@ class Consumer:
             self._failed(f"Not claiming: receive failed: {exc}")
             result = ClaimResult([])
         else:
+            metrics.CLAIM_SECONDS.labels(self.plan.name).observe(time.monotonic() - began)
             self._recovered()
         self.last_receive_empty = not result.deliveries
         if result.deliveries:
@@ -431,6 +434,7 @@ class Consumer:
                 self._lock.notify_all()
             self.last_activity = time.monotonic()
             self._wake.set()
+        metrics.DELIVERIES.labels(self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:
             self._on_result(result)
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from django.db import close_old_connections
 
-from workqueue import signals
+from workqueue import metrics, signals
 from workqueue.exceptions import TransientDriverError, WorkQueueError
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import AbortReason, AbortSignal, WorkContext, WorkMessage
@@ -70,6 +70,23 @@ class ExecutionResult:
     SETTLED = "Settled"
     LEASE_LOST = "LeaseLost"
     FAILED = "Failed"
+
+    @property
+    def outcome_label(self) -> str:
+        """How metrics name this result (``workqueue_deliveries_total{outcome=...}``)."""
+        if self.released:
+            return "released"
+        if self.kind == self.SETTLED:
+            return _OUTCOME_BY_STATUS.get(self.status or "", "settled")
+        return "lease_lost" if self.kind == self.LEASE_LOST else "settle_failed"
+
+
+_OUTCOME_BY_STATUS = {
+    DeliveryStatus.COMPLETED: "completed",
+    DeliveryStatus.PENDING: "retried",
+    DeliveryStatus.DEAD_LETTERED: "dead_lettered",
+    DeliveryStatus.DISCARDED: "discarded",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +171,11 @@ class DeliveryExecution:
                     lambda: self.signal.abort(AbortReason.MAX_PROCESSING_SECONDS),
                 )
             )
+        began = time.monotonic()
         try:
             decision = self._call_handler()
         finally:
+            metrics.HANDLER_SECONDS.labels(self.plan.name).observe(time.monotonic() - began)
             for timer in [*self._timers, self._horizon]:
                 if timer is not None:
                     timer.cancel()

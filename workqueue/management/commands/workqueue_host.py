@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from workqueue import metrics
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
@@ -36,6 +37,22 @@ class Command(BaseCommand):
             "subscription's WORKQUEUE['SUBSCRIPTIONS'] entry, else the '*' entry, else 1.",
         )
 
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            metavar="PORT",
+            help="Also serve Prometheus metrics (this host's counters and the queue's gauges) "
+            "over HTTP on this port, without authentication: bind it where only your scraper "
+            "reaches.",
+        )
+        parser.add_argument(
+            "--metrics-address",
+            default="127.0.0.1",
+            metavar="ADDRESS",
+            help="Address for --metrics-port (default 127.0.0.1).",
+        )
+
     def handle(self, *args: Any, **options: Any) -> None:
         if host_disabled():
             self.stdout.write("WORKQUEUE_DISABLE_HOST is set; not starting the host.")
@@ -43,6 +60,16 @@ class Command(BaseCommand):
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
         stop = stop_on_signals()
+        server = None
+        if options["metrics_port"] is not None:
+            # Before the host starts: a port already taken fails the command before any claim.
+            try:
+                server = metrics.serve(options["metrics_port"], options["metrics_address"])
+            except OSError as exc:
+                raise CommandError(
+                    f"Cannot serve metrics on {options['metrics_address']}:"
+                    f"{options['metrics_port']}: {exc}. Choose another --metrics-port."
+                ) from exc
         host = Host(
             HostConfig.from_settings(
                 get_settings(), options["subscriptions"], concurrency=options["concurrency"]
@@ -54,9 +81,14 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         for entry in host.health()["subscriptions"]:
             self.stdout.write(describe_subscription(entry))
+        if server is not None:
+            address, port = server.server_address[:2]
+            self.stdout.write(f"Metrics: http://{address}:{port}/metrics")
         self.stdout.flush()
         try:
             stop.wait()
         finally:
             host.shutdown()
+            if server is not None:
+                server.shutdown()
         exit_now_if_abandoned(host)

@@ -1,0 +1,246 @@
+"""Prometheus metrics: the runtime's counters and histograms move with real deliveries and
+publishes; the queue's gauges match what the database holds; the REST endpoint is guarded like the
+other read endpoints (and a limited key sees only its subscriptions); the CLI prints the same
+text; a host process serves them on an internal port; the shipped dashboard and alert rules use
+only metrics that exist.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from django.core.management import call_command
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.factories import ApiKeyFactory
+from tests.api.test_operator_api import call, dead_letter, pending, reader
+from tests.factories import SubscriptionFactory
+from tests.processes import test_host_processes
+from tests.processes.test_host_processes import hello
+from tests.runtime import test_host
+from tests.runtime.handlers import probe
+from tests.runtime.test_host import one, status_of, sub
+from tests.waiting import wait_until
+from workqueue import metrics, publish
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+make_host = test_host.make_host  # fixtures
+processes = test_host_processes.processes
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def process_value(name: str, **labels: str) -> float:
+    return metrics.PROCESS.get_sample_value(name, labels) or 0.0
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def gauge(text: str, name: str, subscription: str) -> float | None:
+    return samples(text).get((name, (("subscription", subscription),)))
+
+
+# -- this process's counters ----------------------------------------------------------------------
+
+
+def test_the_runtime_counts_each_outcome_and_times_handlers_and_claims(make_host):
+    s = sub(max_attempts=1)
+    name = s.name
+    before = {
+        outcome: process_value("workqueue_deliveries_total", subscription=name, outcome=outcome)
+        for outcome in ("completed", "dead_lettered")
+    }
+    handled = process_value("workqueue_handler_duration_seconds_count", subscription=name)
+    host = make_host(one(s))
+    host.start()
+
+    done = publish(s.topic.name, {"then": "complete"}).message_id
+    dead = publish(s.topic.name, {"then": "crash"}).message_id  # last attempt: dead letter
+    wait_until(lambda: status_of(done) == "Completed" and status_of(dead) == "DeadLettered")
+    probe.wait_for(2)
+
+    def counted(outcome: str) -> float:
+        return (
+            process_value("workqueue_deliveries_total", subscription=name, outcome=outcome)
+            - before[outcome]
+        )
+
+    wait_until(lambda: counted("completed") == 1 and counted("dead_lettered") == 1)
+    assert (
+        process_value("workqueue_handler_duration_seconds_count", subscription=name) - handled == 2
+    )
+    assert process_value("workqueue_claim_duration_seconds_count", subscription=name) >= 1
+    assert process_value("workqueue_settle_batch_size_count") >= 1
+
+
+def test_publishes_are_counted_by_topic_status_and_error_code_with_unknown_topics_folded():
+    s = SubscriptionFactory()
+    topic = s.topic.name
+
+    def count(status: str, code: str = "", label: str = topic) -> float:
+        return process_value(
+            "workqueue_published_messages_total", topic=label, status=status, error_code=code
+        )
+
+    before = (count("Accepted"), count("Duplicate"), count("Rejected", "InvalidPartitionKey"))
+    unknown_before = count("Rejected", "TopicNotFound", metrics.UNKNOWN_TOPIC)
+
+    publish(topic, {}, deduplication_key="once")
+    publish(topic, {}, deduplication_key="once")
+    publish(topic, {}, partition_key="x" * 201)
+    publish("no-such-topic-a", {})
+    publish("no-such-topic-b", {})
+
+    after = (count("Accepted"), count("Duplicate"), count("Rejected", "InvalidPartitionKey"))
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 1]
+    assert count("Rejected", "TopicNotFound", metrics.UNKNOWN_TOPIC) - unknown_before == 2
+    assert count("Rejected", "TopicNotFound", "no-such-topic-a") == 0  # no label per caller text
+
+
+# -- the queue's gauges, through each door --------------------------------------------------------
+
+
+@pytest.fixture
+def queue_state() -> Any:
+    """Two subscriptions: ``busy`` with 2 pending, 1 in flight and 1 dead letter; ``quiet``."""
+    busy = SubscriptionFactory(partition_mode="Ordered")
+    quiet = SubscriptionFactory()
+    dead_letter(busy, key="k1")  # the head of k1: its key is blocked
+    pending(busy)
+    publish(busy.topic.name, {"n": 2}, partition_key="k1")  # waits behind the dead letter
+    publish(busy.topic.name, {"n": 3}, partition_key="k2")
+    assert Receiver(busy.id).receive(1).deliveries  # k2's delivery goes in flight
+    return busy, quiet
+
+
+def test_gauges_read_what_the_queue_holds(client, queue_state):
+    busy, quiet = queue_state
+
+    response = call(client, "get", "/metrics", key=reader())
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = response.content.decode()
+    expected = {
+        "workqueue_pending_deliveries": 2,
+        "workqueue_in_flight_deliveries": 1,
+        "workqueue_dead_lettered_deliveries": 1,
+        "workqueue_blocked_keys": 1,
+        "workqueue_due_deliveries": 1,  # the keyless one; k1 is blocked, k2 is in flight
+    }
+    for name, value in expected.items():
+        assert gauge(text, name, busy.name) == value, name
+        assert gauge(text, name, quiet.name) == 0, name
+    assert gauge(text, "workqueue_oldest_pending_age_seconds", busy.name) >= 0
+    assert "workqueue_live_hosts" in text
+
+
+def test_the_endpoint_is_refused_without_credentials_or_the_read_scope(client):
+    assert call(client, "get", "/metrics").status_code == 401
+    publisher = ApiKeyFactory(scopes=["workqueue:publish"])
+    assert call(client, "get", "/metrics", key=publisher).status_code == 403
+
+
+def test_a_key_limited_to_one_subscription_sees_only_its_gauges_and_no_hosts(client, queue_state):
+    busy, quiet = queue_state
+
+    text = call(client, "get", "/metrics", key=reader(subscriptions=[busy.name])).content.decode()
+
+    assert gauge(text, "workqueue_pending_deliveries", busy.name) == 2
+    assert gauge(text, "workqueue_pending_deliveries", quiet.name) is None
+    assert "workqueue_host_last_seen_seconds" not in text
+    assert "workqueue_live_hosts" not in text
+
+
+def test_the_cli_prints_the_same_exposition(queue_state, capsys):
+    busy, _quiet = queue_state
+
+    call_command("workqueue", "metrics")
+
+    text = capsys.readouterr().out
+    assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) == 1
+
+
+def test_a_host_process_serves_metrics_on_its_internal_port(processes):
+    s = hello()
+    host = processes.start("workqueue_host", "-s", s.name, "--metrics-port", "0")
+    host.wait_for_line("Metrics: http://127.0.0.1:")
+    url = next(line for line in host.lines if line.startswith("Metrics: ")).split()[1]
+    message = publish(s.topic.name, {}).message_id
+    wait_until(lambda: status_of(message) == "Completed")
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=10) as response:  # loopback only
+            return response.read().decode()
+
+    text = wait_until(
+        lambda: (t := scrape())
+        and samples(t).get(
+            ("workqueue_deliveries_total", (("outcome", "completed"), ("subscription", s.name)))
+        )
+        and t
+    )
+    assert gauge(text, "workqueue_pending_deliveries", s.name) == 0
+    assert samples(text)[("workqueue_live_hosts", ())] >= 1
+
+
+def test_a_metrics_port_already_taken_fails_the_host_before_it_claims(processes):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = processes.run("workqueue_host", "--metrics-port", str(port), timeout=30)
+
+    assert done.returncode != 0
+    assert "Choose another --metrics-port" in done.stderr
+
+
+# -- the shipped dashboard and alert rules --------------------------------------------------------
+
+
+def exposed_names() -> set[str]:
+    names = set()
+    for family in metrics.PROCESS.collect():
+        names |= {s.name for s in family.samples} | {family.name}
+    for family in metrics.QueueCollector().collect():
+        names.add(family.name)
+    return names
+
+
+METRIC = re.compile(r"\bworkqueue_[a-z_]+\b")
+
+
+def test_the_grafana_dashboard_uses_only_metrics_that_exist():
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    expressions = [
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
+    used = {name for expr in expressions for name in METRIC.findall(expr)}
+
+    assert expressions and used
+    assert used <= exposed_names(), used - exposed_names()
+
+
+def test_the_alert_rules_parse_and_use_only_metrics_that_exist():
+    rules = yaml.safe_load((DOCS / "prometheus-alerts.yaml").read_text())
+    alerts = [rule for group in rules["groups"] for rule in group["rules"]]
+    used = {name for rule in alerts for name in METRIC.findall(rule["expr"])}
+
+    assert all({"alert", "expr", "labels", "annotations"} <= set(rule) for rule in alerts)
+    assert used <= exposed_names(), used - exposed_names()

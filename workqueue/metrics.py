@@ -1,0 +1,187 @@
+"""Prometheus metrics: what this process did (counters and histograms the runtime and publishing
+update) and what the queue holds cluster-wide (gauges read from the database at scrape time).
+
+Exposed by ``GET /work-queue/metrics`` (read permission; the gauges a limited API key sees are
+its own subscriptions'), by ``manage.py workqueue metrics`` and, unauthenticated for an internal
+scrape, by ``manage.py workqueue_host --metrics-port PORT``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from workqueue.operators.permissions import CLI, Actor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: This process's own counters and histograms; never the cluster gauges (they are read per scrape).
+PROCESS = CollectorRegistry(auto_describe=True)
+
+DELIVERIES = Counter(
+    "workqueue_deliveries",
+    "Deliveries this process finished, by outcome: completed, retried, dead_lettered, "
+    "released (handed back at shutdown), discarded (a cancel acknowledged), lease_lost, "
+    "settle_failed.",
+    ["subscription", "outcome"],
+    registry=PROCESS,
+)
+HANDLER_SECONDS = Histogram(
+    "workqueue_handler_duration_seconds",
+    "How long handlers ran, from start to return.",
+    ["subscription"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+    registry=PROCESS,
+)
+CLAIM_SECONDS = Histogram(
+    "workqueue_claim_duration_seconds",
+    "Round trip of one claim (wq_claim) to the database.",
+    ["subscription"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+    registry=PROCESS,
+)
+SETTLE_BATCH = Histogram(
+    "workqueue_settle_batch_size",
+    "Deliveries completed together in one batched completion call.",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 500),
+    registry=PROCESS,
+)
+PUBLISHED = Counter(
+    "workqueue_published_messages",
+    "Messages this process published, by topic, status (Accepted, Duplicate, Rejected) and "
+    "error code (empty unless Rejected).",
+    ["topic", "status", "error_code"],
+    registry=PROCESS,
+)
+
+
+UNKNOWN_TOPIC = "(unknown)"
+
+
+def count_published(topic: str, results: Iterable[Any]) -> None:
+    for result in results:
+        code = result.error.code if result.error is not None else ""
+        # A name no topic has is the caller's text: keep it out of the labels, whose number
+        # must stay bounded whatever callers send.
+        label = UNKNOWN_TOPIC if code == "TopicNotFound" else topic.strip().lower()
+        PUBLISHED.labels(label, result.status, code).inc()
+
+
+class QueueCollector(Collector):
+    """Cluster-wide gauges, read from the database when scraped: one stats call and one capped
+    backlog call per subscription, and the live host records."""
+
+    def __init__(self, actor: Actor = CLI, *, close_connections: bool = False) -> None:
+        self.actor = actor
+        # The host's scrape server runs each scrape on a thread of its own: close what the
+        # scrape opened there, as a request would. (A view must leave its request's alone.)
+        self.close_connections = close_connections
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            yield from self._collect()
+        finally:
+            if self.close_connections:
+                from django.db import close_old_connections
+
+                from workqueue.driver import close_thread_connections
+
+                close_thread_connections()
+                close_old_connections()
+
+    def _collect(self) -> Iterator[Metric]:
+        from workqueue import transport
+        from workqueue.models import HostRecord, Subscription
+        from workqueue.operators import operations
+
+        labels = ["subscription"]
+        gauges = {
+            "pending": GaugeMetricFamily(
+                "workqueue_pending_deliveries", "Deliveries waiting (due or not).", labels=labels
+            ),
+            "due": GaugeMetricFamily(
+                "workqueue_due_deliveries",
+                "Deliveries a claim could take now (one per free key on partitioned "
+                "subscriptions), counted up to 1000.",
+                labels=labels,
+            ),
+            "in_flight": GaugeMetricFamily(
+                "workqueue_in_flight_deliveries", "Deliveries held under a lease.", labels=labels
+            ),
+            "dead_lettered": GaugeMetricFamily(
+                "workqueue_dead_lettered_deliveries",
+                "Dead letters waiting for an operator.",
+                labels=labels,
+            ),
+            "blocked_keys": GaugeMetricFamily(
+                "workqueue_blocked_keys",
+                "Ordered keys held back by a dead-lettered head (0 for other modes).",
+                labels=labels,
+            ),
+            "oldest": GaugeMetricFamily(
+                "workqueue_oldest_pending_age_seconds",
+                "Age of the oldest waiting delivery (0 when none waits).",
+                labels=labels,
+            ),
+        }
+        report = operations.subscription_stats(actor=self.actor)
+        ids = dict(Subscription.objects.values_list("name", "id"))
+        for stats in report.subscriptions:
+            name = [stats.subscription_name]
+            gauges["pending"].add_metric(name, stats.pending)
+            gauges["in_flight"].add_metric(name, stats.in_flight)
+            gauges["dead_lettered"].add_metric(name, stats.dead_lettered)
+            gauges["blocked_keys"].add_metric(name, stats.blocked_keys or 0)
+            gauges["oldest"].add_metric(name, stats.oldest_pending_age_seconds or 0)
+            backlog = transport.backlog(str(ids[stats.subscription_name]))
+            if backlog is not None:
+                gauges["due"].add_metric(name, backlog.claimable)
+        yield from gauges.values()
+        if self.actor.subscriptions:
+            return  # host identities are for unrestricted readers only
+        seen = GaugeMetricFamily(
+            "workqueue_host_last_seen_seconds",
+            "Seconds since each live host last recorded its health.",
+            labels=["instance"],
+        )
+        now = time.time()
+        for instance, last_seen in HostRecord.objects.live().values_list(
+            "instance_id", "last_seen_at"
+        ):
+            seen.add_metric([instance], max(now - last_seen.timestamp(), 0.0))
+        yield seen
+        live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
+        live.add_metric([], len(seen.samples))
+        yield live
+
+
+def render(actor: Actor = CLI) -> bytes:
+    """The exposition text: this process's metrics and the queue's gauges."""
+    return generate_latest(_combined(QueueCollector(actor)))
+
+
+def serve(port: int, address: str = "127.0.0.1") -> Any:
+    """Serve this process's metrics and the queue's gauges over HTTP without authentication
+    (an internal scrape port: bind it where only Prometheus reaches). Returns the server."""
+    server, _thread = start_http_server(
+        port, addr=address, registry=_combined(QueueCollector(close_connections=True))
+    )
+    return server
+
+
+def _combined(cluster: QueueCollector) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(PROCESS)  # a registry is a collector of its metrics
+    registry.register(cluster)
+    return registry
