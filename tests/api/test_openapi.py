@@ -24,6 +24,7 @@ ENDPOINTS = {
     ("post", "/subscriptions/{name}/deliveries/{delivery_id}/discard"),
     ("get", "/bindings/validate"),
     ("get", "/health"),
+    ("get", "/metrics"),
 }
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
