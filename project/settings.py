@@ -1,12 +1,14 @@
 """Settings for the demo and test project.
 
 With ``DATABASE_URL`` unset, the project starts (or reuses) a private PostgreSQL cluster owned by
-the project (see ``workqueue.localdb``); with it set, nothing is started.
+the project (see ``workqueue.localdb``) only with ``DEBUG`` on or ``WORKQUEUE_LOCALDB=1``;
+otherwise start-up fails naming the fix. With ``DATABASE_URL`` set, nothing is started.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import environ
 
@@ -60,15 +62,15 @@ TEMPLATES = [
 WSGI_APPLICATION = "project.wsgi.application"
 
 
-def _database_url() -> str:
+def _database() -> dict[str, Any]:
     if "DATABASE_URL" in env.ENVIRON:
-        return env.str("DATABASE_URL")
+        return env.db_url_config(env.str("DATABASE_URL"))
     from workqueue import localdb
 
-    return localdb.ensure_running()
+    return localdb.django_database(debug=DEBUG)
 
 
-DATABASES = {"default": env.db_url_config(_database_url())}
+DATABASES = {"default": _database()}
 
 # A SQL Server to run the conformance suite against (tests/driver/test_conformance_sqlserver.py).
 if "WORKQUEUE_TEST_MSSQL_URL" in env.ENVIRON:
