@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 
 def prepare() -> None:
@@ -15,3 +16,14 @@ def prepare() -> None:
     # The embedded PostgreSQL, although DEBUG is off (as in production, and as Django's test
     # runner sets it anyway).
     os.environ["WORKQUEUE_LOCALDB"] = "1"
+    # Random per run: nothing signed with it outlives the run.
+    os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+
+
+def project_environment() -> dict[str, str]:
+    """This process's environment without the developer's ``WORKQUEUE_*`` and ``DJANGO_*``
+    settings, but with the suite's ``DJANGO_SECRET_KEY`` (project/settings.py refuses to start
+    without a real one while ``DEBUG`` is off)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
+    env["DJANGO_SECRET_KEY"] = os.environ["DJANGO_SECRET_KEY"]
+    return env

@@ -1,5 +1,6 @@
-"""The sample project's settings fail closed (issue 10, item 5): a production process never
-starts the embedded PostgreSQL on its own when DATABASE_URL is missing.
+"""The sample project's settings fail closed (issue 10, items 5 and 12): DEBUG is off unless
+asked for, a production process refuses a missing or published SECRET_KEY, and it never starts
+the embedded PostgreSQL on its own when DATABASE_URL is missing.
 
 Each case imports ``project.settings`` in a fresh interpreter with a controlled environment.
 """
@@ -21,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Parsed, never connected to: importing settings opens no connection.
 SOME_DATABASE = "postgres://app@/app?host=/nonexistent&port=5432"
 A_REAL_KEY = "x7!f" * 16
+PUBLISHED_KEYS = {
+    "development": "insecure-development-key-used-only-with-DJANGO_DEBUG-on",
+    "earlier-default": "insecure-demo-key-change-me-in-production",
+}
 SHOW = "from django.conf import settings; print(settings.DEBUG, settings.DATABASES['default'])"
 
 
@@ -55,6 +60,35 @@ def empty_cluster_dir() -> Iterator[Path]:
                 del os.environ["WORKQUEUE_LOCALDB_DIR"]
             else:
                 os.environ["WORKQUEUE_LOCALDB_DIR"] = previous
+
+
+def test_debug_is_off_unless_asked_for():
+    done = load_settings(DATABASE_URL=SOME_DATABASE, DJANGO_SECRET_KEY=A_REAL_KEY)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("False ")
+
+
+@pytest.mark.parametrize(
+    "key", [None, "", *PUBLISHED_KEYS.values()], ids=["unset", "empty", *PUBLISHED_KEYS]
+)
+def test_without_debug_a_missing_or_published_secret_key_is_refused(key):
+    variables = {"DATABASE_URL": SOME_DATABASE}
+    if key is not None:
+        variables["DJANGO_SECRET_KEY"] = key
+
+    done = load_settings(**variables)
+
+    assert done.returncode != 0, done.stdout
+    assert "ImproperlyConfigured" in done.stderr
+    assert "DJANGO_SECRET_KEY" in done.stderr and "DJANGO_DEBUG=1" in done.stderr
+
+
+def test_with_debug_on_the_development_key_is_allowed():
+    done = load_settings(DATABASE_URL=SOME_DATABASE, DJANGO_DEBUG="1")
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True ")
 
 
 def test_without_debug_a_missing_database_url_starts_nothing_and_names_the_fix(
