@@ -1,7 +1,8 @@
 """The embedded default database: a private PostgreSQL cluster owned by the project.
 
-When ``DATABASE_URL`` is unset, the project's settings call :func:`ensure_running`, which starts
-(or reuses) one cluster per folder and returns its URL. Guarantees:
+When ``DATABASE_URL`` is unset, the project's settings call :func:`django_database`, which (in
+development only, see below) calls :func:`ensure_running`: it starts (or reuses) one cluster per
+folder and returns its URL. Guarantees:
 
 * **One server per folder.** An ``fcntl.flock`` on ``<folder>/lock`` serialises every start and
   stop, so any number of concurrent processes (pytest-xdist workers, subprocess hosts) start the
@@ -61,7 +62,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -206,7 +207,7 @@ def django_database(*, debug: bool) -> dict[str, Any]:
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": parts.path.lstrip("/"),
-        "USER": parts.username or "",
+        "USER": unquote(parts.username or ""),
         "HOST": query["host"][0],
         "PORT": query["port"][0],
     }
@@ -223,7 +224,7 @@ def stop() -> None:
         return
     with _locked(base):
         # state.json stays: it no longer matches postmaster.pid (url() returns None as soon as
-        # the server reports "stopping"), and it remembers the port for the next start.
+        # the server reports "stopping"), and the next start rewrites it.
         _stop_postmaster(base / "data")
 
 
