@@ -1,6 +1,6 @@
 # django-workqueue developer entry points. `make demo` and `make test` work on a fresh machine:
 # they create .venv, install requirements.txt and use the embedded PostgreSQL (workqueue/localdb.py)
-# unless DATABASE_URL is set.
+# unless DATABASE_URL is set (the demo with DJANGO_DEBUG=1, the suite with WORKQUEUE_LOCALDB=1).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -42,13 +42,17 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# The demo is a development run: project/settings.py fails closed (DEBUG off, no embedded
+# database, no published secret key) unless DJANGO_DEBUG=1 says otherwise.
+demo: export DJANGO_DEBUG = 1
 demo: system-packages venv
 	$(VENV_PY) manage.py migrate --verbosity 0
 	$(VENV_PY) manage.py workqueue_samples demo
 	@echo
 	$(VENV_PY) manage.py workqueue stats
 	@echo
-	@echo "Next: create an admin user with  $(VENV_PY) manage.py createsuperuser"
+	@echo "Next, in this shell:  export DJANGO_DEBUG=1  (development settings, as the demo used)"
+	@echo "      create an admin user with  $(VENV_PY) manage.py createsuperuser"
 	@echo "      then run  $(VENV_PY) manage.py runserver  and open http://127.0.0.1:8000/admin/"
 	@echo "      Walkthrough: workqueue_samples/README.md"
 

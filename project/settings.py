@@ -1,21 +1,46 @@
-"""Settings for the demo and test project.
+"""Settings for the demo and test project. They fail closed:
 
-With ``DATABASE_URL`` unset, the project starts (or reuses) a private PostgreSQL cluster owned by
-the project (see ``workqueue.localdb``); with it set, nothing is started.
+* ``DEBUG`` is off unless ``DJANGO_DEBUG=1``.
+* With ``DEBUG`` off, ``DJANGO_SECRET_KEY`` must be set to a real secret; the development key
+  below (published in this file) is used only with ``DEBUG`` on.
+* With ``DATABASE_URL`` unset, the project starts (or reuses) a private PostgreSQL cluster owned
+  by the project (see ``workqueue.localdb``) only with ``DEBUG`` on or ``WORKQUEUE_LOCALDB=1``;
+  otherwise start-up fails naming the fix. With ``DATABASE_URL`` set, nothing is started.
+
+``make demo`` sets ``DJANGO_DEBUG=1``; the test suite sets ``WORKQUEUE_LOCALDB=1`` and a random
+``DJANGO_SECRET_KEY`` (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 
-SECRET_KEY = env("DJANGO_SECRET_KEY", default="insecure-demo-key-change-me-in-production")
-DEBUG = env.bool("DJANGO_DEBUG", default=True)
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+
+# Anyone can read this key here, so sessions and signatures made with it protect nothing.
+DEVELOPMENT_SECRET_KEY = "insecure-development-key-used-only-with-DJANGO_DEBUG-on"
+SECRET_KEY = env.str("DJANGO_SECRET_KEY", default="")
+if not SECRET_KEY and DEBUG:
+    SECRET_KEY = DEVELOPMENT_SECRET_KEY
+elif not DEBUG and SECRET_KEY in (
+    "",
+    DEVELOPMENT_SECRET_KEY,
+    "insecure-demo-key-change-me-in-production",  # the default of earlier versions
+):
+    raise ImproperlyConfigured(
+        "DJANGO_SECRET_KEY is unset or a published development key, and DJANGO_DEBUG is off. "
+        "Set DJANGO_SECRET_KEY to a long random secret (e.g. the output of "
+        "`python -c 'import secrets; print(secrets.token_urlsafe(50))'`), or set "
+        "DJANGO_DEBUG=1 on a development machine."
+    )
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "testserver"])
 
 INSTALLED_APPS = [
@@ -60,15 +85,15 @@ TEMPLATES = [
 WSGI_APPLICATION = "project.wsgi.application"
 
 
-def _database_url() -> str:
+def _database() -> dict[str, Any]:
     if "DATABASE_URL" in env.ENVIRON:
-        return env.str("DATABASE_URL")
+        return env.db_url_config(env.str("DATABASE_URL"))
     from workqueue import localdb
 
-    return localdb.ensure_running()
+    return localdb.django_database(debug=DEBUG)
 
 
-DATABASES = {"default": env.db_url_config(_database_url())}
+DATABASES = {"default": _database()}
 
 # A SQL Server to run the conformance suite against (tests/driver/test_conformance_sqlserver.py).
 if "WORKQUEUE_TEST_MSSQL_URL" in env.ENVIRON:

@@ -1,17 +1,12 @@
-"""Shared fixtures: the embedded PostgreSQL (started by project.settings), settings isolation and
-a psycopg connection for tests that talk SQL directly."""
+"""Shared fixtures: the embedded PostgreSQL (started by project.settings) and a psycopg
+connection for tests that talk SQL directly. The suite's environment (settings isolation, the
+embedded database opt-in) is set earlier, by tests/settings.py."""
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
-
-# Settings must not leak from the developer's shell into the suite.
-for _name in [n for n in os.environ if n.startswith("WORKQUEUE_")]:
-    if _name not in {"WORKQUEUE_LOCALDB_DIR", "WORKQUEUE_TEST_MSSQL_URL"}:
-        del os.environ[_name]
 
 
 @pytest.fixture
@@ -42,18 +37,16 @@ def scratch_database(django_db_setup, django_db_blocker):
     """A fresh, empty database on the test server (for a subprocess project to migrate); its
     URL. Dropped afterwards."""
     import psycopg
-    from django.db import connection
 
-    from tests.database import psycopg_params
+    from tests.database import database_url, psycopg_params
 
+    name = f"wq_scratch_{uuid.uuid4().hex[:8]}"
     with django_db_blocker.unblock():
         params = psycopg_params()
-        settings = connection.settings_dict
+        url = database_url(name)
     params["dbname"] = "postgres"
-    name = f"wq_scratch_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(autocommit=True, **params) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
-    user = settings["USER"]
-    yield f"postgres://{user}@{settings['HOST']}:{settings['PORT']}/{name}"
+    yield url
     with psycopg.connect(autocommit=True, **params) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

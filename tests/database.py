@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from django.conf import settings
 from django.db import connection
@@ -23,13 +23,19 @@ def psycopg_params() -> dict[str, Any]:
     return params
 
 
-def database_url() -> str:
-    """The test database as a ``DATABASE_URL`` for a subprocess."""
-    s = connection.settings_dict
-    auth = quote(s["USER"] or "", safe="")
-    if s.get("PASSWORD"):
-        auth += ":" + quote(s["PASSWORD"], safe="")
-    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT']}/{quote(s['NAME'])}"
+def database_url(name: str | None = None) -> str:
+    """The test database, or database ``name`` on its server, as a ``DATABASE_URL`` for a
+    subprocess.
+
+    Host and port go in the query string: the one form that libpq and django-environ both read
+    for a unix-socket folder (the embedded PostgreSQL has no TCP port) as well as a host name.
+    """
+    params = psycopg_params()
+    auth = quote(params.get("user") or "", safe="")
+    if params.get("password"):
+        auth += ":" + quote(params["password"], safe="")
+    where = urlencode({key: params[key] for key in ("host", "port") if params.get(key)})
+    return f"postgres://{auth}@/{quote(name or params['dbname'], safe='')}?{where}"
 
 
 def mssql_skip_reason() -> str | None:

@@ -7,7 +7,9 @@ or kills the shared cluster the rest of the suite uses.
 from __future__ import annotations
 
 import os
+import pwd
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,10 +75,11 @@ def test_second_call_reuses_the_running_server(cluster_dir: Path) -> None:
     assert starts_logged(cluster_dir) == 1
     # The fast path reads a few files; a generous bound that still catches any restart.
     assert elapsed < 0.1
-    # The settings parse it with django-environ; psycopg connects with it as it is.
+    # Subprocess settings parse it with django-environ; psycopg connects with it as it is.
     config = environ.Env.db_url_config(first)
     assert config["ENGINE"] == "django.db.backends.postgresql"
-    assert (config["HOST"], config["NAME"]) == ("127.0.0.1", "workqueue")
+    assert config["NAME"] == "workqueue"
+    assert config["OPTIONS"]["host"] == str(localdb._socket_dir(cluster_dir))
     assert select_one(first) == ("workqueue", config["USER"])
 
 
@@ -145,3 +148,104 @@ def test_missing_server_binaries_say_how_to_fix_it(
     message = str(excinfo.value)
     assert "apt-get install postgresql" in message
     assert "DATABASE_URL" in message
+
+
+def postmaster_port(cluster: Path) -> int:
+    return int((cluster / "data" / "postmaster.pid").read_text().splitlines()[3])
+
+
+def test_the_server_refuses_tcp_connections(cluster_dir: Path) -> None:
+    url = localdb.ensure_running()
+    user = environ.Env.db_url_config(url)["USER"]
+
+    # The attack of issue 10 item 5: any local account could reach a loopback port and log in
+    # as the superuser (trust). Nothing may answer on TCP, and a server started by hand with
+    # TCP on would still find no pg_hba.conf entry for it.
+    with (
+        pytest.raises(psycopg.OperationalError),
+        psycopg.connect(
+            host="127.0.0.1",
+            port=postmaster_port(cluster_dir),
+            user=user,
+            dbname="workqueue",
+            connect_timeout=5,
+        ),
+    ):
+        pass
+    hba_methods = [
+        line.split()[0]
+        for line in (cluster_dir / "data" / "pg_hba.conf").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert hba_methods == ["local"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_another_os_user_cannot_connect_or_run_programs(cluster_dir: Path) -> None:
+    url = localdb.ensure_running()
+    psql = localdb._find_bindir(None) / "psql"
+    if not psql.exists():
+        pytest.skip("psql is not installed beside the server binaries")
+    marker = cluster_dir / "pwned"  # the server account may write there; destroy() removes it
+    nobody = pwd.getpwnam("nobody")
+    copy_to_program = f"COPY (SELECT 1) TO PROGRAM 'touch {marker}'"
+
+    # psql, not this interpreter: 'nobody' cannot reach the virtualenv's Python under /root.
+    attempts = {
+        "the URL": [str(psql), "-X", "-w", "-d", url, "-c", copy_to_program],
+        "TCP": [
+            str(psql), "-X", "-w", "-h", "127.0.0.1", "-p", str(postmaster_port(cluster_dir)),
+            "-U", environ.Env.db_url_config(url)["USER"], "-d", "workqueue", "-c", copy_to_program,
+        ],
+    }  # fmt: skip
+    for what, cmd in attempts.items():
+        attack = subprocess.run(
+            cmd,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "PGCONNECT_TIMEOUT": "5"},
+            user=nobody.pw_uid,
+            group=nobody.pw_gid,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        # psql exits 2 when it cannot connect (1 would mean connected but the command failed).
+        assert attack.returncode == 2, (what, attack.returncode, attack.stdout, attack.stderr)
+    assert not marker.exists()
+
+
+def test_a_server_listening_on_tcp_is_replaced_by_a_socket_only_one(cluster_dir: Path) -> None:
+    localdb.ensure_running()
+    localdb.stop()
+    # What an earlier version left running: the same cluster, trusted on a loopback port.
+    account = localdb._server_account()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        tcp_port = sock.getsockname()[1]
+    options = (
+        f"-c listen_addresses=127.0.0.1 -c port={tcp_port} "
+        f"-c unix_socket_directories='{localdb._socket_dir(cluster_dir)}'"
+    )
+    pg_ctl = str(localdb._find_bindir(None) / "pg_ctl")
+    data = str(cluster_dir / "data")
+    started = localdb._run_as(
+        account,
+        [pg_ctl, "start", "-D", data, "-l", f"{data}.log", "-w", "-o", options],
+        cluster_dir,
+        90,
+    )
+    assert started.returncode == 0, started.stderr
+    old_pid = postmaster_pid(cluster_dir)
+    assert localdb.url() is None  # not used as it is ...
+
+    url = localdb.ensure_running()  # ... but stopped and started again without TCP
+
+    assert postmaster_pid(cluster_dir) != old_pid
+    assert select_one(url)[0] == "workqueue"
+    with (
+        pytest.raises(psycopg.OperationalError),
+        psycopg.connect(host="127.0.0.1", port=tcp_port, dbname="workqueue", connect_timeout=5),
+    ):
+        pass

@@ -1,7 +1,8 @@
 """The embedded default database: a private PostgreSQL cluster owned by the project.
 
-When ``DATABASE_URL`` is unset, the project's settings call :func:`ensure_running`, which starts
-(or reuses) one cluster per folder and returns its URL. Guarantees:
+When ``DATABASE_URL`` is unset, the project's settings call :func:`django_database`, which (in
+development only, see below) calls :func:`ensure_running`: it starts (or reuses) one cluster per
+folder and returns its URL. Guarantees:
 
 * **One server per folder.** An ``fcntl.flock`` on ``<folder>/lock`` serialises every start and
   stop, so any number of concurrent processes (pytest-xdist workers, subprocess hosts) start the
@@ -13,13 +14,20 @@ When ``DATABASE_URL`` is unset, the project's settings call :func:`ensure_runnin
   Before a new server starts on an existing data folder, the old server's shared memory must no
   longer be attached by any process, which is PostgreSQL's own interlock against two servers.
 * **Durable.** ``fsync`` and ``synchronous_commit`` keep PostgreSQL's defaults.
+* **Private.** The server listens on no TCP port at all, only on a unix socket in a folder that
+  only the server's OS account (and root) may enter: ``/tmp/wq-pg-*``, mode 0700. Entering that
+  folder is the authentication (``pg_hba.conf``, rewritten before every start, has one ``local
+  ... trust`` line and no ``host`` line), so other local accounts can neither connect nor, as the
+  superuser, run ``COPY ... TO PROGRAM``.
 
-URL: ``postgres://USER@127.0.0.1:PORT/workqueue`` (TCP on loopback, trust authentication, no
-password). The port is ephemeral, chosen at start and kept across restarts when it is still free.
-The server also listens on a unix socket in a private ``/tmp/wq-pg-*`` folder (mode 0700).
-Trust authentication means any local account that can reach the loopback port may connect as the
-superuser: this is a development database; point ``DATABASE_URL`` at a real server for anything
-shared.
+URL: ``postgres://USER@/workqueue?host=/tmp/wq-pg-XXXX&port=5432``, a form both libpq (psycopg,
+psql) and django-environ understand. The port only names the socket file (``.s.PGSQL.5432``),
+which is why a fixed one is safe: no other server shares the folder.
+
+Settings call :func:`django_database` rather than :func:`ensure_running`: it starts the cluster
+only for development (``DEBUG`` on) or when ``WORKQUEUE_LOCALDB=1`` opts in, so a production
+process whose ``DATABASE_URL`` went missing fails at start instead of writing into a private
+database nobody backs up.
 
 Folder (:func:`data_dir`): ``$WORKQUEUE_LOCALDB_DIR`` if set; otherwise
 ``$XDG_DATA_HOME/django-workqueue/pg`` (default ``~/.local/share/django-workqueue/pg``); as root
@@ -53,12 +61,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
 DATABASE_NAME = "workqueue"
 MAX_CONNECTIONS = 200
+# Only names the socket file in the private socket folder: the server opens no TCP port.
+PORT = 5432
+# The environment variable that lets a process with DEBUG off use the embedded database.
+OPT_IN_VARIABLE = "WORKQUEUE_LOCALDB"
 
 _STATE_FILE = "state.json"
 _LOCK_FILE = "lock"
@@ -69,9 +82,17 @@ _LOCK_TIMEOUT_S = 180.0
 _START_TIMEOUT_S = 60
 _STOP_TIMEOUT_S = 60.0
 _SHMEM_RELEASE_TIMEOUT_S = 30.0
-_PORT_ATTEMPTS = 5
 _SERVER_ACCOUNT_AS_ROOT = "postgres"
-_SOCKET_LOCK_ERROR = re.compile(r'could not create lock file "[^"]*\.s\.PGSQL\.\d+\.lock"')
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+# Rewritten before every start, so a cluster made by an older version (which trusted TCP on
+# 127.0.0.1) or edited by hand is brought back to this.
+_PG_HBA = """\
+# Written by workqueue.localdb before every start; edits are lost.
+# Unix socket only. Its folder (mode 0700) admits only the server's OS account and root, and
+# that is the authentication. There is no "host" line: every TCP login is refused.
+local all all trust
+"""
 _INSTALL_HINT = (
     "Install the PostgreSQL server (Debian/Ubuntu: `apt-get install postgresql`; macOS: "
     "`brew install postgresql`), or set DATABASE_URL to use an existing database "
@@ -127,6 +148,8 @@ def url() -> str | None:
     pm = _read_pidfile(pgdata)
     if pm is None or (pm.pid, pm.start, pm.port) != (pid, start, port) or pm.status != "ready":
         return None
+    if pm.listen:
+        return None  # listening on TCP (started by an older version or by hand): restart it
     # A live, non-zombie process whose command line names this data folder: the postmaster
     # itself, not a process that reused its pid. (No TCP probe: each one forks a backend.)
     if not _process_alive(pid) or not _is_postmaster_of(pid, pgdata):
@@ -156,6 +179,40 @@ def ensure_running() -> str:
         return _start(base, account)
 
 
+def django_database(*, debug: bool) -> dict[str, Any]:
+    """Return the Django ``DATABASES`` entry of the embedded cluster, starting it if needed.
+
+    For settings whose ``DATABASE_URL`` is unset. Starts nothing, and raises
+    :class:`LocalDBError` naming the fix, unless ``debug`` is true or ``WORKQUEUE_LOCALDB``
+    is 1/true/yes/on: a production process that lost its ``DATABASE_URL`` must stop, not
+    write into a private database on the host's disk.
+    """
+    raw = os.environ.get(OPT_IN_VARIABLE, "").strip().lower()
+    if raw not in _TRUE | _FALSE:
+        raise LocalDBError(
+            f"{OPT_IN_VARIABLE}={os.environ[OPT_IN_VARIABLE]!r} is not understood; use 1 to use "
+            "the embedded development PostgreSQL, or unset it and set DATABASE_URL."
+        )
+    if not debug and raw not in _TRUE:
+        raise LocalDBError(
+            "DATABASE_URL is not set and DEBUG is off, so there is no database to use. Set "
+            "DATABASE_URL to your database (e.g. postgres://USER:PASSWORD@HOST:5432/NAME). "
+            f"For development or tests, set {OPT_IN_VARIABLE}=1 (or DEBUG on) to start the "
+            "embedded PostgreSQL instead; it is for one developer's machine, never production."
+        )
+    parts = urlsplit(ensure_running())
+    query = parse_qs(parts.query)
+    # HOST and PORT rather than OPTIONS (django-environ's reading of the URL), so that
+    # `manage.py dbshell` finds the socket too.
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": parts.path.lstrip("/"),
+        "USER": unquote(parts.username or ""),
+        "HOST": query["host"][0],
+        "PORT": query["port"][0],
+    }
+
+
 def stop() -> None:
     """Stop this folder's server (fast shutdown) if it runs; a no-op otherwise.
 
@@ -167,7 +224,7 @@ def stop() -> None:
         return
     with _locked(base):
         # state.json stays: it no longer matches postmaster.pid (url() returns None as soon as
-        # the server reports "stopping"), and it remembers the port for the next start.
+        # the server reports "stopping"), and the next start rewrites it.
         _stop_postmaster(base / "data")
 
 
@@ -341,6 +398,7 @@ class _Postmaster:
     pid: int
     start: str
     port: int
+    listen: str  # the first TCP listen address; empty when the server has no TCP socket
     status: str
     shmid: int | None
 
@@ -354,13 +412,14 @@ def _read_pidfile(pgdata: Path) -> _Postmaster | None:
         port = int(lines[3])
     except (OSError, ValueError, IndexError):
         return None
+    listen = lines[5].strip() if len(lines) > 5 else ""
     shmid = None
     if len(lines) > 6:
         parts = lines[6].split()
         if len(parts) == 2 and parts[1].isdigit():
             shmid = int(parts[1])
     status = lines[7].strip() if len(lines) > 7 else ""
-    return _Postmaster(pid=pid, start=start, port=port, status=status, shmid=shmid)
+    return _Postmaster(pid=pid, start=start, port=port, listen=listen, status=status, shmid=shmid)
 
 
 def _process_alive(pid: int) -> bool:
@@ -425,28 +484,14 @@ def _shmem_attached(shmid: int | None) -> bool:
     return False
 
 
-def _port_accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
-            return True
-    except OSError:
-        return False
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _socket_accepts(sockdir: Path, port: int) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.connect(str(sockdir / f".s.PGSQL.{port}"))
         except OSError:
             return False
     return True
-
-
-def _ephemeral_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,7 +650,9 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
         str(bindir / "initdb"),
         "-D",
         str(pgdata),
-        "--auth=trust",
+        # The socket folder's permissions admit the caller; TCP is refused outright.
+        "--auth-local=trust",
+        "--auth-host=reject",
         "-E",
         "UTF8",
         "--no-locale",
@@ -654,7 +701,7 @@ def _clear_stale_server(pgdata: Path, sockdir: Path) -> None:
     if pm is None:
         return
     if _process_alive(pm.pid) and _is_postmaster_of(pm.pid, pgdata):
-        # A live server we cannot use (not ready, or its port does not answer): stop it.
+        # A live server we cannot use (not ready, not answering, or listening on TCP): stop it.
         _stop_postmaster(pgdata)
     # The postmaster is gone (maybe a zombie whose pid PostgreSQL would still consider alive);
     # its children exit on their own once they notice. Wait for them to detach.
@@ -671,8 +718,8 @@ def _clear_stale_server(pgdata: Path, sockdir: Path) -> None:
             leftover.unlink()
 
 
-def _adopt_running(pgdata: Path) -> _Postmaster | None:
-    """A ready, answering server on ``pgdata`` (e.g. state file lost): use it as it is."""
+def _adopt_running(pgdata: Path, sockdir: Path) -> _Postmaster | None:
+    """A ready, answering, socket-only server on ``pgdata`` (e.g. state file lost): use it."""
     pm = _read_pidfile(pgdata)
     if pm is None or not _process_alive(pm.pid) or not _is_postmaster_of(pm.pid, pgdata):
         return None
@@ -689,7 +736,8 @@ def _adopt_running(pgdata: Path) -> _Postmaster | None:
         pm = _read_pidfile(pgdata)
         if pm is None or not _process_alive(pm.pid):
             return None
-    if pm.status == "ready" and _port_accepts(pm.port):
+    # A server listening on TCP (an older version's) is not adopted: the caller restarts it.
+    if pm.status == "ready" and not pm.listen and _socket_accepts(sockdir, pm.port):
         return pm
     return None
 
@@ -701,86 +749,63 @@ def _rotate_log(base: Path) -> None:
             os.replace(log, base / f"{_LOG_FILE}.1")
 
 
-def _previous_port(base: Path) -> int | None:
-    try:
-        return int(json.loads((base / _STATE_FILE).read_text())["port"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def _write_pg_hba(pgdata: Path, account: _Account) -> None:
+    target = pgdata / "pg_hba.conf"
+    tmp = pgdata / f"pg_hba.conf.{os.getpid()}.tmp"
+    tmp.write_text(_PG_HBA)
+    if account.switch:
+        os.chown(tmp, account.uid, account.gid)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, target)
 
 
 def _start_postmaster(
     base: Path, pgdata: Path, bindir: Path, account: _Account, sockdir: Path
 ) -> _Postmaster:
     _rotate_log(base)
-    # Keep the previous port when it is free, so processes holding the old URL reconnect.
-    previous = _previous_port(base)
-    ports = [previous] if previous and _port_free(previous) else []
-    failures: list[str] = []
-    for attempt in range(_PORT_ATTEMPTS):
-        port = ports[attempt] if attempt < len(ports) else _ephemeral_port()
-        options = (
-            f"-c listen_addresses=127.0.0.1 -c port={port} "
-            f"-c unix_socket_directories='{sockdir}' -c max_connections={MAX_CONNECTIONS}"
-        )
-        cmd = [
-            str(bindir / "pg_ctl"),
-            "start",
-            "-D",
-            str(pgdata),
-            "-l",
-            str(base / _LOG_FILE),
-            "-w",
-            "-t",
-            str(_START_TIMEOUT_S),
-            "-o",
-            options,
-        ]
-        log_size = _file_size(base / _LOG_FILE)
-        proc = _run_as(account, cmd, cwd=base, timeout=_START_TIMEOUT_S + 30)
-        pm = _read_pidfile(pgdata)
-        if proc.returncode == 0 and pm is not None and pm.status == "ready":
-            return pm
-        new_log = _read_from(base / _LOG_FILE, log_size)
-        failures.append((proc.stdout + proc.stderr).strip())
-        # Another process took the port between choosing and binding it: pick another one.
-        if "could not bind" in new_log or _SOCKET_LOCK_ERROR.search(new_log):
-            _clear_stale_server(pgdata, sockdir)
-            continue
-        break
+    _write_pg_hba(pgdata, account)
+    # pg_ctl hands -o to a shell: listen_addresses='' reaches the server as an empty value.
+    options = (
+        f"-c listen_addresses='' -c port={PORT} -c unix_socket_directories='{sockdir}' "
+        f"-c unix_socket_permissions=0700 -c max_connections={MAX_CONNECTIONS}"
+    )
+    cmd = [
+        str(bindir / "pg_ctl"),
+        "start",
+        "-D",
+        str(pgdata),
+        "-l",
+        str(base / _LOG_FILE),
+        "-w",
+        "-t",
+        str(_START_TIMEOUT_S),
+        "-o",
+        options,
+    ]
+    proc = _run_as(account, cmd, cwd=base, timeout=_START_TIMEOUT_S + 30)
+    pm = _read_pidfile(pgdata)
+    if proc.returncode == 0 and pm is not None and pm.status == "ready":
+        return pm
     raise LocalDBError(
         f"The embedded PostgreSQL in {pgdata} did not start.\n"
-        f"pg_ctl: {failures[-1] if failures else ''}\n"
+        f"pg_ctl: {(proc.stdout + proc.stderr).strip()}\n"
         f"Last lines of {base / _LOG_FILE}:\n{_log_tail(base)}"
     )
 
 
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
+def _make_url(user: str, sockdir: Path, port: int) -> str:
+    return (
+        f"postgres://{quote(user, safe='')}@/{DATABASE_NAME}?host={quote(str(sockdir))}&port={port}"
+    )
 
 
-def _read_from(path: Path, offset: int) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _make_url(user: str, port: int) -> str:
-    return f"postgres://{quote(user, safe='')}@127.0.0.1:{port}/{DATABASE_NAME}"
-
-
-def _create_database(user: str, port: int) -> None:
+def _create_database(user: str, sockdir: Path, port: int) -> None:
     import psycopg
     from psycopg import errors, sql
 
     try:
         with psycopg.connect(
-            host="127.0.0.1",
+            host=str(sockdir),
             port=port,
             user=user,
             dbname="postgres",
@@ -798,12 +823,12 @@ def _create_database(user: str, port: int) -> None:
     except psycopg.Error as exc:
         raise LocalDBError(
             f"Cannot create the {DATABASE_NAME!r} database on the embedded PostgreSQL "
-            f"(127.0.0.1:{port}): {exc}"
+            f"(socket folder {sockdir}): {exc}"
         ) from exc
 
 
-def _write_state(base: Path, pm: _Postmaster, user: str) -> str:
-    db_url = _make_url(user, pm.port)
+def _write_state(base: Path, pm: _Postmaster, user: str, sockdir: Path) -> str:
+    db_url = _make_url(user, sockdir, pm.port)
     state = {"pid": pm.pid, "start": pm.start, "port": pm.port, "user": user, "url": db_url}
     tmp = base / f"{_STATE_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(state) + "\n")
@@ -815,7 +840,7 @@ def _start(base: Path, account: _Account) -> str:
     """Under the lock: initialise if needed, adopt or (re)start the server, create the DB."""
     pgdata = base / "data"
     sockdir = _prepare_socket_dir(base, account)
-    pm = _adopt_running(pgdata)
+    pm = _adopt_running(pgdata, sockdir)
     if pm is None:
         _clear_stale_server(pgdata, sockdir)
         version = _initialised_version(base, pgdata)
@@ -823,8 +848,8 @@ def _start(base: Path, account: _Account) -> str:
         if version is None:
             _initdb(base, pgdata, bindir, account)
         pm = _start_postmaster(base, pgdata, bindir, account, sockdir)
-    _create_database(account.name, pm.port)
-    return _write_state(base, pm, account.name)
+    _create_database(account.name, sockdir, pm.port)
+    return _write_state(base, pm, account.name, sockdir)
 
 
 # ---------------------------------------------------------------------------------------------

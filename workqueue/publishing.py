@@ -28,7 +28,8 @@ from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
 from workqueue.types import PublishError, PublishErrorCode, PublishResult, PublishStatus
 
 MAX_ATTRIBUTES = 10
-ATTRIBUTE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Used with fullmatch: `$` would also match before a trailing newline.
+ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESERVED_ATTRIBUTE_PREFIXES = ("wq.", "wq_")
 MAX_KEY_LENGTH = 200
 MIN_DEDUP_TTL, MAX_DEDUP_TTL = 60, 2_592_000
@@ -306,7 +307,7 @@ def _attributes(value: Any) -> dict[str, str] | None:
             f"At most {MAX_ATTRIBUTES} attributes are allowed; got {len(value)}.",
         )
     for name, text in value.items():
-        if not isinstance(name, str) or not ATTRIBUTE_NAME.match(name):
+        if not isinstance(name, str) or not ATTRIBUTE_NAME.fullmatch(name):
             raise _Invalid(
                 PublishErrorCode.INVALID_ATTRIBUTES,
                 f"Attribute name {name!r} must be 1-64 letters, digits, '_' or '-'.",

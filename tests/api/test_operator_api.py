@@ -352,7 +352,8 @@ def test_replay_returns_a_dead_letter_to_pending_as_the_keys_owner(client):
     assert response.json() == {"supported": True, "replayed": True}
     row = Delivery.objects.get(pk=delivery_id)
     assert row.status == "Pending" and row.attempt_count == 0 and row.is_replay
-    assert row.resolved_by == key.owner.username and row.resolution_note == "fixed"
+    assert row.resolved_by == f"{key.owner.username} via API key wq_{key.prefix}"
+    assert row.resolution_note == "fixed"
 
 
 def test_replay_without_a_body_is_allowed(client):

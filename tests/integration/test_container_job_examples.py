@@ -6,7 +6,6 @@ and its timings follow the README's sizing rules."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 # PyYAML is not a requirement of its own: it arrives with sqlfluff (requirements.txt).
 import yaml
 
+from tests.environment import project_environment
 from workqueue.management.commands.workqueue_work import Command as WorkCommand
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ EXAMPLES = [pytest.param(_keda, id="keda-scaledjob"), pytest.param(_container_ap
 
 
 def _manage(vendor: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
+    env = project_environment()
     env["DATABASE_URL"] = VENDOR_URLS[vendor]
     done = subprocess.run(
         [sys.executable, "manage.py", *args],

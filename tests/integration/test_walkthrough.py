@@ -11,6 +11,8 @@ from pathlib import Path
 
 import psycopg
 
+from tests.environment import project_environment
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "workqueue_samples" / "README.md"
 
@@ -43,7 +45,7 @@ def test_the_walkthrough_has_commands_for_every_step():
 
 
 def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_database):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
+    env = project_environment()
     env.update(
         DATABASE_URL=scratch_database,
         PORT=str(_free_port()),

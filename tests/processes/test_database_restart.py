@@ -8,7 +8,6 @@ Runs on a private throwaway cluster, so restarting it disturbs nothing else in t
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.environment import project_environment
 from workqueue import localdb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def private_cluster(monkeypatch: pytest.MonkeyPatch):
 
 
 def _env(url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
+    env = project_environment()
     env.update(
         DATABASE_URL=url,
         WORKQUEUE_SWEEPER_INTERVAL_MS="1000",

@@ -16,6 +16,7 @@ from ninja.security import APIKeyHeader
 from ninja.security import SessionAuth as NinjaSessionAuth
 
 from workqueue.models import ApiKey
+from workqueue.models.apikeys import KEY_PREFIX
 from workqueue.operators.permissions import Actor
 
 API_KEY_HEADER = "X-API-Key"
@@ -43,7 +44,8 @@ class ApiKeyAuth(APIKeyHeader):
             scopes=frozenset(api_key.scopes),
             subscriptions=frozenset(api_key.subscriptions),
             topics=frozenset(api_key.topics),
-            label=f"apikey:{api_key.prefix}",
+            # The audit trail names the key (its public prefix) as well as its owner.
+            label=f"API key {KEY_PREFIX}_{api_key.prefix}",
         )
 
 

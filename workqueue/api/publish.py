@@ -35,7 +35,8 @@ from workqueue.operators.permissions import PUBLISH, Actor, require
 from workqueue.publishing import OutgoingMessage, publish_many
 from workqueue.types import PublishResult
 
-TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Used with fullmatch: `$` would also match before a trailing newline ("orders%0A").
+TOPIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 router = Router(tags=["publish"])
 
@@ -73,7 +74,7 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
     actor: Actor = request.auth  # type: ignore[attr-defined]
     if actor.scopes is None:
         raise PermissionDeniedError("Publishing needs an API key: send it in the X-API-Key header.")
-    if not TOPIC_NAME.match(topic) or ".." in topic:
+    if not TOPIC_NAME.fullmatch(topic) or ".." in topic:
         raise HttpError(400, "The topic name is not valid.")
     require(actor, PUBLISH, topic=topic)
     body = _parse(_read_body(request))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from django.apps import apps
 from django.http import HttpRequest
 from ninja import Router
 
@@ -21,7 +22,9 @@ from workqueue.api.schemas import (
     ReplayOut,
     StatsOut,
 )
+from workqueue.models import Delivery
 from workqueue.operators import operations
+from workqueue.operators.permissions import Actor
 from workqueue.types import DeadLetterItem
 
 router = Router(tags=["subscriptions"])
@@ -156,12 +159,12 @@ def replay(
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. The delivery goes back
     to Pending with its attempts reset; an Ordered key's head keeps its place. ``replayed`` is
     false when the delivery is not a dead letter of this subscription."""
-    return operations.replay(
-        name,
-        delivery_id,
-        note=body.note if body else None,
-        actor=request.auth,  # type: ignore[attr-defined]
-    )
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    note = body.note if body else None
+    outcome = operations.replay(name, delivery_id, note=note, actor=actor)
+    if outcome.replayed:
+        _log_history(actor, delivery_id, "Replayed", note)
+    return outcome
 
 
 @router.post(
@@ -177,9 +180,26 @@ def discard(
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. A Pending or dead-
     lettered delivery is discarded; a running one is asked to stop (``cancelRequested``) and
     never runs again."""
-    return operations.discard(
-        name,
-        delivery_id,
-        reason=body.reason,
-        actor=request.auth,  # type: ignore[attr-defined]
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    outcome = operations.discard(name, delivery_id, reason=body.reason, actor=actor)
+    if outcome.discarded or outcome.cancel_requested:
+        _log_history(actor, delivery_id, "Discarded or cancelled", body.reason)
+    return outcome
+
+
+def _log_history(actor: Actor, delivery_id: str, what: str, note: str | None) -> None:
+    """Record an operation in the admin's history of the delivery, as the admin's own actions
+    are: by the acting user, naming the door (the API key) in the message. The admin's history
+    exists only with ``django.contrib.admin`` installed."""
+    if actor.user is None or not apps.is_installed("django.contrib.admin"):
+        return
+    # Imported here: the admin's models load only in projects that install the admin.
+    from django.contrib.admin.models import CHANGE, LogEntry
+
+    door = f"the REST API with {actor.label}" if actor.label else "the REST API"
+    LogEntry.objects.log_actions(
+        user_id=actor.user.pk,
+        queryset=Delivery.objects.filter(pk=delivery_id),
+        action_flag=CHANGE,
+        change_message=f"{what} through {door}" + (f" (note: {note})" if note else ""),
     )

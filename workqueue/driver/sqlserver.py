@@ -40,7 +40,7 @@ _MESSAGE_NUMBERS = (
 _PYODBC_NUMBER = re.compile(r"\((-?\d{1,6})\)\s*\(SQL[A-Za-z]+\)")
 # The procedures' own THROWs (51000-59999) name their number as "error 5xxxx".
 _OWN_NUMBER = re.compile(r"\berror (5\d{4})\b")
-_SQLSTATE = re.compile(r"^[0-9A-Z]{5}$")
+_SQLSTATE = re.compile(r"[0-9A-Z]{5}")  # used with fullmatch
 # mssql-python names the SQLSTATE class of a lost connection in ``driver_error``.
 _CONNECTION_LOST = frozenset(
     {
@@ -137,7 +137,7 @@ def error_number(error: BaseException) -> int | None:
 
 def _sqlstate(error: BaseException) -> str | None:
     args = getattr(error, "args", ())
-    if args and isinstance(args[0], str) and _SQLSTATE.match(args[0]):
+    if args and isinstance(args[0], str) and _SQLSTATE.fullmatch(args[0]):
         return args[0]
     return None
 

@@ -35,8 +35,9 @@ DATABASE_DRIVER = "Database"
 MAX_PAYLOAD_BYTES = 262_144
 
 # Topic and subscription names: lower-case words of letters and digits joined by '.', '_' or '-'.
-DOTTED_NAME = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$")
-TRANSPORT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# \A...\Z, not ^...$: RegexValidator searches, and `$` also matches before a trailing newline.
+DOTTED_NAME = re.compile(r"\A[a-z0-9]+(?:[._-][a-z0-9]+)*\Z")
+TRANSPORT_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 
 dotted_name_validator = RegexValidator(
     DOTTED_NAME,

@@ -1,4 +1,12 @@
-"""Keyset cursors (opaque base64url JSON) and page-size rules for operator listings."""
+"""Keyset cursors and page-size rules for operator listings.
+
+A cursor is opaque to callers: unpadded base64url of the UTF-8 JSON object ``{field: value}``
+naming the last row of the previous page. UTF-8 rather than JSON's ASCII ``\\u`` escapes keeps
+cursors compact (a 200-character key of 4-byte characters is 800 bytes instead of 2,400). What
+comes back is untrusted: :func:`decode` accepts only a string of the expected size in the
+expected field, so a crafted cursor is a clear ``InvalidInputError`` (400), never a query on a
+number, an object, a NUL or a lone surrogate.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,11 @@ import json
 from typing import Any
 
 from workqueue.exceptions import InvalidInputError
+from workqueue.publishing import MAX_KEY_LENGTH
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500
-MAX_CURSOR_LENGTH = 500
+_INVALID = "cursor is not valid; pass the next_cursor of a previous page."
 
 
 def page_size(value: Any) -> int:
@@ -27,23 +36,37 @@ def page_size(value: Any) -> int:
     return value
 
 
-def encode(position: dict[str, Any]) -> str:
-    raw = json.dumps(position, separators=(",", ":"), sort_keys=True).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+def encode(position: dict[str, str]) -> str:
+    raw = json.dumps(position, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def decode(cursor: str | None, key: str) -> Any:
-    """The ``key`` field of a cursor made by ``encode`` (None for no cursor)."""
+# The longest cursor made for the longest partition key: a control character is the longest
+# character in JSON (a 6-byte \u00XX escape; any other takes at most 4 bytes of UTF-8).
+MAX_CURSOR_LENGTH = len(encode({"partition_key": "\x01" * MAX_KEY_LENGTH}))
+
+
+def decode(cursor: str | None, field: str, *, max_length: int) -> str | None:
+    """The ``field`` of a cursor made by :func:`encode`, or None for no cursor.
+
+    The value is a string of 1 to ``max_length`` characters without NUL that encodes as UTF-8;
+    anything else raises ``InvalidInputError``.
+    """
     if cursor is None or cursor == "":
         return None
     if not isinstance(cursor, str) or len(cursor) > MAX_CURSOR_LENGTH:
-        raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
+        raise InvalidInputError(_INVALID)
     try:
-        padded = cursor + "=" * (-len(cursor) % 4)
-        position = json.loads(base64.urlsafe_b64decode(padded.encode()))
-        value = position[key]
-    except (binascii.Error, ValueError, KeyError, TypeError):
-        raise InvalidInputError(
-            "cursor is not valid; pass the next_cursor of a previous page."
-        ) from None
+        padded = cursor.encode("ascii") + b"=" * (-len(cursor) % 4)
+        # validate=True: characters outside the alphabet are an error, not silently skipped.
+        position = json.loads(base64.b64decode(padded, altchars=b"-_", validate=True))
+        value = position[field]
+    except (UnicodeError, binascii.Error, ValueError, KeyError, TypeError):
+        raise InvalidInputError(_INVALID) from None
+    if not isinstance(value, str) or not 1 <= len(value) <= max_length or "\x00" in value:
+        raise InvalidInputError(_INVALID)
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape
+        raise InvalidInputError(_INVALID) from None
     return value

@@ -11,6 +11,7 @@ from workqueue import transport
 from workqueue.exceptions import InvalidInputError, NotFoundError, WorkQueueError
 from workqueue.operators import cursors
 from workqueue.operators.permissions import CLI, OPERATE, READ, Actor, may_view_payload, require
+from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.types import (
     DeadLetterItem,
     PartitionCondition,
@@ -21,6 +22,7 @@ from workqueue.types import (
 STATS_UNAVAILABLE = "Stats are unavailable for this subscription"
 MAX_NAME_LENGTH = 200
 MAX_NOTE_LENGTH = 1000
+DELIVERY_ID_LENGTH = 36  # a UUID's canonical text
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +166,7 @@ def list_dead_letters(
     callers without ``workqueue.view_payload``."""
     name = _name(subscription_name)
     size = cursors.page_size(page_size)
-    after = cursors.decode(cursor, "delivery_id")
+    after = cursors.decode(cursor, "delivery_id", max_length=DELIVERY_ID_LENGTH)
     if after is not None and _delivery_id(after) is None:
         raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
@@ -198,7 +200,7 @@ def list_partitions(
             f"condition must be one of {', '.join(PartitionCondition.values)}; got {condition!r}."
         )
     size = cursors.page_size(page_size)
-    after = cursors.decode(cursor, "partition_key")
+    after = cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH)
     require(actor, READ, subscription=name)
     subscription = _subscription(name)
     if subscription.partition_mode == "None":

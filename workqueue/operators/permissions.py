@@ -27,6 +27,8 @@ READ_PERMISSION = "workqueue.view_delivery"
 OPERATE_PERMISSION = "workqueue.operate_subscription"
 PAYLOAD_PERMISSION = "workqueue.view_payload"
 PUBLISH_PERMISSION = "workqueue.add_message"
+# The width of Delivery.resolved_by, where replay and discard record who acted.
+MAX_ACTOR_NAME_LENGTH = 150
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +40,18 @@ class Actor:
     scopes: frozenset[str] | None = None
     subscriptions: frozenset[str] = field(default_factory=frozenset)  # empty: any
     topics: frozenset[str] = field(default_factory=frozenset)  # empty: any
-    label: str = ""
+    label: str = ""  # with a user: the door it came through, e.g. "API key wq_1a2b3c4d"
 
     @property
     def name(self) -> str:
-        if self.user is not None:
-            return self.user.get_username()
-        return self.label or "cli"
+        """Who acted, as the operator history records it: the user, followed by the API key
+        when the call came with one ("alice via API key wq_1a2b3c4d"). At most
+        ``MAX_ACTOR_NAME_LENGTH`` characters; a long user name is shortened, never the key."""
+        if self.user is None:
+            return self.label or "cli"
+        username = self.user.get_username()
+        suffix = f" via {self.label}" if self.label else ""
+        return username[: MAX_ACTOR_NAME_LENGTH - len(suffix)] + suffix
 
 
 CLI = Actor(label="cli")
