@@ -57,3 +57,9 @@ def test_the_hot_key_benchmark_runs_end_to_end_in_a_short_variant():
             assert re.search(
                 rf"{mode} hot key backlog {backlog}: claim of 8 median [\d.]+ ms", run.stdout
             ), run.stdout
+
+
+def test_the_metrics_scrape_benchmark_runs_end_to_end_in_a_short_variant():
+    run = _bench("bench/metrics_scrape.py", "--pending", "300")
+
+    assert re.search(r"300 pending: scrape median [\d.]+ ms", run.stdout), run.stdout
