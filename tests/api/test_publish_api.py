@@ -267,26 +267,28 @@ def test_a_malformed_topic_name_is_400_and_not_echoed(client, key, name):
     assert "topic name" in body["detail"]
 
 
-def test_a_body_over_the_limit_is_413(client, topic, key, monkeypatch):
-    monkeypatch.setattr(publish_api, "body_limit", lambda: 64)
+def set_body_limit(settings: Any, limit: int) -> None:
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "PUBLISH_BODY_LIMIT_BYTES": limit}
+
+
+def test_a_body_over_the_limit_is_413(client, topic, key, settings):
+    set_body_limit(settings, 64)
     big = {"messages": [{"payload": "x" * 100}]}
 
     assert_refused(post(client, topic.name, big, key=key), 413)
 
 
-def test_a_body_exactly_at_the_limit_is_read(client, topic, key, monkeypatch):
+def test_a_body_exactly_at_the_limit_is_read(client, topic, key, settings):
     raw = json.dumps(ONE)
-    monkeypatch.setattr(publish_api, "body_limit", lambda: len(raw))
+    set_body_limit(settings, len(raw))
 
     assert post(client, topic.name, raw=raw, key=key).status_code == 202
 
 
-def test_the_default_limit_is_30_mb_and_a_larger_content_length_is_413_before_reading(
-    client, topic, key
-):
-    assert publish_api.body_limit() == 30 * 1024 * 1024
+def test_a_content_length_over_the_limit_is_413_before_reading(client, topic, key):
+    limit = publish_api.body_limit(topic.max_payload_bytes)
 
-    response = post(client, topic.name, ONE, key=key, CONTENT_LENGTH=str(30 * 1024 * 1024 + 1))
+    response = post(client, topic.name, ONE, key=key, CONTENT_LENGTH=str(limit + 1))
 
     assert_refused(response, 413)
 
@@ -355,15 +357,15 @@ def test_the_topic_name_is_checked_before_the_scope(client):
     assert_refused(post(client, "a..b", ONE, key=key), 400)
 
 
-def test_the_scope_is_checked_before_the_body_is_read(client, topic, monkeypatch):
-    monkeypatch.setattr(publish_api, "body_limit", lambda: 1)
+def test_the_scope_is_checked_before_the_body_is_read(client, topic, settings):
+    set_body_limit(settings, 1)
     key = ApiKeyFactory(scopes=[READ])
 
     assert_refused(post(client, topic.name, raw="{not json", key=key), 403)
 
 
-def test_the_size_is_checked_before_the_json(client, topic, key, monkeypatch):
-    monkeypatch.setattr(publish_api, "body_limit", lambda: 4)
+def test_the_size_is_checked_before_the_json(client, topic, key, settings):
+    set_body_limit(settings, 4)
 
     assert_refused(post(client, topic.name, raw="{not json", key=key), 413)
 
