@@ -36,6 +36,13 @@ class TransientDriverError(DriverError):
     """A failure worth retrying: deadlock, serialization failure, lock timeout, lost connection."""
 
 
+class UnstorableValueError(DriverError):
+    """The database, or its client library, refused a value: a NUL character, a lone surrogate,
+    malformed JSON, a number out of range (PostgreSQL's SQLSTATE class 22, "data exception").
+    The same call would fail again, so it is never retried; the input checks are meant to catch
+    such values first."""
+
+
 class UniqueViolationError(DriverError):
     """A unique constraint rejected a write (for example a lost race for a partition key)."""
 

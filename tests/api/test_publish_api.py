@@ -14,6 +14,7 @@ from django.test import Client
 from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue.api import publish as publish_api
+from workqueue.exceptions import UnstorableValueError
 from workqueue.models import ApiKey, Delivery, Message
 from workqueue.operators.permissions import PUBLISH_PERMISSION, READ, READ_PERMISSION
 
@@ -388,6 +389,23 @@ def test_an_unknown_topic_is_404_before_external_publish_is_considered(client, k
 
 
 # -- failures stay private --------------------------------------------------------------------
+
+
+def test_a_value_the_database_refuses_is_400_not_503_and_not_echoed(
+    client, topic, key, monkeypatch
+):
+    # Should a value the up-front checks miss reach the database, the caller is told that the
+    # request cannot be stored, not to try the same request again later.
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UnstorableValueError('invalid input syntax: "secret-value-7"')
+
+    monkeypatch.setattr(publish_api, "publish_many", refuse)
+
+    response = post(client, topic.name, ONE, key=key)
+
+    assert response.status_code == 400
+    assert "cannot store" in response.json()["detail"]
+    assert "secret-value-7" not in response.content.decode()
 
 
 def test_an_unexpected_failure_is_500_without_internals(client, topic, key, monkeypatch):
