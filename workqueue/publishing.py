@@ -10,6 +10,11 @@ caller hands over the ``Topic`` it has just read (the REST API does).
 The size limit is checked here too, before the database: against the topic's
 ``max_payload_bytes`` when the caller gave the ``Topic``, else against ``MAX_PAYLOAD_BYTES``, the
 largest any topic allows. The procedure checks the topic's own limit in any case.
+
+Values no database can be given (text with a NUL character or a lone surrogate, JSON nested
+deeper than ``MAX_JSON_DEPTH`` or holding NaN; see ``workqueue.input_limits``) are not a
+rejection of one message but a bad call: ``InvalidMessageError`` is raised before any database
+work and nothing of the call is published.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from workqueue import signals
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
-from workqueue.exceptions import TransientDriverError
+from workqueue.exceptions import InvalidInputError, InvalidMessageError, TransientDriverError
+from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
 from workqueue.types import (
     MAX_PAYLOAD_BYTES,
@@ -71,6 +77,15 @@ class _Invalid(Exception):
         self.error = PublishError(code, message)
 
 
+class _Unstorable(Exception):
+    """A field of one message holds a value the database cannot store."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(problem)
+        self.field = field
+        self.problem = problem
+
+
 def publish(
     topic: str | Topic,
     payload: Any = None,
@@ -100,6 +115,12 @@ def publish(
     then a message larger than its ``max_payload_bytes`` is rejected without any database round
     trip.
 
+    A message holding text the database cannot store (a NUL character or a lone surrogate, in
+    any field, payload keys included), or a payload nested deeper than ``MAX_JSON_DEPTH`` (64)
+    levels or holding NaN or Infinity, raises ``InvalidMessageError`` (an
+    ``InvalidInputError``, so a ``ValueError``) naming the field, before any database work;
+    such a topic name raises ``InvalidInputError``. Every other problem is a ``Rejected`` result.
+
     By default the publish commits on its own connection whatever the caller's transaction does.
     With ``enlist=True`` it joins the caller's ``transaction.atomic()`` on the work queue's
     database alias: it commits or rolls back with the caller, and database errors are raised.
@@ -128,13 +149,17 @@ def publish_many(
     """Publish a batch to one topic in one round trip; results align with ``messages``.
 
     The batch is one transaction applied in order, so two messages of one partition key keep
-    their order. Each message is accepted or rejected on its own.
+    their order. Each message is accepted or rejected on its own, but a message holding a value
+    the database cannot store raises ``InvalidMessageError`` (as for ``publish``) and nothing of
+    the batch is published.
     """
     # Imported here: publishing needs topology models only when handed one (layering rule 6).
     from workqueue.models import Topic
 
     known = topic if isinstance(topic, Topic) else None
     name = topic if known is None else known.name
+    if isinstance(name, str) and (problem := text_problem(name)):
+        raise InvalidInputError(f"topic {problem}.")
     size_limit = _SizeLimit.of(known)
     items = [m if isinstance(m, OutgoingMessage) else OutgoingMessage(**m) for m in messages]
     results: list[PublishResult | None] = [None] * len(items)
@@ -144,6 +169,8 @@ def publish_many(
             prepared.append((index, _prepare(item, size_limit)))
         except _Invalid as invalid:
             results[index] = _rejected(item.message_id, invalid.error)
+        except _Unstorable as unstorable:
+            raise InvalidMessageError(index, unstorable.field, unstorable.problem) from None
 
     if len(prepared) < len(items):
         topic_error = _topic_error(name, external, known)
@@ -283,7 +310,9 @@ class _SizeLimit:
 
 
 def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]:
-    """Validate one message and return the procedure's parameters for it (raises _Invalid)."""
+    """Validate one message and return the procedure's parameters for it (raises _Invalid, or
+    _Unstorable first for a value the database cannot store)."""
+    _require_storable_text(message)
     message_id = _message_id(message.message_id)
     attributes = _attributes(message.attributes)
     payload, payload_ref = _payload(message.payload, message.payload_ref)
@@ -330,6 +359,21 @@ def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]
         "deduplication_ttl_seconds": dedup_ttl,
         "envelope_bytes": envelope_bytes,
     }
+
+
+def _require_storable_text(message: OutgoingMessage) -> None:
+    """Raise _Unstorable for a text field the database cannot store (the JSON fields are
+    checked as they are serialised, in _payload). Values of the wrong type are left to the
+    other rules."""
+    for field in ("partition_key", "correlation_id", "deduplication_key"):
+        value = getattr(message, field)
+        if isinstance(value, str) and (problem := text_problem(value)):
+            raise _Unstorable(field, problem)
+    if isinstance(message.attributes, Mapping):
+        for name, text in message.attributes.items():
+            for part in (name, text):
+                if isinstance(part, str) and (problem := text_problem(part)):
+                    raise _Unstorable("attributes", problem)
 
 
 def _message_id(value: Any) -> str:
@@ -381,12 +425,19 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
             payload_ref = canonical_payload_ref(payload_ref)
         except PayloadRefError as exc:
             raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, str(exc)) from None
+    field, value = ("payload", payload) if payload_ref is None else ("payload_ref", payload_ref)
     try:
-        canonical_json(payload if payload_ref is None else payload_ref)
+        text = canonical_json(value)
+    except RecursionError:
+        # Hundreds of levels deep: far past MAX_JSON_DEPTH, and too deep to serialise here.
+        raise _Unstorable(field, TOO_DEEP_PROBLEM) from None
     except (TypeError, ValueError) as exc:
         raise _Invalid(
             PublishErrorCode.INVALID_PAYLOAD, f"The payload is not JSON-serialisable: {exc}"
         ) from None
+    problem = json_text_problem(text)
+    if problem is not None:
+        raise _Unstorable(field, problem)
     return payload, payload_ref
 
 

@@ -20,7 +20,6 @@ from tests.api.factories import ApiKeyFactory
 from tests.api.test_publish_api import assert_refused, post, url
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue.api import publish as publish_api
-from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
 from workqueue.models import Message
 
@@ -54,21 +53,6 @@ def never_parsed(monkeypatch):
         raise AssertionError(f"the body ({len(raw)} bytes) was parsed")
 
     monkeypatch.setattr(publish_api, "_parse", refuse)
-
-
-@pytest.fixture
-def statements(monkeypatch):
-    """Every statement the driver sends (its ``execute`` is the only way to the database)."""
-    driver = get_driver()
-    sent: list[str] = []
-    original = driver.execute
-
-    def counting(sql, values, connection=None):
-        sent.append(sql)
-        return original(sql, values, connection)
-
-    monkeypatch.setattr(driver, "execute", counting)
-    return sent
 
 
 class UnreadableStream:

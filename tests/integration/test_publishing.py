@@ -4,7 +4,6 @@ import pytest
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
-from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Topic
 from workqueue.transport import Receiver
 from workqueue.types import MAX_PAYLOAD_BYTES
@@ -49,21 +48,6 @@ def test_receive_claims_in_one_call_and_complete_settles():
     assert len(claimed) == 1 and claimed[0].attempt == 1
     assert receiver.complete(claimed[0]).settled
     assert not receiver.complete(claimed[0]).settled
-
-
-@pytest.fixture
-def statements(monkeypatch):
-    """Every statement the driver sends (its ``execute`` is the only way to the database)."""
-    driver = get_driver()
-    sent: list[str] = []
-    original = driver.execute
-
-    def counting(sql, values, connection=None):
-        sent.append(sql)
-        return original(sql, values, connection)
-
-    monkeypatch.setattr(driver, "execute", counting)
-    return sent
 
 
 def test_publishing_to_ten_subscriptions_is_one_statement(statements):

@@ -12,7 +12,9 @@ the caller is known and allowed:
 6. body not JSON → 400; more than ``PUBLISH_MAX_BATCH`` messages → 400 (counted on the parsed
    list, before any message is looked at); not ``{"messages": [1..N objects]}`` → 400;
 7. unknown topic → 404; topic without ``allow_external_publish`` → 403;
-8. otherwise 202 with one result per message, in order (202 even if some were rejected).
+8. a message holding text the database cannot store (a NUL character, a lone surrogate) or a
+   payload nested deeper than ``MAX_JSON_DEPTH`` → 400 naming the message and field;
+9. otherwise 202 with one result per message, in order (202 even if some were rejected).
 
 Every refusal writes nothing. Messages are published as the key's owner with ``external=True``.
 
@@ -35,10 +37,12 @@ import pydantic
 from django.http import HttpRequest
 from ninja import Router, Status
 from ninja.errors import HttpError
+from pydantic.alias_generators import to_camel
 
 from workqueue.api.schemas import ErrorOut, PublishRequest, PublishResponse, inline_json_schema
 from workqueue.conf import get_settings
-from workqueue.exceptions import PermissionDeniedError
+from workqueue.exceptions import InvalidMessageError, PermissionDeniedError
+from workqueue.input_limits import MAX_JSON_DEPTH
 from workqueue.models import Topic
 from workqueue.operators.permissions import PUBLISH, Actor, require
 from workqueue.publishing import OutgoingMessage, publish_many
@@ -120,9 +124,12 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
         )
         for item in body.messages
     ]
-    # The Topic, not its name: messages over its max_payload_bytes are rejected without a
-    # database round trip.
-    results = publish_many(found, messages, user=actor.user, external=True)
+    try:
+        # The Topic, not its name: messages over its max_payload_bytes are rejected without a
+        # database round trip.
+        results = publish_many(found, messages, user=actor.user, external=True)
+    except InvalidMessageError as exc:
+        raise MessageValueError(exc) from None
     return Status(202, {"results": [_result(r) for r in results]})
 
 
@@ -161,6 +168,15 @@ class ShapeError(HttpError):
         ]
 
 
+class MessageValueError(HttpError):
+    """A message holds a value the database cannot store: 400 saying where (never the value)."""
+
+    def __init__(self, error: InvalidMessageError) -> None:
+        field = to_camel(error.field)
+        super().__init__(400, f"messages[{error.index}].{field} {error.problem}.")
+        self.errors = [{"loc": ["messages", error.index, field], "msg": error.problem}]
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -168,7 +184,13 @@ def _refuse_constant(name: str) -> Any:
 def _parse(raw: bytes) -> Any:
     try:
         return json.loads(raw, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError):
+    except RecursionError:
+        raise HttpError(
+            400,
+            f"The request body is JSON nested too deeply to read; payloads may nest at most "
+            f"{MAX_JSON_DEPTH} levels.",
+        ) from None
+    except ValueError:
         raise HttpError(400, "The request body is not valid JSON.") from None
 
 
