@@ -1,10 +1,12 @@
 """Attack tests (issue 10, item 8) through the REST API: text the database cannot store (a NUL
 character, a lone surrogate) and JSON nested deeper than 64 levels are answered 400 with where
-the problem is, before any database work; nothing is written and the value is not echoed.
+the problem is, before any database work; nothing is written and the value is not echoed. The
+operator endpoints do the same for names in the path (``%00``), notes, reasons and cursors.
 Through Django's test client against the real queue."""
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -13,6 +15,8 @@ import pytest
 from tests.api.factories import ApiKeyFactory
 from tests.api.test_publish_api import assert_refused, post
 from tests.factories import SubscriptionFactory, TopicFactory
+from workqueue import publish
+from workqueue.models import Delivery
 from workqueue.operators.permissions import OPERATE, PUBLISH, READ
 from workqueue.transport import Receiver
 
@@ -112,3 +116,72 @@ def test_what_looks_like_malformed_text_but_is_not_is_stored_exactly(client, top
     [delivery] = Receiver(topic.subscriptions.get().id).receive(1).deliveries
     assert delivery.payload == payload
     assert delivery.partition_key == "\\u0000"
+
+
+# -- operator endpoints -------------------------------------------------------------------------
+
+
+def operator_call(client: Any, key: Any, method: str, path: str, body: Any = None) -> Any:
+    url, headers = f"/work-queue{path}", {"X-API-Key": key.raw_key}
+    if method == "get":
+        return client.get(url, headers=headers)
+    return client.post(url, data=json.dumps(body), content_type="application/json", headers=headers)
+
+
+DELIVERY = "00000000-0000-4000-8000-000000000000"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("get", "/subscriptions/a%00b/stats", None),
+        ("get", "/subscriptions/a%00b/dead-letters", None),
+        ("get", "/subscriptions/a%00b/partitions", None),
+        ("get", "/subscriptions/a%00b/backlog", None),
+        ("post", f"/subscriptions/a%00b/deliveries/{DELIVERY}/replay", {}),
+        ("post", f"/subscriptions/a%00b/deliveries/{DELIVERY}/discard", {"reason": "r"}),
+        ("get", "/bindings/validate?transport=a%00b", None),
+    ],
+    ids=["stats", "dead-letters", "partitions", "backlog", "replay", "discard", "bindings"],
+)
+def test_a_nul_in_a_name_in_the_url_is_400(client, key, method, path, body):
+    response = operator_call(client, key, method, path, body)
+
+    assert response.status_code == 400, response.content
+    assert "NUL" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "field"),
+    [
+        ("replay", {"note": f"checked{NUL}"}, "note"),
+        ("discard", {"reason": f"{LONE_SURROGATE}poison"}, "reason"),
+    ],
+)
+def test_a_note_or_reason_the_database_cannot_store_is_400_and_changes_nothing(
+    client, key, action, body, field
+):
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    receiver = Receiver(sub.id)
+    [claimed] = receiver.receive(1).deliveries
+    assert receiver.dead_letter(claimed, "Poison", "boom").settled
+    path = f"/subscriptions/{sub.name}/deliveries/{claimed.delivery_id}/{action}"
+
+    response = operator_call(client, key, "post", path, body)
+
+    assert response.status_code == 400, response.content
+    assert response.json()["detail"].startswith(f"{field} holds a")
+    assert Delivery.objects.get(id=claimed.delivery_id).status == "DeadLettered"
+
+
+def test_a_partitions_cursor_carrying_a_nul_key_is_400(client, key):
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    forged = base64.urlsafe_b64encode(json.dumps({"partition_key": f"k{NUL}"}).encode()).decode()
+
+    response = operator_call(
+        client, key, "get", f"/subscriptions/{sub.name}/partitions?cursor={forged.rstrip('=')}"
+    )
+
+    assert response.status_code == 400, response.content
+    assert "cursor" in response.json()["detail"]

@@ -15,7 +15,8 @@ import pytest
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
 from workqueue.exceptions import InvalidInputError
-from workqueue.models import Message
+from workqueue.models import Delivery, Message
+from workqueue.operators import operations
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -101,3 +102,35 @@ def test_what_looks_like_malformed_text_but_is_not_is_published_and_delivered_ex
     assert delivery.payload == payload
     assert delivery.partition_key == "\\u0000"
     assert delivery.attributes == {"a": "\\x00"}
+
+
+# -- operator functions -----------------------------------------------------------------------
+
+
+def dead_letter() -> tuple[Any, str]:
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    receiver = Receiver(sub.id)
+    [claimed] = receiver.receive(1).deliveries
+    assert receiver.dead_letter(claimed, "Poison", "boom").settled
+    return sub, claimed.delivery_id
+
+
+@pytest.mark.parametrize("bad", [NUL, LONE_SURROGATE], ids=["nul", "lone-surrogate"])
+def test_operator_functions_refuse_names_notes_and_reasons_the_database_cannot_store(bad):
+    sub, delivery_id = dead_letter()
+    calls = [
+        lambda: operations.subscription_stats(f"a{bad}"),
+        lambda: operations.list_dead_letters(f"a{bad}"),
+        lambda: operations.list_partitions(f"a{bad}"),
+        lambda: operations.backlog(f"a{bad}"),
+        lambda: operations.validate_bindings(f"a{bad}"),
+        lambda: operations.replay(f"a{bad}", delivery_id),
+        lambda: operations.replay(sub.name, delivery_id, note=f"ok{bad}"),
+        lambda: operations.discard(sub.name, delivery_id, reason=f"poison{bad}"),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidInputError, match="holds a"):
+            call()
+
+    assert Delivery.objects.get(id=delivery_id).status == "DeadLettered"
