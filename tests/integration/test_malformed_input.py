@@ -7,11 +7,18 @@ stored. Against the real queue."""
 
 from __future__ import annotations
 
+import io
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import CommandError, call_command
 
+from tests.database import database_url
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
 from workqueue.exceptions import InvalidInputError
@@ -132,5 +139,101 @@ def test_operator_functions_refuse_names_notes_and_reasons_the_database_cannot_s
     for call in calls:
         with pytest.raises(InvalidInputError, match="holds a"):
             call()
+
+    assert Delivery.objects.get(id=delivery_id).status == "DeadLettered"
+
+
+# -- manage.py workqueue ----------------------------------------------------------------------
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+# Python decodes command-line bytes that are not UTF-8 into lone surrogates (PEP 383); this is
+# what `manage.py workqueue publish --partition-key $'\xff'` hands the command.
+ARGV_NOT_UTF8 = os.fsdecode(b"key-\xff")
+
+
+def test_the_cli_decodes_bytes_that_are_not_utf8_into_lone_surrogates():
+    assert ARGV_NOT_UTF8 == "key-\udcff"
+
+
+def test_a_real_command_line_with_bytes_that_are_not_utf8_exits_1_without_a_traceback(topic):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
+    env.update(
+        DATABASE_URL=database_url(),
+        DJANGO_SETTINGS_MODULE="project.settings",
+        LC_ALL="C.UTF-8",
+    )
+    argv = [sys.executable, "manage.py", "workqueue", "publish", "--topic", topic.name]
+    done = subprocess.run(
+        [*argv, "--payload", "1", "--partition-key", b"key-\xff"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 1, stderr
+    assert "--partition-key holds a lone surrogate" in stderr
+    assert "Traceback" not in stderr
+    assert Message.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--payload", '"\\u0000"'], "payload of message 0 holds a NUL"),
+        (["--payload", '{"a": "\\ud800"}'], "payload of message 0 holds a lone surrogate"),
+        (["--payload", "[" * 70 + "]" * 70], "nested more than 64 levels deep"),
+        (["--payload", "[" * 100_000 + "]" * 100_000], "nested too deeply"),
+        (["--payload", "NaN"], "NaN"),
+        (["--payload", "1", "--partition-key", ARGV_NOT_UTF8], "--partition-key holds a lone"),
+        (["--payload", "1", "--dedup-key", f"k{NUL}"], "--dedup-key holds a NUL"),
+        (["--payload-ref", '{"uri": "s3://b/\\u0000"}'], "payload_ref of message 0 holds a NUL"),
+    ],
+    ids=["nul", "surrogate", "deep", "too-deep", "nan", "argv-surrogate", "nul-key", "ref-nul"],
+)
+def test_cli_publish_refuses_with_a_command_error_naming_the_field(
+    topic, statements, args, expected
+):
+    with pytest.raises(CommandError) as refused:
+        run("publish", "--topic", topic.name, *args)
+
+    assert expected in str(refused.value)
+    assert statements == []
+    assert Message.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["stats", "-s", f"a{NUL}"],
+        ["backlog", "-s", ARGV_NOT_UTF8],
+        ["dead-letters", "-s", ARGV_NOT_UTF8],
+        ["partitions", "-s", f"a{NUL}"],
+        ["validate-bindings", "--transport", ARGV_NOT_UTF8],
+        ["publish", "--topic", f"t{NUL}"],
+        ["apikey", "revoke", ARGV_NOT_UTF8],
+        ["apikey", "create", "--user", f"ada{NUL}", "--scopes", "workqueue:read"],
+    ],
+    ids=["stats", "backlog", "dead-letters", "partitions", "bindings", "topic", "revoke", "user"],
+)
+def test_every_cli_verb_refuses_text_arguments_the_database_cannot_store(args):
+    with pytest.raises(CommandError, match=r"holds a (NUL|lone surrogate)"):
+        run(*args)
+
+
+def test_cli_replay_and_discard_refuse_a_note_or_reason_and_change_nothing():
+    sub, delivery_id = dead_letter()
+
+    with pytest.raises(CommandError, match="--note holds a NUL"):
+        run("replay", "-s", sub.name, "--delivery", delivery_id, "--note", f"x{NUL}")
+    with pytest.raises(CommandError, match="--reason holds a lone surrogate"):
+        run("discard", "-s", sub.name, "--delivery", delivery_id, "--reason", ARGV_NOT_UTF8)
 
     assert Delivery.objects.get(id=delivery_id).status == "DeadLettered"
