@@ -50,3 +50,21 @@ def scratch_database(django_db_setup, django_db_blocker):
     yield url
     with psycopg.connect(autocommit=True, **params) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def statements(monkeypatch):
+    """Every statement the driver sends from now on (its ``execute`` is its only way to the
+    database), to show what reached the database and what did not."""
+    from workqueue.driver import get_driver
+
+    driver = get_driver()
+    sent: list[str] = []
+    original = driver.execute
+
+    def counting(sql, values, connection=None):
+        sent.append(sql)
+        return original(sql, values, connection)
+
+    monkeypatch.setattr(driver, "execute", counting)
+    return sent

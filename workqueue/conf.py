@@ -34,11 +34,13 @@ class WorkQueueSettings:
     DATABASE_ALIAS: str = "default"
     #: Largest batch accepted by the REST publish endpoint.
     PUBLISH_MAX_BATCH: int = 100
-    #: Largest REST publish request body, in bytes (larger bodies get 413 unread).
-    PUBLISH_BODY_LIMIT_BYTES: int = 30 * 1024 * 1024
+    #: Largest REST publish request body, in bytes (larger bodies get 413 unparsed). None: room
+    #: for PUBLISH_MAX_BATCH messages of the topic's max_payload_bytes plus 2 KiB each (the
+    #: default, 100 x 258 KiB = 25.2 MiB for a topic of the largest size).
+    PUBLISH_BODY_LIMIT_BYTES: int | None = None
 
 
-_INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type == "int"}
+_INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type in {"int", "int | None"}}
 _BOOL_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type == "bool"}
 
 
@@ -48,8 +50,8 @@ def _from_environment(key: str, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise WorkQueueConfigurationError(
-                f"WORKQUEUE_{key}={raw!r} is not an integer; set it to a number of milliseconds "
-                "or remove it."
+                f"WORKQUEUE_{key}={raw!r} is not an integer; set it to a whole number (see "
+                "workqueue/conf.py for its unit) or remove it."
             ) from None
     if key in _BOOL_KEYS:
         return raw.strip().lower() in {"1", "true", "yes", "on"}

@@ -24,6 +24,22 @@ class InvalidInputError(WorkQueueError, ValueError):
     """An operator or API input failed validation before any database work was done."""
 
 
+class InvalidMessageError(InvalidInputError):
+    """A message to publish holds a value the database cannot store: text with a NUL character
+    or a lone surrogate, JSON nested deeper than ``MAX_JSON_DEPTH`` or holding NaN/Infinity.
+
+    Raised by ``publish``/``publish_many`` before any database work, so nothing of the call was
+    published. ``index`` is the message's position in the call (0 for ``publish``), ``field``
+    the field's name, ``problem`` what is wrong with it; the message never quotes the value.
+    """
+
+    def __init__(self, index: int, field: str, problem: str) -> None:
+        super().__init__(f"{field} of message {index} {problem}.")
+        self.index = index
+        self.field = field
+        self.problem = problem
+
+
 class DriverOwnedWriteError(WorkQueueError):
     """An ORM write was attempted on a table that only the stored procedures may change."""
 
@@ -34,6 +50,13 @@ class DriverError(WorkQueueError):
 
 class TransientDriverError(DriverError):
     """A failure worth retrying: deadlock, serialization failure, lock timeout, lost connection."""
+
+
+class UnstorableValueError(DriverError):
+    """The database, or its client library, refused a value: a NUL character, a lone surrogate,
+    malformed JSON, a number out of range (PostgreSQL's SQLSTATE class 22, "data exception").
+    The same call would fail again, so it is never retried; the input checks are meant to catch
+    such values first."""
 
 
 class UniqueViolationError(DriverError):

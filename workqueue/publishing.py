@@ -4,7 +4,17 @@ Checks run in a fixed order and the first failure wins: topic-level problems (un
 not externally publishable) before problems with the message itself, and the size limit last.
 Messages that pass local validation go straight to the procedure, which applies the topic checks
 itself, so an accepted publish is a single round trip. Only a locally rejected message costs a
-topology read, to report a topic problem first when there is one.
+topology read, to report a topic problem first when there is one, and not even that when the
+caller hands over the ``Topic`` it has just read (the REST API does).
+
+The size limit is checked here too, before the database: against the topic's
+``max_payload_bytes`` when the caller gave the ``Topic``, else against ``MAX_PAYLOAD_BYTES``, the
+largest any topic allows. The procedure checks the topic's own limit in any case.
+
+Values no database can be given (text with a NUL character or a lone surrogate, JSON nested
+deeper than ``MAX_JSON_DEPTH`` or holding NaN; see ``workqueue.input_limits``) are not a
+rejection of one message but a bad call: ``InvalidMessageError`` is raised before any database
+work and nothing of the call is published.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
@@ -23,9 +33,19 @@ from workqueue import metrics, signals
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
-from workqueue.exceptions import TransientDriverError
+from workqueue.exceptions import InvalidInputError, InvalidMessageError, TransientDriverError
+from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
-from workqueue.types import PublishError, PublishErrorCode, PublishResult, PublishStatus
+from workqueue.types import (
+    MAX_PAYLOAD_BYTES,
+    PublishError,
+    PublishErrorCode,
+    PublishResult,
+    PublishStatus,
+)
+
+if TYPE_CHECKING:
+    from workqueue.models import Topic
 
 MAX_ATTRIBUTES = 10
 # Used with fullmatch: `$` would also match before a trailing newline.
@@ -58,8 +78,17 @@ class _Invalid(Exception):
         self.error = PublishError(code, message)
 
 
+class _Unstorable(Exception):
+    """A field of one message holds a value the database cannot store."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(problem)
+        self.field = field
+        self.problem = problem
+
+
 def publish(
-    topic: str,
+    topic: str | Topic,
     payload: Any = None,
     *,
     partition_key: str | None = None,
@@ -83,6 +112,16 @@ def publish(
     "checksum"}`` (all but ``uri`` optional) whatever the spelling of its keys; a bad one is
     ``Rejected`` with ``InvalidPayload``.
 
+    ``topic`` is a topic's name, or a ``Topic`` the caller has just read (with its transport):
+    then a message larger than its ``max_payload_bytes`` is rejected without any database round
+    trip.
+
+    A message holding text the database cannot store (a NUL character or a lone surrogate, in
+    any field, payload keys included), or a payload nested deeper than ``MAX_JSON_DEPTH`` (64)
+    levels or holding NaN or Infinity, raises ``InvalidMessageError`` (an
+    ``InvalidInputError``, so a ``ValueError``) naming the field, before any database work;
+    such a topic name raises ``InvalidInputError``. Every other problem is a ``Rejected`` result.
+
     By default the publish commits on its own connection whatever the caller's transaction does.
     With ``enlist=True`` it joins the caller's ``transaction.atomic()`` on the work queue's
     database alias: it commits or rolls back with the caller, and database errors are raised.
@@ -101,7 +140,7 @@ def publish(
 
 
 def publish_many(
-    topic: str,
+    topic: str | Topic,
     messages: Iterable[OutgoingMessage | Mapping[str, Any]],
     *,
     user: Any = None,
@@ -111,26 +150,38 @@ def publish_many(
     """Publish a batch to one topic in one round trip; results align with ``messages``.
 
     The batch is one transaction applied in order, so two messages of one partition key keep
-    their order. Each message is accepted or rejected on its own.
+    their order. Each message is accepted or rejected on its own, but a message holding a value
+    the database cannot store raises ``InvalidMessageError`` (as for ``publish``) and nothing of
+    the batch is published.
     """
+    # Imported here: publishing needs topology models only when handed one (layering rule 6).
+    from workqueue.models import Topic
+
+    known = topic if isinstance(topic, Topic) else None
+    name = topic if known is None else known.name
+    if isinstance(name, str) and (problem := text_problem(name)):
+        raise InvalidInputError(f"topic {problem}.")
+    size_limit = _SizeLimit.of(known)
     items = [m if isinstance(m, OutgoingMessage) else OutgoingMessage(**m) for m in messages]
     results: list[PublishResult | None] = [None] * len(items)
     prepared: list[tuple[int, dict[str, Any]]] = []
     for index, item in enumerate(items):
         try:
-            prepared.append((index, _prepare(item)))
+            prepared.append((index, _prepare(item, size_limit)))
         except _Invalid as invalid:
             results[index] = _rejected(item.message_id, invalid.error)
+        except _Unstorable as unstorable:
+            raise InvalidMessageError(index, unstorable.field, unstorable.problem) from None
 
     if len(prepared) < len(items):
-        topic_error = _topic_error(topic, external)
+        topic_error = _topic_error(name, external, known)
         if topic_error is not None:
             rejected = [_rejected(item.message_id, topic_error) for item in items]
             metrics.count_published(topic, rejected)
             return rejected
 
     if prepared:
-        rows = _call_publish(topic, [p for _, p in prepared], _publisher(user), enlist, external)
+        rows = _call_publish(name, [p for _, p in prepared], _publisher(user), enlist, external)
         for (index, _), row in zip(prepared, rows, strict=True):
             results[index] = _result_from_row(row)
     final = [r for r in results if r is not None]
@@ -139,7 +190,7 @@ def publish_many(
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An
         # enlisted publish is not visible until the caller commits; NOTIFY covers that.)
-        signals.published.send(sender=publish_many, topic=topic, message_ids=accepted)
+        signals.published.send(sender=publish_many, topic=name, message_ids=accepted)
     return final
 
 
@@ -227,13 +278,16 @@ def _publisher(user: Any) -> str:
     return get_settings().SYSTEM_USER
 
 
-def _topic_error(topic: str, external: bool) -> PublishError | None:
-    """The topic-level rejection for ``topic``, if any (outranks a message's own problems)."""
-    # Imported here: publishing reads topology only on this rare path (layering rule 6).
-    from workqueue.models import Topic
+def _topic_error(topic: str, external: bool, known: Topic | None) -> PublishError | None:
+    """The topic-level rejection for ``topic``, if any (outranks a message's own problems);
+    read from ``known`` when the caller gave the topic, else from the database."""
+    found = known
+    if found is None:
+        # Imported here: publishing reads topology only on this rare path (layering rule 6).
+        from workqueue.models import Topic
 
-    name = topic.strip().lower() if isinstance(topic, str) else ""
-    found = Topic.objects.select_related("transport").filter(name=name).first()
+        name = topic.strip().lower() if isinstance(topic, str) else ""
+        found = Topic.objects.select_related("transport").filter(name=name).first()
     if found is None:
         code = PublishErrorCode.TOPIC_NOT_FOUND
     elif found.status != "Active" or found.transport.status != "Active":
@@ -245,8 +299,24 @@ def _topic_error(topic: str, external: bool) -> PublishError | None:
     return PublishError(code, _ERROR_TEXT[code])
 
 
-def _prepare(message: OutgoingMessage) -> dict[str, Any]:
-    """Validate one message and return the procedure's parameters for it (raises _Invalid)."""
+@dataclass(frozen=True, slots=True)
+class _SizeLimit:
+    """The largest message accepted locally, and how to name that limit in a rejection."""
+
+    max_bytes: int
+    named: str
+
+    @classmethod
+    def of(cls, topic: Topic | None) -> _SizeLimit:
+        if topic is None:
+            return cls(MAX_PAYLOAD_BYTES, "the largest max_payload_bytes any topic may have")
+        return cls(topic.max_payload_bytes, "the topic's max_payload_bytes")
+
+
+def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]:
+    """Validate one message and return the procedure's parameters for it (raises _Invalid, or
+    _Unstorable first for a value the database cannot store)."""
+    _require_storable_text(message)
     message_id = _message_id(message.message_id)
     attributes = _attributes(message.attributes)
     payload, payload_ref = _payload(message.payload, message.payload_ref)
@@ -274,6 +344,14 @@ def _prepare(message: OutgoingMessage) -> dict[str, Any]:
         "payload_ref": payload_ref,
         "correlation_id": correlation_id,
     }
+    envelope_bytes = len(canonical_json(envelope).encode("utf-8"))
+    # Refused here so that an oversized message costs no database round trip (the procedure
+    # would refuse it too: it is the authority on the topic's current limit).
+    if envelope_bytes > size_limit.max_bytes:
+        raise _Invalid(
+            PublishErrorCode.PAYLOAD_TOO_LARGE,
+            f"The message is {envelope_bytes} bytes; {size_limit.named} is {size_limit.max_bytes}.",
+        )
     return {
         "message_id": message_id,
         "partition_key": partition_key,
@@ -283,8 +361,23 @@ def _prepare(message: OutgoingMessage) -> dict[str, Any]:
         "correlation_id": correlation_id,
         "deduplication_key": dedup_key,
         "deduplication_ttl_seconds": dedup_ttl,
-        "envelope_bytes": len(canonical_json(envelope).encode("utf-8")),
+        "envelope_bytes": envelope_bytes,
     }
+
+
+def _require_storable_text(message: OutgoingMessage) -> None:
+    """Raise _Unstorable for a text field the database cannot store (the JSON fields are
+    checked as they are serialised, in _payload). Values of the wrong type are left to the
+    other rules."""
+    for field in ("partition_key", "correlation_id", "deduplication_key"):
+        value = getattr(message, field)
+        if isinstance(value, str) and (problem := text_problem(value)):
+            raise _Unstorable(field, problem)
+    if isinstance(message.attributes, Mapping):
+        for name, text in message.attributes.items():
+            for part in (name, text):
+                if isinstance(part, str) and (problem := text_problem(part)):
+                    raise _Unstorable("attributes", problem)
 
 
 def _message_id(value: Any) -> str:
@@ -336,12 +429,19 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
             payload_ref = canonical_payload_ref(payload_ref)
         except PayloadRefError as exc:
             raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, str(exc)) from None
+    field, value = ("payload", payload) if payload_ref is None else ("payload_ref", payload_ref)
     try:
-        canonical_json(payload if payload_ref is None else payload_ref)
+        text = canonical_json(value)
+    except RecursionError:
+        # Hundreds of levels deep: far past MAX_JSON_DEPTH, and too deep to serialise here.
+        raise _Unstorable(field, TOO_DEEP_PROBLEM) from None
     except (TypeError, ValueError) as exc:
         raise _Invalid(
             PublishErrorCode.INVALID_PAYLOAD, f"The payload is not JSON-serialisable: {exc}"
         ) from None
+    problem = json_text_problem(text)
+    if problem is not None:
+        raise _Unstorable(field, problem)
     return payload, payload_ref
 
 

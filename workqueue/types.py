@@ -67,6 +67,12 @@ class PartitionCondition(models.TextChoices):
     BLOCKED = "Blocked"
 
 
+#: The largest message any topic accepts (a topic's max_payload_bytes is at most this): the bytes
+#: of the message's partition key, attributes, payload or reference and correlation id as
+#: compact UTF-8 JSON.
+MAX_PAYLOAD_BYTES = 262_144
+
+
 # Publish error codes; RETRYABLE_PUBLISH_ERRORS marks those a caller may simply try again.
 class PublishErrorCode(models.TextChoices):
     TOPIC_NOT_FOUND = "TopicNotFound"

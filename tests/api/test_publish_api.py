@@ -14,6 +14,7 @@ from django.test import Client
 from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue.api import publish as publish_api
+from workqueue.exceptions import UnstorableValueError
 from workqueue.models import ApiKey, Delivery, Message
 from workqueue.operators.permissions import PUBLISH_PERMISSION, READ, READ_PERMISSION
 
@@ -267,26 +268,28 @@ def test_a_malformed_topic_name_is_400_and_not_echoed(client, key, name):
     assert "topic name" in body["detail"]
 
 
-def test_a_body_over_the_limit_is_413(client, topic, key, monkeypatch):
-    monkeypatch.setattr(publish_api, "body_limit", lambda: 64)
+def set_body_limit(settings: Any, limit: int) -> None:
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "PUBLISH_BODY_LIMIT_BYTES": limit}
+
+
+def test_a_body_over_the_limit_is_413(client, topic, key, settings):
+    set_body_limit(settings, 64)
     big = {"messages": [{"payload": "x" * 100}]}
 
     assert_refused(post(client, topic.name, big, key=key), 413)
 
 
-def test_a_body_exactly_at_the_limit_is_read(client, topic, key, monkeypatch):
+def test_a_body_exactly_at_the_limit_is_read(client, topic, key, settings):
     raw = json.dumps(ONE)
-    monkeypatch.setattr(publish_api, "body_limit", lambda: len(raw))
+    set_body_limit(settings, len(raw))
 
     assert post(client, topic.name, raw=raw, key=key).status_code == 202
 
 
-def test_the_default_limit_is_30_mb_and_a_larger_content_length_is_413_before_reading(
-    client, topic, key
-):
-    assert publish_api.body_limit() == 30 * 1024 * 1024
+def test_a_content_length_over_the_limit_is_413_before_reading(client, topic, key):
+    limit = publish_api.body_limit(topic.max_payload_bytes)
 
-    response = post(client, topic.name, ONE, key=key, CONTENT_LENGTH=str(30 * 1024 * 1024 + 1))
+    response = post(client, topic.name, ONE, key=key, CONTENT_LENGTH=str(limit + 1))
 
     assert_refused(response, 413)
 
@@ -355,15 +358,15 @@ def test_the_topic_name_is_checked_before_the_scope(client):
     assert_refused(post(client, "a..b", ONE, key=key), 400)
 
 
-def test_the_scope_is_checked_before_the_body_is_read(client, topic, monkeypatch):
-    monkeypatch.setattr(publish_api, "body_limit", lambda: 1)
+def test_the_scope_is_checked_before_the_body_is_read(client, topic, settings):
+    set_body_limit(settings, 1)
     key = ApiKeyFactory(scopes=[READ])
 
     assert_refused(post(client, topic.name, raw="{not json", key=key), 403)
 
 
-def test_the_size_is_checked_before_the_json(client, topic, key, monkeypatch):
-    monkeypatch.setattr(publish_api, "body_limit", lambda: 4)
+def test_the_size_is_checked_before_the_json(client, topic, key, settings):
+    set_body_limit(settings, 4)
 
     assert_refused(post(client, topic.name, raw="{not json", key=key), 413)
 
@@ -386,6 +389,23 @@ def test_an_unknown_topic_is_404_before_external_publish_is_considered(client, k
 
 
 # -- failures stay private --------------------------------------------------------------------
+
+
+def test_a_value_the_database_refuses_is_400_not_503_and_not_echoed(
+    client, topic, key, monkeypatch
+):
+    # Should a value the up-front checks miss reach the database, the caller is told that the
+    # request cannot be stored, not to try the same request again later.
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UnstorableValueError('invalid input syntax: "secret-value-7"')
+
+    monkeypatch.setattr(publish_api, "publish_many", refuse)
+
+    response = post(client, topic.name, ONE, key=key)
+
+    assert response.status_code == 400
+    assert "cannot store" in response.json()["detail"]
+    assert "secret-value-7" not in response.content.decode()
 
 
 def test_an_unexpected_failure_is_500_without_internals(client, topic, key, monkeypatch):

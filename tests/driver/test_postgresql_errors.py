@@ -1,7 +1,9 @@
 """PostgreSQL errors, provoked for real, reach callers as the right class: what is worth retrying
 (deadlock, lock timeout, a terminated backend, a lost connection) is a TransientDriverError; a
-unique violation is a UniqueViolationError; what would fail again (bad SQL, a string psycopg
-cannot send) is a plain DriverError, never retried."""
+unique violation is a UniqueViolationError; a value the database cannot store (a NUL character,
+a lone surrogate, any SQLSTATE class 22 data exception) is an UnstorableValueError; other
+failures that would happen again (bad SQL) are a plain DriverError. Only the transient ones are
+ever retried."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ import pytest
 
 from tests.database import psycopg_params
 from workqueue.driver import get_driver
-from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.exceptions import (
+    DriverError,
+    TransientDriverError,
+    UniqueViolationError,
+    UnstorableValueError,
+)
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -89,10 +96,38 @@ def test_a_terminated_backend_is_transient_and_the_next_call_reconnects(tables):
     [
         ("SELEKT 1", []),  # a syntax error (42601)
         ("SELECT * FROM wq_no_such_table", []),  # 42P01
-        ("INSERT INTO wq_test_errors VALUES (3, %s)", ["nul \x00 inside"]),  # client-side
     ],
-    ids=["syntax", "missing-table", "nul-character"],
+    ids=["syntax", "missing-table"],
 )
 def test_errors_that_would_fail_again_are_not_transient(tables, sql, values):
     error = raised(sql, values)
     assert type(error) is DriverError
+
+
+@pytest.mark.parametrize(
+    ("sql", "values"),
+    [
+        # psycopg refuses to send these: no SQLSTATE, the server never saw them.
+        ("INSERT INTO wq_test_errors VALUES (3, %s)", ["nul \x00 inside"]),
+        ("INSERT INTO wq_test_errors VALUES (3, %s)", ["lone \ud800 surrogate"]),
+        # The server refuses these (SQLSTATE 22P05, 22P02, 22003).
+        ("SELECT %s::jsonb", ['"nul \\u0000 escaped"']),
+        ("SELECT %s::jsonb", ["NaN"]),
+        ("SELECT %s::integer", ["99999999999"]),
+    ],
+    ids=["nul-character", "lone-surrogate", "jsonb-nul-escape", "jsonb-nan", "out-of-range"],
+)
+def test_a_value_the_database_cannot_store_is_an_unstorable_value_error(tables, sql, values):
+    error = raised(sql, values)
+
+    assert type(error) is UnstorableValueError
+    assert not isinstance(error, TransientDriverError)
+    assert error.__cause__ is not None
+    assert get_driver().execute("SELECT 1", []) == [(1,)]  # the connection is still fine
+
+
+def test_an_enlisted_call_translates_the_same_way(tables):
+    from django.db import connection, transaction
+
+    with transaction.atomic(), pytest.raises(UnstorableValueError):
+        get_driver().execute("SELECT %s::text", ["\ud800"], connection)

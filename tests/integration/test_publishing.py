@@ -4,9 +4,9 @@ import pytest
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
-from workqueue.driver import get_driver
-from workqueue.models import Delivery, Message
+from workqueue.models import Delivery, Message, Topic
 from workqueue.transport import Receiver
+from workqueue.types import MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -50,21 +50,6 @@ def test_receive_claims_in_one_call_and_complete_settles():
     assert not receiver.complete(claimed[0]).settled
 
 
-@pytest.fixture
-def statements(monkeypatch):
-    """Every statement the driver sends (its ``execute`` is the only way to the database)."""
-    driver = get_driver()
-    sent: list[str] = []
-    original = driver.execute
-
-    def counting(sql, values, connection=None):
-        sent.append(sql)
-        return original(sql, values, connection)
-
-    monkeypatch.setattr(driver, "execute", counting)
-    return sent
-
-
 def test_publishing_to_ten_subscriptions_is_one_statement(statements):
     topic = TopicFactory()
     for _ in range(10):
@@ -98,3 +83,38 @@ def test_any_json_payload_round_trips_alone_and_in_a_batch(payload):
 
     assert claimed[single.message_id] == payload
     assert claimed[batched.message_id] == payload
+
+
+# -- the size limit before the database (issue 10, item 4) ---------------------------------------
+
+
+def test_a_message_larger_than_any_topic_allows_is_rejected_without_a_driver_call(statements):
+    topic = TopicFactory()
+
+    result = publish(topic.name, "x" * MAX_PAYLOAD_BYTES)
+
+    assert result.status == "Rejected" and result.error.code == "PayloadTooLarge"
+    assert "the largest max_payload_bytes any topic may have is 262144" in result.error.message
+    assert statements == []
+
+
+def test_given_the_topic_a_message_over_its_limit_costs_no_database_round_trip(
+    statements, django_assert_num_queries
+):
+    topic = Topic.objects.select_related("transport").get(pk=TopicFactory(max_payload_bytes=200).pk)
+
+    with django_assert_num_queries(0):
+        [big, fits] = publish_many(topic, [{"payload": "x" * 200}, {"payload": "x" * 10}])
+
+    assert big.status == "Rejected" and big.error.code == "PayloadTooLarge"
+    assert "the topic's max_payload_bytes is 200" in big.error.message
+    assert fits.status == "Accepted"
+    assert len(statements) == 1 and "wq_publish(" in statements[0]
+
+
+def test_the_procedure_still_applies_the_topics_limit_when_given_only_the_name():
+    topic = TopicFactory(max_payload_bytes=100)
+
+    result = publish(topic.name, "x" * 100)
+
+    assert result.status == "Rejected" and result.error.code == "PayloadTooLarge"

@@ -3,8 +3,9 @@
 Mount it with ``path("work-queue/", include("workqueue.api.urls"))``; the OpenAPI docs are then
 at ``/work-queue/docs``. Every endpoint needs an API key (``X-API-Key``) or a Django session.
 
-Errors are mapped to status codes here, in one place: bad input 400, missing scope or permission
-403, unknown name 404. Error bodies are ``{"detail": "..."}`` with a message written for the
+Errors are mapped to status codes here, in one place: bad input 400 (a value the database
+refuses too), missing scope or permission 403, unknown name 404, a database failure 503. Error
+bodies are ``{"detail": "..."}`` with a message written for the
 caller; anything unexpected is logged and answered with a fixed text, never with internals.
 """
 
@@ -23,6 +24,7 @@ from workqueue.exceptions import (
     InvalidInputError,
     NotFoundError,
     PermissionDeniedError,
+    UnstorableValueError,
     WorkQueueError,
 )
 
@@ -49,6 +51,10 @@ _CALLER_ERRORS: dict[type[WorkQueueError], int] = {
 }
 SERVER_ERROR = "The request could not be completed; the error was logged."
 DATABASE_UNAVAILABLE = "The work queue's database is unavailable; try again shortly."
+UNSTORABLE_VALUE = (
+    "The request holds a value the work queue's database cannot store (such as a NUL "
+    "character); nothing was stored. Sending it again will fail the same way."
+)
 
 
 def _error(request: HttpRequest, status: int, detail: str, **extra: object) -> HttpResponse:
@@ -60,6 +66,16 @@ def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse
     for error_class, status in _CALLER_ERRORS.items():
         if isinstance(exc, error_class):
             return _error(request, status, str(exc))
+    if isinstance(exc, UnstorableValueError):
+        # The caller's value, refused by the database rather than by the input checks: 400, not
+        # a 503 that invites the same request again. Logged, since a check let it through; the
+        # database's text may quote the value, so the caller gets a fixed message.
+        logger.warning(
+            "The database refused a value in a work queue API request",
+            exc_info=exc,
+            extra={"action": "api_unstorable_value"},
+        )
+        return _error(request, 400, UNSTORABLE_VALUE)
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
     if isinstance(exc, DriverError):
         return _error(request, 503, DATABASE_UNAVAILABLE)

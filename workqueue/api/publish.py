@@ -9,11 +9,22 @@ the caller is known and allowed:
 4. key without ``workqueue:publish``, topic outside the key's limit, or owner without the
    permission → 403;
 5. body larger than the limit → 413 (checked on Content-Length, then on what is read);
-6. body not JSON → 400; not ``{"messages": [1..PUBLISH_MAX_BATCH objects]}`` → 400;
+6. body not JSON → 400; more than ``PUBLISH_MAX_BATCH`` messages → 400 (counted on the parsed
+   list, before any message is looked at); not ``{"messages": [1..N objects]}`` → 400;
 7. unknown topic → 404; topic without ``allow_external_publish`` → 403;
-8. otherwise 202 with one result per message, in order (202 even if some were rejected).
+8. a message holding text the database cannot store (a NUL character, a lone surrogate) or a
+   payload nested deeper than ``MAX_JSON_DEPTH`` → 400 naming the message and field;
+9. otherwise 202 with one result per message, in order (202 even if some were rejected).
 
 Every refusal writes nothing. Messages are published as the key's owner with ``external=True``.
+
+What one request can cost is bounded before the work starts: the body limit is derived from the
+batch size and the topic's ``max_payload_bytes`` (see ``body_limit``), so a body that could not
+hold an acceptable batch is refused unparsed; the batch size is checked before any message is
+validated; and a message over the topic's limit is rejected before the database. Under WSGI,
+Django passes the view only Content-Length bytes; under ASGI, Django receives the whole body
+before the view runs, so the proxy in front must enforce the limit (README, "Running in
+production").
 """
 
 from __future__ import annotations
@@ -26,25 +37,40 @@ import pydantic
 from django.http import HttpRequest
 from ninja import Router, Status
 from ninja.errors import HttpError
+from pydantic.alias_generators import to_camel
 
 from workqueue.api.schemas import ErrorOut, PublishRequest, PublishResponse, inline_json_schema
 from workqueue.conf import get_settings
-from workqueue.exceptions import PermissionDeniedError
+from workqueue.exceptions import InvalidMessageError, PermissionDeniedError
+from workqueue.input_limits import MAX_JSON_DEPTH
 from workqueue.models import Topic
 from workqueue.operators.permissions import PUBLISH, Actor, require
 from workqueue.publishing import OutgoingMessage, publish_many
-from workqueue.types import PublishResult
+from workqueue.types import MAX_PAYLOAD_BYTES, PublishResult
 
 # Used with fullmatch: `$` would also match before a trailing newline ("orders%0A").
 TOPIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+#: Room per message for what is sent besides the envelope that max_payload_bytes counts: the
+#: field names, the message id, a 200-character deduplication key and its TTL take under 1 KiB
+#: as compact UTF-8 JSON.
+MESSAGE_OVERHEAD_BYTES = 2048
 
 router = Router(tags=["publish"])
 
 
-def body_limit() -> int:
-    """The largest request body accepted, in bytes: ``WORKQUEUE["PUBLISH_BODY_LIMIT_BYTES"]``
-    when the settings define it, else 30 MB."""
-    return get_settings().PUBLISH_BODY_LIMIT_BYTES
+def body_limit(max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> int:
+    """The largest request body accepted for a topic of ``max_payload_bytes``, in bytes.
+
+    ``WORKQUEUE["PUBLISH_BODY_LIMIT_BYTES"]`` when set; otherwise room for a full batch of
+    full-size messages sent as compact UTF-8 JSON: ``PUBLISH_MAX_BATCH`` x (``max_payload_bytes``
+    + ``MESSAGE_OVERHEAD_BYTES``), 25.2 MiB by default for a topic of the largest size. Anything
+    larger cannot be an acceptable batch, so it is refused before it is parsed: parsing costs
+    many times the body's size in memory.
+    """
+    settings = get_settings()
+    if settings.PUBLISH_BODY_LIMIT_BYTES is not None:
+        return settings.PUBLISH_BODY_LIMIT_BYTES
+    return settings.PUBLISH_MAX_BATCH * (max_payload_bytes + MESSAGE_OVERHEAD_BYTES)
 
 
 @router.post(
@@ -77,11 +103,11 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
     if not TOPIC_NAME.fullmatch(topic) or ".." in topic:
         raise HttpError(400, "The topic name is not valid.")
     require(actor, PUBLISH, topic=topic)
-    body = _parse(_read_body(request))
-    max_batch = get_settings().PUBLISH_MAX_BATCH
-    if len(body.messages) > max_batch:
-        raise HttpError(400, f"messages must hold 1 to {max_batch} items.")
-    found = Topic.objects.filter(name=topic.lower()).first()
+    # Read before the body, which is limited by the topic's message size. An unknown topic is
+    # answered 404 only after the body checks, as the order above says.
+    found = Topic.objects.select_related("transport").filter(name=topic.lower()).first()
+    limit = body_limit(found.max_payload_bytes) if found is not None else body_limit()
+    body = _validate(_parse(_read_body(request, limit)))
     if found is None:
         raise HttpError(404, "No topic has this name.")
     if not found.allow_external_publish:
@@ -99,13 +125,23 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
         )
         for item in body.messages
     ]
-    results = publish_many(found.name, messages, user=actor.user, external=True)
+    try:
+        # The Topic, not its name: messages over its max_payload_bytes are rejected without a
+        # database round trip.
+        results = publish_many(found, messages, user=actor.user, external=True)
+    except InvalidMessageError as exc:
+        raise MessageValueError(exc) from None
     return Status(202, {"results": [_result(r) for r in results]})
 
 
-def _read_body(request: HttpRequest) -> bytes:
-    limit = body_limit()
-    too_large = HttpError(413, f"The request body is larger than {limit} bytes.")
+def _read_body(request: HttpRequest, limit: int) -> bytes:
+    too_large = HttpError(
+        413,
+        f"The request body is larger than {limit} bytes: room for PUBLISH_MAX_BATCH messages "
+        "of the topic's max_payload_bytes plus 2 KiB each, unless "
+        'WORKQUEUE["PUBLISH_BODY_LIMIT_BYTES"] says otherwise. Send fewer messages per '
+        'request, or raise WORKQUEUE["PUBLISH_BODY_LIMIT_BYTES"].',
+    )
     try:
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:
@@ -133,15 +169,43 @@ class ShapeError(HttpError):
         ]
 
 
+class MessageValueError(HttpError):
+    """A message holds a value the database cannot store: 400 saying where (never the value)."""
+
+    def __init__(self, error: InvalidMessageError) -> None:
+        field = to_camel(error.field)
+        super().__init__(400, f"messages[{error.index}].{field} {error.problem}.")
+        self.errors = [{"loc": ["messages", error.index, field], "msg": error.problem}]
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _parse(raw: bytes) -> PublishRequest:
+def _parse(raw: bytes) -> Any:
     try:
-        data = json.loads(raw, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError):
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise HttpError(
+            400,
+            f"The request body is JSON nested too deeply to read; payloads may nest at most "
+            f"{MAX_JSON_DEPTH} levels.",
+        ) from None
+    except ValueError:
         raise HttpError(400, "The request body is not valid JSON.") from None
+
+
+def _validate(data: Any) -> PublishRequest:
+    messages = data.get("messages") if isinstance(data, dict) else None
+    max_batch = get_settings().PUBLISH_MAX_BATCH
+    # Counted on the parsed list, before any message is validated: an oversized batch costs no
+    # per-message work.
+    if isinstance(messages, list) and len(messages) > max_batch:
+        raise HttpError(
+            400,
+            f'messages must hold 1 to {max_batch} items (WORKQUEUE["PUBLISH_MAX_BATCH"]); '
+            f"got {len(messages)}.",
+        )
     try:
         return PublishRequest.model_validate(data)
     except pydantic.ValidationError as exc:

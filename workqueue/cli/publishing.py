@@ -35,6 +35,7 @@ class PublishVerb(Verb):
         parser.add_argument("--count", type=int, default=1)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.exceptions import InvalidInputError
         from workqueue.publishing import publish_many
 
         payload = _json_option(options, "payload")
@@ -52,7 +53,11 @@ class PublishVerb(Verb):
         started = time.monotonic()
         progress = _Progress(count, command.stderr) if count >= 1000 else None
         for offset in range(0, count, BATCH):
-            results += publish_many(options["topic"], [message] * min(BATCH, count - offset))
+            try:
+                results += publish_many(options["topic"], [message] * min(BATCH, count - offset))
+            except InvalidInputError as exc:
+                # A value the database cannot store: refused before anything was published.
+                raise CommandError(str(exc)) from None
             if progress:
                 progress.update(len(results))
         elapsed = max(time.monotonic() - started, 1e-9)
@@ -91,10 +96,13 @@ def _json_option(options: dict[str, Any], name: str) -> Any:
     text = options[name]
     if text is None:
         return None
+    option = f"--{name.replace('_', '-')}"
     try:
         return json.loads(text)
+    except RecursionError:
+        raise CommandError(f"{option} is JSON nested too deeply to read.") from None
     except ValueError as exc:
-        raise CommandError(f"--{name.replace('_', '-')} is not valid JSON: {exc}") from None
+        raise CommandError(f"{option} is not valid JSON: {exc}") from None
 
 
 class _Progress:

@@ -20,7 +20,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.procedures import Param, ParamType, Procedure, get_procedure
-from workqueue.exceptions import DriverError
+from workqueue.exceptions import DriverError, UnstorableValueError
 
 #: The driver-owned tables; their indexes churn with every publish, claim and settle.
 QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplication")
@@ -222,6 +222,8 @@ class BaseDriver:
             with conn.cursor() as cursor:
                 cursor.execute(sql, values)
                 return cursor.fetchall() if cursor.description else []
+        except UnicodeEncodeError as exc:
+            raise unencodable(exc) from exc
         except DatabaseError as exc:
             if connection is None:
                 self._discard_if_broken(conn)
@@ -258,6 +260,12 @@ class BaseDriver:
             column.name: decode_value(column.type, value)
             for column, value in zip(procedure.columns, row, strict=True)
         }
+
+
+def unencodable(error: UnicodeEncodeError) -> UnstorableValueError:
+    """The error for a string the database library could not encode (a lone surrogate): it is
+    raised before anything is sent, is not a database error, and would fail again."""
+    return UnstorableValueError(f"A value cannot be sent to the database: {error}")
 
 
 def canonical_json(value: Any) -> str:

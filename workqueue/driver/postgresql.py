@@ -11,9 +11,20 @@ from typing import Any
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures, SparseIndex
+from workqueue.driver.base import (
+    QUEUE_TABLES,
+    BaseDriver,
+    DriverFeatures,
+    SparseIndex,
+    unencodable,
+)
 from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
-from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.exceptions import (
+    DriverError,
+    TransientDriverError,
+    UniqueViolationError,
+    UnstorableValueError,
+)
 from workqueue.sql import load_procedures
 
 _CASTS = {
@@ -27,6 +38,13 @@ _CASTS = {
 
 # deadlock, serialization failure, lock timeout, and the connection-exception class.
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
+
+
+def _is_data_error(error: BaseException) -> bool:
+    import psycopg
+    from django.db import DataError
+
+    return isinstance(error, (psycopg.DataError, DataError))
 
 
 def _is_connection_error(error: BaseException) -> bool:
@@ -116,10 +134,14 @@ class PostgresDriver(BaseDriver):
             return UniqueViolationError(message)
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
+        # Class 22 ("data exception") from the server, or psycopg refusing to send a value (a
+        # NUL character: no SQLSTATE, the server never saw it): the value is the problem.
+        if (sqlstate or "").startswith("22") or (sqlstate is None and _is_data_error(cause)):
+            return UnstorableValueError(message)
         if sqlstate is None:
             # No SQLSTATE: the server never judged the statement. A failed or broken connection
-            # is worth retrying; anything else failed on this side (a NUL character in a
-            # string, a value psycopg cannot adapt) and would fail the same way again.
+            # is worth retrying; anything else failed on this side (a value psycopg cannot
+            # adapt) and would fail the same way again.
             if _is_connection_error(cause) or _is_connection_error(error):
                 return TransientDriverError(message or "lost the database connection")
             return DriverError(message)
@@ -245,6 +267,8 @@ class PostgresDriver(BaseDriver):
                 raw = owned.connection
             cursor = raw.execute(sql, values)
             return cursor.fetchall() if cursor.description else []
+        except UnicodeEncodeError as exc:
+            raise unencodable(exc) from exc
         except psycopg.Error as exc:
             if raw is not None and (raw.closed or raw.broken):
                 self._local.raw = None

@@ -24,6 +24,7 @@ from django.db.models import Q
 from workqueue.exceptions import TopologyValidationError
 from workqueue.filters import FilterError, parse_filter, stored_filter_problem
 from workqueue.types import (
+    MAX_PAYLOAD_BYTES,
     HeartbeatMode,
     HostType,
     PartitionMode,
@@ -32,7 +33,6 @@ from workqueue.types import (
 )
 
 DATABASE_DRIVER = "Database"
-MAX_PAYLOAD_BYTES = 262_144
 
 # Topic and subscription names: lower-case words of letters and digits joined by '.', '_' or '-'.
 # \A...\Z, not ^...$: RegexValidator searches, and `$` also matches before a trailing newline.

@@ -1,5 +1,9 @@
 """The seven operator operations. Each checks permissions and validates its input before any
-queue call, and returns plain values (dataclasses) that every surface renders its own way."""
+queue call, and returns plain values (dataclasses) that every surface renders its own way.
+
+Names, notes and reasons the database cannot store (a NUL character, a lone surrogate, as a
+``%00`` in a URL gives) are an ``InvalidInputError`` like any other bad input, not a database
+error."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 
 from workqueue import transport
 from workqueue.exceptions import InvalidInputError, NotFoundError, WorkQueueError
+from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
 from workqueue.operators.permissions import CLI, OPERATE, READ, Actor, may_view_payload, require
 from workqueue.publishing import MAX_KEY_LENGTH
@@ -70,10 +75,17 @@ class BindingIssue:
 # -- input rules ---------------------------------------------------------------------------
 
 
+def _storable(value: str, what: str) -> str:
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidInputError(f"{what} {problem}.")
+    return value
+
+
 def _name(value: Any, what: str = "subscription_name") -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidInputError(f"{what} is required.")
-    value = value.strip()
+    value = _storable(value.strip(), what)
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidInputError(f"{what} must be at most {MAX_NAME_LENGTH} characters.")
     return value.lower()
@@ -88,7 +100,7 @@ def _note(value: Any, what: str, *, required: bool = False) -> str | None:
         raise InvalidInputError(f"{what} must be text.")
     if len(value) > MAX_NOTE_LENGTH:
         raise InvalidInputError(f"{what} must be at most {MAX_NOTE_LENGTH} characters.")
-    return value.strip()
+    return _storable(value.strip(), what)
 
 
 def _delivery_id(value: Any) -> str | None:
@@ -201,6 +213,10 @@ def list_partitions(
         )
     size = cursors.page_size(page_size)
     after = cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH)
+    # A cursor is opaque but not trusted: a forged one must not carry a key the database
+    # cannot take.
+    if isinstance(after, str) and text_problem(after) is not None:
+        raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
     subscription = _subscription(name)
     if subscription.partition_mode == "None":

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workqueue.cli import all_verbs
+from workqueue.input_limits import text_problem
 
 
 class Command(BaseCommand):
@@ -14,11 +15,28 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         self._verbs = {verb.name: verb for verb in all_verbs()}
+        # How each verb's arguments are spelt on the command line, by their option names.
+        self._spellings: dict[str, dict[str, str]] = {}
         subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
         for verb in self._verbs.values():
             sub = subparsers.add_parser(verb.name, help=verb.help, description=verb.help)
             sub.add_argument("--json", action="store_true", help="Print JSON for machines.")
             verb.add_arguments(sub)
+            self._spellings[verb.name] = {
+                action.dest: action.option_strings[-1] if action.option_strings else action.dest
+                for action in sub._actions
+            }
 
     def handle(self, *args: Any, **options: Any) -> None:
+        self._refuse_unstorable_text(options)
         self._verbs[options["verb"]].run(self, options)
+
+    def _refuse_unstorable_text(self, options: dict[str, Any]) -> None:
+        """Refuse text no verb could give the database, before any verb runs: a NUL character,
+        or a lone surrogate, which is what Python makes of command-line bytes that are not
+        UTF-8 (e.g. a Latin-1 terminal)."""
+        spellings = self._spellings[options["verb"]]
+        for dest, value in options.items():
+            for text in value if isinstance(value, list) else [value]:
+                if isinstance(text, str) and (problem := text_problem(text)) is not None:
+                    raise CommandError(f"{spellings.get(dest, dest)} {problem}.")

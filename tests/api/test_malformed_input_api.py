@@ -1,0 +1,187 @@
+"""Attack tests (issue 10, item 8) through the REST API: text the database cannot store (a NUL
+character, a lone surrogate) and JSON nested deeper than 64 levels are answered 400 with where
+the problem is, before any database work; nothing is written and the value is not echoed. The
+operator endpoints do the same for names in the path (``%00``), notes, reasons and cursors.
+Through Django's test client against the real queue."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from tests.api.factories import ApiKeyFactory
+from tests.api.test_publish_api import assert_refused, post
+from tests.factories import SubscriptionFactory, TopicFactory
+from workqueue import publish
+from workqueue.models import Delivery
+from workqueue.operators.permissions import OPERATE, PUBLISH, READ
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+NUL = "\u0000"
+LONE_SURROGATE = "\ud800"
+
+
+def nested(depth: int) -> str:
+    """A JSON array ``depth`` levels deep, as text (json.dumps would recurse that deep)."""
+    return "[" * depth + "]" * depth
+
+
+@pytest.fixture
+def topic():
+    topic = TopicFactory(allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+    return topic
+
+
+@pytest.fixture
+def key():
+    return ApiKeyFactory(scopes=[PUBLISH, READ, OPERATE])
+
+
+def publish_raw(client: Any, topic: Any, key: Any, second_message: str) -> Any:
+    """Publish a batch of a valid message and then ``second_message`` (JSON text)."""
+    raw = '{"messages": [{"payload": 1}, ' + second_message + "]}"
+    return post(client, topic.name, raw=raw, key=key)
+
+
+# -- publish ----------------------------------------------------------------------------------
+
+
+MALFORMED = [
+    ("payload", {"payload": f"a{NUL}b"}, "NUL"),
+    ("payload", {"payload": {f"key{NUL}": 1}}, "NUL"),
+    ("payload", {"payload": ["ok", LONE_SURROGATE]}, "lone surrogate"),
+    ("payload", {"payload": {LONE_SURROGATE: 1}}, "lone surrogate"),
+    ("partitionKey", {"payload": 1, "partitionKey": f"customer{NUL}"}, "NUL"),
+    ("partitionKey", {"payload": 1, "partitionKey": "\udfff"}, "lone surrogate"),
+    ("deduplicationKey", {"payload": 1, "deduplicationKey": f"order{NUL}"}, "NUL"),
+    ("correlationId", {"payload": 1, "correlationId": f"{LONE_SURROGATE}x"}, "lone surrogate"),
+    ("attributes", {"payload": 1, "attributes": {"region": f"eu{NUL}"}}, "NUL"),
+    ("payloadRef", {"payloadRef": {"uri": f"s3://bucket/{NUL}"}}, "NUL"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "message", "problem"),
+    MALFORMED,
+    ids=[f"{field}-{problem.split()[-1]}-{n}" for n, (field, _, problem) in enumerate(MALFORMED)],
+)
+def test_text_the_database_cannot_store_is_400_naming_the_message_and_field(
+    client, topic, key, statements, field, message, problem
+):
+    # json.dumps writes NUL and surrogates as \u escapes, as any client would have to.
+    response = publish_raw(client, topic, key, json.dumps(message))
+
+    body = assert_refused(response, 400)
+    assert body["detail"].startswith(f"messages[1].{field} holds a {problem}")
+    assert body["errors"] == [{"loc": ["messages", 1, field], "msg": body["errors"][0]["msg"]}]
+    assert problem in body["errors"][0]["msg"]
+    assert statements == []
+
+
+@pytest.mark.parametrize("depth", [65, 900], ids=["just-over", "near-the-recursion-limit"])
+def test_a_payload_nested_deeper_than_64_levels_is_400(client, topic, key, statements, depth):
+    response = publish_raw(client, topic, key, '{"payload": ' + nested(depth) + "}")
+
+    body = assert_refused(response, 400)
+    assert body["detail"] == "messages[1].payload is nested more than 64 levels deep."
+    assert body["errors"][0]["loc"] == ["messages", 1, "payload"]
+    assert statements == []
+
+
+def test_a_body_nested_past_what_the_parser_takes_is_400_saying_so(client, topic, key):
+    response = publish_raw(client, topic, key, '{"payload": ' + nested(5000) + "}")
+
+    body = assert_refused(response, 400)
+    assert "nested too deeply" in body["detail"] and "64" in body["detail"]
+
+
+def test_what_looks_like_malformed_text_but_is_not_is_stored_exactly(client, topic, key):
+    payload = {
+        "deep": json.loads(nested(63)),  # 64 levels with the object around it
+        "emoji": "\U0001f600",  # sent as the escaped surrogate pair \ud83d\ude00
+        "backslash-u": "\\u0000 and \\ud800",  # a backslash, then plain letters and digits
+    }
+    raw = json.dumps({"messages": [{"payload": payload, "partitionKey": "\\u0000"}]})
+    assert "\\ud83d\\ude00" in raw
+
+    response = post(client, topic.name, raw=raw, key=key)
+
+    assert response.status_code == 202, response.content
+    [delivery] = Receiver(topic.subscriptions.get().id).receive(1).deliveries
+    assert delivery.payload == payload
+    assert delivery.partition_key == "\\u0000"
+
+
+# -- operator endpoints -------------------------------------------------------------------------
+
+
+def operator_call(client: Any, key: Any, method: str, path: str, body: Any = None) -> Any:
+    url, headers = f"/work-queue{path}", {"X-API-Key": key.raw_key}
+    if method == "get":
+        return client.get(url, headers=headers)
+    return client.post(url, data=json.dumps(body), content_type="application/json", headers=headers)
+
+
+DELIVERY = "00000000-0000-4000-8000-000000000000"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("get", "/subscriptions/a%00b/stats", None),
+        ("get", "/subscriptions/a%00b/dead-letters", None),
+        ("get", "/subscriptions/a%00b/partitions", None),
+        ("get", "/subscriptions/a%00b/backlog", None),
+        ("post", f"/subscriptions/a%00b/deliveries/{DELIVERY}/replay", {}),
+        ("post", f"/subscriptions/a%00b/deliveries/{DELIVERY}/discard", {"reason": "r"}),
+        ("get", "/bindings/validate?transport=a%00b", None),
+    ],
+    ids=["stats", "dead-letters", "partitions", "backlog", "replay", "discard", "bindings"],
+)
+def test_a_nul_in_a_name_in_the_url_is_400(client, key, method, path, body):
+    response = operator_call(client, key, method, path, body)
+
+    assert response.status_code == 400, response.content
+    assert "NUL" in response.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "field"),
+    [
+        ("replay", {"note": f"checked{NUL}"}, "note"),
+        ("discard", {"reason": f"{LONE_SURROGATE}poison"}, "reason"),
+    ],
+)
+def test_a_note_or_reason_the_database_cannot_store_is_400_and_changes_nothing(
+    client, key, action, body, field
+):
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    receiver = Receiver(sub.id)
+    [claimed] = receiver.receive(1).deliveries
+    assert receiver.dead_letter(claimed, "Poison", "boom").settled
+    path = f"/subscriptions/{sub.name}/deliveries/{claimed.delivery_id}/{action}"
+
+    response = operator_call(client, key, "post", path, body)
+
+    assert response.status_code == 400, response.content
+    assert response.json()["detail"].startswith(f"{field} holds a")
+    assert Delivery.objects.get(id=claimed.delivery_id).status == "DeadLettered"
+
+
+def test_a_partitions_cursor_carrying_a_nul_key_is_400(client, key):
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    forged = base64.urlsafe_b64encode(json.dumps({"partition_key": f"k{NUL}"}).encode()).decode()
+
+    response = operator_call(
+        client, key, "get", f"/subscriptions/{sub.name}/partitions?cursor={forged.rstrip('=')}"
+    )
+
+    assert response.status_code == 400, response.content
+    assert "cursor" in response.json()["detail"]

@@ -1,0 +1,79 @@
+"""The text and JSON rules of ``workqueue.input_limits`` on their own: what they find, and what
+only looks like it (an escaped backslash before ``u0000``, a surrogate pair, brackets inside
+strings)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from workqueue.input_limits import (
+    MAX_JSON_DEPTH,
+    NON_FINITE_PROBLEM,
+    NUL_PROBLEM,
+    SURROGATE_PROBLEM,
+    TOO_DEEP_PROBLEM,
+    json_text_problem,
+    text_problem,
+)
+
+
+def as_stored(value: Any) -> str:
+    # As workqueue.driver.base.canonical_json writes values.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def nested(depth: int, inner: Any = None) -> Any:
+    value = inner
+    for level in range(depth):
+        value = [value] if level % 2 else {"k": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("plain", None),
+        ("\U0001f600 emoji", None),
+        ("\\u0000 as letters", None),
+        ("nul \x00", NUL_PROBLEM),
+        ("high \ud83d alone", SURROGATE_PROBLEM),
+        ("low \udcff alone", SURROGATE_PROBLEM),
+    ],
+)
+def test_text_problem(value, problem):
+    assert text_problem(value) == problem
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"a": ["x", 1, None, True, 1.5e300]}, None),
+        ("\\u0000", None),  # a backslash, then letters: escaped as \\u0000
+        ("\\\x00", NUL_PROBLEM),  # a backslash, then a NUL: \\\u0000
+        ({"key\x00": 1}, NUL_PROBLEM),
+        (["\ud800"], SURROGATE_PROBLEM),
+        ({"\udfff": 1}, SURROGATE_PROBLEM),
+        (["\U0001f600"], None),
+        (["NaN", "Infinity", "[[[[", "}}}}"], None),  # inside strings they are only text
+        ([float("nan")], NON_FINITE_PROBLEM),
+        ({"x": float("-inf")}, NON_FINITE_PROBLEM),
+        (nested(MAX_JSON_DEPTH), None),
+        (nested(MAX_JSON_DEPTH, "[" * 100), None),
+        (nested(MAX_JSON_DEPTH + 1), TOO_DEEP_PROBLEM),
+        ([nested(MAX_JSON_DEPTH - 1), [], {}, nested(3)], None),
+        ([[], nested(MAX_JSON_DEPTH)], TOO_DEEP_PROBLEM),
+        (nested(500), TOO_DEEP_PROBLEM),
+    ],
+)
+def test_json_text_problem(value, problem):
+    assert json_text_problem(as_stored(value)) == problem
+
+
+def test_a_wide_value_at_the_limit_is_checked_in_one_pass_per_level():
+    wide = [nested(MAX_JSON_DEPTH - 1)] * 2000 + list(range(100_000))
+
+    assert json_text_problem(as_stored(wide)) is None
+    assert json_text_problem(as_stored([*wide, nested(MAX_JSON_DEPTH)])) == TOO_DEEP_PROBLEM
