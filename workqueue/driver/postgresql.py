@@ -11,7 +11,13 @@ from typing import Any
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures, SparseIndex
+from workqueue.driver.base import (
+    QUEUE_TABLES,
+    BaseDriver,
+    DriverFeatures,
+    SparseIndex,
+    routed_to_django_connection,
+)
 from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
 from workqueue.sql import load_procedures
@@ -218,7 +224,7 @@ class PostgresDriver(BaseDriver):
     def execute(
         self, sql: str, values: list[Any], connection: BaseDatabaseWrapper | None = None
     ) -> list[tuple[Any, ...]]:
-        if connection is not None:
+        if connection is not None or routed_to_django_connection(self.alias):
             return super().execute(sql, values, connection)
         # The private path talks to psycopg directly: Django's cursor wrapper (debug logging,
         # client-side binding) costs more per call than a settle itself, and psycopg prepares
@@ -231,6 +237,7 @@ class PostgresDriver(BaseDriver):
             if raw is None or raw.closed:
                 owned = self._local.raw = _ThreadConnection(_connect(self.alias))
                 raw = owned.connection
+                self._track(raw)
             cursor = raw.execute(sql, values)
             return cursor.fetchall() if cursor.description else []
         except psycopg.Error as exc:

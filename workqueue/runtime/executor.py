@@ -92,6 +92,10 @@ class ExecutionServices:
     handlers: HandlerRegistry
     user: Any
     lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
+    #: Called before and after each handler so it gets fresh ORM connections, as a request
+    #: would. ``run_until_idle`` runs handlers inside a test's transaction and passes a no-op:
+    #: closing that connection would end the test's transaction.
+    refresh_connections: Callable[[], None] = close_old_connections
 
 
 class DeliveryExecution:
@@ -195,7 +199,7 @@ class DeliveryExecution:
             _heartbeat=self._beat,
         )
         # The handler may use the ORM: give it fresh connections, like a request would.
-        close_old_connections()
+        self.services.refresh_connections()
         try:
             outcome = handler_class(self.services.user).handle(message, context)
         except FatalWorkError as exc:
@@ -212,7 +216,7 @@ class DeliveryExecution:
         except Exception as exc:
             return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
-            close_old_connections()
+            self.services.refresh_connections()
         if not isinstance(outcome, Outcome) or outcome.kind not in {
             Outcome.COMPLETE,
             Outcome.RETRY,

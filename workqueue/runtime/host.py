@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 from django.utils import timezone
 
 from workqueue import signals
@@ -203,6 +203,15 @@ class Host:
                 raise RuntimeError("This host has already been started")
             self._started = True
             conf = get_settings()
+            if connections[conf.DATABASE_ALIAS].in_atomic_block:
+                # A host claims on its own threads and connections, which cannot see rows this
+                # transaction has not committed, and it closes this thread's connection when
+                # it stops, ending the transaction: in a TestCase both break the test.
+                raise WorkQueueConfigurationError(
+                    "A host cannot run inside a transaction (such as a TestCase's): its "
+                    "threads would not see the transaction's rows. In tests, run deliveries "
+                    "with workqueue.testing.run_until_idle() instead."
+                )
             autodiscover(conf.HANDLER_MODULES)
             self.user = resolve_system_user(conf)
             self._timers = TimerQueue()
