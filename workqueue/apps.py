@@ -14,7 +14,7 @@ class WorkqueueConfig(AppConfig):
         from django.db.backends.signals import connection_created
         from django.db.models.signals import pre_save
 
-        from workqueue.checks import check_settings
+        from workqueue.checks import check_settings, check_system_user
         from workqueue.driver import close_before_database_administration, close_thread_connections
         from workqueue.models.topology import (
             Subscription,
@@ -24,6 +24,7 @@ class WorkqueueConfig(AppConfig):
         )
 
         checks.register(check_settings, "workqueue")
+        checks.register(check_system_user, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
         connection_created.connect(
             close_before_database_administration, dispatch_uid="workqueue-driver-no-db"

@@ -284,3 +284,30 @@ def test_a_new_projects_own_tests_pass_with_manage_py_test_and_with_pytest(
 
     output = _run([installed.python, "-m", "pytest", "-p", "no:cacheprovider", "shop"], site, env)
     assert "5 passed" in output, output
+
+
+def test_a_new_project_is_told_to_create_its_system_user_and_one_command_does_it(
+    tmp_path, scratch_database, installed
+):
+    env = _clean_environment()
+    env["DATABASE_URL"] = scratch_database
+    python = installed.python
+    site = installed.new_project(tmp_path, env)
+    # The first migrate runs the database checks before the user table exists: not blocked.
+    _run([python, "manage.py", "migrate", "-v0"], site, env)
+
+    report = _run([python, "manage.py", "check", "--database", "default"], site, env, expect=1)
+    assert "workqueue.E004" in report and "'robot'" in report
+    assert "manage.py workqueue create-system-user" in report
+    assert "superuser" not in report.lower()
+
+    output = _run([python, "manage.py", "workqueue", "create-system-user"], site, env)
+    assert "Created the system user 'robot'" in output
+    _run([python, "manage.py", "check", "--database", "default"], site, env)
+    check = (
+        "from django.contrib.auth import get_user_model; "
+        "u = get_user_model().objects.get(username='robot'); "
+        "print(u.has_usable_password(), u.is_staff, u.is_superuser)"
+    )
+    output = _run([python, "manage.py", "shell", "-c", check], site, env)
+    assert output.strip().splitlines()[-1] == "False False False"

@@ -23,10 +23,11 @@ from workqueue.driver.base import on_django_connection
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
 from workqueue.runtime.handlers import autodiscover, handler_registry
-from workqueue.runtime.host import Host, HostConfig, PlanState, resolve_system_user
+from workqueue.runtime.host import Host, HostConfig, PlanState
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.workers import WorkerPool
+from workqueue.system_user import resolve_system_user
 from workqueue.transport import Receiver
 from workqueue.types import DeliveryStatus
 
