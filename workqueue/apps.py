@@ -11,10 +11,11 @@ class WorkqueueConfig(AppConfig):
 
     def ready(self) -> None:
         from django.core.signals import request_finished
+        from django.db.backends.signals import connection_created
         from django.db.models.signals import pre_save
 
-        from workqueue.checks import check_settings
-        from workqueue.driver import close_thread_connections
+        from workqueue.checks import check_settings, check_system_user
+        from workqueue.driver import close_before_database_administration, close_thread_connections
         from workqueue.models.topology import (
             Subscription,
             Topic,
@@ -23,7 +24,11 @@ class WorkqueueConfig(AppConfig):
         )
 
         checks.register(check_settings, "workqueue")
+        checks.register(check_system_user, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
+        connection_created.connect(
+            close_before_database_administration, dispatch_uid="workqueue-driver-no-db"
+        )
         # pre_save rather than save(): loaddata writes through Model.save_base (raw=True),
         # which skips a model's save() but still sends the signal.
         for model in (Transport, Topic, Subscription):

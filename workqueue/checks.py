@@ -7,6 +7,7 @@ from typing import Any
 from django.apps import AppConfig
 from django.conf import settings
 from django.core import checks
+from django.db import DatabaseError
 
 from workqueue.exceptions import WorkQueueConfigurationError
 
@@ -52,8 +53,58 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
             checks.Warning(
                 "WORKQUEUE['SYSTEM_USER'] is not set; hosts will refuse to start.",
                 hint="Set WORKQUEUE['SYSTEM_USER'] (or WORKQUEUE_SYSTEM_USER) to the username "
-                "or e-mail of an existing user that handlers run as.",
+                "handlers should run as, then create that account with `manage.py workqueue "
+                "create-system-user`.",
                 id="workqueue.W001",
             )
         )
     return errors
+
+
+def check_system_user(
+    app_configs: list[AppConfig] | None = None,
+    databases: list[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Database check (``manage.py check --database default``, and ``migrate``): the
+    configured SYSTEM_USER exists, and is not a superuser."""
+    from django.core import mail
+
+    from workqueue.conf import get_settings
+    from workqueue.system_user import CREATE_COMMAND, find_system_user, unknown_user_message
+
+    # Django's test runner runs database checks against the new test database, where no user
+    # exists until a test creates one; setup_test_environment() is what adds mail.outbox.
+    if not databases or hasattr(mail, "outbox"):
+        return []
+    try:
+        conf = get_settings()
+    except WorkQueueConfigurationError:
+        return []  # reported by check_settings
+    if not conf.SYSTEM_USER.strip():
+        return []  # reported by check_settings (W001)
+    try:
+        user = find_system_user(conf)
+    except DatabaseError:
+        # The user table is not there yet: `migrate` runs this check before it creates it.
+        return []
+    if user is None:
+        return [
+            checks.Error(
+                unknown_user_message(conf.SYSTEM_USER.strip()),
+                hint=f"Run `{CREATE_COMMAND}`: it creates the account with an unusable "
+                "password and no admin rights.",
+                id="workqueue.E004",
+            )
+        ]
+    if user.is_superuser:
+        return [
+            checks.Warning(
+                f"WORKQUEUE['SYSTEM_USER'] {conf.SYSTEM_USER.strip()!r} is a superuser, so "
+                "every handler runs with every permission, for whoever can publish.",
+                hint="Point SYSTEM_USER at an account that holds only what the handlers need; "
+                f"`{CREATE_COMMAND}` creates one.",
+                id="workqueue.W002",
+            )
+        ]
+    return []

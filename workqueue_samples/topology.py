@@ -3,11 +3,11 @@ mode. ``seed()`` is idempotent: it creates what is missing and leaves the rest a
 
 from __future__ import annotations
 
-from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from workqueue.conf import get_settings
 from workqueue.models import Subscription, Topic, Transport
+from workqueue.system_user import create_system_user
 
 TOPIC = "samples.hello"
 SUBSCRIPTIONS = {
@@ -22,15 +22,10 @@ def seed() -> list[str]:
     """Create the sample topic and subscriptions, and the system user handlers run as, if
     missing; return what was created."""
     created = []
-    system_user = get_settings().SYSTEM_USER
-    User = get_user_model()
-    if (
-        system_user
-        and not User._default_manager.filter(**{User.USERNAME_FIELD: system_user}).exists()
-    ):
-        # No password: nobody logs in as it; handlers and the sweeper act as it.
-        User._default_manager.create_user(**{User.USERNAME_FIELD: system_user})
-        created.append(f"system user {system_user}")
+    if get_settings().SYSTEM_USER:
+        user, new = create_system_user()
+        if new:
+            created.append(f"system user {user.get_username()}")
     # Seeded by the workqueue migrations; recreated here only if someone deleted it.
     transport, _ = Transport.objects.get_or_create(
         name="Database", defaults={"driver_class": "Database"}

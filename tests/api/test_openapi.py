@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Any
 
 import pytest
 from django.core.management import call_command
 
-from workqueue.api import api
+from workqueue.api import api, docs
 
 PREFIX = "/work-queue"
 ENDPOINTS = {
@@ -136,15 +137,51 @@ def test_the_schema_is_served_as_json(client):
     )
 
 
-@pytest.mark.django_db
-def test_the_docs_page_renders_swagger_pointing_at_the_schema(client):
+def _docs_page(client: Any) -> tuple[str, list[str]]:
+    """The docs page and every URL it loads (src and href attributes)."""
     response = client.get(f"{PREFIX}/docs")
-
     assert response.status_code == 200
     html = response.content.decode()
+    return html, re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", html)
+
+
+def _assert_served_here(client: Any, html: str, urls: list[str]) -> None:
+    # No absolute URL of any host, not even scheme-relative: an air-gapped network reaches none.
+    assert not re.search(r"https?:|//[a-z0-9]", html, re.IGNORECASE), html
+    assert '"validatorUrl": null' in html  # Swagger UI would otherwise call validator.swagger.io
+    assert {url.rsplit("/", 1)[-1] for url in urls} == docs.ASSETS
+    for url in urls:
+        assert url.startswith(f"{PREFIX}/docs/assets/")
+        response = client.get(url)
+        assert response.status_code == 200, url
+        name = url.rsplit("/", 1)[-1]
+        assert b"".join(response.streaming_content) == (docs.ASSET_DIRECTORY / name).read_bytes()
+
+
+@pytest.mark.django_db
+def test_the_docs_page_loads_swagger_ui_from_this_server_and_no_other_host(client):
+    html, urls = _docs_page(client)
+
     assert "swagger-ui" in html
     assert f"{PREFIX}/openapi.json" in html
-    assert "/static/ninja/swagger-ui-bundle.js" in html  # served by the app, not a CDN
+    _assert_served_here(client, html, urls)
+
+
+@pytest.mark.django_db
+def test_the_docs_page_needs_neither_ninja_nor_staticfiles_in_installed_apps(client, settings):
+    settings.INSTALLED_APPS = [
+        app for app in settings.INSTALLED_APPS if app not in {"ninja", "django.contrib.staticfiles"}
+    ]
+    html, urls = _docs_page(client)
+
+    _assert_served_here(client, html, urls)
+
+
+@pytest.mark.django_db
+def test_only_swagger_uis_own_files_are_served(client):
+    for name in ("redoc.standalone.js", "..%2F..%2F__init__.py", "swagger-ui-bundle.js.map"):
+        assert client.get(f"{PREFIX}/docs/assets/{name}").status_code == 404, name
+    assert "/docs/assets/" not in json.dumps(api.get_openapi_schema(path_prefix=PREFIX))
 
 
 def test_export_openapi_schema_writes_the_document():

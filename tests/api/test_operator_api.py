@@ -20,7 +20,7 @@ from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
 from tests.factories import SubscriptionFactory
 from workqueue import publish
 from workqueue.api import subscriptions as subscriptions_api
-from workqueue.models import Delivery, HostRecord
+from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.operators.permissions import (
     OPERATE,
     OPERATE_PERMISSION,
@@ -666,6 +666,59 @@ def test_health_is_degraded_when_a_subscription_runs_nowhere_and_down_without_ho
     assert body["status"] == "degraded"
     assert body["subscriptions"][0]["state"] == "HandlerNotRegistered"
     assert body["subscriptions"][0]["reason"] == "no handler"
+
+
+def test_due_work_that_no_live_host_runs_degrades_health_and_warns_in_validate_bindings(client):
+    served = SubscriptionFactory(name="orders.sub")
+    unserved = SubscriptionFactory(name="audit.sub")
+    paused = SubscriptionFactory(name="paused.sub")
+    disabled = SubscriptionFactory(name="disabled.sub")
+    idle = SubscriptionFactory(name="idle.sub")  # no host either, but nothing is due
+    for sub in (served, unserved, unserved, paused, disabled):
+        pending(sub)
+    # Work was due before they were stopped on purpose: that is not a problem to report.
+    Subscription.objects.filter(pk=paused.pk).update(status="Paused")
+    Subscription.objects.filter(pk=disabled.pk).update(status="Disabled")
+    host("a:1", [running("orders.sub")])
+    key = reader()
+
+    body = call(client, "get", "/health", key=key).json()
+    assert body["status"] == "degraded"
+    assert body["subscriptions"] == [
+        {
+            "name": "audit.sub",
+            "state": "NotRunning",
+            "reason": "No live host runs it; 2 deliveries are due.",
+            "runningHosts": 0,
+            "inFlight": 0,
+        },
+        {"name": "orders.sub", "state": "Running", "reason": "", "runningHosts": 1, "inFlight": 0},
+    ]
+
+    issues = call(client, "get", "/bindings/validate", key=key).json()["issues"]
+    due = [i for i in issues if "deliveries are due" in i["message"]]
+    assert [(i["severity"], i["subject"]) for i in due] == [("Warning", "subscription audit.sub")]
+    assert "workqueue_host -s audit.sub" in due[0]["message"]
+    assert not {i["subject"] for i in issues} & {
+        f"subscription {s.name}" for s in (paused, disabled, idle)
+    }
+
+    # Once a live host runs it, the same backlog is served work, not a problem.
+    host("b:2", [running("audit.sub")])
+    assert call(client, "get", "/health", key=key).json()["status"] == "ok"
+    issues = call(client, "get", "/bindings/validate", key=key).json()["issues"]
+    assert not [i for i in issues if "deliveries are due" in i["message"]]
+
+
+def test_due_work_with_no_live_host_at_all_is_listed_while_health_is_down(client):
+    pending(SubscriptionFactory(name="audit.sub"))
+
+    body = call(client, "get", "/health", key=reader()).json()
+
+    assert body["status"] == "down"
+    assert [(s["name"], s["state"]) for s in body["subscriptions"]] == [("audit.sub", "NotRunning")]
+    limited = call(client, "get", "/health", key=reader(subscriptions=["other.sub"])).json()
+    assert limited["subscriptions"] == []
 
 
 def test_health_with_a_key_limited_to_subscriptions_shows_only_those(client):

@@ -229,6 +229,27 @@ def test_sigterm_lets_a_handler_that_finishes_within_the_drain_complete(processe
     assert delivery(message).status == "Completed"
 
 
+def test_sigterm_tells_handlers_at_once_so_a_cooperative_one_ends_the_drain_early(processes):
+    sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30, max_attempts=3)
+    # A drain far longer than the test allows: only the early notice can make this quick.
+    host = processes.host(sub.name, WORKQUEUE_SHUTDOWN_DRAIN_MS="30000")
+    message = publish(sub.topic.name, {"sleepMs": 60_000, "untilStopping": True}).message_id
+    wait_until(lambda: delivery(message).status == "InFlight")
+    wait_until(lambda: [e["event"] for e in read_events(processes.events)] == ["start"])
+
+    began = time.monotonic()
+    host.popen.send_signal(signal.SIGTERM)
+    code = host.wait(timeout=20)
+    took = time.monotonic() - began
+
+    assert code == 0, host.stderr()
+    assert took < 5, f"took {took:.1f}s"
+    stopping = [e for e in read_events(processes.events) if e["event"] == "stopping"]
+    assert [e["signal"] for e in stopping] == [None]  # told before any abort
+    row = delivery(message)
+    assert (row.status, row.attempt_count, row.last_error) == ("Pending", 0, None)
+
+
 def test_sigterm_exits_within_the_drain_budget_even_if_a_handler_ignores_the_abort(processes):
     sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
     host = processes.host(sub.name)

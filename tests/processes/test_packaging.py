@@ -1,5 +1,6 @@
 """The wheel is a real reusable package: a brand-new `django-admin startproject` project can
-install it, add the app, migrate, publish and process a message with `workqueue_host`."""
+install it, add the app, migrate, publish and process a message with `workqueue_host`, and run
+its own tests of publishing and handlers with `manage.py test` and with pytest."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,38 +45,91 @@ Subscription.objects.create(topic=topic, name="pkg.greetings-hello", handler_key
 """
 
 
-def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) -> str:
+def _run(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600, expect: int = 0
+) -> str:
     done = subprocess.run(
         args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
-    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
+    assert done.returncode == expect, (
+        f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    )
+    return done.stdout + done.stderr
 
 
-def test_the_wheel_installs_into_a_new_project_and_processes_a_message(tmp_path, scratch_database):
+def _clean_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
     env.pop("PYTHONPATH", None)
-    env["DATABASE_URL"] = scratch_database
-    wheels = tmp_path / "wheels"
+    return env
+
+
+@dataclass(frozen=True)
+class Installed:
+    """A virtualenv holding the built wheel, as a user's project would have it."""
+
+    venv: Path
+
+    @property
+    def python(self) -> str:
+        return str(self.venv / "bin" / "python")
+
+    def new_project(self, where: Path, env: dict[str, str]) -> Path:
+        """``django-admin startproject newsite`` in ``where`` with the ``hello`` app added."""
+        site = where / "newsite"
+        site.mkdir()
+        _run(
+            [str(self.venv / "bin" / "django-admin"), "startproject", "newsite", str(site)],
+            where,
+            env,
+        )
+        (site / "hello").mkdir()
+        (site / "hello" / "__init__.py").write_text("")
+        (site / "hello" / "work_handlers.py").write_text(HANDLER)
+        with (site / "newsite" / "settings.py").open("a") as settings_file:
+            settings_file.write(SETTINGS)
+        return site
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Installed:
+    """The wheel built from this tree, installed in a new virtualenv with the test runners a
+    user's project would use."""
+    where = tmp_path_factory.mktemp("installed")
+    env = _clean_environment()
+    wheels = where / "wheels"
     _run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(wheels)],
-        tmp_path,
+        where,
         env,
     )
     [wheel] = wheels.glob("django_workqueue-*.whl")
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
-    python = str(venv / "bin" / "python")
-    _run([python, "-m", "pip", "install", "-q", str(wheel), "django-environ"], tmp_path, env)
+    venv = where / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], where, env)
+    _run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            str(wheel),
+            "django-environ",
+            "pytest",
+            "pytest-django",
+        ],
+        where,
+        env,
+    )
+    return Installed(venv)
 
-    site = tmp_path / "newsite"
-    site.mkdir()
-    _run([str(venv / "bin" / "django-admin"), "startproject", "newsite", str(site)], tmp_path, env)
-    (site / "hello").mkdir()
-    (site / "hello" / "__init__.py").write_text("")
-    (site / "hello" / "work_handlers.py").write_text(HANDLER)
-    with (site / "newsite" / "settings.py").open("a") as settings_file:
-        settings_file.write(SETTINGS)
+
+def test_the_wheel_installs_into_a_new_project_and_processes_a_message(
+    tmp_path, scratch_database, installed
+):
+    env = _clean_environment()
+    env["DATABASE_URL"] = scratch_database
+    python = installed.python
+    site = installed.new_project(tmp_path, env)
     _run([python, "manage.py", "migrate", "-v0"], site, env)
     _run([python, "manage.py", "shell", "-c", SETUP], site, env)
     marker = tmp_path / "handled.txt"
@@ -101,3 +158,156 @@ def test_the_wheel_installs_into_a_new_project_and_processes_a_message(tmp_path,
         host.send_signal(signal.SIGTERM)
         output = host.communicate(timeout=60)[0]
     assert host.returncode == 0, output
+
+
+# -- a user's own test suite -------------------------------------------------------------------
+
+SHOP_MODELS = """
+from django.db import models
+
+
+class Invoice(models.Model):
+    order = models.IntegerField(unique=True)
+"""
+
+SHOP_HANDLERS = """
+from workqueue import BaseWorkHandler, Outcome, register_handler
+
+from shop.models import Invoice
+
+
+@register_handler("shop.invoice")
+class InvoiceHandler(BaseWorkHandler):
+    def handle(self, message, context):
+        Invoice.objects.create(order=message.payload["order"])
+        return Outcome.complete()
+"""
+
+# The README's "Testing your code" examples, run by both test runners.
+SHOP_DJANGO_TESTS = """
+from django.contrib.auth import get_user_model
+from django.test import TestCase, TransactionTestCase
+
+from workqueue import publish
+from workqueue.models import Subscription, Topic, Transport
+from workqueue.testing import run_until_idle, use_test_connection
+
+from shop.models import Invoice
+
+
+def make_topology():
+    get_user_model().objects.create_user("robot")  # WORKQUEUE["SYSTEM_USER"]
+    transport, _ = Transport.objects.get_or_create(name="Database")
+    topic = Topic.objects.create(name="orders.created", transport=transport)
+    Subscription.objects.create(
+        topic=topic, name="orders.created-billing", handler_key="shop.invoice"
+    )
+
+
+@use_test_connection()
+class InvoiceTests(TestCase):
+    def test_an_order_gets_an_invoice(self):
+        make_topology()
+        result = publish("orders.created", {"order": 7})
+        self.assertEqual(result.status, "Accepted")
+
+        runs = run_until_idle()
+
+        self.assertEqual([run.status for run in runs], ["Completed"])
+        self.assertTrue(Invoice.objects.filter(order=7).exists())
+
+
+class PublishingTests(TransactionTestCase):
+    def test_publishing_commits_on_the_queue_connection(self):
+        make_topology()
+        self.assertEqual(publish("orders.created", {"order": 8}).status, "Accepted")
+
+    def test_handlers_run_on_committed_rows(self):
+        make_topology()
+        publish("orders.created", {"order": 9})
+        self.assertEqual([run.status for run in run_until_idle()], ["Completed"])
+        self.assertTrue(Invoice.objects.filter(order=9).exists())
+"""
+
+SHOP_PYTEST_TESTS = """
+import pytest
+
+from workqueue import publish
+from workqueue.testing import run_until_idle, use_test_connection
+
+from shop.models import Invoice
+from shop.tests import make_topology
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_an_order_gets_an_invoice():
+    make_topology()
+    publish("orders.created", {"order": 7})
+    assert [run.status for run in run_until_idle()] == ["Completed"]
+    assert Invoice.objects.filter(order=7).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_publishing_alone_in_a_transactional_test():
+    make_topology()
+    assert publish("orders.created", {"order": 8}).status == "Accepted"
+"""
+
+
+def test_a_new_projects_own_tests_pass_with_manage_py_test_and_with_pytest(
+    tmp_path, scratch_database, installed
+):
+    """A user's suite publishing and running handlers in TestCase, TransactionTestCase and
+    pytest-django tests: every runner exits 0, so the queue's connections never stop Django
+    from dropping the test database and test mode sees the test's rows."""
+    env = _clean_environment()
+    env["DATABASE_URL"] = scratch_database
+    site = installed.new_project(tmp_path, env)
+    shop = site / "shop"
+    shop.mkdir()
+    (shop / "__init__.py").write_text("")
+    (shop / "models.py").write_text(SHOP_MODELS)
+    (shop / "work_handlers.py").write_text(SHOP_HANDLERS)
+    (shop / "tests.py").write_text(SHOP_DJANGO_TESTS)
+    (shop / "test_with_pytest.py").write_text(SHOP_PYTEST_TESTS)
+    with (site / "newsite" / "settings.py").open("a") as settings_file:
+        settings_file.write('INSTALLED_APPS += ["shop"]\n')
+    (site / "pytest.ini").write_text(
+        "[pytest]\nDJANGO_SETTINGS_MODULE = newsite.settings\npython_files = tests.py test_*.py\n"
+    )
+    _run([installed.python, "manage.py", "makemigrations", "shop", "-v0"], site, env)
+
+    output = _run([installed.python, "manage.py", "test", "shop", "-v", "2"], site, env)
+    assert "Ran 3 tests" in output and "\nOK" in output, output
+    assert "Destroying test database" in output, output
+
+    output = _run([installed.python, "-m", "pytest", "-p", "no:cacheprovider", "shop"], site, env)
+    assert "5 passed" in output, output
+
+
+def test_a_new_project_is_told_to_create_its_system_user_and_one_command_does_it(
+    tmp_path, scratch_database, installed
+):
+    env = _clean_environment()
+    env["DATABASE_URL"] = scratch_database
+    python = installed.python
+    site = installed.new_project(tmp_path, env)
+    # The first migrate runs the database checks before the user table exists: not blocked.
+    _run([python, "manage.py", "migrate", "-v0"], site, env)
+
+    report = _run([python, "manage.py", "check", "--database", "default"], site, env, expect=1)
+    assert "workqueue.E004" in report and "'robot'" in report
+    assert "manage.py workqueue create-system-user" in report
+    assert "superuser" not in report.lower()
+
+    output = _run([python, "manage.py", "workqueue", "create-system-user"], site, env)
+    assert "Created the system user 'robot'" in output
+    _run([python, "manage.py", "check", "--database", "default"], site, env)
+    check = (
+        "from django.contrib.auth import get_user_model; "
+        "u = get_user_model().objects.get(username='robot'); "
+        "print(u.has_usable_password(), u.is_staff, u.is_superuser)"
+    )
+    output = _run([python, "manage.py", "shell", "-c", check], site, env)
+    assert output.strip().splitlines()[-1] == "False False False"

@@ -47,6 +47,7 @@ class Run:
     finished: threading.Event = field(default_factory=threading.Event)
     payload_ref: Any = None
     signal_reason: str | None = None
+    stopping_seen: bool = False
     heartbeats: list[bool] = field(default_factory=list)
 
 
@@ -92,12 +93,14 @@ class ScriptedHandler(BaseWorkHandler):
     * ``parallelHeartbeats`` N: N threads call ``context.heartbeat()`` at once (results recorded);
     * ``heartbeatEveryMs`` N: call ``context.heartbeat(progress)`` every N ms (recording each
       result) until it returns False, the signal fires (then once more) or ``sleepMs`` passes;
-    * ``sleepMs`` N: wait up to N ms for the abort signal (``ignoreSignal``: just sleep);
+    * ``sleepMs`` N: wait up to N ms for the abort signal (``ignoreSignal``: just sleep;
+      ``untilStopping``: wait for ``context.stopping`` instead, as a cooperative handler would);
     * ``then``: ``complete`` (default), ``retry`` (``reason``, ``delay``), ``dead_letter``
       (``reason``), ``fatal`` / ``transient`` (``message``, ``retryAfter``), ``crash``
       (a ValueError with ``message``), ``invalid`` (returns ``value``);
     * ``thenByAttempt``: {"<attempt>": action} overrides ``then`` on that attempt;
-    * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired.
+    * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired;
+    * ``thenOnStopping``: the same, used when the host announced it is stopping.
     """
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Any:
@@ -118,10 +121,13 @@ class ScriptedHandler(BaseWorkHandler):
         try:
             self._wait(payload, context, run)
             run.signal_reason = context.signal.reason
+            run.stopping_seen = context.stopping.is_set()
             action = payload.get("thenByAttempt", {}).get(str(context.attempt))
             action = action or payload.get("then", "complete")
             if context.signal.aborted and "thenOnAbort" in payload:
                 action = payload["thenOnAbort"]
+            elif run.stopping_seen and "thenOnStopping" in payload:
+                action = payload["thenOnStopping"]
             return self._finish(action, payload)
         finally:
             run.finished.set()
@@ -145,6 +151,8 @@ class ScriptedHandler(BaseWorkHandler):
             return
         if payload.get("ignoreSignal"):
             time.sleep(sleep)
+        elif payload.get("untilStopping"):
+            context.stopping.wait(sleep)
         elif sleep:
             context.signal.wait(sleep)
 
@@ -236,6 +244,7 @@ class RecordingHandler(BaseWorkHandler):
     """Payload: ``ordinal`` (echoed to the log), ``sleepMs`` (every attempt) or
     ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal unless
     ``ignoreSignal`` (then sleeping on, and logging when the signal fired as ``signalled_at``),
+    or, with ``untilStopping``, on ``context.stopping`` (logged as ``stopping``, then a retry),
     and ``failPercent`` (transient failure when the hash of message id + attempt says so)."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
@@ -245,7 +254,11 @@ class RecordingHandler(BaseWorkHandler):
         if context.attempt == 1:
             sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
         signalled_at = None  # when an ignored abort signal fired (CLOCK_MONOTONIC ns)
-        if sleep_ms and payload.get("ignoreSignal"):
+        if sleep_ms and payload.get("untilStopping"):
+            if context.stopping.wait(sleep_ms / 1000):
+                record("stopping", message, context)
+                return Outcome.retry("the host is stopping")
+        elif sleep_ms and payload.get("ignoreSignal"):
             deadline = time.monotonic() + sleep_ms / 1000
             if context.signal.wait(sleep_ms / 1000):
                 signalled_at = time.monotonic_ns()

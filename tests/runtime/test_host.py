@@ -124,6 +124,32 @@ def test_shutdown_releases_a_sleeping_handler_and_records_a_complete_returned_af
     assert states(host) == {s.name: ("Paused", "Host is shut down")}
 
 
+def test_handlers_hear_the_host_is_stopping_at_the_start_of_the_drain_and_may_stop_early(
+    make_host,
+):
+    s = sub(max_attempts=3)
+    # A long drain: the handlers would keep the host this long if they heard nothing sooner.
+    host = make_host(one(s, concurrency=2), shutdown_drain_ms=20_000)
+    host.start()
+    cooperative = {"sleepMs": 60_000, "untilStopping": True}
+    handed_back = publish(s.topic.name, {**cooperative, "thenOnStopping": "retry"}).message_id
+    finished = publish(s.topic.name, {**cooperative, "thenOnStopping": "complete"}).message_id
+    probe.wait_for(2)
+    assert not any(run.stopping_seen for run in probe.runs)
+
+    began = time.monotonic()
+    host.shutdown()
+    took = time.monotonic() - began
+
+    assert took < 2.0, f"the drain waited {took:.1f} s for cooperative handlers"
+    # Told, not aborted: the Shutdown abort comes only when the drain time is up.
+    assert [(r.stopping_seen, r.signal_reason) for r in probe.runs] == [(True, None)] * 2
+    # Stopping early costs no attempt and no backoff: the next host runs it at once.
+    row = Delivery.objects.get(message_id=handed_back)
+    assert (row.status, row.attempt_count, row.last_error) == ("Pending", 0, None)
+    assert status_of(finished) == "Completed"
+
+
 def test_shutdown_lets_handlers_that_finish_within_the_drain_complete_normally(make_host):
     s = sub()
     host = make_host(one(s), shutdown_drain_ms=3000)

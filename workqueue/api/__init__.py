@@ -1,7 +1,8 @@
 """The work queue's REST API: one NinjaAPI assembled from a router per resource.
 
 Mount it with ``path("work-queue/", include("workqueue.api.urls"))``; the OpenAPI docs are then
-at ``/work-queue/docs``. Every endpoint needs an API key (``X-API-Key``) or a Django session.
+at ``/work-queue/docs``, with Swagger UI served from the installed packages (``api.docs``).
+Every other endpoint needs an API key (``X-API-Key``) or a Django session.
 
 Errors are mapped to status codes here, in one place: bad input 400 (a value the database
 refuses too), missing scope or permission 403, unknown name 404, a database failure 503. Error
@@ -17,7 +18,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import HttpError, ValidationError
 
-from workqueue.api import health, metrics, publish, subscriptions
+from workqueue.api import docs, health, metrics, publish, subscriptions
 from workqueue.api.auth import ApiKeyAuth, SessionAuth
 from workqueue.exceptions import (
     DriverError,
@@ -37,11 +38,13 @@ api = NinjaAPI(
     urls_namespace="workqueue",
     auth=[ApiKeyAuth(), SessionAuth()],
     docs_url="/docs",
+    docs=docs.OfflineSwagger(),
 )
 api.add_router("", publish.router)
 api.add_router("/subscriptions", subscriptions.router)
 api.add_router("", health.router)
 api.add_router("", metrics.router)
+api.add_router("", docs.router)
 
 # The caller's mistakes: the operators' messages are written for the caller, so they are shown.
 _CALLER_ERRORS: dict[type[WorkQueueError], int] = {

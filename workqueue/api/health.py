@@ -18,6 +18,8 @@ from workqueue.operators.permissions import READ, Actor, require
 router = Router(tags=["health"])
 
 RUNNING = "Running"
+#: A subscription with due work that no live host runs.
+NOT_RUNNING = "NotRunning"
 PSEUDONYM_SALT = "workqueue.api.health.host"
 
 
@@ -30,9 +32,10 @@ PSEUDONYM_SALT = "workqueue.api.health.host"
 )
 def health(request: HttpRequest) -> dict[str, Any]:
     """Read from the records that running hosts refresh every few seconds; a host that stopped
-    or has not reported recently is left out. A key limited to named subscriptions sees only
-    those subscriptions and the hosts that run one of them, each under a pseudonym instead of
-    its instance id, without hostname or pid."""
+    or has not reported recently is left out. A subscription with due work that no live host
+    runs is listed as NotRunning and makes the status degraded. A key limited to named
+    subscriptions sees only those subscriptions and the hosts that run one of them, each under
+    a pseudonym instead of its instance id, without hostname or pid."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     require(actor, READ)
     limited = bool(actor.subscriptions)
@@ -60,6 +63,19 @@ def health(request: HttpRequest) -> dict[str, Any]:
         )
         for entry in entries:
             _merge(summary, entry)
+    for unserved in operations.unserved_subscriptions(actor=actor):
+        # Work is due and no live host runs the subscription (none lists it, or those that do
+        # are not running it: they already report why). Nothing will process that work.
+        summary.setdefault(
+            unserved.name,
+            {
+                "name": unserved.name,
+                "state": NOT_RUNNING,
+                "reason": f"No live host runs it; {unserved.due} deliveries are due.",
+                "running_hosts": 0,
+                "in_flight": 0,
+            },
+        )
     subscriptions = [summary[name] for name in sorted(summary)]
     if not hosts:
         status = "down"

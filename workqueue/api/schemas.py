@@ -234,7 +234,10 @@ class HostOut(_Out):
 
 class SubscriptionHealthOut(_Out):
     name: str
-    state: str = Field(description="Running when any live host runs it, else a host's state.")
+    state: str = Field(
+        description="Running when any live host runs it, else a host's state; NotRunning when "
+        "work is due and no live host lists it."
+    )
     reason: str
     running_hosts: int
     in_flight: int
@@ -243,7 +246,7 @@ class SubscriptionHealthOut(_Out):
 class HealthOut(_Out):
     status: str = Field(
         description="ok: live hosts, every subscription running; degraded: some subscription "
-        "is not running; down: no live host."
+        "is not running, or has due work that no live host runs; down: no live host."
     )
     hosts: list[HostOut]
     subscriptions: list[SubscriptionHealthOut]

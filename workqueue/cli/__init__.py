@@ -24,8 +24,9 @@ class Verb:
 
 
 def all_verbs() -> list[Verb]:
+    from workqueue.cli.accounts import ACCOUNT_VERBS
     from workqueue.cli.database import DATABASE_VERBS
     from workqueue.cli.operators import OPERATOR_VERBS
     from workqueue.cli.publishing import PUBLISHING_VERBS
 
-    return [cls() for cls in [*PUBLISHING_VERBS, *OPERATOR_VERBS, *DATABASE_VERBS]]
+    return [cls() for cls in [*PUBLISHING_VERBS, *OPERATOR_VERBS, *ACCOUNT_VERBS, *DATABASE_VERBS]]

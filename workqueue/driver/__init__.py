@@ -59,6 +59,23 @@ def close_thread_connections(**kwargs: Any) -> None:
         driver.close()
 
 
+def close_before_database_administration(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Close every thread's private driver connections when Django opens its no-database
+    connection (connected to ``connection_created``).
+
+    Django opens that connection only to create, clone or drop a database: the test runners
+    (``manage.py test``, pytest-django) through it drop the test database at the end of a run.
+    PostgreSQL refuses to drop or clone a database that other sessions are connected to, and
+    Django knows nothing of the queue's own connections, so they are closed here, just before.
+    Each thread opens a new one at its next call.
+    """
+    from django.db.backends.base.base import NO_DB_ALIAS
+
+    if connection.alias == NO_DB_ALIAS:
+        for driver in list(_drivers.values()):
+            driver.close_all()
+
+
 def binary_collation(connection: Any) -> str:
     """The collation that makes keys compare byte for byte on ``connection``'s vendor."""
     return driver_class_for_vendor(connection.vendor).features.binary_collation
@@ -72,6 +89,7 @@ def driver_for_connection(connection: Any) -> BaseDriver:
 __all__ = [
     "BaseDriver",
     "binary_collation",
+    "close_before_database_administration",
     "close_thread_connections",
     "driver_for_connection",
     "get_driver",

@@ -7,16 +7,18 @@ It knows nothing about models, the runtime or operators.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.procedures import Param, ParamType, Procedure, get_procedure
@@ -45,6 +47,30 @@ class DriverFeatures:
 
 Row = dict[str, Any]
 
+# Per thread: how many times each alias was routed to the thread's own Django connection
+# (``workqueue.testing.use_test_connection``). Module-level rather than per driver, so every
+# driver instance of an alias (the sweep lock makes its own) follows the same rule.
+_routing = threading.local()
+
+
+@contextmanager
+def on_django_connection(alias: str) -> Iterator[None]:
+    """Run this thread's queue calls for ``alias`` on the thread's Django connection, each in a
+    savepoint, instead of on the driver's private connection (test mode). Nests."""
+    depths: dict[str, int] = _routing.__dict__.setdefault("depths", {})
+    depths[alias] = depths.get(alias, 0) + 1
+    try:
+        yield
+    finally:
+        depths[alias] -= 1
+        if not depths[alias]:
+            del depths[alias]
+
+
+def routed_to_django_connection(alias: str) -> bool:
+    """Whether this thread's queue calls for ``alias`` run on its Django connection."""
+    return alias in _routing.__dict__.get("depths", ())
+
 
 class BaseDriver:
     """Runs ``wq_*`` procedures for one database alias."""
@@ -57,6 +83,9 @@ class BaseDriver:
     def __init__(self, alias: str = "default") -> None:
         self.alias = alias
         self._local = threading.local()
+        # Every private connection opened by any thread, so ``close_all`` can reach them all.
+        self._opened: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._opened_lock = threading.Lock()
 
     # -- rendering and errors: the vendor-specific part ------------------------------------
 
@@ -149,7 +178,12 @@ class BaseDriver:
         if conn is None:
             conn = connections.create_connection(self.alias)
             self._local.connection = conn
+            self._track(conn)
         return conn
+
+    def _track(self, connection: Any) -> None:
+        with self._opened_lock:
+            self._opened.add(connection)
 
     def close(self) -> None:
         """Close this thread's private connection (the next call opens a new one)."""
@@ -158,9 +192,36 @@ class BaseDriver:
             self._local.connection = None
             conn.close()
 
+    def close_all(self) -> None:
+        """Close the private connections of every thread; each thread opens a new one at its
+        next call. Used before Django creates, clones or drops a database, which PostgreSQL
+        refuses while other sessions are connected to it."""
+        with self._opened_lock:
+            opened = list(self._opened)
+        for conn in opened:
+            # Best effort: a connection that fails to close is gone either way.
+            with contextlib.suppress(Exception):
+                if isinstance(conn, BaseDatabaseWrapper):
+                    # Django refuses to close another thread's wrapper unless told it is shared.
+                    conn.inc_thread_sharing()
+                    try:
+                        conn.close()
+                    finally:
+                        conn.dec_thread_sharing()
+                else:
+                    conn.close()
+
     @contextmanager
     def transaction(self) -> Iterator[BaseDatabaseWrapper]:
-        """Run several calls in one transaction on this thread's private connection."""
+        """Run several calls in one transaction on this thread's private connection (in test
+        mode: in a savepoint of the thread's Django connection)."""
+        if routed_to_django_connection(self.alias):
+            try:
+                with transaction.atomic(using=self.alias):
+                    yield connections[self.alias]
+            except DatabaseError as exc:
+                raise self.translate_error(exc) from exc
+            return
         conn = self._private_connection()
         try:
             conn.ensure_connection()
@@ -214,9 +275,17 @@ class BaseDriver:
     ) -> list[tuple[Any, ...]]:
         """Send one statement and fetch its rows: the driver's only way to the database.
 
-        Without ``connection`` it runs on this thread's private autocommit connection. A
-        vendor driver may override this with a leaner path to its database library.
+        Without ``connection`` it runs on this thread's private autocommit connection, or in
+        test mode in a savepoint of the thread's Django connection, so a failed call undoes only
+        itself, as it would on its own connection. A vendor driver may override this with a
+        leaner path to its database library.
         """
+        if connection is None and routed_to_django_connection(self.alias):
+            try:
+                with transaction.atomic(using=self.alias):
+                    return self.execute(sql, values, connections[self.alias])
+            except DatabaseError as exc:
+                raise self.translate_error(exc) from exc
         conn = connection if connection is not None else self._private_connection()
         try:
             with conn.cursor() as cursor:

@@ -16,6 +16,7 @@ from workqueue.driver.base import (
     BaseDriver,
     DriverFeatures,
     SparseIndex,
+    routed_to_django_connection,
     unencodable,
 )
 from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
@@ -252,7 +253,7 @@ class PostgresDriver(BaseDriver):
     def execute(
         self, sql: str, values: list[Any], connection: BaseDatabaseWrapper | None = None
     ) -> list[tuple[Any, ...]]:
-        if connection is not None:
+        if connection is not None or routed_to_django_connection(self.alias):
             return super().execute(sql, values, connection)
         # The private path talks to psycopg directly: Django's cursor wrapper (debug logging,
         # client-side binding) costs more per call than a settle itself, and psycopg prepares
@@ -265,6 +266,7 @@ class PostgresDriver(BaseDriver):
             if raw is None or raw.closed:
                 owned = self._local.raw = _ThreadConnection(_connect(self.alias))
                 raw = owned.connection
+                self._track(raw)
             cursor = raw.execute(sql, values)
             return cursor.fetchall() if cursor.description else []
         except UnicodeEncodeError as exc:

@@ -72,6 +72,13 @@ class BindingIssue:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class UnservedSubscription:
+    name: str
+    #: Deliveries that could be claimed now (at most transport.BACKLOG_CAP).
+    due: int
+
+
 # -- input rules ---------------------------------------------------------------------------
 
 
@@ -317,6 +324,7 @@ def validate_bindings(
             )
         )
     live_keys: set[str] = set()
+    in_scope: set[str] = set()  # subscriptions of the transports checked
     for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
         live_keys.update(keys or [])
     for tr in transports.order_by("name"):
@@ -347,6 +355,7 @@ def validate_bindings(
                 )
         subscriptions = Subscription.objects.filter(topic__transport=tr).order_by("name")
         for sub in subscriptions:
+            in_scope.add(sub.name)
             subject = f"subscription {sub.name}"
             filter_problem = sub.filter_problem()
             if filter_problem is not None:
@@ -370,9 +379,54 @@ def validate_bindings(
                         "its deliveries wait until a host with that handler runs.",
                     )
                 )
+    for unserved in unserved_subscriptions(actor=actor):
+        if unserved.name in in_scope:
+            issues.append(
+                BindingIssue(
+                    "Warning",
+                    f"subscription {unserved.name}",
+                    f"{unserved.due} deliveries are due and no live host runs this "
+                    "subscription; they wait until one does. Start a host that runs it "
+                    f"(`manage.py workqueue_host -s {unserved.name}`, or '*' in "
+                    "WORKQUEUE['SUBSCRIPTIONS']), or pause the subscription.",
+                )
+            )
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
+
+
+def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
+    """Subscriptions with deliveries due now that no live host is running: nothing will process
+    that work until a host runs them. Only subscriptions meant to run count: Active, with an
+    Active topic and transport, consumed by work-queue hosts (Paused and Disabled ones are
+    left out). A caller limited to named subscriptions hears only about those."""
+    from workqueue.models import HostRecord, Subscription
+
+    require(actor, READ)
+    running: set[str] = set()
+    for entries in HostRecord.objects.live().values_list("subscriptions", flat=True):
+        running.update(
+            str(entry.get("name"))
+            for entry in entries or []
+            if isinstance(entry, dict) and entry.get("state") == "Running"
+        )
+    candidates = Subscription.objects.filter(
+        status="Active",
+        host_type="Worker",
+        topic__status="Active",
+        topic__transport__status="Active",
+    ).exclude(name__in=running)
+    if actor.subscriptions:
+        candidates = candidates.filter(name__in=actor.subscriptions)
+    unserved = []
+    for subscription_id, name in candidates.order_by("name").values_list("id", "name"):
+        # One wq_backlog probe each: it counts what a claim could take now (one per key on
+        # partitioned subscriptions) along index paths, whatever the size of the backlog.
+        counted = transport.backlog(str(subscription_id))
+        if counted is not None and counted.claimable:
+            unserved.append(UnservedSubscription(name, counted.claimable))
+    return unserved
 
 
 def _visible_subjects(actor: Actor) -> set[str] | None:

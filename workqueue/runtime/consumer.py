@@ -226,7 +226,8 @@ class Consumer:
         return self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stop claiming, let running handlers finish, then abort the rest with Shutdown.
+        """Stop claiming, tell running handlers (``context.stopping``) and let them finish,
+        then abort the rest with Shutdown.
 
         Each phase waits at most SHUTDOWN_DRAIN_MS; anything still running after the second
         wait is left to lease expiry. Safe to call twice and before ``start``.
@@ -234,6 +235,9 @@ class Consumer:
         drain = self.config.shutdown_drain_ms / 1000
         self._stopping.set()
         self._wake.set()
+        # Tell running handlers now, not when the drain is over: cooperative ones can stop
+        # early and the drain ends as soon as they have.
+        self._services.stopping.notify()
         if self._thread.is_alive():
             self._thread.join(drain)
         if not self._wait_idle(drain):

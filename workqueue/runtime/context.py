@@ -59,6 +59,30 @@ class AbortSignal:
         return True
 
 
+class StopNotice:
+    """Tells running handlers that their host has begun to stop (the start of the drain).
+
+    A request, not an order: the handler may finish, or return early so the drain ends sooner.
+    Whatever it returns then, except ``Outcome.complete()``, hands the delivery back without
+    using up an attempt. Handlers still running when the drain time is up are aborted with
+    ``Shutdown`` (``context.signal``). Handlers read it with ``is_set()`` or block on ``wait()``.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the host is stopping or ``timeout`` seconds pass; True when stopping."""
+        return self._event.wait(timeout)
+
+    def notify(self) -> None:
+        """Announce the stop. (Called by the runtime, not by handlers.)"""
+        self._event.set()
+
+
 @dataclass(frozen=True, slots=True)
 class WorkMessage:
     message_id: str
@@ -75,9 +99,12 @@ class WorkMessage:
 class WorkContext:
     """A delivery's facts and the handler's controls.
 
-    ``heartbeat(progress=None)`` renews the lease now (``Manual`` subscriptions must call it
-    within every lease); it returns False once the lease is lost, the delivery was cancelled or
-    the time cap passed, and the handler should then stop.
+    ``stopping`` is set when the host begins to stop (``StopNotice``): long handlers should
+    check it between steps and return early. ``signal`` aborts this delivery (cancelled, lease
+    lost, time cap, or ``Shutdown`` once the drain time is up). ``heartbeat(progress=None)``
+    renews the lease now (``Manual`` subscriptions must call it within every lease); it returns
+    False once the lease is lost, the delivery was cancelled or the time cap passed, and the
+    handler should then stop.
     """
 
     subscription_name: str
@@ -86,6 +113,7 @@ class WorkContext:
     max_attempts: int
     is_replay: bool
     signal: AbortSignal
+    stopping: StopNotice
     logger: logging.LoggerAdapter
     _heartbeat: Callable[[Mapping[str, Any] | None], bool] = field(repr=False)
 

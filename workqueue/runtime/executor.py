@@ -12,7 +12,9 @@ Abort reasons decide how the outcome is settled:
 * LeaseLost (a heartbeat reported Lost, or the local lease horizon passed): the outcome is
   dropped and nothing is written; another consumer may already run the delivery.
 * Shutdown: a Complete is still recorded; anything else releases the delivery without using up
-  an attempt.
+  an attempt. The same holds once the consumer has announced that it is stopping
+  (``context.stopping``, at the start of the drain): a handler that returns early because of it
+  hands the delivery back for the next host instead of spending an attempt and a backoff.
 * MaxProcessingSeconds: renewals stop; the eventual outcome is settled as usual (the fence
   rejects it if the lease ran out meanwhile).
 """
@@ -26,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from django.db import close_old_connections
@@ -34,7 +36,13 @@ from django.db import close_old_connections
 from workqueue import metrics, signals
 from workqueue.exceptions import TransientDriverError, WorkQueueError
 from workqueue.runtime.backoff import retry_delay_seconds
-from workqueue.runtime.context import AbortReason, AbortSignal, WorkContext, WorkMessage
+from workqueue.runtime.context import (
+    AbortReason,
+    AbortSignal,
+    StopNotice,
+    WorkContext,
+    WorkMessage,
+)
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
 from workqueue.runtime.plan import SubscriptionPlan
@@ -109,6 +117,12 @@ class ExecutionServices:
     handlers: HandlerRegistry
     user: Any
     lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
+    #: Called before and after each handler so it gets fresh ORM connections, as a request
+    #: would. ``run_until_idle`` runs handlers inside a test's transaction and passes a no-op:
+    #: closing that connection would end the test's transaction.
+    refresh_connections: Callable[[], None] = close_old_connections
+    #: Set when the consumer begins to stop; every handler sees it as ``context.stopping``.
+    stopping: StopNotice = field(default_factory=StopNotice)
 
 
 class DeliveryExecution:
@@ -208,13 +222,14 @@ class DeliveryExecution:
             max_attempts=self.plan.max_attempts,
             is_replay=self.delivery.is_replay,
             signal=self.signal,
+            stopping=self.services.stopping,
             logger=logging.LoggerAdapter(
                 logging.getLogger(f"workqueue.handlers.{self.plan.handler_key}"), self.log.extra
             ),
             _heartbeat=self._beat,
         )
         # The handler may use the ORM: give it fresh connections, like a request would.
-        close_old_connections()
+        self.services.refresh_connections()
         try:
             outcome = handler_class(self.services.user).handle(message, context)
         except FatalWorkError as exc:
@@ -231,7 +246,7 @@ class DeliveryExecution:
         except Exception as exc:
             return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
-            close_old_connections()
+            self.services.refresh_connections()
         if not isinstance(outcome, Outcome) or outcome.kind not in {
             Outcome.COMPLETE,
             Outcome.RETRY,
@@ -366,7 +381,8 @@ class DeliveryExecution:
                     self._where,
                 )
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
-            if self.signal.has(AbortReason.SHUTDOWN) and decision.kind != Outcome.COMPLETE:
+            stopping = self.signal.has(AbortReason.SHUTDOWN) or self.services.stopping.is_set()
+            if stopping and decision.kind != Outcome.COMPLETE:
                 result = self._result(
                     self._while_lease_lasts(lambda: receiver.release(self.delivery))
                 )

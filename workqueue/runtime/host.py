@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.contrib.auth import get_user_model
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 from django.utils import timezone
 
 from workqueue import signals
@@ -38,6 +37,7 @@ from workqueue.runtime.service import PeriodicService
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.wakeup import Wakeup
+from workqueue.system_user import resolve_system_user
 from workqueue.transport import new_instance_id
 
 logger = logging.getLogger(__name__)
@@ -148,27 +148,6 @@ def describe_subscription(entry: dict[str, Any]) -> str:
     return f"{entry['name']}: {entry['state']}, concurrency {entry['concurrency']}{reason}"
 
 
-def resolve_system_user(conf: WorkQueueSettings | None = None) -> Any:
-    """The user handlers run as (WORKQUEUE['SYSTEM_USER'], a username or e-mail)."""
-    conf = conf or get_settings()
-    name = (conf.SYSTEM_USER or "").strip()
-    if not name:
-        raise WorkQueueConfigurationError(
-            "WORKQUEUE['SYSTEM_USER'] is not set. Set it (or WORKQUEUE_SYSTEM_USER) to the "
-            "username or e-mail of an existing user; handlers and the sweeper run as that user."
-        )
-    User = get_user_model()
-    user = User._default_manager.filter(**{User.USERNAME_FIELD: name}).first()
-    if user is None and hasattr(User, "email"):
-        user = User._default_manager.filter(email__iexact=name).first()
-    if user is None:
-        raise WorkQueueConfigurationError(
-            f"WORKQUEUE['SYSTEM_USER'] is {name!r}, but no user has that username or e-mail. "
-            "Create the user (e.g. `manage.py createsuperuser`) or change the setting."
-        )
-    return user
-
-
 class Host:
     def __init__(self, config: HostConfig, registry: HandlerRegistry = handler_registry) -> None:
         self.config = config
@@ -203,6 +182,15 @@ class Host:
                 raise RuntimeError("This host has already been started")
             self._started = True
             conf = get_settings()
+            if connections[conf.DATABASE_ALIAS].in_atomic_block:
+                # A host claims on its own threads and connections, which cannot see rows this
+                # transaction has not committed, and it closes this thread's connection when
+                # it stops, ending the transaction: in a TestCase both break the test.
+                raise WorkQueueConfigurationError(
+                    "A host cannot run inside a transaction (such as a TestCase's): its "
+                    "threads would not see the transaction's rows. In tests, run deliveries "
+                    "with workqueue.testing.run_until_idle() instead."
+                )
             autodiscover(conf.HANDLER_MODULES)
             self.user = resolve_system_user(conf)
             self._timers = TimerQueue()

@@ -1,0 +1,227 @@
+"""What a project's own tests get from ``workqueue.testing``: publishing and handlers inside a
+test's transaction (``use_test_connection``, ``run_until_idle``), and queue connections that
+never keep Django from dropping the test database.
+
+The fresh-project runs (``manage.py test`` and pytest) are in
+``tests/processes/test_packaging.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+from django.db import connection
+
+from tests.factories import SubscriptionFactory
+from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.exceptions import DriverError, WorkQueueConfigurationError
+from workqueue.models import Delivery, Subscription
+from workqueue.runtime.handlers import BaseWorkHandler, register_handler
+from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
+from workqueue.testing import run_until_idle, use_test_connection
+
+SEEN: list[dict] = []
+
+
+@register_handler("testing.record")
+class Record(BaseWorkHandler):
+    """Records what it saw; can fail or publish a follow-up, as the payload says."""
+
+    def handle(self, message, context):
+        SEEN.append({"payload": message.payload, "user": self.user.get_username()})
+        if message.payload.get("fail"):
+            raise FatalWorkError(message.payload["fail"])
+        if message.payload.get("busy"):
+            raise TransientWorkError(message.payload["busy"])
+        if message.payload.get("then"):
+            publish(message.topic, message.payload["then"])
+        # A handler's ORM work lands in the test's transaction, like the queue's own rows.
+        get_user_model().objects.get_or_create(username=f"seen-{message.payload['n']}")
+        return Outcome.complete()
+
+
+@pytest.fixture
+def topology():
+    SEEN.clear()
+    get_user_model().objects.create_user("workqueue-system")
+    return SubscriptionFactory(handler_key="testing.record")
+
+
+def _pids_connected(pg_conn, pids: list[int]) -> list[int]:
+    rows = pg_conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", [pids]
+    ).fetchall()
+    return [pid for (pid,) in rows]
+
+
+@pytest.mark.django_db
+def test_without_test_mode_publish_cannot_see_topology_created_inside_a_testcase(topology):
+    # The queue's own connection cannot see the test's uncommitted topic: the reason for test
+    # mode.
+    result = publish(topology.topic.name, {"n": 1})
+    assert result.status == "Rejected"
+    assert result.error.code == "TopicNotFound"
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_in_test_mode_publish_and_run_until_idle_work_inside_the_test_transaction(topology):
+    accepted = publish(topology.topic.name, {"n": 1, "then": {"n": 2}})
+    assert accepted.status == "Accepted"
+
+    runs = run_until_idle()
+
+    assert [(r.subscription, r.status, r.attempt) for r in runs] == [
+        (topology.name, "Completed", 1),
+        (topology.name, "Completed", 1),
+    ]
+    assert runs[0].message_id == accepted.message_id
+    assert [s["payload"]["n"] for s in SEEN] == [1, 2]
+    assert {s["user"] for s in SEEN} == {"workqueue-system"}
+    # The handler's ORM writes and the procedures' rows are in the test's transaction.
+    assert get_user_model().objects.filter(username__in=["seen-1", "seen-2"]).count() == 2
+    assert set(Delivery.objects.values_list("status", flat=True)) == {"Completed"}
+    assert connection.in_atomic_block and connection.connection is not None
+    assert run_until_idle() == []
+
+
+@pytest.mark.django_db
+def test_run_until_idle_reports_retries_and_dead_letters_and_stops_at_max_deliveries(topology):
+    with use_test_connection():
+        publish(topology.topic.name, {"n": 1, "fail": "no such customer"})
+        [dead] = run_until_idle(topology.name)
+        assert dead.status == "DeadLettered"
+        assert "no such customer" in dead.error
+
+        # Retried after its backoff, which never passes on a TestCase's frozen clock.
+        publish(topology.topic.name, {"n": 1, "busy": "supplier timed out"})
+        [retry] = run_until_idle()
+        assert (retry.status, retry.attempt) == ("Pending", 1)
+        assert "TransientWorkError: supplier timed out" in retry.error
+
+        publish(topology.topic.name, {"n": 1, "then": {"n": 2, "then": {"n": 3}}})
+        assert len(run_until_idle(max_deliveries=2)) == 2
+        assert [r.status for r in run_until_idle()] == ["Completed"]
+
+
+@pytest.mark.django_db
+def test_run_until_idle_names_why_a_subscription_cannot_run(topology):
+    Subscription.objects.filter(pk=topology.pk).update(status="Paused")
+    with pytest.raises(WorkQueueConfigurationError, match="Paused"):
+        run_until_idle(topology.name)
+    get_user_model().objects.filter(username="workqueue-system").delete()
+    with pytest.raises(WorkQueueConfigurationError, match="SYSTEM_USER"):
+        run_until_idle()
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_a_failing_queue_call_in_test_mode_leaves_the_test_transaction_usable(topology):
+    with pytest.raises(DriverError):
+        get_driver().execute("SELECT 1 / 0", [])
+    # Only the call's savepoint was rolled back: the test goes on in its transaction.
+    assert publish(topology.topic.name, {"n": 1}).status == "Accepted"
+    assert Delivery.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_host_refuses_to_run_inside_the_test_transaction_and_leaves_it_open(topology):
+    with pytest.raises(CommandError, match="run_until_idle"):
+        call_command("workqueue_work", "-s", topology.name, "--once")
+    assert connection.in_atomic_block and connection.connection is not None
+    assert Subscription.objects.filter(pk=topology.pk).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_run_until_idle_works_in_a_transactional_test_too(topology):
+    publish(topology.topic.name, {"n": 1})  # committed on the queue's own connection
+    assert [r.status for r in run_until_idle()] == ["Completed"]
+    get_driver().close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_django_opening_its_no_database_connection_closes_every_queue_connection(pg_conn):
+    """Django opens its no-database connection to create, clone or drop a database (the test
+    runners drop the test database with it), and PostgreSQL refuses to drop a database that
+    other sessions use: every thread's private queue connection must be closed first."""
+    driver = get_driver()
+    [(main_pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+    with driver.transaction() as own, own.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        [wrapper_pid] = cursor.fetchone()
+    from_thread: list[int] = []
+    called, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        from_thread.append(driver.execute("SELECT pg_backend_pid()", [])[0][0])
+        called.set()
+        release.wait(30)  # alive: its connection is only closed if someone closes it
+        from_thread.append(driver.execute("SELECT pg_backend_pid()", [])[0][0])
+        driver.close()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert called.wait(30)
+        pids = [main_pid, wrapper_pid, from_thread[0]]
+        assert len(set(pids)) == 3 and _pids_connected(pg_conn, pids) == pids
+
+        with connection.creation._nodb_cursor():  # what create/clone/destroy_test_db open
+            pass
+
+        deadline = time.monotonic() + 10
+        while _pids_connected(pg_conn, pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pids_connected(pg_conn, pids) == []
+    finally:
+        release.set()
+        thread.join(30)
+    # Each thread opens a new connection at its next call.
+    assert from_thread[1] not in pids
+    assert driver.execute("SELECT 1", []) == [(1,)]
+    with driver.transaction() as own, own.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    driver.close()
+
+
+def test_test_mode_is_per_thread_and_nests():
+    from workqueue.driver.base import routed_to_django_connection
+
+    seen_elsewhere: list[bool] = []
+    with use_test_connection():
+        with use_test_connection():
+            assert routed_to_django_connection("default")
+        assert routed_to_django_connection("default")
+        worker = threading.Thread(
+            target=lambda: seen_elsewhere.append(routed_to_django_connection("default"))
+        )
+        worker.start()
+        worker.join()
+    assert not routed_to_django_connection("default")
+    assert seen_elsewhere == [False]
+
+
+def test_test_mode_as_a_class_decorator_covers_each_test_of_a_testcase():
+    import unittest
+
+    from workqueue.driver.base import routed_to_django_connection
+
+    seen: list[bool] = []
+
+    @use_test_connection()
+    class Inner(unittest.TestCase):
+        def test_one(self) -> None:
+            seen.append(routed_to_django_connection("default"))
+
+        def test_two(self) -> None:
+            seen.append(routed_to_django_connection("default"))
+
+    result = unittest.TestSuite([Inner("test_one"), Inner("test_two")]).run(unittest.TestResult())
+    assert result.wasSuccessful()
+    assert seen == [True, True]
+    assert not routed_to_django_connection("default")

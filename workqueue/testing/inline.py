@@ -1,0 +1,188 @@
+"""Testing code that publishes and handles work, with Django's TestCase, TransactionTestCase or
+pytest-django.
+
+The queue normally runs every call on a private connection of its own, outside the caller's
+transaction. A ``TestCase`` (or pytest-django's ``db``) wraps each test in a transaction that is
+rolled back, so the queue could not see the topology or rows the test created. In test mode
+(``use_test_connection``) the thread's queue calls run on the test's own connection instead,
+each in a savepoint: the stored procedures still do the work, and the test's rollback removes
+what they wrote. ``run_until_idle`` runs due deliveries on the calling thread, with the real
+executor (handler call, outcome, retry and dead-letter rules, logging), until none is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from django.test.utils import TestContextDecorator
+
+from workqueue.conf import get_settings
+from workqueue.driver.base import on_django_connection
+from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.handlers import autodiscover, handler_registry
+from workqueue.runtime.host import Host, HostConfig, PlanState
+from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.timers import TimerQueue
+from workqueue.runtime.workers import WorkerPool
+from workqueue.system_user import resolve_system_user
+from workqueue.transport import Receiver
+from workqueue.types import DeliveryStatus
+
+
+# Lower-case, like django.test.override_settings, which it is used like.
+class use_test_connection(TestContextDecorator):
+    """Run this thread's work-queue calls on the test's database connection (test mode).
+
+    Use it as a decorator on a test function or a ``TestCase`` class (active from ``setUp`` to
+    the test's cleanup), or as a context manager. While it is active, ``publish()``,
+    ``publish_many()``, the operator functions and ``run_until_idle()`` called on this thread
+    see what the test's transaction holds and write into it, each call in a savepoint so a
+    failing call undoes only itself. Calls from other threads keep their private connections.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._contexts: list[Any] = []
+
+    def enable(self) -> None:
+        context = on_django_connection(get_settings().DATABASE_ALIAS)
+        context.__enter__()
+        self._contexts.append(context)
+
+    def disable(self) -> None:
+        self._contexts.pop().__exit__(None, None, None)
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRun:
+    """One handler run by ``run_until_idle``."""
+
+    subscription: str
+    delivery_id: str
+    message_id: str
+    attempt: int
+    #: The delivery's status once this run was settled: ``Completed``, ``Pending`` (it will be
+    #: retried), ``DeadLettered`` or ``Discarded``; None when nothing was recorded (lease lost,
+    #: settle failed).
+    status: str | None
+    #: What was recorded with a retry or dead letter: the handler's traceback or reason.
+    error: str | None = None
+
+
+def run_until_idle(
+    subscription: str | None = None, *, max_deliveries: int = 100, user: Any = None
+) -> list[DeliveryRun]:
+    """Run due deliveries on this thread until none is left; return the runs in order.
+
+    ``subscription`` limits the run to one subscription (it must be able to run: an unknown,
+    paused or handler-less subscription raises ``WorkQueueConfigurationError`` saying why);
+    by default every Worker subscription with a registered handler runs, as a host would run
+    them. Deliveries published by handlers run too. A retried delivery runs again only once its
+    backoff has passed: inside a ``TestCase`` the database clock stands still for the whole
+    test, so a retry with a delay waits for good and the run ends. ``max_deliveries`` bounds the
+    run (handlers that keep publishing); the run stops there, leaving the rest.
+
+    Handlers run as ``user`` (default: ``WORKQUEUE['SYSTEM_USER']``, which must exist in the
+    test database). The run uses test mode (``use_test_connection``) throughout, so it sees and
+    writes the test's transaction; lease renewals happen only when a handler calls
+    ``context.heartbeat()``, since automatic ones would come from another thread.
+    """
+    if max_deliveries < 1:
+        raise ValueError("max_deliveries must be at least 1")
+    conf = get_settings()
+    with on_django_connection(conf.DATABASE_ALIAS):
+        autodiscover(conf.HANDLER_MODULES)
+        plans = _runnable_plans(subscription)
+        if user is None:
+            user = resolve_system_user(conf)
+        timers = TimerQueue("wq-test-timers")
+        background = WorkerPool(1, "wq-test-background")
+        try:
+            runs: list[DeliveryRun] = []
+            executors = [_Executor(plan, user, timers, background) for plan in plans]
+            progressed = True
+            while progressed and len(runs) < max_deliveries:
+                progressed = False
+                # One delivery per subscription per round, so one busy subscription cannot
+                # starve the others of the budget.
+                for executor in executors:
+                    if len(runs) >= max_deliveries:
+                        break
+                    run = executor.run_one()
+                    if run is not None:
+                        runs.append(run)
+                        progressed = True
+            return runs
+        finally:
+            background.shutdown()
+            timers.stop()
+
+
+def _runnable_plans(subscription: str | None) -> list[SubscriptionPlan]:
+    """Plan like a host: the named subscription (which must be Running), or every Worker
+    subscription that would run."""
+    # Only the host's planning is used; the host is never started.
+    name = (subscription or "*").strip().lower()
+    entries = Host(HostConfig(subscriptions=[{"name": name}])).plan()
+    if name != "*":
+        entry = entries[name]
+        if entry.state != PlanState.RUNNING:
+            raise WorkQueueConfigurationError(
+                f"Subscription {entry.name!r} cannot run: {entry.state} ({entry.reason})."
+            )
+    return [entry.plan for entry in entries.values() if entry.plan is not None]
+
+
+class _Executor:
+    """Claims and runs one subscription's deliveries, one at a time, on the calling thread."""
+
+    def __init__(
+        self, plan: SubscriptionPlan, user: Any, timers: TimerQueue, background: WorkerPool
+    ) -> None:
+        # Automatic heartbeats are sent from a timer thread, which has neither the test's
+        # connection nor, in a TestCase, sight of its uncommitted rows: the lease would look
+        # lost. Handlers that renew it themselves (context.heartbeat()) do so on this thread.
+        self.plan = dataclasses.replace(plan, heartbeat_mode="Manual")
+        self.receiver = Receiver(plan.subscription_id)
+        self.services = ExecutionServices(
+            receiver=self.receiver,
+            complete=self.receiver.complete,
+            timers=timers,
+            background=background,
+            handlers=handler_registry,
+            user=user,
+            refresh_connections=_keep_connections,
+        )
+
+    def run_one(self) -> DeliveryRun | None:
+        claimed = self.receiver.receive(1).deliveries
+        if not claimed:
+            return None
+        delivery = claimed[0]
+        result = DeliveryExecution(delivery, self.plan, self.services).run()
+        status = result.status if result.kind == ExecutionResult.SETTLED else None
+        error = result.error
+        if status in {DeliveryStatus.PENDING, DeliveryStatus.DEAD_LETTERED}:
+            error = _last_error(delivery.delivery_id)
+        return DeliveryRun(
+            subscription=self.plan.name,
+            delivery_id=delivery.delivery_id,
+            message_id=delivery.message_id,
+            attempt=delivery.attempt,
+            status=status,
+            error=error,
+        )
+
+
+def _keep_connections() -> None:
+    """Leave the test's connection alone between handlers (see ExecutionServices)."""
+
+
+def _last_error(delivery_id: str) -> str | None:
+    # Imported here: importing workqueue.testing must not load models before apps are ready.
+    from workqueue.models import Delivery
+
+    return Delivery.objects.filter(pk=delivery_id).values_list("last_error", flat=True).first()
