@@ -258,3 +258,16 @@ class RecordingHandler(BaseWorkHandler):
             raise TransientWorkError("chaos: transient failure")
         record("end", message, context, signalled_at=signalled_at)
         return Outcome.complete()
+
+
+@register_handler("tests.noop")
+class NoopHandler(BaseWorkHandler):
+    """The default handler key of ``tests.factories.SubscriptionFactory``: completes at once, so
+    a subscription made by the factory runs in an in-process host (private registry) and in a
+    subprocess host (``WORKQUEUE_HANDLER_MODULES=tests.runtime.handlers``) alike."""
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        return Outcome.complete()
+
+
+registry.register("tests.noop", NoopHandler)

@@ -27,6 +27,7 @@ from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.runtime import wakeup
 from workqueue.runtime.context import AbortReason
+from workqueue.runtime.handlers import handler_registry
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.transport import Receiver
 
@@ -82,6 +83,18 @@ def one(subscription: Subscription, concurrency: int = 2) -> list[dict[str, Any]
 
 def states(host: Host) -> dict[str, tuple[str, str]]:
     return {s["name"]: (s["state"], s["reason"]) for s in host.health()["subscriptions"]}
+
+
+def test_a_subscription_made_by_the_factory_runs_with_its_default_handler(make_host):
+    s = SubscriptionFactory()  # its default handler key, not t.script
+    assert s.handler_key in registry.keys() and s.handler_key in handler_registry.keys()  # noqa: SIM118
+    published = publish(s.topic.name, {"n": 1})
+    host = make_host(one(s))
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=5_000)
+
+    assert result.processed == 1
+    assert Delivery.objects.get(message_id=published.message_id).status == "Completed"
 
 
 # -- running and shutting down ------------------------------------------------------------------
