@@ -190,6 +190,7 @@ def test_a_host_process_processes_published_work_and_records_its_health(processe
     assert "samples.hello" in record.handler_keys and "tests.record" in record.handler_keys
 
 
+@pytest.mark.timing
 def test_sigterm_mid_handler_releases_the_delivery_and_exits_within_the_drain_budget(processes):
     sub = hello(lease_seconds=30, max_attempts=3)
     host = processes.host(sub.name)
@@ -376,6 +377,7 @@ def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hos
 # -- workqueue_work --once ------------------------------------------------------------------------
 
 
+@pytest.mark.timing
 def test_work_once_on_an_empty_queue_exits_0_as_soon_as_it_has_been_idle(processes):
     sub = hello()
     began = time.monotonic()

@@ -133,8 +133,9 @@ def test_shutdown_releases_a_sleeping_handler_and_records_a_complete_returned_af
     row = Delivery.objects.get(message_id=released)
     assert (row.status, row.attempt_count, row.last_error) == ("Pending", 0, None)
     assert status_of(completed) == "Completed"
-    # Drain (0.3 s) for the claim loop and the handlers, then the abort: well under 2 s.
-    assert 0.3 <= took < 2.0
+    # Drain (0.3 s) for the claim loop and the handlers, then the abort: at least the drain,
+    # and far less than the handlers' 30 s that a shutdown without the abort would wait for.
+    assert 0.3 <= took < 30 / 2
     assert states(host) == {s.name: ("Paused", "Host is shut down")}
 
 
@@ -323,7 +324,7 @@ def test_cancelling_a_running_handler_in_a_host_frees_its_exclusive_key_at_once(
 
     assert cancel.cancel_requested
     wait_until(lambda: status_of(second) == "Completed", timeout=5)
-    assert time.monotonic() - cancelled_at < 4.0
+    assert time.monotonic() - cancelled_at < 5.0  # before the 5 s lease could have expired
     assert running.signal_reason == AbortReason.CANCELLED
     assert status_of(first) == "Discarded"
 
@@ -341,8 +342,8 @@ def test_an_operator_cancel_reaches_a_running_handler_at_once_through_the_cancel
     transport.discard_or_cancel(str(s.id), running.delivery_id, "ops", "stop")
     cancelled_at = time.monotonic()
 
-    wait_until(lambda: status_of(message) == "Discarded", timeout=10)
-    assert time.monotonic() - cancelled_at < 2.0
+    wait_until(lambda: status_of(message) == "Discarded", timeout=15)
+    assert time.monotonic() - cancelled_at < 20 / 2  # well before the next heartbeat (20 s)
     assert running.signal_reason == AbortReason.CANCELLED
 
 
@@ -372,10 +373,10 @@ def test_run_once_returns_idle_once_the_queue_stays_empty_for_idle_exit_ms(make_
     host = make_host(one(s))
     began = time.monotonic()
 
-    result = host.run_once(max_deliveries=100, idle_exit_ms=300)
+    result = host.run_once(max_deliveries=100, idle_exit_ms=300, max_duration_ms=20_000)
 
     assert (result.processed, result.reason) == (3, "Idle")
-    assert 0.3 <= time.monotonic() - began < 3.0
+    assert 0.3 <= time.monotonic() - began < 20 / 2  # not the 20 s duration cap
 
 
 def test_run_once_returns_max_duration_and_releases_the_unfinished_delivery(make_host):
@@ -387,7 +388,7 @@ def test_run_once_returns_max_duration_and_releases_the_unfinished_delivery(make
     result = host.run_once(max_deliveries=10, idle_exit_ms=60_000, max_duration_ms=500)
 
     assert (result.reason, result.processed) == ("MaxDuration", 0)  # released, not processed
-    assert 0.5 <= time.monotonic() - began < 3.0
+    assert 0.5 <= time.monotonic() - began < 30 / 2  # not the handler's 30 s
     row = Delivery.objects.get(message_id=message)
     assert (row.status, row.attempt_count) == ("Pending", 0)
 
@@ -414,7 +415,7 @@ def test_run_once_returns_idle_at_once_when_nothing_can_run(make_host):
     result = host.run_once(max_deliveries=1, idle_exit_ms=60_000)
 
     assert (result.processed, result.reason) == (0, "Idle")
-    assert time.monotonic() - began < 2.0
+    assert time.monotonic() - began < 60 / 2  # at once, not after the 60 s idle exit
     assert states(host)[s.name][0] == "HandlerNotRegistered"
 
 
