@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,7 +241,10 @@ class RecordingHandler(BaseWorkHandler):
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         payload = message.payload if isinstance(message.payload, dict) else {}
-        record("start", message, context)
+        # Each execution's own id: two runs of one (delivery, attempt) in one process never
+        # merge into one in the log.
+        run = uuid.uuid4().hex
+        record("start", message, context, run=run)
         sleep_ms = payload.get("sleepMs", 0)
         if context.attempt == 1:
             sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
@@ -251,12 +255,12 @@ class RecordingHandler(BaseWorkHandler):
                 signalled_at = time.monotonic_ns()
                 time.sleep(max(0.0, deadline - time.monotonic()))
         elif sleep_ms and context.signal.wait(sleep_ms / 1000):
-            record("abort", message, context)
+            record("abort", message, context, run=run)
             return Outcome.retry(f"stopped: {context.signal.reason}")
         if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):
-            record("fail", message, context, signalled_at=signalled_at)
+            record("fail", message, context, run=run, signalled_at=signalled_at)
             raise TransientWorkError("chaos: transient failure")
-        record("end", message, context, signalled_at=signalled_at)
+        record("end", message, context, run=run, signalled_at=signalled_at)
         return Outcome.complete()
 
 
