@@ -62,6 +62,7 @@ def wait_dead(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.timing
 def test_second_call_reuses_the_running_server(cluster_dir: Path) -> None:
     first = localdb.ensure_running()
     pid = postmaster_pid(cluster_dir)

@@ -12,10 +12,12 @@ class WorkqueueConfig(AppConfig):
     def ready(self) -> None:
         from django.core.signals import request_finished
         from django.db.backends.signals import connection_created
-        from django.db.models.signals import pre_save
+        from django.db.models.signals import pre_delete, pre_save
 
         from workqueue.checks import check_settings, check_system_user
         from workqueue.driver import close_before_database_administration, close_thread_connections
+        from workqueue.models.queue import Deduplication, Delivery, Message
+        from workqueue.models.readonly import refuse_signalled_write
         from workqueue.models.topology import (
             Subscription,
             Topic,
@@ -35,3 +37,12 @@ class WorkqueueConfig(AppConfig):
             pre_save.connect(
                 validate_topology_write, sender=model, dispatch_uid=f"workqueue-{model.__name__}"
             )
+        # Model.save_base (loaddata's raw saves) and an unbound Model.delete skip the models'
+        # own save()/delete(); the signals reach the driver-owned models all the same.
+        for model in (Message, Delivery, Deduplication):
+            for signal in (pre_save, pre_delete):
+                signal.connect(
+                    refuse_signalled_write,
+                    sender=model,
+                    dispatch_uid=f"workqueue-readonly-{model.__name__}",
+                )

@@ -353,10 +353,10 @@ def _publish_keyed(topic_name: str) -> None:
     assert {r.status for r in publish_many(topic_name, messages)} == {"Accepted"}
 
 
-@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
-def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode):
-    sub = SubscriptionFactory(partition_mode=mode)
-    _publish_keyed(sub.topic.name)
+def _drain_race(sub: Any) -> tuple[list[dict[str, Any]], _InFlightSampler]:
+    """Three threads and two worker processes drain ``sub`` at once while a sampler watches
+    the InFlight rows; returns every claimer's result (owner, events, errors, transient) and
+    the sampler."""
     sub_ids = [str(sub.id)]
     params = psycopg_params()
 
@@ -381,9 +381,36 @@ def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode
                 proc.kill()
                 proc.communicate()
 
-    results = thread_results + process_results
+    return thread_results + process_results, sampler
+
+
+def _hand_overs(results: list[dict[str, Any]]) -> dict[str, int]:
+    """Per key, how often it passed from one claimer to another (in held order)."""
+    by_key: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for r in results:
+        for e in r["events"]:
+            by_key[e[1]].append((e[6], r["owner"]))
+    return {
+        key: sum(1 for (_, a), (_, b) in itertools.pairwise(sorted(held)) if a != b)
+        for key, held in by_key.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode):
+    sub = SubscriptionFactory(partition_mode=mode)
+    _publish_keyed(sub.topic.name)
+
+    results, sampler = _drain_race(sub)
+
+    process_results = results[3:]
     assert [r["errors"] for r in results] == [[]] * len(results)
     events = [e for r in results for e in r["events"]]
+    # Transient errors were retried by the harness; they are reported, never swallowed: only
+    # deadlocks or lock timeouts, and few of them.
+    transient = [t for r in results for t in r["transient"]]
+    assert all("deadlock" in t or "lock timeout" in t for t in transient), transient
+    assert len(transient) <= len(events) // 20, f"{len(transient)} transient errors: {transient}"
     assert sampler.error is None
     assert sampler.violations == []
     assert _overlaps(events) == []
@@ -394,6 +421,10 @@ def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode
     assert sampler.max_owners_in_flight >= 2
     for r in process_results:
         assert r["events"], f"{r['owner']} claimed nothing"
+    # Contention really happened: keys passed between claimers, most of them more than once.
+    hand_overs = _hand_overs(results)
+    assert sum(1 for n in hand_overs.values() if n >= 2) >= len(KEYS) // 2, hand_overs
+    assert sum(hand_overs.values()) >= 2 * len(KEYS), hand_overs
 
     rows = Delivery.objects.filter(subscription=sub)
     assert rows.count() == len(KEYS) * PER_KEY
@@ -425,6 +456,58 @@ def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode
                 .values_list("message__publish_ordinal", flat=True)
             )
             assert by_time == sorted(by_time)
+
+
+#: A claim that forgets single flight: it no longer skips a key with a delivery in flight, and
+#: the unique index that backs it up is dropped. (Text edits of the current claim.sql.)
+BROKEN_CLAIM_EDITS = [
+    ("CONTINUE WHEN EXISTS (", "CONTINUE WHEN false AND EXISTS ("),
+    ("AND f.partition_key = d.partition_key AND f.status = 'InFlight')", "AND false)"),
+]
+
+
+@pytest.fixture
+def broken_claim():
+    """Install the broken claim in this worker's test database; put the real one back after."""
+    from django.db import connection
+
+    from workqueue.sql import read_sql
+
+    text = read_sql("postgresql", "claim")
+    for old, new in BROKEN_CLAIM_EDITS:
+        assert old in text, old
+        text = text.replace(old, new)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_get_indexdef('wq_delivery_inflight_key_uq'::regclass)")
+        (index,) = cursor.fetchone()
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("DROP INDEX wq_delivery_inflight_key_uq")
+            cursor.execute(
+                "SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', "
+                "true)"
+            )
+            cursor.execute(text)
+        yield
+    finally:
+        get_driver().close()
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("DROP INDEX IF EXISTS wq_delivery_inflight_key_uq")
+            cursor.execute(index)
+            get_driver().install_procedures(connection)
+
+
+def test_the_single_flight_harness_catches_a_claim_that_forgets_the_key(broken_claim):
+    """Negative control: the same race against a broken claim is seen by every check."""
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    _publish_keyed(sub.topic.name)
+
+    results, sampler = _drain_race(sub)
+
+    events = [e for r in results for e in r["events"]]
+    assert sampler.error is None
+    assert sampler.violations, "the sampler saw no key held twice"
+    assert _overlaps(events), "no two held intervals of one key overlapped"
 
 
 def test_concurrent_claimers_of_an_ordered_subscription_never_deadlock():

@@ -5,20 +5,25 @@ fan-out."""
 from __future__ import annotations
 
 import datetime as dt
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core import serializers
 from django.core.exceptions import ValidationError
-from django.db import connections, models, transaction
+from django.core.management import call_command
+from django.db import IntegrityError, connections, models, transaction
+from django.db.models import ProtectedError
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish
 from workqueue.exceptions import DriverOwnedWriteError
-from workqueue.models import Deduplication, Delivery, Message, Subscription
+from workqueue.models import Deduplication, Delivery, Message, Subscription, Topic
 from workqueue.transport import Receiver
 
 # Most tests need committed data (the driver works on its own connection); the read-only guard
@@ -171,7 +176,41 @@ _WRITES: dict[str, Callable[[type[models.Model], Any], Any]] = {
     "manager.update_or_create": lambda model, row: model.objects.update_or_create(
         pk=row.pk, defaults=_CHANGES[model]
     ),
+    # What Django itself uses behind the public API: related lookups and Model.save() go
+    # through the base manager, loaddata calls Model.save_base(raw=True) past any save(), the
+    # deletion collector deletes through _raw_delete and Model.delete.
+    "base_manager.update": lambda model, row: model._base_manager.filter(pk=row.pk).update(
+        **_CHANGES[model]
+    ),
+    "base_manager.delete": lambda model, row: model._base_manager.filter(pk=row.pk).delete(),
+    "base_manager.bulk_create": lambda model, row: model._base_manager.bulk_create(
+        [_new_row(model, row)]
+    ),
+    "queryset._raw_delete": lambda model, row: model.objects.filter(pk=row.pk)._raw_delete(
+        "default"
+    ),
+    "base_manager._raw_delete": lambda model, row: model._base_manager.filter(
+        pk=row.pk
+    )._raw_delete("default"),
+    "Model.save_base(raw=True)": lambda model, row: models.Model.save_base(row, raw=True),
+    "Model.save_base": lambda model, row: models.Model.save_base(row),
+    "Model.save_base(new row)": lambda model, row: models.Model.save_base(_new_row(model, row)),
+    "Model.delete": lambda model, row: models.Model.delete(row),
+    "loaddata": lambda model, row: _loaddata(row),
 }
+
+
+#: Writes refused by something that comes first: the deletion collector stops at a message's
+#: protected deliveries before it asks the guard (a message without any meets the guard).
+_REFUSED_BY = {("Model.delete", Message): ProtectedError}
+
+
+def _loaddata(row: models.Model) -> None:
+    """``manage.py loaddata`` of a fixture holding ``row`` as it is now (changed)."""
+    with tempfile.TemporaryDirectory() as folder:
+        fixture = Path(folder) / "rows.json"
+        fixture.write_text(serializers.serialize("json", [row]))
+        call_command("loaddata", str(fixture), verbosity=0)
 
 
 @pytest.mark.django_db
@@ -186,13 +225,16 @@ def test_orm_writes_to_driver_owned_tables_are_refused_and_point_to_the_operator
     for field, value in _CHANGES[model].items():
         setattr(row, field, value)
 
-    with pytest.raises(DriverOwnedWriteError) as refused:
+    refusal = _REFUSED_BY.get((write, model), DriverOwnedWriteError)
+    # In a block of its own, as a caller's write would be: a refusal aborts only that block.
+    with pytest.raises(refusal) as refused, transaction.atomic():
         _WRITES[write](model, row)
 
     text = str(refused.value)
     assert model.__name__ in text
-    assert "operator API" in text and "replay" in text and "discard" in text
-    assert "workqueue.publish()" in text
+    if refusal is DriverOwnedWriteError:
+        assert "operator API" in text and "replay" in text and "discard" in text
+        assert "workqueue.publish()" in text
     assert list(model.objects.order_by("pk").values()) == before
 
 
@@ -211,6 +253,58 @@ def test_related_managers_of_driver_owned_tables_refuse_writes_too():
         topic.messages.create(id=uuid.uuid4(), publish_ordinal=10**12)
     assert Delivery.objects.get(message=message).status == "Pending"
     assert Message.objects.filter(topic=topic).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_message_without_deliveries_is_still_refused_by_an_unbound_model_delete():
+    topic = TopicFactory()  # no subscriptions: the message fans out to nobody
+    message = Message.objects.get(pk=publish(topic.name, {"n": 1}, enlist=True).message_id)
+
+    with pytest.raises(DriverOwnedWriteError), transaction.atomic():
+        models.Model.delete(message)
+
+    assert Message.objects.filter(pk=message.pk).exists()
+
+
+@pytest.mark.django_db
+def test_topics_and_subscriptions_with_queue_rows_cannot_be_deleted():
+    topic = TopicFactory()
+    sub = SubscriptionFactory(topic=topic)
+    publish(topic.name, {"n": 1}, enlist=True)
+    bare_topic = TopicFactory()  # a message but no subscription, so no deliveries
+    publish(bare_topic.name, {"n": 2}, enlist=True)
+    deletes = {
+        "subscription": lambda: sub.delete(),
+        "subscription queryset": lambda: Subscription.objects.filter(pk=sub.pk).delete(),
+        "topic": lambda: topic.delete(),
+        "topic of messages alone": lambda: bare_topic.delete(),
+        "topic queryset": lambda: Topic.objects.filter(pk=bare_topic.pk).delete(),
+    }
+
+    refused = {}
+    for name, delete in deletes.items():
+        with pytest.raises(ProtectedError) as caught, transaction.atomic():
+            delete()
+        refused[name] = sorted({type(row).__name__ for row in caught.value.protected_objects})
+
+    assert refused == {
+        "subscription": ["Delivery"],
+        "subscription queryset": ["Delivery"],
+        "topic": ["Message", "Subscription"],
+        "topic of messages alone": ["Message"],
+        "topic queryset": ["Message"],
+    }
+    # The database refuses it too, whatever bypasses the ORM.
+    for table, pk in (("workqueue_subscription", sub.pk), ("workqueue_topic", bare_topic.pk)):
+        with (
+            pytest.raises(IntegrityError),
+            transaction.atomic(),
+            connections["default"].cursor() as cursor,
+        ):
+            cursor.execute(f"DELETE FROM {table} WHERE id = %s", [pk])
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    assert Delivery.objects.filter(subscription=sub).count() == 1
+    assert Message.objects.filter(topic__in=[topic, bare_topic]).count() == 2
 
 
 # -- partition mode ---------------------------------------------------------------------------

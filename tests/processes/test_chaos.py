@@ -23,7 +23,7 @@ import json
 import random
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +175,7 @@ class Canceller:
 class Execution:
     """One handler execution as its process logged it (times: CLOCK_MONOTONIC, ns)."""
 
+    run: str
     pid: int
     delivery: str
     attempt: int
@@ -190,30 +191,44 @@ class Execution:
 
 def executions(events: list[dict[str, Any]]) -> list[Execution]:
     """Merge the processes' start/finish lines into one record per handler execution."""
-    runs: dict[tuple[int, str, int], Execution] = {}
+    runs: dict[str, Execution] = {}
     for e in sorted(events, key=lambda e: e["t"]):
-        run_id = (e["pid"], e["delivery"], e["attempt"])
+        run_id = e["run"]
         if e["event"] == "start":
+            assert run_id not in runs, f"run {run_id} started twice"
             runs[run_id] = Execution(
-                e["pid"], e["delivery"], e["attempt"], e["sub"], e["key"], e["ordinal"], e["t"]
+                run_id,
+                e["pid"],
+                e["delivery"],
+                e["attempt"],
+                e["sub"],
+                e["key"],
+                e["ordinal"],
+                e["t"],
             )
         else:
             run = runs[run_id]
+            assert run.finish is None, f"run {run_id} finished twice"
             run.finish, run.finished_by, run.signal = e["t"], e["event"], e["signal"]
             run.signalled_at = e.get("signalled_at")
     return list(runs.values())
 
 
-def overlapping(runs: list[Execution], reaped_at: dict[int, int]) -> list[str]:
-    """Each pair of executions of one (subscription, key) that overlap in time, described. A run
-    cut short by a kill ended, at the latest, when its process was reaped."""
+def overlapping(
+    runs: list[Execution],
+    reaped_at: dict[int, int],
+    group: Callable[[Execution], Any] = lambda run: (run.sub, run.key),
+) -> list[str]:
+    """Each pair of executions of one group (by default one (subscription, key)) that overlap
+    in time, described. A run cut short by a kill ended, at the latest, when its process was
+    reaped."""
 
     def end(run: Execution) -> int:
         return run.finish if run.finish is not None else reaped_at[run.pid]
 
-    per_key: dict[tuple[str, str | None], list[Execution]] = defaultdict(list)
+    per_key: dict[Any, list[Execution]] = defaultdict(list)
     for run in runs:
-        per_key[(run.sub, run.key)].append(run)
+        per_key[group(run)].append(run)
     found = []
     for key_runs in per_key.values():
         key_runs.sort(key=lambda r: r.start)
@@ -488,6 +503,19 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     assert unfinished == [], "only a killed process leaves a handler execution unfinished"
     keyed = [r for r in runs if r.sub != subs["None"].name]
     assert overlapping(keyed, reaped_at) == []
+    # Every subscription, the unpartitioned one too: one delivery never runs twice at once.
+    assert overlapping(runs, reaped_at, group=lambda run: (run.sub, run.delivery)) == []
+    # Each (delivery, attempt) was started by exactly one execution, and every Completed
+    # delivery is exactly one execution that ended ("end", not "fail" or "abort") on the
+    # attempt the database recorded: a completion no handler finished would show here.
+    started = Counter((r.delivery, r.attempt) for r in runs)
+    assert [k for k, n in started.items() if n != 1] == [], "an attempt started twice"
+    ended = Counter((r.delivery, r.attempt) for r in runs if r.finished_by == "end")
+    completed = [(str(r["id"]), r["attempt_count"]) for r in rows if r["status"] == "Completed"]
+    assert {(d, a): ended[(d, a)] for d, a in completed} == {k: 1 for k in completed}
+    recorded = {str(r["id"]): r["attempt_count"] for r in rows}
+    beyond = [(r.delivery, r.attempt) for r in runs if r.attempt > recorded[r.delivery]]
+    assert beyond == [], "a handler ran an attempt the database never recorded"
     # Cancelled handlers ignored the signal and ran on well past the drain: had the cancel been
     # acknowledged then, the next delivery of their key would have overlapped them.
     ignored = [

@@ -1,6 +1,7 @@
 """Nothing accepted is lost across a database restart: a host keeps running while its
-PostgreSQL is stopped and started again mid-stream, and every message whose publish was
-Accepted (before, during or after the restart) ends Completed.
+PostgreSQL is stopped (with deliveries Pending and InFlight) and started again mid-stream, every
+message whose publish was Accepted (before or after the restart) ends Completed, and a publish
+during the outage is refused (exit 1, each message TransportUnavailable) and stored nowhere.
 
 Runs on a private throwaway cluster, so restarting it disturbs nothing else in the suite.
 """
@@ -69,9 +70,20 @@ def _manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _publish(env: dict[str, str], batch: int, count: int) -> list[str]:
+def _publish(env: dict[str, str], batch: int, count: int, sleep_ms: int = 0) -> list[str]:
     """Publish ``count`` messages (keys k0..k4); the ids whose publish was Accepted."""
-    done = _manage(
+    done = _publish_raw(env, batch, count, sleep_ms)
+    try:
+        results = json.loads(done.stdout)
+    except ValueError:
+        return []  # the database was down for the whole call: nothing was accepted
+    return [r["message_id"] for r in results if r["status"] == "Accepted"]
+
+
+def _publish_raw(
+    env: dict[str, str], batch: int, count: int, sleep_ms: int = 0
+) -> subprocess.CompletedProcess:
+    return _manage(
         env,
         "workqueue",
         "publish",
@@ -82,14 +94,16 @@ def _publish(env: dict[str, str], batch: int, count: int) -> list[str]:
         "--partition-key",
         f"k{batch % 5}",
         "--payload",
-        json.dumps({"name": f"b{batch}"}),
+        json.dumps({"name": f"b{batch}", "sleepMs": sleep_ms}),
         "--json",
     )
-    try:
-        results = json.loads(done.stdout)
-    except ValueError:
-        return []  # the database was down for the whole call: nothing was accepted
-    return [r["message_id"] for r in results if r["status"] == "Accepted"]
+
+
+def _statuses(url: str) -> dict[str, int]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return dict(
+            conn.execute("SELECT status, count(*) FROM workqueue_delivery GROUP BY 1").fetchall()
+        )
 
 
 def test_every_accepted_message_is_completed_across_a_database_restart(private_cluster, tmp_path):
@@ -112,9 +126,20 @@ def test_every_accepted_message_is_completed_across_a_database_restart(private_c
     accepted: list[str] = []
     try:
         for batch in range(3):
-            accepted += _publish(env, batch, 20)
-        localdb.stop()  # the database goes away under the running host ...
-        accepted += _publish(env, 3, 20)  # ... and publishing meanwhile is refused, not lost
+            accepted += _publish(env, batch, 20, sleep_ms=400)
+        # Work is both waiting and running when the database goes away under the host ...
+        deadline = time.monotonic() + 20
+        while not {"Pending", "InFlight"} <= set(_statuses(url)):
+            assert time.monotonic() < deadline, _statuses(url)
+            time.sleep(0.05)
+        localdb.stop()
+        # ... and a publish meanwhile is refused, saying so, rather than lost.
+        during = _publish_raw(env, 3, 20)
+        refused = json.loads(during.stdout)
+        assert during.returncode == 1, during.stderr
+        assert [(r["status"], r["error"]) for r in refused] == [
+            ("Rejected", "TransportUnavailable")
+        ] * 20
         time.sleep(1.0)
         assert localdb.ensure_running() == url
         for batch in range(4, 7):
@@ -138,7 +163,12 @@ def test_every_accepted_message_is_completed_across_a_database_restart(private_c
             messages = conn.execute(
                 "SELECT count(*) FROM workqueue_message WHERE id = ANY(%s::uuid[])", [accepted]
             ).fetchone()
+            stored = conn.execute(
+                "SELECT count(*) FROM workqueue_message WHERE id = ANY(%s::uuid[])",
+                [[r["message_id"] for r in refused]],
+            ).fetchone()
         assert messages == (len(accepted),)
+        assert stored == (0,), "a refused publish must not have been stored after all"
         assert host.poll() is None, "the host must survive the database restart"
     finally:
         if host.poll() is None:

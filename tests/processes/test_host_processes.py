@@ -190,6 +190,7 @@ def test_a_host_process_processes_published_work_and_records_its_health(processe
     assert "samples.hello" in record.handler_keys and "tests.record" in record.handler_keys
 
 
+@pytest.mark.timing
 def test_sigterm_mid_handler_releases_the_delivery_and_exits_within_the_drain_budget(processes):
     sub = hello(lease_seconds=30, max_attempts=3)
     host = processes.host(sub.name)
@@ -270,18 +271,27 @@ def test_sigterm_exits_within_the_drain_budget_even_if_a_handler_ignores_the_abo
 def test_a_handler_completing_after_the_drain_does_not_hang_the_host_process(processes):
     sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
     host = processes.host(sub.name, WORKQUEUE_SHUTDOWN_DRAIN_MS="300")
-    message = publish(sub.topic.name, {"sleepMs": 2000, "ignoreSignal": True}).message_id
-    wait_until(lambda: delivery(message).status == "InFlight")
+    handler_ms = 6000
+    message = publish(sub.topic.name, {"sleepMs": handler_ms, "ignoreSignal": True}).message_id
+    wait_until(lambda: any(e["event"] == "start" for e in read_events(processes.events)))
+    signalled = time.monotonic()
 
     host.popen.send_signal(signal.SIGTERM)
 
-    # Generous: even waiting for the handler (2 s) the process should be gone by now.
+    # Two drains of 0.3 s, then the process must end while its handler still sleeps: waiting
+    # for the handler instead would take the rest of its 6 s.
     try:
-        code = host.wait(timeout=8)
+        code = host.wait(timeout=handler_ms / 1000 / 2)
     except subprocess.TimeoutExpired:
-        pytest.fail("the host process hung after its handler returned Complete")
+        pytest.fail("the host process waited for a handler that outlived the drain")
     assert code == 0
-    assert delivery(message).status in {"Completed", "InFlight"}
+    assert time.monotonic() - signalled < handler_ms / 1000
+    assert "did not stop" in host.stderr()
+    # Its outcome was never recorded: the delivery is left to lease expiry, held by that host.
+    held = delivery(message)
+    assert (held.status, held.attempt_count) == ("InFlight", 1)
+    assert f":{host.pid}:" in held.lease_owner
+    assert [e["event"] for e in read_events(processes.events)] == ["start"]
 
 
 def test_kill_9_mid_handler_leaves_the_delivery_to_lease_expiry_and_another_host_retries_it(
@@ -388,6 +398,7 @@ def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hos
 # -- workqueue_work --once ------------------------------------------------------------------------
 
 
+@pytest.mark.timing
 def test_work_once_on_an_empty_queue_exits_0_as_soon_as_it_has_been_idle(processes):
     sub = hello()
     began = time.monotonic()

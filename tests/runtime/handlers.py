@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,7 +250,10 @@ class RecordingHandler(BaseWorkHandler):
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         payload = message.payload if isinstance(message.payload, dict) else {}
-        record("start", message, context)
+        # Each execution's own id: two runs of one (delivery, attempt) in one process never
+        # merge into one in the log.
+        run = uuid.uuid4().hex
+        record("start", message, context, run=run)
         sleep_ms = payload.get("sleepMs", 0)
         if context.attempt == 1:
             sleep_ms = payload.get("sleepFirstAttemptMs", sleep_ms)
@@ -264,10 +268,23 @@ class RecordingHandler(BaseWorkHandler):
                 signalled_at = time.monotonic_ns()
                 time.sleep(max(0.0, deadline - time.monotonic()))
         elif sleep_ms and context.signal.wait(sleep_ms / 1000):
-            record("abort", message, context)
+            record("abort", message, context, run=run)
             return Outcome.retry(f"stopped: {context.signal.reason}")
         if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):
-            record("fail", message, context, signalled_at=signalled_at)
+            record("fail", message, context, run=run, signalled_at=signalled_at)
             raise TransientWorkError("chaos: transient failure")
-        record("end", message, context, signalled_at=signalled_at)
+        record("end", message, context, run=run, signalled_at=signalled_at)
         return Outcome.complete()
+
+
+@register_handler("tests.noop")
+class NoopHandler(BaseWorkHandler):
+    """The default handler key of ``tests.factories.SubscriptionFactory``: completes at once, so
+    a subscription made by the factory runs in an in-process host (private registry) and in a
+    subprocess host (``WORKQUEUE_HANDLER_MODULES=tests.runtime.handlers``) alike."""
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        return Outcome.complete()
+
+
+registry.register("tests.noop", NoopHandler)

@@ -562,7 +562,7 @@ def test_the_lease_horizon_aborts_with_lease_lost_when_heartbeats_cannot_succeed
 
     assert run.signal_reason == AbortReason.LEASE_LOST
     assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
-    assert 1.2 <= elapsed < 3.0
+    assert 1.2 <= elapsed < 30 / 2  # the horizon, long before the handler's 30 s
     assert receiver.extend_calls >= (2 if mode == "fail" else 1)
     # Nothing was written: the row is still held by this (now abandoned) token.
     stored = row(delivery)
@@ -608,7 +608,7 @@ def test_max_processing_seconds_aborts_stops_renewals_and_settles_the_retry_as_a
     result = rig.execution(sub, receiver, delivery).run()
 
     (run,) = probe.runs
-    assert 0.9 <= time.monotonic() - started < 3
+    assert 0.9 <= time.monotonic() - started < 10 / 2  # the 1 s cap, not the handler's 10 s
     assert run.signal_reason == AbortReason.MAX_PROCESSING_SECONDS
     assert run.heartbeats[-1] is False and all(run.heartbeats[:-1])
     assert result.status == "Pending"
@@ -747,7 +747,7 @@ def test_a_settle_that_keeps_failing_past_the_lease_is_reported_as_failed_and_le
 
     assert result.kind == ExecutionResult.FAILED and "closed the connection" in result.error
     assert receiver.calls["retry"] >= 3  # 0.1 s, 0.2 s, 0.4 s ... apart
-    assert time.monotonic() - began < 3.0
+    assert time.monotonic() - began < 60 / 2  # the local horizon, not the real 60 s lease
     assert row(delivery).status == "InFlight"
 
 
@@ -767,7 +767,7 @@ def test_a_heartbeat_that_fails_once_then_succeeds_keeps_the_lease_and_the_handl
     # interval later), and that renewal moved the lease on.
     assert receiver.calls["extend_lease"] == 2
     failed_at, renewed_at = receiver.times
-    assert renewed_at - failed_at < 1.0
+    assert renewed_at - failed_at < 2.0 / 2  # half the 2 s interval a late retry would take
     (renewal,) = receiver.results
     assert renewal.state == "Held" and renewal.lease_expires_at > claimed_until
 

@@ -139,8 +139,14 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
 
     @admin.display(description="payload")
     def message_payload(self, obj: Delivery) -> str:
-        # Only listed in get_fields() for users with workqueue.view_payload.
-        return format_html("<pre>{}</pre>", _json(obj.message.payload))
+        # Only listed in get_fields() for users with workqueue.view_payload. A claim-check
+        # message shows its reference, where the payload is kept, instead.
+        message = obj.message
+        if message.payload_ref is not None:
+            return format_html(
+                "<p>Reference (claim check):</p><pre>{}</pre>", _json(message.payload_ref)
+            )
+        return format_html("<pre>{}</pre>", _json(message.payload))
 
 
 def _json(value: Any) -> str:

@@ -3,6 +3,13 @@
 A full-row ``save()`` from a stale snapshot would write back an old lease token, attempt count or
 cancel flag and so step around the fencing rules. The ORM may read these tables; every write must
 go through a ``wq_*`` procedure.
+
+The guard covers the paths Django itself takes behind the public API as well: the base manager
+(related lookups, ``Model.save()``'s own UPDATE) is the guarded manager, the queryset refuses its
+private ``_update``, ``_insert`` and ``_raw_delete`` (what ``save_base`` and the deletion
+collector write through), and ``pre_save`` / ``pre_delete`` receivers (connected in
+``WorkqueueConfig.ready``) refuse ``Model.save_base(raw=True)`` (``loaddata``) and an unbound
+``Model.delete``.
 """
 
 from __future__ import annotations
@@ -58,6 +65,16 @@ class DriverOwnedQuerySet(models.QuerySet):
     async def abulk_create(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(self.model)
 
+    # Django's own write paths below the public API (Model.save_base, the deletion collector).
+    def _update(self, values: Any) -> NoReturn:
+        _refuse(self.model)
+
+    def _insert(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _refuse(self.model)
+
+    def _raw_delete(self, using: Any) -> NoReturn:
+        _refuse(self.model)
+
 
 class DriverOwnedModel(models.Model):
     """Base for models whose rows only the stored procedures may write."""
@@ -66,6 +83,9 @@ class DriverOwnedModel(models.Model):
 
     class Meta:
         abstract = True
+        # Subclasses inherit it through their parents (Options.base_manager), so Django's
+        # internal writes meet the guarded queryset too; no migration is involved.
+        base_manager_name = "objects"
 
     def save(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(type(self))
@@ -78,3 +98,8 @@ class DriverOwnedModel(models.Model):
 
     async def adelete(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(type(self))
+
+
+def refuse_signalled_write(sender: type[models.Model], **kwargs: Any) -> NoReturn:
+    """``pre_save`` / ``pre_delete`` receiver: no save, raw or not, and no delete gets through."""
+    _refuse(sender)

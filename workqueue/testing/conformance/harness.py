@@ -118,6 +118,15 @@ class CaseContext:
         self.topic.save(using=self.alias)
         return self.topic
 
+    def update_topic(self, **fields: Any) -> Topic:
+        """Change model fields of the case's topic (validated), e.g. its deduplication default."""
+        if self.topic is None:
+            raise RuntimeError("the case's topic has not been created")
+        for name, value in fields.items():
+            setattr(self.topic, name, value)
+        self.topic.save(using=self.alias)
+        return self.topic
+
     @property
     def topic_id(self) -> str:
         if self.topic is None:
@@ -148,6 +157,8 @@ class CaseContext:
         payload: Any = None,
         message_id: str | None = None,
         numbered: bool = True,
+        deduplication_key: str | None = None,
+        deduplication_ttl: int | None = None,
     ) -> PublishResult:
         """Publish one message; unless ``numbered`` is False it gets the next ``n`` attribute."""
         merged = dict(attributes or {})
@@ -160,6 +171,8 @@ class CaseContext:
             partition_key=key,
             attributes=merged or None,
             message_id=message_id,
+            deduplication_key=deduplication_key,
+            deduplication_ttl=deduplication_ttl,
         )
 
     def keyed(self, count: int, key: str = "k") -> list[PublishResult]:

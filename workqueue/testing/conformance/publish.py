@@ -1,10 +1,11 @@
-"""Publishing cases: fan-out, attribute filters and MessageID idempotency (C01, C03, C19, C20)."""
+"""Publishing cases: fan-out, attribute filters, MessageID idempotency and deduplication windows
+(C01, C03, C19, C20, C31, C32). Time passes through ``advance_time``, never a sleep."""
 
 from __future__ import annotations
 
 import uuid
 
-from workqueue.testing.conformance.harness import CaseContext, expect_equal, numbers
+from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_true, numbers
 from workqueue.testing.conformance.registry import CASES
 
 
@@ -87,3 +88,91 @@ def same_message_id_different_envelope(ctx: CaseContext) -> None:
     code = conflict.error.code if conflict.error is not None else None
     expect_equal(code, "MessageIDConflict", "error code of the conflicting re-publish")
     expect_equal(numbers(ctx.receive("a")), [1], "messages delivered (only the first)")
+
+
+@CASES.case(
+    "C31",
+    "a deduplication key is a duplicate naming its owner inside its window, and free after it",
+)
+def deduplication_window(ctx: CaseContext) -> None:
+    ctx.subscribe("a")
+
+    owner = ctx.publish(deduplication_key="order-1", deduplication_ttl=120)
+    inside = ctx.publish(deduplication_key="order-1", deduplication_ttl=120)  # other content
+    other_key = ctx.publish(deduplication_key="order-2")
+    ctx.advance_time(110)
+    late = ctx.publish(deduplication_key="order-1")
+
+    expect_equal(owner.status, "Accepted", "status of the first publish of the key")
+    expect_equal(other_key.status, "Accepted", "status of a publish with another key")
+    for what, result in (("at once", inside), ("110 s later", late)):
+        expect_equal(
+            (result.status, result.message_id),
+            ("Duplicate", owner.message_id),
+            f"status and message id of a publish of the key {what} (window 120 s)",
+        )
+
+    ctx.advance_time(20)  # 130 s after the owner: its window has closed
+    after = ctx.publish(deduplication_key="order-1", deduplication_ttl=120)
+    again = ctx.publish(deduplication_key="order-1")
+
+    expect_equal(after.status, "Accepted", "status of a publish of the key after its window")
+    expect_true(
+        after.message_id not in (None, owner.message_id),
+        "a publish after the window is a new message with a new id",
+        after.message_id,
+    )
+    expect_equal(
+        (again.status, again.message_id),
+        ("Duplicate", after.message_id),
+        "a publish of the key after the new owner took it names the new owner",
+    )
+    expect_equal(sorted(numbers(ctx.receive("a"))), [1, 3, 5], "messages delivered (no duplicate)")
+
+
+@CASES.case(
+    "C32",
+    "a deduplication window lasts its TTL, from 60 s to 30 days, or else the topic's default",
+)
+def deduplication_ttl_bounds(ctx: CaseContext) -> None:
+    ctx.update_topic(default_deduplication_ttl_seconds=300)
+    ctx.subscribe("a")
+    for ttl in (59, 2_592_001, 0):
+        refused = ctx.publish(deduplication_key="bad", deduplication_ttl=ttl)
+        code = refused.error.code if refused.error is not None else None
+        expect_equal(
+            (refused.status, code),
+            ("Rejected", "InvalidDeduplication"),
+            f"status and error code of a publish with a TTL of {ttl} s",
+        )
+    ttls = {"shortest": 60, "topic-default": None, "longest": 2_592_000}
+    owners: dict[str, str | None] = {}
+    for key, ttl in ttls.items():
+        first = ctx.publish(deduplication_key=key, deduplication_ttl=ttl)
+        expect_equal(first.status, "Accepted", f"status of the first publish of key {key!r}")
+        owners[key] = first.message_id
+    elapsed = 0
+
+    def at(seconds: int, still_open: tuple[str, ...], closed: tuple[str, ...]) -> None:
+        nonlocal elapsed
+        ctx.advance_time(seconds - elapsed)
+        elapsed = seconds
+        for key in still_open:
+            result = ctx.publish(deduplication_key=key)
+            expect_equal(
+                (result.status, result.message_id),
+                ("Duplicate", owners[key]),
+                f"publish of key {key!r} {seconds} s after its owner",
+            )
+        for key in closed:
+            result = ctx.publish(deduplication_key=key)
+            expect_equal(
+                result.status, "Accepted", f"publish of key {key!r} {seconds} s after its owner"
+            )
+
+    at(50, ("shortest", "topic-default", "longest"), ())
+    at(70, ("topic-default", "longest"), ("shortest",))
+    at(290, ("topic-default", "longest"), ())
+    at(310, ("longest",), ("topic-default",))
+    at(2_591_990, ("longest",), ())
+    at(2_592_010, (), ("longest",))

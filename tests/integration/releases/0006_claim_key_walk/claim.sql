@@ -1,0 +1,355 @@
+-- Claiming: lease expiry for one subscription and the batch claim that hands deliveries to a
+-- consumer. Every claim is a guarded UPDATE; the partial unique index on (subscription,
+-- partition_key) WHERE InFlight is the final word on single flight per key.
+
+-- wq_settle_expired_leases --
+-- Settle the given InFlight deliveries whose lease has passed (callers select and lock them):
+-- a cancelled one becomes Discarded, one with attempts left becomes Pending again (visible now,
+-- no backoff), one on its last attempt becomes DeadLettered with reason LeaseExpired. The
+-- status and expiry are re-checked, so a row settled meanwhile is left alone. Returns every row
+-- it changed with its new status.
+CREATE OR REPLACE FUNCTION wq_settle_expired_leases(p_delivery_ids uuid[])
+RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH decided AS (
+        SELECT d.id,
+               CASE WHEN d.cancel_requested_at IS NOT NULL THEN 'Discarded'
+                    WHEN d.attempt_count < s.max_attempts THEN 'Pending'
+                    ELSE 'DeadLettered' END AS next_status
+          FROM workqueue_delivery d
+          JOIN workqueue_subscription s ON s.id = d.subscription_id
+         WHERE d.id = ANY (p_delivery_ids)
+    )
+    UPDATE workqueue_delivery d
+       SET status = x.next_status,
+           visible_at = CASE WHEN x.next_status = 'Pending' THEN now() ELSE d.visible_at END,
+           completed_at = CASE WHEN x.next_status = 'Discarded' THEN now() ELSE d.completed_at END,
+           last_error = CASE WHEN x.next_status = 'Discarded' THEN d.last_error
+                             ELSE 'LeaseExpired' END,
+           dead_letter_reason = CASE WHEN x.next_status = 'DeadLettered' THEN 'LeaseExpired'
+                                     ELSE d.dead_letter_reason END,
+           dead_lettered_at = CASE WHEN x.next_status = 'DeadLettered' THEN now()
+                                   ELSE d.dead_lettered_at END,
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+      FROM decided x
+     WHERE d.id = x.id AND d.status = 'InFlight' AND d.lease_expires_at < now()
+    RETURNING d.id, d.subscription_id, d.partition_key::text, d.status::text;
+END;
+$$;
+
+-- wq_expire_leases --
+-- wq_settle_expired_leases for up to p_batch_size passed leases of one subscription (oldest
+-- first; rows locked by a concurrent settle are skipped, not waited for).
+CREATE OR REPLACE FUNCTION wq_expire_leases(p_subscription_id uuid, p_batch_size integer)
+RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT * FROM wq_settle_expired_leases(ARRAY(
+        SELECT d.id
+          FROM workqueue_delivery d
+         WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
+           AND d.subscription_id = p_subscription_id
+         ORDER BY d.lease_expires_at
+         LIMIT p_batch_size
+           FOR UPDATE SKIP LOCKED));
+END;
+$$;
+
+-- wq_next_open_key --
+-- The first partition key after p_after_key (the very first when it is NULL) among the
+-- subscription's open deliveries: one step of a loose scan of wq_dlv_partition_head_ix, shared
+-- by wq_claim's key walk and wq_backlog. Two statements, each ORDER BY ... LIMIT 1 rather than
+-- min(), so that each stays one index probe even when stale statistics make the subscription
+-- look tiny. Only the procedures call it (EXECUTE is revoked from PUBLIC), inside their pinned
+-- search_path, so it needs neither SECURITY DEFINER nor a search_path of its own.
+CREATE OR REPLACE FUNCTION wq_next_open_key(p_subscription_id uuid, p_after_key text)
+RETURNS text
+LANGUAGE plpgsql
+STABLE
+AS $$
+BEGIN
+    IF p_after_key IS NULL THEN
+        RETURN (SELECT k.partition_key FROM workqueue_delivery k
+                 WHERE k.subscription_id = p_subscription_id AND k.partition_key IS NOT NULL
+                   AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY k.partition_key LIMIT 1);
+    END IF;
+    RETURN (SELECT k.partition_key FROM workqueue_delivery k
+             WHERE k.subscription_id = p_subscription_id AND k.partition_key IS NOT NULL
+               AND k.status IN ('Pending', 'InFlight', 'DeadLettered')
+               AND k.partition_key > p_after_key
+             ORDER BY k.partition_key LIMIT 1);
+END;
+$$;
+
+-- wq_claim --
+-- Lease up to p_max_rows deliveries of an Active subscription to p_lease_owner in one call.
+-- First expires this subscription's passed leases (rows of kind 'ExpiredDeadLetter' report the
+-- ones that were dead-lettered). Partitioned subscriptions then claim at most one delivery per
+-- key: the key's first Pending row by order_key, when nothing of the key is in flight (Ordered:
+-- when that row is the key's head, so no earlier Pending/InFlight/DeadLettered delivery exists).
+-- Keys are taken first from a window of the oldest visible keyed rows; when that window is full
+-- of rows whose keys cannot run (a hot key's backlog behind its in-flight or dead-lettered head)
+-- and capacity is left, a bounded walk over the keys continues after p_after_key, so the cost of
+-- a claim never follows a blocked backlog. A row of kind 'KeyCursor' carries where the walk
+-- stopped, for the caller's next claim. Each claim is a guarded statement that re-checks every
+-- rule; a unique violation means another consumer won that key and only that key is skipped.
+-- Remaining capacity goes to keyless deliveries, claimed in one skip-locked batch.
+-- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1.
+CREATE OR REPLACE FUNCTION wq_claim(
+    p_subscription_id uuid,
+    p_lease_owner text,
+    p_max_rows integer,
+    p_after_key text
+)
+RETURNS TABLE (
+    kind text,
+    delivery_id uuid,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    attempt_count integer,
+    is_replay boolean,
+    message_id uuid,
+    topic_id uuid,
+    partition_key text,
+    attributes jsonb,
+    payload jsonb,
+    payload_ref jsonb,
+    correlation_id text,
+    published_at timestamptz
+)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_sub record;
+    v_ordered boolean;
+    v_remaining integer := p_max_rows;
+    v_window_size integer := p_max_rows * 4 + 32;
+    v_window_keys text[];
+    v_window_full boolean;
+    v_next integer := 0;
+    v_walking boolean := false;
+    v_walk_budget integer := p_max_rows * 4 + 64;
+    v_walked_from_start boolean := false;
+    v_walked_to text;
+    v_key text;
+    v_seen text[] := '{}';
+    v_candidate_id uuid;
+    v_candidate_row tid;
+    v_head record;
+    v_lease interval;
+BEGIN
+    -- A cheap probe of the lease index first: most claims find no passed lease, and then the
+    -- expiry statement (row locks, a write) is skipped.
+    IF EXISTS (
+        SELECT 1 FROM workqueue_delivery x
+         WHERE x.status = 'InFlight' AND x.lease_expires_at < now()
+           AND x.subscription_id = p_subscription_id
+    ) THEN
+        RETURN QUERY
+        SELECT 'ExpiredDeadLetter'::text, e.delivery_id, NULL::uuid, NULL::timestamptz,
+               NULL::integer, NULL::boolean, NULL::uuid, NULL::uuid, e.partition_key,
+               NULL::jsonb, NULL::jsonb, NULL::jsonb, NULL::text, NULL::timestamptz
+          FROM wq_expire_leases(p_subscription_id, 500) e
+         WHERE e.new_status = 'DeadLettered';
+    END IF;
+
+    SELECT s.partition_mode, s.lease_seconds, s.status INTO v_sub
+      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+    IF NOT FOUND OR v_sub.status <> 'Active' OR p_max_rows < 1 THEN
+        RETURN;
+    END IF;
+    v_lease := make_interval(secs => v_sub.lease_seconds);
+    v_ordered := v_sub.partition_mode = 'Ordered';
+
+    IF v_sub.partition_mode <> 'None' THEN
+        -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads a
+        -- fixed number of wq_dlv_claim_keyed_ix entries, whatever the backlog.
+        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
+               sum(w.n) >= v_window_size
+          INTO v_window_keys, v_window_full
+          FROM (
+                SELECT r.partition_key, min(r.visible_at) AS first_visible,
+                       min(r.order_key) AS first_order, count(*) AS n
+                  FROM (
+                        SELECT d.partition_key, d.visible_at, d.order_key
+                          FROM workqueue_delivery d
+                         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                           AND d.partition_key IS NOT NULL AND d.visible_at <= now()
+                         ORDER BY d.visible_at
+                         LIMIT v_window_size
+                       ) r
+                 GROUP BY r.partition_key
+               ) w;
+
+        LOOP
+            EXIT WHEN v_remaining <= 0;
+            -- The next key to try: from the window, then (if it was full) from the walk.
+            IF NOT v_walking THEN
+                v_next := v_next + 1;
+                IF v_next <= coalesce(cardinality(v_window_keys), 0) THEN
+                    v_key := v_window_keys[v_next];
+                ELSIF v_window_full THEN
+                    v_walking := true;
+                    v_key := p_after_key;
+                ELSE
+                    EXIT;
+                END IF;
+            END IF;
+            IF v_walking THEN
+                EXIT WHEN v_walk_budget <= 0;
+                v_walk_budget := v_walk_budget - 1;
+                -- The next key with open deliveries, wrapping around to the first key once.
+                v_key := wq_next_open_key(p_subscription_id, v_key);
+                IF v_key IS NULL THEN
+                    EXIT WHEN v_walked_from_start;
+                    v_walked_from_start := true;
+                    CONTINUE;
+                END IF;
+                v_walked_to := v_key;
+            END IF;
+            CONTINUE WHEN v_key = ANY (v_seen);
+            v_seen := v_seen || v_key;
+
+            -- The key's candidate, read through wq_dlv_partition_head_ix.
+            IF v_ordered THEN
+                SELECT h.id, h.status, h.visible_at, h.cancel_requested_at INTO v_head
+                  FROM workqueue_delivery h
+                 WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
+                   AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY h.order_key
+                 LIMIT 1;
+                CONTINUE WHEN NOT FOUND OR v_head.status <> 'Pending' OR v_head.visible_at > now()
+                           OR v_head.cancel_requested_at IS NOT NULL;
+                v_candidate_id := v_head.id;
+            ELSE
+                CONTINUE WHEN EXISTS (
+                    SELECT 1 FROM workqueue_delivery f
+                     WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
+                       AND f.status = 'InFlight');
+                -- The key's open rows in order_key order, first runnable one wins. Asking for
+                -- every open status (and fencing the Pending test off with OFFSET 0) leaves
+                -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
+                -- the planner would otherwise pick wq_dlv_claim_keyed_ix and read every Pending
+                -- row.
+                SELECT o.id INTO v_candidate_id
+                  FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
+                          FROM workqueue_delivery c
+                         WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key
+                           AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
+                         ORDER BY c.order_key
+                        OFFSET 0) o
+                 WHERE o.status = 'Pending' AND o.visible_at <= now()
+                   AND o.cancel_requested_at IS NULL
+                 LIMIT 1;
+                CONTINUE WHEN NOT FOUND;
+            END IF;
+
+            -- Never wait on another claimer: waiting while holding this call's earlier claims
+            -- can deadlock two claimers that meet keys in different orders. A key another
+            -- claimer is working on, or a row someone else has locked, is skipped this time.
+            CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(
+                'wq-claim:' || lower(p_subscription_id::text) || ':' || v_key, 0));
+            SELECT r.ctid INTO v_candidate_row
+              FROM workqueue_delivery r WHERE r.id = v_candidate_id FOR UPDATE SKIP LOCKED;
+            CONTINUE WHEN NOT FOUND;
+            BEGIN
+                RETURN QUERY
+                WITH claimed AS (
+                    UPDATE workqueue_delivery d
+                       SET status = 'InFlight', lease_owner = p_lease_owner,
+                           lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
+                           last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
+                           progress = NULL
+                     -- By the locked row's ctid (it cannot move while locked): with a status
+                     -- test in the statement, stale statistics can make the planner walk
+                     -- wq_dlv_claim_keyed_ix for it instead of one primary-key probe.
+                     WHERE d.ctid = v_candidate_row AND d.status = 'Pending'
+                       AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
+                       AND NOT EXISTS (
+                           SELECT 1 FROM workqueue_delivery f
+                            WHERE f.subscription_id = d.subscription_id
+                              AND f.partition_key = d.partition_key AND f.status = 'InFlight')
+                       AND (NOT v_ordered OR NOT EXISTS (
+                           SELECT 1 FROM workqueue_delivery h
+                            WHERE h.subscription_id = d.subscription_id
+                              AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                              AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
+                    RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
+                              d.attempt_count, d.is_replay
+                )
+                SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
+                       c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
+                       m.payload_ref, m.correlation_id::text, m.published_at
+                  FROM claimed c
+                 CROSS JOIN LATERAL (
+                       -- By primary key for each claimed row (OFFSET 0 keeps it a per-row probe:
+                       -- joined plainly, stale statistics can make the planner scan messages).
+                       SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
+                              x.payload_ref, x.correlation_id, x.published_at
+                         FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m;
+                IF FOUND THEN
+                    v_remaining := v_remaining - 1;
+                END IF;
+            EXCEPTION WHEN unique_violation THEN
+                -- Another consumer put this key in flight first; skip only this candidate.
+                NULL;
+            END;
+        END LOOP;
+
+        IF v_walked_to IS NOT NULL THEN
+            RETURN QUERY
+            SELECT 'KeyCursor'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::integer,
+                   NULL::boolean, NULL::uuid, NULL::uuid, v_walked_to, NULL::jsonb, NULL::jsonb,
+                   NULL::jsonb, NULL::text, NULL::timestamptz;
+        END IF;
+    END IF;
+
+    IF v_remaining > 0 THEN
+        RETURN QUERY
+        WITH picked AS (
+            SELECT d.id
+              FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+               AND d.partition_key IS NULL AND d.visible_at <= now()
+               AND d.cancel_requested_at IS NULL
+             ORDER BY d.visible_at
+             LIMIT v_remaining
+               FOR UPDATE SKIP LOCKED
+        ), claimed AS (
+            UPDATE workqueue_delivery d
+               SET status = 'InFlight', lease_owner = p_lease_owner,
+                   lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
+                   last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
+                   progress = NULL
+              FROM picked
+             WHERE d.id = picked.id
+            RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at, d.attempt_count,
+                      d.is_replay, d.visible_at
+        )
+        SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
+               c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
+               m.payload_ref, m.correlation_id::text, m.published_at
+          FROM claimed c
+         CROSS JOIN LATERAL (
+               -- A per-row probe by primary key, as in the keyed claim above.
+               SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
+                      x.payload_ref, x.correlation_id, x.published_at
+                 FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m
+         ORDER BY c.visible_at;
+    END IF;
+END;
+$$;

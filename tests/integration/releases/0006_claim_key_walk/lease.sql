@@ -1,0 +1,40 @@
+-- Leases: the holder's heartbeat.
+
+-- wq_extend_lease --
+-- Renew a held lease by the subscription's full lease_seconds, fenced by the lease token and the
+-- cancel flag; replace the progress only when one is given. Returns one row: lease_state Held
+-- (with the new expiry), Cancelled (an operator asked to cancel; the holder should stop and
+-- acknowledge) or Lost (the token no longer holds the delivery).
+CREATE OR REPLACE FUNCTION wq_extend_lease(
+    p_delivery_id uuid,
+    p_lease_token uuid,
+    p_progress jsonb
+)
+RETURNS TABLE (lease_state text, lease_expires_at timestamptz)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_expires timestamptz;
+    v_cancelled boolean;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET lease_expires_at = now() + make_interval(secs => s.lease_seconds),
+           last_heartbeat_at = now(),
+           progress = COALESCE(p_progress, d.progress)
+      FROM workqueue_subscription s
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL AND s.id = d.subscription_id
+    RETURNING d.lease_expires_at INTO v_expires;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'Held'::text, v_expires;
+        RETURN;
+    END IF;
+    SELECT d.cancel_requested_at IS NOT NULL INTO v_cancelled
+      FROM workqueue_delivery d
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight';
+    RETURN QUERY SELECT CASE WHEN v_cancelled THEN 'Cancelled' ELSE 'Lost' END, NULL::timestamptz;
+END;
+$$;

@@ -1,0 +1,332 @@
+-- Operator reads and actions. Reads are bounded (keyset pages, capped counts); actions are single
+-- guarded statements whose affected_rows says whether they took effect. The acting user's name
+-- and the note are recorded on the delivery.
+
+-- wq_subscription_stats --
+-- Counts by status for one subscription, the number of Ordered keys blocked by a dead-lettered
+-- head (NULL for other modes), the age of the oldest Pending delivery and completions in the last
+-- hour, all as of the database clock.
+CREATE OR REPLACE FUNCTION wq_subscription_stats(p_subscription_id uuid)
+RETURNS TABLE (
+    pending bigint,
+    in_flight bigint,
+    dead_lettered bigint,
+    blocked_keys bigint,
+    oldest_pending_age_seconds bigint,
+    completed_last_hour bigint,
+    as_of timestamptz
+)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT
+        (SELECT count(*) FROM workqueue_delivery d
+          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'),
+        (SELECT count(*) FROM workqueue_delivery d
+          WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'),
+        (SELECT count(*) FROM workqueue_delivery d
+          WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'),
+        CASE WHEN s.partition_mode = 'Ordered' THEN (
+            SELECT count(DISTINCT d.partition_key) FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+               AND d.partition_key IS NOT NULL
+               AND NOT EXISTS (
+                   SELECT 1 FROM workqueue_delivery h
+                    WHERE h.subscription_id = d.subscription_id
+                      AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                      AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
+        END,
+        (SELECT CASE WHEN min(d.visible_at) IS NOT NULL THEN
+                    GREATEST(floor(extract(epoch FROM now() - min(d.visible_at))), 0)::bigint END
+           FROM workqueue_delivery d
+          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'),
+        (SELECT count(*) FROM workqueue_delivery d
+          WHERE d.subscription_id = p_subscription_id AND d.status = 'Completed'
+            AND d.completed_at > now() - interval '1 hour'),
+        now()
+      FROM workqueue_subscription s
+     WHERE s.id = p_subscription_id;
+$$;
+
+-- wq_list_dead_letters --
+-- One keyset page (by delivery id, ascending, after p_after_delivery_id) of a subscription's
+-- dead letters with their messages. blocks_key is true for an Ordered key's head.
+CREATE OR REPLACE FUNCTION wq_list_dead_letters(
+    p_subscription_id uuid,
+    p_after_delivery_id uuid,
+    p_page_size integer
+)
+RETURNS TABLE (
+    delivery_id uuid,
+    attempt_count integer,
+    dead_letter_reason text,
+    last_error text,
+    dead_lettered_at timestamptz,
+    partition_key text,
+    blocks_key boolean,
+    message_id uuid,
+    topic_name text,
+    message_partition_key text,
+    attributes jsonb,
+    payload jsonb,
+    payload_ref jsonb,
+    correlation_id text,
+    published_at timestamptz
+)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT d.id, d.attempt_count, d.dead_letter_reason, d.last_error, d.dead_lettered_at,
+           d.partition_key,
+           (s.partition_mode = 'Ordered' AND d.partition_key IS NOT NULL AND NOT EXISTS (
+               SELECT 1 FROM workqueue_delivery h
+                WHERE h.subscription_id = d.subscription_id
+                  AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                  AND h.status IN ('Pending', 'InFlight', 'DeadLettered'))),
+           m.id, t.name, m.partition_key, m.attributes, m.payload, m.payload_ref,
+           m.correlation_id, m.published_at
+      FROM workqueue_delivery d
+      JOIN workqueue_subscription s ON s.id = d.subscription_id
+      JOIN workqueue_message m ON m.id = d.message_id
+      JOIN workqueue_topic t ON t.id = m.topic_id
+     WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+       AND (p_after_delivery_id IS NULL OR d.id > p_after_delivery_id)
+     ORDER BY d.id
+     LIMIT p_page_size;
+$$;
+
+-- wq_list_partitions --
+-- One keyset page (by partition key, after p_after_partition_key) of a subscription's keys that
+-- have open deliveries. condition: InFlight when any delivery of the key is in flight, else
+-- Blocked when an Ordered key's head is dead-lettered, else Idle. p_condition NULL lists only
+-- the keys that are not Idle. head_delivery_id is the key's earliest open delivery;
+-- waiting_items counts its Pending deliveries.
+CREATE OR REPLACE FUNCTION wq_list_partitions(
+    p_subscription_id uuid,
+    p_condition text,
+    p_after_partition_key text,
+    p_page_size integer
+)
+RETURNS TABLE (
+    partition_key text,
+    condition text,
+    head_delivery_id uuid,
+    waiting_items bigint
+)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    WITH keys AS (
+        SELECT d.partition_key,
+               bool_or(d.status = 'InFlight') AS any_in_flight,
+               min(d.order_key) AS head_order_key,
+               count(*) FILTER (WHERE d.status = 'Pending') AS waiting
+          FROM workqueue_delivery d
+         WHERE d.subscription_id = p_subscription_id AND d.partition_key IS NOT NULL
+           AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
+           AND (p_after_partition_key IS NULL OR d.partition_key > p_after_partition_key)
+         GROUP BY d.partition_key
+    ), classified AS (
+        SELECT k.partition_key,
+               CASE WHEN k.any_in_flight THEN 'InFlight'
+                    WHEN s.partition_mode = 'Ordered' AND head.status = 'DeadLettered'
+                        THEN 'Blocked'
+                    ELSE 'Idle' END AS condition,
+               head.id AS head_delivery_id,
+               k.waiting
+          FROM keys k
+          JOIN workqueue_subscription s ON s.id = p_subscription_id
+          JOIN workqueue_delivery head
+            ON head.subscription_id = p_subscription_id
+           AND head.partition_key = k.partition_key AND head.order_key = k.head_order_key
+    )
+    SELECT c.partition_key, c.condition, c.head_delivery_id, c.waiting
+      FROM classified c
+     WHERE (p_condition IS NULL AND c.condition <> 'Idle') OR c.condition = p_condition
+     ORDER BY c.partition_key
+     LIMIT p_page_size;
+$$;
+
+-- wq_replay --
+-- DeadLettered → Pending with attempts reset to 0 and is_replay set; the order key is kept, so a
+-- replayed Ordered head keeps its place at the front of its key.
+CREATE OR REPLACE FUNCTION wq_replay(
+    p_subscription_id uuid,
+    p_delivery_id uuid,
+    p_actor text,
+    p_note text
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    WITH changed AS (
+        UPDATE workqueue_delivery d
+           SET status = 'Pending', attempt_count = 0, is_replay = true, visible_at = now(),
+               dead_letter_reason = NULL, dead_lettered_at = NULL,
+               resolved_by = p_actor, resolution_note = left(p_note, 1000)
+         WHERE d.id = p_delivery_id AND d.subscription_id = p_subscription_id
+           AND d.status = 'DeadLettered'
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM changed;
+$$;
+
+-- wq_discard --
+-- DeadLettered (or Pending, when p_allow_pending) → Discarded. Never touches an InFlight row;
+-- that needs wq_cancel.
+CREATE OR REPLACE FUNCTION wq_discard(
+    p_subscription_id uuid,
+    p_delivery_id uuid,
+    p_allow_pending boolean,
+    p_actor text,
+    p_reason text
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    WITH changed AS (
+        UPDATE workqueue_delivery d
+           SET status = 'Discarded', completed_at = now(),
+               resolved_by = p_actor, resolution_note = left(p_reason, 1000),
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+         WHERE d.id = p_delivery_id AND d.subscription_id = p_subscription_id
+           AND (d.status = 'DeadLettered' OR (p_allow_pending AND d.status = 'Pending'))
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM changed;
+$$;
+
+-- wq_cancel --
+-- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
+-- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
+-- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
+-- again. Hosts listening on channel wq_cancel hear of it at commit.
+CREATE OR REPLACE FUNCTION wq_cancel(
+    p_subscription_id uuid,
+    p_delivery_id uuid,
+    p_actor text,
+    p_reason text
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET cancel_requested_at = now(),
+           resolved_by = p_actor, resolution_note = left(p_reason, 1000)
+     WHERE d.id = p_delivery_id AND d.subscription_id = p_subscription_id
+       AND d.status = 'InFlight' AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    IF v_rows > 0 THEN
+        -- Listening hosts check the delivery's lease at once instead of at the next heartbeat.
+        PERFORM pg_notify('wq_cancel', lower(p_delivery_id::text));
+    END IF;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
+-- wq_backlog --
+-- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
+-- that could be claimed now under the subscription's partition mode; 0 unless the subscription is
+-- Active) and InFlight rows, each counted up to p_cap (NULL: uncapped). No row when the
+-- subscription does not exist. Keys are counted by walking wq_dlv_partition_head_ix one key at a
+-- time (as wq_claim walks them), so a hot key's blocked backlog costs one step, not its rows.
+CREATE OR REPLACE FUNCTION wq_backlog(p_subscription_id uuid, p_cap integer)
+RETURNS TABLE (claimable bigint, in_flight bigint)
+LANGUAGE plpgsql
+STABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_sub record;
+    v_limit bigint := coalesce(p_cap, 9223372036854775807);
+    v_claimable bigint;
+    v_key text;
+    v_head record;
+BEGIN
+    SELECT s.partition_mode, s.status INTO v_sub
+      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    in_flight := (SELECT count(*) FROM (
+        SELECT 1 FROM workqueue_delivery d
+         WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+         LIMIT v_limit) AS held);
+    IF v_sub.status <> 'Active' THEN
+        claimable := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    v_claimable := (SELECT count(*) FROM (
+        SELECT 1 FROM workqueue_delivery d
+         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+           AND d.partition_key IS NULL AND d.visible_at <= now()
+         LIMIT v_limit) AS keyless);
+
+    IF v_sub.partition_mode <> 'None' THEN
+        LOOP
+            EXIT WHEN v_claimable >= v_limit;
+            v_key := wq_next_open_key(p_subscription_id, v_key);
+            EXIT WHEN v_key IS NULL;
+            IF v_sub.partition_mode = 'Ordered' THEN
+                -- Claimable when the key's head is a visible Pending delivery.
+                SELECT h.status, h.visible_at INTO v_head
+                  FROM workqueue_delivery h
+                 WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
+                   AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY h.order_key
+                 LIMIT 1;
+                IF v_head.status = 'Pending' AND v_head.visible_at <= now() THEN
+                    v_claimable := v_claimable + 1;
+                END IF;
+            ELSIF NOT EXISTS (
+                    SELECT 1 FROM workqueue_delivery f
+                     WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
+                       AND f.status = 'InFlight')
+              AND EXISTS (
+                    -- Fenced like wq_claim's candidate lookup, to keep to the key's index.
+                    SELECT 1 FROM (SELECT c.status, c.visible_at
+                                     FROM workqueue_delivery c
+                                    WHERE c.subscription_id = p_subscription_id
+                                      AND c.partition_key = v_key
+                                      AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
+                                   OFFSET 0) o
+                     WHERE o.status = 'Pending' AND o.visible_at <= now()) THEN
+                v_claimable := v_claimable + 1;
+            END IF;
+        END LOOP;
+    END IF;
+    claimable := LEAST(v_claimable, v_limit);
+    RETURN NEXT;
+END;
+$$;
+
+-- wq_read_committed_snapshot_state --
+-- Whether readers see committed data without blocking writers. Always true on PostgreSQL (MVCC);
+-- present so that binding validation asks every vendor the same question.
+CREATE OR REPLACE FUNCTION wq_read_committed_snapshot_state()
+RETURNS TABLE (snapshot_on boolean)
+LANGUAGE sql
+IMMUTABLE
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT true;
+$$;

@@ -1,0 +1,275 @@
+-- Publishing: one guarded transaction per message that checks the topic, takes the ordered-publish
+-- lock, reserves the deduplication key, inserts the message, fans it out to every matching
+-- subscription in one set-based INSERT, confirms the key and wakes listening consumers.
+
+CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
+
+-- wq_lock_publish_order --
+-- Serialise publishes of one (topic, partition key) so that publish ordinals commit in key order.
+-- Transaction-scoped; waits at most 5 s, then fails with SQLSTATE 55P03 (retryable).
+CREATE OR REPLACE FUNCTION wq_lock_publish_order(p_topic_id uuid, p_partition_key text)
+RETURNS void
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET lock_timeout = '5s'
+AS $$
+    SELECT pg_advisory_xact_lock(
+        hashtextextended('wq:' || lower(p_topic_id::text) || ':' || p_partition_key, 0)
+    );
+$$;
+
+-- wq_lock_topology --
+-- Take the transaction-scoped lock that orders a topic's subscription changes against its
+-- publishes: every publish holds it shared while it fans out; a change that depends on the
+-- subscription having no deliveries (the partition mode) takes it exclusive, so it waits for
+-- publishes in progress and sees their deliveries. Waits at most 5 s (then SQLSTATE 55P03).
+CREATE OR REPLACE FUNCTION wq_lock_topology(p_topic_id uuid)
+RETURNS TABLE (locked boolean)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET lock_timeout = '5s'
+AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq-topology:' || lower(p_topic_id::text), 0));
+    RETURN QUERY SELECT true;
+END;
+$$;
+
+-- wq_publish --
+-- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the
+-- message that already owns the deduplication key), the status (Accepted | Duplicate | Rejected)
+-- and an error code for rejections. Nothing is written unless the status is Accepted.
+CREATE OR REPLACE FUNCTION wq_publish(
+    p_topic_name text,
+    p_message_id uuid,
+    p_partition_key text,
+    p_attributes jsonb,
+    p_payload jsonb,
+    p_payload_ref jsonb,
+    p_correlation_id text,
+    p_deduplication_key text,
+    p_deduplication_ttl_seconds integer,
+    p_envelope_bytes integer,
+    p_external boolean,
+    p_published_by text
+)
+RETURNS TABLE (message_id uuid, status text, error_code text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_topic record;
+    v_owner uuid;
+    v_owner_status text;
+    v_existing record;
+    v_ordinal bigint;
+    v_fanout integer;
+    v_attempt integer := 0;
+BEGIN
+    SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
+           t.allow_external_publish, t.max_payload_bytes, t.default_deduplication_ttl_seconds
+      INTO v_topic
+      FROM workqueue_topic t
+      JOIN workqueue_transport tr ON tr.id = t.transport_id
+     WHERE t.name = lower(btrim(p_topic_name));
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text;
+        RETURN;
+    END IF;
+    IF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicDisabled'::text;
+        RETURN;
+    END IF;
+    IF p_external AND NOT v_topic.allow_external_publish THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text;
+        RETURN;
+    END IF;
+    IF p_envelope_bytes > LEAST(v_topic.max_payload_bytes, 262144) THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text;
+        RETURN;
+    END IF;
+
+    -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
+    PERFORM pg_advisory_xact_lock_shared(
+        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
+
+    -- Ordered subscriptions need a key's ordinals to commit in publish order.
+    IF p_partition_key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM workqueue_subscription s
+         WHERE s.topic_id = v_topic.id AND s.partition_mode = 'Ordered'
+           AND s.status <> 'Disabled' AND wq_filter_matches(s.filter, p_attributes)
+    ) THEN
+        PERFORM wq_lock_publish_order(v_topic.id, p_partition_key);
+    END IF;
+
+    IF p_deduplication_key IS NOT NULL THEN
+        LOOP
+            v_attempt := v_attempt + 1;
+            -- Take the key when free, when its window has passed, or when this same message
+            -- reserved it before (a retry after a crash). Never take a confirmed key.
+            INSERT INTO workqueue_deduplication AS d
+                   (id, topic_id, deduplication_key, message_id, status, expires_at)
+            VALUES (gen_random_uuid(), v_topic.id, p_deduplication_key, p_message_id,
+                    'Reserved', now() + interval '120 seconds')
+            ON CONFLICT ON CONSTRAINT wq_dedup_topic_key_uq DO UPDATE
+               SET message_id = EXCLUDED.message_id, status = 'Reserved',
+                   expires_at = EXCLUDED.expires_at
+             WHERE d.expires_at <= now()
+                OR (d.status = 'Reserved' AND d.message_id = EXCLUDED.message_id)
+            RETURNING d.message_id INTO v_owner;
+            EXIT WHEN v_owner IS NOT NULL;
+
+            SELECT d.message_id, d.status INTO v_owner, v_owner_status
+              FROM workqueue_deduplication d
+             WHERE d.topic_id = v_topic.id AND d.deduplication_key = p_deduplication_key
+               AND d.expires_at > now();
+            IF FOUND AND v_owner_status = 'Confirmed' THEN
+                RETURN QUERY SELECT v_owner, 'Duplicate'::text, NULL::text;
+                RETURN;
+            ELSIF FOUND THEN
+                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'DeduplicationPending'::text;
+                RETURN;
+            ELSIF v_attempt >= 3 THEN
+                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text;
+                RETURN;
+            END IF;
+            -- The owner vanished between the two statements: try to take the key again.
+        END LOOP;
+    END IF;
+
+    v_ordinal := nextval('wq_publish_ordinal_seq');
+    INSERT INTO workqueue_message
+           (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
+            correlation_id, published_at, published_by)
+    VALUES (p_message_id, v_ordinal, v_topic.id, p_partition_key, p_attributes, p_payload,
+            p_payload_ref, p_correlation_id, now(), p_published_by)
+    ON CONFLICT (id) DO NOTHING;
+
+    IF NOT FOUND THEN
+        -- The id is taken. Undo this call's own reservation; nobody else can see it yet.
+        IF p_deduplication_key IS NOT NULL THEN
+            DELETE FROM workqueue_deduplication d
+             WHERE d.topic_id = v_topic.id AND d.deduplication_key = p_deduplication_key
+               AND d.message_id = p_message_id AND d.status = 'Reserved';
+        END IF;
+        SELECT m.topic_id, m.partition_key, m.attributes, m.payload, m.payload_ref,
+               m.correlation_id
+          INTO v_existing
+          FROM workqueue_message m WHERE m.id = p_message_id;
+        IF NOT FOUND THEN
+            -- Purged between the insert and this read; the caller may retry.
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text;
+        ELSIF v_existing.topic_id = v_topic.id
+          AND v_existing.partition_key IS NOT DISTINCT FROM p_partition_key
+          AND v_existing.attributes IS NOT DISTINCT FROM p_attributes
+          AND v_existing.payload IS NOT DISTINCT FROM p_payload
+          AND v_existing.payload_ref IS NOT DISTINCT FROM p_payload_ref
+          AND v_existing.correlation_id IS NOT DISTINCT FROM p_correlation_id THEN
+            RETURN QUERY SELECT p_message_id, 'Duplicate'::text, NULL::text;
+        ELSE
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'MessageIDConflict'::text;
+        END IF;
+        RETURN;
+    END IF;
+
+    INSERT INTO workqueue_delivery
+           (id, message_id, subscription_id, status, partition_key, order_key, attempt_count,
+            is_replay, visible_at)
+    SELECT gen_random_uuid(), p_message_id, s.id, 'Pending',
+           CASE WHEN s.partition_mode <> 'None' THEN p_partition_key END,
+           v_ordinal, 0, false, now()
+      FROM workqueue_subscription s
+     WHERE s.topic_id = v_topic.id AND s.status <> 'Disabled'
+       AND wq_filter_matches(s.filter, p_attributes);
+    GET DIAGNOSTICS v_fanout = ROW_COUNT;
+
+    IF p_deduplication_key IS NOT NULL THEN
+        UPDATE workqueue_deduplication d
+           SET status = 'Confirmed',
+               expires_at = now() + make_interval(secs => COALESCE(
+                   p_deduplication_ttl_seconds, v_topic.default_deduplication_ttl_seconds))
+         WHERE d.topic_id = v_topic.id AND d.deduplication_key = p_deduplication_key
+           AND d.message_id = p_message_id;
+    END IF;
+
+    IF v_fanout > 0 THEN
+        -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
+        PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
+    END IF;
+    RETURN QUERY SELECT p_message_id, 'Accepted'::text, NULL::text;
+END;
+$$;
+
+-- wq_topic_channel --
+-- The LISTEN/NOTIFY channel on which publishes to a topic are announced.
+CREATE OR REPLACE FUNCTION wq_topic_channel(p_topic_id uuid)
+RETURNS text
+LANGUAGE sql
+IMMUTABLE
+AS $$
+    SELECT 'wq_' || replace(lower(p_topic_id::text), '-', '');
+$$;
+
+-- wq_publish_many --
+-- Publish a JSON array of messages to one topic in one transaction, in array order. The
+-- ordered-publish locks of every key in the batch are taken first, in sorted key order, so two
+-- batches sharing keys cannot deadlock. Returns one row per item with its zero-based position.
+CREATE OR REPLACE FUNCTION wq_publish_many(
+    p_topic_name text,
+    p_messages jsonb,
+    p_external boolean,
+    p_published_by text
+)
+RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_topic_id uuid;
+    v_key text;
+    v_item record;
+BEGIN
+    SELECT t.id INTO v_topic_id FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
+    IF v_topic_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM workqueue_subscription s
+         WHERE s.topic_id = v_topic_id AND s.partition_mode = 'Ordered' AND s.status <> 'Disabled'
+    ) THEN
+        FOR v_key IN
+            SELECT DISTINCT e ->> 'partition_key' COLLATE "C" AS k
+              FROM jsonb_array_elements(p_messages) e
+             WHERE e ->> 'partition_key' IS NOT NULL
+             ORDER BY 1
+        LOOP
+            PERFORM wq_lock_publish_order(v_topic_id, v_key);
+        END LOOP;
+    END IF;
+
+    FOR v_item IN
+        SELECT (e.ordinality - 1)::integer AS idx, e.value AS m
+          FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+         ORDER BY e.ordinality
+    LOOP
+        RETURN QUERY
+        SELECT v_item.idx, r.message_id, r.status, r.error_code
+          FROM wq_publish(
+                p_topic_name,
+                (v_item.m ->> 'message_id')::uuid,
+                v_item.m ->> 'partition_key',
+                NULLIF(v_item.m -> 'attributes', 'null'::jsonb),
+                NULLIF(v_item.m -> 'payload', 'null'::jsonb),
+                NULLIF(v_item.m -> 'payload_ref', 'null'::jsonb),
+                v_item.m ->> 'correlation_id',
+                v_item.m ->> 'deduplication_key',
+                (v_item.m ->> 'deduplication_ttl_seconds')::integer,
+                (v_item.m ->> 'envelope_bytes')::integer,
+                p_external,
+                p_published_by) AS r;
+    END LOOP;
+END;
+$$;

@@ -1,0 +1,149 @@
+-- Settling: the holder's final word on a delivery. Each is ONE statement fenced by
+-- (delivery id, lease token, InFlight, no cancel request); affected_rows = 1 means it took effect,
+-- 0 means the caller no longer holds the lease (LeaseLost). Every settle clears the lease.
+-- PL/pgSQL rather than SQL functions: PL/pgSQL keeps its statement plans for the session, while
+-- PostgreSQL 15 re-plans a SQL function's body on every call (more than the update costs here).
+
+-- wq_complete --
+-- InFlight → Completed.
+CREATE OR REPLACE FUNCTION wq_complete(p_delivery_id uuid, p_lease_token uuid)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET status = 'Completed', completed_at = now(),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
+-- wq_complete_many --
+-- Complete a JSON array of {"delivery_id", "lease_token"} pairs in one statement, each fenced
+-- exactly as wq_complete. Returns the ids that were completed; a missing id lost its lease.
+CREATE OR REPLACE FUNCTION wq_complete_many(p_items jsonb)
+RETURNS TABLE (delivery_id uuid)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    UPDATE workqueue_delivery d
+       SET status = 'Completed', completed_at = now(),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+      FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid, lease_token uuid)
+     WHERE d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL
+    RETURNING d.id;
+END;
+$$;
+
+-- wq_retry --
+-- InFlight → Pending, visible again after p_delay_seconds; the attempt stays counted.
+CREATE OR REPLACE FUNCTION wq_retry(
+    p_delivery_id uuid,
+    p_lease_token uuid,
+    p_delay_seconds integer,
+    p_error text
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET status = 'Pending',
+           visible_at = now() + make_interval(secs => GREATEST(p_delay_seconds, 0)),
+           last_error = p_error,
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
+-- wq_dead_letter --
+-- InFlight → DeadLettered with a short reason (≤ 100 characters); the error text replaces
+-- last_error only when given. A dead letter waits for an operator to replay or discard it.
+CREATE OR REPLACE FUNCTION wq_dead_letter(
+    p_delivery_id uuid,
+    p_lease_token uuid,
+    p_reason text,
+    p_error text
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET status = 'DeadLettered', dead_letter_reason = left(p_reason, 100),
+           dead_lettered_at = now(), last_error = COALESCE(p_error, d.last_error),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
+-- wq_release --
+-- InFlight → Pending, visible now, with the attempt refunded (used when a host shuts down).
+CREATE OR REPLACE FUNCTION wq_release(p_delivery_id uuid, p_lease_token uuid)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET status = 'Pending', visible_at = now(),
+           attempt_count = GREATEST(d.attempt_count - 1, 0),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
+-- wq_acknowledge_cancel --
+-- The holder confirms it stopped a cancelled delivery: InFlight with a cancel request →
+-- Discarded at once, which frees an Exclusive/Ordered key. The only settle that requires the
+-- cancel flag; the token still fences it.
+CREATE OR REPLACE FUNCTION wq_acknowledge_cancel(p_delivery_id uuid, p_lease_token uuid)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET status = 'Discarded', completed_at = now(),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NOT NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;

@@ -1,0 +1,106 @@
+-- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches.
+-- One pass at a time cluster-wide: the sweeper holds wq_try_sweep_lock's transaction-scoped lock
+-- on a private connection while it runs the steps on another.
+
+-- wq_expire_leases_all --
+-- wq_settle_expired_leases for up to p_batch_size passed leases across every subscription
+-- (each with its own max_attempts), oldest first, skipping rows locked by a concurrent settle.
+CREATE OR REPLACE FUNCTION wq_expire_leases_all(p_batch_size integer)
+RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT * FROM wq_settle_expired_leases(ARRAY(
+        SELECT d.id
+          FROM workqueue_delivery d
+         WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
+         ORDER BY d.lease_expires_at
+         LIMIT p_batch_size
+           FOR UPDATE SKIP LOCKED));
+END;
+$$;
+
+-- wq_purge_terminal_deliveries --
+-- Delete up to p_batch_size Completed/Discarded deliveries older than their topic's retention.
+-- Dead letters are never purged: they wait for an operator.
+CREATE OR REPLACE FUNCTION wq_purge_terminal_deliveries(p_batch_size integer)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    WITH victims AS (
+        SELECT d.id
+          FROM workqueue_delivery d
+          JOIN workqueue_subscription s ON s.id = d.subscription_id
+          JOIN workqueue_topic t ON t.id = s.topic_id
+         WHERE d.status IN ('Completed', 'Discarded')
+           -- The shortest retention bounds the index range scan; the topic's own decides.
+           AND d.completed_at < now() - make_interval(
+                   days => (SELECT COALESCE(min(t2.retention_days), 1) FROM workqueue_topic t2))
+           AND d.completed_at < now() - make_interval(days => t.retention_days)
+         ORDER BY d.completed_at
+         LIMIT p_batch_size
+           FOR UPDATE OF d SKIP LOCKED
+    ), deleted AS (
+        DELETE FROM workqueue_delivery d USING victims v WHERE d.id = v.id RETURNING 1
+    )
+    SELECT count(*)::integer FROM deleted;
+$$;
+
+-- wq_purge_orphan_messages --
+-- Delete up to p_batch_size messages older than their topic's retention that no delivery refers
+-- to any more (every delivery was purged, or the publish matched no subscription).
+CREATE OR REPLACE FUNCTION wq_purge_orphan_messages(p_batch_size integer)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    WITH victims AS (
+        SELECT m.id
+          FROM workqueue_message m
+          JOIN workqueue_topic t ON t.id = m.topic_id
+         WHERE m.published_at < now() - make_interval(days => t.retention_days)
+           AND NOT EXISTS (SELECT 1 FROM workqueue_delivery d WHERE d.message_id = m.id)
+         LIMIT p_batch_size
+           FOR UPDATE OF m SKIP LOCKED
+    ), deleted AS (
+        DELETE FROM workqueue_message m USING victims v WHERE m.id = v.id RETURNING 1
+    )
+    SELECT count(*)::integer FROM deleted;
+$$;
+
+-- wq_purge_expired_deduplications --
+-- Delete up to p_batch_size ledger rows whose window has passed.
+CREATE OR REPLACE FUNCTION wq_purge_expired_deduplications(p_batch_size integer)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    WITH victims AS (
+        SELECT x.id FROM workqueue_deduplication x
+         WHERE x.expires_at <= now()
+         LIMIT p_batch_size
+           FOR UPDATE SKIP LOCKED
+    ), deleted AS (
+        DELETE FROM workqueue_deduplication x USING victims v WHERE x.id = v.id RETURNING 1
+    )
+    SELECT count(*)::integer FROM deleted;
+$$;
+
+-- wq_try_sweep_lock --
+-- Try (without waiting) to take the cluster-wide sweep lock for the current transaction.
+-- acquired = false means another sweeper is mid-pass; skip this one.
+CREATE OR REPLACE FUNCTION wq_try_sweep_lock()
+RETURNS TABLE (acquired boolean)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    SELECT pg_try_advisory_xact_lock(hashtextextended('wq-sweep', 0));
+$$;

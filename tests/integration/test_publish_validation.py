@@ -1,0 +1,307 @@
+"""Publish validation at its boundaries: one table per rule, each row a value just inside or just
+outside the limit and the outcome it must get (``Accepted`` or the error code), and the retry
+path that turns a database that stays busy into ``TransportUnavailable``.
+
+A table is checked as a whole (every row's outcome in one comparison), so a failure shows every
+row that moved. Rejected rows must write nothing: the messages stored are exactly the accepted
+rows'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+
+from tests.database import psycopg_params
+from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from workqueue import publish, publish_many
+from workqueue.driver import get_driver
+from workqueue.driver.base import canonical_json
+from workqueue.exceptions import TransientDriverError
+from workqueue.models import Delivery, Message
+from workqueue.publishing import TRANSIENT_RETRIES, OutgoingMessage
+from workqueue.types import PublishResult
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+ACCEPTED = "Accepted"
+
+
+def outcome(result: PublishResult) -> str:
+    """``Accepted`` (or ``Duplicate``), else the rejection's error code."""
+    return result.error.code if result.error is not None else result.status
+
+
+def check_table(topic_name: str, rows: dict[str, tuple[dict[str, Any], str]]) -> None:
+    """Publish each row's arguments alone; every outcome must be its row's, and only the
+    accepted rows may have stored a message."""
+    results = {label: publish(topic_name, **kwargs) for label, (kwargs, _) in rows.items()}
+
+    assert {label: outcome(r) for label, r in results.items()} == {
+        label: expected for label, (_, expected) in rows.items()
+    }
+    accepted = {r.message_id for r in results.values() if r.status == ACCEPTED}
+    assert {str(m) for m in Message.objects.values_list("id", flat=True)} == accepted
+
+
+@pytest.fixture
+def topic():
+    found = TopicFactory()
+    SubscriptionFactory(topic=found)
+    return found
+
+
+def test_topic_disabled_when_the_topic_or_its_transport_is_not_active():
+    active = TopicFactory()
+    disabled_topic = TopicFactory(status="Disabled")
+    disabled_transport = TopicFactory(
+        transport=TransportFactory(name="switched-off", status="Disabled")
+    )
+    for found in (active, disabled_topic, disabled_transport):
+        SubscriptionFactory(topic=found)
+    bad_key = {"payload": {"n": 1}, "partition_key": ""}  # a message problem of its own
+
+    outcomes = {
+        "active topic": outcome(publish(active.name, {"n": 1})),
+        "disabled topic": outcome(publish(disabled_topic.name, {"n": 1})),
+        "disabled transport": outcome(publish(disabled_transport.name, {"n": 1})),
+        # The topic's problem outranks the message's own, on both the local and the SQL path.
+        "disabled topic, bad key": outcome(publish(disabled_topic.name, **bad_key)),
+        "disabled transport, bad key": outcome(publish(disabled_transport.name, **bad_key)),
+        "disabled topic, batch": [
+            outcome(r) for r in publish_many(disabled_topic.name, [{"payload": 1}, {"payload": 2}])
+        ],
+        "disabled topic, batch with a bad item": [
+            outcome(r) for r in publish_many(disabled_topic.name, [{"payload": 1}, bad_key])
+        ],
+    }
+
+    assert outcomes == {
+        "active topic": ACCEPTED,
+        "disabled topic": "TopicDisabled",
+        "disabled transport": "TopicDisabled",
+        "disabled topic, bad key": "TopicDisabled",
+        "disabled transport, bad key": "TopicDisabled",
+        "disabled topic, batch": ["TopicDisabled", "TopicDisabled"],
+        "disabled topic, batch with a bad item": ["TopicDisabled", "TopicDisabled"],
+    }
+    assert list(Message.objects.values_list("topic__name", flat=True)) == [active.name]
+
+
+def test_invalid_payload_boundaries(topic):
+    check_table(
+        topic.name,
+        {
+            "a JSON payload": ({"payload": {"a": [1, "x", None]}}, ACCEPTED),
+            "a reference alone": ({"payload_ref": {"uri": "s3://b/k"}}, ACCEPTED),
+            "payload and reference": (
+                {"payload": {"a": 1}, "payload_ref": {"uri": "s3://b/k"}},
+                "InvalidPayload",
+            ),
+            "a set": ({"payload": {1, 2}}, "InvalidPayload"),
+            "an object": ({"payload": {"when": object()}}, "InvalidPayload"),
+            "bytes": ({"payload": b"raw"}, "InvalidPayload"),
+            "a reference without a uri": (
+                {"payload_ref": {"content_type": "a/b"}},
+                "InvalidPayload",
+            ),
+            "a reference with an empty uri": ({"payload_ref": {"uri": ""}}, "InvalidPayload"),
+            "a reference that is a string": ({"payload_ref": "s3://b/k"}, "InvalidPayload"),
+            "correlation id of 200": ({"payload": 1, "correlation_id": "c" * 200}, ACCEPTED),
+            "correlation id of 201": (
+                {"payload": 2, "correlation_id": "c" * 201},
+                "InvalidPayload",
+            ),
+            "correlation id not text": ({"payload": 3, "correlation_id": 7}, "InvalidPayload"),
+        },
+    )
+
+
+def test_invalid_partition_key_boundaries(topic):
+    check_table(
+        topic.name,
+        {
+            "no key": ({"payload": 1}, ACCEPTED),
+            "empty": ({"payload": 2, "partition_key": ""}, "InvalidPartitionKey"),
+            "1 character": ({"payload": 3, "partition_key": "k"}, ACCEPTED),
+            "200 characters": ({"payload": 4, "partition_key": "k" * 200}, ACCEPTED),
+            "200 two-byte characters": ({"payload": 5, "partition_key": "é" * 200}, ACCEPTED),
+            "201 characters": ({"payload": 6, "partition_key": "k" * 201}, "InvalidPartitionKey"),
+            "a number": ({"payload": 7, "partition_key": 7}, "InvalidPartitionKey"),
+        },
+    )
+
+
+def test_invalid_deduplication_boundaries(topic):
+    def dedup(key: Any, ttl: Any = None) -> dict[str, Any]:
+        return {"payload": {"key": repr(key), "ttl": repr(ttl)}, "deduplication_key": key,
+                "deduplication_ttl": ttl}  # fmt: skip
+
+    check_table(
+        topic.name,
+        {
+            "key of 200": (dedup("a" * 200), ACCEPTED),
+            "key of 201": (dedup("b" * 201), "InvalidDeduplication"),
+            "key not text": (dedup(42), "InvalidDeduplication"),
+            "TTL without a key": (dedup(None, 60), "InvalidDeduplication"),
+            "TTL 59": (dedup("c", 59), "InvalidDeduplication"),
+            "TTL 60": (dedup("d", 60), ACCEPTED),
+            "TTL 2,592,000": (dedup("e", 2_592_000), ACCEPTED),
+            "TTL 2,592,001": (dedup("f", 2_592_001), "InvalidDeduplication"),
+            "TTL 0": (dedup("g", 0), "InvalidDeduplication"),
+            "TTL as a float": (dedup("h", 60.0), "InvalidDeduplication"),
+            "TTL as text": (dedup("i", "60"), "InvalidDeduplication"),
+            "TTL true": (dedup("j", True), "InvalidDeduplication"),
+        },
+    )
+
+
+def envelope_bytes(**fields: Any) -> int:
+    """What the topic limit measures: the message's canonical JSON envelope, in UTF-8 bytes."""
+    envelope = {"partition_key": None, "attributes": None, "payload": None, "payload_ref": None,
+                "correlation_id": None, **fields}  # fmt: skip
+    return len(canonical_json(envelope).encode("utf-8"))
+
+
+@pytest.mark.parametrize("limit", [1000, 262_144], ids=["topic-limit", "largest-limit"])
+def test_payload_too_large_boundaries(limit):
+    topic = TopicFactory(max_payload_bytes=limit)
+    SubscriptionFactory(topic=topic)
+    base = envelope_bytes(payload="")  # the envelope around an empty string payload
+    room = limit - base
+
+    rows = {
+        "exactly the limit": ({"payload": "x" * room}, ACCEPTED),
+        "one byte over": ({"payload": "y" * (room + 1)}, "PayloadTooLarge"),
+        # Bytes, not characters: half as many two-byte characters fill the same room.
+        "two-byte characters at the limit": ({"payload": "é" * (room // 2)}, ACCEPTED),
+        "two-byte characters one byte over": (
+            {"payload": "é" * (room // 2) + "z" * (room % 2 + 1)},
+            "PayloadTooLarge",
+        ),
+        # The key and attributes count too: the same payload that fitted alone does not.
+        "the limit, plus a partition key": (
+            {"payload": "w" * room, "partition_key": "customer-7"},
+            "PayloadTooLarge",
+        ),
+        "the limit, plus an attribute": (
+            {"payload": "u" * room, "attributes": {"a": "b"}},
+            "PayloadTooLarge",
+        ),
+        "a reference over the limit": (
+            {"payload_ref": {"uri": "s3://b/" + "r" * limit}},
+            "PayloadTooLarge",
+        ),
+        # The size is checked last: a message with another problem reports that one.
+        "over the limit with a bad key": (
+            {"payload": "v" * (room + 1), "partition_key": ""},
+            "InvalidPartitionKey",
+        ),
+    }
+    assert envelope_bytes(payload="x" * room) == limit
+    assert envelope_bytes(payload="é" * (room // 2)) <= limit
+    check_table(topic.name, rows)
+
+
+class CallSpy:
+    """Counts the driver's publish calls and runs ``before(attempt)`` ahead of each one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, before: Any = None) -> None:
+        self.attempts: list[str] = []
+        self.before = before
+        driver = get_driver()
+        original = driver.call
+
+        def call(name: str, params: Any = None, **kwargs: Any) -> Any:
+            self.attempts.append(name)
+            if self.before is not None:
+                self.before(len(self.attempts))
+            try:
+                return original(name, params, **kwargs)
+            except TransientDriverError as exc:
+                self.attempts[-1] += f" failed: {type(exc).__name__}"
+                raise
+
+        monkeypatch.setattr(driver, "call", call)
+
+
+@pytest.fixture
+def locked_queue(pg_conn):
+    """Another session holding a lock every publish needs (SHARE on the delivery table, which
+    the fan-out's INSERT waits for), with this thread's driver connection set to give up after
+    100 ms, a real lock timeout (SQLSTATE 55P03). Yields the release function."""
+    driver = get_driver()
+    driver.execute("SET lock_timeout = '100ms'", [])
+    transaction = pg_conn.transaction()
+    transaction.__enter__()
+    pg_conn.execute("LOCK TABLE workqueue_delivery IN SHARE MODE")
+    released = []
+
+    def release() -> None:
+        if not released:
+            released.append(True)
+            transaction.__exit__(None, None, None)
+
+    yield release
+    release()
+    driver.close()  # forget the session's lock_timeout
+
+
+def test_a_publish_that_stays_locked_out_is_transport_unavailable_after_the_retries(
+    topic, locked_queue, monkeypatch
+):
+    spy = CallSpy(monkeypatch)
+
+    single = publish(topic.name, {"n": 1}, partition_key="k")
+    batch = publish_many(topic.name, [OutgoingMessage(payload=2), OutgoingMessage(payload=3)])
+    locked_queue()
+
+    assert outcome(single) == "TransportUnavailable" and single.error.retryable
+    assert [outcome(r) for r in batch] == ["TransportUnavailable"] * 2
+    attempts = 1 + TRANSIENT_RETRIES
+    assert spy.attempts == (
+        ["wq_publish failed: TransientDriverError"] * attempts
+        + ["wq_publish_many failed: TransientDriverError"] * attempts
+    )
+    assert not Message.objects.exists() and not Delivery.objects.exists()
+
+
+def test_a_publish_locked_out_once_is_accepted_on_its_retry(topic, locked_queue, monkeypatch):
+    spy = CallSpy(monkeypatch, before=lambda attempt: attempt == 2 and locked_queue())
+
+    result = publish(topic.name, {"n": 1})
+
+    assert outcome(result) == ACCEPTED
+    assert spy.attempts == ["wq_publish failed: TransientDriverError", "wq_publish"]
+    assert Delivery.objects.filter(message_id=result.message_id).count() == 1
+
+
+def test_a_publish_whose_backend_was_terminated_is_retried_on_a_fresh_connection(
+    topic, monkeypatch
+):
+    driver = get_driver()
+    (pid,) = driver.execute("SELECT pg_backend_pid()", [])[0]
+    with psycopg.connect(autocommit=True, **psycopg_params()) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    spy = CallSpy(monkeypatch)
+
+    result = publish(topic.name, {"n": 1})
+
+    assert outcome(result) == ACCEPTED
+    assert spy.attempts == ["wq_publish failed: TransientDriverError", "wq_publish"]
+    assert Message.objects.filter(id=result.message_id).exists()
+
+
+def test_an_enlisted_publish_is_not_retried_but_raises_to_its_caller(
+    topic, locked_queue, monkeypatch
+):
+    spy = CallSpy(monkeypatch)
+    with pytest.raises(TransientDriverError), transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '100ms'")
+        publish(topic.name, {"n": 1}, enlist=True)
+
+    assert spy.attempts == ["wq_publish failed: TransientDriverError"]
