@@ -277,6 +277,11 @@ def sparse_queue_indexes() -> list[SparseIndex]:
     return _driver().sparse_queue_indexes()
 
 
+def schema_problem() -> str | None:
+    """Why roles other than the procedures' owner endanger it through their schema, or None."""
+    return _driver().schema_problem()
+
+
 # -- sweeper primitives --------------------------------------------------------------------
 
 

@@ -66,10 +66,15 @@ class _GrantVerb(_StatementsVerb):
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.conf import get_settings
-        from workqueue.driver import install
+        from workqueue.driver import get_driver, install
         from workqueue.exceptions import DriverError
 
         alias = get_settings().DATABASE_ALIAS
+        # A role that may create objects beside the procedures can make their owner run its
+        # code; granting more access to such a database would hide the problem.
+        problem = get_driver(alias).schema_problem()
+        if problem is not None:
+            raise CommandError(problem)
         statements = getattr(install, self.statements_for)(options["role"], alias)
         if self.printed(command, options, statements):
             return

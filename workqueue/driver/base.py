@@ -73,6 +73,16 @@ class BaseDriver:
         ``wq_*`` procedures that the current files no longer declare."""
         raise NotImplementedError
 
+    def schema_problem(self, connection: BaseDatabaseWrapper | None = None) -> str | None:
+        """Why the schema holding the procedures is unsafe for them, naming the fix, or None.
+
+        Procedures run with their owner's rights; a role that may create objects where they
+        live could make the owner run its code. ``connection`` defaults to the driver's own.
+        By default None: a vendor whose procedures name every object by schema and whose
+        built-ins cannot be shadowed (SQL Server) leaves nothing to plant.
+        """
+        return None
+
     def tune_queue_tables(self, connection: BaseDatabaseWrapper) -> None:
         """Apply vendor settings that suit tables rewritten by every claim and settle (by
         default none)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from workqueue.driver import driver_for_connection, get_driver
 
-LATEST_PROCEDURE_MIGRATION = "0007_filter_guards"
+LATEST_PROCEDURE_MIGRATION = "0009_database_security"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -286,6 +286,9 @@ def validate_bindings(
                 "IMMEDIATE;",
             )
         )
+    schema_problem = transport.schema_problem()
+    if schema_problem is not None:
+        issues.append(BindingIssue("Error", "database", schema_problem))
     sparse = transport.sparse_queue_indexes()
     if sparse:
         listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)

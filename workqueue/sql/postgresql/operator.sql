@@ -19,7 +19,7 @@ RETURNS TABLE (
 LANGUAGE sql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT
         (SELECT count(*) FROM workqueue_delivery d
@@ -78,7 +78,7 @@ RETURNS TABLE (
 LANGUAGE sql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT d.id, d.attempt_count, d.dead_letter_reason, d.last_error, d.dead_lettered_at,
            d.partition_key,
@@ -120,7 +120,7 @@ RETURNS TABLE (
 LANGUAGE sql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH keys AS (
         SELECT d.partition_key,
@@ -165,7 +165,7 @@ CREATE OR REPLACE FUNCTION wq_replay(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH changed AS (
         UPDATE workqueue_delivery d
@@ -192,7 +192,7 @@ CREATE OR REPLACE FUNCTION wq_discard(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH changed AS (
         UPDATE workqueue_delivery d
@@ -220,7 +220,7 @@ CREATE OR REPLACE FUNCTION wq_cancel(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;
@@ -250,7 +250,7 @@ RETURNS TABLE (claimable bigint, in_flight bigint)
 LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -326,7 +326,7 @@ RETURNS TABLE (snapshot_on boolean)
 LANGUAGE sql
 IMMUTABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT true;
 $$;

@@ -11,7 +11,7 @@ CREATE OR REPLACE FUNCTION wq_lock_publish_order(p_topic_id uuid, p_partition_ke
 RETURNS void
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '5s'
 AS $$
     SELECT pg_advisory_xact_lock(
@@ -28,7 +28,7 @@ CREATE OR REPLACE FUNCTION wq_lock_topology(p_topic_id uuid)
 RETURNS TABLE (locked boolean)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '5s'
 AS $$
 BEGIN
@@ -58,7 +58,7 @@ CREATE OR REPLACE FUNCTION wq_publish(
 RETURNS TABLE (message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -227,7 +227,7 @@ CREATE OR REPLACE FUNCTION wq_publish_many(
 RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
