@@ -92,10 +92,22 @@ class _GrantVerb(_StatementsVerb):
 class GrantRuntimeVerb(_GrantVerb):
     name = "grant-runtime"
     help = (
-        "Let a role run hosts and publish: EXECUTE on the wq_* procedures and SELECT on the "
-        "tables, never INSERT/UPDATE/DELETE on the queue tables."
+        "Let a role run hosts and publish: EXECUTE on the claim, heartbeat, settle, publish "
+        "and sweeper procedures and SELECT on the tables except the lease tokens, never "
+        "INSERT/UPDATE/DELETE on the queue tables."
     )
     statements_for = "grant_runtime_statements"
+
+
+class GrantOperatorVerb(_GrantVerb):
+    name = "grant-operator"
+    help = (
+        "Let a role operate the queue: EXECUTE on the stats, listing, backlog, replay, discard, "
+        "cancel and topology-lock procedures and SELECT on the tables except the lease tokens. "
+        "The process serving the admin and the operator API needs it (besides grant-runtime "
+        "to publish); hosts do not."
+    )
+    statements_for = "grant_operator_statements"
 
 
 class GrantScalerVerb(_GrantVerb):
@@ -204,6 +216,7 @@ class ConformanceVerb(Verb):
 DATABASE_VERBS = [
     LocalDbVerb,
     GrantRuntimeVerb,
+    GrantOperatorVerb,
     GrantScalerVerb,
     ScalerQueryVerb,
     ReindexVerb,

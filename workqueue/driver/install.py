@@ -43,6 +43,10 @@ def grant_runtime_statements(role: str, alias: str = "default") -> list[str]:
     return get_driver(alias).grant_runtime_statements(role)
 
 
+def grant_operator_statements(role: str, alias: str = "default") -> list[str]:
+    return get_driver(alias).grant_operator_statements(role)
+
+
 def grant_scaler_statements(role: str, alias: str = "default") -> list[str]:
     return get_driver(alias).grant_scaler_statements(role)
 

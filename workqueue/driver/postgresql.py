@@ -12,8 +12,15 @@ from typing import Any
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures, SparseIndex
-from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
+from workqueue.driver.base import (
+    DELIVERY_READABLE_COLUMNS,
+    QUEUE_TABLES,
+    READ_TABLES,
+    BaseDriver,
+    DriverFeatures,
+    SparseIndex,
+)
+from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
     TransientDriverError,
@@ -210,18 +217,39 @@ class PostgresDriver(BaseDriver):
 
     def grant_runtime_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
-        statements = [
-            f"GRANT SELECT ON workqueue_transport, workqueue_topic, workqueue_subscription, "
-            f"workqueue_message, workqueue_delivery, workqueue_deduplication TO {quoted}",
-            f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON workqueue_message, workqueue_delivery, "
-            f"workqueue_deduplication FROM {quoted}",
+        return [
+            *self._read_statements(quoted),
+            *(
+                f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
+                for name in granted_to(Grant.RUNTIME)
+            ),
+            # Hosts record their own health (not a queue table: no fencing rules to protect).
+            f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}",
         ]
-        statements += [
-            f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}" for name in sorted(PROCEDURES)
+
+    def grant_operator_statements(self, role: str) -> list[str]:
+        quoted = _quote_identifier(role)
+        return [
+            *self._read_statements(quoted),
+            *(
+                f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
+                for name in granted_to(Grant.OPERATOR)
+            ),
+            f"GRANT SELECT ON workqueue_hostrecord TO {quoted}",
         ]
-        # Hosts record their own health (not a queue table: no fencing rules to protect).
-        statements.append(f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}")
-        return statements
+
+    @staticmethod
+    def _read_statements(quoted: str) -> list[str]:
+        others = ", ".join(t for t in READ_TABLES if t != "workqueue_delivery")
+        return [
+            f"GRANT SELECT ON {others} TO {quoted}",
+            # SELECT on the whole table (an older grant, or ON ALL TABLES) would include the
+            # lease tokens; revoking it also revokes column grants, so this order is idempotent.
+            f"REVOKE SELECT ON workqueue_delivery FROM {quoted}",
+            f"GRANT SELECT ({', '.join(DELIVERY_READABLE_COLUMNS)}) ON workqueue_delivery "
+            f"TO {quoted}",
+            f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON {', '.join(QUEUE_TABLES)} FROM {quoted}",
+        ]
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
