@@ -184,7 +184,7 @@ PROCEDURES: dict[str, Procedure] = {
         Procedure(
             "wq_list_partitions",
             _p("subscription_id:uuid, condition:text, after_partition_key:text, page_size:int"),
-            _c("partition_key, condition, head_delivery_id:uuid, waiting_items:int"),
+            _c("kind, partition_key, condition, head_delivery_id:uuid, waiting_items:int"),
             ResultKind.MANY,
             Grant.OPERATOR,
         ),

@@ -68,7 +68,7 @@ $$;
 -- wq_next_open_key --
 -- The first partition key after p_after_key (the very first when it is NULL) among the
 -- subscription's open deliveries: one step of a loose scan of wq_dlv_partition_head_ix, shared
--- by wq_claim's key walk and wq_backlog. Two statements, each ORDER BY ... LIMIT 1 rather than
+-- by the key walks of wq_claim, wq_backlog and wq_list_partitions. Two statements, each ORDER BY ... LIMIT 1 rather than
 -- min(), so that each stays one index probe even when stale statistics make the subscription
 -- look tiny. Only the procedures call it (EXECUTE is revoked from PUBLIC), inside their pinned
 -- search_path, so it needs neither SECURITY DEFINER nor a search_path of its own (whose
