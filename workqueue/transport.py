@@ -213,7 +213,9 @@ def list_dead_letters(
 
 def list_partitions(
     subscription_id: str, condition: str | None, after_partition_key: str | None, page_size: int
-) -> list[PartitionItem]:
+) -> tuple[list[PartitionItem], str | None]:
+    """Up to ``page_size`` keys after ``after_partition_key``, and the key after which the next
+    page goes on when the call's bounded walk stopped before the page was full (else None)."""
     rows = _driver().call(
         "wq_list_partitions",
         {
@@ -223,10 +225,13 @@ def list_partitions(
             "page_size": page_size,
         },
     )
-    return [
+    items = [
         PartitionItem(r["partition_key"], r["condition"], r["head_delivery_id"], r["waiting_items"])
         for r in rows
+        if r["kind"] == "Partition"
     ]
+    resume_after = next((r["partition_key"] for r in rows if r["kind"] == "KeyCursor"), None)
+    return items, resume_after
 
 
 def replay(subscription_id: str, delivery_id: str, actor: str | None, note: str | None) -> bool:
@@ -276,6 +281,11 @@ def read_committed_snapshot_on() -> bool:
 
 def sparse_queue_indexes() -> list[SparseIndex]:
     return _driver().sparse_queue_indexes()
+
+
+def schema_problem() -> str | None:
+    """Why roles other than the procedures' owner endanger it through their schema, or None."""
+    return _driver().schema_problem()
 
 
 # -- sweeper primitives --------------------------------------------------------------------

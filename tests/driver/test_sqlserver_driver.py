@@ -18,7 +18,7 @@ from django.db import DatabaseError, IntegrityError, InterfaceError, Operational
 from mssql_python import exceptions as mssql_python_errors
 
 from tests.driver.test_tsql_parses import parse_tsql
-from workqueue.driver.procedures import PROCEDURES, ParamType, get_procedure
+from workqueue.driver.procedures import PROCEDURES, Grant, ParamType, get_procedure
 from workqueue.driver.sqlserver import (
     SqlServerDriver,
     declared_routines,
@@ -428,24 +428,39 @@ def test_drop_removes_the_filter_guard_then_every_routine_and_the_sequence(drive
     ]
 
 
-def test_runtime_grants_execute_every_procedure_and_deny_queue_writes(driver):
-    statements = driver.grant_runtime_statements("work]er")
-    assert all(s.endswith(" TO [work]]er]") for s in statements)
-    executes = {s.split()[3] for s in statements if s.startswith("GRANT EXECUTE")}
-    assert executes == {f"dbo.{name}" for name in PROCEDURES}
-    denies = [s for s in statements if s.startswith("DENY")]
-    assert {s.split()[5] for s in denies} == {
-        "dbo.workqueue_message",
-        "dbo.workqueue_delivery",
-        "dbo.workqueue_deduplication",
+def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_writes(driver):
+    runtime = driver.grant_runtime_statements("work]er")
+    operator = driver.grant_operator_statements("work]er")
+    assert all(s.endswith(" TO [work]]er]") for s in runtime + operator)
+
+    def executes(statements: list[str]) -> set[str]:
+        return {s.split()[3] for s in statements if s.startswith("GRANT EXECUTE")}
+
+    assert executes(runtime) == {
+        f"dbo.{n}" for n, p in PROCEDURES.items() if p.grant is Grant.RUNTIME
     }
-    assert not any("GRANT INSERT" in s or "GRANT UPDATE" in s for s in statements)
+    assert executes(operator) == {
+        f"dbo.{n}" for n, p in PROCEDURES.items() if p.grant is Grant.OPERATOR
+    }
+    assert "dbo.wq_replay" in executes(operator) and "dbo.wq_claim" in executes(runtime)
+    for statements in (runtime, operator):
+        denies = [s for s in statements if s.startswith("DENY")]
+        assert "DENY SELECT ON dbo.workqueue_delivery (lease_token) TO [work]]er]" in denies
+        assert {s.split()[5] for s in denies if s.startswith("DENY INSERT")} == {
+            "dbo.workqueue_message",
+            "dbo.workqueue_delivery",
+            "dbo.workqueue_deduplication",
+        }
+        writes = [s for s in statements if s.startswith("GRANT") and "INSERT" in s]
+        assert all("dbo.workqueue_hostrecord " in s for s in writes)
+    assert "GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO [work]]er]" in runtime
 
 
-def test_scaler_grants_read_two_tables_only(driver):
+def test_scaler_grants_read_two_tables_only_and_no_lease_token(driver):
     assert driver.grant_scaler_statements("keda") == [
         "GRANT SELECT ON dbo.workqueue_subscription TO [keda]",
         "GRANT SELECT ON dbo.workqueue_delivery TO [keda]",
+        "DENY SELECT ON dbo.workqueue_delivery (lease_token) TO [keda]",
     ]
 
 
@@ -464,6 +479,7 @@ def test_grant_reindex_and_scaler_sql_parses(driver, tmp_path):
     script = tmp_path / "grants.sql"
     statements = (
         driver.grant_runtime_statements("runtime")
+        + driver.grant_operator_statements("ops")
         + driver.grant_scaler_statements("k")
         + driver.rebuild_index_statements()
     )

@@ -284,3 +284,11 @@ def test_reindex_as_a_role_that_does_not_own_the_tables_says_who_must_run_it(pg_
         with connection.cursor() as cursor:
             cursor.execute("RESET ROLE")
         pg_conn.execute(f"DROP ROLE {role}")
+
+
+def test_grant_operator_prints_the_operator_procedures_and_no_claim():
+    out = run("grant-operator", "ops", "--print")
+    assert 'GRANT EXECUTE ON FUNCTION wq_replay TO "ops";' in out
+    assert 'GRANT EXECUTE ON FUNCTION wq_cancel TO "ops";' in out
+    assert "wq_claim" not in out and "wq_publish" not in out
+    assert "lease_token" not in out and "GRANT SELECT (id, message_id," in out

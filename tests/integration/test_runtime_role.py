@@ -1,5 +1,7 @@
-"""The runtime role: EXECUTE on the procedures and SELECT on the tables, never DML on the queue
-tables, so the claim/settle/sweep rules cannot be bypassed."""
+"""The database roles: the runtime role (hosts and publishers) has EXECUTE on the claim, settle,
+publish and sweeper procedures and SELECT on the tables, never DML on the queue tables nor the
+lease tokens; the operator role has the operator procedures; the scaler role reads only what its
+query needs. So the claim/settle/sweep rules and fencing cannot be bypassed."""
 
 from __future__ import annotations
 
@@ -7,13 +9,18 @@ import uuid
 
 import psycopg
 import pytest
+from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import connection
+from django.urls import reverse
 
-from tests.database import psycopg_params
-from tests.factories import SubscriptionFactory
+from tests.factories import SubscriptionFactory, TopicFactory
+from tests.roles import connect_as, database_role
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
-from workqueue.driver.procedures import get_procedure
+from workqueue.driver.base import DELIVERY_READABLE_COLUMNS, LEASE_TOKEN_COLUMN, canonical_json
+from workqueue.driver.procedures import PROCEDURES, get_procedure
+from workqueue.models import Delivery
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -21,17 +28,8 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 
 @pytest.fixture
 def runtime_role(pg_conn):
-    role = f"wq_runtime_{uuid.uuid4().hex[:8]}"
-    pg_conn.execute(f'CREATE ROLE "{role}" LOGIN')
-    yield role
-    pg_conn.execute(f'DROP OWNED BY "{role}"')
-    pg_conn.execute(f'DROP ROLE "{role}"')
-
-
-def _connect_as(role: str) -> psycopg.Connection:
-    params = psycopg_params()
-    params["user"] = role
-    return psycopg.connect(autocommit=True, **params)
+    with database_role(pg_conn, "wq_runtime") as role:
+        yield role
 
 
 def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_complete(
@@ -41,7 +39,7 @@ def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_comple
     call_command("workqueue", "grant-runtime", runtime_role)
     driver = get_driver()
 
-    with _connect_as(runtime_role) as conn:
+    with connect_as(runtime_role) as conn:
         publish_sql = driver.render_call(get_procedure("wq_publish"))
         message_id = str(uuid.uuid4())
         row = conn.execute(
@@ -94,7 +92,7 @@ def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_comple
 
 def test_a_role_without_the_grant_cannot_call_the_procedures(runtime_role):
     subscription = SubscriptionFactory()
-    with _connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+    with connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
         conn.execute(
             "SELECT * FROM wq_claim(p_subscription_id => %s, p_lease_owner => 'x', "
             "p_max_rows => 1, p_after_key => NULL)",
@@ -109,7 +107,7 @@ def test_a_scaler_role_runs_the_scaler_query_and_reads_no_delivery(runtime_role)
     call_command("workqueue", "grant-scaler", runtime_role)
     sql = get_driver().scaler_query(subscription.name)
 
-    with _connect_as(runtime_role) as conn:
+    with connect_as(runtime_role) as conn:
         assert conn.execute(sql).fetchall() == [(2,)]  # the heads of "a" and "b"
         assert conn.execute(get_driver().scaler_query("no.such.subscription")).fetchall() == [(0,)]
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -127,7 +125,191 @@ def test_the_scaler_query_caps_claimable_and_in_flight_at_1000_each_in_a_backlog
     assert len(Receiver(subscription.id).receive(1250).deliveries) == 1250
     call_command("workqueue", "grant-scaler", runtime_role)
 
-    with _connect_as(runtime_role) as conn:
+    with connect_as(runtime_role) as conn:
         cursor = conn.execute(get_driver().scaler_query(subscription.name))
         assert [column.name for column in cursor.description] == ["Backlog"]
         assert cursor.fetchall() == [(2000,)]
+
+
+# -- attacks by a role holding the runtime grant ----------------------------------------------
+
+
+def _call(conn: psycopg.Connection, name: str, **params: object) -> list[tuple]:
+    """Call procedure ``name`` on ``conn`` as the driver renders it."""
+    driver = get_driver()
+    procedure = get_procedure(name)
+    values = [driver.adapt(p, params.get(p.name)) for p in procedure.params]
+    return conn.execute(driver.render_call(procedure), values).fetchall()
+
+
+def test_the_runtime_role_cannot_read_lease_tokens_to_settle_another_hosts_delivery(
+    runtime_role,
+):
+    subscription = SubscriptionFactory()
+    publish(subscription.topic.name, {"n": 1})
+    [held] = Receiver(subscription.id, "host-a").receive(1).deliveries
+    call_command("workqueue", "grant-runtime", runtime_role)
+
+    with connect_as(runtime_role) as conn:
+        # Everything but the token stays readable (the admin and the ORM read the table).
+        assert conn.execute(
+            "SELECT status, lease_owner FROM workqueue_delivery WHERE id = %s",
+            [held.delivery_id],
+        ).fetchall() == [("InFlight", "host-a")]
+        try:
+            stolen = conn.execute(
+                "SELECT id, lease_token FROM workqueue_delivery WHERE status = 'InFlight'"
+            ).fetchall()
+        except psycopg.errors.InsufficientPrivilege as refused:
+            assert "workqueue_delivery" in str(refused)
+            stolen = []
+        for delivery_id, token in stolen:
+            _call(conn, "wq_complete", delivery_id=delivery_id, lease_token=token)
+    settled = Receiver(subscription.id, "host-a").complete(held).outcome
+    assert settled == "Settled", "the runtime role settled host-a's delivery with its token"
+    assert stolen == []
+
+
+def test_a_role_that_had_select_on_the_whole_table_loses_the_lease_tokens(runtime_role, pg_conn):
+    # A role granted by an older grant-runtime (or GRANT SELECT ON ALL TABLES) read them all.
+    pg_conn.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{runtime_role}"')
+    call_command("workqueue", "grant-runtime", runtime_role)
+    with connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute("SELECT lease_token FROM workqueue_delivery")
+
+
+@pytest.mark.parametrize("claimed_bytes", [1, None], ids=["understated", "missing"])
+def test_the_database_counts_the_envelope_a_caller_understates(runtime_role, claimed_bytes):
+    topic = TopicFactory(max_payload_bytes=1000)
+    SubscriptionFactory(topic=topic)
+    call_command("workqueue", "grant-runtime", runtime_role)
+    oversized = {"text": "x" * 3000}
+
+    with connect_as(runtime_role) as conn:
+        [row] = _call(
+            conn,
+            "wq_publish",
+            topic_name=topic.name,
+            message_id=str(uuid.uuid4()),
+            payload=oversized,
+            envelope_bytes=claimed_bytes,
+            external=False,
+            published_by="runtime",
+        )
+    assert row[1:] == ("Rejected", "PayloadTooLarge")
+    assert not Delivery.objects.filter(subscription__topic=topic).exists()
+
+
+@pytest.mark.parametrize(("extra", "status"), [(0, "Accepted"), (1, "Rejected")])
+def test_an_honest_publish_keeps_the_exact_size_rule(extra, status):
+    # The canonical envelope (sorted keys, no spaces) of exactly max_payload_bytes is accepted,
+    # one byte more is not: many separators, so jsonb's own text is far longer than canonical.
+    topic = TopicFactory(max_payload_bytes=1000)
+    payload = {f"k{i:03}": i for i in range(64)}
+    envelope = {
+        "attributes": None,
+        "correlation_id": None,
+        "partition_key": None,
+        "payload": payload,
+        "payload_ref": None,
+    }
+    payload["pad"] = "x" * (1000 + extra - len(canonical_json(envelope)) - len(',"pad":""'))
+    assert len(canonical_json({**envelope, "payload": payload})) == 1000 + extra
+
+    assert publish(topic.name, payload).status == status
+
+
+def test_the_readable_delivery_columns_are_all_but_the_lease_token():
+    columns = [field.column for field in Delivery._meta.concrete_fields]
+    assert list(DELIVERY_READABLE_COLUMNS) == [c for c in columns if c != LEASE_TOKEN_COLUMN]
+
+
+OPERATOR_CALLS = {
+    "wq_replay": {"note": "x"},
+    "wq_discard": {"allow_pending": True, "reason": "x"},
+    "wq_cancel": {"reason": "x"},
+    "wq_lock_topology": {},
+    "wq_subscription_stats": {},
+    "wq_list_dead_letters": {"page_size": 10},
+    "wq_list_partitions": {"page_size": 10},
+    "wq_backlog": {"cap": 10},
+    "wq_read_committed_snapshot_state": {},
+}
+
+
+def test_the_runtime_role_cannot_operate(runtime_role):
+    subscription = SubscriptionFactory()
+    call_command("workqueue", "grant-runtime", runtime_role)
+    ids = {
+        "subscription_id": subscription.id,
+        "topic_id": subscription.topic_id,
+        "delivery_id": str(uuid.uuid4()),
+    }
+    with connect_as(runtime_role) as conn:
+        for name, params in OPERATOR_CALLS.items():
+            wanted = set(get_procedure(name).param_names)
+            arguments = {k: v for k, v in {**ids, **params}.items() if k in wanted}
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match=name):
+                _call(conn, name, **arguments)
+
+
+def test_the_operator_role_operates_and_neither_claims_nor_publishes(runtime_role):
+    from workqueue.driver.procedures import Grant  # new with the operator role
+
+    assert {n for n, p in PROCEDURES.items() if p.grant is Grant.OPERATOR} == set(OPERATOR_CALLS)
+    subscription = SubscriptionFactory()
+    publish(subscription.topic.name, {"n": 1})
+    [held] = Receiver(subscription.id).receive(1).deliveries
+    call_command("workqueue", "grant-operator", runtime_role)
+
+    with connect_as(runtime_role) as conn:
+        cancelled = _call(
+            conn,
+            "wq_cancel",
+            subscription_id=subscription.id,
+            delivery_id=held.delivery_id,
+            actor="ops",
+            reason="stop",
+        )
+        assert cancelled == [(1,)]
+        [stats] = _call(conn, "wq_subscription_stats", subscription_id=subscription.id)
+        assert stats[1] == 1  # in flight
+        for name in ("wq_claim", "wq_complete", "wq_publish", "wq_purge_orphan_messages"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match=name):
+                _call(conn, name)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("SELECT lease_token FROM workqueue_delivery")
+
+
+def test_the_admin_and_the_orm_read_deliveries_as_the_application_role(
+    runtime_role, pg_conn, client
+):
+    # The web process holds both grants, plus what Django itself needs on its own tables.
+    subscription = SubscriptionFactory()
+    publish(subscription.topic.name, {"n": 1})
+    [held] = Receiver(subscription.id).receive(1).deliveries
+    client.force_login(User.objects.create_superuser("admin", password="pw"))
+    pg_conn.execute(
+        f'GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO "{runtime_role}"'
+    )
+    pg_conn.execute(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO "{runtime_role}"')
+    call_command("workqueue", "grant-runtime", runtime_role)
+    call_command("workqueue", "grant-operator", runtime_role)
+
+    owner = connection.settings_dict["USER"]
+    connection.close()
+    connection.settings_dict["USER"] = runtime_role
+    try:
+        assert [d.status for d in Delivery.objects.filter(pk=held.delivery_id)] == ["InFlight"]
+        changelist = client.get(reverse("admin:workqueue_delivery_changelist"))
+        change = client.get(reverse("admin:workqueue_delivery_change", args=[held.delivery_id]))
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_user")
+            assert cursor.fetchone() == (runtime_role,)
+    finally:
+        connection.close()
+        connection.settings_dict["USER"] = owner
+    assert changelist.status_code == 200
+    assert change.status_code == 200
+    assert held.delivery_id in change.content.decode()
+    assert held.lease_token not in change.content.decode()

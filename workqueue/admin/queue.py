@@ -126,7 +126,9 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         return found
 
     def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
-        fields = [f for f in super().get_fields(request, obj) if f not in self.readonly_fields]
+        # The lease token is for its holder alone; the runtime role may not even read it.
+        hidden = {*self.readonly_fields, "lease_token"}
+        fields = [f for f in super().get_fields(request, obj) if f not in hidden]
         extra = ["message_link"]
         if may_view_payload(Actor(user=request.user)):
             extra.append("message_payload")

@@ -119,7 +119,9 @@ def partitions(
     page_size: int | None = None,
 ) -> dict[str, Any]:
     """Keys of an Exclusive or Ordered subscription by key, with their head delivery;
-    ``condition`` (Idle, InFlight or Blocked) narrows the list."""
+    ``condition`` (Idle, InFlight or Blocked) narrows the list. Each call looks at a bounded
+    number of keys, so a page may be short (even empty) and still have a ``nextCursor``:
+    follow it until it is null."""
     page = operations.list_partitions(
         name,
         condition=condition,

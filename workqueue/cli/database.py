@@ -66,10 +66,15 @@ class _GrantVerb(_StatementsVerb):
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.conf import get_settings
-        from workqueue.driver import install
+        from workqueue.driver import get_driver, install
         from workqueue.exceptions import DriverError
 
         alias = get_settings().DATABASE_ALIAS
+        # A role that may create objects beside the procedures can make their owner run its
+        # code; granting more access to such a database would hide the problem.
+        problem = get_driver(alias).schema_problem()
+        if problem is not None:
+            raise CommandError(problem)
         statements = getattr(install, self.statements_for)(options["role"], alias)
         if self.printed(command, options, statements):
             return
@@ -87,10 +92,22 @@ class _GrantVerb(_StatementsVerb):
 class GrantRuntimeVerb(_GrantVerb):
     name = "grant-runtime"
     help = (
-        "Let a role run hosts and publish: EXECUTE on the wq_* procedures and SELECT on the "
-        "tables, never INSERT/UPDATE/DELETE on the queue tables."
+        "Let a role run hosts and publish: EXECUTE on the claim, heartbeat, settle, publish "
+        "and sweeper procedures and SELECT on the tables except the lease tokens, never "
+        "INSERT/UPDATE/DELETE on the queue tables."
     )
     statements_for = "grant_runtime_statements"
+
+
+class GrantOperatorVerb(_GrantVerb):
+    name = "grant-operator"
+    help = (
+        "Let a role operate the queue: EXECUTE on the stats, listing, backlog, replay, discard, "
+        "cancel and topology-lock procedures and SELECT on the tables except the lease tokens. "
+        "The process serving the admin and the operator API needs it (besides grant-runtime "
+        "to publish); hosts do not."
+    )
+    statements_for = "grant_operator_statements"
 
 
 class GrantScalerVerb(_GrantVerb):
@@ -199,6 +216,7 @@ class ConformanceVerb(Verb):
 DATABASE_VERBS = [
     LocalDbVerb,
     GrantRuntimeVerb,
+    GrantOperatorVerb,
     GrantScalerVerb,
     ScalerQueryVerb,
     ReindexVerb,

@@ -26,6 +26,35 @@ from workqueue.exceptions import DriverError, UnstorableValueError
 
 #: The driver-owned tables; their indexes churn with every publish, claim and settle.
 QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplication")
+#: Every table the runtime and operator roles read.
+READ_TABLES = ("workqueue_transport", "workqueue_topic", "workqueue_subscription", *QUEUE_TABLES)
+#: The delivery column no role but the owner may read: whoever knows a delivery's lease token
+#: can settle it in place of the host that holds it. Its claimer gets it from wq_claim.
+LEASE_TOKEN_COLUMN = "lease_token"
+#: The delivery columns the runtime and operator roles may read: all but the lease token
+#: (tests/integration/test_runtime_role.py checks this against the model).
+DELIVERY_READABLE_COLUMNS = (
+    "id",
+    "message_id",
+    "subscription_id",
+    "status",
+    "partition_key",
+    "order_key",
+    "attempt_count",
+    "is_replay",
+    "visible_at",
+    "lease_owner",
+    "lease_expires_at",
+    "last_heartbeat_at",
+    "progress",
+    "last_error",
+    "dead_letter_reason",
+    "dead_lettered_at",
+    "completed_at",
+    "cancel_requested_at",
+    "resolved_by",
+    "resolution_note",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +131,16 @@ class BaseDriver:
         ``wq_*`` procedures that the current files no longer declare."""
         raise NotImplementedError
 
+    def schema_problem(self, connection: BaseDatabaseWrapper | None = None) -> str | None:
+        """Why the schema holding the procedures is unsafe for them, naming the fix, or None.
+
+        Procedures run with their owner's rights; a role that may create objects where they
+        live could make the owner run its code. ``connection`` defaults to the driver's own.
+        By default None: a vendor whose procedures name every object by schema and whose
+        built-ins cannot be shadowed (SQL Server) leaves nothing to plant.
+        """
+        return None
+
     def tune_queue_tables(self, connection: BaseDatabaseWrapper) -> None:
         """Apply vendor settings that suit tables rewritten by every claim and settle (by
         default none)."""
@@ -111,7 +150,14 @@ class BaseDriver:
         raise NotImplementedError
 
     def grant_runtime_statements(self, role: str) -> list[str]:
-        """Statements giving ``role`` EXECUTE on the procedures and SELECT on the tables."""
+        """Statements giving ``role`` what hosts and publishers need: EXECUTE on the runtime
+        procedures, SELECT on the tables (not the lease tokens), no DML on the queue tables,
+        and writes to its host records."""
+        raise NotImplementedError
+
+    def grant_operator_statements(self, role: str) -> list[str]:
+        """Statements giving ``role`` EXECUTE on the operator procedures and SELECT on the
+        tables (not the lease tokens) and host records, no DML on the queue tables."""
         raise NotImplementedError
 
     def grant_scaler_statements(self, role: str) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from workqueue.driver import driver_for_connection, get_driver
 
-LATEST_PROCEDURE_MIGRATION = "0007_filter_guards"
+LATEST_PROCEDURE_MIGRATION = "0010_database_security"
 
 MigrationStep = Callable[[Any, Any], None]
 
@@ -41,6 +41,10 @@ def drop_procedures_step(apps: Any, schema_editor: Any) -> None:
 
 def grant_runtime_statements(role: str, alias: str = "default") -> list[str]:
     return get_driver(alias).grant_runtime_statements(role)
+
+
+def grant_operator_statements(role: str, alias: str = "default") -> list[str]:
+    return get_driver(alias).grant_operator_statements(role)
 
 
 def grant_scaler_statements(role: str, alias: str = "default") -> list[str]:

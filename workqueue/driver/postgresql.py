@@ -5,26 +5,30 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.base import (
+    DELIVERY_READABLE_COLUMNS,
     QUEUE_TABLES,
+    READ_TABLES,
     BaseDriver,
     DriverFeatures,
     SparseIndex,
     routed_to_django_connection,
     unencodable,
 )
-from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
+from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
     TransientDriverError,
     UniqueViolationError,
     UnstorableValueError,
+    WorkQueueConfigurationError,
 )
 from workqueue.sql import load_procedures
 
@@ -71,6 +75,72 @@ _LIST_FUNCTIONS = """
      WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
 """
 
+# The relations the procedure bodies name. Their search_path is pinned to pg_catalog alone, so
+# install_procedures qualifies each of these (and every wq_* function the files declare) with
+# the schema the tables were migrated into.
+_OWN_RELATIONS = (
+    "workqueue_transport",
+    "workqueue_topic",
+    "workqueue_subscription",
+    "workqueue_message",
+    "workqueue_delivery",
+    "workqueue_deduplication",
+    "wq_publish_ordinal_seq",
+)
+_DECLARED_FUNCTION = re.compile(r"\bCREATE\s+OR\s+REPLACE\s+FUNCTION\s+(wq_\w+)\s*\(", re.I)
+
+# Roles, other than the procedures' owner and the roles that can act as it, that may create
+# objects in the current schema: PUBLIC alone when everyone may. Superusers may anyway, and
+# pg_database_owner stands for the database's owner, which is checked under its own name.
+# The owner is the owner of the installed wq_claim, or (before the first install) whoever
+# installs.
+_SCHEMA_CREATORS = """
+    WITH owner AS (
+        SELECT coalesce(
+            (SELECT p.proowner FROM pg_proc p
+              WHERE p.pronamespace = current_schema()::regnamespace AND p.proname = 'wq_claim'
+              LIMIT 1),
+            (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)) AS oid
+    ), public_may AS (
+        SELECT EXISTS (
+            SELECT 1 FROM pg_namespace n, aclexplode(n.nspacl) a
+             WHERE n.nspname = current_schema() AND a.grantee = 0
+               AND a.privilege_type = 'CREATE') AS yes
+    )
+    SELECT (SELECT r.rolname FROM pg_roles r, owner WHERE r.oid = owner.oid),
+           quote_ident(current_schema()),
+           CASE WHEN public_may.yes THEN ARRAY['PUBLIC'] ELSE ARRAY(
+               SELECT r.rolname::text FROM pg_roles r, owner
+                WHERE NOT r.rolsuper AND r.rolname <> 'pg_database_owner'
+                  AND NOT pg_has_role(r.oid, owner.oid, 'MEMBER')
+                  AND has_schema_privilege(r.oid, current_schema(), 'CREATE')
+                ORDER BY 1) END
+      FROM public_may
+"""
+
+
+def declared_functions(texts: Iterable[str]) -> set[str]:
+    """The wq_* functions that the procedure files create."""
+    return {name.lower() for text in texts for name in _DECLARED_FUNCTION.findall(text)}
+
+
+def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
+    """Qualify the tables, the sequence and calls of the wq_* ``functions`` in ``sql`` with
+    ``schema`` (an identifier, quoted as needed), so the bodies need no search_path to find
+    them. A name already qualified is left alone; the sequence named in a string literal
+    (``nextval('wq_publish_ordinal_seq')``) becomes a literal of the qualified name."""
+    sequence = "wq_publish_ordinal_seq"
+    literal = "'" + f"{schema}.{sequence}".replace("'", "''") + "'"
+    sql = sql.replace(f"'{sequence}'", literal)
+    unqualified = r'(?<![.\w"])'
+    sql = re.sub(
+        rf"{unqualified}\b({'|'.join(_OWN_RELATIONS)})\b", lambda m: f"{schema}.{m[1]}", sql
+    )
+    names = "|".join(sorted(functions, key=len, reverse=True))
+    if names:
+        sql = re.sub(rf"{unqualified}\b({names})(?=\s*\()", lambda m: f"{schema}.{m[1]}", sql)
+    return sql
+
 
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
@@ -78,15 +148,24 @@ class PostgresDriver(BaseDriver):
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
+        # The SECURITY DEFINER functions run with search_path = pg_catalog, pg_temp and name
+        # their own tables and functions qualified. Keeping the tables' schema out of the path
+        # is what makes them safe: a role that may create objects there could otherwise plant
+        # an overload or an operator (varchar = varchar beats the built-in text = text for
+        # every status test) that wins overload resolution and runs as the owner; qualifying
+        # built-ins with pg_catalog would not stop the operators. (pg_temp is never searched
+        # for functions or operators, and comes last for relations.)
+        problem = self.schema_problem(connection)
+        if problem is not None:
+            raise WorkQueueConfigurationError(problem)
         with connection.cursor() as cursor:
-            # SECURITY DEFINER functions pin search_path FROM CURRENT: the schema the tables
-            # were migrated into, then pg_temp last so temporary objects cannot shadow them.
-            cursor.execute(
-                "SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', "
-                "true)"
-            )
-            for _name, text in load_procedures(self.sql_directory):
-                cursor.execute(text)
+            cursor.execute("SELECT quote_ident(current_schema())")
+            schema = cursor.fetchone()[0]
+            files = load_procedures(self.sql_directory)
+            # From every file: a call is qualified whichever file declares its function.
+            functions = declared_functions(text for _name, text in files)
+            for _name, text in files:
+                cursor.execute(qualify_own_objects(text, schema, functions))
             # CREATE OR REPLACE rewrites a function's catalogue row in this transaction, so a
             # row with an older xmin belongs to a function the current files no longer declare.
             cursor.execute(_LIST_FUNCTIONS)
@@ -99,6 +178,20 @@ class PostgresDriver(BaseDriver):
                     cursor.execute(f"REVOKE ALL ON FUNCTION {signature} FROM PUBLIC")
                 else:
                     cursor.execute(f"DROP FUNCTION {signature}")
+
+    def schema_problem(self, connection: BaseDatabaseWrapper | None = None) -> str | None:
+        [(owner, schema, creators)] = self.execute(_SCHEMA_CREATORS, [], connection)
+        if not creators:
+            return None
+        grantees = ", ".join(c if c == "PUBLIC" else _quote_identifier(c) for c in creators)
+        return (
+            f"Roles other than {_quote_identifier(owner)}, the owner of the work-queue "
+            f"procedures, may create objects in schema {schema}: {grantees}. Such a role can "
+            "plant functions and operators that run with the owner's rights in the owner's own "
+            "sessions (migrate, loaddata). PostgreSQL 14 and older let PUBLIC create in schema "
+            f"public by default. As the schema's owner run: REVOKE CREATE ON SCHEMA {schema} "
+            f"FROM {grantees}; then try again."
+        )
 
     def tune_queue_tables(self, connection: BaseDatabaseWrapper) -> None:
         # Every claim and settle leaves a dead row version, and a burst can change a table
@@ -150,18 +243,39 @@ class PostgresDriver(BaseDriver):
 
     def grant_runtime_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
-        statements = [
-            f"GRANT SELECT ON workqueue_transport, workqueue_topic, workqueue_subscription, "
-            f"workqueue_message, workqueue_delivery, workqueue_deduplication TO {quoted}",
-            f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON workqueue_message, workqueue_delivery, "
-            f"workqueue_deduplication FROM {quoted}",
+        return [
+            *self._read_statements(quoted),
+            *(
+                f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
+                for name in granted_to(Grant.RUNTIME)
+            ),
+            # Hosts record their own health (not a queue table: no fencing rules to protect).
+            f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}",
         ]
-        statements += [
-            f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}" for name in sorted(PROCEDURES)
+
+    def grant_operator_statements(self, role: str) -> list[str]:
+        quoted = _quote_identifier(role)
+        return [
+            *self._read_statements(quoted),
+            *(
+                f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
+                for name in granted_to(Grant.OPERATOR)
+            ),
+            f"GRANT SELECT ON workqueue_hostrecord TO {quoted}",
         ]
-        # Hosts record their own health (not a queue table: no fencing rules to protect).
-        statements.append(f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}")
-        return statements
+
+    @staticmethod
+    def _read_statements(quoted: str) -> list[str]:
+        others = ", ".join(t for t in READ_TABLES if t != "workqueue_delivery")
+        return [
+            f"GRANT SELECT ON {others} TO {quoted}",
+            # SELECT on the whole table (an older grant, or ON ALL TABLES) would include the
+            # lease tokens; revoking it also revokes column grants, so this order is idempotent.
+            f"REVOKE SELECT ON workqueue_delivery FROM {quoted}",
+            f"GRANT SELECT ({', '.join(DELIVERY_READABLE_COLUMNS)}) ON workqueue_delivery "
+            f"TO {quoted}",
+            f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON {', '.join(QUEUE_TABLES)} FROM {quoted}",
+        ]
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)

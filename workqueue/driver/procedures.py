@@ -20,6 +20,17 @@ class ParamType(enum.Enum):
     TIMESTAMP = "timestamp"
 
 
+class Grant(enum.Enum):
+    """Which role's grant includes a procedure (``manage.py workqueue grant-<role>``)."""
+
+    #: Hosts and publishers: publish, claim, heartbeat, settle, and the sweeper a host runs
+    #: (its steps act only on expired leases and retention, whatever the caller passes).
+    RUNTIME = "runtime"
+    #: People and tools that look and intervene: stats, listings, backlog, replay, discard,
+    #: cancel, the topology lock a partition-mode change takes, and binding checks.
+    OPERATOR = "operator"
+
+
 class ResultKind(enum.Enum):
     ONE = "one"  # exactly one row
     MANY = "many"  # zero or more rows
@@ -42,6 +53,7 @@ class Procedure:
     params: tuple[Param, ...]
     columns: tuple[Column, ...]
     result: ResultKind
+    grant: Grant = Grant.RUNTIME
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -94,7 +106,13 @@ PROCEDURES: dict[str, Procedure] = {
             _c("item_index:int, message_id:uuid, status, error_code"),
             ResultKind.MANY,
         ),
-        Procedure("wq_lock_topology", _p("topic_id:uuid"), _c("locked:bool"), ResultKind.ONE),
+        Procedure(
+            "wq_lock_topology",
+            _p("topic_id:uuid"),
+            _c("locked:bool"),
+            ResultKind.ONE,
+            Grant.OPERATOR,
+        ),
         # Claiming and leases
         Procedure(
             "wq_claim",
@@ -149,6 +167,7 @@ PROCEDURES: dict[str, Procedure] = {
                 "oldest_pending_age_seconds:int, completed_last_hour:int, as_of:timestamp"
             ),
             ResultKind.MANY,
+            Grant.OPERATOR,
         ),
         Procedure(
             "wq_list_dead_letters",
@@ -160,18 +179,21 @@ PROCEDURES: dict[str, Procedure] = {
                 "payload_ref:json, correlation_id, published_at:timestamp"
             ),
             ResultKind.MANY,
+            Grant.OPERATOR,
         ),
         Procedure(
             "wq_list_partitions",
             _p("subscription_id:uuid, condition:text, after_partition_key:text, page_size:int"),
-            _c("partition_key, condition, head_delivery_id:uuid, waiting_items:int"),
+            _c("kind, partition_key, condition, head_delivery_id:uuid, waiting_items:int"),
             ResultKind.MANY,
+            Grant.OPERATOR,
         ),
         Procedure(
             "wq_replay",
             _p("subscription_id:uuid, delivery_id:uuid, actor:text, note:text"),
             _ROWCOUNT,
             ResultKind.ROWCOUNT,
+            Grant.OPERATOR,
         ),
         Procedure(
             "wq_discard",
@@ -181,20 +203,29 @@ PROCEDURES: dict[str, Procedure] = {
             ),
             _ROWCOUNT,
             ResultKind.ROWCOUNT,
+            Grant.OPERATOR,
         ),
         Procedure(
             "wq_cancel",
             _p("subscription_id:uuid, delivery_id:uuid, actor:text, reason:text"),
             _ROWCOUNT,
             ResultKind.ROWCOUNT,
+            Grant.OPERATOR,
         ),
         Procedure(
             "wq_backlog",
             _p("subscription_id:uuid, cap:int"),
             _c("claimable:int, in_flight:int"),
             ResultKind.MANY,
+            Grant.OPERATOR,
         ),
-        Procedure("wq_read_committed_snapshot_state", (), _c("snapshot_on:bool"), ResultKind.ONE),
+        Procedure(
+            "wq_read_committed_snapshot_state",
+            (),
+            _c("snapshot_on:bool"),
+            ResultKind.ONE,
+            Grant.OPERATOR,
+        ),
         # Sweeper
         Procedure("wq_expire_leases_all", _p("batch_size:int"), _EXPIRED, ResultKind.MANY),
         Procedure(
@@ -207,6 +238,11 @@ PROCEDURES: dict[str, Procedure] = {
         Procedure("wq_try_sweep_lock", (), _c("acquired:bool"), ResultKind.ONE),
     ]
 }
+
+
+def granted_to(grant: Grant) -> list[str]:
+    """The names of the procedures ``grant`` includes, sorted."""
+    return sorted(name for name, procedure in PROCEDURES.items() if procedure.grant is grant)
 
 
 def get_procedure(name: str) -> Procedure:

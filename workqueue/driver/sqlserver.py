@@ -15,8 +15,14 @@ from typing import Any
 from django.db import DatabaseError, InterfaceError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.base import QUEUE_TABLES, BaseDriver, DriverFeatures
-from workqueue.driver.procedures import PROCEDURES, Param, ParamType, Procedure
+from workqueue.driver.base import (
+    LEASE_TOKEN_COLUMN,
+    QUEUE_TABLES,
+    READ_TABLES,
+    BaseDriver,
+    DriverFeatures,
+)
+from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, granted_to
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
 from workqueue.sql import load_procedures
 
@@ -219,27 +225,37 @@ class SqlServerDriver(BaseDriver):
 
     def grant_runtime_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
-        tables = [
-            "workqueue_transport",
-            "workqueue_topic",
-            "workqueue_subscription",
-            "workqueue_message",
-            "workqueue_delivery",
-            "workqueue_deduplication",
+        return [
+            *self._read_statements(quoted),
+            *(f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in granted_to(Grant.RUNTIME)),
+            # Hosts record their own health (not a queue table: no fencing rules to protect).
+            f"GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO {quoted}",
         ]
-        statements = [f"GRANT SELECT ON dbo.{table} TO {quoted}" for table in tables]
-        # The procedures still write: ownership chaining (same owner, dbo) skips these checks.
-        statements += [
-            f"DENY INSERT, UPDATE, DELETE ON dbo.{table} TO {quoted}" for table in tables[3:]
+
+    def grant_operator_statements(self, role: str) -> list[str]:
+        quoted = _quote_identifier(role)
+        return [
+            *self._read_statements(quoted),
+            *(f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in granted_to(Grant.OPERATOR)),
+            f"GRANT SELECT ON dbo.workqueue_hostrecord TO {quoted}",
         ]
-        statements += [f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in sorted(PROCEDURES)]
-        return statements
+
+    @staticmethod
+    def _read_statements(quoted: str) -> list[str]:
+        return [
+            *(f"GRANT SELECT ON dbo.{table} TO {quoted}" for table in READ_TABLES),
+            # A column DENY outranks the table GRANT: every column but the lease token.
+            f"DENY SELECT ON dbo.workqueue_delivery ({LEASE_TOKEN_COLUMN}) TO {quoted}",
+            # The procedures still write: ownership chaining (same owner, dbo) skips these.
+            *(f"DENY INSERT, UPDATE, DELETE ON dbo.{table} TO {quoted}" for table in QUEUE_TABLES),
+        ]
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [
             f"GRANT SELECT ON dbo.workqueue_subscription TO {quoted}",
             f"GRANT SELECT ON dbo.workqueue_delivery TO {quoted}",
+            f"DENY SELECT ON dbo.workqueue_delivery ({LEASE_TOKEN_COLUMN}) TO {quoted}",
         ]
 
     def rebuild_index_statements(self) -> list[str]:

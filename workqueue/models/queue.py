@@ -14,7 +14,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from workqueue.models.fields import ByteExactKeyField
-from workqueue.models.readonly import DriverOwnedModel
+from workqueue.models.readonly import DriverOwnedModel, DriverOwnedQuerySet
 from workqueue.models.topology import Subscription, Topic
 from workqueue.types import DeduplicationStatus, DeliveryStatus
 
@@ -52,8 +52,18 @@ class Message(DriverOwnedModel):
         return str(self.id)
 
 
+class DeliveryManager(models.Manager.from_queryset(DriverOwnedQuerySet)):  # type: ignore[misc]
+    """Loads deliveries without their lease token: the runtime and operator roles may not read
+    that column (``grant-runtime``), and nothing outside the procedures needs it."""
+
+    def get_queryset(self) -> DriverOwnedQuerySet:
+        return super().get_queryset().defer("lease_token")
+
+
 class Delivery(DriverOwnedModel):
     """One subscription's copy of one message; its id is stable across attempts."""
+
+    objects = DeliveryManager()
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # Not indexed alone: the (message, subscription) unique constraint leads with it.

@@ -20,7 +20,6 @@ from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.types import (
     DeadLetterItem,
     PartitionCondition,
-    PartitionItem,
     SubscriptionStats,
 )
 
@@ -212,7 +211,10 @@ def list_partitions(
     actor: Actor = CLI,
 ) -> Page:
     """One page of a partitioned subscription's keys that are InFlight or Blocked (or the
-    given ``condition``), by key. A subscription without partitions lists nothing."""
+    given ``condition``), by key. A subscription without partitions lists nothing.
+
+    Each call looks at a bounded number of keys, so a page may hold fewer items than asked
+    (even none) and still have a ``next_cursor``: follow it until it is None."""
     name = _name(subscription_name)
     if condition is not None and condition not in PartitionCondition.values:
         raise InvalidInputError(
@@ -228,14 +230,12 @@ def list_partitions(
     subscription = _subscription(name)
     if subscription.partition_mode == "None":
         return Page(True, [])
-    items: list[PartitionItem] = transport.list_partitions(
+    items, resume_after = transport.list_partitions(
         str(subscription.id), condition, after, size + 1
     )
-    next_cursor = (
-        cursors.encode({"partition_key": items[size - 1].partition_key})
-        if len(items) > size
-        else None
-    )
+    if len(items) > size:
+        resume_after = items[size - 1].partition_key
+    next_cursor = None if resume_after is None else cursors.encode({"partition_key": resume_after})
     return Page(True, items[:size], next_cursor)
 
 
@@ -311,6 +311,9 @@ def validate_bindings(
                 "IMMEDIATE;",
             )
         )
+    schema_problem = transport.schema_problem()
+    if schema_problem is not None:
+        issues.append(BindingIssue("Error", "database", schema_problem))
     sparse = transport.sparse_queue_indexes()
     if sparse:
         listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)

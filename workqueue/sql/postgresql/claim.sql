@@ -12,7 +12,7 @@ CREATE OR REPLACE FUNCTION wq_settle_expired_leases(p_delivery_ids uuid[])
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 BEGIN
@@ -50,7 +50,7 @@ CREATE OR REPLACE FUNCTION wq_expire_leases(p_subscription_id uuid, p_batch_size
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     RETURN QUERY
@@ -68,10 +68,11 @@ $$;
 -- wq_next_open_key --
 -- The first partition key after p_after_key (the very first when it is NULL) among the
 -- subscription's open deliveries: one step of a loose scan of wq_dlv_partition_head_ix, shared
--- by wq_claim's key walk and wq_backlog. Two statements, each ORDER BY ... LIMIT 1 rather than
+-- by the key walks of wq_claim, wq_backlog and wq_list_partitions. Two statements, each ORDER BY ... LIMIT 1 rather than
 -- min(), so that each stays one index probe even when stale statistics make the subscription
 -- look tiny. Only the procedures call it (EXECUTE is revoked from PUBLIC), inside their pinned
--- search_path, so it needs neither SECURITY DEFINER nor a search_path of its own.
+-- search_path, so it needs neither SECURITY DEFINER nor a search_path of its own (whose
+-- save and restore would cost every step of a walk).
 CREATE OR REPLACE FUNCTION wq_next_open_key(p_subscription_id uuid, p_after_key text)
 RETURNS text
 LANGUAGE plpgsql
@@ -130,7 +131,7 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE

@@ -23,14 +23,18 @@ ALTER TABLE workqueue_subscription DROP CONSTRAINT IF EXISTS wq_sub_filter_valid
 --             isnull, isnotnull (no value, or JSON null)
 --   limits    each field constrained once (a group counts once), at most 5 fields and at most
 --             50 values in all (group members counted as written).
--- Reads no tables and calls only built-in functions, so the CHECK constraint can run it under
--- any search_path; it is executable by PUBLIC because PostgreSQL checks EXECUTE on a
--- constraint's functions as the role that writes the row.
+-- Reads no tables and calls only built-in functions; it is executable by PUBLIC because
+-- PostgreSQL checks EXECUTE on a constraint's functions as the role that writes the row. Its
+-- search_path is pinned to pg_catalog: the CHECK constraint runs it in the writer's session
+-- (the owner's, during migrate or loaddata), where an operator planted in a writable schema
+-- (say jsonb ->> jsonb, which beats the built-in ->> for an untyped literal) would otherwise
+-- run as that writer.
 CREATE OR REPLACE FUNCTION wq_filter_problem(p_filter jsonb)
 RETURNS text
 LANGUAGE plpgsql
 IMMUTABLE
 PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
 AS $wq_filter_problem$
 DECLARE
     v_clauses  jsonb;

@@ -13,7 +13,7 @@ CREATE OR REPLACE FUNCTION wq_extend_lease(
 RETURNS TABLE (lease_state text, lease_expires_at timestamptz)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE

@@ -19,7 +19,7 @@ RETURNS TABLE (
 LANGUAGE sql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT
         (SELECT count(*) FROM workqueue_delivery d
@@ -52,7 +52,8 @@ $$;
 
 -- wq_list_dead_letters --
 -- One keyset page (by delivery id, ascending, after p_after_delivery_id) of a subscription's
--- dead letters with their messages. blocks_key is true for an Ordered key's head.
+-- dead letters with their messages. blocks_key is true for an Ordered key's head. The page is
+-- clamped to 0..1000 rows (NULL: 1000): the roles that may call this cannot ask for them all.
 CREATE OR REPLACE FUNCTION wq_list_dead_letters(
     p_subscription_id uuid,
     p_after_delivery_id uuid,
@@ -78,7 +79,7 @@ RETURNS TABLE (
 LANGUAGE sql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT d.id, d.attempt_count, d.dead_letter_reason, d.last_error, d.dead_lettered_at,
            d.partition_key,
@@ -96,15 +97,30 @@ AS $$
      WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
        AND (p_after_delivery_id IS NULL OR d.id > p_after_delivery_id)
      ORDER BY d.id
-     LIMIT p_page_size;
+     LIMIT LEAST(GREATEST(coalesce(p_page_size, 1000), 0), 1000);
 $$;
 
 -- wq_list_partitions --
 -- One keyset page (by partition key, after p_after_partition_key) of a subscription's keys that
--- have open deliveries. condition: InFlight when any delivery of the key is in flight, else
--- Blocked when an Ordered key's head is dead-lettered, else Idle. p_condition NULL lists only
--- the keys that are not Idle. head_delivery_id is the key's earliest open delivery;
--- waiting_items counts its Pending deliveries.
+-- have open deliveries, as rows of kind 'Partition'. condition: InFlight when any delivery of
+-- the key is in flight, else Blocked when an Ordered key's head is dead-lettered, else Idle.
+-- p_condition NULL lists only the keys that are not Idle. head_delivery_id is the key's earliest
+-- open delivery; waiting_items counts the Pending ones among its 1000 oldest open deliveries.
+-- The keys are walked one probe of wq_dlv_partition_head_ix at a time (wq_next_open_key), for
+-- a page clamped to 0..1000 (NULL: 1000) and at most 4 × page + 64 keys: when that budget runs
+-- out before the page is full, a last row of kind 'KeyCursor' carries the last key looked at,
+-- where the next page goes on. A call therefore costs what its page allows, however many keys
+-- (idle ones included) the subscription has.
+-- Until 0009 the function returned no kind column; a result shape cannot be replaced in place.
+DO $drop_old_shape$
+BEGIN
+    IF pg_get_function_result(to_regprocedure('wq_list_partitions(uuid,text,text,integer)'))
+       NOT LIKE 'TABLE(kind text,%' THEN
+        DROP FUNCTION wq_list_partitions(uuid, text, text, integer);
+    END IF;
+END
+$drop_old_shape$;
+
 CREATE OR REPLACE FUNCTION wq_list_partitions(
     p_subscription_id uuid,
     p_condition text,
@@ -112,45 +128,70 @@ CREATE OR REPLACE FUNCTION wq_list_partitions(
     p_page_size integer
 )
 RETURNS TABLE (
+    kind text,
     partition_key text,
     condition text,
     head_delivery_id uuid,
     waiting_items bigint
 )
-LANGUAGE sql
+LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
-    WITH keys AS (
-        SELECT d.partition_key,
-               bool_or(d.status = 'InFlight') AS any_in_flight,
-               min(d.order_key) AS head_order_key,
-               count(*) FILTER (WHERE d.status = 'Pending') AS waiting
-          FROM workqueue_delivery d
-         WHERE d.subscription_id = p_subscription_id AND d.partition_key IS NOT NULL
-           AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
-           AND (p_after_partition_key IS NULL OR d.partition_key > p_after_partition_key)
-         GROUP BY d.partition_key
-    ), classified AS (
-        SELECT k.partition_key,
-               CASE WHEN k.any_in_flight THEN 'InFlight'
-                    WHEN s.partition_mode = 'Ordered' AND head.status = 'DeadLettered'
-                        THEN 'Blocked'
-                    ELSE 'Idle' END AS condition,
-               head.id AS head_delivery_id,
-               k.waiting
-          FROM keys k
-          JOIN workqueue_subscription s ON s.id = p_subscription_id
-          JOIN workqueue_delivery head
-            ON head.subscription_id = p_subscription_id
-           AND head.partition_key = k.partition_key AND head.order_key = k.head_order_key
-    )
-    SELECT c.partition_key, c.condition, c.head_delivery_id, c.waiting
-      FROM classified c
-     WHERE (p_condition IS NULL AND c.condition <> 'Idle') OR c.condition = p_condition
-     ORDER BY c.partition_key
-     LIMIT p_page_size;
+#variable_conflict use_column
+DECLARE
+    v_page integer := LEAST(GREATEST(coalesce(p_page_size, 1000), 0), 1000);
+    v_steps integer;
+    v_ordered boolean;
+    v_key text := p_after_partition_key;
+    v_head record;
+    v_condition text;
+    v_listed integer := 0;
+BEGIN
+    SELECT s.partition_mode = 'Ordered' INTO v_ordered
+      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_steps := v_page * 4 + 64;
+    WHILE v_listed < v_page LOOP
+        IF v_steps = 0 THEN
+            RETURN QUERY SELECT 'KeyCursor'::text, v_key, NULL::text, NULL::uuid, NULL::bigint;
+            RETURN;
+        END IF;
+        v_steps := v_steps - 1;
+        v_key := wq_next_open_key(p_subscription_id, v_key);
+        EXIT WHEN v_key IS NULL;
+        SELECT h.id, h.status INTO v_head
+          FROM workqueue_delivery h
+         WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
+           AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+         ORDER BY h.order_key
+         LIMIT 1;
+        v_condition := CASE
+            WHEN EXISTS (SELECT 1 FROM workqueue_delivery f
+                          WHERE f.subscription_id = p_subscription_id
+                            AND f.partition_key = v_key AND f.status = 'InFlight')
+                THEN 'InFlight'
+            WHEN v_ordered AND v_head.status = 'DeadLettered' THEN 'Blocked'
+            ELSE 'Idle' END;
+        CONTINUE WHEN CASE WHEN p_condition IS NULL THEN v_condition = 'Idle'
+                           ELSE v_condition <> p_condition END;
+        v_listed := v_listed + 1;
+        -- Every open status in the test leaves wq_dlv_partition_head_ix as the only index that
+        -- fits (with stale statistics the planner would otherwise filter the subscription's
+        -- whole keyed backlog in wq_dlv_claim_keyed_ix for this one key).
+        RETURN QUERY
+        SELECT 'Partition'::text, v_key, v_condition, v_head.id,
+               count(*) FILTER (WHERE o.status = 'Pending')
+          FROM (SELECT w.status FROM workqueue_delivery w
+                 WHERE w.subscription_id = p_subscription_id AND w.partition_key = v_key
+                   AND w.status IN ('Pending', 'InFlight', 'DeadLettered')
+                 ORDER BY w.order_key
+                 LIMIT 1000) AS o;
+    END LOOP;
+END;
 $$;
 
 -- wq_replay --
@@ -165,7 +206,7 @@ CREATE OR REPLACE FUNCTION wq_replay(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH changed AS (
         UPDATE workqueue_delivery d
@@ -192,7 +233,7 @@ CREATE OR REPLACE FUNCTION wq_discard(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH changed AS (
         UPDATE workqueue_delivery d
@@ -220,7 +261,7 @@ CREATE OR REPLACE FUNCTION wq_cancel(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;
@@ -242,20 +283,23 @@ $$;
 -- wq_backlog --
 -- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
 -- that could be claimed now under the subscription's partition mode; 0 unless the subscription is
--- Active) and InFlight rows, each counted up to p_cap (NULL: uncapped). No row when the
--- subscription does not exist. Keys are counted by walking wq_dlv_partition_head_ix one key at a
--- time (as wq_claim walks them), so a hot key's blocked backlog costs one step, not its rows.
+-- Active) and InFlight rows, each counted up to p_cap, clamped to 0..1000 (NULL: 1000) since the
+-- scaler role calls this directly. No row when the subscription does not exist. Keys are
+-- counted by walking wq_dlv_partition_head_ix one key at a time (as wq_claim walks them), so a
+-- hot key's blocked backlog costs one step, not its rows; the walk takes at most 4 × cap + 64
+-- steps, so keys behind that many keys that cannot run now are left out of the count.
 CREATE OR REPLACE FUNCTION wq_backlog(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (claimable bigint, in_flight bigint)
 LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
     v_sub record;
-    v_limit bigint := coalesce(p_cap, 9223372036854775807);
+    v_limit integer := LEAST(GREATEST(coalesce(p_cap, 1000), 0), 1000);
+    v_steps integer := v_limit * 4 + 64;
     v_claimable bigint;
     v_key text;
     v_head record;
@@ -282,7 +326,8 @@ BEGIN
 
     IF v_sub.partition_mode <> 'None' THEN
         LOOP
-            EXIT WHEN v_claimable >= v_limit;
+            EXIT WHEN v_claimable >= v_limit OR v_steps <= 0;
+            v_steps := v_steps - 1;
             v_key := wq_next_open_key(p_subscription_id, v_key);
             EXIT WHEN v_key IS NULL;
             IF v_sub.partition_mode = 'Ordered' THEN
@@ -326,7 +371,7 @@ RETURNS TABLE (snapshot_on boolean)
 LANGUAGE sql
 IMMUTABLE
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT true;
 $$;

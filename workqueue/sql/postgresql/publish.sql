@@ -11,7 +11,7 @@ CREATE OR REPLACE FUNCTION wq_lock_publish_order(p_topic_id uuid, p_partition_ke
 RETURNS void
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '5s'
 AS $$
     SELECT pg_advisory_xact_lock(
@@ -28,7 +28,7 @@ CREATE OR REPLACE FUNCTION wq_lock_topology(p_topic_id uuid)
 RETURNS TABLE (locked boolean)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '5s'
 AS $$
 BEGIN
@@ -41,6 +41,9 @@ $$;
 -- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the
 -- message that already owns the deduplication key), the status (Accepted | Duplicate | Rejected)
 -- and an error code for rejections. Nothing is written unless the status is Accepted.
+-- p_external and p_published_by are the application's word (whether the message came in over
+-- the REST API, and as whom): the database sees only the role that holds grant-runtime, which
+-- may publish internally anyway, so claiming "not external" gains a caller nothing.
 CREATE OR REPLACE FUNCTION wq_publish(
     p_topic_name text,
     p_message_id uuid,
@@ -58,7 +61,7 @@ CREATE OR REPLACE FUNCTION wq_publish(
 RETURNS TABLE (message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -88,7 +91,15 @@ BEGIN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text;
         RETURN;
     END IF;
-    IF p_envelope_bytes > LEAST(v_topic.max_payload_bytes, 262144) THEN
+    -- p_envelope_bytes is the driver's count under the documented rule: the UTF-8 size of the
+    -- canonical envelope (sorted keys, no spaces). jsonb keeps no text to count it again, so
+    -- the count is trusted only where it exceeds the database's own: the envelope as jsonb
+    -- writes it, halved, since that text adds at most one space after each separator. A caller
+    -- that understates the size (or leaves it out) stores no envelope over twice the limit.
+    IF GREATEST(p_envelope_bytes, octet_length(jsonb_build_object(
+            'partition_key', p_partition_key, 'attributes', p_attributes, 'payload', p_payload,
+            'payload_ref', p_payload_ref, 'correlation_id', p_correlation_id)::text) / 2)
+       > LEAST(v_topic.max_payload_bytes, 262144) THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text;
         RETURN;
     END IF;
@@ -227,7 +238,7 @@ CREATE OR REPLACE FUNCTION wq_publish_many(
 RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE

@@ -10,7 +10,7 @@ CREATE OR REPLACE FUNCTION wq_complete(p_delivery_id uuid, p_lease_token uuid)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;
@@ -32,7 +32,7 @@ CREATE OR REPLACE FUNCTION wq_complete_many(p_items jsonb)
 RETURNS TABLE (delivery_id uuid)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 BEGIN
@@ -58,7 +58,7 @@ CREATE OR REPLACE FUNCTION wq_retry(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;
@@ -87,7 +87,7 @@ CREATE OR REPLACE FUNCTION wq_dead_letter(
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;
@@ -109,7 +109,7 @@ CREATE OR REPLACE FUNCTION wq_release(p_delivery_id uuid, p_lease_token uuid)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;
@@ -133,7 +133,7 @@ CREATE OR REPLACE FUNCTION wq_acknowledge_cancel(p_delivery_id uuid, p_lease_tok
 RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_rows integer;

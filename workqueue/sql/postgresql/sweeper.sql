@@ -9,7 +9,7 @@ CREATE OR REPLACE FUNCTION wq_expire_leases_all(p_batch_size integer)
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
 LANGUAGE plpgsql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     RETURN QUERY
@@ -30,7 +30,7 @@ CREATE OR REPLACE FUNCTION wq_purge_terminal_deliveries(p_batch_size integer)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH victims AS (
         SELECT d.id
@@ -58,7 +58,7 @@ CREATE OR REPLACE FUNCTION wq_purge_orphan_messages(p_batch_size integer)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH victims AS (
         SELECT m.id
@@ -80,7 +80,7 @@ CREATE OR REPLACE FUNCTION wq_purge_expired_deduplications(p_batch_size integer)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     WITH victims AS (
         SELECT x.id FROM workqueue_deduplication x
@@ -100,7 +100,7 @@ CREATE OR REPLACE FUNCTION wq_try_sweep_lock()
 RETURNS TABLE (acquired boolean)
 LANGUAGE sql
 SECURITY DEFINER
-SET search_path FROM CURRENT
+SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT pg_try_advisory_xact_lock(hashtextextended('wq-sweep', 0));
 $$;

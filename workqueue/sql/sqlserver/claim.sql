@@ -76,7 +76,8 @@ GO
 -- wq_next_open_key --
 -- The first partition key after @after_key (the very first when it is NULL) among the
 -- subscription's open deliveries: one step of a loose scan of wq_dlv_partition_head_ix, shared
--- by wq_claim's key walk and wq_backlog. @subscription_id is the stored char(32) form.
+-- by the key walks of wq_claim, wq_backlog and wq_list_partitions. @subscription_id is the
+-- stored char(32) form.
 CREATE OR ALTER FUNCTION dbo.wq_next_open_key(
     @subscription_id char(32),
     @after_key nvarchar(200)

@@ -70,7 +70,9 @@ BEGIN
     SET XACT_ABORT ON;
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @after_key char(32) = dbo.wq_uuid_text(@after_delivery_id);
-    DECLARE @limit int = COALESCE(@page_size, 2147483647);
+    -- Clamped to 0..1000 rows (NULL: 1000): the roles that may call this cannot ask for them all.
+    DECLARE @limit int = CASE WHEN @page_size IS NULL OR @page_size > 1000 THEN 1000
+                              WHEN @page_size < 0 THEN 0 ELSE @page_size END;
 
     -- result set
     SELECT TOP (@limit)
@@ -107,11 +109,17 @@ GO
 
 -- wq_list_partitions --
 -- One keyset page (by partition key in binary order, after @after_partition_key) of a
--- subscription's keys that have open (Pending, InFlight or DeadLettered) deliveries. condition:
--- InFlight when any delivery of the key is in flight, else Blocked when an Ordered key's head is
--- dead-lettered, else Idle; @condition NULL lists only the keys that are not Idle.
--- head_delivery_id is the key's earliest open delivery; waiting_items counts its Pending ones.
--- returns: partition_key, condition, head_delivery_id, waiting_items
+-- subscription's keys that have open (Pending, InFlight or DeadLettered) deliveries, as rows of
+-- kind 'Partition'. condition: InFlight when any delivery of the key is in flight, else Blocked
+-- when an Ordered key's head is dead-lettered, else Idle; @condition NULL lists only the keys
+-- that are not Idle. head_delivery_id is the key's earliest open delivery; waiting_items counts
+-- the Pending ones among its 1000 oldest open deliveries.
+-- The keys are walked one probe of wq_dlv_partition_head_ix at a time (wq_next_open_key), for
+-- a page clamped to 0..1000 (NULL: 1000) and at most 4 x page + 64 keys: when that budget runs
+-- out before the page is full, a last row of kind 'KeyCursor' carries the last key looked at,
+-- where the next page goes on. A call therefore costs what its page allows, however many keys
+-- (idle ones included) the subscription has.
+-- returns: kind, partition_key, condition, head_delivery_id, waiting_items
 CREATE OR ALTER PROCEDURE dbo.wq_list_partitions
     @subscription_id uniqueidentifier,
     @condition nvarchar(4000),
@@ -122,41 +130,77 @@ BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
-    DECLARE @limit int = COALESCE(@page_size, 2147483647);
+    DECLARE @page int = CASE WHEN @page_size IS NULL OR @page_size > 1000 THEN 1000
+                             WHEN @page_size < 0 THEN 0 ELSE @page_size END;
+    DECLARE @steps int = @page * 4 + 64;
+    DECLARE @partition_mode nvarchar(20);
+    DECLARE @key nvarchar(200) = @after_partition_key;
+    DECLARE @head_id char(32);
+    DECLARE @head_status nvarchar(20);
+    DECLARE @key_condition nvarchar(20);
+    DECLARE @listed int = 0;
+    DECLARE @rows TABLE (
+        ord int IDENTITY(1, 1) PRIMARY KEY,
+        kind nvarchar(20),
+        partition_key nvarchar(200),
+        condition nvarchar(20),
+        head_id char(32),
+        waiting int
+    );
 
-    WITH keyed AS (
-        SELECT d.partition_key,
-               MAX(CASE WHEN d.status = N'InFlight' THEN 1 ELSE 0 END) AS any_in_flight,
-               MIN(d.order_key) AS head_order_key,
-               SUM(CASE WHEN d.status = N'Pending' THEN 1 ELSE 0 END) AS waiting
-          FROM dbo.workqueue_delivery AS d
-         WHERE d.subscription_id = @subscription_key AND d.partition_key IS NOT NULL
-           AND d.status IN (N'Pending', N'InFlight', N'DeadLettered')
-           AND (@after_partition_key IS NULL OR d.partition_key > @after_partition_key)
-         GROUP BY d.partition_key
-    ), classified AS (
-        SELECT k.partition_key,
-               CASE WHEN k.any_in_flight = 1 THEN N'InFlight'
-                    WHEN s.partition_mode = N'Ordered' AND head.status = N'DeadLettered'
-                        THEN N'Blocked'
-                    ELSE N'Idle' END AS condition,
-               head.id AS head_id,
-               k.waiting
-          FROM keyed AS k
-          JOIN dbo.workqueue_subscription AS s ON s.id = @subscription_key
-          JOIN dbo.workqueue_delivery AS head
-            ON head.subscription_id = @subscription_key
-           AND head.partition_key = k.partition_key AND head.order_key = k.head_order_key
-    )
+    SELECT @partition_mode = s.partition_mode
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.id = @subscription_key;
+
+    WHILE @partition_mode IS NOT NULL AND @listed < @page
+    BEGIN
+        IF @steps = 0
+        BEGIN
+            INSERT INTO @rows (kind, partition_key) VALUES (N'KeyCursor', @key);
+            BREAK;
+        END;
+        SET @steps -= 1;
+        SET @key = dbo.wq_next_open_key(@subscription_key, @key);
+        IF @key IS NULL
+            BREAK;
+
+        SET @head_id = NULL;
+        SET @head_status = NULL;
+        SELECT TOP (1) @head_id = h.id, @head_status = h.status
+          FROM dbo.workqueue_delivery AS h
+         WHERE h.subscription_id = @subscription_key AND h.partition_key = @key
+           AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
+         ORDER BY h.order_key;
+        SET @key_condition = CASE
+            WHEN EXISTS (SELECT 1 FROM dbo.workqueue_delivery AS f
+                          WHERE f.subscription_id = @subscription_key
+                            AND f.partition_key = @key AND f.status = N'InFlight')
+                THEN N'InFlight'
+            WHEN @partition_mode = N'Ordered' AND @head_status = N'DeadLettered' THEN N'Blocked'
+            ELSE N'Idle' END;
+        IF (@condition IS NULL AND @key_condition = N'Idle')
+           OR (@condition IS NOT NULL AND @key_condition <> @condition)
+            CONTINUE;
+
+        SET @listed += 1;
+        INSERT INTO @rows (kind, partition_key, condition, head_id, waiting)
+        SELECT N'Partition', @key, @key_condition, @head_id,
+               COUNT(CASE WHEN o.status = N'Pending' THEN 1 END)
+          FROM (SELECT TOP (1000) w.status
+                  FROM dbo.workqueue_delivery AS w
+                 WHERE w.subscription_id = @subscription_key AND w.partition_key = @key
+                   AND w.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                 ORDER BY w.order_key) AS o;
+    END;
+
     -- result set
-    SELECT TOP (@limit)
-           c.partition_key,
-           c.condition,
-           dbo.wq_text_uuid(c.head_id) AS head_delivery_id,
-           c.waiting AS waiting_items
-      FROM classified AS c
-     WHERE (@condition IS NULL AND c.condition <> N'Idle') OR c.condition = @condition
-     ORDER BY c.partition_key;
+    SELECT r.kind,
+           r.partition_key,
+           r.condition,
+           dbo.wq_text_uuid(r.head_id) AS head_delivery_id,
+           r.waiting AS waiting_items
+      FROM @rows AS r
+     ORDER BY r.ord;
 END;
 GO
 
@@ -263,9 +307,11 @@ GO
 -- wq_backlog --
 -- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
 -- that could be claimed now under the subscription's partition mode; 0 unless the subscription
--- is Active) and InFlight rows, each counted up to @cap (NULL: uncapped). No row when the
--- subscription does not exist. Keys are counted by walking wq_dlv_partition_head_ix one key at a
--- time (as wq_claim walks them), so a hot key's blocked backlog costs one step, not its rows.
+-- is Active) and InFlight rows, each counted up to @cap, clamped to 0..1000 (NULL: 1000) since
+-- the scaler role may call this directly. No row when the subscription does not exist. Keys
+-- are counted by walking wq_dlv_partition_head_ix one key at a time (as wq_claim walks them),
+-- so a hot key's blocked backlog costs one step, not its rows; the walk takes at most
+-- 4 x cap + 64 steps, so keys behind that many keys that cannot run now are left out.
 -- returns: claimable, in_flight
 CREATE OR ALTER PROCEDURE dbo.wq_backlog
     @subscription_id uniqueidentifier,
@@ -276,7 +322,9 @@ BEGIN
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
-    DECLARE @limit int = COALESCE(@cap, 2147483647);
+    DECLARE @limit int = CASE WHEN @cap IS NULL OR @cap > 1000 THEN 1000
+                              WHEN @cap < 0 THEN 0 ELSE @cap END;
+    DECLARE @steps int = @limit * 4 + 64;
     DECLARE @partition_mode nvarchar(20);
     DECLARE @subscription_status nvarchar(20);
     DECLARE @claimable int = 0;
@@ -303,8 +351,9 @@ BEGIN
              WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
                AND d.partition_key IS NULL AND d.visible_at <= @now) AS keyless;
 
-        WHILE @partition_mode <> N'None' AND @claimable < @limit
+        WHILE @partition_mode <> N'None' AND @claimable < @limit AND @steps > 0
         BEGIN
+            SET @steps -= 1;
             SET @key = dbo.wq_next_open_key(@subscription_key, @key);
             IF @key IS NULL
                 BREAK;

@@ -181,7 +181,20 @@ BEGIN
         SET @out_error_code = N'TopicNotExternallyPublishable';
         RETURN;
     END;
-    IF @envelope_bytes > CASE WHEN @max_payload_bytes < 262144 THEN @max_payload_bytes ELSE 262144 END
+    -- @envelope_bytes is the driver's count under the documented rule: the UTF-8 size of the
+    -- canonical envelope (sorted keys, no spaces). SQL Server 2016 cannot count UTF-8, so the
+    -- count is trusted only where it exceeds the procedure's own: the canonical envelope of
+    -- the text stored, in UTF-16 code units (76 for its keys and punctuation, 4 for a null),
+    -- each of which takes at least one UTF-8 byte. A caller that understates the size (or
+    -- leaves it out) stores no envelope of more code units than the limit.
+    DECLARE @stored_units bigint = 76
+        + COALESCE(DATALENGTH(@attributes) / 2, 4)
+        + COALESCE(DATALENGTH(@correlation_id) / 2 + 2, 4)
+        + COALESCE(DATALENGTH(@partition_key) / 2 + 2, 4)
+        + COALESCE(DATALENGTH(@payload) / 2, 4)
+        + COALESCE(DATALENGTH(@payload_ref) / 2, 4);
+    IF (CASE WHEN @envelope_bytes > @stored_units THEN @envelope_bytes ELSE @stored_units END)
+       > CASE WHEN @max_payload_bytes < 262144 THEN @max_payload_bytes ELSE 262144 END
     BEGIN
         SET @out_error_code = N'PayloadTooLarge';
         RETURN;
@@ -339,6 +352,9 @@ GO
 -- TopicDisabled, TopicNotExternallyPublishable, PayloadTooLarge, DeduplicationPending,
 -- MessageIDConflict, TransportUnavailable). Nothing is written unless the status is Accepted;
 -- a re-publish of an existing id with the same canonical envelope is a Duplicate.
+-- @external and @published_by are the application's word (whether the message came in over the
+-- REST API, and as whom): the database sees only the login that holds grant-runtime, which may
+-- publish internally anyway, so claiming "not external" gains a caller nothing.
 -- returns: message_id, status, error_code
 CREATE OR ALTER PROCEDURE dbo.wq_publish
     @topic_name nvarchar(4000),

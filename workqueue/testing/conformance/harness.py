@@ -239,7 +239,9 @@ class CaseContext:
         )
 
     def partitions(self, name: str, condition: str | None) -> list[PartitionItem]:
-        return transport.list_partitions(self.sub_id(name), condition, None, 100)
+        # The cases hold a handful of keys: one call walks them all.
+        items, _resume_after = transport.list_partitions(self.sub_id(name), condition, None, 100)
+        return items
 
     def dead_letters(self, name: str) -> list[DeadLetterItem]:
         return transport.list_dead_letters(self.sub_id(name), None, 100)
