@@ -90,11 +90,14 @@ def check_system_user(
         return []
     if user is None:
         return [
-            checks.Error(
+            # A Warning, not an Error: `migrate` runs database checks too, and a deployment
+            # that runs no host (web processes only) needs no system user. Hosts refuse to start
+            # without it, with the same advice.
+            checks.Warning(
                 unknown_user_message(conf.SYSTEM_USER.strip()),
                 hint=f"Run `{CREATE_COMMAND}`: it creates the account with an unusable "
                 "password and no admin rights.",
-                id="workqueue.E004",
+                id="workqueue.W003",
             )
         ]
     if user.is_superuser:

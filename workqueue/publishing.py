@@ -177,7 +177,7 @@ def publish_many(
         topic_error = _topic_error(name, external, known)
         if topic_error is not None:
             rejected = [_rejected(item.message_id, topic_error) for item in items]
-            metrics.count_published(topic, rejected)
+            metrics.count_published(name, rejected)
             return rejected
 
     if prepared:
@@ -185,7 +185,7 @@ def publish_many(
         for (index, _), row in zip(prepared, rows, strict=True):
             results[index] = _result_from_row(row)
     final = [r for r in results if r is not None]
-    metrics.count_published(topic, final)
+    metrics.count_published(name, final)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An
