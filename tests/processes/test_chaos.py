@@ -68,6 +68,9 @@ class ChaosSize:
     # Publish through POST /work-queue/topics/<topic>/messages, one producer per key awaiting
     # each acceptance (the reference's soak), instead of publish_many() batches in-process.
     rest_api: bool = False
+    # Assert that the kills found work running and a cancel found a handler ignoring it (the
+    # guards that keep the recovery checks from passing vacuously).
+    proves_recovery: bool = True
 
 
 CI = ChaosSize(
@@ -102,6 +105,9 @@ REST_SMALL = ChaosSize(
     concurrency=4,
     drain_timeout=60,
     rest_api=True,
+    # Too small to be sure a kill finds work running or a cancel finds an ignoring handler: the
+    # CI-sized run proves those; this one proves the REST publishing path.
+    proves_recovery=False,
 )
 
 
@@ -477,7 +483,8 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     assert len(canceller.requested) >= min(size.cancels, 2), "cancels of running deliveries"
 
     # -- kills landed on running work, which was recovered through lease expiry -------------------
-    assert orphans, "no delivery was running on the killed host"
+    if size.proves_recovery:
+        assert orphans, "no delivery was running on the killed host"
     final = {str(r["id"]): r for r in rows}
     for delivery_id, attempt in orphans:
         status, attempts = final[delivery_id]["status"], final[delivery_id]["attempt_count"]
@@ -525,9 +532,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         and r.signalled_at is not None
         and r.finish - r.signalled_at > 2 * DRAIN_MS * 1_000_000
     ]
-    if size.cancels >= 4:
-        # Sure to happen at this size; with the REST variant's two cancels a kill may take the
-        # one ignoring handler with it, and that variant is about the publishing path.
+    if size.proves_recovery:
         assert ignored, "no cancelled handler ignored its signal past the drain"
     ordered_starts: dict[str | None, list[int]] = defaultdict(list)
     for run in sorted(runs, key=lambda r: r.start):
