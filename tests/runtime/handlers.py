@@ -101,7 +101,9 @@ class ScriptedHandler(BaseWorkHandler):
       (a ValueError with ``message``), ``invalid`` (returns ``value``);
     * ``thenByAttempt``: {"<attempt>": action} overrides ``then`` on that attempt;
     * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired;
-    * ``thenOnStopping``: the same, used when the host announced it is stopping.
+    * ``thenOnStopping``: the same, used when the host announced it is stopping;
+    * ``unstorable``: append a NUL character and a lone surrogate (which no payload can carry)
+      to ``message`` and ``reason``.
     """
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Any:
@@ -180,6 +182,9 @@ class ScriptedHandler(BaseWorkHandler):
     @staticmethod
     def _finish(action: str, payload: dict[str, Any]) -> Any:
         message = payload.get("message", "")
+        if payload.get("unstorable"):
+            message += " \x00 \ud800"
+            payload = {**payload, "reason": payload.get("reason", "") + " \x00 \ud800"}
         if action == "complete":
             return Outcome.complete()
         if action == "retry":

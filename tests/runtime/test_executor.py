@@ -830,3 +830,19 @@ def test_a_completed_delivery_logs_nothing_and_a_lost_lease_logs_an_error(rig, c
     errors = [r for r in delivery_logs(caplog) if r.levelname == "ERROR"]
     assert [r.getMessage().split(" (")[0] for r in errors] == ["Lease lost"]
     assert delivery.delivery_id in errors[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("action", "status"),
+    [("crash", "Pending"), ("fatal", "DeadLettered"), ("dead_letter", "DeadLettered")],
+)
+def test_a_handler_whose_error_text_the_database_cannot_store_still_settles(rig, action, status):
+    """A NUL character or a lone surrogate in an exception's text or a reason would make the
+    database refuse the settle (a permanent error, never retried): they are stored escaped."""
+    sub = rig.subscription(max_attempts=3)
+
+    result, stored, _run = rig.run(sub, {"then": action, "message": "bad", "unstorable": True})
+
+    assert (result.kind, result.status, stored.status) == (ExecutionResult.SETTLED, status, status)
+    text = (stored.last_error or "") + (stored.dead_letter_reason or "")
+    assert "\\x00" in text and "\\ud800" in text and "\x00" not in text

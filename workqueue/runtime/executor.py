@@ -234,7 +234,10 @@ class DeliveryExecution:
             outcome = handler_class(self.services.user).handle(message, context)
         except FatalWorkError as exc:
             return _Decision(
-                Outcome.DEAD_LETTER, reason=_short(str(exc)), error=_describe(exc), exception=exc
+                Outcome.DEAD_LETTER,
+                reason=_short(_storable(str(exc))),
+                error=_describe(exc),
+                exception=exc,
             )
         except TransientWorkError as exc:
             return _Decision(
@@ -255,7 +258,12 @@ class DeliveryExecution:
             return _Decision(Outcome.RETRY, error="Handler returned no valid outcome")
         # A handler's own dead letter keeps last_error as it was; a retry records its reason.
         error = outcome.reason if outcome.kind == Outcome.RETRY else None
-        return _Decision(outcome.kind, outcome.reason, outcome.delay_seconds, error)
+        return _Decision(
+            outcome.kind,
+            _storable(outcome.reason),
+            outcome.delay_seconds,
+            _storable(error),
+        )
 
     # -- heartbeats and timers -------------------------------------------------------------
 
@@ -499,12 +507,25 @@ def _first_line(text: str) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc)).strip()
+    return _storable("".join(traceback.format_exception(exc)).strip())
+
+
+def _storable(value: Any) -> Any:
+    """What a handler reported, in a form the database accepts: NUL characters and lone
+    surrogates (refused by PostgreSQL and by the UTF-8 encoder) are written out as escapes, in
+    strings and inside progress mappings, so a handler's text can never make its settle fail."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, Mapping):
+        return {_storable(str(k)): _storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_storable(v) for v in value]
+    return value
 
 
 def _progress(progress: Mapping[str, Any]) -> dict[str, Any]:
     """Keep progress within 4000 characters of JSON: drop the checkpoint, then cut the text."""
-    value = dict(progress)
+    value = _storable(dict(progress))
     if len(json.dumps(value, default=str)) <= 4000:
         return value
     value.pop("checkpoint", None)
