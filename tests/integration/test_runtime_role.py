@@ -19,7 +19,7 @@ from tests.roles import connect_as, database_role
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.base import DELIVERY_READABLE_COLUMNS, LEASE_TOKEN_COLUMN, canonical_json
-from workqueue.driver.procedures import PROCEDURES, get_procedure
+from workqueue.driver.procedures import PROCEDURES, Grant, get_procedure
 from workqueue.models import Delivery
 from workqueue.transport import Receiver
 
@@ -254,8 +254,6 @@ def test_the_runtime_role_cannot_operate(runtime_role):
 
 
 def test_the_operator_role_operates_and_neither_claims_nor_publishes(runtime_role):
-    from workqueue.driver.procedures import Grant  # new with the operator role
-
     assert {n for n, p in PROCEDURES.items() if p.grant is Grant.OPERATOR} == set(OPERATOR_CALLS)
     subscription = SubscriptionFactory()
     publish(subscription.topic.name, {"n": 1})

@@ -6,7 +6,10 @@ procedure migrations become no-ops, so replaying history on a new database never
 today's bodies against yesterday's tables, and a fresh install equals an upgraded one (proved by
 tests/integration/test_migrations.py). To change a procedure: edit its .sql file, add a migration
 with ``RunPython(install_procedures_step("000N_name"), ...)`` and point the constant at it.
-A changed result shape also needs the old function dropped first.
+A changed result shape also needs the old function dropped first: on PostgreSQL a DO block
+before the function drops it only while it has the old shape (see wq_list_partitions in
+``sql/postgresql/operator.sql``), and a dropped function loses its grants, which the upgrade
+note must say.
 """
 
 from __future__ import annotations
