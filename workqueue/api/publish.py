@@ -188,7 +188,7 @@ def _parse(raw: bytes) -> Any:
     except RecursionError:
         raise HttpError(
             400,
-            f"The request body is JSON nested too deeply to read; payloads may nest at most "
+            "The request body is JSON nested too deeply to read; payloads may nest at most "
             f"{MAX_JSON_DEPTH} levels.",
         ) from None
     except ValueError:
