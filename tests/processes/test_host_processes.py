@@ -456,13 +456,12 @@ def test_workqueue_disable_host_exits_0_at_once_without_touching_the_queue(proce
     sub = hello()
     message = publish(sub.topic.name, {}).message_id
     args = [command] if command == "workqueue_host" else [command, "-s", sub.name, "--once"]
-    began = time.monotonic()
 
+    # A host that ignored the switch would run on until the 20 s timeout ends the test.
     done = processes.run(*args, timeout=20, WORKQUEUE_DISABLE_HOST="1")
 
     assert done.returncode == 0, done.stderr
     assert "WORKQUEUE_DISABLE_HOST is set" in done.stdout
-    assert time.monotonic() - began < 10
     assert delivery(message).status == "Pending"
     assert not HostRecord.objects.exists()
 
