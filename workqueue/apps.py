@@ -22,7 +22,7 @@ class WorkqueueConfig(AppConfig):
             Transport,
             validate_topology_write,
         )
-        from workqueue.tasks.handler import send_task_finished_for_dead_letter
+        from workqueue.tasks.signals import send_task_finished_for_dead_letter
 
         checks.register(check_settings, "workqueue")
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")

@@ -1,4 +1,4 @@
-"""The handler that runs Tasks API tasks in the host, and the Tasks API's signals.
+"""The handler that runs Tasks API tasks in the host (handler key ``workqueue.tasks``).
 
 A run records itself (``TaskResult``), calls the task (a coroutine through the API's own
 ``Task.call``, which runs it on an event loop), and stores the return value before the delivery
@@ -9,9 +9,6 @@ as any handler may.
 """
 
 from __future__ import annotations
-
-import logging
-from typing import Any
 
 from workqueue.models import Delivery
 from workqueue.runtime.context import WorkContext, WorkMessage
@@ -24,9 +21,8 @@ from workqueue.tasks.messages import (
     build_result,
     require_json_round_trip,
 )
-from workqueue.tasks.results import read_result, record_failure, record_start, record_success
-
-logger = logging.getLogger(__name__)
+from workqueue.tasks.results import record_failure, record_start, record_success
+from workqueue.tasks.signals import send
 
 
 @register_handler(HANDLER_KEY)
@@ -61,7 +57,7 @@ class TaskHandler(BaseWorkHandler):
             record=record,
         )
         backend_class = type(task.get_backend())
-        _send(api.task_started, backend_class, running)
+        send(api.task_started, backend_class, running)
         try:
             if task.takes_context:
                 value = task.call(
@@ -87,40 +83,5 @@ class TaskHandler(BaseWorkHandler):
             enqueued_at=message.published_at,
             record=record,
         )
-        _send(api.task_finished, backend_class, finished)
+        send(api.task_finished, backend_class, finished)
         return Outcome.complete()
-
-
-def send_task_finished_for_dead_letter(
-    sender: Any, subscription_id: Any, delivery_id: str, **kwargs: Any
-) -> None:
-    """``workqueue.signals.dead_lettered`` receiver: a task's delivery was dead-lettered (by
-    its handler's outcome, or by lease expiry on its last attempt) in this process, so the
-    task has FAILED: send the Tasks API's ``task_finished``."""
-    try:
-        message_id = (
-            Delivery.objects.filter(pk=delivery_id, subscription__handler_key=HANDLER_KEY)
-            .values_list("message_id", flat=True)
-            .first()
-        )
-        if message_id is None:
-            return
-        result = read_result(str(message_id))
-        if result.status != api.TaskResultStatus.FAILED:
-            return  # replayed meanwhile
-        _send(api.task_finished, type(result.task.get_backend()), result)
-    except Exception:
-        # The dead letter is recorded whatever happens here; a receiver must not undo it.
-        logger.exception("Could not send task_finished for dead-lettered delivery %s", delivery_id)
-
-
-def _send(signal: Any, sender: type, task_result: api.TaskResult) -> None:
-    # A receiver's failure is logged, not raised: it must neither fail nor re-run a task.
-    for receiver, error in signal.send_robust(sender, task_result=task_result):
-        if isinstance(error, Exception):
-            logger.error(
-                "Tasks API signal receiver %r failed for task %s",
-                receiver,
-                task_result.id,
-                exc_info=error,
-            )
