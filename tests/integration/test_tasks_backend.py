@@ -25,7 +25,7 @@ from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
-from workqueue.tasks import WorkQueueBackend
+from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -138,6 +138,20 @@ def test_the_first_task_of_a_queue_enqueued_in_a_transaction_creates_the_queue_o
     # The topology and the message were committed on their own connections.
     assert Topic.objects.filter(name=QUEUE).exists()
     assert default_task_backend.get_result(result.id).status == TaskResultStatus.READY
+
+
+def test_a_task_the_queue_refuses_raises_an_error_naming_the_reason():
+    default_task_backend.ensure_queue("default")
+    Topic.objects.filter(name=QUEUE).update(max_payload_bytes=100)
+    with pytest.raises(
+        TaskEnqueueError,
+        match=r"task_functions\.add was not enqueued on topic tasks\.default: PayloadTooLarge",
+    ):
+        add.enqueue(1, y="x" * 200)
+    Topic.objects.filter(name=QUEUE).update(status="Disabled")
+    with pytest.raises(TaskEnqueueError, match="TopicDisabled"):
+        add.enqueue(1, 2)
+    assert published_tasks() == 0
 
 
 def test_get_result_of_an_unknown_or_malformed_id_does_not_exist():

@@ -118,12 +118,10 @@ class WorkQueueBackend(api.BaseTaskBackend):
             published = self._publish(message, result_id)
         if not published.accepted:
             error = published.error
+            reason = f"{error.code}: {error.message}" if error else published.status
             raise TaskEnqueueError(
                 f"The task {task.module_path} was not enqueued on topic "
-                f"{topic_name(task.queue_name)}: "
-                f"{error.code}: {error.message}"
-                if error
-                else f"status {published.status}"
+                f"{topic_name(task.queue_name)}: {reason}"
             )
         result = build_result(
             task,
@@ -132,7 +130,12 @@ class WorkQueueBackend(api.BaseTaskBackend):
             api.TaskResultStatus.READY,
             enqueued_at=timezone.now(),
         )
-        api.task_enqueued.send(type(self), task_result=result)
+        # Imported here: it reads models (see get_result).
+        from workqueue.tasks.signals import send
+
+        # The task is queued whatever a receiver does: its failure is logged, not raised, so
+        # a caller never enqueues the task twice because a receiver failed.
+        send(api.task_enqueued, type(self), result)
         return result
 
     def get_result(self, result_id: str) -> api.TaskResult:
