@@ -29,7 +29,7 @@ from workqueue.tasks.messages import (
     require_json_round_trip,
     topic_name,
 )
-from workqueue.types import PublishErrorCode
+from workqueue.types import PublishErrorCode, PublishResult
 
 #: Subscription fields ``OPTIONS["SUBSCRIPTION"]`` may set for the subscriptions the backend
 #: creates (later changes are the operator's, in the admin; the backend never updates them).
@@ -175,7 +175,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
                     id="workqueue.E004",
                 )
 
-    def _publish(self, message: TaskMessage, result_id: str) -> Any:
+    def _publish(self, message: TaskMessage, result_id: str) -> PublishResult:
         # Imported here: publishing reaches the driver, which this module must not load at
         # import time (the backend is built when a @task decorator runs, at module import).
         from workqueue.publishing import publish

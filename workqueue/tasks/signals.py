@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.db import connections, router
+
 from workqueue.models import Delivery
 from workqueue.tasks import api
 from workqueue.tasks.messages import HANDLER_KEY
@@ -21,6 +23,10 @@ def send_task_finished_for_dead_letter(
     """``workqueue.signals.dead_lettered`` receiver: a task's delivery was dead-lettered (by
     its handler's outcome, or by lease expiry on its last attempt) in this process, so the
     task has FAILED: send the Tasks API's ``task_finished``."""
+    # The claim loop and the sweeper send dead_lettered from threads that do not use Django's
+    # connections: one opened here is closed here, or it would outlive its thread unclosed.
+    connection = connections[router.db_for_read(Delivery)]
+    opened_here = connection.connection is None
     try:
         message_id = (
             Delivery.objects.filter(pk=delivery_id, subscription__handler_key=HANDLER_KEY)
@@ -36,6 +42,9 @@ def send_task_finished_for_dead_letter(
     except Exception:
         # The dead letter is recorded whatever happens here; a receiver must not undo it.
         logger.exception("Could not send task_finished for dead-lettered delivery %s", delivery_id)
+    finally:
+        if opened_here:
+            connection.close()
 
 
 def send(signal: Any, sender: type, task_result: api.TaskResult) -> None:
