@@ -51,6 +51,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "ninja",
+    # The Tasks API backport (its system checks and log lines); Django 6.0+ has django.tasks.
+    "django_tasks",
     "workqueue",
     "workqueue_samples",
 ]
@@ -112,6 +114,9 @@ STATIC_URL = "static/"
 WORKQUEUE = {
     "SYSTEM_USER": env.str("WORKQUEUE_SYSTEM_USER", default="workqueue-system"),
 }
+
+# Django's Tasks API on the work queue: queue "default" is topic and subscription tasks.default.
+TASKS = {"default": {"BACKEND": "workqueue.tasks.WorkQueueBackend"}}
 
 LOGGING = {
     "version": 1,

@@ -14,6 +14,7 @@ class WorkqueueConfig(AppConfig):
         from django.db.backends.signals import connection_created
         from django.db.models.signals import pre_delete, pre_save
 
+        from workqueue import signals
         from workqueue.checks import check_settings, check_system_user
         from workqueue.driver import close_before_database_administration, close_thread_connections
         from workqueue.models.queue import Deduplication, Delivery, Message
@@ -24,12 +25,17 @@ class WorkqueueConfig(AppConfig):
             Transport,
             validate_topology_write,
         )
+        from workqueue.tasks.signals import send_task_finished_for_dead_letter
 
         checks.register(check_settings, "workqueue")
         checks.register(check_system_user, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
         connection_created.connect(
             close_before_database_administration, dispatch_uid="workqueue-driver-no-db"
+        )
+        # A task has FAILED once its delivery is dead-lettered: the Tasks API's task_finished.
+        signals.dead_lettered.connect(
+            send_task_finished_for_dead_letter, dispatch_uid="workqueue-tasks-finished"
         )
         # pre_save rather than save(): loaddata writes through Model.save_base (raw=True),
         # which skips a model's save() but still sends the signal.

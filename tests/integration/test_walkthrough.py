@@ -40,6 +40,7 @@ def test_the_walkthrough_has_commands_for_every_step():
         "--dedup-key",
         "X-API-Key",
         "dashboard",
+        "greet.enqueue",
     ):
         assert command in script
 
@@ -78,6 +79,7 @@ def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_da
             assert re.search(greeting, done.stderr), (name, attempt)
     assert re.search(r"venue-3\s+Blocked", out)
     assert "Replayed" in out
+    assert "SUCCESSFUL Hello, Ada!" in out  # a Tasks API task, its result read in a new process
     assert "Discarded" in out and "Cancel requested" in out
     first, second = re.findall(r"^(Accepted|Duplicate) ([0-9a-f-]{36})$", out, re.M)[-2:]
     assert (first[0], second[0]) == ("Accepted", "Duplicate") and first[1] == second[1]

@@ -3,6 +3,7 @@ from __future__ import annotations
 from workqueue.models.apikeys import ApiKey
 from workqueue.models.hosts import HostRecord
 from workqueue.models.queue import Deduplication, Delivery, Message
+from workqueue.models.tasks import TaskResult
 from workqueue.models.topology import Subscription, Topic, Transport
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "HostRecord",
     "Message",
     "Subscription",
+    "TaskResult",
     "Topic",
     "Transport",
 ]

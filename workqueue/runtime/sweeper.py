@@ -38,6 +38,7 @@ class Sweeper:
             self._expire_leases(result)
             for step in PURGE_STEPS:
                 result.purged[step] = self._purge(step)
+            result.purged["task_results"] = self._purge_task_results()
         if result.expired or any(n for n in result.purged.values()):
             logger.info(
                 "Sweeper pass: %d lease(s) expired (%d dead-lettered), purged %s",
@@ -71,6 +72,23 @@ class Sweeper:
         except Exception:
             logger.exception("Sweeper: expiring leases failed")
             result.expired = -1
+
+    def _purge_task_results(self) -> int:
+        """Tasks API results go with their messages (so with the topic's retention)."""
+        # Imported here: the sweeper's module is loaded by code that runs before the models.
+        from workqueue.models import TaskResult
+
+        total = 0
+        try:
+            for _ in range(MAX_BATCHES):
+                removed = TaskResult.objects.purge_orphans(PURGE_BATCH)
+                total += removed
+                if removed < PURGE_BATCH:
+                    break
+        except Exception:
+            logger.exception("Sweeper: purging task results failed")
+            return -1
+        return total
 
     def _purge(self, step: str) -> int:
         total = 0

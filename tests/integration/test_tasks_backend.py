@@ -1,0 +1,233 @@
+"""The Tasks API backend in this process against PostgreSQL: what enqueue refuses, the queues it
+creates, the API's signals around a host running in this process, and results purged with
+their messages."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+from django.test import override_settings
+from django.utils import timezone
+from django_tasks import TaskResultStatus, default_task_backend, task_backends
+from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
+from django_tasks.signals import task_enqueued, task_finished, task_started
+
+from tests.task_functions import add, always_fails, returns_a_tuple
+from tests.waiting import wait_until
+from workqueue.driver import get_driver
+from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic
+from workqueue.runtime.host import Host, HostConfig
+from workqueue.runtime.sweeper import Sweeper
+from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+QUEUE = "tasks.default"
+DAY = 86_400
+
+
+@pytest.fixture
+def run_host() -> Iterator[Callable[[], Host]]:
+    """Start a host in this process running tasks.default (created here, 2 quick attempts)."""
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name=QUEUE).update(
+        max_attempts=2, backoff_base_seconds=0, backoff_max_seconds=1
+    )
+    hosts: list[Host] = []
+
+    def start() -> Host:
+        host = Host(
+            HostConfig(
+                subscriptions=[{"name": QUEUE, "concurrency": 2}],
+                idle_poll_min_ms=50,
+                idle_poll_max_ms=200,
+                shutdown_drain_ms=300,
+                sweeper_interval_ms=0,
+                reconcile_interval_ms=0,
+            )
+        )
+        hosts.append(host)
+        host.start()
+        return host
+
+    yield start
+    for host in hosts:
+        host.shutdown()
+    get_driver().close()
+
+
+def finished(result_id: str) -> Any:
+    return wait_until(lambda: (r := default_task_backend.get_result(result_id)).is_finished and r)
+
+
+def published_tasks() -> int:
+    return Message.objects.filter(topic__name=QUEUE).count()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "names"),
+    [
+        ((dt.datetime(2026, 1, 1),), {}, TypeError, r"args\[0\] is a datetime"),
+        (((1, 2),), {}, TypeError, r"args\[0\] is a tuple"),
+        ((), {"y": {1: "one"}}, TypeError, r"kwargs\['y'\] has the key 1 \(int\)"),
+        ((), {"y": [b"bytes"]}, TypeError, r"kwargs\['y'\]\[0\] is a bytes"),
+        ((math.nan,), {}, ValueError, r"args\[0\] is nan"),
+        (({1, 2},), {}, TypeError, r"args\[0\] is a set"),
+    ],
+)
+def test_enqueue_refuses_arguments_that_do_not_round_trip_through_json(args, kwargs, error, names):
+    with pytest.raises(error, match=names):
+        add.enqueue(*args, **kwargs)
+    assert published_tasks() == 0
+
+
+def test_run_after_and_priority_are_refused_until_the_queue_supports_them():
+    backend = default_task_backend
+    assert (backend.supports_defer, backend.supports_priority) == (False, False)
+    assert (backend.supports_get_result, backend.supports_async_task) == (True, True)
+    with pytest.raises(InvalidTaskError, match="does not support run_after yet"):
+        add.using(run_after=timezone.now() + dt.timedelta(minutes=5))
+    with pytest.raises(InvalidTaskError, match="priority 0, not 10"):
+        add.using(priority=10)
+
+
+def test_queue_names_must_make_topic_names():
+    with override_settings(
+        TASKS={"default": {"BACKEND": "workqueue.tasks.WorkQueueBackend", "QUEUES": []}}
+    ):
+        with pytest.raises(InvalidTaskError, match=r"Queue name 'Bulk Mail' cannot name"):
+            add.using(queue_name="Bulk Mail")
+        add.using(queue_name="bulk-mail")  # accepted
+    bad = WorkQueueBackend("other", {"QUEUES": ["default", "Bulk Mail"]})
+    (error,) = list(bad.check())
+    assert error.id == "workqueue.E004" and "'Bulk Mail'" in error.msg
+
+
+def test_the_backend_creates_its_topic_and_subscription_once_with_the_configured_policy():
+    options = {"SUBSCRIPTION": {"max_attempts": 7, "lease_seconds": 120}}
+    backend = {"BACKEND": "workqueue.tasks.WorkQueueBackend", "QUEUES": ["mail"]}
+    with override_settings(TASKS={"default": {**backend, "OPTIONS": options}}):
+        add.using(queue_name="mail").enqueue(1, 2)
+        add.using(queue_name="mail").enqueue(3, 4)
+        assert task_backends["default"].subscription_options == options["SUBSCRIPTION"]
+    sub = Subscription.objects.get(name="tasks.mail")
+    assert (sub.topic.name, sub.handler_key, sub.max_attempts, sub.lease_seconds) == (
+        "tasks.mail",
+        "workqueue.tasks",
+        7,
+        120,
+    )
+    assert Delivery.objects.filter(subscription=sub).count() == 2
+
+    with pytest.raises(ImproperlyConfigured, match=r"unknown key.*partition_mode"):
+        WorkQueueBackend("x", {"OPTIONS": {"SUBSCRIPTION": {"partition_mode": "Ordered"}}})
+
+
+def test_the_first_task_of_a_queue_enqueued_in_a_transaction_creates_the_queue_outside_it():
+    with pytest.raises(RuntimeError), transaction.atomic():
+        result = add.enqueue(1, 1)
+        raise RuntimeError("roll back")
+    # The topology and the message were committed on their own connections.
+    assert Topic.objects.filter(name=QUEUE).exists()
+    assert default_task_backend.get_result(result.id).status == TaskResultStatus.READY
+
+
+def test_a_task_the_queue_refuses_raises_an_error_naming_the_reason():
+    default_task_backend.ensure_queue("default")
+    Topic.objects.filter(name=QUEUE).update(max_payload_bytes=100)
+    with pytest.raises(
+        TaskEnqueueError,
+        match=r"task_functions\.add was not enqueued on topic tasks\.default: PayloadTooLarge",
+    ):
+        add.enqueue(1, y="x" * 200)
+    Topic.objects.filter(name=QUEUE).update(status="Disabled")
+    with pytest.raises(TaskEnqueueError, match="TopicDisabled"):
+        add.enqueue(1, 2)
+    assert published_tasks() == 0
+
+
+def test_get_result_of_an_unknown_or_malformed_id_does_not_exist():
+    for result_id in ["00000000-0000-0000-0000-000000000000", "not-a-uuid"]:
+        with pytest.raises(TaskResultDoesNotExist):
+            default_task_backend.get_result(result_id)
+
+
+def test_the_api_signals_fire_on_enqueue_start_and_finish_failed_only_at_the_dead_letter(
+    run_host,
+):
+    received: list[tuple[str, str, str]] = []
+
+    def receiver(name: str) -> Callable[..., None]:
+        def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            assert sender is WorkQueueBackend
+            received.append((name, task_result.task.name, task_result.status))
+
+        return receive
+
+    receivers = {
+        signal: receiver(name)
+        for signal, name in [
+            (task_enqueued, "enqueued"),
+            (task_started, "started"),
+            (task_finished, "finished"),
+        ]
+    }
+    for signal, receive in receivers.items():
+        signal.connect(receive)
+    try:
+        ok, failing = add.enqueue(1, 2), always_fails.enqueue("no")
+        run_host()
+        finished(ok.id), finished(failing.id)
+        wait_until(lambda: ("finished", "always_fails", "FAILED") in received)
+    finally:
+        for signal, receive in receivers.items():
+            signal.disconnect(receive)
+
+    assert [r for r in received if r[1] == "add"] == [
+        ("enqueued", "add", "READY"),
+        ("started", "add", "RUNNING"),
+        ("finished", "add", "SUCCESSFUL"),
+    ]
+    # Two attempts (the subscription's max_attempts), one FAILED: after the dead letter.
+    assert [r for r in received if r[1] == "always_fails"] == [
+        ("enqueued", "always_fails", "READY"),
+        ("started", "always_fails", "RUNNING"),
+        ("started", "always_fails", "RUNNING"),
+        ("finished", "always_fails", "FAILED"),
+    ]
+
+
+def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):
+    result = returns_a_tuple.enqueue()
+    run_host()
+    failed = finished(result.id)
+    assert failed.status == TaskResultStatus.FAILED and failed.attempts == 1
+    (error,) = failed.errors
+    assert error.exception_class is TypeError
+    assert "return value is a tuple" in error.traceback
+
+
+def test_results_are_purged_with_their_messages_by_the_sweeper(run_host):
+    old = add.enqueue(1, 1)
+    run_host()
+    finished(old.id)
+    topic = Topic.objects.get(name=QUEUE)
+    get_driver().shift_time(topic.retention_days * DAY + 60, topic_id=str(topic.id))
+    recent = add.enqueue(2, 2)
+    finished(recent.id)
+
+    result = Sweeper().run_once()
+
+    assert result.purged["task_results"] == 1
+    assert [str(pk) for pk in TaskResult.objects.values_list("id", flat=True)] == [recent.id]
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result(old.id)
+    assert default_task_backend.get_result(recent.id).return_value == 4

@@ -1,0 +1,54 @@
+"""Tasks API tasks for the tests (module level, as the API requires). The host processes import
+them by path (``tests.task_functions.<name>``), like any project's tasks module."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django_tasks import TaskContext, task
+
+
+@task()
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@task()
+def always_fails(text: str) -> None:
+    raise ValueError(text)
+
+
+@task(takes_context=True)
+def fails_on_first_attempt(context: TaskContext) -> int:
+    if context.attempt < 2:
+        raise RuntimeError(f"attempt {context.attempt} fails")
+    return context.attempt
+
+
+@task()
+async def multiply_later(x: int, y: int) -> int:
+    await asyncio.sleep(0.01)
+    return x * y
+
+
+@task(takes_context=True)
+def describe_context(context: TaskContext, label: str) -> dict[str, Any]:
+    return {
+        "label": label,
+        "attempt": context.attempt,
+        "result_id": context.task_result.id,
+        "status": str(context.task_result.status),
+        "args": context.task_result.args,
+    }
+
+
+@task()
+def user_exists(username: str) -> bool:
+    return get_user_model().objects.filter(username=username).exists()
+
+
+@task()
+def returns_a_tuple() -> tuple[int, int]:
+    return (1, 2)

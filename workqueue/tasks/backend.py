@@ -1,0 +1,242 @@
+"""``WorkQueueBackend``: Django's Tasks API on the durable queue.
+
+Each enqueued task is one message published to topic ``tasks.<queue>``; subscription
+``tasks.<queue>`` (handler key ``workqueue.tasks``) runs it in ``manage.py workqueue_host``.
+Both are created on first use, as ordinary topology, so the operator CLI, REST API and admin
+work on tasks unchanged (stats, dead letters, replay, discard), and the subscription's own
+retry and dead-letter policy decides what happens when a task raises. No second queue, retry
+policy or status: a result's status is its delivery's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.core import checks
+from django.db import connections
+from django.utils import timezone
+
+from workqueue.conf import get_settings
+from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
+from workqueue.tasks import api
+from workqueue.tasks.messages import (
+    HANDLER_KEY,
+    TaskMessage,
+    build_result,
+    require_json_round_trip,
+    topic_name,
+)
+from workqueue.types import PublishErrorCode, PublishResult
+
+#: Subscription fields ``OPTIONS["SUBSCRIPTION"]`` may set for the subscriptions the backend
+#: creates (later changes are the operator's, in the admin; the backend never updates them).
+SUBSCRIPTION_OPTIONS = frozenset(
+    {
+        "max_attempts",
+        "backoff_base_seconds",
+        "backoff_max_seconds",
+        "lease_seconds",
+        "max_processing_seconds",
+    }
+)
+
+
+class TaskEnqueueError(WorkQueueError):
+    """The queue refused a task's message (the text says why: a disabled topic, a payload over
+    the topic's ``max_payload_bytes``, a database that stayed unavailable, ...)."""
+
+
+class WorkQueueBackend(api.BaseTaskBackend):
+    """``TASKS = {"default": {"BACKEND": "workqueue.tasks.WorkQueueBackend"}}``.
+
+    ``QUEUES`` (default ``["default"]``) name the queues; queue ``q`` is topic and subscription
+    ``tasks.q``, so queue names follow topic names (lower-case words joined by ``.``, ``_`` or
+    ``-``). ``OPTIONS = {"SUBSCRIPTION": {"max_attempts": 3, ...}}`` sets the retry policy of the
+    subscriptions the backend creates.
+    """
+
+    # Scheduled publish (issue 11 §1) and priorities (§2) need procedure changes that have not
+    # landed: enqueue will pass run_after as publish(not_before=...) and the priority as
+    # publish(priority=...), and these flags turn on then.
+    supports_defer = False
+    supports_priority = False
+    supports_async_task = True
+    supports_get_result = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.subscription_options = _subscription_options(self.options.get("SUBSCRIPTION", {}))
+        # Queues whose topology this process has made sure of (one check per queue).
+        self._ready_queues: set[str] = set()
+
+    def validate_task(self, task: api.Task) -> None:
+        # Said before the API's own checks, whose messages do not name the way out.
+        if task.run_after is not None:
+            raise api.InvalidTaskError(
+                "WorkQueueBackend does not support run_after yet (supports_defer is False): "
+                "enqueue the task without run_after."
+            )
+        if task.priority != 0:
+            raise api.InvalidTaskError(
+                "WorkQueueBackend does not support task priorities yet (supports_priority is "
+                f"False): enqueue with the default priority 0, not {task.priority}."
+            )
+        super().validate_task(task)
+        problem = _queue_name_problem(task.queue_name)
+        if problem:
+            raise api.InvalidTaskError(problem)
+
+    def enqueue(self, task: api.Task, args: Any, kwargs: Any) -> api.TaskResult:
+        """Publish the task as one message on ``tasks.<queue>`` and return its READY result.
+
+        The publish commits at once on the work queue's own connection, inside a
+        ``transaction.atomic()`` or not, as the Tasks API defines ``enqueue``. To enqueue only
+        if (and once) your transaction commits, enqueue from
+        ``transaction.on_commit(functools.partial(task.enqueue, ...))``.
+        """
+        self.validate_task(task)
+        message = TaskMessage(
+            task_path=task.module_path,
+            args=list(args),
+            kwargs=dict(kwargs),
+            backend=self.alias,
+            queue_name=task.queue_name,
+        )
+        require_json_round_trip(message.args, "args")
+        require_json_round_trip(message.kwargs, "kwargs")
+        result_id = str(uuid.uuid4())
+        published = self._publish(message, result_id)
+        if published.error is not None and published.error.code == (
+            PublishErrorCode.TOPIC_NOT_FOUND
+        ):
+            # The topic went away since this process created it (an operator deleted it, or a
+            # test flushed the database): create it again, once.
+            self._ready_queues.discard(task.queue_name)
+            published = self._publish(message, result_id)
+        if not published.accepted:
+            error = published.error
+            reason = f"{error.code}: {error.message}" if error else published.status
+            raise TaskEnqueueError(
+                f"The task {task.module_path} was not enqueued on topic "
+                f"{topic_name(task.queue_name)}: {reason}"
+            )
+        result = build_result(
+            task,
+            result_id,
+            message,
+            api.TaskResultStatus.READY,
+            enqueued_at=timezone.now(),
+        )
+        # Imported here: it reads models (see get_result).
+        from workqueue.tasks.signals import send
+
+        # The task is queued whatever a receiver does: its failure is logged, not raised, so
+        # a caller never enqueues the task twice because a receiver failed.
+        send(api.task_enqueued, type(self), result)
+        return result
+
+    def get_result(self, result_id: str) -> api.TaskResult:
+        """The result as it stands now (status from the task's delivery), from any process."""
+        # Imported here: it reads models, which may not be ready when TASKS is first loaded.
+        from workqueue.tasks.results import read_result
+
+        return read_result(result_id)
+
+    def ensure_queue(self, queue_name: str) -> None:
+        """Create topic and subscription ``tasks.<queue_name>`` if missing; leave existing ones
+        as they are. ``enqueue`` does this once per queue and process; call it to create them
+        before any task is enqueued (e.g. so a host started with ``-s tasks.<queue>`` finds
+        its subscription)."""
+        problem = _queue_name_problem(queue_name)
+        if problem:
+            raise api.InvalidTaskError(problem)
+        alias = get_settings().DATABASE_ALIAS
+        if connections[alias].in_atomic_block:
+            # The caller's transaction must not hold the new topic: the publish runs on the
+            # queue's own connection and would not see it (and a rollback would undo it). A
+            # thread has a connection of its own, in autocommit.
+            with ThreadPoolExecutor(1, thread_name_prefix="wq-tasks-topology") as pool:
+                pool.submit(self._create_in_thread, queue_name).result()
+        else:
+            _create_topology(queue_name, self.subscription_options)
+        self._ready_queues.add(queue_name)
+
+    def check(self, **kwargs: Any) -> Iterable[checks.CheckMessage]:
+        yield from super().check(**kwargs)
+        for queue_name in sorted(self.queues):
+            problem = _queue_name_problem(queue_name)
+            if problem:
+                yield checks.Error(
+                    f"TASKS[{self.alias!r}]['QUEUES']: {problem}",
+                    hint="Rename the queue; queue q runs on topic and subscription tasks.q.",
+                    id="workqueue.E004",
+                )
+
+    def _publish(self, message: TaskMessage, result_id: str) -> PublishResult:
+        # Imported here: publishing reaches the driver, which this module must not load at
+        # import time (the backend is built when a @task decorator runs, at module import).
+        from workqueue.publishing import publish
+
+        if message.queue_name not in self._ready_queues:
+            self.ensure_queue(message.queue_name)
+        return publish(topic_name(message.queue_name), message.to_payload(), message_id=result_id)
+
+    def _create_in_thread(self, queue_name: str) -> None:
+        try:
+            _create_topology(queue_name, self.subscription_options)
+        finally:
+            connections.close_all()
+
+
+def _subscription_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(options) - SUBSCRIPTION_OPTIONS)
+    if unknown:
+        raise WorkQueueConfigurationError(
+            f"TASKS OPTIONS['SUBSCRIPTION'] has unknown key(s) {', '.join(unknown)}; it may set "
+            f"{', '.join(sorted(SUBSCRIPTION_OPTIONS))}."
+        )
+    return dict(options)
+
+
+def _queue_name_problem(queue_name: str) -> str | None:
+    # Imported here: this module loads when TASKS is first read, perhaps before the models.
+    from workqueue.models.topology import DOTTED_NAME
+
+    name = topic_name(queue_name)
+    if not isinstance(queue_name, str) or not DOTTED_NAME.match(name) or len(name) > 200:
+        return (
+            f"Queue name {queue_name!r} cannot name a work-queue topic ({name!r}): use "
+            "lower-case letters and digits, words joined by '.', '_' or '-', at most 194 "
+            "characters."
+        )
+    return None
+
+
+def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -> None:
+    from workqueue.models import Subscription, Topic, Transport
+
+    alias = get_settings().DATABASE_ALIAS
+    name = topic_name(queue_name)
+    # Seeded by the migrations; recreated here only if someone deleted it.
+    transport, _ = Transport.objects.db_manager(alias).get_or_create(
+        name="Database", defaults={"driver_class": "Database"}
+    )
+    topic, _ = Topic.objects.db_manager(alias).get_or_create(
+        name=name,
+        defaults={
+            "transport": transport,
+            "description": f"Django Tasks API queue {queue_name!r} (workqueue.tasks).",
+        },
+    )
+    Subscription.objects.db_manager(alias).get_or_create(
+        name=name,
+        defaults={
+            "topic": topic,
+            "handler_key": HANDLER_KEY,
+            "description": f"Runs the tasks of queue {queue_name!r}.",
+            **subscription_options,
+        },
+    )

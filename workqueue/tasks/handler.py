@@ -1,0 +1,87 @@
+"""The handler that runs Tasks API tasks in the host (handler key ``workqueue.tasks``).
+
+A run records itself (``TaskResult``), calls the task (a coroutine through the API's own
+``Task.call``, which runs it on an event loop), and stores the return value before the delivery
+is completed. A task that raises has its exception recorded and re-raised, so the executor
+applies the subscription's policy: retried with backoff, dead-lettered on the last attempt.
+Tasks may raise ``FatalWorkError`` (dead-letter now) or ``TransientWorkError(retry_after_seconds)``
+as any handler may.
+"""
+
+from __future__ import annotations
+
+from workqueue.models import Delivery
+from workqueue.runtime.context import WorkContext, WorkMessage
+from workqueue.runtime.handlers import BaseWorkHandler, register_handler
+from workqueue.runtime.outcome import FatalWorkError, Outcome
+from workqueue.tasks import api
+from workqueue.tasks.messages import (
+    HANDLER_KEY,
+    TaskMessage,
+    build_result,
+    require_json_round_trip,
+)
+from workqueue.tasks.results import record_failure, record_start, record_success
+from workqueue.tasks.signals import send
+
+
+@register_handler(HANDLER_KEY)
+class TaskHandler(BaseWorkHandler):
+    """Runs the task a ``tasks.<queue>`` message names."""
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        try:
+            task_message = TaskMessage.from_payload(message.payload)
+        except ValueError as exc:
+            # Someone published by hand to a task topic: no task to run, now or later.
+            raise FatalWorkError(f"Not a task message: {exc}") from exc
+        result_id = message.message_id
+        worker_id = (
+            Delivery.objects.filter(pk=context.delivery_id)
+            .values_list("lease_owner", flat=True)
+            .first()
+        )
+        record = record_start(result_id, worker_id or "unknown")
+        try:
+            task = task_message.load_task()
+        except Exception as exc:
+            # Retried like a failing task: a host running older code may import it later.
+            record_failure(result_id, exc)
+            raise
+        running = build_result(
+            task,
+            result_id,
+            task_message,
+            api.TaskResultStatus.RUNNING,
+            enqueued_at=message.published_at,
+            record=record,
+        )
+        backend_class = type(task.get_backend())
+        send(api.task_started, backend_class, running)
+        try:
+            if task.takes_context:
+                value = task.call(
+                    api.TaskContext(task_result=running), *task_message.args, **task_message.kwargs
+                )
+            else:
+                value = task.call(*task_message.args, **task_message.kwargs)
+        except Exception as exc:
+            record_failure(result_id, exc)
+            raise
+        try:
+            require_json_round_trip(value, "The task's return value")
+        except (TypeError, ValueError) as exc:
+            record_failure(result_id, exc)
+            # Running it again would return the same kind of value: dead-letter it now.
+            raise FatalWorkError(str(exc)) from exc
+        record = record_success(result_id, value)
+        finished = build_result(
+            task,
+            result_id,
+            task_message,
+            api.TaskResultStatus.SUCCESSFUL,
+            enqueued_at=message.published_at,
+            record=record,
+        )
+        send(api.task_finished, backend_class, finished)
+        return Outcome.complete()

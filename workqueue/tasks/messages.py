@@ -1,0 +1,161 @@
+"""Task messages and task results: what a task's message holds, and how a result is built.
+
+A task is one message on topic ``tasks.<queue>``, delivered to subscription ``tasks.<queue>``.
+A result is read from three places, each the only holder of its facts:
+
+* the message: the task's path, arguments, backend and queue; ``published_at`` is when it was
+  enqueued;
+* the delivery: the status (the subscription's retry and dead-letter policy decides it, and the
+  operator's replay and discard change it) and when it finished;
+* the ``TaskResult`` row the host writes: start times, worker ids, errors, the return value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django.utils.module_loading import import_string
+
+from workqueue.tasks import api
+from workqueue.types import DeliveryStatus
+
+if TYPE_CHECKING:
+    from workqueue.models import TaskResult
+
+#: The handler key of every task subscription; the handler is registered by the app itself.
+HANDLER_KEY = "workqueue.tasks"
+TOPIC_PREFIX = "tasks."
+
+STATUS_BY_DELIVERY = {
+    DeliveryStatus.PENDING: api.TaskResultStatus.READY,
+    DeliveryStatus.IN_FLIGHT: api.TaskResultStatus.RUNNING,
+    DeliveryStatus.COMPLETED: api.TaskResultStatus.SUCCESSFUL,
+    # FAILED only once the queue has given up: a failed run that will be retried leaves the
+    # delivery Pending (READY), with the failure in ``errors``.
+    DeliveryStatus.DEAD_LETTERED: api.TaskResultStatus.FAILED,
+    DeliveryStatus.DISCARDED: api.TaskResultStatus.FAILED,
+}
+
+
+def topic_name(queue_name: str) -> str:
+    """The topic (and subscription) name of a Tasks API queue."""
+    return TOPIC_PREFIX + queue_name
+
+
+@dataclass(frozen=True, slots=True)
+class TaskMessage:
+    """The payload of a task's message."""
+
+    task_path: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    backend: str
+    queue_name: str
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "task": self.task_path,
+            "args": self.args,
+            "kwargs": self.kwargs,
+            "backend": self.backend,
+            "queue": self.queue_name,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> TaskMessage:
+        """Read a payload written by ``to_payload``; ValueError says what is wrong with it."""
+        if not isinstance(payload, Mapping):
+            raise ValueError("the payload is not a JSON object")
+        fields = {
+            "task": str,
+            "args": list,
+            "kwargs": dict,
+            "backend": str,
+            "queue": str,
+        }
+        for name, kind in fields.items():
+            if not isinstance(payload.get(name), kind):
+                raise ValueError(f"payload[{name!r}] must be a {kind.__name__}")
+        return cls(
+            task_path=payload["task"],
+            args=payload["args"],
+            kwargs=payload["kwargs"],
+            backend=payload["backend"],
+            queue_name=payload["queue"],
+        )
+
+    def load_task(self) -> api.Task:
+        """Import the task (the module-level object ``@task`` made) with the enqueued options."""
+        found = import_string(self.task_path)
+        if not isinstance(found, api.Task):
+            raise TypeError(f"{self.task_path} is not a task (decorate the function with @task)")
+        return found.using(queue_name=self.queue_name, backend=self.backend)
+
+
+def require_json_round_trip(value: Any, where: str) -> None:
+    """Raise ``TypeError`` (``ValueError`` for NaN and infinities) unless ``value`` comes back
+    from ``json.loads(json.dumps(value))`` equal and of the same types, as the Tasks API
+    requires of arguments and return values. The message names the offending part."""
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return
+    if kind is float:
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value!r}, which JSON cannot represent.")
+        return
+    if kind is list:
+        for index, item in enumerate(value):
+            require_json_round_trip(item, f"{where}[{index}]")
+        return
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise TypeError(
+                    f"{where} has the key {key!r} ({type(key).__name__}); JSON object keys are "
+                    "strings, so it would come back as a different key. Use string keys."
+                )
+            require_json_round_trip(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {kind.__name__}, which does not round-trip through JSON unchanged. Pass "
+        "JSON values only (dict with string keys, list, str, int, float, bool, None): e.g. an ISO "
+        "string for a datetime, a list for a tuple, a primary key for a model instance."
+    )
+
+
+def build_result(
+    task: api.Task,
+    result_id: str,
+    message: TaskMessage,
+    status: str,
+    *,
+    enqueued_at: Any,
+    finished_at: Any = None,
+    record: TaskResult | None = None,
+) -> api.TaskResult:
+    result = api.TaskResult(
+        task=task,
+        id=result_id,
+        status=status,
+        enqueued_at=enqueued_at,
+        started_at=record.started_at if record else None,
+        finished_at=finished_at,
+        last_attempted_at=record.last_attempted_at if record else None,
+        args=message.args,
+        kwargs=message.kwargs,
+        backend=message.backend,
+        errors=[
+            api.TaskError(
+                exception_class_path=error["exception_class_path"], traceback=error["traceback"]
+            )
+            for error in (record.errors if record else [])
+        ],
+        worker_ids=list(record.worker_ids) if record else [],
+    )
+    if status == api.TaskResultStatus.SUCCESSFUL and record is not None:
+        # The API keeps the return value in a field that is not an __init__ argument.
+        object.__setattr__(result, "_return_value", record.return_value)
+    return result

@@ -1,0 +1,87 @@
+"""Reading a task's result from any process, and the host's writes to its ``TaskResult`` row.
+See ``workqueue.tasks.messages`` for where each fact of a result comes from."""
+
+from __future__ import annotations
+
+import traceback
+import uuid
+from typing import Any
+
+from django.db import transaction
+from django.db.models.functions import Now
+
+from workqueue.models import Delivery, TaskResult
+from workqueue.tasks import api
+from workqueue.tasks.messages import HANDLER_KEY, STATUS_BY_DELIVERY, TaskMessage, build_result
+from workqueue.types import DeliveryStatus
+
+
+def read_result(result_id: str) -> api.TaskResult:
+    """The task result ``result_id`` as it stands now, from any process."""
+    try:
+        message_id = uuid.UUID(str(result_id))
+    except ValueError:
+        raise api.TaskResultDoesNotExist(result_id) from None
+    delivery = (
+        Delivery.objects.select_related("message")
+        .filter(message_id=message_id, subscription__handler_key=HANDLER_KEY)
+        .first()
+    )
+    if delivery is None:
+        raise api.TaskResultDoesNotExist(result_id)
+    # Read after the delivery: the host writes the row before it settles the delivery, so a
+    # Completed delivery always finds its return value here.
+    record = TaskResult.objects.filter(pk=message_id).first()
+    try:
+        message = TaskMessage.from_payload(delivery.message.payload)
+    except ValueError:
+        raise api.TaskResultDoesNotExist(result_id) from None
+    finished_at = {
+        DeliveryStatus.COMPLETED: delivery.completed_at,
+        DeliveryStatus.DISCARDED: delivery.completed_at,
+        DeliveryStatus.DEAD_LETTERED: delivery.dead_lettered_at,
+    }.get(delivery.status)
+    return build_result(
+        message.load_task(),
+        str(message_id),
+        message,
+        STATUS_BY_DELIVERY[delivery.status],
+        enqueued_at=delivery.message.published_at,
+        finished_at=finished_at,
+        record=record,
+    )
+
+
+# -- written by the host ----------------------------------------------------------------------
+
+
+def record_start(result_id: str, worker_id: str) -> TaskResult:
+    """Count a run: the first sets ``started_at``; each sets ``last_attempted_at`` (database
+    clock, like ``published_at``) and adds its worker id."""
+    with transaction.atomic():
+        record, _ = TaskResult.objects.select_for_update().get_or_create(
+            pk=result_id, defaults={"started_at": Now(), "last_attempted_at": Now()}
+        )
+        TaskResult.objects.filter(pk=result_id).update(
+            last_attempted_at=Now(), worker_ids=[*record.worker_ids, worker_id]
+        )
+    record.refresh_from_db()
+    return record
+
+
+def record_failure(result_id: str, exc: BaseException) -> None:
+    with transaction.atomic():
+        record = TaskResult.objects.select_for_update().get(pk=result_id)
+        record.errors = [
+            *record.errors,
+            {
+                "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
+                "traceback": "".join(traceback.format_exception(exc)),
+            },
+        ]
+        record.save(update_fields=["errors"])
+
+
+def record_success(result_id: str, value: Any) -> TaskResult:
+    TaskResult.objects.filter(pk=result_id).update(return_value=value)
+    return TaskResult.objects.get(pk=result_id)

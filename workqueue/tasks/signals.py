@@ -1,0 +1,59 @@
+"""The Tasks API's signals as the work queue sends them: ``task_enqueued`` by ``enqueue``,
+``task_started`` and ``task_finished`` (SUCCESSFUL) by the host's handler around a run, and
+``task_finished`` (FAILED) once a task's delivery is dead-lettered, by the receiver below."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import connections, router
+
+from workqueue.models import Delivery
+from workqueue.tasks import api
+from workqueue.tasks.messages import HANDLER_KEY
+from workqueue.tasks.results import read_result
+
+logger = logging.getLogger(__name__)
+
+
+def send_task_finished_for_dead_letter(
+    sender: Any, subscription_id: Any, delivery_id: str, **kwargs: Any
+) -> None:
+    """``workqueue.signals.dead_lettered`` receiver: a task's delivery was dead-lettered (by
+    its handler's outcome, or by lease expiry on its last attempt) in this process, so the
+    task has FAILED: send the Tasks API's ``task_finished``."""
+    # The claim loop and the sweeper send dead_lettered from threads that do not use Django's
+    # connections: one opened here is closed here, or it would outlive its thread unclosed.
+    connection = connections[router.db_for_read(Delivery)]
+    opened_here = connection.connection is None
+    try:
+        message_id = (
+            Delivery.objects.filter(pk=delivery_id, subscription__handler_key=HANDLER_KEY)
+            .values_list("message_id", flat=True)
+            .first()
+        )
+        if message_id is None:
+            return
+        result = read_result(str(message_id))
+        if result.status != api.TaskResultStatus.FAILED:
+            return  # replayed meanwhile
+        send(api.task_finished, type(result.task.get_backend()), result)
+    except Exception:
+        # The dead letter is recorded whatever happens here; a receiver must not undo it.
+        logger.exception("Could not send task_finished for dead-lettered delivery %s", delivery_id)
+    finally:
+        if opened_here:
+            connection.close()
+
+
+def send(signal: Any, sender: type, task_result: api.TaskResult) -> None:
+    # A receiver's failure is logged, not raised: it must neither fail nor re-run a task.
+    for receiver, error in signal.send_robust(sender, task_result=task_result):
+        if isinstance(error, Exception):
+            logger.error(
+                "Tasks API signal receiver %r failed for task %s",
+                receiver,
+                task_result.id,
+                exc_info=error,
+            )
