@@ -132,12 +132,17 @@ def _release_like_retry(self: Receiver, delivery: object) -> SettleResult:
 _prepare = publishing._prepare
 
 
-def _deduplication_ttl_dropped(message: publishing.OutgoingMessage) -> dict[str, object]:
-    return {**_prepare(message), "deduplication_ttl_seconds": None}  # the topic default instead
+def _deduplication_ttl_dropped(
+    message: publishing.OutgoingMessage, *args: object
+) -> dict[str, object]:
+    # the topic default instead
+    return {**_prepare(message, *args), "deduplication_ttl_seconds": None}
 
 
-def _deduplication_key_dropped(message: publishing.OutgoingMessage) -> dict[str, object]:
-    return {**_prepare(message), "deduplication_key": None}
+def _deduplication_key_dropped(
+    message: publishing.OutgoingMessage, *args: object
+) -> dict[str, object]:
+    return {**_prepare(message, *args), "deduplication_key": None}
 
 
 @pytest.mark.parametrize(

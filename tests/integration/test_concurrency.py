@@ -471,7 +471,8 @@ def broken_claim():
     """Install the broken claim in this worker's test database; put the real one back after."""
     from django.db import connection
 
-    from workqueue.sql import read_sql
+    from workqueue.driver.postgresql import declared_functions, qualify_own_objects
+    from workqueue.sql import load_procedures, read_sql
 
     text = read_sql("postgresql", "claim")
     for old, new in BROKEN_CLAIM_EDITS:
@@ -480,13 +481,14 @@ def broken_claim():
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_get_indexdef('wq_delivery_inflight_key_uq'::regclass)")
         (index,) = cursor.fetchone()
+        cursor.execute("SELECT quote_ident(current_schema())")
+        (schema,) = cursor.fetchone()
+    # Installed the way the driver installs every file: its own objects named by schema.
+    functions = declared_functions(text for _name, text in load_procedures("postgresql"))
+    text = qualify_own_objects(text, schema, functions)
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("DROP INDEX wq_delivery_inflight_key_uq")
-            cursor.execute(
-                "SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', "
-                "true)"
-            )
             cursor.execute(text)
         yield
     finally:

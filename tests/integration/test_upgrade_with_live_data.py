@@ -12,13 +12,14 @@ release's order, as its migration did.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import psycopg
+
+from tests.environment import project_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = Path(__file__).resolve().parent / "releases" / "0006_claim_key_walk"
@@ -74,7 +75,7 @@ print(json.dumps(out))
 
 
 def _env(database_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "DJANGO_"))}
+    env = project_environment()
     env.update(DATABASE_URL=database_url, DJANGO_SETTINGS_MODULE="project.settings")
     return env
 
