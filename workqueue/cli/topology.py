@@ -1,4 +1,4 @@
-"""Topology verbs: apply the topology declared in code."""
+"""Topology verbs: apply the topology declared in code; retire a subscription."""
 
 from __future__ import annotations
 
@@ -78,4 +78,49 @@ def _describe(change: Any) -> str:
     return f"{line}: {change.note}"
 
 
-TOPOLOGY_VERBS = [SyncTopologyVerb]
+class RetireSubscriptionVerb(Verb):
+    name = "retire-subscription"
+    help = (
+        "Disable a subscription, wait for its running deliveries, discard what waits (with "
+        "--discard-pending), purge its settled deliveries and delete it."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("subscription", metavar="NAME")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Say what would be done; change nothing."
+        )
+        parser.add_argument(
+            "--discard-pending",
+            action="store_true",
+            help="Discard its Pending and dead-lettered deliveries instead of refusing.",
+        )
+        parser.add_argument(
+            "--wait-seconds",
+            type=float,
+            default=30.0,
+            help="How long to wait for running deliveries (default 30).",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.exceptions import InvalidInputError, NotFoundError
+        from workqueue.operators.retire import RetireRefusedError, retire_subscription
+
+        if options["wait_seconds"] < 0:
+            raise CommandError("--wait-seconds must be 0 or more.")
+        say = (lambda line: None) if options["json"] else command.stdout.write
+        try:
+            report = retire_subscription(
+                options["subscription"],
+                dry_run=options["dry_run"],
+                discard_pending=options["discard_pending"],
+                wait_seconds=options["wait_seconds"],
+                say=say,
+            )
+        except (RetireRefusedError, NotFoundError, InvalidInputError) as exc:
+            raise CommandError(str(exc)) from exc
+        if options["json"]:
+            command.stdout.write(to_json(dataclasses.asdict(report)))
+
+
+TOPOLOGY_VERBS = [SyncTopologyVerb, RetireSubscriptionVerb]
