@@ -12,15 +12,19 @@ __all__ = [
     "BaseWorkHandler",
     "FatalWorkError",
     "Outcome",
+    "PublishRejectedError",
     "TransientWorkError",
     "publish",
     "publish_many",
+    "publish_or_raise",
     "register_handler",
 ]
 
 _EXPORTS = {
     "publish": "workqueue.publishing",
     "publish_many": "workqueue.publishing",
+    "publish_or_raise": "workqueue.publishing",
+    "PublishRejectedError": "workqueue.exceptions",
     "BaseWorkHandler": "workqueue.runtime.handlers",
     "register_handler": "workqueue.runtime.handlers",
     "Outcome": "workqueue.runtime.outcome",

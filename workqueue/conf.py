@@ -38,6 +38,10 @@ class WorkQueueSettings:
     #: for PUBLISH_MAX_BATCH messages of the topic's max_payload_bytes plus 2 KiB each (the
     #: default, 100 x 258 KiB = 25.2 MiB for a topic of the largest size).
     PUBLISH_BODY_LIMIT_BYTES: int | None = None
+    #: Topology as code for ``manage.py workqueue sync-topology``: {"topics": {name: fields},
+    #: "subscriptions": {name: fields}}, or a dotted path to such a dict (the environment
+    #: override takes the path). None: nothing declared.
+    TOPOLOGY: Any = None
 
 
 _INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type in {"int", "int | None"}}

@@ -7,9 +7,12 @@ configuration mistakes, bad input and database failures.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured, ValidationError
+
+if TYPE_CHECKING:
+    from workqueue.types import PublishResult
 
 
 class WorkQueueError(Exception):
@@ -38,6 +41,22 @@ class InvalidMessageError(InvalidInputError):
         self.index = index
         self.field = field
         self.problem = problem
+
+
+class PublishRejectedError(WorkQueueError):
+    """A publish was rejected and the caller asked for an exception (``publish_or_raise``,
+    ``PublishResult.raise_if_rejected``). ``result`` is the ``PublishResult``; ``code`` its error
+    code (``TopicNotFound``, ``PayloadTooLarge``, ...) and ``retryable`` whether publishing again
+    unchanged may succeed."""
+
+    def __init__(self, result: PublishResult) -> None:
+        error = result.error
+        code = error.code if error is not None else "Rejected"
+        text = error.message if error is not None else "The message was rejected."
+        super().__init__(f"Publish rejected: {code}: {text}")
+        self.result = result
+        self.code = code
+        self.retryable = error.retryable if error is not None else False
 
 
 class DriverOwnedWriteError(WorkQueueError):

@@ -139,6 +139,13 @@ def publish(
     return publish_many(topic, [message], user=user, enlist=enlist, external=external)[0]
 
 
+def publish_or_raise(topic: str | Topic, payload: Any = None, **options: Any) -> PublishResult:
+    """``publish`` (same arguments) that raises ``PublishRejectedError`` instead of returning a
+    ``Rejected`` result; the exception carries the result. A ``Duplicate`` is not an error: the
+    message is already stored."""
+    return publish(topic, payload, **options).raise_if_rejected()
+
+
 def publish_many(
     topic: str | Topic,
     messages: Iterable[OutgoingMessage | Mapping[str, Any]],
@@ -169,14 +176,14 @@ def publish_many(
         try:
             prepared.append((index, _prepare(item, size_limit)))
         except _Invalid as invalid:
-            results[index] = _rejected(item.message_id, invalid.error)
+            results[index] = _rejected(invalid.error)
         except _Unstorable as unstorable:
             raise InvalidMessageError(index, unstorable.field, unstorable.problem) from None
 
     if len(prepared) < len(items):
         topic_error = _topic_error(name, external, known)
         if topic_error is not None:
-            rejected = [_rejected(item.message_id, topic_error) for item in items]
+            rejected = [_rejected(topic_error) for _ in items]
             metrics.count_published(name, rejected)
             return rejected
 
@@ -267,9 +274,8 @@ def _result_from_row(row: Mapping[str, Any]) -> PublishResult:
     return PublishResult(row["message_id"], row["status"], error)
 
 
-def _rejected(message_id: Any, error: PublishError) -> PublishResult:
-    text = str(message_id) if message_id is not None else None
-    return PublishResult(text, PublishStatus.REJECTED, error)
+def _rejected(error: PublishError) -> PublishResult:
+    return PublishResult(None, PublishStatus.REJECTED, error)
 
 
 def _publisher(user: Any) -> str:

@@ -302,6 +302,25 @@ def purge(step: str, batch_size: int) -> int:
     return _driver().call_rowcount(f"wq_purge_{step}", {"batch_size": batch_size})
 
 
+def retire_discard(subscription_id: str, actor: str | None, reason: str, batch_size: int) -> int:
+    """Discard up to ``batch_size`` Pending/dead-lettered deliveries of a Disabled
+    subscription; returns how many."""
+    params = {
+        "subscription_id": subscription_id,
+        "actor": actor,
+        "reason": reason,
+        "batch_size": batch_size,
+    }
+    return _driver().call_rowcount("wq_retire_discard", params)
+
+
+def retire_purge(subscription_id: str, batch_size: int) -> int:
+    """Delete up to ``batch_size`` Completed/Discarded deliveries of a Disabled subscription,
+    whatever their age; returns how many."""
+    params = {"subscription_id": subscription_id, "batch_size": batch_size}
+    return _driver().call_rowcount("wq_retire_purge", params)
+
+
 @contextmanager
 def sweep_lock() -> Iterator[bool]:
     """Hold the cluster-wide sweep lock for the block, on a connection of its own.

@@ -108,17 +108,40 @@ class PublishError:
 class PublishResult:
     """What happened to one published message.
 
+    ``status`` is always a ``PublishStatus`` (a ``str`` enum, so ``== "Accepted"`` works too).
     ``message_id`` is the accepted message's id, or for a ``Duplicate`` the id of the message that
-    already owns the deduplication key (or the same id re-published).
+    already owns the deduplication key (or the same id re-published); it is ``None`` for a
+    ``Rejected`` message, which stored nothing. ``error`` is set exactly when it was rejected.
     """
 
     message_id: str | None
-    status: str
+    status: PublishStatus
     error: PublishError | None = None
+
+    def __post_init__(self) -> None:
+        # Rows from either vendor's procedure carry the status as plain text: one type for
+        # every result, whichever path produced it.
+        object.__setattr__(self, "status", PublishStatus(self.status))
+        if self.status == PublishStatus.REJECTED:
+            object.__setattr__(self, "message_id", None)
 
     @property
     def accepted(self) -> bool:
+        """The message was stored now (not a duplicate, not rejected)."""
         return self.status == PublishStatus.ACCEPTED
+
+    @property
+    def rejected(self) -> bool:
+        return self.status == PublishStatus.REJECTED
+
+    def raise_if_rejected(self) -> PublishResult:
+        """Return this result, or raise ``PublishRejectedError`` carrying it if it was rejected."""
+        if self.rejected:
+            # Imported here: exceptions import Django's error classes; types stays import-light.
+            from workqueue.exceptions import PublishRejectedError
+
+            raise PublishRejectedError(self)
+        return self
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,23 +56,28 @@ def run_demo(write: Callable[[str], None]) -> None:
     )
     # Barbara's retry waits up to backoff_base_seconds (2 s) before her second attempt.
     result = host.run_once(idle_exit_ms=3500, max_duration_ms=60_000)
-    write(f"Host processed {result.processed} deliveries ({result.reason}).")
+    # ``processed`` counts handler runs: a delivery retried once ran twice.
+    write(f"Host ran handlers {result.processed} times, then stopped ({result.reason}).")
     _check_outcomes(expected, write)
 
 
 def _check_outcomes(expected: dict[str, str], write: Callable[[str], None]) -> None:
     """Every sample delivery must have ended as its payload says (fatal: dead letter)."""
     deliveries = Delivery.objects.filter(message_id__in=list(expected)).values_list(
-        "message_id", "subscription__name", "status"
+        "message_id", "subscription__name", "status", "attempt_count"
     )
     wrong = [
         f"{name}: {message_id} is {status}, expected {expected[str(message_id)]}"
-        for message_id, name, status in deliveries
+        for message_id, name, status, _ in deliveries
         if status != expected[str(message_id)]
     ]
     if wrong or len(deliveries) != 3 * len(expected):
         raise WorkQueueError("The demo did not end as expected:\n" + "\n".join(wrong))
+    completed = sum(status == "Completed" for _, _, status, _ in deliveries)
+    retried = sum(status == "Completed" and attempts > 1 for _, _, status, attempts in deliveries)
+    # The same numbers as the host's line above: every handler run is one attempt of one delivery.
     write(
-        f"All {len(deliveries)} sample deliveries ended as expected "
-        f"({sum(s == 'DeadLettered' for s in expected.values()) * 3} dead-lettered on purpose)."
+        f"All {len(deliveries)} sample deliveries ended as expected: {completed} completed "
+        f"({retried} after a retry), {len(deliveries) - completed} dead-lettered on purpose; "
+        f"{sum(attempts for *_, attempts in deliveries)} handler runs in all."
     )

@@ -234,6 +234,8 @@ OPERATOR_CALLS = {
     "wq_list_partitions": {"page_size": 10},
     "wq_backlog": {"cap": 10},
     "wq_read_committed_snapshot_state": {},
+    "wq_retire_discard": {"actor": "x", "reason": "x", "batch_size": 10},
+    "wq_retire_purge": {"batch_size": 10},
 }
 
 

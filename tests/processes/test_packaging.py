@@ -312,3 +312,62 @@ def test_a_new_project_is_told_to_create_its_system_user_and_one_command_does_it
     )
     output = _run([python, "manage.py", "shell", "-c", check], site, env)
     assert output.strip().splitlines()[-1] == "False False False"
+
+
+# -- topology as code and publish results in a user's project ------------------------------------
+
+TOPOLOGY_MODULE = """
+TOPOLOGY = {
+    "topics": {"pkg.orders": {"retention_days": 3}},
+    "subscriptions": {
+        "pkg.orders-hello": {"topic": "pkg.orders", "handler_key": "pkg.hello", "max_attempts": 4},
+    },
+}
+"""
+
+PUBLISH_SCRIPT = """
+import datetime, decimal, uuid
+from workqueue import PublishRejectedError, publish, publish_or_raise
+from workqueue.models import Message
+
+result = publish("pkg.orders", {"total": decimal.Decimal("9.90"),
+                                "at": datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.UTC),
+                                "id": uuid.UUID(int=1)})
+print("status", type(result.status).__name__, result.status, result.accepted)
+print("payload", sorted(Message.objects.get(id=result.message_id).payload.items()))
+try:
+    publish_or_raise("pkg.nowhere", {"n": 1})
+except PublishRejectedError as exc:
+    print("raised", exc.code, exc.result.message_id)
+"""
+
+
+def test_a_new_project_declares_its_topology_in_code_and_checks_publish_results(
+    tmp_path, scratch_database, installed
+):
+    env = _clean_environment()
+    env["DATABASE_URL"] = scratch_database
+    python = installed.python
+    site = installed.new_project(tmp_path, env)
+    (site / "hello" / "topology.py").write_text(TOPOLOGY_MODULE)
+    with (site / "newsite" / "settings.py").open("a") as settings_file:
+        settings_file.write('WORKQUEUE["TOPOLOGY"] = "hello.topology.TOPOLOGY"\n')
+    _run([python, "manage.py", "migrate", "-v0"], site, env)
+    sync = [python, "manage.py", "workqueue", "sync-topology"]
+
+    planned = _run([*sync, "--dry-run"], site, env)
+    applied = _run(sync, site, env)
+    again = _run(sync, site, env)
+    published = _run([python, "manage.py", "shell", "-c", PUBLISH_SCRIPT], site, env)
+
+    assert "+ topic pkg.orders (new: retention_days=3" in planned
+    assert "Dry run: 2 change(s) validated, nothing written." in planned
+    assert "+ subscription pkg.orders-hello (new: topic='pkg.orders'" in applied
+    assert "Applied 2 change(s)." in applied
+    assert "No changes" in again
+    assert "status PublishStatus Accepted True" in published
+    assert (
+        "payload [('at', '2026-01-02T03:04:00Z'), ('id', '00000000-0000-0000-0000-000000000001'), "
+        "('total', '9.90')]"
+    ) in published
+    assert "raised TopicNotFound None" in published

@@ -23,6 +23,7 @@ from workqueue.admin.actions import DeliveryActionsMixin, discard_deliveries, re
 from workqueue.admin.dashboard import DashboardMixin
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import Deduplication, Delivery, Message
+from workqueue.operators.display import error_summary, short_id
 from workqueue.operators.permissions import Actor, may_view_payload
 
 PAYLOAD_FIELDS = ("payload", "payload_ref")
@@ -100,7 +101,7 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
     actions = [replay_deliveries, discard_deliveries]
     change_list_template = "workqueue/admin/delivery_change_list.html"
     list_display = (
-        "id",
+        "short_id",
         "subscription",
         "status",
         "partition_key",
@@ -108,6 +109,7 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         "is_replay",
         "visible_at",
         "dead_letter_reason",
+        "last_error_line",
         "cancel_requested_at",
     )
     list_filter = ("status", "subscription", "is_replay")
@@ -133,6 +135,15 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         if may_view_payload(Actor(user=request.user)):
             extra.append("message_payload")
         return [*extra, *(f for f in fields if f != "message")]
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: Delivery) -> str:
+        # The full id is on the detail page and in its title; search takes the full id.
+        return format_html('<span title="{}">{}</span>', obj.pk, short_id(obj.pk))
+
+    @admin.display(description="last error")
+    def last_error_line(self, obj: Delivery) -> str:
+        return error_summary(obj.last_error, width=80)
 
     @admin.display(description="message")
     def message_link(self, obj: Delivery) -> str:

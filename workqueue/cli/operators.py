@@ -103,6 +103,8 @@ class DeadLettersVerb(Verb):
         if options["json"]:
             _write_page_json(command, page)
             return
+        from workqueue.operators.display import error_summary
+
         rows = [
             (
                 i.delivery_id,
@@ -111,7 +113,7 @@ class DeadLettersVerb(Verb):
                 i.reason or "",
                 "yes" if i.blocks_key else "",
                 i.dead_lettered_at,
-                (i.last_error or "").splitlines()[-1][:60] if i.last_error else "",
+                error_summary(i.last_error, width=80),
             )
             for i in page.items
         ]
@@ -125,6 +127,12 @@ class DeadLettersVerb(Verb):
             "LAST ERROR",
         )
         command.stdout.write(table(rows, headers))
+        if page.items:
+            # Ready to paste: the full id of the first dead letter in the next command.
+            command.stdout.write(
+                f"replay: manage.py workqueue replay -s {options['subscription']} "
+                f"--delivery {page.items[0].delivery_id}"
+            )
         _write_next_page_hint(command, page)
 
 
@@ -177,11 +185,13 @@ class ReplayVerb(Verb):
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))
         elif outcome.replayed:
-            command.stdout.write(f"Replayed {options['delivery']}.")
-        if not outcome.replayed:
-            raise CommandError(
+            command.stdout.write(f"Replayed {options['delivery']}")
+        else:
+            # Not an error, as in the REST API (200, replayed false): replaying twice, or
+            # after another operator did, leaves the same state, so scripts may retry freely.
+            command.stdout.write(
                 f"Nothing replayed: {options['delivery']} is not a dead letter of "
-                f"{options['subscription']}."
+                f"{options['subscription']} (now, or any more)."
             )
 
 
@@ -208,9 +218,10 @@ class DiscardVerb(Verb):
                 "it becomes Discarded."
             )
         elif outcome.discarded:
-            command.stdout.write(f"Discarded {options['delivery']}.")
-        if not outcome.discarded:
-            raise CommandError(
+            command.stdout.write(f"Discarded {options['delivery']}")
+        else:
+            # Not an error, as in the REST API (200, discarded false); see ReplayVerb.
+            command.stdout.write(
                 f"Nothing discarded: {options['delivery']} is not a Pending, running or "
                 f"dead-lettered delivery of {options['subscription']}."
             )

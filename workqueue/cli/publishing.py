@@ -31,6 +31,13 @@ class PublishVerb(Verb):
             '"checksum": "sha256:..."}\' (only uri is required; contentType etc. work too).',
         )
         parser.add_argument("--partition-key", default=None)
+        parser.add_argument(
+            "--attribute",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="A message attribute (repeatable); subscription filters match on these.",
+        )
         parser.add_argument("--dedup-key", default=None)
         parser.add_argument("--count", type=int, default=1)
 
@@ -47,6 +54,7 @@ class PublishVerb(Verb):
             "payload": payload,
             "payload_ref": payload_ref,
             "partition_key": options["partition_key"],
+            "attributes": _attributes(options["attribute"]),
             "deduplication_key": options["dedup_key"],
         }
         results = []
@@ -90,6 +98,19 @@ class PublishVerb(Verb):
         if rejected:
             first = rejected[0].error
             raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
+
+
+def _attributes(pairs: list[str]) -> dict[str, str] | None:
+    attributes: dict[str, str] = {}
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals:
+            raise CommandError(f"--attribute {pair!r} must be NAME=VALUE, e.g. region=eu.")
+        if name in attributes:
+            raise CommandError(f"--attribute {name} is given twice; give each name once.")
+        attributes[name] = value
+    # Publishing checks names and values, and rejects bad ones as InvalidAttributes.
+    return attributes or None
 
 
 def _json_option(options: dict[str, Any], name: str) -> Any:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -384,8 +385,14 @@ def unencodable(error: UnicodeEncodeError) -> UnstorableValueError:
 
 
 def canonical_json(value: Any) -> str:
-    """Serialise JSON with sorted keys and no spaces, so equal values give equal text."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Serialise JSON with sorted keys and no spaces, so equal values give equal text.
+
+    Django's encoder, so payloads may hold what Django itself serialises: ``Decimal`` and
+    ``UUID`` become strings, ``datetime``/``date``/``time`` ISO 8601 strings, ``timedelta``
+    ISO 8601 durations, lazy translations their text (handlers receive those strings)."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, cls=DjangoJSONEncoder
+    )
 
 
 def decode_value(kind: ParamType, value: Any) -> Any:

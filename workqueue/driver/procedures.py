@@ -220,6 +220,20 @@ PROCEDURES: dict[str, Procedure] = {
             Grant.OPERATOR,
         ),
         Procedure(
+            "wq_retire_discard",
+            _p("subscription_id:uuid, actor:text, reason:text, batch_size:int"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+            Grant.OPERATOR,
+        ),
+        Procedure(
+            "wq_retire_purge",
+            _p("subscription_id:uuid, batch_size:int"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+            Grant.OPERATOR,
+        ),
+        Procedure(
             "wq_read_committed_snapshot_state",
             (),
             _c("snapshot_on:bool"),

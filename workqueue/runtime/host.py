@@ -236,6 +236,12 @@ class Host:
         if not first:
             self._shut_down.wait()
             return
+        logger.info(
+            "Host %s stopping: no new claims; draining running handlers for up to %d ms",
+            self.instance_id,
+            self.config.shutdown_drain_ms,
+            extra={"action": "host_draining"},
+        )
         try:
             for service in self._services:
                 service.stop()
@@ -494,9 +500,11 @@ class Host:
         max_duration_ms: int | None = None,
         stop_requested: threading.Event | None = None,
         on_started: Callable[[Host], None] | None = None,
+        on_stopping: Callable[[str], None] | None = None,
     ) -> RunOnceResult:
         """Run until the budget is received and done, the queue stays empty for
-        ``idle_exit_ms``, ``max_duration_ms`` passes, or ``stop_requested`` is set; then drain.
+        ``idle_exit_ms``, ``max_duration_ms`` passes, or ``stop_requested`` is set; then drain
+        (``on_stopping`` is told the reason first). A stop request outranks every other reason.
 
         The budget counts deliveries received (each claim is capped to what remains); the run
         never ends while a claim is pending or a handler is running, except by drain.
@@ -517,13 +525,15 @@ class Host:
             while True:
                 with self._lock:
                     consumers = list(self._consumers.values())
+                # Checked first: a signal must be reported as the reason even when there was
+                # nothing to run at that moment.
+                if stop_requested.is_set():
+                    reason = "Shutdown"
+                    break
                 if not consumers:
                     reason = "Idle"  # nothing could run; health says why
                     break
                 busy = any(c.in_flight or c.receive_pending for c in consumers)
-                if stop_requested.is_set():
-                    reason = "Shutdown"
-                    break
                 if max_duration_ms is not None and time.monotonic() - began >= (
                     max_duration_ms / 1000
                 ):
@@ -543,6 +553,8 @@ class Host:
                 stop_requested.wait(0.02)
         finally:
             processed = sum(c.processed for c in consumers)
+            if on_stopping is not None:
+                on_stopping(reason)
             self.shutdown()
             processed = max(processed, sum(c.processed for c in consumers))
         return RunOnceResult(processed, reason)

@@ -8,11 +8,19 @@ import threading
 from typing import Any
 
 
-def stop_on_signals() -> threading.Event:
+class StopSignal(threading.Event):
+    """Set by the first SIGTERM or SIGINT; ``received`` names that signal (``"SIGTERM"``)."""
+
+    received: str | None = None
+
+
+def stop_on_signals() -> StopSignal:
     """An event set by the first SIGTERM or SIGINT (the host then drains)."""
-    stop = threading.Event()
+    stop = StopSignal()
 
     def handler(signum: int, frame: Any) -> None:
+        if not stop.is_set():
+            stop.received = signal.Signals(signum).name
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

@@ -87,8 +87,24 @@ class Command(BaseCommand):
         self.stdout.flush()
         try:
             stop.wait()
+            self.stdout.write(
+                f"{stop.received} received: stopped claiming; draining running handlers (up to "
+                f"{host.config.shutdown_drain_ms} ms, then they are aborted) ..."
+            )
+            self.stdout.flush()
         finally:
             host.shutdown()
             if server is not None:
                 server.shutdown()
+        self.stdout.write(f"Host stopped ({stop.received}); {_abandoned(host)}")
+        self.stdout.flush()
         exit_now_if_abandoned(host)
+
+
+def _abandoned(host: Host) -> str:
+    if not host.abandoned_handlers:
+        return "every handler finished or was handed back."
+    return (
+        f"{host.abandoned_handlers} handler(s) did not stop; their deliveries are left to lease "
+        "expiry."
+    )

@@ -67,16 +67,22 @@ class Command(BaseCommand):
                 max_duration_ms=options["max_duration_ms"],
                 stop_requested=stop,
                 on_started=self._print_plan,
+                on_stopping=self._print_stopping,
             )
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         states = host.health()["subscriptions"]
-        self.stdout.write(f"processed={result.processed} reason={result.reason}")
+        why = f" ({stop.received})" if result.reason == "Shutdown" and stop.received else ""
+        self.stdout.write(f"processed={result.processed} reason={result.reason}{why}")
         failed = [s for s in states if s["state"] in CANNOT_RUN]
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
         exit_now_if_abandoned(host)
+
+    def _print_stopping(self, reason: str) -> None:
+        self.stdout.write(f"Stopping ({reason}): draining running handlers ...")
+        self.stdout.flush()
 
     def _print_plan(self, host: Host) -> None:
         for entry in host.health()["subscriptions"]:

@@ -375,3 +375,65 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT true;
 $$;
+
+-- wq_retire_discard --
+-- Retiring a subscription: up to p_batch_size of its Pending and DeadLettered deliveries ->
+-- Discarded, with the actor and reason recorded. Only for a Disabled subscription (no new
+-- deliveries are fanned out to it, no host claims it); for any other it changes nothing.
+-- InFlight rows are left to their holders.
+CREATE OR REPLACE FUNCTION wq_retire_discard(
+    p_subscription_id uuid,
+    p_actor text,
+    p_reason text,
+    p_batch_size integer
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH victims AS (
+        SELECT d.id
+          FROM workqueue_delivery d
+          JOIN workqueue_subscription s ON s.id = d.subscription_id
+         WHERE d.subscription_id = p_subscription_id AND s.status = 'Disabled'
+           AND d.status IN ('Pending', 'DeadLettered')
+         LIMIT GREATEST(p_batch_size, 1)
+           FOR UPDATE OF d SKIP LOCKED
+    ), changed AS (
+        UPDATE workqueue_delivery d
+           SET status = 'Discarded', completed_at = now(),
+               resolved_by = p_actor, resolution_note = left(p_reason, 1000),
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+          FROM victims v
+         WHERE d.id = v.id AND d.status IN ('Pending', 'DeadLettered')
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM changed;
+$$;
+
+-- wq_retire_purge --
+-- Retiring a subscription: delete up to p_batch_size of its Completed and Discarded deliveries
+-- whatever their age, so its row can be deleted. Only for a Disabled subscription; for any other
+-- it deletes nothing. Never a Pending, InFlight or DeadLettered row.
+CREATE OR REPLACE FUNCTION wq_retire_purge(p_subscription_id uuid, p_batch_size integer)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH victims AS (
+        SELECT d.id
+          FROM workqueue_delivery d
+          JOIN workqueue_subscription s ON s.id = d.subscription_id
+         WHERE d.subscription_id = p_subscription_id AND s.status = 'Disabled'
+           AND d.status IN ('Completed', 'Discarded')
+         LIMIT GREATEST(p_batch_size, 1)
+           FOR UPDATE OF d SKIP LOCKED
+    ), deleted AS (
+        DELETE FROM workqueue_delivery d USING victims v
+         WHERE d.id = v.id AND d.status IN ('Completed', 'Discarded')
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM deleted;
+$$;

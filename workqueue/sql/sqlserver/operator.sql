@@ -407,3 +407,74 @@ BEGIN
      WHERE db.database_id = DB_ID();
 END;
 GO
+
+-- wq_retire_discard --
+-- Retiring a subscription: up to @batch_size of its Pending and DeadLettered deliveries ->
+-- Discarded, with the actor and reason recorded. Only for a Disabled subscription (no new
+-- deliveries are fanned out to it, no host claims it); for any other it changes nothing.
+-- InFlight rows are left to their holders.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_retire_discard
+    @subscription_id uniqueidentifier,
+    @actor nvarchar(4000),
+    @reason nvarchar(max),
+    @batch_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @limit int = CASE WHEN @batch_size > 1 THEN @batch_size ELSE 1 END;
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE d
+       SET status = N'Discarded', completed_at = @now,
+           resolved_by = @actor, resolution_note = LEFT(@reason, 1000),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id IN (
+               SELECT TOP (@limit) x.id
+                 FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+                 JOIN dbo.workqueue_subscription AS s ON s.id = x.subscription_id
+                WHERE x.subscription_id = @subscription_key AND s.status = N'Disabled'
+                  AND x.status IN (N'Pending', N'DeadLettered'))
+       AND d.status IN (N'Pending', N'DeadLettered');
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_retire_purge --
+-- Retiring a subscription: delete up to @batch_size of its Completed and Discarded deliveries
+-- whatever their age, so its row can be deleted. Only for a Disabled subscription; for any other
+-- it deletes nothing. Never a Pending, InFlight or DeadLettered row.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_retire_purge
+    @subscription_id uniqueidentifier,
+    @batch_size int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @limit int = CASE WHEN @batch_size > 1 THEN @batch_size ELSE 1 END;
+    DECLARE @deleted TABLE (id char(32));
+
+    DELETE d
+    OUTPUT deleted.id INTO @deleted
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id IN (
+               SELECT TOP (@limit) x.id
+                 FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+                 JOIN dbo.workqueue_subscription AS s ON s.id = x.subscription_id
+                WHERE x.subscription_id = @subscription_key AND s.status = N'Disabled'
+                  AND x.status IN (N'Completed', N'Discarded'))
+       AND d.status IN (N'Completed', N'Discarded');
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @deleted;
+END;
+GO

@@ -1,0 +1,127 @@
+"""The CLI and the admin as an operator reads them (issue 17 §12): attributes from the command
+line, the dead-letters table naming the exception, ids that paste into the next command, and a
+delivery list with short ids and the dead-letter reason and last error as columns."""
+
+from __future__ import annotations
+
+import io
+import json
+import traceback
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+from django.urls import reverse
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from workqueue import publish
+from workqueue.models import Delivery, Message
+from workqueue.operators.display import error_summary
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def a_traceback() -> str:
+    """What the executor stores for a handler exception: a chained traceback whose final
+    exception has a two-line message."""
+    try:
+        try:
+            {}["order"]
+        except KeyError as exc:
+            raise ValueError("card declined for order 42\nsecond line of detail") from exc
+    except ValueError as exc:
+        return "".join(traceback.format_exception(exc)).strip()
+    raise AssertionError("unreachable")
+
+
+def dead_letter_with(sub, error: str) -> str:
+    publish(sub.topic.name, {"n": 1})
+    receiver = Receiver(sub.id)
+    [claimed] = receiver.receive(1).deliveries
+    assert receiver.dead_letter(claimed, "MaxAttemptsExceeded", error).settled
+    return claimed.delivery_id
+
+
+def region(value: str) -> dict:
+    return {
+        "logic": "and",
+        "filters": [{"field": "region", "operator": "eq", "value": value}],
+    }
+
+
+def test_publish_attributes_from_the_command_line_reach_the_message_and_its_filters():
+    topic = TopicFactory()
+    eu = SubscriptionFactory(topic=topic, filter=region("eu"))
+    SubscriptionFactory(topic=topic, filter=region("us"))
+
+    out = json.loads(
+        run(
+            "publish",
+            "--topic",
+            topic.name,
+            "--attribute",
+            "region=eu",
+            "--attribute",
+            "tier=gold=plus",
+            "--json",
+        )
+    )
+
+    [result] = out
+    message = Message.objects.get(id=result["message_id"])
+    assert message.attributes == {"region": "eu", "tier": "gold=plus"}
+    assert [d.subscription_id for d in Delivery.objects.filter(message=message)] == [eu.id]
+
+
+@pytest.mark.parametrize(
+    ("given", "problem"),
+    [(["region"], "must be NAME=VALUE"), (["a=1", "a=2"], "given twice")],
+)
+def test_a_malformed_attribute_option_is_refused_before_publishing(given, problem):
+    topic = TopicFactory()
+    args = [arg for pair in given for arg in ("--attribute", pair)]
+
+    with pytest.raises(CommandError, match=problem):
+        run("publish", "--topic", topic.name, *args)
+    assert not Message.objects.filter(topic=topic).exists()
+
+
+def test_the_dead_letters_table_names_the_exception_and_prints_a_command_to_paste():
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter_with(sub, a_traceback())
+
+    text = run("dead-letters", "-s", sub.name)
+
+    assert "MaxAttemptsExceeded" in text
+    assert "ValueError: card declined for order 42" in text
+    assert "second line of detail" not in text and "KeyError" not in text
+    assert f"replay: manage.py workqueue replay -s {sub.name} --delivery {delivery_id}" in text
+    # ... and the line it printed works as printed.
+    command = text.splitlines()[-1].split("manage.py workqueue ")[1].split()
+    assert run(*command).strip() == f"Replayed {delivery_id}"
+
+
+def test_error_summary_of_plain_text_is_its_first_line():
+    assert error_summary("Poison message\nmore") == "Poison message"
+    assert error_summary(None) == ""
+    assert error_summary("x" * 200, width=10) == "x" * 9 + "…"
+
+
+def test_the_admin_delivery_list_shows_short_ids_reason_and_last_error(client):
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter_with(sub, a_traceback())
+    client.force_login(get_user_model().objects.create_superuser("boss"))
+
+    page = client.get(reverse("admin:workqueue_delivery_changelist")).content.decode()
+
+    assert f">{delivery_id[:8]}<" in page
+    assert f">{delivery_id}<" not in page  # the full id only as the link target and title
+    assert "MaxAttemptsExceeded" in page
+    assert "ValueError: card declined for order 42" in page

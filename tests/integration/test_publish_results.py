@@ -1,0 +1,88 @@
+"""What ``publish`` hands back (issue 17 §6): one status type on every path, a message id only
+when a message exists, an opt-in exception for rejections, and payloads encoded the way Django
+encodes JSON (Decimal, datetime, UUID) on every Python entry path."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import uuid
+
+import pytest
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from workqueue import PublishRejectedError, publish, publish_many, publish_or_raise
+from workqueue.models import Message
+from workqueue.types import PublishStatus
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def test_every_result_has_a_publish_status_and_only_stored_messages_have_ids():
+    sub = SubscriptionFactory()
+    topic = sub.topic.name
+    given = uuid.uuid4()
+
+    accepted = publish(topic, {"n": 1}, message_id=given)
+    duplicate = publish(topic, {"n": 1}, message_id=given)
+    # Rejected by the procedure (same id, other content) and locally (bad attribute name).
+    conflict = publish(topic, {"n": 2}, message_id=given)
+    invalid = publish(topic, {"n": 3}, attributes={"bad name": "x"}, message_id=uuid.uuid4())
+    [batch_rejected] = publish_many("no-such-topic", [{"payload": 1}])
+
+    results = [accepted, duplicate, conflict, invalid, batch_rejected]
+    assert [type(r.status) for r in results] == [PublishStatus] * 5
+    assert [r.status for r in results] == ["Accepted", "Duplicate"] + ["Rejected"] * 3
+    assert accepted.message_id == duplicate.message_id == str(given)
+    assert [r.message_id for r in (conflict, invalid, batch_rejected)] == [None, None, None]
+    assert [r.accepted for r in results] == [True, False, False, False, False]
+    assert conflict.error.code == "MessageIDConflict"
+    assert batch_rejected.error.code == "TopicNotFound"
+
+
+def test_publish_or_raise_raises_with_the_result_and_lets_duplicates_through():
+    sub = SubscriptionFactory()
+    given = uuid.uuid4()
+
+    first = publish_or_raise(sub.topic.name, {"n": 1}, message_id=given)
+    again = publish_or_raise(sub.topic.name, {"n": 1}, message_id=given)
+    with pytest.raises(PublishRejectedError, match="TopicNotFound: No topic has this name") as exc:
+        publish_or_raise("no-such-topic", {"n": 1})
+
+    assert first.accepted and again.status == PublishStatus.DUPLICATE
+    assert exc.value.result.status == PublishStatus.REJECTED
+    assert exc.value.code == "TopicNotFound" and exc.value.retryable is False
+
+
+def test_raise_if_rejected_works_on_each_result_of_a_batch():
+    sub = SubscriptionFactory()
+    ok, bad = publish_many(sub.topic.name, [{"payload": 1}, {"partition_key": ""}])
+
+    assert ok.raise_if_rejected() is ok
+    with pytest.raises(PublishRejectedError) as exc:
+        bad.raise_if_rejected()
+    assert exc.value.code == "InvalidPartitionKey"
+
+
+def test_decimal_datetime_and_uuid_payloads_are_stored_as_django_encodes_them():
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    when = dt.datetime(2026, 12, 1, 9, 30, tzinfo=dt.UTC)
+    payload = {"amount": decimal.Decimal("12.50"), "at": when, "id": ident, "day": when.date()}
+    expected = {
+        "amount": "12.50",
+        "at": "2026-12-01T09:30:00Z",
+        "id": str(ident),
+        "day": "2026-12-01",
+    }
+    given = uuid.uuid4()
+
+    single = publish(topic.name, payload, message_id=given)
+    # The same content again is recognised as the same message (the encoding is stable).
+    again = publish(topic.name, dict(payload), message_id=given)
+    [batch] = publish_many(topic.name, [{"payload": payload, "attributes": {"via": "batch"}}])
+
+    assert single.accepted and again.status == "Duplicate" and batch.accepted
+    stored = Message.objects.filter(id__in=[single.message_id, batch.message_id])
+    assert [m.payload for m in stored] == [expected, expected]

@@ -1,0 +1,176 @@
+"""Topology as code (issue 17 §7): ``manage.py workqueue sync-topology [--dry-run] [--prune]``
+applies ``WORKQUEUE["TOPOLOGY"]``: idempotent, prints the difference, validates like the admin,
+all or nothing, and never deletes a subscription that still has deliveries."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from workqueue import publish
+from workqueue.models import Subscription, Topic
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+EU_ONLY = {"logic": "and", "filters": [{"field": "region", "operator": "eq", "value": "eu"}]}
+#: A module-level declaration, for the dotted-path form of the setting.
+DECLARED = {
+    "topics": {"shop.orders": {"allow_external_publish": True, "retention_days": 3}},
+    "subscriptions": {
+        "shop.orders-billing": {
+            "topic": "shop.orders",
+            "handler_key": "billing.invoice",
+            "max_attempts": 7,
+            "partition_mode": "Ordered",
+        },
+        "shop.orders-eu": {
+            "topic": "shop.orders",
+            "handler_key": "eu.notify",
+            # Its keys in another order than the stored form: the same filter, no difference.
+            "filter": {
+                "filters": [{"value": "eu", "operator": "eq", "field": "region"}],
+                "logic": "and",
+            },
+        },
+    },
+}
+
+
+@pytest.fixture
+def declare(settings):
+    TransportFactory()  # what migrate seeds; the transactional tests flush it
+
+    def apply(topology) -> None:
+        settings.WORKQUEUE = {**settings.WORKQUEUE, "TOPOLOGY": topology}
+
+    return apply
+
+
+def sync(*args: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", "sync-topology", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def test_a_dry_run_prints_the_plan_and_writes_nothing_then_sync_applies_it_once(declare):
+    declare(DECLARED)
+
+    planned = sync("--dry-run")
+    assert not Topic.objects.filter(name="shop.orders").exists()
+    applied = sync()
+    again = sync()
+
+    assert "+ topic shop.orders (new: allow_external_publish=True" in planned
+    assert "+ subscription shop.orders-billing" in planned
+    assert "Dry run: 3 change(s) validated, nothing written." in planned
+    assert applied.replace("Applied", "Dry run:").split("\n")[:3] == planned.split("\n")[:3]
+    assert "Applied 3 change(s)." in applied
+    assert "No changes: the database matches the declared topology." in again
+    billing = Subscription.objects.get(name="shop.orders-billing")
+    assert (billing.topic.name, billing.max_attempts, billing.partition_mode) == (
+        "shop.orders",
+        7,
+        "Ordered",
+    )
+    assert Subscription.objects.get(name="shop.orders-eu").filter == EU_ONLY
+    assert Topic.objects.get(name="shop.orders").transport.name == "Database"
+
+
+def test_code_wins_on_declared_fields_and_the_admin_keeps_the_others(declare):
+    declare("tests.integration.test_topology_sync.DECLARED")
+    sync()
+    # Admin edits: one declared field, one the declaration leaves alone.
+    Subscription.objects.filter(name="shop.orders-billing").update(max_attempts=2, status="Paused")
+
+    out = sync()
+
+    assert "~ subscription shop.orders-billing: max_attempts 2 -> 7" in out
+    billing = Subscription.objects.get(name="shop.orders-billing")
+    assert (billing.max_attempts, billing.status) == (7, "Paused")
+
+
+def test_an_invalid_row_is_reported_like_the_admin_and_nothing_is_written(declare):
+    declare(
+        {
+            "topics": {"shop.refunds": {}},
+            "subscriptions": {
+                "shop.refunds-audit": {"topic": "shop.refunds", "handler_key": "audit"},
+                "shop.refunds-bad": {
+                    "topic": "shop.refunds",
+                    "handler_key": "x",
+                    "backoff_base_seconds": 60,
+                    "backoff_max_seconds": 10,
+                },
+                "shop.refunds-nowhere": {"topic": "shop.missing", "handler_key": "x"},
+            },
+        }
+    )
+
+    with pytest.raises(CommandError) as exc:
+        sync()
+
+    text = str(exc.value)
+    assert "subscription shop.refunds-bad: backoff_max_seconds: Must be at least" in text
+    assert "subscription shop.refunds-nowhere: topic: no topic is named 'shop.missing'" in text
+    assert not Topic.objects.filter(name="shop.refunds").exists()
+    assert not Subscription.objects.filter(name="shop.refunds-audit").exists()
+
+
+def test_unknown_fields_are_refused_naming_the_row_and_the_fields():
+    from django.test import override_settings
+
+    from workqueue.operators.topology import declared_topology
+
+    bad = {"topics": {"t.x": {"retention": 3}}}
+    with override_settings(WORKQUEUE={"TOPOLOGY": bad}), pytest.raises(Exception) as exc:
+        declared_topology()
+    assert 'WORKQUEUE["TOPOLOGY"]["topics"]["t.x"] has unknown field(s) retention' in str(exc.value)
+
+
+def test_undeclared_rows_are_kept_and_prune_never_deletes_one_with_deliveries(declare):
+    declare(DECLARED)
+    busy = SubscriptionFactory(topic=TopicFactory(name="legacy.busy"), name="legacy.busy-sub")
+    idle = SubscriptionFactory(topic=TopicFactory(name="legacy.idle"), name="legacy.idle-sub")
+    publish(busy.topic.name, {"n": 1})
+
+    kept = sync()
+    with pytest.raises(CommandError, match="2 undeclared row"):
+        sync("--prune", "--dry-run")
+    assert Subscription.objects.filter(name=idle.name).exists()  # the dry run wrote nothing
+    out = io.StringIO()
+    with pytest.raises(CommandError):
+        call_command("workqueue", "sync-topology", "--prune", stdout=out)
+    pruned = out.getvalue()
+
+    assert "  subscription legacy.idle-sub: not declared; kept (--prune deletes it)" in kept
+    assert "- subscription legacy.idle-sub: not declared; deleted (--prune)" in pruned
+    assert "- topic legacy.idle: not declared; deleted (--prune)" in pruned
+    assert (
+        "! subscription legacy.busy-sub: not declared, but not deleted: it has 1 deliveries; "
+        "retire it with `manage.py workqueue retire-subscription legacy.busy-sub`"
+    ) in pruned
+    assert "! topic legacy.busy: not declared, but not deleted: subscriptions still use it" in (
+        pruned
+    )
+    assert set(Subscription.objects.values_list("name", flat=True)) == {
+        "legacy.busy-sub",
+        "shop.orders-billing",
+        "shop.orders-eu",
+    }
+
+
+def test_json_lists_each_change(declare):
+    declare(DECLARED)
+
+    data = json.loads(sync("--json", "--dry-run"))
+
+    assert data["dry_run"] is True
+    assert [(c["action"], c["kind"], c["name"]) for c in data["changes"]] == [
+        ("create", "topic", "shop.orders"),
+        ("create", "subscription", "shop.orders-billing"),
+        ("create", "subscription", "shop.orders-eu"),
+    ]

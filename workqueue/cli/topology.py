@@ -1,0 +1,126 @@
+"""Topology verbs: apply the topology declared in code; retire a subscription."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from workqueue.cli import Verb
+from workqueue.cli.output import to_json
+
+_MARK = {"create": "+", "update": "~", "delete": "-", "refuse": "!", "keep": " "}
+
+
+class SyncTopologyVerb(Verb):
+    name = "sync-topology"
+    help = (
+        "Create and update the topics and subscriptions declared in WORKQUEUE['TOPOLOGY'] and "
+        "print the difference (validated as in the admin; all or nothing)."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Validate and print the difference only."
+        )
+        parser.add_argument(
+            "--prune",
+            action="store_true",
+            help="Also delete rows that are not declared (never one with deliveries or messages).",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.exceptions import WorkQueueConfigurationError
+        from workqueue.operators.topology import TopologySyncError, sync_topology
+
+        try:
+            report = sync_topology(dry_run=options["dry_run"], prune=options["prune"])
+        except (TopologySyncError, WorkQueueConfigurationError) as exc:
+            raise CommandError(str(exc)) from exc
+        if options["json"]:
+            command.stdout.write(
+                to_json(
+                    {
+                        "dry_run": report.dry_run,
+                        "changes": [dataclasses.asdict(c) for c in report.changes],
+                    }
+                )
+            )
+        else:
+            for change in report.changes:
+                command.stdout.write(_describe(change))
+            written = len(report.writes)
+            if not written:
+                command.stdout.write("No changes: the database matches the declared topology.")
+            elif report.dry_run:
+                command.stdout.write(f"Dry run: {written} change(s) validated, nothing written.")
+            else:
+                command.stdout.write(f"Applied {written} change(s).")
+        if report.refused:
+            raise CommandError(
+                f"{len(report.refused)} undeclared row(s) could not be pruned; see above."
+            )
+
+
+def _describe(change: Any) -> str:
+    line = f"{_MARK[change.action]} {change.kind} {change.name}"
+    if change.action == "create":
+        fields = ", ".join(f"{k}={new!r}" for k, (_, new) in change.fields.items())
+        return f"{line} (new{': ' + fields if fields else ''})"
+    if change.action == "update":
+        return (
+            line
+            + ": "
+            + "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in change.fields.items())
+        )
+    return f"{line}: {change.note}"
+
+
+class RetireSubscriptionVerb(Verb):
+    name = "retire-subscription"
+    help = (
+        "Disable a subscription, wait for its running deliveries, discard what waits (with "
+        "--discard-pending), purge its settled deliveries and delete it."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("subscription", metavar="NAME")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Say what would be done; change nothing."
+        )
+        parser.add_argument(
+            "--discard-pending",
+            action="store_true",
+            help="Discard its Pending and dead-lettered deliveries instead of refusing.",
+        )
+        parser.add_argument(
+            "--wait-seconds",
+            type=float,
+            default=30.0,
+            help="How long to wait for running deliveries (default 30).",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.exceptions import InvalidInputError, NotFoundError
+        from workqueue.operators.retire import RetireRefusedError, retire_subscription
+
+        if options["wait_seconds"] < 0:
+            raise CommandError("--wait-seconds must be 0 or more.")
+        say = (lambda line: None) if options["json"] else command.stdout.write
+        try:
+            report = retire_subscription(
+                options["subscription"],
+                dry_run=options["dry_run"],
+                discard_pending=options["discard_pending"],
+                wait_seconds=options["wait_seconds"],
+                say=say,
+            )
+        except (RetireRefusedError, NotFoundError, InvalidInputError) as exc:
+            raise CommandError(str(exc)) from exc
+        if options["json"]:
+            command.stdout.write(to_json(dataclasses.asdict(report)))
+
+
+TOPOLOGY_VERBS = [SyncTopologyVerb, RetireSubscriptionVerb]

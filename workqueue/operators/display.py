@@ -1,0 +1,30 @@
+"""Short forms of queue values for people reading a table (CLI, admin): full values stay in the
+JSON, the REST API and the detail pages."""
+
+from __future__ import annotations
+
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+
+
+def error_summary(last_error: str | None, width: int = 100) -> str:
+    """The line of ``last_error`` that says what went wrong: for a stored traceback the final
+    exception's ``Type: message`` line (its first line, when the message has several), else the
+    text's first line; cut to ``width`` characters."""
+    if not last_error:
+        return ""
+    lines = last_error.splitlines()
+    start = 0
+    for index, line in enumerate(lines):
+        if line.startswith(TRACEBACK_HEADER):
+            start = index + 1
+    if start:
+        # Frames and their source lines are indented; the exception line is the first that is
+        # not (a chained exception's own traceback starts after the last header found above).
+        lines = [line for line in lines[start:] if line and not line[0].isspace()]
+    first = next((line for line in lines if line.strip()), "")
+    return first if len(first) <= width else first[: width - 1] + "…"
+
+
+def short_id(value: object) -> str:
+    """The first 8 characters of a UUID: enough to tell rows apart on one screen."""
+    return str(value)[:8]

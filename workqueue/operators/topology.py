@@ -1,0 +1,253 @@
+"""Topology as code: apply the topics and subscriptions declared in ``WORKQUEUE["TOPOLOGY"]``.
+
+The declaration names rows and the fields the code owns::
+
+    WORKQUEUE = {"TOPOLOGY": {
+        "topics": {"orders.created": {"allow_external_publish": True}},
+        "subscriptions": {
+            "orders.created-billing": {"topic": "orders.created", "handler_key": "billing.invoice",
+                                       "max_attempts": 5},
+        },
+    }}
+
+(or a dotted path to such a dict, e.g. ``"shop.topology.TOPOLOGY"``). ``sync_topology`` makes
+the database match: it creates missing rows, sets the declared fields of existing ones (code wins
+for those; fields left out keep whatever the admin set, and take the model's default on
+creation), validates every row as the admin does (``full_clean``), and writes all or nothing in
+one transaction. Rows that are not declared are left alone unless ``prune``; even then a
+subscription with deliveries, or a topic with messages or subscriptions, is never deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import Model, ProtectedError
+from django.utils.module_loading import import_string
+
+from workqueue.conf import get_settings
+from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
+
+#: Fields a declaration may not set: ids are the database's, names are the declaration's keys.
+_NOT_DECLARABLE = {"id", "name"}
+
+
+class TopologySyncError(WorkQueueError):
+    """A declared row breaks a rule the admin enforces; nothing was written. ``problems`` holds
+    one line per row and field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(
+            "The declared topology was not applied; fix WORKQUEUE['TOPOLOGY']:\n  "
+            + "\n  ".join(problems)
+        )
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyChange:
+    """One row's difference. ``action``: ``create``, ``update``, ``delete``, ``keep`` (not
+    declared, left alone) or ``refuse`` (not declared, but prune may not delete it)."""
+
+    action: str
+    kind: str
+    name: str
+    fields: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    changes: list[TopologyChange]
+    dry_run: bool
+
+    @property
+    def writes(self) -> list[TopologyChange]:
+        return [c for c in self.changes if c.action in {"create", "update", "delete"}]
+
+    @property
+    def refused(self) -> list[TopologyChange]:
+        return [c for c in self.changes if c.action == "refuse"]
+
+
+def declared_topology() -> dict[str, dict[str, dict[str, Any]]]:
+    """``WORKQUEUE["TOPOLOGY"]``, resolved and checked for shape (not for values: the models'
+    rules do that when it is applied)."""
+    # Imported here: topology models need the app registry (layering rule 6).
+    from workqueue.models import Subscription, Topic
+
+    raw = get_settings().TOPOLOGY
+    if raw is None:
+        raise WorkQueueConfigurationError(
+            'WORKQUEUE["TOPOLOGY"] is not set: declare {"topics": {...}, "subscriptions": '
+            '{...}} there, or a dotted path to such a dict (e.g. "shop.topology.TOPOLOGY").'
+        )
+    if isinstance(raw, str):
+        try:
+            raw = import_string(raw)
+        except ImportError as exc:
+            raise WorkQueueConfigurationError(
+                f'WORKQUEUE["TOPOLOGY"] names {raw!r}, which cannot be imported: {exc}'
+            ) from None
+    if not isinstance(raw, Mapping) or set(raw) - {"topics", "subscriptions"}:
+        raise WorkQueueConfigurationError(
+            'WORKQUEUE["TOPOLOGY"] must be a dict with the keys "topics" and "subscriptions", '
+            "each mapping a name to that row's fields."
+        )
+    shaped: dict[str, dict[str, dict[str, Any]]] = {}
+    for section, model, required in (
+        ("topics", Topic, set()),
+        ("subscriptions", Subscription, {"topic"}),
+    ):
+        allowed = {f.name for f in model._meta.concrete_fields} - _NOT_DECLARABLE
+        rows = raw.get(section, {})
+        if not isinstance(rows, Mapping):
+            raise WorkQueueConfigurationError(
+                f'WORKQUEUE["TOPOLOGY"]["{section}"] must map names to dicts of fields.'
+            )
+        shaped[section] = {}
+        for name, values in rows.items():
+            where = f'WORKQUEUE["TOPOLOGY"]["{section}"]["{name}"]'
+            if not isinstance(values, Mapping):
+                raise WorkQueueConfigurationError(f"{where} must be a dict of fields.")
+            unknown = sorted(set(values) - allowed)
+            if unknown:
+                raise WorkQueueConfigurationError(
+                    f"{where} has unknown field(s) {', '.join(unknown)}; the fields are "
+                    f"{', '.join(sorted(allowed))}."
+                )
+            missing = sorted(required - set(values))
+            if missing:
+                raise WorkQueueConfigurationError(f"{where} needs {', '.join(missing)}.")
+            shaped[section][name] = dict(values)
+    return shaped
+
+
+def sync_topology(*, dry_run: bool = False, prune: bool = False) -> SyncReport:
+    """Make the topology match the declaration (see the module's docstring). With ``dry_run``
+    every row is validated and the differences are reported, then the transaction is rolled
+    back. Raises ``TopologySyncError`` (nothing written) when a declared row is invalid."""
+    from workqueue.models import Subscription, Topic, Transport
+
+    declared = declared_topology()
+    alias = get_settings().DATABASE_ALIAS
+    changes: list[TopologyChange] = []
+    problems: list[str] = []
+    with transaction.atomic(using=alias):
+        transports = {t.name: t for t in Transport.objects.using(alias)}
+        topics = {t.name: t for t in Topic.objects.using(alias).select_related("transport")}
+        for name, values in declared["topics"].items():
+            values = dict(values)
+            transport_name = values.pop("transport", "Database")
+            if transport_name not in transports:
+                problems.append(
+                    f"topic {name}: transport: no transport is named {transport_name!r}."
+                )
+                continue
+            values["transport"] = transports[transport_name]
+            row = topics.get(name) or Topic(name=name, transport=transports[transport_name])
+            change = _apply(row, "topic", values, alias, problems)
+            if change is not None:
+                changes.append(change)
+                topics[name] = row
+        subscriptions = {
+            s.name: s for s in Subscription.objects.using(alias).select_related("topic")
+        }
+        for name, values in declared["subscriptions"].items():
+            values = dict(values)
+            topic = topics.get(values["topic"])
+            if topic is None:
+                problems.append(
+                    f"subscription {name}: topic: no topic is named {values['topic']!r} "
+                    '(declare it under "topics" or create it first).'
+                )
+                continue
+            values["topic"] = topic
+            row = subscriptions.get(name) or Subscription(name=name, topic=topic)
+            change = _apply(row, "subscription", values, alias, problems)
+            if change is not None:
+                changes.append(change)
+        if problems:
+            raise TopologySyncError(problems)
+        undeclared_subs = [
+            s for n, s in subscriptions.items() if n not in declared["subscriptions"]
+        ]
+        for sub in undeclared_subs:
+            changes.append(_undeclared(sub, "subscription", prune, alias))
+        for topic in [t for n, t in topics.items() if n not in declared["topics"]]:
+            changes.append(_undeclared(topic, "topic", prune, alias))
+        if dry_run:
+            transaction.set_rollback(True, using=alias)
+    return SyncReport(changes, dry_run)
+
+
+def _apply(
+    row: Model, kind: str, values: dict[str, Any], alias: str, problems: list[str]
+) -> TopologyChange | None:
+    """Set ``values`` on ``row``, validate it as the admin does and save it if anything
+    differs; the change made, or None. A validation failure is added to ``problems``."""
+    creating = row._state.adding
+    before = {name: _shown(getattr(row, name)) for name in values}
+    for name, value in values.items():
+        setattr(row, name, value)
+    try:
+        # The admin's validation; it also stores the filter in its canonical form, so a filter
+        # written differently but meaning the same is not a difference.
+        row.full_clean()
+    except ValidationError as exc:
+        for name, messages in exc.message_dict.items():
+            problems.append(f"{kind} {row}: {name}: {' '.join(messages)}")
+        return None
+    after = {name: _shown(getattr(row, name)) for name in values}
+    differing = {n: (before[n], after[n]) for n in values if before[n] != after[n]}
+    if creating:
+        row.save(using=alias)
+        return TopologyChange("create", kind, str(row), {n: (None, v) for n, v in after.items()})
+    if not differing:
+        return None
+    row.save(using=alias, update_fields=list(differing))
+    return TopologyChange("update", kind, str(row), differing)
+
+
+def _shown(value: Any) -> Any:
+    # Related rows compare and print by name, as they are declared.
+    return str(value) if isinstance(value, Model) else value
+
+
+def _undeclared(row: Model, kind: str, prune: bool, alias: str) -> TopologyChange:
+    name = str(row)
+    if not prune:
+        return TopologyChange("keep", kind, name, note="not declared; kept (--prune deletes it)")
+    blocker = _delete_blocker(row, kind)
+    if blocker is None:
+        try:
+            # A savepoint: a row that gained a dependant since the check above is refused
+            # alone, and the rest of the sync still applies.
+            with transaction.atomic(using=alias):
+                row.delete(using=alias)
+            return TopologyChange("delete", kind, name, note="not declared; deleted (--prune)")
+        except ProtectedError:
+            blocker = "it gained deliveries or dependants meanwhile"
+    return TopologyChange("refuse", kind, name, note=f"not declared, but not deleted: {blocker}")
+
+
+def _delete_blocker(row: Model, kind: str) -> str | None:
+    from workqueue.models import Delivery, Message
+
+    if kind == "subscription":
+        count = Delivery.objects.filter(subscription=row).count()
+        if count:
+            return (
+                f"it has {count} deliveries; retire it with "
+                f"`manage.py workqueue retire-subscription {row}`"
+            )
+        return None
+    if row.subscriptions.exists():  # type: ignore[attr-defined]
+        return "subscriptions still use it"
+    if Message.objects.filter(topic=row).exists():
+        return "it still has messages (retention purges them)"
+    return None
