@@ -38,6 +38,12 @@ class WorkQueueSettings:
     #: for PUBLISH_MAX_BATCH messages of the topic's max_payload_bytes plus 2 KiB each (the
     #: default, 100 x 258 KiB = 25.2 MiB for a topic of the largest size).
     PUBLISH_BODY_LIMIT_BYTES: int | None = None
+    #: validate-bindings and /health warn once the oldest transaction horizon (a transaction,
+    #: snapshot, prepared transaction or replication slot that keeps vacuum from cleaning the
+    #: queue tables) has been held this long, in seconds.
+    VACUUM_HORIZON_WARNING_SECONDS: int = 900
+    #: ... and when a queue table holds at least this many dead rows, and more dead than live.
+    DEAD_ROWS_WARNING: int = 100_000
 
 
 _INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type in {"int", "int | None"}}

@@ -164,6 +164,65 @@ class QueueCollector(Collector):
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))
         yield live
+        yield from _database_gauges()
+
+
+def _database_gauges() -> Iterator[Metric]:
+    """The DBA's view: queue table sizes against their rows, and the vacuum horizon. Database-
+    wide (sized by every subscription's traffic), so unrestricted readers only."""
+    from workqueue import transport
+
+    table = ["table"]
+    sizes = {
+        "table_bytes": GaugeMetricFamily(
+            "workqueue_db_table_bytes",
+            "Disk space of each queue table (indexes apart).",
+            labels=table,
+        ),
+        "index_bytes": GaugeMetricFamily(
+            "workqueue_db_index_bytes", "Disk space of each queue table's indexes.", labels=table
+        ),
+        "live_rows": GaugeMetricFamily(
+            "workqueue_db_live_rows",
+            "Live rows of each queue table, from the database's statistics (a little behind).",
+            labels=table,
+        ),
+        "dead_rows": GaugeMetricFamily(
+            "workqueue_db_dead_rows",
+            "Dead row versions waiting for vacuum in each queue table (PostgreSQL only).",
+            labels=table,
+        ),
+    }
+    for size in transport.queue_table_sizes():
+        sizes["table_bytes"].add_metric([size.name], size.table_bytes)
+        sizes["index_bytes"].add_metric([size.name], size.index_bytes)
+        sizes["live_rows"].add_metric([size.name], size.live_rows)
+        if size.dead_rows is not None:
+            sizes["dead_rows"].add_metric([size.name], size.dead_rows)
+    yield from sizes.values()
+    horizon = transport.vacuum_horizon()
+    seconds = GaugeMetricFamily(
+        "workqueue_db_vacuum_horizon_age_seconds",
+        "How long the oldest transaction, snapshot or prepared transaction that keeps vacuum "
+        "from cleaning the queue tables has been held (0 when none; a replication slot has no "
+        "start time and shows in the _transactions gauge only).",
+    )
+    seconds.add_metric([], horizon.age_seconds)
+    yield seconds
+    if horizon.age_transactions is not None:
+        transactions = GaugeMetricFamily(
+            "workqueue_db_vacuum_horizon_age_transactions",
+            "Age of the vacuum horizon in transaction ids (PostgreSQL's age(xmin)).",
+        )
+        transactions.add_metric([], horizon.age_transactions)
+        yield transactions
+    visible = GaugeMetricFamily(
+        "workqueue_db_vacuum_horizon_sees_every_session",
+        "1 when this login sees every session (pg_monitor / VIEW SERVER STATE); 0 when a "
+        "session of another login could hold the horizon unseen.",
+    )
+    visible.add_metric([], int(horizon.sees_every_session))
+    yield visible
 
 
 def render(actor: Actor = CLI) -> bytes:

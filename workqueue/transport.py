@@ -16,7 +16,7 @@ from typing import Any
 
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
-from workqueue.driver.base import BaseDriver, SparseIndex
+from workqueue.driver.base import BaseDriver, QueueTableSize, SparseIndex, VacuumHorizon
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
@@ -281,6 +281,14 @@ def read_committed_snapshot_on() -> bool:
 
 def sparse_queue_indexes() -> list[SparseIndex]:
     return _driver().sparse_queue_indexes()
+
+
+def queue_table_sizes() -> list[QueueTableSize]:
+    return _driver().queue_table_sizes()
+
+
+def vacuum_horizon() -> VacuumHorizon:
+    return _driver().vacuum_horizon()
 
 
 def schema_problem() -> str | None:

@@ -164,6 +164,7 @@ def test_a_key_limited_to_one_subscription_sees_only_its_gauges_and_no_hosts(cli
     assert gauge(text, "workqueue_pending_deliveries", quiet.name) is None
     assert "workqueue_host_last_seen_seconds" not in text
     assert "workqueue_live_hosts" not in text
+    assert "workqueue_db_" not in text  # database-wide sizes and sessions
 
 
 def test_the_cli_prints_the_same_exposition(queue_state, capsys):

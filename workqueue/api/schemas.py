@@ -245,11 +245,17 @@ class SubscriptionHealthOut(_Out):
 
 class HealthOut(_Out):
     status: str = Field(
-        description="ok: live hosts, every subscription running; degraded: some subscription "
-        "is not running, or has due work that no live host runs; down: no live host."
+        description="ok: live hosts, every subscription running, no database warning; "
+        "degraded: some subscription is not running, or has due work that no live host runs, "
+        "or the database warns; down: no live host."
     )
     hosts: list[HostOut]
     subscriptions: list[SubscriptionHealthOut]
+    database_warnings: list[str] = Field(
+        description="Threats to the queue tables' upkeep (a vacuum horizon held too long, dead "
+        "rows outnumbering live ones, sparse indexes), each naming its fix. Always empty for a "
+        "key limited to named subscriptions."
+    )
 
 
 # -- OpenAPI helper ---------------------------------------------------------------------------

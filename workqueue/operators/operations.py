@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workqueue import transport
+from workqueue.conf import get_settings
 from workqueue.exceptions import InvalidInputError, NotFoundError, WorkQueueError
 from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
@@ -314,18 +315,7 @@ def validate_bindings(
     schema_problem = transport.schema_problem()
     if schema_problem is not None:
         issues.append(BindingIssue("Error", "database", schema_problem))
-    sparse = transport.sparse_queue_indexes()
-    if sparse:
-        listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)
-        issues.append(
-            BindingIssue(
-                "Warning",
-                "database",
-                f"Queue indexes far larger than their entries need, as a drained backlog leaves "
-                f"them: {listed}. The planner may avoid them and claims slow down; run "
-                "`manage.py workqueue reindex` as the owner of the work-queue tables.",
-            )
-        )
+    issues.extend(_database_health_issues())
     live_keys: set[str] = set()
     in_scope: set[str] = set()  # subscriptions of the transports checked
     for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
@@ -397,6 +387,60 @@ def validate_bindings(
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
+
+
+def database_warnings(*, actor: Actor = CLI) -> list[str]:
+    """What threatens the queue tables' upkeep now (sparse indexes, a vacuum horizon held past
+    ``VACUUM_HORIZON_WARNING_SECONDS``, dead rows outnumbering live ones), as sentences naming
+    the fix. Database-wide, so a caller limited to named subscriptions hears none of it."""
+    require(actor, READ)
+    if actor.subscriptions:
+        return []
+    return [issue.message for issue in _database_health_issues()]
+
+
+def _database_health_issues() -> list[BindingIssue]:
+    settings = get_settings()
+    issues: list[BindingIssue] = []
+    sparse = transport.sparse_queue_indexes()
+    if sparse:
+        listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)
+        issues.append(
+            BindingIssue(
+                "Warning",
+                "database",
+                f"Queue indexes far larger than their entries need, as a drained backlog leaves "
+                f"them: {listed}. The planner may avoid them and claims slow down; run "
+                "`manage.py workqueue reindex` as the owner of the work-queue tables.",
+            )
+        )
+    horizon = transport.vacuum_horizon()
+    if horizon.holder and horizon.age_seconds >= settings.VACUUM_HORIZON_WARNING_SECONDS:
+        issues.append(
+            BindingIssue(
+                "Warning",
+                "database",
+                f"The {horizon.holder} has held back vacuum for {horizon.age_seconds:,.0f} s: no "
+                "dead row of the queue tables younger than it can be cleaned up, so they and "
+                "their indexes grow and claims slow down. End it (commit, or "
+                "pg_terminate_backend / KILL the session; drop an unused replication slot). "
+                "The threshold is WORKQUEUE['VACUUM_HORIZON_WARNING_SECONDS'].",
+            )
+        )
+    for table in transport.queue_table_sizes():
+        dead = table.dead_rows
+        if dead is not None and dead >= settings.DEAD_ROWS_WARNING and dead > table.live_rows:
+            issues.append(
+                BindingIssue(
+                    "Warning",
+                    "database",
+                    f"{table.name} holds {dead:,} dead rows against {table.live_rows:,} live "
+                    "ones: vacuum is not keeping up. Look for a held vacuum horizon (the "
+                    "workqueue_db_vacuum_horizon_* metrics) and at autovacuum's settings for "
+                    "this table. The threshold is WORKQUEUE['DEAD_ROWS_WARNING'].",
+                )
+            )
+    return issues
 
 
 def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
