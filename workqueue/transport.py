@@ -244,6 +244,32 @@ def replay(subscription_id: str, delivery_id: str, actor: str | None, note: str 
     return _driver().call_rowcount("wq_replay", params) == 1
 
 
+def resolve_dead_letters(
+    subscription_id: str,
+    action: str,
+    selection: dict[str, Any],
+    *,
+    after_delivery_id: str | None,
+    batch_size: int,
+    dry_run: bool,
+    actor: str | None,
+    note: str | None,
+) -> dict[str, Any]:
+    """One bounded batch of a bulk replay or discard (``action`` Replay or Discard) of the dead
+    letters matching ``selection`` (wq_resolve_dead_letters' filter parameters)."""
+    params = {
+        "subscription_id": subscription_id,
+        "action": action,
+        **selection,
+        "after_delivery_id": after_delivery_id,
+        "batch_size": batch_size,
+        "dry_run": dry_run,
+        "actor": actor,
+        "note": note,
+    }
+    return _driver().call_one("wq_resolve_dead_letters", params)
+
+
 def discard_or_cancel(
     subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
 ) -> DiscardResult:

@@ -406,6 +406,9 @@ class BaseDriver:
             return int(value)
         if param.type is ParamType.BOOL:
             return bool(value)
+        if param.type is ParamType.TIMESTAMP and isinstance(value, dt.datetime):
+            # ISO 8601 with its offset: both vendors read it as that instant.
+            return value.isoformat()
         return str(value)
 
     def decode_row(self, procedure: Procedure, row: tuple[Any, ...]) -> Row:

@@ -196,6 +196,18 @@ PROCEDURES: dict[str, Procedure] = {
             Grant.OPERATOR,
         ),
         Procedure(
+            "wq_resolve_dead_letters",
+            _p(
+                "subscription_id:uuid, action:text, reason:text, partition_key:text, "
+                "dead_lettered_from:timestamp, dead_lettered_before:timestamp, "
+                "error_contains:text, after_delivery_id:uuid, batch_size:int, dry_run:bool, "
+                "actor:text, note:text"
+            ),
+            _c("examined:int, changed:int, last_delivery_id:uuid"),
+            ResultKind.ONE,
+            Grant.OPERATOR,
+        ),
+        Procedure(
             "wq_discard",
             _p(
                 "subscription_id:uuid, delivery_id:uuid, allow_pending:bool, actor:text, "

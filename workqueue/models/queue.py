@@ -152,6 +152,13 @@ class Delivery(DriverOwnedModel):
                 condition=Q(status__in=[DeliveryStatus.IN_FLIGHT, DeliveryStatus.DEAD_LETTERED]),
                 name="wq_dlv_open_ix",
             ),
+            # Dead letters in delivery id order: the keyset that listing them and resolving
+            # them in bounded batches walks, whatever the number of a subscription's other rows.
+            models.Index(
+                fields=["subscription", "id"],
+                condition=Q(status=DeliveryStatus.DEAD_LETTERED),
+                name="wq_dlv_dead_letter_ix",
+            ),
             models.Index(
                 fields=["completed_at"],
                 include=["subscription", "status"],

@@ -7,6 +7,7 @@ error."""
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,6 +55,33 @@ class DiscardOutcome:
     supported: bool
     discarded: bool
     cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterSelection:
+    """Which dead letters a bulk replay or discard takes; an unset field matches all."""
+
+    #: The dead-letter reason (MaxAttemptsExceeded, LeaseExpired, ...), ignoring case.
+    reason: str | None = None
+    partition_key: str | None = None
+    #: Dead-lettered at or after this instant ...
+    dead_lettered_from: dt.datetime | None = None
+    #: ... and before this one.
+    dead_lettered_before: dt.datetime | None = None
+    #: Text the last error contains, ignoring case.
+    error_contains: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BulkOutcome:
+    supported: bool
+    action: str  # replay | discard
+    dry_run: bool
+    #: Dead letters matching the selection that were changed (or, on a dry run, would be).
+    matched: int
+    #: Dead letters of the subscription looked at.
+    examined: int
+    batches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +298,81 @@ def discard(
         return DiscardOutcome(True, False, False)
     result = transport.discard_or_cancel(str(subscription.id), target, actor.name, reason)
     return DiscardOutcome(True, result.changed, result.cancel_requested)
+
+
+BULK_BATCH_SIZE = 1000
+
+
+def resolve_dead_letters(
+    subscription_name: str,
+    action: str,
+    selection: DeadLetterSelection,
+    *,
+    dry_run: bool = False,
+    note: str | None = None,
+    batch_size: int = BULK_BATCH_SIZE,
+    actor: Actor = CLI,
+) -> BulkOutcome:
+    """Replay (``action="replay"``) or discard (``"discard"``, which needs ``note`` as its
+    reason) every dead letter of a subscription matching ``selection``, or count them with
+    ``dry_run``. Works through the dead letters in batches of ``batch_size`` (1..5000), each
+    its own transaction, so the rows of one batch are locked only while it runs; each changed
+    delivery records the actor and note, as single replays and discards do. Replayed Ordered
+    heads keep their places, so each key resumes in publish order."""
+    name = _name(subscription_name)
+    if action not in ("replay", "discard"):
+        raise InvalidInputError("action must be replay or discard.")
+    note = _note(note, "reason" if action == "discard" else "note", required=action == "discard")
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
+        raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
+    filters = _selection_parameters(selection)
+    require(actor, OPERATE, subscription=name)
+    subscription = _subscription(name)
+    matched = examined = batches = 0
+    after: str | None = None
+    while True:
+        batch = transport.resolve_dead_letters(
+            str(subscription.id),
+            action.capitalize(),
+            filters,
+            after_delivery_id=after,
+            batch_size=batch_size,
+            dry_run=dry_run,
+            actor=actor.name,
+            note=note,
+        )
+        batches += 1
+        matched += batch["changed"]
+        examined += batch["examined"]
+        if batch["examined"] < batch_size:
+            break
+        after = batch["last_delivery_id"]
+    return BulkOutcome(True, action, dry_run, matched, examined, batches)
+
+
+def _selection_parameters(selection: DeadLetterSelection) -> dict[str, Any]:
+    reason = _note(selection.reason, "reason filter")
+    error_contains = _note(selection.error_contains, "error_contains")
+    key = selection.partition_key
+    if key is not None:
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+            raise InvalidInputError(
+                f"partition_key must be 1 to {MAX_KEY_LENGTH} characters of text."
+            )
+        key = _storable(key, "partition_key")
+    window = (selection.dead_lettered_from, selection.dead_lettered_before)
+    for instant, what in zip(window, ("dead_lettered_from", "dead_lettered_before"), strict=True):
+        if instant is not None and (not isinstance(instant, dt.datetime) or instant.tzinfo is None):
+            raise InvalidInputError(f"{what} must be a date and time with its UTC offset.")
+    if None not in window and window[0] >= window[1]:
+        raise InvalidInputError("dead_lettered_from must be earlier than dead_lettered_before.")
+    return {
+        "reason": reason,
+        "partition_key": key,
+        "dead_lettered_from": window[0],
+        "dead_lettered_before": window[1],
+        "error_contains": error_contains,
+    }
 
 
 def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:

@@ -271,6 +271,96 @@ BEGIN
 END;
 GO
 
+-- wq_resolve_dead_letters --
+-- One bounded batch of a bulk replay or discard: examines the subscription's next dead letters
+-- by delivery id after @after_delivery_id (at most @batch_size, clamped to 1..5000; NULL: 1000)
+-- and replays (@action 'Replay', as wq_replay does) or discards ('Discard', as wq_discard does)
+-- those matching every filter given (NULL matches all): the dead-letter reason (ignoring case),
+-- the message's partition key (exactly, whatever the partition mode), the time of the dead
+-- letter in [from, before), and the last error containing the text (ignoring case). With
+-- @dry_run = 1 nothing changes: changed reports how many would. last_delivery_id is where the
+-- next batch starts; a batch that examined fewer rows than its size was the last. Each batch is
+-- its own transaction.
+-- returns: examined, changed, last_delivery_id
+CREATE OR ALTER PROCEDURE dbo.wq_resolve_dead_letters
+    @subscription_id uniqueidentifier,
+    @action nvarchar(4000),
+    @reason nvarchar(4000),
+    @partition_key nvarchar(4000),
+    @dead_lettered_from datetimeoffset(7),
+    @dead_lettered_before datetimeoffset(7),
+    @error_contains nvarchar(4000),
+    @after_delivery_id uniqueidentifier,
+    @batch_size int,
+    @dry_run bit,
+    @actor nvarchar(4000),
+    @note nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    IF @action IS NULL OR @action NOT IN (N'Replay', N'Discard')
+        THROW 51010, N'wq_resolve_dead_letters: @action must be Replay or Discard (error 51010).', 1;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @after_key char(32) = dbo.wq_uuid_text(@after_delivery_id);
+    DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
+                              WHEN @batch_size > 5000 THEN 5000
+                              WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
+    DECLARE @batch TABLE (id char(32) PRIMARY KEY, matches bit NOT NULL);
+    DECLARE @changed int = 0;
+
+    BEGIN TRANSACTION;
+    -- The batch in id order, locked until this call commits (a dry run too).
+    INSERT INTO @batch (id, matches)
+    SELECT TOP (@limit) d.id,
+           CASE WHEN (@reason IS NULL OR LOWER(d.dead_letter_reason) = LOWER(@reason))
+                 AND (@partition_key IS NULL OR EXISTS (
+                      SELECT 1 FROM dbo.workqueue_message AS m
+                       WHERE m.id = d.message_id AND m.partition_key = @partition_key))
+                 AND (@dead_lettered_from IS NULL OR d.dead_lettered_at >= @dead_lettered_from)
+                 AND (@dead_lettered_before IS NULL OR d.dead_lettered_at < @dead_lettered_before)
+                 AND (@error_contains IS NULL
+                      OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
+                THEN 1 ELSE 0 END
+      FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK)
+     WHERE d.subscription_id = @subscription_key AND d.status = N'DeadLettered'
+       AND (@after_key IS NULL OR d.id > @after_key)
+     ORDER BY d.id;
+
+    IF @dry_run = 1
+        SELECT @changed = COUNT(*) FROM @batch WHERE matches = 1;
+    ELSE IF @action = N'Replay'
+    BEGIN
+        UPDATE d
+           SET status = N'Pending', attempt_count = 0, is_replay = 1, visible_at = @now,
+               dead_letter_reason = NULL, dead_lettered_at = NULL,
+               resolved_by = @actor, resolution_note = LEFT(@note, 1000)
+          FROM dbo.workqueue_delivery AS d
+          JOIN @batch AS b ON b.id = d.id AND b.matches = 1
+         WHERE d.status = N'DeadLettered';
+        SET @changed = @@ROWCOUNT;
+    END
+    ELSE
+    BEGIN
+        UPDATE d
+           SET status = N'Discarded', completed_at = @now,
+               resolved_by = @actor, resolution_note = LEFT(@note, 1000),
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+          FROM dbo.workqueue_delivery AS d
+          JOIN @batch AS b ON b.id = d.id AND b.matches = 1
+         WHERE d.status = N'DeadLettered';
+        SET @changed = @@ROWCOUNT;
+    END
+    COMMIT TRANSACTION;
+
+    -- result set
+    SELECT (SELECT COUNT(*) FROM @batch) AS examined,
+           @changed AS changed,
+           dbo.wq_text_uuid((SELECT MAX(id) FROM @batch)) AS last_delivery_id;
+END;
+GO
+
 -- wq_cancel --
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
