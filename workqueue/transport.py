@@ -121,6 +121,20 @@ class Receiver:
         )
         return LeaseExtension(row["lease_state"], row["lease_expires_at"])
 
+    def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
+        """Take up to ``wanted`` tokens of the subscription's shared rate-limit bucket: how many
+        were granted, and when none were, the seconds until the next is due."""
+        row = self.driver.call_one(
+            "wq_take_rate_tokens", {"subscription_id": self.subscription_id, "wanted": wanted}
+        )
+        return row["granted"], row["wait_ms"] / 1000
+
+    def return_rate_tokens(self, unused: int) -> None:
+        """Give back tokens a claim did not use (it found fewer deliveries than granted)."""
+        self.driver.call_rowcount(
+            "wq_return_rate_tokens", {"subscription_id": self.subscription_id, "unused": unused}
+        )
+
     def complete(self, delivery: ClaimedDelivery) -> SettleResult:
         return _settled(
             self.driver.call_rowcount("wq_complete", _fence(delivery)), DeliveryStatus.COMPLETED

@@ -97,6 +97,7 @@ class SubscriptionAdmin(DeadLetterRecoveryMixin, admin.ModelAdmin):
                     "lease_seconds",
                     "heartbeat_mode",
                     "max_processing_seconds",
+                    ("rate_limit_per_second", "rate_limit_burst"),
                 )
             },
         ),

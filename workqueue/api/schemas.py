@@ -110,6 +110,9 @@ class SubscriptionStatsOut(_Out):
     oldest_pending_age_seconds: int | None
     completed_last_hour: int
     as_of: dt.datetime
+    rate_limit_per_second: float | None = Field(
+        description="Most deliveries started per second across every host; null: no limit."
+    )
 
 
 class StatsFailureOut(_Out):

@@ -132,6 +132,19 @@ PROCEDURES: dict[str, Procedure] = {
             _c("lease_state, lease_expires_at:timestamp"),
             ResultKind.ONE,
         ),
+        # Rate limits
+        Procedure(
+            "wq_take_rate_tokens",
+            _p("subscription_id:uuid, wanted:int"),
+            _c("granted:int, wait_ms:int"),
+            ResultKind.ONE,
+        ),
+        Procedure(
+            "wq_return_rate_tokens",
+            _p("subscription_id:uuid, unused:int"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+        ),
         # Settling
         Procedure(
             "wq_complete", _p("delivery_id:uuid, lease_token:uuid"), _ROWCOUNT, ResultKind.ROWCOUNT

@@ -198,3 +198,19 @@ class Deduplication(DriverOwnedModel):
 
     def __str__(self) -> str:
         return f"{self.deduplication_key} → {self.message_id}"
+
+
+class RateLimitBucket(DriverOwnedModel):
+    """A rate-limited subscription's token bucket, shared by every host: ``tokens`` as of
+    ``refilled_at``. Written only by wq_take_rate_tokens and wq_return_rate_tokens. Not a foreign
+    key: a bucket is a counter, not history, and must never stop a subscription's deletion."""
+
+    subscription_id = models.UUIDField(primary_key=True, editable=False)
+    tokens = models.FloatField()
+    refilled_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "workqueue_rate_limit_bucket"
+
+    def __str__(self) -> str:
+        return f"{self.subscription_id}: {self.tokens:.2f} tokens"

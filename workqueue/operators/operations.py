@@ -197,6 +197,7 @@ def subscription_stats(subscription_name: str | None = None, *, actor: Actor = C
                 oldest_pending_age_seconds=None if age is None else max(age, 0),
                 completed_last_hour=row["completed_last_hour"],
                 as_of=row["as_of"],
+                rate_limit_per_second=subscription.rate_limit_per_second,
             )
         )
     return report
