@@ -192,6 +192,12 @@ def subscription_stats(subscription_id: str) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
+def queue_gauges(subscription_id: str, cap: int) -> dict[str, Any] | None:
+    """A subscription's counts for a metrics scrape, each counted up to ``cap``."""
+    rows = _driver().call("wq_queue_gauges", {"subscription_id": subscription_id, "cap": cap})
+    return rows[0] if rows else None
+
+
 def list_dead_letters(
     subscription_id: str, after_delivery_id: str | None, page_size: int
 ) -> list[DeadLetterItem]:

@@ -235,6 +235,7 @@ OPERATOR_CALLS = {
     "wq_backlog": {"cap": 10},
     "wq_read_committed_snapshot_state": {},
     "wq_resolve_dead_letters": {"action": "Replay", "dry_run": True},
+    "wq_queue_gauges": {"cap": 10},
 }
 
 

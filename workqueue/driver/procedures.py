@@ -183,6 +183,16 @@ PROCEDURES: dict[str, Procedure] = {
             Grant.OPERATOR,
         ),
         Procedure(
+            "wq_queue_gauges",
+            _p("subscription_id:uuid, cap:int"),
+            _c(
+                "pending:int, in_flight:int, dead_lettered:int, blocked_keys:int, "
+                "oldest_pending_age_seconds:int"
+            ),
+            ResultKind.MANY,
+            Grant.OPERATOR,
+        ),
+        Procedure(
             "wq_list_dead_letters",
             _p("subscription_id:uuid, after_delivery_id:uuid, page_size:int"),
             _c(

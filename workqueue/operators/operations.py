@@ -203,6 +203,60 @@ def subscription_stats(subscription_name: str | None = None, *, actor: Actor = C
     return report
 
 
+@dataclass(frozen=True, slots=True)
+class QueueGauges:
+    """One subscription's gauges for a metrics scrape; each count stops at ``cap``."""
+
+    subscription_name: str
+    pending: int
+    due: int
+    in_flight: int
+    dead_lettered: int
+    blocked_keys: int | None
+    oldest_pending_age_seconds: int | None
+    cap: int
+
+    @property
+    def capped(self) -> bool:
+        counts = (self.pending, self.in_flight, self.dead_lettered, self.blocked_keys or 0)
+        return max(counts) >= self.cap
+
+
+def queue_gauges(*, actor: Actor = CLI) -> list[QueueGauges]:
+    """What a metrics scrape reports for every subscription the caller may read, at a cost
+    bounded by ``METRICS_COUNT_CAP`` per count whatever the backlog (``workqueue stats`` counts
+    everything instead). A subscription whose gauges cannot be read is left out."""
+    from workqueue.models import Subscription
+
+    require(actor, READ)
+    cap = get_settings().METRICS_COUNT_CAP
+    gauges = []
+    for subscription_id, name in Subscription.objects.order_by("name").values_list("id", "name"):
+        if actor.subscriptions and name not in actor.subscriptions:
+            continue
+        try:
+            row = transport.queue_gauges(str(subscription_id), cap)
+            backlog = transport.backlog(str(subscription_id))
+        except WorkQueueError:
+            continue
+        if row is None or backlog is None:
+            continue
+        age = row["oldest_pending_age_seconds"]
+        gauges.append(
+            QueueGauges(
+                subscription_name=name,
+                pending=row["pending"],
+                due=backlog.claimable,
+                in_flight=row["in_flight"],
+                dead_lettered=row["dead_lettered"],
+                blocked_keys=row["blocked_keys"],
+                oldest_pending_age_seconds=None if age is None else max(age, 0),
+                cap=cap,
+            )
+        )
+    return gauges
+
+
 def list_dead_letters(
     subscription_name: str,
     *,

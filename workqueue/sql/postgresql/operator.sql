@@ -50,6 +50,68 @@ AS $$
      WHERE s.id = p_subscription_id;
 $$;
 
+-- wq_queue_gauges --
+-- What a metrics scrape reads for one subscription, at a cost bounded whatever the backlog:
+-- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
+-- (NULL for other modes), each counted up to p_cap (clamped to 1..1000000; NULL: 10000), and the
+-- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
+-- from the first entry of each claim index. No row when the subscription does not exist.
+CREATE OR REPLACE FUNCTION wq_queue_gauges(p_subscription_id uuid, p_cap integer)
+RETURNS TABLE (
+    pending bigint,
+    in_flight bigint,
+    dead_lettered bigint,
+    blocked_keys bigint,
+    oldest_pending_age_seconds bigint
+)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 10000), 1), 1000000) AS n)
+    SELECT
+        (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+             LIMIT (SELECT n FROM cap)) AS x),
+        (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+             LIMIT (SELECT n FROM cap)) AS x),
+        (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+             LIMIT (SELECT n FROM cap)) AS x),
+        CASE WHEN s.partition_mode = 'Ordered' THEN (
+            SELECT count(DISTINCT x.partition_key) FROM (
+                SELECT d.partition_key FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+                   AND d.partition_key IS NOT NULL
+                   AND NOT EXISTS (
+                       SELECT 1 FROM workqueue_delivery h
+                        WHERE h.subscription_id = d.subscription_id
+                          AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                          AND h.status IN ('Pending', 'InFlight', 'DeadLettered'))
+                 LIMIT (SELECT n FROM cap)) AS x)
+        END,
+        -- The oldest of each claim index's first entry: keyed and keyless Pending rows apart.
+        (SELECT GREATEST(floor(extract(epoch FROM now() - min(v.visible_at))), 0)::bigint
+           FROM (
+               (SELECT d.visible_at FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                   AND d.partition_key IS NOT NULL
+                 ORDER BY d.visible_at LIMIT 1)
+               UNION ALL
+               (SELECT d.visible_at FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                   AND d.partition_key IS NULL
+                 ORDER BY d.visible_at LIMIT 1)
+           ) AS v)
+      FROM workqueue_subscription s
+     WHERE s.id = p_subscription_id;
+$$;
+
 -- wq_list_dead_letters --
 -- One keyset page (by delivery id, ascending, after p_after_delivery_id) of a subscription's
 -- dead letters with their messages. blocks_key is true for an Ordered key's head. The page is

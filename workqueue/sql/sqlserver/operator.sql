@@ -55,6 +55,69 @@ BEGIN
 END;
 GO
 
+-- wq_queue_gauges --
+-- What a metrics scrape reads for one subscription, at a cost bounded whatever the backlog:
+-- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
+-- (NULL for other modes), each counted up to @cap (clamped to 1..1000000; NULL: 10000), and the
+-- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
+-- from the first entry of each claim index. No row when the subscription does not exist.
+-- returns: pending, in_flight, dead_lettered, blocked_keys, oldest_pending_age_seconds
+CREATE OR ALTER PROCEDURE dbo.wq_queue_gauges
+    @subscription_id uniqueidentifier,
+    @cap int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @limit int = CASE WHEN @cap IS NULL THEN 10000 WHEN @cap < 1 THEN 1
+                              WHEN @cap > 1000000 THEN 1000000 ELSE @cap END;
+    DECLARE @oldest datetimeoffset(7) = (
+        SELECT MIN(v.visible_at) FROM (
+            SELECT (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
+                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                       AND d.partition_key IS NOT NULL
+                     ORDER BY d.visible_at) AS visible_at
+            UNION ALL
+            SELECT (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
+                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                       AND d.partition_key IS NULL
+                     ORDER BY d.visible_at)
+        ) AS v);
+
+    -- result set
+    SELECT
+        (SELECT COUNT_BIG(*) FROM (
+            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'Pending') AS x) AS pending,
+        (SELECT COUNT_BIG(*) FROM (
+            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x) AS in_flight,
+        (SELECT COUNT_BIG(*) FROM (
+            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS x)
+            AS dead_lettered,
+        CASE WHEN s.partition_mode = N'Ordered' THEN (
+            SELECT COUNT_BIG(DISTINCT x.partition_key) FROM (
+                SELECT TOP (@limit) d.partition_key FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
+                   AND d.partition_key IS NOT NULL
+                   AND NOT EXISTS (
+                       SELECT 1 FROM dbo.workqueue_delivery AS h
+                        WHERE h.subscription_id = d.subscription_id
+                          AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                          AND h.status IN (N'Pending', N'InFlight', N'DeadLettered'))) AS x)
+        END AS blocked_keys,
+        CASE WHEN @oldest IS NULL THEN NULL
+             WHEN @oldest >= @now THEN 0
+             ELSE DATEDIFF_BIG(millisecond, @oldest, @now) / 1000 END
+            AS oldest_pending_age_seconds
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.id = @subscription_key;
+END;
+GO
+
 -- wq_list_dead_letters --
 -- One keyset page (by delivery id ascending, after @after_delivery_id; NULL starts at the
 -- beginning) of a subscription's dead letters with their messages. blocks_key is 1 for an
