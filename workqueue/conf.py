@@ -42,6 +42,15 @@ class WorkQueueSettings:
     #: "subscriptions": {name: fields}}, or a dotted path to such a dict (the environment
     #: override takes the path). None: nothing declared.
     TOPOLOGY: Any = None
+    #: validate-bindings and /health warn once the oldest transaction horizon (a transaction,
+    #: snapshot, prepared transaction or replication slot that keeps vacuum from cleaning the
+    #: queue tables) has been held this long, in seconds.
+    VACUUM_HORIZON_WARNING_SECONDS: int = 900
+    #: ... and when a queue table holds at least this many dead rows, and more dead than live.
+    DEAD_ROWS_WARNING: int = 100_000
+    #: Each count a metrics scrape reads stops here, so a scrape costs milliseconds whatever
+    #: the backlog (``workqueue_counts_capped`` says when one did); 1..1000000.
+    METRICS_COUNT_CAP: int = 10_000
 
 
 _INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type in {"int", "int | None"}}

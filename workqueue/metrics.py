@@ -79,8 +79,9 @@ def count_published(topic: str, results: Iterable[Any]) -> None:
 
 
 class QueueCollector(Collector):
-    """Cluster-wide gauges, read from the database when scraped: one stats call and one capped
-    backlog call per subscription, and the live host records."""
+    """Cluster-wide gauges, read from the database when scraped: one capped gauges call and
+    one capped backlog call per subscription, the live host records and the database's
+    health views."""
 
     def __init__(self, actor: Actor = CLI, *, close_connections: bool = False) -> None:
         self.actor = actor
@@ -101,14 +102,15 @@ class QueueCollector(Collector):
                 close_old_connections()
 
     def _collect(self) -> Iterator[Metric]:
-        from workqueue import transport
-        from workqueue.models import HostRecord, Subscription
+        from workqueue.models import HostRecord
         from workqueue.operators import operations
 
         labels = ["subscription"]
         gauges = {
             "pending": GaugeMetricFamily(
-                "workqueue_pending_deliveries", "Deliveries waiting (due or not).", labels=labels
+                "workqueue_pending_deliveries",
+                "Deliveries waiting (due or not), counted up to METRICS_COUNT_CAP.",
+                labels=labels,
             ),
             "due": GaugeMetricFamily(
                 "workqueue_due_deliveries",
@@ -135,18 +137,22 @@ class QueueCollector(Collector):
                 labels=labels,
             ),
         }
-        report = operations.subscription_stats(actor=self.actor)
-        ids = dict(Subscription.objects.values_list("name", "id"))
-        for stats in report.subscriptions:
-            name = [stats.subscription_name]
-            gauges["pending"].add_metric(name, stats.pending)
-            gauges["in_flight"].add_metric(name, stats.in_flight)
-            gauges["dead_lettered"].add_metric(name, stats.dead_lettered)
-            gauges["blocked_keys"].add_metric(name, stats.blocked_keys or 0)
-            gauges["oldest"].add_metric(name, stats.oldest_pending_age_seconds or 0)
-            backlog = transport.backlog(str(ids[stats.subscription_name]))
-            if backlog is not None:
-                gauges["due"].add_metric(name, backlog.claimable)
+        capped = GaugeMetricFamily(
+            "workqueue_counts_capped",
+            "1 when one of the subscription's counts above stopped at METRICS_COUNT_CAP (the "
+            "real number is larger: `workqueue stats` counts it all).",
+            labels=labels,
+        )
+        for counts in operations.queue_gauges(actor=self.actor):
+            name = [counts.subscription_name]
+            gauges["pending"].add_metric(name, counts.pending)
+            gauges["due"].add_metric(name, counts.due)
+            gauges["in_flight"].add_metric(name, counts.in_flight)
+            gauges["dead_lettered"].add_metric(name, counts.dead_lettered)
+            gauges["blocked_keys"].add_metric(name, counts.blocked_keys or 0)
+            gauges["oldest"].add_metric(name, counts.oldest_pending_age_seconds or 0)
+            capped.add_metric(name, int(counts.capped))
+        gauges["capped"] = capped
         yield from gauges.values()
         if self.actor.subscriptions:
             return  # host identities are for unrestricted readers only
@@ -164,6 +170,65 @@ class QueueCollector(Collector):
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))
         yield live
+        yield from _database_gauges()
+
+
+def _database_gauges() -> Iterator[Metric]:
+    """The DBA's view: queue table sizes against their rows, and the vacuum horizon. Database-
+    wide (sized by every subscription's traffic), so unrestricted readers only."""
+    from workqueue import transport
+
+    table = ["table"]
+    sizes = {
+        "table_bytes": GaugeMetricFamily(
+            "workqueue_db_table_bytes",
+            "Disk space of each queue table (indexes apart).",
+            labels=table,
+        ),
+        "index_bytes": GaugeMetricFamily(
+            "workqueue_db_index_bytes", "Disk space of each queue table's indexes.", labels=table
+        ),
+        "live_rows": GaugeMetricFamily(
+            "workqueue_db_live_rows",
+            "Live rows of each queue table, from the database's statistics (a little behind).",
+            labels=table,
+        ),
+        "dead_rows": GaugeMetricFamily(
+            "workqueue_db_dead_rows",
+            "Dead row versions waiting for vacuum in each queue table (PostgreSQL only).",
+            labels=table,
+        ),
+    }
+    for size in transport.queue_table_sizes():
+        sizes["table_bytes"].add_metric([size.name], size.table_bytes)
+        sizes["index_bytes"].add_metric([size.name], size.index_bytes)
+        sizes["live_rows"].add_metric([size.name], size.live_rows)
+        if size.dead_rows is not None:
+            sizes["dead_rows"].add_metric([size.name], size.dead_rows)
+    yield from sizes.values()
+    horizon = transport.vacuum_horizon()
+    seconds = GaugeMetricFamily(
+        "workqueue_db_vacuum_horizon_age_seconds",
+        "How long the oldest transaction, snapshot or prepared transaction that keeps vacuum "
+        "from cleaning the queue tables has been held (0 when none; a replication slot has no "
+        "start time and shows in the _transactions gauge only).",
+    )
+    seconds.add_metric([], horizon.age_seconds)
+    yield seconds
+    if horizon.age_transactions is not None:
+        transactions = GaugeMetricFamily(
+            "workqueue_db_vacuum_horizon_age_transactions",
+            "Age of the vacuum horizon in transaction ids (PostgreSQL's age(xmin)).",
+        )
+        transactions.add_metric([], horizon.age_transactions)
+        yield transactions
+    visible = GaugeMetricFamily(
+        "workqueue_db_vacuum_horizon_sees_every_session",
+        "1 when this login sees every session (pg_monitor / VIEW SERVER STATE); 0 when a "
+        "session of another login could hold the horizon unseen.",
+    )
+    visible.add_metric([], int(horizon.sees_every_session))
+    yield visible
 
 
 def render(actor: Actor = CLI) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any
 
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
-from workqueue.driver.base import BaseDriver, SparseIndex
+from workqueue.driver.base import BaseDriver, QueueTableSize, SparseIndex, VacuumHorizon
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
@@ -121,6 +121,20 @@ class Receiver:
         )
         return LeaseExtension(row["lease_state"], row["lease_expires_at"])
 
+    def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
+        """Take up to ``wanted`` tokens of the subscription's shared rate-limit bucket: how many
+        were granted, and when none were, the seconds until the next is due."""
+        row = self.driver.call_one(
+            "wq_take_rate_tokens", {"subscription_id": self.subscription_id, "wanted": wanted}
+        )
+        return row["granted"], row["wait_ms"] / 1000
+
+    def return_rate_tokens(self, unused: int) -> None:
+        """Give back tokens a claim did not use (it found fewer deliveries than granted)."""
+        self.driver.call_rowcount(
+            "wq_return_rate_tokens", {"subscription_id": self.subscription_id, "unused": unused}
+        )
+
     def complete(self, delivery: ClaimedDelivery) -> SettleResult:
         return _settled(
             self.driver.call_rowcount("wq_complete", _fence(delivery)), DeliveryStatus.COMPLETED
@@ -175,6 +189,12 @@ def _fence(delivery: ClaimedDelivery) -> dict[str, str]:
 
 def subscription_stats(subscription_id: str) -> dict[str, Any] | None:
     rows = _driver().call("wq_subscription_stats", {"subscription_id": subscription_id})
+    return rows[0] if rows else None
+
+
+def queue_gauges(subscription_id: str, cap: int) -> dict[str, Any] | None:
+    """A subscription's counts for a metrics scrape, each counted up to ``cap``."""
+    rows = _driver().call("wq_queue_gauges", {"subscription_id": subscription_id, "cap": cap})
     return rows[0] if rows else None
 
 
@@ -244,6 +264,32 @@ def replay(subscription_id: str, delivery_id: str, actor: str | None, note: str 
     return _driver().call_rowcount("wq_replay", params) == 1
 
 
+def resolve_dead_letters(
+    subscription_id: str,
+    action: str,
+    selection: dict[str, Any],
+    *,
+    after_delivery_id: str | None,
+    batch_size: int,
+    dry_run: bool,
+    actor: str | None,
+    note: str | None,
+) -> dict[str, Any]:
+    """One bounded batch of a bulk replay or discard (``action`` Replay or Discard) of the dead
+    letters matching ``selection`` (wq_resolve_dead_letters' filter parameters)."""
+    params = {
+        "subscription_id": subscription_id,
+        "action": action,
+        **selection,
+        "after_delivery_id": after_delivery_id,
+        "batch_size": batch_size,
+        "dry_run": dry_run,
+        "actor": actor,
+        "note": note,
+    }
+    return _driver().call_one("wq_resolve_dead_letters", params)
+
+
 def discard_or_cancel(
     subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
 ) -> DiscardResult:
@@ -281,6 +327,14 @@ def read_committed_snapshot_on() -> bool:
 
 def sparse_queue_indexes() -> list[SparseIndex]:
     return _driver().sparse_queue_indexes()
+
+
+def queue_table_sizes() -> list[QueueTableSize]:
+    return _driver().queue_table_sizes()
+
+
+def vacuum_horizon() -> VacuumHorizon:
+    return _driver().vacuum_horizon()
 
 
 def schema_problem() -> str | None:

@@ -196,6 +196,8 @@ class SubscriptionStats:
     oldest_pending_age_seconds: int | None
     completed_last_hour: int
     as_of: dt.datetime
+    #: Deliveries started per second across every host at most (None: no limit).
+    rate_limit_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

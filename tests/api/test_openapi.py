@@ -23,6 +23,8 @@ ENDPOINTS = {
     ("get", "/subscriptions/{name}/backlog"),
     ("post", "/subscriptions/{name}/deliveries/{delivery_id}/replay"),
     ("post", "/subscriptions/{name}/deliveries/{delivery_id}/discard"),
+    ("post", "/subscriptions/{name}/dead-letters/replay"),
+    ("post", "/subscriptions/{name}/dead-letters/discard"),
     ("get", "/bindings/validate"),
     ("get", "/health"),
     ("get", "/metrics"),

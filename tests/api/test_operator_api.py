@@ -647,6 +647,7 @@ def test_health_is_degraded_when_a_subscription_runs_nowhere_and_down_without_ho
         "status": "down",
         "hosts": [],
         "subscriptions": [],
+        "databaseWarnings": [],
     }
 
     host(

@@ -164,6 +164,24 @@ def test_a_key_limited_to_one_subscription_sees_only_its_gauges_and_no_hosts(cli
     assert gauge(text, "workqueue_pending_deliveries", quiet.name) is None
     assert "workqueue_host_last_seen_seconds" not in text
     assert "workqueue_live_hosts" not in text
+    assert "workqueue_db_" not in text  # database-wide sizes and sessions
+
+
+def test_each_count_stops_at_the_cap_and_says_so_so_a_scrape_stays_cheap(settings):
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "METRICS_COUNT_CAP": 3}
+    small, large = SubscriptionFactory(), SubscriptionFactory(partition_mode="Ordered")
+    for _ in range(2):
+        publish(small.topic.name, {})
+    for n in range(5):
+        publish(large.topic.name, {}, partition_key=f"k{n}")
+
+    text = metrics.render().decode()
+
+    assert gauge(text, "workqueue_pending_deliveries", small.name) == 2
+    assert gauge(text, "workqueue_counts_capped", small.name) == 0
+    assert gauge(text, "workqueue_pending_deliveries", large.name) == 3  # 5, counted to 3
+    assert gauge(text, "workqueue_counts_capped", large.name) == 1
+    assert gauge(text, "workqueue_due_deliveries", large.name) == 5  # its own cap is 1000
 
 
 def test_the_cli_prints_the_same_exposition(queue_state, capsys):
@@ -214,10 +232,16 @@ def test_a_metrics_port_already_taken_fails_the_host_before_it_claims(processes)
 # -- the shipped dashboard and alert rules --------------------------------------------------------
 
 
+#: The series a family of each type exposes, whether or not a labelled child was used yet (an
+#: unused labelled counter has no samples to read the names from).
+SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
+
+
 def exposed_names() -> set[str]:
     names = set()
     for family in metrics.PROCESS.collect():
-        names |= {s.name for s in family.samples} | {family.name}
+        names.add(family.name)
+        names |= {family.name + suffix for suffix in SERIES_SUFFIXES.get(family.type, ())}
     for family in metrics.QueueCollector().collect():
         names.add(family.name)
     return names

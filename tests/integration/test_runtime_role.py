@@ -236,6 +236,8 @@ OPERATOR_CALLS = {
     "wq_read_committed_snapshot_state": {},
     "wq_retire_discard": {"actor": "x", "reason": "x", "batch_size": 10},
     "wq_retire_purge": {"batch_size": 10},
+    "wq_resolve_dead_letters": {"action": "Replay", "dry_run": True},
+    "wq_queue_gauges": {"cap": 10},
 }
 
 
@@ -274,6 +276,17 @@ def test_the_operator_role_operates_and_neither_claims_nor_publishes(runtime_rol
         assert cancelled == [(1,)]
         [stats] = _call(conn, "wq_subscription_stats", subscription_id=subscription.id)
         assert stats[1] == 1  # in flight
+        # Bulk recovery writes through its procedure alone, as the single operations do.
+        resolved = _call(
+            conn,
+            "wq_resolve_dead_letters",
+            subscription_id=subscription.id,
+            action="Discard",
+            dry_run=False,
+            actor="ops",
+            note="x",
+        )
+        assert resolved == [(0, 0, None)]  # nothing dead-lettered yet
         for name in ("wq_claim", "wq_complete", "wq_publish", "wq_purge_orphan_messages"):
             with pytest.raises(psycopg.errors.InsufficientPrivilege, match=name):
                 _call(conn, name)

@@ -13,6 +13,7 @@ from django import forms
 from django.contrib import admin
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 
+from workqueue.admin.recovery import DeadLetterRecoveryMixin, recover_dead_letters
 from workqueue.models import Subscription, Topic, Transport
 
 
@@ -66,8 +67,9 @@ class TopicAdmin(admin.ModelAdmin):
 
 
 @admin.register(Subscription)
-class SubscriptionAdmin(admin.ModelAdmin):
+class SubscriptionAdmin(DeadLetterRecoveryMixin, admin.ModelAdmin):
     form = TopologyForm
+    actions = [recover_dead_letters]
     list_display = (
         "name",
         "topic",
@@ -95,6 +97,7 @@ class SubscriptionAdmin(admin.ModelAdmin):
                     "lease_seconds",
                     "heartbeat_mode",
                     "max_processing_seconds",
+                    ("rate_limit_per_second", "rate_limit_burst"),
                 )
             },
         ),

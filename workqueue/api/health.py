@@ -33,7 +33,8 @@ PSEUDONYM_SALT = "workqueue.api.health.host"
 def health(request: HttpRequest) -> dict[str, Any]:
     """Read from the records that running hosts refresh every few seconds; a host that stopped
     or has not reported recently is left out. A subscription with due work that no live host
-    runs is listed as NotRunning and makes the status degraded. A key limited to named
+    runs is listed as NotRunning and makes the status degraded, as does a threat to the queue
+    tables' upkeep (``database_warnings``: unrestricted readers only). A key limited to named
     subscriptions sees only those subscriptions and the hosts that run one of them, each under
     a pseudonym instead of its instance id, without hostname or pid."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
@@ -77,13 +78,19 @@ def health(request: HttpRequest) -> dict[str, Any]:
             },
         )
     subscriptions = [summary[name] for name in sorted(summary)]
+    database_warnings = operations.database_warnings(actor=actor)
     if not hosts:
         status = "down"
-    elif all(s["state"] == RUNNING for s in subscriptions):
+    elif all(s["state"] == RUNNING for s in subscriptions) and not database_warnings:
         status = "ok"
     else:
         status = "degraded"
-    return {"status": status, "hosts": hosts, "subscriptions": subscriptions}
+    return {
+        "status": status,
+        "hosts": hosts,
+        "subscriptions": subscriptions,
+        "database_warnings": database_warnings,
+    }
 
 
 def _pseudonym(instance_id: str) -> str:

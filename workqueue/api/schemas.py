@@ -110,6 +110,9 @@ class SubscriptionStatsOut(_Out):
     oldest_pending_age_seconds: int | None
     completed_last_hour: int
     as_of: dt.datetime
+    rate_limit_per_second: float | None = Field(
+        description="Most deliveries started per second across every host; null: no limit."
+    )
 
 
 class StatsFailureOut(_Out):
@@ -199,6 +202,57 @@ class DiscardOut(_Out):
     cancel_requested: bool
 
 
+class DeadLetterFilterIn(Schema):
+    """Which dead letters a bulk operation takes; an absent field matches all."""
+
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=False, extra="forbid")
+
+    dead_letter_reason: str | None = Field(
+        default=None, description="The dead-letter reason, e.g. MaxAttemptsExceeded (any case)."
+    )
+    partition_key: str | None = Field(default=None, description="Exactly this partition key.")
+    dead_lettered_from: dt.datetime | None = Field(
+        default=None, description="Dead-lettered at or after this time (with its UTC offset)."
+    )
+    dead_lettered_before: dt.datetime | None = Field(
+        default=None, description="Dead-lettered before this time (with its UTC offset)."
+    )
+    error_contains: str | None = Field(
+        default=None, description="Text the last error contains (any case)."
+    )
+
+
+class BulkReplayIn(Schema):
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=False, extra="forbid")
+
+    filter: DeadLetterFilterIn = Field(default_factory=DeadLetterFilterIn)
+    dry_run: bool = Field(default=False, description="Count the matching dead letters only.")
+    note: str | None = Field(
+        default=None, description="Recorded on each replayed delivery; at most 1000 characters."
+    )
+
+
+class BulkDiscardIn(Schema):
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=False, extra="forbid")
+
+    filter: DeadLetterFilterIn = Field(default_factory=DeadLetterFilterIn)
+    dry_run: bool = Field(default=False, description="Count the matching dead letters only.")
+    reason: str = Field(
+        description="Why they are discarded, recorded on each; at most 1000 characters."
+    )
+
+
+class BulkOut(_Out):
+    supported: bool
+    action: str = Field(description="replay or discard.")
+    dry_run: bool
+    matched: int = Field(
+        description="Dead letters matching the filter: changed, or on a dry run, to be changed."
+    )
+    examined: int = Field(description="Dead letters of the subscription looked at.")
+    batches: int = Field(description="Transactions the work was split into.")
+
+
 class BindingIssueOut(_Out):
     severity: str = Field(description="Error or Warning.")
     subject: str
@@ -245,11 +299,17 @@ class SubscriptionHealthOut(_Out):
 
 class HealthOut(_Out):
     status: str = Field(
-        description="ok: live hosts, every subscription running; degraded: some subscription "
-        "is not running, or has due work that no live host runs; down: no live host."
+        description="ok: live hosts, every subscription running, no database warning; "
+        "degraded: some subscription is not running, or has due work that no live host runs, "
+        "or the database warns; down: no live host."
     )
     hosts: list[HostOut]
     subscriptions: list[SubscriptionHealthOut]
+    database_warnings: list[str] = Field(
+        description="Threats to the queue tables' upkeep (a vacuum horizon held too long, dead "
+        "rows outnumbering live ones, sparse indexes), each naming its fix. Always empty for a "
+        "key limited to named subscriptions."
+    )
 
 
 # -- OpenAPI helper ---------------------------------------------------------------------------

@@ -13,6 +13,10 @@ from ninja import Router
 
 from workqueue.api.schemas import (
     BacklogOut,
+    BulkDiscardIn,
+    BulkOut,
+    BulkReplayIn,
+    DeadLetterFilterIn,
     DeadLetterPageOut,
     DiscardIn,
     DiscardOut,
@@ -187,6 +191,80 @@ def discard(
     if outcome.discarded or outcome.cancel_requested:
         _log_history(actor, delivery_id, "Discarded or cancelled", body.reason)
     return outcome
+
+
+@router.post(
+    "/{name}/dead-letters/replay",
+    response={200: BulkOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="replayDeadLetters",
+    summary="Replay every dead letter matching a filter",
+)
+def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> Any:
+    """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Replays the
+    subscription's dead letters that match every field of ``filter`` (all of them with an empty
+    filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead.
+    Replayed Ordered heads keep their places."""
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    outcome = operations.resolve_dead_letters(
+        name, "replay", _selection(body.filter), dry_run=body.dry_run, note=body.note, actor=actor
+    )
+    if outcome.matched and not outcome.dry_run:
+        _log_bulk(actor, name, f"Replayed {outcome.matched} dead letters", body.note)
+    return outcome
+
+
+@router.post(
+    "/{name}/dead-letters/discard",
+    response={200: BulkOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="discardDeadLetters",
+    summary="Discard every dead letter matching a filter",
+)
+def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -> Any:
+    """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Discards the
+    subscription's dead letters that match every field of ``filter`` (all of them with an empty
+    filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead."""
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    outcome = operations.resolve_dead_letters(
+        name,
+        "discard",
+        _selection(body.filter),
+        dry_run=body.dry_run,
+        note=body.reason,
+        actor=actor,
+    )
+    if outcome.matched and not outcome.dry_run:
+        _log_bulk(actor, name, f"Discarded {outcome.matched} dead letters", body.reason)
+    return outcome
+
+
+def _selection(body: DeadLetterFilterIn) -> operations.DeadLetterSelection:
+    return operations.DeadLetterSelection(
+        reason=body.dead_letter_reason,
+        partition_key=body.partition_key,
+        dead_lettered_from=body.dead_lettered_from,
+        dead_lettered_before=body.dead_lettered_before,
+        error_contains=body.error_contains,
+    )
+
+
+def _log_bulk(actor: Actor, subscription_name: str, what: str, note: str | None) -> None:
+    """One entry in the admin's history of the subscription for a whole bulk operation (each
+    delivery records the actor and note itself)."""
+    if actor.user is None or not apps.is_installed("django.contrib.admin"):
+        return
+    from django.contrib.admin.models import CHANGE, LogEntry
+
+    from workqueue.models import Subscription
+
+    door = f"the REST API with {actor.label}" if actor.label else "the REST API"
+    LogEntry.objects.log_actions(
+        user_id=actor.user.pk,
+        queryset=Subscription.objects.filter(name=subscription_name.strip().lower()),
+        action_flag=CHANGE,
+        change_message=f"{what} through {door}" + (f" (note: {note})" if note else ""),
+    )
 
 
 def _log_history(actor: Actor, delivery_id: str, what: str, note: str | None) -> None:

@@ -28,7 +28,15 @@ def all_verbs() -> list[Verb]:
     from workqueue.cli.database import DATABASE_VERBS
     from workqueue.cli.operators import OPERATOR_VERBS
     from workqueue.cli.publishing import PUBLISHING_VERBS
+    from workqueue.cli.recovery import RECOVERY_VERBS
     from workqueue.cli.topology import TOPOLOGY_VERBS
 
-    verbs = [*PUBLISHING_VERBS, *OPERATOR_VERBS, *TOPOLOGY_VERBS, *ACCOUNT_VERBS, *DATABASE_VERBS]
+    verbs = [
+        *PUBLISHING_VERBS,
+        *OPERATOR_VERBS,
+        *RECOVERY_VERBS,
+        *TOPOLOGY_VERBS,
+        *ACCOUNT_VERBS,
+        *DATABASE_VERBS,
+    ]
     return [cls() for cls in verbs]

@@ -42,6 +42,7 @@ class StatsVerb(Verb):
                 "-" if s.blocked_keys is None else s.blocked_keys,
                 "-" if s.oldest_pending_age_seconds is None else s.oldest_pending_age_seconds,
                 s.completed_last_hour,
+                "-" if s.rate_limit_per_second is None else f"{s.rate_limit_per_second:g}/s",
             )
             for s in report.subscriptions
         ]
@@ -53,6 +54,7 @@ class StatsVerb(Verb):
             "BLOCKED KEYS",
             "OLDEST PENDING (S)",
             "COMPLETED (1H)",
+            "RATE LIMIT",
         )
         command.stdout.write(table(rows, headers))
         for failure in report.failures:

@@ -66,6 +66,35 @@ class SparseIndex:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueTableSize:
+    """One queue table's disk footprint against the rows it holds."""
+
+    name: str
+    table_bytes: int
+    index_bytes: int
+    live_rows: int
+    #: Dead row versions waiting for vacuum; None where the vendor does not count them.
+    dead_rows: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class VacuumHorizon:
+    """The oldest thing in the database that keeps dead queue rows from being cleaned up: an open
+    transaction or snapshot, a prepared transaction or a replication slot."""
+
+    #: How long it has been held, in seconds (0 when nothing is held).
+    age_seconds: float
+    #: Its age in transaction ids, where the vendor counts them (PostgreSQL's ``age(xmin)``).
+    age_transactions: int | None
+    #: What holds it, for the operator to find it ("session 4242 (user app, idle in
+    #: transaction)", "replication slot standby1"), or "" when nothing is held.
+    holder: str
+    #: False when this login may not see other logins' sessions, so a session of another role
+    #: holding the horizon is invisible (grant ``pg_monitor`` / VIEW SERVER STATE to see it).
+    sees_every_session: bool
+
+
+@dataclass(frozen=True, slots=True)
 class DriverFeatures:
     """What a vendor can do; callers ask these flags instead of naming the vendor."""
 
@@ -177,6 +206,15 @@ class BaseDriver:
 
     def queue_index_bytes(self, connection: BaseDatabaseWrapper) -> int:
         """The disk space the queue tables' indexes take now."""
+        raise NotImplementedError
+
+    def queue_table_sizes(self) -> list[QueueTableSize]:
+        """Each queue table's size, its indexes' size and its live (and dead) rows, from the
+        catalog and statistics views: no table is scanned."""
+        raise NotImplementedError
+
+    def vacuum_horizon(self) -> VacuumHorizon:
+        """The oldest transaction horizon holding back cleanup of the queue tables."""
         raise NotImplementedError
 
     def scaler_query(self, subscription_name: str) -> str:
@@ -369,6 +407,9 @@ class BaseDriver:
             return int(value)
         if param.type is ParamType.BOOL:
             return bool(value)
+        if param.type is ParamType.TIMESTAMP and isinstance(value, dt.datetime):
+            # ISO 8601 with its offset: both vendors read it as that instant.
+            return value.isoformat()
         return str(value)
 
     def decode_row(self, procedure: Procedure, row: tuple[Any, ...]) -> Row:

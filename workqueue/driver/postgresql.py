@@ -18,7 +18,9 @@ from workqueue.driver.base import (
     READ_TABLES,
     BaseDriver,
     DriverFeatures,
+    QueueTableSize,
     SparseIndex,
+    VacuumHorizon,
     routed_to_django_connection,
     unencodable,
 )
@@ -85,6 +87,7 @@ _OWN_RELATIONS = (
     "workqueue_message",
     "workqueue_delivery",
     "workqueue_deduplication",
+    "workqueue_rate_limit_bucket",
     "wq_publish_ordinal_seq",
 )
 _DECLARED_FUNCTION = re.compile(r"\bCREATE\s+OR\s+REPLACE\s+FUNCTION\s+(wq_\w+)\s*\(", re.I)
@@ -313,6 +316,34 @@ class PostgresDriver(BaseDriver):
             )
             return int(cursor.fetchone()[0])
 
+    def queue_table_sizes(self) -> list[QueueTableSize]:
+        # The live and dead counts are the statistics system's, kept as rows change: a little
+        # behind, never a scan of the table.
+        rows = self.execute(
+            "SELECT c.relname::text, pg_table_size(c.oid), pg_indexes_size(c.oid), "
+            "coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0) "
+            "FROM pg_class c LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid "
+            "WHERE c.oid = ANY (%s::regclass[]) ORDER BY 1",
+            [list(QUEUE_TABLES)],
+        )
+        return [
+            QueueTableSize(name, int(table), int(index), int(live), int(dead))
+            for name, table, index, live, dead in rows
+        ]
+
+    def vacuum_horizon(self) -> VacuumHorizon:
+        (sees_every_session,) = self.execute(VISIBILITY_OF_SESSIONS, [])[0]
+        rows = self.execute(VACUUM_HORIZON_QUERY, [])
+        if not rows:
+            return VacuumHorizon(0.0, 0, "", bool(sees_every_session))
+        holder, seconds, transactions = rows[0]
+        return VacuumHorizon(
+            max(float(seconds or 0.0), 0.0),
+            int(transactions) if transactions is not None else None,
+            holder,
+            bool(sees_every_session),
+        )
+
     def scaler_query(self, subscription_name: str) -> str:
         literal = "'" + subscription_name.strip().lower().replace("'", "''") + "'"
         return SCALER_QUERY.replace("%(name)s", literal)
@@ -461,6 +492,42 @@ class PostgresListener:
 # operators see); one row, 0 when no subscription has that name. wq_backlog caps each half at
 # 1000, and the sum is left uncapped: capping it would let a full claimable half hide the running
 # jobs that schedulers subtract from the value.
+#: Whether this login sees other logins' sessions in pg_stat_activity (their xmin otherwise
+#: reads NULL): superusers and members of pg_read_all_stats (pg_monitor includes it) do.
+VISIBILITY_OF_SESSIONS = (
+    "SELECT coalesce((SELECT rolsuper FROM pg_roles WHERE rolname = current_user), false) "
+    "OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')"
+)
+#: The oldest of what keeps vacuum from removing dead queue rows: a session's snapshot or
+#: transaction id in this database, a prepared transaction, a replication slot (a standby's
+#: feedback included). Ordered by transaction age, which is what vacuum goes by; a slot has no
+#: start time, so its seconds are unknown (NULL). (Sent with a parameter list: % is doubled.)
+VACUUM_HORIZON_QUERY = """
+SELECT holder, seconds, transactions FROM (
+    SELECT format('session %%s (user %%s, %%s, %%s)', a.pid, coalesce(a.usename::text, '?'),
+                  coalesce(nullif(a.application_name, ''), 'no application name'),
+                  coalesce(a.state, '?')) AS holder,
+           extract(epoch FROM clock_timestamp() - coalesce(a.xact_start, a.query_start))::float8
+               AS seconds,
+           greatest(age(a.backend_xmin), age(a.backend_xid)) AS transactions
+      FROM pg_stat_activity a
+     WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+       AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+       AND a.backend_type <> 'autovacuum worker'
+    UNION ALL
+    SELECT format('prepared transaction %%s', p.gid),
+           extract(epoch FROM clock_timestamp() - p.prepared)::float8, age(p.transaction)
+      FROM pg_prepared_xacts p
+     WHERE p.database = current_database()
+    UNION ALL
+    SELECT format('replication slot %%s', r.slot_name), NULL::float8,
+           greatest(age(r.xmin), age(r.catalog_xmin))
+      FROM pg_replication_slots r
+     WHERE r.xmin IS NOT NULL OR (r.catalog_xmin IS NOT NULL AND r.database = current_database())
+) AS holders
+ORDER BY transactions DESC NULLS LAST, seconds DESC NULLS LAST
+LIMIT 1
+"""
 SCALER_QUERY = """\
 SELECT coalesce((
     SELECT b.claimable + b.in_flight

@@ -132,6 +132,19 @@ PROCEDURES: dict[str, Procedure] = {
             _c("lease_state, lease_expires_at:timestamp"),
             ResultKind.ONE,
         ),
+        # Rate limits
+        Procedure(
+            "wq_take_rate_tokens",
+            _p("subscription_id:uuid, wanted:int"),
+            _c("granted:int, wait_ms:int"),
+            ResultKind.ONE,
+        ),
+        Procedure(
+            "wq_return_rate_tokens",
+            _p("subscription_id:uuid, unused:int"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+        ),
         # Settling
         Procedure(
             "wq_complete", _p("delivery_id:uuid, lease_token:uuid"), _ROWCOUNT, ResultKind.ROWCOUNT
@@ -170,6 +183,16 @@ PROCEDURES: dict[str, Procedure] = {
             Grant.OPERATOR,
         ),
         Procedure(
+            "wq_queue_gauges",
+            _p("subscription_id:uuid, cap:int"),
+            _c(
+                "pending:int, in_flight:int, dead_lettered:int, blocked_keys:int, "
+                "oldest_pending_age_seconds:int"
+            ),
+            ResultKind.MANY,
+            Grant.OPERATOR,
+        ),
+        Procedure(
             "wq_list_dead_letters",
             _p("subscription_id:uuid, after_delivery_id:uuid, page_size:int"),
             _c(
@@ -193,6 +216,18 @@ PROCEDURES: dict[str, Procedure] = {
             _p("subscription_id:uuid, delivery_id:uuid, actor:text, note:text"),
             _ROWCOUNT,
             ResultKind.ROWCOUNT,
+            Grant.OPERATOR,
+        ),
+        Procedure(
+            "wq_resolve_dead_letters",
+            _p(
+                "subscription_id:uuid, action:text, reason:text, partition_key:text, "
+                "dead_lettered_from:timestamp, dead_lettered_before:timestamp, "
+                "error_contains:text, after_delivery_id:uuid, batch_size:int, dry_run:bool, "
+                "actor:text, note:text"
+            ),
+            _c("examined:int, changed:int, last_delivery_id:uuid"),
+            ResultKind.ONE,
             Grant.OPERATOR,
         ),
         Procedure(

@@ -21,6 +21,8 @@ from workqueue.driver.base import (
     READ_TABLES,
     BaseDriver,
     DriverFeatures,
+    QueueTableSize,
+    VacuumHorizon,
 )
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, granted_to
 from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
@@ -273,6 +275,37 @@ class SqlServerDriver(BaseDriver):
             )
             return int(cursor.fetchone()[0])
 
+    def queue_table_sizes(self) -> list[QueueTableSize]:
+        # index_id 0 and 1 are the table itself (heap or clustered index), above are indexes.
+        # SQL Server keeps no count of row versions awaiting cleanup per table: dead_rows None.
+        placeholders = ", ".join(["OBJECT_ID(%s)"] * len(QUEUE_TABLES))
+        rows = self.execute(
+            "SELECT OBJECT_NAME(object_id), "
+            "SUM(CASE WHEN index_id IN (0, 1) THEN used_page_count ELSE 0 END) * 8192, "
+            "SUM(CASE WHEN index_id > 1 THEN used_page_count ELSE 0 END) * 8192, "
+            "SUM(CASE WHEN index_id IN (0, 1) THEN row_count ELSE 0 END) "
+            f"FROM sys.dm_db_partition_stats WHERE object_id IN ({placeholders}) "
+            "GROUP BY object_id ORDER BY 1",
+            [f"dbo.{table}" for table in QUEUE_TABLES],
+        )
+        return [
+            QueueTableSize(name, int(table), int(index), int(live), None)
+            for name, table, index, live in rows
+        ]
+
+    def vacuum_horizon(self) -> VacuumHorizon:
+        # The transaction views need VIEW SERVER STATE; without it they raise, so ask first.
+        (permitted,) = self.execute(
+            "SELECT HAS_PERMS_BY_NAME(NULL, NULL, 'VIEW SERVER STATE')", []
+        )[0]
+        if not permitted:
+            return VacuumHorizon(0.0, None, "", False)
+        rows = self.execute(VERSION_STORE_HORIZON_QUERY, [])
+        if not rows:
+            return VacuumHorizon(0.0, None, "", True)
+        holder, seconds = rows[0]
+        return VacuumHorizon(max(float(seconds or 0.0), 0.0), None, holder, True)
+
     def scaler_query(self, subscription_name: str) -> str:
         literal = "N'" + subscription_name.strip().lower().replace("'", "''") + "'"
         return SCALER_QUERY.replace("LOWER(?)", literal)
@@ -333,6 +366,25 @@ class SqlServerDriver(BaseDriver):
 # and the sum not (as on PostgreSQL). Reads two tables only. The claimable half reads `ready`
 # once (keyless rows are COUNT(*) - COUNT(partition_key)): SQL Server evaluates a CTE once per
 # reference, and two reads of an unordered TOP (1000) may see different rows and pass 1000.
+#: The oldest open transaction in this database, or snapshot anywhere on the instance (the
+#: version store that read committed snapshot writes to is shared), other than this session's:
+#: row versions younger than it cannot be cleaned up.
+VERSION_STORE_HORIZON_QUERY = """
+SELECT TOP (1) holder, seconds FROM (
+    SELECT CONCAT(N'session ', st.session_id) AS holder,
+           DATEDIFF_BIG(millisecond, dt.database_transaction_begin_time, SYSDATETIME()) / 1000.0
+               AS seconds
+      FROM sys.dm_tran_database_transactions AS dt
+      JOIN sys.dm_tran_session_transactions AS st ON st.transaction_id = dt.transaction_id
+     WHERE dt.database_id = DB_ID() AND dt.database_transaction_begin_time IS NOT NULL
+       AND st.session_id <> @@SPID
+    UNION ALL
+    SELECT CONCAT(N'snapshot of session ', s.session_id), CAST(s.elapsed_time_seconds AS float)
+      FROM sys.dm_tran_active_snapshot_database_transactions AS s
+     WHERE s.session_id <> @@SPID
+) AS holders
+ORDER BY seconds DESC
+"""
 SCALER_QUERY = """\
 DECLARE @name nvarchar(200) = LOWER(?);
 WITH s AS (

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from workqueue.models.apikeys import ApiKey
 from workqueue.models.hosts import HostRecord
-from workqueue.models.queue import Deduplication, Delivery, Message
+from workqueue.models.queue import Deduplication, Delivery, Message, RateLimitBucket
 from workqueue.models.tasks import TaskResult
 from workqueue.models.topology import Subscription, Topic, Transport
 
@@ -12,6 +12,7 @@ __all__ = [
     "Delivery",
     "HostRecord",
     "Message",
+    "RateLimitBucket",
     "Subscription",
     "TaskResult",
     "Topic",

@@ -152,6 +152,13 @@ class Delivery(DriverOwnedModel):
                 condition=Q(status__in=[DeliveryStatus.IN_FLIGHT, DeliveryStatus.DEAD_LETTERED]),
                 name="wq_dlv_open_ix",
             ),
+            # Dead letters in delivery id order: the keyset that listing them and resolving
+            # them in bounded batches walks, whatever the number of a subscription's other rows.
+            models.Index(
+                fields=["subscription", "id"],
+                condition=Q(status=DeliveryStatus.DEAD_LETTERED),
+                name="wq_dlv_dead_letter_ix",
+            ),
             models.Index(
                 fields=["completed_at"],
                 include=["subscription", "status"],
@@ -191,3 +198,19 @@ class Deduplication(DriverOwnedModel):
 
     def __str__(self) -> str:
         return f"{self.deduplication_key} → {self.message_id}"
+
+
+class RateLimitBucket(DriverOwnedModel):
+    """A rate-limited subscription's token bucket, shared by every host: ``tokens`` as of
+    ``refilled_at``. Written only by wq_take_rate_tokens and wq_return_rate_tokens. Not a foreign
+    key: a bucket is a counter, not history, and must never stop a subscription's deletion."""
+
+    subscription_id = models.UUIDField(primary_key=True, editable=False)
+    tokens = models.FloatField()
+    refilled_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "workqueue_rate_limit_bucket"
+
+    def __str__(self) -> str:
+        return f"{self.subscription_id}: {self.tokens:.2f} tokens"

@@ -261,6 +261,20 @@ class Subscription(TopologyModel):
     max_processing_seconds = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1)]
     )
+    rate_limit_per_second = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001), MaxValueValidator(1_000_000)],
+        help_text="Most deliveries started per second across every host together (e.g. 0.5 for "
+        "30 a minute). Empty: no limit. Deliveries over the limit wait Pending; they never fail.",
+    )
+    rate_limit_burst = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="How many may start at once after a quiet spell. Empty: the rate rounded up "
+        "(at least 1).",
+    )
     host_type = models.CharField(max_length=20, choices=HostType.choices, default=HostType.WORKER)
     handler_key = models.CharField(max_length=200, blank=True, default="")
     external_ref = models.CharField(max_length=500, blank=True, default="")
@@ -283,6 +297,15 @@ class Subscription(TopologyModel):
             models.CheckConstraint(
                 condition=Q(max_processing_seconds__isnull=True) | Q(max_processing_seconds__gt=0),
                 name="wq_sub_max_processing_pos",
+            ),
+            models.CheckConstraint(
+                condition=Q(rate_limit_per_second__isnull=True)
+                | Q(rate_limit_per_second__gte=0.001, rate_limit_per_second__lte=1_000_000),
+                name="wq_sub_rate_limit_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(rate_limit_burst__isnull=True) | Q(rate_limit_burst__gte=1),
+                name="wq_sub_rate_burst_min",
             ),
             models.CheckConstraint(
                 condition=Q(partition_mode__in=PartitionMode.values), name="wq_sub_mode_valid"

@@ -7,11 +7,13 @@ error."""
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workqueue import transport
+from workqueue.conf import get_settings
 from workqueue.exceptions import InvalidInputError, NotFoundError, WorkQueueError
 from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
@@ -53,6 +55,33 @@ class DiscardOutcome:
     supported: bool
     discarded: bool
     cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterSelection:
+    """Which dead letters a bulk replay or discard takes; an unset field matches all."""
+
+    #: The dead-letter reason (MaxAttemptsExceeded, LeaseExpired, ...), ignoring case.
+    reason: str | None = None
+    partition_key: str | None = None
+    #: Dead-lettered at or after this instant ...
+    dead_lettered_from: dt.datetime | None = None
+    #: ... and before this one.
+    dead_lettered_before: dt.datetime | None = None
+    #: Text the last error contains, ignoring case.
+    error_contains: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BulkOutcome:
+    supported: bool
+    action: str  # replay | discard
+    dry_run: bool
+    #: Dead letters matching the selection that were changed (or, on a dry run, would be).
+    matched: int
+    #: Dead letters of the subscription looked at.
+    examined: int
+    batches: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +197,64 @@ def subscription_stats(subscription_name: str | None = None, *, actor: Actor = C
                 oldest_pending_age_seconds=None if age is None else max(age, 0),
                 completed_last_hour=row["completed_last_hour"],
                 as_of=row["as_of"],
+                rate_limit_per_second=subscription.rate_limit_per_second,
             )
         )
     return report
+
+
+@dataclass(frozen=True, slots=True)
+class QueueGauges:
+    """One subscription's gauges for a metrics scrape; each count stops at ``cap``."""
+
+    subscription_name: str
+    pending: int
+    due: int
+    in_flight: int
+    dead_lettered: int
+    blocked_keys: int | None
+    oldest_pending_age_seconds: int | None
+    cap: int
+
+    @property
+    def capped(self) -> bool:
+        counts = (self.pending, self.in_flight, self.dead_lettered, self.blocked_keys or 0)
+        return max(counts) >= self.cap
+
+
+def queue_gauges(*, actor: Actor = CLI) -> list[QueueGauges]:
+    """What a metrics scrape reports for every subscription the caller may read, at a cost
+    bounded by ``METRICS_COUNT_CAP`` per count whatever the backlog (``workqueue stats`` counts
+    everything instead). A subscription whose gauges cannot be read is left out."""
+    from workqueue.models import Subscription
+
+    require(actor, READ)
+    cap = get_settings().METRICS_COUNT_CAP
+    gauges = []
+    for subscription_id, name in Subscription.objects.order_by("name").values_list("id", "name"):
+        if actor.subscriptions and name not in actor.subscriptions:
+            continue
+        try:
+            row = transport.queue_gauges(str(subscription_id), cap)
+            backlog = transport.backlog(str(subscription_id))
+        except WorkQueueError:
+            continue
+        if row is None or backlog is None:
+            continue
+        age = row["oldest_pending_age_seconds"]
+        gauges.append(
+            QueueGauges(
+                subscription_name=name,
+                pending=row["pending"],
+                due=backlog.claimable,
+                in_flight=row["in_flight"],
+                dead_lettered=row["dead_lettered"],
+                blocked_keys=row["blocked_keys"],
+                oldest_pending_age_seconds=None if age is None else max(age, 0),
+                cap=cap,
+            )
+        )
+    return gauges
 
 
 def list_dead_letters(
@@ -271,6 +355,81 @@ def discard(
     return DiscardOutcome(True, result.changed, result.cancel_requested)
 
 
+BULK_BATCH_SIZE = 1000
+
+
+def resolve_dead_letters(
+    subscription_name: str,
+    action: str,
+    selection: DeadLetterSelection,
+    *,
+    dry_run: bool = False,
+    note: str | None = None,
+    batch_size: int = BULK_BATCH_SIZE,
+    actor: Actor = CLI,
+) -> BulkOutcome:
+    """Replay (``action="replay"``) or discard (``"discard"``, which needs ``note`` as its
+    reason) every dead letter of a subscription matching ``selection``, or count them with
+    ``dry_run``. Works through the dead letters in batches of ``batch_size`` (1..5000), each
+    its own transaction, so the rows of one batch are locked only while it runs; each changed
+    delivery records the actor and note, as single replays and discards do. Replayed Ordered
+    heads keep their places, so each key resumes in publish order."""
+    name = _name(subscription_name)
+    if action not in ("replay", "discard"):
+        raise InvalidInputError("action must be replay or discard.")
+    note = _note(note, "reason" if action == "discard" else "note", required=action == "discard")
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
+        raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
+    filters = _selection_parameters(selection)
+    require(actor, OPERATE, subscription=name)
+    subscription = _subscription(name)
+    matched = examined = batches = 0
+    after: str | None = None
+    while True:
+        batch = transport.resolve_dead_letters(
+            str(subscription.id),
+            action.capitalize(),
+            filters,
+            after_delivery_id=after,
+            batch_size=batch_size,
+            dry_run=dry_run,
+            actor=actor.name,
+            note=note,
+        )
+        batches += 1
+        matched += batch["changed"]
+        examined += batch["examined"]
+        if batch["examined"] < batch_size:
+            break
+        after = batch["last_delivery_id"]
+    return BulkOutcome(True, action, dry_run, matched, examined, batches)
+
+
+def _selection_parameters(selection: DeadLetterSelection) -> dict[str, Any]:
+    reason = _note(selection.reason, "reason filter")
+    error_contains = _note(selection.error_contains, "error_contains")
+    key = selection.partition_key
+    if key is not None:
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+            raise InvalidInputError(
+                f"partition_key must be 1 to {MAX_KEY_LENGTH} characters of text."
+            )
+        key = _storable(key, "partition_key")
+    window = (selection.dead_lettered_from, selection.dead_lettered_before)
+    for instant, what in zip(window, ("dead_lettered_from", "dead_lettered_before"), strict=True):
+        if instant is not None and (not isinstance(instant, dt.datetime) or instant.tzinfo is None):
+            raise InvalidInputError(f"{what} must be a date and time with its UTC offset.")
+    if None not in window and window[0] >= window[1]:
+        raise InvalidInputError("dead_lettered_from must be earlier than dead_lettered_before.")
+    return {
+        "reason": reason,
+        "partition_key": key,
+        "dead_lettered_from": window[0],
+        "dead_lettered_before": window[1],
+        "error_contains": error_contains,
+    }
+
+
 def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
     """Claimable and in-flight counts for autoscaling, each capped at 1000."""
     name = _name(subscription_name)
@@ -314,18 +473,7 @@ def validate_bindings(
     schema_problem = transport.schema_problem()
     if schema_problem is not None:
         issues.append(BindingIssue("Error", "database", schema_problem))
-    sparse = transport.sparse_queue_indexes()
-    if sparse:
-        listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)
-        issues.append(
-            BindingIssue(
-                "Warning",
-                "database",
-                f"Queue indexes far larger than their entries need, as a drained backlog leaves "
-                f"them: {listed}. The planner may avoid them and claims slow down; run "
-                "`manage.py workqueue reindex` as the owner of the work-queue tables.",
-            )
-        )
+    issues.extend(_database_health_issues())
     live_keys: set[str] = set()
     in_scope: set[str] = set()  # subscriptions of the transports checked
     for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
@@ -397,6 +545,60 @@ def validate_bindings(
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
+
+
+def database_warnings(*, actor: Actor = CLI) -> list[str]:
+    """What threatens the queue tables' upkeep now (sparse indexes, a vacuum horizon held past
+    ``VACUUM_HORIZON_WARNING_SECONDS``, dead rows outnumbering live ones), as sentences naming
+    the fix. Database-wide, so a caller limited to named subscriptions hears none of it."""
+    require(actor, READ)
+    if actor.subscriptions:
+        return []
+    return [issue.message for issue in _database_health_issues()]
+
+
+def _database_health_issues() -> list[BindingIssue]:
+    settings = get_settings()
+    issues: list[BindingIssue] = []
+    sparse = transport.sparse_queue_indexes()
+    if sparse:
+        listed = ", ".join(f"{i.name} ({i.pages:,} pages, {i.entries:,} entries)" for i in sparse)
+        issues.append(
+            BindingIssue(
+                "Warning",
+                "database",
+                f"Queue indexes far larger than their entries need, as a drained backlog leaves "
+                f"them: {listed}. The planner may avoid them and claims slow down; run "
+                "`manage.py workqueue reindex` as the owner of the work-queue tables.",
+            )
+        )
+    horizon = transport.vacuum_horizon()
+    if horizon.holder and horizon.age_seconds >= settings.VACUUM_HORIZON_WARNING_SECONDS:
+        issues.append(
+            BindingIssue(
+                "Warning",
+                "database",
+                f"The {horizon.holder} has held back vacuum for {horizon.age_seconds:,.0f} s: no "
+                "dead row of the queue tables younger than it can be cleaned up, so they and "
+                "their indexes grow and claims slow down. End it (commit, or "
+                "pg_terminate_backend / KILL the session; drop an unused replication slot). "
+                "The threshold is WORKQUEUE['VACUUM_HORIZON_WARNING_SECONDS'].",
+            )
+        )
+    for table in transport.queue_table_sizes():
+        dead = table.dead_rows
+        if dead is not None and dead >= settings.DEAD_ROWS_WARNING and dead > table.live_rows:
+            issues.append(
+                BindingIssue(
+                    "Warning",
+                    "database",
+                    f"{table.name} holds {dead:,} dead rows against {table.live_rows:,} live "
+                    "ones: vacuum is not keeping up. Look for a held vacuum horizon (the "
+                    "workqueue_db_vacuum_horizon_* metrics) and at autovacuum's settings for "
+                    "this table. The threshold is WORKQUEUE['DEAD_ROWS_WARNING'].",
+                )
+            )
+    return issues
 
 
 def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:

@@ -321,10 +321,21 @@ class Consumer:
                 # Full (or the one-shot budget is spent): wait for a slot or a stop.
                 self._wait(max_delay)
                 continue
+            if self.plan.rate_limited:
+                granted = self._take_rate_tokens(free, max_delay)
+                if self.budget is not None:
+                    self.budget.give_back(free - granted)
+                if granted <= 0:
+                    self.receive_pending = False
+                    continue  # _take_rate_tokens waited for the next token (or a stop)
+                free = granted
             try:
                 claimed = self._receive(free)
+                unused = free - len(claimed.deliveries)
                 if self.budget is not None:
-                    self.budget.give_back(free - len(claimed.deliveries))
+                    self.budget.give_back(unused)
+                if self.plan.rate_limited and unused:
+                    self._return_rate_tokens(unused)
                 if self._stopping.is_set():
                     for delivery in claimed.deliveries:
                         self._release(delivery)
@@ -339,6 +350,32 @@ class Consumer:
                 continue
             # Empty: back off, unless a publish to the topic kicked us awake.
             delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
+
+    def _take_rate_tokens(self, wanted: int, max_wait: float) -> int:
+        """Tokens for up to ``wanted`` claims from the subscription's shared bucket; when none
+        are left, wait until the next is due (at most ``max_wait``) and return 0."""
+        try:
+            granted, wait = self.receiver.take_rate_tokens(wanted)
+        except WorkQueueError as exc:
+            if self.failure is None:
+                logger.warning(
+                    "%s: not claiming until the database answers again: %s", self.plan.name, exc
+                )
+            self._failed(f"Not claiming: taking rate-limit tokens failed: {exc}")
+            self._stopping.wait(max_wait)
+            return 0
+        if not granted:
+            # A publish's kick adds no token: only time does, so only a stop cuts this short.
+            self._stopping.wait(min(max(wait, 0.001), max_wait))
+        return granted
+
+    def _return_rate_tokens(self, unused: int) -> None:
+        try:
+            self.receiver.return_rate_tokens(unused)
+        except WorkQueueError:
+            # Tokens not given back only slow this subscription below its limit for a moment;
+            # the next take reports the database being away, if it still is.
+            logger.debug("%s: could not return %d rate-limit tokens", self.plan.name, unused)
 
     def _wait_for_slots(self, wanted: float, seconds: float) -> None:
         deadline = time.monotonic() + seconds

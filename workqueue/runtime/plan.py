@@ -30,6 +30,9 @@ class SubscriptionPlan:
     backoff_base_seconds: int
     backoff_max_seconds: int
     max_processing_seconds: int | None
+    #: Claims take tokens from the subscription's shared bucket first (its rate and burst are
+    #: read by the database on each take, so changing them needs no restart).
+    rate_limited: bool
 
     @classmethod
     def from_subscription(cls, subscription: Any) -> SubscriptionPlan:
@@ -47,6 +50,7 @@ class SubscriptionPlan:
             backoff_base_seconds=subscription.backoff_base_seconds,
             backoff_max_seconds=subscription.backoff_max_seconds,
             max_processing_seconds=subscription.max_processing_seconds,
+            rate_limited=subscription.rate_limit_per_second is not None,
         )
 
     @property

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from importlib import resources
 
-INSTALL_ORDER = ("filters", "publish", "claim", "lease", "settle", "operator", "sweeper")
+INSTALL_ORDER = (
+    "filters",
+    "publish",
+    "claim",
+    "lease",
+    "rate_limit",
+    "settle",
+    "operator",
+    "sweeper",
+)
 
 
 def read_sql(directory: str, name: str) -> str:

@@ -50,6 +50,68 @@ AS $$
      WHERE s.id = p_subscription_id;
 $$;
 
+-- wq_queue_gauges --
+-- What a metrics scrape reads for one subscription, at a cost bounded whatever the backlog:
+-- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
+-- (NULL for other modes), each counted up to p_cap (clamped to 1..1000000; NULL: 10000), and the
+-- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
+-- from the first entry of each claim index. No row when the subscription does not exist.
+CREATE OR REPLACE FUNCTION wq_queue_gauges(p_subscription_id uuid, p_cap integer)
+RETURNS TABLE (
+    pending bigint,
+    in_flight bigint,
+    dead_lettered bigint,
+    blocked_keys bigint,
+    oldest_pending_age_seconds bigint
+)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 10000), 1), 1000000) AS n)
+    SELECT
+        (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+             LIMIT (SELECT n FROM cap)) AS x),
+        (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+             LIMIT (SELECT n FROM cap)) AS x),
+        (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+             LIMIT (SELECT n FROM cap)) AS x),
+        CASE WHEN s.partition_mode = 'Ordered' THEN (
+            SELECT count(DISTINCT x.partition_key) FROM (
+                SELECT d.partition_key FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+                   AND d.partition_key IS NOT NULL
+                   AND NOT EXISTS (
+                       SELECT 1 FROM workqueue_delivery h
+                        WHERE h.subscription_id = d.subscription_id
+                          AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                          AND h.status IN ('Pending', 'InFlight', 'DeadLettered'))
+                 LIMIT (SELECT n FROM cap)) AS x)
+        END,
+        -- The oldest of each claim index's first entry: keyed and keyless Pending rows apart.
+        (SELECT GREATEST(floor(extract(epoch FROM now() - min(v.visible_at))), 0)::bigint
+           FROM (
+               (SELECT d.visible_at FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                   AND d.partition_key IS NOT NULL
+                 ORDER BY d.visible_at LIMIT 1)
+               UNION ALL
+               (SELECT d.visible_at FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                   AND d.partition_key IS NULL
+                 ORDER BY d.visible_at LIMIT 1)
+           ) AS v)
+      FROM workqueue_subscription s
+     WHERE s.id = p_subscription_id;
+$$;
+
 -- wq_list_dead_letters --
 -- One keyset page (by delivery id, ascending, after p_after_delivery_id) of a subscription's
 -- dead letters with their messages. blocks_key is true for an Ordered key's head. The page is
@@ -245,6 +307,88 @@ AS $$
         RETURNING 1
     )
     SELECT count(*)::integer FROM changed;
+$$;
+
+-- wq_resolve_dead_letters --
+-- One bounded batch of a bulk replay or discard: examines the subscription's next dead letters
+-- by delivery id after p_after_delivery_id (at most p_batch_size, clamped to 1..5000; NULL:
+-- 1000), and replays (p_action 'Replay', as wq_replay does) or discards ('Discard', as
+-- wq_discard does) those matching every filter given (NULL matches all): the dead-letter reason
+-- (ignoring case), the message's partition key (exactly, whatever the partition mode), the time
+-- of the dead letter in [from, before), and the last error containing the text (ignoring case).
+-- With p_dry_run nothing changes: changed reports how many would. last_delivery_id is where the
+-- next batch starts; a batch that examined fewer rows than its size was the last. Each batch is
+-- its own transaction, so a million dead letters never hold their locks together.
+CREATE OR REPLACE FUNCTION wq_resolve_dead_letters(
+    p_subscription_id uuid,
+    p_action text,
+    p_reason text,
+    p_partition_key text,
+    p_dead_lettered_from timestamptz,
+    p_dead_lettered_before timestamptz,
+    p_error_contains text,
+    p_after_delivery_id uuid,
+    p_batch_size integer,
+    p_dry_run boolean,
+    p_actor text,
+    p_note text
+)
+RETURNS TABLE (examined integer, changed integer, last_delivery_id uuid)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_limit integer := LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000);
+    v_ids uuid[];
+    v_matching uuid[];
+    v_changed integer := 0;
+BEGIN
+    IF p_action IS NULL OR p_action NOT IN ('Replay', 'Discard') THEN
+        RAISE EXCEPTION 'wq_resolve_dead_letters: p_action must be Replay or Discard, not %',
+            p_action USING ERRCODE = '22023';
+    END IF;
+    -- The batch, in id order along wq_dlv_dead_letter_ix, locked for as long as this call
+    -- runs (a dry run too: it reads what a real run would change, then lets go).
+    SELECT array_agg(w.id ORDER BY w.id),
+           array_agg(w.id ORDER BY w.id) FILTER (WHERE w.matches)
+      INTO v_ids, v_matching
+      FROM (SELECT d.id,
+                   (p_reason IS NULL OR lower(d.dead_letter_reason) = lower(p_reason))
+                   AND (p_partition_key IS NULL OR EXISTS (
+                        SELECT 1 FROM workqueue_message m
+                         WHERE m.id = d.message_id AND m.partition_key = p_partition_key))
+                   AND (p_dead_lettered_from IS NULL OR d.dead_lettered_at >= p_dead_lettered_from)
+                   AND (p_dead_lettered_before IS NULL OR d.dead_lettered_at < p_dead_lettered_before)
+                   AND (p_error_contains IS NULL
+                        OR strpos(lower(coalesce(d.last_error, '')), lower(p_error_contains)) > 0)
+                   AS matches
+              FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+               AND (p_after_delivery_id IS NULL OR d.id > p_after_delivery_id)
+             ORDER BY d.id
+             LIMIT v_limit
+               FOR UPDATE) AS w;
+    IF p_dry_run THEN
+        v_changed := coalesce(cardinality(v_matching), 0);
+    ELSIF p_action = 'Replay' THEN
+        UPDATE workqueue_delivery d
+           SET status = 'Pending', attempt_count = 0, is_replay = true, visible_at = now(),
+               dead_letter_reason = NULL, dead_lettered_at = NULL,
+               resolved_by = p_actor, resolution_note = left(p_note, 1000)
+         WHERE d.id = ANY (v_matching) AND d.status = 'DeadLettered';
+        GET DIAGNOSTICS v_changed = ROW_COUNT;
+    ELSE
+        UPDATE workqueue_delivery d
+           SET status = 'Discarded', completed_at = now(),
+               resolved_by = p_actor, resolution_note = left(p_note, 1000),
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+         WHERE d.id = ANY (v_matching) AND d.status = 'DeadLettered';
+        GET DIAGNOSTICS v_changed = ROW_COUNT;
+    END IF;
+    RETURN QUERY SELECT coalesce(cardinality(v_ids), 0), v_changed, v_ids[cardinality(v_ids)];
+END;
 $$;
 
 -- wq_cancel --

@@ -55,6 +55,69 @@ BEGIN
 END;
 GO
 
+-- wq_queue_gauges --
+-- What a metrics scrape reads for one subscription, at a cost bounded whatever the backlog:
+-- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
+-- (NULL for other modes), each counted up to @cap (clamped to 1..1000000; NULL: 10000), and the
+-- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
+-- from the first entry of each claim index. No row when the subscription does not exist.
+-- returns: pending, in_flight, dead_lettered, blocked_keys, oldest_pending_age_seconds
+CREATE OR ALTER PROCEDURE dbo.wq_queue_gauges
+    @subscription_id uniqueidentifier,
+    @cap int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @limit int = CASE WHEN @cap IS NULL THEN 10000 WHEN @cap < 1 THEN 1
+                              WHEN @cap > 1000000 THEN 1000000 ELSE @cap END;
+    DECLARE @oldest datetimeoffset(7) = (
+        SELECT MIN(v.visible_at) FROM (
+            SELECT (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
+                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                       AND d.partition_key IS NOT NULL
+                     ORDER BY d.visible_at) AS visible_at
+            UNION ALL
+            SELECT (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
+                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                       AND d.partition_key IS NULL
+                     ORDER BY d.visible_at)
+        ) AS v);
+
+    -- result set
+    SELECT
+        (SELECT COUNT_BIG(*) FROM (
+            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'Pending') AS x) AS pending,
+        (SELECT COUNT_BIG(*) FROM (
+            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x) AS in_flight,
+        (SELECT COUNT_BIG(*) FROM (
+            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS x)
+            AS dead_lettered,
+        CASE WHEN s.partition_mode = N'Ordered' THEN (
+            SELECT COUNT_BIG(DISTINCT x.partition_key) FROM (
+                SELECT TOP (@limit) d.partition_key FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
+                   AND d.partition_key IS NOT NULL
+                   AND NOT EXISTS (
+                       SELECT 1 FROM dbo.workqueue_delivery AS h
+                        WHERE h.subscription_id = d.subscription_id
+                          AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                          AND h.status IN (N'Pending', N'InFlight', N'DeadLettered'))) AS x)
+        END AS blocked_keys,
+        CASE WHEN @oldest IS NULL THEN NULL
+             WHEN @oldest >= @now THEN 0
+             ELSE DATEDIFF_BIG(millisecond, @oldest, @now) / 1000 END
+            AS oldest_pending_age_seconds
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.id = @subscription_key;
+END;
+GO
+
 -- wq_list_dead_letters --
 -- One keyset page (by delivery id ascending, after @after_delivery_id; NULL starts at the
 -- beginning) of a subscription's dead letters with their messages. blocks_key is 1 for an
@@ -268,6 +331,96 @@ BEGIN
 
     -- result set
     SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_resolve_dead_letters --
+-- One bounded batch of a bulk replay or discard: examines the subscription's next dead letters
+-- by delivery id after @after_delivery_id (at most @batch_size, clamped to 1..5000; NULL: 1000)
+-- and replays (@action 'Replay', as wq_replay does) or discards ('Discard', as wq_discard does)
+-- those matching every filter given (NULL matches all): the dead-letter reason (ignoring case),
+-- the message's partition key (exactly, whatever the partition mode), the time of the dead
+-- letter in [from, before), and the last error containing the text (ignoring case). With
+-- @dry_run = 1 nothing changes: changed reports how many would. last_delivery_id is where the
+-- next batch starts; a batch that examined fewer rows than its size was the last. Each batch is
+-- its own transaction.
+-- returns: examined, changed, last_delivery_id
+CREATE OR ALTER PROCEDURE dbo.wq_resolve_dead_letters
+    @subscription_id uniqueidentifier,
+    @action nvarchar(4000),
+    @reason nvarchar(4000),
+    @partition_key nvarchar(4000),
+    @dead_lettered_from datetimeoffset(7),
+    @dead_lettered_before datetimeoffset(7),
+    @error_contains nvarchar(4000),
+    @after_delivery_id uniqueidentifier,
+    @batch_size int,
+    @dry_run bit,
+    @actor nvarchar(4000),
+    @note nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    IF @action IS NULL OR @action NOT IN (N'Replay', N'Discard')
+        THROW 51010, N'wq_resolve_dead_letters: @action must be Replay or Discard (error 51010).', 1;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @after_key char(32) = dbo.wq_uuid_text(@after_delivery_id);
+    DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
+                              WHEN @batch_size > 5000 THEN 5000
+                              WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
+    DECLARE @batch TABLE (id char(32) PRIMARY KEY, matches bit NOT NULL);
+    DECLARE @changed int = 0;
+
+    BEGIN TRANSACTION;
+    -- The batch in id order, locked until this call commits (a dry run too).
+    INSERT INTO @batch (id, matches)
+    SELECT TOP (@limit) d.id,
+           CASE WHEN (@reason IS NULL OR LOWER(d.dead_letter_reason) = LOWER(@reason))
+                 AND (@partition_key IS NULL OR EXISTS (
+                      SELECT 1 FROM dbo.workqueue_message AS m
+                       WHERE m.id = d.message_id AND m.partition_key = @partition_key))
+                 AND (@dead_lettered_from IS NULL OR d.dead_lettered_at >= @dead_lettered_from)
+                 AND (@dead_lettered_before IS NULL OR d.dead_lettered_at < @dead_lettered_before)
+                 AND (@error_contains IS NULL
+                      OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
+                THEN 1 ELSE 0 END
+      FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK)
+     WHERE d.subscription_id = @subscription_key AND d.status = N'DeadLettered'
+       AND (@after_key IS NULL OR d.id > @after_key)
+     ORDER BY d.id;
+
+    IF @dry_run = 1
+        SELECT @changed = COUNT(*) FROM @batch WHERE matches = 1;
+    ELSE IF @action = N'Replay'
+    BEGIN
+        UPDATE d
+           SET status = N'Pending', attempt_count = 0, is_replay = 1, visible_at = @now,
+               dead_letter_reason = NULL, dead_lettered_at = NULL,
+               resolved_by = @actor, resolution_note = LEFT(@note, 1000)
+          FROM dbo.workqueue_delivery AS d
+          JOIN @batch AS b ON b.id = d.id AND b.matches = 1
+         WHERE d.status = N'DeadLettered';
+        SET @changed = @@ROWCOUNT;
+    END
+    ELSE
+    BEGIN
+        UPDATE d
+           SET status = N'Discarded', completed_at = @now,
+               resolved_by = @actor, resolution_note = LEFT(@note, 1000),
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+          FROM dbo.workqueue_delivery AS d
+          JOIN @batch AS b ON b.id = d.id AND b.matches = 1
+         WHERE d.status = N'DeadLettered';
+        SET @changed = @@ROWCOUNT;
+    END
+    COMMIT TRANSACTION;
+
+    -- result set
+    SELECT (SELECT COUNT(*) FROM @batch) AS examined,
+           @changed AS changed,
+           dbo.wq_text_uuid((SELECT MAX(id) FROM @batch)) AS last_delivery_id;
 END;
 GO
 

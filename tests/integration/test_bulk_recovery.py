@@ -1,0 +1,456 @@
+"""Bulk recovery after an outage: replay or discard every dead letter of a subscription that
+matches a filter (reason, partition key, time window, error text), after a dry run that counts
+them, in bounded batches, from the CLI, the REST API and the admin, with the permission rules of
+the single-delivery operations. Replayed Ordered heads keep their keys' order.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import time
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.urls import reverse
+from django.utils import timezone
+
+from tests.api.factories import ApiKeyFactory
+from tests.factories import SubscriptionFactory
+from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.exceptions import InvalidInputError, PermissionDeniedError
+from workqueue.models import Delivery, Subscription
+from workqueue.operators import operations
+from workqueue.operators.operations import DeadLetterSelection, resolve_dead_letters
+from workqueue.operators.permissions import OPERATE, READ, Actor
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def dead_letters(subscription: Subscription, *specs: dict[str, Any]) -> list[str]:
+    """Publish one message per spec and dead-letter its delivery with the spec's reason and
+    error (and partition key); the delivery ids, in the order given."""
+    receiver = Receiver(subscription.id)
+    ids = []
+    for spec in specs:
+        publish(subscription.topic.name, {"n": len(ids)}, partition_key=spec.get("key"))
+        (claimed,) = receiver.receive(1).deliveries
+        reason, error = spec.get("reason", "Poison"), spec.get("error", "ValueError: boom")
+        assert receiver.dead_letter(claimed, reason, error).settled
+        ids.append(claimed.delivery_id)
+    return ids
+
+
+def statuses(ids: list[str]) -> list[str]:
+    found = dict(Delivery.objects.filter(pk__in=ids).values_list("pk", "status"))
+    return [found[uuid_of(i)] for i in ids]
+
+
+def uuid_of(text: str) -> Any:
+    import uuid
+
+    return uuid.UUID(str(text))
+
+
+def outage(subscription: Subscription) -> dict[str, list[str]]:
+    """Dead letters of one subscription: an hour-old batch, then this outage's, of two reasons
+    and two error texts and keys."""
+    old = dead_letters(subscription, {"reason": "MaxAttemptsExceeded", "error": "Timeout: api"})
+    get_driver().shift_time(3600, subscription_id=str(subscription.id))
+    timeouts = dead_letters(
+        subscription,
+        *[{"reason": "MaxAttemptsExceeded", "error": "TimeoutError: payments API"}] * 3,
+    )
+    keyed = dead_letters(
+        subscription, {"reason": "MaxAttemptsExceeded", "error": "TimeoutError", "key": "c-7"}
+    )
+    poison = dead_letters(subscription, *[{"reason": "Poison", "error": "KeyError: 'sku'"}] * 2)
+    return {"old": old, "timeouts": timeouts, "keyed": keyed, "poison": poison}
+
+
+# -- the operation --------------------------------------------------------------------------
+
+
+def test_a_dry_run_counts_exactly_what_each_filter_selects_and_changes_nothing():
+    subscription = SubscriptionFactory()
+    rows = outage(subscription)
+    everything = [i for ids in rows.values() for i in ids]
+    since = timezone.now() - dt.timedelta(minutes=30)
+
+    def count(**selection: Any) -> int:
+        outcome = resolve_dead_letters(
+            subscription.name, "replay", DeadLetterSelection(**selection), dry_run=True
+        )
+        assert outcome.dry_run and outcome.examined == len(everything)
+        return outcome.matched
+
+    assert count() == 7
+    assert count(reason="maxattemptsexceeded") == 5  # any case
+    assert count(reason="Poison") == 2
+    assert count(partition_key="c-7") == 1
+    assert count(partition_key="C-7") == 0  # keys compare exactly
+    assert count(dead_lettered_from=since) == 6
+    assert count(dead_lettered_before=since) == 1
+    assert count(error_contains="timeouterror") == 4
+    assert count(reason="MaxAttemptsExceeded", dead_lettered_from=since, error_contains="API") == 3
+    assert set(statuses(everything)) == {"DeadLettered"}
+
+
+def test_a_bulk_replay_changes_exactly_the_matching_dead_letters_batch_by_batch_and_records_who():
+    subscription = SubscriptionFactory()
+    rows = outage(subscription)
+    other = SubscriptionFactory(topic=subscription.topic)  # same messages, other subscription
+    [other_dead] = dead_letters(other, {"reason": "MaxAttemptsExceeded", "error": "TimeoutError"})
+    waiting = publish(subscription.topic.name, {"n": "pending"}).message_id
+    operator = User.objects.create_user("night-operator")
+    operator.user_permissions.set(Permission.objects.filter(codename="operate_subscription"))
+    operator = User.objects.get(pk=operator.pk)  # permissions are cached per instance
+
+    outcome = resolve_dead_letters(
+        subscription.name,
+        "replay",
+        DeadLetterSelection(error_contains="TimeoutError"),
+        note="payments API back up",
+        batch_size=2,
+        actor=Actor(user=operator),
+    )
+
+    assert (outcome.matched, outcome.examined) == (4, 7)
+    # Seven dead letters in batches of two: four full or partial batches, each its own call.
+    assert outcome.batches == 4
+    replayed = rows["timeouts"] + rows["keyed"]
+    assert statuses(replayed) == ["Pending"] * 4
+    assert statuses(rows["old"] + rows["poison"]) == ["DeadLettered"] * 3
+    assert statuses([other_dead]) == ["DeadLettered"]
+    assert Delivery.objects.get(message_id=waiting, subscription=subscription).status == "Pending"
+    for delivery in Delivery.objects.filter(pk__in=replayed):
+        assert (delivery.attempt_count, delivery.is_replay) == (0, True)
+        assert delivery.resolved_by == "night-operator"
+        assert delivery.resolution_note == "payments API back up"
+        assert delivery.dead_letter_reason is None
+
+
+def test_a_bulk_discard_needs_a_reason_and_discards_only_the_matching_dead_letters():
+    subscription = SubscriptionFactory()
+    rows = outage(subscription)
+
+    with pytest.raises(InvalidInputError, match="reason is required"):
+        resolve_dead_letters(subscription.name, "discard", DeadLetterSelection(reason="Poison"))
+    outcome = resolve_dead_letters(
+        subscription.name, "discard", DeadLetterSelection(reason="Poison"), note="bad SKUs"
+    )
+
+    assert outcome.matched == 2
+    assert statuses(rows["poison"]) == ["Discarded"] * 2
+    assert set(statuses(rows["old"] + rows["timeouts"] + rows["keyed"])) == {"DeadLettered"}
+    assert set(
+        Delivery.objects.filter(pk__in=rows["poison"]).values_list("resolution_note", flat=True)
+    ) == {"bad SKUs"}
+
+
+@pytest.mark.parametrize(
+    ("selection", "batch_size", "error"),
+    [
+        (DeadLetterSelection(dead_lettered_from=dt.datetime(2026, 1, 1)), 1000, "UTC offset"),
+        (
+            DeadLetterSelection(
+                dead_lettered_from=dt.datetime(2026, 2, 1, tzinfo=dt.UTC),
+                dead_lettered_before=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+            ),
+            1000,
+            "earlier than",
+        ),
+        (DeadLetterSelection(partition_key="k" * 201), 1000, "partition_key"),
+        (DeadLetterSelection(error_contains="a\x00b"), 1000, "error_contains"),
+        (DeadLetterSelection(), 0, "batch_size"),
+        (DeadLetterSelection(), 5001, "batch_size"),
+    ],
+)
+def test_bad_selections_are_refused_before_anything_changes(selection, batch_size, error):
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {})
+
+    with pytest.raises(InvalidInputError, match=error):
+        resolve_dead_letters(subscription.name, "replay", selection, batch_size=batch_size)
+
+    assert statuses(ids) == ["DeadLettered"]
+
+
+def test_replaying_many_ordered_heads_lets_each_key_resume_in_publish_order():
+    subscription = SubscriptionFactory(partition_mode="Ordered", max_attempts=1)
+    receiver = Receiver(subscription.id)
+    published: dict[str, list[str]] = {}
+    for key in ("a", "b", "c"):
+        for n in range(3):
+            message = publish(subscription.topic.name, {"n": n}, partition_key=key).message_id
+            published.setdefault(key, []).append(str(message))
+    # Each key's head fails for good: the key is blocked behind it.
+    heads = receiver.receive(10).deliveries
+    assert sorted(d.partition_key for d in heads) == ["a", "b", "c"]
+    for head in heads:
+        assert receiver.dead_letter(head, "MaxAttemptsExceeded", "down").settled
+    assert receiver.receive(10).deliveries == []
+
+    outcome = resolve_dead_letters(subscription.name, "replay", DeadLetterSelection())
+
+    assert outcome.matched == 3
+    completed: dict[str, list[str]] = {}
+    for _ in range(20):
+        claimed = receiver.receive(10).deliveries
+        if not claimed:
+            break
+        for delivery in claimed:
+            completed.setdefault(delivery.partition_key, []).append(str(delivery.message_id))
+        assert all(r.settled for r in receiver.complete_many(claimed).values())
+    assert completed == published
+
+
+def test_a_caller_without_operate_may_not_even_dry_run():
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {})
+    reader = User.objects.create_user("reader")
+    reader.user_permissions.set(Permission.objects.filter(codename="view_delivery"))
+
+    with pytest.raises(PermissionDeniedError):
+        resolve_dead_letters(
+            subscription.name,
+            "replay",
+            DeadLetterSelection(),
+            dry_run=True,
+            actor=Actor(user=User.objects.get(pk=reader.pk)),
+        )
+    assert statuses(ids) == ["DeadLettered"]
+
+
+# -- the CLI --------------------------------------------------------------------------------
+
+
+def run(*argv: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", *argv, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def test_the_cli_counts_first_then_replays_and_discards_by_filter():
+    subscription = SubscriptionFactory()
+    rows = outage(subscription)
+    since = (timezone.now() - dt.timedelta(minutes=30)).isoformat()
+
+    counted = run(
+        "replay-dead-letters",
+        "-s",
+        subscription.name,
+        "--since",
+        since,
+        "--error-contains",
+        "payments",
+        "--dry-run",
+    )
+    assert f"Dry run: 3 of 7 dead letters of {subscription.name} match" in counted
+    assert set(statuses(rows["timeouts"])) == {"DeadLettered"}
+
+    replayed = json.loads(
+        run(
+            "replay-dead-letters",
+            "-s",
+            subscription.name,
+            "--since",
+            since,
+            "--error-contains",
+            "payments",
+            "--note",
+            "API back",
+            "--json",
+        )
+    )
+    assert replayed == {
+        "supported": True,
+        "action": "replay",
+        "dry_run": False,
+        "matched": 3,
+        "examined": 7,
+        "batches": 1,
+    }
+    assert statuses(rows["timeouts"]) == ["Pending"] * 3
+
+    with pytest.raises(CommandError, match="--discard-reason"):
+        run("discard-dead-letters", "-s", subscription.name, "--reason", "Poison")
+    discarded = run(
+        "discard-dead-letters",
+        "-s",
+        subscription.name,
+        "--reason",
+        "Poison",
+        "--discard-reason",
+        "bad SKUs",
+    )
+    assert "Discarded 2 of 4 dead letters" in discarded
+    assert statuses(rows["poison"]) == ["Discarded"] * 2
+    with pytest.raises(CommandError, match="Nothing replayed: no dead letter matches"):
+        run("replay-dead-letters", "-s", subscription.name, "--key", "nobody")
+    with pytest.raises(CommandError, match="not an ISO 8601 date and time"):
+        run("replay-dead-letters", "-s", subscription.name, "--since", "yesterday")
+
+
+# -- the REST API ---------------------------------------------------------------------------
+
+
+def post(client: Any, path: str, body: Any, key: Any) -> Any:
+    return client.post(
+        f"/work-queue{path}",
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+
+def test_the_rest_api_replays_and_discards_by_filter_with_the_operate_scope_only(client):
+    subscription = SubscriptionFactory()
+    rows = outage(subscription)
+    path = f"/subscriptions/{subscription.name}/dead-letters"
+    operator = ApiKeyFactory(scopes=[OPERATE])
+    since = (timezone.now() - dt.timedelta(minutes=30)).isoformat()
+
+    refused = post(client, f"{path}/replay", {}, ApiKeyFactory(scopes=[READ]))
+    elsewhere = post(
+        client, f"{path}/replay", {}, ApiKeyFactory(scopes=[OPERATE], subscriptions=["x"])
+    )
+    assert (refused.status_code, elsewhere.status_code) == (403, 403)
+    assert post(client, f"{path}/replay", {"filter": {"reason": "x"}}, operator).status_code in (
+        400,
+        422,
+    )  # a misspelt filter field is refused, never ignored
+    naive = post(
+        client, f"{path}/replay", {"filter": {"deadLetteredFrom": "2026-01-01T00:00"}}, operator
+    )
+    assert naive.status_code == 400 and "UTC offset" in naive.content.decode()
+
+    body = {"filter": {"deadLetteredFrom": since, "errorContains": "payments"}, "dryRun": True}
+    counted = post(client, f"{path}/replay", body, operator)
+    assert counted.status_code == 200, counted.content
+    assert counted.json() == {
+        "supported": True,
+        "action": "replay",
+        "dryRun": True,
+        "matched": 3,
+        "examined": 7,
+        "batches": 1,
+    }
+    assert set(statuses(rows["timeouts"])) == {"DeadLettered"}
+
+    replayed = post(
+        client, f"{path}/replay", {**body, "dryRun": False, "note": "API back"}, operator
+    )
+    assert replayed.json()["matched"] == 3
+    assert statuses(rows["timeouts"]) == ["Pending"] * 3
+    history = LogEntry.objects.get(object_id=str(subscription.pk))
+    assert "Replayed 3 dead letters through the REST API" in history.change_message
+
+    no_reason = post(
+        client, f"{path}/discard", {"filter": {"deadLetterReason": "Poison"}}, operator
+    )
+    assert no_reason.status_code in (400, 422)
+    discarded = post(
+        client,
+        f"{path}/discard",
+        {"filter": {"deadLetterReason": "Poison"}, "reason": "bad SKUs"},
+        operator,
+    )
+    assert discarded.json()["matched"] == 2
+    assert statuses(rows["poison"]) == ["Discarded"] * 2
+
+
+# -- the admin ------------------------------------------------------------------------------
+
+
+def staff(username: str, *codenames: str) -> User:
+    user = User.objects.create_user(username, password="pw", is_staff=True)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="workqueue", codename__in=codenames)
+    )
+    return user
+
+
+def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(client):
+    subscription = SubscriptionFactory()
+    rows = outage(subscription)
+    url = reverse("admin:workqueue_subscription_changelist")
+    client.force_login(staff("viewer", "view_subscription", "view_delivery"))
+    actions = client.get(url).context["action_form"]  # None: no action is offered at all
+    assert actions is None or "recover_dead_letters" not in dict(actions.fields["action"].choices)
+
+    client.force_login(
+        staff("operator", "view_subscription", "view_delivery", "operate_subscription")
+    )
+    form = {
+        "action": "recover_dead_letters",
+        "_selected_action": [subscription.pk],
+        "dead_letter_reason": "Poison",
+    }
+    page = client.post(url, {**form, "index": "0"})
+    assert page.status_code == 200 and "Count (dry run)" in page.content.decode()
+    counted = client.post(url, {**form, "operation": "replay", "post": "count"})
+    assert counted.status_code == 200
+    assert counted.context["form"].errors == {}
+    assert counted.context["counts"] == [(subscription.name, "2 of 7 would be replayed")]
+    assert set(statuses(rows["poison"])) == {"DeadLettered"}
+
+    applied = client.post(
+        url, {**form, "operation": "replay", "post": "apply", "note": "fixed"}, follow=True
+    )
+    assert applied.status_code == 200
+    assert statuses(rows["poison"]) == ["Pending"] * 2
+    assert set(statuses(rows["timeouts"])) == {"DeadLettered"}
+    assert any("2 of 7 were replayed" in str(m) for m in applied.context["messages"])
+
+
+# -- a million dead letters -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_dry_run_over_a_million_dead_letters_counts_them_in_bounded_batches(pg_conn):
+    subscription = SubscriptionFactory()
+    pg_conn.execute(
+        """
+        WITH m AS (
+            INSERT INTO workqueue_message (id, publish_ordinal, topic_id, payload)
+            SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s, '{}'::jsonb
+              FROM generate_series(1, 1000000)
+            RETURNING id, publish_ordinal
+        )
+        INSERT INTO workqueue_delivery (id, message_id, subscription_id, status, order_key,
+                                        attempt_count, is_replay, visible_at,
+                                        dead_letter_reason, last_error, dead_lettered_at)
+        SELECT gen_random_uuid(), m.id, %(sub)s, 'DeadLettered', m.publish_ordinal, 5, false,
+               now(),
+               CASE WHEN m.publish_ordinal %% 10 = 0 THEN 'Poison' ELSE 'MaxAttemptsExceeded' END,
+               'boom', now()
+          FROM m
+        """,
+        {"topic": subscription.topic_id, "sub": subscription.id},
+    )
+    pg_conn.execute("ANALYZE workqueue_delivery")
+
+    began = time.perf_counter()
+    outcome = resolve_dead_letters(
+        subscription.name,
+        "discard",
+        DeadLetterSelection(reason="Poison"),
+        dry_run=True,
+        note="count only",
+    )
+    elapsed = time.perf_counter() - began
+
+    assert outcome.examined == 1_000_000 and outcome.batches == 1001
+    assert 99_000 <= outcome.matched <= 101_000
+    print(f"dry run over 1,000,000 dead letters: {elapsed:.1f} s in {outcome.batches} batches")
+    assert operations.subscription_stats(subscription.name).subscriptions[0].dead_lettered == (
+        1_000_000
+    )

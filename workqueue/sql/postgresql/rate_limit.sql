@@ -1,0 +1,82 @@
+-- Rate limits: one token bucket per rate-limited subscription, shared by every host. A host
+-- takes tokens before it claims and claims no more deliveries than it was granted, so the
+-- deliveries started per second across all hosts stay within the subscription's
+-- rate_limit_per_second (plus its burst after a quiet spell). Over the limit, deliveries wait
+-- Pending: nothing is failed or delayed on the row itself.
+
+-- wq_take_rate_tokens --
+-- Grant up to p_wanted tokens of the subscription's bucket, refilled first at its rate up to its
+-- burst (rate_limit_burst, else the rate rounded up, at least 1). An unlimited (or unknown)
+-- subscription is granted p_wanted at once. wait_ms says how long until a token is next due
+-- (0 when something was granted). The bucket row is locked for this call only, so hosts take
+-- from it one at a time.
+CREATE OR REPLACE FUNCTION wq_take_rate_tokens(p_subscription_id uuid, p_wanted integer)
+RETURNS TABLE (granted integer, wait_ms integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_wanted integer := GREATEST(coalesce(p_wanted, 0), 0);
+    v_rate double precision;
+    v_burst double precision;
+    v_now timestamptz;
+    v_available double precision;
+    v_granted integer;
+BEGIN
+    SELECT s.rate_limit_per_second,
+           coalesce(s.rate_limit_burst, GREATEST(ceil(s.rate_limit_per_second), 1))
+      INTO v_rate, v_burst
+      FROM workqueue_subscription s
+     WHERE s.id = p_subscription_id;
+    IF v_rate IS NULL THEN
+        RETURN QUERY SELECT v_wanted, 0;
+        RETURN;
+    END IF;
+    -- A new bucket starts full.
+    INSERT INTO workqueue_rate_limit_bucket (subscription_id, tokens, refilled_at)
+    VALUES (p_subscription_id, v_burst, clock_timestamp())
+    ON CONFLICT (subscription_id) DO NOTHING;
+    PERFORM 1 FROM workqueue_rate_limit_bucket b
+     WHERE b.subscription_id = p_subscription_id
+       FOR UPDATE;
+    -- The clock is read only once the row is ours: a time read before waiting for the lock
+    -- would be older than the refill the previous taker recorded, and count that time twice.
+    v_now := clock_timestamp();
+    SELECT LEAST(v_burst,
+                 b.tokens + v_rate * GREATEST(extract(epoch FROM v_now - b.refilled_at), 0))
+      INTO v_available
+      FROM workqueue_rate_limit_bucket b
+     WHERE b.subscription_id = p_subscription_id;
+    v_granted := LEAST(v_wanted, floor(v_available)::integer);
+    UPDATE workqueue_rate_limit_bucket b
+       SET tokens = v_available - v_granted, refilled_at = GREATEST(b.refilled_at, v_now)
+     WHERE b.subscription_id = p_subscription_id;
+    RETURN QUERY SELECT v_granted,
+                        CASE WHEN v_granted > 0 OR v_wanted = 0 THEN 0
+                             ELSE ceil(1000 * (1 - (v_available - v_granted)) / v_rate)::integer
+                        END;
+END;
+$$;
+
+-- wq_return_rate_tokens --
+-- Give back tokens taken but not used (the claim found fewer deliveries than it was granted),
+-- never filling the bucket past its burst. Nothing for an unlimited subscription.
+CREATE OR REPLACE FUNCTION wq_return_rate_tokens(p_subscription_id uuid, p_unused integer)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH changed AS (
+        UPDATE workqueue_rate_limit_bucket b
+           SET tokens = LEAST(b.tokens + GREATEST(coalesce(p_unused, 0), 0),
+                              coalesce(s.rate_limit_burst,
+                                       GREATEST(ceil(s.rate_limit_per_second), 1)))
+          FROM workqueue_subscription s
+         WHERE b.subscription_id = p_subscription_id AND s.id = b.subscription_id
+           AND s.rate_limit_per_second IS NOT NULL
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM changed;
+$$;

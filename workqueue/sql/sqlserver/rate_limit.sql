@@ -1,0 +1,111 @@
+-- Rate limits: one token bucket per rate-limited subscription, shared by every host. A host
+-- takes tokens before it claims and claims no more deliveries than it was granted, so the
+-- deliveries started per second across all hosts stay within the subscription's
+-- rate_limit_per_second (plus its burst after a quiet spell). Over the limit, deliveries wait
+-- Pending: nothing is failed or delayed on the row itself.
+
+-- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
+-- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
+SET ANSI_NULLS ON;
+SET QUOTED_IDENTIFIER ON;
+GO
+
+-- wq_take_rate_tokens --
+-- Grant up to @wanted tokens of the subscription's bucket, refilled first at its rate up to its
+-- burst (rate_limit_burst, else the rate rounded up, at least 1). An unlimited (or unknown)
+-- subscription is granted @wanted at once. wait_ms says how long until a token is next due
+-- (0 when something was granted). The bucket row is locked for this call only, so hosts take
+-- from it one at a time.
+-- returns: granted, wait_ms
+CREATE OR ALTER PROCEDURE dbo.wq_take_rate_tokens
+    @subscription_id uniqueidentifier,
+    @wanted int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @want int = CASE WHEN @wanted IS NULL OR @wanted < 0 THEN 0 ELSE @wanted END;
+    DECLARE @rate float;
+    DECLARE @burst float;
+    DECLARE @available float;
+    DECLARE @granted int;
+
+    SELECT @rate = s.rate_limit_per_second,
+           @burst = COALESCE(CAST(s.rate_limit_burst AS float),
+                             CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
+                                  ELSE CEILING(s.rate_limit_per_second) END)
+      FROM dbo.workqueue_subscription AS s
+     WHERE s.id = @subscription_key;
+    IF @rate IS NULL
+        SET @granted = @want;
+    ELSE
+    BEGIN
+        BEGIN TRANSACTION;
+        -- A new bucket starts full; the key-range lock makes two first takers agree on one row.
+        IF NOT EXISTS (SELECT 1 FROM dbo.workqueue_rate_limit_bucket WITH (UPDLOCK, HOLDLOCK)
+                        WHERE subscription_id = @subscription_key)
+            INSERT INTO dbo.workqueue_rate_limit_bucket (subscription_id, tokens, refilled_at)
+            VALUES (@subscription_key, @burst, @now);
+        -- The clock is read only once the row is ours: a time read before waiting for the lock
+        -- would be older than the refill the previous taker recorded, and count that time twice.
+        SET @now = SYSDATETIMEOFFSET();
+        SELECT @available = CASE
+                   WHEN b.tokens + @rate * DATEDIFF_BIG(microsecond, b.refilled_at, @now) / 1e6
+                        > @burst
+                   THEN @burst
+                   WHEN b.refilled_at > @now THEN b.tokens
+                   ELSE b.tokens + @rate * DATEDIFF_BIG(microsecond, b.refilled_at, @now) / 1e6 END
+          FROM dbo.workqueue_rate_limit_bucket AS b WITH (UPDLOCK, HOLDLOCK)
+         WHERE b.subscription_id = @subscription_key;
+        SET @granted = CASE WHEN FLOOR(@available) < @want THEN CAST(FLOOR(@available) AS int)
+                            ELSE @want END;
+        UPDATE dbo.workqueue_rate_limit_bucket
+           SET tokens = @available - @granted,
+               refilled_at = CASE WHEN refilled_at > @now THEN refilled_at ELSE @now END
+         WHERE subscription_id = @subscription_key;
+        COMMIT TRANSACTION;
+    END;
+
+    -- result set
+    SELECT @granted AS granted,
+           CASE WHEN @rate IS NULL OR @granted > 0 OR @want = 0 THEN 0
+                ELSE CAST(CEILING(1000 * (1 - (@available - @granted)) / @rate) AS int)
+           END AS wait_ms;
+END;
+GO
+
+-- wq_return_rate_tokens --
+-- Give back tokens taken but not used (the claim found fewer deliveries than it was granted),
+-- never filling the bucket past its burst. Nothing for an unlimited subscription.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_return_rate_tokens
+    @subscription_id uniqueidentifier,
+    @unused int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE b
+       SET tokens = CASE
+               WHEN b.tokens + COALESCE(@unused, 0) > COALESCE(CAST(s.rate_limit_burst AS float),
+                        CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
+                             ELSE CEILING(s.rate_limit_per_second) END)
+               THEN COALESCE(CAST(s.rate_limit_burst AS float),
+                        CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
+                             ELSE CEILING(s.rate_limit_per_second) END)
+               ELSE b.tokens + COALESCE(@unused, 0) END
+    OUTPUT inserted.subscription_id INTO @changed
+      FROM dbo.workqueue_rate_limit_bucket AS b
+      JOIN dbo.workqueue_subscription AS s ON s.id = b.subscription_id
+     WHERE b.subscription_id = @subscription_key AND s.rate_limit_per_second IS NOT NULL
+       AND COALESCE(@unused, 0) > 0;
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
