@@ -290,6 +290,34 @@ def resolve_dead_letters(
     return _driver().call_one("wq_resolve_dead_letters", params)
 
 
+def discard_pending(
+    subscription_id: str,
+    *,
+    keyed: bool,
+    selection: dict[str, Any],
+    after: tuple[Any, str] | None,
+    batch_size: int,
+    dry_run: bool,
+    actor: str | None,
+    reason: str | None,
+) -> dict[str, Any]:
+    """One bounded batch of a bulk discard of Pending deliveries matching ``selection``
+    (wq_discard_pending's filter parameters), along the keyed or the keyless claim index,
+    resuming after ``after`` (visible_at, delivery id)."""
+    params = {
+        "subscription_id": subscription_id,
+        "keyed": keyed,
+        **selection,
+        "after_visible_at": after[0] if after else None,
+        "after_delivery_id": after[1] if after else None,
+        "batch_size": batch_size,
+        "dry_run": dry_run,
+        "actor": actor,
+        "reason": reason,
+    }
+    return _driver().call_one("wq_discard_pending", params)
+
+
 def discard_or_cancel(
     subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
 ) -> DiscardResult:

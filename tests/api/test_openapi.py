@@ -25,6 +25,7 @@ ENDPOINTS = {
     ("post", "/subscriptions/{name}/deliveries/{delivery_id}/discard"),
     ("post", "/subscriptions/{name}/dead-letters/replay"),
     ("post", "/subscriptions/{name}/dead-letters/discard"),
+    ("post", "/subscriptions/{name}/pending/discard"),
     ("get", "/bindings/validate"),
     ("get", "/health"),
     ("get", "/metrics"),

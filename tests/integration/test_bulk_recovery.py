@@ -293,8 +293,9 @@ def test_the_cli_counts_first_then_replays_and_discards_by_filter():
     )
     assert "Discarded 2 of 4 dead letters" in discarded
     assert statuses(rows["poison"]) == ["Discarded"] * 2
-    with pytest.raises(CommandError, match="Nothing replayed: no dead letter matches"):
-        run("replay-dead-letters", "-s", subscription.name, "--key", "nobody")
+    # Nothing to do is not an error (exit 0), as for a single replay.
+    nothing = run("replay-dead-letters", "-s", subscription.name, "--key", "nobody")
+    assert "Nothing replayed: no dead letter matches." in nothing
     with pytest.raises(CommandError, match="not an ISO 8601 date and time"):
         run("replay-dead-letters", "-s", subscription.name, "--since", "yesterday")
 
@@ -454,3 +455,81 @@ def test_a_dry_run_over_a_million_dead_letters_counts_them_in_bounded_batches(pg
     assert operations.subscription_stats(subscription.name).subscriptions[0].dead_lettered == (
         1_000_000
     )
+
+
+# -- discarding waiting work ----------------------------------------------------------------
+
+
+def waiting(subscription: Subscription, count: int, key: str | None = None) -> list[str]:
+    ids = []
+    for n in range(count):
+        message = publish(subscription.topic.name, {"n": n}, partition_key=key).message_id
+        ids.append(str(Delivery.objects.get(message_id=message, subscription=subscription).pk))
+    return ids
+
+
+@pytest.mark.parametrize("mode", ["None", "Exclusive"])
+def test_discarding_waiting_work_takes_exactly_the_matching_pending_rows_and_never_a_running_one(
+    mode,
+):
+    subscription = SubscriptionFactory(partition_mode=mode)
+    old = waiting(subscription, 3, key="flood")
+    get_driver().shift_time(3600, subscription_id=str(subscription.id))
+    flood = waiting(subscription, 5, key="flood")
+    keep = waiting(subscription, 2, key="other") + waiting(subscription, 2)
+    receiver = Receiver(subscription.id)
+    [running] = receiver.receive(1).deliveries  # the oldest "flood" row (keys are free)
+    since = timezone.now() - dt.timedelta(minutes=30)
+    selection = operations.PendingSelection(partition_key="flood", published_from=since)
+
+    counted = operations.discard_pending(
+        subscription.name, selection, reason="flood", dry_run=True, batch_size=2
+    )
+    assert counted.matched == 5 and set(statuses(flood)) == {"Pending"}
+    outcome = operations.discard_pending(
+        subscription.name, selection, reason="publisher bug", batch_size=2
+    )
+
+    assert outcome.matched == 5
+    assert statuses(flood) == ["Discarded"] * 5
+    assert set(statuses(keep)) == {"Pending"}
+    assert statuses([running.delivery_id]) == ["InFlight"]  # one of the old ones: untouched
+    assert set(statuses([i for i in old if i != running.delivery_id])) == {"Pending"}
+    assert set(Delivery.objects.filter(pk__in=flood).values_list("resolution_note", flat=True)) == {
+        "publisher bug"
+    }
+    assert receiver.complete(running).settled
+
+
+def test_discarding_waiting_work_from_the_cli_and_rest_needs_a_reason_and_the_operate_scope(
+    client,
+):
+    subscription = SubscriptionFactory()
+    flood = waiting(subscription, 4, key="flood")
+    keep = waiting(subscription, 1, key="other")
+
+    with pytest.raises(CommandError, match="--discard-reason"):
+        run("discard-pending", "-s", subscription.name, "--key", "flood")
+    counted = run(
+        "discard-pending",
+        "-s",
+        subscription.name,
+        "--key",
+        "flood",
+        "--dry-run",
+        "--discard-reason",
+        "x",
+    )
+    assert f"Dry run: 4 of 5 waiting deliveries of {subscription.name} match" in counted
+
+    path = f"/subscriptions/{subscription.name}/pending/discard"
+    body = {"filter": {"partitionKey": "flood"}, "reason": "publisher bug"}
+    assert post(client, path, body, ApiKeyFactory(scopes=[READ])).status_code == 403
+    assert post(client, path, {"filter": {}}, ApiKeyFactory(scopes=[OPERATE])).status_code in (
+        400,
+        422,
+    )
+    discarded = post(client, path, body, ApiKeyFactory(scopes=[OPERATE]))
+    assert discarded.status_code == 200, discarded.content
+    assert discarded.json()["matched"] == 4
+    assert statuses(flood) == ["Discarded"] * 4 and statuses(keep) == ["Pending"]

@@ -238,6 +238,7 @@ OPERATOR_CALLS = {
     "wq_retire_purge": {"batch_size": 10},
     "wq_resolve_dead_letters": {"action": "Replay", "dry_run": True},
     "wq_queue_gauges": {"cap": 10},
+    "wq_discard_pending": {"keyed": False, "dry_run": True},
 }
 
 

@@ -242,6 +242,33 @@ class BulkDiscardIn(Schema):
     )
 
 
+class PendingFilterIn(Schema):
+    """Which waiting deliveries a bulk discard takes; an absent field matches all."""
+
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=False, extra="forbid")
+
+    partition_key: str | None = Field(default=None, description="Exactly this partition key.")
+    published_from: dt.datetime | None = Field(
+        default=None, description="Published at or after this time (with its UTC offset)."
+    )
+    published_before: dt.datetime | None = Field(
+        default=None, description="Published before this time (with its UTC offset)."
+    )
+    error_contains: str | None = Field(
+        default=None, description="Text an earlier attempt's error contains (any case)."
+    )
+
+
+class PendingDiscardIn(Schema):
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=False, extra="forbid")
+
+    filter: PendingFilterIn = Field(default_factory=PendingFilterIn)
+    dry_run: bool = Field(default=False, description="Count the matching deliveries only.")
+    reason: str = Field(
+        description="Why they are discarded, recorded on each; at most 1000 characters."
+    )
+
+
 class BulkOut(_Out):
     supported: bool
     action: str = Field(description="replay or discard.")

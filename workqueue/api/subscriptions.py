@@ -22,6 +22,7 @@ from workqueue.api.schemas import (
     DiscardOut,
     ErrorOut,
     PartitionPageOut,
+    PendingDiscardIn,
     ReplayIn,
     ReplayOut,
     StatsOut,
@@ -236,6 +237,33 @@ def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -
     )
     if outcome.matched and not outcome.dry_run:
         _log_bulk(actor, name, f"Discarded {outcome.matched} dead letters", body.reason)
+    return outcome
+
+
+@router.post(
+    "/{name}/pending/discard",
+    response={200: BulkOut, **READ_ERRORS},
+    by_alias=True,
+    operation_id="discardPending",
+    summary="Discard every waiting delivery matching a filter",
+)
+def discard_pending(request: HttpRequest, name: str, body: PendingDiscardIn) -> Any:
+    """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Discards the
+    subscription's Pending deliveries that match every field of ``filter`` (all of them with an
+    empty filter), so they never run, in batches of 1000; running deliveries are left alone.
+    ``dryRun`` counts them instead."""
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    selection = operations.PendingSelection(
+        partition_key=body.filter.partition_key,
+        published_from=body.filter.published_from,
+        published_before=body.filter.published_before,
+        error_contains=body.filter.error_contains,
+    )
+    outcome = operations.discard_pending(
+        name, selection, reason=body.reason, dry_run=body.dry_run, actor=actor
+    )
+    if outcome.matched and not outcome.dry_run:
+        _log_bulk(actor, name, f"Discarded {outcome.matched} waiting deliveries", body.reason)
     return outcome
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 from django.utils import timezone
 
 from workqueue.cli import Verb
@@ -103,13 +103,14 @@ class _ResolveDeadLettersVerb(Verb):
                 f"Dry run: {outcome.matched} of {outcome.examined} dead letters of "
                 f"{options['subscription']} match and would be {self.past_tense}."
             )
+        elif outcome.matched == 0:
+            # Nothing to do is not an error, as for a single replay or discard.
+            command.stdout.write(f"Nothing {self.past_tense}: no dead letter matches.")
         else:
             command.stdout.write(
                 f"{self.past_tense.capitalize()} {outcome.matched} of {outcome.examined} dead "
                 f"letters of {options['subscription']} ({outcome.batches} batches)."
             )
-        if not outcome.dry_run and outcome.matched == 0:
-            raise CommandError(f"Nothing {self.past_tense}: no dead letter matches.")
 
 
 class ReplayDeadLettersVerb(_ResolveDeadLettersVerb):
@@ -146,4 +147,80 @@ class DiscardDeadLettersVerb(_ResolveDeadLettersVerb):
         )
 
 
-RECOVERY_VERBS = [ReplayDeadLettersVerb, DiscardDeadLettersVerb]
+class DiscardPendingVerb(Verb):
+    name = "discard-pending"
+    help = (
+        "Discard every waiting (Pending) delivery of a subscription matching the filters, so "
+        "it never runs; running ones are left alone. --dry-run counts them first."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        _subscription_argument(parser)
+        parser.add_argument(
+            "--key",
+            dest="partition_key",
+            default=None,
+            help="Only messages with this partition key.",
+        )
+        parser.add_argument(
+            "--since",
+            type=instant,
+            default=None,
+            help="Only messages published at or after this time.",
+        )
+        parser.add_argument(
+            "--until", type=instant, default=None, help="Only messages published before this time."
+        )
+        parser.add_argument(
+            "--error-contains",
+            default=None,
+            help="Only deliveries whose last failed attempt's error contains this.",
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Count the matching deliveries; change nothing."
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=1000,
+            help="Deliveries per transaction (1..5000; default 1000).",
+        )
+        parser.add_argument(
+            "--discard-reason",
+            required=True,
+            help="Why they are discarded; recorded on each delivery.",
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.operators.operations import PendingSelection, discard_pending
+
+        selection = PendingSelection(
+            partition_key=options["partition_key"],
+            published_from=options["since"],
+            published_before=options["until"],
+            error_contains=options["error_contains"],
+        )
+        outcome = _operation_errors(
+            lambda: discard_pending(
+                options["subscription"],
+                selection,
+                reason=options["discard_reason"],
+                dry_run=options["dry_run"],
+                batch_size=options["batch_size"],
+            )
+        )
+        if options["json"]:
+            command.stdout.write(to_json(dataclasses.asdict(outcome)))
+        elif outcome.dry_run:
+            command.stdout.write(
+                f"Dry run: {outcome.matched} of {outcome.examined} waiting deliveries of "
+                f"{options['subscription']} match and would be discarded."
+            )
+        else:
+            command.stdout.write(
+                f"Discarded {outcome.matched} of {outcome.examined} waiting deliveries of "
+                f"{options['subscription']} ({outcome.batches} batches)."
+            )
+
+
+RECOVERY_VERBS = [ReplayDeadLettersVerb, DiscardDeadLettersVerb, DiscardPendingVerb]

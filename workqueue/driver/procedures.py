@@ -231,6 +231,18 @@ PROCEDURES: dict[str, Procedure] = {
             Grant.OPERATOR,
         ),
         Procedure(
+            "wq_discard_pending",
+            _p(
+                "subscription_id:uuid, keyed:bool, partition_key:text, "
+                "published_from:timestamp, published_before:timestamp, error_contains:text, "
+                "after_visible_at:timestamp, after_delivery_id:uuid, batch_size:int, "
+                "dry_run:bool, actor:text, reason:text"
+            ),
+            _c("examined:int, changed:int, last_visible_at:timestamp, last_delivery_id:uuid"),
+            ResultKind.ONE,
+            Grant.OPERATOR,
+        ),
+        Procedure(
             "wq_discard",
             _p(
                 "subscription_id:uuid, delivery_id:uuid, allow_pending:bool, actor:text, "

@@ -380,7 +380,17 @@ def resolve_dead_letters(
     note = _note(note, "reason" if action == "discard" else "note", required=action == "discard")
     if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
         raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
-    filters = _selection_parameters(selection)
+    filters = {
+        "reason": _note(selection.reason, "reason filter"),
+        **_filter_parameters(
+            partition_key=selection.partition_key,
+            window={
+                "dead_lettered_from": selection.dead_lettered_from,
+                "dead_lettered_before": selection.dead_lettered_before,
+            },
+            error_contains=selection.error_contains,
+        ),
+    }
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
     matched = examined = batches = 0
@@ -401,32 +411,113 @@ def resolve_dead_letters(
         examined += batch["examined"]
         if batch["examined"] < batch_size:
             break
-        after = batch["last_delivery_id"]
+        after = _resume_point(after, batch["last_delivery_id"])
     return BulkOutcome(True, action, dry_run, matched, examined, batches)
 
 
-def _selection_parameters(selection: DeadLetterSelection) -> dict[str, Any]:
-    reason = _note(selection.reason, "reason filter")
-    error_contains = _note(selection.error_contains, "error_contains")
-    key = selection.partition_key
-    if key is not None:
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+@dataclass(frozen=True, slots=True)
+class PendingSelection:
+    """Which waiting deliveries a bulk discard takes; an unset field matches all."""
+
+    partition_key: str | None = None
+    #: Published at or after this instant ...
+    published_from: dt.datetime | None = None
+    #: ... and before this one.
+    published_before: dt.datetime | None = None
+    #: Text the last error of an earlier attempt contains, ignoring case.
+    error_contains: str | None = None
+
+
+def discard_pending(
+    subscription_name: str,
+    selection: PendingSelection,
+    *,
+    reason: str,
+    dry_run: bool = False,
+    batch_size: int = BULK_BATCH_SIZE,
+    actor: Actor = CLI,
+) -> BulkOutcome:
+    """Discard every Pending delivery of a subscription matching ``selection`` (they never
+    run), or count them with ``dry_run``; ``reason`` is recorded on each. Works along the claim
+    indexes in batches of ``batch_size``, each its own transaction, skipping rows a claim holds
+    at that moment: running deliveries are never touched (cancel them one by one)."""
+    name = _name(subscription_name)
+    reason = _note(reason, "reason", required=True)
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
+        raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
+    filters = _filter_parameters(
+        partition_key=selection.partition_key,
+        window={
+            "published_from": selection.published_from,
+            "published_before": selection.published_before,
+        },
+        error_contains=selection.error_contains,
+    )
+    require(actor, OPERATE, subscription=name)
+    subscription = _subscription(name)
+    matched = examined = batches = 0
+    for keyed in (False, True):
+        after: tuple[Any, str] | None = None
+        while True:
+            batch = transport.discard_pending(
+                str(subscription.id),
+                keyed=keyed,
+                selection=filters,
+                after=after,
+                batch_size=batch_size,
+                dry_run=dry_run,
+                actor=actor.name,
+                reason=reason,
+            )
+            batches += 1
+            matched += batch["changed"]
+            examined += batch["examined"]
+            if batch["examined"] < batch_size:
+                break
+            after = _resume_point(after, (batch["last_visible_at"], batch["last_delivery_id"]))
+    return BulkOutcome(True, "discard", dry_run, matched, examined, batches)
+
+
+def _resume_point(previous: Any, following: Any) -> Any:
+    """Where a bulk operation's next batch starts: it must move on from where the last one
+    started, or the same batch would be read forever."""
+    if following is None or following == previous:
+        raise WorkQueueError(
+            "A bulk operation's batch did not move past the rows it read; stopping rather than "
+            "reading them again. Run `manage.py migrate` so the installed procedures match "
+            "this version of django-workqueue."
+        )
+    return following
+
+
+def _filter_parameters(
+    *,
+    partition_key: Any,
+    window: dict[str, dt.datetime | None],
+    error_contains: Any,
+) -> dict[str, Any]:
+    """A bulk operation's filters checked and named as its procedure's parameters: ``window``
+    maps the two bounds' parameter names (from, before) to their instants."""
+    if partition_key is not None:
+        if (
+            not isinstance(partition_key, str)
+            or not partition_key
+            or len(partition_key) > MAX_KEY_LENGTH
+        ):
             raise InvalidInputError(
                 f"partition_key must be 1 to {MAX_KEY_LENGTH} characters of text."
             )
-        key = _storable(key, "partition_key")
-    window = (selection.dead_lettered_from, selection.dead_lettered_before)
-    for instant, what in zip(window, ("dead_lettered_from", "dead_lettered_before"), strict=True):
+        partition_key = _storable(partition_key, "partition_key")
+    for what, instant in window.items():
         if instant is not None and (not isinstance(instant, dt.datetime) or instant.tzinfo is None):
             raise InvalidInputError(f"{what} must be a date and time with its UTC offset.")
-    if None not in window and window[0] >= window[1]:
-        raise InvalidInputError("dead_lettered_from must be earlier than dead_lettered_before.")
+    (start_name, start), (end_name, end) = window.items()
+    if start is not None and end is not None and start >= end:
+        raise InvalidInputError(f"{start_name} must be earlier than {end_name}.")
     return {
-        "reason": reason,
-        "partition_key": key,
-        "dead_lettered_from": window[0],
-        "dead_lettered_before": window[1],
-        "error_contains": error_contains,
+        "partition_key": partition_key,
+        **window,
+        "error_contains": _note(error_contains, "error_contains"),
     }
 
 

@@ -391,6 +391,89 @@ BEGIN
 END;
 $$;
 
+-- wq_discard_pending --
+-- One bounded batch of a bulk discard of waiting work: walks the subscription's Pending
+-- deliveries along one claim index (p_keyed: those with a partition key, else those without),
+-- in (visible_at, id) order after (p_after_visible_at, p_after_delivery_id), at most
+-- p_batch_size of them (clamped to 1..5000; NULL: 1000), and discards those matching every
+-- filter given (NULL matches all): the message's partition key (exactly), its publish time in
+-- [from, before), and the last error of an earlier attempt containing the text (ignoring
+-- case). Rows a claim holds at that moment are skipped (they are running: cancel them one by
+-- one). With p_dry_run nothing changes: changed reports how many would. The last row examined
+-- is where the next batch starts; a batch that examined fewer rows than its size was the last.
+CREATE OR REPLACE FUNCTION wq_discard_pending(
+    p_subscription_id uuid,
+    p_keyed boolean,
+    p_partition_key text,
+    p_published_from timestamptz,
+    p_published_before timestamptz,
+    p_error_contains text,
+    p_after_visible_at timestamptz,
+    p_after_delivery_id uuid,
+    p_batch_size integer,
+    p_dry_run boolean,
+    p_actor text,
+    p_reason text
+)
+RETURNS TABLE (
+    examined integer,
+    changed integer,
+    last_visible_at timestamptz,
+    last_delivery_id uuid
+)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_limit integer := LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000);
+    v_examined integer;
+    v_last_visible_at timestamptz;
+    v_last_id uuid;
+    v_matching uuid[];
+    v_changed integer := 0;
+BEGIN
+    -- Built per call so the key predicate is a literal the planner matches to the partial
+    -- claim index (wq_dlv_claim_keyed_ix or wq_dlv_claim_keyless_ix); the values stay
+    -- parameters.
+    EXECUTE format($query$
+        SELECT count(*), (array_agg(w.visible_at ORDER BY w.visible_at DESC, w.id DESC))[1],
+               (array_agg(w.id ORDER BY w.visible_at DESC, w.id DESC))[1],
+               array_agg(w.id) FILTER (WHERE w.matches)
+          FROM (SELECT d.id, d.visible_at,
+                       ($5 IS NULL OR strpos(lower(coalesce(d.last_error, '')), lower($5)) > 0)
+                       AND ($2 IS NULL AND $3 IS NULL AND $4 IS NULL OR EXISTS (
+                           SELECT 1 FROM workqueue_message m
+                            WHERE m.id = d.message_id
+                              AND ($2 IS NULL OR m.partition_key = $2)
+                              AND ($3 IS NULL OR m.published_at >= $3)
+                              AND ($4 IS NULL OR m.published_at < $4)))
+                       AS matches
+                  FROM workqueue_delivery d
+                 WHERE d.subscription_id = $1 AND d.status = 'Pending'
+                   AND d.partition_key IS %s NULL
+                   AND ($6 IS NULL OR (d.visible_at, d.id) > ($6, $7))
+                 ORDER BY d.visible_at, d.id
+                 LIMIT $8
+                   FOR UPDATE SKIP LOCKED) AS w
+        $query$, CASE WHEN p_keyed THEN 'NOT' ELSE '' END)
+      INTO v_examined, v_last_visible_at, v_last_id, v_matching
+      USING p_subscription_id, p_partition_key, p_published_from, p_published_before,
+            p_error_contains, p_after_visible_at, p_after_delivery_id, v_limit;
+    IF p_dry_run THEN
+        v_changed := coalesce(cardinality(v_matching), 0);
+    ELSE
+        UPDATE workqueue_delivery d
+           SET status = 'Discarded', completed_at = now(),
+               resolved_by = p_actor, resolution_note = left(p_reason, 1000)
+         WHERE d.id = ANY (v_matching) AND d.status = 'Pending';
+        GET DIAGNOSTICS v_changed = ROW_COUNT;
+    END IF;
+    RETURN QUERY SELECT v_examined, v_changed, v_last_visible_at, v_last_id;
+END;
+$$;
+
 -- wq_cancel --
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key

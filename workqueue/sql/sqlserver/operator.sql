@@ -424,6 +424,99 @@ BEGIN
 END;
 GO
 
+-- wq_discard_pending --
+-- One bounded batch of a bulk discard of waiting work: walks the subscription's Pending
+-- deliveries along one claim index (@keyed = 1: those with a partition key, else those without),
+-- in (visible_at, id) order after (@after_visible_at, @after_delivery_id), at most @batch_size
+-- of them (clamped to 1..5000; NULL: 1000), and discards those matching every filter given (NULL
+-- matches all): the message's partition key (exactly), its publish time in [from, before), and
+-- the last error of an earlier attempt containing the text (ignoring case). Rows a claim holds
+-- at that moment are skipped (they are running: cancel them one by one). With @dry_run = 1
+-- nothing changes: changed reports how many would. The last row examined is where the next
+-- batch starts; a batch that examined fewer rows than its size was the last.
+-- returns: examined, changed, last_visible_at, last_delivery_id
+CREATE OR ALTER PROCEDURE dbo.wq_discard_pending
+    @subscription_id uniqueidentifier,
+    @keyed bit,
+    @partition_key nvarchar(4000),
+    @published_from datetimeoffset(7),
+    @published_before datetimeoffset(7),
+    @error_contains nvarchar(4000),
+    @after_visible_at datetimeoffset(7),
+    @after_delivery_id uniqueidentifier,
+    @batch_size int,
+    @dry_run bit,
+    @actor nvarchar(4000),
+    @reason nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @after_key char(32) = dbo.wq_uuid_text(@after_delivery_id);
+    DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
+                              WHEN @batch_size > 5000 THEN 5000
+                              WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
+    DECLARE @batch TABLE (
+        id char(32) PRIMARY KEY,
+        visible_at datetimeoffset(7) NOT NULL,
+        matches bit NOT NULL
+    );
+    DECLARE @changed int = 0;
+
+    BEGIN TRANSACTION;
+    INSERT INTO @batch (id, visible_at, matches)
+    SELECT TOP (@limit) d.id, d.visible_at,
+           CASE WHEN (@error_contains IS NULL
+                      OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
+                 AND (@partition_key IS NULL AND @published_from IS NULL
+                      AND @published_before IS NULL
+                      OR EXISTS (
+                          SELECT 1 FROM dbo.workqueue_message AS m
+                           WHERE m.id = d.message_id
+                             AND (@partition_key IS NULL OR m.partition_key = @partition_key)
+                             AND (@published_from IS NULL OR m.published_at >= @published_from)
+                             AND (@published_before IS NULL
+                                  OR m.published_at < @published_before)))
+                THEN 1 ELSE 0 END
+      FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST)
+     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+       AND ((@keyed = 1 AND d.partition_key IS NOT NULL)
+            OR (@keyed = 0 AND d.partition_key IS NULL))
+       -- The resume point comes back from Python in whole microseconds while visible_at holds
+       -- 100 ns ticks: rows within the microsecond of the last one examined resume by id.
+       AND (@after_visible_at IS NULL
+            OR d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
+            OR (d.visible_at >= @after_visible_at AND d.id > @after_key))
+     ORDER BY d.visible_at, d.id
+    -- Compiled with the values in place, so the key predicate matches a filtered claim index.
+    OPTION (RECOMPILE);
+
+    IF @dry_run = 1
+        SELECT @changed = COUNT(*) FROM @batch WHERE matches = 1;
+    ELSE
+    BEGIN
+        UPDATE d
+           SET status = N'Discarded', completed_at = @now,
+               resolved_by = @actor, resolution_note = LEFT(@reason, 1000)
+          FROM dbo.workqueue_delivery AS d
+          JOIN @batch AS b ON b.id = d.id AND b.matches = 1
+         WHERE d.status = N'Pending';
+        SET @changed = @@ROWCOUNT;
+    END
+    COMMIT TRANSACTION;
+
+    -- result set
+    SELECT (SELECT COUNT(*) FROM @batch) AS examined,
+           @changed AS changed,
+           (SELECT TOP (1) visible_at FROM @batch ORDER BY visible_at DESC, id DESC)
+               AS last_visible_at,
+           dbo.wq_text_uuid((SELECT TOP (1) id FROM @batch ORDER BY visible_at DESC, id DESC))
+               AS last_delivery_id;
+END;
+GO
+
 -- wq_cancel --
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
