@@ -400,7 +400,9 @@ def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(c
     counted = client.post(url, {**form, "operation": "replay", "post": "count"})
     assert counted.status_code == 200
     assert counted.context["form"].errors == {}
-    assert counted.context["counts"] == [(subscription.name, "2 of 7 would be replayed")]
+    assert counted.context["counts"] == [
+        (subscription.name, "2 of 7 dead letters would be replayed")
+    ]
     assert set(statuses(rows["poison"])) == {"DeadLettered"}
 
     applied = client.post(
@@ -409,7 +411,14 @@ def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(c
     assert applied.status_code == 200
     assert statuses(rows["poison"]) == ["Pending"] * 2
     assert set(statuses(rows["timeouts"])) == {"DeadLettered"}
-    assert any("2 of 7 were replayed" in str(m) for m in applied.context["messages"])
+    assert any("2 of 7 dead letters were replayed" in str(m) for m in applied.context["messages"])
+
+    extra = waiting(subscription, 3, key="flood")
+    form = {**form, "dead_letter_reason": "", "partition_key": "flood", "note": "flood"}
+    discarded = client.post(url, {**form, "operation": "discard_pending", "post": "apply"})
+    assert discarded.status_code == 302
+    assert statuses(extra) == ["Discarded"] * 3
+    assert statuses(rows["poison"]) == ["Pending"] * 2  # replayed above: no "flood" key
 
 
 # -- a million dead letters -----------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Bulk recovery from the Subscription admin: replay or discard every dead letter of the
-selected subscriptions that matches a filter, after a dry run that counts them. It acts on all
+selected subscriptions that matches a filter, or discard their matching waiting deliveries,
+after a dry run that counts them. It acts on all
 matching dead letters in the database, not on a page of the list (the same operation as
 ``manage.py workqueue replay-dead-letters`` and ``POST .../dead-letters/replay``)."""
 
@@ -25,20 +26,30 @@ TEMPLATE = "workqueue/admin/dead_letter_recovery.html"
 class DeadLetterRecoveryForm(forms.Form):
     # Not "action": the admin's own POST field of that name names the action being run.
     operation = forms.ChoiceField(
-        choices=[("replay", "Replay (back to Pending)"), ("discard", "Discard")],
+        choices=[
+            ("replay", "Replay dead letters (back to Pending)"),
+            ("discard", "Discard dead letters"),
+            ("discard_pending", "Discard waiting (Pending) deliveries; running ones are left"),
+        ],
         widget=forms.RadioSelect,
         initial="replay",
     )
     dead_letter_reason = forms.CharField(
-        required=False, max_length=100, help_text="e.g. MaxAttemptsExceeded; empty: any."
+        required=False,
+        max_length=100,
+        help_text="Dead letters only: e.g. MaxAttemptsExceeded; empty: any.",
     )
     partition_key = forms.CharField(required=False, max_length=200, help_text="Empty: any.")
-    dead_lettered_from = forms.DateTimeField(
-        required=False, help_text="Dead-lettered at or after (server time zone)."
+    since = forms.DateTimeField(
+        required=False,
+        help_text="Dead-lettered (waiting deliveries: published) at or after this time, in "
+        "the server's time zone.",
     )
-    dead_lettered_before = forms.DateTimeField(required=False, help_text="Dead-lettered before.")
+    before = forms.DateTimeField(required=False, help_text="... and before this time.")
     error_contains = forms.CharField(
-        required=False, max_length=operations.MAX_NOTE_LENGTH, help_text="Any case."
+        required=False,
+        max_length=operations.MAX_NOTE_LENGTH,
+        help_text="Text the last error contains, any case.",
     )
     note = forms.CharField(
         required=False,
@@ -49,18 +60,39 @@ class DeadLetterRecoveryForm(forms.Form):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
-        if data.get("operation") == "discard" and not (data.get("note") or "").strip():
-            self.add_error("note", "Say why the dead letters are discarded.")
+        operation = data.get("operation")
+        if operation != "replay" and not (data.get("note") or "").strip():
+            self.add_error("note", "Say why they are discarded.")
+        if operation == "discard_pending" and data.get("dead_letter_reason"):
+            self.add_error("dead_letter_reason", "Waiting deliveries have no dead-letter reason.")
         return data
 
-    def selection(self) -> operations.DeadLetterSelection:
+    def run(self, subscription_name: str, *, dry_run: bool, actor: Actor) -> Any:
+        """The chosen operation on one subscription (its permission checked there)."""
         data = self.cleaned_data
-        return operations.DeadLetterSelection(
-            reason=data["dead_letter_reason"] or None,
-            partition_key=data["partition_key"] or None,
-            dead_lettered_from=data["dead_lettered_from"],
-            dead_lettered_before=data["dead_lettered_before"],
-            error_contains=data["error_contains"] or None,
+        if data["operation"] == "discard_pending":
+            selection = operations.PendingSelection(
+                partition_key=data["partition_key"] or None,
+                published_from=data["since"],
+                published_before=data["before"],
+                error_contains=data["error_contains"] or None,
+            )
+            return operations.discard_pending(
+                subscription_name, selection, reason=data["note"], dry_run=dry_run, actor=actor
+            )
+        return operations.resolve_dead_letters(
+            subscription_name,
+            data["operation"],
+            operations.DeadLetterSelection(
+                reason=data["dead_letter_reason"] or None,
+                partition_key=data["partition_key"] or None,
+                dead_lettered_from=data["since"],
+                dead_lettered_before=data["before"],
+                error_contains=data["error_contains"] or None,
+            ),
+            dry_run=dry_run,
+            note=data["note"] or None,
+            actor=actor,
         )
 
 
@@ -71,11 +103,15 @@ class DeadLetterRecoveryMixin:
         return may_operate(request)
 
 
-@admin.action(description="Replay or discard dead letters by filter…", permissions=["recover"])
+@admin.action(
+    description="Replay or discard dead letters, or discard waiting work, by filter…",
+    permissions=["recover"],
+)
 def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> Any:
     """First POST: the filter form. "Count" runs a dry run and shows the counts on the same
-    page; "Apply" replays or discards every matching dead letter of each selected
-    subscription, in bounded batches, and records the operation in each one's history."""
+    page; "Apply" replays or discards every matching dead letter (or discards every matching
+    waiting delivery) of each selected subscription, in bounded batches, and records the
+    operation in each one's history."""
     bound = request.POST.get("post") in ("count", "apply")
     form = DeadLetterRecoveryForm(request.POST if bound else None)
     subscriptions = list(queryset.order_by("name").values_list("name", flat=True))
@@ -87,14 +123,7 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
         results = []
         for name in subscriptions:
             try:
-                outcome = operations.resolve_dead_letters(
-                    name,
-                    data["operation"],
-                    form.selection(),
-                    dry_run=dry_run,
-                    note=data["note"] or None,
-                    actor=actor,
-                )
+                outcome = form.run(name, dry_run=dry_run, actor=actor)
             except PermissionDeniedError:
                 results.append((name, "refused: you may not operate this subscription"))
                 continue
@@ -103,14 +132,15 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
                 continue
             verb = "would be" if dry_run else "were"
             done = "replayed" if data["operation"] == "replay" else "discarded"
-            results.append((name, f"{outcome.matched} of {outcome.examined} {verb} {done}"))
+            rows = (
+                "waiting deliveries" if data["operation"] == "discard_pending" else "dead letters"
+            )
+            results.append((name, f"{outcome.matched} of {outcome.examined} {rows} {verb} {done}"))
             if not dry_run and outcome.matched:
                 note = f" (note: {data['note']})" if data["note"] else ""
                 subscription = queryset.get(name=name)
                 modeladmin.log_change(
-                    request,
-                    subscription,
-                    f"{done.capitalize()} {outcome.matched} dead letters{note}",
+                    request, subscription, f"{done.capitalize()} {outcome.matched} {rows}{note}"
                 )
         if not dry_run:
             summary = "; ".join(f"{name}: {text}" for name, text in results)
@@ -124,7 +154,7 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
     request.current_app = modeladmin.admin_site.name
     context = {
         **modeladmin.admin_site.each_context(request),
-        "title": "Replay or discard dead letters",
+        "title": "Replay or discard dead letters, or discard waiting work",
         "subtitle": None,
         "form": form,
         "subscriptions": subscriptions,
