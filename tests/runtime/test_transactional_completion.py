@@ -187,9 +187,7 @@ def test_the_handlers_write_and_the_completion_commit_together_and_nothing_is_se
     assert "wq_complete(" in settle
 
 
-def test_an_outcome_returned_after_a_committed_completion_changes_nothing(
-    rig, statements, caplog
-):
+def test_an_outcome_returned_after_a_committed_completion_changes_nothing(rig, statements, caplog):
     sub = rig.subscription()
 
     with caplog.at_level(logging.WARNING, "workqueue.deliveries"):
