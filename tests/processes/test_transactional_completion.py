@@ -37,6 +37,8 @@ def hosts(tmp_path: Path) -> Iterator[Processes]:
     get_user_model().objects.create_user(SYSTEM_USER)
     txn_handlers.create_effect_table()
     procs = Processes(tmp_path)
+    procs.events = tmp_path / "txn-events.jsonl"
+    procs.env[txn_handlers.EVENT_LOG_ENV] = str(procs.events)
     try:
         yield procs
     finally:

@@ -17,9 +17,9 @@ it names:
 * ``holdAfterCommitMs``: sleep after the block committed, before returning;
 * ``thenReturn``: ``retry`` returns ``Outcome.retry`` after the committed completion.
 
-Each phase is appended as one JSON line to the file named by ``WQ_TEST_EVENT_LOG`` (if set) and
-to ``events`` in this process: ``inside``, ``completed``, ``committed``, ``refused`` (with the
-exception's class), ``rolled_back``.
+Each phase is appended as one JSON line to the file named by ``WQ_TEST_TXN_EVENT_LOG`` (if
+set) and to ``events`` in this process: ``inside``, ``completed``, ``committed``, ``refused``
+(with the exception's class), ``rolled_back``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome, TransientWorkError
 
 EFFECT_TABLE = "wq_test_effect"
-EVENT_LOG_ENV = "WQ_TEST_EVENT_LOG"
+EVENT_LOG_ENV = "WQ_TEST_TXN_EVENT_LOG"
 
 events: list[dict[str, Any]] = []
 
