@@ -3,7 +3,7 @@ and the completion commit or roll back together, the runtime settles nothing aft
 completion, a stale or cancelled holder is refused, the row lock fences the delivery until the
 handler's transaction ends (heartbeats, the lease horizon, the sweeper and other claimers leave
 it alone meanwhile), the errors that name a misuse, the EXECUTE-only runtime role, and test mode.
-The same guarantees across SIGKILL and SIGSTOP: tests/processes/test_transactional_completion.py.
+The same guarantees across SIGKILL and SIGSTOP: tests/processes/test_exactly_once_effects.py.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ completes transactionally in the same ``transaction.atomic()``. Its payload says
 or fail; an ``int`` applies to every attempt, an object ``{"<attempt>": value}`` to the attempts
 it names:
 
-* ``holdInsideMs``: sleep after the row is written, before completing (a kill lands in the block);
+* ``chainTopic``: publish the next step there, enlisted, after writing the row;
+* ``holdInsideMs``: sleep after that, before completing (a kill lands in the block);
 * ``sleepMs``: the same, but stopping early on the abort signal (then raising, to roll back);
-* ``chainTopic``: publish the next step there, enlisted, before completing;
 * ``holdAfterCompleteMs``: sleep after completing, still in the block (the row lock is held);
 * ``heartbeatAfterComplete``: call ``context.heartbeat()`` there (it must not wait for the lock);
 * ``raiseAfterComplete`` (or ``failPercent``, chosen per message and attempt): raise in the block
@@ -111,13 +111,13 @@ class EffectHandler(BaseWorkHandler):
                         "VALUES (%s, %s, %s, %s)",
                         [message.message_id, context.delivery_id, context.attempt, os.getpid()],
                     )
+                if payload.get("chainTopic"):
+                    publish(payload["chainTopic"], {"after": message.message_id}, enlist=True)
                 _record("inside", message, context)
                 if option("holdInsideMs"):
                     time.sleep(option("holdInsideMs") / 1000)
                 if option("sleepMs") and context.signal.wait(option("sleepMs") / 1000):
                     raise TransientWorkError(f"stopped: {context.signal.reason}")
-                if payload.get("chainTopic"):
-                    publish(payload["chainTopic"], {"after": message.message_id}, enlist=True)
                 context.complete(enlist=True)
                 _record("completed", message, context)
                 if option("heartbeatAfterComplete"):
