@@ -10,7 +10,9 @@ from typing import Any
 
 __all__ = [
     "BaseWorkHandler",
+    "Cancelled",
     "FatalWorkError",
+    "LeaseLost",
     "Outcome",
     "PublishRejectedError",
     "TransientWorkError",
@@ -30,6 +32,8 @@ _EXPORTS = {
     "Outcome": "workqueue.runtime.outcome",
     "FatalWorkError": "workqueue.runtime.outcome",
     "TransientWorkError": "workqueue.runtime.outcome",
+    "LeaseLost": "workqueue.exceptions",
+    "Cancelled": "workqueue.exceptions",
 }
 
 

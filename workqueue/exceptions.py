@@ -82,6 +82,25 @@ class UniqueViolationError(DriverError):
     """A unique constraint rejected a write (for example a lost race for a partition key)."""
 
 
+class LeaseLost(WorkQueueError):
+    """The delivery is no longer this handler's to settle: its lease expired and another
+    consumer may hold it now. ``context.complete(enlist=True)`` raises it, having completed
+    nothing, so that the ``transaction.atomic()`` block it leaves rolls back the handler's
+    writes with it. Catching ``LeaseLost`` catches ``Cancelled`` too."""
+
+
+class Cancelled(LeaseLost):
+    """An operator cancelled the running delivery (discard of an InFlight delivery), so it may
+    no longer be completed; raised like ``LeaseLost``. The runtime acknowledges the cancel
+    (the delivery becomes Discarded) once the handler returns."""
+
+
+class EnlistError(WorkQueueError):
+    """``context.complete(enlist=True)`` cannot settle inside a transaction here: none is open
+    on the work queue's database alias, the transaction is on another alias, the handler has
+    already returned, or the delivery was already completed. The message names the fix."""
+
+
 class UnsupportedDatabaseError(WorkQueueConfigurationError):
     """The configured database vendor has no work-queue driver."""
 

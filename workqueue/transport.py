@@ -2,7 +2,8 @@
 
 ``Receiver`` is what a consumer holds for one subscription (receive, heartbeat, settle);
 the module functions are the operator and sweeper primitives. Everything here is one procedure
-call on the driver's own connection, so none of it ever rides the caller's transaction.
+call on the driver's own connection, so none of it rides the caller's transaction, except a
+completion explicitly given the caller's connection (``context.complete(enlist=True)``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
@@ -31,6 +32,9 @@ from workqueue.types import (
     SettleOutcome,
     SettleResult,
 )
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
 
 EXPIRE_BATCH_SIZE = 500
 BACKLOG_CAP = 1000
@@ -135,10 +139,14 @@ class Receiver:
             "wq_return_rate_tokens", {"subscription_id": self.subscription_id, "unused": unused}
         )
 
-    def complete(self, delivery: ClaimedDelivery) -> SettleResult:
-        return _settled(
-            self.driver.call_rowcount("wq_complete", _fence(delivery)), DeliveryStatus.COMPLETED
-        )
+    def complete(
+        self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
+    ) -> SettleResult:
+        """Complete ``delivery`` (fenced by its lease token) on the driver's own connection, or,
+        given the caller's ``connection``, inside the caller's open transaction: the completion
+        then commits or rolls back with it, and the row stays locked until it does."""
+        affected = self.driver.call_rowcount("wq_complete", _fence(delivery), connection=connection)
+        return _settled(affected, DeliveryStatus.COMPLETED)
 
     def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]:
         """Complete several deliveries in one round trip; results keyed by delivery id."""

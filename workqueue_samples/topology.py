@@ -1,5 +1,6 @@
 """The sample topology: topic ``samples.hello`` fanning out to one subscription per partition
-mode. ``seed()`` is idempotent: it creates what is missing and leaves the rest alone."""
+mode, and topic ``samples.guestbook`` with its one subscription. ``seed()`` is idempotent: it
+creates what is missing and leaves the rest alone."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ SUBSCRIPTIONS = {
     "samples.hello-exclusive": "Exclusive",
     "samples.hello-ordered": "Ordered",
 }
+GUESTBOOK = "samples.guestbook"
 
 
 @transaction.atomic
@@ -58,4 +60,23 @@ def seed() -> list[str]:
             subscription.full_clean()
             subscription.save()
             created.append(f"subscription {name}")
+    guestbook, new = Topic.objects.get_or_create(
+        name=GUESTBOOK,
+        defaults={"transport": transport, "description": "Guestbook entries, written once each."},
+    )
+    if new:
+        created.append(f"topic {GUESTBOOK}")
+    if not Subscription.objects.filter(name=GUESTBOOK).exists():
+        subscription = Subscription(
+            topic=guestbook,
+            name=GUESTBOOK,
+            max_attempts=3,
+            backoff_base_seconds=1,
+            backoff_max_seconds=30,
+            handler_key="samples.guestbook",
+            description="Exactly-once effects: the entry and the completion commit together.",
+        )
+        subscription.full_clean()
+        subscription.save()
+        created.append(f"subscription {GUESTBOOK}")
     return created

@@ -1,4 +1,4 @@
-"""The hello-world handler, registered under ``samples.hello``.
+"""The sample handlers: hello-world (``samples.hello``) and the guestbook (``samples.guestbook``).
 
 Its payload switches exercise every path through the runtime (all optional; unknown or
 ill-typed fields are ignored):
@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import transaction
+
 from workqueue import BaseWorkHandler, FatalWorkError, Outcome, TransientWorkError, register_handler
+from workqueue.conf import get_settings
 from workqueue.runtime.context import WorkContext, WorkMessage
+from workqueue_samples.models import GuestbookEntry
 
 
 def _int(value: Any) -> int | None:
@@ -51,4 +55,27 @@ class HelloWorldHandler(BaseWorkHandler):
             raise TransientWorkError(
                 f"Failing until attempt {fail_until} (this is attempt {context.attempt})"
             )
+        return Outcome.complete()
+
+
+@register_handler("samples.guestbook")
+class GuestbookHandler(BaseWorkHandler):
+    """Signs the guestbook once per message, whatever happens to the process: the entry and the
+    delivery's completion commit in one transaction (``context.complete(enlist=True)``).
+    ``failAfterWriting`` fails the first attempt after both were written, so both roll back and
+    the retry writes the only entry."""
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        payload = message.payload if isinstance(message.payload, dict) else {}
+        name = payload.get("name") if isinstance(payload.get("name"), str) else "World"
+        with transaction.atomic(using=get_settings().DATABASE_ALIAS):
+            GuestbookEntry.objects.create(
+                name=name, message_id=message.message_id, attempt=context.attempt
+            )
+            context.complete(enlist=True)
+            if payload.get("failAfterWriting") and context.attempt == 1:
+                raise TransientWorkError(
+                    "Failing after writing the entry: the entry and the completion roll back",
+                    retry_after_seconds=1,
+                )
         return Outcome.complete()

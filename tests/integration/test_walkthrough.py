@@ -41,6 +41,7 @@ def test_the_walkthrough_has_commands_for_every_step():
         "X-API-Key",
         "dashboard",
         "greet.enqueue",
+        "samples.guestbook",
     ):
         assert command in script
 
@@ -80,8 +81,12 @@ def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_da
     assert re.search(r"venue-3\s+Blocked", out)
     assert "Replayed" in out
     assert "SUCCESSFUL Hello, Ada!" in out  # a Tasks API task, its result read in a new process
+    # The guestbook: the failed attempt's entry rolled back with its completion.
+    assert "guestbook: [('Grace', 2)]" in out
     assert "Discarded" in out and "Cancel requested" in out
-    first, second = re.findall(r"^(Accepted|Duplicate) ([0-9a-f-]{36})$", out, re.M)[-2:]
+    published = re.findall(r"^(Accepted|Duplicate) ([0-9a-f-]{36})$", out, re.M)
+    duplicate = next(n for n, (status, _) in enumerate(published) if status == "Duplicate")
+    first, second = published[duplicate - 1 : duplicate + 1]
     assert (first[0], second[0]) == ("Accepted", "Duplicate") and first[1] == second[1]
     assert '"status":"Accepted"' in out.replace(" ", "")
     assert "without a key: 401" in out

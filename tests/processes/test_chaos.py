@@ -8,6 +8,11 @@ published through the REST API by one producer per key that awaits each acceptan
 demand: ``pytest -m slow tests/processes/test_chaos.py``; its REST publishing runs at a small
 size in the default suite.
 
+A fourth subscription of the same topic (``chaos-txn``, handler ``tests.txn.effect``) writes one
+row per run to a table and completes in the same transaction (``context.complete(enlist=True)``),
+failing after the completion now and then (so both roll back) and dying with its host: at the
+end every message has exactly one row, written by the attempt that completed.
+
 It passes when every delivery ends Completed, DeadLettered or Discarded; a sampler reading the
 table throughout never sees two InFlight rows of one (subscription, key); the handlers' own
 event log (start and finish of every execution, written by each process on the system-wide
@@ -38,6 +43,7 @@ from tests.api.factories import ApiKeyFactory
 from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
+from tests.runtime import txn_handlers
 from workqueue import publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery
@@ -306,8 +312,10 @@ def publish_through_rest_api(
 @pytest.fixture
 def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
     get_user_model().objects.create_user(SYSTEM_USER)
+    txn_handlers.create_effect_table()
     procs = Processes(tmp_path)
     procs.env.update(
+        WORKQUEUE_HANDLER_MODULES="tests.runtime.handlers,tests.runtime.txn_handlers",
         WORKQUEUE_SWEEPER_INTERVAL_MS="500",
         WORKQUEUE_SHUTDOWN_DRAIN_MS=str(DRAIN_MS),
         WORKQUEUE_IDLE_POLL_MIN_MS="20",
@@ -318,6 +326,7 @@ def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
     finally:
         procs.close()
         get_driver().close()
+        txn_handlers.drop_effect_table()
 
 
 def backends_of(pid: int) -> int:
@@ -346,7 +355,17 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         )
         for mode in MODES
     }
-    names = [s.name for s in subs.values()]
+    # Exactly-once effects: its handler's row and its completion commit together.
+    txn = SubscriptionFactory(
+        topic=topic,
+        name="chaos-txn",
+        handler_key="tests.txn.effect",
+        lease_seconds=LEASE_SECONDS,
+        max_attempts=10,
+        backoff_base_seconds=1,
+        backoff_max_seconds=2,
+    )
+    names = [*(s.name for s in subs.values()), txn.name]
 
     def start_host() -> Any:
         return procs.host(*names, concurrency=size.concurrency)
@@ -413,17 +432,26 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         thread.start()
     publishing_began = time.monotonic()
     orphans: list[tuple[str, int]] = []  # (delivery id, attempt) running when its host died
+    txn_orphans: list[tuple[str, int]] = []  # the same, of the transactional subscription
     reaped_at: dict[int, int] = {}  # killed host pid -> when it was reaped (monotonic ns)
     try:
         for at in size.kill_at:
             time.sleep(max(0.0, publishing_began + at - time.monotonic()))
             victim = hosts["a"]
-            held = Delivery.objects.filter(
+            on_victim = Delivery.objects.filter(
                 status="InFlight", lease_owner__contains=f":{victim.pid}:"
             )
-            # Kill while it runs a handler of 300 ms or more: still running when the kill lands.
+            held = on_victim.filter(subscription__in=list(subs.values()))
+            txn_held = on_victim.filter(subscription=txn)
+            # Kill while it runs handlers of 300 ms or more, a transactional one among them:
+            # still running when the kill lands.
             long_held = held.filter(message__payload__sleepMs__gte=300)
-            wait_until(long_held.exists, timeout=10, interval=0.01)
+            txn_long_held = txn_held.filter(message__payload__sleepMs__gte=300)
+            wait_until(
+                lambda a=long_held, b=txn_long_held: a.exists() and b.exists(),
+                timeout=10,
+                interval=0.01,
+            )
             assert backends_of(victim.pid) > 0, "host connections carry application_name"
             victim.popen.kill()
             victim.wait(timeout=10)
@@ -432,6 +460,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             # server backend; only once those backends are gone is "still InFlight" final.
             wait_until(lambda pid=victim.pid: not backends_of(pid), timeout=10, interval=0.01)
             orphans += [(str(i), n) for i, n in held.values_list("id", "attempt_count")]
+            txn_orphans += [(str(i), n) for i, n in txn_held.values_list("id", "attempt_count")]
             hosts["a"] = start_host()
         threads[2].join(timeout=size.publish_seconds + 120)
         assert not publisher_error, publisher_error
@@ -440,8 +469,11 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         open_statuses = ["Pending", "InFlight"]
 
         def settled() -> bool:
-            rows = Delivery.objects.filter(subscription__in=list(subs.values()))
-            return rows.count() == expected and not rows.filter(status__in=open_statuses).exists()
+            rows = Delivery.objects.filter(subscription__in=[*subs.values(), txn])
+            return (
+                rows.count() == expected + size.messages
+                and not rows.filter(status__in=open_statuses).exists()
+            )
 
         wait_until(settled, timeout=size.drain_timeout, interval=0.25)
     finally:
@@ -553,12 +585,34 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         assert by_time == sorted(by_time), f"{key}: completed out of publish order"
         assert len({at for at, _ in done}) == len(done), f"{key}: equal completion times"
 
+    # -- exactly-once effects: one row per message, by the attempt that completed ---------------
+    txn_rows = {
+        str(r["message_id"]): (r["status"], r["attempt_count"])
+        for r in Delivery.objects.filter(subscription=txn).values(
+            "message_id", "status", "attempt_count"
+        )
+    }
+    assert {status for status, _ in txn_rows.values()} == {"Completed"}
+    written: dict[str, list[int]] = defaultdict(list)
+    for message_id, attempt in txn_handlers.effects():
+        written[message_id].append(attempt)
+    assert len(written) == size.messages
+    assert {m: written[m] for m in txn_rows} == {m: [a] for m, (_, a) in txn_rows.items()}
+    retried_txn = sum(attempts > 1 for _, attempts in txn_rows.values())
+    assert retried_txn > 0, "no transactional run was rolled back and retried"
+    if size.proves_recovery:
+        assert txn_orphans, "no transactional delivery was running on the killed host"
+    txn_final = dict(Delivery.objects.filter(subscription=txn).values_list("id", "attempt_count"))
+    txn_final = {str(delivery_id): attempts for delivery_id, attempts in txn_final.items()}
+    assert all(txn_final[d] > attempt for d, attempt in txn_orphans)
+
     print(
         f"chaos {size.messages} messages: {elapsed:.1f}s, statuses {dict(statuses)}, "
         f"{len(orphans)} orphaned by kills, cancels {len(canceller.requested)} running + "
         f"{len(canceller.discarded)} pending ({len(ignored)} ignored past the drain), "
         f"{len(runs)} handler executions, {sampler.samples} samples "
-        f"(max keyed in flight {sampler.max_keyed_in_flight})"
+        f"(max keyed in flight {sampler.max_keyed_in_flight}); transactional: "
+        f"{retried_txn} retried, {len(txn_orphans)} orphaned by kills, one row each"
     )
 
 

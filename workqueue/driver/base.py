@@ -389,8 +389,14 @@ class BaseDriver:
             raise DriverError(f"{name} returned {len(rows)} rows where one was expected")
         return rows[0]
 
-    def call_rowcount(self, name: str, params: Mapping[str, Any] | None = None) -> int:
-        return int(self.call_one(name, params)["affected_rows"])
+    def call_rowcount(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+    ) -> int:
+        return int(self.call_one(name, params, connection=connection)["affected_rows"])
 
     # -- values ----------------------------------------------------------------------------
 

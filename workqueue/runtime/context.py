@@ -11,6 +11,8 @@ from typing import Any
 
 from django.db import models
 
+from workqueue.exceptions import EnlistError
+
 
 class AbortReason(models.TextChoices):
     CANCELLED = "Cancelled"  # an operator discarded the running delivery
@@ -105,6 +107,10 @@ class WorkContext:
     renews the lease now (``Manual`` subscriptions must call it within every lease); it returns
     False once the lease is lost, the delivery was cancelled or the time cap passed, and the
     handler should then stop.
+
+    ``complete(enlist=True)`` completes the delivery inside the handler's open
+    ``transaction.atomic()``, so the handler's database writes and the completion commit or roll
+    back together (README "Exactly-once effects for database work").
     """
 
     subscription_name: str
@@ -116,6 +122,31 @@ class WorkContext:
     stopping: StopNotice
     logger: logging.LoggerAdapter
     _heartbeat: Callable[[Mapping[str, Any] | None], bool] = field(repr=False)
+    _complete: Callable[[], None] = field(repr=False)
 
     def heartbeat(self, progress: Mapping[str, Any] | None = None) -> bool:
         return self._heartbeat(progress)
+
+    def complete(self, *, enlist: bool = False) -> None:
+        """Complete this delivery in the transaction open on the work queue's database alias.
+
+        Call it inside the ``transaction.atomic(using=...)`` block that makes the handler's
+        changes: the completion is the same fenced ``wq_complete`` any completion runs, on the
+        caller's connection, and commits or rolls back with the block. The runtime then
+        settles nothing more for this delivery, whatever the handler returns, once the block
+        has committed; after a rollback the handler's outcome is settled as usual.
+
+        Raises ``LeaseLost`` (or its subclass ``Cancelled``) when the delivery may no longer
+        be completed, having completed nothing: let it leave the block so the block rolls back.
+        Raises ``EnlistError`` when no transaction is open on the queue's alias, the
+        transaction is on another alias, or the handler has already returned. Calling it
+        again in the same open transaction does nothing. Until the block ends the delivery's
+        row stays locked: keep what follows the call short.
+        """
+        if not enlist:
+            raise EnlistError(
+                "context.complete() completes only inside your transaction: call "
+                "context.complete(enlist=True) within transaction.atomic(), or return "
+                "Outcome.complete() to complete when the handler returns."
+            )
+        self._complete()

@@ -17,6 +17,11 @@ Abort reasons decide how the outcome is settled:
   hands the delivery back for the next host instead of spending an attempt and a backoff.
 * MaxProcessingSeconds: renewals stop; the eventual outcome is settled as usual (the fence
   rejects it if the lease ran out meanwhile).
+
+A handler that completed its delivery inside its own transaction (``context.complete(enlist=
+True)``, see ``workqueue.runtime.enlisted``) decides before all of these: once that transaction
+has committed (or is still open when the handler returns, inside an outer one) the runtime
+settles nothing, whatever the handler returned; if it rolled back, the rules above apply.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from typing import Any, TypeVar
 from django.db import close_old_connections
 
 from workqueue import metrics, signals
-from workqueue.exceptions import TransientDriverError, WorkQueueError
+from workqueue.exceptions import (
+    Cancelled,
+    EnlistError,
+    LeaseLost,
+    TransientDriverError,
+    WorkQueueError,
+)
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import (
     AbortReason,
@@ -43,6 +54,7 @@ from workqueue.runtime.context import (
     WorkContext,
     WorkMessage,
 )
+from workqueue.runtime.enlisted import EnlistedCompletion, cancel_requested, open_transaction
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
 from workqueue.runtime.plan import SubscriptionPlan
@@ -61,6 +73,9 @@ MAX_REASON_LENGTH = 100
 # 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
 RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
+# How often the lease horizon looks again while a handler's open transaction holds the
+# delivery's row (after context.complete(enlist=True)): nobody else can take the row until then.
+HELD_ROW_RECHECK_SECONDS = 1.0
 
 T = TypeVar("T")
 
@@ -150,6 +165,10 @@ class DeliveryExecution:
         self._beat_retry_seconds = RETRY_MIN_SECONDS
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
+        # context.complete(enlist=True): the completion run in the handler's transaction, and
+        # whether one is being run right now (no renewal may start meanwhile).
+        self._enlisted: EnlistedCompletion | None = None
+        self._enlisting = False
         self.log = logging.LoggerAdapter(
             logger,
             {
@@ -227,6 +246,7 @@ class DeliveryExecution:
                 logging.getLogger(f"workqueue.handlers.{self.plan.handler_key}"), self.log.extra
             ),
             _heartbeat=self._beat,
+            _complete=self._complete_in_transaction,
         )
         # The handler may use the ORM: give it fresh connections, like a request would.
         self.services.refresh_connections()
@@ -274,14 +294,29 @@ class DeliveryExecution:
         # The local horizon aborts the handler even when a renewal call hangs: past it the
         # lease has surely expired in the database and another consumer may own the delivery.
         # A failed renewal does not move it, so one lost heartbeat aborts nothing by itself.
+        deadline = self._lease_deadline
         timer = self.services.timers.schedule(
-            self._lease_deadline - time.monotonic(),
-            lambda: self.signal.abort(AbortReason.LEASE_LOST),
+            deadline - time.monotonic(), lambda: self._horizon_reached(deadline)
         )
         with self._lock:
             previous, self._horizon = self._horizon, timer
         if previous is not None:
             previous.cancel()
+
+    def _horizon_reached(self, deadline: float) -> None:
+        if self._finished or self._lease_deadline > deadline:
+            return  # settling already, or renewed since: a newer horizon watches the lease
+        if self._holds_row_in_transaction():
+            # The handler's open transaction holds the row, so nobody can take the delivery
+            # over yet; whether the lease is lost depends on how that transaction ends.
+            self._timers.append(
+                self.services.timers.schedule(
+                    HELD_ROW_RECHECK_SECONDS, lambda: self._horizon_reached(deadline)
+                )
+            )
+            return
+        if not self._completed_in_transaction():
+            self.signal.abort(AbortReason.LEASE_LOST)
 
     def _schedule_auto_heartbeat(self) -> None:
         def tick() -> None:
@@ -302,6 +337,7 @@ class DeliveryExecution:
     def _stopped_renewing(self) -> bool:
         return (
             self._finished
+            or self._completed_in_transaction()
             or self.signal.has(AbortReason.LEASE_LOST)
             or self.signal.has(AbortReason.CANCELLED)
             or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
@@ -312,6 +348,10 @@ class DeliveryExecution:
         if self._stopped_renewing():
             return False
         with self._lock:
+            if self._holds_row_in_transaction():
+                # The handler's transaction holds the row (and with it the delivery) until it
+                # ends; a renewal on our own connection would wait for it.
+                return True
             shared = self._beat_in_flight
             if shared is None:
                 shared = self._beat_in_flight = Future()
@@ -335,7 +375,10 @@ class DeliveryExecution:
                 self.signal.abort(AbortReason.CANCELLED)
             else:
                 held = False
-                self.signal.abort(AbortReason.LEASE_LOST)
+                # Not lost but completed, when the handler's transaction committed while this
+                # renewal was on its way.
+                if not self._completed_in_transaction():
+                    self.signal.abort(AbortReason.LEASE_LOST)
         except WorkQueueError as exc:
             # A failed call is not a lost lease: keep running, and the horizon still aborts the
             # handler if renewals keep failing past the lease. A lost connection is worth
@@ -354,6 +397,81 @@ class DeliveryExecution:
         self._beat_retry_seconds = min(delay * 2, RETRY_MAX_SECONDS)
         if time.monotonic() + delay < self._lease_deadline:
             self._timers.append(self.services.timers.schedule(delay, self.check_lease_soon))
+
+    # -- completing inside the handler's transaction ----------------------------------------
+
+    def _holds_row_in_transaction(self) -> bool:
+        """Whether a completion in the handler's transaction is being run or awaits its end."""
+        enlisted = self._enlisted
+        return self._enlisting or (
+            enlisted is not None and enlisted.state() == EnlistedCompletion.PENDING
+        )
+
+    def _completed_in_transaction(self) -> bool:
+        enlisted = self._enlisted
+        return enlisted is not None and enlisted.state() == EnlistedCompletion.COMMITTED
+
+    def _complete_in_transaction(self) -> None:
+        """``context.complete(enlist=True)``: run ``wq_complete`` in the handler's transaction
+        (see ``workqueue.runtime.enlisted``)."""
+        if self._finished:
+            raise EnlistError(
+                f"context.complete(enlist=True) was called for delivery "
+                f"{self.delivery.delivery_id} after its handler returned, when the delivery is "
+                "no longer running: call it inside handle(), in the transaction that makes "
+                "your changes."
+            )
+        connection = open_transaction(self.services.receiver.driver.alias)
+        with self._lock:
+            enlisted = self._enlisted
+            if enlisted is not None:
+                state = enlisted.state()
+                if state == EnlistedCompletion.PENDING and enlisted.connection is connection:
+                    return  # already completed in this very transaction
+                if state != EnlistedCompletion.ROLLED_BACK:
+                    raise EnlistError(
+                        f"Delivery {self.delivery.delivery_id} was already completed in "
+                        + (
+                            "a transaction that has committed"
+                            if state == EnlistedCompletion.COMMITTED
+                            else "another transaction that is still open"
+                        )
+                        + ": complete it once, in the transaction that makes your changes."
+                    )
+            if self._enlisting:
+                raise EnlistError(
+                    f"Delivery {self.delivery.delivery_id} is being completed by another "
+                    "thread right now: complete it once."
+                )
+            self._enlisting = True
+            renewal = self._beat_in_flight
+        try:
+            if renewal is not None:
+                # Let it finish first: once the row is locked below, it would wait for the
+                # handler's transaction.
+                renewal.result()
+            settled = self.services.receiver.complete(self.delivery, connection=connection)
+            if settled.settled:
+                self._enlisted = EnlistedCompletion(connection)
+                return
+        finally:
+            self._enlisting = False
+        if self.signal.has(AbortReason.CANCELLED) or cancel_requested(
+            connection.alias, self.delivery.delivery_id
+        ):
+            self.signal.abort(AbortReason.CANCELLED)
+            raise Cancelled(
+                f"Delivery {self.delivery.delivery_id} was cancelled by an operator while it "
+                "ran, so it was not completed: let this exception leave the "
+                "transaction.atomic() block, so that your changes roll back."
+            )
+        self.signal.abort(AbortReason.LEASE_LOST)
+        raise LeaseLost(
+            f"Delivery {self.delivery.delivery_id} (attempt {self.delivery.attempt}) is no "
+            "longer held by this handler (its lease expired; another consumer may run it), so "
+            "it was not completed: let this exception leave the transaction.atomic() block, so "
+            "that your changes roll back."
+        )
 
     # -- settling --------------------------------------------------------------------------
 
@@ -378,6 +496,14 @@ class DeliveryExecution:
 
     def _settle(self, decision: _Decision) -> ExecutionResult:
         self._finished = True  # the handler returned: no renewal starts after this
+        enlisted = self._enlisted
+        if enlisted is not None:
+            if enlisted.state() != EnlistedCompletion.ROLLED_BACK:
+                return self._completed_by_handler(decision)
+            if time.monotonic() >= self._lease_deadline:
+                # The horizon waited while the handler's transaction held the row; with that
+                # transaction rolled back, the passed lease counts as lost, as it would have.
+                self.signal.abort(AbortReason.LEASE_LOST)
         receiver = self.services.receiver
         try:
             if self.signal.has(AbortReason.CANCELLED):
@@ -428,6 +554,21 @@ class DeliveryExecution:
             # The row is left for lease expiry, which retries or dead-letters it.
             self.log.error("Delivery settle failed (%s): %s", self._where, exc)
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
+
+    def _completed_by_handler(self, decision: _Decision) -> ExecutionResult:
+        """The handler's own transaction completed the delivery (or will, with the outer
+        transaction still open around it): nothing is settled again."""
+        if decision.kind != Outcome.COMPLETE:
+            self.log.warning(
+                "The handler completed the delivery in its transaction, then %s (%s); the "
+                "completion stands and nothing else is recorded",
+                f"raised {_first_line(decision.error)}"
+                if decision.exception is not None and decision.error
+                else f"returned {decision.kind}",
+                self._where,
+                exc_info=decision.exception,
+            )
+        return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.COMPLETED)
 
     def _dead_letter(
         self, reason: str, error: str | None, exception: BaseException | None

@@ -1,15 +1,24 @@
 """The handler that runs Tasks API tasks in the host (handler key ``workqueue.tasks``).
 
-A run records itself (``TaskResult``), calls the task (a coroutine through the API's own
-``Task.call``, which runs it on an event loop), and stores the return value before the delivery
-is completed. A task that raises has its exception recorded and re-raised, so the executor
-applies the subscription's policy: retried with backoff, dead-lettered on the last attempt.
-Tasks may raise ``FatalWorkError`` (dead-letter now) or ``TransientWorkError(retry_after_seconds)``
-as any handler may.
+A run records itself (``TaskResult``), then calls the task (a coroutine through the API's own
+``Task.call``, which runs it on an event loop), stores the return value and completes the
+delivery, all in one transaction on the work queue's database alias (``context.complete(enlist=
+True)``): the task's own database work on that alias, its SUCCESSFUL result and the completion
+commit together, or not at all. A task that raises rolls its work back, has its exception
+recorded and re-raised, so the executor applies the subscription's policy: retried with
+backoff, dead-lettered on the last attempt. Tasks may raise ``FatalWorkError`` (dead-letter now)
+or ``TransientWorkError(retry_after_seconds)`` as any handler may. A run that finds its lease
+lost at completion (``LeaseLost``) keeps nothing and records no error: it was not the task's.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.db import transaction
+
+from workqueue.conf import get_settings
+from workqueue.exceptions import LeaseLost
 from workqueue.models import Delivery
 from workqueue.runtime.context import WorkContext, WorkMessage
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
@@ -59,22 +68,24 @@ class TaskHandler(BaseWorkHandler):
         backend_class = type(task.get_backend())
         send(api.task_started, backend_class, running)
         try:
-            if task.takes_context:
-                value = task.call(
-                    api.TaskContext(task_result=running), *task_message.args, **task_message.kwargs
-                )
-            else:
-                value = task.call(*task_message.args, **task_message.kwargs)
+            with transaction.atomic(using=get_settings().DATABASE_ALIAS):
+                value = _call(task, running, task_message)
+                try:
+                    require_json_round_trip(value, "The task's return value")
+                except (TypeError, ValueError) as exc:
+                    raise _UnusableReturnValue(exc) from exc
+                record = record_success(result_id, value)
+                context.complete(enlist=True)
+        except LeaseLost:
+            raise
+        except _UnusableReturnValue as unusable:
+            record_failure(result_id, unusable.error)
+            # Running it again would return the same kind of value: dead-letter it now.
+            raise FatalWorkError(str(unusable.error)) from unusable.error
         except Exception as exc:
+            # Recorded after the rollback, on its own: the failure outlives the task's work.
             record_failure(result_id, exc)
             raise
-        try:
-            require_json_round_trip(value, "The task's return value")
-        except (TypeError, ValueError) as exc:
-            record_failure(result_id, exc)
-            # Running it again would return the same kind of value: dead-letter it now.
-            raise FatalWorkError(str(exc)) from exc
-        record = record_success(result_id, value)
         finished = build_result(
             task,
             result_id,
@@ -85,3 +96,17 @@ class TaskHandler(BaseWorkHandler):
         )
         send(api.task_finished, backend_class, finished)
         return Outcome.complete()
+
+
+class _UnusableReturnValue(Exception):
+    """The task returned a value that does not round-trip through JSON."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _call(task: api.Task, running: api.TaskResult, message: TaskMessage) -> Any:
+    if task.takes_context:
+        return task.call(api.TaskContext(task_result=running), *message.args, **message.kwargs)
+    return task.call(*message.args, **message.kwargs)

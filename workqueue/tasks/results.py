@@ -29,8 +29,8 @@ def read_result(result_id: str) -> api.TaskResult:
     )
     if delivery is None:
         raise api.TaskResultDoesNotExist(result_id)
-    # Read after the delivery: the host writes the row before it settles the delivery, so a
-    # Completed delivery always finds its return value here.
+    # Read after the delivery: the host writes the return value in the transaction that
+    # completes the delivery, so a Completed delivery always finds it here.
     record = TaskResult.objects.filter(pk=message_id).first()
     try:
         message = TaskMessage.from_payload(delivery.message.payload)

@@ -13,7 +13,8 @@ from workqueue_samples.topology import seed
 
 class Command(BaseCommand):
     help = (
-        "seed: create the sample topology (topic samples.hello, three subscriptions); "
+        "seed: create the sample topology (topic samples.hello, three subscriptions; topic "
+        "samples.guestbook, one); "
         "demo: seed, publish sample work and process it."
     )
 

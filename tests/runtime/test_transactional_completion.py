@@ -1,0 +1,577 @@
+"""``context.complete(enlist=True)`` in one process against PostgreSQL: the handler's writes
+and the completion commit or roll back together, the runtime settles nothing after a committed
+completion, a stale or cancelled holder is refused, the row lock fences the delivery until the
+handler's transaction ends (heartbeats, the lease horizon, the sweeper and other claimers leave
+it alone meanwhile), the errors that name a misuse, the EXECUTE-only runtime role, and test mode.
+The same guarantees across SIGKILL and SIGSTOP: tests/processes/test_exactly_once_effects.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.db import connection, connections, transaction
+
+from tests.database import psycopg_params
+from tests.factories import SubscriptionFactory, TopicFactory
+from tests.roles import database_role
+from tests.runtime import txn_handlers
+from tests.runtime.txn_handlers import EffectHandler, effects
+from workqueue import publish, transport
+from workqueue.driver import get_driver
+from workqueue.exceptions import Cancelled, EnlistError, LeaseLost
+from workqueue.models import Delivery, Message, Subscription
+from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
+from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
+from workqueue.runtime.outcome import Outcome
+from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.timers import TimerQueue
+from workqueue.testing import run_until_idle, use_test_connection
+from workqueue.transport import Receiver
+from workqueue.types import ClaimedDelivery
+
+SETTLES = ("wq_complete", "wq_retry", "wq_dead_letter", "wq_release", "wq_acknowledge_cancel")
+
+Body = Callable[[WorkMessage, WorkContext], Any]
+registry = HandlerRegistry()
+registry.register("tests.txn.effect", EffectHandler)
+_bodies: dict[str, Body] = {}
+
+
+class BodyHandler(BaseWorkHandler):
+    """Runs the function the test registered under the payload's ``body``."""
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Any:
+        return _bodies[message.payload["body"]](message, context)
+
+
+registry.register("tests.txn.body", BodyHandler)
+
+
+def write_effect(message: WorkMessage, context: WorkContext) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {txn_handlers.EFFECT_TABLE} (message_id, delivery_id, attempt, pid) "
+            "VALUES (%s, %s, %s, 0)",
+            [message.message_id, context.delivery_id, context.attempt],
+        )
+
+
+class Rig:
+    """Publishes, claims and runs deliveries with test-chosen timings."""
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+        self.timers = TimerQueue("test-timers")
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="test-heartbeats")
+
+    def subscription(self, handler_key: str = "tests.txn.effect", **fields: Any) -> Subscription:
+        fields.setdefault("backoff_base_seconds", 0)
+        fields.setdefault("backoff_max_seconds", 0)
+        return SubscriptionFactory(handler_key=handler_key, **fields)
+
+    def claim(
+        self, sub: Subscription, payload: dict[str, Any] | None = None
+    ) -> tuple[Receiver, ClaimedDelivery]:
+        if payload is not None:
+            publish(sub.topic.name, payload)
+        receiver = Receiver(sub.id, "test-holder")
+        (delivery,) = receiver.receive(1).deliveries
+        return receiver, delivery
+
+    def execution(
+        self,
+        sub: Subscription,
+        receiver: Receiver,
+        delivery: ClaimedDelivery,
+        *,
+        grace: float = 5.0,
+        **plan_changes: Any,
+    ) -> DeliveryExecution:
+        plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
+        services = ExecutionServices(
+            receiver=receiver,
+            complete=receiver.complete,
+            timers=self.timers,
+            background=self.background,
+            handlers=registry,
+            user=self.user,
+            lease_grace_seconds=grace,
+        )
+        return DeliveryExecution(delivery, plan, services)
+
+    def run(self, sub: Subscription, payload: dict[str, Any], **kw: Any) -> ExecutionResult:
+        receiver, delivery = self.claim(sub, payload)
+        return self.execution(sub, receiver, delivery, **kw).run()
+
+    def start(self, execution: DeliveryExecution) -> Future[ExecutionResult]:
+        """Run ``execution`` on a thread of its own, as a host runs handlers."""
+        future: Future[ExecutionResult] = Future()
+
+        def target() -> None:
+            try:
+                future.set_result(execution.run())
+            except BaseException as exc:  # surfaced by future.result()
+                future.set_exception(exc)
+            finally:
+                get_driver().close()
+                connection.close()
+
+        threading.Thread(target=target, name="test-execution", daemon=True).start()
+        return future
+
+    def close(self) -> None:
+        self.timers.stop()
+        self.background.submit(get_driver().close).result()
+        self.background.shutdown(wait=True)
+
+
+@pytest.fixture
+def effect_table(transactional_db: None) -> Iterator[None]:
+    txn_handlers.create_effect_table()
+    txn_handlers.events.clear()
+    yield
+    txn_handlers.drop_effect_table()
+
+
+@pytest.fixture
+def rig(queue_db: None, effect_table: None) -> Iterator[Rig]:
+    rig = Rig(get_user_model().objects.create_user("workqueue-system"))
+    yield rig
+    rig.close()
+    _bodies.clear()
+
+
+def body(function: Body) -> dict[str, str]:
+    """Register ``function`` as a handler body; the payload that runs it."""
+    _bodies[function.__name__] = function
+    return {"body": function.__name__}
+
+
+def status(delivery: ClaimedDelivery) -> tuple[str, int]:
+    row = Delivery.objects.get(pk=delivery.delivery_id)
+    return row.status, row.attempt_count
+
+
+def phases(message_id: str) -> list[str]:
+    return [e["event"] for e in txn_handlers.events if e["message"] == message_id]
+
+
+# -- commit and rollback together ---------------------------------------------------------------
+
+
+def test_the_handlers_write_and_the_completion_commit_together_and_nothing_is_settled_again(
+    rig, statements
+):
+    sub = rig.subscription()
+    receiver, delivery = rig.claim(sub, {"n": 1})
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert status(delivery) == ("Completed", 1)
+    assert effects() == [(delivery.message_id, 1)]
+    # The one fenced completion, run once in the handler's transaction; no settle after it.
+    [settle] = [s for s in statements if any(name in s for name in SETTLES)]
+    assert "wq_complete(" in settle
+
+
+def test_an_outcome_returned_after_a_committed_completion_changes_nothing(rig, statements, caplog):
+    sub = rig.subscription()
+
+    with caplog.at_level(logging.WARNING, "workqueue.deliveries"):
+        result = rig.run(sub, {"thenReturn": "retry"})
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    [row] = Delivery.objects.filter(subscription=sub)
+    assert (row.status, row.attempt_count, row.last_error) == ("Completed", 1, None)
+    assert not any("wq_retry" in s for s in statements)
+    assert "completed the delivery in its transaction, then returned Retry" in caplog.text
+
+
+def test_an_exception_after_the_completion_rolls_back_both_and_the_delivery_is_retried(rig):
+    sub = rig.subscription(max_attempts=3)
+    receiver, delivery = rig.claim(sub, {"raiseAfterComplete": {"1": True}})
+
+    first = rig.execution(sub, receiver, delivery).run()
+
+    assert first == ExecutionResult(ExecutionResult.SETTLED, "Pending")
+    assert status(delivery) == ("Pending", 1)
+    assert effects() == []
+    assert phases(delivery.message_id) == ["inside", "completed", "rolled_back"]
+
+    receiver, again = rig.claim(sub)
+    assert rig.execution(sub, receiver, again).run().status == "Completed"
+    assert status(again) == ("Completed", 2)
+    assert effects() == [(delivery.message_id, 2)]
+
+
+def test_a_savepoint_rolled_back_around_the_completion_undoes_it_and_the_outcome_decides(rig):
+    def completes_in_a_savepoint_that_rolls_back(message, context):
+        with transaction.atomic():
+            write_effect(message, context)
+            try:
+                with transaction.atomic():
+                    context.complete(enlist=True)
+                    raise RuntimeError("undo the completion only")
+            except RuntimeError:
+                pass
+        return Outcome.retry("the completion was undone", 0)
+
+    sub = rig.subscription("tests.txn.body")
+    receiver, delivery = rig.claim(sub, body(completes_in_a_savepoint_that_rolls_back))
+
+    assert rig.execution(sub, receiver, delivery).run().status == "Pending"
+    row = Delivery.objects.get(pk=delivery.delivery_id)
+    assert (row.status, row.last_error) == ("Pending", "the completion was undone")
+    assert effects() == [(delivery.message_id, 1)]  # the outer block committed its own write
+
+
+# -- refused: stale holder, cancel --------------------------------------------------------------
+
+
+def test_a_stale_holder_is_refused_its_block_rolls_back_and_the_new_holders_write_stands(rig):
+    sub = rig.subscription("tests.txn.body", lease_seconds=30)
+    taken_over: list[ClaimedDelivery] = []
+
+    def lease_taken_over_before_completing(message, context):
+        with transaction.atomic():
+            write_effect(message, context)
+            # Meanwhile the lease expires and another host claims and completes the delivery.
+            get_driver().shift_time(60, subscription_id=str(sub.id))
+            transport.expire_leases_all()
+            other = Receiver(sub.id, "host-b")
+            (claimed,) = other.receive(1).deliveries
+            taken_over.append(claimed)
+            context.complete(enlist=True)  # the stale holder's: refused
+
+    receiver, delivery = rig.claim(sub, body(lease_taken_over_before_completing))
+    execution = rig.execution(sub, receiver, delivery)
+
+    result = execution.run()
+
+    assert result.kind == ExecutionResult.LEASE_LOST
+    assert execution.signal.reason == AbortReason.LEASE_LOST
+    assert effects() == []  # neither write of the stale holder's block
+    (claimed,) = taken_over
+    assert status(delivery) == ("InFlight", 2)
+    assert Receiver(sub.id, "host-b").complete(claimed).settled
+
+
+def test_a_cancel_before_the_completion_is_refused_as_cancelled_and_then_acknowledged(rig):
+    sub = rig.subscription("tests.txn.body")
+    raised: list[BaseException] = []
+
+    def cancelled_while_running(message, context):
+        transport.discard_or_cancel(str(sub.id), context.delivery_id, "operator", "stop")
+        try:
+            with transaction.atomic():
+                write_effect(message, context)
+                context.complete(enlist=True)
+        except LeaseLost as exc:
+            raised.append(exc)
+            raise
+
+    receiver, delivery = rig.claim(sub, body(cancelled_while_running))
+    result = rig.execution(sub, receiver, delivery).run()
+
+    [error] = raised
+    assert isinstance(error, Cancelled) and "cancelled by an operator" in str(error)
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Discarded")
+    assert status(delivery) == ("Discarded", 1)
+    assert effects() == []
+
+
+# -- the row lock fences the delivery until the handler's transaction ends ----------------------
+
+
+def lock_waits() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+        return cursor.fetchone()[0]
+
+
+def test_heartbeats_while_the_completion_is_pending_do_not_wait_for_the_handlers_transaction(rig):
+    # Lease 6 s: automatic renewals every 2 s, so several fall inside the 4.5 s hold.
+    sub = rig.subscription(lease_seconds=6)
+    payload = {"holdAfterCompleteMs": 4500, "heartbeatAfterComplete": True}
+    receiver, delivery = rig.claim(sub, payload)
+    future = rig.start(rig.execution(sub, receiver, delivery))
+
+    samples = []
+    deadline = time.monotonic() + 15
+    while not future.done():
+        if time.monotonic() > deadline:
+            # Deadlocked: end the waiting sessions so the handler's transaction can end too.
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+            future.exception(timeout=30)
+            pytest.fail("a renewal waited for the row lock held by the handler's transaction")
+        samples.append(lock_waits())
+        time.sleep(0.05)
+
+    assert future.result(timeout=30) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert len(samples) > 50 and max(samples) == 0, "a renewal waited for the row lock"
+    [beat] = [e for e in txn_handlers.events if e["event"] == "heartbeat"]
+    assert beat["held"] is True
+    committed = [e for e in txn_handlers.events if e["event"] == "committed"]
+    assert [e["signal"] for e in committed] == [None]
+    assert status(delivery) == ("Completed", 1)
+
+
+def test_past_the_lease_the_held_row_is_skipped_by_the_sweeper_and_claimers_until_commit(rig):
+    # The local horizon (lease 5 s + 0.5 s grace) passes while the handler's transaction
+    # holds the row: it aborts nothing, and nobody can take the delivery over meanwhile.
+    sub = rig.subscription(lease_seconds=5)
+    receiver, delivery = rig.claim(sub, {"holdAfterCompleteMs": 7000})
+    execution = rig.execution(sub, receiver, delivery, grace=0.5, heartbeat_mode="Manual")
+    future = rig.start(execution)
+    wait_for_phase(delivery.message_id, "completed")
+
+    time.sleep(6)  # past the lease in the database and past the local horizon
+    assert not future.done()
+    assert transport.expire_leases_all() == []
+    assert Receiver(sub.id, "host-b").receive(1).deliveries == []
+    assert status(delivery) == ("InFlight", 1)
+
+    assert future.result(timeout=30) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert execution.signal.reason is None
+    assert status(delivery) == ("Completed", 1)
+    assert effects() == [(delivery.message_id, 1)]
+
+
+def test_a_block_rolled_back_after_the_lease_passed_leaves_the_delivery_to_lease_expiry(rig):
+    sub = rig.subscription(lease_seconds=5)
+    payload = {"holdAfterCompleteMs": 6500, "raiseAfterComplete": True}
+    receiver, delivery = rig.claim(sub, payload)
+    execution = rig.execution(sub, receiver, delivery, grace=0.5, heartbeat_mode="Manual")
+
+    result = execution.run()
+
+    assert result.kind == ExecutionResult.LEASE_LOST
+    assert execution.signal.reason == AbortReason.LEASE_LOST
+    assert effects() == []
+    assert status(delivery) == ("InFlight", 1)
+    assert [r["new_status"] for r in transport.expire_leases_all()] == ["Pending"]
+
+
+def wait_for_phase(message_id: str, phase: str) -> None:
+    deadline = time.monotonic() + 15
+    while phase not in phases(message_id):
+        assert time.monotonic() < deadline, f"{phase} never reached: {phases(message_id)}"
+        time.sleep(0.02)
+
+
+# -- chaining the next step -----------------------------------------------------------------------
+
+
+def test_a_publish_enlisted_in_the_block_exists_exactly_when_the_completion_committed(rig):
+    sub = rig.subscription(max_attempts=3)
+    next_topic = TopicFactory()
+    SubscriptionFactory(topic=next_topic)
+    receiver, delivery = rig.claim(
+        sub, {"chainTopic": next_topic.name, "raiseAfterComplete": {"1": True}}
+    )
+
+    assert rig.execution(sub, receiver, delivery).run().status == "Pending"
+    assert not Message.objects.filter(topic=next_topic).exists()
+
+    receiver, again = rig.claim(sub)
+    assert rig.execution(sub, receiver, again).run().status == "Completed"
+    [chained] = Message.objects.filter(topic=next_topic)
+    assert chained.payload == {"after": delivery.message_id}
+    assert Delivery.objects.get(message=chained).status == "Pending"
+
+
+# -- misuse is named ------------------------------------------------------------------------------
+
+
+def test_completing_without_a_transaction_names_the_block_to_open(rig):
+    raised: list[BaseException] = []
+
+    def no_transaction(message, context):
+        try:
+            context.complete(enlist=True)
+        except EnlistError as exc:
+            raised.append(exc)
+        return Outcome.complete()
+
+    sub = rig.subscription("tests.txn.body")
+    result = rig.run(sub, body(no_transaction))
+
+    [error] = raised
+    assert "needs an open transaction on database 'default'" in str(error)
+    assert "transaction.atomic(using='default')" in str(error)
+    assert result.status == "Completed"  # the returned outcome, settled as usual
+
+
+def test_complete_without_enlist_says_how_to_complete(rig):
+    def not_enlisted(message, context):
+        with transaction.atomic():
+            context.complete()
+
+    sub = rig.subscription("tests.txn.body")
+    receiver, delivery = rig.claim(sub, body(not_enlisted))
+    assert rig.execution(sub, receiver, delivery).run().status == "Pending"
+    error = Delivery.objects.get(pk=delivery.delivery_id).last_error
+    assert "EnlistError" in error and "context.complete(enlist=True)" in error
+
+
+@pytest.fixture
+def second_alias() -> Iterator[str]:
+    """A second database alias on the same test database (a project with two databases)."""
+    alias = "elsewhere"
+    connections.settings[alias] = {**connections.settings["default"]}
+    # Connected here, past pytest-django's guard on aliases the test did not declare (this
+    # one did not exist when the guard was set up); the handler runs on this thread.
+    connections[alias].connect()
+    try:
+        yield alias
+    finally:
+        connections[alias].close()
+        del connections[alias]
+        del connections.settings[alias]
+
+
+def test_a_transaction_on_another_alias_is_named_with_the_queues_alias(rig, second_alias):
+    raised: list[BaseException] = []
+
+    def other_alias(message, context):
+        with transaction.atomic(using=second_alias):
+            try:
+                context.complete(enlist=True)
+            except EnlistError as exc:
+                raised.append(exc)
+        return Outcome.complete()
+
+    sub = rig.subscription("tests.txn.body")
+    receiver, delivery = rig.claim(sub, body(other_alias))
+    execution = rig.execution(sub, receiver, delivery)
+    # Keep the connection opened above (a host closes aged connections around each handler).
+    execution.services.refresh_connections = lambda: None
+    execution.run()
+
+    [error] = raised
+    assert "found a transaction on database 'elsewhere'" in str(error)
+    assert "the work queue uses 'default'" in str(error)
+
+
+def test_completing_after_the_handler_returned_is_refused(rig):
+    kept: list[WorkContext] = []
+
+    def keeps_its_context(message, context):
+        kept.append(context)
+        return Outcome.retry("later", 0)
+
+    sub = rig.subscription("tests.txn.body")
+    receiver, delivery = rig.claim(sub, body(keeps_its_context))
+    rig.execution(sub, receiver, delivery).run()
+
+    with transaction.atomic(), pytest.raises(EnlistError, match="after its handler returned"):
+        kept[0].complete(enlist=True)
+    assert status(delivery) == ("Pending", 1)
+
+
+def test_completing_twice_in_one_transaction_is_one_completion_and_again_after_commit_refused(
+    rig,
+):
+    raised: list[BaseException] = []
+
+    def completes_twice(message, context):
+        with transaction.atomic():
+            write_effect(message, context)
+            context.complete(enlist=True)
+            context.complete(enlist=True)
+        try:
+            with transaction.atomic():
+                context.complete(enlist=True)
+        except EnlistError as exc:
+            raised.append(exc)
+        return Outcome.complete()
+
+    sub = rig.subscription("tests.txn.body")
+    receiver, delivery = rig.claim(sub, body(completes_twice))
+
+    assert rig.execution(sub, receiver, delivery).run().status == "Completed"
+    [error] = raised
+    assert "already completed in a transaction that has committed" in str(error)
+    assert effects() == [(delivery.message_id, 1)]
+
+
+# -- the runtime role and test mode -------------------------------------------------------------
+
+
+def test_the_execute_only_runtime_role_completes_in_the_handlers_transaction(rig, pg_conn):
+    sub = rig.subscription()
+    publish(sub.topic.name, {"n": 1})
+    with database_role(pg_conn, "wq_runtime") as role:
+        call_command("workqueue", "grant-runtime", role)
+        # The handler's own table, and the system user lookup: what the project grants.
+        pg_conn.execute(f'GRANT INSERT, SELECT ON {txn_handlers.EFFECT_TABLE} TO "{role}"')
+        pg_conn.execute(f'GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO "{role}"')
+        owner = connection.settings_dict["USER"]
+        connection.close()
+        get_driver().close()
+        connection.settings_dict["USER"] = role
+        try:
+            receiver, delivery = rig.claim(sub)
+            result = rig.execution(sub, receiver, delivery).run()
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT current_user")
+                assert cursor.fetchone() == (role,)
+        finally:
+            connection.close()
+            get_driver().close()
+            connection.settings_dict["USER"] = owner
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert status(delivery) == ("Completed", 1)
+    assert effects() == [(delivery.message_id, 1)]
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_run_until_idle_completes_inside_the_tests_own_transaction():
+    txn_handlers.create_effect_table()  # rolled back with the test
+    get_user_model().objects.create_user("workqueue-system")
+    sub = SubscriptionFactory(handler_key="tests.txn.effect")
+    message = publish(sub.topic.name, {"n": 1}).message_id
+
+    [run] = run_until_idle(sub.name)
+
+    assert run.status == "Completed"
+    assert Delivery.objects.get(message_id=message).status == "Completed"
+    assert effects() == [(message, 1)]
+
+
+def test_a_raw_connection_sees_the_work_and_the_completion_appear_at_the_same_commit(rig):
+    sub = rig.subscription()
+    receiver, delivery = rig.claim(sub, {"holdAfterCompleteMs": 1500})
+    future = rig.start(rig.execution(sub, receiver, delivery))
+    wait_for_phase(delivery.message_id, "completed")
+
+    with psycopg.connect(autocommit=True, **psycopg_params()) as other:
+
+        def seen() -> tuple[int, str]:
+            return other.execute(
+                f"SELECT (SELECT count(*) FROM {txn_handlers.EFFECT_TABLE}), "
+                "(SELECT status FROM workqueue_delivery WHERE id = %s)",
+                [delivery.delivery_id],
+            ).fetchone()
+
+        assert seen() == (0, "InFlight")
+        future.result(timeout=30)
+        assert seen() == (1, "Completed")

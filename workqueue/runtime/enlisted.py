@@ -1,0 +1,99 @@
+"""Transactional completion: a handler settles its delivery inside its own transaction.
+
+``context.complete(enlist=True)`` runs ``wq_complete``, the one fenced completion every settle
+path uses, on the handler's own connection inside its open ``transaction.atomic()`` on the work
+queue's database alias. The procedure's UPDATE locks the delivery's row until that transaction
+ends, and that lock carries the fence from the call to the commit: claims and lease expiry skip
+locked rows, so nobody can take the delivery over in between, even past its lease.
+
+* Commit: the handler's writes and the completion become visible together.
+* Rollback (of the block, or of a savepoint around the call): both are undone; the row is
+  InFlight under the same lease again and the handler's outcome is settled as usual.
+* Until then the runtime's own connection must not touch the row: an UPDATE there would wait
+  for the handler's transaction, for ever if the handler waited for it (a heartbeat from inside
+  the block). So renewals are skipped, and the local lease horizon waits, while the completion
+  is pending.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.db import connections, transaction
+
+from workqueue.exceptions import EnlistError
+from workqueue.types import DeliveryStatus
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+
+class EnlistedCompletion:
+    """A ``wq_complete`` that took effect in the transaction open on ``connection``; tells
+    whether that transaction has committed, rolled back, or is still open."""
+
+    PENDING = "Pending"
+    COMMITTED = "Committed"
+    ROLLED_BACK = "RolledBack"
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        self.connection = connection
+        self._committed = False
+        # One bound method, kept, so that it can be found again by identity in the hook list.
+        self._hook = self._mark_committed
+        transaction.on_commit(self._hook, using=connection.alias)
+
+    def _mark_committed(self) -> None:
+        self._committed = True
+
+    def state(self) -> str:
+        """The transaction's fate so far. Timer threads ask too, so this only reads: Django
+        keeps a transaction's commit hooks in ``run_on_commit`` until it commits (then runs
+        them) or rolls back (then drops them, also when a savepoint around the call rolls
+        back). Between a commit and the end of its hooks the list is already empty, and
+        ``run_commit_hooks_on_set_autocommit_on`` is still set."""
+        if self._committed:
+            return self.COMMITTED
+        if any(entry[1] is self._hook for entry in list(self.connection.run_on_commit)):
+            return self.PENDING
+        if self.connection.run_commit_hooks_on_set_autocommit_on or self._committed:
+            return self.COMMITTED
+        return self.ROLLED_BACK
+
+
+def open_transaction(alias: str) -> BaseDatabaseWrapper:
+    """This thread's connection to ``alias`` when a ``transaction.atomic()`` is open on it;
+    otherwise ``EnlistError`` saying which block to open."""
+    connection = transaction.get_connection(alias)
+    if connection.in_atomic_block:
+        return connection
+    elsewhere = sorted(
+        other.alias for other in connections.all(initialized_only=True) if other.in_atomic_block
+    )
+    if elsewhere:
+        raise EnlistError(
+            f"context.complete(enlist=True) found a transaction on database "
+            f"{', '.join(map(repr, elsewhere))}, but the work queue uses {alias!r} "
+            f"(WORKQUEUE['DATABASE_ALIAS']): the completion cannot join it. Make your changes "
+            f"inside transaction.atomic(using={alias!r}) and complete there."
+        )
+    raise EnlistError(
+        f"context.complete(enlist=True) needs an open transaction on database {alias!r}: call "
+        f"it inside the `with transaction.atomic(using={alias!r}):` block that makes your "
+        "changes, so they and the completion commit or roll back together. To complete when "
+        "the handler returns instead, return Outcome.complete()."
+    )
+
+
+def cancel_requested(alias: str, delivery_id: str) -> bool:
+    """Whether the running delivery carries an operator's cancel request (read on the caller's
+    connection: the lease token itself is readable by no role but the owner)."""
+    # Imported here: the runtime reads models only where it must (importing workqueue.runtime
+    # must not load models before apps are ready).
+    from workqueue.models import Delivery
+
+    return (
+        Delivery.objects.using(alias)
+        .filter(pk=delivery_id, status=DeliveryStatus.IN_FLIGHT, cancel_requested_at__isnull=False)
+        .exists()
+    )
