@@ -14,7 +14,7 @@ def pg_conn(django_db_setup, django_db_blocker):
     """An autocommit psycopg connection to this worker's test database (procedures installed)."""
     import psycopg
 
-    from tests.database import psycopg_params
+    from tests.support.database import psycopg_params
 
     with django_db_blocker.unblock():
         params = psycopg_params()
@@ -38,7 +38,7 @@ def scratch_database(django_db_setup, django_db_blocker):
     URL. Dropped afterwards."""
     import psycopg
 
-    from tests.database import database_url, psycopg_params
+    from tests.support.database import database_url, psycopg_params
 
     name = f"wq_scratch_{uuid.uuid4().hex[:8]}"
     with django_db_blocker.unblock():

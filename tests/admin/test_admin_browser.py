@@ -8,37 +8,17 @@ work happens before the browser starts or after it has closed.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from django.contrib.auth.models import Permission, User
 from playwright.sync_api import sync_playwright
 
 from tests.factories import SubscriptionFactory
+from tests.support.browser import BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS
 from workqueue import publish
 from workqueue.models import Delivery
 from workqueue.transport import Receiver
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--headless",
-]
-
-pytestmark = [
-    pytest.mark.usefixtures("queue_db"),
-    # CI installs chromium (.ci/run), so there a missing browser is a failure, not a skip.
-    pytest.mark.skipif(
-        not CHROMIUM.exists() and not os.environ.get("CI"),
-        reason=f"needs Debian's chromium at {CHROMIUM} (apt-get install -y chromium)",
-    ),
-]
+pytestmark = [pytest.mark.usefixtures("queue_db"), *BROWSER_MARKS]
 
 
 def _operator() -> None:

@@ -14,8 +14,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.test import Client
 from django.urls import reverse
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, UserFactory
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery, Subscription
 from workqueue.operators.permissions import OPERATE, PUBLISH, READ

@@ -14,8 +14,7 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory, TopicFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, UserFactory
 from workqueue import publish
 from workqueue.models import Delivery
 from workqueue.operators.permissions import OPERATE, OPERATE_PERMISSION, PUBLISH, READ

@@ -16,8 +16,7 @@ from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ALL_PERMISSIONS, ApiKeyFactory, SubscriptionFactory, UserFactory
 from workqueue import publish
 from workqueue.api import subscriptions as subscriptions_api
 from workqueue.models import Delivery, HostRecord, Subscription

@@ -12,8 +12,13 @@ from django.contrib.auth.models import Permission
 from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.factories import (
+    ApiKeyFactory,
+    SubscriptionFactory,
+    TopicFactory,
+    TransportFactory,
+    UserFactory,
+)
 from workqueue import publish
 from workqueue.driver.base import SparseIndex
 from workqueue.exceptions import PermissionDeniedError

@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory, TopicFactory
+from tests.factories import (
+    ALL_PERMISSIONS,
+    ApiKeyFactory,
+    SubscriptionFactory,
+    TopicFactory,
+    UserFactory,
+)
 from workqueue.api import publish as publish_api
 from workqueue.exceptions import UnstorableValueError
 from workqueue.models import ApiKey, Delivery, Message

@@ -25,8 +25,8 @@ import psycopg
 import pytest
 from django.db import connections, transaction
 
-from tests.database import database_url, psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import database_url, psycopg_params
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError

@@ -18,7 +18,7 @@ import pytest
 # PyYAML is not a requirement of its own: it arrives with sqlfluff (requirements.txt).
 import yaml
 
-from tests.environment import project_environment
+from tests.support.environment import project_environment
 from workqueue.management.commands.workqueue_work import Command as WorkCommand
 
 ROOT = Path(__file__).resolve().parents[2]

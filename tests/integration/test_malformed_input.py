@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 
-from tests.database import database_url
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import database_url
 from workqueue import publish, publish_many
 from workqueue.exceptions import InvalidInputError
 from workqueue.models import Delivery, Message

@@ -18,15 +18,14 @@ import yaml
 from django.core.management import call_command
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.factories import ApiKeyFactory
 from tests.api.test_operator_api import call, dead_letter, pending, reader
-from tests.factories import SubscriptionFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory
 from tests.processes import test_host_processes
 from tests.processes.test_host_processes import hello
 from tests.runtime import test_host
-from tests.runtime.handlers import probe
 from tests.runtime.test_host import one, status_of, sub
-from tests.waiting import wait_until
+from tests.support.handlers import probe
+from tests.support.waiting import wait_until
 from workqueue import metrics, publish
 from workqueue.transport import Receiver
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, UserFactory
 from workqueue import publish
 from workqueue.operators.permissions import PAYLOAD_PERMISSION, READ, READ_PERMISSION
 from workqueue.transport import Receiver

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.environment import project_environment
+from tests.support.environment import project_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = Path(__file__).resolve().parent / "releases" / "0006_claim_key_walk"

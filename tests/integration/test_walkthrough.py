@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.environment import project_environment
+from tests.support.environment import project_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "workqueue_samples" / "README.md"

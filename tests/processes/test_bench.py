@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from tests.database import database_url
 from tests.factories import TransportFactory
 from tests.processes.test_host_processes import PROJECT_ROOT
+from tests.support.database import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -34,10 +34,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import connection
 
-from tests.api.factories import ApiKeyFactory
-from tests.database import psycopg_params
-from tests.factories import SubscriptionFactory, TopicFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
 from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
+from tests.support.database import psycopg_params
 from workqueue import publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery

@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.environment import project_environment
+from tests.support.environment import project_environment
 from workqueue import localdb
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import pytest
 
 from tests.processes import test_host_processes
 from tests.processes.test_host_processes import Processes, hello, read_events
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.models import Delivery

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 
-from tests.database import database_url
 from tests.factories import SubscriptionFactory
-from tests.waiting import wait_until
+from tests.support.database import database_url
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -113,7 +113,7 @@ class Processes:
             PYTHONPATH=str(PROJECT_ROOT),
             PYTHONUNBUFFERED="1",
             WORKQUEUE_SYSTEM_USER=SYSTEM_USER,
-            WORKQUEUE_HANDLER_MODULES="tests.runtime.handlers",
+            WORKQUEUE_HANDLER_MODULES="tests.support.handlers",
             WORKQUEUE_SHUTDOWN_DRAIN_MS=str(DRAIN_MS),
             WORKQUEUE_IDLE_POLL_MIN_MS="50",
             WORKQUEUE_IDLE_POLL_MAX_MS="500",

@@ -19,6 +19,7 @@ from django.db import transaction
 from django_tasks import TaskResultStatus, default_task_backend
 
 from tests.processes.test_host_processes import SYSTEM_USER, Processes
+from tests.support.waiting import wait_until
 from tests.task_functions import (
     add,
     always_fails,
@@ -27,7 +28,6 @@ from tests.task_functions import (
     multiply_later,
     user_exists,
 )
-from tests.waiting import wait_until
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Message, Subscription
 

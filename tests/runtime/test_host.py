@@ -1,7 +1,7 @@
 """The host in this process (threads) against PostgreSQL: planning states, reconcile, shutdown,
 one-shot runs, health records and wake-ups.
 
-Handlers come from the private registry in ``tests.runtime.handlers`` (``Host(registry=...)``).
+Handlers come from the private registry in ``tests.support.handlers`` (``Host(registry=...)``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from django.contrib.auth import get_user_model
 from django.db import connection, connections
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory, write_unchecked
-from tests.runtime.handlers import probe, registry
-from tests.waiting import wait_until
+from tests.support.handlers import probe, registry
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, signals, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription

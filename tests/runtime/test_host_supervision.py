@@ -17,7 +17,7 @@ import pytest
 
 from tests.runtime import test_host
 from tests.runtime.test_host import one, states, status_of, sub
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from workqueue import publish, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord

@@ -286,7 +286,7 @@ class RecordingHandler(BaseWorkHandler):
 class NoopHandler(BaseWorkHandler):
     """The default handler key of ``tests.factories.SubscriptionFactory``: completes at once, so
     a subscription made by the factory runs in an in-process host (private registry) and in a
-    subprocess host (``WORKQUEUE_HANDLER_MODULES=tests.runtime.handlers``) alike."""
+    subprocess host (``WORKQUEUE_HANDLER_MODULES=tests.support.handlers``) alike."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         return Outcome.complete()
