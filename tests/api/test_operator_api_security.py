@@ -19,7 +19,8 @@ from tests.factories import (
     TransportFactory,
     UserFactory,
 )
-from workqueue import publish
+from tests.support.api import call
+from tests.support.queue import dead_letter
 from workqueue.driver.base import SparseIndex
 from workqueue.exceptions import PermissionDeniedError
 from workqueue.models import Delivery, HostRecord
@@ -31,7 +32,6 @@ from workqueue.operators.permissions import (
     READ_PERMISSION,
     Actor,
 )
-from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -163,24 +163,6 @@ def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts
 # -- item 11: operating needs its own permission, not the right to edit subscriptions --------
 
 
-def post(client: Client, path: str, key: Any, body: dict[str, Any]) -> Any:
-    return client.post(
-        f"/work-queue{path}",
-        data=json.dumps(body),
-        content_type="application/json",
-        headers={"X-API-Key": key.raw_key},
-    )
-
-
-def dead_letter(subscription: Any) -> str:
-    result = publish(subscription.topic.name, {"n": 1})
-    receiver = Receiver(subscription.id)
-    (claimed,) = receiver.receive(1).deliveries
-    assert claimed.message_id == result.message_id
-    assert receiver.dead_letter(claimed, "Boom", "boom").settled
-    return claimed.delivery_id
-
-
 def operate_key(*perms: str) -> Any:
     return ApiKeyFactory(scopes=[OPERATE], owner=UserFactory(perms=list(perms)))
 
@@ -191,8 +173,8 @@ def test_a_key_whose_owner_may_only_edit_subscriptions_cannot_replay_or_discard(
     key = operate_key(READ_PERMISSION, "workqueue.change_subscription")
     path = f"/subscriptions/{sub.name}/deliveries/{delivery_id}"
 
-    replayed = post(client, f"{path}/replay", key, {"note": "sneaky"})
-    discarded = post(client, f"{path}/discard", key, {"reason": "sneaky"})
+    replayed = call(client, "post", f"{path}/replay", {"note": "sneaky"}, key=key)
+    discarded = call(client, "post", f"{path}/discard", {"reason": "sneaky"}, key=key)
 
     assert (replayed.status_code, discarded.status_code) == (403, 403)
     assert "workqueue.operate_subscription" in replayed.json()["detail"]
@@ -205,8 +187,8 @@ def test_a_key_whose_owner_may_operate_replays_and_discards(client):
     key = operate_key(OPERATE_SUBSCRIPTION)
     path = f"/subscriptions/{sub.name}/deliveries"
 
-    replayed = post(client, f"{path}/{first}/replay", key, {"note": "fixed"})
-    discarded = post(client, f"{path}/{second}/discard", key, {"reason": "dupe"})
+    replayed = call(client, "post", f"{path}/{first}/replay", {"note": "fixed"}, key=key)
+    discarded = call(client, "post", f"{path}/{second}/discard", {"reason": "dupe"}, key=key)
 
     assert replayed.json() == {"supported": True, "replayed": True}
     assert discarded.json() == {"supported": True, "discarded": True, "cancelRequested": False}
