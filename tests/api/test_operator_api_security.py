@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission
-from django.test import Client
 from django.utils import timezone
 
 from tests.factories import (
@@ -37,10 +36,6 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 
 # Spelled out: the tests pin the permission's public name, not whatever the constant holds.
 OPERATE_SUBSCRIPTION = "workqueue.operate_subscription"
-
-
-def get(client: Client, path: str, key: Any, **params: Any) -> Any:
-    return client.get(f"/work-queue{path}", params, headers={"X-API-Key": key.raw_key})
 
 
 def limited_reader() -> Any:
@@ -77,7 +72,7 @@ def subjects(response: Any) -> set[str]:
 
 
 def test_a_limited_key_sees_only_binding_issues_of_its_subscriptions(client, topology):
-    limited = get(client, "/bindings/validate", limited_reader())
+    limited = call(client, "get", "/bindings/validate", key=limited_reader())
 
     assert subjects(limited) == {"subscription mine.sub", "topic mine"}
     assert "theirs" not in limited.content.decode()
@@ -87,9 +82,9 @@ def test_a_limited_key_sees_only_binding_issues_of_its_subscriptions(client, top
 def test_a_limited_key_cannot_probe_transports_outside_its_subscriptions(client, topology):
     key = limited_reader()
 
-    outside = get(client, "/bindings/validate", key, transport="Other")
-    unknown = get(client, "/bindings/validate", key, transport="Nowhere")
-    own = get(client, "/bindings/validate", key, transport="Database")
+    outside = call(client, "get", "/bindings/validate", key=key, transport="Other")
+    unknown = call(client, "get", "/bindings/validate", key=key, transport="Nowhere")
+    own = call(client, "get", "/bindings/validate", key=key, transport="Database")
 
     # An existing transport the key cannot see answers exactly like one that does not exist.
     assert (outside.status_code, unknown.status_code) == (404, 404)
@@ -98,7 +93,7 @@ def test_a_limited_key_cannot_probe_transports_outside_its_subscriptions(client,
 
 
 def test_an_unrestricted_key_still_sees_every_binding_issue(client, topology):
-    response = get(client, "/bindings/validate", unrestricted_reader())
+    response = call(client, "get", "/bindings/validate", key=unrestricted_reader())
 
     assert subjects(response) == {
         "database",
@@ -135,7 +130,7 @@ def hosts() -> None:
 def test_a_limited_key_sees_hosts_only_through_its_subscriptions_without_names_or_pids(
     client, hosts
 ):
-    response = get(client, "/health", limited_reader())
+    response = call(client, "get", "/health", key=limited_reader())
 
     assert response.status_code == 200, response.content
     body = response.json()
@@ -147,12 +142,12 @@ def test_a_limited_key_sees_hosts_only_through_its_subscriptions_without_names_o
     for secret in ["db-worker-7", "4242", "aaaa1111", "pay-worker-3", "theirs"]:
         assert secret not in text, secret
     # A pseudonym, stable across calls, so a caller can still tell hosts apart over time.
-    again = get(client, "/health", limited_reader()).json()
+    again = call(client, "get", "/health", key=limited_reader()).json()
     assert again["hosts"][0]["instanceId"] == shown["instanceId"]
 
 
 def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts):
-    body = get(client, "/health", unrestricted_reader()).json()
+    body = call(client, "get", "/health", key=unrestricted_reader()).json()
 
     assert [(h["instanceId"], h["hostname"], h["pid"]) for h in body["hosts"]] == [
         ("db-worker-7:4242:aaaa1111", "db-worker-7", 4242),

@@ -217,15 +217,24 @@ def test_a_cancelled_handler_that_ignores_its_signal_keeps_its_exclusive_key_unt
 
 
 def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hosts(processes):
-    sub = SubscriptionFactory(handler_key="tests.record", partition_mode="Ordered")
+    # The first message of each key fails its first attempt: its retry waits out a backoff,
+    # and the key's later messages must wait behind it (an Exclusive claim would run them).
+    sub = SubscriptionFactory(
+        handler_key="tests.record",
+        partition_mode="Ordered",
+        backoff_base_seconds=1,
+        backoff_max_seconds=1,
+    )
     hosts = [processes.host(sub.name, concurrency=2) for _ in range(2)]
     keys = [f"key-{k}" for k in range(8)]
+    heads = set(range(len(keys)))
     ordinal = 0
     for _batch in range(3):
         items = []
         for _ in range(4):
             for key in keys:
-                items.append({"payload": {"ordinal": ordinal, "sleepMs": 10}, "partition_key": key})
+                payload = {"ordinal": ordinal, "sleepMs": 10, "failFirstAttempt": ordinal in heads}
+                items.append({"payload": payload, "partition_key": key})
                 ordinal += 1
         publish_many(sub.topic.name, items)
     total = ordinal
@@ -242,8 +251,11 @@ def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hos
         by_key[event["key"]].append((event["event"], event["ordinal"]))
     for key in keys:
         expected = sorted(o for o in range(total) if f"key-{o % len(keys)}" == key)
-        # One run at a time, in order: start n, end n, start n+1, end n+1, ...
-        assert by_key[key] == [(ev, o) for o in expected for ev in ("start", "end")], key
+        # One run at a time, in order: the head's failed attempt and its retry, then start n,
+        # end n, start n+1, end n+1, ...
+        head, *rest = expected
+        runs = [("start", head), ("fail", head), ("start", head), ("end", head)]
+        assert by_key[key] == runs + [(ev, o) for o in rest for ev in ("start", "end")], key
         completed = list(
             Delivery.objects.filter(subscription=sub, partition_key=key)
             .order_by("completed_at")
