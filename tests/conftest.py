@@ -1,10 +1,16 @@
-"""Shared fixtures: the embedded PostgreSQL (started by project.settings) and a psycopg
-connection for tests that talk SQL directly. The suite's environment (settings isolation, the
-embedded database opt-in) is set earlier, by tests/settings.py."""
+"""Shared fixtures: the embedded PostgreSQL (started by project.settings), a psycopg connection
+for tests that talk SQL directly, scratch databases and private clusters, hosts in this process
+and as processes. The suite's environment (settings isolation, the embedded database opt-in) is
+set earlier, by tests/settings.py; the helpers behind these fixtures are in tests/support/."""
 
 from __future__ import annotations
 
+import gc
+import tempfile
 import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +20,7 @@ def pg_conn(django_db_setup, django_db_blocker):
     """An autocommit psycopg connection to this worker's test database (procedures installed)."""
     import psycopg
 
-    from tests.database import psycopg_params
+    from tests.support.database import psycopg_params
 
     with django_db_blocker.unblock():
         params = psycopg_params()
@@ -38,7 +44,7 @@ def scratch_database(django_db_setup, django_db_blocker):
     URL. Dropped afterwards."""
     import psycopg
 
-    from tests.database import database_url, psycopg_params
+    from tests.support.database import database_url, psycopg_params
 
     name = f"wq_scratch_{uuid.uuid4().hex[:8]}"
     with django_db_blocker.unblock():
@@ -68,3 +74,73 @@ def statements(monkeypatch):
 
     monkeypatch.setattr(driver, "execute", counting)
     return sent
+
+
+@pytest.fixture
+def private_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A throwaway PostgreSQL cluster of this test's own (its URL), for tests that stop or
+    restart the server: nothing else in the suite is disturbed. Destroyed afterwards."""
+    from workqueue import localdb
+
+    # Under /tmp, not tmp_path: as root the server runs as 'postgres', which must reach it.
+    path = Path(tempfile.mkdtemp(prefix="wq-cluster-test-", dir="/tmp"))
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(path))
+    try:
+        yield localdb.ensure_running()
+    finally:
+        localdb.destroy()
+
+
+@pytest.fixture
+def make_host(queue_db) -> Iterator[Callable[..., Any]]:
+    """Build hosts in this process with the private test registry, fast polling and no
+    background services; shut them all down after."""
+    from django.contrib.auth import get_user_model
+
+    from tests.support.handlers import probe, registry
+    from tests.support.hosts import runtime_threads
+    from tests.support.waiting import wait_until
+    from workqueue.driver import get_driver
+    from workqueue.runtime.host import Host, HostConfig
+
+    probe.reset()
+    get_user_model().objects.create_user("workqueue-system")
+    hosts: list[Host] = []
+
+    def make(subscriptions: list[dict[str, Any]], **config: Any) -> Host:
+        settings = {
+            "idle_poll_min_ms": 50,
+            "idle_poll_max_ms": 200,
+            "shutdown_drain_ms": 300,
+            "sweeper_interval_ms": 0,
+            "reconcile_interval_ms": 0,
+            **config,
+        }
+        host = Host(HostConfig(subscriptions=subscriptions, **settings), registry=registry)
+        hosts.append(host)
+        return host
+
+    yield make
+    for host in hosts:
+        host.shutdown()  # idempotent; harmless on a host that never started
+    wait_until(lambda: not runtime_threads(), timeout=15)
+    gc.collect()
+    get_driver().close()
+
+
+@pytest.fixture
+def processes(queue_db, tmp_path: Path) -> Iterator[Any]:
+    """Starts ``manage.py`` commands (hosts, one-shot jobs) against the test database as
+    :class:`tests.support.processes.Processes`; kills whatever is left at the end."""
+    from django.contrib.auth import get_user_model
+
+    from tests.support.processes import SYSTEM_USER, Processes
+    from workqueue.driver import get_driver
+
+    get_user_model().objects.create_user(SYSTEM_USER)
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.close()
+        get_driver().close()

@@ -3,7 +3,7 @@ environment is set, since those settings read it at import and fail closed witho
 
 from __future__ import annotations
 
-from tests.environment import prepare
+from tests.support.environment import prepare
 
 prepare()
 

@@ -24,6 +24,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from workqueue import localdb
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = "database system is ready to accept connections"
 

@@ -18,6 +18,8 @@ import pytest
 
 from workqueue import localdb
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 # Parsed, never connected to: importing settings opens no connection.
 SOME_DATABASE = "postgres://app@/app?host=/nonexistent&port=5432"

@@ -13,6 +13,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory
+from tests.support.queue import dead_letter
+from tests.support.queue import pending as _pending
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery, HostRecord, Subscription
 from workqueue.models.apikeys import hash_key
@@ -63,24 +65,10 @@ def _url(name: str, *args: object) -> str:
     return reverse(f"admin:{name}", args=args)
 
 
-def _pending(subscription: Subscription, **message: object) -> str:
-    result = publish(subscription.topic.name, {"n": 1}, **message)
-    return str(Delivery.objects.get(message_id=result.message_id, subscription=subscription).pk)
-
-
 def _in_flight(subscription: Subscription) -> str:
     delivery_id = _pending(subscription)
     claimed = Receiver(subscription.id).receive(1).deliveries
     assert [c.delivery_id for c in claimed] == [delivery_id]
-    return delivery_id
-
-
-def _dead_letter(subscription: Subscription, **message: object) -> str:
-    delivery_id = _pending(subscription, **message)
-    receiver = Receiver(subscription.id)
-    (claimed,) = receiver.receive(1).deliveries
-    assert str(claimed.delivery_id) == delivery_id
-    assert receiver.dead_letter(claimed, "Poison", "boom").settled
     return delivery_id
 
 
@@ -100,7 +88,7 @@ def _act(client, action: str, ids: list[str], **form: str):
 
 
 def test_changelists_render_for_a_permitted_staff_user(operator_client):
-    _dead_letter(SubscriptionFactory())
+    dead_letter(SubscriptionFactory())
 
     for model in QUEUE_CHANGELISTS + TOPOLOGY_CHANGELISTS:
         response = operator_client.get(_url(f"workqueue_{model}_changelist"))
@@ -108,7 +96,7 @@ def test_changelists_render_for_a_permitted_staff_user(operator_client):
 
 
 def test_a_staff_user_without_permissions_is_refused_everything(refused_client):
-    _dead_letter(SubscriptionFactory())
+    dead_letter(SubscriptionFactory())
 
     for model in QUEUE_CHANGELISTS + TOPOLOGY_CHANGELISTS + ["apikey"]:
         assert refused_client.get(_url(f"workqueue_{model}_changelist")).status_code == 403
@@ -126,7 +114,7 @@ def test_the_admin_index_links_the_dashboard_for_a_permitted_user(operator_clien
 
 def test_queue_models_have_no_add_change_or_delete_even_for_a_superuser(admin_client):
     subscription = SubscriptionFactory()
-    delivery_id = _dead_letter(subscription)
+    delivery_id = dead_letter(subscription)
     delivery = Delivery.objects.get(pk=delivery_id)
 
     for model, pk in [("delivery", delivery_id), ("message", delivery.message_id)]:
@@ -149,7 +137,7 @@ def test_queue_models_have_no_add_change_or_delete_even_for_a_superuser(admin_cl
 def test_deliveries_filter_by_subscription_and_status_and_search_by_key_and_ids(operator_client):
     ordered = SubscriptionFactory(partition_mode="Ordered")
     other = SubscriptionFactory()
-    dead = _dead_letter(ordered, partition_key="venue-42", correlation_id="corr-7")
+    dead = dead_letter(ordered, partition_key="venue-42", correlation_id="corr-7")
     waiting = _pending(ordered, partition_key="venue-42")
     elsewhere = _pending(other)
     changelist = _url("workqueue_delivery_changelist")
@@ -178,7 +166,7 @@ def test_replay_asks_for_a_note_then_replays_the_dead_letter_and_reports_each_ro
     operator_client,
 ):
     subscription = SubscriptionFactory()
-    dead = _dead_letter(subscription)
+    dead = dead_letter(subscription)
     pending = _pending(subscription)
 
     form = _act(operator_client, "replay_deliveries", [dead, pending])
@@ -228,7 +216,7 @@ def test_discard_requires_a_reason_discards_pending_and_cancels_running(operator
 
 
 def test_a_reader_without_operate_permission_gets_no_actions(reader_client):
-    dead = _dead_letter(SubscriptionFactory())
+    dead = dead_letter(SubscriptionFactory())
 
     changelist = reader_client.get(_url("workqueue_delivery_changelist"))
 
@@ -241,7 +229,7 @@ def test_a_reader_without_operate_permission_gets_no_actions(reader_client):
 
 
 def test_a_refused_user_cannot_post_an_action(refused_client):
-    dead = _dead_letter(SubscriptionFactory())
+    dead = dead_letter(SubscriptionFactory())
 
     response = _act(refused_client, "replay_deliveries", [dead])
 
@@ -254,7 +242,7 @@ def test_a_refused_user_cannot_post_an_action(refused_client):
 
 def test_dashboard_shows_counts_blocked_keys_hosts_and_an_svg_chart(operator_client):
     ordered = SubscriptionFactory(partition_mode="Ordered")
-    _dead_letter(ordered, partition_key="k1")
+    dead_letter(ordered, partition_key="k1")
     _pending(ordered, partition_key="k1")
     plain = SubscriptionFactory()
     receiver = Receiver(plain.id)

@@ -8,37 +8,16 @@ work happens before the browser starts or after it has closed.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from django.contrib.auth.models import Permission, User
 from playwright.sync_api import sync_playwright
 
 from tests.factories import SubscriptionFactory
-from workqueue import publish
+from tests.support.browser import BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS
+from tests.support.queue import dead_letter
 from workqueue.models import Delivery
-from workqueue.transport import Receiver
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--headless",
-]
-
-pytestmark = [
-    pytest.mark.usefixtures("queue_db"),
-    # CI installs chromium (.ci/run), so there a missing browser is a failure, not a skip.
-    pytest.mark.skipif(
-        not CHROMIUM.exists() and not os.environ.get("CI"),
-        reason=f"needs Debian's chromium at {CHROMIUM} (apt-get install -y chromium)",
-    ),
-]
+pytestmark = [pytest.mark.usefixtures("queue_db"), *BROWSER_MARKS]
 
 
 def _operator() -> None:
@@ -56,19 +35,10 @@ def _operator() -> None:
     )
 
 
-def _dead_letter() -> tuple[str, str]:
-    subscription = SubscriptionFactory(name="orders.billing")
-    result = publish(subscription.topic.name, {"order": 7})
-    receiver = Receiver(subscription.id)
-    (claimed,) = receiver.receive(1).deliveries
-    assert receiver.dead_letter(claimed, "Poison", "boom").settled
-    assert str(claimed.message_id) == str(result.message_id)
-    return str(claimed.delivery_id), subscription.name
-
-
 def test_an_operator_logs_in_opens_the_dashboard_and_replays_a_dead_letter(live_server):
     _operator()
-    delivery_id, subscription_name = _dead_letter()
+    subscription_name = "orders.billing"
+    delivery_id = dead_letter(SubscriptionFactory(name=subscription_name), {"order": 7})
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)

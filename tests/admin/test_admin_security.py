@@ -14,12 +14,11 @@ from django.contrib.admin.views.main import ChangeList
 from django.test import Client
 from django.urls import reverse
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, UserFactory
+from tests.support.queue import dead_letter
 from workqueue import publish
-from workqueue.models import ApiKey, Delivery, Subscription
+from workqueue.models import ApiKey, Delivery
 from workqueue.operators.permissions import OPERATE, PUBLISH, READ
-from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -49,21 +48,14 @@ def _listed(response: Any) -> set[str]:
     return {str(row.pk) for row in response.context["cl"].result_list}
 
 
-def _dead_letter(subscription: Subscription, **message: Any) -> Delivery:
-    result = publish(subscription.topic.name, **message)
-    receiver = Receiver(subscription.id)
-    (claimed,) = receiver.receive(1).deliveries
-    assert str(claimed.message_id) == str(result.message_id)
-    assert receiver.dead_letter(claimed, "Poison", f"ValueError: bad card {CARD}").settled
-    return Delivery.objects.get(pk=claimed.delivery_id)
-
-
 @pytest.fixture
 def secret() -> Delivery:
     """A dead letter whose message carries a card number (its last error quotes it), beside
     another card and two payload references, one of them pointing into a vault."""
     subscription = SubscriptionFactory()
-    delivery = _dead_letter(subscription, payload={"card": CARD})
+    delivery = Delivery.objects.get(
+        pk=dead_letter(subscription, {"card": CARD}, error=f"ValueError: bad card {CARD}")
+    )
     publish(subscription.topic.name, {"card": "5500000000000004"})
     publish(subscription.topic.name, payload_ref={"uri": "s3://public/readme.json"})
     publish(subscription.topic.name, payload_ref={"uri": REF_URI})
@@ -128,7 +120,7 @@ def test_the_queue_lists_refuse_undeclared_lookups_even_for_a_payload_viewer(cli
 def test_every_link_of_the_declared_filters_still_works(client, secret, model):
     _signed_in(client, *READER_PERMISSIONS)
     # A second topic and subscription, so the related filters have choices to offer.
-    _dead_letter(SubscriptionFactory(), payload={"n": 1}, deduplication_key="dedup-1")
+    dead_letter(SubscriptionFactory(), payload={"n": 1}, deduplication_key="dedup-1")
     changelist = _url(f"workqueue_{model}_changelist")
 
     page = client.get(changelist)
@@ -143,7 +135,7 @@ def test_every_link_of_the_declared_filters_still_works(client, secret, model):
 
 def test_declared_filters_narrow_the_queue_lists(client, secret):
     _signed_in(client, *READER_PERMISSIONS)
-    other = _dead_letter(SubscriptionFactory(), payload={"n": 2})
+    other = Delivery.objects.get(pk=dead_letter(SubscriptionFactory(), payload={"n": 2}))
 
     deliveries = client.get(
         _url("workqueue_delivery_changelist"),
@@ -341,7 +333,7 @@ def _actions(client: Client) -> set[str]:
 
 
 def test_editing_subscriptions_does_not_let_a_user_replay_or_discard(client):
-    dead = _dead_letter(SubscriptionFactory(), payload={"n": 1})
+    dead = Delivery.objects.get(pk=dead_letter(SubscriptionFactory(), payload={"n": 1}))
     _signed_in(client, *TOPOLOGY_EDITOR)
 
     offered = _actions(client)
@@ -355,8 +347,8 @@ def test_editing_subscriptions_does_not_let_a_user_replay_or_discard(client):
 
 def test_an_operator_replays_and_discards_without_editing_topology(client):
     subscription = SubscriptionFactory()
-    dead = _dead_letter(subscription, payload={"n": 1})
-    other = _dead_letter(SubscriptionFactory(), payload={"n": 2})
+    dead = Delivery.objects.get(pk=dead_letter(subscription, payload={"n": 1}))
+    other = Delivery.objects.get(pk=dead_letter(SubscriptionFactory(), payload={"n": 2}))
     _signed_in(client, *OPERATOR)
 
     offered = _actions(client)

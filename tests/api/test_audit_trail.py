@@ -6,39 +6,19 @@ nobody."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory, TopicFactory
-from workqueue import publish
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, UserFactory
+from tests.support.api import call
+from tests.support.queue import dead_letter
 from workqueue.models import Delivery
 from workqueue.operators.permissions import OPERATE, OPERATE_PERMISSION, PUBLISH, READ
-from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-
-def dead_letter(sub: Any) -> str:
-    publish(sub.topic.name, {"n": 1})
-    receiver = Receiver(sub.id)
-    [claimed] = receiver.receive(1).deliveries
-    assert receiver.dead_letter(claimed, "Boom", "ValueError: boom").settled
-    return claimed.delivery_id
-
-
-def post(client: Client, path: str, body: dict[str, Any], key: Any) -> Any:
-    return client.post(
-        f"/work-queue{path}",
-        data=json.dumps(body),
-        content_type="application/json",
-        headers={"X-API-Key": key.raw_key},
-    )
 
 
 OPERATIONS = [
@@ -54,7 +34,9 @@ def test_an_operation_with_an_api_key_names_the_key_and_its_owner(client, verb, 
     key = ApiKeyFactory(scopes=[OPERATE])
     label = f"API key wq_{key.prefix}"
 
-    response = post(client, f"/subscriptions/{sub.name}/deliveries/{delivery_id}/{verb}", body, key)
+    response = call(
+        client, "post", f"/subscriptions/{sub.name}/deliveries/{delivery_id}/{verb}", body, key=key
+    )
 
     assert response.status_code == 200, response.content
     assert Delivery.objects.get(pk=delivery_id).resolved_by == f"{key.owner.username} via {label}"
@@ -72,7 +54,9 @@ def test_a_150_character_owner_name_keeps_the_key_in_the_record(client):
     owner = UserFactory(username="o" * 150, perms=[OPERATE_PERMISSION])
     key = ApiKeyFactory(scopes=[OPERATE], owner=owner)
 
-    response = post(client, f"/subscriptions/{sub.name}/deliveries/{delivery_id}/replay", {}, key)
+    response = call(
+        client, "post", f"/subscriptions/{sub.name}/deliveries/{delivery_id}/replay", {}, key=key
+    )
 
     assert response.status_code == 200, response.content
     resolved_by = Delivery.objects.get(pk=delivery_id).resolved_by
@@ -101,7 +85,9 @@ def test_an_expired_key_publishes_nothing_401(client):
     key = ApiKeyFactory(scopes=[PUBLISH])
     expire(key)
 
-    response = post(client, f"/topics/{topic.name}/messages", {"messages": [{"payload": {}}]}, key)
+    response = call(
+        client, "post", f"/topics/{topic.name}/messages", {"messages": [{"payload": {}}]}, key=key
+    )
 
     assert response.status_code == 401, response.content
     assert not Delivery.objects.exists()

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from tests.api.factories import ApiKeyFactory
-from tests.factories import TopicFactory
+from tests.factories import ApiKeyFactory, TopicFactory
 from workqueue import publish
 from workqueue.models import Message
 from workqueue.operators.permissions import PUBLISH

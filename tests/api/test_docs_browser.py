@@ -4,21 +4,12 @@ the API."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.admin.test_admin_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.support.browser import BROWSER_MARKS, CHROMIUM, CHROMIUM_ARGS
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    # CI installs chromium (.ci/run), so there a missing browser is a failure, not a skip.
-    pytest.mark.skipif(
-        not CHROMIUM.exists() and not os.environ.get("CI"),
-        reason=f"needs Debian's chromium at {CHROMIUM} (apt-get install -y chromium)",
-    ),
-]
+pytestmark = [pytest.mark.django_db(transaction=True), *BROWSER_MARKS]
 
 
 def test_swagger_ui_renders_the_api_with_every_other_host_unreachable(live_server, settings):

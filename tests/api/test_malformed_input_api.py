@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.api.factories import ApiKeyFactory
-from tests.api.test_publish_api import assert_refused, post
-from tests.factories import SubscriptionFactory, TopicFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
+from tests.support.api import assert_refused, post
 from workqueue import publish
 from workqueue.models import Delivery
 from workqueue.operators.permissions import OPERATE, PUBLISH, READ

@@ -6,7 +6,6 @@ nothing."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import uuid
 from typing import Any
 
@@ -16,8 +15,9 @@ from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ALL_PERMISSIONS, ApiKeyFactory, SubscriptionFactory, UserFactory
+from tests.support.api import call, operator, reader
+from tests.support.queue import dead_letter, pending
 from workqueue import publish
 from workqueue.api import subscriptions as subscriptions_api
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -36,42 +36,8 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 WITHOUT_PAYLOAD = (READ_PERMISSION, OPERATE_PERMISSION)
 
 
-def call(
-    client: Client, method: str, path: str, body: Any = None, *, key: Any = None, **params: Any
-) -> Any:
-    headers = {"X-API-Key": key.raw_key} if key is not None else {}
-    url = f"/work-queue{path}"
-    if method == "get":
-        return client.get(url, params, headers=headers)
-    data = json.dumps(body) if body is not None else ""
-    return client.post(url, data=data, content_type="application/json", headers=headers)
-
-
-def reader(**kwargs: Any) -> Any:
-    return ApiKeyFactory(scopes=[READ], **kwargs)
-
-
-def operator(**kwargs: Any) -> Any:
-    return ApiKeyFactory(scopes=[OPERATE], **kwargs)
-
-
 def owner_with(*perms: str) -> Any:
     return UserFactory(perms=list(perms))
-
-
-def dead_letter(sub: Any, payload: Any = None, key: str | None = None) -> str:
-    """Publish one message and dead-letter its delivery; returns the delivery id."""
-    result = publish(sub.topic.name, payload or {"n": 1}, partition_key=key)
-    receiver = Receiver(sub.id)
-    claimed = receiver.receive(1).deliveries
-    assert claimed and claimed[0].message_id == result.message_id
-    assert receiver.dead_letter(claimed[0], "Boom", "ValueError: boom").settled
-    return claimed[0].delivery_id
-
-
-def pending(sub: Any, payload: Any = None) -> str:
-    result = publish(sub.topic.name, payload or {"n": 1})
-    return str(Delivery.objects.get(message_id=result.message_id, subscription=sub).pk)
 
 
 def status_of(delivery_id: str) -> str:
@@ -214,7 +180,7 @@ def test_dead_letters_show_the_message_and_its_payload_to_a_payload_viewer(clien
     assert body["supported"] is True and body["nextCursor"] is None
     [item] = body["items"]
     assert item["deliveryId"] == delivery_id
-    assert item["reason"] == "Boom" and item["lastError"] == "ValueError: boom"
+    assert item["reason"] == "Poison" and item["lastError"] == "ValueError: boom"
     assert item["attempts"] == 1 and item["blocksKey"] is False
     assert item["message"]["topic"] == sub.topic.name
     assert item["message"]["payload"] == {"secret": "personal data"}
@@ -272,7 +238,7 @@ def test_dead_letters_of_an_unknown_subscription_is_404(client):
 
 def test_partitions_show_a_blocked_ordered_key_with_its_head(client):
     sub = SubscriptionFactory(partition_mode="Ordered")
-    head = dead_letter(sub, {"n": 1}, key="customer-1")
+    head = dead_letter(sub, {"n": 1}, partition_key="customer-1")
     publish(sub.topic.name, {"n": 2}, partition_key="customer-1")
 
     response = call(
@@ -367,7 +333,7 @@ def test_replay_without_a_body_is_allowed(client):
 
 def test_replay_keeps_an_ordered_heads_position(client):
     sub = SubscriptionFactory(partition_mode="Ordered")
-    head = dead_letter(sub, {"n": 1}, key="customer-1")
+    head = dead_letter(sub, {"n": 1}, partition_key="customer-1")
     publish(sub.topic.name, {"n": 2}, partition_key="customer-1")
     receiver = Receiver(sub.id)
     assert receiver.receive(10).deliveries == []  # the dead-lettered head blocks its key

@@ -9,12 +9,17 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission
-from django.test import Client
 from django.utils import timezone
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
-from workqueue import publish
+from tests.factories import (
+    ApiKeyFactory,
+    SubscriptionFactory,
+    TopicFactory,
+    TransportFactory,
+    UserFactory,
+)
+from tests.support.api import call
+from tests.support.queue import dead_letter
 from workqueue.driver.base import SparseIndex
 from workqueue.exceptions import PermissionDeniedError
 from workqueue.models import Delivery, HostRecord
@@ -26,16 +31,11 @@ from workqueue.operators.permissions import (
     READ_PERMISSION,
     Actor,
 )
-from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 # Spelled out: the tests pin the permission's public name, not whatever the constant holds.
 OPERATE_SUBSCRIPTION = "workqueue.operate_subscription"
-
-
-def get(client: Client, path: str, key: Any, **params: Any) -> Any:
-    return client.get(f"/work-queue{path}", params, headers={"X-API-Key": key.raw_key})
 
 
 def limited_reader() -> Any:
@@ -72,7 +72,7 @@ def subjects(response: Any) -> set[str]:
 
 
 def test_a_limited_key_sees_only_binding_issues_of_its_subscriptions(client, topology):
-    limited = get(client, "/bindings/validate", limited_reader())
+    limited = call(client, "get", "/bindings/validate", key=limited_reader())
 
     assert subjects(limited) == {"subscription mine.sub", "topic mine"}
     assert "theirs" not in limited.content.decode()
@@ -82,9 +82,9 @@ def test_a_limited_key_sees_only_binding_issues_of_its_subscriptions(client, top
 def test_a_limited_key_cannot_probe_transports_outside_its_subscriptions(client, topology):
     key = limited_reader()
 
-    outside = get(client, "/bindings/validate", key, transport="Other")
-    unknown = get(client, "/bindings/validate", key, transport="Nowhere")
-    own = get(client, "/bindings/validate", key, transport="Database")
+    outside = call(client, "get", "/bindings/validate", key=key, transport="Other")
+    unknown = call(client, "get", "/bindings/validate", key=key, transport="Nowhere")
+    own = call(client, "get", "/bindings/validate", key=key, transport="Database")
 
     # An existing transport the key cannot see answers exactly like one that does not exist.
     assert (outside.status_code, unknown.status_code) == (404, 404)
@@ -93,7 +93,7 @@ def test_a_limited_key_cannot_probe_transports_outside_its_subscriptions(client,
 
 
 def test_an_unrestricted_key_still_sees_every_binding_issue(client, topology):
-    response = get(client, "/bindings/validate", unrestricted_reader())
+    response = call(client, "get", "/bindings/validate", key=unrestricted_reader())
 
     assert subjects(response) == {
         "database",
@@ -130,7 +130,7 @@ def hosts() -> None:
 def test_a_limited_key_sees_hosts_only_through_its_subscriptions_without_names_or_pids(
     client, hosts
 ):
-    response = get(client, "/health", limited_reader())
+    response = call(client, "get", "/health", key=limited_reader())
 
     assert response.status_code == 200, response.content
     body = response.json()
@@ -142,12 +142,12 @@ def test_a_limited_key_sees_hosts_only_through_its_subscriptions_without_names_o
     for secret in ["db-worker-7", "4242", "aaaa1111", "pay-worker-3", "theirs"]:
         assert secret not in text, secret
     # A pseudonym, stable across calls, so a caller can still tell hosts apart over time.
-    again = get(client, "/health", limited_reader()).json()
+    again = call(client, "get", "/health", key=limited_reader()).json()
     assert again["hosts"][0]["instanceId"] == shown["instanceId"]
 
 
 def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts):
-    body = get(client, "/health", unrestricted_reader()).json()
+    body = call(client, "get", "/health", key=unrestricted_reader()).json()
 
     assert [(h["instanceId"], h["hostname"], h["pid"]) for h in body["hosts"]] == [
         ("db-worker-7:4242:aaaa1111", "db-worker-7", 4242),
@@ -156,24 +156,6 @@ def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts
 
 
 # -- item 11: operating needs its own permission, not the right to edit subscriptions --------
-
-
-def post(client: Client, path: str, key: Any, body: dict[str, Any]) -> Any:
-    return client.post(
-        f"/work-queue{path}",
-        data=json.dumps(body),
-        content_type="application/json",
-        headers={"X-API-Key": key.raw_key},
-    )
-
-
-def dead_letter(subscription: Any) -> str:
-    result = publish(subscription.topic.name, {"n": 1})
-    receiver = Receiver(subscription.id)
-    (claimed,) = receiver.receive(1).deliveries
-    assert claimed.message_id == result.message_id
-    assert receiver.dead_letter(claimed, "Boom", "boom").settled
-    return claimed.delivery_id
 
 
 def operate_key(*perms: str) -> Any:
@@ -186,8 +168,8 @@ def test_a_key_whose_owner_may_only_edit_subscriptions_cannot_replay_or_discard(
     key = operate_key(READ_PERMISSION, "workqueue.change_subscription")
     path = f"/subscriptions/{sub.name}/deliveries/{delivery_id}"
 
-    replayed = post(client, f"{path}/replay", key, {"note": "sneaky"})
-    discarded = post(client, f"{path}/discard", key, {"reason": "sneaky"})
+    replayed = call(client, "post", f"{path}/replay", {"note": "sneaky"}, key=key)
+    discarded = call(client, "post", f"{path}/discard", {"reason": "sneaky"}, key=key)
 
     assert (replayed.status_code, discarded.status_code) == (403, 403)
     assert "workqueue.operate_subscription" in replayed.json()["detail"]
@@ -200,8 +182,8 @@ def test_a_key_whose_owner_may_operate_replays_and_discards(client):
     key = operate_key(OPERATE_SUBSCRIPTION)
     path = f"/subscriptions/{sub.name}/deliveries"
 
-    replayed = post(client, f"{path}/{first}/replay", key, {"note": "fixed"})
-    discarded = post(client, f"{path}/{second}/discard", key, {"reason": "dupe"})
+    replayed = call(client, "post", f"{path}/{first}/replay", {"note": "fixed"}, key=key)
+    discarded = call(client, "post", f"{path}/{second}/discard", {"reason": "dupe"}, key=key)
 
     assert replayed.json() == {"supported": True, "replayed": True}
     assert discarded.json() == {"supported": True, "discarded": True, "cancelRequested": False}

@@ -11,34 +11,20 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from tests.api.factories import ALL_PERMISSIONS, ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory, TopicFactory
+from tests.factories import (
+    ALL_PERMISSIONS,
+    ApiKeyFactory,
+    SubscriptionFactory,
+    TopicFactory,
+    UserFactory,
+)
+from tests.support.api import assert_refused, post, url
 from workqueue.api import publish as publish_api
 from workqueue.exceptions import UnstorableValueError
-from workqueue.models import ApiKey, Delivery, Message
+from workqueue.models import Delivery, Message
 from workqueue.operators.permissions import PUBLISH_PERMISSION, READ, READ_PERMISSION
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-
-def url(topic: str) -> str:
-    return f"/work-queue/topics/{topic}/messages"
-
-
-def post(
-    client: Client,
-    topic: str,
-    body: Any = None,
-    *,
-    key: ApiKey | None = None,
-    raw: str | bytes | None = None,
-    **extra: Any,
-) -> Any:
-    headers = {"X-API-Key": key.raw_key} if key is not None else {}
-    data = raw if raw is not None else json.dumps(body)
-    return client.post(
-        url(topic), data=data, content_type="application/json", headers=headers, **extra
-    )
 
 
 @pytest.fixture
@@ -54,14 +40,6 @@ def key():
 
 
 ONE = {"messages": [{"payload": {"n": 1}}]}
-
-
-def assert_refused(response: Any, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.content
-    assert Message.objects.count() == 0
-    body = response.json()
-    assert isinstance(body["detail"], str)
-    return body
 
 
 # -- the happy path ---------------------------------------------------------------------------

@@ -16,9 +16,8 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.core.asgi import get_asgi_application
 
-from tests.api.factories import ApiKeyFactory
-from tests.api.test_publish_api import assert_refused, post, url
-from tests.factories import SubscriptionFactory, TopicFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
+from tests.support.api import assert_refused, post, url
 from workqueue.api import publish as publish_api
 from workqueue.driver.base import canonical_json
 from workqueue.models import Message

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.database import MSSQL_ALIAS, mssql_skip_reason
+from tests.support.database import MSSQL_ALIAS, mssql_skip_reason
 from workqueue.testing.conformance import CASES, ConformanceFailure, execute_case
 
 #: Cases failing on SQL Server because of a bug outside the suite: id -> "file:line, case, fix".

@@ -10,8 +10,9 @@ author wrote them (unsorted clauses, duplicate values, one-member groups, explic
 * an exhaustive grid of single-clause cases on the edges where SQL most easily diverges from
   Python (case, prefixes, LIKE metacharacters, empty string, absent vs JSON null, Unicode
   normal forms);
-* the corpus of filters the grammar rejects (``tests/filter_cases.py``) and filters that once
-  made the SQL raise or guess (a root ``"logic": "or"`` read as "and", an unknown operator);
+* the corpus of filters the grammar rejects (``tests/support/filter_cases.py``) and filters
+  that once made the SQL raise or guess (a root ``"logic": "or"`` read as "and", an unknown
+  operator);
 * Hypothesis-generated multi-clause filters, valid ones and ones with one or two mistakes, each
   evaluated against a batch of attribute maps.
 
@@ -34,8 +35,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
-from tests.database import MSSQL_ALIAS, mssql_skip_reason
-from tests.filter_cases import STORED_REJECTIONS, any_of, leaf, root
+from tests.support.database import MSSQL_ALIAS, mssql_skip_reason
+from tests.support.filter_cases import STORED_REJECTIONS, any_of, leaf, root
 from workqueue.filters import parse_filter, stored_filter_matches, stored_filter_problem
 
 # pg_conn needs pytest-django to set the test database up, which it does only for sessions that

@@ -12,7 +12,7 @@ import threading
 import psycopg
 import pytest
 
-from tests.database import psycopg_params
+from tests.support.database import psycopg_params
 from workqueue.driver import get_driver
 from workqueue.exceptions import (
     DriverError,

@@ -19,7 +19,7 @@ from django.db import connections
 from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.state import ProjectState
 
-from tests.driver.test_tsql_parses import parse_tsql
+from tests.support.tsql import parse_tsql
 
 ALIAS = "workqueue_offline_sqlserver"
 BINARY = "Latin1_General_100_BIN2"

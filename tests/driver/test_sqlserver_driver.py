@@ -17,7 +17,7 @@ import pytest
 from django.db import DatabaseError, IntegrityError, InterfaceError, OperationalError
 from mssql_python import exceptions as mssql_python_errors
 
-from tests.driver.test_tsql_parses import parse_tsql
+from tests.support.tsql import parse_tsql
 from workqueue.driver.procedures import PROCEDURES, Grant, ParamType, get_procedure
 from workqueue.driver.sqlserver import (
     SqlServerDriver,

@@ -4,7 +4,7 @@ a bounded number of keys however many are blocked; ``wq_list_partitions`` walks 
 probe at a time up to a budget (handing back where it stopped) instead of aggregating every
 open delivery before its LIMIT; ``wq_list_dead_letters`` clamps its page.
 
-Deliveries are seeded with test-only SQL (fast and exact), as in test_query_plans.py.
+Deliveries are seeded with test-only SQL (fast and exact): tests/support/seeding.py.
 """
 
 from __future__ import annotations
@@ -15,40 +15,11 @@ import pytest
 from django.core.management import call_command
 
 from tests.factories import SubscriptionFactory
-from tests.roles import connect_as, database_role
+from tests.support.roles import connect_as, database_role
+from tests.support.seeding import seed_deliveries
 from workqueue.operators import operations
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-
-def _seed(pg_conn, subscription, count: int, *, status: str, keys: str | None) -> None:
-    """``count`` deliveries in ``status``; ``keys`` is a SQL expression of g (or None)."""
-    key = keys or "NULL"
-    pg_conn.execute(
-        f"""
-        WITH m AS (
-            INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
-                                           payload, published_at)
-            SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s, {key},
-                   '{{}}'::jsonb, now()
-              FROM generate_series(1, %(count)s) g
-            RETURNING id, publish_ordinal, partition_key
-        )
-        INSERT INTO workqueue_delivery (id, message_id, subscription_id, status, partition_key,
-                                        order_key, attempt_count, is_replay, visible_at,
-                                        lease_owner, lease_token, lease_expires_at,
-                                        dead_letter_reason, dead_lettered_at)
-        SELECT gen_random_uuid(), m.id, %(sub)s, %(status)s::text, m.partition_key,
-               m.publish_ordinal, 1, false, now() - interval '1 minute',
-               CASE WHEN %(status)s::text = 'InFlight' THEN 'elsewhere' END,
-               CASE WHEN %(status)s::text = 'InFlight' THEN gen_random_uuid() END,
-               CASE WHEN %(status)s::text = 'InFlight' THEN now() + interval '1 hour' END,
-               CASE WHEN %(status)s::text = 'DeadLettered' THEN 'Poison' END,
-               CASE WHEN %(status)s::text = 'DeadLettered' THEN now() END
-          FROM m
-        """,
-        {"topic": subscription.topic_id, "sub": subscription.id, "count": count, "status": status},
-    )
 
 
 @pytest.fixture
@@ -61,8 +32,8 @@ def scaler(pg_conn):
 @pytest.mark.parametrize("cap", [None, 1_000_000])
 def test_the_backlog_cap_is_clamped_inside_sql(pg_conn, scaler, cap):
     subscription = SubscriptionFactory()
-    _seed(pg_conn, subscription, 1200, status="Pending", keys=None)
-    _seed(pg_conn, subscription, 1100, status="InFlight", keys=None)
+    seed_deliveries(pg_conn, subscription, 1200, status="Pending")
+    seed_deliveries(pg_conn, subscription, 1100, status="InFlight")
 
     with connect_as(scaler) as conn:
         row = conn.execute(
@@ -116,7 +87,9 @@ def test_the_backlog_walks_a_bounded_number_of_blocked_keys(pg_conn):
     # Exclusive keys whose head is in flight cannot be claimed: each costs a step of the walk
     # and adds nothing to the count, so only a step budget ends the walk before the last key.
     subscription = SubscriptionFactory(partition_mode="Exclusive")
-    _seed(pg_conn, subscription, BLOCKED_KEYS, status="InFlight", keys="'k' || lpad(g::text, 5)")
+    seed_deliveries(
+        pg_conn, subscription, BLOCKED_KEYS, status="InFlight", keys="'k' || lpad(g::text, 5)"
+    )
 
     rows, steps = _next_open_key_calls(
         pg_conn, "SELECT claimable, in_flight FROM wq_backlog(%s, 10)", [subscription.id]
@@ -129,8 +102,10 @@ def test_listing_partitions_walks_a_bounded_number_of_keys_and_says_where_it_sto
     # Thousands of idle keys before the one in flight: the default listing (keys that are not
     # Idle) must not read them all in one call, yet paging on finds the busy key.
     subscription = SubscriptionFactory(partition_mode="Exclusive")
-    _seed(pg_conn, subscription, BLOCKED_KEYS, status="Pending", keys="'k' || lpad(g::text, 5)")
-    _seed(pg_conn, subscription, 1, status="InFlight", keys="'zz'")
+    seed_deliveries(
+        pg_conn, subscription, BLOCKED_KEYS, status="Pending", keys="'k' || lpad(g::text, 5)"
+    )
+    seed_deliveries(pg_conn, subscription, 1, status="InFlight", keys="'zz'")
 
     listing = "SELECT * FROM wq_list_partitions(%s, NULL, NULL, 11)"
     assert _most_rows_read(pg_conn, listing, [subscription.id]) < 200
@@ -150,8 +125,8 @@ def test_listing_partitions_walks_a_bounded_number_of_keys_and_says_where_it_sto
 
 def test_waiting_items_are_counted_among_a_keys_oldest_1000_open_deliveries(pg_conn):
     subscription = SubscriptionFactory(partition_mode="Exclusive")
-    _seed(pg_conn, subscription, 1500, status="Pending", keys="'hot'")
-    _seed(pg_conn, subscription, 1, status="InFlight", keys="'hot'")
+    seed_deliveries(pg_conn, subscription, 1500, status="Pending", keys="'hot'")
+    seed_deliveries(pg_conn, subscription, 1, status="InFlight", keys="'hot'")
 
     [item] = operations.list_partitions(subscription.name).items
     assert (item.partition_key, item.condition, item.waiting_items) == ("hot", "InFlight", 1000)
@@ -160,7 +135,7 @@ def test_waiting_items_are_counted_among_a_keys_oldest_1000_open_deliveries(pg_c
 @pytest.mark.parametrize("page_size", [None, 1_000_000])
 def test_a_dead_letter_page_is_clamped_inside_sql(pg_conn, page_size):
     subscription = SubscriptionFactory()
-    _seed(pg_conn, subscription, 1100, status="DeadLettered", keys=None)
+    seed_deliveries(pg_conn, subscription, 1100, status="DeadLettered")
 
     rows = pg_conn.execute(
         "SELECT count(*) FROM wq_list_dead_letters(%s, NULL, %s)", [subscription.id, page_size]

@@ -20,8 +20,7 @@ from django.core.management.base import CommandError
 from django.urls import reverse
 from django.utils import timezone
 
-from tests.api.factories import ApiKeyFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import InvalidInputError, PermissionDeniedError

@@ -11,6 +11,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.queue import dead_letter
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery
 from workqueue.transport import Receiver
@@ -22,14 +23,6 @@ def run(*args: str) -> str:
     out = io.StringIO()
     call_command("workqueue", *args, stdout=out, stderr=io.StringIO())
     return out.getvalue()
-
-
-def dead_letter(subscription, key: str | None = None) -> str:
-    publish(subscription.topic.name, {"n": 1}, partition_key=key)
-    receiver = Receiver(subscription.id)
-    [claimed] = receiver.receive(1).deliveries
-    assert receiver.dead_letter(claimed, "Poison", "boom").settled
-    return claimed.delivery_id
 
 
 def test_stats_lists_every_subscription_and_json_matches():
@@ -88,7 +81,7 @@ def test_bad_page_size_and_cursor_are_refused():
 
 def test_partitions_show_a_blocked_ordered_key_until_discard():
     sub = SubscriptionFactory(partition_mode="Ordered")
-    head = dead_letter(sub, key="venue-1")
+    head = dead_letter(sub, partition_key="venue-1")
     publish(sub.topic.name, {"n": 2}, partition_key="venue-1")
 
     blocked = json.loads(run("partitions", "-s", sub.name, "--json"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -18,15 +17,16 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from django.db import connections, transaction
 
-from tests.database import database_url, psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import psycopg_params
+from tests.support.processes import PROJECT_ROOT, subprocess_environment
+from tests.support.sampling import InFlightSampler
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
@@ -35,7 +35,6 @@ from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DRAIN_DEADLINE_S = 60.0
 
 
@@ -156,13 +155,7 @@ _PROCESS_SCRIPT = (
 
 
 def _start_worker_process(subscription_ids: list[str], owner: str, hold_ms: float):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
-    env.update(
-        DJANGO_SETTINGS_MODULE="project.settings",
-        DATABASE_URL=database_url(),
-        PYTHONPATH=str(PROJECT_ROOT),
-        PYTHONWARNINGS="ignore",
-    )
+    env = subprocess_environment(PYTHONWARNINGS="ignore")
     args = {"subscription_ids": subscription_ids, "owner": owner, "hold_ms": hold_ms}
     return subprocess.Popen(
         [sys.executable, "-c", _PROCESS_SCRIPT, json.dumps(args)],
@@ -223,53 +216,6 @@ class _Threads:
         if self.failures:
             raise self.failures[0]
         return [self.results[i] for i in range(len(self.threads))]
-
-
-class _InFlightSampler:
-    """Samples the InFlight rows of some subscriptions from its own connection, as fast as it
-    can, until stopped; records every moment at which one (subscription, key) had two."""
-
-    def __init__(self, params: dict[str, Any], subscription_ids: list[str]) -> None:
-        self.params = params
-        self.subscription_ids = [uuid.UUID(s) for s in subscription_ids]
-        self.stop = threading.Event()
-        self.samples = 0
-        self.violations: list[Any] = []
-        self.max_keys_in_flight = 0
-        self.max_owners_in_flight = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.error: BaseException | None = None
-
-    def __enter__(self) -> _InFlightSampler:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-    def _run(self) -> None:
-        try:
-            with psycopg.connect(autocommit=True, **self.params) as conn:
-                while not self.stop.is_set():
-                    rows = conn.execute(
-                        "SELECT subscription_id, partition_key, lease_owner "
-                        "FROM workqueue_delivery "
-                        "WHERE subscription_id = ANY(%s) AND status = 'InFlight'",
-                        (self.subscription_ids,),
-                    ).fetchall()
-                    self.samples += 1
-                    per_key: dict[tuple[Any, Any], int] = defaultdict(int)
-                    for sub, key, _owner in rows:
-                        per_key[(sub, key)] += 1
-                    doubled = {k: n for k, n in per_key.items() if n > 1}
-                    if doubled:
-                        self.violations.append(doubled)
-                    self.max_keys_in_flight = max(self.max_keys_in_flight, len(per_key))
-                    owners = {owner for _, _, owner in rows}
-                    self.max_owners_in_flight = max(self.max_owners_in_flight, len(owners))
-        except BaseException as exc:
-            self.error = exc
 
 
 def _overlaps(events: list[list[Any]]) -> list[tuple[Any, ...]]:
@@ -353,7 +299,7 @@ def _publish_keyed(topic_name: str) -> None:
     assert {r.status for r in publish_many(topic_name, messages)} == {"Accepted"}
 
 
-def _drain_race(sub: Any) -> tuple[list[dict[str, Any]], _InFlightSampler]:
+def _drain_race(sub: Any) -> tuple[list[dict[str, Any]], InFlightSampler]:
     """Three threads and two worker processes drain ``sub`` at once while a sampler watches
     the InFlight rows; returns every claimer's result (owner, events, errors, transient) and
     the sampler."""
@@ -366,7 +312,7 @@ def _drain_race(sub: Any) -> tuple[list[dict[str, Any]], _InFlightSampler]:
             _await_ready(proc)
         start = threading.Event()
         threads = _Threads()
-        with _InFlightSampler(params, sub_ids) as sampler:
+        with InFlightSampler(params, sub_ids) as sampler:
             for i in range(3):
                 threads.start(drain, sub_ids, f"thread-{i}", 2, 5, start.wait)
             for proc in processes:
@@ -397,6 +343,7 @@ def _hand_overs(results: list[dict[str, Any]]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+@pytest.mark.processes
 def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode):
     sub = SubscriptionFactory(partition_mode=mode)
     _publish_keyed(sub.topic.name)
@@ -499,6 +446,7 @@ def broken_claim():
             get_driver().install_procedures(connection)
 
 
+@pytest.mark.processes
 def test_the_single_flight_harness_catches_a_claim_that_forgets_the_key(broken_claim):
     """Negative control: the same race against a broken claim is seen by every check."""
     sub = SubscriptionFactory(partition_mode="Exclusive")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +16,10 @@ import pytest
 # PyYAML is not a requirement of its own: it arrives with sqlfluff (requirements.txt).
 import yaml
 
-from tests.environment import project_environment
+from tests.support.processes import PROJECT_ROOT, run_manage, subprocess_environment
 from workqueue.management.commands.workqueue_work import Command as WorkCommand
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes
 
 # scaler-query and --help only render text, so a URL that selects the vendor is enough: nothing
 # connects to it.
@@ -46,7 +44,7 @@ class Example:
     scheduler_retries: int
 
 
-KEDA_PATH = ROOT / "docs" / "keda-scaledjob.yaml"
+KEDA_PATH = PROJECT_ROOT / "docs" / "keda-scaledjob.yaml"
 
 
 def _keda_scaled_job() -> dict[str, Any]:
@@ -68,7 +66,7 @@ def _keda() -> Example:
 
 
 def _container_apps() -> Example:
-    path = ROOT / "docs" / "azure-container-apps-job.yaml"
+    path = PROJECT_ROOT / "docs" / "azure-container-apps-job.yaml"
     job = yaml.safe_load(path.read_text())["properties"]
     configuration = job["configuration"]
     return Example(
@@ -84,19 +82,8 @@ EXAMPLES = [pytest.param(_keda, id="keda-scaledjob"), pytest.param(_container_ap
 
 
 def _manage(vendor: str, *args: str) -> str:
-    env = project_environment()
-    env["DATABASE_URL"] = VENDOR_URLS[vendor]
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    env = subprocess_environment(VENDOR_URLS[vendor])
+    return run_manage(*args, env=env, check=True).stdout
 
 
 def _work_args(example: Example) -> list[str]:

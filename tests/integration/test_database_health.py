@@ -19,10 +19,9 @@ from django.core.management import call_command
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.factories import ApiKeyFactory
-from tests.database import psycopg_params
-from tests.factories import SubscriptionFactory
-from tests.roles import connect_as, database_role
+from tests.factories import ApiKeyFactory, SubscriptionFactory
+from tests.support.database import psycopg_params
+from tests.support.roles import connect_as, database_role
 from workqueue import metrics, publish, transport
 from workqueue.driver import get_driver
 from workqueue.models import HostRecord

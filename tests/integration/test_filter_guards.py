@@ -23,11 +23,10 @@ from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connection, transaction
 from psycopg.types.json import Jsonb
 
-from tests.api.factories import ApiKeyFactory
-from tests.database import psycopg_params
-from tests.factories import SubscriptionFactory, TopicFactory, write_unchecked
-from tests.filter_cases import leaf, root
-from tests.runtime.handlers import registry
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, write_unchecked
+from tests.support.database import psycopg_params
+from tests.support.filter_cases import leaf, root
+from tests.support.handlers import registry
 from workqueue import publish, publish_many
 from workqueue.models import Delivery, Subscription
 from workqueue.operators.permissions import READ

@@ -12,14 +12,14 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
 
-from tests.database import database_url
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.processes import PROJECT_ROOT, subprocess_environment
+from tests.support.queue import dead_letter
 from workqueue import publish, publish_many
 from workqueue.exceptions import InvalidInputError
 from workqueue.models import Delivery, Message
@@ -114,18 +114,10 @@ def test_what_looks_like_malformed_text_but_is_not_is_published_and_delivered_ex
 # -- operator functions -----------------------------------------------------------------------
 
 
-def dead_letter() -> tuple[Any, str]:
-    sub = SubscriptionFactory()
-    publish(sub.topic.name, {"n": 1})
-    receiver = Receiver(sub.id)
-    [claimed] = receiver.receive(1).deliveries
-    assert receiver.dead_letter(claimed, "Poison", "boom").settled
-    return sub, claimed.delivery_id
-
-
 @pytest.mark.parametrize("bad", [NUL, LONE_SURROGATE], ids=["nul", "lone-surrogate"])
 def test_operator_functions_refuse_names_notes_and_reasons_the_database_cannot_store(bad):
-    sub, delivery_id = dead_letter()
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
     calls = [
         lambda: operations.subscription_stats(f"a{bad}"),
         lambda: operations.list_dead_letters(f"a{bad}"),
@@ -161,17 +153,13 @@ def test_the_cli_decodes_bytes_that_are_not_utf8_into_lone_surrogates():
     assert ARGV_NOT_UTF8 == "key-\udcff"
 
 
+@pytest.mark.processes
 def test_a_real_command_line_with_bytes_that_are_not_utf8_exits_1_without_a_traceback(topic):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
-    env.update(
-        DATABASE_URL=database_url(),
-        DJANGO_SETTINGS_MODULE="project.settings",
-        LC_ALL="C.UTF-8",
-    )
+    env = subprocess_environment(LC_ALL="C.UTF-8")
     argv = [sys.executable, "manage.py", "workqueue", "publish", "--topic", topic.name]
     done = subprocess.run(
         [*argv, "--payload", "1", "--partition-key", b"key-\xff"],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=PROJECT_ROOT,
         env=env,
         capture_output=True,
         timeout=120,
@@ -229,7 +217,8 @@ def test_every_cli_verb_refuses_text_arguments_the_database_cannot_store(args):
 
 
 def test_cli_replay_and_discard_refuse_a_note_or_reason_and_change_nothing():
-    sub, delivery_id = dead_letter()
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
 
     with pytest.raises(CommandError, match="--note holds a NUL"):
         run("replay", "-s", sub.name, "--delivery", delivery_id, "--note", f"x{NUL}")

@@ -18,22 +18,17 @@ import yaml
 from django.core.management import call_command
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.factories import ApiKeyFactory
-from tests.api.test_operator_api import call, dead_letter, pending, reader
-from tests.factories import SubscriptionFactory
-from tests.processes import test_host_processes
-from tests.processes.test_host_processes import hello
-from tests.runtime import test_host
-from tests.runtime.handlers import probe
-from tests.runtime.test_host import one, status_of, sub
-from tests.waiting import wait_until
+from tests.factories import ApiKeyFactory, SubscriptionFactory
+from tests.support.api import call, reader
+from tests.support.handlers import probe
+from tests.support.hosts import one, status_of, sub
+from tests.support.processes import hello
+from tests.support.queue import dead_letter, pending
+from tests.support.waiting import wait_until
 from workqueue import metrics, publish
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-make_host = test_host.make_host  # fixtures
-processes = test_host_processes.processes
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -119,7 +114,7 @@ def queue_state() -> Any:
     """Two subscriptions: ``busy`` with 2 pending, 1 in flight and 1 dead letter; ``quiet``."""
     busy = SubscriptionFactory(partition_mode="Ordered")
     quiet = SubscriptionFactory()
-    dead_letter(busy, key="k1")  # the head of k1: its key is blocked
+    dead_letter(busy, partition_key="k1")  # the head of k1: its key is blocked
     pending(busy)
     publish(busy.topic.name, {"n": 2}, partition_key="k1")  # waits behind the dead letter
     publish(busy.topic.name, {"n": 3}, partition_key="k2")
@@ -193,6 +188,7 @@ def test_the_cli_prints_the_same_exposition(queue_state, capsys):
     assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) == 1
 
 
+@pytest.mark.processes
 def test_a_host_process_serves_metrics_on_its_internal_port(processes):
     s = hello()
     host = processes.start("workqueue_host", "-s", s.name, "--metrics-port", "0")
@@ -216,6 +212,7 @@ def test_a_host_process_serves_metrics_on_its_internal_port(processes):
     assert samples(text)[("workqueue_live_hosts", ())] >= 1
 
 
+@pytest.mark.processes
 def test_a_metrics_port_already_taken_fails_the_host_before_it_claims(processes):
     import socket
 

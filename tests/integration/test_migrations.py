@@ -1,5 +1,9 @@
 """Procedure versioning: a fresh install equals an upgraded one, and the models match the
-migrations."""
+migrations.
+
+The fresh install is this worker's test database (pytest-django migrated it); the upgraded one
+is a scratch database that a ``manage.py migrate`` subprocess takes to an old migration and
+then to the latest, so the shared test database is never migrated backwards."""
 
 from __future__ import annotations
 
@@ -7,10 +11,12 @@ import io
 import re
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
 
+from tests.support.processes import run_manage, subprocess_environment
 from workqueue.driver import get_driver
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 
@@ -46,6 +52,7 @@ CATALOG_QUERIES = {
 
 
 def _catalog() -> dict[str, list[tuple]]:
+    """This worker's test database, as the migrations left it."""
     with connection.cursor() as cursor:
         result = {}
         for name, query in CATALOG_QUERIES.items():
@@ -54,43 +61,54 @@ def _catalog() -> dict[str, list[tuple]]:
         return result
 
 
+def _scratch_catalog(url: str) -> dict[str, list[tuple]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return {name: conn.execute(query).fetchall() for name, query in CATALOG_QUERIES.items()}
+
+
+def _migrate(url: str, *target: str) -> None:
+    run_manage("migrate", *target, "-v0", env=subprocess_environment(url), check=True)
+
+
 @pytest.mark.django_db
 def test_models_and_migrations_agree():
     out = io.StringIO()
     call_command("makemigrations", "workqueue", "--check", "--dry-run", stdout=out)
 
 
-@pytest.mark.django_db(transaction=True)
-def test_an_upgraded_database_equals_a_fresh_one():
+@pytest.mark.processes
+@pytest.mark.django_db
+def test_an_upgraded_database_equals_a_fresh_one(scratch_database):
     fresh = _catalog()
     assert fresh["functions"], "the procedures should be installed by the migrations"
     tuned = {name for name, options in fresh["table_options"] if options}
     assert tuned == {"workqueue_message", "workqueue_delivery", "workqueue_deduplication"}
 
     # An older database (tables only, before any procedure migration) upgraded to the latest.
-    call_command("migrate", "workqueue", "0001", verbosity=0)
-    assert not _catalog()["functions"]
-    call_command("migrate", "workqueue", verbosity=0)
+    _migrate(scratch_database, "workqueue", "0001")
+    assert not _scratch_catalog(scratch_database)["functions"]
+    _migrate(scratch_database)
 
-    assert _catalog() == fresh
+    assert _scratch_catalog(scratch_database) == fresh
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_database_at_0005_with_its_procedures_upgrades_to_equal_a_fresh_one():
+@pytest.mark.processes
+@pytest.mark.django_db
+def test_a_database_at_0005_with_its_procedures_upgrades_to_equal_a_fresh_one(scratch_database):
     fresh = _catalog()
 
     # 0005 as deployed: the old schema, and wq_claim still with its three-argument signature.
-    call_command("migrate", "workqueue", "0005", verbosity=0)
-    with connection.cursor() as cursor:
-        cursor.execute(
+    _migrate(scratch_database, "workqueue", "0005")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(
             "CREATE FUNCTION wq_claim(p_subscription_id uuid, p_lease_owner text, "
             "p_max_rows integer) RETURNS SETOF workqueue_delivery LANGUAGE sql "
             "AS 'SELECT * FROM workqueue_delivery WHERE false'"
         )
-    assert _catalog() != fresh
-    call_command("migrate", "workqueue", verbosity=0)
+    assert _scratch_catalog(scratch_database) != fresh
+    _migrate(scratch_database)
 
-    assert _catalog() == fresh
+    assert _scratch_catalog(scratch_database) == fresh
 
 
 @pytest.mark.django_db(transaction=True)

@@ -13,8 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from tests.api.factories import ApiKeyFactory
-from tests.factories import SubscriptionFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory
 from workqueue import publish
 from workqueue.operators.permissions import READ
 from workqueue.publishing import MAX_KEY_LENGTH

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tests.api.factories import ApiKeyFactory, UserFactory
-from tests.factories import SubscriptionFactory
-from workqueue import publish
+from tests.factories import ApiKeyFactory, SubscriptionFactory, UserFactory
+from tests.support.queue import dead_letter
+from workqueue.models import Delivery
 from workqueue.operators.permissions import PAYLOAD_PERMISSION, READ, READ_PERMISSION
-from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -46,15 +45,9 @@ LISTS = {"admin-message-list", "admin-delivery-list"}
 
 def _dead_letter(data: str) -> dict[str, str]:
     sub = SubscriptionFactory()
-    result = publish(sub.topic.name, **DATA[data])
-    receiver = Receiver(sub.id)
-    (claimed,) = receiver.receive(1).deliveries
-    assert receiver.dead_letter(claimed, "Boom", "ValueError: boom").settled
-    return {
-        "subscription": sub.name,
-        "message": result.message_id,
-        "delivery": claimed.delivery_id,
-    }
+    delivery_id = dead_letter(sub, **DATA[data])
+    message_id = Delivery.objects.get(pk=delivery_id).message_id
+    return {"subscription": sub.name, "message": str(message_id), "delivery": delivery_id}
 
 
 def _expected(credential: str, surface: str) -> dict[bool, tuple[int, bool, bool]]:

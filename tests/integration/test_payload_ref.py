@@ -21,9 +21,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from tests.api.factories import ApiKeyFactory
-from tests.factories import SubscriptionFactory, TopicFactory
-from tests.runtime.handlers import probe, registry
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
+from tests.support.handlers import probe, registry
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.models import Message, Topic

@@ -20,7 +20,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from tests.factories import SubscriptionFactory
-from tests.roles import database_role
+from tests.support.roles import database_role
 from workqueue import publish, publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.driver.postgresql import GUARD_FUNCTIONS

@@ -15,8 +15,8 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.support.database import psycopg_params
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json

@@ -13,35 +13,13 @@ import uuid
 import pytest
 
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.seeding import seed_deliveries
 from workqueue.driver import get_driver
 from workqueue.driver.procedures import get_procedure
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 BACKLOG = 100_000
-
-
-def _seed_backlog(pg_conn, subscription, keyed: bool) -> None:
-    """Insert BACKLOG pending deliveries directly (test-only setup SQL: fast and exact)."""
-    key = "'k' || (g %% 500)" if keyed else "NULL"
-    pg_conn.execute(
-        f"""
-        WITH m AS (
-            INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
-                                           payload, published_at)
-            SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s, {key},
-                   '{{}}'::jsonb, now()
-              FROM generate_series(1, {BACKLOG}) g
-            RETURNING id, publish_ordinal, partition_key
-        )
-        INSERT INTO workqueue_delivery (id, message_id, subscription_id, status, partition_key,
-                                        order_key, attempt_count, is_replay, visible_at)
-        SELECT gen_random_uuid(), m.id, %(sub)s, 'Pending', m.partition_key, m.publish_ordinal,
-               0, false, now() - interval '1 minute'
-          FROM m
-        """,
-        {"topic": subscription.topic_id, "sub": subscription.id},
-    )
 
 
 def _nested_plans(pg_conn, procedure: str, params: dict, analyze: bool = False) -> str:
@@ -71,7 +49,9 @@ def test_hot_paths_use_indexes_with_a_large_backlog(pg_conn):
         for mode in ("None", "Exclusive", "Ordered")
     }
     for mode, subscription in subscriptions.items():
-        _seed_backlog(pg_conn, subscription, keyed=mode != "None")
+        seed_deliveries(
+            pg_conn, subscription, BACKLOG, keys="'k' || mod(g, 500)" if mode != "None" else None
+        )
     pg_conn.execute("ANALYZE workqueue_delivery")
     pg_conn.execute("ANALYZE workqueue_message")
 
@@ -112,26 +92,8 @@ def _rows_read(plans: str) -> list[int]:
 def _seed_hot_key(pg_conn, subscription, head_status: str) -> None:
     """HOT_BACKLOG deliveries of key 'hot' (the oldest rows, its head in ``head_status``), then
     one Pending delivery for each of 50 other keys."""
-    pg_conn.execute(
-        """
-        WITH m AS (
-            INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
-                                           payload, published_at)
-            SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s,
-                   CASE WHEN g <= %(hot)s THEN 'hot' ELSE 'k' || g END, '{}'::jsonb, now()
-              FROM generate_series(1, %(hot)s + 50) g
-            RETURNING id, publish_ordinal, partition_key
-        )
-        INSERT INTO workqueue_delivery (id, message_id, subscription_id, status, partition_key,
-                                        order_key, attempt_count, is_replay, visible_at,
-                                        lease_owner, lease_token, lease_expires_at)
-        SELECT gen_random_uuid(), m.id, %(sub)s, 'Pending', m.partition_key, m.publish_ordinal,
-               0, false, now() - interval '1 hour' + m.publish_ordinal * interval '1 microsecond',
-               NULL, NULL, NULL
-          FROM m
-        """,
-        {"topic": subscription.topic_id, "sub": subscription.id, "hot": HOT_BACKLOG},
-    )
+    seed_deliveries(pg_conn, subscription, HOT_BACKLOG, keys="'hot'")
+    seed_deliveries(pg_conn, subscription, 50, keys="'k' || g")
     leased = head_status == "InFlight"
     pg_conn.execute(
         "UPDATE workqueue_delivery SET status = %(status)s, attempt_count = 1, "

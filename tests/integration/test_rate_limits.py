@@ -13,17 +13,14 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from tests.factories import SubscriptionFactory
-from tests.processes import test_host_processes
-from tests.processes.test_host_processes import hello
-from tests.waiting import wait_until
+from tests.support.processes import hello
+from tests.support.waiting import wait_until
 from workqueue import publish_many
 from workqueue.models import Delivery
 from workqueue.operators.operations import subscription_stats
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-processes = test_host_processes.processes  # fixture
 
 
 def test_an_unlimited_subscription_is_granted_what_it_asks_for():
@@ -93,6 +90,7 @@ def test_a_limit_out_of_range_is_refused_like_any_topology_mistake():
             SubscriptionFactory(**fields)
 
 
+@pytest.mark.processes
 def test_two_hosts_together_start_deliveries_at_the_subscriptions_rate(processes):
     rate, burst = 20.0, 4
     subscription = hello(rate_limit_per_second=rate, rate_limit_burst=burst)

@@ -15,7 +15,7 @@ from django.db import connection
 from django.urls import reverse
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.roles import connect_as, database_role
+from tests.support.roles import connect_as, database_role
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.base import DELIVERY_READABLE_COLUMNS, LEASE_TOKEN_COLUMN, canonical_json

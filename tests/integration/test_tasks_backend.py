@@ -19,8 +19,8 @@ from django_tasks import TaskResultStatus, default_task_backend, task_backends
 from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
+from tests.support.waiting import wait_until
 from tests.task_functions import add, always_fails, returns_a_tuple
-from tests.waiting import wait_until
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic
 from workqueue.runtime.host import Host, HostConfig

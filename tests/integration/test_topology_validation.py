@@ -21,7 +21,7 @@ from django.core.management import call_command
 from django.db import models, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
-from tests.filter_cases import any_of, leaf, root
+from tests.support.filter_cases import any_of, leaf, root
 from workqueue import publish
 from workqueue.models import Subscription, Topic, Transport
 

@@ -9,8 +9,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.test import Client
 
-from tests.api.factories import ApiKeyFactory
-from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, TransportFactory
 from workqueue import publish
 from workqueue.driver.sqlserver import _sqlstate
 from workqueue.models import Subscription, Topic, Transport

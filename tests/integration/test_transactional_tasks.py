@@ -13,9 +13,9 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
 
-from tests.runtime import txn_handlers
-from tests.runtime.txn_handlers import effects
-from tests.waiting import wait_until
+from tests.support import txn_handlers
+from tests.support.txn_handlers import effects
+from tests.support.waiting import wait_until
 from workqueue import transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Subscription, TaskResult

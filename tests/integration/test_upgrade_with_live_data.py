@@ -12,16 +12,16 @@ release's order, as its migration did.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import psycopg
+import pytest
 
-from tests.environment import project_environment
+from tests.support.processes import run_python, subprocess_environment
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes
+
 RELEASE = Path(__file__).resolve().parent / "releases" / "0006_claim_key_walk"
 RELEASE_INSTALL_ORDER = ("filters", "publish", "claim", "lease", "settle", "operator", "sweeper")
 PREVIOUS_RELEASE_MIGRATION = "0006_claim_key_walk"
@@ -74,24 +74,9 @@ print(json.dumps(out))
 """
 
 
-def _env(database_url: str) -> dict[str, str]:
-    env = project_environment()
-    env.update(DATABASE_URL=database_url, DJANGO_SETTINGS_MODULE="project.settings")
-    return env
-
-
 def _run(database_url: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=_env(database_url),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
+    env = subprocess_environment(database_url)
+    return run_python(*args, env=env, timeout=180, check=True).stdout
 
 
 def _install_release_procedures(conn: psycopg.Connection) -> None:

@@ -10,8 +10,11 @@ import subprocess
 from pathlib import Path
 
 import psycopg
+import pytest
 
-from tests.environment import project_environment
+from tests.support.environment import project_environment
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "workqueue_samples" / "README.md"

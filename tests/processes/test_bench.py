@@ -7,38 +7,20 @@ that every published message was drained and that each figure is reported.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from tests.database import database_url
 from tests.factories import TransportFactory
-from tests.processes.test_host_processes import PROJECT_ROOT
+from tests.support.processes import run_python, subprocess_environment
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     TransportFactory()  # a transactional test before this one may have flushed the seeded row
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
-    env.update(
-        DJANGO_SETTINGS_MODULE="project.settings",
-        DATABASE_URL=database_url(),
-        PYTHONPATH=str(PROJECT_ROOT),
-    )
-    run = subprocess.run(
-        [sys.executable, *args],
-        cwd=PROJECT_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stderr
-    return run
+    return run_python(*args, env=subprocess_environment(), timeout=180, check=True)
 
 
 def test_the_drain_benchmark_runs_end_to_end_in_a_short_variant():

@@ -31,24 +31,22 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-from django.contrib.auth import get_user_model
 from django.db import connection
 
-from tests.api.factories import ApiKeyFactory
-from tests.database import psycopg_params
-from tests.factories import SubscriptionFactory, TopicFactory
-from tests.processes.test_host_processes import SYSTEM_USER, Processes, read_events, wait_until
-from tests.runtime import txn_handlers
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
+from tests.support import txn_handlers
+from tests.support.database import psycopg_params
+from tests.support.processes import Processes, backends_of, read_events
+from tests.support.sampling import InFlightSampler
+from tests.support.waiting import wait_until
 from workqueue import publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery
 
-pytestmark = pytest.mark.usefixtures("queue_db")
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
 TERMINAL = {"Completed", "DeadLettered", "Discarded"}
 MODES = ("None", "Exclusive", "Ordered")
@@ -115,31 +113,6 @@ REST_SMALL = ChaosSize(
     # CI-sized run proves those; this one proves the REST publishing path.
     proves_recovery=False,
 )
-
-
-@dataclass
-class Sampler:
-    """Reads the delivery table every few milliseconds on its own connection."""
-
-    params: dict[str, Any]
-    samples: int = 0
-    max_keyed_in_flight: int = 0
-    violations: list[tuple[int, int]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        with psycopg.connect(autocommit=True, **self.params) as conn:
-            while not self.stop.wait(0.005):
-                # One statement, one snapshot: duplicates would show as count > distinct.
-                total, distinct = conn.execute(
-                    "SELECT count(*), count(DISTINCT (subscription_id, partition_key)) "
-                    "FROM workqueue_delivery "
-                    "WHERE status = 'InFlight' AND partition_key IS NOT NULL"
-                ).fetchone()
-                self.samples += 1
-                self.max_keyed_in_flight = max(self.max_keyed_in_flight, total)
-                if total != distinct:
-                    self.violations.append((total, distinct))
 
 
 @dataclass
@@ -310,33 +283,20 @@ def publish_through_rest_api(
 
 
 @pytest.fixture
-def chaos_processes(tmp_path: Path) -> Iterator[Processes]:
-    get_user_model().objects.create_user(SYSTEM_USER)
+def chaos_processes(processes: Processes) -> Iterator[Processes]:
     txn_handlers.create_effect_table()
-    procs = Processes(tmp_path)
-    procs.env.update(
-        WORKQUEUE_HANDLER_MODULES="tests.runtime.handlers,tests.runtime.txn_handlers",
+    processes.env.update(
+        WORKQUEUE_HANDLER_MODULES="tests.support.handlers,tests.support.txn_handlers",
         WORKQUEUE_SWEEPER_INTERVAL_MS="500",
         WORKQUEUE_SHUTDOWN_DRAIN_MS=str(DRAIN_MS),
         WORKQUEUE_IDLE_POLL_MIN_MS="20",
         WORKQUEUE_IDLE_POLL_MAX_MS="250",
     )
     try:
-        yield procs
+        yield processes
     finally:
-        procs.close()
-        get_driver().close()
+        processes.close()  # no host may still be writing effects when their table goes
         txn_handlers.drop_effect_table()
-
-
-def backends_of(pid: int) -> int:
-    """How many server backends a workqueue process with this pid still has."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-            [f"workqueue:{pid}"],
-        )
-        return cursor.fetchone()[0]
 
 
 def run_chaos(procs: Processes, size: ChaosSize) -> None:
@@ -372,7 +332,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
 
     hosts = {"a": start_host(), "b": start_host()}
 
-    sampler = Sampler(psycopg_params())
+    sampler = InFlightSampler(psycopg_params(), interval=0.005)
     canceller = Canceller([str(subs["Exclusive"].id), str(subs["Ordered"].id)], size.cancels)
     rng = random.Random(20240601)
     slow = sorted(rng.sample(range(size.messages // 10, size.messages // 2), size.slow_messages))
@@ -424,10 +384,10 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             get_driver().close()
 
     threads = [
-        threading.Thread(target=sampler.run, name="chaos-sampler"),
         threading.Thread(target=canceller.run, name="chaos-canceller"),
         threading.Thread(target=publish_all, name="chaos-publisher"),
     ]
+    sampler.start()
     for thread in threads:
         thread.start()
     publishing_began = time.monotonic()
@@ -462,7 +422,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             orphans += [(str(i), n) for i, n in held.values_list("id", "attempt_count")]
             txn_orphans += [(str(i), n) for i, n in txn_held.values_list("id", "attempt_count")]
             hosts["a"] = start_host()
-        threads[2].join(timeout=size.publish_seconds + 120)
+        threads[1].join(timeout=size.publish_seconds + 120)  # the publisher
         assert not publisher_error, publisher_error
 
         expected = size.messages * len(MODES)
@@ -477,7 +437,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
 
         wait_until(settled, timeout=size.drain_timeout, interval=0.25)
     finally:
-        sampler.stop.set()
+        sampler.stop()
         canceller.stop.set()
         for thread in threads:
             thread.join(timeout=30)
@@ -528,10 +488,10 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         )
 
     # -- single flight per (subscription, key), sampled throughout --------------------------------
-    assert sampler.violations == []
-    assert sampler.samples > 200 and sampler.max_keyed_in_flight > 1, (
+    assert sampler.error is None and sampler.violations == []
+    assert sampler.samples > 200 and sampler.max_keys_in_flight > 1, (
         sampler.samples,
-        sampler.max_keyed_in_flight,
+        sampler.max_keys_in_flight,
     )
 
     # -- the handlers' own view: no two executions of one key at once, Ordered in order ---------
@@ -611,7 +571,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         f"{len(orphans)} orphaned by kills, cancels {len(canceller.requested)} running + "
         f"{len(canceller.discarded)} pending ({len(ignored)} ignored past the drain), "
         f"{len(runs)} handler executions, {sampler.samples} samples "
-        f"(max keyed in flight {sampler.max_keyed_in_flight}); transactional: "
+        f"(max keys in flight {sampler.max_keys_in_flight}); transactional: "
         f"{retried_txn} retried, {len(txn_orphans)} orphaned by kills, one row each"
     )
 

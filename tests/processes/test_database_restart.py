@@ -12,17 +12,15 @@ import json
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.environment import project_environment
+from tests.support.processes import PROJECT_ROOT, run_manage, subprocess_environment
 from workqueue import localdb
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes
 
 TOPOLOGY = """
 from workqueue.models import Subscription, Topic, Transport
@@ -35,38 +33,12 @@ for mode in ("None", "Exclusive", "Ordered"):
 """
 
 
-@pytest.fixture
-def private_cluster(monkeypatch: pytest.MonkeyPatch):
-    # Under /tmp, not tmp_path: as root the server runs as 'postgres', which must reach it.
-    path = Path(tempfile.mkdtemp(prefix="wq-restart-test-", dir="/tmp"))
-    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(path))
-    try:
-        yield localdb.ensure_running()
-    finally:
-        localdb.destroy()
-
-
 def _env(url: str) -> dict[str, str]:
-    env = project_environment()
-    env.update(
-        DATABASE_URL=url,
+    return subprocess_environment(
+        url,
         WORKQUEUE_SWEEPER_INTERVAL_MS="1000",
         WORKQUEUE_IDLE_POLL_MAX_MS="500",
         WORKQUEUE_SHUTDOWN_DRAIN_MS="2000",
-        PYTHONPATH=str(ROOT),
-    )
-    return env
-
-
-def _manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
     )
 
 
@@ -83,8 +55,7 @@ def _publish(env: dict[str, str], batch: int, count: int, sleep_ms: int = 0) -> 
 def _publish_raw(
     env: dict[str, str], batch: int, count: int, sleep_ms: int = 0
 ) -> subprocess.CompletedProcess:
-    return _manage(
-        env,
+    return run_manage(
         "workqueue",
         "publish",
         "--topic",
@@ -96,6 +67,7 @@ def _publish_raw(
         "--payload",
         json.dumps({"name": f"b{batch}", "sleepMs": sleep_ms}),
         "--json",
+        env=env,
     )
 
 
@@ -111,13 +83,13 @@ def test_every_accepted_message_is_completed_across_a_database_restart(private_c
     log = tmp_path / "host.log"
     env = _env(url)
     for args in (("migrate", "-v0"), ("workqueue_samples", "seed"), ("shell", "-c", TOPOLOGY)):
-        done = _manage(env, *args)
+        done = run_manage(*args, env=env)
         assert done.returncode == 0, done.stderr
     # Output to a file, not a pipe: an unread pipe fills up and blocks the host's logging.
     output = log.open("w")
     host = subprocess.Popen(
         [sys.executable, "manage.py", "workqueue_host"],
-        cwd=ROOT,
+        cwd=PROJECT_ROOT,
         env=env,
         stdout=output,
         stderr=subprocess.STDOUT,

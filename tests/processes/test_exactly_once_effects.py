@@ -17,19 +17,18 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.processes.test_chaos import backends_of
-from tests.processes.test_host_processes import SYSTEM_USER, Proc, Processes, read_events
-from tests.runtime import txn_handlers
-from tests.runtime.txn_handlers import effects
-from tests.waiting import wait_until
+from tests.support import txn_handlers
+from tests.support.processes import SYSTEM_USER, Proc, Processes, backends_of, read_events
+from tests.support.txn_handlers import effects
+from tests.support.waiting import wait_until
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Subscription
 
-pytestmark = pytest.mark.usefixtures("queue_db")
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
 LEASE_SECONDS = 5
-HANDLERS = {"WORKQUEUE_HANDLER_MODULES": "tests.runtime.handlers,tests.runtime.txn_handlers"}
+HANDLERS = {"WORKQUEUE_HANDLER_MODULES": "tests.support.handlers,tests.support.txn_handlers"}
 
 
 @pytest.fixture

@@ -11,16 +11,13 @@ from typing import Any
 
 import pytest
 
-from tests.processes import test_host_processes
-from tests.processes.test_host_processes import Processes, hello, read_events
-from tests.waiting import wait_until
+from tests.support.processes import Processes, hello, read_events
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.models import Delivery
 
-pytestmark = pytest.mark.usefixtures("queue_db")
-
-processes = test_host_processes.processes  # the fixture
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
 SLEEP_MS = 1500
 

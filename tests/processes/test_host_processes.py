@@ -9,164 +9,21 @@ teardown whatever happens.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
-from django.contrib.auth import get_user_model
 
-from tests.database import database_url
 from tests.factories import SubscriptionFactory
-from tests.waiting import wait_until
+from tests.support.processes import DRAIN_MS, hello, read_events
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
 from workqueue.driver import get_driver
-from workqueue.models import Delivery, HostRecord, Subscription
+from workqueue.models import Delivery, HostRecord
 
-pytestmark = pytest.mark.usefixtures("queue_db")
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SYSTEM_USER = "workqueue-proc-user"
-DRAIN_MS = 500
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-class Proc:
-    """A ``manage.py`` subprocess whose stdout lines are collected as they arrive."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        self.args = args
-        self.log = log
-        self.lines: list[str] = []
-        self._stderr = log.open("w")
-        self.popen = subprocess.Popen(
-            [sys.executable, "manage.py", *args],
-            cwd=PROJECT_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            start_new_session=True,  # signals sent to the test run never reach it
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for_line(self, text: str, timeout: float = 20.0) -> None:
-        try:
-            wait_until(lambda: any(text in line for line in self.lines), timeout)
-        except AssertionError:
-            raise AssertionError(
-                f"{self.args} never printed {text!r} (exit {self.popen.poll()}); "
-                f"stdout={self.lines} stderr={self.stderr()[-3000:]}"
-            ) from None
-
-    def stderr(self) -> str:
-        self._stderr.flush()
-        return self.log.read_text()
-
-    def wait(self, timeout: float) -> int:
-        code = self.popen.wait(timeout)
-        self._reader.join(timeout=5)
-        return code
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-        self._reader.join(timeout=5)
-        self.popen.stdout.close()
-        self._stderr.close()
-
-
-class Processes:
-    """Starts manage.py commands with the test database's URL; kills leftovers at the end."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.events = tmp_path / "events.jsonl"
-        self.started: list[Proc] = []
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
-        self.env.update(
-            DJANGO_SETTINGS_MODULE="project.settings",
-            DATABASE_URL=database_url(),
-            PYTHONPATH=str(PROJECT_ROOT),
-            PYTHONUNBUFFERED="1",
-            WORKQUEUE_SYSTEM_USER=SYSTEM_USER,
-            WORKQUEUE_HANDLER_MODULES="tests.runtime.handlers",
-            WORKQUEUE_SHUTDOWN_DRAIN_MS=str(DRAIN_MS),
-            WORKQUEUE_IDLE_POLL_MIN_MS="50",
-            WORKQUEUE_IDLE_POLL_MAX_MS="500",
-            WORKQUEUE_SWEEPER_INTERVAL_MS="600000",
-            WQ_TEST_EVENT_LOG=str(self.events),
-        )
-
-    def start(self, *args: str, **env: str) -> Proc:
-        proc = Proc(
-            list(args), {**self.env, **env}, self.tmp_path / f"proc-{len(self.started)}.err"
-        )
-        self.started.append(proc)
-        return proc
-
-    def host(self, *names: str, concurrency: int = 2, **env: str) -> Proc:
-        """``workqueue_host -s NAME ...``, returned once every subscription is Running."""
-        args = ["workqueue_host", "--concurrency", str(concurrency)]
-        for name in names:
-            args += ["-s", name]
-        proc = self.start(*args, **env)
-        for name in names:
-            proc.wait_for_line(f"{name}: Running")
-        return proc
-
-    def run(self, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=PROJECT_ROOT,
-            env={**self.env, **env},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def close(self) -> None:
-        for proc in self.started:
-            proc.stop()
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    get_user_model().objects.create_user(SYSTEM_USER)
-    procs = Processes(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.close()
-        get_driver().close()
-
-
-def hello(**fields: Any) -> Subscription:
-    fields.setdefault("handler_key", "samples.hello")
-    return SubscriptionFactory(**fields)
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
 
 def delivery(message_id: str) -> Delivery:
@@ -360,15 +217,24 @@ def test_a_cancelled_handler_that_ignores_its_signal_keeps_its_exclusive_key_unt
 
 
 def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hosts(processes):
-    sub = SubscriptionFactory(handler_key="tests.record", partition_mode="Ordered")
+    # The first message of each key fails its first attempt: its retry waits out a backoff,
+    # and the key's later messages must wait behind it (an Exclusive claim would run them).
+    sub = SubscriptionFactory(
+        handler_key="tests.record",
+        partition_mode="Ordered",
+        backoff_base_seconds=1,
+        backoff_max_seconds=1,
+    )
     hosts = [processes.host(sub.name, concurrency=2) for _ in range(2)]
     keys = [f"key-{k}" for k in range(8)]
+    heads = set(range(len(keys)))
     ordinal = 0
     for _batch in range(3):
         items = []
         for _ in range(4):
             for key in keys:
-                items.append({"payload": {"ordinal": ordinal, "sleepMs": 10}, "partition_key": key})
+                payload = {"ordinal": ordinal, "sleepMs": 10, "failFirstAttempt": ordinal in heads}
+                items.append({"payload": payload, "partition_key": key})
                 ordinal += 1
         publish_many(sub.topic.name, items)
     total = ordinal
@@ -385,8 +251,11 @@ def test_ordered_deliveries_run_strictly_in_publish_order_per_key_across_two_hos
         by_key[event["key"]].append((event["event"], event["ordinal"]))
     for key in keys:
         expected = sorted(o for o in range(total) if f"key-{o % len(keys)}" == key)
-        # One run at a time, in order: start n, end n, start n+1, end n+1, ...
-        assert by_key[key] == [(ev, o) for o in expected for ev in ("start", "end")], key
+        # One run at a time, in order: the head's failed attempt and its retry, then start n,
+        # end n, start n+1, end n+1, ...
+        head, *rest = expected
+        runs = [("start", head), ("fail", head), ("start", head), ("end", head)]
+        assert by_key[key] == runs + [(ev, o) for o in rest for ev in ("start", "end")], key
         completed = list(
             Delivery.objects.filter(subscription=sub, partition_key=key)
             .order_by("completed_at")

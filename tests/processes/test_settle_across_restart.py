@@ -18,10 +18,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.processes.test_database_restart import ROOT, _env, _manage, private_cluster
+from tests.support.processes import PROJECT_ROOT, run_manage, subprocess_environment
 from workqueue import localdb
 
-__all__ = ["private_cluster"]  # the fixture, used by name
+pytestmark = pytest.mark.processes
 
 HANDLER_MS = 1500
 LEASE_SECONDS = 30  # far longer than the outage: a re-run could only come from lease expiry
@@ -74,16 +74,20 @@ def test_handlers_that_finish_during_a_restart_are_completed_at_attempt_1_soon_a
     private_cluster, tmp_path
 ):
     url = private_cluster
-    env = _env(url)
-    env["WORKQUEUE_SWEEPER_INTERVAL_MS"] = "600000"  # nothing but the host settles these rows
+    env = subprocess_environment(
+        url,
+        WORKQUEUE_SWEEPER_INTERVAL_MS="600000",  # nothing but the host settles these rows
+        WORKQUEUE_IDLE_POLL_MAX_MS="500",
+        WORKQUEUE_SHUTDOWN_DRAIN_MS="2000",
+    )
     for args in (("migrate", "-v0"), ("workqueue_samples", "seed"), ("shell", "-c", TOPOLOGY)):
-        done = _manage(env, *args)
+        done = run_manage(*args, env=env)
         assert done.returncode == 0, done.stderr
     log = tmp_path / "host.log"
     output = log.open("w")
     host = subprocess.Popen(
         [sys.executable, "manage.py", "workqueue_host", "--concurrency", "4"],
-        cwd=ROOT,
+        cwd=PROJECT_ROOT,
         env=env,
         stdout=output,
         stderr=subprocess.STDOUT,
@@ -112,7 +116,7 @@ def _restart_while_handlers_run(
     """Publish one message per key (a delivery on each of the three subscriptions), restart
     the database while all of them run, and return how long after it came back they were all
     Completed at attempt 1."""
-    done = _manage(env, "shell", "-c", PUBLISH.format(ms=HANDLER_MS, keys=keys))
+    done = run_manage("shell", "-c", PUBLISH.format(ms=HANDLER_MS, keys=keys), env=env)
     assert done.returncode == 0, done.stderr
     in_flight_sql = (
         "SELECT count(*) FROM workqueue_delivery d JOIN workqueue_message m "

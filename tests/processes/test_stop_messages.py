@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from django.contrib.auth import get_user_model
 
-from tests.database import database_url
 from tests.factories import SubscriptionFactory
-from tests.waiting import wait_until
+from tests.support.database import database_url
+from tests.support.waiting import wait_until
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.models import Delivery
 
-pytestmark = pytest.mark.usefixtures("queue_db")
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SYSTEM_USER = "workqueue-stop-user"
@@ -36,7 +36,7 @@ def start(tmp_path: Path) -> Iterator:
         PYTHONPATH=str(PROJECT_ROOT),
         PYTHONUNBUFFERED="1",
         WORKQUEUE_SYSTEM_USER=SYSTEM_USER,
-        WORKQUEUE_HANDLER_MODULES="tests.runtime.handlers",
+        WORKQUEUE_HANDLER_MODULES="tests.support.handlers",
         WORKQUEUE_SHUTDOWN_DRAIN_MS="500",
         WORKQUEUE_IDLE_POLL_MIN_MS="50",
         WORKQUEUE_SWEEPER_INTERVAL_MS="600000",

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +16,8 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 from django_tasks import TaskResultStatus, default_task_backend
 
-from tests.processes.test_host_processes import SYSTEM_USER, Processes
+from tests.support.processes import Processes
+from tests.support.waiting import wait_until
 from tests.task_functions import (
     add,
     always_fails,
@@ -27,30 +26,22 @@ from tests.task_functions import (
     multiply_later,
     user_exists,
 )
-from tests.waiting import wait_until
-from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Message, Subscription
 
-pytestmark = pytest.mark.usefixtures("queue_db")
+pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
 QUEUE = "tasks.default"
 
 
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    get_user_model().objects.create_user(SYSTEM_USER)
-    # Queue "default" as the backend creates it, with a quick retry policy set the way an
-    # operator would: three attempts, no backoff.
+def processes(processes: Processes) -> Processes:
+    """The suite's ``processes``, with queue "default" as the backend creates it and a quick
+    retry policy set the way an operator would: three attempts, no backoff."""
     default_task_backend.ensure_queue("default")
     Subscription.objects.filter(name=QUEUE).update(
         max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=1
     )
-    procs = Processes(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.close()
-        get_driver().close()
+    return processes
 
 
 def finished(result_id: str, timeout: float = 30) -> Any:

@@ -21,8 +21,8 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 
 from tests.factories import SubscriptionFactory
-from tests.runtime.handlers import probe, registry
-from tests.waiting import wait_until
+from tests.support.handlers import probe, registry
+from tests.support.waiting import wait_until
 from workqueue import publish, signals, transport
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
@@ -303,7 +303,7 @@ def test_any_other_exception_retries_with_the_traceback_in_last_error(rig):
     assert delivery.attempt_count == 1 and delivery.dead_letter_reason is None
     assert "Traceback (most recent call last)" in delivery.last_error
     assert "ValueError: kaboom" in delivery.last_error
-    assert "tests/runtime/handlers.py" in delivery.last_error
+    assert "tests/support/handlers.py" in delivery.last_error
 
 
 @pytest.mark.parametrize("value", [None, "done", {"kind": "Complete"}], ids=repr)

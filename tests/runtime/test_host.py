@@ -1,7 +1,7 @@
 """The host in this process (threads) against PostgreSQL: planning states, reconcile, shutdown,
 one-shot runs, health records and wake-ups.
 
-Handlers come from the private registry in ``tests.runtime.handlers`` (``Host(registry=...)``).
+Handlers come from the private registry in ``tests.support.handlers`` (``Host(registry=...)``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.db import connection, connections
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory, write_unchecked
-from tests.runtime.handlers import probe, registry
-from tests.waiting import wait_until
+from tests.support.handlers import probe, registry
+from tests.support.hosts import one, runtime_threads, states, status_of, sub
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, signals, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -29,61 +28,9 @@ from workqueue.runtime import wakeup
 from workqueue.runtime.consumer import Consumer
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import handler_registry
-from workqueue.runtime.host import Host, HostConfig
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-RUNTIME_THREADS = ("wq-", "workqueue-timers")
-
-
-def runtime_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(RUNTIME_THREADS)]
-
-
-def status_of(message_id: str) -> str:
-    return Delivery.objects.get(message_id=message_id).status
-
-
-@pytest.fixture
-def make_host() -> Iterator[Callable[..., Host]]:
-    """Build hosts with fast polling and no background services; shut them all down after."""
-    probe.reset()
-    get_user_model().objects.create_user("workqueue-system")
-    hosts: list[Host] = []
-
-    def make(subscriptions: list[dict[str, Any]], **config: Any) -> Host:
-        settings = {
-            "idle_poll_min_ms": 50,
-            "idle_poll_max_ms": 200,
-            "shutdown_drain_ms": 300,
-            "sweeper_interval_ms": 0,
-            "reconcile_interval_ms": 0,
-            **config,
-        }
-        host = Host(HostConfig(subscriptions=subscriptions, **settings), registry=registry)
-        hosts.append(host)
-        return host
-
-    yield make
-    for host in hosts:
-        host.shutdown()  # idempotent; harmless on a host that never started
-    wait_until(lambda: not runtime_threads(), timeout=15)
-    gc.collect()
-    get_driver().close()
-
-
-def sub(**fields: Any) -> Subscription:
-    fields.setdefault("handler_key", "t.script")
-    return SubscriptionFactory(**fields)
-
-
-def one(subscription: Subscription, concurrency: int = 2) -> list[dict[str, Any]]:
-    return [{"name": subscription.name, "concurrency": concurrency}]
-
-
-def states(host: Host) -> dict[str, tuple[str, str]]:
-    return {s["name"]: (s["state"], s["reason"]) for s in host.health()["subscriptions"]}
 
 
 def test_a_subscription_made_by_the_factory_runs_with_its_default_handler(make_host):

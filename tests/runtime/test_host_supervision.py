@@ -15,17 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.runtime import test_host
-from tests.runtime.test_host import one, states, status_of, sub
-from tests.waiting import wait_until
+from tests.support.hosts import one, states, status_of, sub
+from tests.support.waiting import wait_until
 from workqueue import publish, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord
 from workqueue.runtime import consumer as consumer_module
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-make_host = test_host.make_host  # the fixture
 
 
 class InjectedFault(Exception):

@@ -22,11 +22,11 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.db import connection, connections, transaction
 
-from tests.database import psycopg_params
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.roles import database_role
-from tests.runtime import txn_handlers
-from tests.runtime.txn_handlers import EffectHandler, effects
+from tests.support import txn_handlers
+from tests.support.database import psycopg_params
+from tests.support.roles import database_role
+from tests.support.txn_handlers import EffectHandler, effects
 from workqueue import publish, transport
 from workqueue.driver import get_driver
 from workqueue.exceptions import Cancelled, EnlistError, LeaseLost

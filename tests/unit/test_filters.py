@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.filter_cases import REJECTIONS, STORED_REJECTIONS, any_of, leaf, root
+from tests.support.filter_cases import REJECTIONS, STORED_REJECTIONS, any_of, leaf, root
 from workqueue.filters import (
     MAX_FIELDS,
     MAX_VALUES,

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import psycopg
 
-from tests.database import psycopg_params
+from tests.support.database import psycopg_params
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Handlers that complete their delivery inside their own transaction, for the tests of
 ``context.complete(enlist=True)`` (in-process and in subprocess hosts, through
-``WORKQUEUE_HANDLER_MODULES=tests.runtime.txn_handlers``).
+``WORKQUEUE_HANDLER_MODULES=tests.support.txn_handlers``).
 
 ``tests.txn.effect`` writes one row to ``wq_test_effect`` (the handler's "database work") and
 completes transactionally in the same ``transaction.atomic()``. Its payload says where to pause
@@ -31,7 +31,7 @@ from typing import Any
 
 from django.db import connection, transaction
 
-from tests.runtime.handlers import fails_transiently
+from tests.support.handlers import fails_transiently
 from workqueue import publish
 from workqueue.exceptions import LeaseLost
 from workqueue.runtime.context import WorkContext, WorkMessage

@@ -251,7 +251,8 @@ class RecordingHandler(BaseWorkHandler):
     ``sleepFirstAttemptMs`` (attempt 1 only), stopping early on the abort signal unless
     ``ignoreSignal`` (then sleeping on, and logging when the signal fired as ``signalled_at``),
     or, with ``untilStopping``, on ``context.stopping`` (logged as ``stopping``, then a retry),
-    and ``failPercent`` (transient failure when the hash of message id + attempt says so)."""
+    ``failPercent`` (transient failure when the hash of message id + attempt says so) and
+    ``failFirstAttempt`` (a transient failure on attempt 1)."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         payload = message.payload if isinstance(message.payload, dict) else {}
@@ -275,7 +276,10 @@ class RecordingHandler(BaseWorkHandler):
         elif sleep_ms and context.signal.wait(sleep_ms / 1000):
             record("abort", message, context, run=run)
             return Outcome.retry(f"stopped: {context.signal.reason}")
-        if fails_transiently(message.message_id, context.attempt, payload.get("failPercent", 0)):
+        failing_first = payload.get("failFirstAttempt") and context.attempt == 1
+        if failing_first or fails_transiently(
+            message.message_id, context.attempt, payload.get("failPercent", 0)
+        ):
             record("fail", message, context, run=run, signalled_at=signalled_at)
             raise TransientWorkError("chaos: transient failure")
         record("end", message, context, run=run, signalled_at=signalled_at)
@@ -286,7 +290,7 @@ class RecordingHandler(BaseWorkHandler):
 class NoopHandler(BaseWorkHandler):
     """The default handler key of ``tests.factories.SubscriptionFactory``: completes at once, so
     a subscription made by the factory runs in an in-process host (private registry) and in a
-    subprocess host (``WORKQUEUE_HANDLER_MODULES=tests.runtime.handlers``) alike."""
+    subprocess host (``WORKQUEUE_HANDLER_MODULES=tests.support.handlers``) alike."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         return Outcome.complete()

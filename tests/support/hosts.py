@@ -1,0 +1,40 @@
+"""Hosts in this process (threads) with the private test registry of tests/support/handlers.py:
+what a test needs to configure one and read its state. The ``make_host`` fixture (in
+tests/conftest.py) builds them."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tests.factories import SubscriptionFactory
+from workqueue.models import Delivery, Subscription
+from workqueue.runtime.host import Host
+
+RUNTIME_THREADS = ("wq-", "workqueue-timers")
+
+
+def runtime_threads() -> list[threading.Thread]:
+    """The threads a host starts that are still alive."""
+    return [t for t in threading.enumerate() if t.name.startswith(RUNTIME_THREADS)]
+
+
+def status_of(message_id: str) -> str:
+    """The status of the one delivery of ``message_id``."""
+    return Delivery.objects.get(message_id=message_id).status
+
+
+def sub(**fields: Any) -> Subscription:
+    """A subscription whose handler (``t.script``) does what each payload says."""
+    fields.setdefault("handler_key", "t.script")
+    return SubscriptionFactory(**fields)
+
+
+def one(subscription: Subscription, concurrency: int = 2) -> list[dict[str, Any]]:
+    """A host configuration that runs ``subscription`` alone."""
+    return [{"name": subscription.name, "concurrency": concurrency}]
+
+
+def states(host: Host) -> dict[str, tuple[str, str]]:
+    """Each subscription's (state, reason) as the host reports its health."""
+    return {s["name"]: (s["state"], s["reason"]) for s in host.health()["subscriptions"]}
