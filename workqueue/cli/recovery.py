@@ -27,6 +27,34 @@ def instant(text: str) -> dt.datetime:
     return value if value.tzinfo is not None else timezone.make_aware(value)
 
 
+def _filter_arguments(parser: argparse.ArgumentParser, rows: str, timed: str) -> None:
+    """The options every bulk verb shares: ``rows`` names what it acts on ("dead letters"),
+    ``timed`` the moment --since and --until bound ("dead-lettered")."""
+    parser.add_argument(
+        "--key", dest="partition_key", default=None, help=f"Only {rows} of this partition key."
+    )
+    parser.add_argument(
+        "--since", type=instant, default=None, help=f"Only {rows} {timed} at or after this time."
+    )
+    parser.add_argument(
+        "--until", type=instant, default=None, help=f"Only {rows} {timed} before this time."
+    )
+    parser.add_argument(
+        "--error-contains",
+        default=None,
+        help=f"Only {rows} whose last (failed attempt's) error contains this text.",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help=f"Count the matching {rows}; change nothing."
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1000,
+        help=f"{rows.capitalize()} per transaction (1..5000; default 1000).",
+    )
+
+
 class _ResolveDeadLettersVerb(Verb):
     action: str
     past_tense: str
@@ -41,40 +69,7 @@ class _ResolveDeadLettersVerb(Verb):
             default=None,
             help="Only dead letters with this reason (e.g. MaxAttemptsExceeded).",
         )
-        parser.add_argument(
-            "--key",
-            dest="partition_key",
-            default=None,
-            help="Only dead letters of this partition key.",
-        )
-        parser.add_argument(
-            "--since",
-            type=instant,
-            default=None,
-            help="Only dead letters dead-lettered at or after this time.",
-        )
-        parser.add_argument(
-            "--until",
-            type=instant,
-            default=None,
-            help="Only dead letters dead-lettered before this time.",
-        )
-        parser.add_argument(
-            "--error-contains",
-            default=None,
-            help="Only dead letters whose last error contains this text.",
-        )
-        parser.add_argument(
-            "--dry-run",
-            action="store_true",
-            help="Count the matching dead letters; change nothing.",
-        )
-        parser.add_argument(
-            "--batch-size",
-            type=int,
-            default=1000,
-            help="Dead letters per transaction (1..5000; default 1000).",
-        )
+        _filter_arguments(parser, "dead letters", "dead-lettered")
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.operators.operations import DeadLetterSelection, resolve_dead_letters
@@ -156,35 +151,7 @@ class DiscardPendingVerb(Verb):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         _subscription_argument(parser)
-        parser.add_argument(
-            "--key",
-            dest="partition_key",
-            default=None,
-            help="Only messages with this partition key.",
-        )
-        parser.add_argument(
-            "--since",
-            type=instant,
-            default=None,
-            help="Only messages published at or after this time.",
-        )
-        parser.add_argument(
-            "--until", type=instant, default=None, help="Only messages published before this time."
-        )
-        parser.add_argument(
-            "--error-contains",
-            default=None,
-            help="Only deliveries whose last failed attempt's error contains this.",
-        )
-        parser.add_argument(
-            "--dry-run", action="store_true", help="Count the matching deliveries; change nothing."
-        )
-        parser.add_argument(
-            "--batch-size",
-            type=int,
-            default=1000,
-            help="Deliveries per transaction (1..5000; default 1000).",
-        )
+        _filter_arguments(parser, "waiting deliveries", "published")
         parser.add_argument(
             "--discard-reason",
             required=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -393,11 +394,10 @@ def resolve_dead_letters(
     }
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
-    matched = examined = batches = 0
-    after: str | None = None
-    while True:
-        batch = transport.resolve_dead_letters(
-            str(subscription.id),
+    sub_id = str(subscription.id)
+    matched, examined, batches = _in_batches(
+        lambda after: transport.resolve_dead_letters(
+            sub_id,
             action.capitalize(),
             filters,
             after_delivery_id=after,
@@ -405,13 +405,10 @@ def resolve_dead_letters(
             dry_run=dry_run,
             actor=actor.name,
             note=note,
-        )
-        batches += 1
-        matched += batch["changed"]
-        examined += batch["examined"]
-        if batch["examined"] < batch_size:
-            break
-        after = _resume_point(after, batch["last_delivery_id"])
+        ),
+        batch_size,
+        lambda batch: batch["last_delivery_id"],
+    )
     return BulkOutcome(True, action, dry_run, matched, examined, batches)
 
 
@@ -455,11 +452,10 @@ def discard_pending(
     )
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
-    matched = examined = batches = 0
-    for keyed in (False, True):
-        after: tuple[Any, str] | None = None
-        while True:
-            batch = transport.discard_pending(
+    totals = [0, 0, 0]  # matched, examined, batches
+    for keyed in (False, True):  # the keyless claim index, then the keyed one
+        counted = _in_batches(
+            lambda after, keyed=keyed: transport.discard_pending(
                 str(subscription.id),
                 keyed=keyed,
                 selection=filters,
@@ -468,26 +464,40 @@ def discard_pending(
                 dry_run=dry_run,
                 actor=actor.name,
                 reason=reason,
-            )
-            batches += 1
-            matched += batch["changed"]
-            examined += batch["examined"]
-            if batch["examined"] < batch_size:
-                break
-            after = _resume_point(after, (batch["last_visible_at"], batch["last_delivery_id"]))
-    return BulkOutcome(True, "discard", dry_run, matched, examined, batches)
-
-
-def _resume_point(previous: Any, following: Any) -> Any:
-    """Where a bulk operation's next batch starts: it must move on from where the last one
-    started, or the same batch would be read forever."""
-    if following is None or following == previous:
-        raise WorkQueueError(
-            "A bulk operation's batch did not move past the rows it read; stopping rather than "
-            "reading them again. Run `manage.py migrate` so the installed procedures match "
-            "this version of django-workqueue."
+            ),
+            batch_size,
+            lambda batch: (batch["last_visible_at"], batch["last_delivery_id"]),
         )
-    return following
+        totals = [total + part for total, part in zip(totals, counted, strict=True)]
+    return BulkOutcome(True, "discard", dry_run, *totals)
+
+
+def _in_batches(
+    run_batch: Callable[[Any], dict[str, Any]],
+    batch_size: int,
+    resume_point: Callable[[dict[str, Any]], Any],
+) -> tuple[int, int, int]:
+    """Run a bulk operation's procedure batch after batch, each resuming where the last one's
+    rows ended (``resume_point`` of its result), until one examines fewer rows than a full
+    batch. Returns the rows changed (or, on a dry run, to change), examined, and the batches."""
+    matched = examined = batches = 0
+    after = None
+    while True:
+        batch = run_batch(after)
+        batches += 1
+        matched += batch["changed"]
+        examined += batch["examined"]
+        if batch["examined"] < batch_size:
+            return matched, examined, batches
+        following = resume_point(batch)
+        if following is None or following == after:
+            # The same batch would be read forever.
+            raise WorkQueueError(
+                "A bulk operation's batch did not move past the rows it read; stopping rather "
+                "than reading them again. Run `manage.py migrate` so the installed procedures "
+                "match this version of django-workqueue."
+            )
+        after = following
 
 
 def _filter_parameters(
