@@ -43,6 +43,7 @@ DELIVERY_READABLE_COLUMNS = (
     "attempt_count",
     "is_replay",
     "visible_at",
+    "priority",
     "lease_owner",
     "lease_expires_at",
     "last_heartbeat_at",

@@ -95,7 +95,7 @@ PROCEDURES: dict[str, Procedure] = {
                 "topic_name:text, message_id:uuid, partition_key:text, attributes:json, "
                 "payload:json, payload_ref:json, correlation_id:text, deduplication_key:text, "
                 "deduplication_ttl_seconds:int, envelope_bytes:int, external:bool, "
-                "published_by:text"
+                "published_by:text, not_before:timestamp, delay_seconds:int, priority:int"
             ),
             _c("message_id:uuid, status, error_code"),
             ResultKind.ONE,

@@ -181,7 +181,7 @@ BEGIN
         v_listed := v_listed + 1;
         -- Every open status in the test leaves wq_dlv_partition_head_ix as the only index that
         -- fits (with stale statistics the planner would otherwise filter the subscription's
-        -- whole keyed backlog in wq_dlv_claim_keyed_ix for this one key).
+        -- whole keyed backlog in wq_dlv_claim_keyed_pri_ix for this one key).
         RETURN QUERY
         SELECT 'Partition'::text, v_key, v_condition, v_head.id,
                count(*) FILTER (WHERE o.status = 'Pending')
@@ -301,6 +301,7 @@ DECLARE
     v_limit integer := LEAST(GREATEST(coalesce(p_cap, 1000), 0), 1000);
     v_steps integer := v_limit * 4 + 64;
     v_claimable bigint;
+    v_level integer;
     v_key text;
     v_head record;
 BEGIN
@@ -318,11 +319,20 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    v_claimable := (SELECT count(*) FROM (
-        SELECT 1 FROM workqueue_delivery d
-         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-           AND d.partition_key IS NULL AND d.visible_at <= now()
-         LIMIT v_limit) AS keyless);
+    -- Keyless rows already due, a priority at a time as wq_claim reads them, so rows
+    -- scheduled for later are neither counted nor read.
+    v_claimable := 0;
+    v_level := 101;
+    LOOP
+        EXIT WHEN v_claimable >= v_limit;
+        v_level := wq_next_priority(p_subscription_id, false, v_level);
+        EXIT WHEN v_level IS NULL;
+        v_claimable := v_claimable + (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+               AND d.partition_key IS NULL AND d.priority = v_level AND d.visible_at <= now()
+             LIMIT v_limit - v_claimable) AS keyless);
+    END LOOP;
 
     IF v_sub.partition_mode <> 'None' THEN
         LOOP

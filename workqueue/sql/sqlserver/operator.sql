@@ -329,6 +329,7 @@ BEGIN
     DECLARE @subscription_status nvarchar(20);
     DECLARE @claimable int = 0;
     DECLARE @in_flight int = 0;
+    DECLARE @level int;
     DECLARE @key nvarchar(200);
     DECLARE @head_status nvarchar(20);
     DECLARE @head_visible_at datetimeoffset(7);
@@ -346,10 +347,20 @@ BEGIN
 
     IF @subscription_status = N'Active'
     BEGIN
-        SELECT @claimable = COUNT(*) FROM (
-            SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-               AND d.partition_key IS NULL AND d.visible_at <= @now) AS keyless;
+        -- Keyless rows already due, a priority at a time as wq_claim reads them, so rows
+        -- scheduled for later are neither counted nor read.
+        SET @level = 101;
+        WHILE @claimable < @limit
+        BEGIN
+            SET @level = dbo.wq_next_priority(@subscription_key, 0, @level);
+            IF @level IS NULL
+                BREAK;
+            SELECT @claimable += COUNT(*) FROM (
+                SELECT TOP (@limit - @claimable) d.id FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                   AND d.partition_key IS NULL AND d.priority = @level
+                   AND d.visible_at <= @now) AS keyless;
+        END;
 
         WHILE @partition_mode <> N'None' AND @claimable < @limit AND @steps > 0
         BEGIN
