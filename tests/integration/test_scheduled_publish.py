@@ -5,11 +5,13 @@ is refused and why, and that an upgrade which changes wq_publish's parameters ke
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
+from tests.api.factories import ApiKeyFactory
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.roles import database_role
 from workqueue import publish, publish_many
@@ -151,3 +153,56 @@ def test_an_upgrade_that_changes_a_procedures_parameters_keeps_its_grants(pg_con
             [role],
         ).fetchall()
         assert granted == [(CURRENT_PUBLISH, True, False)]
+
+
+def test_the_cli_publishes_with_a_delay_a_due_time_and_a_priority(capsys):
+    sub = SubscriptionFactory()
+    at = (_db_now() + dt.timedelta(hours=3)).replace(microsecond=0)
+
+    call_command("workqueue", "publish", "--topic", sub.topic.name, "--delay", "900")
+    call_command(
+        "workqueue", "publish", "--topic", sub.topic.name, "--not-before", at.isoformat(),
+        "--priority", "40",
+    )  # fmt: skip
+
+    rows = sorted(Delivery.objects.filter(subscription=sub), key=lambda d: d.order_key)
+    assert rows[0].visible_at > _db_now() + dt.timedelta(seconds=800)
+    assert (rows[1].visible_at, rows[1].priority) == (at, 40)
+    with pytest.raises(CommandError, match=r"InvalidSchedule: .*not both"):
+        call_command(
+            "workqueue", "publish", "--topic", sub.topic.name, "--delay", "5",
+            "--not-before", at.isoformat(),
+        )  # fmt: skip
+
+
+def test_the_rest_api_publishes_with_not_before_delay_and_priority(client):
+    topic = TopicFactory(allow_external_publish=True)
+    sub = SubscriptionFactory(topic=topic)
+    key = ApiKeyFactory(scopes=["workqueue:publish"])
+    at = (_db_now() + dt.timedelta(days=1)).replace(microsecond=0)
+    body = {
+        "messages": [
+            {"payload": 1, "notBefore": at.isoformat().replace("+00:00", "Z"), "priority": -3},
+            {"payload": 2, "delaySeconds": 60},
+            {"payload": 3, "notBefore": "soon"},
+            {"payload": 4, "priority": 1000},
+        ]
+    }
+
+    response = client.post(
+        f"/work-queue/topics/{topic.name}/messages",
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+    assert response.status_code == 202, response.content
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == ["Accepted", "Accepted", "Rejected", "Rejected"]
+    assert [r["error"]["code"] for r in results[2:]] == ["InvalidSchedule", "InvalidPriority"]
+    rows = {str(d.message_id): d for d in Delivery.objects.filter(subscription=sub)}
+    assert (rows[results[0]["messageId"]].visible_at, rows[results[0]["messageId"]].priority) == (
+        at,
+        -3,
+    )
+    assert rows[results[1]["messageId"]].visible_at > _db_now() + dt.timedelta(seconds=50)

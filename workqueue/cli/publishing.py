@@ -32,6 +32,21 @@ class PublishVerb(Verb):
         )
         parser.add_argument("--partition-key", default=None)
         parser.add_argument("--dedup-key", default=None)
+        parser.add_argument(
+            "--not-before",
+            default=None,
+            help="Not delivered before this ISO 8601 time with an offset, e.g. "
+            "2030-01-01T09:00:00+00:00 (at most the topic's retention ahead).",
+        )
+        parser.add_argument(
+            "--delay", type=int, default=None, help="Not delivered before SECONDS from now."
+        )
+        parser.add_argument(
+            "--priority",
+            type=int,
+            default=0,
+            help="-100..100; higher is delivered first among due messages (default 0).",
+        )
         parser.add_argument("--count", type=int, default=1)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
@@ -48,6 +63,9 @@ class PublishVerb(Verb):
             "payload_ref": payload_ref,
             "partition_key": options["partition_key"],
             "deduplication_key": options["dedup_key"],
+            "not_before": options["not_before"],
+            "delay_seconds": options["delay"],
+            "priority": options["priority"],
         }
         results = []
         started = time.monotonic()
