@@ -106,6 +106,7 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         "partition_key",
         "attempt_count",
         "is_replay",
+        "priority",
         "visible_at",
         "dead_letter_reason",
         "cancel_requested_at",
