@@ -154,6 +154,7 @@ def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
+    now_sql = "SELECT now()"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
