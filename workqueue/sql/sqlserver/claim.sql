@@ -176,6 +176,7 @@ BEGIN
     DECLARE @window_size int = @max_rows * 4 + 32;
     DECLARE @window_full bit = 0;
     DECLARE @window_taken int = 0;
+    DECLARE @window_count int;
     DECLARE @level int;
     DECLARE @next int = 0;
     DECLARE @walking bit = 0;
@@ -265,8 +266,9 @@ BEGIN
                 SET @level = dbo.wq_next_priority(@subscription_key, 1, @level);
                 IF @level IS NULL
                     BREAK;
+                SET @window_count = (SELECT COUNT(*) FROM @window_keys);
                 INSERT INTO @window_keys (ord, partition_key, rows_in_window)
-                SELECT (SELECT COUNT(*) FROM @window_keys)
+                SELECT @window_count
                        + ROW_NUMBER() OVER (ORDER BY MIN(r.visible_at), MIN(r.order_key)),
                        r.partition_key, COUNT(*)
                   FROM (
