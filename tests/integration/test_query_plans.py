@@ -224,7 +224,7 @@ def _seed_scheduled(pg_conn, subscription, keyed: bool) -> None:
     )
 
 
-@pytest.mark.parametrize("mode", ["None", "Exclusive"])
+@pytest.mark.parametrize("mode", ["None", "Exclusive", "Ordered"])
 def test_claims_read_only_due_rows_by_priority_whatever_is_scheduled(pg_conn, mode):
     # Statistics from before the burst, as in the hot-key test above.
     SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
