@@ -70,6 +70,10 @@ class Schedule:
     def zone(self) -> ZoneInfo:
         return ZoneInfo(self.timezone)
 
+    def next_slot_time(self, now: dt.datetime) -> dt.datetime:
+        """The first slot after ``now``, in UTC."""
+        return next(CronSim(self.cron, now.astimezone(self.zone))).astimezone(dt.UTC)
+
     def latest_slot(self, now: dt.datetime) -> Slot | None:
         """The slot to publish at ``now``: the latest at or before it, unless that one is no
         longer publishable (see the module's policy)."""

@@ -6,6 +6,7 @@ database clock."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.management import call_command
 from django.db import connections
 
 from tests.factories import SubscriptionFactory, TopicFactory
@@ -205,3 +207,21 @@ def test_hosts_run_the_scheduler_on_the_database_clock(hosts, topic_name):
     minutes = {started.replace(second=0, microsecond=0), ended.replace(second=0, microsecond=0)}
     assert published(topic_name) == len(minutes)
     assert Message.objects.filter(topic__name=topic_name).first().payload == {"every": "minute"}
+
+
+def test_the_schedules_command_shows_each_slot_whether_published_and_the_next(
+    settings, topic_name, capsys
+):
+    # Hourly, so the slot does not change between the three reads below.
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": [schedule(topic_name, "0 * * * *")]}
+
+    call_command("workqueue", "schedules", "--json")
+    [before] = json.loads(capsys.readouterr().out)
+    Scheduler(load_schedules(settings.WORKQUEUE["SCHEDULES"])).run_once()
+    call_command("workqueue", "schedules", "--json")
+    [after] = json.loads(capsys.readouterr().out)
+
+    assert (before["published"], after["published"]) == (False, True)
+    assert (after["name"], after["topic"], after["timezone"]) == ("report", topic_name, "UTC")
+    slot, following = dt.datetime.fromisoformat(after["slot"]), after["next_slot"]
+    assert dt.datetime.fromisoformat(following) - slot == dt.timedelta(hours=1)

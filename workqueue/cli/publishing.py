@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import uuid
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -145,6 +146,67 @@ class _Progress:
         self.stream.write("")
 
 
+class SchedulesVerb(Verb):
+    name = "schedules"
+    help = (
+        "The recurring publishes of WORKQUEUE['SCHEDULES']: each one's publishable slot, "
+        "whether a host has published it, and the next slot (database clock)."
+    )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.conf import get_settings
+        from workqueue.driver import get_driver
+        from workqueue.exceptions import WorkQueueConfigurationError
+        from workqueue.models import Message
+        from workqueue.scheduling import load_schedules
+
+        conf = get_settings()
+        try:
+            schedules = load_schedules(conf.SCHEDULES)
+        except WorkQueueConfigurationError as exc:
+            raise CommandError(str(exc)) from None
+        now = get_driver(conf.DATABASE_ALIAS).database_now()
+        slots = {s.name: s.latest_slot(now) for s in schedules}
+        published = set(
+            Message.objects.using(conf.DATABASE_ALIAS)
+            .filter(id__in=[slot.message_id for slot in slots.values() if slot])
+            .values_list("id", flat=True)
+        )
+        rows = [
+            {
+                "name": s.name,
+                "cron": s.cron,
+                "timezone": s.timezone,
+                "topic": s.topic,
+                "slot": slots[s.name].at if slots[s.name] else None,
+                "published": bool(slots[s.name])
+                and uuid.UUID(slots[s.name].message_id) in published,
+                "next_slot": s.next_slot_time(now),
+            }
+            for s in schedules
+        ]
+        if options["json"]:
+            command.stdout.write(to_json(rows))
+            return
+        command.stdout.write(
+            table(
+                [
+                    (
+                        r["name"],
+                        r["cron"],
+                        r["timezone"],
+                        r["topic"],
+                        r["slot"],
+                        "yes" if r["published"] else ("no" if r["slot"] else ""),
+                        r["next_slot"],
+                    )
+                    for r in rows
+                ],
+                ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
+            )
+        )
+
+
 class ApiKeyVerb(Verb):
     name = "apikey"
     help = "Create, list or revoke REST API keys."
@@ -249,4 +311,4 @@ class ApiKeyVerb(Verb):
             command.stdout.write(f"Revoked {key.prefix}.")
 
 
-PUBLISHING_VERBS = [PublishVerb, ApiKeyVerb]
+PUBLISHING_VERBS = [PublishVerb, SchedulesVerb, ApiKeyVerb]
