@@ -4,11 +4,13 @@ Usage (against the embedded PostgreSQL, or DATABASE_URL):
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --concurrency 1 8 32
     PYTHONPATH=. .venv/bin/python bench/drain.py --pickup 300
     PYTHONPATH=. .venv/bin/python bench/drain.py --partition-mode Exclusive --keys 100 --pickup 0
+    PYTHONPATH=. .venv/bin/python bench/drain.py --priorities 5 --pickup 0
 
 Drain: publish N no-op messages first (keyless, or spread over --keys partition keys), then time
 a host (in this process) from start until it has completed them all. Pickup: with the host idle
 and listening, publish one message at a time and measure from the publish call's return
-(committed) to the handler starting.
+(committed) to the handler starting. With --priorities P the backlog's messages take P
+different priorities in turn (-2, -1, 0, 1, 2 for 5), so claims visit several priority levels.
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ def maintain_queue_tables(command: str) -> None:
             cursor.execute(f"{command} {table}")
 
 
-def drain(messages: int, concurrency: int, partition_mode: str, keys: int, steady: bool) -> float:
+def drain(
+    messages: int, concurrency: int, partition_mode: str, keys: int, steady: bool, priorities: int
+) -> float:
     """Messages per second for one host draining a published backlog.
 
     With ``steady``, each run starts from vacuumed tables (autovacuum lags behind a benchmark's
@@ -103,7 +107,11 @@ def drain(messages: int, concurrency: int, partition_mode: str, keys: int, stead
             publish_many(
                 subscription.topic.name,
                 [
-                    {"payload": {"n": n}, "partition_key": f"k{n % keys}" if keys else None}
+                    {
+                        "payload": {"n": n},
+                        "partition_key": f"k{n % keys}" if keys else None,
+                        "priority": n % priorities - priorities // 2,
+                    }
                     for n in range(offset, min(offset + 500, messages))
                 ],
             )
@@ -161,6 +169,12 @@ def main() -> int:
         "--keys", type=int, default=0, help="spread messages over this many partition keys"
     )
     parser.add_argument(
+        "--priorities",
+        type=int,
+        default=1,
+        help="spread messages over this many priorities around 0 (1: all priority 0)",
+    )
+    parser.add_argument(
         "--as-is",
         dest="steady",
         action="store_false",
@@ -172,8 +186,17 @@ def main() -> int:
     User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults")
     for concurrency in args.concurrency:
-        rate = drain(args.messages, concurrency, args.partition_mode, args.keys, args.steady)
+        rate = drain(
+            args.messages,
+            concurrency,
+            args.partition_mode,
+            args.keys,
+            args.steady,
+            max(args.priorities, 1),
+        )
         shape = f", {args.partition_mode} over {args.keys} keys" if args.keys else ""
+        if args.priorities > 1:
+            shape += f", {args.priorities} priorities"
         print(
             f"drain {args.messages} no-op messages{shape}, concurrency {concurrency}: {rate:,.0f}/s"
         )

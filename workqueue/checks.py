@@ -48,6 +48,19 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
                 id="workqueue.E003",
             )
         )
+    from workqueue.scheduling import load_schedules
+
+    try:
+        load_schedules(conf.SCHEDULES)
+    except WorkQueueConfigurationError as exc:
+        errors.append(
+            checks.Error(
+                str(exc),
+                hint="Fix the schedule named in WORKQUEUE['SCHEDULES'] (hosts refuse to start "
+                "with it).",
+                id="workqueue.E005",
+            )
+        )
     if not conf.SYSTEM_USER:
         errors.append(
             checks.Warning(

@@ -28,6 +28,11 @@ class WorkQueueSettings:
     SWEEPER_INTERVAL_MS: int = 60000
     #: How often a host re-reads topology (0: plan once at start).
     RECONCILE_INTERVAL_MS: int = 30000
+    #: Recurring publishes, each {"name", "cron", "topic", and optionally "timezone" (default
+    #: UTC), "payload", "partition_key", "attributes", "priority"}: see workqueue/scheduling.py.
+    SCHEDULES: tuple[dict[str, Any], ...] = ()
+    #: How often a host's scheduler looks for due slots (milliseconds; 0: no scheduler).
+    SCHEDULER_INTERVAL_MS: int = 10000
     #: Extra modules holding handlers, besides each installed app's work_handlers.py.
     HANDLER_MODULES: tuple[str, ...] = ()
     #: The database alias whose queue tables the work queue uses.
@@ -76,6 +81,15 @@ def _from_environment(key: str, raw: str) -> Any:
                 f"WORKQUEUE_SUBSCRIPTIONS must be JSON, e.g. "
                 f'\'[{{"name": "*", "concurrency": 4}}]\'; got {raw!r}.'
             ) from None
+    if key == "SCHEDULES":
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise WorkQueueConfigurationError(
+                "WORKQUEUE_SCHEDULES must be JSON, e.g. "
+                '\'[{"name": "nightly", "cron": "0 3 * * *", "topic": "reports"}]\'; '
+                f"got {raw!r}."
+            ) from None
     if key == "HANDLER_MODULES":
         return tuple(part.strip() for part in raw.split(",") if part.strip())
     return raw
@@ -95,7 +109,7 @@ def get_settings() -> WorkQueueSettings:
         raw = os.environ.get(f"WORKQUEUE_{key}")
         if raw is not None:
             configured[key] = _from_environment(key, raw)
-    for key in ("SUBSCRIPTIONS", "HANDLER_MODULES"):
+    for key in ("SUBSCRIPTIONS", "SCHEDULES", "HANDLER_MODULES"):
         if key in configured:
             configured[key] = tuple(configured[key])
     return WorkQueueSettings(**configured)

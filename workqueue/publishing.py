@@ -19,6 +19,7 @@ work and nothing of the call is published.
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import re
 import time
@@ -53,6 +54,7 @@ ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESERVED_ATTRIBUTE_PREFIXES = ("wq.", "wq_")
 MAX_KEY_LENGTH = 200
 MIN_DEDUP_TTL, MAX_DEDUP_TTL = 60, 2_592_000
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
 TRANSIENT_RETRIES = 3
 
 
@@ -70,6 +72,12 @@ class OutgoingMessage:
     #: A claim-check reference instead of a payload: ``uri`` and optionally ``content_type``,
     #: ``size_bytes``, ``checksum``, in any spelling (``contentType`` too); stored with these keys.
     payload_ref: Mapping[str, Any] | None = None
+    #: Not claimed before this aware datetime (or ISO 8601 text with an offset).
+    not_before: dt.datetime | str | None = None
+    #: Not claimed before this many seconds from now (give this or ``not_before``).
+    delay_seconds: int | None = None
+    #: -100..100; higher is claimed first among a subscription's due deliveries.
+    priority: int = 0
 
 
 class _Invalid(Exception):
@@ -98,6 +106,9 @@ def publish(
     deduplication_ttl: int | None = None,
     message_id: str | uuid.UUID | None = None,
     payload_ref: Mapping[str, Any] | None = None,
+    not_before: dt.datetime | str | None = None,
+    delay_seconds: int | None = None,
+    priority: int = 0,
     user: Any = None,
     enlist: bool = False,
     external: bool = False,
@@ -122,6 +133,13 @@ def publish(
     ``InvalidInputError``, so a ``ValueError``) naming the field, before any database work;
     such a topic name raises ``InvalidInputError``. Every other problem is a ``Rejected`` result.
 
+    ``not_before`` (an aware datetime) or ``delay_seconds`` schedules the message: its
+    deliveries are not claimed before then, by the database clock. At most the topic's
+    ``retention_days`` ahead; both at once, a naive datetime or a time too far ahead is
+    ``Rejected`` with ``InvalidSchedule``. ``priority`` (-100..100, default 0) puts it ahead of
+    lower priorities among a subscription's due deliveries; within one partition key publish
+    order still decides (``InvalidPriority`` outside the range).
+
     By default the publish commits on its own connection whatever the caller's transaction does.
     With ``enlist=True`` it joins the caller's ``transaction.atomic()`` on the work queue's
     database alias: it commits or rolls back with the caller, and database errors are raised.
@@ -135,6 +153,9 @@ def publish(
         deduplication_ttl=deduplication_ttl,
         message_id=message_id,
         payload_ref=payload_ref,
+        not_before=not_before,
+        delay_seconds=delay_seconds,
+        priority=priority,
     )
     return publish_many(topic, [message], user=user, enlist=enlist, external=external)[0]
 
@@ -256,6 +277,11 @@ _ERROR_TEXT = {
         "The topic does not allow external publishing (allow_external_publish is off)."
     ),
     PublishErrorCode.PAYLOAD_TOO_LARGE: "The message is larger than the topic's max_payload_bytes.",
+    PublishErrorCode.INVALID_SCHEDULE: (
+        "The due time is invalid: give not_before or delay_seconds (not both), at most the "
+        "topic's retention_days ahead."
+    ),
+    PublishErrorCode.INVALID_PRIORITY: "priority must be a whole number from -100 to 100.",
     PublishErrorCode.MESSAGE_ID_CONFLICT: (
         "A different message was already published with this message id."
     ),
@@ -335,6 +361,8 @@ def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]
             f"partition_key must be a string of 1 to {MAX_KEY_LENGTH} characters.",
         )
     dedup_key, dedup_ttl = _deduplication(message.deduplication_key, message.deduplication_ttl)
+    not_before, delay_seconds = _schedule(message.not_before, message.delay_seconds)
+    priority = _priority(message.priority)
     correlation_id = message.correlation_id
     if correlation_id is not None and (
         not isinstance(correlation_id, str) or len(correlation_id) > MAX_KEY_LENGTH
@@ -368,6 +396,9 @@ def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]
         "deduplication_key": dedup_key,
         "deduplication_ttl_seconds": dedup_ttl,
         "envelope_bytes": envelope_bytes,
+        "not_before": not_before,
+        "delay_seconds": delay_seconds,
+        "priority": priority,
     }
 
 
@@ -478,3 +509,57 @@ def _deduplication(key: Any, ttl: Any) -> tuple[str | None, int | None]:
                 f"to {MAX_DEDUP_TTL}.",
             )
     return key, ttl
+
+
+def _schedule(not_before: Any, delay_seconds: Any) -> tuple[str | None, int | None]:
+    """The due time as the procedure takes it: ISO 8601 text with an offset, or a delay."""
+    if not_before is not None and delay_seconds is not None:
+        raise _Invalid(
+            PublishErrorCode.INVALID_SCHEDULE, "Give not_before or delay_seconds, not both."
+        )
+    if delay_seconds is not None:
+        if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, int):
+            raise _Invalid(
+                PublishErrorCode.INVALID_SCHEDULE, "delay_seconds must be a whole number."
+            )
+        if not 0 <= delay_seconds <= 2**31 - 1:
+            raise _Invalid(
+                PublishErrorCode.INVALID_SCHEDULE,
+                "delay_seconds must be from 0 to the topic's retention_days in seconds.",
+            )
+        return None, delay_seconds
+    if not_before is None:
+        return None, None
+    if isinstance(not_before, str):
+        try:
+            not_before = dt.datetime.fromisoformat(not_before)
+        except ValueError:
+            raise _Invalid(
+                PublishErrorCode.INVALID_SCHEDULE,
+                f"not_before {not_before!r} is not an ISO 8601 date and time.",
+            ) from None
+    if not isinstance(not_before, dt.datetime):
+        raise _Invalid(PublishErrorCode.INVALID_SCHEDULE, "not_before must be a datetime.")
+    if not_before.utcoffset() is None:
+        # A naive time would be read in whatever zone the database session has.
+        raise _Invalid(
+            PublishErrorCode.INVALID_SCHEDULE,
+            "not_before must carry a time zone (an aware datetime, or text with an offset "
+            "such as 2030-01-01T09:00:00+00:00).",
+        )
+    return not_before.isoformat(), None
+
+
+def _priority(priority: Any) -> int | None:
+    if priority is None:
+        return None
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        raise _Invalid(
+            PublishErrorCode.INVALID_PRIORITY,
+            f"priority must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY}.",
+        )
+    return priority

@@ -303,7 +303,7 @@ def discard_pending(
     *,
     keyed: bool,
     selection: dict[str, Any],
-    after: tuple[Any, str] | None,
+    after: tuple[int, Any, str] | None,
     batch_size: int,
     dry_run: bool,
     actor: str | None,
@@ -311,13 +311,14 @@ def discard_pending(
 ) -> dict[str, Any]:
     """One bounded batch of a bulk discard of Pending deliveries matching ``selection``
     (wq_discard_pending's filter parameters), along the keyed or the keyless claim index,
-    resuming after ``after`` (visible_at, delivery id)."""
+    resuming after ``after`` (priority, visible_at, delivery id): the claim index's order."""
     params = {
         "subscription_id": subscription_id,
         "keyed": keyed,
         **selection,
-        "after_visible_at": after[0] if after else None,
-        "after_delivery_id": after[1] if after else None,
+        "after_priority": after[0] if after else None,
+        "after_visible_at": after[1] if after else None,
+        "after_delivery_id": after[2] if after else None,
         "batch_size": batch_size,
         "dry_run": dry_run,
         "actor": actor,

@@ -83,6 +83,8 @@ class PublishErrorCode(models.TextChoices):
     INVALID_PAYLOAD = "InvalidPayload"
     INVALID_PARTITION_KEY = "InvalidPartitionKey"
     INVALID_DEDUPLICATION = "InvalidDeduplication"
+    INVALID_SCHEDULE = "InvalidSchedule"
+    INVALID_PRIORITY = "InvalidPriority"
     PAYLOAD_TOO_LARGE = "PayloadTooLarge"
     MESSAGE_ID_CONFLICT = "MessageIDConflict"
     DEDUPLICATION_PENDING = "DeduplicationPending"

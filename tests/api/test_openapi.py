@@ -119,6 +119,9 @@ def test_the_publish_operation_documents_its_body_and_status_codes(schema):
         "correlationId",
         "deduplicationKey",
         "deduplicationTtlSeconds",
+        "notBefore",
+        "delaySeconds",
+        "priority",
     } == set(message["properties"])
     result = schema["components"]["schemas"]["PublishResultOut"]
     assert {"messageId", "status", "error"} <= set(result["properties"])

@@ -1,4 +1,4 @@
-"""The transport conformance suite (C01-C32) against the live PostgreSQL, one test per case,
+"""The transport conformance suite (C01-C40) against the live PostgreSQL, one test per case,
 plus proof that the runner reports failures (a suite that cannot fail proves nothing)."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from workqueue.types import SettleResult
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 # C01-C26 restate the reference digest's cases; C27-C28 add the hot-key claim cases, C29-C30
-# fencing at the expiry boundary, C31-C32 the deduplication window.
-CASE_IDS = [f"C{number:02d}" for number in range(1, 33)]
+# fencing at the expiry boundary, C31-C32 the deduplication window, C33-C40 scheduled and
+# prioritised delivery.
+CASE_IDS = [f"C{number:02d}" for number in range(1, 41)]
 
 #: Cases failing because of a bug outside the suite: id -> "file:line, failing case, fix".
 KNOWN_BUGS: dict[str, str] = {}
@@ -145,6 +146,14 @@ def _deduplication_key_dropped(
     return {**_prepare(message, *args), "deduplication_key": None}
 
 
+def _schedule_dropped(message: publishing.OutgoingMessage, *args: object) -> dict[str, object]:
+    return {**_prepare(message, *args), "not_before": None, "delay_seconds": None}
+
+
+def _priority_dropped(message: publishing.OutgoingMessage, *args: object) -> dict[str, object]:
+    return {**_prepare(message, *args), "priority": None}
+
+
 @pytest.mark.parametrize(
     ("target", "name", "broken", "caught_by"),
     [
@@ -167,6 +176,16 @@ def _deduplication_key_dropped(
             _deduplication_key_dropped,
             ["C31", "C32"],
             id="deduplication-key-ignored",
+        ),
+        pytest.param(
+            publishing,
+            "_prepare",
+            _schedule_dropped,
+            ["C33", "C34", "C35", "C36", "C37"],
+            id="schedule-ignored",
+        ),
+        pytest.param(
+            publishing, "_prepare", _priority_dropped, ["C38", "C39"], id="priority-ignored"
         ),
     ],
 )

@@ -179,6 +179,22 @@ def test_each_count_stops_at_the_cap_and_says_so_so_a_scrape_stays_cheap(setting
     assert gauge(text, "workqueue_due_deliveries", large.name) == 5  # its own cap is 1000
 
 
+def test_the_oldest_waiting_age_is_found_whatever_the_priorities_and_keys(settings):
+    from workqueue.driver import get_driver
+
+    subscription = SubscriptionFactory(partition_mode="Exclusive")
+    publish(subscription.topic.name, {}, priority=-7)  # keyless, low priority: the oldest
+    get_driver().shift_time(600, subscription_id=str(subscription.id))
+    publish(subscription.topic.name, {}, priority=9)
+    publish(subscription.topic.name, {}, partition_key="k", priority=3)
+
+    age = gauge(
+        metrics.render().decode(), "workqueue_oldest_pending_age_seconds", subscription.name
+    )
+
+    assert 600 <= age < 660
+
+
 def test_the_cli_prints_the_same_exposition(queue_state, capsys):
     busy, _quiet = queue_state
 

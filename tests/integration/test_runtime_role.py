@@ -57,6 +57,9 @@ def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_comple
                 10,
                 False,
                 "runtime",
+                None,
+                None,
+                None,
             ],
         ).fetchone()
         assert row[1] == "Accepted"

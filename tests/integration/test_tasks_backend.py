@@ -89,14 +89,36 @@ def test_enqueue_refuses_arguments_that_do_not_round_trip_through_json(args, kwa
     assert published_tasks() == 0
 
 
-def test_run_after_and_priority_are_refused_until_the_queue_supports_them():
+def test_run_after_is_the_deliverys_due_time_and_priority_its_priority(run_host):
     backend = default_task_backend
-    assert (backend.supports_defer, backend.supports_priority) == (False, False)
+    assert (backend.supports_defer, backend.supports_priority) == (True, True)
     assert (backend.supports_get_result, backend.supports_async_task) == (True, True)
-    with pytest.raises(InvalidTaskError, match="does not support run_after yet"):
-        add.using(run_after=timezone.now() + dt.timedelta(minutes=5))
-    with pytest.raises(InvalidTaskError, match="priority 0, not 10"):
-        add.using(priority=10)
+    run_after = (timezone.now() + dt.timedelta(hours=1)).replace(microsecond=0)
+
+    later = add.using(run_after=run_after, priority=-20).enqueue(1, 2)
+    urgent = add.using(priority=90).enqueue(3, 4)
+
+    rows = {str(d.message_id): d for d in Delivery.objects.filter(subscription__name=QUEUE)}
+    assert (rows[later.id].visible_at, rows[later.id].priority) == (run_after, -20)
+    assert rows[urgent.id].priority == 90
+    # Read back in any process from what was published, not from this process's objects.
+    read = default_task_backend.get_result(later.id)
+    assert (read.task.run_after, read.task.priority) == (run_after, -20)
+
+    run_host()
+    assert finished(urgent.id).return_value == 7
+    assert default_task_backend.get_result(later.id).status == TaskResultStatus.READY
+    get_driver().shift_time(3600, subscription_id=str(rows[later.id].subscription_id))
+    assert finished(later.id).return_value == 3
+
+
+def test_run_after_past_the_queues_retention_is_refused_at_enqueue():
+    default_task_backend.ensure_queue("default")
+    Topic.objects.filter(name=QUEUE).update(retention_days=1)
+
+    with pytest.raises(TaskEnqueueError, match=r"InvalidSchedule: .*retention_days"):
+        add.using(run_after=timezone.now() + dt.timedelta(days=2)).enqueue(1, 1)
+    assert published_tasks() == 0
 
 
 def test_queue_names_must_make_topic_names():

@@ -6,6 +6,7 @@ results are read back here and from a third process.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 from functools import partial
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import transaction
+from django.utils import timezone
 from django_tasks import TaskResultStatus, default_task_backend
 
 from tests.support.processes import Processes
@@ -90,6 +92,26 @@ def test_an_enqueued_task_runs_in_a_host_process_and_reads_successful_with_its_r
     assert elsewhere["status"] == "SUCCESSFUL" and elsewhere["return_value"] == 5
     assert elsewhere["task"] == "tests.task_functions.add" and elsewhere["args"] == [2, 3]
     assert elsewhere["worker_ids"] == [record.instance_id]
+
+
+def test_a_host_runs_higher_priorities_first_and_a_deferred_task_not_before_run_after(
+    processes,
+):
+    # Enqueued before any host runs; one handler thread, so the start order is the claim order.
+    low = add.using(priority=-10).enqueue(1, 0)
+    high = add.using(priority=50).enqueue(2, 0)
+    middle = add.enqueue(3, 0)
+    # The highest priority of all: were run_after ignored, it would run first, at once.
+    run_after = timezone.now() + dt.timedelta(seconds=5)
+    deferred = add.using(run_after=run_after, priority=100).enqueue(4, 0)
+
+    processes.host(QUEUE, concurrency=1)
+    done = [finished(r.id) for r in (high, middle, low)]
+
+    assert [r.return_value for r in sorted(done, key=lambda r: r.started_at)] == [2, 3, 1]
+    ran = finished(deferred.id)
+    assert ran.return_value == 4 and ran.started_at >= run_after
+    assert ran.task.run_after == run_after and ran.task.priority == 100
 
 
 def test_a_coroutine_task_and_a_task_taking_its_context_run_in_the_host(processes):

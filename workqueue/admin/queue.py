@@ -107,6 +107,7 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         "partition_key",
         "attempt_count",
         "is_replay",
+        "priority",
         "visible_at",
         "dead_letter_reason",
         "last_error_line",

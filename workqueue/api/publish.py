@@ -51,8 +51,8 @@ from workqueue.types import MAX_PAYLOAD_BYTES, PublishResult
 # Used with fullmatch: `$` would also match before a trailing newline ("orders%0A").
 TOPIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 #: Room per message for what is sent besides the envelope that max_payload_bytes counts: the
-#: field names, the message id, a 200-character deduplication key and its TTL take under 1 KiB
-#: as compact UTF-8 JSON.
+#: field names, the message id, a 200-character deduplication key and its TTL, a due time and a
+#: priority take under 1 KiB as compact UTF-8 JSON.
 MESSAGE_OVERHEAD_BYTES = 2048
 
 router = Router(tags=["publish"])
@@ -122,6 +122,9 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
             deduplication_ttl=item.deduplication_ttl_seconds,
             message_id=item.message_id,
             payload_ref=item.payload_ref,
+            not_before=item.not_before,
+            delay_seconds=item.delay_seconds,
+            priority=item.priority,
         )
         for item in body.messages
     ]

@@ -74,6 +74,19 @@ class PublishMessageIn(_In):
     correlation_id: str | None = None
     deduplication_key: str | None = None
     deduplication_ttl_seconds: int | None = None
+    not_before: str | None = Field(
+        default=None,
+        description="ISO 8601 time with an offset (2030-01-01T09:00:00Z); not delivered before "
+        "then. At most the topic's retention ahead; give this or delaySeconds.",
+    )
+    delay_seconds: int | None = Field(
+        default=None, description="Not delivered before this many seconds from now."
+    )
+    priority: int = Field(
+        default=0,
+        description="-100..100; higher is delivered first among due messages of a subscription "
+        "(within one partition key, publish order decides).",
+    )
 
 
 class PublishRequest(_In):

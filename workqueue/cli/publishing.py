@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import uuid
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -39,6 +40,21 @@ class PublishVerb(Verb):
             help="A message attribute (repeatable); subscription filters match on these.",
         )
         parser.add_argument("--dedup-key", default=None)
+        parser.add_argument(
+            "--not-before",
+            default=None,
+            help="Not delivered before this ISO 8601 time with an offset, e.g. "
+            "2030-01-01T09:00:00+00:00 (at most the topic's retention ahead).",
+        )
+        parser.add_argument(
+            "--delay", type=int, default=None, help="Not delivered before SECONDS from now."
+        )
+        parser.add_argument(
+            "--priority",
+            type=int,
+            default=0,
+            help="-100..100; higher is delivered first among due messages (default 0).",
+        )
         parser.add_argument("--count", type=int, default=1)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
@@ -56,6 +72,9 @@ class PublishVerb(Verb):
             "partition_key": options["partition_key"],
             "attributes": _attributes(options["attribute"]),
             "deduplication_key": options["dedup_key"],
+            "not_before": options["not_before"],
+            "delay_seconds": options["delay"],
+            "priority": options["priority"],
         }
         results = []
         started = time.monotonic()
@@ -146,6 +165,67 @@ class _Progress:
 
     def finish(self) -> None:
         self.stream.write("")
+
+
+class SchedulesVerb(Verb):
+    name = "schedules"
+    help = (
+        "The recurring publishes of WORKQUEUE['SCHEDULES']: each one's publishable slot, "
+        "whether a host has published it, and the next slot (database clock)."
+    )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.conf import get_settings
+        from workqueue.driver import get_driver
+        from workqueue.exceptions import WorkQueueConfigurationError
+        from workqueue.models import Message
+        from workqueue.scheduling import load_schedules
+
+        conf = get_settings()
+        try:
+            schedules = load_schedules(conf.SCHEDULES)
+        except WorkQueueConfigurationError as exc:
+            raise CommandError(str(exc)) from None
+        now = get_driver(conf.DATABASE_ALIAS).database_now()
+        slots = {s.name: s.latest_slot(now) for s in schedules}
+        published = set(
+            Message.objects.using(conf.DATABASE_ALIAS)
+            .filter(id__in=[slot.message_id for slot in slots.values() if slot])
+            .values_list("id", flat=True)
+        )
+        rows = [
+            {
+                "name": s.name,
+                "cron": s.cron,
+                "timezone": s.timezone,
+                "topic": s.topic,
+                "slot": slots[s.name].at if slots[s.name] else None,
+                "published": bool(slots[s.name])
+                and uuid.UUID(slots[s.name].message_id) in published,
+                "next_slot": s.next_slot_time(now),
+            }
+            for s in schedules
+        ]
+        if options["json"]:
+            command.stdout.write(to_json(rows))
+            return
+        command.stdout.write(
+            table(
+                [
+                    (
+                        r["name"],
+                        r["cron"],
+                        r["timezone"],
+                        r["topic"],
+                        r["slot"],
+                        "yes" if r["published"] else ("no" if r["slot"] else ""),
+                        r["next_slot"],
+                    )
+                    for r in rows
+                ],
+                ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
+            )
+        )
 
 
 class ApiKeyVerb(Verb):
@@ -252,4 +332,4 @@ class ApiKeyVerb(Verb):
             command.stdout.write(f"Revoked {key.prefix}.")
 
 
-PUBLISHING_VERBS = [PublishVerb, ApiKeyVerb]
+PUBLISHING_VERBS = [PublishVerb, SchedulesVerb, ApiKeyVerb]

@@ -44,6 +44,7 @@ DELIVERY_READABLE_COLUMNS = (
     "attempt_count",
     "is_replay",
     "visible_at",
+    "priority",
     "lease_owner",
     "lease_expires_at",
     "last_heartbeat_at",
@@ -138,6 +139,8 @@ class BaseDriver:
     vendor_label: str
     #: Folder under ``workqueue/sql`` holding this vendor's procedure files.
     sql_directory: str
+    #: One row, one column: the database's current time with its offset.
+    now_sql: str
 
     def __init__(self, alias: str = "default") -> None:
         self.alias = alias
@@ -382,6 +385,12 @@ class BaseDriver:
             if connection is None:
                 self._discard_if_broken(conn)
             raise self.translate_error(exc) from exc
+
+    def database_now(self) -> dt.datetime:
+        """The database clock, which decides every due time (the scheduler reads its slots
+        from it, so all hosts agree whatever their own clocks say)."""
+        [(value,)] = self.execute(self.now_sql, [])
+        return decode_value(ParamType.TIMESTAMP, value)
 
     def call_one(self, name: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Row:
         rows = self.call(name, params, **kw)

@@ -19,7 +19,7 @@ from typing import Any
 
 from workqueue.driver import driver_for_connection, get_driver
 
-LATEST_PROCEDURE_MIGRATION = "0014_rate_limits"
+LATEST_PROCEDURE_MIGRATION = "0015_scheduled_and_prioritised"
 
 MigrationStep = Callable[[Any, Any], None]
 

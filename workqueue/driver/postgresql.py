@@ -77,6 +77,15 @@ _LIST_FUNCTIONS = """
      WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
 """
 
+# Roles (other than the owner and PUBLIC) granted EXECUTE on each wq_* function, by name.
+_EXECUTE_GRANTEES = """
+    SELECT p.proname::text, quote_ident(r.rolname)
+      FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+     CROSS JOIN LATERAL aclexplode(p.proacl) a JOIN pg_roles r ON r.oid = a.grantee
+     WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
+       AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+"""
+
 # The relations the procedure bodies name. Their search_path is pinned to pg_catalog alone, so
 # install_procedures qualifies each of these (and every wq_* function the files declare) with
 # the schema the tables were migrated into.
@@ -148,6 +157,7 @@ def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
+    now_sql = "SELECT now()"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
@@ -164,6 +174,15 @@ class PostgresDriver(BaseDriver):
         with connection.cursor() as cursor:
             cursor.execute("SELECT quote_ident(current_schema())")
             schema = cursor.fetchone()[0]
+            # A function whose parameters change is created anew and the old one dropped
+            # below; the new one is granted to the roles that held the old, so an upgrade
+            # does not take publishing away from a runtime role (grant-runtime).
+            cursor.execute(_LIST_FUNCTIONS)
+            before = {signature for signature, _current in cursor.fetchall()}
+            cursor.execute(_EXECUTE_GRANTEES)
+            grantees: dict[str, set[str]] = {}
+            for name, role in cursor.fetchall():
+                grantees.setdefault(name, set()).add(role)
             files = load_procedures(self.sql_directory)
             # From every file: a call is qualified whichever file declares its function.
             functions = declared_functions(text for _name, text in files)
@@ -179,6 +198,11 @@ class PostgresDriver(BaseDriver):
                     # New functions are executable by PUBLIC by default; only roles given
                     # `manage.py workqueue grant-runtime` may call these.
                     cursor.execute(f"REVOKE ALL ON FUNCTION {signature} FROM PUBLIC")
+                    roles = grantees.get(signature.partition("(")[0].rpartition(".")[2])
+                    if roles and signature not in before:
+                        cursor.execute(
+                            f"GRANT EXECUTE ON FUNCTION {signature} TO {', '.join(sorted(roles))}"
+                        )
                 else:
                     cursor.execute(f"DROP FUNCTION {signature}")
 

@@ -95,7 +95,7 @@ PROCEDURES: dict[str, Procedure] = {
                 "topic_name:text, message_id:uuid, partition_key:text, attributes:json, "
                 "payload:json, payload_ref:json, correlation_id:text, deduplication_key:text, "
                 "deduplication_ttl_seconds:int, envelope_bytes:int, external:bool, "
-                "published_by:text"
+                "published_by:text, not_before:timestamp, delay_seconds:int, priority:int"
             ),
             _c("message_id:uuid, status, error_code"),
             ResultKind.ONE,
@@ -235,10 +235,13 @@ PROCEDURES: dict[str, Procedure] = {
             _p(
                 "subscription_id:uuid, keyed:bool, partition_key:text, "
                 "published_from:timestamp, published_before:timestamp, error_contains:text, "
-                "after_visible_at:timestamp, after_delivery_id:uuid, batch_size:int, "
-                "dry_run:bool, actor:text, reason:text"
+                "after_priority:int, after_visible_at:timestamp, after_delivery_id:uuid, "
+                "batch_size:int, dry_run:bool, actor:text, reason:text"
             ),
-            _c("examined:int, changed:int, last_visible_at:timestamp, last_delivery_id:uuid"),
+            _c(
+                "examined:int, changed:int, last_priority:int, last_visible_at:timestamp, "
+                "last_delivery_id:uuid"
+            ),
             ResultKind.ONE,
             Grant.OPERATOR,
         ),

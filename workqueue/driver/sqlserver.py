@@ -163,6 +163,7 @@ def _connection_lost(error: BaseException, outer: BaseException) -> bool:
 class SqlServerDriver(BaseDriver):
     vendor_label = "SQL Server"
     sql_directory = "sqlserver"
+    now_sql = "SELECT SYSDATETIMEOFFSET()"
     features = DriverFeatures(
         supports_listen_notify=False, binary_collation="Latin1_General_100_BIN2"
     )

@@ -85,7 +85,12 @@ class Delivery(DriverOwnedModel):
     order_key = models.BigIntegerField()
     attempt_count = models.IntegerField(db_default=0)
     is_replay = models.BooleanField(db_default=False)
-    visible_at = models.DateTimeField(db_default=Now())
+    # When the delivery may next be claimed: publish time, a scheduled due time
+    # (not_before / delay_seconds) or a retry's backoff.
+    visible_at = models.DateTimeField(db_default=Now(), verbose_name="due at")
+    # Higher is claimed first among a subscription's due deliveries (-100..100, the Tasks API's
+    # range); within one partition key publish order still decides.
+    priority = models.SmallIntegerField(db_default=0)
     lease_owner = models.CharField(max_length=200, null=True, blank=True)
     lease_token = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -120,21 +125,27 @@ class Delivery(DriverOwnedModel):
             models.CheckConstraint(
                 condition=Q(attempt_count__gte=0), name="wq_delivery_attempts_nonneg"
             ),
+            models.CheckConstraint(
+                condition=Q(priority__gte=-100, priority__lte=100),
+                name="wq_delivery_priority_range",
+            ),
         ]
         indexes = [
-            # Claims read Pending rows oldest first, keyed and keyless ones apart: the keyless
-            # batch of a partitioned subscription must not walk past its keyed backlog (nor the
-            # window of keyed rows past keyless ones).
+            # Claims read Pending rows by priority, then oldest due first, keyed and keyless
+            # ones apart: the keyless batch of a partitioned subscription must not walk past its
+            # keyed backlog (nor the window of keyed rows past keyless ones). A claim visits the
+            # priorities present one at a time, each a range of due rows, so rows scheduled for
+            # later are never read (see wq_claim).
             models.Index(
-                fields=["subscription", "visible_at"],
+                fields=["subscription", "priority", "visible_at"],
                 include=["partition_key", "order_key"],
                 condition=Q(status=DeliveryStatus.PENDING, partition_key__isnull=False),
-                name="wq_dlv_claim_keyed_ix",
+                name="wq_dlv_claim_keyed_pri_ix",
             ),
             models.Index(
-                fields=["subscription", "visible_at"],
+                fields=["subscription", "priority", "visible_at"],
                 condition=Q(status=DeliveryStatus.PENDING, partition_key__isnull=True),
-                name="wq_dlv_claim_keyless_ix",
+                name="wq_dlv_claim_keyless_pri_ix",
             ),
             models.Index(
                 fields=["subscription", "partition_key", "order_key"],

@@ -466,7 +466,11 @@ def discard_pending(
                 reason=reason,
             ),
             batch_size,
-            lambda batch: (batch["last_visible_at"], batch["last_delivery_id"]),
+            lambda batch: (
+                batch["last_priority"],
+                batch["last_visible_at"],
+                batch["last_delivery_id"],
+            ),
         )
         totals = [total + part for total, part in zip(totals, counted, strict=True)]
     return BulkOutcome(True, "discard", dry_run, *totals)

@@ -33,10 +33,12 @@ from workqueue.runtime.consumer import (
 )
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
 from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.scheduler import Scheduler
 from workqueue.runtime.service import PeriodicService
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.wakeup import Wakeup
+from workqueue.scheduling import load_schedules
 from workqueue.system_user import resolve_system_user
 from workqueue.transport import new_instance_id
 
@@ -99,6 +101,10 @@ class HostConfig:
     shutdown_drain_ms: int = 8000
     sweeper_interval_ms: int = 60000
     reconcile_interval_ms: int = 30000
+    #: ``WORKQUEUE["SCHEDULES"]``, published by this host's scheduler every
+    #: ``scheduler_interval_ms`` (0: no scheduler).
+    schedules: list[dict[str, Any]] = field(default_factory=list)
+    scheduler_interval_ms: int = 10000
     instance_id: str = field(default_factory=new_instance_id)
 
     @classmethod
@@ -113,6 +119,8 @@ class HostConfig:
             shutdown_drain_ms=conf.SHUTDOWN_DRAIN_MS,
             sweeper_interval_ms=conf.SWEEPER_INTERVAL_MS if conf.SWEEPER_ENABLED else 0,
             reconcile_interval_ms=conf.RECONCILE_INTERVAL_MS,
+            schedules=[dict(entry) for entry in conf.SCHEDULES],
+            scheduler_interval_ms=conf.SCHEDULER_INTERVAL_MS,
         )
         for key, value in overrides.items():
             setattr(config, key, value)  # slots: an unknown name raises AttributeError
@@ -193,6 +201,8 @@ class Host:
                 )
             autodiscover(conf.HANDLER_MODULES)
             self.user = resolve_system_user(conf)
+            # Checked before anything starts: a bad schedule stops the host with its name.
+            scheduler = Scheduler(load_schedules(self.config.schedules))
             self._timers = TimerQueue()
             self._wakeup = Wakeup(get_driver(conf.DATABASE_ALIAS))
             self._wakeup.on_cancel(self._on_cancel)
@@ -216,6 +226,15 @@ class Host:
                         "wq-sweeper", self.config.sweeper_interval_ms / 1000, Sweeper().run_once
                     )
                 )
+                if scheduler.schedules:
+                    # Every host runs it; the slots' deduplication keys make one publish win.
+                    self._services.append(
+                        PeriodicService(
+                            "wq-scheduler",
+                            self.config.scheduler_interval_ms / 1000,
+                            scheduler.run_once,
+                        )
+                    )
             for service in self._services:
                 service.start()
         self.record_health()

@@ -58,11 +58,10 @@ class WorkQueueBackend(api.BaseTaskBackend):
     subscriptions the backend creates.
     """
 
-    # Scheduled publish (issue 11 §1) and priorities (§2) need procedure changes that have not
-    # landed: enqueue will pass run_after as publish(not_before=...) and the priority as
-    # publish(priority=...), and these flags turn on then.
-    supports_defer = False
-    supports_priority = False
+    # run_after is the message's not_before and the task's priority its priority: the
+    # delivery is not claimed before run_after, and higher priorities are claimed first.
+    supports_defer = True
+    supports_priority = True
     supports_async_task = True
     supports_get_result = True
 
@@ -73,17 +72,6 @@ class WorkQueueBackend(api.BaseTaskBackend):
         self._ready_queues: set[str] = set()
 
     def validate_task(self, task: api.Task) -> None:
-        # Said before the API's own checks, whose messages do not name the way out.
-        if task.run_after is not None:
-            raise api.InvalidTaskError(
-                "WorkQueueBackend does not support run_after yet (supports_defer is False): "
-                "enqueue the task without run_after."
-            )
-        if task.priority != 0:
-            raise api.InvalidTaskError(
-                "WorkQueueBackend does not support task priorities yet (supports_priority is "
-                f"False): enqueue with the default priority 0, not {task.priority}."
-            )
         super().validate_task(task)
         problem = _queue_name_problem(task.queue_name)
         if problem:
@@ -104,6 +92,8 @@ class WorkQueueBackend(api.BaseTaskBackend):
             kwargs=dict(kwargs),
             backend=self.alias,
             queue_name=task.queue_name,
+            priority=task.priority,
+            run_after=task.run_after,
         )
         require_json_round_trip(message.args, "args")
         require_json_round_trip(message.kwargs, "kwargs")
@@ -182,7 +172,13 @@ class WorkQueueBackend(api.BaseTaskBackend):
 
         if message.queue_name not in self._ready_queues:
             self.ensure_queue(message.queue_name)
-        return publish(topic_name(message.queue_name), message.to_payload(), message_id=result_id)
+        return publish(
+            topic_name(message.queue_name),
+            message.to_payload(),
+            message_id=result_id,
+            not_before=message.run_after,
+            priority=message.priority,
+        )
 
     def _create_in_thread(self, queue_name: str) -> None:
         try:

@@ -12,6 +12,7 @@ A result is read from three places, each the only holder of its facts:
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,15 +55,24 @@ class TaskMessage:
     kwargs: dict[str, Any]
     backend: str
     queue_name: str
+    priority: int = 0
+    run_after: dt.datetime | None = None
 
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload = {
             "task": self.task_path,
             "args": self.args,
             "kwargs": self.kwargs,
             "backend": self.backend,
             "queue": self.queue_name,
         }
+        # Kept with the task so that its result reads them back in any process; left out
+        # when not given, so the payload of a plain task stays what it always was.
+        if self.priority:
+            payload["priority"] = self.priority
+        if self.run_after is not None:
+            payload["run_after"] = self.run_after.isoformat()
+        return payload
 
     @classmethod
     def from_payload(cls, payload: Any) -> TaskMessage:
@@ -79,12 +89,20 @@ class TaskMessage:
         for name, kind in fields.items():
             if not isinstance(payload.get(name), kind):
                 raise ValueError(f"payload[{name!r}] must be a {kind.__name__}")
+        priority = payload.get("priority", 0)
+        if type(priority) is not int:
+            raise ValueError("payload['priority'] must be an int")
+        run_after = payload.get("run_after")
+        if run_after is not None and not isinstance(run_after, str):
+            raise ValueError("payload['run_after'] must be a str")
         return cls(
             task_path=payload["task"],
             args=payload["args"],
             kwargs=payload["kwargs"],
             backend=payload["backend"],
             queue_name=payload["queue"],
+            priority=priority,
+            run_after=dt.datetime.fromisoformat(run_after) if run_after else None,
         )
 
     def load_task(self) -> api.Task:
@@ -92,7 +110,12 @@ class TaskMessage:
         found = import_string(self.task_path)
         if not isinstance(found, api.Task):
             raise TypeError(f"{self.task_path} is not a task (decorate the function with @task)")
-        return found.using(queue_name=self.queue_name, backend=self.backend)
+        return found.using(
+            queue_name=self.queue_name,
+            backend=self.backend,
+            priority=self.priority,
+            run_after=self.run_after,
+        )
 
 
 def require_json_round_trip(value: Any, where: str) -> None:

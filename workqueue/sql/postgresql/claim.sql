@@ -93,13 +93,43 @@ BEGIN
 END;
 $$;
 
+-- wq_next_priority --
+-- The highest priority below p_below among the subscription's Pending deliveries, keyed
+-- (p_keyed) or keyless, or NULL: one backward probe of wq_dlv_claim_keyed_pri_ix or
+-- wq_dlv_claim_keyless_pri_ix. wq_claim visits the priorities present this way, each as a range
+-- of rows already due, so rows scheduled for later are never read, however many there are.
+-- Pass 101 for the highest of all. Called only by the procedures, like wq_next_open_key.
+CREATE OR REPLACE FUNCTION wq_next_priority(
+    p_subscription_id uuid, p_keyed boolean, p_below integer
+)
+RETURNS integer
+LANGUAGE plpgsql
+STABLE
+AS $$
+BEGIN
+    IF p_keyed THEN
+        RETURN (SELECT k.priority FROM workqueue_delivery k
+                 WHERE k.subscription_id = p_subscription_id AND k.status = 'Pending'
+                   AND k.partition_key IS NOT NULL AND k.priority < p_below
+                 ORDER BY k.priority DESC LIMIT 1);
+    END IF;
+    RETURN (SELECT k.priority FROM workqueue_delivery k
+             WHERE k.subscription_id = p_subscription_id AND k.status = 'Pending'
+               AND k.partition_key IS NULL AND k.priority < p_below
+             ORDER BY k.priority DESC LIMIT 1);
+END;
+$$;
+
 -- wq_claim --
 -- Lease up to p_max_rows deliveries of an Active subscription to p_lease_owner in one call.
 -- First expires this subscription's passed leases (rows of kind 'ExpiredDeadLetter' report the
 -- ones that were dead-lettered). Partitioned subscriptions then claim at most one delivery per
--- key: the key's first Pending row by order_key, when nothing of the key is in flight (Ordered:
--- when that row is the key's head, so no earlier Pending/InFlight/DeadLettered delivery exists).
--- Keys are taken first from a window of the oldest visible keyed rows; when that window is full
+-- key: the key's first due Pending row by order_key, when nothing of the key is in flight
+-- (Ordered: when that row is the key's head, so no earlier Pending/InFlight/DeadLettered delivery
+-- exists; a head not yet due holds its key). Priority orders keys and keyless rows, never the
+-- rows within one key: publish order decides there.
+-- Keys are taken first from a window of visible keyed rows, highest priority and then oldest
+-- due first; when that window is full
 -- of rows whose keys cannot run (a hot key's backlog behind its in-flight or dead-lettered head)
 -- and capacity is left, a bounded walk over the keys continues after p_after_key, so the cost of
 -- a claim never follows a blocked backlog. A row of kind 'KeyCursor' carries where the walk
@@ -139,8 +169,13 @@ DECLARE
     v_ordered boolean;
     v_remaining integer := p_max_rows;
     v_window_size integer := p_max_rows * 4 + 32;
-    v_window_keys text[];
+    v_window_keys text[] := '{}';
+    v_window_taken integer := 0;
     v_window_full boolean;
+    v_level integer;
+    v_level_keys text[];
+    v_level_rows integer;
+    v_count integer;
     v_next integer := 0;
     v_walking boolean := false;
     v_walk_budget integer := p_max_rows * 4 + 64;
@@ -177,24 +212,37 @@ BEGIN
     v_ordered := v_sub.partition_mode = 'Ordered';
 
     IF v_sub.partition_mode <> 'None' THEN
-        -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads a
-        -- fixed number of wq_dlv_claim_keyed_ix entries, whatever the backlog.
-        SELECT array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
-               sum(w.n) >= v_window_size
-          INTO v_window_keys, v_window_full
-          FROM (
-                SELECT r.partition_key, min(r.visible_at) AS first_visible,
-                       min(r.order_key) AS first_order, count(*) AS n
-                  FROM (
-                        SELECT d.partition_key, d.visible_at, d.order_key
-                          FROM workqueue_delivery d
-                         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                           AND d.partition_key IS NOT NULL AND d.visible_at <= now()
-                         ORDER BY d.visible_at
-                         LIMIT v_window_size
-                       ) r
-                 GROUP BY r.partition_key
-               ) w;
+        -- The window: keys of visible keyed Pending rows, priority by priority (highest
+        -- first), oldest due first within one. It reads a fixed number of
+        -- wq_dlv_claim_keyed_pri_ix entries, whatever the backlog, due or scheduled.
+        v_level := 101;
+        LOOP
+            EXIT WHEN v_window_taken >= v_window_size;
+            v_level := wq_next_priority(p_subscription_id, true, v_level);
+            EXIT WHEN v_level IS NULL;
+            SELECT coalesce(array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
+                            '{}'),
+                   coalesce(sum(w.n), 0)
+              INTO v_level_keys, v_level_rows
+              FROM (
+                    SELECT r.partition_key, min(r.visible_at) AS first_visible,
+                           min(r.order_key) AS first_order, count(*) AS n
+                      FROM (
+                            SELECT d.partition_key, d.visible_at, d.order_key
+                              FROM workqueue_delivery d
+                             WHERE d.subscription_id = p_subscription_id
+                               AND d.status = 'Pending' AND d.partition_key IS NOT NULL
+                               AND d.priority = v_level AND d.visible_at <= now()
+                             ORDER BY d.visible_at
+                             LIMIT v_window_size - v_window_taken
+                           ) r
+                     GROUP BY r.partition_key
+                   ) w;
+            -- A key met again at a lower priority is skipped by the key loop (v_seen).
+            v_window_keys := v_window_keys || v_level_keys;
+            v_window_taken := v_window_taken + v_level_rows;
+        END LOOP;
+        v_window_full := v_window_taken >= v_window_size;
 
         LOOP
             EXIT WHEN v_remaining <= 0;
@@ -244,7 +292,7 @@ BEGIN
                 -- The key's open rows in order_key order, first runnable one wins. Asking for
                 -- every open status (and fencing the Pending test off with OFFSET 0) leaves
                 -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
-                -- the planner would otherwise pick wq_dlv_claim_keyed_ix and read every Pending
+                -- the planner would otherwise pick wq_dlv_claim_keyed_pri_ix and read every Pending
                 -- row.
                 SELECT o.id INTO v_candidate_id
                   FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
@@ -277,7 +325,7 @@ BEGIN
                            progress = NULL
                      -- By the locked row's ctid (it cannot move while locked): with a status
                      -- test in the statement, stale statistics can make the planner walk
-                     -- wq_dlv_claim_keyed_ix for it instead of one primary-key probe.
+                     -- wq_dlv_claim_keyed_pri_ix for it instead of one primary-key probe.
                      WHERE d.ctid = v_candidate_row AND d.status = 'Pending'
                        AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
                        AND NOT EXISTS (
@@ -319,14 +367,19 @@ BEGIN
         END IF;
     END IF;
 
-    IF v_remaining > 0 THEN
+    -- Keyless deliveries, one priority at a time from the highest, oldest due first within one.
+    v_level := 101;
+    LOOP
+        EXIT WHEN v_remaining <= 0;
+        v_level := wq_next_priority(p_subscription_id, false, v_level);
+        EXIT WHEN v_level IS NULL;
         RETURN QUERY
         WITH picked AS (
             SELECT d.id
               FROM workqueue_delivery d
              WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-               AND d.partition_key IS NULL AND d.visible_at <= now()
-               AND d.cancel_requested_at IS NULL
+               AND d.partition_key IS NULL AND d.priority = v_level
+               AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
              ORDER BY d.visible_at
              LIMIT v_remaining
                FOR UPDATE SKIP LOCKED
@@ -351,6 +404,8 @@ BEGIN
                       x.payload_ref, x.correlation_id, x.published_at
                  FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m
          ORDER BY c.visible_at;
-    END IF;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_remaining := v_remaining - v_count;
+    END LOOP;
 END;
 $$;

@@ -55,7 +55,8 @@ $$;
 -- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
 -- (NULL for other modes), each counted up to p_cap (clamped to 1..1000000; NULL: 10000), and the
 -- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
--- from the first entry of each claim index. No row when the subscription does not exist.
+-- from the first entry of each priority in each claim index. No row when the subscription does
+-- not exist.
 CREATE OR REPLACE FUNCTION wq_queue_gauges(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (
     pending bigint,
@@ -95,19 +96,31 @@ AS $$
                           AND h.status IN ('Pending', 'InFlight', 'DeadLettered'))
                  LIMIT (SELECT n FROM cap)) AS x)
         END,
-        -- The oldest of each claim index's first entry: keyed and keyless Pending rows apart.
-        (SELECT GREATEST(floor(extract(epoch FROM now() - min(v.visible_at))), 0)::bigint
-           FROM (
-               (SELECT d.visible_at FROM workqueue_delivery d
-                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                   AND d.partition_key IS NOT NULL
-                 ORDER BY d.visible_at LIMIT 1)
-               UNION ALL
-               (SELECT d.visible_at FROM workqueue_delivery d
-                 WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                   AND d.partition_key IS NULL
-                 ORDER BY d.visible_at LIMIT 1)
-           ) AS v)
+        -- The oldest first entry of each priority present in each claim index (keyed and
+        -- keyless Pending rows apart), the priorities found one probe at a time.
+        (WITH RECURSIVE levels(keyed, priority) AS (
+             SELECT k, wq_next_priority(p_subscription_id, k, 101)
+               FROM (VALUES (true), (false)) AS v(k)
+             UNION ALL
+             SELECT l.keyed, wq_next_priority(p_subscription_id, l.keyed, l.priority)
+               FROM levels l
+              WHERE l.priority IS NOT NULL
+         )
+         SELECT GREATEST(floor(extract(epoch FROM now() - min(
+                    -- Two subqueries, so each names its partial index's predicate as it is.
+                    CASE WHEN l.keyed THEN
+                        (SELECT d.visible_at FROM workqueue_delivery d
+                          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                            AND d.partition_key IS NOT NULL AND d.priority = l.priority
+                          ORDER BY d.visible_at LIMIT 1)
+                    ELSE
+                        (SELECT d.visible_at FROM workqueue_delivery d
+                          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                            AND d.partition_key IS NULL AND d.priority = l.priority
+                          ORDER BY d.visible_at LIMIT 1)
+                    END))), 0)::bigint
+           FROM levels l
+          WHERE l.priority IS NOT NULL)
       FROM workqueue_subscription s
      WHERE s.id = p_subscription_id;
 $$;
@@ -243,7 +256,7 @@ BEGIN
         v_listed := v_listed + 1;
         -- Every open status in the test leaves wq_dlv_partition_head_ix as the only index that
         -- fits (with stale statistics the planner would otherwise filter the subscription's
-        -- whole keyed backlog in wq_dlv_claim_keyed_ix for this one key).
+        -- whole keyed backlog in wq_dlv_claim_keyed_pri_ix for this one key).
         RETURN QUERY
         SELECT 'Partition'::text, v_key, v_condition, v_head.id,
                count(*) FILTER (WHERE o.status = 'Pending')
@@ -394,7 +407,8 @@ $$;
 -- wq_discard_pending --
 -- One bounded batch of a bulk discard of waiting work: walks the subscription's Pending
 -- deliveries along one claim index (p_keyed: those with a partition key, else those without),
--- in (visible_at, id) order after (p_after_visible_at, p_after_delivery_id), at most
+-- in (priority, visible_at, id) order after (p_after_priority, p_after_visible_at,
+-- p_after_delivery_id), at most
 -- p_batch_size of them (clamped to 1..5000; NULL: 1000), and discards those matching every
 -- filter given (NULL matches all): the message's partition key (exactly), its publish time in
 -- [from, before), and the last error of an earlier attempt containing the text (ignoring
@@ -408,6 +422,7 @@ CREATE OR REPLACE FUNCTION wq_discard_pending(
     p_published_from timestamptz,
     p_published_before timestamptz,
     p_error_contains text,
+    p_after_priority integer,
     p_after_visible_at timestamptz,
     p_after_delivery_id uuid,
     p_batch_size integer,
@@ -418,6 +433,7 @@ CREATE OR REPLACE FUNCTION wq_discard_pending(
 RETURNS TABLE (
     examined integer,
     changed integer,
+    last_priority integer,
     last_visible_at timestamptz,
     last_delivery_id uuid
 )
@@ -429,6 +445,7 @@ AS $$
 DECLARE
     v_limit integer := LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000);
     v_examined integer;
+    v_last_priority integer;
     v_last_visible_at timestamptz;
     v_last_id uuid;
     v_matching uuid[];
@@ -438,10 +455,12 @@ BEGIN
     -- claim index (wq_dlv_claim_keyed_ix or wq_dlv_claim_keyless_ix); the values stay
     -- parameters.
     EXECUTE format($query$
-        SELECT count(*), (array_agg(w.visible_at ORDER BY w.visible_at DESC, w.id DESC))[1],
-               (array_agg(w.id ORDER BY w.visible_at DESC, w.id DESC))[1],
+        SELECT count(*),
+               (array_agg(w.priority ORDER BY w.priority DESC, w.visible_at DESC, w.id DESC))[1],
+               (array_agg(w.visible_at ORDER BY w.priority DESC, w.visible_at DESC, w.id DESC))[1],
+               (array_agg(w.id ORDER BY w.priority DESC, w.visible_at DESC, w.id DESC))[1],
                array_agg(w.id) FILTER (WHERE w.matches)
-          FROM (SELECT d.id, d.visible_at,
+          FROM (SELECT d.id, d.priority, d.visible_at,
                        ($5 IS NULL OR strpos(lower(coalesce(d.last_error, '')), lower($5)) > 0)
                        AND ($2 IS NULL AND $3 IS NULL AND $4 IS NULL OR EXISTS (
                            SELECT 1 FROM workqueue_message m
@@ -453,14 +472,15 @@ BEGIN
                   FROM workqueue_delivery d
                  WHERE d.subscription_id = $1 AND d.status = 'Pending'
                    AND d.partition_key IS %s NULL
-                   AND ($6 IS NULL OR (d.visible_at, d.id) > ($6, $7))
-                 ORDER BY d.visible_at, d.id
+                   AND ($6 IS NULL OR (d.priority, d.visible_at, d.id) > ($9, $6, $7))
+                 ORDER BY d.priority, d.visible_at, d.id
                  LIMIT $8
                    FOR UPDATE SKIP LOCKED) AS w
         $query$, CASE WHEN p_keyed THEN 'NOT' ELSE '' END)
-      INTO v_examined, v_last_visible_at, v_last_id, v_matching
+      INTO v_examined, v_last_priority, v_last_visible_at, v_last_id, v_matching
       USING p_subscription_id, p_partition_key, p_published_from, p_published_before,
-            p_error_contains, p_after_visible_at, p_after_delivery_id, v_limit;
+            p_error_contains, p_after_visible_at, p_after_delivery_id, v_limit,
+            p_after_priority;
     IF p_dry_run THEN
         v_changed := coalesce(cardinality(v_matching), 0);
     ELSE
@@ -470,7 +490,7 @@ BEGIN
          WHERE d.id = ANY (v_matching) AND d.status = 'Pending';
         GET DIAGNOSTICS v_changed = ROW_COUNT;
     END IF;
-    RETURN QUERY SELECT v_examined, v_changed, v_last_visible_at, v_last_id;
+    RETURN QUERY SELECT v_examined, v_changed, v_last_priority, v_last_visible_at, v_last_id;
 END;
 $$;
 
@@ -528,6 +548,7 @@ DECLARE
     v_limit integer := LEAST(GREATEST(coalesce(p_cap, 1000), 0), 1000);
     v_steps integer := v_limit * 4 + 64;
     v_claimable bigint;
+    v_level integer;
     v_key text;
     v_head record;
 BEGIN
@@ -545,11 +566,20 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    v_claimable := (SELECT count(*) FROM (
-        SELECT 1 FROM workqueue_delivery d
-         WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-           AND d.partition_key IS NULL AND d.visible_at <= now()
-         LIMIT v_limit) AS keyless);
+    -- Keyless rows already due, a priority at a time as wq_claim reads them, so rows
+    -- scheduled for later are neither counted nor read.
+    v_claimable := 0;
+    v_level := 101;
+    LOOP
+        EXIT WHEN v_claimable >= v_limit;
+        v_level := wq_next_priority(p_subscription_id, false, v_level);
+        EXIT WHEN v_level IS NULL;
+        v_claimable := v_claimable + (SELECT count(*) FROM (
+            SELECT 1 FROM workqueue_delivery d
+             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+               AND d.partition_key IS NULL AND d.priority = v_level AND d.visible_at <= now()
+             LIMIT v_limit - v_claimable) AS keyless);
+    END LOOP;
 
     IF v_sub.partition_mode <> 'None' THEN
         LOOP

@@ -41,6 +41,10 @@ $$;
 -- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the
 -- message that already owns the deduplication key), the status (Accepted | Duplicate | Rejected)
 -- and an error code for rejections. Nothing is written unless the status is Accepted.
+-- The deliveries become due at p_not_before (a past time means now) or p_delay_seconds from
+-- now (give one or neither), at most the topic's retention ahead, else InvalidSchedule: a
+-- delivery must not outlive the message retention keeps for it. p_priority (-100..100, NULL
+-- means 0, else InvalidPriority) orders the due deliveries of a subscription in wq_claim.
 -- p_external and p_published_by are the application's word (whether the message came in over
 -- the REST API, and as whom): the database sees only the role that holds grant-runtime, which
 -- may publish internally anyway, so claiming "not external" gains a caller nothing.
@@ -56,7 +60,10 @@ CREATE OR REPLACE FUNCTION wq_publish(
     p_deduplication_ttl_seconds integer,
     p_envelope_bytes integer,
     p_external boolean,
-    p_published_by text
+    p_published_by text,
+    p_not_before timestamptz,
+    p_delay_seconds integer,
+    p_priority integer
 )
 RETURNS TABLE (message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
@@ -72,9 +79,11 @@ DECLARE
     v_ordinal bigint;
     v_fanout integer;
     v_attempt integer := 0;
+    v_due timestamptz;
 BEGIN
     SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
-           t.allow_external_publish, t.max_payload_bytes, t.default_deduplication_ttl_seconds
+           t.allow_external_publish, t.max_payload_bytes, t.default_deduplication_ttl_seconds,
+           t.retention_days
       INTO v_topic
       FROM workqueue_topic t
       JOIN workqueue_transport tr ON tr.id = t.transport_id
@@ -89,6 +98,20 @@ BEGIN
     END IF;
     IF p_external AND NOT v_topic.allow_external_publish THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text;
+        RETURN;
+    END IF;
+    IF p_priority IS NOT NULL AND (p_priority < -100 OR p_priority > 100) THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidPriority'::text;
+        RETURN;
+    END IF;
+    IF (p_not_before IS NOT NULL AND p_delay_seconds IS NOT NULL) OR p_delay_seconds < 0 THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text;
+        RETURN;
+    END IF;
+    v_due := GREATEST(COALESCE(p_not_before, now()), now())
+             + make_interval(secs => COALESCE(p_delay_seconds, 0));
+    IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text;
         RETURN;
     END IF;
     -- p_envelope_bytes is the driver's count under the documented rule: the UTF-8 size of the
@@ -189,10 +212,10 @@ BEGIN
 
     INSERT INTO workqueue_delivery
            (id, message_id, subscription_id, status, partition_key, order_key, attempt_count,
-            is_replay, visible_at)
+            is_replay, visible_at, priority)
     SELECT gen_random_uuid(), p_message_id, s.id, 'Pending',
            CASE WHEN s.partition_mode <> 'None' THEN p_partition_key END,
-           v_ordinal, 0, false, now()
+           v_ordinal, 0, false, v_due, COALESCE(p_priority, 0)
       FROM workqueue_subscription s
      WHERE s.topic_id = v_topic.id AND s.status <> 'Disabled'
        AND wq_filter_matches(s.filter, p_attributes);
@@ -280,7 +303,10 @@ BEGIN
                 (v_item.m ->> 'deduplication_ttl_seconds')::integer,
                 (v_item.m ->> 'envelope_bytes')::integer,
                 p_external,
-                p_published_by) AS r;
+                p_published_by,
+                (v_item.m ->> 'not_before')::timestamptz,
+                (v_item.m ->> 'delay_seconds')::integer,
+                (v_item.m ->> 'priority')::integer) AS r;
     END LOOP;
 END;
 $$;

@@ -103,13 +103,46 @@ BEGIN
 END;
 GO
 
+-- wq_next_priority --
+-- The highest priority below @below among the subscription's Pending deliveries, keyed (@keyed)
+-- or keyless, or NULL: one backward seek of wq_dlv_claim_keyed_pri_ix or
+-- wq_dlv_claim_keyless_pri_ix. wq_claim visits the priorities present this way, each a range of
+-- rows already due, so rows scheduled for later are never read. Pass 101 for the highest of
+-- all. @subscription_id is the stored char(32) form.
+CREATE OR ALTER FUNCTION dbo.wq_next_priority(
+    @subscription_id char(32),
+    @keyed bit,
+    @below int
+)
+RETURNS int
+AS
+BEGIN
+    DECLARE @level int;
+    IF @keyed = 1
+        SELECT TOP (1) @level = k.priority
+          FROM dbo.workqueue_delivery AS k
+         WHERE k.subscription_id = @subscription_id AND k.status = N'Pending'
+           AND k.partition_key IS NOT NULL AND k.priority < @below
+         ORDER BY k.priority DESC;
+    ELSE
+        SELECT TOP (1) @level = k.priority
+          FROM dbo.workqueue_delivery AS k
+         WHERE k.subscription_id = @subscription_id AND k.status = N'Pending'
+           AND k.partition_key IS NULL AND k.priority < @below
+         ORDER BY k.priority DESC;
+    RETURN @level;
+END;
+GO
+
 -- wq_claim --
 -- Lease up to @max_rows deliveries of an Active subscription to @lease_owner in one call.
 -- First expires this subscription's passed leases (up to 500); rows of kind 'ExpiredDeadLetter'
 -- report the ones that were dead-lettered. Partitioned subscriptions then claim at most one
--- delivery per key: the key's first Pending row by order_key when nothing of the key is in
+-- delivery per key: the key's first due Pending row by order_key when nothing of the key is in
 -- flight (Ordered: when that row is the key's head, so no earlier Pending, InFlight or
--- DeadLettered delivery exists). Keys come first from a window of the oldest visible keyed rows;
+-- DeadLettered delivery exists; a head not yet due holds its key). Priority orders keys and
+-- keyless rows, never the rows within one key. Keys come first from a window of visible keyed
+-- rows, highest priority and then oldest due first;
 -- when that window is full of rows whose keys cannot run and capacity is left, a bounded walk
 -- over the keys continues after @after_key, so a hot key's blocked backlog never makes claims
 -- slower. A row of kind 'KeyCursor' carries where the walk stopped, for the caller's next claim.
@@ -142,6 +175,9 @@ BEGIN
     DECLARE @candidate char(32);
     DECLARE @window_size int = @max_rows * 4 + 32;
     DECLARE @window_full bit = 0;
+    DECLARE @window_taken int = 0;
+    DECLARE @window_count int;
+    DECLARE @level int;
     DECLARE @next int = 0;
     DECLARE @walking bit = 0;
     DECLARE @walk_budget int = @max_rows * 4 + 64;
@@ -176,6 +212,7 @@ BEGIN
     DECLARE @result TABLE (
         seq int IDENTITY(1, 1) PRIMARY KEY,
         phase tinyint,
+        sort_priority int,
         sort_at datetimeoffset(7),
         kind nvarchar(20),
         delivery_id uniqueidentifier,
@@ -219,20 +256,35 @@ BEGIN
     BEGIN
         IF @partition_mode <> N'None'
         BEGIN
-            -- The window: keys of the oldest visible keyed Pending rows, oldest first. It reads
-            -- a fixed number of wq_dlv_claim_keyed_ix entries, whatever the backlog.
-            INSERT INTO @window_keys (ord, partition_key, rows_in_window)
-            SELECT ROW_NUMBER() OVER (ORDER BY MIN(r.visible_at), MIN(r.order_key)),
-                   r.partition_key, COUNT(*)
-              FROM (
-                    SELECT TOP (@window_size) d.partition_key, d.visible_at, d.order_key
-                      FROM dbo.workqueue_delivery AS d
-                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-                       AND d.partition_key IS NOT NULL AND d.visible_at <= @now
-                     ORDER BY d.visible_at
-                   ) AS r
-             GROUP BY r.partition_key;
-            IF (SELECT SUM(w.rows_in_window) FROM @window_keys AS w) >= @window_size
+            -- The window: keys of visible keyed Pending rows, priority by priority (highest
+            -- first), oldest due first within one. It reads a fixed number of
+            -- wq_dlv_claim_keyed_pri_ix entries, whatever the backlog, due or scheduled. A key
+            -- met again at a lower priority is skipped by the key loop (@seen).
+            SET @level = 101;
+            WHILE @window_taken < @window_size
+            BEGIN
+                SET @level = dbo.wq_next_priority(@subscription_key, 1, @level);
+                IF @level IS NULL
+                    BREAK;
+                SET @window_count = (SELECT COUNT(*) FROM @window_keys);
+                INSERT INTO @window_keys (ord, partition_key, rows_in_window)
+                SELECT @window_count
+                       + ROW_NUMBER() OVER (ORDER BY MIN(r.visible_at), MIN(r.order_key)),
+                       r.partition_key, COUNT(*)
+                  FROM (
+                        SELECT TOP (@window_size - @window_taken)
+                               d.partition_key, d.visible_at, d.order_key
+                          FROM dbo.workqueue_delivery AS d
+                         WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                           AND d.partition_key IS NOT NULL AND d.priority = @level
+                           AND d.visible_at <= @now
+                         ORDER BY d.visible_at
+                       ) AS r
+                 GROUP BY r.partition_key;
+                SET @window_taken =
+                    COALESCE((SELECT SUM(w.rows_in_window) FROM @window_keys AS w), 0);
+            END;
+            IF @window_taken >= @window_size
                 SET @window_full = 1;
 
             WHILE @remaining > 0
@@ -360,8 +412,13 @@ BEGIN
                 VALUES (2, N'KeyCursor', @walked_to);
         END;
 
-        IF @remaining > 0
+        -- Keyless deliveries, one priority at a time from the highest, oldest due first.
+        SET @level = 101;
+        WHILE @remaining > 0
         BEGIN
+            SET @level = dbo.wq_next_priority(@subscription_key, 0, @level);
+            IF @level IS NULL
+                BREAK;
             DELETE FROM @claimed;
             WITH picked AS (
                 SELECT TOP (@remaining)
@@ -370,8 +427,8 @@ BEGIN
                        d.is_replay, d.visible_at
                   FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
                  WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-                   AND d.partition_key IS NULL AND d.visible_at <= @now
-                   AND d.cancel_requested_at IS NULL
+                   AND d.partition_key IS NULL AND d.priority = @level
+                   AND d.visible_at <= @now AND d.cancel_requested_at IS NULL
                  ORDER BY d.visible_at
             )
             UPDATE picked
@@ -386,12 +443,13 @@ BEGIN
                    inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
                    inserted.visible_at
               INTO @claimed;
+            SET @remaining -= @@ROWCOUNT;
 
             INSERT INTO @result
-                   (phase, sort_at, kind, delivery_id, lease_token, lease_expires_at,
-                    attempt_count, is_replay, message_id, topic_id, partition_key, attributes,
-                    payload, payload_ref, correlation_id, published_at)
-            SELECT 3, c.visible_at, N'Claimed', dbo.wq_text_uuid(c.id),
+                   (phase, sort_priority, sort_at, kind, delivery_id, lease_token,
+                    lease_expires_at, attempt_count, is_replay, message_id, topic_id,
+                    partition_key, attributes, payload, payload_ref, correlation_id, published_at)
+            SELECT 3, @level, c.visible_at, N'Claimed', dbo.wq_text_uuid(c.id),
                    dbo.wq_text_uuid(c.lease_token), c.lease_expires_at, c.attempt_count,
                    c.is_replay, dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id),
                    m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id,
@@ -406,6 +464,7 @@ BEGIN
            r.is_replay, r.message_id, r.topic_id, r.partition_key, r.attributes, r.payload,
            r.payload_ref, r.correlation_id, r.published_at
       FROM @result AS r
-     ORDER BY r.phase, CASE WHEN r.phase = 3 THEN r.sort_at END, r.seq;
+     ORDER BY r.phase, CASE WHEN r.phase = 3 THEN -r.sort_priority END,
+              CASE WHEN r.phase = 3 THEN r.sort_at END, r.seq;
 END;
 GO

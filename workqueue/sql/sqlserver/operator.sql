@@ -60,7 +60,8 @@ GO
 -- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
 -- (NULL for other modes), each counted up to @cap (clamped to 1..1000000; NULL: 10000), and the
 -- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
--- from the first entry of each claim index. No row when the subscription does not exist.
+-- from the first entry of each priority in each claim index. No row when the subscription does
+-- not exist.
 -- returns: pending, in_flight, dead_lettered, blocked_keys, oldest_pending_age_seconds
 CREATE OR ALTER PROCEDURE dbo.wq_queue_gauges
     @subscription_id uniqueidentifier,
@@ -73,18 +74,35 @@ BEGIN
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @limit int = CASE WHEN @cap IS NULL THEN 10000 WHEN @cap < 1 THEN 1
                               WHEN @cap > 1000000 THEN 1000000 ELSE @cap END;
-    DECLARE @oldest datetimeoffset(7) = (
-        SELECT MIN(v.visible_at) FROM (
-            SELECT (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
-                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-                       AND d.partition_key IS NOT NULL
-                     ORDER BY d.visible_at) AS visible_at
-            UNION ALL
-            SELECT (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
-                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-                       AND d.partition_key IS NULL
-                     ORDER BY d.visible_at)
-        ) AS v);
+    DECLARE @oldest datetimeoffset(7);
+    DECLARE @first datetimeoffset(7);
+    DECLARE @keyed int = 0;  -- int, not bit: a bit never counts past 1 and the loop never ends
+    DECLARE @level int;
+    -- The oldest first entry of each priority present in each claim index (keyless, then
+    -- keyed), the priorities found one probe at a time.
+    WHILE @keyed <= 1
+    BEGIN
+        SET @level = dbo.wq_next_priority(@subscription_key, CAST(@keyed AS bit), 101);
+        WHILE @level IS NOT NULL
+        BEGIN
+            IF @keyed = 1
+                SET @first = (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
+                               WHERE d.subscription_id = @subscription_key
+                                 AND d.status = N'Pending' AND d.partition_key IS NOT NULL
+                                 AND d.priority = @level
+                               ORDER BY d.visible_at);
+            ELSE
+                SET @first = (SELECT TOP (1) d.visible_at FROM dbo.workqueue_delivery AS d
+                               WHERE d.subscription_id = @subscription_key
+                                 AND d.status = N'Pending' AND d.partition_key IS NULL
+                                 AND d.priority = @level
+                               ORDER BY d.visible_at);
+            IF @oldest IS NULL OR @first < @oldest
+                SET @oldest = @first;
+            SET @level = dbo.wq_next_priority(@subscription_key, CAST(@keyed AS bit), @level);
+        END;
+        SET @keyed = @keyed + 1;
+    END;
 
     -- result set
     SELECT
@@ -427,14 +445,15 @@ GO
 -- wq_discard_pending --
 -- One bounded batch of a bulk discard of waiting work: walks the subscription's Pending
 -- deliveries along one claim index (@keyed = 1: those with a partition key, else those without),
--- in (visible_at, id) order after (@after_visible_at, @after_delivery_id), at most @batch_size
+-- in (priority, visible_at, id) order after (@after_priority, @after_visible_at,
+-- @after_delivery_id), at most @batch_size
 -- of them (clamped to 1..5000; NULL: 1000), and discards those matching every filter given (NULL
 -- matches all): the message's partition key (exactly), its publish time in [from, before), and
 -- the last error of an earlier attempt containing the text (ignoring case). Rows a claim holds
 -- at that moment are skipped (they are running: cancel them one by one). With @dry_run = 1
 -- nothing changes: changed reports how many would. The last row examined is where the next
 -- batch starts; a batch that examined fewer rows than its size was the last.
--- returns: examined, changed, last_visible_at, last_delivery_id
+-- returns: examined, changed, last_priority, last_visible_at, last_delivery_id
 CREATE OR ALTER PROCEDURE dbo.wq_discard_pending
     @subscription_id uniqueidentifier,
     @keyed bit,
@@ -442,6 +461,7 @@ CREATE OR ALTER PROCEDURE dbo.wq_discard_pending
     @published_from datetimeoffset(7),
     @published_before datetimeoffset(7),
     @error_contains nvarchar(4000),
+    @after_priority int,
     @after_visible_at datetimeoffset(7),
     @after_delivery_id uniqueidentifier,
     @batch_size int,
@@ -460,14 +480,15 @@ BEGIN
                               WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     DECLARE @batch TABLE (
         id char(32) PRIMARY KEY,
+        priority int NOT NULL,
         visible_at datetimeoffset(7) NOT NULL,
         matches bit NOT NULL
     );
     DECLARE @changed int = 0;
 
     BEGIN TRANSACTION;
-    INSERT INTO @batch (id, visible_at, matches)
-    SELECT TOP (@limit) d.id, d.visible_at,
+    INSERT INTO @batch (id, priority, visible_at, matches)
+    SELECT TOP (@limit) d.id, d.priority, d.visible_at,
            CASE WHEN (@error_contains IS NULL
                       OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
                  AND (@partition_key IS NULL AND @published_from IS NULL
@@ -487,9 +508,11 @@ BEGIN
        -- The resume point comes back from Python in whole microseconds while visible_at holds
        -- 100 ns ticks: rows within the microsecond of the last one examined resume by id.
        AND (@after_visible_at IS NULL
-            OR d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
-            OR (d.visible_at >= @after_visible_at AND d.id > @after_key))
-     ORDER BY d.visible_at, d.id
+            OR d.priority > @after_priority
+            OR (d.priority = @after_priority
+                AND (d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
+                     OR (d.visible_at >= @after_visible_at AND d.id > @after_key))))
+     ORDER BY d.priority, d.visible_at, d.id
     -- Compiled with the values in place, so the key predicate matches a filtered claim index.
     OPTION (RECOMPILE);
 
@@ -510,9 +533,12 @@ BEGIN
     -- result set
     SELECT (SELECT COUNT(*) FROM @batch) AS examined,
            @changed AS changed,
-           (SELECT TOP (1) visible_at FROM @batch ORDER BY visible_at DESC, id DESC)
-               AS last_visible_at,
-           dbo.wq_text_uuid((SELECT TOP (1) id FROM @batch ORDER BY visible_at DESC, id DESC))
+           (SELECT TOP (1) priority FROM @batch ORDER BY priority DESC, visible_at DESC, id DESC)
+               AS last_priority,
+           (SELECT TOP (1) visible_at FROM @batch
+             ORDER BY priority DESC, visible_at DESC, id DESC) AS last_visible_at,
+           dbo.wq_text_uuid((SELECT TOP (1) id FROM @batch
+                              ORDER BY priority DESC, visible_at DESC, id DESC))
                AS last_delivery_id;
 END;
 GO
@@ -575,6 +601,7 @@ BEGIN
     DECLARE @subscription_status nvarchar(20);
     DECLARE @claimable int = 0;
     DECLARE @in_flight int = 0;
+    DECLARE @level int;
     DECLARE @key nvarchar(200);
     DECLARE @head_status nvarchar(20);
     DECLARE @head_visible_at datetimeoffset(7);
@@ -592,10 +619,20 @@ BEGIN
 
     IF @subscription_status = N'Active'
     BEGIN
-        SELECT @claimable = COUNT(*) FROM (
-            SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-               AND d.partition_key IS NULL AND d.visible_at <= @now) AS keyless;
+        -- Keyless rows already due, a priority at a time as wq_claim reads them, so rows
+        -- scheduled for later are neither counted nor read.
+        SET @level = 101;
+        WHILE @claimable < @limit
+        BEGIN
+            SET @level = dbo.wq_next_priority(@subscription_key, 0, @level);
+            IF @level IS NULL
+                BREAK;
+            SELECT @claimable += COUNT(*) FROM (
+                SELECT TOP (@limit - @claimable) d.id FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                   AND d.partition_key IS NULL AND d.priority = @level
+                   AND d.visible_at <= @now) AS keyless;
+        END;
 
         WHILE @partition_mode <> N'None' AND @claimable < @limit AND @steps > 0
         BEGIN

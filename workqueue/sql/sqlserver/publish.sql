@@ -129,6 +129,9 @@ CREATE OR ALTER PROCEDURE dbo.wq_publish_one
     @envelope_bytes int,
     @external bit,
     @published_by nvarchar(4000),
+    @not_before datetimeoffset(7),
+    @delay_seconds int,
+    @priority int,
     @out_message_id uniqueidentifier OUTPUT,
     @out_status nvarchar(20) OUTPUT,
     @out_error_code nvarchar(50) OUTPUT
@@ -145,6 +148,8 @@ BEGIN
     DECLARE @allow_external bit;
     DECLARE @max_payload_bytes int;
     DECLARE @default_ttl int;
+    DECLARE @retention_days int;
+    DECLARE @due datetimeoffset(7);
     DECLARE @ordinal bigint;
     DECLARE @owner_key char(32);
     DECLARE @owner_status nvarchar(20);
@@ -161,7 +166,8 @@ BEGIN
            @transport_status = tr.status,
            @allow_external = t.allow_external_publish,
            @max_payload_bytes = t.max_payload_bytes,
-           @default_ttl = t.default_deduplication_ttl_seconds
+           @default_ttl = t.default_deduplication_ttl_seconds,
+           @retention_days = t.retention_days
       FROM dbo.workqueue_topic AS t
       JOIN dbo.workqueue_transport AS tr ON tr.id = t.transport_id
      WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)));
@@ -181,6 +187,27 @@ BEGIN
         SET @out_error_code = N'TopicNotExternallyPublishable';
         RETURN;
     END;
+    IF @priority IS NOT NULL AND (@priority < -100 OR @priority > 100)
+    BEGIN
+        SET @out_error_code = N'InvalidPriority';
+        RETURN;
+    END;
+    IF (@not_before IS NOT NULL AND @delay_seconds IS NOT NULL) OR @delay_seconds < 0
+    BEGIN
+        SET @out_error_code = N'InvalidSchedule';
+        RETURN;
+    END;
+    -- Due at @not_before (a past time means now) or @delay_seconds from now, at most the
+    -- topic's retention ahead: a delivery must not outlive the message retention keeps for it.
+    -- Compared in seconds first, so a far-off time cannot overflow DATEADD.
+    IF DATEDIFF_BIG(second, @now, COALESCE(@not_before, @now)) + COALESCE(@delay_seconds, 0)
+       > CAST(@retention_days AS bigint) * 86400
+    BEGIN
+        SET @out_error_code = N'InvalidSchedule';
+        RETURN;
+    END;
+    SET @due = DATEADD(second, COALESCE(@delay_seconds, 0),
+                       CASE WHEN @not_before > @now THEN @not_before ELSE @now END);
     -- @envelope_bytes is the driver's count under the documented rule: the UTF-8 size of the
     -- canonical envelope (sorted keys, no spaces). SQL Server 2016 cannot count UTF-8, so the
     -- count is trusted only where it exceeds the procedure's own: the canonical envelope of
@@ -324,10 +351,10 @@ BEGIN
 
     INSERT INTO dbo.workqueue_delivery
            (id, message_id, subscription_id, status, partition_key, order_key, attempt_count,
-            is_replay, visible_at)
+            is_replay, visible_at, priority)
     SELECT LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')), @message_key, s.id, N'Pending',
            CASE WHEN s.partition_mode <> N'None' THEN @partition_key END,
-           @ordinal, 0, 0, @now
+           @ordinal, 0, 0, @due, COALESCE(@priority, 0)
       FROM dbo.workqueue_subscription AS s
      WHERE s.topic_id = @topic_key AND s.status <> N'Disabled'
        AND dbo.wq_filter_matches(s.[filter], @attributes) = 1;
@@ -349,8 +376,11 @@ GO
 -- Publish one message in one call and one transaction. Returns exactly one row: the message id
 -- (for a Duplicate by deduplication key, the id of the message that owns the key), the status
 -- Accepted | Duplicate | Rejected, and an error code for rejections (TopicNotFound,
--- TopicDisabled, TopicNotExternallyPublishable, PayloadTooLarge, DeduplicationPending,
--- MessageIDConflict, TransportUnavailable). Nothing is written unless the status is Accepted;
+-- TopicDisabled, TopicNotExternallyPublishable, InvalidPriority, InvalidSchedule,
+-- PayloadTooLarge, DeduplicationPending, MessageIDConflict, TransportUnavailable). The
+-- deliveries are due at @not_before or @delay_seconds from now (one or neither, at most the
+-- topic's retention ahead) and carry @priority (-100..100, NULL means 0) for wq_claim.
+-- Nothing is written unless the status is Accepted;
 -- a re-publish of an existing id with the same canonical envelope is a Duplicate.
 -- @external and @published_by are the application's word (whether the message came in over the
 -- REST API, and as whom): the database sees only the login that holds grant-runtime, which may
@@ -368,7 +398,10 @@ CREATE OR ALTER PROCEDURE dbo.wq_publish
     @deduplication_ttl_seconds int,
     @envelope_bytes int,
     @external bit,
-    @published_by nvarchar(4000)
+    @published_by nvarchar(4000),
+    @not_before datetimeoffset(7),
+    @delay_seconds int,
+    @priority int
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -390,6 +423,9 @@ BEGIN
         @envelope_bytes = @envelope_bytes,
         @external = @external,
         @published_by = @published_by,
+        @not_before = @not_before,
+        @delay_seconds = @delay_seconds,
+        @priority = @priority,
         @out_message_id = @result_id OUTPUT,
         @out_status = @result_status OUTPUT,
         @out_error_code = @result_error OUTPUT;
@@ -430,6 +466,9 @@ BEGIN
     DECLARE @deduplication_key nvarchar(4000);
     DECLARE @deduplication_ttl_seconds int;
     DECLARE @envelope_bytes int;
+    DECLARE @not_before datetimeoffset(7);
+    DECLARE @delay_seconds int;
+    DECLARE @priority int;
     DECLARE @result_id uniqueidentifier;
     DECLARE @result_status nvarchar(20);
     DECLARE @result_error nvarchar(50);
@@ -443,7 +482,10 @@ BEGIN
         correlation_id nvarchar(4000),
         deduplication_key nvarchar(4000),
         deduplication_ttl_seconds int,
-        envelope_bytes int
+        envelope_bytes int,
+        not_before datetimeoffset(7),
+        delay_seconds int,
+        priority int
     );
     DECLARE @keys TABLE (
         ord int IDENTITY(1, 1) PRIMARY KEY,
@@ -461,7 +503,8 @@ BEGIN
     -- which canonical JSON leaves alone); numbers and booleans keep their literal text.
     INSERT INTO @items
            (item_index, message_id, partition_key, attributes, payload, payload_ref,
-            correlation_id, deduplication_key, deduplication_ttl_seconds, envelope_bytes)
+            correlation_id, deduplication_key, deduplication_ttl_seconds, envelope_bytes,
+            not_before, delay_seconds, priority)
     SELECT CAST(e.[key] AS int), j.message_id, j.partition_key, j.attributes,
            CASE p.[type]
                WHEN 0 THEN NULL
@@ -469,7 +512,7 @@ BEGIN
                ELSE p.[value]
            END,
            j.payload_ref, j.correlation_id, j.deduplication_key, j.deduplication_ttl_seconds,
-           j.envelope_bytes
+           j.envelope_bytes, j.not_before, j.delay_seconds, j.priority
       FROM OPENJSON(@messages) AS e
      CROSS APPLY OPENJSON(e.[value])
            WITH (
@@ -480,7 +523,10 @@ BEGIN
                correlation_id nvarchar(4000) '$.correlation_id',
                deduplication_key nvarchar(4000) '$.deduplication_key',
                deduplication_ttl_seconds int '$.deduplication_ttl_seconds',
-               envelope_bytes int '$.envelope_bytes'
+               envelope_bytes int '$.envelope_bytes',
+               not_before datetimeoffset(7) '$.not_before',
+               delay_seconds int '$.delay_seconds',
+               priority int '$.priority'
            ) AS j
      OUTER APPLY (
            SELECT v.[value], v.[type] FROM OPENJSON(e.[value]) AS v WHERE v.[key] = N'payload'
@@ -524,7 +570,10 @@ BEGIN
                @correlation_id = i.correlation_id,
                @deduplication_key = i.deduplication_key,
                @deduplication_ttl_seconds = i.deduplication_ttl_seconds,
-               @envelope_bytes = i.envelope_bytes
+               @envelope_bytes = i.envelope_bytes,
+               @not_before = i.not_before,
+               @delay_seconds = i.delay_seconds,
+               @priority = i.priority
           FROM @items AS i
          WHERE i.item_index > @index
          ORDER BY i.item_index;
@@ -545,6 +594,9 @@ BEGIN
             @envelope_bytes = @envelope_bytes,
             @external = @external,
             @published_by = @published_by,
+            @not_before = @not_before,
+            @delay_seconds = @delay_seconds,
+            @priority = @priority,
             @out_message_id = @result_id OUTPUT,
             @out_status = @result_status OUTPUT,
             @out_error_code = @result_error OUTPUT;

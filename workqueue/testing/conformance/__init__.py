@@ -1,4 +1,4 @@
-"""The transport conformance suite: one set of behaviour cases (C01-C32) run against every driver.
+"""The transport conformance suite: one set of behaviour cases (C01-C40) run against every driver.
 
 Each case creates its own topic and subscriptions, drives the transport through
 ``workqueue.transport`` and ``workqueue.publishing`` exactly as a consumer or operator would,
@@ -9,7 +9,14 @@ with :func:`format_table`.
 from __future__ import annotations
 
 # Importing the area modules registers their cases in CASES.
-from workqueue.testing.conformance import claim, operators, partitions, publish, settle
+from workqueue.testing.conformance import (
+    claim,
+    operators,
+    partitions,
+    publish,
+    scheduling,
+    settle,
+)
 from workqueue.testing.conformance.harness import (
     DATABASE_TRAITS,
     CaseContext,
@@ -27,7 +34,7 @@ from workqueue.testing.conformance.runner import (
     run_conformance,
 )
 
-del claim, operators, partitions, publish, settle
+del claim, operators, partitions, publish, scheduling, settle
 
 __all__ = [
     "CASES",

@@ -26,6 +26,7 @@ from workqueue.models import Subscription, Topic, Transport
 from workqueue.models.topology import DATABASE_DRIVER
 from workqueue.publishing import publish
 from workqueue.types import (
+    Backlog,
     ClaimedDelivery,
     ClaimResult,
     DeadLetterItem,
@@ -83,6 +84,10 @@ class TransportTraits:
     detects_message_id_duplicates: bool = True
     #: Subscription stats count completions of the last hour.
     completed_counts: bool = True
+    #: A publish can be scheduled (``not_before``/``delay_seconds``) up to the topic's retention.
+    supports_scheduled_publish: bool = True
+    #: Among due deliveries of a subscription, higher ``priority`` is received first.
+    supports_priority: bool = True
 
 
 DATABASE_TRAITS = TransportTraits()
@@ -159,8 +164,12 @@ class CaseContext:
         numbered: bool = True,
         deduplication_key: str | None = None,
         deduplication_ttl: int | None = None,
+        **schedule: Any,
     ) -> PublishResult:
-        """Publish one message; unless ``numbered`` is False it gets the next ``n`` attribute."""
+        """Publish one message; unless ``numbered`` is False it gets the next ``n`` attribute.
+
+        ``schedule`` passes ``not_before``, ``delay_seconds`` and ``priority`` on to publish.
+        """
         merged = dict(attributes or {})
         if numbered:
             self.n += 1
@@ -173,6 +182,7 @@ class CaseContext:
             message_id=message_id,
             deduplication_key=deduplication_key,
             deduplication_ttl=deduplication_ttl,
+            **schedule,
         )
 
     def keyed(self, count: int, key: str = "k") -> list[PublishResult]:
@@ -245,6 +255,10 @@ class CaseContext:
 
     def dead_letters(self, name: str) -> list[DeadLetterItem]:
         return transport.list_dead_letters(self.sub_id(name), None, 100)
+
+    def backlog(self, name: str) -> Backlog | None:
+        """What an autoscaler sees: claimable (due) and in-flight deliveries."""
+        return transport.backlog(self.sub_id(name))
 
     def stats(self, name: str) -> dict[str, Any]:
         found = transport.subscription_stats(self.sub_id(name))

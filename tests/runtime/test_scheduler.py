@@ -1,0 +1,227 @@
+"""Recurring publish: every host runs the scheduler, each slot is published once across all of
+them, and after downtime only the latest missed slot is. Schedulers run on real threads against
+PostgreSQL with a clock the test controls; a last test runs them inside two real hosts on the
+database clock."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.db import connections
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.waiting import wait_until
+from workqueue.checks import check_settings
+from workqueue.driver import get_driver
+from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.models import Delivery, Message
+from workqueue.runtime.host import Host, HostConfig
+from workqueue.runtime.scheduler import Scheduler
+from workqueue.scheduling import load_schedules
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+UTC = dt.UTC
+
+
+class Clock:
+    """A clock the test sets; every scheduler sharing it sees the same time."""
+
+    def __init__(self, now: dt.datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+def schedule(topic: str, cron: str, **extra: Any) -> dict[str, Any]:
+    return {"name": "report", "cron": cron, "topic": topic, **extra}
+
+
+def published(topic_name: str) -> int:
+    return Message.objects.filter(topic__name=topic_name).count()
+
+
+def run_together(schedulers: list[Scheduler]) -> list[Any]:
+    """Run one pass of every scheduler at the same moment, each on its own thread (and so its
+    own database connection), as separate hosts would."""
+    barrier = threading.Barrier(len(schedulers))
+    results: list[Any] = [None] * len(schedulers)
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait()
+            results[index] = schedulers[index].run_once()
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(schedulers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    get_driver().close_all()
+    return results
+
+
+@pytest.fixture
+def topic_name() -> str:
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    return topic.name
+
+
+def test_two_hosts_publish_each_slot_exactly_once(topic_name):
+    clock = Clock(dt.datetime(2026, 5, 4, 9, 0, 20, tzinfo=UTC))
+    entries = [schedule(topic_name, "* * * * *")]
+    hosts = [Scheduler(load_schedules(entries), clock=clock) for _ in range(2)]
+
+    for minute in range(12):
+        clock.now = dt.datetime(2026, 5, 4, 9, minute, 20, tzinfo=UTC)
+        results = run_together(hosts)
+        # One host published the slot; the other found it published (or being published).
+        assert sorted(len(r.published) for r in results) == [0, 1], results
+        # Another pass in the same minute publishes nothing more.
+        assert [r.published for r in run_together(hosts)] == [{}, {}]
+        assert published(topic_name) == minute + 1
+
+
+def test_after_downtime_only_the_latest_missed_slot_is_published(topic_name):
+    clock = Clock(dt.datetime(2026, 5, 4, 10, 0, 30, tzinfo=UTC))
+    scheduler = Scheduler(load_schedules([schedule(topic_name, "*/5 * * * *")]), clock=clock)
+
+    assert scheduler.run_once().published == {"report": clock.now.replace(second=0)}
+    clock.now = dt.datetime(2026, 5, 4, 10, 27, tzinfo=UTC)  # 10:05 ... 10:25 were missed
+    assert scheduler.run_once().published == {"report": dt.datetime(2026, 5, 4, 10, 25, tzinfo=UTC)}
+    clock.now = dt.datetime(2026, 5, 4, 10, 29, 59, tzinfo=UTC)
+    assert scheduler.run_once().duplicates == {
+        "report": dt.datetime(2026, 5, 4, 10, 25, tzinfo=UTC)
+    }
+
+    assert published(topic_name) == 2
+
+
+def test_a_slot_missed_for_longer_than_thirty_days_is_skipped(topic_name):
+    # Once a year: the slot of 1 January is publishable for 30 days, then never.
+    clock = Clock(dt.datetime(2026, 2, 1, 0, 0, 1, tzinfo=UTC))
+    scheduler = Scheduler(load_schedules([schedule(topic_name, "0 0 1 1 *")]), clock=clock)
+
+    assert scheduler.run_once().published == {}
+    clock.now = dt.datetime(2026, 1, 30, 23, 59, tzinfo=UTC)
+    assert scheduler.run_once().published == {"report": dt.datetime(2026, 1, 1, tzinfo=UTC)}
+
+
+def test_slots_follow_the_schedules_time_zone_and_carry_its_message(topic_name):
+    topic = TopicFactory()
+    subscription = SubscriptionFactory(topic=topic, partition_mode="Exclusive")
+    entry = schedule(
+        topic.name,
+        "0 3 * * *",
+        timezone="Europe/Amsterdam",
+        payload={"report": "daily"},
+        partition_key="reports",
+        attributes={"kind": "daily"},
+        priority=7,
+    )
+    # 03:30 in Amsterdam in summer (CEST, UTC+2): the slot is 03:00 local, 01:00 UTC.
+    clock = Clock(dt.datetime(2026, 7, 1, 1, 30, tzinfo=UTC))
+
+    result = Scheduler(load_schedules([entry]), clock=clock).run_once()
+
+    assert result.published == {"report": dt.datetime(2026, 7, 1, 1, 0, tzinfo=UTC)}
+    delivery = Delivery.objects.select_related("message").get(subscription=subscription)
+    assert delivery.message.payload == {"report": "daily"}
+    assert delivery.message.attributes == {"kind": "daily"}
+    assert (delivery.partition_key, delivery.priority) == ("reports", 7)
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ({"name": "a", "cron": "61 * * * *", "topic": "t"}, "cron '61 * * * *' is not a cron"),
+        ({"name": "a", "cron": "* * * * *", "topic": "t", "timezone": "Mars/Base"}, "IANA"),
+        ({"name": "a", "cron": "* * * * *"}, "missing topic"),
+        ({"name": "a", "cron": "* * * * *", "topic": "t", "every": 5}, "unknown key(s) every"),
+        ({"name": "Nightly Report", "cron": "* * * * *", "topic": "t"}, "lower-case"),
+    ],
+)
+def test_a_bad_schedule_is_refused_naming_the_entry_and_the_fix(entry, says):
+    with pytest.raises(WorkQueueConfigurationError) as raised:
+        load_schedules([{"name": "ok", "cron": "0 * * * *", "topic": "t"}, entry])
+    assert "WORKQUEUE['SCHEDULES'][1]" in str(raised.value)
+    assert says in str(raised.value)
+
+
+def test_two_schedules_cannot_share_a_name(settings):
+    twice = [{"name": "a", "cron": "* * * * *", "topic": "t"}] * 2
+    with pytest.raises(WorkQueueConfigurationError, match="already named 'a'"):
+        load_schedules(twice)
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": twice}
+    assert [e.id for e in check_settings()] == ["workqueue.E005"]
+
+
+@pytest.fixture
+def hosts() -> Iterator[Callable[..., Host]]:
+    get_user_model().objects.create_user("workqueue-system")
+    started: list[Host] = []
+
+    def start(**config: Any) -> Host:
+        host = Host(
+            HostConfig(
+                subscriptions=[],
+                sweeper_interval_ms=0,
+                reconcile_interval_ms=0,
+                scheduler_interval_ms=50,
+                **config,
+            )
+        )
+        started.append(host)
+        host.start()
+        return host
+
+    yield start
+    for host in started:
+        host.shutdown()
+    get_driver().close()
+
+
+def test_hosts_run_the_scheduler_on_the_database_clock(hosts, topic_name):
+    entries = [schedule(topic_name, "* * * * *", payload={"every": "minute"})]
+    started = get_driver().database_now()
+    for _ in range(2):
+        hosts(schedules=entries)
+
+    wait_until(lambda: published(topic_name))
+    time.sleep(0.5)  # ten passes of each host
+    ended = get_driver().database_now()
+
+    # One message for each minute the hosts ran in (one, or two across a minute's turn).
+    minutes = {started.replace(second=0, microsecond=0), ended.replace(second=0, microsecond=0)}
+    assert published(topic_name) == len(minutes)
+    assert Message.objects.filter(topic__name=topic_name).first().payload == {"every": "minute"}
+
+
+def test_the_schedules_command_shows_each_slot_whether_published_and_the_next(
+    settings, topic_name, capsys
+):
+    # Hourly, so the slot does not change between the three reads below.
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": [schedule(topic_name, "0 * * * *")]}
+
+    call_command("workqueue", "schedules", "--json")
+    [before] = json.loads(capsys.readouterr().out)
+    Scheduler(load_schedules(settings.WORKQUEUE["SCHEDULES"])).run_once()
+    call_command("workqueue", "schedules", "--json")
+    [after] = json.loads(capsys.readouterr().out)
+
+    assert (before["published"], after["published"]) == (False, True)
+    assert (after["name"], after["topic"], after["timezone"]) == ("report", topic_name, "UTC")
+    slot, following = dt.datetime.fromisoformat(after["slot"]), after["next_slot"]
+    assert dt.datetime.fromisoformat(following) - slot == dt.timedelta(hours=1)

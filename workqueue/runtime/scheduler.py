@@ -1,0 +1,90 @@
+"""The scheduler a host runs: each pass publishes every schedule's latest slot, at most once
+across all hosts (see ``workqueue.scheduling`` for the policy)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from workqueue.conf import get_settings
+from workqueue.driver import get_driver
+from workqueue.publishing import publish
+from workqueue.scheduling import Schedule
+from workqueue.types import PublishStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerPassResult:
+    """What one pass did, by schedule name: the slot it published (or found already
+    published by another host), and the schedules whose publish was refused."""
+
+    published: dict[str, dt.datetime] = field(default_factory=dict)
+    duplicates: dict[str, dt.datetime] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Publishes due slots of ``schedules``. ``clock`` defaults to the database clock."""
+
+    def __init__(
+        self, schedules: Sequence[Schedule], clock: Callable[[], dt.datetime] | None = None
+    ) -> None:
+        self.schedules = list(schedules)
+        self.clock = clock or get_driver(get_settings().DATABASE_ALIAS).database_now
+
+    def run_once(self) -> SchedulerPassResult:
+        result = SchedulerPassResult()
+        if not self.schedules:
+            return result
+        now = self.clock()
+        for schedule in self.schedules:
+            slot = schedule.latest_slot(now)
+            if slot is None:
+                continue
+            try:
+                published = publish(
+                    schedule.topic,
+                    schedule.payload,
+                    partition_key=schedule.partition_key,
+                    attributes=schedule.attributes,
+                    priority=schedule.priority,
+                    deduplication_key=slot.deduplication_key,
+                    deduplication_ttl=slot.deduplication_ttl,
+                    message_id=slot.message_id,
+                )
+            except Exception:
+                # One schedule's failure (a database error, a payload that cannot be stored)
+                # must not keep the others from publishing; the next pass tries again.
+                logger.exception("Scheduler: publishing %s failed", schedule.name)
+                result.refused[schedule.name] = "Error"
+                continue
+            if published.status == PublishStatus.ACCEPTED:
+                result.published[schedule.name] = slot.at
+                logger.info(
+                    "Scheduler: published %s slot %s as message %s",
+                    schedule.name,
+                    slot.at.isoformat(),
+                    published.message_id,
+                    extra={"action": "schedule_published"},
+                )
+            elif published.status == PublishStatus.DUPLICATE:
+                result.duplicates[schedule.name] = slot.at
+            elif published.error is not None and published.error.retryable:
+                # Another host is publishing this slot right now (DeduplicationPending), or the
+                # database is busy: the next pass sees the outcome.
+                result.refused[schedule.name] = published.error.code
+            else:
+                error = published.error
+                result.refused[schedule.name] = error.code if error else published.status
+                logger.error(
+                    "Scheduler: schedule %s slot %s was refused: %s",
+                    schedule.name,
+                    slot.at.isoformat(),
+                    f"{error.code}: {error.message}" if error else published.status,
+                    extra={"action": "schedule_refused"},
+                )
+        return result

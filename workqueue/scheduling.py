@@ -1,0 +1,142 @@
+"""Recurring publish: the schedules of ``WORKQUEUE["SCHEDULES"]`` and their slots.
+
+A schedule publishes one message per *slot*, a time its cron expression names in its time zone
+(cron expressions are read by ``cronsim``; DST gaps and repeats follow its rules). The policy,
+which the README states for users:
+
+- A slot is published by whichever host's scheduler sees it first; every other host's publish
+  of that slot is a ``Duplicate``, because each slot has its own deduplication key
+  (``wq.schedule:<name>:<slot in UTC>``) and message id.
+- A scheduler publishes only the *latest* slot at or before now. After downtime the slots
+  missed meanwhile are not caught up: the latest one is published once, the earlier ones never.
+- A slot stays publishable until the next slot, and at most ``MAX_LATENESS`` (30 days, the
+  longest deduplication window): a slot missed for longer than that is skipped. The slot's
+  deduplication key lives as long as the slot is publishable, so no slot is published twice.
+
+All times are the database clock's, so hosts whose own clocks disagree still agree on slots.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+
+from workqueue.exceptions import WorkQueueConfigurationError
+
+#: How late a slot may still be published (the longest deduplication window, 30 days).
+MAX_LATENESS = dt.timedelta(days=30)
+#: The shortest deduplication window publish accepts.
+MIN_WINDOW = dt.timedelta(seconds=60)
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
+# Message ids of slots: uuid5 of "<name>:<slot>" in this namespace, the same on every host.
+SLOT_NAMESPACE = uuid.UUID("7b0c2f5e-4f1a-4c55-9d0e-2f6c3d1a9b80")
+_REQUIRED = ("name", "cron", "topic")
+_OPTIONAL = ("timezone", "payload", "partition_key", "attributes", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One publishable slot of a schedule, and what its publish carries."""
+
+    at: dt.datetime
+    deduplication_key: str
+    message_id: str
+    #: Seconds the slot's deduplication key must live: from its publish (at or after the slot)
+    #: until the slot stops being publishable.
+    deduplication_ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """One entry of ``WORKQUEUE["SCHEDULES"]``, validated."""
+
+    name: str
+    cron: str
+    topic: str
+    timezone: str = "UTC"
+    payload: Any = None
+    partition_key: str | None = None
+    attributes: Mapping[str, str] | None = None
+    priority: int = 0
+
+    @property
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone)
+
+    def next_slot_time(self, now: dt.datetime) -> dt.datetime:
+        """The first slot after ``now``, in UTC."""
+        return next(CronSim(self.cron, now.astimezone(self.zone))).astimezone(dt.UTC)
+
+    def latest_slot(self, now: dt.datetime) -> Slot | None:
+        """The slot to publish at ``now``: the latest at or before it, unless that one is no
+        longer publishable (see the module's policy)."""
+        # cronsim never returns its start time itself: start a microsecond later.
+        start = (now + dt.timedelta(microseconds=1)).astimezone(self.zone)
+        try:
+            at = next(CronSim(self.cron, start, reverse=True))
+        except StopIteration:
+            return None
+        following = next(CronSim(self.cron, at))
+        window = max(min(following - at, MAX_LATENESS), MIN_WINDOW)
+        if now - at >= window:
+            return None
+        at_utc = at.astimezone(dt.UTC)
+        key = f"wq.schedule:{self.name}:{at_utc.isoformat()}"
+        return Slot(
+            at=at_utc,
+            deduplication_key=key,
+            message_id=str(uuid.uuid5(SLOT_NAMESPACE, key)),
+            deduplication_ttl=int(window.total_seconds()),
+        )
+
+
+def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
+    """Validate ``WORKQUEUE["SCHEDULES"]``; the error names the entry and what to change."""
+    schedules: list[Schedule] = []
+    for index, entry in enumerate(entries):
+        where = f"WORKQUEUE['SCHEDULES'][{index}]"
+        if not isinstance(entry, Mapping):
+            raise WorkQueueConfigurationError(f"{where} must be a dict, not {entry!r}.")
+        missing = [key for key in _REQUIRED if not entry.get(key)]
+        unknown = sorted(set(entry) - set(_REQUIRED) - set(_OPTIONAL))
+        if missing or unknown:
+            raise WorkQueueConfigurationError(
+                f"{where}: "
+                + (f"missing {', '.join(missing)}; " if missing else "")
+                + (f"unknown key(s) {', '.join(unknown)}; " if unknown else "")
+                + f"a schedule has {', '.join(_REQUIRED)} and optionally {', '.join(_OPTIONAL)}."
+            )
+        schedule = Schedule(**entry)
+        if not isinstance(schedule.name, str) or not NAME.fullmatch(schedule.name):
+            raise WorkQueueConfigurationError(
+                f"{where}: name {schedule.name!r} must be 1-100 lower-case letters, digits, "
+                "'.', '_' or '-' (it is part of each slot's deduplication key)."
+            )
+        if schedule.name in {s.name for s in schedules}:
+            raise WorkQueueConfigurationError(
+                f"{where}: another schedule is already named {schedule.name!r}; names identify "
+                "a schedule's slots, so each must be unique."
+            )
+        try:
+            zone = ZoneInfo(schedule.timezone)
+        except (ZoneInfoNotFoundError, ValueError, TypeError):
+            raise WorkQueueConfigurationError(
+                f"{where}: timezone {schedule.timezone!r} is not an IANA time zone name such as "
+                "'UTC' or 'Europe/Amsterdam'."
+            ) from None
+        try:
+            CronSim(schedule.cron, dt.datetime.now(zone))
+        except (CronSimError, TypeError) as exc:
+            raise WorkQueueConfigurationError(
+                f"{where}: cron {schedule.cron!r} is not a cron expression ({exc}); use five "
+                "fields, minute hour day-of-month month day-of-week, e.g. '0 3 * * *'."
+            ) from None
+        schedules.append(schedule)
+    return schedules
