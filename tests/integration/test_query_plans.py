@@ -244,3 +244,28 @@ def _pages_touched(plans: str) -> list[int]:
             )
         )
     return touched
+
+
+def test_operator_reads_of_a_large_prioritised_backlog_stay_bounded(pg_conn):
+    # The metrics gauges and a bulk discard of waiting work walk the claim indexes (ordered by
+    # priority first): with 100k waiting rows over 21 priorities, neither may read its way
+    # through the backlog.
+    subscription, other = (SubscriptionFactory(topic=TopicFactory()) for _ in range(2))
+    seed_deliveries(pg_conn, subscription, BACKLOG)
+    seed_deliveries(pg_conn, other, BACKLOG, keys="'k' || mod(g, 500)")  # the rest of a queue
+    pg_conn.execute("UPDATE workqueue_delivery SET priority = mod(order_key, 21) - 10")
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    walks = {
+        "wq_queue_gauges": {"subscription_id": subscription.id, "cap": 1000},
+        "wq_discard_pending": {
+            "subscription_id": subscription.id,
+            "keyed": False,
+            "batch_size": 500,
+            "dry_run": True,
+            "reason": "plan test",
+        },
+    }
+    for procedure, params in walks.items():
+        plans = _nested_plans(pg_conn, procedure, params, analyze=True)
+        assert "Seq Scan on workqueue_delivery" not in plans, f"{procedure}:\n{plans}"
+        assert max(_rows_read(plans)) <= 1100, f"{procedure} read too much:\n{plans}"

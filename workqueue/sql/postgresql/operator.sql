@@ -71,18 +71,33 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
     WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 10000), 1), 1000000) AS n)
+    -- Each count is ordered as its index is (claim indexes, wq_dlv_open_ix,
+    -- wq_dlv_dead_letter_ix), so the planner walks that index rather than scanning the table
+    -- for the first rows that match, which reads other subscriptions' rows first.
     SELECT
-        (SELECT count(*) FROM (
-            SELECT 1 FROM workqueue_delivery d
-             WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-             LIMIT (SELECT n FROM cap)) AS x),
+        -- Keyless and keyed apart, each along its own claim index.
+        LEAST((SELECT count(*) FROM (
+                   SELECT 1 FROM workqueue_delivery d
+                    WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                      AND d.partition_key IS NULL
+                    ORDER BY d.priority, d.visible_at
+                    LIMIT (SELECT n FROM cap)) AS x)
+              + (SELECT count(*) FROM (
+                   SELECT 1 FROM workqueue_delivery d
+                    WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
+                      AND d.partition_key IS NOT NULL
+                    ORDER BY d.priority, d.visible_at
+                    LIMIT (SELECT n FROM cap)) AS x),
+              (SELECT n FROM cap)),
         (SELECT count(*) FROM (
             SELECT 1 FROM workqueue_delivery d
              WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+             ORDER BY d.status
              LIMIT (SELECT n FROM cap)) AS x),
         (SELECT count(*) FROM (
             SELECT 1 FROM workqueue_delivery d
              WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
+             ORDER BY d.id
              LIMIT (SELECT n FROM cap)) AS x),
         CASE WHEN s.partition_mode = 'Ordered' THEN (
             SELECT count(DISTINCT x.partition_key) FROM (

@@ -104,18 +104,32 @@ BEGIN
         SET @keyed = @keyed + 1;
     END;
 
+    -- Each count is ordered as its index is, so the optimizer walks that index rather than
+    -- scanning the table for the first rows that match.
     -- result set
     SELECT
+        -- Keyless and keyed apart, each along its own claim index.
+        (SELECT CASE WHEN SUM(n) > @limit THEN @limit ELSE SUM(n) END FROM (
+            SELECT COUNT_BIG(*) AS n FROM (
+                SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = s.id AND d.status = N'Pending'
+                   AND d.partition_key IS NULL
+                 ORDER BY d.priority, d.visible_at) AS x
+            UNION ALL
+            SELECT COUNT_BIG(*) FROM (
+                SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = s.id AND d.status = N'Pending'
+                   AND d.partition_key IS NOT NULL
+                 ORDER BY d.priority, d.visible_at) AS y
+        ) AS counts) AS pending,
         (SELECT COUNT_BIG(*) FROM (
             SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = s.id AND d.status = N'Pending') AS x) AS pending,
+             WHERE d.subscription_id = s.id AND d.status = N'InFlight'
+             ORDER BY d.status) AS x) AS in_flight,
         (SELECT COUNT_BIG(*) FROM (
             SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x) AS in_flight,
-        (SELECT COUNT_BIG(*) FROM (
-            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS x)
-            AS dead_lettered,
+             WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
+             ORDER BY d.id) AS x) AS dead_lettered,
         CASE WHEN s.partition_mode = N'Ordered' THEN (
             SELECT COUNT_BIG(DISTINCT x.partition_key) FROM (
                 SELECT TOP (@limit) d.partition_key FROM dbo.workqueue_delivery AS d
