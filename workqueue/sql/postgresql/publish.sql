@@ -329,6 +329,7 @@ DECLARE
     v_item record;
     v_ordinals bigint[];
     v_inserted bigint[];
+    v_codes text[];
     v_fanout bigint;
 BEGIN
     SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
@@ -409,10 +410,11 @@ BEGIN
               FROM generate_series(1, jsonb_array_length(p_messages))
         ) n ORDER BY o);
 
-    WITH items AS (
+    WITH checked AS (
         SELECT i.*, v_ordinals[i.item_index + 1] AS ordinal
           FROM wq_publish_items(p_messages, v_topic.max_payload_bytes, v_topic.retention_days) i
-         WHERE i.error_code IS NULL
+    ), items AS (
+        SELECT c.* FROM checked c WHERE c.error_code IS NULL
     ), inserted AS (
         -- An id already taken (before, or by an earlier item of this batch) inserts nothing;
         -- the result query below tells a duplicate from a conflict.
@@ -440,45 +442,56 @@ BEGIN
          ORDER BY i.item_index
         RETURNING 1
     )
-    SELECT ARRAY(SELECT x.publish_ordinal FROM inserted x), (SELECT count(*) FROM fanned)
-      INTO v_inserted, v_fanout;
+    SELECT ARRAY(SELECT c.error_code FROM checked c ORDER BY c.item_index),
+           ARRAY(SELECT x.publish_ordinal FROM inserted x), (SELECT count(*) FROM fanned)
+      INTO v_codes, v_inserted, v_fanout;
 
     IF v_fanout > 0 THEN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
     END IF;
 
+    -- Each item's result: its own rejection, Accepted when its row went in, else the id was
+    -- taken and the stored message decides between Duplicate and MessageIDConflict.
     RETURN QUERY
-    SELECT i.item_index, i.message_id,
+    SELECT r.idx, r.id,
            CASE
-               WHEN i.error_code IS NOT NULL THEN 'Rejected'
-               WHEN v_ordinals[i.item_index + 1] = ANY (v_inserted) THEN 'Accepted'
+               WHEN r.code IS NOT NULL THEN 'Rejected'
+               WHEN r.accepted THEN 'Accepted'
                WHEN m.id IS NULL THEN 'Rejected'
                WHEN m.topic_id = v_topic.id
-                AND m.partition_key IS NOT DISTINCT FROM i.partition_key
-                AND m.attributes IS NOT DISTINCT FROM i.attributes
-                AND m.payload IS NOT DISTINCT FROM i.payload
-                AND m.payload_ref IS NOT DISTINCT FROM i.payload_ref
-                AND m.correlation_id IS NOT DISTINCT FROM i.correlation_id THEN 'Duplicate'
+                AND m.partition_key IS NOT DISTINCT FROM r.value ->> 'partition_key'
+                AND m.attributes IS NOT DISTINCT FROM NULLIF(r.value -> 'attributes', 'null')
+                AND m.payload IS NOT DISTINCT FROM NULLIF(r.value -> 'payload', 'null')
+                AND m.payload_ref IS NOT DISTINCT FROM NULLIF(r.value -> 'payload_ref', 'null')
+                AND m.correlation_id IS NOT DISTINCT FROM r.value ->> 'correlation_id'
+                   THEN 'Duplicate'
                ELSE 'Rejected'
            END,
            CASE
-               WHEN i.error_code IS NOT NULL THEN i.error_code
-               WHEN v_ordinals[i.item_index + 1] = ANY (v_inserted) THEN NULL
+               WHEN r.code IS NOT NULL THEN r.code
+               WHEN r.accepted THEN NULL
                -- Purged between the insert and this read; the caller may retry.
                WHEN m.id IS NULL THEN 'TransportUnavailable'
                WHEN m.topic_id = v_topic.id
-                AND m.partition_key IS NOT DISTINCT FROM i.partition_key
-                AND m.attributes IS NOT DISTINCT FROM i.attributes
-                AND m.payload IS NOT DISTINCT FROM i.payload
-                AND m.payload_ref IS NOT DISTINCT FROM i.payload_ref
-                AND m.correlation_id IS NOT DISTINCT FROM i.correlation_id THEN NULL
+                AND m.partition_key IS NOT DISTINCT FROM r.value ->> 'partition_key'
+                AND m.attributes IS NOT DISTINCT FROM NULLIF(r.value -> 'attributes', 'null')
+                AND m.payload IS NOT DISTINCT FROM NULLIF(r.value -> 'payload', 'null')
+                AND m.payload_ref IS NOT DISTINCT FROM NULLIF(r.value -> 'payload_ref', 'null')
+                AND m.correlation_id IS NOT DISTINCT FROM r.value ->> 'correlation_id'
+                   THEN NULL
                ELSE 'MessageIDConflict'
            END
-      FROM wq_publish_items(p_messages, v_topic.max_payload_bytes, v_topic.retention_days) i
-      LEFT JOIN workqueue_message m
-        ON m.id = i.message_id AND i.error_code IS NULL
-       AND NOT (v_ordinals[i.item_index + 1] = ANY (v_inserted))
-     ORDER BY i.item_index;
+      FROM (
+        SELECT (e.ordinality - 1)::integer AS idx, (e.value ->> 'message_id')::uuid AS id,
+               e.value, v_codes[e.ordinality] AS code,
+               v_ordinals[e.ordinality] = ANY (v_inserted) AS accepted
+          FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+      ) r
+      LEFT JOIN LATERAL (
+        SELECT s.* FROM workqueue_message s
+         WHERE r.code IS NULL AND NOT r.accepted AND s.id = r.id
+      ) m ON true
+     ORDER BY r.idx;
 END;
 $$;
