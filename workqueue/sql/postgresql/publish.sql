@@ -434,11 +434,11 @@ BEGIN
         SELECT gen_random_uuid(), i.message_id, s.id, 'Pending',
                CASE WHEN s.partition_mode <> 'None' THEN i.partition_key END,
                i.ordinal, 0, false, i.due_at, COALESCE(i.priority, 0)
-          FROM inserted x
-          JOIN items i ON i.ordinal = x.publish_ordinal
+          FROM items i
           JOIN workqueue_subscription s
             ON s.topic_id = v_topic.id AND s.status <> 'Disabled'
            AND wq_filter_matches(s.filter, i.attributes)
+         WHERE i.ordinal = ANY (ARRAY(SELECT x.publish_ordinal FROM inserted x))
          ORDER BY i.item_index
         RETURNING 1
     )
