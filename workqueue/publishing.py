@@ -209,7 +209,16 @@ def publish_many(
             return rejected
 
     if prepared:
-        rows = _call_publish(name, [p for _, p in prepared], _publisher(user), enlist, external)
+        # Settings are read once per call: each read walks the environment.
+        conf = get_settings()
+        rows = _call_publish(
+            name,
+            [p for _, p in prepared],
+            _publisher(user, conf.SYSTEM_USER),
+            conf.DATABASE_ALIAS,
+            enlist,
+            external,
+        )
         for (index, _), row in zip(prepared, rows, strict=True):
             results[index] = _result_from_row(row)
     final = [r for r in results if r is not None]
@@ -223,9 +232,13 @@ def publish_many(
 
 
 def _call_publish(
-    topic: str, prepared: list[dict[str, Any]], publisher: str, enlist: bool, external: bool
+    topic: str,
+    prepared: list[dict[str, Any]],
+    publisher: str,
+    alias: str,
+    enlist: bool,
+    external: bool,
 ) -> list[dict[str, Any]]:
-    alias = get_settings().DATABASE_ALIAS
     driver = get_driver(alias)
     connection = connections[alias] if enlist else None
     if len(prepared) == 1:
@@ -304,10 +317,10 @@ def _rejected(error: PublishError) -> PublishResult:
     return PublishResult(None, PublishStatus.REJECTED, error)
 
 
-def _publisher(user: Any) -> str:
+def _publisher(user: Any, system_user: str) -> str:
     if user is not None:
         return user.get_username()
-    return get_settings().SYSTEM_USER
+    return system_user
 
 
 def _topic_error(topic: str, external: bool, known: Topic | None) -> PublishError | None:

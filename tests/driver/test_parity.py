@@ -41,6 +41,8 @@ SQL_ROOT = Path(__file__).resolve().parents[2] / "workqueue" / "sql"
 VENDOR_ONLY_HELPERS = {
     "postgresql": {
         "wq_topic_channel": "LISTEN/NOTIFY channel name; SQL Server has no NOTIFY (consumers poll)",
+        "wq_publish_items": "wq_publish_many's per-item checks as rows, for its set-based "
+        "INSERTs; the T-SQL wq_publish_many runs wq_publish_one per item instead",
         "wq_settle_expired_leases": "takes a uuid[] of rows its callers locked; T-SQL has no "
         "array parameters and a set-returning procedure cannot be shared through nested INSERT "
         "... EXEC, so each T-SQL caller selects (UPDLOCK, READPAST) and settles in one statement",

@@ -248,10 +248,68 @@ AS $$
     SELECT 'wq_' || replace(lower(p_topic_id::text), '-', '');
 $$;
 
+-- wq_publish_items --
+-- The items of a wq_publish_many batch as rows, in array order, each with its due time and the
+-- code wq_publish would reject it with for its own fields (NULL when it passes): the same
+-- checks, in the same order, against the topic's max_payload_bytes and retention_days.
+CREATE OR REPLACE FUNCTION wq_publish_items(
+    p_messages jsonb,
+    p_max_payload_bytes integer,
+    p_retention_days integer
+)
+RETURNS TABLE (item_index integer, message_id uuid, partition_key text, attributes jsonb,
+               payload jsonb, payload_ref jsonb, correlation_id text, due_at timestamptz,
+               priority integer, error_code text)
+LANGUAGE sql
+STABLE
+AS $$
+    SELECT i.idx, i.id, i.partition_key, i.attributes, i.payload, i.payload_ref,
+           i.correlation_id, i.due,
+           i.priority,
+           CASE
+               WHEN i.priority IS NOT NULL AND (i.priority < -100 OR i.priority > 100)
+                   THEN 'InvalidPriority'
+               WHEN (i.not_before IS NOT NULL AND i.delay_seconds IS NOT NULL)
+                    OR i.delay_seconds < 0
+                    OR i.due > now() + make_interval(days => p_retention_days)
+                   THEN 'InvalidSchedule'
+               WHEN GREATEST(i.envelope_bytes, octet_length(jsonb_build_object(
+                        'partition_key', i.partition_key, 'attributes', i.attributes,
+                        'payload', i.payload, 'payload_ref', i.payload_ref,
+                        'correlation_id', i.correlation_id)::text) / 2)
+                    > LEAST(p_max_payload_bytes, 262144)
+                   THEN 'PayloadTooLarge'
+           END
+      FROM (
+        SELECT f.*,
+               GREATEST(COALESCE(f.not_before, now()), now())
+                 + make_interval(secs => COALESCE(GREATEST(f.delay_seconds, 0), 0)) AS due
+          FROM (
+            SELECT (e.ordinality - 1)::integer AS idx,
+                   (e.value ->> 'message_id')::uuid AS id,
+                   e.value ->> 'partition_key' AS partition_key,
+                   NULLIF(e.value -> 'attributes', 'null'::jsonb) AS attributes,
+                   NULLIF(e.value -> 'payload', 'null'::jsonb) AS payload,
+                   NULLIF(e.value -> 'payload_ref', 'null'::jsonb) AS payload_ref,
+                   e.value ->> 'correlation_id' AS correlation_id,
+                   (e.value ->> 'envelope_bytes')::integer AS envelope_bytes,
+                   (e.value ->> 'not_before')::timestamptz AS not_before,
+                   (e.value ->> 'delay_seconds')::integer AS delay_seconds,
+                   (e.value ->> 'priority')::integer AS priority
+              FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+          ) f
+      ) i
+     ORDER BY i.idx;
+$$;
+
 -- wq_publish_many --
 -- Publish a JSON array of messages to one topic in one transaction, in array order. The
 -- ordered-publish locks of every key in the batch are taken first, in sorted key order, so two
--- batches sharing keys cannot deadlock. Returns one row per item with its zero-based position.
+-- batches sharing keys cannot deadlock. Returns one row per item with its zero-based position,
+-- with the result wq_publish would give it.
+-- The topic is read once per batch and a batch without deduplication keys is written with one
+-- INSERT of its messages and one of their deliveries; ordinals follow array order. A batch with
+-- a deduplication key runs wq_publish item by item (the key's reserve-then-confirm protocol).
 CREATE OR REPLACE FUNCTION wq_publish_many(
     p_topic_name text,
     p_messages jsonb,
@@ -265,14 +323,41 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
-    v_topic_id uuid;
+    v_topic record;
+    v_topic_error text;
     v_key text;
     v_item record;
+    v_ordinals bigint[];
+    v_inserted bigint[];
+    v_codes text[];
+    v_fanout bigint;
 BEGIN
-    SELECT t.id INTO v_topic_id FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
-    IF v_topic_id IS NOT NULL AND EXISTS (
+    SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
+           t.allow_external_publish, t.max_payload_bytes, t.retention_days
+      INTO v_topic
+      FROM workqueue_topic t
+      JOIN workqueue_transport tr ON tr.id = t.transport_id
+     WHERE t.name = lower(btrim(p_topic_name));
+    IF NOT FOUND THEN
+        v_topic_error := 'TopicNotFound';
+    ELSIF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
+        v_topic_error := 'TopicDisabled';
+    ELSIF p_external AND NOT v_topic.allow_external_publish THEN
+        v_topic_error := 'TopicNotExternallyPublishable';
+    END IF;
+    IF v_topic_error IS NOT NULL THEN
+        -- A topic problem outranks every item's own, as in wq_publish.
+        RETURN QUERY
+        SELECT (e.ordinality - 1)::integer, (e.value ->> 'message_id')::uuid, 'Rejected'::text,
+               v_topic_error
+          FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+         ORDER BY e.ordinality;
+        RETURN;
+    END IF;
+
+    IF EXISTS (
         SELECT 1 FROM workqueue_subscription s
-         WHERE s.topic_id = v_topic_id AND s.partition_mode = 'Ordered' AND s.status <> 'Disabled'
+         WHERE s.topic_id = v_topic.id AND s.partition_mode = 'Ordered' AND s.status <> 'Disabled'
     ) THEN
         FOR v_key IN
             SELECT DISTINCT e ->> 'partition_key' COLLATE "C" AS k
@@ -280,33 +365,133 @@ BEGIN
              WHERE e ->> 'partition_key' IS NOT NULL
              ORDER BY 1
         LOOP
-            PERFORM wq_lock_publish_order(v_topic_id, v_key);
+            PERFORM wq_lock_publish_order(v_topic.id, v_key);
         END LOOP;
     END IF;
 
-    FOR v_item IN
-        SELECT (e.ordinality - 1)::integer AS idx, e.value AS m
+    IF EXISTS (SELECT 1 FROM jsonb_array_elements(p_messages) e
+                WHERE e ->> 'deduplication_key' IS NOT NULL) THEN
+        FOR v_item IN
+            SELECT (e.ordinality - 1)::integer AS idx, e.value AS m
+              FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+             ORDER BY e.ordinality
+        LOOP
+            RETURN QUERY
+            SELECT v_item.idx, r.message_id, r.status, r.error_code
+              FROM wq_publish(
+                    p_topic_name,
+                    (v_item.m ->> 'message_id')::uuid,
+                    v_item.m ->> 'partition_key',
+                    NULLIF(v_item.m -> 'attributes', 'null'::jsonb),
+                    NULLIF(v_item.m -> 'payload', 'null'::jsonb),
+                    NULLIF(v_item.m -> 'payload_ref', 'null'::jsonb),
+                    v_item.m ->> 'correlation_id',
+                    v_item.m ->> 'deduplication_key',
+                    (v_item.m ->> 'deduplication_ttl_seconds')::integer,
+                    (v_item.m ->> 'envelope_bytes')::integer,
+                    p_external,
+                    p_published_by,
+                    (v_item.m ->> 'not_before')::timestamptz,
+                    (v_item.m ->> 'delay_seconds')::integer,
+                    (v_item.m ->> 'priority')::integer) AS r;
+        END LOOP;
+        RETURN;
+    END IF;
+
+    -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
+    PERFORM pg_advisory_xact_lock_shared(
+        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
+
+    -- One ordinal per item, taken in one go and handed out in array order (sorted, so the
+    -- order does not depend on how the set was evaluated); a rejected item leaves a gap.
+    v_ordinals := ARRAY(
+        SELECT o FROM (
+            SELECT nextval('wq_publish_ordinal_seq') AS o
+              FROM generate_series(1, jsonb_array_length(p_messages))
+        ) n ORDER BY o);
+
+    WITH checked AS (
+        SELECT i.*, v_ordinals[i.item_index + 1] AS ordinal
+          FROM wq_publish_items(p_messages, v_topic.max_payload_bytes, v_topic.retention_days) i
+    ), items AS (
+        SELECT c.* FROM checked c WHERE c.error_code IS NULL
+    ), inserted AS (
+        -- An id already taken (before, or by an earlier item of this batch) inserts nothing;
+        -- the result query below tells a duplicate from a conflict.
+        INSERT INTO workqueue_message
+               (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
+                correlation_id, published_at, published_by)
+        SELECT i.message_id, i.ordinal, v_topic.id, i.partition_key, i.attributes, i.payload,
+               i.payload_ref, i.correlation_id, now(), p_published_by
+          FROM items i
+         ORDER BY i.item_index
+        ON CONFLICT (id) DO NOTHING
+        RETURNING publish_ordinal
+    ), fanned AS (
+        INSERT INTO workqueue_delivery
+               (id, message_id, subscription_id, status, partition_key, order_key,
+                attempt_count, is_replay, visible_at, priority)
+        SELECT gen_random_uuid(), i.message_id, s.id, 'Pending',
+               CASE WHEN s.partition_mode <> 'None' THEN i.partition_key END,
+               i.ordinal, 0, false, i.due_at, COALESCE(i.priority, 0)
+          FROM items i
+          JOIN workqueue_subscription s
+            ON s.topic_id = v_topic.id AND s.status <> 'Disabled'
+           AND wq_filter_matches(s.filter, i.attributes)
+         WHERE i.ordinal = ANY (ARRAY(SELECT x.publish_ordinal FROM inserted x))
+         ORDER BY i.item_index
+        RETURNING 1
+    )
+    SELECT ARRAY(SELECT c.error_code FROM checked c ORDER BY c.item_index),
+           ARRAY(SELECT x.publish_ordinal FROM inserted x), (SELECT count(*) FROM fanned)
+      INTO v_codes, v_inserted, v_fanout;
+
+    IF v_fanout > 0 THEN
+        -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
+        PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
+    END IF;
+
+    -- Each item's result: its own rejection, Accepted when its row went in, else the id was
+    -- taken and the stored message decides between Duplicate and MessageIDConflict.
+    RETURN QUERY
+    SELECT r.idx, r.id,
+           CASE
+               WHEN r.code IS NOT NULL THEN 'Rejected'
+               WHEN r.accepted THEN 'Accepted'
+               WHEN m.id IS NULL THEN 'Rejected'
+               WHEN m.topic_id = v_topic.id
+                AND m.partition_key IS NOT DISTINCT FROM r.value ->> 'partition_key'
+                AND m.attributes IS NOT DISTINCT FROM NULLIF(r.value -> 'attributes', 'null')
+                AND m.payload IS NOT DISTINCT FROM NULLIF(r.value -> 'payload', 'null')
+                AND m.payload_ref IS NOT DISTINCT FROM NULLIF(r.value -> 'payload_ref', 'null')
+                AND m.correlation_id IS NOT DISTINCT FROM r.value ->> 'correlation_id'
+                   THEN 'Duplicate'
+               ELSE 'Rejected'
+           END,
+           CASE
+               WHEN r.code IS NOT NULL THEN r.code
+               WHEN r.accepted THEN NULL
+               -- Purged between the insert and this read; the caller may retry.
+               WHEN m.id IS NULL THEN 'TransportUnavailable'
+               WHEN m.topic_id = v_topic.id
+                AND m.partition_key IS NOT DISTINCT FROM r.value ->> 'partition_key'
+                AND m.attributes IS NOT DISTINCT FROM NULLIF(r.value -> 'attributes', 'null')
+                AND m.payload IS NOT DISTINCT FROM NULLIF(r.value -> 'payload', 'null')
+                AND m.payload_ref IS NOT DISTINCT FROM NULLIF(r.value -> 'payload_ref', 'null')
+                AND m.correlation_id IS NOT DISTINCT FROM r.value ->> 'correlation_id'
+                   THEN NULL
+               ELSE 'MessageIDConflict'
+           END
+      FROM (
+        SELECT (e.ordinality - 1)::integer AS idx, (e.value ->> 'message_id')::uuid AS id,
+               e.value, v_codes[e.ordinality] AS code,
+               v_ordinals[e.ordinality] = ANY (v_inserted) AS accepted
           FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
-         ORDER BY e.ordinality
-    LOOP
-        RETURN QUERY
-        SELECT v_item.idx, r.message_id, r.status, r.error_code
-          FROM wq_publish(
-                p_topic_name,
-                (v_item.m ->> 'message_id')::uuid,
-                v_item.m ->> 'partition_key',
-                NULLIF(v_item.m -> 'attributes', 'null'::jsonb),
-                NULLIF(v_item.m -> 'payload', 'null'::jsonb),
-                NULLIF(v_item.m -> 'payload_ref', 'null'::jsonb),
-                v_item.m ->> 'correlation_id',
-                v_item.m ->> 'deduplication_key',
-                (v_item.m ->> 'deduplication_ttl_seconds')::integer,
-                (v_item.m ->> 'envelope_bytes')::integer,
-                p_external,
-                p_published_by,
-                (v_item.m ->> 'not_before')::timestamptz,
-                (v_item.m ->> 'delay_seconds')::integer,
-                (v_item.m ->> 'priority')::integer) AS r;
-    END LOOP;
+      ) r
+      LEFT JOIN LATERAL (
+        SELECT s.* FROM workqueue_message s
+         WHERE r.code IS NULL AND NOT r.accepted AND s.id = r.id
+      ) m ON true
+     ORDER BY r.idx;
 END;
 $$;

@@ -1,0 +1,112 @@
+"""Publish benchmark: one message at a time, and ``publish_many`` in batches.
+
+Usage (against the embedded PostgreSQL, or DATABASE_URL on this machine):
+    PYTHONPATH=. .venv/bin/python bench/publish.py --messages 5000 --batch 100
+
+Each run publishes small payloads to a fresh topic with one subscription (``--subscriptions``
+for fan-out) and reports messages per second and the CPU time the publishing connection's
+PostgreSQL backend spent per message (user + system, read from /proc/<pid>/stat of that
+backend, so the server must run on this machine; "n/a" otherwise). Durability settings are the
+server's (the embedded one keeps fsync and synchronous_commit on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+import uuid
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
+os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+
+import django
+
+django.setup()
+
+from django.contrib.auth import get_user_model  # noqa: E402
+
+from workqueue import publish, publish_many  # noqa: E402
+from workqueue.conf import get_settings  # noqa: E402
+from workqueue.driver import get_driver  # noqa: E402
+from workqueue.models import Subscription, Topic, Transport  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a local PostgreSQL backend, or None when it is not readable."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def make_topic(subscriptions: int) -> Topic:
+    topic = Topic.objects.create(
+        name=f"bench.publish-{uuid.uuid4().hex[:6]}",
+        transport=Transport.objects.get(name="Database"),
+    )
+    for n in range(subscriptions):
+        Subscription.objects.create(topic=topic, name=f"{topic.name}-sub{n}", handler_key="bench")
+    return topic
+
+
+def run(topic: Topic, messages: int, batch: int) -> tuple[float, float | None]:
+    """(messages per second, backend CPU ms per message) for one run."""
+    driver = get_driver()
+    [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+    name = topic.name
+    cpu_before = backend_cpu_seconds(pid)
+    began = time.perf_counter()
+    if batch == 1:
+        for n in range(messages):
+            assert publish(name, {"n": n}).accepted
+    else:
+        for offset in range(0, messages, batch):
+            results = publish_many(
+                name, [{"payload": {"n": n}} for n in range(offset, min(offset + batch, messages))]
+            )
+            assert all(r.accepted for r in results)
+    elapsed = time.perf_counter() - began
+    cpu_after = backend_cpu_seconds(pid)
+    [(same_pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+    assert same_pid == pid, "the publishing connection changed during the run"
+    cpu = None if cpu_before is None or cpu_after is None else (cpu_after - cpu_before)
+    return messages / elapsed, None if cpu is None else cpu * 1000 / messages
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--messages", type=int, default=5_000)
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 100])
+    parser.add_argument("--subscriptions", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=200)
+    args = parser.parse_args()
+    User = get_user_model()
+    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
+    print(f"database: {get_driver().vendor_label}, durability defaults")
+    topic = make_topic(args.subscriptions)
+    try:
+        if args.warmup:
+            run(topic, args.warmup, 1)
+        for batch in args.batch:
+            rate, cpu = run(topic, args.messages, batch)
+            shape = "one at a time" if batch == 1 else f"publish_many of {batch}"
+            cpu_text = "n/a" if cpu is None else f"{cpu:.3f} ms"
+            print(
+                f"publish {args.messages} messages, {shape}, {args.subscriptions} "
+                f"subscription(s): {rate:,.0f} messages/s, PostgreSQL CPU {cpu_text} per message"
+            )
+    finally:
+        get_driver().remove_topic(str(topic.id))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
