@@ -81,12 +81,15 @@ class Receiver:
         self.subscription_id = str(subscription_id).lower()
         self.lease_owner = lease_owner or new_instance_id()
         self.driver = _driver()
-        #: The database alias a handler's transaction must be on for context.complete(enlist=
-        #: True) to settle the delivery inside it.
-        self.enlist_alias: str | None = self.driver.alias
         # Where the last claim's walk over partition keys stopped (see wq_claim): the next claim
         # goes on from there, so every key gets its turn when a hot key clogs the oldest rows.
         self.key_cursor: str | None = None
+
+    @property
+    def enlist_alias(self) -> str | None:
+        """The database alias a handler's transaction must be on for
+        ``context.complete(enlist=True)`` to settle the delivery inside it."""
+        return self.driver.alias
 
     def close(self) -> None:
         """Close the calling thread's connection (a consumer thread's last act)."""

@@ -36,9 +36,12 @@ class TransportReceiver(Protocol):
 
     subscription_id: str
     lease_owner: str
-    #: The database alias whose open transaction may take a completion
-    #: (``context.complete(enlist=True)``); None when the transport cannot enlist.
-    enlist_alias: str | None
+
+    @property
+    def enlist_alias(self) -> str | None:
+        """The database alias whose open transaction may take a completion
+        (``context.complete(enlist=True)``); None when the transport cannot enlist."""
+        ...
 
     def close(self) -> None: ...
 
