@@ -45,6 +45,7 @@ FORBIDDEN = {
     "models": {"driver", "runtime", "operators", "publishing", "api", "admin", "management"},
     "publishing": {"runtime", "operators", "api", "admin", "management"},
     "transport": {"runtime", "operators", "api", "admin", "management"},
+    "transports": {"runtime", "operators", "publishing", "api", "admin", "management"},
 }
 
 

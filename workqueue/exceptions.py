@@ -105,6 +105,18 @@ class UnsupportedDatabaseError(WorkQueueConfigurationError):
     """The configured database vendor has no work-queue driver."""
 
 
+class UnsupportedByTransportError(WorkQueueError):
+    """The subscription's transport lacks the capability an operation needs.
+
+    ``capability`` is the flag's name (``supports_replay``, ...); the text names it, the
+    transport and the fix. REST answers 409, the CLI exits 1, the admin reports it per row.
+    """
+
+    def __init__(self, message: str, capability: str) -> None:
+        super().__init__(message)
+        self.capability = capability
+
+
 class NotFoundError(WorkQueueError, LookupError):
     """A named subscription, topic or transport does not exist."""
 

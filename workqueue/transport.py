@@ -85,6 +85,16 @@ class Receiver:
         # goes on from there, so every key gets its turn when a hot key clogs the oldest rows.
         self.key_cursor: str | None = None
 
+    @property
+    def enlist_alias(self) -> str | None:
+        """The database alias a handler's transaction must be on for
+        ``context.complete(enlist=True)`` to settle the delivery inside it."""
+        return self.driver.alias
+
+    def close(self) -> None:
+        """Close the calling thread's connection (a consumer thread's last act)."""
+        self.driver.close()
+
     def receive(self, max_rows: int) -> ClaimResult:
         """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).
 
@@ -328,9 +338,15 @@ def discard_pending(
 
 
 def discard_or_cancel(
-    subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
+    subscription_id: str,
+    delivery_id: str,
+    actor: str | None,
+    reason: str | None,
+    *,
+    allow_cancel: bool = True,
 ) -> DiscardResult:
-    """Discard a Pending or dead-lettered delivery, or ask the holder of a running one to stop.
+    """Discard a Pending or dead-lettered delivery, or (``allow_cancel``) ask the holder of a
+    running one to stop.
 
     The status can change between the two guarded statements (a Pending row claimed, a running
     one settled), so the pair is tried twice before reporting no change.
@@ -345,7 +361,7 @@ def discard_or_cancel(
     for _ in range(2):
         if driver.call_rowcount("wq_discard", {**params, "allow_pending": True}) == 1:
             return DiscardResult(changed=True)
-        if driver.call_rowcount("wq_cancel", params) == 1:
+        if allow_cancel and driver.call_rowcount("wq_cancel", params) == 1:
             return DiscardResult(changed=True, cancel_requested=True)
     return DiscardResult(changed=False)
 

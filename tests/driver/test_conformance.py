@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from tests.support.transports import LIMITED, limited_transport
 from workqueue import publishing
 from workqueue.models import Message, Topic
 from workqueue.testing.conformance import (
@@ -20,7 +21,11 @@ from workqueue.testing.conformance import (
     format_table,
     run_conformance,
 )
-from workqueue.testing.conformance.harness import CaseContext, expect_equal
+from workqueue.testing.conformance.harness import (
+    TRAIT_CAPABILITIES,
+    CaseContext,
+    expect_equal,
+)
 from workqueue.transport import Receiver
 from workqueue.types import SettleResult
 
@@ -56,6 +61,22 @@ def _case_params() -> list[object]:
 @pytest.mark.parametrize("case", _case_params())
 def test_postgresql_transport_meets_conformance_case(case):
     execute_case(case, alias="default")
+
+
+@pytest.mark.parametrize("case", _case_params())
+def test_a_second_transport_meets_every_case_its_capabilities_allow(case):
+    # The same cases through the transport seam: LimitedTransport's receiver and operator
+    # methods, gated by its capability flags (a skip names the flags it lacks).
+    with limited_transport():
+        traits = TransportTraits.of_transport(LIMITED)
+        missing = [
+            TRAIT_CAPABILITIES.get(trait, trait)
+            for trait in case.requires
+            if not getattr(traits, trait)
+        ]
+        if missing:
+            pytest.skip(f"the {LIMITED} transport lacks {', '.join(missing)}")
+        execute_case(case, alias="default", traits=traits)
 
 
 def test_every_case_is_registered_once_with_a_behaviour_sentence():

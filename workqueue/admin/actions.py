@@ -20,7 +20,11 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from workqueue.exceptions import PermissionDeniedError, WorkQueueError
+from workqueue.exceptions import (
+    PermissionDeniedError,
+    UnsupportedByTransportError,
+    WorkQueueError,
+)
 from workqueue.operators import operations
 from workqueue.operators.permissions import OPERATE, Actor, require
 
@@ -151,6 +155,9 @@ def _apply_each(
             label, did_change = operate(subscription_name, delivery_id)
         except PermissionDeniedError:
             counts["refused"] += 1
+        except UnsupportedByTransportError as exc:
+            # Named by the missing capability, so the message says what the transport lacks.
+            counts[f"not supported by the transport ({exc.capability})"] += 1
         except WorkQueueError:
             counts["failed"] += 1
         else:

@@ -16,7 +16,11 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
 from workqueue.admin.actions import may_operate
-from workqueue.exceptions import PermissionDeniedError, WorkQueueError
+from workqueue.exceptions import (
+    PermissionDeniedError,
+    UnsupportedByTransportError,
+    WorkQueueError,
+)
 from workqueue.operators import operations
 from workqueue.operators.permissions import Actor
 
@@ -126,6 +130,9 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
                 outcome = form.run(name, dry_run=dry_run, actor=actor)
             except PermissionDeniedError:
                 results.append((name, "refused: you may not operate this subscription"))
+                continue
+            except UnsupportedByTransportError as exc:
+                results.append((name, f"not supported: {exc}"))
                 continue
             except WorkQueueError as exc:
                 results.append((name, f"failed: {exc}"))

@@ -14,6 +14,7 @@ from django.contrib import admin
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 
 from workqueue.admin.recovery import DeadLetterRecoveryMixin, recover_dead_letters
+from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.models import Subscription, Topic, Transport
 
 
@@ -48,6 +49,20 @@ class TransportAdmin(admin.ModelAdmin):
     list_display = ("name", "driver_class", "status", "description")
     list_filter = ("status", "driver_class")
     search_fields = ("name", "description")
+    readonly_fields = ("capabilities",)
+
+    @admin.display(description="Capabilities")
+    def capabilities(self, obj: Transport) -> str:
+        """What the transport honours (its class's flags); an operator reads why a subscription
+        is Unsupported or an operation refused here."""
+        try:
+            flags = obj.transport_class.capabilities()
+        except WorkQueueConfigurationError as exc:
+            return str(exc)
+        return "; ".join(
+            f"{name}: {', '.join(value) if isinstance(value, list) else 'yes' if value else 'no'}"
+            for name, value in flags.items()
+        )
 
 
 @admin.register(Topic)

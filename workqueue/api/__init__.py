@@ -26,6 +26,7 @@ from workqueue.exceptions import (
     NotFoundError,
     PermissionDeniedError,
     UnstorableValueError,
+    UnsupportedByTransportError,
     WorkQueueError,
 )
 
@@ -66,6 +67,10 @@ def _error(request: HttpRequest, status: int, detail: str, **extra: object) -> H
 
 @api.exception_handler(WorkQueueError)
 def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse:
+    if isinstance(exc, UnsupportedByTransportError):
+        # The request is sound but the subscription's transport cannot do it: 409 Conflict
+        # with the state of the topology, naming the missing capability.
+        return _error(request, 409, str(exc), capability=exc.capability)
     for error_class, status in _CALLER_ERRORS.items():
         if isinstance(exc, error_class):
             return _error(request, status, str(exc))

@@ -40,6 +40,8 @@ class FieldErrorOut(Schema):
 class ErrorOut(Schema):
     detail: str
     errors: list[FieldErrorOut] | None = None
+    #: On a 409: the transport capability the operation needs (``supports_replay``, ...).
+    capability: str | None = None
 
 
 # -- publish --------------------------------------------------------------------------------

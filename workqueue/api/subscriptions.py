@@ -35,6 +35,9 @@ from workqueue.types import DeadLetterItem
 router = Router(tags=["subscriptions"])
 
 READ_ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
+# 409: the subscription's transport lacks the capability the operation needs (named in
+# ``capability``), e.g. replay on a transport without supports_replay.
+TRANSPORT_ERRORS = {**READ_ERRORS, 409: ErrorOut}
 
 
 @router.get(
@@ -111,7 +114,7 @@ def _dead_letter(item: DeadLetterItem) -> dict[str, Any]:
 
 @router.get(
     "/{name}/partitions",
-    response={200: PartitionPageOut, **READ_ERRORS},
+    response={200: PartitionPageOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="listPartitions",
     summary="A page of partition keys that are in flight or blocked",
@@ -155,7 +158,7 @@ def backlog(request: HttpRequest, name: str) -> operations.BacklogReport:
 
 @router.post(
     "/{name}/deliveries/{delivery_id}/replay",
-    response={200: ReplayOut, **READ_ERRORS},
+    response={200: ReplayOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="replayDeadLetter",
     summary="Send a dead letter back to the queue",
@@ -176,7 +179,7 @@ def replay(
 
 @router.post(
     "/{name}/deliveries/{delivery_id}/discard",
-    response={200: DiscardOut, **READ_ERRORS},
+    response={200: DiscardOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="discardDelivery",
     summary="Discard a delivery, or cancel it if it is running",
@@ -196,7 +199,7 @@ def discard(
 
 @router.post(
     "/{name}/dead-letters/replay",
-    response={200: BulkOut, **READ_ERRORS},
+    response={200: BulkOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="replayDeadLetters",
     summary="Replay every dead letter matching a filter",
@@ -217,7 +220,7 @@ def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> 
 
 @router.post(
     "/{name}/dead-letters/discard",
-    response={200: BulkOut, **READ_ERRORS},
+    response={200: BulkOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="discardDeadLetters",
     summary="Discard every dead letter matching a filter",
@@ -242,7 +245,7 @@ def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -
 
 @router.post(
     "/{name}/pending/discard",
-    response={200: BulkOut, **READ_ERRORS},
+    response={200: BulkOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="discardPending",
     summary="Discard every waiting delivery matching a filter",

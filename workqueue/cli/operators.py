@@ -63,11 +63,21 @@ class StatsVerb(Verb):
 
 def _operation_errors(run: Any) -> Any:
     """Turn the operators' expected errors into CommandError (stderr, non-zero exit)."""
-    from workqueue.exceptions import InvalidInputError, NotFoundError, PermissionDeniedError
+    from workqueue.exceptions import (
+        InvalidInputError,
+        NotFoundError,
+        PermissionDeniedError,
+        UnsupportedByTransportError,
+    )
 
     try:
         return run()
-    except (InvalidInputError, NotFoundError, PermissionDeniedError) as exc:
+    except (
+        InvalidInputError,
+        NotFoundError,
+        PermissionDeniedError,
+        UnsupportedByTransportError,
+    ) as exc:
         raise CommandError(str(exc)) from exc
 
 

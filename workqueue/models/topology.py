@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import connections, models, router, transaction
 from django.db.models import Q
 
-from workqueue.exceptions import TopologyValidationError
+from workqueue.exceptions import TopologyValidationError, WorkQueueConfigurationError
 from workqueue.filters import FilterError, parse_filter, stored_filter_problem
 from workqueue.types import (
     MAX_PAYLOAD_BYTES,
@@ -31,6 +31,9 @@ from workqueue.types import (
     SubscriptionStatus,
     TopologyStatus,
 )
+
+if TYPE_CHECKING:
+    from workqueue.transports import BaseTransport
 
 DATABASE_DRIVER = "Database"
 
@@ -179,12 +182,32 @@ class Transport(TopologyModel):
     def is_database(self) -> bool:
         return self.driver_class == DATABASE_DRIVER
 
+    @property
+    def transport_class(self) -> type[BaseTransport]:
+        """The registered transport class ``driver_class`` names (its capabilities and
+        operations); raises ``WorkQueueConfigurationError`` for an unregistered name."""
+        from workqueue.transports import transport_class
+
+        return transport_class(self.driver_class)
+
     def check_rules(self, using: str) -> None:
+        from workqueue.transports import driver_names
+
         _require_json_object(self.configuration, "configuration")
-        if self.driver_class != DATABASE_DRIVER:
+        if self.driver_class not in driver_names():
             raise ValidationError(
-                {"driver_class": f"Only the '{DATABASE_DRIVER}' transport is available."}
+                {
+                    "driver_class": f"No transport is registered as {self.driver_class!r}; "
+                    f"choose one of: {', '.join(driver_names())}."
+                }
             )
+
+
+def _supports_external(transport: Transport) -> bool:
+    try:
+        return transport.transport_class.supports_external_consumers
+    except WorkQueueConfigurationError:
+        return True  # an unregistered driver is refused on the transport's own row
 
 
 class Topic(TopologyModel):
@@ -338,9 +361,10 @@ class Subscription(TopologyModel):
             )
         if self.host_type != HostType.WORKER:
             transport = self._transport()
-            if transport is not None and transport.is_database:
+            if transport is not None and not _supports_external(transport):
                 errors["host_type"] = (
-                    "External consumers are not available on the Database transport; use "
+                    "External consumers need supports_external_consumers, which the "
+                    f"{transport.driver_class} transport {transport.name!r} does not have; use "
                     f"{HostType.WORKER.value!r}."
                 )
         try:

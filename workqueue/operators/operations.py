@@ -15,11 +15,18 @@ from typing import Any
 
 from workqueue import transport
 from workqueue.conf import get_settings
-from workqueue.exceptions import InvalidInputError, NotFoundError, WorkQueueError
+from workqueue.exceptions import (
+    InvalidInputError,
+    NotFoundError,
+    UnsupportedByTransportError,
+    WorkQueueConfigurationError,
+    WorkQueueError,
+)
 from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
 from workqueue.operators.permissions import CLI, OPERATE, READ, Actor, may_view_payload, require
 from workqueue.publishing import MAX_KEY_LENGTH
+from workqueue.transports import BaseTransport
 from workqueue.types import (
     DeadLetterItem,
     PartitionCondition,
@@ -151,10 +158,23 @@ def _subscription(name: str) -> Any:
     # Imported here: operators read topology only when called (keeps imports cheap).
     from workqueue.models import Subscription
 
-    found = Subscription.objects.filter(name=name).select_related("topic").first()
+    found = Subscription.objects.filter(name=name).select_related("topic__transport").first()
     if found is None:
         raise NotFoundError(f"No subscription is named {name!r}.")
     return found
+
+
+def _transport_of(subscription: Any, flag: str | None = None, what: str = "") -> BaseTransport:
+    """The subscription's transport; with ``flag``, refused (``UnsupportedByTransportError``,
+    naming the flag) unless the transport has that capability."""
+    row = subscription.topic.transport
+    try:
+        transport_class = row.transport_class
+    except WorkQueueConfigurationError as exc:
+        raise UnsupportedByTransportError(str(exc), "driver_class") from exc
+    if flag is not None:
+        transport_class.require(flag, what, row.name)
+    return transport_class()
 
 
 # -- the operations ------------------------------------------------------------------------
@@ -175,11 +195,11 @@ def subscription_stats(subscription_name: str | None = None, *, actor: Actor = C
     else:
         require(actor, READ)
     report = StatsReport([])
-    for subscription in queryset:
+    for subscription in queryset.select_related("topic__transport"):
         if actor.subscriptions and subscription.name not in actor.subscriptions:
             continue
         try:
-            row = transport.subscription_stats(str(subscription.id))
+            row = _transport_of(subscription).subscription_stats(str(subscription.id))
         except WorkQueueError:
             report.failures.append(
                 {"subscription_name": subscription.name, "error": STATS_UNAVAILABLE}
@@ -274,7 +294,7 @@ def list_dead_letters(
         raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
     subscription = _subscription(name)
-    items = transport.list_dead_letters(str(subscription.id), after, size + 1)
+    items = _transport_of(subscription).list_dead_letters(str(subscription.id), after, size + 1)
     if not may_view_payload(actor):
         items = [_without_payload(item) for item in items]
     next_cursor = (
@@ -315,9 +335,8 @@ def list_partitions(
     subscription = _subscription(name)
     if subscription.partition_mode == "None":
         return Page(True, [])
-    items, resume_after = transport.list_partitions(
-        str(subscription.id), condition, after, size + 1
-    )
+    found = _transport_of(subscription, "supports_partition_listing", "Listing partitions")
+    items, resume_after = found.list_partitions(str(subscription.id), condition, after, size + 1)
     if len(items) > size:
         resume_after = items[size - 1].partition_key
     next_cursor = None if resume_after is None else cursors.encode({"partition_key": resume_after})
@@ -336,7 +355,8 @@ def replay(
     target = _delivery_id(delivery_id)
     if target is None:
         return ReplayOutcome(True, False)
-    return ReplayOutcome(True, transport.replay(str(subscription.id), target, actor.name, note))
+    found = _transport_of(subscription, "supports_replay", "Replaying a dead letter")
+    return ReplayOutcome(True, found.replay(str(subscription.id), target, actor.name, note))
 
 
 def discard(
@@ -352,7 +372,16 @@ def discard(
     target = _delivery_id(delivery_id)
     if target is None:
         return DiscardOutcome(True, False, False)
-    result = transport.discard_or_cancel(str(subscription.id), target, actor.name, reason)
+    found = _transport_of(subscription)
+    result = found.discard(str(subscription.id), target, actor.name, reason)
+    if not result.changed and not found.supports_cancel:
+        raise UnsupportedByTransportError(
+            f"Nothing was discarded: delivery {target} is not Pending or dead-lettered. If it is "
+            "running, cancelling it needs supports_cancel, which the "
+            f"{found.name} transport {subscription.topic.transport.name!r} does not have: let "
+            "it settle (or its lease expire), then discard it.",
+            "supports_cancel",
+        )
     return DiscardOutcome(True, result.changed, result.cancel_requested)
 
 
@@ -394,9 +423,14 @@ def resolve_dead_letters(
     }
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
+    found = _transport_of(
+        subscription,
+        "supports_replay" if action == "replay" else None,
+        "Replaying dead letters",
+    )
     sub_id = str(subscription.id)
     matched, examined, batches = _in_batches(
-        lambda after: transport.resolve_dead_letters(
+        lambda after: found.resolve_dead_letters(
             sub_id,
             action.capitalize(),
             filters,
@@ -452,10 +486,13 @@ def discard_pending(
     )
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
+    found = _transport_of(
+        subscription, "supports_bulk_discard_pending", "Discarding Pending deliveries in bulk"
+    )
     totals = [0, 0, 0]  # matched, examined, batches
     for keyed in (False, True):  # the keyless claim index, then the keyed one
         counted = _in_batches(
-            lambda after, keyed=keyed: transport.discard_pending(
+            lambda after, keyed=keyed: found.discard_pending(
                 str(subscription.id),
                 keyed=keyed,
                 selection=filters,
@@ -540,7 +577,7 @@ def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
     name = _name(subscription_name)
     require(actor, READ, subscription=name)
     subscription = _subscription(name)
-    result = transport.backlog(str(subscription.id))
+    result = _transport_of(subscription).backlog(str(subscription.id))
     if result is None:
         raise NotFoundError(f"No subscription is named {name!r}.")
     return BacklogReport(True, result.claimable, result.in_flight, result.total, result.capped)
@@ -584,14 +621,11 @@ def validate_bindings(
     for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
         live_keys.update(keys or [])
     for tr in transports.order_by("name"):
-        if not tr.is_database:
-            issues.append(
-                BindingIssue(
-                    "Error",
-                    f"transport {tr.name}",
-                    f"No driver is registered for {tr.driver_class!r}.",
-                )
-            )
+        try:
+            transport_class: type[BaseTransport] | None = tr.transport_class
+        except WorkQueueConfigurationError as exc:
+            transport_class = None
+            issues.append(BindingIssue("Error", f"transport {tr.name}", str(exc)))
         if tr.status != "Active":
             issues.append(
                 BindingIssue(
@@ -624,6 +658,9 @@ def validate_bindings(
                         "the subscription from code), where it is checked.",
                     )
                 )
+            problem = transport_class and transport_class.subscription_problem(sub, tr.name)
+            if problem:
+                issues.append(BindingIssue("Error", subject, problem))
             if sub.host_type == "Worker" and not sub.handler_key.strip():
                 issues.append(BindingIssue("Error", subject, "No handler key is set."))
             elif sub.host_type == "Worker" and sub.handler_key.strip() not in live_keys:

@@ -29,7 +29,7 @@ from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.workers import WorkerPool
-from workqueue.transport import Receiver
+from workqueue.transports import TransportReceiver, transport_for
 from workqueue.types import ClaimedDelivery, ClaimResult, SettleResult
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class CompletionBatcher:
     completions queue up and go together in the following call. Each caller still gets its
     own fenced result."""
 
-    def __init__(self, receiver: Receiver, name: str) -> None:
+    def __init__(self, receiver: TransportReceiver, name: str) -> None:
         self._receiver = receiver
         self._queue: queue.SimpleQueue[tuple[ClaimedDelivery, Future[SettleResult]] | None] = (
             queue.SimpleQueue()
@@ -140,7 +140,7 @@ class CompletionBatcher:
                     for delivery, future in batch:
                         future.set_result(results[delivery.delivery_id])
         finally:
-            self._receiver.driver.close()
+            self._receiver.close()
 
 
 class Consumer:
@@ -162,7 +162,9 @@ class Consumer:
         self.config = config
         self.budget = budget
         self._on_result = on_result
-        self.receiver = Receiver(plan.subscription_id, lease_owner)
+        # Once per consumer: the transport's own receiver (on the Database transport, the
+        # procedures' Receiver itself), so claiming and settling pay nothing for the seam.
+        self.receiver = transport_for(plan.driver_class).receiver(plan.subscription_id, lease_owner)
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
         # waits for the (batched) settle, so claiming overlaps settling.
@@ -261,7 +263,7 @@ class Consumer:
             self._release(execution.delivery)
         self._completions.stop()
         self._background.shutdown()
-        self.receiver.driver.close()
+        self.receiver.close()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -280,7 +282,7 @@ class Consumer:
                     )
                     self._stopping.wait(delay)
         finally:
-            self.receiver.driver.close()
+            self.receiver.close()
 
     def _failed(self, reason: str) -> float:
         """Record a failure (health shows it); return the backoff before the next try."""

@@ -59,7 +59,7 @@ from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import Timer, TimerQueue
-from workqueue.transport import Receiver
+from workqueue.transports import TransportReceiver
 from workqueue.types import ClaimedDelivery, DeliveryStatus, LeaseState, SettleResult
 
 # One documented name for everything that happens to a delivery (README "Logging"): retries
@@ -125,7 +125,7 @@ class _Decision:
 class ExecutionServices:
     """What every execution of one consumer shares."""
 
-    receiver: Receiver
+    receiver: TransportReceiver
     complete: Callable[[ClaimedDelivery], SettleResult]
     timers: TimerQueue
     background: Any  # a WorkerPool: heartbeats
@@ -421,7 +421,14 @@ class DeliveryExecution:
                 "no longer running: call it inside handle(), in the transaction that makes "
                 "your changes."
             )
-        connection = open_transaction(self.services.receiver.driver.alias)
+        alias = self.services.receiver.enlist_alias
+        if alias is None:
+            raise EnlistError(
+                "context.complete(enlist=True) needs a transport that settles in the database "
+                "(the Database transport); this subscription's transport cannot: call "
+                "context.complete() after your transaction commits."
+            )
+        connection = open_transaction(alias)
         with self._lock:
             enlisted = self._enlisted
             if enlisted is not None:

@@ -324,8 +324,13 @@ class Host:
             return entry(PlanState.PAUSED, f"Topic {topic.name} is {topic.status}")
         if transport.status != "Active":
             return entry(PlanState.PAUSED, f"Transport {transport.name} is {transport.status}")
-        if not transport.is_database:
-            return entry(PlanState.UNSUPPORTED, f"Transport driver {transport.driver_class}")
+        try:
+            transport_class = transport.transport_class
+        except WorkQueueConfigurationError as exc:
+            return entry(PlanState.UNSUPPORTED, str(exc))
+        problem = transport_class.subscription_problem(subscription, transport.name)
+        if problem is not None:
+            return entry(PlanState.UNSUPPORTED, problem)
         if not subscription.handler_key.strip():
             return entry(PlanState.HANDLER_NOT_REGISTERED, "The subscription has no handler key")
         if self.registry.get(subscription.handler_key) is None:

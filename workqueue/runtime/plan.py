@@ -33,6 +33,8 @@ class SubscriptionPlan:
     #: Claims take tokens from the subscription's shared bucket first (its rate and burst are
     #: read by the database on each take, so changing them needs no restart).
     rate_limited: bool
+    #: The subscription's transport (``Transport.driver_class``): where its consumer claims.
+    driver_class: str = "Database"
 
     @classmethod
     def from_subscription(cls, subscription: Any) -> SubscriptionPlan:
@@ -51,6 +53,7 @@ class SubscriptionPlan:
             backoff_max_seconds=subscription.backoff_max_seconds,
             max_processing_seconds=subscription.max_processing_seconds,
             rate_limited=subscription.rate_limit_per_second is not None,
+            driver_class=subscription.topic.transport.driver_class,
         )
 
     @property

@@ -28,7 +28,7 @@ from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.workers import WorkerPool
 from workqueue.system_user import resolve_system_user
-from workqueue.transport import Receiver
+from workqueue.transports import transport_for
 from workqueue.types import DeliveryStatus
 
 
@@ -146,7 +146,7 @@ class _Executor:
         # connection nor, in a TestCase, sight of its uncommitted rows: the lease would look
         # lost. Handlers that renew it themselves (context.heartbeat()) do so on this thread.
         self.plan = dataclasses.replace(plan, heartbeat_mode="Manual")
-        self.receiver = Receiver(plan.subscription_id)
+        self.receiver = transport_for(plan.driver_class).receiver(plan.subscription_id)
         self.services = ExecutionServices(
             receiver=self.receiver,
             complete=self.receiver.complete,

@@ -13,18 +13,18 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.conf import settings
 from django.test.utils import override_settings
 
-from workqueue import transport
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.models import Subscription, Topic, Transport
 from workqueue.models.topology import DATABASE_DRIVER
 from workqueue.publishing import publish
+from workqueue.transports import TransportReceiver, transport_class
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -88,6 +88,27 @@ class TransportTraits:
     supports_scheduled_publish: bool = True
     #: Among due deliveries of a subscription, higher ``priority`` is received first.
     supports_priority: bool = True
+    #: The registered transport (``Transport.driver_class``) the cases run on; the case's
+    #: topic is bound to the Transport row of the same name.
+    transport: str = DATABASE_DRIVER
+
+    @classmethod
+    def of_transport(cls, driver_class: str) -> TransportTraits:
+        """The traits a registered transport declares through its capability flags (the rest
+        as on the Database transport), so each case runs where its capabilities are."""
+        found = transport_class(driver_class)
+        flags = {trait: getattr(found, flag) for trait, flag in TRAIT_CAPABILITIES.items()}
+        return replace(cls(), transport=driver_class, **flags)
+
+
+#: Which transport capability flag each trait follows (``TransportTraits.of_transport``).
+TRAIT_CAPABILITIES = {
+    "supports_ordered": "supports_ordered",
+    "supports_list_partitions": "supports_partition_listing",
+    "cancel_in_flight": "supports_cancel",
+    "supports_scheduled_publish": "supports_scheduled_publish",
+    "supports_priority": "supports_priority",
+}
 
 
 DATABASE_TRAITS = TransportTraits()
@@ -107,19 +128,20 @@ class CaseContext:
         self.topic_name = f"{TOPIC_PREFIX}{case_id.lower()}-{uuid.uuid4().hex[:8]}"
         self.topic: Topic | None = None
         self.subscriptions: dict[str, Subscription] = {}
-        self._receivers: dict[tuple[str, str], transport.Receiver] = {}
+        self.transport = transport_class(traits.transport)()
+        self._receivers: dict[tuple[str, str], TransportReceiver] = {}
         #: The number given to the last published message (its ``n`` attribute).
         self.n = 0
 
     # -- topology --------------------------------------------------------------------------
 
     def create_topic(self) -> Topic:
-        # The Database transport is shared topology (seeded by migration 0003); it is only
-        # re-created when missing, e.g. after a test flush, and is never removed by a case.
-        database_transport, _ = Transport.objects.using(self.alias).get_or_create(
-            name="Database", defaults={"driver_class": DATABASE_DRIVER}
+        # The transport row is shared topology (the Database one is seeded by migration 0003);
+        # it is only created when missing, e.g. after a test flush, and never removed by a case.
+        row, _ = Transport.objects.using(self.alias).get_or_create(
+            name=self.traits.transport, defaults={"driver_class": self.traits.transport}
         )
-        self.topic = Topic(name=self.topic_name, transport=database_transport)
+        self.topic = Topic(name=self.topic_name, transport=row)
         self.topic.save(using=self.alias)
         return self.topic
 
@@ -194,12 +216,12 @@ class CaseContext:
 
     # -- consuming -------------------------------------------------------------------------
 
-    def receiver(self, name: str, owner: str = "primary") -> transport.Receiver:
+    def receiver(self, name: str, owner: str = "primary") -> TransportReceiver:
         """The receiver of subscription ``name`` for lease owner ``owner`` (one per pair)."""
         found = self._receivers.get((name, owner))
         if found is None:
             lease_owner = f"conformance:{self.case_id}:{owner}"
-            found = transport.Receiver(self.subscriptions[name].id, lease_owner)
+            found = self.transport.receiver(str(self.subscriptions[name].id), lease_owner)
             self._receivers[(name, owner)] = found
         return found
 
@@ -238,30 +260,32 @@ class CaseContext:
 
     def discard(self, name: str, delivery_id: str) -> DiscardResult:
         """Operator discard: Pending/dead-lettered rows are discarded, running ones cancelled."""
-        return transport.discard_or_cancel(
+        return self.transport.discard(
             self.sub_id(name), delivery_id, OPERATOR, f"conformance {self.case_id} discard"
         )
 
     def replay(self, name: str, delivery_id: str) -> bool:
         """Operator replay of a dead letter; True when it changed the delivery."""
-        return transport.replay(
+        return self.transport.replay(
             self.sub_id(name), delivery_id, OPERATOR, f"conformance {self.case_id} replay"
         )
 
     def partitions(self, name: str, condition: str | None) -> list[PartitionItem]:
         # The cases hold a handful of keys: one call walks them all.
-        items, _resume_after = transport.list_partitions(self.sub_id(name), condition, None, 100)
+        items, _resume_after = self.transport.list_partitions(
+            self.sub_id(name), condition, None, 100
+        )
         return items
 
     def dead_letters(self, name: str) -> list[DeadLetterItem]:
-        return transport.list_dead_letters(self.sub_id(name), None, 100)
+        return self.transport.list_dead_letters(self.sub_id(name), None, 100)
 
     def backlog(self, name: str) -> Backlog | None:
         """What an autoscaler sees: claimable (due) and in-flight deliveries."""
-        return transport.backlog(self.sub_id(name))
+        return self.transport.backlog(self.sub_id(name))
 
     def stats(self, name: str) -> dict[str, Any]:
-        found = transport.subscription_stats(self.sub_id(name))
+        found = self.transport.subscription_stats(self.sub_id(name))
         if found is None:
             raise ConformanceFailure(f"stats of subscription {name!r}: expected a row, got none")
         return found

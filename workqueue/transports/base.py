@@ -1,0 +1,219 @@
+"""The transport interface and its capability flags.
+
+A transport is where a topic's messages live and how a subscription's deliveries are claimed and
+settled. ``Transport.driver_class`` names one (see ``workqueue.transports``); callers read its
+capability flags instead of asking which transport it is, the way Django code reads
+``connection.features.supports_*``. The database vendor layer (``workqueue.driver``) sits below:
+the Database transport uses it, other transports need not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from workqueue.exceptions import UnsupportedByTransportError
+from workqueue.types import HeartbeatMode, HostType, PartitionMode
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    from workqueue.types import (
+        Backlog,
+        ClaimedDelivery,
+        ClaimResult,
+        DeadLetterItem,
+        DiscardResult,
+        LeaseExtension,
+        PartitionItem,
+        SettleResult,
+    )
+
+
+class TransportReceiver(Protocol):
+    """What a consumer holds for one subscription: claim, heartbeat and settle, each fenced by
+    the delivery's lease token (a settle by a holder whose lease is gone answers LeaseLost)."""
+
+    subscription_id: str
+    lease_owner: str
+
+    @property
+    def enlist_alias(self) -> str | None:
+        """The database alias whose open transaction may take a completion
+        (``context.complete(enlist=True)``); None when the transport cannot enlist."""
+        ...
+
+    def close(self) -> None: ...
+
+    def receive(self, max_rows: int) -> ClaimResult: ...
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension: ...
+
+    def take_rate_tokens(self, wanted: int) -> tuple[int, float]: ...
+
+    def return_rate_tokens(self, unused: int) -> None: ...
+
+    def complete(
+        self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
+    ) -> SettleResult: ...
+
+    def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]: ...
+
+    def retry(
+        self, delivery: ClaimedDelivery, delay_seconds: int = 0, error: str | None = None
+    ) -> SettleResult: ...
+
+    def dead_letter(
+        self, delivery: ClaimedDelivery, reason: str, error: str | None = None
+    ) -> SettleResult: ...
+
+    def release(self, delivery: ClaimedDelivery) -> SettleResult: ...
+
+    def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult: ...
+
+
+class BaseTransport:
+    """One transport: its capabilities (class attributes) and its operations.
+
+    Subclasses set the ``supports_*`` flags they honour and implement the methods: claiming and
+    settling through the ``receiver``, operators through the remaining methods. A method a
+    transport cannot do is one whose flag is off: callers check the flag (``require``) before
+    calling, so the refusal names the capability.
+    """
+
+    #: The name ``Transport.driver_class`` holds for this transport.
+    name: ClassVar[str] = ""
+
+    # -- capabilities: what a subscription may use --------------------------------------------
+    #: Exclusive partitions: one running delivery per partition key at a time.
+    supports_exclusive: ClassVar[bool] = False
+    #: Ordered partitions: per key, in publish order, a dead letter blocking its key.
+    supports_ordered: ClassVar[bool] = False
+    #: Heartbeat modes a subscription may choose (``HeartbeatMode`` values).
+    heartbeat_modes: ClassVar[frozenset[str]] = frozenset({HeartbeatMode.AUTO})
+    #: ``rate_limit_per_second`` on subscriptions (a bucket shared by every host).
+    supports_rate_limit: ClassVar[bool] = False
+    #: Subscriptions consumed outside the work-queue host (``host_type=External``).
+    supports_external_consumers: ClassVar[bool] = False
+    # -- capabilities: what a publisher may ask for -------------------------------------------
+    #: ``deduplication_key`` on publish.
+    supports_deduplication: ClassVar[bool] = False
+    #: ``not_before`` / ``delay_seconds`` on publish.
+    supports_scheduled_publish: ClassVar[bool] = False
+    #: ``priority`` other than 0 on publish.
+    supports_priority: ClassVar[bool] = False
+    # -- capabilities: what an operator may do ------------------------------------------------
+    #: Replaying dead letters (one by one and in bulk).
+    supports_replay: ClassVar[bool] = False
+    #: Asking the holder of a running delivery to stop (discard of a running delivery).
+    supports_cancel: ClassVar[bool] = False
+    #: Listing partition keys and their conditions.
+    supports_partition_listing: ClassVar[bool] = False
+    #: Bulk discard of Pending deliveries by filter.
+    supports_bulk_discard_pending: ClassVar[bool] = False
+
+    #: Which flag each partition mode needs (None needs nothing).
+    PARTITION_MODE_FLAGS: ClassVar[dict[str, str]] = {
+        PartitionMode.EXCLUSIVE: "supports_exclusive",
+        PartitionMode.ORDERED: "supports_ordered",
+    }
+
+    # -- capability checks ---------------------------------------------------------------------
+
+    @classmethod
+    def require(cls, flag: str, what: str, transport_name: str) -> None:
+        """Raise ``UnsupportedByTransportError`` naming ``flag`` unless this transport has it."""
+        if not getattr(cls, flag):
+            raise UnsupportedByTransportError(cls.refusal(flag, what, transport_name), flag)
+
+    @classmethod
+    def refusal(cls, flag: str, what: str, transport_name: str) -> str:
+        return (
+            f"{what} needs {flag}, which the {cls.name} transport {transport_name!r} does not "
+            f"have; bind the topic to a transport that has it (the Database transport has "
+            f"every capability)."
+        )
+
+    @classmethod
+    def subscription_problem(cls, subscription: Any, transport_name: str) -> str | None:
+        """Why this transport cannot run ``subscription`` as configured (None when it can):
+        the reason names the missing capability, e.g. "Ordered needs supports_ordered ..."."""
+        flag = cls.PARTITION_MODE_FLAGS.get(subscription.partition_mode)
+        if flag is not None and not getattr(cls, flag):
+            return cls.refusal(flag, subscription.partition_mode, transport_name)
+        if subscription.heartbeat_mode not in cls.heartbeat_modes:
+            return (
+                f"Heartbeat mode {subscription.heartbeat_mode} needs heartbeat_modes to include "
+                f"it; the {cls.name} transport {transport_name!r} has "
+                f"{', '.join(sorted(cls.heartbeat_modes))}. Choose one of those or a Database "
+                f"topic."
+            )
+        if subscription.rate_limit_per_second is not None and not cls.supports_rate_limit:
+            return cls.refusal("supports_rate_limit", "rate_limit_per_second", transport_name)
+        if subscription.host_type == HostType.EXTERNAL and not cls.supports_external_consumers:
+            return cls.refusal(
+                "supports_external_consumers", "An External consumer", transport_name
+            )
+        return None
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """Every capability flag and its value (for docs, the admin and ``validate-bindings``)."""
+        found: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            for key in vars(klass):
+                if key.startswith("supports_") or key == "heartbeat_modes":
+                    value = getattr(cls, key)
+                    found[key] = sorted(value) if isinstance(value, frozenset) else value
+        return found
+
+    # -- consuming -----------------------------------------------------------------------------
+
+    def receiver(self, subscription_id: str, lease_owner: str | None = None) -> TransportReceiver:
+        raise NotImplementedError
+
+    # -- operator reads ------------------------------------------------------------------------
+
+    def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def backlog(self, subscription_id: str) -> Backlog | None:
+        raise NotImplementedError
+
+    def list_dead_letters(
+        self, subscription_id: str, after_delivery_id: str | None, page_size: int
+    ) -> list[DeadLetterItem]:
+        raise NotImplementedError
+
+    def list_partitions(
+        self,
+        subscription_id: str,
+        condition: str | None,
+        after_partition_key: str | None,
+        page_size: int,
+    ) -> tuple[list[PartitionItem], str | None]:
+        raise NotImplementedError
+
+    # -- operator writes -----------------------------------------------------------------------
+
+    def replay(
+        self, subscription_id: str, delivery_id: str, actor: str | None, note: str | None
+    ) -> bool:
+        raise NotImplementedError
+
+    def discard(
+        self, subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
+    ) -> DiscardResult:
+        """Discard a Pending or dead-lettered delivery; with ``supports_cancel``, also ask the
+        holder of a running one to stop."""
+        raise NotImplementedError
+
+    def resolve_dead_letters(
+        self, subscription_id: str, action: str, selection: dict[str, Any], **options: Any
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def discard_pending(self, subscription_id: str, **options: Any) -> dict[str, Any]:
+        raise NotImplementedError

@@ -1,0 +1,76 @@
+"""The Database transport: messages in this database's queue tables, every write a ``wq_*``
+procedure. The procedures' typed wrappers stay in ``workqueue.transport`` (the receiver a
+consumer holds is ``workqueue.transport.Receiver`` itself, unwrapped, so the claim and settle
+path does exactly the work it did before the seam)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from workqueue import transport as procedures
+from workqueue.transports.base import BaseTransport
+from workqueue.types import Backlog, DeadLetterItem, DiscardResult, HeartbeatMode, PartitionItem
+
+
+class DatabaseTransport(BaseTransport):
+    """Every capability: the reference transport."""
+
+    name: ClassVar[str] = "Database"
+
+    supports_exclusive = True
+    supports_ordered = True
+    heartbeat_modes: ClassVar[frozenset[str]] = frozenset(HeartbeatMode.values)
+    supports_rate_limit = True
+    supports_external_consumers = False
+    supports_deduplication = True
+    supports_scheduled_publish = True
+    supports_priority = True
+    supports_replay = True
+    supports_cancel = True
+    supports_partition_listing = True
+    supports_bulk_discard_pending = True
+
+    def receiver(self, subscription_id: str, lease_owner: str | None = None) -> procedures.Receiver:
+        return procedures.Receiver(subscription_id, lease_owner)
+
+    def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
+        return procedures.subscription_stats(subscription_id)
+
+    def backlog(self, subscription_id: str) -> Backlog | None:
+        return procedures.backlog(subscription_id)
+
+    def list_dead_letters(
+        self, subscription_id: str, after_delivery_id: str | None, page_size: int
+    ) -> list[DeadLetterItem]:
+        return procedures.list_dead_letters(subscription_id, after_delivery_id, page_size)
+
+    def list_partitions(
+        self,
+        subscription_id: str,
+        condition: str | None,
+        after_partition_key: str | None,
+        page_size: int,
+    ) -> tuple[list[PartitionItem], str | None]:
+        return procedures.list_partitions(
+            subscription_id, condition, after_partition_key, page_size
+        )
+
+    def replay(
+        self, subscription_id: str, delivery_id: str, actor: str | None, note: str | None
+    ) -> bool:
+        return procedures.replay(subscription_id, delivery_id, actor, note)
+
+    def discard(
+        self, subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
+    ) -> DiscardResult:
+        return procedures.discard_or_cancel(
+            subscription_id, delivery_id, actor, reason, allow_cancel=self.supports_cancel
+        )
+
+    def resolve_dead_letters(
+        self, subscription_id: str, action: str, selection: dict[str, Any], **options: Any
+    ) -> dict[str, Any]:
+        return procedures.resolve_dead_letters(subscription_id, action, selection, **options)
+
+    def discard_pending(self, subscription_id: str, **options: Any) -> dict[str, Any]:
+        return procedures.discard_pending(subscription_id, **options)
