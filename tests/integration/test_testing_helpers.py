@@ -53,10 +53,12 @@ def topology():
 
 
 def _pids_connected(pg_conn, pids: list[int]) -> list[int]:
+    """Those of ``pids`` still connected, in the order given (pg_stat_activity has none)."""
     rows = pg_conn.execute(
         "SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", [pids]
     ).fetchall()
-    return [pid for (pid,) in rows]
+    connected = {pid for (pid,) in rows}
+    return [pid for pid in pids if pid in connected]
 
 
 @pytest.mark.django_db
