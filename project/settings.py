@@ -89,10 +89,17 @@ WSGI_APPLICATION = "project.wsgi.application"
 
 def _database() -> dict[str, Any]:
     if "DATABASE_URL" in env.ENVIRON:
-        return env.db_url_config(env.str("DATABASE_URL"))
-    from workqueue import localdb
+        config = env.db_url_config(env.str("DATABASE_URL"))
+    else:
+        from workqueue import localdb
 
-    return localdb.django_database(debug=DEBUG)
+        config = localdb.django_database(debug=DEBUG)
+    # Keep connections between requests and between deliveries: a host's worker threads
+    # otherwise open a new connection for every handler that uses the ORM (several ms each).
+    # The health check replaces a connection the server closed before it is used.
+    config.setdefault("CONN_MAX_AGE", env.int("DJANGO_CONN_MAX_AGE", default=60))
+    config.setdefault("CONN_HEALTH_CHECKS", True)
+    return config
 
 
 DATABASES = {"default": _database()}

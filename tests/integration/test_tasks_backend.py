@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.db.backends.signals import connection_created
 from django.test import override_settings
 from django.utils import timezone
 from django_tasks import TaskResultStatus, default_task_backend, task_backends
@@ -253,3 +255,33 @@ def test_results_are_purged_with_their_messages_by_the_sweeper(run_host):
     with pytest.raises(TaskResultDoesNotExist):
         default_task_backend.get_result(old.id)
     assert default_task_backend.get_result(recent.id).return_value == 4
+
+
+def test_a_host_runs_tasks_on_kept_connections_in_three_statements_each(run_host):
+    """The handler's worker threads keep their ORM connections between deliveries (the project
+    sets CONN_MAX_AGE) and a first run costs one INSERT of its result, one UPDATE of the return
+    value and the enlisted completion: not a connection, a locked read and two read-backs."""
+    opened: list[str] = []
+    statements: list[str] = []
+
+    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        statements.append(sql)
+        return execute(sql, params, many, context)
+
+    def on_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
+        opened.append(threading.current_thread().name)
+        connection.execute_wrappers.append(count)
+
+    results = [add.enqueue(n, n) for n in range(12)]
+    connection_created.connect(on_connection)
+    try:
+        run_host()
+        for result in results:
+            assert finished(result.id).return_value == 2 * int(result.args[0])
+    finally:
+        connection_created.disconnect(on_connection)
+
+    # One connection per worker thread, whatever the number of tasks.
+    assert len(opened) == len(set(opened)) < len(results), opened
+    ran = [s for s in statements if "workqueue_taskresult" in s or "wq_complete" in s]
+    assert len(ran) == 3 * len(results), ran

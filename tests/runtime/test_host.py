@@ -28,6 +28,7 @@ from workqueue.runtime import wakeup
 from workqueue.runtime.consumer import Consumer
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import handler_registry
+from workqueue.runtime.host import aliases_closing_after_each_use
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -654,3 +655,14 @@ def test_a_shut_down_host_closes_the_database_connections_its_threads_opened(mak
 
     leaked = [str(w.message) for w in caught if "deleted while still open" in str(w.message)]
     assert leaked == [], f"{len(leaked)} connection(s) were left for the garbage collector"
+
+
+def test_databases_that_close_connections_after_every_use_are_named_for_the_start_warning():
+    # Django fills CONN_MAX_AGE with 0 when a project leaves it out.
+    databases = {
+        "default": {"CONN_MAX_AGE": 0},
+        "replica": {"CONN_MAX_AGE": 60},
+        "pooled": {"CONN_MAX_AGE": None},
+        "legacy": {},
+    }
+    assert aliases_closing_after_each_use(databases) == ["default", "legacy"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from django.db import models
 from django.db.models import Exists, OuterRef
+from django.db.models.functions import Now
 
 from workqueue.models.queue import Message
 
@@ -29,8 +30,11 @@ class TaskResult(models.Model):
     # No foreign key to the message: messages are deleted by the purge procedure, which must
     # not be held up (or cascaded into) by this table.
     id = models.UUIDField(primary_key=True, editable=False)
-    started_at = models.DateTimeField(help_text="When the first run started.")
-    last_attempted_at = models.DateTimeField(help_text="When the latest run started.")
+    # Database clock, like the message's published_at; returned by the insert.
+    started_at = models.DateTimeField(db_default=Now(), help_text="When the first run started.")
+    last_attempted_at = models.DateTimeField(
+        db_default=Now(), help_text="When the latest run started."
+    )
     #: One entry per run: the lease owner (host instance id) that ran it.
     worker_ids = models.JSONField(default=list)
     #: One entry per failed run: {"exception_class_path": ..., "traceback": ...}.

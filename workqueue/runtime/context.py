@@ -118,6 +118,8 @@ class WorkContext:
     attempt: int
     max_attempts: int
     is_replay: bool
+    #: The host instance holding this delivery's lease (its lease owner).
+    worker_id: str
     signal: AbortSignal
     stopping: StopNotice
     logger: logging.LoggerAdapter

@@ -240,6 +240,7 @@ class DeliveryExecution:
             attempt=self.delivery.attempt,
             max_attempts=self.plan.max_attempts,
             is_replay=self.delivery.is_replay,
+            worker_id=self.services.receiver.lease_owner,
             signal=self.signal,
             stopping=self.services.stopping,
             logger=logging.LoggerAdapter(

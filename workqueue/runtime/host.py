@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,6 +245,16 @@ class Host:
             or "no subscriptions",
             extra={"action": "host_started"},
         )
+        closing = aliases_closing_after_each_use(connections.settings)
+        if closing:
+            logger.warning(
+                "Database %s closes its connections after every use (CONN_MAX_AGE = 0), so "
+                "each delivery whose handler uses the ORM opens a new connection (several ms "
+                "each). For host processes set CONN_MAX_AGE (e.g. 60) and CONN_HEALTH_CHECKS = "
+                "True in DATABASES.",
+                ", ".join(closing),
+                extra={"action": "host_connection_per_delivery"},
+            )
 
     def shutdown(self) -> None:
         """Stop claiming, drain running handlers, abort the rest, drain again. Idempotent:
@@ -582,3 +592,10 @@ class Host:
             self.shutdown()
             processed = max(processed, sum(c.processed for c in consumers))
         return RunOnceResult(processed, reason)
+
+
+def aliases_closing_after_each_use(databases: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The database aliases whose connections Django closes after every use (``CONN_MAX_AGE``
+    0, its default): a host's worker threads reopen them for each delivery (the executor gives
+    each handler fresh connections the way a request gets them)."""
+    return [alias for alias, config in databases.items() if config.get("CONN_MAX_AGE", 0) == 0]

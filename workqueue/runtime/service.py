@@ -10,6 +10,10 @@ import logging
 import threading
 from collections.abc import Callable
 
+from django.db import connections
+
+from workqueue.driver import close_thread_connections
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,8 +36,13 @@ class PeriodicService:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
-            try:
-                self._run_once()
-            except Exception:
-                logger.exception("%s pass failed; the next pass will try again", self.name)
+        try:
+            while not self._stop.wait(self.interval_seconds):
+                try:
+                    self._run_once()
+                except Exception:
+                    logger.exception("%s pass failed; the next pass will try again", self.name)
+        finally:
+            # Kept between passes when CONN_MAX_AGE allows; closed with the thread.
+            close_thread_connections()
+            connections.close_all()

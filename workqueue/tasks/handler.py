@@ -19,7 +19,6 @@ from django.db import transaction
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import LeaseLost
-from workqueue.models import Delivery
 from workqueue.runtime.context import WorkContext, WorkMessage
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import FatalWorkError, Outcome
@@ -45,12 +44,9 @@ class TaskHandler(BaseWorkHandler):
             # Someone published by hand to a task topic: no task to run, now or later.
             raise FatalWorkError(f"Not a task message: {exc}") from exc
         result_id = message.message_id
-        worker_id = (
-            Delivery.objects.filter(pk=context.delivery_id)
-            .values_list("lease_owner", flat=True)
-            .first()
+        record = record_start(
+            result_id, context.worker_id, first_run=context.attempt == 1 and not context.is_replay
         )
-        record = record_start(result_id, worker_id or "unknown")
         try:
             task = task_message.load_task()
         except Exception as exc:
@@ -74,7 +70,7 @@ class TaskHandler(BaseWorkHandler):
                     require_json_round_trip(value, "The task's return value")
                 except (TypeError, ValueError) as exc:
                     raise _UnusableReturnValue(exc) from exc
-                record = record_success(result_id, value)
+                record_success(record, value)
                 context.complete(enlist=True)
         except LeaseLost:
             raise

@@ -7,7 +7,7 @@ import traceback
 import uuid
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
 
 from workqueue.models import Delivery, TaskResult
@@ -55,13 +55,22 @@ def read_result(result_id: str) -> api.TaskResult:
 # -- written by the host ----------------------------------------------------------------------
 
 
-def record_start(result_id: str, worker_id: str) -> TaskResult:
-    """Count a run: the first sets ``started_at``; each sets ``last_attempted_at`` (database
-    clock, like ``published_at``) and adds its worker id."""
+def record_start(result_id: str, worker_id: str, *, first_run: bool) -> TaskResult:
+    """Count a run, committed before the task runs: the first sets ``started_at``; each sets
+    ``last_attempted_at`` (database clock, like ``published_at``) and adds its worker id.
+
+    A ``first_run`` (first attempt, not a replay) normally finds no row and inserts it in one
+    statement, the insert returning the database's times; an earlier run's row (a lease that
+    expired before the attempt was counted) sends it down the locked path every later run takes.
+    """
+    if first_run:
+        try:
+            with transaction.atomic():
+                return TaskResult.objects.create(pk=result_id, worker_ids=[worker_id])
+        except IntegrityError:
+            pass
     with transaction.atomic():
-        record, _ = TaskResult.objects.select_for_update().get_or_create(
-            pk=result_id, defaults={"started_at": Now(), "last_attempted_at": Now()}
-        )
+        record, _ = TaskResult.objects.select_for_update().get_or_create(pk=result_id)
         TaskResult.objects.filter(pk=result_id).update(
             last_attempted_at=Now(), worker_ids=[*record.worker_ids, worker_id]
         )
@@ -82,6 +91,7 @@ def record_failure(result_id: str, exc: BaseException) -> None:
         record.save(update_fields=["errors"])
 
 
-def record_success(result_id: str, value: Any) -> TaskResult:
-    TaskResult.objects.filter(pk=result_id).update(return_value=value)
-    return TaskResult.objects.get(pk=result_id)
+def record_success(record: TaskResult, value: Any) -> None:
+    """Store the return value (in the caller's transaction, which completes the delivery)."""
+    TaskResult.objects.filter(pk=record.pk).update(return_value=value)
+    record.return_value = value
