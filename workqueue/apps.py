@@ -12,11 +12,12 @@ class WorkqueueConfig(AppConfig):
     def ready(self) -> None:
         from django.core.signals import request_finished
         from django.db.backends.signals import connection_created
-        from django.db.models.signals import pre_delete, pre_save
+        from django.db.models.signals import post_migrate, pre_delete, pre_save
 
         from workqueue import signals
         from workqueue.checks import check_settings, check_system_user
         from workqueue.driver import close_before_database_administration, close_thread_connections
+        from workqueue.driver.install import renew_grants_after_migrate
         from workqueue.models.queue import Deduplication, Delivery, Message
         from workqueue.models.readonly import refuse_signalled_write
         from workqueue.models.topology import (
@@ -28,6 +29,9 @@ class WorkqueueConfig(AppConfig):
         from workqueue.tasks.signals import send_task_finished_for_dead_letter
 
         checks.register(check_settings, "workqueue")
+        post_migrate.connect(
+            renew_grants_after_migrate, sender=self, dispatch_uid="workqueue-renew-grants"
+        )
         checks.register(check_system_user, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
         connection_created.connect(

@@ -133,3 +133,10 @@ def test_migration_ddl_parses_with_microsofts_parser(ddl, tmp_path: Path):
     script.write_text("\nGO\n".join(s.rstrip().rstrip(";") + ";" for s in ddl) + "\nGO\n")
     result = parse_tsql(script)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_delivery_to_message_constraint_is_dropped_by_the_name_it_was_created_with(ddl):
+    created = _statement(ddl, r"ADD CONSTRAINT \S+ FOREIGN KEY \(\[?message_id\]?\)")
+    name = re.search(r"ADD CONSTRAINT \[?(\w+)\]?", created).group(1)
+    dropped = _statement(ddl, r"DROP CONSTRAINT \S*_fk_")
+    assert dropped.split()[-1].strip("[];") == name

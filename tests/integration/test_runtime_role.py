@@ -6,12 +6,16 @@ query needs. So the claim/settle/sweep rules and fencing cannot be bypassed."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import psycopg
 import pytest
+from django.apps import apps
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection
+from django.db.migrations.loader import MigrationLoader
+from django.db.models.signals import post_migrate
 from django.urls import reverse
 
 from tests.factories import SubscriptionFactory, TopicFactory
@@ -330,3 +334,61 @@ def test_the_admin_and_the_orm_read_deliveries_as_the_application_role(
     assert change.status_code == 200
     assert held.delivery_id in change.content.decode()
     assert held.lease_token not in change.content.decode()
+
+
+def test_a_migrate_renews_the_grants_that_roles_held_before_the_upgrade(pg_conn):
+    """Grants name each procedure and each readable column, so a role granted before an
+    upgrade lacked what the upgrade added (the admin failed with "permission denied") until
+    someone re-ran grant-runtime / grant-operator. A migrate that applies a workqueue migration
+    renews them; a flush (post_migrate without a plan) and roles without a grant are left be."""
+    app = apps.get_app_config("workqueue")
+    loader = MigrationLoader(connection)
+    latest = loader.get_migration(
+        "workqueue", max(n for a, n in loader.graph.leaf_nodes() if a == "workqueue")
+    )
+    resolve = pg_conn.execute(
+        "SELECT oid::regprocedure::text FROM pg_proc WHERE proname = 'wq_resolve_dead_letters'"
+    ).fetchone()[0]
+
+    def holds(role: str) -> tuple[bool, bool, bool]:
+        return pg_conn.execute(
+            "SELECT has_column_privilege(%s, 'workqueue_delivery', 'priority', 'SELECT'), "
+            "has_function_privilege(%s, %s, 'EXECUTE'), "
+            "has_function_privilege(%s, 'wq_claim'::regproc::oid, 'EXECUTE')",
+            [role, role, resolve, role],
+        ).fetchone()
+
+    def migrated(plan: Any) -> None:
+        post_migrate.send(
+            sender=app,
+            app_config=app,
+            verbosity=0,
+            interactive=False,
+            using="default",
+            apps=apps,
+            plan=plan,
+        )
+
+    with (
+        database_role(pg_conn, "wq_runtime") as runtime,
+        database_role(pg_conn, "wq_operator") as operator,
+        database_role(pg_conn, "wq_neither") as neither,
+    ):
+        call_command("workqueue", "grant-runtime", runtime)
+        call_command("workqueue", "grant-operator", operator)
+        # As granted before 0013 (bulk recovery) and 0015 (priorities) were applied.
+        pg_conn.execute(f'REVOKE SELECT (priority) ON workqueue_delivery FROM "{runtime}"')
+        pg_conn.execute(f'REVOKE SELECT (priority) ON workqueue_delivery FROM "{operator}"')
+        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {resolve} FROM "{operator}"')
+        pg_conn.execute(f'GRANT SELECT ON workqueue_topic TO "{neither}"')
+
+        migrated(None)  # a flush
+        assert holds(runtime) == (False, False, True)
+        assert holds(operator) == (False, False, False)
+
+        migrated([(latest, False)])
+        assert holds(runtime) == (True, False, True)
+        assert holds(operator) == (True, True, False)
+        assert holds(neither) == (False, False, False)
+        with connect_as(runtime) as conn:
+            conn.execute("SELECT id, priority FROM workqueue_delivery LIMIT 1")

@@ -16,13 +16,13 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from workqueue.driver.procedures import Param, ParamType, Procedure, get_procedure
+from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, get_procedure
 from workqueue.exceptions import DriverError, UnstorableValueError
 
 #: The driver-owned tables; their indexes churn with every publish, claim and settle.
@@ -195,6 +195,18 @@ class BaseDriver:
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         """Statements giving an autoscaler login what its scaler query needs, nothing more."""
+        raise NotImplementedError
+
+    #: The procedure whose EXECUTE grant marks a role as holding each grant: ``grant-runtime``
+    #: and ``grant-operator`` give it, and nothing else does.
+    GRANT_MARKERS: ClassVar[dict[Grant, str]] = {
+        Grant.RUNTIME: "wq_claim",
+        Grant.OPERATOR: "wq_replay",
+    }
+
+    def grant_holders(self, connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
+        """The roles (by name, sorted) that hold each grant in this database, told by EXECUTE
+        on the grant's marker procedure; the owner of the procedures is not listed."""
         raise NotImplementedError
 
     def rebuild_index_statements(self) -> list[str]:

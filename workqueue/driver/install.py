@@ -9,7 +9,8 @@ with ``RunPython(install_procedures_step("000N_name"), ...)`` and point the cons
 A changed result shape also needs the old function dropped first: on PostgreSQL a DO block
 before the function drops it only while it has the old shape (see wq_list_partitions in
 ``sql/postgresql/operator.sql``), and a dropped function loses its grants, which the upgrade
-note must say.
+note must say. Roles that hold the runtime or operator grant get it renewed after every migrate
+that applies a workqueue migration (``renew_grants``), so new procedures and columns reach them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
 from workqueue.driver import driver_for_connection, get_driver
+from workqueue.driver.procedures import Grant
 
 LATEST_PROCEDURE_MIGRATION = "0016_set_based_publish_many"
 
@@ -40,6 +45,48 @@ def install_procedures_step(migration_name: str) -> MigrationStep:
 def drop_procedures_step(apps: Any, schema_editor: Any) -> None:
     """RunPython reverse step of the first procedure migration."""
     driver_for_connection(schema_editor.connection).drop_procedures(schema_editor.connection)
+
+
+def renew_grants(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
+    """Give every role that holds the runtime or operator grant the grant as it stands now, on
+    ``connection`` (the migrating owner's); return the roles, by grant.
+
+    The grants name what they cover (each procedure, the readable delivery columns), so a
+    migration that adds a procedure or a column leaves roles granted before it without them:
+    the admin's delivery pages would fail with "permission denied" until someone ran
+    grant-runtime / grant-operator again. Renewing after every migrate that applies a workqueue
+    migration makes an upgraded database's roles equal to freshly granted ones.
+    """
+    driver = driver_for_connection(connection)
+    holders = driver.grant_holders(connection)
+    statements_for = {
+        Grant.RUNTIME: driver.grant_runtime_statements,
+        Grant.OPERATOR: driver.grant_operator_statements,
+    }
+    with connection.cursor() as cursor:
+        for grant, roles in holders.items():
+            for role in roles:
+                for statement in statements_for[grant](role):
+                    cursor.execute(statement)
+    return holders
+
+
+def renew_grants_after_migrate(
+    sender: Any,
+    using: str,
+    plan: list[tuple[Any, bool]] | None = None,
+    verbosity: int = 1,
+    stdout: Any = None,
+    **kwargs: Any,
+) -> None:
+    """``post_migrate`` receiver: renew the grants once a migrate applied workqueue migrations
+    (a flush, or a migrate with nothing of ours to apply, changes no grant)."""
+    if not any(m.app_label == "workqueue" and not backwards for m, backwards in plan or ()):
+        return
+    holders = renew_grants(connections[using])
+    renewed = [f"{role} ({grant.value})" for grant, roles in holders.items() for role in roles]
+    if renewed and verbosity >= 1 and stdout is not None:
+        stdout.write(f"  Renewed work-queue grants: {', '.join(renewed)}\n")
 
 
 def grant_runtime_statements(role: str, alias: str = "default") -> list[str]:

@@ -86,6 +86,15 @@ _EXECUTE_GRANTEES = """
        AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
 """
 
+# Roles (unquoted names) holding EXECUTE on the named wq_* functions of the current schema.
+_EXECUTE_GRANTEES_BY_NAME = """
+    SELECT DISTINCT p.proname::text, r.rolname::text
+      FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+     CROSS JOIN LATERAL aclexplode(p.proacl) a JOIN pg_roles r ON r.oid = a.grantee
+     WHERE n.nspname = current_schema() AND p.proname = ANY (%s)
+       AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
+"""
+
 # The relations the procedure bodies name. Their search_path is pinned to pg_catalog alone, so
 # install_procedures qualifies each of these (and every wq_* function the files declare) with
 # the schema the tables were migrated into.
@@ -303,6 +312,16 @@ class PostgresDriver(BaseDriver):
             f"TO {quoted}",
             f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON {', '.join(QUEUE_TABLES)} FROM {quoted}",
         ]
+
+    def grant_holders(self, connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
+        with connection.cursor() as cursor:
+            cursor.execute(_EXECUTE_GRANTEES_BY_NAME, [list(self.GRANT_MARKERS.values())])
+            by_marker: dict[str, list[str]] = {}
+            for name, role in cursor.fetchall():
+                by_marker.setdefault(name, []).append(role)
+        return {
+            grant: sorted(by_marker.get(marker, [])) for grant, marker in self.GRANT_MARKERS.items()
+        }
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)

@@ -235,6 +235,26 @@ class SqlServerDriver(BaseDriver):
             f"GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO {quoted}",
         ]
 
+    def grant_holders(self, connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
+        markers = list(self.GRANT_MARKERS.values())
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT DISTINCT OBJECT_NAME(p.major_id), dp.name "
+                "FROM sys.database_permissions p "
+                "JOIN sys.database_principals dp ON dp.principal_id = p.grantee_principal_id "
+                "WHERE p.class = 1 AND p.permission_name = 'EXECUTE' "
+                "AND p.state IN ('G', 'W') AND p.major_id IN ("
+                + ", ".join(["OBJECT_ID(%s)"] * len(markers))
+                + ")",
+                [f"dbo.{marker}" for marker in markers],
+            )
+            by_marker: dict[str, list[str]] = {}
+            for name, role in cursor.fetchall():
+                by_marker.setdefault(name.lower(), []).append(role)
+        return {
+            grant: sorted(by_marker.get(marker, [])) for grant, marker in self.GRANT_MARKERS.items()
+        }
+
     def grant_operator_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [
