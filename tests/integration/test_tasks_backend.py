@@ -7,7 +7,9 @@ from __future__ import annotations
 import datetime as dt
 import math
 import threading
+import uuid
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -28,6 +30,7 @@ from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
+from workqueue.tasks.results import record_start
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -285,3 +288,18 @@ def test_a_host_runs_tasks_on_kept_connections_in_three_statements_each(run_host
     assert len(opened) == len(set(opened)) < len(results), opened
     ran = [s for s in statements if "workqueue_taskresult" in s or "wq_complete" in s]
     assert len(ran) == 3 * len(results), ran
+
+
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["autocommit", "in-transaction"])
+def test_a_first_run_that_finds_an_earlier_runs_record_adds_to_it(in_transaction):
+    """A lease can expire before its attempt is counted, so a "first" run may find the row an
+    earlier run wrote: its insert clashes and it takes the locked path instead."""
+    result_id = str(uuid.uuid4())
+    first = record_start(result_id, "host-a", first_run=True)
+    with transaction.atomic() if in_transaction else nullcontext():
+        again = record_start(result_id, "host-b", first_run=True)
+        if in_transaction:
+            TaskResult.objects.count()  # the caller's transaction is still usable
+
+    assert again.worker_ids == ["host-a", "host-b"]
+    assert again.started_at == first.started_at <= again.last_attempted_at

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import traceback
 import uuid
+from contextlib import nullcontext
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -64,8 +65,11 @@ def record_start(result_id: str, worker_id: str, *, first_run: bool) -> TaskResu
     expired before the attempt was counted) sends it down the locked path every later run takes.
     """
     if first_run:
+        # Outside a transaction the INSERT commits on its own (no BEGIN round trip); inside one
+        # (a test's), a savepoint keeps the caller's transaction usable after a clash.
+        in_transaction = transaction.get_connection().in_atomic_block
         try:
-            with transaction.atomic():
+            with transaction.atomic() if in_transaction else nullcontext():
                 return TaskResult.objects.create(pk=result_id, worker_ids=[worker_id])
         except IntegrityError:
             pass
