@@ -41,6 +41,8 @@ $$;
 -- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the
 -- message that already owns the deduplication key), the status (Accepted | Duplicate | Rejected)
 -- and an error code for rejections. Nothing is written unless the status is Accepted.
+-- A topic bound to a transport other than Database (or a 'Database.<variant>') is Rejected with
+-- TopicOnOtherTransport (checked right after TopicNotFound): its messages do not live here.
 -- The deliveries become due at p_not_before (a past time means now) or p_delay_seconds from
 -- now (give one or neither), at most the topic's retention ahead, else InvalidSchedule: a
 -- delivery must not outlive the message retention keeps for it. p_priority (-100..100, NULL
@@ -81,7 +83,7 @@ DECLARE
     v_attempt integer := 0;
     v_due timestamptz;
 BEGIN
-    SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
+    SELECT t.id, t.status AS topic_status, tr.status AS transport_status, tr.driver_class,
            t.allow_external_publish, t.max_payload_bytes, t.default_deduplication_ttl_seconds,
            t.retention_days
       INTO v_topic
@@ -90,6 +92,13 @@ BEGIN
      WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text;
+        RETURN;
+    END IF;
+    -- Another transport's messages do not live in these tables: the caller hands the message
+    -- to the topic's own transport (see workqueue.publishing). Variants of the Database
+    -- transport (driver class 'Database.<variant>') keep theirs here.
+    IF v_topic.driver_class <> 'Database' AND v_topic.driver_class NOT LIKE 'Database.%' THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport'::text;
         RETURN;
     END IF;
     IF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
@@ -332,7 +341,7 @@ DECLARE
     v_codes text[];
     v_fanout bigint;
 BEGIN
-    SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
+    SELECT t.id, t.status AS topic_status, tr.status AS transport_status, tr.driver_class,
            t.allow_external_publish, t.max_payload_bytes, t.retention_days
       INTO v_topic
       FROM workqueue_topic t
@@ -340,6 +349,8 @@ BEGIN
      WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN
         v_topic_error := 'TopicNotFound';
+    ELSIF v_topic.driver_class <> 'Database' AND v_topic.driver_class NOT LIKE 'Database.%' THEN
+        v_topic_error := 'TopicOnOtherTransport';
     ELSIF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
         v_topic_error := 'TopicDisabled';
     ELSIF p_external AND NOT v_topic.allow_external_publish THEN

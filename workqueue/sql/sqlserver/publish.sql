@@ -145,6 +145,7 @@ BEGIN
     DECLARE @topic_uuid uniqueidentifier;
     DECLARE @topic_status nvarchar(20);
     DECLARE @transport_status nvarchar(20);
+    DECLARE @driver_class nvarchar(100);
     DECLARE @allow_external bit;
     DECLARE @max_payload_bytes int;
     DECLARE @default_ttl int;
@@ -164,6 +165,7 @@ BEGIN
     SELECT @topic_key = t.id,
            @topic_status = t.status,
            @transport_status = tr.status,
+           @driver_class = tr.driver_class,
            @allow_external = t.allow_external_publish,
            @max_payload_bytes = t.max_payload_bytes,
            @default_ttl = t.default_deduplication_ttl_seconds,
@@ -175,6 +177,14 @@ BEGIN
     IF @topic_key IS NULL
     BEGIN
         SET @out_error_code = N'TopicNotFound';
+        RETURN;
+    END;
+    -- Another transport's messages do not live in these tables: the caller hands the message
+    -- to the topic's own transport (see workqueue.publishing). Variants of the Database
+    -- transport (driver class 'Database.<variant>') keep theirs here.
+    IF @driver_class <> N'Database' AND @driver_class NOT LIKE N'Database.%'
+    BEGIN
+        SET @out_error_code = N'TopicOnOtherTransport';
         RETURN;
     END;
     IF @topic_status <> N'Active' OR @transport_status <> N'Active'
@@ -376,10 +386,11 @@ GO
 -- Publish one message in one call and one transaction. Returns exactly one row: the message id
 -- (for a Duplicate by deduplication key, the id of the message that owns the key), the status
 -- Accepted | Duplicate | Rejected, and an error code for rejections (TopicNotFound,
--- TopicDisabled, TopicNotExternallyPublishable, InvalidPriority, InvalidSchedule,
--- PayloadTooLarge, DeduplicationPending, MessageIDConflict, TransportUnavailable). The
--- deliveries are due at @not_before or @delay_seconds from now (one or neither, at most the
--- topic's retention ahead) and carry @priority (-100..100, NULL means 0) for wq_claim.
+-- TopicOnOtherTransport for a topic on a transport other than Database.*, TopicDisabled,
+-- TopicNotExternallyPublishable, InvalidPriority, InvalidSchedule, PayloadTooLarge,
+-- DeduplicationPending, MessageIDConflict, TransportUnavailable). The deliveries are due at
+-- @not_before or @delay_seconds from now (one or neither, at most the topic's retention ahead)
+-- and carry @priority (-100..100, NULL means 0) for wq_claim.
 -- Nothing is written unless the status is Accepted;
 -- a re-publish of an existing id with the same canonical envelope is a Duplicate.
 -- @external and @published_by are the application's word (whether the message came in over the
