@@ -85,7 +85,7 @@ SNS_FILTER_MAX_COMBINATIONS = 150
 RECEIVE_WAIT_SECONDS = 1
 #: A lease counts as lost this long before its visibility timeout runs out, so a settle that
 #: passes the check reaches SQS while the timeout still holds (network time, clock drift).
-LEASE_SAFETY_SECONDS = 1.0
+LEASE_SAFETY_SECONDS = 0.5
 #: How many dead letters an operator read looks at, at most (each is received and released).
 DEAD_LETTER_SCAN_LIMIT = 1000
 #: How long a dead letter stays hidden while an operator read looks at the DLQ.
@@ -99,6 +99,9 @@ REASON_ATTRIBUTE = "wq_reason"
 ERROR_ATTRIBUTE = "wq_error"
 ATTEMPTS_ATTRIBUTE = "wq_attempts"
 DEAD_LETTERED_AT_ATTRIBUTE = "wq_dead_lettered_at"
+# The delivery id a dead letter had in the subscription's queue (its SQS message id there):
+# operators list, replay and discard it by that id, as logs and signals named it.
+DELIVERY_ID_ATTRIBUTE = "wq_delivery_id"
 
 
 # -- configuration and names ---------------------------------------------------------------
@@ -486,7 +489,8 @@ class AwsReceiver:
         envelope = _envelope(message["Body"])
         system = message.get("Attributes", {})
         return ClaimedDelivery(
-            delivery_id=message["MessageId"],
+            # A replayed message is a new SQS message carrying the id its delivery had.
+            delivery_id=envelope.get("delivery_id") or message["MessageId"],
             subscription_id=self.subscription_id,
             lease_token=message["ReceiptHandle"],
             lease_expires_at=_now() + dt.timedelta(seconds=self.binding.lease_seconds),
@@ -661,6 +665,7 @@ def send_dead_letter(
 ) -> None:
     """Put ``delivery``'s message on the DLQ, its reason, error and attempts as attributes."""
     attributes = {
+        DELIVERY_ID_ATTRIBUTE: delivery.delivery_id,
         REASON_ATTRIBUTE: reason,
         ATTEMPTS_ATTRIBUTE: str(delivery.attempt),
         DEAD_LETTERED_AT_ATTRIBUTE: _now().isoformat(),
@@ -735,6 +740,24 @@ class AwsTransport(BaseTransport):
     supports_cancel = False
     supports_partition_listing = False
     supports_bulk_discard_pending = False
+
+    conformance_traits: ClassVar[dict[str, Any]] = {
+        # SQS counts every receive, a released one too.
+        "release_consumes_attempt": True,
+        # A re-publish of a message id is a new SQS message (SNS FIFO drops one only within
+        # its 5-minute deduplication window).
+        "detects_message_id_duplicates": False,
+        # SQS keeps no history of deleted messages.
+        "completed_counts": False,
+        # A message waiting in SQS cannot be picked out by id.
+        "cancel_pending": False,
+        # The receiver fences by its own clock (SQS accepts stale receipt handles).
+        "settles_after_expiry_until_taken_back": False,
+        # Exclusive runs on FIFO queues, which only a FIFO topic feeds.
+        "fifo_topics": True,
+        # SQS keeps time itself.
+        "shifts_time": False,
+    }
 
     # -- rules checked on save -------------------------------------------------------------
 
@@ -899,10 +922,10 @@ class AwsTransport(BaseTransport):
         receive count, the attempt, starts again at 1), then delete it from the DLQ."""
         binding = QueueBinding.of(subscription_id)
         with _dead_letter_scan(binding) as found:
-            message = next((m for m in found if m["MessageId"] == delivery_id), None)
+            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
             if message is None:
                 return False
-            envelope = {**_envelope(message["Body"]), "replayed": True}
+            envelope = {**_envelope(message["Body"]), "replayed": True, "delivery_id": delivery_id}
             params: dict[str, Any] = {
                 "QueueUrl": binding.queue_url,
                 "MessageBody": canonical_json(envelope),
@@ -925,7 +948,7 @@ class AwsTransport(BaseTransport):
         picked out by id without receiving it from under the consumers: not discarded."""
         binding = QueueBinding.of(subscription_id)
         with _dead_letter_scan(binding) as found:
-            message = next((m for m in found if m["MessageId"] == delivery_id), None)
+            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
             if message is None:
                 return DiscardResult(changed=False)
             _delete_dead_letter(binding, message)
@@ -942,8 +965,8 @@ class AwsTransport(BaseTransport):
         batch_size = options["batch_size"]
         with _dead_letter_scan(binding) as found:
             ordered = sorted(
-                (m for m in found if after is None or m["MessageId"] > after),
-                key=lambda m: m["MessageId"],
+                (m for m in found if after is None or _dead_letter_id(m) > after),
+                key=_dead_letter_id,
             )[:batch_size]
         changed = 0
         for message in ordered:
@@ -953,13 +976,13 @@ class AwsTransport(BaseTransport):
             if options.get("dry_run"):
                 continue
             if action == "Replay":
-                self.replay(subscription_id, message["MessageId"], options.get("actor"), None)
+                self.replay(subscription_id, _dead_letter_id(message), options.get("actor"), None)
             else:
-                self.discard(subscription_id, message["MessageId"], options.get("actor"), None)
+                self.discard(subscription_id, _dead_letter_id(message), options.get("actor"), None)
         return {
             "examined": len(ordered),
             "changed": changed,
-            "last_delivery_id": ordered[-1]["MessageId"] if ordered else None,
+            "last_delivery_id": _dead_letter_id(ordered[-1]) if ordered else None,
         }
 
 
@@ -1320,6 +1343,13 @@ class _dead_letter_scan:
             )
 
 
+def _dead_letter_id(message: dict[str, Any]) -> str:
+    """The delivery id of a DLQ message: the one it had in the subscription's queue (SQS's
+    own redrive keeps the message id, so that is the fallback)."""
+    found = message.get("MessageAttributes", {}).get(DELIVERY_ID_ATTRIBUTE, {})
+    return found.get("StringValue") or message["MessageId"]
+
+
 def _delete_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
     _call(
         binding.clients.sqs.delete_message,
@@ -1335,7 +1365,7 @@ def _dead_letter_item(binding: QueueBinding, message: dict[str, Any]) -> DeadLet
     }
     sent = message.get("Attributes", {}).get("SentTimestamp")
     return DeadLetterItem(
-        delivery_id=message["MessageId"],
+        delivery_id=_dead_letter_id(message),
         partition_key=envelope.get("partition_key") if binding.exclusive else None,
         attempts=int(attributes.get(ATTEMPTS_ATTRIBUTE, "0") or 0),
         # A message SQS's redrive moved (the backstop) carries no reason of ours.

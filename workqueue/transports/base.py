@@ -129,6 +129,10 @@ class BaseTransport:
     #: Bulk discard of Pending deliveries by filter.
     supports_bulk_discard_pending: ClassVar[bool] = False
 
+    #: How this transport legitimately differs in the conformance suite beyond its flags
+    #: (``workqueue.testing.conformance.TransportTraits`` fields and their values).
+    conformance_traits: ClassVar[dict[str, Any]] = {}
+
     #: Which flag each partition mode needs (None needs nothing).
     PARTITION_MODE_FLAGS: ClassVar[dict[str, str]] = {
         PartitionMode.EXCLUSIVE: "supports_exclusive",
