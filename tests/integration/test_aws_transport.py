@@ -5,7 +5,10 @@ the seam, and the receiver's claim, heartbeat and settles with their fencing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -379,6 +382,12 @@ def test_a_dead_letter_can_be_discarded_by_id(aws):
     holder = receiver(subscription)
     holder.dead_letter(receive_one(holder), "Fatal", "no")
     [item] = operations.list_dead_letters(subscription.name).items
+    [gauges] = operations.queue_gauges()
+    assert (gauges.subscription_name, gauges.pending, gauges.dead_lettered) == (
+        subscription.name,
+        0,
+        1,
+    )
 
     outcome = operations.discard(subscription.name, item.delivery_id, reason="cleanup")
 
@@ -448,3 +457,31 @@ def test_binding_reads_the_subscription_and_topic(aws):
     assert (binding.fifo, binding.exclusive, binding.lease_seconds) == (True, True, 30)
     assert binding.names.queue.endswith(".fifo")
     assert Topic.objects.get(pk=subscription.topic_id).is_fifo
+
+
+def test_without_boto3_workqueue_imports_and_the_aws_transport_names_the_extra():
+    # A fresh interpreter in which boto3 and botocore cannot be imported.
+    script = (
+        "import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
+        "import workqueue, workqueue.publishing, workqueue.transports.aws as aws\n"
+        "print(aws.AwsTransport.supports_exclusive)\n"
+        "try:\n"
+        "    aws.AwsClients(aws.AwsSettings(region='eu-west-1'))\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+
+    assert done.stdout.splitlines() == [
+        "True",
+        "WorkQueueConfigurationError The AWS transport needs boto3: "
+        "pip install django-workqueue[aws].",
+    ]

@@ -890,6 +890,18 @@ class AwsTransport(BaseTransport):
             "as_of": _now(),
         }
 
+    def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:
+        """The approximate queue counts; SQS's counts cost the same whatever the backlog."""
+        stats = self.subscription_stats(subscription_id)
+        if stats is None:
+            return None
+        keys = ("pending", "in_flight", "dead_lettered")
+        return {
+            **{key: min(stats[key], cap) for key in keys},
+            "blocked_keys": None,
+            "oldest_pending_age_seconds": None,
+        }
+
     def backlog(self, subscription_id: str) -> Backlog | None:
         binding = QueueBinding.of(subscription_id)
         queue = _queue_counts(binding, binding.names.queue)

@@ -240,6 +240,11 @@ class BaseTransport:
     def backlog(self, subscription_id: str) -> Backlog | None:
         raise NotImplementedError
 
+    def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:
+        """A metrics scrape's counts (``pending``, ``in_flight``, ``dead_lettered``,
+        ``blocked_keys``, ``oldest_pending_age_seconds``), each at most ``cap``."""
+        raise NotImplementedError
+
     def list_dead_letters(
         self, subscription_id: str, after_delivery_id: str | None, page_size: int
     ) -> list[DeadLetterItem]:

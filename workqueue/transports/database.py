@@ -61,6 +61,9 @@ class DatabaseTransport(BaseTransport):
     def backlog(self, subscription_id: str) -> Backlog | None:
         return procedures.backlog(subscription_id)
 
+    def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:
+        return procedures.queue_gauges(subscription_id, cap)
+
     def list_dead_letters(
         self, subscription_id: str, after_delivery_id: str | None, page_size: int
     ) -> list[DeadLetterItem]:
