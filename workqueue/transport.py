@@ -268,6 +268,35 @@ def publish(
     raise AssertionError("unreachable")
 
 
+def reserve_deduplication(topic: str, key: str, message_id: str) -> tuple[str, str | None]:
+    """Reserve ``key`` on ``topic`` for ``message_id`` before another transport sends it:
+    (Reserved | Duplicate | Pending | TopicNotFound, the owner's message id)."""
+    row = _driver().call_one(
+        "wq_reserve_deduplication",
+        {"topic_name": topic, "deduplication_key": key, "message_id": message_id},
+    )
+    owner = row["owner_message_id"]
+    return row["status"], None if owner is None else str(owner)
+
+
+def confirm_deduplication(topic: str, key: str, message_id: str, ttl: int | None) -> bool:
+    """The message was sent: hold ``key`` for ``ttl`` seconds (None: the topic's default).
+    False when the reservation had lapsed and another publish took the key."""
+    params = {
+        "topic_name": topic,
+        "deduplication_key": key,
+        "message_id": message_id,
+        "deduplication_ttl_seconds": ttl,
+    }
+    return _driver().call_rowcount("wq_confirm_deduplication", params) == 1
+
+
+def release_deduplication(topic: str, key: str, message_id: str) -> bool:
+    """Sending failed: free ``key`` at once (only ``message_id``'s own reservation)."""
+    params = {"topic_name": topic, "deduplication_key": key, "message_id": message_id}
+    return _driver().call_rowcount("wq_release_deduplication", params) == 1
+
+
 # -- operator primitives -------------------------------------------------------------------
 
 

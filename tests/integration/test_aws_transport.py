@@ -17,7 +17,7 @@ from django.core.management import call_command
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from workqueue import publish, publish_many
 from workqueue.exceptions import TopologyValidationError, UnsupportedByTransportError
-from workqueue.models import Message, Subscription, Topic, Transport
+from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
 from workqueue.operators import operations
 from workqueue.transports import transport_for
 from workqueue.transports.aws import (
@@ -260,17 +260,11 @@ def test_publish_by_name_goes_to_sns_and_reaches_the_subscription_queue(aws):
 def test_publish_refuses_what_the_aws_transport_lacks_naming_the_capability(aws):
     topic = provisioned(aws).topic
 
-    dedup = publish(topic.name, 1, deduplication_key="k")
     delayed = publish(topic.name, 1, delay_seconds=10)
     prioritised = publish(topic.name, 1, priority=5)
     plain = publish(topic.name, 1)
 
-    assert (dedup.error.code, delayed.error.code, prioritised.error.code) == (
-        "InvalidDeduplication",
-        "InvalidSchedule",
-        "InvalidPriority",
-    )
-    assert "needs supports_deduplication" in dedup.error.message
+    assert (delayed.error.code, prioritised.error.code) == ("InvalidSchedule", "InvalidPriority")
     assert "needs supports_scheduled_publish" in delayed.error.message
     assert "needs supports_priority" in prioritised.error.message
     assert plain.status == "Accepted"
@@ -485,3 +479,48 @@ def test_without_boto3_workqueue_imports_and_the_aws_transport_names_the_extra()
         "WorkQueueConfigurationError The AWS transport needs boto3: "
         "pip install django-workqueue[aws].",
     ]
+
+
+# -- publish deduplication through the Database ledger --------------------------------------
+
+
+def test_a_deduplication_key_is_reserved_sent_and_confirmed_in_the_ledger(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+
+    owner = publish(topic.name, {"n": 1}, deduplication_key="order-1", deduplication_ttl=600)
+    again = publish(topic.name, {"n": 2}, deduplication_key="order-1")
+    other = publish_many(topic, [{"payload": {"n": 3}, "deduplication_key": "order-2"}] * 2)
+
+    assert (owner.status, again.status, again.message_id) == (
+        "Accepted",
+        "Duplicate",
+        owner.message_id,
+    )
+    assert [r.status for r in other] == ["Accepted", "Duplicate"]
+    assert other[1].message_id == other[0].message_id
+    ledger = Deduplication.objects.get(topic=topic, deduplication_key="order-1")
+    assert (str(ledger.message_id), ledger.status) == (owner.message_id, "Confirmed")
+    holder = receiver(subscription)
+    got = []
+    while (found := holder.receive(10).deliveries) or not got:
+        got += found
+    assert sorted(d.payload["n"] for d in got) == [1, 3]
+
+
+def test_a_failed_send_releases_the_deduplication_key(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    settings = AwsSettings.parse(aws.configuration)
+    sns = clients_for(settings).sns
+    topic_arn = clients_for(settings).topic_arn(
+        AwsNames.of(settings.prefix, topic.name, "", False).topic
+    )
+    sns.delete_topic(TopicArn=topic_arn)  # SNS now refuses the publish
+
+    failed = publish(topic.name, {"n": 1}, deduplication_key="order-1")
+
+    assert (failed.status, failed.error.code) == ("Rejected", "TransportUnavailable")
+    assert not Deduplication.objects.filter(topic=topic, deduplication_key="order-1").exists()
+    transport_for("AWS").provision(aws, dry_run=False)
+    assert publish(topic.name, {"n": 1}, deduplication_key="order-1").status == "Accepted"

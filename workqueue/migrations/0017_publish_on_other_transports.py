@@ -6,6 +6,11 @@ reject a topic bound to a transport other than Database (or a ``Database.<varian
 of writing its messages into the queue tables: ``workqueue.publishing`` then hands them to the
 topic's own transport (the AWS transport publishes to SNS). Same parameters and result shape.
 
+New: ``wq_reserve_deduplication``, ``wq_confirm_deduplication`` and
+``wq_release_deduplication`` (runtime grant: run ``grant-runtime`` again for the hosts' and
+publishers' role), the ledger steps of a publish on a transport outside these tables: reserve
+the key, send, then confirm it or, when sending failed, release it.
+
 Reinstalls the procedures from the current files.
 """
 

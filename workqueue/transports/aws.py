@@ -21,6 +21,9 @@ calling SQS. That is weaker than the Database transport's fencing in one place: 
 between that check and SQS's answer (a stop-the-world pause longer than the safety margin) can
 still settle a message another consumer has received since.
 
+Deduplication keys use the Database ledger: the key is reserved (``wq_reserve_deduplication``),
+the message is sent, then the key is confirmed, or released when sending failed.
+
 Dead letters are moved by the receiver itself (sent to the DLQ with the reason and error as
 message attributes, then deleted), so the reason is kept; the queue's redrive policy, at one
 receive more than the subscription's ``max_attempts``, is only a backstop for a move cut short.
@@ -38,6 +41,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from workqueue import transport as procedures
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import (
     TransportUnavailableError,
@@ -731,7 +735,8 @@ class AwsTransport(BaseTransport):
     heartbeat_modes: ClassVar[frozenset[str]] = frozenset({HeartbeatMode.AUTO})
     supports_rate_limit = False
     supports_external_consumers = False
-    supports_deduplication = False
+    # Through the Database ledger: reserve, send, confirm (or release when sending failed).
+    supports_deduplication = True
     # SNS Publish has no delay, and SQS's own (at most 900 s) is per queue on FIFO queues.
     supports_scheduled_publish = False
     supports_priority = False
@@ -827,6 +832,10 @@ class AwsTransport(BaseTransport):
         )
         rows: list[dict[str, Any] | None] = [None] * len(messages)
         entries: list[tuple[int, dict[str, Any]]] = []
+        # A key a message earlier in this call reserved: the later message is its Duplicate
+        # once the earlier one is sent, as in wq_publish_many's in-order batch.
+        reserved_keys: dict[str, int] = {}
+        later_duplicates: list[tuple[int, int]] = []
         published_at = _now().isoformat()
         for index, message in enumerate(messages):
             entry, size = _sns_entry(topic, message, publisher, published_at)
@@ -839,10 +848,35 @@ class AwsTransport(BaseTransport):
                     f"attributes); SQS allows {SQS_MAX_MESSAGE_BYTES}. Store the payload "
                     "elsewhere and publish a claim-check reference instead (payload_ref).",
                 )
-            else:
-                entries.append((index, entry))
+                continue
+            key = message["deduplication_key"]
+            if key is not None and key in reserved_keys:
+                later_duplicates.append((index, reserved_keys[key]))
+                continue
+            if key is not None:
+                refusal_row = _reserve(topic.name, message)
+                if refusal_row is not None:
+                    rows[index] = refusal_row
+                    continue
+                reserved_keys[key] = index
+            entries.append((index, entry))
         for index, outcome in _publish_entries(clients, topic_arn, entries):
-            rows[index] = _row(messages[index]["message_id"], *outcome)
+            message = messages[index]
+            if message["deduplication_key"] is not None:
+                _settle_reservation(topic.name, message, sent=outcome[0] == PublishStatus.ACCEPTED)
+            rows[index] = _row(message["message_id"], *outcome)
+        for index, owner in later_duplicates:
+            owner_row = rows[owner]
+            assert owner_row is not None
+            rows[index] = (
+                _row(owner_row["message_id"], PublishStatus.DUPLICATE)
+                if owner_row["status"] == PublishStatus.ACCEPTED
+                else _row(
+                    messages[index]["message_id"],
+                    PublishStatus.REJECTED,
+                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                )
+            )
         return [row for row in rows if row is not None]
 
     # -- provisioning -----------------------------------------------------------------------
@@ -1008,6 +1042,36 @@ def _row(
     if error_message:
         row["error_message"] = error_message
     return row
+
+
+def _reserve(topic_name: str, message: dict[str, Any]) -> dict[str, Any] | None:
+    """Reserve the message's deduplication key in the Database ledger; None when reserved,
+    else the message's result row (Duplicate naming the owner, or a rejection)."""
+    status, owner = procedures.reserve_deduplication(
+        topic_name, message["deduplication_key"], message["message_id"]
+    )
+    if status == "Reserved":
+        return None
+    if status == "Duplicate" and owner is not None:
+        return _row(owner, PublishStatus.DUPLICATE)
+    if status == "TopicNotFound":
+        return _row(message["message_id"], PublishStatus.REJECTED, PublishErrorCode.TOPIC_NOT_FOUND)
+    return _row(
+        message["message_id"], PublishStatus.REJECTED, PublishErrorCode.DEDUPLICATION_PENDING
+    )
+
+
+def _settle_reservation(topic_name: str, message: dict[str, Any], *, sent: bool) -> None:
+    """Confirm the key of a sent message (for its TTL), or release it when sending failed. A
+    confirmation can find the reservation gone (it lapsed after 120 s and another publish took
+    the key): the message is out all the same, so both were sent."""
+    key, message_id = message["deduplication_key"], message["message_id"]
+    if sent:
+        procedures.confirm_deduplication(
+            topic_name, key, message_id, message["deduplication_ttl_seconds"]
+        )
+    else:
+        procedures.release_deduplication(topic_name, key, message_id)
 
 
 def _topic_refusal(topic: Any, external: bool) -> str | None:
