@@ -104,3 +104,28 @@ def test_kill_9_mid_handler_gives_the_message_back_after_its_visibility_timeout(
         ("end", second.pid, 2, message),
     ]
     wait_until(lambda: queue_is_empty(subscription), timeout=20)
+
+
+def test_work_once_takes_its_budget_from_the_queue_and_exits_0(aws, aws_endpoint, processes):
+    subscription = provisioned(aws, handler_key="tests.record")
+    for ordinal in range(3):
+        publish(subscription.topic.name, {"ordinal": ordinal})
+
+    done = processes.run(
+        "workqueue_work",
+        "-s",
+        subscription.name,
+        "--once",
+        "--max",
+        "2",
+        "--idle-exit-ms",
+        "2000",
+        **aws_endpoint.environment(),
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert "processed=2" in done.stdout
+    ends = [e for e in read_events(processes.events) if e["event"] == "end"]
+    assert len(ends) == 2
+    [stats] = operations.subscription_stats(subscription.name).subscriptions
+    assert (stats.pending, stats.in_flight) == (1, 0)
