@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.urls import reverse
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from workqueue import publish, publish_many
@@ -524,3 +525,21 @@ def test_a_failed_send_releases_the_deduplication_key(aws):
     assert not Deduplication.objects.filter(topic=topic, deduplication_key="order-1").exists()
     transport_for("AWS").provision(aws, dry_run=False)
     assert publish(topic.name, {"n": 1}, deduplication_key="order-1").status == "Accepted"
+
+
+def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):
+    SubscriptionFactory(topic=TopicFactory(transport=aws, name="adm.orders"), name="adm.orders.a")
+    prefix = aws.configuration["prefix"]
+    url = reverse("admin:workqueue_transport_changelist")
+    action = {"action": "show_provisioning", "_selected_action": [str(aws.pk)]}
+
+    shown = admin_client.post(url, action, follow=True)
+
+    said = [str(m) for m in shown.context["messages"]]
+    assert f"aws-test: would create sns-topic {prefix}-adm--orders" in said
+    assert f"aws-test: would create sqs-queue {prefix}-adm--orders--a" in " ".join(said)
+    assert transport_for("AWS").provision(aws, dry_run=True)[0].action == "create"
+
+    transport_for("AWS").provision(aws, dry_run=False)
+    again = admin_client.post(url, action, follow=True)
+    assert [str(m) for m in again.context["messages"]] == ["aws-test: no changes."]
