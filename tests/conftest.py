@@ -6,6 +6,7 @@ set earlier, by tests/settings.py; the helpers behind these fixtures are in test
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -144,3 +145,15 @@ def processes(queue_db, tmp_path: Path) -> Iterator[Any]:
     finally:
         procs.close()
         get_driver().close()
+
+
+@pytest.fixture(scope="session")
+def aws_endpoint() -> Iterator[Any]:
+    """SNS and SQS for the AWS transport: moto's standalone server on 127.0.0.1 for the whole
+    session (real AWS with WORKQUEUE_TEST_AWS_REGION set); skips when moto is not installed."""
+    from tests.support.aws import REAL_AWS_REGION, aws_endpoint, moto_server_command
+
+    if not os.environ.get(REAL_AWS_REGION) and moto_server_command() is None:
+        pytest.skip("moto[server] is not installed: pip install -r requirements.txt")
+    with aws_endpoint() as endpoint:
+        yield endpoint

@@ -117,6 +117,12 @@ class UnsupportedByTransportError(WorkQueueError):
         self.capability = capability
 
 
+class TransportUnavailableError(WorkQueueError):
+    """A transport's remote service (SNS, SQS, ...) failed or could not be reached; the client
+    library's error is kept as ``__cause__``. Consumers treat it like a database outage: they
+    log once, back off and try again."""
+
+
 class NotFoundError(WorkQueueError, LookupError):
     """A named subscription, topic or transport does not exist."""
 

@@ -20,25 +20,22 @@ work and nothing of the call is published.
 from __future__ import annotations
 
 import datetime as dt
-import random
 import re
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections
-
 from workqueue import metrics, signals
 from workqueue.conf import get_settings
-from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
-from workqueue.exceptions import InvalidInputError, InvalidMessageError, TransientDriverError
+from workqueue.exceptions import InvalidInputError, InvalidMessageError
 from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
+from workqueue.transports import BaseTransport, directory_transport
 from workqueue.types import (
     MAX_PAYLOAD_BYTES,
+    TOPIC_ON_OTHER_TRANSPORT,
     PublishError,
     PublishErrorCode,
     PublishResult,
@@ -55,7 +52,6 @@ RESERVED_ATTRIBUTE_PREFIXES = ("wq.", "wq_")
 MAX_KEY_LENGTH = 200
 MIN_DEDUP_TTL, MAX_DEDUP_TTL = 60, 2_592_000
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
-TRANSIENT_RETRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,17 +206,31 @@ def publish_many(
 
     if prepared:
         # Settings are read once per call: each read walks the environment.
-        conf = get_settings()
-        rows = _call_publish(
-            name,
-            [p for _, p in prepared],
-            _publisher(user, conf.SYSTEM_USER),
-            conf.DATABASE_ALIAS,
-            enlist,
-            external,
-        )
+        publisher = _publisher(user, get_settings().SYSTEM_USER)
+        # A topic given by name goes to the procedures first, which know every topic: one round
+        # trip for a Database topic, as before the transport seam; a topic of another
+        # transport comes back as TOPIC_ON_OTHER_TRANSPORT and is handed to its own transport.
+        transport = known.transport.transport_class() if known else directory_transport()
+        rows = _publish_on(transport, known or name, prepared, results, publisher, enlist, external)
+        if any(row["error_code"] == TOPIC_ON_OTHER_TRANSPORT for row in rows):
+            found = _topic_row(name)
+            if found is None:
+                rows = [
+                    _row(p["message_id"], PublishErrorCode.TOPIC_NOT_FOUND) for _, p in prepared
+                ]
+            else:
+                rows = _publish_on(
+                    found.transport.transport_class(),
+                    found,
+                    prepared,
+                    results,
+                    publisher,
+                    enlist,
+                    external,
+                )
         for (index, _), row in zip(prepared, rows, strict=True):
-            results[index] = _result_from_row(row)
+            if row is not None:
+                results[index] = _result_from_row(row)
     final = [r for r in results if r is not None]
     metrics.count_published(name, final)
     accepted = [r.message_id for r in final if r.accepted]
@@ -231,56 +241,70 @@ def publish_many(
     return final
 
 
-def _call_publish(
-    topic: str,
-    prepared: list[dict[str, Any]],
+def _publish_on(
+    transport: BaseTransport,
+    topic: str | Topic,
+    prepared: list[tuple[int, dict[str, Any]]],
+    results: list[PublishResult | None],
     publisher: str,
-    alias: str,
     enlist: bool,
     external: bool,
-) -> list[dict[str, Any]]:
-    driver = get_driver(alias)
-    connection = connections[alias] if enlist else None
-    if len(prepared) == 1:
-        procedure, params = (
-            "wq_publish",
-            {
-                "topic_name": topic,
-                **prepared[0],
-                "external": external,
-                "published_by": publisher,
-            },
+) -> list[dict[str, Any] | None]:
+    """Publish ``prepared`` through ``transport``: one row per prepared message, None where
+    the transport lacks a capability the message asks for (its rejection then goes straight
+    into ``results``)."""
+    if enlist and not transport.supports_enlisted_publish:
+        # Like a database error in an enlisted publish, a bad call rather than a rejection.
+        transport.require(
+            "supports_enlisted_publish", "An enlisted publish", _transport_name(topic)
         )
-    else:
-        procedure, params = (
-            "wq_publish_many",
-            {
-                "topic_name": topic,
-                "messages": prepared,
-                "external": external,
-                "published_by": publisher,
-            },
-        )
-    for attempt in range(1, TRANSIENT_RETRIES + 2):
-        try:
-            return driver.call(procedure, params, connection=connection)
-        except TransientDriverError:
-            # An enlisted publish shares the caller's transaction, which is now aborted: only
-            # the caller can retry it. On our own connection the whole call simply re-runs.
-            if enlist:
-                raise
-            if attempt > TRANSIENT_RETRIES:
-                # Still busy after the retries: each message is rejected as retryable.
-                return [
-                    {
-                        "message_id": p["message_id"],
-                        "status": PublishStatus.REJECTED,
-                        "error_code": PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                    }
-                    for p in prepared
-                ]
-            time.sleep((20 * attempt + random.uniform(0, 80)) / 1000)
-    raise AssertionError("unreachable")
+    sendable: list[dict[str, Any]] = []
+    for index, message in prepared:
+        problem = _capability_problem(transport, message, _transport_name(topic))
+        if problem is None:
+            sendable.append(message)
+        else:
+            results[index] = _rejected(problem)
+    sent = iter(
+        transport.publish(topic, sendable, publisher=publisher, enlist=enlist, external=external)
+        if sendable
+        else []
+    )
+    return [None if results[index] is not None else next(sent) for index, _ in prepared]
+
+
+def _transport_name(topic: str | Topic) -> str:
+    return topic if isinstance(topic, str) else topic.transport.name
+
+
+#: What a message may ask for only on a transport with the capability: the flag, the field
+#: that asks, and the rejection's code.
+_CAPABILITY_RULES = (
+    ("supports_deduplication", "deduplication_key", PublishErrorCode.INVALID_DEDUPLICATION),
+    ("supports_scheduled_publish", "not_before", PublishErrorCode.INVALID_SCHEDULE),
+    ("supports_scheduled_publish", "delay_seconds", PublishErrorCode.INVALID_SCHEDULE),
+    ("supports_priority", "priority", PublishErrorCode.INVALID_PRIORITY),
+)
+
+
+def _capability_problem(
+    transport: BaseTransport, message: dict[str, Any], transport_name: str
+) -> PublishError | None:
+    for flag, field, code in _CAPABILITY_RULES:
+        if message[field] not in (None, 0) and not getattr(transport, flag):
+            return PublishError(code, transport.refusal(flag, field, transport_name))
+    return None
+
+
+def _row(message_id: str, code: str) -> dict[str, Any]:
+    return {"message_id": message_id, "status": PublishStatus.REJECTED, "error_code": code}
+
+
+def _topic_row(name: str) -> Topic | None:
+    # Imported here: publishing reads topology only on this path (layering rule 6).
+    from workqueue.models import Topic
+
+    return Topic.objects.select_related("transport").filter(name=name.strip().lower()).first()
 
 
 _ERROR_TEXT = {
@@ -309,7 +333,8 @@ _ERROR_TEXT = {
 
 def _result_from_row(row: Mapping[str, Any]) -> PublishResult:
     code = row["error_code"]
-    error = PublishError(code, _ERROR_TEXT.get(code, code)) if code else None
+    text = row.get("error_message") or _ERROR_TEXT.get(code, code)
+    error = PublishError(code, text) if code else None
     return PublishResult(row["message_id"], row["status"], error)
 
 

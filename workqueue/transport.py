@@ -9,15 +9,20 @@ completion explicitly given the caller's connection (``context.complete(enlist=T
 from __future__ import annotations
 
 import os
+import random
 import socket
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from django.db import connections
+
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import BaseDriver, QueueTableSize, SparseIndex, VacuumHorizon
+from workqueue.exceptions import TransientDriverError
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
@@ -29,6 +34,8 @@ from workqueue.types import (
     ExpiredDeadLetter,
     LeaseExtension,
     PartitionItem,
+    PublishErrorCode,
+    PublishStatus,
     SettleOutcome,
     SettleResult,
 )
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
 
 EXPIRE_BATCH_SIZE = 500
 BACKLOG_CAP = 1000
+TRANSIENT_RETRIES = 3
 
 
 def _driver() -> BaseDriver:
@@ -200,6 +208,93 @@ class Receiver:
 
 def _fence(delivery: ClaimedDelivery) -> dict[str, str]:
     return {"delivery_id": delivery.delivery_id, "lease_token": delivery.lease_token}
+
+
+# -- publishing --------------------------------------------------------------------------
+
+
+def publish(
+    topic: str,
+    prepared: list[dict[str, Any]],
+    publisher: str,
+    alias: str,
+    enlist: bool,
+    external: bool,
+) -> list[dict[str, Any]]:
+    """Hand validated messages (``publishing``'s parameters for each) to ``wq_publish`` or, for
+    several, ``wq_publish_many``: one round trip, one row per message (message_id, status,
+    error_code), retried whole on a transient failure unless it is enlisted."""
+    driver = get_driver(alias)
+    connection = connections[alias] if enlist else None
+    if len(prepared) == 1:
+        procedure, params = (
+            "wq_publish",
+            {
+                "topic_name": topic,
+                **prepared[0],
+                "external": external,
+                "published_by": publisher,
+            },
+        )
+    else:
+        procedure, params = (
+            "wq_publish_many",
+            {
+                "topic_name": topic,
+                "messages": prepared,
+                "external": external,
+                "published_by": publisher,
+            },
+        )
+    for attempt in range(1, TRANSIENT_RETRIES + 2):
+        try:
+            return driver.call(procedure, params, connection=connection)
+        except TransientDriverError:
+            # An enlisted publish shares the caller's transaction, which is now aborted: only
+            # the caller can retry it. On our own connection the whole call simply re-runs.
+            if enlist:
+                raise
+            if attempt > TRANSIENT_RETRIES:
+                # Still busy after the retries: each message is rejected as retryable.
+                return [
+                    {
+                        "message_id": p["message_id"],
+                        "status": PublishStatus.REJECTED,
+                        "error_code": PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                    }
+                    for p in prepared
+                ]
+            time.sleep((20 * attempt + random.uniform(0, 80)) / 1000)
+    raise AssertionError("unreachable")
+
+
+def reserve_deduplication(topic: str, key: str, message_id: str) -> tuple[str, str | None]:
+    """Reserve ``key`` on ``topic`` for ``message_id`` before another transport sends it:
+    (Reserved | Duplicate | Pending | TopicNotFound, the owner's message id)."""
+    row = _driver().call_one(
+        "wq_reserve_deduplication",
+        {"topic_name": topic, "deduplication_key": key, "message_id": message_id},
+    )
+    owner = row["owner_message_id"]
+    return row["status"], None if owner is None else str(owner)
+
+
+def confirm_deduplication(topic: str, key: str, message_id: str, ttl: int | None) -> bool:
+    """The message was sent: hold ``key`` for ``ttl`` seconds (None: the topic's default).
+    False when the reservation had lapsed and another publish took the key."""
+    params = {
+        "topic_name": topic,
+        "deduplication_key": key,
+        "message_id": message_id,
+        "deduplication_ttl_seconds": ttl,
+    }
+    return _driver().call_rowcount("wq_confirm_deduplication", params) == 1
+
+
+def release_deduplication(topic: str, key: str, message_id: str) -> bool:
+    """Sending failed: free ``key`` at once (only ``message_id``'s own reservation)."""
+    params = {"topic_name": topic, "deduplication_key": key, "message_id": message_id}
+    return _driver().call_rowcount("wq_release_deduplication", params) == 1
 
 
 # -- operator primitives -------------------------------------------------------------------

@@ -91,6 +91,12 @@ class PublishErrorCode(models.TextChoices):
     TRANSPORT_UNAVAILABLE = "TransportUnavailable"
 
 
+#: What the Database transport's publish procedures answer for a topic bound to another
+#: transport: not a result callers see, since ``publishing`` then hands the message to the
+#: topic's own transport.
+TOPIC_ON_OTHER_TRANSPORT = "TopicOnOtherTransport"
+
+
 RETRYABLE_PUBLISH_ERRORS = frozenset(
     {PublishErrorCode.DEDUPLICATION_PENDING, PublishErrorCode.TRANSPORT_UNAVAILABLE}
 )

@@ -748,9 +748,9 @@ def test_interleaved_ordered_publishers_commit_each_keys_ordinals_in_order(monke
     order, so this must not deadlock). Transient retries are switched off so that a deadlock or
     lock timeout would show up as a rejected publish.
     """
-    from workqueue import publishing
+    from workqueue import transport
 
-    monkeypatch.setattr(publishing, "TRANSIENT_RETRIES", 0)
+    monkeypatch.setattr(transport, "TRANSIENT_RETRIES", 0)
     topic = TopicFactory()
     sub = SubscriptionFactory(topic=topic, partition_mode="Ordered")
     rounds = 25

@@ -22,7 +22,8 @@ from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Message
-from workqueue.publishing import TRANSIENT_RETRIES, OutgoingMessage
+from workqueue.publishing import OutgoingMessage
+from workqueue.transport import TRANSIENT_RETRIES
 from workqueue.types import PublishResult
 
 pytestmark = pytest.mark.usefixtures("queue_db")

@@ -19,7 +19,9 @@ from workqueue.transports import register_transport, unregister_transport
 from workqueue.transports.database import DatabaseTransport
 from workqueue.types import HeartbeatMode
 
-LIMITED = "Limited"
+# A variant of the Database transport: the publish procedures keep the messages of driver
+# classes named "Database.<variant>" in the queue tables.
+LIMITED = "Database.limited"
 
 
 class LimitedReceiver(Receiver):
@@ -36,7 +38,7 @@ class LimitedTransport(DatabaseTransport):
     """No Ordered partitions, Manual heartbeats, rate limits, replay, cancel, partition
     listing or bulk discard of Pending deliveries."""
 
-    name: ClassVar[str] = LIMITED
+    name: ClassVar[str] = "Limited"
 
     supports_ordered = False
     heartbeat_modes: ClassVar[frozenset[str]] = frozenset({HeartbeatMode.AUTO})

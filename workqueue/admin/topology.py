@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+from django.db.models import QuerySet
+from django.http import HttpRequest
 
 from workqueue.admin.recovery import DeadLetterRecoveryMixin, recover_dead_letters
-from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
 from workqueue.models import Subscription, Topic, Transport
 
 
@@ -43,9 +45,35 @@ class TopologyForm(forms.ModelForm):
         super().add_error(field, error)
 
 
+@admin.action(description="Show what provisioning would change (dry run)")
+def show_provisioning(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> None:
+    """``manage.py workqueue provision --dry-run`` for the selected transports: each resource
+    that would be created or updated, or that nothing would change. Creates nothing."""
+    # Imported here: the admin reaches operators only when an action runs.
+    from workqueue.operators.topology import provision
+
+    for row in queryset.order_by("name"):
+        try:
+            report = provision(row.name, dry_run=True)
+        except WorkQueueError as exc:
+            modeladmin.message_user(request, f"{row.name}: {exc}", messages.ERROR)
+            continue
+        changes = [c for c in report.changes.get(row.name, []) if c.action != "keep"]
+        if not changes:
+            modeladmin.message_user(request, f"{row.name}: no changes.", messages.SUCCESS)
+        for change in changes:
+            detail = f" ({change.detail})" if change.detail else ""
+            modeladmin.message_user(
+                request,
+                f"{row.name}: would {change.action} {change.kind} {change.name}{detail}",
+                messages.WARNING,
+            )
+
+
 @admin.register(Transport)
 class TransportAdmin(admin.ModelAdmin):
     form = TopologyForm
+    actions = [show_provisioning]
     list_display = ("name", "driver_class", "status", "description")
     list_filter = ("status", "driver_class")
     search_fields = ("name", "description")

@@ -123,4 +123,52 @@ class RetireSubscriptionVerb(Verb):
             command.stdout.write(to_json(dataclasses.asdict(report)))
 
 
-TOPOLOGY_VERBS = [SyncTopologyVerb, RetireSubscriptionVerb]
+class ProvisionVerb(Verb):
+    name = "provision"
+    help = (
+        "Create or update the cloud resources (SNS topics, SQS queues, subscriptions) of the "
+        "topics and subscriptions on cloud transports; idempotent."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--transport", help="Only this transport (by name).")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Print what would change; create nothing."
+        )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.exceptions import NotFoundError, WorkQueueError
+        from workqueue.operators.topology import provision
+
+        try:
+            report = provision(options["transport"], dry_run=options["dry_run"])
+        except (NotFoundError, WorkQueueError) as exc:
+            raise CommandError(str(exc)) from exc
+        if options["json"]:
+            command.stdout.write(
+                to_json(
+                    {
+                        "dry_run": report.dry_run,
+                        "changes": {
+                            name: [dataclasses.asdict(c) for c in found]
+                            for name, found in report.changes.items()
+                        },
+                    }
+                )
+            )
+            return
+        for name, found in report.changes.items():
+            for change in found:
+                detail = f" ({change.detail})" if change.detail else ""
+                command.stdout.write(f"{_MARK[change.action]} {change.kind} {change.name}{detail}")
+            if not found:
+                command.stdout.write(f"Nothing to provision for {name}.")
+            elif all(c.action == "keep" for c in found):
+                command.stdout.write(f"No changes: the resources of {name} match its topology.")
+        if report.writes and report.dry_run:
+            command.stdout.write(f"Dry run: {report.writes} change(s), nothing created.")
+        elif report.writes:
+            command.stdout.write(f"Applied {report.writes} change(s).")
+
+
+TOPOLOGY_VERBS = [SyncTopologyVerb, RetireSubscriptionVerb, ProvisionVerb]

@@ -133,6 +133,28 @@ PROCEDURES: dict[str, Procedure] = {
             ResultKind.ONE,
         ),
         # Rate limits
+        # Deduplication for transports outside these tables: reserve, send, confirm or release
+        Procedure(
+            "wq_reserve_deduplication",
+            _p("topic_name:text, deduplication_key:text, message_id:uuid"),
+            _c("status, owner_message_id:uuid"),
+            ResultKind.ONE,
+        ),
+        Procedure(
+            "wq_confirm_deduplication",
+            _p(
+                "topic_name:text, deduplication_key:text, message_id:uuid, "
+                "deduplication_ttl_seconds:int"
+            ),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+        ),
+        Procedure(
+            "wq_release_deduplication",
+            _p("topic_name:text, deduplication_key:text, message_id:uuid"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+        ),
         Procedure(
             "wq_take_rate_tokens",
             _p("subscription_id:uuid, wanted:int"),

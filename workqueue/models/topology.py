@@ -201,6 +201,9 @@ class Transport(TopologyModel):
                     f"choose one of: {', '.join(driver_names())}."
                 }
             )
+        problem = self.transport_class.configuration_problem(self.configuration)
+        if problem is not None:
+            raise ValidationError({"configuration": problem})
 
 
 def _supports_external(transport: Transport) -> bool:
@@ -371,6 +374,17 @@ class Subscription(TopologyModel):
             _require_json_object(self.binding_config, "binding_config")
         except ValidationError as exc:
             errors.update({k: v[0] for k, v in exc.message_dict.items()})
+        transport = self._transport()
+        if transport is not None and "filter" not in errors:
+            try:
+                transport_class = transport.transport_class
+            except WorkQueueConfigurationError:
+                pass  # an unregistered driver is refused on the transport's own row
+            else:
+                for field, problem in transport_class.subscription_field_problems(
+                    self, transport.configuration
+                ).items():
+                    errors.setdefault(field, problem)
         mode_error = self.partition_mode_change_error(using)
         if mode_error:
             errors["partition_mode"] = mode_error

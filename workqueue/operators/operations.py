@@ -252,12 +252,14 @@ def queue_gauges(*, actor: Actor = CLI) -> list[QueueGauges]:
     require(actor, READ)
     cap = get_settings().METRICS_COUNT_CAP
     gauges = []
-    for subscription_id, name in Subscription.objects.order_by("name").values_list("id", "name"):
+    for subscription in Subscription.objects.order_by("name").select_related("topic__transport"):
+        name = subscription.name
         if actor.subscriptions and name not in actor.subscriptions:
             continue
         try:
-            row = transport.queue_gauges(str(subscription_id), cap)
-            backlog = transport.backlog(str(subscription_id))
+            found = _transport_of(subscription)
+            row = found.queue_gauges(str(subscription.id), cap)
+            backlog = found.backlog(str(subscription.id))
         except WorkQueueError:
             continue
         if row is None or backlog is None:

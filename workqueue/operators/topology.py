@@ -30,7 +30,8 @@ from django.db.models import Model, ProtectedError
 from django.utils.module_loading import import_string
 
 from workqueue.conf import get_settings
-from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
+from workqueue.exceptions import NotFoundError, WorkQueueConfigurationError, WorkQueueError
+from workqueue.transports.base import ProvisionChange
 
 #: Fields a declaration may not set: ids are the database's, names are the declaration's keys.
 _NOT_DECLARABLE = {"id", "name"}
@@ -251,3 +252,33 @@ def _delete_blocker(row: Model, kind: str) -> str | None:
     if Message.objects.filter(topic=row).exists():
         return "it still has messages (retention purges them)"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionReport:
+    """What ``provision`` did (or, on a dry run, would do), by transport name."""
+
+    dry_run: bool
+    changes: dict[str, list[ProvisionChange]]
+
+    @property
+    def writes(self) -> int:
+        return sum(c.action != "keep" for found in self.changes.values() for c in found)
+
+
+def provision(transport_name: str | None = None, *, dry_run: bool = False) -> ProvisionReport:
+    """Create or update the cloud resources of every Active transport (or the one named) for
+    its topics and subscriptions: SNS topics, SQS queues and subscriptions on AWS; nothing on
+    the Database transport, whose tables the migrations create."""
+    # Imported here: topology is read only when called (keeps imports cheap).
+    from workqueue.models import Transport
+
+    rows = Transport.objects.order_by("name")
+    if transport_name is not None:
+        rows = rows.filter(name=transport_name)
+        if not rows.exists():
+            raise NotFoundError(f"No transport is named {transport_name!r}.")
+    else:
+        rows = rows.filter(status="Active")
+    changes = {row.name: row.transport_class().provision(row, dry_run=dry_run) for row in rows}
+    return ProvisionReport(dry_run, changes)

@@ -19,6 +19,7 @@ from workqueue.transports.base import BaseTransport, TransportReceiver
 __all__ = [
     "BaseTransport",
     "TransportReceiver",
+    "directory_transport",
     "driver_names",
     "register_transport",
     "transport_class",
@@ -28,6 +29,8 @@ __all__ = [
 
 _REGISTRY: dict[str, str | type[BaseTransport]] = {
     "Database": "workqueue.transports.database.DatabaseTransport",
+    # Loaded on first use: boto3 is the optional extra "aws".
+    "AWS": "workqueue.transports.aws.AwsTransport",
 }
 
 
@@ -70,3 +73,10 @@ def transport_class(driver_class: str) -> type[BaseTransport]:
 def transport_for(driver_class: str) -> BaseTransport:
     """An instance of the transport ``driver_class`` names (transports hold no state)."""
     return transport_class(driver_class)()
+
+
+def directory_transport() -> BaseTransport:
+    """The transport to hand a publish by topic name: the Database transport's procedures
+    know every topic, publish a Database topic's messages in the same round trip, and answer
+    ``TOPIC_ON_OTHER_TRANSPORT`` for a topic of any other transport."""
+    return transport_for("Database")

@@ -10,6 +10,7 @@ the Database transport uses it, other transports need not.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from workqueue.exceptions import UnsupportedByTransportError
@@ -28,6 +29,17 @@ if TYPE_CHECKING:
         PartitionItem,
         SettleResult,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionChange:
+    """One cloud resource ``manage.py workqueue provision`` created, changed or found as it
+    should be (``action`` create | update | keep), or would on a dry run."""
+
+    action: str
+    kind: str
+    name: str
+    detail: str = ""
 
 
 class TransportReceiver(Protocol):
@@ -104,6 +116,9 @@ class BaseTransport:
     supports_scheduled_publish: ClassVar[bool] = False
     #: ``priority`` other than 0 on publish.
     supports_priority: ClassVar[bool] = False
+    #: ``publish(..., enlist=True)``: the publish commits or rolls back with the caller's
+    #: database transaction.
+    supports_enlisted_publish: ClassVar[bool] = False
     # -- capabilities: what an operator may do ------------------------------------------------
     #: Replaying dead letters (one by one and in bulk).
     supports_replay: ClassVar[bool] = False
@@ -113,6 +128,10 @@ class BaseTransport:
     supports_partition_listing: ClassVar[bool] = False
     #: Bulk discard of Pending deliveries by filter.
     supports_bulk_discard_pending: ClassVar[bool] = False
+
+    #: How this transport legitimately differs in the conformance suite beyond its flags
+    #: (``workqueue.testing.conformance.TransportTraits`` fields and their values).
+    conformance_traits: ClassVar[dict[str, Any]] = {}
 
     #: Which flag each partition mode needs (None needs nothing).
     PARTITION_MODE_FLAGS: ClassVar[dict[str, str]] = {
@@ -159,6 +178,21 @@ class BaseTransport:
         return None
 
     @classmethod
+    def configuration_problem(cls, configuration: dict[str, Any] | None) -> str | None:
+        """Why ``Transport.configuration`` cannot configure this transport (None when it can);
+        the text names the key and the fix. Checked whenever a Transport row is saved."""
+        return None
+
+    @classmethod
+    def subscription_field_problems(
+        cls, subscription: Any, configuration: dict[str, Any] | None
+    ) -> dict[str, str]:
+        """Problems, by field, that stop this transport from carrying ``subscription`` at all
+        (a filter it cannot express, a name too long for its resources); checked whenever the
+        subscription is saved. What the host merely cannot run is ``subscription_problem``."""
+        return {}
+
+    @classmethod
     def capabilities(cls) -> dict[str, Any]:
         """Every capability flag and its value (for docs, the admin and ``validate-bindings``)."""
         found: dict[str, Any] = {}
@@ -168,6 +202,30 @@ class BaseTransport:
                     value = getattr(cls, key)
                     found[key] = sorted(value) if isinstance(value, frozenset) else value
         return found
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def publish(
+        self,
+        topic: Any,
+        messages: list[dict[str, Any]],
+        *,
+        publisher: str,
+        enlist: bool,
+        external: bool,
+    ) -> list[dict[str, Any]]:
+        """Publish validated messages (``workqueue.publishing``'s parameters for each) to
+        ``topic`` (a ``Topic`` row of this transport); one row per message, in order, with
+        ``message_id``, ``status``, ``error_code`` and optionally ``error_message``."""
+        raise NotImplementedError
+
+    # -- provisioning --------------------------------------------------------------------------
+
+    def provision(self, transport: Any, *, dry_run: bool) -> list[ProvisionChange]:
+        """Create or update the resources the topics and subscriptions of ``transport`` (a
+        ``Transport`` row of this transport) need; with ``dry_run`` only report what would
+        change. Idempotent: a second run reports only ``keep``."""
+        return []
 
     # -- consuming -----------------------------------------------------------------------------
 
@@ -180,6 +238,11 @@ class BaseTransport:
         raise NotImplementedError
 
     def backlog(self, subscription_id: str) -> Backlog | None:
+        raise NotImplementedError
+
+    def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:
+        """A metrics scrape's counts (``pending``, ``in_flight``, ``dead_lettered``,
+        ``blocked_keys``, ``oldest_pending_age_seconds``), each at most ``cap``."""
         raise NotImplementedError
 
     def list_dead_letters(

@@ -1,13 +1,19 @@
 """The Database transport: messages in this database's queue tables, every write a ``wq_*``
 procedure. The procedures' typed wrappers stay in ``workqueue.transport`` (the receiver a
 consumer holds is ``workqueue.transport.Receiver`` itself, unwrapped, so the claim and settle
-path does exactly the work it did before the seam)."""
+path does exactly the work it did before the seam).
+
+The publish procedures keep in the queue tables the messages of topics whose transport's
+driver class is ``Database`` or a variant of it named ``Database.<variant>`` (a subclass that
+switches capabilities off, say); for any other driver class they answer
+``TOPIC_ON_OTHER_TRANSPORT`` and write nothing."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 from workqueue import transport as procedures
+from workqueue.conf import get_settings
 from workqueue.transports.base import BaseTransport
 from workqueue.types import Backlog, DeadLetterItem, DiscardResult, HeartbeatMode, PartitionItem
 
@@ -25,10 +31,26 @@ class DatabaseTransport(BaseTransport):
     supports_deduplication = True
     supports_scheduled_publish = True
     supports_priority = True
+    supports_enlisted_publish = True
     supports_replay = True
     supports_cancel = True
     supports_partition_listing = True
     supports_bulk_discard_pending = True
+
+    def publish(
+        self,
+        topic: Any,
+        messages: list[dict[str, Any]],
+        *,
+        publisher: str,
+        enlist: bool,
+        external: bool,
+    ) -> list[dict[str, Any]]:
+        # ``topic`` is a name or a Topic: the procedures look the topic up themselves.
+        name = topic if isinstance(topic, str) else topic.name
+        return procedures.publish(
+            name, messages, publisher, get_settings().DATABASE_ALIAS, enlist, external
+        )
 
     def receiver(self, subscription_id: str, lease_owner: str | None = None) -> procedures.Receiver:
         return procedures.Receiver(subscription_id, lease_owner)
@@ -38,6 +60,9 @@ class DatabaseTransport(BaseTransport):
 
     def backlog(self, subscription_id: str) -> Backlog | None:
         return procedures.backlog(subscription_id)
+
+    def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:
+        return procedures.queue_gauges(subscription_id, cap)
 
     def list_dead_letters(
         self, subscription_id: str, after_delivery_id: str | None, page_size: int

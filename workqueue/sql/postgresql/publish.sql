@@ -41,6 +41,8 @@ $$;
 -- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the
 -- message that already owns the deduplication key), the status (Accepted | Duplicate | Rejected)
 -- and an error code for rejections. Nothing is written unless the status is Accepted.
+-- A topic bound to a transport other than Database (or a 'Database.<variant>') is Rejected with
+-- TopicOnOtherTransport (checked right after TopicNotFound): its messages do not live here.
 -- The deliveries become due at p_not_before (a past time means now) or p_delay_seconds from
 -- now (give one or neither), at most the topic's retention ahead, else InvalidSchedule: a
 -- delivery must not outlive the message retention keeps for it. p_priority (-100..100, NULL
@@ -81,7 +83,7 @@ DECLARE
     v_attempt integer := 0;
     v_due timestamptz;
 BEGIN
-    SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
+    SELECT t.id, t.status AS topic_status, tr.status AS transport_status, tr.driver_class,
            t.allow_external_publish, t.max_payload_bytes, t.default_deduplication_ttl_seconds,
            t.retention_days
       INTO v_topic
@@ -90,6 +92,13 @@ BEGIN
      WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text;
+        RETURN;
+    END IF;
+    -- Another transport's messages do not live in these tables: the caller hands the message
+    -- to the topic's own transport (see workqueue.publishing). Variants of the Database
+    -- transport (driver class 'Database.<variant>') keep theirs here.
+    IF v_topic.driver_class <> 'Database' AND v_topic.driver_class NOT LIKE 'Database.%' THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport'::text;
         RETURN;
     END IF;
     IF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
@@ -332,7 +341,7 @@ DECLARE
     v_codes text[];
     v_fanout bigint;
 BEGIN
-    SELECT t.id, t.status AS topic_status, tr.status AS transport_status,
+    SELECT t.id, t.status AS topic_status, tr.status AS transport_status, tr.driver_class,
            t.allow_external_publish, t.max_payload_bytes, t.retention_days
       INTO v_topic
       FROM workqueue_topic t
@@ -340,6 +349,8 @@ BEGIN
      WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN
         v_topic_error := 'TopicNotFound';
+    ELSIF v_topic.driver_class <> 'Database' AND v_topic.driver_class NOT LIKE 'Database.%' THEN
+        v_topic_error := 'TopicOnOtherTransport';
     ELSIF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
         v_topic_error := 'TopicDisabled';
     ELSIF p_external AND NOT v_topic.allow_external_publish THEN
@@ -493,5 +504,128 @@ BEGIN
          WHERE r.code IS NULL AND NOT r.accepted AND s.id = r.id
       ) m ON true
      ORDER BY r.idx;
+END;
+$$;
+
+-- wq_reserve_deduplication --
+-- Reserve a topic's deduplication key for a message a transport outside these tables is about
+-- to send (the AWS transport): the first step of reserve, send, confirm (or release). Returns
+-- one row: status Reserved (this message holds the key for 120 s), Duplicate (a confirmed
+-- owner holds it; owner_message_id names it, this message's own id when it was confirmed
+-- before), Pending (another message's live reservation holds it: publish again shortly) or
+-- TopicNotFound. The key is taken as wq_publish takes it: when free, when its window has
+-- passed, or when this same message reserved it before (a retry after a crash).
+CREATE OR REPLACE FUNCTION wq_reserve_deduplication(
+    p_topic_name text,
+    p_deduplication_key text,
+    p_message_id uuid
+)
+RETURNS TABLE (status text, owner_message_id uuid)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_topic_id uuid;
+    v_owner uuid;
+    v_owner_status text;
+    v_attempt integer := 0;
+BEGIN
+    SELECT t.id INTO v_topic_id
+      FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'TopicNotFound'::text, NULL::uuid;
+        RETURN;
+    END IF;
+    LOOP
+        v_attempt := v_attempt + 1;
+        INSERT INTO workqueue_deduplication AS d
+               (id, topic_id, deduplication_key, message_id, status, expires_at)
+        VALUES (gen_random_uuid(), v_topic_id, p_deduplication_key, p_message_id,
+                'Reserved', now() + interval '120 seconds')
+        ON CONFLICT ON CONSTRAINT wq_dedup_topic_key_uq DO UPDATE
+           SET message_id = EXCLUDED.message_id, status = 'Reserved',
+               expires_at = EXCLUDED.expires_at
+         WHERE d.expires_at <= now()
+            OR (d.status = 'Reserved' AND d.message_id = EXCLUDED.message_id)
+        RETURNING d.message_id INTO v_owner;
+        IF v_owner IS NOT NULL THEN
+            RETURN QUERY SELECT 'Reserved'::text, v_owner;
+            RETURN;
+        END IF;
+        SELECT d.message_id, d.status INTO v_owner, v_owner_status
+          FROM workqueue_deduplication d
+         WHERE d.topic_id = v_topic_id AND d.deduplication_key = p_deduplication_key
+           AND d.expires_at > now();
+        IF FOUND AND v_owner_status = 'Confirmed' THEN
+            RETURN QUERY SELECT 'Duplicate'::text, v_owner;
+            RETURN;
+        ELSIF FOUND THEN
+            RETURN QUERY SELECT 'Pending'::text, v_owner;
+            RETURN;
+        ELSIF v_attempt >= 3 THEN
+            RETURN QUERY SELECT 'Pending'::text, NULL::uuid;
+            RETURN;
+        END IF;
+        -- The owner vanished between the two statements: try to take the key again.
+    END LOOP;
+END;
+$$;
+
+-- wq_confirm_deduplication --
+-- The message that reserved a deduplication key was sent: hold the key for
+-- p_deduplication_ttl_seconds (NULL: the topic's default) from now. Affects one row, or none
+-- when the reservation is no longer this message's (it lapsed and another publish took it).
+CREATE OR REPLACE FUNCTION wq_confirm_deduplication(
+    p_topic_name text,
+    p_deduplication_key text,
+    p_message_id uuid,
+    p_deduplication_ttl_seconds integer
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    UPDATE workqueue_deduplication d
+       SET status = 'Confirmed',
+           expires_at = now() + make_interval(
+               secs => COALESCE(p_deduplication_ttl_seconds, t.default_deduplication_ttl_seconds))
+      FROM workqueue_topic t
+     WHERE t.name = lower(btrim(p_topic_name)) AND d.topic_id = t.id
+       AND d.deduplication_key = p_deduplication_key AND d.message_id = p_message_id;
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN QUERY SELECT v_count;
+END;
+$$;
+
+-- wq_release_deduplication --
+-- Sending the message that reserved a deduplication key failed: free the key at once, so a
+-- retry need not wait out the reservation. Only this message's reservation is removed (never a
+-- confirmed key); affects one row or none.
+CREATE OR REPLACE FUNCTION wq_release_deduplication(
+    p_topic_name text,
+    p_deduplication_key text,
+    p_message_id uuid
+)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count integer;
+BEGIN
+    DELETE FROM workqueue_deduplication d
+     USING workqueue_topic t
+     WHERE t.name = lower(btrim(p_topic_name)) AND d.topic_id = t.id
+       AND d.deduplication_key = p_deduplication_key AND d.message_id = p_message_id
+       AND d.status = 'Reserved';
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    RETURN QUERY SELECT v_count;
 END;
 $$;

@@ -145,6 +145,7 @@ BEGIN
     DECLARE @topic_uuid uniqueidentifier;
     DECLARE @topic_status nvarchar(20);
     DECLARE @transport_status nvarchar(20);
+    DECLARE @driver_class nvarchar(100);
     DECLARE @allow_external bit;
     DECLARE @max_payload_bytes int;
     DECLARE @default_ttl int;
@@ -164,6 +165,7 @@ BEGIN
     SELECT @topic_key = t.id,
            @topic_status = t.status,
            @transport_status = tr.status,
+           @driver_class = tr.driver_class,
            @allow_external = t.allow_external_publish,
            @max_payload_bytes = t.max_payload_bytes,
            @default_ttl = t.default_deduplication_ttl_seconds,
@@ -175,6 +177,14 @@ BEGIN
     IF @topic_key IS NULL
     BEGIN
         SET @out_error_code = N'TopicNotFound';
+        RETURN;
+    END;
+    -- Another transport's messages do not live in these tables: the caller hands the message
+    -- to the topic's own transport (see workqueue.publishing). Variants of the Database
+    -- transport (driver class 'Database.<variant>') keep theirs here.
+    IF @driver_class <> N'Database' AND @driver_class NOT LIKE N'Database.%'
+    BEGIN
+        SET @out_error_code = N'TopicOnOtherTransport';
         RETURN;
     END;
     IF @topic_status <> N'Active' OR @transport_status <> N'Active'
@@ -376,10 +386,11 @@ GO
 -- Publish one message in one call and one transaction. Returns exactly one row: the message id
 -- (for a Duplicate by deduplication key, the id of the message that owns the key), the status
 -- Accepted | Duplicate | Rejected, and an error code for rejections (TopicNotFound,
--- TopicDisabled, TopicNotExternallyPublishable, InvalidPriority, InvalidSchedule,
--- PayloadTooLarge, DeduplicationPending, MessageIDConflict, TransportUnavailable). The
--- deliveries are due at @not_before or @delay_seconds from now (one or neither, at most the
--- topic's retention ahead) and carry @priority (-100..100, NULL means 0) for wq_claim.
+-- TopicOnOtherTransport for a topic on a transport other than Database.*, TopicDisabled,
+-- TopicNotExternallyPublishable, InvalidPriority, InvalidSchedule, PayloadTooLarge,
+-- DeduplicationPending, MessageIDConflict, TransportUnavailable). The deliveries are due at
+-- @not_before or @delay_seconds from now (one or neither, at most the topic's retention ahead)
+-- and carry @priority (-100..100, NULL means 0) for wq_claim.
 -- Nothing is written unless the status is Accepted;
 -- a re-publish of an existing id with the same canonical envelope is a Duplicate.
 -- @external and @published_by are the application's word (whether the message came in over the
@@ -611,5 +622,150 @@ BEGIN
     SELECT r.item_index, r.message_id, r.status, r.error_code
       FROM @results AS r
      ORDER BY r.item_index;
+END;
+GO
+
+-- wq_reserve_deduplication --
+-- Reserve a topic's deduplication key for a message a transport outside these tables is about
+-- to send (the AWS transport): the first step of reserve, send, confirm (or release). Returns
+-- one row: status Reserved (this message holds the key for 120 s), Duplicate (a confirmed
+-- owner holds it; owner_message_id names it, this message's own id when it was confirmed
+-- before), Pending (another message's live reservation holds it: publish again shortly) or
+-- TopicNotFound. The key is taken as wq_publish takes it: when free, when its window has
+-- passed, or when this same message reserved it before (a retry after a crash).
+-- returns: status, owner_message_id
+CREATE OR ALTER PROCEDURE dbo.wq_reserve_deduplication
+    @topic_name nvarchar(4000),
+    @deduplication_key nvarchar(4000),
+    @message_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @message_key char(32) = dbo.wq_uuid_text(@message_id);
+    DECLARE @topic_key char(32);
+    DECLARE @owner TABLE (message_id char(32));
+    DECLARE @owner_key char(32);
+    DECLARE @owner_status nvarchar(20);
+    DECLARE @status nvarchar(20);
+
+    SELECT @topic_key = t.id
+      FROM dbo.workqueue_topic AS t
+     WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)));
+
+    IF @topic_key IS NULL
+        SET @status = N'TopicNotFound';
+    ELSE
+    BEGIN
+        BEGIN TRANSACTION;
+        -- HOLDLOCK keeps the key range locked until commit, so the owner read below sees a
+        -- row that cannot change or vanish meanwhile.
+        MERGE dbo.workqueue_deduplication WITH (HOLDLOCK) AS x
+        USING (
+            SELECT @topic_key AS topic_id, @deduplication_key AS deduplication_key
+        ) AS k
+            ON x.topic_id = k.topic_id AND x.deduplication_key = k.deduplication_key
+        WHEN MATCHED AND (
+            x.expires_at <= @now OR (x.status = N'Reserved' AND x.message_id = @message_key)
+        ) THEN
+            UPDATE SET
+                message_id = @message_key,
+                status = N'Reserved',
+                expires_at = DATEADD(second, 120, @now)
+        WHEN NOT MATCHED THEN
+            INSERT (id, topic_id, deduplication_key, message_id, status, expires_at) VALUES (
+                LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
+                @topic_key,
+                @deduplication_key,
+                @message_key,
+                N'Reserved',
+                DATEADD(second, 120, @now)
+            )
+        OUTPUT inserted.message_id INTO @owner;
+
+        IF EXISTS (SELECT 1 FROM @owner)
+        BEGIN
+            SET @status = N'Reserved';
+            SET @owner_key = @message_key;
+        END
+        ELSE
+        BEGIN
+            SELECT @owner_key = x.message_id, @owner_status = x.status
+              FROM dbo.workqueue_deduplication AS x
+             WHERE x.topic_id = @topic_key
+               AND x.deduplication_key = @deduplication_key
+               AND x.expires_at > @now;
+            SET @status = CASE WHEN @owner_status = N'Confirmed' THEN N'Duplicate'
+                               ELSE N'Pending' END;
+        END;
+        COMMIT TRANSACTION;
+    END;
+
+    -- result set
+    SELECT @status AS status, dbo.wq_text_uuid(@owner_key) AS owner_message_id;
+END;
+GO
+
+-- wq_confirm_deduplication --
+-- The message that reserved a deduplication key was sent: hold the key for
+-- @deduplication_ttl_seconds (NULL: the topic's default) from now. Affects one row, or none
+-- when the reservation is no longer this message's (it lapsed and another publish took it).
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_confirm_deduplication
+    @topic_name nvarchar(4000),
+    @deduplication_key nvarchar(4000),
+    @message_id uniqueidentifier,
+    @deduplication_ttl_seconds int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE x
+       SET status = N'Confirmed',
+           expires_at = DATEADD(
+               second, COALESCE(@deduplication_ttl_seconds, t.default_deduplication_ttl_seconds), @now
+           )
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_deduplication AS x
+      JOIN dbo.workqueue_topic AS t ON t.id = x.topic_id
+     WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)))
+       AND x.deduplication_key = @deduplication_key
+       AND x.message_id = dbo.wq_uuid_text(@message_id);
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_release_deduplication --
+-- Sending the message that reserved a deduplication key failed: free the key at once, so a
+-- retry need not wait out the reservation. Only this message's reservation is removed (never a
+-- confirmed key); affects one row or none.
+-- returns: affected_rows
+CREATE OR ALTER PROCEDURE dbo.wq_release_deduplication
+    @topic_name nvarchar(4000),
+    @deduplication_key nvarchar(4000),
+    @message_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @changed TABLE (id char(32));
+
+    DELETE x
+    OUTPUT deleted.id INTO @changed
+      FROM dbo.workqueue_deduplication AS x
+      JOIN dbo.workqueue_topic AS t ON t.id = x.topic_id
+     WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)))
+       AND x.deduplication_key = @deduplication_key
+       AND x.message_id = dbo.wq_uuid_text(@message_id)
+       AND x.status = N'Reserved';
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
 END;
 GO

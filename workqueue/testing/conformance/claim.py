@@ -152,6 +152,7 @@ def expiry_on_last_attempt(ctx: CaseContext) -> None:
 @CASES.case(
     "C29",
     "until the delivery is taken back, a holder whose lease ran out may still renew and settle",
+    requires=("settles_after_expiry_until_taken_back",),
 )
 def expired_but_not_taken_back(ctx: CaseContext) -> None:
     # The token, not the clock, fences a holder: nobody else can have run the delivery before a

@@ -10,6 +10,7 @@ Checks raise :class:`ConformanceFailure` through the ``expect_*`` helpers rather
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -88,17 +89,39 @@ class TransportTraits:
     supports_scheduled_publish: bool = True
     #: Among due deliveries of a subscription, higher ``priority`` is received first.
     supports_priority: bool = True
+    #: ``deduplication_key`` on publish is honoured.
+    supports_deduplication: bool = True
+    #: A holder whose lease ran out may still renew and settle until another holder (or the
+    #: sweeper) takes the delivery back: the token fences, not the clock.
+    settles_after_expiry_until_taken_back: bool = True
+    #: The case topics are FIFO topics (``is_fifo``), which Exclusive needs on this transport.
+    fifo_topics: bool = False
+    #: The harness can move the transport's clock (``advance_time`` shifts stored times);
+    #: without it, ``advance_time`` waits that long for real.
+    shifts_time: bool = True
     #: The registered transport (``Transport.driver_class``) the cases run on; the case's
     #: topic is bound to the Transport row of the same name.
     transport: str = DATABASE_DRIVER
+    #: ``Transport.configuration`` of that row when the harness creates it (a cloud
+    #: transport's region and endpoint).
+    transport_configuration: dict[str, Any] | None = None
 
     @classmethod
-    def of_transport(cls, driver_class: str) -> TransportTraits:
-        """The traits a registered transport declares through its capability flags (the rest
-        as on the Database transport), so each case runs where its capabilities are."""
+    def of_transport(
+        cls, driver_class: str, configuration: dict[str, Any] | None = None
+    ) -> TransportTraits:
+        """The traits a registered transport declares through its capability flags and its
+        ``conformance_traits`` (the rest as on the Database transport), so each case runs
+        where its capabilities are."""
         found = transport_class(driver_class)
         flags = {trait: getattr(found, flag) for trait, flag in TRAIT_CAPABILITIES.items()}
-        return replace(cls(), transport=driver_class, **flags)
+        return replace(
+            cls(),
+            transport=driver_class,
+            transport_configuration=configuration,
+            **flags,
+            **found.conformance_traits,
+        )
 
 
 #: Which transport capability flag each trait follows (``TransportTraits.of_transport``).
@@ -108,6 +131,7 @@ TRAIT_CAPABILITIES = {
     "cancel_in_flight": "supports_cancel",
     "supports_scheduled_publish": "supports_scheduled_publish",
     "supports_priority": "supports_priority",
+    "supports_deduplication": "supports_deduplication",
 }
 
 
@@ -139,9 +163,13 @@ class CaseContext:
         # The transport row is shared topology (the Database one is seeded by migration 0003);
         # it is only created when missing, e.g. after a test flush, and never removed by a case.
         row, _ = Transport.objects.using(self.alias).get_or_create(
-            name=self.traits.transport, defaults={"driver_class": self.traits.transport}
+            name=self.traits.transport,
+            defaults={
+                "driver_class": self.traits.transport,
+                "configuration": self.traits.transport_configuration,
+            },
         )
-        self.topic = Topic(name=self.topic_name, transport=row)
+        self.topic = Topic(name=self.topic_name, transport=row, is_fifo=self.traits.fifo_topics)
         self.topic.save(using=self.alias)
         return self.topic
 
@@ -169,6 +197,8 @@ class CaseContext:
         # save() applies the model's rules on this alias and stores the filter in canonical form.
         subscription.save(using=self.alias)
         self.subscriptions[name] = subscription
+        # A cloud transport's queue for it (the Database transport has nothing to provision).
+        self.transport.provision(self.topic.transport, dry_run=False)
         return subscription
 
     def sub_id(self, name: str) -> str:
@@ -256,6 +286,10 @@ class CaseContext:
         """
         if int(seconds) != seconds or seconds < 1:
             raise ValueError("advance_time takes a whole number of seconds, at least 1")
+        if not self.traits.shifts_time:
+            # A cloud queue keeps its own clock: the time passes for real.
+            time.sleep(seconds)
+            return
         self.driver.shift_time(int(seconds), topic_id=self.topic_id)
 
     def discard(self, name: str, delivery_id: str) -> DiscardResult:

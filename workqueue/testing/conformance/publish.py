@@ -93,6 +93,8 @@ def same_message_id_different_envelope(ctx: CaseContext) -> None:
 @CASES.case(
     "C31",
     "a deduplication key is a duplicate naming its owner inside its window, and free after it",
+    # The window is minutes to days: only a transport whose clock the harness moves.
+    requires=("supports_deduplication", "shifts_time"),
 )
 def deduplication_window(ctx: CaseContext) -> None:
     ctx.subscribe("a")
@@ -133,6 +135,7 @@ def deduplication_window(ctx: CaseContext) -> None:
 @CASES.case(
     "C32",
     "a deduplication window lasts its TTL, from 60 s to 30 days, or else the topic's default",
+    requires=("supports_deduplication", "shifts_time"),
 )
 def deduplication_ttl_bounds(ctx: CaseContext) -> None:
     ctx.update_topic(default_deduplication_ttl_seconds=300)

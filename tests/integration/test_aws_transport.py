@@ -1,0 +1,545 @@
+"""The AWS transport (issue 14, sections 2 and 3) against moto's standalone server, through real
+boto3 HTTP calls (or real AWS with WORKQUEUE_TEST_AWS_REGION set): configuration and names
+checked at save, filters translated to SNS filter policies, provisioning, publishing through
+the seam, and the receiver's claim, heartbeat and settles with their fencing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.urls import reverse
+
+from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from workqueue import publish, publish_many
+from workqueue.exceptions import TopologyValidationError, UnsupportedByTransportError
+from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
+from workqueue.operators import operations
+from workqueue.transports import transport_for
+from workqueue.transports.aws import (
+    AwsNames,
+    AwsReceiver,
+    AwsSettings,
+    AwsTransport,
+    QueueBinding,
+    clients_for,
+)
+from workqueue.types import DeliveryStatus, SettleOutcome
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+@pytest.fixture
+def aws(aws_endpoint) -> Transport:
+    """An AWS Transport row on the test endpoint, its resources under a fresh prefix."""
+    return TransportFactory(
+        name="aws-test", driver_class="AWS", configuration=aws_endpoint.configuration()
+    )
+
+
+def provisioned(aws: Transport, *, fifo: bool = False, **subscription: Any) -> Subscription:
+    """A topic on ``aws`` with one subscription (model ``subscription`` fields), provisioned."""
+    topic = TopicFactory(transport=aws, is_fifo=fifo)
+    found = SubscriptionFactory(topic=topic, **subscription)
+    transport_for("AWS").provision(aws, dry_run=False)
+    return found
+
+
+def receiver(subscription: Subscription) -> AwsReceiver:
+    return transport_for("AWS").receiver(str(subscription.id))
+
+
+def receive_one(subscription_receiver: AwsReceiver, timeout: float = 10) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = subscription_receiver.receive(1).deliveries
+        if found:
+            return found[0]
+    raise AssertionError("no delivery arrived")
+
+
+# -- configuration, names, filters ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("configuration", "named"),
+    [
+        (None, "region"),
+        ({"prefix": "wq"}, "region"),
+        ({"region": "eu-west-1", "regoin": "x"}, "regoin"),
+        ({"region": "eu-west-1", "prefix": "bad prefix"}, "prefix"),
+        ({"region": "eu-west-1", "endpoint_url": "localhost:4566"}, "endpoint_url"),
+        ({"region": ""}, "region"),
+    ],
+)
+def test_an_aws_transport_configuration_is_checked_on_save_naming_the_key(configuration, named):
+    with pytest.raises(TopologyValidationError) as refused:
+        Transport.objects.create(name="aws-x", driver_class="AWS", configuration=configuration)
+
+    assert named in str(refused.value.message_dict["configuration"])
+
+
+def test_resource_names_are_derived_from_the_prefix_and_the_topology_names():
+    names = AwsNames.of("wq", "orders.created", "orders.created.billing", fifo=True)
+
+    assert names == AwsNames(
+        topic="wq-orders--created.fifo",
+        queue="wq-orders--created--billing.fifo",
+        dead_letter_queue="wq-orders--created--billing-dlq.fifo",
+    )
+
+
+def test_a_subscription_whose_queue_name_sqs_would_refuse_is_refused_on_save(aws):
+    topic = TopicFactory(transport=aws)
+
+    with pytest.raises(TopologyValidationError) as refused:
+        SubscriptionFactory(topic=topic, name="a" * 70)
+
+    assert "SQS allows 80" in str(refused.value.message_dict["name"])
+
+
+def test_a_filter_sns_cannot_express_is_refused_on_save(aws):
+    topic = TopicFactory(transport=aws)
+    many = [
+        {
+            "logic": "or",
+            "filters": [{"field": f, "operator": "eq", "value": str(v)} for v in range(6)],
+        }
+        for f in ("a", "b", "c")
+    ]
+
+    with pytest.raises(TopologyValidationError) as refused:
+        SubscriptionFactory(topic=topic, filter={"logic": "and", "filters": many})
+
+    assert "150 value combinations; this one has 216" in str(refused.value.message_dict["filter"])
+
+
+def test_subscription_filters_deliver_through_sns_filter_policies(aws):
+    topic = TopicFactory(transport=aws)
+    cases = {
+        "eq": {"field": "region", "operator": "eq", "value": "eu"},
+        "neq": {"field": "region", "operator": "neq", "value": "eu"},
+        "prefix": {"field": "region", "operator": "startswith", "value": "e"},
+        "absent": {"field": "region", "operator": "isnull"},
+        "present": {"field": "region", "operator": "isnotnull"},
+    }
+    subscriptions = {
+        name: SubscriptionFactory(
+            topic=topic, name=f"f.{name}", filter={"logic": "and", "filters": [clause]}
+        )
+        for name, clause in cases.items()
+    }
+    any_of = SubscriptionFactory(
+        topic=topic,
+        name="f.anyof",
+        filter={
+            "logic": "and",
+            "filters": [
+                {
+                    "logic": "or",
+                    "filters": [
+                        {"field": "region", "operator": "eq", "value": v} for v in ("us", "ap")
+                    ],
+                }
+            ],
+        },
+    )
+    subscriptions["anyof"] = any_of
+    transport_for("AWS").provision(aws, dry_run=False)
+
+    for region in ("eu", "us", "ex", None):
+        publish(topic.name, {"region": region}, attributes={"region": region} if region else None)
+
+    received = {}
+    for name, subscription in subscriptions.items():
+        found = receiver(subscription).receive(10).deliveries
+        received[name] = sorted(str(d.payload["region"]) for d in found)
+    assert received == {
+        "eq": ["eu"],
+        "neq": ["ex", "us"],
+        "prefix": ["eu", "ex"],
+        "absent": ["None"],
+        "present": ["eu", "ex", "us"],
+        "anyof": ["us"],
+    }
+
+
+# -- provisioning ----------------------------------------------------------------------------
+
+
+def test_provision_creates_then_keeps_and_a_dry_run_changes_nothing(aws):
+    topic = TopicFactory(transport=aws, name="prov.orders")
+    subscription = SubscriptionFactory(topic=topic, name="prov.orders.billing")
+    prefix = aws.configuration["prefix"]
+    transport = transport_for("AWS")
+
+    planned = transport.provision(aws, dry_run=True)
+    assert {(c.action, c.kind) for c in planned} == {
+        ("create", "sns-topic"),
+        ("create", "sqs-queue"),
+        ("create", "subscription"),
+    }
+    sqs = clients_for(AwsSettings.parse(aws.configuration)).sqs
+    assert not sqs.list_queues(QueueNamePrefix=prefix).get("QueueUrls")
+
+    created = transport.provision(aws, dry_run=False)
+    assert [(c.action, c.kind, c.name) for c in created] == [
+        ("create", "sns-topic", f"{prefix}-prov--orders"),
+        ("create", "sqs-queue", f"{prefix}-prov--orders--billing-dlq"),
+        ("create", "sqs-queue", f"{prefix}-prov--orders--billing"),
+        ("create", "subscription", f"{prefix}-prov--orders -> {prefix}-prov--orders--billing"),
+    ]
+    again = transport.provision(aws, dry_run=False)
+    assert {c.action for c in again} == {"keep"}
+
+    subscription.lease_seconds = 120
+    subscription.filter = {
+        "logic": "and",
+        "filters": [{"field": "a", "operator": "eq", "value": "1"}],
+    }
+    subscription.save()
+    changed = transport.provision(aws, dry_run=True)
+    assert [(c.action, c.kind, c.detail) for c in changed if c.action != "keep"] == [
+        ("update", "sqs-queue", "VisibilityTimeout"),
+        ("update", "subscription", "FilterPolicy"),
+    ]
+    transport.provision(aws, dry_run=False)
+    assert [c for c in transport.provision(aws, dry_run=False) if c.action != "keep"] == []
+
+
+def test_the_provision_verb_prints_changes_and_reports_no_changes_the_second_time(aws, capsys):
+    SubscriptionFactory(topic=TopicFactory(transport=aws))
+
+    call_command("workqueue", "provision", "--transport", aws.name, "--dry-run")
+    dry = capsys.readouterr().out
+    call_command("workqueue", "provision", "--transport", aws.name)
+    first = capsys.readouterr().out
+    call_command("workqueue", "provision", "--transport", aws.name)
+    second = capsys.readouterr().out
+
+    assert "+ sns-topic" in dry and "Dry run: 4 change(s), nothing created." in dry
+    assert "Applied 4 change(s)." in first
+    assert "No changes: the resources of aws-test match its topology." in second
+
+
+# -- publishing ------------------------------------------------------------------------------
+
+
+def test_publish_by_name_goes_to_sns_and_reaches_the_subscription_queue(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+
+    result = publish(
+        topic.name, {"n": 1}, attributes={"kind": "a"}, correlation_id="c-1", partition_key="k"
+    )
+    batch = publish_many(topic, [{"payload": {"n": n}} for n in range(2, 14)])
+
+    assert result.status == "Accepted" and all(r.status == "Accepted" for r in batch)
+    assert not Message.objects.exists()  # nothing written to the queue tables
+    got = []
+    subscription_receiver = receiver(subscription)
+    while len(got) < 13:
+        got += subscription_receiver.receive(10).deliveries
+    first = next(d for d in got if d.payload == {"n": 1})
+    assert (first.message_id, first.attributes, first.correlation_id, first.partition_key) == (
+        result.message_id,
+        {"kind": "a"},
+        "c-1",
+        "k",
+    )
+    assert first.topic_id == str(topic.id) and first.attempt == 1
+    assert sorted(d.message_id for d in got) == sorted(
+        [result.message_id, *(r.message_id for r in batch)]
+    )
+
+
+def test_publish_refuses_what_the_aws_transport_lacks_naming_the_capability(aws):
+    topic = provisioned(aws).topic
+
+    delayed = publish(topic.name, 1, delay_seconds=10)
+    prioritised = publish(topic.name, 1, priority=5)
+    plain = publish(topic.name, 1)
+
+    assert (delayed.error.code, prioritised.error.code) == ("InvalidSchedule", "InvalidPriority")
+    assert "needs supports_scheduled_publish" in delayed.error.message
+    assert "needs supports_priority" in prioritised.error.message
+    assert plain.status == "Accepted"
+    with pytest.raises(UnsupportedByTransportError, match="supports_enlisted_publish"):
+        publish(topic.name, 1, enlist=True)
+
+
+def test_a_message_too_large_for_sqs_is_refused_with_the_claim_check_hint(aws):
+    topic = provisioned(aws).topic
+
+    # Within the topic's limit as the Database transport counts it; over SQS's once the SNS
+    # envelope adds the message id, topic id, publisher and time.
+    result = publish(topic.name, "x" * 261_980)
+
+    assert result.error.code == "PayloadTooLarge"
+    assert "SQS allows 262144" in result.error.message
+    assert "payload_ref" in result.error.message
+
+
+# -- consuming and fencing -------------------------------------------------------------------
+
+
+def test_a_completed_delivery_is_deleted_from_the_queue(aws):
+    subscription = provisioned(aws)
+    publish(subscription.topic.name, {"n": 1})
+    first = receiver(subscription)
+
+    delivery = receive_one(first)
+    settled = first.complete(delivery)
+
+    assert (settled.outcome, settled.status) == (SettleOutcome.SETTLED, DeliveryStatus.COMPLETED)
+    assert operations.subscription_stats(subscription.name).subscriptions[0].pending == 0
+    assert operations.subscription_stats(subscription.name).subscriptions[0].in_flight == 0
+
+
+def test_a_stale_receipt_handle_is_refused_and_the_new_holder_keeps_the_message(aws):
+    subscription = provisioned(aws, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    stale_holder, new_holder = receiver(subscription), receiver(subscription)
+    stale = receive_one(stale_holder)
+    time.sleep(5.2)  # the visibility timeout runs out: the message is visible again
+    fresh = receive_one(new_holder)
+
+    stale_complete = stale_holder.complete(stale)
+    stale_retry = stale_holder.retry(stale, 0)
+    stale_heartbeat = stale_holder.extend_lease(stale)
+
+    assert fresh.delivery_id == stale.delivery_id and fresh.attempt == 2
+    assert stale_complete.outcome == SettleOutcome.LEASE_LOST
+    assert stale_retry.outcome == SettleOutcome.LEASE_LOST
+    assert stale_heartbeat.state == "Lost"
+    # SQS itself would have accepted the stale handle and deleted the message from under the
+    # new holder; the receiver's own fence kept it, so the new holder settles it.
+    assert new_holder.complete(fresh).outcome == SettleOutcome.SETTLED
+
+
+def test_a_heartbeat_keeps_the_lease_beyond_its_first_timeout(aws):
+    subscription = provisioned(aws, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    holder, other = receiver(subscription), receiver(subscription)
+    delivery = receive_one(holder)
+
+    for _ in range(3):
+        time.sleep(2)
+        assert holder.extend_lease(delivery).state == "Held"
+
+    assert other.receive(1).deliveries == []
+    assert holder.complete(delivery).settled
+
+
+def test_retry_then_dead_letter_keeps_the_reason_and_replay_resets_the_attempts(aws):
+    subscription = provisioned(aws, max_attempts=2)
+    result = publish(subscription.topic.name, {"n": 1}, attributes={"kind": "a"})
+    holder = receiver(subscription)
+
+    first = receive_one(holder)
+    assert holder.retry(first, 0, "boom").status == DeliveryStatus.PENDING
+    second = receive_one(holder)
+    assert second.attempt == 2
+    dead = holder.dead_letter(second, "MaxAttemptsExceeded", "boom again")
+    assert dead.status == DeliveryStatus.DEAD_LETTERED
+    assert holder.receive(1).deliveries == []
+
+    page = operations.list_dead_letters(subscription.name)
+    [item] = page.items
+    assert (item.reason, item.last_error, item.attempts, item.message_id, item.attributes) == (
+        "MaxAttemptsExceeded",
+        "boom again",
+        2,
+        result.message_id,
+        {"kind": "a"},
+    )
+    assert operations.subscription_stats(subscription.name).subscriptions[0].dead_lettered == 1
+
+    assert operations.replay(subscription.name, item.delivery_id).replayed
+    replayed = receive_one(holder)
+    assert (replayed.message_id, replayed.attempt, replayed.is_replay) == (
+        result.message_id,
+        1,
+        True,
+    )
+    assert replayed.attributes == {"kind": "a"}
+    assert operations.list_dead_letters(subscription.name).items == []
+
+
+def test_a_dead_letter_can_be_discarded_by_id(aws):
+    subscription = provisioned(aws)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    holder.dead_letter(receive_one(holder), "Fatal", "no")
+    [item] = operations.list_dead_letters(subscription.name).items
+    [gauges] = operations.queue_gauges()
+    assert (gauges.subscription_name, gauges.pending, gauges.dead_lettered) == (
+        subscription.name,
+        0,
+        1,
+    )
+
+    outcome = operations.discard(subscription.name, item.delivery_id, reason="cleanup")
+
+    assert outcome.discarded
+    assert operations.list_dead_letters(subscription.name).items == []
+
+
+def test_a_lease_that_expires_on_the_last_attempt_is_dead_lettered_as_lease_expired(aws):
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    receive_one(holder)  # and never settled: its holder "died"
+    time.sleep(5.2)
+
+    deadline = time.monotonic() + 10
+    expired = []
+    while not expired and time.monotonic() < deadline:
+        result = holder.receive(1)
+        assert result.deliveries == []
+        expired = result.expired_dead_letters
+
+    assert [e.reason for e in expired] == ["LeaseExpired"]
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert item.reason == "LeaseExpired"
+
+
+def test_an_exclusive_subscription_runs_one_message_per_key_at_a_time(aws):
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    publish_many(
+        subscription.topic,
+        [{"payload": n, "partition_key": "k"} for n in range(3)]
+        + [{"payload": 10, "partition_key": "other"}],
+    )
+    holder = receiver(subscription)
+
+    first = holder.receive(10).deliveries
+    assert sorted(d.payload for d in first) == [0, 10]
+    assert holder.receive(10).deliveries == []  # k's next waits for k's first
+    holder.complete(next(d for d in first if d.payload == 0))
+    assert [d.payload for d in holder.receive(10).deliveries] == [1]
+
+
+def test_an_ordered_subscription_on_aws_is_planned_unsupported_naming_the_capability(aws):
+    subscription = SubscriptionFactory(topic=TopicFactory(transport=aws), partition_mode="Ordered")
+
+    problem = AwsTransport.subscription_problem(subscription, aws.name)
+
+    assert problem.startswith("Ordered needs supports_ordered")
+
+
+def test_operator_verbs_the_aws_transport_lacks_are_refused(aws):
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+
+    with pytest.raises(UnsupportedByTransportError, match="supports_partition_listing"):
+        operations.list_partitions(subscription.name)
+    with pytest.raises(UnsupportedByTransportError, match="supports_bulk_discard_pending"):
+        operations.discard_pending(
+            subscription.name, operations.PendingSelection(), reason="cleanup"
+        )
+
+
+def test_binding_reads_the_subscription_and_topic(aws):
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive", lease_seconds=30)
+
+    binding = QueueBinding.of(str(subscription.id))
+
+    assert (binding.fifo, binding.exclusive, binding.lease_seconds) == (True, True, 30)
+    assert binding.names.queue.endswith(".fifo")
+    assert Topic.objects.get(pk=subscription.topic_id).is_fifo
+
+
+def test_without_boto3_workqueue_imports_and_the_aws_transport_names_the_extra():
+    # A fresh interpreter in which boto3 and botocore cannot be imported.
+    script = (
+        "import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
+        "import workqueue, workqueue.publishing, workqueue.transports.aws as aws\n"
+        "print(aws.AwsTransport.supports_exclusive)\n"
+        "try:\n"
+        "    aws.AwsClients(aws.AwsSettings(region='eu-west-1'))\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+
+    assert done.stdout.splitlines() == [
+        "True",
+        "WorkQueueConfigurationError The AWS transport needs boto3: "
+        "pip install django-workqueue[aws].",
+    ]
+
+
+# -- publish deduplication through the Database ledger --------------------------------------
+
+
+def test_a_deduplication_key_is_reserved_sent_and_confirmed_in_the_ledger(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+
+    owner = publish(topic.name, {"n": 1}, deduplication_key="order-1", deduplication_ttl=600)
+    again = publish(topic.name, {"n": 2}, deduplication_key="order-1")
+    other = publish_many(topic, [{"payload": {"n": 3}, "deduplication_key": "order-2"}] * 2)
+
+    assert (owner.status, again.status, again.message_id) == (
+        "Accepted",
+        "Duplicate",
+        owner.message_id,
+    )
+    assert [r.status for r in other] == ["Accepted", "Duplicate"]
+    assert other[1].message_id == other[0].message_id
+    ledger = Deduplication.objects.get(topic=topic, deduplication_key="order-1")
+    assert (str(ledger.message_id), ledger.status) == (owner.message_id, "Confirmed")
+    holder = receiver(subscription)
+    got = []
+    while (found := holder.receive(10).deliveries) or not got:
+        got += found
+    assert sorted(d.payload["n"] for d in got) == [1, 3]
+
+
+def test_a_failed_send_releases_the_deduplication_key(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    settings = AwsSettings.parse(aws.configuration)
+    sns = clients_for(settings).sns
+    topic_arn = clients_for(settings).topic_arn(
+        AwsNames.of(settings.prefix, topic.name, "", False).topic
+    )
+    sns.delete_topic(TopicArn=topic_arn)  # SNS now refuses the publish
+
+    failed = publish(topic.name, {"n": 1}, deduplication_key="order-1")
+
+    assert (failed.status, failed.error.code) == ("Rejected", "TransportUnavailable")
+    assert not Deduplication.objects.filter(topic=topic, deduplication_key="order-1").exists()
+    transport_for("AWS").provision(aws, dry_run=False)
+    assert publish(topic.name, {"n": 1}, deduplication_key="order-1").status == "Accepted"
+
+
+def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):
+    SubscriptionFactory(topic=TopicFactory(transport=aws, name="adm.orders"), name="adm.orders.a")
+    prefix = aws.configuration["prefix"]
+    url = reverse("admin:workqueue_transport_changelist")
+    action = {"action": "show_provisioning", "_selected_action": [str(aws.pk)]}
+
+    shown = admin_client.post(url, action, follow=True)
+
+    said = [str(m) for m in shown.context["messages"]]
+    assert f"aws-test: would create sns-topic {prefix}-adm--orders" in said
+    assert f"aws-test: would create sqs-queue {prefix}-adm--orders--a" in " ".join(said)
+    assert transport_for("AWS").provision(aws, dry_run=True)[0].action == "create"
+
+    transport_for("AWS").provision(aws, dry_run=False)
+    again = admin_client.post(url, action, follow=True)
+    assert [str(m) for m in again.context["messages"]] == ["aws-test: no changes."]

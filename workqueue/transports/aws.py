@@ -1,0 +1,1488 @@
+"""The AWS transport: a topic is an SNS topic, a subscription an SQS queue subscribed to it.
+
+Resources (names derived from ``Transport.configuration["prefix"]``, see ``AwsNames``):
+
+* topic ``orders.created`` → SNS topic ``{prefix}-orders--created`` (``.fifo`` when the topic
+  is FIFO: ``Topic.is_fifo``);
+* subscription ``orders.created.billing`` → SQS queue ``{prefix}-orders--created--billing``
+  subscribed with raw message delivery and the subscription's filter as the SNS filter policy,
+  and its dead-letter queue ``...-dlq`` (both ``.fifo`` on a FIFO topic). A ``.`` in a name
+  becomes ``--`` (names never hold two separators in a row, so the mapping is one to one).
+
+The message body is a JSON envelope holding what the Database transport keeps in its message
+row (message id, partition key, correlation id, payload or reference, publisher, time); the
+message's attributes travel as SNS/SQS message attributes too, for the filter policy.
+
+Consuming: receive = ReceiveMessage with a short long poll, lease = visibility timeout, lease
+token = receipt handle, attempt = ``ApproximateReceiveCount``. SQS accepts a stale receipt
+handle (it does not fence), so the receiver fences by its own clock: a settle or heartbeat after
+the lease it was granted has run out (less ``LEASE_SAFETY_SECONDS``) answers LeaseLost without
+calling SQS. That is weaker than the Database transport's fencing in one place: a holder paused
+between that check and SQS's answer (a stop-the-world pause longer than the safety margin) can
+still settle a message another consumer has received since.
+
+Deduplication keys use the Database ledger: the key is reserved (``wq_reserve_deduplication``),
+the message is sent, then the key is confirmed, or released when sending failed.
+
+Dead letters are moved by the receiver itself (sent to the DLQ with the reason and error as
+message attributes, then deleted), so the reason is kept; the queue's redrive policy, at one
+receive more than the subscription's ``max_attempts``, is only a backstop for a move cut short.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from workqueue import transport as procedures
+from workqueue.driver.base import canonical_json
+from workqueue.exceptions import (
+    TransportUnavailableError,
+    UnsupportedByTransportError,
+    WorkQueueConfigurationError,
+)
+from workqueue.filters import AnyOf, AttributeFilter, FilterError, Operator, parse_filter
+from workqueue.payload_ref import stored_payload_ref
+from workqueue.transport import new_instance_id
+from workqueue.transports.base import BaseTransport, ProvisionChange
+from workqueue.types import (
+    Backlog,
+    ClaimedDelivery,
+    ClaimResult,
+    DeadLetterItem,
+    DeliveryStatus,
+    DiscardResult,
+    ExpiredDeadLetter,
+    HeartbeatMode,
+    LeaseExtension,
+    LeaseState,
+    PartitionMode,
+    PublishErrorCode,
+    PublishStatus,
+    SettleOutcome,
+    SettleResult,
+)
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+AWS_DRIVER = "AWS"
+INSTALL_HINT = "The AWS transport needs boto3: pip install django-workqueue[aws]."
+
+#: SQS's largest message (body and attributes), which SNS shares.
+SQS_MAX_MESSAGE_BYTES = 262_144
+SQS_QUEUE_NAME_MAX = 80
+SNS_TOPIC_NAME_MAX = 256
+SQS_MAX_VISIBILITY_SECONDS = 43_200
+SQS_MAX_RETENTION_SECONDS = 1_209_600
+SQS_BATCH_MAX = 10
+#: SNS refuses a filter policy whose values, multiplied out over its keys, exceed this.
+SNS_FILTER_MAX_COMBINATIONS = 150
+#: Seconds a receive waits for a message (SQS long polling) before answering empty.
+RECEIVE_WAIT_SECONDS = 1
+#: A lease counts as lost this long before its visibility timeout runs out, so a settle that
+#: passes the check reaches SQS while the timeout still holds (network time, clock drift).
+LEASE_SAFETY_SECONDS = 0.5
+#: How many dead letters an operator read looks at, at most (each is received and released).
+DEAD_LETTER_SCAN_LIMIT = 1000
+#: How long a dead letter stays hidden while an operator read looks at the DLQ.
+DEAD_LETTER_SCAN_VISIBILITY = 30
+
+CONFIGURATION_KEYS = ("region", "prefix", "endpoint_url", "profile")
+PREFIX = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,39}\Z")
+
+# Message attributes the receiver writes on a dead letter (user attributes live in the body).
+REASON_ATTRIBUTE = "wq_reason"
+ERROR_ATTRIBUTE = "wq_error"
+ATTEMPTS_ATTRIBUTE = "wq_attempts"
+DEAD_LETTERED_AT_ATTRIBUTE = "wq_dead_lettered_at"
+# The delivery id a dead letter had in the subscription's queue (its SQS message id there):
+# operators list, replay and discard it by that id, as logs and signals named it.
+DELIVERY_ID_ATTRIBUTE = "wq_delivery_id"
+
+
+# -- configuration and names ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AwsSettings:
+    """``Transport.configuration`` of an AWS transport, checked."""
+
+    region: str
+    prefix: str = "wq"
+    endpoint_url: str | None = None
+    profile: str | None = None
+
+    @classmethod
+    def parse(cls, configuration: dict[str, Any] | None) -> AwsSettings:
+        problem = configuration_problem(configuration)
+        if problem is not None:
+            raise WorkQueueConfigurationError(problem)
+        assert configuration is not None
+        return cls(**{k: configuration[k] for k in CONFIGURATION_KEYS if k in configuration})
+
+
+def configuration_problem(configuration: dict[str, Any] | None) -> str | None:
+    if not configuration:
+        return (
+            'The AWS transport needs configuration {"region": ...}; optional keys: prefix, '
+            "endpoint_url (for a local endpoint), profile."
+        )
+    unknown = sorted(set(configuration) - set(CONFIGURATION_KEYS))
+    if unknown:
+        return (
+            f"Unknown configuration key(s) {', '.join(unknown)}; the AWS transport takes "
+            f"{', '.join(CONFIGURATION_KEYS)}."
+        )
+    for key in CONFIGURATION_KEYS:
+        value = configuration.get(key)
+        if key in configuration and (not isinstance(value, str) or not value.strip()):
+            return f"configuration key {key!r} must be non-empty text."
+    if "region" not in configuration:
+        return 'configuration key "region" is required, e.g. "eu-west-1".'
+    prefix = configuration.get("prefix", "wq")
+    if not PREFIX.match(prefix):
+        return (
+            "configuration key 'prefix' must be 1 to 40 letters, digits, '_' or '-', starting "
+            f"with a letter or digit; got {prefix!r}."
+        )
+    endpoint = configuration.get("endpoint_url")
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        return f"configuration key 'endpoint_url' must be an http(s) URL; got {endpoint!r}."
+    return None
+
+
+def _resource_part(name: str) -> str:
+    return name.replace(".", "--")
+
+
+@dataclass(frozen=True, slots=True)
+class AwsNames:
+    """The SNS and SQS names of one subscription's resources."""
+
+    topic: str
+    queue: str
+    dead_letter_queue: str
+
+    @classmethod
+    def of(cls, prefix: str, topic_name: str, subscription_name: str, fifo: bool) -> AwsNames:
+        suffix = ".fifo" if fifo else ""
+        queue = f"{prefix}-{_resource_part(subscription_name)}"
+        return cls(
+            topic=f"{prefix}-{_resource_part(topic_name)}{suffix}",
+            queue=f"{queue}{suffix}",
+            dead_letter_queue=f"{queue}-dlq{suffix}",
+        )
+
+    def problem(self) -> str | None:
+        if len(self.topic) > SNS_TOPIC_NAME_MAX:
+            return (
+                f"The SNS topic name {self.topic!r} would be {len(self.topic)} characters; SNS "
+                f"allows {SNS_TOPIC_NAME_MAX}. Shorten the topic name or the transport's prefix."
+            )
+        if len(self.dead_letter_queue) > SQS_QUEUE_NAME_MAX:
+            return (
+                f"The SQS dead-letter queue name {self.dead_letter_queue!r} would be "
+                f"{len(self.dead_letter_queue)} characters; SQS allows {SQS_QUEUE_NAME_MAX}. "
+                "Shorten the subscription name or the transport's prefix."
+            )
+        return None
+
+
+# -- filters -------------------------------------------------------------------------------
+
+
+def filter_policy(attribute_filter: AttributeFilter | None) -> dict[str, list[Any]] | None:
+    """The SNS filter policy (on message attributes) that matches what ``attribute_filter``
+    matches; None for no filter. Every clause of the filter language has an SNS form, and SNS,
+    like the filter, fails every test but ``exists: false`` on an absent attribute."""
+    if attribute_filter is None:
+        return None
+    policy: dict[str, list[Any]] = {}
+    for clause in attribute_filter.clauses:
+        if isinstance(clause, AnyOf):
+            policy[clause.field] = list(clause.values)
+            continue
+        rule: Any
+        if clause.operator is Operator.EQ:
+            rule = clause.value
+        elif clause.operator is Operator.NEQ:
+            rule = {"anything-but": clause.value}
+        elif clause.operator is Operator.STARTSWITH:
+            rule = {"prefix": clause.value}
+        else:
+            rule = {"exists": clause.operator is Operator.ISNOTNULL}
+        policy[clause.field] = [rule]
+    return policy
+
+
+def filter_policy_problem(attribute_filter: AttributeFilter | None) -> str | None:
+    """Why SNS would refuse the translation of ``attribute_filter`` (None when it accepts it)."""
+    policy = filter_policy(attribute_filter)
+    if policy is None:
+        return None
+    combinations = math.prod(len(values) for values in policy.values())
+    if combinations > SNS_FILTER_MAX_COMBINATIONS:
+        return (
+            f"On the AWS transport a filter becomes an SNS filter policy, which allows "
+            f"{SNS_FILTER_MAX_COMBINATIONS} value combinations; this one has {combinations} "
+            "(the product of each field's number of values). List fewer values, or filter on a "
+            "Database topic."
+        )
+    return None
+
+
+# -- clients -------------------------------------------------------------------------------
+
+
+class AwsClients:
+    """boto3 clients for one configuration, and the queue URLs and topic ARNs they resolved.
+
+    boto3 clients are thread-safe (sessions are not: each configuration makes one session, once,
+    under a lock)."""
+
+    def __init__(self, settings: AwsSettings) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # boto3 is the optional extra "aws"
+            raise WorkQueueConfigurationError(INSTALL_HINT) from exc
+        session = boto3.session.Session(profile_name=settings.profile, region_name=settings.region)
+        config = Config(
+            retries={"max_attempts": 3, "mode": "standard"},
+            connect_timeout=5,
+            # A receive waits up to RECEIVE_WAIT_SECONDS for messages before SQS answers.
+            read_timeout=RECEIVE_WAIT_SECONDS + 20,
+        )
+        self.sns = session.client("sns", endpoint_url=settings.endpoint_url, config=config)
+        self.sqs = session.client("sqs", endpoint_url=settings.endpoint_url, config=config)
+        self._queue_urls: dict[str, str] = {}
+        self._topic_arns: dict[str, str] = {}
+
+    def queue_url(self, name: str) -> str:
+        url = self._queue_urls.get(name)
+        if url is None:
+            url = _call(
+                self.sqs.get_queue_url,
+                QueueName=name,
+                missing=f"The SQS queue {name!r} does not exist: run `manage.py workqueue "
+                "provision`.",
+            )["QueueUrl"]
+            self._queue_urls[name] = url
+        return url
+
+    def forget_queue(self, name: str) -> None:
+        self._queue_urls.pop(name, None)
+
+    def topic_arn(self, name: str) -> str:
+        arn = self._topic_arns.get(name)
+        if arn is None:
+            arn = _find_topic_arn(self, name)
+            if arn is None:
+                raise TransportUnavailableError(
+                    f"The SNS topic {name!r} does not exist: run `manage.py workqueue provision`."
+                )
+            self._topic_arns[name] = arn
+        return arn
+
+
+_clients: dict[AwsSettings, AwsClients] = {}
+_clients_lock = threading.Lock()
+
+
+def clients_for(settings: AwsSettings) -> AwsClients:
+    with _clients_lock:
+        found = _clients.get(settings)
+        if found is None:
+            found = _clients[settings] = AwsClients(settings)
+        return found
+
+
+_NOT_FOUND_CODES = frozenset(
+    {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NotFound"}
+)
+
+
+def _error_code(exc: Exception) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _call(method: Any, *, missing: str | None = None, **params: Any) -> dict[str, Any]:
+    """Call a boto3 client method; its failures become ``TransportUnavailableError`` (with
+    ``missing`` as the text when the resource does not exist)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return method(**params)
+    except ClientError as exc:
+        if missing is not None and _error_code(exc) in _NOT_FOUND_CODES:
+            raise TransportUnavailableError(missing) from exc
+        raise TransportUnavailableError(f"AWS refused {method.__name__}: {exc}") from exc
+    except BotoCoreError as exc:
+        raise TransportUnavailableError(
+            f"AWS could not be reached ({method.__name__}): {exc}"
+        ) from exc
+
+
+# -- the subscription as SQS sees it -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueueBinding:
+    """One subscription's queues and the settings its receiver needs (read from its row)."""
+
+    subscription_id: str
+    subscription_name: str
+    topic_name: str
+    fifo: bool
+    exclusive: bool
+    lease_seconds: int
+    max_attempts: int
+    names: AwsNames
+    clients: AwsClients
+
+    @classmethod
+    def of(cls, subscription_id: str) -> QueueBinding:
+        # Imported here: the transport reads topology only when it binds a subscription.
+        from workqueue.models import Subscription
+
+        row = (
+            Subscription.objects.select_related("topic__transport")
+            .filter(pk=subscription_id)
+            .first()
+        )
+        if row is None:
+            raise WorkQueueConfigurationError(f"No subscription has id {subscription_id}.")
+        return cls.of_row(row)
+
+    @classmethod
+    def of_row(cls, row: Any) -> QueueBinding:
+        topic = row.topic
+        settings = AwsSettings.parse(topic.transport.configuration)
+        return cls(
+            subscription_id=str(row.id),
+            subscription_name=row.name,
+            topic_name=topic.name,
+            fifo=topic.is_fifo,
+            exclusive=row.partition_mode == PartitionMode.EXCLUSIVE,
+            lease_seconds=row.lease_seconds,
+            max_attempts=row.max_attempts,
+            names=AwsNames.of(settings.prefix, topic.name, row.name, topic.is_fifo),
+            clients=clients_for(settings),
+        )
+
+    @property
+    def queue_url(self) -> str:
+        return self.clients.queue_url(self.names.queue)
+
+    @property
+    def dead_letter_queue_url(self) -> str:
+        return self.clients.queue_url(self.names.dead_letter_queue)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _string_attributes(values: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {k: {"DataType": "String", "StringValue": v} for k, v in values.items()}
+
+
+def _attribute_bytes(values: dict[str, str]) -> int:
+    # SQS counts each attribute's name, type and value towards the message size.
+    return sum(len(k.encode()) + len(b"String") + len(v.encode()) for k, v in values.items())
+
+
+def _group_id(partition_key: str | None, message_id: str) -> str:
+    """The FIFO message group: the partition key (one at a time per key); a message without a
+    key is a group of its own."""
+    return partition_key if partition_key is not None else message_id
+
+
+# -- the receiver --------------------------------------------------------------------------
+
+
+class AwsReceiver:
+    """Receives and settles one subscription's messages from its SQS queue.
+
+    Fencing is by this receiver's clock (see the module docstring): ``_leases`` maps each
+    receipt handle it holds to the monotonic time its lease counts as lost.
+    """
+
+    def __init__(self, binding: QueueBinding, lease_owner: str | None = None) -> None:
+        self.binding = binding
+        self.subscription_id = binding.subscription_id
+        self.lease_owner = lease_owner or new_instance_id()
+        self._leases: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def enlist_alias(self) -> str | None:
+        return None  # SQS cannot settle inside a database transaction
+
+    def close(self) -> None:
+        """Nothing to close: boto3 clients are shared by the process."""
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def receive(self, max_rows: int) -> ClaimResult:
+        self._forget_lapsed_leases()
+        messages = list(self._receive_messages(max(1, max_rows)))
+        claimed: list[ClaimedDelivery] = []
+        expired: list[ExpiredDeadLetter] = []
+        for message, lease_deadline in messages:
+            delivery = self._delivery(message)
+            with self._lock:
+                self._leases[delivery.lease_token] = lease_deadline
+            if delivery.attempt > self.binding.max_attempts:
+                # The lease of its last attempt expired (its holder died or hung): as on the
+                # Database transport, that attempt counts and the delivery is dead-lettered.
+                settled = self.dead_letter(
+                    delivery, "LeaseExpired", "The lease of the last attempt expired."
+                )
+                if settled.settled:
+                    expired.append(
+                        ExpiredDeadLetter(
+                            delivery.delivery_id,
+                            self.subscription_id,
+                            delivery.partition_key,
+                            "LeaseExpired",
+                        )
+                    )
+                continue
+            claimed.append(delivery)
+        return ClaimResult(claimed, expired)
+
+    def _receive_messages(self, wanted: int) -> Iterator[tuple[dict[str, Any], float]]:
+        """Up to ``wanted`` messages, each with its lease deadline (monotonic).
+
+        On an Exclusive subscription one message per call: SQS FIFO returns several messages of
+        one group in one answer, and they must not run at once. A later call returns no message
+        of a group with one in flight."""
+        per_call = 1 if self.binding.exclusive else SQS_BATCH_MAX
+        wait = RECEIVE_WAIT_SECONDS
+        while wanted > 0:
+            started = time.monotonic()
+            answer = _call(
+                self.binding.clients.sqs.receive_message,
+                QueueUrl=self.binding.queue_url,
+                MaxNumberOfMessages=min(per_call, wanted),
+                WaitTimeSeconds=wait,
+                VisibilityTimeout=self.binding.lease_seconds,
+                MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+                MessageAttributeNames=["All"],
+            )
+            found = answer.get("Messages", [])
+            deadline = started + self.binding.lease_seconds - LEASE_SAFETY_SECONDS
+            for message in found:
+                yield message, deadline
+            wanted -= len(found)
+            if not found or not self.binding.exclusive:
+                return
+            wait = 0
+
+    def _delivery(self, message: dict[str, Any]) -> ClaimedDelivery:
+        envelope = _envelope(message["Body"])
+        system = message.get("Attributes", {})
+        return ClaimedDelivery(
+            # A replayed message is a new SQS message carrying the id its delivery had.
+            delivery_id=envelope.get("delivery_id") or message["MessageId"],
+            subscription_id=self.subscription_id,
+            lease_token=message["ReceiptHandle"],
+            lease_expires_at=_now() + dt.timedelta(seconds=self.binding.lease_seconds),
+            attempt=int(system.get("ApproximateReceiveCount", "1")),
+            is_replay=bool(envelope.get("replayed")),
+            message_id=envelope.get("message_id") or message["MessageId"],
+            topic_id=envelope.get("topic_id", ""),
+            partition_key=envelope.get("partition_key"),
+            attributes=envelope.get("attributes") or {},
+            payload=envelope.get("payload"),
+            payload_ref=stored_payload_ref(envelope.get("payload_ref")),
+            correlation_id=envelope.get("correlation_id"),
+            published_at=_parse_time(envelope.get("published_at")) or _now(),
+        )
+
+    def _forget_lapsed_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for token in [t for t, deadline in self._leases.items() if deadline <= now]:
+                del self._leases[token]
+
+    # -- fencing ----------------------------------------------------------------------------
+
+    def _holds(self, delivery: ClaimedDelivery) -> bool:
+        with self._lock:
+            deadline = self._leases.get(delivery.lease_token)
+        return deadline is not None and time.monotonic() < deadline
+
+    def _let_go(self, delivery: ClaimedDelivery) -> None:
+        with self._lock:
+            self._leases.pop(delivery.lease_token, None)
+
+    def _settle(self, delivery: ClaimedDelivery, status: str, action: Any) -> SettleResult:
+        if not self._holds(delivery):
+            self._let_go(delivery)
+            return SettleResult(SettleOutcome.LEASE_LOST)
+        try:
+            action()
+        except TransportUnavailableError as exc:
+            if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
+                self._let_go(delivery)
+                return SettleResult(SettleOutcome.LEASE_LOST)
+            raise
+        self._let_go(delivery)
+        return SettleResult(SettleOutcome.SETTLED, status)
+
+    def _set_visibility(self, delivery: ClaimedDelivery, seconds: int) -> None:
+        _call(
+            self.binding.clients.sqs.change_message_visibility,
+            QueueUrl=self.binding.queue_url,
+            ReceiptHandle=delivery.lease_token,
+            VisibilityTimeout=min(max(int(seconds), 0), SQS_MAX_VISIBILITY_SECONDS),
+        )
+
+    def _delete(self, delivery: ClaimedDelivery) -> None:
+        _call(
+            self.binding.clients.sqs.delete_message,
+            QueueUrl=self.binding.queue_url,
+            ReceiptHandle=delivery.lease_token,
+        )
+
+    # -- heartbeat and settles --------------------------------------------------------------
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        """Extend the visibility timeout by ``lease_seconds`` from now (``progress`` is not
+        kept: SQS has nowhere to keep it)."""
+        if not self._holds(delivery):
+            self._let_go(delivery)
+            return LeaseExtension(LeaseState.LOST)
+        started = time.monotonic()
+        try:
+            self._set_visibility(delivery, self.binding.lease_seconds)
+        except TransportUnavailableError as exc:
+            if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
+                self._let_go(delivery)
+                return LeaseExtension(LeaseState.LOST)
+            raise
+        with self._lock:
+            self._leases[delivery.lease_token] = (
+                started + self.binding.lease_seconds - LEASE_SAFETY_SECONDS
+            )
+        return LeaseExtension(
+            LeaseState.HELD, _now() + dt.timedelta(seconds=self.binding.lease_seconds)
+        )
+
+    def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
+        return wanted, 0.0  # supports_rate_limit is off: the host never asks
+
+    def return_rate_tokens(self, unused: int) -> None:
+        """Nothing to return (no rate limit on this transport)."""
+
+    def complete(
+        self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
+    ) -> SettleResult:
+        if connection is not None:
+            raise UnsupportedByTransportError(
+                "Completing inside a database transaction needs a transport that settles in "
+                "the database; the AWS transport settles in SQS.",
+                "enlist_alias",
+            )
+        return self._settle(delivery, DeliveryStatus.COMPLETED, lambda: self._delete(delivery))
+
+    def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]:
+        results: dict[str, SettleResult] = {}
+        held: list[ClaimedDelivery] = []
+        for delivery in deliveries:
+            if self._holds(delivery):
+                held.append(delivery)
+            else:
+                self._let_go(delivery)
+                results[delivery.delivery_id] = SettleResult(SettleOutcome.LEASE_LOST)
+        for start in range(0, len(held), SQS_BATCH_MAX):
+            chunk = held[start : start + SQS_BATCH_MAX]
+            answer = _call(
+                self.binding.clients.sqs.delete_message_batch,
+                QueueUrl=self.binding.queue_url,
+                Entries=[
+                    {"Id": str(i), "ReceiptHandle": d.lease_token} for i, d in enumerate(chunk)
+                ],
+            )
+            failed = {int(f["Id"]) for f in answer.get("Failed", [])}
+            for i, delivery in enumerate(chunk):
+                self._let_go(delivery)
+                results[delivery.delivery_id] = (
+                    SettleResult(SettleOutcome.LEASE_LOST)
+                    if i in failed
+                    else SettleResult(SettleOutcome.SETTLED, DeliveryStatus.COMPLETED)
+                )
+        return results
+
+    def retry(
+        self, delivery: ClaimedDelivery, delay_seconds: int = 0, error: str | None = None
+    ) -> SettleResult:
+        """Hide the message for ``delay_seconds`` (at most SQS's 12 hours); its next receive is
+        the next attempt. ``error`` is not kept: only a dead letter records its error."""
+        return self._settle(
+            delivery, DeliveryStatus.PENDING, lambda: self._set_visibility(delivery, delay_seconds)
+        )
+
+    def release(self, delivery: ClaimedDelivery) -> SettleResult:
+        """Make the message visible again at once. SQS counts the receive all the same, so a
+        released delivery has spent an attempt (the Database transport refunds it)."""
+        return self._settle(
+            delivery, DeliveryStatus.PENDING, lambda: self._set_visibility(delivery, 0)
+        )
+
+    def dead_letter(
+        self, delivery: ClaimedDelivery, reason: str, error: str | None = None
+    ) -> SettleResult:
+        """Send the message to the subscription's DLQ with ``reason`` and ``error`` as message
+        attributes, then delete it from the queue (in that order: a failure between the two
+        leaves a copy in each, never none)."""
+
+        def move() -> None:
+            send_dead_letter(self.binding, delivery, reason, error)
+            self._delete(delivery)
+
+        return self._settle(delivery, DeliveryStatus.DEAD_LETTERED, move)
+
+    def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult:
+        raise UnsupportedByTransportError(
+            "Cancelling a running delivery needs supports_cancel, which the AWS transport does "
+            "not have.",
+            "supports_cancel",
+        )
+
+
+def send_dead_letter(
+    binding: QueueBinding, delivery: ClaimedDelivery, reason: str, error: str | None
+) -> None:
+    """Put ``delivery``'s message on the DLQ, its reason, error and attempts as attributes."""
+    attributes = {
+        DELIVERY_ID_ATTRIBUTE: delivery.delivery_id,
+        REASON_ATTRIBUTE: reason,
+        ATTEMPTS_ATTRIBUTE: str(delivery.attempt),
+        DEAD_LETTERED_AT_ATTRIBUTE: _now().isoformat(),
+    }
+    if error:
+        # Keep the message within SQS's size limit whatever the error's length.
+        attributes[ERROR_ATTRIBUTE] = error[:4000]
+    params: dict[str, Any] = {
+        "QueueUrl": binding.dead_letter_queue_url,
+        "MessageBody": canonical_json(_envelope_of(delivery)),
+        "MessageAttributes": _string_attributes(attributes),
+    }
+    if binding.fifo:
+        params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
+        params["MessageDeduplicationId"] = f"{delivery.delivery_id}-{delivery.attempt}"
+    _call(binding.clients.sqs.send_message, **params)
+
+
+def _envelope_of(delivery: ClaimedDelivery) -> dict[str, Any]:
+    return {
+        "message_id": delivery.message_id,
+        "topic_id": delivery.topic_id,
+        "partition_key": delivery.partition_key,
+        "attributes": delivery.attributes or None,
+        "payload": delivery.payload,
+        "payload_ref": delivery.payload_ref,
+        "correlation_id": delivery.correlation_id,
+        "published_at": delivery.published_at.isoformat(),
+    }
+
+
+def _envelope(body: str) -> dict[str, Any]:
+    try:
+        found = json.loads(body)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        # Not sent by this transport (someone wrote to the queue directly): handed to the
+        # handler as a payload of its own.
+        return {"payload": body}
+    return found
+
+
+def _parse_time(text: Any) -> dt.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+# -- the transport -------------------------------------------------------------------------
+
+
+class AwsTransport(BaseTransport):
+    """SNS topics and SQS queues; see the module docstring for names and guarantees."""
+
+    name: ClassVar[str] = AWS_DRIVER
+
+    supports_exclusive = True
+    supports_ordered = False
+    heartbeat_modes: ClassVar[frozenset[str]] = frozenset({HeartbeatMode.AUTO})
+    supports_rate_limit = False
+    supports_external_consumers = False
+    # Through the Database ledger: reserve, send, confirm (or release when sending failed).
+    supports_deduplication = True
+    # SNS Publish has no delay, and SQS's own (at most 900 s) is per queue on FIFO queues.
+    supports_scheduled_publish = False
+    supports_priority = False
+    supports_enlisted_publish = False
+    supports_replay = True
+    supports_cancel = False
+    supports_partition_listing = False
+    supports_bulk_discard_pending = False
+
+    conformance_traits: ClassVar[dict[str, Any]] = {
+        # SQS counts every receive, a released one too.
+        "release_consumes_attempt": True,
+        # A re-publish of a message id is a new SQS message (SNS FIFO drops one only within
+        # its 5-minute deduplication window).
+        "detects_message_id_duplicates": False,
+        # SQS keeps no history of deleted messages.
+        "completed_counts": False,
+        # A message waiting in SQS cannot be picked out by id.
+        "cancel_pending": False,
+        # The receiver fences by its own clock (SQS accepts stale receipt handles).
+        "settles_after_expiry_until_taken_back": False,
+        # Exclusive runs on FIFO queues, which only a FIFO topic feeds.
+        "fifo_topics": True,
+        # SQS keeps time itself.
+        "shifts_time": False,
+    }
+
+    # -- rules checked on save -------------------------------------------------------------
+
+    @classmethod
+    def configuration_problem(cls, configuration: dict[str, Any] | None) -> str | None:
+        return configuration_problem(configuration)
+
+    @classmethod
+    def subscription_problem(cls, subscription: Any, transport_name: str) -> str | None:
+        problem = super().subscription_problem(subscription, transport_name)
+        if (
+            problem is None
+            and subscription.partition_mode == PartitionMode.EXCLUSIVE
+            and not subscription.topic.is_fifo
+        ):
+            return (
+                "Exclusive on the AWS transport needs a FIFO topic (is_fifo), whose SQS FIFO "
+                "queues run one message per partition key at a time; set is_fifo on topic "
+                f"{subscription.topic.name!r} before provisioning it."
+            )
+        return problem
+
+    @classmethod
+    def subscription_field_problems(
+        cls, subscription: Any, configuration: dict[str, Any] | None
+    ) -> dict[str, str]:
+        problems: dict[str, str] = {}
+        try:
+            parsed = parse_filter(subscription.filter)
+        except FilterError:
+            parsed = None  # the model reports the filter itself
+        problem = filter_policy_problem(parsed)
+        if problem is not None:
+            problems["filter"] = problem
+        if configuration_problem(configuration) is None:
+            assert configuration is not None
+            names = AwsNames.of(
+                configuration.get("prefix", "wq"),
+                subscription.topic.name,
+                subscription.name,
+                subscription.topic.is_fifo,
+            )
+            if (problem := names.problem()) is not None:
+                problems["name"] = problem
+        return problems
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def publish(
+        self,
+        topic: Any,
+        messages: list[dict[str, Any]],
+        *,
+        publisher: str,
+        enlist: bool,
+        external: bool,
+    ) -> list[dict[str, Any]]:
+        """SNS Publish (PublishBatch for several, ten to a call) of each message's envelope,
+        its attributes as message attributes; the message ids are ours."""
+        refusal = _topic_refusal(topic, external)
+        if refusal is not None:
+            return [_row(m["message_id"], PublishStatus.REJECTED, refusal) for m in messages]
+        settings = AwsSettings.parse(topic.transport.configuration)
+        clients = clients_for(settings)
+        topic_arn = clients.topic_arn(
+            AwsNames.of(settings.prefix, topic.name, "", topic.is_fifo).topic
+        )
+        rows: list[dict[str, Any] | None] = [None] * len(messages)
+        entries: list[tuple[int, dict[str, Any]]] = []
+        # A key a message earlier in this call reserved: the later message is its Duplicate
+        # once the earlier one is sent, as in wq_publish_many's in-order batch.
+        reserved_keys: dict[str, int] = {}
+        later_duplicates: list[tuple[int, int]] = []
+        published_at = _now().isoformat()
+        for index, message in enumerate(messages):
+            entry, size = _sns_entry(topic, message, publisher, published_at)
+            if size > SQS_MAX_MESSAGE_BYTES:
+                rows[index] = _row(
+                    message["message_id"],
+                    PublishStatus.REJECTED,
+                    PublishErrorCode.PAYLOAD_TOO_LARGE,
+                    f"The message is {size} bytes as an SNS/SQS message (envelope and "
+                    f"attributes); SQS allows {SQS_MAX_MESSAGE_BYTES}. Store the payload "
+                    "elsewhere and publish a claim-check reference instead (payload_ref).",
+                )
+                continue
+            key = message["deduplication_key"]
+            if key is not None and key in reserved_keys:
+                later_duplicates.append((index, reserved_keys[key]))
+                continue
+            if key is not None:
+                refusal_row = _reserve(topic.name, message)
+                if refusal_row is not None:
+                    rows[index] = refusal_row
+                    continue
+                reserved_keys[key] = index
+            entries.append((index, entry))
+        for index, outcome in _publish_entries(clients, topic_arn, entries):
+            message = messages[index]
+            if message["deduplication_key"] is not None:
+                _settle_reservation(topic.name, message, sent=outcome[0] == PublishStatus.ACCEPTED)
+            rows[index] = _row(message["message_id"], *outcome)
+        for index, owner in later_duplicates:
+            owner_row = rows[owner]
+            assert owner_row is not None
+            rows[index] = (
+                _row(owner_row["message_id"], PublishStatus.DUPLICATE)
+                if owner_row["status"] == PublishStatus.ACCEPTED
+                else _row(
+                    messages[index]["message_id"],
+                    PublishStatus.REJECTED,
+                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                )
+            )
+        return [row for row in rows if row is not None]
+
+    # -- provisioning -----------------------------------------------------------------------
+
+    def provision(self, transport: Any, *, dry_run: bool) -> list[ProvisionChange]:
+        # Imported here: the transport reads topology only to provision it.
+        from workqueue.models import Topic
+
+        settings = AwsSettings.parse(transport.configuration)
+        provisioner = _Provisioner(clients_for(settings), dry_run)
+        topics = Topic.objects.filter(transport=transport).prefetch_related("subscriptions")
+        for topic in topics.order_by("name"):
+            topic_names = AwsNames.of(settings.prefix, topic.name, "", topic.is_fifo)
+            topic_arn = provisioner.topic(topic_names.topic, topic.is_fifo)
+            for subscription in sorted(topic.subscriptions.all(), key=lambda s: s.name):
+                names = AwsNames.of(settings.prefix, topic.name, subscription.name, topic.is_fifo)
+                problem = names.problem()
+                if problem is not None:
+                    raise WorkQueueConfigurationError(problem)
+                provisioner.subscription(topic, subscription, names, topic_arn)
+        return provisioner.changes
+
+    # -- consuming --------------------------------------------------------------------------
+
+    def receiver(self, subscription_id: str, lease_owner: str | None = None) -> AwsReceiver:
+        return AwsReceiver(QueueBinding.of(subscription_id), lease_owner)
+
+    # -- operator reads ---------------------------------------------------------------------
+
+    def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
+        """Counts from the queues' approximate attributes. SQS keeps no history: completions
+        of the last hour and the oldest message's age are not known (reported as 0 and None)."""
+        binding = QueueBinding.of(subscription_id)
+        queue = _queue_counts(binding, binding.names.queue)
+        dead = _queue_counts(binding, binding.names.dead_letter_queue)
+        return {
+            "pending": queue["ApproximateNumberOfMessages"]
+            + queue["ApproximateNumberOfMessagesDelayed"],
+            "in_flight": queue["ApproximateNumberOfMessagesNotVisible"],
+            "dead_lettered": dead["ApproximateNumberOfMessages"]
+            + dead["ApproximateNumberOfMessagesNotVisible"],
+            "blocked_keys": None,
+            "oldest_pending_age_seconds": None,
+            "completed_last_hour": 0,
+            "as_of": _now(),
+        }
+
+    def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:
+        """The approximate queue counts; SQS's counts cost the same whatever the backlog."""
+        stats = self.subscription_stats(subscription_id)
+        if stats is None:
+            return None
+        keys = ("pending", "in_flight", "dead_lettered")
+        return {
+            **{key: min(stats[key], cap) for key in keys},
+            "blocked_keys": None,
+            "oldest_pending_age_seconds": None,
+        }
+
+    def backlog(self, subscription_id: str) -> Backlog | None:
+        binding = QueueBinding.of(subscription_id)
+        queue = _queue_counts(binding, binding.names.queue)
+        return Backlog(
+            claimable=queue["ApproximateNumberOfMessages"],
+            in_flight=queue["ApproximateNumberOfMessagesNotVisible"],
+            capped=False,
+        )
+
+    def list_dead_letters(
+        self, subscription_id: str, after_delivery_id: str | None, page_size: int
+    ) -> list[DeadLetterItem]:
+        """A page of the DLQ by id. SQS cannot be read without receiving: the DLQ's messages
+        (up to DEAD_LETTER_SCAN_LIMIT) are received, read and made visible again."""
+        binding = QueueBinding.of(subscription_id)
+        with _dead_letter_scan(binding) as found:
+            items = sorted(
+                (_dead_letter_item(binding, m) for m in found), key=lambda i: i.delivery_id
+            )
+        return [i for i in items if after_delivery_id is None or i.delivery_id > after_delivery_id][
+            :page_size
+        ]
+
+    # -- operator writes --------------------------------------------------------------------
+
+    def replay(
+        self, subscription_id: str, delivery_id: str, actor: str | None, note: str | None
+    ) -> bool:
+        """Send the dead letter back to the subscription's queue as a new SQS message (so its
+        receive count, the attempt, starts again at 1), then delete it from the DLQ."""
+        binding = QueueBinding.of(subscription_id)
+        with _dead_letter_scan(binding) as found:
+            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
+            if message is None:
+                return False
+            envelope = {**_envelope(message["Body"]), "replayed": True, "delivery_id": delivery_id}
+            params: dict[str, Any] = {
+                "QueueUrl": binding.queue_url,
+                "MessageBody": canonical_json(envelope),
+                "MessageAttributes": _string_attributes(envelope.get("attributes") or {}),
+            }
+            if binding.fifo:
+                params["MessageGroupId"] = _group_id(
+                    envelope.get("partition_key"), envelope.get("message_id") or delivery_id
+                )
+                params["MessageDeduplicationId"] = f"replay-{delivery_id}"
+            _call(binding.clients.sqs.send_message, **params)
+            _delete_dead_letter(binding, message)
+            found.remove(message)
+        return True
+
+    def discard(
+        self, subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
+    ) -> DiscardResult:
+        """Delete a dead letter from the DLQ. A message waiting in the queue itself cannot be
+        picked out by id without receiving it from under the consumers: not discarded."""
+        binding = QueueBinding.of(subscription_id)
+        with _dead_letter_scan(binding) as found:
+            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
+            if message is None:
+                return DiscardResult(changed=False)
+            _delete_dead_letter(binding, message)
+            found.remove(message)
+        return DiscardResult(changed=True)
+
+    def resolve_dead_letters(
+        self, subscription_id: str, action: str, selection: dict[str, Any], **options: Any
+    ) -> dict[str, Any]:
+        """One batch of a bulk replay or discard of the dead letters matching ``selection``,
+        in delivery id order after ``after_delivery_id``."""
+        binding = QueueBinding.of(subscription_id)
+        after = options.get("after_delivery_id")
+        batch_size = options["batch_size"]
+        with _dead_letter_scan(binding) as found:
+            ordered = sorted(
+                (m for m in found if after is None or _dead_letter_id(m) > after),
+                key=_dead_letter_id,
+            )[:batch_size]
+        changed = 0
+        for message in ordered:
+            if not _selected(_dead_letter_item(binding, message), selection):
+                continue
+            changed += 1
+            if options.get("dry_run"):
+                continue
+            if action == "Replay":
+                self.replay(subscription_id, _dead_letter_id(message), options.get("actor"), None)
+            else:
+                self.discard(subscription_id, _dead_letter_id(message), options.get("actor"), None)
+        return {
+            "examined": len(ordered),
+            "changed": changed,
+            "last_delivery_id": _dead_letter_id(ordered[-1]) if ordered else None,
+        }
+
+
+# -- publishing helpers --------------------------------------------------------------------
+
+
+def _row(
+    message_id: str, status: str, error_code: str | None = None, error_message: str | None = None
+) -> dict[str, Any]:
+    row = {"message_id": message_id, "status": status, "error_code": error_code}
+    if error_message:
+        row["error_message"] = error_message
+    return row
+
+
+def _reserve(topic_name: str, message: dict[str, Any]) -> dict[str, Any] | None:
+    """Reserve the message's deduplication key in the Database ledger; None when reserved,
+    else the message's result row (Duplicate naming the owner, or a rejection)."""
+    status, owner = procedures.reserve_deduplication(
+        topic_name, message["deduplication_key"], message["message_id"]
+    )
+    if status == "Reserved":
+        return None
+    if status == "Duplicate" and owner is not None:
+        return _row(owner, PublishStatus.DUPLICATE)
+    if status == "TopicNotFound":
+        return _row(message["message_id"], PublishStatus.REJECTED, PublishErrorCode.TOPIC_NOT_FOUND)
+    return _row(
+        message["message_id"], PublishStatus.REJECTED, PublishErrorCode.DEDUPLICATION_PENDING
+    )
+
+
+def _settle_reservation(topic_name: str, message: dict[str, Any], *, sent: bool) -> None:
+    """Confirm the key of a sent message (for its TTL), or release it when sending failed. A
+    confirmation can find the reservation gone (it lapsed after 120 s and another publish took
+    the key): the message is out all the same, so both were sent."""
+    key, message_id = message["deduplication_key"], message["message_id"]
+    if sent:
+        procedures.confirm_deduplication(
+            topic_name, key, message_id, message["deduplication_ttl_seconds"]
+        )
+    else:
+        procedures.release_deduplication(topic_name, key, message_id)
+
+
+def _topic_refusal(topic: Any, external: bool) -> str | None:
+    if topic.status != "Active" or topic.transport.status != "Active":
+        return PublishErrorCode.TOPIC_DISABLED
+    if external and not topic.allow_external_publish:
+        return PublishErrorCode.TOPIC_NOT_EXTERNALLY_PUBLISHABLE
+    return None
+
+
+def _find_topic_arn(clients: AwsClients, name: str) -> str | None:
+    paginator = clients.sns.get_paginator("list_topics")
+    try:
+        for page in paginator.paginate():
+            for topic in page.get("Topics", []):
+                if topic["TopicArn"].rsplit(":", 1)[-1] == name:
+                    return topic["TopicArn"]
+    except Exception as exc:  # botocore's errors, raised lazily by the paginator
+        raise TransportUnavailableError(f"AWS could not list SNS topics: {exc}") from exc
+    return None
+
+
+def _sns_entry(
+    topic: Any, message: dict[str, Any], publisher: str, published_at: str
+) -> tuple[dict[str, Any], int]:
+    """The PublishBatch entry of one message, and its size as SQS counts it."""
+    envelope = {
+        "message_id": message["message_id"],
+        "topic_id": str(topic.id),
+        "partition_key": message["partition_key"],
+        "attributes": message["attributes"],
+        "payload": message["payload"],
+        "payload_ref": message["payload_ref"],
+        "correlation_id": message["correlation_id"],
+        "published_at": published_at,
+        "published_by": publisher,
+    }
+    body = canonical_json(envelope)
+    attributes = message["attributes"] or {}
+    entry: dict[str, Any] = {"Message": body}
+    if attributes:
+        entry["MessageAttributes"] = _string_attributes(attributes)
+    if topic.is_fifo:
+        entry["MessageGroupId"] = _group_id(message["partition_key"], message["message_id"])
+        # Our message id: SNS drops a re-publish of it within its 5-minute window.
+        entry["MessageDeduplicationId"] = message["message_id"]
+    return entry, len(body.encode()) + _attribute_bytes(attributes)
+
+
+def _publish_entries(
+    clients: AwsClients, topic_arn: str, entries: list[tuple[int, dict[str, Any]]]
+) -> Iterator[tuple[int, tuple[str, str | None]]]:
+    """(index, (status, error code)) of each entry, published one by one or in batches of up to
+    ten (and SNS's 256 KiB per batch)."""
+    if len(entries) == 1:
+        index, entry = entries[0]
+        try:
+            _call(clients.sns.publish, TopicArn=topic_arn, **entry)
+        except TransportUnavailableError:
+            yield index, (PublishStatus.REJECTED, PublishErrorCode.TRANSPORT_UNAVAILABLE)
+        else:
+            yield index, (PublishStatus.ACCEPTED, None)
+        return
+    for batch in _batches(entries):
+        request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
+        try:
+            answer = _call(
+                clients.sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
+            )
+        except TransportUnavailableError:
+            failed = set(range(len(batch)))
+        else:
+            failed = {int(f["Id"]) for f in answer.get("Failed", [])}
+        for i, (index, _) in enumerate(batch):
+            yield (
+                index,
+                (
+                    (PublishStatus.REJECTED, PublishErrorCode.TRANSPORT_UNAVAILABLE)
+                    if i in failed
+                    else (PublishStatus.ACCEPTED, None)
+                ),
+            )
+
+
+def _batches(
+    entries: list[tuple[int, dict[str, Any]]],
+) -> Iterator[list[tuple[int, dict[str, Any]]]]:
+    batch: list[tuple[int, dict[str, Any]]] = []
+    size = 0
+    for index, entry in entries:
+        entry_size = len(entry["Message"].encode()) + _attribute_bytes(
+            {k: v["StringValue"] for k, v in entry.get("MessageAttributes", {}).items()}
+        )
+        if batch and (len(batch) == SQS_BATCH_MAX or size + entry_size > SQS_MAX_MESSAGE_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append((index, entry))
+        size += entry_size
+    if batch:
+        yield batch
+
+
+# -- provisioning helpers ------------------------------------------------------------------
+
+
+class _Provisioner:
+    """Creates or updates resources (or, on a dry run, says it would), recording each."""
+
+    def __init__(self, clients: AwsClients, dry_run: bool) -> None:
+        self.clients = clients
+        self.dry_run = dry_run
+        self.changes: list[ProvisionChange] = []
+
+    def _record(self, action: str, kind: str, name: str, detail: str = "") -> None:
+        self.changes.append(ProvisionChange(action, kind, name, detail))
+
+    def topic(self, name: str, fifo: bool) -> str | None:
+        arn = _find_topic_arn(self.clients, name)
+        if arn is not None:
+            self._record("keep", "sns-topic", name)
+            return arn
+        self._record("create", "sns-topic", name, "FIFO" if fifo else "")
+        if self.dry_run:
+            return None
+        attributes = {"FifoTopic": "true", "ContentBasedDeduplication": "false"} if fifo else {}
+        return _call(self.clients.sns.create_topic, Name=name, Attributes=attributes)["TopicArn"]
+
+    def subscription(
+        self, topic: Any, subscription: Any, names: AwsNames, topic_arn: str | None
+    ) -> None:
+        fifo = topic.is_fifo
+        retention = min(topic.retention_days * 86_400, SQS_MAX_RETENTION_SECONDS)
+        dead_arn = self.queue(
+            names.dead_letter_queue,
+            fifo,
+            {"MessageRetentionPeriod": str(SQS_MAX_RETENTION_SECONDS)},
+        )
+        wanted = {
+            "VisibilityTimeout": str(subscription.lease_seconds),
+            "MessageRetentionPeriod": str(retention),
+            # A backstop only: the receiver moves a message whose receive count passed
+            # max_attempts itself, with its reason; SQS moves one a receive later.
+            "RedrivePolicy": json.dumps(
+                {
+                    "deadLetterTargetArn": dead_arn
+                    or _queue_arn_beside(topic_arn, names.dead_letter_queue),
+                    "maxReceiveCount": subscription.max_attempts + 1,
+                },
+                sort_keys=True,
+            ),
+        }
+        if topic_arn is not None:
+            wanted["Policy"] = json.dumps(
+                _queue_policy(_queue_arn_beside(topic_arn, names.queue), topic_arn)
+            )
+        queue_arn = self.queue(names.queue, fifo, wanted)
+        if topic_arn is None or queue_arn is None:
+            self._record("create", "subscription", f"{names.topic} -> {names.queue}")
+            return
+        self.sns_subscription(subscription, names, topic_arn, queue_arn)
+
+    def queue(self, name: str, fifo: bool, wanted: dict[str, str]) -> str | None:
+        sqs = self.clients.sqs
+        from botocore.exceptions import ClientError
+
+        try:
+            url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
+        except ClientError as exc:
+            if _error_code(exc) not in _NOT_FOUND_CODES:
+                raise TransportUnavailableError(f"AWS refused get_queue_url: {exc}") from exc
+            url = None
+        if url is None:
+            self._record("create", "sqs-queue", name, ", ".join(sorted(wanted)))
+            if self.dry_run:
+                return None
+            attributes = dict(wanted)
+            if fifo:
+                attributes["FifoQueue"] = "true"
+            url = _call(sqs.create_queue, QueueName=name, Attributes=attributes)["QueueUrl"]
+            self.clients.forget_queue(name)
+            return _queue_arn(self.clients, url)
+        current = _call(sqs.get_queue_attributes, QueueUrl=url, AttributeNames=["All"])[
+            "Attributes"
+        ]
+        differing = {k: v for k, v in wanted.items() if not _same_attribute(current.get(k), v)}
+        if not differing:
+            self._record("keep", "sqs-queue", name)
+        else:
+            self._record("update", "sqs-queue", name, ", ".join(sorted(differing)))
+            if not self.dry_run:
+                # Every wanted attribute, not only the changed ones: moto (5.2.5) drops a
+                # queue's Policy on a SetQueueAttributes that leaves it out; AWS keeps it.
+                _call(sqs.set_queue_attributes, QueueUrl=url, Attributes=wanted)
+        return current.get("QueueArn")
+
+    def sns_subscription(
+        self, subscription: Any, names: AwsNames, topic_arn: str, queue_arn: str
+    ) -> None:
+        sns = self.clients.sns
+        policy = filter_policy(parse_filter(subscription.filter))
+        wanted = {
+            "RawMessageDelivery": "true",
+            "FilterPolicy": json.dumps(policy, sort_keys=True) if policy else "",
+        }
+        label = f"{names.topic} -> {names.queue}"
+        existing = next(
+            (
+                s["SubscriptionArn"]
+                for page in sns.get_paginator("list_subscriptions_by_topic").paginate(
+                    TopicArn=topic_arn
+                )
+                for s in page.get("Subscriptions", [])
+                if s["Endpoint"] == queue_arn
+            ),
+            None,
+        )
+        if existing is None:
+            self._record("create", "subscription", label, "filter policy" if policy else "")
+            if not self.dry_run:
+                attributes = {k: v for k, v in wanted.items() if v}
+                _call(
+                    sns.subscribe,
+                    TopicArn=topic_arn,
+                    Protocol="sqs",
+                    Endpoint=queue_arn,
+                    Attributes=attributes,
+                    ReturnSubscriptionArn=True,
+                )
+            return
+        current = _call(sns.get_subscription_attributes, SubscriptionArn=existing)["Attributes"]
+        differing = {k: v for k, v in wanted.items() if not _same_attribute(current.get(k, ""), v)}
+        if not differing:
+            self._record("keep", "subscription", label)
+            return
+        self._record("update", "subscription", label, ", ".join(sorted(differing)))
+        if self.dry_run:
+            return
+        for key, value in differing.items():
+            _call(
+                sns.set_subscription_attributes,
+                SubscriptionArn=existing,
+                AttributeName=key,
+                # An empty policy removes the filter.
+                AttributeValue=value or "{}",
+            )
+
+
+def _same_attribute(current: str | None, wanted: str) -> bool:
+    if current == wanted:
+        return True
+    if current is None:
+        return wanted == ""
+    try:
+        current_json, wanted_json = json.loads(current or "{}"), json.loads(wanted or "{}")
+    except ValueError:
+        return False
+    return current_json == wanted_json
+
+
+def _queue_policy(queue_arn: str, topic_arn: str) -> dict[str, Any]:
+    """Allow the topic, and only the topic, to send to the queue."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Sid": "workqueue-sns",
+                "Effect": "Allow",
+                "Principal": {"Service": "sns.amazonaws.com"},
+                "Action": "sqs:SendMessage",
+                "Resource": queue_arn,
+                "Condition": {"ArnEquals": {"aws:SourceArn": topic_arn}},
+            }
+        ],
+    }
+
+
+def _queue_arn_beside(topic_arn: str | None, queue_name: str) -> str:
+    """The ARN of queue ``queue_name`` in the topic's region and account (the transport's one
+    session makes both), or, on a dry run before the topic exists, a placeholder to show."""
+    if topic_arn is None:
+        return f"arn:aws:sqs:<region>:<account>:{queue_name}"
+    _, partition, _, region, account, _ = topic_arn.split(":", 5)
+    return f"arn:{partition}:sqs:{region}:{account}:{queue_name}"
+
+
+def _queue_arn(clients: AwsClients, url: str) -> str:
+    return _call(clients.sqs.get_queue_attributes, QueueUrl=url, AttributeNames=["QueueArn"])[
+        "Attributes"
+    ]["QueueArn"]
+
+
+# -- operator helpers ----------------------------------------------------------------------
+
+
+def _queue_counts(binding: QueueBinding, name: str) -> dict[str, int]:
+    attributes = _call(
+        binding.clients.sqs.get_queue_attributes,
+        QueueUrl=binding.clients.queue_url(name),
+        AttributeNames=[
+            "ApproximateNumberOfMessages",
+            "ApproximateNumberOfMessagesNotVisible",
+            "ApproximateNumberOfMessagesDelayed",
+        ],
+    )["Attributes"]
+    return {k: int(v) for k, v in attributes.items()}
+
+
+class _dead_letter_scan:
+    """Receive the DLQ's messages (up to DEAD_LETTER_SCAN_LIMIT), and on exit make those still
+    listed visible again. Two scans at once each see only part of the DLQ."""
+
+    def __init__(self, binding: QueueBinding) -> None:
+        self.binding = binding
+        self.found: list[dict[str, Any]] = []
+
+    def __enter__(self) -> list[dict[str, Any]]:
+        seen: set[str] = set()
+        while len(self.found) < DEAD_LETTER_SCAN_LIMIT:
+            answer = _call(
+                self.binding.clients.sqs.receive_message,
+                QueueUrl=self.binding.dead_letter_queue_url,
+                MaxNumberOfMessages=SQS_BATCH_MAX,
+                WaitTimeSeconds=0,
+                VisibilityTimeout=DEAD_LETTER_SCAN_VISIBILITY,
+                MessageSystemAttributeNames=["SentTimestamp"],
+                MessageAttributeNames=["All"],
+            )
+            fresh = [m for m in answer.get("Messages", []) if m["MessageId"] not in seen]
+            if not fresh:
+                break
+            seen.update(m["MessageId"] for m in fresh)
+            self.found.extend(fresh)
+        return self.found
+
+    def __exit__(self, *exc: object) -> None:
+        for start in range(0, len(self.found), SQS_BATCH_MAX):
+            chunk = self.found[start : start + SQS_BATCH_MAX]
+            _call(
+                self.binding.clients.sqs.change_message_visibility_batch,
+                QueueUrl=self.binding.dead_letter_queue_url,
+                Entries=[
+                    {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"], "VisibilityTimeout": 0}
+                    for i, m in enumerate(chunk)
+                ],
+            )
+
+
+def _dead_letter_id(message: dict[str, Any]) -> str:
+    """The delivery id of a DLQ message: the one it had in the subscription's queue (SQS's
+    own redrive keeps the message id, so that is the fallback)."""
+    found = message.get("MessageAttributes", {}).get(DELIVERY_ID_ATTRIBUTE, {})
+    return found.get("StringValue") or message["MessageId"]
+
+
+def _delete_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
+    _call(
+        binding.clients.sqs.delete_message,
+        QueueUrl=binding.dead_letter_queue_url,
+        ReceiptHandle=message["ReceiptHandle"],
+    )
+
+
+def _dead_letter_item(binding: QueueBinding, message: dict[str, Any]) -> DeadLetterItem:
+    envelope = _envelope(message["Body"])
+    attributes = {
+        k: v.get("StringValue", "") for k, v in message.get("MessageAttributes", {}).items()
+    }
+    sent = message.get("Attributes", {}).get("SentTimestamp")
+    return DeadLetterItem(
+        delivery_id=_dead_letter_id(message),
+        partition_key=envelope.get("partition_key") if binding.exclusive else None,
+        attempts=int(attributes.get(ATTEMPTS_ATTRIBUTE, "0") or 0),
+        # A message SQS's redrive moved (the backstop) carries no reason of ours.
+        reason=attributes.get(REASON_ATTRIBUTE, "MaxReceiveCountExceeded"),
+        last_error=attributes.get(ERROR_ATTRIBUTE),
+        dead_lettered_at=_parse_time(attributes.get(DEAD_LETTERED_AT_ATTRIBUTE))
+        or (dt.datetime.fromtimestamp(int(sent) / 1000, dt.UTC) if sent else None),
+        blocks_key=False,
+        message_id=envelope.get("message_id") or message["MessageId"],
+        topic=binding.topic_name,
+        message_partition_key=envelope.get("partition_key"),
+        attributes=envelope.get("attributes") or {},
+        payload=envelope.get("payload"),
+        payload_ref=stored_payload_ref(envelope.get("payload_ref")),
+        correlation_id=envelope.get("correlation_id"),
+        published_at=_parse_time(envelope.get("published_at")),
+    )
+
+
+def _selected(item: DeadLetterItem, selection: dict[str, Any]) -> bool:
+    """Whether a dead letter matches a bulk operation's filters (wq_resolve_dead_letters')."""
+    if selection.get("reason") and item.reason != selection["reason"]:
+        return False
+    if selection.get("partition_key") and item.message_partition_key != selection["partition_key"]:
+        return False
+    start, end = selection.get("dead_lettered_from"), selection.get("dead_lettered_before")
+    at = item.dead_lettered_at
+    if start is not None and (at is None or at < start):
+        return False
+    if end is not None and (at is None or at >= end):
+        return False
+    needle = selection.get("error_contains")
+    return not needle or needle.lower() in (item.last_error or "").lower()
+
+
+__all__ = [
+    "AWS_DRIVER",
+    "AwsNames",
+    "AwsReceiver",
+    "AwsSettings",
+    "AwsTransport",
+    "filter_policy",
+    "filter_policy_problem",
+]
