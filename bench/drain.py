@@ -24,8 +24,10 @@ reported is that of the first N of them. Before the drain, --publish-sample mess
 published one at a time onto the backlog and that rate is reported too; run it with --backlog 0
 (or --backlog N) for the shallow figure to compare with.
 
-Each drain also reports this process's CPU time per delivery (host threads, psycopg included),
-which a busy machine disturbs far less than the wall-clock rate.
+Each drain also reports CPU time per delivery, which a busy machine disturbs far less than the
+wall-clock rate: this process's (host threads, psycopg included) and, when PostgreSQL runs on
+this machine, that of the host's own backends (from /proc; the WAL writer and other server
+processes are not counted).
 """
 
 from __future__ import annotations
@@ -163,6 +165,31 @@ def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:
             )
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a local PostgreSQL backend, or None when it is not readable."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def host_backends_cpu_seconds(publisher_pid: int) -> float | None:
+    """CPU of this process's queue connections other than the publisher's (the host's claims,
+    settles and listener, all opened when the host started), or None when the server is not
+    local."""
+    rows = get_driver().execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND pid <> %s",
+        [f"workqueue:{os.getpid()}", publisher_pid],
+    )
+    seconds = [backend_cpu_seconds(pid) for (pid,) in rows]
+    return None if not seconds or None in seconds else sum(seconds)
+
+
 def publish_one_at_a_time(topic: str, count: int) -> float:
     """Messages per second for ``count`` single publishes (each its own transaction)."""
     began = time.perf_counter()
@@ -181,6 +208,7 @@ def maintain_queue_tables(command: str) -> None:
 class DrainRun:
     rate: float  # deliveries per second
     cpu_us: float  # this process's CPU time per delivery, in microseconds
+    db_cpu_us: float | None  # the host's PostgreSQL backends' CPU per delivery
     publish_rate: float | None = None  # single publishes per second onto the backlog
 
 
@@ -229,6 +257,7 @@ def drain(
         publish_rate = publish_one_at_a_time(topic.name, publish_sample) if publish_sample else None
         measured = messages // fanout * fanout if not backlog else messages
         LEDGER.expect(measured)
+        [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
         host = host_for(subscriptions, concurrency)
         cpu = os.times()
         began = time.perf_counter()
@@ -236,11 +265,17 @@ def drain(
         LEDGER.reached.wait()
         elapsed = time.perf_counter() - began
         cpu_after = os.times()
+        db_cpu = host_backends_cpu_seconds(publisher_pid)
         host.shutdown()  # waits for the last completions to be settled
         completed = sum(s.deliveries.filter(status="Completed").count() for s in subscriptions)
         assert completed >= measured, f"{measured - completed} deliveries not completed"
         cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
-        return DrainRun(measured / elapsed, cpu_seconds / measured * 1e6, publish_rate)
+        return DrainRun(
+            measured / elapsed,
+            cpu_seconds / measured * 1e6,
+            db_cpu / measured * 1e6 if db_cpu is not None else None,
+            publish_rate,
+        )
     finally:
         remove(topic.id)
 
@@ -350,9 +385,10 @@ def main() -> int:
                 f"publish {args.publish_sample} one at a time onto a "
                 f"{args.backlog or args.messages:,} backlog: {run.publish_rate:,.0f}/s"
             )
+        db_cpu = f", PostgreSQL {run.db_cpu_us:,.0f} us" if run.db_cpu_us is not None else ""
         print(
             f"drain {args.messages} no-op messages{shape}, concurrency {concurrency}: "
-            f"{run.rate:,.0f}/s (host CPU {run.cpu_us:,.0f} us per delivery)"
+            f"{run.rate:,.0f}/s (host CPU {run.cpu_us:,.0f} us per delivery{db_cpu})"
         )
     if args.pickup:
         lat = pickup(args.pickup)

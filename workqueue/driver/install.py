@@ -19,7 +19,7 @@ from typing import Any
 
 from workqueue.driver import driver_for_connection, get_driver
 
-LATEST_PROCEDURE_MIGRATION = "0017_generic_claim_plans"
+LATEST_PROCEDURE_MIGRATION = "0017_cheaper_claims_and_completions"
 
 MigrationStep = Callable[[Any, Any], None]
 
