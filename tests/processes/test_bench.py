@@ -59,7 +59,7 @@ def test_the_drain_benchmark_runs_fan_out_and_deep_backlog_variants():
 
     assert re.search(
         r"drain 300 no-op messages, 100 messages x 3 subscriptions, concurrency 4: [\d,]+/s "
-        r"\(host CPU [\d,]+ us per delivery\)",
+        r"\(host CPU [\d,]+ us per delivery",
         fanout.stdout,
     ), fanout.stdout
     assert re.search(r"publish 20 one at a time onto a 1,000 backlog: [\d,]+/s", backlog.stdout)
