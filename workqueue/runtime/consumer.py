@@ -187,7 +187,8 @@ class Consumer:
         self.receiver = transport_for(plan.driver_class).receiver(plan.subscription_id, lease_owner)
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
-        # waits for the (batched) settle, so claiming overlaps settling.
+        # may still settle (a retry, a dead letter; completions go to the batcher), so
+        # claiming overlaps settling.
         self._workers = WorkerPool(2 * config.concurrency, name)
         self._background = WorkerPool(2, f"{name}-bg")
         self._completions = CompletionBatcher(self.receiver, name)
