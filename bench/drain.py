@@ -1,16 +1,33 @@
-"""Drain and pickup benchmark for one host process on one subscription.
+"""Drain and pickup benchmark for one host process.
 
 Usage (against the embedded PostgreSQL, or DATABASE_URL):
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --concurrency 1 8 32
     PYTHONPATH=. .venv/bin/python bench/drain.py --pickup 300
     PYTHONPATH=. .venv/bin/python bench/drain.py --partition-mode Exclusive --keys 100 --pickup 0
     PYTHONPATH=. .venv/bin/python bench/drain.py --priorities 5 --pickup 0
+    PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --fanout 10 --pickup 0
+    PYTHONPATH=. .venv/bin/python bench/drain.py --messages 20000 --backlog 1000000 --pickup 0
 
 Drain: publish N no-op messages first (keyless, or spread over --keys partition keys), then time
 a host (in this process) from start until it has completed them all. Pickup: with the host idle
 and listening, publish one message at a time and measure from the publish call's return
 (committed) to the handler starting. With --priorities P the backlog's messages take P
 different priorities in turn (-2, -1, 0, 1, 2 for 5), so claims visit several priority levels.
+
+Fan-out (--fanout K): one topic with K subscriptions, each run by the host at --concurrency;
+N/K messages are published, so the host drains the same N deliveries in total as with one
+subscription, and the rate reported is deliveries per second over all K.
+
+Deep backlog (--backlog B): B pending deliveries are seeded with set-based SQL (as the tables'
+owner, which a benchmark may be; nothing else writes the queue tables directly), and the rate
+reported is that of the first N of them. Before the drain, --publish-sample messages are
+published one at a time onto the backlog and that rate is reported too; run it with --backlog 0
+(or --backlog N) for the shallow figure to compare with.
+
+Each drain also reports CPU time per delivery, which a busy machine disturbs far less than the
+wall-clock rate: this process's (host threads, psycopg included) and, when PostgreSQL runs on
+this machine, that of the host's own backends (from /proc; the WAL writer and other server
+processes are not counted).
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 # The project's settings fail closed. A benchmark runs them with DEBUG off (DEBUG would keep
@@ -46,41 +64,138 @@ from workqueue.models import Subscription, Topic, Transport  # noqa: E402
 from workqueue.runtime.handlers import HandlerRegistry  # noqa: E402
 from workqueue.runtime.host import Host, HostConfig  # noqa: E402
 
-started: list[float] = []
-done = threading.Semaphore(0)
+
+class Ledger:
+    """When the no-op handler started each call, and a wake-up once ``target`` calls were made
+    (one wake-up per run, not one per delivery, so the benchmark itself costs the host little)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started: list[float] = []
+        self._target = 0
+        self.reached = threading.Event()
+
+    def expect(self, target: int) -> None:
+        with self._lock:
+            self.started = []
+            self._target = target
+            self.reached.clear()
+
+    def record(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.started.append(now)
+            if len(self.started) == self._target:
+                self.reached.set()
+
+
+LEDGER = Ledger()
 
 
 class NoopHandler(BaseWorkHandler):
     def handle(self, message, context):
-        started.append(time.perf_counter())
-        done.release()
+        LEDGER.record()
         return Outcome.complete()
 
 
-def make_subscription(tag: str, partition_mode: str = "None") -> Subscription:
+def make_subscriptions(
+    tag: str, partition_mode: str = "None", count: int = 1
+) -> list[Subscription]:
+    """``count`` subscriptions of one new topic (``bench.TAG``)."""
     topic = Topic.objects.create(
         name=f"bench.{tag}", transport=Transport.objects.get(name="Database")
     )
-    return Subscription.objects.create(
-        topic=topic, name=f"bench.{tag}-sub", handler_key="bench", partition_mode=partition_mode
-    )
+    return [
+        Subscription.objects.create(
+            topic=topic,
+            name=f"bench.{tag}-sub" if count == 1 else f"bench.{tag}-sub{n}",
+            handler_key="bench",
+            partition_mode=partition_mode,
+        )
+        for n in range(count)
+    ]
 
 
-def remove(subscription: Subscription) -> None:
-    get_driver().remove_topic(str(subscription.topic_id))
+def remove(topic_id: str) -> None:
+    get_driver().remove_topic(str(topic_id))
 
 
-def host_for(subscription: Subscription, concurrency: int) -> Host:
+def host_for(subscriptions: list[Subscription], concurrency: int) -> Host:
     registry = HandlerRegistry()
     registry.register("bench", NoopHandler)
     config = HostConfig.from_settings(
         get_settings(),
-        [subscription.name],
+        [s.name for s in subscriptions],
         concurrency=concurrency,
         sweeper_interval_ms=0,
         reconcile_interval_ms=0,
     )
     return Host(config, registry=registry)
+
+
+def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:
+    """``count`` Pending deliveries with their messages, in batches of 100,000 rows, as the
+    publish procedures would have left them (visible in publish order, in the past)."""
+    key = "'k' || (g %% %(keys)s)" if keys else "NULL"
+    with connection.cursor() as cursor:
+        for offset in range(0, count, 100_000):
+            cursor.execute(
+                f"""
+                WITH m AS (
+                    INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
+                                                   payload, published_at)
+                    SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s,
+                           {key}, jsonb_build_object('n', g), now()
+                      FROM generate_series(%(first)s, %(last)s) g
+                    RETURNING id, publish_ordinal, partition_key
+                )
+                INSERT INTO workqueue_delivery (id, message_id, subscription_id, partition_key,
+                                                order_key, visible_at)
+                SELECT gen_random_uuid(), m.id, %(sub)s, m.partition_key, m.publish_ordinal,
+                       now() - interval '1 hour' + m.publish_ordinal * interval '1 microsecond'
+                  FROM m
+                """,
+                {
+                    "topic": subscription.topic_id,
+                    "sub": subscription.id,
+                    "first": offset,
+                    "last": min(offset + 100_000, count) - 1,
+                    "keys": keys,
+                },
+            )
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a local PostgreSQL backend, or None when it is not readable."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def host_backends_cpu_seconds(publisher_pid: int) -> float | None:
+    """CPU of this process's queue connections other than the publisher's (the host's claims,
+    settles and listener, all opened when the host started), or None when the server is not
+    local."""
+    rows = get_driver().execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND pid <> %s",
+        [f"workqueue:{os.getpid()}", publisher_pid],
+    )
+    seconds = [backend_cpu_seconds(pid) for (pid,) in rows]
+    return None if not seconds or None in seconds else sum(seconds)
+
+
+def publish_one_at_a_time(topic: str, count: int) -> float:
+    """Messages per second for ``count`` single publishes (each its own transaction)."""
+    began = time.perf_counter()
+    for n in range(count):
+        publish(topic, {"sample": n})
+    return count / (time.perf_counter() - began)
 
 
 def maintain_queue_tables(command: str) -> None:
@@ -89,66 +204,100 @@ def maintain_queue_tables(command: str) -> None:
             cursor.execute(f"{command} {table}")
 
 
+@dataclass(frozen=True)
+class DrainRun:
+    rate: float  # deliveries per second
+    cpu_us: float  # this process's CPU time per delivery, in microseconds
+    db_cpu_us: float | None  # the host's PostgreSQL backends' CPU per delivery
+    publish_rate: float | None = None  # single publishes per second onto the backlog
+
+
 def drain(
-    messages: int, concurrency: int, partition_mode: str, keys: int, steady: bool, priorities: int
-) -> float:
-    """Messages per second for one host draining a published backlog.
+    messages: int,
+    concurrency: int,
+    partition_mode: str,
+    keys: int,
+    steady: bool,
+    priorities: int,
+    fanout: int = 1,
+    backlog: int = 0,
+    publish_sample: int = 0,
+) -> DrainRun:
+    """Time one host draining ``messages`` deliveries.
 
     With ``steady``, each run starts from vacuumed tables (autovacuum lags behind a benchmark's
     bursts, and dead rows left by earlier runs halved later ones) and the backlog is analyzed
     before the drain, as autovacuum would have done in a live queue: otherwise a drain right
     after a vacuum of the emptied tables is planned from statistics that say "empty".
     """
-    subscription = make_subscription(f"drain-{uuid.uuid4().hex[:6]}", partition_mode)
+    subscriptions = make_subscriptions(
+        f"drain-{uuid.uuid4().hex[:6]}", partition_mode, count=fanout
+    )
+    topic = subscriptions[0].topic
     try:
         if steady:
             maintain_queue_tables("VACUUM")
-        for offset in range(0, messages, 500):
-            publish_many(
-                subscription.topic.name,
-                [
-                    {
-                        "payload": {"n": n},
-                        "partition_key": f"k{n % keys}" if keys else None,
-                        "priority": n % priorities - priorities // 2,
-                    }
-                    for n in range(offset, min(offset + 500, messages))
-                ],
-            )
+        if backlog:
+            seed_backlog(subscriptions[0], backlog, keys)
+        else:
+            for offset in range(0, messages // fanout, 500):
+                publish_many(
+                    topic.name,
+                    [
+                        {
+                            "payload": {"n": n},
+                            "partition_key": f"k{n % keys}" if keys else None,
+                            "priority": n % priorities - priorities // 2,
+                        }
+                        for n in range(offset, min(offset + 500, messages // fanout))
+                    ],
+                )
         if steady:
             maintain_queue_tables("ANALYZE")
-        started.clear()
-        host = host_for(subscription, concurrency)
+        publish_rate = publish_one_at_a_time(topic.name, publish_sample) if publish_sample else None
+        measured = messages // fanout * fanout if not backlog else messages
+        LEDGER.expect(measured)
+        [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
+        host = host_for(subscriptions, concurrency)
+        cpu = os.times()
         began = time.perf_counter()
         host.start()
-        for _ in range(messages):
-            done.acquire()
-        host.shutdown()  # waits for the last completions to be settled
+        LEDGER.reached.wait()
         elapsed = time.perf_counter() - began
-        remaining = subscription.deliveries.exclude(status="Completed").count()
-        assert remaining == 0, f"{remaining} deliveries not completed"
-        return messages / elapsed
+        cpu_after = os.times()
+        db_cpu = host_backends_cpu_seconds(publisher_pid)
+        host.shutdown()  # waits for the last completions to be settled
+        completed = sum(s.deliveries.filter(status="Completed").count() for s in subscriptions)
+        assert completed >= measured, f"{measured - completed} deliveries not completed"
+        cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
+        return DrainRun(
+            measured / elapsed,
+            cpu_seconds / measured * 1e6,
+            db_cpu / measured * 1e6 if db_cpu is not None else None,
+            publish_rate,
+        )
     finally:
-        remove(subscription)
+        remove(topic.id)
 
 
 def pickup(samples: int) -> list[float]:
-    subscription = make_subscription(f"pickup-{uuid.uuid4().hex[:6]}")
-    host = host_for(subscription, 8)
+    subscriptions = make_subscriptions(f"pickup-{uuid.uuid4().hex[:6]}")
+    topic = subscriptions[0].topic
+    host = host_for(subscriptions, 8)
     host.start()
     latencies = []
     try:
         time.sleep(1.0)  # let the listener connect and the loop go idle
         for _ in range(samples):
-            started.clear()
-            publish(subscription.topic.name, {"t": 1})
+            LEDGER.expect(1)
+            publish(topic.name, {"t": 1})
             returned = time.perf_counter()
-            done.acquire()
-            latencies.append((started[0] - returned) * 1000)
+            LEDGER.reached.wait()
+            latencies.append((LEDGER.started[0] - returned) * 1000)
             time.sleep(0.02)
     finally:
         host.shutdown()
-        remove(subscription)
+        remove(topic.id)
     return latencies
 
 
@@ -175,6 +324,27 @@ def main() -> int:
         help="spread messages over this many priorities around 0 (1: all priority 0)",
     )
     parser.add_argument(
+        "--fanout",
+        type=int,
+        default=1,
+        help="subscriptions on the topic, each run at --concurrency; --messages stays the "
+        "number of deliveries drained in total",
+    )
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        help="seed this many pending deliveries with SQL and time the first --messages of "
+        "them (0: publish --messages instead)",
+    )
+    parser.add_argument(
+        "--publish-sample",
+        type=int,
+        default=0,
+        help="before each drain, publish this many messages one at a time onto the backlog "
+        "and report that rate",
+    )
+    parser.add_argument(
         "--as-is",
         dest="steady",
         action="store_false",
@@ -182,23 +352,43 @@ def main() -> int:
         "the tables' owner or a superuser)",
     )
     args = parser.parse_args()
+    if args.fanout < 1:
+        parser.error("--fanout must be 1 or more")
+    if args.backlog and (args.fanout > 1 or args.priorities > 1):
+        parser.error("--backlog seeds one subscription at priority 0: drop --fanout/--priorities")
+    if args.backlog and args.backlog < args.messages:
+        parser.error("--backlog must hold at least --messages deliveries")
     User = get_user_model()
     User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults")
     for concurrency in args.concurrency:
-        rate = drain(
+        run = drain(
             args.messages,
             concurrency,
             args.partition_mode,
             args.keys,
             args.steady,
             max(args.priorities, 1),
+            fanout=args.fanout,
+            backlog=args.backlog,
+            publish_sample=args.publish_sample,
         )
         shape = f", {args.partition_mode} over {args.keys} keys" if args.keys else ""
         if args.priorities > 1:
             shape += f", {args.priorities} priorities"
+        if args.fanout > 1:
+            shape += f", {args.messages // args.fanout} messages x {args.fanout} subscriptions"
+        if args.backlog:
+            shape += f", the first of a {args.backlog:,} backlog"
+        if run.publish_rate is not None:
+            print(
+                f"publish {args.publish_sample} one at a time onto a "
+                f"{args.backlog or args.messages:,} backlog: {run.publish_rate:,.0f}/s"
+            )
+        db_cpu = f", PostgreSQL {run.db_cpu_us:,.0f} us" if run.db_cpu_us is not None else ""
         print(
-            f"drain {args.messages} no-op messages{shape}, concurrency {concurrency}: {rate:,.0f}/s"
+            f"drain {args.messages} no-op messages{shape}, concurrency {concurrency}: "
+            f"{run.rate:,.0f}/s (host CPU {run.cpu_us:,.0f} us per delivery{db_cpu})"
         )
     if args.pickup:
         lat = pickup(args.pickup)

@@ -8,6 +8,7 @@ final row states), and publish races assert the exact outcome of every publisher
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -534,6 +535,43 @@ def test_a_stale_lease_token_changes_nothing_after_expiry_and_reclaim():
     assert new_holder.complete(fresh).settled
     assert old_holder.complete(stale).outcome == "LeaseLost"
     assert Delivery.objects.get(pk=stale.delivery_id).status == "Completed"
+
+
+def test_a_batched_complete_fences_each_row_by_its_own_token():
+    """One wq_complete_many call mixing a stale holder's delivery with held ones completes only
+    the held ones, reports LeaseLost for the stale one, and never accepts a token that belongs to
+    another row of the batch."""
+    sub = SubscriptionFactory(lease_seconds=30)
+    publish_many(sub.topic.name, [{"payload": {"n": n}} for n in range(4)])
+    old_holder, new_holder = Receiver(sub.id, "old-holder"), Receiver(sub.id, "new-holder")
+    (stale,) = old_holder.receive(1).deliveries
+    get_driver().shift_time(31, subscription_id=str(sub.id))
+    held = new_holder.receive(4).deliveries
+    fresh = next(d for d in held if d.delivery_id == stale.delivery_id)
+    first, second, third = (d for d in held if d is not fresh)
+
+    # Ids and tokens that are each valid, but paired with the wrong row.
+    crossed = [
+        dataclasses.replace(first, lease_token=second.lease_token),
+        dataclasses.replace(second, lease_token=first.lease_token),
+    ]
+    results = new_holder.complete_many(crossed)
+    assert [results[d.delivery_id].outcome for d in crossed] == ["LeaseLost", "LeaseLost"]
+
+    results = old_holder.complete_many([stale, first, third])
+    assert {k: r.outcome for k, r in results.items()} == {
+        stale.delivery_id: "LeaseLost",
+        first.delivery_id: "Settled",
+        third.delivery_id: "Settled",
+    }
+    statuses = dict(Delivery.objects.filter(subscription=sub).values_list("id", "status"))
+    assert {str(k): v for k, v in statuses.items()} == {
+        fresh.delivery_id: "InFlight",
+        first.delivery_id: "Completed",
+        second.delivery_id: "InFlight",
+        third.delivery_id: "Completed",
+    }
+    assert new_holder.complete(fresh).settled
 
 
 ROUNDS = 24

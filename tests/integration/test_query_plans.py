@@ -82,6 +82,25 @@ def test_hot_paths_use_indexes_with_a_large_backlog(pg_conn):
         assert claimed == 100, mode
 
 
+def test_a_subscription_owning_the_table_claims_through_its_index_call_after_call(pg_conn):
+    # wq_claim keeps one plan per session, costed without the batch size: with a single
+    # subscription owning every row, a sequential scan and a sort must not look cheaper.
+    subscription = SubscriptionFactory(topic=TopicFactory())
+    seed_deliveries(pg_conn, subscription, 20_000)
+    # Due times in no particular order on disk (delays, retries), which is what makes the
+    # claim index look dear to a plan costed for a tenth of the rows.
+    pg_conn.execute(
+        "UPDATE workqueue_delivery SET visible_at = now() - random() * interval '1 hour'"
+    )
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    pg_conn.execute("ANALYZE workqueue_message")
+    params = {"subscription_id": subscription.id, "lease_owner": "plan-test", "max_rows": 8}
+
+    for call in range(8):  # past the five custom plans PostgreSQL makes before a generic one
+        plans = _nested_plans(pg_conn, "wq_claim", params)
+        assert "Seq Scan on workqueue_delivery" not in plans, f"call {call + 1}:\n{plans}"
+
+
 HOT_BACKLOG = 20_000
 
 

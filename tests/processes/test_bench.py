@@ -31,6 +31,63 @@ def test_the_drain_benchmark_runs_end_to_end_in_a_short_variant():
     assert re.search(r"idle pickup over 20 publishes: p50 [\d.]+ ms", run.stdout), run.stdout
 
 
+def test_the_drain_benchmark_runs_fan_out_and_deep_backlog_variants():
+    fanout = _bench(
+        "bench/drain.py",
+        "--messages",
+        "300",
+        "--concurrency",
+        "4",
+        "--pickup",
+        "0",
+        "--fanout",
+        "3",
+    )
+    backlog = _bench(
+        "bench/drain.py",
+        "--messages",
+        "200",
+        "--concurrency",
+        "4",
+        "--pickup",
+        "0",
+        "--backlog",
+        "1000",
+        "--publish-sample",
+        "20",
+    )
+
+    assert re.search(
+        r"drain 300 no-op messages, 100 messages x 3 subscriptions, concurrency 4: [\d,]+/s "
+        r"\(host CPU [\d,]+ us per delivery",
+        fanout.stdout,
+    ), fanout.stdout
+    assert re.search(r"publish 20 one at a time onto a 1,000 backlog: [\d,]+/s", backlog.stdout)
+    assert re.search(
+        r"drain 200 no-op messages, the first of a 1,000 backlog, concurrency 4: [\d,]+/s",
+        backlog.stdout,
+    ), backlog.stdout
+
+
+def test_the_steady_state_soak_runs_in_a_short_variant():
+    run = _bench(
+        "bench/steady.py",
+        "--minutes",
+        "0.25",
+        "--interval",
+        "5",
+        "--rate",
+        "100",
+        "--age-seconds",
+        "2",
+        "--sweep-seconds",
+        "2",
+    )
+
+    assert len(re.findall(r"^\s+[\d.]+\s+[\d,]+\s+[\d,]+\s+[\d.]+", run.stdout, re.M)) >= 2
+    assert re.search(r"^steady state (held|failed)", run.stdout, re.M), run.stdout
+
+
 def test_the_hot_key_benchmark_runs_end_to_end_in_a_short_variant():
     run = _bench("bench/hot_key.py", "--backlog", "1", "300", "--mode", "Ordered", "Exclusive")
 

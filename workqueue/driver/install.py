@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0019_publish_on_other_transports"
+LATEST_PROCEDURE_MIGRATION = "0020_cheaper_claims_and_completions"
 
 MigrationStep = Callable[[Any, Any], None]
 

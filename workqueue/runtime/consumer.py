@@ -8,6 +8,7 @@ thread), ``stop`` (drain, abort, drain).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -79,14 +80,18 @@ class RunBudget:
             return self.remaining == 0
 
 
+SettleCallback = Callable[[SettleResult | Exception], None]
+
+
 class CompletionBatcher:
     """Settles completions in batches: while one ``wq_complete_many`` call runs, the next
     completions queue up and go together in the following call. Each caller still gets its
-    own fenced result."""
+    own fenced result: waiting for it (``complete``) or called back with it on the batcher's
+    thread (``complete_later``), which leaves the caller's thread free meanwhile."""
 
     def __init__(self, receiver: TransportReceiver, name: str) -> None:
         self._receiver = receiver
-        self._queue: queue.SimpleQueue[tuple[ClaimedDelivery, Future[SettleResult]] | None] = (
+        self._queue: queue.SimpleQueue[tuple[ClaimedDelivery, SettleCallback] | None] = (
             queue.SimpleQueue()
         )
         self._lock = threading.Lock()
@@ -96,17 +101,28 @@ class CompletionBatcher:
 
     def complete(self, delivery: ClaimedDelivery) -> SettleResult:
         future: Future[SettleResult] = Future()
-        with self._lock:
-            if not self._stopped:
-                self._queue.put((delivery, future))
-                queued = True
+
+        def settled(outcome: SettleResult | Exception) -> None:
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
             else:
-                queued = False
-        if not queued:
+                future.set_result(outcome)
+
+        if not self.complete_later(delivery, settled):
             # A handler that outlived the drain finishes after the batcher stopped: settle it
             # on its own thread rather than queueing where nobody listens.
             return self._receiver.complete(delivery)
         return future.result()
+
+    def complete_later(self, delivery: ClaimedDelivery, settled: SettleCallback) -> bool:
+        """Queue ``delivery``'s completion; ``settled`` is called on the batcher's thread with
+        its result, or with the error that failed its batch, and must return quickly. False
+        (nothing queued) once the batcher has stopped."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self._queue.put((delivery, settled))
+        return True
 
     def stop(self) -> None:
         with self._lock:
@@ -131,14 +147,18 @@ class CompletionBatcher:
                         break
                     batch.append(more)
                 metrics.SETTLE_BATCH.observe(len(batch))
+                outcomes: list[SettleResult | Exception]
                 try:
                     results = self._receiver.complete_many(d for d, _ in batch)
-                except Exception as exc:  # every waiter must hear about it
-                    for _, future in batch:
-                        future.set_exception(exc)
+                except Exception as exc:  # every caller must hear about it
+                    outcomes = [exc] * len(batch)
                 else:
-                    for delivery, future in batch:
-                        future.set_result(results[delivery.delivery_id])
+                    outcomes = [results[delivery.delivery_id] for delivery, _ in batch]
+                for (_, settled), outcome in zip(batch, outcomes, strict=True):
+                    try:
+                        settled(outcome)
+                    except Exception:  # one caller's failure must not stop the others' results
+                        logger.exception("A completion callback failed")
         finally:
             self._receiver.close()
 
@@ -167,13 +187,15 @@ class Consumer:
         self.receiver = transport_for(plan.driver_class).receiver(plan.subscription_id, lease_owner)
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
-        # waits for the (batched) settle, so claiming overlaps settling.
+        # may still settle (a retry, a dead letter; completions go to the batcher), so
+        # claiming overlaps settling.
         self._workers = WorkerPool(2 * config.concurrency, name)
         self._background = WorkerPool(2, f"{name}-bg")
         self._completions = CompletionBatcher(self.receiver, name)
         self._services = ExecutionServices(
             receiver=self.receiver,
             complete=self._completions.complete,
+            complete_later=self._completions.complete_later,
             timers=timers,
             background=self._background,
             handlers=handlers,
@@ -181,6 +203,12 @@ class Consumer:
         )
         self._running: dict[tuple[str, str], DeliveryExecution] = {}  # until settled
         self._handlers_running = 0  # slots taken: from claim until the handler returns
+        # How many free slots the loop waits for: a handler that returns wakes it only once
+        # that many are free (each wake-up is a thread switch, and most would find too few).
+        self._slots_wanted = 1
+        # Whether the last claim got fewer deliveries than it asked for: then a settle may
+        # make more claimable (an Exclusive/Ordered key freed), and wakes the loop.
+        self._last_receive_short = False
         self._lock = threading.Condition()
         self._wake = threading.Event()
         self._kicked = False
@@ -310,7 +338,7 @@ class Consumer:
                 # one claim fill many slots instead of many claims filling one each (each claim
                 # is a round trip and a commit).
                 gathered = True
-                self._wait_for_slots(self.config.concurrency / 2, GATHER_SECONDS)
+                self._wait_for_slots(math.ceil(self.config.concurrency / 2), GATHER_SECONDS)
                 continue
             gathered = False
             # Marked before the budget is taken, so a one-shot run never sees the budget spent
@@ -334,6 +362,7 @@ class Consumer:
             try:
                 claimed = self._receive(free)
                 unused = free - len(claimed.deliveries)
+                self._last_receive_short = unused > 0
                 if self.budget is not None:
                     self.budget.give_back(unused)
                 if self.plan.rate_limited and unused:
@@ -379,14 +408,18 @@ class Consumer:
             # the next take reports the database being away, if it still is.
             logger.debug("%s: could not return %d rate-limit tokens", self.plan.name, unused)
 
-    def _wait_for_slots(self, wanted: float, seconds: float) -> None:
+    def _wait_for_slots(self, wanted: int, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         with self._lock:
-            while self.config.concurrency - self._handlers_running < wanted:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopping.is_set():
-                    return
-                self._lock.wait(remaining)
+            self._slots_wanted = wanted
+            try:
+                while self.config.concurrency - self._handlers_running < wanted:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._stopping.is_set():
+                        return
+                    self._lock.wait(remaining)
+            finally:
+                self._slots_wanted = 1
 
     def _wait(self, seconds: float) -> bool:
         """Sleep until woken (a kick, a freed slot, a stop) or ``seconds`` pass; True on a kick."""
@@ -459,23 +492,37 @@ class Consumer:
     def _free_slot(self) -> None:
         with self._lock:
             self._handlers_running -= 1
-            self._lock.notify_all()
-        self._wake.set()
+            wanted = self.config.concurrency - self._handlers_running >= self._slots_wanted
+            if wanted:
+                self._lock.notify_all()
+        if wanted:
+            self._wake.set()
 
     def _execute(self, execution: DeliveryExecution) -> None:
-        result = ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
         try:
-            result = execution.run()
+            execution.run_then(lambda result: self._finish(execution, result))
         except Exception:
             logger.exception("%s: delivery execution crashed", self.plan.name)
-        finally:
-            with self._lock:
-                self._running.pop(execution.key, None)
-                self.finished += 1
-                if not result.released:
-                    self.processed += 1
-                self._lock.notify_all()
-            self.last_activity = time.monotonic()
+            self._finish(
+                execution, ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
+            )
+
+    def _finish(self, execution: DeliveryExecution, result: ExecutionResult) -> None:
+        """Account for an execution that ended (on its worker, or on the thread that settled
+        its batched completion); once per execution."""
+        with self._lock:
+            if self._running.pop(execution.key, None) is None:
+                return  # accounted for already (it crashed after settling)
+            self.finished += 1
+            if not result.released:
+                self.processed += 1
+            if self._stopping.is_set():
+                self._lock.notify_all()  # stop() waits for the running ones to end
+        self.last_activity = time.monotonic()
+        # The settle may have made more claimable (a partition key freed, a retry due now):
+        # worth a claim when the last one came back short, or one is on its way (it may have
+        # looked before this settle committed). A full claim's loop waits for slots instead.
+        if self._last_receive_short or self.receive_pending:
             self._wake.set()
         metrics.DELIVERIES.labels(self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:

@@ -30,13 +30,15 @@ class AbortSignal:
     """
 
     def __init__(self) -> None:
-        self._event = threading.Event()
         self._lock = threading.Lock()
         self._reasons: list[str] = []
+        # Made by the first wait(): most handlers never block on their signal, and an Event
+        # per delivery costs more than the rest of the signal.
+        self._event: threading.Event | None = None
 
     @property
     def aborted(self) -> bool:
-        return self._event.is_set()
+        return bool(self._reasons)
 
     @property
     def reason(self) -> str | None:
@@ -49,7 +51,13 @@ class AbortSignal:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until aborted or ``timeout`` seconds pass; True when aborted."""
-        return self._event.wait(timeout)
+        with self._lock:
+            if self._reasons:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def abort(self, reason: str) -> bool:
         """Record ``reason``; True if it is new. (Called by the runtime, not by handlers.)"""
@@ -57,7 +65,9 @@ class AbortSignal:
             if reason in self._reasons:
                 return False
             self._reasons.append(reason)
-        self._event.set()
+            event = self._event
+        if event is not None:
+            event.set()
         return True
 
 

@@ -138,6 +138,11 @@ class ExecutionServices:
     refresh_connections: Callable[[], None] = close_old_connections
     #: Set when the consumer begins to stop; every handler sees it as ``context.stopping``.
     stopping: StopNotice = field(default_factory=StopNotice)
+    #: Queue a completion and be called back with its result or error, False if nothing was
+    #: queued (``CompletionBatcher.complete_later``); None: ``run_then`` settles on its thread.
+    complete_later: (
+        Callable[[ClaimedDelivery, Callable[[SettleResult | Exception], None]], bool] | None
+    ) = None
 
 
 class DeliveryExecution:
@@ -193,6 +198,50 @@ class DeliveryExecution:
     # -- running ---------------------------------------------------------------------------
 
     def run(self) -> ExecutionResult:
+        """Run the handler and settle its outcome; return how the attempt ended."""
+        return self._settle(self._run_handler())
+
+    def run_then(self, finish: Callable[[ExecutionResult], None]) -> None:
+        """Run the handler and settle its outcome, then call ``finish`` with how it ended.
+
+        A plain completion goes to ``services.complete_later`` when there is one, so this
+        thread is free as soon as the handler returns: ``finish`` is then called on the
+        batcher's thread once the batch has settled, or on a background thread when the
+        batch's answer needs the ordinary settle path (the completion was refused: a cancel to
+        acknowledge or a lost lease; or the batch failed: retried while the lease lasts).
+        """
+        decision = self._run_handler()
+        complete_later = self.services.complete_later
+        if complete_later is None or not self._plain_completion(decision):
+            finish(self._settle(decision))
+            return
+        self._finished = True  # the handler returned: no renewal starts after this
+
+        def settle_alone() -> None:
+            finish(self._settle(decision))
+
+        def settled(outcome: SettleResult | Exception) -> None:
+            if isinstance(outcome, SettleResult) and outcome.settled:
+                finish(ExecutionResult(ExecutionResult.SETTLED, outcome.status))
+                return
+            try:
+                self.services.background.submit(settle_alone)
+            except RuntimeError:  # the pool has shut down: settle here rather than never
+                settle_alone()
+
+        if not complete_later(self.delivery, settled):
+            settle_alone()
+
+    def _plain_completion(self, decision: _Decision) -> bool:
+        """Whether settling ``decision`` is one fenced completion and nothing else."""
+        return (
+            decision.kind == Outcome.COMPLETE
+            and self._enlisted is None
+            and not self.signal.has(AbortReason.CANCELLED)
+            and not self.signal.has(AbortReason.LEASE_LOST)
+        )
+
+    def _run_handler(self) -> _Decision:
         self.started = True
         self._arm_horizon()
         if self.plan.heartbeat_mode == "Auto":
@@ -215,7 +264,7 @@ class DeliveryExecution:
             if self._on_handler_done is not None:
                 # The handler's slot is free now; settling goes on without holding it.
                 self._on_handler_done()
-        return self._settle(decision)
+        return decision
 
     def abort(self, reason: str) -> None:
         self.signal.abort(reason)

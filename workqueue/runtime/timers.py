@@ -42,7 +42,11 @@ class TimerQueue:
         timer = Timer(time.monotonic() + max(delay_seconds, 0.0), callback)
         with self._condition:
             heapq.heappush(self._heap, (timer.deadline, next(self._counter), timer))
-            self._condition.notify()
+            # Wake the thread only when its next deadline moved earlier: every delivery
+            # schedules its lease horizon (and heartbeat), nearly always after the timers
+            # already waiting, and a wake-up per delivery is a thread switch per delivery.
+            if self._heap[0][2] is timer:
+                self._condition.notify()
         return timer
 
     def stop(self) -> None:

@@ -28,6 +28,8 @@ $$;
 -- wq_complete_many --
 -- Complete a JSON array of {"delivery_id", "lease_token"} pairs in one statement, each fenced
 -- exactly as wq_complete. Returns the ids that were completed; a missing id lost its lease.
+-- The rows are found by primary key (id = ANY), one probe per item: joined to the items alone,
+-- the planner may read every InFlight row of every subscription instead.
 CREATE OR REPLACE FUNCTION wq_complete_many(p_items jsonb)
 RETURNS TABLE (delivery_id uuid)
 LANGUAGE plpgsql
@@ -35,13 +37,18 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
+DECLARE
+    v_ids uuid[];
 BEGIN
+    SELECT array_agg(i.delivery_id) INTO v_ids
+      FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid);
     RETURN QUERY
     UPDATE workqueue_delivery d
        SET status = 'Completed', completed_at = now(),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
       FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid, lease_token uuid)
-     WHERE d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = 'InFlight'
+     WHERE d.id = ANY (v_ids)
+       AND d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = 'InFlight'
        AND d.cancel_requested_at IS NULL
     RETURNING d.id;
 END;

@@ -1,0 +1,162 @@
+"""Completions handed to the consumer's batcher (``DeliveryExecution.run_then`` with
+``complete_later``): the handler's thread is freed at once, and the batch still fences every row
+by its own lease token, so a stale holder's completion is refused and reported as a lost lease
+while the rows it does hold complete."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from tests.factories import SubscriptionFactory
+from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.models import Delivery
+from workqueue.runtime.consumer import CompletionBatcher
+from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
+from workqueue.runtime.outcome import Outcome
+from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.timers import TimerQueue
+from workqueue.runtime.workers import WorkerPool
+from workqueue.transport import Receiver
+from workqueue.types import ClaimedDelivery
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class CompleteHandler(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        return Outcome.complete()
+
+
+registry = HandlerRegistry()
+registry.register("tests.batched.complete", CompleteHandler)
+
+
+@pytest.fixture
+def services() -> Any:
+    timers = TimerQueue("test-timers")
+    background = WorkerPool(2, "test-background")
+    made: list[CompletionBatcher] = []
+
+    def make(receiver: Receiver) -> ExecutionServices:
+        batcher = CompletionBatcher(receiver, "test")
+        made.append(batcher)
+        return ExecutionServices(
+            receiver=receiver,
+            complete=batcher.complete,
+            complete_later=batcher.complete_later,
+            timers=timers,
+            background=background,
+            handlers=registry,
+            user=get_user_model().objects.create(username="batched-completion"),
+        )
+
+    yield make
+    for batcher in made:
+        batcher.stop()
+    background.shutdown()
+    timers.stop()
+
+
+def _run_then(
+    delivery: ClaimedDelivery, plan: SubscriptionPlan, services: ExecutionServices
+) -> Future[ExecutionResult]:
+    """Run the execution on a thread of its own; the future gets what ``finish`` was given."""
+    finished: Future[ExecutionResult] = Future()
+    returned = threading.Event()
+
+    def target() -> None:
+        DeliveryExecution(delivery, plan, services).run_then(finished.set_result)
+        returned.set()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(10)
+    assert returned.is_set(), "run_then did not return"
+    return finished
+
+
+def test_a_batched_completion_by_a_stale_holder_is_refused_and_reported_as_a_lost_lease(
+    services,
+):
+    sub = SubscriptionFactory(
+        handler_key="tests.batched.complete",
+        lease_seconds=30,
+        backoff_base_seconds=0,
+        backoff_max_seconds=0,
+    )
+    plan = SubscriptionPlan.from_subscription(sub)
+    old_holder, new_holder = Receiver(sub.id, "old-holder"), Receiver(sub.id, "new-holder")
+    publish(sub.topic.name, {"n": 1})
+    (stale,) = old_holder.receive(1).deliveries
+    get_driver().shift_time(31, subscription_id=str(sub.id))
+    (taken_over,) = new_holder.receive(1).deliveries
+    assert taken_over.delivery_id == stale.delivery_id
+    publish(sub.topic.name, {"n": 2})
+    (held,) = old_holder.receive(1).deliveries
+
+    old_services = services(old_holder)
+    # The stale holder's clock: its lease horizon has not passed yet, so only the database's
+    # fence can tell that the delivery is no longer its own.
+    stale_result = _run_then(stale, plan, old_services)
+    held_result = _run_then(held, plan, old_services)
+
+    assert stale_result.result(10) == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert held_result.result(10) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    rows = {str(d.id): d for d in Delivery.objects.filter(subscription=sub)}
+    assert (rows[stale.delivery_id].status, rows[stale.delivery_id].lease_owner) == (
+        "InFlight",
+        "new-holder",
+    )
+    assert str(rows[stale.delivery_id].lease_token) == taken_over.lease_token
+    assert rows[held.delivery_id].status == "Completed"
+
+
+def test_a_batched_completion_frees_the_handlers_thread_before_the_batch_settles(services):
+    sub = SubscriptionFactory(handler_key="tests.batched.complete")
+    plan = SubscriptionPlan.from_subscription(sub)
+    receiver = Receiver(sub.id, "holder")
+    publish(sub.topic.name, {"n": 1})
+    (delivery,) = receiver.receive(1).deliveries
+    gate = threading.Event()
+    real = receiver.complete_many
+
+    def slow_complete_many(deliveries: Any) -> Any:
+        gate.wait(10)
+        return real(deliveries)
+
+    receiver.complete_many = slow_complete_many  # type: ignore[method-assign]
+    finished = _run_then(delivery, plan, services(receiver))
+
+    assert not finished.done(), "the handler's thread waited for the batch"
+    gate.set()
+    assert finished.result(10) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert Delivery.objects.get(pk=delivery.delivery_id).status == "Completed"
+
+
+def test_a_failed_batch_settles_its_completions_alone(services):
+    sub = SubscriptionFactory(handler_key="tests.batched.complete")
+    plan = SubscriptionPlan.from_subscription(sub)
+    receiver = Receiver(sub.id, "holder")
+    publish(sub.topic.name, {"n": 1})
+    (delivery,) = receiver.receive(1).deliveries
+    calls = []
+    real = receiver.complete_many
+
+    def failing_once(deliveries: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the batch failed")
+        return real(deliveries)
+
+    receiver.complete_many = failing_once  # type: ignore[method-assign]
+    finished = _run_then(delivery, plan, services(receiver))
+
+    assert finished.result(10) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert Delivery.objects.get(pk=delivery.delivery_id).status == "Completed"
