@@ -56,6 +56,7 @@ django.setup()
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402
 
+from bench.proc_cpu import backend_cpu_seconds  # noqa: E402
 from workqueue import BaseWorkHandler, Outcome, publish, publish_many  # noqa: E402
 from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
@@ -163,19 +164,6 @@ def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:
                     "keys": keys,
                 },
             )
-
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def backend_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU of a local PostgreSQL backend, or None when it is not readable."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def host_backends_cpu_seconds(publisher_pid: int) -> float | None:
