@@ -201,3 +201,16 @@ def test_bulk_replay_and_cancel_of_a_running_delivery_are_refused_naming_their_c
         s.name, "discard", operations.DeadLetterSelection(), note="gone"
     )
     assert outcome.matched == 1
+
+
+def test_is_fifo_is_reported_where_the_topics_transport_has_no_fifo_topics(monkeypatch):
+    topic = TopicFactory(is_fifo=True)
+    warning = ("Warning", f"topic {topic.name}", "is_fifo has no effect on the Database transport.")
+
+    assert warning in [(i.severity, i.subject, i.message) for i in operations.validate_bindings()]
+
+    # The capability decides, not the transport's name (the AWS transport has it).
+    monkeypatch.setattr(DatabaseTransport, "honours_topic_is_fifo", True)
+    assert warning not in [
+        (i.severity, i.subject, i.message) for i in operations.validate_bindings()
+    ]

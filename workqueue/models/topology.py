@@ -179,10 +179,6 @@ class Transport(TopologyModel):
         return self.name
 
     @property
-    def is_database(self) -> bool:
-        return self.driver_class == DATABASE_DRIVER
-
-    @property
     def transport_class(self) -> type[BaseTransport]:
         """The registered transport class ``driver_class`` names (its capabilities and
         operations); raises ``WorkQueueConfigurationError`` for an unregistered name."""

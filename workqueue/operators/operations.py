@@ -637,12 +637,12 @@ def validate_bindings(
                 )
             )
         for topic in tr.topics.order_by("name"):
-            if topic.is_fifo and tr.is_database:
+            if topic.is_fifo and transport_class and not transport_class.honours_topic_is_fifo:
                 issues.append(
                     BindingIssue(
                         "Warning",
                         f"topic {topic.name}",
-                        "is_fifo has no effect on the Database transport.",
+                        f"is_fifo has no effect on the {transport_class.name} transport.",
                     )
                 )
         subscriptions = Subscription.objects.filter(topic__transport=tr).order_by("name")

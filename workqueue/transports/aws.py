@@ -731,6 +731,7 @@ class AwsTransport(BaseTransport):
     name: ClassVar[str] = AWS_DRIVER
 
     supports_exclusive = True
+    honours_topic_is_fifo = True
     supports_ordered = False
     heartbeat_modes: ClassVar[frozenset[str]] = frozenset({HeartbeatMode.AUTO})
     supports_rate_limit = False

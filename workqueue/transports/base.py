@@ -133,6 +133,10 @@ class BaseTransport:
     #: (``workqueue.testing.conformance.TransportTraits`` fields and their values).
     conformance_traits: ClassVar[dict[str, Any]] = {}
 
+    #: ``Topic.is_fifo`` chooses the kind of resource a topic gets (not a capability: on a
+    #: transport without that choice the field simply has no effect).
+    honours_topic_is_fifo: ClassVar[bool] = False
+
     #: Which flag each partition mode needs (None needs nothing).
     PARTITION_MODE_FLAGS: ClassVar[dict[str, str]] = {
         PartitionMode.EXCLUSIVE: "supports_exclusive",
