@@ -7,13 +7,11 @@ builds itself, so lease lengths and the horizon grace can be made small.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 
 from tests.factories import SubscriptionFactory
+from tests.support.executions import ExecutionRig
 from tests.support.handlers import probe, registry
 from tests.support.waiting import wait_until
 from workqueue import publish, signals, transport
@@ -28,10 +27,8 @@ from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Subscription
 from workqueue.runtime.context import AbortReason
-from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.executor import DeliveryExecution, ExecutionResult
 from workqueue.runtime.outcome import Outcome
-from workqueue.runtime.plan import SubscriptionPlan
-from workqueue.runtime.timers import TimerQueue
 from workqueue.transport import Receiver
 from workqueue.types import ClaimedDelivery, LeaseExtension
 
@@ -50,77 +47,21 @@ def row(delivery: ClaimedDelivery) -> Delivery:
     return Delivery.objects.get(pk=delivery.delivery_id)
 
 
-class Rig:
+class Rig(ExecutionRig):
     """Claims deliveries and runs them with small, test-chosen timings."""
 
     def __init__(self, user: Any) -> None:
-        self.user = user
-        self.timers = TimerQueue("test-timers")
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="test-heartbeats")
-        self.threads: list[threading.Thread] = []
+        super().__init__(registry, user)
 
     def subscription(self, **fields: Any) -> Subscription:
         fields.setdefault("handler_key", "t.script")
         return SubscriptionFactory(**fields)
-
-    def claim(
-        self, sub: Subscription, payload: dict[str, Any], *, key: str | None = None
-    ) -> tuple[Receiver, ClaimedDelivery]:
-        publish(sub.topic.name, payload, partition_key=key)
-        receiver = Receiver(sub.id, "test-holder")
-        (delivery,) = receiver.receive(1).deliveries
-        return receiver, delivery
-
-    def execution(
-        self,
-        sub: Subscription,
-        receiver: Receiver,
-        delivery: ClaimedDelivery,
-        *,
-        grace: float = 5.0,
-        **plan_changes: Any,
-    ) -> DeliveryExecution:
-        plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
-        services = ExecutionServices(
-            receiver=receiver,
-            complete=receiver.complete,
-            timers=self.timers,
-            background=self.background,
-            handlers=registry,
-            user=self.user,
-            lease_grace_seconds=grace,
-        )
-        return DeliveryExecution(delivery, plan, services)
 
     def run(self, sub: Subscription, payload: dict[str, Any], **kw: Any) -> tuple[Any, ...]:
         """Publish, claim and execute one delivery in this thread."""
         receiver, delivery = self.claim(sub, payload)
         result = self.execution(sub, receiver, delivery, **kw).run()
         return result, row(delivery), probe.runs[-1] if probe.runs else None
-
-    def start(self, execution: DeliveryExecution) -> Future[ExecutionResult]:
-        """Run ``execution`` on its own thread (closing that thread's connection after)."""
-        future: Future[ExecutionResult] = Future()
-
-        def target() -> None:
-            try:
-                future.set_result(execution.run())
-            except BaseException as exc:  # surfaced by future.result()
-                future.set_exception(exc)
-            finally:
-                get_driver().close()
-
-        thread = threading.Thread(target=target, name="test-execution")
-        self.threads.append(thread)
-        thread.start()
-        return future
-
-    def close(self) -> None:
-        for thread in self.threads:
-            thread.join(timeout=30)
-        self.timers.stop()
-        self.background.submit(get_driver().close).result()
-        self.background.shutdown(wait=True)
 
 
 @pytest.fixture

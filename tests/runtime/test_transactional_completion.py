@@ -8,12 +8,9 @@ The same guarantees across SIGKILL and SIGSTOP: tests/processes/test_exactly_onc
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -25,6 +22,7 @@ from django.db import connection, connections, transaction
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support import txn_handlers
 from tests.support.database import psycopg_params
+from tests.support.executions import ExecutionRig
 from tests.support.roles import database_role
 from tests.support.txn_handlers import EffectHandler, effects
 from workqueue import publish, transport
@@ -32,11 +30,9 @@ from workqueue.driver import get_driver
 from workqueue.exceptions import Cancelled, EnlistError, LeaseLost
 from workqueue.models import Delivery, Message, Subscription
 from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
-from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
+from workqueue.runtime.executor import ExecutionResult
 from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
 from workqueue.runtime.outcome import Outcome
-from workqueue.runtime.plan import SubscriptionPlan
-from workqueue.runtime.timers import TimerQueue
 from workqueue.testing import run_until_idle, use_test_connection
 from workqueue.transport import Receiver
 from workqueue.types import ClaimedDelivery
@@ -68,73 +64,20 @@ def write_effect(message: WorkMessage, context: WorkContext) -> None:
         )
 
 
-class Rig:
+class Rig(ExecutionRig):
     """Publishes, claims and runs deliveries with test-chosen timings."""
 
     def __init__(self, user: Any) -> None:
-        self.user = user
-        self.timers = TimerQueue("test-timers")
-        self.background = ThreadPoolExecutor(1, thread_name_prefix="test-heartbeats")
+        super().__init__(registry, user)
 
     def subscription(self, handler_key: str = "tests.txn.effect", **fields: Any) -> Subscription:
         fields.setdefault("backoff_base_seconds", 0)
         fields.setdefault("backoff_max_seconds", 0)
         return SubscriptionFactory(handler_key=handler_key, **fields)
 
-    def claim(
-        self, sub: Subscription, payload: dict[str, Any] | None = None
-    ) -> tuple[Receiver, ClaimedDelivery]:
-        if payload is not None:
-            publish(sub.topic.name, payload)
-        receiver = Receiver(sub.id, "test-holder")
-        (delivery,) = receiver.receive(1).deliveries
-        return receiver, delivery
-
-    def execution(
-        self,
-        sub: Subscription,
-        receiver: Receiver,
-        delivery: ClaimedDelivery,
-        *,
-        grace: float = 5.0,
-        **plan_changes: Any,
-    ) -> DeliveryExecution:
-        plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
-        services = ExecutionServices(
-            receiver=receiver,
-            complete=receiver.complete,
-            timers=self.timers,
-            background=self.background,
-            handlers=registry,
-            user=self.user,
-            lease_grace_seconds=grace,
-        )
-        return DeliveryExecution(delivery, plan, services)
-
     def run(self, sub: Subscription, payload: dict[str, Any], **kw: Any) -> ExecutionResult:
         receiver, delivery = self.claim(sub, payload)
         return self.execution(sub, receiver, delivery, **kw).run()
-
-    def start(self, execution: DeliveryExecution) -> Future[ExecutionResult]:
-        """Run ``execution`` on a thread of its own, as a host runs handlers."""
-        future: Future[ExecutionResult] = Future()
-
-        def target() -> None:
-            try:
-                future.set_result(execution.run())
-            except BaseException as exc:  # surfaced by future.result()
-                future.set_exception(exc)
-            finally:
-                get_driver().close()
-                connection.close()
-
-        threading.Thread(target=target, name="test-execution", daemon=True).start()
-        return future
-
-    def close(self) -> None:
-        self.timers.stop()
-        self.background.submit(get_driver().close).result()
-        self.background.shutdown(wait=True)
 
 
 @pytest.fixture
