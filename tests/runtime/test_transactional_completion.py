@@ -240,8 +240,13 @@ def test_a_cancel_before_the_completion_is_refused_as_cancelled_and_then_acknowl
 
 
 def lock_waits() -> int:
+    """Sessions of this test database waiting for a lock (pg_locks covers the whole cluster,
+    where another test worker's database may be waiting for its own reasons)."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE NOT l.granted AND a.datname = current_database()"
+        )
         return cursor.fetchone()[0]
 
 
