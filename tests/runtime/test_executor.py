@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
+from django.db import OperationalError, connection, connections
 
 from tests.factories import SubscriptionFactory
 from tests.support.executions import ExecutionRig
@@ -26,8 +26,9 @@ from workqueue import publish, signals, transport
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Subscription
-from workqueue.runtime.context import AbortReason
+from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
 from workqueue.runtime.executor import DeliveryExecution, ExecutionResult
+from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.outcome import Outcome
 from workqueue.transport import Receiver
 from workqueue.types import ClaimedDelivery, LeaseExtension
@@ -792,3 +793,98 @@ def test_a_handler_whose_error_text_the_database_cannot_store_still_settles(
     assert (result.kind, result.status, stored.status) == (ExecutionResult.SETTLED, status, status)
     text = (stored.last_error or "") + (stored.dead_letter_reason or "")
     assert "\\x00" in text and "\\ud800" in text and "\x00" not in text
+
+
+# -- the handler's ORM connections and the timer thread -------------------------------------------
+
+
+class ConnectionHandler(BaseWorkHandler):
+    """Uses the ORM on its worker thread, then leaves its connection as the payload says: aged
+    past CONN_MAX_AGE, or broken (its server session ended under it)."""
+
+    wrappers: list[Any] = []
+    answers: list[int] = []
+
+    def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
+        ConnectionHandler.wrappers.append(connections["default"])  # this thread's own wrapper
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            ConnectionHandler.answers.append(cursor.fetchone()[0])
+        if message.payload.get("then") == "age":
+            connection.close_at = time.monotonic() - 1
+        elif message.payload.get("then") == "break":
+            with pytest.raises(OperationalError), connection.cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        return Outcome.complete()
+
+
+registry.register("t.connection", ConnectionHandler)
+
+
+def run_on_one_thread(
+    rig: Rig, sub: Subscription, payloads: list[dict[str, Any]]
+) -> list[tuple[Any, bool]]:
+    """Claim and run each payload's delivery one after the other on one new thread, as a host's
+    worker thread runs them: each result, and whether the thread's ORM connection was closed
+    once it was in."""
+    results: list[tuple[Any, bool]] = []
+    pairs = [rig.claim(sub, payload) for payload in payloads]
+
+    def work() -> None:
+        try:
+            for receiver, delivery in pairs:
+                result = rig.execution(sub, receiver, delivery).run()
+                results.append((result, connections["default"].connection is None))
+        finally:
+            get_driver().close()
+            connection.close()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=30)
+    return results
+
+
+def test_a_handlers_connection_past_conn_max_age_is_closed_when_the_handler_returns(rig):
+    sub = rig.subscription(handler_key="t.connection")
+
+    results = run_on_one_thread(rig, sub, [{"then": "age"}, {"then": "nothing"}])
+
+    assert [(r.status, closed) for r, closed in results] == [
+        ("Completed", True),  # aged: closed as the handler returned
+        ("Completed", False),  # young: kept for the next handler
+    ], "the aged connection was kept, or a young one closed"
+
+
+def test_a_connection_broken_in_one_handler_is_replaced_before_the_next_handler_on_the_thread(
+    rig,
+):
+    ConnectionHandler.wrappers.clear()
+    ConnectionHandler.answers.clear()
+    sub = rig.subscription(handler_key="t.connection")
+
+    results = run_on_one_thread(rig, sub, [{"then": "break"}, {"then": "nothing"}])
+
+    assert [r.status for r, _ in results] == ["Completed", "Completed"]
+    assert ConnectionHandler.answers == [1, 1], "the second handler inherited a dead connection"
+    first, second = ConnectionHandler.wrappers
+    assert first is second  # one thread, one wrapper: it was closed and opened again
+
+
+def test_a_quick_handler_with_automatic_heartbeats_costs_the_timer_thread_one_timer(rig):
+    scheduled: list[float] = []
+    schedule = rig.timers.schedule
+
+    def counting(delay_seconds: float, callback: Any) -> Any:
+        scheduled.append(delay_seconds)
+        return schedule(delay_seconds, callback)
+
+    rig.timers.schedule = counting  # type: ignore[method-assign]
+    sub = rig.subscription(heartbeat_mode="Auto", lease_seconds=30)
+
+    result, stored, _ = rig.run(sub, {})
+
+    assert result.status == "Completed" and stored.status == "Completed"
+    # The heartbeat tick only: the lease horizon is armed by the first tick, which a quick
+    # handler never reaches (two timers a delivery were a third of the timer thread's work).
+    assert scheduled == [10.0]

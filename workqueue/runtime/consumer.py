@@ -480,7 +480,7 @@ class Consumer:
             self._running[execution.key] = execution
             self._handlers_running += 1
         try:
-            self._workers.submit(self._execute, execution)
+            self._workers.run(self._execute, execution)
         except BaseException as exc:
             with self._lock:
                 self._running.pop(execution.key, None)

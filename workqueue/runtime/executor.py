@@ -26,6 +26,7 @@ settles nothing, whatever the handler returned; if it rolled back, the rules abo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -36,7 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from django.db import close_old_connections
+from django.db import connections
 
 from workqueue import metrics, signals
 from workqueue.exceptions import (
@@ -121,6 +122,29 @@ class _Decision:
     exception: BaseException | None = None  # what the handler raised, for the log's traceback
 
 
+_worker_thread = threading.local()
+
+
+def close_old_connections_of_this_thread() -> None:
+    """``django.db.close_old_connections`` for the calling worker thread, at a fraction of the
+    cost: Django's walks every alias through its context-local store on every call (a tenth of
+    a no-op delivery's host time), while a thread's connection wrappers, once made, stay the
+    same for the thread's life. So they are made once, here, and closed when broken or past
+    CONN_MAX_AGE exactly as Django would close them."""
+    wrappers = getattr(_worker_thread, "connections", None)
+    if wrappers is None:
+        wrappers = _worker_thread.connections = connections.all()
+    for wrapper in wrappers:
+        wrapper.close_if_unusable_or_obsolete()
+
+
+@functools.cache
+def _handler_logger(handler_key: str) -> logging.Logger:
+    """The logger a handler's context logs to (cached: getLogger takes logging's module lock,
+    which every worker thread would contend for on every delivery)."""
+    return logging.getLogger(f"workqueue.handlers.{handler_key}")
+
+
 @dataclass(slots=True)
 class ExecutionServices:
     """What every execution of one consumer shares."""
@@ -132,10 +156,10 @@ class ExecutionServices:
     handlers: HandlerRegistry
     user: Any
     lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
-    #: Called before and after each handler so it gets fresh ORM connections, as a request
-    #: would. ``run_until_idle`` runs handlers inside a test's transaction and passes a no-op:
+    #: Called after each handler so the next gets fresh ORM connections, as at the end of a
+    #: request. ``run_until_idle`` runs handlers inside a test's transaction and passes a no-op:
     #: closing that connection would end the test's transaction.
-    refresh_connections: Callable[[], None] = close_old_connections
+    refresh_connections: Callable[[], None] = close_old_connections_of_this_thread
     #: Set when the consumer begins to stop; every handler sees it as ``context.stopping``.
     stopping: StopNotice = field(default_factory=StopNotice)
     #: Queue a completion and be called back with its result or error, False if nothing was
@@ -164,6 +188,7 @@ class DeliveryExecution:
         self._lock = threading.Lock()
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
+        self._handler_returned = False  # from then on no horizon is armed
         # When the lease surely ended in the database (local clock): the claim, or the last
         # renewal, plus the lease and a grace. Settles are retried until then.
         self._lease_deadline = time.monotonic() + self._lease_span()
@@ -243,9 +268,11 @@ class DeliveryExecution:
 
     def _run_handler(self) -> _Decision:
         self.started = True
-        self._arm_horizon()
-        if self.plan.heartbeat_mode == "Auto":
-            self._schedule_auto_heartbeat()
+        # With automatic heartbeats the first tick arms the horizon: it comes well before it
+        # (the interval is at most a third of the lease), and most handlers end before either,
+        # so a delivery costs the timer thread one timer, not two.
+        if self.plan.heartbeat_mode != "Auto" or not self._schedule_auto_heartbeat():
+            self._arm_horizon()
         if self.plan.max_processing_seconds:
             self._timers.append(
                 self.services.timers.schedule(
@@ -258,7 +285,10 @@ class DeliveryExecution:
             decision = self._call_handler()
         finally:
             metrics.HANDLER_SECONDS.labels(self.plan.name).observe(time.monotonic() - began)
-            for timer in [*self._timers, self._horizon]:
+            with self._lock:
+                self._handler_returned = True
+                horizon = self._horizon
+            for timer in [*self._timers, horizon]:
                 if timer is not None:
                     timer.cancel()
             if self._on_handler_done is not None:
@@ -292,14 +322,10 @@ class DeliveryExecution:
             worker_id=self.services.receiver.lease_owner,
             signal=self.signal,
             stopping=self.services.stopping,
-            logger=logging.LoggerAdapter(
-                logging.getLogger(f"workqueue.handlers.{self.plan.handler_key}"), self.log.extra
-            ),
+            logger=logging.LoggerAdapter(_handler_logger(self.plan.handler_key), self.log.extra),
             _heartbeat=self._beat,
             _complete=self._complete_in_transaction,
         )
-        # The handler may use the ORM: give it fresh connections, like a request would.
-        self.services.refresh_connections()
         try:
             outcome = handler_class(self.services.user).handle(message, context)
         except FatalWorkError as exc:
@@ -319,6 +345,10 @@ class DeliveryExecution:
         except Exception as exc:
             return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
+            # What the handler used of the ORM is closed if broken or past CONN_MAX_AGE, as at
+            # the end of a request; the next handler on this thread then checks the connection
+            # at its first query (CONN_HEALTH_CHECKS). Once per delivery, not before and after:
+            # the call walks every alias, and between two handlers nothing else uses them.
             self.services.refresh_connections()
         if not isinstance(outcome, Outcome) or outcome.kind not in {
             Outcome.COMPLETE,
@@ -350,8 +380,12 @@ class DeliveryExecution:
         )
         with self._lock:
             previous, self._horizon = self._horizon, timer
+            returned = self._handler_returned
         if previous is not None:
             previous.cancel()
+        if returned:
+            # A renewal or the first tick that raced the handler's return: nothing to watch.
+            timer.cancel()
 
     def _horizon_reached(self, deadline: float) -> None:
         if self._finished or self._lease_deadline > deadline:
@@ -368,16 +402,23 @@ class DeliveryExecution:
         if not self._completed_in_transaction():
             self.signal.abort(AbortReason.LEASE_LOST)
 
-    def _schedule_auto_heartbeat(self) -> None:
+    def _schedule_auto_heartbeat(self) -> bool:
+        """Schedule the next automatic renewal; False when renewals have stopped."""
+
         def tick() -> None:
+            if self._horizon is None:
+                self._arm_horizon()
             if self._stopped_renewing():
                 return
             future = self.services.background.submit(self._beat, None)
             future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
 
-        if not self._stopped_renewing():
-            timer = self.services.timers.schedule(self.plan.heartbeat_interval_seconds, tick)
-            self._timers.append(timer)
+        if self._stopped_renewing():
+            return False
+        self._timers.append(
+            self.services.timers.schedule(self.plan.heartbeat_interval_seconds, tick)
+        )
+        return True
 
     def check_lease_soon(self) -> None:
         """Renew now on a background thread (used when a cancel is announced)."""

@@ -22,7 +22,7 @@ from workqueue.driver import close_thread_connections
 
 logger = logging.getLogger(__name__)
 
-_Task = tuple[Callable[..., Any], tuple[Any, ...], Future]
+_Task = tuple[Callable[..., Any], tuple[Any, ...], Future | None]
 
 
 class WorkerPool:
@@ -45,6 +45,15 @@ class WorkerPool:
             self._queue.put((fn, args, future))
         return future
 
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a worker when nobody waits for its result (a Future costs a
+        lock and a condition, per delivery); what it raises is logged. Raises RuntimeError
+        once the pool is shut down."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the worker pool is shut down")
+            self._queue.put((fn, args, None))
+
     def shutdown(self) -> None:
         """Stop taking work; tasks not yet started are cancelled, running ones finish (the
         threads do not block interpreter exit). Safe to call twice."""
@@ -57,7 +66,7 @@ class WorkerPool:
                     task = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if task is not None:
+                if task is not None and task[2] is not None:
                     task[2].cancel()
             for _ in self._threads:
                 self._queue.put(None)
@@ -69,6 +78,12 @@ class WorkerPool:
                 if task is None:
                     return
                 fn, args, future = task
+                if future is None:
+                    try:
+                        fn(*args)
+                    except BaseException:
+                        logger.exception("A task on a worker thread failed")
+                    continue
                 if not future.set_running_or_notify_cancel():
                     continue
                 try:
