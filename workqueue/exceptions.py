@@ -71,6 +71,11 @@ class TransientDriverError(DriverError):
     """A failure worth retrying: deadlock, serialization failure, lock timeout, lost connection."""
 
 
+class LockTimeoutError(TransientDriverError):
+    """A statement waited longer than its procedure allows for a row another transaction
+    holds (PostgreSQL SQLSTATE 55P03, SQL Server error 1222)."""
+
+
 class UnstorableValueError(DriverError):
     """The database, or its client library, refused a value: a NUL character, a lone surrogate,
     malformed JSON, a number out of range (PostgreSQL's SQLSTATE class 22, "data exception").
@@ -121,6 +126,17 @@ class TransportUnavailableError(WorkQueueError):
     """A transport's remote service (SNS, SQS, ...) failed or could not be reached; the client
     library's error is kept as ``__cause__``. Consumers treat it like a database outage: they
     log once, back off and try again."""
+
+
+class DeliveryBusyError(WorkQueueError):
+    """A delivery could not be changed because a transaction holds its row: its handler is
+    completing it inside ``transaction.atomic()`` and has not committed yet. Nothing was
+    changed; the same request succeeds (or says the delivery has settled) once that
+    transaction ends."""
+
+    def __init__(self, message: str, delivery_id: str) -> None:
+        super().__init__(message)
+        self.delivery_id = delivery_id
 
 
 class NotFoundError(WorkQueueError, LookupError):

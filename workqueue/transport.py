@@ -22,7 +22,7 @@ from django.db import connections
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import BaseDriver, QueueTableSize, SparseIndex, VacuumHorizon
-from workqueue.exceptions import TransientDriverError
+from workqueue.exceptions import DeliveryBusyError, LockTimeoutError, TransientDriverError
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
@@ -453,11 +453,20 @@ def discard_or_cancel(
         "actor": actor,
         "reason": reason,
     }
-    for _ in range(2):
-        if driver.call_rowcount("wq_discard", {**params, "allow_pending": True}) == 1:
-            return DiscardResult(changed=True)
-        if allow_cancel and driver.call_rowcount("wq_cancel", params) == 1:
-            return DiscardResult(changed=True, cancel_requested=True)
+    try:
+        for _ in range(2):
+            if driver.call_rowcount("wq_discard", {**params, "allow_pending": True}) == 1:
+                return DiscardResult(changed=True)
+            if allow_cancel and driver.call_rowcount("wq_cancel", params) == 1:
+                return DiscardResult(changed=True, cancel_requested=True)
+    except LockTimeoutError as exc:
+        raise DeliveryBusyError(
+            f"Delivery {delivery_id} is held by an open transaction, most likely its handler "
+            "completing it inside transaction.atomic(); nothing was changed. Try again in a "
+            "moment: once that transaction ends the delivery is either settled or can be "
+            "cancelled.",
+            delivery_id,
+        ) from exc
     return DiscardResult(changed=False)
 
 

@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from typing import Any
 
@@ -17,7 +18,7 @@ from django.utils import timezone
 
 from tests.factories import ALL_PERMISSIONS, ApiKeyFactory, SubscriptionFactory, UserFactory
 from tests.support.api import call, operator, reader
-from tests.support.queue import dead_letter, pending
+from tests.support.queue import dead_letter, pending, row_held
 from workqueue import publish
 from workqueue.api import subscriptions as subscriptions_api
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -452,6 +453,27 @@ def test_discard_of_an_in_flight_delivery_requests_a_cancel(client):
 
     assert response.json() == {"supported": True, "discarded": True, "cancelRequested": True}
     assert Delivery.objects.get(pk=delivery_id).cancel_requested_at is not None
+
+
+def test_discard_of_a_delivery_an_open_transaction_holds_is_409_at_once_and_changes_nothing(
+    client,
+):
+    sub = SubscriptionFactory()
+    delivery_id = pending(sub)
+    [claimed] = Receiver(sub.id).receive(1).deliveries
+
+    with row_held(claimed.delivery_id):
+        began = time.monotonic()
+        response = call(
+            client, "post", discard_path(sub, delivery_id), {"reason": "stuck"}, key=operator()
+        )
+        waited = time.monotonic() - began
+
+    assert response.status_code == 409, response.content
+    assert waited < 4, f"the request waited {waited:.1f} s for the transaction"
+    body = response.json()
+    assert body["deliveryId"] == delivery_id and "try again" in body["detail"].lower()
+    assert Delivery.objects.get(pk=delivery_id).cancel_requested_at is None
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from tests.support.database import psycopg_params
 from workqueue.driver import get_driver
 from workqueue.exceptions import (
     DriverError,
+    LockTimeoutError,
     TransientDriverError,
     UniqueViolationError,
     UnstorableValueError,
@@ -44,12 +45,13 @@ def test_a_unique_violation_is_a_unique_violation_error(tables):
     assert type(error) is UniqueViolationError
 
 
-def test_a_lock_timeout_is_transient(tables, pg_conn):
+def test_a_lock_timeout_is_transient_and_named_as_one(tables, pg_conn):
     with pg_conn.transaction():
         pg_conn.execute("SELECT * FROM wq_test_errors WHERE id = 1 FOR UPDATE")
         get_driver().execute("SET lock_timeout = '100ms'", [])
         error = raised("UPDATE wq_test_errors SET v = 'x' WHERE id = 1")
-    assert type(error) is TransientDriverError and "lock timeout" in str(error)
+    assert type(error) is LockTimeoutError and "lock timeout" in str(error)
+    assert isinstance(error, TransientDriverError)
 
 
 def test_a_deadlock_between_two_connections_is_transient(tables):

@@ -26,7 +26,12 @@ from workqueue.driver.sqlserver import (
     split_batches,
     stored_uuid,
 )
-from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.exceptions import (
+    DriverError,
+    LockTimeoutError,
+    TransientDriverError,
+    UniqueViolationError,
+)
 from workqueue.sql import load_procedures
 
 
@@ -236,7 +241,7 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
                     "Lock request time out period exceeded.",
                 ),
             ),
-            TransientDriverError,
+            LockTimeoutError,  # a TransientDriverError that operators report as a busy row
             id="mssql-python-1222",
         ),
         pytest.param(

@@ -11,7 +11,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.queue import dead_letter
+from tests.support.queue import dead_letter, row_held
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery
 from workqueue.transport import Receiver
@@ -111,6 +111,17 @@ def test_discard_of_a_running_delivery_requests_a_cancel():
     )
 
     assert out == {"supported": True, "discarded": True, "cancel_requested": True}
+
+
+def test_discard_of_a_delivery_an_open_transaction_holds_fails_at_once_saying_try_again():
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    [claimed] = Receiver(sub.id).receive(1).deliveries
+
+    with row_held(claimed.delivery_id), pytest.raises(CommandError, match="Try again"):
+        run("discard", "-s", sub.name, "--delivery", claimed.delivery_id, "--reason", "stop")
+
+    assert Delivery.objects.get(pk=claimed.delivery_id).cancel_requested_at is None
 
 
 def test_discard_needs_a_reason_and_a_known_delivery():

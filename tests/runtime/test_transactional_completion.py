@@ -27,8 +27,9 @@ from tests.support.roles import database_role
 from tests.support.txn_handlers import EffectHandler, effects
 from workqueue import publish, transport
 from workqueue.driver import get_driver
-from workqueue.exceptions import Cancelled, EnlistError, LeaseLost
+from workqueue.exceptions import Cancelled, DeliveryBusyError, EnlistError, LeaseLost
 from workqueue.models import Delivery, Message, Subscription
+from workqueue.operators import operations
 from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
 from workqueue.runtime.executor import ExecutionResult
 from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
@@ -523,3 +524,30 @@ def test_a_raw_connection_sees_the_work_and_the_completion_appear_at_the_same_co
         assert seen() == (0, "InFlight")
         future.result(timeout=30)
         assert seen() == (1, "Completed")
+
+
+# -- an operator meets the held row ---------------------------------------------------------------
+
+
+def test_an_operator_discard_of_a_delivery_held_in_its_handlers_transaction_answers_at_once(rig):
+    # The handler completed in its transaction and keeps it open for 8 s: its row is locked
+    # until then. An operator (admin action, REST call, CLI) asking to discard the delivery
+    # must not hang on that lock for as long as the handler keeps its transaction open.
+    sub = rig.subscription(lease_seconds=30)
+    receiver, delivery = rig.claim(sub, {"holdAfterCompleteMs": 8000})
+    future = rig.start(rig.execution(sub, receiver, delivery))
+    wait_for_phase(delivery.message_id, "completed")
+
+    began = time.monotonic()
+    with pytest.raises(DeliveryBusyError) as raised:
+        operations.discard(sub.name, delivery.delivery_id, reason="stuck?")
+    waited = time.monotonic() - began
+
+    assert waited < 4, f"the operator waited {waited:.1f} s for the handler's transaction"
+    assert delivery.delivery_id in str(raised.value)
+    assert "try again" in str(raised.value).lower()
+    assert future.result(timeout=30) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert status(delivery) == ("Completed", 1)
+    # Once the transaction has ended the same request gets its ordinary answer.
+    again = operations.discard(sub.name, delivery.delivery_id, reason="stuck?")
+    assert (again.discarded, again.cancel_requested) == (False, False)

@@ -21,6 +21,7 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
 from workqueue.exceptions import (
+    DeliveryBusyError,
     PermissionDeniedError,
     UnsupportedByTransportError,
     WorkQueueError,
@@ -158,6 +159,8 @@ def _apply_each(
         except UnsupportedByTransportError as exc:
             # Named by the missing capability, so the message says what the transport lacks.
             counts[f"not supported by the transport ({exc.capability})"] += 1
+        except DeliveryBusyError:
+            counts["held by its handler's open transaction (try again in a moment)"] += 1
         except WorkQueueError:
             counts["failed"] += 1
         else:

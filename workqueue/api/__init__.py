@@ -21,6 +21,7 @@ from ninja.errors import HttpError, ValidationError
 from workqueue.api import docs, health, metrics, publish, subscriptions
 from workqueue.api.auth import ApiKeyAuth, SessionAuth
 from workqueue.exceptions import (
+    DeliveryBusyError,
     DriverError,
     InvalidInputError,
     NotFoundError,
@@ -67,6 +68,10 @@ def _error(request: HttpRequest, status: int, detail: str, **extra: object) -> H
 
 @api.exception_handler(WorkQueueError)
 def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse:
+    if isinstance(exc, DeliveryBusyError):
+        # Sound, but the delivery's row is held by its handler's open transaction: 409, and the
+        # same request succeeds (or finds the delivery settled) once that transaction ends.
+        return _error(request, 409, str(exc), deliveryId=exc.delivery_id)
     if isinstance(exc, UnsupportedByTransportError):
         # The request is sound but the subscription's transport cannot do it: 409 Conflict
         # with the state of the topology, naming the missing capability.

@@ -42,6 +42,9 @@ class ErrorOut(Schema):
     errors: list[FieldErrorOut] | None = None
     #: On a 409: the transport capability the operation needs (``supports_replay``, ...).
     capability: str | None = None
+    #: On a 409 from a discard: the delivery whose row an open transaction holds (its handler
+    #: completing it inside ``transaction.atomic()``); the same request can be sent again.
+    delivery_id: str | None = Field(None, alias="deliveryId")
 
 
 # -- publish --------------------------------------------------------------------------------

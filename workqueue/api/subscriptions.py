@@ -36,7 +36,8 @@ router = Router(tags=["subscriptions"])
 
 READ_ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
 # 409: the subscription's transport lacks the capability the operation needs (named in
-# ``capability``), e.g. replay on a transport without supports_replay.
+# ``capability``), e.g. replay on a transport without supports_replay; or, for a discard, an
+# open transaction holds the delivery's row (``deliveryId``): send the request again shortly.
 TRANSPORT_ERRORS = {**READ_ERRORS, 409: ErrorOut}
 
 
@@ -189,7 +190,8 @@ def discard(
 ) -> operations.DiscardOutcome:
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. A Pending or dead-
     lettered delivery is discarded; a running one is asked to stop (``cancelRequested``) and
-    never runs again."""
+    never runs again. 409 with ``deliveryId`` when its handler holds the delivery in an open
+    transaction (completing it inside ``transaction.atomic()``): nothing changed, ask again."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     outcome = operations.discard(name, delivery_id, reason=body.reason, actor=actor)
     if outcome.discarded or outcome.cancel_requested:

@@ -64,6 +64,7 @@ class StatsVerb(Verb):
 def _operation_errors(run: Any) -> Any:
     """Turn the operators' expected errors into CommandError (stderr, non-zero exit)."""
     from workqueue.exceptions import (
+        DeliveryBusyError,
         InvalidInputError,
         NotFoundError,
         PermissionDeniedError,
@@ -73,6 +74,7 @@ def _operation_errors(run: Any) -> Any:
     try:
         return run()
     except (
+        DeliveryBusyError,
         InvalidInputError,
         NotFoundError,
         PermissionDeniedError,

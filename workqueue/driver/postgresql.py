@@ -27,6 +27,7 @@ from workqueue.driver.base import (
 from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
+    LockTimeoutError,
     TransientDriverError,
     UniqueViolationError,
     UnstorableValueError,
@@ -262,6 +263,8 @@ class PostgresDriver(BaseDriver):
         message = str(cause).strip()
         if sqlstate == "23505":
             return UniqueViolationError(message)
+        if sqlstate == "55P03":
+            return LockTimeoutError(message)
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
         # Class 22 ("data exception") from the server, or psycopg refusing to send a value (a

@@ -25,7 +25,12 @@ from workqueue.driver.base import (
     VacuumHorizon,
 )
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, granted_to
-from workqueue.exceptions import DriverError, TransientDriverError, UniqueViolationError
+from workqueue.exceptions import (
+    DriverError,
+    LockTimeoutError,
+    TransientDriverError,
+    UniqueViolationError,
+)
 from workqueue.sql import load_procedures
 
 # 2601/2627: duplicate key in a unique index / a PRIMARY KEY or UNIQUE constraint.
@@ -189,6 +194,8 @@ class SqlServerDriver(BaseDriver):
         message = str(cause).strip() or str(error).strip()
         if number in UNIQUE_ERRORS:
             return UniqueViolationError(message)
+        if number == 1222:  # SET LOCK_TIMEOUT ran out (wq_cancel, wq_discard)
+            return LockTimeoutError(message)
         if number in TRANSIENT_ERRORS or _sqlstate(cause) == "40001":
             return TransientDriverError(message)
         if _connection_lost(cause, error):

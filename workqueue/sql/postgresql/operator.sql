@@ -312,7 +312,9 @@ $$;
 
 -- wq_discard --
 -- DeadLettered (or Pending, when p_allow_pending) → Discarded. Never touches an InFlight row;
--- that needs wq_cancel.
+-- that needs wq_cancel. Waits at most 2 s for a row another transaction holds, then fails with
+-- SQLSTATE 55P03 (an operator's request must not hang for as long as a handler keeps open the
+-- transaction it completes its delivery in).
 CREATE OR REPLACE FUNCTION wq_discard(
     p_subscription_id uuid,
     p_delivery_id uuid,
@@ -324,6 +326,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
     WITH changed AS (
         UPDATE workqueue_delivery d
@@ -513,7 +516,9 @@ $$;
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
 -- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
--- again. Hosts listening on channel wq_cancel hear of it at commit.
+-- again. Hosts listening on channel wq_cancel hear of it at commit. Waits at most 2 s for the
+-- row (held by a handler completing the delivery in its own transaction), then fails with
+-- SQLSTATE 55P03, as wq_discard does.
 CREATE OR REPLACE FUNCTION wq_cancel(
     p_subscription_id uuid,
     p_delivery_id uuid,
@@ -524,6 +529,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 AS $$
 DECLARE
     v_rows integer;

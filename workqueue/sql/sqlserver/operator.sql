@@ -335,7 +335,9 @@ GO
 -- wq_discard --
 -- DeadLettered (or Pending, when @allow_pending = 1) -> Discarded, completed now, with the actor
 -- and reason recorded and any lease columns cleared. Never touches an InFlight delivery; that
--- needs wq_cancel.
+-- needs wq_cancel. Waits at most 2 s for a row another transaction holds, then fails with error
+-- 1222 (an operator's request must not hang for as long as a handler keeps open the transaction
+-- it completes its delivery in); the setting ends with the procedure.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_discard
     @subscription_id uniqueidentifier,
@@ -347,6 +349,7 @@ AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
+    SET LOCK_TIMEOUT 2000;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
@@ -561,7 +564,7 @@ GO
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
 -- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
--- again.
+-- again. Waits at most 2 s for the row, then fails with error 1222, as wq_discard does.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_cancel
     @subscription_id uniqueidentifier,
@@ -572,6 +575,7 @@ AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
+    SET LOCK_TIMEOUT 2000;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
