@@ -8,12 +8,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.urls import reverse
+from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from workqueue import publish, publish_many
@@ -525,6 +527,126 @@ def test_a_failed_send_releases_the_deduplication_key(aws):
     assert not Deduplication.objects.filter(topic=topic, deduplication_key="order-1").exists()
     transport_for("AWS").provision(aws, dry_run=False)
     assert publish(topic.name, {"n": 1}, deduplication_key="order-1").status == "Accepted"
+
+
+# -- message ids through the Database ledger -------------------------------------------------
+
+
+def message_id_answers(topic: Topic) -> list[tuple[str, str | None, str | None]]:
+    """Publish one sequence of chosen message ids to ``topic`` and describe each result as
+    (status, which id it names, error code), ids named by their role so that two topics'
+    answers compare equal (a rejection names no id)."""
+    ids = {role: str(uuid.uuid4()) for role in ("one", "two", "three", "four")}
+    roles = {v: k for k, v in ids.items()}
+    results = [
+        *publish_many(
+            topic,
+            [
+                {
+                    "message_id": ids["one"],
+                    "payload": {"a": 1, "b": [1, 2]},
+                    "attributes": {"x": "1"},
+                },
+                # The same message, its JSON in another key order: a Duplicate.
+                {
+                    "message_id": ids["one"],
+                    "payload": {"b": [1, 2], "a": 1.0},
+                    "attributes": {"x": "1"},
+                },
+                # Another message under the same id: a conflict.
+                {"message_id": ids["one"], "payload": {"a": 2}, "attributes": {"x": "1"}},
+            ],
+        ),
+        publish(topic.name, {"a": 1, "b": [1, 2]}, attributes={"x": "1"}, message_id=ids["one"]),
+        publish(topic.name, {"a": 1, "b": [1, 2]}, message_id=ids["one"]),  # no attributes
+        publish(
+            topic.name,
+            {"a": 1, "b": [1, 2]},
+            attributes={"x": "1"},
+            message_id=ids["one"],
+            correlation_id="c-1",
+        ),
+        publish(topic, {"k": 1}, message_id=ids["two"], deduplication_key="order-1"),
+        # The key's owner answers first, whatever the id.
+        publish(topic, {"k": 2}, message_id=ids["three"], deduplication_key="order-1"),
+        # A new key with a conflicting id: rejected, and the key is left free ...
+        publish(topic, {"k": 3}, message_id=ids["two"], deduplication_key="order-2"),
+        # ... for the next message that brings it.
+        publish(topic, {"k": 4}, message_id=ids["four"], deduplication_key="order-2"),
+        *publish_many(
+            topic, [{"message_id": ids["two"], "payload": {"k": 1}, "deduplication_key": "order-3"}]
+        ),
+    ]
+    return [
+        (r.status, roles.get(r.message_id or "", r.message_id), r.error.code if r.error else None)
+        for r in results
+    ]
+
+
+def test_chosen_message_ids_answer_duplicate_and_conflict_as_on_the_database_transport(aws):
+    database_topic = SubscriptionFactory().topic
+    aws_topic = provisioned(aws).topic
+
+    expected = message_id_answers(database_topic)
+    answered = message_id_answers(aws_topic)
+
+    assert expected == [
+        ("Accepted", "one", None),
+        ("Duplicate", "one", None),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Duplicate", "one", None),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Accepted", "two", None),
+        ("Duplicate", "two", None),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Accepted", "four", None),
+        ("Duplicate", "two", None),
+    ]
+    assert answered == expected
+
+
+def test_a_chosen_message_id_is_held_for_the_topic_retention_and_a_generated_one_costs_nothing(
+    aws,
+):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    chosen = str(uuid.uuid4())
+
+    generated = publish_many(topic, [{"payload": {"n": 1}}, {"payload": {"n": 2}}])
+    assert [r.status for r in generated] == ["Accepted", "Accepted"]
+    assert not Deduplication.objects.filter(topic=topic).exists()
+
+    assert publish(topic, {"n": 3}, message_id=chosen).status == "Accepted"
+    held = Deduplication.objects.get(topic=topic)
+    assert (held.deduplication_key, held.status) == (f" message-id:{chosen}", "Confirmed")
+    window = (held.expires_at - timezone.now()).total_seconds()
+    assert topic.retention_days * 86_400 - 60 < window <= topic.retention_days * 86_400
+    # A publisher's key never takes the ledger's form: keys are stripped.
+    same_text = publish(topic, {"n": 4}, deduplication_key=f" message-id:{chosen}")
+    assert same_text.status == "Accepted"
+    assert Deduplication.objects.filter(
+        topic=topic, deduplication_key=f"message-id:{chosen}"
+    ).exists()
+
+
+def test_a_failed_send_releases_the_chosen_message_id(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    settings = AwsSettings.parse(aws.configuration)
+    topic_arn = clients_for(settings).topic_arn(
+        AwsNames.of(settings.prefix, topic.name, "", False).topic
+    )
+    clients_for(settings).sns.delete_topic(TopicArn=topic_arn)  # SNS now refuses the publish
+    chosen = str(uuid.uuid4())
+
+    failed = publish(topic.name, {"n": 1}, message_id=chosen)
+
+    assert (failed.status, failed.error.code) == ("Rejected", "TransportUnavailable")
+    assert not Deduplication.objects.filter(topic=topic).exists()
+    transport_for("AWS").provision(aws, dry_run=False)
+    # Not a conflict: nothing was sent under the id, so other content may take it.
+    assert publish(topic.name, {"n": 2}, message_id=chosen).status == "Accepted"
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):

@@ -21,8 +21,10 @@ calling SQS. That is weaker than the Database transport's fencing in one place: 
 between that check and SQS's answer (a stop-the-world pause longer than the safety margin) can
 still settle a message another consumer has received since.
 
-Deduplication keys use the Database ledger: the key is reserved (``wq_reserve_deduplication``),
-the message is sent, then the key is confirmed, or released when sending failed.
+Deduplication keys, and message ids the publisher chose, use the Database ledger
+(``workqueue.transports.ledger``): reserved before the message is sent, then confirmed, or
+released when sending failed, so Duplicate and MessageIDConflict answer as on the Database
+transport.
 
 Dead letters are moved by the receiver itself (sent to the DLQ with the reason and error as
 message attributes, then deleted), so the reason is kept; the queue's redrive policy, at one
@@ -41,7 +43,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from workqueue import transport as procedures
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import (
     TransportUnavailableError,
@@ -52,6 +53,7 @@ from workqueue.filters import AnyOf, AttributeFilter, FilterError, Operator, par
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.transport import new_instance_id
 from workqueue.transports.base import BaseTransport, ProvisionChange
+from workqueue.transports.ledger import FOLLOWS, PublishLedger
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -750,9 +752,6 @@ class AwsTransport(BaseTransport):
     conformance_traits: ClassVar[dict[str, Any]] = {
         # SQS counts every receive, a released one too.
         "release_consumes_attempt": True,
-        # A re-publish of a message id is a new SQS message (SNS FIFO drops one only within
-        # its 5-minute deduplication window).
-        "detects_message_id_duplicates": False,
         # SQS keeps no history of deleted messages.
         "completed_counts": False,
         # A message waiting in SQS cannot be picked out by id.
@@ -820,9 +819,13 @@ class AwsTransport(BaseTransport):
         publisher: str,
         enlist: bool,
         external: bool,
+        chosen_message_ids: frozenset[str] = frozenset(),
     ) -> list[dict[str, Any]]:
         """SNS Publish (PublishBatch for several, ten to a call) of each message's envelope,
-        its attributes as message attributes; the message ids are ours."""
+        its attributes as message attributes; the message ids are ours. Deduplication keys and
+        the message ids in ``chosen_message_ids`` go through the Database ledger first
+        (``workqueue.transports.ledger``), so Duplicate and MessageIDConflict answer as on the
+        Database transport."""
         refusal = _topic_refusal(topic, external)
         if refusal is not None:
             return [_row(m["message_id"], PublishStatus.REJECTED, refusal) for m in messages]
@@ -833,10 +836,7 @@ class AwsTransport(BaseTransport):
         )
         rows: list[dict[str, Any] | None] = [None] * len(messages)
         entries: list[tuple[int, dict[str, Any]]] = []
-        # A key a message earlier in this call reserved: the later message is its Duplicate
-        # once the earlier one is sent, as in wq_publish_many's in-order batch.
-        reserved_keys: dict[str, int] = {}
-        later_duplicates: list[tuple[int, int]] = []
+        ledger = PublishLedger(topic, chosen_message_ids)
         published_at = _now().isoformat()
         for index, message in enumerate(messages):
             entry, size = _sns_entry(topic, message, publisher, published_at)
@@ -850,34 +850,15 @@ class AwsTransport(BaseTransport):
                     "elsewhere and publish a claim-check reference instead (payload_ref).",
                 )
                 continue
-            key = message["deduplication_key"]
-            if key is not None and key in reserved_keys:
-                later_duplicates.append((index, reserved_keys[key]))
-                continue
-            if key is not None:
-                refusal_row = _reserve(topic.name, message)
-                if refusal_row is not None:
-                    rows[index] = refusal_row
-                    continue
-                reserved_keys[key] = index
-            entries.append((index, entry))
+            admitted = ledger.admit(index, message)
+            if admitted is None:
+                entries.append((index, entry))
+            elif admitted is not FOLLOWS:
+                rows[index] = admitted  # type: ignore[assignment]
         for index, outcome in _publish_entries(clients, topic_arn, entries):
-            message = messages[index]
-            if message["deduplication_key"] is not None:
-                _settle_reservation(topic.name, message, sent=outcome[0] == PublishStatus.ACCEPTED)
-            rows[index] = _row(message["message_id"], *outcome)
-        for index, owner in later_duplicates:
-            owner_row = rows[owner]
-            assert owner_row is not None
-            rows[index] = (
-                _row(owner_row["message_id"], PublishStatus.DUPLICATE)
-                if owner_row["status"] == PublishStatus.ACCEPTED
-                else _row(
-                    messages[index]["message_id"],
-                    PublishStatus.REJECTED,
-                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                )
-            )
+            ledger.settle(index, messages[index], sent=outcome[0] == PublishStatus.ACCEPTED)
+            rows[index] = _row(messages[index]["message_id"], *outcome)
+        ledger.follow_up(rows, messages)
         return [row for row in rows if row is not None]
 
     # -- provisioning -----------------------------------------------------------------------
@@ -1043,36 +1024,6 @@ def _row(
     if error_message:
         row["error_message"] = error_message
     return row
-
-
-def _reserve(topic_name: str, message: dict[str, Any]) -> dict[str, Any] | None:
-    """Reserve the message's deduplication key in the Database ledger; None when reserved,
-    else the message's result row (Duplicate naming the owner, or a rejection)."""
-    status, owner = procedures.reserve_deduplication(
-        topic_name, message["deduplication_key"], message["message_id"]
-    )
-    if status == "Reserved":
-        return None
-    if status == "Duplicate" and owner is not None:
-        return _row(owner, PublishStatus.DUPLICATE)
-    if status == "TopicNotFound":
-        return _row(message["message_id"], PublishStatus.REJECTED, PublishErrorCode.TOPIC_NOT_FOUND)
-    return _row(
-        message["message_id"], PublishStatus.REJECTED, PublishErrorCode.DEDUPLICATION_PENDING
-    )
-
-
-def _settle_reservation(topic_name: str, message: dict[str, Any], *, sent: bool) -> None:
-    """Confirm the key of a sent message (for its TTL), or release it when sending failed. A
-    confirmation can find the reservation gone (it lapsed after 120 s and another publish took
-    the key): the message is out all the same, so both were sent."""
-    key, message_id = message["deduplication_key"], message["message_id"]
-    if sent:
-        procedures.confirm_deduplication(
-            topic_name, key, message_id, message["deduplication_ttl_seconds"]
-        )
-    else:
-        procedures.release_deduplication(topic_name, key, message_id)
 
 
 def _topic_refusal(topic: Any, external: bool) -> str | None:

@@ -217,10 +217,15 @@ class BaseTransport:
         publisher: str,
         enlist: bool,
         external: bool,
+        chosen_message_ids: frozenset[str] = frozenset(),
     ) -> list[dict[str, Any]]:
         """Publish validated messages (``workqueue.publishing``'s parameters for each) to
         ``topic`` (a ``Topic`` row of this transport); one row per message, in order, with
-        ``message_id``, ``status``, ``error_code`` and optionally ``error_message``."""
+        ``message_id``, ``status``, ``error_code`` and optionally ``error_message``.
+
+        ``chosen_message_ids`` are the ids the publisher gave; the others were generated for
+        this call and are new by construction (a transport that must record ids to answer
+        Duplicate / MessageIDConflict need only record these)."""
         raise NotImplementedError
 
     # -- provisioning --------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class DatabaseTransport(BaseTransport):
         publisher: str,
         enlist: bool,
         external: bool,
+        chosen_message_ids: frozenset[str] = frozenset(),
     ) -> list[dict[str, Any]]:
         # ``topic`` is a name or a Topic: the procedures look the topic up themselves.
         name = topic if isinstance(topic, str) else topic.name
