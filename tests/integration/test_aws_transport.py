@@ -18,6 +18,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import TopologyValidationError, UnsupportedByTransportError
 from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
@@ -647,6 +648,49 @@ def test_a_failed_send_releases_the_chosen_message_id(aws):
     transport_for("AWS").provision(aws, dry_run=False)
     # Not a conflict: nothing was sent under the id, so other content may take it.
     assert publish(topic.name, {"n": 2}, message_id=chosen).status == "Accepted"
+
+
+# -- operator surfaces on AWS subscriptions --------------------------------------------------
+
+
+def test_validate_bindings_and_health_report_aws_work_that_no_live_host_runs(aws, admin_client):
+    waiting = provisioned(aws)
+    idle = SubscriptionFactory(topic=TopicFactory(transport=aws))
+    transport_for("AWS").provision(aws, dry_run=False)
+    # Saved after provisioning: its queue does not exist, so its backlog cannot be read.
+    unprovisioned = SubscriptionFactory(topic=idle.topic)
+    assert [r.status for r in publish_many(waiting.topic, [{"payload": {"n": 1}}] * 2)] == [
+        "Accepted",
+        "Accepted",
+    ]
+    wait_until(lambda: transport_for("AWS").backlog(str(waiting.id)).claimable == 2)
+    missing_queue = AwsNames.of(
+        aws.configuration["prefix"], idle.topic.name, unprovisioned.name, False
+    ).queue
+
+    issues = {
+        (i.subject, i.message)
+        for i in operations.validate_bindings("aws-test")
+        if "due" in i.message or "backlog" in i.message
+    }
+
+    assert issues == {
+        (
+            f"subscription {waiting.name}",
+            "2 deliveries are due and no live host runs this subscription; they wait until one "
+            f"does. Start a host that runs it (`manage.py workqueue_host -s {waiting.name}`, or "
+            "'*' in WORKQUEUE['SUBSCRIPTIONS']), or pause the subscription.",
+        ),
+        (
+            f"subscription {unprovisioned.name}",
+            "Its backlog could not be read, so whether work waits for it is unknown: The SQS "
+            f"queue {missing_queue!r} does not exist: run `manage.py workqueue provision`.",
+        ),
+    }
+    health = admin_client.get("/work-queue/health").json()
+    assert [(s["name"], s["state"], s["reason"]) for s in health["subscriptions"]] == [
+        (waiting.name, "NotRunning", "No live host runs it; 2 deliveries are due.")
+    ]
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):

@@ -18,6 +18,7 @@ from workqueue.conf import get_settings
 from workqueue.exceptions import (
     InvalidInputError,
     NotFoundError,
+    TransportUnavailableError,
     UnsupportedByTransportError,
     WorkQueueConfigurationError,
     WorkQueueError,
@@ -111,8 +112,10 @@ class BindingIssue:
 @dataclass(frozen=True, slots=True)
 class UnservedSubscription:
     name: str
-    #: Deliveries that could be claimed now (at most transport.BACKLOG_CAP).
-    due: int
+    #: Deliveries that could be claimed now (at most transport.BACKLOG_CAP); None when the
+    #: subscription's transport could not count them (``problem`` says why).
+    due: int | None
+    problem: str | None = None
 
 
 # -- input rules ---------------------------------------------------------------------------
@@ -675,7 +678,16 @@ def validate_bindings(
                     )
                 )
     for unserved in unserved_subscriptions(actor=actor):
-        if unserved.name in in_scope:
+        if unserved.name in in_scope and unserved.due is None:
+            issues.append(
+                BindingIssue(
+                    "Warning",
+                    f"subscription {unserved.name}",
+                    "Its backlog could not be read, so whether work waits for it is unknown: "
+                    f"{unserved.problem}",
+                )
+            )
+        elif unserved.name in in_scope:
             issues.append(
                 BindingIssue(
                     "Warning",
@@ -749,7 +761,11 @@ def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
     """Subscriptions with deliveries due now that no live host is running: nothing will process
     that work until a host runs them. Only subscriptions meant to run count: Active, with an
     Active topic and transport, consumed by work-queue hosts (Paused and Disabled ones are
-    left out). A caller limited to named subscriptions hears only about those."""
+    left out). A caller limited to named subscriptions hears only about those.
+
+    Each candidate's own transport counts its backlog (the queue tables, or a cloud queue's
+    attributes); one whose transport cannot be reached or is misconfigured is listed with
+    ``due`` None and the ``problem``, since work may be waiting there unseen."""
     from workqueue.models import HostRecord, Subscription
 
     require(actor, READ)
@@ -760,21 +776,34 @@ def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
             for entry in entries or []
             if isinstance(entry, dict) and entry.get("state") == "Running"
         )
-    candidates = Subscription.objects.filter(
-        status="Active",
-        host_type="Worker",
-        topic__status="Active",
-        topic__transport__status="Active",
-    ).exclude(name__in=running)
+    candidates = (
+        Subscription.objects.select_related("topic__transport")
+        .filter(
+            status="Active",
+            host_type="Worker",
+            topic__status="Active",
+            topic__transport__status="Active",
+        )
+        .exclude(name__in=running)
+    )
     if actor.subscriptions:
         candidates = candidates.filter(name__in=actor.subscriptions)
     unserved = []
-    for subscription_id, name in candidates.order_by("name").values_list("id", "name"):
-        # One wq_backlog probe each: it counts what a claim could take now (one per key on
-        # partitioned subscriptions) along index paths, whatever the size of the backlog.
-        counted = transport.backlog(str(subscription_id))
+    for subscription in candidates.order_by("name"):
+        # One probe each: on the Database transport wq_backlog, which counts what a claim
+        # could take now (one per key on partitioned subscriptions) along index paths,
+        # whatever the size of the backlog; on a cloud transport the queue's counts.
+        try:
+            counted = _transport_of(subscription).backlog(str(subscription.id))
+        except (
+            TransportUnavailableError,
+            UnsupportedByTransportError,
+            WorkQueueConfigurationError,
+        ) as exc:
+            unserved.append(UnservedSubscription(subscription.name, None, str(exc)))
+            continue
         if counted is not None and counted.claimable:
-            unserved.append(UnservedSubscription(name, counted.claimable))
+            unserved.append(UnservedSubscription(subscription.name, counted.claimable))
     return unserved
 
 
