@@ -5,6 +5,7 @@ the seam, and the receiver's claim, heartbeat and settles with their fencing."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -691,6 +692,84 @@ def test_validate_bindings_and_health_report_aws_work_that_no_live_host_runs(aws
     assert [(s["name"], s["state"], s["reason"]) for s in health["subscriptions"]] == [
         (waiting.name, "NotRunning", "No live host runs it; 2 deliveries are due.")
     ]
+
+
+def dashboard_cells(html: str, subscription_name: str) -> dict[str, str]:
+    """The dashboard's cells for one subscription, by class, as text (links kept as href)."""
+    row = re.search(
+        rf'<tr data-subscription="{re.escape(subscription_name)}">(.*?)</tr>', html, re.S
+    )
+    assert row is not None, f"no dashboard row for {subscription_name}"
+    cells = {}
+    for css, inner in re.findall(r'<td class="num ([a-z-]+)"[^>]*>(.*?)</td>', row.group(1), re.S):
+        link = re.search(r'href="([^"]+)"', inner)
+        cells[css] = re.sub(r"<[^>]+>", "", inner).strip() + (
+            f" -> {link.group(1)}" if link else ""
+        )
+    return cells
+
+
+def test_the_dashboard_shows_aws_subscriptions_from_their_queue_counts(aws, admin_client):
+    subscription = provisioned(aws)
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(3)])
+    holder = receiver(subscription)
+    poisoned = receive_one(holder)
+    assert holder.dead_letter(poisoned, "Poison", "bad input").settled
+    receive_one(holder)  # held: in flight
+
+    response = admin_client.get(reverse("admin:workqueue_dashboard"))
+
+    assert response.status_code == 200
+    assert dashboard_cells(response.content.decode(), subscription.name) == {
+        "pending": "1",
+        "in-flight": "1",
+        # Its dead letters are in SQS, not in the Delivery table: the link lists them there.
+        "dead-lettered": f"1 -> /work-queue/subscriptions/{subscription.name}/dead-letters",
+        "blocked-keys": "—",
+        "oldest-pending": "—",
+        # SQS keeps no history of completions: not known, rather than 0.
+        "completed": "—",
+    }
+    assert response.context["not_charted"] == [subscription.name]
+    listed = admin_client.get(f"/work-queue/subscriptions/{subscription.name}/dead-letters")
+    assert [i["deliveryId"] for i in listed.json()["items"]] == [poisoned.delivery_id]
+
+
+def test_operator_actions_the_aws_transport_cannot_do_are_refused_clearly_on_every_surface(
+    aws, admin_client
+):
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    base = f"/work-queue/subscriptions/{subscription.name}"
+
+    for method, path, body in (
+        ("get", f"{base}/partitions", None),
+        ("post", f"{base}/pending/discard", {"reason": "cleanup"}),
+    ):
+        answer = getattr(admin_client, method)(
+            path, *([] if body is None else [body]), content_type="application/json"
+        )
+        assert answer.status_code == 409, (path, answer.content)
+        assert answer.json()["capability"] in {
+            "supports_partition_listing",
+            "supports_bulk_discard_pending",
+        }
+
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = {
+        "action": "recover_dead_letters",
+        "_selected_action": [subscription.pk],
+        "operation": "discard_pending",
+        "note": "cleanup",
+    }
+    counted = admin_client.post(url, {**form, "post": "count"})
+    assert counted.status_code == 200
+    ((name, said),) = counted.context["counts"]
+    assert name == subscription.name
+    assert said.startswith("not supported: ") and "supports_bulk_discard_pending" in said
+    applied = admin_client.post(url, {**form, "post": "apply"}, follow=True)
+    assert applied.status_code == 200
+    (message,) = applied.context["messages"]
+    assert "supports_bulk_discard_pending" in str(message) and message.level_tag == "warning"
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):

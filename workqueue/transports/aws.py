@@ -890,7 +890,7 @@ class AwsTransport(BaseTransport):
 
     def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
         """Counts from the queues' approximate attributes. SQS keeps no history: completions
-        of the last hour and the oldest message's age are not known (reported as 0 and None)."""
+        of the last hour and the oldest message's age are not known (reported as None)."""
         binding = QueueBinding.of(subscription_id)
         queue = _queue_counts(binding, binding.names.queue)
         dead = _queue_counts(binding, binding.names.dead_letter_queue)
@@ -902,7 +902,7 @@ class AwsTransport(BaseTransport):
             + dead["ApproximateNumberOfMessagesNotVisible"],
             "blocked_keys": None,
             "oldest_pending_age_seconds": None,
-            "completed_last_hour": 0,
+            "completed_last_hour": None,
             "as_of": _now(),
         }
 

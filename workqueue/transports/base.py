@@ -133,6 +133,10 @@ class BaseTransport:
     #: (``workqueue.testing.conformance.TransportTraits`` fields and their values).
     conformance_traits: ClassVar[dict[str, Any]] = {}
 
+    #: Its deliveries are rows of this database's queue tables, so the admin's Delivery pages
+    #: list them (otherwise operators reach them through the operator API and CLI).
+    keeps_deliveries_in_database: ClassVar[bool] = False
+
     #: ``Topic.is_fifo`` chooses the kind of resource a topic gets (not a capability: on a
     #: transport without that choice the field simply has no effect).
     honours_topic_is_fifo: ClassVar[bool] = False

@@ -36,6 +36,7 @@ class DatabaseTransport(BaseTransport):
     supports_cancel = True
     supports_partition_listing = True
     supports_bulk_discard_pending = True
+    keeps_deliveries_in_database = True
 
     def publish(
         self,
