@@ -375,6 +375,31 @@ def test_retry_then_dead_letter_keeps_the_reason_and_replay_resets_the_attempts(
     assert operations.list_dead_letters(subscription.name).items == []
 
 
+@pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])
+def test_a_release_gives_the_attempt_back_so_a_last_attempt_released_at_shutdown_runs(aws, fifo):
+    options = {"partition_mode": "Exclusive"} if fifo else {}
+    subscription = provisioned(aws, fifo=fifo, max_attempts=1, **options)
+    sent = publish(subscription.topic, {"n": 1}, partition_key="k-1")
+    holder = receiver(subscription)
+    first = receive_one(holder)
+
+    released = holder.release(first)  # a shutdown drain releases what it could not finish
+
+    assert (released.outcome, released.status) == (SettleOutcome.SETTLED, DeliveryStatus.PENDING)
+    again = receive_one(holder)
+    # Not dead-lettered as LeaseExpired: the release gave the only attempt back.
+    assert (again.message_id, again.delivery_id, again.attempt) == (
+        sent.message_id,
+        first.delivery_id,
+        1,
+    )
+    assert (again.payload, again.partition_key) == ({"n": 1}, "k-1")
+    # The attempts still count: received once more (here after a retry, which the executor
+    # would not make on a last attempt), it has none left.
+    assert holder.retry(again, delay_seconds=0).settled
+    assert holder.receive(1).expired_dead_letters[0].reason == "LeaseExpired"
+
+
 def test_a_dead_letter_can_be_discarded_by_id(aws):
     subscription = provisioned(aws)
     publish(subscription.topic.name, {"n": 1})

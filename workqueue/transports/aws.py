@@ -39,6 +39,7 @@ import math
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -500,7 +501,10 @@ class AwsReceiver:
             subscription_id=self.subscription_id,
             lease_token=message["ReceiptHandle"],
             lease_expires_at=_now() + dt.timedelta(seconds=self.binding.lease_seconds),
-            attempt=int(system.get("ApproximateReceiveCount", "1")),
+            # Receives of this SQS message, plus the attempts its released predecessors spent
+            # (a release sends the message again: see AwsReceiver.release).
+            attempt=int(system.get("ApproximateReceiveCount", "1"))
+            + int(envelope.get("attempts_before") or 0),
             is_replay=bool(envelope.get("replayed")),
             message_id=envelope.get("message_id") or message["MessageId"],
             topic_id=envelope.get("topic_id", ""),
@@ -639,11 +643,24 @@ class AwsReceiver:
         )
 
     def release(self, delivery: ClaimedDelivery) -> SettleResult:
-        """Make the message visible again at once. SQS counts the receive all the same, so a
-        released delivery has spent an attempt (the Database transport refunds it)."""
-        return self._settle(
-            delivery, DeliveryStatus.PENDING, lambda: self._set_visibility(delivery, 0)
-        )
+        """Give the message back at once, and its attempt with it, as the Database transport
+        does. SQS counts every receive (making the message visible again would spend the
+        attempt, and on a last attempt have it dead-lettered as LeaseExpired without running),
+        so the message is sent to the queue again as a new SQS message whose envelope carries
+        the attempts spent before this one, then the received one is deleted. When that send
+        fails the message is made visible instead (the attempt stays spent); a failure between
+        the send and the delete leaves both copies (at least once, never none). On a FIFO
+        queue the copy goes behind the messages its partition key already has waiting."""
+
+        def give_back() -> None:
+            try:
+                send_released_copy(self.binding, delivery)
+            except TransportUnavailableError:
+                self._set_visibility(delivery, 0)
+                return
+            self._delete(delivery)
+
+        return self._settle(delivery, DeliveryStatus.PENDING, give_back)
 
     def dead_letter(
         self, delivery: ClaimedDelivery, reason: str, error: str | None = None
@@ -687,6 +704,30 @@ def send_dead_letter(
     if binding.fifo:
         params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
         params["MessageDeduplicationId"] = f"{delivery.delivery_id}-{delivery.attempt}"
+    _call(binding.clients.sqs.send_message, **params)
+
+
+def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None:
+    """Put a released delivery's message back on its queue as a new SQS message: same
+    delivery id, its receive count starting again, the attempts spent before this one kept
+    in the envelope (``attempts_before``), so the next receive is this same attempt again."""
+    envelope = {
+        **_envelope_of(delivery),
+        "delivery_id": delivery.delivery_id,
+        "replayed": delivery.is_replay,
+        "attempts_before": delivery.attempt - 1,
+    }
+    params: dict[str, Any] = {
+        "QueueUrl": binding.queue_url,
+        "MessageBody": canonical_json(envelope),
+        "MessageAttributes": _string_attributes(delivery.attributes or {}),
+    }
+    if not params["MessageAttributes"]:
+        del params["MessageAttributes"]
+    if binding.fifo:
+        params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
+        # A new id per release: SQS FIFO drops a repeated one for 5 minutes.
+        params["MessageDeduplicationId"] = f"release-{uuid.uuid4().hex}"
     _call(binding.clients.sqs.send_message, **params)
 
 
@@ -750,8 +791,6 @@ class AwsTransport(BaseTransport):
     supports_bulk_discard_pending = False
 
     conformance_traits: ClassVar[dict[str, Any]] = {
-        # SQS counts every receive, a released one too.
-        "release_consumes_attempt": True,
         # SQS keeps no history of deleted messages.
         "completed_counts": False,
         # A message waiting in SQS cannot be picked out by id.
