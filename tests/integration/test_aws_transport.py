@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.urls import reverse
 from django.utils import timezone
 
@@ -795,6 +795,22 @@ def test_operator_actions_the_aws_transport_cannot_do_are_refused_clearly_on_eve
     assert applied.status_code == 200
     (message,) = applied.context["messages"]
     assert "supports_bulk_discard_pending" in str(message) and message.level_tag == "warning"
+
+
+def test_the_database_scaler_query_is_refused_for_an_aws_subscription_naming_its_queue(aws):
+    subscription = provisioned(aws)
+    queue = AwsNames.of(
+        aws.configuration["prefix"], subscription.topic.name, subscription.name, False
+    ).queue
+
+    # The query reads the queue tables, where an AWS subscription's messages never are: it
+    # would always answer 0 and an autoscaler would never start a job.
+    with pytest.raises(CommandError) as refused:
+        call_command("workqueue", "scaler-query", "-s", subscription.name)
+
+    said = str(refused.value)
+    assert "aws-sqs-queue" in said and repr(queue) in said
+    assert aws.configuration["region"] in said
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):

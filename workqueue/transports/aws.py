@@ -920,6 +920,20 @@ class AwsTransport(BaseTransport):
                 provisioner.subscription(topic, subscription, names, topic_arn)
         return provisioner.changes
 
+    # -- autoscaling ------------------------------------------------------------------------
+
+    def scaler_query_refusal(self, subscription: Any) -> str | None:
+        topic = subscription.topic
+        settings = AwsSettings.parse(topic.transport.configuration)
+        queue = AwsNames.of(settings.prefix, topic.name, subscription.name, topic.is_fifo).queue
+        return (
+            f"Subscription {subscription.name!r} is on the AWS transport: its messages wait in "
+            f"the SQS queue {queue!r} (region {settings.region}), not in this database, so the "
+            "scaler query would always answer 0. Scale `workqueue_work --once` jobs with "
+            f"KEDA's aws-sqs-queue scaler on that queue (queueURL: {queue}, awsRegion: "
+            f"{settings.region}); see the README's AWS transport section."
+        )
+
     # -- consuming --------------------------------------------------------------------------
 
     def receiver(self, subscription_id: str, lease_owner: str | None = None) -> AwsReceiver:

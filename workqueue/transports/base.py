@@ -232,6 +232,21 @@ class BaseTransport:
         Duplicate / MessageIDConflict need only record these)."""
         raise NotImplementedError
 
+    # -- autoscaling ---------------------------------------------------------------------------
+
+    def scaler_query_refusal(self, subscription: Any) -> str | None:
+        """Why the database scaler query (``manage.py workqueue scaler-query``) cannot measure
+        ``subscription``'s backlog, naming what an autoscaler should read instead; None when
+        it can. The query reads the queue tables, so it measures only transports that keep
+        their deliveries there."""
+        if self.keeps_deliveries_in_database:
+            return None
+        return (
+            f"Subscription {subscription.name!r} is on the {self.name} transport, whose "
+            "deliveries are not in this database: the scaler query would always answer 0. "
+            "Scale on the transport's own queue instead."
+        )
+
     # -- provisioning --------------------------------------------------------------------------
 
     def provision(self, transport: Any, *, dry_run: bool) -> list[ProvisionChange]:
