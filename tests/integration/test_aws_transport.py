@@ -5,6 +5,7 @@ the seam, and the receiver's claim, heartbeat and settles with their fencing."""
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -811,6 +812,37 @@ def test_the_database_scaler_query_is_refused_for_an_aws_subscription_naming_its
     said = str(refused.value)
     assert "aws-sqs-queue" in said and repr(queue) in said
     assert aws.configuration["region"] in said
+
+
+def test_retiring_an_aws_subscription_counts_its_queue_and_never_drops_messages_silently(aws):
+    subscription = provisioned(aws)
+    publish(subscription.topic, {"n": 1})
+    wait_until(lambda: transport_for("AWS").backlog(str(subscription.id)).claimable == 1)
+
+    def retire(*args: str) -> str:
+        out = io.StringIO()
+        call_command("workqueue", "retire-subscription", subscription.name, *args, stdout=out)
+        return out.getvalue()
+
+    # A message waits in its SQS queue: refused, as on the Database transport.
+    with pytest.raises(CommandError, match="1 Pending and 0 dead-lettered"):
+        retire()
+    # Discarding what waits would need the queue emptied by id: refused, naming the flag.
+    with pytest.raises(CommandError, match="supports_bulk_discard_pending"):
+        retire("--discard-pending")
+    assert Subscription.objects.get(pk=subscription.pk).status == "Active"
+
+    holder = receiver(subscription)
+    assert holder.complete(receive_one(holder)).settled
+    wait_until(
+        lambda: transport_for("AWS").subscription_stats(str(subscription.id))["pending"] == 0
+    )
+    said = retire()
+
+    assert not Subscription.objects.filter(pk=subscription.pk).exists()
+    assert "Deleted subscription" in said
+    # Provisioning never deletes: the operator is told what is left behind in AWS.
+    assert "not deleted" in said and "AWS" in said
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):
