@@ -174,6 +174,36 @@ def test_subscription_filters_deliver_through_sns_filter_policies(aws):
     }
 
 
+def test_a_disabled_subscription_stops_receiving_from_sns_once_provisioned(aws):
+    subscription = provisioned(aws)
+    sibling = SubscriptionFactory(topic=subscription.topic)
+    transport_for("AWS").provision(aws, dry_run=False)
+    Subscription.objects.filter(pk=subscription.pk).update(status="Disabled")
+
+    changes = transport_for("AWS").provision(aws, dry_run=False)
+
+    assert [(c.action, c.kind, c.detail) for c in changes if c.action != "keep"] == [
+        ("update", "subscription", "FilterPolicy")
+    ]
+    publish(subscription.topic, {"n": 1})
+    assert [d.payload["n"] for d in receive_all(receiver(sibling), 1)] == [1]
+    # As on the Database transport, publishing fans out nothing more to it.
+    assert receiver(subscription).receive(10).deliveries == []
+
+    Subscription.objects.filter(pk=subscription.pk).update(status="Active")
+    transport_for("AWS").provision(aws, dry_run=False)
+    publish(subscription.topic, {"n": 2})
+    assert [d.payload["n"] for d in receive_all(receiver(subscription), 1)] == [2]
+
+
+def receive_all(subscription_receiver: AwsReceiver, count: int, timeout: float = 10) -> list[Any]:
+    found: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(found) < count and time.monotonic() < deadline:
+        found += subscription_receiver.receive(10).deliveries
+    return found
+
+
 # -- provisioning ----------------------------------------------------------------------------
 
 

@@ -71,6 +71,7 @@ from workqueue.types import (
     PublishStatus,
     SettleOutcome,
     SettleResult,
+    SubscriptionStatus,
 )
 
 if TYPE_CHECKING:
@@ -200,6 +201,11 @@ class AwsNames:
 
 
 # -- filters -------------------------------------------------------------------------------
+
+#: The filter policy of a Disabled subscription: it asks for a message attribute no message
+#: has (publishers may not use the ``wq_`` prefix), so SNS delivers nothing more to its queue,
+#: as publishing fans out nothing more to a Disabled subscription on the Database transport.
+DISABLED_FILTER_POLICY: dict[str, list[Any]] = {"wq_disabled": [{"exists": True}]}
 
 
 def filter_policy(attribute_filter: AttributeFilter | None) -> dict[str, list[Any]] | None:
@@ -1276,7 +1282,11 @@ class _Provisioner:
         self, subscription: Any, names: AwsNames, topic_arn: str, queue_arn: str
     ) -> None:
         sns = self.clients.sns
-        policy = filter_policy(parse_filter(subscription.filter))
+        policy = (
+            DISABLED_FILTER_POLICY
+            if subscription.status == SubscriptionStatus.DISABLED
+            else filter_policy(parse_filter(subscription.filter))
+        )
         wanted = {
             "RawMessageDelivery": "true",
             "FilterPolicy": json.dumps(policy, sort_keys=True) if policy else "",
