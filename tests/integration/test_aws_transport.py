@@ -6,6 +6,7 @@ the seam, and the receiver's claim, heartbeat and settles with their fencing."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
@@ -873,6 +874,51 @@ def test_retiring_an_aws_subscription_counts_its_queue_and_never_drops_messages_
     assert "Deleted subscription" in said
     # Provisioning never deletes: the operator is told what is left behind in AWS.
     assert "not deleted" in said and "AWS" in said
+
+
+def workqueue_cli(*args: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def test_the_operator_cli_works_on_an_aws_subscription(aws):
+    subscription = provisioned(aws, max_attempts=1)
+    name = subscription.name
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(3)])
+    holder = receiver(subscription)
+    dead = [receive_one(holder) for _ in range(3)]
+    for delivery in dead:
+        assert holder.dead_letter(delivery, "Poison", "ValueError: bad input").settled
+
+    stats = json.loads(workqueue_cli("stats", "-s", name, "--json"))["subscriptions"][0]
+    assert (stats["pending"], stats["dead_lettered"], stats["completed_last_hour"]) == (0, 3, None)
+    assert "-" in workqueue_cli("stats", "-s", name).splitlines()[-1]
+    listed = json.loads(workqueue_cli("dead-letters", "-s", name, "--json"))["items"]
+    assert sorted(i["delivery_id"] for i in listed) == sorted(d.delivery_id for d in dead)
+    assert {i["reason"] for i in listed} == {"Poison"}
+
+    assert "Replayed" in workqueue_cli("replay", "-s", name, "--delivery", dead[0].delivery_id)
+    discarded = workqueue_cli(
+        "discard", "-s", name, "--delivery", dead[1].delivery_id, "--reason", "spam"
+    )
+    assert "Discarded" in discarded
+    counted = workqueue_cli(
+        "replay-dead-letters", "-s", name, "--error-contains", "bad input", "--dry-run"
+    )
+    assert "1 of 1" in counted
+    workqueue_cli("replay-dead-letters", "-s", name, "--error-contains", "bad input")
+    backlog = json.loads(workqueue_cli("backlog", "-s", name, "--json"))
+    assert backlog["claimable"] == 2
+    assert json.loads(workqueue_cli("dead-letters", "-s", name, "--json"))["items"] == []
+    replayed = receive_all(holder, 2)
+    assert sorted(d.delivery_id for d in replayed) == sorted(
+        [dead[0].delivery_id, dead[2].delivery_id]
+    )
+    assert all(d.attempt == 1 and d.is_replay for d in replayed)
+    metrics = workqueue_cli("metrics").splitlines()
+    assert f'workqueue_in_flight_deliveries{{subscription="{name}"}} 2.0' in metrics
+    assert f'workqueue_dead_lettered_deliveries{{subscription="{name}"}} 0.0' in metrics
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):
