@@ -432,6 +432,37 @@ def test_a_release_gives_the_attempt_back_so_a_last_attempt_released_at_shutdown
     assert holder.receive(1).expired_dead_letters[0].reason == "LeaseExpired"
 
 
+def test_a_replayed_released_copy_that_sqs_redrove_starts_again_at_attempt_1(aws):
+    subscription = provisioned(aws, max_attempts=3)
+    publish(subscription.topic, {"n": 1})
+    holder = receiver(subscription)
+    first = receive_one(holder)
+    assert holder.retry(first, 0, "boom").settled
+    second = receive_one(holder)
+    assert holder.release(second).settled  # the copy carries attempts_before=1
+    binding = QueueBinding.of(str(subscription.id))
+    # SQS's own redrive (the backstop) moves the copy's body as it is, attempts_before and all.
+    copy = binding.clients.sqs.receive_message(QueueUrl=binding.queue_url, WaitTimeSeconds=1)
+    (moved,) = copy["Messages"]
+    assert json.loads(moved["Body"])["attempts_before"] == 1
+    binding.clients.sqs.send_message(
+        QueueUrl=binding.dead_letter_queue_url, MessageBody=moved["Body"]
+    )
+    binding.clients.sqs.delete_message(
+        QueueUrl=binding.queue_url, ReceiptHandle=moved["ReceiptHandle"]
+    )
+
+    (item,) = operations.list_dead_letters(subscription.name).items
+    assert operations.replay(subscription.name, item.delivery_id).replayed
+
+    replayed = receive_one(holder)
+    assert (replayed.delivery_id, replayed.attempt, replayed.is_replay) == (
+        first.delivery_id,
+        1,
+        True,
+    )
+
+
 def test_a_dead_letter_can_be_discarded_by_id(aws):
     subscription = provisioned(aws)
     publish(subscription.topic.name, {"n": 1})

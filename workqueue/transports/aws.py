@@ -1013,6 +1013,9 @@ class AwsTransport(BaseTransport):
             if message is None:
                 return False
             envelope = {**_envelope(message["Body"]), "replayed": True, "delivery_id": delivery_id}
+            # Attempts start again at 1 (a message SQS's redrive moved keeps the body a
+            # release wrote, with the attempts spent before it).
+            envelope.pop("attempts_before", None)
             params: dict[str, Any] = {
                 "QueueUrl": binding.queue_url,
                 "MessageBody": canonical_json(envelope),
@@ -1435,10 +1438,15 @@ class _dead_letter_scan:
 
 
 def _dead_letter_id(message: dict[str, Any]) -> str:
-    """The delivery id of a DLQ message: the one it had in the subscription's queue (SQS's
-    own redrive keeps the message id, so that is the fallback)."""
+    """The delivery id of a DLQ message: the one it had in the subscription's queue. The
+    receiver's own move names it in an attribute; a message SQS's redrive moved has none, and
+    keeps its body (a replayed or released one names its delivery there) and its SQS id."""
     found = message.get("MessageAttributes", {}).get(DELIVERY_ID_ATTRIBUTE, {})
-    return found.get("StringValue") or message["MessageId"]
+    return (
+        found.get("StringValue")
+        or _envelope(message["Body"]).get("delivery_id")
+        or message["MessageId"]
+    )
 
 
 def _delete_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
