@@ -20,7 +20,8 @@ from django.core.management import CommandError, call_command
 from django.urls import reverse
 from django.utils import timezone
 
-from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, TransportFactory
+from tests.support.api import post as rest_post
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import TopologyValidationError, UnsupportedByTransportError
@@ -737,6 +738,35 @@ def test_a_failed_send_releases_the_chosen_message_id(aws):
     transport_for("AWS").provision(aws, dry_run=False)
     # Not a conflict: nothing was sent under the id, so other content may take it.
     assert publish(topic.name, {"n": 2}, message_id=chosen).status == "Accepted"
+
+
+def test_the_rest_api_publishes_to_an_aws_topic_with_message_ids_as_on_the_database(aws, client):
+    subscription = provisioned(aws)
+    Topic.objects.filter(pk=subscription.topic.pk).update(allow_external_publish=True)
+    key = ApiKeyFactory(scopes=["workqueue:publish"])
+    chosen = str(uuid.uuid4())
+    body = {"messages": [{"messageId": chosen, "payload": {"n": 1}, "attributes": {"a": "1"}}]}
+
+    first = rest_post(client, subscription.topic.name, body, key=key)
+    again = rest_post(client, subscription.topic.name, body, key=key)
+    body["messages"][0]["payload"] = {"n": 2}
+    conflict = rest_post(client, subscription.topic.name, body, key=key)
+
+    assert [r.status_code for r in (first, again, conflict)] == [202, 202, 202]
+    assert [
+        (r["status"], r["messageId"], (r.get("error") or {}).get("code"))
+        for answer in (first, again, conflict)
+        for r in answer.json()["results"]
+    ] == [
+        ("Accepted", chosen, None),
+        ("Duplicate", chosen, None),
+        ("Rejected", None, "MessageIDConflict"),
+    ]
+    delivered = receive_all(receiver(subscription), 1)
+    assert [(d.message_id, d.payload, d.attributes) for d in delivered] == [
+        (chosen, {"n": 1}, {"a": "1"})
+    ]
+    assert receiver(subscription).receive(10).deliveries == []
 
 
 # -- operator surfaces on AWS subscriptions --------------------------------------------------
