@@ -812,6 +812,28 @@ def test_validate_bindings_and_health_report_aws_work_that_no_live_host_runs(aws
     ]
 
 
+def test_validate_bindings_warns_until_the_aws_resources_are_provisioned(aws):
+    subscription = SubscriptionFactory(topic=TopicFactory(transport=aws))
+
+    def provisioning_issues() -> list[tuple[str, str, str]]:
+        return [
+            (i.severity, i.subject, i.message)
+            for i in operations.validate_bindings("aws-test")
+            if "provision" in i.message and i.subject.startswith("transport")
+        ]
+
+    ((severity, subject, message),) = provisioning_issues()
+    assert (severity, subject) == ("Warning", "transport aws-test")
+    names = AwsNames.of(
+        aws.configuration["prefix"], subscription.topic.name, subscription.name, False
+    )
+    assert f"create sqs-queue {names.queue}" in message
+    assert "manage.py workqueue provision --transport aws-test" in message
+
+    transport_for("AWS").provision(aws, dry_run=False)
+    assert provisioning_issues() == []
+
+
 def dashboard_cells(html: str, subscription_name: str) -> dict[str, str]:
     """The dashboard's cells for one subscription, by class, as text (links kept as href)."""
     row = re.search(

@@ -661,6 +661,8 @@ def validate_bindings(
                     "The transport is disabled: publishes to its topics are rejected.",
                 )
             )
+        if transport_class is not None and tr.status == "Active":
+            issues.extend(_provisioning_issues(tr, transport_class, limited=visible is not None))
         for topic in tr.topics.order_by("name"):
             if topic.is_fifo and transport_class and not transport_class.honours_topic_is_fifo:
                 issues.append(
@@ -723,6 +725,41 @@ def validate_bindings(
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
+
+
+def _provisioning_issues(
+    row: Any, transport_class: type[BaseTransport], *, limited: bool
+) -> list[BindingIssue]:
+    """A warning when the transport's cloud resources are missing or differ from the topology
+    (a provisioning dry run; nothing for a transport with nothing to provision). A caller
+    limited to named subscriptions hears how many, not which: the names map the topology."""
+    subject = f"transport {row.name}"
+    command = f"`manage.py workqueue provision --transport {row.name}`"
+    try:
+        changes = [c for c in transport_class().provision(row, dry_run=True) if c.action != "keep"]
+    except (TransportUnavailableError, WorkQueueConfigurationError) as exc:
+        return [
+            BindingIssue(
+                "Warning",
+                subject,
+                f"Its resources could not be checked ({exc}); {command} --dry-run shows them.",
+            )
+        ]
+    if not changes:
+        return []
+    listed = (
+        f"{len(changes)} changes"
+        if limited
+        else "; ".join(f"{c.action} {c.kind} {c.name}" for c in changes)
+    )
+    return [
+        BindingIssue(
+            "Warning",
+            subject,
+            f"Its cloud resources do not match the topology ({listed}): publishes and claims "
+            f"fail or miss messages until you run {command}.",
+        )
+    ]
 
 
 def database_warnings(*, actor: Actor = CLI) -> list[str]:
