@@ -211,7 +211,12 @@ def publish_many(
         # trip for a Database topic, as before the transport seam; a topic of another
         # transport comes back as TOPIC_ON_OTHER_TRANSPORT and is handed to its own transport.
         transport = known.transport.transport_class() if known else directory_transport()
-        rows = _publish_on(transport, known or name, prepared, results, publisher, enlist, external)
+        # The ids the publisher chose: a transport that records ids outside the queue tables
+        # (to answer Duplicate / MessageIDConflict) records these only.
+        chosen = frozenset(p["message_id"] for i, p in prepared if items[i].message_id is not None)
+        rows = _publish_on(
+            transport, known or name, prepared, results, publisher, enlist, external, chosen
+        )
         if any(row["error_code"] == TOPIC_ON_OTHER_TRANSPORT for row in rows):
             found = _topic_row(name)
             if found is None:
@@ -227,6 +232,7 @@ def publish_many(
                     publisher,
                     enlist,
                     external,
+                    chosen,
                 )
         for (index, _), row in zip(prepared, rows, strict=True):
             if row is not None:
@@ -249,6 +255,7 @@ def _publish_on(
     publisher: str,
     enlist: bool,
     external: bool,
+    chosen_message_ids: frozenset[str],
 ) -> list[dict[str, Any] | None]:
     """Publish ``prepared`` through ``transport``: one row per prepared message, None where
     the transport lacks a capability the message asks for (its rejection then goes straight
@@ -266,7 +273,14 @@ def _publish_on(
         else:
             results[index] = _rejected(problem)
     sent = iter(
-        transport.publish(topic, sendable, publisher=publisher, enlist=enlist, external=external)
+        transport.publish(
+            topic,
+            sendable,
+            publisher=publisher,
+            enlist=enlist,
+            external=external,
+            chosen_message_ids=chosen_message_ids,
+        )
         if sendable
         else []
     )

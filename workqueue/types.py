@@ -202,7 +202,8 @@ class SubscriptionStats:
     dead_lettered: int
     blocked_keys: int | None
     oldest_pending_age_seconds: int | None
-    completed_last_hour: int
+    #: None when the transport keeps no history of completions (AWS).
+    completed_last_hour: int | None
     as_of: dt.datetime
     #: Deliveries started per second across every host at most (None: no limit).
     rate_limit_per_second: float | None = None

@@ -5,17 +5,24 @@ the seam, and the receiver's claim, heartbeat and settles with their fencing."""
 
 from __future__ import annotations
 
+import io
+import json
+import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.urls import reverse
+from django.utils import timezone
 
-from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, TransportFactory
+from tests.support.api import post as rest_post
+from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import TopologyValidationError, UnsupportedByTransportError
 from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
@@ -167,6 +174,36 @@ def test_subscription_filters_deliver_through_sns_filter_policies(aws):
         "present": ["eu", "ex", "us"],
         "anyof": ["us"],
     }
+
+
+def test_a_disabled_subscription_stops_receiving_from_sns_once_provisioned(aws):
+    subscription = provisioned(aws)
+    sibling = SubscriptionFactory(topic=subscription.topic)
+    transport_for("AWS").provision(aws, dry_run=False)
+    Subscription.objects.filter(pk=subscription.pk).update(status="Disabled")
+
+    changes = transport_for("AWS").provision(aws, dry_run=False)
+
+    assert [(c.action, c.kind, c.detail) for c in changes if c.action != "keep"] == [
+        ("update", "subscription", "FilterPolicy")
+    ]
+    publish(subscription.topic, {"n": 1})
+    assert [d.payload["n"] for d in receive_all(receiver(sibling), 1)] == [1]
+    # As on the Database transport, publishing fans out nothing more to it.
+    assert receiver(subscription).receive(10).deliveries == []
+
+    Subscription.objects.filter(pk=subscription.pk).update(status="Active")
+    transport_for("AWS").provision(aws, dry_run=False)
+    publish(subscription.topic, {"n": 2})
+    assert [d.payload["n"] for d in receive_all(receiver(subscription), 1)] == [2]
+
+
+def receive_all(subscription_receiver: AwsReceiver, count: int, timeout: float = 10) -> list[Any]:
+    found: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(found) < count and time.monotonic() < deadline:
+        found += subscription_receiver.receive(10).deliveries
+    return found
 
 
 # -- provisioning ----------------------------------------------------------------------------
@@ -371,6 +408,62 @@ def test_retry_then_dead_letter_keeps_the_reason_and_replay_resets_the_attempts(
     assert operations.list_dead_letters(subscription.name).items == []
 
 
+@pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])
+def test_a_release_gives_the_attempt_back_so_a_last_attempt_released_at_shutdown_runs(aws, fifo):
+    options = {"partition_mode": "Exclusive"} if fifo else {}
+    subscription = provisioned(aws, fifo=fifo, max_attempts=1, **options)
+    sent = publish(subscription.topic, {"n": 1}, partition_key="k-1")
+    holder = receiver(subscription)
+    first = receive_one(holder)
+
+    released = holder.release(first)  # a shutdown drain releases what it could not finish
+
+    assert (released.outcome, released.status) == (SettleOutcome.SETTLED, DeliveryStatus.PENDING)
+    again = receive_one(holder)
+    # Not dead-lettered as LeaseExpired: the release gave the only attempt back.
+    assert (again.message_id, again.delivery_id, again.attempt) == (
+        sent.message_id,
+        first.delivery_id,
+        1,
+    )
+    assert (again.payload, again.partition_key) == ({"n": 1}, "k-1")
+    # The attempts still count: received once more (here after a retry, which the executor
+    # would not make on a last attempt), it has none left.
+    assert holder.retry(again, delay_seconds=0).settled
+    assert holder.receive(1).expired_dead_letters[0].reason == "LeaseExpired"
+
+
+def test_a_replayed_released_copy_that_sqs_redrove_starts_again_at_attempt_1(aws):
+    subscription = provisioned(aws, max_attempts=3)
+    publish(subscription.topic, {"n": 1})
+    holder = receiver(subscription)
+    first = receive_one(holder)
+    assert holder.retry(first, 0, "boom").settled
+    second = receive_one(holder)
+    assert holder.release(second).settled  # the copy carries attempts_before=1
+    binding = QueueBinding.of(str(subscription.id))
+    # SQS's own redrive (the backstop) moves the copy's body as it is, attempts_before and all.
+    copy = binding.clients.sqs.receive_message(QueueUrl=binding.queue_url, WaitTimeSeconds=1)
+    (moved,) = copy["Messages"]
+    assert json.loads(moved["Body"])["attempts_before"] == 1
+    binding.clients.sqs.send_message(
+        QueueUrl=binding.dead_letter_queue_url, MessageBody=moved["Body"]
+    )
+    binding.clients.sqs.delete_message(
+        QueueUrl=binding.queue_url, ReceiptHandle=moved["ReceiptHandle"]
+    )
+
+    (item,) = operations.list_dead_letters(subscription.name).items
+    assert operations.replay(subscription.name, item.delivery_id).replayed
+
+    replayed = receive_one(holder)
+    assert (replayed.delivery_id, replayed.attempt, replayed.is_replay) == (
+        first.delivery_id,
+        1,
+        True,
+    )
+
+
 def test_a_dead_letter_can_be_discarded_by_id(aws):
     subscription = provisioned(aws)
     publish(subscription.topic.name, {"n": 1})
@@ -525,6 +618,390 @@ def test_a_failed_send_releases_the_deduplication_key(aws):
     assert not Deduplication.objects.filter(topic=topic, deduplication_key="order-1").exists()
     transport_for("AWS").provision(aws, dry_run=False)
     assert publish(topic.name, {"n": 1}, deduplication_key="order-1").status == "Accepted"
+
+
+# -- message ids through the Database ledger -------------------------------------------------
+
+
+def message_id_answers(topic: Topic) -> list[tuple[str, str | None, str | None]]:
+    """Publish one sequence of chosen message ids to ``topic`` and describe each result as
+    (status, which id it names, error code), ids named by their role so that two topics'
+    answers compare equal (a rejection names no id)."""
+    ids = {role: str(uuid.uuid4()) for role in ("one", "two", "three", "four")}
+    roles = {v: k for k, v in ids.items()}
+    results = [
+        *publish_many(
+            topic,
+            [
+                {
+                    "message_id": ids["one"],
+                    "payload": {"a": 1, "b": [1, 2]},
+                    "attributes": {"x": "1"},
+                },
+                # The same message, its JSON in another key order: a Duplicate.
+                {
+                    "message_id": ids["one"],
+                    "payload": {"b": [1, 2], "a": 1.0},
+                    "attributes": {"x": "1"},
+                },
+                # Another message under the same id: a conflict.
+                {"message_id": ids["one"], "payload": {"a": 2}, "attributes": {"x": "1"}},
+            ],
+        ),
+        publish(topic.name, {"a": 1, "b": [1, 2]}, attributes={"x": "1"}, message_id=ids["one"]),
+        publish(topic.name, {"a": 1, "b": [1, 2]}, message_id=ids["one"]),  # no attributes
+        publish(
+            topic.name,
+            {"a": 1, "b": [1, 2]},
+            attributes={"x": "1"},
+            message_id=ids["one"],
+            correlation_id="c-1",
+        ),
+        publish(topic, {"k": 1}, message_id=ids["two"], deduplication_key="order-1"),
+        # The key's owner answers first, whatever the id.
+        publish(topic, {"k": 2}, message_id=ids["three"], deduplication_key="order-1"),
+        # A new key with a conflicting id: rejected, and the key is left free ...
+        publish(topic, {"k": 3}, message_id=ids["two"], deduplication_key="order-2"),
+        # ... for the next message that brings it.
+        publish(topic, {"k": 4}, message_id=ids["four"], deduplication_key="order-2"),
+        *publish_many(
+            topic, [{"message_id": ids["two"], "payload": {"k": 1}, "deduplication_key": "order-3"}]
+        ),
+    ]
+    return [
+        (r.status, roles.get(r.message_id or "", r.message_id), r.error.code if r.error else None)
+        for r in results
+    ]
+
+
+def test_chosen_message_ids_answer_duplicate_and_conflict_as_on_the_database_transport(aws):
+    database_topic = SubscriptionFactory().topic
+    aws_topic = provisioned(aws).topic
+
+    expected = message_id_answers(database_topic)
+    answered = message_id_answers(aws_topic)
+
+    assert expected == [
+        ("Accepted", "one", None),
+        ("Duplicate", "one", None),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Duplicate", "one", None),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Accepted", "two", None),
+        ("Duplicate", "two", None),
+        ("Rejected", None, "MessageIDConflict"),
+        ("Accepted", "four", None),
+        ("Duplicate", "two", None),
+    ]
+    assert answered == expected
+
+
+def test_a_chosen_message_id_is_held_for_the_topic_retention_and_a_generated_one_costs_nothing(
+    aws,
+):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    chosen = str(uuid.uuid4())
+
+    generated = publish_many(topic, [{"payload": {"n": 1}}, {"payload": {"n": 2}}])
+    assert [r.status for r in generated] == ["Accepted", "Accepted"]
+    assert not Deduplication.objects.filter(topic=topic).exists()
+
+    assert publish(topic, {"n": 3}, message_id=chosen).status == "Accepted"
+    held = Deduplication.objects.get(topic=topic)
+    assert (held.deduplication_key, held.status) == (f" message-id:{chosen}", "Confirmed")
+    window = (held.expires_at - timezone.now()).total_seconds()
+    assert topic.retention_days * 86_400 - 60 < window <= topic.retention_days * 86_400
+    # A publisher's key never takes the ledger's form: keys are stripped.
+    same_text = publish(topic, {"n": 4}, deduplication_key=f" message-id:{chosen}")
+    assert same_text.status == "Accepted"
+    assert Deduplication.objects.filter(
+        topic=topic, deduplication_key=f"message-id:{chosen}"
+    ).exists()
+
+
+def test_a_failed_send_releases_the_chosen_message_id(aws):
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    settings = AwsSettings.parse(aws.configuration)
+    topic_arn = clients_for(settings).topic_arn(
+        AwsNames.of(settings.prefix, topic.name, "", False).topic
+    )
+    clients_for(settings).sns.delete_topic(TopicArn=topic_arn)  # SNS now refuses the publish
+    chosen = str(uuid.uuid4())
+
+    failed = publish(topic.name, {"n": 1}, message_id=chosen)
+
+    assert (failed.status, failed.error.code) == ("Rejected", "TransportUnavailable")
+    assert not Deduplication.objects.filter(topic=topic).exists()
+    transport_for("AWS").provision(aws, dry_run=False)
+    # Not a conflict: nothing was sent under the id, so other content may take it.
+    assert publish(topic.name, {"n": 2}, message_id=chosen).status == "Accepted"
+
+
+def test_the_rest_api_publishes_to_an_aws_topic_with_message_ids_as_on_the_database(aws, client):
+    subscription = provisioned(aws)
+    Topic.objects.filter(pk=subscription.topic.pk).update(allow_external_publish=True)
+    key = ApiKeyFactory(scopes=["workqueue:publish"])
+    chosen = str(uuid.uuid4())
+    body = {"messages": [{"messageId": chosen, "payload": {"n": 1}, "attributes": {"a": "1"}}]}
+
+    first = rest_post(client, subscription.topic.name, body, key=key)
+    again = rest_post(client, subscription.topic.name, body, key=key)
+    body["messages"][0]["payload"] = {"n": 2}
+    conflict = rest_post(client, subscription.topic.name, body, key=key)
+
+    assert [r.status_code for r in (first, again, conflict)] == [202, 202, 202]
+    assert [
+        (r["status"], r["messageId"], (r.get("error") or {}).get("code"))
+        for answer in (first, again, conflict)
+        for r in answer.json()["results"]
+    ] == [
+        ("Accepted", chosen, None),
+        ("Duplicate", chosen, None),
+        ("Rejected", None, "MessageIDConflict"),
+    ]
+    delivered = receive_all(receiver(subscription), 1)
+    assert [(d.message_id, d.payload, d.attributes) for d in delivered] == [
+        (chosen, {"n": 1}, {"a": "1"})
+    ]
+    assert receiver(subscription).receive(10).deliveries == []
+
+
+# -- operator surfaces on AWS subscriptions --------------------------------------------------
+
+
+def test_validate_bindings_and_health_report_aws_work_that_no_live_host_runs(aws, admin_client):
+    waiting = provisioned(aws)
+    idle = SubscriptionFactory(topic=TopicFactory(transport=aws))
+    transport_for("AWS").provision(aws, dry_run=False)
+    # Saved after provisioning: its queue does not exist, so its backlog cannot be read.
+    unprovisioned = SubscriptionFactory(topic=idle.topic)
+    assert [r.status for r in publish_many(waiting.topic, [{"payload": {"n": 1}}] * 2)] == [
+        "Accepted",
+        "Accepted",
+    ]
+    wait_until(lambda: transport_for("AWS").backlog(str(waiting.id)).claimable == 2)
+    missing_queue = AwsNames.of(
+        aws.configuration["prefix"], idle.topic.name, unprovisioned.name, False
+    ).queue
+
+    issues = {
+        (i.subject, i.message)
+        for i in operations.validate_bindings("aws-test")
+        if "due" in i.message or "backlog" in i.message
+    }
+
+    assert issues == {
+        (
+            f"subscription {waiting.name}",
+            "2 deliveries are due and no live host runs this subscription; they wait until one "
+            f"does. Start a host that runs it (`manage.py workqueue_host -s {waiting.name}`, or "
+            "'*' in WORKQUEUE['SUBSCRIPTIONS']), or pause the subscription.",
+        ),
+        (
+            f"subscription {unprovisioned.name}",
+            "Its backlog could not be read, so whether work waits for it is unknown: The SQS "
+            f"queue {missing_queue!r} does not exist: run `manage.py workqueue provision`.",
+        ),
+    }
+    health = admin_client.get("/work-queue/health").json()
+    assert [(s["name"], s["state"], s["reason"]) for s in health["subscriptions"]] == [
+        (waiting.name, "NotRunning", "No live host runs it; 2 deliveries are due.")
+    ]
+
+
+def test_validate_bindings_warns_until_the_aws_resources_are_provisioned(aws):
+    subscription = SubscriptionFactory(topic=TopicFactory(transport=aws))
+
+    def provisioning_issues() -> list[tuple[str, str, str]]:
+        return [
+            (i.severity, i.subject, i.message)
+            for i in operations.validate_bindings("aws-test")
+            if "provision" in i.message and i.subject.startswith("transport")
+        ]
+
+    ((severity, subject, message),) = provisioning_issues()
+    assert (severity, subject) == ("Warning", "transport aws-test")
+    names = AwsNames.of(
+        aws.configuration["prefix"], subscription.topic.name, subscription.name, False
+    )
+    assert f"create sqs-queue {names.queue}" in message
+    assert "manage.py workqueue provision --transport aws-test" in message
+
+    transport_for("AWS").provision(aws, dry_run=False)
+    assert provisioning_issues() == []
+
+
+def dashboard_cells(html: str, subscription_name: str) -> dict[str, str]:
+    """The dashboard's cells for one subscription, by class, as text (links kept as href)."""
+    row = re.search(
+        rf'<tr data-subscription="{re.escape(subscription_name)}">(.*?)</tr>', html, re.S
+    )
+    assert row is not None, f"no dashboard row for {subscription_name}"
+    cells = {}
+    for css, inner in re.findall(r'<td class="num ([a-z-]+)"[^>]*>(.*?)</td>', row.group(1), re.S):
+        link = re.search(r'href="([^"]+)"', inner)
+        cells[css] = re.sub(r"<[^>]+>", "", inner).strip() + (
+            f" -> {link.group(1)}" if link else ""
+        )
+    return cells
+
+
+def test_the_dashboard_shows_aws_subscriptions_from_their_queue_counts(aws, admin_client):
+    subscription = provisioned(aws)
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(3)])
+    holder = receiver(subscription)
+    poisoned = receive_one(holder)
+    assert holder.dead_letter(poisoned, "Poison", "bad input").settled
+    receive_one(holder)  # held: in flight
+
+    response = admin_client.get(reverse("admin:workqueue_dashboard"))
+
+    assert response.status_code == 200
+    assert dashboard_cells(response.content.decode(), subscription.name) == {
+        "pending": "1",
+        "in-flight": "1",
+        # Its dead letters are in SQS, not in the Delivery table: the link lists them there.
+        "dead-lettered": f"1 -> /work-queue/subscriptions/{subscription.name}/dead-letters",
+        "blocked-keys": "—",
+        "oldest-pending": "—",
+        # SQS keeps no history of completions: not known, rather than 0.
+        "completed": "—",
+    }
+    assert response.context["not_charted"] == [subscription.name]
+    listed = admin_client.get(f"/work-queue/subscriptions/{subscription.name}/dead-letters")
+    assert [i["deliveryId"] for i in listed.json()["items"]] == [poisoned.delivery_id]
+
+
+def test_operator_actions_the_aws_transport_cannot_do_are_refused_clearly_on_every_surface(
+    aws, admin_client
+):
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    base = f"/work-queue/subscriptions/{subscription.name}"
+
+    for method, path, body in (
+        ("get", f"{base}/partitions", None),
+        ("post", f"{base}/pending/discard", {"reason": "cleanup"}),
+    ):
+        answer = getattr(admin_client, method)(
+            path, *([] if body is None else [body]), content_type="application/json"
+        )
+        assert answer.status_code == 409, (path, answer.content)
+        assert answer.json()["capability"] in {
+            "supports_partition_listing",
+            "supports_bulk_discard_pending",
+        }
+
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = {
+        "action": "recover_dead_letters",
+        "_selected_action": [subscription.pk],
+        "operation": "discard_pending",
+        "note": "cleanup",
+    }
+    counted = admin_client.post(url, {**form, "post": "count"})
+    assert counted.status_code == 200
+    ((name, said),) = counted.context["counts"]
+    assert name == subscription.name
+    assert said.startswith("not supported: ") and "supports_bulk_discard_pending" in said
+    applied = admin_client.post(url, {**form, "post": "apply"}, follow=True)
+    assert applied.status_code == 200
+    (message,) = applied.context["messages"]
+    assert "supports_bulk_discard_pending" in str(message) and message.level_tag == "warning"
+
+
+def test_the_database_scaler_query_is_refused_for_an_aws_subscription_naming_its_queue(aws):
+    subscription = provisioned(aws)
+    queue = AwsNames.of(
+        aws.configuration["prefix"], subscription.topic.name, subscription.name, False
+    ).queue
+
+    # The query reads the queue tables, where an AWS subscription's messages never are: it
+    # would always answer 0 and an autoscaler would never start a job.
+    with pytest.raises(CommandError) as refused:
+        call_command("workqueue", "scaler-query", "-s", subscription.name)
+
+    said = str(refused.value)
+    assert "aws-sqs-queue" in said and repr(queue) in said
+    assert aws.configuration["region"] in said
+
+
+def test_retiring_an_aws_subscription_counts_its_queue_and_never_drops_messages_silently(aws):
+    subscription = provisioned(aws)
+    publish(subscription.topic, {"n": 1})
+    wait_until(lambda: transport_for("AWS").backlog(str(subscription.id)).claimable == 1)
+
+    def retire(*args: str) -> str:
+        out = io.StringIO()
+        call_command("workqueue", "retire-subscription", subscription.name, *args, stdout=out)
+        return out.getvalue()
+
+    # A message waits in its SQS queue: refused, as on the Database transport.
+    with pytest.raises(CommandError, match="1 Pending and 0 dead-lettered"):
+        retire()
+    # Discarding what waits would need the queue emptied by id: refused, naming the flag.
+    with pytest.raises(CommandError, match="supports_bulk_discard_pending"):
+        retire("--discard-pending")
+    assert Subscription.objects.get(pk=subscription.pk).status == "Active"
+
+    holder = receiver(subscription)
+    assert holder.complete(receive_one(holder)).settled
+    wait_until(
+        lambda: transport_for("AWS").subscription_stats(str(subscription.id))["pending"] == 0
+    )
+    said = retire()
+
+    assert not Subscription.objects.filter(pk=subscription.pk).exists()
+    assert "Deleted subscription" in said
+    # Provisioning never deletes: the operator is told what is left behind in AWS.
+    assert "not deleted" in said and "AWS" in said
+
+
+def workqueue_cli(*args: str) -> str:
+    out = io.StringIO()
+    call_command("workqueue", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def test_the_operator_cli_works_on_an_aws_subscription(aws):
+    subscription = provisioned(aws, max_attempts=1)
+    name = subscription.name
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(3)])
+    holder = receiver(subscription)
+    dead = [receive_one(holder) for _ in range(3)]
+    for delivery in dead:
+        assert holder.dead_letter(delivery, "Poison", "ValueError: bad input").settled
+
+    stats = json.loads(workqueue_cli("stats", "-s", name, "--json"))["subscriptions"][0]
+    assert (stats["pending"], stats["dead_lettered"], stats["completed_last_hour"]) == (0, 3, None)
+    assert "-" in workqueue_cli("stats", "-s", name).splitlines()[-1]
+    listed = json.loads(workqueue_cli("dead-letters", "-s", name, "--json"))["items"]
+    assert sorted(i["delivery_id"] for i in listed) == sorted(d.delivery_id for d in dead)
+    assert {i["reason"] for i in listed} == {"Poison"}
+
+    assert "Replayed" in workqueue_cli("replay", "-s", name, "--delivery", dead[0].delivery_id)
+    discarded = workqueue_cli(
+        "discard", "-s", name, "--delivery", dead[1].delivery_id, "--reason", "spam"
+    )
+    assert "Discarded" in discarded
+    counted = workqueue_cli(
+        "replay-dead-letters", "-s", name, "--error-contains", "bad input", "--dry-run"
+    )
+    assert "1 of 1" in counted
+    workqueue_cli("replay-dead-letters", "-s", name, "--error-contains", "bad input")
+    backlog = json.loads(workqueue_cli("backlog", "-s", name, "--json"))
+    assert backlog["claimable"] == 2
+    assert json.loads(workqueue_cli("dead-letters", "-s", name, "--json"))["items"] == []
+    replayed = receive_all(holder, 2)
+    assert sorted(d.delivery_id for d in replayed) == sorted(
+        [dead[0].delivery_id, dead[2].delivery_id]
+    )
+    assert all(d.attempt == 1 and d.is_replay for d in replayed)
+    metrics = workqueue_cli("metrics").splitlines()
+    assert f'workqueue_in_flight_deliveries{{subscription="{name}"}} 2.0' in metrics
+    assert f'workqueue_dead_lettered_deliveries{{subscription="{name}"}} 0.0' in metrics
 
 
 def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws, admin_client):

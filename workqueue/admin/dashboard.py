@@ -17,10 +17,10 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, path, reverse
+from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
 
-from workqueue.exceptions import PermissionDeniedError
+from workqueue.exceptions import PermissionDeniedError, WorkQueueConfigurationError
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.operators import operations
 from workqueue.operators.permissions import READ, Actor, require
@@ -184,17 +184,34 @@ def dashboard_context(request: HttpRequest, site_name: str) -> dict[str, Any]:
     actor = Actor(user=request.user)
     require(actor, READ)
     report = operations.subscription_stats(actor=actor)
-    ids = dict(Subscription.objects.values_list("name", "pk"))
+    rows_by_name = {
+        row.name: row for row in Subscription.objects.select_related("topic__transport")
+    }
     changelist = reverse(f"{site_name}:workqueue_delivery_changelist")
     rows = []
+    not_charted = []
     for stats in report.subscriptions:
-        query = f"?subscription__id__exact={ids.get(stats.subscription_name, '')}"
+        subscription = rows_by_name.get(stats.subscription_name)
+        if subscription is not None and _deliveries_in_database(subscription):
+            query = f"?subscription__id__exact={subscription.pk}"
+            deliveries_url = changelist + query
+            dead_letters_url = f"{changelist}{query}&status__exact=DeadLettered"
+        else:
+            # Its deliveries live in the transport (an SQS queue), not in the Delivery table:
+            # the subscription's page, and its dead letters as the operator API lists them.
+            not_charted.append(stats.subscription_name)
+            deliveries_url = (
+                reverse(f"{site_name}:workqueue_subscription_change", args=[subscription.pk])
+                if subscription is not None
+                else ""
+            )
+            dead_letters_url = _api_dead_letters_url(stats.subscription_name)
         rows.append(
             {
                 "stats": stats,
                 "oldest_pending_age": _age(stats.oldest_pending_age_seconds),
-                "deliveries_url": changelist + query,
-                "dead_letters_url": f"{changelist}{query}&status__exact=DeadLettered",
+                "deliveries_url": deliveries_url,
+                "dead_letters_url": dead_letters_url,
             }
         )
     return {
@@ -202,8 +219,26 @@ def dashboard_context(request: HttpRequest, site_name: str) -> dict[str, Any]:
         "failures": report.failures,
         "hosts": [_host(record) for record in HostRecord.objects.live()],
         "chart": chart(throughput()),
+        # The chart counts the Delivery table; these subscriptions' transports keep no
+        # history of completions there.
+        "not_charted": not_charted,
         "as_of": timezone.now(),
     }
+
+
+def _api_dead_letters_url(subscription_name: str) -> str:
+    """The operator API's dead-letter listing, or "" when the project does not mount the API."""
+    try:
+        return reverse("workqueue:dead_letters", kwargs={"name": subscription_name})
+    except NoReverseMatch:
+        return ""
+
+
+def _deliveries_in_database(subscription: Subscription) -> bool:
+    try:
+        return subscription.topic.transport.transport_class.keeps_deliveries_in_database
+    except WorkQueueConfigurationError:
+        return False  # an unregistered transport: validate-bindings reports it
 
 
 class DashboardMixin:

@@ -151,7 +151,9 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
                 )
         if not dry_run:
             summary = "; ".join(f"{name}: {text}" for name, text in results)
-            failed = any(text.startswith(("refused", "failed")) for _, text in results)
+            failed = any(
+                text.startswith(("refused", "failed", "not supported")) for _, text in results
+            )
             modeladmin.message_user(
                 request, summary, messages.WARNING if failed else messages.SUCCESS
             )

@@ -65,6 +65,9 @@ def health(request: HttpRequest) -> dict[str, Any]:
         for entry in entries:
             _merge(summary, entry)
     for unserved in operations.unserved_subscriptions(actor=actor):
+        if unserved.due is None:
+            # Its transport could not count the backlog: validate-bindings says why.
+            continue
         # Work is due and no live host runs the subscription (none lists it, or those that do
         # are not running it: they already report why). Nothing will process that work.
         summary.setdefault(

@@ -126,7 +126,10 @@ class SubscriptionStatsOut(_Out):
     dead_lettered: int
     blocked_keys: int | None
     oldest_pending_age_seconds: int | None
-    completed_last_hour: int
+    completed_last_hour: int | None = Field(
+        description="Deliveries completed in the last hour; null when the subscription's "
+        "transport keeps no history of completions (AWS)."
+    )
     as_of: dt.datetime
     rate_limit_per_second: float | None = Field(
         description="Most deliveries started per second across every host; null: no limit."

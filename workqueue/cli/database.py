@@ -127,10 +127,13 @@ class ScalerQueryVerb(Verb):
         parser.add_argument("-s", "--subscription", required=True)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.cli.operators import _operation_errors
         from workqueue.conf import get_settings
         from workqueue.driver import get_driver
+        from workqueue.operators import operations
 
         name = options["subscription"].strip().lower()
+        _operation_errors(lambda: operations.check_scaler_query(name))
         sql = get_driver(get_settings().DATABASE_ALIAS).scaler_query(name)
         if options["json"]:
             command.stdout.write(to_json({"subscription": name, "sql": sql}))

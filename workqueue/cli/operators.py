@@ -41,7 +41,7 @@ class StatsVerb(Verb):
                 s.dead_lettered,
                 "-" if s.blocked_keys is None else s.blocked_keys,
                 "-" if s.oldest_pending_age_seconds is None else s.oldest_pending_age_seconds,
-                s.completed_last_hour,
+                "-" if s.completed_last_hour is None else s.completed_last_hour,
                 "-" if s.rate_limit_per_second is None else f"{s.rate_limit_per_second:g}/s",
             )
             for s in report.subscriptions

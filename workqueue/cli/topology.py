@@ -103,7 +103,12 @@ class RetireSubscriptionVerb(Verb):
         )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
-        from workqueue.exceptions import InvalidInputError, NotFoundError
+        from workqueue.exceptions import (
+            InvalidInputError,
+            NotFoundError,
+            TransportUnavailableError,
+            UnsupportedByTransportError,
+        )
         from workqueue.operators.retire import RetireRefusedError, retire_subscription
 
         if options["wait_seconds"] < 0:
@@ -117,7 +122,13 @@ class RetireSubscriptionVerb(Verb):
                 wait_seconds=options["wait_seconds"],
                 say=say,
             )
-        except (RetireRefusedError, NotFoundError, InvalidInputError) as exc:
+        except (
+            RetireRefusedError,
+            NotFoundError,
+            InvalidInputError,
+            UnsupportedByTransportError,
+            TransportUnavailableError,
+        ) as exc:
             raise CommandError(str(exc)) from exc
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(report)))

@@ -18,6 +18,7 @@ from workqueue.conf import get_settings
 from workqueue.exceptions import (
     InvalidInputError,
     NotFoundError,
+    TransportUnavailableError,
     UnsupportedByTransportError,
     WorkQueueConfigurationError,
     WorkQueueError,
@@ -111,8 +112,10 @@ class BindingIssue:
 @dataclass(frozen=True, slots=True)
 class UnservedSubscription:
     name: str
-    #: Deliveries that could be claimed now (at most transport.BACKLOG_CAP).
-    due: int
+    #: Deliveries that could be claimed now (at most transport.BACKLOG_CAP); None when the
+    #: subscription's transport could not count them (``problem`` says why).
+    due: int | None
+    problem: str | None = None
 
 
 # -- input rules ---------------------------------------------------------------------------
@@ -585,6 +588,28 @@ def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
     return BacklogReport(True, result.claimable, result.in_flight, result.total, result.capped)
 
 
+def check_scaler_query(subscription_name: str) -> None:
+    """Refuse (``UnsupportedByTransportError``) the database scaler query for a subscription
+    whose transport keeps its deliveries elsewhere: the query would always answer 0, so an
+    autoscaler would never start a job. The refusal names what to scale on instead. A name
+    no subscription has, or a database that cannot be reached, is left alone: the query is
+    made from the name, and printing it needs no connection."""
+    from django.db import Error as DatabaseError
+
+    from workqueue.models import Subscription
+
+    name = _name(subscription_name)
+    try:
+        found = Subscription.objects.select_related("topic__transport").filter(name=name).first()
+    except DatabaseError:  # any database library error, a connection refused included
+        return
+    if found is None:
+        return
+    refusal = _transport_of(found).scaler_query_refusal(found)
+    if refusal is not None:
+        raise UnsupportedByTransportError(refusal, "keeps_deliveries_in_database")
+
+
 def validate_bindings(
     transport_name: str | None = None, *, actor: Actor = CLI
 ) -> list[BindingIssue]:
@@ -636,6 +661,8 @@ def validate_bindings(
                     "The transport is disabled: publishes to its topics are rejected.",
                 )
             )
+        if transport_class is not None and tr.status == "Active":
+            issues.extend(_provisioning_issues(tr, transport_class, limited=visible is not None))
         for topic in tr.topics.order_by("name"):
             if topic.is_fifo and transport_class and not transport_class.honours_topic_is_fifo:
                 issues.append(
@@ -675,7 +702,16 @@ def validate_bindings(
                     )
                 )
     for unserved in unserved_subscriptions(actor=actor):
-        if unserved.name in in_scope:
+        if unserved.name in in_scope and unserved.due is None:
+            issues.append(
+                BindingIssue(
+                    "Warning",
+                    f"subscription {unserved.name}",
+                    "Its backlog could not be read, so whether work waits for it is unknown: "
+                    f"{unserved.problem}",
+                )
+            )
+        elif unserved.name in in_scope:
             issues.append(
                 BindingIssue(
                     "Warning",
@@ -689,6 +725,41 @@ def validate_bindings(
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
+
+
+def _provisioning_issues(
+    row: Any, transport_class: type[BaseTransport], *, limited: bool
+) -> list[BindingIssue]:
+    """A warning when the transport's cloud resources are missing or differ from the topology
+    (a provisioning dry run; nothing for a transport with nothing to provision). A caller
+    limited to named subscriptions hears how many, not which: the names map the topology."""
+    subject = f"transport {row.name}"
+    command = f"`manage.py workqueue provision --transport {row.name}`"
+    try:
+        changes = [c for c in transport_class().provision(row, dry_run=True) if c.action != "keep"]
+    except (TransportUnavailableError, WorkQueueConfigurationError) as exc:
+        return [
+            BindingIssue(
+                "Warning",
+                subject,
+                f"Its resources could not be checked ({exc}); {command} --dry-run shows them.",
+            )
+        ]
+    if not changes:
+        return []
+    listed = (
+        f"{len(changes)} changes"
+        if limited
+        else "; ".join(f"{c.action} {c.kind} {c.name}" for c in changes)
+    )
+    return [
+        BindingIssue(
+            "Warning",
+            subject,
+            f"Its cloud resources do not match the topology ({listed}): publishes and claims "
+            f"fail or miss messages until you run {command}.",
+        )
+    ]
 
 
 def database_warnings(*, actor: Actor = CLI) -> list[str]:
@@ -749,7 +820,11 @@ def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
     """Subscriptions with deliveries due now that no live host is running: nothing will process
     that work until a host runs them. Only subscriptions meant to run count: Active, with an
     Active topic and transport, consumed by work-queue hosts (Paused and Disabled ones are
-    left out). A caller limited to named subscriptions hears only about those."""
+    left out). A caller limited to named subscriptions hears only about those.
+
+    Each candidate's own transport counts its backlog (the queue tables, or a cloud queue's
+    attributes); one whose transport cannot be reached or is misconfigured is listed with
+    ``due`` None and the ``problem``, since work may be waiting there unseen."""
     from workqueue.models import HostRecord, Subscription
 
     require(actor, READ)
@@ -760,21 +835,34 @@ def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
             for entry in entries or []
             if isinstance(entry, dict) and entry.get("state") == "Running"
         )
-    candidates = Subscription.objects.filter(
-        status="Active",
-        host_type="Worker",
-        topic__status="Active",
-        topic__transport__status="Active",
-    ).exclude(name__in=running)
+    candidates = (
+        Subscription.objects.select_related("topic__transport")
+        .filter(
+            status="Active",
+            host_type="Worker",
+            topic__status="Active",
+            topic__transport__status="Active",
+        )
+        .exclude(name__in=running)
+    )
     if actor.subscriptions:
         candidates = candidates.filter(name__in=actor.subscriptions)
     unserved = []
-    for subscription_id, name in candidates.order_by("name").values_list("id", "name"):
-        # One wq_backlog probe each: it counts what a claim could take now (one per key on
-        # partitioned subscriptions) along index paths, whatever the size of the backlog.
-        counted = transport.backlog(str(subscription_id))
+    for subscription in candidates.order_by("name"):
+        # One probe each: on the Database transport wq_backlog, which counts what a claim
+        # could take now (one per key on partitioned subscriptions) along index paths,
+        # whatever the size of the backlog; on a cloud transport the queue's counts.
+        try:
+            counted = _transport_of(subscription).backlog(str(subscription.id))
+        except (
+            TransportUnavailableError,
+            UnsupportedByTransportError,
+            WorkQueueConfigurationError,
+        ) as exc:
+            unserved.append(UnservedSubscription(subscription.name, None, str(exc)))
+            continue
         if counted is not None and counted.claimable:
-            unserved.append(UnservedSubscription(name, counted.claimable))
+            unserved.append(UnservedSubscription(subscription.name, counted.claimable))
     return unserved
 
 

@@ -19,8 +19,9 @@ from django.db.models import Count, ProtectedError
 
 from workqueue import transport
 from workqueue.exceptions import WorkQueueError
-from workqueue.operators.operations import _name, _subscription
+from workqueue.operators.operations import _name, _subscription, _transport_of
 from workqueue.operators.permissions import CLI, OPERATE, Actor, require
+from workqueue.transports import BaseTransport
 from workqueue.types import DeliveryStatus, SubscriptionStatus
 
 BATCH_SIZE = 1000
@@ -61,6 +62,9 @@ def retire_subscription(
     name = _name(name)
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
+    found = _transport_of(subscription)
+    if not found.keeps_deliveries_in_database:
+        return _retire_elsewhere(subscription, found, dry_run, discard_pending, say)
     before = _counts(subscription)
     waiting = before[DeliveryStatus.PENDING] + before[DeliveryStatus.DEAD_LETTERED]
     if waiting and not discard_pending:
@@ -118,6 +122,56 @@ def retire_subscription(
     return RetireReport(name, dry_run, before, disabled, discarded, purged, deleted=True)
 
 
+def _retire_elsewhere(
+    subscription: Any,
+    found: BaseTransport,
+    dry_run: bool,
+    discard_pending: bool,
+    say: Callable[[str], None],
+) -> RetireReport:
+    """Retire a subscription whose deliveries live in its transport (an SQS queue): counted
+    there, refused while anything waits or runs (nothing is discarded: the transport cannot
+    discard waiting work in bulk), then disabled and deleted. Its cloud resources stay, as
+    provisioning never deletes; the operator is told."""
+    name = subscription.name
+    if discard_pending:
+        found.require(
+            "supports_bulk_discard_pending",
+            "Discarding the waiting deliveries of a retired subscription",
+            subscription.topic.transport.name,
+        )
+    stats = found.subscription_stats(str(subscription.id)) or {}
+    before = dict.fromkeys(DeliveryStatus.values, 0)
+    before[DeliveryStatus.PENDING] = stats.get("pending") or 0
+    before[DeliveryStatus.IN_FLIGHT] = stats.get("in_flight") or 0
+    before[DeliveryStatus.DEAD_LETTERED] = stats.get("dead_lettered") or 0
+    if before[DeliveryStatus.PENDING] + before[DeliveryStatus.DEAD_LETTERED]:
+        raise RetireRefusedError(_waiting_advice(name, before, can_discard=False))
+    if before[DeliveryStatus.IN_FLIGHT]:
+        raise RetireRefusedError(
+            f"{before[DeliveryStatus.IN_FLIGHT]} deliveries of {name} are running. Run the "
+            "command again once they finish (`manage.py workqueue backlog -s NAME` shows them)."
+        )
+    left = (
+        f"Its resources on the {found.name} transport are not deleted (provisioning never "
+        "deletes, and messages published meanwhile still arrive there): remove them in "
+        f"{found.name} once nothing publishes to them."
+    )
+    if dry_run:
+        if subscription.status != SubscriptionStatus.DISABLED:
+            say(f"Would disable {name}.")
+        say(f"Would delete subscription {name}. {left} Dry run: nothing was changed.")
+        return RetireReport(name, dry_run, before)
+    disabled = subscription.status != SubscriptionStatus.DISABLED
+    if disabled:
+        subscription.status = SubscriptionStatus.DISABLED
+        subscription.save(update_fields=["status"])
+        say(f"Disabled {name}: hosts stop receiving it at their next re-plan.")
+    subscription.delete()
+    say(f"Deleted subscription {name}. {left}")
+    return RetireReport(name, dry_run, before, disabled, deleted=True)
+
+
 def _counts(subscription: Any) -> dict[str, int]:
     from workqueue.models import Delivery
 
@@ -139,13 +193,17 @@ def _drain(step: Callable[[], int]) -> int:
     return total
 
 
-def _waiting_advice(name: str, counts: dict[str, int]) -> str:
+def _waiting_advice(name: str, counts: dict[str, int], *, can_discard: bool = True) -> str:
     return (
         f"{name} has {counts[DeliveryStatus.PENDING]} Pending and "
         f"{counts[DeliveryStatus.DEAD_LETTERED]} dead-lettered deliveries. To finish them, leave "
         "it Active, stop what publishes to it, let hosts drain it (`manage.py workqueue backlog "
-        f"-s {name}` reaches 0), replay or discard its dead letters, then retire it; or pass "
-        "--discard-pending to discard them (recorded as Discarded by you)."
+        f"-s {name}` reaches 0), replay or discard its dead letters, then retire it"
+        + (
+            "; or pass --discard-pending to discard them (recorded as Discarded by you)."
+            if can_discard
+            else "."
+        )
     )
 
 

@@ -21,8 +21,10 @@ calling SQS. That is weaker than the Database transport's fencing in one place: 
 between that check and SQS's answer (a stop-the-world pause longer than the safety margin) can
 still settle a message another consumer has received since.
 
-Deduplication keys use the Database ledger: the key is reserved (``wq_reserve_deduplication``),
-the message is sent, then the key is confirmed, or released when sending failed.
+Deduplication keys, and message ids the publisher chose, use the Database ledger
+(``workqueue.transports.ledger``): reserved before the message is sent, then confirmed, or
+released when sending failed, so Duplicate and MessageIDConflict answer as on the Database
+transport.
 
 Dead letters are moved by the receiver itself (sent to the DLQ with the reason and error as
 message attributes, then deleted), so the reason is kept; the queue's redrive policy, at one
@@ -37,11 +39,11 @@ import math
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from workqueue import transport as procedures
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import (
     TransportUnavailableError,
@@ -52,6 +54,7 @@ from workqueue.filters import AnyOf, AttributeFilter, FilterError, Operator, par
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.transport import new_instance_id
 from workqueue.transports.base import BaseTransport, ProvisionChange
+from workqueue.transports.ledger import FOLLOWS, PublishLedger
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -68,6 +71,7 @@ from workqueue.types import (
     PublishStatus,
     SettleOutcome,
     SettleResult,
+    SubscriptionStatus,
 )
 
 if TYPE_CHECKING:
@@ -197,6 +201,11 @@ class AwsNames:
 
 
 # -- filters -------------------------------------------------------------------------------
+
+#: The filter policy of a Disabled subscription: it asks for a message attribute no message
+#: has (publishers may not use the ``wq_`` prefix), so SNS delivers nothing more to its queue,
+#: as publishing fans out nothing more to a Disabled subscription on the Database transport.
+DISABLED_FILTER_POLICY: dict[str, list[Any]] = {"wq_disabled": [{"exists": True}]}
 
 
 def filter_policy(attribute_filter: AttributeFilter | None) -> dict[str, list[Any]] | None:
@@ -498,7 +507,10 @@ class AwsReceiver:
             subscription_id=self.subscription_id,
             lease_token=message["ReceiptHandle"],
             lease_expires_at=_now() + dt.timedelta(seconds=self.binding.lease_seconds),
-            attempt=int(system.get("ApproximateReceiveCount", "1")),
+            # Receives of this SQS message, plus the attempts its released predecessors spent
+            # (a release sends the message again: see AwsReceiver.release).
+            attempt=int(system.get("ApproximateReceiveCount", "1"))
+            + int(envelope.get("attempts_before") or 0),
             is_replay=bool(envelope.get("replayed")),
             message_id=envelope.get("message_id") or message["MessageId"],
             topic_id=envelope.get("topic_id", ""),
@@ -637,11 +649,24 @@ class AwsReceiver:
         )
 
     def release(self, delivery: ClaimedDelivery) -> SettleResult:
-        """Make the message visible again at once. SQS counts the receive all the same, so a
-        released delivery has spent an attempt (the Database transport refunds it)."""
-        return self._settle(
-            delivery, DeliveryStatus.PENDING, lambda: self._set_visibility(delivery, 0)
-        )
+        """Give the message back at once, and its attempt with it, as the Database transport
+        does. SQS counts every receive (making the message visible again would spend the
+        attempt, and on a last attempt have it dead-lettered as LeaseExpired without running),
+        so the message is sent to the queue again as a new SQS message whose envelope carries
+        the attempts spent before this one, then the received one is deleted. When that send
+        fails the message is made visible instead (the attempt stays spent); a failure between
+        the send and the delete leaves both copies (at least once, never none). On a FIFO
+        queue the copy goes behind the messages its partition key already has waiting."""
+
+        def give_back() -> None:
+            try:
+                send_released_copy(self.binding, delivery)
+            except TransportUnavailableError:
+                self._set_visibility(delivery, 0)
+                return
+            self._delete(delivery)
+
+        return self._settle(delivery, DeliveryStatus.PENDING, give_back)
 
     def dead_letter(
         self, delivery: ClaimedDelivery, reason: str, error: str | None = None
@@ -685,6 +710,30 @@ def send_dead_letter(
     if binding.fifo:
         params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
         params["MessageDeduplicationId"] = f"{delivery.delivery_id}-{delivery.attempt}"
+    _call(binding.clients.sqs.send_message, **params)
+
+
+def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None:
+    """Put a released delivery's message back on its queue as a new SQS message: same
+    delivery id, its receive count starting again, the attempts spent before this one kept
+    in the envelope (``attempts_before``), so the next receive is this same attempt again."""
+    envelope = {
+        **_envelope_of(delivery),
+        "delivery_id": delivery.delivery_id,
+        "replayed": delivery.is_replay,
+        "attempts_before": delivery.attempt - 1,
+    }
+    params: dict[str, Any] = {
+        "QueueUrl": binding.queue_url,
+        "MessageBody": canonical_json(envelope),
+        "MessageAttributes": _string_attributes(delivery.attributes or {}),
+    }
+    if not params["MessageAttributes"]:
+        del params["MessageAttributes"]
+    if binding.fifo:
+        params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
+        # A new id per release: SQS FIFO drops a repeated one for 5 minutes.
+        params["MessageDeduplicationId"] = f"release-{uuid.uuid4().hex}"
     _call(binding.clients.sqs.send_message, **params)
 
 
@@ -748,11 +797,6 @@ class AwsTransport(BaseTransport):
     supports_bulk_discard_pending = False
 
     conformance_traits: ClassVar[dict[str, Any]] = {
-        # SQS counts every receive, a released one too.
-        "release_consumes_attempt": True,
-        # A re-publish of a message id is a new SQS message (SNS FIFO drops one only within
-        # its 5-minute deduplication window).
-        "detects_message_id_duplicates": False,
         # SQS keeps no history of deleted messages.
         "completed_counts": False,
         # A message waiting in SQS cannot be picked out by id.
@@ -820,9 +864,13 @@ class AwsTransport(BaseTransport):
         publisher: str,
         enlist: bool,
         external: bool,
+        chosen_message_ids: frozenset[str] = frozenset(),
     ) -> list[dict[str, Any]]:
         """SNS Publish (PublishBatch for several, ten to a call) of each message's envelope,
-        its attributes as message attributes; the message ids are ours."""
+        its attributes as message attributes; the message ids are ours. Deduplication keys and
+        the message ids in ``chosen_message_ids`` go through the Database ledger first
+        (``workqueue.transports.ledger``), so Duplicate and MessageIDConflict answer as on the
+        Database transport."""
         refusal = _topic_refusal(topic, external)
         if refusal is not None:
             return [_row(m["message_id"], PublishStatus.REJECTED, refusal) for m in messages]
@@ -833,10 +881,7 @@ class AwsTransport(BaseTransport):
         )
         rows: list[dict[str, Any] | None] = [None] * len(messages)
         entries: list[tuple[int, dict[str, Any]]] = []
-        # A key a message earlier in this call reserved: the later message is its Duplicate
-        # once the earlier one is sent, as in wq_publish_many's in-order batch.
-        reserved_keys: dict[str, int] = {}
-        later_duplicates: list[tuple[int, int]] = []
+        ledger = PublishLedger(topic, chosen_message_ids)
         published_at = _now().isoformat()
         for index, message in enumerate(messages):
             entry, size = _sns_entry(topic, message, publisher, published_at)
@@ -850,34 +895,15 @@ class AwsTransport(BaseTransport):
                     "elsewhere and publish a claim-check reference instead (payload_ref).",
                 )
                 continue
-            key = message["deduplication_key"]
-            if key is not None and key in reserved_keys:
-                later_duplicates.append((index, reserved_keys[key]))
-                continue
-            if key is not None:
-                refusal_row = _reserve(topic.name, message)
-                if refusal_row is not None:
-                    rows[index] = refusal_row
-                    continue
-                reserved_keys[key] = index
-            entries.append((index, entry))
+            admitted = ledger.admit(index, message)
+            if admitted is None:
+                entries.append((index, entry))
+            elif admitted is not FOLLOWS:
+                rows[index] = admitted  # type: ignore[assignment]
         for index, outcome in _publish_entries(clients, topic_arn, entries):
-            message = messages[index]
-            if message["deduplication_key"] is not None:
-                _settle_reservation(topic.name, message, sent=outcome[0] == PublishStatus.ACCEPTED)
-            rows[index] = _row(message["message_id"], *outcome)
-        for index, owner in later_duplicates:
-            owner_row = rows[owner]
-            assert owner_row is not None
-            rows[index] = (
-                _row(owner_row["message_id"], PublishStatus.DUPLICATE)
-                if owner_row["status"] == PublishStatus.ACCEPTED
-                else _row(
-                    messages[index]["message_id"],
-                    PublishStatus.REJECTED,
-                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                )
-            )
+            ledger.settle(index, messages[index], sent=outcome[0] == PublishStatus.ACCEPTED)
+            rows[index] = _row(messages[index]["message_id"], *outcome)
+        ledger.follow_up(rows, messages)
         return [row for row in rows if row is not None]
 
     # -- provisioning -----------------------------------------------------------------------
@@ -900,6 +926,20 @@ class AwsTransport(BaseTransport):
                 provisioner.subscription(topic, subscription, names, topic_arn)
         return provisioner.changes
 
+    # -- autoscaling ------------------------------------------------------------------------
+
+    def scaler_query_refusal(self, subscription: Any) -> str | None:
+        topic = subscription.topic
+        settings = AwsSettings.parse(topic.transport.configuration)
+        queue = AwsNames.of(settings.prefix, topic.name, subscription.name, topic.is_fifo).queue
+        return (
+            f"Subscription {subscription.name!r} is on the AWS transport: its messages wait in "
+            f"the SQS queue {queue!r} (region {settings.region}), not in this database, so the "
+            "scaler query would always answer 0. Scale `workqueue_work --once` jobs with "
+            f"KEDA's aws-sqs-queue scaler on that queue (queueURL: {queue}, awsRegion: "
+            f"{settings.region}); see the README's AWS transport section."
+        )
+
     # -- consuming --------------------------------------------------------------------------
 
     def receiver(self, subscription_id: str, lease_owner: str | None = None) -> AwsReceiver:
@@ -909,7 +949,7 @@ class AwsTransport(BaseTransport):
 
     def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
         """Counts from the queues' approximate attributes. SQS keeps no history: completions
-        of the last hour and the oldest message's age are not known (reported as 0 and None)."""
+        of the last hour and the oldest message's age are not known (reported as None)."""
         binding = QueueBinding.of(subscription_id)
         queue = _queue_counts(binding, binding.names.queue)
         dead = _queue_counts(binding, binding.names.dead_letter_queue)
@@ -921,7 +961,7 @@ class AwsTransport(BaseTransport):
             + dead["ApproximateNumberOfMessagesNotVisible"],
             "blocked_keys": None,
             "oldest_pending_age_seconds": None,
-            "completed_last_hour": 0,
+            "completed_last_hour": None,
             "as_of": _now(),
         }
 
@@ -973,6 +1013,9 @@ class AwsTransport(BaseTransport):
             if message is None:
                 return False
             envelope = {**_envelope(message["Body"]), "replayed": True, "delivery_id": delivery_id}
+            # Attempts start again at 1 (a message SQS's redrive moved keeps the body a
+            # release wrote, with the attempts spent before it).
+            envelope.pop("attempts_before", None)
             params: dict[str, Any] = {
                 "QueueUrl": binding.queue_url,
                 "MessageBody": canonical_json(envelope),
@@ -1043,36 +1086,6 @@ def _row(
     if error_message:
         row["error_message"] = error_message
     return row
-
-
-def _reserve(topic_name: str, message: dict[str, Any]) -> dict[str, Any] | None:
-    """Reserve the message's deduplication key in the Database ledger; None when reserved,
-    else the message's result row (Duplicate naming the owner, or a rejection)."""
-    status, owner = procedures.reserve_deduplication(
-        topic_name, message["deduplication_key"], message["message_id"]
-    )
-    if status == "Reserved":
-        return None
-    if status == "Duplicate" and owner is not None:
-        return _row(owner, PublishStatus.DUPLICATE)
-    if status == "TopicNotFound":
-        return _row(message["message_id"], PublishStatus.REJECTED, PublishErrorCode.TOPIC_NOT_FOUND)
-    return _row(
-        message["message_id"], PublishStatus.REJECTED, PublishErrorCode.DEDUPLICATION_PENDING
-    )
-
-
-def _settle_reservation(topic_name: str, message: dict[str, Any], *, sent: bool) -> None:
-    """Confirm the key of a sent message (for its TTL), or release it when sending failed. A
-    confirmation can find the reservation gone (it lapsed after 120 s and another publish took
-    the key): the message is out all the same, so both were sent."""
-    key, message_id = message["deduplication_key"], message["message_id"]
-    if sent:
-        procedures.confirm_deduplication(
-            topic_name, key, message_id, message["deduplication_ttl_seconds"]
-        )
-    else:
-        procedures.release_deduplication(topic_name, key, message_id)
 
 
 def _topic_refusal(topic: Any, external: bool) -> str | None:
@@ -1272,7 +1285,11 @@ class _Provisioner:
         self, subscription: Any, names: AwsNames, topic_arn: str, queue_arn: str
     ) -> None:
         sns = self.clients.sns
-        policy = filter_policy(parse_filter(subscription.filter))
+        policy = (
+            DISABLED_FILTER_POLICY
+            if subscription.status == SubscriptionStatus.DISABLED
+            else filter_policy(parse_filter(subscription.filter))
+        )
         wanted = {
             "RawMessageDelivery": "true",
             "FilterPolicy": json.dumps(policy, sort_keys=True) if policy else "",
@@ -1421,10 +1438,15 @@ class _dead_letter_scan:
 
 
 def _dead_letter_id(message: dict[str, Any]) -> str:
-    """The delivery id of a DLQ message: the one it had in the subscription's queue (SQS's
-    own redrive keeps the message id, so that is the fallback)."""
+    """The delivery id of a DLQ message: the one it had in the subscription's queue. The
+    receiver's own move names it in an attribute; a message SQS's redrive moved has none, and
+    keeps its body (a replayed or released one names its delivery there) and its SQS id."""
     found = message.get("MessageAttributes", {}).get(DELIVERY_ID_ATTRIBUTE, {})
-    return found.get("StringValue") or message["MessageId"]
+    return (
+        found.get("StringValue")
+        or _envelope(message["Body"]).get("delivery_id")
+        or message["MessageId"]
+    )
 
 
 def _delete_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:

@@ -133,6 +133,10 @@ class BaseTransport:
     #: (``workqueue.testing.conformance.TransportTraits`` fields and their values).
     conformance_traits: ClassVar[dict[str, Any]] = {}
 
+    #: Its deliveries are rows of this database's queue tables, so the admin's Delivery pages
+    #: list them (otherwise operators reach them through the operator API and CLI).
+    keeps_deliveries_in_database: ClassVar[bool] = False
+
     #: ``Topic.is_fifo`` chooses the kind of resource a topic gets (not a capability: on a
     #: transport without that choice the field simply has no effect).
     honours_topic_is_fifo: ClassVar[bool] = False
@@ -217,11 +221,31 @@ class BaseTransport:
         publisher: str,
         enlist: bool,
         external: bool,
+        chosen_message_ids: frozenset[str] = frozenset(),
     ) -> list[dict[str, Any]]:
         """Publish validated messages (``workqueue.publishing``'s parameters for each) to
         ``topic`` (a ``Topic`` row of this transport); one row per message, in order, with
-        ``message_id``, ``status``, ``error_code`` and optionally ``error_message``."""
+        ``message_id``, ``status``, ``error_code`` and optionally ``error_message``.
+
+        ``chosen_message_ids`` are the ids the publisher gave; the others were generated for
+        this call and are new by construction (a transport that must record ids to answer
+        Duplicate / MessageIDConflict need only record these)."""
         raise NotImplementedError
+
+    # -- autoscaling ---------------------------------------------------------------------------
+
+    def scaler_query_refusal(self, subscription: Any) -> str | None:
+        """Why the database scaler query (``manage.py workqueue scaler-query``) cannot measure
+        ``subscription``'s backlog, naming what an autoscaler should read instead; None when
+        it can. The query reads the queue tables, so it measures only transports that keep
+        their deliveries there."""
+        if self.keeps_deliveries_in_database:
+            return None
+        return (
+            f"Subscription {subscription.name!r} is on the {self.name} transport, whose "
+            "deliveries are not in this database: the scaler query would always answer 0. "
+            "Scale on the transport's own queue instead."
+        )
 
     # -- provisioning --------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ class DatabaseTransport(BaseTransport):
     supports_cancel = True
     supports_partition_listing = True
     supports_bulk_discard_pending = True
+    keeps_deliveries_in_database = True
 
     def publish(
         self,
@@ -45,6 +46,7 @@ class DatabaseTransport(BaseTransport):
         publisher: str,
         enlist: bool,
         external: bool,
+        chosen_message_ids: frozenset[str] = frozenset(),
     ) -> list[dict[str, Any]]:
         # ``topic`` is a name or a Topic: the procedures look the topic up themselves.
         name = topic if isinstance(topic, str) else topic.name
