@@ -26,7 +26,7 @@ from django_tasks.signals import task_enqueued, task_finished, task_started
 from tests.support.waiting import wait_until
 from tests.task_functions import add, always_fails, returns_a_tuple
 from workqueue.driver import get_driver
-from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic
+from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
@@ -303,3 +303,20 @@ def test_a_first_run_that_finds_an_earlier_runs_record_adds_to_it(in_transaction
 
     assert again.worker_ids == ["host-a", "host-b"]
     assert again.started_at == first.started_at <= again.last_attempted_at
+
+
+def test_a_queue_whose_topic_was_bound_to_another_transport_is_refused_naming_the_fix():
+    # An operator moved the queue's topic to the AWS transport: the tasks would run there, but
+    # their results are read from this database's deliveries and would never be found.
+    aws = Transport.objects.create(
+        name="aws-tasks", driver_class="AWS", configuration={"region": "eu-west-1"}
+    )
+    Topic.objects.create(name="tasks.elsewhere", transport=aws)
+    backend = WorkQueueBackend("elsewhere", {"QUEUES": ["elsewhere"]})
+
+    with pytest.raises(TaskEnqueueError) as refused:
+        backend.ensure_queue("elsewhere")
+
+    assert "'aws-tasks'" in str(refused.value) and "Database transport" in str(refused.value)
+    assert not Subscription.objects.filter(name="tasks.elsewhere").exists()
+    assert not Message.objects.filter(topic__name="tasks.elsewhere").exists()

@@ -227,6 +227,17 @@ def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -
             "description": f"Django Tasks API queue {queue_name!r} (workqueue.tasks).",
         },
     )
+    if not topic.transport.transport_class().keeps_deliveries_in_database:
+        # Task results are read from this database's deliveries (workqueue.tasks.results): on
+        # a transport that keeps them elsewhere the tasks would run, but no result would ever
+        # be found. Refused before anything is published.
+        raise TaskEnqueueError(
+            f"Queue {queue_name!r} runs on topic {name!r}, which is bound to the "
+            f"{topic.transport.driver_class} transport {topic.transport.name!r}. The Tasks API "
+            "backend reads task results from this database's queue tables, so its topics must "
+            "stay on the Database transport: bind the topic back to it (admin, or "
+            "sync-topology)."
+        )
     Subscription.objects.db_manager(alias).get_or_create(
         name=name,
         defaults={
