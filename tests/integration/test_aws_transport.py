@@ -24,16 +24,22 @@ from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, Tr
 from tests.support.api import post as rest_post
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
-from workqueue.exceptions import TopologyValidationError, UnsupportedByTransportError
+from workqueue.exceptions import (
+    TopologyValidationError,
+    TransportUnavailableError,
+    UnsupportedByTransportError,
+)
 from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
 from workqueue.operators import operations
 from workqueue.transports import transport_for
 from workqueue.transports.aws import (
+    AwsClients,
     AwsNames,
     AwsReceiver,
     AwsSettings,
     AwsTransport,
     QueueBinding,
+    _Provisioner,
     clients_for,
 )
 from workqueue.types import DeliveryStatus, SettleOutcome
@@ -1020,3 +1026,13 @@ def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws,
     transport_for("AWS").provision(aws, dry_run=False)
     again = admin_client.post(url, action, follow=True)
     assert [str(m) for m in again.context["messages"]] == ["aws-test: no changes."]
+
+
+def test_a_queue_lookup_that_cannot_reach_aws_is_reported_as_unavailable_not_raised_raw():
+    # Mid-way through provisioning (or its dry run in validate-bindings) SQS stops answering:
+    # botocore raises its own connection error, which must reach callers as the transport's
+    # TransportUnavailableError (a warning in validate-bindings), never as a raw botocore error.
+    unreachable = AwsClients(AwsSettings(region="eu-west-1", endpoint_url="http://127.0.0.1:9"))
+
+    with pytest.raises(TransportUnavailableError, match="get_queue_url"):
+        _Provisioner(unreachable, dry_run=True).queue("wq-nowhere", False, {})

@@ -1249,7 +1249,7 @@ class _Provisioner:
 
     def queue(self, name: str, fifo: bool, wanted: dict[str, str]) -> str | None:
         sqs = self.clients.sqs
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
@@ -1257,6 +1257,8 @@ class _Provisioner:
             if _error_code(exc) not in _NOT_FOUND_CODES:
                 raise TransportUnavailableError(f"AWS refused get_queue_url: {exc}") from exc
             url = None
+        except BotoCoreError as exc:  # unreachable, no credentials, ...: not "missing"
+            raise TransportUnavailableError(f"AWS could not answer get_queue_url: {exc}") from exc
         if url is None:
             self._record("create", "sqs-queue", name, ", ".join(sorted(wanted)))
             if self.dry_run:
