@@ -1028,10 +1028,20 @@ def test_the_admin_shows_what_provisioning_would_change_without_creating_it(aws,
     assert [str(m) for m in again.context["messages"]] == ["aws-test: no changes."]
 
 
-def test_a_queue_lookup_that_cannot_reach_aws_is_reported_as_unavailable_not_raised_raw():
-    # Mid-way through provisioning (or its dry run in validate-bindings) SQS stops answering:
-    # botocore raises its own connection error, which must reach callers as the transport's
-    # TransportUnavailableError (a warning in validate-bindings), never as a raw botocore error.
+@pytest.mark.parametrize("credentials", [True, False], ids=["unreachable", "no-credentials"])
+def test_a_queue_lookup_that_cannot_reach_aws_is_reported_as_unavailable_not_raised_raw(
+    monkeypatch, credentials
+):
+    # Mid-way through provisioning (or its dry run in validate-bindings) SQS stops answering,
+    # or there are no credentials: botocore raises its own errors, which must reach callers as
+    # the transport's TransportUnavailableError (a warning in validate-bindings), never raw.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    if credentials:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     unreachable = AwsClients(AwsSettings(region="eu-west-1", endpoint_url="http://127.0.0.1:9"))
 
     with pytest.raises(TransportUnavailableError, match="get_queue_url"):
