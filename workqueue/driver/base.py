@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json
 import threading
 import uuid
@@ -440,10 +441,24 @@ class BaseDriver:
         return str(value)
 
     def decode_row(self, procedure: Procedure, row: tuple[Any, ...]) -> Row:
-        return {
-            column.name: decode_value(column.type, value)
-            for column, value in zip(procedure.columns, row, strict=True)
-        }
+        names, typed = _result_shape(procedure)
+        decoded = dict(zip(names, row, strict=True))
+        # Text comes back as it is stored and NULL as None: only the other columns need a look
+        # (a claim returns fourteen columns per delivery, so the calls saved add up).
+        for name, kind in typed:
+            value = decoded[name]
+            if value is not None:
+                decoded[name] = decode_value(kind, value)
+        return decoded
+
+
+@functools.cache
+def _result_shape(
+    procedure: Procedure,
+) -> tuple[tuple[str, ...], tuple[tuple[str, ParamType], ...]]:
+    """The procedure's column names, and the columns whose values need decoding."""
+    typed = tuple((c.name, c.type) for c in procedure.columns if c.type is not ParamType.TEXT)
+    return procedure.column_names, typed
 
 
 def unencodable(error: UnicodeEncodeError) -> UnstorableValueError:

@@ -443,7 +443,8 @@ class Consumer:
             self._failed(f"Not claiming: receive failed: {exc}")
             result = ClaimResult([])
         else:
-            metrics.CLAIM_SECONDS.labels(self.plan.name).observe(time.monotonic() - began)
+            claimed_in = time.monotonic() - began
+            metrics.labelled(metrics.CLAIM_SECONDS, self.plan.name).observe(claimed_in)
             self._recovered()
         self.last_receive_empty = not result.deliveries
         if result.deliveries:
@@ -524,7 +525,7 @@ class Consumer:
         # looked before this settle committed). A full claim's loop waits for slots instead.
         if self._last_receive_short or self.receive_pending:
             self._wake.set()
-        metrics.DELIVERIES.labels(self.plan.name, result.outcome_label).inc()
+        metrics.labelled(metrics.DELIVERIES, self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:
             self._on_result(result)
 

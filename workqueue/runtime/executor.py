@@ -284,7 +284,8 @@ class DeliveryExecution:
         try:
             decision = self._call_handler()
         finally:
-            metrics.HANDLER_SECONDS.labels(self.plan.name).observe(time.monotonic() - began)
+            handled_in = time.monotonic() - began
+            metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(handled_in)
             with self._lock:
                 self._handler_returned = True
                 horizon = self._horizon
