@@ -405,21 +405,22 @@ class DeliveryExecution:
 
     def _schedule_auto_heartbeat(self) -> bool:
         """Schedule the next automatic renewal; False when renewals have stopped."""
-
-        def tick() -> None:
-            if self._horizon is None:
-                self._arm_horizon()
-            if self._stopped_renewing():
-                return
-            future = self.services.background.submit(self._beat, None)
-            future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
-
         if self._stopped_renewing():
             return False
         self._timers.append(
-            self.services.timers.schedule(self.plan.heartbeat_interval_seconds, tick)
+            self.services.timers.schedule(
+                self.plan.heartbeat_interval_seconds, self._auto_heartbeat_tick
+            )
         )
         return True
+
+    def _auto_heartbeat_tick(self) -> None:
+        if self._horizon is None:
+            self._arm_horizon()
+        if self._stopped_renewing():
+            return
+        future = self.services.background.submit(self._beat, None)
+        future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
 
     def check_lease_soon(self) -> None:
         """Renew now on a background thread (used when a cancel is announced)."""
