@@ -264,8 +264,8 @@ def test_a_publish_that_stays_locked_out_is_transport_unavailable_after_the_retr
     assert [outcome(r) for r in batch] == ["TransportUnavailable"] * 2
     attempts = 1 + TRANSIENT_RETRIES
     assert spy.attempts == (
-        ["wq_publish failed: TransientDriverError"] * attempts
-        + ["wq_publish_many failed: TransientDriverError"] * attempts
+        ["wq_publish failed: LockTimeoutError"] * attempts
+        + ["wq_publish_many failed: LockTimeoutError"] * attempts
     )
     assert not Message.objects.exists() and not Delivery.objects.exists()
 
@@ -276,7 +276,7 @@ def test_a_publish_locked_out_once_is_accepted_on_its_retry(topic, locked_queue,
     result = publish(topic.name, {"n": 1})
 
     assert outcome(result) == ACCEPTED
-    assert spy.attempts == ["wq_publish failed: TransientDriverError", "wq_publish"]
+    assert spy.attempts == ["wq_publish failed: LockTimeoutError", "wq_publish"]
     assert Delivery.objects.filter(message_id=result.message_id).count() == 1
 
 
@@ -305,4 +305,4 @@ def test_an_enlisted_publish_is_not_retried_but_raises_to_its_caller(
             cursor.execute("SET LOCAL lock_timeout = '100ms'")
         publish(topic.name, {"n": 1}, enlist=True)
 
-    assert spy.attempts == ["wq_publish failed: TransientDriverError"]
+    assert spy.attempts == ["wq_publish failed: LockTimeoutError"]
