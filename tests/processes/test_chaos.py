@@ -231,8 +231,15 @@ def overlapping(
 
 
 def start_rest_server(procs: Processes) -> int:
-    """``manage.py runserver`` on a loopback port the OS picks (it prints it); the port."""
-    server = procs.start("runserver", "--noreload", "127.0.0.1:0", DJANGO_DEBUG="false")
+    """``manage.py runserver`` on a loopback port the OS picks (it prints it); the port.
+
+    runserver keeps a thread per client connection, and the soak keeps one connection per key
+    (500): with Django's connections kept between requests (the project's CONN_MAX_AGE) each
+    thread would hold a database connection too, past the embedded server's 200, and the
+    producers turned away would publish nothing. Closed after each request, as by default."""
+    server = procs.start(
+        "runserver", "--noreload", "127.0.0.1:0", DJANGO_DEBUG="false", DJANGO_CONN_MAX_AGE="0"
+    )
     banner = "Starting development server at http://127.0.0.1:"
     server.wait_for_line(banner)
     line = next(line for line in server.lines if banner in line)
