@@ -20,6 +20,7 @@ work and nothing of the call is published.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from workqueue import metrics, signals
 from workqueue.conf import get_settings
-from workqueue.driver.base import canonical_json
+from workqueue.driver.base import canonical_json, encode_json_string
 from workqueue.exceptions import InvalidInputError, InvalidMessageError
 from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
@@ -403,7 +404,7 @@ def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]
     _require_storable_text(message)
     message_id = _message_id(message.message_id)
     attributes = _attributes(message.attributes)
-    payload, payload_ref = _payload(message.payload, message.payload_ref)
+    payload, payload_ref, body = _payload(message.payload, message.payload_ref)
     partition_key = message.partition_key
     if partition_key is not None and (
         not isinstance(partition_key, str) or not 1 <= len(partition_key) <= MAX_KEY_LENGTH
@@ -423,14 +424,9 @@ def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]
             PublishErrorCode.INVALID_PAYLOAD,
             f"correlation_id must be a string of at most {MAX_KEY_LENGTH} characters.",
         )
-    envelope = {
-        "partition_key": partition_key,
-        "attributes": attributes,
-        "payload": payload,
-        "payload_ref": payload_ref,
-        "correlation_id": correlation_id,
-    }
-    envelope_bytes = len(canonical_json(envelope).encode("utf-8"))
+    envelope_bytes = _envelope_bytes(
+        partition_key, attributes, correlation_id, body, is_ref=payload_ref is not None
+    )
     # Refused here so that an oversized message costs no database round trip (the procedure
     # would refuse it too: it is the authority on the topic's current limit).
     if envelope_bytes > size_limit.max_bytes:
@@ -471,11 +467,21 @@ def _require_storable_text(message: OutgoingMessage) -> None:
 
 def _message_id(value: Any) -> str:
     if value is None:
-        return str(uuid.uuid4())
+        return _new_message_id()
     try:
         return str(uuid.UUID(str(value)))
     except ValueError:
         raise _Invalid(PublishErrorCode.INVALID_MESSAGE_ID, "message_id must be a UUID.") from None
+
+
+def _new_message_id() -> str:
+    """A random (version 4) UUID as text: what ``str(uuid.uuid4())`` gives, in a fifth of its
+    time (no UUID object is built only to be formatted)."""
+    octets = bytearray(os.urandom(16))
+    octets[6] = (octets[6] & 0x0F) | 0x40  # version 4
+    octets[8] = (octets[8] & 0x3F) | 0x80  # RFC 4122 variant
+    text = octets.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def _attributes(value: Any) -> dict[str, str] | None:
@@ -508,7 +514,8 @@ def _attributes(value: Any) -> dict[str, str] | None:
     return dict(value) or None
 
 
-def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None]:
+def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None, str]:
+    """(payload, canonical payload_ref, the canonical JSON text of whichever of them is set)."""
     if payload is not None and payload_ref is not None:
         raise _Invalid(
             PublishErrorCode.INVALID_PAYLOAD, "Give either payload or payload_ref, not both."
@@ -531,7 +538,40 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
     problem = json_text_problem(text)
     if problem is not None:
         raise _Unstorable(field, problem)
-    return payload, payload_ref
+    return payload, payload_ref, text
+
+
+def _envelope_bytes(
+    partition_key: str | None,
+    attributes: dict[str, str] | None,
+    correlation_id: str | None,
+    body: str,
+    *,
+    is_ref: bool,
+) -> int:
+    """The UTF-8 size of the message's canonical envelope (``canonical_json`` of its partition
+    key, attributes, payload, payload_ref and correlation id), assembled from the body's text
+    already made: serialising the envelope whole would encode the payload a second time."""
+    text = "".join(
+        (
+            '{"attributes":',
+            "null" if attributes is None else canonical_json(attributes),
+            ',"correlation_id":',
+            _json_text(correlation_id),
+            ',"partition_key":',
+            _json_text(partition_key),
+            ',"payload":',
+            "null" if is_ref else body,
+            ',"payload_ref":',
+            body if is_ref else "null",
+            "}",
+        )
+    )
+    return len(text.encode("utf-8"))
+
+
+def _json_text(value: str | None) -> str:
+    return "null" if value is None else encode_json_string(value)
 
 
 def _deduplication(key: Any, ttl: Any) -> tuple[str | None, int | None]:

@@ -473,9 +473,16 @@ def canonical_json(value: Any) -> str:
     Django's encoder, so payloads may hold what Django itself serialises: ``Decimal`` and
     ``UUID`` become strings, ``datetime``/``date``/``time`` ISO 8601 strings, ``timedelta``
     ISO 8601 durations, lazy translations their text (handlers receive those strings)."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, cls=DjangoJSONEncoder
-    )
+    return _CANONICAL_ENCODER.encode(value)
+
+
+# One instance for every call (json.dumps with cls= builds an encoder per call); encoding keeps
+# no state on it, so threads share it.
+_CANONICAL_ENCODER = DjangoJSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+#: A str as canonical_json writes it (a JSON string, non-ASCII kept), without the encoder's
+#: per-call set-up: for the short texts publishing assembles JSON from.
+encode_json_string = json.encoder.encode_basestring
 
 
 def decode_value(kind: ParamType, value: Any) -> Any:

@@ -47,7 +47,10 @@ class Param:
 Column = Param
 
 
-@dataclass(frozen=True, slots=True)
+# Compared and hashed by identity (eq=False): each procedure is defined once, below, and the
+# driver looks its result shape up per returned row, where hashing every parameter and column
+# cost more than decoding the row.
+@dataclass(frozen=True, slots=True, eq=False)
 class Procedure:
     name: str
     params: tuple[Param, ...]

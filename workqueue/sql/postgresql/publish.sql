@@ -500,8 +500,11 @@ BEGIN
           FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
       ) r
       LEFT JOIN LATERAL (
+        -- Only an item neither rejected nor accepted looks its id up. Written as the key
+        -- itself (NULL finds nothing without reading the index): as separate conditions the
+        -- planner probed the index for every item and filtered the rows afterwards.
         SELECT s.* FROM workqueue_message s
-         WHERE r.code IS NULL AND NOT r.accepted AND s.id = r.id
+         WHERE s.id = CASE WHEN r.code IS NULL AND NOT r.accepted THEN r.id END
       ) m ON true
      ORDER BY r.idx;
 END;
