@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from workqueue import metrics, signals
-from workqueue.conf import get_settings
+from workqueue.conf import setting
 from workqueue.driver.base import canonical_json, encode_json_string
 from workqueue.exceptions import InvalidInputError, InvalidMessageError
 from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
@@ -206,8 +206,7 @@ def publish_many(
             return rejected
 
     if prepared:
-        # Settings are read once per call: each read walks the environment.
-        publisher = _publisher(user, get_settings().SYSTEM_USER)
+        publisher = _publisher(user, setting("SYSTEM_USER"))
         # A topic given by name goes to the procedures first, which know every topic: one round
         # trip for a Database topic, as before the transport seam; a topic of another
         # transport comes back as TOPIC_ON_OTHER_TRANSPORT and is handed to its own transport.

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
-from workqueue.conf import get_settings
+from workqueue.conf import setting
 from workqueue.driver import get_driver
 from workqueue.driver.base import BaseDriver, QueueTableSize, SparseIndex, VacuumHorizon
 from workqueue.exceptions import DeliveryBusyError, LockTimeoutError, TransientDriverError
@@ -49,7 +49,7 @@ TRANSIENT_RETRIES = 3
 
 
 def _driver() -> BaseDriver:
-    return get_driver(get_settings().DATABASE_ALIAS)
+    return get_driver(setting("DATABASE_ALIAS"))
 
 
 def new_instance_id() -> str:
@@ -539,7 +539,7 @@ def sweep_lock() -> Iterator[bool]:
     Yields False (and holds nothing) when another sweeper is mid-pass. The lock is
     transaction-scoped, so a crashed sweeper can never leave it held.
     """
-    driver = get_driver(get_settings().DATABASE_ALIAS)
+    driver = get_driver(setting("DATABASE_ALIAS"))
     lock_driver = type(driver)(driver.alias)  # a separate connection from the pass's own work
     try:
         with lock_driver.transaction() as connection:

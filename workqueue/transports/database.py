@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from workqueue import transport as procedures
-from workqueue.conf import get_settings
+from workqueue.conf import setting
 from workqueue.transports.base import BaseTransport
 from workqueue.types import Backlog, DeadLetterItem, DiscardResult, HeartbeatMode, PartitionItem
 
@@ -51,7 +51,7 @@ class DatabaseTransport(BaseTransport):
         # ``topic`` is a name or a Topic: the procedures look the topic up themselves.
         name = topic if isinstance(topic, str) else topic.name
         return procedures.publish(
-            name, messages, publisher, get_settings().DATABASE_ALIAS, enlist, external
+            name, messages, publisher, setting("DATABASE_ALIAS"), enlist, external
         )
 
     def receiver(self, subscription_id: str, lease_owner: str | None = None) -> procedures.Receiver:
