@@ -149,6 +149,9 @@ class BaseDriver:
         # Every private connection opened by any thread, so ``close_all`` can reach them all.
         self._opened: weakref.WeakSet[Any] = weakref.WeakSet()
         self._opened_lock = threading.Lock()
+        # Each procedure's call statement, rendered once (claims and publishes render the same
+        # text on every call otherwise).
+        self._rendered: dict[Procedure, str] = {}
 
     # -- rendering and errors: the vendor-specific part ------------------------------------
 
@@ -364,11 +367,14 @@ class BaseDriver:
         """
         procedure = get_procedure(name)
         params = dict(params or {})
-        unknown = set(params) - set(procedure.param_names)
+        unknown = params.keys() - _param_names(procedure)
         if unknown:
             raise TypeError(f"{name} has no parameter(s) {sorted(unknown)}")
         values = [self.adapt(p, params.get(p.name)) for p in procedure.params]
-        rows = self.execute(self.render_call(procedure), values, connection)
+        sql = self._rendered.get(procedure)
+        if sql is None:
+            sql = self._rendered[procedure] = self.render_call(procedure)
+        rows = self.execute(sql, values, connection)
         return [self.decode_row(procedure, row) for row in rows]
 
     def execute(
@@ -450,6 +456,11 @@ class BaseDriver:
             if value is not None:
                 decoded[name] = decode_value(kind, value)
         return decoded
+
+
+@functools.cache
+def _param_names(procedure: Procedure) -> frozenset[str]:
+    return frozenset(procedure.param_names)
 
 
 @functools.cache
