@@ -198,6 +198,7 @@ class Consumer:
             complete_later=self._completions.complete_later,
             timers=timers,
             background=self._background,
+            settle_threads=self._background,
             handlers=handlers,
             user=user,
         )

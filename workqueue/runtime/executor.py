@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -167,6 +167,13 @@ class ExecutionServices:
     complete_later: (
         Callable[[ClaimedDelivery, Callable[[SettleResult | Exception], None]], bool] | None
     ) = None
+    #: Threads whose kept connections run the settles a handler's thread would otherwise make
+    #: itself (a retry, a dead letter, a release, a cancel acknowledgement): a host's worker
+    #: threads (2 x concurrency per subscription) then open no queue connection of their own,
+    #: and a burst of failures costs a thread hand-off each, not a new connection each. None:
+    #: settle on the calling thread (``run_until_idle``, whose thread holds the test's
+    #: connection).
+    settle_threads: Any = None  # a WorkerPool
 
 
 class DeliveryExecution:
@@ -575,6 +582,27 @@ class DeliveryExecution:
 
     # -- settling --------------------------------------------------------------------------
 
+    def _off_worker(self, settle: Callable[[], T]) -> Callable[[], T]:
+        """``settle``, made to run on ``services.settle_threads`` (when there are any and this
+        is not already one of them) while the calling thread waits for its result."""
+        threads = self.services.settle_threads
+        if threads is None or threads.runs_on_current_thread():
+            return settle
+
+        def on_a_settle_thread() -> T:
+            # Once the pool has shut down (a handler that outlived its consumer's stop), or
+            # if it dropped the task unstarted while shutting down: settle here, not never.
+            try:
+                future = threads.submit(settle)
+            except RuntimeError:
+                return settle()
+            try:
+                return future.result()
+            except CancelledError:
+                return settle()
+
+        return on_a_settle_thread
+
     def _while_lease_lasts(self, settle: Callable[[], T]) -> T:
         """Run a settle call; when it fails on a lost connection (or another transient error)
         run it again on a fresh connection, backing off, for as long as the lease can still
@@ -618,7 +646,9 @@ class DeliveryExecution:
             stopping = self.signal.has(AbortReason.SHUTDOWN) or self.services.stopping.is_set()
             if stopping and decision.kind != Outcome.COMPLETE:
                 result = self._result(
-                    self._while_lease_lasts(lambda: receiver.release(self.delivery))
+                    self._while_lease_lasts(
+                        self._off_worker(lambda: receiver.release(self.delivery))
+                    )
                 )
                 return replace(result, released=result.status == DeliveryStatus.PENDING)
             if decision.kind == Outcome.COMPLETE:
@@ -639,7 +669,9 @@ class DeliveryExecution:
                 decision.delay_seconds,
             )
             result = self._result(
-                self._while_lease_lasts(lambda: receiver.retry(self.delivery, delay, error))
+                self._while_lease_lasts(
+                    self._off_worker(lambda: receiver.retry(self.delivery, delay, error))
+                )
             )
             if result.status == DeliveryStatus.PENDING:
                 self.log.warning(
@@ -675,7 +707,9 @@ class DeliveryExecution:
     ) -> ExecutionResult:
         result = self._result(
             self._while_lease_lasts(
-                lambda: self.services.receiver.dead_letter(self.delivery, reason, error)
+                self._off_worker(
+                    lambda: self.services.receiver.dead_letter(self.delivery, reason, error)
+                )
             )
         )
         if result.status == DeliveryStatus.DEAD_LETTERED:
@@ -698,7 +732,7 @@ class DeliveryExecution:
     def _acknowledge_cancel(self) -> ExecutionResult:
         try:
             settled = self._while_lease_lasts(
-                lambda: self.services.receiver.acknowledge_cancel(self.delivery)
+                self._off_worker(lambda: self.services.receiver.acknowledge_cancel(self.delivery))
             )
         except WorkQueueError as exc:
             self.log.error("Acknowledging the cancel failed: %s", exc)

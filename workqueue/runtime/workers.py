@@ -36,6 +36,9 @@ class WorkerPool:
         for thread in self._threads:
             thread.start()
 
+    def runs_on_current_thread(self) -> bool:
+        return threading.current_thread() in self._threads
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on a worker; raises RuntimeError once the pool is shut down."""
         future: Future = Future()
