@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 import threading
 import time
@@ -666,3 +667,34 @@ def test_databases_that_close_connections_after_every_use_are_named_for_the_star
         "legacy": {},
     }
     assert aliases_closing_after_each_use(databases) == ["default", "legacy"]
+
+
+def test_failing_handlers_open_no_queue_connection_on_the_worker_threads(make_host, monkeypatch):
+    # README, Connections: a host's queue connections are its claim loops', completion
+    # batchers' and background threads' (heartbeats and the settles of failed deliveries).
+    # Worker threads, 2 x concurrency per subscription, open none: when they settled retries
+    # and dead letters themselves each one came to hold a connection (the slow chaos soak's
+    # hosts reached max_connections), and opening one per failure instead would fork a server
+    # process for every failed delivery of an outage.
+    from workqueue.driver import postgresql
+
+    opened_on: list[str] = []
+    connect = postgresql._connect
+
+    def recording(alias: str) -> Any:
+        opened_on.append(threading.current_thread().name)
+        return connect(alias)
+
+    monkeypatch.setattr(postgresql, "_connect", recording)
+    s = sub(max_attempts=2, backoff_base_seconds=0, backoff_max_seconds=0)
+    host = make_host(one(s, concurrency=4))
+    host.start()
+    publish_many(s.topic.name, [{"payload": {"then": "retry"}} for _ in range(16)])
+    wait_until(
+        lambda: Delivery.objects.filter(subscription=s, status="DeadLettered").count() == 16,
+        timeout=30,
+    )
+    workers = [n for n in opened_on if re.fullmatch(rf"wq-{re.escape(s.name)}-\d+", n)]
+    assert workers == [], f"worker threads opened queue connections: {workers}"
+    # Retries and dead letters were settled, on the background threads.
+    assert any(n.startswith(f"wq-{s.name}-bg-") for n in opened_on), opened_on
