@@ -3,10 +3,11 @@ transient handler failures and operator cancels of running deliveries, half of t
 that ignore their cancel.
 
 The CI size (~2,000 messages over 50 keys, three subscriptions: None, Exclusive and Ordered)
-runs in the default suite. The reference's full soak (50,000 messages, 500 keys, ~10 minutes,
-published through the REST API by one producer per key that awaits each acceptance) runs on
-demand: ``pytest -m slow tests/processes/test_chaos.py``; its REST publishing runs at a small
-size in the default suite.
+runs in the default suite. The reference's full soak (50,000 messages, 500 keys, scheduled over
+9 minutes, published through the REST API by one producer per key that awaits each acceptance)
+runs on demand: ``pytest -m slow tests/processes/test_chaos.py``; its REST publishing runs at a
+small size in the default suite. Kills come at points of the publishing, so a machine that
+cannot keep to the schedule takes longer but runs the same test.
 
 A fourth subscription of the same topic (``chaos-txn``, handler ``tests.txn.effect``) writes one
 row per run to a table and completes in the same transaction (``context.complete(enlist=True)``),
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import random
 import threading
 import time
@@ -37,7 +39,7 @@ import pytest
 from django.db import connection
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
-from tests.support import txn_handlers
+from tests.support import rest_server, txn_handlers
 from tests.support.database import psycopg_params
 from tests.support.processes import Processes, backends_of, read_events
 from tests.support.sampling import InFlightSampler
@@ -64,7 +66,11 @@ class ChaosSize:
     messages: int
     keys: int
     publish_seconds: float
-    kill_at: tuple[float, ...]  # seconds after publishing starts: SIGKILL host A, restart it
+    # Points of the publishing schedule, in its seconds: once that share of the messages
+    # (kill_at / publish_seconds) is accepted, SIGKILL host A and restart it. On time where the
+    # publishers keep to the schedule; where the machine cannot (the soak's REST server on two
+    # shared cores), the kills still land among the same messages, and so on running work.
+    kill_at: tuple[float, ...]
     slow_messages: int  # run long enough for a cancel to find them: half stop, half ignore it
     cancels: int
     concurrency: int
@@ -113,6 +119,42 @@ REST_SMALL = ChaosSize(
     # CI-sized run proves those; this one proves the REST publishing path.
     proves_recovery=False,
 )
+
+
+@dataclass
+class Progress:
+    """How far the publishing has got: its publishers count the accepted messages and record
+    their errors here, so the run waits for points of the publishing, not of the clock, and
+    fails as soon as a publisher does (a producer that got an error publishes nothing more)."""
+
+    accepted: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+    finished: bool = False
+    began: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, count: int) -> None:
+        with self.lock:
+            self.accepted += count
+
+    def wait_for(self, count: int, stalled_after: float = 60.0) -> None:
+        """Return once ``count`` messages are accepted; fail on a publisher's error, when the
+        publishing ended short of it, or when no message was accepted for ``stalled_after``
+        seconds."""
+        last, since = -1, time.monotonic()
+        while True:
+            assert not self.errors, self.errors[:3]
+            accepted = self.accepted
+            if accepted >= count:
+                return
+            assert not self.finished, f"publishing ended at {accepted} of {count} messages"
+            if accepted != last:
+                last, since = accepted, time.monotonic()
+            assert time.monotonic() - since < stalled_after, (
+                f"no message accepted for {stalled_after:.0f} s ({accepted} of {count})"
+            )
+            time.sleep(0.05)
 
 
 @dataclass
@@ -231,27 +273,32 @@ def overlapping(
 
 
 def start_rest_server(procs: Processes) -> int:
-    """``manage.py runserver`` on a loopback port the OS picks (it prints it); the port.
+    """The project's API served on a loopback port the OS picks, by a fixed pool of threads
+    (see tests/support/rest_server.py); the port.
 
-    runserver keeps a thread per client connection, and the soak keeps one connection per key
-    (500): with Django's connections kept between requests (the project's CONN_MAX_AGE) each
-    thread would hold a database connection too, past the embedded server's 200, and the
-    producers turned away would publish nothing. Closed after each request, as by default."""
-    server = procs.start(
-        "runserver", "--noreload", "127.0.0.1:0", DJANGO_DEBUG="false", DJANGO_CONN_MAX_AGE="0"
-    )
-    banner = "Starting development server at http://127.0.0.1:"
-    server.wait_for_line(banner)
-    line = next(line for line in server.lines if banner in line)
-    return int(line.split(banner)[1].rstrip("/"))
+    Not ``manage.py runserver``: it runs a thread per client connection, and the soak's 500
+    producers kept 500 requests in flight, each holding a database connection or two (the
+    ORM's and the queue's own) while it waited its turn; past the embedded server's
+    max_connections (200) requests failed with "too many clients" and the producers that got
+    a 500 published nothing more, while 500 busy threads slowed both hosts to a crawl (a
+    restarted host took half a minute to report its subscriptions Running)."""
+    server = procs.start(*rest_server.command(), DJANGO_DEBUG="false")
+    server.wait_for_line(rest_server.PORT_LINE)
+    line = next(line for line in server.lines if rest_server.PORT_LINE in line)
+    return int(line.split(rest_server.PORT_LINE)[1])
 
 
 def publish_through_rest_api(
-    port: int, topic: str, api_key: str, size: ChaosSize, payload: Callable[[int], Any]
+    port: int,
+    topic: str,
+    api_key: str,
+    size: ChaosSize,
+    payload: Callable[[int], Any],
+    progress: Progress,
 ) -> None:
     """One producer thread per key, each publishing its key's messages in ordinal order on the
-    run's schedule and awaiting each acceptance before the next (the reference soak's shape)."""
-    errors: list[BaseException] = []
+    run's schedule (or as fast as the server answers, when it cannot keep to it) and awaiting
+    each acceptance before the next (the reference soak's shape)."""
     began = time.monotonic()
 
     def produce(key: int) -> None:
@@ -273,8 +320,9 @@ def publish_through_rest_api(
                 assert response.status == 202, (response.status, answer)
                 (result,) = json.loads(answer)["results"]
                 assert result["status"] == "Accepted", result
+                progress.add(1)
         except BaseException as exc:
-            errors.append(exc)
+            progress.errors.append(exc)
         finally:
             conn.close()
 
@@ -286,7 +334,7 @@ def publish_through_rest_api(
         producer.start()
     for producer in producers:
         producer.join()
-    assert not errors, errors[:3]
+    assert not progress.errors, progress.errors[:3]
 
 
 @pytest.fixture
@@ -344,7 +392,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     rng = random.Random(20240601)
     slow = sorted(rng.sample(range(size.messages // 10, size.messages // 2), size.slow_messages))
     ignores_cancel = {ordinal: n % 2 == 0 for n, ordinal in enumerate(slow)}
-    publisher_error: list[BaseException] = []
+    progress = Progress()
 
     def payload(ordinal: int) -> dict[str, Any]:
         if ordinal in ignores_cancel:
@@ -371,6 +419,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             ]
             results = publish_many(topic.name, items)
             assert all(r.accepted for r in results), results
+            progress.add(len(results))
             pause = start + (n + 1) * 0.2 - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
@@ -380,14 +429,18 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         api_key = ApiKeyFactory(scopes=["workqueue:publish"], topics=[topic.name]).raw_key
 
     def publish_all() -> None:
+        progress.began = time.monotonic()
         try:
             if size.rest_api:
-                publish_through_rest_api(port, topic.name, api_key, size, payload)
+                publish_through_rest_api(port, topic.name, api_key, size, payload, progress)
             else:
                 publish_in_batches()
         except BaseException as exc:
-            publisher_error.append(exc)
+            if not progress.errors:
+                progress.errors.append(exc)
         finally:
+            progress.finished_at = time.monotonic()
+            progress.finished = True
             get_driver().close()
 
     threads = [
@@ -397,13 +450,12 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     sampler.start()
     for thread in threads:
         thread.start()
-    publishing_began = time.monotonic()
     orphans: list[tuple[str, int]] = []  # (delivery id, attempt) running when its host died
     txn_orphans: list[tuple[str, int]] = []  # the same, of the transactional subscription
     reaped_at: dict[int, int] = {}  # killed host pid -> when it was reaped (monotonic ns)
     try:
         for at in size.kill_at:
-            time.sleep(max(0.0, publishing_began + at - time.monotonic()))
+            progress.wait_for(math.ceil(size.messages * at / size.publish_seconds))
             victim = hosts["a"]
             on_victim = Delivery.objects.filter(
                 status="InFlight", lease_owner__contains=f":{victim.pid}:"
@@ -414,11 +466,19 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             # still running when the kill lands.
             long_held = held.filter(message__payload__sleepMs__gte=300)
             txn_long_held = txn_held.filter(message__payload__sleepMs__gte=300)
-            wait_until(
-                lambda a=long_held, b=txn_long_held: a.exists() and b.exists(),
-                timeout=10,
-                interval=0.01,
-            )
+            try:
+                wait_until(
+                    lambda a=long_held, b=txn_long_held: a.exists() and b.exists(),
+                    timeout=30,
+                    interval=0.01,
+                )
+            except AssertionError:
+                raise AssertionError(
+                    f"kill at {at}: host A (pid {victim.pid}, exit {victim.popen.poll()}) held "
+                    "no long keyed and transactional handlers at once for 30 s; it held "
+                    f"{held.count()} keyed and {txn_held.count()} transactional deliveries, "
+                    f"{progress.accepted} messages accepted"
+                ) from None
             assert backends_of(victim.pid) > 0, "host connections carry application_name"
             victim.popen.kill()
             victim.wait(timeout=10)
@@ -429,8 +489,9 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             orphans += [(str(i), n) for i, n in held.values_list("id", "attempt_count")]
             txn_orphans += [(str(i), n) for i, n in txn_held.values_list("id", "attempt_count")]
             hosts["a"] = start_host()
-        threads[1].join(timeout=size.publish_seconds + 120)  # the publisher
-        assert not publisher_error, publisher_error
+        progress.wait_for(size.messages)
+        threads[1].join(timeout=60)  # the publisher
+        assert not progress.errors, progress.errors[:3]
 
         expected = size.messages * len(MODES)
         open_statuses = ["Pending", "InFlight"]
@@ -573,8 +634,11 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     txn_final = {str(delivery_id): attempts for delivery_id, attempts in txn_final.items()}
     assert all(txn_final[d] > attempt for d, attempt in txn_orphans)
 
+    published_in = progress.finished_at - progress.began
     print(
-        f"chaos {size.messages} messages: {elapsed:.1f}s, statuses {dict(statuses)}, "
+        f"chaos {size.messages} messages: {elapsed:.1f}s (published in {published_in:.0f}s, "
+        f"{size.messages / published_in:.0f}/s; scheduled {size.publish_seconds:.0f}s), "
+        f"statuses {dict(statuses)}, "
         f"{len(orphans)} orphaned by kills, cancels {len(canceller.requested)} running + "
         f"{len(canceller.discarded)} pending ({len(ignored)} ignored past the drain), "
         f"{len(runs)} handler executions, {sampler.samples} samples "

@@ -658,6 +658,46 @@ def test_a_shut_down_host_closes_the_database_connections_its_threads_opened(mak
     assert leaked == [], f"{len(leaked)} connection(s) were left for the garbage collector"
 
 
+def test_worker_threads_hold_no_queue_connection_once_their_delivery_is_settled(
+    make_host, monkeypatch
+):
+    # README, Connections: a host holds a queue connection per claim loop and per heartbeat and
+    # settle thread in use. Retries and dead letters settle on the worker threads (2 x the
+    # concurrency of them); each kept its connection, idle, for the thread's life, so a host
+    # whose handlers sometimes failed grew to several times that budget (the chaos soak's two
+    # hosts reached max_connections with the REST server).
+    from workqueue.driver import postgresql
+
+    opened: list[tuple[str, Any]] = []
+    connect = postgresql._connect
+
+    def recording(alias: str) -> Any:
+        conn = connect(alias)
+        opened.append((threading.current_thread().name, conn))
+        return conn
+
+    monkeypatch.setattr(postgresql, "_connect", recording)
+    s = sub(max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0)
+    host = make_host(one(s, concurrency=4))
+    host.start()
+    publish_many(s.topic.name, [{"payload": {"then": "retry"}} for _ in range(24)])
+    wait_until(
+        lambda: Delivery.objects.filter(subscription=s, status="DeadLettered").count() == 24,
+        timeout=30,
+    )
+
+    def on_a_worker(thread_name: str) -> bool:
+        return re.fullmatch(rf"wq-{re.escape(s.name)}-\d+", thread_name) is not None
+
+    assert any(on_a_worker(name) for name, _ in opened), "no worker thread settled anything"
+    # Closed as each execution ends, right after its settle committed.
+    wait_until(
+        lambda: not [name for name, conn in opened if on_a_worker(name) and not conn.closed],
+        timeout=5,
+    )
+    assert host.health()["subscriptions"][0]["state"] == "Running"
+
+
 def test_databases_that_close_connections_after_every_use_are_named_for_the_start_warning():
     # Django fills CONN_MAX_AGE with 0 when a project leaves it out.
     databases = {

@@ -508,6 +508,13 @@ class Consumer:
             self._finish(
                 execution, ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
             )
+        finally:
+            # A worker opens a queue connection only for what it settles itself (a retry, a
+            # dead letter, a cancel acknowledgement) or a handler's own heartbeat. Kept, every
+            # one of the 2 x concurrency workers would end up holding one, idle, for the
+            # thread's life: a host's connections would grow with its failures to several
+            # times the budget the README gives, until max_connections turns work away.
+            self.receiver.close()
 
     def _finish(self, execution: DeliveryExecution, result: ExecutionResult) -> None:
         """Account for an execution that ended (on its worker, or on the thread that settled
