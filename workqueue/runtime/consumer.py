@@ -509,11 +509,10 @@ class Consumer:
                 execution, ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
             )
         finally:
-            # A worker opens a queue connection only for what it settles itself (a retry, a
-            # dead letter, a cancel acknowledgement) or a handler's own heartbeat. Kept, every
-            # one of the 2 x concurrency workers would end up holding one, idle, for the
-            # thread's life: a host's connections would grow with its failures to several
-            # times the budget the README gives, until max_connections turns work away.
+            # Settles run on the batcher and the background threads; a worker opens a queue
+            # connection only when its handler renews the lease itself (context.heartbeat()),
+            # or to settle after the background pool stopped. Kept, every one of the 2 x
+            # concurrency workers would come to hold one, idle, for the thread's life.
             self.receiver.close()
 
     def _finish(self, execution: DeliveryExecution, result: ExecutionResult) -> None:
