@@ -114,20 +114,13 @@ def setting(name: str) -> Any:
 
 
 def get_settings() -> WorkQueueSettings:
-    """Read the settings now (cheap; call it where needed rather than caching it globally)."""
-    configured = dict(getattr(settings, "WORKQUEUE", {}) or {})
-    known = {f.name for f in fields(WorkQueueSettings)}
-    unknown = sorted(set(configured) - known)
+    """Read the settings now (call it where needed rather than caching it globally); each one
+    as ``setting`` reads it."""
+    configured = getattr(settings, "WORKQUEUE", {}) or {}
+    unknown = sorted(set(configured) - set(_DEFAULTS))
     if unknown:
         raise WorkQueueConfigurationError(
             f"Unknown WORKQUEUE setting(s) {', '.join(unknown)}; known settings are "
-            f"{', '.join(sorted(known))}."
+            f"{', '.join(sorted(_DEFAULTS))}."
         )
-    for key in known:
-        raw = os.environ.get(f"WORKQUEUE_{key}")
-        if raw is not None:
-            configured[key] = _from_environment(key, raw)
-    for key in _TUPLE_KEYS:
-        if key in configured:
-            configured[key] = tuple(configured[key])
-    return WorkQueueSettings(**configured)
+    return WorkQueueSettings(**{name: setting(name) for name in _DEFAULTS})
