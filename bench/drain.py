@@ -33,6 +33,7 @@ processes are not counted).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import secrets
 import statistics
@@ -121,7 +122,9 @@ def remove(topic_id: str) -> None:
     get_driver().remove_topic(str(topic_id))
 
 
-def host_for(subscriptions: list[Subscription], concurrency: int) -> Host:
+def host_for(
+    subscriptions: list[Subscription], concurrency: int, prefetch: int | None = None
+) -> Host:
     registry = HandlerRegistry()
     registry.register("bench", NoopHandler)
     config = HostConfig.from_settings(
@@ -131,6 +134,8 @@ def host_for(subscriptions: list[Subscription], concurrency: int) -> Host:
         sweeper_interval_ms=0,
         reconcile_interval_ms=0,
     )
+    if prefetch is not None:
+        config.subscriptions = [{"name": "*", "prefetch": prefetch}]
     return Host(config, registry=registry)
 
 
@@ -210,6 +215,7 @@ def drain(
     fanout: int = 1,
     backlog: int = 0,
     publish_sample: int = 0,
+    prefetch: int | None = None,
 ) -> DrainRun:
     """Time one host draining ``messages`` deliveries.
 
@@ -246,7 +252,7 @@ def drain(
         measured = messages // fanout * fanout if not backlog else messages
         LEDGER.expect(measured)
         [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
-        host = host_for(subscriptions, concurrency)
+        host = host_for(subscriptions, concurrency, prefetch)
         cpu = os.times()
         began = time.perf_counter()
         host.start()
@@ -333,6 +339,14 @@ def main() -> int:
         "and report that rate",
     )
     parser.add_argument(
+        "--prefetch",
+        type=int,
+        nargs="*",
+        default=[None],
+        help="run each drain with each of these prefetch settings (deliveries claimed ahead "
+        "past the concurrency while handlers are quick; 0: none); default: the settings' own",
+    )
+    parser.add_argument(
         "--as-is",
         dest="steady",
         action="store_false",
@@ -349,7 +363,7 @@ def main() -> int:
     User = get_user_model()
     User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults")
-    for concurrency in args.concurrency:
+    for concurrency, prefetch in itertools.product(args.concurrency, args.prefetch):
         run = drain(
             args.messages,
             concurrency,
@@ -360,8 +374,11 @@ def main() -> int:
             fanout=args.fanout,
             backlog=args.backlog,
             publish_sample=args.publish_sample,
+            prefetch=prefetch,
         )
         shape = f", {args.partition_mode} over {args.keys} keys" if args.keys else ""
+        if prefetch is not None:
+            shape += f", prefetch {prefetch}"
         if args.priorities > 1:
             shape += f", {args.priorities} priorities"
         if args.fanout > 1:

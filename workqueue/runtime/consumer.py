@@ -1,5 +1,6 @@
-"""The claim loop of one subscription: claim only what free slots can run, run each delivery
-on a worker thread, batch the completions, back off when idle, wake up on a kick.
+"""The claim loop of one subscription: claim what free slots can run (and, while handlers
+are quick, a few more to start as slots free), run each delivery on a worker thread, batch the
+completions, back off when idle, wake up on a kick.
 
 Reading order: ``_loop`` (claim → start → wait), ``_execute`` (one delivery on a worker
 thread), ``stop`` (drain, abort, drain).
@@ -12,6 +13,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -37,6 +39,15 @@ logger = logging.getLogger(__name__)
 
 COMPLETION_BATCH_LIMIT = 500
 GATHER_SECONDS = 0.002
+#: Claiming ahead pays only while handlers are about as quick as a claim's round trip; past
+#: this mean handler time a delivery claimed ahead would keep another host from it for longer
+#: than it saves, so the loop claims for free slots only.
+PREFETCH_HANDLER_SECONDS = 0.05
+#: A delivery claimed ahead starts only while at least this share of its lease is left (else it
+#: goes back to the queue, its attempt refunded): a handler never starts on a lease about to end.
+PREFETCH_MIN_LEASE_SHARE = 0.5
+#: Weight of the latest handler time in the running mean that decides whether to claim ahead.
+HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
 RESTART_MAX_SECONDS = 30.0
 
@@ -49,6 +60,9 @@ def restart_delay_seconds(failures_in_a_row: int) -> float:
 @dataclass(frozen=True, slots=True)
 class ConsumerConfig:
     concurrency: int
+    #: How many deliveries past ``concurrency`` the loop may claim ahead while handlers are
+    #: quick (see PREFETCH_HANDLER_SECONDS); they start, in claim order, as slots free.
+    prefetch: int = 0
     idle_poll_min_ms: int = 250
     idle_poll_max_ms: int = 5000
     shutdown_drain_ms: int = 8000
@@ -204,8 +218,13 @@ class Consumer:
         )
         self._running: dict[tuple[str, str], DeliveryExecution] = {}  # until settled
         self._handlers_running = 0  # slots taken: from claim until the handler returns
-        # How many free slots the loop waits for: a handler that returns wakes it only once
-        # that many are free (each wake-up is a thread switch, and most would find too few).
+        # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
+        self._ready: deque[DeliveryExecution] = deque()
+        # Running mean of handler times (None until one returns): whether to claim ahead.
+        self._handler_seconds: float | None = None
+        # How much room to claim into the loop waits for: a handler that returns wakes it only
+        # once that much is free (each wake-up is a thread switch, and most would find too
+        # little).
         self._slots_wanted = 1
         # Whether the last claim got fewer deliveries than it asked for: then a settle may
         # make more claimable (an Exclusive/Ordered key freed), and wakes the loop.
@@ -271,6 +290,14 @@ class Consumer:
         self._services.stopping.notify()
         if self._thread.is_alive():
             self._thread.join(drain)
+        with self._lock:
+            waiting = list(self._ready)
+            self._ready.clear()
+            for execution in waiting:
+                self._running.pop(execution.key, None)
+        for execution in waiting:
+            # Claimed ahead and never started: back to the queue, attempt refunded.
+            self._release(execution.delivery)
         if not self._wait_idle(drain):
             with self._lock:
                 running = list(self._running.values())
@@ -332,14 +359,14 @@ class Consumer:
         gathered = False
         while not self._stopping.is_set():
             with self._lock:
-                free = self.config.concurrency - self._handlers_running
+                free, capacity = self._room()
                 busy = self._handlers_running > 0
-            if 0 < free < self.config.concurrency / 2 and busy and not gathered:
-                # Only a few slots are free and handlers are finishing: a moment's wait lets
-                # one claim fill many slots instead of many claims filling one each (each claim
-                # is a round trip and a commit).
+            if 0 < free < capacity / 2 and busy and not gathered:
+                # Little room and handlers are finishing: a moment's wait lets one claim fill
+                # much of it instead of many claims filling a slot each (each claim is a round
+                # trip and a commit).
                 gathered = True
-                self._wait_for_slots(math.ceil(self.config.concurrency / 2), GATHER_SECONDS)
+                self._wait_for_slots(math.ceil(capacity / 2), GATHER_SECONDS)
                 continue
             gathered = False
             # Marked before the budget is taken, so a one-shot run never sees the budget spent
@@ -414,13 +441,29 @@ class Consumer:
         with self._lock:
             self._slots_wanted = wanted
             try:
-                while self.config.concurrency - self._handlers_running < wanted:
+                while self._room()[0] < wanted:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 or self._stopping.is_set():
                         return
                     self._lock.wait(remaining)
             finally:
                 self._slots_wanted = 1
+
+    def _room(self) -> tuple[int, int]:
+        """(how many deliveries a claim may take now, the most it could take when all is
+        free); called with the lock held. Past the free slots, room to claim ahead while the
+        running handlers are quick and nobody counts the deliveries (a one-shot run works on
+        what it claims, no more)."""
+        free = self.config.concurrency - self._handlers_running
+        ahead = self.config.prefetch
+        if (
+            ahead <= 0
+            or self.budget is not None
+            or self._handler_seconds is None
+            or self._handler_seconds >= PREFETCH_HANDLER_SECONDS
+        ):
+            ahead = 0
+        return free + max(ahead - len(self._ready), 0), self.config.concurrency + ahead
 
     def _wait(self, seconds: float) -> bool:
         """Sleep until woken (a kick, a freed slot, a stop) or ``seconds`` pass; True on a kick."""
@@ -480,7 +523,14 @@ class Consumer:
         )
         with self._lock:
             self._running[execution.key] = execution
+            if self._handlers_running >= self.config.concurrency:
+                self._ready.append(execution)  # claimed ahead: starts when a slot frees
+                return
             self._handlers_running += 1
+        self._run_in_slot(execution)
+
+    def _run_in_slot(self, execution: DeliveryExecution) -> None:
+        """Hand ``execution``, which holds a slot, to a worker thread."""
         try:
             self._workers.run(self._execute, execution)
         except BaseException as exc:
@@ -489,18 +539,62 @@ class Consumer:
                 self._handlers_running -= 1
             if not isinstance(exc, RuntimeError):
                 raise
-            self._release(delivery)  # the pool is shutting down: hand the delivery back
+            self._release(execution.delivery)  # the pool is shutting down: hand it back
 
-    def _free_slot(self) -> None:
+    def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
+        """A handler returned (on its worker thread): its slot goes to the next delivery
+        claimed ahead, returned for this thread to run next (no hand-off to another thread),
+        else back to the loop."""
+        late: list[DeliveryExecution] = []
         with self._lock:
-            self._handlers_running -= 1
-            wanted = self.config.concurrency - self._handlers_running >= self._slots_wanted
+            previous = self._handler_seconds
+            self._handler_seconds = (
+                handled_seconds
+                if previous is None
+                else previous + HANDLER_TIME_WEIGHT * (handled_seconds - previous)
+            )
+            following = None
+            while self._ready and following is None and not self._stopping.is_set():
+                candidate = self._ready.popleft()
+                if candidate.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE:
+                    following = candidate
+                else:
+                    self._running.pop(candidate.key, None)
+                    late.append(candidate)
+            if following is None:
+                self._handlers_running -= 1
+            wanted = self._room()[0] >= self._slots_wanted
             if wanted:
                 self._lock.notify_all()
+        for execution in late:
+            # Waited so long for a slot that its lease is mostly gone: back to the queue,
+            # attempt refunded, on a background thread (this worker holds no connection).
+            self._settle_elsewhere(lambda delivery=execution.delivery: self._release(delivery))
         if wanted:
             self._wake.set()
+        return following
+
+    def _settle_elsewhere(self, settle: Callable[[], None]) -> None:
+        try:
+            self._background.run(settle)
+        except RuntimeError:  # the pool has stopped: settle here rather than never
+            settle()
 
     def _execute(self, execution: DeliveryExecution) -> None:
+        """Run ``execution`` on this worker thread, then each delivery its slot passes on."""
+        current: DeliveryExecution | None = execution
+        try:
+            while current is not None:
+                self._execute_one(current)
+                current = current.next_in_slot
+        finally:
+            # Settles run on the batcher and the background threads; a worker opens a queue
+            # connection only when its handler renews the lease itself (context.heartbeat()),
+            # or to settle after the background pool stopped. Kept, every one of the 2 x
+            # concurrency workers would come to hold one, idle, for the thread's life.
+            self.receiver.close()
+
+    def _execute_one(self, execution: DeliveryExecution) -> None:
         try:
             execution.run_then(lambda result: self._finish(execution, result))
         except Exception:
@@ -508,12 +602,6 @@ class Consumer:
             self._finish(
                 execution, ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
             )
-        finally:
-            # Settles run on the batcher and the background threads; a worker opens a queue
-            # connection only when its handler renews the lease itself (context.heartbeat()),
-            # or to settle after the background pool stopped. Kept, every one of the 2 x
-            # concurrency workers would come to hold one, idle, for the thread's life.
-            self.receiver.close()
 
     def _finish(self, execution: DeliveryExecution, result: ExecutionResult) -> None:
         """Account for an execution that ended (on its worker, or on the thread that settled

@@ -184,13 +184,16 @@ class DeliveryExecution:
         delivery: ClaimedDelivery,
         plan: SubscriptionPlan,
         services: ExecutionServices,
-        on_handler_done: Callable[[], None] | None = None,
+        on_handler_done: Callable[[float], DeliveryExecution | None] | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
         self.services = services
         self._on_handler_done = on_handler_done
         self.started = False
+        #: What ``on_handler_done`` handed this execution's slot to: the next delivery to run
+        #: on this thread, once this one's settling has been handed on.
+        self.next_in_slot: DeliveryExecution | None = None
         self.signal = AbortSignal()
         self._lock = threading.Lock()
         self._finished = False  # the handler returned and settling began: renewals stop
@@ -301,7 +304,7 @@ class DeliveryExecution:
                     timer.cancel()
             if self._on_handler_done is not None:
                 # The handler's slot is free now; settling goes on without holding it.
-                self._on_handler_done()
+                self.next_in_slot = self._on_handler_done(handled_in)
         return decision
 
     def abort(self, reason: str) -> None:
@@ -377,6 +380,11 @@ class DeliveryExecution:
 
     def _lease_span(self) -> float:
         return self.plan.lease_seconds + self.services.lease_grace_seconds
+
+    def lease_share_left(self) -> float:
+        """The share of the lease not used up yet by the local clock (1.0 just claimed or
+        renewed, 0 or less once it has surely ended in the database)."""
+        return (self._lease_deadline - time.monotonic()) / self._lease_span()
 
     def _arm_horizon(self) -> None:
         # The local horizon aborts the handler even when a renewal call hangs: past it the

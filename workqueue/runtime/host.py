@@ -141,9 +141,25 @@ class HostConfig:
         else 1."""
         if self.concurrency is not None:
             return self.concurrency
+        return max(int(self._entry_for(name).get("concurrency", 1)), 1)
+
+    def prefetch_for(self, name: str) -> int:
+        """How many deliveries past its concurrency the subscription may claim ahead while its
+        handlers are quick: its settings entry's (else the ``*`` entry's) ``prefetch``, else
+        twice its concurrency."""
+        value = self._entry_for(name).get("prefetch")
+        if value is None:
+            return 2 * self.concurrency_for(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise WorkQueueConfigurationError(
+                f"WORKQUEUE['SUBSCRIPTIONS'] gives {name!r} prefetch {value!r}: it must be a "
+                "whole number, 0 or more (0 claims only for free slots)."
+            )
+        return value
+
+    def _entry_for(self, name: str) -> dict[str, Any]:
         configured = {_normalise(e.get("name", "")): e for e in self.subscriptions}
-        entry = configured.get(_normalise(name)) or configured.get(WILDCARD) or {}
-        return max(int(entry.get("concurrency", 1)), 1)
+        return configured.get(_normalise(name)) or configured.get(WILDCARD) or {}
 
 
 def _normalise(name: Any) -> str:
@@ -432,6 +448,7 @@ class Host:
             entry.plan,
             ConsumerConfig(
                 concurrency=entry.concurrency,
+                prefetch=self.config.prefetch_for(entry.name),
                 idle_poll_min_ms=self.config.idle_poll_min_ms,
                 idle_poll_max_ms=self.config.idle_poll_max_ms,
                 shutdown_drain_ms=self.config.shutdown_drain_ms,

@@ -1,0 +1,201 @@
+"""Claiming ahead (``prefetch``): while a subscription's handlers are quick, its claim loop takes
+deliveries past the free slots and starts them as slots free. The concurrency still bounds the
+handlers running at once, slow handlers get no deliveries held for them, a delivery that waited
+too long for a slot goes back to the queue instead of starting on a spent lease, and a shutdown
+hands back what never started, attempts refunded. Against PostgreSQL, hosts in this process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.support.handlers import probe, registry
+from tests.support.hosts import status_of, sub
+from tests.support.waiting import wait_until
+from workqueue import publish, publish_many, transport
+from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.models import Delivery
+from workqueue.runtime import consumer
+from workqueue.runtime.handlers import BaseWorkHandler
+from workqueue.runtime.host import HostConfig
+from workqueue.runtime.outcome import Outcome
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+class OverlapHandler(BaseWorkHandler):
+    """Sleeps ``sleepMs`` and records how many of its calls ran at once, and which ran."""
+
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    ran: list[tuple[int, int]] = []  # (payload n, attempt)
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.running, cls.most, cls.ran = 0, 0, []
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        cls = type(self)
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+            cls.ran.append((message.payload["n"], context.attempt))
+        try:
+            time.sleep(message.payload.get("sleepMs", 0) / 1000)
+        finally:
+            with cls.lock:
+                cls.running -= 1
+        return Outcome.complete()
+
+
+registry.register("t.overlap", OverlapHandler)
+
+
+@pytest.fixture
+def claims(monkeypatch) -> list[int]:
+    """How many deliveries each claim asked for, in order."""
+    asked: list[int] = []
+    receive = transport.Receiver.receive
+
+    def recording(self: transport.Receiver, max_rows: int) -> Any:
+        asked.append(max_rows)
+        return receive(self, max_rows)
+
+    monkeypatch.setattr(transport.Receiver, "receive", recording)
+    OverlapHandler.reset()
+    return asked
+
+
+@pytest.fixture
+def releases(monkeypatch) -> list[str]:
+    """The delivery ids handed back to the queue unrun (attempt refunded), in order."""
+    released: list[str] = []
+    release = transport.Receiver.release
+
+    def recording(self: transport.Receiver, delivery: Any) -> Any:
+        released.append(delivery.delivery_id)
+        return release(self, delivery)
+
+    monkeypatch.setattr(transport.Receiver, "release", recording)
+    return released
+
+
+def _all_completed(subscription: Any, count: int) -> bool:
+    return Delivery.objects.filter(subscription=subscription, status="Completed").count() == count
+
+
+def test_quick_handlers_are_claimed_ahead_yet_never_more_run_at_once_than_the_concurrency(
+    make_host, claims
+):
+    s = sub(handler_key="t.overlap")
+    host = make_host([{"name": s.name, "concurrency": 3, "prefetch": 6}])
+    host.start()
+
+    publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 2}} for n in range(90)])
+
+    wait_until(lambda: _all_completed(s, 90), timeout=30)
+    assert OverlapHandler.most <= 3, f"{OverlapHandler.most} handlers ran at once"
+    assert sorted(OverlapHandler.ran) == [(n, 1) for n in range(90)]
+    assert max(claims) > 3, f"no claim went past the free slots: {claims}"
+
+
+def test_slow_handlers_get_no_deliveries_claimed_ahead_for_them(make_host, claims):
+    s = sub(handler_key="t.overlap")
+    host = make_host([{"name": s.name, "concurrency": 2, "prefetch": 4}])
+    host.start()
+
+    # Slower than PREFETCH_HANDLER_SECONDS: another host could be running what this one held.
+    publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 80}} for n in range(8)])
+
+    wait_until(lambda: _all_completed(s, 8), timeout=30)
+    assert max(claims) <= 2, f"claimed ahead for slow handlers: {claims}"
+    assert OverlapHandler.most == 2
+
+
+def test_a_one_shot_run_claims_only_what_it_works_on(make_host, claims):
+    s = sub(handler_key="t.overlap")
+    publish_many(s.topic.name, [{"payload": {"n": n}} for n in range(12)])
+    host = make_host([{"name": s.name, "concurrency": 2, "prefetch": 8}])
+
+    result = host.run_once(max_deliveries=12, idle_exit_ms=2_000)
+
+    assert result.processed == 12
+    assert max(claims) <= 2, f"a one-shot run claimed ahead: {claims}"
+
+
+def test_a_delivery_whose_lease_ran_down_while_it_waited_goes_back_unrun_attempt_refunded(
+    make_host, claims, releases, monkeypatch
+):
+    # Every delivery claimed ahead counts as late: it must go back, not start.
+    monkeypatch.setattr(consumer, "PREFETCH_MIN_LEASE_SHARE", 1.01)
+    s = sub(handler_key="t.overlap")
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    host.start()
+
+    publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 5}} for n in range(6)])
+
+    wait_until(lambda: _all_completed(s, 6), timeout=30)
+    assert max(claims) > 1, f"nothing was claimed ahead: {claims}"
+    assert releases, "a delivery claimed ahead started on a lease past the limit"
+    # Each ran once, on its first attempt: the hand-backs refunded theirs.
+    assert sorted(OverlapHandler.ran) == [(n, 1) for n in range(6)]
+
+
+def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refunded(
+    make_host, releases, caplog
+):
+    s = sub()
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 3}], shutdown_drain_ms=300)
+    host.start()
+    first = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # the handlers are known to be quick
+    blocker, *waiting = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}]
+            + [{"payload": {"then": "complete"}}] * 3,
+        )
+    ]
+    probe.wait_for(2)
+    wait_until(lambda: all(status_of(m) == "InFlight" for m in waiting))  # claimed ahead
+
+    host.shutdown()
+
+    # Handed back at once: the drain did not wait for deliveries that can no longer start.
+    assert "did not stop" not in caplog.text
+    assert status_of(blocker) == "Completed"
+    for message_id in waiting:
+        row = Delivery.objects.get(message_id=message_id)
+        assert (row.status, row.attempt_count) == ("Pending", 0)
+    assert {r.message_id for r in probe.runs} == {first, blocker}
+    assert len(releases) == 3
+
+
+# -- the setting ----------------------------------------------------------------------------------
+
+
+def test_prefetch_defaults_to_twice_the_concurrency_and_reads_the_named_entry_before_the_wildcard():
+    config = HostConfig(
+        subscriptions=[
+            {"name": "*", "concurrency": 4},
+            {"name": "orders", "concurrency": 2, "prefetch": 0},
+            {"name": "audit", "concurrency": 3, "prefetch": 10},
+        ]
+    )
+    assert config.prefetch_for("payments") == 8
+    assert config.prefetch_for("ORDERS ") == 0
+    assert config.prefetch_for("audit") == 10
+    assert HostConfig(subscriptions=[], concurrency=6).prefetch_for("any") == 12
+
+
+@pytest.mark.parametrize("value", [-1, "8", 2.5, True])
+def test_a_bad_prefetch_names_the_setting_and_what_it_takes(value):
+    config = HostConfig(subscriptions=[{"name": "orders", "prefetch": value}])
+    with pytest.raises(WorkQueueConfigurationError, match=r"SUBSCRIPTIONS.*'orders' prefetch"):
+        config.prefetch_for("orders")
