@@ -17,7 +17,8 @@ class WorkQueueSettings:
     #: Username or e-mail of an existing user that handlers, the sweeper and default publishes
     #: run as. Required to run a host.
     SYSTEM_USER: str = ""
-    #: What a host runs: [{"name": "<subscription or *>", "concurrency": N}, ...].
+    #: What a host runs: [{"name": "<subscription or *>", "concurrency": N}, ...]; an entry may
+    #: add "prefetch": N (deliveries claimed ahead while handlers are quick; default 2 x N).
     SUBSCRIPTIONS: tuple[dict[str, Any], ...] = ({"name": "*", "concurrency": 4},)
     #: Idle back-off bounds between empty claims (milliseconds).
     IDLE_POLL_MIN_MS: int = 250

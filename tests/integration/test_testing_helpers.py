@@ -37,7 +37,9 @@ class Record(BaseWorkHandler):
         if message.payload.get("fail"):
             raise FatalWorkError(message.payload["fail"])
         if message.payload.get("busy"):
-            raise TransientWorkError(message.payload["busy"])
+            # A delay of its own: the subscription's full-jitter backoff may draw 0 seconds,
+            # and the retry would then be due at once even on a TestCase's frozen clock.
+            raise TransientWorkError(message.payload["busy"], retry_after_seconds=60)
         if message.payload.get("then"):
             publish(message.topic, message.payload["then"])
         # A handler's ORM work lands in the test's transaction, like the queue's own rows.
