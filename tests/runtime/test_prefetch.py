@@ -19,7 +19,8 @@ from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.models import Delivery
-from workqueue.runtime import consumer
+from workqueue.runtime import consumer, wakeup
+from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.host import HostConfig
 from workqueue.runtime.outcome import Outcome
@@ -175,6 +176,42 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
         assert (row.status, row.attempt_count) == ("Pending", 0)
     assert {r.message_id for r in probe.runs} == {first, blocker}
     assert len(releases) == 3
+
+
+def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_running(
+    make_host, monkeypatch
+):
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)  # the cancel notification comes at once
+    s = sub(lease_seconds=60)  # heartbeats only every 20 s: the notification tells the host
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    host.start()
+    first = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # the handlers are known to be quick
+    blocker, victim = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}, {"payload": {}}],
+        )
+    ]
+    (running,) = probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    waiting = Delivery.objects.get(message_id=victim)
+
+    transport.discard_or_cancel(str(s.id), str(waiting.id), "ops", "not wanted")
+    claim_loop = host._consumers[s.name]
+    wait_until(
+        lambda: any(
+            e.signal.has(AbortReason.CANCELLED)
+            for e in claim_loop._running.values()
+            if e.delivery.delivery_id == str(waiting.id)
+        )
+    )
+    transport.discard_or_cancel(str(s.id), running.delivery_id, "ops", "unblock")
+
+    wait_until(lambda: status_of(victim) == "Discarded")
+    assert victim not in {r.message_id for r in probe.runs}
+    assert status_of(blocker) == "Discarded"
 
 
 # -- the setting ----------------------------------------------------------------------------------

@@ -292,7 +292,12 @@ class DeliveryExecution:
             )
         began = time.monotonic()
         try:
-            decision = self._call_handler()
+            if self.signal.has(AbortReason.CANCELLED):
+                # Cancelled while it waited for a slot (claimed ahead, or queued for a worker):
+                # the handler never starts, and settling acknowledges the cancel.
+                decision = _Decision(Outcome.COMPLETE)
+            else:
+                decision = self._call_handler()
         finally:
             handled_in = time.monotonic() - began
             metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(handled_in)
