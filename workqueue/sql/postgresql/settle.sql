@@ -28,27 +28,33 @@ $$;
 -- wq_complete_many --
 -- Complete a JSON array of {"delivery_id", "lease_token"} pairs in one statement, each fenced
 -- exactly as wq_complete. Returns the ids that were completed; a missing id lost its lease.
--- The rows are found by primary key (id = ANY), one probe per item: joined to the items alone,
--- the planner may read every InFlight row of every subscription instead.
+-- The statement keeps one plan per session (plan_cache_mode below): re-planned for every batch
+-- of ids, it cost more than completing a batch of eight, on every cycle of every consumer.
+-- That plan must find each item's row by primary key, one probe per item, whatever the
+-- statistics say about InFlight rows (after a burst of claims they say there are none, and a
+-- plan reading wq_dlv_open_ix would then read every InFlight row and every dead entry a busy
+-- table leaves there). So the status fence compares with a variable: a generic plan cannot
+-- match a parameter against the partial indexes' predicates (status = 'InFlight'), which
+-- leaves the primary key as the one index that fits; sequential scans are left aside as in
+-- wq_claim.
 CREATE OR REPLACE FUNCTION wq_complete_many(p_items jsonb)
 RETURNS TABLE (delivery_id uuid)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
-    v_ids uuid[];
+    v_in_flight text := 'InFlight';
 BEGIN
-    SELECT array_agg(i.delivery_id) INTO v_ids
-      FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid);
     RETURN QUERY
     UPDATE workqueue_delivery d
        SET status = 'Completed', completed_at = now(),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
       FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid, lease_token uuid)
-     WHERE d.id = ANY (v_ids)
-       AND d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = 'InFlight'
+     WHERE d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = v_in_flight
        AND d.cancel_requested_at IS NULL
     RETURNING d.id;
 END;

@@ -1,0 +1,25 @@
+"""``wq_complete_many`` keeps one plan per session, which finds each item's row by primary key.
+
+PostgreSQL planned its statement afresh for every batch (a custom plan for each list of ids),
+which cost more than completing a batch of eight, and the plans it made read every InFlight entry
+of ``wq_dlv_open_ix`` beside the primary key. PostgreSQL only; same parameters and results.
+
+Reinstalls the procedures from the current files.
+"""
+
+from django.db import migrations
+
+from workqueue.driver.install import install_procedures_step
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("workqueue", "0022_publish_many_reads_only_ids_it_must"),
+    ]
+
+    operations = [
+        migrations.RunPython(
+            install_procedures_step("0023_batched_completions_keep_their_plan"),
+            migrations.RunPython.noop,
+        ),
+    ]
