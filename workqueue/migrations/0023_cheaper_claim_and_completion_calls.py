@@ -1,9 +1,9 @@
 """Fewer statements and no re-planning in the two calls every consumer makes every cycle.
 
 ``wq_complete_many`` keeps one plan per session, which finds each item's row by primary key:
-PostgreSQL planned its statement afresh for every batch (a custom plan for each list of ids),
-which cost more than completing a batch of eight, and those plans also read every InFlight
-entry of ``wq_dlv_open_ix``. ``wq_claim`` reads the subscription and probes for passed leases
+depending on a session's first batches and the statistics, PostgreSQL either planned its
+statement afresh for every batch (more than completing a batch of eight costs) or kept a plan
+that reads every InFlight entry of ``wq_dlv_open_ix``. ``wq_claim`` reads the subscription and probes for passed leases
 in one statement, and probes priority levels in its own body instead of calling
 ``wq_next_priority`` for each. PostgreSQL only; same parameters and results.
 

@@ -28,15 +28,15 @@ $$;
 -- wq_complete_many --
 -- Complete a JSON array of {"delivery_id", "lease_token"} pairs in one statement, each fenced
 -- exactly as wq_complete. Returns the ids that were completed; a missing id lost its lease.
--- The statement keeps one plan per session (plan_cache_mode below): re-planned for every batch
--- of ids, it cost more than completing a batch of eight, on every cycle of every consumer.
--- That plan must find each item's row by primary key, one probe per item, whatever the
--- statistics say about InFlight rows (after a burst of claims they say there are none, and a
--- plan reading wq_dlv_open_ix would then read every InFlight row and every dead entry a busy
--- table leaves there). So the status fence compares with a variable: a generic plan cannot
--- match a parameter against the partial indexes' predicates (status = 'InFlight'), which
--- leaves the primary key as the one index that fits; sequential scans are left aside as in
--- wq_claim.
+-- The statement keeps one plan per session (plan_cache_mode below). Left to choose, PostgreSQL
+-- either planned it afresh for every batch (about 0.3 ms of backend CPU per call, more than
+-- completing eight deliveries) or settled, depending on a session's first batches and the
+-- statistics, on a plan that reads wq_dlv_open_ix for every InFlight entry of every
+-- subscription, and every dead entry a busy table leaves there. The plan it keeps finds each
+-- item's row by primary key, one probe per item, whatever the statistics say: the status
+-- fence compares with a variable, which a generic plan cannot match against the partial
+-- indexes' predicates (status = 'InFlight'), so the primary key is the one index that fits;
+-- sequential scans are left aside as in wq_claim.
 CREATE OR REPLACE FUNCTION wq_complete_many(p_items jsonb)
 RETURNS TABLE (delivery_id uuid)
 LANGUAGE plpgsql
