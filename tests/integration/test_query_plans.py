@@ -106,6 +106,49 @@ def test_a_subscription_owning_the_table_claims_through_its_index_call_after_cal
         assert "Seq Scan on workqueue_delivery" not in plans, f"call {call + 1}:\n{plans}"
 
 
+def test_batched_completions_probe_each_row_by_primary_key_call_after_call(pg_conn):
+    # Statistics taken before a burst of claims: the planner believes nothing is InFlight, and
+    # a plan free to read wq_dlv_open_ix (or wq_dlv_lease_ix) for the status fence would read
+    # every InFlight row of every subscription on every call. wq_complete_many keeps one plan
+    # per session, so it must be a probe of the primary key per item from the first call on.
+    # Seen failing with the status fence compared with the literal 'InFlight' (custom plans
+    # and-ed the primary key with wq_dlv_open_ix and read all 20,000 entries).
+    subscription = SubscriptionFactory(topic=TopicFactory())
+    seed_deliveries(pg_conn, subscription, 20_000)
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    pg_conn.execute(
+        "UPDATE workqueue_delivery SET status = 'InFlight', attempt_count = 1, "
+        "lease_owner = 'elsewhere', lease_token = gen_random_uuid(), "
+        "lease_expires_at = now() + interval '1 hour' WHERE subscription_id = %s",
+        [subscription.id],
+    )
+    held = pg_conn.execute(
+        "SELECT id::text, lease_token::text FROM workqueue_delivery WHERE subscription_id = %s "
+        "ORDER BY id LIMIT 17",
+        [subscription.id],
+    ).fetchall()
+    stale = held.pop()
+
+    for call in range(8):  # past the five custom plans PostgreSQL makes before a generic one
+        # Two held deliveries each call (completed), and one stale token (left alone).
+        batch = held[2 * call : 2 * call + 2]
+        items = [{"delivery_id": d, "lease_token": t} for d, t in batch]
+        items.append({"delivery_id": stale[0], "lease_token": str(uuid.uuid4())})
+        plans = _nested_plans(pg_conn, "wq_complete_many", {"items": items}, analyze=True)
+        assert "workqueue_delivery_pkey" in plans, f"call {call + 1}:\n{plans}"
+        assert max(_rows_read(plans)) <= len(items), f"call {call + 1}:\n{plans}"
+        completed = pg_conn.execute(
+            "SELECT count(*) FROM workqueue_delivery WHERE id = ANY (%s::uuid[]) "
+            "AND status = 'Completed'",
+            [[d for d, _ in batch]],
+        ).fetchone()[0]
+        assert completed == 2, f"call {call + 1}"
+    [(stale_status,)] = pg_conn.execute(
+        "SELECT status FROM workqueue_delivery WHERE id = %s", [stale[0]]
+    ).fetchall()
+    assert stale_status == "InFlight"
+
+
 HOT_BACKLOG = 20_000
 
 

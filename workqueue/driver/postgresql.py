@@ -447,8 +447,10 @@ class PostgresDriver(BaseDriver):
         if connection is not None or routed_to_django_connection(self.alias):
             return super().execute(sql, values, connection)
         # The private path talks to psycopg directly: Django's cursor wrapper (debug logging,
-        # client-side binding) costs more per call than a settle itself, and psycopg prepares
-        # statements it sees repeatedly.
+        # client-side binding) costs more per call than a settle itself. psycopg prepares
+        # statements it sees repeatedly only when the alias's OPTIONS set prepare_threshold
+        # (Django leaves it off for PgBouncer's sake; README, PgBouncer): unprepared, every call
+        # is parsed and planned again, about 0.1 ms of backend CPU per claim or completion.
         import psycopg
 
         owned = getattr(self._local, "raw", None)

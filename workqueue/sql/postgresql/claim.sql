@@ -96,9 +96,10 @@ $$;
 -- wq_next_priority --
 -- The highest priority below p_below among the subscription's Pending deliveries, keyed
 -- (p_keyed) or keyless, or NULL: one backward probe of wq_dlv_claim_keyed_pri_ix or
--- wq_dlv_claim_keyless_pri_ix. wq_claim visits the priorities present this way, each as a range
--- of rows already due, so rows scheduled for later are never read, however many there are.
--- Pass 101 for the highest of all. Called only by the procedures, like wq_next_open_key.
+-- wq_dlv_claim_keyless_pri_ix. wq_claim visits the priorities present this way (with the same
+-- probes written out in its body), each as a range of rows already due, so rows scheduled for
+-- later are never read, however many there are. Pass 101 for the highest of all. Called only
+-- by the procedures, like wq_next_open_key.
 CREATE OR REPLACE FUNCTION wq_next_priority(
     p_subscription_id uuid, p_keyed boolean, p_below integer
 )
@@ -199,13 +200,16 @@ DECLARE
     v_lease interval;
     v_picked tid[];
 BEGIN
-    -- A cheap probe of the lease index first: most claims find no passed lease, and then the
-    -- expiry statement (row locks, a write) is skipped.
-    IF EXISTS (
-        SELECT 1 FROM workqueue_delivery x
-         WHERE x.status = 'InFlight' AND x.lease_expires_at < now()
-           AND x.subscription_id = p_subscription_id
-    ) THEN
+    -- The subscription, and a cheap probe of the lease index in the same statement: most
+    -- claims find no passed lease, and then the expiry statement (row locks, a write) is
+    -- skipped. Passed leases expire whatever the subscription's status.
+    SELECT s.partition_mode, s.lease_seconds, s.status,
+           EXISTS (SELECT 1 FROM workqueue_delivery x
+                    WHERE x.status = 'InFlight' AND x.lease_expires_at < now()
+                      AND x.subscription_id = p_subscription_id) AS leases_passed
+      INTO v_sub
+      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+    IF v_sub.leases_passed THEN
         RETURN QUERY
         SELECT 'ExpiredDeadLetter'::text, e.delivery_id, NULL::uuid, NULL::timestamptz,
                NULL::integer, NULL::boolean, NULL::uuid, NULL::uuid, e.partition_key,
@@ -213,10 +217,8 @@ BEGIN
           FROM wq_expire_leases(p_subscription_id, 500) e
          WHERE e.new_status = 'DeadLettered';
     END IF;
-
-    SELECT s.partition_mode, s.lease_seconds, s.status INTO v_sub
-      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
-    IF NOT FOUND OR v_sub.status <> 'Active' OR p_max_rows < 1 THEN
+    -- (status is never NULL: NULL here means no such subscription.)
+    IF v_sub.status IS DISTINCT FROM 'Active' OR p_max_rows < 1 THEN
         RETURN;
     END IF;
     v_lease := make_interval(secs => v_sub.lease_seconds);
@@ -229,7 +231,12 @@ BEGIN
         v_level := 101;
         LOOP
             EXIT WHEN v_window_taken >= v_window_size;
-            v_level := wq_next_priority(p_subscription_id, true, v_level);
+            -- wq_next_priority's keyed probe, written out: a nested PL/pgSQL call adds its
+            -- own set-up to every level a claim visits.
+            v_level := (SELECT k.priority FROM workqueue_delivery k
+                         WHERE k.subscription_id = p_subscription_id AND k.status = 'Pending'
+                           AND k.partition_key IS NOT NULL AND k.priority < v_level
+                         ORDER BY k.priority DESC LIMIT 1);
             EXIT WHEN v_level IS NULL;
             SELECT coalesce(array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
                             '{}'),
@@ -382,7 +389,11 @@ BEGIN
     v_level := 101;
     LOOP
         EXIT WHEN v_remaining <= 0;
-        v_level := wq_next_priority(p_subscription_id, false, v_level);
+        -- wq_next_priority's keyless probe, written out (see the window above).
+        v_level := (SELECT k.priority FROM workqueue_delivery k
+                     WHERE k.subscription_id = p_subscription_id AND k.status = 'Pending'
+                       AND k.partition_key IS NULL AND k.priority < v_level
+                     ORDER BY k.priority DESC LIMIT 1);
         EXIT WHEN v_level IS NULL;
         v_picked := ARRAY(
             SELECT p.ctid
