@@ -569,16 +569,10 @@ class Consumer:
         for execution in late:
             # Waited so long for a slot that its lease is mostly gone: back to the queue,
             # attempt refunded, on a background thread (this worker holds no connection).
-            self._settle_elsewhere(lambda delivery=execution.delivery: self._release(delivery))
+            self._background.run_or_call(self._release, execution.delivery)
         if wanted:
             self._wake.set()
         return following
-
-    def _settle_elsewhere(self, settle: Callable[[], None]) -> None:
-        try:
-            self._background.run(settle)
-        except RuntimeError:  # the pool has stopped: settle here rather than never
-            settle()
 
     def _execute(self, execution: DeliveryExecution) -> None:
         """Run ``execution`` on this worker thread, then each delivery its slot passes on."""

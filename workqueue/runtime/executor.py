@@ -259,10 +259,7 @@ class DeliveryExecution:
             if isinstance(outcome, SettleResult) and outcome.settled:
                 finish(ExecutionResult(ExecutionResult.SETTLED, outcome.status))
                 return
-            try:
-                self.services.background.submit(settle_alone)
-            except RuntimeError:  # the pool has shut down: settle here rather than never
-                settle_alone()
+            self.services.background.run_or_call(settle_alone)
 
         if not complete_later(self.delivery, settled):
             settle_alone()

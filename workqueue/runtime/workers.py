@@ -57,6 +57,14 @@ class WorkerPool:
                 raise RuntimeError("the worker pool is shut down")
             self._queue.put((fn, args, None))
 
+    def run_or_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``run``, or once the pool is shut down ``fn(*args)`` on the calling thread: for work
+        that must happen either way (a settle), rather than never."""
+        try:
+            self.run(fn, *args)
+        except RuntimeError:
+            fn(*args)
+
     def shutdown(self) -> None:
         """Stop taking work; tasks not yet started are cancelled, running ones finish (the
         threads do not block interpreter exit). Safe to call twice."""
