@@ -18,7 +18,8 @@ class WorkQueueSettings:
     #: run as. Required to run a host.
     SYSTEM_USER: str = ""
     #: What a host runs: [{"name": "<subscription or *>", "concurrency": N}, ...]; an entry may
-    #: add "prefetch": N (deliveries claimed ahead while handlers are quick; default 2 x N).
+    #: add "prefetch": N (at most N deliveries claimed ahead while handlers are quick;
+    #: default 256).
     SUBSCRIPTIONS: tuple[dict[str, Any], ...] = ({"name": "*", "concurrency": 4},)
     #: Idle back-off bounds between empty claims (milliseconds).
     IDLE_POLL_MIN_MS: int = 250

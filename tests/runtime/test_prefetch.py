@@ -118,6 +118,20 @@ def test_slow_handlers_get_no_deliveries_claimed_ahead_for_them(make_host, claim
     assert OverlapHandler.most == 2
 
 
+def test_no_more_is_claimed_ahead_than_the_handlers_get_through_in_the_window(make_host, claims):
+    s = sub(handler_key="t.overlap")
+    host = make_host([{"name": s.name, "concurrency": 2, "prefetch": 50}])
+    host.start()
+
+    # 10 ms handlers, quick enough to claim ahead for; two slots get through 4 of them in the
+    # 20 ms window (PREFETCH_WINDOW_SECONDS), and sleeps run long, so at most 3 past the slots.
+    publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 10}} for n in range(60)])
+
+    wait_until(lambda: _all_completed(s, 60), timeout=30)
+    assert 2 < max(claims) <= 2 + 4, f"claims past the window's worth: {claims}"
+    assert OverlapHandler.most == 2
+
+
 def test_a_one_shot_run_claims_only_what_it_works_on(make_host, claims):
     s = sub(handler_key="t.overlap")
     publish_many(s.topic.name, [{"payload": {"n": n}} for n in range(12)])
@@ -217,18 +231,18 @@ def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_ru
 # -- the setting ----------------------------------------------------------------------------------
 
 
-def test_prefetch_defaults_to_twice_the_concurrency_and_reads_the_named_entry_before_the_wildcard():
+def test_prefetch_defaults_to_256_and_reads_the_named_entry_before_the_wildcard():
     config = HostConfig(
         subscriptions=[
-            {"name": "*", "concurrency": 4},
+            {"name": "*", "concurrency": 4, "prefetch": 7},
             {"name": "orders", "concurrency": 2, "prefetch": 0},
             {"name": "audit", "concurrency": 3, "prefetch": 10},
         ]
     )
-    assert config.prefetch_for("payments") == 8
+    assert config.prefetch_for("payments") == 7
     assert config.prefetch_for("ORDERS ") == 0
     assert config.prefetch_for("audit") == 10
-    assert HostConfig(subscriptions=[], concurrency=6).prefetch_for("any") == 12
+    assert HostConfig(subscriptions=[], concurrency=6).prefetch_for("any") == 256
 
 
 @pytest.mark.parametrize("value", [-1, "8", 2.5, True])

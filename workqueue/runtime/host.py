@@ -26,6 +26,7 @@ from workqueue.conf import WorkQueueSettings, get_settings
 from workqueue.driver import get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.consumer import (
+    DEFAULT_PREFETCH,
     Consumer,
     ConsumerConfig,
     RunBudget,
@@ -146,10 +147,11 @@ class HostConfig:
     def prefetch_for(self, name: str) -> int:
         """How many deliveries past its concurrency the subscription may claim ahead while its
         handlers are quick: its settings entry's (else the ``*`` entry's) ``prefetch``, else
-        twice its concurrency."""
+        DEFAULT_PREFETCH (the claim loop also holds it to what the handlers get through in a
+        few milliseconds, see ``consumer.PREFETCH_WINDOW_SECONDS``)."""
         value = self._entry_for(name).get("prefetch")
         if value is None:
-            return 2 * self.concurrency_for(name)
+            return DEFAULT_PREFETCH
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise WorkQueueConfigurationError(
                 f"WORKQUEUE['SUBSCRIPTIONS'] gives {name!r} prefetch {value!r}: it must be a "
