@@ -46,8 +46,9 @@ class AbortSignal:
             return self._reasons[0] if self._reasons else None
 
     def has(self, reason: str) -> bool:
-        with self._lock:
-            return reason in self._reasons
+        # No lock: reasons are only ever appended (under the lock), and reading a list while
+        # another thread appends is safe; the runtime asks this several times per delivery.
+        return reason in self._reasons
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until aborted or ``timeout`` seconds pass; True when aborted."""

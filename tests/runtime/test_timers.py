@@ -1,0 +1,81 @@
+"""The timer thread every running delivery's heartbeats, lease horizons and time caps share.
+
+Timers are scheduled without a lock (they queue for the thread, which wakes only for a deadline
+earlier than the one it sleeps towards), so the tests race many scheduling threads against a
+thread asleep towards a far deadline: a lost wake-up shows as a timer firing a minute late.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from tests.support.waiting import wait_until
+from workqueue.runtime.timers import TimerQueue
+
+
+def test_a_timer_due_before_the_one_the_thread_sleeps_towards_fires_on_time():
+    timers = TimerQueue("test-timers")
+    try:
+        timers.schedule(60, lambda: None)
+        time.sleep(0.05)  # the thread is asleep towards the 60 s deadline
+        fired = threading.Event()
+        began = time.monotonic()
+        timers.schedule(0.02, fired.set)
+        assert fired.wait(5), "the earlier timer did not wake the thread"
+        assert time.monotonic() - began >= 0.02
+    finally:
+        timers.stop()
+
+
+def test_cancelled_timers_never_fire_and_live_ones_behind_them_do():
+    timers = TimerQueue("test-timers")
+    try:
+        fired: list[str] = []
+        for n in range(100):
+            timers.schedule(0.01, lambda n=n: fired.append(f"cancelled {n}")).cancel()
+        timers.schedule(0.03, lambda: fired.append("live"))
+        wait_until(lambda: fired, timeout=5)
+        time.sleep(0.05)
+        assert fired == ["live"]
+    finally:
+        timers.stop()
+
+
+def test_no_timer_is_lost_while_many_threads_schedule_against_a_sleeping_thread():
+    timers = TimerQueue("test-timers")
+    try:
+        timers.schedule(60, lambda: None)  # what the thread sleeps towards between the others
+        per_thread, threads = 500, 4
+        fired = threading.Semaphore(0)
+        late: list[float] = []
+
+        def schedule_many(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(per_thread):
+                delay = rng.choice([0.0, 0.001, 0.005, 0.02, 30.0])
+                due = time.monotonic() + delay
+
+                def fire(due: float = due) -> None:
+                    if time.monotonic() - due > 2:
+                        late.append(time.monotonic() - due)
+                    fired.release()
+
+                timer = timers.schedule(delay, fire)
+                if delay == 30.0:
+                    timer.cancel()  # as a delivery's heartbeat is, once its handler returns
+                    fired.release()
+                if rng.random() < 0.05:
+                    time.sleep(0.002)  # let the thread go back to sleep now and then
+
+        workers = [threading.Thread(target=schedule_many, args=(n,)) for n in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        for _ in range(per_thread * threads):
+            assert fired.acquire(timeout=10), "a timer never fired: its wake-up was lost"
+        assert not late, f"timers fired late by {max(late):.1f} s"
+    finally:
+        timers.stop()
