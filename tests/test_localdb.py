@@ -157,6 +157,20 @@ def postmaster_port(cluster: Path) -> int:
     return int((cluster / "data" / "postmaster.pid").read_text().splitlines()[3])
 
 
+def test_the_server_keeps_durability_and_is_sized_for_a_queues_writes(cluster_dir: Path) -> None:
+    url = localdb.ensure_running()
+    names = ["fsync", "synchronous_commit", "full_page_writes", "max_wal_size", "shared_buffers"]
+    with psycopg.connect(url, connect_timeout=10) as conn:
+        shown = {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in names}
+    assert shown == {
+        "fsync": "on",
+        "synchronous_commit": "on",
+        "full_page_writes": "on",
+        "max_wal_size": "4GB",
+        "shared_buffers": "256MB",
+    }
+
+
 def test_the_server_refuses_tcp_connections(cluster_dir: Path) -> None:
     url = localdb.ensure_running()
     user = environ.Env.db_url_config(url)["USER"]
