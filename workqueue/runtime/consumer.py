@@ -475,12 +475,10 @@ class Consumer:
         ):
             ahead = 0
         else:
-            window = concurrency * PREFETCH_WINDOW_SECONDS
-            ahead = (
-                self.config.prefetch
-                if handler_seconds * self.config.prefetch <= window
-                else int(window / handler_seconds)
-            )
+            ahead = self.config.prefetch
+            window = concurrency * PREFETCH_WINDOW_SECONDS  # handler-seconds the slots give
+            if handler_seconds * ahead > window:
+                ahead = int(window / handler_seconds)
         return free + max(ahead - len(self._ready), 0), concurrency + ahead
 
     def _wait(self, seconds: float) -> bool:
