@@ -19,7 +19,7 @@ class WorkQueueSettings:
     SYSTEM_USER: str = ""
     #: What a host runs: [{"name": "<subscription or *>", "concurrency": N}, ...]; an entry may
     #: add "prefetch": N (at most N deliveries claimed ahead while handlers are quick;
-    #: default 256).
+    #: default 256, or as many of the topic's largest messages as fit in 32 MiB).
     SUBSCRIPTIONS: tuple[dict[str, Any], ...] = ({"name": "*", "concurrency": 4},)
     #: Idle back-off bounds between empty claims (milliseconds).
     IDLE_POLL_MIN_MS: int = 250

@@ -24,6 +24,7 @@ from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.host import HostConfig
 from workqueue.runtime.outcome import Outcome
+from workqueue.types import MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -231,22 +232,29 @@ def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_ru
 # -- the setting ----------------------------------------------------------------------------------
 
 
-def test_prefetch_defaults_to_256_and_reads_the_named_entry_before_the_wildcard():
+def test_prefetch_reads_the_named_entry_before_the_wildcard_whatever_the_message_size():
     config = HostConfig(
         subscriptions=[
             {"name": "*", "concurrency": 4, "prefetch": 7},
             {"name": "orders", "concurrency": 2, "prefetch": 0},
-            {"name": "audit", "concurrency": 3, "prefetch": 10},
+            {"name": "audit", "concurrency": 3, "prefetch": 300},
         ]
     )
-    assert config.prefetch_for("payments") == 7
-    assert config.prefetch_for("ORDERS ") == 0
-    assert config.prefetch_for("audit") == 10
-    assert HostConfig(subscriptions=[], concurrency=6).prefetch_for("any") == 256
+    assert config.prefetch_for("payments", 1024) == 7
+    assert config.prefetch_for("ORDERS ", 1024) == 0
+    assert config.prefetch_for("audit", MAX_PAYLOAD_BYTES) == 300  # set: the operator's call
+
+
+def test_by_default_what_is_claimed_ahead_holds_at_most_32_mib_of_the_topics_largest_messages():
+    config = HostConfig(subscriptions=[], concurrency=6)
+    assert config.prefetch_for("any", 1024) == 256
+    assert config.prefetch_for("any", 131_072) == 256
+    assert config.prefetch_for("any", MAX_PAYLOAD_BYTES) == 128  # the topics' default
+    assert config.prefetch_for("any", 200_000) == 167
 
 
 @pytest.mark.parametrize("value", [-1, "8", 2.5, True])
 def test_a_bad_prefetch_names_the_setting_and_what_it_takes(value):
     config = HostConfig(subscriptions=[{"name": "orders", "prefetch": value}])
     with pytest.raises(WorkQueueConfigurationError, match=r"SUBSCRIPTIONS.*'orders' prefetch"):
-        config.prefetch_for("orders")
+        config.prefetch_for("orders", 1024)

@@ -48,10 +48,13 @@ PREFETCH_HANDLER_SECONDS = 0.05
 #: busy server's slower one), never so much that a delivery claimed ahead waits long for its
 #: slot while another host has none.
 PREFETCH_WINDOW_SECONDS = 0.02
-#: ``prefetch`` unless a subscription's settings entry gives one. Claims of a few hundred cost
-#: the database about half as much per delivery as claims of a few (measured in
-#: bench/drain.py); the window keeps the wait of each one short whatever the count.
+#: ``prefetch`` unless a subscription's settings entry gives one (see default_prefetch). Claims
+#: of a few hundred cost the database about half as much per delivery as claims of a few
+#: (measured in bench/drain.py); the window keeps the wait of each one short whatever the count.
 DEFAULT_PREFETCH = 256
+#: Deliveries claimed ahead hold their messages in the host's memory: by default no more of
+#: them than this many bytes' worth of the topic's largest messages.
+PREFETCH_MAX_BYTES = 32 * 1024 * 1024
 #: A delivery claimed ahead starts only while at least this share of its lease is left (else it
 #: goes back to the queue, its attempt refunded): a handler never starts on a lease about to end.
 PREFETCH_MIN_LEASE_SHARE = 0.5
@@ -59,6 +62,13 @@ PREFETCH_MIN_LEASE_SHARE = 0.5
 HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
 RESTART_MAX_SECONDS = 30.0
+
+
+def default_prefetch(max_payload_bytes: int) -> int:
+    """How many deliveries a subscription whose settings entry gives no ``prefetch`` may claim
+    ahead: DEFAULT_PREFETCH, or fewer when that many of its topic's largest messages would hold
+    more than PREFETCH_MAX_BYTES (128 at the 256 KiB default ``max_payload_bytes``)."""
+    return min(DEFAULT_PREFETCH, PREFETCH_MAX_BYTES // max_payload_bytes)
 
 
 def restart_delay_seconds(failures_in_a_row: int) -> float:

@@ -26,10 +26,10 @@ from workqueue.conf import WorkQueueSettings, get_settings
 from workqueue.driver import get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.consumer import (
-    DEFAULT_PREFETCH,
     Consumer,
     ConsumerConfig,
     RunBudget,
+    default_prefetch,
     restart_delay_seconds,
 )
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
@@ -144,14 +144,15 @@ class HostConfig:
             return self.concurrency
         return max(int(self._entry_for(name).get("concurrency", 1)), 1)
 
-    def prefetch_for(self, name: str) -> int:
+    def prefetch_for(self, name: str, max_payload_bytes: int) -> int:
         """How many deliveries past its concurrency the subscription may claim ahead while its
-        handlers are quick: its settings entry's (else the ``*`` entry's) ``prefetch``, else
-        DEFAULT_PREFETCH (the claim loop also holds it to what the handlers get through in a
-        few milliseconds, see ``consumer.PREFETCH_WINDOW_SECONDS``)."""
+        handlers are quick: its settings entry's (else the ``*`` entry's) ``prefetch``, else as
+        many as its topic's largest messages (``max_payload_bytes``) allow by default (see
+        ``consumer.default_prefetch``; the claim loop also holds it to what the handlers get
+        through in a few milliseconds, ``consumer.PREFETCH_WINDOW_SECONDS``)."""
         value = self._entry_for(name).get("prefetch")
         if value is None:
-            return DEFAULT_PREFETCH
+            return default_prefetch(max_payload_bytes)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise WorkQueueConfigurationError(
                 f"WORKQUEUE['SUBSCRIPTIONS'] gives {name!r} prefetch {value!r}: it must be a "
@@ -450,7 +451,7 @@ class Host:
             entry.plan,
             ConsumerConfig(
                 concurrency=entry.concurrency,
-                prefetch=self.config.prefetch_for(entry.name),
+                prefetch=self.config.prefetch_for(entry.name, entry.plan.max_payload_bytes),
                 idle_poll_min_ms=self.config.idle_poll_min_ms,
                 idle_poll_max_ms=self.config.idle_poll_max_ms,
                 shutdown_drain_ms=self.config.shutdown_drain_ms,

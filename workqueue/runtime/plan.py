@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from workqueue.types import MAX_PAYLOAD_BYTES
+
 logger = logging.getLogger(__name__)
 
 # (subscription id, filter) pairs already reported as invalid by this process: a host re-plans
@@ -35,6 +37,8 @@ class SubscriptionPlan:
     rate_limited: bool
     #: The subscription's transport (``Transport.driver_class``): where its consumer claims.
     driver_class: str = "Database"
+    #: The topic's largest message: what deliveries claimed ahead may hold in memory each.
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES
 
     @classmethod
     def from_subscription(cls, subscription: Any) -> SubscriptionPlan:
@@ -54,6 +58,7 @@ class SubscriptionPlan:
             max_processing_seconds=subscription.max_processing_seconds,
             rate_limited=subscription.rate_limit_per_second is not None,
             driver_class=subscription.topic.transport.driver_class,
+            max_payload_bytes=subscription.topic.max_payload_bytes,
         )
 
     @property
