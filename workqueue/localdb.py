@@ -72,7 +72,7 @@ MAX_CONNECTIONS = 200
 # A queue writes WAL fast: with PostgreSQL's 1 GB max_wal_size a busy queue checkpointed every
 # half minute, and every page first touched after a checkpoint went to the WAL whole (a
 # 1,000,000-delivery backlog drained at about two thirds of a small one's rate; with these, at
-# 80-95 %). Neither setting weakens durability; see "PostgreSQL settings for a queue" in the
+# 79-100 %). Neither setting weakens durability; see "PostgreSQL settings for a queue" in the
 # README for servers the project does not run.
 SERVER_SETTINGS = {"shared_buffers": "256MB", "max_wal_size": "4GB"}
 # Only names the socket file in the private socket folder: the server opens no TCP port.
