@@ -524,6 +524,16 @@ def test_an_exclusive_subscription_runs_one_message_per_key_at_a_time(aws):
     assert [d.payload for d in holder.receive(10).deliveries] == [1]
 
 
+def test_an_exclusive_claim_makes_at_most_ten_receive_calls_however_far_ahead_it_claims(aws):
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    publish_many(subscription.topic, [{"payload": n, "partition_key": f"k{n}"} for n in range(15)])
+    holder = receiver(subscription)
+
+    first = holder.receive(200).deliveries  # as a host claiming ahead asks
+    assert len(first) == 10
+    assert len(holder.receive(200).deliveries) == 5
+
+
 def test_an_ordered_subscription_on_aws_is_planned_unsupported_naming_the_capability(aws):
     subscription = SubscriptionFactory(topic=TopicFactory(transport=aws), partition_mode="Ordered")
 
