@@ -475,14 +475,12 @@ class AwsReceiver:
 
         On an Exclusive subscription one message per call: SQS FIFO returns several messages of
         one group in one answer, and they must not run at once. A later call returns no message
-        of a group with one in flight. So an Exclusive claim makes at most SQS_BATCH_MAX calls,
-        the messages of one batch call on a standard queue: a host claiming far ahead (see
-        ``consumer.DEFAULT_PREFETCH``) would otherwise hold the first messages it received
-        through a hundred more calls before any of them could start."""
-        if self.binding.exclusive:
-            per_call, wanted = 1, min(wanted, SQS_BATCH_MAX)
-        else:
-            per_call = SQS_BATCH_MAX
+        of a group with one in flight. Either way a claim takes at most SQS_BATCH_MAX messages
+        (one batch call's worth): a host claiming far ahead (see ``consumer.DEFAULT_PREFETCH``)
+        would otherwise hold the first messages of an Exclusive claim through a hundred more
+        calls before any of them could start."""
+        wanted = min(wanted, SQS_BATCH_MAX)
+        per_call = 1 if self.binding.exclusive else wanted
         wait = RECEIVE_WAIT_SECONDS
         while wanted > 0:
             started = time.monotonic()
