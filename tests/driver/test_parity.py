@@ -41,6 +41,8 @@ SQL_ROOT = Path(__file__).resolve().parents[2] / "workqueue" / "sql"
 VENDOR_ONLY_HELPERS = {
     "postgresql": {
         "wq_topic_channel": "LISTEN/NOTIFY channel name; SQL Server has no NOTIFY (consumers poll)",
+        "wq_new_id": "time-ordered (version 7) ids for the rows the procedures create; the T-SQL "
+        "keeps NEWID() until a SQL Server can test a version 7 id built in T-SQL",
         "wq_publish_items": "wq_publish_many's per-item checks as rows, for its set-based "
         "INSERTs; the T-SQL wq_publish_many runs wq_publish_one per item instead",
         "wq_settle_expired_leases": "takes a uuid[] of rows its callers locked; T-SQL has no "

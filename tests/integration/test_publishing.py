@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
-from workqueue.models import Delivery, Message, Topic
+from workqueue.models import Deduplication, Delivery, Message, Topic
 from workqueue.transport import Receiver
 from workqueue.types import MAX_PAYLOAD_BYTES
 
@@ -118,3 +120,31 @@ def test_the_procedure_still_applies_the_topics_limit_when_given_only_the_name()
     result = publish(topic.name, "x" * 100)
 
     assert result.status == "Rejected" and result.error.code == "PayloadTooLarge"
+
+
+def test_the_ids_a_publish_creates_are_time_ordered():
+    # Message, delivery and deduplication ids are UUIDs of version 7, so rows created together
+    # sit together at the right-hand edge of their indexes (issue 12: a random id per row cost
+    # a random index page per insert).
+    sub = SubscriptionFactory()
+    first = publish(sub.topic.name, {"n": 0}, deduplication_key="once")
+    time.sleep(0.003)
+    batch = publish_many(sub.topic.name, [{"payload": {"n": 1}}, {"payload": {"n": 2}}])
+    time.sleep(0.003)
+    last = publish(sub.topic.name, {"n": 3})
+    published = [first, *batch, last]
+    assert all(r.accepted for r in published)
+
+    rows = list(
+        Delivery.objects.filter(subscription=sub)
+        .order_by("order_key")
+        .values_list("id", "message_id")
+    )
+    assert [str(message_id) for _, message_id in rows] == [r.message_id for r in published]
+    message_ids = [message_id for _, message_id in rows]
+    delivery_ids = [delivery_id for delivery_id, _ in rows]
+    (ledger_id,) = Deduplication.objects.filter(topic=sub.topic).values_list("id", flat=True)
+    assert {i.version for i in [*message_ids, *delivery_ids, ledger_id]} == {7}
+    for ids in (message_ids, delivery_ids):
+        # Within one call two ids may share a millisecond; across the sleeps they sort in order.
+        assert ids[0] < min(ids[1:3]) and max(ids[1:3]) < ids[3]

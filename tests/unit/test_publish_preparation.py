@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import time
 import uuid
 from typing import Any
 
@@ -56,13 +57,20 @@ def test_the_envelope_size_is_the_utf8_length_of_the_canonical_envelope(fields):
     assert prepared["envelope_bytes"] == canonical_envelope_bytes(message, prepared["payload_ref"])
 
 
-def test_generated_message_ids_are_distinct_random_uuids_in_canonical_text():
+def test_generated_message_ids_are_distinct_time_ordered_uuids_in_canonical_text():
+    before_ms = time.time_ns() // 1_000_000
     ids = [
         _prepare(OutgoingMessage(payload=n), _SizeLimit.of(None))["message_id"] for n in range(2000)
     ]
+    after_ms = time.time_ns() // 1_000_000
     assert len(set(ids)) == len(ids)
     for text in ids:
         parsed = uuid.UUID(text)
         assert str(parsed) == text  # lower case, hyphenated: the form the database returns
-        assert parsed.version == 4
+        assert parsed.version == 7
         assert parsed.variant == uuid.RFC_4122
+        # The first 48 bits are the time it was made, in Unix milliseconds.
+        assert before_ms <= parsed.int >> 80 <= after_ms
+    # Ids made in different milliseconds sort in the order they were made.
+    stamps = [uuid.UUID(text).int >> 80 for text in ids]
+    assert stamps == sorted(stamps)

@@ -10,7 +10,6 @@ policy or status: a result's status is its delivery's.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +20,7 @@ from django.utils import timezone
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
+from workqueue.ids import new_message_id
 from workqueue.tasks import api
 from workqueue.tasks.messages import (
     HANDLER_KEY,
@@ -97,7 +97,8 @@ class WorkQueueBackend(api.BaseTaskBackend):
         )
         require_json_round_trip(message.args, "args")
         require_json_round_trip(message.kwargs, "kwargs")
-        result_id = str(uuid.uuid4())
+        # The task's result id is its message's id: time-ordered, like every message id.
+        result_id = new_message_id()
         published = self._publish(message, result_id)
         if published.error is not None and published.error.code == (
             PublishErrorCode.TOPIC_NOT_FOUND
