@@ -41,6 +41,10 @@ SQL_ROOT = Path(__file__).resolve().parents[2] / "workqueue" / "sql"
 VENDOR_ONLY_HELPERS = {
     "postgresql": {
         "wq_topic_channel": "LISTEN/NOTIFY channel name; SQL Server has no NOTIFY (consumers poll)",
+        "wq_guard_subscription_delete": "a trigger function; the T-SQL guard is the trigger "
+        "wq_subscription_delete_guard itself (see test_both_vendors_guard_topology_deletes)",
+        "wq_guard_topic_delete": "a trigger function; the T-SQL guard is the trigger "
+        "wq_topic_delete_guard itself",
         "wq_new_id": "time-ordered (version 7) ids for the rows the procedures create; the T-SQL "
         "keeps NEWID() until a SQL Server can test a version 7 id built in T-SQL",
         "wq_publish_items": "wq_publish_many's per-item checks as rows, for its set-based "
@@ -515,3 +519,18 @@ def test_select_list_names_reads_aliases_and_bare_columns(statement, names):
 def test_select_list_names_rejects_an_unnamed_expression():
     with pytest.raises(ValueError, match="without a name"):
         select_list_names("SELECT COUNT(*) FROM t;")
+
+
+def test_both_vendors_guard_topology_deletes():
+    # The queue tables hold no foreign keys to topics and subscriptions (migration 0025): on
+    # each vendor a trigger refuses to delete one that rows still refer to.
+    for vendor, pattern in (
+        ("postgresql", r"CREATE TRIGGER {name}\s+BEFORE DELETE ON {table}\s"),
+        ("sqlserver", r"CREATE OR ALTER TRIGGER dbo\.{name}\s+ON dbo\.{table}\s+AFTER DELETE"),
+    ):
+        text = (SQL_ROOT / vendor / "publish.sql").read_text()
+        for name, table in (
+            ("wq_subscription_delete_guard", "workqueue_subscription"),
+            ("wq_topic_delete_guard", "workqueue_topic"),
+        ):
+            assert re.search(pattern.format(name=name, table=table), text), (vendor, name)

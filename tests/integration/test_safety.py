@@ -7,11 +7,13 @@ from __future__ import annotations
 import datetime as dt
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from django.core import serializers
 from django.core.exceptions import ValidationError
@@ -21,6 +23,7 @@ from django.db.models import ProtectedError
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import psycopg_params
 from workqueue import publish
 from workqueue.exceptions import DriverOwnedWriteError
 from workqueue.models import Deduplication, Delivery, Message, Subscription, Topic
@@ -305,6 +308,47 @@ def test_topics_and_subscriptions_with_queue_rows_cannot_be_deleted():
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
     assert Delivery.objects.filter(subscription=sub).count() == 1
     assert Message.objects.filter(topic__in=[topic, bare_topic]).count() == 2
+
+
+@queue_db
+@pytest.mark.parametrize("table", ["workqueue_subscription", "workqueue_topic"])
+def test_a_delete_racing_a_publish_waits_for_it_and_is_refused(table):
+    # The queue tables hold no foreign keys to topics and subscriptions (migration 0025); the
+    # delete guards take the topic's topology lock first. A subscription (or a bare topic)
+    # without rows yet is deleted while a publish to it is fanning out and not yet committed:
+    # the delete must wait for the publish and then refuse, and the publish must survive.
+    # (With the foreign keys the delete went through and the publish failed at its commit.)
+    sub = SubscriptionFactory()
+    topic = TopicFactory()
+    target = sub if table == "workqueue_subscription" else topic
+    topic_name = sub.topic.name if target is sub else topic.name
+    fanned_out, delete_sent = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def publish_and_hold() -> None:
+        try:
+            with transaction.atomic():
+                outcome["publish"] = publish(topic_name, {"n": 1}, enlist=True)
+                fanned_out.set()
+                delete_sent.wait(10)
+                time.sleep(0.3)  # the delete is now waiting on the topology lock, if anywhere
+        finally:
+            connections.close_all()
+
+    publisher = threading.Thread(target=publish_and_hold)
+    publisher.start()
+    assert fanned_out.wait(10)
+    with psycopg.connect(**psycopg_params(), autocommit=True) as deleter:
+        delete_sent.set()
+        with pytest.raises(psycopg.errors.ForeignKeyViolation, match="cannot be deleted"):
+            deleter.execute(f"DELETE FROM {table} WHERE id = %s", [target.pk])
+    publisher.join(10)
+
+    assert outcome["publish"].accepted
+    assert type(target).objects.filter(pk=target.pk).exists()
+    assert Message.objects.filter(pk=outcome["publish"].message_id).exists()
+    if target is sub:
+        assert Delivery.objects.filter(subscription=sub).count() == 1
 
 
 # -- partition mode ---------------------------------------------------------------------------

@@ -70,7 +70,7 @@ _CONNECTION_LOST = frozenset(
 _GO_LINE = re.compile(r"^[ \t]*GO[ \t]*;?[ \t]*$", re.IGNORECASE | re.MULTILINE)
 _LINE_COMMENT = re.compile(r"--[^\n]*")
 _DECLARED_ROUTINE = re.compile(
-    r"\bCREATE\s+OR\s+ALTER\s+(PROCEDURE|PROC|FUNCTION)\s+(?:\[?dbo\]?\.)?\[?(wq_\w+)\]?",
+    r"\bCREATE\s+OR\s+ALTER\s+(PROCEDURE|PROC|FUNCTION|TRIGGER)\s+(?:\[?dbo\]?\.)?\[?(wq_\w+)\]?",
     re.IGNORECASE,
 )
 
@@ -80,11 +80,12 @@ FILTER_GUARD = "wq_sub_filter_valid"
 
 # Every wq_* procedure and function in dbo, procedures first (they may call the functions).
 _LIST_ROUTINES = """
-    SELECT o.name, CASE WHEN o.type = 'P' THEN 'PROCEDURE' ELSE 'FUNCTION' END
+    SELECT o.name, CASE o.type WHEN 'P' THEN 'PROCEDURE' WHEN 'TR' THEN 'TRIGGER'
+                               ELSE 'FUNCTION' END
       FROM sys.objects AS o
      WHERE o.schema_id = SCHEMA_ID(N'dbo') AND o.name LIKE N'wq[_]%'
-       AND o.type IN ('P', 'FN', 'IF', 'TF')
-     ORDER BY CASE WHEN o.type = 'P' THEN 0 ELSE 1 END, o.name
+       AND o.type IN ('TR', 'P', 'FN', 'IF', 'TF')
+     ORDER BY CASE o.type WHEN 'TR' THEN 0 WHEN 'P' THEN 1 ELSE 2 END, o.name
 """
 
 
@@ -102,7 +103,7 @@ def split_batches(text: str) -> list[str]:
 
 
 def declared_routines(texts: Iterable[str]) -> set[str]:
-    """The (lower-case) names of the wq_* procedures and functions the scripts create."""
+    """The (lower-case) names of the wq_* procedures, functions and triggers the scripts create."""
     names: set[str] = set()
     for text in texts:
         names.update(m.group(2).lower() for m in _DECLARED_ROUTINE.finditer(text))

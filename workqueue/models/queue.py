@@ -29,9 +29,15 @@ class Message(DriverOwnedModel):
     # Global publish order, assigned from a database sequence by wq_publish; copied into each
     # delivery's order_key so Ordered subscriptions run a key's messages in this order.
     publish_ordinal = models.BigIntegerField(unique=True, editable=False)
-    # Not indexed alone: wq_msg_purge_ix (topic, published_at) leads with it.
+    # Not indexed alone: wq_msg_purge_ix (topic, published_at) leads with it. No database
+    # constraint (a check per inserted row): the trigger wq_topic_delete_guard refuses to delete
+    # a topic that still has messages (migration 0025).
     topic = models.ForeignKey(
-        Topic, on_delete=models.PROTECT, related_name="messages", db_index=False
+        Topic,
+        on_delete=models.PROTECT,
+        related_name="messages",
+        db_index=False,
+        db_constraint=False,
     )
     partition_key = ByteExactKeyField(max_length=200, null=True, blank=True)
     attributes = models.JSONField(null=True, blank=True)
@@ -82,8 +88,15 @@ class Delivery(DriverOwnedModel):
     # by subscription must take one of the partial indexes below. A full index led by the
     # subscription is a trap when statistics lag a burst (a new subscription looks like one
     # row): the planner picks it and sorts the whole backlog on every claim.
+    # No database constraint either (a check per inserted row, one more per subscription of a
+    # fan-out): the trigger wq_subscription_delete_guard refuses to delete a subscription that
+    # still has deliveries (migration 0025).
     subscription = models.ForeignKey(
-        Subscription, on_delete=models.PROTECT, related_name="deliveries", db_index=False
+        Subscription,
+        on_delete=models.PROTECT,
+        related_name="deliveries",
+        db_index=False,
+        db_constraint=False,
     )
     status = models.CharField(
         max_length=20, choices=DeliveryStatus.choices, db_default=DeliveryStatus.PENDING

@@ -111,6 +111,77 @@ BEGIN
 END;
 GO
 
+-- wq_subscription_delete_guard, wq_topic_delete_guard --
+-- Triggers: a subscription that still has deliveries, or a topic that still has messages, cannot
+-- be deleted, whatever deletes it (the ORM refuses first, with ProtectedError); error 51011. The
+-- queue tables hold no foreign keys to them (a check per inserted row). Each guard takes the
+-- topology lock of every topic concerned exclusive before it looks, in topic order, as
+-- wq_lock_topology does: a publish fanning out at that moment commits first and is seen, and one
+-- that starts later waits for this transaction.
+CREATE OR ALTER TRIGGER dbo.wq_subscription_delete_guard
+ON dbo.workqueue_subscription
+AFTER DELETE
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @topic_key char(32);
+    DECLARE @resource nvarchar(255);
+    DECLARE @granted int;
+    DECLARE deleted_topics CURSOR LOCAL FAST_FORWARD FOR
+        SELECT DISTINCT topic_id FROM deleted ORDER BY topic_id;
+    OPEN deleted_topics;
+    FETCH NEXT FROM deleted_topics INTO @topic_key;
+    WHILE @@FETCH_STATUS = 0
+    BEGIN
+        SET @resource = N'wq-topology:' + LOWER(CONVERT(nchar(36), dbo.wq_text_uuid(@topic_key)));
+        EXEC @granted = sys.sp_getapplock
+            @Resource = @resource,
+            @LockMode = N'Exclusive',
+            @LockOwner = N'Transaction',
+            @LockTimeout = 5000;
+        IF @granted < 0
+            THROW 51001, N'wq_subscription_delete_guard: the topology lock was not granted within 5000 ms (error 51001); delete again.', 1;
+        FETCH NEXT FROM deleted_topics INTO @topic_key;
+    END;
+    CLOSE deleted_topics;
+    DEALLOCATE deleted_topics;
+    IF EXISTS (SELECT 1 FROM deleted s JOIN dbo.workqueue_delivery d ON d.subscription_id = s.id)
+        THROW 51011, N'A subscription that still has deliveries cannot be deleted (error 51011); retire it instead: manage.py workqueue retire-subscription NAME.', 1;
+END;
+GO
+
+CREATE OR ALTER TRIGGER dbo.wq_topic_delete_guard
+ON dbo.workqueue_topic
+AFTER DELETE
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @topic_key char(32);
+    DECLARE @resource nvarchar(255);
+    DECLARE @granted int;
+    DECLARE deleted_topics CURSOR LOCAL FAST_FORWARD FOR
+        SELECT id FROM deleted ORDER BY id;
+    OPEN deleted_topics;
+    FETCH NEXT FROM deleted_topics INTO @topic_key;
+    WHILE @@FETCH_STATUS = 0
+    BEGIN
+        SET @resource = N'wq-topology:' + LOWER(CONVERT(nchar(36), dbo.wq_text_uuid(@topic_key)));
+        EXEC @granted = sys.sp_getapplock
+            @Resource = @resource,
+            @LockMode = N'Exclusive',
+            @LockOwner = N'Transaction',
+            @LockTimeout = 5000;
+        IF @granted < 0
+            THROW 51001, N'wq_topic_delete_guard: the topology lock was not granted within 5000 ms (error 51001); delete again.', 1;
+        FETCH NEXT FROM deleted_topics INTO @topic_key;
+    END;
+    CLOSE deleted_topics;
+    DEALLOCATE deleted_topics;
+    IF EXISTS (SELECT 1 FROM deleted t JOIN dbo.workqueue_message m ON m.topic_id = t.id)
+        THROW 51011, N'A topic that still has messages cannot be deleted (error 51011); retention purges them retention_days after publish once their deliveries settled.', 1;
+END;
+GO
+
 -- wq_publish_one --
 -- The body of wq_publish, with its result in OUTPUT parameters so that wq_publish_many can run it
 -- once per item without INSERT ... EXEC (which cannot nest and forbids the rollback paths of
