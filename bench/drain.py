@@ -142,7 +142,8 @@ def host_for(
 
 def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:
     """``count`` Pending deliveries with their messages, in batches of 100,000 rows, as the
-    publish procedures would have left them (visible in publish order, in the past)."""
+    publish procedures would have left them (time-ordered ids, visible in publish order, in the
+    past)."""
     key = "'k' || (g %% %(keys)s)" if keys else "NULL"
     with connection.cursor() as cursor:
         for offset in range(0, count, 100_000):
@@ -151,14 +152,14 @@ def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:
                 WITH m AS (
                     INSERT INTO workqueue_message (id, publish_ordinal, topic_id, partition_key,
                                                    payload, published_at)
-                    SELECT gen_random_uuid(), nextval('wq_publish_ordinal_seq'), %(topic)s,
+                    SELECT wq_new_id(), nextval('wq_publish_ordinal_seq'), %(topic)s,
                            {key}, jsonb_build_object('n', g), now()
                       FROM generate_series(%(first)s, %(last)s) g
                     RETURNING id, publish_ordinal, partition_key
                 )
                 INSERT INTO workqueue_delivery (id, message_id, subscription_id, partition_key,
                                                 order_key, visible_at)
-                SELECT gen_random_uuid(), m.id, %(sub)s, m.partition_key, m.publish_ordinal,
+                SELECT wq_new_id(), m.id, %(sub)s, m.partition_key, m.publish_ordinal,
                        now() - interval '1 hour' + m.publish_ordinal * interval '1 microsecond'
                   FROM m
                 """,
