@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from workqueue import metrics, signals
 from workqueue.conf import setting
-from workqueue.driver.base import canonical_json, encode_json_string
+from workqueue.driver.base import JsonText, canonical_json, encode_json_string
 from workqueue.exceptions import InvalidInputError, InvalidMessageError
 from workqueue.ids import new_message_id
 from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
@@ -438,6 +438,9 @@ def _prepare(message: OutgoingMessage, size_limit: _SizeLimit) -> dict[str, Any]
         "partition_key": partition_key,
         "attributes": attributes,
         "payload": payload,
+        # The payload's text, made above to measure the envelope: the database transport sends
+        # it as it is (workqueue.transport.publish) instead of serialising the payload again.
+        "payload_json": None if payload is None else JsonText(body),
         "payload_ref": payload_ref,
         "correlation_id": correlation_id,
         "deduplication_key": dedup_key,

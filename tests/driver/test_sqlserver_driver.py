@@ -18,6 +18,7 @@ from django.db import DatabaseError, IntegrityError, InterfaceError, Operational
 from mssql_python import exceptions as mssql_python_errors
 
 from tests.support.tsql import parse_tsql
+from workqueue.driver.base import JsonText
 from workqueue.driver.procedures import PROCEDURES, Grant, ParamType, get_procedure
 from workqueue.driver.sqlserver import (
     SqlServerDriver,
@@ -115,6 +116,9 @@ def test_parameters_are_adapted_to_what_the_odbc_drivers_bind(driver):
     assert driver.adapt(by_name["attributes"], {"b": "2", "a": "1"}) == '{"a":"1","b":"2"}'
     # A str payload is a JSON string value, encoded like any other value.
     assert driver.adapt(by_name["payload"], "as text") == '"as text"'
+    # Only JsonText, the text publishing made of a payload already, goes through as it is.
+    passed = driver.adapt(by_name["payload"], JsonText('{"a":1}'))
+    assert passed == '{"a":1}' and type(passed) is str
     assert driver.adapt(by_name["envelope_bytes"], "12") == 12
     assert driver.adapt(by_name["external"], 0) is False
     assert driver.adapt(by_name["partition_key"], None) is None

@@ -75,7 +75,20 @@ def test_receiving_a_hundred_deliveries_is_one_statement(statements):
     assert len(statements) == 1 and "wq_claim(" in statements[0]
 
 
-@pytest.mark.parametrize("payload", ["hello", 42, [1, "two"], {"nested": {"b": 1, "a": [None]}}])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "hello",
+        # Text that looks like JSON is still text: only the payload's own serialisation is
+        # passed on unencoded (JsonText), never a str the caller gave.
+        '{"a": 1}',
+        'snow ☃ "quoted" \\ and a tab\t',
+        42,
+        None,
+        [1, "two"],
+        {"nested": {"b": 1, "a": [None]}, "ü": "é"},
+    ],
+)
 def test_any_json_payload_round_trips_alone_and_in_a_batch(payload):
     sub = SubscriptionFactory()
     single = publish(sub.topic.name, payload)

@@ -433,8 +433,9 @@ class BaseDriver:
         if value is None:
             return None
         if param.type is ParamType.JSON:
-            # Always encode: a Python str is a JSON string value, never pre-encoded JSON.
-            return canonical_json(value)
+            # Always encode, except JsonText: any other str is a JSON string value, never
+            # pre-encoded JSON.
+            return str(value) if isinstance(value, JsonText) else canonical_json(value)
         if param.type is ParamType.UUID:
             return str(uuid.UUID(str(value)))
         if param.type is ParamType.INT:
@@ -476,6 +477,14 @@ def unencodable(error: UnicodeEncodeError) -> UnstorableValueError:
     """The error for a string the database library could not encode (a lone surrogate): it is
     raised before anything is sent, is not a database error, and would fail again."""
     return UnstorableValueError(f"A value cannot be sent to the database: {error}")
+
+
+class JsonText(str):
+    """Text that is already JSON, as ``canonical_json`` wrote it: a JSON parameter takes it as
+    it is, where any other ``str`` is encoded as a JSON string. For text made anyway (publishing
+    serialises each payload to measure it), so that it is not serialised a second time."""
+
+    __slots__ = ()
 
 
 def canonical_json(value: Any) -> str:
