@@ -90,7 +90,7 @@ def count_published(topic: str, results: Iterable[Any]) -> None:
         # A name no topic has is the caller's text: keep it out of the labels, whose number
         # must stay bounded whatever callers send.
         label = UNKNOWN_TOPIC if code == "TopicNotFound" else topic.strip().lower()
-        PUBLISHED.labels(label, status, code).inc(count)
+        labelled(PUBLISHED, label, status, code).inc(count)
 
 
 class QueueCollector(Collector):
