@@ -534,3 +534,9 @@ def test_both_vendors_guard_topology_deletes():
             ("wq_topic_delete_guard", "workqueue_topic"),
         ):
             assert re.search(pattern.format(name=name, table=table), text), (vendor, name)
+    # Checked as text (no SQL Server here): like the foreign keys they replace, the T-SQL
+    # guards are off while their table's foreign keys are (mssql-django's flush sets NOCHECK,
+    # then deletes tables in no particular order, for TransactionTestCase).
+    tsql = (SQL_ROOT / "sqlserver" / "publish.sql").read_text()
+    for table in ("workqueue_subscription", "workqueue_topic"):
+        assert f"OBJECT_ID(N'dbo.{table}') AND is_disabled = 1)\n        RETURN;" in tsql, table
