@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0025_queue_rows_without_topology_constraints"
+LATEST_PROCEDURE_MIGRATION = "0026_batch_publish_results_by_key"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -540,49 +540,46 @@ BEGIN
     END IF;
 
     -- Each item's result: its own rejection, Accepted when its row went in, else the id was
-    -- taken and the stored message decides between Duplicate and MessageIDConflict.
+    -- taken and the stored message decides between Duplicate and MessageIDConflict (NULL: it
+    -- was purged between the insert and this read, and the caller may retry). Only such an item
+    -- reads the table, one index probe each, inside a CASE so that the others read nothing. A
+    -- join would let a plan cached while the table was small hash the whole table on every
+    -- batch after it has grown (seen: 14,000 -> 6,000 messages/s within a 60,000-message run).
     RETURN QUERY
     SELECT r.idx, r.id,
-           CASE
-               WHEN r.code IS NOT NULL THEN 'Rejected'
-               WHEN r.accepted THEN 'Accepted'
-               WHEN m.id IS NULL THEN 'Rejected'
-               WHEN m.topic_id = v_topic.id
-                AND m.partition_key IS NOT DISTINCT FROM r.value ->> 'partition_key'
-                AND m.attributes IS NOT DISTINCT FROM NULLIF(r.value -> 'attributes', 'null')
-                AND m.payload IS NOT DISTINCT FROM NULLIF(r.value -> 'payload', 'null')
-                AND m.payload_ref IS NOT DISTINCT FROM NULLIF(r.value -> 'payload_ref', 'null')
-                AND m.correlation_id IS NOT DISTINCT FROM r.value ->> 'correlation_id'
-                   THEN 'Duplicate'
-               ELSE 'Rejected'
-           END,
-           CASE
-               WHEN r.code IS NOT NULL THEN r.code
-               WHEN r.accepted THEN NULL
-               -- Purged between the insert and this read; the caller may retry.
-               WHEN m.id IS NULL THEN 'TransportUnavailable'
-               WHEN m.topic_id = v_topic.id
-                AND m.partition_key IS NOT DISTINCT FROM r.value ->> 'partition_key'
-                AND m.attributes IS NOT DISTINCT FROM NULLIF(r.value -> 'attributes', 'null')
-                AND m.payload IS NOT DISTINCT FROM NULLIF(r.value -> 'payload', 'null')
-                AND m.payload_ref IS NOT DISTINCT FROM NULLIF(r.value -> 'payload_ref', 'null')
-                AND m.correlation_id IS NOT DISTINCT FROM r.value ->> 'correlation_id'
-                   THEN NULL
-               ELSE 'MessageIDConflict'
-           END
+           CASE WHEN r.code IS NOT NULL THEN 'Rejected'
+                WHEN r.accepted THEN 'Accepted'
+                WHEN r.stored = 'Duplicate' THEN 'Duplicate'
+                ELSE 'Rejected' END,
+           CASE WHEN r.code IS NOT NULL THEN r.code
+                WHEN r.accepted OR r.stored = 'Duplicate' THEN NULL
+                ELSE COALESCE(r.stored, 'TransportUnavailable') END
       FROM (
-        SELECT (e.ordinality - 1)::integer AS idx, (e.value ->> 'message_id')::uuid AS id,
-               e.value, v_codes[e.ordinality] AS code,
-               v_ordinals[e.ordinality] = ANY (v_inserted) AS accepted
-          FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+        SELECT x.idx, x.id, x.code, x.accepted,
+               CASE WHEN x.code IS NULL AND NOT x.accepted THEN (
+                   SELECT CASE
+                              WHEN m.topic_id = v_topic.id
+                               AND m.partition_key IS NOT DISTINCT FROM x.value ->> 'partition_key'
+                               AND m.attributes IS NOT DISTINCT FROM
+                                   NULLIF(x.value -> 'attributes', 'null')
+                               AND m.payload IS NOT DISTINCT FROM
+                                   NULLIF(x.value -> 'payload', 'null')
+                               AND m.payload_ref IS NOT DISTINCT FROM
+                                   NULLIF(x.value -> 'payload_ref', 'null')
+                               AND m.correlation_id IS NOT DISTINCT FROM
+                                   x.value ->> 'correlation_id'
+                                  THEN 'Duplicate'
+                              ELSE 'MessageIDConflict'
+                          END
+                     FROM workqueue_message m WHERE m.id = x.id)
+               END AS stored
+          FROM (
+            SELECT (e.ordinality - 1)::integer AS idx, (e.value ->> 'message_id')::uuid AS id,
+                   e.value, v_codes[e.ordinality] AS code,
+                   v_ordinals[e.ordinality] = ANY (v_inserted) AS accepted
+              FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+          ) x
       ) r
-      LEFT JOIN LATERAL (
-        -- Only an item neither rejected nor accepted looks its id up. Written as the key
-        -- itself (NULL finds nothing without reading the index): as separate conditions the
-        -- planner probed the index for every item and filtered the rows afterwards.
-        SELECT s.* FROM workqueue_message s
-         WHERE s.id = CASE WHEN r.code IS NULL AND NOT r.accepted THEN r.id END
-      ) m ON true
      ORDER BY r.idx;
 END;
 $$;
