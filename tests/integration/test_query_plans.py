@@ -16,6 +16,7 @@ import pytest
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.seeding import seed_deliveries
 from workqueue.driver import get_driver
+from workqueue.driver.base import QUEUE_TABLES
 from workqueue.driver.procedures import get_procedure
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -381,3 +382,85 @@ def test_a_batch_publish_reads_no_stored_message_after_the_table_grows(pg_conn):
         [topic.name, json.dumps([first, {**first, "payload": {"n": -1}}])],
     ).fetchall()
     assert rows == [("Duplicate", None), ("Rejected", "MessageIDConflict")]
+
+
+#: The procedures a host or a publisher calls over and over on one connection.
+HOT_PROCEDURES = (
+    "wq_publish",
+    "wq_publish_many",
+    "wq_reserve_deduplication",
+    "wq_confirm_deduplication",
+    "wq_release_deduplication",
+    "wq_claim",
+    "wq_extend_lease",
+    "wq_complete",
+    "wq_complete_many",
+    "wq_retry",
+    "wq_dead_letter",
+    "wq_release",
+    "wq_acknowledge_cancel",
+    "wq_expire_leases",
+    "wq_take_rate_tokens",
+    "wq_queue_gauges",
+    "wq_expire_leases_all",
+    "wq_purge_terminal_deliveries",
+    "wq_purge_orphan_messages",
+    "wq_purge_expired_deduplications",
+)
+
+
+@pytest.mark.parametrize("mode", ["None", "Exclusive", "Ordered"])
+def test_plans_cached_while_the_tables_were_small_still_probe_indexes_after_a_burst(pg_conn, mode):
+    # A host and a publisher start on an empty queue and keep each statement's plan for their
+    # session; then a burst fills the tables before autovacuum analyzes them. No hot procedure
+    # may then read a queue table from end to end, nor read thousands of rows for a few.
+    subscription = SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
+    keys = "'k' || mod(g, 500)" if mode != "None" else None
+    seed_deliveries(pg_conn, subscription, 10, keys=keys)
+    for table in QUEUE_TABLES:
+        pg_conn.execute(f"ANALYZE {table}")
+
+    def params() -> dict:
+        delivery = {"delivery_id": str(uuid.uuid4()), "lease_token": str(uuid.uuid4())}
+        message = {
+            "message_id": str(uuid.uuid4()),
+            "partition_key": "k1" if mode != "None" else None,
+            "payload": {"n": 1},
+            "envelope_bytes": 40,
+        }
+        return {
+            **delivery,
+            **message,
+            "subscription_id": subscription.id,
+            "lease_owner": "plan-test",
+            "max_rows": 8,
+            "batch_size": 100,
+            "wanted": 8,
+            "cap": 100,  # what a gauge may count, well within the bound below
+            "delay_seconds": 1,
+            "error": "plan-test",
+            "reason": "Poison",
+            "items": [delivery],
+            "topic_name": subscription.topic.name,
+            "deduplication_key": str(uuid.uuid4()),
+            "messages": [dict(message, message_id=str(uuid.uuid4())) for _ in range(20)],
+            "external": False,
+            "published_by": "plan-test",
+        }
+
+    for _ in range(8):  # past the five custom plans PostgreSQL makes before a generic one
+        for procedure in HOT_PROCEDURES:
+            _nested_plans(pg_conn, procedure, params())
+    seed_deliveries(pg_conn, subscription, HOT_BACKLOG, keys=keys)
+    pg_conn.execute(
+        "INSERT INTO workqueue_deduplication (id, topic_id, deduplication_key, message_id, "
+        "status, expires_at) SELECT gen_random_uuid(), %s, 'burst-' || g, gen_random_uuid(), "
+        "'Confirmed', now() + interval '1 hour' FROM generate_series(1, %s) g",
+        [subscription.topic_id, HOT_BACKLOG],
+    )
+
+    for procedure in HOT_PROCEDURES:
+        plans = _nested_plans(pg_conn, procedure, params(), analyze=True)
+        for table in QUEUE_TABLES:
+            assert f"Seq Scan on {table}" not in plans, f"{mode} {procedure}:\n{plans}"
+        assert max(_rows_read(plans), default=0) <= 500, f"{mode} {procedure}:\n{plans}"

@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0026_batch_publish_results_by_key"
+LATEST_PROCEDURE_MIGRATION = "0026_plans_that_outlast_a_burst"
 
 MigrationStep = Callable[[Any, Any], None]
 

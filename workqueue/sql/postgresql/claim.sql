@@ -1,6 +1,9 @@
 -- Claiming: lease expiry for one subscription and the batch claim that hands deliveries to a
 -- consumer. Every claim is a guarded UPDATE; the partial unique index on (subscription,
 -- partition_key) WHERE InFlight is the final word on single flight per key.
+-- Every function here reads with sequential scans left aside (the helpers under wq_claim inherit
+-- its setting): a plan kept for the session may have been made while the table was nearly
+-- empty, and must still read by index once a burst has filled it.
 
 -- wq_settle_expired_leases --
 -- Settle the given InFlight deliveries whose lease has passed (callers select and lock them):
@@ -13,6 +16,7 @@ RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_s
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 BEGIN
@@ -51,6 +55,7 @@ RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_s
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 BEGIN
     RETURN QUERY

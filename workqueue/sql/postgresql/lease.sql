@@ -1,4 +1,6 @@
 -- Leases: the holder's heartbeat.
+-- A plan kept for the session may have been made while the table was nearly empty: sequential
+-- scans are left aside, so that a heartbeat still finds its row by primary key after a burst.
 
 -- wq_extend_lease --
 -- Renew a held lease by the subscription's full lease_seconds, fenced by the lease token and the
@@ -14,6 +16,7 @@ RETURNS TABLE (lease_state text, lease_expires_at timestamptz)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE

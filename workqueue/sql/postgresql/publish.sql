@@ -1,6 +1,9 @@
 -- Publishing: one guarded transaction per message that checks the topic, takes the ordered-publish
 -- lock, reserves the deduplication key, inserts the message, fans it out to every matching
 -- subscription in one set-based INSERT, confirms the key and wakes listening consumers.
+-- The functions that read the deduplication ledger leave sequential scans aside: PL/pgSQL keeps
+-- each statement's plan for the session, and one made while the ledger was nearly empty would
+-- otherwise read all of it for every keyed publish once a burst had filled it.
 
 CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
 
@@ -148,6 +151,7 @@ RETURNS TABLE (message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -601,6 +605,7 @@ RETURNS TABLE (status text, owner_message_id uuid)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -664,6 +669,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_count integer;
@@ -693,6 +699,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_count integer;

@@ -3,6 +3,9 @@
 -- 0 means the caller no longer holds the lease (LeaseLost). Every settle clears the lease.
 -- PL/pgSQL rather than SQL functions: PL/pgSQL keeps its statement plans for the session, while
 -- PostgreSQL 15 re-plans a SQL function's body on every call (more than the update costs here).
+-- A plan kept for the session may have been made while the table was nearly empty, when reading
+-- it end to end looked cheapest: every function here leaves sequential scans aside, so that a
+-- settle still finds its row by primary key after a burst has filled the table.
 
 -- wq_complete --
 -- InFlight → Completed.
@@ -11,6 +14,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_rows integer;
@@ -32,11 +36,13 @@ $$;
 -- either planned it afresh for every batch (about 0.3 ms of backend CPU per call, more than
 -- completing eight deliveries) or settled, depending on a session's first batches and the
 -- statistics, on a plan that reads wq_dlv_open_ix for every InFlight entry of every
--- subscription, and every dead entry a busy table leaves there. The plan it keeps finds each
--- item's row by primary key, one probe per item, whatever the statistics say: the status
--- fence compares with a variable, which a generic plan cannot match against the partial
--- indexes' predicates (status = 'InFlight'), so the primary key is the one index that fits;
--- sequential scans are left aside as in wq_claim.
+-- subscription, and every dead entry a busy table leaves there; or, made while the table was
+-- small, one that hashed the whole table on every batch after it had grown. The plan it keeps
+-- reads only the items' own rows, whatever the statistics say: the batch's ids are looked up in
+-- the primary key first (id = ANY), so however the rows are then joined to their tokens, no
+-- other row is read; the status fence compares with a variable, which a generic plan cannot
+-- match against the partial indexes' predicates (status = 'InFlight'), so the primary key is
+-- the one index that fits; sequential and bitmap scans are left aside.
 CREATE OR REPLACE FUNCTION wq_complete_many(p_items jsonb)
 RETURNS TABLE (delivery_id uuid)
 LANGUAGE plpgsql
@@ -44,6 +50,7 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -54,7 +61,9 @@ BEGIN
        SET status = 'Completed', completed_at = now(),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
       FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid, lease_token uuid)
-     WHERE d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = v_in_flight
+     WHERE d.id = ANY (ARRAY(SELECT x.delivery_id
+                               FROM jsonb_to_recordset(p_items) AS x(delivery_id uuid)))
+       AND d.id = i.delivery_id AND d.lease_token = i.lease_token AND d.status = v_in_flight
        AND d.cancel_requested_at IS NULL
     RETURNING d.id;
 END;
@@ -72,6 +81,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_rows integer;
@@ -101,6 +111,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_rows integer;
@@ -123,6 +134,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_rows integer;
@@ -147,6 +159,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_rows integer;

@@ -1,6 +1,9 @@
 -- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches.
 -- One pass at a time cluster-wide: the sweeper holds wq_try_sweep_lock's transaction-scoped lock
 -- on a private connection while it runs the steps on another.
+-- Each step reads by index with sequential scans left aside: the sweeper keeps its connection
+-- (and a PL/pgSQL step its plans) for the host's life, and a plan made while the tables were
+-- nearly empty must not read them end to end once they have filled.
 
 -- wq_expire_leases_all --
 -- wq_settle_expired_leases for up to p_batch_size passed leases across every subscription
@@ -10,6 +13,7 @@ RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_s
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 BEGIN
     RETURN QUERY
@@ -31,6 +35,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
     WITH victims AS (
         SELECT d.id
@@ -59,15 +64,23 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
+    -- Topic by topic, each along wq_msg_purge_ix up to its own cutoff: joined the other way,
+    -- the plan read every message of every topic (the youngest included) on every pass.
     WITH victims AS (
-        SELECT m.id
-          FROM workqueue_message m
-          JOIN workqueue_topic t ON t.id = m.topic_id
-         WHERE m.published_at < now() - make_interval(days => t.retention_days)
-           AND NOT EXISTS (SELECT 1 FROM workqueue_delivery d WHERE d.message_id = m.id)
+        SELECT v.id
+          FROM workqueue_topic t
+         CROSS JOIN LATERAL (
+            SELECT m.id
+              FROM workqueue_message m
+             WHERE m.topic_id = t.id
+               AND m.published_at < now() - make_interval(days => t.retention_days)
+               AND NOT EXISTS (SELECT 1 FROM workqueue_delivery d WHERE d.message_id = m.id)
+             LIMIT p_batch_size
+               FOR UPDATE OF m SKIP LOCKED
+         ) v
          LIMIT p_batch_size
-           FOR UPDATE OF m SKIP LOCKED
     ), deleted AS (
         DELETE FROM workqueue_message m USING victims v WHERE m.id = v.id RETURNING 1
     )
@@ -81,6 +94,7 @@ RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
     WITH victims AS (
         SELECT x.id FROM workqueue_deduplication x
