@@ -275,9 +275,15 @@ def publish(
 
 def _message_json(message: dict[str, Any]) -> str:
     """One item of ``wq_publish_many``'s array: the message's fields with its payload's text
-    spliced in as it was made (key order does not matter to the procedure)."""
-    fields = {k: v for k, v in message.items() if k != "payload" and k != "payload_json"}
-    return f'{canonical_json(fields)[:-1]},"payload":{message["payload_json"] or "null"}}}'
+    spliced in as it was made (key order does not matter to the procedure). Fields left unset
+    are left out, as both vendors' procedures read a missing field as null: a plain message's
+    item is a third of the size, for this process to write and for the server to parse."""
+    fields = {
+        k: v for k, v in message.items() if v is not None and k != "payload" and k != "payload_json"
+    }
+    head = canonical_json(fields)[:-1]  # never "{}": a message always has its id and size
+    payload = message["payload_json"]
+    return f"{head}}}" if payload is None else f'{head},"payload":{payload}}}'
 
 
 def reserve_deduplication(topic: str, key: str, message_id: str) -> tuple[str, str | None]:
