@@ -9,7 +9,9 @@ hashed the whole delivery table, and the single-row settles, heartbeats and dedu
 statements scanned their tables. Now the batch publish reads a stored message only for an item
 whose id was taken, by primary key; the batch completion looks its ids up in the primary key
 before joining them to their tokens; and the functions that find rows by key leave sequential
-scans aside. Same parameters and results.
+scans aside. A batch publish also tells which of its items went in by one hashed lookup of
+the inserted rows, where it searched them once per item (a batch of 5,000 spent most of its
+database time there). Same parameters and results.
 
 Reinstalls the procedures from the current files.
 """
