@@ -7,6 +7,7 @@ Usage (against the embedded PostgreSQL, or DATABASE_URL):
     PYTHONPATH=. .venv/bin/python bench/drain.py --priorities 5 --pickup 0
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --fanout 10 --pickup 0
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 20000 --backlog 1000000 --pickup 0
+    PYTHONPATH=. .venv/bin/python bench/drain.py --messages 20000 --burst --pickup 0
 
 Drain: publish N no-op messages first (keyless, or spread over --keys partition keys), then time
 a host (in this process) from start until it has completed them all. Pickup: with the host idle
@@ -23,6 +24,12 @@ owner, which a benchmark may be; nothing else writes the queue tables directly),
 reported is that of the first N of them. Before the drain, --publish-sample messages are
 published one at a time onto the backlog and that rate is reported too; run it with --backlog 0
 (or --backlog N) for the shallow figure to compare with.
+
+Burst (--burst): the host starts on the emptied queue (vacuumed and analyzed: statistics that
+say "empty", as on a new deployment or after a quiet night), settles a few single publishes so
+that it has made and kept its plans, and then the --messages are published in batches while it
+runs; the rate runs from the first batch to the last delivery handled. Plans kept from the
+empty tables must still serve the full ones.
 
 Each drain also reports CPU time per delivery, which a busy machine disturbs far less than the
 wall-clock rate: this process's (host threads, psycopg included) and, when PostgreSQL runs on
@@ -218,6 +225,7 @@ def drain(
     backlog: int = 0,
     publish_sample: int = 0,
     prefetch: int | None = None,
+    burst: bool = False,
 ) -> DrainRun:
     """Time one host draining ``messages`` deliveries.
 
@@ -231,6 +239,8 @@ def drain(
     )
     topic = subscriptions[0].topic
     try:
+        if burst:
+            return drain_burst(subscriptions, messages, concurrency, prefetch)
         if steady:
             maintain_queue_tables("VACUUM")
         if backlog:
@@ -274,6 +284,51 @@ def drain(
         )
     finally:
         remove(topic.id)
+
+
+#: Single publishes the host settles before a burst, past the five calls after which PostgreSQL
+#: keeps a generic plan for each statement of a procedure.
+BURST_WARMUP = 20
+
+
+def drain_burst(
+    subscriptions: list[Subscription], messages: int, concurrency: int, prefetch: int | None
+) -> DrainRun:
+    """``messages`` published in batches of 500 onto a host that started on empty tables."""
+    topic = subscriptions[0].topic
+    maintain_queue_tables("VACUUM")
+    maintain_queue_tables("ANALYZE")
+    [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
+    host = host_for(subscriptions, concurrency, prefetch)
+    host.start()
+    try:
+        LEDGER.expect(BURST_WARMUP)
+        for n in range(BURST_WARMUP):
+            publish(topic.name, {"warm-up": n})
+        LEDGER.reached.wait()
+        time.sleep(0.5)  # the warm-up's completions settle
+        db_cpu_before = host_backends_cpu_seconds(publisher_pid)
+        LEDGER.expect(messages)
+        cpu = os.times()
+        began = time.perf_counter()
+        for offset in range(0, messages, 500):
+            publish_many(
+                topic.name,
+                [{"payload": {"n": n}} for n in range(offset, min(offset + 500, messages))],
+            )
+        LEDGER.reached.wait()
+        elapsed = time.perf_counter() - began
+        cpu_after = os.times()
+        db_cpu_after = host_backends_cpu_seconds(publisher_pid)
+    finally:
+        host.shutdown()
+    cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
+    db_cpu = None if db_cpu_before is None or db_cpu_after is None else db_cpu_after - db_cpu_before
+    return DrainRun(
+        messages / elapsed,
+        cpu_seconds / messages * 1e6,  # publishing included: it runs in this process too
+        db_cpu / messages * 1e6 if db_cpu is not None else None,
+    )
 
 
 def pickup(samples: int) -> list[float]:
@@ -349,6 +404,11 @@ def main() -> int:
         "past the concurrency while handlers are quick; 0: none); default: the settings' own",
     )
     parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="start the host on the emptied queue, then publish --messages while it runs",
+    )
+    parser.add_argument(
         "--as-is",
         dest="steady",
         action="store_false",
@@ -360,6 +420,8 @@ def main() -> int:
         parser.error("--fanout must be 1 or more")
     if args.backlog and (args.fanout > 1 or args.priorities > 1):
         parser.error("--backlog seeds one subscription at priority 0: drop --fanout/--priorities")
+    if args.burst and (args.backlog or args.fanout > 1 or args.keys or not args.steady):
+        parser.error("--burst publishes to one keyless subscription: drop the other options")
     if args.backlog and args.backlog < args.messages:
         parser.error("--backlog must hold at least --messages deliveries")
     User = get_user_model()
@@ -377,6 +439,7 @@ def main() -> int:
             backlog=args.backlog,
             publish_sample=args.publish_sample,
             prefetch=prefetch,
+            burst=args.burst,
         )
         shape = f", {args.partition_mode} over {args.keys} keys" if args.keys else ""
         if prefetch is not None:
@@ -387,6 +450,8 @@ def main() -> int:
             shape += f", {args.messages // args.fanout} messages x {args.fanout} subscriptions"
         if args.backlog:
             shape += f", the first of a {args.backlog:,} backlog"
+        if args.burst:
+            shape += ", published onto a host started on empty tables"
         if run.publish_rate is not None:
             print(
                 f"publish {args.publish_sample} one at a time onto a "
