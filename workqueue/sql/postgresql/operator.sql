@@ -56,7 +56,9 @@ $$;
 -- (NULL for other modes), each counted up to p_cap (clamped to 1..1000000; NULL: 10000), and the
 -- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
 -- from the first entry of each priority in each claim index. No row when the subscription does
--- not exist.
+-- not exist. Sequential scans are left aside: the scrape's connection lives as long as the
+-- process, and the PL/pgSQL helper it calls (wq_next_priority) keeps plans that may have been
+-- made while the table was nearly empty.
 CREATE OR REPLACE FUNCTION wq_queue_gauges(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (
     pending bigint,
