@@ -443,6 +443,14 @@ HOT_PROCEDURES = (
     "wq_purge_terminal_deliveries",
     "wq_purge_orphan_messages",
     "wq_purge_expired_deduplications",
+    "wq_replay",
+    "wq_discard",
+    "wq_cancel",
+    "wq_list_dead_letters",
+    "wq_list_partitions",
+    "wq_backlog",
+    "wq_discard_pending",
+    "wq_resolve_dead_letters",
 )
 
 
@@ -473,6 +481,12 @@ def test_plans_cached_while_the_tables_were_small_still_probe_indexes_after_a_bu
             "max_rows": 8,
             "batch_size": 100,
             "wanted": 8,
+            "actor": "plan-test",
+            "note": "plan-test",
+            "allow_pending": False,
+            "page_size": 50,
+            "dry_run": True,
+            "action": "Replay",
             "cap": 100,  # what a gauge may count, well within the bound below
             "delay_seconds": 1,
             "error": "plan-test",

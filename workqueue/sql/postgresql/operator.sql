@@ -1,6 +1,10 @@
 -- Operator reads and actions. Reads are bounded (keyset pages, capped counts); actions are single
 -- guarded statements whose affected_rows says whether they took effect. The acting user's name
 -- and the note are recorded on the delivery.
+-- The PL/pgSQL functions here (and wq_queue_gauges, which calls one) leave sequential scans
+-- aside: a web or metrics process keeps its connection, PL/pgSQL keeps each statement's plan for
+-- the session, and a plan made while the tables were nearly empty must still read by index
+-- once a burst has filled them. (The SQL functions are planned afresh on every call.)
 
 -- wq_subscription_stats --
 -- Counts by status for one subscription, the number of Ordered keys blocked by a dead-lettered
@@ -56,9 +60,7 @@ $$;
 -- (NULL for other modes), each counted up to p_cap (clamped to 1..1000000; NULL: 10000), and the
 -- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
 -- from the first entry of each priority in each claim index. No row when the subscription does
--- not exist. Sequential scans are left aside: the scrape's connection lives as long as the
--- process, and the PL/pgSQL helper it calls (wq_next_priority) keeps plans that may have been
--- made while the table was nearly empty.
+-- not exist.
 CREATE OR REPLACE FUNCTION wq_queue_gauges(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (
     pending bigint,
@@ -231,6 +233,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -371,6 +374,7 @@ RETURNS TABLE (examined integer, changed integer, last_delivery_id uuid)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -461,6 +465,7 @@ RETURNS TABLE (
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -533,6 +538,7 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_rows integer;
@@ -565,6 +571,7 @@ LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
