@@ -69,6 +69,42 @@ def test_the_drain_benchmark_runs_fan_out_and_deep_backlog_variants():
     ), backlog.stdout
 
 
+def test_the_drain_benchmark_runs_its_burst_variant():
+    run = _bench(
+        "bench/drain.py", "--messages", "600", "--burst", "--concurrency", "4", "--pickup", "0"
+    )
+
+    assert re.search(
+        r"drain 600 no-op messages, published onto a host started on empty tables, "
+        r"concurrency 4: [\d,]+/s",
+        run.stdout,
+    ), run.stdout
+
+
+def test_the_publish_benchmark_runs_end_to_end_in_a_short_variant():
+    run = _bench(
+        "bench/publish.py",
+        "--messages",
+        "200",
+        "--batch",
+        "1",
+        "50",
+        "--subscriptions",
+        "2",
+        "--warmup",
+        "10",
+        "--payload-bytes",
+        "300",
+    )
+
+    for shape in ("one at a time", "publish_many of 50"):
+        assert re.search(
+            rf"publish 200 messages of ~300 bytes, {shape}, 2 subscription\(s\): [\d,]+ "
+            r"messages/s, PostgreSQL CPU ([\d.]+ ms|n/a) and Python [\d.]+ ms per message",
+            run.stdout,
+        ), run.stdout
+
+
 def test_the_steady_state_soak_runs_in_a_short_variant():
     run = _bench(
         "bench/steady.py",
