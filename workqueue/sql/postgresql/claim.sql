@@ -1,9 +1,9 @@
 -- Claiming: lease expiry for one subscription and the batch claim that hands deliveries to a
 -- consumer. Every claim is a guarded UPDATE; the partial unique index on (subscription,
 -- partition_key) WHERE InFlight is the final word on single flight per key.
--- Every function here reads with sequential scans left aside (the helpers under wq_claim inherit
--- its setting): a plan kept for the session may have been made while the table was nearly
--- empty, and must still read by index once a burst has filled it.
+-- Every function here reads with sequential scans left aside (the two walk helpers through their
+-- callers' setting, see wq_next_open_key): a plan kept for the session may have been made while
+-- the table was nearly empty, and must still read by index once a burst has filled it.
 
 -- wq_settle_expired_leases --
 -- Settle the given InFlight deliveries whose lease has passed (callers select and lock them):
@@ -77,7 +77,10 @@ $$;
 -- min(), so that each stays one index probe even when stale statistics make the subscription
 -- look tiny. Only the procedures call it (EXECUTE is revoked from PUBLIC), inside their pinned
 -- search_path, so it needs neither SECURITY DEFINER nor a search_path of its own (whose
--- save and restore would cost every step of a walk).
+-- save and restore would cost every step of a walk). Nor does it set enable_seqscan: its plans,
+-- kept for the session, are made under the settings of whichever caller runs it first, so every
+-- caller (wq_claim, wq_backlog, wq_list_partitions, wq_queue_gauges) leaves sequential scans
+-- aside itself; tests/integration/test_query_plans.py checks each after a burst.
 CREATE OR REPLACE FUNCTION wq_next_open_key(p_subscription_id uuid, p_after_key text)
 RETURNS text
 LANGUAGE plpgsql
