@@ -2,6 +2,7 @@
 
 Usage (against the embedded PostgreSQL, or DATABASE_URL on this machine):
     PYTHONPATH=. .venv/bin/python bench/publish.py --messages 5000 --batch 100
+    PYTHONPATH=. .venv/bin/python bench/publish.py --messages 5000 --batch 1 --publishers 1 4 8
 
 Each run publishes small payloads (``--payload-bytes N``: order-like ones of about N bytes) to
 a fresh topic with one subscription (``--subscriptions`` for fan-out) and reports messages per
@@ -10,14 +11,19 @@ second and the CPU time the publishing connection's PostgreSQL backend spent per
 "n/a" otherwise), and this process's own CPU time per message (validation, serialisation,
 psycopg). Durability settings are the server's (the embedded one keeps fsync and
 synchronous_commit on).
+
+With ``--publishers N`` the messages are shared among N threads publishing at once, each on its
+own connection; the PostgreSQL CPU is then that of all N backends, per message.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import secrets
 import sys
+import threading
 import time
 import uuid
 
@@ -59,16 +65,47 @@ def payload_of(n: int, size: int) -> dict:
 
 
 def run(
-    topic: Topic, messages: int, batch: int, size: int = 0
+    topic: Topic, messages: int, batch: int, size: int = 0, publishers: int = 1
 ) -> tuple[float, float | None, float]:
     """(messages per second, backend CPU ms per message, this process's CPU ms per message)
-    for one run."""
+    for one run: ``publishers`` threads, each on its own connection, publishing its share."""
+    shares = [messages // publishers + (n < messages % publishers) for n in range(publishers)]
+    backend_cpu: list[float | None] = [None] * publishers
+    start = threading.Barrier(publishers + 1)
+    threads = [
+        threading.Thread(
+            target=_publish_share, args=(topic.name, share, batch, size, start, backend_cpu, n)
+        )
+        for n, share in enumerate(shares)
+    ]
+    for thread in threads:
+        thread.start()
+    own_before = time.process_time()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    own = time.process_time() - own_before
+    cpu = None if None in backend_cpu else sum(backend_cpu)
+    return messages / elapsed, None if cpu is None else cpu * 1000 / messages, own * 1000 / messages
+
+
+def _publish_share(
+    name: str,
+    messages: int,
+    batch: int,
+    size: int,
+    start: threading.Barrier,
+    backend_cpu: list[float | None],
+    slot: int,
+) -> None:
+    """Publish ``messages`` on this thread's connection once every publisher is ready; record
+    the CPU its PostgreSQL backend spent meanwhile in ``backend_cpu[slot]``."""
     driver = get_driver()
     [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
-    name = topic.name
     cpu_before = backend_cpu_seconds(pid)
-    own_before = time.process_time()
-    began = time.perf_counter()
+    start.wait()
     if batch == 1:
         for n in range(messages):
             assert publish(name, payload_of(n, size)).accepted
@@ -82,13 +119,12 @@ def run(
                 ],
             )
             assert all(r.accepted for r in results)
-    elapsed = time.perf_counter() - began
-    own = time.process_time() - own_before
     cpu_after = backend_cpu_seconds(pid)
     [(same_pid,)] = driver.execute("SELECT pg_backend_pid()", [])
     assert same_pid == pid, "the publishing connection changed during the run"
-    cpu = None if cpu_before is None or cpu_after is None else (cpu_after - cpu_before)
-    return messages / elapsed, None if cpu is None else cpu * 1000 / messages, own * 1000 / messages
+    if cpu_before is not None and cpu_after is not None:
+        backend_cpu[slot] = cpu_after - cpu_before
+    driver.close()
 
 
 def main() -> int:
@@ -97,6 +133,15 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 100])
     parser.add_argument("--subscriptions", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument(
+        "--publishers",
+        type=int,
+        nargs="*",
+        default=[1],
+        help="run each shape with this many publishing threads at once, each on its own "
+        "connection (as a threaded web server's requests would; their commits share the "
+        "WAL flushes)",
+    )
     parser.add_argument(
         "--payload-bytes",
         type=int,
@@ -111,9 +156,11 @@ def main() -> int:
     try:
         if args.warmup:
             run(topic, args.warmup, 1)
-        for batch in args.batch:
-            rate, cpu, own = run(topic, args.messages, batch, args.payload_bytes)
+        for batch, publishers in itertools.product(args.batch, args.publishers):
+            rate, cpu, own = run(topic, args.messages, batch, args.payload_bytes, publishers)
             shape = "one at a time" if batch == 1 else f"publish_many of {batch}"
+            if publishers > 1:
+                shape += f", {publishers} publishers at once"
             cpu_text = "n/a" if cpu is None else f"{cpu:.3f} ms"
             size = f" of ~{args.payload_bytes} bytes" if args.payload_bytes else ""
             print(

@@ -95,9 +95,17 @@ def test_the_publish_benchmark_runs_end_to_end_in_a_short_variant():
         "10",
         "--payload-bytes",
         "300",
+        "--publishers",
+        "1",
+        "3",
     )
 
-    for shape in ("one at a time", "publish_many of 50"):
+    for shape in (
+        "one at a time",
+        "publish_many of 50",
+        "one at a time, 3 publishers at once",
+        "publish_many of 50, 3 publishers at once",
+    ):
         assert re.search(
             rf"publish 200 messages of ~300 bytes, {shape}, 2 subscription\(s\): [\d,]+ "
             r"messages/s, PostgreSQL CPU ([\d.]+ ms|n/a) and Python [\d.]+ ms per message",
