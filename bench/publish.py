@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
@@ -70,41 +71,38 @@ def run(
     """(messages per second, backend CPU ms per message, this process's CPU ms per message)
     for one run: ``publishers`` threads, each on its own connection, publishing its share."""
     shares = [messages // publishers + (n < messages % publishers) for n in range(publishers)]
-    backend_cpu: list[float | None] = [None] * publishers
-    start = threading.Barrier(publishers + 1)
-    threads = [
-        threading.Thread(
-            target=_publish_share, args=(topic.name, share, batch, size, start, backend_cpu, n)
-        )
-        for n, share in enumerate(shares)
-    ]
-    for thread in threads:
-        thread.start()
-    own_before = time.process_time()
-    start.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - began
-    own = time.process_time() - own_before
+    start = threading.Barrier(publishers + 1, timeout=60)
+    with ThreadPoolExecutor(publishers) as pool:
+        futures = [
+            pool.submit(_publish_share, topic.name, share, batch, size, start) for share in shares
+        ]
+        own_before = time.process_time()
+        try:
+            start.wait()
+        except threading.BrokenBarrierError:
+            for future in futures:
+                future.result()  # the publisher's own error, when one failed before the start
+            raise
+        began = time.perf_counter()
+        backend_cpu = [future.result() for future in futures]  # re-raises a publisher's error
+        elapsed = time.perf_counter() - began
+        own = time.process_time() - own_before
     cpu = None if None in backend_cpu else sum(backend_cpu)
     return messages / elapsed, None if cpu is None else cpu * 1000 / messages, own * 1000 / messages
 
 
 def _publish_share(
-    name: str,
-    messages: int,
-    batch: int,
-    size: int,
-    start: threading.Barrier,
-    backend_cpu: list[float | None],
-    slot: int,
-) -> None:
-    """Publish ``messages`` on this thread's connection once every publisher is ready; record
-    the CPU its PostgreSQL backend spent meanwhile in ``backend_cpu[slot]``."""
+    name: str, messages: int, batch: int, size: int, start: threading.Barrier
+) -> float | None:
+    """Publish ``messages`` on this thread's connection once every publisher is ready; return
+    the CPU seconds its PostgreSQL backend spent meanwhile (None when the server is remote)."""
     driver = get_driver()
-    [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
-    cpu_before = backend_cpu_seconds(pid)
+    try:
+        [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+        cpu_before = backend_cpu_seconds(pid)
+    except BaseException:
+        start.abort()  # the others stop waiting for this publisher
+        raise
     start.wait()
     if batch == 1:
         for n in range(messages):
@@ -122,9 +120,8 @@ def _publish_share(
     cpu_after = backend_cpu_seconds(pid)
     [(same_pid,)] = driver.execute("SELECT pg_backend_pid()", [])
     assert same_pid == pid, "the publishing connection changed during the run"
-    if cpu_before is not None and cpu_after is not None:
-        backend_cpu[slot] = cpu_after - cpu_before
     driver.close()
+    return None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
 
 
 def main() -> int:
