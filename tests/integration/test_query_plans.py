@@ -369,12 +369,25 @@ def test_a_batch_publish_reads_no_stored_message_after_the_table_grows(pg_conn):
         }
 
     for _ in range(8):  # past the five custom plans PostgreSQL makes before a generic one
-        _nested_plans(pg_conn, "wq_publish_many", batch())
+        sent = batch()
+        _nested_plans(pg_conn, "wq_publish_many", sent)
+        _nested_plans(pg_conn, "wq_publish_many", sent)  # retried whole: every item a duplicate
     seed_deliveries(pg_conn, SubscriptionFactory(topic=TopicFactory()), HOT_BACKLOG)
 
     plans = _nested_plans(pg_conn, "wq_publish_many", batch(), analyze=True)
     assert "Seq Scan on workqueue_message" not in plans, plans
     assert max(_rows_read(plans)) <= 200, plans  # the batch itself: 100 items, 100 rows each way
+
+    # A batch retried whole (after a dropped connection, say) looks each stored message up
+    # once, by primary key. Seen failing with sequential scans of the message table (a plan
+    # kept from the small table) and with two probes per item (the verdict's two columns each
+    # ran the lookup).
+    retried = batch()
+    _nested_plans(pg_conn, "wq_publish_many", retried)
+    plans = _nested_plans(pg_conn, "wq_publish_many", retried, analyze=True)
+    assert "Seq Scan on workqueue_message" not in plans, plans
+    probes = re.findall(r"Index Scan using workqueue_message_pkey on \S+ .*loops=(\d+)\)", plans)
+    assert sum(map(int, probes)) == 100, plans
 
     # An id taken before still gets its verdict from the stored message.
     first = batch()["messages"][0]

@@ -1,9 +1,10 @@
 -- Publishing: one guarded transaction per message that checks the topic, takes the ordered-publish
 -- lock, reserves the deduplication key, inserts the message, fans it out to every matching
 -- subscription in one set-based INSERT, confirms the key and wakes listening consumers.
--- The functions that read the deduplication ledger leave sequential scans aside: PL/pgSQL keeps
--- each statement's plan for the session, and one made while the ledger was nearly empty would
--- otherwise read all of it for every keyed publish once a burst had filled it.
+-- The publish functions and those that read the deduplication ledger leave sequential scans
+-- aside: PL/pgSQL keeps each statement's plan for the session, and one made while the ledger or
+-- the message table was nearly empty would otherwise read all of it for every keyed publish, or
+-- every retried batch, once a burst had filled it.
 
 CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
 
@@ -410,6 +411,7 @@ RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -591,6 +593,9 @@ BEGIN
                    v_accepted[e.ordinality] AS accepted
               FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
           ) x
+        -- Not merged into the query above (OFFSET 0), where each use of r.stored would run its
+        -- lookup again: one probe per item of a batch retried whole.
+        OFFSET 0
       ) r
      ORDER BY r.idx;
 END;

@@ -118,16 +118,15 @@ GO
 -- topology lock of every topic concerned exclusive before it looks, in topic order, as
 -- wq_lock_topology does: a publish fanning out at that moment commits first and is seen, and one
 -- that starts later waits for this transaction. Like a foreign key, a guard is off while its
--- table's foreign keys are switched off (NOCHECK).
+-- table's foreign keys are switched off (NOCHECK): a flush (mssql-django's sql_flush, for
+-- TransactionTestCase and manage.py flush) sets every constraint NOCHECK, deletes table by table
+-- in no particular order, then checks again.
 CREATE OR ALTER TRIGGER dbo.wq_subscription_delete_guard
 ON dbo.workqueue_subscription
 AFTER DELETE
 AS
 BEGIN
     SET NOCOUNT ON;
-    -- The guard stands in for foreign keys and is switched off with them: a flush
-    -- (mssql-django's sql_flush, for TransactionTestCase and manage.py flush) sets every
-    -- constraint NOCHECK, deletes table by table in no particular order, then checks again.
     IF EXISTS (SELECT 1 FROM sys.foreign_keys
                 WHERE parent_object_id = OBJECT_ID(N'dbo.workqueue_subscription') AND is_disabled = 1)
         RETURN;
@@ -163,9 +162,6 @@ AFTER DELETE
 AS
 BEGIN
     SET NOCOUNT ON;
-    -- The guard stands in for foreign keys and is switched off with them: a flush
-    -- (mssql-django's sql_flush, for TransactionTestCase and manage.py flush) sets every
-    -- constraint NOCHECK, deletes table by table in no particular order, then checks again.
     IF EXISTS (SELECT 1 FROM sys.foreign_keys
                 WHERE parent_object_id = OBJECT_ID(N'dbo.workqueue_topic') AND is_disabled = 1)
         RETURN;
