@@ -253,7 +253,7 @@ def publish(
         )
     for attempt in range(1, TRANSIENT_RETRIES + 2):
         try:
-            return driver.call(procedure, params, connection=connection)
+            return driver.publish(procedure, params, connection=connection)
         except TransientDriverError:
             # An enlisted publish shares the caller's transaction, which is now aborted: only
             # the caller can retry it. On our own connection the whole call simply re-runs.

@@ -192,6 +192,8 @@ def parse_postgresql(files: Mapping[str, str]) -> dict[str, list[Routine]]:
             params, types = [], []
             for item in _split_top_level(sql[match.end() : close]):
                 param_name, _, param_type = item.partition(" ")
+                # A default (DEFAULT NULL) is not part of the type.
+                param_type = re.split(r"\s+DEFAULT\s+", param_type, flags=re.IGNORECASE)[0]
                 params.append(param_name.removeprefix("p_"))
                 types.append(_normalise_type(param_type))
             rest = sql[close + 1 :]

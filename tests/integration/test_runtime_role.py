@@ -64,6 +64,7 @@ def test_runtime_role_cannot_write_queue_tables_but_can_publish_claim_and_comple
                 None,
                 None,
                 None,
+                None,
             ],
         ).fetchone()
         assert row[1] == "Accepted"

@@ -123,7 +123,7 @@ def test_the_procedure_refuses_a_due_time_past_retention_whoever_calls_it():
 
 CURRENT_PUBLISH = (
     "wq_publish(text,uuid,text,jsonb,jsonb,jsonb,text,text,integer,integer,boolean,text,"
-    "timestamp with time zone,integer,integer)"
+    "timestamp with time zone,integer,integer,boolean)"
 )
 
 

@@ -377,6 +377,21 @@ class BaseDriver:
         rows = self.execute(sql, values, connection)
         return [self.decode_row(procedure, row) for row in rows]
 
+    def publish(
+        self,
+        name: str,
+        params: Mapping[str, Any],
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+    ) -> list[Row]:
+        """Call a publish procedure (``wq_publish`` or ``wq_publish_many``, whose params name
+        the topic as ``topic_name``) and wake the topic's consumers once it has committed.
+
+        Here the procedure itself does whatever waking the vendor can; a driver with
+        notifications may instead announce the publish after the commit (PostgreSQL does).
+        """
+        return self.call(name, params, connection=connection)
+
     def execute(
         self, sql: str, values: list[Any], connection: BaseDatabaseWrapper | None = None
     ) -> list[tuple[Any, ...]]:

@@ -3,10 +3,13 @@ LISTEN/NOTIFY wake-ups."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from django.db import DatabaseError
@@ -19,12 +22,13 @@ from workqueue.driver.base import (
     BaseDriver,
     DriverFeatures,
     QueueTableSize,
+    Row,
     SparseIndex,
     VacuumHorizon,
     routed_to_django_connection,
     unencodable,
 )
-from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
+from workqueue.driver.procedures import Grant, ParamType, Procedure, get_procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
@@ -45,6 +49,10 @@ _CASTS = {
 }
 
 # deadlock, serialization failure, lock timeout, and the connection-exception class.
+logger = logging.getLogger(__name__)
+
+_ANNOUNCE = get_procedure("wq_announce")
+
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
 
 
@@ -475,6 +483,115 @@ class PostgresDriver(BaseDriver):
             self._local.raw = None
             owned.connection.close()
         super().close()
+
+    def publish(
+        self,
+        name: str,
+        params: Mapping[str, Any],
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+    ) -> list[Row]:
+        if connection is not None or routed_to_django_connection(self.alias):
+            # Enlisted (or in test mode): the procedure's NOTIFY goes out when the caller's
+            # transaction commits, and only if it does.
+            return self.call(name, params, connection=connection)
+        # On this thread's own connection the publish has committed when the call returns, so
+        # it is announced from here instead: a NOTIFY inside it would hold the cluster-wide
+        # notification lock until its commit record was flushed, one publisher at a time.
+        rows = self.call(name, {**params, "caller_announces": True})
+        if any(row["status"] == "Accepted" for row in rows):
+            self._announcer().announce(params["topic_name"])
+        return rows
+
+    def _announcer(self) -> _Announcer:
+        with self._opened_lock:
+            announcer = self.__dict__.get("_announcer_instance")
+            if announcer is None:
+                announcer = self._announcer_instance = _Announcer(self)
+            return announcer
+
+
+class _Announcer:
+    """Announces committed publishes (``wq_announce``) from one thread and connection per process,
+    so a publishing thread hands the announcement over instead of waiting for it.
+
+    Topics handed over while an announcement is on its way are announced together after it, so
+    under load one announcement covers many publishes; none is dropped, because each topic is
+    announced again by a transaction that starts after the publish that asked for it committed.
+    A process that exits normally announces what is still waiting (atexit); one that dies first
+    leaves the hosts to find its last publishes at their next poll, as a lost notification would.
+    The connection is closed after ``IDLE_SECONDS`` without publishes (and by ``close_all``).
+    """
+
+    IDLE_SECONDS = 30.0
+    EXIT_WAIT_SECONDS = 2.0
+
+    def __init__(self, driver: PostgresDriver) -> None:
+        self._driver = driver
+        self._topics: dict[str, None] = {}  # an ordered set: announced in the order asked
+        self._busy = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._connection: Any = None
+        self._pid = os.getpid()
+        self._sql = driver.render_call(_ANNOUNCE)
+        atexit.register(self.flush, self.EXIT_WAIT_SECONDS)
+
+    def announce(self, topic_name: str) -> None:
+        with self._changed:
+            if self._pid != os.getpid():
+                # A forked child has no thread, and its copy of the parent's connection is
+                # the parent's to use: start afresh.
+                self._pid, self._thread, self._connection = os.getpid(), None, None
+                self._topics.clear()
+                self._busy = False
+            self._topics[topic_name] = None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="workqueue-announcer", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until every topic handed over has been announced."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: not self._topics and not self._busy, timeout=timeout
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if not self._changed.wait_for(lambda: self._topics, timeout=self.IDLE_SECONDS):
+                    self._thread = None
+                    self._close()
+                    return
+                topics = list(self._topics)
+                self._topics.clear()
+                self._busy = True
+            try:
+                for topic in topics:
+                    self._send(topic)
+            finally:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+    def _send(self, topic: str) -> None:
+        try:
+            if self._connection is None or self._connection.closed:
+                self._connection = _connect(self._driver.alias)
+                self._driver._track(self._connection)
+            self._connection.execute(self._sql, [topic])
+        except Exception:
+            # Only a hint is lost: the hosts poll. The next announcement reconnects.
+            logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
+            self._close()
+
+    def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
 
 
 class _ThreadConnection:

@@ -98,17 +98,22 @@ PROCEDURES: dict[str, Procedure] = {
                 "topic_name:text, message_id:uuid, partition_key:text, attributes:json, "
                 "payload:json, payload_ref:json, correlation_id:text, deduplication_key:text, "
                 "deduplication_ttl_seconds:int, envelope_bytes:int, external:bool, "
-                "published_by:text, not_before:timestamp, delay_seconds:int, priority:int"
+                "published_by:text, not_before:timestamp, delay_seconds:int, priority:int, "
+                "caller_announces:bool"
             ),
             _c("message_id:uuid, status, error_code"),
             ResultKind.ONE,
         ),
         Procedure(
             "wq_publish_many",
-            _p("topic_name:text, messages:json, external:bool, published_by:text"),
+            _p(
+                "topic_name:text, messages:json, external:bool, published_by:text, "
+                "caller_announces:bool"
+            ),
             _c("item_index:int, message_id:uuid, status, error_code"),
             ResultKind.MANY,
         ),
+        Procedure("wq_announce", _p("topic_name:text"), _c("announced:bool"), ResultKind.ONE),
         Procedure(
             "wq_lock_topology",
             _p("topic_id:uuid"),

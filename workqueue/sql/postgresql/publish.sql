@@ -131,6 +131,11 @@ CREATE TRIGGER wq_topic_delete_guard
 -- p_external and p_published_by are the application's word (whether the message came in over
 -- the REST API, and as whom): the database sees only the role that holds grant-runtime, which
 -- may publish internally anyway, so claiming "not external" gains a caller nothing.
+-- The publish wakes the topic's listening hosts with a NOTIFY at commit, unless
+-- p_caller_announces is true: the caller then calls wq_announce itself once this transaction
+-- has committed. A NOTIFY makes the commit hold a lock that every other notifying transaction in
+-- the cluster waits for until this one's commit record is on disk, so publishers that notify
+-- cannot share a WAL flush; a caller on its own connection (not enlisted) announces instead.
 CREATE OR REPLACE FUNCTION wq_publish(
     p_topic_name text,
     p_message_id uuid,
@@ -146,7 +151,8 @@ CREATE OR REPLACE FUNCTION wq_publish(
     p_published_by text,
     p_not_before timestamptz,
     p_delay_seconds integer,
-    p_priority integer
+    p_priority integer,
+    p_caller_announces boolean DEFAULT NULL
 )
 RETURNS TABLE (message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
@@ -321,7 +327,7 @@ BEGIN
            AND d.message_id = p_message_id;
     END IF;
 
-    IF v_fanout > 0 THEN
+    IF v_fanout > 0 AND p_caller_announces IS NOT TRUE THEN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
     END IF;
@@ -337,6 +343,32 @@ LANGUAGE sql
 IMMUTABLE
 AS $$
     SELECT 'wq_' || replace(lower(p_topic_id::text), '-', '');
+$$;
+
+-- wq_announce --
+-- Wake the hosts listening for a topic's publishes, for a caller whose publish (with
+-- p_caller_announces) has committed. The announcement is only a hint, lost with the server like
+-- any notification (hosts still poll), so this transaction does not wait for its commit record
+-- to reach the disk: the lock a NOTIFY holds through commit is held for microseconds. An unknown
+-- topic announces nothing.
+CREATE OR REPLACE FUNCTION wq_announce(p_topic_name text)
+RETURNS TABLE (announced boolean)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_topic_id uuid;
+BEGIN
+    SELECT t.id INTO v_topic_id FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
+    IF FOUND THEN
+        -- Transaction-local, so it outlives this function (whose own SET clauses end with it)
+        -- and ends with the announcement's transaction.
+        PERFORM set_config('synchronous_commit', 'off', true);
+        PERFORM pg_notify(wq_topic_channel(v_topic_id), '');
+    END IF;
+    RETURN QUERY SELECT v_topic_id IS NOT NULL;
+END;
 $$;
 
 -- wq_publish_items --
@@ -401,11 +433,13 @@ $$;
 -- The topic is read once per batch and a batch without deduplication keys is written with one
 -- INSERT of its messages and one of their deliveries; ordinals follow array order. A batch with
 -- a deduplication key runs wq_publish item by item (the key's reserve-then-confirm protocol).
+-- p_caller_announces as for wq_publish: one NOTIFY (or one wq_announce) covers the batch.
 CREATE OR REPLACE FUNCTION wq_publish_many(
     p_topic_name text,
     p_messages jsonb,
     p_external boolean,
-    p_published_by text
+    p_published_by text,
+    p_caller_announces boolean DEFAULT NULL
 )
 RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text)
 LANGUAGE plpgsql
@@ -487,7 +521,8 @@ BEGIN
                     p_published_by,
                     (v_item.m ->> 'not_before')::timestamptz,
                     (v_item.m ->> 'delay_seconds')::integer,
-                    (v_item.m ->> 'priority')::integer) AS r;
+                    (v_item.m ->> 'priority')::integer,
+                    p_caller_announces) AS r;
         END LOOP;
         RETURN;
     END IF;
@@ -548,7 +583,7 @@ BEGIN
            (SELECT count(*) FROM fanned)
       INTO v_codes, v_accepted, v_fanout;
 
-    IF v_fanout > 0 THEN
+    IF v_fanout > 0 AND p_caller_announces IS NOT TRUE THEN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
     END IF;

@@ -476,6 +476,9 @@ GO
 -- @external and @published_by are the application's word (whether the message came in over the
 -- REST API, and as whom): the database sees only the login that holds grant-runtime, which may
 -- publish internally anyway, so claiming "not external" gains a caller nothing.
+-- @caller_announces is PostgreSQL's (whether the caller announces the publish itself, with
+-- wq_announce, instead of a NOTIFY at commit); SQL Server has no notifications, so it is
+-- accepted and ignored.
 -- returns: message_id, status, error_code
 CREATE OR ALTER PROCEDURE dbo.wq_publish
     @topic_name nvarchar(4000),
@@ -492,7 +495,8 @@ CREATE OR ALTER PROCEDURE dbo.wq_publish
     @published_by nvarchar(4000),
     @not_before datetimeoffset(7),
     @delay_seconds int,
-    @priority int
+    @priority int,
+    @caller_announces bit = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -532,12 +536,14 @@ GO
 -- taken first, in binary key order, so two batches sharing keys cannot deadlock on them. Returns
 -- one row per item with its zero-based position; each item is accepted or rejected on its own.
 -- Item JSON values are stored as the canonical text they arrive in.
+-- @caller_announces is accepted and ignored, as for wq_publish.
 -- returns: item_index, message_id, status, error_code
 CREATE OR ALTER PROCEDURE dbo.wq_publish_many
     @topic_name nvarchar(4000),
     @messages nvarchar(max),
     @external bit,
-    @published_by nvarchar(4000)
+    @published_by nvarchar(4000),
+    @caller_announces bit = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -847,5 +853,20 @@ BEGIN
 
     -- result set
     SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_announce --
+-- PostgreSQL wakes a topic's listening hosts here once a publish made with @caller_announces
+-- has committed. SQL Server has no notifications (hosts poll), so this announces nothing.
+-- returns: announced
+CREATE OR ALTER PROCEDURE dbo.wq_announce
+    @topic_name nvarchar(4000)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    -- result set
+    SELECT CAST(0 AS bit) AS announced;
 END;
 GO

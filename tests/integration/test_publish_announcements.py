@@ -1,0 +1,120 @@
+"""How a publish wakes the hosts on PostgreSQL, and what that costs the publishers.
+
+A transaction that NOTIFYs holds a cluster-wide lock from just before its commit until its commit
+record is flushed, so publishers whose publishes notified committed one at a time instead of
+sharing a flush. A publish on the driver's own connection therefore sends no NOTIFY itself: the
+driver announces it from another transaction once it has committed (``wq_announce``). An
+enlisted publish still notifies at the caller's commit, and only if the caller commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+
+from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import psycopg_params
+from tests.support.processes import run_python, subprocess_environment
+from workqueue import publish, publish_many
+from workqueue.driver import get_driver
+from workqueue.models import Topic
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+@pytest.fixture
+def topic() -> Topic:
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    return topic
+
+
+@pytest.fixture
+def listener(topic: Topic) -> Iterator[psycopg.Connection]:
+    """A session LISTENing on ``topic``'s channel, as a host's wake-up thread does."""
+    with psycopg.connect(**psycopg_params(), autocommit=True) as listening:
+        channel = get_driver().topic_channel(str(topic.id))
+        listening.execute(f'LISTEN "{channel}"')
+        yield listening
+
+
+def notifications(listening: psycopg.Connection, wait: float) -> list[psycopg.Notify]:
+    """The notifications that arrive within ``wait`` seconds (or until the first one)."""
+    return list(listening.notifies(timeout=wait, stop_after=1))
+
+
+def own_backend_pid() -> int:
+    """The backend of this thread's private driver connection, which carries its publishes."""
+    [(pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
+    return pid
+
+
+def test_a_publish_on_the_drivers_connection_is_announced_by_another_transaction(topic, listener):
+    publishing_backend = own_backend_pid()
+
+    assert publish(topic.name, {"n": 1}).accepted
+
+    [notice] = notifications(listener, wait=5)
+    # Sent by a session other than the one whose transaction wrote the publish: that
+    # transaction held no notification lock while its commit record was flushed.
+    assert notice.pid != publishing_backend
+
+
+def test_a_batch_is_announced_after_it_committed_too(topic, listener):
+    publishing_backend = own_backend_pid()
+
+    results = publish_many(topic.name, [{"payload": {"n": n}} for n in range(3)])
+
+    assert all(r.accepted for r in results)
+    notices = list(listener.notifies(timeout=5, stop_after=1))
+    assert notices and all(n.pid != publishing_backend for n in notices)
+
+
+def test_a_publish_that_is_not_accepted_announces_nothing(topic, listener):
+    first = publish(topic.name, {"n": 1}, message_id="0190f3c0-0000-7000-8000-000000000001")
+    assert first.accepted
+    assert notifications(listener, wait=5)
+
+    again = publish(topic.name, {"n": 1}, message_id="0190f3c0-0000-7000-8000-000000000001")
+
+    assert again.status == "Duplicate"
+    assert notifications(listener, wait=0.5) == []
+
+
+def test_an_enlisted_publish_notifies_when_the_callers_transaction_commits(topic, listener):
+    with transaction.atomic():
+        assert publish(topic.name, {"n": 1}, enlist=True).accepted
+        caller_backend = connection.connection.info.backend_pid
+        assert notifications(listener, wait=0.3) == []
+
+    [notice] = notifications(listener, wait=5)
+    assert notice.pid == caller_backend
+
+
+def test_an_enlisted_publish_that_rolls_back_wakes_nobody(topic, listener):
+    class Rollback(Exception):
+        pass
+
+    with pytest.raises(Rollback), transaction.atomic():
+        assert publish(topic.name, {"n": 1}, enlist=True).accepted
+        raise Rollback
+
+    assert notifications(listener, wait=0.5) == []
+
+
+def test_a_process_that_exits_right_after_publishing_still_wakes_the_hosts(topic, listener):
+    # A cron job or a one-off command: the announcement is handed to a background thread, and
+    # the process announces what is still waiting before it exits.
+    script = (
+        "import django; django.setup()\n"
+        "from workqueue import publish\n"
+        f"assert publish({topic.name!r}, {{'n': 1}}).accepted\n"
+    )
+    run_python("-c", script, env=subprocess_environment(), check=True)
+
+    notices = notifications(listener, wait=5)
+
+    assert len(notices) == 1, "the process exited without announcing its publish"
