@@ -547,7 +547,9 @@ class _Announcer:
                 self._busy = False
             self._topics[topic_name] = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="workqueue-announcer", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="workqueue-announcer", daemon=True
+                )
                 self._thread.start()
             self._changed.notify_all()
 
