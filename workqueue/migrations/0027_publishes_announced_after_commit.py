@@ -8,7 +8,8 @@ on the 2-core build machine: 8 clients inserting a row and notifying committed ~
 second, ~7,600 without the NOTIFY). ``wq_publish`` and ``wq_publish_many`` gain
 ``p_caller_announces`` (default NULL: notify at commit, as before); the driver passes true for a
 publish on its own connection and, once the publish has committed, announces it with the new
-``wq_announce``, whose transaction does not wait for its flush. An enlisted publish still
+``wq_announce``, whose transaction writes nothing else and so commits without waiting for a
+flush. An enlisted publish still
 notifies when the caller's transaction commits. SQL Server accepts the parameter and has
 ``wq_announce`` for parity; it has no notifications.
 

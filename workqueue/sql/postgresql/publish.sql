@@ -347,10 +347,11 @@ $$;
 
 -- wq_announce --
 -- Wake the hosts listening for a topic's publishes, for a caller whose publish (with
--- p_caller_announces) has committed. The announcement is only a hint, lost with the server like
--- any notification (hosts still poll), so this transaction does not wait for its commit record
--- to reach the disk: the lock a NOTIFY holds through commit is held for microseconds. An unknown
--- topic announces nothing.
+-- p_caller_announces) has committed. A transaction that writes nothing but its notification
+-- writes no WAL before its commit record, so PostgreSQL commits it without waiting for a flush:
+-- the lock a NOTIFY holds through commit is held for microseconds. (The announcement is only a
+-- hint, lost with the server like any notification; hosts still poll.) An unknown topic
+-- announces nothing.
 CREATE OR REPLACE FUNCTION wq_announce(p_topic_name text)
 RETURNS TABLE (announced boolean)
 LANGUAGE plpgsql
@@ -362,9 +363,6 @@ DECLARE
 BEGIN
     SELECT t.id INTO v_topic_id FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
     IF FOUND THEN
-        -- Transaction-local, so it outlives this function (whose own SET clauses end with it)
-        -- and ends with the announcement's transaction.
-        PERFORM set_config('synchronous_commit', 'off', true);
         PERFORM pg_notify(wq_topic_channel(v_topic_id), '');
     END IF;
     RETURN QUERY SELECT v_topic_id IS NOT NULL;
