@@ -14,6 +14,10 @@ synchronous_commit on).
 
 With ``--publishers N`` the messages are shared among N threads publishing at once, each on its
 own connection; the PostgreSQL CPU is then that of all N backends, per message.
+
+``--wakeups N`` also times how soon a host in another process would hear of a publish: a session
+LISTENs on the topic's channel, as a host's wake-up thread does, and N publishes 10 ms apart are
+each timed from ``publish`` returning to their notification's arrival (p50 and p99).
 """
 
 from __future__ import annotations
@@ -124,6 +128,28 @@ def _publish_share(
     return None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
 
 
+def wakeups(topic: Topic, samples: int) -> list[float]:
+    """Milliseconds from ``publish`` returning to its notification reaching a listening
+    session, for ``samples`` publishes 10 ms apart."""
+    import psycopg
+    from django.db import connection
+
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    latencies = []
+    with psycopg.connect(**params, autocommit=True) as listening:
+        listening.execute(f'LISTEN "{get_driver().topic_channel(str(topic.id))}"')
+        for n in range(samples):
+            assert publish(topic.name, payload_of(n, 0)).accepted
+            returned = time.perf_counter()
+            heard = list(listening.notifies(timeout=5, stop_after=1))
+            assert heard, "no notification within 5 s of a publish"
+            latencies.append((time.perf_counter() - returned) * 1000)
+            time.sleep(0.01)
+    return sorted(latencies)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--messages", type=int, default=5_000)
@@ -145,6 +171,12 @@ def main() -> int:
         default=0,
         help="publish order-like payloads of about this many bytes of JSON (default: {'n': n})",
     )
+    parser.add_argument(
+        "--wakeups",
+        type=int,
+        default=0,
+        help="then time this many publishes from returning to their notification's arrival",
+    )
     args = parser.parse_args()
     User = get_user_model()
     User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
@@ -164,6 +196,13 @@ def main() -> int:
                 f"publish {args.messages} messages{size}, {shape}, {args.subscriptions} "
                 f"subscription(s): {rate:,.0f} messages/s, PostgreSQL CPU {cpu_text} and "
                 f"Python {own:.3f} ms per message"
+            )
+        if args.wakeups:
+            heard = wakeups(topic, args.wakeups)
+            p50, p99 = heard[len(heard) // 2], heard[min(len(heard) - 1, len(heard) * 99 // 100)]
+            print(
+                f"notification after publish returned, {len(heard)} publishes 10 ms apart: "
+                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms"
             )
     finally:
         get_driver().remove_topic(str(topic.id))

@@ -98,6 +98,8 @@ def test_the_publish_benchmark_runs_end_to_end_in_a_short_variant():
         "--publishers",
         "1",
         "3",
+        "--wakeups",
+        "20",
     )
 
     for shape in (
@@ -111,6 +113,11 @@ def test_the_publish_benchmark_runs_end_to_end_in_a_short_variant():
             r"messages/s, PostgreSQL CPU ([\d.]+ ms|n/a) and Python [\d.]+ ms per message",
             run.stdout,
         ), run.stdout
+    assert re.search(
+        r"notification after publish returned, 20 publishes 10 ms apart: "
+        r"p50 [\d.]+ ms, p99 [\d.]+ ms",
+        run.stdout,
+    ), run.stdout
 
 
 def test_the_steady_state_soak_runs_in_a_short_variant():
