@@ -118,3 +118,19 @@ def test_a_process_that_exits_right_after_publishing_still_wakes_the_hosts(topic
     notices = notifications(listener, wait=5)
 
     assert len(notices) == 1, "the process exited without announcing its publish"
+
+
+def test_an_announcing_connection_the_server_dropped_is_replaced_without_losing_the_wake_up(
+    topic, listener, pg_conn, caplog
+):
+    assert publish(topic.name, {"n": 1}).accepted
+    [first] = notifications(listener, wait=5)
+    # The announcing session is idle between publishes; a server restart or an idle-session
+    # timeout ends it, and the announcer finds out only when it next sends.
+    pg_conn.execute("SELECT pg_terminate_backend(%s)", [first.pid])
+
+    assert publish(topic.name, {"n": 2}).accepted
+
+    [second] = notifications(listener, wait=5)
+    assert second.pid != first.pid
+    assert "Could not announce" not in caplog.text

@@ -528,23 +528,22 @@ class _Announcer:
 
     def __init__(self, driver: PostgresDriver) -> None:
         self._driver = driver
+        self._sql = driver.render_call(_ANNOUNCE)
+        self._start_afresh()
+        # A forked child has no announcing thread, may have copied the lock while that thread
+        # held it, and must leave the parent's connection to the parent.
+        os.register_at_fork(after_in_child=self._start_afresh)
+        atexit.register(self.flush, self.EXIT_WAIT_SECONDS)
+
+    def _start_afresh(self) -> None:
         self._topics: dict[str, None] = {}  # an ordered set: announced in the order asked
         self._busy = False
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._connection: Any = None
-        self._pid = os.getpid()
-        self._sql = driver.render_call(_ANNOUNCE)
-        atexit.register(self.flush, self.EXIT_WAIT_SECONDS)
 
     def announce(self, topic_name: str) -> None:
         with self._changed:
-            if self._pid != os.getpid():
-                # A forked child has no thread, and its copy of the parent's connection is
-                # the parent's to use: start afresh.
-                self._pid, self._thread, self._connection = os.getpid(), None, None
-                self._topics.clear()
-                self._busy = False
             self._topics[topic_name] = None
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -579,15 +578,20 @@ class _Announcer:
                     self._changed.notify_all()
 
     def _send(self, topic: str) -> None:
-        try:
-            if self._connection is None or self._connection.closed:
-                self._connection = _connect(self._driver.alias)
-                self._driver._track(self._connection)
-            self._connection.execute(self._sql, [topic])
-        except Exception:
-            # Only a hint is lost: the hosts poll. The next announcement reconnects.
-            logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
-            self._close()
+        # Twice: a connection the server dropped while it sat idle (a restart, an idle timeout)
+        # fails only at its next use, and a fresh one then succeeds.
+        for attempt in (1, 2):
+            try:
+                if self._connection is None or self._connection.closed:
+                    self._connection = _connect(self._driver.alias)
+                    self._driver._track(self._connection)
+                self._connection.execute(self._sql, [topic])
+                return
+            except Exception:
+                self._close()
+                if attempt == 2:
+                    # Only a hint is lost: the hosts find the publish at their next poll.
+                    logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
 
     def _close(self) -> None:
         connection, self._connection = self._connection, None
