@@ -2,14 +2,16 @@
 
 A transaction that NOTIFYs holds a cluster-wide lock from just before its commit until its commit
 record is flushed, so publishers whose publishes notified committed one at a time instead of
-sharing a flush. A publish on the driver's own connection therefore sends no NOTIFY itself: the
-driver announces it from another transaction once it has committed (``wq_announce``). An
-enlisted publish still notifies at the caller's commit, and only if the caller commits.
+sharing a flush. A publish on the driver's own connection therefore sends no NOTIFY itself: once
+it has committed, the driver sends ``wq_announce`` on the same connection, a transaction of its
+own, without waiting for the answer. An enlisted publish still notifies at the caller's commit,
+and only if the caller commits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -20,7 +22,7 @@ from tests.support.database import psycopg_params
 from tests.support.processes import run_python, subprocess_environment
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
-from workqueue.models import Topic
+from workqueue.models import Delivery, Topic
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -46,31 +48,44 @@ def notifications(listening: psycopg.Connection, wait: float) -> list[psycopg.No
     return list(listening.notifies(timeout=wait, stop_after=1))
 
 
-def own_backend_pid() -> int:
-    """The backend of this thread's private driver connection, which carries its publishes."""
-    [(pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
-    return pid
+@contextmanager
+def announcements_failing(pg_conn: psycopg.Connection) -> Iterator[None]:
+    """``wq_announce`` renamed away while the block runs, so every announcement fails."""
+    pg_conn.execute("ALTER FUNCTION wq_announce(text) RENAME TO wq_announce_away")
+    try:
+        yield
+    finally:
+        pg_conn.execute("ALTER FUNCTION wq_announce_away(text) RENAME TO wq_announce")
 
 
-def test_a_publish_on_the_drivers_connection_is_announced_by_another_transaction(topic, listener):
-    publishing_backend = own_backend_pid()
+def test_the_transaction_that_writes_a_publish_sends_no_notification(
+    topic, listener, pg_conn, caplog
+):
+    with announcements_failing(pg_conn):
+        result = publish(topic.name, {"n": 1})
+        # The connection's next statement reads the failed announcement's answer.
+        assert publish(topic.name, {"n": 2}).accepted
 
+    # Stored and committed, and yet nobody was woken: the publish's own transaction held no
+    # notification lock while its commit record was flushed; only the announcement notifies.
+    assert result.accepted
+    assert Delivery.objects.filter(message_id=result.message_id).exists()
+    assert notifications(listener, wait=0.5) == []
+    assert "Could not announce a publish to topic" in caplog.text
+
+    # The connection that carried the failed announcements goes on publishing and announcing.
+    assert publish(topic.name, {"n": 3}).accepted
+    assert len(notifications(listener, wait=5)) == 1
+
+
+def test_a_publish_and_a_batch_wake_the_listening_hosts_once_committed(topic, listener):
     assert publish(topic.name, {"n": 1}).accepted
-
-    [notice] = notifications(listener, wait=5)
-    # Sent by a session other than the one whose transaction wrote the publish: that
-    # transaction held no notification lock while its commit record was flushed.
-    assert notice.pid != publishing_backend
-
-
-def test_a_batch_is_announced_after_it_committed_too(topic, listener):
-    publishing_backend = own_backend_pid()
+    assert len(notifications(listener, wait=5)) == 1
 
     results = publish_many(topic.name, [{"payload": {"n": n}} for n in range(3)])
 
     assert all(r.accepted for r in results)
-    notices = list(listener.notifies(timeout=5, stop_after=1))
-    assert notices and all(n.pid != publishing_backend for n in notices)
+    assert len(notifications(listener, wait=5)) == 1
 
 
 def test_a_publish_that_is_not_accepted_announces_nothing(topic, listener):
@@ -106,8 +121,8 @@ def test_an_enlisted_publish_that_rolls_back_wakes_nobody(topic, listener):
 
 
 def test_a_process_that_exits_right_after_publishing_still_wakes_the_hosts(topic, listener):
-    # A cron job or a one-off command: the announcement is handed to a background thread, and
-    # the process announces what is still waiting before it exits.
+    # A cron job or a one-off command: the announcement's answer is never read, but the
+    # statement was with the server before publish returned.
     script = (
         "import django; django.setup()\n"
         "from workqueue import publish\n"
@@ -120,13 +135,13 @@ def test_a_process_that_exits_right_after_publishing_still_wakes_the_hosts(topic
     assert len(notices) == 1, "the process exited without announcing its publish"
 
 
-def test_an_announcing_connection_the_server_dropped_is_replaced_without_losing_the_wake_up(
+def test_a_publishing_connection_the_server_dropped_is_replaced_without_losing_the_wake_up(
     topic, listener, pg_conn, caplog
 ):
     assert publish(topic.name, {"n": 1}).accepted
     [first] = notifications(listener, wait=5)
-    # The announcing session is idle between publishes; a server restart or an idle-session
-    # timeout ends it, and the announcer finds out only when it next sends.
+    # The publishing session is idle between publishes; a server restart or an idle-session
+    # timeout ends it, with an announcement's answer still unread.
     pg_conn.execute("SELECT pg_terminate_backend(%s)", [first.pid])
 
     assert publish(topic.name, {"n": 2}).accepted

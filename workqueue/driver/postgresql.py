@@ -3,12 +3,11 @@ LISTEN/NOTIFY wake-ups."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import re
-import threading
+import select
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ from workqueue.driver.base import (
     routed_to_django_connection,
     unencodable,
 )
-from workqueue.driver.procedures import Grant, ParamType, Procedure, get_procedure, granted_to
+from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
@@ -51,7 +50,9 @@ _CASTS = {
 # deadlock, serialization failure, lock timeout, and the connection-exception class.
 logger = logging.getLogger(__name__)
 
-_ANNOUNCE = get_procedure("wq_announce")
+# How long a step of sending an announcement, or of reading its answer, may wait on the socket
+# before trying again (the server answers within a millisecond or two; this bounds a stall).
+_ANNOUNCE_WAIT_SECONDS = 5.0
 
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
 
@@ -174,6 +175,10 @@ def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
 
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
+    # wq_announce's call with libpq's own placeholder, sent on the connection directly.
+    _announce_sql = (
+        f"SELECT announced FROM wq_announce(p_topic_name => $1::{_CASTS[ParamType.TEXT]})"
+    ).encode()
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
@@ -464,6 +469,8 @@ class PostgresDriver(BaseDriver):
         owned = getattr(self._local, "raw", None)
         raw = owned.connection if owned is not None else None
         try:
+            if owned is not None and owned.announcing is not None and not raw.closed:
+                _collect_announcement(owned)
             if raw is None or raw.closed:
                 owned = self._local.raw = _ThreadConnection(_connect(self.alias))
                 raw = owned.connection
@@ -496,124 +503,81 @@ class PostgresDriver(BaseDriver):
             # transaction commits, and only if it does.
             return self.call(name, params, connection=connection)
         # On this thread's own connection the publish has committed when the call returns, so
-        # it is announced from here instead: a NOTIFY inside it would hold the cluster-wide
-        # notification lock until its commit record was flushed, one publisher at a time.
+        # it is announced in a transaction of its own: a NOTIFY inside the publish would hold
+        # the cluster-wide notification lock until its commit record was flushed, and
+        # concurrent publishers would commit one at a time.
         rows = self.call(name, {**params, "caller_announces": True})
         if any(row["status"] == "Accepted" for row in rows):
-            self._announcer().announce(params["topic_name"])
+            self._announce(params["topic_name"])
         return rows
 
-    def _announcer(self) -> _Announcer:
-        with self._opened_lock:
-            announcer = self.__dict__.get("_announcer_instance")
-            if announcer is None:
-                announcer = self._announcer_instance = _Announcer(self)
-            return announcer
-
-
-class _Announcer:
-    """Announces committed publishes (``wq_announce``) from one thread and connection per process,
-    so a publishing thread hands the announcement over instead of waiting for it.
-
-    Topics handed over while an announcement is on its way are announced together after it, so
-    under load one announcement covers many publishes; none is dropped, because each topic is
-    announced again by a transaction that starts after the publish that asked for it committed.
-    A process that exits normally announces what is still waiting (atexit); one that dies first
-    leaves the hosts to find its last publishes at their next poll, as a lost notification would.
-    The connection is closed after ``IDLE_SECONDS`` without publishes (and by ``close_all``).
-    """
-
-    IDLE_SECONDS = 30.0
-    EXIT_WAIT_SECONDS = 2.0
-
-    def __init__(self, driver: PostgresDriver) -> None:
-        self._driver = driver
-        self._sql = driver.render_call(_ANNOUNCE)
-        self._start_afresh()
-        # A forked child has no announcing thread, may have copied the lock while that thread
-        # held it, and must leave the parent's connection to the parent.
-        os.register_at_fork(after_in_child=self._start_afresh)
-        atexit.register(self.flush, self.EXIT_WAIT_SECONDS)
-
-    def _start_afresh(self) -> None:
-        self._topics: dict[str, None] = {}  # an ordered set: announced in the order asked
-        self._busy = False
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._connection: Any = None
-
-    def announce(self, topic_name: str) -> None:
-        with self._changed:
-            self._topics[topic_name] = None
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="workqueue-announcer", daemon=True
-                )
-                self._thread.start()
-            self._changed.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds until every topic handed over has been announced."""
-        with self._changed:
-            return self._changed.wait_for(
-                lambda: not self._topics and not self._busy, timeout=timeout
-            )
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                if not self._changed.wait_for(lambda: self._topics, timeout=self.IDLE_SECONDS):
-                    self._thread = None
-                    self._close()
-                    return
-                topics = list(self._topics)
-                self._topics.clear()
-                self._busy = True
-            try:
-                for topic in topics:
-                    self._send(topic)
-            finally:
-                with self._changed:
-                    self._busy = False
-                    self._changed.notify_all()
-
-    def _send(self, topic: str) -> None:
-        # Twice: a connection the server dropped while it sat idle (a restart, an idle timeout)
-        # fails only at its next use, and a fresh one then succeeds.
-        for attempt in (1, 2):
-            try:
-                if self._connection is None or self._connection.closed:
-                    self._connection = _connect(self._driver.alias)
-                    self._driver._track(self._connection)
-                self._connection.execute(self._sql, [topic])
-                return
-            except Exception:
-                self._close()
-                if attempt == 2:
-                    # Only a hint is lost: the hosts find the publish at their next poll.
-                    logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
-
-    def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
+    def _announce(self, topic_name: str) -> None:
+        """Send ``wq_announce`` on this thread's connection without waiting for its answer,
+        which the connection's next statement collects first (``_collect_announcement``). The
+        server runs it right after the publish, while this thread goes on; it runs even if the
+        process exits at once, the statement being already with the server."""
+        owned = getattr(self._local, "raw", None)
+        if owned is None or owned.connection.closed:
+            return
+        pgconn = owned.connection.pgconn
+        try:
+            pgconn.send_query_params(self._announce_sql, [topic_name.encode()])
+            while pgconn.flush():  # non-blocking: wait until the statement is sent
+                select.select([], [pgconn.socket], [], _ANNOUNCE_WAIT_SECONDS)
+        except Exception:
+            # Only a hint is lost (hosts poll). The connection is in an unknown state: the
+            # next statement opens a new one.
+            logger.warning("Could not announce a publish to topic %s", topic_name, exc_info=True)
             with contextlib.suppress(Exception):
-                connection.close()
+                owned.connection.close()
+            return
+        owned.announcing = topic_name
 
 
 class _ThreadConnection:
     """Holds one thread's connection and closes it when the thread ends (its thread-local
     storage is released then), so pool threads that finish never leak an open connection."""
 
-    __slots__ = ("connection",)
+    __slots__ = ("announcing", "connection")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        #: The topic of an announcement sent on the connection whose answer is still unread.
+        self.announcing: str | None = None
 
     def __del__(self, _suppress: Any = contextlib.suppress) -> None:
         # Bound at definition: at interpreter shutdown module globals may already be gone, and
         # a failing close then leaves nothing to tidy anyway.
         with _suppress(Exception):
             self.connection.close()
+
+
+def _collect_announcement(owned: _ThreadConnection) -> None:
+    """Read the answer to the announcement sent after the connection's last publish (it has
+    almost always arrived by now), so the connection can run its next statement. A failed
+    announcement is logged: the hosts find that publish at their next poll. A broken
+    connection is closed, to be replaced by the statement that comes next."""
+    from psycopg import pq
+
+    topic, owned.announcing = owned.announcing, None
+    pgconn = owned.connection.pgconn
+    try:
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            select.select([pgconn.socket], [], [], _ANNOUNCE_WAIT_SECONDS)
+        failures = []
+        while (result := pgconn.get_result()) is not None:
+            if result.status != pq.ExecStatus.TUPLES_OK:
+                failures.append(result.error_message.decode(errors="replace").strip())
+    except Exception:
+        logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
+        with contextlib.suppress(Exception):
+            owned.connection.close()
+        return
+    if failures:
+        logger.warning("Could not announce a publish to topic %s: %s", topic, "; ".join(failures))
 
 
 def _connect(alias: str) -> Any:
