@@ -8,9 +8,9 @@ on the 2-core build machine: 8 clients inserting a row and notifying committed ~
 second, ~7,600 without the NOTIFY). ``wq_publish`` and ``wq_publish_many`` gain
 ``p_caller_announces`` (default NULL: notify at commit, as before); the driver passes true for a
 publish on its own connection and, once the publish has committed, announces it with the new
-``wq_announce``, whose transaction writes nothing else and so commits without waiting for a
-flush. An enlisted publish still
-notifies when the caller's transaction commits. SQL Server accepts the parameter and has
+``wq_announce`` (sent on the same connection without waiting for the answer), whose
+transaction writes nothing else and so commits without waiting for a flush. An enlisted publish
+still notifies when the caller's transaction commits. SQL Server accepts the parameter and has
 ``wq_announce`` for parity; it has no notifications.
 
 The two publish functions are created with the new parameter and the old ones dropped; the roles
