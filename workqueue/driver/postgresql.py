@@ -488,7 +488,7 @@ class PostgresDriver(BaseDriver):
         owned = getattr(self._local, "raw", None)
         if owned is not None:
             self._local.raw = None
-            owned.connection.close()
+            owned.close()
         super().close()
 
     def publish(
@@ -545,11 +545,18 @@ class _ThreadConnection:
         #: The topic of an announcement sent on the connection whose answer is still unread.
         self.announcing: str | None = None
 
+    def close(self) -> None:
+        """Close the connection, having read an announcement's answer first: a session closed
+        with an answer on its way makes the server log that it could not send it."""
+        if self.announcing is not None and not self.connection.closed:
+            _collect_announcement(self)
+        self.connection.close()
+
     def __del__(self, _suppress: Any = contextlib.suppress) -> None:
         # Bound at definition: at interpreter shutdown module globals may already be gone, and
         # a failing close then leaves nothing to tidy anyway.
         with _suppress(Exception):
-            self.connection.close()
+            self.close()
 
 
 def _collect_announcement(owned: _ThreadConnection) -> None:
