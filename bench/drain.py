@@ -3,6 +3,7 @@
 Usage (against the embedded PostgreSQL, or DATABASE_URL):
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --concurrency 1 8 32
     PYTHONPATH=. .venv/bin/python bench/drain.py --pickup 300
+    PYTHONPATH=. .venv/bin/python bench/drain.py --concurrency --pickup-publisher process
     PYTHONPATH=. .venv/bin/python bench/drain.py --partition-mode Exclusive --keys 100 --pickup 0
     PYTHONPATH=. .venv/bin/python bench/drain.py --priorities 5 --pickup 0
     PYTHONPATH=. .venv/bin/python bench/drain.py --messages 10000 --fanout 10 --pickup 0
@@ -12,7 +13,10 @@ Usage (against the embedded PostgreSQL, or DATABASE_URL):
 Drain: publish N no-op messages first (keyless, or spread over --keys partition keys), then time
 a host (in this process) from start until it has completed them all. Pickup: with the host idle
 and listening, publish one message at a time and measure from the publish call's return
-(committed) to the handler starting. With --priorities P the backlog's messages take P
+(committed) to the handler starting. The publisher is this process (whose publishes wake its
+host in-process), or with --pickup-publisher process a child process, so that only the
+database's notification wakes the host, as it does a host on another machine. With
+--priorities P the backlog's messages take P
 different priorities in turn (-2, -1, 0, 1, 2 for 5), so claims visit several priority levels.
 
 Fan-out (--fanout K): one topic with K subscriptions, each run by the host at --concurrency;
@@ -44,6 +48,7 @@ import itertools
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -331,25 +336,52 @@ def drain_burst(
     )
 
 
-def pickup(samples: int) -> list[float]:
+def pickup(samples: int, publisher: str = "this") -> list[float]:
     subscriptions = make_subscriptions(f"pickup-{uuid.uuid4().hex[:6]}")
     topic = subscriptions[0].topic
     host = host_for(subscriptions, 8)
     host.start()
     latencies = []
+    child = None
     try:
+        if publisher == "process":
+            child = subprocess.Popen(
+                [sys.executable, __file__, "--publish-on-request", topic.name],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         time.sleep(1.0)  # let the listener connect and the loop go idle
         for _ in range(samples):
             LEDGER.expect(1)
-            publish(topic.name, {"t": 1})
-            returned = time.perf_counter()
-            LEDGER.reached.wait()
+            if child is None:
+                publish(topic.name, {"t": 1})
+                returned = time.perf_counter()
+            else:
+                child.stdin.write("publish\n")
+                child.stdin.flush()
+                # perf_counter is CLOCK_MONOTONIC, the same clock in every process here.
+                returned = float(child.stdout.readline())
+            if not LEDGER.reached.wait(timeout=30):
+                raise RuntimeError("a published message was not picked up within 30 s")
             latencies.append((LEDGER.started[0] - returned) * 1000)
             time.sleep(0.02)
     finally:
+        if child is not None:
+            child.stdin.close()
+            child.wait(timeout=30)
         host.shutdown()
         remove(topic.id)
     return latencies
+
+
+def publish_on_request(topic: str) -> int:
+    """The other process of ``--pickup-publisher process``: publish one message to ``topic``
+    for each line read, and write when each publish returned."""
+    for _line in sys.stdin:
+        assert publish(topic, {"t": 1}).accepted
+        print(time.perf_counter(), flush=True)
+    return 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -362,6 +394,14 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--pickup", type=int, default=300, help="pickup samples (0: skip)")
+    parser.add_argument(
+        "--pickup-publisher",
+        choices=["this", "process"],
+        default="this",
+        help="publish the pickup samples from this process, or from another one (then only "
+        "the database's notification wakes the host)",
+    )
+    parser.add_argument("--publish-on-request", metavar="TOPIC", help=argparse.SUPPRESS)
     parser.add_argument(
         "--partition-mode", choices=["None", "Exclusive", "Ordered"], default="None"
     )
@@ -416,6 +456,8 @@ def main() -> int:
         "the tables' owner or a superuser)",
     )
     args = parser.parse_args()
+    if args.publish_on_request:
+        return publish_on_request(args.publish_on_request)
     if args.fanout < 1:
         parser.error("--fanout must be 1 or more")
     if args.backlog and (args.fanout > 1 or args.priorities > 1):
@@ -463,9 +505,10 @@ def main() -> int:
             f"{run.rate:,.0f}/s (host CPU {run.cpu_us:,.0f} us per delivery{db_cpu})"
         )
     if args.pickup:
-        lat = pickup(args.pickup)
+        lat = pickup(args.pickup, args.pickup_publisher)
+        source = " from another process" if args.pickup_publisher == "process" else ""
         print(
-            f"idle pickup over {len(lat)} publishes: p50 {statistics.median(lat):.2f} ms, "
+            f"idle pickup over {len(lat)} publishes{source}: p50 {statistics.median(lat):.2f} ms, "
             f"p95 {percentile(lat, 0.95):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms"
         )
     return 0

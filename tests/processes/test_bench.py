@@ -31,6 +31,17 @@ def test_the_drain_benchmark_runs_end_to_end_in_a_short_variant():
     assert re.search(r"idle pickup over 20 publishes: p50 [\d.]+ ms", run.stdout), run.stdout
 
 
+def test_the_pickup_benchmark_publishes_from_another_process_in_a_short_variant():
+    # Only the database's notification can wake the host then, as on another machine.
+    run = _bench(
+        "bench/drain.py", "--concurrency", "--pickup", "20", "--pickup-publisher", "process"
+    )
+
+    assert re.search(
+        r"idle pickup over 20 publishes from another process: p50 [\d.]+ ms", run.stdout
+    ), run.stdout
+
+
 def test_the_drain_benchmark_runs_fan_out_and_deep_backlog_variants():
     fanout = _bench(
         "bench/drain.py",
