@@ -4,6 +4,7 @@ LISTEN/NOTIFY wake-ups."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -27,7 +28,7 @@ from workqueue.driver.base import (
     routed_to_django_connection,
     unencodable,
 )
-from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
+from workqueue.driver.procedures import Grant, ParamType, Procedure, get_procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
@@ -47,13 +48,13 @@ _CASTS = {
     ParamType.TIMESTAMP: "timestamptz",
 }
 
-# deadlock, serialization failure, lock timeout, and the connection-exception class.
 logger = logging.getLogger(__name__)
 
 # How long a step of sending an announcement, or of reading its answer, may wait on the socket
 # before trying again (the server answers within a millisecond or two; this bounds a stall).
 _ANNOUNCE_WAIT_SECONDS = 5.0
 
+# deadlock, serialization failure, lock timeout, and the connection-exception class.
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
 
 
@@ -175,10 +176,6 @@ def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
 
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
-    # wq_announce's call with libpq's own placeholder, sent on the connection directly.
-    _announce_sql = (
-        f"SELECT announced FROM wq_announce(p_topic_name => $1::{_CASTS[ParamType.TEXT]})"
-    ).encode()
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
@@ -510,6 +507,12 @@ class PostgresDriver(BaseDriver):
         if any(row["status"] == "Accepted" for row in rows):
             self._announce(params["topic_name"])
         return rows
+
+    @functools.cached_property
+    def _announce_sql(self) -> bytes:
+        # wq_announce's call as render_call writes it, with libpq's own placeholder: it is sent
+        # on the connection directly.
+        return self.render_call(get_procedure("wq_announce")).replace("%s", "$1").encode()
 
     def _announce(self, topic_name: str) -> None:
         """Send ``wq_announce`` on this thread's connection without waiting for its answer,
