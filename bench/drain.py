@@ -70,7 +70,7 @@ from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402
 
 from bench.proc_cpu import backend_cpu_seconds  # noqa: E402
-from workqueue import BaseWorkHandler, Outcome, publish, publish_many  # noqa: E402
+from workqueue import BaseWorkHandler, Outcome, metrics, publish, publish_many  # noqa: E402
 from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
 from workqueue.driver.base import QUEUE_TABLES  # noqa: E402
@@ -336,9 +336,27 @@ def drain_burst(
     )
 
 
-def pickup(samples: int, publisher: str = "this") -> list[float]:
+@dataclass(frozen=True)
+class PickupRun:
+    latencies_ms: list[float]
+    claims: float  # claims the host made per pickup (each a round trip; a claim that got a
+    # delivery also a commit)
+    db_cpu_us: float | None  # the host's PostgreSQL backends' CPU per pickup
+
+
+def claims_made(subscription: str) -> float:
+    """Claims a subscription's consumer in this process has made so far (every claim that
+    reached the database is timed in the claim-duration histogram)."""
+    value = metrics.PROCESS.get_sample_value(
+        "workqueue_claim_duration_seconds_count", {"subscription": subscription}
+    )
+    return value or 0.0
+
+
+def pickup(samples: int, publisher: str = "this") -> PickupRun:
     subscriptions = make_subscriptions(f"pickup-{uuid.uuid4().hex[:6]}")
     topic = subscriptions[0].topic
+    [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
     host = host_for(subscriptions, 8)
     host.start()
     latencies = []
@@ -352,6 +370,8 @@ def pickup(samples: int, publisher: str = "this") -> list[float]:
                 text=True,
             )
         time.sleep(1.0)  # let the listener connect and the loop go idle
+        claims_before = claims_made(subscriptions[0].name)
+        db_cpu_before = host_backends_cpu_seconds(publisher_pid)
         for _ in range(samples):
             LEDGER.expect(1)
             if child is None:
@@ -366,13 +386,20 @@ def pickup(samples: int, publisher: str = "this") -> list[float]:
                 raise RuntimeError("a published message was not picked up within 30 s")
             latencies.append((LEDGER.started[0] - returned) * 1000)
             time.sleep(0.02)
+        claims = (claims_made(subscriptions[0].name) - claims_before) / samples
+        db_cpu_after = host_backends_cpu_seconds(publisher_pid)
     finally:
         if child is not None:
             child.stdin.close()
             child.wait(timeout=30)
         host.shutdown()
         remove(topic.id)
-    return latencies
+    db_cpu = (
+        None
+        if db_cpu_before is None or db_cpu_after is None
+        else (db_cpu_after - db_cpu_before) / samples * 1e6
+    )
+    return PickupRun(latencies, claims, db_cpu)
 
 
 def publish_on_request(topic: str) -> int:
@@ -505,11 +532,14 @@ def main() -> int:
             f"{run.rate:,.0f}/s (host CPU {run.cpu_us:,.0f} us per delivery{db_cpu})"
         )
     if args.pickup:
-        lat = pickup(args.pickup, args.pickup_publisher)
+        run = pickup(args.pickup, args.pickup_publisher)
+        lat = run.latencies_ms
         source = " from another process" if args.pickup_publisher == "process" else ""
+        db_cpu = f", PostgreSQL {run.db_cpu_us:,.0f} us" if run.db_cpu_us is not None else ""
         print(
             f"idle pickup over {len(lat)} publishes{source}: p50 {statistics.median(lat):.2f} ms, "
-            f"p95 {percentile(lat, 0.95):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms"
+            f"p95 {percentile(lat, 0.95):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms "
+            f"({run.claims:.2f} claims per pickup{db_cpu})"
         )
     return 0
 

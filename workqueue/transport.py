@@ -124,9 +124,11 @@ class Receiver:
                 "after_key": self.key_cursor,
             },
         )
+        walked = False
         for r in rows:
             if r["kind"] == "KeyCursor":
                 self.key_cursor = r["partition_key"]
+                walked = True
         claimed = [_claimed(r, self.subscription_id) for r in rows if r["kind"] == "Claimed"]
         expired = [
             ExpiredDeadLetter(
@@ -135,7 +137,9 @@ class Receiver:
             for r in rows
             if r["kind"] == "ExpiredDeadLetter"
         ]
-        return ClaimResult(claimed, expired)
+        # Short of max_rows, the claim saw every row it could take, unless it walked the
+        # partition keys: a walk stops at its budget, and keys past it may still be free.
+        return ClaimResult(claimed, expired, drained=len(claimed) < max_rows and not walked)
 
     def extend_lease(
         self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None

@@ -186,6 +186,10 @@ class ExpiredDeadLetter:
 class ClaimResult:
     deliveries: list[ClaimedDelivery]
     expired_dead_letters: list[ExpiredDeadLetter] = field(default_factory=list)
+    #: The claim took everything it could at that moment: another before something changes (a
+    #: publish, a settle, a due time) would come back empty. A transport that cannot tell
+    #: leaves it False, and its consumer claims again at once after a short claim.
+    drained: bool = False
 
 
 @dataclass(frozen=True, slots=True)

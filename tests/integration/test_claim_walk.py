@@ -1,6 +1,7 @@
 """The key walk of wq_claim: when a hot key's backlog fills a claim's window of oldest rows, the
 claim walks the keys instead, resuming where the receiver's last walk stopped. Without the
-cursor, keys past one walk's budget would never be reached while the window stays clogged."""
+cursor, keys past one walk's budget would never be reached while the window stays clogged. And
+when a claim may tell its consumer that it took all there was (``ClaimResult.drained``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def test_successive_claims_walk_on_from_the_cursor_until_a_free_key_is_reached()
     first = walker.receive(1)
     assert first.deliveries == []
     assert walker.key_cursor is not None and walker.key_cursor.startswith("b")
+    # Keys past the walk's budget may be free: a consumer must not take this claim for all
+    # there was.
+    assert not first.drained
     # A claim that starts over each time never gets past the blocked keys.
     assert Receiver(subscription.id, "forgetful").receive(1).deliveries == []
 
@@ -51,7 +55,21 @@ def test_a_window_with_room_needs_no_walk_and_keeps_publish_age_order():
     _publish(subscription.topic.name, ["z", "y", "x"])
     receiver = Receiver(subscription.id)
 
-    claimed = receiver.receive(10).deliveries
+    result = receiver.receive(10)
 
-    assert [d.partition_key for d in claimed] == ["z", "y", "x"]
+    assert [d.partition_key for d in result.deliveries] == ["z", "y", "x"]
     assert receiver.key_cursor is None
+    assert result.drained  # short of 10 without a walk: nothing else could be taken
+
+
+def test_only_a_claim_short_of_what_it_asked_for_took_all_there_was():
+    subscription = SubscriptionFactory()
+    results = publish_many(subscription.topic.name, [{"payload": {"n": n}} for n in range(3)])
+    assert all(r.accepted for r in results)
+    receiver = Receiver(subscription.id)
+
+    full = receiver.receive(2)
+    short = receiver.receive(2)
+
+    assert (len(full.deliveries), full.drained) == (2, False)
+    assert (len(short.deliveries), short.drained) == (1, True)

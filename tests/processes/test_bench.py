@@ -29,6 +29,7 @@ def test_the_drain_benchmark_runs_end_to_end_in_a_short_variant():
     assert re.search(r"drain 300 no-op messages, concurrency 1: [\d,]+/s", run.stdout), run.stdout
     assert re.search(r"drain 300 no-op messages, concurrency 4: [\d,]+/s", run.stdout), run.stdout
     assert re.search(r"idle pickup over 20 publishes: p50 [\d.]+ ms", run.stdout), run.stdout
+    assert re.search(r"\([\d.]+ claims per pickup", run.stdout), run.stdout
 
 
 def test_the_pickup_benchmark_publishes_from_another_process_in_a_short_variant():

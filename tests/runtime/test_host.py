@@ -617,6 +617,74 @@ def test_the_listener_reconnects_after_losing_its_connection_and_wakes_consumers
     assert run.started_at - published_at < 5.0 / 2
 
 
+def _claims(events: list[tuple[str, Any]]) -> list[int]:
+    return [got for kind, got in events if kind == "claim"]
+
+
+def test_a_claim_that_took_all_there_was_is_not_followed_by_claims_that_find_nothing(
+    make_host, monkeypatch
+):
+    # Each publish wakes the consumer once (in-process kick only, no notification), and the
+    # poll is 5 s away: every claim seen here is one the loop chose to make.
+    monkeypatch.setattr(wakeup.Wakeup, "supported", property(lambda self: False))
+    log = WakeLog(monkeypatch)
+    s = sub()
+    host = make_host(one(s, concurrency=4), idle_poll_min_ms=5000, idle_poll_max_ms=5000)
+    host.start()
+    mark = log.wait_until_idle()
+
+    for n in range(3):
+        publish(s.topic.name, {"then": "complete"})
+        probe.wait_for(n + 1)
+        wait_until(
+            lambda n=n: Delivery.objects.filter(subscription=s, status="Completed").count()
+            == n + 1,
+            timeout=10,
+        )
+    time.sleep(0.3)  # room for any claim a finished handler or its settle would set off
+
+    # One claim per publish, each taking its one delivery of the four asked for. Claiming
+    # again at once, or when the handler returned or its completion was settled, finds
+    # nothing: three more round trips per delivery for an idle consumer.
+    assert _claims(log.snapshot()[mark:]) == [1, 1, 1]
+
+
+def test_a_settle_that_frees_a_key_still_wakes_the_consumer_that_took_all_there_was(
+    make_host, monkeypatch
+):
+    monkeypatch.setattr(wakeup.Wakeup, "supported", property(lambda self: False))
+    log = WakeLog(monkeypatch)
+    s = sub(partition_mode="Exclusive")
+    host = make_host(one(s, concurrency=4), idle_poll_min_ms=5000, idle_poll_max_ms=5000)
+    host.start()
+    mark = log.wait_until_idle()
+
+    published_at = time.monotonic()
+    # One kick for both; the second waits for the first's key.
+    publish_many(s.topic.name, [{"payload": {"then": "complete"}, "partition_key": "k"}] * 2)
+
+    runs = probe.wait_for(2, timeout=10)
+    assert runs[1].started_at - published_at < 5.0 / 2  # the settle woke it, not the poll
+    assert _claims(log.snapshot()[mark:])[0] == 1  # the first claim found the key taken
+
+
+def test_a_retry_due_at_once_still_wakes_the_consumer_that_took_all_there_was(
+    make_host, monkeypatch
+):
+    monkeypatch.setattr(wakeup.Wakeup, "supported", property(lambda self: False))
+    s = sub(max_attempts=2, backoff_base_seconds=0, backoff_max_seconds=0)
+    host = make_host(one(s, concurrency=4), idle_poll_min_ms=5000, idle_poll_max_ms=5000)
+    host.start()
+    time.sleep(0.3)  # the first (empty) claim is done; the loop sleeps for 5 s
+
+    published_at = time.monotonic()
+    publish(s.topic.name, {"then": "retry", "delay": 0, "thenByAttempt": {"2": "complete"}})
+
+    runs = probe.wait_for(2, timeout=10)
+    assert [r.attempt for r in runs] == [1, 2]
+    assert runs[1].started_at - published_at < 5.0 / 2  # the retry's settle woke it
+
+
 def test_a_consumer_started_by_reconcile_hears_a_publish_made_before_its_listen(
     make_host, monkeypatch
 ):

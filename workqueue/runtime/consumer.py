@@ -33,7 +33,13 @@ from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.workers import WorkerPool
 from workqueue.transports import TransportReceiver, transport_for
-from workqueue.types import ClaimedDelivery, ClaimResult, SettleResult
+from workqueue.types import (
+    ClaimedDelivery,
+    ClaimResult,
+    DeliveryStatus,
+    PartitionMode,
+    SettleResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,12 @@ PREFETCH_MIN_LEASE_SHARE = 0.5
 HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
 RESTART_MAX_SECONDS = 30.0
+
+
+#: Statuses a settle leaves a delivery in for good (nothing of it is claimable again).
+_ENDED = frozenset(
+    {DeliveryStatus.COMPLETED, DeliveryStatus.DEAD_LETTERED, DeliveryStatus.DISCARDED}
+)
 
 
 def default_prefetch(max_payload_bytes: int) -> int:
@@ -248,6 +260,9 @@ class Consumer:
         # Whether the last claim got fewer deliveries than it asked for: then a settle may
         # make more claimable (an Exclusive/Ordered key freed), and wakes the loop.
         self._last_receive_short = False
+        # Whether the last claim took all there was (ClaimResult.drained): then a handler that
+        # returns frees a slot with nothing to fill it, and does not wake the loop.
+        self._last_receive_drained = False
         self._lock = threading.Condition()
         self._wake = threading.Event()
         self._kicked = False
@@ -410,6 +425,7 @@ class Consumer:
                 claimed = self._receive(free)
                 unused = free - len(claimed.deliveries)
                 self._last_receive_short = unused > 0
+                self._last_receive_drained = claimed.drained
                 if self.budget is not None:
                     self.budget.give_back(unused)
                 if self.plan.rate_limited and unused:
@@ -425,6 +441,13 @@ class Consumer:
                 self.receive_pending = False
             if claimed.deliveries:
                 delay = min_delay
+                if claimed.drained and self.budget is None:
+                    # The subscription had no more to give: claiming again now would come back
+                    # empty, a round trip for nothing that also holds up the worker threads
+                    # taking over what this claim got. Wait for a reason (a publish's kick, a
+                    # settle that frees a key or makes a retry claimable) or the shortest poll.
+                    # A one-shot run claims again at once: an empty claim tells it it is done.
+                    self._wait(min_delay)
                 continue
             # Empty: back off, unless a publish to the topic kicked us awake.
             delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
@@ -591,7 +614,10 @@ class Consumer:
                 self._handlers_running -= 1
             wanted = self._room()[0] >= self._slots_wanted
             if wanted:
-                self._lock.notify_all()
+                self._lock.notify_all()  # the loop may be gathering room for one claim
+            # The loop waits for room only after a claim that filled it; after one that took all
+            # there was, the free slot has nothing to fill.
+            wanted = wanted and not self._last_receive_drained
         for execution in late:
             # Waited so long for a slot that its lease is mostly gone: back to the queue,
             # attempt refunded, on a background thread (this worker holds no connection).
@@ -638,11 +664,20 @@ class Consumer:
         # The settle may have made more claimable (a partition key freed, a retry due now):
         # worth a claim when the last one came back short, or one is on its way (it may have
         # looked before this settle committed). A full claim's loop waits for slots instead.
-        if self._last_receive_short or self.receive_pending:
+        if (self._last_receive_short or self.receive_pending) and self._may_free_work(result):
             self._wake.set()
         metrics.labelled(metrics.DELIVERIES, self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:
             self._on_result(result)
+
+    def _may_free_work(self, result: ExecutionResult) -> bool:
+        """Whether ``result`` can have made a delivery claimable: any settle of a partitioned
+        subscription (its key is free again), otherwise one that left its delivery Pending (a
+        retry, a hand-back) or whose outcome is unknown. A keyless delivery that ended
+        (Completed, DeadLettered, Discarded) frees only its slot."""
+        if self.plan.partition_mode != PartitionMode.NONE:
+            return True
+        return result.kind != ExecutionResult.SETTLED or result.status not in _ENDED
 
     def _release(self, delivery: ClaimedDelivery) -> None:
         try:
