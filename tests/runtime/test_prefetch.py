@@ -166,7 +166,9 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
     make_host, releases, caplog
 ):
     s = sub()
-    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 3}], shutdown_drain_ms=300)
+    # The blocker is aborted once the first drain period is over, and must then complete and
+    # settle within the second: 300 ms was too short for that on a loaded 2-core machine.
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 3}], shutdown_drain_ms=1000)
     host.start()
     first = publish(s.topic.name, {"then": "complete"}).message_id
     wait_until(lambda: status_of(first) == "Completed")  # the handlers are known to be quick
