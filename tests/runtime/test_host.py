@@ -621,11 +621,48 @@ def _claims(events: list[tuple[str, Any]]) -> list[int]:
     return [got for kind, got in events if kind == "claim"]
 
 
+def _publish_one_at_a_time(subscription: Subscription, count: int) -> None:
+    """Publish ``count`` messages, each once the last has run and its completion is settled."""
+    for n in range(count):
+        publish(subscription.topic.name, {"then": "complete"})
+        probe.wait_for(n + 1)
+        wait_until(
+            lambda n=n: Delivery.objects.filter(
+                subscription=subscription, status="Completed"
+            ).count()
+            == n + 1,
+            timeout=10,
+        )
+    time.sleep(0.3)  # room for any claim a finished handler or its settle would set off
+
+
 def test_a_claim_that_took_all_there_was_is_not_followed_by_claims_that_find_nothing(
+    make_host, fast_listener, monkeypatch
+):
+    log = WakeLog(monkeypatch)
+    s = sub()
+    host = make_host(one(s, concurrency=4), idle_poll_min_ms=5000, idle_poll_max_ms=5000)
+    host.start()
+    # Each publish wakes the consumer once, through its notification; the poll is 5 s away:
+    # every claim seen here is one the loop chose to make.
+    signals.published.disconnect(dispatch_uid=host.instance_id)
+    channel = get_driver().topic_channel(str(s.topic_id))
+    wait_until(lambda: ("catch-up", channel) in log.snapshot(), timeout=5)
+    mark = log.wait_until_idle()
+
+    _publish_one_at_a_time(s, 3)
+
+    # One claim per publish, each taking its one delivery of the four asked for. Claiming
+    # again at once, or when the handler returned or its completion was settled, finds
+    # nothing: three more round trips per delivery for an idle consumer.
+    assert _claims(log.snapshot()[mark:]) == [1, 1, 1]
+
+
+def test_without_notifications_a_returning_handler_still_stands_in_for_the_poll(
     make_host, monkeypatch
 ):
-    # Each publish wakes the consumer once (in-process kick only, no notification), and the
-    # poll is 5 s away: every claim seen here is one the loop chose to make.
+    # SQL Server's case: what another process publishes wakes no consumer, so a handler's
+    # return claims again (a handler's own enlisted publish to its topic runs at once).
     monkeypatch.setattr(wakeup.Wakeup, "supported", property(lambda self: False))
     log = WakeLog(monkeypatch)
     s = sub()
@@ -633,20 +670,11 @@ def test_a_claim_that_took_all_there_was_is_not_followed_by_claims_that_find_not
     host.start()
     mark = log.wait_until_idle()
 
-    for n in range(3):
-        publish(s.topic.name, {"then": "complete"})
-        probe.wait_for(n + 1)
-        wait_until(
-            lambda n=n: Delivery.objects.filter(subscription=s, status="Completed").count()
-            == n + 1,
-            timeout=10,
-        )
-    time.sleep(0.3)  # room for any claim a finished handler or its settle would set off
+    _publish_one_at_a_time(s, 2)
 
-    # One claim per publish, each taking its one delivery of the four asked for. Claiming
-    # again at once, or when the handler returned or its completion was settled, finds
-    # nothing: three more round trips per delivery for an idle consumer.
-    assert _claims(log.snapshot()[mark:]) == [1, 1, 1]
+    # A claim for each publish (its in-process kick), and one when its handler returned; none
+    # at once after the claim, which took all there was.
+    assert _claims(log.snapshot()[mark:]) == [1, 0, 1, 0]
 
 
 def test_a_settle_that_frees_a_key_still_wakes_the_consumer_that_took_all_there_was(

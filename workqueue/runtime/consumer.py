@@ -97,6 +97,11 @@ class ConsumerConfig:
     idle_poll_min_ms: int = 250
     idle_poll_max_ms: int = 5000
     shutdown_drain_ms: int = 8000
+    #: Whether every publish to the topic wakes this consumer, wherever it was published from
+    #: (the database sends notifications). Then a handler's return after a claim that took all
+    #: there was wakes nothing; without them (SQL Server) it stands in for a poll, as it always
+    #: did: a handler's own enlisted publish, say, is claimed as soon as it has returned.
+    publishes_wake: bool = False
 
 
 class RunBudget:
@@ -410,7 +415,9 @@ class Consumer:
                 free = self.budget.take(free)
             if free <= 0:
                 self.receive_pending = False
-                # Full (or the one-shot budget is spent): wait for a slot or a stop.
+                # Full (or the one-shot budget is spent): wait for a slot or a stop. Whatever
+                # the last claim took, the next freed slot must wake the loop now.
+                self._last_receive_drained = False
                 self._wait(max_delay)
                 continue
             if self.plan.rate_limited:
@@ -615,13 +622,13 @@ class Consumer:
             wanted = self._room()[0] >= self._slots_wanted
             if wanted:
                 self._lock.notify_all()  # the loop may be gathering room for one claim
-            # The loop waits for room only after a claim that filled it; after one that took all
-            # there was, the free slot has nothing to fill.
-            wanted = wanted and not self._last_receive_drained
+            # After a claim that took all there was the free slot has nothing to fill, unless
+            # something was published since without waking the loop (no notifications).
+            wanted = wanted and not (self._last_receive_drained and self.config.publishes_wake)
         for execution in late:
             # Waited so long for a slot that its lease is mostly gone: back to the queue,
             # attempt refunded, on a background thread (this worker holds no connection).
-            self._background.run_or_call(self._release, execution.delivery)
+            self._background.run_or_call(self._hand_back, execution.delivery)
         if wanted:
             self._wake.set()
         return following
@@ -678,6 +685,12 @@ class Consumer:
         if self.plan.partition_mode != PartitionMode.NONE:
             return True
         return result.kind != ExecutionResult.SETTLED or result.status not in _ENDED
+
+    def _hand_back(self, delivery: ClaimedDelivery) -> None:
+        """Release a delivery claimed ahead that can no longer start in time, and wake the
+        loop: it is claimable again, perhaps after the loop's last claim took all there was."""
+        self._release(delivery)
+        self._wake.set()
 
     def _release(self, delivery: ClaimedDelivery) -> None:
         try:

@@ -455,6 +455,7 @@ class Host:
                 idle_poll_min_ms=self.config.idle_poll_min_ms,
                 idle_poll_max_ms=self.config.idle_poll_max_ms,
                 shutdown_drain_ms=self.config.shutdown_drain_ms,
+                publishes_wake=self._wakeup is not None and self._wakeup.supported,
             ),
             lease_owner=self.instance_id,
             handlers=self.registry,
