@@ -5,7 +5,8 @@ record is flushed, so publishers whose publishes notified committed one at a tim
 sharing a flush. A publish on the driver's own connection therefore sends no NOTIFY itself: once
 it has committed, the driver sends ``wq_announce`` on the same connection, a transaction of its
 own, without waiting for the answer. An enlisted publish still notifies at the caller's commit,
-and only if the caller commits.
+and only if the caller commits. On a topic whose subscriptions filter what they receive, the
+announcement names the subscriptions that got deliveries, so that hosts wake only their consumers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.database import psycopg_params
 from tests.support.processes import run_python, subprocess_environment
 from workqueue import publish, publish_many
-from workqueue.driver import get_driver
+from workqueue.driver import get_driver, postgresql
 from workqueue.models import Delivery, Topic
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -51,11 +52,11 @@ def notifications(listening: psycopg.Connection, wait: float) -> list[psycopg.No
 @contextmanager
 def announcements_failing(pg_conn: psycopg.Connection) -> Iterator[None]:
     """``wq_announce`` renamed away while the block runs, so every announcement fails."""
-    pg_conn.execute("ALTER FUNCTION wq_announce(text) RENAME TO wq_announce_away")
+    pg_conn.execute("ALTER FUNCTION wq_announce(text, jsonb) RENAME TO wq_announce_away")
     try:
         yield
     finally:
-        pg_conn.execute("ALTER FUNCTION wq_announce_away(text) RENAME TO wq_announce")
+        pg_conn.execute("ALTER FUNCTION wq_announce_away(text, jsonb) RENAME TO wq_announce")
 
 
 def test_the_transaction_that_writes_a_publish_sends_no_notification(
@@ -149,3 +150,50 @@ def test_a_publishing_connection_the_server_dropped_is_replaced_without_losing_t
     [second] = notifications(listener, wait=5)
     assert second.pid != first.pid
     assert "Could not announce" not in caplog.text
+
+
+def _clicks_only() -> dict:
+    return {"logic": "and", "filters": [{"field": "eventType", "operator": "eq", "value": "click"}]}
+
+
+def test_a_filtered_topics_announcement_names_the_subscriptions_that_got_deliveries(
+    topic, listener
+):
+    everything = topic.subscriptions.get()
+    clicks = SubscriptionFactory(topic=topic, filter=_clicks_only())
+
+    assert publish(topic.name, {"n": 1}, attributes={"eventType": "view"}).accepted
+    [view] = notifications(listener, wait=5)
+    assert publish_many(
+        topic.name,
+        [{"payload": {"n": 2}, "attributes": {"eventType": "click"}}, {"payload": {"n": 3}}],
+    )[0].accepted
+    [batch] = notifications(listener, wait=5)
+
+    # A host kicks only the consumers named: the click-only subscription's sleeps through views.
+    assert view.payload == str(everything.id)
+    assert sorted(batch.payload.split(",")) == sorted([str(everything.id), str(clicks.id)])
+
+
+def test_a_publish_that_no_subscription_receives_wakes_nobody(listener, topic):
+    topic.subscriptions.update(filter=_clicks_only())
+
+    result = publish(topic.name, {"n": 1}, attributes={"eventType": "view"})
+
+    assert result.accepted  # stored, for no subscription
+    assert notifications(listener, wait=0.5) == []
+
+
+def test_an_unfiltered_topic_or_a_large_batch_wakes_every_consumer(topic, listener, monkeypatch):
+    SubscriptionFactory(topic=topic)
+
+    assert publish(topic.name, {"n": 1}).accepted
+    [unfiltered] = notifications(listener, wait=5)
+
+    SubscriptionFactory(topic=topic, filter=_clicks_only())
+    monkeypatch.setattr(postgresql, "ANNOUNCED_IDS_MAX", 2)
+    assert all(r.accepted for r in publish_many(topic.name, [{"payload": {}}] * 3))
+    [large] = notifications(listener, wait=5)
+
+    # No filter to spare anyone, or more ids than worth sending: every consumer may have work.
+    assert (unfiltered.payload, large.payload) == ("", "")

@@ -677,6 +677,46 @@ def test_without_notifications_a_returning_handler_still_stands_in_for_the_poll(
     assert _claims(log.snapshot()[mark:]) == [1, 0, 1, 0]
 
 
+def _kind_is(kind: str) -> dict[str, Any]:
+    return {"logic": "and", "filters": [{"field": "kind", "operator": "eq", "value": kind}]}
+
+
+def test_a_publish_wakes_only_the_consumers_of_the_subscriptions_that_got_deliveries(
+    make_host, fast_listener, monkeypatch
+):
+    log = WakeLog(monkeypatch)
+    claims: dict[str, list[int]] = {}
+    receive = Consumer._receive
+
+    def recording(consumer: Consumer, max_rows: int) -> Any:
+        result = receive(consumer, max_rows)
+        claims.setdefault(consumer.plan.name, []).append(len(result.deliveries))
+        return result
+
+    monkeypatch.setattr(Consumer, "_receive", recording)
+    topic = TopicFactory()
+    kinds = {kind: sub(topic=topic, filter=_kind_is(kind)) for kind in ("click", "view")}
+    host = make_host(
+        [{"name": s.name, "concurrency": 2} for s in kinds.values()],
+        idle_poll_min_ms=5000,
+        idle_poll_max_ms=5000,
+    )
+    host.start()
+    signals.published.disconnect(dispatch_uid=host.instance_id)  # notifications only
+    channel = get_driver().topic_channel(str(topic.id))
+    wait_until(lambda: ("catch-up", channel) in log.snapshot(), timeout=5)
+    time.sleep(0.3)  # both consumers' catch-up claims are done; each sleeps for 5 s
+    before = {name: len(made) for name, made in claims.items()}
+
+    for n in range(3):
+        publish(topic.name, {"then": "complete"}, attributes={"kind": "click"})
+        probe.wait_for(n + 1)
+
+    clicks, views = (kinds[k].name for k in ("click", "view"))
+    assert claims[clicks][before[clicks] :] == [1, 1, 1]
+    assert claims[views][before[views] :] == []  # not woken for what it never receives
+
+
 def test_a_settle_that_frees_a_key_still_wakes_the_consumer_that_took_all_there_was(
     make_host, monkeypatch
 ):

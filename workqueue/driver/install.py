@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0027_publishes_announced_after_commit"
+LATEST_PROCEDURE_MIGRATION = "0028_announcements_name_their_subscriptions"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -49,6 +50,10 @@ _CASTS = {
 }
 
 logger = logging.getLogger(__name__)
+
+#: The most published ids an announcement names (a batch of more wakes every consumer of the
+#: topic instead of only those of the subscriptions that got deliveries).
+ANNOUNCED_IDS_MAX = 1000
 
 # How long a step of sending an announcement, or of reading its answer, may wait on the socket
 # before trying again (the server answers within a millisecond or two; this bounds a stall).
@@ -504,17 +509,20 @@ class PostgresDriver(BaseDriver):
         # the cluster-wide notification lock until its commit record was flushed, and
         # concurrent publishers would commit one at a time.
         rows = self.call(name, {**params, "caller_announces": True})
-        if any(row["status"] == "Accepted" for row in rows):
-            self._announce(params["topic_name"])
+        accepted = [row["message_id"] for row in rows if row["status"] == "Accepted"]
+        if accepted:
+            self._announce(params["topic_name"], accepted)
         return rows
 
     @functools.cached_property
     def _announce_sql(self) -> bytes:
-        # wq_announce's call as render_call writes it, with libpq's own placeholder: it is sent
-        # on the connection directly.
-        return self.render_call(get_procedure("wq_announce")).replace("%s", "$1").encode()
+        # wq_announce's call as render_call writes it, with libpq's own numbered placeholders:
+        # it is sent on the connection directly.
+        pieces = self.render_call(get_procedure("wq_announce")).split("%s")
+        numbered = "".join(f"{piece}${n}" for n, piece in enumerate(pieces[:-1], 1))
+        return (numbered + pieces[-1]).encode()
 
-    def _announce(self, topic_name: str) -> None:
+    def _announce(self, topic_name: str, message_ids: list[str]) -> None:
         """Send ``wq_announce`` on this thread's connection without waiting for its answer,
         which the connection's next statement collects first (``_collect_announcement``). The
         server runs it right after the publish, while this thread goes on; it runs even if the
@@ -523,8 +531,12 @@ class PostgresDriver(BaseDriver):
         if owned is None or owned.connection.closed:
             return
         pgconn = owned.connection.pgconn
+        # The ids let the announcement wake only the subscriptions that got deliveries; past
+        # ANNOUNCED_IDS_MAX it wakes every consumer of the topic rather than send and look up
+        # ids by the thousand.
+        ids = json.dumps(message_ids).encode() if len(message_ids) <= ANNOUNCED_IDS_MAX else None
         try:
-            pgconn.send_query_params(self._announce_sql, [topic_name.encode()])
+            pgconn.send_query_params(self._announce_sql, [topic_name.encode(), ids])
             while pgconn.flush():  # non-blocking: wait until the statement is sent
                 select.select([], [pgconn.socket], [], _ANNOUNCE_WAIT_SECONDS)
         except Exception:

@@ -113,7 +113,12 @@ PROCEDURES: dict[str, Procedure] = {
             _c("item_index:int, message_id:uuid, status, error_code"),
             ResultKind.MANY,
         ),
-        Procedure("wq_announce", _p("topic_name:text"), _c("announced:bool"), ResultKind.ONE),
+        Procedure(
+            "wq_announce",
+            _p("topic_name:text, message_ids:json"),
+            _c("announced:bool"),
+            ResultKind.ONE,
+        ),
         Procedure(
             "wq_lock_topology",
             _p("topic_id:uuid"),

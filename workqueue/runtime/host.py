@@ -469,7 +469,7 @@ class Host:
             consumer.stop()  # its completion thread and pools are already running
             raise
         if self._wakeup is not None:
-            self._wakeup.subscribe(entry.plan.topic_id, consumer.kick)
+            self._wakeup.subscribe(entry.plan.topic_id, consumer.kick, entry.plan.subscription_id)
         return consumer
 
     def _detach(self, consumer: Consumer) -> None:

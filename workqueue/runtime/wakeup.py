@@ -2,7 +2,8 @@
 notifications.
 
 Where the driver supports LISTEN/NOTIFY, one thread holds a dedicated connection listening on
-the channels of the running subscriptions' topics (a publish kicks the matching consumers) and
+the channels of the running subscriptions' topics (a publish kicks the consumers of its topic,
+or, when its notification names the subscriptions that got deliveries, only theirs) and
 on the cancel channel (the running delivery's holder checks its lease at once instead of at its
 next heartbeat). Polling and heartbeats stay the fallback: a lost connection is re-opened with
 back-off, and every consumer is kicked after a reconnect in case a publish was missed meanwhile.
@@ -29,7 +30,8 @@ CancelCallback = Callable[[str], None]
 class Wakeup:
     def __init__(self, driver: BaseDriver) -> None:
         self._driver = driver
-        self._kicks: dict[str, dict[int, Kick]] = {}
+        # channel -> id(kick) -> (the consumer's subscription id, its kick)
+        self._kicks: dict[str, dict[int, tuple[str, Kick]]] = {}
         self._on_cancel: CancelCallback | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -49,10 +51,11 @@ class Wakeup:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def subscribe(self, topic_id: str, kick: Kick) -> None:
+    def subscribe(self, topic_id: str, kick: Kick, subscription_id: str) -> None:
+        """Call ``kick`` when something is published to the topic for ``subscription_id``."""
         channel = self._driver.topic_channel(topic_id)
         with self._lock:
-            self._kicks.setdefault(channel, {})[id(kick)] = kick
+            self._kicks.setdefault(channel, {})[id(kick)] = (str(subscription_id).lower(), kick)
 
     def unsubscribe(self, topic_id: str, kick: Kick) -> None:
         channel = self._driver.topic_channel(topic_id)
@@ -79,8 +82,12 @@ class Wakeup:
             return
         with self._lock:
             kicks = list(self._kicks.get(channel, {}).values())
-        for kick in kicks:
-            kick()
+        # A payload names the subscriptions that got deliveries (wq_announce); none (a catch-up,
+        # or a publish that named none) means any consumer of the topic may have work.
+        named = set(payload.split(",")) if payload else None
+        for subscription_id, kick in kicks:
+            if named is None or subscription_id in named:
+                kick()
 
     def _run(self) -> None:
         delay = 0.2

@@ -352,20 +352,46 @@ $$;
 -- the lock a NOTIFY holds through commit is held for microseconds. (The announcement is only a
 -- hint, lost with the server like any notification; hosts still poll.) An unknown topic
 -- announces nothing.
-CREATE OR REPLACE FUNCTION wq_announce(p_topic_name text)
+-- With p_message_ids (a JSON array of the published ids) on a topic where a filter keeps some
+-- subscription from some messages, the notification's payload names the subscriptions that got
+-- deliveries (their ids, comma-separated), so that hosts wake only those consumers; when none
+-- did, nothing is announced. An empty payload wakes every consumer of the topic: without ids,
+-- without filters, or when the list would not fit a notification.
+CREATE OR REPLACE FUNCTION wq_announce(p_topic_name text, p_message_ids jsonb DEFAULT NULL)
 RETURNS TABLE (announced boolean)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
 AS $$
 DECLARE
     v_topic_id uuid;
+    v_subscriptions text := '';
 BEGIN
     SELECT t.id INTO v_topic_id FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
-    IF FOUND THEN
-        PERFORM pg_notify(wq_topic_channel(v_topic_id), '');
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false;
+        RETURN;
     END IF;
-    RETURN QUERY SELECT v_topic_id IS NOT NULL;
+    IF jsonb_typeof(p_message_ids) = 'array' AND EXISTS (
+        SELECT 1 FROM workqueue_subscription s
+         WHERE s.topic_id = v_topic_id AND s.status <> 'Disabled'
+           AND s.filter IS NOT NULL AND jsonb_typeof(s.filter) <> 'null'
+    ) THEN
+        SELECT coalesce(string_agg(DISTINCT d.subscription_id::text, ','), '')
+          INTO v_subscriptions
+          FROM jsonb_array_elements_text(p_message_ids) AS m(id)
+          JOIN workqueue_delivery d ON d.message_id = m.id::uuid;
+        IF v_subscriptions = '' THEN
+            RETURN QUERY SELECT false;
+            RETURN;
+        END IF;
+        IF octet_length(v_subscriptions) > 7000 THEN
+            v_subscriptions := '';  -- a notification's payload holds under 8000 bytes
+        END IF;
+    END IF;
+    PERFORM pg_notify(wq_topic_channel(v_topic_id), v_subscriptions);
+    RETURN QUERY SELECT true;
 END;
 $$;
 

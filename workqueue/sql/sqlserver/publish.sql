@@ -858,10 +858,12 @@ GO
 
 -- wq_announce --
 -- PostgreSQL wakes a topic's listening hosts here once a publish made with @caller_announces
--- has committed. SQL Server has no notifications (hosts poll), so this announces nothing.
+-- has committed (with @message_ids, only the consumers of the subscriptions that got
+-- deliveries). SQL Server has no notifications (hosts poll), so this announces nothing.
 -- returns: announced
 CREATE OR ALTER PROCEDURE dbo.wq_announce
-    @topic_name nvarchar(4000)
+    @topic_name nvarchar(4000),
+    @message_ids nvarchar(max) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
