@@ -69,6 +69,7 @@ django.setup()
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402
 
+from bench.percentiles import percentile  # noqa: E402
 from bench.proc_cpu import backend_cpu_seconds  # noqa: E402
 from workqueue import BaseWorkHandler, Outcome, metrics, publish, publish_many  # noqa: E402
 from workqueue.conf import get_settings  # noqa: E402
@@ -409,11 +410,6 @@ def publish_on_request(topic: str) -> int:
         assert publish(topic, {"t": 1}).accepted
         print(time.perf_counter(), flush=True)
     return 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> int:

@@ -42,6 +42,7 @@ django.setup()
 
 from django.contrib.auth import get_user_model  # noqa: E402
 
+from bench.percentiles import percentile  # noqa: E402
 from bench.proc_cpu import backend_cpu_seconds  # noqa: E402
 from workqueue import publish, publish_many  # noqa: E402
 from workqueue.conf import get_settings  # noqa: E402
@@ -130,24 +131,24 @@ def _publish_share(
 
 def wakeups(topic: Topic, samples: int) -> list[float]:
     """Milliseconds from ``publish`` returning to its notification reaching a listening
-    session, for ``samples`` publishes 10 ms apart."""
-    import psycopg
-    from django.db import connection
-
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
+    session (the driver's own listener, as a host's wake-up thread holds it), for ``samples``
+    publishes 10 ms apart."""
+    listener = get_driver().open_listener()
     latencies = []
-    with psycopg.connect(**params, autocommit=True) as listening:
-        listening.execute(f'LISTEN "{get_driver().topic_channel(str(topic.id))}"')
+    try:
+        listener.listen(get_driver().topic_channel(str(topic.id)))
         for n in range(samples):
             assert publish(topic.name, payload_of(n, 0)).accepted
             returned = time.perf_counter()
-            heard = list(listening.notifies(timeout=5, stop_after=1))
-            assert heard, "no notification within 5 s of a publish"
+            arrivals = listener.notifications(timeout=5)
+            heard = next(arrivals, None)
+            arrivals.close()
+            assert heard is not None, "no notification within 5 s of a publish"
             latencies.append((time.perf_counter() - returned) * 1000)
             time.sleep(0.01)
-    return sorted(latencies)
+    finally:
+        listener.close()
+    return latencies
 
 
 def main() -> int:
@@ -199,10 +200,9 @@ def main() -> int:
             )
         if args.wakeups:
             heard = wakeups(topic, args.wakeups)
-            p50, p99 = heard[len(heard) // 2], heard[min(len(heard) - 1, len(heard) * 99 // 100)]
             print(
                 f"notification after publish returned, {len(heard)} publishes 10 ms apart: "
-                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+                f"p50 {percentile(heard, 0.5):.2f} ms, p99 {percentile(heard, 0.99):.2f} ms"
             )
     finally:
         get_driver().remove_topic(str(topic.id))
