@@ -115,6 +115,11 @@ def main() -> None:
     parser.add_argument("--pool", nargs="*", default=["solo"])
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1])
     parser.add_argument("--appendfsync", choices=["always", "everysec"], default=None)
+    parser.add_argument(
+        "--enqueue-only",
+        action="store_true",
+        help="time the enqueue only (bench/aims.py compares it with a publish)",
+    )
     args = parser.parse_args()
     port = int(REDIS_URL.rsplit(":", 1)[1].split("/")[0])
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as workdir:
@@ -127,6 +132,8 @@ def main() -> None:
                     ledger.flushdb()
                     rate = enqueue(args.tasks)
                     print(f"celery enqueue {args.tasks} no-op tasks, one at a time: {rate:,.0f}/s")
+                    if args.enqueue_only:
+                        continue
                     rate = drain(args.tasks, pool, concurrency)
                     print(
                         f"celery drain {args.tasks} no-op tasks, pool {pool}, "

@@ -165,3 +165,28 @@ def test_the_metrics_scrape_benchmark_runs_end_to_end_in_a_short_variant():
     run = _bench("bench/metrics_scrape.py", "--pending", "300")
 
     assert re.search(r"300 pending: scrape median [\d.]+ ms", run.stdout), run.stdout
+
+
+def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():
+    run = _bench("bench/aims.py", "--quick")
+
+    # Without a Celery virtualenv aim 1 is reported, not scored; every other aim is scored.
+    assert re.search(
+        r"round 1: publish [\d,]+/s, durable one-row INSERT [\d,]+/s, a publish.s rows bare [\d,]+/s$",
+        run.stdout,
+        re.M,
+    )
+    assert re.search(
+        r"^1\. publish one at a time .* no Celery to compare .* skipped$", run.stdout, re.M
+    )
+    for aim in (
+        r"2\. publish_many of 100 +[\d,]+ messages/s",
+        r"3\. drain at concurrency 8 +[\d,]+/s",
+        r"3\. drain at concurrency 32 +[\d,]+/s",
+        r"4\. idle pickup p50 / p99 +[\d.]+ / [\d.]+ ms",
+        r"5\. publish to 10 subscriptions vs 1 \(PostgreSQL CPU\) +([\d.]+x|n/a)",
+        r"5\. drain 10 subscriptions vs 1 \(deliveries/s\) +[\d.]+x",
+        r"6\. drain behind 2,000 vs 200 backlog +[\d.]+x",
+        r"6\. publish onto 2,000 vs 200 backlog +[\d.]+x",
+    ):
+        assert re.search(rf"^{aim} .* (met|NOT met|skipped)$", run.stdout, re.M), (aim, run.stdout)
