@@ -172,7 +172,8 @@ def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():
 
     # Without a Celery virtualenv aim 1 is reported, not scored; every other aim is scored.
     assert re.search(
-        r"round 1: publish [\d,]+/s, durable one-row INSERT [\d,]+/s, a publish.s rows bare [\d,]+/s$",
+        r"round 1: publish [\d,]+/s, durable one-row INSERT [\d,]+/s, "
+        r"a publish.s rows bare [\d,]+/s$",
         run.stdout,
         re.M,
     )
