@@ -57,6 +57,8 @@ def start_redis(port: int, appendfsync: str | None, workdir: str) -> subprocess.
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"redis-server could not start on port {port} (one left running?)")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return server
@@ -127,13 +129,16 @@ def main() -> None:
         persistence = f"appendfsync {args.appendfsync}" if args.appendfsync else "snapshots only"
         print(f"Celery {celery.__version__} on Redis ({persistence})")
         try:
+            if args.enqueue_only:
+                ledger.flushdb()
+                rate = enqueue(args.tasks)
+                print(f"celery enqueue {args.tasks} no-op tasks, one at a time: {rate:,.0f}/s")
+                return
             for pool in args.pool:
                 for concurrency in [1] if pool == "solo" else args.concurrency:
                     ledger.flushdb()
                     rate = enqueue(args.tasks)
                     print(f"celery enqueue {args.tasks} no-op tasks, one at a time: {rate:,.0f}/s")
-                    if args.enqueue_only:
-                        continue
                     rate = drain(args.tasks, pool, concurrency)
                     print(
                         f"celery drain {args.tasks} no-op tasks, pool {pool}, "
