@@ -478,7 +478,10 @@ class PostgresDriver(BaseDriver):
                 raw = owned.connection
                 self._track(raw)
             cursor = raw.execute(sql, values)
-            return cursor.fetchall() if cursor.description else []
+            # Whether the statement returned rows, read from the result itself: psycopg builds
+            # ``description`` anew at each access (~15 us for a procedure's dozen columns).
+            result = cursor.pgresult
+            return cursor.fetchall() if result is not None and result.nfields else []
         except UnicodeEncodeError as exc:
             raise unencodable(exc) from exc
         except psycopg.Error as exc:
