@@ -59,6 +59,7 @@ import django
 django.setup()
 
 from django.contrib.auth import get_user_model  # noqa: E402
+from django.db import connections  # noqa: E402
 
 from bench import drain as drain_bench  # noqa: E402
 from bench import publish as publish_bench  # noqa: E402
@@ -451,6 +452,10 @@ def main() -> int:
         help="run only these aims (default: all)",
     )
     args = parser.parse_args()
+    vendor = connections[get_driver().alias].vendor
+    if vendor != "postgresql":
+        # The floors and the seeded backlog are PostgreSQL SQL, as the aims are PostgreSQL's.
+        parser.error(f"bench/aims.py measures PostgreSQL, not {vendor}")
     if args.celery:
         args.celery = celery_python(parser, args.celery)
     sizes = QUICK if args.quick else FULL
