@@ -204,6 +204,17 @@ def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():
         r"6\. publish onto 2,000 vs 200 backlog +[\d.]+x",
     ):
         assert re.search(rf"^{aim} .* (met|NOT met|skipped)$", run.stdout, re.M), (aim, run.stdout)
+    # The drains of aims 5 and 6 are scored from rounds run in pairs, each round printed, and
+    # carry the same ratio of CPU per delivery as a second reading.
+    for pair in (
+        r"5\. drain round 1: 1 subscription [\d,]+/s \(CPU \d+ \+ \d+ us per delivery\), "
+        r"10 subscriptions [\d,]+/s \(CPU \d+ \+ \d+ us per delivery\)",
+        r"6\. round 1: behind 200 [\d,]+/s \(CPU \d+ \+ \d+ us per delivery\), "
+        r"behind 2,000 [\d,]+/s \(CPU \d+ \+ \d+ us per delivery\)",
+        r"   its CPU per delivery, 10 subscriptions vs 1 +[\d.]+x +\(informative\) +-",
+        r"   its CPU per delivery, deep vs shallow +[\d.]+x +\(informative\) +-",
+    ):
+        assert re.search(rf"^{pair}$", run.stdout, re.M), (pair, run.stdout)
     with connection.cursor() as cursor:
         cursor.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'bench_floor_%%'")
         assert cursor.fetchall() == [], "the floors' scratch tables were left behind"
