@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0028_announcements_name_their_subscriptions"
+LATEST_PROCEDURE_MIGRATION = "0029_unfiltered_fan_out_skips_the_matcher"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -232,7 +232,8 @@ BEGIN
     IF p_partition_key IS NOT NULL AND EXISTS (
         SELECT 1 FROM workqueue_subscription s
          WHERE s.topic_id = v_topic.id AND s.partition_mode = 'Ordered'
-           AND s.status <> 'Disabled' AND wq_filter_matches(s.filter, p_attributes)
+           AND s.status <> 'Disabled'
+           AND (s.filter IS NULL OR wq_filter_matches(s.filter, p_attributes))
     ) THEN
         PERFORM wq_lock_publish_order(v_topic.id, p_partition_key);
     END IF;
@@ -315,7 +316,9 @@ BEGIN
            v_ordinal, 0, false, v_due, COALESCE(p_priority, 0)
       FROM workqueue_subscription s
      WHERE s.topic_id = v_topic.id AND s.status <> 'Disabled'
-       AND wq_filter_matches(s.filter, p_attributes);
+       -- Most subscriptions have no filter: they skip the call (a PL/pgSQL call per delivery
+       -- is a good part of what a fan-out row costs; wq_filter_matches(NULL, ...) is true).
+       AND (s.filter IS NULL OR wq_filter_matches(s.filter, p_attributes));
     GET DIAGNOSTICS v_fanout = ROW_COUNT;
 
     IF p_deduplication_key IS NOT NULL THEN
@@ -597,7 +600,7 @@ BEGIN
           FROM settled i
           JOIN workqueue_subscription s
             ON s.topic_id = v_topic.id AND s.status <> 'Disabled'
-           AND wq_filter_matches(s.filter, i.attributes)
+           AND (s.filter IS NULL OR wq_filter_matches(s.filter, i.attributes))
          WHERE i.accepted
          ORDER BY i.item_index
         RETURNING 1

@@ -336,7 +336,8 @@ BEGIN
         SELECT 1
           FROM dbo.workqueue_subscription AS s
          WHERE s.topic_id = @topic_key AND s.partition_mode = N'Ordered'
-           AND s.status <> N'Disabled' AND dbo.wq_filter_matches(s.[filter], @attributes) = 1
+           AND s.status <> N'Disabled'
+           AND (s.[filter] IS NULL OR dbo.wq_filter_matches(s.[filter], @attributes) = 1)
     )
     BEGIN
         SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
@@ -447,7 +448,9 @@ BEGIN
            @ordinal, 0, 0, @due, COALESCE(@priority, 0)
       FROM dbo.workqueue_subscription AS s
      WHERE s.topic_id = @topic_key AND s.status <> N'Disabled'
-       AND dbo.wq_filter_matches(s.[filter], @attributes) = 1;
+       -- Most subscriptions have no filter: they skip the scalar function, called per row
+       -- otherwise (dbo.wq_filter_matches(NULL, ...) is 1).
+       AND (s.[filter] IS NULL OR dbo.wq_filter_matches(s.[filter], @attributes) = 1);
 
     IF @deduplication_key IS NOT NULL
         UPDATE x
