@@ -26,6 +26,14 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 BACKLOG = 100_000
 
 
+def _call(pg_conn, procedure: str, params: dict) -> list:
+    """Call ``procedure`` on ``pg_conn`` as the driver renders the call; its rows, undecoded."""
+    driver = get_driver()
+    proc = get_procedure(procedure)
+    values = [driver.adapt(p, params.get(p.name)) for p in proc.params]
+    return pg_conn.execute(driver.render_call(proc), values).fetchall()
+
+
 def _nested_plans(
     pg_conn,
     procedure: str,
@@ -46,10 +54,7 @@ def _nested_plans(
         "client_min_messages = log",
     ):
         pg_conn.execute(f"SET {setting}")
-    driver = get_driver()
-    proc = get_procedure(procedure)
-    values = [driver.adapt(p, params.get(p.name)) for p in proc.params]
-    pg_conn.execute(driver.render_call(proc), values).fetchall()
+    _call(pg_conn, procedure, params)
     pg_conn.execute("SET client_min_messages = notice")
     return "\n".join(notices)
 
@@ -530,13 +535,6 @@ def test_plans_cached_while_the_tables_were_small_still_probe_indexes_after_a_bu
         for table in QUEUE_TABLES:
             assert f"Seq Scan on {table}" not in plans, f"{mode} {procedure}:\n{plans}"
         assert max(_rows_read(plans), default=0) <= 500, f"{mode} {procedure}:\n{plans}"
-
-
-def _call(pg_conn, procedure: str, params: dict) -> list:
-    driver = get_driver()
-    proc = get_procedure(procedure)
-    values = [driver.adapt(p, params.get(p.name)) for p in proc.params]
-    return pg_conn.execute(driver.render_call(proc), values).fetchall()
 
 
 def test_a_fan_out_calls_the_filter_matcher_only_for_filtered_subscriptions(pg_conn):
