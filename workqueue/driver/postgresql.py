@@ -477,7 +477,7 @@ class PostgresDriver(BaseDriver):
                 owned = self._local.raw = _ThreadConnection(_connect(self.alias))
                 raw = owned.connection
                 self._track(raw)
-            cursor = raw.execute(sql, values)
+            cursor = owned.cursor.execute(sql, values)
             # Whether the statement returned rows, read from the result itself: psycopg builds
             # ``description`` anew at each access (~15 us for a procedure's dozen columns).
             result = cursor.pgresult
@@ -556,10 +556,13 @@ class _ThreadConnection:
     """Holds one thread's connection and closes it when the thread ends (its thread-local
     storage is released then), so pool threads that finish never leak an open connection."""
 
-    __slots__ = ("announcing", "connection")
+    __slots__ = ("announcing", "connection", "cursor")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        # One cursor for every statement of the thread: ``connection.execute`` makes a new one
+        # each call, ~17 us of CPU (a claim, a completion batch, a publish each pay it).
+        self.cursor = connection.cursor()
         #: The topic of an announcement sent on the connection whose answer is still unread.
         self.announcing: str | None = None
 
