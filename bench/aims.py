@@ -403,25 +403,17 @@ def aim_fanout(sizes: Sizes) -> list[Score]:
 
 def aim_backlog(sizes: Sizes) -> list[Score]:
     first = sizes.backlog_drained
+
+    def behind(depth: int) -> Callable[[], drain_bench.DrainRun]:
+        return lambda: drained(
+            sizes, 8, messages=first, backlog=depth, publish_sample=sizes.backlog_publishes
+        )
+
     shallow, deep = paired_drains(
         "6.",
         sizes.rounds,
-        (
-            f"behind {first:,}",
-            lambda: drained(
-                sizes, 8, messages=first, backlog=first, publish_sample=sizes.backlog_publishes
-            ),
-        ),
-        (
-            f"behind {sizes.backlog:,}",
-            lambda: drained(
-                sizes,
-                8,
-                messages=first,
-                backlog=sizes.backlog,
-                publish_sample=sizes.backlog_publishes,
-            ),
-        ),
+        (f"behind {first:,}", behind(first)),
+        (f"behind {sizes.backlog:,}", behind(sizes.backlog)),
     )
     depth = f"{sizes.backlog:,} vs {first:,}"
     drain, drain_spread = median_ratio(

@@ -576,7 +576,7 @@ def test_a_fan_out_calls_the_filter_matcher_only_for_filtered_subscriptions(pg_c
         assert calls == 3
         delivered = dict(
             pg_conn.execute(
-                "SELECT message_id::text, array_agg(subscription_id::text ORDER BY 1) "
+                "SELECT message_id::text, array_agg(subscription_id::text) "
                 "FROM workqueue_delivery WHERE message_id = ANY (%s::uuid[]) GROUP BY 1",
                 [[red_message, red_item, plain_item]],
             ).fetchall()
