@@ -197,3 +197,66 @@ def test_an_unfiltered_topic_or_a_large_batch_wakes_every_consumer(topic, listen
 
     # No filter to spare anyone, or more ids than worth sending: every consumer may have work.
     assert (unfiltered.payload, large.payload) == ("", "")
+
+
+@pytest.fixture
+def prepared_statements() -> Iterator[None]:
+    """The queue's connections opened meanwhile prepare their statements, as
+    ``"prepare_threshold": 5`` in the alias's OPTIONS makes them do (README, PgBouncer)."""
+    driver = get_driver()
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    before = options.get("prepare_threshold")
+    options["prepare_threshold"] = 5
+    driver.close()  # this thread's connection is opened again, with the option
+    try:
+        yield
+    finally:
+        options["prepare_threshold"] = before
+        driver.close()
+
+
+def _prepared_announcements() -> int:
+    [(count,)] = get_driver().execute(
+        "SELECT count(*) FROM pg_prepared_statements WHERE name = 'wq_announce'", []
+    )
+    return count
+
+
+def test_a_connection_that_prepares_its_statements_prepares_the_announcement_once(
+    topic, listener, prepared_statements
+):
+    for n in range(3):
+        assert publish(topic.name, {"n": n}).accepted
+        assert len(notifications(listener, wait=5)) == 1
+
+    # Parsed and planned once for the session, not at every publish.
+    assert _prepared_announcements() == 1
+
+
+def test_a_prepared_announcement_the_session_lost_is_prepared_again(
+    topic, listener, prepared_statements, caplog
+):
+    assert publish(topic.name, {"n": 1}).accepted
+    assert len(notifications(listener, wait=5)) == 1
+    get_driver().execute("DEALLOCATE wq_announce", [])  # as DISCARD ALL would
+
+    # That publish's wake-up is lost (hosts poll), and said so; the next one prepares again.
+    assert publish(topic.name, {"n": 2}).accepted
+    assert publish(topic.name, {"n": 3}).accepted
+
+    assert "Could not announce a publish to topic" in caplog.text
+    assert len(notifications(listener, wait=5)) == 1
+    assert _prepared_announcements() == 1
+
+
+def test_an_announcement_that_cannot_be_prepared_is_reported_and_prepared_later(
+    topic, listener, pg_conn, prepared_statements, caplog
+):
+    with announcements_failing(pg_conn):
+        assert publish(topic.name, {"n": 1}).accepted
+        assert notifications(listener, wait=0.5) == []
+        assert "Could not announce a publish to topic" in caplog.text
+
+    assert publish(topic.name, {"n": 2}).accepted
+    assert len(notifications(listener, wait=5)) == 1
+    assert _prepared_announcements() == 1
