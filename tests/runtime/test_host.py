@@ -222,6 +222,35 @@ def test_the_wildcard_runs_every_worker_subscription_and_explicit_entries_overri
     assert (health[b.name]["state"], health[b.name]["concurrency"]) == ("Running", 7)
 
 
+def test_every_consumer_is_built_before_the_first_claim_loop_starts(make_host, monkeypatch):
+    # Built meanwhile, a consumer starts its worker threads while the first claim loops drain,
+    # each thread start waiting for the GIL among their threads: the last subscription of ten
+    # began claiming up to 1.8 s after the first.
+    subscriptions = [sub() for _ in range(3)]
+    events: list[str] = []
+    built, started = Consumer.__init__, Consumer.start
+
+    def build(consumer: Consumer, plan: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(f"build {plan.name}")
+        built(consumer, plan, *args, **kwargs)
+
+    def start(consumer: Consumer) -> None:
+        events.append(f"start {consumer.plan.name}")
+        started(consumer)
+
+    monkeypatch.setattr(Consumer, "__init__", build)
+    monkeypatch.setattr(Consumer, "start", start)
+    host = make_host([{"name": "*", "concurrency": 2}])
+
+    host.start()
+
+    assert [e.split()[0] for e in events] == ["build"] * 3 + ["start"] * 3
+    assert {e.split()[1] for e in events} == {s.name for s in subscriptions}
+    assert {name for name, (state, _) in states(host).items() if state == "Running"} == {
+        s.name for s in subscriptions
+    }
+
+
 def test_reconcile_starts_a_resumed_subscription_and_a_new_one_without_a_restart(make_host):
     paused = sub(status="Paused")
     waiting = publish(paused.topic.name, {"then": "complete"}).message_id
