@@ -260,3 +260,31 @@ def test_an_announcement_that_cannot_be_prepared_is_reported_and_prepared_later(
     assert publish(topic.name, {"n": 2}).accepted
     assert len(notifications(listener, wait=5)) == 1
     assert _prepared_announcements() == 1
+
+
+def test_a_connection_lost_before_the_announcement_is_prepared_is_replaced_at_once(
+    topic, listener, pg_conn, prepared_statements, monkeypatch, caplog
+):
+    driver = get_driver()
+    call = driver.call
+    publish_calls: list[str] = []
+
+    def call_then_lose_the_connection(name: str, *args, **kwargs):
+        rows = call(name, *args, **kwargs)
+        if name == "wq_publish":
+            publish_calls.append(name)
+            if len(publish_calls) == 1:  # the server ends the session right after the publish
+                [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+                pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
+        return rows
+
+    monkeypatch.setattr(driver, "call", call_then_lose_the_connection)
+
+    assert publish(topic.name, {"n": 1}).accepted
+    assert "Could not announce a publish to topic" in caplog.text
+    assert publish(topic.name, {"n": 2}).accepted
+
+    # The second publish went out on a new connection at its first attempt (a transient error
+    # would have been retried after a pause), and was announced.
+    assert publish_calls == ["wq_publish", "wq_publish"]
+    assert len(notifications(listener, wait=5)) == 1

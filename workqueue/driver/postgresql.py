@@ -558,6 +558,8 @@ class PostgresDriver(BaseDriver):
                     logger.warning(
                         "Could not announce a publish to topic %s: %s", topic_name, problem
                     )
+                    if pgconn.status != pq.ConnStatus.OK:
+                        owned.connection.close()  # the next statement opens a new one
                     return
                 owned.announce_prepared = True
             if owned.announce_prepared:

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,12 +408,14 @@ class Host:
                 if plans.get(name, _NOT_PLANNED).state != PlanState.RUNNING:
                     del self._start_failures[name]  # no longer wanted: stop retrying
             self._try_start(
-                entry
-                for name, entry in plans.items()
-                if entry.state == PlanState.RUNNING and name not in self._consumers
+                [
+                    entry
+                    for name, entry in plans.items()
+                    if entry.state == PlanState.RUNNING and name not in self._consumers
+                ]
             )
 
-    def _try_start(self, entries: Iterable[PlanEntry]) -> None:
+    def _try_start(self, entries: list[PlanEntry]) -> None:
         """Start the entries' consumers; for each that fails, log why, report Error in health
         and let the supervisor try again after a capped backoff. Called with the lock held.
 
