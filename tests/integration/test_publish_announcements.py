@@ -270,12 +270,12 @@ def test_a_connection_lost_before_the_announcement_is_prepared_is_replaced_at_on
     publish_calls: list[str] = []
 
     def call_then_lose_the_connection(name: str, *args, **kwargs):
-        rows = call(name, *args, **kwargs)
         if name == "wq_publish":
-            publish_calls.append(name)
-            if len(publish_calls) == 1:  # the server ends the session right after the publish
-                [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
-                pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
+            publish_calls.append(name)  # every attempt, failed ones too
+        rows = call(name, *args, **kwargs)
+        if publish_calls == ["wq_publish"]:  # the server ends the session after the first
+            [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+            pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
         return rows
 
     monkeypatch.setattr(driver, "call", call_then_lose_the_connection)

@@ -558,9 +558,7 @@ class PostgresDriver(BaseDriver):
                     logger.warning(
                         "Could not announce a publish to topic %s: %s", topic_name, problem
                     )
-                    if pgconn.status != pq.ConnStatus.OK:
-                        owned.connection.close()  # the next statement opens a new one
-                    return
+                    return  # on a lost connection (closed now) the next statement opens a new one
                 owned.announce_prepared = True
             if owned.announce_prepared:
                 pgconn.send_query_prepared(_ANNOUNCE_STATEMENT, params)
