@@ -213,6 +213,7 @@ def prepared_statements() -> Iterator[None]:
     finally:
         options["prepare_threshold"] = before
         driver.close()
+        connection.close()  # nor does Django's own connection keep the option for later tests
 
 
 def _prepared_announcements() -> int:
