@@ -218,7 +218,7 @@ def prepared_statements() -> Iterator[None]:
 
 def _prepared_announcements() -> int:
     [(count,)] = get_driver().execute(
-        "SELECT count(*) FROM pg_prepared_statements WHERE name = 'wq_announce'", []
+        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'wq%%\\_announce'", []
     )
     return count
 
@@ -239,7 +239,7 @@ def test_a_prepared_announcement_the_session_lost_is_prepared_again(
 ):
     assert publish(topic.name, {"n": 1}).accepted
     assert len(notifications(listener, wait=5)) == 1
-    get_driver().execute("DEALLOCATE wq_announce", [])  # as DISCARD ALL would
+    get_driver().execute("DEALLOCATE ALL", [])  # as DISCARD ALL would
 
     # That publish's wake-up is lost (hosts poll), and said so; the next one prepares again.
     assert publish(topic.name, {"n": 2}).accepted

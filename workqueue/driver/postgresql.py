@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import select
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -59,9 +60,6 @@ ANNOUNCED_IDS_MAX = 1000
 # before trying again (the server answers within a millisecond or two; this bounds a stall).
 _ANNOUNCE_WAIT_SECONDS = 5.0
 
-#: What the announcement is prepared as on a connection that prepares its statements (the
-#: alias's OPTIONS set ``prepare_threshold``); psycopg names its own ``_pg3_<n>``.
-_ANNOUNCE_STATEMENT = b"wq_announce"
 #: The SQLSTATE of a prepared statement the session no longer has (DEALLOCATE, DISCARD ALL).
 _NO_SUCH_STATEMENT = "26000"
 
@@ -552,7 +550,7 @@ class PostgresDriver(BaseDriver):
                 # Parsed and planned once per connection rather than at every publish (about
                 # 40 us of backend CPU each), where the user turned prepared statements on:
                 # no pooler in between, or one that keeps them (PgBouncer 1.21 and later).
-                prepared = pgconn.prepare(_ANNOUNCE_STATEMENT, self._announce_sql)
+                prepared = pgconn.prepare(owned.announce_statement, self._announce_sql)
                 if prepared.status != pq.ExecStatus.COMMAND_OK:
                     problem = prepared.error_message.decode(errors="replace").strip()
                     logger.warning(
@@ -561,7 +559,7 @@ class PostgresDriver(BaseDriver):
                     return  # on a lost connection (closed now) the next statement opens a new one
                 owned.announce_prepared = True
             if owned.announce_prepared:
-                pgconn.send_query_prepared(_ANNOUNCE_STATEMENT, params)
+                pgconn.send_query_prepared(owned.announce_statement, params)
             else:
                 pgconn.send_query_params(self._announce_sql, params)
             while pgconn.flush():  # non-blocking: wait until the statement is sent
@@ -580,7 +578,7 @@ class _ThreadConnection:
     """Holds one thread's connection and closes it when the thread ends (its thread-local
     storage is released then), so pool threads that finish never leak an open connection."""
 
-    __slots__ = ("announce_prepared", "announcing", "connection", "cursor")
+    __slots__ = ("announce_prepared", "announce_statement", "announcing", "connection", "cursor")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -589,8 +587,10 @@ class _ThreadConnection:
         self.cursor = connection.cursor()
         #: The topic of an announcement sent on the connection whose answer is still unread.
         self.announcing: str | None = None
-        #: Whether the session holds the announcement as a prepared statement.
+        #: Whether the session holds the announcement as a prepared statement, and its name:
+        #: one of this connection's own, as the statements psycopg prepares for it get.
         self.announce_prepared = False
+        self.announce_statement = f"{statement_prefix()}_announce".encode()
 
     def close(self) -> None:
         """Close the connection, having read an announcement's answer first: a session closed
@@ -648,6 +648,7 @@ def _connect(alias: str) -> Any:
     # belong to which host; a name set in the database's OPTIONS wins.
     params.setdefault("application_name", f"workqueue:{os.getpid()}")
     connection = psycopg.connect(autocommit=True, **params)
+    _name_statements_uniquely(connection)
     connection.execute("SET TIME ZONE 'UTC'")
     # JSON comes back as text, as it does through Django and on SQL Server, so decoding is one
     # rule for every path (a decoded JSON string would be indistinguishable from raw text).
@@ -660,6 +661,63 @@ def _connect(alias: str) -> Any:
     # values per claimed delivery.
     connection.adapters.register_loader("uuid", TextLoader)
     return connection
+
+
+def _name_statements_uniquely(connection: Any) -> None:
+    """Give the statements ``connection`` prepares (where the alias's OPTIONS set
+    ``prepare_threshold``) names no other client's statements have.
+
+    psycopg names them ``_pg3_0``, ``_pg3_1``, ... in every client alike. Behind a transaction
+    pooler that keeps no prepared statements for its clients (PgBouncer before 1.21), a call
+    binding one by name may reach a server connection where another client prepared a
+    statement of that name, and run it with this call's parameters: a release bound to another
+    host's completion (both take a delivery id and a lease token) would complete a delivery no
+    handler ran. Under a name of this connection's own, such a call finds no statement and
+    fails (SQLSTATE 26000). psycopg has no option for the names, so its prepared statement
+    manager is replaced by one that prefixes them; should a psycopg release no longer have
+    that manager, the connection prepares nothing rather than risk it."""
+    if connection.prepare_threshold is None:
+        return
+    own_names = _own_names_manager()
+    replaced = getattr(connection, "_prepared", None)
+    if own_names is None or type(replaced) is not own_names.__base__:
+        logger.warning(
+            "This psycopg's prepared statements cannot be given names of their own, so the "
+            "queue's connections prepare none (prepare_threshold is ignored for them)"
+        )
+        connection.prepare_threshold = None
+        return
+    connection._prepared = own_names(replaced, statement_prefix())
+
+
+def statement_prefix() -> str:
+    """A prefix for one connection's statement names: no other client's begins the same."""
+    return f"wq{secrets.token_hex(8)}"
+
+
+@functools.cache
+def _own_names_manager() -> type | None:
+    """psycopg's prepared statement manager, naming each new statement with a prefix of the
+    connection's own (see _name_statements_uniquely); None if this psycopg has none."""
+    try:
+        from psycopg._preparing import Prepare, PrepareManager
+    except ImportError:
+        return None
+
+    class OwnNames(PrepareManager):
+        def __init__(self, replaced: PrepareManager, prefix: str) -> None:
+            super().__init__()
+            self.prepare_threshold = replaced.prepare_threshold
+            self.prepared_max = replaced.prepared_max
+            self._prefix = prefix.encode()
+
+        def get(self, query: Any, prepare: bool | None = None) -> tuple[Prepare, bytes]:
+            action, name = super().get(query, prepare)
+            if action is Prepare.SHOULD:
+                name = self._prefix + name  # kept as given: later calls bind this name
+            return action, name
+
+    return OwnNames
 
 
 class PostgresListener:

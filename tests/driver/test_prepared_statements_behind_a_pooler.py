@@ -1,0 +1,125 @@
+"""Prepared statements on the queue's own connections behind a transaction pooler that keeps
+none for its clients (PgBouncer before 1.21).
+
+Such a pooler hands each transaction whichever server connection is free, so a statement a
+client prepared lives on one server connection and a later call that binds it by name may reach
+another, where another client prepared a statement of the same name. psycopg names them
+``_pg3_0``, ``_pg3_1``, ... in every client alike: one client's call could then run another's
+statement with its own parameters. The queue's settles share a signature (``wq_complete``,
+``wq_release`` and ``wq_acknowledge_cancel`` each take a delivery id and a lease token), so a
+release bound to another host's completion would complete a delivery no handler ran. The
+queue's connections name their statements so that no other client's can match: such a call
+fails instead (SQLSTATE 26000), as the README says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connections
+
+from tests.support.pooler import transaction_pooler
+from workqueue.driver import get_driver, postgresql
+from workqueue.driver.postgresql import _connect
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+@contextmanager
+def queue_connections_through(pooled: dict[str, Any]) -> Iterator[None]:
+    """The queue's connections opened meanwhile go through the pooler and prepare what they
+    repeat (``"prepare_threshold": 5`` in OPTIONS, as a user may set it)."""
+    settings = connections[get_driver().alias].settings_dict
+    saved = {key: settings.get(key) for key in ("HOST", "PORT")}
+    options = settings.setdefault("OPTIONS", {})
+    saved_threshold = options.get("prepare_threshold")
+    settings.update(HOST=pooled["host"], PORT=str(pooled["port"]))
+    options["prepare_threshold"] = 5
+    try:
+        yield
+    finally:
+        settings.update(saved)
+        options["prepare_threshold"] = saved_threshold
+
+
+@pytest.fixture
+def two_pooled_queue_connections() -> Iterator[tuple[psycopg.Connection, psycopg.Connection]]:
+    with transaction_pooler(pool_size=2) as pooled, queue_connections_through(pooled):
+        first, second = _connect(get_driver().alias), _connect(get_driver().alias)
+        try:
+            yield first, second
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_call_never_runs_a_statement_another_client_prepared(two_pooled_queue_connections):
+    first, second = two_pooled_queue_connections
+    mine, theirs = "SELECT 'first: ' || %s::text", "SELECT 'second: ' || %s::text"
+
+    # Each client's statement prepared on a server connection of its own: the first client
+    # keeps one busy in a transaction while the second prepares on the other.
+    with first.transaction():
+        first.execute("SELECT 1")
+        second.execute(theirs, ["x"], prepare=True)
+        first.execute(mine, ["x"], prepare=True)
+    # Now the server connection the first client prepared on is busy (the pooler hands out the
+    # one released last): the first client's next call can only reach the other one.
+    with second.transaction():
+        second.execute("SELECT 1")
+        try:
+            [answer] = first.execute(mine, ["called by the first"]).fetchone()
+        except psycopg.errors.InvalidSqlStatementName:
+            answer = None  # not there: the call fails, and nothing ran
+
+    assert answer in ("first: called by the first", None)
+
+
+@contextmanager
+def preparing_queue_connections() -> Iterator[None]:
+    options = connections[get_driver().alias].settings_dict.setdefault("OPTIONS", {})
+    saved = options.get("prepare_threshold")
+    options["prepare_threshold"] = 5
+    try:
+        yield
+    finally:
+        options["prepare_threshold"] = saved
+
+
+def _prepared_names(connection: psycopg.Connection) -> list[str]:
+    return [name for (name,) in connection.execute("SELECT name FROM pg_prepared_statements")]
+
+
+def test_each_queue_connection_prepares_under_names_of_its_own():
+    with preparing_queue_connections():
+        first, second = _connect(get_driver().alias), _connect(get_driver().alias)
+    try:
+        for connection in (first, second):
+            connection.execute("SELECT %s::int", [1], prepare=True)
+        [mine], [theirs] = _prepared_names(first), _prepared_names(second)
+    finally:
+        first.close()
+        second.close()
+
+    assert mine != theirs
+    assert not mine.startswith("_pg3_") and mine.startswith("wq")
+
+
+def test_a_psycopg_whose_statement_names_cannot_be_set_prepares_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(postgresql, "_own_names_manager", lambda: None)
+
+    with preparing_queue_connections():
+        connection = _connect(get_driver().alias)
+    try:
+        connection.execute("SELECT %s::int", [1], prepare=True)
+        prepared = _prepared_names(connection)
+    finally:
+        connection.close()
+
+    assert connection.prepare_threshold is None
+    assert prepared == []
+    assert "prepare none" in caplog.text
