@@ -9,7 +9,7 @@ statement with its own parameters. The queue's settles share a signature (``wq_c
 ``wq_release`` and ``wq_acknowledge_cancel`` each take a delivery id and a lease token), so a
 release bound to another host's completion would complete a delivery no handler ran. The
 queue's connections name their statements so that no other client's can match: such a call
-fails instead (SQLSTATE 26000), as the README says.
+finds no statement (SQLSTATE 26000) and runs nothing, and the driver runs it again unprepared.
 """
 
 from __future__ import annotations
@@ -123,3 +123,28 @@ def test_a_psycopg_whose_statement_names_cannot_be_set_prepares_nothing(monkeypa
     assert connection.prepare_threshold is None
     assert prepared == []
     assert "prepare none" in caplog.text
+
+
+def test_a_queue_call_that_finds_its_statement_gone_runs_again_unprepared(caplog):
+    driver = get_driver()
+    mine = "SELECT 'first: ' || %s::text"
+    with transaction_pooler(pool_size=2) as pooled, queue_connections_through(pooled):
+        driver.close()  # this thread's queue connection is opened again, through the pooler
+        other = _connect(driver.alias)
+        try:
+            driver.execute("SELECT 1", [])
+            own = driver._local.raw.connection
+            with own.transaction():  # the statement prepared on the server connection it holds
+                own.execute("SELECT 1")
+                other.execute("SELECT 2")  # and the other client on the second one
+                own.execute(mine, ["x"], prepare=True)
+            with other.transaction():  # which the other client now holds
+                other.execute("SELECT 1")
+                rows = driver.execute(mine, ["again"])
+        finally:
+            other.close()
+            driver.close()
+
+    assert rows == [("first: again",)]
+    assert "lost a statement this connection prepared" in caplog.text
+    assert own.prepare_threshold is None

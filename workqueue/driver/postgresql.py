@@ -491,6 +491,25 @@ class PostgresDriver(BaseDriver):
         except psycopg.Error as exc:
             if raw is not None and (raw.closed or raw.broken):
                 self._local.raw = None
+            elif (
+                exc.sqlstate == _NO_SUCH_STATEMENT
+                and raw is not None
+                and raw.prepare_threshold is not None
+            ):
+                # A statement this connection prepared is not where the call went: a pooler in
+                # between keeps no prepared statements (PgBouncer before 1.21, in transaction
+                # pooling). The call stopped at its bind and ran nothing, so it runs again,
+                # unprepared, and the connection prepares nothing more.
+                logger.warning(
+                    "Database %s lost a statement this connection prepared: a transaction "
+                    "pooler that keeps no prepared statements is in between. The connection "
+                    "stops preparing statements; set OPTIONS prepare_threshold to None for "
+                    "this alias (README, PgBouncer).",
+                    self.alias,
+                    extra={"action": "prepared_statements_lost"},
+                )
+                raw.prepare_threshold = None
+                return self.execute(sql, values)
             raise self.translate_error(exc) from exc
 
     def close(self) -> None:
@@ -672,8 +691,9 @@ def _name_statements_uniquely(connection: Any) -> None:
     binding one by name may reach a server connection where another client prepared a
     statement of that name, and run it with this call's parameters: a release bound to another
     host's completion (both take a delivery id and a lease token) would complete a delivery no
-    handler ran. Under a name of this connection's own, such a call finds no statement and
-    fails (SQLSTATE 26000). psycopg has no option for the names, so its prepared statement
+    handler ran. Under a name of this connection's own, such a call finds no statement
+    (SQLSTATE 26000) and runs nothing; the driver then runs it unprepared (``execute``).
+    psycopg has no option for the names, so its prepared statement
     manager is replaced by one that prefixes them; should a psycopg release no longer have
     that manager, the connection prepares nothing rather than risk it."""
     if connection.prepare_threshold is None:
