@@ -146,5 +146,5 @@ def test_a_queue_call_that_finds_its_statement_gone_runs_again_unprepared(caplog
             driver.close()
 
     assert rows == [("first: again",)]
-    assert "lost a statement this connection prepared" in caplog.text
+    assert "stops preparing statements" in caplog.text
     assert own.prepare_threshold is None

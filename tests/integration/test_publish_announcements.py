@@ -234,20 +234,24 @@ def test_a_connection_that_prepares_its_statements_prepares_the_announcement_onc
     assert _prepared_announcements() == 1
 
 
-def test_a_prepared_announcement_the_session_lost_is_prepared_again(
+def test_a_connection_that_lost_its_prepared_announcement_stops_preparing(
     topic, listener, prepared_statements, caplog
 ):
+    # What a pooler that keeps no prepared statements does to every connection behind it.
     assert publish(topic.name, {"n": 1}).accepted
     assert len(notifications(listener, wait=5)) == 1
-    get_driver().execute("DEALLOCATE ALL", [])  # as DISCARD ALL would
+    get_driver().execute("DEALLOCATE ALL", [])
 
-    # That publish's wake-up is lost (hosts poll), and said so; the next one prepares again.
+    # That publish's wake-up is lost (hosts poll), and said so; the next ones are announced
+    # unprepared, and the connection prepares nothing more.
     assert publish(topic.name, {"n": 2}).accepted
     assert publish(topic.name, {"n": 3}).accepted
 
     assert "Could not announce a publish to topic" in caplog.text
+    assert "stops preparing statements" in caplog.text
     assert len(notifications(listener, wait=5)) == 1
-    assert _prepared_announcements() == 1
+    assert _prepared_announcements() == 0
+    assert get_driver()._local.raw.connection.prepare_threshold is None
 
 
 def test_an_announcement_that_cannot_be_prepared_is_reported_and_prepared_later(

@@ -496,19 +496,8 @@ class PostgresDriver(BaseDriver):
                 and raw is not None
                 and raw.prepare_threshold is not None
             ):
-                # A statement this connection prepared is not where the call went: a pooler in
-                # between keeps no prepared statements (PgBouncer before 1.21, in transaction
-                # pooling). The call stopped at its bind and ran nothing, so it runs again,
-                # unprepared, and the connection prepares nothing more.
-                logger.warning(
-                    "Database %s lost a statement this connection prepared: a transaction "
-                    "pooler that keeps no prepared statements is in between. The connection "
-                    "stops preparing statements; set OPTIONS prepare_threshold to None for "
-                    "this alias (README, PgBouncer).",
-                    self.alias,
-                    extra={"action": "prepared_statements_lost"},
-                )
-                raw.prepare_threshold = None
+                # The call stopped at its bind and ran nothing: it runs again, unprepared.
+                _stop_preparing(raw)
                 return self.execute(sql, values)
             raise self.translate_error(exc) from exc
 
@@ -609,7 +598,7 @@ class _ThreadConnection:
         #: Whether the session holds the announcement as a prepared statement, and its name:
         #: one of this connection's own, as the statements psycopg prepares for it get.
         self.announce_prepared = False
-        self.announce_statement = f"{statement_prefix()}_announce".encode()
+        self.announce_statement = f"{_statement_prefix()}_announce".encode()
 
     def close(self) -> None:
         """Close the connection, having read an announcement's answer first: a session closed
@@ -645,7 +634,8 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
             if result.status != pq.ExecStatus.TUPLES_OK:
                 failures.append(result.error_message.decode(errors="replace").strip())
                 if result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT.encode():
-                    owned.announce_prepared = False  # the next announcement prepares it again
+                    owned.announce_prepared = False
+                    _stop_preparing(owned.connection)
     except Exception:
         logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
         with contextlib.suppress(Exception):
@@ -682,6 +672,21 @@ def _connect(alias: str) -> Any:
     return connection
 
 
+def _stop_preparing(connection: Any) -> None:
+    """``connection`` lost a statement it prepared. Most likely a pooler in between keeps no
+    prepared statements (PgBouncer before 1.21, in transaction pooling), and each call it binds
+    by name may reach a server connection that does not have it: the connection prepares
+    nothing more (a ``DISCARD ALL`` or ``DEALLOCATE ALL`` on it gets the same answer)."""
+    logger.warning(
+        "A statement the queue's connection prepared is gone, most likely because a "
+        "transaction pooler that keeps no prepared statements is in between; the connection "
+        "stops preparing statements. Set OPTIONS prepare_threshold to None for the alias "
+        "(README, PgBouncer).",
+        extra={"action": "prepared_statements_lost"},
+    )
+    connection.prepare_threshold = None
+
+
 def _name_statements_uniquely(connection: Any) -> None:
     """Give the statements ``connection`` prepares (where the alias's OPTIONS set
     ``prepare_threshold``) names no other client's statements have.
@@ -693,9 +698,9 @@ def _name_statements_uniquely(connection: Any) -> None:
     host's completion (both take a delivery id and a lease token) would complete a delivery no
     handler ran. Under a name of this connection's own, such a call finds no statement
     (SQLSTATE 26000) and runs nothing; the driver then runs it unprepared (``execute``).
-    psycopg has no option for the names, so its prepared statement
-    manager is replaced by one that prefixes them; should a psycopg release no longer have
-    that manager, the connection prepares nothing rather than risk it."""
+    psycopg has no option for the names, so its prepared statement manager is replaced by one
+    that prefixes them; should a psycopg release no longer have that manager, the connection
+    prepares nothing rather than risk it."""
     if connection.prepare_threshold is None:
         return
     own_names = _own_names_manager()
@@ -707,10 +712,10 @@ def _name_statements_uniquely(connection: Any) -> None:
         )
         connection.prepare_threshold = None
         return
-    connection._prepared = own_names(replaced, statement_prefix())
+    connection._prepared = own_names(replaced, _statement_prefix())
 
 
-def statement_prefix() -> str:
+def _statement_prefix() -> str:
     """A prefix for one connection's statement names: no other client's begins the same."""
     return f"wq{secrets.token_hex(8)}"
 
