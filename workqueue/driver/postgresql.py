@@ -497,7 +497,7 @@ class PostgresDriver(BaseDriver):
                 and raw.prepare_threshold is not None
             ):
                 # The call stopped at its bind and ran nothing: it runs again, unprepared.
-                _stop_preparing(raw)
+                _stop_preparing(owned)
                 return self.execute(sql, values)
             raise self.translate_error(exc) from exc
 
@@ -634,8 +634,7 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
             if result.status != pq.ExecStatus.TUPLES_OK:
                 failures.append(result.error_message.decode(errors="replace").strip())
                 if result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT.encode():
-                    owned.announce_prepared = False
-                    _stop_preparing(owned.connection)
+                    _stop_preparing(owned)
     except Exception:
         logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
         with contextlib.suppress(Exception):
@@ -672,11 +671,12 @@ def _connect(alias: str) -> Any:
     return connection
 
 
-def _stop_preparing(connection: Any) -> None:
-    """``connection`` lost a statement it prepared. Most likely a pooler in between keeps no
-    prepared statements (PgBouncer before 1.21, in transaction pooling), and each call it binds
-    by name may reach a server connection that does not have it: the connection prepares
-    nothing more (a ``DISCARD ALL`` or ``DEALLOCATE ALL`` on it gets the same answer)."""
+def _stop_preparing(owned: _ThreadConnection) -> None:
+    """``owned``'s connection lost a statement it prepared. Most likely a pooler in between
+    keeps no prepared statements (PgBouncer before 1.21, in transaction pooling), and each call
+    it binds by name may reach a server connection that does not have it: the connection
+    prepares nothing more, its announcement included (a ``DISCARD ALL`` or ``DEALLOCATE ALL``
+    on it gets the same answer)."""
     logger.warning(
         "A statement the queue's connection prepared is gone, most likely because a "
         "transaction pooler that keeps no prepared statements is in between; the connection "
@@ -684,7 +684,8 @@ def _stop_preparing(connection: Any) -> None:
         "(README, PgBouncer).",
         extra={"action": "prepared_statements_lost"},
     )
-    connection.prepare_threshold = None
+    owned.connection.prepare_threshold = None
+    owned.announce_prepared = False
 
 
 def _name_statements_uniquely(connection: Any) -> None:
@@ -705,7 +706,7 @@ def _name_statements_uniquely(connection: Any) -> None:
         return
     own_names = _own_names_manager()
     replaced = getattr(connection, "_prepared", None)
-    if own_names is None or type(replaced) is not own_names.__base__:
+    if own_names is None or type(replaced) is not own_names.replaces:
         logger.warning(
             "This psycopg's prepared statements cannot be given names of their own, so the "
             "queue's connections prepare none (prepare_threshold is ignored for them)"
@@ -730,6 +731,9 @@ def _own_names_manager() -> type | None:
         return None
 
     class OwnNames(PrepareManager):
+        #: The manager psycopg gives a connection, which this one takes the place of.
+        replaces = PrepareManager
+
         def __init__(self, replaced: PrepareManager, prefix: str) -> None:
             super().__init__()
             self.prepare_threshold = replaced.prepare_threshold
