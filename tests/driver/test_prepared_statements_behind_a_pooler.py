@@ -15,13 +15,13 @@ finds no statement (SQLSTATE 26000) and runs nothing, and the driver runs it aga
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import connections
 
+from tests.support.database import queue_connection_settings
 from tests.support.pooler import transaction_pooler
 from workqueue.driver import get_driver, postgresql
 from workqueue.driver.postgresql import _connect
@@ -29,21 +29,12 @@ from workqueue.driver.postgresql import _connect
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 
-@contextmanager
-def queue_connections_through(pooled: dict[str, Any]) -> Iterator[None]:
+def queue_connections_through(pooled: dict[str, Any]) -> AbstractContextManager[None]:
     """The queue's connections opened meanwhile go through the pooler and prepare what they
     repeat (``"prepare_threshold": 5`` in OPTIONS, as a user may set it)."""
-    settings = connections[get_driver().alias].settings_dict
-    saved = {key: settings.get(key) for key in ("HOST", "PORT")}
-    options = settings.setdefault("OPTIONS", {})
-    saved_threshold = options.get("prepare_threshold")
-    settings.update(HOST=pooled["host"], PORT=str(pooled["port"]))
-    options["prepare_threshold"] = 5
-    try:
-        yield
-    finally:
-        settings.update(saved)
-        options["prepare_threshold"] = saved_threshold
+    return queue_connection_settings(
+        HOST=pooled["host"], PORT=str(pooled["port"]), options={"prepare_threshold": 5}
+    )
 
 
 @pytest.fixture
@@ -79,15 +70,8 @@ def test_a_call_never_runs_a_statement_another_client_prepared(two_pooled_queue_
     assert answer in ("first: called by the first", None)
 
 
-@contextmanager
-def preparing_queue_connections() -> Iterator[None]:
-    options = connections[get_driver().alias].settings_dict.setdefault("OPTIONS", {})
-    saved = options.get("prepare_threshold")
-    options["prepare_threshold"] = 5
-    try:
-        yield
-    finally:
-        options["prepare_threshold"] = saved
+def preparing_queue_connections() -> AbstractContextManager[None]:
+    return queue_connection_settings(options={"prepare_threshold": 5})
 
 
 def _prepared_names(connection: psycopg.Connection) -> list[str]:

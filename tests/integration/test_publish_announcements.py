@@ -19,7 +19,7 @@ import pytest
 from django.db import connection, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.database import psycopg_params
+from tests.support.database import psycopg_params, queue_connection_settings
 from tests.support.processes import run_python, subprocess_environment
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver, postgresql
@@ -204,16 +204,12 @@ def prepared_statements() -> Iterator[None]:
     """The queue's connections opened meanwhile prepare their statements, as
     ``"prepare_threshold": 5`` in the alias's OPTIONS makes them do (README, PgBouncer)."""
     driver = get_driver()
-    options = connection.settings_dict.setdefault("OPTIONS", {})
-    before = options.get("prepare_threshold")
-    options["prepare_threshold"] = 5
-    driver.close()  # this thread's connection is opened again, with the option
-    try:
-        yield
-    finally:
-        options["prepare_threshold"] = before
-        driver.close()
-        connection.close()  # nor does Django's own connection keep the option for later tests
+    with queue_connection_settings(options={"prepare_threshold": 5}):
+        driver.close()  # this thread's connection is opened again, with the option
+        try:
+            yield
+        finally:
+            driver.close()
 
 
 def _prepared_announcements() -> int:

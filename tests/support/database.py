@@ -1,15 +1,17 @@
 """How tests reach the test database outside Django's cursor: raw psycopg connection
-parameters, a URL for subprocesses (hosts, workers, scripts), and whether a SQL Server is
-configured for the tests that run there too."""
+parameters, a URL for subprocesses (hosts, workers, scripts), the queue's connection settings
+changed for a while, and whether a SQL Server is configured for the tests that run there too."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 
 MSSQL_URL_ENV = "WORKQUEUE_TEST_MSSQL_URL"
 MSSQL_ALIAS = "mssql"
@@ -21,6 +23,37 @@ def psycopg_params() -> dict[str, Any]:
     params.pop("cursor_factory", None)
     params.pop("context", None)
     return params
+
+
+_MISSING = object()
+
+
+@contextmanager
+def queue_connection_settings(*, options: dict[str, Any], **changed: Any) -> Iterator[None]:
+    """The queue alias's settings (``HOST``, ``PORT``, ...) and ``OPTIONS`` changed while the
+    block runs, for the connections opened meanwhile: the queue's own take the alias's settings
+    each time they connect. Afterwards the settings are as they were, and the alias's Django
+    connection is closed, so that none opened meanwhile outlives the block with them."""
+    from workqueue.driver import get_driver
+
+    alias = connections[get_driver().alias]
+    changes = [
+        (alias.settings_dict, changed),
+        (alias.settings_dict.setdefault("OPTIONS", {}), options),
+    ]
+    saved = [(where, {key: where.get(key, _MISSING) for key in new}) for where, new in changes]
+    for where, new in changes:
+        where.update(new)
+    try:
+        yield
+    finally:
+        for where, old in saved:
+            for key, value in old.items():
+                if value is _MISSING:
+                    where.pop(key, None)
+                else:
+                    where[key] = value
+        alias.close()
 
 
 def database_url(name: str | None = None) -> str:
