@@ -9,9 +9,9 @@ machine's speed does not (this one is shared and varies by a factor of two betwe
 
 1. one publish at a time against Celery's enqueue on Redis (``bench/peers/celery_redis.py
    --enqueue-only`` run by ``--celery PYTHON``, the peer's virtualenv; skipped without it),
-   in alternating rounds, medians compared; and the same publishes with psycopg's prepared
-   statements on (``"prepare_threshold": 5`` in the alias's OPTIONS; off by default, as
-   Django leaves them, for PgBouncer's sake). Next to them two durable floors, each a prepared
+   in alternating rounds, medians compared; and the same publishes with prepared statements
+   off (``"prepare_threshold": None`` in the alias's OPTIONS; the queue's own connections
+   prepare the calls they repeat unless told so). Next to them two durable floors, each a prepared
    statement committed on its own from a psycopg connection made as the driver makes its
    private ones: a bare one-row INSERT, and a publish's rows (a message and its delivery, with
    every index and constraint of the queue tables) in one bare statement. A publish cannot
@@ -176,10 +176,10 @@ def _floor(
     each committed on its own, on a connection made as the driver makes its private ones and
     prepared, so the floor pays no parsing or planning a procedure's kept plans would not.
 
-    The connection takes the alias's options, and Django's default ``prepare_threshold`` of
-    None makes psycopg ignore ``prepare=True``: the floors ran unprepared that way until
-    2026-12-03, at two thirds of their rate, and called aim 1 out of reach. Preparing is turned
-    on for this connection alone, and checked."""
+    The connection takes the alias's options, and a ``prepare_threshold`` of None there makes
+    psycopg ignore ``prepare=True``: the floors ran unprepared that way until 2026-12-03, at two
+    thirds of their rate, and called aim 1 out of reach. Preparing is turned on for this
+    connection whatever the options say, and checked."""
     connection = _connect(get_driver().alias)
     connection.prepare_threshold = 0
     try:
@@ -254,36 +254,37 @@ def publish_rate(subscriptions: int, count: int) -> tuple[float, float | None]:
 
 
 @contextlib.contextmanager
-def prepared_statements() -> Iterator[None]:
-    """Connections opened meanwhile prepare the statements they repeat, as ``"prepare_threshold":
-    5`` in the alias's ``OPTIONS`` makes them do (off by default for PgBouncer's sake: README,
-    Running in production). Each publish run opens its own connection, so it takes the option."""
+def prepared_statements_off() -> Iterator[None]:
+    """Connections opened meanwhile prepare nothing, as ``"prepare_threshold": None`` in the
+    alias's ``OPTIONS`` makes them do (README, Running in production: PgBouncer). Each publish
+    run opens its own connection, so it takes the option."""
     options = connections[get_driver().alias].settings_dict.setdefault("OPTIONS", {})
-    before = options.get("prepare_threshold")
-    options["prepare_threshold"] = 5
+    saved = dict(options)
+    options["prepare_threshold"] = None
     try:
         probe = _connect(get_driver().alias)  # as the driver opens its connections
         threshold = probe.prepare_threshold
         probe.close()
-        if threshold != 5:
-            raise RuntimeError(f"new connections' prepare_threshold is {threshold}, not 5")
+        if threshold is not None:
+            raise RuntimeError(f"new connections' prepare_threshold is {threshold}, not None")
         yield
     finally:
-        options["prepare_threshold"] = before
+        options.clear()
+        options.update(saved)
 
 
 def aim_publish(sizes: Sizes, celery: str | None) -> list[Score]:
-    ours, prepared, floor, rows, peer = [], [], [], [], []
+    ours, unprepared, floor, rows, peer = [], [], [], [], []
     for round_ in range(sizes.rounds):
         ours.append(publish_rate(1, sizes.publishes)[0])
-        with prepared_statements():
-            prepared.append(publish_rate(1, sizes.publishes)[0])
+        with prepared_statements_off():
+            unprepared.append(publish_rate(1, sizes.publishes)[0])
         floor.append(durable_floor(sizes.publishes, sizes.warmup))
         rows.append(publish_rows_floor(sizes.publishes, sizes.warmup))
         if celery:
             peer.append(celery_enqueue(celery, sizes.publishes))
         print(
-            f"round {round_ + 1}: publish {ours[-1]:,.0f}/s, prepared {prepared[-1]:,.0f}/s, "
+            f"round {round_ + 1}: publish {ours[-1]:,.0f}/s, unprepared {unprepared[-1]:,.0f}/s, "
             f"durable one-row INSERT "
             f"{floor[-1]:,.0f}/s, a publish's rows bare {rows[-1]:,.0f}/s"
             + (f", Celery enqueue {peer[-1]:,.0f}/s" if peer else ""),
@@ -295,7 +296,7 @@ def aim_publish(sizes: Sizes, celery: str | None) -> list[Score]:
     return [
         against_celery("1. publish one at a time vs Celery enqueue", ours_rate, peer_rate),
         against_celery(
-            "   the same with prepared statements", statistics.median(prepared), peer_rate
+            "   the same, prepared statements off", statistics.median(unprepared), peer_rate
         ),
         bound("   a bare one-row INSERT", floor_rate, ours_rate, peer_rate, 1.3, "aim 1"),
         bound("   a publish's rows, bare", rows_rate, ours_rate, peer_rate, 1.3, "aim 1"),

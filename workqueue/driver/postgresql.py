@@ -60,8 +60,16 @@ ANNOUNCED_IDS_MAX = 1000
 # before trying again (the server answers within a millisecond or two; this bounds a stall).
 _ANNOUNCE_WAIT_SECONDS = 5.0
 
+#: How many times the queue's own connections run a statement before preparing it, where the
+#: alias's OPTIONS do not set ``prepare_threshold`` (psycopg's own default).
+PREPARE_THRESHOLD = 5
+
 #: The SQLSTATE of a prepared statement the session no longer has (DEALLOCATE, DISCARD ALL).
 _NO_SUCH_STATEMENT = "26000"
+
+#: The SQLSTATE and server routine of a prepared statement whose result changed shape since it
+#: was prepared ("cached plan must not change result type"; the message may be translated).
+_OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 
 # deadlock, serialization failure, lock timeout, and the connection-exception class.
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
@@ -466,40 +474,48 @@ class PostgresDriver(BaseDriver):
         if connection is not None or routed_to_django_connection(self.alias):
             return super().execute(sql, values, connection)
         # The private path talks to psycopg directly: Django's cursor wrapper (debug logging,
-        # client-side binding) costs more per call than a settle itself. psycopg prepares
-        # statements it sees repeatedly only when the alias's OPTIONS set prepare_threshold
-        # (Django leaves it off for PgBouncer's sake; README, PgBouncer): unprepared, every call
-        # is parsed and planned again, about 0.1 ms of backend CPU per claim or completion.
+        # client-side binding) costs more per call than a settle itself, and its connection
+        # prepares nothing (_connect).
         import psycopg
 
-        owned = getattr(self._local, "raw", None)
-        raw = owned.connection if owned is not None else None
-        try:
-            if owned is not None and owned.announcing is not None and not raw.closed:
-                _collect_announcement(owned)
-            if raw is None or raw.closed:
-                owned = self._local.raw = _ThreadConnection(_connect(self.alias))
-                raw = owned.connection
-                self._track(raw)
-            cursor = owned.cursor.execute(sql, values)
-            # Whether the statement returned rows, read from the result itself: psycopg builds
-            # ``description`` anew at each access (~15 us for a procedure's dozen columns).
-            result = cursor.pgresult
-            return cursor.fetchall() if result is not None and result.nfields else []
-        except UnicodeEncodeError as exc:
-            raise unencodable(exc) from exc
-        except psycopg.Error as exc:
-            if raw is not None and (raw.closed or raw.broken):
-                self._local.raw = None
-            elif (
-                exc.sqlstate == _NO_SUCH_STATEMENT
-                and raw is not None
-                and raw.prepare_threshold is not None
-            ):
-                # The call stopped at its bind and ran nothing: it runs again, unprepared.
-                _stop_preparing(owned)
-                return self.execute(sql, values)
-            raise self.translate_error(exc) from exc
+        retried = False
+        while True:
+            owned = getattr(self._local, "raw", None)
+            raw = owned.connection if owned is not None else None
+            try:
+                if owned is not None and owned.announcing is not None and not raw.closed:
+                    _collect_announcement(owned)
+                if raw is None or raw.closed:
+                    owned = self._local.raw = _ThreadConnection(_connect(self.alias))
+                    raw = owned.connection
+                    self._track(raw)
+                cursor = owned.cursor.execute(sql, values)
+                # Whether the statement returned rows, read from the result itself: psycopg
+                # builds ``description`` anew at each access (~15 us for a dozen columns).
+                result = cursor.pgresult
+                return cursor.fetchall() if result is not None and result.nfields else []
+            except UnicodeEncodeError as exc:
+                raise unencodable(exc) from exc
+            except psycopg.Error as exc:
+                if raw is not None and (raw.closed or raw.broken):
+                    self._local.raw = None
+                elif not retried and self._recovered_prepared_statement(owned, exc):
+                    retried = True  # the call stopped before it ran anything: once more
+                    continue
+                raise self.translate_error(exc) from exc
+
+    def _recovered_prepared_statement(self, owned: _ThreadConnection, exc: Any) -> bool:
+        """Whether ``exc`` is a call's prepared statement failing at its bind, before it ran
+        anything, and the thread's connection is now fit to make the call again."""
+        if owned.connection.prepare_threshold is None:
+            return False
+        if exc.sqlstate == _NO_SUCH_STATEMENT:
+            _stop_preparing(owned)
+            return True
+        if (exc.sqlstate, exc.diag.source_function) == _OUTDATED_PLAN:
+            _replace_outdated(owned)
+            return True
+        return False
 
     def close(self) -> None:
         owned = getattr(self._local, "raw", None)
@@ -629,12 +645,15 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
             if not pgconn.is_busy():
                 break
             select.select([pgconn.socket], [], [], _ANNOUNCE_WAIT_SECONDS)
-        failures = []
+        failures, outdated = [], False
         while (result := pgconn.get_result()) is not None:
             if result.status != pq.ExecStatus.TUPLES_OK:
                 failures.append(result.error_message.decode(errors="replace").strip())
-                if result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT.encode():
+                sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+                routine = (result.error_field(pq.DiagnosticField.SOURCE_FUNCTION) or b"").decode()
+                if sqlstate == _NO_SUCH_STATEMENT:
                     _stop_preparing(owned)
+                outdated = outdated or (sqlstate, routine) == _OUTDATED_PLAN
     except Exception:
         logger.warning("Could not announce a publish to topic %s", topic, exc_info=True)
         with contextlib.suppress(Exception):
@@ -642,6 +661,8 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
         return
     if failures:
         logger.warning("Could not announce a publish to topic %s: %s", topic, "; ".join(failures))
+    if outdated:
+        _replace_outdated(owned)
 
 
 def _connect(alias: str) -> Any:
@@ -655,8 +676,16 @@ def _connect(alias: str) -> Any:
     # Names the process in pg_stat_activity, so an operator (or a test) can tell which backends
     # belong to which host; a name set in the database's OPTIONS wins.
     params.setdefault("application_name", f"workqueue:{os.getpid()}")
+    # Django turns psycopg's prepared statements off unless OPTIONS say otherwise, for the sake
+    # of poolers that lose them. The queue's connections prepare the calls they repeat unless
+    # OPTIONS say otherwise: parsing and planning a call again each time costs about a fifth
+    # of a publish's database time, and a lost statement is safe here (names of the
+    # connection's own, the call run again unprepared: _name_statements_uniquely, execute).
+    asked = "prepare_threshold" in connections[alias].settings_dict.get("OPTIONS", {})
+    if not asked:
+        params["prepare_threshold"] = PREPARE_THRESHOLD
     connection = psycopg.connect(autocommit=True, **params)
-    _name_statements_uniquely(connection)
+    _name_statements_uniquely(connection, asked=asked)
     connection.execute("SET TIME ZONE 'UTC'")
     # JSON comes back as text, as it does through Django and on SQL Server, so decoding is one
     # rule for every path (a decoded JSON string would be indistinguishable from raw text).
@@ -688,9 +717,24 @@ def _stop_preparing(owned: _ThreadConnection) -> None:
     owned.announce_prepared = False
 
 
-def _name_statements_uniquely(connection: Any) -> None:
-    """Give the statements ``connection`` prepares (where the alias's OPTIONS set
-    ``prepare_threshold``) names no other client's statements have.
+def _replace_outdated(owned: _ThreadConnection) -> None:
+    """A procedure's result changed shape since ``owned``'s connection prepared a call to it:
+    a migration dropped the function and created it anew, a result not being replaceable in
+    place. Such a statement fails at every bind, having run nothing, for as long as the
+    session keeps it, so the connection is closed; the thread's next statement opens a new
+    one, which prepares the call in its new shape."""
+    logger.info(
+        "The queue's procedures changed since this connection prepared its calls (a migration "
+        "ran); the connection is replaced by a new one.",
+        extra={"action": "prepared_statements_outdated"},
+    )
+    owned.close()
+
+
+def _name_statements_uniquely(connection: Any, *, asked: bool) -> None:
+    """Give the statements ``connection`` prepares names no other client's statements have
+    (``asked``: whether the alias's OPTIONS set ``prepare_threshold``, or it is the queue's
+    default).
 
     psycopg names them ``_pg3_0``, ``_pg3_1``, ... in every client alike. Behind a transaction
     pooler that keeps no prepared statements for its clients (PgBouncer before 1.21), a call
@@ -707,9 +751,10 @@ def _name_statements_uniquely(connection: Any) -> None:
     own_names = _own_names_manager()
     replaced = getattr(connection, "_prepared", None)
     if own_names is None or type(replaced) is not own_names.replaces:
-        logger.warning(
+        logger.log(
+            logging.WARNING if asked else logging.DEBUG,
             "This psycopg's prepared statements cannot be given names of their own, so the "
-            "queue's connections prepare none (prepare_threshold is ignored for them)"
+            "queue's connections prepare none (prepare_threshold is ignored for them)",
         )
         connection.prepare_threshold = None
         return
