@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0029_unfiltered_fan_out_skips_the_matcher"
+LATEST_PROCEDURE_MIGRATION = "0030_publishes_keep_their_plans"
 
 MigrationStep = Callable[[Any, Any], None]
 
