@@ -1,7 +1,7 @@
 """The queue's own connections prepare the calls they repeat.
 
 Parsed and planned once per connection instead of at every claim, settle and publish: about a
-fifth of a single publish's database time. They do so unless the alias's ``OPTIONS`` set
+quarter of a single publish's PostgreSQL CPU. They do so unless the alias's ``OPTIONS`` set
 ``prepare_threshold`` themselves (``None`` turns it off); Django's own connection on the alias is
 left as Django makes it. What makes this safe behind a pooler that loses prepared statements is
 in ``test_prepared_statements_behind_a_pooler.py``. What a migration does to them is here: a

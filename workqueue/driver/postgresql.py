@@ -678,7 +678,7 @@ def _connect(alias: str) -> Any:
     params.setdefault("application_name", f"workqueue:{os.getpid()}")
     # Django turns psycopg's prepared statements off unless OPTIONS say otherwise, for the sake
     # of poolers that lose them. The queue's connections prepare the calls they repeat unless
-    # OPTIONS say otherwise: parsing and planning a call again each time costs about a fifth
+    # OPTIONS say otherwise: parsing and planning a call again each time costs about a quarter
     # of a publish's database time, and a lost statement is safe here (names of the
     # connection's own, the call run again unprepared: _name_statements_uniquely, execute).
     asked = "prepare_threshold" in connections[alias].settings_dict.get("OPTIONS", {})
