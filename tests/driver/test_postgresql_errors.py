@@ -12,7 +12,7 @@ import threading
 import psycopg
 import pytest
 
-from tests.support.database import psycopg_params
+from tests.support.database import psycopg_params, queue_connection_settings
 from workqueue.driver import get_driver
 from workqueue.exceptions import (
     DriverError,
@@ -91,6 +91,24 @@ def test_a_terminated_backend_is_transient_and_the_next_call_reconnects(tables):
 
     assert isinstance(error, TransientDriverError)
     assert driver.execute("SELECT 1", []) == [(1,)]  # a fresh connection
+
+
+@pytest.mark.parametrize("after_a_call", [False, True], ids=["first-call", "after-a-call"])
+def test_a_server_that_cannot_be_reached_is_transient(tmp_path, after_a_call):
+    # A database restarting: the thread's connection cannot be made at all (no socket), which
+    # hosts retry until it is back. Seen failing with an AttributeError from the driver's
+    # prepared-statement recovery, which looked at a connection that was never made.
+    driver = get_driver()
+    if after_a_call:
+        driver.execute("SELECT 1", [])
+        driver._local.raw.connection.close()  # what a restart leaves behind
+    else:
+        driver.close()
+    with queue_connection_settings(HOST=str(tmp_path), options={}):
+        error = raised("SELECT 1")
+
+    assert isinstance(error, TransientDriverError)
+    assert driver.execute("SELECT 1", []) == [(1,)]  # reconnects once the server is back
 
 
 @pytest.mark.parametrize(

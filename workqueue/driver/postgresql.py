@@ -497,7 +497,9 @@ class PostgresDriver(BaseDriver):
             except UnicodeEncodeError as exc:
                 raise unencodable(exc) from exc
             except psycopg.Error as exc:
-                if raw is not None and (raw.closed or raw.broken):
+                if raw is None:  # no connection could be made: nothing to forget or recover
+                    raise self.translate_error(exc) from exc
+                if raw.closed or raw.broken:
                     self._local.raw = None
                 elif not retried and self._recovered_prepared_statement(owned, exc):
                     retried = True  # the call stopped before it ran anything: once more
