@@ -474,8 +474,8 @@ class PostgresDriver(BaseDriver):
         if connection is not None or routed_to_django_connection(self.alias):
             return super().execute(sql, values, connection)
         # The private path talks to psycopg directly: Django's cursor wrapper (debug logging,
-        # client-side binding) costs more per call than a settle itself, and its connection
-        # prepares nothing (_connect).
+        # client-side binding) costs more per call than a settle itself, and Django's
+        # connection prepares nothing, where this one prepares the calls it repeats (_connect).
         import psycopg
 
         retried = False
@@ -734,9 +734,9 @@ def _replace_outdated(owned: _ThreadConnection) -> None:
 
 
 def _name_statements_uniquely(connection: Any, *, asked: bool) -> None:
-    """Give the statements ``connection`` prepares names no other client's statements have
-    (``asked``: whether the alias's OPTIONS set ``prepare_threshold``, or it is the queue's
-    default).
+    """Give the statements ``connection`` prepares names no other client's statements have.
+    ``asked`` says whether the alias's OPTIONS set ``prepare_threshold`` themselves: only then
+    is a psycopg that cannot name them worth a warning.
 
     psycopg names them ``_pg3_0``, ``_pg3_1``, ... in every client alike. Behind a transaction
     pooler that keeps no prepared statements for its clients (PgBouncer before 1.21), a call

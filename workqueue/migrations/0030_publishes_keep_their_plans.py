@@ -4,7 +4,7 @@
 a plan kept for the session and one made for the call's values. For some statements it chose
 a new plan at every call: the Ordered check, which for a call without a partition key plans to
 a constant, and the fan-out whenever the subscription table's statistics showed a topic with
-many subscriptions. That planning was about a third of a single publish's PostgreSQL CPU. Both
+many subscriptions. That planning was up to a third of a single publish's PostgreSQL CPU. Both
 procedures now set ``plan_cache_mode = force_generic_plan``, as ``wq_claim`` and
 ``wq_complete_many`` do; every statement in them reads by key, so the kept plan is the plan.
 

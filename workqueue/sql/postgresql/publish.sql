@@ -137,7 +137,7 @@ CREATE TRIGGER wq_topic_delete_guard
 -- the cluster waits for until this one's commit record is on disk, so publishers that notify
 -- cannot share a WAL flush; a caller on its own connection (not enlisted) announces instead.
 -- Its statements keep one plan per session (plan_cache_mode below). Left to choose, PostgreSQL
--- planned some of them afresh at every call, about a third of a publish's backend CPU: the
+-- planned some of them afresh at every call, up to a third of a publish's backend CPU: the
 -- Ordered check, whose plan for a call without a partition key folds to a constant, and the
 -- fan-out whenever the statistics showed a topic with many subscriptions, since a plan made
 -- for one topic's id then looked cheaper than the kept one. Every statement here reads by key
