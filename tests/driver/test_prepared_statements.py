@@ -132,6 +132,8 @@ def test_an_announcement_prepared_before_a_migration_reshaped_it_gets_a_new_conn
     caplog.set_level(logging.INFO, logger="workqueue.driver.postgresql")
     topic = TopicFactory()
     SubscriptionFactory(topic=topic)
+    # A stand-in for wq_announce, sent the way the driver sends it: reshaping the real one would
+    # leave this database without it for the tests that follow.
     pg_conn.execute(ANNOUNCEMENT.format(columns="announced boolean", values="true"))
     driver = get_driver()
     monkeypatch.setitem(
