@@ -47,6 +47,8 @@ VENDOR_ONLY_HELPERS = {
         "wq_topic_delete_guard itself",
         "wq_new_id": "time-ordered (version 7) ids for the rows the procedures create; the T-SQL "
         "keeps NEWID() until a SQL Server can test a version 7 id built in T-SQL",
+        "wq_envelope_text_bytes": "the envelope's size as jsonb writes it, for the publish "
+        "procedures' size guard; the T-SQL wq_publish_one counts its stored text inline",
         "wq_publish_items": "wq_publish_many's per-item checks as rows, for its set-based "
         "INSERTs; the T-SQL wq_publish_many runs wq_publish_one per item instead",
         "wq_settle_expired_leases": "takes a uuid[] of rows its callers locked; T-SQL has no "
