@@ -28,6 +28,7 @@ from workqueue.driver.base import (
     SparseIndex,
     VacuumHorizon,
     canonical_json,
+    encode_json_string,
 )
 from workqueue.exceptions import DeliveryBusyError, LockTimeoutError, TransientDriverError
 from workqueue.payload_ref import stored_payload_ref
@@ -281,13 +282,39 @@ def _message_json(message: dict[str, Any]) -> str:
     """One item of ``wq_publish_many``'s array: the message's fields with its payload's text
     spliced in as it was made (key order does not matter to the procedure). Fields left unset
     are left out, as both vendors' procedures read a missing field as null: a plain message's
-    item is a third of the size, for this process to write and for the server to parse."""
-    fields = {
-        k: v for k, v in message.items() if v is not None and k != "payload" and k != "payload_json"
-    }
-    head = canonical_json(fields)[:-1]  # never "{}": a message always has its id and size
+    item is a third of the size, for this process to write and for the server to parse. The
+    fields every message has are written directly (the id is canonical UUID text and the size
+    a number, neither needing escapes): half the cost of encoding them as a dict."""
+    optional = "".join(
+        f',"{name}":{_json_value(value)}'
+        for name, value in message.items()
+        if value is not None and name not in _WRITTEN_DIRECTLY
+    )
     payload = message["payload_json"]
-    return f"{head}}}" if payload is None else f'{head},"payload":{payload}}}'
+    return "".join(
+        (
+            f'{{"message_id":"{message["message_id"]}",',
+            f'"envelope_bytes":{message["envelope_bytes"]:d}',
+            optional,
+            "}" if payload is None else f',"payload":{payload}}}',
+        )
+    )
+
+
+def _json_value(value: Any) -> str:
+    """``canonical_json(value)``, without the encoder's set-up for the plain numbers and texts
+    most fields hold (``type`` rather than ``isinstance``: a bool is an int that JSON writes as
+    true or false)."""
+    if type(value) is int:
+        return str(value)
+    if type(value) is str:
+        return encode_json_string(value)
+    return canonical_json(value)
+
+
+#: Fields _message_json writes itself rather than through canonical_json (the payload goes in
+#: as the text made when it was measured; ``payload`` is the value that text was made from).
+_WRITTEN_DIRECTLY = frozenset({"message_id", "envelope_bytes", "payload", "payload_json"})
 
 
 def reserve_deduplication(topic: str, key: str, message_id: str) -> tuple[str, str | None]:
