@@ -8,7 +8,8 @@ from the parts' own text (tests/driver/test_envelope_size.py compares the two), 
 is accepted or refused differently. ``wq_new_id`` reads the clock with ``date_part`` instead of
 ``extract``'s numeric, for the same milliseconds at half the cost. ``wq_publish_many`` copies
 each payload fewer times: ``wq_publish_items`` no longer sorts its rows (every reader orders
-them by position itself), and the rows the fan-out reads leave the payloads out.
+them by position itself), the rows the fan-out reads leave the payloads out, and the results
+are made from the ids the batch statement collected instead of taking the batch apart again.
 
 Reinstalls the procedures from the current files.
 """

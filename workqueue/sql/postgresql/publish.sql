@@ -521,6 +521,7 @@ DECLARE
     v_key text;
     v_item record;
     v_ordinals bigint[];
+    v_ids uuid[];
     v_accepted boolean[];
     v_codes text[];
     v_fanout bigint;
@@ -648,10 +649,11 @@ BEGIN
          ORDER BY i.item_index
         RETURNING 1
     )
-    SELECT ARRAY(SELECT c.error_code FROM settled c ORDER BY c.item_index),
+    SELECT ARRAY(SELECT c.message_id FROM settled c ORDER BY c.item_index),
+           ARRAY(SELECT c.error_code FROM settled c ORDER BY c.item_index),
            ARRAY(SELECT c.accepted FROM settled c ORDER BY c.item_index),
            (SELECT count(*) FROM fanned)
-      INTO v_codes, v_accepted, v_fanout;
+      INTO v_ids, v_codes, v_accepted, v_fanout;
 
     IF v_fanout > 0 AND p_caller_announces IS NOT TRUE THEN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
@@ -661,9 +663,10 @@ BEGIN
     -- Each item's result: its own rejection, Accepted when its row went in, else the id was
     -- taken and the stored message decides between Duplicate and MessageIDConflict (NULL: it
     -- was purged between the insert and this read, and the caller may retry). Only such an item
-    -- reads the table, one index probe each, inside a CASE so that the others read nothing. A
-    -- join would let a plan cached while the table was small hash the whole table on every
-    -- batch after it has grown (seen: 14,000 -> 6,000 messages/s within a 60,000-message run).
+    -- reads the table, one index probe each, inside a CASE so that the others read nothing (and
+    -- only such an item is read out of p_messages again, by position). A join would let a plan
+    -- cached while the table was small hash the whole table on every batch after it has grown
+    -- (seen: 14,000 -> 6,000 messages/s within a 60,000-message run).
     RETURN QUERY
     SELECT r.idx, r.id,
            CASE WHEN r.code IS NOT NULL THEN 'Rejected'
@@ -678,25 +681,28 @@ BEGIN
                CASE WHEN x.code IS NULL AND NOT x.accepted THEN (
                    SELECT CASE
                               WHEN m.topic_id = v_topic.id
-                               AND m.partition_key IS NOT DISTINCT FROM x.value ->> 'partition_key'
+                               AND m.partition_key IS NOT DISTINCT FROM i.value ->> 'partition_key'
                                AND m.attributes IS NOT DISTINCT FROM
-                                   NULLIF(x.value -> 'attributes', 'null')
+                                   NULLIF(i.value -> 'attributes', 'null')
                                AND m.payload IS NOT DISTINCT FROM
-                                   NULLIF(x.value -> 'payload', 'null')
+                                   NULLIF(i.value -> 'payload', 'null')
                                AND m.payload_ref IS NOT DISTINCT FROM
-                                   NULLIF(x.value -> 'payload_ref', 'null')
+                                   NULLIF(i.value -> 'payload_ref', 'null')
                                AND m.correlation_id IS NOT DISTINCT FROM
-                                   x.value ->> 'correlation_id'
+                                   i.value ->> 'correlation_id'
                                   THEN 'Duplicate'
                               ELSE 'MessageIDConflict'
                           END
-                     FROM workqueue_message m WHERE m.id = x.id)
+                     FROM workqueue_message m
+                    CROSS JOIN LATERAL (SELECT p_messages -> x.idx AS value) i
+                    WHERE m.id = x.id)
                END AS stored
           FROM (
-            SELECT (e.ordinality - 1)::integer AS idx, (e.value ->> 'message_id')::uuid AS id,
-                   e.value, v_codes[e.ordinality] AS code,
-                   v_accepted[e.ordinality] AS accepted
-              FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+            -- The items' ids, codes and acceptance as the batch statement collected them, in
+            -- array order: p_messages is not taken apart a second time.
+            SELECT (u.ordinality - 1)::integer AS idx, u.id, u.code, u.accepted
+              FROM unnest(v_ids, v_codes, v_accepted)
+                   WITH ORDINALITY AS u(id, code, accepted, ordinality)
           ) x
         -- Not merged into the query above (OFFSET 0), where each use of r.stored would run its
         -- lookup again: one probe per item of a batch retried whole.
