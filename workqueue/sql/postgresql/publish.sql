@@ -15,8 +15,9 @@ CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
 -- settle's new index entries next to it), on pages already in memory, instead of on a random
 -- page of an ever larger index. Message ids are chosen the same way by the publisher
 -- (workqueue.ids.new_message_id). Plain SQL without SET clauses, so callers inline it. The
--- milliseconds come from date_part (a double, exact to far below a millisecond here), at half
--- the cost of extract's numeric.
+-- milliseconds come from date_part (a double, exact to far below a millisecond until about
+-- 2255), at half the cost of extract's numeric; both round to the nearest millisecond (a tie
+-- at exactly half of one goes to the even one now, up before), which only orders ids.
 CREATE OR REPLACE FUNCTION wq_new_id()
 RETURNS uuid
 LANGUAGE sql
