@@ -16,6 +16,12 @@ rows (every reader orders them by position itself), the rows the fan-out reads l
 payloads out, and the results are made from the ids the batch statement collected instead of
 taking the batch apart again.
 
+``wq_publish`` runs two statements fewer when it can: a publish without a partition key no
+longer starts the executor for the Ordered check (a condition holding a subquery is a statement
+even when its first part is false), and its result row is returned from the output columns
+rather than by a query. Counted with callgrind on a single-user backend, 200 publishes: 766,000
+instructions a publish before, 736,000 after.
+
 Reinstalls the procedures from the current files.
 """
 

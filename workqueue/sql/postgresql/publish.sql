@@ -266,14 +266,18 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(
         hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
 
-    -- Ordered subscriptions need a key's ordinals to commit in publish order.
-    IF p_partition_key IS NOT NULL AND EXISTS (
-        SELECT 1 FROM workqueue_subscription s
-         WHERE s.topic_id = v_topic.id AND s.partition_mode = 'Ordered'
-           AND s.status <> 'Disabled'
-           AND (s.filter IS NULL OR wq_filter_matches(s.filter, p_attributes))
-    ) THEN
-        PERFORM wq_lock_publish_order(v_topic.id, p_partition_key);
+    -- Ordered subscriptions need a key's ordinals to commit in publish order. The key is
+    -- tested on its own first: a condition holding a subquery is a statement for the executor
+    -- to start and end at every call, even when the key is missing and it reads nothing.
+    IF p_partition_key IS NOT NULL THEN
+        IF EXISTS (
+            SELECT 1 FROM workqueue_subscription s
+             WHERE s.topic_id = v_topic.id AND s.partition_mode = 'Ordered'
+               AND s.status <> 'Disabled'
+               AND (s.filter IS NULL OR wq_filter_matches(s.filter, p_attributes))
+        ) THEN
+            PERFORM wq_lock_publish_order(v_topic.id, p_partition_key);
+        END IF;
     END IF;
 
     IF p_deduplication_key IS NOT NULL THEN
@@ -372,7 +376,11 @@ BEGIN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
     END IF;
-    RETURN QUERY SELECT p_message_id, 'Accepted'::text, NULL::text;
+    -- The result row from the output columns, not from a query: no statement to run.
+    message_id := p_message_id;
+    status := 'Accepted';
+    error_code := NULL;
+    RETURN NEXT;
 END;
 $$;
 
