@@ -166,7 +166,7 @@ def shuffled_server_connections(pooled: dict[str, Any]) -> Iterator[None]:
 
 
 def test_a_host_behind_the_pooler_with_the_default_settings_completes_each_message_once(
-    make_host,
+    make_host, caplog
 ):
     # The queue's connections prepare their calls by default. Behind a pooler that keeps no
     # prepared statements, a host's connections (claims, completions, wake-ups) and a publisher
@@ -202,3 +202,6 @@ def test_a_host_behind_the_pooler_with_the_default_settings_completes_each_messa
     # not exist"; the retry's own test is deterministic.)
     runs = Delivery.objects.filter(subscription=subscription).values_list("status", "attempt_count")
     assert sorted(set(runs)) == [("Completed", 1)]
+    # And the pooler did take statements away, so the run above was the case in point (three
+    # connections stopped preparing in each of four runs).
+    assert "stops preparing statements" in caplog.text
