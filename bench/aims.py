@@ -137,19 +137,28 @@ def publish_rows_floor(count: int, warmup: int, batch: int = 1) -> float:
     suffix = uuid.uuid4().hex[:8]
     messages, deliveries = f"{SCRATCH}message_{suffix}", f"{SCRATCH}delivery_{suffix}"
     topic, subscription = uuid.uuid4(), uuid.uuid4()
-
-    def values(first: int) -> list[object]:
-        numbers = range(first * batch, (first + 1) * batch)
-        ids = [new_message_id() for _ in numbers]
-        return [first * batch, topic, ids, [_body(n) for n in numbers], subscription]
-
     return batch * _floor(
-        [
-            f"CREATE TABLE {messages} (LIKE workqueue_message INCLUDING ALL)",
-            f"CREATE TABLE {deliveries} (LIKE workqueue_delivery INCLUDING ALL)",
-        ],
+        rows_floor_tables(messages, deliveries),
         f"{deliveries}, {messages}",
-        f"""
+        rows_floor_statement(messages, deliveries),
+        lambda first: rows_floor_values(first, batch, topic, subscription),
+        count // batch,
+        warmup,
+    )
+
+
+def rows_floor_tables(messages: str, deliveries: str) -> list[str]:
+    """The statements making the rows floor's scratch tables: copies of the queue tables."""
+    return [
+        f"CREATE TABLE {messages} (LIKE workqueue_message INCLUDING ALL)",
+        f"CREATE TABLE {deliveries} (LIKE workqueue_delivery INCLUDING ALL)",
+    ]
+
+
+def rows_floor_statement(messages: str, deliveries: str) -> str:
+    """The rows floor's one statement (its values from ``rows_floor_values``): the messages
+    and, from what they returned, their deliveries."""
+    return f"""
         WITH m AS (
             INSERT INTO {messages} (id, publish_ordinal, topic_id, payload, published_at)
             SELECT i.id, %s + i.n, %s, i.body::jsonb, now()
@@ -158,11 +167,16 @@ def publish_rows_floor(count: int, warmup: int, batch: int = 1) -> float:
         )
         INSERT INTO {deliveries} (id, message_id, subscription_id, order_key, visible_at)
         SELECT wq_new_id(), m.id, %s, m.publish_ordinal, now() FROM m
-        """,
-        values,
-        count // batch,
-        warmup,
-    )
+        """
+
+
+def rows_floor_values(
+    first: int, batch: int, topic: uuid.UUID, subscription: uuid.UUID
+) -> list[object]:
+    """The values of the ``first``-th statement of ``batch`` messages (ordinals never reused)."""
+    numbers = range(first * batch, (first + 1) * batch)
+    ids = [new_message_id() for _ in numbers]
+    return [first * batch, topic, ids, [_body(n) for n in numbers], subscription]
 
 
 def _floor(

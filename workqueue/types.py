@@ -112,6 +112,11 @@ class PublishError:
         return self.code in RETRYABLE_PUBLISH_ERRORS
 
 
+#: Each status by its text: looked up once per published message, where calling the enum class
+#: costs several times as much (a value no status has still goes to the class, to be refused).
+_PUBLISH_STATUSES = {status.value: status for status in PublishStatus}
+
+
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     """What happened to one published message.
@@ -129,8 +134,9 @@ class PublishResult:
     def __post_init__(self) -> None:
         # Rows from either vendor's procedure carry the status as plain text: one type for
         # every result, whichever path produced it.
-        object.__setattr__(self, "status", PublishStatus(self.status))
-        if self.status == PublishStatus.REJECTED:
+        status = _PUBLISH_STATUSES.get(self.status) or PublishStatus(self.status)
+        object.__setattr__(self, "status", status)
+        if status is PublishStatus.REJECTED:
             object.__setattr__(self, "message_id", None)
 
     @property

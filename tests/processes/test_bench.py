@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -166,6 +167,30 @@ def test_the_metrics_scrape_benchmark_runs_end_to_end_in_a_short_variant():
     run = _bench("bench/metrics_scrape.py", "--pending", "300")
 
     assert re.search(r"300 pending: scrape median [\d.]+ ms", run.stdout), run.stdout
+
+
+def test_the_instruction_counts_run_in_a_short_variant():
+    # Its own scratch cluster (DATABASE_URL is ignored), under valgrind: slower than the rest.
+    run = run_python(
+        "bench/instructions.py", "--quick", env=subprocess_environment(), timeout=600, check=True
+    )
+
+    for workload in (r"publish\(\)", r"publish_many\(\) of 100"):
+        assert re.search(rf"^  {workload} +[\d,]+$", run.stdout, re.M), run.stdout
+    for workload in (
+        "publish: wq_publish",
+        "publish_many of 100: wq_publish_many",
+        "  its announcement: wq_announce",
+    ):
+        assert re.search(rf"^  {workload} +[\d,]+$", run.stdout, re.M), run.stdout
+    for floor in ("a publish.s rows, bare", "a batch.s rows, bare, 100 a statement"):
+        assert re.search(
+            rf"^    {floor} \(the floor\) +[\d,]+ +ours [\d.]+x of it$", run.stdout, re.M
+        ), run.stdout
+    # The scratch cluster is gone with its folder.
+    folder = re.search(r"scratch cluster: (\S+)", run.stdout)
+    assert folder is not None, run.stdout
+    assert not Path(folder.group(1)).exists()
 
 
 def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():

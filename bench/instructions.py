@@ -1,0 +1,386 @@
+"""Instructions per published message, counted by valgrind: figures the machine's load cannot move.
+
+Usage:
+    PYTHONPATH=. .venv/bin/python bench/instructions.py
+    PYTHONPATH=. .venv/bin/python bench/instructions.py --quick
+
+The rates the other scripts measure move 20-40 % within an hour on this shared 2-core machine,
+more than most changes to a procedure or to the publishing path gain or lose. This script
+counts instructions instead, which do not depend on the load: run it before and after a
+change, and the difference is the change's.
+
+Everything runs in a scratch embedded PostgreSQL (a temporary folder, the queue's migrations,
+one topic with one subscription), deleted at the end; ``DATABASE_URL`` is ignored.
+
+* The database's side: the cluster is stopped and its database run in single-user mode
+  (``postgres --single``) under valgrind (``--tool=cachegrind --cache-sim=no``: it counts every
+  instruction run, at about a twentieth of the speed), reading a script of prepared
+  statements: the calls the driver sends for a publish (``wq_publish``, or ``wq_publish_many``
+  of 100 with the items as the transport writes them), the ``wq_announce`` it sends once one
+  has committed, and as floors the same rows written bare (the statement of ``bench/aims.py``'s
+  floors). Each script runs twice, with few and with many calls after the same warm-up; the
+  difference of the two totals divided by the extra messages is what a message costs,
+  start-up and shutdown left out. Single-user mode has no network protocol and prints each
+  result row, both small next to a publish and alike for any two variants compared.
+* The client's side: this project's Python publishing to the cluster (``publish``, and
+  ``publish_many`` of 100), run under valgrind with few and with many messages, the same
+  difference. Interpreter start-up and Django's set-up cancel out, and waiting for the server
+  runs no instructions.
+
+Needs valgrind (``apt-get install valgrind``) and the embedded PostgreSQL's binaries. A full
+run takes about two minutes. ``--quick`` runs every workload with a handful of calls (CI runs
+it so the script stays runnable): counted the same way, but over too few calls to compare one
+change with another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of calls per workload")
+    # Internal: the client's side, run by this script under valgrind against its scratch cluster.
+    parser.add_argument("--client", choices=("publish", "publish_many"), help=argparse.SUPPRESS)
+    parser.add_argument("--topic", help=argparse.SUPPRESS)
+    parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+# Read before Django is set up: the scratch cluster's folder decides which database it uses.
+ARGS = _arguments()
+if ARGS.client is None:
+    os.environ["WORKQUEUE_LOCALDB_DIR"] = tempfile.mkdtemp(prefix="wq-instructions-")
+    os.environ.pop("DATABASE_URL", None)
+os.environ["WORKQUEUE_LOCALDB"] = "1"
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.contrib.auth import get_user_model  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.db import connection  # noqa: E402
+
+from bench.aims import rows_floor_statement, rows_floor_tables, rows_floor_values  # noqa: E402
+from bench.publish import make_topic  # noqa: E402
+from workqueue import localdb, publish, publish_many  # noqa: E402
+from workqueue.conf import get_settings  # noqa: E402
+from workqueue.driver import get_driver  # noqa: E402
+from workqueue.driver.base import JsonText  # noqa: E402
+from workqueue.driver.procedures import get_procedure  # noqa: E402
+from workqueue.ids import new_message_id  # noqa: E402
+from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit  # noqa: E402
+from workqueue.transport import _message_json  # noqa: E402
+
+BATCH = 100
+#: Calls made before the counted ones in every run, the same in the short and the long run: the
+#: procedures' plans made, psycopg's statements prepared (at their fifth use) and the scripts'
+#: PREPAREd statements past their first five executions, which PostgreSQL plans anew each time.
+WARMUP = 6
+FLOOR_MESSAGES, FLOOR_DELIVERIES = "instructions_floor_message", "instructions_floor_delivery"
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Calls per run: the short run's and the long run's, for each kind of workload."""
+
+    single: tuple[int, int]  # one message a call
+    batches: tuple[int, int]  # BATCH messages a call
+    client_single: tuple[int, int]
+    client_batches: tuple[int, int]
+
+
+FULL = Counts((20, 220), (4, 44), (20, 220), (4, 24))
+QUICK = Counts((1, 3), (1, 2), (1, 4), (1, 2))
+
+
+def main() -> int:
+    if ARGS.client is not None:
+        return run_client(ARGS.client, ARGS.topic, ARGS.messages)
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("valgrind is not installed: apt-get install valgrind (Debian, Ubuntu)")
+    counts = QUICK if ARGS.quick else FULL
+    print(f"scratch cluster: {localdb.data_dir()} (deleted at the end)")
+    try:
+        topic = set_up()
+        print("client instructions per message (this project's Python, under valgrind):")
+        for label, workload, calls, per_call in (
+            ("publish()", "publish", counts.client_single, 1),
+            (f"publish_many() of {BATCH}", "publish_many", counts.client_batches, BATCH),
+        ):
+            figure = client_instructions(valgrind, workload, topic, calls, per_call)
+            print(f"  {label:<60} {figure:>12,.0f}")
+        bindir = server_bindir()
+        localdb.stop()
+        print("database instructions per message (postgres --single, under valgrind):")
+        server = ServerRuns(valgrind, bindir, counts)
+        for batch, label, rows in (
+            (1, "publish: wq_publish", "a publish's rows, bare"),
+            (
+                BATCH,
+                f"publish_many of {BATCH}: wq_publish_many",
+                f"a batch's rows, bare, {BATCH} a statement",
+            ),
+        ):
+            ours = server.per_message(partial(publish_statements, topic, batch=batch), batch)
+            told = server.per_message(partial(announce_statements, topic, batch=batch), batch)
+            floor = server.per_message(partial(floor_statements, batch=batch), batch)
+            print(f"  {label:<60} {ours:>12,.0f}")
+            print(f"  {'  its announcement: wq_announce':<60} {told:>12,.0f}")
+            share = f"ours {(ours + told) / floor:.2f}x of it"
+            print(f"  {'  ' + rows + ' (the floor)':<60} {floor:>12,.0f}   {share}")
+    finally:
+        localdb.destroy()
+    return 0
+
+
+def set_up() -> str:
+    """Migrate the scratch cluster and make the topic and the floor's tables; the topic's name."""
+    call_command("migrate", verbosity=0)
+    user = get_user_model()
+    user._default_manager.get_or_create(**{user.USERNAME_FIELD: get_settings().SYSTEM_USER})
+    topic = make_topic(1)
+    with connection.cursor() as cursor:
+        for statement in rows_floor_tables(FLOOR_MESSAGES, FLOOR_DELIVERIES):
+            cursor.execute(statement)
+    return topic.name
+
+
+def server_bindir() -> Path:
+    """The running server's own binaries: single-user mode must be the same PostgreSQL."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT setting FROM pg_config WHERE name = 'BINDIR'")
+        return Path(cursor.fetchone()[0])
+
+
+# -- the client's side --------------------------------------------------------------------------
+
+
+def client_instructions(
+    valgrind: str, workload: str, topic: str, calls: tuple[int, int], per_call: int
+) -> float:
+    """Instructions per message of this project's Python running ``workload``."""
+    # A fixed hash seed: string hashing, and with it dictionaries' probing, alike in both runs.
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    with tempfile.TemporaryDirectory(prefix="wq-instructions-") as folder:
+        outs = [Path(folder) / f"client-{count}.cachegrind" for count in calls]
+        commands = [
+            [
+                valgrind,
+                "--tool=cachegrind",
+                "--cache-sim=no",
+                f"--cachegrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--client",
+                workload,
+                "--topic",
+                topic,
+                "--messages",
+                str(count * per_call),
+            ]
+            for count, out in zip(calls, outs, strict=True)
+        ]
+        # Both runs at once: what else the machine runs moves no instruction count.
+        with ThreadPoolExecutor(len(commands)) as pool:
+            list(pool.map(lambda command: _run(command, env=env), commands))
+        short, long = map(_total_instructions, outs)
+    return (long - short) / ((calls[1] - calls[0]) * per_call)
+
+
+def run_client(workload: str, topic: str, messages: int) -> int:
+    """Publish ``messages`` to ``topic`` (inside valgrind), after the warm-up."""
+    if workload == "publish":
+        for n in range(WARMUP):
+            publish(topic, {"n": n})
+        for n in range(messages):
+            publish(topic, {"n": n})
+        return 0
+    for _ in range(WARMUP):
+        publish_many(topic, [{"payload": {"n": n}} for n in range(BATCH)])
+    for first in range(0, messages, BATCH):
+        publish_many(topic, [{"payload": {"n": n}} for n in range(first, first + BATCH)])
+    return 0
+
+
+# -- the database's side ------------------------------------------------------------------------
+
+
+class ServerRuns:
+    """Single-user runs of the stopped scratch cluster under valgrind."""
+
+    def __init__(self, valgrind: str, bindir: Path, counts: Counts) -> None:
+        self.valgrind, self.bindir, self.counts = valgrind, bindir, counts
+        self.folder = localdb.data_dir()
+        owner = (self.folder / "data").stat()
+        # As root, the server's own account: postgres refuses to run as root.
+        self.account: dict[str, Any] = (
+            {"user": owner.st_uid, "group": owner.st_gid, "extra_groups": []}
+            if os.geteuid() == 0 and owner.st_uid != 0
+            else {}
+        )
+        self.runs = 0
+
+    def per_message(self, statements: Callable[[int], list[str]], per_call: int) -> float:
+        """Instructions per message of the script ``statements(calls)``, few calls against many."""
+        calls = self.counts.single if per_call == 1 else self.counts.batches
+        short, long = (self.total(statements(WARMUP + count)) for count in calls)
+        return (long - short) / ((calls[1] - calls[0]) * per_call)
+
+    def total(self, statements: list[str]) -> int:
+        self.runs += 1
+        script = self.folder / f"script-{self.runs}.sql"
+        out = self.folder / f"script-{self.runs}.cachegrind"
+        script.write_text("".join(f"{statement}\n" for statement in statements))
+        with script.open() as commands:
+            run = _run(
+                [
+                    self.valgrind,
+                    "--tool=cachegrind",
+                    "--cache-sim=no",
+                    f"--cachegrind-out-file={out}",
+                    str(self.bindir / "postgres"),
+                    "--single",
+                    "-D",
+                    str(self.folder / "data"),
+                    "workqueue",
+                ],
+                stdin=commands,
+                cwd=self.folder,
+                **self.account,
+            )
+        # Single-user mode answers an error on its output and goes on with the next statement.
+        if "ERROR:" in run.stdout:
+            problem = next(line for line in run.stdout.splitlines() if "ERROR:" in line)
+            raise SystemExit(f"a statement of {script} failed: {problem.strip()}")
+        return _total_instructions(out)
+
+
+def publish_statements(topic: str, calls: int, batch: int) -> list[str]:
+    """``calls`` publishes of ``batch`` new messages, as the driver sends them on its own
+    connection (prepared, announcing afterwards itself)."""
+    many = batch > 1
+    procedure = get_procedure("wq_publish_many" if many else "wq_publish")
+    statements = [_prepare_statement("publish", procedure)]
+    limit = _SizeLimit.of(None)
+    common = {
+        "topic_name": topic,
+        "external": False,
+        "published_by": "workqueue-system",
+        "caller_announces": True,
+    }
+    for _ in range(calls):
+        items = [_prepare(OutgoingMessage(payload={"n": n}), limit) for n in range(batch)]
+        if many:
+            messages = JsonText("[" + ",".join(map(_message_json, items)) + "]")
+            params = {**common, "messages": messages}
+        else:
+            fields = dict(items[0])
+            fields["payload"] = fields.pop("payload_json")
+            params = {**common, **fields}
+        statements.append(_execute("publish", procedure, params))
+    return statements
+
+
+def announce_statements(topic: str, calls: int, batch: int) -> list[str]:
+    """The announcements the driver sends after ``calls`` publishes of ``batch`` messages, each
+    naming its ids (new ones: on a topic without filters they are not looked up)."""
+    procedure = get_procedure("wq_announce")
+    statements = [_prepare_statement("announce", procedure)]
+    for _ in range(calls):
+        ids = JsonText("[" + ",".join(f'"{new_message_id()}"' for _ in range(batch)) + "]")
+        statements.append(
+            _execute("announce", procedure, {"topic_name": topic, "message_ids": ids})
+        )
+    return statements
+
+
+def floor_statements(calls: int, batch: int) -> list[str]:
+    """``calls`` of the floors' statement, ``batch`` messages each, ordinals never reused."""
+    statement = rows_floor_statement(FLOOR_MESSAGES, FLOOR_DELIVERIES)
+    prepared = f"PREPARE floor AS {_numbered(statement)}"
+    topic, subscription = uuid.uuid4(), uuid.uuid4()
+    # Each run starts its ordinals past every earlier run's.
+    offset = int(uuid.uuid4().int % 1_000_000) * 1_000_000
+    executions = []
+    for n in range(calls):
+        values = rows_floor_values(offset + n, batch, topic, subscription)
+        executions.append(f"EXECUTE floor({', '.join(map(_literal, values))})")
+    return [prepared, *executions]
+
+
+def _prepare_statement(name: str, procedure: Any) -> str:
+    return f"PREPARE {name} AS {_numbered(get_driver().render_call(procedure))}"
+
+
+def _execute(name: str, procedure: Any, params: dict[str, Any]) -> str:
+    driver = get_driver()
+    values = [driver.adapt(param, params.get(param.name)) for param in procedure.params]
+    return f"EXECUTE {name}({', '.join(map(_literal, values))})"
+
+
+def _numbered(sql: str) -> str:
+    """``sql`` on one line (single-user mode ends a statement at a newline), its ``%s``
+    placeholders numbered as PREPARE takes them."""
+    pieces = " ".join(sql.split()).split("%s")
+    return "".join(f"{piece}${n}" for n, piece in enumerate(pieces[:-1], 1)) + pieces[-1]
+
+
+def _literal(value: Any) -> str:
+    """A value as SQL text (the statements' casts give it its type)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        # An array's literal, each element quoted inside it: the parameter's cast types it.
+        value = "{" + ",".join(f'"{_array_escaped(str(element))}"' for element in value) + "}"
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _array_escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+# -- valgrind -----------------------------------------------------------------------------------
+
+
+def _run(command: list[str], **options: Any) -> subprocess.CompletedProcess[str]:
+    run = subprocess.run(command, capture_output=True, text=True, check=False, **options)
+    if run.returncode:
+        raise SystemExit(
+            f"{' '.join(command[:6])} ... failed (exit {run.returncode}):\n{run.stderr[-3000:]}"
+        )
+    return run
+
+
+def _total_instructions(cachegrind_out: Path) -> int:
+    found = re.search(r"^summary: (\d+)", cachegrind_out.read_text(), re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"no instruction total in {cachegrind_out}")
+    return int(found.group(1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
