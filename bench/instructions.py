@@ -16,7 +16,7 @@ one topic with one subscription), deleted at the end; ``DATABASE_URL`` is ignore
   (``postgres --single``) under valgrind (``--tool=cachegrind --cache-sim=no``: it counts every
   instruction run, at about a twentieth of the speed), reading a script of prepared
   statements: the calls the driver sends for a publish (``wq_publish``, or ``wq_publish_many``
-  of 100 with the items as the transport writes them), the ``wq_announce`` it sends once one
+  of 100 with the items as the transport writes them), the notification it sends once one
   has committed, and as floors the same rows written bare (the statement of ``bench/aims.py``'s
   floors). Each script runs twice, with few and with many calls after the same warm-up; the
   difference of the two totals divided by the extra messages is what a message costs,
@@ -85,8 +85,8 @@ from workqueue import localdb, publish, publish_many  # noqa: E402
 from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
 from workqueue.driver.base import JsonText  # noqa: E402
+from workqueue.driver.postgresql import PostgresDriver  # noqa: E402
 from workqueue.driver.procedures import get_procedure  # noqa: E402
-from workqueue.ids import new_message_id  # noqa: E402
 from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit  # noqa: E402
 from workqueue.transport import _message_json  # noqa: E402
 
@@ -121,7 +121,7 @@ def main() -> int:
     counts = QUICK if ARGS.quick else FULL
     print(f"scratch cluster: {localdb.data_dir()} (deleted at the end)")
     try:
-        topic = set_up()
+        topic, announcement = set_up()
         print("client instructions per message (this project's Python, under valgrind):")
         for label, workload, calls, per_call in (
             ("publish()", "publish", counts.client_single, 1),
@@ -142,10 +142,12 @@ def main() -> int:
             ),
         ):
             ours = server.per_message(partial(publish_statements, topic, batch=batch), batch)
-            told = server.per_message(partial(announce_statements, topic, batch=batch), batch)
+            told = server.per_message(
+                partial(announce_statements, announcement, batch=batch), batch
+            )
             floor = server.per_message(partial(floor_statements, batch=batch), batch)
             print(f"  {label:<60} {ours:>12,.0f}")
-            print(f"  {'  its announcement: wq_announce':<60} {told:>12,.0f}")
+            print(f"  {'  its announcement: pg_notify':<60} {told:>12,.0f}")
             share = f"ours {(ours + told) / floor:.2f}x of it"
             print(f"  {'  ' + rows + ' (the floor)':<60} {floor:>12,.0f}   {share}")
     finally:
@@ -153,8 +155,9 @@ def main() -> int:
     return 0
 
 
-def set_up() -> str:
-    """Migrate the scratch cluster and make the topic and the floor's tables; the topic's name."""
+def set_up() -> tuple[str, tuple[str, str]]:
+    """Migrate the scratch cluster and make the topic and the floor's tables: the topic's name,
+    and the announcement of a publish to it (its channel; the payload names its subscription)."""
     call_command("migrate", verbosity=0)
     user = get_user_model()
     user._default_manager.get_or_create(**{user.USERNAME_FIELD: get_settings().SYSTEM_USER})
@@ -162,7 +165,8 @@ def set_up() -> str:
     with connection.cursor() as cursor:
         for statement in rows_floor_tables(FLOOR_MESSAGES, FLOOR_DELIVERIES):
             cursor.execute(statement)
-    return topic.name
+    channel = get_driver().topic_channel(str(topic.id))
+    return topic.name, (channel, str(topic.subscriptions.get().id))
 
 
 def server_bindir() -> Path:
@@ -301,17 +305,15 @@ def publish_statements(topic: str, calls: int, batch: int) -> list[str]:
     return statements
 
 
-def announce_statements(topic: str, calls: int, batch: int) -> list[str]:
-    """The announcements the driver sends after ``calls`` publishes of ``batch`` messages, each
-    naming its ids (new ones: on a topic without filters they are not looked up)."""
-    procedure = get_procedure("wq_announce")
-    statements = [_prepare_statement("announce", procedure)]
-    for _ in range(calls):
-        ids = JsonText("[" + ",".join(f'"{new_message_id()}"' for _ in range(batch)) + "]")
-        statements.append(
-            _execute("announce", procedure, {"topic_name": topic, "message_ids": ids})
-        )
-    return statements
+def announce_statements(announcement: tuple[str, str], calls: int, batch: int) -> list[str]:
+    """The announcements the driver sends after ``calls`` publishes (of ``batch`` messages, one
+    announcement each): a bare notification on the channel and with the payload each publish
+    returned."""
+    channel, payload = map(_literal, announcement)
+    return [
+        f"PREPARE announce AS {PostgresDriver._announce_sql.decode()}",
+        *(f"EXECUTE announce({channel}, {payload})" for _ in range(calls)),
+    ]
 
 
 def floor_statements(calls: int, batch: int) -> list[str]:

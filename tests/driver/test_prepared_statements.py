@@ -117,7 +117,7 @@ def test_a_call_prepared_before_a_migration_reshaped_its_result_runs_on_a_new_co
 
 
 ANNOUNCEMENT = (
-    "CREATE FUNCTION wq_test_announce(p_topic_name text, p_message_ids jsonb) "
+    "CREATE FUNCTION wq_test_announce(p_channel text, p_payload text) "
     "RETURNS TABLE ({columns}) LANGUAGE sql AS 'SELECT {values}'"
 )
 
@@ -132,14 +132,14 @@ def test_an_announcement_prepared_before_a_migration_reshaped_it_gets_a_new_conn
     caplog.set_level(logging.INFO, logger="workqueue.driver.postgresql")
     topic = TopicFactory()
     SubscriptionFactory(topic=topic)
-    # A stand-in for wq_announce, sent the way the driver sends it: reshaping the real one would
-    # leave this database without it for the tests that follow.
+    # A function in place of the announcement's bare pg_notify, sent the way the driver sends
+    # it, so that a migration can reshape what the prepared statement calls.
     pg_conn.execute(ANNOUNCEMENT.format(columns="announced boolean", values="true"))
     driver = get_driver()
     monkeypatch.setitem(
         driver.__dict__,
         "_announce_sql",
-        b"SELECT * FROM wq_test_announce(p_topic_name => $1, p_message_ids => $2)",
+        b"SELECT * FROM wq_test_announce($1, $2)",
     )
     driver.close()
     try:
@@ -149,7 +149,7 @@ def test_an_announcement_prepared_before_a_migration_reshaped_it_gets_a_new_conn
 
         reshape(
             pg_conn,
-            "wq_test_announce(text, jsonb)",
+            "wq_test_announce(text, text)",
             ANNOUNCEMENT.format(columns="announced boolean, woken integer", values="true, 1"),
         )
         # That publish's wake-up is lost (hosts poll) and said so, and the connection that
@@ -159,7 +159,7 @@ def test_an_announcement_prepared_before_a_migration_reshaped_it_gets_a_new_conn
         assert _prepared_announcements() == 1
     finally:
         driver.close()
-        pg_conn.execute("DROP FUNCTION IF EXISTS wq_test_announce(text, jsonb)")
+        pg_conn.execute("DROP FUNCTION IF EXISTS wq_test_announce(text, text)")
 
     assert prepared_on.closed
     assert caplog.text.count("Could not announce a publish to topic") == 1

@@ -3,10 +3,11 @@
 A transaction that NOTIFYs holds a cluster-wide lock from just before its commit until its commit
 record is flushed, so publishers whose publishes notified committed one at a time instead of
 sharing a flush. A publish on the driver's own connection therefore sends no NOTIFY itself: once
-it has committed, the driver sends ``wq_announce`` on the same connection, a transaction of its
-own, without waiting for the answer. An enlisted publish still notifies at the caller's commit,
-and only if the caller commits. On a topic whose subscriptions filter what they receive, the
-announcement names the subscriptions that got deliveries, so that hosts wake only their consumers.
+it has committed, the driver sends a bare ``pg_notify`` on the channel and with the payload the
+publish returned, on the same connection, a transaction of its own, without waiting for the
+answer. An enlisted publish still notifies at the caller's commit, and only if the caller
+commits. The announcement names the subscriptions that got deliveries, so that hosts wake only
+their consumers (a filter may keep some subscriptions of a topic from a message).
 """
 
 from __future__ import annotations
@@ -50,19 +51,28 @@ def notifications(listening: psycopg.Connection, wait: float) -> list[psycopg.No
 
 
 @contextmanager
-def announcements_failing(pg_conn: psycopg.Connection) -> Iterator[None]:
-    """``wq_announce`` renamed away while the block runs, so every announcement fails."""
-    pg_conn.execute("ALTER FUNCTION wq_announce(text, jsonb) RENAME TO wq_announce_away")
-    try:
+def announcements_failing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every announcement refused by the server while the block runs: it names a topic whose
+    channel would be longer than PostgreSQL allows a channel's name to be."""
+    with monkeypatch.context() as patch:
+        patch.setattr(postgresql, "_announcement", lambda rows: ("x" * 100, ""))
         yield
-    finally:
-        pg_conn.execute("ALTER FUNCTION wq_announce_away(text, jsonb) RENAME TO wq_announce")
+
+
+@contextmanager
+def announcements_unpreparable(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The announcement's statement reads a table that does not exist while the block runs, so
+    the server refuses to prepare it (or, unprepared, to run it)."""
+    with monkeypatch.context() as patch:
+        statement = b"SELECT pg_notify($1, $2) FROM wq_no_such_table"
+        patch.setattr(postgresql.PostgresDriver, "_announce_sql", statement)
+        yield
 
 
 def test_the_transaction_that_writes_a_publish_sends_no_notification(
-    topic, listener, pg_conn, caplog
+    topic, listener, monkeypatch, caplog
 ):
-    with announcements_failing(pg_conn):
+    with announcements_failing(monkeypatch):
         result = publish(topic.name, {"n": 1})
         # The connection's next statement reads the failed announcement's answer.
         assert publish(topic.name, {"n": 2}).accepted
@@ -184,19 +194,49 @@ def test_a_publish_that_no_subscription_receives_wakes_nobody(listener, topic):
     assert notifications(listener, wait=0.5) == []
 
 
-def test_an_unfiltered_topic_or_a_large_batch_wakes_every_consumer(topic, listener, monkeypatch):
-    SubscriptionFactory(topic=topic)
+def test_an_unfiltered_topics_announcement_names_every_subscription_that_got_a_delivery(
+    topic, listener
+):
+    second = SubscriptionFactory(topic=topic)
 
     assert publish(topic.name, {"n": 1}).accepted
-    [unfiltered] = notifications(listener, wait=5)
+    [notice] = notifications(listener, wait=5)
 
-    SubscriptionFactory(topic=topic, filter=_clicks_only())
-    monkeypatch.setattr(postgresql, "ANNOUNCED_IDS_MAX", 2)
-    assert all(r.accepted for r in publish_many(topic.name, [{"payload": {}}] * 3))
-    [large] = notifications(listener, wait=5)
+    expected = sorted(str(s.id) for s in topic.subscriptions.all())
+    assert str(second.id) in expected
+    assert sorted(notice.payload.split(",")) == expected
 
-    # No filter to spare anyone, or more ids than worth sending: every consumer may have work.
-    assert (unfiltered.payload, large.payload) == ("", "")
+
+def test_a_batch_published_item_by_item_is_announced_once_naming_what_any_item_reached(
+    topic, listener
+):
+    everything = topic.subscriptions.get()
+    clicks = SubscriptionFactory(topic=topic, filter=_clicks_only())
+    # A deduplication key sends the batch through wq_publish item by item: each accepted
+    # item's row asks for its own announcement, and the driver sends one for all of them.
+    results = publish_many(
+        topic.name,
+        [
+            {"payload": {"n": 1}, "attributes": {"eventType": "view"}, "deduplication_key": "a"},
+            {"payload": {"n": 2}, "attributes": {"eventType": "click"}, "deduplication_key": "b"},
+        ],
+    )
+
+    assert all(r.accepted for r in results)
+    [notice] = notifications(listener, wait=5)
+    assert sorted(notice.payload.split(",")) == sorted([str(everything.id), str(clicks.id)])
+    assert notifications(listener, wait=0.5) == []
+
+
+def test_names_that_would_not_fit_a_notification_wake_every_consumer(topic, listener, monkeypatch):
+    # A notification's payload holds under 8000 bytes; the driver names subscriptions in up to
+    # 7000 of them. Here a limit one id fits under and two do not, on a topic of two.
+    SubscriptionFactory(topic=topic)
+    monkeypatch.setattr(postgresql, "ANNOUNCEMENT_PAYLOAD_MAX", 40)
+    assert publish_many(topic.name, [{"payload": {}, "deduplication_key": "a"}])[0].accepted
+    [notice] = notifications(listener, wait=5)
+
+    assert notice.payload == ""
 
 
 @pytest.fixture
@@ -251,9 +291,9 @@ def test_a_connection_that_lost_its_prepared_announcement_stops_preparing(
 
 
 def test_an_announcement_that_cannot_be_prepared_is_reported_and_prepared_later(
-    topic, listener, pg_conn, prepared_statements, caplog
+    topic, listener, prepared_statements, monkeypatch, caplog
 ):
-    with announcements_failing(pg_conn):
+    with announcements_unpreparable(monkeypatch):
         assert publish(topic.name, {"n": 1}).accepted
         assert notifications(listener, wait=0.5) == []
         assert "Could not announce a publish to topic" in caplog.text

@@ -180,7 +180,7 @@ def test_the_instruction_counts_run_in_a_short_variant():
     for workload in (
         "publish: wq_publish",
         "publish_many of 100: wq_publish_many",
-        "  its announcement: wq_announce",
+        "  its announcement: pg_notify",
     ):
         assert re.search(rf"^  {workload} +[\d,]+$", run.stdout, re.M), run.stdout
     for floor in ("a publish.s rows, bare", "a batch.s rows, bare, 100 a statement"):

@@ -164,16 +164,34 @@ CREATE TRIGGER wq_topic_delete_guard
 -- the REST API, and as whom): the database sees only the role that holds grant-runtime, which
 -- may publish internally anyway, so claiming "not external" gains a caller nothing.
 -- The publish wakes the topic's listening hosts with a NOTIFY at commit, unless
--- p_caller_announces is true: the caller then calls wq_announce itself once this transaction
--- has committed. A NOTIFY makes the commit hold a lock that every other notifying transaction in
--- the cluster waits for until this one's commit record is on disk, so publishers that notify
--- cannot share a WAL flush; a caller on its own connection (not enlisted) announces instead.
+-- p_caller_announces is true: the caller then notifies itself once this transaction has
+-- committed, a bare pg_notify with nothing to look up: on the channel of announce_topic_id,
+-- with announce_payload, the ids of the subscriptions that got a delivery (comma-separated;
+-- both NULL when the publish made none). A NOTIFY makes the commit hold a lock that every
+-- other notifying transaction in the cluster waits for until this one's commit record is on
+-- disk, so publishers that notify cannot share a WAL flush; a caller on its own connection (not
+-- enlisted) announces instead.
+-- Until 0032 the function returned no announce_ columns; a result shape cannot be replaced in
+-- place.
 -- Its statements keep one plan per session (plan_cache_mode below). Left to choose, PostgreSQL
 -- planned some of them afresh at every call, up to a third of a publish's backend CPU: the
 -- Ordered check, whose plan for a call without a partition key folds to a constant, and the
 -- fan-out whenever the statistics showed a topic with many subscriptions, since a plan made
 -- for one topic's id then looked cheaper than the kept one. Every statement here reads by key
 -- (tests/integration/test_query_plans.py), so the kept plan is the same plan.
+DO $drop_old_shape$
+BEGIN
+    IF pg_get_function_result(to_regprocedure(
+           'wq_publish(text,uuid,text,jsonb,jsonb,jsonb,text,text,integer,integer,boolean,text,'
+           'timestamptz,integer,integer,boolean)'))
+       <> 'TABLE(message_id uuid, status text, error_code text, announce_topic_id uuid, '
+          'announce_payload text)' THEN
+        DROP FUNCTION wq_publish(text, uuid, text, jsonb, jsonb, jsonb, text, text, integer,
+                                 integer, boolean, text, timestamptz, integer, integer, boolean);
+    END IF;
+END
+$drop_old_shape$;
+
 CREATE OR REPLACE FUNCTION wq_publish(
     p_topic_name text,
     p_message_id uuid,
@@ -192,7 +210,8 @@ CREATE OR REPLACE FUNCTION wq_publish(
     p_priority integer,
     p_caller_announces boolean DEFAULT NULL
 )
-RETURNS TABLE (message_id uuid, status text, error_code text)
+RETURNS TABLE (message_id uuid, status text, error_code text, announce_topic_id uuid,
+               announce_payload text)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -207,6 +226,7 @@ DECLARE
     v_existing record;
     v_ordinal bigint;
     v_fanout integer;
+    v_subscriptions text;
     v_attempt integer := 0;
     v_due timestamptz;
 BEGIN
@@ -218,36 +238,36 @@ BEGIN
       JOIN workqueue_transport tr ON tr.id = t.transport_id
      WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     -- Another transport's messages do not live in these tables: the caller hands the message
     -- to the topic's own transport (see workqueue.publishing). Variants of the Database
     -- transport (driver class 'Database.<variant>') keep theirs here.
     IF v_topic.driver_class <> 'Database' AND v_topic.driver_class NOT LIKE 'Database.%' THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicDisabled'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicDisabled'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF p_external AND NOT v_topic.allow_external_publish THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF p_priority IS NOT NULL AND (p_priority < -100 OR p_priority > 100) THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidPriority'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidPriority'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF (p_not_before IS NOT NULL AND p_delay_seconds IS NOT NULL) OR p_delay_seconds < 0 THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     v_due := GREATEST(COALESCE(p_not_before, now()), now())
              + make_interval(secs => COALESCE(p_delay_seconds, 0));
     IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
     -- p_envelope_bytes is the driver's count under the documented rule: the UTF-8 size of the
@@ -258,7 +278,7 @@ BEGIN
     IF GREATEST(p_envelope_bytes, wq_envelope_text_bytes(
             p_partition_key, p_attributes, p_payload, p_payload_ref, p_correlation_id) / 2)
        > LEAST(v_topic.max_payload_bytes, 262144) THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text, NULL::uuid, NULL::text;
         RETURN;
     END IF;
 
@@ -302,13 +322,13 @@ BEGIN
              WHERE d.topic_id = v_topic.id AND d.deduplication_key = p_deduplication_key
                AND d.expires_at > now();
             IF FOUND AND v_owner_status = 'Confirmed' THEN
-                RETURN QUERY SELECT v_owner, 'Duplicate'::text, NULL::text;
+                RETURN QUERY SELECT v_owner, 'Duplicate'::text, NULL::text, NULL::uuid, NULL::text;
                 RETURN;
             ELSIF FOUND THEN
-                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'DeduplicationPending'::text;
+                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'DeduplicationPending'::text, NULL::uuid, NULL::text;
                 RETURN;
             ELSIF v_attempt >= 3 THEN
-                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text;
+                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text, NULL::uuid, NULL::text;
                 RETURN;
             END IF;
             -- The owner vanished between the two statements: try to take the key again.
@@ -336,32 +356,39 @@ BEGIN
           FROM workqueue_message m WHERE m.id = p_message_id;
         IF NOT FOUND THEN
             -- Purged between the insert and this read; the caller may retry.
-            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text;
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text, NULL::uuid, NULL::text;
         ELSIF v_existing.topic_id = v_topic.id
           AND v_existing.partition_key IS NOT DISTINCT FROM p_partition_key
           AND v_existing.attributes IS NOT DISTINCT FROM p_attributes
           AND v_existing.payload IS NOT DISTINCT FROM p_payload
           AND v_existing.payload_ref IS NOT DISTINCT FROM p_payload_ref
           AND v_existing.correlation_id IS NOT DISTINCT FROM p_correlation_id THEN
-            RETURN QUERY SELECT p_message_id, 'Duplicate'::text, NULL::text;
+            RETURN QUERY SELECT p_message_id, 'Duplicate'::text, NULL::text, NULL::uuid, NULL::text;
         ELSE
-            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'MessageIDConflict'::text;
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'MessageIDConflict'::text, NULL::uuid, NULL::text;
         END IF;
         RETURN;
     END IF;
 
-    INSERT INTO workqueue_delivery
-           (id, message_id, subscription_id, status, partition_key, order_key, attempt_count,
-            is_replay, visible_at, priority)
-    SELECT wq_new_id(), p_message_id, s.id, 'Pending',
-           CASE WHEN s.partition_mode <> 'None' THEN p_partition_key END,
-           v_ordinal, 0, false, v_due, COALESCE(p_priority, 0)
-      FROM workqueue_subscription s
-     WHERE s.topic_id = v_topic.id AND s.status <> 'Disabled'
-       -- Most subscriptions have no filter: they skip the call (a PL/pgSQL call per delivery
-       -- is a good part of what a fan-out row costs; wq_filter_matches(NULL, ...) is true).
-       AND (s.filter IS NULL OR wq_filter_matches(s.filter, p_attributes));
-    GET DIAGNOSTICS v_fanout = ROW_COUNT;
+    -- The subscriptions that got a delivery are collected for the announcement.
+    WITH fanned AS (
+        INSERT INTO workqueue_delivery
+               (id, message_id, subscription_id, status, partition_key, order_key,
+                attempt_count, is_replay, visible_at, priority)
+        SELECT wq_new_id(), p_message_id, s.id, 'Pending',
+               CASE WHEN s.partition_mode <> 'None' THEN p_partition_key END,
+               v_ordinal, 0, false, v_due, COALESCE(p_priority, 0)
+          FROM workqueue_subscription s
+         WHERE s.topic_id = v_topic.id AND s.status <> 'Disabled'
+           -- Most subscriptions have no filter: they skip the call (a PL/pgSQL call per
+           -- delivery is a good part of what a fan-out row costs; wq_filter_matches(NULL, ...)
+           -- is true).
+           AND (s.filter IS NULL OR wq_filter_matches(s.filter, p_attributes))
+        RETURNING subscription_id
+    )
+    SELECT count(*), string_agg(f.subscription_id::text, ',')
+      INTO v_fanout, v_subscriptions
+      FROM fanned f;
 
     IF p_deduplication_key IS NOT NULL THEN
         UPDATE workqueue_deduplication d
@@ -380,6 +407,10 @@ BEGIN
     message_id := p_message_id;
     status := 'Accepted';
     error_code := NULL;
+    IF v_fanout > 0 AND p_caller_announces THEN
+        announce_topic_id := v_topic.id;
+        announce_payload := v_subscriptions;
+    END IF;
     RETURN NEXT;
 END;
 $$;
@@ -396,7 +427,9 @@ $$;
 
 -- wq_announce --
 -- Wake the hosts listening for a topic's publishes, for a caller whose publish (with
--- p_caller_announces) has committed. A transaction that writes nothing but its notification
+-- p_caller_announces) has committed and who does not read the publish's announce_ columns:
+-- processes of releases before 0032 during an upgrade (this release notifies on those columns
+-- itself, with nothing to look up). A transaction that writes nothing but its notification
 -- writes no WAL before its commit record, so PostgreSQL commits it without waiting for a flush:
 -- the lock a NOTIFY holds through commit is held for microseconds. (The announcement is only a
 -- hint, lost with the server like any notification; hosts still poll.) An unknown topic
@@ -506,9 +539,23 @@ $$;
 -- The topic is read once per batch and a batch without deduplication keys is written with one
 -- INSERT of its messages and one of their deliveries; ordinals follow array order. A batch with
 -- a deduplication key runs wq_publish item by item (the key's reserve-then-confirm protocol).
--- p_caller_announces as for wq_publish: one NOTIFY (or one wq_announce) covers the batch.
+-- p_caller_announces as for wq_publish: one NOTIFY covers the batch, or the first row's
+-- announce_topic_id and announce_payload (the subscriptions that got any of its deliveries)
+-- do; in a batch run item by item, each accepted item's row carries its own.
 -- Its statements keep one plan per session, as wq_publish's do and for the same reasons; the
 -- batch statement is written to stay cheap on a plan made while the tables were small (below).
+-- Until 0032 the function returned no announce_ columns; a result shape cannot be replaced in
+-- place.
+DO $drop_old_shape$
+BEGIN
+    IF pg_get_function_result(to_regprocedure('wq_publish_many(text,jsonb,boolean,text,boolean)'))
+       <> 'TABLE(item_index integer, message_id uuid, status text, error_code text, '
+          'announce_topic_id uuid, announce_payload text)' THEN
+        DROP FUNCTION wq_publish_many(text, jsonb, boolean, text, boolean);
+    END IF;
+END
+$drop_old_shape$;
+
 CREATE OR REPLACE FUNCTION wq_publish_many(
     p_topic_name text,
     p_messages jsonb,
@@ -516,7 +563,8 @@ CREATE OR REPLACE FUNCTION wq_publish_many(
     p_published_by text,
     p_caller_announces boolean DEFAULT NULL
 )
-RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text)
+RETURNS TABLE (item_index integer, message_id uuid, status text, error_code text,
+               announce_topic_id uuid, announce_payload text)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -534,6 +582,8 @@ DECLARE
     v_accepted boolean[];
     v_codes text[];
     v_fanout bigint;
+    v_subscriptions text;
+    v_announce_topic_id uuid;
 BEGIN
     SELECT t.id, t.status AS topic_status, tr.status AS transport_status, tr.driver_class,
            t.allow_external_publish, t.max_payload_bytes, t.retention_days
@@ -554,7 +604,7 @@ BEGIN
         -- A topic problem outranks every item's own, as in wq_publish.
         RETURN QUERY
         SELECT (e.ordinality - 1)::integer, (e.value ->> 'message_id')::uuid, 'Rejected'::text,
-               v_topic_error
+               v_topic_error, NULL::uuid, NULL::text
           FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
          ORDER BY e.ordinality;
         RETURN;
@@ -582,7 +632,8 @@ BEGIN
              ORDER BY e.ordinality
         LOOP
             RETURN QUERY
-            SELECT v_item.idx, r.message_id, r.status, r.error_code
+            SELECT v_item.idx, r.message_id, r.status, r.error_code, r.announce_topic_id,
+                   r.announce_payload
               FROM wq_publish(
                     p_topic_name,
                     (v_item.m ->> 'message_id')::uuid,
@@ -656,17 +707,20 @@ BEGIN
            AND (s.filter IS NULL OR wq_filter_matches(s.filter, i.attributes))
          WHERE i.accepted
          ORDER BY i.item_index
-        RETURNING 1
+        RETURNING subscription_id
     )
     SELECT ARRAY(SELECT c.message_id FROM settled c ORDER BY c.item_index),
            ARRAY(SELECT c.error_code FROM settled c ORDER BY c.item_index),
            ARRAY(SELECT c.accepted FROM settled c ORDER BY c.item_index),
-           (SELECT count(*) FROM fanned)
-      INTO v_ids, v_codes, v_accepted, v_fanout;
+           (SELECT count(*) FROM fanned),
+           (SELECT string_agg(DISTINCT f.subscription_id::text, ',') FROM fanned f)
+      INTO v_ids, v_codes, v_accepted, v_fanout, v_subscriptions;
 
     IF v_fanout > 0 AND p_caller_announces IS NOT TRUE THEN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
+    ELSIF v_fanout > 0 THEN
+        v_announce_topic_id := v_topic.id;
     END IF;
 
     -- Each item's result: its own rejection, Accepted when its row went in, else the id was
@@ -684,7 +738,9 @@ BEGIN
                 ELSE 'Rejected' END,
            CASE WHEN r.code IS NOT NULL THEN r.code
                 WHEN r.accepted OR r.stored = 'Duplicate' THEN NULL
-                ELSE COALESCE(r.stored, 'TransportUnavailable') END
+                ELSE COALESCE(r.stored, 'TransportUnavailable') END,
+           CASE WHEN r.idx = 0 THEN v_announce_topic_id END,
+           CASE WHEN r.idx = 0 AND v_announce_topic_id IS NOT NULL THEN v_subscriptions END
       FROM (
         SELECT x.idx, x.id, x.code, x.accepted,
                CASE WHEN x.code IS NULL AND NOT x.accepted THEN (
