@@ -185,6 +185,23 @@ def test_a_filtered_topics_announcement_names_the_subscriptions_that_got_deliver
     assert sorted(batch.payload.split(",")) == sorted([str(everything.id), str(clicks.id)])
 
 
+def test_a_batch_whose_first_item_is_refused_is_announced_all_the_same(topic, listener):
+    taken = "0190f3c0-0000-7000-8000-000000000002"
+    assert publish(topic.name, {"n": 0}, message_id=taken).accepted
+    assert notifications(listener, wait=5)
+
+    # The batch's announcement rides on its first row, here the database's refusal of an item
+    # whose id another message holds.
+    results = publish_many(
+        topic.name, [{"payload": {"n": 1}, "message_id": taken}, {"payload": {"n": 2}}]
+    )
+
+    assert [r.status for r in results] == ["Rejected", "Accepted"]
+    assert results[0].error.code == "MessageIDConflict"
+    [notice] = notifications(listener, wait=5)
+    assert notice.payload == str(topic.subscriptions.get().id)
+
+
 def test_a_publish_that_no_subscription_receives_wakes_nobody(listener, topic):
     topic.subscriptions.update(filter=_clicks_only())
 
@@ -217,8 +234,8 @@ def test_a_batch_published_item_by_item_is_announced_once_naming_what_any_item_r
     results = publish_many(
         topic.name,
         [
-            {"payload": {"n": 1}, "attributes": {"eventType": "view"}, "deduplication_key": "a"},
-            {"payload": {"n": 2}, "attributes": {"eventType": "click"}, "deduplication_key": "b"},
+            {"payload": {"n": 1}, "attributes": {"eventType": "click"}, "deduplication_key": "a"},
+            {"payload": {"n": 2}, "attributes": {"eventType": "view"}, "deduplication_key": "b"},
         ],
     )
 
@@ -307,19 +324,20 @@ def test_a_connection_lost_before_the_announcement_is_prepared_is_replaced_at_on
     topic, listener, pg_conn, prepared_statements, monkeypatch, caplog
 ):
     driver = get_driver()
-    call = driver.call
+    execute = driver.execute
     publish_calls: list[str] = []
 
-    def call_then_lose_the_connection(name: str, *args, **kwargs):
-        if name == "wq_publish":
-            publish_calls.append(name)  # every attempt, failed ones too
-        rows = call(name, *args, **kwargs)
-        if publish_calls == ["wq_publish"]:  # the server ends the session after the first
-            [(pid,)] = driver.execute("SELECT pg_backend_pid()", [])
+    def execute_then_lose_the_connection(sql: str, values: list, connection=None):
+        publishing = "wq_publish(" in sql
+        if publishing:
+            publish_calls.append("wq_publish")  # every attempt, failed ones too
+        rows = execute(sql, values, connection)
+        if publishing and publish_calls == ["wq_publish"]:  # the server ends the session now
+            [(pid,)] = execute("SELECT pg_backend_pid()", [])
             pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
         return rows
 
-    monkeypatch.setattr(driver, "call", call_then_lose_the_connection)
+    monkeypatch.setattr(driver, "execute", execute_then_lose_the_connection)
 
     assert publish(topic.name, {"n": 1}).accepted
     assert "Could not announce a publish to topic" in caplog.text

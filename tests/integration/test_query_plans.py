@@ -568,7 +568,7 @@ def test_a_fan_out_calls_the_filter_matcher_only_for_filtered_subscriptions(pg_c
         rows = _call(
             pg_conn, "wq_publish_many", {**published, "topic_name": topic.name, "messages": items}
         )
-        assert [row[2] for row in rows] == ["Accepted", "Accepted"]
+        assert [status for _index, _id, status, _code in rows] == ["Accepted", "Accepted"]
         [(calls,)] = pg_conn.execute(
             "SELECT calls FROM pg_stat_xact_user_functions WHERE funcname = 'wq_filter_matches'"
         ).fetchall()

@@ -204,7 +204,7 @@ def test_the_database_counts_the_envelope_a_caller_understates(runtime_role, cla
             external=False,
             published_by="runtime",
         )
-    assert row[1:3] == ("Rejected", "PayloadTooLarge")
+    assert row[1:] == ("Rejected", "PayloadTooLarge")
     assert not Delivery.objects.filter(subscription__topic=topic).exists()
 
 

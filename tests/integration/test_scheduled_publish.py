@@ -154,6 +154,37 @@ def test_an_upgrade_that_changes_a_procedures_parameters_keeps_its_grants(pg_con
         assert granted == [(CURRENT_PUBLISH, True, False)]
 
 
+def test_an_upgrade_that_changes_a_procedures_result_keeps_its_grants_within_the_migration(
+    pg_conn,
+):
+    with database_role(pg_conn, "wq_runtime") as role:
+        call_command("workqueue", "grant-runtime", role)
+        # Stand in for the previous release: wq_publish with the same parameters and a narrower
+        # result, granted to the runtime role. The install drops and creates it (a result
+        # shape cannot be replaced in place), which takes its grants along.
+        arguments = CURRENT_PUBLISH.partition("(")[2].rstrip(")")
+        pg_conn.execute(f"DROP FUNCTION {CURRENT_PUBLISH}")
+        pg_conn.execute(
+            f"CREATE FUNCTION wq_publish({arguments}) "
+            "RETURNS TABLE (message_id uuid, status text, error_code text) "
+            "LANGUAGE sql AS $$ SELECT NULL::uuid, 'Rejected', 'Old' $$"
+        )
+        pg_conn.execute(f"REVOKE ALL ON FUNCTION {CURRENT_PUBLISH} FROM PUBLIC")
+        pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {CURRENT_PUBLISH} TO "{role}"')
+
+        with transaction.atomic():
+            get_driver().install_procedures(connection)
+
+        # Granted again by the install itself, not only by the renewal after migrate: in
+        # between, the runtime role's processes could not publish.
+        [(executable, reshaped)] = pg_conn.execute(
+            "SELECT has_function_privilege(%s, %s::regprocedure, 'EXECUTE'), "
+            "pg_get_function_result(%s::regprocedure) LIKE '%%announce_topic_id%%'",
+            [role, CURRENT_PUBLISH, CURRENT_PUBLISH],
+        ).fetchall()
+        assert (executable, reshaped) == (True, True)
+
+
 def test_the_cli_publishes_with_a_delay_a_due_time_and_a_priority(capsys):
     sub = SubscriptionFactory()
     at = (_db_now() + dt.timedelta(hours=3)).replace(microsecond=0)

@@ -366,16 +366,21 @@ class BaseDriver:
         Missing parameters are passed as NULL; unknown ones are a programming error.
         """
         procedure = get_procedure(name)
-        params = dict(params or {})
-        unknown = params.keys() - _param_names(procedure)
-        if unknown:
-            raise TypeError(f"{name} has no parameter(s) {sorted(unknown)}")
-        values = [self.adapt(p, params.get(p.name)) for p in procedure.params]
+        values = self.bind(procedure, params)
         sql = self._rendered.get(procedure)
         if sql is None:
             sql = self._rendered[procedure] = self.render_call(procedure)
         rows = self.execute(sql, values, connection)
         return [self.decode_row(procedure, row) for row in rows]
+
+    def bind(self, procedure: Procedure, params: Mapping[str, Any] | None) -> list[Any]:
+        """The values of ``procedure``'s placeholders, in order, from ``params`` by name: the
+        missing ones NULL, an unknown one a programming error."""
+        params = params or {}
+        unknown = params.keys() - _param_names(procedure)
+        if unknown:
+            raise TypeError(f"{procedure.name} has no parameter(s) {sorted(unknown)}")
+        return [self.adapt(p, params.get(p.name)) for p in procedure.params]
 
     def publish(
         self,

@@ -29,7 +29,7 @@ from workqueue.driver.base import (
     routed_to_django_connection,
     unencodable,
 )
-from workqueue.driver.procedures import Grant, ParamType, Procedure, granted_to
+from workqueue.driver.procedures import Grant, ParamType, Procedure, get_procedure, granted_to
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
@@ -50,6 +50,11 @@ _CASTS = {
 }
 
 logger = logging.getLogger(__name__)
+
+#: The columns ``wq_publish`` and ``wq_publish_many`` return after the registry's, PostgreSQL's
+#: own: the topic to announce on and the subscriptions the publish gave a delivery
+#: (comma-separated), both NULL when there is nothing to announce (see sql/postgresql/publish.sql).
+ANNOUNCE_COLUMNS = ("announce_topic_id", "announce_payload")
 
 #: The longest payload an announcement names subscriptions in; past it the payload is empty,
 #: which wakes every consumer of the topic (a notification's payload holds under 8000 bytes).
@@ -211,10 +216,10 @@ class PostgresDriver(BaseDriver):
             cursor.execute("SELECT quote_ident(current_schema())")
             schema = cursor.fetchone()[0]
             # A function whose parameters change is created anew and the old one dropped
-            # below; the new one is granted to the roles that held the old, so an upgrade
-            # does not take publishing away from a runtime role (grant-runtime).
-            cursor.execute(_LIST_FUNCTIONS)
-            before = {signature for signature, _current in cursor.fetchall()}
+            # below, and one whose result changes is dropped and created by its file (a result
+            # shape cannot be replaced in place): either way it is granted again to the roles
+            # that held it, so an upgrade does not take publishing away from a runtime role
+            # (grant-runtime), not even until the grants are renewed after migrate.
             cursor.execute(_EXECUTE_GRANTEES)
             grantees: dict[str, set[str]] = {}
             for name, role in cursor.fetchall():
@@ -235,7 +240,7 @@ class PostgresDriver(BaseDriver):
                     # `manage.py workqueue grant-runtime` may call these.
                     cursor.execute(f"REVOKE ALL ON FUNCTION {signature} FROM PUBLIC")
                     roles = grantees.get(signature.partition("(")[0].rpartition(".")[2])
-                    if roles and signature not in before:
+                    if roles:
                         cursor.execute(
                             f"GRANT EXECUTE ON FUNCTION {signature} TO {', '.join(sorted(roles))}"
                         )
@@ -278,10 +283,13 @@ class PostgresDriver(BaseDriver):
             cursor.execute("DROP SEQUENCE IF EXISTS wq_publish_ordinal_seq")
 
     def render_call(self, procedure: Procedure) -> str:
+        return self._render_select(procedure, procedure.column_names)
+
+    def _render_select(self, procedure: Procedure, columns: Iterable[str]) -> str:
         # Named arguments with explicit casts: the call cannot bind to the wrong parameter, and
         # an untyped NULL still resolves to the one function of that name.
         args = ", ".join(f"p_{p.name} => %s::{_CASTS[p.type]}" for p in procedure.params)
-        return f"SELECT {', '.join(procedure.column_names)} FROM {procedure.name}({args})"
+        return f"SELECT {', '.join(columns)} FROM {procedure.name}({args})"
 
     def translate_error(self, error: BaseException) -> DriverError:
         cause = error.__cause__ if isinstance(error, DatabaseError) and error.__cause__ else error
@@ -540,12 +548,29 @@ class PostgresDriver(BaseDriver):
         # it is announced in a transaction of its own: a NOTIFY inside the publish would hold
         # the cluster-wide notification lock until its commit record was flushed, and
         # concurrent publishers would commit one at a time.
-        rows = self.call(name, {**params, "caller_announces": True})
-        announcement = _announcement(rows)
+        # The procedure also returns what to announce, in columns of PostgreSQL's own after
+        # the registry's (SQL Server, without notifications, has no such columns).
+        procedure = get_procedure(name)
+        values = self.bind(procedure, {**params, "caller_announces": True})
+        results = self.execute(self._announcing_calls[name], values)
+        kept = len(procedure.column_names)
+        announcement = _announcement([result[kept:] for result in results])
         if announcement is not None:
             topic_id, payload = announcement
             self._announce(params["topic_name"], self.topic_channel(topic_id), payload)
-        return rows
+        return [self.decode_row(procedure, result[:kept]) for result in results]
+
+    @functools.cached_property
+    def _announcing_calls(self) -> dict[str, str]:
+        return {
+            name: self.render_announcing_call(get_procedure(name))
+            for name in ("wq_publish", "wq_publish_many")
+        }
+
+    def render_announcing_call(self, procedure: Procedure) -> str:
+        """``render_call`` of a publish procedure that also selects what to announce once the
+        publish has committed (``ANNOUNCE_COLUMNS``)."""
+        return self._render_select(procedure, (*procedure.column_names, *ANNOUNCE_COLUMNS))
 
     #: The announcement, a bare notification: the publish has found its channel and payload, so
     #: the server looks nothing up (a third of what calling wq_announce costs it).
@@ -592,20 +617,21 @@ class PostgresDriver(BaseDriver):
         owned.announcing = topic_name
 
 
-def _announcement(rows: list[Row]) -> tuple[str, str] | None:
-    """What a publish's rows ask to announce, as (topic id, payload), or None when it made no
-    delivery. A batch run item by item gives each accepted item's row its own: they share the
-    topic, and the payload names every subscription any of them named (empty, every consumer
-    of the topic, when the names would not fit a notification)."""
+def _announcement(announced: list[tuple[Any, ...]]) -> tuple[str, str] | None:
+    """What a publish asks to announce, from each result row's ``ANNOUNCE_COLUMNS``, as (topic
+    id, payload), or None when it made no delivery. A batch run item by item gives each
+    accepted item's row its own: they share the topic, and the payload names every
+    subscription any of them named (empty, every consumer of the topic, when the names would
+    not fit a notification)."""
     topic_id, named = None, set()
-    for row in rows:
-        if row["announce_topic_id"] is not None:
-            topic_id = row["announce_topic_id"]
-            named.update(row["announce_payload"].split(","))
+    for announce_topic_id, announce_payload in announced:
+        if announce_topic_id is not None:
+            topic_id = announce_topic_id
+            named.update(announce_payload.split(","))
     if topic_id is None:
         return None
     payload = ",".join(sorted(named))
-    return topic_id, payload if len(payload) <= ANNOUNCEMENT_PAYLOAD_MAX else ""
+    return str(topic_id), payload if len(payload) <= ANNOUNCEMENT_PAYLOAD_MAX else ""
 
 
 class _ThreadConnection:

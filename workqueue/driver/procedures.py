@@ -101,7 +101,7 @@ PROCEDURES: dict[str, Procedure] = {
                 "published_by:text, not_before:timestamp, delay_seconds:int, priority:int, "
                 "caller_announces:bool"
             ),
-            _c("message_id:uuid, status, error_code, announce_topic_id:uuid, announce_payload"),
+            _c("message_id:uuid, status, error_code"),
             ResultKind.ONE,
         ),
         Procedure(
@@ -110,10 +110,7 @@ PROCEDURES: dict[str, Procedure] = {
                 "topic_name:text, messages:json, external:bool, published_by:text, "
                 "caller_announces:bool"
             ),
-            _c(
-                "item_index:int, message_id:uuid, status, error_code, announce_topic_id:uuid, "
-                "announce_payload"
-            ),
+            _c("item_index:int, message_id:uuid, status, error_code"),
             ResultKind.MANY,
         ),
         Procedure(

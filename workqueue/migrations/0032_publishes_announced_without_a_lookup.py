@@ -14,8 +14,10 @@ collected by the fan-out as it inserts them. The driver sends ``SELECT pg_notify
 payload)`` on the topic's channel; names that would not fit a notification (over 7,000 bytes)
 become an empty payload. The payload now names the subscriptions on every topic, not only on
 a filtered one; an empty payload still wakes every consumer of the topic, and hosts read both
-as before. On SQL Server both columns are NULL (no notifications; hosts poll). Counted the
-same way, a single publish costs the database 908,000 instructions instead of 976,000.
+as before. The columns are PostgreSQL's own, after the ones both vendors return: SQL Server's
+procedures are unchanged (no notifications; hosts poll), as a wider result set would break the
+previous release's processes there, which read result rows by position. Counted the same way,
+a single publish costs the database 910,000 instructions instead of 976,000.
 
 The two functions are dropped and created in their new shape (a result shape cannot be
 replaced in place); their grants are renewed by the migrate that applies this migration.

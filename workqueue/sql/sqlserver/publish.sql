@@ -479,11 +479,10 @@ GO
 -- @external and @published_by are the application's word (whether the message came in over the
 -- REST API, and as whom): the database sees only the login that holds grant-runtime, which may
 -- publish internally anyway, so claiming "not external" gains a caller nothing.
--- @caller_announces is PostgreSQL's (whether the caller announces the publish itself, on the
--- channel of the result's announce_topic_id with its announce_payload, instead of a NOTIFY at
--- commit); SQL Server has no notifications, so it is accepted and ignored and both columns are
--- NULL.
--- returns: message_id, status, error_code, announce_topic_id, announce_payload
+-- @caller_announces is PostgreSQL's (whether the caller announces the publish itself once it
+-- has committed, instead of a NOTIFY at commit); SQL Server has no notifications, so it is
+-- accepted and ignored.
+-- returns: message_id, status, error_code
 CREATE OR ALTER PROCEDURE dbo.wq_publish
     @topic_name nvarchar(4000),
     @message_id uniqueidentifier,
@@ -530,9 +529,7 @@ BEGIN
         @out_error_code = @result_error OUTPUT;
 
     -- result set
-    SELECT @result_id AS message_id, @result_status AS status, @result_error AS error_code,
-           CAST(NULL AS uniqueidentifier) AS announce_topic_id,
-           CAST(NULL AS nvarchar(max)) AS announce_payload;
+    SELECT @result_id AS message_id, @result_status AS status, @result_error AS error_code;
 END;
 GO
 
@@ -542,8 +539,8 @@ GO
 -- taken first, in binary key order, so two batches sharing keys cannot deadlock on them. Returns
 -- one row per item with its zero-based position; each item is accepted or rejected on its own.
 -- Item JSON values are stored as the canonical text they arrive in.
--- @caller_announces is accepted and ignored, as for wq_publish (announce_ columns NULL).
--- returns: item_index, message_id, status, error_code, announce_topic_id, announce_payload
+-- @caller_announces is accepted and ignored, as for wq_publish.
+-- returns: item_index, message_id, status, error_code
 CREATE OR ALTER PROCEDURE dbo.wq_publish_many
     @topic_name nvarchar(4000),
     @messages nvarchar(max),
@@ -711,9 +708,7 @@ BEGIN
     COMMIT TRANSACTION;
 
     -- result set
-    SELECT r.item_index, r.message_id, r.status, r.error_code,
-           CAST(NULL AS uniqueidentifier) AS announce_topic_id,
-           CAST(NULL AS nvarchar(max)) AS announce_payload
+    SELECT r.item_index, r.message_id, r.status, r.error_code
       FROM @results AS r
      ORDER BY r.item_index;
 END;
