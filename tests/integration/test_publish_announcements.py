@@ -256,6 +256,33 @@ def test_names_that_would_not_fit_a_notification_wake_every_consumer(topic, list
     assert notice.payload == ""
 
 
+def test_the_previous_releases_announcement_still_wakes_the_hosts(topic, listener):
+    # During an upgrade, processes of the release before 0032 publish, then call wq_announce
+    # with the ids they published, as they always did.
+    [row] = get_driver().call(
+        "wq_publish",
+        {
+            "topic_name": topic.name,
+            "message_id": "0190f3c0-0000-7000-8000-000000000003",
+            "payload": {"n": 1},
+            "envelope_bytes": 100,
+            "external": False,
+            "published_by": "previous-release",
+            "caller_announces": True,
+        },
+    )
+    assert row["status"] == "Accepted"
+    assert notifications(listener, wait=0.5) == []
+
+    [announced] = get_driver().call(
+        "wq_announce",
+        {"topic_name": topic.name, "message_ids": ["0190f3c0-0000-7000-8000-000000000003"]},
+    )
+
+    assert announced == {"announced": True}
+    assert len(notifications(listener, wait=5)) == 1
+
+
 @pytest.fixture
 def prepared_statements() -> Iterator[None]:
     """The queue's connections opened meanwhile prepare their statements, as

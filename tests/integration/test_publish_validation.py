@@ -214,9 +214,9 @@ class CallSpy:
         self.attempts: list[str] = []
         self.before = before
         driver = get_driver()
-        original = driver.call
+        original = driver.publish
 
-        def call(name: str, params: Any = None, **kwargs: Any) -> Any:
+        def spied(name: str, params: Any = None, **kwargs: Any) -> Any:
             self.attempts.append(name)
             if self.before is not None:
                 self.before(len(self.attempts))
@@ -226,7 +226,7 @@ class CallSpy:
                 self.attempts[-1] += f" failed: {type(exc).__name__}"
                 raise
 
-        monkeypatch.setattr(driver, "call", call)
+        monkeypatch.setattr(driver, "publish", spied)
 
 
 @pytest.fixture
