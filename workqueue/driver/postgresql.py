@@ -590,9 +590,9 @@ class PostgresDriver(BaseDriver):
         params = [channel.encode(), payload.encode()]
         try:
             if owned.connection.prepare_threshold is not None and not owned.announce_prepared:
-                # Parsed and planned once per connection rather than at every publish (about
-                # 40 us of backend CPU each), where the user turned prepared statements on:
-                # no pooler in between, or one that keeps them (PgBouncer 1.21 and later).
+                # Parsed and planned once per connection rather than at every publish, where
+                # the user turned prepared statements on: no pooler in between, or one that
+                # keeps them (PgBouncer 1.21 and later).
                 prepared = pgconn.prepare(owned.announce_statement, self._announce_sql)
                 if prepared.status != pq.ExecStatus.COMMAND_OK:
                     problem = prepared.error_message.decode(errors="replace").strip()
