@@ -84,11 +84,10 @@ from bench.publish import make_topic  # noqa: E402
 from workqueue import localdb, publish, publish_many  # noqa: E402
 from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
-from workqueue.driver.base import JsonText  # noqa: E402
 from workqueue.driver.postgresql import PostgresDriver  # noqa: E402
 from workqueue.driver.procedures import get_procedure  # noqa: E402
 from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit  # noqa: E402
-from workqueue.transport import _message_json  # noqa: E402
+from workqueue.transport import publish_call  # noqa: E402
 
 BATCH = 100
 #: Calls made before the counted ones in every run, the same in the short and the long run: the
@@ -283,28 +282,16 @@ class ServerRuns:
 def publish_statements(topic: str, calls: int, batch: int) -> list[str]:
     """``calls`` publishes of ``batch`` new messages, as the driver sends them on its own
     connection (prepared, announcing afterwards itself)."""
-    many = batch > 1
-    procedure = get_procedure("wq_publish_many" if many else "wq_publish")
+    driver = get_driver()
+    procedure = get_procedure("wq_publish_many" if batch > 1 else "wq_publish")
     # With the columns that say what to announce, as the driver's own connection calls it.
-    call = get_driver().render_announcing_call(procedure)
-    statements = [f"PREPARE publish AS {_numbered(call)}"]
+    statements = [f"PREPARE publish AS {_numbered(driver.render_announcing_call(procedure))}"]
     limit = _SizeLimit.of(None)
-    common = {
-        "topic_name": topic,
-        "external": False,
-        "published_by": "workqueue-system",
-        "caller_announces": True,
-    }
     for _ in range(calls):
         items = [_prepare(OutgoingMessage(payload={"n": n}), limit) for n in range(batch)]
-        if many:
-            messages = JsonText("[" + ",".join(map(_message_json, items)) + "]")
-            params = {**common, "messages": messages}
-        else:
-            fields = dict(items[0])
-            fields["payload"] = fields.pop("payload_json")
-            params = {**common, **fields}
-        statements.append(_execute("publish", procedure, params))
+        _name, params = publish_call(topic, items, "workqueue-system", external=False)
+        values = driver.bind(procedure, {**params, "caller_announces": True})
+        statements.append(f"EXECUTE publish({', '.join(map(_literal, values))})")
     return statements
 
 
@@ -325,18 +312,12 @@ def floor_statements(calls: int, batch: int) -> list[str]:
     prepared = f"PREPARE floor AS {_numbered(statement)}"
     topic, subscription = uuid.uuid4(), uuid.uuid4()
     # Each run starts its ordinals past every earlier run's.
-    offset = int(uuid.uuid4().int % 1_000_000) * 1_000_000
+    offset = secrets.randbelow(1_000_000) * 1_000_000
     executions = []
     for n in range(calls):
         values = rows_floor_values(offset + n, batch, topic, subscription)
         executions.append(f"EXECUTE floor({', '.join(map(_literal, values))})")
     return [prepared, *executions]
-
-
-def _execute(name: str, procedure: Any, params: dict[str, Any]) -> str:
-    driver = get_driver()
-    values = [driver.adapt(param, params.get(param.name)) for param in procedure.params]
-    return f"EXECUTE {name}({', '.join(map(_literal, values))})"
 
 
 def _numbered(sql: str) -> str:

@@ -238,24 +238,7 @@ def publish(
     error_code), retried whole on a transient failure unless it is enlisted."""
     driver = get_driver(alias)
     connection = connections[alias] if enlist else None
-    if len(prepared) == 1:
-        fields = dict(prepared[0])
-        fields["payload"] = fields.pop("payload_json")
-        procedure, params = (
-            "wq_publish",
-            {"topic_name": topic, **fields, "external": external, "published_by": publisher},
-        )
-    else:
-        messages = JsonText("[" + ",".join(map(_message_json, prepared)) + "]")
-        procedure, params = (
-            "wq_publish_many",
-            {
-                "topic_name": topic,
-                "messages": messages,
-                "external": external,
-                "published_by": publisher,
-            },
-        )
+    procedure, params = publish_call(topic, prepared, publisher, external)
     for attempt in range(1, TRANSIENT_RETRIES + 2):
         try:
             return driver.publish(procedure, params, connection=connection)
@@ -276,6 +259,20 @@ def publish(
                 ]
             time.sleep((20 * attempt + random.uniform(0, 80)) / 1000)
     raise AssertionError("unreachable")
+
+
+def publish_call(
+    topic: str, prepared: list[dict[str, Any]], publisher: str, external: bool
+) -> tuple[str, dict[str, Any]]:
+    """The procedure and its parameters that publish ``prepared``: ``wq_publish`` for one
+    message, ``wq_publish_many`` for several."""
+    common = {"topic_name": topic, "external": external, "published_by": publisher}
+    if len(prepared) == 1:
+        fields = dict(prepared[0])
+        fields["payload"] = fields.pop("payload_json")
+        return "wq_publish", {**common, **fields}
+    messages = JsonText("[" + ",".join(map(_message_json, prepared)) + "]")
+    return "wq_publish_many", {**common, "messages": messages}
 
 
 def _message_json(message: dict[str, Any]) -> str:

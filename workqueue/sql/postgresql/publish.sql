@@ -238,36 +238,43 @@ BEGIN
       JOIN workqueue_transport tr ON tr.id = t.transport_id
      WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotFound'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     -- Another transport's messages do not live in these tables: the caller hands the message
     -- to the topic's own transport (see workqueue.publishing). Variants of the Database
     -- transport (driver class 'Database.<variant>') keep theirs here.
     IF v_topic.driver_class <> 'Database' AND v_topic.driver_class NOT LIKE 'Database.%' THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF v_topic.topic_status <> 'Active' OR v_topic.transport_status <> 'Active' THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicDisabled'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicDisabled'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF p_external AND NOT v_topic.allow_external_publish THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicNotExternallyPublishable'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF p_priority IS NOT NULL AND (p_priority < -100 OR p_priority > 100) THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidPriority'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidPriority'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     IF (p_not_before IS NOT NULL AND p_delay_seconds IS NOT NULL) OR p_delay_seconds < 0 THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     v_due := GREATEST(COALESCE(p_not_before, now()), now())
              + make_interval(secs => COALESCE(p_delay_seconds, 0));
     IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
     -- p_envelope_bytes is the driver's count under the documented rule: the UTF-8 size of the
@@ -278,7 +285,8 @@ BEGIN
     IF GREATEST(p_envelope_bytes, wq_envelope_text_bytes(
             p_partition_key, p_attributes, p_payload, p_payload_ref, p_correlation_id) / 2)
        > LEAST(v_topic.max_payload_bytes, 262144) THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text, NULL::uuid, NULL::text;
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'PayloadTooLarge'::text,
+                            NULL::uuid, NULL::text;
         RETURN;
     END IF;
 
@@ -325,10 +333,12 @@ BEGIN
                 RETURN QUERY SELECT v_owner, 'Duplicate'::text, NULL::text, NULL::uuid, NULL::text;
                 RETURN;
             ELSIF FOUND THEN
-                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'DeduplicationPending'::text, NULL::uuid, NULL::text;
+                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'DeduplicationPending'::text,
+                                    NULL::uuid, NULL::text;
                 RETURN;
             ELSIF v_attempt >= 3 THEN
-                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text, NULL::uuid, NULL::text;
+                RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text,
+                                    NULL::uuid, NULL::text;
                 RETURN;
             END IF;
             -- The owner vanished between the two statements: try to take the key again.
@@ -356,7 +366,8 @@ BEGIN
           FROM workqueue_message m WHERE m.id = p_message_id;
         IF NOT FOUND THEN
             -- Purged between the insert and this read; the caller may retry.
-            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text, NULL::uuid, NULL::text;
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TransportUnavailable'::text,
+                                NULL::uuid, NULL::text;
         ELSIF v_existing.topic_id = v_topic.id
           AND v_existing.partition_key IS NOT DISTINCT FROM p_partition_key
           AND v_existing.attributes IS NOT DISTINCT FROM p_attributes
@@ -365,7 +376,8 @@ BEGIN
           AND v_existing.correlation_id IS NOT DISTINCT FROM p_correlation_id THEN
             RETURN QUERY SELECT p_message_id, 'Duplicate'::text, NULL::text, NULL::uuid, NULL::text;
         ELSE
-            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'MessageIDConflict'::text, NULL::uuid, NULL::text;
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'MessageIDConflict'::text,
+                                NULL::uuid, NULL::text;
         END IF;
         RETURN;
     END IF;
