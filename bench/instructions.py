@@ -10,7 +10,7 @@ counts instructions instead, which do not depend on the load: run it before and 
 change, and the difference is the change's.
 
 Everything runs in a scratch embedded PostgreSQL (a temporary folder, the queue's migrations,
-one topic with one subscription), deleted at the end; ``DATABASE_URL`` is ignored.
+a topic with one subscription and one with ten), deleted at the end; ``DATABASE_URL`` is ignored.
 
 * The database's side: the cluster is stopped and its database run in single-user mode
   (``postgres --single``) under valgrind (``--tool=cachegrind --cache-sim=no``: it counts every
@@ -18,10 +18,12 @@ one topic with one subscription), deleted at the end; ``DATABASE_URL`` is ignore
   statements: the calls the driver sends for a publish (``wq_publish``, or ``wq_publish_many``
   of 100 with the items as the transport writes them), the notification it sends once one
   has committed, and as floors the same rows written bare (the statement of ``bench/aims.py``'s
-  floors). Each script runs twice, with few and with many calls after the same warm-up; the
-  difference of the two totals divided by the extra messages is what a message costs,
-  start-up and shutdown left out. Single-user mode has no network protocol and prints each
-  result row, both small next to a publish and alike for any two variants compared.
+  floors). The publishes run again to a topic with ten subscriptions, for aim 5 of issue 12
+  (a fan-out to ten costs at most twice a publish to one). Each script runs twice, with few
+  and with many calls after the same warm-up; the difference of the two totals divided by the
+  extra messages is what a message costs, start-up and shutdown left out. Single-user mode
+  has no network protocol and prints each result row, both small next to a publish and alike
+  for any two variants compared.
 * The client's side: this project's Python publishing to the cluster (``publish``, and
   ``publish_many`` of 100), run under valgrind with few and with many messages, the same
   difference. Interpreter start-up and Django's set-up cancel out, and waiting for the server
@@ -90,6 +92,7 @@ from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit  # noqa: 
 from workqueue.transport import publish_call  # noqa: E402
 
 BATCH = 100
+FANOUT = 10  # subscriptions of the fan-out topic
 #: Calls made before the counted ones in every run, the same in the short and the long run: the
 #: procedures' plans made, psycopg's statements prepared (at their fifth use) and the scripts'
 #: PREPAREd statements past their first five executions, which PostgreSQL plans anew each time.
@@ -120,7 +123,7 @@ def main() -> int:
     counts = QUICK if ARGS.quick else FULL
     print(f"scratch cluster: {localdb.data_dir()} (deleted at the end)")
     try:
-        topic, announcement = set_up()
+        topic, announcement, fanout_topic = set_up()
         print("client instructions per message (this project's Python, under valgrind):")
         for label, workload, calls, per_call in (
             ("publish()", "publish", counts.client_single, 1),
@@ -145,27 +148,37 @@ def main() -> int:
                 partial(announce_statements, announcement, batch=batch), batch
             )
             floor = server.per_message(partial(floor_statements, batch=batch), batch)
+            # Its announcement names ten subscriptions instead of one: a few hundred bytes more
+            # to copy, next to a notification's ~60,000 instructions, so not counted again.
+            fanned = (
+                server.per_message(partial(publish_statements, fanout_topic, batch=batch), batch)
+                + told
+            )
             print(f"  {label:<60} {ours:>12,.0f}")
             print(f"  {'  its announcement: pg_notify':<60} {told:>12,.0f}")
             share = f"ours {(ours + told) / floor:.2f}x of it"
             print(f"  {'  ' + rows + ' (the floor)':<60} {floor:>12,.0f}   {share}")
+            fanout = f"  to {FANOUT} subscriptions, announced"
+            ratio = f"{fanned / (ours + told):.2f}x of one subscription's (aim 5: 2x at most)"
+            print(f"  {fanout:<60} {fanned:>12,.0f}   {ratio}")
     finally:
         localdb.destroy()
     return 0
 
 
-def set_up() -> tuple[str, tuple[str, str]]:
-    """Migrate the scratch cluster and make the topic and the floor's tables: the topic's name,
-    and the announcement of a publish to it (its channel; the payload names its subscription)."""
+def set_up() -> tuple[str, tuple[str, str], str]:
+    """Migrate the scratch cluster and make the topics and the floor's tables: the name of the
+    topic with one subscription and the announcement of a publish to it (its channel; the
+    payload names its subscription), and the name of the topic with ``FANOUT``."""
     call_command("migrate", verbosity=0)
     user = get_user_model()
     user._default_manager.get_or_create(**{user.USERNAME_FIELD: get_settings().SYSTEM_USER})
-    topic = make_topic(1)
     with connection.cursor() as cursor:
         for statement in rows_floor_tables(FLOOR_MESSAGES, FLOOR_DELIVERIES):
             cursor.execute(statement)
+    topic = make_topic(1)
     channel = get_driver().topic_channel(str(topic.id))
-    return topic.name, (channel, str(topic.subscriptions.get().id))
+    return topic.name, (channel, str(topic.subscriptions.get().id)), make_topic(FANOUT).name
 
 
 def server_bindir() -> Path:

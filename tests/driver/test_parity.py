@@ -48,6 +48,10 @@ VENDOR_ONLY_HELPERS = {
         "wq_topic_delete_guard itself",
         "wq_new_id": "time-ordered (version 7) ids for the rows the procedures create; the T-SQL "
         "keeps NEWID() until a SQL Server can test a version 7 id built in T-SQL",
+        "wq_id_clock": "the time part of a batch's delivery ids (with wq_id_random and "
+        "wq_id_at: consecutive ids from one random start); the T-SQL keeps NEWID()",
+        "wq_id_random": "the random start of a batch's delivery ids (see wq_id_clock)",
+        "wq_id_at": "a batch's n-th delivery id (see wq_id_clock)",
         "wq_envelope_text_bytes": "the envelope's size as jsonb writes it, for the publish "
         "procedures' size guard; the T-SQL wq_publish_one counts its stored text inline",
         "wq_publish_items": "wq_publish_many's per-item checks as rows, for its set-based "

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
+from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
@@ -161,3 +163,50 @@ def test_the_ids_a_publish_creates_are_time_ordered():
     for ids in (message_ids, delivery_ids):
         # Within one call two ids may share a millisecond; across the sleeps they sort in order.
         assert ids[0] < min(ids[1:3]) and max(ids[1:3]) < ids[3]
+
+
+def _halves(delivery_id: uuid.UUID) -> tuple[int, int]:
+    """(the id's first eight bytes, its last eight) as unsigned numbers."""
+    return delivery_id.int >> 64, delivery_id.int & (2**64 - 1)
+
+
+def test_a_batchs_delivery_ids_count_up_from_a_fresh_random_start():
+    # wq_publish_many draws strong randomness once per batch, not once per delivery (migration
+    # 0033): consecutive ids in insertion order, from a random start no other batch shares.
+    topic = TopicFactory()
+    subs = [SubscriptionFactory(topic=topic) for _ in range(3)]
+    batches = []
+    for _ in range(2):
+        results = publish_many(topic.name, [{"payload": {"n": n}} for n in range(4)])
+        assert all(r.accepted for r in results)
+        batches.append([r.message_id for r in results])
+        time.sleep(0.003)
+
+    starts = []
+    for message_ids in batches:
+        rows = Delivery.objects.filter(subscription__in=subs, message_id__in=message_ids)
+        ids_of: dict[str, list[uuid.UUID]] = {m: [] for m in message_ids}
+        for delivery_id, message_id in rows.values_list("id", "message_id"):
+            ids_of[str(message_id)].append(delivery_id)
+        ids = [i for m in message_ids for i in sorted(ids_of[m])]
+        assert len(ids) == 12 and {i.version for i in ids} == {7}
+        assert {i.variant for i in ids} == {uuid.RFC_4122}
+        clocks, randoms = zip(*map(_halves, ids), strict=True)
+        assert len(set(clocks)) == 1, "one statement, one time"
+        # Counted up by one per row, in item order: each message's ids above the previous one's.
+        assert list(randoms) == list(range(randoms[0], randoms[0] + 12))
+        # The random start leaves the counting 2^61 rows before it could reach the variant.
+        assert randoms[0] >> 61 == 0b100
+        starts.append((clocks[0], randoms[0]))
+    (first_clock, first_start), (second_clock, second_start) = starts
+    assert first_clock < second_clock, "later batches sort after earlier ones"
+    assert abs(second_start - first_start) > 12, "each batch starts from its own random number"
+
+
+def test_the_last_id_a_random_start_can_count_to_keeps_its_variant():
+    with connection.cursor() as cursor:
+        # The highest start wq_id_random gives (variant 10, headroom bit clear, 61 ones) and
+        # more rows than any batch has.
+        cursor.execute("SELECT wq_id_at(0, x'9FFFFFFFFFFFFFFF'::bit(64)::bigint, 2147483647)")
+        (last,) = cursor.fetchone()
+    assert uuid.UUID(str(last)).variant == uuid.RFC_4122

@@ -187,6 +187,13 @@ def test_the_instruction_counts_run_in_a_short_variant():
         assert re.search(
             rf"^    {floor} \(the floor\) +[\d,]+ +ours [\d.]+x of it$", run.stdout, re.M
         ), run.stdout
+    # Each publish again to ten subscriptions, against one (aim 5).
+    fanouts = re.findall(
+        r"^    to 10 subscriptions, announced +[\d,]+ +([\d.]+)x of one subscription's",
+        run.stdout,
+        re.M,
+    )
+    assert len(fanouts) == 2 and all(float(ratio) > 1 for ratio in fanouts), run.stdout
     # The scratch cluster is gone with its folder.
     folder = re.search(r"scratch cluster: (\S+)", run.stdout)
     assert folder is not None, run.stdout

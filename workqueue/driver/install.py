@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0032_publishes_announced_without_a_lookup"
+LATEST_PROCEDURE_MIGRATION = "0033_batch_delivery_ids_from_one_random_start"
 
 MigrationStep = Callable[[Any, Any], None]
 

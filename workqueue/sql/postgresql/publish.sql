@@ -34,6 +34,56 @@ AS $$
         'hex')::uuid;
 $$;
 
+-- wq_id_clock, wq_id_random, wq_id_at --
+-- The ids of the rows one statement creates in bulk (a batch's deliveries), made as RFC 9562
+-- allows for a version 7 UUID generated in quantity: the 12 bits after the version hold the
+-- fraction of the millisecond (its method 3), and the 62 random bits after the variant are one
+-- strong random number for the statement, counted up by one per row (its method 2).
+-- wq_new_id draws strong randomness for each id, which costs more than all the rest of making
+-- it (a batch's delivery rows paid about 12,000 instructions each for it). Rows of one
+-- statement get consecutive ids and cannot collide; those of two statements could only if they
+-- read the same 1/4096 of a millisecond and their random numbers fell within a batch's length
+-- of each other, one chance in about 2^60 (and a collision fails the publish, it overwrites
+-- nothing). The random number leaves 2^61 rows of headroom before counting up could reach
+-- the variant bits.
+
+-- The first eight bytes, as a bigint: milliseconds since the epoch (48 bits), version 7, then
+-- the millisecond's fraction in 4096ths, of the time the statement began (read twice, and the
+-- same both times: a function read once per statement, so inlined rather than called).
+CREATE OR REPLACE FUNCTION wq_id_clock()
+RETURNS bigint
+LANGUAGE sql
+STABLE
+PARALLEL SAFE
+AS $$
+    SELECT (((date_part('epoch', statement_timestamp()) * 1000000)::bigint / 1000) << 16)
+           | 28672  -- version 7
+           | ((date_part('epoch', statement_timestamp()) * 1000000)::bigint % 1000 * 4096 / 1000);
+$$;
+
+-- The last eight bytes' starting point, as a bigint: the variant (binary 10), a clear bit of
+-- headroom, then 61 strong random bits.
+CREATE OR REPLACE FUNCTION wq_id_random()
+RETURNS bigint
+LANGUAGE sql
+VOLATILE
+PARALLEL SAFE
+AS $$
+    SELECT (('x' || encode(substring(uuid_send(gen_random_uuid()) FROM 9 FOR 8), 'hex'))
+               ::bit(64)::bigint & 2305843009213693951)  -- the low 61 bits
+           | (-9223372036854775807 - 1);  -- the top bit: the variant's 1, then its 0 and a 0
+$$;
+
+-- The statement's n-th id (n from 1).
+CREATE OR REPLACE FUNCTION wq_id_at(p_clock bigint, p_random bigint, p_n bigint)
+RETURNS uuid
+LANGUAGE sql
+IMMUTABLE
+PARALLEL SAFE
+AS $$
+    SELECT encode(int8send(p_clock) || int8send(p_random + p_n), 'hex')::uuid;
+$$;
+
 -- wq_envelope_text_bytes --
 -- The UTF-8 size of a message's envelope as jsonb writes it: the length of
 -- jsonb_build_object('partition_key', ..., 'attributes', ..., 'payload', ..., 'payload_ref', ...,
@@ -596,6 +646,8 @@ DECLARE
     v_fanout bigint;
     v_subscriptions text;
     v_announce_topic_id uuid;
+    v_id_clock bigint;
+    v_id_random bigint;
 BEGIN
     SELECT t.id, t.status AS topic_status, tr.status AS transport_status, tr.driver_class,
            t.allow_external_publish, t.max_payload_bytes, t.retention_days
@@ -678,6 +730,9 @@ BEGIN
             SELECT nextval('wq_publish_ordinal_seq') AS o
               FROM generate_series(1, jsonb_array_length(p_messages))
         ) n ORDER BY o);
+    -- The deliveries' ids: consecutive from one random start (wq_id_at).
+    v_id_clock := wq_id_clock();
+    v_id_random := wq_id_random();
 
     WITH checked AS (
         SELECT i.*, v_ordinals[i.item_index + 1] AS ordinal
@@ -710,7 +765,9 @@ BEGIN
         INSERT INTO workqueue_delivery
                (id, message_id, subscription_id, status, partition_key, order_key,
                 attempt_count, is_replay, visible_at, priority)
-        SELECT wq_new_id(), i.message_id, s.id, 'Pending',
+        -- Numbered in the order inserted, so each id lands at the index's right-hand edge.
+        SELECT wq_id_at(v_id_clock, v_id_random, row_number() OVER (ORDER BY i.item_index)),
+               i.message_id, s.id, 'Pending',
                CASE WHEN s.partition_mode <> 'None' THEN i.partition_key END,
                i.ordinal, 0, false, i.due_at, COALESCE(i.priority, 0)
           FROM settled i
@@ -725,7 +782,10 @@ BEGIN
            ARRAY(SELECT c.error_code FROM settled c ORDER BY c.item_index),
            ARRAY(SELECT c.accepted FROM settled c ORDER BY c.item_index),
            (SELECT count(*) FROM fanned),
-           (SELECT string_agg(DISTINCT f.subscription_id::text, ',') FROM fanned f)
+           -- Each subscription once: made distinct as uuids, and only those few written out
+           -- as text (a DISTINCT on the text sorted a text per delivery).
+           (SELECT string_agg(d.id::text, ',')
+              FROM (SELECT DISTINCT f.subscription_id AS id FROM fanned f) d)
       INTO v_ids, v_codes, v_accepted, v_fanout, v_subscriptions;
 
     IF v_fanout > 0 AND p_caller_announces IS NOT TRUE THEN
