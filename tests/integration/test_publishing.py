@@ -203,10 +203,16 @@ def test_a_batchs_delivery_ids_count_up_from_a_fresh_random_start():
     assert abs(second_start - first_start) > 12, "each batch starts from its own random number"
 
 
-def test_the_last_id_a_random_start_can_count_to_keeps_its_variant():
+def test_random_starts_keep_the_variant_and_headroom_and_never_repeat():
     with connection.cursor() as cursor:
-        # The highest start wq_id_random gives (variant 10, headroom bit clear, 61 ones) and
-        # more rows than any batch has.
+        # Top bits 100 (the variant's 10, then the headroom bit), as an arithmetic shift of a
+        # bigint reads them: -4.
+        cursor.execute(
+            "SELECT bool_and(r >> 61 = -4), count(DISTINCT r) "
+            "FROM (SELECT wq_id_random() AS r FROM generate_series(1, 10000)) s"
+        )
+        assert cursor.fetchone() == (True, 10000)
+        # The highest start there can be, counted past more rows than any batch has.
         cursor.execute("SELECT wq_id_at(0, x'9FFFFFFFFFFFFFFF'::bit(64)::bigint, 2147483647)")
         (last,) = cursor.fetchone()
     assert uuid.UUID(str(last)).variant == uuid.RFC_4122

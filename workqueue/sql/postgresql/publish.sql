@@ -37,15 +37,17 @@ $$;
 -- wq_id_clock, wq_id_random, wq_id_at --
 -- The ids of the rows one statement creates in bulk (a batch's deliveries), made as RFC 9562
 -- allows for a version 7 UUID generated in quantity: the 12 bits after the version hold the
--- fraction of the millisecond (its method 3), and the 62 random bits after the variant are one
--- strong random number for the statement, counted up by one per row (its method 2).
--- wq_new_id draws strong randomness for each id, which costs more than all the rest of making
--- it (a batch's delivery rows paid about 12,000 instructions each for it). Rows of one
--- statement get consecutive ids and cannot collide; those of two statements could only if they
--- read the same 1/4096 of a millisecond and their random numbers fell within a batch's length
--- of each other, one chance in about 2^60 (and a collision fails the publish, it overwrites
--- nothing). The random number leaves 2^61 rows of headroom before counting up could reach
--- the variant bits.
+-- fraction of the millisecond (its method 3), and the 62 bits after the variant start from one
+-- strong random number for the statement (a clear bit of headroom, then 61 random bits) and
+-- count up by one per row (its method 2). wq_new_id draws strong randomness for each id, which
+-- costs more than all the rest of making it (about 10,000 instructions a delivery row of a
+-- batch, 8,600 of them the draw). Rows of one statement get consecutive ids and cannot collide;
+-- those of two statements could only if both began in the same microsecond and their random
+-- numbers fell within their lengths of each other, a chance of about (n1 + n2) / 2^61: 2^-50
+-- for two batches of 1,000 deliveries (and a collision fails the publish, it overwrites
+-- nothing). The headroom bit leaves 2^61 rows before counting up could reach the variant bits.
+-- The time is when the client's statement arrived: calls in one statement share it, which
+-- leaves their ids unique but unordered between the calls.
 
 -- The first eight bytes, as a bigint: milliseconds since the epoch (48 bits), version 7, then
 -- the millisecond's fraction in 4096ths, of the time the statement began (read twice, and the
