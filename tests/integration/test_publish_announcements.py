@@ -120,6 +120,17 @@ def test_an_enlisted_publish_notifies_when_the_callers_transaction_commits(topic
     assert notice.pid == caller_backend
 
 
+def test_an_enlisted_batch_notifies_once_when_the_callers_transaction_commits(topic, listener):
+    with transaction.atomic():
+        results = publish_many(
+            topic.name, [{"payload": {"n": 1}}, {"payload": {"n": 2}}], enlist=True
+        )
+        assert all(r.accepted for r in results)
+        assert notifications(listener, wait=0.3) == []
+
+    assert len(notifications(listener, wait=5)) == 1
+
+
 def test_an_enlisted_publish_that_rolls_back_wakes_nobody(topic, listener):
     class Rollback(Exception):
         pass
@@ -208,6 +219,18 @@ def test_a_publish_that_no_subscription_receives_wakes_nobody(listener, topic):
     result = publish(topic.name, {"n": 1}, attributes={"eventType": "view"})
 
     assert result.accepted  # stored, for no subscription
+    assert notifications(listener, wait=0.5) == []
+
+
+def test_a_batch_that_no_subscription_receives_wakes_nobody(listener, topic):
+    topic.subscriptions.update(filter=_clicks_only())
+    views = [{"payload": {"n": n}, "attributes": {"eventType": "view"}} for n in range(2)]
+
+    assert all(r.accepted for r in publish_many(topic.name, views))
+    with transaction.atomic():
+        assert all(r.accepted for r in publish_many(topic.name, views[:1], enlist=True))
+        assert all(r.accepted for r in publish_many(topic.name, views, enlist=True))
+
     assert notifications(listener, wait=0.5) == []
 
 

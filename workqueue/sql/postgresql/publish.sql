@@ -645,7 +645,6 @@ DECLARE
     v_ids uuid[];
     v_accepted boolean[];
     v_codes text[];
-    v_fanout bigint;
     v_subscriptions text;
     v_announce_topic_id uuid;
     v_id_clock bigint;
@@ -783,17 +782,17 @@ BEGIN
     SELECT ARRAY(SELECT c.message_id FROM settled c ORDER BY c.item_index),
            ARRAY(SELECT c.error_code FROM settled c ORDER BY c.item_index),
            ARRAY(SELECT c.accepted FROM settled c ORDER BY c.item_index),
-           (SELECT count(*) FROM fanned),
-           -- Each subscription once: made distinct as uuids, and only those few written out
-           -- as text (a DISTINCT on the text sorted a text per delivery).
+           -- Each subscription that got a delivery, once (NULL: none did): made distinct as
+           -- uuids, and only those few written out as text (a DISTINCT on the text sorted a
+           -- text per delivery).
            (SELECT string_agg(d.id::text, ',')
               FROM (SELECT DISTINCT f.subscription_id AS id FROM fanned f) d)
-      INTO v_ids, v_codes, v_accepted, v_fanout, v_subscriptions;
+      INTO v_ids, v_codes, v_accepted, v_subscriptions;
 
-    IF v_fanout > 0 AND p_caller_announces IS NOT TRUE THEN
+    IF v_subscriptions IS NOT NULL AND p_caller_announces IS NOT TRUE THEN
         -- Delivered at commit only, so a rolled-back enlisted publish wakes nobody.
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
-    ELSIF v_fanout > 0 THEN
+    ELSIF v_subscriptions IS NOT NULL THEN
         v_announce_topic_id := v_topic.id;
     END IF;
 
