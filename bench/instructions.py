@@ -21,13 +21,14 @@ a topic with one subscription and one with ten), deleted at the end; ``DATABASE_
   floors). The publishes run again to a topic with ten subscriptions, for aim 5 of issue 12
   (a fan-out to ten costs at most twice a publish to one). Each script runs twice, with few
   and with many calls after the same warm-up; the difference of the two totals divided by the
-  extra messages is what a message costs, start-up and shutdown left out. Single-user mode
-  has no network protocol and prints each result row, both small next to a publish and alike
-  for any two variants compared.
+  extra messages is what a message costs, start-up and shutdown left out. Every run works on
+  its own copy of the stopped cluster, so each starts from the same database (none sees the
+  rows of another), and they run side by side. Single-user mode has no network protocol and
+  prints each result row, both small next to a publish and alike for any two variants compared.
 * The client's side: this project's Python publishing to the cluster (``publish``, and
-  ``publish_many`` of 100), run under valgrind with few and with many messages, the same
-  difference. Interpreter start-up and Django's set-up cancel out, and waiting for the server
-  runs no instructions.
+  ``publish_many`` of 100), run under valgrind the same way: a warm-up run, and one per
+  workload with its counted messages added. Interpreter start-up and Django's set-up cancel
+  out, and waiting for the server runs no instructions.
 
 Needs valgrind (``apt-get install valgrind``) and the embedded PostgreSQL's binaries. A full
 run takes about two minutes. ``--quick`` runs every workload with a handful of calls (CI runs
@@ -38,6 +39,7 @@ change with another.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import secrets
@@ -49,7 +51,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,9 @@ def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a handful of calls per workload")
     # Internal: the client's side, run by this script under valgrind against its scratch cluster.
-    parser.add_argument("--client", choices=("publish", "publish_many"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--client", choices=("warm-up", "publish", "publish_many"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--topic", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -93,25 +96,26 @@ from workqueue.transport import publish_call  # noqa: E402
 
 BATCH = 100
 FANOUT = 10  # subscriptions of the fan-out topic
-#: Calls made before the counted ones in every run, the same in the short and the long run: the
-#: procedures' plans made, psycopg's statements prepared (at their fifth use) and the scripts'
-#: PREPAREd statements past their first five executions, which PostgreSQL plans anew each time.
+#: Calls of each workload made before the counted ones, in every run alike: the procedures'
+#: plans made, psycopg's statements prepared (at their fifth use) and the scripts' PREPAREd
+#: statements past their first five executions, which PostgreSQL plans anew each time.
 WARMUP = 6
 FLOOR_MESSAGES, FLOOR_DELIVERIES = "instructions_floor_message", "instructions_floor_delivery"
 
 
 @dataclass(frozen=True)
 class Counts:
-    """Calls per run: the short run's and the long run's, for each kind of workload."""
+    """Counted calls of each kind of workload after its warm-up: the database's side in a short
+    and a long run, the client's side in one run each (its warm-up run counts none)."""
 
     single: tuple[int, int]  # one message a call
     batches: tuple[int, int]  # BATCH messages a call
-    client_single: tuple[int, int]
-    client_batches: tuple[int, int]
+    client_single: int
+    client_batches: int
 
 
-FULL = Counts((20, 220), (4, 44), (20, 220), (4, 24))
-QUICK = Counts((1, 3), (1, 2), (1, 11), (1, 2))
+FULL = Counts(single=(20, 220), batches=(4, 44), client_single=200, client_batches=20)
+QUICK = Counts(single=(1, 3), batches=(1, 2), client_single=10, client_batches=1)
 
 
 def main() -> int:
@@ -125,16 +129,25 @@ def main() -> int:
     try:
         topic, announcement, fanout_topic = set_up()
         print("client instructions per message (this project's Python, under valgrind):")
-        for label, workload, calls, per_call in (
-            ("publish()", "publish", counts.client_single, 1),
-            (f"publish_many() of {BATCH}", "publish_many", counts.client_batches, BATCH),
-        ):
-            figure = client_instructions(valgrind, workload, topic, calls, per_call)
-            print(f"  {label:<60} {figure:>12,.0f}")
+        single, batched = client_instructions(valgrind, topic, counts)
+        print(f"  {'publish()':<60} {single:>12,.0f}")
+        print(f"  {f'publish_many() of {BATCH}':<60} {batched:>12,.0f}")
         bindir = server_bindir()
         localdb.stop()
         print("database instructions per message (postgres --single, under valgrind):")
-        server = ServerRuns(valgrind, bindir, counts)
+        workloads = {
+            ("told", 1): announce_workload(announcement),
+            **{
+                (kind, batch): workload
+                for batch in (1, BATCH)
+                for kind, workload in (
+                    ("ours", publish_workload(topic, batch)),
+                    ("fanned", publish_workload(fanout_topic, batch)),
+                    ("floor", floor_workload(batch)),
+                )
+            },
+        }
+        figures = ServerRuns(valgrind, bindir, counts).per_message(workloads)
         for batch, label, rows in (
             (1, "publish: wq_publish", "a publish's rows, bare"),
             (
@@ -143,17 +156,12 @@ def main() -> int:
                 f"a batch's rows, bare, {BATCH} a statement",
             ),
         ):
-            ours = server.per_message(partial(publish_statements, topic, batch=batch), batch)
-            told = server.per_message(
-                partial(announce_statements, announcement, batch=batch), batch
-            )
-            floor = server.per_message(partial(floor_statements, batch=batch), batch)
+            ours, floor = figures["ours", batch], figures["floor", batch]
+            # One notification a publish, whatever it holds: a batch's is shared by its messages.
+            told = figures["told", 1] / batch
             # Its announcement names ten subscriptions instead of one: a few hundred bytes more
             # to copy, next to a notification's ~60,000 instructions, so not counted again.
-            fanned = (
-                server.per_message(partial(publish_statements, fanout_topic, batch=batch), batch)
-                + told
-            )
+            fanned = figures["fanned", batch] + told
             print(f"  {label:<60} {ours:>12,.0f}")
             print(f"  {'  its announcement: pg_notify':<60} {told:>12,.0f}")
             share = f"ours {(ours + told) / floor:.2f}x of it"
@@ -191,20 +199,19 @@ def server_bindir() -> Path:
 # -- the client's side --------------------------------------------------------------------------
 
 
-def client_instructions(
-    valgrind: str, workload: str, topic: str, calls: tuple[int, int], per_call: int
-) -> float:
-    """Instructions per message of this project's Python running ``workload``."""
-    # A fixed hash seed: string hashing, and with it dictionaries' probing, alike in both runs.
+def client_instructions(valgrind: str, topic: str, counts: Counts) -> tuple[float, float]:
+    """Instructions per message of this project's Python: ``publish()``, ``publish_many()``."""
+    # A fixed hash seed: string hashing, and with it dictionaries' probing, alike in every run.
     env = {**os.environ, "PYTHONHASHSEED": "0"}
+    runs = {"warm-up": 0, "publish": counts.client_single, "publish_many": counts.client_batches}
     with tempfile.TemporaryDirectory(prefix="wq-instructions-") as folder:
-        outs = [Path(folder) / f"client-{count}.cachegrind" for count in calls]
+        outs = {workload: Path(folder) / f"client-{workload}.cachegrind" for workload in runs}
         commands = [
             [
                 valgrind,
                 "--tool=cachegrind",
                 "--cache-sim=no",
-                f"--cachegrind-out-file={out}",
+                f"--cachegrind-out-file={outs[workload]}",
                 sys.executable,
                 __file__,
                 "--client",
@@ -212,37 +219,51 @@ def client_instructions(
                 "--topic",
                 topic,
                 "--messages",
-                str(count * per_call),
+                str(calls),
             ]
-            for count, out in zip(calls, outs, strict=True)
+            for workload, calls in runs.items()
         ]
-        # Both runs at once: what else the machine runs moves no instruction count.
+        # All at once: what else the machine runs moves no instruction count.
         with ThreadPoolExecutor(len(commands)) as pool:
             list(pool.map(lambda command: _run(command, env=env), commands))
-        short, long = map(_total_instructions, outs)
-    return (long - short) / ((calls[1] - calls[0]) * per_call)
+        warm_up, single, batched = (_total_instructions(outs[workload]) for workload in runs)
+    return (
+        (single - warm_up) / counts.client_single,
+        (batched - warm_up) / (counts.client_batches * BATCH),
+    )
 
 
-def run_client(workload: str, topic: str, messages: int) -> int:
-    """Publish ``messages`` to ``topic`` (inside valgrind), after the warm-up."""
-    if workload == "publish":
-        for n in range(WARMUP):
-            publish(topic, {"n": n})
-        for n in range(messages):
-            publish(topic, {"n": n})
-        return 0
+def run_client(workload: str, topic: str, calls: int) -> int:
+    """Warm both workloads up, then make ``calls`` more calls of ``workload`` (the warm-up run
+    makes none), inside valgrind."""
+    for n in range(WARMUP):
+        publish(topic, {"n": n})
     for _ in range(WARMUP):
         publish_many(topic, [{"payload": {"n": n}} for n in range(BATCH)])
-    for first in range(0, messages, BATCH):
-        publish_many(topic, [{"payload": {"n": n}} for n in range(first, first + BATCH)])
+    for call in range(calls):
+        if workload == "publish":
+            publish(topic, {"n": call})
+        else:
+            publish_many(topic, [{"payload": {"n": n}} for n in range(BATCH)])
     return 0
 
 
 # -- the database's side ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Workload:
+    """One kind of call in a single-user script: its PREPARE, ``calls(n)`` making ``n`` fresh
+    EXECUTEs of it (new message ids and ordinals each time), and the messages a call stands
+    for."""
+
+    prepare: str
+    calls: Callable[[int], list[str]]
+    per_call: int
+
+
 class ServerRuns:
-    """Single-user runs of the stopped scratch cluster under valgrind."""
+    """Single-user runs under valgrind, each on its own copy of the stopped scratch cluster."""
 
     def __init__(self, valgrind: str, bindir: Path, counts: Counts) -> None:
         self.valgrind, self.bindir, self.counts = valgrind, bindir, counts
@@ -254,83 +275,115 @@ class ServerRuns:
             if os.geteuid() == 0 and owner.st_uid != 0
             else {}
         )
-        self.runs = 0
+        self.runs = itertools.count(1)
 
-    def per_message(self, statements: Callable[[int], list[str]], per_call: int) -> float:
-        """Instructions per message of the script ``statements(calls)``, few calls against many."""
-        calls = self.counts.single if per_call == 1 else self.counts.batches
-        short, long = (self.total(statements(WARMUP + count)) for count in calls)
-        return (long - short) / ((calls[1] - calls[0]) * per_call)
+    def per_message(self, workloads: dict[Any, Workload]) -> dict[Any, float]:
+        """Instructions per message of each workload: its script with few and with many calls
+        after the same warm-up, the difference divided by the extra messages."""
+        runs = [
+            (key, count)
+            for key, workload in workloads.items()
+            for count in (self.counts.single if workload.per_call == 1 else self.counts.batches)
+        ]
+
+        def total(run: tuple[Any, int]) -> int:
+            workload = workloads[run[0]]
+            return self.total([workload.prepare, *workload.calls(WARMUP + run[1])])
+
+        # Every run starts from the same database, so none sees another's rows, and they can
+        # run side by side: what else the machine runs moves no instruction count.
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            totals = dict(zip(runs, pool.map(total, runs), strict=True))
+        figures = {}
+        for key, workload in workloads.items():
+            short, long = (count for run_key, count in runs if run_key == key)
+            extra = (long - short) * workload.per_call
+            figures[key] = (totals[key, long] - totals[key, short]) / extra
+        return figures
 
     def total(self, statements: list[str]) -> int:
-        self.runs += 1
-        script = self.folder / f"script-{self.runs}.sql"
-        out = self.folder / f"script-{self.runs}.cachegrind"
+        """Instructions of one single-user run of ``statements`` on a copy of the cluster."""
+        run = next(self.runs)
+        data = self.folder / f"data-{run}"
+        script = self.folder / f"script-{run}.sql"
+        out = self.folder / f"script-{run}.cachegrind"
+        # cp -a keeps the files' owner and modes, which the server checks.
+        _run(["cp", "-a", str(self.folder / "data"), str(data)])
         script.write_text("".join(f"{statement}\n" for statement in statements))
-        with script.open() as commands:
-            run = _run(
-                [
-                    self.valgrind,
-                    "--tool=cachegrind",
-                    "--cache-sim=no",
-                    f"--cachegrind-out-file={out}",
-                    str(self.bindir / "postgres"),
-                    "--single",
-                    "-D",
-                    str(self.folder / "data"),
-                    "workqueue",
-                ],
-                stdin=commands,
-                cwd=self.folder,
-                **self.account,
-            )
+        try:
+            with script.open() as commands:
+                finished = _run(
+                    [
+                        self.valgrind,
+                        "--tool=cachegrind",
+                        "--cache-sim=no",
+                        f"--cachegrind-out-file={out}",
+                        str(self.bindir / "postgres"),
+                        "--single",
+                        "-D",
+                        str(data),
+                        "workqueue",
+                    ],
+                    stdin=commands,
+                    cwd=self.folder,
+                    **self.account,
+                )
+        finally:
+            shutil.rmtree(data)
         # Single-user mode reports an error on its standard error and goes on with the next
         # statement: a script that failed would otherwise be counted as a cheap one.
-        if "ERROR:" in run.stderr:
-            problem = next(line for line in run.stderr.splitlines() if "ERROR:" in line)
+        if "ERROR:" in finished.stderr:
+            problem = next(line for line in finished.stderr.splitlines() if "ERROR:" in line)
             raise SystemExit(f"a statement of {script} failed: {problem.strip()}")
         return _total_instructions(out)
 
 
-def publish_statements(topic: str, calls: int, batch: int) -> list[str]:
-    """``calls`` publishes of ``batch`` new messages, as the driver sends them on its own
+def publish_workload(topic: str, batch: int) -> Workload:
+    """Publishes of ``batch`` new messages to ``topic``, as the driver sends them on its own
     connection (prepared, announcing afterwards itself)."""
     driver = get_driver()
     procedure = get_procedure("wq_publish_many" if batch > 1 else "wq_publish")
-    # With the columns that say what to announce, as the driver's own connection calls it.
-    statements = [f"PREPARE publish AS {_numbered(driver.render_announcing_call(procedure))}"]
     limit = _SizeLimit.of(None)
-    for _ in range(calls):
-        items = [_prepare(OutgoingMessage(payload={"n": n}), limit) for n in range(batch)]
-        _name, params = publish_call(topic, items, "workqueue-system", external=False)
-        values = driver.bind(procedure, {**params, "caller_announces": True})
-        statements.append(f"EXECUTE publish({', '.join(map(_literal, values))})")
-    return statements
+
+    def calls(count: int) -> list[str]:
+        statements = []
+        for _ in range(count):
+            items = [_prepare(OutgoingMessage(payload={"n": n}), limit) for n in range(batch)]
+            _name, params = publish_call(topic, items, "workqueue-system", external=False)
+            values = driver.bind(procedure, {**params, "caller_announces": True})
+            statements.append(f"EXECUTE publish({', '.join(map(_literal, values))})")
+        return statements
+
+    # With the columns that say what to announce, as the driver's own connection calls it.
+    call = _numbered(driver.render_announcing_call(procedure))
+    return Workload(f"PREPARE publish AS {call}", calls, batch)
 
 
-def announce_statements(announcement: tuple[str, str], calls: int, batch: int) -> list[str]:
-    """The announcements the driver sends after ``calls`` publishes (of ``batch`` messages, one
-    announcement each): a bare notification on the channel and with the payload each publish
-    returned."""
+def announce_workload(announcement: tuple[str, str]) -> Workload:
+    """The announcement the driver sends after a publish: a bare notification on the topic's
+    channel, with the payload a publish returned."""
     channel, payload = map(_literal, announcement)
-    return [
+    return Workload(
         f"PREPARE announce AS {PostgresDriver._announce_sql.decode()}",
-        *(f"EXECUTE announce({channel}, {payload})" for _ in range(calls)),
-    ]
+        lambda count: [f"EXECUTE announce({channel}, {payload})"] * count,
+        1,
+    )
 
 
-def floor_statements(calls: int, batch: int) -> list[str]:
-    """``calls`` of the floors' statement, ``batch`` messages each, ordinals never reused."""
+def floor_workload(batch: int) -> Workload:
+    """The floors' statement, ``batch`` messages a call."""
     statement = rows_floor_statement(FLOOR_MESSAGES, FLOOR_DELIVERIES)
-    prepared = f"PREPARE floor AS {_numbered(statement)}"
     topic, subscription = uuid.uuid4(), uuid.uuid4()
-    # Each run starts its ordinals past every earlier run's.
-    offset = secrets.randbelow(1_000_000) * 1_000_000
-    executions = []
-    for n in range(calls):
-        values = rows_floor_values(offset + n, batch, topic, subscription)
-        executions.append(f"EXECUTE floor({', '.join(map(_literal, values))})")
-    return [prepared, *executions]
+
+    def calls(count: int) -> list[str]:
+        # Ordinals from 0 in every run: each starts from the same database.
+        executions = []
+        for n in range(count):
+            values = rows_floor_values(n, batch, topic, subscription)
+            executions.append(f"EXECUTE floor({', '.join(map(_literal, values))})")
+        return executions
+
+    return Workload(f"PREPARE floor AS {_numbered(statement)}", calls, batch)
 
 
 def _numbered(sql: str) -> str:
