@@ -823,6 +823,28 @@ def test_a_shut_down_host_closes_the_database_connections_its_threads_opened(mak
     assert leaked == [], f"{len(leaked)} connection(s) were left for the garbage collector"
 
 
+def test_a_host_of_many_subscriptions_starts_handler_threads_for_work_not_for_its_size(
+    make_host,
+):
+    topic = TopicFactory()
+    subscriptions = [sub(topic=topic) for _ in range(10)]
+    host = make_host([{"name": s.name, "concurrency": 8} for s in subscriptions])
+    before = set(threading.enumerate())
+    host.start()
+    wait_until(lambda: states(host) == {s.name: ("Running", "") for s in subscriptions})
+
+    # For each subscription a claim loop, a completion batcher and a handler thread per slot,
+    # and the host's own few: the threads for settles that overlap handlers (as many again)
+    # and for heartbeats (two) start only if a subscription ever needs them.
+    idle = [t for t in threading.enumerate() if t not in before]
+    assert len(idle) <= 10 * (2 + 8) + 10, sorted(t.name for t in idle)
+
+    publish(topic.name, {"then": "complete"})  # one delivery for each subscription
+    probe.wait_for(10)
+    working = [t for t in threading.enumerate() if t not in before]
+    assert len(working) == len(idle), sorted(t.name for t in working)
+
+
 def test_a_worker_thread_closes_the_queue_connection_its_handler_renewed_a_lease_on(
     make_host, monkeypatch
 ):

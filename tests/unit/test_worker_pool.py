@@ -46,3 +46,63 @@ def test_tasks_not_started_at_shutdown_are_dropped_and_later_ones_refused():
         pool.run(ran.append, "late")
     pool._threads[0].join(5)
     assert ran == []
+
+
+def test_a_pool_starts_threads_only_for_tasks_that_find_none_idle_and_never_past_its_size():
+    pool = WorkerPool(4, "test-pool")
+    try:
+        assert pool._threads == []  # none before any work
+        for n in range(20):  # one task at a time: the first thread takes every one
+            pool.submit(int, n).result(5)
+        assert len(pool._threads) == 1
+
+        release = threading.Event()
+        running = threading.Barrier(5)  # the four tasks below and this test
+        blocked = [pool.submit(lambda: (running.wait(5), release.wait(5))) for _ in range(4)]
+        running.wait(5)  # all four run at once: three more threads were started for them
+        late = pool.submit(int, 7)
+        assert len(pool._threads) == 4  # the fifth waits for one of the four
+        assert not late.done()
+        release.set()
+        assert late.result(5) == 7
+        for future in blocked:
+            future.result(5)
+    finally:
+        pool.shutdown()
+
+
+def test_a_task_never_waits_for_a_busy_thread_while_the_pool_is_below_its_size():
+    # Rounds of tasks that can only finish together, on a pool whose idle threads came back
+    # from earlier rounds of other sizes: each round must get one thread per task at once,
+    # some idle and some new, never one queued behind another.
+    pool = WorkerPool(6, "test-pool")
+    try:
+        for together in (2, 1, 4, 3, 6, 2, 5, 6, 1, 6):
+            barrier = threading.Barrier(together)
+            futures = [pool.submit(barrier.wait, 5) for _ in range(together)]
+            for future in futures:
+                future.result(10)  # a task queued behind a busy thread breaks the barrier
+            assert len(pool._threads) <= 6
+    finally:
+        pool.shutdown()
+
+
+def test_threads_started_with_the_pool_take_the_first_tasks_before_any_more_start():
+    pool = WorkerPool(4, "test-pool", started=2)
+    try:
+        assert len(pool._threads) == 2
+        release = threading.Event()
+        running = threading.Barrier(3)  # the two tasks below and this test
+        blocked = [pool.submit(lambda: (running.wait(5), release.wait(5))) for _ in range(2)]
+        running.wait(5)
+        assert len(pool._threads) == 2  # the two waiting threads took them
+
+        third = threading.Barrier(2)
+        extra = pool.submit(third.wait, 5)  # none idle: a third thread starts for it
+        third.wait(5)
+        assert len(pool._threads) == 3
+        release.set()
+        for future in [*blocked, extra]:
+            future.result(5)
+    finally:
+        pool.shutdown()

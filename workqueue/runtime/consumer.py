@@ -238,8 +238,8 @@ class Consumer:
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
         # may still settle (a retry, a dead letter; completions go to the batcher), so
-        # claiming overlaps settling.
-        self._workers = WorkerPool(2 * config.concurrency, name)
+        # claiming overlaps settling. The second half starts only when settles overlap.
+        self._workers = WorkerPool(2 * config.concurrency, name, started=config.concurrency)
         self._background = WorkerPool(2, f"{name}-bg")
         self._completions = CompletionBatcher(self.receiver, name)
         self._services = ExecutionServices(

@@ -5,6 +5,14 @@ joined at interpreter exit, so a handler that ignores its abort signal would kee
 process alive past its termination grace period; and it offers no hook when a thread ends, so
 the thread's database connections would be left for the garbage collector. Here each thread
 closes its connections as it exits.
+
+A pool starts ``started`` threads at once and the rest of its ``size`` only when a task finds
+none idle, as ThreadPoolExecutor does. A consumer's pools are sized for its busiest moment
+(twice the concurrency for handlers, two for heartbeats and hand-backs), which most
+subscriptions never reach: started whole, a host of 50 subscriptions at concurrency 8 ran 1,000
+threads, most of them never used. The handler threads a subscription's concurrency calls for
+are started with it all the same: a thread start hands the GIL over both ways, which costs a
+claim loop far more among busy threads than at start-up.
 """
 
 from __future__ import annotations
@@ -26,15 +34,20 @@ _Task = tuple[Callable[..., Any], tuple[Any, ...], Future | None]
 
 
 class WorkerPool:
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, *, started: int = 0) -> None:
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{n}", daemon=True) for n in range(size)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._size, self._name = size, name
+        self._threads: list[threading.Thread] = []
+        # One permit per thread on its way to take a task that nobody has claimed for it (one
+        # just started, or one back from its last task): a task that takes a permit has a
+        # thread coming for it; one that finds none starts a thread.
+        self._idle = threading.Semaphore(0)
+        with self._lock:
+            for _ in range(min(started, size)):
+                self._start_thread()
+                self._idle.release()
 
     def runs_on_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
@@ -42,20 +55,32 @@ class WorkerPool:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on a worker; raises RuntimeError once the pool is shut down."""
         future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the worker pool is shut down")
-            self._queue.put((fn, args, future))
+        self._put((fn, args, future))
         return future
 
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a worker when nobody waits for its result (a Future costs a
         lock and a condition, per delivery); what it raises is logged. Raises RuntimeError
         once the pool is shut down."""
+        self._put((fn, args, None))
+
+    def _put(self, task: _Task) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the worker pool is shut down")
-            self._queue.put((fn, args, None))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._size:
+                # Started before the task is queued: if the system refuses a thread, the
+                # RuntimeError reaches the caller (as a shut-down pool's does) and no task is
+                # left behind for a later thread to run after the caller gave up on it.
+                self._start_thread()
+            self._queue.put(task)
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(
+            target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+        )
+        thread.start()
+        self._threads.append(thread)
 
     def run_or_call(self, fn: Callable[..., Any], *args: Any) -> None:
         """``run``, or once the pool is shut down ``fn(*args)`` on the calling thread: for work
@@ -88,19 +113,21 @@ class WorkerPool:
                 task = self._queue.get()
                 if task is None:
                     return
-                fn, args, future = task
-                if future is None:
-                    try:
-                        fn(*args)
-                    except BaseException:
-                        logger.exception("A task on a worker thread failed")
-                    continue
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # the caller reads it from the future
-                    future.set_exception(exc)
+                self._execute(*task)
+                self._idle.release()
         finally:
             close_thread_connections()
             connections.close_all()
+
+    @staticmethod
+    def _execute(fn: Callable[..., Any], args: tuple[Any, ...], future: Future | None) -> None:
+        if future is None:
+            try:
+                fn(*args)
+            except BaseException:
+                logger.exception("A task on a worker thread failed")
+        elif future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the caller reads it from the future
+                future.set_exception(exc)
