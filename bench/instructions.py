@@ -31,7 +31,7 @@ a topic with one subscription and one with ten), deleted at the end; ``DATABASE_
   out, and waiting for the server runs no instructions.
 
 Needs valgrind (``apt-get install valgrind``) and the embedded PostgreSQL's binaries. A full
-run takes about two minutes. ``--quick`` runs every workload with a handful of calls (CI runs
+run takes a minute and a half. ``--quick`` runs every workload with a handful of calls (CI runs
 it so the script stays runnable): counted the same way, but over too few calls to compare one
 change with another.
 """
@@ -63,7 +63,7 @@ def _arguments() -> argparse.Namespace:
         "--client", choices=("warm-up", "publish", "publish_many"), help=argparse.SUPPRESS
     )
     parser.add_argument("--topic", help=argparse.SUPPRESS)
-    parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -120,7 +120,7 @@ QUICK = Counts(single=(1, 3), batches=(1, 2), client_single=10, client_batches=1
 
 def main() -> int:
     if ARGS.client is not None:
-        return run_client(ARGS.client, ARGS.topic, ARGS.messages)
+        return run_client(ARGS.client, ARGS.topic, ARGS.calls)
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("valgrind is not installed: apt-get install valgrind (Debian, Ubuntu)")
@@ -218,7 +218,7 @@ def client_instructions(valgrind: str, topic: str, counts: Counts) -> tuple[floa
                 workload,
                 "--topic",
                 topic,
-                "--messages",
+                "--calls",
                 str(calls),
             ]
             for workload, calls in runs.items()
@@ -293,7 +293,11 @@ class ServerRuns:
         # Every run starts from the same database, so none sees another's rows, and they can
         # run side by side: what else the machine runs moves no instruction count.
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            totals = dict(zip(runs, pool.map(total, runs), strict=True))
+            try:
+                totals = dict(zip(runs, pool.map(total, runs), strict=True))
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # not the other runs first, minutes each
+                raise
         figures = {}
         for key, workload in workloads.items():
             short, long = (count for run_key, count in runs if run_key == key)

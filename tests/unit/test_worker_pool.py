@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from tests.support.waiting import wait_until
 from workqueue.runtime.workers import WorkerPool
 
 
@@ -54,6 +55,9 @@ def test_a_pool_starts_threads_only_for_tasks_that_find_none_idle_and_never_past
         assert pool._threads == []  # none before any work
         for n in range(20):  # one task at a time: the first thread takes every one
             pool.submit(int, n).result(5)
+            # A result is set just before its thread is back for the next task: wait for it
+            # to be back, or the next task rightly finds no thread idle and starts one.
+            wait_until(lambda: pool._idle._value == 1)
         assert len(pool._threads) == 1
 
         release = threading.Event()
@@ -106,3 +110,30 @@ def test_threads_started_with_the_pool_take_the_first_tasks_before_any_more_star
             future.result(5)
     finally:
         pool.shutdown()
+
+
+def test_a_thread_the_system_refuses_leaves_the_task_to_the_pools_threads_or_to_the_caller(
+    monkeypatch,
+):
+    pool = WorkerPool(2, "test-pool")
+    try:
+        monkeypatch.setattr(threading.Thread, "start", _refused)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            pool.run(print, "never")  # no thread at all: the caller hears it, nothing queued
+        assert pool._threads == [] and pool._queue.empty()
+        monkeypatch.undo()
+
+        release = threading.Event()
+        busy = pool.submit(release.wait, 5)  # the one thread, busy
+        monkeypatch.setattr(threading.Thread, "start", _refused)
+        waiting = pool.submit(int, 3)  # no second thread: it waits for the first
+        assert len(pool._threads) == 1
+        release.set()
+        assert waiting.result(5) == 3 and busy.result(5) is True
+    finally:
+        monkeypatch.undo()
+        pool.shutdown()
+
+
+def _refused(thread: threading.Thread) -> None:
+    raise RuntimeError("can't start new thread")

@@ -238,7 +238,8 @@ class Consumer:
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
         # may still settle (a retry, a dead letter; completions go to the batcher), so
-        # claiming overlaps settling. The second half starts only when settles overlap.
+        # claiming overlaps settling. The second half starts only when a delivery is handed
+        # over before the thread that freed its slot is back for the next.
         self._workers = WorkerPool(2 * config.concurrency, name, started=config.concurrency)
         self._background = WorkerPool(2, f"{name}-bg")
         self._completions = CompletionBatcher(self.receiver, name)

@@ -7,12 +7,13 @@ the thread's database connections would be left for the garbage collector. Here 
 closes its connections as it exits.
 
 A pool starts ``started`` threads at once and the rest of its ``size`` only when a task finds
-none idle, as ThreadPoolExecutor does. A consumer's pools are sized for its busiest moment
-(twice the concurrency for handlers, two for heartbeats and hand-backs), which most
-subscriptions never reach: started whole, a host of 50 subscriptions at concurrency 8 ran 1,000
-threads, most of them never used. The handler threads a subscription's concurrency calls for
-are started with it all the same: a thread start hands the GIL over both ways, which costs a
-claim loop far more among busy threads than at start-up.
+none idle, as ThreadPoolExecutor does; a thread once started stays until the pool shuts down.
+A consumer's pools are sized for its busiest moment (twice the concurrency for handlers, two
+for heartbeats and settles off the handlers' threads), which most subscriptions never reach:
+started whole, a host of 50 subscriptions at concurrency 8 ran 1,000 threads, most of them
+never used. The handler threads a subscription's concurrency calls for are started with it all
+the same: a thread start hands the GIL over both ways, which costs a claim loop far more among
+busy threads than at start-up.
 """
 
 from __future__ import annotations
@@ -69,18 +70,28 @@ class WorkerPool:
             if self._closed:
                 raise RuntimeError("the worker pool is shut down")
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._size:
-                # Started before the task is queued: if the system refuses a thread, the
-                # RuntimeError reaches the caller (as a shut-down pool's does) and no task is
-                # left behind for a later thread to run after the caller gave up on it.
-                self._start_thread()
+                try:
+                    self._start_thread()
+                except RuntimeError:
+                    # The system refused a thread: the task waits for one of the pool's
+                    # threads to be free, or, with none at all, the caller hears it (as from a
+                    # shut-down pool) and no task is left behind for a thread started later.
+                    if not self._threads:
+                        raise
             self._queue.put(task)
 
     def _start_thread(self) -> None:
         thread = threading.Thread(
             target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
         )
-        thread.start()
+        # Listed before it starts: a started thread may take a queued task at once, and
+        # runs_on_current_thread must already know it as the pool's.
         self._threads.append(thread)
+        try:
+            thread.start()
+        except BaseException:
+            self._threads.remove(thread)
+            raise
 
     def run_or_call(self, fn: Callable[..., Any], *args: Any) -> None:
         """``run``, or once the pool is shut down ``fn(*args)`` on the calling thread: for work
