@@ -280,11 +280,11 @@ class ServerRuns:
     def per_message(self, workloads: dict[Any, Workload]) -> dict[Any, float]:
         """Instructions per message of each workload: its script with few and with many calls
         after the same warm-up, the difference divided by the extra messages."""
-        runs = [
-            (key, count)
-            for key, workload in workloads.items()
-            for count in (self.counts.single if workload.per_call == 1 else self.counts.batches)
-        ]
+
+        def calls(workload: Workload) -> tuple[int, int]:
+            return self.counts.single if workload.per_call == 1 else self.counts.batches
+
+        runs = [(key, count) for key, workload in workloads.items() for count in calls(workload)]
 
         def total(run: tuple[Any, int]) -> int:
             workload = workloads[run[0]]
@@ -300,7 +300,7 @@ class ServerRuns:
                 raise
         figures = {}
         for key, workload in workloads.items():
-            short, long = (count for run_key, count in runs if run_key == key)
+            short, long = calls(workload)
             extra = (long - short) * workload.per_call
             figures[key] = (totals[key, long] - totals[key, short]) / extra
         return figures
