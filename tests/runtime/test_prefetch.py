@@ -87,6 +87,17 @@ def releases(monkeypatch) -> list[str]:
     return released
 
 
+@pytest.fixture
+def handlers_count_as_quick(monkeypatch) -> None:
+    """Claim ahead up to ``prefetch`` whatever the handlers' measured time. For tests about what
+    happens to deliveries once claimed ahead: they learn the handlers' speed from one quick
+    delivery, and on a loaded machine that one call alone can take over the 20 ms window a
+    single slot gives (PREFETCH_WINDOW_SECONDS), which would turn claiming ahead off for the
+    whole test. The thresholds themselves have their own tests above these."""
+    monkeypatch.setattr(consumer, "PREFETCH_HANDLER_SECONDS", 60.0)
+    monkeypatch.setattr(consumer, "PREFETCH_WINDOW_SECONDS", 60.0)
+
+
 def _all_completed(subscription: Any, count: int) -> bool:
     return Delivery.objects.filter(subscription=subscription, status="Completed").count() == count
 
@@ -144,6 +155,7 @@ def test_a_one_shot_run_claims_only_what_it_works_on(make_host, claims):
     assert max(claims) <= 2, f"a one-shot run claimed ahead: {claims}"
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
 def test_a_delivery_whose_lease_ran_down_while_it_waited_goes_back_unrun_attempt_refunded(
     make_host, claims, releases, monkeypatch
 ):
@@ -162,6 +174,7 @@ def test_a_delivery_whose_lease_ran_down_while_it_waited_goes_back_unrun_attempt
     assert sorted(OverlapHandler.ran) == [(n, 1) for n in range(6)]
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
 def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refunded(
     make_host, releases, caplog
 ):
@@ -195,6 +208,7 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
     assert len(releases) == 3
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
 def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_running(
     make_host, monkeypatch
 ):
