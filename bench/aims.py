@@ -47,7 +47,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import statistics
 import subprocess
@@ -58,13 +57,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+from bench.django_setup import start_django
 
-import django
-
-django.setup()
+start_django()
 
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connections  # noqa: E402

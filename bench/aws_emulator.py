@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import sys
 import time
 import uuid
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
-import django
+from bench.django_setup import start_django
 
-django.setup()
+start_django()
 
 from tests.support.aws import moto_server  # noqa: E402
 from workqueue import publish, publish_many  # noqa: E402

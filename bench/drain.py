@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -55,16 +54,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-# The project's settings fail closed. A benchmark runs them with DEBUG off (DEBUG would keep
-# every query in memory), so it opts in to the embedded PostgreSQL when DATABASE_URL is unset
-# and signs nothing that outlives the run.
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+from bench.django_setup import start_django
 
-import django
-
-django.setup()
+start_django()
 
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402

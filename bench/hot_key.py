@@ -12,23 +12,14 @@ same whatever the hot key's backlog.
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import statistics
 import sys
 import time
 import uuid
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-# The project's settings fail closed. A benchmark runs them with DEBUG off (DEBUG would keep
-# every query in memory), so it opts in to the embedded PostgreSQL when DATABASE_URL is unset
-# and signs nothing that outlives the run.
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+from bench.django_setup import start_django
 
-import django
-
-django.setup()
+start_django()
 
 from workqueue import publish_many  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402

@@ -11,22 +11,14 @@ stats and the capped backlog of every subscription, and the host records).
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import statistics
 import sys
 import time
 import uuid
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-# The project's settings fail closed: a benchmark opts in to the embedded PostgreSQL when
-# DATABASE_URL is unset, and signs nothing that outlives the run.
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+from bench.django_setup import start_django
 
-import django
-
-django.setup()
+start_django()
 
 from django.db import connection  # noqa: E402
 

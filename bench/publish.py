@@ -24,21 +24,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import secrets
 import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+from bench.django_setup import start_django
 
-import django
-
-django.setup()
+start_django()
 
 from django.contrib.auth import get_user_model  # noqa: E402
 

@@ -22,8 +22,6 @@ Exit 1 when the verdict fails and --strict is given.
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import statistics
 import sys
 import threading
@@ -31,15 +29,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-# As in bench/drain.py: DEBUG off (it would keep every query), the embedded PostgreSQL when
-# DATABASE_URL is unset, and a throwaway secret.
-os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
-os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+from bench.django_setup import start_django
 
-import django
-
-django.setup()
+start_django()
 
 from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402

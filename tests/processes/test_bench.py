@@ -258,3 +258,17 @@ def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():
     with connection.cursor() as cursor:
         cursor.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE 'bench_floor_%%'")
         assert cursor.fetchall() == [], "the floors' scratch tables were left behind"
+
+
+def test_a_benchmark_on_a_database_never_migrated_migrates_it_first(scratch_database):
+    # As on a fresh clone, where the README's bench commands are the first thing a user runs.
+    run = run_python(
+        "bench/publish.py",
+        *("--messages", "20", "--batch", "1", "--warmup", "5"),
+        env=subprocess_environment(scratch_database),
+        timeout=180,
+        check=True,
+    )
+
+    assert "Migrating the benchmark's database first" in run.stderr
+    assert re.search(r"publish 20 messages.*one at a time, 1 subscription", run.stdout), run.stdout
