@@ -88,9 +88,10 @@ CI = ChaosSize(
     keys=50,
     publish_seconds=8,
     kill_at=(2.5, 6.0),
-    # Half of them ignore their cancel, on two keyed subscriptions: 12 deliveries, one of which
-    # host B must run for the Canceller to find one (each lands on either host).
-    slow_messages=12,
+    # Half of them ignore their cancel, on two keyed subscriptions: 16 deliveries, one of which
+    # host B must run for the Canceller to find one. Each lands on either host, so all of them
+    # land on A about once in 2^16 runs (12 of them left that at once in 4,096).
+    slow_messages=16,
     cancels=6,
     concurrency=6,
     drain_timeout=60,
