@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -592,6 +592,7 @@ def main() -> int:
         help="run only these aims (default: all)",
     )
     args = parser.parse_args()
+    prepare_database()
     vendor = connections[get_driver().alias].vendor
     if vendor != "postgresql":
         # The floors and the seeded backlog are PostgreSQL SQL, as the aims are PostgreSQL's.

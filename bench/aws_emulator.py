@@ -22,7 +22,7 @@ import uuid
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -36,6 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--messages", type=int, default=2_000)
     args = parser.parse_args()
+    prepare_database()
     with moto_server() as endpoint:
         suffix = uuid.uuid4().hex[:8]
         transport = Transport.objects.create(

@@ -2,9 +2,13 @@
 
 The project's settings fail closed. A benchmark runs them with DEBUG off (DEBUG would keep every
 query in memory), opts in to the embedded PostgreSQL when DATABASE_URL is unset, and signs
-nothing that outlives the run. A database whose migrations are behind (a fresh embedded cluster,
-say) is migrated first: the benchmarks create topics and subscriptions of their own, and a
-traceback about a missing ``auth_user`` table tells nobody what to run.
+nothing that outlives the run. ``start_django`` only sets Django up, so importing a script (as
+``bench/aims.py`` imports ``bench/drain.py``, or ``--help``) touches no database;
+``prepare_database``, called once a script has read its arguments, migrates the embedded
+database when it is behind (a fresh cluster, say: the benchmarks create topics and
+subscriptions of their own, and a traceback about a missing ``auth_user`` table tells nobody
+what to run). A database that DATABASE_URL names is never migrated behind its owner's back:
+when it is behind, the script stops and says so.
 """
 
 from __future__ import annotations
@@ -23,11 +27,20 @@ def start_django() -> None:
 
     django.setup()
 
+
+def prepare_database() -> None:
     from django.core.management import call_command
     from django.db import connection
     from django.db.migrations.executor import MigrationExecutor
 
     executor = MigrationExecutor(connection)
-    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
-        print("Migrating the benchmark's database first (manage.py migrate).", file=sys.stderr)
-        call_command("migrate", verbosity=0)
+    if not executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        return
+    if os.environ.get("DATABASE_URL"):
+        raise SystemExit(
+            "The database DATABASE_URL names is behind this checkout's migrations: run "
+            "`python manage.py migrate` against it first, or unset DATABASE_URL to benchmark "
+            "the embedded PostgreSQL."
+        )
+    print("Migrating the embedded database first (manage.py migrate).", file=sys.stderr)
+    call_command("migrate", verbosity=0)

@@ -54,7 +54,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -471,6 +471,7 @@ def main() -> int:
         "the tables' owner or a superuser)",
     )
     args = parser.parse_args()
+    prepare_database()
     if args.publish_on_request:
         return publish_on_request(args.publish_on_request)
     if args.fanout < 1:

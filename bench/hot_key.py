@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -65,6 +65,7 @@ def main() -> int:
     parser.add_argument("--backlog", type=int, nargs="*", default=[1, 1000, 50_000])
     parser.add_argument("--mode", nargs="*", default=["Ordered", "Exclusive"])
     args = parser.parse_args()
+    prepare_database()
     print(f"database: {get_driver().vendor_label}")
     claim_cost_ms(args.mode[0], 1)  # warm the connection and the procedures' plans
     for mode in args.mode:

@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -61,6 +61,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pending", type=int, nargs="*", default=[1000, 100_000])
     args = parser.parse_args()
+    prepare_database()
     print(f"database: {get_driver().vendor_label}")
     for pending in args.pending:
         ms = scrape_ms(pending)

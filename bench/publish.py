@@ -30,7 +30,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -173,6 +173,7 @@ def main() -> int:
         help="then time this many publishes from returning to their notification's arrival",
     )
     args = parser.parse_args()
+    prepare_database()
     User = get_user_model()
     User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults")

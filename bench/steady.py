@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from bench.django_setup import start_django
+from bench.django_setup import prepare_database, start_django
 
 start_django()
 
@@ -152,6 +152,7 @@ def main() -> int:
     parser.add_argument("--age-seconds", type=float, default=60)
     parser.add_argument("--strict", action="store_true", help="exit 1 when the verdict fails")
     args = parser.parse_args()
+    prepare_database()
     User = get_user_model()
     User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
 

@@ -609,7 +609,7 @@ def test_a_publisher_plans_a_publish_once_whatever_the_statistics_say(pg_conn, p
     # the statistics showed one topic with many subscriptions, the fan-out, whose plan for one
     # topic then looked cheaper than the kept one. That re-planning was up to a third of a
     # single publish's PostgreSQL CPU (0.48 ms -> 0.31 ms beside a topic of 300 subscriptions;
-    # README, twelfth round). Seen failing before migration 0030: three plans, not one.
+    # docs/performance.md, twelfth round). Seen failing before migration 0030: three plans, not one.
     busy, topic = TopicFactory(), TopicFactory()
     template = SubscriptionFactory(topic=busy)
     SubscriptionFactory(topic=topic)

@@ -7,10 +7,12 @@ that every published message was drained and that each figure is reported.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.db import connection
 
@@ -260,15 +262,36 @@ def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():
         assert cursor.fetchall() == [], "the floors' scratch tables were left behind"
 
 
-def test_a_benchmark_on_a_database_never_migrated_migrates_it_first(scratch_database):
+def test_a_benchmark_on_a_fresh_embedded_database_migrates_it_first(private_cluster):
     # As on a fresh clone, where the README's bench commands are the first thing a user runs.
+    env = subprocess_environment()
+    del env["DATABASE_URL"]
+    env.update(WORKQUEUE_LOCALDB="1", WORKQUEUE_LOCALDB_DIR=os.environ["WORKQUEUE_LOCALDB_DIR"])
+
     run = run_python(
         "bench/publish.py",
         *("--messages", "20", "--batch", "1", "--warmup", "5"),
-        env=subprocess_environment(scratch_database),
+        env=env,
         timeout=180,
         check=True,
     )
 
-    assert "Migrating the benchmark's database first" in run.stderr
+    assert "Migrating the embedded database first" in run.stderr
     assert re.search(r"publish 20 messages.*one at a time, 1 subscription", run.stdout), run.stdout
+
+
+def test_a_benchmark_never_migrates_a_database_that_database_url_names(scratch_database):
+    run = run_python(
+        "bench/publish.py",
+        *("--messages", "20", "--batch", "1"),
+        env=subprocess_environment(scratch_database),
+        timeout=180,
+    )
+
+    assert run.returncode != 0
+    assert "run `python manage.py migrate` against it first" in run.stderr
+    with psycopg.connect(scratch_database) as conn:
+        tables = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()"
+        ).fetchone()
+    assert tables == (0,), "the benchmark wrote into a database it was not told to migrate"

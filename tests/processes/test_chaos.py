@@ -89,8 +89,9 @@ CI = ChaosSize(
     publish_seconds=8,
     kill_at=(2.5, 6.0),
     # Half of them ignore their cancel, on two keyed subscriptions: 16 deliveries, one of which
-    # host B must run for the Canceller to find one. Each lands on either host, so all of them
-    # land on A about once in 2^16 runs (12 of them left that at once in 4,096).
+    # host B must run for the Canceller to find one. Were each to land on either host as a coin
+    # falls, all would land on A about once in 2^16 runs (12 of them: once in 4,096); claims
+    # that take several at once and A's restarts make the true odds somewhat worse than that.
     slow_messages=16,
     cancels=6,
     concurrency=6,

@@ -184,7 +184,7 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 3}], shutdown_drain_ms=1000)
     host.start()
     first = publish(s.topic.name, {"then": "complete"}).message_id
-    wait_until(lambda: status_of(first) == "Completed")  # the handlers are known to be quick
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
     blocker, *waiting = [
         r.message_id
         for r in publish_many(
@@ -217,7 +217,7 @@ def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_ru
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
     host.start()
     first = publish(s.topic.name, {"then": "complete"}).message_id
-    wait_until(lambda: status_of(first) == "Completed")  # the handlers are known to be quick
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
     blocker, victim = [
         r.message_id
         for r in publish_many(
