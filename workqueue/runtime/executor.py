@@ -124,18 +124,74 @@ class _Decision:
 
 _worker_thread = threading.local()
 
+#: A worker thread's ORM connection that Django checked (``CONN_HEALTH_CHECKS``) or opened less
+#: than this long before a delivery starts counts as checked for that delivery too. Django
+#: checks a kept connection once per request; a host's deliveries are its requests, and a
+#: ``SELECT 1`` round trip before each one's first query was one of a Tasks API task's seven.
+#: A connection that breaks within the window fails the next handler's attempt, which is then
+#: retried, as it would without health checks; one idle for longer is checked as Django would.
+HEALTH_CHECK_REUSE_SECONDS = 1.0
+
+
+class _WorkerConnections:
+    """One worker thread's ORM connection wrappers, made once (Django's
+    ``close_old_connections`` walks every alias through its context-local store on every call, a
+    tenth of a no-op delivery's host time, while a thread's wrappers stay the same for its life),
+    and when each connection was last known healthy."""
+
+    __slots__ = ("delivery_began", "healthy_since", "watched", "wrappers")
+
+    def __init__(self) -> None:
+        self.wrappers = connections.all()
+        self.healthy_since: dict[str, float] = {}
+        self.delivery_began = 0.0
+        self.watched: set[str] = set()  # checked or opened at first use in this delivery
+
+
+def _worker_connections() -> _WorkerConnections:
+    state = getattr(_worker_thread, "connections", None)
+    if state is None:
+        state = _worker_thread.connections = _WorkerConnections()
+    return state
+
+
+def ready_connections_of_this_thread() -> None:
+    """Before a handler: a connection known healthy within HEALTH_CHECK_REUSE_SECONDS needs no
+    ping at the handler's first query; any other is checked (or opened) as Django would."""
+    state = _worker_connections()
+    now = state.delivery_began = time.monotonic()
+    state.watched.clear()
+    for wrapper in state.wrappers:
+        if wrapper.connection is not None and wrapper.health_check_done:
+            continue  # checked at the end of the last delivery (after an error): Django's call
+        healthy_since = state.healthy_since.get(wrapper.alias)
+        if (
+            wrapper.connection is not None
+            and healthy_since is not None
+            and now - healthy_since < HEALTH_CHECK_REUSE_SECONDS
+        ):
+            wrapper.health_check_done = True  # Django then sends no ping for it
+        else:
+            state.watched.add(wrapper.alias)
+
 
 def close_old_connections_of_this_thread() -> None:
-    """``django.db.close_old_connections`` for the calling worker thread, at a fraction of the
-    cost: Django's walks every alias through its context-local store on every call (a tenth of
-    a no-op delivery's host time), while a thread's connection wrappers, once made, stay the
-    same for the thread's life. So they are made once, here, and closed when broken or past
-    CONN_MAX_AGE exactly as Django would close them."""
-    wrappers = getattr(_worker_thread, "connections", None)
-    if wrappers is None:
-        wrappers = _worker_thread.connections = connections.all()
-    for wrapper in wrappers:
+    """After a handler: ``django.db.close_old_connections`` for the calling worker thread, at a
+    fraction of the cost (see _WorkerConnections). Connections are closed when broken or past
+    CONN_MAX_AGE exactly as Django would close them. One the handler had checked or opened at
+    its first query is remembered as healthy from the handler's start (no later than the check,
+    so the window never runs past what was seen)."""
+    state = _worker_connections()
+    for wrapper in state.wrappers:
+        alias = wrapper.alias
+        if alias in state.watched and wrapper.connection is not None and wrapper.health_check_done:
+            state.healthy_since[alias] = state.delivery_began
         wrapper.close_if_unusable_or_obsolete()
+        if wrapper.connection is None:
+            state.healthy_since.pop(alias, None)
+        elif wrapper.health_check_done:
+            # Errors occurred in the handler and Django's own check just found it usable.
+            state.healthy_since[alias] = time.monotonic()
 
 
 @functools.cache
@@ -156,9 +212,11 @@ class ExecutionServices:
     handlers: HandlerRegistry
     user: Any
     lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
+    #: Called before each handler: whether its ORM connections need Django's health check.
+    ready_connections: Callable[[], None] = ready_connections_of_this_thread
     #: Called after each handler so the next gets fresh ORM connections, as at the end of a
-    #: request. ``run_until_idle`` runs handlers inside a test's transaction and passes a no-op:
-    #: closing that connection would end the test's transaction.
+    #: request. ``run_until_idle`` runs handlers inside a test's transaction and passes no-ops
+    #: for both: closing that connection would end the test's transaction.
     refresh_connections: Callable[[], None] = close_old_connections_of_this_thread
     #: Set when the consumer begins to stop; every handler sees it as ``context.stopping``.
     stopping: StopNotice = field(default_factory=StopNotice)
@@ -339,6 +397,7 @@ class DeliveryExecution:
             _heartbeat=self._beat,
             _complete=self._complete_in_transaction,
         )
+        self.services.ready_connections()
         try:
             outcome = handler_class(self.services.user).handle(message, context)
         except FatalWorkError as exc:
@@ -360,8 +419,9 @@ class DeliveryExecution:
         finally:
             # What the handler used of the ORM is closed if broken or past CONN_MAX_AGE, as at
             # the end of a request; the next handler on this thread then checks the connection
-            # at its first query (CONN_HEALTH_CHECKS). Once per delivery, not before and after:
-            # the call walks every alias, and between two handlers nothing else uses them.
+            # at its first query (CONN_HEALTH_CHECKS) unless it was checked within
+            # HEALTH_CHECK_REUSE_SECONDS (ready_connections). Between two handlers nothing
+            # else uses these connections.
             self.services.refresh_connections()
         if not isinstance(outcome, Outcome) or outcome.kind not in {
             Outcome.COMPLETE,

@@ -154,6 +154,7 @@ class _Executor:
             background=background,
             handlers=handler_registry,
             user=user,
+            ready_connections=_keep_connections,
             refresh_connections=_keep_connections,
         )
 
