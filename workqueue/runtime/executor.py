@@ -128,8 +128,9 @@ _worker_thread = threading.local()
 #: than this long before a delivery starts counts as checked for that delivery too. Django
 #: checks a kept connection once per request; a host's deliveries are its requests, and a
 #: ``SELECT 1`` round trip before each one's first query was one of a Tasks API task's seven.
-#: A connection that breaks within the window fails the next handler's attempt, which is then
-#: retried, as it would without health checks; one idle for longer is checked as Django would.
+#: A connection that breaks within the window costs the next handler an attempt (retried, or
+#: dead-lettered if it was the last), as without health checks; one idle for longer is checked
+#: as Django would check it.
 HEALTH_CHECK_REUSE_SECONDS = 1.0
 
 
@@ -156,14 +157,14 @@ def _worker_connections() -> _WorkerConnections:
 
 
 def ready_connections_of_this_thread() -> None:
-    """Before a handler: a connection known healthy within HEALTH_CHECK_REUSE_SECONDS needs no
-    ping at the handler's first query; any other is checked (or opened) as Django would."""
+    """Before a handler, as at a request's start: a connection known healthy within
+    HEALTH_CHECK_REUSE_SECONDS needs no ping at the handler's first query; any other is checked
+    (or opened) there as Django would, however it was left (a check after an error, or the ORM
+    used on this thread between handlers, also ages)."""
     state = _worker_connections()
     now = state.delivery_began = time.monotonic()
     state.watched.clear()
     for wrapper in state.wrappers:
-        if wrapper.connection is not None and wrapper.health_check_done:
-            continue  # checked at the end of the last delivery (after an error): Django's call
         healthy_since = state.healthy_since.get(wrapper.alias)
         if (
             wrapper.connection is not None
@@ -172,6 +173,8 @@ def ready_connections_of_this_thread() -> None:
         ):
             wrapper.health_check_done = True  # Django then sends no ping for it
         else:
+            if wrapper.connection is not None:
+                wrapper.health_check_done = False
             state.watched.add(wrapper.alias)
 
 
