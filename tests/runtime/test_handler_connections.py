@@ -95,13 +95,19 @@ def _completed(message_id: str) -> tuple[str, int]:
     return row.status, row.attempt_count
 
 
+def _running(make_host: Any, monkeypatch: Any, window: float, **fields: Any) -> Any:
+    """A started host of one ``t.orm`` subscription at concurrency 1, with ``window`` as
+    HEALTH_CHECK_REUSE_SECONDS; the subscription."""
+    monkeypatch.setattr(executor, "HEALTH_CHECK_REUSE_SECONDS", window)
+    s = sub(handler_key="t.orm", **fields)
+    make_host(one(s, concurrency=1)).start()
+    return s
+
+
 def test_deliveries_back_to_back_do_not_ping_their_orm_connection_each(
     make_host, pings, monkeypatch
 ):
-    monkeypatch.setattr(executor, "HEALTH_CHECK_REUSE_SECONDS", 60.0)
-    s = sub(handler_key="t.orm")
-    host = make_host(one(s, concurrency=1))
-    host.start()
+    s = _running(make_host, monkeypatch, 60.0)
 
     results = publish_many(s.topic.name, [{"payload": {"n": n}} for n in range(40)])
 
@@ -121,10 +127,7 @@ def test_deliveries_back_to_back_do_not_ping_their_orm_connection_each(
 def test_a_connection_idle_past_the_window_is_checked_and_replaced_before_the_handler_uses_it(
     make_host, pings, monkeypatch
 ):
-    monkeypatch.setattr(executor, "HEALTH_CHECK_REUSE_SECONDS", 0.3)
-    s = sub(handler_key="t.orm")
-    host = make_host(one(s, concurrency=1))
-    host.start()
+    s = _running(make_host, monkeypatch, 0.3)
     first = publish(s.topic.name, {"n": 1}).message_id
     wait_until(lambda: _completed(first) == ("Completed", 1))
     _terminate(OrmHandler.backends[0])
@@ -141,10 +144,7 @@ def test_a_connection_idle_past_the_window_is_checked_and_replaced_before_the_ha
 def test_a_connection_that_dies_within_the_window_costs_the_next_handler_one_attempt(
     make_host, pings, monkeypatch
 ):
-    monkeypatch.setattr(executor, "HEALTH_CHECK_REUSE_SECONDS", 60.0)
-    s = sub(handler_key="t.orm", backoff_base_seconds=0, backoff_max_seconds=0)
-    host = make_host(one(s, concurrency=1))
-    host.start()
+    s = _running(make_host, monkeypatch, 60.0, backoff_base_seconds=0, backoff_max_seconds=0)
     first = publish(s.topic.name, {"n": 1}).message_id
     wait_until(lambda: _completed(first) == ("Completed", 1))
     _terminate(OrmHandler.backends[0])
@@ -163,10 +163,7 @@ def test_a_connection_that_dies_within_the_window_costs_the_next_handler_one_att
 def test_a_connection_checked_after_a_handlers_error_ages_like_any_other(
     make_host, pings, monkeypatch
 ):
-    monkeypatch.setattr(executor, "HEALTH_CHECK_REUSE_SECONDS", 0.3)
-    s = sub(handler_key="t.orm")
-    host = make_host(one(s, concurrency=1))
-    host.start()
+    s = _running(make_host, monkeypatch, 0.3)
     first = publish(s.topic.name, {"badSql": True}).message_id
     wait_until(lambda: _completed(first) == ("Completed", 1))
     _terminate(OrmHandler.backends[0])  # after Django's check at the end of that delivery
