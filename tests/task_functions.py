@@ -52,3 +52,8 @@ def user_exists(username: str) -> bool:
 @task()
 def returns_a_tuple() -> tuple[int, int]:
     return (1, 2)
+
+
+@task()
+def echo(value: Any) -> Any:
+    return value

@@ -4,7 +4,9 @@ django-tasks-db's DatabaseBackend, against the same PostgreSQL.
 For each backend: enqueue N no-op tasks one at a time (``task.using(backend=...).enqueue()``),
 then drain them with one worker process (``workqueue_work --once --max N`` at each concurrency;
 ``db_worker --batch``, which runs one task at a time), and report the enqueue rate and the drain
-rate measured from the results' own start and finish times (so process start-up is not counted).
+rate measured from the results' own start and finish times (so process start-up is not counted),
+and the worker process's CPU per task (its start-up, measured by running it once more with
+nothing to do, taken out).
 
 django-tasks-db is not a dependency of this project: run this from a virtualenv that has it:
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import secrets
 import subprocess
 import sys
@@ -42,7 +45,9 @@ from workqueue.models import Delivery, TaskResult  # noqa: E402
 QUEUE = "bench"
 
 
-def manage(*args: str) -> None:
+def manage(*args: str) -> float:
+    """Run a management command to its end; the CPU seconds (user + system) it spent."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     # Their per-task log lines are not part of the measurement.
     subprocess.run(
         [sys.executable, "manage.py", *args],
@@ -51,6 +56,15 @@ def manage(*args: str) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def cpu_per_task(worker: list[str], spent: float, count: int) -> float:
+    """Milliseconds of the worker process's CPU per task, its start-up taken out: the same
+    command run once more with nothing left to do costs the start-up alone. Steadier than the
+    rate on a shared machine, though the worker's database backend is not counted."""
+    return (spent - manage(*worker)) * 1000 / count
 
 
 def enqueue(backend: str, count: int) -> tuple[float, list[str]]:
@@ -65,12 +79,12 @@ def drain_rate(started: object, finished: object, count: int) -> float:
     return count / (finished - started).total_seconds()  # type: ignore[operator]
 
 
-def workqueue_round(count: int, concurrency: int) -> tuple[float, float]:
+def workqueue_round(count: int, concurrency: int) -> tuple[float, float, float]:
     noop.using(backend="default").get_backend().ensure_queue(QUEUE)
     # Whatever an earlier, interrupted run left waiting would be drained with this round's.
     manage("workqueue", "discard-pending", "-s", f"tasks.{QUEUE}", "--discard-reason", "bench")
     rate, ids = enqueue("default", count)
-    manage(
+    worker = [
         "workqueue_work",
         "-s",
         f"tasks.{QUEUE}",
@@ -79,18 +93,19 @@ def workqueue_round(count: int, concurrency: int) -> tuple[float, float]:
         str(count),
         "--concurrency",
         str(concurrency),
-    )
+    ]
+    spent = manage(*worker)
     done = Delivery.objects.filter(message_id__in=ids, status="Completed")
     assert done.count() == count, f"{done.count()} of {count} completed"
     first = TaskResult.objects.filter(pk__in=ids).aggregate(first=Min("started_at"))["first"]
     last = done.aggregate(last=Max("completed_at"))["last"]
-    return rate, drain_rate(first, last, count)
+    return rate, drain_rate(first, last, count), cpu_per_task(worker, spent, count)
 
 
-def db_round(count: int) -> tuple[float, float]:
+def db_round(count: int) -> tuple[float, float, float]:
     DBTaskResult.objects.filter(status="READY").delete()  # an interrupted run's leftovers
     rate, ids = enqueue("db", count)
-    manage(
+    worker = [
         "db_worker",
         "--backend",
         "db",
@@ -101,11 +116,12 @@ def db_round(count: int) -> tuple[float, float]:
         "0.1",
         "--no-startup-delay",
         "--no-reload",
-    )
+    ]
+    spent = manage(*worker)
     results = DBTaskResult.objects.filter(pk__in=ids)
     assert results.filter(status="SUCCESSFUL").count() == count
     span = results.aggregate(first=Min("started_at"), last=Max("finished_at"))
-    return rate, drain_rate(span["first"], span["last"], count)
+    return rate, drain_rate(span["first"], span["last"], count), cpu_per_task(worker, spent, count)
 
 
 def main() -> int:
@@ -115,13 +131,16 @@ def main() -> int:
     args = parser.parse_args()
     call_command("migrate", verbosity=0)
     call_command("workqueue", "create-system-user", verbosity=0)
-    rate, drained = db_round(args.tasks)
-    print(f"django-tasks-db: enqueue {rate:,.0f}/s, drain (one db_worker) {drained:,.0f}/s")
+    rate, drained, cpu = db_round(args.tasks)
+    print(
+        f"django-tasks-db: enqueue {rate:,.0f}/s, drain (one db_worker) {drained:,.0f}/s, "
+        f"worker CPU {cpu:.2f} ms a task"
+    )
     for concurrency in args.concurrency:
-        rate, drained = workqueue_round(args.tasks, concurrency)
+        rate, drained, cpu = workqueue_round(args.tasks, concurrency)
         print(
             f"django-workqueue: enqueue {rate:,.0f}/s, drain (one host, concurrency "
-            f"{concurrency}) {drained:,.0f}/s"
+            f"{concurrency}) {drained:,.0f}/s, worker CPU {cpu:.2f} ms a task"
         )
     return 0
 

@@ -24,7 +24,7 @@ from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from tests.support.waiting import wait_until
-from tests.task_functions import add, always_fails, returns_a_tuple
+from tests.task_functions import add, always_fails, echo, returns_a_tuple
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
 from workqueue.runtime.host import Host, HostConfig
@@ -240,6 +240,27 @@ def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):
     (error,) = failed.errors
     assert error.exception_class is TypeError
     assert "return value is a tuple" in error.traceback
+
+
+def test_return_values_are_stored_as_they_were_returned_and_none_as_sql_null(run_host):
+    """The handler writes the return value with a statement of its own (not the ORM's
+    ``update``); the model's field still prepares each value, so every JSON shape comes back
+    equal and a task that returns None leaves the column NULL, as ``update`` would."""
+    values = [
+        None,
+        0,
+        'it\'s "quoted" and ünïcode',
+        [1, [2, {"three": None}]],
+        {"nested": {"list": [True, False, 1.5]}, "empty": {}},
+    ]
+    results = [echo.enqueue(value) for value in values]
+    run_host()
+
+    assert [finished(result.id).return_value for result in results] == values
+    null_columns = TaskResult.objects.filter(
+        pk__in=[result.id for result in results], return_value__isnull=True
+    )
+    assert [str(pk) for pk in null_columns.values_list("pk", flat=True)] == [results[0].id]
 
 
 def test_results_are_purged_with_their_messages_by_the_sweeper(run_host):

@@ -417,13 +417,18 @@ class BaseDriver:
         try:
             with conn.cursor() as cursor:
                 cursor.execute(sql, values)
-                return cursor.fetchall() if cursor.description else []
+                return cursor.fetchall() if self.returned_rows(cursor) else []
         except UnicodeEncodeError as exc:
             raise unencodable(exc) from exc
         except DatabaseError as exc:
             if connection is None:
                 self._discard_if_broken(conn)
             raise self.translate_error(exc) from exc
+
+    def returned_rows(self, cursor: Any) -> bool:
+        """Whether the statement just run on ``cursor`` (a Django cursor) returned a result set,
+        however empty. A vendor driver may read it from its database library more cheaply."""
+        return bool(cursor.description)
 
     def database_now(self) -> dt.datetime:
         """The database clock, which decides every due time (the scheduler reads its slots

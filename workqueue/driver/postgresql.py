@@ -513,6 +513,17 @@ class PostgresDriver(BaseDriver):
                     continue
                 raise self.translate_error(exc) from exc
 
+    def returned_rows(self, cursor: Any) -> bool:
+        # From the result itself, as on the private path above: an enlisted completion paid for
+        # psycopg's ``description`` (a column object per column, built anew at each access). A
+        # cursor some instrumentation wrapped without passing ``pgresult`` on is asked the
+        # DB-API way.
+        try:
+            result = cursor.cursor.pgresult
+        except AttributeError:
+            return super().returned_rows(cursor)
+        return result is not None and result.nfields > 0
+
     def _recovered_prepared_statement(self, owned: _ThreadConnection, exc: Any) -> bool:
         """Whether ``exc`` is a call's prepared statement failing at its bind, before it ran
         anything, and the thread's connection is now fit to make the call again."""

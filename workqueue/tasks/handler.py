@@ -17,7 +17,7 @@ from typing import Any
 
 from django.db import transaction
 
-from workqueue.conf import get_settings
+from workqueue.conf import setting
 from workqueue.exceptions import LeaseLost
 from workqueue.runtime.context import WorkContext, WorkMessage
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
@@ -64,7 +64,7 @@ class TaskHandler(BaseWorkHandler):
         backend_class = type(task.get_backend())
         send(api.task_started, backend_class, running)
         try:
-            with transaction.atomic(using=get_settings().DATABASE_ALIAS):
+            with transaction.atomic(using=setting("DATABASE_ALIAS")):
                 value = _call(task, running, task_message)
                 try:
                     require_json_round_trip(value, "The task's return value")

@@ -110,6 +110,15 @@ class TaskMessage:
         found = import_string(self.task_path)
         if not isinstance(found, api.Task):
             raise TypeError(f"{self.task_path} is not a task (decorate the function with @task)")
+        if (found.queue_name, found.backend, found.priority, found.run_after) == (
+            self.queue_name,
+            self.backend,
+            self.priority,
+            self.run_after,
+        ):
+            # Enqueued as decorated, the usual case: the same task. ``using`` would make a copy
+            # and have the backend validate it again, on every run.
+            return found
         return found.using(
             queue_name=self.queue_name,
             backend=self.backend,

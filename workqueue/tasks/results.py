@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import traceback
 import uuid
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, router, transaction
 from django.db.models.functions import Now
 
 from workqueue.models import Delivery, TaskResult
@@ -96,6 +97,30 @@ def record_failure(result_id: str, exc: BaseException) -> None:
 
 
 def record_success(record: TaskResult, value: Any) -> None:
-    """Store the return value (in the caller's transaction, which completes the delivery)."""
-    TaskResult.objects.filter(pk=record.pk).update(return_value=value)
+    """Store the return value (in the caller's transaction, which completes the delivery).
+
+    One UPDATE by primary key, written out here rather than built by the ORM for every task:
+    on the build machine the ORM's query building cost ~0.25 ms of CPU a task, as much as
+    sending the statement. It goes to the database the ORM would route the write to, and the
+    model's own fields prepare the values as ``QuerySet.update`` does (None is SQL NULL)."""
+    connection = connections[router.db_for_write(TaskResult)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _return_value_update(connection.ops.quote_name),
+            [
+                _RETURN_VALUE.get_db_prep_save(value, connection),
+                _PRIMARY_KEY.get_db_prep_save(record.pk, connection),
+            ],
+        )
     record.return_value = value
+
+
+_RETURN_VALUE = TaskResult._meta.get_field("return_value")
+_PRIMARY_KEY = TaskResult._meta.pk
+
+
+def _return_value_update(quote_name: Callable[[str], str]) -> str:
+    return (
+        f"UPDATE {quote_name(TaskResult._meta.db_table)} "
+        f"SET {quote_name(_RETURN_VALUE.column)} = %s WHERE {quote_name(_PRIMARY_KEY.column)} = %s"
+    )
