@@ -144,15 +144,43 @@ def test_no_more_is_claimed_ahead_than_the_handlers_get_through_in_the_window(ma
     assert OverlapHandler.most == 2
 
 
-def test_a_one_shot_run_claims_only_what_it_works_on(make_host, claims):
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_one_shot_run_claims_ahead_but_never_past_its_budget(make_host, claims):
     s = sub(handler_key="t.overlap")
-    publish_many(s.topic.name, [{"payload": {"n": n}} for n in range(12)])
+    publish_many(s.topic.name, [{"payload": {"n": n}} for n in range(30)])
     host = make_host([{"name": s.name, "concurrency": 2, "prefetch": 8}])
 
     result = host.run_once(max_deliveries=12, idle_exit_ms=2_000)
 
     assert result.processed == 12
-    assert max(claims) <= 2, f"a one-shot run claimed ahead: {claims}"
+    assert max(claims) > 2, f"a one-shot run claimed only for its free slots: {claims}"
+    assert len(OverlapHandler.ran) == 12 and OverlapHandler.most <= 2
+    # The other 18 were never claimed: nothing past the budget holds a lease, or an attempt.
+    rows = Delivery.objects.filter(subscription=s)
+    assert rows.filter(status="Completed").count() == 12
+    assert rows.filter(status="Pending", attempt_count=0).count() == 18
+
+
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_one_shot_run_refunds_its_budget_for_deliveries_whose_lease_ran_down_unrun(
+    make_host, claims, releases, monkeypatch
+):
+    # Every delivery claimed ahead counts as late and goes back unrun: had it used up the
+    # budget, the run would end with fewer deliveries run than --max and the queue not empty.
+    monkeypatch.setattr(consumer, "PREFETCH_MIN_LEASE_SHARE", 1.01)
+    s = sub(handler_key="t.overlap")
+    publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 5}} for n in range(10)])
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+
+    result = host.run_once(max_deliveries=6, idle_exit_ms=2_000)
+
+    assert (result.processed, result.reason) == (6, "MaxDeliveries")
+    assert releases, "nothing claimed ahead went back: the test proves nothing"
+    assert len(OverlapHandler.ran) == 6 and all(attempt == 1 for _, attempt in OverlapHandler.ran)
+    wait_until(lambda: Delivery.objects.filter(subscription=s, status="InFlight").count() == 0)
+    rows = Delivery.objects.filter(subscription=s)
+    assert rows.filter(status="Completed").count() == 6
+    assert rows.filter(status="Pending", attempt_count=0).count() == 4
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")
