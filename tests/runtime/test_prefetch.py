@@ -98,8 +98,27 @@ def handlers_count_as_quick(monkeypatch) -> None:
     monkeypatch.setattr(consumer, "PREFETCH_WINDOW_SECONDS", 60.0)
 
 
+@pytest.fixture
+def claimed_ahead_goes_back(make_host, monkeypatch) -> tuple[Any, Any]:
+    """A subscription (one slot, two claimed ahead) and its host, where every delivery claimed
+    ahead counts as late once a slot frees: it must go back unrun, not start."""
+    monkeypatch.setattr(consumer, "PREFETCH_MIN_LEASE_SHARE", 1.01)
+    s = sub(handler_key="t.overlap")
+    return s, make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+
+
 def _all_completed(subscription: Any, count: int) -> bool:
     return Delivery.objects.filter(subscription=subscription, status="Completed").count() == count
+
+
+def _completed_and_never_claimed(subscription: Any) -> tuple[int, int]:
+    """How many of the subscription's deliveries completed, and how many wait unclaimed with no
+    attempt counted (never claimed, or handed back with the attempt refunded)."""
+    rows = Delivery.objects.filter(subscription=subscription)
+    return (
+        rows.filter(status="Completed").count(),
+        rows.filter(status="Pending", attempt_count=0).count(),
+    )
 
 
 def test_quick_handlers_are_claimed_ahead_yet_never_more_run_at_once_than_the_concurrency(
@@ -156,21 +175,17 @@ def test_a_one_shot_run_claims_ahead_but_never_past_its_budget(make_host, claims
     assert max(claims) > 2, f"a one-shot run claimed only for its free slots: {claims}"
     assert len(OverlapHandler.ran) == 12 and OverlapHandler.most <= 2
     # The other 18 were never claimed: nothing past the budget holds a lease, or an attempt.
-    rows = Delivery.objects.filter(subscription=s)
-    assert rows.filter(status="Completed").count() == 12
-    assert rows.filter(status="Pending", attempt_count=0).count() == 18
+    assert _completed_and_never_claimed(s) == (12, 18)
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")
 def test_a_one_shot_run_refunds_its_budget_for_deliveries_whose_lease_ran_down_unrun(
-    make_host, claims, releases, monkeypatch
+    claimed_ahead_goes_back, claims, releases
 ):
-    # Every delivery claimed ahead counts as late and goes back unrun: had it used up the
-    # budget, the run would end with fewer deliveries run than --max and the queue not empty.
-    monkeypatch.setattr(consumer, "PREFETCH_MIN_LEASE_SHARE", 1.01)
-    s = sub(handler_key="t.overlap")
+    # Had what went back used up the budget, the run would end with fewer deliveries run than
+    # --max and the queue not empty.
+    s, host = claimed_ahead_goes_back
     publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 5}} for n in range(10)])
-    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
 
     result = host.run_once(max_deliveries=6, idle_exit_ms=2_000)
 
@@ -178,19 +193,14 @@ def test_a_one_shot_run_refunds_its_budget_for_deliveries_whose_lease_ran_down_u
     assert releases, "nothing claimed ahead went back: the test proves nothing"
     assert len(OverlapHandler.ran) == 6 and all(attempt == 1 for _, attempt in OverlapHandler.ran)
     wait_until(lambda: Delivery.objects.filter(subscription=s, status="InFlight").count() == 0)
-    rows = Delivery.objects.filter(subscription=s)
-    assert rows.filter(status="Completed").count() == 6
-    assert rows.filter(status="Pending", attempt_count=0).count() == 4
+    assert _completed_and_never_claimed(s) == (6, 4)
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")
 def test_a_delivery_whose_lease_ran_down_while_it_waited_goes_back_unrun_attempt_refunded(
-    make_host, claims, releases, monkeypatch
+    claimed_ahead_goes_back, claims, releases
 ):
-    # Every delivery claimed ahead counts as late: it must go back, not start.
-    monkeypatch.setattr(consumer, "PREFETCH_MIN_LEASE_SHARE", 1.01)
-    s = sub(handler_key="t.overlap")
-    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    s, host = claimed_ahead_goes_back
     host.start()
 
     publish_many(s.topic.name, [{"payload": {"n": n, "sleepMs": 5}} for n in range(6)])
