@@ -6,7 +6,7 @@ then drain them with one worker process (``workqueue_work --once --max N`` at ea
 ``db_worker --batch``, which runs one task at a time), and report the enqueue rate and the drain
 rate measured from the results' own start and finish times (so process start-up is not counted),
 and the worker process's CPU per task (its start-up, measured by running it once more with
-nothing to do, taken out).
+nothing to do, taken out; its database backend's CPU is not counted).
 
 django-tasks-db is not a dependency of this project: run this from a virtualenv that has it:
 
@@ -62,8 +62,8 @@ def manage(*args: str) -> float:
 
 def cpu_per_task(worker: list[str], spent: float, count: int) -> float:
     """Milliseconds of the worker process's CPU per task, its start-up taken out: the same
-    command run once more with nothing left to do costs the start-up alone. Steadier than the
-    rate on a shared machine, though the worker's database backend is not counted."""
+    command run once more with nothing left to do, exiting at its first empty claim, costs the
+    start-up and one claim. The worker's database backend is not counted."""
     return (spent - manage(*worker)) * 1000 / count
 
 
@@ -93,6 +93,10 @@ def workqueue_round(count: int, concurrency: int) -> tuple[float, float, float]:
         str(count),
         "--concurrency",
         str(concurrency),
+        # Exits once the queue is empty, as db_worker --batch does, rather than after 5 s of
+        # polling it, which the start-up run below would count as start-up.
+        "--idle-exit-ms",
+        "0",
     ]
     spent = manage(*worker)
     done = Delivery.objects.filter(message_id__in=ids, status="Completed")

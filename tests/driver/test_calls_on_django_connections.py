@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connections
 
 from workqueue.driver import get_driver
 
@@ -30,13 +30,17 @@ class _ProxyCursor:
 
 @pytest.fixture(params=["psycopg", "wrapped"])
 def django_connection(request, monkeypatch):
-    connection.ensure_connection()
+    wrapper = connections["default"]
+    wrapper.ensure_connection()
     if request.param == "wrapped":
-        create_cursor = connection.create_cursor
+        # On the class, so that undoing it leaves no attribute behind on the connection.
+        create_cursor = type(wrapper).create_cursor
         monkeypatch.setattr(
-            connection, "create_cursor", lambda name=None: _ProxyCursor(create_cursor(name))
+            type(wrapper),
+            "create_cursor",
+            lambda self, name=None: _ProxyCursor(create_cursor(self, name)),
         )
-    return connection
+    return wrapper
 
 
 def test_rows_come_back_and_an_empty_result_is_no_rows(django_connection):

@@ -502,14 +502,15 @@ class Consumer:
     def _room(self) -> tuple[int, int]:
         """(how many deliveries a claim may take now, the most it could take when all is
         free); called with the lock held. Past the free slots, room to claim ahead while the
-        running handlers are quick: ``prefetch`` at most, and no more than the slots get
-        through in PREFETCH_WINDOW_SECONDS. A one-shot run claims ahead too, within its budget
-        (the claim loop takes the budget for whatever this allows)."""
+        running handlers are quick and nobody counts the deliveries (a one-shot run works on
+        what it claims, no more): ``prefetch`` at most, and no more than the slots get through
+        in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
         free = concurrency - self._handlers_running
         handler_seconds = self._handler_seconds
         if (
             self.config.prefetch <= 0
+            or self.budget is not None
             or handler_seconds is None
             or handler_seconds >= PREFETCH_HANDLER_SECONDS
         ):
@@ -625,10 +626,6 @@ class Consumer:
             # After a claim that took all there was the free slot has nothing to fill, unless
             # something was published since without waking the loop (no notifications).
             wanted = wanted and not (self._last_receive_drained and self.config.publishes_wake)
-        if late and self.budget is not None:
-            # Never run here: a one-shot run may receive as many again, or it would end short
-            # of its --max with work left in the queue.
-            self.budget.give_back(len(late))
         for execution in late:
             # Waited so long for a slot that its lease is mostly gone: back to the queue,
             # attempt refunded, on a background thread (this worker holds no connection).

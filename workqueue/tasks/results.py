@@ -96,6 +96,10 @@ def record_failure(result_id: str, exc: BaseException) -> None:
         record.save(update_fields=["errors"])
 
 
+_RETURN_VALUE = TaskResult._meta.get_field("return_value")
+_PRIMARY_KEY = TaskResult._meta.pk
+
+
 def record_success(record: TaskResult, value: Any) -> None:
     """Store the return value (in the caller's transaction, which completes the delivery).
 
@@ -113,10 +117,6 @@ def record_success(record: TaskResult, value: Any) -> None:
             ],
         )
     record.return_value = value
-
-
-_RETURN_VALUE = TaskResult._meta.get_field("return_value")
-_PRIMARY_KEY = TaskResult._meta.pk
 
 
 def _return_value_update(quote_name: Callable[[str], str]) -> str:
