@@ -34,6 +34,21 @@ logger = logging.getLogger(__name__)
 _Task = tuple[Callable[..., Any], tuple[Any, ...], Future | None]
 
 
+class _MustRun:
+    """A task queued by ``run_or_call``: work that must happen whether or not a worker thread
+    takes it before the pool shuts down. Dropped, a hand-back would leave its delivery leased
+    until the lease expired, and the expiry counts the attempt the hand-back refunds: a delivery
+    claimed ahead on its last attempt would be dead-lettered without its handler ever running."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
 class WorkerPool:
     def __init__(self, size: int, name: str, *, started: int = 0) -> None:
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
@@ -95,15 +110,18 @@ class WorkerPool:
 
     def run_or_call(self, fn: Callable[..., Any], *args: Any) -> None:
         """``run``, or once the pool is shut down ``fn(*args)`` on the calling thread: for work
-        that must happen either way (a settle), rather than never."""
+        that must happen either way (a settle, a hand-back), rather than never. Queued and not
+        yet started when the pool shuts down, it runs on the thread that shuts the pool down."""
         try:
-            self.run(fn, *args)
+            self._put((_MustRun(fn), args, None))
         except RuntimeError:
             fn(*args)
 
     def shutdown(self) -> None:
-        """Stop taking work; tasks not yet started are cancelled, running ones finish (the
-        threads do not block interpreter exit). Safe to call twice."""
+        """Stop taking work; tasks not yet started are cancelled (``run_or_call``'s run here,
+        on this thread), running ones finish (the threads do not block interpreter exit). Safe
+        to call twice."""
+        must_run: list[_Task] = []
         with self._lock:
             if self._closed:
                 return
@@ -113,10 +131,17 @@ class WorkerPool:
                     task = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if task is not None and task[2] is not None:
+                if task is None:
+                    continue
+                if task[2] is not None:
                     task[2].cancel()
+                elif isinstance(task[0], _MustRun):
+                    must_run.append(task)
             for _ in self._threads:
                 self._queue.put(None)
+        # Outside the lock: a settle may take a while, and may call back into its caller.
+        for task in must_run:
+            self._execute(*task)
 
     def _run(self) -> None:
         try:
