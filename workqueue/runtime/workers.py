@@ -36,7 +36,7 @@ _Task = tuple[Callable[..., Any], tuple[Any, ...], Future | None]
 
 class _MustRun:
     """A task queued by ``run_or_call``: work that must happen whether or not a worker thread
-    takes it before the pool shuts down. Dropped, a hand-back would leave its delivery leased
+    has taken it when the pool shuts down. Dropped, a hand-back would leave its delivery leased
     until the lease expired, and the expiry counts the attempt the hand-back refunds: a delivery
     claimed ahead on its last attempt would be dead-lettered without its handler ever running."""
 
@@ -110,22 +110,23 @@ class WorkerPool:
 
     def run_or_call(self, fn: Callable[..., Any], *args: Any) -> None:
         """``run``, or once the pool is shut down ``fn(*args)`` on the calling thread: for work
-        that must happen either way (a settle, a hand-back), rather than never. Queued and not
-        yet started when the pool shuts down, it runs on the thread that shuts the pool down."""
+        that must happen either way (a settle, a hand-back), rather than never. Still queued
+        when the pool shuts down, it is left to the pool's threads, which end after it."""
         try:
             self._put((_MustRun(fn), args, None))
         except RuntimeError:
             fn(*args)
 
     def shutdown(self) -> None:
-        """Stop taking work; tasks not yet started are cancelled (``run_or_call``'s run here,
-        on this thread), running ones finish (the threads do not block interpreter exit). Safe
-        to call twice."""
-        must_run: list[_Task] = []
+        """Stop taking work; tasks not yet started are cancelled, except ``run_or_call``'s,
+        which the threads still run before they end; running ones finish. Returns at once: the
+        threads do not block a drain, nor interpreter exit (work left then is lost with the
+        process, as a running handler is). Safe to call twice."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            kept: list[_Task] = []
             while True:
                 try:
                     task = self._queue.get_nowait()
@@ -136,12 +137,14 @@ class WorkerPool:
                 if task[2] is not None:
                     task[2].cancel()
                 elif isinstance(task[0], _MustRun):
-                    must_run.append(task)
+                    kept.append(task)
+            # Ahead of the threads' stop marks, so each thread takes them first. Not run on
+            # this thread: a pool whose threads are all busy usually waits on a slow or lost
+            # database, and a consumer's stop must not wait on it past its drain time.
+            for task in kept:
+                self._queue.put(task)
             for _ in self._threads:
                 self._queue.put(None)
-        # Outside the lock: a settle may take a while, and may call back into its caller.
-        for task in must_run:
-            self._execute(*task)
 
     def _run(self) -> None:
         try:
