@@ -274,3 +274,39 @@ def test_a_bad_prefetch_names_the_setting_and_what_it_takes(value):
     config = HostConfig(subscriptions=[{"name": "orders", "prefetch": value}])
     with pytest.raises(WorkQueueConfigurationError, match=r"SUBSCRIPTIONS.*'orders' prefetch"):
         config.prefetch_for("orders", 1024)
+
+
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_hand_back_still_queued_when_the_host_stops_is_not_dropped(
+    make_host, releases, monkeypatch
+):
+    """A delivery claimed ahead that turned late goes back on one of the consumer's two
+    background threads. When both are busy as the host stops (a slow database, say), the
+    hand-back waits for one instead of being dropped with the pool's plain tasks: dropped, the
+    delivery stayed leased until expiry counted the attempt it never used."""
+    monkeypatch.setattr(consumer, "PREFETCH_MIN_LEASE_SHARE", 1.01)  # every one ahead is late
+    s = sub(handler_key="t.overlap")
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    host.start()
+    first = publish(s.topic.name, {"n": 0}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    busy = threading.Event()
+    background = host._consumers[s.name]._background
+    for _ in range(2):
+        background.run(busy.wait, 30)
+    try:
+        batch = publish_many(
+            s.topic.name, [{"payload": {"n": n, "sleepMs": 50}} for n in (1, 2, 3)]
+        )
+        ids = [r.message_id for r in batch]
+        # One runs; the two claimed with it turn late when it returns, before it is settled.
+        wait_until(lambda: any(status_of(m) == "Completed" for m in ids))
+
+        host.shutdown()
+    finally:
+        busy.set()
+
+    wait_until(lambda: not Delivery.objects.filter(message_id__in=ids, status="InFlight").exists())
+    assert releases, "nothing claimed ahead went back: the test proves nothing"
+    for row in Delivery.objects.filter(message_id__in=ids):
+        assert (row.status, row.attempt_count) in {("Completed", 1), ("Pending", 0)}
