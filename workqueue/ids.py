@@ -16,8 +16,26 @@ def new_message_id() -> str:
     each checkpoint a full-page image in the WAL). Built from bytes: a UUID object is not
     needed only to be formatted.
     """
-    octets = bytearray(os.urandom(16))
-    octets[:6] = (time.time_ns() // 1_000_000).to_bytes(6, "big")
+    return _formatted(bytearray(os.urandom(16)), _clock())
+
+
+def new_message_ids(count: int) -> list[str]:
+    """``count`` ids as ``new_message_id`` makes them, from one read of the clock and one of the
+    system's randomness: a batch's ids pay for one system call instead of one each (about half
+    a microsecond an id), and share their millisecond."""
+    randomness, clock = os.urandom(16 * count), _clock()
+    return [
+        _formatted(bytearray(randomness[at : at + 16]), clock) for at in range(0, 16 * count, 16)
+    ]
+
+
+def _clock() -> bytes:
+    return (time.time_ns() // 1_000_000).to_bytes(6, "big")
+
+
+def _formatted(octets: bytearray, clock: bytes) -> str:
+    """16 random ``octets`` made a version 7 id of ``clock`` (6 bytes of Unix milliseconds)."""
+    octets[:6] = clock
     octets[6] = (octets[6] & 0x0F) | 0x70  # version 7
     octets[8] = (octets[8] & 0x3F) | 0x80  # RFC 9562 variant
     text = octets.hex()

@@ -283,9 +283,11 @@ def _message_json(message: dict[str, Any]) -> str:
     fields every message has are written directly (the id is canonical UUID text and the size
     a number, neither needing escapes): half the cost of encoding them as a dict."""
     optional = "".join(
-        f',"{name}":{_json_value(value)}'
-        for name, value in message.items()
-        if value is not None and name not in _WRITTEN_DIRECTLY
+        [
+            f',"{name}":{_json_value(value)}'
+            for name in _OPTIONAL_FIELDS
+            if (value := message[name]) is not None
+        ]
     )
     payload = message["payload_json"]
     return "".join(
@@ -309,9 +311,20 @@ def _json_value(value: Any) -> str:
     return canonical_json(value)
 
 
-#: Fields _message_json writes itself rather than through canonical_json (the payload goes in
-#: as the text made when it was measured; ``payload`` is the value that text was made from).
-_WRITTEN_DIRECTLY = frozenset({"message_id", "envelope_bytes", "payload", "payload_json"})
+#: The fields _message_json writes when set. The others it writes itself (the id and the size,
+#: which every message has; the payload as the text made when it was measured) or leaves out
+#: (``payload``, the value that text was made from).
+_OPTIONAL_FIELDS = (
+    "partition_key",
+    "attributes",
+    "payload_ref",
+    "correlation_id",
+    "deduplication_key",
+    "deduplication_ttl_seconds",
+    "not_before",
+    "delay_seconds",
+    "priority",
+)
 
 
 def reserve_deduplication(topic: str, key: str, message_id: str) -> tuple[str, str | None]:

@@ -5,10 +5,12 @@ to one topic and one by one through ``publish`` to a twin topic, and compare."""
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
 import pytest
+from django.db.models import F
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.filter_cases import leaf, root
@@ -121,3 +123,37 @@ def test_a_batch_with_a_deduplication_key_keeps_the_key_rules():
     again = publish_many(name, [{"payload": 3}, {"payload": 1, "deduplication_key": "d"}])
     assert [r.status for r in first + again] == ["Accepted", "Accepted", "Accepted", "Duplicate"]
     assert again[1].message_id == first[0].message_id
+
+
+def test_a_batch_stored_whole_is_accepted_item_by_item_with_each_items_due_time():
+    """Every item stored: the procedure answers Accepted for each without looking anything up,
+    in array order, and the items due at once skip the schedule's arithmetic. Published again,
+    the same batch is answered item by item: Duplicate for each, the same ids."""
+    name, subs = twin_topic(retention_days=1)
+    chosen = [uuid.uuid4() for _ in range(4)]
+    items: list[dict[str, Any]] = [
+        {"payload": {"n": 0}, "message_id": chosen[0]},
+        {"payload": {"n": 1}, "message_id": chosen[1], "not_before": "2001-01-01T00:00:00+00:00"},
+        {"payload": {"n": 2}, "message_id": chosen[2], "delay_seconds": 3600, "priority": -5},
+        {"payload": {"n": 3}, "message_id": chosen[3], "attributes": {"colour": "red"}},
+    ]
+    stored = publish_many(name, items)
+    assert [(r.status, r.message_id) for r in stored] == [("Accepted", str(i)) for i in chosen]
+    due = {
+        str(d.message_id): (d.visible_at, d.priority, d.published_at)
+        for d in Delivery.objects.filter(subscription__name=subs[0]).annotate(
+            published_at=F("message__published_at")
+        )
+    }
+    for index in (0, 1, 3):
+        visible_at, priority, published_at = due[str(chosen[index])]
+        assert (visible_at, priority) == (published_at, 0)
+    visible_at, priority, published_at = due[str(chosen[2])]
+    assert (visible_at - published_at, priority) == (dt.timedelta(hours=1), -5)
+    # The filtered subscription got the red one only.
+    assert list(
+        Delivery.objects.filter(subscription__name=subs[1]).values_list("message_id", flat=True)
+    ) == [chosen[3]]
+
+    again = publish_many(name, items)
+    assert [(r.status, r.message_id) for r in again] == [("Duplicate", str(i)) for i in chosen]

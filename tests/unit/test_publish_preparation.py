@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import json
 import time
 import uuid
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import pytest
 
 from workqueue.driver.base import canonical_json
+from workqueue.ids import new_message_ids
 from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit
+from workqueue.transport import _message_json
 
 
 def canonical_envelope_bytes(message: OutgoingMessage, payload_ref: Any = None) -> int:
@@ -74,3 +77,56 @@ def test_generated_message_ids_are_distinct_time_ordered_uuids_in_canonical_text
     # Ids made in different milliseconds sort in the order they were made.
     stamps = [uuid.UUID(text).int >> 80 for text in ids]
     assert stamps == sorted(stamps)
+
+
+def test_ids_made_for_a_batch_are_distinct_time_ordered_uuids_of_one_millisecond():
+    before_ms = time.time_ns() // 1_000_000
+    ids = new_message_ids(500)
+    after_ms = time.time_ns() // 1_000_000
+    assert len(set(ids)) == 500
+    stamps = set()
+    for text in ids:
+        parsed = uuid.UUID(text)
+        assert str(parsed) == text
+        assert (parsed.version, parsed.variant) == (7, uuid.RFC_4122)
+        stamps.add(parsed.int >> 80)
+    [stamp] = stamps
+    assert before_ms <= stamp <= after_ms
+    # The random parts differ from batch to batch, not only within one.
+    assert not set(ids) & set(new_message_ids(500))
+
+
+def test_a_batch_item_carries_every_field_the_message_set():
+    """A batch's item is written field by field: a field _prepare returns but the item leaves
+    out would reach the database as NULL, silently (a deduplication key, a schedule...)."""
+    message = OutgoingMessage(
+        payload={"n": 1},
+        partition_key="k",
+        attributes={"kind": "x"},
+        correlation_id="c",
+        deduplication_key="d",
+        deduplication_ttl=600,
+        message_id=uuid.UUID(int=5),
+        delay_seconds=30,
+        priority=7,
+    )
+    prepared = _prepare(message, _SizeLimit.of(None))
+    scheduled = _prepare(
+        OutgoingMessage(payload_ref={"uri": "s3://b/k"}, not_before="2030-01-01T00:00:00+00:00"),
+        _SizeLimit.of(None),
+    )
+    for fields in (prepared, scheduled):
+        item = json.loads(_message_json(fields))
+        set_fields = {name for name, value in fields.items() if value is not None}
+        # The payload goes in once, as the text made when it was measured.
+        expected = set_fields - {"payload_json"}
+        assert set(item) == expected
+        assert item == {
+            name: json.loads(fields["payload_json"]) if name == "payload" else fields[name]
+            for name in expected
+        }
+
+
+def test_the_default_priority_is_sent_as_none_which_every_procedure_reads_as_zero():
+    assert _prepare(OutgoingMessage(payload=1), _SizeLimit.of(None))["priority"] is None
+    assert _prepare(OutgoingMessage(payload=1, priority=-3), _SizeLimit.of(None))["priority"] == -3

@@ -566,7 +566,7 @@ AS $$
                    THEN 'InvalidPriority'
                WHEN (i.not_before IS NOT NULL AND i.delay_seconds IS NOT NULL)
                     OR i.delay_seconds < 0
-                    OR i.due > now() + make_interval(days => p_retention_days)
+                    OR (i.due > now() AND i.due > now() + make_interval(days => p_retention_days))
                    THEN 'InvalidSchedule'
                WHEN GREATEST(i.envelope_bytes, wq_envelope_text_bytes(
                         i.partition_key, i.attributes, i.payload, i.payload_ref,
@@ -576,8 +576,11 @@ AS $$
            END
       FROM (
         SELECT f.*,
-               GREATEST(COALESCE(f.not_before, now()), now())
-                 + make_interval(secs => COALESCE(GREATEST(f.delay_seconds, 0), 0)) AS due
+               -- Most messages are due at once: no interval to make or compare.
+               CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN now()
+                    ELSE GREATEST(COALESCE(f.not_before, now()), now())
+                         + make_interval(secs => COALESCE(GREATEST(f.delay_seconds, 0), 0))
+               END AS due
           FROM (
             SELECT (e.ordinality - 1)::integer AS idx,
                    (e.value ->> 'message_id')::uuid AS id,
@@ -794,6 +797,18 @@ BEGIN
         PERFORM pg_notify(wq_topic_channel(v_topic.id), '');
     ELSIF v_subscriptions IS NOT NULL THEN
         v_announce_topic_id := v_topic.id;
+    END IF;
+
+    IF true = ALL (v_accepted) THEN
+        -- The usual batch, every item stored: Accepted throughout, nothing to look up.
+        RETURN QUERY
+        SELECT (u.ordinality - 1)::integer, u.id, 'Accepted'::text, NULL::text,
+               CASE WHEN u.ordinality = 1 THEN v_announce_topic_id END,
+               CASE WHEN u.ordinality = 1 AND v_announce_topic_id IS NOT NULL
+                    THEN v_subscriptions END
+          FROM unnest(v_ids) WITH ORDINALITY AS u(id, ordinality)
+         ORDER BY u.ordinality;
+        RETURN;
     END IF;
 
     -- Each item's result: its own rejection, Accepted when its row went in, else the id was

@@ -1,0 +1,73 @@
+"""canonical_json: one reused encoder, the same text as Django's encoder built for each call."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import uuid
+
+import pytest
+from django.core.serializers.json import DjangoJSONEncoder
+from hypothesis import given
+from hypothesis import strategies as st
+
+from workqueue.driver.base import canonical_json
+
+
+def reference(value: object) -> str:
+    """What canonical_json wrote before it kept one encoder: json.dumps's way, a new encoder
+    (and a new dict of cycle markers) for every value."""
+    return DjangoJSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        value
+    )
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()  # NaN and the infinities included: written as such, refused later
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@given(json_values)
+def test_the_text_is_the_text_the_encoder_built_per_call_writes(value: object) -> None:
+    assert canonical_json(value) == reference(value)
+
+
+def test_what_django_serialises_is_written_as_django_writes_it() -> None:
+    value = {
+        "amount": decimal.Decimal("12.50"),
+        "id": uuid.UUID("01890a5d-ac96-774b-bcce-b302099a8057"),
+        "at": dt.datetime(2026, 12, 4, 9, 30, tzinfo=dt.UTC),
+        "day": dt.date(2026, 12, 4),
+        "wait": dt.timedelta(seconds=90),
+        "name": 'Zoë \u2028 \\ "quoted"',
+        "flag": True,
+        "ratio": 0.1,
+    }
+    assert canonical_json(value) == reference(value)
+    assert canonical_json("plain text") == reference("plain text") == '"plain text"'
+
+
+def test_a_value_that_contains_itself_is_a_value_error_as_before() -> None:
+    looped: dict[str, object] = {"a": 1}
+    looped["self"] = [looped]
+    with pytest.raises(ValueError, match="Circular reference"):
+        canonical_json(looped)
+
+
+def test_a_value_nested_past_the_recursion_limit_is_a_recursion_error() -> None:
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(RecursionError):
+        canonical_json(deep)
+
+
+def test_a_value_json_cannot_write_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        canonical_json({"socket": object()})
