@@ -267,10 +267,12 @@ def _publish_on(
         transport.require(
             "supports_enlisted_publish", "An enlisted publish", _transport_name(topic)
         )
+    # Only the rules this transport could break are checked (none, for the database).
+    lacking = [rule for rule in _CAPABILITY_RULES if not getattr(transport, rule[0])]
     sendable: list[dict[str, Any]] = []
     for index, message in prepared:
-        problem = _capability_problem(transport, message, _transport_name(topic))
-        if problem is None:
+        problem = lacking and _capability_problem(lacking, transport, message, topic)
+        if not problem:
             sendable.append(message)
         else:
             results[index] = _rejected(problem)
@@ -304,11 +306,16 @@ _CAPABILITY_RULES = (
 
 
 def _capability_problem(
-    transport: BaseTransport, message: dict[str, Any], transport_name: str
+    lacking: list[tuple[str, str, str]],
+    transport: BaseTransport,
+    message: dict[str, Any],
+    topic: str | Topic,
 ) -> PublishError | None:
-    for flag, field, code in _CAPABILITY_RULES:
-        if message[field] not in (None, 0) and not getattr(transport, flag):
-            return PublishError(code, transport.refusal(flag, field, transport_name))
+    """The rejection of a message that asks for what ``transport`` lacks (``lacking``, rules of
+    _CAPABILITY_RULES), if it does."""
+    for flag, field, code in lacking:
+        if message[field] not in (None, 0):
+            return PublishError(code, transport.refusal(flag, field, _transport_name(topic)))
     return None
 
 
@@ -429,9 +436,7 @@ def _prepare(
             PublishErrorCode.INVALID_PAYLOAD,
             f"correlation_id must be a string of at most {MAX_KEY_LENGTH} characters.",
         )
-    envelope_bytes = _envelope_bytes(
-        partition_key, attributes, correlation_id, body, is_ref=payload_ref is not None
-    )
+    envelope_bytes = _envelope_bytes(partition_key, attributes, correlation_id, body)
     # Refused here so that an oversized message costs no database round trip (the procedure
     # would refuse it too: it is the authority on the topic's current limit).
     if envelope_bytes > size_limit.max_bytes:
@@ -466,7 +471,8 @@ def _require_storable_text(message: OutgoingMessage) -> None:
         value = getattr(message, field)
         if isinstance(value, str) and (problem := text_problem(value)):
             raise _Unstorable(field, problem)
-    if isinstance(message.attributes, Mapping):
+    # Tested for None first: an isinstance test against an abstract class is slow.
+    if message.attributes is not None and isinstance(message.attributes, Mapping):
         for name, text in message.attributes.items():
             for part in (name, text):
                 if isinstance(part, str) and (problem := text_problem(part)):
@@ -544,28 +550,30 @@ def _envelope_bytes(
     attributes: dict[str, str] | None,
     correlation_id: str | None,
     body: str,
-    *,
-    is_ref: bool,
 ) -> int:
     """The UTF-8 size of the message's canonical envelope (``canonical_json`` of its partition
-    key, attributes, payload, payload_ref and correlation id), assembled from the body's text
-    already made: serialising the envelope whole would encode the payload a second time."""
-    text = "".join(
-        (
-            '{"attributes":',
-            "null" if attributes is None else canonical_json(attributes),
-            ',"correlation_id":',
-            _json_text(correlation_id),
-            ',"partition_key":',
-            _json_text(partition_key),
-            ',"payload":',
-            "null" if is_ref else body,
-            ',"payload_ref":',
-            body if is_ref else "null",
-            "}",
-        )
+    key, attributes, payload, payload_ref and correlation id; ``body`` is the text of whichever
+    of payload and payload_ref is set), added up from its parts: the body's text is already
+    made, and joining the envelope to measure it would copy the payload twice more (joined,
+    then encoded)."""
+    return (
+        _ENVELOPE_FRAME_BYTES
+        + (4 if attributes is None else _utf8_length(canonical_json(attributes)))
+        + _utf8_length(_json_text(correlation_id))
+        + _utf8_length(_json_text(partition_key))
+        + _utf8_length(body)
+        + 4  # the "null" of whichever of payload and payload_ref the body is not
     )
-    return len(text.encode("utf-8"))
+
+
+#: The envelope's text around its five values: {"attributes":<a>,"correlation_id":<c>,...}.
+_ENVELOPE_FRAME_BYTES = len(
+    '{"attributes":,"correlation_id":,"partition_key":,"payload":,"payload_ref":}'
+)
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _json_text(value: str | None) -> str:
