@@ -8,7 +8,6 @@ scrape, by ``manage.py workqueue_host --metrics-port PORT``.
 
 from __future__ import annotations
 
-import collections
 import functools
 import time
 from collections.abc import Iterable, Iterator
@@ -83,9 +82,10 @@ def labelled(metric: Any, *values: str) -> Any:
 def count_published(topic: str, results: Iterable[Any]) -> None:
     # Counted per outcome first: a batch is mostly one outcome, so a hundred results cost one
     # labelled increment rather than a hundred.
-    outcomes = collections.Counter(
-        (result.status, result.error.code if result.error is not None else "") for result in results
-    )
+    outcomes: dict[tuple[str, str], int] = {}
+    for result in results:
+        outcome = (result.status, result.error.code if result.error is not None else "")
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
     for (status, code), count in outcomes.items():
         # A name no topic has is the caller's text: keep it out of the labels, whose number
         # must stay bounded whatever callers send.
