@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from workqueue import publish_many
 from workqueue.driver.base import canonical_json
 from workqueue.ids import new_message_ids
-from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit
+from workqueue.publishing import OutgoingMessage, _MessageFields, _prepare, _SizeLimit
 from workqueue.transport import _message_json
 
 
@@ -130,3 +131,30 @@ def test_a_batch_item_carries_every_field_the_message_set():
 def test_the_default_priority_is_sent_as_none_which_every_procedure_reads_as_zero():
     assert _prepare(OutgoingMessage(payload=1), _SizeLimit.of(None))["priority"] is None
     assert _prepare(OutgoingMessage(payload=1, priority=-3), _SizeLimit.of(None))["priority"] == -3
+
+
+def test_a_mapping_with_an_unknown_field_is_refused_as_an_outgoing_message_would_be():
+    with pytest.raises(TypeError) as mapping:
+        publish_many("test.any", [{"payload": 1}, {"payload": 2, "colour": "red"}])
+    with pytest.raises(TypeError) as message:
+        OutgoingMessage(payload=2, colour="red")  # type: ignore[call-arg]
+    assert str(mapping.value) == str(message.value)
+    assert "unexpected keyword argument 'colour'" in str(message.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"payload": {"n": 1}, "partition_key": "k", "attributes": {"a": "b"}, "priority": 3},
+        {"payload_ref": {"uri": "s3://b/k"}, "correlation_id": "c", "delay_seconds": 5},
+        {"deduplication_key": "d", "deduplication_ttl": 600, "message_id": uuid.UUID(int=9)},
+        {"not_before": "2030-01-01T00:00:00+00:00"},
+    ],
+)
+def test_a_message_given_as_a_mapping_is_prepared_as_the_same_outgoing_message(fields):
+    limit = _SizeLimit.of(None)
+    fresh = "01890a5d-ac96-774b-bcce-b302099a8057"
+    assert _prepare(_MessageFields(**fields), limit, fresh) == _prepare(
+        OutgoingMessage(**fields), limit, fresh
+    )
