@@ -19,11 +19,12 @@ work and nothing of the call is published.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from workqueue import metrics, signals
@@ -81,9 +82,12 @@ class OutgoingMessage:
 # an unfrozen copy of that class: a frozen instance sets each of its eleven fields through
 # object.__setattr__, a fifth of the cost of a small message's whole preparation. It bears the
 # public name so that a mapping with an unknown key is refused in the same words.
-_MessageFields = make_dataclass(
+_MessageFields = dataclasses.make_dataclass(
     "OutgoingMessage",
-    [(f.name, f.type, f.default) for f in fields(OutgoingMessage)],
+    [
+        (f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
+        for f in dataclasses.fields(OutgoingMessage)
+    ],
     slots=True,
     eq=False,
     repr=False,

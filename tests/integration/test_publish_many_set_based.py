@@ -126,9 +126,9 @@ def test_a_batch_with_a_deduplication_key_keeps_the_key_rules():
 
 
 def test_a_batch_stored_whole_is_accepted_item_by_item_with_each_items_due_time():
-    """Every item stored: the procedure answers Accepted for each without looking anything up,
-    in array order, and the items due at once skip the schedule's arithmetic. Published again,
-    the same batch is answered item by item: Duplicate for each, the same ids."""
+    """Every item stored (the procedure's shortest answer): Accepted for each, in array order,
+    with each item's own due time and priority. Published again, the same batch is answered
+    item by item: Duplicate for each, the same ids."""
     name, subs = twin_topic(retention_days=1)
     chosen = [uuid.uuid4() for _ in range(4)]
     items: list[dict[str, Any]] = [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -58,6 +60,24 @@ def test_a_value_that_contains_itself_is_a_value_error_as_before() -> None:
     looped["self"] = [looped]
     with pytest.raises(ValueError, match="Circular reference"):
         canonical_json(looped)
+
+
+def test_a_value_that_contains_itself_is_caught_however_high_the_recursion_limit() -> None:
+    """Caught as it is met again, not by recursing until Python's limit: a process that raised
+    the limit (or runs the call on a thread with a small stack) would crash there, in C."""
+    script = (
+        "import sys; sys.setrecursionlimit(1_000_000)\n"
+        "from workqueue.driver.base import canonical_json\n"
+        "looped = {'a': 1}; looped['self'] = [looped]\n"
+        "try:\n"
+        "    canonical_json(looped)\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (run.returncode, run.stdout.strip()) == (0, "Circular reference detected"), run.stderr
 
 
 def test_a_value_nested_past_the_recursion_limit_is_a_recursion_error() -> None:
