@@ -291,8 +291,8 @@ def _publish_on(
     lacking = [rule for rule in _CAPABILITY_RULES if not getattr(transport, rule[0])]
     sendable: list[dict[str, Any]] = []
     for index, message in prepared:
-        problem = lacking and _capability_problem(lacking, transport, message, topic)
-        if not problem:
+        problem = _capability_problem(lacking, transport, message, topic) if lacking else None
+        if problem is None:
             sendable.append(message)
         else:
             results[index] = _rejected(problem)

@@ -576,7 +576,7 @@ def decode_value(kind: ParamType, value: Any) -> Any:
 def _uuid_text(value: Any) -> str:
     # Text already on PostgreSQL's own connections (their UUID loader), a UUID object through
     # Django's, upper-case text on SQL Server.
-    return (value if type(value) is str else str(value)).lower()
+    return str(value).lower()
 
 
 def _json_value(value: Any) -> Any:
