@@ -70,6 +70,7 @@ from workqueue.driver.base import QUEUE_TABLES  # noqa: E402
 from workqueue.models import Subscription, Topic, Transport  # noqa: E402
 from workqueue.runtime.handlers import HandlerRegistry  # noqa: E402
 from workqueue.runtime.host import Host, HostConfig  # noqa: E402
+from workqueue.runtime.process import freeze_start_up_objects  # noqa: E402
 
 
 class Ledger:
@@ -142,7 +143,9 @@ def host_for(
     )
     if prefetch is not None:
         config.subscriptions = [{"name": "*", "prefetch": prefetch}]
-    return Host(config, registry=registry)
+    host = Host(config, registry=registry)
+    freeze_start_up_objects()  # as the host commands do before they start a host
+    return host
 
 
 def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:

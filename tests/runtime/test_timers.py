@@ -7,9 +7,11 @@ thread asleep towards a far deadline: a lost wake-up shows as a timer firing a m
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
+import weakref
 
 from tests.support.waiting import wait_until
 from workqueue.runtime.timers import TimerQueue
@@ -77,5 +79,48 @@ def test_no_timer_is_lost_while_many_threads_schedule_against_a_sleeping_thread(
         for _ in range(per_thread * threads):
             assert fired.acquire(timeout=10), "a timer never fired: its wake-up was lost"
         assert not late, f"timers fired late by {max(late):.1f} s"
+    finally:
+        timers.stop()
+
+
+class _Work:
+    """Stands for a running delivery: what a heartbeat's callback (a bound method) holds."""
+
+    def tick(self) -> None:
+        raise AssertionError("a cancelled timer fired")
+
+
+def test_a_cancelled_timer_lets_go_of_its_callback_at_once_not_at_its_deadline():
+    # A delivery's first heartbeat is due a third of the lease after it starts (20 s by
+    # default) and is cancelled when its handler returns, milliseconds later. Held until the
+    # deadline, every delivery a busy host ran in those 20 s stayed in memory with its payload.
+    timers = TimerQueue("test-timers")
+    try:
+        # What the thread sleeps towards: a delivery still running, due before the others.
+        timers.schedule(10, lambda: None)
+        time.sleep(0.05)
+        released = []
+        for _ in range(2_000):
+            work = _Work()
+            released.append(weakref.ref(work))
+            timers.schedule(20, work.tick).cancel()
+        del work
+        gc.collect()
+        kept = sum(ref() is not None for ref in released)
+        assert kept == 0, f"{kept} cancelled timers' callbacks are still held"
+    finally:
+        timers.stop()
+
+
+def test_cancelled_timers_do_not_pile_up_while_the_thread_sleeps_towards_a_far_deadline():
+    timers = TimerQueue("test-timers")
+    try:
+        timers.schedule(10, lambda: None)
+        time.sleep(0.05)
+        for _ in range(50_000):
+            timers.schedule(20, lambda: None).cancel()
+        # Held: the ones waiting for the thread, and those on its heap. The thread sheds the
+        # cancelled ones as they come, so what it holds does not grow with what was scheduled.
+        wait_until(lambda: len(timers._inbox) + len(timers._heap) <= 1_000, timeout=5)
     finally:
         timers.stop()

@@ -182,35 +182,42 @@ class CompletionBatcher:
 
     def _run(self) -> None:
         try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                batch = [item]
-                while len(batch) < COMPLETION_BATCH_LIMIT:
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        self._queue.put(None)  # finish this batch, then stop
-                        break
-                    batch.append(more)
-                metrics.SETTLE_BATCH.observe(len(batch))
-                outcomes: list[SettleResult | Exception]
-                try:
-                    results = self._receiver.complete_many(d for d, _ in batch)
-                except Exception as exc:  # every caller must hear about it
-                    outcomes = [exc] * len(batch)
-                else:
-                    outcomes = [results[delivery.delivery_id] for delivery, _ in batch]
-                for (_, settled), outcome in zip(batch, outcomes, strict=True):
-                    try:
-                        settled(outcome)
-                    except Exception:  # one caller's failure must not stop the others' results
-                        logger.exception("A completion callback failed")
+            while self._settle_next_batch():
+                pass
         finally:
             self._receiver.close()
+
+    def _settle_next_batch(self) -> bool:
+        """Wait for completions and settle those queued by then as one batch; False once
+        stopped. A call of its own, so that nothing of a settled batch (its deliveries, their
+        payloads, the callers' callbacks) is kept while the thread waits for the next."""
+        item = self._queue.get()
+        if item is None:
+            return False
+        batch = [item]
+        while len(batch) < COMPLETION_BATCH_LIMIT:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                self._queue.put(None)  # finish this batch, then stop
+                break
+            batch.append(more)
+        metrics.SETTLE_BATCH.observe(len(batch))
+        outcomes: list[SettleResult | Exception]
+        try:
+            results = self._receiver.complete_many(d for d, _ in batch)
+        except Exception as exc:  # every caller must hear about it
+            outcomes = [exc] * len(batch)
+        else:
+            outcomes = [results[delivery.delivery_id] for delivery, _ in batch]
+        for (_, settled), outcome in zip(batch, outcomes, strict=True):
+            try:
+                settled(outcome)
+            except Exception:  # one caller's failure must not stop the others' results
+                logger.exception("A completion callback failed")
+        return True
 
 
 class Consumer:
@@ -640,7 +647,11 @@ class Consumer:
         try:
             while current is not None:
                 self._execute_one(current)
-                current = current.next_in_slot
+                # Unlinked as the slot moves on: the first execution stays referenced (this
+                # call's argument) for as long as the slot keeps passing on, and through the
+                # links it kept every execution since, payloads and all, under steady load.
+                following, current.next_in_slot = current.next_in_slot, None
+                current = following
         finally:
             # Settles run on the batcher and the background threads; a worker opens a queue
             # connection only when its handler renews the lease itself (context.heartbeat()),

@@ -1,7 +1,9 @@
-"""Process-level concerns of the host commands: stop signals and the kill switch."""
+"""Process-level concerns of the host commands: stop signals, the kill switch, and what the
+garbage collector walks."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -46,3 +48,18 @@ def exit_now_if_abandoned(host: Any, code: int = 0) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def freeze_start_up_objects() -> None:
+    """Take every object alive now out of the cyclic garbage collector's walks (``gc.freeze``).
+
+    Called by the host commands once Django and the host are set up, before any claim. What
+    exists by then (Django's apps, models, URL patterns and settings, the handler registry,
+    the host's plans) lives as long as the process, yet each full collection walked all of it:
+    with a project's 90,000-odd start-up objects, a host draining no-op handlers spent about a
+    tenth of its CPU there (``bench/drain.py``). Objects frozen are still freed the ordinary
+    way when nothing refers to them; only a cycle among them would no longer be collected,
+    which start-up objects do not form. A collection first, so that no garbage is frozen.
+    """
+    gc.collect()
+    gc.freeze()

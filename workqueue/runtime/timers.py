@@ -19,16 +19,32 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 
+#: Every this many timers scheduled, the thread is woken to shed those already cancelled, even
+#: though none is due: a delivery's first heartbeat is due a third of its lease ahead, and a
+#: busy host schedules and cancels thousands of them before the thread next wakes.
+SHED_EVERY = 256
+#: The heap is rebuilt without its cancelled timers once it has grown to twice its size after
+#: the last rebuild (and past this): timers still live when the thread took them are cancelled
+#: later, and otherwise wait on the heap until their deadlines.
+HEAP_REBUILD_MIN = 1024
+
+
 class Timer:
-    __slots__ = ("callback", "cancelled", "deadline")
+    __slots__ = ("callback", "deadline")
 
     def __init__(self, deadline: float, callback: Callable[[], None]) -> None:
         self.deadline = deadline
-        self.callback = callback
-        self.cancelled = False
+        self.callback: Callable[[], None] | None = callback
+
+    @property
+    def cancelled(self) -> bool:
+        return self.callback is None
 
     def cancel(self) -> None:
-        self.cancelled = True
+        # The callback goes at once: it holds what the timer was for (a bound method of a
+        # delivery's execution, and with it the delivery and its payload), which would
+        # otherwise stay in memory, and in every full garbage collection, until the deadline.
+        self.callback = None
 
 
 class TimerQueue:
@@ -42,6 +58,7 @@ class TimerQueue:
         # The deadline the thread is sleeping towards; -inf while it is not asleep, so a
         # timer scheduled meanwhile always wakes it (see schedule()).
         self._sleeping_until = -math.inf
+        self._rebuild_heap_at = HEAP_REBUILD_MIN
         self._counter = itertools.count()
         self._condition = threading.Condition()
         self._stopped = False
@@ -54,8 +71,10 @@ class TimerQueue:
         # Wake the thread only when it sleeps towards a later deadline. Appended before this
         # read, the timer is either taken by the thread before it next sleeps, or seen here
         # against the deadline it sleeps towards (or -inf, if it has not set it yet: then the
-        # notify waits for the lock, which the thread holds until it sleeps).
-        if timer.deadline < self._sleeping_until:
+        # notify waits for the lock, which the thread holds until it sleeps). And now and then
+        # to shed the cancelled ones (SHED_EVERY; a count two threads both pass is caught at
+        # the next multiple).
+        if timer.deadline < self._sleeping_until or len(self._inbox) % SHED_EVERY == 0:
             with self._condition:
                 self._condition.notify()
         return timer
@@ -83,10 +102,11 @@ class TimerQueue:
                 if self._stopped:
                     return
                 _, _, timer = heapq.heappop(self._heap)
-            if timer.cancelled:
+            callback = timer.callback  # read once: a cancel may clear it meanwhile
+            if callback is None:
                 continue
             try:
-                timer.callback()
+                callback()
             except Exception:  # a failing callback must not stop every other timer
                 logger.exception("Timer callback failed")
 
@@ -95,3 +115,7 @@ class TimerQueue:
             timer = self._inbox.popleft()
             if not timer.cancelled:
                 heapq.heappush(self._heap, (timer.deadline, next(self._counter), timer))
+        if len(self._heap) >= self._rebuild_heap_at:
+            self._heap = [entry for entry in self._heap if not entry[2].cancelled]
+            heapq.heapify(self._heap)
+            self._rebuild_heap_at = max(HEAP_REBUILD_MIN, 2 * len(self._heap))

@@ -153,6 +153,9 @@ class WorkerPool:
                 if task is None:
                     return
                 self._execute(*task)
+                # Not kept while the thread waits for its next task: the arguments are often a
+                # delivery's execution, with its payload.
+                task = None
                 self._idle.release()
         finally:
             close_thread_connections()

@@ -10,7 +10,12 @@ from workqueue import metrics
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
-from workqueue.runtime.process import exit_now_if_abandoned, host_disabled, stop_on_signals
+from workqueue.runtime.process import (
+    exit_now_if_abandoned,
+    freeze_start_up_objects,
+    host_disabled,
+    stop_on_signals,
+)
 
 
 class Command(BaseCommand):
@@ -75,6 +80,7 @@ class Command(BaseCommand):
                 get_settings(), options["subscriptions"], concurrency=options["concurrency"]
             )
         )
+        freeze_start_up_objects()
         try:
             host.start()
         except WorkQueueConfigurationError as exc:

@@ -14,7 +14,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, PlanState, describe_subscription
-from workqueue.runtime.process import exit_now_if_abandoned, host_disabled, stop_on_signals
+from workqueue.runtime.process import (
+    exit_now_if_abandoned,
+    freeze_start_up_objects,
+    host_disabled,
+    stop_on_signals,
+)
 
 CANNOT_RUN = {PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED}
 
@@ -60,6 +65,7 @@ class Command(BaseCommand):
             reconcile_interval_ms=0,
         )
         host = Host(config)
+        freeze_start_up_objects()
         try:
             result = host.run_once(
                 max_deliveries=options["max"],
