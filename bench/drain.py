@@ -70,7 +70,7 @@ from workqueue.driver.base import QUEUE_TABLES  # noqa: E402
 from workqueue.models import Subscription, Topic, Transport  # noqa: E402
 from workqueue.runtime.handlers import HandlerRegistry  # noqa: E402
 from workqueue.runtime.host import Host, HostConfig  # noqa: E402
-from workqueue.runtime.process import freeze_start_up_objects  # noqa: E402
+from workqueue.runtime.process import start_up_objects_frozen  # noqa: E402
 
 
 class Ledger:
@@ -143,9 +143,7 @@ def host_for(
     )
     if prefetch is not None:
         config.subscriptions = [{"name": "*", "prefetch": prefetch}]
-    host = Host(config, registry=registry)
-    freeze_start_up_objects()  # as the host commands do before they start a host
-    return host
+    return Host(config, registry=registry)
 
 
 def seed_backlog(subscription: Subscription, count: int, keys: int) -> None:
@@ -265,15 +263,16 @@ def drain(
         measured = messages // fanout * fanout if not backlog else messages
         LEDGER.expect(measured)
         [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
-        host = host_for(subscriptions, concurrency, prefetch)
-        cpu = os.times()
-        began = time.perf_counter()
-        host.start()
-        LEDGER.reached.wait()
-        elapsed = time.perf_counter() - began
-        cpu_after = os.times()
-        db_cpu = host_backends_cpu_seconds(publisher_pid)
-        host.shutdown()  # waits for the last completions to be settled
+        with start_up_objects_frozen():  # as the host commands run a host
+            host = host_for(subscriptions, concurrency, prefetch)
+            cpu = os.times()
+            began = time.perf_counter()
+            host.start()
+            LEDGER.reached.wait()
+            elapsed = time.perf_counter() - began
+            cpu_after = os.times()
+            db_cpu = host_backends_cpu_seconds(publisher_pid)
+            host.shutdown()  # waits for the last completions to be settled
         completed = sum(s.deliveries.filter(status="Completed").count() for s in subscriptions)
         assert completed >= measured, f"{measured - completed} deliveries not completed"
         cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
@@ -300,29 +299,30 @@ def drain_burst(
     maintain_queue_tables("VACUUM")
     maintain_queue_tables("ANALYZE")
     [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
-    host = host_for(subscriptions, concurrency, prefetch)
-    host.start()
-    try:
-        LEDGER.expect(BURST_WARMUP)
-        for n in range(BURST_WARMUP):
-            publish(topic.name, {"warm-up": n})
-        LEDGER.reached.wait()
-        time.sleep(0.5)  # the warm-up's completions settle
-        db_cpu_before = host_backends_cpu_seconds(publisher_pid)
-        LEDGER.expect(messages)
-        cpu = os.times()
-        began = time.perf_counter()
-        for offset in range(0, messages, 500):
-            publish_many(
-                topic.name,
-                [{"payload": {"n": n}} for n in range(offset, min(offset + 500, messages))],
-            )
-        LEDGER.reached.wait()
-        elapsed = time.perf_counter() - began
-        cpu_after = os.times()
-        db_cpu_after = host_backends_cpu_seconds(publisher_pid)
-    finally:
-        host.shutdown()
+    with start_up_objects_frozen():  # as the host commands run a host
+        host = host_for(subscriptions, concurrency, prefetch)
+        host.start()
+        try:
+            LEDGER.expect(BURST_WARMUP)
+            for n in range(BURST_WARMUP):
+                publish(topic.name, {"warm-up": n})
+            LEDGER.reached.wait()
+            time.sleep(0.5)  # the warm-up's completions settle
+            db_cpu_before = host_backends_cpu_seconds(publisher_pid)
+            LEDGER.expect(messages)
+            cpu = os.times()
+            began = time.perf_counter()
+            for offset in range(0, messages, 500):
+                publish_many(
+                    topic.name,
+                    [{"payload": {"n": n}} for n in range(offset, min(offset + 500, messages))],
+                )
+            LEDGER.reached.wait()
+            elapsed = time.perf_counter() - began
+            cpu_after = os.times()
+            db_cpu_after = host_backends_cpu_seconds(publisher_pid)
+        finally:
+            host.shutdown()
     cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
     db_cpu = None if db_cpu_before is None or db_cpu_after is None else db_cpu_after - db_cpu_before
     return DrainRun(
@@ -353,43 +353,44 @@ def pickup(samples: int, publisher: str = "this") -> PickupRun:
     subscriptions = make_subscriptions(f"pickup-{uuid.uuid4().hex[:6]}")
     topic = subscriptions[0].topic
     [(publisher_pid,)] = get_driver().execute("SELECT pg_backend_pid()", [])
-    host = host_for(subscriptions, 8)
-    host.start()
-    latencies = []
-    child = None
-    try:
-        if publisher == "process":
-            child = subprocess.Popen(
-                [sys.executable, __file__, "--publish-on-request", topic.name],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        time.sleep(1.0)  # let the listener connect and the loop go idle
-        claims_before = claims_made(subscriptions[0].name)
-        db_cpu_before = host_backends_cpu_seconds(publisher_pid)
-        for _ in range(samples):
-            LEDGER.expect(1)
-            if child is None:
-                publish(topic.name, {"t": 1})
-                returned = time.perf_counter()
-            else:
-                child.stdin.write("publish\n")
-                child.stdin.flush()
-                # perf_counter is CLOCK_MONOTONIC, the same clock in every process here.
-                returned = float(child.stdout.readline())
-            if not LEDGER.reached.wait(timeout=30):
-                raise RuntimeError("a published message was not picked up within 30 s")
-            latencies.append((LEDGER.started[0] - returned) * 1000)
-            time.sleep(0.02)
-        claims = (claims_made(subscriptions[0].name) - claims_before) / samples
-        db_cpu_after = host_backends_cpu_seconds(publisher_pid)
-    finally:
-        if child is not None:
-            child.stdin.close()
-            child.wait(timeout=30)
-        host.shutdown()
-        remove(topic.id)
+    with start_up_objects_frozen():  # as the host commands run a host
+        host = host_for(subscriptions, 8)
+        host.start()
+        latencies = []
+        child = None
+        try:
+            if publisher == "process":
+                child = subprocess.Popen(
+                    [sys.executable, __file__, "--publish-on-request", topic.name],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            time.sleep(1.0)  # let the listener connect and the loop go idle
+            claims_before = claims_made(subscriptions[0].name)
+            db_cpu_before = host_backends_cpu_seconds(publisher_pid)
+            for _ in range(samples):
+                LEDGER.expect(1)
+                if child is None:
+                    publish(topic.name, {"t": 1})
+                    returned = time.perf_counter()
+                else:
+                    child.stdin.write("publish\n")
+                    child.stdin.flush()
+                    # perf_counter is CLOCK_MONOTONIC, the same clock in every process here.
+                    returned = float(child.stdout.readline())
+                if not LEDGER.reached.wait(timeout=30):
+                    raise RuntimeError("a published message was not picked up within 30 s")
+                latencies.append((LEDGER.started[0] - returned) * 1000)
+                time.sleep(0.02)
+            claims = (claims_made(subscriptions[0].name) - claims_before) / samples
+            db_cpu_after = host_backends_cpu_seconds(publisher_pid)
+        finally:
+            if child is not None:
+                child.stdin.close()
+                child.wait(timeout=30)
+            host.shutdown()
+            remove(topic.id)
     db_cpu = (
         None
         if db_cpu_before is None or db_cpu_after is None

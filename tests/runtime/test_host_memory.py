@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,36 +23,41 @@ from tests.factories import SubscriptionFactory
 from tests.support.handlers import registry
 from tests.support.hosts import sub
 from tests.support.waiting import wait_until
-from workqueue import publish_many
-from workqueue.models import Delivery
+from workqueue import publish, publish_many
+from workqueue.models import Delivery, Subscription
 from workqueue.runtime import consumer
 from workqueue.runtime.executor import DeliveryExecution
-from workqueue.runtime.handlers import BaseWorkHandler
+from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome
 from workqueue.types import ClaimedDelivery
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 
-def _held_by_this_process() -> tuple[int, int]:
-    """(executions, claimed deliveries) still alive, cyclic garbage collected first."""
+def _held_by_this_process(subscription: Subscription) -> tuple[int, int]:
+    """(executions, claimed deliveries) of ``subscription`` still alive, cyclic garbage
+    collected first: only its own, whatever an earlier test in this process left."""
     gc.collect()
     objects = gc.get_objects()
     return (
-        sum(isinstance(o, DeliveryExecution) for o in objects),
-        sum(isinstance(o, ClaimedDelivery) for o in objects),
+        sum(isinstance(o, DeliveryExecution) and o.plan.name == subscription.name for o in objects),
+        sum(
+            isinstance(o, ClaimedDelivery) and o.subscription_id == str(subscription.pk)
+            for o in objects
+        ),
     )
 
 
 class CountsWhatIsHeld(BaseWorkHandler):
-    """Sleeps 2 ms; every 50th message counts the executions alive in the process."""
+    """Sleeps 2 ms; every 50th message counts its subscription's executions alive."""
 
     held: list[int] = []
+    subscription: Subscription | None = None
 
     def handle(self, message: Any, context: Any) -> Outcome:
         time.sleep(0.002)
         if message.payload["n"] % 50 == 0:
-            type(self).held.append(_held_by_this_process()[0])
+            type(self).held.append(_held_by_this_process(type(self).subscription)[0])
         return Outcome.complete()
 
 
@@ -78,7 +84,7 @@ def test_a_host_lets_go_of_each_delivery_once_settled_not_when_its_first_heartbe
     # The last completion batch may still be on its way back; nothing else holds a delivery.
     held: list[tuple[int, int]] = []
     with contextlib.suppress(AssertionError):
-        wait_until(lambda: held.append(_held_by_this_process()) or held[-1] == (0, 0), timeout=5)
+        wait_until(lambda: held.append(_held_by_this_process(s)) or held[-1] == (0, 0), timeout=5)
     executions, deliveries = held[-1]
     assert (executions, deliveries) == (0, 0), (
         f"{executions} executions and {deliveries} claimed deliveries of {count} settled ones "
@@ -95,7 +101,7 @@ def test_a_slot_that_keeps_passing_on_to_deliveries_claimed_ahead_keeps_none_it_
     monkeypatch.setattr(consumer, "PREFETCH_HANDLER_SECONDS", 60.0)
     monkeypatch.setattr(consumer, "PREFETCH_WINDOW_SECONDS", 60.0)
     CountsWhatIsHeld.held = []
-    s = sub(handler_key="t.count-held")
+    s = CountsWhatIsHeld.subscription = sub(handler_key="t.count-held")
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 8}])
     count = 400
     publish_many(s.topic.name, [{"payload": {"n": n}} for n in range(count)])
@@ -109,51 +115,82 @@ def test_a_slot_that_keeps_passing_on_to_deliveries_claimed_ahead_keeps_none_it_
     assert max(CountsWhatIsHeld.held) <= 40, f"executions alive as it ran: {CountsWhatIsHeld.held}"
 
 
+#: (objects frozen, whether a start-up object was still walked) as each probe handler saw it.
+FROZEN_AS_IT_RAN: list[tuple[int, bool]] = []
+
+
+@register_handler("tests.freeze-probe")
+class ReportsWhatIsFrozen(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        walked = any(o is SubscriptionFactory for o in gc.get_objects())
+        FROZEN_AS_IT_RAN.append((gc.get_freeze_count(), walked))
+        return Outcome.complete()
+
+
 @pytest.fixture
-def unfrozen_afterwards():
-    yield
-    gc.unfreeze()  # back to how the rest of the test process runs
+def command_in_this_process() -> Iterator[Subscription]:
+    """A subscription for a host command run in this process, with one message waiting; the
+    signal handlers the command installs are put back afterwards, as is the collector."""
+    get_user_model().objects.create_user("workqueue-system")
+    s = SubscriptionFactory(handler_key="tests.freeze-probe")
+    publish(s.topic.name, {"n": 1})
+    FROZEN_AS_IT_RAN.clear()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    yield s
+    signal.signal(signal.SIGTERM, handlers[0])
+    signal.signal(signal.SIGINT, handlers[1])
+    gc.unfreeze()
 
 
-def test_a_one_shot_run_freezes_what_start_up_made_before_it_claims(unfrozen_afterwards):
+def _frozen_as_it_ran() -> None:
     # Django's apps, models and settings live as long as the process, yet every full
     # collection walked them: about a tenth of a busy host's CPU (bench/drain.py).
-    get_user_model().objects.create_user("workqueue-system")
-    s = SubscriptionFactory()
-    gc.unfreeze()
-
-    call_command("workqueue_work", "-s", s.name, "--once", "--idle-exit-ms", "100")
-
-    frozen = gc.get_freeze_count()
-    assert frozen > 10_000, f"{frozen} objects frozen"
-    assert not any(o is SubscriptionFactory for o in gc.get_objects()), "start-up left unfrozen"
+    [(frozen, walked)] = FROZEN_AS_IT_RAN
+    assert frozen > 10_000, f"{frozen} objects frozen while the handler ran"
+    assert not walked, "a start-up object was still in the collector's walks"
+    # Handed back at the end: a command run inside another program leaves it as it was.
+    assert gc.get_freeze_count() == 0
 
 
-def test_a_host_process_freezes_what_start_up_made_before_it_claims(unfrozen_afterwards):
-    get_user_model().objects.create_user("workqueue-system")
-    s = SubscriptionFactory()
-    gc.unfreeze()
-    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+def test_a_one_shot_run_works_with_start_up_objects_frozen_and_hands_them_back(
+    command_in_this_process,
+):
+    call_command("workqueue_work", "-s", command_in_this_process.name, "--once")
+
+    _frozen_as_it_ran()
+
+
+def test_a_host_works_with_start_up_objects_frozen_and_hands_them_back(command_in_this_process):
+    original_handler = signal.getsignal(signal.SIGTERM)
     returned = threading.Event()
 
     def stop_the_host() -> None:
-        # What stops a host process, once the command handles it (sent earlier, it would end
-        # this test process): the command then drains and returns.
-        wait_until(lambda: signal.getsignal(signal.SIGTERM) != handlers[0], timeout=60)
-        time.sleep(0.5)
+        # What stops a host process. Sent only once the command handles it (before, it would
+        # end this test process), and once the handler has run.
+        wait_until(lambda: signal.getsignal(signal.SIGTERM) != original_handler, timeout=60)
+        wait_until(lambda: FROZEN_AS_IT_RAN or returned.is_set(), timeout=60)
         if not returned.is_set():
             os.kill(os.getpid(), signal.SIGTERM)
 
     stopper = threading.Thread(target=stop_the_host, daemon=True)
     stopper.start()
     try:
-        call_command("workqueue_host", "-s", s.name, stdout=io.StringIO())
+        call_command("workqueue_host", "-s", command_in_this_process.name, stdout=io.StringIO())
     finally:
         returned.set()
-        stopper.join(timeout=70)  # a signal it is sending still finds the command's handler
-        signal.signal(signal.SIGTERM, handlers[0])
-        signal.signal(signal.SIGINT, handlers[1])
+        stopper.join(timeout=130)  # a signal it is sending still finds the command's handler
 
+    _frozen_as_it_ran()
+
+
+def test_a_process_that_froze_objects_itself_keeps_them_frozen_after_a_command(
+    command_in_this_process,
+):
+    gc.freeze()
     frozen = gc.get_freeze_count()
-    assert frozen > 10_000, f"{frozen} objects frozen"
-    assert not any(o is SubscriptionFactory for o in gc.get_objects()), "start-up left unfrozen"
+
+    call_command("workqueue_work", "-s", command_in_this_process.name, "--once")
+
+    # Not one more frozen, nor unfrozen (frozen objects freed meanwhile leave the count).
+    assert FROZEN_AS_IT_RAN[0][0] <= frozen
+    assert gc.get_freeze_count() > frozen * 0.9

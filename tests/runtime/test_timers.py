@@ -14,7 +14,7 @@ import time
 import weakref
 
 from tests.support.waiting import wait_until
-from workqueue.runtime.timers import TimerQueue
+from workqueue.runtime.timers import HEAP_REBUILD_MIN, SHED_EVERY, TimerQueue
 
 
 def test_a_timer_due_before_the_one_the_thread_sleeps_towards_fires_on_time():
@@ -122,5 +122,84 @@ def test_cancelled_timers_do_not_pile_up_while_the_thread_sleeps_towards_a_far_d
         # Held: the ones waiting for the thread, and those on its heap. The thread sheds the
         # cancelled ones as they come, so what it holds does not grow with what was scheduled.
         wait_until(lambda: len(timers._inbox) + len(timers._heap) <= 1_000, timeout=5)
+    finally:
+        timers.stop()
+
+
+def test_a_fired_timer_lets_go_of_its_callback_while_the_thread_waits_for_the_next():
+    timers = TimerQueue("test-timers")
+    try:
+        work = _FiredOnce()
+        released = weakref.ref(work)
+        # Kept by what it is for, as an execution keeps its timers: a cycle unless firing
+        # empties the timer, and then only a garbage collection would free the two.
+        work.timer = timers.schedule(0.01, work.tick)
+        assert work.fired.wait(5)
+        del work
+        time.sleep(0.05)  # the thread is asleep again, with nothing due
+        assert released() is None, "the last timer fired is still held, and what it refers to"
+    finally:
+        timers.stop()
+
+
+class _FiredOnce:
+    def __init__(self) -> None:
+        self.fired = threading.Event()
+        self.timer: object = None
+
+    def tick(self) -> None:
+        self.fired.set()
+
+
+class _SlowToSleep(TimerQueue):
+    """A timer queue whose thread, once asked to, dawdles between its last look at the
+    inbox and going to sleep: the moment a timer scheduled by another thread must not be
+    missed in."""
+
+    dawdle = False
+
+    def _take_inbox(self) -> None:
+        super()._take_inbox()
+        if self.dawdle:
+            self.dawdle = False
+            time.sleep(0.2)
+
+
+def test_a_timer_scheduled_while_the_thread_is_between_looking_and_sleeping_fires_on_time():
+    timers = _SlowToSleep("test-timers")
+    try:
+        time.sleep(0.05)  # asleep, nothing to wait for
+        timers.dawdle = True
+        timers.schedule(30, lambda: None)  # wakes it: it looks at the inbox, then dawdles
+        time.sleep(0.05)
+        fired = threading.Event()
+        timers.schedule(0.1, fired.set)  # earlier than what it is about to sleep towards
+        assert fired.wait(3), "the timer scheduled in the gap waited for the 30 s one"
+    finally:
+        timers.stop()
+
+
+def test_the_heap_sheds_timers_cancelled_after_the_thread_took_them_and_live_ones_still_fire():
+    timers = TimerQueue("test-timers")
+    try:
+        timers.schedule(10, lambda: None)
+        time.sleep(0.05)
+        fired = threading.Event()
+        timers.schedule(0.5, fired.set)
+        # As a busy host: each time the thread looks (every SHED_EVERY timers) the eight
+        # deliveries running have live heartbeats, which go on the heap and are cancelled a
+        # moment later, when their handlers return.
+        running: list = []
+        for _ in range(300):
+            for timer in running:
+                timer.cancel()
+            running = [timers.schedule(20, lambda: None) for _ in range(8)]
+            for _ in range(SHED_EVERY - 8):
+                timers.schedule(20, lambda: None).cancel()
+            while timers._inbox:
+                time.sleep(0.001)
+        # 2,400 went on the heap live; all but the last eight are cancelled now.
+        assert len(timers._heap) <= HEAP_REBUILD_MIN + 8, len(timers._heap)
+        assert fired.wait(5), "a live timer among the cancelled ones did not fire"
     finally:
         timers.stop()

@@ -3,10 +3,12 @@ garbage collector walks."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -50,16 +52,30 @@ def exit_now_if_abandoned(host: Any, code: int = 0) -> None:
         os._exit(code)
 
 
-def freeze_start_up_objects() -> None:
-    """Take every object alive now out of the cyclic garbage collector's walks (``gc.freeze``).
+@contextlib.contextmanager
+def start_up_objects_frozen() -> Iterator[None]:
+    """Run the block with every object alive at its start kept out of the cyclic garbage
+    collector's walks (``gc.freeze``), and hand them back to it at the block's end.
 
-    Called by the host commands once Django and the host are set up, before any claim. What
-    exists by then (Django's apps, models, URL patterns and settings, the handler registry,
-    the host's plans) lives as long as the process, yet each full collection walked all of it:
-    with a project's 90,000-odd start-up objects, a host draining no-op handlers spent about a
-    tenth of its CPU there (``bench/drain.py``). Objects frozen are still freed the ordinary
-    way when nothing refers to them; only a cycle among them would no longer be collected,
-    which start-up objects do not form. A collection first, so that no garbage is frozen.
+    The host commands run their host in it, entered once Django is set up and before the host
+    is built. What exists by then (Django's apps, models, URL patterns and settings) lives as
+    long as the process, yet every full collection walked all of it: about 90,000 objects in
+    the sample project, and about a tenth of a busy host's CPU (``bench/drain.py``; see
+    docs/performance.md). Frozen objects are still freed the ordinary way when nothing refers
+    to them; only a cycle that takes one of them in waits for the block's end. A collection
+    first, so that no garbage is frozen.
+
+    The end of the block unfreezes them, so a command run inside another program
+    (``call_command``, a test) leaves that process as it found it. A process that has frozen
+    objects itself (a pre-forking server, say) keeps its own arrangement: then nothing is
+    frozen or unfrozen here.
     """
+    if gc.get_freeze_count():
+        yield
+        return
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -55,8 +55,8 @@ class TimerQueue:
         # new timers wait here, taken without a lock, until the thread next looks, and only
         # those still live go on the heap.
         self._inbox: deque[Timer] = deque()
-        # The deadline the thread is sleeping towards; -inf while it is not asleep, so a
-        # timer scheduled meanwhile always wakes it (see schedule()).
+        # The deadline the thread is sleeping towards; -inf while it is awake, when it looks at
+        # the inbox again before it sleeps (see _next_due()).
         self._sleeping_until = -math.inf
         self._rebuild_heap_at = HEAP_REBUILD_MIN
         self._counter = itertools.count()
@@ -68,12 +68,12 @@ class TimerQueue:
     def schedule(self, delay_seconds: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(delay_seconds, 0.0), callback)
         self._inbox.append(timer)
-        # Wake the thread only when it sleeps towards a later deadline. Appended before this
-        # read, the timer is either taken by the thread before it next sleeps, or seen here
-        # against the deadline it sleeps towards (or -inf, if it has not set it yet: then the
-        # notify waits for the lock, which the thread holds until it sleeps). And now and then
-        # to shed the cancelled ones (SHED_EVERY; a count two threads both pass is caught at
-        # the next multiple).
+        # Wake the thread only when it sleeps towards a later deadline. The timer is appended
+        # before this read, and the thread sets the deadline before it looks at the inbox a
+        # last time and sleeps: so either the thread finds the timer then, or this read sees
+        # the deadline it sleeps towards (the notify then waits for the lock, which the thread
+        # holds until it sleeps). And now and then to shed the cancelled ones (SHED_EVERY; a
+        # count two threads both pass is caught at the next multiple).
         if timer.deadline < self._sleeping_until or len(self._inbox) % SHED_EVERY == 0:
             with self._condition:
                 self._condition.notify()
@@ -86,29 +86,38 @@ class TimerQueue:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while True:
-            with self._condition:
-                while not self._stopped:
-                    self._take_inbox()
-                    if self._heap and self._heap[0][2].cancelled:
-                        heapq.heappop(self._heap)
-                        continue
-                    timeout = self._heap[0][0] - time.monotonic() if self._heap else None
-                    if timeout is not None and timeout <= 0:
-                        break
-                    self._sleeping_until = self._heap[0][0] if self._heap else math.inf
-                    self._condition.wait(timeout)
-                    self._sleeping_until = -math.inf
-                if self._stopped:
-                    return
-                _, _, timer = heapq.heappop(self._heap)
-            callback = timer.callback  # read once: a cancel may clear it meanwhile
-            if callback is None:
-                continue
+        while (callback := self._next_due()) is not None:
             try:
                 callback()
             except Exception:  # a failing callback must not stop every other timer
                 logger.exception("Timer callback failed")
+            del callback  # not kept while the thread waits for the next timer
+
+    def _next_due(self) -> Callable[[], None] | None:
+        """Wait for the earliest live timer's deadline and return its callback, taken from the
+        timer (a fired timer holds nothing, as a cancelled one); None once stopped."""
+        with self._condition:
+            while not self._stopped:
+                self._take_inbox()
+                if self._heap and self._heap[0][2].cancelled:
+                    heapq.heappop(self._heap)
+                    continue
+                timeout = self._heap[0][0] - time.monotonic() if self._heap else None
+                if timeout is not None and timeout <= 0:
+                    timer = heapq.heappop(self._heap)[2]
+                    callback, timer.callback = timer.callback, None
+                    if callback is not None:  # else cancelled since the look above
+                        return callback
+                    continue
+                self._sleeping_until = self._heap[0][0] if self._heap else math.inf
+                if self._inbox:
+                    # Scheduled since _take_inbox, by a thread that may have read "awake"
+                    # (-inf) and not notified: take it before sleeping.
+                    self._sleeping_until = -math.inf
+                    continue
+                self._condition.wait(timeout)
+                self._sleeping_until = -math.inf
+            return None
 
     def _take_inbox(self) -> None:
         while self._inbox:

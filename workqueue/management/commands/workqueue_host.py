@@ -11,9 +11,10 @@ from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
+    StopSignal,
     exit_now_if_abandoned,
-    freeze_start_up_objects,
     host_disabled,
+    start_up_objects_frozen,
     stop_on_signals,
 )
 
@@ -75,12 +76,16 @@ class Command(BaseCommand):
                     f"Cannot serve metrics on {options['metrics_address']}:"
                     f"{options['metrics_port']}: {exc}. Choose another --metrics-port."
                 ) from exc
+        # Built after the freeze, so that what the host makes while it runs is walked as usual.
+        with start_up_objects_frozen():
+            self._run(stop, server, options)
+
+    def _run(self, stop: StopSignal, server: Any, options: dict[str, Any]) -> None:
         host = Host(
             HostConfig.from_settings(
                 get_settings(), options["subscriptions"], concurrency=options["concurrency"]
             )
         )
-        freeze_start_up_objects()
         try:
             host.start()
         except WorkQueueConfigurationError as exc:

@@ -15,9 +15,10 @@ from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, PlanState, describe_subscription
 from workqueue.runtime.process import (
+    StopSignal,
     exit_now_if_abandoned,
-    freeze_start_up_objects,
     host_disabled,
+    start_up_objects_frozen,
     stop_on_signals,
 )
 
@@ -64,8 +65,12 @@ class Command(BaseCommand):
             sweeper_interval_ms=0,
             reconcile_interval_ms=0,
         )
+        # Built after the freeze, so that what the host makes while it runs is walked as usual.
+        with start_up_objects_frozen():
+            self._run(config, stop, options)
+
+    def _run(self, config: HostConfig, stop: StopSignal, options: dict[str, Any]) -> None:
         host = Host(config)
-        freeze_start_up_objects()
         try:
             result = host.run_once(
                 max_deliveries=options["max"],
