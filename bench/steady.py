@@ -149,7 +149,7 @@ def verdict(samples: list[Sample], rate: float) -> list[str]:
             ("tables", "table_mb", 1),
             ("indexes", "index_mb", 1),
             # An allocator keeps some of what it freed: growth, not a few MB, is the problem.
-            ("the host's memory", "resident_mb", 8),
+            ("this process's memory", "resident_mb", 8),
         ):
             start, end = getattr(half[0], size), getattr(half[-1], size)
             if end > start * 1.1 + slack_mb:
@@ -201,7 +201,7 @@ def main() -> int:
             f"database: {get_driver().vendor_label}, durability defaults; {args.rate:,.0f} "
             f"messages/s for {args.minutes:g} min, concurrency {args.concurrency}"
         )
-        print("minute  drained/s  pending  claim ms  tables MB  indexes MB  host MB")
+        print("minute  drained/s  pending  claim ms  tables MB  indexes MB  process MB")
         began = time.monotonic()
         host.start()
         feeder.start()
@@ -231,7 +231,7 @@ def main() -> int:
                 print(
                     f"{sample.minute:6.1f}  {sample.drained_per_second:9,.0f}  {sample.pending:7,}"
                     f"  {sample.claim_ms:8.2f}  {sample.table_mb:9.1f}  {sample.index_mb:10.1f}"
-                    f"  {sample.resident_mb:7.1f}",
+                    f"  {sample.resident_mb:10.1f}",
                     flush=True,
                 )
                 last_done, last_time, last_claim = done, now, claim

@@ -136,8 +136,8 @@ def test_a_fired_timer_lets_go_of_its_callback_while_the_thread_waits_for_the_ne
         work.timer = timers.schedule(0.01, work.tick)
         assert work.fired.wait(5)
         del work
-        time.sleep(0.05)  # the thread is asleep again, with nothing due
-        assert released() is None, "the last timer fired is still held, and what it refers to"
+        # By reference counting alone, once the thread is back asleep with nothing due.
+        wait_until(lambda: released() is None, timeout=2)
     finally:
         timers.stop()
 
@@ -152,28 +152,32 @@ class _FiredOnce:
 
 
 class _SlowToSleep(TimerQueue):
-    """A timer queue whose thread, once asked to, dawdles between its last look at the
-    inbox and going to sleep: the moment a timer scheduled by another thread must not be
-    missed in."""
+    """A timer queue whose thread, once asked to, stops between its last look at the inbox
+    and going to sleep until the test lets it go on: the moment a timer scheduled by another
+    thread must not be missed in."""
 
-    dawdle = False
+    def __init__(self, name: str) -> None:
+        self.stop_in_gap = False
+        self.in_gap, self.leave_gap = threading.Event(), threading.Event()
+        super().__init__(name)  # starts the thread, which looks at the inbox at once
 
     def _take_inbox(self) -> None:
         super()._take_inbox()
-        if self.dawdle:
-            self.dawdle = False
-            time.sleep(0.2)
+        if self.stop_in_gap:
+            self.stop_in_gap = False
+            self.in_gap.set()
+            self.leave_gap.wait(5)
 
 
 def test_a_timer_scheduled_while_the_thread_is_between_looking_and_sleeping_fires_on_time():
     timers = _SlowToSleep("test-timers")
     try:
-        time.sleep(0.05)  # asleep, nothing to wait for
-        timers.dawdle = True
-        timers.schedule(30, lambda: None)  # wakes it: it looks at the inbox, then dawdles
-        time.sleep(0.05)
+        timers.stop_in_gap = True
+        timers.schedule(30, lambda: None)  # wakes it: it takes this one, then stops in the gap
+        assert timers.in_gap.wait(5)
         fired = threading.Event()
         timers.schedule(0.1, fired.set)  # earlier than what it is about to sleep towards
+        timers.leave_gap.set()
         assert fired.wait(3), "the timer scheduled in the gap waited for the 30 s one"
     finally:
         timers.stop()
