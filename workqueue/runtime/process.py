@@ -18,8 +18,13 @@ class StopSignal(threading.Event):
     received: str | None = None
 
 
-def stop_on_signals() -> StopSignal:
-    """An event set by the first SIGTERM or SIGINT (the host then drains)."""
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopSignal]:
+    """An event set by the first SIGTERM or SIGINT while the block runs (the host then drains).
+
+    The handlers the process had are put back at the block's end, so a command run inside
+    another program (``call_command``, a test suite) leaves Ctrl-C and SIGTERM working there
+    as before, instead of setting an event nobody waits on any more."""
     stop = StopSignal()
 
     def handler(signum: int, frame: Any) -> None:
@@ -27,9 +32,14 @@ def stop_on_signals() -> StopSignal:
             stop.received = signal.Signals(signum).name
         stop.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    for signum in previous:
+        signal.signal(signum, handler)
+    try:
+        yield stop
+    finally:
+        for signum, former in previous.items():
+            signal.signal(signum, former)
 
 
 def host_disabled() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -65,19 +67,14 @@ class Command(BaseCommand):
             return
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
-        stop = stop_on_signals()
-        server = None
-        if options["metrics_port"] is not None:
-            # Before the host starts: a port already taken fails the command before any claim.
-            try:
-                server = metrics.serve(options["metrics_port"], options["metrics_address"])
-            except OSError as exc:
-                raise CommandError(
-                    f"Cannot serve metrics on {options['metrics_address']}:"
-                    f"{options['metrics_port']}: {exc}. Choose another --metrics-port."
-                ) from exc
-        # Built after the freeze, so that what the host makes while it runs is walked as usual.
-        with start_up_objects_frozen():
+        # The metrics server before the host starts: a port already taken fails the command
+        # before any claim. The host is built after the freeze, so that what it makes while it
+        # runs is walked as usual.
+        with (
+            stop_on_signals() as stop,
+            _metrics_served(options["metrics_port"], options["metrics_address"]) as server,
+            start_up_objects_frozen(),
+        ):
             self._run(stop, server, options)
 
     def _run(self, stop: StopSignal, server: Any, options: dict[str, Any]) -> None:
@@ -105,11 +102,29 @@ class Command(BaseCommand):
             self.stdout.flush()
         finally:
             host.shutdown()
-            if server is not None:
-                server.shutdown()
         self.stdout.write(f"Host stopped ({stop.received}); {_abandoned(host)}")
         self.stdout.flush()
         exit_now_if_abandoned(host)
+
+
+@contextlib.contextmanager
+def _metrics_served(port: int | None, address: str) -> Iterator[Any]:
+    """The metrics HTTP server on ``port`` (None: no server) while the block runs; stopped and
+    its port released at the end, however the block ends (a host that fails to start, too)."""
+    if port is None:
+        yield None
+        return
+    try:
+        server = metrics.serve(port, address)
+    except OSError as exc:
+        raise CommandError(
+            f"Cannot serve metrics on {address}:{port}: {exc}. Choose another --metrics-port."
+        ) from exc
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _abandoned(host: Host) -> str:

@@ -22,12 +22,12 @@ class Command(BaseCommand):
         if options["once"]:
             self._report(sweeper.run_once())
             return
-        stop = stop_on_signals()
         interval = max(get_settings().SWEEPER_INTERVAL_MS, 1000) / 1000
-        while True:
-            self._report(sweeper.run_once())
-            if stop.wait(interval):
-                return
+        with stop_on_signals() as stop:
+            while True:
+                self._report(sweeper.run_once())
+                if stop.wait(interval):
+                    return
 
     def _report(self, result: Any) -> None:
         if result.skipped:

@@ -54,7 +54,6 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1.")
         if options["max_duration_ms"] is not None and options["max_duration_ms"] < 1000:
             raise CommandError("--max-duration-ms must be at least 1000.")
-        stop = stop_on_signals()
         config = HostConfig.from_settings(
             get_settings(),
             [options["subscription"]],
@@ -66,7 +65,7 @@ class Command(BaseCommand):
             reconcile_interval_ms=0,
         )
         # Built after the freeze, so that what the host makes while it runs is walked as usual.
-        with start_up_objects_frozen():
+        with stop_on_signals() as stop, start_up_objects_frozen():
             self._run(config, stop, options)
 
     def _run(self, config: HostConfig, stop: StopSignal, options: dict[str, Any]) -> None:
