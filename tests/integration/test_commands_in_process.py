@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import signal
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from django.core.management.base import CommandError
 # commands use.
 import tests.support.handlers  # noqa: F401
 from tests.factories import SubscriptionFactory
+from workqueue import metrics
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -37,12 +37,6 @@ def own_signal_handlers() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.usefixtures("own_signal_handlers")
 def test_a_one_shot_run_puts_back_the_signal_handlers_it_found():
     # Left installed, the command's handlers set an event nobody waits on any more: Ctrl-C
@@ -57,16 +51,23 @@ def test_a_one_shot_run_puts_back_the_signal_handlers_it_found():
 
 
 @pytest.mark.usefixtures("own_signal_handlers")
-def test_a_host_that_cannot_start_releases_its_metrics_port_and_signal_handlers():
+def test_a_host_that_cannot_start_stops_its_metrics_server_and_puts_back_the_handlers(
+    monkeypatch,
+):
+    served: list[Any] = []
+    serve = metrics.serve
+
+    def recording(port: int, address: str = "127.0.0.1") -> Any:
+        served.append(serve(port, address))
+        return served[-1]
+
+    monkeypatch.setattr(metrics, "serve", recording)
     s = SubscriptionFactory()  # and no system user: the host refuses to start
-    port = _free_port()
 
     with pytest.raises(CommandError, match="SYSTEM_USER"):
-        call_command(
-            "workqueue_host", "-s", s.name, "--metrics-port", str(port), stdout=io.StringIO()
-        )
+        call_command("workqueue_host", "-s", s.name, "--metrics-port", "0", stdout=io.StringIO())
 
-    with socket.socket() as again:
-        again.bind(("127.0.0.1", port))  # OSError (address in use) while still served
+    [server] = served
+    assert server.socket.fileno() == -1, "the metrics port is still bound"
     assert signal.getsignal(signal.SIGINT) is _ours
     assert signal.getsignal(signal.SIGTERM) is _ours

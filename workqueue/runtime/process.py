@@ -39,7 +39,8 @@ def stop_on_signals() -> Iterator[StopSignal]:
         yield stop
     finally:
         for signum, former in previous.items():
-            signal.signal(signum, former)
+            if former is not None:  # None: set outside Python (an embedding server), kept as is
+                signal.signal(signum, former)
 
 
 def host_disabled() -> bool:
