@@ -65,6 +65,21 @@ PUBLISHED = Counter(
     ["topic", "status", "error_code"],
     registry=PROCESS,
 )
+SWEPT_ROWS = Counter(
+    "workqueue_swept_rows",
+    "Rows this process's sweeper passes changed, by step: expired_leases, terminal_deliveries, "
+    "orphan_messages, expired_deduplications, task_results.",
+    ["step"],
+    registry=PROCESS,
+)
+SWEEPER_PASSES = Counter(
+    "workqueue_sweeper_passes",
+    "Sweeper passes this process ran, by result: caught_up; behind (a step stopped at the "
+    "pass's limit with rows left, so another pass follows soon); failed (a step raised); "
+    "skipped (another sweeper held the lock).",
+    ["result"],
+    registry=PROCESS,
+)
 
 
 UNKNOWN_TOPIC = "(unknown)"

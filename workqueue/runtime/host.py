@@ -36,7 +36,7 @@ from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_re
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.scheduler import Scheduler
 from workqueue.runtime.service import PeriodicService
-from workqueue.runtime.sweeper import Sweeper
+from workqueue.runtime.sweeper import Sweeper, pause_after
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.wakeup import Wakeup
 from workqueue.scheduling import load_schedules
@@ -242,7 +242,10 @@ class Host:
                 )
                 self._services.append(
                     PeriodicService(
-                        "wq-sweeper", self.config.sweeper_interval_ms / 1000, Sweeper().run_once
+                        "wq-sweeper",
+                        self.config.sweeper_interval_ms / 1000,
+                        Sweeper().run_once,
+                        pause=pause_after,
                     )
                 )
                 if scheduler.schedules:

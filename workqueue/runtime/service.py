@@ -1,14 +1,17 @@
 """A background service: ``run_once()`` on a fixed interval in its own thread until stopped.
 
 ``stop()`` is safe twice and before ``start()``; a failing pass is logged and the next one
-still runs.
+still runs, an interval later. A service given ``pause`` waits what it says after each pass
+that returned (from the pass's result and how long it took) instead of the interval.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from django.db import connections
 
@@ -18,10 +21,18 @@ logger = logging.getLogger(__name__)
 
 
 class PeriodicService:
-    def __init__(self, name: str, interval_seconds: float, run_once: Callable[[], object]) -> None:
+    def __init__(
+        self,
+        name: str,
+        interval_seconds: float,
+        run_once: Callable[[], Any],
+        *,
+        pause: Callable[[Any, float, float], float] | None = None,
+    ) -> None:
         self.name = name
         self.interval_seconds = interval_seconds
         self._run_once = run_once
+        self._pause = pause
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -37,11 +48,17 @@ class PeriodicService:
 
     def _loop(self) -> None:
         try:
-            while not self._stop.wait(self.interval_seconds):
+            wait = self.interval_seconds
+            while not self._stop.wait(wait):
+                wait = self.interval_seconds
+                began = time.monotonic()
                 try:
-                    self._run_once()
+                    result = self._run_once()
                 except Exception:
                     logger.exception("%s pass failed; the next pass will try again", self.name)
+                    continue
+                if self._pause is not None:
+                    wait = self._pause(result, time.monotonic() - began, self.interval_seconds)
         finally:
             # Kept between passes when CONN_MAX_AGE allows; closed with the thread.
             close_thread_connections()

@@ -1,12 +1,19 @@
 """The sweeper: lease expiry across all subscriptions and retention purges, in bounded batches,
-one pass at a time across every instance (a transaction-scoped lock on a private connection)."""
+one pass at a time across every instance (a transaction-scoped lock on a private connection).
+
+A pass takes at most ``MAX_BATCHES`` batches a step, so no pass holds the lock for long. A pass
+that stopped at that limit with rows left is *behind*, and the next one follows after a pause
+as long as the pass took (``pause_after``) instead of a whole interval: a queue settling more
+rows a second than one pass an interval can purge is still swept as fast as it fills, with
+the sweeper busy at most about half the time.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
-from workqueue import signals, transport
+from workqueue import metrics, signals, transport
 from workqueue.runtime.executor import log_lease_expired_dead_letter
 from workqueue.types import DeliveryStatus
 
@@ -20,12 +27,22 @@ PURGE_STEPS = ("terminal_deliveries", "orphan_messages", "expired_deduplications
 
 @dataclass(slots=True)
 class SweeperPassResult:
-    """Rows changed by one pass; -1 marks a step that failed (the pass went on)."""
+    """Rows changed by one pass; -1 marks a step that failed (the pass went on). ``behind``:
+    a step stopped at the pass's limit with rows left."""
 
     skipped: bool = False
     expired: int = 0
     expired_dead_letters: int = 0
     purged: dict[str, int] = field(default_factory=dict)
+    behind: bool = False
+
+
+def pause_after(result: SweeperPassResult, took_seconds: float, interval_seconds: float) -> float:
+    """Seconds to wait before the next pass: the interval, or as long as this pass took (at
+    most the interval) when it left rows behind."""
+    if result.behind:
+        return min(took_seconds, interval_seconds)
+    return interval_seconds
 
 
 class Sweeper:
@@ -33,19 +50,29 @@ class Sweeper:
         """Run one pass, or skip it (``skipped=True``) when another sweeper holds the lock."""
         with transport.sweep_lock() as acquired:
             if not acquired:
+                metrics.SWEEPER_PASSES.labels("skipped").inc()
                 return SweeperPassResult(skipped=True)
             result = SweeperPassResult()
             self._expire_leases(result)
             for step in PURGE_STEPS:
-                result.purged[step] = self._purge(step)
-            result.purged["task_results"] = self._purge_task_results()
+                result.purged[step] = self._purge(step, result)
+            result.purged["task_results"] = self._purge_task_results(result)
+        counts = {"expired_leases": result.expired, **result.purged}
+        for step, rows in counts.items():
+            if rows > 0:
+                metrics.SWEPT_ROWS.labels(step).inc(rows)
+        failed = any(rows < 0 for rows in counts.values())
+        metrics.SWEEPER_PASSES.labels(
+            "failed" if failed else "behind" if result.behind else "caught_up"
+        ).inc()
         if result.expired or any(n for n in result.purged.values()):
             logger.info(
-                "Sweeper pass: %d lease(s) expired (%d dead-lettered), purged %s",
+                "Sweeper pass: %d lease(s) expired (%d dead-lettered), purged %s%s",
                 result.expired,
                 result.expired_dead_letters,
                 result.purged,
-                extra={"action": "sweep"},
+                "; rows left for the next pass" if result.behind else "",
+                extra={"action": "sweep", "behind": result.behind},
             )
         return result
 
@@ -69,11 +96,12 @@ class Sweeper:
                         )
                 if len(rows) < EXPIRE_BATCH:
                     return
+            result.behind = True
         except Exception:
             logger.exception("Sweeper: expiring leases failed")
             result.expired = -1
 
-    def _purge_task_results(self) -> int:
+    def _purge_task_results(self, result: SweeperPassResult) -> int:
         """Tasks API results go with their messages (so with the topic's retention)."""
         # Imported here: the sweeper's module is loaded by code that runs before the models.
         from workqueue.models import TaskResult
@@ -85,12 +113,14 @@ class Sweeper:
                 total += removed
                 if removed < PURGE_BATCH:
                     break
+            else:
+                result.behind = True
         except Exception:
             logger.exception("Sweeper: purging task results failed")
             return -1
         return total
 
-    def _purge(self, step: str) -> int:
+    def _purge(self, step: str, result: SweeperPassResult) -> int:
         total = 0
         try:
             for _ in range(MAX_BATCHES):
@@ -98,6 +128,8 @@ class Sweeper:
                 total += removed
                 if removed < PURGE_BATCH:
                     break
+            else:
+                result.behind = True
         except Exception:
             logger.exception("Sweeper: purging %s failed", step)
             return -1

@@ -2,39 +2,68 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.runtime.process import stop_on_signals
-from workqueue.runtime.sweeper import Sweeper
+from workqueue.runtime.sweeper import Sweeper, SweeperPassResult, pause_after
 
 
 class Command(BaseCommand):
-    help = "Expire passed leases and purge settled rows past retention, once or periodically."
+    help = (
+        "Expire passed leases and purge settled rows past retention, periodically or, with "
+        "--once, until caught up."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--once", action="store_true", help="Run one pass and exit.")
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            help=(
+                "Sweep and exit: one pass, and more while a pass stops at its limit with rows "
+                "left, for at most SWEEPER_INTERVAL_MS in all (a job run at that interval "
+                "keeps up with any backlog the database can purge in that time)."
+            ),
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         sweeper = Sweeper()
-        if options["once"]:
-            self._report(sweeper.run_once())
-            return
         interval = max(get_settings().SWEEPER_INTERVAL_MS, 1000) / 1000
+        if options["once"]:
+            # No signal handlers of its own, as before: a single sweep may run on any thread
+            # (call_command from a job), and Ctrl-C ends it as it ends any command.
+            self._sweep(sweeper, interval, threading.Event(), until=time.monotonic() + interval)
+            return
         with stop_on_signals() as stop:
-            while True:
-                self._report(sweeper.run_once())
-                if stop.wait(interval):
-                    return
+            self._sweep(sweeper, interval, stop, until=None)
 
-    def _report(self, result: Any) -> None:
+    def _sweep(
+        self, sweeper: Sweeper, interval: float, stop: threading.Event, until: float | None
+    ) -> None:
+        """Pass after pass, an interval apart or sooner while behind, until ``stop`` is set;
+        with ``until``, only while behind and not past that time."""
+        while True:
+            began = time.monotonic()
+            result = sweeper.run_once()
+            self._report(result)
+            pause = pause_after(result, time.monotonic() - began, interval)
+            if until is not None and (not result.behind or time.monotonic() + pause >= until):
+                return
+            if stop.wait(pause):
+                return
+
+    def _report(self, result: SweeperPassResult) -> None:
         if result.skipped:
             self.stdout.write("skipped: another sweeper holds the lock")
         else:
             purged = " ".join(f"{k}={v}" for k, v in result.purged.items())
+            left = " (rows left: another pass follows)" if result.behind else ""
             self.stdout.write(
-                f"expired={result.expired} dead_lettered={result.expired_dead_letters} {purged}"
+                f"expired={result.expired} dead_lettered={result.expired_dead_letters} "
+                f"{purged}{left}"
             )
         self.stdout.flush()
