@@ -3,7 +3,7 @@ and watch whether the queue tables, their indexes or the cost of a claim keep gr
 
 Usage (against the embedded PostgreSQL, or DATABASE_URL; as the tables' owner):
     PYTHONPATH=. .venv/bin/python bench/steady.py --minutes 60 --rate 500   # the hour-long run
-    PYTHONPATH=. .venv/bin/python bench/steady.py --minutes 1 --interval 10   # a short variant
+    PYTHONPATH=. .venv/bin/python bench/steady.py --minutes 1 --interval 10 --sweep-seconds 10
 
 One host in this process runs one subscription (--concurrency) and its sweeper (every
 --sweep-seconds, by default the product's interval, and sooner while it is behind); a

@@ -65,8 +65,8 @@ PUBLISHED = Counter(
     ["topic", "status", "error_code"],
     registry=PROCESS,
 )
-SWEPT_ROWS = Counter(
-    "workqueue_swept_rows",
+SWEEPER_ROWS = Counter(
+    "workqueue_sweeper_rows",
     "Rows this process's sweeper passes changed, by step: expired_leases, terminal_deliveries, "
     "orphan_messages, expired_deduplications, task_results.",
     ["step"],
@@ -75,11 +75,16 @@ SWEPT_ROWS = Counter(
 SWEEPER_PASSES = Counter(
     "workqueue_sweeper_passes",
     "Sweeper passes this process ran, by result: caught_up; behind (a step stopped at the "
-    "pass's limit with rows left, so another pass follows soon); failed (a step raised); "
-    "skipped (another sweeper held the lock).",
+    "pass's limit with rows left, so another pass follows soon); failed (a step or the pass "
+    "raised; counted so even when another step was behind); skipped (another sweeper held the "
+    "lock).",
     ["result"],
     registry=PROCESS,
 )
+# Every result's series exists from the start at 0: Prometheus's increase() cannot see a
+# series' first step from nothing, so a process's first failed pass would go unnoticed.
+for _result in ("caught_up", "behind", "failed", "skipped"):
+    SWEEPER_PASSES.labels(_result)
 
 
 UNKNOWN_TOPIC = "(unknown)"

@@ -155,6 +155,13 @@ def test_the_steady_state_soak_runs_in_a_short_variant():
     assert re.search(r"^steady state (held|failed)", run.stdout, re.M), run.stdout
 
 
+def test_the_sweep_benchmark_purges_its_whole_backlog_in_a_short_variant():
+    run = _bench("bench/sweep.py", "--deliveries", "1500")
+
+    # Every delivery and its message, then a pass that finds nothing left.
+    assert re.search(r"^purged 3,000 rows in [\d.]+ s over 2 passes", run.stdout, re.M), run.stdout
+
+
 def test_the_hot_key_benchmark_runs_end_to_end_in_a_short_variant():
     run = _bench("bench/hot_key.py", "--backlog", "1", "300", "--mode", "Ordered", "Exclusive")
 

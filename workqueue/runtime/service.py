@@ -54,11 +54,10 @@ class PeriodicService:
                 began = time.monotonic()
                 try:
                     result = self._run_once()
+                    if self._pause is not None:
+                        wait = self._pause(result, time.monotonic() - began, self.interval_seconds)
                 except Exception:
                     logger.exception("%s pass failed; the next pass will try again", self.name)
-                    continue
-                if self._pause is not None:
-                    wait = self._pause(result, time.monotonic() - began, self.interval_seconds)
         finally:
             # Kept between passes when CONN_MAX_AGE allows; closed with the thread.
             close_thread_connections()

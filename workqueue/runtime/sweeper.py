@@ -2,10 +2,10 @@
 one pass at a time across every instance (a transaction-scoped lock on a private connection).
 
 A pass takes at most ``MAX_BATCHES`` batches a step, so no pass holds the lock for long. A pass
-that stopped at that limit with rows left is *behind*, and the next one follows after a pause
-as long as the pass took (``pause_after``) instead of a whole interval: a queue settling more
-rows a second than one pass an interval can purge is still swept as fast as it fills, with
-the sweeper busy at most about half the time.
+that stopped at that limit (so rows may be left) is *behind*, and the next one follows after a
+pause as long as the pass took, up to one interval (``pause_after``), instead of a whole
+interval: a queue settling more rows a second than one pass an interval can purge is still
+swept as fast as the database can delete, with the sweeper resting between passes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ PURGE_STEPS = ("terminal_deliveries", "orphan_messages", "expired_deduplications
 @dataclass(slots=True)
 class SweeperPassResult:
     """Rows changed by one pass; -1 marks a step that failed (the pass went on). ``behind``:
-    a step stopped at the pass's limit with rows left."""
+    a step stopped at the pass's limit, so rows may be left."""
 
     skipped: bool = False
     expired: int = 0
@@ -39,7 +39,7 @@ class SweeperPassResult:
 
 def pause_after(result: SweeperPassResult, took_seconds: float, interval_seconds: float) -> float:
     """Seconds to wait before the next pass: the interval, or as long as this pass took (at
-    most the interval) when it left rows behind."""
+    most the interval) when it may have left rows."""
     if result.behind:
         return min(took_seconds, interval_seconds)
     return interval_seconds
@@ -48,6 +48,14 @@ def pause_after(result: SweeperPassResult, took_seconds: float, interval_seconds
 class Sweeper:
     def run_once(self) -> SweeperPassResult:
         """Run one pass, or skip it (``skipped=True``) when another sweeper holds the lock."""
+        try:
+            return self._run_pass()
+        except Exception:
+            # The lock's own connection failed: the steps never ran. (Each step catches its own.)
+            metrics.SWEEPER_PASSES.labels("failed").inc()
+            raise
+
+    def _run_pass(self) -> SweeperPassResult:
         with transport.sweep_lock() as acquired:
             if not acquired:
                 metrics.SWEEPER_PASSES.labels("skipped").inc()
@@ -60,7 +68,7 @@ class Sweeper:
         counts = {"expired_leases": result.expired, **result.purged}
         for step, rows in counts.items():
             if rows > 0:
-                metrics.SWEPT_ROWS.labels(step).inc(rows)
+                metrics.SWEEPER_ROWS.labels(step).inc(rows)
         failed = any(rows < 0 for rows in counts.values())
         metrics.SWEEPER_PASSES.labels(
             "failed" if failed else "behind" if result.behind else "caught_up"

@@ -25,8 +25,8 @@ class Command(BaseCommand):
             action="store_true",
             help=(
                 "Sweep and exit: one pass, and more while a pass stops at its limit with rows "
-                "left, for at most SWEEPER_INTERVAL_MS in all (a job run at that interval "
-                "keeps up with any backlog the database can purge in that time)."
+                "left, ending within SWEEPER_INTERVAL_MS (at least 1 s) of the start, so a job "
+                "run at that interval does not overlap itself."
             ),
         )
 
@@ -50,8 +50,11 @@ class Command(BaseCommand):
             began = time.monotonic()
             result = sweeper.run_once()
             self._report(result)
-            pause = pause_after(result, time.monotonic() - began, interval)
-            if until is not None and (not result.behind or time.monotonic() + pause >= until):
+            took = time.monotonic() - began
+            pause = pause_after(result, took, interval)
+            # Another pass only if it can end in time, taking as long as this one did: a job
+            # run every interval must not still be sweeping when the next one starts.
+            if until is not None and (not result.behind or time.monotonic() + pause + took > until):
                 return
             if stop.wait(pause):
                 return
