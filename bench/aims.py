@@ -61,13 +61,11 @@ from bench.django_setup import prepare_database, start_django
 
 start_django()
 
-from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connections  # noqa: E402
 
 from bench import drain as drain_bench  # noqa: E402
 from bench import publish as publish_bench  # noqa: E402
 from bench.percentiles import percentile  # noqa: E402
-from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
 from workqueue.driver.postgresql import _connect  # noqa: E402
 from workqueue.ids import new_message_id  # noqa: E402
@@ -604,8 +602,6 @@ def main() -> int:
         if args.backlog < sizes.backlog_drained:
             parser.error(f"--backlog must be at least {sizes.backlog_drained:,}")
         sizes = replace(sizes, backlog=args.backlog)
-    User = get_user_model()
-    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults", flush=True)
     drop_scratch_tables()
     steps = {

@@ -7,8 +7,9 @@ nothing that outlives the run. ``start_django`` only sets Django up, so importin
 ``prepare_database``, called once a script has read its arguments, migrates the embedded
 database when it is behind (a fresh cluster, say: the benchmarks create topics and
 subscriptions of their own, and a traceback about a missing ``auth_user`` table tells nobody
-what to run). A database that DATABASE_URL names is never migrated behind its owner's back:
-when it is behind, the script stops and says so.
+what to run), and makes the system user that benchmarks publish and run handlers as. A
+database that DATABASE_URL names is never migrated behind its owner's back: when it is behind,
+the script stops and says so.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ def start_django() -> None:
 
 
 def prepare_database() -> None:
-    from django.core.management import call_command
     from django.db import connection
     from django.db.migrations.executor import MigrationExecutor
 
     executor = MigrationExecutor(connection)
-    if not executor.migration_plan(executor.loader.graph.leaf_nodes()):
-        return
+    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        _migrate()
+    _ensure_system_user()
+
+
+def _migrate() -> None:
+    from django.core.management import call_command
+
     if os.environ.get("DATABASE_URL"):
         raise SystemExit(
             "The database DATABASE_URL names is behind this checkout's migrations: run "
@@ -44,3 +50,13 @@ def prepare_database() -> None:
         )
     print("Migrating the embedded database first (manage.py migrate).", file=sys.stderr)
     call_command("migrate", verbosity=0)
+
+
+def _ensure_system_user() -> None:
+    """The user that publishes, and that hosts' handlers run as, by default (SYSTEM_USER)."""
+    from django.contrib.auth import get_user_model
+
+    from workqueue.conf import get_settings
+
+    User = get_user_model()
+    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})

@@ -58,7 +58,6 @@ from bench.django_setup import prepare_database, start_django
 
 start_django()
 
-from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402
 
 from bench.percentiles import percentile  # noqa: E402
@@ -486,8 +485,6 @@ def main() -> int:
         parser.error("--burst publishes to one keyless subscription: drop the other options")
     if args.backlog and args.backlog < args.messages:
         parser.error("--backlog must hold at least --messages deliveries")
-    User = get_user_model()
-    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults")
     for concurrency, prefetch in itertools.product(args.concurrency, args.prefetch):
         run = drain(

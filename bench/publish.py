@@ -34,12 +34,10 @@ from bench.django_setup import prepare_database, start_django
 
 start_django()
 
-from django.contrib.auth import get_user_model  # noqa: E402
 
 from bench.percentiles import percentile  # noqa: E402
 from bench.proc_cpu import backend_cpu_seconds  # noqa: E402
 from workqueue import publish, publish_many  # noqa: E402
-from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
 from workqueue.driver.base import canonical_json  # noqa: E402
 from workqueue.models import Subscription, Topic, Transport  # noqa: E402
@@ -174,8 +172,6 @@ def main() -> int:
     )
     args = parser.parse_args()
     prepare_database()
-    User = get_user_model()
-    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
     print(f"database: {get_driver().vendor_label}, durability defaults")
     topic = make_topic(args.subscriptions)
     try:

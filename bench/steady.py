@@ -38,7 +38,6 @@ from bench.django_setup import prepare_database, start_django
 
 start_django()
 
-from django.contrib.auth import get_user_model  # noqa: E402
 from django.db import connection  # noqa: E402
 
 from workqueue import BaseWorkHandler, Outcome, metrics, publish_many  # noqa: E402
@@ -182,8 +181,6 @@ def main() -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 when the verdict fails")
     args = parser.parse_args()
     prepare_database()
-    User = get_user_model()
-    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
 
     tag = f"steady-{uuid.uuid4().hex[:6]}"
     topic = Topic.objects.create(

@@ -4,11 +4,11 @@ Usage (against the embedded PostgreSQL, or DATABASE_URL; as the tables' owner):
     PYTHONPATH=. .venv/bin/python bench/sweep.py --deliveries 100000
     PYTHONPATH=. .venv/bin/python bench/sweep.py --deliveries 2000   # a short variant
 
-Publishes --deliveries messages to a topic with one subscription and a one-day retention,
-claims and completes them all, moves their times back past retention, then runs sweeper passes
-back to back (as the sweeper does while it is behind) until a pass purges nothing. Prints each
-pass (rows purged, seconds) and the whole purge's rate in rows a second: settled deliveries and
-their messages together. A queue whose hosts settle more deliveries a second than this for long
+Publishes --deliveries messages to a topic with one subscription, claims and completes them
+all, moves their times back past the topic's retention, then runs sweeper passes back to back
+(as the sweeper does while it is behind) until a pass purges nothing. Prints each pass (rows
+purged, seconds) and the whole purge's rate in rows a second: settled deliveries and their
+messages together. A queue whose hosts settle more deliveries a second than this for long
 grows its tables whatever the sweeper's interval.
 """
 
@@ -23,12 +23,10 @@ from bench.django_setup import prepare_database, start_django
 
 start_django()
 
-from django.contrib.auth import get_user_model  # noqa: E402
-
+from bench.drain import make_subscriptions  # noqa: E402
 from workqueue import publish_many  # noqa: E402
-from workqueue.conf import get_settings  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
-from workqueue.models import Subscription, Topic, Transport  # noqa: E402
+from workqueue.models import Subscription, Topic  # noqa: E402
 from workqueue.runtime.sweeper import Sweeper  # noqa: E402
 from workqueue.transport import Receiver  # noqa: E402
 
@@ -36,7 +34,7 @@ DAY = 86_400
 
 
 def settled_backlog(topic: Topic, subscription: Subscription, count: int) -> None:
-    """``count`` deliveries completed and aged past their topic's one-day retention."""
+    """``count`` deliveries completed and aged past their topic's retention."""
     for start in range(0, count, 500):
         publish_many(
             topic.name, [{"payload": {"n": n}} for n in range(start, min(count, start + 500))]
@@ -44,7 +42,7 @@ def settled_backlog(topic: Topic, subscription: Subscription, count: int) -> Non
     receiver = Receiver(str(subscription.id), "bench")
     while claimed := receiver.receive(500).deliveries:
         receiver.complete_many(claimed)
-    get_driver().shift_time(DAY + 60, topic_id=str(topic.id))
+    get_driver().shift_time(topic.retention_days * DAY + 60, topic_id=str(topic.id))
 
 
 def main() -> int:
@@ -52,16 +50,9 @@ def main() -> int:
     parser.add_argument("--deliveries", type=int, default=100_000)
     args = parser.parse_args()
     prepare_database()
-    User = get_user_model()
-    User._default_manager.get_or_create(**{User.USERNAME_FIELD: get_settings().SYSTEM_USER})
 
-    tag = f"sweep-{uuid.uuid4().hex[:6]}"
-    topic = Topic.objects.create(
-        name=f"bench.{tag}", transport=Transport.objects.get(name="Database"), retention_days=1
-    )
-    subscription = Subscription.objects.create(
-        topic=topic, name=f"bench.{tag}-sub", handler_key="bench"
-    )
+    (subscription,) = make_subscriptions(f"sweep-{uuid.uuid4().hex[:6]}")
+    topic = subscription.topic
     try:
         settled_backlog(topic, subscription, args.deliveries)
         print(f"database: {get_driver().vendor_label}; {args.deliveries:,} settled deliveries")
