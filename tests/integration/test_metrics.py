@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
@@ -226,6 +227,28 @@ def test_a_host_process_serves_metrics_on_its_internal_port(processes):
     )
     assert gauge(text, "workqueue_pending_deliveries", s.name) == 0
     assert samples(text)[("workqueue_live_hosts", ())] >= 1
+
+
+@pytest.mark.processes
+def test_a_standalone_sweeper_serves_its_pass_counters(processes):
+    # Without it a deployment that sweeps with workqueue_sweep alone had no series for the
+    # sweeper alerts to read, and they stayed silent whatever the sweeper did.
+    sweeper = processes.start("workqueue_sweep", "--metrics-port", "0")
+    sweeper.wait_for_line("Metrics: http://127.0.0.1:")
+    url = next(line for line in sweeper.lines if line.startswith("Metrics: ")).split()[1]
+    sweeper.wait_for_line("expired=")  # its first pass, at once
+
+    with urllib.request.urlopen(url, timeout=10) as response:  # loopback only
+        text = response.read().decode()
+
+    passes = samples(text)
+    assert passes[("workqueue_sweeper_passes_total", (("result", "caught_up"),))] >= 1
+    assert passes[("workqueue_sweeper_passes_total", (("result", "failed"),))] == 0
+
+
+def test_a_once_sweep_refuses_a_metrics_port():
+    with pytest.raises(CommandError, match="--once run ends before a scrape"):
+        call_command("workqueue_sweep", "--once", "--metrics-port", "0")
 
 
 @pytest.mark.processes

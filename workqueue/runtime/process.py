@@ -1,5 +1,5 @@
-"""Process-level concerns of the host commands: stop signals, the kill switch, and what the
-garbage collector walks."""
+"""Process-level concerns of the host commands: stop signals, the kill switch, the metrics
+port, and what the garbage collector walks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+
+from workqueue import metrics
 
 
 class StopSignal(threading.Event):
@@ -90,3 +94,42 @@ def start_up_objects_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def add_metrics_arguments(parser: CommandParser, counters: str) -> None:
+    """``--metrics-port`` and ``--metrics-address``; ``counters`` names what the process
+    counts ("this host's counters")."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=f"Also serve Prometheus metrics ({counters} and the queue's gauges) over HTTP on "
+        "this port, without authentication: bind it where only your scraper reaches.",
+    )
+    parser.add_argument(
+        "--metrics-address",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="Address for --metrics-port (default 127.0.0.1).",
+    )
+
+
+@contextlib.contextmanager
+def metrics_served(port: int | None, address: str) -> Iterator[Any]:
+    """The metrics HTTP server on ``port`` (None: no server) while the block runs; stopped and
+    its port released at the end, however the block ends (a host that fails to start, too)."""
+    if port is None:
+        yield None
+        return
+    try:
+        server = metrics.serve(port, address)
+    except OSError as exc:
+        raise CommandError(
+            f"Cannot serve metrics on {address}:{port}: {exc}. Choose another --metrics-port."
+        ) from exc
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from workqueue import metrics
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
+    add_metrics_arguments,
     exit_now_if_abandoned,
     host_disabled,
+    metrics_served,
     start_up_objects_frozen,
     stop_on_signals,
 )
@@ -45,21 +44,7 @@ class Command(BaseCommand):
             "subscription's WORKQUEUE['SUBSCRIPTIONS'] entry, else the '*' entry, else 1.",
         )
 
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            default=None,
-            metavar="PORT",
-            help="Also serve Prometheus metrics (this host's counters and the queue's gauges) "
-            "over HTTP on this port, without authentication: bind it where only your scraper "
-            "reaches.",
-        )
-        parser.add_argument(
-            "--metrics-address",
-            default="127.0.0.1",
-            metavar="ADDRESS",
-            help="Address for --metrics-port (default 127.0.0.1).",
-        )
+        add_metrics_arguments(parser, "this host's counters")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if host_disabled():
@@ -72,7 +57,7 @@ class Command(BaseCommand):
         # runs is walked as usual.
         with (
             stop_on_signals() as stop,
-            _metrics_served(options["metrics_port"], options["metrics_address"]) as server,
+            metrics_served(options["metrics_port"], options["metrics_address"]) as server,
             start_up_objects_frozen(),
         ):
             self._run(stop, server, options)
@@ -105,26 +90,6 @@ class Command(BaseCommand):
         self.stdout.write(f"Host stopped ({stop.received}); {_abandoned(host)}")
         self.stdout.flush()
         exit_now_if_abandoned(host)
-
-
-@contextlib.contextmanager
-def _metrics_served(port: int | None, address: str) -> Iterator[Any]:
-    """The metrics HTTP server on ``port`` (None: no server) while the block runs; stopped and
-    its port released at the end, however the block ends (a host that fails to start, too)."""
-    if port is None:
-        yield None
-        return
-    try:
-        server = metrics.serve(port, address)
-    except OSError as exc:
-        raise CommandError(
-            f"Cannot serve metrics on {address}:{port}: {exc}. Choose another --metrics-port."
-        ) from exc
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _abandoned(host: Host) -> str:

@@ -6,10 +6,10 @@ import threading
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workqueue.conf import get_settings
-from workqueue.runtime.process import stop_on_signals
+from workqueue.runtime.process import add_metrics_arguments, metrics_served, stop_on_signals
 from workqueue.runtime.sweeper import Sweeper, SweeperPassResult, pause_after
 
 
@@ -29,16 +29,28 @@ class Command(BaseCommand):
                 "run at that interval does not overlap itself."
             ),
         )
+        add_metrics_arguments(parser, "this sweeper's counters")
 
     def handle(self, *args: Any, **options: Any) -> None:
         sweeper = Sweeper()
         interval = max(get_settings().SWEEPER_INTERVAL_MS, 1000) / 1000
         if options["once"]:
+            if options["metrics_port"] is not None:
+                raise CommandError(
+                    "--metrics-port serves a sweeper that keeps running; a --once run ends "
+                    "before a scrape would find it. Leave out one of the two."
+                )
             # No signal handlers of its own, as before: a single sweep may run on any thread
             # (call_command from a job), and Ctrl-C ends it as it ends any command.
             self._sweep(sweeper, interval, threading.Event(), until=time.monotonic() + interval)
             return
-        with stop_on_signals() as stop:
+        with (
+            stop_on_signals() as stop,
+            metrics_served(options["metrics_port"], options["metrics_address"]) as server,
+        ):
+            if server is not None:
+                address, port = server.server_address[:2]
+                self.stdout.write(f"Metrics: http://{address}:{port}/metrics")
             self._sweep(sweeper, interval, stop, until=None)
 
     def _sweep(
