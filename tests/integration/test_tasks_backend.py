@@ -17,6 +17,7 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.db.backends.signals import connection_created
+from django.db.models import F
 from django.test import override_settings
 from django.utils import timezone
 from django_tasks import TaskResultStatus, default_task_backend, task_backends
@@ -268,14 +269,23 @@ def test_results_are_purged_with_their_messages_by_the_sweeper(run_host):
     run_host()
     finished(old.id)
     topic = Topic.objects.get(name=QUEUE)
-    get_driver().shift_time(topic.retention_days * DAY + 60, topic_id=str(topic.id))
+    aged = topic.retention_days * DAY + 60
+    get_driver().shift_time(aged, topic_id=str(topic.id))
+    TaskResult.objects.update(started_at=F("started_at") - dt.timedelta(seconds=aged))
     recent = add.enqueue(2, 2)
     finished(recent.id)
+    # A run that started as long ago, of a task waiting for its retry: its message is alive,
+    # and so is its result.
+    kept = add.enqueue(3, 3)
+    TaskResult.objects.create(id=kept.id, started_at=timezone.now() - dt.timedelta(days=30))
 
     result = Sweeper().run_once()
 
     assert result.purged["task_results"] == 1
-    assert [str(pk) for pk in TaskResult.objects.values_list("id", flat=True)] == [recent.id]
+    assert {str(pk) for pk in TaskResult.objects.values_list("id", flat=True)} == {
+        recent.id,
+        kept.id,
+    }
     with pytest.raises(TaskResultDoesNotExist):
         default_task_backend.get_result(old.id)
     assert default_task_backend.get_result(recent.id).return_value == 4

@@ -10,17 +10,34 @@ retention has purged its message.
 
 from __future__ import annotations
 
+import datetime
+
 from django.db import models
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, Min, OuterRef
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from workqueue.models.queue import Message
+from workqueue.models.topology import Topic
 
 
 class TaskResultQuerySet(models.QuerySet):
     def purge_orphans(self, limit: int) -> int:
-        """Delete up to ``limit`` rows whose message retention has purged; return how many."""
-        orphans = self.filter(~Exists(Message.objects.filter(pk=OuterRef("pk"))))
+        """Delete up to ``limit`` rows whose message retention has purged; return how many.
+
+        Only a run that started longer ago than the shortest retention of any topic can have
+        lost its message: retention purges a message only once its delivery settled longer ago
+        than its topic's retention, and a delivery settles after its run started. So the walk
+        reads those rows, oldest first along their index, instead of testing every result
+        against the messages at every sweeper pass (with a million live results, a second of
+        database time a pass). Compared with this process's clock: one behind the database's
+        only delays a purge by the difference."""
+        shortest = Topic.objects.aggregate(days=Min("retention_days"))["days"]
+        candidates = self
+        if shortest is not None:  # no topic: no message either, every result is an orphan
+            cutoff = timezone.now() - datetime.timedelta(days=shortest)
+            candidates = self.filter(started_at__lt=cutoff).order_by("started_at")
+        orphans = candidates.filter(~Exists(Message.objects.filter(pk=OuterRef("pk"))))
         return self.filter(pk__in=list(orphans.values_list("pk", flat=True)[:limit])).delete()[0]
 
 
@@ -45,6 +62,8 @@ class TaskResult(models.Model):
 
     class Meta:
         verbose_name = "task result"
+        # The sweeper's walk for results whose message retention purged (purge_orphans).
+        indexes = [models.Index(fields=["started_at"], name="wq_taskresult_started_ix")]
 
     def __str__(self) -> str:
         return str(self.id)
