@@ -62,6 +62,11 @@ def main() -> int:
             started = time.monotonic()
             result = sweeper.run_once()
             took = time.monotonic() - started
+            if result.skipped:
+                raise SystemExit(
+                    "Another sweeper holds the lock (a host sweeping this database?): its passes "
+                    "would mix with these. Stop it, or benchmark the embedded database."
+                )
             deliveries = result.purged["terminal_deliveries"]
             messages = result.purged["orphan_messages"]
             if deliveries < 0 or messages < 0:

@@ -3,7 +3,8 @@ update) and what the queue holds cluster-wide (gauges read from the database at 
 
 Exposed by ``GET /work-queue/metrics`` (read permission; the gauges a limited API key sees are
 its own subscriptions'), by ``manage.py workqueue metrics`` and, unauthenticated for an internal
-scrape, by ``manage.py workqueue_host --metrics-port PORT``.
+scrape, by ``manage.py workqueue_host --metrics-port PORT`` and ``workqueue_sweep --metrics-port
+PORT``.
 """
 
 from __future__ import annotations

@@ -274,9 +274,9 @@ def test_results_are_purged_with_their_messages_by_the_sweeper(run_host):
     TaskResult.objects.update(started_at=F("started_at") - dt.timedelta(seconds=aged))
     recent = add.enqueue(2, 2)
     finished(recent.id)
-    # A run that started as long ago, of a task waiting for its retry: its message is alive,
-    # and so is its result.
-    kept = add.enqueue(3, 3)
+    # A run that started as long ago, of a task waiting for its retry (not due for an hour,
+    # so the host leaves it): its message is alive, and so is its result.
+    kept = add.using(run_after=timezone.now() + dt.timedelta(hours=1)).enqueue(3, 3)
     TaskResult.objects.create(id=kept.id, started_at=timezone.now() - dt.timedelta(days=30))
 
     result = Sweeper().run_once()

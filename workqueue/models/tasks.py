@@ -23,16 +23,26 @@ from workqueue.models.topology import Topic
 
 class TaskResultQuerySet(models.QuerySet):
     def purge_orphans(self, limit: int) -> int:
-        """Delete up to ``limit`` rows whose message retention has purged; return how many.
+        """Delete up to ``limit`` rows whose message is gone; return how many.
 
-        Only a run that started longer ago than the shortest retention of any topic can have
-        lost its message: retention purges a message only once its delivery settled longer ago
-        than its topic's retention, and a delivery settles after its run started. So the walk
-        reads those rows, oldest first along their index, instead of testing every result
-        against the messages at every sweeper pass (with a million live results, a second of
-        database time a pass). Compared with this process's clock: one behind the database's
-        only delays a purge by the difference."""
-        shortest = Topic.objects.aggregate(days=Min("retention_days"))["days"]
+        Retention purges a task's message once its delivery settled longer ago than its topic's
+        retention, and a delivery settles after its run started, so that is how results lose
+        their messages: long after their start. The walk therefore reads only results that
+        started longer ago than the shortest retention of the Tasks API's topics, oldest first
+        along their index, instead of testing every result against the messages at every
+        sweeper pass (with a million live results, a second of database time a pass). A
+        message that goes sooner (an operator's purge, a removed topic, a run that started late
+        in its retention) leaves its result to be reaped once it passes that cutoff. The
+        cutoff is read on this process's clock: one behind the database's only delays a purge.
+        """
+        # Imported here: the tasks package imports the models.
+        from workqueue.tasks.messages import HANDLER_KEY
+
+        retention = Topic.objects.aggregate(days=Min("retention_days"))
+        task_retention = Topic.objects.filter(subscriptions__handler_key=HANDLER_KEY).aggregate(
+            days=Min("retention_days")
+        )
+        shortest = task_retention["days"] or retention["days"]
         candidates = self
         if shortest is not None:  # no topic: no message either, every result is an orphan
             cutoff = timezone.now() - datetime.timedelta(days=shortest)
