@@ -488,16 +488,21 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             try:
                 wait_until(
                     lambda a=long_held, b=txn_long_held: a.exists() and b.exists(),
-                    timeout=30,
+                    timeout=30 if size.proves_recovery else 10,
                     interval=0.01,
                 )
             except AssertionError:
-                raise AssertionError(
-                    f"kill at {at}: host A (pid {victim.pid}, exit {victim.popen.poll()}) held "
-                    "no long keyed and transactional handlers at once for 30 s; it held "
-                    f"{held.count()} keyed and {txn_held.count()} transactional deliveries, "
-                    f"{progress.accepted} messages accepted"
-                ) from None
+                # A run too small to prove recovery may have drained its few long handlers
+                # before the kill (the faster the database, the likelier): it kills what it
+                # finds, and the CI-sized run proves that kills land on running work.
+                if size.proves_recovery:
+                    raise AssertionError(
+                        f"kill at {at}: host A (pid {victim.pid}, exit "
+                        f"{victim.popen.poll()}) held no long keyed and transactional handlers "
+                        f"at once for 30 s; it held {held.count()} keyed and "
+                        f"{txn_held.count()} transactional deliveries, {progress.accepted} "
+                        "messages accepted"
+                    ) from None
             assert backends_of(victim.pid) > 0, "host connections carry application_name"
             victim.popen.kill()
             victim.wait(timeout=10)
