@@ -9,6 +9,8 @@ and from ``workqueue_sweep --once``, instead of one pass an interval.
 from __future__ import annotations
 
 import io
+import os
+import signal
 import threading
 import time
 import uuid
@@ -268,3 +270,26 @@ def test_the_sweepers_steps_run_without_jit():
         settings = dict(cursor.fetchall())
     assert sorted(settings) == sorted(SWEEPER_PROCEDURES)
     assert all("jit=off" in config for config in settings.values()), settings
+
+
+def test_a_standalone_sweeper_outlives_a_failing_pass(monkeypatch, settings, caplog):
+    # It ended at the first database error (a restart, a failover), while a host's sweeper
+    # logs the failure and passes again an interval later.
+    settings.WORKQUEUE = {**getattr(settings, "WORKQUEUE", {}), "SWEEPER_INTERVAL_MS": 1000}
+    real_pass, calls = Sweeper.run_once, []
+
+    def failing_once(self: Sweeper) -> Any:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("the database went away")
+        os.kill(os.getpid(), signal.SIGTERM)  # the command's own handler: stop after this pass
+        return real_pass(self)
+
+    monkeypatch.setattr(Sweeper, "run_once", failing_once)
+    out = io.StringIO()
+
+    call_command("workqueue_sweep", stdout=out)
+
+    assert len(calls) == 2 and calls[1] - calls[0] >= 0.9  # an interval after the failure
+    assert "expired=" in out.getvalue()
+    assert any("Sweeper pass failed" in r.getMessage() for r in caplog.records)

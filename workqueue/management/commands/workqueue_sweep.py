@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -11,6 +12,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from workqueue.conf import get_settings
 from workqueue.runtime.process import add_metrics_arguments, metrics_served, stop_on_signals
 from workqueue.runtime.sweeper import Sweeper, SweeperPassResult, pause_after
+
+logger = logging.getLogger("workqueue.runtime.sweeper")
 
 
 class Command(BaseCommand):
@@ -60,7 +63,16 @@ class Command(BaseCommand):
         with ``until``, only while behind and not past that time."""
         while True:
             began = time.monotonic()
-            result = sweeper.run_once()
+            try:
+                result = sweeper.run_once()
+            except Exception:
+                if until is not None:
+                    raise  # a --once job fails, and says why
+                # As a host's sweeper does: a database restart must not end the sweeping.
+                logger.exception("Sweeper pass failed; the next pass will try again")
+                if stop.wait(interval):
+                    return
+                continue
             self._report(result)
             took = time.monotonic() - began
             pause = pause_after(result, took, interval)
