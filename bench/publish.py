@@ -34,7 +34,6 @@ from bench.django_setup import prepare_database, start_django
 
 start_django()
 
-
 from bench.percentiles import percentile  # noqa: E402
 from bench.proc_cpu import backend_cpu_seconds  # noqa: E402
 from workqueue import publish, publish_many  # noqa: E402

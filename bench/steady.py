@@ -18,8 +18,8 @@ call (from the host's own metric), the queue tables' and indexes' sizes, and thi
 resident memory (the host's and the publisher's). At the end a verdict compares the last
 intervals with the first ones: the drain keeping up within 10 %, the mean claim within 10 %
 (or 1 ms), and sizes and memory no longer growing over the second half (the peak of its last
-half within 10 % of the peak of its first). As the host commands
-do, the host starts with what start-up made frozen out of full garbage collections.
+half within 10 % of the peak of its first). As the host commands do, the host starts with what
+start-up made frozen out of full garbage collections.
 Exit 1 when the verdict fails and --strict is given.
 """
 

@@ -178,23 +178,23 @@ def small_passes(monkeypatch) -> int:
     return 40
 
 
-def completed_past_retention(count: int) -> tuple[Any, list[str]]:
+def completed_past_retention(count: int) -> Any:
     """A topic with ``count`` deliveries completed (and published) over a day ago, beyond its
-    one-day retention; returns the topic and the message ids."""
+    one-day retention."""
     topic = TopicFactory(retention_days=1)
     subscription = SubscriptionFactory(topic=topic)
-    messages = [r.message_id for r in publish_many(topic.name, [{"payload": {}}] * count)]
+    publish_many(topic.name, [{"payload": {}}] * count)
     receiver = Receiver(subscription.id, "holder")
     while claimed := receiver.receive(100).deliveries:
         assert all(r.settled for r in receiver.complete_many(claimed).values())
     get_driver().shift_time(DAY + 60, topic_id=str(topic.id))
-    return topic, messages
+    return topic
 
 
 def test_a_pass_stopped_by_its_limit_says_it_is_behind_and_one_that_finished_says_not(
     small_passes,
 ):
-    topic, _ = completed_past_retention(small_passes + 10)
+    topic = completed_past_retention(small_passes + 10)
     before = sweeper_counts()
 
     first, second = Sweeper().run_once(), Sweeper().run_once()
@@ -231,7 +231,7 @@ def test_a_host_sweeper_behind_on_retention_keeps_passing_until_caught_up_not_on
     # next waited a whole interval (60 s by default): past 333 settled deliveries a second the
     # tables grew for ever, whatever the database could delete.
     interval = 10.0
-    topic, _ = completed_past_retention(10 * small_passes)  # ten passes' work
+    topic = completed_past_retention(10 * small_passes)  # ten passes' work
     host = make_host([], sweeper_interval_ms=int(interval * 1000))
     began = time.monotonic()
     host.start()
@@ -245,7 +245,7 @@ def test_a_host_sweeper_behind_on_retention_keeps_passing_until_caught_up_not_on
 
 
 def test_sweep_once_keeps_passing_until_caught_up(small_passes):
-    topic, _ = completed_past_retention(3 * small_passes)
+    topic = completed_past_retention(3 * small_passes)
     out = io.StringIO()
 
     call_command("workqueue_sweep", "--once", stdout=out)

@@ -38,11 +38,10 @@ class TaskResultQuerySet(models.QuerySet):
         # Imported here: the tasks package imports the models.
         from workqueue.tasks.messages import HANDLER_KEY
 
-        retention = Topic.objects.aggregate(days=Min("retention_days"))
-        task_retention = Topic.objects.filter(subscriptions__handler_key=HANDLER_KEY).aggregate(
-            days=Min("retention_days")
-        )
-        shortest = task_retention["days"] or retention["days"]
+        task_topics = Topic.objects.filter(subscriptions__handler_key=HANDLER_KEY)
+        shortest = task_topics.aggregate(days=Min("retention_days"))["days"]
+        if shortest is None:  # no Tasks API topic left: any topic's
+            shortest = Topic.objects.aggregate(days=Min("retention_days"))["days"]
         candidates = self
         if shortest is not None:  # no topic: no message either, every result is an orphan
             cutoff = timezone.now() - datetime.timedelta(days=shortest)

@@ -11,6 +11,7 @@ swept as fast as the database can delete, with the sweeper resting between passe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workqueue import metrics, signals, transport
@@ -114,25 +115,20 @@ class Sweeper:
         # Imported here: the sweeper's module is loaded by code that runs before the models.
         from workqueue.models import TaskResult
 
-        total = 0
-        try:
-            for _ in range(MAX_BATCHES):
-                removed = TaskResult.objects.purge_orphans(PURGE_BATCH)
-                total += removed
-                if removed < PURGE_BATCH:
-                    break
-            else:
-                result.behind = True
-        except Exception:
-            logger.exception("Sweeper: purging task results failed")
-            return -1
-        return total
+        return self._in_batches("task results", TaskResult.objects.purge_orphans, result)
 
     def _purge(self, step: str, result: SweeperPassResult) -> int:
+        return self._in_batches(step, lambda size: transport.purge(step, size), result)
+
+    def _in_batches(
+        self, step: str, remove: Callable[[int], int], result: SweeperPassResult
+    ) -> int:
+        """Rows ``remove`` deleted in up to MAX_BATCHES batches, or -1 when it failed; marks
+        ``result`` behind when every batch came back full."""
         total = 0
         try:
             for _ in range(MAX_BATCHES):
-                removed = transport.purge(step, PURGE_BATCH)
+                removed = remove(PURGE_BATCH)
                 total += removed
                 if removed < PURGE_BATCH:
                     break
