@@ -24,12 +24,14 @@ from tests.support.hosts import one, runtime_threads, states, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, signals, transport
 from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.runtime import wakeup
 from workqueue.runtime.consumer import Consumer
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import handler_registry
 from workqueue.runtime.host import aliases_closing_after_each_use
+from workqueue.runtime.process import describe_left_behind
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -151,6 +153,67 @@ def test_shutdown_is_idempotent_and_every_caller_returns_after_the_drain(make_ho
     host.shutdown()  # and once more, afterwards
 
     assert returned == ["Pending"] * 3  # nobody returned before the delivery was released
+
+
+def test_a_handler_that_ignores_its_abort_is_counted_as_abandoned(make_host):
+    s = sub()
+    host = make_host(one(s), shutdown_drain_ms=300)
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 3000, "ignoreSignal": True}).message_id
+    probe.wait_for(1)
+
+    host.shutdown()
+
+    assert (host.abandoned_handlers, host.unsettled_outcomes) == (1, 0)
+    assert describe_left_behind(host) == (
+        "1 handler(s) did not stop; their deliveries are left to lease expiry."
+    )
+    # Left running, it still records its outcome when it returns, its lease unexpired.
+    wait_until(lambda: status_of(message) == "Completed", timeout=10)
+
+
+def test_a_handler_that_returned_but_could_not_settle_is_not_counted_as_abandoned(
+    make_host, monkeypatch, caplog
+):
+    """Stopping while the database does not answer: the handler returned and its completion
+    is still being retried. It was counted as a handler that "did not stop", which sends an
+    operator after a handler ignoring its abort signal; it is an outcome not yet recorded."""
+    database_down = threading.Event()
+
+    def unanswered(real: Any) -> Any:
+        def call(self: Receiver, *args: Any, **kwargs: Any) -> Any:
+            if database_down.is_set():
+                raise TransientDriverError("the database did not answer")
+            return real(self, *args, **kwargs)
+
+        return call
+
+    for name in ("complete", "complete_many"):
+        monkeypatch.setattr(Receiver, name, unanswered(getattr(Receiver, name)))
+    s = sub()
+    host = make_host(one(s), shutdown_drain_ms=300)
+    host.start()
+    database_down.set()
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    probe.wait_for(1)
+
+    try:
+        host.shutdown()
+        counts = (host.abandoned_handlers, host.unsettled_outcomes)
+    finally:
+        # The process lives on and the database answers again: the completion is recorded
+        # while the lease lasts, at the attempt it ran, not retried after lease expiry.
+        database_down.clear()
+
+    assert counts == (0, 1)
+    assert describe_left_behind(host) == (
+        "1 handler(s) returned but the database did not record their outcome in time; "
+        "their deliveries are left to lease expiry."
+    )
+    assert "did not stop" not in caplog.text
+    assert "1 handler(s) returned but their outcome is not recorded yet" in caplog.text
+    wait_until(lambda: status_of(message) == "Completed", timeout=10)
+    assert Delivery.objects.get(message_id=message).attempt_count == 1
 
 
 # -- planning -----------------------------------------------------------------------------------

@@ -288,6 +288,7 @@ class Consumer:
         self.receive_pending = False
         self.last_receive_empty = False
         self.abandoned = 0  # handlers still running when stop() gave up on them
+        self.unsettled = 0  # handlers that had returned then, their outcome not yet recorded
         #: Why the claim loop is not claiming right now (health reports the subscription as
         #: Error with this reason); None while it works.
         self.failure: str | None = None
@@ -351,13 +352,7 @@ class Consumer:
             for execution in running:
                 execution.abort(AbortReason.SHUTDOWN)
             if not self._wait_idle(drain):
-                self.abandoned = self.in_flight
-                logger.warning(
-                    "%s: %d handler(s) did not stop; their deliveries will be retried after "
-                    "lease expiry",
-                    self.plan.name,
-                    self.abandoned,
-                )
+                self._count_left_behind()
         self._workers.shutdown()
         with self._lock:
             never_started = [e for e in self._running.values() if not e.started]
@@ -367,6 +362,32 @@ class Consumer:
         self._completions.stop()
         self._background.shutdown()
         self.receiver.close()
+
+    def _count_left_behind(self) -> None:
+        """Count and log what the drain gives up on: handlers still running, and handlers that
+        returned but whose outcome is not recorded yet (its settle is still being retried on a
+        database that does not answer). Told apart, because an operator told that handlers "did
+        not stop" goes looking for one that ignores its abort signal. Executions that never
+        started are not counted: stop() hands them back."""
+        with self._lock:
+            left = [e for e in self._running.values() if e.started]
+        self.unsettled = sum(1 for e in left if e.handler_returned)
+        self.abandoned = len(left) - self.unsettled
+        if self.abandoned:
+            logger.warning(
+                "%s: %d handler(s) did not stop; their deliveries will be retried after lease "
+                "expiry",
+                self.plan.name,
+                self.abandoned,
+            )
+        if self.unsettled:
+            logger.warning(
+                "%s: %d handler(s) returned but their outcome is not recorded yet (the database "
+                "did not answer); it is still being retried while the lease lasts, and if the "
+                "process ends first, lease expiry retries the delivery",
+                self.plan.name,
+                self.unsettled,
+            )
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -291,6 +291,12 @@ class DeliveryExecution:
     def key(self) -> tuple[str, str]:
         return (self.delivery.delivery_id, self.delivery.lease_token)
 
+    @property
+    def handler_returned(self) -> bool:
+        """Whether the handler has returned (or raised): what is left is recording its outcome."""
+        with self._lock:
+            return self._handler_returned
+
     # -- running ---------------------------------------------------------------------------
 
     def run(self) -> ExecutionResult:

@@ -196,6 +196,9 @@ class Host:
         self.user: Any = None
         #: Handlers still running when shutdown gave up waiting (left to lease expiry).
         self.abandoned_handlers = 0
+        #: Handlers that had returned by then, their outcome not yet recorded (the database did
+        #: not answer): recorded if it answers while the lease lasts and the process lives.
+        self.unsettled_outcomes = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -313,6 +316,7 @@ class Host:
             for thread in stoppers:
                 thread.join()
             self.abandoned_handlers = sum(c.abandoned for c in consumers)
+            self.unsettled_outcomes = sum(c.unsettled for c in consumers)
             if self._wakeup is not None:
                 self._wakeup.stop()
             if self._timers is not None:

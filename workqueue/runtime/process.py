@@ -67,6 +67,21 @@ def exit_now_if_abandoned(host: Any, code: int = 0) -> None:
         os._exit(code)
 
 
+def describe_left_behind(host: Any) -> str:
+    """What a stopped host's drain gave up on, for its last console line."""
+    parts = []
+    if host.abandoned_handlers:
+        parts.append(f"{host.abandoned_handlers} handler(s) did not stop")
+    if host.unsettled_outcomes:
+        parts.append(
+            f"{host.unsettled_outcomes} handler(s) returned but the database did not record "
+            "their outcome in time"
+        )
+    if not parts:
+        return "every handler finished or was handed back."
+    return "; ".join(parts) + "; their deliveries are left to lease expiry."
+
+
 @contextlib.contextmanager
 def start_up_objects_frozen() -> Iterator[None]:
     """Run the block with every object alive at its start kept out of the cyclic garbage

@@ -12,6 +12,7 @@ from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
     add_metrics_arguments,
+    describe_left_behind,
     exit_now_if_abandoned,
     host_disabled,
     metrics_served,
@@ -87,15 +88,6 @@ class Command(BaseCommand):
             self.stdout.flush()
         finally:
             host.shutdown()
-        self.stdout.write(f"Host stopped ({stop.received}); {_abandoned(host)}")
+        self.stdout.write(f"Host stopped ({stop.received}); {describe_left_behind(host)}")
         self.stdout.flush()
         exit_now_if_abandoned(host)
-
-
-def _abandoned(host: Host) -> str:
-    if not host.abandoned_handlers:
-        return "every handler finished or was handed back."
-    return (
-        f"{host.abandoned_handlers} handler(s) did not stop; their deliveries are left to lease "
-        "expiry."
-    )
