@@ -637,3 +637,26 @@ def test_a_publisher_plans_a_publish_once_whatever_the_statistics_say(pg_conn, p
         _call(pg_conn, procedure, params())
 
     assert _plans_made(pg_conn, procedure, params()) == 1  # the call; nothing inside it
+
+
+def test_procedures_that_leave_sequential_scans_aside_are_not_jit_compiled(pg_conn):
+    # With enable_seqscan = off, a sequential scan a statement cannot avoid (the topics read end
+    # to end for their retention) is costed at 10^10, past every JIT threshold, and PostgreSQL
+    # compiled the statement at each call: 110-165 ms of CPU a call of the sweeper's purges,
+    # which delete in milliseconds (0035). So every procedure that turns sequential scans off
+    # turns JIT off too (0037). Seen failing before 0037 (publishing, settling and the
+    # operators' walks had no jit = off), and, for the plans, with jit = off taken off the purges.
+    rows = pg_conn.execute(
+        "SELECT proname, proconfig FROM pg_proc "
+        "WHERE proname LIKE 'wq\\_%' AND 'enable_seqscan=off' = ANY(proconfig) ORDER BY proname"
+    ).fetchall()
+    names = {name for name, _ in rows}
+    assert {"wq_publish", "wq_publish_many", "wq_claim", "wq_complete_many"} <= names, names
+    assert [name for name, config in rows if "jit=off" not in config] == []
+
+    subscription = SubscriptionFactory(topic=TopicFactory())
+    seed_deliveries(pg_conn, subscription, 100)
+    for procedure in ("wq_purge_terminal_deliveries", "wq_purge_orphan_messages"):
+        plans = _nested_plans(pg_conn, procedure, {"batch_size": 1000})
+        assert "workqueue_topic" in plans, f"{procedure}: no nested plan logged"
+        assert "JIT" not in plans, f"{procedure}:\n{plans}"

@@ -31,12 +31,6 @@ from workqueue.transport import Receiver
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 DAY = 86_400
-SWEEPER_PROCEDURES = (
-    "wq_expire_leases_all",
-    "wq_purge_terminal_deliveries",
-    "wq_purge_orphan_messages",
-    "wq_purge_expired_deduplications",
-)
 
 
 def status(delivery_id: str) -> tuple[str, int, str | None] | None:
@@ -255,21 +249,6 @@ def test_sweep_once_keeps_passing_until_caught_up(small_passes):
     passes = out.getvalue().splitlines()
     assert len(passes) == 4, passes  # three at the limit, one that found the rest
     assert "terminal_deliveries=40" in passes[0] and "terminal_deliveries=0" in passes[-1]
-
-
-def test_the_sweepers_steps_run_without_jit():
-    # With sequential scans off, a purge plan's estimate passed every JIT threshold and each
-    # call compiled its plan first: 150-300 ms of CPU for a batch that deletes in milliseconds.
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT proname, proconfig FROM pg_proc WHERE proname = ANY(%s) ORDER BY proname",
-            [list(SWEEPER_PROCEDURES)],
-        )
-        settings = dict(cursor.fetchall())
-    assert sorted(settings) == sorted(SWEEPER_PROCEDURES)
-    assert all("jit=off" in config for config in settings.values()), settings
 
 
 def test_a_standalone_sweeper_outlives_a_failing_pass(monkeypatch, settings, caplog):

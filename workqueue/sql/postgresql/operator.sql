@@ -74,6 +74,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
+SET jit = off
 AS $$
     WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 10000), 1), 1000000) AS n)
     -- Each count is ordered as its index is (claim indexes, wq_dlv_open_ix,
@@ -234,6 +235,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -375,6 +377,7 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -466,6 +469,7 @@ LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -539,6 +543,7 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET lock_timeout = '2s'
 SET enable_seqscan = off
+SET jit = off
 AS $$
 DECLARE
     v_rows integer;
@@ -572,6 +577,7 @@ STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
