@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support.handlers import probe, registry
-from tests.support.hosts import status_of, sub
+from tests.support.hosts import runtime_threads, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
 from workqueue.exceptions import WorkQueueConfigurationError
@@ -310,3 +310,43 @@ def test_a_hand_back_still_queued_when_the_host_stops_is_not_dropped(
     assert releases, "nothing claimed ahead went back: the test proves nothing"
     for row in Delivery.objects.filter(message_id__in=ids):
         assert (row.status, row.attempt_count) in {("Completed", 1), ("Pending", 0)}
+
+
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_delivery_next_in_a_slot_whose_settle_hangs_is_handed_back_at_shutdown_and_never_run(
+    make_host, releases, monkeypatch
+):
+    """A handler returned a retry whose settle hangs (a database that does not answer), and the
+    delivery claimed ahead of it waits on the same worker thread to run next. The host stops,
+    the drain gives up and hands the waiting one back, attempt refunded. It then ran anyway
+    once the hung settle returned: a handler running on a lease it no longer held, while
+    another host may have claimed the delivery (or, in an Exclusive subscription, its key)."""
+    hanging, answered = threading.Event(), threading.Event()
+    retry = transport.Receiver.retry
+
+    def slow_retry(self: transport.Receiver, *args: Any, **kwargs: Any) -> Any:
+        if hanging.is_set():
+            answered.wait(30)
+        return retry(self, *args, **kwargs)
+
+    monkeypatch.setattr(transport.Receiver, "retry", slow_retry)
+    s = sub()
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=300)
+    host.start()
+    first = publish(s.topic.name, {}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    hanging.set()
+    batch = publish_many(s.topic.name, [{"payload": {"then": "retry", "n": n}} for n in (1, 2, 3)])
+    ids = [r.message_id for r in batch]
+    ran = probe.wait_for(2)[1].message_id  # its retry hangs; the next waits on its thread
+    try:
+        host.shutdown()
+    finally:
+        answered.set()
+    wait_until(lambda: not runtime_threads(), timeout=15)
+
+    assert [r.message_id for r in probe.runs] == [first, ran]
+    assert len(releases) == 2  # the one next in the slot and the one still in line
+    for row in Delivery.objects.filter(message_id__in=ids).exclude(message_id=ran):
+        assert (row.status, row.attempt_count) == ("Pending", 0)
+    assert host.unsettled_outcomes == 1

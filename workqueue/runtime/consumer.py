@@ -355,7 +355,10 @@ class Consumer:
                 self._count_left_behind()
         self._workers.shutdown()
         with self._lock:
+            # Taken out, so that no worker starts them after all (_take_for_this_thread).
             never_started = [e for e in self._running.values() if not e.started]
+            for execution in never_started:
+                self._running.pop(execution.key, None)
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
             self._release(execution.delivery)
@@ -371,7 +374,7 @@ class Consumer:
         started are not counted: stop() hands them back."""
         with self._lock:
             left = [e for e in self._running.values() if e.started]
-        self.unsettled = sum(1 for e in left if e.handler_returned)
+            self.unsettled = sum(1 for e in left if e.handler_returned)
         self.abandoned = len(left) - self.unsettled
         if self.abandoned:
             logger.warning(
@@ -382,9 +385,9 @@ class Consumer:
             )
         if self.unsettled:
             logger.warning(
-                "%s: %d handler(s) returned but their outcome is not recorded yet (the database "
-                "did not answer); it is still being retried while the lease lasts, and if the "
-                "process ends first, lease expiry retries the delivery",
+                "%s: %d handler(s) returned but their outcome is not recorded yet (its settle "
+                "has not returned, or is being retried on a database that does not answer); "
+                "unless this process lives on until it is, lease expiry retries the delivery",
                 self.plan.name,
                 self.unsettled,
             )
@@ -667,6 +670,8 @@ class Consumer:
         current: DeliveryExecution | None = execution
         try:
             while current is not None:
+                if not self._take_for_this_thread(current):
+                    return  # stop() handed it back; nothing follows it in the slot
                 self._execute_one(current)
                 # Unlinked as the slot moves on: the first execution stays referenced (this
                 # call's argument) for as long as the slot keeps passing on, and through the
@@ -679,6 +684,19 @@ class Consumer:
             # or to settle after the background pool stopped. Kept, every one of the 2 x
             # concurrency workers would come to hold one, idle, for the thread's life.
             self.receiver.close()
+
+    def _take_for_this_thread(self, execution: DeliveryExecution) -> bool:
+        """Mark ``execution`` started on this worker, unless stop() has handed it back first.
+
+        A delivery can wait on a worker after the drain gave up: queued for the thread, or next
+        in a slot whose previous delivery's settle is stuck on a database that does not
+        answer. stop() releases what has not started, and the two decide under the consumer's
+        lock, so a released delivery never runs here while another host may hold it."""
+        with self._lock:
+            if self._running.get(execution.key) is not execution:
+                return False
+            execution.started = True
+            return True
 
     def _execute_one(self, execution: DeliveryExecution) -> None:
         try:

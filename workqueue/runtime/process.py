@@ -52,14 +52,16 @@ def host_disabled() -> bool:
     return os.environ.get("WORKQUEUE_DISABLE_HOST", "").strip().lower() in {"1", "true", "yes"}
 
 
-def exit_now_if_abandoned(host: Any, code: int = 0) -> None:
-    """End the process at once when handlers outlived the drain.
+def exit_now_if_work_left_behind(host: Any, code: int = 0) -> None:
+    """End the process at once when the drain left work behind: handlers that did not stop,
+    or outcomes still being recorded on a database that does not answer.
 
-    Worker threads are joined at interpreter exit, so a handler that ignores its abort signal
-    would otherwise keep a draining process alive past its termination grace period. Its
-    delivery is left to lease expiry, as the drain promised.
+    Left to interpreter exit, the threads running them can keep a draining process alive past
+    its termination grace period (a handler that ignores its abort signal did:
+    tests/processes/test_host_processes.py). Their deliveries are left to lease expiry, as the
+    drain's last line says.
     """
-    if host.abandoned_handlers:
+    if host.abandoned_handlers or host.unsettled_outcomes:
         import sys
 
         sys.stdout.flush()

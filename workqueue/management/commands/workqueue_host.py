@@ -13,7 +13,7 @@ from workqueue.runtime.process import (
     StopSignal,
     add_metrics_arguments,
     describe_left_behind,
-    exit_now_if_abandoned,
+    exit_now_if_work_left_behind,
     host_disabled,
     metrics_served,
     start_up_objects_frozen,
@@ -90,4 +90,4 @@ class Command(BaseCommand):
             host.shutdown()
         self.stdout.write(f"Host stopped ({stop.received}); {describe_left_behind(host)}")
         self.stdout.flush()
-        exit_now_if_abandoned(host)
+        exit_now_if_work_left_behind(host)

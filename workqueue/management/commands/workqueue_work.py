@@ -16,7 +16,7 @@ from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, PlanState, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
-    exit_now_if_abandoned,
+    exit_now_if_work_left_behind,
     host_disabled,
     start_up_objects_frozen,
     stop_on_signals,
@@ -88,7 +88,7 @@ class Command(BaseCommand):
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
-        exit_now_if_abandoned(host)
+        exit_now_if_work_left_behind(host)
 
     def _print_stopping(self, reason: str) -> None:
         self.stdout.write(f"Stopping ({reason}): draining running handlers ...")
