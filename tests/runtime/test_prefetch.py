@@ -313,19 +313,22 @@ def test_a_hand_back_still_queued_when_the_host_stops_is_not_dropped(
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")
-def test_a_delivery_next_in_a_slot_whose_settle_hangs_is_handed_back_at_shutdown_and_never_run(
-    make_host, releases, monkeypatch
+@pytest.mark.parametrize("settle_returns", ["after the drain", "during the drain"])
+def test_a_delivery_next_in_a_slot_is_handed_back_at_shutdown_and_never_run(
+    make_host, releases, monkeypatch, settle_returns
 ):
     """A handler returned a retry whose settle hangs (a database that does not answer), and the
-    delivery claimed ahead of it waits on the same worker thread to run next. The host stops,
-    the drain gives up and hands the waiting one back, attempt refunded. It then ran anyway
-    once the hung settle returned: a handler running on a lease it no longer held, while
-    another host may have claimed the delivery (or, in an Exclusive subscription, its key)."""
-    hanging, answered = threading.Event(), threading.Event()
+    delivery claimed ahead of it waits on the same worker thread to run next. The host stops.
+    Once the drain had given up, the waiting one was handed back, attempt refunded, and then ran
+    anyway when the hung settle returned: a handler on a lease it no longer held, while another
+    host may have claimed the delivery (or, in an Exclusive subscription, its key). A settle
+    that returned during the drain let it start then, though the host was stopping."""
+    hanging, entered, answered = threading.Event(), threading.Event(), threading.Event()
     retry = transport.Receiver.retry
 
     def slow_retry(self: transport.Receiver, *args: Any, **kwargs: Any) -> Any:
         if hanging.is_set():
+            entered.set()
             answered.wait(30)
         return retry(self, *args, **kwargs)
 
@@ -333,20 +336,29 @@ def test_a_delivery_next_in_a_slot_whose_settle_hangs_is_handed_back_at_shutdown
     s = sub()
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=300)
     host.start()
+    stopping = host._consumers[s.name]._stopping
     first = publish(s.topic.name, {}).message_id
     wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
     hanging.set()
     batch = publish_many(s.topic.name, [{"payload": {"then": "retry", "n": n}} for n in (1, 2, 3)])
     ids = [r.message_id for r in batch]
-    ran = probe.wait_for(2)[1].message_id  # its retry hangs; the next waits on its thread
-    try:
+    ran = probe.wait_for(2)[1].message_id
+    assert entered.wait(10)  # its retry hangs, and the next waits on its thread
+
+    if settle_returns == "during the drain":
+        answering = threading.Thread(target=lambda: stopping.wait(10) and answered.set())
+        answering.start()
         host.shutdown()
-    finally:
-        answered.set()
+        answering.join()
+    else:
+        try:
+            host.shutdown()
+        finally:
+            answered.set()
     wait_until(lambda: not runtime_threads(), timeout=15)
 
     assert [r.message_id for r in probe.runs] == [first, ran]
     assert len(releases) == 2  # the one next in the slot and the one still in line
     for row in Delivery.objects.filter(message_id__in=ids).exclude(message_id=ran):
         assert (row.status, row.attempt_count) == ("Pending", 0)
-    assert host.unsettled_outcomes == 1
+    assert host.unsettled_outcomes == (settle_returns == "after the drain")

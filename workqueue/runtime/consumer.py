@@ -346,36 +346,39 @@ class Consumer:
         for execution in waiting:
             # Claimed ahead and never started: back to the queue, attempt refunded.
             self._release(execution.delivery)
+        gave_up = False
         if not self._wait_idle(drain):
             with self._lock:
                 running = list(self._running.values())
             for execution in running:
                 execution.abort(AbortReason.SHUTDOWN)
-            if not self._wait_idle(drain):
-                self._count_left_behind()
+            gave_up = not self._wait_idle(drain)
         self._workers.shutdown()
         with self._lock:
-            # Taken out, so that no worker starts them after all (_take_for_this_thread).
+            # Taken out, so that no worker starts them after all (_take_for_this_thread), and
+            # counted in the same hold, so that what is counted is what is left.
             never_started = [e for e in self._running.values() if not e.started]
             for execution in never_started:
                 self._running.pop(execution.key, None)
+            if gave_up:
+                left = list(self._running.values())
+                self.unsettled = sum(1 for e in left if e.handler_returned)
+                self.abandoned = len(left) - self.unsettled
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
             self._release(execution.delivery)
+        if gave_up:
+            self._warn_of_left_behind()
         self._completions.stop()
         self._background.shutdown()
         self.receiver.close()
 
-    def _count_left_behind(self) -> None:
-        """Count and log what the drain gives up on: handlers still running, and handlers that
-        returned but whose outcome is not recorded yet (its settle is still being retried on a
-        database that does not answer). Told apart, because an operator told that handlers "did
-        not stop" goes looking for one that ignores its abort signal. Executions that never
-        started are not counted: stop() hands them back."""
-        with self._lock:
-            left = [e for e in self._running.values() if e.started]
-            self.unsettled = sum(1 for e in left if e.handler_returned)
-        self.abandoned = len(left) - self.unsettled
+    def _warn_of_left_behind(self) -> None:
+        """Log what the drain gave up on: handlers still running, and handlers that returned
+        but whose outcome is not recorded yet (its settle is still being retried on a database
+        that does not answer). Told apart, because an operator told that handlers "did not
+        stop" goes looking for one that ignores its abort signal. Executions that never started
+        are not among them: stop() hands them back."""
         if self.abandoned:
             logger.warning(
                 "%s: %d handler(s) did not stop; their deliveries will be retried after lease "
@@ -671,7 +674,7 @@ class Consumer:
         try:
             while current is not None:
                 if not self._take_for_this_thread(current):
-                    return  # stop() handed it back; nothing follows it in the slot
+                    return  # handed back unrun; nothing follows it in the slot
                 self._execute_one(current)
                 # Unlinked as the slot moves on: the first execution stays referenced (this
                 # call's argument) for as long as the slot keeps passing on, and through the
@@ -686,17 +689,24 @@ class Consumer:
             self.receiver.close()
 
     def _take_for_this_thread(self, execution: DeliveryExecution) -> bool:
-        """Mark ``execution`` started on this worker, unless stop() has handed it back first.
+        """Mark ``execution`` started on this worker; once the consumer is stopping, hand it
+        back unrun instead (attempt refunded), and say so.
 
-        A delivery can wait on a worker after the drain gave up: queued for the thread, or next
-        in a slot whose previous delivery's settle is stuck on a database that does not
-        answer. stop() releases what has not started, and the two decide under the consumer's
-        lock, so a released delivery never runs here while another host may hold it."""
+        A delivery can reach a worker after stop() began: queued for the thread, or next in a
+        slot whose previous delivery was still settling (on a database that does not answer,
+        past the whole drain). stop() hands back what has not started, and the two decide
+        under the consumer's lock, so no delivery starts after it was handed back, on a lease
+        this host no longer holds while another host may run it."""
         with self._lock:
             if self._running.get(execution.key) is not execution:
-                return False
-            execution.started = True
-            return True
+                return False  # stop() took it back, and hands it back
+            if not self._stopping.is_set():
+                execution.started = True
+                return True
+            self._running.pop(execution.key)
+            self._lock.notify_all()  # stop() may be waiting for the running ones to end
+        self._release(execution.delivery)
+        return False
 
     def _execute_one(self, execution: DeliveryExecution) -> None:
         try:
