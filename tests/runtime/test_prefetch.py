@@ -245,6 +245,35 @@ def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_ru
     assert status_of(blocker) == "Discarded"
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_delivery_cancelled_while_it_waited_is_discarded_when_the_host_stops(make_host):
+    """A shutdown hands back what was claimed ahead; the hand-back of one cancelled meanwhile
+    was refused (a cancelled delivery is not released), so it stayed InFlight until its lease
+    expired, and an Exclusive or Ordered key with it. Its cancel is acknowledged instead."""
+    s = sub(lease_seconds=60)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=1000)
+    host.start()
+    first = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    blocker, victim = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}, {"payload": {}}],
+        )
+    ]
+    probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    waiting = Delivery.objects.get(message_id=victim)
+    transport.discard_or_cancel(str(s.id), str(waiting.id), "ops", "not wanted")
+
+    host.shutdown()
+
+    assert status_of(victim) == "Discarded"
+    assert victim not in {r.message_id for r in probe.runs}
+    assert status_of(blocker) == "Completed"
+
+
 # -- the setting ----------------------------------------------------------------------------------
 
 

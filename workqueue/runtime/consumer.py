@@ -703,9 +703,14 @@ class Consumer:
             if not self._stopping.is_set():
                 execution.started = True
                 return True
-            self._running.pop(execution.key)
-            self._lock.notify_all()  # stop() may be waiting for the running ones to end
+        # Still counted as running until the release returns, so that stop() waits for it: the
+        # process may end as soon as stop() returns. Should stop() give up first and release it
+        # too, the second release is refused by the lease token.
         self._release(execution.delivery)
+        with self._lock:
+            if self._running.get(execution.key) is execution:
+                del self._running[execution.key]
+            self._lock.notify_all()  # stop() may be waiting for the running ones to end
         return False
 
     def _execute_one(self, execution: DeliveryExecution) -> None:
@@ -755,7 +760,13 @@ class Consumer:
 
     def _release(self, delivery: ClaimedDelivery) -> None:
         try:
-            self.receiver.release(delivery)
+            if not self.receiver.release(delivery).settled:
+                # Refused: the lease is gone, or the delivery was cancelled while it waited
+                # (wq_release leaves a cancelled one alone). Acknowledge the cancel now, as
+                # the handler's start would have, rather than leave the delivery (and, in an
+                # Exclusive or Ordered subscription, its key) to lease expiry. Fenced by the
+                # lease token and the cancel request, so it changes nothing otherwise.
+                self.receiver.acknowledge_cancel(delivery)
         except WorkQueueError as exc:
             logger.warning("%s: release failed (lease expiry will retry): %s", self.plan.name, exc)
 
