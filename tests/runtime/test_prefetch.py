@@ -208,6 +208,23 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
     assert len(releases) == 3
 
 
+def _a_blocker_and_one_claimed_ahead(subscription: Any) -> tuple[str, str]:
+    """Publish, to a running host with one slot, a handler that holds it for 30 s unless
+    aborted and one more; return their message ids once the second waits, claimed ahead."""
+    first = publish(subscription.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    blocker, victim = [
+        r.message_id
+        for r in publish_many(
+            subscription.topic.name,
+            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}, {"payload": {}}],
+        )
+    ]
+    probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    return blocker, victim
+
+
 @pytest.mark.usefixtures("handlers_count_as_quick")
 def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_running(
     make_host, monkeypatch
@@ -216,17 +233,8 @@ def test_a_delivery_cancelled_while_it_waited_for_a_slot_is_discarded_without_ru
     s = sub(lease_seconds=60)  # heartbeats only every 20 s: the notification tells the host
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
     host.start()
-    first = publish(s.topic.name, {"then": "complete"}).message_id
-    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
-    blocker, victim = [
-        r.message_id
-        for r in publish_many(
-            s.topic.name,
-            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}, {"payload": {}}],
-        )
-    ]
-    (running,) = probe.wait_for(1, message_id=blocker)
-    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    blocker, victim = _a_blocker_and_one_claimed_ahead(s)
+    (running,) = [r for r in probe.runs if r.message_id == blocker]
     waiting = Delivery.objects.get(message_id=victim)
 
     transport.discard_or_cancel(str(s.id), str(waiting.id), "ops", "not wanted")
@@ -253,17 +261,7 @@ def test_a_delivery_cancelled_while_it_waited_is_discarded_when_the_host_stops(m
     s = sub(lease_seconds=60)
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=1000)
     host.start()
-    first = publish(s.topic.name, {"then": "complete"}).message_id
-    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
-    blocker, victim = [
-        r.message_id
-        for r in publish_many(
-            s.topic.name,
-            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}, {"payload": {}}],
-        )
-    ]
-    probe.wait_for(1, message_id=blocker)
-    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    blocker, victim = _a_blocker_and_one_claimed_ahead(s)
     waiting = Delivery.objects.get(message_id=victim)
     transport.discard_or_cancel(str(s.id), str(waiting.id), "ops", "not wanted")
 
