@@ -216,6 +216,56 @@ def test_a_handler_that_returned_but_could_not_settle_is_not_counted_as_abandone
     assert Delivery.objects.get(message_id=message).attempt_count == 1
 
 
+def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(make_host, caplog):
+    """``SystemExit`` (a handler calling ``sys.exit()``, a CLI parser inside it) is no
+    ``Exception``. It left the execution unaccounted for: its slot was never freed, so a
+    consumer at concurrency 1 claimed nothing more, the host counted it as running for ever
+    (a one-shot run never ended), and its lease was renewed for as long as the process lived."""
+    s = sub(backoff_base_seconds=0, max_attempts=3)
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    exited = publish(s.topic.name, {"thenByAttempt": {"1": "exit"}, "message": "bye"}).message_id
+    probe.wait_for(1, message_id=exited)
+    after = publish(s.topic.name, {"then": "complete"}).message_id
+
+    wait_until(lambda: status_of(after) == "Completed", timeout=10)
+    wait_until(lambda: status_of(exited) == "Completed", timeout=10)
+    row = Delivery.objects.get(message_id=exited)
+    assert row.attempt_count == 2
+    assert row.last_error.endswith("SystemExit: bye"), row.last_error
+    assert "Delivery failed, retrying in 0.0 s" in caplog.text
+    wait_until(lambda: host._consumers[s.name].in_flight == 0, timeout=10)
+    host.shutdown()
+    assert (host.abandoned_handlers, host.unsettled_outcomes) == (0, 0)
+
+
+def test_a_settle_that_crashes_on_a_background_thread_still_ends_the_execution(
+    make_host, monkeypatch, caplog
+):
+    """A completion whose batch failed is settled alone on a background thread; an error
+    there that is no database error (a bug) left the execution counted as running for ever."""
+
+    calls = []
+
+    def batch_fails_then_a_bug(self: Receiver, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TransientDriverError("the batch's connection dropped")
+        raise RuntimeError("a bug in the settle path")
+
+    monkeypatch.setattr(Receiver, "complete_many", batch_fails_then_a_bug)
+    s = sub()
+    host = make_host(one(s))
+    host.start()
+    publish(s.topic.name, {"then": "complete"})
+    probe.wait_for(1)
+
+    wait_until(lambda: "Settling the delivery crashed" in caplog.text, timeout=10)
+    wait_until(lambda: host._consumers[s.name].in_flight == 0, timeout=10)
+    host.shutdown()
+    assert (host.abandoned_handlers, host.unsettled_outcomes) == (0, 0)
+
+
 # -- planning -----------------------------------------------------------------------------------
 
 

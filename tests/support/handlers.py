@@ -98,7 +98,8 @@ class ScriptedHandler(BaseWorkHandler):
       ``untilStopping``: wait for ``context.stopping`` instead, as a cooperative handler would);
     * ``then``: ``complete`` (default), ``retry`` (``reason``, ``delay``), ``dead_letter``
       (``reason``), ``fatal`` / ``transient`` (``message``, ``retryAfter``), ``crash``
-      (a ValueError with ``message``), ``invalid`` (returns ``value``);
+      (a ValueError with ``message``), ``exit`` (``SystemExit``, which is no ``Exception``),
+      ``invalid`` (returns ``value``);
     * ``thenByAttempt``: {"<attempt>": action} overrides ``then`` on that attempt;
     * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired;
     * ``thenOnStopping``: the same, used when the host announced it is stopping;
@@ -197,6 +198,8 @@ class ScriptedHandler(BaseWorkHandler):
             raise TransientWorkError(message, payload.get("retryAfter"))
         if action == "crash":
             raise ValueError(message)
+        if action == "exit":
+            raise SystemExit(message)
         if action == "invalid":
             return payload.get("value")
         raise AssertionError(f"unknown action {action!r}")

@@ -716,8 +716,9 @@ class Consumer:
     def _execute_one(self, execution: DeliveryExecution) -> None:
         try:
             execution.run_then(lambda result: self._finish(execution, result))
-        except Exception:
+        except BaseException:
             logger.exception("%s: delivery execution crashed", self.plan.name)
+            execution.stop_renewing()
             self._finish(
                 execution, ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
             )

@@ -320,7 +320,14 @@ class DeliveryExecution:
         self._finished = True  # the handler returned: no renewal starts after this
 
         def settle_alone() -> None:
-            finish(self._settle(decision))
+            try:
+                result = self._settle(decision)
+            except Exception:
+                # On a background thread nobody else would call finish: the execution would
+                # stay counted as running, and the drain would wait for it in vain.
+                self.log.exception("Settling the delivery crashed (%s)", self._where)
+                result = ExecutionResult(ExecutionResult.FAILED, error="settle crashed")
+            finish(result)
 
         def settled(outcome: SettleResult | Exception) -> None:
             if isinstance(outcome, SettleResult) and outcome.settled:
@@ -379,6 +386,10 @@ class DeliveryExecution:
     def abort(self, reason: str) -> None:
         self.signal.abort(reason)
 
+    def stop_renewing(self) -> None:
+        """Renew the lease no more (the execution crashed): the row is lease expiry's."""
+        self._finished = True
+
     def _call_handler(self) -> _Decision:
         handler_class = self.services.handlers.get(self.plan.handler_key)
         if handler_class is None:
@@ -423,7 +434,10 @@ class DeliveryExecution:
                 error=_describe(exc),
                 exception=exc,
             )
-        except Exception as exc:
+        except BaseException as exc:
+            # SystemExit too (sys.exit(), a command-line parser called inside a handler), and
+            # asyncio's CancelledError: on a worker thread either would only end the thread,
+            # leaving its slot taken and the delivery leased and renewed for the process's life.
             return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
             # What the handler used of the ORM is closed if broken or past CONN_MAX_AGE, as at
