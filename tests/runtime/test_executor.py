@@ -490,7 +490,7 @@ def test_the_lease_horizon_aborts_with_lease_lost_when_heartbeats_cannot_succeed
     publish(sub.topic.name, {"sleepMs": 30_000})
     receiver = SlowReceiver(sub.id, mode)
     (delivery,) = receiver.receive(1).deliveries
-    # The handler thinks its lease is 1 s (auto heartbeat every 1/3 s) with a 0.3 s grace.
+    # The handler thinks its lease is 1 s (auto heartbeat every 1/3 s).
     execution = rig.execution(sub, receiver, delivery, lease_seconds=1, grace=0.3)
     started = time.monotonic()
     future = rig.start(execution)
@@ -504,7 +504,7 @@ def test_the_lease_horizon_aborts_with_lease_lost_when_heartbeats_cannot_succeed
 
     assert run.signal_reason == AbortReason.LEASE_LOST
     assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
-    assert 1.2 <= elapsed < 30 / 2  # the horizon, long before the handler's 30 s
+    assert 1.0 <= elapsed < 30 / 2  # the horizon (the lease), long before the handler's 30 s
     assert receiver.extend_calls >= (2 if mode == "fail" else 1)
     # Nothing was written: the row is still held by this (now abandoned) token.
     stored = row(delivery)
@@ -513,6 +513,35 @@ def test_the_lease_horizon_aborts_with_lease_lost_when_heartbeats_cannot_succeed
         delivery.lease_token,
         None,
     )
+
+
+def test_the_handler_hears_its_lease_is_lost_when_another_consumer_may_first_claim_it(rig):
+    """Renewals that fail for a whole lease (this host's connections broken, the database and
+    other hosts fine): the database lets another consumer claim the delivery as soon as its
+    lease has passed, with no grace. The handler was told only a 5 s grace later, and ran on
+    meanwhile while another host could be running the same delivery (or, on an Exclusive or
+    Ordered subscription, the next of its key)."""
+    sub = rig.subscription(lease_seconds=5)  # the database's lease, the shortest allowed
+    publish(sub.topic.name, {"sleepMs": 30_000})
+    receiver = SlowReceiver(sub.id, "fail")
+    sent = time.monotonic()
+    (delivery,) = receiver.receive(1).deliveries
+    execution = rig.execution(sub, receiver, delivery, leased_at=sent)  # the default grace
+    future = rig.start(execution)
+    (run,) = probe.wait_for(1)
+
+    result = future.result(timeout=15)
+    aborted_after = time.monotonic() - sent
+
+    assert run.signal_reason == AbortReason.LEASE_LOST
+    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
+    # At the lease, by the clock of the claim's sending, which the database's lease outlasts;
+    # before, at the lease plus the grace (10 s).
+    assert 5.0 <= aborted_after < 5.0 + 2.5
+    # And the database did give the delivery to another consumer around then.
+    other = Receiver(sub.id, "other-host")
+    wait_until(lambda: other.receive(1).deliveries, timeout=10, interval=0.05)
+    assert row(delivery).lease_owner == "other-host"
 
 
 def test_a_heartbeat_that_finds_the_lease_taken_over_aborts_with_lease_lost_and_writes_nothing(

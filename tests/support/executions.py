@@ -49,6 +49,7 @@ class ExecutionRig:
         delivery: ClaimedDelivery,
         *,
         grace: float = 5.0,
+        leased_at: float | None = None,
         **plan_changes: Any,
     ) -> DeliveryExecution:
         plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
@@ -61,7 +62,7 @@ class ExecutionRig:
             user=self.user,
             lease_grace_seconds=grace,
         )
-        return DeliveryExecution(delivery, plan, services)
+        return DeliveryExecution(delivery, plan, services, leased_at=leased_at)
 
     def start(self, execution: DeliveryExecution) -> Future[ExecutionResult]:
         """Run ``execution`` on a thread of its own, as a host runs handlers (closing that

@@ -464,6 +464,7 @@ class Consumer:
                     continue  # _take_rate_tokens waited for the next token (or a stop)
                 free = granted
             try:
+                leased_at = time.monotonic()  # the leases run from no earlier than this
                 claimed = self._receive(free)
                 unused = free - len(claimed.deliveries)
                 self._last_receive_short = unused > 0
@@ -476,7 +477,7 @@ class Consumer:
                     for delivery in claimed.deliveries:
                         self._release(delivery)
                     break
-                self._start_all(claimed.deliveries)
+                self._start_all(claimed.deliveries, leased_at)
             finally:
                 # Only now: until the claimed deliveries count as running, a one-shot run must
                 # not take "budget spent and nothing in flight" for done.
@@ -598,19 +599,23 @@ class Consumer:
             )
         return result
 
-    def _start_all(self, deliveries: list[ClaimedDelivery]) -> None:
+    def _start_all(self, deliveries: list[ClaimedDelivery], leased_at: float) -> None:
         for index, delivery in enumerate(deliveries):
             try:
-                self._start(delivery)
+                self._start(delivery, leased_at)
             except BaseException:
                 # Claimed but never started: hand them back rather than leave them to expiry.
                 for unstarted in deliveries[index:]:
                     self._release(unstarted)
                 raise
 
-    def _start(self, delivery: ClaimedDelivery) -> None:
+    def _start(self, delivery: ClaimedDelivery, leased_at: float) -> None:
         execution = DeliveryExecution(
-            delivery, self.plan, self._services, on_handler_done=self._free_slot
+            delivery,
+            self.plan,
+            self._services,
+            on_handler_done=self._free_slot,
+            leased_at=leased_at,
         )
         with self._lock:
             self._running[execution.key] = execution

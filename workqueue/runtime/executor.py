@@ -68,6 +68,8 @@ from workqueue.types import ClaimedDelivery, DeliveryStatus, LeaseState, SettleR
 # facts in the text and as ``extra`` fields.
 logger = logging.getLogger("workqueue.deliveries")
 
+# Settles are retried this long past the lease: until a claim or the sweeper takes the
+# delivery back, its holder's token still settles it, and nobody else can have run it.
 LEASE_EXPIRY_GRACE_SECONDS = 5.0
 MAX_REASON_LENGTH = 100
 # A settle or renewal that failed on a lost connection (or a deadlock) is tried again after
@@ -246,6 +248,7 @@ class DeliveryExecution:
         plan: SubscriptionPlan,
         services: ExecutionServices,
         on_handler_done: Callable[[float], DeliveryExecution | None] | None = None,
+        leased_at: float | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
@@ -260,9 +263,13 @@ class DeliveryExecution:
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
         self._handler_returned = False  # from then on no horizon is armed
-        # When the lease surely ended in the database (local clock): the claim, or the last
-        # renewal, plus the lease and a grace. Settles are retried until then.
-        self._lease_deadline = time.monotonic() + self._lease_span()
+        # When the lease may end in the database, by the local clock: the moment the claim
+        # (``leased_at``, before its call was sent), or the last renewal that held, was sent,
+        # plus the lease. The database counts from later (its own now(), once the call
+        # arrived), so from this moment on another consumer may take the delivery, and the
+        # handler is told so then (the horizon); its settles are retried a grace longer.
+        began = time.monotonic() if leased_at is None else leased_at
+        self._lease_ends = began + plan.lease_seconds
         self._beat_retry_seconds = RETRY_MIN_SECONDS
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
@@ -463,19 +470,20 @@ class DeliveryExecution:
 
     # -- heartbeats and timers -------------------------------------------------------------
 
-    def _lease_span(self) -> float:
-        return self.plan.lease_seconds + self.services.lease_grace_seconds
+    def _settle_deadline(self) -> float:
+        """Until when a settle is worth retrying: the lease and a grace."""
+        return self._lease_ends + self.services.lease_grace_seconds
 
     def lease_share_left(self) -> float:
         """The share of the lease not used up yet by the local clock (1.0 just claimed or
-        renewed, 0 or less once it has surely ended in the database)."""
-        return (self._lease_deadline - time.monotonic()) / self._lease_span()
+        renewed, 0 or less once the database may have taken the delivery back)."""
+        return (self._lease_ends - time.monotonic()) / self.plan.lease_seconds
 
     def _arm_horizon(self) -> None:
         # The local horizon aborts the handler even when a renewal call hangs: past it the
-        # lease has surely expired in the database and another consumer may own the delivery.
+        # lease may have expired in the database and another consumer may own the delivery.
         # A failed renewal does not move it, so one lost heartbeat aborts nothing by itself.
-        deadline = self._lease_deadline
+        deadline = self._lease_ends
         timer = self.services.timers.schedule(
             deadline - time.monotonic(), lambda: self._horizon_reached(deadline)
         )
@@ -489,7 +497,7 @@ class DeliveryExecution:
             timer.cancel()
 
     def _horizon_reached(self, deadline: float) -> None:
-        if self._finished or self._lease_deadline > deadline:
+        if self._finished or self._lease_ends > deadline:
             return  # settling already, or renewed since: a newer horizon watches the lease
         if self._holds_row_in_transaction():
             # The handler's open transaction holds the row, so nobody can take the delivery
@@ -560,7 +568,7 @@ class DeliveryExecution:
                 self.delivery, _progress(progress) if progress else None
             )
             if extension.state == LeaseState.HELD:
-                self._lease_deadline = began + self._lease_span()
+                self._lease_ends = began + self.plan.lease_seconds
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()
             elif extension.state == LeaseState.CANCELLED:
@@ -588,7 +596,7 @@ class DeliveryExecution:
     def _retry_beat_soon(self) -> None:
         delay = self._beat_retry_seconds
         self._beat_retry_seconds = min(delay * 2, RETRY_MAX_SECONDS)
-        if time.monotonic() + delay < self._lease_deadline:
+        if time.monotonic() + delay < self._lease_ends:
             self._timers.append(self.services.timers.schedule(delay, self.check_lease_soon))
 
     # -- completing inside the handler's transaction ----------------------------------------
@@ -707,7 +715,7 @@ class DeliveryExecution:
             try:
                 return settle()
             except TransientDriverError as exc:
-                if time.monotonic() + delay >= self._lease_deadline:
+                if time.monotonic() + delay >= self._settle_deadline():
                     raise
                 self.log.warning(
                     "Settle failed (%s); trying again in %.1f s while the lease lasts", exc, delay
@@ -721,7 +729,7 @@ class DeliveryExecution:
         if enlisted is not None:
             if enlisted.state() != EnlistedCompletion.ROLLED_BACK:
                 return self._completed_by_handler(decision)
-            if time.monotonic() >= self._lease_deadline:
+            if time.monotonic() >= self._lease_ends:
                 # The horizon waited while the handler's transaction held the row; with that
                 # transaction rolled back, the passed lease counts as lost, as it would have.
                 self.signal.abort(AbortReason.LEASE_LOST)
