@@ -24,7 +24,8 @@ from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.database import psycopg_params
-from workqueue import publish
+from tests.support.waiting import wait_until
+from workqueue import publish, publish_many
 from workqueue.exceptions import DriverOwnedWriteError
 from workqueue.models import Deduplication, Delivery, Message, Subscription, Topic
 from workqueue.transport import Receiver
@@ -430,6 +431,142 @@ def test_the_partition_mode_cannot_change_under_a_publish_that_is_still_fanning_
     keyed = Delivery.objects.filter(subscription=sub, partition_key__isnull=False).count()
     assert (stored, keyed) == ("Ordered", 1), "the mode changed under a committed delivery"
     assert [d.message_id for d in Receiver(sub.id).receive(5).deliveries] == [outcome[0].message_id]
+
+
+class _OpenTransaction(threading.Thread):
+    """Runs ``work`` in a transaction of its own thread, then keeps the transaction open until
+    ``release`` is set, and commits it (or rolls it back)."""
+
+    def __init__(self, work: Callable[[], Any], *, roll_back: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.work = work
+        self.roll_back = roll_back
+        self.worked = threading.Event()
+        self.release = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with transaction.atomic():
+                self.work()
+                self.worked.set()
+                self.release.wait(10)
+                if self.roll_back:
+                    transaction.set_rollback(True)
+        except BaseException as exc:  # surfaced by the test
+            self.error = exc
+        finally:
+            self.worked.set()
+            connections.close_all()
+
+
+def _lock_waits() -> int:
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+        return cursor.fetchone()[0]
+
+
+def _a_later_publish_of_the_key_is_claimed_after(
+    open_publish: _OpenTransaction, topic: Any, subscription_id: Any
+) -> list[int]:
+    """Publish key "k" again while ``open_publish`` is still open, claim the Ordered
+    subscription while it is, commit it, then claim the rest one at a time: the publish
+    ordinals of the key's deliveries in the order they were claimed."""
+    later = threading.Thread(
+        target=lambda: (publish(topic.name, {"n": 3}, partition_key="k"), connections.close_all()),
+        daemon=True,
+    )
+    later.start()
+    later.join(0.5)  # it should wait for the open publish's lock on the key
+    receiver = Receiver(subscription_id)
+    claimed = receiver.receive(1).deliveries  # while the first publish is still open
+    open_publish.release.set()
+    open_publish.join(10)
+    later.join(10)
+    assert open_publish.error is None, open_publish.error
+    order = []
+    claimed = claimed or receiver.receive(1).deliveries
+    while claimed:
+        (delivery,) = claimed
+        order.append(delivery.message_id)
+        assert receiver.complete(delivery).settled
+        claimed = receiver.receive(1).deliveries
+    return [Message.objects.get(pk=m).publish_ordinal for m in order]
+
+
+@queue_db
+def test_a_batch_that_waited_for_a_change_to_ordered_locks_its_keys_before_it_fans_out():
+    """``wq_publish_many`` looked for Ordered subscriptions before it took the topology lock.
+    A change to Ordered that committed while the batch waited for that lock got the batch's
+    delivery with its key never locked; a later publish of the key then committed its ordinal
+    first, was claimed first, and the key ran out of publish order."""
+    topic = TopicFactory()
+    sub = SubscriptionFactory(topic=topic, partition_mode="None")
+
+    def make_it_ordered() -> None:
+        sub.partition_mode = "Ordered"
+        sub.save()  # holds the topic's topology lock exclusive until this transaction ends
+
+    change = _OpenTransaction(make_it_ordered)
+    change.start()
+    assert change.worked.wait(10) and change.error is None
+    batch = _OpenTransaction(
+        # Two messages: a batch of one is published by wq_publish.
+        lambda: publish_many(
+            topic,
+            [{"payload": {"n": n}, "partition_key": "k"} for n in (1, 2)],
+            enlist=True,
+        )
+    )
+    batch.start()
+    wait_until(lambda: _lock_waits() == 1, timeout=10)  # the batch waits for the change
+    change.release.set()
+    change.join(10)
+    assert batch.worked.wait(10)
+
+    ordinals = _a_later_publish_of_the_key_is_claimed_after(batch, topic, sub.id)
+
+    assert len(ordinals) == 3
+    assert ordinals == sorted(ordinals), "the later publish of the key was claimed first"
+
+
+@queue_db
+def test_an_ordered_subscription_made_during_a_keyed_publish_waits_for_it():
+    """A new Ordered subscription (or one enabled, refiltered or moved) committed between a
+    publish's check for Ordered subscriptions and its fan-out got that publish's delivery with
+    its key never locked; a later publish of the key committed its ordinal first and was
+    claimed first. Now such a write takes the topology lock, waiting for publishes in
+    progress. The publish is held between its check and its fan-out by another, uncommitted
+    publish of the same message id."""
+    topic = TopicFactory()
+    message_id = uuid.uuid4()
+    holder = _OpenTransaction(
+        lambda: publish(topic.name, {"n": 0}, message_id=message_id, enlist=True), roll_back=True
+    )
+    holder.start()
+    assert holder.worked.wait(10) and holder.error is None
+    first = _OpenTransaction(
+        lambda: publish(topic.name, {"n": 1}, message_id=message_id, partition_key="k", enlist=True)
+    )
+    first.start()
+    wait_until(lambda: _lock_waits() == 1, timeout=10)  # past its check, at its message insert
+    ordered = SubscriptionFactory.build(topic=topic, partition_mode="Ordered")
+    creating = threading.Thread(
+        target=lambda: (ordered.save(), connections.close_all()), daemon=True
+    )
+    creating.start()
+    creating.join(0.5)
+    holder.release.set()  # rolled back: the first publish goes on, to its fan-out
+    holder.join(10)
+    assert first.worked.wait(10)
+
+    ordinals = _a_later_publish_of_the_key_is_claimed_after(first, topic, ordered.id)
+    creating.join(10)
+
+    assert Subscription.objects.filter(pk=ordered.pk).exists()
+    assert ordinals and ordinals == sorted(ordinals), (
+        "the later publish of the key was claimed first"
+    )
 
 
 # -- subscription status and fan-out ----------------------------------------------------------

@@ -422,29 +422,57 @@ class Subscription(TopologyModel):
         Deliveries already written under one mode carry (or lack) partition keys for it, so the
         mode is fixed once the subscription has any delivery. The stored row is read whether or
         not this instance was loaded from it: a fixture overwrites rows it did not load.
+
+        Also takes the topic's topology lock when this write changes what publishes decide
+        under it (``_changes_what_publishes_lock``).
         """
         using = using or router.db_for_write(type(self), instance=self)
         rows = type(self)._base_manager.using(using).filter(pk=self.pk)
-        previous = rows.values_list("partition_mode", flat=True).first()
-        if previous is None or previous == self.partition_mode:
-            return None
+        previous = rows.values("partition_mode", "status", "filter", "topic_id").first()
         connection = connections[using]
-        if connection.in_atomic_block:
+        if connection.in_atomic_block and self._changes_what_publishes_lock(previous):
             # Publishes hold the topic's topology lock shared while they fan out; taking it
             # exclusive here (until this transaction ends, after the row is written) means
-            # deliveries being written right now are seen by the check below.
+            # deliveries being written right now are seen by the check below, and publishes
+            # that start later see this row.
             # Imported here: models must not depend on the driver at import time.
             from workqueue.driver import get_driver
 
             get_driver(using).call(
                 "wq_lock_topology", {"topic_id": self.topic_id}, connection=connection
             )
+        if previous is None or previous["partition_mode"] == self.partition_mode:
+            return None
         if self.deliveries.using(using).exists():
             return (
-                f"The partition mode cannot change from {previous} to {self.partition_mode} "
-                "once the subscription has deliveries; create a new subscription instead."
+                f"The partition mode cannot change from {previous['partition_mode']} to "
+                f"{self.partition_mode} once the subscription has deliveries; create a new "
+                "subscription instead."
             )
         return None
+
+    def _changes_what_publishes_lock(self, previous: dict[str, Any] | None) -> bool:
+        """Whether publishes in progress must be waited for before this row is written.
+
+        A publish checks for the topic's Ordered subscriptions first, locking the message's
+        partition key if there is one, and fans out later, in a statement that sees what has
+        committed by then. An Ordered subscription its check did not see (new, enabled again,
+        refiltered, moved to the topic, or made Ordered) would get a delivery whose key was
+        never locked, and a later publish of that key could commit its ordinal first: the key
+        would run out of order. A partition-mode change must also see every delivery written.
+        """
+        if previous is not None and previous["partition_mode"] != self.partition_mode:
+            return True
+        if self.partition_mode != PartitionMode.ORDERED or (
+            self.status == SubscriptionStatus.DISABLED
+        ):
+            return False
+        return (
+            previous is None
+            or previous["status"] == SubscriptionStatus.DISABLED
+            or previous["filter"] != self.filter
+            or previous["topic_id"] != self.topic_id
+        )
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         # One transaction for the check (pre_save) and the write, so a partition-mode change

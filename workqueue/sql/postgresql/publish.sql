@@ -681,6 +681,13 @@ BEGIN
         RETURN;
     END IF;
 
+    -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
+    -- Taken before the Ordered check: a change to Ordered that commits after the check and
+    -- before the fan-out would otherwise get deliveries whose key was never locked, and a later
+    -- publish of that key could commit its ordinal first.
+    PERFORM pg_advisory_xact_lock_shared(
+        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
+
     IF EXISTS (
         SELECT 1 FROM workqueue_subscription s
          WHERE s.topic_id = v_topic.id AND s.partition_mode = 'Ordered' AND s.status <> 'Disabled'
@@ -725,10 +732,6 @@ BEGIN
         END LOOP;
         RETURN;
     END IF;
-
-    -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
-    PERFORM pg_advisory_xact_lock_shared(
-        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
 
     -- One ordinal per item, taken in one go and handed out in array order (sorted, so the
     -- order does not depend on how the set was evaluated); a rejected item leaves a gap.

@@ -635,6 +635,23 @@ BEGIN
     BEGIN TRANSACTION;
 
     SELECT @topic_key = t.id FROM dbo.workqueue_topic AS t WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)));
+    IF @topic_key IS NOT NULL
+    BEGIN
+        -- Held until commit, as each item's wq_publish_one holds it, and taken before the Ordered
+        -- check: a change to Ordered that commits after the check and before the fan-out would
+        -- otherwise get deliveries whose key was never locked, and a later publish of that key
+        -- could commit its ordinal first.
+        DECLARE @topology_granted int;
+        DECLARE @topology_resource nvarchar(255) = N'wq-topology:'
+            + LOWER(CONVERT(nchar(36), dbo.wq_text_uuid(@topic_key)));
+        EXEC @topology_granted = sys.sp_getapplock
+            @Resource = @topology_resource,
+            @LockMode = N'Shared',
+            @LockOwner = N'Transaction',
+            @LockTimeout = 5000;
+        IF @topology_granted < 0
+            THROW 51001, N'wq_publish_many: the topology lock was not granted within 5000 ms (error 51001); publish again.', 1;
+    END;
     IF @topic_key IS NOT NULL AND EXISTS (
         SELECT 1
           FROM dbo.workqueue_subscription AS s
