@@ -216,6 +216,36 @@ def test_a_handler_that_returned_but_could_not_settle_is_not_counted_as_abandone
     assert Delivery.objects.get(message_id=message).attempt_count == 1
 
 
+def test_a_shutdown_during_a_replan_waits_for_the_consumer_it_is_stopping(make_host):
+    """A re-plan takes a consumer whose settings changed out of the host, then stops it. A
+    shutdown meanwhile (a deploy: the settings change and SIGTERM arrive together) found no
+    such consumer, returned before its drain was over, and counted none of what it left
+    behind: the console said every handler had finished while one was still running."""
+    s = sub()
+    host = make_host(one(s), shutdown_drain_ms=300)
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 3000, "ignoreSignal": True}).message_id
+    probe.wait_for(1)
+    Subscription.objects.filter(pk=s.pk).update(lease_seconds=120)
+
+    def replan_on_its_own_thread() -> None:
+        try:
+            host.reconcile()
+        finally:
+            connections.close_all()  # the plan's queries opened this thread's connection
+
+    replan = threading.Thread(target=replan_on_its_own_thread, daemon=True)
+    replan.start()
+    wait_until(lambda: host._retiring)
+
+    host.shutdown()
+
+    assert (host.abandoned_handlers, host.unsettled_outcomes) == (1, 0)
+    assert not host._retiring, "the shutdown returned while the re-plan still drained"
+    replan.join(10)
+    wait_until(lambda: status_of(message) == "Completed", timeout=10)  # it returned at last
+
+
 def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(make_host, caplog):
     """``SystemExit`` (a handler calling ``sys.exit()``, a CLI parser inside it) is no
     ``Exception``. It left the execution unaccounted for: its slot was never freed, so a

@@ -264,6 +264,9 @@ class Consumer:
         self._handlers_running = 0  # slots taken: from claim until the handler returns
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
+        # Claimed ahead, turned late waiting for a slot, and queued to be handed back on a
+        # background thread; still counted as running until the release returns.
+        self._late: dict[tuple[str, str], DeliveryExecution] = {}
         # Running mean of handler times (None until one returns): whether to claim ahead.
         self._handler_seconds: float | None = None
         # How much room to claim into the loop waits for: a handler that returns wakes it only
@@ -339,12 +342,15 @@ class Consumer:
         if self._thread.is_alive():
             self._thread.join(drain)
         with self._lock:
-            waiting = list(self._ready)
+            waiting = [*self._ready, *self._late.values()]
             self._ready.clear()
+            self._late.clear()
             for execution in waiting:
                 self._running.pop(execution.key, None)
         for execution in waiting:
-            # Claimed ahead and never started: back to the queue, attempt refunded.
+            # Claimed ahead and never started (a hand-back still queued behind busy background
+            # threads included): back to the queue now, attempt refunded, before the process
+            # may end.
             self._release(execution.delivery)
         gave_up = False
         if not self._wait_idle(drain):
@@ -655,7 +661,7 @@ class Consumer:
                 if candidate.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE:
                     following = candidate
                 else:
-                    self._running.pop(candidate.key, None)
+                    self._late[candidate.key] = candidate
                     late.append(candidate)
             if following is None:
                 self._handlers_running -= 1
@@ -668,7 +674,7 @@ class Consumer:
         for execution in late:
             # Waited so long for a slot that its lease is mostly gone: back to the queue,
             # attempt refunded, on a background thread (this worker holds no connection).
-            self._background.run_or_call(self._hand_back, execution.delivery)
+            self._background.run_or_call(self._hand_back, execution)
         if wanted:
             self._wake.set()
         return following
@@ -758,10 +764,18 @@ class Consumer:
             return True
         return result.kind != ExecutionResult.SETTLED or result.status not in _ENDED
 
-    def _hand_back(self, delivery: ClaimedDelivery) -> None:
+    def _hand_back(self, execution: DeliveryExecution) -> None:
         """Release a delivery claimed ahead that can no longer start in time, and wake the
-        loop: it is claimable again, perhaps after the loop's last claim took all there was."""
-        self._release(delivery)
+        loop: it is claimable again, perhaps after the loop's last claim took all there was.
+        Counted as running until the release returns, so that stop() waits for it (the
+        process may end as soon as stop() returns), unless stop() took it back first."""
+        with self._lock:
+            if self._late.pop(execution.key, None) is None:
+                return  # stop() took it back, and hands it back
+        self._release(execution.delivery)
+        with self._lock:
+            self._running.pop(execution.key, None)
+            self._lock.notify_all()  # stop() may be waiting for the running ones to end
         self._wake.set()
 
     def _release(self, delivery: ClaimedDelivery) -> None:

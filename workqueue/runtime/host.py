@@ -183,6 +183,10 @@ class Host:
         self.started_at = timezone.now()
         self._lock = threading.RLock()
         self._consumers: dict[str, Consumer] = {}
+        # Consumers a re-plan is stopping (their settings changed, or they are no longer
+        # wanted): a shutdown meanwhile waits for their drain too, and counts what it left.
+        self._retiring: list[Consumer] = []
+        self._retired = threading.Condition(self._lock)
         self._plans: dict[str, PlanEntry] = {}
         self._start_failures: dict[str, StartFailure] = {}
         self._recorded_states: list[tuple[str, str, str]] = []
@@ -315,6 +319,11 @@ class Host:
                 thread.start()
             for thread in stoppers:
                 thread.join()
+            with self._lock:
+                # The process may end once this returns: a re-plan's drain must be over too.
+                retired = list(self._retiring)
+                self._retired.wait_for(lambda: not self._retiring)
+            consumers += retired
             self.abandoned_handlers = sum(c.abandoned for c in consumers)
             self.unsettled_outcomes = sum(c.unsettled for c in consumers)
             if self._wakeup is not None:
@@ -404,10 +413,16 @@ class Host:
                     or new.concurrency != consumer.config.concurrency
                 ):
                     to_stop.append(self._consumers.pop(name))
+            self._retiring.extend(to_stop)
             self._plans = plans
         for consumer in to_stop:
             self._detach(consumer)
-            consumer.stop()
+            try:
+                consumer.stop()
+            finally:
+                with self._lock:
+                    self._retiring.remove(consumer)
+                    self._retired.notify_all()
         with self._lock:
             if self._shutting_down:
                 return
