@@ -216,6 +216,33 @@ def test_a_handler_that_returned_but_could_not_settle_is_not_counted_as_abandone
     assert Delivery.objects.get(message_id=message).attempt_count == 1
 
 
+def test_a_handler_whose_connections_hang_after_it_returned_is_not_counted_as_abandoned(
+    make_host,
+):
+    """After a handler returns, its ORM connections are refreshed; a broken one is pinged
+    first, which hangs on a database that does not answer. A host stopped then counted the
+    handler as one that did not stop, though it had returned."""
+    s = sub()
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=300)
+    host.start()
+    hung = threading.Event()
+    services = host._consumers[s.name]._services
+    refresh = services.refresh_connections
+    services.refresh_connections = lambda: (hung.wait(10), refresh())
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    probe.wait_for(1)
+    wait_until(lambda: probe.runs[0].finished.is_set())
+
+    try:
+        host.shutdown()
+        counts = (host.abandoned_handlers, host.unsettled_outcomes)
+    finally:
+        hung.set()
+
+    assert counts == (0, 1)
+    wait_until(lambda: status_of(message) == "Completed", timeout=10)
+
+
 def test_a_shutdown_during_a_replan_waits_for_the_consumer_it_is_stopping(make_host):
     """A re-plan takes a consumer whose settings changed out of the host, then stops it. A
     shutdown meanwhile (a deploy: the settings change and SIGTERM arrive together) found no

@@ -447,6 +447,11 @@ class DeliveryExecution:
             # leaving its slot taken and the delivery leased and renewed for the process's life.
             return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
+            with self._lock:
+                # Before the connections are refreshed, which can hang on a database that does
+                # not answer (a broken connection is pinged first): a host stopped meanwhile
+                # counts this handler as returned, not as one that did not stop.
+                self._handler_returned = True
             # What the handler used of the ORM is closed if broken or past CONN_MAX_AGE, as at
             # the end of a request; the next handler on this thread then checks the connection
             # at its first query (CONN_HEALTH_CHECKS) unless it was checked within
