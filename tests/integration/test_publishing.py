@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from workqueue import publish, publish_many
@@ -216,3 +217,36 @@ def test_random_starts_keep_the_variant_and_headroom_and_never_repeat():
         cursor.execute("SELECT wq_id_at(0, x'9FFFFFFFFFFFFFFF'::bit(64)::bigint, 2147483647)")
         (last,) = cursor.fetchone()
     assert uuid.UUID(str(last)).variant == uuid.RFC_4122
+
+
+def test_a_publish_in_a_long_transaction_counts_its_times_from_the_call_not_the_transaction():
+    """PostgreSQL's now() is when the transaction began. A publish enlisted late in a long
+    transaction had its deduplication window cut short by that much (gone at commit if the
+    transaction ran longer than the TTL: a second message for the key within its TTL), its
+    delay counted from the transaction's start, and its publish time back-dated; SQL Server's
+    procedures count from the call."""
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT now()")
+            (began,) = cursor.fetchone()
+        time.sleep(2)  # the transaction has run a while when the publish is made
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT clock_timestamp()")
+            (called,) = cursor.fetchone()
+        result = publish(
+            topic.name,
+            {"n": 1},
+            deduplication_key="order-1",
+            deduplication_ttl=60,
+            delay_seconds=30,
+            enlist=True,
+        )
+
+    assert result.accepted and called - began >= dt.timedelta(seconds=2)
+    ledger = Deduplication.objects.get(topic=topic, deduplication_key="order-1")
+    assert ledger.expires_at >= called + dt.timedelta(seconds=60)
+    message = Message.objects.get(pk=result.message_id)
+    assert message.published_at >= called
+    assert Delivery.objects.get(message=message).visible_at >= called + dt.timedelta(seconds=30)

@@ -4,8 +4,12 @@ subscriptions, as ``wq_publish`` always did.
 It looked first and locked after. A subscription made Ordered (its partition mode changed under
 the exclusive topology lock) could commit between the two: the batch then fanned out to it
 without having locked its messages' keys, and a later publish of one of those keys, locking it
-freely, could commit its ordinal first, so that key ran out of publish order. Both vendors;
-reinstalls the procedures from the current files.
+freely, could commit its ordinal first, so that key ran out of publish order.
+
+PostgreSQL's publishes also count their times from the call (``statement_timestamp()``), as
+SQL Server's do, not from their transaction's start (``now()``): a publish enlisted late in a
+long transaction had its deduplication window, its delay and its publish time counted from
+when the transaction began. Reinstalls both vendors' procedures from the current files.
 """
 
 from django.db import migrations

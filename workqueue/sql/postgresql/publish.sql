@@ -5,6 +5,9 @@
 -- aside: PL/pgSQL keeps each statement's plan for the session, and one made while the ledger or
 -- the message table was nearly empty would otherwise read all of it for every keyed publish, or
 -- every retried batch, once a burst had filled it.
+-- Times are the call's (statement_timestamp()), not its transaction's start (now()), as on SQL
+-- Server: a publish enlisted late in a long transaction is published, due and deduplicated from
+-- when it was made, its window not cut short by how long the transaction ran before it.
 
 CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
 
@@ -323,9 +326,9 @@ BEGIN
                             NULL::uuid, NULL::text;
         RETURN;
     END IF;
-    v_due := GREATEST(COALESCE(p_not_before, now()), now())
+    v_due := GREATEST(COALESCE(p_not_before, statement_timestamp()), statement_timestamp())
              + make_interval(secs => COALESCE(p_delay_seconds, 0));
-    IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
+    IF v_due > statement_timestamp() + make_interval(days => v_topic.retention_days) THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
                             NULL::uuid, NULL::text;
         RETURN;
@@ -369,11 +372,11 @@ BEGIN
             INSERT INTO workqueue_deduplication AS d
                    (id, topic_id, deduplication_key, message_id, status, expires_at)
             VALUES (wq_new_id(), v_topic.id, p_deduplication_key, p_message_id,
-                    'Reserved', now() + interval '120 seconds')
+                    'Reserved', statement_timestamp() + interval '120 seconds')
             ON CONFLICT ON CONSTRAINT wq_dedup_topic_key_uq DO UPDATE
                SET message_id = EXCLUDED.message_id, status = 'Reserved',
                    expires_at = EXCLUDED.expires_at
-             WHERE d.expires_at <= now()
+             WHERE d.expires_at <= statement_timestamp()
                 OR (d.status = 'Reserved' AND d.message_id = EXCLUDED.message_id)
             RETURNING d.message_id INTO v_owner;
             EXIT WHEN v_owner IS NOT NULL;
@@ -381,7 +384,7 @@ BEGIN
             SELECT d.message_id, d.status INTO v_owner, v_owner_status
               FROM workqueue_deduplication d
              WHERE d.topic_id = v_topic.id AND d.deduplication_key = p_deduplication_key
-               AND d.expires_at > now();
+               AND d.expires_at > statement_timestamp();
             IF FOUND AND v_owner_status = 'Confirmed' THEN
                 RETURN QUERY SELECT v_owner, 'Duplicate'::text, NULL::text, NULL::uuid, NULL::text;
                 RETURN;
@@ -403,7 +406,7 @@ BEGIN
            (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
             correlation_id, published_at, published_by)
     VALUES (p_message_id, v_ordinal, v_topic.id, p_partition_key, p_attributes, p_payload,
-            p_payload_ref, p_correlation_id, now(), p_published_by)
+            p_payload_ref, p_correlation_id, statement_timestamp(), p_published_by)
     ON CONFLICT (id) DO NOTHING;
 
     IF NOT FOUND THEN
@@ -458,7 +461,7 @@ BEGIN
     IF p_deduplication_key IS NOT NULL THEN
         UPDATE workqueue_deduplication d
            SET status = 'Confirmed',
-               expires_at = now() + make_interval(secs => COALESCE(
+               expires_at = statement_timestamp() + make_interval(secs => COALESCE(
                    p_deduplication_ttl_seconds, v_topic.default_deduplication_ttl_seconds))
          WHERE d.topic_id = v_topic.id AND d.deduplication_key = p_deduplication_key
            AND d.message_id = p_message_id;
@@ -568,7 +571,7 @@ AS $$
                    THEN 'InvalidPriority'
                WHEN (i.not_before IS NOT NULL AND i.delay_seconds IS NOT NULL)
                     OR i.delay_seconds < 0
-                    OR (i.due > now() AND i.due > now() + make_interval(days => p_retention_days))
+                    OR (i.due > statement_timestamp() AND i.due > statement_timestamp() + make_interval(days => p_retention_days))
                    THEN 'InvalidSchedule'
                WHEN GREATEST(i.envelope_bytes, wq_envelope_text_bytes(
                         i.partition_key, i.attributes, i.payload, i.payload_ref,
@@ -579,8 +582,8 @@ AS $$
       FROM (
         SELECT f.*,
                -- Most messages are due at once: no interval to make or compare.
-               CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN now()
-                    ELSE GREATEST(COALESCE(f.not_before, now()), now())
+               CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN statement_timestamp()
+                    ELSE GREATEST(COALESCE(f.not_before, statement_timestamp()), statement_timestamp())
                          + make_interval(secs => COALESCE(GREATEST(f.delay_seconds, 0), 0))
                END AS due
           FROM (
@@ -756,7 +759,7 @@ BEGIN
                (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
                 correlation_id, published_at, published_by)
         SELECT i.message_id, i.ordinal, v_topic.id, i.partition_key, i.attributes, i.payload,
-               i.payload_ref, i.correlation_id, now(), p_published_by
+               i.payload_ref, i.correlation_id, statement_timestamp(), p_published_by
           FROM items i
          ORDER BY i.item_index
         ON CONFLICT (id) DO NOTHING
@@ -909,11 +912,11 @@ BEGIN
         INSERT INTO workqueue_deduplication AS d
                (id, topic_id, deduplication_key, message_id, status, expires_at)
         VALUES (wq_new_id(), v_topic_id, p_deduplication_key, p_message_id,
-                'Reserved', now() + interval '120 seconds')
+                'Reserved', statement_timestamp() + interval '120 seconds')
         ON CONFLICT ON CONSTRAINT wq_dedup_topic_key_uq DO UPDATE
            SET message_id = EXCLUDED.message_id, status = 'Reserved',
                expires_at = EXCLUDED.expires_at
-         WHERE d.expires_at <= now()
+         WHERE d.expires_at <= statement_timestamp()
             OR (d.status = 'Reserved' AND d.message_id = EXCLUDED.message_id)
         RETURNING d.message_id INTO v_owner;
         IF v_owner IS NOT NULL THEN
@@ -923,7 +926,7 @@ BEGIN
         SELECT d.message_id, d.status INTO v_owner, v_owner_status
           FROM workqueue_deduplication d
          WHERE d.topic_id = v_topic_id AND d.deduplication_key = p_deduplication_key
-           AND d.expires_at > now();
+           AND d.expires_at > statement_timestamp();
         IF FOUND AND v_owner_status = 'Confirmed' THEN
             RETURN QUERY SELECT 'Duplicate'::text, v_owner;
             RETURN;
@@ -961,7 +964,7 @@ DECLARE
 BEGIN
     UPDATE workqueue_deduplication d
        SET status = 'Confirmed',
-           expires_at = now() + make_interval(
+           expires_at = statement_timestamp() + make_interval(
                secs => COALESCE(p_deduplication_ttl_seconds, t.default_deduplication_ttl_seconds))
       FROM workqueue_topic t
      WHERE t.name = lower(btrim(p_topic_name)) AND d.topic_id = t.id
