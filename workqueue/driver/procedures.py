@@ -27,7 +27,8 @@ class Grant(enum.Enum):
     #: (its steps act only on expired leases and retention, whatever the caller passes).
     RUNTIME = "runtime"
     #: People and tools that look and intervene: stats, listings, backlog, replay, discard,
-    #: cancel, the topology lock a partition-mode change takes, and binding checks.
+    #: cancel, the topology lock a partition-mode change (or a new, enabled, refiltered or
+    #: moved Ordered subscription) takes, and binding checks.
     OPERATOR = "operator"
 
 

@@ -430,7 +430,11 @@ class Subscription(TopologyModel):
         rows = type(self)._base_manager.using(using).filter(pk=self.pk)
         previous = rows.values("partition_mode", "status", "filter", "topic_id").first()
         connection = connections[using]
-        if connection.in_atomic_block and self._changes_what_publishes_lock(previous):
+        if (
+            connection.in_atomic_block
+            and self.topic_id is not None  # no topic yet: refused as a field error
+            and self._changes_what_publishes_lock(previous)
+        ):
             # Publishes hold the topic's topology lock shared while they fan out; taking it
             # exclusive here (until this transaction ends, after the row is written) means
             # deliveries being written right now are seen by the check below, and publishes

@@ -441,6 +441,8 @@ class DeliveryExecution:
                 error=_describe(exc),
                 exception=exc,
             )
+        except KeyboardInterrupt:
+            raise  # only ever raised on the main thread (run_until_idle in a test): Ctrl-C
         except BaseException as exc:
             # SystemExit too (sys.exit(), a command-line parser called inside a handler), and
             # asyncio's CancelledError: on a worker thread either would only end the thread,

@@ -291,6 +291,10 @@ class Host:
         with self._lock:
             first = not self._shutting_down
             self._shutting_down = True
+            # Taken now: a re-plan that is stopping consumers may finish while the services
+            # stop below (the re-plan runs on one of them), and what it left must be counted.
+            # No consumer starts retiring from here on (reconcile sees the shutdown).
+            retired = list(self._retiring)
         if not first:
             self._shut_down.wait()
             return
@@ -321,7 +325,6 @@ class Host:
                 thread.join()
             with self._lock:
                 # The process may end once this returns: a re-plan's drain must be over too.
-                retired = list(self._retiring)
                 self._retired.wait_for(lambda: not self._retiring)
             consumers += retired
             self.abandoned_handlers = sum(c.abandoned for c in consumers)
@@ -415,14 +418,22 @@ class Host:
                     to_stop.append(self._consumers.pop(name))
             self._retiring.extend(to_stop)
             self._plans = plans
-        for consumer in to_stop:
-            self._detach(consumer)
-            try:
-                consumer.stop()
-            finally:
-                with self._lock:
-                    self._retiring.remove(consumer)
-                    self._retired.notify_all()
+        try:
+            for consumer in to_stop:
+                self._detach(consumer)
+                try:
+                    consumer.stop()
+                finally:
+                    with self._lock:
+                        self._retiring.remove(consumer)
+                        self._retired.notify_all()
+        finally:
+            with self._lock:
+                # Those left unstopped by a failure: a shutdown must not wait for them forever.
+                for consumer in to_stop:
+                    if consumer in self._retiring:
+                        self._retiring.remove(consumer)
+                self._retired.notify_all()
         with self._lock:
             if self._shutting_down:
                 return
