@@ -262,16 +262,30 @@ def test_a_staff_user_still_edits_and_deletes_their_own_key(client, keys):
     client.force_login(keys["keymaker"])
 
     changed = client.post(
-        _url("workqueue_apikey_change", own.pk), _key_form(subscriptions="orders.billing")
+        _url("workqueue_apikey_change", own.pk),
+        _key_form(topics="orders", subscriptions="orders.billing"),
     )
 
     assert changed.status_code == 302, changed.context and changed.context["adminform"].errors
     own.refresh_from_db()
     assert set(own.scopes) == {OPERATE, PUBLISH, READ}
-    assert own.subscriptions == ["orders.billing"]
+    assert (own.topics, own.subscriptions) == (["orders"], ["orders.billing"])
     deleted = client.post(_url("workqueue_apikey_delete", own.pk), {"post": "yes"})
     assert deleted.status_code == 302
     assert not ApiKey.objects.filter(pk=own.pk).exists()
+
+
+def test_the_admin_refuses_a_key_limit_that_leaves_a_scope_unconfined(client, keys):
+    own = keys["own"]
+    client.force_login(keys["keymaker"])
+
+    changed = client.post(_url("workqueue_apikey_change", own.pk), _key_form(topics="orders"))
+
+    assert changed.status_code == 200  # the form again, with the error
+    errors = changed.context["adminform"].form.non_field_errors()
+    assert "--subscriptions" in str(errors)
+    own.refresh_from_db()
+    assert own.name != "widened"
 
 
 def test_a_superuser_manages_every_users_keys(admin_client, keys):

@@ -12,6 +12,7 @@ from django.contrib.auth.models import Permission
 from django.utils import timezone
 
 from tests.factories import (
+    ALL_PERMISSIONS,
     ApiKeyFactory,
     SubscriptionFactory,
     TopicFactory,
@@ -22,11 +23,13 @@ from tests.support.api import call
 from tests.support.queue import dead_letter
 from workqueue.driver.base import SparseIndex
 from workqueue.exceptions import PermissionDeniedError
-from workqueue.models import Delivery, HostRecord
+from workqueue.models import ApiKey, Delivery, HostRecord, Message
+from workqueue.models.apikeys import hash_key
 from workqueue.operators import operations
 from workqueue.operators.permissions import (
     OPERATE,
     OPERATE_PERMISSION,
+    PUBLISH,
     READ,
     READ_PERMISSION,
     Actor,
@@ -208,3 +211,89 @@ def test_the_operate_permission_is_declared_on_subscriptions():
         content_type__app_label="workqueue", codename="operate_subscription"
     )
     assert permission.content_type.model == "subscription"
+
+
+# -- a limit confines every scope a key holds ------------------------------------------------
+
+
+def _key_issued_before_limits_covered_scopes(**fields: Any) -> Any:
+    """A key as an earlier release issued it: limited in one dimension only. Written directly,
+    since issuing one is refused now."""
+    raw = f"wq_0badc0de_{'k' * 43}"
+    key = ApiKey.objects.create(
+        owner=UserFactory(perms=ALL_PERMISSIONS),
+        prefix="0badc0de",
+        key_hash=hash_key(raw),
+        **fields,
+    )
+    key.raw_key = raw
+    return key
+
+
+def test_a_key_limited_to_topics_cannot_read_or_operate_other_topics_subscriptions(client):
+    """``--topics orders --scopes workqueue:read workqueue:operate`` looked confined to orders,
+    and read and discarded the dead letters of every subscription of every topic."""
+    theirs = SubscriptionFactory(name="billing.charge", topic=TopicFactory(name="billing"))
+    delivery_id = dead_letter(theirs)
+    key = _key_issued_before_limits_covered_scopes(
+        scopes=[READ, OPERATE], topics=["orders"], subscriptions=[]
+    )
+
+    listed = call(client, "get", f"/subscriptions/{theirs.name}/dead-letters", key=key)
+    discarded = call(
+        client,
+        "post",
+        f"/subscriptions/{theirs.name}/dead-letters/discard",
+        {"filter": {}, "reason": "x"},
+        key=key,
+    )
+
+    assert (listed.status_code, discarded.status_code) == (403, 403)
+    assert "--subscriptions" in discarded.json()["detail"]
+    assert Delivery.objects.get(pk=delivery_id).status == "DeadLettered"
+
+
+def test_a_key_limited_to_subscriptions_cannot_publish_to_every_topic(client):
+    topic = TopicFactory(name="payments", allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+    key = _key_issued_before_limits_covered_scopes(
+        scopes=[PUBLISH], topics=[], subscriptions=["mine.sub"]
+    )
+
+    published = call(
+        client, "post", f"/topics/{topic.name}/messages", {"messages": [{"payload": {}}]}, key=key
+    )
+
+    assert published.status_code == 403
+    assert "--topics" in published.json()["detail"]
+    assert not Message.objects.filter(topic=topic).exists()
+
+
+@pytest.mark.parametrize(
+    ("scopes", "topics", "subscriptions", "fix"),
+    [
+        ([READ], ["orders"], [], "--subscriptions"),
+        ([PUBLISH, OPERATE], ["orders"], [], "--subscriptions"),
+        ([PUBLISH], [], ["orders.ship"], "--topics"),
+    ],
+)
+def test_a_key_whose_limit_leaves_a_scope_unconfined_is_not_issued(
+    scopes, topics, subscriptions, fix
+):
+    with pytest.raises(ValueError, match=fix):
+        ApiKey.objects.issue(UserFactory(), scopes, topics=topics, subscriptions=subscriptions)
+    assert not ApiKey.objects.exists()
+
+
+def test_keys_limited_for_every_scope_they_hold_are_issued_and_work(client):
+    mine = SubscriptionFactory(
+        name="orders.ship", topic=TopicFactory(name="orders", allow_external_publish=True)
+    )
+    key = ApiKeyFactory(scopes=[PUBLISH, READ], topics=["orders"], subscriptions=["orders.ship"])
+
+    published = call(
+        client, "post", "/topics/orders/messages", {"messages": [{"payload": {}}]}, key=key
+    )
+    stats = call(client, "get", f"/subscriptions/{mine.name}/stats", key=key)
+
+    assert (published.status_code, stats.status_code) == (202, 200)

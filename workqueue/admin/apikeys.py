@@ -22,7 +22,7 @@ from django.utils.cache import patch_cache_control
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import ApiKey
 from workqueue.models.apikeys import KEY_PREFIX
-from workqueue.operators.permissions import SCOPES
+from workqueue.operators.permissions import SCOPES, uncovered_scope_problem
 
 
 class NameListField(forms.CharField):
@@ -45,12 +45,27 @@ class _KeyLimitsForm(forms.ModelForm):
         help_text="The key needs the scope AND its owner the matching Django permission.",
     )
     topics = NameListField(
-        required=False, help_text="Comma-separated topic names; empty allows any topic."
+        required=False,
+        help_text="Comma-separated topic names (what it may publish to); empty allows any topic.",
     )
     subscriptions = NameListField(
         required=False,
-        help_text="Comma-separated subscription names; empty allows any subscription.",
+        help_text=(
+            "Comma-separated subscription names (what it may read and operate); empty allows "
+            "any subscription."
+        ),
     )
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        problem = uncovered_scope_problem(
+            cleaned.get("scopes") or [],
+            cleaned.get("topics") or [],
+            cleaned.get("subscriptions") or [],
+        )
+        if problem:
+            raise forms.ValidationError(problem)
+        return cleaned
 
 
 class ApiKeyCreateForm(_KeyLimitsForm):

@@ -38,7 +38,7 @@ class ApiKeyQuerySet(models.QuerySet):
         expires_days: int | None = None,
     ) -> tuple[ApiKey, str]:
         """Create a key; returns it and the raw key, which is never stored or shown again."""
-        from workqueue.operators.permissions import SCOPES
+        from workqueue.operators.permissions import SCOPES, uncovered_scope_problem
 
         unknown = sorted(set(scopes) - set(SCOPES))
         if not scopes or unknown:
@@ -46,6 +46,8 @@ class ApiKeyQuerySet(models.QuerySet):
                 f"Scopes must be some of {', '.join(SCOPES)}"
                 + (f"; unknown: {', '.join(unknown)}" if unknown else "")
             )
+        if problem := uncovered_scope_problem(scopes, topics or [], subscriptions or []):
+            raise ValueError(problem)
         prefix = secrets.token_hex(4)
         raw_key = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
         key = self.create(

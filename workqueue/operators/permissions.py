@@ -7,7 +7,9 @@ cancel need ``workqueue.operate_subscription``; payloads are shown only with
 go: an operator need not be able to re-route, nor a topology editor to replay or discard. A
 caller using an API key needs the key's scope too (``workqueue:read`` / ``workqueue:operate`` /
 ``workqueue:publish``), and a key limited to named subscriptions or topics works only on those.
-Every check fails closed.
+A topic limit confines publishing and a subscription limit reading and operating, so a limited
+key must be limited for every scope it holds (``uncovered_scope_problem``). Every check fails
+closed.
 """
 
 from __future__ import annotations
@@ -67,6 +69,33 @@ def _in_limit(limit: Collection[str], name: str) -> bool:
     return not limit or name.strip().lower() in limit
 
 
+def uncovered_scope_problem(
+    scopes: Collection[str], topics: Collection[str], subscriptions: Collection[str]
+) -> str | None:
+    """Why a key limited this way would still hold one of ``scopes`` unconfined, or None.
+
+    A key limited only to topics that holds the read scope reads every subscription; one
+    limited only to subscriptions that holds the publish scope publishes to every topic. Such
+    a key looks confined and is not, so it is refused when issued, and refused that scope when
+    used (a key issued by an earlier release)."""
+    if not topics and not subscriptions:
+        return None  # an unlimited key, and meant to be
+    if PUBLISH in scopes and not topics:
+        return (
+            f"A key limited to subscriptions that holds the {PUBLISH} scope could publish to "
+            "every topic: a subscription limit confines reading and operating only. Limit "
+            f"its topics too (--topics), or leave {PUBLISH} out."
+        )
+    for scope in (READ, OPERATE):
+        if scope in scopes and not subscriptions:
+            return (
+                f"A key limited to topics that holds the {scope} scope could use it on every "
+                "subscription: a topic limit confines publishing only. Limit its subscriptions "
+                f"too (--subscriptions), or leave {scope} out."
+            )
+    return None
+
+
 def require(
     actor: Actor, scope: str, *, subscription: str | None = None, topic: str | None = None
 ) -> None:
@@ -77,6 +106,8 @@ def require(
     if actor.scopes is not None:
         if scope not in actor.scopes:
             raise PermissionDeniedError(f"The API key lacks the {scope} scope.")
+        if problem := uncovered_scope_problem({scope}, actor.topics, actor.subscriptions):
+            raise PermissionDeniedError(problem)
         if subscription is not None and not _in_limit(actor.subscriptions, subscription):
             raise PermissionDeniedError("The API key is not allowed on this subscription.")
         if topic is not None and not _in_limit(actor.topics, topic):
