@@ -272,6 +272,27 @@ def render(actor: Actor = CLI) -> bytes:
     return generate_latest(_combined(QueueCollector(actor)))
 
 
+class _ProcessMetricsOf:
+    """This process's metrics as a reader limited to named subscriptions may see them: the
+    series of those subscriptions and those naming none, never a series naming a topic (what
+    this process published, and where) or another subscription."""
+
+    def __init__(self, subscriptions: frozenset[str]) -> None:
+        self.subscriptions = subscriptions
+
+    def collect(self) -> Iterator[Metric]:
+        for family in PROCESS.collect():
+            family.samples = [s for s in family.samples if self._visible(s.labels)]
+            if family.samples:
+                yield family
+
+    def _visible(self, labels: dict[str, str]) -> bool:
+        if "topic" in labels:
+            return False
+        subscription = labels.get("subscription")
+        return subscription is None or subscription in self.subscriptions
+
+
 def serve(port: int, address: str = "127.0.0.1") -> Any:
     """Serve this process's metrics and the queue's gauges over HTTP without authentication
     (an internal scrape port: bind it where only Prometheus reaches). Returns the server."""
@@ -283,6 +304,8 @@ def serve(port: int, address: str = "127.0.0.1") -> Any:
 
 def _combined(cluster: QueueCollector) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(PROCESS)  # a registry is a collector of its metrics
+    limited = cluster.actor.subscriptions
+    # A registry is a collector of its metrics.
+    registry.register(_ProcessMetricsOf(limited) if limited else PROCESS)
     registry.register(cluster)
     return registry

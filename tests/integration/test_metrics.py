@@ -163,6 +163,25 @@ def test_a_key_limited_to_one_subscription_sees_only_its_gauges_and_no_hosts(cli
     assert "workqueue_db_" not in text  # database-wide sizes and sessions
 
 
+def test_a_key_limited_to_one_subscription_sees_no_other_in_this_process_s_counters(
+    client, queue_state
+):
+    """This web process's own counters name every topic it published to and every
+    subscription whose handlers it ran; a key limited to one subscription read them all."""
+    busy, quiet = queue_state
+    publish(quiet.topic.name, {"n": 1})
+    metrics.labelled(metrics.DELIVERIES, quiet.name, "completed").inc()
+    metrics.labelled(metrics.DELIVERIES, busy.name, "completed").inc()
+
+    text = call(client, "get", "/metrics", key=reader(subscriptions=[busy.name])).content.decode()
+
+    assert quiet.name not in text
+    assert quiet.topic.name not in text
+    assert "workqueue_published_messages" not in text
+    assert f'workqueue_deliveries_total{{outcome="completed",subscription="{busy.name}"}}' in text
+    assert "workqueue_settle_batch_size" in text  # naming no subscription: kept
+
+
 def test_each_count_stops_at_the_cap_and_says_so_so_a_scrape_stays_cheap(settings):
     settings.WORKQUEUE = {**settings.WORKQUEUE, "METRICS_COUNT_CAP": 3}
     small, large = SubscriptionFactory(), SubscriptionFactory(partition_mode="Ordered")
