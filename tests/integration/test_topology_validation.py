@@ -18,12 +18,13 @@ import pytest
 from django.core import serializers
 from django.core.exceptions import ValidationError
 from django.core.management import call_command
-from django.db import models, transaction
+from django.db import connection, models, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.support.filter_cases import any_of, leaf, root
 from workqueue import publish
 from workqueue.models import Subscription, Topic, Transport
+from workqueue.operators import operations
 
 pytestmark = pytest.mark.django_db
 
@@ -207,3 +208,44 @@ def test_the_partition_mode_cannot_change_on_any_path_once_deliveries_exist(
 
     assert "cannot change from None to Ordered" in refused.value.message_dict["partition_mode"][0]
     assert Subscription.objects.get(pk=sub.pk).partition_mode == "None"
+
+
+# -- Tasks API topics stay closed to external publishers ---------------------------------------
+
+
+def test_a_topic_read_by_the_tasks_handler_cannot_be_opened_to_external_publishers():
+    """A Tasks API message names the task to import and run, with its arguments. A task topic
+    opened to external publishing (or a task subscription put on an open topic) let any holder
+    of a publish key for it run any task of the project with any arguments."""
+    tasks_topic = TopicFactory(name="tasks.default")
+    SubscriptionFactory(topic=tasks_topic, handler_key="workqueue.tasks")
+    tasks_topic.allow_external_publish = True
+
+    with pytest.raises(ValidationError, match="any task with any arguments") as opened:
+        tasks_topic.save()
+    assert "allow_external_publish" in opened.value.message_dict
+    open_topic = TopicFactory(name="webhooks", allow_external_publish=True)
+    with pytest.raises(ValidationError, match="any task with any arguments") as subscribed:
+        SubscriptionFactory(topic=open_topic, handler_key="workqueue.tasks")
+    assert "handler_key" in subscribed.value.message_dict
+    assert not Topic.objects.get(pk=tasks_topic.pk).allow_external_publish
+
+
+def test_validate_bindings_reports_a_task_subscription_on_an_open_topic_as_an_error():
+    open_topic = TopicFactory(name="webhooks")
+    runs_tasks = SubscriptionFactory(topic=open_topic, handler_key="workqueue.tasks")
+    with transaction.atomic(), connection.cursor() as cursor:
+        # As a release before the rule could have left it.
+        cursor.execute(
+            "UPDATE workqueue_topic SET allow_external_publish = true WHERE id = %s",
+            [open_topic.pk],
+        )
+
+    issues = operations.validate_bindings()
+
+    assert any(
+        issue.severity == "Error"
+        and issue.subject == f"subscription {runs_tasks.name}"
+        and "any task with any arguments" in issue.message
+        for issue in issues
+    ), issues

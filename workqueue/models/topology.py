@@ -202,6 +202,23 @@ class Transport(TopologyModel):
             raise ValidationError({"configuration": problem})
 
 
+# A Tasks API message names the task to import and run, with its arguments: whoever may
+# publish to the topic may run any task of the project with any arguments.
+EXTERNAL_TASKS_PROBLEM = (
+    "A topic that allows external publishing cannot be read by the Tasks API's handler "
+    "(workqueue.tasks): any holder of a publish key for it could run any task with any "
+    "arguments. Leave allow_external_publish off on task topics, or give the subscription "
+    "another handler."
+)
+
+
+def _tasks_handler_key() -> str:
+    # Imported here: the tasks package imports the models.
+    from workqueue.tasks.messages import HANDLER_KEY
+
+    return HANDLER_KEY
+
+
 def _supports_external(transport: Transport) -> bool:
     try:
         return transport.transport_class.supports_external_consumers
@@ -255,6 +272,12 @@ class Topic(TopologyModel):
 
     def check_rules(self, using: str) -> None:
         _require_json_object(self.binding_config, "binding_config")
+        if self.allow_external_publish:
+            runs_tasks = Subscription._base_manager.using(using).filter(
+                topic_id=self.pk, handler_key=_tasks_handler_key()
+            )
+            if runs_tasks.exists():
+                raise ValidationError({"allow_external_publish": EXTERNAL_TASKS_PROBLEM})
 
 
 class Subscription(TopologyModel):
@@ -353,6 +376,8 @@ class Subscription(TopologyModel):
                 "Must be at least backoff_base_seconds "
                 f"({self.backoff_base_seconds}); raise it or lower the base."
             )
+        if problem := self.external_tasks_problem():
+            errors["handler_key"] = problem
         if self.host_type == HostType.WORKER and not self.handler_key.strip():
             errors["handler_key"] = (
                 "A work-queue host subscription needs the handler key to run: set it to the key "
@@ -407,6 +432,17 @@ class Subscription(TopologyModel):
             return self.topic.transport
         except ObjectDoesNotExist:
             return None  # a fixture's topic not loaded yet; its foreign key is checked at commit
+
+    def external_tasks_problem(self) -> str | None:
+        """Why this subscription must not run its topic's messages as Tasks API tasks (its
+        topic allows external publishing), or None."""
+        if self.handler_key != _tasks_handler_key():
+            return None
+        try:
+            external = self.topic.allow_external_publish
+        except ObjectDoesNotExist:
+            return None  # no topic yet: refused as a field error
+        return EXTERNAL_TASKS_PROBLEM if external else None
 
     def filter_problem(self) -> str | None:
         """Why the filter this row holds is invalid, or None when it is valid.

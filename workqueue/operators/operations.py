@@ -672,10 +672,16 @@ def validate_bindings(
                         f"is_fifo has no effect on the {transport_class.name} transport.",
                     )
                 )
-        subscriptions = Subscription.objects.filter(topic__transport=tr).order_by("name")
+        subscriptions = (
+            Subscription.objects.filter(topic__transport=tr)
+            .select_related("topic")
+            .order_by("name")
+        )
         for sub in subscriptions:
             in_scope.add(sub.name)
             subject = f"subscription {sub.name}"
+            if tasks_problem := sub.external_tasks_problem():
+                issues.append(BindingIssue("Error", subject, tasks_problem))
             filter_problem = sub.filter_problem()
             if filter_problem is not None:
                 issues.append(
