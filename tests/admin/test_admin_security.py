@@ -6,6 +6,7 @@ driver's own connection: these tests use committed data.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.test import Client
 from django.urls import reverse
 
-from tests.factories import ApiKeyFactory, SubscriptionFactory, UserFactory
+from tests.factories import ApiKeyFactory, SubscriptionFactory, TransportFactory, UserFactory
 from tests.support.queue import dead_letter
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery
@@ -393,3 +394,53 @@ def test_the_key_list_is_no_oracle_on_the_never_shown_hash(client, admin_client,
         assert probe.status_code == 400
     active = client.get(changelist, {"state": "active"})
     assert _listed(active) == {str(own.pk)}
+
+
+# -- transports: where messages go is for superusers ------------------------------------------
+
+
+def test_a_view_only_user_cannot_run_the_provisioning_dry_run(client, monkeypatch):
+    """The dry run calls the cloud's API with the server's credentials; it was offered to
+    anyone who could view transports."""
+    from workqueue.operators import topology
+
+    ran: list[str] = []
+    monkeypatch.setattr(
+        topology, "provision", lambda name, **kw: ran.append(name) or SimpleNamespace(changes={})
+    )
+    transport = TransportFactory(name="Cloud")
+    _signed_in(client, "workqueue.view_transport")
+
+    page = client.get(_url("workqueue_transport_changelist"))
+    offered = page.context["action_form"]
+    client.post(
+        _url("workqueue_transport_changelist"),
+        {"action": "show_provisioning", "_selected_action": [str(transport.pk)]},
+    )
+
+    assert offered is None or "show_provisioning" not in dict(offered.fields["action"].choices)
+    assert ran == []
+
+
+def test_only_a_superuser_sets_where_a_transport_sends_messages(client, admin_client):
+    """A transport's configuration names its endpoint and credentials profile: an editor who
+    may not read payloads could point it at their own server and receive every message."""
+    transport = TransportFactory(name="Cloud")
+    before = transport.configuration
+    _signed_in(client, "workqueue.view_transport", "workqueue.change_transport")
+    form = {
+        "name": "Cloud",
+        "driver_class": transport.driver_class,
+        "status": "Active",
+        "description": "edited",
+        "configuration": '{"endpoint_url": "https://attacker.example"}',
+    }
+
+    edited = client.post(_url("workqueue_transport_change", transport.pk), form)
+    transport.refresh_from_db()
+
+    assert edited.status_code == 302
+    assert transport.description == "edited"  # what they may edit, they edit
+    assert transport.configuration == before
+    page = admin_client.get(_url("workqueue_transport_change", transport.pk))
+    assert "configuration" in page.context["adminform"].form.fields

@@ -45,7 +45,8 @@ class TopologyForm(forms.ModelForm):
         super().add_error(field, error)
 
 
-@admin.action(description="Show what provisioning would change (dry run)")
+# Change permission, not view: the dry run calls the cloud's API with the server's credentials.
+@admin.action(description="Show what provisioning would change (dry run)", permissions=["change"])
 def show_provisioning(modeladmin: Any, request: HttpRequest, queryset: QuerySet) -> None:
     """``manage.py workqueue provision --dry-run`` for the selected transports: each resource
     that would be created or updated, or that nothing would change. Creates nothing."""
@@ -78,6 +79,15 @@ class TransportAdmin(admin.ModelAdmin):
     list_filter = ("status", "driver_class")
     search_fields = ("name", "description")
     readonly_fields = ("capabilities",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # The configuration says where messages go and with which credentials (a cloud
+        # transport's endpoint_url and profile): whoever sets it receives every payload sent
+        # through the transport, signed with the server's keys, whatever their own payload
+        # permission. Superusers only, or code (sync-topology).
+        if request.user.is_superuser:
+            return self.readonly_fields
+        return (*self.readonly_fields, "configuration")
 
     @admin.display(description="Capabilities")
     def capabilities(self, obj: Transport) -> str:
