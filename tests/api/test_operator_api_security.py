@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission
+from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import (
@@ -297,3 +298,38 @@ def test_keys_limited_for_every_scope_they_hold_are_issued_and_work(client):
     stats = call(client, "get", f"/subscriptions/{mine.name}/stats", key=key)
 
     assert (published.status_code, stats.status_code) == (202, 200)
+
+
+# -- host records are the hosts' own word ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("subscriptions", "handler_keys"),
+    [
+        ([{"name": "mine.sub", "state": "Running", "in_flight": "a", "concurrency": None}], 7),
+        ({"name": "mine.sub"}, "workqueue.tasks"),
+        (["mine.sub", 3, {"name": ["x"], "state": {"y": 1}, "in_flight": -5}], [1, None]),
+    ],
+)
+def test_a_malformed_host_record_breaks_no_operator_page(client, subscriptions, handler_keys):
+    """The runtime role writes its hosts' records (grant-runtime: INSERT, UPDATE on the host
+    table). One with a count that is no number made /health, the admin dashboard and
+    validate-bindings answer 500 for every operator."""
+    SubscriptionFactory(name="mine.sub")
+    now = timezone.now()
+    HostRecord.objects.create(
+        instance_id="odd:1:cccc3333",
+        hostname="odd",
+        pid=1,
+        started_at=now,
+        last_seen_at=now,
+        subscriptions=subscriptions,
+        handler_keys=handler_keys,
+    )
+    client.force_login(UserFactory(is_staff=True, perms=list(ALL_PERMISSIONS)))
+
+    health = call(client, "get", "/health", key=unrestricted_reader())
+    bindings = call(client, "get", "/bindings/validate", key=unrestricted_reader())
+    dashboard = client.get(reverse("admin:workqueue_dashboard"))
+
+    assert (health.status_code, bindings.status_code, dashboard.status_code) == (200, 200, 200)

@@ -170,12 +170,12 @@ def _age(seconds: int | None) -> str:
 
 
 def _host(record: HostRecord) -> dict[str, Any]:
-    subscriptions = [s for s in record.subscriptions or [] if isinstance(s, dict)]
+    subscriptions = record.subscription_entries()
     return {
         "record": record,
         "subscriptions": subscriptions,
-        "healthy": all(s.get("state") in HEALTHY_STATES for s in subscriptions),
-        "in_flight": sum(int(s.get("in_flight") or 0) for s in subscriptions),
+        "healthy": all(s["state"] in HEALTHY_STATES for s in subscriptions),
+        "in_flight": sum(s["in_flight"] for s in subscriptions),
     }
 
 

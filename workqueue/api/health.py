@@ -44,9 +44,9 @@ def health(request: HttpRequest) -> dict[str, Any]:
     summary: dict[str, dict[str, Any]] = {}
     for record in HostRecord.objects.live().order_by("instance_id"):
         entries = [
-            _host_subscription(entry)
-            for entry in record.subscriptions or []
-            if isinstance(entry, dict) and _visible(actor, str(entry.get("name", "")))
+            {key: entry[key] for key in ("name", "state", "reason", "in_flight", "concurrency")}
+            for entry in record.subscription_entries()
+            if _visible(actor, entry["name"])
         ]
         if limited and not entries:
             continue
@@ -103,16 +103,6 @@ def _pseudonym(instance_id: str) -> str:
 
 def _visible(actor: Actor, name: str) -> bool:
     return not actor.subscriptions or name.strip().lower() in actor.subscriptions
-
-
-def _host_subscription(entry: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": str(entry.get("name", "")),
-        "state": str(entry.get("state", "")),
-        "reason": str(entry.get("reason") or ""),
-        "in_flight": int(entry.get("in_flight") or 0),
-        "concurrency": int(entry.get("concurrency") or 0),
-    }
 
 
 def _merge(summary: dict[str, dict[str, Any]], entry: dict[str, Any]) -> None:

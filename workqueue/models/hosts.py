@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from django.db import models
 from django.utils import timezone
@@ -40,3 +41,32 @@ class HostRecord(models.Model):
     @property
     def is_live(self) -> bool:
         return self.stopped_at is None and self.last_seen_at >= timezone.now() - STALE_AFTER
+
+    def subscription_entries(self) -> list[dict[str, Any]]:
+        """The subscriptions as the host recorded them, each field in its type. A record is
+        the host's own word, written by the runtime role: what is malformed in it is left out
+        or read as nothing, so that it cannot break the pages and checks that read it."""
+        entries = self.subscriptions if isinstance(self.subscriptions, list) else []
+        return [
+            {
+                "name": str(entry.get("name") or ""),
+                "state": str(entry.get("state") or ""),
+                "reason": str(entry.get("reason") or ""),
+                "in_flight": _count(entry.get("in_flight")),
+                "concurrency": _count(entry.get("concurrency")),
+                "handler_key": str(entry.get("handler_key") or ""),
+            }
+            for entry in entries
+            if isinstance(entry, dict)
+        ]
+
+
+    def registered_handler_keys(self) -> set[str]:
+        """The handler keys the host recorded (read as the subscriptions are)."""
+        keys = self.handler_keys if isinstance(self.handler_keys, list) else []
+        return {key for key in keys if isinstance(key, str)}
+
+
+def _count(value: Any) -> int:
+    """A count as a host recorded it: a whole number of at least 0, else 0."""
+    return value if type(value) is int and value >= 0 else 0

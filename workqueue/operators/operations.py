@@ -645,8 +645,8 @@ def validate_bindings(
     issues.extend(_database_health_issues())
     live_keys: set[str] = set()
     in_scope: set[str] = set()  # subscriptions of the transports checked
-    for keys in HostRecord.objects.live().values_list("handler_keys", flat=True):
-        live_keys.update(keys or [])
+    for record in HostRecord.objects.live():
+        live_keys.update(record.registered_handler_keys())
     for tr in transports.order_by("name"):
         try:
             transport_class: type[BaseTransport] | None = tr.transport_class
@@ -835,11 +835,9 @@ def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
 
     require(actor, READ)
     running: set[str] = set()
-    for entries in HostRecord.objects.live().values_list("subscriptions", flat=True):
+    for record in HostRecord.objects.live():
         running.update(
-            str(entry.get("name"))
-            for entry in entries or []
-            if isinstance(entry, dict) and entry.get("state") == "Running"
+            entry["name"] for entry in record.subscription_entries() if entry["state"] == "Running"
         )
     candidates = (
         Subscription.objects.select_related("topic__transport")
