@@ -109,7 +109,16 @@ def test_an_unrestricted_key_still_sees_every_binding_issue(client, topology):
     }
 
 
-def host(instance_id: str, names: list[str], hostname: str, pid: int) -> HostRecord:
+def host(
+    instance_id: str,
+    names: list[str],
+    hostname: str,
+    pid: int,
+    *,
+    subscriptions: Any = None,
+    handler_keys: Any = None,
+) -> HostRecord:
+    """A live host running ``names`` (or recording ``subscriptions`` as given)."""
     now = timezone.now()
     return HostRecord.objects.create(
         instance_id=instance_id,
@@ -120,8 +129,10 @@ def host(instance_id: str, names: list[str], hostname: str, pid: int) -> HostRec
         subscriptions=[
             {"name": name, "state": "Running", "reason": "", "in_flight": 0, "concurrency": 2}
             for name in names
-        ],
-        handler_keys=[],
+        ]
+        if subscriptions is None
+        else subscriptions,
+        handler_keys=[] if handler_keys is None else handler_keys,
     )
 
 
@@ -316,16 +327,7 @@ def test_a_malformed_host_record_breaks_no_operator_page(client, subscriptions, 
     table). One with a count that is no number made /health, the admin dashboard and
     validate-bindings answer 500 for every operator."""
     SubscriptionFactory(name="mine.sub")
-    now = timezone.now()
-    HostRecord.objects.create(
-        instance_id="odd:1:cccc3333",
-        hostname="odd",
-        pid=1,
-        started_at=now,
-        last_seen_at=now,
-        subscriptions=subscriptions,
-        handler_keys=handler_keys,
-    )
+    host("odd:1:cccc3333", [], "odd", 1, subscriptions=subscriptions, handler_keys=handler_keys)
     client.force_login(UserFactory(is_staff=True, perms=list(ALL_PERMISSIONS)))
 
     health = call(client, "get", "/health", key=unrestricted_reader())
