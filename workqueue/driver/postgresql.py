@@ -712,6 +712,15 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
         _replace_outdated(owned)
 
 
+_DEAD_PEER_DETECTION = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,  # milliseconds; Linux only, ignored elsewhere
+}
+
+
 def _connect(alias: str) -> Any:
     """A new autocommit psycopg connection with the alias's Django connection settings."""
     import psycopg
@@ -723,6 +732,13 @@ def _connect(alias: str) -> Any:
     # Names the process in pg_stat_activity, so an operator (or a test) can tell which backends
     # belong to which host; a name set in the database's OPTIONS wins.
     params.setdefault("application_name", f"workqueue:{os.getpid()}")
+    # A database that vanishes without closing its connections (a failover behind a load
+    # balancer, a dropped network path) leaves a call waiting for an answer that never comes:
+    # a settle or renewal would hang past the lease instead of failing and being retried on a
+    # fresh connection. Keepalives find a silent peer within about 25 s, and unacknowledged
+    # writes give up after 30 s. Values set in the database's OPTIONS win.
+    for name, value in _DEAD_PEER_DETECTION.items():
+        params.setdefault(name, value)
     # Django turns psycopg's prepared statements off unless OPTIONS say otherwise, for the sake
     # of poolers that lose them. The queue's connections prepare the calls they repeat unless
     # OPTIONS say otherwise: parsing and planning a call again each time costs about a quarter

@@ -60,7 +60,6 @@ class HostRecord(models.Model):
             if isinstance(entry, dict)
         ]
 
-
     def registered_handler_keys(self) -> set[str]:
         """The handler keys the host recorded (read as the subscriptions are)."""
         keys = self.handler_keys if isinstance(self.handler_keys, list) else []
