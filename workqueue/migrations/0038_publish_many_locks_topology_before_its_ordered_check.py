@@ -6,10 +6,10 @@ the exclusive topology lock) could commit between the two: the batch then fanned
 without having locked its messages' keys, and a later publish of one of those keys, locking it
 freely, could commit its ordinal first, so that key ran out of publish order.
 
-PostgreSQL's publishes also count their times from the call (``statement_timestamp()``), as
-SQL Server's do, not from their transaction's start (``now()``): a publish enlisted late in a
-long transaction had its deduplication window, its delay and its publish time counted from
-when the transaction began. Reinstalls both vendors' procedures from the current files.
+PostgreSQL's deduplication windows also run from the publish call (``statement_timestamp()``),
+as SQL Server's do, not from the transaction's start (``now()``): a publish enlisted late in a
+long transaction had its window cut short by how long the transaction had run. Reinstalls both
+vendors' procedures from the current files.
 """
 
 from django.db import migrations

@@ -5,9 +5,10 @@
 -- aside: PL/pgSQL keeps each statement's plan for the session, and one made while the ledger or
 -- the message table was nearly empty would otherwise read all of it for every keyed publish, or
 -- every retried batch, once a burst had filled it.
--- Times are the call's (statement_timestamp()), not its transaction's start (now()), as on SQL
--- Server: a publish enlisted late in a long transaction is published, due and deduplicated from
--- when it was made, its window not cut short by how long the transaction ran before it.
+-- A deduplication window runs from the publish call (statement_timestamp()), as on SQL Server,
+-- not from its transaction's start (now()): one enlisted late in a long transaction is not cut
+-- short by how long the transaction ran before it. Publish and due times stay on now(), the
+-- clock claims read: inside one transaction (a TestCase) what is published now is due now.
 
 CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
 
@@ -326,9 +327,9 @@ BEGIN
                             NULL::uuid, NULL::text;
         RETURN;
     END IF;
-    v_due := GREATEST(COALESCE(p_not_before, statement_timestamp()), statement_timestamp())
+    v_due := GREATEST(COALESCE(p_not_before, now()), now())
              + make_interval(secs => COALESCE(p_delay_seconds, 0));
-    IF v_due > statement_timestamp() + make_interval(days => v_topic.retention_days) THEN
+    IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
                             NULL::uuid, NULL::text;
         RETURN;
@@ -406,7 +407,7 @@ BEGIN
            (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
             correlation_id, published_at, published_by)
     VALUES (p_message_id, v_ordinal, v_topic.id, p_partition_key, p_attributes, p_payload,
-            p_payload_ref, p_correlation_id, statement_timestamp(), p_published_by)
+            p_payload_ref, p_correlation_id, now(), p_published_by)
     ON CONFLICT (id) DO NOTHING;
 
     IF NOT FOUND THEN
@@ -571,7 +572,7 @@ AS $$
                    THEN 'InvalidPriority'
                WHEN (i.not_before IS NOT NULL AND i.delay_seconds IS NOT NULL)
                     OR i.delay_seconds < 0
-                    OR (i.due > statement_timestamp() AND i.due > statement_timestamp() + make_interval(days => p_retention_days))
+                    OR (i.due > now() AND i.due > now() + make_interval(days => p_retention_days))
                    THEN 'InvalidSchedule'
                WHEN GREATEST(i.envelope_bytes, wq_envelope_text_bytes(
                         i.partition_key, i.attributes, i.payload, i.payload_ref,
@@ -582,8 +583,8 @@ AS $$
       FROM (
         SELECT f.*,
                -- Most messages are due at once: no interval to make or compare.
-               CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN statement_timestamp()
-                    ELSE GREATEST(COALESCE(f.not_before, statement_timestamp()), statement_timestamp())
+               CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN now()
+                    ELSE GREATEST(COALESCE(f.not_before, now()), now())
                          + make_interval(secs => COALESCE(GREATEST(f.delay_seconds, 0), 0))
                END AS due
           FROM (
@@ -759,7 +760,7 @@ BEGIN
                (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
                 correlation_id, published_at, published_by)
         SELECT i.message_id, i.ordinal, v_topic.id, i.partition_key, i.attributes, i.payload,
-               i.payload_ref, i.correlation_id, statement_timestamp(), p_published_by
+               i.payload_ref, i.correlation_id, now(), p_published_by
           FROM items i
          ORDER BY i.item_index
         ON CONFLICT (id) DO NOTHING
