@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.test import Client
 
 from tests.factories import (
@@ -397,3 +398,34 @@ def test_an_unexpected_failure_is_500_without_internals(client, topic, key, monk
     assert response.status_code == 500
     assert "hunter2" not in response.content.decode()
     assert set(response.json()) == {"detail"}
+
+
+def test_a_task_topic_left_open_by_an_earlier_release_refuses_external_publishes(client):
+    """Opening a task topic to external publishers is refused now, but a deployment upgraded
+    with one open kept accepting task messages (any task, any arguments) from publish keys."""
+    tasks_topic = TopicFactory(name="tasks.default")
+    SubscriptionFactory(topic=tasks_topic, handler_key=" workqueue.tasks")  # spaces and all
+    with connection.cursor() as cursor:  # as the earlier release left it, past today's rules
+        cursor.execute(
+            "UPDATE workqueue_topic SET allow_external_publish = true WHERE id = %s",
+            [tasks_topic.pk],
+        )
+    key = ApiKeyFactory(scopes=["workqueue:publish"], topics=["tasks.default"])
+    task = {
+        "task": "app.tasks.refund",
+        "args": [1],
+        "kwargs": {},
+        "backend": "default",
+        "queue": "default",
+    }
+
+    response = client.post(
+        "/work-queue/topics/tasks.default/messages",
+        data=json.dumps({"messages": [{"payload": task}]}),
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+    assert response.status_code == 403
+    assert "any task with any arguments" in response.json()["detail"]
+    assert not Message.objects.filter(topic=tasks_topic).exists()

@@ -20,7 +20,13 @@ from django.core.management import CommandError, call_command
 from django.urls import reverse
 from django.utils import timezone
 
-from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory, TransportFactory
+from tests.factories import (
+    ApiKeyFactory,
+    SubscriptionFactory,
+    TopicFactory,
+    TransportFactory,
+    UserFactory,
+)
 from tests.support.api import post as rest_post
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
@@ -848,6 +854,44 @@ def test_validate_bindings_warns_until_the_aws_resources_are_provisioned(aws):
 
     transport_for("AWS").provision(aws, dry_run=False)
     assert provisioning_issues() == []
+
+
+def test_only_those_who_may_change_transports_have_validate_bindings_call_aws(
+    aws, client, monkeypatch
+):
+    """The provisioning dry run calls AWS with the server's credentials. The REST
+    bindings/validate ran it for any reader; now a reader who may not change transports is
+    told it was not checked, and AWS is not called."""
+    SubscriptionFactory(topic=TopicFactory(transport=aws))
+    calls: list[str] = []
+    provision = transport_for("AWS").provision
+
+    def recording(self: Any, row: Any, *, dry_run: bool) -> Any:
+        calls.append(row.name)
+        return provision(row, dry_run=dry_run)
+
+    monkeypatch.setattr(type(transport_for("AWS")), "provision", recording)
+    reader = ApiKeyFactory(
+        scopes=["workqueue:read"], owner=UserFactory(perms=["workqueue.view_delivery"])
+    )
+    editor = ApiKeyFactory(
+        scopes=["workqueue:read"],
+        owner=UserFactory(perms=["workqueue.view_delivery", "workqueue.change_transport"]),
+    )
+
+    def transport_issues(key: Any) -> list[str]:
+        response = client.get("/work-queue/bindings/validate", headers={"X-API-Key": key.raw_key})
+        assert response.status_code == 200, response.content
+        return [
+            i["message"] for i in response.json()["issues"] if i["subject"] == "transport aws-test"
+        ]
+
+    read_only = transport_issues(reader)
+    assert calls == []
+    assert ["not checked" in m and "workqueue.change_transport" in m for m in read_only] == [True]
+    edited = transport_issues(editor)
+    assert calls == ["aws-test"]
+    assert any("do not match the topology" in m for m in edited), edited
 
 
 def dashboard_cells(html: str, subscription_name: str) -> dict[str, str]:

@@ -44,6 +44,7 @@ from workqueue.conf import get_settings
 from workqueue.exceptions import InvalidMessageError, PermissionDeniedError
 from workqueue.input_limits import MAX_JSON_DEPTH
 from workqueue.models import Topic
+from workqueue.models.topology import EXTERNAL_TASKS_PROBLEM
 from workqueue.operators.permissions import PUBLISH, Actor, require
 from workqueue.publishing import OutgoingMessage, publish_many
 from workqueue.types import MAX_PAYLOAD_BYTES, PublishResult
@@ -112,6 +113,9 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
         raise HttpError(404, "No topic has this name.")
     if not found.allow_external_publish:
         raise PermissionDeniedError("This topic does not accept external publishing.")
+    if found.is_read_by_tasks():
+        # Left open by a release before the rule (validate-bindings reports it as an Error).
+        raise PermissionDeniedError(EXTERNAL_TASKS_PROBLEM)
     messages = [
         OutgoingMessage(
             payload=item.payload,

@@ -272,12 +272,16 @@ class Topic(TopologyModel):
 
     def check_rules(self, using: str) -> None:
         _require_json_object(self.binding_config, "binding_config")
-        if self.allow_external_publish:
-            runs_tasks = Subscription._base_manager.using(using).filter(
-                topic_id=self.pk, handler_key=_tasks_handler_key()
-            )
-            if runs_tasks.exists():
-                raise ValidationError({"allow_external_publish": EXTERNAL_TASKS_PROBLEM})
+        if self.allow_external_publish and self.is_read_by_tasks(using):
+            raise ValidationError({"allow_external_publish": EXTERNAL_TASKS_PROBLEM})
+
+    def is_read_by_tasks(self, using: str | None = None) -> bool:
+        """Whether a subscription runs this topic's messages as Tasks API tasks."""
+        keys = Subscription._base_manager.using(using).filter(topic_id=self.pk)
+        return any(
+            key.strip() == _tasks_handler_key()
+            for key in keys.values_list("handler_key", flat=True)
+        )
 
 
 class Subscription(TopologyModel):
@@ -436,7 +440,7 @@ class Subscription(TopologyModel):
     def external_tasks_problem(self) -> str | None:
         """Why this subscription must not run its topic's messages as Tasks API tasks (its
         topic allows external publishing), or None."""
-        if self.handler_key != _tasks_handler_key():
+        if self.handler_key.strip() != _tasks_handler_key():
             return None
         try:
             external = self.topic.allow_external_publish

@@ -662,7 +662,20 @@ def validate_bindings(
                 )
             )
         if transport_class is not None and tr.status == "Active":
-            issues.extend(_provisioning_issues(tr, transport_class, limited=visible is not None))
+            if _may_call_the_cloud(actor):
+                issues.extend(
+                    _provisioning_issues(tr, transport_class, limited=visible is not None)
+                )
+            elif transport_class.provision is not BaseTransport.provision:
+                issues.append(
+                    BindingIssue(
+                        "Warning",
+                        f"transport {tr.name}",
+                        "Its cloud resources were not checked: that calls the cloud with the "
+                        f"server's credentials, which needs the {CHANGE_TRANSPORT_PERMISSION} "
+                        "permission.",
+                    )
+                )
         for topic in tr.topics.order_by("name"):
             if topic.is_fifo and transport_class and not transport_class.honours_topic_is_fifo:
                 issues.append(
@@ -731,6 +744,15 @@ def validate_bindings(
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
+
+
+CHANGE_TRANSPORT_PERMISSION = "workqueue.change_transport"
+
+
+def _may_call_the_cloud(actor: Actor) -> bool:
+    """Whether ``actor`` may have a transport's cloud API called for it (a provisioning dry
+    run): those who may change transports, and the CLI."""
+    return actor.user is None or actor.user.has_perm(CHANGE_TRANSPORT_PERMISSION)
 
 
 def _provisioning_issues(
