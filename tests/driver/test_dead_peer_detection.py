@@ -41,6 +41,20 @@ def test_the_queue_connections_detect_a_silent_database_within_half_a_minute():
     assert parameters.get("tcp_user_timeout") == "30000"
 
 
+def test_the_connection_that_holds_the_sweepers_lock_detects_one_too():
+    """The sweeper holds its lock in a transaction for a whole pass: its commit must not wait
+    a quarter of an hour for a database that is gone."""
+    driver = get_driver()
+    driver.close()
+    with driver.transaction() as connection:
+        parameters = connection.connection.info.get_parameters()
+
+    assert (parameters.get("keepalives_idle"), parameters.get("tcp_user_timeout")) == (
+        "10",
+        "30000",
+    )
+
+
 def test_the_alias_options_set_their_own_detection():
     driver = get_driver()
     with queue_connection_settings(options={"keepalives_idle": 120, "tcp_user_timeout": 0}):

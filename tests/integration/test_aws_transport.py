@@ -861,7 +861,7 @@ def test_only_those_who_may_change_transports_have_validate_bindings_call_aws(
 ):
     """The provisioning dry run calls AWS with the server's credentials. The REST
     bindings/validate ran it for any reader; now a reader who may not change transports is
-    told it was not checked, and AWS is not called."""
+    told it was not checked, and it does not run (the backlog's queue counts still do)."""
     SubscriptionFactory(topic=TopicFactory(transport=aws))
     calls: list[str] = []
     provision = transport_for("AWS").provision

@@ -143,6 +143,8 @@ class BaseDriver:
     sql_directory: str
     #: One row, one column: the database's current time with its offset.
     now_sql: str
+    #: Connection options the queue's own connections take unless the alias's OPTIONS set them.
+    own_connection_options: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, alias: str = "default") -> None:
         self.alias = alias
@@ -282,6 +284,9 @@ class BaseDriver:
         conn = getattr(self._local, "connection", None)
         if conn is None:
             conn = connections.create_connection(self.alias)
+            if self.own_connection_options:
+                options = {**self.own_connection_options, **conn.settings_dict.get("OPTIONS", {})}
+                conn.settings_dict = {**conn.settings_dict, "OPTIONS": options}
             self._local.connection = conn
             self._track(conn)
         return conn

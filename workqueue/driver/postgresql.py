@@ -11,7 +11,7 @@ import re
 import secrets
 import select
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -200,6 +200,18 @@ class PostgresDriver(BaseDriver):
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
+    # A database that vanishes without closing its connections (a failover behind a load
+    # balancer, a dropped network path) leaves a call waiting for an answer that never comes:
+    # a settle, a renewal or the sweeper's commit would hang past the lease instead of failing
+    # and being retried on a fresh connection. Keepalives probe a silent peer after 10 s idle,
+    # and unacknowledged writes give up after 30 s (Linux; it also bounds the probes).
+    own_connection_options: ClassVar[Mapping[str, Any]] = {
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,  # milliseconds
+    }
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
         # The SECURITY DEFINER functions run with search_path = pg_catalog, pg_temp and name
@@ -712,15 +724,6 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
         _replace_outdated(owned)
 
 
-_DEAD_PEER_DETECTION = {
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 30_000,  # milliseconds; Linux only, ignored elsewhere
-}
-
-
 def _connect(alias: str) -> Any:
     """A new autocommit psycopg connection with the alias's Django connection settings."""
     import psycopg
@@ -732,12 +735,8 @@ def _connect(alias: str) -> Any:
     # Names the process in pg_stat_activity, so an operator (or a test) can tell which backends
     # belong to which host; a name set in the database's OPTIONS wins.
     params.setdefault("application_name", f"workqueue:{os.getpid()}")
-    # A database that vanishes without closing its connections (a failover behind a load
-    # balancer, a dropped network path) leaves a call waiting for an answer that never comes:
-    # a settle or renewal would hang past the lease instead of failing and being retried on a
-    # fresh connection. Keepalives find a silent peer within about 25 s, and unacknowledged
-    # writes give up after 30 s. Values set in the database's OPTIONS win.
-    for name, value in _DEAD_PEER_DETECTION.items():
+    # Values set in the database's OPTIONS win (PostgresDriver.own_connection_options).
+    for name, value in PostgresDriver.own_connection_options.items():
         params.setdefault(name, value)
     # Django turns psycopg's prepared statements off unless OPTIONS say otherwise, for the sake
     # of poolers that lose them. The queue's connections prepare the calls they repeat unless

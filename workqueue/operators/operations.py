@@ -671,9 +671,9 @@ def validate_bindings(
                     BindingIssue(
                         "Warning",
                         f"transport {tr.name}",
-                        "Its cloud resources were not checked: that calls the cloud with the "
-                        f"server's credentials, which needs the {CHANGE_TRANSPORT_PERMISSION} "
-                        "permission.",
+                        "Whether its cloud resources match the topology was not checked: the "
+                        "provisioning dry run calls the cloud with the server's credentials, "
+                        f"which needs the {CHANGE_TRANSPORT_PERMISSION} permission.",
                     )
                 )
         for topic in tr.topics.order_by("name"):
@@ -752,7 +752,8 @@ CHANGE_TRANSPORT_PERMISSION = "workqueue.change_transport"
 def _may_call_the_cloud(actor: Actor) -> bool:
     """Whether ``actor`` may have a transport's cloud API called for it (a provisioning dry
     run): those who may change transports, and the CLI."""
-    return actor.user is None or actor.user.has_perm(CHANGE_TRANSPORT_PERMISSION)
+    user = actor.user
+    return user is None or bool(user.is_active and user.has_perm(CHANGE_TRANSPORT_PERMISSION))
 
 
 def _provisioning_issues(
