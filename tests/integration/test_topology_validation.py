@@ -249,3 +249,16 @@ def test_validate_bindings_reports_a_task_subscription_on_an_open_topic_as_an_er
         and "any task with any arguments" in issue.message
         for issue in issues
     ), issues
+
+
+def test_a_handler_key_is_stored_as_hosts_read_it():
+    """The handler registry strips keys, so a host runs ``" workqueue.tasks"`` as the Tasks
+    API's handler; the Tasks API's results, signals and purges looked it up by the exact key
+    and missed that subscription."""
+    topic = TopicFactory()
+    saved = SubscriptionFactory(topic=topic, handler_key=" workqueue.tasks\n")
+    other = SubscriptionFactory(topic=topic)
+    Subscription.objects.filter(pk=other.pk).update(handler_key="  orders.handler ")
+
+    assert Subscription.objects.get(pk=saved.pk).handler_key == "workqueue.tasks"
+    assert Subscription.objects.get(pk=other.pk).handler_key == "orders.handler"

@@ -369,6 +369,9 @@ class Subscription(TopologyModel):
 
     def check_rules(self, using: str) -> None:
         errors: dict[str, str] = {}
+        # Stored as hosts read it (the registry strips keys): code that looks for a handler's
+        # subscriptions by key (the Tasks API's results, signals and purges) finds this one.
+        self.handler_key = self.handler_key.strip()
         try:
             parsed = parse_filter(self.filter)
         except FilterError as exc:
@@ -420,6 +423,9 @@ class Subscription(TopologyModel):
     def normalise_update(cls, values: dict[str, Any]) -> dict[str, Any]:
         # The same canonical form save() stores; a filter that does not parse is left for the
         # row-by-row check to refuse, naming the subscription.
+        key = values.get("handler_key")
+        if isinstance(key, str):
+            values = {**values, "handler_key": key.strip()}
         raw = values.get("filter")
         if raw is None or hasattr(raw, "resolve_expression"):
             return values
