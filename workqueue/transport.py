@@ -217,6 +217,29 @@ class Receiver:
             DeliveryStatus.DISCARDED,
         )
 
+    def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
+        # Nobody else can complete a delivery at this holder's attempt: a claim by anyone
+        # else counts a new attempt. Read through the ORM (the runtime role may read the
+        # table), on the calling thread's connection for the alias, closed again unless it is
+        # a test's transaction: this is a rare path, and a settle thread keeps no idle
+        # connection for it.
+        from workqueue.models import Delivery
+
+        alias = self.driver.alias
+        try:
+            return (
+                Delivery.objects.using(alias)
+                .filter(
+                    pk=delivery.delivery_id,
+                    status=DeliveryStatus.COMPLETED,
+                    attempt_count=delivery.attempt,
+                )
+                .exists()
+            )
+        finally:
+            if not connections[alias].in_atomic_block:
+                connections[alias].close()
+
 
 def _fence(delivery: ClaimedDelivery) -> dict[str, str]:
     return {"delivery_id": delivery.delivery_id, "lease_token": delivery.lease_token}

@@ -685,6 +685,38 @@ def test_a_settle_that_fails_on_a_lost_connection_is_retried_until_it_is_recorde
     assert (row(delivery).status, row(delivery).attempt_count) == (status, 1)
 
 
+class AnswerLostReceiver(Receiver):
+    """A Receiver whose first completion commits, and then its answer is lost with the
+    connection (the caller sees a lost connection, as when a network drops after the commit)."""
+
+    def __init__(self, subscription_id: Any) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.completions = 0
+
+    def complete(self, delivery: ClaimedDelivery, **kwargs: Any) -> Any:
+        self.completions += 1
+        settled = super().complete(delivery, **kwargs)
+        if self.completions == 1:
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return settled
+
+
+def test_a_completion_whose_answer_was_lost_is_reported_completed_not_as_a_lost_lease(rig, caplog):
+    """The completion committed, its answer was lost, and the one sent again was refused as
+    already done: the execution ended as LeaseLost (counted as lease_lost) for work the
+    database had recorded."""
+    sub = rig.subscription()
+    publish(sub.topic.name, {"then": "complete"})
+    receiver = AnswerLostReceiver(sub.id)
+    (delivery,) = receiver.receive(1).deliveries
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert receiver.completions == 2
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Completed")
+    assert (row(delivery).status, row(delivery).attempt_count) == ("Completed", 1)
+
+
 def test_acknowledging_a_cancel_is_retried_after_a_lost_connection(rig):
     sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
     receiver = FlakyReceiver(sub.id, {"acknowledge_cancel"}, failures=2)

@@ -22,7 +22,7 @@ from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory,
 from tests.support.handlers import probe, registry
 from tests.support.hosts import one, runtime_threads, states, status_of, sub
 from tests.support.waiting import wait_until
-from workqueue import publish, publish_many, signals, transport
+from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -321,6 +321,41 @@ def test_a_settle_that_crashes_on_a_background_thread_still_ends_the_execution(
     wait_until(lambda: host._consumers[s.name].in_flight == 0, timeout=10)
     host.shutdown()
     assert (host.abandoned_handlers, host.unsettled_outcomes) == (0, 0)
+
+
+def test_a_batched_completion_whose_answer_was_lost_is_not_reported_as_a_lost_lease(
+    make_host, monkeypatch
+):
+    """The batch of completions committed and its answer was lost with the connection; each
+    completion sent again alone was refused as already done, and was logged and counted as a
+    lost lease whose outcome "was not recorded"."""
+    complete_many = Receiver.complete_many
+    calls = []
+
+    def commits_then_loses_the_answer(self: Receiver, deliveries: Any) -> Any:
+        settled = complete_many(self, deliveries)
+        calls.append(len(settled))
+        if len(calls) == 1:
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return settled
+
+    monkeypatch.setattr(Receiver, "complete_many", commits_then_loses_the_answer)
+    s = sub()
+
+    def counted(outcome: str) -> float:
+        labels = {"subscription": s.name, "outcome": outcome}
+        return metrics.PROCESS.get_sample_value("workqueue_deliveries_total", labels) or 0.0
+
+    before = (counted("completed"), counted("lease_lost"))  # names recur across tests
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+
+    wait_until(lambda: status_of(message) == "Completed")
+    wait_until(lambda: len(calls) >= 2 and host._consumers[s.name].in_flight == 0)
+
+    after = (counted("completed"), counted("lease_lost"))
+    assert (after[0] - before[0], after[1] - before[1]) == (1.0, 0.0)
 
 
 # -- planning -----------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from workqueue import metrics, signals
 from workqueue.exceptions import (
@@ -277,6 +277,9 @@ class DeliveryExecution:
         # whether one is being run right now (no renewal may start meanwhile).
         self._enlisted: EnlistedCompletion | None = None
         self._enlisting = False
+        # A settle call failed on a lost connection, so it may have committed unanswered: a
+        # completion sent again is then refused as already done, which is no lost lease.
+        self._answer_lost = False
         self.log = logging.LoggerAdapter(
             logger,
             {
@@ -340,6 +343,8 @@ class DeliveryExecution:
             if isinstance(outcome, SettleResult) and outcome.settled:
                 finish(ExecutionResult(ExecutionResult.SETTLED, outcome.status))
                 return
+            if isinstance(outcome, Exception):
+                self._answer_lost = True  # the batch may have committed before it failed
             self.services.background.run_or_call(settle_alone)
 
         if not complete_later(self.delivery, settled):
@@ -722,6 +727,7 @@ class DeliveryExecution:
             try:
                 return settle()
             except TransientDriverError as exc:
+                self._answer_lost = True
                 if time.monotonic() + delay >= self._settle_deadline():
                     raise
                 self.log.warning(
@@ -852,9 +858,19 @@ class DeliveryExecution:
     def _result(self, settled: SettleResult) -> ExecutionResult:
         if settled.settled:
             return ExecutionResult(ExecutionResult.SETTLED, settled.status)
+        if self._answer_lost and self._completed_at_its_attempt():
+            # The first completion committed and its answer was lost with the connection: the
+            # outcome is recorded, not lost with the lease (as the log and metrics would say).
+            return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.COMPLETED)
         # A cancel may have landed after the last heartbeat: acknowledging it frees the key now
         # instead of at lease expiry.
         return self._acknowledge_cancel()
+
+    def _completed_at_its_attempt(self) -> bool:
+        try:
+            return self.services.receiver.completed_at_its_attempt(self.delivery)
+        except (WorkQueueError, DatabaseError):
+            return False  # cannot tell: reported as before
 
 
 def log_lease_expired_dead_letter(

@@ -685,6 +685,9 @@ class AwsReceiver:
 
         return self._settle(delivery, DeliveryStatus.DEAD_LETTERED, move)
 
+    def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
+        return False  # a deleted SQS message leaves nothing to read back
+
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult:
         raise UnsupportedByTransportError(
             "Cancelling a running delivery needs supports_cancel, which the AWS transport does "

@@ -85,6 +85,13 @@ class TransportReceiver(Protocol):
 
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult: ...
 
+    def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
+        """Whether ``delivery`` is Completed at the attempt this holder claimed. Asked only
+        when a completion's answer was lost (its connection dropped after the commit) and the
+        completion sent again was refused as already done; False when the transport cannot
+        tell."""
+        ...
+
 
 class BaseTransport:
     """One transport: its capabilities (class attributes) and its operations.
