@@ -218,11 +218,14 @@ class Receiver:
         )
 
     def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
-        # Nobody else can complete a delivery at this holder's attempt: a claim by anyone
-        # else counts a new attempt. Read through the ORM (the runtime role may read the
-        # table), on the calling thread's connection for the alias, closed again unless it is
-        # a test's transaction: this is a rare path, and a settle thread keeps no idle
-        # connection for it.
+        # Asked for a completion whose earlier call may have committed: while this holder's
+        # completion was in doubt its lease held, or expired without lowering the count, and
+        # another holder's claim counts a new attempt. (Only a replay resets the count: a dead
+        # letter made by expiry, replayed and completed again, all within this holder's settle
+        # retries, could pass; the retries last the lease plus 5 s.) Read through the ORM (the
+        # runtime role may read the table), on the calling thread's connection for the alias,
+        # closed again unless it is a test's transaction: this is a rare path, and a settle
+        # thread keeps no idle connection for it.
         from workqueue.models import Delivery
 
         alias = self.driver.alias

@@ -37,7 +37,7 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, InterfaceError, connections
 
 from workqueue import metrics, signals
 from workqueue.exceptions import (
@@ -766,7 +766,7 @@ class DeliveryExecution:
                 )
                 return replace(result, released=result.status == DeliveryStatus.PENDING)
             if decision.kind == Outcome.COMPLETE:
-                return self._result(
+                return self._completion_result(
                     self._while_lease_lasts(lambda: self.services.complete(self.delivery))
                 )
             if decision.kind == Outcome.DEAD_LETTER:
@@ -858,18 +858,28 @@ class DeliveryExecution:
     def _result(self, settled: SettleResult) -> ExecutionResult:
         if settled.settled:
             return ExecutionResult(ExecutionResult.SETTLED, settled.status)
-        if self._answer_lost and self._completed_at_its_attempt():
-            # The first completion committed and its answer was lost with the connection: the
-            # outcome is recorded, not lost with the lease (as the log and metrics would say).
-            return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.COMPLETED)
         # A cancel may have landed after the last heartbeat: acknowledging it frees the key now
         # instead of at lease expiry.
         return self._acknowledge_cancel()
 
+    def _completion_result(self, settled: SettleResult) -> ExecutionResult:
+        """``_result`` of a completion, which may be refused because an earlier call of it
+        committed and its answer was lost with the connection: recorded, not a lost lease (as
+        the log and metrics would otherwise say). Only completions are read back: a retry,
+        dead letter or release leaves a row that lease expiry or another holder could leave
+        too."""
+        if not settled.settled and self._answer_lost and self._completed_at_its_attempt():
+            return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.COMPLETED)
+        return self._result(settled)
+
     def _completed_at_its_attempt(self) -> bool:
+        # A receiver from before the method (a third-party transport) cannot tell either.
+        read_back = getattr(self.services.receiver, "completed_at_its_attempt", None)
+        if read_back is None:
+            return False
         try:
-            return self.services.receiver.completed_at_its_attempt(self.delivery)
-        except (WorkQueueError, DatabaseError):
+            return bool(read_back(self.delivery))
+        except (WorkQueueError, DatabaseError, InterfaceError):
             return False  # cannot tell: reported as before
 
 
