@@ -23,7 +23,7 @@ from django.db.models import ProtectedError
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.database import psycopg_params
+from tests.support.database import lock_waits, psycopg_params
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import DriverOwnedWriteError
@@ -460,16 +460,6 @@ class _OpenTransaction(threading.Thread):
             connections.close_all()
 
 
-def _lock_waits() -> int:
-    with connections["default"].cursor() as cursor:
-        # This database's only: tests run in parallel against other databases of the server.
-        cursor.execute(
-            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE NOT l.granted AND a.datname = current_database()"
-        )
-        return cursor.fetchone()[0]
-
-
 def _a_later_publish_of_the_key_is_claimed_after(
     open_publish: _OpenTransaction, topic: Any, subscription_id: Any
 ) -> list[int]:
@@ -523,7 +513,7 @@ def test_a_batch_that_waited_for_a_change_to_ordered_locks_its_keys_before_it_fa
         )
     )
     batch.start()
-    wait_until(lambda: _lock_waits() == 1, timeout=10)  # the batch waits for the change
+    wait_until(lambda: lock_waits() == 1, timeout=10)  # the batch waits for the change
     change.release.set()
     change.join(10)
     assert batch.worked.wait(10)
@@ -553,14 +543,14 @@ def test_an_ordered_subscription_made_during_a_keyed_publish_waits_for_it():
         lambda: publish(topic.name, {"n": 1}, message_id=message_id, partition_key="k", enlist=True)
     )
     first.start()
-    wait_until(lambda: _lock_waits() == 1, timeout=10)  # past its check, at its message insert
+    wait_until(lambda: lock_waits() == 1, timeout=10)  # past its check, at its message insert
     ordered = SubscriptionFactory.build(topic=topic, partition_mode="Ordered")
     creating = threading.Thread(
         target=lambda: (ordered.save(), connections.close_all()), daemon=True
     )
     creating.start()
     # Saved at once (as it was), or waiting for the topology lock the publish holds (as now).
-    wait_until(lambda: not creating.is_alive() or _lock_waits() == 2, timeout=10)
+    wait_until(lambda: not creating.is_alive() or lock_waits() == 2, timeout=10)
     holder.release.set()  # rolled back: the first publish goes on, to its fan-out
     holder.join(10)
     assert first.worked.wait(10)

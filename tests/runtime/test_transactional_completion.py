@@ -21,7 +21,7 @@ from django.db import connection, connections, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support import txn_handlers
-from tests.support.database import psycopg_params
+from tests.support.database import lock_waits, psycopg_params
 from tests.support.executions import ExecutionRig
 from tests.support.roles import database_role
 from tests.support.txn_handlers import EffectHandler, effects
@@ -238,17 +238,6 @@ def test_a_cancel_before_the_completion_is_refused_as_cancelled_and_then_acknowl
 
 
 # -- the row lock fences the delivery until the handler's transaction ends ----------------------
-
-
-def lock_waits() -> int:
-    """Sessions of this test database waiting for a lock (pg_locks covers the whole cluster,
-    where another test worker's database may be waiting for its own reasons)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE NOT l.granted AND a.datname = current_database()"
-        )
-        return cursor.fetchone()[0]
 
 
 def test_heartbeats_while_the_completion_is_pending_do_not_wait_for_the_handlers_transaction(rig):

@@ -82,3 +82,14 @@ def mssql_skip_reason() -> str | None:
             f"env.db_url_config(env.str({MSSQL_URL_ENV!r})) to run these tests"
         )
     return None
+
+
+def lock_waits() -> int:
+    """Sessions of this test database waiting for a lock (pg_locks covers the whole cluster,
+    where another test worker's database may be waiting for its own reasons)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE NOT l.granted AND a.datname = current_database()"
+        )
+        return cursor.fetchone()[0]

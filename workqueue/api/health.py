@@ -43,11 +43,7 @@ def health(request: HttpRequest) -> dict[str, Any]:
     hosts = []
     summary: dict[str, dict[str, Any]] = {}
     for record in HostRecord.objects.live().order_by("instance_id"):
-        entries = [
-            {key: entry[key] for key in ("name", "state", "reason", "in_flight", "concurrency")}
-            for entry in record.subscription_entries()
-            if _visible(actor, entry["name"])
-        ]
+        entries = [e for e in record.subscription_entries() if _visible(actor, e["name"])]
         if limited and not entries:
             continue
         # Machine names and process ids map the deployment (and the instance id is made of

@@ -54,7 +54,6 @@ class HostRecord(models.Model):
                 "reason": str(entry.get("reason") or ""),
                 "in_flight": _count(entry.get("in_flight")),
                 "concurrency": _count(entry.get("concurrency")),
-                "handler_key": str(entry.get("handler_key") or ""),
             }
             for entry in entries
             if isinstance(entry, dict)

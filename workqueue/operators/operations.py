@@ -25,7 +25,16 @@ from workqueue.exceptions import (
 )
 from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
-from workqueue.operators.permissions import CLI, OPERATE, READ, Actor, may_view_payload, require
+from workqueue.operators.permissions import (
+    CHANGE_TRANSPORT_PERMISSION,
+    CLI,
+    OPERATE,
+    READ,
+    Actor,
+    may_call_the_cloud,
+    may_view_payload,
+    require,
+)
 from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.transports import BaseTransport
 from workqueue.types import (
@@ -662,7 +671,7 @@ def validate_bindings(
                 )
             )
         if transport_class is not None and tr.status == "Active":
-            if _may_call_the_cloud(actor):
+            if may_call_the_cloud(actor):
                 issues.extend(
                     _provisioning_issues(tr, transport_class, limited=visible is not None)
                 )
@@ -744,16 +753,6 @@ def validate_bindings(
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
-
-
-CHANGE_TRANSPORT_PERMISSION = "workqueue.change_transport"
-
-
-def _may_call_the_cloud(actor: Actor) -> bool:
-    """Whether ``actor`` may have a transport's cloud API called for it (a provisioning dry
-    run): those who may change transports, and the CLI."""
-    user = actor.user
-    return user is None or bool(user.is_active and user.has_perm(CHANGE_TRANSPORT_PERMISSION))
 
 
 def _provisioning_issues(

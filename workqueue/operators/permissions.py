@@ -29,6 +29,7 @@ READ_PERMISSION = "workqueue.view_delivery"
 OPERATE_PERMISSION = "workqueue.operate_subscription"
 PAYLOAD_PERMISSION = "workqueue.view_payload"
 PUBLISH_PERMISSION = "workqueue.add_message"
+CHANGE_TRANSPORT_PERMISSION = "workqueue.change_transport"
 # The width of Delivery.resolved_by, where replay and discard record who acted.
 MAX_ACTOR_NAME_LENGTH = 150
 
@@ -118,3 +119,9 @@ def require(
 
 def may_view_payload(actor: Actor) -> bool:
     return _has_perm(actor, PAYLOAD_PERMISSION)
+
+
+def may_call_the_cloud(actor: Actor) -> bool:
+    """Whether a transport's cloud API may be called for ``actor`` (a provisioning dry run,
+    with the server's credentials): those who may change transports, and the CLI."""
+    return _has_perm(actor, CHANGE_TRANSPORT_PERMISSION)

@@ -714,14 +714,7 @@ class Consumer:
             if not self._stopping.is_set():
                 execution.started = True
                 return True
-        # Still counted as running until the release returns, so that stop() waits for it: the
-        # process may end as soon as stop() returns. Should stop() give up first and release it
-        # too, the second release is refused by the lease token.
-        self._release(execution.delivery)
-        with self._lock:
-            if self._running.get(execution.key) is execution:
-                del self._running[execution.key]
-            self._lock.notify_all()  # stop() may be waiting for the running ones to end
+        self._release_while_counted(execution)
         return False
 
     def _execute_one(self, execution: DeliveryExecution) -> None:
@@ -767,16 +760,23 @@ class Consumer:
     def _hand_back(self, execution: DeliveryExecution) -> None:
         """Release a delivery claimed ahead that can no longer start in time, and wake the
         loop: it is claimable again, perhaps after the loop's last claim took all there was.
-        Counted as running until the release returns, so that stop() waits for it (the
-        process may end as soon as stop() returns), unless stop() took it back first."""
+        Unless stop() took it back first."""
         with self._lock:
             if self._late.pop(execution.key, None) is None:
                 return  # stop() took it back, and hands it back
+        self._release_while_counted(execution)
+        self._wake.set()
+
+    def _release_while_counted(self, execution: DeliveryExecution) -> None:
+        """Hand ``execution``'s delivery back, counted as running until the release returns,
+        so that stop() waits for it: the process may end as soon as stop() returns. Should
+        stop() give up first and release it too, the second release is refused by the lease
+        token."""
         self._release(execution.delivery)
         with self._lock:
-            self._running.pop(execution.key, None)
+            if self._running.get(execution.key) is execution:
+                del self._running[execution.key]
             self._lock.notify_all()  # stop() may be waiting for the running ones to end
-        self._wake.set()
 
     def _release(self, delivery: ClaimedDelivery) -> None:
         try:

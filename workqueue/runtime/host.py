@@ -421,18 +421,12 @@ class Host:
         try:
             for consumer in to_stop:
                 self._detach(consumer)
-                try:
-                    consumer.stop()
-                finally:
-                    with self._lock:
-                        self._retiring.remove(consumer)
-                        self._retired.notify_all()
+                consumer.stop()
         finally:
+            # Once all are stopped, or one failed to: a shutdown must not wait for ever.
             with self._lock:
-                # Those left unstopped by a failure: a shutdown must not wait for them forever.
                 for consumer in to_stop:
-                    if consumer in self._retiring:
-                        self._retiring.remove(consumer)
+                    self._retiring.remove(consumer)
                 self._retired.notify_all()
         with self._lock:
             if self._shutting_down:
