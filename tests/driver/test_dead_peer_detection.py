@@ -4,8 +4,9 @@ A failover behind a load balancer, or a network path that drops, leaves a connec
 nobody at the other end: a settle or a lease renewal sent on it would wait for an answer for as
 long as the kernel retransmits (about a quarter of an hour on Linux), past the lease, instead
 of failing and being retried on a fresh connection while the lease lasts. The connections set
-TCP keepalives and a TCP user timeout unless the alias's ``OPTIONS`` set them. (A silent peer
-cannot be made here without a firewall, so the settings themselves are what is checked.)
+TCP keepalives and a TCP user timeout unless the alias's ``OPTIONS`` set them. These tests check
+the settings; ``tests/runtime/test_silent_database.py`` makes a database go silent for real and
+checks what a host does then.
 """
 
 from __future__ import annotations

@@ -1,0 +1,83 @@
+"""A host whose database goes silent finishes its work over the path that replaced it.
+
+The database fails over the way a load balancer or a cloud database's DNS does it: new
+connections reach the server at a new address, while the old path forgets its connections
+without closing them, so nothing sent on one is answered or refused. A handler that finishes
+then must still get its result recorded while its lease lasts: the completion sent on the old
+connection has to fail (the queue's own connections give up on unacknowledged writes after
+30 s) and be retried on a fresh connection. Without that, it waits for as long as the kernel
+retransmits (about a quarter of an hour), past the lease, and the work runs again.
+
+The paths are real: veth pairs into a network namespace (``tests/support/silent_network.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from django.db import connections
+
+from tests.support.database import psycopg_params, queue_connection_settings
+from tests.support.handlers import probe
+from tests.support.hosts import one, sub
+from tests.support.silent_network import PORT, silent_network
+from tests.support.waiting import wait_until
+from workqueue import publish
+from workqueue.driver import get_driver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+# Far longer than the detection (30 s): only the completion's retry can finish it in time.
+LEASE_SECONDS = 90
+
+
+def _server_socket() -> Path:
+    settings = connections[get_driver().alias].settings_dict
+    server_socket = Path(settings["HOST"] or "/nonexistent") / f".s.PGSQL.{settings['PORT']}"
+    if not server_socket.is_socket():
+        pytest.skip("the test database is not reached through a Unix socket")
+    return server_socket
+
+
+def _delivery_of(message_id: str) -> tuple[str, int]:
+    # Over the Unix socket, on a connection of the test's own: never over a path made silent.
+    with psycopg.connect(**psycopg_params(), autocommit=True) as conn:
+        return conn.execute(
+            "SELECT status, attempt_count FROM workqueue_delivery WHERE message_id = %s",
+            [message_id],
+        ).fetchone()
+
+
+def test_a_completion_sent_to_a_database_that_went_silent_is_retried_over_the_new_path(
+    make_host,
+):
+    s = sub(lease_seconds=LEASE_SECONDS)
+    with (
+        silent_network(_server_socket()) as network,
+        queue_connection_settings(options={}, HOST=network.address("a"), PORT=PORT),
+    ):
+        get_driver().close_all()  # every queue connection from now on goes over path a
+        host = make_host(one(s, concurrency=1))
+        host.start()
+        # The first opens the connections the second's completion will be sent on.
+        first = publish(s.topic.name, {"then": "complete"}).message_id
+        second = publish(s.topic.name, {"sleepMs": 3_000}).message_id
+        probe.wait_for(1, message_id=second)
+        wait_until(lambda: _delivery_of(first) == ("Completed", 1), timeout=10)
+
+        network.go_silent("a")
+        silent_since = time.monotonic()
+        with queue_connection_settings(options={}, HOST=network.address("b")):
+            while _delivery_of(second)[0] != "Completed":
+                waited = time.monotonic() - silent_since
+                assert waited < 60, f"still {_delivery_of(second)} {waited:.0f} s on"
+                time.sleep(0.2)
+            completed_after = time.monotonic() - silent_since
+            host.shutdown()
+
+    assert _delivery_of(second) == ("Completed", 1)  # recorded, never run again
+    assert completed_after < LEASE_SECONDS / 2
+    assert (host.abandoned_handlers, host.unsettled_outcomes) == (0, 0)
