@@ -509,6 +509,39 @@ def test_discarding_waiting_work_takes_exactly_the_matching_pending_rows_and_nev
     assert receiver.complete(running).settled
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["discard-dead-letters", "--error-contains", " "],
+        ["discard-dead-letters", "--reason", ""],
+        ["discard-pending", "--error-contains", ""],
+    ],
+)
+def test_a_blank_filter_is_refused_not_read_as_no_filter(argv, client):
+    """``--error-contains "$PATTERN"`` with the variable unset discarded every dead letter (and
+    an empty ``errorContains`` in a REST body every waiting delivery): a filter given blank
+    was taken as no filter at all."""
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {"error": "TimeoutError"}, {"error": "KeyError"})
+    waiting_ids = waiting(subscription, 2, key="k")
+    verb, *filters = argv
+
+    with pytest.raises(CommandError, match="blank"):
+        run(verb, "-s", subscription.name, *filters, "--discard-reason", "cleanup")
+    body = {"filter": {"errorContains": ""}, "reason": "cleanup"}
+    for path in ("dead-letters/discard", "pending/discard"):
+        refused = post(
+            client,
+            f"/subscriptions/{subscription.name}/{path}",
+            body,
+            ApiKeyFactory(scopes=[OPERATE]),
+        )
+        assert refused.status_code == 400, refused.content
+
+    assert statuses(ids) == ["DeadLettered"] * 2
+    assert statuses(waiting_ids) == ["Pending"] * 2
+
+
 def test_discarding_waiting_work_from_the_cli_and_rest_needs_a_reason_and_the_operate_scope(
     client,
 ):

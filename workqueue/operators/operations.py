@@ -158,6 +158,17 @@ def _note(value: Any, what: str, *, required: bool = False) -> str | None:
     return _storable(value.strip(), what)
 
 
+def _filter_text(value: Any, what: str) -> str | None:
+    """A text filter of a bulk operation: left out (``None``), it matches every row. Blank
+    text is refused rather than read as left out, so that an empty shell variable or form
+    value cannot widen a discard to every dead letter."""
+    if isinstance(value, str) and not value.strip():
+        raise InvalidInputError(
+            f"The {what} is blank: leave it out to match every delivery, or give the text to match."
+        )
+    return _note(value, what)
+
+
 def _delivery_id(value: Any) -> str | None:
     """A normalised delivery id, or None when it is not a UUID (nothing can match it)."""
     try:
@@ -425,7 +436,7 @@ def resolve_dead_letters(
     if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
         raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
     filters = {
-        "reason": _note(selection.reason, "reason filter"),
+        "reason": _filter_text(selection.reason, "reason filter"),
         **_filter_parameters(
             partition_key=selection.partition_key,
             window={
@@ -582,7 +593,7 @@ def _filter_parameters(
     return {
         "partition_key": partition_key,
         **window,
-        "error_contains": _note(error_contains, "error_contains"),
+        "error_contains": _filter_text(error_contains, "error_contains filter"),
     }
 
 
