@@ -258,16 +258,22 @@ def publish(
     alias: str,
     enlist: bool,
     external: bool,
+    chosen_message_ids: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Hand validated messages (``publishing``'s parameters for each) to ``wq_publish`` or, for
     several, ``wq_publish_many``: one round trip, one row per message (message_id, status,
-    error_code), retried whole on a transient failure unless it is enlisted."""
+    error_code), retried whole on a transient failure unless it is enlisted.
+    ``chosen_message_ids`` are the ids the publisher chose (the others were made for this
+    call)."""
     driver = get_driver(alias)
     connection = connections[alias] if enlist else None
     procedure, params = publish_call(topic, prepared, publisher, external)
     for attempt in range(1, TRANSIENT_RETRIES + 2):
         try:
-            return driver.publish(procedure, params, connection=connection)
+            rows = driver.publish(procedure, params, connection=connection)
+            if attempt == 1:
+                return rows
+            return _stored_by_the_lost_attempt(rows, prepared, chosen_message_ids)
         except TransientDriverError:
             # An enlisted publish shares the caller's transaction, which is now aborted: only
             # the caller can retry it. On our own connection the whole call simply re-runs.
@@ -285,6 +291,24 @@ def publish(
                 ]
             time.sleep((20 * attempt + random.uniform(0, 80)) / 1000)
     raise AssertionError("unreachable")
+
+
+def _stored_by_the_lost_attempt(
+    rows: list[dict[str, Any]], prepared: list[dict[str, Any]], chosen: frozenset[str]
+) -> list[dict[str, Any]]:
+    """The rows of a publish sent again after a transient failure, whose first sending may have
+    committed with its answer lost: a message whose id was made for this call can only be a
+    Duplicate of itself if that first sending stored it, so it is Accepted (and the publisher
+    does not publish it again under a new id). An id the publisher chose may have been stored
+    by an earlier publish of theirs, so its Duplicate stands."""
+    return [
+        {**row, "status": PublishStatus.ACCEPTED}
+        if row["status"] == PublishStatus.DUPLICATE
+        and row["message_id"] == message["message_id"]
+        and message["message_id"] not in chosen
+        else row
+        for row, message in zip(rows, prepared, strict=True)
+    ]
 
 
 def publish_call(

@@ -296,6 +296,52 @@ def test_a_publish_whose_backend_was_terminated_is_retried_on_a_fresh_connection
     assert Message.objects.filter(id=result.message_id).exists()
 
 
+def answers_lost_once(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The driver's next publish commits, then its connection drops before the answer comes
+    back; the publishes it was sent, by procedure."""
+    driver = get_driver()
+    original = driver.publish
+    calls: list[str] = []
+
+    def answer_lost(name: str, params: Any = None, **kwargs: Any) -> Any:
+        calls.append(name)
+        rows = original(name, params, **kwargs)
+        if len(calls) == 1:
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return rows
+
+    monkeypatch.setattr(driver, "publish", answer_lost)
+    return calls
+
+
+def test_a_publish_whose_answer_was_lost_is_accepted_when_sent_again(topic, monkeypatch):
+    """The first sending committed and its answer was lost; the retry found the message
+    stored and answered Duplicate, so a publisher checking ``accepted`` published it again."""
+    single_calls = answers_lost_once(monkeypatch)
+    single = publish(topic.name, {"n": 1}, deduplication_key="order-7")
+    batch_calls = answers_lost_once(monkeypatch)
+    batch = publish_many(topic.name, [{"payload": 2}, {"payload": 3, "deduplication_key": "d"}])
+
+    assert single_calls[:2] == ["wq_publish", "wq_publish"]
+    assert batch_calls == ["wq_publish_many", "wq_publish_many"]
+    assert [outcome(r) for r in (single, *batch)] == [ACCEPTED] * 3
+    assert {str(i) for i in Message.objects.values_list("id", flat=True)} == {
+        r.message_id for r in (single, *batch)
+    }
+
+
+def test_a_chosen_id_found_stored_after_a_lost_answer_stays_a_duplicate(topic, monkeypatch):
+    """An id the publisher chose may have been stored by an earlier publish of theirs: only
+    ids made for the call can be told apart."""
+    chosen = "01890a5d-ac96-774b-bcce-b302099a8057"
+    answers_lost_once(monkeypatch)
+
+    result = publish(topic.name, {"n": 1}, message_id=chosen)
+
+    assert (outcome(result), result.message_id) == ("Duplicate", chosen)
+    assert Message.objects.filter(id=chosen).count() == 1
+
+
 def test_an_enlisted_publish_is_not_retried_but_raises_to_its_caller(
     topic, locked_queue, monkeypatch
 ):

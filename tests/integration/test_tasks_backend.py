@@ -27,6 +27,7 @@ from django_tasks.signals import task_enqueued, task_finished, task_started
 from tests.support.waiting import wait_until
 from tests.task_functions import add, always_fails, echo, returns_a_tuple
 from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
@@ -180,6 +181,31 @@ def test_a_task_the_queue_refuses_raises_an_error_naming_the_reason():
     with pytest.raises(TaskEnqueueError, match="TopicDisabled"):
         add.enqueue(1, 2)
     assert published_tasks() == 0
+
+
+def test_a_task_whose_publish_answer_was_lost_is_enqueued_once_not_refused(monkeypatch):
+    """The publish committed and its connection dropped before the answer came back; sent
+    again, it found its message stored. ``enqueue`` raised "not enqueued: Duplicate" for a task
+    that was queued, and a caller retrying the enqueue ran the task twice."""
+    default_task_backend.ensure_queue("default")
+    driver = get_driver()
+    original = driver.publish
+    sent: list[str] = []
+
+    def answer_lost_once(name: str, params: Any = None, **kwargs: Any) -> Any:
+        sent.append(name)
+        rows = original(name, params, **kwargs)
+        if len(sent) == 1:
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return rows
+
+    monkeypatch.setattr(driver, "publish", answer_lost_once)
+
+    result = add.enqueue(1, 2)
+
+    assert len(sent) == 2 and published_tasks() == 1
+    assert str(Message.objects.get().id) == result.id
+    assert default_task_backend.get_result(result.id).status == TaskResultStatus.READY
 
 
 def test_get_result_of_an_unknown_or_malformed_id_does_not_exist():

@@ -20,7 +20,6 @@ from django.utils import timezone
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
-from workqueue.ids import new_message_id
 from workqueue.tasks import api
 from workqueue.tasks.messages import (
     HANDLER_KEY,
@@ -97,16 +96,18 @@ class WorkQueueBackend(api.BaseTaskBackend):
         )
         require_json_round_trip(message.args, "args")
         require_json_round_trip(message.kwargs, "kwargs")
-        # The task's result id is its message's id: time-ordered, like every message id.
-        result_id = new_message_id()
-        published = self._publish(message, result_id)
+        published = self._publish(message)
         if published.error is not None and published.error.code == (
             PublishErrorCode.TOPIC_NOT_FOUND
         ):
             # The topic went away since this process created it (an operator deleted it, or a
             # test flushed the database): create it again, once.
             self._ready_queues.discard(task.queue_name)
-            published = self._publish(message, result_id)
+            published = self._publish(message)
+        # The message's id is made by the publish rather than chosen here, so that a publish
+        # whose first answer was lost and that found its message stored when sent again is
+        # Accepted, not a Duplicate of itself (which would read as not enqueued, and a caller
+        # retrying would run the task twice).
         if not published.accepted:
             error = published.error
             reason = f"{error.code}: {error.message}" if error else published.status
@@ -114,6 +115,8 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 f"The task {task.module_path} was not enqueued on topic "
                 f"{topic_name(task.queue_name)}: {reason}"
             )
+        # The task's result id is its message's id: time-ordered, like every message id.
+        result_id = str(published.message_id)
         result = build_result(
             task,
             result_id,
@@ -166,7 +169,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
                     id="workqueue.E004",
                 )
 
-    def _publish(self, message: TaskMessage, result_id: str) -> PublishResult:
+    def _publish(self, message: TaskMessage) -> PublishResult:
         # Imported here: publishing reaches the driver, which this module must not load at
         # import time (the backend is built when a @task decorator runs, at module import).
         from workqueue.publishing import publish
@@ -176,7 +179,6 @@ class WorkQueueBackend(api.BaseTaskBackend):
         return publish(
             topic_name(message.queue_name),
             message.to_payload(),
-            message_id=result_id,
             not_before=message.run_after,
             priority=message.priority,
         )

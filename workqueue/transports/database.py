@@ -51,7 +51,13 @@ class DatabaseTransport(BaseTransport):
         # ``topic`` is a name or a Topic: the procedures look the topic up themselves.
         name = topic if isinstance(topic, str) else topic.name
         return procedures.publish(
-            name, messages, publisher, setting("DATABASE_ALIAS"), enlist, external
+            name,
+            messages,
+            publisher,
+            setting("DATABASE_ALIAS"),
+            enlist,
+            external,
+            chosen_message_ids,
         )
 
     def receiver(self, subscription_id: str, lease_owner: str | None = None) -> procedures.Receiver:
