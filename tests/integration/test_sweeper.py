@@ -18,8 +18,12 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import queue_connection_settings
+from tests.support.roles import database_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
@@ -249,6 +253,29 @@ def test_sweep_once_keeps_passing_until_caught_up(small_passes):
     passes = out.getvalue().splitlines()
     assert len(passes) == 4, passes  # three at the limit, one that found the rest
     assert "terminal_deliveries=40" in passes[0] and "terminal_deliveries=0" in passes[-1]
+
+
+def test_sweep_once_fails_when_a_step_failed(pg_conn):
+    """Each step catches its own error so the others still run; a job run by cron whose purges
+    failed every time (here the role lacks EXECUTE on one, as after an upgrade whose grants
+    were not run again) exited 0 while the tables grew."""
+    with database_role(pg_conn, "wq_sweeper") as role:
+        call_command("workqueue", "grant-runtime", role)
+        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_purge_orphan_messages FROM "{role}"')
+        connection.close()
+        get_driver().close_all()
+        out = io.StringIO()
+        with (
+            queue_connection_settings(options={}, USER=role),
+            pytest.raises(CommandError, match="Sweeping failed: orphan_messages") as raised,
+        ):
+            try:
+                call_command("workqueue_sweep", "--once", stdout=out)
+            finally:
+                get_driver().close_all()
+
+    assert raised.value.returncode == 1
+    assert "orphan_messages=-1" in out.getvalue() and "terminal_deliveries=0" in out.getvalue()
 
 
 def test_a_standalone_sweeper_outlives_a_failing_pass(monkeypatch, settings, caplog):

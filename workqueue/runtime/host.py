@@ -81,6 +81,12 @@ class StartFailure:
 class RunOnceResult:
     processed: int
     reason: str  # MaxDeliveries | Idle | MaxDuration | Shutdown
+    #: Each subscription's health as the run ended, before the drain (which reports every
+    #: subscription as shut down): a consumer that could not start or whose claims kept
+    #: failing shows as Error here.
+    subscriptions: list[dict[str, Any]]
+    #: Why the subscriptions could not be planned at all (a settings mistake), if so.
+    planning_failure: str | None = None
 
 
 @dataclass(slots=True)
@@ -203,6 +209,8 @@ class Host:
         #: Handlers that had returned by then, their outcome not yet recorded (the database did
         #: not answer): recorded if it answers while the lease lasts and the process lives.
         self.unsettled_outcomes = 0
+        #: Why the last planning raised (None once one succeeds): nothing was started then.
+        self.planning_failure: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -399,11 +407,13 @@ class Host:
         ones whose settings changed (lease, handler key, concurrency, ...)."""
         try:
             plans = self.plan()
-        except Exception:
+        except Exception as exc:
             logger.exception("Planning failed; keeping the current consumers")
+            self.planning_failure = f"{type(exc).__name__}: {exc}"
             return
         finally:
             close_old_connections()
+        self.planning_failure = None
         with self._lock:
             if self._shutting_down:
                 return
@@ -663,11 +673,12 @@ class Host:
                 stop_requested.wait(0.02)
         finally:
             processed = sum(c.processed for c in consumers)
+            subscriptions = self.health()["subscriptions"]
             if on_stopping is not None:
                 on_stopping(reason)
             self.shutdown()
             processed = max(processed, sum(c.processed for c in consumers))
-        return RunOnceResult(processed, reason)
+        return RunOnceResult(processed, reason, subscriptions, self.planning_failure)
 
 
 def aliases_closing_after_each_use(databases: Mapping[str, Mapping[str, Any]]) -> list[str]:

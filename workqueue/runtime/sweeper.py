@@ -37,6 +37,12 @@ class SweeperPassResult:
     purged: dict[str, int] = field(default_factory=dict)
     behind: bool = False
 
+    @property
+    def failed_steps(self) -> list[str]:
+        """The steps that failed (their errors are logged)."""
+        counts = {"expired_leases": self.expired, **self.purged}
+        return [step for step, rows in counts.items() if rows < 0]
+
 
 def pause_after(result: SweeperPassResult, took_seconds: float, interval_seconds: float) -> float:
     """Seconds to wait before the next pass: the interval, or as long as this pass took (at
@@ -70,9 +76,8 @@ class Sweeper:
         for step, rows in counts.items():
             if rows > 0:
                 metrics.SWEEPER_ROWS.labels(step).inc(rows)
-        failed = any(rows < 0 for rows in counts.values())
         metrics.SWEEPER_PASSES.labels(
-            "failed" if failed else "behind" if result.behind else "caught_up"
+            "failed" if result.failed_steps else "behind" if result.behind else "caught_up"
         ).inc()
         if result.expired or any(n for n in result.purged.values()):
             logger.info(

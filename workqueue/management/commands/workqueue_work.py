@@ -2,7 +2,8 @@
 
 Exit 0 when the host ran (empty queue, budget spent, duration reached, signal, paused
 subscription); exit 2 when a requested subscription could not run (unknown,
-HandlerNotRegistered, Unsupported, Error) or the configuration is wrong.
+HandlerNotRegistered, Unsupported, or Error as the run ended: a consumer that could not start,
+claims that kept failing) or the configuration is wrong (planning failed included).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, PlanState, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
+    describe_left_behind,
     exit_now_if_work_left_behind,
     host_disabled,
     start_up_objects_frozen,
@@ -81,10 +83,15 @@ class Command(BaseCommand):
             )
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc), returncode=2) from exc
-        states = host.health()["subscriptions"]
         why = f" ({stop.received})" if result.reason == "Shutdown" and stop.received else ""
         self.stdout.write(f"processed={result.processed} reason={result.reason}{why}")
-        failed = [s for s in states if s["state"] in CANNOT_RUN]
+        if host.abandoned_handlers or host.unsettled_outcomes:
+            self.stdout.write(f"Stopped: {describe_left_behind(host)}")
+        if result.planning_failure is not None:
+            raise CommandError(
+                f"Could not plan the subscriptions: {result.planning_failure}", returncode=2
+            )
+        failed = [s for s in result.subscriptions if s["state"] in CANNOT_RUN]
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)

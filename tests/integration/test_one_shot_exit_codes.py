@@ -1,0 +1,89 @@
+"""A one-shot job (``workqueue_work --once``) exits 2 when its subscription could not run, so a
+container job or a KEDA ScaledJob shows the failure instead of succeeding while the backlog
+grows. Its health was read after the drain, which reports every subscription as shut down:
+a consumer that could not start, claims that kept failing and a planning that raised all
+exited 0 with "processed=0 reason=Idle"."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+
+# Registers the factories' default handler (tests.noop) with the global registry, which the
+# commands use.
+import tests.support.handlers  # noqa: F401
+from tests.factories import SubscriptionFactory
+from tests.support.database import queue_connection_settings
+from tests.support.roles import database_role
+from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.models import Delivery
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+@pytest.fixture
+def waiting_work():
+    get_user_model().objects.create_user("workqueue-system")
+    subscription = SubscriptionFactory()
+    publish(subscription.topic.name, {"n": 1})
+    return subscription
+
+
+def run_job(subscription_name: str) -> tuple[CommandError, str]:
+    out = io.StringIO()
+    with pytest.raises(CommandError) as raised:
+        call_command(
+            "workqueue_work", "-s", subscription_name, "--once", "--idle-exit-ms", "300", stdout=out
+        )
+    return raised.value, out.getvalue()
+
+
+def test_a_job_whose_consumer_cannot_start_exits_2(waiting_work, settings):
+    settings.WORKQUEUE = {
+        **settings.WORKQUEUE,
+        "SUBSCRIPTIONS": [{"name": "*", "concurrency": 2, "prefetch": -1}],
+    }
+
+    error, out = run_job(waiting_work.name)
+
+    assert error.returncode == 2
+    assert f"Could not run: {waiting_work.name}: Error" in str(error), str(error)
+    assert "processed=0" in out
+    assert Delivery.objects.get(subscription=waiting_work).status == "Pending"
+
+
+def test_a_job_whose_claims_are_refused_exits_2(waiting_work, pg_conn):
+    """The runtime role lacks EXECUTE on the claim procedure (an upgrade whose grants were not
+    run again): every claim fails."""
+    with database_role(pg_conn, "wq_runtime") as role:
+        call_command("workqueue", "grant-runtime", role)
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
+        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_claim FROM "{role}"')
+        connection.close()
+        get_driver().close_all()
+        with queue_connection_settings(options={}, USER=role):
+            error, _ = run_job(waiting_work.name)
+            get_driver().close_all()
+
+    assert error.returncode == 2
+    assert "Error" in str(error) and "permission denied" in str(error), str(error)
+    assert Delivery.objects.get(subscription=waiting_work).status == "Pending"
+
+
+def test_a_job_whose_subscriptions_cannot_be_planned_exits_2(waiting_work, settings):
+    settings.WORKQUEUE = {
+        **settings.WORKQUEUE,
+        "SUBSCRIPTIONS": [{"name": "*", "concurrency": "four"}],
+    }
+
+    error, _ = run_job(waiting_work.name)
+
+    assert error.returncode == 2
+    assert "Could not plan the subscriptions" in str(error), str(error)
+    assert Delivery.objects.get(subscription=waiting_work).status == "Pending"
