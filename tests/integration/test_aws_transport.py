@@ -261,6 +261,25 @@ def test_provision_creates_then_keeps_and_a_dry_run_changes_nothing(aws):
     assert [c for c in transport.provision(aws, dry_run=False) if c.action != "keep"] == []
 
 
+def test_queues_keep_waiting_work_and_dead_letters_as_long_as_sqs_allows(aws):
+    """The queue's retention was the topic's retention_days, which is about settled work: SQS
+    deleted a Paused subscription's waiting work after a day with ``retention_days=1``."""
+    subscription = provisioned(aws, max_attempts=2)
+    Topic.objects.filter(pk=subscription.topic_id).update(retention_days=1)
+    transport_for("AWS").provision(aws, dry_run=False)
+    binding = QueueBinding.of(str(subscription.id))
+    sqs = binding.clients.sqs
+
+    kept = {
+        queue: sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["MessageRetentionPeriod"])[
+            "Attributes"
+        ]["MessageRetentionPeriod"]
+        for queue, url in (("queue", binding.queue_url), ("dlq", binding.dead_letter_queue_url))
+    }
+
+    assert kept == {"queue": "1209600", "dlq": "1209600"}
+
+
 def test_the_provision_verb_prints_changes_and_reports_no_changes_the_second_time(aws, capsys):
     SubscriptionFactory(topic=TopicFactory(transport=aws))
 
@@ -418,6 +437,35 @@ def test_retry_then_dead_letter_keeps_the_reason_and_replay_resets_the_attempts(
     )
     assert replayed.attributes == {"kind": "a"}
     assert operations.list_dead_letters(subscription.name).items == []
+
+
+def test_fifo_sends_never_reuse_a_deduplication_id_so_sqs_drops_no_dead_letter_or_replay(aws):
+    """SQS FIFO remembers a deduplication id for five minutes, even once the message it came
+    with was deleted, and silently drops a later send with it. A dead letter was sent with
+    ``<delivery>-<attempt>`` and a replay with ``replay-<delivery>``: a replayed message that
+    failed again at attempt 1 within five minutes was deleted from the queue while its dead
+    letter was dropped, and a second replay was dropped too — the delivery existed nowhere.
+    (moto forgets ids once their message is deleted, so the ids sent are what is checked.)"""
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive", max_attempts=1)
+    sends: list[tuple[str, str]] = []
+
+    def record(params: dict[str, Any], **_: Any) -> None:
+        sends.append((params["QueueUrl"].rsplit("/", 1)[-1], params["MessageDeduplicationId"]))
+
+    sqs = QueueBinding.of(str(subscription.id)).clients.sqs
+    sqs.meta.events.register("provide-client-params.sqs.SendMessage", record)
+    publish(subscription.topic.name, {"n": 1}, partition_key="k")
+    holder = receiver(subscription)
+    for _ in range(2):
+        poisoned = receive_one(holder)
+        assert poisoned.attempt == 1
+        assert holder.dead_letter(poisoned, "Poison", "boom").status == "DeadLettered"
+        [item] = operations.list_dead_letters(subscription.name).items
+        assert operations.replay(subscription.name, item.delivery_id).replayed
+
+    assert receive_one(holder).attempt == 1  # the second replay arrived
+    assert [queue.endswith("-dlq.fifo") for queue, _ in sends] == [True, False] * 2
+    assert len({dedup for _, dedup in sends}) == len(sends), sends
 
 
 @pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])

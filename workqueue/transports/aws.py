@@ -34,6 +34,7 @@ receive more than the subscription's ``max_attempts``, is only a backstop for a 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import math
 import re
@@ -716,8 +717,19 @@ def send_dead_letter(
     }
     if binding.fifo:
         params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
-        params["MessageDeduplicationId"] = f"{delivery.delivery_id}-{delivery.attempt}"
+        # SQS FIFO drops a send whose deduplication id it saw in the last five minutes, even
+        # if that message was deleted since: the id names this receive (its receipt handle),
+        # so a replay that fails again is dead-lettered anew, while a settle retried after an
+        # error sends the same id and stores one copy.
+        params["MessageDeduplicationId"] = _deduplication_id(
+            "dead", delivery.delivery_id, delivery.lease_token
+        )
     _call(binding.clients.sqs.send_message, **params)
+
+
+def _deduplication_id(kind: str, *parts: str) -> str:
+    """A FIFO deduplication id (at most 128 characters) for ``kind`` of send of ``parts``."""
+    return f"{kind}-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None:
@@ -1032,7 +1044,11 @@ class AwsTransport(BaseTransport):
                 params["MessageGroupId"] = _group_id(
                     envelope.get("partition_key"), envelope.get("message_id") or delivery_id
                 )
-                params["MessageDeduplicationId"] = f"replay-{delivery_id}"
+                # Named by the dead letter's own SQS message: each dead-lettering of the
+                # delivery is replayed anew (see _deduplication_id).
+                params["MessageDeduplicationId"] = _deduplication_id(
+                    "replay", delivery_id, message["MessageId"]
+                )
             _call(binding.clients.sqs.send_message, **params)
             _delete_dead_letter(binding, message)
             found.remove(message)
@@ -1224,7 +1240,6 @@ class _Provisioner:
         self, topic: Any, subscription: Any, names: AwsNames, topic_arn: str | None
     ) -> None:
         fifo = topic.is_fifo
-        retention = min(topic.retention_days * 86_400, SQS_MAX_RETENTION_SECONDS)
         dead_arn = self.queue(
             names.dead_letter_queue,
             fifo,
@@ -1232,7 +1247,10 @@ class _Provisioner:
         )
         wanted = {
             "VisibilityTimeout": str(subscription.lease_seconds),
-            "MessageRetentionPeriod": str(retention),
+            # SQS deletes a message its retention outlived, settled or not: the topic's
+            # retention_days is about settled work (which SQS deletes at once), so waiting work
+            # is kept as long as SQS allows, as the Database transport keeps it for ever.
+            "MessageRetentionPeriod": str(SQS_MAX_RETENTION_SECONDS),
             # A backstop only: the receiver moves a message whose receive count passed
             # max_attempts itself, with its reason; SQS moves one a receive later.
             "RedrivePolicy": json.dumps(
