@@ -84,7 +84,10 @@ class Schedule:
         except StopIteration:
             return None
         following = next(CronSim(self.cron, at))
-        window = max(min(following - at, MAX_LATENESS), MIN_WINDOW)
+        # In UTC: two times of one zone subtract by their wall clocks, which makes the gap
+        # across a DST change an hour short or long (01:00 EDT to 01:00 EST: zero).
+        gap = following.astimezone(dt.UTC) - at.astimezone(dt.UTC)
+        window = max(min(gap, MAX_LATENESS), MIN_WINDOW)
         if now - at >= window:
             return None
         at_utc = at.astimezone(dt.UTC)

@@ -143,6 +143,19 @@ def test_slots_follow_the_schedules_time_zone_and_carry_its_message(topic_name):
     assert (delivery.partition_key, delivery.priority) == ("reports", 7)
 
 
+def test_a_slot_stays_publishable_until_the_next_across_a_dst_change(topic_name):
+    """The gap between slots was counted on the wall clock: on the night New York falls back,
+    01:00 EDT to 01:00 EST is an hour, but counted as none (so 60 s): a host restarting
+    through that minute never published the 01:00 EDT slot."""
+    clock = Clock(dt.datetime(2025, 11, 2, 5, 30, tzinfo=UTC))  # 01:30 EDT, the first 01:30
+    entry = schedule(topic_name, "0 * * * *", timezone="America/New_York")
+
+    result = Scheduler(load_schedules([entry]), clock=clock).run_once()
+
+    assert result.published == {"report": dt.datetime(2025, 11, 2, 5, 0, tzinfo=UTC)}
+    assert published(topic_name) == 1
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [
