@@ -40,6 +40,12 @@ class Record(BaseWorkHandler):
             # A delay of its own: the subscription's full-jitter backoff may draw 0 seconds,
             # and the retry would then be due at once even on a TestCase's frozen clock.
             raise TransientWorkError(message.payload["busy"], retry_after_seconds=60)
+        if message.payload.get("duplicate_user"):
+            # A failed save let out (the system user exists): an IntegrityError.
+            get_user_model().objects.create(username=self.user.get_username())
+        if message.payload.get("divide_by_zero"):
+            with connection.cursor() as cursor:  # a failed statement of its own
+                cursor.execute("SELECT 1 / 0")
         if message.payload.get("then"):
             publish(message.topic, message.payload["then"])
         # A handler's ORM work lands in the test's transaction, like the queue's own rows.
@@ -131,6 +137,28 @@ def test_a_failing_queue_call_in_test_mode_leaves_the_test_transaction_usable(to
     # Only the call's savepoint was rolled back: the test goes on in its transaction.
     assert publish(topology.topic.name, {"n": 1}).status == "Accepted"
     assert Delivery.objects.count() == 1
+
+
+@pytest.mark.django_db
+@use_test_connection()
+@pytest.mark.parametrize(
+    ("failure", "error"),
+    [("duplicate_user", "IntegrityError"), ("divide_by_zero", "DataError")],
+)
+def test_a_handler_whose_statement_failed_is_retried_and_the_test_transaction_stays_usable(
+    topology, failure, error
+):
+    """The handler's failed statement aborted the test's transaction: recording the retry
+    raised and every later query of the test failed."""
+    publish(topology.topic.name, {"n": 1, failure: True})
+
+    [run] = run_until_idle(topology.name, max_deliveries=1)
+
+    assert (run.status, run.attempt) == ("Pending", 1)
+    assert error in run.error
+    assert Delivery.objects.get().status == "Pending"
+    publish(topology.topic.name, {"n": 2})
+    assert get_user_model().objects.filter(username="workqueue-system").count() == 1
 
 
 @pytest.mark.django_db

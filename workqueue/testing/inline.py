@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import DatabaseError, transaction
 from django.test.utils import TestContextDecorator
 
 from workqueue.conf import get_settings
@@ -102,7 +103,8 @@ def run_until_idle(
         background = WorkerPool(1, "wq-test-background")
         try:
             runs: list[DeliveryRun] = []
-            executors = [_Executor(plan, user, timers, background) for plan in plans]
+            savepoint = _HandlerSavepoint(conf.DATABASE_ALIAS)
+            executors = [_Executor(plan, user, timers, background, savepoint) for plan in plans]
             progressed = True
             while progressed and len(runs) < max_deliveries:
                 progressed = False
@@ -140,7 +142,12 @@ class _Executor:
     """Claims and runs one subscription's deliveries, one at a time, on the calling thread."""
 
     def __init__(
-        self, plan: SubscriptionPlan, user: Any, timers: TimerQueue, background: WorkerPool
+        self,
+        plan: SubscriptionPlan,
+        user: Any,
+        timers: TimerQueue,
+        background: WorkerPool,
+        savepoint: _HandlerSavepoint,
     ) -> None:
         # Automatic heartbeats are sent from a timer thread, which has neither the test's
         # connection nor, in a TestCase, sight of its uncommitted rows: the lease would look
@@ -154,8 +161,10 @@ class _Executor:
             background=background,
             handlers=handler_registry,
             user=user,
-            ready_connections=_keep_connections,
-            refresh_connections=_keep_connections,
+            # The test's connection is left open between handlers (closing it would end the
+            # test's transaction); each handler runs in a savepoint on it instead.
+            ready_connections=savepoint.begin,
+            refresh_connections=savepoint.end,
         )
 
     def run_one(self) -> DeliveryRun | None:
@@ -178,8 +187,39 @@ class _Executor:
         )
 
 
-def _keep_connections() -> None:
-    """Leave the test's connection alone between handlers (see ExecutionServices)."""
+class _HandlerSavepoint:
+    """A savepoint around each handler on the test's connection, begun before it and ended
+    after it (``ExecutionServices.ready_connections`` / ``refresh_connections``).
+
+    In a ``TestCase`` the handler runs inside the test's transaction, where one failed
+    statement (an ``IntegrityError`` the handler let out) aborts the whole transaction: the
+    retry could not be recorded, and every later query of the test failed. The savepoint is
+    released after the handler, or rolled back to when the handler left the transaction
+    aborted (what it wrote before the failed statement goes with it; in a host, each of its
+    statements would have committed on its own)."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self._savepoint: str | None = None
+
+    def begin(self) -> None:
+        # None in autocommit (a TransactionTestCase): every statement then stands alone.
+        self._savepoint = transaction.savepoint(using=self.alias)
+
+    def end(self) -> None:
+        savepoint, self._savepoint = self._savepoint, None
+        if savepoint is None:
+            return
+        # Django marks the transaction for rollback when a save fails inside it; a failed raw
+        # statement leaves it unmarked but aborted, and its release then fails.
+        if not transaction.get_rollback(using=self.alias):
+            try:
+                transaction.savepoint_commit(savepoint, using=self.alias)
+                return
+            except DatabaseError:
+                pass
+        transaction.set_rollback(False, using=self.alias)  # what rolling back to it undoes
+        transaction.savepoint_rollback(savepoint, using=self.alias)
 
 
 def _last_error(delivery_id: str) -> str | None:
