@@ -208,6 +208,29 @@ def test_a_task_whose_publish_answer_was_lost_is_enqueued_once_not_refused(monke
     assert default_task_backend.get_result(result.id).status == TaskResultStatus.READY
 
 
+def test_a_task_no_subscription_receives_is_refused_not_silently_lost():
+    """A queue whose subscription was Disabled (instead of Paused) or deleted: ``enqueue``
+    returned READY for a task that got no delivery, never ran, and whose result never
+    existed."""
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name=QUEUE).update(status="Disabled")
+
+    with pytest.raises(TaskEnqueueError, match=r"is Disabled.*set it Paused"):
+        add.enqueue(1, 2)
+    Subscription.objects.filter(name=QUEUE).delete()
+    default_task_backend.ensure_queue("default")  # made again, and this process knows it
+    Subscription.objects.filter(name=QUEUE).delete()
+    with pytest.raises(TaskEnqueueError, match="was deleted; it is created again"):
+        add.enqueue(3, 4)
+    again = add.enqueue(3, 4)
+    Subscription.objects.filter(name=QUEUE).update(status="Paused")
+    waiting = add.enqueue(5, 6)
+
+    assert default_task_backend.get_result(again.id).status == TaskResultStatus.READY
+    assert default_task_backend.get_result(waiting.id).status == TaskResultStatus.READY
+    assert published_tasks() == 4  # the two refused were stored without a delivery
+
+
 def test_get_result_of_an_unknown_or_malformed_id_does_not_exist():
     for result_id in ["00000000-0000-0000-0000-000000000000", "not-a-uuid"]:
         with pytest.raises(TaskResultDoesNotExist):

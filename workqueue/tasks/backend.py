@@ -115,6 +115,16 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 f"The task {task.module_path} was not enqueued on topic "
                 f"{topic_name(task.queue_name)}: {reason}"
             )
+        if not _has_a_task_delivery(published.message_id):
+            # Stored, but no subscription took it (a message with no delivery is purged as an
+            # orphan): the task would never run and no result would ever be found. The queue
+            # is made sure of again at the next enqueue (a deleted subscription made anew).
+            self._ready_queues.discard(task.queue_name)
+            raise TaskEnqueueError(
+                f"The task {task.module_path} was not enqueued: no subscription of topic "
+                f"{topic_name(task.queue_name)} runs tasks "
+                f"({_why_no_subscription_runs(task.queue_name)})."
+            )
         # The task's result id is its message's id: time-ordered, like every message id.
         result_id = str(published.message_id)
         result = build_result(
@@ -198,6 +208,39 @@ def _subscription_options(options: Mapping[str, Any]) -> dict[str, Any]:
             f"{', '.join(sorted(SUBSCRIPTION_OPTIONS))}."
         )
     return dict(options)
+
+
+def _has_a_task_delivery(message_id: str | None) -> bool:
+    from workqueue.models import Delivery
+
+    return (
+        Delivery.objects.using(get_settings().DATABASE_ALIAS)
+        .filter(message_id=message_id, subscription__handler_key=HANDLER_KEY)
+        .exists()
+    )
+
+
+def _why_no_subscription_runs(queue_name: str) -> str:
+    from workqueue.models import Subscription
+
+    name = topic_name(queue_name)
+    found = (
+        Subscription.objects.using(get_settings().DATABASE_ALIAS)
+        .filter(name=name)
+        .values_list("status", flat=True)
+        .first()
+    )
+    if found is None:
+        return f"its subscription {name!r} was deleted; it is created again for the next task"
+    if found == "Disabled":
+        return (
+            f"its subscription {name!r} is Disabled, and a Disabled subscription receives "
+            "nothing: enable it, or set it Paused to keep tasks waiting while nothing runs them"
+        )
+    return (
+        f"its subscription {name!r} does not receive this task: check its filter and that "
+        f"its handler key is {HANDLER_KEY!r}"
+    )
 
 
 def _queue_name_problem(queue_name: str) -> str | None:
