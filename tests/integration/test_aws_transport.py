@@ -34,6 +34,7 @@ from workqueue.exceptions import (
     TopologyValidationError,
     TransportUnavailableError,
     UnsupportedByTransportError,
+    WorkQueueConfigurationError,
 )
 from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
 from workqueue.operators import operations
@@ -1148,3 +1149,33 @@ def test_a_queue_lookup_that_cannot_reach_aws_is_reported_as_unavailable_not_rai
 
     with pytest.raises(TransportUnavailableError, match="get_queue_url"):
         _Provisioner(unreachable, dry_run=True).queue("wq-nowhere", False, {})
+
+
+def test_a_publish_that_cannot_reach_aws_is_rejected_as_unavailable_not_raised(monkeypatch):
+    """The topic's ARN is looked up at a process's first publish to it, outside the error
+    handling of the send: that one publish raised where every later one answered Rejected."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    unreachable = TransportFactory(
+        name="aws-down",
+        driver_class="AWS",
+        configuration={"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:9"},
+    )
+    topic = TopicFactory(transport=unreachable)
+
+    single = publish(topic.name, {"n": 1})
+    batch = publish_many(topic.name, [{"payload": 2}, {"payload": 3}])
+
+    assert [(r.status, r.error.code) for r in (single, *batch)] == [
+        ("Rejected", "TransportUnavailable")
+    ] * 3
+    assert single.error.retryable and "could not" in single.error.message
+
+
+def test_a_profile_this_machine_lacks_is_named_as_a_configuration_mistake(monkeypatch):
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    settings = AwsSettings(region="eu-west-1", profile="no-such-profile")
+
+    with pytest.raises(WorkQueueConfigurationError, match=r"'no-such-profile'.*set 'profile'"):
+        AwsClients(settings)

@@ -261,10 +261,20 @@ class AwsClients:
     def __init__(self, settings: AwsSettings) -> None:
         try:
             import boto3
+            import botocore.exceptions
             from botocore.config import Config
         except ImportError as exc:  # boto3 is the optional extra "aws"
             raise WorkQueueConfigurationError(INSTALL_HINT) from exc
-        session = boto3.session.Session(profile_name=settings.profile, region_name=settings.region)
+        try:
+            session = boto3.session.Session(
+                profile_name=settings.profile, region_name=settings.region
+            )
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise WorkQueueConfigurationError(
+                f"The AWS transport's configuration names the profile {settings.profile!r}, "
+                "which this machine's AWS config does not have: set 'profile' to one it has "
+                "(or leave it out to use the default credentials)."
+            ) from exc
         config = Config(
             retries={"max_attempts": 3, "mode": "standard"},
             connect_timeout=5,
@@ -895,9 +905,22 @@ class AwsTransport(BaseTransport):
             return [_row(m["message_id"], PublishStatus.REJECTED, refusal) for m in messages]
         settings = AwsSettings.parse(topic.transport.configuration)
         clients = clients_for(settings)
-        topic_arn = clients.topic_arn(
-            AwsNames.of(settings.prefix, topic.name, "", topic.is_fifo).topic
-        )
+        try:
+            topic_arn = clients.topic_arn(
+                AwsNames.of(settings.prefix, topic.name, "", topic.is_fifo).topic
+            )
+        except TransportUnavailableError as exc:
+            # As when SNS refuses the send itself: rejected and retryable, never raised (the
+            # lookup happens once a process, so only a process's first publish could raise).
+            return [
+                _row(
+                    m["message_id"],
+                    PublishStatus.REJECTED,
+                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                    str(exc),
+                )
+                for m in messages
+            ]
         rows: list[dict[str, Any] | None] = [None] * len(messages)
         entries: list[tuple[int, dict[str, Any]]] = []
         ledger = PublishLedger(topic, chosen_message_ids)
