@@ -427,6 +427,19 @@ class _SizeLimit:
         return cls(topic.max_payload_bytes, "the topic's max_payload_bytes")
 
 
+def message_problem(message: OutgoingMessage) -> str | None:
+    """Why every publish of ``message`` would be refused whatever its topic, or None: checked
+    ahead of time for messages published later (the schedules of ``WORKQUEUE["SCHEDULES"]``),
+    so that a mistake stops the host at start rather than being refused at every slot."""
+    try:
+        _prepare(message, _SizeLimit.of(None))
+    except _Invalid as invalid:
+        return f"{invalid.error.code}: {invalid.error.message}"
+    except _Unstorable as unstorable:
+        return f"{unstorable.field}: {unstorable.problem}"
+    return None
+
+
 def _prepare(
     message: OutgoingMessage, size_limit: _SizeLimit, fresh_id: str | None = None
 ) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 
 from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.publishing import OutgoingMessage, message_problem
 
 #: How late a slot may still be published (the longest deduplication window, 30 days).
 MAX_LATENESS = dt.timedelta(days=30)
@@ -141,5 +142,18 @@ def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
                 f"{where}: cron {schedule.cron!r} is not a cron expression ({exc}); use five "
                 "fields, minute hour day-of-month month day-of-week, e.g. '0 3 * * *'."
             ) from None
+        problem = message_problem(
+            OutgoingMessage(
+                payload=schedule.payload,
+                partition_key=schedule.partition_key,
+                attributes=schedule.attributes,
+                priority=schedule.priority,
+            )
+        )
+        if problem is not None:
+            raise WorkQueueConfigurationError(
+                f"{where}: its slots could never be published ({problem}); change the entry's "
+                "payload, partition_key, attributes or priority."
+            )
         schedules.append(schedule)
     return schedules

@@ -164,6 +164,17 @@ def test_a_slot_stays_publishable_until_the_next_across_a_dst_change(topic_name)
         ({"name": "a", "cron": "* * * * *"}, "missing topic"),
         ({"name": "a", "cron": "* * * * *", "topic": "t", "every": 5}, "unknown key(s) every"),
         ({"name": "Nightly Report", "cron": "* * * * *", "topic": "t"}, "lower-case"),
+        # Refused at every slot before, a log line every pass and the schedule never firing.
+        ({"name": "a", "cron": "* * * * *", "topic": "t", "priority": 500}, "InvalidPriority"),
+        ({"name": "a", "cron": "* * * * *", "topic": "t", "partition_key": ""}, "partition_key"),
+        (
+            {"name": "a", "cron": "* * * * *", "topic": "t", "payload": {"ids": {1, 2}}},
+            "never be published",
+        ),
+        (
+            {"name": "a", "cron": "* * * * *", "topic": "t", "attributes": {"wq.x": "1"}},
+            "never be published",
+        ),
     ],
 )
 def test_a_bad_schedule_is_refused_naming_the_entry_and_the_fix(entry, says):
