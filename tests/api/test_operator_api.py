@@ -357,13 +357,13 @@ def test_replay_of_a_delivery_that_is_not_a_dead_letter_changes_nothing(client):
     assert status_of(delivery_id) == "Pending"
 
 
-def test_replay_with_an_id_that_is_not_a_uuid_replays_nothing(client):
+def test_replay_with_an_id_that_is_not_a_uuid_is_400_naming_the_whole_id_needed(client):
     sub = SubscriptionFactory()
 
-    response = call(client, "post", replay_path(sub, "not-a-uuid"), key=operator())
+    response = call(client, "post", replay_path(sub, "0190a5d4"), key=operator())
 
-    assert response.status_code == 200
-    assert response.json() == {"supported": True, "replayed": False}
+    assert response.status_code == 400
+    assert "is not a delivery id: give the whole id" in response.content.decode()
 
 
 def test_replay_with_a_note_over_1000_characters_is_400_and_changes_nothing(client):

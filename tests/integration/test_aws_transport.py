@@ -1179,3 +1179,21 @@ def test_a_profile_this_machine_lacks_is_named_as_a_configuration_mistake(monkey
 
     with pytest.raises(WorkQueueConfigurationError, match=r"'no-such-profile'.*set 'profile'"):
         AwsClients(settings)
+
+
+def test_stats_that_cannot_be_read_exit_non_zero(monkeypatch):
+    """The table came out with the subscription missing, its error on stderr, and exit 0:
+    a script or monitor reading the exit code saw success."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    unreachable = TransportFactory(
+        name="aws-down",
+        driver_class="AWS",
+        configuration={"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:9"},
+    )
+    subscription = SubscriptionFactory(topic=TopicFactory(transport=unreachable))
+    err = io.StringIO()
+
+    for json_too in ([], ["--json"]):
+        with pytest.raises(CommandError, match=r"Stats of 1 subscription\(s\) could not be read"):
+            call_command("workqueue", "stats", "-s", subscription.name, *json_too, stderr=err)

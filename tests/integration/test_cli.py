@@ -128,8 +128,17 @@ def test_discard_needs_a_reason_and_a_known_delivery():
     sub = SubscriptionFactory()
     with pytest.raises(CommandError, match="reason is required"):
         run("discard", "-s", sub.name, "--delivery", "x", "--reason", " ")
+    # An id cut short (as lists show them) is refused, not answered "nothing to discard".
+    with pytest.raises(CommandError, match="'0190a5d4' is not a delivery id: give the whole id"):
+        run("discard", "-s", sub.name, "--delivery", "0190a5d4", "--reason", "r")
     assert "Nothing discarded" in run(
-        "discard", "-s", sub.name, "--delivery", "not-a-uuid", "--reason", "r"
+        "discard",
+        "-s",
+        sub.name,
+        "--delivery",
+        "0190a5d4-ac96-7c4b-bcce-b302099a8057",
+        "--reason",
+        "r",
     )
 
 

@@ -23,6 +23,14 @@ class StatsVerb(Verb):
         from workqueue.operators.operations import subscription_stats
 
         report = _operation_errors(lambda: subscription_stats(options["subscription"]))
+        self._write(command, options, report)
+        if report.failures:
+            # Scripts and monitors read the exit code: a report with rows missing failed.
+            raise CommandError(
+                f"Stats of {len(report.failures)} subscription(s) could not be read."
+            )
+
+    def _write(self, command: BaseCommand, options: dict[str, Any], report: Any) -> None:
         if options["json"]:
             command.stdout.write(
                 to_json(

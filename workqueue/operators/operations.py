@@ -177,6 +177,19 @@ def _delivery_id(value: Any) -> str | None:
         return None
 
 
+def _target_delivery_id(value: Any) -> str:
+    """The delivery id an operation acts on: text that is no UUID (an id cut short, copied
+    from a list that shows the first characters) is refused rather than matching nothing."""
+    target = _delivery_id(value)
+    if target is None:
+        raise InvalidInputError(
+            f"{value!r} is not a delivery id: give the whole id, a UUID such as "
+            "0190a5d4-ac96-7c4b-bcce-b302099a8057 (the dead-letters verb and the admin's "
+            "delivery page show it in full)."
+        )
+    return target
+
+
 def _subscription(name: str) -> Any:
     # Imported here: operators read topology only when called (keeps imports cheap).
     from workqueue.models import Subscription
@@ -377,9 +390,7 @@ def replay(
     note = _note(note, "note")
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
-    target = _delivery_id(delivery_id)
-    if target is None:
-        return ReplayOutcome(True, False)
+    target = _target_delivery_id(delivery_id)
     found = _transport_of(subscription, "supports_replay", "Replaying a dead letter")
     return ReplayOutcome(True, found.replay(str(subscription.id), target, actor.name, note))
 
@@ -394,17 +405,16 @@ def discard(
     reason = _note(reason, "reason", required=True)
     require(actor, OPERATE, subscription=name)
     subscription = _subscription(name)
-    target = _delivery_id(delivery_id)
-    if target is None:
-        return DiscardOutcome(True, False, False)
+    target = _target_delivery_id(delivery_id)
     found = _transport_of(subscription)
     result = found.discard(str(subscription.id), target, actor.name, reason)
     if not result.changed and not found.supports_cancel:
         raise UnsupportedByTransportError(
-            f"Nothing was discarded: delivery {target} is not Pending or dead-lettered. If it is "
-            "running, cancelling it needs supports_cancel, which the "
-            f"{found.name} transport {subscription.topic.transport.name!r} does not have: let "
-            "it settle (or its lease expire), then discard it.",
+            f"Nothing was discarded: delivery {target} is not a dead letter of this "
+            f"subscription. The {found.name} transport {subscription.topic.transport.name!r} "
+            "can discard only dead letters by id: a waiting delivery cannot be picked out of "
+            "its queue, and a running one cannot be cancelled (that needs supports_cancel). "
+            "Let it run and settle (or its lease expire), then discard it if it dead-letters.",
             "supports_cancel",
         )
     return DiscardOutcome(True, result.changed, result.cancel_requested)
