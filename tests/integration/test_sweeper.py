@@ -27,7 +27,7 @@ from tests.support.roles import database_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
-from workqueue.models import Deduplication, Delivery, Message
+from workqueue.models import Deduplication, Delivery, Message, Subscription
 from workqueue.runtime import sweeper
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.transport import Receiver
@@ -107,6 +107,8 @@ def test_one_pass_purges_exactly_what_retention_allows_and_expires_passed_leases
     (logged,) = [r for r in caplog.records if r.name == "workqueue.deliveries"]
     assert logged.levelname == "ERROR" and "LeaseExpired" in logged.getMessage()
     assert logged.delivery_id == by_message[(sub_last, waiting)].delivery_id
+    # By name, as a consumer logs it (it named the subscription's id).
+    assert logged.subscription == Subscription.objects.get(pk=sub_last).name
     # Live work is untouched.
     assert status(live.delivery_id) == ("InFlight", 1, None)
     assert Delivery.objects.filter(message_id=fresh, status="Pending").count() == 2

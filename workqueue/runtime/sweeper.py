@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from workqueue import metrics, signals, transport
 from workqueue.runtime.executor import log_lease_expired_dead_letter
@@ -95,19 +96,23 @@ class Sweeper:
             for _ in range(MAX_BATCHES):
                 rows = transport.expire_leases_all(EXPIRE_BATCH)
                 result.expired += len(rows)
-                for row in rows:
-                    if row["new_status"] == DeliveryStatus.DEAD_LETTERED:
-                        result.expired_dead_letters += 1
-                        log_lease_expired_dead_letter(
-                            row["subscription_id"], row["delivery_id"], row["partition_key"]
-                        )
-                        signals.dead_lettered.send(
-                            sender=Sweeper,
-                            subscription_id=row["subscription_id"],
-                            delivery_id=row["delivery_id"],
-                            partition_key=row["partition_key"],
-                            reason="LeaseExpired",
-                        )
+                dead = [r for r in rows if r["new_status"] == DeliveryStatus.DEAD_LETTERED]
+                names = _subscription_names({r["subscription_id"] for r in dead})
+                for row in dead:
+                    result.expired_dead_letters += 1
+                    # By name, as a consumer logs it: the name is what operators act on.
+                    log_lease_expired_dead_letter(
+                        names.get(str(row["subscription_id"]), str(row["subscription_id"])),
+                        row["delivery_id"],
+                        row["partition_key"],
+                    )
+                    signals.dead_lettered.send(
+                        sender=Sweeper,
+                        subscription_id=row["subscription_id"],
+                        delivery_id=row["delivery_id"],
+                        partition_key=row["partition_key"],
+                        reason="LeaseExpired",
+                    )
                 if len(rows) < EXPIRE_BATCH:
                     return
             result.behind = True
@@ -143,3 +148,17 @@ class Sweeper:
             logger.exception("Sweeper: purging %s failed", step)
             return -1
         return total
+
+
+def _subscription_names(subscription_ids: set[Any]) -> dict[str, str]:
+    """The names of the subscriptions with these ids, by id as text."""
+    if not subscription_ids:
+        return {}
+    from workqueue.models import Subscription
+
+    return {
+        str(pk): name
+        for pk, name in Subscription.objects.filter(pk__in=subscription_ids).values_list(
+            "pk", "name"
+        )
+    }
