@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.db import transaction
 from django_tasks import TaskContext, task
 
 
@@ -57,3 +58,9 @@ def returns_a_tuple() -> tuple[int, int]:
 @task()
 def echo(value: Any) -> Any:
     return value
+
+
+@task()
+def commits_durably(username: str) -> None:
+    with transaction.atomic(durable=True):
+        get_user_model().objects.create(username=username)

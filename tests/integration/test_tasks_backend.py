@@ -25,7 +25,7 @@ from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from tests.support.waiting import wait_until
-from tests.task_functions import add, always_fails, echo, returns_a_tuple
+from tests.task_functions import add, always_fails, commits_durably, echo, returns_a_tuple
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
@@ -290,6 +290,20 @@ def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):
     (error,) = failed.errors
     assert error.exception_class is TypeError
     assert "return value is a tuple" in error.traceback
+
+
+def test_a_task_that_opens_a_durable_block_fails_at_once_saying_why(run_host):
+    """Tasks run inside the transaction that completes them, where Django refuses a durable
+    block: the task failed on every attempt with "cannot be nested", naming neither cause
+    nor fix."""
+    result = commits_durably.enqueue("durable")
+    run_host()
+    failed = finished(result.id)
+    assert failed.status == TaskResultStatus.FAILED and failed.attempts == 1
+    (error,) = failed.errors
+    assert "runs inside the transaction that records its result" in error.traceback
+    assert "durable=True" in error.traceback
+    assert not get_user_model().objects.filter(username="durable").exists()
 
 
 def test_return_values_are_stored_as_they_were_returned_and_none_as_sql_null(run_host):

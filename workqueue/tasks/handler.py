@@ -78,6 +78,19 @@ class TaskHandler(BaseWorkHandler):
             record_failure(result_id, unusable.error)
             # Running it again would return the same kind of value: dead-letter it now.
             raise FatalWorkError(str(unusable.error)) from unusable.error
+        except RuntimeError as exc:
+            if not _is_durable_block_refusal(exc):
+                record_failure(result_id, exc)
+                raise
+            explained = RuntimeError(
+                f"{exc} The task runs inside the transaction that records its result and "
+                "completes its delivery (so its database work commits with them), where Django "
+                "refuses a durable block: use transaction.atomic() without durable=True in tasks."
+            )
+            explained.__cause__ = exc
+            record_failure(result_id, explained)
+            # Every attempt would fail the same way: dead-letter it now.
+            raise FatalWorkError(str(explained)) from exc
         except Exception as exc:
             # Recorded after the rollback, on its own: the failure outlives the task's work.
             record_failure(result_id, exc)
@@ -100,6 +113,11 @@ class _UnusableReturnValue(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _is_durable_block_refusal(exc: RuntimeError) -> bool:
+    # Django's own words (django.db.transaction.Atomic.__enter__); it has no exception class.
+    return "durable atomic block cannot be nested" in str(exc)
 
 
 def _call(task: api.Task, running: api.TaskResult, message: TaskMessage) -> Any:
