@@ -123,6 +123,16 @@ def test_a_subscription_whose_queue_name_sqs_would_refuse_is_refused_on_save(aws
     assert "SQS allows 80" in str(refused.value.message_dict["name"])
 
 
+def test_a_lease_longer_than_sqs_can_hide_a_message_is_refused_on_save(aws):
+    """SQS's visibility timeout, which is the lease, stops at 12 hours: a longer lease was
+    saved, and provisioning and every receive then failed."""
+    topic = TopicFactory(transport=aws)
+    with pytest.raises(TopologyValidationError) as refused:
+        SubscriptionFactory(topic=topic, lease_seconds=43_201)
+    assert "12 hours" in str(refused.value)
+    assert SubscriptionFactory(topic=topic, lease_seconds=43_200).lease_seconds == 43_200
+
+
 def test_a_filter_sns_cannot_express_is_refused_on_save(aws):
     topic = TopicFactory(transport=aws)
     many = [

@@ -871,6 +871,14 @@ class AwsTransport(BaseTransport):
         problem = filter_policy_problem(parsed)
         if problem is not None:
             problems["filter"] = problem
+        if subscription.lease_seconds > SQS_MAX_VISIBILITY_SECONDS:
+            # The queue's visibility timeout is the lease: SQS refuses one past 12 hours, so
+            # provisioning and every receive would fail.
+            problems["lease_seconds"] = (
+                f"SQS hides a received message for at most {SQS_MAX_VISIBILITY_SECONDS:,} s (12 "
+                "hours), the longest lease the AWS transport can grant: lower lease_seconds, "
+                "and renew the lease with heartbeats for handlers that run longer."
+            )
         if configuration_problem(configuration) is None:
             assert configuration is not None
             names = AwsNames.of(
