@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connections
 
 from tests.factories import SubscriptionFactory, TopicFactory
@@ -249,3 +250,23 @@ def test_the_schedules_command_shows_each_slot_whether_published_and_the_next(
     assert (after["name"], after["topic"], after["timezone"]) == ("report", topic_name, "UTC")
     slot, following = dt.datetime.fromisoformat(after["slot"]), after["next_slot"]
     assert dt.datetime.fromisoformat(following) - slot == dt.timedelta(hours=1)
+
+
+def test_schedules_publish_runs_a_pass_for_deployments_without_a_host(settings, topic_name, capsys):
+    """Only long-running hosts ran the scheduler: a deployment of container jobs alone never
+    published a slot. ``schedules --publish`` from cron does, once per slot however often."""
+    settings.WORKQUEUE = {
+        **settings.WORKQUEUE,
+        "SCHEDULES": [
+            schedule(topic_name, "0 * * * *"),
+            {"name": "nowhere", "cron": "0 * * * *", "topic": "no.such.topic"},
+        ],
+    }
+
+    for _ in range(2):
+        with pytest.raises(CommandError, match=r"Not published: nowhere \(TopicNotFound\)"):
+            call_command("workqueue", "schedules", "--publish", "--json")
+        rows = {row["name"]: row["published"] for row in json.loads(capsys.readouterr().out)}
+        assert rows == {"report": True, "nowhere": False}
+
+    assert published(topic_name) == 1

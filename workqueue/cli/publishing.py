@@ -174,6 +174,15 @@ class SchedulesVerb(Verb):
         "whether a host has published it, and the next slot (database clock)."
     )
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--publish",
+            action="store_true",
+            help="First publish each schedule's due slot, as a host's scheduler does (once per "
+            "slot across every host and run): for deployments without a long-running host, "
+            "run it from cron every minute.",
+        )
+
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.conf import get_settings
         from workqueue.driver import get_driver
@@ -186,6 +195,10 @@ class SchedulesVerb(Verb):
             schedules = load_schedules(conf.SCHEDULES)
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc)) from None
+        if options["publish"]:
+            from workqueue.runtime.scheduler import Scheduler
+
+            refused = Scheduler(schedules).run_once().refused
         now = get_driver(conf.DATABASE_ALIAS).database_now()
         slots = {s.name: s.latest_slot(now) for s in schedules}
         published = set(
@@ -206,6 +219,15 @@ class SchedulesVerb(Verb):
             }
             for s in schedules
         ]
+        self._write(command, options, rows)
+        if options["publish"] and refused:
+            raise CommandError(
+                "Not published: "
+                + "; ".join(f"{name} ({why})" for name, why in sorted(refused.items()))
+                + " (the errors are logged; the next run tries again)."
+            )
+
+    def _write(self, command: BaseCommand, options: dict[str, Any], rows: list[Any]) -> None:
         if options["json"]:
             command.stdout.write(to_json(rows))
             return
