@@ -17,10 +17,13 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connection
 from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
+from tests.support.database import queue_connection_settings
+from tests.support.roles import database_role
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import InvalidInputError, PermissionDeniedError
@@ -309,6 +312,28 @@ def post(client: Any, path: str, body: Any, key: Any) -> Any:
         content_type="application/json",
         headers={"X-API-Key": key.raw_key},
     )
+
+
+def test_a_bulk_operation_the_database_refuses_fails_with_its_error_not_a_traceback(pg_conn):
+    """A DriverError (here: the role may not run the procedure) left the command as a raw
+    traceback; it exits 1 naming the error and what a re-run finds."""
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {})
+    with database_role(pg_conn, "wq_ops") as role:
+        call_command("workqueue", "grant-operator", role)
+        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_resolve_dead_letters FROM "{role}"')
+        connection.close()
+        get_driver().close_all()
+        with (
+            queue_connection_settings(options={}, USER=role),
+            pytest.raises(CommandError, match=r"permission denied.*safe to run again"),
+        ):
+            try:
+                run("replay-dead-letters", "-s", subscription.name)
+            finally:
+                get_driver().close_all()
+
+    assert statuses(ids) == ["DeadLettered"]
 
 
 def test_the_rest_api_replays_and_discards_by_filter_with_the_operate_scope_only(client):

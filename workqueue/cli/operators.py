@@ -73,9 +73,11 @@ def _operation_errors(run: Any) -> Any:
     """Turn the operators' expected errors into CommandError (stderr, non-zero exit)."""
     from workqueue.exceptions import (
         DeliveryBusyError,
+        DriverError,
         InvalidInputError,
         NotFoundError,
         PermissionDeniedError,
+        TransportUnavailableError,
         UnsupportedByTransportError,
     )
 
@@ -89,6 +91,12 @@ def _operation_errors(run: Any) -> Any:
         UnsupportedByTransportError,
     ) as exc:
         raise CommandError(str(exc)) from exc
+    except (DriverError, TransportUnavailableError) as exc:
+        # A bulk operation commits batch by batch: say what a re-run finds.
+        raise CommandError(
+            f"{exc} (whatever was applied before this error stays applied; operations are "
+            "safe to run again: --dry-run counts what is left)"
+        ) from exc
 
 
 def _write_page_json(command: BaseCommand, page: Any) -> None:

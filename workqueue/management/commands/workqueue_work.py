@@ -33,7 +33,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("-s", "--subscription", required=True, help="Name, or '*' for all.")
         parser.add_argument("--once", action="store_true", required=True)
-        parser.add_argument("--max", type=int, default=1, help="Deliveries to receive (≥ 1).")
+        parser.add_argument(
+            "--max", type=int, default=1, help="Deliveries to receive (≥ 1; default 1)."
+        )
         parser.add_argument(
             "--concurrency",
             type=int,
