@@ -1025,7 +1025,9 @@ def test_operator_actions_the_aws_transport_cannot_do_are_refused_clearly_on_eve
     ((name, said),) = counted.context["counts"]
     assert name == subscription.name
     assert said.startswith("not supported: ") and "supports_bulk_discard_pending" in said
-    applied = admin_client.post(url, {**form, "post": "apply"}, follow=True)
+    applied = admin_client.post(
+        url, {**form, "post": "apply", "counted": counted.context["counted"]}, follow=True
+    )
     assert applied.status_code == 200
     (message,) = applied.context["messages"]
     assert "supports_bulk_discard_pending" in str(message) and message.level_tag == "warning"

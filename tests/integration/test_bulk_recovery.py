@@ -429,8 +429,27 @@ def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(c
     ]
     assert set(statuses(rows["poison"])) == {"DeadLettered"}
 
+    fingerprint = counted.context["counted"]
+
+    # Filters edited after the count: Apply would have replayed all 7 while the page said 2.
+    widened = client.post(
+        url,
+        {
+            **form,
+            "dead_letter_reason": "",
+            "operation": "replay",
+            "post": "apply",
+            "counted": fingerprint,
+        },
+    )
+    assert widened.status_code == 200
+    assert "not the ones counted" in str(widened.context["form"].non_field_errors())
+    assert set(statuses(rows["poison"] + rows["timeouts"])) == {"DeadLettered"}
+
     applied = client.post(
-        url, {**form, "operation": "replay", "post": "apply", "note": "fixed"}, follow=True
+        url,
+        {**form, "operation": "replay", "post": "apply", "note": "fixed", "counted": fingerprint},
+        follow=True,
     )
     assert applied.status_code == 200
     assert statuses(rows["poison"]) == ["Pending"] * 2
@@ -439,7 +458,9 @@ def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(c
 
     extra = waiting(subscription, 3, key="flood")
     form = {**form, "dead_letter_reason": "", "partition_key": "flood", "note": "flood"}
-    discarded = client.post(url, {**form, "operation": "discard_pending", "post": "apply"})
+    pending = {**form, "operation": "discard_pending"}
+    fingerprint = client.post(url, {**pending, "post": "count"}).context["counted"]
+    discarded = client.post(url, {**pending, "post": "apply", "counted": fingerprint})
     assert discarded.status_code == 302
     assert statuses(extra) == ["Discarded"] * 3
     assert statuses(rows["poison"]) == ["Pending"] * 2  # replayed above: no "flood" key

@@ -6,6 +6,8 @@ matching dead letters in the database, not on a page of the list (the same opera
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from django import forms
@@ -71,6 +73,16 @@ class DeadLetterRecoveryForm(forms.Form):
             self.add_error("dead_letter_reason", "Waiting deliveries have no dead-letter reason.")
         return data
 
+    def selection_fingerprint(self) -> str:
+        """What the operation would act on (operation and filters, not the note): a count's
+        fingerprint, which Apply must match, so the rows applied are the rows counted."""
+        data = self.cleaned_data
+        chosen = [
+            data.get(name)
+            for name in ("operation", "dead_letter_reason", "partition_key", "error_contains")
+        ] + [data[name].isoformat() if data.get(name) else None for name in ("since", "before")]
+        return hashlib.sha256(json.dumps(chosen).encode()).hexdigest()[:32]
+
     def run(self, subscription_name: str, *, dry_run: bool, actor: Actor) -> Any:
         """The chosen operation on one subscription (its permission checked there)."""
         data = self.cleaned_data
@@ -120,6 +132,20 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
     form = DeadLetterRecoveryForm(request.POST if bound else None)
     subscriptions = list(queryset.order_by("name").values_list("name", flat=True))
     counts: list[tuple[str, str]] = []
+    counted = ""
+    if (
+        bound
+        and form.is_valid()
+        and request.POST["post"] == "apply"
+        and request.POST.get("counted") != form.selection_fingerprint()
+    ):
+        # Filters edited after the count (or never counted): what Apply would change is not
+        # what the page showed.
+        form.add_error(
+            None,
+            "The operation or filters are not the ones counted: press Count (dry run), check "
+            "the counts, then Apply.",
+        )
     if bound and form.is_valid():
         dry_run = request.POST["post"] == "count"
         data = form.cleaned_data
@@ -159,6 +185,7 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
             )
             return None
         counts = results
+        counted = form.selection_fingerprint()
     opts = modeladmin.model._meta
     request.current_app = modeladmin.admin_site.name
     context = {
@@ -169,6 +196,7 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
         "subscriptions": subscriptions,
         "selected": queryset.values_list("pk", flat=True),
         "counts": counts,
+        "counted": counted,
         "opts": opts,
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         "media": modeladmin.media + form.media,
