@@ -128,6 +128,17 @@ def test_run_after_past_the_queues_retention_is_refused_at_enqueue():
     assert published_tasks() == 0
 
 
+def test_a_naive_run_after_is_refused_naming_run_after_even_without_use_tz(settings):
+    """With USE_TZ = False the API lets a naive run_after through; enqueue then failed with a
+    message about not_before, a name the caller never used."""
+    settings.USE_TZ = False
+    naive = dt.datetime(2030, 1, 1, 12, 0)
+
+    with pytest.raises(InvalidTaskError, match="run_after must be an aware datetime"):
+        add.using(run_after=naive).enqueue(1, 1)
+    assert published_tasks() == 0
+
+
 def test_queue_names_must_make_topic_names():
     with override_settings(
         TASKS={"default": {"BACKEND": "workqueue.tasks.WorkQueueBackend", "QUEUES": []}}

@@ -75,6 +75,14 @@ class WorkQueueBackend(api.BaseTaskBackend):
         problem = _queue_name_problem(task.queue_name)
         if problem:
             raise api.InvalidTaskError(problem)
+        if task.run_after is not None and not timezone.is_aware(task.run_after):
+            # The API checks this only with USE_TZ; the queue's due times are instants
+            # whatever USE_TZ says, and a naive time names none.
+            raise api.InvalidTaskError(
+                "run_after must be an aware datetime (with its UTC offset): the work queue "
+                "schedules by instant, e.g. timezone.now() + timedelta(minutes=5) with "
+                "USE_TZ = True, or datetime.now(timezone.utc) + ..."
+            )
 
     def enqueue(self, task: api.Task, args: Any, kwargs: Any) -> api.TaskResult:
         """Publish the task as one message on ``tasks.<queue>`` and return its READY result.
