@@ -1116,13 +1116,19 @@ class AwsTransport(BaseTransport):
         for message in ordered:
             if not _selected(_dead_letter_item(binding, message), selection):
                 continue
-            changed += 1
             if options.get("dry_run"):
+                changed += 1
                 continue
+            # Each looks the dead letter up again (the scan above let go of it): one another
+            # caller replayed or discarded meanwhile is not counted as changed here.
+            delivery_id = _dead_letter_id(message)
             if action == "Replay":
-                self.replay(subscription_id, _dead_letter_id(message), options.get("actor"), None)
+                done = self.replay(subscription_id, delivery_id, options.get("actor"), None)
             else:
-                self.discard(subscription_id, _dead_letter_id(message), options.get("actor"), None)
+                done = self.discard(
+                    subscription_id, delivery_id, options.get("actor"), None
+                ).changed
+            changed += int(done)
         return {
             "examined": len(ordered),
             "changed": changed,
