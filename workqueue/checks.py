@@ -48,6 +48,7 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
                 id="workqueue.E003",
             )
         )
+    errors.extend(_routing_errors(conf.DATABASE_ALIAS))
     from workqueue.scheduling import load_schedules
 
     try:
@@ -72,6 +73,40 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
             )
         )
     return errors
+
+
+def _routing_errors(alias: str) -> list[Any]:
+    """The ORM must read and write the app's models where the procedures keep them: the admin,
+    the operators and the Tasks API's results use the ORM, the procedures DATABASE_ALIAS."""
+    from django.db import router
+
+    from workqueue.models import Delivery, Subscription, TaskResult
+
+    elsewhere = sorted(
+        {
+            f"{model.__name__} ({how} {found!r})"
+            for model in (Subscription, Delivery, TaskResult)
+            for how, found in (
+                ("read from", router.db_for_read(model)),
+                ("written to", router.db_for_write(model)),
+            )
+            if found != alias
+        }
+    )
+    if not elsewhere:
+        return []
+    return [
+        checks.Error(
+            f"WORKQUEUE['DATABASE_ALIAS'] is {alias!r}, but Django's database routing sends "
+            f"the work queue's models elsewhere: {', '.join(elsewhere)}. The admin, the "
+            "operator commands and Tasks API results would use another database than the "
+            "queue's procedures.",
+            hint=f"Add a router to DATABASE_ROUTERS that sends app label 'workqueue' to "
+            f"{alias!r} (db_for_read, db_for_write, allow_migrate), or keep the queue on "
+            "'default'.",
+            id="workqueue.E006",
+        )
+    ]
 
 
 def check_system_user(
