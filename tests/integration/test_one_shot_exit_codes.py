@@ -7,6 +7,7 @@ exited 0 with "processed=0 reason=Idle"."""
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -22,7 +23,9 @@ from tests.support.database import queue_connection_settings
 from tests.support.roles import database_role
 from workqueue import publish
 from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery
+from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -87,3 +90,33 @@ def test_a_job_whose_subscriptions_cannot_be_planned_exits_2(waiting_work, setti
     assert error.returncode == 2
     assert "Could not plan the subscriptions" in str(error), str(error)
     assert Delivery.objects.get(subscription=waiting_work).status == "Pending"
+
+
+def test_a_claim_that_fails_once_is_a_blip_not_a_failed_job(waiting_work, monkeypatch):
+    """A dropped connection fails one claim and the next one gets past it: the job must not
+    exit 2 because the run happened to end between the two."""
+    real_receive, calls = Receiver.receive, []
+
+    def dropped_once(self: Receiver, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return real_receive(self, *args, **kwargs)
+
+    monkeypatch.setattr(Receiver, "receive", dropped_once)
+    out = io.StringIO()
+
+    call_command(
+        "workqueue_work",
+        "-s",
+        waiting_work.name,
+        "--once",
+        "--max",
+        "5",
+        "--idle-exit-ms",
+        "300",
+        stdout=out,
+    )
+
+    assert len(calls) >= 3 and "processed=1 reason=Idle" in out.getvalue()
+    assert Delivery.objects.get(subscription=waiting_work).status == "Completed"

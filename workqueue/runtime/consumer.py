@@ -83,6 +83,11 @@ def default_prefetch(max_payload_bytes: int) -> int:
     return min(DEFAULT_PREFETCH, PREFETCH_MAX_BYTES // max_payload_bytes)
 
 
+#: Claim-loop failures in a row after which a one-shot run counts its subscription as unable to
+#: run (fewer are a blip the next claim may get past).
+FAILURES_THAT_PERSIST = 3
+
+
 def restart_delay_seconds(failures_in_a_row: int) -> float:
     """How long a failed consumer waits before it tries again: 1 s, 2 s, 4 s ... at most 30 s."""
     return min(RESTART_MIN_SECONDS * 2 ** (failures_in_a_row - 1), RESTART_MAX_SECONDS)
@@ -419,6 +424,12 @@ class Consumer:
                     self._stopping.wait(delay)
         finally:
             self.receiver.close()
+
+    @property
+    def failing(self) -> bool:
+        """Whether the claim loop has failed several times in a row just now (a missing
+        grant, a database that stays away), not once (a dropped connection it gets past)."""
+        return self._failures_in_a_row >= FAILURES_THAT_PERSIST
 
     def _failed(self, reason: str) -> float:
         """Record a failure (health shows it); return the backoff before the next try."""

@@ -58,6 +58,10 @@ class PlanState:
     ERROR = "Error"
 
 
+#: The states in which a subscription a host was asked to run does not run.
+CANNOT_RUN = frozenset({PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED})
+
+
 @dataclass(frozen=True, slots=True)
 class PlanEntry:
     name: str
@@ -81,10 +85,11 @@ class StartFailure:
 class RunOnceResult:
     processed: int
     reason: str  # MaxDeliveries | Idle | MaxDuration | Shutdown
-    #: Each subscription's health as the run ended, before the drain (which reports every
-    #: subscription as shut down): a consumer that could not start or whose claims kept
-    #: failing shows as Error here.
-    subscriptions: list[dict[str, Any]]
+    #: The subscriptions that could not run, with their health as the run ended (before the
+    #: drain, which reports every subscription as shut down): unknown, HandlerNotRegistered,
+    #: Unsupported, a consumer that could not start, claims that kept failing. A claim that
+    #: failed once and not again is no reason.
+    could_not_run: list[dict[str, Any]]
     #: Why the subscriptions could not be planned at all (a settings mistake), if so.
     planning_failure: str | None = None
 
@@ -663,8 +668,12 @@ class Host:
                     reason = "MaxDeliveries"
                     break
                 quiet = min(time.monotonic() - c.last_activity for c in consumers)
+                # A consumer whose claim just failed claims again before the run calls the
+                # queue idle: once more is a blip, a few times in a row a failure.
+                retrying = any(c.failure is not None and not c.failing for c in consumers)
                 if (
                     not busy
+                    and not retrying
                     and all(c.last_receive_empty for c in consumers)
                     and quiet >= idle_exit_ms / 1000
                 ):
@@ -673,12 +682,20 @@ class Host:
                 stop_requested.wait(0.02)
         finally:
             processed = sum(c.processed for c in consumers)
-            subscriptions = self.health()["subscriptions"]
+            could_not_run = self._could_not_run(consumers)
             if on_stopping is not None:
                 on_stopping(reason)
             self.shutdown()
             processed = max(processed, sum(c.processed for c in consumers))
-        return RunOnceResult(processed, reason, subscriptions, self.planning_failure)
+        return RunOnceResult(processed, reason, could_not_run, self.planning_failure)
+
+    def _could_not_run(self, consumers: list[Consumer]) -> list[dict[str, Any]]:
+        transient = {c.plan.name for c in consumers if c.failure is not None and not c.failing}
+        return [
+            entry
+            for entry in self.health()["subscriptions"]
+            if entry["state"] in CANNOT_RUN and entry["name"] not in transient
+        ]
 
 
 def aliases_closing_after_each_use(databases: Mapping[str, Mapping[str, Any]]) -> list[str]:

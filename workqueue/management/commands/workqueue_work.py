@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.runtime.host import Host, HostConfig, PlanState, describe_subscription
+from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
     describe_left_behind,
@@ -23,8 +23,6 @@ from workqueue.runtime.process import (
     start_up_objects_frozen,
     stop_on_signals,
 )
-
-CANNOT_RUN = {PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED}
 
 
 class Command(BaseCommand):
@@ -93,7 +91,7 @@ class Command(BaseCommand):
             raise CommandError(
                 f"Could not plan the subscriptions: {result.planning_failure}", returncode=2
             )
-        failed = [s for s in result.subscriptions if s["state"] in CANNOT_RUN]
+        failed = result.could_not_run
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
