@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.backends.signals import connection_created
 from django.db.models import F
 from django.test import override_settings
@@ -240,6 +240,19 @@ def test_a_task_no_subscription_receives_is_refused_not_silently_lost():
     assert default_task_backend.get_result(again.id).status == TaskResultStatus.READY
     assert default_task_backend.get_result(waiting.id).status == TaskResultStatus.READY
     assert published_tasks() == 4  # the two refused were stored without a delivery
+
+
+def test_a_task_enqueued_in_a_repeatable_read_transaction_is_not_refused():
+    """The check that the task got a delivery read from the caller's snapshot, taken before
+    the publish committed on the queue's own connection: the task was queued, yet refused."""
+    default_task_backend.ensure_queue("default")
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        cursor.execute("SELECT count(*) FROM workqueue_delivery")  # the snapshot is taken
+
+        result = add.enqueue(1, 2)
+
+    assert default_task_backend.get_result(result.id).status == TaskResultStatus.READY
 
 
 def test_get_result_of_an_unknown_or_malformed_id_does_not_exist():

@@ -10,7 +10,7 @@ policy or status: a result's status is its delivery's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -219,13 +219,34 @@ def _subscription_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _has_a_task_delivery(message_id: str | None) -> bool:
+    """Whether the message (committed on the queue's own connection) got a delivery that runs
+    it as a task."""
     from workqueue.models import Delivery
 
-    return (
-        Delivery.objects.using(get_settings().DATABASE_ALIAS)
-        .filter(message_id=message_id, subscription__handler_key=HANDLER_KEY)
-        .exists()
-    )
+    alias = get_settings().DATABASE_ALIAS
+
+    def found() -> bool:
+        return (
+            Delivery.objects.using(alias)
+            .filter(message_id=message_id, subscription__handler_key=HANDLER_KEY)
+            .exists()
+        )
+
+    if found():
+        return True
+    if not connections[alias].in_atomic_block:
+        return False
+    # The caller's transaction may read from a snapshot taken before the publish committed
+    # (REPEATABLE READ, SERIALIZABLE): asked again outside it, on a thread's own connection.
+    with ThreadPoolExecutor(1, thread_name_prefix="wq-tasks-check") as pool:
+        return pool.submit(_outside_any_transaction, found).result()
+
+
+def _outside_any_transaction(check: Callable[[], bool]) -> bool:
+    try:
+        return check()
+    finally:
+        connections.close_all()
 
 
 def _why_no_subscription_runs(queue_name: str) -> str:
