@@ -14,7 +14,7 @@ import time
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
-from django.db import connection
+from django.db import connection, transaction
 
 from tests.factories import SubscriptionFactory
 from workqueue import publish
@@ -43,7 +43,11 @@ class Record(BaseWorkHandler):
         if message.payload.get("duplicate_user"):
             # A failed save let out (the system user exists): an IntegrityError.
             get_user_model().objects.create(username=self.user.get_username())
-        if message.payload.get("divide_by_zero"):
+        if message.payload.get("complete_then_fail"):
+            with transaction.atomic():
+                get_user_model().objects.create(username=f"seen-{message.payload['n']}")
+                context.complete(enlist=True)
+        if message.payload.get("divide_by_zero") or message.payload.get("complete_then_fail"):
             with connection.cursor() as cursor:  # a failed statement of its own
                 cursor.execute("SELECT 1 / 0")
         if message.payload.get("then"):
@@ -143,7 +147,12 @@ def test_a_failing_queue_call_in_test_mode_leaves_the_test_transaction_usable(to
 @use_test_connection()
 @pytest.mark.parametrize(
     ("failure", "error"),
-    [("duplicate_user", "IntegrityError"), ("divide_by_zero", "DataError")],
+    [
+        ("duplicate_user", "IntegrityError"),
+        ("divide_by_zero", "DataError"),
+        # Its enlisted completion went with the savepoint, yet the run read as Completed.
+        ("complete_then_fail", "DataError"),
+    ],
 )
 def test_a_handler_whose_statement_failed_is_retried_and_the_test_transaction_stays_usable(
     topology, failure, error
@@ -157,6 +166,7 @@ def test_a_handler_whose_statement_failed_is_retried_and_the_test_transaction_st
     assert (run.status, run.attempt) == ("Pending", 1)
     assert error in run.error
     assert Delivery.objects.get().status == "Pending"
+    assert not get_user_model().objects.filter(username="seen-1").exists()
     publish(topology.topic.name, {"n": 2})
     assert get_user_model().objects.filter(username="workqueue-system").count() == 1
 

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections, transaction
 from django.test.utils import TestContextDecorator
 
 from workqueue.conf import get_settings
@@ -201,10 +201,12 @@ class _HandlerSavepoint:
     def __init__(self, alias: str) -> None:
         self.alias = alias
         self._savepoint: str | None = None
+        self._hooks_before = 0
 
     def begin(self) -> None:
         # None in autocommit (a TransactionTestCase): every statement then stands alone.
         self._savepoint = transaction.savepoint(using=self.alias)
+        self._hooks_before = len(connections[self.alias].run_on_commit)
 
     def end(self) -> None:
         savepoint, self._savepoint = self._savepoint, None
@@ -220,6 +222,10 @@ class _HandlerSavepoint:
                 pass
         transaction.set_rollback(False, using=self.alias)  # what rolling back to it undoes
         transaction.savepoint_rollback(savepoint, using=self.alias)
+        # Django forgets the commit hooks of the atomic blocks it rolls back, not those of a
+        # bare savepoint's: an enlisted completion's would still read as pending, and its
+        # rolled-back completion as done.
+        del connections[self.alias].run_on_commit[self._hooks_before :]
 
 
 def _last_error(delivery_id: str) -> str | None:
