@@ -48,6 +48,7 @@ from workqueue.transports.aws import (
     QueueBinding,
     _Provisioner,
     clients_for,
+    send_released_copy,
 )
 from workqueue.types import DeliveryStatus, SettleOutcome
 
@@ -477,6 +478,28 @@ def test_fifo_sends_never_reuse_a_deduplication_id_so_sqs_drops_no_dead_letter_o
     assert receive_one(holder).attempt == 1  # the second replay arrived
     assert [queue.endswith("-dlq.fifo") for queue, _ in sends] == [True, False] * 2
     assert len({dedup for _, dedup in sends}) == len(sends), sends
+
+
+def test_a_release_sent_twice_for_one_receive_stores_one_copy(aws):
+    """A release whose send succeeded and whose delete failed is retried: each send had a
+    random deduplication id, so two copies of the delivery ran."""
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive", lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1}, partition_key="k")
+    holder = receiver(subscription)
+    held = receive_one(holder)
+    binding = QueueBinding.of(str(subscription.id))
+
+    send_released_copy(binding, held)
+    send_released_copy(binding, held)  # the retry
+    holder.complete(held)  # the received message itself is gone: only the copies are left
+
+    copies = []
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        for copy in holder.receive(10).deliveries:
+            copies.append(copy)
+            holder.complete(copy)
+    assert [c.delivery_id for c in copies] == [held.delivery_id]
 
 
 @pytest.mark.parametrize("fifo", [False, True], ids=["standard", "fifo"])

@@ -15,6 +15,8 @@ Needs root and iproute2 (``ip``); CI runs as root. Tests skip where either is mi
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -101,11 +103,14 @@ def silent_network(
     forwarder = None
     near_ends: list[str] = []
     try:
-        # 10.213.<n>.0/30 per path; <n> from the process id keeps parallel workers apart.
-        subnet = os.getpid() % 60 * 4
-        for index, path in enumerate(paths):
+        try:
+            _ip("link", "add", f"wqs{tag}p0", "type", "veth", "peer", "name", f"wqs{tag}p1")
+        except RuntimeError as exc:
+            pytest.skip(f"cannot make veth pairs here: {exc}")
+        _ip("link", "del", f"wqs{tag}p0")
+        prefixes = _free_prefixes(len(paths))
+        for path, prefix in zip(paths, prefixes, strict=True):
             near_end, far_end = f"wqs{tag}{path}0", f"wqs{tag}{path}1"
-            prefix = f"10.213.{subnet + index}"
             _ip("link", "add", near_end, "type", "veth", "peer", "name", far_end)
             near_ends.append(near_end)
             _ip("link", "set", far_end, "netns", network.namespace)
@@ -130,7 +135,21 @@ def silent_network(
             forwarder.kill()
             forwarder.communicate(timeout=10)  # reaps it and closes its pipes
         # A namespace outlives its name while connections in it still wait on a silent path,
-        # and its far ends with it: delete the pairs from this end.
-        for near_end in near_ends:
-            _ip("link", "del", near_end)
-        _ip("netns", "del", network.namespace)
+        # and its far ends with it: delete the pairs from this end. Best effort, so that a
+        # failure here never hides the test's own.
+        for args in [("link", "del", near_end) for near_end in near_ends] + [
+            ("netns", "del", network.namespace)
+        ]:
+            subprocess.run(["ip", *args], capture_output=True)
+
+
+def _free_prefixes(count: int) -> list[str]:
+    """``count`` /30 networks 10.213.<n>.0 that no interface of this machine uses (another
+    test run's paths included), as ``10.213.<n>``."""
+    listed = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    taken = set(re.findall(r"inet 10\.213\.(\d+)\.", listed.stdout))
+    start = random.randrange(256)
+    free = [f"10.213.{n % 256}" for n in range(start, start + 256) if str(n % 256) not in taken]
+    if len(free) < count:
+        pytest.skip("no free 10.213.x.0/30 networks for silent paths")
+    return free[:count]

@@ -69,8 +69,9 @@ class StatsVerb(Verb):
             command.stderr.write(f"{failure['subscription_name']}: {failure['error']}")
 
 
-def _operation_errors(run: Any) -> Any:
-    """Turn the operators' expected errors into CommandError (stderr, non-zero exit)."""
+def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
+    """Turn the operators' expected errors into CommandError (stderr, non-zero exit).
+    ``in_batches``: the operation commits batch by batch (a bulk replay or discard)."""
     from workqueue.exceptions import (
         DeliveryBusyError,
         DriverError,
@@ -92,10 +93,12 @@ def _operation_errors(run: Any) -> Any:
     ) as exc:
         raise CommandError(str(exc)) from exc
     except (DriverError, TransportUnavailableError) as exc:
-        # A bulk operation commits batch by batch: say what a re-run finds.
+        if not in_batches:
+            raise CommandError(str(exc)) from exc
+        # Say what a re-run finds.
         raise CommandError(
-            f"{exc} (whatever was applied before this error stays applied; operations are "
-            "safe to run again: --dry-run counts what is left)"
+            f"{exc} (the batches applied before this error stay applied; running it again is "
+            "safe, and --dry-run counts what is left)"
         ) from exc
 
 

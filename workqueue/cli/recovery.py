@@ -89,7 +89,8 @@ class _ResolveDeadLettersVerb(Verb):
                 dry_run=options["dry_run"],
                 note=options[self.note_option],
                 batch_size=options["batch_size"],
-            )
+            ),
+            in_batches=True,
         )
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))
@@ -174,7 +175,8 @@ class DiscardPendingVerb(Verb):
                 reason=options["discard_reason"],
                 dry_run=options["dry_run"],
                 batch_size=options["batch_size"],
-            )
+            ),
+            in_batches=True,
         )
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))

@@ -151,14 +151,19 @@ class Sweeper:
 
 
 def _subscription_names(subscription_ids: set[Any]) -> dict[str, str]:
-    """The names of the subscriptions with these ids, by id as text."""
+    """The names of the subscriptions with these ids, by id as text; none when they cannot be
+    read (the leases are expired by then: their log lines and signals must still go out)."""
     if not subscription_ids:
         return {}
     from workqueue.models import Subscription
 
-    return {
-        str(pk): name
-        for pk, name in Subscription.objects.filter(pk__in=subscription_ids).values_list(
-            "pk", "name"
-        )
-    }
+    try:
+        return {
+            str(pk): name
+            for pk, name in Subscription.objects.filter(pk__in=subscription_ids).values_list(
+                "pk", "name"
+            )
+        }
+    except Exception:
+        logger.exception("Sweeper: reading the names of subscriptions failed; logging ids")
+        return {}

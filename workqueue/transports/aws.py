@@ -40,7 +40,6 @@ import math
 import re
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -762,7 +761,11 @@ def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None
     if binding.fifo:
         params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
         # A new id per release: SQS FIFO drops a repeated one for 5 minutes.
-        params["MessageDeduplicationId"] = f"release-{uuid.uuid4().hex}"
+        # Of this receive: a release retried after its send succeeded (and its delete failed)
+        # stores one copy, not two (see _deduplication_id).
+        params["MessageDeduplicationId"] = _deduplication_id(
+            "release", delivery.delivery_id, delivery.lease_token
+        )
     _call(binding.clients.sqs.send_message, **params)
 
 
