@@ -1186,16 +1186,22 @@ def test_a_queue_lookup_that_cannot_reach_aws_is_reported_as_unavailable_not_rai
         _Provisioner(unreachable, dry_run=True).queue("wq-nowhere", False, {})
 
 
-def test_a_publish_that_cannot_reach_aws_is_rejected_as_unavailable_not_raised(monkeypatch):
-    """The topic's ARN is looked up at a process's first publish to it, outside the error
-    handling of the send: that one publish raised where every later one answered Rejected."""
+@pytest.fixture
+def unreachable(monkeypatch) -> Transport:
+    """An AWS Transport row whose endpoint nothing listens on (credentials set, so that
+    botocore gets as far as trying to connect)."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    unreachable = TransportFactory(
+    return TransportFactory(
         name="aws-down",
         driver_class="AWS",
         configuration={"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:9"},
     )
+
+
+def test_a_publish_that_cannot_reach_aws_is_rejected_as_unavailable_not_raised(unreachable):
+    """The topic's ARN is looked up at a process's first publish to it, outside the error
+    handling of the send: that one publish raised where every later one answered Rejected."""
     topic = TopicFactory(transport=unreachable)
 
     single = publish(topic.name, {"n": 1})
@@ -1216,16 +1222,9 @@ def test_a_profile_this_machine_lacks_is_named_as_a_configuration_mistake(monkey
         AwsClients(settings)
 
 
-def test_stats_that_cannot_be_read_exit_non_zero(monkeypatch):
+def test_stats_that_cannot_be_read_exit_non_zero(unreachable):
     """The table came out with the subscription missing, its error on stderr, and exit 0:
     a script or monitor reading the exit code saw success."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    unreachable = TransportFactory(
-        name="aws-down",
-        driver_class="AWS",
-        configuration={"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:9"},
-    )
     subscription = SubscriptionFactory(topic=TopicFactory(transport=unreachable))
     err = io.StringIO()
 

@@ -17,6 +17,7 @@ from django.db import connection, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.support.database import psycopg_params
+from tests.support.queue import answers_lost_once
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
@@ -294,24 +295,6 @@ def test_a_publish_whose_backend_was_terminated_is_retried_on_a_fresh_connection
     assert outcome(result) == ACCEPTED
     assert spy.attempts == ["wq_publish failed: TransientDriverError", "wq_publish"]
     assert Message.objects.filter(id=result.message_id).exists()
-
-
-def answers_lost_once(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The driver's next publish commits, then its connection drops before the answer comes
-    back; the publishes it was sent, by procedure."""
-    driver = get_driver()
-    original = driver.publish
-    calls: list[str] = []
-
-    def answer_lost(name: str, params: Any = None, **kwargs: Any) -> Any:
-        calls.append(name)
-        rows = original(name, params, **kwargs)
-        if len(calls) == 1:
-            raise TransientDriverError("server closed the connection unexpectedly (test)")
-        return rows
-
-    monkeypatch.setattr(driver, "publish", answer_lost)
-    return calls
 
 
 def test_a_publish_whose_answer_was_lost_is_accepted_when_sent_again(topic, monkeypatch):

@@ -24,10 +24,10 @@ from django_tasks import TaskResultStatus, default_task_backend, task_backends
 from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
+from tests.support.queue import answers_lost_once
 from tests.support.waiting import wait_until
 from tests.task_functions import add, always_fails, commits_durably, echo, returns_a_tuple
 from workqueue.driver import get_driver
-from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
@@ -199,18 +199,7 @@ def test_a_task_whose_publish_answer_was_lost_is_enqueued_once_not_refused(monke
     again, it found its message stored. ``enqueue`` raised "not enqueued: Duplicate" for a task
     that was queued, and a caller retrying the enqueue ran the task twice."""
     default_task_backend.ensure_queue("default")
-    driver = get_driver()
-    original = driver.publish
-    sent: list[str] = []
-
-    def answer_lost_once(name: str, params: Any = None, **kwargs: Any) -> Any:
-        sent.append(name)
-        rows = original(name, params, **kwargs)
-        if len(sent) == 1:
-            raise TransientDriverError("server closed the connection unexpectedly (test)")
-        return rows
-
-    monkeypatch.setattr(driver, "publish", answer_lost_once)
+    sent = answers_lost_once(monkeypatch)
 
     result = add.enqueue(1, 2)
 

@@ -1,4 +1,5 @@
-"""Queue states reached the way production reaches them: through publish, claim and settle."""
+"""Queue states reached the way production reaches them: through publish, claim and settle;
+and a publish whose answer is lost after it committed."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
+import pytest
 
 from tests.support.database import psycopg_params
 from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Subscription
 from workqueue.transport import Receiver
 
@@ -55,3 +59,21 @@ def row_held(delivery_id: str) -> Iterator[None]:
         yield
         with suppress(psycopg.OperationalError):
             holder.rollback()
+
+
+def answers_lost_once(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The driver's next publish commits, then its connection drops before the answer comes
+    back (a transient error); the publishes it was sent, by procedure."""
+    driver = get_driver()
+    original = driver.publish
+    calls: list[str] = []
+
+    def answer_lost(name: str, params: Any = None, **kwargs: Any) -> Any:
+        calls.append(name)
+        rows = original(name, params, **kwargs)
+        if len(calls) == 1:
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return rows
+
+    monkeypatch.setattr(driver, "publish", answer_lost)
+    return calls
