@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
@@ -30,7 +30,12 @@ from workqueue.driver.base import (
     canonical_json,
     encode_json_string,
 )
-from workqueue.exceptions import DeliveryBusyError, LockTimeoutError, TransientDriverError
+from workqueue.exceptions import (
+    DeliveryBusyError,
+    LockTimeoutError,
+    TransientDriverError,
+    WorkQueueError,
+)
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
@@ -273,7 +278,7 @@ def publish(
             rows = driver.publish(procedure, params, connection=connection)
             if attempt == 1:
                 return rows
-            return _stored_by_the_lost_attempt(rows, prepared, chosen_message_ids)
+            return _stored_by_the_lost_attempt(driver, topic, rows, prepared, chosen_message_ids)
         except TransientDriverError:
             # An enlisted publish shares the caller's transaction, which is now aborted: only
             # the caller can retry it. On our own connection the whole call simply re-runs.
@@ -294,20 +299,35 @@ def publish(
 
 
 def _stored_by_the_lost_attempt(
-    rows: list[dict[str, Any]], prepared: list[dict[str, Any]], chosen: frozenset[str]
+    driver: Any,
+    topic: str,
+    rows: list[dict[str, Any]],
+    prepared: list[dict[str, Any]],
+    chosen: frozenset[str],
 ) -> list[dict[str, Any]]:
     """The rows of a publish sent again after a transient failure, whose first sending may have
     committed with its answer lost: a message whose id was made for this call can only be a
     Duplicate of itself if that first sending stored it, so it is Accepted (and the publisher
     does not publish it again under a new id). An id the publisher chose may have been stored
     by an earlier publish of theirs, so its Duplicate stands."""
-    return [
-        {**row, "status": PublishStatus.ACCEPTED}
+    stored = [
+        index
+        for index, (row, message) in enumerate(zip(rows, prepared, strict=True))
         if row["status"] == PublishStatus.DUPLICATE
         and row["message_id"] == message["message_id"]
         and message["message_id"] not in chosen
-        else row
-        for row, message in zip(rows, prepared, strict=True)
+    ]
+    if stored:
+        # The lost sending's announcement went with its connection, and the Duplicate made no
+        # deliveries to announce: announced now, so hosts need not wait for their next poll.
+        with suppress(WorkQueueError):
+            driver.call(
+                "wq_announce",
+                {"topic_name": topic, "message_ids": [rows[i]["message_id"] for i in stored]},
+            )
+    return [
+        {**row, "status": PublishStatus.ACCEPTED} if index in stored else row
+        for index, row in enumerate(rows)
     ]
 
 

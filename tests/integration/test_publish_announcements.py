@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 import pytest
@@ -24,6 +25,7 @@ from tests.support.database import psycopg_params, queue_connection_settings
 from tests.support.processes import run_python, subprocess_environment
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver, postgresql
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Topic
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -396,4 +398,29 @@ def test_a_connection_lost_before_the_announcement_is_prepared_is_replaced_at_on
     # The second publish went out on a new connection at its first attempt (a transient error
     # would have been retried after a pause), and was announced.
     assert publish_calls == ["wq_publish", "wq_publish"]
+    assert len(notifications(listener, wait=5)) == 1
+
+
+def test_a_publish_whose_answer_was_lost_is_announced_when_its_retry_finds_it(
+    topic, listener, monkeypatch
+):
+    """The lost sending's announcement went with its connection, and the retry (a Duplicate of
+    it) made no deliveries to announce: hosts elsewhere saw the message only at their next
+    poll."""
+    driver = get_driver()
+    original, calls = driver.publish, []
+
+    def committed_then_lost(name: str, params: Any = None, **kwargs: Any) -> Any:
+        calls.append(name)
+        if len(calls) == 1:
+            # Committed without its announcement, which would follow on the lost connection.
+            driver.call(name, {**params, "caller_announces": True})
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return original(name, params, **kwargs)
+
+    monkeypatch.setattr(driver, "publish", committed_then_lost)
+
+    result = publish(topic.name, {"n": 1})
+
+    assert (result.status, calls) == ("Accepted", ["wq_publish", "wq_publish"])
     assert len(notifications(listener, wait=5)) == 1

@@ -303,11 +303,19 @@ def test_a_publish_whose_answer_was_lost_is_accepted_when_sent_again(topic, monk
     single_calls = answers_lost_once(monkeypatch)
     single = publish(topic.name, {"n": 1}, deduplication_key="order-7")
     batch_calls = answers_lost_once(monkeypatch)
-    batch = publish_many(topic.name, [{"payload": 2}, {"payload": 3, "deduplication_key": "d"}])
+    batch = publish_many(
+        topic.name,
+        [
+            {"payload": 2},
+            {"payload": 3, "deduplication_key": "d"},
+            {"payload": 4, "deduplication_key": "d"},  # a true Duplicate of the one before
+        ],
+    )
 
     assert single_calls[:2] == ["wq_publish", "wq_publish"]
     assert batch_calls == ["wq_publish_many", "wq_publish_many"]
-    assert [outcome(r) for r in (single, *batch)] == [ACCEPTED] * 3
+    assert [outcome(r) for r in (single, *batch)] == [ACCEPTED] * 3 + ["Duplicate"]
+    assert batch[2].message_id == batch[1].message_id
     assert {str(i) for i in Message.objects.values_list("id", flat=True)} == {
         r.message_id for r in (single, *batch)
     }
