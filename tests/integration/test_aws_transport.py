@@ -200,6 +200,27 @@ def test_subscription_filters_deliver_through_sns_filter_policies(aws):
     }
 
 
+def test_a_message_without_attributes_reaches_sns_with_one_so_isnull_filters_match_it(aws):
+    """SNS matches no filter policy against a message without attributes, not even
+    ``exists: false`` (AWS's filter documentation; moto matches it, so what is sent is what is
+    checked): an ``isnull`` subscription missed every message published without attributes."""
+    subscription = provisioned(
+        aws, filter={"logic": "and", "filters": [{"field": "tenant", "operator": "isnull"}]}
+    )
+    sent: list[dict[str, Any]] = []
+
+    def record(params: dict[str, Any], **_: Any) -> None:
+        sent.append(params.get("MessageAttributes"))
+
+    sns = QueueBinding.of(str(subscription.id)).clients.sns
+    sns.meta.events.register("provide-client-params.sns.Publish", record)
+    publish(subscription.topic.name, {"n": 1})
+
+    assert sent == [{"wq_no_attributes": {"DataType": "String", "StringValue": "1"}}]
+    [delivery] = receive_all(receiver(subscription), 1)
+    assert delivery.attributes == {}  # the marker is SNS's alone
+
+
 def test_a_disabled_subscription_stops_receiving_from_sns_once_provisioned(aws):
     subscription = provisioned(aws)
     sibling = SubscriptionFactory(topic=subscription.topic)

@@ -110,6 +110,11 @@ DEAD_LETTERED_AT_ATTRIBUTE = "wq_dead_lettered_at"
 # The delivery id a dead letter had in the subscription's queue (its SQS message id there):
 # operators list, replay and discard it by that id, as logs and signals named it.
 DELIVERY_ID_ATTRIBUTE = "wq_delivery_id"
+#: Sent to SNS with a message that has no attributes of its own: SNS matches no filter policy
+#: against a message without attributes, not even ``exists: false``, so an ``isnull`` filter
+#: would miss what it matches on the Database transport. Publishers cannot use the prefix, and
+#: deliveries take their attributes from the envelope, so it is seen by SNS alone.
+NO_ATTRIBUTES_MARKER = {"wq_no_attributes": "1"}
 
 
 # -- configuration and names ---------------------------------------------------------------
@@ -1187,10 +1192,8 @@ def _sns_entry(
         "published_by": publisher,
     }
     body = canonical_json(envelope)
-    attributes = message["attributes"] or {}
-    entry: dict[str, Any] = {"Message": body}
-    if attributes:
-        entry["MessageAttributes"] = _string_attributes(attributes)
+    attributes = message["attributes"] or NO_ATTRIBUTES_MARKER
+    entry: dict[str, Any] = {"Message": body, "MessageAttributes": _string_attributes(attributes)}
     if topic.is_fifo:
         entry["MessageGroupId"] = _group_id(message["partition_key"], message["message_id"])
         # Our message id: SNS drops a re-publish of it within its 5-minute window.
