@@ -24,6 +24,7 @@ from tests.support.hosts import one, runtime_threads, states, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
+from workqueue.driver.postgresql import PostgresDriver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.runtime import wakeup
@@ -554,6 +555,70 @@ def test_an_operator_cancel_reaches_a_running_handler_at_once_through_the_cancel
     wait_until(lambda: status_of(message) == "Discarded", timeout=15)
     assert time.monotonic() - cancelled_at < 20 / 2  # well before the next heartbeat (20 s)
     assert running.signal_reason == AbortReason.CANCELLED
+
+
+def test_a_cancel_made_while_the_listener_reconnects_is_caught_up(
+    make_host, fast_listener, monkeypatch
+):
+    """After a reconnect the cancel channel's catch-up (a notification with no delivery id) was
+    dropped: a cancel made in the gap reached its handler only at the next heartbeat."""
+    open_listener, opened, reconnect = PostgresDriver.open_listener, [], threading.Event()
+
+    def held_on_reconnect(self: PostgresDriver) -> Any:
+        opened.append(1)
+        if len(opened) > 1:
+            reconnect.wait(10)
+        return open_listener(self)
+
+    monkeypatch.setattr(PostgresDriver, "open_listener", held_on_reconnect)
+    s = sub(partition_mode="Exclusive", lease_seconds=60)  # heartbeats only every 20 s
+    host = make_host(one(s))
+    host.start()
+    first = wait_until(listener_pid, timeout=5)
+    message = publish(s.topic.name, {"sleepMs": 30_000}, partition_key="k").message_id
+    (running,) = probe.wait_for(1)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [first])
+    wait_until(lambda: len(opened) == 2, timeout=5)  # reconnecting, and held there
+
+    assert transport.discard_or_cancel(str(s.id), running.delivery_id, "ops", "stop")
+    reconnect.set()
+    cancelled_at = time.monotonic()
+
+    wait_until(lambda: status_of(message) == "Discarded", timeout=15)
+    assert time.monotonic() - cancelled_at < 20 / 2  # well before the next heartbeat (20 s)
+    assert running.signal_reason == AbortReason.CANCELLED
+
+
+def test_a_cancel_announced_before_its_claim_is_registered_still_stops_the_handler(
+    make_host, fast_listener, monkeypatch
+):
+    """A cancel whose notification arrived between the claim's commit and the consumer taking
+    the delivery in found nothing to check and was dropped: the handler ran to its end."""
+    receive, claimed, cancelled = Receiver.receive, threading.Event(), threading.Event()
+
+    def slow_to_register(self: Receiver, *args: Any, **kwargs: Any) -> Any:
+        result = receive(self, *args, **kwargs)
+        if result.deliveries:
+            claimed.set()
+            cancelled.wait(5)  # the cancel is made, and announced, in between
+            time.sleep(0.5)
+        return result
+
+    monkeypatch.setattr(Receiver, "receive", slow_to_register)
+    s = sub(partition_mode="Exclusive", lease_seconds=60)  # heartbeats only every 20 s
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    wait_until(listener_pid, timeout=5)
+    message = publish(s.topic.name, {"sleepMs": 10_000}, partition_key="k").message_id
+    assert claimed.wait(5)
+    delivery_id = str(Delivery.objects.get(message_id=message).pk)
+
+    assert transport.discard_or_cancel(str(s.id), delivery_id, "ops", "stop").cancel_requested
+    cancelled.set()
+
+    wait_until(lambda: status_of(message) == "Discarded", timeout=8)
+    assert [run.signal_reason for run in probe.runs] in ([], [AbortReason.CANCELLED])
 
 
 # -- one-shot runs ------------------------------------------------------------------------------

@@ -83,6 +83,12 @@ def default_prefetch(max_payload_bytes: int) -> int:
     return min(DEFAULT_PREFETCH, PREFETCH_MAX_BYTES // max_payload_bytes)
 
 
+#: How long, and how many, cancel announcements for deliveries a consumer does not hold are
+#: kept, in case their claim has committed but not been registered yet (milliseconds, unless
+#: the process is starved).
+RECENT_CANCEL_SECONDS = 30.0
+RECENT_CANCELS_KEPT = 1000
+
 #: Claim-loop failures in a row after which a one-shot run counts its subscription as unable to
 #: run (fewer are a blip the next claim may get past).
 FAILURES_THAT_PERSIST = 3
@@ -266,6 +272,8 @@ class Consumer:
             user=user,
         )
         self._running: dict[tuple[str, str], DeliveryExecution] = {}  # until settled
+        # Cancels announced for deliveries not (yet) held here, oldest first: id -> when.
+        self._recent_cancels: dict[str, float] = {}
         self._handlers_running = 0  # slots taken: from claim until the handler returns
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
@@ -312,15 +320,32 @@ class Consumer:
         self._kicked = True
         self._wake.set()
 
-    def check_lease(self, delivery_id: str) -> None:
+    def check_lease(self, delivery_id: str | None) -> None:
         """Renew the lease of a running delivery now (it may just have been cancelled): the
-        renewal reports the cancel and the handler is signalled without waiting a heartbeat."""
+        renewal reports the cancel and the handler is signalled without waiting a heartbeat.
+        ``None``: every delivery this consumer holds (cancels may have been missed).
+
+        An id it holds no delivery of is remembered for a while: its claim may have committed
+        and not be registered yet, and the execution is checked once it is (``_start``)."""
         with self._lock:
             executions = [
-                e for e in self._running.values() if e.delivery.delivery_id == delivery_id
+                e
+                for e in self._running.values()
+                if delivery_id is None or e.delivery.delivery_id == delivery_id
             ]
+            if delivery_id is not None and not executions:
+                self._remember_cancel(delivery_id)
         for execution in executions:
             execution.check_lease_soon()
+
+    def _remember_cancel(self, delivery_id: str) -> None:
+        now = time.monotonic()
+        while self._recent_cancels and (
+            len(self._recent_cancels) >= RECENT_CANCELS_KEPT
+            or next(iter(self._recent_cancels.values())) < now - RECENT_CANCEL_SECONDS
+        ):
+            del self._recent_cancels[next(iter(self._recent_cancels))]  # the oldest
+        self._recent_cancels[delivery_id] = now
 
     @property
     def in_flight(self) -> int:
@@ -636,11 +661,18 @@ class Consumer:
         )
         with self._lock:
             self._running[execution.key] = execution
-            if self._handlers_running >= self.config.concurrency:
+            cancelled = self._recent_cancels.pop(delivery.delivery_id, None) is not None
+            ahead = self._handlers_running >= self.config.concurrency
+            if ahead:
                 self._ready.append(execution)  # claimed ahead: starts when a slot frees
-                return
-            self._handlers_running += 1
-        self._run_in_slot(execution)
+            else:
+                self._handlers_running += 1
+        if cancelled:
+            # Announced between the claim's commit and now: the renewal reports it, and the
+            # handler is signalled (one claimed ahead is then never started).
+            execution.check_lease_soon()
+        if not ahead:
+            self._run_in_slot(execution)
 
     def _run_in_slot(self, execution: DeliveryExecution) -> None:
         """Hand ``execution``, which holds a slot, to a worker thread."""

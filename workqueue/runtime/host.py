@@ -555,7 +555,7 @@ class Host:
         for consumer in consumers:
             consumer.kick()
 
-    def _on_cancel(self, delivery_id: str) -> None:
+    def _on_cancel(self, delivery_id: str | None) -> None:
         with self._lock:
             consumers = list(self._consumers.values())
         for consumer in consumers:

@@ -24,7 +24,9 @@ POLL_SECONDS = 0.5
 MAX_RECONNECT_DELAY = 10.0
 
 Kick = Callable[[], None]
-CancelCallback = Callable[[str], None]
+#: Called with the cancelled delivery's id, or with None when cancels may have been missed (the
+#: listener was reconnecting): every running delivery is then worth a look.
+CancelCallback = Callable[[str | None], None]
 
 
 class Wakeup:
@@ -65,7 +67,8 @@ class Wakeup:
                 self._kicks.pop(channel, None)
 
     def on_cancel(self, callback: CancelCallback) -> None:
-        """Call ``callback(delivery_id)`` when an operator cancels a running delivery."""
+        """Call ``callback(delivery_id)`` when an operator cancels a running delivery, and
+        ``callback(None)`` after (re)connecting, for the cancels announced meanwhile."""
         self._on_cancel = callback
 
     def _wanted(self) -> set[str]:
@@ -77,8 +80,8 @@ class Wakeup:
 
     def _dispatch(self, channel: str, payload: str | None) -> None:
         if channel == self._driver.cancel_channel:
-            if self._on_cancel is not None and payload:
-                self._on_cancel(payload)
+            if self._on_cancel is not None:
+                self._on_cancel(payload or None)  # none: a catch-up after (re)connecting
             return
         with self._lock:
             kicks = list(self._kicks.get(channel, {}).values())
