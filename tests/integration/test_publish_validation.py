@@ -22,7 +22,7 @@ from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import TransientDriverError
-from workqueue.models import Delivery, Message
+from workqueue.models import Delivery, Message, Subscription
 from workqueue.publishing import OutgoingMessage
 from workqueue.transport import TRANSIENT_RETRIES
 from workqueue.types import PublishResult
@@ -295,6 +295,16 @@ def test_a_publish_whose_backend_was_terminated_is_retried_on_a_fresh_connection
     assert outcome(result) == ACCEPTED
     assert spy.attempts == ["wq_publish failed: TransientDriverError", "wq_publish"]
     assert Message.objects.filter(id=result.message_id).exists()
+
+
+def test_an_accepted_publish_says_whether_any_subscription_took_it(topic):
+    taken = publish(topic.name, {"n": 1})
+    Subscription.objects.filter(topic=topic).update(status="Disabled")
+    nobody = publish(topic.name, {"n": 2})
+
+    assert (taken.status, taken.delivered) == ("Accepted", True)
+    assert (nobody.status, nobody.delivered) == ("Accepted", False)
+    assert not Delivery.objects.filter(message_id=nobody.message_id).exists()
 
 
 def test_a_publish_whose_answer_was_lost_is_accepted_when_sent_again(topic, monkeypatch):

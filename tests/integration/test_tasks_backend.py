@@ -33,6 +33,7 @@ from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
 from workqueue.tasks.results import record_start
+from workqueue.testing import use_test_connection
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -229,6 +230,20 @@ def test_a_task_no_subscription_receives_is_refused_not_silently_lost():
     assert default_task_backend.get_result(again.id).status == TaskResultStatus.READY
     assert default_task_backend.get_result(waiting.id).status == TaskResultStatus.READY
     assert published_tasks() == 4  # the two refused were stored without a delivery
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_in_test_mode_a_task_no_subscription_receives_is_refused_too():
+    """In a TestCase the publish runs on the test's connection, which tells nothing of its
+    deliveries: the backend asks."""
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name=QUEUE).update(status="Disabled")
+
+    with pytest.raises(TaskEnqueueError, match="is Disabled"):
+        add.enqueue(1, 2)
+    Subscription.objects.filter(name=QUEUE).update(status="Active")
+    assert default_task_backend.get_result(add.enqueue(1, 2).id).status == TaskResultStatus.READY
 
 
 def test_a_task_enqueued_in_a_repeatable_read_transaction_is_not_refused():

@@ -581,7 +581,12 @@ class PostgresDriver(BaseDriver):
         if announcement is not None:
             topic_id, payload = announcement
             self._announce(params["topic_name"], self.topic_channel(topic_id), payload)
-        return [self.decode_row(procedure, result[:kept]) for result in results]
+        rows = [self.decode_row(procedure, result[:kept]) for result in results]
+        if name == "wq_publish" and rows[0]["status"] == "Accepted":
+            # Its announcement names a topic exactly when it made a delivery: for free, what
+            # PublishResult.delivered reports. (A batch's rows do not each carry theirs.)
+            rows[0]["delivered"] = results[0][kept] is not None
+        return rows
 
     @functools.cached_property
     def _announcing_calls(self) -> dict[str, str]:

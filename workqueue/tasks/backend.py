@@ -123,7 +123,10 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 f"The task {task.module_path} was not enqueued on topic "
                 f"{topic_name(task.queue_name)}: {reason}"
             )
-        if not _has_a_task_delivery(published.message_id):
+        delivered = published.delivered
+        if delivered is None:  # the transport could not tell: asked
+            delivered = _has_a_task_delivery(published.message_id)
+        if not delivered:
             # Stored, but no subscription took it (a message with no delivery is purged as an
             # orphan): the task would never run and no result would ever be found. The queue
             # is made sure of again at the next enqueue (a deleted subscription made anew).
