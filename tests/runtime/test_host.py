@@ -539,22 +539,34 @@ def test_cancelling_a_running_handler_in_a_host_frees_its_exclusive_key_at_once(
     assert status_of(first) == "Discarded"
 
 
+def running_handler_far_from_its_heartbeat(make_host: Any) -> tuple[Any, Any, str, int]:
+    """A host running one long handler whose heartbeats come only every 20 s (a 60 s lease):
+    its subscription, the handler's run, its message id and the listener's backend."""
+    s = sub(partition_mode="Exclusive", lease_seconds=60)
+    make_host(one(s)).start()
+    listener = wait_until(listener_pid, timeout=5)
+    message = publish(s.topic.name, {"sleepMs": 30_000}, partition_key="k").message_id
+    (running,) = probe.wait_for(1)
+    return s, running, message, listener
+
+
+def heard_at_once(running: Any, message: str, cancelled_at: float) -> None:
+    """The handler was signalled Cancelled and its delivery Discarded well before its next
+    heartbeat (20 s) could have told it."""
+    wait_until(lambda: status_of(message) == "Discarded", timeout=15)
+    assert time.monotonic() - cancelled_at < 20 / 2
+    assert running.signal_reason == AbortReason.CANCELLED
+
+
 def test_an_operator_cancel_reaches_a_running_handler_at_once_through_the_cancel_notification(
     make_host, fast_listener
 ):
-    s = sub(partition_mode="Exclusive", lease_seconds=60)  # heartbeats only every 20 s
-    host = make_host(one(s))
-    host.start()
-    wait_until(listener_pid, timeout=5)
-    message = publish(s.topic.name, {"sleepMs": 30_000}, partition_key="k").message_id
-    (running,) = probe.wait_for(1)
+    s, running, message, _ = running_handler_far_from_its_heartbeat(make_host)
 
     transport.discard_or_cancel(str(s.id), running.delivery_id, "ops", "stop")
     cancelled_at = time.monotonic()
 
-    wait_until(lambda: status_of(message) == "Discarded", timeout=15)
-    assert time.monotonic() - cancelled_at < 20 / 2  # well before the next heartbeat (20 s)
-    assert running.signal_reason == AbortReason.CANCELLED
+    heard_at_once(running, message, cancelled_at)
 
 
 def test_a_cancel_made_while_the_listener_reconnects_is_caught_up(
@@ -571,12 +583,7 @@ def test_a_cancel_made_while_the_listener_reconnects_is_caught_up(
         return open_listener(self)
 
     monkeypatch.setattr(PostgresDriver, "open_listener", held_on_reconnect)
-    s = sub(partition_mode="Exclusive", lease_seconds=60)  # heartbeats only every 20 s
-    host = make_host(one(s))
-    host.start()
-    first = wait_until(listener_pid, timeout=5)
-    message = publish(s.topic.name, {"sleepMs": 30_000}, partition_key="k").message_id
-    (running,) = probe.wait_for(1)
+    s, running, message, first = running_handler_far_from_its_heartbeat(make_host)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [first])
     wait_until(lambda: len(opened) == 2, timeout=5)  # reconnecting, and held there
@@ -585,9 +592,7 @@ def test_a_cancel_made_while_the_listener_reconnects_is_caught_up(
     reconnect.set()
     cancelled_at = time.monotonic()
 
-    wait_until(lambda: status_of(message) == "Discarded", timeout=15)
-    assert time.monotonic() - cancelled_at < 20 / 2  # well before the next heartbeat (20 s)
-    assert running.signal_reason == AbortReason.CANCELLED
+    heard_at_once(running, message, cancelled_at)
 
 
 def test_a_cancel_announced_before_its_claim_is_registered_still_stops_the_handler(
