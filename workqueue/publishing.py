@@ -377,7 +377,7 @@ _ERROR_TEXT = {
 def _result_from_row(row: Mapping[str, Any]) -> PublishResult:
     code = row["error_code"]
     if not code:
-        return PublishResult(row["message_id"], row["status"], delivered=row.get("delivered"))
+        return PublishResult(row["message_id"], row["status"], delivered_to=row.get("delivered_to"))
     text = row.get("error_message") or _ERROR_TEXT.get(code, code)
     return PublishResult(row["message_id"], row["status"], PublishError(code, text))
 

@@ -125,16 +125,16 @@ class PublishResult:
     ``message_id`` is the accepted message's id, or for a ``Duplicate`` the id of the message that
     already owns the deduplication key (or the same id re-published); it is ``None`` for a
     ``Rejected`` message, which stored nothing. ``error`` is set exactly when it was rejected.
-    ``delivered`` tells, for an accepted message, whether any subscription took it (False: the
-    topic's subscriptions were all Disabled or filtered it out, so nothing will run it), where
-    the transport knows at no cost (PostgreSQL, publishing on the queue's own connection); None
-    where it does not.
+    ``delivered_to`` holds, for an accepted message, the ids of the subscriptions that took it
+    (empty: the topic's subscriptions were all Disabled or filtered it out, so nothing will run
+    it), where the transport knows at no cost (PostgreSQL, publishing on the queue's own
+    connection); None where it does not. ``delivered`` says the same as yes, no or unknown.
     """
 
     message_id: str | None
     status: PublishStatus
     error: PublishError | None = None
-    delivered: bool | None = field(default=None, compare=False)
+    delivered_to: frozenset[str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Rows from either vendor's procedure carry the status as plain text: one type for
@@ -148,6 +148,11 @@ class PublishResult:
     def accepted(self) -> bool:
         """The message was stored now (not a duplicate, not rejected)."""
         return self.status == PublishStatus.ACCEPTED
+
+    @property
+    def delivered(self) -> bool | None:
+        """Whether any subscription took the message; None when the transport cannot tell."""
+        return None if self.delivered_to is None else bool(self.delivered_to)
 
     @property
     def rejected(self) -> bool:

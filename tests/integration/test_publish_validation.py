@@ -303,7 +303,8 @@ def test_an_accepted_publish_says_whether_any_subscription_took_it(topic):
     nobody = publish(topic.name, {"n": 2})
 
     assert (taken.status, taken.delivered) == ("Accepted", True)
-    assert (nobody.status, nobody.delivered) == ("Accepted", False)
+    assert taken.delivered_to == {str(s.pk) for s in Subscription.objects.filter(topic=topic)}
+    assert (nobody.status, nobody.delivered, nobody.delivered_to) == ("Accepted", False, set())
     assert not Delivery.objects.filter(message_id=nobody.message_id).exists()
 
 

@@ -24,6 +24,7 @@ from django_tasks import TaskResultStatus, default_task_backend, task_backends
 from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
+from tests.factories import SubscriptionFactory
 from tests.support.queue import answers_lost_once
 from tests.support.waiting import wait_until
 from tests.task_functions import add, always_fails, commits_durably, echo, returns_a_tuple
@@ -230,6 +231,19 @@ def test_a_task_no_subscription_receives_is_refused_not_silently_lost():
     assert default_task_backend.get_result(again.id).status == TaskResultStatus.READY
     assert default_task_backend.get_result(waiting.id).status == TaskResultStatus.READY
     assert published_tasks() == 4  # the two refused were stored without a delivery
+
+
+def test_a_task_only_another_subscription_of_its_topic_receives_is_refused():
+    """A second subscription on the queue's topic (an audit one) took the message while the
+    task subscription was Disabled: "some subscription got it" is not "the task will run"."""
+    default_task_backend.ensure_queue("default")
+    SubscriptionFactory(topic=Topic.objects.get(name=QUEUE), name="audit.tasks")
+    Subscription.objects.filter(name=QUEUE).update(status="Disabled")
+
+    with pytest.raises(TaskEnqueueError, match="is Disabled"):
+        add.enqueue(1, 2)
+    Subscription.objects.filter(name=QUEUE).update(status="Active")
+    assert default_task_backend.get_result(add.enqueue(1, 2).id).status == TaskResultStatus.READY
 
 
 @pytest.mark.django_db

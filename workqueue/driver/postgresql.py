@@ -583,9 +583,13 @@ class PostgresDriver(BaseDriver):
             self._announce(params["topic_name"], self.topic_channel(topic_id), payload)
         rows = [self.decode_row(procedure, result[:kept]) for result in results]
         if name == "wq_publish" and rows[0]["status"] == "Accepted":
-            # Its announcement names a topic exactly when it made a delivery: for free, what
-            # PublishResult.delivered reports. (A batch's rows do not each carry theirs.)
-            rows[0]["delivered"] = results[0][kept] is not None
+            # Its announcement names the subscriptions it made deliveries for (none: no topic
+            # to announce on): for free, what PublishResult.delivered_to reports. (A batch's
+            # rows do not each carry theirs.)
+            announce_topic_id, announce_payload = results[0][kept : kept + 2]
+            rows[0]["delivered_to"] = frozenset(
+                announce_payload.split(",") if announce_topic_id is not None else ()
+            )
         return rows
 
     @functools.cached_property

@@ -252,7 +252,10 @@ class Consumer:
         self._on_result = on_result
         # Once per consumer: the transport's own receiver (on the Database transport, the
         # procedures' Receiver itself), so claiming and settling pay nothing for the seam.
-        self.receiver = transport_for(plan.driver_class).receiver(plan.subscription_id, lease_owner)
+        transport = transport_for(plan.driver_class)
+        self.receiver = transport.receiver(plan.subscription_id, lease_owner)
+        #: Whether operators can cancel its running deliveries (announced cancels are for it).
+        self.hears_cancels = transport.supports_cancel
         name = f"wq-{plan.name}"
         # Twice the concurrency: a finished handler frees its slot at once while its thread
         # may still settle (a retry, a dead letter; completions go to the batcher), so
@@ -340,6 +343,7 @@ class Consumer:
 
     def _remember_cancel(self, delivery_id: str) -> None:
         now = time.monotonic()
+        self._recent_cancels.pop(delivery_id, None)  # announced again: it goes to the end
         while self._recent_cancels and (
             len(self._recent_cancels) >= RECENT_CANCELS_KEPT
             or next(iter(self._recent_cancels.values())) < now - RECENT_CANCEL_SECONDS
@@ -661,15 +665,17 @@ class Consumer:
         )
         with self._lock:
             self._running[execution.key] = execution
-            cancelled = self._recent_cancels.pop(delivery.delivery_id, None) is not None
+            announced = self._recent_cancels.pop(delivery.delivery_id, None)
+            cancelled = announced is not None and announced >= leased_at - RECENT_CANCEL_SECONDS
             ahead = self._handlers_running >= self.config.concurrency
             if ahead:
                 self._ready.append(execution)  # claimed ahead: starts when a slot frees
             else:
                 self._handlers_running += 1
         if cancelled:
-            # Announced between the claim's commit and now: the renewal reports it, and the
-            # handler is signalled (one claimed ahead is then never started).
+            # Announced between the claim's commit and now: the renewal reports it and the
+            # handler is signalled (one claimed ahead is not started if the answer comes
+            # before its slot does, and stopped at once otherwise).
             execution.check_lease_soon()
         if not ahead:
             self._run_in_slot(execution)

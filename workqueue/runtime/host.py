@@ -557,7 +557,7 @@ class Host:
 
     def _on_cancel(self, delivery_id: str | None) -> None:
         with self._lock:
-            consumers = list(self._consumers.values())
+            consumers = [c for c in self._consumers.values() if c.hears_cancels]
         for consumer in consumers:
             consumer.check_lease(delivery_id)
 

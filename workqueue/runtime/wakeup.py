@@ -109,8 +109,9 @@ class Wakeup:
         listener: Any = self._driver.open_listener()
         try:
             self.connected.set()
-            # Anything published while we were not listening must not wait for a poll.
-            for channel in self._wanted():
+            # Anything published while we were not listening must not wait for a poll. (Cancels
+            # are caught up once, after their LISTEN below: each costs a renewal per delivery.)
+            for channel in self._wanted() - {self._driver.cancel_channel}:
                 self._dispatch(channel, None)
             while not self._stop.is_set():
                 wanted = self._wanted()

@@ -67,8 +67,9 @@ class WorkQueueBackend(api.BaseTaskBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.subscription_options = _subscription_options(self.options.get("SUBSCRIPTION", {}))
-        # Queues whose topology this process has made sure of (one check per queue).
-        self._ready_queues: set[str] = set()
+        # Queues whose topology this process has made sure of (one check per queue), with the
+        # id of the subscription that runs their tasks (None if one of that name runs others).
+        self._ready_queues: dict[str, str | None] = {}
 
     def validate_task(self, task: api.Task) -> None:
         super().validate_task(task)
@@ -110,7 +111,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
         ):
             # The topic went away since this process created it (an operator deleted it, or a
             # test flushed the database): create it again, once.
-            self._ready_queues.discard(task.queue_name)
+            self._ready_queues.pop(task.queue_name, None)
             published = self._publish(message)
         # The message's id is made by the publish rather than chosen here, so that a publish
         # whose first answer was lost and that found its message stored when sent again is
@@ -123,14 +124,20 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 f"The task {task.module_path} was not enqueued on topic "
                 f"{topic_name(task.queue_name)}: {reason}"
             )
-        delivered = published.delivered
-        if delivered is None:  # the transport could not tell: asked
+        delivered_to = published.delivered_to
+        if delivered_to is not None and not delivered_to:
+            delivered = False  # no subscription took it
+        elif delivered_to is not None and self._ready_queues.get(task.queue_name) in delivered_to:
+            delivered = True  # the queue's task subscription took it
+        else:
+            # The transport cannot tell, or another subscription of the topic took it (or the
+            # queue's subscription was made again by another process): asked.
             delivered = _has_a_task_delivery(published.message_id)
         if not delivered:
             # Stored, but no subscription took it (a message with no delivery is purged as an
             # orphan): the task would never run and no result would ever be found. The queue
             # is made sure of again at the next enqueue (a deleted subscription made anew).
-            self._ready_queues.discard(task.queue_name)
+            self._ready_queues.pop(task.queue_name, None)
             raise TaskEnqueueError(
                 f"The task {task.module_path} was not enqueued: no subscription of topic "
                 f"{topic_name(task.queue_name)} runs tasks "
@@ -174,10 +181,10 @@ class WorkQueueBackend(api.BaseTaskBackend):
             # queue's own connection and would not see it (and a rollback would undo it). A
             # thread has a connection of its own, in autocommit.
             with ThreadPoolExecutor(1, thread_name_prefix="wq-tasks-topology") as pool:
-                pool.submit(self._create_in_thread, queue_name).result()
+                runner = pool.submit(self._create_in_thread, queue_name).result()
         else:
-            _create_topology(queue_name, self.subscription_options)
-        self._ready_queues.add(queue_name)
+            runner = _create_topology(queue_name, self.subscription_options)
+        self._ready_queues[queue_name] = runner
 
     def check(self, **kwargs: Any) -> Iterable[checks.CheckMessage]:
         yield from super().check(**kwargs)
@@ -204,9 +211,9 @@ class WorkQueueBackend(api.BaseTaskBackend):
             priority=message.priority,
         )
 
-    def _create_in_thread(self, queue_name: str) -> None:
+    def _create_in_thread(self, queue_name: str) -> str | None:
         try:
-            _create_topology(queue_name, self.subscription_options)
+            return _create_topology(queue_name, self.subscription_options)
         finally:
             connections.close_all()
 
@@ -289,7 +296,9 @@ def _queue_name_problem(queue_name: str) -> str | None:
     return None
 
 
-def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -> None:
+def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -> str | None:
+    """Make sure of the queue's topic and subscription; the id of the subscription if it runs
+    tasks (one of that name made by hand may not)."""
     from workqueue.models import Subscription, Topic, Transport
 
     alias = get_settings().DATABASE_ALIAS
@@ -316,7 +325,7 @@ def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -
             "stay on the Database transport: bind the topic back to it (admin, or "
             "sync-topology)."
         )
-    Subscription.objects.db_manager(alias).get_or_create(
+    subscription, _ = Subscription.objects.db_manager(alias).get_or_create(
         name=name,
         defaults={
             "topic": topic,
@@ -325,3 +334,4 @@ def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -
             **subscription_options,
         },
     )
+    return str(subscription.pk) if subscription.handler_key == HANDLER_KEY else None
