@@ -130,12 +130,14 @@ class QueueCollector(Collector):
             yield from self._collect()
         finally:
             if self.close_connections:
-                from django.db import close_old_connections
+                from django.db import connections
 
                 from workqueue.driver import close_thread_connections
 
                 close_thread_connections()
-                close_old_connections()
+                # Closed outright, not "if old": the thread ends with this scrape, and a
+                # connection younger than CONN_MAX_AGE would be left open by it for good.
+                connections.close_all()
 
     def _collect(self) -> Iterator[Metric]:
         from workqueue.models import HostRecord
