@@ -629,6 +629,27 @@ def test_health_lists_live_hosts_and_each_subscriptions_state(client):
     ]
 
 
+def test_a_subscription_paused_on_purpose_leaves_health_ok(client):
+    """Hosts run every subscription by default (``*``) and list a Paused or Disabled one as
+    Paused: health read that as degraded for as long as anything was paused on purpose."""
+    paused = {
+        "name": "mail.sub",
+        "state": "Paused",
+        "reason": "Subscription is Disabled",
+        "in_flight": 0,
+        "concurrency": 1,
+    }
+    host("a:1", [running("orders.sub"), paused])
+
+    body = call(client, "get", "/health", key=reader()).json()
+
+    assert body["status"] == "ok"
+    assert [(s["name"], s["state"]) for s in body["subscriptions"]] == [
+        ("mail.sub", "Paused"),
+        ("orders.sub", "Running"),
+    ]
+
+
 def test_health_is_degraded_when_a_subscription_runs_nowhere_and_down_without_hosts(client):
     key = reader()
     assert call(client, "get", "/health", key=key).json() == {

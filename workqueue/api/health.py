@@ -18,6 +18,10 @@ from workqueue.operators.permissions import READ, Actor, require
 router = Router(tags=["health"])
 
 RUNNING = "Running"
+#: The states that leave health ok: running, or paused on purpose (a Paused or Disabled
+#: subscription, or its topic or transport: its work waits, and hosts running every
+#: subscription list it so).
+SERVING = frozenset({RUNNING, "Paused"})
 #: A subscription with due work that no live host runs.
 NOT_RUNNING = "NotRunning"
 PSEUDONYM_SALT = "workqueue.api.health.host"
@@ -80,7 +84,7 @@ def health(request: HttpRequest) -> dict[str, Any]:
     database_warnings = operations.database_warnings(actor=actor)
     if not hosts:
         status = "down"
-    elif all(s["state"] == RUNNING for s in subscriptions) and not database_warnings:
+    elif all(s["state"] in SERVING for s in subscriptions) and not database_warnings:
         status = "ok"
     else:
         status = "degraded"
