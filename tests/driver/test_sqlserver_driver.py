@@ -455,14 +455,24 @@ def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_wr
     for statements in (runtime, operator):
         denies = [s for s in statements if s.startswith("DENY")]
         assert "DENY SELECT ON dbo.workqueue_delivery (lease_token) TO [work]]er]" in denies
-        assert {s.split()[5] for s in denies if s.startswith("DENY INSERT")} == {
+        # ALTER too, which creating a trigger takes: one would run inside the procedures.
+        assert {
+            s.split()[6] for s in denies if s.startswith("DENY INSERT, UPDATE, DELETE, ALTER")
+        } == {
             "dbo.workqueue_message",
             "dbo.workqueue_delivery",
             "dbo.workqueue_deduplication",
+            "dbo.workqueue_rate_limit_bucket",
         }
         writes = [s for s in statements if s.startswith("GRANT") and "INSERT" in s]
-        assert all("dbo.workqueue_hostrecord " in s for s in writes)
+        assert all(
+            "dbo.workqueue_hostrecord " in s or "dbo.workqueue_taskresult " in s for s in writes
+        )
     assert "GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO [work]]er]" in runtime
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.workqueue_taskresult TO [work]]er]" in (
+        runtime
+    )
+    assert "GRANT SELECT ON dbo.workqueue_taskresult TO [work]]er]" in operator
 
 
 def test_scaler_grants_read_two_tables_only_and_no_lease_token(driver):

@@ -19,12 +19,19 @@ from django.db.models.signals import post_migrate
 from django.urls import reverse
 
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.database import queue_connection_settings
 from tests.support.roles import connect_as, database_role
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
-from workqueue.driver.base import DELIVERY_READABLE_COLUMNS, LEASE_TOKEN_COLUMN, canonical_json
+from workqueue.driver.base import (
+    DELIVERY_READABLE_COLUMNS,
+    LEASE_TOKEN_COLUMN,
+    PROCEDURE_WRITTEN_TABLES,
+    canonical_json,
+)
 from workqueue.driver.procedures import PROCEDURES, Grant, get_procedure
-from workqueue.models import Delivery
+from workqueue.models import Delivery, TaskResult
+from workqueue.runtime.sweeper import Sweeper
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -393,3 +400,66 @@ def test_a_migrate_renews_the_grants_that_roles_held_before_the_upgrade(pg_conn)
         assert holds(neither) == (False, False, False)
         with connect_as(runtime) as conn:
             conn.execute("SELECT id, priority FROM workqueue_delivery LIMIT 1")
+
+
+def test_a_role_given_everything_before_keeps_no_trigger_or_write_on_the_procedures_tables(
+    runtime_role, pg_conn
+):
+    """TRIGGER (and DML on the rate-limit buckets) survived grant-runtime after a GRANT ALL ON
+    ALL TABLES: a trigger the role put on workqueue_message ran inside wq_publish as the
+    procedures' owner, which then gave the role UPDATE on the deliveries and their tokens."""
+    pg_conn.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA public TO "{runtime_role}"')
+    call_command("workqueue", "grant-runtime", runtime_role)
+
+    held = pg_conn.execute(
+        "SELECT t, p FROM unnest(%s::text[]) t, unnest(%s::text[]) p "
+        "WHERE has_table_privilege(%s, t, p)",
+        [
+            list(PROCEDURE_WRITTEN_TABLES),
+            ["INSERT", "UPDATE", "DELETE", "TRUNCATE", "TRIGGER", "REFERENCES"],
+            runtime_role,
+        ],
+    ).fetchall()
+    assert held == []
+    with connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(
+            "CREATE FUNCTION pg_temp.as_owner() RETURNS trigger LANGUAGE plpgsql "
+            "AS 'BEGIN RETURN NEW; END'"
+        )
+        conn.execute(
+            "CREATE TRIGGER as_owner BEFORE INSERT ON workqueue_message "
+            "FOR EACH ROW EXECUTE FUNCTION pg_temp.as_owner()"
+        )
+
+
+def test_the_runtime_role_runs_every_sweeper_step_and_records_task_runs(runtime_role, pg_conn):
+    """grant-runtime gave nothing on workqueue_taskresult: every sweeper pass of a runtime
+    role failed its task-results step (and `workqueue_sweep --once` with it), and a host could
+    not record a task's run."""
+    call_command("workqueue", "grant-runtime", runtime_role)
+    pg_conn.execute(f'GRANT SELECT ON auth_user TO "{runtime_role}"')
+    connection.close()
+    get_driver().close_all()
+    try:
+        with queue_connection_settings(options={}, USER=runtime_role):
+            failed = Sweeper().run_once().failed_steps
+            TaskResult.objects.create(pk=uuid.uuid4(), worker_ids=["w"])
+            get_driver().close_all()
+    finally:
+        get_driver().close_all()
+
+    assert failed == []
+
+
+def test_the_operator_role_reads_api_keys_and_stamps_their_last_use_only(runtime_role, pg_conn):
+    """The process serving the REST API authenticates keys: under grant-operator every
+    key-authenticated request was a 500 (permission denied for table workqueue_apikey)."""
+    call_command("workqueue", "grant-operator", runtime_role)
+
+    [(reads, stamps, rewrites)] = pg_conn.execute(
+        "SELECT has_table_privilege(%s, 'workqueue_apikey', 'SELECT'), "
+        "has_column_privilege(%s, 'workqueue_apikey', 'last_used_at', 'UPDATE'), "
+        "has_column_privilege(%s, 'workqueue_apikey', 'scopes', 'UPDATE')",
+        [runtime_role] * 3,
+    ).fetchall()
+    assert (reads, stamps, rewrites) == (True, True, False)

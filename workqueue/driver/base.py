@@ -29,8 +29,17 @@ from workqueue.exceptions import DriverError, UnstorableValueError
 
 #: The driver-owned tables; their indexes churn with every publish, claim and settle.
 QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplication")
+#: The tables only the procedures write. No role but their owner may hold anything on them
+#: beyond SELECT: a trigger there (TRIGGER privilege) would run inside the SECURITY DEFINER
+#: procedures, as the owner.
+PROCEDURE_WRITTEN_TABLES = (*QUEUE_TABLES, "workqueue_rate_limit_bucket")
 #: Every table the runtime and operator roles read.
 READ_TABLES = ("workqueue_transport", "workqueue_topic", "workqueue_subscription", *QUEUE_TABLES)
+#: Tasks API results: hosts record runs in them (the ORM, in the task's transaction), the
+#: sweeper purges them, operators and callers read them.
+TASK_RESULT_TABLE = "workqueue_taskresult"
+#: REST API keys: the process serving the API looks them up and stamps their last use.
+API_KEY_TABLE = "workqueue_apikey"
 #: The delivery column no role but the owner may read: whoever knows a delivery's lease token
 #: can settle it in place of the host that holds it. Its claimer gets it from wq_claim.
 LEASE_TOKEN_COLUMN = "lease_token"

@@ -17,9 +17,12 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.base import (
+    API_KEY_TABLE,
     DELIVERY_READABLE_COLUMNS,
+    PROCEDURE_WRITTEN_TABLES,
     QUEUE_TABLES,
     READ_TABLES,
+    TASK_RESULT_TABLE,
     BaseDriver,
     DriverFeatures,
     QueueTableSize,
@@ -336,6 +339,7 @@ class PostgresDriver(BaseDriver):
             ),
             # Hosts record their own health (not a queue table: no fencing rules to protect).
             f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}",
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {TASK_RESULT_TABLE} TO {quoted}",
         ]
 
     def grant_operator_statements(self, role: str) -> list[str]:
@@ -346,20 +350,23 @@ class PostgresDriver(BaseDriver):
                 f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
                 for name in granted_to(Grant.OPERATOR)
             ),
-            f"GRANT SELECT ON workqueue_hostrecord TO {quoted}",
+            f"GRANT SELECT ON workqueue_hostrecord, {TASK_RESULT_TABLE} TO {quoted}",
+            f"GRANT SELECT, UPDATE (last_used_at) ON {API_KEY_TABLE} TO {quoted}",
         ]
 
     @staticmethod
     def _read_statements(quoted: str) -> list[str]:
         others = ", ".join(t for t in READ_TABLES if t != "workqueue_delivery")
         return [
+            # Whatever the role held on the tables only the procedures write (an older release's
+            # grant, GRANT ALL ON ALL TABLES) is taken back first: DML, TRIGGER (a trigger there
+            # runs inside the SECURITY DEFINER procedures, as their owner), REFERENCES, and
+            # SELECT on the whole delivery table, which would include the lease tokens. It also
+            # takes back column grants, so the order below is idempotent.
+            f"REVOKE ALL ON {', '.join(PROCEDURE_WRITTEN_TABLES)} FROM {quoted}",
             f"GRANT SELECT ON {others} TO {quoted}",
-            # SELECT on the whole table (an older grant, or ON ALL TABLES) would include the
-            # lease tokens; revoking it also revokes column grants, so this order is idempotent.
-            f"REVOKE SELECT ON workqueue_delivery FROM {quoted}",
             f"GRANT SELECT ({', '.join(DELIVERY_READABLE_COLUMNS)}) ON workqueue_delivery "
             f"TO {quoted}",
-            f"REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON {', '.join(QUEUE_TABLES)} FROM {quoted}",
         ]
 
     def grant_holders(self, connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:

@@ -16,9 +16,12 @@ from django.db import DatabaseError, InterfaceError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.base import (
+    API_KEY_TABLE,
     LEASE_TOKEN_COLUMN,
+    PROCEDURE_WRITTEN_TABLES,
     QUEUE_TABLES,
     READ_TABLES,
+    TASK_RESULT_TABLE,
     BaseDriver,
     DriverFeatures,
     QueueTableSize,
@@ -241,6 +244,7 @@ class SqlServerDriver(BaseDriver):
             *(f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in granted_to(Grant.RUNTIME)),
             # Hosts record their own health (not a queue table: no fencing rules to protect).
             f"GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO {quoted}",
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.{TASK_RESULT_TABLE} TO {quoted}",
         ]
 
     def grant_holders(self, connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
@@ -269,6 +273,8 @@ class SqlServerDriver(BaseDriver):
             *self._read_statements(quoted),
             *(f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in granted_to(Grant.OPERATOR)),
             f"GRANT SELECT ON dbo.workqueue_hostrecord TO {quoted}",
+            f"GRANT SELECT ON dbo.{TASK_RESULT_TABLE} TO {quoted}",
+            f"GRANT SELECT, UPDATE (last_used_at) ON dbo.{API_KEY_TABLE} TO {quoted}",
         ]
 
     @staticmethod
@@ -278,7 +284,11 @@ class SqlServerDriver(BaseDriver):
             # A column DENY outranks the table GRANT: every column but the lease token.
             f"DENY SELECT ON dbo.workqueue_delivery ({LEASE_TOKEN_COLUMN}) TO {quoted}",
             # The procedures still write: ownership chaining (same owner, dbo) skips these.
-            *(f"DENY INSERT, UPDATE, DELETE ON dbo.{table} TO {quoted}" for table in QUEUE_TABLES),
+            # ALTER too: it is what creating a trigger on a table takes.
+            *(
+                f"DENY INSERT, UPDATE, DELETE, ALTER ON dbo.{table} TO {quoted}"
+                for table in PROCEDURE_WRITTEN_TABLES
+            ),
         ]
 
     def grant_scaler_statements(self, role: str) -> list[str]:
