@@ -12,15 +12,18 @@ from typing import Any
 
 import pytest
 from django.conf import settings as django_settings
+from django.db import connection
 from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
 from django.utils import timezone
 
 from tests.factories import ALL_PERMISSIONS, ApiKeyFactory, SubscriptionFactory, UserFactory
 from tests.support.api import call, operator, reader
+from tests.support.database import queue_connection_settings
 from tests.support.queue import dead_letter, pending, row_held
 from workqueue import publish
 from workqueue.api import subscriptions as subscriptions_api
+from workqueue.driver import get_driver
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.operators.permissions import (
     OPERATE,
@@ -745,6 +748,21 @@ def test_health_without_credentials_is_401(client):
 
 
 # -- failures stay private --------------------------------------------------------------------
+
+
+def test_with_the_database_away_every_endpoint_is_503_not_500(client):
+    """The API key lookup and Django's own reads raise Django's OperationalError, which the
+    catch-all turned into 500: a load balancer could not tell an outage from a bug."""
+    key = reader()
+    connection.close()
+    get_driver().close_all()
+    with queue_connection_settings(options={}, PORT="1"):  # nothing listens there
+        answers = {
+            path: call(client, "get", path, key=key).status_code
+            for path in ("/health", "/metrics", "/subscriptions/stats")
+        }
+
+    assert answers == {"/health": 503, "/metrics": 503, "/subscriptions/stats": 503}
 
 
 def test_a_database_failure_is_503_without_internals(client, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import HttpError, ValidationError
@@ -118,4 +119,9 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
 @api.exception_handler(Exception)
 def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
+    if isinstance(exc, OperationalError | InterfaceError):
+        # Django's own reads (the API key, topology, host records) with the database away:
+        # the 503 the queue's own calls answer then, so a load balancer or on-call engineer
+        # can tell an outage from a bug.
+        return _error(request, 503, DATABASE_UNAVAILABLE)
     return _error(request, 500, SERVER_ERROR)
