@@ -342,6 +342,25 @@ def test_the_grafana_dashboard_uses_only_metrics_that_exist():
 
     assert expressions and used
     assert used <= exposed_names(), used - exposed_names()
+    # Every host and web process serves the same cluster-wide gauges (read from the
+    # database): summed over scrape targets, one pending delivery showed as three.
+    summed = [
+        expr for expr in expressions if "sum" in expr and set(METRIC.findall(expr)) & CLUSTER_WIDE
+    ]
+    assert summed == []
+
+
+#: Gauges every process serving metrics reads from the database: the same value on each target.
+CLUSTER_WIDE = {
+    "workqueue_pending_deliveries",
+    "workqueue_due_deliveries",
+    "workqueue_in_flight_deliveries",
+    "workqueue_dead_lettered_deliveries",
+    "workqueue_blocked_keys",
+    "workqueue_oldest_pending_age_seconds",
+    "workqueue_counts_capped",
+    "workqueue_live_hosts",
+}
 
 
 def test_the_alert_rules_parse_and_use_only_metrics_that_exist():
