@@ -181,7 +181,8 @@ class QueueCollector(Collector):
             "real number is larger: `workqueue stats` counts it all).",
             labels=labels,
         )
-        for counts in operations.queue_gauges(actor=self.actor):
+        report = operations.queue_gauges(actor=self.actor)
+        for counts in report.gauges:
             name = [counts.subscription_name]
             gauges["pending"].add_metric(name, counts.pending)
             gauges["due"].add_metric(name, counts.due)
@@ -191,6 +192,15 @@ class QueueCollector(Collector):
             gauges["oldest"].add_metric(name, counts.oldest_pending_age_seconds or 0)
             capped.add_metric(name, int(counts.capped))
         gauges["capped"] = capped
+        unavailable = GaugeMetricFamily(
+            "workqueue_gauges_unavailable",
+            "1 when the subscription's gauges above could not be read this scrape (its "
+            "transport is away, or the role may not call the procedure; the error is logged).",
+            labels=labels,
+        )
+        for subscription_name in report.unavailable:
+            unavailable.add_metric([subscription_name], 1)
+        gauges["unavailable"] = unavailable
         yield from gauges.values()
         if self.actor.subscriptions:
             return  # host identities are for unrestricted readers only

@@ -585,7 +585,7 @@ def test_a_dead_letter_can_be_discarded_by_id(aws):
     holder = receiver(subscription)
     holder.dead_letter(receive_one(holder), "Fatal", "no")
     [item] = operations.list_dead_letters(subscription.name).items
-    [gauges] = operations.queue_gauges()
+    [gauges] = operations.queue_gauges().gauges
     assert (gauges.subscription_name, gauges.pending, gauges.dead_lettered) == (
         subscription.name,
         0,

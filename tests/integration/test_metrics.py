@@ -22,12 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
 from tests.support.api import call, reader
+from tests.support.database import queue_connection_settings
 from tests.support.handlers import probe
 from tests.support.hosts import one, status_of, sub
 from tests.support.processes import hello
 from tests.support.queue import dead_letter, pending
+from tests.support.roles import database_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish
+from workqueue.driver import get_driver
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -216,6 +219,31 @@ def test_the_oldest_waiting_age_is_found_whatever_the_priorities_and_keys(settin
     assert 600 <= age < 660
 
 
+def test_gauges_that_cannot_be_read_are_reported_not_left_out(queue_state, capsys, pg_conn):
+    """A subscription whose gauges failed (here: a host's runtime role may not call the
+    operator's gauge procedure) vanished from the scrape with no trace: the alerts watching
+    its dead letters resolved."""
+    busy, _quiet = queue_state
+    with database_role(pg_conn, "wq_host") as role:
+        call_command("workqueue", "grant-runtime", role)
+        connection.close()
+        get_driver().close_all()
+        with queue_connection_settings(options={}, USER=role):
+            try:
+                call_command("workqueue", "metrics")
+            finally:
+                get_driver().close_all()
+
+    # The exposition, without the warning logged for the failure.
+    text = "\n".join(
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith(("# ", "workqueue_"))
+    )
+    assert gauge(text, "workqueue_gauges_unavailable", busy.name) == 1
+    assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) is None
+
+
 def test_the_cli_prints_the_same_exposition(queue_state, capsys):
     busy, _quiet = queue_state
 
@@ -225,7 +253,6 @@ def test_the_cli_prints_the_same_exposition(queue_state, capsys):
     assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) == 1
 
 
-@pytest.mark.processes
 def test_scrapes_of_a_metrics_port_leave_no_database_sessions_behind():
     """Each scrape runs on a thread of its own, and its Django connection (younger than
     CONN_MAX_AGE, 60 s here) was left open when the thread ended: a session per scrape,
@@ -253,6 +280,7 @@ def _other_sessions() -> int:
         return cursor.fetchone()[0]
 
 
+@pytest.mark.processes
 def test_a_host_process_serves_metrics_on_its_internal_port(processes):
     s = hello()
     host = processes.start("workqueue_host", "-s", s.name, "--metrics-port", "0")

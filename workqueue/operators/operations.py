@@ -8,6 +8,7 @@ error."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,8 @@ from workqueue.types import (
     PartitionCondition,
     SubscriptionStats,
 )
+
+logger = logging.getLogger(__name__)
 
 STATS_UNAVAILABLE = "Stats are unavailable for this subscription"
 MAX_NAME_LENGTH = 200
@@ -279,15 +282,26 @@ class QueueGauges:
         return max(counts) >= self.cap
 
 
-def queue_gauges(*, actor: Actor = CLI) -> list[QueueGauges]:
+@dataclass(frozen=True, slots=True)
+class GaugesReport:
+    """A scrape's gauges, and the subscriptions whose gauges could not be read (name: why)."""
+
+    gauges: list[QueueGauges]
+    unavailable: dict[str, str]
+
+
+def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
     """What a metrics scrape reports for every subscription the caller may read, at a cost
     bounded by ``METRICS_COUNT_CAP`` per count whatever the backlog (``workqueue stats`` counts
-    everything instead). A subscription whose gauges cannot be read is left out."""
+    everything instead). A subscription whose gauges cannot be read (its transport is away, the
+    role may not call the procedure) is listed as unavailable, and logged: a series that
+    vanished would resolve the alerts that watch it."""
     from workqueue.models import Subscription
 
     require(actor, READ)
     cap = get_settings().METRICS_COUNT_CAP
     gauges = []
+    unavailable: dict[str, str] = {}
     for subscription in Subscription.objects.order_by("name").select_related("topic__transport"):
         name = subscription.name
         if actor.subscriptions and name not in actor.subscriptions:
@@ -296,7 +310,9 @@ def queue_gauges(*, actor: Actor = CLI) -> list[QueueGauges]:
             found = _transport_of(subscription)
             row = found.queue_gauges(str(subscription.id), cap)
             backlog = found.backlog(str(subscription.id))
-        except WorkQueueError:
+        except WorkQueueError as exc:
+            logger.warning("Could not read the gauges of %s: %s", name, exc)
+            unavailable[name] = str(exc)
             continue
         if row is None or backlog is None:
             continue
@@ -313,7 +329,7 @@ def queue_gauges(*, actor: Actor = CLI) -> list[QueueGauges]:
                 cap=cap,
             )
         )
-    return gauges
+    return GaugesReport(gauges, unavailable)
 
 
 def list_dead_letters(
