@@ -10,7 +10,6 @@ PORT``.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -209,11 +208,10 @@ class QueueCollector(Collector):
             "Seconds since each live host last recorded its health.",
             labels=["instance"],
         )
-        now = time.time()
-        for instance, last_seen in HostRecord.objects.live().values_list(
-            "instance_id", "last_seen_at"
+        for instance, seen_ago in (
+            HostRecord.objects.live().with_seen_ago().values_list("instance_id", "seen_ago")
         ):
-            seen.add_metric([instance], max(now - last_seen.timestamp(), 0.0))
+            seen.add_metric([instance], max(seen_ago.total_seconds(), 0.0))
         yield seen
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))

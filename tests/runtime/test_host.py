@@ -6,6 +6,7 @@ Handlers come from the private registry in ``tests.support.handlers`` (``Host(re
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
 import os
 import re
@@ -13,10 +14,12 @@ import socket
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from django.db import connection, connections
+from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory, write_unchecked
 from tests.support.handlers import probe, registry
@@ -27,6 +30,7 @@ from workqueue.driver import get_driver
 from workqueue.driver.postgresql import PostgresDriver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, HostRecord, Subscription
+from workqueue.runtime import host as host_module
 from workqueue.runtime import wakeup
 from workqueue.runtime.consumer import Consumer
 from workqueue.runtime.context import AbortReason
@@ -712,6 +716,25 @@ def test_run_once_is_refused_on_a_started_host_and_for_a_budget_below_one(make_h
 # -- health -------------------------------------------------------------------------------------
 
 
+def test_a_host_whose_clock_is_behind_is_live_by_the_database_clock(make_host, monkeypatch):
+    """Hosts stamped their reports with their own clock and readers judged them by theirs: a
+    host 10 minutes behind was reported down the moment it reported (and one ahead would stay
+    live for as long after it died)."""
+    real = timezone.now
+    monkeypatch.setattr(host_module, "timezone", SimpleNamespace(now=lambda: real() - ten_min))
+    host = make_host(one(sub()))
+    host.start()
+
+    host.record_health()
+
+    assert HostRecord.objects.live().filter(instance_id=host.instance_id).exists()
+    [(_, seen_ago)] = HostRecord.objects.live().with_seen_ago().values_list("pk", "seen_ago")
+    assert seen_ago < dt.timedelta(seconds=10)
+
+
+ten_min = dt.timedelta(minutes=10)
+
+
 def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdown(make_host):
     s = sub()
     missing = {"name": "no.such-subscription"}
@@ -725,7 +748,8 @@ def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdow
     record = HostRecord.objects.get(instance_id=host.instance_id)
     assert (record.pid, record.hostname) == (os.getpid(), socket.gethostname())
     assert record.started_at == host.started_at and record.stopped_at is None
-    assert record.is_live and record.last_seen_at >= record.started_at
+    assert HostRecord.objects.live().filter(pk=record.pk).exists()
+    assert record.last_seen_at >= record.started_at
     assert record.handler_keys == registry.keys()
     assert record.subscriptions == [
         {
@@ -741,7 +765,8 @@ def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdow
     host.shutdown()
 
     record.refresh_from_db()
-    assert record.stopped_at is not None and not record.is_live
+    assert record.stopped_at is not None
+    assert not HostRecord.objects.live().filter(pk=record.pk).exists()
     assert {e["name"]: (e["state"], e["in_flight"]) for e in record.subscriptions} == {
         "no.such-subscription": ("Error", 0),
         s.name: ("Paused", 0),

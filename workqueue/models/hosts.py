@@ -6,7 +6,8 @@ import datetime as dt
 from typing import Any
 
 from django.db import models
-from django.utils import timezone
+from django.db.models import DurationField, ExpressionWrapper, F
+from django.db.models.functions import Now
 
 # A host that has not reported for this long is shown as gone (it reports every 10 s).
 STALE_AFTER = dt.timedelta(seconds=45)
@@ -14,7 +15,15 @@ STALE_AFTER = dt.timedelta(seconds=45)
 
 class HostRecordQuerySet(models.QuerySet):
     def live(self) -> HostRecordQuerySet:
-        return self.filter(stopped_at__isnull=True, last_seen_at__gte=timezone.now() - STALE_AFTER)
+        """Hosts that reported within STALE_AFTER, on the database's clock, which hosts write
+        their reports with: a host whose own clock is off is still judged by one clock."""
+        return self.filter(stopped_at__isnull=True, last_seen_at__gte=Now() - STALE_AFTER)
+
+    def with_seen_ago(self) -> HostRecordQuerySet:
+        """Each record with ``seen_ago``, the time since its last report (database clock)."""
+        return self.annotate(
+            seen_ago=ExpressionWrapper(Now() - F("last_seen_at"), output_field=DurationField())
+        )
 
 
 class HostRecord(models.Model):
@@ -37,10 +46,6 @@ class HostRecord(models.Model):
 
     def __str__(self) -> str:
         return self.instance_id
-
-    @property
-    def is_live(self) -> bool:
-        return self.stopped_at is None and self.last_seen_at >= timezone.now() - STALE_AFTER
 
     def subscription_entries(self) -> list[dict[str, Any]]:
         """The subscriptions as the host recorded them, each field in its type. A record is

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import close_old_connections, connections
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from workqueue import signals
@@ -594,7 +595,9 @@ class Host:
     def record_health(self, stopped: bool = False) -> None:
         from workqueue.models import HostRecord
 
-        now = timezone.now()
+        # The database's clock, which readers judge liveness by: a host whose clock is behind
+        # looked gone at once, one ahead stayed live long after it died.
+        now = Now()
         subscriptions = self.health()["subscriptions"]
         self._recorded_states = [(s["name"], s["state"], s["reason"]) for s in subscriptions]
         try:
