@@ -176,7 +176,9 @@ def test_a_note_or_reason_the_database_cannot_store_is_400_and_changes_nothing(
 
 def test_a_partitions_cursor_carrying_a_nul_key_is_400(client, key):
     sub = SubscriptionFactory(partition_mode="Exclusive")
-    forged = base64.urlsafe_b64encode(json.dumps({"partition_key": f"k{NUL}"}).encode()).decode()
+    forged = base64.urlsafe_b64encode(
+        json.dumps({"partition_key": f"k{NUL}", "of": sub.name}).encode()
+    ).decode()
 
     response = operator_call(
         client, key, "get", f"/subscriptions/{sub.name}/partitions?cursor={forged.rstrip('=')}"

@@ -216,6 +216,31 @@ def test_dead_letters_page_with_a_cursor(client):
     assert second["nextCursor"] is None
 
 
+def test_a_cursor_from_another_subscriptions_listing_is_400(client):
+    """Cursors named only a position: another subscription's cursor was read as a place in
+    this listing, and every dead letter before it was skipped without a word."""
+    first, other = SubscriptionFactory(), SubscriptionFactory()
+    for n in range(3):
+        dead_letter(first, {"n": n})
+        dead_letter(other, {"n": n})
+    key = reader()
+    page = call(
+        client, "get", f"/subscriptions/{first.name}/dead-letters", key=key, page_size=2
+    ).json()
+
+    response = call(
+        client,
+        "get",
+        f"/subscriptions/{other.name}/dead-letters",
+        key=key,
+        page_size=2,
+        cursor=page["nextCursor"],
+    )
+
+    assert response.status_code == 400, response.content
+    assert "cursor is not valid" in response.json()["detail"]
+
+
 @pytest.mark.parametrize(
     "params",
     [{"page_size": 0}, {"page_size": 501}, {"page_size": "abc"}, {"cursor": "not-a-cursor"}],

@@ -17,15 +17,20 @@ from workqueue.publishing import MAX_KEY_LENGTH
 def test_a_cursor_for_the_longest_key_of_any_character_fits_and_round_trips(character):
     key = character * MAX_KEY_LENGTH
 
-    cursor = cursors.encode({"partition_key": key})
+    cursor = cursors.encode({"partition_key": key}, "orders.billing")
 
     assert len(cursor) <= cursors.MAX_CURSOR_LENGTH
-    assert cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH) == key
+    assert (
+        cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH, listing="orders.billing")
+        == key
+    )
+    with pytest.raises(InvalidInputError):  # another listing's
+        cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH, listing="orders.mail")
 
 
 def test_the_limit_is_the_longest_cursor_and_no_longer():
-    longest = cursors.encode({"partition_key": "\x01" * MAX_KEY_LENGTH})
+    longest = cursors.encode({"partition_key": "\x01" * MAX_KEY_LENGTH}, "a" * 200)
 
     assert len(longest) == cursors.MAX_CURSOR_LENGTH
     with pytest.raises(InvalidInputError):
-        cursors.decode(longest + "A", "partition_key", max_length=MAX_KEY_LENGTH)
+        cursors.decode(longest + "A", "partition_key", max_length=MAX_KEY_LENGTH, listing="a" * 200)

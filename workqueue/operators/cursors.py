@@ -36,21 +36,27 @@ def page_size(value: Any) -> int:
     return value
 
 
-def encode(position: dict[str, str]) -> str:
-    raw = json.dumps(position, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+def encode(position: dict[str, str], listing: str) -> str:
+    """A cursor for ``position`` in ``listing`` (what was listed: a subscription's name), so
+    that one from another listing is refused rather than read as a place in this one."""
+    raw = json.dumps(
+        {**position, LISTING: listing}, ensure_ascii=False, separators=(",", ":"), sort_keys=True
+    )
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-# The longest cursor made for the longest partition key: a control character is the longest
-# character in JSON (a 6-byte \u00XX escape; any other takes at most 4 bytes of UTF-8).
-MAX_CURSOR_LENGTH = len(encode({"partition_key": "\x01" * MAX_KEY_LENGTH}))
+LISTING = "of"
+# The longest cursor made for the longest partition key of the longest listing name: a control
+# character is the longest character in JSON (a 6-byte \u00XX escape; any other takes at most 4
+# bytes of UTF-8), and names are 200 characters of ASCII at most.
+MAX_CURSOR_LENGTH = len(encode({"partition_key": "\x01" * MAX_KEY_LENGTH}, "a" * 200))
 
 
-def decode(cursor: str | None, field: str, *, max_length: int) -> str | None:
-    """The ``field`` of a cursor made by :func:`encode`, or None for no cursor.
+def decode(cursor: str | None, field: str, *, max_length: int, listing: str) -> str | None:
+    """The ``field`` of a cursor made by :func:`encode` for ``listing``, or None for no cursor.
 
     The value is a string of 1 to ``max_length`` characters without NUL that encodes as UTF-8;
-    anything else raises ``InvalidInputError``.
+    anything else, or a cursor of another listing, raises ``InvalidInputError``.
     """
     if cursor is None or cursor == "":
         return None
@@ -61,8 +67,11 @@ def decode(cursor: str | None, field: str, *, max_length: int) -> str | None:
         # validate=True: characters outside the alphabet are an error, not silently skipped.
         position = json.loads(base64.b64decode(padded, altchars=b"-_", validate=True))
         value = position[field]
+        of = position[LISTING]
     except (UnicodeError, binascii.Error, ValueError, KeyError, TypeError):
         raise InvalidInputError(_INVALID) from None
+    if of != listing:
+        raise InvalidInputError(_INVALID)
     if not isinstance(value, str) or not 1 <= len(value) <= max_length or "\x00" in value:
         raise InvalidInputError(_INVALID)
     try:

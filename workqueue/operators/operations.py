@@ -343,7 +343,7 @@ def list_dead_letters(
     callers without ``workqueue.view_payload``."""
     name = _name(subscription_name)
     size = cursors.page_size(page_size)
-    after = cursors.decode(cursor, "delivery_id", max_length=DELIVERY_ID_LENGTH)
+    after = cursors.decode(cursor, "delivery_id", max_length=DELIVERY_ID_LENGTH, listing=name)
     if after is not None and _delivery_id(after) is None:
         raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
@@ -352,7 +352,9 @@ def list_dead_letters(
     if not may_view_payload(actor):
         items = [_without_payload(item) for item in items]
     next_cursor = (
-        cursors.encode({"delivery_id": items[size - 1].delivery_id}) if len(items) > size else None
+        cursors.encode({"delivery_id": items[size - 1].delivery_id}, name)
+        if len(items) > size
+        else None
     )
     return Page(True, items[:size], next_cursor)
 
@@ -380,7 +382,7 @@ def list_partitions(
             f"condition must be one of {', '.join(PartitionCondition.values)}; got {condition!r}."
         )
     size = cursors.page_size(page_size)
-    after = cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH)
+    after = cursors.decode(cursor, "partition_key", max_length=MAX_KEY_LENGTH, listing=name)
     # A cursor is opaque but not trusted: a forged one must not carry a key the database
     # cannot take.
     if isinstance(after, str) and text_problem(after) is not None:
@@ -393,7 +395,9 @@ def list_partitions(
     items, resume_after = found.list_partitions(str(subscription.id), condition, after, size + 1)
     if len(items) > size:
         resume_after = items[size - 1].partition_key
-    next_cursor = None if resume_after is None else cursors.encode({"partition_key": resume_after})
+    next_cursor = (
+        None if resume_after is None else cursors.encode({"partition_key": resume_after}, name)
+    )
     return Page(True, items[:size], next_cursor)
 
 
