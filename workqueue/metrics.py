@@ -140,6 +140,7 @@ class QueueCollector(Collector):
 
     def _collect(self) -> Iterator[Metric]:
         from workqueue.models import HostRecord
+        from workqueue.models.hosts import database_now
         from workqueue.operators import operations
 
         labels = ["subscription"]
@@ -208,10 +209,11 @@ class QueueCollector(Collector):
             "Seconds since each live host last recorded its health.",
             labels=["instance"],
         )
-        for instance, seen_ago in (
-            HostRecord.objects.live().with_seen_ago().values_list("instance_id", "seen_ago")
+        now = database_now()
+        for instance, last_seen in HostRecord.objects.live(now).values_list(
+            "instance_id", "last_seen_at"
         ):
-            seen.add_metric([instance], max(seen_ago.total_seconds(), 0.0))
+            seen.add_metric([instance], max((now - last_seen).total_seconds(), 0.0))
         yield seen
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))

@@ -7,6 +7,7 @@ only metrics that exist.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import urllib.request
@@ -220,12 +221,13 @@ def test_the_oldest_waiting_age_is_found_whatever_the_priorities_and_keys(settin
 
 
 def test_gauges_that_cannot_be_read_are_reported_not_left_out(queue_state, capsys, pg_conn):
-    """A subscription whose gauges failed (here: a host's runtime role may not call the
-    operator's gauge procedure) vanished from the scrape with no trace: the alerts watching
+    """A subscription whose gauges failed (here: a role that may not call the gauge procedure;
+    also a transport that is away) vanished from the scrape with no trace: the alerts watching
     its dead letters resolved."""
     busy, _quiet = queue_state
     with database_role(pg_conn, "wq_host") as role:
-        call_command("workqueue", "grant-runtime", role)
+        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
+        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_queue_gauges FROM "{role}"')
         connection.close()
         get_driver().close_all()
         with queue_connection_settings(options={}, USER=role):
@@ -234,14 +236,28 @@ def test_gauges_that_cannot_be_read_are_reported_not_left_out(queue_state, capsy
             finally:
                 get_driver().close_all()
 
-    # The exposition, without the warning logged for the failure.
-    text = "\n".join(
-        line
-        for line in capsys.readouterr().out.splitlines()
-        if line.startswith(("# ", "workqueue_"))
-    )
+    text = capsys.readouterr().out
     assert gauge(text, "workqueue_gauges_unavailable", busy.name) == 1
     assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) is None
+
+
+def test_a_hosts_runtime_role_serves_the_gauges(queue_state, capsys, pg_conn):
+    """A host's metrics port runs as its runtime role, which could not call the operator's
+    gauge procedures: every host scrape lacked the gauges the alerts watch."""
+    busy, _quiet = queue_state
+    with database_role(pg_conn, "wq_host") as role:
+        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
+        connection.close()
+        get_driver().close_all()
+        with queue_connection_settings(options={}, USER=role):
+            try:
+                call_command("workqueue", "metrics")
+            finally:
+                get_driver().close_all()
+
+    text = capsys.readouterr().out
+    assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) == 1
+    assert gauge(text, "workqueue_gauges_unavailable", busy.name) is None
 
 
 def test_the_cli_prints_the_same_exposition(queue_state, capsys):

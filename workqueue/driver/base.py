@@ -38,6 +38,9 @@ READ_TABLES = ("workqueue_transport", "workqueue_topic", "workqueue_subscription
 #: Tasks API results: hosts record runs in them (the ORM, in the task's transaction), the
 #: sweeper purges them, operators and callers read them.
 TASK_RESULT_TABLE = "workqueue_taskresult"
+#: Operator procedures the runtime role may call too: read-only counts, capped, which a host's
+#: metrics port serves (the gauges) and that tell nothing the role cannot read from the tables.
+RUNTIME_READABLE_COUNTS = ("wq_backlog", "wq_queue_gauges")
 #: REST API keys: the process serving the API looks them up and stamps their last use.
 API_KEY_TABLE = "workqueue_apikey"
 #: The delivery column no role but the owner may read: whoever knows a delivery's lease token

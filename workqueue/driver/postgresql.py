@@ -22,6 +22,7 @@ from workqueue.driver.base import (
     PROCEDURE_WRITTEN_TABLES,
     QUEUE_TABLES,
     READ_TABLES,
+    RUNTIME_READABLE_COUNTS,
     TASK_RESULT_TABLE,
     BaseDriver,
     DriverFeatures,
@@ -335,7 +336,7 @@ class PostgresDriver(BaseDriver):
             *self._read_statements(quoted),
             *(
                 f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
-                for name in granted_to(Grant.RUNTIME)
+                for name in (*granted_to(Grant.RUNTIME), *RUNTIME_READABLE_COUNTS)
             ),
             # Hosts record their own health (not a queue table: no fencing rules to protect).
             f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}",

@@ -21,6 +21,7 @@ from workqueue.driver.base import (
     PROCEDURE_WRITTEN_TABLES,
     QUEUE_TABLES,
     READ_TABLES,
+    RUNTIME_READABLE_COUNTS,
     TASK_RESULT_TABLE,
     BaseDriver,
     DriverFeatures,
@@ -241,7 +242,10 @@ class SqlServerDriver(BaseDriver):
         quoted = _quote_identifier(role)
         return [
             *self._read_statements(quoted),
-            *(f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in granted_to(Grant.RUNTIME)),
+            *(
+                f"GRANT EXECUTE ON dbo.{name} TO {quoted}"
+                for name in (*granted_to(Grant.RUNTIME), *RUNTIME_READABLE_COUNTS)
+            ),
             # Hosts record their own health (not a queue table: no fencing rules to protect).
             f"GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO {quoted}",
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.{TASK_RESULT_TABLE} TO {quoted}",

@@ -6,24 +6,26 @@ import datetime as dt
 from typing import Any
 
 from django.db import models
-from django.db.models import DurationField, ExpressionWrapper, F
-from django.db.models.functions import Now
 
 # A host that has not reported for this long is shown as gone (it reports every 10 s).
 STALE_AFTER = dt.timedelta(seconds=45)
 
 
-class HostRecordQuerySet(models.QuerySet):
-    def live(self) -> HostRecordQuerySet:
-        """Hosts that reported within STALE_AFTER, on the database's clock, which hosts write
-        their reports with: a host whose own clock is off is still judged by one clock."""
-        return self.filter(stopped_at__isnull=True, last_seen_at__gte=Now() - STALE_AFTER)
+def database_now() -> dt.datetime:
+    """The database's clock, which hosts stamp their reports with: a host whose own clock is
+    off is still judged by one clock. (Read as a value: SQL Server's rendering of Django's
+    ``Now()`` arithmetic drops the time zone offset.)"""
+    from workqueue.conf import get_settings
+    from workqueue.driver import get_driver
 
-    def with_seen_ago(self) -> HostRecordQuerySet:
-        """Each record with ``seen_ago``, the time since its last report (database clock)."""
-        return self.annotate(
-            seen_ago=ExpressionWrapper(Now() - F("last_seen_at"), output_field=DurationField())
-        )
+    return get_driver(get_settings().DATABASE_ALIAS).database_now()
+
+
+class HostRecordQuerySet(models.QuerySet):
+    def live(self, now: dt.datetime | None = None) -> HostRecordQuerySet:
+        """Hosts that reported within STALE_AFTER of ``now`` (default: the database's clock)."""
+        now = database_now() if now is None else now
+        return self.filter(stopped_at__isnull=True, last_seen_at__gte=now - STALE_AFTER)
 
 
 class HostRecord(models.Model):
