@@ -229,6 +229,19 @@ def test_grant_runtime_names_a_missing_role_in_its_error():
         run("grant-runtime", "no_such_role_here")
 
 
+def test_granting_to_the_owner_of_the_tables_is_refused_and_changes_nothing():
+    """The grants take back what they do not give: run on the user that owns the tables, they
+    stripped it of its own INSERT, and every procedure it owns failed after."""
+    from django.db import connection
+
+    owner = connection.settings_dict["USER"]
+    for verb in ("grant-runtime", "grant-operator"):
+        with pytest.raises(CommandError, match="owns the work-queue tables"):
+            run(verb, owner)
+
+    publish(SubscriptionFactory().topic.name, {"n": 1})  # the owner still writes
+
+
 def test_localdb_url_prints_the_embedded_database_url():
     from workqueue import localdb
 

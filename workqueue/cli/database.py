@@ -65,11 +65,21 @@ class _GrantVerb(_StatementsVerb):
         super().add_arguments(parser)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from django.db import connections
+
         from workqueue.conf import get_settings
         from workqueue.driver import get_driver, install
         from workqueue.exceptions import DriverError
 
         alias = get_settings().DATABASE_ALIAS
+        if options["role"] == connections[alias].settings_dict.get("USER"):
+            # The grants take back what they do not give: run on the owner of the tables (the
+            # user this runs as), they would strip the procedures' owner of its own rights.
+            raise CommandError(
+                f"{options['role']!r} is the user this command connects as, which owns the "
+                "work-queue tables and procedures: the grants are for the other roles (hosts, "
+                "the web process). Name one of those."
+            )
         # A role that may create objects beside the procedures can make their owner run its
         # code; granting more access to such a database would hide the problem.
         problem = get_driver(alias).schema_problem()
