@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver import driver_for_connection, get_driver
@@ -63,7 +63,9 @@ def renew_grants(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
         Grant.RUNTIME: driver.grant_runtime_statements,
         Grant.OPERATOR: driver.grant_operator_statements,
     }
-    with connection.cursor() as cursor:
+    # One transaction: the grants take back before they give, and hosts still running must not
+    # find a table they read unreadable in between.
+    with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
         for grant, roles in holders.items():
             for role in roles:
                 for statement in statements_for[grant](role):
