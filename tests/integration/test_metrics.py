@@ -220,14 +220,13 @@ def test_the_oldest_waiting_age_is_found_whatever_the_priorities_and_keys(settin
     assert 600 <= age < 660
 
 
-def test_gauges_that_cannot_be_read_are_reported_not_left_out(queue_state, capsys, pg_conn):
-    """A subscription whose gauges failed (here: a role that may not call the gauge procedure;
-    also a transport that is away) vanished from the scrape with no trace: the alerts watching
-    its dead letters resolved."""
-    busy, _quiet = queue_state
+def metrics_as_a_host_role(pg_conn: Any, capsys: Any, revoked: str | None = None) -> str:
+    """The exposition ``workqueue metrics`` prints when run as a role given grant-runtime (less
+    EXECUTE on the procedure ``revoked``), as a host's metrics port runs."""
     with database_role(pg_conn, "wq_host") as role:
         call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
-        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_queue_gauges FROM "{role}"')
+        if revoked is not None:
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {revoked} FROM "{role}"')
         connection.close()
         get_driver().close_all()
         with queue_connection_settings(options={}, USER=role):
@@ -235,8 +234,17 @@ def test_gauges_that_cannot_be_read_are_reported_not_left_out(queue_state, capsy
                 call_command("workqueue", "metrics")
             finally:
                 get_driver().close_all()
+    return capsys.readouterr().out
 
-    text = capsys.readouterr().out
+
+def test_gauges_that_cannot_be_read_are_reported_not_left_out(queue_state, capsys, pg_conn):
+    """A subscription whose gauges failed (here: a role that may not call the gauge procedure;
+    also a transport that is away) vanished from the scrape with no trace: the alerts watching
+    its dead letters resolved."""
+    busy, _quiet = queue_state
+
+    text = metrics_as_a_host_role(pg_conn, capsys, revoked="wq_queue_gauges")
+
     assert gauge(text, "workqueue_gauges_unavailable", busy.name) == 1
     assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) is None
 
@@ -245,17 +253,9 @@ def test_a_hosts_runtime_role_serves_the_gauges(queue_state, capsys, pg_conn):
     """A host's metrics port runs as its runtime role, which could not call the operator's
     gauge procedures: every host scrape lacked the gauges the alerts watch."""
     busy, _quiet = queue_state
-    with database_role(pg_conn, "wq_host") as role:
-        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
-        connection.close()
-        get_driver().close_all()
-        with queue_connection_settings(options={}, USER=role):
-            try:
-                call_command("workqueue", "metrics")
-            finally:
-                get_driver().close_all()
 
-    text = capsys.readouterr().out
+    text = metrics_as_a_host_role(pg_conn, capsys)
+
     assert gauge(text, "workqueue_dead_lettered_deliveries", busy.name) == 1
     assert gauge(text, "workqueue_gauges_unavailable", busy.name) is None
 
