@@ -17,13 +17,11 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
 from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
-from tests.support.database import queue_connection_settings
-from tests.support.roles import database_role
+from tests.support.roles import database_role, queue_connections_as
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import InvalidInputError, PermissionDeniedError
@@ -322,16 +320,11 @@ def test_a_bulk_operation_the_database_refuses_fails_with_its_error_not_a_traceb
     with database_role(pg_conn, "wq_ops") as role:
         call_command("workqueue", "grant-operator", role)
         pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_resolve_dead_letters FROM "{role}"')
-        connection.close()
-        get_driver().close_all()
         with (
-            queue_connection_settings(options={}, USER=role),
+            queue_connections_as(role),
             pytest.raises(CommandError, match=r"permission denied.*running it again is safe"),
         ):
-            try:
-                run("replay-dead-letters", "-s", subscription.name)
-            finally:
-                get_driver().close_all()
+            run("replay-dead-letters", "-s", subscription.name)
 
     assert statuses(ids) == ["DeadLettered"]
 

@@ -23,12 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
 from tests.support.api import call, reader
-from tests.support.database import queue_connection_settings
 from tests.support.handlers import probe
 from tests.support.hosts import one, status_of, sub
 from tests.support.processes import hello
 from tests.support.queue import dead_letter, pending
-from tests.support.roles import database_role
+from tests.support.roles import database_role, queue_connections_as
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish
 from workqueue.driver import get_driver
@@ -205,8 +204,6 @@ def test_each_count_stops_at_the_cap_and_says_so_so_a_scrape_stays_cheap(setting
 
 
 def test_the_oldest_waiting_age_is_found_whatever_the_priorities_and_keys(settings):
-    from workqueue.driver import get_driver
-
     subscription = SubscriptionFactory(partition_mode="Exclusive")
     publish(subscription.topic.name, {}, priority=-7)  # keyless, low priority: the oldest
     get_driver().shift_time(600, subscription_id=str(subscription.id))
@@ -227,13 +224,8 @@ def metrics_as_a_host_role(pg_conn: Any, capsys: Any, revoked: str | None = None
         call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
         if revoked is not None:
             pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {revoked} FROM "{role}"')
-        connection.close()
-        get_driver().close_all()
-        with queue_connection_settings(options={}, USER=role):
-            try:
-                call_command("workqueue", "metrics")
-            finally:
-                get_driver().close_all()
+        with queue_connections_as(role):
+            call_command("workqueue", "metrics")
     return capsys.readouterr().out
 
 

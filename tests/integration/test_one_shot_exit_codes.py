@@ -13,16 +13,13 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
 
 # Registers the factories' default handler (tests.noop) with the global registry, which the
 # commands use.
 import tests.support.handlers  # noqa: F401
 from tests.factories import SubscriptionFactory
-from tests.support.database import queue_connection_settings
-from tests.support.roles import database_role
+from tests.support.roles import database_role, queue_connections_as
 from workqueue import publish
-from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery
 from workqueue.transport import Receiver
@@ -68,11 +65,8 @@ def test_a_job_whose_claims_are_refused_exits_2(waiting_work, pg_conn):
         call_command("workqueue", "grant-runtime", role)
         pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
         pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_claim FROM "{role}"')
-        connection.close()
-        get_driver().close_all()
-        with queue_connection_settings(options={}, USER=role):
+        with queue_connections_as(role):
             error, _ = run_job(waiting_work.name)
-            get_driver().close_all()
 
     assert error.returncode == 2
     assert "Error" in str(error) and "permission denied" in str(error), str(error)

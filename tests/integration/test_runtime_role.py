@@ -19,8 +19,7 @@ from django.db.models.signals import post_migrate
 from django.urls import reverse
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.database import queue_connection_settings
-from tests.support.roles import connect_as, database_role
+from tests.support.roles import connect_as, database_role, queue_connections_as
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.driver.base import (
@@ -443,15 +442,9 @@ def test_the_runtime_role_runs_every_sweeper_step_and_records_task_runs(runtime_
     not record a task's run."""
     call_command("workqueue", "grant-runtime", runtime_role)
     pg_conn.execute(f'GRANT SELECT ON auth_user TO "{runtime_role}"')
-    connection.close()
-    get_driver().close_all()
-    try:
-        with queue_connection_settings(options={}, USER=runtime_role):
-            failed = Sweeper().run_once().failed_steps
-            TaskResult.objects.create(pk=uuid.uuid4(), worker_ids=["w"])
-            get_driver().close_all()
-    finally:
-        get_driver().close_all()
+    with queue_connections_as(runtime_role):
+        failed = Sweeper().run_once().failed_steps
+        TaskResult.objects.create(pk=uuid.uuid4(), worker_ids=["w"])
 
     assert failed == []
 

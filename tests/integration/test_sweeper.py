@@ -19,11 +19,9 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.database import queue_connection_settings
-from tests.support.roles import database_role
+from tests.support.roles import database_role, queue_connections_as
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
@@ -264,17 +262,12 @@ def test_sweep_once_fails_when_a_step_failed(pg_conn):
     with database_role(pg_conn, "wq_sweeper") as role:
         call_command("workqueue", "grant-runtime", role)
         pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_purge_orphan_messages FROM "{role}"')
-        connection.close()
-        get_driver().close_all()
         out = io.StringIO()
         with (
-            queue_connection_settings(options={}, USER=role),
+            queue_connections_as(role),
             pytest.raises(CommandError, match="Sweeping failed: orphan_messages") as raised,
         ):
-            try:
-                call_command("workqueue_sweep", "--once", stdout=out)
-            finally:
-                get_driver().close_all()
+            call_command("workqueue_sweep", "--once", stdout=out)
 
     assert raised.value.returncode == 1
     assert "orphan_messages=-1" in out.getvalue() and "terminal_deliveries=0" in out.getvalue()

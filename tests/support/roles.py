@@ -7,8 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+from django.db import connections
 
-from tests.support.database import psycopg_params
+from tests.support.database import psycopg_params, queue_connection_settings
+from workqueue.driver import get_driver
 
 
 @contextmanager
@@ -29,3 +31,21 @@ def connect_as(role: str) -> psycopg.Connection:
     params = psycopg_params()
     params["user"] = role
     return psycopg.connect(autocommit=True, **params)
+
+
+@contextmanager
+def queue_connections_as(role: str) -> Iterator[None]:
+    """The queue alias's connections, Django's and the queue's own, opened as ``role`` while
+    the block runs (as a host or web process with that role's grants). Those open before and
+    after are closed, so none crosses into or out of the block."""
+    driver = get_driver()
+    connections[driver.alias].close()
+    driver.close_all()
+    try:
+        with queue_connection_settings(options={}, USER=role):
+            try:
+                yield
+            finally:
+                driver.close_all()
+    finally:
+        driver.close_all()
