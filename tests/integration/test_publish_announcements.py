@@ -57,7 +57,7 @@ def announcements_failing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every announcement refused by the server while the block runs: it names a topic whose
     channel would be longer than PostgreSQL allows a channel's name to be."""
     with monkeypatch.context() as patch:
-        patch.setattr(postgresql, "_announcement", lambda rows: ("x" * 100, ""))
+        patch.setattr(postgresql, "_announcement", lambda rows: ("x" * 100, "", frozenset()))
         yield
 
 

@@ -586,18 +586,16 @@ class PostgresDriver(BaseDriver):
         results = self.execute(self._announcing_calls[name], values)
         kept = len(procedure.column_names)
         announcement = _announcement([result[kept:] for result in results])
+        named: frozenset[str] = frozenset()
         if announcement is not None:
-            topic_id, payload = announcement
+            topic_id, payload, named = announcement
             self._announce(params["topic_name"], self.topic_channel(topic_id), payload)
         rows = [self.decode_row(procedure, result[:kept]) for result in results]
         if name == "wq_publish" and rows[0]["status"] == "Accepted":
-            # Its announcement names the subscriptions it made deliveries for (none: no topic
-            # to announce on): for free, what PublishResult.delivered_to reports. (A batch's
-            # rows do not each carry theirs.)
-            announce_topic_id, announce_payload = results[0][kept : kept + 2]
-            rows[0]["delivered_to"] = frozenset(
-                announce_payload.split(",") if announce_topic_id is not None else ()
-            )
+            # Its announcement names the subscriptions it made deliveries for (none when it
+            # made none): for free, what PublishResult.delivered_to reports. (A batch's rows do
+            # not each carry theirs.)
+            rows[0]["delivered_to"] = named
         return rows
 
     @functools.cached_property
@@ -657,12 +655,12 @@ class PostgresDriver(BaseDriver):
         owned.announcing = topic_name
 
 
-def _announcement(announced: list[tuple[Any, ...]]) -> tuple[str, str] | None:
+def _announcement(announced: list[tuple[Any, ...]]) -> tuple[str, str, frozenset[str]] | None:
     """What a publish asks to announce, from each result row's ``ANNOUNCE_COLUMNS``, as (topic
-    id, payload), or None when it made no delivery. A batch run item by item gives each
-    accepted item's row its own: they share the topic, and the payload names every
-    subscription any of them named (empty, every consumer of the topic, when the names would
-    not fit a notification)."""
+    id, payload, every subscription named), or None when it made no delivery. A batch run item
+    by item gives each accepted item's row its own: they share the topic, and the payload names
+    every subscription any of them named (empty, every consumer of the topic, when the names
+    would not fit a notification)."""
     topic_id, named = None, set()
     for announce_topic_id, announce_payload in announced:
         if announce_topic_id is not None:
@@ -671,7 +669,8 @@ def _announcement(announced: list[tuple[Any, ...]]) -> tuple[str, str] | None:
     if topic_id is None:
         return None
     payload = ",".join(sorted(named))
-    return str(topic_id), payload if len(payload) <= ANNOUNCEMENT_PAYLOAD_MAX else ""
+    fits = payload if len(payload) <= ANNOUNCEMENT_PAYLOAD_MAX else ""
+    return str(topic_id), fits, frozenset(named)
 
 
 class _ThreadConnection:

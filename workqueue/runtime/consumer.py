@@ -455,6 +455,12 @@ class Consumer:
             self.receiver.close()
 
     @property
+    def retrying(self) -> bool:
+        """Whether its last claim failed, but not yet several times in a row: the next one
+        may well get past it."""
+        return self.failure is not None and not self.failing
+
+    @property
     def failing(self) -> bool:
         """Whether the claim loop has failed several times in a row just now (a missing
         grant, a database that stays away), not once (a dropped connection it gets past)."""

@@ -673,7 +673,7 @@ class Host:
                 quiet = min(time.monotonic() - c.last_activity for c in consumers)
                 # A consumer whose claim just failed claims again before the run calls the
                 # queue idle: once more is a blip, a few times in a row a failure.
-                retrying = any(c.failure is not None and not c.failing for c in consumers)
+                retrying = any(c.retrying for c in consumers)
                 if (
                     not busy
                     and not retrying
@@ -693,7 +693,7 @@ class Host:
         return RunOnceResult(processed, reason, could_not_run, self.planning_failure)
 
     def _could_not_run(self, consumers: list[Consumer]) -> list[dict[str, Any]]:
-        transient = {c.plan.name for c in consumers if c.failure is not None and not c.failing}
+        transient = {c.plan.name for c in consumers if c.retrying}
         return [
             entry
             for entry in self.health()["subscriptions"]

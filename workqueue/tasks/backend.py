@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from django.core import checks
 from django.db import connections
@@ -41,6 +41,9 @@ SUBSCRIPTION_OPTIONS = frozenset(
         "max_processing_seconds",
     }
 )
+
+
+T = TypeVar("T")
 
 
 class TaskEnqueueError(WorkQueueError):
@@ -180,8 +183,9 @@ class WorkQueueBackend(api.BaseTaskBackend):
             # The caller's transaction must not hold the new topic: the publish runs on the
             # queue's own connection and would not see it (and a rollback would undo it). A
             # thread has a connection of its own, in autocommit.
-            with ThreadPoolExecutor(1, thread_name_prefix="wq-tasks-topology") as pool:
-                runner = pool.submit(self._create_in_thread, queue_name).result()
+            runner = _on_a_connection_of_its_own(
+                _create_topology, queue_name, self.subscription_options
+            )
         else:
             runner = _create_topology(queue_name, self.subscription_options)
         self._ready_queues[queue_name] = runner
@@ -210,12 +214,6 @@ class WorkQueueBackend(api.BaseTaskBackend):
             not_before=message.run_after,
             priority=message.priority,
         )
-
-    def _create_in_thread(self, queue_name: str) -> str | None:
-        try:
-            return _create_topology(queue_name, self.subscription_options)
-        finally:
-            connections.close_all()
 
 
 def _subscription_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -247,16 +245,22 @@ def _has_a_task_delivery(message_id: str | None) -> bool:
     if not connections[alias].in_atomic_block:
         return False
     # The caller's transaction may read from a snapshot taken before the publish committed
-    # (REPEATABLE READ, SERIALIZABLE): asked again outside it, on a thread's own connection.
-    with ThreadPoolExecutor(1, thread_name_prefix="wq-tasks-check") as pool:
-        return pool.submit(_outside_any_transaction, found).result()
+    # (REPEATABLE READ, SERIALIZABLE): asked again outside it.
+    return _on_a_connection_of_its_own(found)
 
 
-def _outside_any_transaction(check: Callable[[], bool]) -> bool:
-    try:
-        return check()
-    finally:
-        connections.close_all()
+def _on_a_connection_of_its_own(run: Callable[..., T], *args: Any) -> T:
+    """``run(*args)`` outside the caller's transaction: on a thread, whose connections are its
+    own and in autocommit (closed when it is done)."""
+
+    def on_the_thread() -> T:
+        try:
+            return run(*args)
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="wq-tasks") as pool:
+        return pool.submit(on_the_thread).result()
 
 
 def _why_no_subscription_runs(queue_name: str) -> str:
