@@ -432,6 +432,11 @@ def aim_fanout(sizes: Sizes) -> list[Score]:
         label = f"5. {shape} to 10 subscriptions vs 1 (PostgreSQL CPU)"
         if one_cpu is None or ten_cpu is None:
             scores.append(Score(label, f"n/a (server not local); {time_ratio}", "<= 2x", "skipped"))
+        elif not one_cpu:
+            # /proc counts CPU in clock ticks (10 ms); a short run (--quick) can read none.
+            scores.append(
+                Score(label, f"n/a (run too short to read CPU); {time_ratio}", "<= 2x", "skipped")
+            )
         else:
             scores.append(
                 Score(
