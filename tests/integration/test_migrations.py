@@ -94,6 +94,19 @@ def test_an_upgraded_database_equals_a_fresh_one(scratch_database):
 
 @pytest.mark.processes
 @pytest.mark.django_db
+def test_migrating_back_before_the_procedures_drops_them_and_forward_again_equals_fresh(
+    scratch_database,
+):
+    fresh = _catalog()
+    _migrate(scratch_database)
+    _migrate(scratch_database, "workqueue", "0001")
+    assert not _scratch_catalog(scratch_database)["functions"]
+    _migrate(scratch_database)
+    assert _scratch_catalog(scratch_database) == fresh
+
+
+@pytest.mark.processes
+@pytest.mark.django_db
 def test_a_database_at_0005_with_its_procedures_upgrades_to_equal_a_fresh_one(scratch_database):
     fresh = _catalog()
 
@@ -120,6 +133,16 @@ def test_installing_drops_procedures_the_files_no_longer_declare():
     names = [row[0] for row in _catalog()["functions"]]
     assert "wq_obsolete()" not in names
     assert "wq_claim(uuid,text,integer,text)" in names
+
+
+@pytest.mark.django_db(transaction=True)
+def test_installing_inside_a_savepoint_keeps_what_it_installs():
+    # A migrate run inside a transaction (a test that migrates back and forth, a deployment
+    # script's atomic block) installs in a savepoint, whose rows carry the subtransaction's id.
+    before = {row[0] for row in _catalog()["functions"]}
+    with transaction.atomic(), transaction.atomic():
+        get_driver().install_procedures(connection)
+    assert {row[0] for row in _catalog()["functions"]} == before
 
 
 def test_only_the_latest_procedure_migration_installs():

@@ -108,7 +108,7 @@ GUARD_FUNCTIONS = frozenset({"wq_filter_problem(jsonb)"})
 
 # Every wq_* function in the current schema, as "name(argument types)".
 _LIST_FUNCTIONS = """
-    SELECT p.oid::regprocedure::text, p.xmin = pg_current_xact_id()::xid
+    SELECT p.oid::regprocedure::text, p.oid::bigint, p.xmin::text
       FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
      WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
 """
@@ -240,15 +240,20 @@ class PostgresDriver(BaseDriver):
             grantees: dict[str, set[str]] = {}
             for name, role in cursor.fetchall():
                 grantees.setdefault(name, set()).add(role)
+            # CREATE OR REPLACE rewrites a function's catalogue row, so a row whose version is
+            # the one read here belongs to a function the current files no longer declare.
+            # (Compared with the row's own earlier version, not with this transaction's id: in
+            # a savepoint, a migrate inside an atomic block, the rows carry the savepoint's.)
+            cursor.execute(_LIST_FUNCTIONS)
+            untouched = {(oid, version) for _signature, oid, version in cursor.fetchall()}
             files = load_procedures(self.sql_directory)
             # From every file: a call is qualified whichever file declares its function.
             functions = declared_functions(text for _name, text in files)
             for _name, text in files:
                 cursor.execute(qualify_own_objects(text, schema, functions))
-            # CREATE OR REPLACE rewrites a function's catalogue row in this transaction, so a
-            # row with an older xmin belongs to a function the current files no longer declare.
             cursor.execute(_LIST_FUNCTIONS)
-            for signature, current in cursor.fetchall():
+            for signature, oid, version in cursor.fetchall():
+                current = (oid, version) not in untouched
                 if current and signature in GUARD_FUNCTIONS:
                     cursor.execute(f"GRANT EXECUTE ON FUNCTION {signature} TO PUBLIC")
                 elif current:
@@ -294,7 +299,7 @@ class PostgresDriver(BaseDriver):
     def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:
         with connection.cursor() as cursor:
             cursor.execute(_LIST_FUNCTIONS)
-            for signature, _current in cursor.fetchall():
+            for signature, _oid, _version in cursor.fetchall():
                 cursor.execute(f"DROP FUNCTION IF EXISTS {signature} CASCADE")
             cursor.execute("DROP SEQUENCE IF EXISTS wq_publish_ordinal_seq")
 
