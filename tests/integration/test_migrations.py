@@ -16,6 +16,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
 
+from tests.support.database import psycopg_params
 from tests.support.processes import run_manage, subprocess_environment
 from workqueue.driver import get_driver
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
@@ -42,6 +43,10 @@ CATALOG_QUERIES = {
          WHERE relnamespace = current_schema()::regnamespace AND relkind = 'r'
            AND relname LIKE 'workqueue\\_%%'
          ORDER BY 1""",
+    "triggers": """
+        SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid) FROM pg_trigger
+         WHERE NOT tgisinternal AND tgrelid::regclass::text LIKE 'workqueue\\_%%'
+         ORDER BY 1, 2""",
     "functions": """
         SELECT p.oid::regprocedure::text, md5(p.prosrc), p.prosecdef, p.proconfig,
                p.provolatile, pg_get_function_result(p.oid), p.proacl
@@ -143,6 +148,20 @@ def test_installing_inside_a_savepoint_keeps_what_it_installs():
     with transaction.atomic(), transaction.atomic():
         get_driver().install_procedures(connection)
     assert {row[0] for row in _catalog()["functions"]} == before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_installing_leaves_the_topology_readable_by_claims_and_publishes_until_it_commits():
+    # An upgrade reinstalls every procedure in the migrate's transaction. Claims and publishes
+    # read workqueue_subscription and workqueue_topic: a lock that stops readers, held until the
+    # migrate commits (and queued behind any reader already open), would stall every host.
+    params = psycopg_params()
+    with psycopg.connect(autocommit=True, **params) as reader:
+        reader.execute("SET lock_timeout = '2s'")
+        with transaction.atomic():
+            get_driver().install_procedures(connection)
+            for table in ("workqueue_subscription", "workqueue_topic"):
+                reader.execute(f"SELECT count(*) FROM {table}")
 
 
 def test_only_the_latest_procedure_migration_installs():

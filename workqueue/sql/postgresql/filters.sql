@@ -5,9 +5,10 @@
 -- they do, for valid and invalid filters alike; tests/driver/test_filter_sql_parity.py checks
 -- that on a corpus of rejected filters and on generated ones. Idempotent: safe to run repeatedly.
 
--- The guard is dropped first and added again at the end of this file, as on SQL Server (which
--- refuses to alter a function that a CHECK constraint uses), so both vendors install the same way.
-ALTER TABLE workqueue_subscription DROP CONSTRAINT IF EXISTS wq_sub_filter_valid;
+-- The guard stays in place while the functions it calls are replaced (PostgreSQL allows that;
+-- SQL Server does not, and drops and adds it again there). It is added at the end of this file
+-- only when missing: adding or dropping a constraint locks workqueue_subscription against every
+-- reader, each claim and publish among them, until the migrate commits.
 
 -- wq_filter_problem(p_filter jsonb) RETURNS text
 --
@@ -313,5 +314,17 @@ COMMENT ON FUNCTION wq_filter_matches(jsonb, jsonb) IS
 -- NOT VALID: rows written before the guard existed are not re-checked, so installing never
 -- fails on old data; such a row matches nothing and `manage.py workqueue validate-bindings`
 -- reports it until it is fixed. Every later INSERT and UPDATE is checked.
-ALTER TABLE workqueue_subscription
-    ADD CONSTRAINT wq_sub_filter_valid CHECK (wq_filter_problem(filter) IS NULL) NOT VALID;
+-- Added only when missing, told by its name: a guard whose expression changes must take a new
+-- name (and drop the old one here), or upgraded databases would keep the old expression.
+DO $filter_guard$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_constraint c
+         WHERE c.conrelid = 'workqueue_subscription'::regclass
+           AND c.conname = 'wq_sub_filter_valid'
+    ) THEN
+        ALTER TABLE workqueue_subscription
+            ADD CONSTRAINT wq_sub_filter_valid CHECK (wq_filter_problem(filter) IS NULL) NOT VALID;
+    END IF;
+END
+$filter_guard$;

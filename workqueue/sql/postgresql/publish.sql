@@ -196,13 +196,13 @@ BEGIN
 END;
 $$;
 
-DROP TRIGGER IF EXISTS wq_subscription_delete_guard ON workqueue_subscription;
-CREATE TRIGGER wq_subscription_delete_guard
+-- Replaced in place, not dropped and created: dropping a trigger locks its table against every
+-- reader until the migrate commits, and each claim and publish reads these two tables.
+CREATE OR REPLACE TRIGGER wq_subscription_delete_guard
     BEFORE DELETE ON workqueue_subscription
     FOR EACH ROW EXECUTE FUNCTION wq_guard_subscription_delete();
 
-DROP TRIGGER IF EXISTS wq_topic_delete_guard ON workqueue_topic;
-CREATE TRIGGER wq_topic_delete_guard
+CREATE OR REPLACE TRIGGER wq_topic_delete_guard
     BEFORE DELETE ON workqueue_topic
     FOR EACH ROW EXECUTE FUNCTION wq_guard_topic_delete();
 
