@@ -6,6 +6,8 @@ Receiver), which runs on the driver's own connection: these tests use committed 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
@@ -18,6 +20,7 @@ from tests.support.queue import pending as _pending
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery, HostRecord, Subscription
 from workqueue.models.apikeys import hash_key
+from workqueue.models.hosts import database_now
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -285,6 +288,22 @@ def test_dashboard_lists_only_live_hosts(operator_client):
 
     assert response.context["hosts"] == []
     assert 'id="workqueue-no-hosts"' in response.content.decode()
+
+
+def test_dashboard_says_how_long_ago_each_host_reported_by_the_databases_clock(operator_client):
+    # Hosts stamp their reports with the database's clock; a web server whose own clock is off
+    # must not show a live host as seen minutes ago (or in the future). A live host reported
+    # within the last 45 s, so the age is shown in seconds.
+    seen = database_now() - timezone.timedelta(seconds=20)
+    HostRecord.objects.create(
+        instance_id="w:1:a", hostname="w", pid=1, started_at=seen, last_seen_at=seen
+    )
+
+    response = operator_client.get(_url("workqueue_dashboard"))
+
+    (host,) = response.context["hosts"]
+    assert 20 <= host["seen_seconds_ago"] <= 25
+    assert re.search(r"last seen 2[0-5]s ago", response.content.decode())
 
 
 # -- payloads -----------------------------------------------------------------------------

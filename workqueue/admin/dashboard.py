@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from workqueue.exceptions import PermissionDeniedError, WorkQueueConfigurationError
 from workqueue.models import Delivery, HostRecord, Subscription
+from workqueue.models.hosts import database_now
 from workqueue.operators import operations
 from workqueue.operators.permissions import READ, Actor, require
 from workqueue.types import DeliveryStatus
@@ -169,10 +170,15 @@ def _age(seconds: int | None) -> str:
     return f"{hours}h {minutes}m"
 
 
-def _host(record: HostRecord) -> dict[str, Any]:
+def _host(record: HostRecord, now: dt.datetime) -> dict[str, Any]:
+    """A live host's row; ``now`` is the database's clock, which stamped its report (the web
+    server's own clock may be off by minutes)."""
     subscriptions = record.subscription_entries()
+    seen_seconds_ago = max(0, int((now - record.last_seen_at).total_seconds()))
     return {
         "record": record,
+        "seen_seconds_ago": seen_seconds_ago,
+        "seen_ago": _age(seen_seconds_ago),
         "subscriptions": subscriptions,
         "healthy": all(s["state"] in HEALTHY_STATES for s in subscriptions),
         "in_flight": sum(s["in_flight"] for s in subscriptions),
@@ -214,10 +220,13 @@ def dashboard_context(request: HttpRequest, site_name: str) -> dict[str, Any]:
                 "dead_letters_url": dead_letters_url,
             }
         )
+    database_clock = database_now()
     return {
         "rows": rows,
         "failures": report.failures,
-        "hosts": [_host(record) for record in HostRecord.objects.live()],
+        "hosts": [
+            _host(record, database_clock) for record in HostRecord.objects.live(database_clock)
+        ],
         "chart": chart(throughput()),
         # The chart counts the Delivery table; these subscriptions' transports keep no
         # history of completions there.
