@@ -651,6 +651,30 @@ def test_run_once_stops_after_receiving_max_deliveries_and_waits_for_them_to_fin
     assert len(probe.runs) == 2
 
 
+def test_run_once_does_not_count_a_delivery_whose_lease_was_lost_as_processed(make_host):
+    # Its outcome was not recorded: another consumer holds the delivery and will run it.
+    s = sub(lease_seconds=5)
+    message = publish(s.topic.name, {"sleepMs": 600, "then": "complete"}).message_id
+    host = make_host(one(s, concurrency=1))
+
+    def take_the_lease_over() -> None:
+        probe.wait_for(1)
+        try:
+            get_driver().shift_time(10, subscription_id=str(s.id))  # the lease ran out...
+            assert Receiver(s.id, "other-host").receive(1).deliveries  # ...and was re-claimed
+        finally:
+            get_driver().close()  # this thread's connection
+
+    thief = threading.Thread(target=take_the_lease_over)
+    thief.start()
+    result = host.run_once(max_deliveries=1, idle_exit_ms=300)
+    thief.join()
+
+    assert (result.processed, result.reason) == (0, "MaxDeliveries")
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.lease_owner) == ("InFlight", "other-host")
+
+
 def test_run_once_returns_idle_once_the_queue_stays_empty_for_idle_exit_ms(make_host):
     s = sub()
     publish_many(s.topic.name, [{"payload": {"then": "complete"}} for _ in range(3)])

@@ -302,7 +302,9 @@ class Consumer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.received = 0
         self.finished = 0  # executions ended, however
-        self.processed = 0  # of which the handler's outcome was recorded (not released)
+        # Of which the handler's outcome was recorded: not handed back, not refused for a lost
+        # lease (another consumer runs it), not left unknown by a settle that failed.
+        self.processed = 0
         self.last_activity = time.monotonic()
         self.receive_pending = False
         self.last_receive_empty = False
@@ -789,7 +791,7 @@ class Consumer:
             if self._running.pop(execution.key, None) is None:
                 return  # accounted for already (it crashed after settling)
             self.finished += 1
-            if not result.released:
+            if result.kind == ExecutionResult.SETTLED and not result.released:
                 self.processed += 1
             if self._stopping.is_set():
                 self._lock.notify_all()  # stop() waits for the running ones to end
