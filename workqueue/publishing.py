@@ -52,6 +52,8 @@ MAX_ATTRIBUTES = 10
 ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESERVED_ATTRIBUTE_PREFIXES = ("wq.", "wq_")
 MAX_KEY_LENGTH = 200
+#: The length of workqueue_message.published_by (Django's own user names fit: 150).
+PUBLISHED_BY_MAX_LENGTH = 150
 MIN_DEDUP_TTL, MAX_DEDUP_TTL = 60, 2_592_000
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 
@@ -387,9 +389,10 @@ def _rejected(error: PublishError) -> PublishResult:
 
 
 def _publisher(user: Any, system_user: str) -> str:
-    if user is not None:
-        return user.get_username()
-    return system_user
+    """Who published, as recorded: cut to the column's length (a custom user model may allow
+    e-mail addresses of 254 characters as user names, and the record is for reading only)."""
+    name = user.get_username() if user is not None else system_user
+    return name[:PUBLISHED_BY_MAX_LENGTH]
 
 
 def _topic_error(topic: str, external: bool, known: Topic | None) -> PublishError | None:
@@ -569,13 +572,45 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
         # Hundreds of levels deep: far past MAX_JSON_DEPTH, and too deep to serialise here.
         raise _Unstorable(field, TOO_DEEP_PROBLEM) from None
     except (TypeError, ValueError) as exc:
+        # Keys of two types cannot be sorted (TypeError): name the key, not the comparison.
+        key_problem = _non_text_key(value, field)
         raise _Invalid(
-            PublishErrorCode.INVALID_PAYLOAD, f"The payload is not JSON-serialisable: {exc}"
+            PublishErrorCode.INVALID_PAYLOAD,
+            key_problem or f"The payload is not JSON-serialisable: {exc}",
         ) from None
+    # json writes a number, boolean or null key as text ({1: "a"} as {"1": "a"}), so the handler
+    # would get another object than the one published. Only a text that has a key spelled like
+    # one is walked to tell a written number from a text key "1".
+    if _CONVERTED_KEY.search(text):
+        key_problem = _non_text_key(value, field)
+        if key_problem is not None:
+            raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, key_problem)
     problem = json_text_problem(text)
     if problem is not None:
         raise _Unstorable(field, problem)
     return payload, payload_ref, text
+
+
+#: A key as json writes a number, boolean or null key (or a text key that looks like one).
+_CONVERTED_KEY = re.compile(r'[{,]"(?:-?[0-9][-+.0-9eE]*|true|false|null|NaN|-?Infinity)":')
+
+
+def _non_text_key(value: Any, field: str) -> str | None:
+    """The problem with the first object key in ``value`` that is not text, or None."""
+    stack = [(value, field)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, member in item.items():
+                if not isinstance(key, str):
+                    return (
+                        f"The {field}'s object keys must be text: {path} has the key {key!r} "
+                        f"({type(key).__name__})."
+                    )
+                stack.append((member, f"{path}[{key!r}]"))
+        elif isinstance(item, list | tuple):
+            stack.extend((member, f"{path}[{n}]") for n, member in enumerate(item))
+    return None
 
 
 def _envelope_bytes(
@@ -616,8 +651,14 @@ def _json_text(value: str | None) -> str:
 def _deduplication(key: Any, ttl: Any) -> tuple[str | None, int | None]:
     if key is not None and not isinstance(key, str):
         raise _Invalid(PublishErrorCode.INVALID_DEDUPLICATION, "deduplication_key must be text.")
-    key = key.strip() if key else None
-    key = key or None
+    if key is not None:
+        key = key.strip()
+        if not key:
+            # Not read as "no key": the caller meant one, and would deduplicate nothing.
+            raise _Invalid(
+                PublishErrorCode.INVALID_DEDUPLICATION,
+                "deduplication_key is blank; give a key, or leave it out for no deduplication.",
+            )
     if key is not None and len(key) > MAX_KEY_LENGTH:
         raise _Invalid(
             PublishErrorCode.INVALID_DEDUPLICATION,
@@ -678,7 +719,9 @@ def _schedule(not_before: Any, delay_seconds: Any) -> tuple[str | None, int | No
             "not_before must carry a time zone (an aware datetime, or text with an offset "
             "such as 2030-01-01T09:00:00+00:00).",
         )
-    return not_before.isoformat(), None
+    # In UTC: an offset with fractions of a second (local mean time, which Python reads) is not
+    # one the database reads.
+    return not_before.astimezone(dt.UTC).isoformat(), None
 
 
 def _priority(priority: Any) -> int | None:

@@ -291,6 +291,16 @@ def test_a_body_that_is_not_json_is_400(client, topic, key, raw):
     assert "JSON" in body["detail"]
 
 
+def test_a_number_past_what_a_float_holds_is_400_saying_so_not_nan(client, topic, key):
+    raw = '{"messages": [{"payload": {"x": 1e400}}]}'
+
+    body = assert_refused(post(client, topic.name, raw=raw, key=key), 400)
+
+    assert "1e400" in body["detail"] and "send it as a string" in body["detail"]
+    assert "NaN" not in body["detail"]
+    assert Message.objects.count() == 0
+
+
 @pytest.mark.parametrize(
     "payload",
     [

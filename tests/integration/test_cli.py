@@ -12,6 +12,7 @@ from django.core.management import CommandError, call_command
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.queue import dead_letter, row_held
+from tests.support.roles import database_role, queue_connections_as
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery
 from workqueue.transport import Receiver
@@ -174,6 +175,23 @@ def test_publish_count_reports_a_rate_and_bad_json_is_refused():
 def test_publish_to_an_unknown_topic_exits_with_the_error_code():
     with pytest.raises(CommandError, match="TopicNotFound"):
         run("publish", "--topic", "no.such.topic")
+
+
+def test_a_publish_the_database_refuses_is_a_one_line_error_not_a_traceback(pg_conn):
+    # Here: the role the command connects as may not run the publish procedure.
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    with database_role(pg_conn, "wq_pub") as role:
+        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
+        for procedure in ("wq_publish", "wq_publish_many"):
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {procedure} FROM "{role}"')
+        with (
+            queue_connections_as(role),
+            pytest.raises(CommandError, match=r"^Publishing failed: .*permission denied"),
+        ):
+            run("publish", "--topic", topic.name, "--payload", '{"a": 1}')
+
+    assert Delivery.objects.filter(subscription__topic=topic).count() == 0
 
 
 def test_apikey_create_prints_the_key_once_and_it_can_be_revoked():

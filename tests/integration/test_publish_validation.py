@@ -9,6 +9,9 @@ rows'.
 
 from __future__ import annotations
 
+import datetime as dt
+import re
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -24,7 +27,7 @@ from workqueue.driver.base import canonical_json
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Message, Subscription
 from workqueue.publishing import OutgoingMessage
-from workqueue.transport import TRANSIENT_RETRIES
+from workqueue.transport import TRANSIENT_RETRIES, Receiver
 from workqueue.types import PublishResult
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -118,6 +121,10 @@ def test_invalid_payload_boundaries(topic):
                 "InvalidPayload",
             ),
             "correlation id not text": ({"payload": 3, "correlation_id": 7}, "InvalidPayload"),
+            # JSON keys are text: {1: "one"} would come back as {"1": "one"}.
+            "a number as a key": ({"payload": {1: "one"}}, "InvalidPayload"),
+            "a nested boolean key": ({"payload": {"a": [{True: "yes"}]}}, "InvalidPayload"),
+            "text and number keys": ({"payload": {1: "a", "b": 2}}, "InvalidPayload"),
         },
     )
 
@@ -157,8 +164,81 @@ def test_invalid_deduplication_boundaries(topic):
             "TTL as a float": (dedup("h", 60.0), "InvalidDeduplication"),
             "TTL as text": (dedup("i", "60"), "InvalidDeduplication"),
             "TTL true": (dedup("j", True), "InvalidDeduplication"),
+            # Blank is not "no key": a caller who meant a key would deduplicate nothing.
+            "empty key": (dedup(""), "InvalidDeduplication"),
+            "blank key": (dedup("   "), "InvalidDeduplication"),
         },
     )
+
+
+def test_a_payloads_keys_must_be_text_and_the_rejection_says_so(topic):
+    result = publish(topic.name, {1: "a", "b": 2})
+
+    assert result.error.code == "InvalidPayload"
+    assert "keys must be text" in result.error.message and "1 (int)" in result.error.message
+
+
+def test_numbers_come_back_to_the_handler_as_they_were_published(topic):
+    # jsonb keeps a number's value, not its spelling: 1e+23 written as Python spells it came
+    # back as the integer 10**23 (not even the float published), 1e16 as an int.
+    payload = {
+        "big": 1e16,
+        "bigger": 1e23,
+        "huge": -1.5e300,
+        "tiny": 5e-324,
+        "small": 1e-05,
+        "plain": 0.1,
+        "whole": 10**30,
+        "text": "1e+23 stays text",
+    }
+    result = publish(topic.name, payload)
+    assert result.accepted
+    (subscription,) = topic.subscriptions.all()
+    (delivery,) = Receiver(subscription.id).receive(1).deliveries
+
+    assert delivery.payload == payload
+    assert {k: type(v) for k, v in delivery.payload.items()} == {
+        k: type(v) for k, v in payload.items()
+    }
+
+
+def test_a_message_of_large_numbers_is_measured_as_stored(topic):
+    # The database stores 1e300 as its 301 digits: the size limit counts them, on both sides,
+    # so the refusal comes from publish (with its sizes), not from the procedure.
+    small = TopicFactory(max_payload_bytes=1000)
+    SubscriptionFactory(topic=small)
+
+    result = publish(small, [1e300] * 8)  # the topic itself: publish knows its limit
+
+    assert result.error.code == "PayloadTooLarge"
+    assert re.fullmatch(r"The message is 2\d{3} bytes; .* is 1000\.", result.error.message)
+    assert publish(small.name, [1e300] * 8).error.code == "PayloadTooLarge"
+    assert publish(small, [1e300] * 2).accepted
+
+
+def test_a_due_time_whose_offset_has_fractions_of_a_second_is_stored_at_that_instant(topic):
+    # Python reads such offsets (local mean time, ISO text); PostgreSQL refused their text,
+    # and in a batch the whole batch failed with a raw database error.
+    offset = dt.timezone(dt.timedelta(hours=5, minutes=30, seconds=15, microseconds=500_000))
+    when = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).astimezone(offset)
+    assert when.isoformat().endswith("+05:30:15.500000")
+    results = publish_many(
+        topic.name,
+        [{"payload": 1}, {"payload": 2, "not_before": when.isoformat()}, {"payload": 3}],
+    )
+
+    assert [r.status for r in results] == ["Accepted"] * 3
+    assert Delivery.objects.get(message_id=results[1].message_id).visible_at == when
+
+
+def test_a_publisher_whose_user_name_is_longer_than_the_column_is_recorded_cut_short(topic):
+    # A custom user model may allow e-mail addresses of 254 characters as user names.
+    user = SimpleNamespace(get_username=lambda: "u" * 240 + "@example.com")
+
+    result = publish(topic.name, {"n": 1}, user=user)
+
+    assert result.accepted
+    assert Message.objects.get(id=result.message_id).published_by == "u" * 150
 
 
 def envelope_bytes(**fields: Any) -> int:

@@ -98,6 +98,17 @@ def test_enqueue_refuses_arguments_that_do_not_round_trip_through_json(args, kwa
     assert published_tasks() == 0
 
 
+def test_float_arguments_reach_the_task_as_the_floats_enqueued(run_host):
+    # 1e16 and 1e23 pass the JSON round trip Django checks, and came back as ints (10**23
+    # being another number than the float 1e23).
+    run_host()
+    result = finished(echo.enqueue([1e16, 1e23, -2.5e-300]).id)
+
+    assert result.status == "SUCCESSFUL"
+    assert result.return_value == [1e16, 1e23, -2.5e-300]
+    assert all(type(value) is float for value in result.return_value)
+
+
 def test_run_after_is_the_deliverys_due_time_and_priority_its_priority(run_host):
     backend = default_task_backend
     assert (backend.supports_defer, backend.supports_priority) == (True, True)

@@ -30,6 +30,7 @@ production").
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -189,9 +190,29 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+class _NumberOutOfRange(ValueError):
+    pass
+
+
+def _finite_float(text: str) -> float:
+    # Valid JSON, but past what a float holds (1e400): Python reads it as infinity, which
+    # would then be refused as "NaN or Infinity", a value the caller never sent.
+    number = float(text)
+    if math.isinf(number):
+        raise _NumberOutOfRange(text)
+    return number
+
+
 def _parse(raw: bytes) -> Any:
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NumberOutOfRange as exc:
+        shown = str(exc) if len(str(exc)) <= 40 else f"{str(exc)[:37]}..."
+        raise HttpError(
+            400,
+            f"The request body holds the number {shown}, beyond what a double-precision float "
+            "holds (about 1.8e308); send it as a string.",
+        ) from None
     except RecursionError:
         raise HttpError(
             400,

@@ -58,7 +58,7 @@ class PublishVerb(Verb):
         parser.add_argument("--count", type=int, default=1)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
-        from workqueue.exceptions import InvalidInputError
+        from workqueue.exceptions import InvalidInputError, WorkQueueError
         from workqueue.publishing import publish_many
 
         payload = _json_option(options, "payload")
@@ -85,6 +85,10 @@ class PublishVerb(Verb):
             except InvalidInputError as exc:
                 # A value the database cannot store: refused before anything was published.
                 raise CommandError(str(exc)) from None
+            except WorkQueueError as exc:
+                # The database refused the batch (a missing grant, say): nothing of it stored.
+                done = f" ({len(results)} of {count} were published before it)" if results else ""
+                raise CommandError(f"Publishing failed: {exc}{done}") from None
             if progress:
                 progress.update(len(results))
         elapsed = max(time.monotonic() - started, 1e-9)

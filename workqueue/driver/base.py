@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import decimal
 import functools
 import json
 import re
@@ -552,14 +553,51 @@ def canonical_json(value: Any) -> str:
     ISO 8601 durations, lazy translations their text (handlers receive those strings).
 
     A value that refers to itself raises ``ValueError`` and one nested too deep for Python's
-    recursion limit ``RecursionError``, as ``json.dumps`` does."""
+    recursion limit ``RecursionError``, as ``json.dumps`` does.
+
+    A float Python writes with an exponent (``1e+23``, ``5e-324``) is written out in full
+    (``99999999999999991611392.0``, ``0.000…5``): PostgreSQL's jsonb keeps a number's value,
+    not its spelling, and gave ``1e+23`` back as the integer ``10**23``, another number than the
+    float published. Written out, every vendor stores the text the size limit measured, and it
+    reads back as the same float."""
     if _C_ENCODER is None:
-        return _CANONICAL_ENCODER.encode(value)
-    # What _CANONICAL_ENCODER.encode runs, without the Python around it (about 0.6 us of a small
-    # payload's 2 us): CPython's C encoder, made for each call because its dict of the
-    # containers being written (how a value that contains itself is caught before it recurses
-    # any deeper) must be the call's own. tests/unit/test_canonical_json.py compares the texts.
-    return "".join(_C_ENCODER({}, *_C_ENCODER_SETTINGS)(value, 0))
+        text = _CANONICAL_ENCODER.encode(value)
+    else:
+        # What _CANONICAL_ENCODER.encode runs, without the Python around it (about 0.6 us of a
+        # small payload's 2 us): CPython's C encoder, made for each call because its dict of
+        # the containers being written (how a value that contains itself is caught before it
+        # recurses any deeper) must be the call's own. tests/unit/test_canonical_json.py
+        # compares the texts.
+        text = "".join(_C_ENCODER({}, *_C_ENCODER_SETTINGS)(value, 0))
+    if ("e+" in text or "e-" in text) and _EXPONENT.search(text):
+        return _STRING_OR_EXPONENT.sub(_written_out, text)
+    return text
+
+
+class CanonicalJSONEncoder(DjangoJSONEncoder):
+    """An encoder class for Django's JSON handling (``json.dumps(value, cls=...)``) that writes
+    ``canonical_json(value)``: for values stored through a JSONField (a task's return value),
+    whose floats must read back as the floats written."""
+
+    def encode(self, o: Any) -> str:
+        return canonical_json(o)
+
+
+#: A digit then an exponent: a float Python wrote as 1e+16 (or inside a string, looked at again).
+_EXPONENT = re.compile(r"[0-9]e[-+]")
+#: A JSON string (group 1 unset: left as it is) or a number with an exponent (group 1).
+_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?[0-9]+(?:\.[0-9]+)?e[-+][0-9]+)')
+
+
+def _written_out(match: re.Match[str]) -> str:
+    number = match[1]
+    if number is None:
+        return match[0]
+    # The number's own decimal digits (what jsonb stores and writes back), and a fraction so
+    # that it reads back as a float: Python writes an exponent only from 1e16 up (a whole
+    # number) and below 1e-4 (which has its fraction).
+    text = format(decimal.Decimal(number), "f")
+    return text if "." in text else f"{text}.0"
 
 
 # One instance for every call (json.dumps with cls= builds an encoder per call); encoding keeps

@@ -12,6 +12,7 @@ from typing import Any
 from django.db import IntegrityError, connections, router, transaction
 from django.db.models.functions import Now
 
+from workqueue.driver.base import CanonicalJSONEncoder
 from workqueue.models import Delivery, TaskResult
 from workqueue.tasks import api
 from workqueue.tasks.messages import HANDLER_KEY, STATUS_BY_DELIVERY, TaskMessage, build_result
@@ -112,7 +113,11 @@ def record_success(record: TaskResult, value: Any) -> None:
         cursor.execute(
             _return_value_update(connection.ops.quote_name),
             [
-                _RETURN_VALUE.get_db_prep_save(value, connection),
+                # As JSONField prepares it (None is SQL NULL), written the way payloads are,
+                # so that a float such as 1e23 is not read back as the integer 10**23.
+                None
+                if value is None
+                else connection.ops.adapt_json_value(value, CanonicalJSONEncoder),
                 _PRIMARY_KEY.get_db_prep_save(record.pk, connection),
             ],
         )
