@@ -125,6 +125,26 @@ def test_sigterm_exits_within_the_drain_budget_even_if_a_handler_ignores_the_abo
     assert delivery(message).status == "InFlight"  # left to lease expiry
 
 
+def test_a_second_signal_during_the_drain_exits_at_once_saying_what_is_left(processes):
+    # An operator pressing Ctrl-C again (or a supervisor sending SIGTERM twice) must not have
+    # to wait out the drain, nor find the signal silently ignored.
+    sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
+    host = processes.host(sub.name, WORKQUEUE_SHUTDOWN_DRAIN_MS="20000")
+    message = publish(sub.topic.name, {"sleepMs": 30_000, "ignoreSignal": True}).message_id
+    wait_until(lambda: delivery(message).status == "InFlight")
+
+    host.popen.send_signal(signal.SIGTERM)
+    host.wait_for_line("SIGTERM received: stopped claiming; draining running handlers")
+    began = time.monotonic()
+    host.popen.send_signal(signal.SIGINT)
+    code = host.wait(timeout=10)
+
+    assert time.monotonic() - began < 5
+    assert code == 1
+    assert "Second signal (SIGINT) during the drain: exiting now" in host.stderr()
+    assert delivery(message).status == "InFlight"  # left to lease expiry, as the line says
+
+
 def test_a_handler_completing_after_the_drain_does_not_hang_the_host_process(processes):
     sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
     host = processes.host(sub.name, WORKQUEUE_SHUTDOWN_DRAIN_MS="300")

@@ -279,15 +279,20 @@ def test_a_shutdown_during_a_replan_waits_for_the_consumer_it_is_stopping(make_h
     wait_until(lambda: status_of(message) == "Completed", timeout=10)  # it returned at last
 
 
-def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(make_host, caplog):
+@pytest.mark.parametrize(
+    ("action", "raised"), [("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt")]
+)
+def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(
+    make_host, caplog, action, raised
+):
     """``SystemExit`` (a handler calling ``sys.exit()``, a CLI parser inside it) is no
-    ``Exception``. It left the execution unaccounted for: its slot was never freed, so a
+    ``Exception``, nor is a ``KeyboardInterrupt`` a library passes on. It left the execution unaccounted for: its slot was never freed, so a
     consumer at concurrency 1 claimed nothing more, the host counted it as running for ever
     (a one-shot run never ended), and its lease was renewed for as long as the process lived."""
     s = sub(backoff_base_seconds=0, max_attempts=3)
     host = make_host(one(s, concurrency=1))
     host.start()
-    exited = publish(s.topic.name, {"thenByAttempt": {"1": "exit"}, "message": "bye"}).message_id
+    exited = publish(s.topic.name, {"thenByAttempt": {"1": action}, "message": "bye"}).message_id
     probe.wait_for(1, message_id=exited)
     after = publish(s.topic.name, {"then": "complete"}).message_id
 
@@ -295,7 +300,7 @@ def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(make_ho
     wait_until(lambda: status_of(exited) == "Completed", timeout=10)
     row = Delivery.objects.get(message_id=exited)
     assert row.attempt_count == 2
-    assert row.last_error.endswith("SystemExit: bye"), row.last_error
+    assert row.last_error.endswith(f"{raised}: bye"), row.last_error
     assert "Delivery failed, retrying in 0.0 s" in caplog.text
     wait_until(lambda: host._consumers[s.name].in_flight == 0, timeout=10)
     host.shutdown()

@@ -124,3 +124,21 @@ def test_run_once_with_max_1_processes_the_delivery_it_claimed_even_on_a_slow_th
     assert (result.processed, result.reason) == (1, "MaxDeliveries")
     row = Delivery.objects.get(message_id=message)
     assert (row.status, row.attempt_count) == ("Completed", 1)
+
+
+def test_a_one_shot_run_whose_claims_keep_raising_reports_them_not_max_deliveries(
+    make_host, monkeypatch
+):
+    """A claim that raised kept what it had taken from the run's budget: the run ended as
+    MaxDeliveries, with nothing done and nothing reported that could not run (exit 0)."""
+    s = sub()
+    driver = get_driver()
+    monkeypatch.setattr(
+        driver, "call", failing(10**9, driver.call, lambda name, *a, **k: name == "wq_claim")
+    )
+    host = make_host(one(s))
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=300, max_duration_ms=20_000)
+
+    assert (result.processed, result.reason) == (0, "Idle")
+    assert [entry["name"] for entry in result.could_not_run] == [s.name]

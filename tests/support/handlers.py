@@ -99,7 +99,8 @@ class ScriptedHandler(BaseWorkHandler):
     * ``then``: ``complete`` (default), ``retry`` (``reason``, ``delay``), ``dead_letter``
       (``reason``), ``fatal`` / ``transient`` (``message``, ``retryAfter``), ``crash``
       (a ValueError with ``message``), ``exit`` (``SystemExit``, which is no ``Exception``),
-      ``invalid`` (returns ``value``);
+      ``interrupt`` (``KeyboardInterrupt``, as a library might pass one on), ``invalid``
+      (returns ``value``);
     * ``thenByAttempt``: {"<attempt>": action} overrides ``then`` on that attempt;
     * ``thenOnAbort``: the same choices, used instead of ``then`` when the signal fired;
     * ``thenOnStopping``: the same, used when the host announced it is stopping;
@@ -200,6 +201,8 @@ class ScriptedHandler(BaseWorkHandler):
             raise ValueError(message)
         if action == "exit":
             raise SystemExit(message)
+        if action == "interrupt":
+            raise KeyboardInterrupt(message)
         if action == "invalid":
             return payload.get("value")
         raise AssertionError(f"unknown action {action!r}")

@@ -519,7 +519,15 @@ class Consumer:
                 free = granted
             try:
                 leased_at = time.monotonic()  # the leases run from no earlier than this
-                claimed = self._receive(free)
+                try:
+                    claimed = self._receive(free)
+                except BaseException:
+                    # Not a database error (those come back as an empty claim): the loop
+                    # restarts. What this claim took from the one-shot budget was not spent; kept
+                    # taken, the run would end as MaxDeliveries with nothing done.
+                    if self.budget is not None:
+                        self.budget.give_back(free)
+                    raise
                 unused = free - len(claimed.deliveries)
                 self._last_receive_short = unused > 0
                 self._last_receive_drained = claimed.drained

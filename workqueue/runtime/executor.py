@@ -446,8 +446,12 @@ class DeliveryExecution:
                 error=_describe(exc),
                 exception=exc,
             )
-        except KeyboardInterrupt:
-            raise  # only ever raised on the main thread (run_until_idle in a test): Ctrl-C
+        except KeyboardInterrupt as exc:
+            if threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C during run_until_idle (a test): the test run stops
+            # Raised by the handler itself, or passed on from a library, on a worker thread:
+            # retried as SystemExit is, not left to run out its lease and an attempt.
+            return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         except BaseException as exc:
             # SystemExit too (sys.exit(), a command-line parser called inside a handler), and
             # asyncio's CancelledError: on a worker thread either would only end the thread,

@@ -674,10 +674,12 @@ class Host:
                 # A consumer whose claim just failed claims again before the run calls the
                 # queue idle: once more is a blip, a few times in a row a failure.
                 retrying = any(c.retrying for c in consumers)
+                # One whose claims keep failing (a database error, or an exception that
+                # restarts its loop) has nothing more to give this run: could_not_run says why.
                 if (
                     not busy
                     and not retrying
-                    and all(c.last_receive_empty for c in consumers)
+                    and all(c.last_receive_empty or c.failing for c in consumers)
                     and quiet >= idle_exit_ms / 1000
                 ):
                     reason = "Idle"

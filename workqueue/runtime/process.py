@@ -32,9 +32,20 @@ def stop_on_signals() -> Iterator[StopSignal]:
     stop = StopSignal()
 
     def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
         if not stop.is_set():
-            stop.received = signal.Signals(signum).name
-        stop.set()
+            stop.received = name
+            stop.set()
+            return
+        # A second signal while the host drains: whoever sent it will not wait (Ctrl-C again,
+        # a supervisor's second SIGTERM). Exit now rather than ignore it; what is still running
+        # keeps its lease until it expires, then runs again (at-least-once), as after a crash.
+        os.write(
+            2,
+            f"Second signal ({name}) during the drain: exiting now; deliveries still running "
+            "are retried once their leases expire.\n".encode(),
+        )
+        os._exit(1)
 
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     for signum in previous:
