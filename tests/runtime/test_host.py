@@ -286,9 +286,11 @@ def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(
     make_host, caplog, action, raised
 ):
     """``SystemExit`` (a handler calling ``sys.exit()``, a CLI parser inside it) is no
-    ``Exception``, nor is a ``KeyboardInterrupt`` a library passes on. It left the execution unaccounted for: its slot was never freed, so a
+    ``Exception``. It left the execution unaccounted for: its slot was never freed, so a
     consumer at concurrency 1 claimed nothing more, the host counted it as running for ever
-    (a one-shot run never ended), and its lease was renewed for as long as the process lived."""
+    (a one-shot run never ended), and its lease was renewed for as long as the process lived.
+    A ``KeyboardInterrupt`` a library passes on, on a worker thread, was re-raised there and
+    left its delivery to lease expiry."""
     s = sub(backoff_base_seconds=0, max_attempts=3)
     host = make_host(one(s, concurrency=1))
     host.start()
