@@ -526,6 +526,89 @@ def test_a_claim_that_expires_a_last_attempt_dead_letters_it_and_sends_the_signa
     assert probe.runs == []  # a dead letter is not run
 
 
+def test_a_handler_a_re_plan_gives_up_on_keeps_its_lease_and_its_key_until_it_returns(
+    make_host,
+):
+    """A settings edit restarts the consumer; a handler that ignores its signals outlives the
+    drain. Its lease was no longer renewed, so it expired and this host's new consumer ran the
+    delivery a second time beside the first run, its Exclusive key notwithstanding."""
+    s = sub(lease_seconds=5, max_attempts=5, partition_mode="Exclusive")
+    host = make_host(one(s, concurrency=1))  # a drain of 300 ms
+    host.start()
+    message = publish(
+        s.topic.name, {"sleepMs": 8_000, "ignoreSignal": True}, partition_key="k"
+    ).message_id
+    (first,) = probe.wait_for(1)
+
+    Subscription.objects.filter(pk=s.pk).update(max_attempts=6)  # an operator edits a setting
+    host.reconcile()
+
+    assert states(host)[s.name] == ("Running", "")
+    assert host.health()["subscriptions"][0]["in_flight"] == 1  # the handler still runs here
+    assert first.finished.wait(15)
+    wait_until(lambda: status_of(message) == "Completed")
+    assert len(probe.runs) == 1, [(r.attempt, r.started_at - first.started_at) for r in probe.runs]
+    row = Delivery.objects.get(message_id=message)
+    assert (row.attempt_count, row.lease_owner) == (1, None)
+    wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
+
+
+def test_a_re_plan_stops_the_consumers_it_retires_at_once_not_one_after_another(make_host):
+    """A topic disabled pauses all its subscriptions: each consumer drained after the last,
+    and a shutdown meanwhile waited for all of them (ten subscriptions: ten times two drains)."""
+    topic = TopicFactory()
+    subscriptions = [sub(topic=topic, max_attempts=3) for _ in range(4)]
+    host = make_host(
+        [{"name": s.name, "concurrency": 1} for s in subscriptions], shutdown_drain_ms=1000
+    )
+    host.start()
+    publish(topic.name, {"sleepMs": 4_000, "ignoreSignal": True})  # to all four
+    probe.wait_for(4)
+    type(topic).objects.filter(pk=topic.pk).update(status="Disabled")
+
+    began = time.monotonic()
+    host.reconcile()
+    took = time.monotonic() - began
+
+    assert 2.0 <= took < 2 * 2.0, f"the re-plan took {took:.1f} s; two drains are 2 s"
+    assert {state for state, _ in states(host).values()} == {"Paused"}
+
+
+def test_shutdown_tells_running_handlers_at_once_while_a_re_plan_drains(make_host):
+    """A re-plan draining one subscription held shutdown's "stop claiming, tell the handlers"
+    back until the re-plan's service had been waited for (10 s); the others kept claiming."""
+    a, b = sub(max_attempts=3), sub(max_attempts=3)
+    host = make_host(
+        [{"name": a.name, "concurrency": 1}, {"name": b.name, "concurrency": 2}],
+        shutdown_drain_ms=3000,
+        reconcile_interval_ms=200,
+    )
+    host.start()
+    # A's handler ignores its signals, but returns within the re-plan's two drains.
+    publish(a.topic.name, {"sleepMs": 5_000, "ignoreSignal": True})
+    publish(b.topic.name, {"sleepMs": 60_000, "untilStopping": True, "thenOnStopping": "retry"})
+    probe.wait_for(2)
+    Subscription.objects.filter(pk=a.pk).update(status="Paused")  # the re-plan drains A
+    wait_until(lambda: states(host)[a.name][0] == "Paused")
+
+    began = time.monotonic()
+
+    def shut_down() -> None:
+        try:
+            host.shutdown()
+        finally:
+            connections.close_all()  # this thread's, as the process's end would
+
+    shutting_down = threading.Thread(target=shut_down)
+    shutting_down.start()
+    (b_run,) = [r for r in probe.runs if r.subscription == b.name]
+    assert b_run.finished.wait(5)
+    heard_after = time.monotonic() - began
+    shutting_down.join(30)
+
+    assert heard_after < 1.5, f"B's handler heard of the shutdown {heard_after:.1f} s after it"
+
+
 # -- cancel through the host --------------------------------------------------------------------
 
 
@@ -661,7 +744,9 @@ def test_run_once_stops_after_receiving_max_deliveries_and_waits_for_them_to_fin
 def test_run_once_does_not_count_a_delivery_whose_lease_was_lost_as_processed(make_host):
     # Its outcome was not recorded: another consumer holds the delivery and will run it.
     s = sub(lease_seconds=5)
-    message = publish(s.topic.name, {"sleepMs": 600, "then": "complete"}).message_id
+    # Long enough that the takeover comes first however slow the machine (the handler then
+    # hears of it at its next heartbeat and stops).
+    message = publish(s.topic.name, {"sleepMs": 5_000, "then": "complete"}).message_id
     host = make_host(one(s, concurrency=1))
 
     def take_the_lease_over() -> None:

@@ -362,12 +362,17 @@ class Consumer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
+    def stop(self, *, process_lives_on: bool = False) -> None:
         """Stop claiming, tell running handlers (``context.stopping``) and let them finish,
         then abort the rest with Shutdown.
 
-        Each phase waits at most SHUTDOWN_DRAIN_MS; anything still running after the second
-        wait is left to lease expiry. Safe to call twice and before ``start``.
+        Each phase waits at most SHUTDOWN_DRAIN_MS. When the process ends next (a shutdown),
+        anything still running after the second wait is left to lease expiry. When it lives on
+        (``process_lives_on``: a re-plan stops this consumer and starts another), a handler
+        that outlives the drain goes on running here, so its lease is renewed and its outcome
+        settled until it returns (``lingering`` until then): left to expire, its delivery
+        would run a second time beside it, on this host's next consumer or another host,
+        whatever its partition key. Safe to call twice and before ``start``.
         """
         drain = self.config.shutdown_drain_ms / 1000
         self._stopping.set()
@@ -409,8 +414,33 @@ class Consumer:
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
             self._release(execution.delivery)
+        if gave_up and process_lives_on and self.abandoned:
+            logger.warning(
+                "%s: %d handler(s) did not stop; they run on with their leases renewed until "
+                "they return, beside the consumer that replaces this one",
+                self.plan.name,
+                self.abandoned,
+            )
+            threading.Thread(
+                target=self._close_once_idle, name=f"{self._thread.name}-lingering", daemon=True
+            ).start()
+            return
         if gave_up:
             self._warn_of_left_behind()
+        self._close()
+
+    @property
+    def lingering(self) -> bool:
+        """Whether handlers it gave up on still run (stopped with ``process_lives_on``)."""
+        return self._stopping.is_set() and self.in_flight > 0
+
+    def _close_once_idle(self) -> None:
+        with self._lock:
+            while self._running:
+                self._lock.wait()
+        self._close()
+
+    def _close(self) -> None:
         self._completions.stop()
         self._background.shutdown()
         self.receiver.close()

@@ -199,6 +199,9 @@ class Host:
         # wanted): a shutdown meanwhile waits for their drain too, and counts what it left.
         self._retiring: list[Consumer] = []
         self._retired = threading.Condition(self._lock)
+        # Stopped by a re-plan while handlers they gave up on still run (Consumer.lingering):
+        # counted in health and at shutdown until those return.
+        self._lingering: list[Consumer] = []
         self._plans: dict[str, PlanEntry] = {}
         self._start_failures: dict[str, StartFailure] = {}
         self._recorded_states: list[tuple[str, str, str]] = []
@@ -206,6 +209,7 @@ class Host:
         self._shut_down = threading.Event()
         self._shutting_down = False
         self._services: list[PeriodicService] = []
+        self._health_service: PeriodicService | None = None
         self._timers: TimerQueue | None = None
         self._wakeup: Wakeup | None = None
         self._budget: RunBudget | None = None
@@ -249,9 +253,10 @@ class Host:
             self._wakeup.start()
             signals.published.connect(self._on_published, dispatch_uid=self.instance_id)
             self.reconcile()
-            self._services.append(
-                PeriodicService("wq-health", HEALTH_INTERVAL_SECONDS, self.record_health)
+            self._health_service = PeriodicService(
+                "wq-health", HEALTH_INTERVAL_SECONDS, self.record_health
             )
+            self._services.append(self._health_service)
             self._services.append(
                 PeriodicService("wq-supervisor", SUPERVISE_INTERVAL_SECONDS, self.supervise)
             )
@@ -319,8 +324,13 @@ class Host:
             extra={"action": "host_draining"},
         )
         try:
+            # Every service is told first and joined only once the consumers are stopping: a
+            # pass in progress (a sweep, a re-plan draining a consumer) must not hold back
+            # "stop claiming, tell the handlers" by up to its own stop timeout. Health goes on
+            # reporting until the drain is over: the host still holds leases meanwhile.
             for service in self._services:
-                service.stop()
+                if service is not self._health_service:
+                    service.request_stop()
             signals.published.disconnect(dispatch_uid=self.instance_id)
             with self._lock:
                 consumers = list(self._consumers.values())
@@ -335,12 +345,18 @@ class Host:
             stoppers = [threading.Thread(target=c.stop) for c in consumers]
             for thread in stoppers:
                 thread.start()
+            for service in self._services:
+                if service is not self._health_service:
+                    service.stop()
             for thread in stoppers:
                 thread.join()
             with self._lock:
                 # The process may end once this returns: a re-plan's drain must be over too.
                 self._retired.wait_for(lambda: not self._retiring)
-            consumers += retired
+                lingering = [c for c in self._lingering if c.lingering]
+            if self._health_service is not None:
+                self._health_service.stop()
+            consumers += retired + [c for c in lingering if c not in retired]
             self.abandoned_handlers = sum(c.abandoned for c in consumers)
             self.unsettled_outcomes = sum(c.unsettled for c in consumers)
             if self._wakeup is not None:
@@ -437,12 +453,26 @@ class Host:
         try:
             for consumer in to_stop:
                 self._detach(consumer)
-                consumer.stop()
+            # All at once: one after the other, a topic paused with ten subscriptions drained
+            # for ten times the drain time, and held a shutdown back as long.
+            stoppers = [
+                threading.Thread(
+                    target=consumer.stop,
+                    kwargs={"process_lives_on": True},
+                    name=f"wq-retire-{consumer.plan.name}",
+                )
+                for consumer in to_stop
+            ]
+            for thread in stoppers:
+                thread.start()
+            for thread in stoppers:
+                thread.join()
         finally:
             # Once all are stopped, or one failed to: a shutdown must not wait for ever.
             with self._lock:
                 for consumer in to_stop:
                     self._retiring.remove(consumer)
+                self._lingering = [c for c in [*self._lingering, *to_stop] if c.lingering]
                 self._retired.notify_all()
         with self._lock:
             if self._shutting_down:
@@ -569,6 +599,8 @@ class Host:
             consumers = dict(self._consumers)
             plans = dict(self._plans)
             start_failures = dict(self._start_failures)
+            # Handlers of consumers a re-plan is stopping, or gave up on, still run here.
+            stopped = [*self._retiring, *self._lingering]
         subscriptions = []
         for name, entry in plans.items():
             state, reason = entry.state, entry.reason
@@ -577,12 +609,14 @@ class Host:
             failure = failure or (consumer.failure if consumer is not None else None)
             if state == PlanState.RUNNING and failure:
                 state, reason = PlanState.ERROR, failure
+            in_flight = consumer.in_flight if consumer is not None else 0
+            in_flight += sum(c.in_flight for c in stopped if c.plan.name == name)
             subscriptions.append(
                 {
                     "name": entry.name,
                     "state": state,
                     "reason": reason,
-                    "in_flight": consumer.in_flight if consumer is not None else 0,
+                    "in_flight": in_flight,
                     "concurrency": entry.concurrency,
                 }
             )

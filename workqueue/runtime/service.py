@@ -41,6 +41,10 @@ class PeriodicService:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
 
+    def request_stop(self) -> None:
+        """Stop after the pass in progress, if any; returns at once (``stop`` waits)."""
+        self._stop.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
