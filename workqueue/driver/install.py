@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0038_publish_many_locks_topology_before_its_ordered_check"
+LATEST_PROCEDURE_MIGRATION = "0039_claims_read_on_through_installs_and_expiry"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -237,8 +237,14 @@ BEGIN
          WHERE x.status = N'InFlight' AND x.lease_expires_at < @now
            AND x.subscription_id = @subscription_key
     )
+    BEGIN
         INSERT INTO @expired (delivery_id, subscription_id, partition_key, new_status)
         EXEC dbo.wq_expire_leases @subscription_id = @subscription_id, @batch_size = 500;
+        -- wq_expire_leases read the clock again and made what it handed back visible from
+        -- then: read on, so that this claim can take it (as on PostgreSQL, where one
+        -- transaction has one now()) instead of leaving it to a later claim.
+        SET @now = SYSDATETIMEOFFSET();
+    END;
 
     INSERT INTO @result (phase, kind, delivery_id, partition_key)
     SELECT 1, N'ExpiredDeadLetter', e.delivery_id, e.partition_key
