@@ -92,6 +92,7 @@ def _claimed(row: dict[str, Any], subscription_id: str) -> ClaimedDelivery:
         payload_ref=stored_payload_ref(row["payload_ref"]),
         correlation_id=row["correlation_id"],
         published_at=row["published_at"],
+        lease_seconds=row["lease_seconds"],
     )
 
 

@@ -186,6 +186,9 @@ class ClaimedDelivery:
     payload_ref: dict[str, Any] | None
     correlation_id: str | None
     published_at: dt.datetime
+    #: How long the lease is, as the transport made it at the claim (None: the subscription's
+    #: lease_seconds as the consumer last read it).
+    lease_seconds: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

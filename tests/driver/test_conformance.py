@@ -1,4 +1,4 @@
-"""The transport conformance suite (C01-C40) against the live PostgreSQL, one test per case,
+"""The transport conformance suite (C01-C41) against the live PostgreSQL, one test per case,
 plus proof that the runner reports failures (a suite that cannot fail proves nothing)."""
 
 from __future__ import annotations

@@ -553,6 +553,26 @@ def test_a_handler_a_re_plan_gives_up_on_keeps_its_lease_and_its_key_until_it_re
     wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
 
 
+def test_a_lease_shortened_before_the_host_re_plans_is_renewed_in_time(make_host):
+    """The host times its renewals by the lease length of its plan; a claim made before the
+    plan caught up with a shortened lease (30 s to 5 s) got 5 s from the database, its first
+    renewal came 10 s in, and another host ran the delivery beside the first run."""
+    s = sub(lease_seconds=30)
+    host = make_host(one(s, concurrency=1))  # never re-plans by itself here
+    host.start()
+    Subscription.objects.filter(pk=s.pk).update(lease_seconds=5)  # an operator edits the lease
+    message = publish(s.topic.name, {"sleepMs": 8_000}).message_id
+    (first,) = probe.wait_for(1)
+
+    time.sleep(6.5)  # past the 5 s lease the claim gave, before the old plan's first renewal
+    taken = Receiver(s.id, "other-host").receive(1).deliveries
+
+    assert taken == [], "another host claimed the delivery while its first run went on"
+    assert first.finished.wait(10)
+    wait_until(lambda: status_of(message) == "Completed")
+    assert len(probe.runs) == 1
+
+
 def test_a_re_plan_stops_the_consumers_it_retires_at_once_not_one_after_another(make_host):
     """A topic disabled pauses all its subscriptions: each consumer drained after the last,
     and a shutdown meanwhile waited for all of them (ten subscriptions: ten times two drains)."""

@@ -1,5 +1,9 @@
 """Reinstalls both vendors' procedures from the current files.
 
+Both: a claim says how long its leases are (wq_claim's new lease_seconds column), and a renewal
+keeps the length the delivery was claimed with when the subscription's lease was shortened since:
+a host whose copy of the setting is behind, or a delivery held across the edit, renews in time.
+
 PostgreSQL: installing no longer drops and creates the topology delete guards, nor the filter
 guard, which locked ``workqueue_subscription`` and ``workqueue_topic`` against every reader
 until the migrate committed: claims and publishes read on through this and later upgrades.

@@ -58,7 +58,7 @@ from workqueue.runtime.context import (
 from workqueue.runtime.enlisted import EnlistedCompletion, cancel_requested, open_transaction
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
-from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.plan import SubscriptionPlan, heartbeat_interval_seconds
 from workqueue.runtime.timers import Timer, TimerQueue
 from workqueue.transports import TransportReceiver
 from workqueue.types import ClaimedDelivery, DeliveryStatus, LeaseState, SettleResult
@@ -269,7 +269,10 @@ class DeliveryExecution:
         # arrived), so from this moment on another consumer may take the delivery, and the
         # handler is told so then (the horizon); its settles are retried a grace longer.
         began = time.monotonic() if leased_at is None else leased_at
-        self._lease_ends = began + plan.lease_seconds
+        # As long as the claim made it (the subscription's setting in the database then; this
+        # host's plan may not have caught up with an edit yet), and every renewal is as long.
+        self.lease_seconds = delivery.lease_seconds or plan.lease_seconds
+        self._lease_ends = began + self.lease_seconds
         self._beat_retry_seconds = RETRY_MIN_SECONDS
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
@@ -493,7 +496,7 @@ class DeliveryExecution:
     def lease_share_left(self) -> float:
         """The share of the lease not used up yet by the local clock (1.0 just claimed or
         renewed, 0 or less once the database may have taken the delivery back)."""
-        return (self._lease_ends - time.monotonic()) / self.plan.lease_seconds
+        return (self._lease_ends - time.monotonic()) / self.lease_seconds
 
     def _arm_horizon(self) -> None:
         # The local horizon aborts the handler even when a renewal call hangs: past it the
@@ -533,7 +536,7 @@ class DeliveryExecution:
             return False
         self._timers.append(
             self.services.timers.schedule(
-                self.plan.heartbeat_interval_seconds, self._auto_heartbeat_tick
+                heartbeat_interval_seconds(self.lease_seconds), self._auto_heartbeat_tick
             )
         )
         return True
@@ -584,7 +587,7 @@ class DeliveryExecution:
                 self.delivery, _progress(progress) if progress else None
             )
             if extension.state == LeaseState.HELD:
-                self._lease_ends = began + self.plan.lease_seconds
+                self._lease_ends = began + self.lease_seconds
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()
             elif extension.state == LeaseState.CANCELLED:

@@ -61,10 +61,10 @@ class SubscriptionPlan:
             max_payload_bytes=subscription.topic.max_payload_bytes,
         )
 
-    @property
-    def heartbeat_interval_seconds(self) -> float:
-        """Renew well before expiry, and at least every 30 s whatever the lease length."""
-        return min(self.lease_seconds / 3, 30.0)
+
+def heartbeat_interval_seconds(lease_seconds: float) -> float:
+    """Renew well before expiry, and at least every 30 s whatever the lease length."""
+    return min(lease_seconds / 3, 30.0)
 
 
 def _report_invalid_filter(subscription: Any) -> None:

@@ -539,6 +539,7 @@ class AwsReceiver:
             payload_ref=stored_payload_ref(envelope.get("payload_ref")),
             correlation_id=envelope.get("correlation_id"),
             published_at=_parse_time(envelope.get("published_at")) or _now(),
+            lease_seconds=self.binding.lease_seconds,
         )
 
     def _forget_lapsed_leases(self) -> None:

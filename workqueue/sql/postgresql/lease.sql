@@ -3,8 +3,12 @@
 -- scans are left aside, so that a heartbeat still finds its row by primary key after a burst.
 
 -- wq_extend_lease --
--- Renew a held lease by the subscription's full lease_seconds, fenced by the lease token and the
--- cancel flag; replace the progress only when one is given. Returns one row: lease_state Held
+-- Renew a held lease, fenced by the lease token and the cancel flag; replace the progress only
+-- when one is given. The renewal is as long as the lease it renews (its expiry less the time it
+-- was claimed or last renewed), or the subscription's lease_seconds when that is longer: a lease
+-- shortened while the delivery is held would otherwise run out between the holder's renewals,
+-- which it times by the length the claim gave it, and another consumer would run the delivery
+-- beside it. Returns one row: lease_state Held
 -- (with the new expiry), Cancelled (an operator asked to cancel; the holder should stop and
 -- acknowledge) or Lost (the token no longer holds the delivery).
 CREATE OR REPLACE FUNCTION wq_extend_lease(
@@ -25,7 +29,8 @@ DECLARE
     v_cancelled boolean;
 BEGIN
     UPDATE workqueue_delivery d
-       SET lease_expires_at = now() + make_interval(secs => s.lease_seconds),
+       SET lease_expires_at = now() + GREATEST(make_interval(secs => s.lease_seconds),
+                                               d.lease_expires_at - d.last_heartbeat_at),
            last_heartbeat_at = now(),
            progress = COALESCE(p_progress, d.progress)
       FROM workqueue_subscription s

@@ -155,7 +155,10 @@ GO
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
 -- is raised instead of skipped. It runs wq_expire_leases through INSERT ... EXEC, so it cannot
 -- itself be the target of an INSERT ... EXEC.
--- returns: kind, delivery_id, lease_token, lease_expires_at, attempt_count, is_replay, message_id, topic_id, partition_key, attributes, payload, payload_ref, correlation_id, published_at
+-- lease_seconds says how long the leases of the rows of kind 'Claimed' are: the subscription's
+-- setting now, which the caller's copy of it may not be yet; the delivery keeps that length
+-- while it is held (wq_extend_lease). NULL on the other kinds.
+-- returns: kind, delivery_id, lease_token, lease_expires_at, attempt_count, is_replay, message_id, topic_id, partition_key, attributes, payload, payload_ref, correlation_id, published_at, lease_seconds
 CREATE OR ALTER PROCEDURE dbo.wq_claim
     @subscription_id uniqueidentifier,
     @lease_owner nvarchar(4000),
@@ -468,7 +471,8 @@ BEGIN
     -- result set
     SELECT r.kind, r.delivery_id, r.lease_token, r.lease_expires_at, r.attempt_count,
            r.is_replay, r.message_id, r.topic_id, r.partition_key, r.attributes, r.payload,
-           r.payload_ref, r.correlation_id, r.published_at
+           r.payload_ref, r.correlation_id, r.published_at,
+           CASE WHEN r.kind = N'Claimed' THEN @lease_seconds END AS lease_seconds
       FROM @result AS r
      ORDER BY r.phase, CASE WHEN r.phase = 3 THEN -r.sort_priority END,
               CASE WHEN r.phase = 3 THEN r.sort_at END, r.seq;

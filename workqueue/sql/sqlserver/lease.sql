@@ -7,7 +7,10 @@ SET QUOTED_IDENTIFIER ON;
 GO
 
 -- wq_extend_lease --
--- Renew a held lease by the subscription's full lease_seconds from now, fenced in one UPDATE by
+-- Renew a held lease from now, as long as the lease it renews (its expiry less the time it was
+-- claimed or last renewed) or the subscription's lease_seconds when that is longer (a lease
+-- shortened while the delivery is held would run out between the holder's renewals, which it
+-- times by the length its claim gave it), fenced in one UPDATE by
 -- (delivery id, lease token, InFlight, no cancel request); the progress is replaced only when one
 -- is given. Returns exactly one row: lease_state Held with the new expiry; Cancelled when an
 -- operator asked to cancel (the holder should stop and call wq_acknowledge_cancel); or Lost when
@@ -29,7 +32,13 @@ BEGIN
     DECLARE @held TABLE (lease_expires_at datetimeoffset(7));
 
     UPDATE d
-       SET lease_expires_at = DATEADD(second, s.lease_seconds, @now),
+       SET lease_expires_at = DATEADD(
+               second,
+               CASE WHEN d.last_heartbeat_at IS NOT NULL
+                     AND DATEDIFF(second, d.last_heartbeat_at, d.lease_expires_at) > s.lease_seconds
+                    THEN DATEDIFF(second, d.last_heartbeat_at, d.lease_expires_at)
+                    ELSE s.lease_seconds END,
+               @now),
            last_heartbeat_at = @now,
            progress = COALESCE(@progress, d.progress)
     OUTPUT inserted.lease_expires_at INTO @held

@@ -1,8 +1,9 @@
 """Claim and lease cases: redelivery, backoff, expiry, fencing and heartbeats
-(C04-C09, C21, C22, C29, C30). Time passes through ``advance_time``, never a sleep."""
+(C04-C09, C21, C22, C29, C30, C41). Time passes through ``advance_time``, never a sleep."""
 
 from __future__ import annotations
 
+from workqueue.models import Subscription
 from workqueue.testing.conformance.harness import (
     CaseContext,
     expect_equal,
@@ -206,3 +207,25 @@ def batch_completion_with_stale_tokens(ctx: CaseContext) -> None:
     expect_settled(
         ctx.receiver("a", "second").acknowledge_cancel(current), "Discarded", "holder's ack"
     )
+
+
+@CASES.case(
+    "C41",
+    "a claim says how long its lease is, and a delivery keeps that length while it is held, "
+    "however the subscription's lease is shortened meanwhile",
+)
+def lease_length_kept_from_the_claim(ctx: CaseContext) -> None:
+    # A holder times its renewals by the length its claim gave it: a renewal cut to a setting
+    # shortened since would run out between them, and another consumer would run the delivery
+    # beside the holder.
+    subscription = ctx.subscribe("a", lease_seconds=30)
+    ctx.publish()
+    held = ctx.receive_one("a")
+    expect_equal(held.lease_seconds, 30, "the lease length the claim says")
+    Subscription.objects.using(ctx.alias).filter(pk=subscription.pk).update(lease_seconds=LEASE)
+
+    ctx.advance_time(4)
+    expect_equal(ctx.receiver("a").extend_lease(held).state, "Held", "renewal after the change")
+    ctx.advance_time(20)  # 20 s after the renewal: past the shortened lease, within the claim's
+    ctx.expect_nothing_receivable("a", "within the lease length the claim gave")
+    expect_settled(ctx.receiver("a").complete(held), "Completed", "complete within the lease")
