@@ -591,12 +591,20 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
     return payload, payload_ref, text
 
 
-#: A key as json writes a number, boolean or null key (or a text key that looks like one).
-_CONVERTED_KEY = re.compile(r'[{,]"(?:-?[0-9][-+.0-9eE]*|true|false|null|NaN|-?Infinity)":')
+#: The end of a key as json writes a number, boolean or null key (or of a text key that ends like
+#: one, "item1"): found from the literal '":' and a look back, at about the speed of a substring
+#: test (a pattern that starts with the key's first character searched 2x slower).
+_CONVERTED_KEY = re.compile(
+    r'":(?:(?<=[0-9]":)|(?<=true":)|(?<=false":)|(?<=null":)|(?<=NaN":)|(?<=Infinity":))'
+)
 
 
 def _non_text_key(value: Any, field: str) -> str | None:
-    """The problem with the first object key in ``value`` that is not text, or None."""
+    """The problem with the first object key in ``value`` that is not text, or None. (A walk
+    that only looks comes first: maps keyed by ids written as text send most payloads here,
+    and the walk that names the place builds a path for every node.)"""
+    if not _has_non_text_key(value):
+        return None
     stack = [(value, field)]
     while stack:
         item, path = stack.pop()
@@ -611,6 +619,20 @@ def _non_text_key(value: Any, field: str) -> str | None:
         elif isinstance(item, list | tuple):
             stack.extend((member, f"{path}[{n}]") for n, member in enumerate(item))
     return None
+
+
+def _has_non_text_key(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return True
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
 
 
 def _envelope_bytes(

@@ -76,7 +76,9 @@ def _settled(affected_rows: int, status: str) -> SettleResult:
     return SettleResult(SettleOutcome.LEASE_LOST)
 
 
-def _claimed(row: dict[str, Any], subscription_id: str) -> ClaimedDelivery:
+def _claimed(
+    row: dict[str, Any], subscription_id: str, lease_seconds: int | None
+) -> ClaimedDelivery:
     return ClaimedDelivery(
         delivery_id=row["delivery_id"],
         subscription_id=subscription_id,
@@ -92,7 +94,7 @@ def _claimed(row: dict[str, Any], subscription_id: str) -> ClaimedDelivery:
         payload_ref=stored_payload_ref(row["payload_ref"]),
         correlation_id=row["correlation_id"],
         published_at=row["published_at"],
-        lease_seconds=row["lease_seconds"],
+        lease_seconds=lease_seconds,
     )
 
 
@@ -132,11 +134,16 @@ class Receiver:
             },
         )
         walked = False
+        lease_seconds = None
         for r in rows:
             if r["kind"] == "KeyCursor":
                 self.key_cursor = r["partition_key"]
                 walked = True
-        claimed = [_claimed(r, self.subscription_id) for r in rows if r["kind"] == "Claimed"]
+            elif r["kind"] == "Lease":
+                lease_seconds = r["attempt_count"]  # how long the claimed rows' leases are
+        claimed = [
+            _claimed(r, self.subscription_id, lease_seconds) for r in rows if r["kind"] == "Claimed"
+        ]
         expired = [
             ExpiredDeadLetter(
                 r["delivery_id"], self.subscription_id, r["partition_key"], "LeaseExpired"

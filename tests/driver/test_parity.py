@@ -542,7 +542,7 @@ def test_both_vendors_guard_topology_deletes():
     # The queue tables hold no foreign keys to topics and subscriptions (migration 0025): on
     # each vendor a trigger refuses to delete one that rows still refer to.
     for vendor, pattern in (
-        ("postgresql", r"CREATE OR REPLACE TRIGGER {name}\s+BEFORE DELETE ON {table}\s"),
+        ("postgresql", r"CREATE TRIGGER {name}\s+BEFORE DELETE ON {table}\s"),
         ("sqlserver", r"CREATE OR ALTER TRIGGER dbo\.{name}\s+ON dbo\.{table}\s+AFTER DELETE"),
     ):
         text = (SQL_ROOT / vendor / "publish.sql").read_text()

@@ -147,11 +147,12 @@ def test_installing_inside_a_savepoint_keeps_what_it_installs():
     before = {row[0] for row in _catalog()["functions"]}
     with transaction.atomic(), transaction.atomic():
         get_driver().install_procedures(connection)
+        get_driver().install_procedures(connection)  # twice in one savepoint: a script's
     assert {row[0] for row in _catalog()["functions"]} == before
 
 
 @pytest.mark.django_db(transaction=True)
-def test_installing_leaves_the_topology_readable_by_claims_and_publishes_until_it_commits():
+def test_installing_leaves_the_topology_readable_and_writable_until_it_commits():
     # An upgrade reinstalls every procedure in the migrate's transaction. Claims and publishes
     # read workqueue_subscription and workqueue_topic: a lock that stops readers, held until the
     # migrate commits (and queued behind any reader already open), would stall every host.
@@ -162,6 +163,8 @@ def test_installing_leaves_the_topology_readable_by_claims_and_publishes_until_i
             get_driver().install_procedures(connection)
             for table in ("workqueue_subscription", "workqueue_topic"):
                 reader.execute(f"SELECT count(*) FROM {table}")
+                # Nor writers (an operator pausing a subscription in the admin meanwhile).
+                reader.execute(f"UPDATE {table} SET name = name WHERE false")
 
 
 def test_only_the_latest_procedure_migration_installs():

@@ -133,8 +133,8 @@ def test_a_second_signal_during_the_drain_exits_at_once_saying_what_is_left(proc
     message = publish(sub.topic.name, {"sleepMs": 30_000, "ignoreSignal": True}).message_id
     wait_until(lambda: delivery(message).status == "InFlight")
 
-    host.popen.send_signal(signal.SIGTERM)
-    host.wait_for_line("SIGTERM received: stopped claiming; draining running handlers")
+    host.popen.send_signal(signal.SIGINT)
+    host.wait_for_line("SIGINT received: stopped claiming; draining running handlers")
     began = time.monotonic()
     host.popen.send_signal(signal.SIGINT)
     code = host.wait(timeout=10)
@@ -143,6 +143,25 @@ def test_a_second_signal_during_the_drain_exits_at_once_saying_what_is_left(proc
     assert code == 1
     assert "Second signal (SIGINT) during the drain: exiting now" in host.stderr()
     assert delivery(message).status == "InFlight"  # left to lease expiry, as the line says
+
+
+def test_ctrl_c_under_a_process_manager_drains_once_not_exits(processes):
+    # A terminal's Ctrl-C reaches the whole process group, and the manager (honcho, foreman)
+    # sends SIGTERM right after: one stop, which must still drain.
+    sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
+    host = processes.host(sub.name)
+    message = publish(sub.topic.name, {"sleepMs": 30_000, "thenOnAbort": "retry"}).message_id
+    wait_until(lambda: delivery(message).status == "InFlight")
+
+    host.popen.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    host.popen.send_signal(signal.SIGTERM)
+    code = host.wait(timeout=2 * DRAIN_MS / 1000 + 5)
+
+    assert code == 0, host.stderr()
+    assert "Second signal" not in host.stderr()
+    row = delivery(message)
+    assert (row.status, row.attempt_count) == ("Pending", 0)  # handed back by the drain
 
 
 def test_a_handler_completing_after_the_drain_does_not_hang_the_host_process(processes):

@@ -53,6 +53,10 @@ class ExecutionRig:
         **plan_changes: Any,
     ) -> DeliveryExecution:
         plan = dataclasses.replace(SubscriptionPlan.from_subscription(sub), **plan_changes)
+        if "lease_seconds" in plan_changes:
+            # The executor times the lease by what the claim said: a test's shorter lease (a
+            # quick local horizon over the database's longer one) is the claim's too.
+            delivery = dataclasses.replace(delivery, lease_seconds=plan_changes["lease_seconds"])
         services = ExecutionServices(
             receiver=receiver,
             complete=receiver.complete,

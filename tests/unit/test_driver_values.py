@@ -11,6 +11,7 @@ import pytest
 from workqueue.driver.base import BaseDriver, decode_value
 from workqueue.driver.postgresql import PostgresDriver
 from workqueue.driver.procedures import ParamType, get_procedure
+from workqueue.exceptions import DriverError
 
 ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 
@@ -68,6 +69,16 @@ def test_result_rows_decode_each_column_by_its_type(driver):
     naive = dt.datetime(2030, 1, 1, 12, 0)
     lease = driver.decode_row(get_procedure("wq_extend_lease"), ("Held", naive))
     assert lease["lease_expires_at"] == naive.replace(tzinfo=dt.UTC)
+
+
+def test_a_row_read_by_position_may_carry_a_later_releases_columns_but_not_fewer(driver):
+    # SQL Server's EXEC hands back every column by position: a later release's procedure that
+    # adds one must not stop this release's hosts in the middle of a rolling upgrade.
+    lease = get_procedure("wq_extend_lease")
+    naive = dt.datetime(2030, 1, 1, 12, 0)
+    assert driver.decode_row(lease, ("Held", naive, 30))["lease_state"] == "Held"
+    with pytest.raises(DriverError, match=r"older than this code\. Run manage\.py migrate"):
+        driver.decode_row(lease, ("Held",))
 
 
 def test_every_column_type_has_a_decoder_and_null_stays_null():

@@ -499,6 +499,17 @@ class BaseDriver:
 
     def decode_row(self, procedure: Procedure, row: tuple[Any, ...]) -> Row:
         names, typed = _result_shape(procedure)
+        if len(row) != len(names):
+            # Where a call's result is read by position (SQL Server's EXEC): a procedure of a
+            # later release may add columns after these, and this release reads on; fewer
+            # means the procedures are older than this code.
+            if len(row) < len(names):
+                raise DriverError(
+                    f"{procedure.name} returned {len(row)} columns where this release reads "
+                    f"{len(names)}: the database's procedures are older than this code. Run "
+                    "manage.py migrate."
+                )
+            row = row[: len(names)]
         decoded = dict(zip(names, row, strict=True))
         # Text comes back as it is stored and NULL as None: only the other columns need a look
         # (a claim returns fourteen columns per delivery, so the calls saved add up), each with
@@ -556,7 +567,7 @@ def canonical_json(value: Any) -> str:
     recursion limit ``RecursionError``, as ``json.dumps`` does.
 
     A float Python writes with an exponent (``1e+23``, ``5e-324``) is written out in full
-    (``99999999999999991611392.0``, ``0.000…5``): PostgreSQL's jsonb keeps a number's value,
+    (``100000000000000000000000.0``, ``0.000…5``): PostgreSQL's jsonb keeps a number's value,
     not its spelling, and gave ``1e+23`` back as the integer ``10**23``, another number than the
     float published. Written out, every vendor stores the text the size limit measured, and it
     reads back as the same float."""
@@ -569,7 +580,7 @@ def canonical_json(value: Any) -> str:
         # recurses any deeper) must be the call's own. tests/unit/test_canonical_json.py
         # compares the texts.
         text = "".join(_C_ENCODER({}, *_C_ENCODER_SETTINGS)(value, 0))
-    if ("e+" in text or "e-" in text) and _EXPONENT.search(text):
+    if _EXPONENT.search(text):
         return _STRING_OR_EXPONENT.sub(_written_out, text)
     return text
 
@@ -583,8 +594,11 @@ class CanonicalJSONEncoder(DjangoJSONEncoder):
         return canonical_json(o)
 
 
-#: A digit then an exponent: a float Python wrote as 1e+16 (or inside a string, looked at again).
-_EXPONENT = re.compile(r"[0-9]e[-+]")
+#: An exponent where a JSON value ends (before ",", "]", "}" or the end of the text): that of a
+#: float Python wrote so, or text inside a string that looks like one, which the substitution
+#: below then leaves alone. (A uuid's "1e-4" is followed by more hex.) Its literal first
+#: character lets the search skip through long texts at the speed of a substring test.
+_EXPONENT = re.compile(r"e[-+][0-9]+(?:[,\]}]|$)")
 #: A JSON string (group 1 unset: left as it is) or a number with an exponent (group 1).
 _STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?[0-9]+(?:\.[0-9]+)?e[-+][0-9]+)')
 

@@ -108,7 +108,7 @@ GUARD_FUNCTIONS = frozenset({"wq_filter_problem(jsonb)"})
 
 # Every wq_* function in the current schema, as "name(argument types)".
 _LIST_FUNCTIONS = """
-    SELECT p.oid::regprocedure::text, p.oid::bigint, p.xmin::text
+    SELECT p.oid::regprocedure::text, p.oid::bigint, p.xmin::text || p.ctid::text
       FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
      WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
 """
@@ -240,10 +240,11 @@ class PostgresDriver(BaseDriver):
             grantees: dict[str, set[str]] = {}
             for name, role in cursor.fetchall():
                 grantees.setdefault(name, set()).add(role)
-            # CREATE OR REPLACE rewrites a function's catalogue row, so a row whose version is
-            # the one read here belongs to a function the current files no longer declare.
-            # (Compared with the row's own earlier version, not with this transaction's id: in
-            # a savepoint, a migrate inside an atomic block, the rows carry the savepoint's.)
+            # CREATE OR REPLACE rewrites a function's catalogue row, so a row whose version
+            # (transaction id and place: a second install in one transaction keeps the first)
+            # is the one read here belongs to a function the current files no longer declare.
+            # Compared with the row's own earlier version, not with this transaction's id: in
+            # a savepoint, a migrate inside an atomic block, the rows carry the savepoint's.
             cursor.execute(_LIST_FUNCTIONS)
             untouched = {(oid, version) for _signature, oid, version in cursor.fetchall()}
             files = load_procedures(self.sql_directory)

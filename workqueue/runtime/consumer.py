@@ -424,6 +424,7 @@ class Consumer:
             threading.Thread(
                 target=self._close_once_idle, name=f"{self._thread.name}-lingering", daemon=True
             ).start()
+            self.receiver.close()  # this thread's connection (hand-backs above may have used it)
             return
         if gave_up:
             self._warn_of_left_behind()
@@ -437,7 +438,8 @@ class Consumer:
     def _close_once_idle(self) -> None:
         with self._lock:
             while self._running:
-                self._lock.wait()
+                # Timed: not every way out of _running notifies (a crash while starting one).
+                self._lock.wait(1.0)
         self._close()
 
     def _close(self) -> None:

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from workqueue import signals
 from workqueue.conf import WorkQueueSettings, get_settings
-from workqueue.driver import get_driver
+from workqueue.driver import close_thread_connections, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.consumer import (
     Consumer,
@@ -353,11 +353,14 @@ class Host:
             with self._lock:
                 # The process may end once this returns: a re-plan's drain must be over too.
                 self._retired.wait_for(lambda: not self._retiring)
-                lingering = [c for c in self._lingering if c.lingering]
+                lingering = [c for c in self._lingering if c.lingering and c not in retired]
             if self._health_service is not None:
                 self._health_service.stop()
-            consumers += retired + [c for c in lingering if c not in retired]
-            self.abandoned_handlers = sum(c.abandoned for c in consumers)
+            consumers += retired
+            # A re-plan gave up on these earlier; those that have returned since are not left.
+            self.abandoned_handlers = sum(c.abandoned for c in consumers) + sum(
+                c.in_flight for c in lingering
+            )
             self.unsettled_outcomes = sum(c.unsettled for c in consumers)
             if self._wakeup is not None:
                 self._wakeup.stop()
@@ -457,9 +460,7 @@ class Host:
             # for ten times the drain time, and held a shutdown back as long.
             stoppers = [
                 threading.Thread(
-                    target=consumer.stop,
-                    kwargs={"process_lives_on": True},
-                    name=f"wq-retire-{consumer.plan.name}",
+                    target=_retire, args=(consumer,), name=f"wq-retire-{consumer.plan.name}"
                 )
                 for consumer in to_stop
             ]
@@ -735,6 +736,19 @@ class Host:
             for entry in self.health()["subscriptions"]
             if entry["state"] in CANNOT_RUN and entry["name"] not in transient
         ]
+
+
+def _retire(consumer: Consumer) -> None:
+    """Stop a consumer a re-plan no longer wants, on a thread of its own (the re-plan stops
+    them all at once); logged as a re-plan's own failure would be, and its connections
+    closed with the thread."""
+    try:
+        consumer.stop(process_lives_on=True)
+    except Exception:
+        logger.exception("%s: stopping the consumer failed", consumer.plan.name)
+    finally:
+        close_thread_connections()
+        connections.close_all()
 
 
 def aliases_closing_after_each_use(databases: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -8,12 +8,16 @@ import gc
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
 from workqueue import metrics
+
+#: A signal other than the first, this soon after it, is the same stop delivered twice.
+SECOND_SIGNAL_AFTER_SECONDS = 1.0
 
 
 class StopSignal(threading.Event):
@@ -31,11 +35,18 @@ def stop_on_signals() -> Iterator[StopSignal]:
     as before, instead of setting an event nobody waits on any more."""
     stop = StopSignal()
 
+    first_at: list[float] = []
+
     def handler(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if not stop.is_set():
             stop.received = name
+            first_at.append(time.monotonic())
             stop.set()
+            return
+        if name != stop.received and time.monotonic() - first_at[0] < SECOND_SIGNAL_AFTER_SECONDS:
+            # One stop, delivered twice: a terminal's Ctrl-C reaches the whole process group
+            # (SIGINT), and a process manager (honcho, foreman) then sends its SIGTERM.
             return
         # A second signal while the host drains: whoever sent it will not wait (Ctrl-C again,
         # a supervisor's second SIGTERM). Exit now rather than ignore it; what is still running

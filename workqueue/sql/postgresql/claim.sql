@@ -147,9 +147,12 @@ $$;
 -- stopped, for the caller's next claim. Each claim is a guarded statement that re-checks every
 -- rule; a unique violation means another consumer won that key and only that key is skipped.
 -- Remaining capacity goes to keyless deliveries, claimed in one skip-locked batch.
--- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1, and says how
--- long the lease is (lease_seconds): the subscription's setting now, which the caller's copy of
--- it may not be yet. The delivery keeps that length for as long as it is held (wq_extend_lease).
+-- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1. When anything was
+-- claimed, a last row of kind 'Lease' says how long the leases are, in its attempt_count column
+-- (as a 'KeyCursor' row carries its key in partition_key): the subscription's setting now, which
+-- the caller's copy of it may not be yet; a delivery keeps that length while it is held
+-- (wq_extend_lease). A row of a new kind, not a new column: the previous release reads the
+-- result by position on SQL Server, and passes over kinds it does not know.
 -- Its statements keep one plan per session (plan_cache_mode below): a LIMIT taken from a
 -- variable made PostgreSQL re-plan the batch claim on every call, which cost about a third of
 -- a claim. Such a generic plan is costed for a tenth of the backlog, and with one subscription
@@ -157,17 +160,6 @@ $$;
 -- every statement here is written for an index (tests/integration/test_query_plans.py), so the
 -- planner is told to leave sequential scans aside unless no index fits. (And not to compile:
 -- JIT never pays off for a claim.)
--- Until 0039 the function returned no lease_seconds column; a result shape cannot be replaced
--- in place.
-DO $drop_old_shape$
-BEGIN
-    IF pg_get_function_result(to_regprocedure('wq_claim(uuid,text,integer,text)'))
-       NOT LIKE '%lease_seconds integer)' THEN
-        DROP FUNCTION wq_claim(uuid, text, integer, text);
-    END IF;
-END
-$drop_old_shape$;
-
 CREATE OR REPLACE FUNCTION wq_claim(
     p_subscription_id uuid,
     p_lease_owner text,
@@ -188,8 +180,7 @@ RETURNS TABLE (
     payload jsonb,
     payload_ref jsonb,
     correlation_id text,
-    published_at timestamptz,
-    lease_seconds integer
+    published_at timestamptz
 )
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -237,8 +228,7 @@ BEGIN
         RETURN QUERY
         SELECT 'ExpiredDeadLetter'::text, e.delivery_id, NULL::uuid, NULL::timestamptz,
                NULL::integer, NULL::boolean, NULL::uuid, NULL::uuid, e.partition_key,
-               NULL::jsonb, NULL::jsonb, NULL::jsonb, NULL::text, NULL::timestamptz,
-               NULL::integer
+               NULL::jsonb, NULL::jsonb, NULL::jsonb, NULL::text, NULL::timestamptz
           FROM wq_expire_leases(p_subscription_id, 500) e
          WHERE e.new_status = 'DeadLettered';
     END IF;
@@ -385,7 +375,7 @@ BEGIN
                 )
                 SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
                        c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
-                       m.payload_ref, m.correlation_id::text, m.published_at, v_sub.lease_seconds
+                       m.payload_ref, m.correlation_id::text, m.published_at
                   FROM claimed c
                  CROSS JOIN LATERAL (
                        -- By primary key for each claimed row (OFFSET 0 keeps it a per-row probe:
@@ -406,7 +396,7 @@ BEGIN
             RETURN QUERY
             SELECT 'KeyCursor'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::integer,
                    NULL::boolean, NULL::uuid, NULL::uuid, v_walked_to, NULL::jsonb, NULL::jsonb,
-                   NULL::jsonb, NULL::text, NULL::timestamptz, NULL::integer;
+                   NULL::jsonb, NULL::text, NULL::timestamptz;
         END IF;
     END IF;
 
@@ -443,7 +433,7 @@ BEGIN
         )
         SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
                c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
-               m.payload_ref, m.correlation_id::text, m.published_at, v_sub.lease_seconds
+               m.payload_ref, m.correlation_id::text, m.published_at
           FROM claimed c
          CROSS JOIN LATERAL (
                -- A per-row probe by primary key, as in the keyed claim above.
@@ -454,5 +444,12 @@ BEGIN
         GET DIAGNOSTICS v_count = ROW_COUNT;
         v_remaining := v_remaining - v_count;
     END LOOP;
+
+    IF v_remaining < p_max_rows THEN
+        RETURN QUERY
+        SELECT 'Lease'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, v_sub.lease_seconds,
+               NULL::boolean, NULL::uuid, NULL::uuid, NULL::text, NULL::jsonb, NULL::jsonb,
+               NULL::jsonb, NULL::text, NULL::timestamptz;
+    END IF;
 END;
 $$;

@@ -196,15 +196,28 @@ BEGIN
 END;
 $$;
 
--- Replaced in place, not dropped and created: dropping a trigger locks its table against every
--- reader until the migrate commits, and each claim and publish reads these two tables.
-CREATE OR REPLACE TRIGGER wq_subscription_delete_guard
-    BEFORE DELETE ON workqueue_subscription
-    FOR EACH ROW EXECUTE FUNCTION wq_guard_subscription_delete();
-
-CREATE OR REPLACE TRIGGER wq_topic_delete_guard
-    BEFORE DELETE ON workqueue_topic
-    FOR EACH ROW EXECUTE FUNCTION wq_guard_topic_delete();
+-- Created only when missing, told by name (a guard whose definition changes must take a new
+-- name, and drop the old one here): dropping and creating a trigger, or replacing it, locks its
+-- table until the migrate commits, against every reader (each claim and publish reads these two
+-- tables) or every writer.
+DO $delete_guards$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger t
+                    WHERE t.tgrelid = 'workqueue_subscription'::regclass
+                      AND t.tgname = 'wq_subscription_delete_guard') THEN
+        CREATE TRIGGER wq_subscription_delete_guard
+            BEFORE DELETE ON workqueue_subscription
+            FOR EACH ROW EXECUTE FUNCTION wq_guard_subscription_delete();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger t
+                    WHERE t.tgrelid = 'workqueue_topic'::regclass
+                      AND t.tgname = 'wq_topic_delete_guard') THEN
+        CREATE TRIGGER wq_topic_delete_guard
+            BEFORE DELETE ON workqueue_topic
+            FOR EACH ROW EXECUTE FUNCTION wq_guard_topic_delete();
+    END IF;
+END
+$delete_guards$;
 
 -- wq_publish --
 -- Publish one message. Returns exactly one row: the message id (for a Duplicate, the id of the

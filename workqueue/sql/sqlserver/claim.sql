@@ -155,10 +155,12 @@ GO
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
 -- is raised instead of skipped. It runs wq_expire_leases through INSERT ... EXEC, so it cannot
 -- itself be the target of an INSERT ... EXEC.
--- lease_seconds says how long the leases of the rows of kind 'Claimed' are: the subscription's
--- setting now, which the caller's copy of it may not be yet; the delivery keeps that length
--- while it is held (wq_extend_lease). NULL on the other kinds.
--- returns: kind, delivery_id, lease_token, lease_expires_at, attempt_count, is_replay, message_id, topic_id, partition_key, attributes, payload, payload_ref, correlation_id, published_at, lease_seconds
+-- When anything was claimed, a last row of kind 'Lease' says how long the leases are, in its
+-- attempt_count column: the subscription's setting now, which the caller's copy of it may not be
+-- yet; a delivery keeps that length while it is held (wq_extend_lease). A row of a new kind, not
+-- a new column: the previous release reads this result by position, and passes over kinds it
+-- does not know.
+-- returns: kind, delivery_id, lease_token, lease_expires_at, attempt_count, is_replay, message_id, topic_id, partition_key, attributes, payload, payload_ref, correlation_id, published_at
 CREATE OR ALTER PROCEDURE dbo.wq_claim
     @subscription_id uniqueidentifier,
     @lease_owner nvarchar(4000),
@@ -468,11 +470,13 @@ BEGIN
         END;
     END;
 
+    IF EXISTS (SELECT 1 FROM @result AS r WHERE r.kind = N'Claimed')
+        INSERT INTO @result (phase, kind, attempt_count) VALUES (4, N'Lease', @lease_seconds);
+
     -- result set
     SELECT r.kind, r.delivery_id, r.lease_token, r.lease_expires_at, r.attempt_count,
            r.is_replay, r.message_id, r.topic_id, r.partition_key, r.attributes, r.payload,
-           r.payload_ref, r.correlation_id, r.published_at,
-           CASE WHEN r.kind = N'Claimed' THEN @lease_seconds END AS lease_seconds
+           r.payload_ref, r.correlation_id, r.published_at
       FROM @result AS r
      ORDER BY r.phase, CASE WHEN r.phase = 3 THEN -r.sort_priority END,
               CASE WHEN r.phase = 3 THEN r.sort_at END, r.seq;
