@@ -572,8 +572,9 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
         # Hundreds of levels deep: far past MAX_JSON_DEPTH, and too deep to serialise here.
         raise _Unstorable(field, TOO_DEEP_PROBLEM) from None
     except (TypeError, ValueError) as exc:
-        # Keys of two types cannot be sorted (TypeError): name the key, not the comparison.
-        key_problem = _non_text_key(value, field)
+        # Keys of two types cannot be sorted (TypeError): name the key, not the comparison. (A
+        # ValueError is a value that contains itself: nothing to walk.)
+        key_problem = _non_text_key(value, field) if isinstance(exc, TypeError) else None
         raise _Invalid(
             PublishErrorCode.INVALID_PAYLOAD,
             key_problem or f"The payload is not JSON-serialisable: {exc}",
@@ -606,8 +607,13 @@ def _non_text_key(value: Any, field: str) -> str | None:
     if not _has_non_text_key(value):
         return None
     stack = [(value, field)]
+    seen: set[int] = set()
     while stack:
         item, path = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if id(item) in seen:
+                continue  # a value that contains itself (and something json cannot write)
+            seen.add(id(item))
         if isinstance(item, dict):
             for key, member in item.items():
                 if not isinstance(key, str):
@@ -623,8 +629,13 @@ def _non_text_key(value: Any, field: str) -> str | None:
 
 def _has_non_text_key(value: Any) -> bool:
     stack = [value]
+    seen: set[int] = set()
     while stack:
         item = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
         if isinstance(item, dict):
             for key in item:
                 if not isinstance(key, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +22,7 @@ from django.db import connection, transaction
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.support.database import psycopg_params
 from tests.support.queue import answers_lost_once
-from workqueue import publish, publish_many
+from workqueue import publish, publish_many, publishing
 from workqueue.driver import get_driver
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import TransientDriverError
@@ -176,6 +177,30 @@ def test_a_payloads_keys_must_be_text_and_the_rejection_says_so(topic):
 
     assert result.error.code == "InvalidPayload"
     assert "keys must be text" in result.error.message and "1 (int)" in result.error.message
+
+
+def test_a_payload_that_contains_itself_is_refused_not_walked_for_ever(topic):
+    # Checked without the database (publish by name would need this thread's connection on
+    # another): the validation alone walked such a value for ever.
+    looped: list[Any] = [{"k": 1}]
+    looped.append(looped)
+    with_a_set: list[Any] = [{1, 2}]
+    with_a_set.append(with_a_set)
+    errors: list[str] = []
+
+    def validate() -> None:
+        for payload in (looped, with_a_set):
+            try:
+                publishing._payload(payload, None)
+            except publishing._Invalid as exc:
+                errors.append(exc.error.code)
+
+    walker = threading.Thread(target=validate, daemon=True)
+    walker.start()
+    walker.join(10)
+
+    assert not walker.is_alive(), "validating a payload that contains itself never ended"
+    assert errors == ["InvalidPayload", "InvalidPayload"]
 
 
 def test_numbers_come_back_to_the_handler_as_they_were_published(topic):

@@ -1,6 +1,6 @@
 """Reinstalls both vendors' procedures from the current files.
 
-Both: a claim says how long its leases are (wq_claim's new lease_seconds column), and a renewal
+Both: a claim says how long its leases are (in a last row of kind 'Lease'), and a renewal
 keeps the length the delivery was claimed with when the subscription's lease was shortened since:
 a host whose copy of the setting is behind, or a delivery held across the edit, renews in time.
 

@@ -430,6 +430,13 @@ class Consumer:
             self._warn_of_left_behind()
         self._close()
 
+    def left_running(self) -> tuple[int, int]:
+        """Of the executions still here: (handlers running, handlers returned whose outcome is
+        not recorded yet)."""
+        with self._lock:
+            returned = sum(1 for e in self._running.values() if e.handler_returned)
+            return len(self._running) - returned, returned
+
     @property
     def lingering(self) -> bool:
         """Whether handlers it gave up on still run (stopped with ``process_lives_on``)."""

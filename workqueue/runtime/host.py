@@ -353,15 +353,18 @@ class Host:
             with self._lock:
                 # The process may end once this returns: a re-plan's drain must be over too.
                 self._retired.wait_for(lambda: not self._retiring)
-                lingering = [c for c in self._lingering if c.lingering and c not in retired]
+                # Stopped by a re-plan, before or during this shutdown: what they gave up on
+                # and is still running now (the others have returned since).
+                lingering = {*self._lingering, *retired}
             if self._health_service is not None:
                 self._health_service.stop()
-            consumers += retired
-            # A re-plan gave up on these earlier; those that have returned since are not left.
+            left = [c.left_running() for c in lingering]
             self.abandoned_handlers = sum(c.abandoned for c in consumers) + sum(
-                c.in_flight for c in lingering
+                running for running, _returned in left
             )
-            self.unsettled_outcomes = sum(c.unsettled for c in consumers)
+            self.unsettled_outcomes = sum(c.unsettled for c in consumers) + sum(
+                returned for _running, returned in left
+            )
             if self._wakeup is not None:
                 self._wakeup.stop()
             if self._timers is not None:

@@ -16,7 +16,7 @@ from django.core.management.base import CommandError, CommandParser
 
 from workqueue import metrics
 
-#: A signal other than the first, this soon after it, is the same stop delivered twice.
+#: A second signal this soon after the first is the same stop delivered twice.
 SECOND_SIGNAL_AFTER_SECONDS = 1.0
 
 
@@ -44,9 +44,10 @@ def stop_on_signals() -> Iterator[StopSignal]:
             first_at.append(time.monotonic())
             stop.set()
             return
-        if name != stop.received and time.monotonic() - first_at[0] < SECOND_SIGNAL_AFTER_SECONDS:
+        if time.monotonic() - first_at[0] < SECOND_SIGNAL_AFTER_SECONDS:
             # One stop, delivered twice: a terminal's Ctrl-C reaches the whole process group
-            # (SIGINT), and a process manager (honcho, foreman) then sends its SIGTERM.
+            # (SIGINT), and a process manager (honcho, foreman) then sends its SIGTERM, or a
+            # wrapper in the same group passes the SIGINT on.
             return
         # A second signal while the host drains: whoever sent it will not wait (Ctrl-C again,
         # a supervisor's second SIGTERM). Exit now rather than ignore it; what is still running
