@@ -129,14 +129,9 @@ class QueueCollector(Collector):
             yield from self._collect()
         finally:
             if self.close_connections:
-                from django.db import connections
+                from workqueue.driver import close_all_thread_connections
 
-                from workqueue.driver import close_thread_connections
-
-                close_thread_connections()
-                # Closed outright, not "if old": the thread ends with this scrape, and a
-                # connection younger than CONN_MAX_AGE would be left open by it for good.
-                connections.close_all()
+                close_all_thread_connections()  # the thread ends with this scrape
 
     def _collect(self) -> Iterator[Metric]:
         from workqueue.models import HostRecord

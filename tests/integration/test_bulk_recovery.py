@@ -21,7 +21,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
-from tests.support.roles import database_role, queue_connections_as
+from tests.support.roles import acting_as_granted_role
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import InvalidInputError, PermissionDeniedError
@@ -317,14 +317,13 @@ def test_a_bulk_operation_the_database_refuses_fails_with_its_error_not_a_traceb
     traceback; it exits 1 naming the error and what a re-run finds."""
     subscription = SubscriptionFactory()
     ids = dead_letters(subscription, {})
-    with database_role(pg_conn, "wq_ops") as role:
-        call_command("workqueue", "grant-operator", role)
-        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_resolve_dead_letters FROM "{role}"')
-        with (
-            queue_connections_as(role),
-            pytest.raises(CommandError, match=r"permission denied.*running it again is safe"),
-        ):
-            run("replay-dead-letters", "-s", subscription.name)
+    with (
+        acting_as_granted_role(
+            pg_conn, "wq_ops", "grant-operator", revoked=["wq_resolve_dead_letters"]
+        ),
+        pytest.raises(CommandError, match=r"permission denied.*running it again is safe"),
+    ):
+        run("replay-dead-letters", "-s", subscription.name)
 
     assert statuses(ids) == ["DeadLettered"]
 
@@ -556,10 +555,9 @@ def test_discarding_waiting_work_takes_exactly_the_matching_pending_rows_and_nev
         ["discard-pending", "--error-contains", ""],
     ],
 )
-def test_a_blank_filter_is_refused_not_read_as_no_filter(argv, client):
-    """``--error-contains "$PATTERN"`` with the variable unset discarded every dead letter (and
-    an empty ``errorContains`` in a REST body every waiting delivery): a filter given blank
-    was taken as no filter at all."""
+def test_a_blank_filter_is_refused_not_read_as_no_filter(argv):
+    """``--error-contains "$PATTERN"`` with the variable unset discarded every dead letter: a
+    filter given blank was taken as no filter at all."""
     subscription = SubscriptionFactory()
     ids = dead_letters(subscription, {"error": "TimeoutError"}, {"error": "KeyError"})
     waiting_ids = waiting(subscription, 2, key="k")
@@ -567,16 +565,27 @@ def test_a_blank_filter_is_refused_not_read_as_no_filter(argv, client):
 
     with pytest.raises(CommandError, match="blank"):
         run(verb, "-s", subscription.name, *filters, "--discard-reason", "cleanup")
-    body = {"filter": {"errorContains": ""}, "reason": "cleanup"}
-    for path in ("dead-letters/discard", "pending/discard"):
-        refused = post(
-            client,
-            f"/subscriptions/{subscription.name}/{path}",
-            body,
-            ApiKeyFactory(scopes=[OPERATE]),
-        )
-        assert refused.status_code == 400, refused.content
 
+    assert statuses(ids) == ["DeadLettered"] * 2
+    assert statuses(waiting_ids) == ["Pending"] * 2
+
+
+@pytest.mark.parametrize("path", ["dead-letters/discard", "pending/discard"])
+def test_a_blank_filter_in_a_rest_body_is_refused_not_read_as_no_filter(path, client):
+    """An empty ``errorContains`` in a REST body discarded every dead letter or waiting
+    delivery."""
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {"error": "TimeoutError"}, {"error": "KeyError"})
+    waiting_ids = waiting(subscription, 2, key="k")
+
+    refused = post(
+        client,
+        f"/subscriptions/{subscription.name}/{path}",
+        {"filter": {"errorContains": ""}, "reason": "cleanup"},
+        ApiKeyFactory(scopes=[OPERATE]),
+    )
+
+    assert refused.status_code == 400, refused.content
     assert statuses(ids) == ["DeadLettered"] * 2
     assert statuses(waiting_ids) == ["Pending"] * 2
 

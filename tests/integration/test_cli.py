@@ -12,7 +12,7 @@ from django.core.management import CommandError, call_command
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.queue import dead_letter, row_held
-from tests.support.roles import database_role, queue_connections_as
+from tests.support.roles import acting_as_granted_role
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery
 from workqueue.transport import Receiver
@@ -181,15 +181,13 @@ def test_a_publish_the_database_refuses_is_a_one_line_error_not_a_traceback(pg_c
     # Here: the role the command connects as may not run the publish procedure.
     topic = TopicFactory()
     SubscriptionFactory(topic=topic)
-    with database_role(pg_conn, "wq_pub") as role:
-        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
-        for procedure in ("wq_publish", "wq_publish_many"):
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {procedure} FROM "{role}"')
-        with (
-            queue_connections_as(role),
-            pytest.raises(CommandError, match=r"^Publishing failed: .*permission denied"),
-        ):
-            run("publish", "--topic", topic.name, "--payload", '{"a": 1}')
+    with (
+        acting_as_granted_role(
+            pg_conn, "wq_pub", "grant-runtime", revoked=["wq_publish", "wq_publish_many"]
+        ),
+        pytest.raises(CommandError, match=r"^Publishing failed: .*permission denied"),
+    ):
+        run("publish", "--topic", topic.name, "--payload", '{"a": 1}')
 
     assert Delivery.objects.filter(subscription__topic=topic).count() == 0
 
@@ -257,7 +255,7 @@ def test_granting_to_the_owner_of_the_tables_is_refused_and_changes_nothing():
         with pytest.raises(CommandError, match="owns the work-queue tables"):
             run(verb, owner)
 
-    publish(SubscriptionFactory().topic.name, {"n": 1})  # the owner still writes
+    assert publish(SubscriptionFactory().topic.name, {"n": 1}).accepted  # the owner still writes
 
 
 def test_localdb_url_prints_the_embedded_database_url():

@@ -7,7 +7,6 @@ only metrics that exist.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import urllib.request
@@ -27,7 +26,7 @@ from tests.support.handlers import probe
 from tests.support.hosts import one, status_of, sub
 from tests.support.processes import hello
 from tests.support.queue import dead_letter, pending
-from tests.support.roles import database_role, queue_connections_as
+from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish
 from workqueue.driver import get_driver
@@ -220,12 +219,8 @@ def test_the_oldest_waiting_age_is_found_whatever_the_priorities_and_keys(settin
 def metrics_as_a_host_role(pg_conn: Any, capsys: Any, revoked: str | None = None) -> str:
     """The exposition ``workqueue metrics`` prints when run as a role given grant-runtime (less
     EXECUTE on the procedure ``revoked``), as a host's metrics port runs."""
-    with database_role(pg_conn, "wq_host") as role:
-        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
-        if revoked is not None:
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {revoked} FROM "{role}"')
-        with queue_connections_as(role):
-            call_command("workqueue", "metrics")
+    with acting_as_granted_role(pg_conn, "wq_host", "grant-runtime", [revoked] if revoked else []):
+        call_command("workqueue", "metrics")
     return capsys.readouterr().out
 
 
@@ -283,7 +278,8 @@ def _other_sessions() -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'"
         )
         return cursor.fetchone()[0]
 

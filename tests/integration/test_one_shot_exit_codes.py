@@ -18,7 +18,7 @@ from django.core.management.base import CommandError
 # commands use.
 import tests.support.handlers  # noqa: F401
 from tests.factories import SubscriptionFactory
-from tests.support.roles import database_role, queue_connections_as
+from tests.support.roles import acting_as_granted_role
 from workqueue import publish
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery
@@ -61,12 +61,9 @@ def test_a_job_whose_consumer_cannot_start_exits_2(waiting_work, settings):
 def test_a_job_whose_claims_are_refused_exits_2(waiting_work, pg_conn):
     """The runtime role lacks EXECUTE on the claim procedure (an upgrade whose grants were not
     run again): every claim fails."""
-    with database_role(pg_conn, "wq_runtime") as role:
-        call_command("workqueue", "grant-runtime", role)
+    with acting_as_granted_role(pg_conn, "wq_runtime", "grant-runtime", ["wq_claim"]) as role:
         pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
-        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_claim FROM "{role}"')
-        with queue_connections_as(role):
-            error, _ = run_job(waiting_work.name)
+        error, _ = run_job(waiting_work.name)
 
     assert error.returncode == 2
     assert "Error" in str(error) and "permission denied" in str(error), str(error)

@@ -425,15 +425,16 @@ def test_a_role_given_everything_before_keeps_no_trigger_or_write_on_the_procedu
         ],
     ).fetchall()
     assert held == []
-    with connect_as(runtime_role) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+    with connect_as(runtime_role) as conn:
         conn.execute(
             "CREATE FUNCTION pg_temp.as_owner() RETURNS trigger LANGUAGE plpgsql "
             "AS 'BEGIN RETURN NEW; END'"
         )
-        conn.execute(
-            "CREATE TRIGGER as_owner BEFORE INSERT ON workqueue_message "
-            "FOR EACH ROW EXECUTE FUNCTION pg_temp.as_owner()"
-        )
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(
+                "CREATE TRIGGER as_owner BEFORE INSERT ON workqueue_message "
+                "FOR EACH ROW EXECUTE FUNCTION pg_temp.as_owner()"
+            )
 
 
 def test_the_runtime_role_runs_every_sweeper_step_and_records_task_runs(runtime_role, pg_conn):

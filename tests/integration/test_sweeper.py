@@ -21,7 +21,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.roles import database_role, queue_connections_as
+from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
@@ -259,15 +259,14 @@ def test_sweep_once_fails_when_a_step_failed(pg_conn):
     """Each step catches its own error so the others still run; a job run by cron whose purges
     failed every time (here the role lacks EXECUTE on one, as after an upgrade whose grants
     were not run again) exited 0 while the tables grew."""
-    with database_role(pg_conn, "wq_sweeper") as role:
-        call_command("workqueue", "grant-runtime", role)
-        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_purge_orphan_messages FROM "{role}"')
-        out = io.StringIO()
-        with (
-            queue_connections_as(role),
-            pytest.raises(CommandError, match="Sweeping failed: orphan_messages") as raised,
-        ):
-            call_command("workqueue_sweep", "--once", stdout=out)
+    out = io.StringIO()
+    with (
+        acting_as_granted_role(
+            pg_conn, "wq_sweeper", "grant-runtime", revoked=["wq_purge_orphan_messages"]
+        ),
+        pytest.raises(CommandError, match="Sweeping failed: orphan_messages") as raised,
+    ):
+        call_command("workqueue_sweep", "--once", stdout=out)
 
     assert raised.value.returncode == 1
     assert "orphan_messages=-1" in out.getvalue() and "terminal_deliveries=0" in out.getvalue()

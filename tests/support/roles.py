@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import psycopg
+from django.core.management import call_command
 from django.db import connections
 
 from tests.support.database import psycopg_params, queue_connection_settings
@@ -49,3 +51,18 @@ def queue_connections_as(role: str) -> Iterator[None]:
                 driver.close_all()
     finally:
         driver.close_all()
+
+
+@contextmanager
+def acting_as_granted_role(
+    admin: psycopg.Connection, prefix: str, grant: str, revoked: Iterable[str] = ()
+) -> Iterator[str]:
+    """A new role given ``manage.py workqueue <grant>`` (``grant-runtime``, ``grant-operator``)
+    less EXECUTE on the procedures ``revoked`` (as after an upgrade whose grants were not run
+    again), with the queue alias's connections opened as it while the block runs."""
+    with database_role(admin, prefix) as role:
+        call_command("workqueue", grant, role, stdout=io.StringIO())
+        for procedure in revoked:
+            admin.execute(f'REVOKE EXECUTE ON FUNCTION {procedure} FROM "{role}"')
+        with queue_connections_as(role):
+            yield role

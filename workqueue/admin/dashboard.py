@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from workqueue.exceptions import PermissionDeniedError, WorkQueueConfigurationError
 from workqueue.models import Delivery, HostRecord, Subscription
-from workqueue.models.hosts import database_now
+from workqueue.models.hosts import SERVING_STATES, database_now
 from workqueue.operators import operations
 from workqueue.operators.permissions import READ, Actor, require
 from workqueue.types import DeliveryStatus
@@ -31,8 +31,6 @@ DASHBOARD_TEMPLATE = "workqueue/admin/dashboard.html"
 INDEX_TEMPLATE = "workqueue/admin/index.html"
 BUCKET = dt.timedelta(minutes=5)
 BUCKETS = 12  # one hour
-# Host plan states that need no attention (the others: HandlerNotRegistered, Unsupported, Error).
-HEALTHY_STATES = {"Running", "Paused"}
 
 # Chart geometry (SVG user units).
 WIDTH, HEIGHT = 720, 220
@@ -180,7 +178,7 @@ def _host(record: HostRecord, now: dt.datetime) -> dict[str, Any]:
         "seen_seconds_ago": seen_seconds_ago,
         "seen_ago": _age(seen_seconds_ago),
         "subscriptions": subscriptions,
-        "healthy": all(s["state"] in HEALTHY_STATES for s in subscriptions),
+        "healthy": all(s["state"] in SERVING_STATES for s in subscriptions),
         "in_flight": sum(s["in_flight"] for s in subscriptions),
     }
 

@@ -12,16 +12,13 @@ from ninja import Router
 
 from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
+from workqueue.models.hosts import SERVING_STATES
 from workqueue.operators import operations
 from workqueue.operators.permissions import READ, Actor, require
 
 router = Router(tags=["health"])
 
 RUNNING = "Running"
-#: The states that leave health ok: running, or paused on purpose (a Paused or Disabled
-#: subscription, or its topic or transport: its work waits, and hosts running every
-#: subscription list it so).
-SERVING = frozenset({RUNNING, "Paused"})
 #: A subscription with due work that no live host runs.
 NOT_RUNNING = "NotRunning"
 PSEUDONYM_SALT = "workqueue.api.health.host"
@@ -46,7 +43,8 @@ def health(request: HttpRequest) -> dict[str, Any]:
     limited = bool(actor.subscriptions)
     hosts = []
     summary: dict[str, dict[str, Any]] = {}
-    for record in HostRecord.objects.live().order_by("instance_id"):
+    live_hosts = list(HostRecord.objects.live().order_by("instance_id"))
+    for record in live_hosts:
         entries = [e for e in record.subscription_entries() if _visible(actor, e["name"])]
         if limited and not entries:
             continue
@@ -64,7 +62,7 @@ def health(request: HttpRequest) -> dict[str, Any]:
         )
         for entry in entries:
             _merge(summary, entry)
-    for unserved in operations.unserved_subscriptions(actor=actor):
+    for unserved in operations.unserved_subscriptions(actor=actor, live_hosts=live_hosts):
         if unserved.due is None:
             # Its transport could not count the backlog: validate-bindings says why.
             continue
@@ -84,7 +82,7 @@ def health(request: HttpRequest) -> dict[str, Any]:
     database_warnings = operations.database_warnings(actor=actor)
     if not hosts:
         status = "down"
-    elif all(s["state"] in SERVING for s in subscriptions) and not database_warnings:
+    elif all(s["state"] in SERVING_STATES for s in subscriptions) and not database_warnings:
         status = "ok"
     else:
         status = "degraded"

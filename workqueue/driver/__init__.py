@@ -59,6 +59,14 @@ def close_thread_connections(**kwargs: Any) -> None:
         driver.close()
 
 
+def close_all_thread_connections() -> None:
+    """Close this thread's connections, the driver's private ones and Django's, outright (not
+    "if old"): for a thread about to end, which would leave a connection younger than
+    ``CONN_MAX_AGE`` open for good."""
+    close_thread_connections()
+    connections.close_all()
+
+
 def close_before_database_administration(sender: Any, connection: Any, **kwargs: Any) -> None:
     """Close every thread's private driver connections when Django opens its no-database
     connection (connected to ``connection_created``).

@@ -9,6 +9,10 @@ from django.db import models
 
 # A host that has not reported for this long is shown as gone (it reports every 10 s).
 STALE_AFTER = dt.timedelta(seconds=45)
+#: The states a host reports for a subscription that need no attention: running, or paused on
+#: purpose (the subscription, its topic or its transport is Paused or Disabled: its work waits).
+#: The others: HandlerNotRegistered, Unsupported, Error.
+SERVING_STATES = frozenset({"Running", "Paused"})
 
 
 def database_now() -> dt.datetime:

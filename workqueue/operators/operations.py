@@ -10,9 +10,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workqueue import transport
 from workqueue.conf import get_settings
@@ -43,6 +43,9 @@ from workqueue.types import (
     PartitionCondition,
     SubscriptionStats,
 )
+
+if TYPE_CHECKING:
+    from workqueue.models import HostRecord
 
 logger = logging.getLogger(__name__)
 
@@ -695,7 +698,8 @@ def validate_bindings(
     issues.extend(_database_health_issues())
     live_keys: set[str] = set()
     in_scope: set[str] = set()  # subscriptions of the transports checked
-    for record in HostRecord.objects.live():
+    live_hosts = list(HostRecord.objects.live())
+    for record in live_hosts:
         live_keys.update(record.registered_handler_keys())
     for tr in transports.order_by("name"):
         try:
@@ -770,7 +774,7 @@ def validate_bindings(
                         "its deliveries wait until a host with that handler runs.",
                     )
                 )
-    for unserved in unserved_subscriptions(actor=actor):
+    for unserved in unserved_subscriptions(actor=actor, live_hosts=live_hosts):
         if unserved.name in in_scope and unserved.due is None:
             issues.append(
                 BindingIssue(
@@ -885,7 +889,9 @@ def _database_health_issues() -> list[BindingIssue]:
     return issues
 
 
-def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
+def unserved_subscriptions(
+    *, actor: Actor = CLI, live_hosts: Iterable[HostRecord] | None = None
+) -> list[UnservedSubscription]:
     """Subscriptions with deliveries due now that no live host is running: nothing will process
     that work until a host runs them. Only subscriptions meant to run count: Active, with an
     Active topic and transport, consumed by work-queue hosts (Paused and Disabled ones are
@@ -893,12 +899,13 @@ def unserved_subscriptions(*, actor: Actor = CLI) -> list[UnservedSubscription]:
 
     Each candidate's own transport counts its backlog (the queue tables, or a cloud queue's
     attributes); one whose transport cannot be reached or is misconfigured is listed with
-    ``due`` None and the ``problem``, since work may be waiting there unseen."""
+    ``due`` None and the ``problem``, since work may be waiting there unseen. ``live_hosts``:
+    the live host records when the caller has read them already."""
     from workqueue.models import HostRecord, Subscription
 
     require(actor, READ)
     running: set[str] = set()
-    for record in HostRecord.objects.live():
+    for record in HostRecord.objects.live() if live_hosts is None else live_hosts:
         running.update(
             entry["name"] for entry in record.subscription_entries() if entry["state"] == "Running"
         )

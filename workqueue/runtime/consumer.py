@@ -424,7 +424,6 @@ class Consumer:
             threading.Thread(
                 target=self._close_once_idle, name=f"{self._thread.name}-lingering", daemon=True
             ).start()
-            self.receiver.close()  # this thread's connection (hand-backs above may have used it)
             return
         if gave_up:
             self._warn_of_left_behind()

@@ -24,7 +24,7 @@ from django.utils import timezone
 
 from workqueue import signals
 from workqueue.conf import WorkQueueSettings, get_settings
-from workqueue.driver import close_thread_connections, get_driver
+from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.consumer import (
     Consumer,
@@ -342,9 +342,7 @@ class Host:
                     else entry
                     for name, entry in self._plans.items()
                 }
-            stoppers = [threading.Thread(target=c.stop) for c in consumers]
-            for thread in stoppers:
-                thread.start()
+            stoppers = _stop_at_once(consumers, process_lives_on=False)
             for service in self._services:
                 if service is not self._health_service:
                     service.stop()
@@ -461,15 +459,7 @@ class Host:
                 self._detach(consumer)
             # All at once: one after the other, a topic paused with ten subscriptions drained
             # for ten times the drain time, and held a shutdown back as long.
-            stoppers = [
-                threading.Thread(
-                    target=_retire, args=(consumer,), name=f"wq-retire-{consumer.plan.name}"
-                )
-                for consumer in to_stop
-            ]
-            for thread in stoppers:
-                thread.start()
-            for thread in stoppers:
+            for thread in _stop_at_once(to_stop, process_lives_on=True):
                 thread.join()
         finally:
             # Once all are stopped, or one failed to: a shutdown must not wait for ever.
@@ -741,17 +731,30 @@ class Host:
         ]
 
 
-def _retire(consumer: Consumer) -> None:
-    """Stop a consumer a re-plan no longer wants, on a thread of its own (the re-plan stops
-    them all at once); logged as a re-plan's own failure would be, and its connections
-    closed with the thread."""
+def _stop_at_once(consumers: list[Consumer], *, process_lives_on: bool) -> list[threading.Thread]:
+    """Start stopping every consumer, each on a thread of its own (each drain waits on its own
+    handlers); the threads, for the caller to join."""
+    threads = [
+        threading.Thread(
+            target=_stop,
+            args=(consumer, process_lives_on),
+            name=f"wq-stop-{consumer.plan.name}",
+        )
+        for consumer in consumers
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _stop(consumer: Consumer, process_lives_on: bool) -> None:
+    """Stop one consumer; a failure is logged, and the thread's connections close with it."""
     try:
-        consumer.stop(process_lives_on=True)
+        consumer.stop(process_lives_on=process_lives_on)
     except Exception:
         logger.exception("%s: stopping the consumer failed", consumer.plan.name)
     finally:
-        close_thread_connections()
-        connections.close_all()
+        close_all_thread_connections()
 
 
 def aliases_closing_after_each_use(databases: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -13,9 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connections
-
-from workqueue.driver import close_thread_connections
+from workqueue.driver import close_all_thread_connections
 
 logger = logging.getLogger(__name__)
 
@@ -64,5 +62,4 @@ class PeriodicService:
                     logger.exception("%s pass failed; the next pass will try again", self.name)
         finally:
             # Kept between passes when CONN_MAX_AGE allows; closed with the thread.
-            close_thread_connections()
-            connections.close_all()
+            close_all_thread_connections()

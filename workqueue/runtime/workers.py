@@ -25,9 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from django.db import connections
-
-from workqueue.driver import close_thread_connections
+from workqueue.driver import close_all_thread_connections
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +156,7 @@ class WorkerPool:
                 task = None
                 self._idle.release()
         finally:
-            close_thread_connections()
-            connections.close_all()
+            close_all_thread_connections()
 
     @staticmethod
     def _execute(fn: Callable[..., Any], args: tuple[Any, ...], future: Future | None) -> None:
