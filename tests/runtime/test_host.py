@@ -553,6 +553,55 @@ def test_a_handler_a_re_plan_gives_up_on_keeps_its_lease_and_its_key_until_it_re
     wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
 
 
+def test_a_handler_a_re_plan_gave_up_on_that_then_fails_uses_its_attempt(make_host):
+    """The refund that hands a stopping handler's failure back for free is for handlers that
+    stop when told. One that ran on through the whole drain and then failed had its attempt:
+    refunded, each settings edit during its run let it escape ``max_attempts``."""
+    s = sub(lease_seconds=5, max_attempts=1)
+    host = make_host(one(s, concurrency=1))  # a drain of 300 ms
+    host.start()
+    message = publish(
+        s.topic.name, {"sleepMs": 2_000, "ignoreSignal": True, "then": "crash"}
+    ).message_id
+    (first,) = probe.wait_for(1)
+
+    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+    host.reconcile()
+    assert first.finished.wait(10)
+
+    wait_until(lambda: status_of(message) != "InFlight")
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.dead_letter_reason, row.attempt_count) == (
+        "DeadLettered",
+        "MaxAttemptsExceeded",
+        1,
+    )
+    assert len(probe.runs) == 1
+
+
+def test_handlers_a_re_plan_gave_up_on_count_against_the_concurrency_until_they_return(
+    make_host,
+):
+    """The consumer a re-plan starts did not count the handlers its predecessor gave up on,
+    which run on beside it: a subscription of concurrency 2 ran three handlers at once."""
+    s = sub(lease_seconds=5, max_attempts=3)
+    host = make_host(one(s, concurrency=2))  # a drain of 300 ms
+    host.start()
+    publish(s.topic.name, {"sleepMs": 3_000, "ignoreSignal": True})
+    (lingering,) = probe.wait_for(1)
+    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+    host.reconcile()
+    messages = [publish(s.topic.name, {"sleepMs": 400}).message_id for _ in range(4)]
+
+    most_at_once = 0
+    while not lingering.finished.is_set():
+        most_at_once = max(most_at_once, sum(1 for r in probe.runs if not r.finished.is_set()))
+        time.sleep(0.01)
+
+    assert most_at_once == 2
+    wait_until(lambda: all(status_of(m) == "Completed" for m in messages))
+
+
 def test_a_lease_shortened_before_the_host_re_plans_is_renewed_in_time(make_host):
     """The host times its renewals by the lease length of its plan; a claim made before the
     plan caught up with a shortened lease (30 s to 5 s) got 5 s from the database, its first

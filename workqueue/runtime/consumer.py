@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -245,7 +245,11 @@ class Consumer:
         timers: TimerQueue,
         budget: RunBudget | None = None,
         on_result: Callable[[ExecutionResult], None] | None = None,
+        predecessors: Sequence[Consumer] = (),
     ) -> None:
+        """``predecessors``: consumers of the same subscription that a re-plan stopped while
+        handlers they gave up on still run (``lingering``); those handlers take slots of this
+        consumer's concurrency until they return."""
         self.plan = plan
         self.config = config
         self.budget = budget
@@ -314,6 +318,10 @@ class Consumer:
         #: Error with this reason); None while it works.
         self.failure: str | None = None
         self._failures_in_a_row = 0
+        self._predecessors = list(predecessors)
+        self._successors: list[Consumer] = []  # told when a handler of this one returns
+        for predecessor in self._predecessors:
+            predecessor._successors.append(self)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -409,6 +417,8 @@ class Consumer:
                 self._running.pop(execution.key, None)
             if gave_up:
                 left = list(self._running.values())
+                for execution in left:
+                    execution.outlived_drain = True
                 self.unsettled = sum(1 for e in left if e.handler_returned)
                 self.abandoned = len(left) - self.unsettled
         for execution in never_started:
@@ -641,10 +651,14 @@ class Consumer:
         what it claims, no more): ``prefetch`` at most, and no more than the slots get through
         in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
-        free = concurrency - self._handlers_running
+        running_elsewhere = self._predecessors_running()
+        free = concurrency - self._handlers_running - running_elsewhere
         handler_seconds = self._handler_seconds
         if (
-            self.config.prefetch <= 0
+            # Nothing ahead while a predecessor's handlers run: _start would run what this
+            # claims on every slot it counts free of its own.
+            running_elsewhere
+            or self.config.prefetch <= 0
             or self.budget is not None
             or handler_seconds is None
             or handler_seconds >= PREFETCH_HANDLER_SECONDS
@@ -656,6 +670,22 @@ class Consumer:
             if handler_seconds * ahead > window:
                 ahead = int(window / handler_seconds)
         return free + max(ahead - len(self._ready), 0), concurrency + ahead
+
+    def _predecessors_running(self) -> int:
+        """Handlers of ``predecessors`` still running; called with the lock held (the order
+        is always this consumer's lock, then a predecessor's)."""
+        if not self._predecessors:
+            return 0
+        counts = [(p, p.left_running()[0]) for p in self._predecessors]
+        # A stopped consumer starts nothing more: one whose handlers have all returned is done.
+        self._predecessors = [p for p, running in counts if running]
+        return sum(running for _, running in counts)
+
+    def _predecessor_freed_a_slot(self) -> None:
+        """A handler of a predecessor returned: its slot is this consumer's now."""
+        with self._lock:
+            self._lock.notify_all()  # the loop may be gathering room for one claim
+        self._wake.set()
 
     def _wait(self, seconds: float) -> bool:
         """Sleep until woken (a kick, a freed slot, a stop) or ``seconds`` pass; True on a kick."""
@@ -780,6 +810,8 @@ class Consumer:
             self._background.run_or_call(self._hand_back, execution)
         if wanted:
             self._wake.set()
+        for successor in list(self._successors):
+            successor._predecessor_freed_a_slot()
         return following
 
     def _execute(self, execution: DeliveryExecution) -> None:

@@ -15,6 +15,10 @@ Abort reasons decide how the outcome is settled:
   an attempt. The same holds once the consumer has announced that it is stopping
   (``context.stopping``, at the start of the drain): a handler that returns early because of it
   hands the delivery back for the next host instead of spending an attempt and a backoff.
+  Not so for a handler the drain gave up on (``outlived_drain``: it ran on through both of the
+  drain's waits, which a re-plan lets it do): it had its attempt, and its failure is settled as
+  usual, or a handler that ignores its signals and fails would escape ``max_attempts`` one
+  settings edit at a time.
 * MaxProcessingSeconds: renewals stop; the eventual outcome is settled as usual (the fence
   rejects it if the lease ran out meanwhile).
 
@@ -259,6 +263,8 @@ class DeliveryExecution:
         #: on this thread, once this one's settling has been handed on.
         self.next_in_slot: DeliveryExecution | None = None
         self.signal = AbortSignal()
+        #: Set by the consumer when its drain gave up on this handler (see the module's notes).
+        self.outlived_drain = False
         self._lock = threading.Lock()
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
@@ -765,7 +771,7 @@ class DeliveryExecution:
                 )
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
             stopping = self.signal.has(AbortReason.SHUTDOWN) or self.services.stopping.is_set()
-            if stopping and decision.kind != Outcome.COMPLETE:
+            if stopping and not self.outlived_drain and decision.kind != Outcome.COMPLETE:
                 result = self._result(
                     self._while_lease_lasts(
                         self._off_worker(lambda: receiver.release(self.delivery))

@@ -555,6 +555,8 @@ class Host:
             user=self.user,
             timers=self._timers,
             budget=self._budget,
+            # Handlers a re-plan gave up on run on; they count against the concurrency.
+            predecessors=[c for c in self._lingering if c.plan.name == entry.name],
         )
 
     def _run_consumer(self, entry: PlanEntry, consumer: Consumer) -> None:
