@@ -129,6 +129,32 @@ def test_a_database_at_0005_with_its_procedures_upgrades_to_equal_a_fresh_one(sc
     assert _scratch_catalog(scratch_database) == fresh
 
 
+@pytest.mark.processes
+@pytest.mark.django_db
+def test_migrating_into_a_schema_whose_name_needs_quoting_installs_working_procedures(
+    scratch_database,
+):
+    # The install names its own objects by schema, in string literals too ('x'::regclass):
+    # a quote in the schema's name ended such a literal early and the migration failed.
+    schema = '"Team\'s Queue"'
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f'ALTER DATABASE "{conn.info.dbname}" SET search_path = {schema}')
+    _migrate(scratch_database)
+
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        (installed,) = conn.execute(
+            "SELECT count(*) FROM pg_proc WHERE pronamespace = %s::regnamespace "
+            "AND proname = 'wq_claim'",
+            [schema],
+        ).fetchone()
+        claimed = conn.execute(
+            "SELECT kind FROM wq_claim(gen_random_uuid(), 'host', 1, NULL)"
+        ).fetchall()
+    assert installed == 1
+    assert claimed == []  # an unknown subscription; the body compiled and ran
+
+
 @pytest.mark.django_db(transaction=True)
 def test_installing_drops_procedures_the_files_no_longer_declare():
     with connection.cursor() as cursor:

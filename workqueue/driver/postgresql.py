@@ -155,7 +155,8 @@ _SCHEMA_CREATORS = """
     WITH owner AS (
         SELECT coalesce(
             (SELECT p.proowner FROM pg_proc p
-              WHERE p.pronamespace = current_schema()::regnamespace AND p.proname = 'wq_claim'
+              WHERE p.pronamespace = quote_ident(current_schema())::regnamespace
+                AND p.proname = 'wq_claim'
               LIMIT 1),
             (SELECT r.oid FROM pg_roles r WHERE r.rolname = current_user)) AS oid
     ), public_may AS (
@@ -184,18 +185,20 @@ def declared_functions(texts: Iterable[str]) -> set[str]:
 def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
     """Qualify the tables, the sequence and calls of the wq_* ``functions`` in ``sql`` with
     ``schema`` (an identifier, quoted as needed), so the bodies need no search_path to find
-    them. A name already qualified is left alone; the sequence named in a string literal
-    (``nextval('wq_publish_ordinal_seq')``) becomes a literal of the qualified name."""
-    sequence = "wq_publish_ordinal_seq"
-    literal = "'" + f"{schema}.{sequence}".replace("'", "''") + "'"
-    sql = sql.replace(f"'{sequence}'", literal)
+    them. A name already qualified is left alone. A name that opens a string literal
+    (``nextval('wq_publish_ordinal_seq')``, ``'workqueue_topic'::regclass``) becomes a literal
+    of the qualified name: a quote in the schema's name is doubled there."""
+    in_literal = schema.replace("'", "''")
+
+    def qualified(match: re.Match[str]) -> str:
+        opens_a_literal = match.string[match.start() - 1 : match.start()] == "'"
+        return f"{in_literal if opens_a_literal else schema}.{match[1]}"
+
     unqualified = r'(?<![.\w"])'
-    sql = re.sub(
-        rf"{unqualified}\b({'|'.join(_OWN_RELATIONS)})\b", lambda m: f"{schema}.{m[1]}", sql
-    )
+    sql = re.sub(rf"{unqualified}\b({'|'.join(_OWN_RELATIONS)})\b", qualified, sql)
     names = "|".join(sorted(functions, key=len, reverse=True))
     if names:
-        sql = re.sub(rf"{unqualified}\b({names})(?=\s*\()", lambda m: f"{schema}.{m[1]}", sql)
+        sql = re.sub(rf"{unqualified}\b({names})(?=\s*\()", qualified, sql)
     return sql
 
 
