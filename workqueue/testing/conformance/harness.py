@@ -94,6 +94,9 @@ class TransportTraits:
     #: A holder whose lease ran out may still renew and settle until another holder (or the
     #: sweeper) takes the delivery back: the token fences, not the clock.
     settles_after_expiry_until_taken_back: bool = True
+    #: A claim says how long its lease is (``ClaimedDelivery.lease_seconds``); a transport
+    #: that leaves it None has its holders time renewals by their own plan's lease.
+    reports_lease_seconds: bool = True
     #: The case topics are FIFO topics (``is_fifo``), which Exclusive needs on this transport.
     fifo_topics: bool = False
     #: The harness can move the transport's clock (``advance_time`` shifts stored times);
