@@ -417,10 +417,13 @@ class Consumer:
                 self._running.pop(execution.key, None)
             if gave_up:
                 left = list(self._running.values())
+                self.unsettled = self.abandoned = 0
                 for execution in left:
-                    execution.outlived_drain = True
-                self.unsettled = sum(1 for e in left if e.handler_returned)
-                self.abandoned = len(left) - self.unsettled
+                    if execution.handler_returned:
+                        self.unsettled += 1
+                    else:
+                        execution.outlived_drain = True  # its failure uses its attempt
+                        self.abandoned += 1
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
             self._release(execution.delivery)
