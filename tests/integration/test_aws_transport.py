@@ -12,10 +12,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from botocore.exceptions import EndpointConnectionError
+from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.urls import reverse
 from django.utils import timezone
@@ -28,6 +31,8 @@ from tests.factories import (
     UserFactory,
 )
 from tests.support.api import post as rest_post
+from tests.support.executions import ExecutionRig
+from tests.support.handlers import probe, registry
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import (
@@ -1252,3 +1257,152 @@ def test_stats_that_cannot_be_read_exit_non_zero(unreachable):
     for json_too in ([], ["--json"]):
         with pytest.raises(CommandError, match=r"Stats of 1 subscription\(s\) could not be read"):
             call_command("workqueue", "stats", "-s", subscription.name, *json_too, stderr=err)
+
+
+# -- failures part way, and limits moto does not check (audit helper-69) ---------------------
+
+
+def test_a_receive_call_failing_part_way_through_a_claim_hands_over_what_it_received(
+    aws, monkeypatch
+):
+    """An Exclusive claim makes up to ten ReceiveMessage calls; when a later one failed, the
+    messages earlier calls had received were dropped: hidden for their lease with an attempt
+    spent, and on a last attempt dead-lettered (LeaseExpired) without ever running."""
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive", max_attempts=1)
+    publish_many(subscription.topic, [{"payload": n, "partition_key": f"k{n}"} for n in range(2)])
+    holder = receiver(subscription)
+    sqs = holder.binding.clients.sqs
+    original = sqs.receive_message
+    calls: list[int] = []
+
+    def second_call_fails(**params: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise EndpointConnectionError(endpoint_url="http://sqs.invalid")
+        return original(**params)
+
+    monkeypatch.setattr(sqs, "receive_message", second_call_fails)
+    claimed = holder.receive(10).deliveries
+
+    assert len(calls) == 2
+    assert len(claimed) == 1
+    assert holder.complete(claimed[0]).settled
+
+
+def test_a_retry_asking_past_twelve_hours_hides_the_message_as_long_as_sqs_allows(aws):
+    """The delay was capped at exactly 12 hours from the retry; SQS counts its cap from the
+    receive, refused it, and the message came back at the end of its lease."""
+    subscription = provisioned(aws, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    time.sleep(1.1)  # the handler ran a second
+    asked: list[int] = []
+    sqs = holder.binding.clients.sqs
+    sqs.meta.events.register(
+        "provide-client-params.sqs.ChangeMessageVisibility",
+        lambda params, **_: asked.append(params["VisibilityTimeout"]),
+        unique_id="asked",
+    )
+    try:
+        settled = holder.retry(delivery, 86_400, "rate limited for a day")
+    finally:
+        sqs.meta.events.unregister(
+            "provide-client-params.sqs.ChangeMessageVisibility", unique_id="asked"
+        )
+
+    assert settled.settled
+    [visibility] = asked
+    assert 43_200 - 30 <= visibility <= 43_200 - 11  # 12 h after the receive, less a margin
+
+
+@pytest.fixture
+def rig() -> Iterator[ExecutionRig]:
+    probe.reset()
+    found = ExecutionRig(registry, get_user_model().objects.create_user("workqueue-system"))
+    yield found
+    found.close()
+
+
+def test_a_lease_lost_on_aws_is_reported_as_lost_not_as_a_cancel_that_failed(aws, rig):
+    """A refused settle was taken for a cancel that landed meanwhile and acknowledged: the AWS
+    receiver has no cancels, so every lost lease was logged as an error and counted Failed."""
+    subscription = provisioned(aws, handler_key="t.script", lease_seconds=5)
+    publish(subscription.topic.name, {"then": "retry"})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    holder._let_go(delivery)  # its lease ran out here (the receiver fences by its clock)
+
+    result = rig.execution(subscription, holder, delivery).run()
+
+    assert (result.kind, result.error) == ("LeaseLost", None)
+
+
+def test_a_last_attempt_whose_lease_expired_is_dead_lettered_with_max_attempts(aws):
+    # The receive that finds it counted too: the dead letter said 2 of max_attempts 1.
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    receive_one(holder)
+    time.sleep(5.2)
+    deadline = time.monotonic() + 10
+    while not holder.receive(1).expired_dead_letters and time.monotonic() < deadline:
+        pass
+
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert (item.reason, item.attempts) == ("LeaseExpired", 1)
+
+
+def test_a_dead_letters_attributes_carry_only_characters_sqs_accepts(aws):
+    """SQS refuses a string attribute holding a character it refuses in a body (a traceback's
+    terminal colours): the move to the DLQ failed, the message ran again."""
+    subscription = provisioned(aws)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    sent: list[dict[str, Any]] = []
+    sqs = holder.binding.clients.sqs
+    sqs.meta.events.register(
+        "provide-client-params.sqs.SendMessage",
+        lambda params, **_: sent.append(params),
+        unique_id="sent",
+    )
+    try:
+        error = "CalledProcessError: \x1b[31mfailed\x1b[0m\x00"
+        assert holder.dead_letter(delivery, "Fatal", error).settled
+    finally:
+        sqs.meta.events.unregister("provide-client-params.sqs.SendMessage", unique_id="sent")
+
+    [params] = sent
+    values = {k: v["StringValue"] for k, v in params["MessageAttributes"].items()}
+    assert values["wq_error"] == "CalledProcessError: \\x1b[31mfailed\\x1b[0m\\x00"
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert item.last_error == values["wq_error"]
+
+
+def test_an_external_publisher_is_not_told_what_aws_said(aws, client, caplog):
+    """AWS's refusal (the server's IAM identity, its endpoint, the SNS topic's name) went to
+    an API key's publisher in the answer's message."""
+    topic = TopicFactory(transport=aws, allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+    sns = clients_for(AwsSettings.parse(aws.configuration)).sns
+    identity = "arn:aws:iam::123456789012:user/wq-prod-deployer"
+
+    def refused(**_: Any) -> Any:
+        error = {"Code": "AuthorizationError", "Message": f"User: {identity} is not authorized"}
+        return (
+            type("Response", (), {"status_code": 403, "headers": {}})(),
+            {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 403}},
+        )
+
+    sns.meta.events.register("before-call.sns.ListTopics", refused, unique_id="refused")
+    clients_for(AwsSettings.parse(aws.configuration))._topic_arns.clear()
+    key = ApiKeyFactory(scopes=["workqueue:publish"])
+    try:
+        answer = rest_post(client, topic.name, {"messages": [{"payload": {"n": 1}}]}, key=key)
+    finally:
+        sns.meta.events.unregister("before-call.sns.ListTopics", unique_id="refused")
+
+    assert identity not in answer.content.decode()
+    assert answer.json()["results"][0]["error"]["code"] == "TransportUnavailable"
+    assert identity in caplog.text  # the operators are told

@@ -18,6 +18,7 @@ from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.transport import Receiver
+from workqueue.transports import transport_for
 from workqueue.types import ClaimedDelivery
 
 
@@ -65,6 +66,7 @@ class ExecutionRig:
             handlers=self.registry,
             user=self.user,
             lease_grace_seconds=grace,
+            cancels=transport_for(plan.driver_class).supports_cancel,
         )
         return DeliveryExecution(delivery, plan, services, leased_at=leased_at)
 

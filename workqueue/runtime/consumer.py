@@ -277,6 +277,7 @@ class Consumer:
             settle_threads=self._background,
             handlers=handlers,
             user=user,
+            cancels=self.hears_cancels,
         )
         self._running: dict[tuple[str, str], DeliveryExecution] = {}  # until settled
         # Cancels announced for deliveries not (yet) held here, oldest first: id -> when.
@@ -918,7 +919,7 @@ class Consumer:
 
     def _release(self, delivery: ClaimedDelivery) -> None:
         try:
-            if not self.receiver.release(delivery).settled:
+            if not self.receiver.release(delivery).settled and self.hears_cancels:
                 # Refused: the lease is gone, or the delivery was cancelled while it waited
                 # (wq_release leaves a cancelled one alone). Acknowledge the cancel now, as
                 # the handler's start would have, rather than leave the delivery (and, in an

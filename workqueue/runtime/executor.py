@@ -221,6 +221,9 @@ class ExecutionServices:
     handlers: HandlerRegistry
     user: Any
     lease_grace_seconds: float = LEASE_EXPIRY_GRACE_SECONDS
+    #: Whether the transport has cancels (``supports_cancel``): only then can a refused settle
+    #: be a cancel that landed after the last heartbeat, to acknowledge.
+    cancels: bool = True
     #: Called before each handler: whether its ORM connections need Django's health check.
     ready_connections: Callable[[], None] = ready_connections_of_this_thread
     #: Called after each handler so the next gets fresh ORM connections, as at the end of a
@@ -871,6 +874,8 @@ class DeliveryExecution:
     def _result(self, settled: SettleResult) -> ExecutionResult:
         if settled.settled:
             return ExecutionResult(ExecutionResult.SETTLED, settled.status)
+        if not self.services.cancels:
+            return ExecutionResult(ExecutionResult.LEASE_LOST)
         # A cancel may have landed after the last heartbeat: acknowledging it frees the key now
         # instead of at lease expiry.
         return self._acknowledge_cancel()

@@ -153,9 +153,11 @@ class _Executor:
         # connection nor, in a TestCase, sight of its uncommitted rows: the lease would look
         # lost. Handlers that renew it themselves (context.heartbeat()) do so on this thread.
         self.plan = dataclasses.replace(plan, heartbeat_mode="Manual")
-        self.receiver = transport_for(plan.driver_class).receiver(plan.subscription_id)
+        transport = transport_for(plan.driver_class)
+        self.receiver = transport.receiver(plan.subscription_id)
         self.services = ExecutionServices(
             receiver=self.receiver,
+            cancels=transport.supports_cancel,
             complete=self.receiver.complete,
             timers=timers,
             background=background,

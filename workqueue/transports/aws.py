@@ -36,12 +36,13 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 import math
 import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from workqueue.driver.base import canonical_json
@@ -77,6 +78,8 @@ from workqueue.types import (
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
 
+logger = logging.getLogger(__name__)
+
 AWS_DRIVER = "AWS"
 INSTALL_HINT = "The AWS transport needs boto3: pip install django-workqueue[aws]."
 
@@ -94,6 +97,14 @@ RECEIVE_WAIT_SECONDS = 1
 #: A lease counts as lost this long before its visibility timeout runs out, so a settle that
 #: passes the check reaches SQS while the timeout still holds (network time, clock drift).
 LEASE_SAFETY_SECONDS = 0.5
+#: SQS refuses a visibility that ends more than 12 hours after the receive; a retry's delay
+#: stops this far short of that (the call takes time to arrive).
+VISIBILITY_CAP_MARGIN_SECONDS = 10
+#: What an external publisher (an API key) is told when AWS cannot take its messages.
+EXTERNAL_UNAVAILABLE_TEXT = (
+    "The topic's transport cannot take messages right now; publish again later (the server's "
+    "log says why)."
+)
 #: How many dead letters an operator read looks at, at most (each is received and released).
 DEAD_LETTER_SCAN_LIMIT = 1000
 #: How long a dead letter stays hidden while an operator read looks at the DLQ.
@@ -446,6 +457,9 @@ class AwsReceiver:
         self.subscription_id = binding.subscription_id
         self.lease_owner = lease_owner or new_instance_id()
         self._leases: dict[str, float] = {}
+        # Receipt handle -> when its receive was sent (monotonic): SQS counts the 12-hour cap
+        # on a message's visibility from then.
+        self._received_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
     @property
@@ -462,16 +476,33 @@ class AwsReceiver:
         messages = list(self._receive_messages(max(1, max_rows)))
         claimed: list[ClaimedDelivery] = []
         expired: list[ExpiredDeadLetter] = []
-        for message, lease_deadline in messages:
+        for message, received_at in messages:
             delivery = self._delivery(message)
             with self._lock:
-                self._leases[delivery.lease_token] = lease_deadline
+                self._leases[delivery.lease_token] = (
+                    received_at + self.binding.lease_seconds - LEASE_SAFETY_SECONDS
+                )
+                self._received_at[delivery.lease_token] = received_at
             if delivery.attempt > self.binding.max_attempts:
                 # The lease of its last attempt expired (its holder died or hung): as on the
-                # Database transport, that attempt counts and the delivery is dead-lettered.
-                settled = self.dead_letter(
-                    delivery, "LeaseExpired", "The lease of the last attempt expired."
-                )
+                # Database transport, that attempt counts and the delivery is dead-lettered,
+                # recorded with max_attempts attempts (this receive is none).
+                last = replace(delivery, attempt=self.binding.max_attempts)
+                try:
+                    settled = self.dead_letter(
+                        last, "LeaseExpired", "The lease of the last attempt expired."
+                    )
+                except TransportUnavailableError as exc:
+                    # Left hidden for the lease, then received and dead-lettered again; the
+                    # rest of the claim is not lost with it.
+                    logger.warning(
+                        "%s: could not dead-letter a delivery whose last lease expired "
+                        "(trying again after its lease): %s",
+                        self.binding.subscription_name,
+                        exc,
+                    )
+                    self._let_go(delivery)
+                    continue
                 if settled.settled:
                     expired.append(
                         ExpiredDeadLetter(
@@ -486,7 +517,8 @@ class AwsReceiver:
         return ClaimResult(claimed, expired)
 
     def _receive_messages(self, wanted: int) -> Iterator[tuple[dict[str, Any], float]]:
-        """Up to ``wanted`` messages, each with its lease deadline (monotonic).
+        """Up to ``wanted`` messages, each with the moment (monotonic) its receive was sent,
+        from which its lease counts.
 
         On an Exclusive subscription one message per call: SQS FIFO returns several messages of
         one group in one answer, and they must not run at once. A later call returns no message
@@ -497,21 +529,30 @@ class AwsReceiver:
         wanted = min(wanted, SQS_BATCH_MAX)
         per_call = 1 if self.binding.exclusive else wanted
         wait = RECEIVE_WAIT_SECONDS
+        received = 0
         while wanted > 0:
             started = time.monotonic()
-            answer = _call(
-                self.binding.clients.sqs.receive_message,
-                QueueUrl=self.binding.queue_url,
-                MaxNumberOfMessages=min(per_call, wanted),
-                WaitTimeSeconds=wait,
-                VisibilityTimeout=self.binding.lease_seconds,
-                MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
-                MessageAttributeNames=["All"],
-            )
+            try:
+                answer = _call(
+                    self.binding.clients.sqs.receive_message,
+                    QueueUrl=self.binding.queue_url,
+                    MaxNumberOfMessages=min(per_call, wanted),
+                    WaitTimeSeconds=wait,
+                    VisibilityTimeout=self.binding.lease_seconds,
+                    MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+                    MessageAttributeNames=["All"],
+                )
+            except TransportUnavailableError:
+                if not received:
+                    raise
+                # What earlier calls received is claimed (each spent an attempt): raised, it
+                # would stay hidden for its lease without running, and on a last attempt come
+                # back a dead letter that never ran. The next claim meets the failure.
+                return
             found = answer.get("Messages", [])
-            deadline = started + self.binding.lease_seconds - LEASE_SAFETY_SECONDS
             for message in found:
-                yield message, deadline
+                yield message, started
+            received += len(found)
             wanted -= len(found)
             if not found or not self.binding.exclusive:
                 return
@@ -547,6 +588,7 @@ class AwsReceiver:
         with self._lock:
             for token in [t for t, deadline in self._leases.items() if deadline <= now]:
                 del self._leases[token]
+                self._received_at.pop(token, None)
 
     # -- fencing ----------------------------------------------------------------------------
 
@@ -558,6 +600,7 @@ class AwsReceiver:
     def _let_go(self, delivery: ClaimedDelivery) -> None:
         with self._lock:
             self._leases.pop(delivery.lease_token, None)
+            self._received_at.pop(delivery.lease_token, None)
 
     def _settle(self, delivery: ClaimedDelivery, status: str, action: Any) -> SettleResult:
         if not self._holds(delivery):
@@ -662,10 +705,18 @@ class AwsReceiver:
     def retry(
         self, delivery: ClaimedDelivery, delay_seconds: int = 0, error: str | None = None
     ) -> SettleResult:
-        """Hide the message for ``delay_seconds`` (at most SQS's 12 hours); its next receive is
-        the next attempt. ``error`` is not kept: only a dead letter records its error."""
+        """Hide the message for ``delay_seconds``, but no longer than 12 hours after its
+        receive (SQS refuses a visibility past that, and the refusal would bring the message back
+        at the end of its lease); its next receive is the next attempt. ``error`` is not kept:
+        only a dead letter records its error."""
+        with self._lock:
+            received_at = self._received_at.get(delivery.lease_token, time.monotonic())
+        left = SQS_MAX_VISIBILITY_SECONDS - VISIBILITY_CAP_MARGIN_SECONDS
+        left -= math.ceil(time.monotonic() - received_at)
         return self._settle(
-            delivery, DeliveryStatus.PENDING, lambda: self._set_visibility(delivery, delay_seconds)
+            delivery,
+            DeliveryStatus.PENDING,
+            lambda: self._set_visibility(delivery, min(delay_seconds, max(left, 0))),
         )
 
     def release(self, delivery: ClaimedDelivery) -> SettleResult:
@@ -725,6 +776,9 @@ def send_dead_letter(
     if error:
         # Keep the message within SQS's size limit whatever the error's length.
         attributes[ERROR_ATTRIBUTE] = error[:4000]
+    # SQS refuses an attribute value holding a character it does not allow in a body (a
+    # traceback's terminal colours): the move would fail and the message run again.
+    attributes = {name: _sqs_text(value) for name, value in attributes.items()}
     params: dict[str, Any] = {
         "QueueUrl": binding.dead_letter_queue_url,
         "MessageBody": canonical_json(_envelope_of(delivery)),
@@ -740,6 +794,15 @@ def send_dead_letter(
             "dead", delivery.delivery_id, delivery.lease_token
         )
     _call(binding.clients.sqs.send_message, **params)
+
+
+#: What SQS refuses in a message body or a string attribute value.
+_NOT_SQS_TEXT = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _sqs_text(text: str) -> str:
+    """``text`` with each character SQS refuses written as its escape (``\\x1b``)."""
+    return _NOT_SQS_TEXT.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
 
 
 def _deduplication_id(kind: str, *parts: str) -> str:
@@ -929,12 +992,18 @@ class AwsTransport(BaseTransport):
         except TransportUnavailableError as exc:
             # As when SNS refuses the send itself: rejected and retryable, never raised (the
             # lookup happens once a process, so only a process's first publish could raise).
+            # What AWS said (the server's IAM identity, its endpoint, the topic's SNS name) is
+            # for this server's operators, not for an API key's publisher: they get it logged.
+            detail = str(exc)
+            if external:
+                logger.warning("Publishing to topic %r failed: %s", topic.name, detail)
+                detail = EXTERNAL_UNAVAILABLE_TEXT
             return [
                 _row(
                     m["message_id"],
                     PublishStatus.REJECTED,
                     PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                    str(exc),
+                    detail,
                 )
                 for m in messages
             ]
