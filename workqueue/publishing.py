@@ -754,7 +754,13 @@ def _schedule(not_before: Any, delay_seconds: Any) -> tuple[str | None, int | No
         )
     # In UTC: an offset with fractions of a second (local mean time, which Python reads) is not
     # one the database reads.
-    return not_before.astimezone(dt.UTC).isoformat(), None
+    try:
+        return not_before.astimezone(dt.UTC).isoformat(), None
+    except OverflowError:  # 0001-01-01T00:00+14:00 is before the first UTC datetime
+        raise _Invalid(
+            PublishErrorCode.INVALID_SCHEDULE,
+            f"not_before {not_before.isoformat()} is outside the range of dates in UTC.",
+        ) from None
 
 
 def _priority(priority: Any) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 from typing import Any
 
 import pytest
@@ -186,3 +187,46 @@ def test_a_partitions_cursor_carrying_a_nul_key_is_400(client, key):
 
     assert response.status_code == 400, response.content
     assert "cursor" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("listing", ["dead-letters", "partitions"])
+def test_a_cursor_nested_past_what_the_parser_takes_is_400(client, key, listing):
+    # A thousand brackets fit in a cursor's length; the decoder's RecursionError was a 500,
+    # reached by any key before its permissions were checked.
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    forged = base64.urlsafe_b64encode(b"[" * 1200).decode().rstrip("=")
+
+    response = operator_call(
+        client, key, "get", f"/subscriptions/{sub.name}/{listing}?cursor={forged}"
+    )
+
+    assert response.status_code == 400, response.content
+    assert "cursor" in response.json()["detail"]
+
+
+def test_an_operator_body_past_djangos_upload_limit_is_413_not_a_server_error(client, key, caplog):
+    # Django refuses to read it (DATA_UPLOAD_MAX_MEMORY_SIZE, 2.5 MB by default) before the
+    # API's own checks: the error went to the catch-all handler and answered 500.
+    sub = SubscriptionFactory()
+    path = f"/subscriptions/{sub.name}/deliveries/{uuid.uuid4()}/discard"
+
+    response = operator_call(client, key, "post", path, {"reason": "x" * 3_000_000})
+
+    assert response.status_code == 413, response.content
+    assert "DATA_UPLOAD_MAX_MEMORY_SIZE" in response.json()["detail"]
+    assert "Work queue API request failed" not in caplog.text
+
+
+@pytest.mark.parametrize("not_before", ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00"])
+def test_a_not_before_with_no_utc_equivalent_is_rejected_not_a_server_error(
+    client, topic, key, not_before
+):
+    # Its conversion to UTC overflowed: a 500, and the whole batch refused with it.
+    body = {"messages": [{"payload": 1}, {"payload": 2, "notBefore": not_before}]}
+
+    response = post(client, topic.name, body, key=key)
+
+    assert response.status_code == 202, response.content
+    results = response.json()["results"]
+    assert [r["status"] for r in results] == ["Accepted", "Rejected"]
+    assert results[1]["error"]["code"] == "InvalidSchedule"

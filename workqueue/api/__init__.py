@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
@@ -114,6 +115,20 @@ def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpRespons
 @api.exception_handler(Http404)
 def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
     return _error(request, 404, "Not found.")
+
+
+@api.exception_handler(SuspiciousOperation)
+def _refused_request(request: HttpRequest, exc: SuspiciousOperation) -> HttpResponse:
+    # Raised by Django reading the body, before any of the API's own checks (django-ninja reads
+    # it outside its validation): the caller's mistake, not a server error.
+    if isinstance(exc, RequestDataTooBig):
+        return _error(
+            request,
+            413,
+            "The request body is larger than this server accepts "
+            "(Django's DATA_UPLOAD_MAX_MEMORY_SIZE).",
+        )
+    return _error(request, 400, "The request is not valid.")
 
 
 @api.exception_handler(Exception)

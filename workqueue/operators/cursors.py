@@ -68,7 +68,8 @@ def decode(cursor: str | None, field: str, *, max_length: int, listing: str) -> 
         position = json.loads(base64.b64decode(padded, altchars=b"-_", validate=True))
         value = position[field]
         of = position[LISTING]
-    except (UnicodeError, binascii.Error, ValueError, KeyError, TypeError):
+    except (UnicodeError, binascii.Error, ValueError, KeyError, TypeError, RecursionError):
+        # RecursionError: a cursor of a thousand nested brackets fits in its length.
         raise InvalidInputError(_INVALID) from None
     if of != listing:
         raise InvalidInputError(_INVALID)
