@@ -4,6 +4,7 @@ them by path (``tests.task_functions.<name>``), like any project's tasks module.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -64,3 +65,48 @@ def echo(value: Any) -> Any:
 def commits_durably(username: str) -> None:
     with transaction.atomic(durable=True):
         get_user_model().objects.create(username=username)
+
+
+#: Each run of the tasks below that have side effects, by label (an e-mail sent, an API called).
+RUNS: list[str] = []
+
+
+@task()
+def returns_unstorable_text(label: str) -> str:
+    RUNS.append(label)
+    return "abc\x00def"  # round-trips through JSON; jsonb cannot store it
+
+
+@task()
+def returns_itself(label: str) -> list[Any]:
+    RUNS.append(label)
+    value: list[Any] = []
+    value.append(value)
+    return value
+
+
+@task()
+def creates_a_user_then_a_commit_callback_raises(username: str) -> str:
+    get_user_model().objects.create(username=username)
+
+    def callback() -> None:
+        raise RuntimeError("the on_commit callback failed")
+
+    transaction.on_commit(callback)
+    return "done"
+
+
+#: ``first_run_fails_when_released``: set by its first run once it runs; it then waits for
+#: RELEASE_FIRST_RUN and fails.
+FIRST_RUN_STARTED = threading.Event()
+RELEASE_FIRST_RUN = threading.Event()
+
+
+@task()
+def first_run_fails_when_released() -> str:
+    RUNS.append("run")
+    if len(RUNS) == 1:
+        FIRST_RUN_STARTED.set()
+        RELEASE_FIRST_RUN.wait(20)
+        raise ValueError("the first run failed after another run took its delivery over")
+    return "ok"

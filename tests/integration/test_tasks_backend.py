@@ -24,10 +24,21 @@ from django_tasks import TaskResultStatus, default_task_backend, task_backends
 from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
+from tests import task_functions
 from tests.factories import SubscriptionFactory
 from tests.support.queue import answers_lost_once
 from tests.support.waiting import wait_until
-from tests.task_functions import add, always_fails, commits_durably, echo, returns_a_tuple
+from tests.task_functions import (
+    add,
+    always_fails,
+    commits_durably,
+    creates_a_user_then_a_commit_callback_raises,
+    echo,
+    first_run_fails_when_released,
+    returns_a_tuple,
+    returns_itself,
+    returns_unstorable_text,
+)
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
 from workqueue.runtime.host import Host, HostConfig
@@ -467,3 +478,119 @@ def test_a_queue_whose_topic_was_bound_to_another_transport_is_refused_naming_th
     assert "'aws-tasks'" in str(refused.value) and "Database transport" in str(refused.value)
     assert not Subscription.objects.filter(name="tasks.elsewhere").exists()
     assert not Message.objects.filter(topic__name="tasks.elsewhere").exists()
+
+
+# -- unusable return values, commit callbacks, stale runs (audit helper-67) ---------------------
+
+
+def test_a_return_value_the_database_cannot_store_fails_at_once_and_runs_once(run_host):
+    """A NUL round-trips through JSON but not into jsonb: storing it raised DataError, which
+    was retried, running the task's side effects again on every attempt."""
+    task_functions.RUNS.clear()
+    result = returns_unstorable_text.enqueue("nul")
+    run_host()
+    failed = finished(result.id)
+
+    assert (failed.status, failed.attempts, task_functions.RUNS) == (
+        TaskResultStatus.FAILED,
+        1,
+        ["nul"],
+    )
+    (error,) = failed.errors
+    assert "return value holds a NUL character" in error.traceback
+
+
+def test_a_return_value_that_contains_itself_fails_at_once(run_host):
+    # The check recursed until RecursionError, a RuntimeError, which was retried.
+    task_functions.RUNS.clear()
+    result = returns_itself.enqueue("cycle")
+    run_host()
+    failed = finished(result.id)
+
+    assert (failed.status, failed.attempts, task_functions.RUNS) == (
+        TaskResultStatus.FAILED,
+        1,
+        ["cycle"],
+    )
+    assert failed.errors[0].exception_class is ValueError
+
+
+@pytest.mark.parametrize("shape", ["contains itself", "5,000 levels deep"])
+def test_enqueue_refuses_an_argument_nested_past_the_limit_naming_it(shape):
+    # A raw RecursionError, a thousand frames long, instead of the promised error.
+    value: Any = []
+    if shape == "contains itself":
+        value.append(value)
+    else:
+        for _ in range(5000):
+            value = [value]
+
+    with pytest.raises(ValueError, match=r"args\[0\]\[0\].* is nested more than 64 levels"):
+        echo.enqueue(value)
+    assert published_tasks() == 0
+
+
+def test_a_commit_callback_that_raises_leaves_a_successful_task_successful(run_host, caplog):
+    """The callback runs after the task's work, result and completion committed; its error
+    came out of the transaction block and was recorded as the task's failure, and
+    task_finished never fired."""
+    seen: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(str(task_result.status))
+
+    task_finished.connect(receive)
+    try:
+        result = creates_a_user_then_a_commit_callback_raises.enqueue("hooked")
+        run_host()
+        done = finished(result.id)
+        wait_until(lambda: seen)
+    finally:
+        task_finished.disconnect(receive)
+
+    assert (done.status, done.return_value, done.errors) == (
+        TaskResultStatus.SUCCESSFUL,
+        "done",
+        [],
+    )
+    assert seen == ["SUCCESSFUL"]
+    assert get_user_model().objects.filter(username="hooked").exists()
+    assert "the on_commit callback failed" in caplog.text
+
+
+def test_a_run_that_fails_after_another_took_its_delivery_over_records_nothing():
+    """The first run's lease ran out, a second run succeeded; the first then failed and wrote
+    its error into the finished, successful result."""
+    task_functions.RUNS.clear()
+    task_functions.FIRST_RUN_STARTED.clear()
+    task_functions.RELEASE_FIRST_RUN.clear()
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name=QUEUE).update(lease_seconds=5, heartbeat_mode="Manual")
+    result = first_run_fails_when_released.enqueue()
+    host = Host(
+        HostConfig(
+            subscriptions=[{"name": QUEUE, "concurrency": 2}],
+            idle_poll_min_ms=50,
+            idle_poll_max_ms=200,
+            shutdown_drain_ms=300,
+            sweeper_interval_ms=0,
+            reconcile_interval_ms=0,
+        )
+    )
+    host.start()
+    try:
+        assert task_functions.FIRST_RUN_STARTED.wait(15)
+        queue = Subscription.objects.get(name=QUEUE)
+        get_driver().shift_time(60, subscription_id=str(queue.pk))  # its lease ran out
+        done = finished(result.id)
+        assert (done.status, done.return_value) == (TaskResultStatus.SUCCESSFUL, "ok")
+        task_functions.RELEASE_FIRST_RUN.set()
+        wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
+    finally:
+        task_functions.RELEASE_FIRST_RUN.set()
+        host.shutdown()
+        get_driver().close()
+
+    assert default_task_backend.get_result(result.id).errors == []
+    assert task_functions.RUNS == ["run", "run"]

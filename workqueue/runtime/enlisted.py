@@ -42,6 +42,11 @@ class EnlistedCompletion:
         # One bound method, kept, so that it can be found again by identity in the hook list.
         self._hook = self._mark_committed
         transaction.on_commit(self._hook, using=connection.alias)
+        # Moved before the hooks the handler registered earlier: one of those that raises
+        # (after the commit) stops the hooks behind it, and the committed completion would
+        # read as rolled back.
+        hooks = connection.run_on_commit
+        hooks.insert(0, hooks.pop())
 
     def _mark_committed(self) -> None:
         self._committed = True

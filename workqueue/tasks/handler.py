@@ -8,12 +8,16 @@ commit together, or not at all. A task that raises rolls its work back, has its 
 recorded and re-raised, so the executor applies the subscription's policy: retried with
 backoff, dead-lettered on the last attempt. Tasks may raise ``FatalWorkError`` (dead-letter now)
 or ``TransientWorkError(retry_after_seconds)`` as any handler may. A run that finds its lease
-lost at completion (``LeaseLost``) keeps nothing and records no error: it was not the task's.
+lost at completion (``LeaseLost``) keeps nothing and records no error: it was not the task's;
+nor does a run that fails after another run took its delivery over (its lease ran out). A
+callback the task registered with ``transaction.on_commit`` that raises runs after all of it
+committed: the task succeeded, and the callback's error is logged.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NoReturn
 
 from django.db import transaction
 
@@ -31,6 +35,8 @@ from workqueue.tasks.messages import (
 )
 from workqueue.tasks.results import record_failure, record_start, record_success
 from workqueue.tasks.signals import send
+
+logger = logging.getLogger(__name__)
 
 
 @register_handler(HANDLER_KEY)
@@ -51,7 +57,7 @@ class TaskHandler(BaseWorkHandler):
             task = task_message.load_task()
         except Exception as exc:
             # Retried like a failing task: a host running older code may import it later.
-            record_failure(result_id, exc)
+            record_failure(result_id, exc, context)
             raise
         running = build_result(
             task,
@@ -63,8 +69,17 @@ class TaskHandler(BaseWorkHandler):
         )
         backend_class = type(task.get_backend())
         send(api.task_started, backend_class, running)
+        alias = setting("DATABASE_ALIAS")
+        committed = False
+
+        def mark_committed() -> None:
+            nonlocal committed
+            committed = True
+
         try:
-            with transaction.atomic(using=setting("DATABASE_ALIAS")):
+            with transaction.atomic(using=alias):
+                # Registered before the task's own callbacks, so it runs before any of them.
+                transaction.on_commit(mark_committed, using=alias)
                 value = _call(task, running, task_message)
                 try:
                     require_json_round_trip(value, "The task's return value")
@@ -74,27 +89,17 @@ class TaskHandler(BaseWorkHandler):
                 context.complete(enlist=True)
         except LeaseLost:
             raise
-        except _UnusableReturnValue as unusable:
-            record_failure(result_id, unusable.error)
-            # Running it again would return the same kind of value: dead-letter it now.
-            raise FatalWorkError(str(unusable.error)) from unusable.error
-        except RuntimeError as exc:
-            if not _is_durable_block_refusal(exc):
-                record_failure(result_id, exc)
-                raise
-            explained = RuntimeError(
-                f"{exc} The task runs inside the transaction that records its result and "
-                "completes its delivery (so its database work commits with them), where Django "
-                "refuses a durable block: use transaction.atomic() without durable=True in tasks."
-            )
-            explained.__cause__ = exc
-            record_failure(result_id, explained)
-            # Every attempt would fail the same way: dead-letter it now.
-            raise FatalWorkError(str(explained)) from exc
         except Exception as exc:
-            # Recorded after the rollback, on its own: the failure outlives the task's work.
-            record_failure(result_id, exc)
-            raise
+            if not committed:
+                _record_and_raise(result_id, exc, context)
+            # Raised by one of the task's on_commit callbacks, after the task's work, its
+            # result and its completion committed: the task succeeded.
+            logger.exception(
+                "Task %s (result %s) succeeded, but a callback it registered with "
+                "transaction.on_commit raised after the commit",
+                task_message.task_path,
+                result_id,
+            )
         finished = build_result(
             task,
             result_id,
@@ -105,6 +110,27 @@ class TaskHandler(BaseWorkHandler):
         )
         send(api.task_finished, backend_class, finished)
         return Outcome.complete()
+
+
+def _record_and_raise(result_id: str, exc: Exception, context: WorkContext) -> NoReturn:
+    """Record the task's failure ``exc`` (after the rollback, on its own: the failure
+    outlives the task's work) and raise what the executor settles by."""
+    if isinstance(exc, _UnusableReturnValue):
+        record_failure(result_id, exc.error, context)
+        # Running it again would return the same kind of value: dead-letter it now.
+        raise FatalWorkError(str(exc.error)) from exc.error
+    if isinstance(exc, RuntimeError) and _is_durable_block_refusal(exc):
+        explained = RuntimeError(
+            f"{exc} The task runs inside the transaction that records its result and "
+            "completes its delivery (so its database work commits with them), where Django "
+            "refuses a durable block: use transaction.atomic() without durable=True in tasks."
+        )
+        explained.__cause__ = exc
+        record_failure(result_id, explained, context)
+        # Every attempt would fail the same way: dead-letter it now.
+        raise FatalWorkError(str(explained)) from exc
+    record_failure(result_id, exc, context)
+    raise exc
 
 
 class _UnusableReturnValue(Exception):

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.utils.module_loading import import_string
 
+from workqueue.input_limits import MAX_JSON_DEPTH, TOO_DEEP_PROBLEM, text_problem
 from workqueue.tasks import api
 from workqueue.types import DeliveryStatus
 
@@ -127,20 +129,37 @@ class TaskMessage:
         )
 
 
-def require_json_round_trip(value: Any, where: str) -> None:
-    """Raise ``TypeError`` (``ValueError`` for NaN and infinities) unless ``value`` comes back
-    from ``json.loads(json.dumps(value))`` equal and of the same types, as the Tasks API
-    requires of arguments and return values. The message names the offending part."""
+def require_json_round_trip(value: Any, where: str, _depth: int = 0) -> None:
+    """Raise ``TypeError`` (``ValueError`` for NaN and infinities, text the database cannot
+    store, integers too long for JSON text, and nesting past ``MAX_JSON_DEPTH``, which a value
+    that contains itself reaches) unless ``value`` comes back from
+    ``json.loads(json.dumps(value))`` equal and of the same types, and can be stored, as the
+    Tasks API requires of arguments and return values. The message names the offending part."""
     kind = type(value)
-    if value is None or kind in (bool, int, str):
+    if value is None or kind is bool:
+        return
+    if kind is str:
+        _require_storable_text(value, where)
+        return
+    if kind is int:
+        if value.bit_length() > _INT_BITS_ALWAYS_WRITABLE:
+            try:
+                str(value)
+            except ValueError:
+                raise ValueError(
+                    f"{where} has more digits than Python writes as text "
+                    f"({sys.get_int_max_str_digits()}), so JSON cannot carry it."
+                ) from None
         return
     if kind is float:
         if not math.isfinite(value):
             raise ValueError(f"{where} is {value!r}, which JSON cannot represent.")
         return
+    if kind in (list, dict) and _depth >= MAX_JSON_DEPTH:
+        raise ValueError(f"{where} {TOO_DEEP_PROBLEM} (a value that contains itself is).")
     if kind is list:
         for index, item in enumerate(value):
-            require_json_round_trip(item, f"{where}[{index}]")
+            require_json_round_trip(item, f"{where}[{index}]", _depth + 1)
         return
     if kind is dict:
         for key, item in value.items():
@@ -149,13 +168,26 @@ def require_json_round_trip(value: Any, where: str) -> None:
                     f"{where} has the key {key!r} ({type(key).__name__}); JSON object keys are "
                     "strings, so it would come back as a different key. Use string keys."
                 )
-            require_json_round_trip(item, f"{where}[{key!r}]")
+            _require_storable_text(key, f"{where} has a key that")
+            require_json_round_trip(item, f"{where}[{key!r}]", _depth + 1)
         return
     raise TypeError(
         f"{where} is a {kind.__name__}, which does not round-trip through JSON unchanged. Pass "
         "JSON values only (dict with string keys, list, str, int, float, bool, None): e.g. an ISO "
         "string for a datetime, a list for a tuple, a primary key for a model instance."
     )
+
+
+#: Integers up to this many bits have fewer digits than Python's default limit on writing
+#: them as text (4,300): only longer ones are written out to check.
+_INT_BITS_ALWAYS_WRITABLE = 14_000
+
+
+def _require_storable_text(text: str, where: str) -> None:
+    problem = text_problem(text)
+    if problem is not None:
+        # Not the text itself: it may be long, and is not printable as it stands.
+        raise ValueError(f"{where} {problem}.")
 
 
 def build_result(

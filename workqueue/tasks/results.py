@@ -7,7 +7,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, router, transaction
 from django.db.models.functions import Now
@@ -17,6 +17,9 @@ from workqueue.models import Delivery, TaskResult
 from workqueue.tasks import api
 from workqueue.tasks.messages import HANDLER_KEY, STATUS_BY_DELIVERY, TaskMessage, build_result
 from workqueue.types import DeliveryStatus
+
+if TYPE_CHECKING:
+    from workqueue.runtime.context import WorkContext
 
 
 def read_result(result_id: str) -> api.TaskResult:
@@ -84,9 +87,19 @@ def record_start(result_id: str, worker_id: str, *, first_run: bool) -> TaskResu
     return record
 
 
-def record_failure(result_id: str, exc: BaseException) -> None:
+def record_failure(result_id: str, exc: BaseException, context: WorkContext) -> None:
+    """Add the run's error to the result, unless the run no longer holds its delivery: its
+    lease ran out and another run took the delivery over (and may have finished it), whose
+    result this failure is not part of."""
     with transaction.atomic():
         record = TaskResult.objects.select_for_update().get(pk=result_id)
+        still_held = Delivery.objects.filter(
+            pk=context.delivery_id,
+            status=DeliveryStatus.IN_FLIGHT,
+            attempt_count=context.attempt,
+        ).exists()
+        if not still_held:
+            return
         record.errors = [
             *record.errors,
             {
