@@ -258,6 +258,8 @@ def publish_many(
                     external,
                     chosen,
                 )
+        if external and chosen:
+            _answer_alike_for_others_messages(rows, chosen, publisher)
         for (index, _), row in zip(prepared, rows, strict=True):
             if row is not None:
                 results[index] = _result_from_row(row)
@@ -339,6 +341,43 @@ def _capability_problem(
         if message[field] not in (None, 0):
             return PublishError(code, transport.refusal(flag, field, _transport_name(topic)))
     return None
+
+
+def _answer_alike_for_others_messages(
+    rows: list[dict[str, Any] | None], chosen: frozenset[str], publisher: str
+) -> None:
+    """Make an external publisher's re-publish of another publisher's message id answer the
+    same whatever the content it sent: ``MessageIDConflict``.
+
+    ``Duplicate`` (same content) and ``MessageIDConflict`` (different content) would tell an
+    API key's holder, one guess at a time, what another publisher's message holds, without the
+    permission to view payloads (the deduplication key answers any caller with the owning
+    message's id). Its own re-publish, the reason to choose an id, still answers Duplicate."""
+    # Imported here: publishing reads models only on the paths that need them (layering rule 6).
+    from workqueue.models import Message
+
+    answered = {
+        row["message_id"]
+        for row in rows
+        if row is not None
+        and row["message_id"] in chosen
+        and (
+            row["status"] == PublishStatus.DUPLICATE
+            or row["error_code"] == PublishErrorCode.MESSAGE_ID_CONFLICT
+        )
+    }
+    if not answered:
+        return
+    others = {
+        str(message_id)
+        for message_id, published_by in Message.objects.filter(pk__in=answered).values_list(
+            "id", "published_by"
+        )
+        if published_by != publisher
+    }
+    for index, row in enumerate(rows):
+        if row is not None and row["message_id"] in others:
+            rows[index] = _row(row["message_id"], PublishErrorCode.MESSAGE_ID_CONFLICT)
 
 
 def _row(message_id: str, code: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from tests.factories import (
     UserFactory,
 )
 from tests.support.api import assert_refused, post, url
+from workqueue import publish
 from workqueue.api import publish as publish_api
 from workqueue.exceptions import UnstorableValueError
 from workqueue.models import Delivery, Message
@@ -439,3 +440,41 @@ def test_a_task_topic_left_open_by_an_earlier_release_refuses_external_publishes
     assert response.status_code == 403
     assert "any task with any arguments" in response.json()["detail"]
     assert not Message.objects.filter(topic=tasks_topic).exists()
+
+
+def test_re_publishing_another_publishers_message_id_answers_alike_whatever_the_content(client):
+    """Duplicate (same content) or MessageIDConflict (different) told a publish key's holder,
+    one guess per item, what an internal message holds, without the permission to view
+    payloads: a deduplication key hands out the owning message's id to any caller."""
+    topic = TopicFactory(allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+    secret = {"order": 42, "card_last4": "4242"}
+    internal = publish(topic.name, secret, deduplication_key="order-42")
+    owner = UserFactory(perms=["workqueue.add_message"])
+    key = ApiKeyFactory(owner=owner, scopes=["workqueue:publish"], topics=[topic.name])
+    found = post(
+        client, topic.name, {"messages": [{"payload": {}, "deduplicationKey": "order-42"}]}, key=key
+    )
+    assert found.json()["results"][0]["messageId"] == internal.message_id  # as documented
+
+    def answer(payload: Any) -> tuple[str, str]:
+        item = {"messageId": internal.message_id, "payload": payload}
+        (result,) = post(client, topic.name, {"messages": [item]}, key=key).json()["results"]
+        return result["status"], result["error"]["code"]
+
+    assert answer(secret) == answer({**secret, "card_last4": "0000"})
+    assert answer(secret) == ("Rejected", "MessageIDConflict")
+
+
+def test_re_publishing_its_own_message_id_answers_duplicate_to_an_external_publisher(client):
+    topic = TopicFactory(allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+    key = ApiKeyFactory(scopes=["workqueue:publish"], topics=[topic.name])
+    item = {"messageId": str(uuid.uuid4()), "payload": {"n": 1}}
+
+    statuses = [
+        post(client, topic.name, {"messages": [item]}, key=key).json()["results"][0]["status"]
+        for _ in range(2)
+    ]
+
+    assert statuses == ["Accepted", "Duplicate"]
