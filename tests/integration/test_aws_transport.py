@@ -139,6 +139,16 @@ def test_a_lease_longer_than_sqs_can_hide_a_message_is_refused_on_save(aws):
     assert SubscriptionFactory(topic=topic, lease_seconds=43_200).lease_seconds == 43_200
 
 
+def test_more_attempts_than_an_sqs_redrive_counts_are_refused_on_save(aws):
+    # The queue dead-letters after max_attempts + 1 receives, and SQS counts at most 1,000:
+    # max_attempts 1,000 was saved and provisioning then failed.
+    topic = TopicFactory(transport=aws)
+    with pytest.raises(TopologyValidationError) as refused:
+        SubscriptionFactory(topic=topic, max_attempts=1000)
+    assert "at most 999" in str(refused.value)
+    assert SubscriptionFactory(topic=topic, max_attempts=999).max_attempts == 999
+
+
 def test_a_filter_sns_cannot_express_is_refused_on_save(aws):
     topic = TopicFactory(transport=aws)
     many = [
@@ -1406,3 +1416,62 @@ def test_an_external_publisher_is_not_told_what_aws_said(aws, client, caplog):
     assert identity not in answer.content.decode()
     assert answer.json()["results"][0]["error"]["code"] == "TransportUnavailable"
     assert identity in caplog.text  # the operators are told
+
+
+def _refuse(client: Any, operation: str) -> Any:
+    """Make ``client`` answer ``operation`` ("sns.ListTopics") as AWS does a caller without
+    the IAM permission (403 AuthorizationError); returns the undo."""
+    event = f"before-call.{operation}"
+
+    def refused(**_: Any) -> Any:
+        error = {"Code": "AuthorizationError", "Message": f"not authorized to {operation}"}
+        return (
+            type("Response", (), {"status_code": 403, "headers": {}})(),
+            {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 403}},
+        )
+
+    client.meta.events.register(event, refused, unique_id=operation)
+    return lambda: client.meta.events.unregister(event, unique_id=operation)
+
+
+def test_a_provisioning_read_aws_refuses_is_reported_not_raised_raw(aws):
+    """Listing a topic's SNS subscriptions was the one provisioning call outside the error
+    handling: botocore's ClientError came out of validate-bindings and `provision`."""
+    provisioned(aws)
+    sns = clients_for(AwsSettings.parse(aws.configuration)).sns
+    undo = _refuse(sns, "sns.ListSubscriptionsByTopic")
+    try:
+        issues = operations.validate_bindings(aws.name)
+        with pytest.raises(CommandError, match="list_subscriptions_by_topic"):
+            call_command("workqueue", "provision", "--dry-run")
+    finally:
+        undo()
+
+    assert any("list_subscriptions_by_topic" in issue.message for issue in issues), issues
+
+
+@pytest.mark.parametrize(
+    "key", ["customer 42", "kunde-müller", "k" * 200], ids=["space", "accent", "200-characters"]
+)
+def test_any_partition_key_makes_a_message_group_id_sns_and_sqs_take(aws, key):
+    """SNS and SQS FIFO take 1 to 128 printable ASCII characters as MessageGroupId; the key
+    was sent as it was (moto does not check; AWS refuses), so such a key could not be
+    published, released, dead-lettered or replayed."""
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    sns = clients_for(AwsSettings.parse(aws.configuration)).sns
+    groups: list[str] = []
+    sns.meta.events.register(
+        "provide-client-params.sns.Publish",
+        lambda params, **_: groups.append(params["MessageGroupId"]),
+        unique_id="groups",
+    )
+    try:
+        published = [publish(subscription.topic, {"n": n}, partition_key=key) for n in range(2)]
+    finally:
+        sns.meta.events.unregister("provide-client-params.sns.Publish", unique_id="groups")
+
+    assert [p.status for p in published] == ["Accepted"] * 2
+    assert len(set(groups)) == 1 and re.fullmatch(r"[!-~]{1,128}", groups[0]), groups
+    holder = receiver(subscription)
+    first = receive_one(holder)
+    assert (first.partition_key, holder.receive(10).deliveries) == (key, [])  # one at a time

@@ -90,6 +90,8 @@ SNS_TOPIC_NAME_MAX = 256
 SQS_MAX_VISIBILITY_SECONDS = 43_200
 SQS_MAX_RETENTION_SECONDS = 1_209_600
 SQS_BATCH_MAX = 10
+#: The largest maxReceiveCount of an SQS redrive policy.
+SQS_MAX_RECEIVE_COUNT = 1000
 #: SNS refuses a filter policy whose values, multiplied out over its keys, exceed this.
 SNS_FILTER_MAX_COMBINATIONS = 150
 #: Seconds a receive waits for a message (SQS long polling) before answering empty.
@@ -112,6 +114,8 @@ DEAD_LETTER_SCAN_VISIBILITY = 30
 
 CONFIGURATION_KEYS = ("region", "prefix", "endpoint_url", "profile")
 PREFIX = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,39}\Z")
+#: A MessageGroupId SNS and SQS FIFO take (with fullmatch).
+MESSAGE_GROUP_ID = re.compile(r"[!-~]{1,128}")
 
 # Message attributes the receiver writes on a dead letter (user attributes live in the body).
 REASON_ATTRIBUTE = "wq_reason"
@@ -438,8 +442,14 @@ def _attribute_bytes(values: dict[str, str]) -> int:
 
 def _group_id(partition_key: str | None, message_id: str) -> str:
     """The FIFO message group: the partition key (one at a time per key); a message without a
-    key is a group of its own."""
-    return partition_key if partition_key is not None else message_id
+    key is a group of its own. SNS and SQS take a group id of 1 to 128 printable ASCII
+    characters; a key that is not one (a space, an accent, 200 characters) is written as a
+    digest of itself, one group per key all the same."""
+    if partition_key is None:
+        return message_id
+    if MESSAGE_GROUP_ID.fullmatch(partition_key):
+        return partition_key
+    return "key-sha256-" + hashlib.sha256(partition_key.encode()).hexdigest()
 
 
 # -- the receiver --------------------------------------------------------------------------
@@ -951,6 +961,14 @@ class AwsTransport(BaseTransport):
                 "hours), the longest lease the AWS transport can grant: lower lease_seconds, "
                 "and renew the lease with heartbeats for handlers that run longer."
             )
+        if subscription.max_attempts > SQS_MAX_RECEIVE_COUNT - 1:
+            # The queue's redrive backstop is max_attempts + 1 receives: SQS takes 1 to 1,000,
+            # so provisioning the queue would fail.
+            problems["max_attempts"] = (
+                f"On the AWS transport max_attempts is at most {SQS_MAX_RECEIVE_COUNT - 1:,}: "
+                "the SQS queue moves a message to its dead-letter queue after max_attempts + 1 "
+                f"receives, and SQS counts at most {SQS_MAX_RECEIVE_COUNT:,}."
+            )
         if configuration_problem(configuration) is None:
             assert configuration is not None
             names = AwsNames.of(
@@ -1246,6 +1264,21 @@ def _find_topic_arn(clients: AwsClients, name: str) -> str | None:
     return None
 
 
+def _subscription_arn(clients: AwsClients, topic_arn: str, queue_arn: str) -> str | None:
+    """The SNS subscription of ``topic_arn`` that delivers to ``queue_arn``, if any."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    paginator = clients.sns.get_paginator("list_subscriptions_by_topic")
+    try:
+        for page in paginator.paginate(TopicArn=topic_arn):
+            for subscription in page.get("Subscriptions", []):
+                if subscription["Endpoint"] == queue_arn:
+                    return str(subscription["SubscriptionArn"])
+    except (BotoCoreError, ClientError) as exc:  # raised lazily, page by page
+        raise TransportUnavailableError(f"AWS refused list_subscriptions_by_topic: {exc}") from exc
+    return None
+
+
 def _sns_entry(
     topic: Any, message: dict[str, Any], publisher: str, published_at: str
 ) -> tuple[dict[str, Any], int]:
@@ -1435,17 +1468,7 @@ class _Provisioner:
             "FilterPolicy": json.dumps(policy, sort_keys=True) if policy else "",
         }
         label = f"{names.topic} -> {names.queue}"
-        existing = next(
-            (
-                s["SubscriptionArn"]
-                for page in sns.get_paginator("list_subscriptions_by_topic").paginate(
-                    TopicArn=topic_arn
-                )
-                for s in page.get("Subscriptions", [])
-                if s["Endpoint"] == queue_arn
-            ),
-            None,
-        )
+        existing = _subscription_arn(self.clients, topic_arn, queue_arn)
         if existing is None:
             self._record("create", "subscription", label, "filter policy" if policy else "")
             if not self.dry_run:
