@@ -449,7 +449,7 @@ def queue_gauges(subscription_id: str, cap: int) -> dict[str, Any] | None:
 
 
 def list_dead_letters(
-    subscription_id: str, after_delivery_id: str | None, page_size: int
+    subscription_id: str, after_delivery_id: str | None, page_size: int, *, with_payload: bool
 ) -> list[DeadLetterItem]:
     rows = _driver().call(
         "wq_list_dead_letters",
@@ -457,6 +457,7 @@ def list_dead_letters(
             "subscription_id": subscription_id,
             "after_delivery_id": after_delivery_id,
             "page_size": page_size,
+            "with_payload": with_payload,
         },
     )
     return [

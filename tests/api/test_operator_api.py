@@ -202,6 +202,32 @@ def test_dead_letter_payloads_are_hidden_without_view_payload(client):
     assert "personal data" not in response.content.decode()
 
 
+def test_payloads_a_caller_may_not_see_are_not_read_from_the_database(client, monkeypatch):
+    """They were read (a page of up to a thousand) and blanked in the web process: a read key
+    without view_payload could make it hold hundreds of megabytes per request."""
+    sub = SubscriptionFactory()
+    dead_letter(sub, {"secret": "x" * 100_000}, payload_ref=None)
+    driver = get_driver()
+    returned: list[dict[str, Any]] = []
+    original = driver.call
+
+    def recording(name: str, values: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = original(name, values, *args, **kwargs)
+        if name == "wq_list_dead_letters":
+            returned.extend(rows)
+        return rows
+
+    monkeypatch.setattr(driver, "call", recording)
+    hidden = reader(owner=owner_with(*WITHOUT_PAYLOAD))
+    shown = reader()
+
+    for key in (hidden, shown):
+        response = call(client, "get", f"/subscriptions/{sub.name}/dead-letters", key=key)
+        assert response.status_code == 200
+
+    assert [row["payload"] is None for row in returned] == [True, False]
+
+
 def test_dead_letters_page_with_a_cursor(client):
     sub = SubscriptionFactory()
     ids = sorted(dead_letter(sub, {"n": n}) for n in range(3))

@@ -230,7 +230,7 @@ PROCEDURES: dict[str, Procedure] = {
         ),
         Procedure(
             "wq_list_dead_letters",
-            _p("subscription_id:uuid, after_delivery_id:uuid, page_size:int"),
+            _p("subscription_id:uuid, after_delivery_id:uuid, page_size:int, with_payload:bool"),
             _c(
                 "delivery_id:uuid, attempt_count:int, dead_letter_reason, last_error, "
                 "dead_lettered_at:timestamp, partition_key, blocks_key:bool, message_id:uuid, "

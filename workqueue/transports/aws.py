@@ -1133,10 +1133,16 @@ class AwsTransport(BaseTransport):
         )
 
     def list_dead_letters(
-        self, subscription_id: str, after_delivery_id: str | None, page_size: int
+        self,
+        subscription_id: str,
+        after_delivery_id: str | None,
+        page_size: int,
+        *,
+        with_payload: bool = True,
     ) -> list[DeadLetterItem]:
         """A page of the DLQ by id. SQS cannot be read without receiving: the DLQ's messages
-        (up to DEAD_LETTER_SCAN_LIMIT) are received, read and made visible again."""
+        (up to DEAD_LETTER_SCAN_LIMIT) are received, read and made visible again; their bodies
+        come whole, ``with_payload`` or not (the caller drops what it may not show)."""
         binding = QueueBinding.of(subscription_id)
         with _dead_letter_scan(binding) as found:
             items = sorted(

@@ -281,8 +281,16 @@ class BaseTransport:
         raise NotImplementedError
 
     def list_dead_letters(
-        self, subscription_id: str, after_delivery_id: str | None, page_size: int
+        self,
+        subscription_id: str,
+        after_delivery_id: str | None,
+        page_size: int,
+        *,
+        with_payload: bool = True,
     ) -> list[DeadLetterItem]:
+        """A page of dead letters by delivery id, after ``after_delivery_id``; without their
+        payloads and references (None) when ``with_payload`` is false, read as little of them
+        as the transport can."""
         raise NotImplementedError
 
     def list_partitions(

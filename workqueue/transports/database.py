@@ -73,9 +73,16 @@ class DatabaseTransport(BaseTransport):
         return procedures.queue_gauges(subscription_id, cap)
 
     def list_dead_letters(
-        self, subscription_id: str, after_delivery_id: str | None, page_size: int
+        self,
+        subscription_id: str,
+        after_delivery_id: str | None,
+        page_size: int,
+        *,
+        with_payload: bool = True,
     ) -> list[DeadLetterItem]:
-        return procedures.list_dead_letters(subscription_id, after_delivery_id, page_size)
+        return procedures.list_dead_letters(
+            subscription_id, after_delivery_id, page_size, with_payload=with_payload
+        )
 
     def list_partitions(
         self,

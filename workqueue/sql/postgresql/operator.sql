@@ -150,10 +150,14 @@ $$;
 -- One keyset page (by delivery id, ascending, after p_after_delivery_id) of a subscription's
 -- dead letters with their messages. blocks_key is true for an Ordered key's head. The page is
 -- clamped to 0..1000 rows (NULL: 1000): the roles that may call this cannot ask for them all.
+-- p_with_payload false leaves payload and payload_ref NULL: a caller who may not see payloads
+-- does not have up to a thousand of them read and sent to be thrown away (added in 0040, with
+-- a default, so a caller of the three-parameter form reads on).
 CREATE OR REPLACE FUNCTION wq_list_dead_letters(
     p_subscription_id uuid,
     p_after_delivery_id uuid,
-    p_page_size integer
+    p_page_size integer,
+    p_with_payload boolean DEFAULT true
 )
 RETURNS TABLE (
     delivery_id uuid,
@@ -184,7 +188,9 @@ AS $$
                 WHERE h.subscription_id = d.subscription_id
                   AND h.partition_key = d.partition_key AND h.order_key < d.order_key
                   AND h.status IN ('Pending', 'InFlight', 'DeadLettered'))),
-           m.id, t.name, m.partition_key, m.attributes, m.payload, m.payload_ref,
+           m.id, t.name, m.partition_key, m.attributes,
+           CASE WHEN p_with_payload IS NOT false THEN m.payload END,
+           CASE WHEN p_with_payload IS NOT false THEN m.payload_ref END,
            m.correlation_id, m.published_at
       FROM workqueue_delivery d
       JOIN workqueue_subscription s ON s.id = d.subscription_id

@@ -153,12 +153,15 @@ GO
 -- wq_list_dead_letters --
 -- One keyset page (by delivery id ascending, after @after_delivery_id; NULL starts at the
 -- beginning) of a subscription's dead letters with their messages. blocks_key is 1 for an
--- Ordered key's head, which holds back every later delivery of its key.
+-- Ordered key's head, which holds back every later delivery of its key. @with_payload 0 leaves
+-- payload and payload_ref NULL, for a caller who may not see them (added in 0040, with a
+-- default, so a caller of the three-parameter form reads on).
 -- returns: delivery_id, attempt_count, dead_letter_reason, last_error, dead_lettered_at, partition_key, blocks_key, message_id, topic_name, message_partition_key, attributes, payload, payload_ref, correlation_id, published_at
 CREATE OR ALTER PROCEDURE dbo.wq_list_dead_letters
     @subscription_id uniqueidentifier,
     @after_delivery_id uniqueidentifier,
-    @page_size int
+    @page_size int,
+    @with_payload bit = 1
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -188,8 +191,8 @@ BEGIN
            t.name AS topic_name,
            m.partition_key AS message_partition_key,
            m.attributes,
-           m.payload,
-           m.payload_ref,
+           CASE WHEN @with_payload = 0 THEN NULL ELSE m.payload END AS payload,
+           CASE WHEN @with_payload = 0 THEN NULL ELSE m.payload_ref END AS payload_ref,
            m.correlation_id,
            m.published_at
       FROM dbo.workqueue_delivery AS d
