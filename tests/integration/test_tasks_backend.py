@@ -175,6 +175,30 @@ def test_queue_names_must_make_topic_names():
     assert error.id == "workqueue.E004" and "'Bulk Mail'" in error.msg
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"max_attempts": 0}, "['max_attempts'] is 0"),
+        ({"lease_seconds": "soon"}, "['lease_seconds'] is 'soon'"),
+        ({"backoff_base_seconds": 60, "backoff_max_seconds": 10}, "backoff_max_seconds (10)"),
+    ],
+)
+def test_check_reports_subscription_options_a_queue_could_not_be_made_with(options, named):
+    # Only the keys were checked: the first enqueue to each queue failed with a
+    # TopologyValidationError instead.
+    backend = WorkQueueBackend("other", {"OPTIONS": {"SUBSCRIPTION": options}})
+
+    errors = [e for e in backend.check() if e.id == "workqueue.E007"]
+
+    assert len(errors) == 1 and named in errors[0].msg, [e.msg for e in errors]
+    assert not [
+        e
+        for e in WorkQueueBackend(
+            "fine", {"OPTIONS": {"SUBSCRIPTION": {"max_attempts": 3}}}
+        ).check()
+    ]
+
+
 def test_the_backend_creates_its_topic_and_subscription_once_with_the_configured_policy():
     options = {"SUBSCRIPTION": {"max_attempts": 7, "lease_seconds": 120}}
     backend = {"BACKEND": "workqueue.tasks.WorkQueueBackend", "QUEUES": ["mail"]}

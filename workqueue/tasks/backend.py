@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from django.core import checks
+from django.core.exceptions import ValidationError
 from django.db import connections
 from django.utils import timezone
 
@@ -200,6 +201,35 @@ class WorkQueueBackend(api.BaseTaskBackend):
                     hint="Rename the queue; queue q runs on topic and subscription tasks.q.",
                     id="workqueue.E004",
                 )
+        yield from self._subscription_option_errors()
+
+    def _subscription_option_errors(self) -> Iterable[checks.CheckMessage]:
+        """Values of OPTIONS['SUBSCRIPTION'] a queue's subscription could not be saved with:
+        told by ``manage.py check``, not by the first ``enqueue`` to each queue."""
+        # Imported here: the backend is built when a @task decorator runs, before models load.
+        from workqueue.models import Subscription
+
+        where = f"TASKS[{self.alias!r}]['OPTIONS']['SUBSCRIPTION']"
+        defaults = Subscription()
+        valid = True
+        for name, value in sorted(self.subscription_options.items()):
+            try:
+                setattr(defaults, name, Subscription._meta.get_field(name).clean(value, defaults))
+            except ValidationError as exc:
+                valid = False
+                yield checks.Error(
+                    f"{where}[{name!r}] is {value!r}: {' '.join(exc.messages)}",
+                    hint="Set a value the subscription's field takes (see the README's "
+                    "subscription settings), or leave the option out for its default.",
+                    id="workqueue.E007",
+                )
+        if valid and defaults.backoff_max_seconds < defaults.backoff_base_seconds:
+            yield checks.Error(
+                f"{where}: backoff_max_seconds ({defaults.backoff_max_seconds}) is less than "
+                f"backoff_base_seconds ({defaults.backoff_base_seconds}).",
+                hint="Raise backoff_max_seconds or lower backoff_base_seconds.",
+                id="workqueue.E007",
+            )
 
     def _publish(self, message: TaskMessage) -> PublishResult:
         # Imported here: publishing reaches the driver, which this module must not load at
