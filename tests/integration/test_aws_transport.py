@@ -1475,3 +1475,22 @@ def test_any_partition_key_makes_a_message_group_id_sns_and_sqs_take(aws, key):
     holder = receiver(subscription)
     first = receive_one(holder)
     assert (first.partition_key, holder.receive(10).deliveries) == (key, [])  # one at a time
+
+
+def test_a_message_written_to_the_queue_by_hand_does_not_fail_the_claim_it_is_in(aws):
+    # A non-numeric attempts_before raised ValueError out of receive, and the claim's other
+    # messages were dropped with it.
+    subscription = provisioned(aws)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    holder.binding.clients.sqs.send_message(
+        QueueUrl=holder.binding.queue_url,
+        MessageBody=json.dumps({"payload": {"n": 2}, "attempts_before": "many"}),
+    )
+
+    claimed: list[Any] = []
+    deadline = time.monotonic() + 10
+    while len(claimed) < 2 and time.monotonic() < deadline:
+        claimed += holder.receive(10).deliveries
+
+    assert sorted((d.payload["n"], d.attempt) for d in claimed) == [(1, 1), (2, 1)]

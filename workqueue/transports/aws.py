@@ -579,8 +579,7 @@ class AwsReceiver:
             lease_expires_at=_now() + dt.timedelta(seconds=self.binding.lease_seconds),
             # Receives of this SQS message, plus the attempts its released predecessors spent
             # (a release sends the message again: see AwsReceiver.release).
-            attempt=int(system.get("ApproximateReceiveCount", "1"))
-            + int(envelope.get("attempts_before") or 0),
+            attempt=int(system.get("ApproximateReceiveCount", "1")) + _attempts_before(envelope),
             is_replay=bool(envelope.get("replayed")),
             message_id=envelope.get("message_id") or message["MessageId"],
             topic_id=envelope.get("topic_id", ""),
@@ -859,6 +858,15 @@ def _envelope_of(delivery: ClaimedDelivery) -> dict[str, Any]:
         "correlation_id": delivery.correlation_id,
         "published_at": delivery.published_at.isoformat(),
     }
+
+
+def _attempts_before(envelope: dict[str, Any]) -> int:
+    """The attempts a released message's predecessors spent: 0 when the envelope does not
+    say so as a count (one written to the queue by hand must not fail the claim it is in)."""
+    value = envelope.get("attempts_before")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return 0
 
 
 def _envelope(body: str) -> dict[str, Any]:
