@@ -27,6 +27,7 @@ from django_tasks.signals import task_enqueued, task_finished, task_started
 from tests import task_functions
 from tests.factories import SubscriptionFactory
 from tests.support.queue import answers_lost_once
+from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from tests.task_functions import (
     add,
@@ -197,6 +198,20 @@ def test_check_reports_subscription_options_a_queue_could_not_be_made_with(optio
             "fine", {"OPTIONS": {"SUBSCRIPTION": {"max_attempts": 3}}}
         ).check()
     ]
+
+
+def test_a_queue_the_role_may_not_create_is_refused_saying_how_to_create_it(pg_conn):
+    # A web process on the runtime grant (no writes to topology) met a queue nobody had made
+    # yet: a raw "permission denied for table workqueue_topic" from its first enqueue.
+    backend = WorkQueueBackend("limited", {"QUEUES": ["fresh"]})
+
+    with (
+        acting_as_granted_role(pg_conn, "wq_web", "grant-runtime"),
+        pytest.raises(TaskEnqueueError, match=r"permission denied.*ensure_queue\('fresh'\)"),
+    ):
+        backend.ensure_queue("fresh")
+
+    assert not Topic.objects.filter(name="tasks.fresh").exists()
 
 
 def test_the_backend_creates_its_topic_and_subscription_once_with_the_configured_policy():

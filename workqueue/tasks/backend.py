@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from django.core import checks
 from django.core.exceptions import ValidationError
-from django.db import connections
+from django.db import ProgrammingError, connections
 from django.utils import timezone
 
 from workqueue.conf import get_settings
@@ -180,15 +180,28 @@ class WorkQueueBackend(api.BaseTaskBackend):
         if problem:
             raise api.InvalidTaskError(problem)
         alias = get_settings().DATABASE_ALIAS
-        if connections[alias].in_atomic_block:
-            # The caller's transaction must not hold the new topic: the publish runs on the
-            # queue's own connection and would not see it (and a rollback would undo it). A
-            # thread has a connection of its own, in autocommit.
-            runner = _on_a_connection_of_its_own(
-                _create_topology, queue_name, self.subscription_options
-            )
-        else:
-            runner = _create_topology(queue_name, self.subscription_options)
+        try:
+            if connections[alias].in_atomic_block:
+                # The caller's transaction must not hold the new topic: the publish runs on the
+                # queue's own connection and would not see it (and a rollback would undo it). A
+                # thread has a connection of its own, in autocommit.
+                runner = _on_a_connection_of_its_own(
+                    _create_topology, queue_name, self.subscription_options
+                )
+            else:
+                runner = _create_topology(queue_name, self.subscription_options)
+        except ProgrammingError as exc:
+            # Most often a role without the right to write topology (the runtime grant gives
+            # none) meeting a queue nobody has created yet: the database's words alone do not
+            # say that this is a one-off, nor how to do it.
+            raise TaskEnqueueError(
+                f"Queue {queue_name!r} needs its topic and subscription "
+                f"{topic_name(queue_name)!r}, and creating them failed: {exc}. A database role "
+                "that may not write the topology tables (the runtime grant gives none) cannot "
+                "create a queue: create it once as a role that may (the tables' owner), e.g. "
+                'in a deploy step: python manage.py shell -c "from django_tasks import '
+                f'task_backends; task_backends[{self.alias!r}].ensure_queue({queue_name!r})"'
+            ) from exc
         self._ready_queues[queue_name] = runner
 
     def check(self, **kwargs: Any) -> Iterable[checks.CheckMessage]:
