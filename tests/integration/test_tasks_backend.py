@@ -569,6 +569,20 @@ def test_enqueue_refuses_an_argument_nested_past_the_limit_naming_it(shape):
     assert published_tasks() == 0
 
 
+def test_an_argument_is_refused_at_the_depth_its_message_would_be_refused_not_later():
+    # The check counted from the argument list, the payload from the message: an argument 63
+    # levels deep passed it and was refused by the publish as the payload of "message 0".
+    def nested(levels: int) -> Any:
+        value: Any = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    with pytest.raises(ValueError, match=r"args\[0\].* is nested more than 64 levels"):
+        echo.enqueue(nested(63))
+    assert echo.enqueue(nested(62)).status == TaskResultStatus.READY
+
+
 def test_a_commit_callback_that_raises_leaves_a_successful_task_successful(run_host, caplog):
     """The callback runs after the task's work, result and completion committed; its error
     came out of the transaction block and was recorded as the task's failure, and

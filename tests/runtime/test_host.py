@@ -553,29 +553,31 @@ def test_a_handler_a_re_plan_gives_up_on_keeps_its_lease_and_its_key_until_it_re
     wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
 
 
-def test_a_handler_a_re_plan_gave_up_on_that_then_fails_uses_its_attempt(make_host):
+@pytest.mark.parametrize(
+    ("then", "settled"),
+    [("crash", ("DeadLettered", "MaxAttemptsExceeded", 1)), ("retry", ("Pending", None, 0))],
+    ids=["raises: charged", "returns a retry: handed back"],
+)
+def test_a_handler_a_re_plan_gave_up_on_that_then_fails_uses_its_attempt(make_host, then, settled):
     """The refund that hands a stopping handler's failure back for free is for handlers that
-    stop when told. One that ran on through the whole drain and then failed had its attempt:
-    refunded, each settings edit during its run let it escape ``max_attempts``."""
-    s = sub(lease_seconds=5, max_attempts=1)
+    stop when told. One that ran on through the whole drain and then raised had its attempt:
+    refunded, each settings edit during its run let it escape ``max_attempts``. One that
+    returns a retry (it heard the stop, late) still hands its delivery back."""
+    s = sub(lease_seconds=5, max_attempts=1, backoff_base_seconds=60, backoff_max_seconds=60)
     host = make_host(one(s, concurrency=1))  # a drain of 300 ms
     host.start()
-    message = publish(
-        s.topic.name, {"sleepMs": 2_000, "ignoreSignal": True, "then": "crash"}
-    ).message_id
+    message = publish(s.topic.name, {"sleepMs": 2_000, "ignoreSignal": True, "then": then})
     (first,) = probe.wait_for(1)
 
-    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+    # An operator pauses it: the consumer is stopped and none replaces it (nothing claims the
+    # delivery again, whatever it is settled as).
+    Subscription.objects.filter(pk=s.pk).update(status="Paused")
     host.reconcile()
     assert first.finished.wait(10)
 
-    wait_until(lambda: status_of(message) != "InFlight")
-    row = Delivery.objects.get(message_id=message)
-    assert (row.status, row.dead_letter_reason, row.attempt_count) == (
-        "DeadLettered",
-        "MaxAttemptsExceeded",
-        1,
-    )
+    wait_until(lambda: status_of(message.message_id) != "InFlight")
+    row = Delivery.objects.get(message_id=message.message_id)
+    assert (row.status, row.dead_letter_reason, row.attempt_count) == settled
     assert len(probe.runs) == 1
 
 

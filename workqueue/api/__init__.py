@@ -120,8 +120,13 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
 @api.exception_handler(SuspiciousOperation)
 def _refused_request(request: HttpRequest, exc: SuspiciousOperation) -> HttpResponse:
     # Raised by Django reading the body, before any of the API's own checks (django-ninja reads
-    # it outside its validation): the caller's mistake, not a server error.
-    if isinstance(exc, RequestDataTooBig):
+    # it outside its validation): the caller's mistake, not a server error. Logged where Django
+    # logs it when it answers such a request itself, for whoever watches django.security.
+    status = 413 if isinstance(exc, RequestDataTooBig) else 400
+    logging.getLogger(f"django.security.{type(exc).__name__}").error(
+        str(exc), exc_info=exc, extra={"status_code": status, "request": request}
+    )
+    if status == 413:
         return _error(
             request,
             413,

@@ -418,13 +418,9 @@ class Consumer:
                 self._running.pop(execution.key, None)
             if gave_up:
                 left = list(self._running.values())
-                self.unsettled = self.abandoned = 0
-                for execution in left:
-                    if execution.handler_returned:
-                        self.unsettled += 1
-                    else:
-                        execution.outlived_drain = True  # its failure uses its attempt
-                        self.abandoned += 1
+                # Marked: should it fail after all, the failure uses its attempt.
+                self.abandoned = sum(1 for e in left if e.mark_outlived_drain())
+                self.unsettled = len(left) - self.abandoned
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
             self._release(execution.delivery)

@@ -16,9 +16,10 @@ Abort reasons decide how the outcome is settled:
   (``context.stopping``, at the start of the drain): a handler that returns early because of it
   hands the delivery back for the next host instead of spending an attempt and a backoff.
   Not so for a handler the drain gave up on (``outlived_drain``: it ran on through both of the
-  drain's waits, which a re-plan lets it do): it had its attempt, and its failure is settled as
-  usual, or a handler that ignores its signals and fails would escape ``max_attempts`` one
-  settings edit at a time.
+  drain's waits, which a re-plan lets it do) that then raises: it had its attempt, and its
+  failure is settled as usual, or a handler that ignores its signals and fails would escape
+  ``max_attempts`` one settings edit at a time. One that returns an outcome (it heard the stop,
+  late, and asks for a retry) still hands its delivery back.
 * MaxProcessingSeconds: renewals stop; the eventual outcome is settled as usual (the fence
   rejects it if the lease ran out meanwhile).
 
@@ -266,8 +267,8 @@ class DeliveryExecution:
         #: on this thread, once this one's settling has been handed on.
         self.next_in_slot: DeliveryExecution | None = None
         self.signal = AbortSignal()
-        #: Set by the consumer when its drain gave up on this handler (see the module's notes).
-        self.outlived_drain = False
+        # Set by the consumer when its drain gave up on this handler (see the module's notes).
+        self._outlived_drain = False
         self._lock = threading.Lock()
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
@@ -409,6 +410,16 @@ class DeliveryExecution:
 
     def abort(self, reason: str) -> None:
         self.signal.abort(reason)
+
+    def mark_outlived_drain(self) -> bool:
+        """Mark that the consumer's drain gave up on this handler, unless it has returned; in
+        one hold of the lock that its return is recorded under, so that its settle sees the
+        mark exactly when the handler returned after it. Whether it was marked."""
+        with self._lock:
+            if self._handler_returned:
+                return False
+            self._outlived_drain = True
+            return True
 
     def stop_renewing(self) -> None:
         """Renew the lease no more (the execution crashed): the row is lease expiry's."""
@@ -774,7 +785,8 @@ class DeliveryExecution:
                 )
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
             stopping = self.signal.has(AbortReason.SHUTDOWN) or self.services.stopping.is_set()
-            if stopping and not self.outlived_drain and decision.kind != Outcome.COMPLETE:
+            charged = self._outlived_drain and decision.exception is not None
+            if stopping and not charged and decision.kind != Outcome.COMPLETE:
                 result = self._result(
                     self._while_lease_lasts(
                         self._off_worker(lambda: receiver.release(self.delivery))

@@ -107,8 +107,9 @@ class WorkQueueBackend(api.BaseTaskBackend):
             priority=task.priority,
             run_after=task.run_after,
         )
-        require_json_round_trip(message.args, "args")
-        require_json_round_trip(message.kwargs, "kwargs")
+        # One level down in the message's payload, which may nest MAX_JSON_DEPTH levels.
+        require_json_round_trip(message.args, "args", depth=1)
+        require_json_round_trip(message.kwargs, "kwargs", depth=1)
         published = self._publish(message)
         if published.error is not None and published.error.code == (
             PublishErrorCode.TOPIC_NOT_FOUND
@@ -196,11 +197,12 @@ class WorkQueueBackend(api.BaseTaskBackend):
             # say that this is a one-off, nor how to do it.
             raise TaskEnqueueError(
                 f"Queue {queue_name!r} needs its topic and subscription "
-                f"{topic_name(queue_name)!r}, and creating them failed: {exc}. A database role "
-                "that may not write the topology tables (the runtime grant gives none) cannot "
-                "create a queue: create it once as a role that may (the tables' owner), e.g. "
-                'in a deploy step: python manage.py shell -c "from django_tasks import '
-                f'task_backends; task_backends[{self.alias!r}].ensure_queue({queue_name!r})"'
+                f"{topic_name(queue_name)!r}, and creating them failed: {exc}. If the database "
+                "refused for lack of privilege: a role that may not write the topology tables "
+                "(the runtime grant gives none) cannot create a queue; create it once as a role "
+                "that may (the tables' owner), e.g. in a deploy step: python manage.py shell -c "
+                f'"from django_tasks import task_backends; task_backends[{self.alias!r}]'
+                f'.ensure_queue({queue_name!r})"'
             ) from exc
         self._ready_queues[queue_name] = runner
 

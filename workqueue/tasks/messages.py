@@ -129,12 +129,14 @@ class TaskMessage:
         )
 
 
-def require_json_round_trip(value: Any, where: str, _depth: int = 0) -> None:
+def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
     """Raise ``TypeError`` (``ValueError`` for NaN and infinities, text the database cannot
     store, integers too long for JSON text, and nesting past ``MAX_JSON_DEPTH``, which a value
     that contains itself reaches) unless ``value`` comes back from
     ``json.loads(json.dumps(value))`` equal and of the same types, and can be stored, as the
-    Tasks API requires of arguments and return values. The message names the offending part."""
+    Tasks API requires of arguments and return values. The message names the offending part.
+    ``depth``: how many containers hold ``value`` where it is stored (a task's arguments sit
+    one level down in its message's payload)."""
     kind = type(value)
     if value is None or kind is bool:
         return
@@ -155,11 +157,11 @@ def require_json_round_trip(value: Any, where: str, _depth: int = 0) -> None:
         if not math.isfinite(value):
             raise ValueError(f"{where} is {value!r}, which JSON cannot represent.")
         return
-    if kind in (list, dict) and _depth >= MAX_JSON_DEPTH:
+    if kind in (list, dict) and depth >= MAX_JSON_DEPTH:
         raise ValueError(f"{where} {TOO_DEEP_PROBLEM} (a value that contains itself is).")
     if kind is list:
         for index, item in enumerate(value):
-            require_json_round_trip(item, f"{where}[{index}]", _depth + 1)
+            require_json_round_trip(item, f"{where}[{index}]", depth + 1)
         return
     if kind is dict:
         for key, item in value.items():
@@ -169,7 +171,7 @@ def require_json_round_trip(value: Any, where: str, _depth: int = 0) -> None:
                     "strings, so it would come back as a different key. Use string keys."
                 )
             _require_storable_text(key, f"{where} has a key that")
-            require_json_round_trip(item, f"{where}[{key!r}]", _depth + 1)
+            require_json_round_trip(item, f"{where}[{key!r}]", depth + 1)
         return
     raise TypeError(
         f"{where} is a {kind.__name__}, which does not round-trip through JSON unchanged. Pass "

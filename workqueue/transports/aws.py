@@ -503,7 +503,8 @@ class AwsReceiver:
                         last, "LeaseExpired", "The lease of the last attempt expired."
                     )
                 except TransportUnavailableError as exc:
-                    # Left hidden for the lease, then received and dead-lettered again; the
+                    # Left hidden for its lease; SQS's redrive then moves it to the DLQ itself
+                    # (this receive was its last: MaxReceiveCountExceeded, the backstop). The
                     # rest of the claim is not lost with it.
                     logger.warning(
                         "%s: could not dead-letter a delivery whose last lease expired "
@@ -782,12 +783,12 @@ def send_dead_letter(
         ATTEMPTS_ATTRIBUTE: str(delivery.attempt),
         DEAD_LETTERED_AT_ATTRIBUTE: _now().isoformat(),
     }
-    if error:
-        # Keep the message within SQS's size limit whatever the error's length.
-        attributes[ERROR_ATTRIBUTE] = error[:4000]
     # SQS refuses an attribute value holding a character it does not allow in a body (a
     # traceback's terminal colours): the move would fail and the message run again.
     attributes = {name: _sqs_text(value) for name, value in attributes.items()}
+    if error:
+        # Escaped, then cut: the message stays within SQS's size limit whatever the error.
+        attributes[ERROR_ATTRIBUTE] = _sqs_text(error)[:4000]
     params: dict[str, Any] = {
         "QueueUrl": binding.dead_letter_queue_url,
         "MessageBody": canonical_json(_envelope_of(delivery)),
@@ -872,7 +873,7 @@ def _attempts_before(envelope: dict[str, Any]) -> int:
 def _envelope(body: str) -> dict[str, Any]:
     try:
         found = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a thousand nested brackets
         found = None
     if not isinstance(found, dict):
         # Not sent by this transport (someone wrote to the queue directly): handed to the
