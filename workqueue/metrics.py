@@ -10,9 +10,11 @@ PORT``.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from django.db import Error as DjangoDatabaseError
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -23,7 +25,10 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from workqueue.exceptions import WorkQueueError
 from workqueue.operators.permissions import CLI, Actor
+
+logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -125,8 +130,23 @@ class QueueCollector(Collector):
         self.close_connections = close_connections
 
     def collect(self) -> Iterator[Metric]:
+        failed = GaugeMetricFamily(
+            "workqueue_gauges_read_failed",
+            "1 when this scrape could not read the queue's gauges from the database at all (it "
+            "is away; the error is logged): the gauges above are missing, this process's own "
+            "counters are not.",
+        )
         try:
-            yield from self._collect()
+            try:
+                yield from self._collect()
+            except (DjangoDatabaseError, WorkQueueError) as exc:
+                # Raised, it failed the whole scrape (a 500), this process's counters with it,
+                # while the database was away: when they matter most.
+                logger.warning("Metrics: the queue's gauges could not be read: %s", exc)
+                failed.add_metric([], 1)
+            else:
+                failed.add_metric([], 0)
+            yield failed
         finally:
             if self.close_connections:
                 from workqueue.driver import close_all_thread_connections

@@ -269,7 +269,7 @@ def publish_many(
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An
         # enlisted publish is not visible until the caller commits; NOTIFY covers that.)
-        signals.published.send(sender=publish_many, topic=name, message_ids=accepted)
+        signals.send(signals.published, sender=publish_many, topic=name, message_ids=accepted)
     return final
 
 

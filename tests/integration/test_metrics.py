@@ -402,3 +402,41 @@ def test_the_alert_rules_parse_and_use_only_metrics_that_exist():
 
     assert all({"alert", "expr", "labels", "annotations"} <= set(rule) for rule in alerts)
     assert used <= exposed_names(), used - exposed_names()
+
+
+def test_the_metrics_port_serves_the_process_counters_while_the_database_is_away():
+    """A database error while reading the gauges failed the whole scrape (500): this process's
+    own counters (claims and settles failing, sweeper passes failing) vanished with it, when
+    they matter most."""
+    metrics.SWEEPER_PASSES.labels("failed").inc()
+    server = metrics.serve(0)
+    port = server.server_address[1]
+    settings = connection.settings_dict
+    saved = dict(settings)
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+        return {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name in ("workqueue_gauges_read_failed", "workqueue_sweeper_passes_total")
+            and s.labels.get("result", "failed") == "failed"
+        }
+
+    try:
+        healthy = scrape()
+        settings.update(HOST="127.0.0.1", PORT="1")  # the database is away: refused
+        get_driver().close_all()
+        away = scrape()
+    finally:
+        settings.clear()
+        settings.update(saved)
+        get_driver().close_all()
+        server.shutdown()
+        server.server_close()
+
+    assert healthy["workqueue_gauges_read_failed"] == 0
+    assert away["workqueue_gauges_read_failed"] == 1
+    assert away["workqueue_sweeper_passes_total"] >= 1

@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
-from workqueue.driver import get_driver
+from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.models import Deduplication, Delivery, Message, Subscription
 from workqueue.runtime import sweeper
 from workqueue.runtime.sweeper import Sweeper
@@ -293,3 +294,103 @@ def test_a_standalone_sweeper_outlives_a_failing_pass(monkeypatch, settings, cap
     assert len(calls) == 2 and calls[1] - calls[0] >= 0.9  # an interval after the failure
     assert "expired=" in out.getvalue()
     assert any("Sweeper pass failed" in r.getMessage() for r in caplog.records)
+
+
+# -- receivers that raise, a strict DBA, a restarted database (audit helper-72) ---------------
+
+
+def test_a_dead_lettered_receiver_that_raises_does_not_cost_the_rest_of_the_batch(caplog):
+    """The sweeper sent dead_lettered one row at a time: the first receiver that raised (the
+    pager is down) ended the pass's lease expiry, and the batch's other dead letters, already
+    committed, were never logged nor signalled."""
+    topic = TopicFactory()
+    last = SubscriptionFactory(topic=topic, max_attempts=1, lease_seconds=30)
+    for n in range(3):
+        publish(topic.name, {"n": n})
+    assert len(Receiver(last.id, "holder").receive(10).deliveries) == 3
+    get_driver().shift_time(120, topic_id=str(topic.id))  # their leases have passed
+    heard: list[str] = []
+
+    def pager(sender: Any, delivery_id: str, **kwargs: Any) -> None:
+        heard.append(delivery_id)
+        raise ConnectionError("the pager is down")
+
+    signals.dead_lettered.connect(pager, dispatch_uid="test-sweeper-pager")
+    try:
+        result = Sweeper().run_once()
+    finally:
+        signals.dead_lettered.disconnect(dispatch_uid="test-sweeper-pager")
+
+    logged = [r for r in caplog.records if r.name == "workqueue.deliveries"]
+    assert (len(heard), len(logged), result.expired, result.failed_steps) == (3, 3, 3, [])
+
+
+def test_the_sweep_lock_outlasts_a_servers_idle_in_transaction_timeout(monkeypatch):
+    """The lock's transaction sits idle while the pass runs on another connection: a server
+    timeout shorter than a pass (a common DBA setting) ended its session mid-pass, a second
+    sweeper ran beside the first, and the first pass failed at its end."""
+    from workqueue.driver.postgresql import PostgresDriver
+
+    monkeypatch.setattr(
+        PostgresDriver,
+        "own_connection_options",
+        {
+            **PostgresDriver.own_connection_options,
+            "options": "-c idle_in_transaction_session_timeout=1000",  # 1 s
+        },
+    )
+    expire = Sweeper._expire_leases
+
+    def slow_on_the_first(self: Sweeper, result: Any) -> None:
+        if threading.current_thread().name == "first-sweeper":
+            time.sleep(2.5)  # a long step: twenty full batches on a large table
+        expire(self, result)
+
+    monkeypatch.setattr(Sweeper, "_expire_leases", slow_on_the_first)
+    outcome: dict[str, Any] = {}
+
+    def first() -> None:
+        try:
+            outcome["first"] = Sweeper().run_once()
+        except Exception as exc:  # the outcome under test
+            outcome["first"] = exc
+        finally:
+            close_all_thread_connections()  # the driver's and Django's, as a host thread's
+
+    thread = threading.Thread(target=first, name="first-sweeper")
+    thread.start()
+    time.sleep(1.8)  # the first pass is half way, its lock idle for longer than the timeout
+    second = Sweeper().run_once()
+    thread.join(20)
+
+    assert second.skipped, "a second sweeper ran its pass beside the first"
+    assert not isinstance(outcome["first"], Exception), outcome["first"]
+    assert outcome["first"].failed_steps == []
+
+
+def test_a_host_sweeper_recovers_from_a_database_restart():
+    """The task-results purge reads through Django's connection on the sweeper's thread,
+    which nothing closed: after a restart every pass failed on the dead connection, for the
+    host's whole life."""
+    from workqueue.runtime.service import PeriodicService
+
+    passes: list[list[str]] = []
+
+    def one_pass() -> None:
+        passes.append(Sweeper().run_once().failed_steps)
+
+    service = PeriodicService("wq-sweeper", 0.1, one_pass)
+    service.start()
+    try:
+        wait_until(lambda: len(passes) >= 2)
+        with connection.cursor() as cursor:  # what a restart does to every other session
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        after = len(passes)
+        wait_until(lambda: len(passes) >= after + 3)
+    finally:
+        service.stop()
+
+    assert passes[-1] == [] and passes[-2] == [], passes

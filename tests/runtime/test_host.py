@@ -1414,3 +1414,72 @@ def test_failing_handlers_open_no_queue_connection_on_the_worker_threads(make_ho
     assert workers == [], f"worker threads opened queue connections: {workers}"
     # Retries and dead letters were settled, on the background threads.
     assert any(n.startswith(f"wq-{s.name}-bg-") for n in opened_on), opened_on
+
+
+# -- receivers that raise, a listener cut twice (audit helper-72) ----------------------------
+
+
+def test_a_dead_lettered_receiver_that_raises_does_not_strand_the_claims_deliveries(
+    make_host, caplog
+):
+    """A claim that found a last attempt's lease expired sent dead_lettered before it started
+    what it had claimed; a receiver that raised (the pager is down) took the claim with it:
+    its new delivery sat InFlight unrun, then was dead-lettered LeaseExpired without running."""
+    s = sub(max_attempts=1, lease_seconds=60)
+    publish(s.topic.name, {"then": "complete"})
+    Receiver(s.id, "crashed-host").receive(1)
+    get_driver().shift_time(120, subscription_id=str(s.id))  # its lease ran out long ago
+    fresh = publish(s.topic.name, {"then": "complete"}).message_id
+
+    def pager(sender: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the pager is down")
+
+    signals.dead_lettered.connect(pager, weak=False, dispatch_uid="test-raising-pager")
+    try:
+        make_host(one(s)).start()
+        wait_until(lambda: status_of(fresh) == "Completed", timeout=10)
+    finally:
+        signals.dead_lettered.disconnect(dispatch_uid="test-raising-pager")
+
+    assert "the pager is down" in caplog.text  # logged, with the receiver's name
+
+
+def test_the_listener_reconnects_at_once_after_a_cut_long_after_an_earlier_outage(monkeypatch):
+    """The reconnect delay grew through an outage and was never reset: every later cut of the
+    listening connection waited up to 10 s before listening again."""
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
+    driver = get_driver()
+    open_listener = driver.open_listener
+    refusals = {"left": 4}  # an outage at start-up: 0.2 + 0.4 + 0.8 + 1.6 s of waiting
+
+    def restarting_database() -> Any:
+        if refusals["left"]:
+            refusals["left"] -= 1
+            raise OSError("connection refused (the database is restarting)")
+        return open_listener()
+
+    def listening_pid() -> int | None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query LIKE 'LISTEN %%'"
+            )
+            found = cursor.fetchall()
+        return found[0][0] if found else None
+
+    monkeypatch.setattr(driver, "open_listener", restarting_database)
+    listener = wakeup.Wakeup(driver)
+    listener.subscribe("00000000-0000-0000-0000-000000000001", lambda: None, "x")
+    listener.start()
+    try:
+        first = wait_until(listening_pid, timeout=20)
+        time.sleep(0.5)  # connected a while (days, in production)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [first])
+        cut = time.monotonic()
+        wait_until(lambda: listening_pid() not in (None, first), timeout=20)
+        took = time.monotonic() - cut
+    finally:
+        listener.stop()
+
+    assert took < 1.5, f"listening again took {took:.1f} s after one cut"

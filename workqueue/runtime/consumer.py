@@ -720,7 +720,8 @@ class Consumer:
             log_lease_expired_dead_letter(
                 self.plan.name, expired.delivery_id, expired.partition_key
             )
-            signals.dead_lettered.send(
+            signals.send(
+                signals.dead_lettered,
                 sender=Consumer,
                 subscription_id=expired.subscription_id,
                 delivery_id=expired.delivery_id,

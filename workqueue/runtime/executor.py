@@ -862,7 +862,8 @@ class DeliveryExecution:
                 f": {_first_line(error)}" if error else "",
                 exc_info=exception,
             )
-            signals.dead_lettered.send(
+            signals.send(
+                signals.dead_lettered,
                 sender=DeliveryExecution,
                 subscription_id=self.plan.subscription_id,
                 delivery_id=self.delivery.delivery_id,

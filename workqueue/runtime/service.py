@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from django.db import close_old_connections
+
 from workqueue.driver import close_all_thread_connections
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ class PeriodicService:
                         wait = self._pause(result, time.monotonic() - began, self.interval_seconds)
                 except Exception:
                     logger.exception("%s pass failed; the next pass will try again", self.name)
+                finally:
+                    # As at the end of a request: a Django connection a database restart broke
+                    # is closed, so the next pass opens a fresh one instead of failing on it for
+                    # the thread's whole life (the sweeper's task-results purge, for one).
+                    close_old_connections()
         finally:
             # Kept between passes when CONN_MAX_AGE allows; closed with the thread.
             close_all_thread_connections()

@@ -106,7 +106,8 @@ class Sweeper:
                         row["delivery_id"],
                         row["partition_key"],
                     )
-                    signals.dead_lettered.send(
+                    signals.send(
+                        signals.dead_lettered,
                         sender=Sweeper,
                         subscription_id=row["subscription_id"],
                         delivery_id=row["delivery_id"],

@@ -96,17 +96,19 @@ class Wakeup:
         delay = 0.2
         while not self._stop.is_set():
             try:
-                self._listen_until_stopped()
+                listener = self._driver.open_listener()
+                # Connected: a later cut is a new outage, whose first retry waits the shortest
+                # delay again (not what the last outage had grown it to, up to 10 s).
                 delay = 0.2
+                self._listen_until_stopped(listener)
             except Exception as exc:
                 logger.warning("Notifications lost (%s); polling until reconnected", exc)
                 self.connected.clear()
                 self._stop.wait(delay)
                 delay = min(delay * 2, MAX_RECONNECT_DELAY)
 
-    def _listen_until_stopped(self) -> None:
+    def _listen_until_stopped(self, listener: Any) -> None:
         listening: set[str] = set()
-        listener: Any = self._driver.open_listener()
         try:
             self.connected.set()
             # Anything published while we were not listening must not wait for a poll. (Cancels

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import close_old_connections
 
 from workqueue.conf import get_settings
 from workqueue.runtime.process import add_metrics_arguments, metrics_served, stop_on_signals
@@ -63,6 +64,10 @@ class Command(BaseCommand):
         with ``until``, only while behind and not past that time."""
         while True:
             began = time.monotonic()
+            if until is None:
+                # As between a host's passes: a connection a database restart broke is closed
+                # and opened afresh, not failed on for the process's whole life.
+                close_old_connections()
             try:
                 result = sweeper.run_once()
             except Exception:

@@ -117,12 +117,17 @@ $$;
 
 -- wq_try_sweep_lock --
 -- Try (without waiting) to take the cluster-wide sweep lock for the current transaction.
--- acquired = false means another sweeper is mid-pass; skip this one.
+-- acquired = false means another sweeper is mid-pass; skip this one. The transaction then sits
+-- idle while the pass runs on another connection: a server's idle_in_transaction_session_timeout
+-- shorter than a pass would end the session, free the lock mid-pass for a second sweeper, and
+-- fail the first pass at its end, so it is switched off for this transaction (until 0040 it
+-- was not).
 CREATE OR REPLACE FUNCTION wq_try_sweep_lock()
 RETURNS TABLE (acquired boolean)
 LANGUAGE sql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    SELECT set_config('idle_in_transaction_session_timeout', '0', true);
     SELECT pg_try_advisory_xact_lock(hashtextextended('wq-sweep', 0));
 $$;
