@@ -249,7 +249,7 @@ def test_a_server_listening_on_tcp_is_replaced_by_a_socket_only_one(cluster_dir:
     data = str(cluster_dir / "data")
     started = localdb._run_as(
         account,
-        [pg_ctl, "start", "-D", data, "-l", f"{data}.log", "-w", "-o", options],
+        [pg_ctl, "start", "-D", data, "-l", str(cluster_dir / "server.log"), "-w", "-o", options],
         cluster_dir,
         90,
     )
@@ -266,3 +266,76 @@ def test_a_server_listening_on_tcp_is_replaced_by_a_socket_only_one(cluster_dir:
         psycopg.connect(host="127.0.0.1", port=tcp_port, dbname="workqueue", connect_timeout=5),
     ):
         pass
+
+
+# -- folders that are not the embedded database's, a cleaned /tmp, a long recovery -------------
+# (audit helper-71)
+
+
+def test_destroy_refuses_a_folder_holding_anything_else_and_deletes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A mistyped WORKQUEUE_LOCALDB_DIR (a home directory) was deleted whole by `destroy`.
+    folder = Path(tempfile.mkdtemp(prefix="wq-not-a-cluster-", dir="/tmp"))
+    (folder / "docs").mkdir()
+    (folder / "docs" / "thesis.txt").write_text("important")
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(folder))
+    try:
+        with pytest.raises(localdb.LocalDBError, match=r"did not make \(docs\)"):
+            localdb.destroy()
+        assert (folder / "docs" / "thesis.txt").read_text() == "important"
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("shape", ["a folder with files of its own", "a file"])
+def test_a_start_refuses_a_path_that_is_not_its_own_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    # A start chown-ed the folder to the server's account and made it 0700 (a file too).
+    folder = Path(tempfile.mkdtemp(prefix="wq-not-a-cluster-", dir="/tmp"))
+    target = folder / "notes.txt" if shape == "a file" else folder
+    (folder / "notes.txt").write_text("mine")
+    os.chmod(folder, 0o755)
+    before = target.stat()
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(target))
+    try:
+        with pytest.raises(localdb.LocalDBError, match="WORKQUEUE_LOCALDB_DIR"):
+            localdb.ensure_running()
+        after = target.stat()
+        assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+def test_a_deleted_socket_folder_is_made_again(cluster_dir: Path) -> None:
+    # /tmp cleaned while the server ran: its URL kept being handed out, and every connection
+    # failed ("No such file or directory") until someone stopped the server by hand.
+    url = localdb.ensure_running()
+    subprocess.run(["rm", "-rf", str(localdb._socket_dir(cluster_dir))], check=True)
+
+    assert localdb.url() is None
+    assert select_one(localdb.ensure_running())[0] == "workqueue"
+    assert localdb.ensure_running() == url
+
+
+def test_a_server_still_recovering_is_left_to_finish(
+    cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that found the server still starting after its wait (crash recovery of a few
+    GB of WAL) stopped it: every later attempt restarted the replay, which never finished."""
+    localdb.ensure_running()
+    pgdata = cluster_dir / "data"
+    running = localdb._read_pidfile(pgdata)
+    assert running is not None
+    recovering = localdb._Postmaster(
+        running.pid, running.start, running.port, "", "starting", running.shmid
+    )
+    monkeypatch.setattr(localdb, "_read_pidfile", lambda _pgdata: recovering)
+    monkeypatch.setattr(localdb, "_START_TIMEOUT_S", 0.2)
+    stopped: list[Path] = []
+    monkeypatch.setattr(localdb, "_stop_postmaster", stopped.append)
+
+    with pytest.raises(localdb.LocalDBError, match="still starting"):
+        localdb._adopt_running(pgdata, localdb._socket_dir(cluster_dir))
+    assert stopped == []

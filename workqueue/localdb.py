@@ -79,11 +79,17 @@ SERVER_SETTINGS = {"shared_buffers": "256MB", "max_wal_size": "4GB"}
 PORT = 5432
 # The environment variable that lets a process with DEBUG off use the embedded database.
 OPT_IN_VARIABLE = "WORKQUEUE_LOCALDB"
+DIR_VARIABLE = "WORKQUEUE_LOCALDB_DIR"
 
 _STATE_FILE = "state.json"
 _LOCK_FILE = "lock"
 _LOG_FILE = "server.log"
 _INITDB_DONE = "initdb.done"
+#: Everything this module keeps in its folder; a folder holding anything else is not its own to
+#: take over (chown, chmod) or to delete.
+_OWN_ENTRIES = frozenset(
+    {"data", _STATE_FILE, _LOCK_FILE, _LOG_FILE, f"{_LOG_FILE}.1", _INITDB_DONE}
+)
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
 _LOCK_TIMEOUT_S = 180.0
 _START_TIMEOUT_S = 60
@@ -125,7 +131,7 @@ def data_dir() -> Path:
 
     The path is canonical (symlinks resolved), so every process names the cluster alike.
     """
-    override = os.environ.get("WORKQUEUE_LOCALDB_DIR")
+    override = os.environ.get(DIR_VARIABLE)
     if override:
         path = os.path.expanduser(override)
     elif os.environ.get("XDG_DATA_HOME"):
@@ -157,6 +163,8 @@ def url() -> str | None:
         return None
     if pm.listen:
         return None  # listening on TCP (started by an older version or by hand): restart it
+    if not (_socket_dir(base) / f".s.PGSQL.{port}").exists():
+        return None  # the socket folder was deleted (/tmp cleaned): restart it there
     # A live, non-zombie process whose command line names this data folder: the postmaster
     # itself, not a process that reused its pid. (No TCP probe: each one forks a backend.)
     if not _process_alive(pid) or not _is_postmaster_of(pid, pgdata):
@@ -236,11 +244,42 @@ def stop() -> None:
 
 
 def destroy() -> None:
-    """Stop the server and delete the folder (all data) and its socket folder."""
+    """Stop the server and delete the folder (all data) and its socket folder; refuses a
+    folder holding anything the embedded database did not put there (a mistyped
+    ``WORKQUEUE_LOCALDB_DIR`` must not delete someone's files)."""
     base = data_dir()
+    _require_own_folder(base, "delete")
     stop()
     shutil.rmtree(_socket_dir(base), ignore_errors=True)
-    shutil.rmtree(base, ignore_errors=True)
+    if not base.is_dir():
+        return
+    for name in _OWN_ENTRIES:
+        entry = base / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        base.rmdir()
+
+
+def _require_own_folder(base: Path, action: str) -> None:
+    """Raise unless ``base`` is missing, or a folder holding only what this module makes."""
+    if base.exists() and not base.is_dir():
+        raise LocalDBError(
+            f"{base} is a file, not a folder: the embedded database will not {action} it. "
+            f"Point {DIR_VARIABLE} at a new or empty folder."
+        )
+    if not base.is_dir():
+        return
+    foreign = sorted(entry.name for entry in base.iterdir() if entry.name not in _OWN_ENTRIES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise LocalDBError(
+            f"{base} holds files the embedded database did not make ({shown}): it will not "
+            f"{action} that folder. Check {DIR_VARIABLE}, and point it at a new or empty "
+            "folder."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +355,8 @@ def _socket_dir(base: Path) -> Path:
 
 
 def _prepare_folder(base: Path, account: _Account) -> None:
+    # Its owner and mode change below: only for a folder that is new, empty or already ours.
+    _require_own_folder(base, "take over")
     missing = [p for p in (base, *base.parents) if not p.exists()]
     try:
         for folder in reversed(missing):
@@ -743,6 +784,16 @@ def _adopt_running(pgdata: Path, sockdir: Path) -> _Postmaster | None:
         pm = _read_pidfile(pgdata)
         if pm is None or not _process_alive(pm.pid):
             return None
+        if pm.status == "starting":
+            # Still starting: after a crash, recovery replays the WAL written since the last
+            # checkpoint, which can take minutes. Stopped now (as a server that is not ready
+            # would be), it would start the replay over at every attempt and never finish.
+            raise LocalDBError(
+                f"The embedded PostgreSQL on {pgdata} is still starting after "
+                f"{_START_TIMEOUT_S:.0f}s, most likely recovering from a crash; leave it "
+                f"running and try again in a minute. Last lines of {pgdata.parent / _LOG_FILE}:"
+                f"\n{_log_tail(pgdata.parent)}"
+            )
     # A server listening on TCP (an older version's) is not adopted: the caller restarts it.
     if pm.status == "ready" and not pm.listen and _socket_accepts(sockdir, pm.port):
         return pm
