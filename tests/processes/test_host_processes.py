@@ -382,3 +382,34 @@ def test_a_host_without_its_system_user_refuses_to_start_naming_the_setting(proc
 
     assert done.returncode != 0
     assert "WORKQUEUE['SYSTEM_USER'] is 'nobody-here'" in done.stderr
+
+
+def test_work_once_that_leaves_a_handler_running_exits_3(processes):
+    # It exited 0, "processed=0", with the delivery held until its lease expired: a job
+    # reported successful while its work was left unfinished.
+    sub = SubscriptionFactory(handler_key="tests.record", lease_seconds=30)
+    message = publish(sub.topic.name, {"sleepMs": 8000, "ignoreSignal": True}).message_id
+
+    done = processes.run(
+        "workqueue_work",
+        "-s",
+        sub.name,
+        "--once",
+        "--max-duration-ms",
+        "1000",
+        "--shutdown-drain-ms",
+        "300",
+    )
+
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert "1 handler(s) did not stop" in done.stdout
+    assert delivery(message).status == "InFlight"  # left to lease expiry, as it says
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_work_once_with_a_blank_subscription_exits_2(processes, name):
+    # An unset $SUBSCRIPTION in a job template ran nothing and exited 0, for ever.
+    done = processes.run("workqueue_work", "-s", name, "--once")
+
+    assert done.returncode == 2
+    assert "-s/--subscription is blank" in done.stderr

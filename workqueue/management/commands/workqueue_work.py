@@ -3,7 +3,10 @@
 Exit 0 when the host ran (empty queue, budget spent, duration reached, signal, paused
 subscription); exit 2 when a requested subscription could not run (unknown,
 HandlerNotRegistered, Unsupported, or Error as the run ended: a consumer that could not start,
-claims that kept failing) or the configuration is wrong (planning failed included).
+claims that kept failing) or the configuration is wrong (planning failed included); exit 3 when
+it ran but its drain left work behind (handlers that did not stop, outcomes the database did
+not record), whose deliveries run again after their lease expires: a job reported successful
+would hide a delivery held unfinished.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from workqueue.runtime.process import (
     start_up_objects_frozen,
     stop_on_signals,
 )
+
+#: The exit code of a run whose drain left work behind (see the module's notes).
+EXIT_WORK_LEFT_BEHIND = 3
 
 
 class Command(BaseCommand):
@@ -50,6 +56,12 @@ class Command(BaseCommand):
         if host_disabled():
             self.stdout.write("WORKQUEUE_DISABLE_HOST is set; not running.")
             return
+        if not options["subscription"].strip():
+            # An unset variable in a job template ($SUBSCRIPTION): it named nothing, ran
+            # nothing and exited 0, as a job with nothing to do does.
+            raise CommandError(
+                "-s/--subscription is blank: name a subscription, or '*' for all.", returncode=2
+            )
         if options["max"] < 1:
             raise CommandError("--max must be at least 1.")
         if options["concurrency"] is not None and options["concurrency"] < 1:
@@ -95,7 +107,7 @@ class Command(BaseCommand):
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
-        exit_now_if_work_left_behind(host)
+        exit_now_if_work_left_behind(host, code=EXIT_WORK_LEFT_BEHIND)
 
     def _print_stopping(self, reason: str) -> None:
         self.stdout.write(f"Stopping ({reason}): draining running handlers ...")
