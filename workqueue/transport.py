@@ -287,21 +287,25 @@ def publish(
             if attempt == 1:
                 return rows
             return _stored_by_the_lost_attempt(driver, topic, rows, prepared, chosen_message_ids)
-        except TransientDriverError:
+        except TransientDriverError as exc:
             # An enlisted publish shares the caller's transaction, which is now aborted: only
             # the caller can retry it. On our own connection the whole call simply re-runs.
             if enlist:
                 raise
             if attempt > TRANSIENT_RETRIES:
-                # Still busy after the retries: each message is rejected as retryable.
-                return [
-                    {
-                        "message_id": p["message_id"],
-                        "status": PublishStatus.REJECTED,
-                        "error_code": PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                    }
-                    for p in prepared
-                ]
+                # Still busy after the retries: each message is rejected as retryable, saying
+                # what the database last answered (to this server's own callers: an external
+                # publisher is not told the database's address).
+                rejected = {
+                    "status": PublishStatus.REJECTED,
+                    "error_code": PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                }
+                if not external:
+                    rejected["error_message"] = (
+                        f"The database did not take the publish in {attempt} tries; the last "
+                        f"answer: {str(exc).strip()}. Publish again."
+                    )
+                return [{"message_id": p["message_id"], **rejected} for p in prepared]
             time.sleep((20 * attempt + random.uniform(0, 80)) / 1000)
     raise AssertionError("unreachable")
 

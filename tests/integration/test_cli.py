@@ -5,15 +5,19 @@ from __future__ import annotations
 import io
 import json
 import uuid
+from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.queue import dead_letter, row_held
 from tests.support.roles import acting_as_granted_role
 from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import ApiKey, Delivery
 from workqueue.transport import Receiver
 
@@ -338,3 +342,62 @@ def test_grant_operator_prints_the_operator_procedures_and_no_claim():
     assert 'GRANT EXECUTE ON FUNCTION wq_cancel TO "ops";' in out
     assert "wq_claim" not in out and "wq_publish" not in out
     assert "lease_token" not in out and "GRANT SELECT (id, message_id," in out
+
+
+# -- bad input and an unreachable database (audit helper-71) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--expires-days", "3000000", "1 to 36,500 days"),
+        ("--expires-days", "99999999999", "1 to 36,500 days"),
+        ("--expires-days", "0", "1 to 36,500 days"),
+        ("--name", "n" * 500, "at most 100"),
+    ],
+    ids=["days-past-datetime", "days-past-an-int", "no-days", "name-500-characters"],
+)
+def test_apikey_create_refuses_out_of_range_input_in_one_line(option, value, says):
+    # OverflowError ("date value out of range"), "Python int too large" and a DataError
+    # ("value too long for type character varying(100)") came out as tracebacks.
+    get_user_model().objects.create_user("keyowner")
+
+    with pytest.raises(CommandError, match=says):
+        run("apikey", "create", "--user", "keyowner", "--scopes", "workqueue:read", option, value)
+
+    assert not ApiKey.objects.exists()
+
+
+def test_an_operator_verb_with_the_database_away_is_one_line_not_a_traceback():
+    settings = connection.settings_dict
+    saved = dict(settings)
+    try:
+        connection.close()
+        settings.update(HOST="127.0.0.1", PORT="1")  # nothing listens there
+        with pytest.raises(
+            CommandError, match=r"^The database did not answer \(.*Connection refused.*DATABASE_URL"
+        ):
+            run("stats")
+    finally:
+        connection.close()
+        settings.clear()
+        settings.update(saved)
+
+
+def test_a_publish_the_database_keeps_refusing_says_what_it_answered(monkeypatch):
+    # "The database stayed busy (deadlock, lock timeout or lost connection)" whatever the
+    # cause, connection refused included.
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    driver = get_driver()
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise TransientDriverError("connection refused: is the server running on port 1?")
+
+    monkeypatch.setattr(driver, "publish", refused)
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+
+    result = publish(topic.name, {"n": 1})
+
+    assert (result.status, result.error.code) == ("Rejected", "TransportUnavailable")
+    assert "connection refused: is the server running on port 1?" in result.error.message

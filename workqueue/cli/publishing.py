@@ -289,8 +289,6 @@ class ApiKeyVerb(Verb):
             owner = User._default_manager.filter(**{User.USERNAME_FIELD: options["user"]}).first()
             if owner is None:
                 raise CommandError(f"No user is named {options['user']!r}.")
-            if options["expires_days"] is not None and options["expires_days"] < 1:
-                raise CommandError("--expires-days must be at least 1.")
             try:
                 key, raw = ApiKey.objects.issue(
                     owner,

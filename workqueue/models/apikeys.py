@@ -18,6 +18,8 @@ from django.db import models
 from django.utils import timezone
 
 KEY_PREFIX = "wq"
+#: The furthest expiry a key may be issued with (a hundred years; further is "never").
+MAX_EXPIRES_DAYS = 36_500
 # last_used_at is written at most this often per key, so busy keys do not write every request.
 LAST_USED_RESOLUTION = dt.timedelta(seconds=60)
 
@@ -48,6 +50,14 @@ class ApiKeyQuerySet(models.QuerySet):
             )
         if problem := uncovered_scope_problem(scopes, topics or [], subscriptions or []):
             raise ValueError(problem)
+        limit = self.model._meta.get_field("name").max_length
+        if len(name) > limit:
+            raise ValueError(f"The name is {len(name)} characters long; at most {limit}.")
+        if expires_days is not None and not 1 <= expires_days <= MAX_EXPIRES_DAYS:
+            raise ValueError(
+                f"Expiry must be 1 to {MAX_EXPIRES_DAYS:,} days away; for a key that never "
+                "expires, give none."
+            )
         prefix = secrets.token_hex(4)
         raw_key = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
         key = self.create(

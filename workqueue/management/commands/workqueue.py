@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import InterfaceError, OperationalError
 
 from workqueue.cli import all_verbs
 from workqueue.input_limits import text_problem
@@ -29,7 +30,16 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self._refuse_unstorable_text(options)
-        self._verbs[options["verb"]].run(self, options)
+        try:
+            self._verbs[options["verb"]].run(self, options)
+        except (OperationalError, InterfaceError) as exc:
+            # The database is away (Django's own reads: topology, API keys, host records): one
+            # line saying so, not a traceback through the ORM.
+            detail = " ".join(str(exc).split())
+            raise CommandError(
+                f"The database did not answer ({detail}). Check that it runs and that "
+                "DATABASE_URL (or DATABASES) points at it, then run the command again."
+            ) from exc
 
     def _refuse_unstorable_text(self, options: dict[str, Any]) -> None:
         """Refuse text no verb could give the database, before any verb runs: a NUL character,
