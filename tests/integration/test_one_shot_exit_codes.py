@@ -114,3 +114,24 @@ def test_a_claim_that_fails_once_is_a_blip_not_a_failed_job(
 
     assert len(calls) > FAILING_CALL and "processed=1 reason=Idle" in out.getvalue()
     assert Delivery.objects.get(subscription=waiting_work).status == "Completed"
+
+
+@pytest.mark.parametrize("where", ["--concurrency", "WORKQUEUE['SUBSCRIPTIONS']"])
+def test_a_concurrency_no_machine_can_run_exits_2_naming_it(waiting_work, settings, where):
+    # 2 x 99,999,999,999 worker threads: "can't start new thread" half way, exit 1.
+    arguments = ["--concurrency", "5000"] if where == "--concurrency" else []
+    if where != "--concurrency":
+        settings.WORKQUEUE = {
+            **settings.WORKQUEUE,
+            "SUBSCRIPTIONS": [{"name": "*", "concurrency": 5000}],
+        }
+
+    with pytest.raises(CommandError) as raised:
+        call_command(
+            "workqueue_work", "-s", waiting_work.name, "--once", *arguments, stdout=io.StringIO()
+        )
+
+    assert raised.value.returncode == 2
+    assert f"{where} gives subscription" in str(raised.value)
+    assert "at most 1,000 handlers" in str(raised.value)
+    assert Delivery.objects.get(subscription=waiting_work).status == "Pending"

@@ -63,6 +63,9 @@ class PlanState:
 CANNOT_RUN = frozenset({PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED})
 
 
+#: The most handlers of one subscription a host runs at once (each slot is two threads).
+MAX_CONCURRENCY = 1000
+
 @dataclass(frozen=True, slots=True)
 class PlanEntry:
     name: str
@@ -151,10 +154,21 @@ class HostConfig:
 
     def concurrency_for(self, name: str) -> int:
         """``--concurrency``, else the subscription's own settings entry, else the ``*`` entry,
-        else 1."""
+        else 1; at most MAX_CONCURRENCY (more is a configuration mistake, said so)."""
         if self.concurrency is not None:
-            return self.concurrency
-        return max(int(self._entry_for(name).get("concurrency", 1)), 1)
+            value, source = self.concurrency, "--concurrency"
+        else:
+            value = max(int(self._entry_for(name).get("concurrency", 1)), 1)
+            source = "WORKQUEUE['SUBSCRIPTIONS']"
+        if value > MAX_CONCURRENCY:
+            # Each handler slot is two threads: far more starts no host, it exhausts the
+            # machine's threads half way through starting them.
+            raise WorkQueueConfigurationError(
+                f"{source} gives subscription {name!r} a concurrency of {value:,}; a host runs "
+                f"at most {MAX_CONCURRENCY:,} handlers of one subscription at once. Lower it, "
+                "and run more hosts for more."
+            )
+        return value
 
     def prefetch_for(self, name: str, max_payload_bytes: int) -> int:
         """How many deliveries past its concurrency the subscription may claim ahead while its
