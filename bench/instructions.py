@@ -339,7 +339,13 @@ class ServerRuns:
         if "ERROR:" in finished.stderr:
             problem = next(line for line in finished.stderr.splitlines() if "ERROR:" in line)
             raise SystemExit(f"a statement of {script} failed: {problem.strip()}")
-        return _total_instructions(out)
+        try:
+            return _total_instructions(out)
+        finally:
+            # Not left in the cluster's folder, which localdb.destroy() deletes only while it
+            # holds nothing but its own files.
+            script.unlink()
+            out.unlink(missing_ok=True)
 
 
 def publish_workload(topic: str, batch: int) -> Workload:

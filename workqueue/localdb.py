@@ -85,11 +85,13 @@ _STATE_FILE = "state.json"
 _LOCK_FILE = "lock"
 _LOG_FILE = "server.log"
 _INITDB_DONE = "initdb.done"
-#: Everything this module keeps in its folder; a folder holding anything else is not its own to
-#: take over (chown, chmod) or to delete.
+#: Everything this module keeps in its folder (and a state file being written,
+#: ``state.json.<pid>.tmp``); a folder holding anything else is not its own to take over
+#: (chown, chmod) or to delete.
 _OWN_ENTRIES = frozenset(
     {"data", _STATE_FILE, _LOCK_FILE, _LOG_FILE, f"{_LOG_FILE}.1", _INITDB_DONE}
 )
+_STATE_FILE_BEING_WRITTEN = re.compile(re.escape(_STATE_FILE) + r"\.\d+\.tmp")
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
 _LOCK_TIMEOUT_S = 180.0
 _START_TIMEOUT_S = 60
@@ -253,14 +255,19 @@ def destroy() -> None:
     shutil.rmtree(_socket_dir(base), ignore_errors=True)
     if not base.is_dir():
         return
-    for name in _OWN_ENTRIES:
-        entry = base / name
+    for entry in [base / name for name in _OWN_ENTRIES] + list(base.glob(f"{_STATE_FILE}.*.tmp")):
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         base.rmdir()
+
+
+def _is_own_entry(name: str) -> bool:
+    # A state file being written (by another process starting now, or left by one killed
+    # before its rename) is ours too.
+    return name in _OWN_ENTRIES or _STATE_FILE_BEING_WRITTEN.fullmatch(name) is not None
 
 
 def _require_own_folder(base: Path, action: str) -> None:
@@ -272,7 +279,7 @@ def _require_own_folder(base: Path, action: str) -> None:
         )
     if not base.is_dir():
         return
-    foreign = sorted(entry.name for entry in base.iterdir() if entry.name not in _OWN_ENTRIES)
+    foreign = sorted(entry.name for entry in base.iterdir() if not _is_own_entry(entry.name))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise LocalDBError(

@@ -269,7 +269,9 @@ def publish_many(
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An
         # enlisted publish is not visible until the caller commits; NOTIFY covers that.)
-        signals.send(signals.published, sender=publish_many, topic=name, message_ids=accepted)
+        # Robust: the messages are committed; a receiver that raises (Django logs it) must
+        # not make the publish look failed.
+        signals.published.send_robust(sender=publish_many, topic=name, message_ids=accepted)
     return final
 
 

@@ -453,7 +453,11 @@ def queue_gauges(subscription_id: str, cap: int) -> dict[str, Any] | None:
 
 
 def list_dead_letters(
-    subscription_id: str, after_delivery_id: str | None, page_size: int, *, with_payload: bool
+    subscription_id: str,
+    after_delivery_id: str | None,
+    page_size: int,
+    *,
+    with_payload: bool = True,
 ) -> list[DeadLetterItem]:
     rows = _driver().call(
         "wq_list_dead_letters",

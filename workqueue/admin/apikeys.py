@@ -21,7 +21,7 @@ from django.utils.cache import patch_cache_control
 
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import ApiKey
-from workqueue.models.apikeys import KEY_PREFIX
+from workqueue.models.apikeys import KEY_PREFIX, MAX_EXPIRES_DAYS
 from workqueue.operators.permissions import SCOPES, uncovered_scope_problem
 
 
@@ -72,7 +72,7 @@ class ApiKeyCreateForm(_KeyLimitsForm):
     expires_days = forms.IntegerField(
         required=False,
         min_value=1,
-        max_value=3650,
+        max_value=MAX_EXPIRES_DAYS,
         help_text="Days until the key expires; empty for no expiry.",
     )
 

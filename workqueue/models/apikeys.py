@@ -18,8 +18,8 @@ from django.db import models
 from django.utils import timezone
 
 KEY_PREFIX = "wq"
-#: The furthest expiry a key may be issued with (a hundred years; further is "never").
-MAX_EXPIRES_DAYS = 36_500
+#: The furthest expiry a key may be issued with (ten years; further is "never").
+MAX_EXPIRES_DAYS = 3_650
 # last_used_at is written at most this often per key, so busy keys do not write every request.
 LAST_USED_RESOLUTION = dt.timedelta(seconds=60)
 

@@ -720,8 +720,9 @@ class Consumer:
             log_lease_expired_dead_letter(
                 self.plan.name, expired.delivery_id, expired.partition_key
             )
-            signals.send(
-                signals.dead_lettered,
+            # Robust: a receiver that raises (Django logs it) must not take the claim, and
+            # the deliveries it took, with it.
+            signals.dead_lettered.send_robust(
                 sender=Consumer,
                 subscription_id=expired.subscription_id,
                 delivery_id=expired.delivery_id,

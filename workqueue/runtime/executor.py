@@ -862,8 +862,8 @@ class DeliveryExecution:
                 f": {_first_line(error)}" if error else "",
                 exc_info=exception,
             )
-            signals.send(
-                signals.dead_lettered,
+            # Robust: a receiver that raises (Django logs it) must not fail the settle.
+            signals.dead_lettered.send_robust(
                 sender=DeliveryExecution,
                 subscription_id=self.plan.subscription_id,
                 delivery_id=self.delivery.delivery_id,

@@ -66,6 +66,7 @@ CANNOT_RUN = frozenset({PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanS
 #: The most handlers of one subscription a host runs at once (each slot is two threads).
 MAX_CONCURRENCY = 1000
 
+
 @dataclass(frozen=True, slots=True)
 class PlanEntry:
     name: str
@@ -400,12 +401,16 @@ class Host:
             for subscription in subscriptions.filter(host_type="Worker"):
                 found.setdefault(subscription.name, subscription)
                 names.add(subscription.name)
-        return {
-            name: self._plan_one(name, found.get(name), self.config.concurrency_for(name))
-            for name in sorted(names)
-        }
+        return {name: self._plan_one(name, found.get(name)) for name in sorted(names)}
 
-    def _plan_one(self, name: str, subscription: Any, concurrency: int) -> PlanEntry:
+    def _plan_one(self, name: str, subscription: Any) -> PlanEntry:
+        try:
+            concurrency = self.config.concurrency_for(name)
+        except WorkQueueConfigurationError as exc:
+            # This subscription's mistake: reported as its Error (a one-shot run exits 2 for
+            # it), while the host runs the others.
+            return PlanEntry(name, PlanState.ERROR, str(exc), MAX_CONCURRENCY)
+
         def entry(state: str, reason: str = "") -> PlanEntry:
             return PlanEntry(name, state, reason, concurrency)
 

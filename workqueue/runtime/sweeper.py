@@ -106,8 +106,9 @@ class Sweeper:
                         row["delivery_id"],
                         row["partition_key"],
                     )
-                    signals.send(
-                        signals.dead_lettered,
+                    # Robust: a receiver that raises (Django logs it) must not cost the
+                    # batch's other dead letters their signal, nor end the pass's expiry.
+                    signals.dead_lettered.send_robust(
                         sender=Sweeper,
                         subscription_id=row["subscription_id"],
                         delivery_id=row["delivery_id"],

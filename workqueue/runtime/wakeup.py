@@ -37,6 +37,7 @@ class Wakeup:
         self._on_cancel: CancelCallback | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._listened = False  # whether the current connection has listened (see _run)
         self._thread = threading.Thread(target=self._run, name="wq-wakeup", daemon=True)
         self.connected = threading.Event()
 
@@ -95,20 +96,24 @@ class Wakeup:
     def _run(self) -> None:
         delay = 0.2
         while not self._stop.is_set():
+            self._listened = False
             try:
-                listener = self._driver.open_listener()
-                # Connected: a later cut is a new outage, whose first retry waits the shortest
-                # delay again (not what the last outage had grown it to, up to 10 s).
-                delay = 0.2
-                self._listen_until_stopped(listener)
+                self._listen_until_stopped()
             except Exception as exc:
+                if self._listened:
+                    # It listened since the last failure: this cut is a new outage, whose
+                    # first retry waits the shortest delay again, not what the last outage had
+                    # grown it to (up to 10 s). A connection that opens but cannot LISTEN (a
+                    # standby during a failover) keeps backing off.
+                    delay = 0.2
                 logger.warning("Notifications lost (%s); polling until reconnected", exc)
                 self.connected.clear()
                 self._stop.wait(delay)
                 delay = min(delay * 2, MAX_RECONNECT_DELAY)
 
-    def _listen_until_stopped(self, listener: Any) -> None:
+    def _listen_until_stopped(self) -> None:
         listening: set[str] = set()
+        listener: Any = self._driver.open_listener()
         try:
             self.connected.set()
             # Anything published while we were not listening must not wait for a poll. (Cancels
@@ -124,6 +129,7 @@ class Wakeup:
                 for channel in listening - wanted:
                     listener.unlisten(channel)
                 listening = wanted
+                self._listened = True
                 for channel, payload in listener.notifications(timeout=POLL_SECONDS):
                     self._dispatch(channel, payload)
         finally:

@@ -33,12 +33,14 @@ class Command(BaseCommand):
         try:
             self._verbs[options["verb"]].run(self, options)
         except (OperationalError, InterfaceError) as exc:
-            # The database is away (Django's own reads: topology, API keys, host records): one
-            # line saying so, not a traceback through the ORM.
+            # Django's own reads (topology, API keys, host records) failing: one line saying
+            # so, not a traceback through the ORM.
+            # Django's OperationalError also covers timeouts, deadlocks and a full server:
+            # the database's own words say which.
             detail = " ".join(str(exc).split())
             raise CommandError(
-                f"The database did not answer ({detail}). Check that it runs and that "
-                "DATABASE_URL (or DATABASES) points at it, then run the command again."
+                f"The database could not be used ({detail}). If it is away, check that it runs "
+                "and that DATABASE_URL (or DATABASES) points at it; then run the command again."
             ) from exc
 
     def _refuse_unstorable_text(self, options: dict[str, Any]) -> None:
