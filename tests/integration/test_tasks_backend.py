@@ -522,36 +522,30 @@ def test_a_queue_whose_topic_was_bound_to_another_transport_is_refused_naming_th
 # -- unusable return values, commit callbacks, stale runs (audit helper-67) ---------------------
 
 
-def test_a_return_value_the_database_cannot_store_fails_at_once_and_runs_once(run_host):
+@pytest.mark.parametrize(
+    ("task", "says"),
+    [
+        (returns_unstorable_text, "holds a NUL character"),
+        (returns_itself, "is nested more than 64 levels"),
+    ],
+    ids=["text-the-database-cannot-store", "contains-itself"],
+)
+def test_a_return_value_that_cannot_be_stored_fails_at_once_and_runs_once(run_host, task, says):
     """A NUL round-trips through JSON but not into jsonb: storing it raised DataError, which
-    was retried, running the task's side effects again on every attempt."""
+    was retried, running the task's side effects again on every attempt. A value that contains
+    itself recursed until RecursionError, a RuntimeError, retried the same way."""
     task_functions.RUNS.clear()
-    result = returns_unstorable_text.enqueue("nul")
+    result = task.enqueue("label")
     run_host()
     failed = finished(result.id)
 
     assert (failed.status, failed.attempts, task_functions.RUNS) == (
         TaskResultStatus.FAILED,
         1,
-        ["nul"],
+        ["label"],
     )
     (error,) = failed.errors
-    assert "return value holds a NUL character" in error.traceback
-
-
-def test_a_return_value_that_contains_itself_fails_at_once(run_host):
-    # The check recursed until RecursionError, a RuntimeError, which was retried.
-    task_functions.RUNS.clear()
-    result = returns_itself.enqueue("cycle")
-    run_host()
-    failed = finished(result.id)
-
-    assert (failed.status, failed.attempts, task_functions.RUNS) == (
-        TaskResultStatus.FAILED,
-        1,
-        ["cycle"],
-    )
-    assert failed.errors[0].exception_class is ValueError
+    assert error.exception_class is ValueError and says in error.traceback
 
 
 @pytest.mark.parametrize("shape", ["contains itself", "5,000 levels deep"])
@@ -611,39 +605,24 @@ def test_a_commit_callback_that_raises_leaves_a_successful_task_successful(run_h
     assert "the on_commit callback failed" in caplog.text
 
 
-def test_a_run_that_fails_after_another_took_its_delivery_over_records_nothing():
+def test_a_run_that_fails_after_another_took_its_delivery_over_records_nothing(run_host):
     """The first run's lease ran out, a second run succeeded; the first then failed and wrote
     its error into the finished, successful result."""
     task_functions.RUNS.clear()
     task_functions.FIRST_RUN_STARTED.clear()
     task_functions.RELEASE_FIRST_RUN.clear()
-    get_user_model().objects.create_user("workqueue-system")
-    default_task_backend.ensure_queue("default")
     Subscription.objects.filter(name=QUEUE).update(lease_seconds=5, heartbeat_mode="Manual")
     result = first_run_fails_when_released.enqueue()
-    host = Host(
-        HostConfig(
-            subscriptions=[{"name": QUEUE, "concurrency": 2}],
-            idle_poll_min_ms=50,
-            idle_poll_max_ms=200,
-            shutdown_drain_ms=300,
-            sweeper_interval_ms=0,
-            reconcile_interval_ms=0,
-        )
-    )
-    host.start()
+    host = run_host()
     try:
         assert task_functions.FIRST_RUN_STARTED.wait(15)
         queue = Subscription.objects.get(name=QUEUE)
         get_driver().shift_time(60, subscription_id=str(queue.pk))  # its lease ran out
         done = finished(result.id)
         assert (done.status, done.return_value) == (TaskResultStatus.SUCCESSFUL, "ok")
-        task_functions.RELEASE_FIRST_RUN.set()
-        wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
     finally:
-        task_functions.RELEASE_FIRST_RUN.set()
-        host.shutdown()
-        get_driver().close()
+        task_functions.RELEASE_FIRST_RUN.set()  # the first run now fails
+    wait_until(lambda: host.health()["subscriptions"][0]["in_flight"] == 0)
 
     assert default_task_backend.get_result(result.id).errors == []
     assert task_functions.RUNS == ["run", "run"]
