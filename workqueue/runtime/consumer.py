@@ -651,7 +651,7 @@ class Consumer:
         what it claims, no more): ``prefetch`` at most, and no more than the slots get through
         in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
-        running_elsewhere = self._predecessors_running()
+        running_elsewhere = self._predecessors_running() if self._predecessors else 0
         free = concurrency - self._handlers_running - running_elsewhere
         handler_seconds = self._handler_seconds
         if (
@@ -674,8 +674,6 @@ class Consumer:
     def _predecessors_running(self) -> int:
         """Handlers of ``predecessors`` still running; called with the lock held (the order
         is always this consumer's lock, then a predecessor's)."""
-        if not self._predecessors:
-            return 0
         counts = [(p, p.left_running()[0]) for p in self._predecessors]
         # A stopped consumer starts nothing more: one whose handlers have all returned is done.
         self._predecessors = [p for p, running in counts if running]
@@ -812,8 +810,9 @@ class Consumer:
             self._background.run_or_call(self._hand_back, execution)
         if wanted:
             self._wake.set()
-        for successor in list(self._successors):
-            successor._predecessor_freed_a_slot()
+        if self._successors:  # only a consumer a re-plan stopped has any
+            for successor in list(self._successors):
+                successor._predecessor_freed_a_slot()
         return following
 
     def _execute(self, execution: DeliveryExecution) -> None:
