@@ -131,6 +131,38 @@ def test_the_handlers_write_and_the_completion_commit_together_and_nothing_is_se
     assert "wq_complete(" in settle
 
 
+def test_a_commit_callback_of_the_handler_that_raises_leaves_the_completion_committed(
+    rig, statements
+):
+    """Django runs the transaction's callbacks in order and stops at one that raises: the
+    completion's own mark, registered after the handler's callback, never ran, and once the
+    handler opened another transaction the committed completion read as rolled back, so the
+    executor settled it again (refused, reported as a lost lease)."""
+
+    def callback_raises_then_goes_on(message: WorkMessage, context: WorkContext) -> Any:
+        try:
+            with transaction.atomic():
+                write_effect(message, context)
+                transaction.on_commit(lambda: 1 / 0)  # registered before the completion
+                context.complete(enlist=True)
+        except ZeroDivisionError:
+            pass  # the commit happened; the callback failed after it
+        with transaction.atomic():  # more work of its own (an audit row, say)
+            pass
+        return Outcome.complete()
+
+    sub = rig.subscription(handler_key="tests.txn.body")
+    receiver, delivery = rig.claim(sub, body(callback_raises_then_goes_on))
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert [s for s in statements if any(name in s for name in SETTLES)] == [
+        s for s in statements if "wq_complete(" in s
+    ]
+    assert len([s for s in statements if "wq_complete(" in s]) == 1
+
+
 def test_an_outcome_returned_after_a_committed_completion_changes_nothing(rig, statements, caplog):
     sub = rig.subscription()
 
