@@ -90,7 +90,10 @@ def json_text_problem(text: str) -> str | None:
 
 def _has_lone_surrogate(text: str) -> bool:
     # A str fails to encode as UTF-8 only for surrogate code points, which no stored text may
-    # hold (an escaped pair in JSON decodes to the one character it stands for).
+    # hold (an escaped pair in JSON decodes to the one character it stands for). ASCII text
+    # holds none, and says so without the copy encoding makes.
+    if text.isascii():
+        return False
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -255,7 +255,9 @@ def destroy() -> None:
     shutil.rmtree(_socket_dir(base), ignore_errors=True)
     if not base.is_dir():
         return
-    for entry in [base / name for name in _OWN_ENTRIES] + list(base.glob(f"{_STATE_FILE}.*.tmp")):
+    for entry in base.iterdir():
+        if not _is_own_entry(entry.name):
+            continue  # appeared since the check: not ours to delete (and the folder stays)
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:

@@ -622,8 +622,10 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
         ) from None
     # json writes a number, boolean or null key as text ({1: "a"} as {"1": "a"}), so the handler
     # would get another object than the one published. Only a text that has a key spelled like
-    # one is walked to tell a written number from a text key "1".
-    if _CONVERTED_KEY.search(text):
+    # one is walked to tell a written number from a text key "1". (The first search finds a
+    # key's end at about the speed of a substring test; the second reads the whole key, so that
+    # keys such as "line1" or "v2" cost no walk.)
+    if _CONVERTED_KEY_END.search(text) and _CONVERTED_KEY.search(text):
         key_problem = _non_text_key(value, field)
         if key_problem is not None:
             raise _Invalid(PublishErrorCode.INVALID_PAYLOAD, key_problem)
@@ -636,55 +638,54 @@ def _payload(payload: Any, payload_ref: Any) -> tuple[Any, dict[str, Any] | None
 #: The end of a key as json writes a number, boolean or null key (or of a text key that ends like
 #: one, "item1"): found from the literal '":' and a look back, at about the speed of a substring
 #: test (a pattern that starts with the key's first character searched 2x slower).
-_CONVERTED_KEY = re.compile(
+_CONVERTED_KEY_END = re.compile(
     r'":(?:(?<=[0-9]":)|(?<=true":)|(?<=false":)|(?<=null":)|(?<=NaN":)|(?<=Infinity":))'
+)
+#: A whole key as json writes a number (int or float, Infinity and NaN included), boolean or null
+#: key. In valid JSON text a '"' after '{' or ',' opens a string, so this matches keys only.
+_CONVERTED_KEY = re.compile(
+    r'[{,]"(?:-?[0-9]+(?:\.[0-9]+)?(?:e[-+][0-9]+)?|true|false|null|NaN|-?Infinity)":'
 )
 
 
 def _non_text_key(value: Any, field: str) -> str | None:
-    """The problem with the first object key in ``value`` that is not text, or None. (A walk
-    that only looks comes first: maps keyed by ids written as text send most payloads here,
-    and the walk that names the place builds a path for every node.)"""
-    if not _has_non_text_key(value):
+    """The problem with the first object key in ``value`` that is not text, or None. Only
+    containers are walked, each linked to its parent by (link, key or index), and the path is
+    spelled out only for the key it reports."""
+    if not isinstance(value, dict | list | tuple):
         return None
-    stack = [(value, field)]
+    stack: list[tuple[Any, Any]] = [(value, None)]
     seen: set[int] = set()
     while stack:
-        item, path = stack.pop()
-        if isinstance(item, dict | list | tuple):
-            if id(item) in seen:
-                continue  # a value that contains itself (and something json cannot write)
-            seen.add(id(item))
-        if isinstance(item, dict):
-            for key, member in item.items():
-                if not isinstance(key, str):
-                    return (
-                        f"The {field}'s object keys must be text: {path} has the key {key!r} "
-                        f"({type(key).__name__})."
-                    )
-                stack.append((member, f"{path}[{key!r}]"))
-        elif isinstance(item, list | tuple):
-            stack.extend((member, f"{path}[{n}]") for n, member in enumerate(item))
-    return None
-
-
-def _has_non_text_key(value: Any) -> bool:
-    stack = [value]
-    seen: set[int] = set()
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict | list | tuple):
-            if id(item) in seen:
-                continue
-            seen.add(id(item))
+        item, link = stack.pop()
+        if id(item) in seen:
+            continue  # a value that contains itself (and something json cannot write)
+        seen.add(id(item))
         if isinstance(item, dict):
             for key in item:
                 if not isinstance(key, str):
-                    return True
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-    return False
+                    return (
+                        f"The {field}'s object keys must be text: {_spelled(field, link)} "
+                        f"has the key {key!r} ({type(key).__name__})."
+                    )
+            members: Any = item.items()
+        else:
+            members = enumerate(item)
+        stack.extend(
+            (member, (link, key))
+            for key, member in members
+            if isinstance(member, dict | list | tuple)
+        )
+    return None
+
+
+def _spelled(field: str, link: Any) -> str:
+    """The path a chain of (parent link, key or index) links names, e.g. payload['a'][0]."""
+    parts = []
+    while link is not None:
+        link, key = link
+        parts.append(f"[{key}]" if isinstance(key, int) else f"[{key!r}]")
+    return field + "".join(reversed(parts))
 
 
 def _envelope_bytes(

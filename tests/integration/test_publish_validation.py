@@ -126,6 +126,9 @@ def test_invalid_payload_boundaries(topic):
             "a number as a key": ({"payload": {1: "one"}}, "InvalidPayload"),
             "a nested boolean key": ({"payload": {"a": [{True: "yes"}]}}, "InvalidPayload"),
             "text and number keys": ({"payload": {1: "a", "b": 2}}, "InvalidPayload"),
+            "a negative float key": ({"payload": {"a": {-1.5e30: 1}}}, "InvalidPayload"),
+            "a None key": ({"payload": [[{None: 1}]]}, "InvalidPayload"),
+            "text keys spelled like numbers": ({"payload": {"1": "a", "line1": 2}}, ACCEPTED),
         },
     )
 

@@ -600,7 +600,7 @@ class CanonicalJSONEncoder(DjangoJSONEncoder):
 #: character lets the search skip through long texts at the speed of a substring test.
 _EXPONENT = re.compile(r"e[-+][0-9]+(?:[,\]}]|$)")
 #: A JSON string (group 1 unset: left as it is) or a number with an exponent (group 1).
-_STRING_OR_EXPONENT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?[0-9]+(?:\.[0-9]+)?e[-+][0-9]+)')
+_STRING_OR_EXPONENT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|(-?[0-9]+(?:\.[0-9]+)?e[-+][0-9]+)')
 
 
 def _written_out(match: re.Match[str]) -> str:

@@ -19,14 +19,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from workqueue import metrics, signals
+from workqueue import metrics
 from workqueue.exceptions import WorkQueueError
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
     DeliveryExecution,
     ExecutionResult,
     ExecutionServices,
-    log_lease_expired_dead_letter,
+    report_lease_expired_dead_letter,
 )
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
@@ -715,17 +715,13 @@ class Consumer:
             self.received += len(result.deliveries)
             self.last_activity = time.monotonic()
         for expired in result.expired_dead_letters:
-            log_lease_expired_dead_letter(
-                self.plan.name, expired.delivery_id, expired.partition_key
-            )
-            # Robust: a receiver that raises (Django logs it) must not take the claim, and
-            # the deliveries it took, with it.
-            signals.dead_lettered.send_robust(
-                sender=Consumer,
-                subscription_id=expired.subscription_id,
-                delivery_id=expired.delivery_id,
-                partition_key=expired.partition_key,
-                reason=expired.reason,
+            report_lease_expired_dead_letter(
+                Consumer,
+                self.plan.name,
+                expired.subscription_id,
+                expired.delivery_id,
+                expired.partition_key,
+                expired.reason,
             )
         return result
 

@@ -469,16 +469,16 @@ class DeliveryExecution:
                 error=_describe(exc),
                 exception=exc,
             )
-        except KeyboardInterrupt as exc:
-            if threading.current_thread() is threading.main_thread():
-                raise  # Ctrl-C during run_until_idle (a test): the test run stops
-            # Raised by the handler itself, or passed on from a library, on a worker thread:
-            # retried as SystemExit is, not left to run out its lease and an attempt.
-            return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         except BaseException as exc:
-            # SystemExit too (sys.exit(), a command-line parser called inside a handler), and
-            # asyncio's CancelledError: on a worker thread either would only end the thread,
-            # leaving its slot taken and the delivery leased and renewed for the process's life.
+            if (
+                isinstance(exc, KeyboardInterrupt)
+                and threading.current_thread() is threading.main_thread()
+            ):
+                raise  # Ctrl-C during run_until_idle (a test): the test run stops
+            # SystemExit too (sys.exit(), a command-line parser called inside a handler),
+            # asyncio's CancelledError, and a KeyboardInterrupt a handler or a library raised on
+            # a worker thread: there any of them would only end the thread, leaving its slot
+            # taken and the delivery leased and renewed for the process's life.
             return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
         finally:
             with self._lock:
@@ -914,11 +914,18 @@ class DeliveryExecution:
             return False  # cannot tell: reported as before
 
 
-def log_lease_expired_dead_letter(
-    subscription: str, delivery_id: str, partition_key: str | None
+def report_lease_expired_dead_letter(
+    sender: type,
+    subscription: str,
+    subscription_id: Any,
+    delivery_id: str,
+    partition_key: str | None,
+    reason: str = "LeaseExpired",
 ) -> None:
     """A dead letter made by lease expiry (a claim or the sweeper found its holder gone on the
-    last attempt): logged like a handler's, so alerting sees both."""
+    last attempt): logged like a handler's, so alerting sees both, and signalled
+    (``dead_lettered``, from ``sender``). Robustly: a receiver that raises (Django logs it)
+    must not take the claim, or the sweeper's batch, with it."""
     logger.error(
         "Delivery dead-lettered: LeaseExpired (subscription=%s delivery=%s key=%s): its holder "
         "stopped renewing the lease on its last attempt",
@@ -930,6 +937,13 @@ def log_lease_expired_dead_letter(
             "delivery_id": delivery_id,
             "partition_key": partition_key,
         },
+    )
+    signals.dead_lettered.send_robust(
+        sender=sender,
+        subscription_id=subscription_id,
+        delivery_id=delivery_id,
+        partition_key=partition_key,
+        reason=reason,
     )
 
 

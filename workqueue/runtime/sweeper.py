@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workqueue import metrics, signals, transport
-from workqueue.runtime.executor import log_lease_expired_dead_letter
+from workqueue import metrics, transport
+from workqueue.runtime.executor import report_lease_expired_dead_letter
 from workqueue.types import DeliveryStatus
 
 logger = logging.getLogger(__name__)
@@ -101,19 +101,12 @@ class Sweeper:
                 for row in dead:
                     result.expired_dead_letters += 1
                     # By name, as a consumer logs it: the name is what operators act on.
-                    log_lease_expired_dead_letter(
+                    report_lease_expired_dead_letter(
+                        Sweeper,
                         names.get(str(row["subscription_id"]), str(row["subscription_id"])),
+                        row["subscription_id"],
                         row["delivery_id"],
                         row["partition_key"],
-                    )
-                    # Robust: a receiver that raises (Django logs it) must not cost the
-                    # batch's other dead letters their signal, nor end the pass's expiry.
-                    signals.dead_lettered.send_robust(
-                        sender=Sweeper,
-                        subscription_id=row["subscription_id"],
-                        delivery_id=row["delivery_id"],
-                        partition_key=row["partition_key"],
-                        reason="LeaseExpired",
                     )
                 if len(rows) < EXPIRE_BATCH:
                     return

@@ -141,7 +141,9 @@ def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
     if value is None or kind is bool:
         return
     if kind is str:
-        _require_storable_text(value, where)
+        if (problem := text_problem(value)) is not None:
+            # Not the text itself: it may be long, and is not printable as it stands.
+            raise ValueError(f"{where} {problem}.")
         return
     if kind is int:
         if value.bit_length() > _INT_BITS_ALWAYS_WRITABLE:
@@ -170,7 +172,8 @@ def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
                     f"{where} has the key {key!r} ({type(key).__name__}); JSON object keys are "
                     "strings, so it would come back as a different key. Use string keys."
                 )
-            _require_storable_text(key, f"{where} has a key that")
+            if (problem := text_problem(key)) is not None:
+                raise ValueError(f"{where} has a key that {problem}.")
             require_json_round_trip(item, f"{where}[{key!r}]", depth + 1)
         return
     raise TypeError(
@@ -183,13 +186,6 @@ def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
 #: Integers up to this many bits have fewer digits than Python's default limit on writing
 #: them as text (4,300): only longer ones are written out to check.
 _INT_BITS_ALWAYS_WRITABLE = 14_000
-
-
-def _require_storable_text(text: str, where: str) -> None:
-    problem = text_problem(text)
-    if problem is not None:
-        # Not the text itself: it may be long, and is not printable as it stands.
-        raise ValueError(f"{where} {problem}.")
 
 
 def build_result(

@@ -91,15 +91,13 @@ def record_failure(result_id: str, exc: BaseException, context: WorkContext) -> 
     """Add the run's error to the result, unless the run no longer holds its delivery: its
     lease ran out and another run took the delivery over (and may have finished it), whose
     result this failure is not part of."""
+    still_held = Delivery.objects.filter(
+        pk=context.delivery_id, status=DeliveryStatus.IN_FLIGHT, attempt_count=context.attempt
+    ).exists()
+    if not still_held:
+        return  # and takes no lock on the result another run may be writing
     with transaction.atomic():
         record = TaskResult.objects.select_for_update().get(pk=result_id)
-        still_held = Delivery.objects.filter(
-            pk=context.delivery_id,
-            status=DeliveryStatus.IN_FLIGHT,
-            attempt_count=context.attempt,
-        ).exists()
-        if not still_held:
-            return
         record.errors = [
             *record.errors,
             {

@@ -1268,30 +1268,32 @@ def _topic_refusal(topic: Any, external: bool) -> str | None:
 
 
 def _find_topic_arn(clients: AwsClients, name: str) -> str | None:
-    paginator = clients.sns.get_paginator("list_topics")
-    try:
-        for page in paginator.paginate():
-            for topic in page.get("Topics", []):
-                if topic["TopicArn"].rsplit(":", 1)[-1] == name:
-                    return topic["TopicArn"]
-    except Exception as exc:  # botocore's errors, raised lazily by the paginator
-        raise TransportUnavailableError(f"AWS could not list SNS topics: {exc}") from exc
+    for topic in _listed(clients, "list_topics", "Topics"):
+        if topic["TopicArn"].rsplit(":", 1)[-1] == name:
+            return str(topic["TopicArn"])
     return None
 
 
 def _subscription_arn(clients: AwsClients, topic_arn: str, queue_arn: str) -> str | None:
     """The SNS subscription of ``topic_arn`` that delivers to ``queue_arn``, if any."""
+    for subscription in _listed(
+        clients, "list_subscriptions_by_topic", "Subscriptions", TopicArn=topic_arn
+    ):
+        if subscription["Endpoint"] == queue_arn:
+            return str(subscription["SubscriptionArn"])
+    return None
+
+
+def _listed(clients: AwsClients, operation: str, key: str, **params: Any) -> Iterator[Any]:
+    """Every item SNS's paginated ``operation`` lists under ``key``; AWS's failures, raised
+    lazily page by page, as TransportUnavailableError (as ``_call`` turns a single call's)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    paginator = clients.sns.get_paginator("list_subscriptions_by_topic")
     try:
-        for page in paginator.paginate(TopicArn=topic_arn):
-            for subscription in page.get("Subscriptions", []):
-                if subscription["Endpoint"] == queue_arn:
-                    return str(subscription["SubscriptionArn"])
-    except (BotoCoreError, ClientError) as exc:  # raised lazily, page by page
-        raise TransportUnavailableError(f"AWS refused list_subscriptions_by_topic: {exc}") from exc
-    return None
+        for page in clients.sns.get_paginator(operation).paginate(**params):
+            yield from page.get(key, [])
+    except (BotoCoreError, ClientError) as exc:
+        raise TransportUnavailableError(f"AWS could not {operation}: {exc}") from exc
 
 
 def _sns_entry(
