@@ -334,11 +334,14 @@ def test_a_server_still_recovering_is_left_to_finish(
     recovering = localdb._Postmaster(
         running.pid, running.start, running.port, "", "starting", running.shmid
     )
-    monkeypatch.setattr(localdb, "_read_pidfile", lambda _pgdata: recovering)
-    monkeypatch.setattr(localdb, "_START_TIMEOUT_S", 0.2)
     stopped: list[Path] = []
-    monkeypatch.setattr(localdb, "_stop_postmaster", stopped.append)
+    # Undone before the fixture's destroy(), which must really stop the server: left patched,
+    # it deleted the folder under a server that ran on.
+    with monkeypatch.context() as patched:
+        patched.setattr(localdb, "_read_pidfile", lambda _pgdata: recovering)
+        patched.setattr(localdb, "_START_TIMEOUT_S", 0.2)
+        patched.setattr(localdb, "_stop_postmaster", stopped.append)
 
-    with pytest.raises(localdb.LocalDBError, match="still starting"):
-        localdb.ensure_running()
+        with pytest.raises(localdb.LocalDBError, match="still starting"):
+            localdb.ensure_running()
     assert stopped == []
