@@ -13,7 +13,7 @@ from workqueue.exceptions import WorkQueueConfigurationError
 
 
 def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[Any]:
-    from workqueue.conf import get_settings
+    from workqueue.conf import get_settings, setting_problems
 
     try:
         conf = get_settings()
@@ -25,7 +25,15 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
                 id="workqueue.E001",
             )
         ]
-    errors = []
+    errors = [
+        checks.Error(
+            problem,
+            hint="Fix it in settings.WORKQUEUE (or its WORKQUEUE_* environment variable); "
+            "workqueue/conf.py describes each setting.",
+            id="workqueue.E008",
+        )
+        for problem in setting_problems(conf)
+    ]
     if conf.DATABASE_ALIAS not in settings.DATABASES:
         errors.append(
             checks.Error(

@@ -58,6 +58,31 @@ class WorkQueueSettings:
     #: Each count a metrics scrape reads stops here, so a scrape costs milliseconds whatever
     #: the backlog (``workqueue_counts_capped`` says when one did); 1..1000000.
     METRICS_COUNT_CAP: int = 10_000
+    #: The sweeper deletes the record of a host not seen for this many days (a stopped host's
+    #: or a dead one's); 1..3650.
+    HOST_RECORD_RETENTION_DAYS: int = 7
+
+
+#: The most handlers of one subscription a host runs at once (each slot is two threads).
+MAX_CONCURRENCY = 1000
+#: The keys a ``SUBSCRIPTIONS`` entry may hold.
+SUBSCRIPTION_ENTRY_KEYS = ("name", "concurrency", "prefetch")
+#: Each number setting's smallest and largest value (None: no bound). A value outside them
+#: would not fail where it is read, only misbehave: a busy claim loop, a sweeper never run.
+_NUMBER_RANGES: dict[str, tuple[int, int | None]] = {
+    "IDLE_POLL_MIN_MS": (1, None),
+    "IDLE_POLL_MAX_MS": (1, None),
+    "SHUTDOWN_DRAIN_MS": (0, None),
+    "SWEEPER_INTERVAL_MS": (0, None),
+    "RECONCILE_INTERVAL_MS": (0, None),
+    "SCHEDULER_INTERVAL_MS": (0, None),
+    "PUBLISH_MAX_BATCH": (1, None),
+    "PUBLISH_BODY_LIMIT_BYTES": (1, None),
+    "VACUUM_HORIZON_WARNING_SECONDS": (1, None),
+    "DEAD_ROWS_WARNING": (1, None),
+    "METRICS_COUNT_CAP": (1, 1_000_000),
+    "HOST_RECORD_RETENTION_DAYS": (1, 3650),
+}
 
 
 _INT_KEYS = {f.name for f in fields(WorkQueueSettings) if f.type in {"int", "int | None"}}
@@ -112,7 +137,97 @@ def setting(name: str) -> Any:
     else:
         configured = getattr(settings, "WORKQUEUE", None) or {}
         value = configured[name] if name in configured else _DEFAULTS[name]
-    return tuple(value) if name in _TUPLE_KEYS else value
+    # Only a list becomes a tuple: a string or a dict would become its letters or its keys,
+    # which setting_problems could no longer tell from a list given.
+    return tuple(value) if name in _TUPLE_KEYS and isinstance(value, list) else value
+
+
+def setting_problems(conf: WorkQueueSettings) -> list[str]:
+    """What in ``conf`` a host or a web process would misread, each naming the setting and
+    what it takes (``manage.py check`` reports them, so every command refuses to run)."""
+    problems = []
+    for name, (low, high) in _NUMBER_RANGES.items():
+        value = getattr(conf, name)
+        if value is None and name == "PUBLISH_BODY_LIMIT_BYTES":
+            continue
+        if not _is_whole_number(value) or value < low or (high is not None and value > high):
+            within = f"{low:,} or more" if high is None else f"{low:,} to {high:,}"
+            problems.append(f"WORKQUEUE['{name}'] is {value!r}: it takes a whole number, {within}.")
+    if conf.SWEEPER_ENABLED is True and conf.SWEEPER_INTERVAL_MS == 0:
+        problems.append(
+            "WORKQUEUE['SWEEPER_INTERVAL_MS'] is 0 with SWEEPER_ENABLED on: the sweeper would "
+            "never run, so no lease would expire. Give it an interval, or set SWEEPER_ENABLED "
+            "to False for hosts that should not sweep."
+        )
+    polls_are_numbers = not any("IDLE_POLL" in problem for problem in problems)
+    if polls_are_numbers and conf.IDLE_POLL_MAX_MS < conf.IDLE_POLL_MIN_MS:
+        problems.append(
+            f"WORKQUEUE['IDLE_POLL_MAX_MS'] ({conf.IDLE_POLL_MAX_MS}) is less than "
+            f"IDLE_POLL_MIN_MS ({conf.IDLE_POLL_MIN_MS}): the idle back-off grows from the "
+            "first to the second."
+        )
+    if not isinstance(conf.SWEEPER_ENABLED, bool):
+        problems.append(
+            f"WORKQUEUE['SWEEPER_ENABLED'] is {conf.SWEEPER_ENABLED!r}: it takes True or False."
+        )
+    modules = conf.HANDLER_MODULES
+    if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
+        problems.append(
+            f"WORKQUEUE['HANDLER_MODULES'] is {modules!r}: it takes a list of dotted module "
+            'paths, e.g. ["myapp.jobs"].'
+        )
+    return problems + subscription_entry_problems(conf.SUBSCRIPTIONS)
+
+
+def subscription_entry_problems(entries: Any) -> list[str]:
+    """What in ``SUBSCRIPTIONS`` a host would misread: hosts ignore a misspelt key and run
+    the subscription at concurrency 1."""
+    where = "WORKQUEUE['SUBSCRIPTIONS']"
+    if not isinstance(entries, (list, tuple)):
+        return [f"{where} is {entries!r}: it takes a list of entries, e.g. {_EXAMPLE}."]
+    problems = []
+    seen: dict[str, str] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            problems.append(f"{where} holds {entry!r}, which is not an entry like {_EXAMPLE}.")
+            continue
+        name = entry.get("name")
+        if not isinstance(name, str) or not name.strip():
+            problems.append(f"{where} holds an entry with no name: {entry!r}.")
+            continue
+        unknown = [key for key in entry if key not in SUBSCRIPTION_ENTRY_KEYS]
+        if unknown:
+            problems.append(
+                f"{where} entry {name!r} holds {', '.join(map(repr, unknown))}: an entry "
+                f"takes only {', '.join(SUBSCRIPTION_ENTRY_KEYS)}."
+            )
+        concurrency = entry.get("concurrency", 1)
+        if not _is_whole_number(concurrency) or not 1 <= concurrency <= MAX_CONCURRENCY:
+            problems.append(
+                f"{where} entry {name!r} has concurrency {concurrency!r}: it takes a whole "
+                f"number, 1 to {MAX_CONCURRENCY:,} (run more hosts for more)."
+            )
+        prefetch = entry.get("prefetch", 0)
+        if not _is_whole_number(prefetch) or prefetch < 0:
+            problems.append(
+                f"{where} entry {name!r} has prefetch {prefetch!r}: it takes a whole number, "
+                "0 or more (0 claims only for free slots)."
+            )
+        normalised = name.strip().lower()
+        if normalised in seen:
+            problems.append(
+                f"{where} holds two entries for one subscription, {seen[normalised]!r} and "
+                f"{name!r} (names are matched without case and spaces): keep one."
+            )
+        seen[normalised] = name
+    return problems
+
+
+_EXAMPLE = '[{"name": "*", "concurrency": 4}]'
+
+
+def _is_whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def get_settings() -> WorkQueueSettings:

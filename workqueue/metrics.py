@@ -73,7 +73,7 @@ PUBLISHED = Counter(
 SWEEPER_ROWS = Counter(
     "workqueue_sweeper_rows",
     "Rows this process's sweeper passes changed, by step: expired_leases, terminal_deliveries, "
-    "orphan_messages, expired_deduplications, task_results.",
+    "orphan_messages, expired_deduplications, task_results, host_records.",
     ["step"],
     registry=PROCESS,
 )

@@ -103,6 +103,10 @@ class Schedule:
 
 def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
     """Validate ``WORKQUEUE["SCHEDULES"]``; the error names the entry and what to change."""
+    if not isinstance(entries, (list, tuple)):
+        raise WorkQueueConfigurationError(
+            f"WORKQUEUE['SCHEDULES'] is {entries!r}: it takes a list of schedules."
+        )
     schedules: list[Schedule] = []
     for index, entry in enumerate(entries):
         where = f"WORKQUEUE['SCHEDULES'][{index}]"

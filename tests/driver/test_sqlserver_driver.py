@@ -468,7 +468,9 @@ def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_wr
         assert all(
             "dbo.workqueue_hostrecord " in s or "dbo.workqueue_taskresult " in s for s in writes
         )
-    assert "GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO [work]]er]" in runtime
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.workqueue_hostrecord TO [work]]er]" in (
+        runtime
+    )
     assert "GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.workqueue_taskresult TO [work]]er]" in (
         runtime
     )

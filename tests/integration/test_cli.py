@@ -231,6 +231,18 @@ def test_scaler_query_counts_claimable_and_in_flight_on_the_database(pg_conn):
     assert desired == 2  # one per claimable key; the rest of "same" must wait
 
 
+def test_scaler_query_for_a_name_no_subscription_has_warns_and_still_prints_it():
+    """A misspelt name printed a query that answers 0 for ever (an autoscaler that never
+    starts a job) without a word; it may name a subscription still to be created, so the
+    query is still printed."""
+    out, err = io.StringIO(), io.StringIO()
+    call_command("workqueue", "scaler-query", "-s", "ordres", stdout=out, stderr=err)
+
+    assert "ordres" in out.getvalue()
+    assert "No subscription is named 'ordres'" in err.getvalue()
+    assert "answers 0" in err.getvalue()
+
+
 def test_conformance_verb_prints_the_table():
     out = run("conformance", "--case", "C01", "--case", "C04")
     assert "C01" in out and "PASS" in out and "2 passed" in out

@@ -5,6 +5,7 @@ query needs. So the claim/settle/sweep rules and fencing cannot be bypassed."""
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
@@ -30,7 +31,8 @@ from workqueue.driver.base import (
     canonical_json,
 )
 from workqueue.driver.procedures import PROCEDURES, Grant, get_procedure
-from workqueue.models import Delivery, TaskResult
+from workqueue.models import Delivery, HostRecord, TaskResult
+from workqueue.models.hosts import database_now
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.transport import Receiver
 
@@ -440,14 +442,19 @@ def test_a_role_given_everything_before_keeps_no_trigger_or_write_on_the_procedu
 def test_the_runtime_role_runs_every_sweeper_step_and_records_task_runs(runtime_role, pg_conn):
     """grant-runtime gave nothing on workqueue_taskresult: every sweeper pass of a runtime
     role failed its task-results step (and `workqueue_sweep --once` with it), and a host could
-    not record a task's run."""
+    not record a task's run. The host-records step deletes as that role too."""
     call_command("workqueue", "grant-runtime", runtime_role)
     pg_conn.execute(f'GRANT SELECT ON auth_user TO "{runtime_role}"')
+    long_ago = database_now() - dt.timedelta(days=365)
+    HostRecord.objects.create(
+        instance_id="gone", hostname="h", pid=1, started_at=long_ago, last_seen_at=long_ago
+    )
     with queue_connections_as(runtime_role):
-        failed = Sweeper().run_once().failed_steps
+        result = Sweeper().run_once()
         TaskResult.objects.create(pk=uuid.uuid4(), worker_ids=["w"])
 
-    assert failed == []
+    assert result.failed_steps == []
+    assert result.purged["host_records"] == 1
 
 
 def test_the_operator_role_reads_api_keys_and_stamps_their_last_use_only(runtime_role, pg_conn):

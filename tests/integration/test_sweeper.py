@@ -8,6 +8,7 @@ and from ``workqueue_sweep --once``, instead of one pass an interval.
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import os
 import signal
@@ -26,7 +27,8 @@ from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import close_all_thread_connections, get_driver
-from workqueue.models import Deduplication, Delivery, Message, Subscription
+from workqueue.models import Deduplication, Delivery, HostRecord, Message, Subscription
+from workqueue.models.hosts import database_now
 from workqueue.runtime import sweeper
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.transport import Receiver
@@ -394,3 +396,31 @@ def test_a_host_sweeper_recovers_from_a_database_restart():
         service.stop()
 
     assert passes[-1] == [] and passes[-2] == [], passes
+
+
+def test_a_pass_deletes_the_records_of_hosts_not_seen_for_the_retention(settings):
+    """Every host start wrote a record that nothing ever deleted: a one-shot job run each
+    minute left half a million rows a year behind it."""
+    settings.WORKQUEUE = {**getattr(settings, "WORKQUEUE", {}), "HOST_RECORD_RETENTION_DAYS": 3}
+    now = database_now()
+
+    def record(name: str, seen_days_ago: float, stopped: bool) -> None:
+        seen = now - dt.timedelta(days=seen_days_ago)
+        HostRecord.objects.create(
+            instance_id=name,
+            hostname="h",
+            pid=1,
+            started_at=seen,
+            last_seen_at=seen,
+            stopped_at=seen if stopped else None,
+        )
+
+    record("stopped-long-ago", 3.1, stopped=True)
+    record("died-long-ago", 3.1, stopped=False)  # killed: never wrote its stop
+    record("stopped-lately", 2.9, stopped=True)
+    record("running", 0, stopped=False)
+
+    result = Sweeper().run_once()
+
+    assert result.purged["host_records"] == 2
+    assert sorted(HostRecord.objects.values_list("pk", flat=True)) == ["running", "stopped-lately"]

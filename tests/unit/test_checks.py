@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from workqueue.checks import _routing_errors, check_settings
 
 
@@ -55,3 +57,92 @@ def test_a_queue_alias_the_orm_does_not_route_to_is_an_error_naming_the_router_f
     settings.DATABASE_ROUTERS = [f"{__name__}._QueueRouter"]
     assert _routing_errors("queue") == []
     assert [e.id for e in _routing_errors("default")] == ["workqueue.E006"]
+
+
+@pytest.mark.parametrize(
+    ("subscriptions", "named"),
+    [
+        # A misspelt key ran the subscription at concurrency 1 without a word.
+        ([{"name": "orders", "concurency": 8}], "'concurency'"),
+        ([{"name": "orders", "concurrency": 0}], "concurrency 0"),
+        ([{"name": "orders", "concurrency": 5000}], "concurrency 5000"),
+        ([{"name": "orders", "concurrency": "eight"}], "concurrency 'eight'"),
+        ([{"name": "orders", "concurrency": True}], "concurrency True"),
+        ([{"name": "orders", "prefetch": -1}], "prefetch -1"),
+        (["orders"], "'orders'"),
+        ([{"concurrency": 4}], "no name"),
+        ([{"name": " ", "concurrency": 4}], "no name"),
+        ([{"name": "orders"}, {"name": "Orders ", "concurrency": 2}], "'Orders '"),
+        ({"name": "*"}, "a list"),
+    ],
+)
+def test_a_subscriptions_entry_a_host_would_misread_is_an_error_naming_it(
+    settings, subscriptions, named
+):
+    """Hosts read these entries leniently (a misspelt key is ignored, 0 becomes 1, a bad
+    value raised half way through starting): `check` names the entry and the fix."""
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "SUBSCRIPTIONS": subscriptions}
+    [error] = check_settings()
+    assert error.id == "workqueue.E008"
+    assert "WORKQUEUE['SUBSCRIPTIONS']" in error.msg and named in error.msg, error.msg
+    assert error.hint
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"IDLE_POLL_MIN_MS": 0}, "IDLE_POLL_MIN_MS"),
+        ({"IDLE_POLL_MIN_MS": 900, "IDLE_POLL_MAX_MS": 300}, "IDLE_POLL_MAX_MS"),
+        ({"SWEEPER_INTERVAL_MS": 0}, "SWEEPER_INTERVAL_MS"),
+        ({"SHUTDOWN_DRAIN_MS": -1}, "SHUTDOWN_DRAIN_MS"),
+        ({"RECONCILE_INTERVAL_MS": -5}, "RECONCILE_INTERVAL_MS"),
+        ({"SCHEDULER_INTERVAL_MS": "10s"}, "SCHEDULER_INTERVAL_MS"),
+        ({"PUBLISH_MAX_BATCH": 0}, "PUBLISH_MAX_BATCH"),
+        ({"PUBLISH_BODY_LIMIT_BYTES": 0}, "PUBLISH_BODY_LIMIT_BYTES"),
+        ({"METRICS_COUNT_CAP": 2_000_000}, "METRICS_COUNT_CAP"),
+        ({"DEAD_ROWS_WARNING": 0}, "DEAD_ROWS_WARNING"),
+        ({"VACUUM_HORIZON_WARNING_SECONDS": 0}, "VACUUM_HORIZON_WARNING_SECONDS"),
+        ({"HOST_RECORD_RETENTION_DAYS": 0}, "HOST_RECORD_RETENTION_DAYS"),
+        ({"SWEEPER_ENABLED": "no"}, "SWEEPER_ENABLED"),
+    ],
+)
+def test_a_number_setting_out_of_its_range_is_an_error_naming_the_range(settings, overrides, named):
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", **overrides}
+    [error] = check_settings()
+    assert error.id == "workqueue.E008"
+    assert f"WORKQUEUE['{named}']" in error.msg, error.msg
+
+
+def test_the_documented_subscriptions_shapes_pass(settings):
+    settings.WORKQUEUE = {
+        "SYSTEM_USER": "x",
+        "SUBSCRIPTIONS": [
+            {"name": "*", "concurrency": 4},
+            {"name": "orders", "concurrency": 1000, "prefetch": 0},
+            {"name": "emails"},
+        ],
+        "SWEEPER_ENABLED": False,
+        "SWEEPER_INTERVAL_MS": 0,
+        "RECONCILE_INTERVAL_MS": 0,
+        "SCHEDULER_INTERVAL_MS": 0,
+        "SHUTDOWN_DRAIN_MS": 0,
+        "PUBLISH_BODY_LIMIT_BYTES": None,
+    }
+    assert check_settings() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"HANDLER_MODULES": "myapp.jobs"}, "WORKQUEUE['HANDLER_MODULES'] is 'myapp.jobs'"),
+        ({"SCHEDULES": {"name": "nightly"}}, "WORKQUEUE['SCHEDULES']"),
+    ],
+)
+def test_a_single_value_where_a_list_belongs_is_named_not_read_as_its_letters(
+    settings, overrides, named
+):
+    """A module path given as a string was read as a tuple of its letters (each one then
+    failed to import)."""
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", **overrides}
+    [error] = check_settings()
+    assert named in error.msg, error.msg

@@ -143,7 +143,11 @@ class ScalerQueryVerb(Verb):
         from workqueue.operators import operations
 
         name = options["subscription"].strip().lower()
-        _operation_errors(lambda: operations.check_scaler_query(name))
+        if _operation_errors(lambda: operations.check_scaler_query(name)) is False:
+            command.stderr.write(
+                f"No subscription is named {name!r} (yet): the query answers 0 until one is. "
+                "Check the name with `manage.py workqueue stats`."
+            )
         sql = get_driver(get_settings().DATABASE_ALIAS).scaler_query(name)
         if options["json"]:
             command.stdout.write(to_json({"subscription": name, "sql": sql}))

@@ -347,8 +347,9 @@ class PostgresDriver(BaseDriver):
                 f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
                 for name in (*granted_to(Grant.RUNTIME), *RUNTIME_READABLE_COUNTS)
             ),
-            # Hosts record their own health (not a queue table: no fencing rules to protect).
-            f"GRANT SELECT, INSERT, UPDATE ON workqueue_hostrecord TO {quoted}",
+            # Hosts record their own health (not a queue table: no fencing rules to protect);
+            # the sweeper deletes the records of hosts long gone.
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON workqueue_hostrecord TO {quoted}",
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON {TASK_RESULT_TABLE} TO {quoted}",
         ]
 

@@ -246,8 +246,9 @@ class SqlServerDriver(BaseDriver):
                 f"GRANT EXECUTE ON dbo.{name} TO {quoted}"
                 for name in (*granted_to(Grant.RUNTIME), *RUNTIME_READABLE_COUNTS)
             ),
-            # Hosts record their own health (not a queue table: no fencing rules to protect).
-            f"GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_hostrecord TO {quoted}",
+            # Hosts record their own health (not a queue table: no fencing rules to protect);
+            # the sweeper deletes the records of hosts long gone.
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.workqueue_hostrecord TO {quoted}",
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.{TASK_RESULT_TABLE} TO {quoted}",
         ]
 

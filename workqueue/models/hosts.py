@@ -31,6 +31,17 @@ class HostRecordQuerySet(models.QuerySet):
         now = database_now() if now is None else now
         return self.filter(stopped_at__isnull=True, last_seen_at__gte=now - STALE_AFTER)
 
+    def purge_unseen(self, limit: int) -> int:
+        """Delete up to ``limit`` records of hosts not seen for HOST_RECORD_RETENTION_DAYS
+        (stopped, or killed before they could say so), oldest first; return how many. Each
+        host start writes one: without this, a job started every minute left half a million
+        rows a year."""
+        from workqueue.conf import setting
+
+        retention = dt.timedelta(days=setting("HOST_RECORD_RETENTION_DAYS"))
+        unseen = self.filter(last_seen_at__lt=database_now() - retention).order_by("last_seen_at")
+        return self.filter(pk__in=list(unseen.values_list("pk", flat=True)[:limit])).delete()[0]
+
 
 class HostRecord(models.Model):
     instance_id = models.CharField(max_length=200, primary_key=True)

@@ -646,12 +646,14 @@ def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
     return BacklogReport(True, result.claimable, result.in_flight, result.total, result.capped)
 
 
-def check_scaler_query(subscription_name: str) -> None:
-    """Refuse (``UnsupportedByTransportError``) the database scaler query for a subscription
-    whose transport keeps its deliveries elsewhere: the query would always answer 0, so an
+def check_scaler_query(subscription_name: str) -> bool | None:
+    """Whether a subscription has the name (None: the database could not be read). Refuse
+    (``UnsupportedByTransportError``) the database scaler query for a subscription whose
+    transport keeps its deliveries elsewhere: the query would always answer 0, so an
     autoscaler would never start a job. The refusal names what to scale on instead. A name
-    no subscription has, or a database that cannot be reached, is left alone: the query is
-    made from the name, and printing it needs no connection."""
+    no subscription has, or a database that cannot be reached, is not refused: the query is
+    made from the name (the subscription may be created later), and printing it needs no
+    connection."""
     from django.db import Error as DatabaseError
 
     from workqueue.models import Subscription
@@ -660,12 +662,13 @@ def check_scaler_query(subscription_name: str) -> None:
     try:
         found = Subscription.objects.select_related("topic__transport").filter(name=name).first()
     except DatabaseError:  # any database library error, a connection refused included
-        return
+        return None
     if found is None:
-        return
+        return False
     refusal = _transport_of(found).scaler_query_refusal(found)
     if refusal is not None:
         raise UnsupportedByTransportError(refusal, "keeps_deliveries_in_database")
+    return True
 
 
 def validate_bindings(

@@ -23,7 +23,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from workqueue import signals
-from workqueue.conf import WorkQueueSettings, get_settings
+from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.consumer import (
@@ -61,10 +61,6 @@ class PlanState:
 
 #: The states in which a subscription a host was asked to run does not run.
 CANNOT_RUN = frozenset({PlanState.ERROR, PlanState.HANDLER_NOT_REGISTERED, PlanState.UNSUPPORTED})
-
-
-#: The most handlers of one subscription a host runs at once (each slot is two threads).
-MAX_CONCURRENCY = 1000
 
 
 @dataclass(frozen=True, slots=True)

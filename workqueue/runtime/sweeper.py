@@ -73,6 +73,7 @@ class Sweeper:
             for step in PURGE_STEPS:
                 result.purged[step] = self._purge(step, result)
             result.purged["task_results"] = self._purge_task_results(result)
+            result.purged["host_records"] = self._purge_host_records(result)
         counts = {"expired_leases": result.expired, **result.purged}
         for step, rows in counts.items():
             if rows > 0:
@@ -121,6 +122,11 @@ class Sweeper:
         from workqueue.models import TaskResult
 
         return self._in_batches("task results", TaskResult.objects.purge_orphans, result)
+
+    def _purge_host_records(self, result: SweeperPassResult) -> int:
+        from workqueue.models import HostRecord
+
+        return self._in_batches("host records", HostRecord.objects.purge_unseen, result)
 
     def _purge(self, step: str, result: SweeperPassResult) -> int:
         return self._in_batches(step, lambda size: transport.purge(step, size), result)
