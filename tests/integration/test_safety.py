@@ -564,6 +564,89 @@ def test_an_ordered_subscription_made_during_a_keyed_publish_waits_for_it():
     )
 
 
+@queue_db
+def test_a_move_that_changes_the_mode_waits_for_a_publish_to_the_old_topic():
+    """Moving a subscription locked only the topic it moved to: a publish still fanning out
+    on the old topic went unseen, so an Exclusive subscription moved and made None while a
+    keyed delivery was being written to it, and a None subscription never claims a keyed
+    delivery: it stayed Pending for ever."""
+    old_topic, new_topic = TopicFactory(), TopicFactory()
+    sub = SubscriptionFactory(topic=old_topic, partition_mode="Exclusive")
+    first = _OpenTransaction(
+        lambda: publish(old_topic.name, {"n": 1}, partition_key="k", enlist=True)
+    )
+    first.start()
+    assert first.worked.wait(10) and first.error is None
+    refused: list[BaseException] = []
+
+    def move_and_change_mode() -> None:
+        try:
+            moved = Subscription.objects.get(pk=sub.pk)
+            moved.topic, moved.partition_mode = new_topic, "None"
+            moved.save()
+        except ValidationError as exc:
+            refused.append(exc)
+        finally:
+            connections.close_all()
+
+    mover = threading.Thread(target=move_and_change_mode, daemon=True)
+    mover.start()
+    # Saved at once (as it was), or waiting for the old topic's topology lock (as now).
+    wait_until(lambda: not mover.is_alive() or lock_waits() == 1, timeout=10)
+    first.release.set()
+    first.join(10)
+    mover.join(10)
+
+    assert first.error is None, first.error
+    assert refused and "cannot change" in str(refused[0])
+    stored = Subscription.objects.get(pk=sub.pk)
+    assert (stored.topic_id, stored.partition_mode) == (old_topic.id, "Exclusive")
+    assert len(Receiver(sub.id).receive(10).deliveries) == 1
+
+
+@queue_db
+def test_an_ordered_subscription_moved_mid_publish_runs_its_key_in_publish_order():
+    """A publish to the old topic, fanned out to the Ordered subscription and still open, went
+    unseen by the move; a publish of the same key to the new topic then took its ordinal under
+    the new topic's lock, committed first and was claimed first: the key ran [2, 1]."""
+    old_topic, new_topic = TopicFactory(), TopicFactory()
+    sub = SubscriptionFactory(topic=old_topic, partition_mode="Ordered")
+    first = _OpenTransaction(
+        lambda: publish(old_topic.name, {"n": 1}, partition_key="k", enlist=True)
+    )
+    first.start()
+    assert first.worked.wait(10) and first.error is None
+    mover = threading.Thread(
+        target=lambda: (
+            Subscription.objects.filter(pk=sub.pk).update(topic=new_topic),
+            connections.close_all(),
+        ),
+        daemon=True,
+    )
+    mover.start()
+    wait_until(lambda: not mover.is_alive() or lock_waits() == 1, timeout=10)
+    if not mover.is_alive():  # moved at once: the new topic's publish goes ahead of the old
+        publish(new_topic.name, {"n": 2}, partition_key="k")
+    receiver = Receiver(sub.id)
+    claimed = receiver.receive(1).deliveries  # while the first publish is still open
+    first.release.set()
+    first.join(10)
+    mover.join(10)
+    assert first.error is None, first.error
+    if not claimed:
+        publish(new_topic.name, {"n": 2}, partition_key="k")
+    order = []
+    claimed = claimed or receiver.receive(1).deliveries
+    while claimed:
+        (delivery,) = claimed
+        order.append(Message.objects.get(pk=delivery.message_id).publish_ordinal)
+        assert receiver.complete(delivery).settled
+        claimed = receiver.receive(1).deliveries
+
+    assert len(order) == 2
+    assert order == sorted(order), f"key 'k' ran out of publish order: {order}"
+
+
 # -- subscription status and fan-out ----------------------------------------------------------
 
 

@@ -484,13 +484,17 @@ class Subscription(TopologyModel):
             # Publishes hold the topic's topology lock shared while they fan out; taking it
             # exclusive here (until this transaction ends, after the row is written) means
             # deliveries being written right now are seen by the check below, and publishes
-            # that start later see this row.
+            # that start later see this row. A move locks the topic it leaves too: a publish
+            # there may be writing this subscription a delivery now. In one order (by id), so
+            # two moves the opposite way wait for each other instead of deadlocking.
             # Imported here: models must not depend on the driver at import time.
             from workqueue.driver import get_driver
 
-            get_driver(using).call(
-                "wq_lock_topology", {"topic_id": self.topic_id}, connection=connection
-            )
+            topics = {self.topic_id, previous["topic_id"] if previous else self.topic_id}
+            for topic_id in sorted(topics, key=str):
+                get_driver(using).call(
+                    "wq_lock_topology", {"topic_id": topic_id}, connection=connection
+                )
         if previous is None or previous["partition_mode"] == self.partition_mode:
             return None
         if self.deliveries.using(using).exists():
@@ -509,7 +513,9 @@ class Subscription(TopologyModel):
         committed by then. An Ordered subscription its check did not see (new, enabled again,
         refiltered, moved to the topic, or made Ordered) would get a delivery whose key was
         never locked, and a later publish of that key could commit its ordinal first: the key
-        would run out of order. A partition-mode change must also see every delivery written.
+        would run out of order. An Ordered subscription moved away must see the deliveries
+        publishes to its old topic are writing it for the same reason. A partition-mode change
+        must also see every delivery written.
         """
         if previous is not None and previous["partition_mode"] != self.partition_mode:
             return True
