@@ -33,6 +33,7 @@ from workqueue.driver.base import (
 from workqueue.driver.procedures import PROCEDURES, Grant, get_procedure
 from workqueue.models import Delivery, HostRecord, TaskResult
 from workqueue.models.hosts import database_now
+from workqueue.runtime.executor import MAX_ERROR_LENGTH
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.transport import Receiver
 
@@ -215,6 +216,78 @@ def test_the_database_counts_the_envelope_a_caller_understates(runtime_role, cla
         )
     assert row[1:] == ("Rejected", "PayloadTooLarge")
     assert not Delivery.objects.filter(subscription__topic=topic).exists()
+
+
+@pytest.mark.parametrize("ttl", [-10, 0, 59, 2_592_001, 2_147_483_647])
+def test_the_database_refuses_a_deduplication_window_outside_its_bounds(runtime_role, ttl):
+    """Python refused these windows; wq_publish took them: a negative one switched the key's
+    deduplication off (the same key published twice was Accepted twice), the largest held
+    a key until 2094."""
+    topic = SubscriptionFactory().topic
+    call_command("workqueue", "grant-runtime", runtime_role)
+
+    with connect_as(runtime_role) as conn:
+        [row] = _call(
+            conn,
+            "wq_publish",
+            topic_name=topic.name,
+            message_id=str(uuid.uuid4()),
+            payload={},
+            deduplication_key="order-1",
+            deduplication_ttl_seconds=ttl,
+            external=False,
+            published_by="runtime",
+        )
+    assert row[1:3] == ("Rejected", "InvalidDeduplication")
+    assert publish(topic.name, {}, deduplication_key="order-1").status == "Accepted"
+
+
+def test_the_runtime_role_cannot_reconfirm_another_publishers_deduplication_key(runtime_role):
+    """wq_confirm_deduplication confirmed any row it was given the owner's message id for,
+    with any window: a runtime role holder made another publisher's confirmed key expire at
+    once, and that publisher's retry was Accepted: the message was delivered twice."""
+    topic = SubscriptionFactory().topic
+    owner = publish(topic.name, {}, deduplication_key="order-1").message_id
+    call_command("workqueue", "grant-runtime", runtime_role)
+
+    with connect_as(runtime_role) as conn:
+        for ttl in (-1, 60):
+            [(affected,)] = _call(
+                conn,
+                "wq_confirm_deduplication",
+                topic_name=topic.name,
+                deduplication_key="order-1",
+                message_id=owner,
+                deduplication_ttl_seconds=ttl,
+            )
+            assert affected == 0
+
+    retry = publish(topic.name, {}, deduplication_key="order-1")
+    assert (retry.status, retry.message_id) == ("Duplicate", owner)
+
+
+@pytest.mark.parametrize("settle", ["wq_retry", "wq_dead_letter"])
+def test_a_lease_holder_cannot_store_an_error_text_past_the_limit(runtime_role, settle):
+    """The procedures stored any error text whole: 30 dead letters of 8 MB errors made one
+    dead-letter page read 252 MB. The runtime cuts its own at MAX_ERROR_LENGTH; so do they."""
+    subscription = SubscriptionFactory()
+    publish(subscription.topic.name, {})
+    [held] = Receiver(subscription.id, "host-a").receive(1).deliveries
+    call_command("workqueue", "grant-runtime", runtime_role)
+    params = {"delay_seconds": 0} if settle == "wq_retry" else {"reason": "X"}
+
+    with connect_as(runtime_role) as conn:
+        [(affected,)] = _call(
+            conn,
+            settle,
+            delivery_id=held.delivery_id,
+            lease_token=held.lease_token,
+            error="e" * 1_000_000,
+            **params,
+        )
+    assert affected == 1
+    stored = Delivery.objects.get(pk=held.delivery_id).last_error
+    assert stored == "e" * MAX_ERROR_LENGTH
 
 
 @pytest.mark.parametrize(("extra", "status"), [(0, "Accepted"), (1, "Rejected")])

@@ -230,13 +230,14 @@ def test_kill_9_mid_handler_leaves_the_delivery_to_lease_expiry_and_another_host
 def test_a_cancelled_handler_that_ignores_its_signal_keeps_its_exclusive_key_until_it_returns(
     processes,
 ):
-    # The handler ignores the cancel for 3 s: far longer than the host's drain (0.5 s), well
-    # within the lease (10 s), which is no longer renewed once the cancel is seen.
+    # The handler ignores the cancel for 8 s: far longer than the host's drain (0.5 s) and
+    # than its lease (5 s). The lease was no longer renewed once the cancel was seen: it ran
+    # out, the next claim discarded the row, and the key's next delivery ran beside the first.
     sub = SubscriptionFactory(
-        handler_key="tests.record", partition_mode="Exclusive", lease_seconds=10
+        handler_key="tests.record", partition_mode="Exclusive", lease_seconds=5
     )
     processes.host(sub.name, concurrency=2)
-    payload = {"ordinal": 1, "sleepMs": 3000, "ignoreSignal": True}
+    payload = {"ordinal": 1, "sleepMs": 8000, "ignoreSignal": True}
     first = publish(sub.topic.name, payload, partition_key="acct").message_id
     second = publish(sub.topic.name, {"ordinal": 2}, partition_key="acct").message_id
     wait_until(lambda: any(e["event"] == "start" for e in read_events(processes.events)))

@@ -27,7 +27,7 @@ from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, Subscription
 from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
-from workqueue.runtime.executor import DeliveryExecution, ExecutionResult
+from workqueue.runtime.executor import MAX_ERROR_LENGTH, DeliveryExecution, ExecutionResult
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.outcome import Outcome
 from workqueue.transport import Receiver
@@ -88,7 +88,8 @@ def dead_letters() -> Iterator[list[dict[str, Any]]]:
 
 
 class SlowReceiver(Receiver):
-    """A Receiver whose heartbeats fail, hang or just take a while; counts them."""
+    """A Receiver whose heartbeats fail, hang, fail once they answered Cancelled (a host cut
+    off from the database) or just take a while; counts them."""
 
     def __init__(self, subscription_id: Any, mode: str, delay: float = 0.0) -> None:
         super().__init__(subscription_id, "test-holder")
@@ -96,6 +97,7 @@ class SlowReceiver(Receiver):
         self.delay = delay
         self.extend_calls = 0
         self.unblock = threading.Event()
+        self.cancel_seen = False
 
     def extend_lease(
         self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
@@ -106,8 +108,12 @@ class SlowReceiver(Receiver):
         if self.mode == "hang":
             self.unblock.wait(60)
             raise TransientDriverError("gave up (test)")
+        if self.mode == "fail_after_cancel" and self.cancel_seen:
+            raise TransientDriverError("connection reset (test)")
         time.sleep(self.delay)
-        return super().extend_lease(delivery, progress)
+        extension = super().extend_lease(delivery, progress)
+        self.cancel_seen = extension.state == "Cancelled"
+        return extension
 
 
 # -- outcome mapping ------------------------------------------------------------------------------
@@ -248,6 +254,22 @@ def test_any_other_exception_retries_with_the_traceback_in_last_error(rig):
     assert "tests/support/handlers.py" in delivery.last_error
 
 
+def test_an_error_of_a_hundred_thousand_characters_is_stored_cut_to_its_head_and_tail(rig):
+    """An exception's text was stored whole: a handler that put a response body in its
+    message wrote megabytes per attempt, and one dead-letter page read them all."""
+    sub = rig.subscription(max_attempts=3)
+    message = "head-" + "x" * 100_000 + "-tail"
+
+    result, delivery, _ = rig.run(sub, {"then": "crash", "message": message})
+
+    assert result.status == "Pending"
+    stored = delivery.last_error
+    assert len(stored) <= MAX_ERROR_LENGTH
+    assert stored.startswith("Traceback (most recent call last)")
+    assert "ValueError: head-" in stored and stored.endswith("-tail")
+    assert "characters left out" in stored
+
+
 @pytest.mark.parametrize("value", [None, "done", {"kind": "Complete"}], ids=repr)
 def test_a_return_value_that_is_not_an_outcome_retries_with_no_valid_outcome(rig, value):
     sub = rig.subscription(max_attempts=3)
@@ -382,17 +404,14 @@ def test_a_handler_that_ignores_the_cancel_keeps_its_key_until_it_returns_then_i
 
     wait_until(lambda: execution.signal.has(AbortReason.CANCELLED), timeout=3)
     lease_at_cancel = row(first).lease_expires_at
-    samples = 0
+    samples, renewed = 0, False
     while True:
         stored, claimed = row(first), receiver.receive(5).deliveries
         if run.finished.is_set():
             break
-        # Sampled while the handler still ran: the key stays held and the lease unrenewed.
-        assert (stored.status, stored.lease_expires_at, claimed) == (
-            "InFlight",
-            lease_at_cancel,
-            [],
-        )
+        # Sampled while the handler still ran: the key stays held, the lease still renewed.
+        assert (stored.status, claimed) == ("InFlight", [])
+        renewed = renewed or stored.lease_expires_at > lease_at_cancel
         samples += 1
         time.sleep(0.05)
     result = future.result(timeout=5)
@@ -400,6 +419,7 @@ def test_a_handler_that_ignores_the_cancel_keeps_its_key_until_it_returns_then_i
     (second,) = claimed or receiver.receive(5).deliveries
 
     assert samples > 10, "the handler ran on well after the cancel was seen"
+    assert renewed, "the lease of the running, cancelled handler was not renewed"
     assert run.signal_reason == AbortReason.CANCELLED
     assert result == ExecutionResult(ExecutionResult.SETTLED, "Discarded")
     assert (row(first).status, row(first).attempt_count) == ("Discarded", 1)
@@ -412,9 +432,10 @@ def test_a_cancelled_handler_past_its_local_lease_horizon_is_acknowledged_while_
     sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60)
     receiver, first = rig.claim(sub, {"sleepMs": 2500, "ignoreSignal": True}, key="k")
     publish(sub.topic.name, {"then": "complete"}, partition_key="k")
-    # Plan lease 1 s, grace 0.3 s: once the cancel stops renewals the local horizon passes
-    # before the handler returns, while the database lease (60 s) still holds the token.
-    execution = rig.execution(sub, receiver, first, lease_seconds=1, grace=0.3)
+    # Plan lease 1 s, grace 0.3 s: once renewals fail after the cancel the local horizon
+    # passes before the handler returns, while the database lease (60 s) still holds the token.
+    renewals_fail = SlowReceiver(sub.id, "fail_after_cancel")
+    execution = rig.execution(sub, renewals_fail, first, lease_seconds=1, grace=0.3)
     future = rig.start(execution)
     probe.wait_for(1)
 
@@ -431,18 +452,20 @@ def test_a_cancelled_handler_past_its_local_lease_horizon_is_acknowledged_while_
     assert second.partition_key == "k"
 
 
-def test_a_cancelled_handler_that_outlives_its_lease_finds_the_row_discarded_by_expiry(rig):
+def test_a_cancelled_handler_cut_off_past_its_lease_finds_the_row_discarded_by_expiry(rig):
     sub = rig.subscription(partition_mode="Exclusive", lease_seconds=60, max_attempts=3)
-    receiver, first = rig.claim(sub, {"sleepMs": 1500, "ignoreSignal": True}, key="k")
+    _, first = rig.claim(sub, {"sleepMs": 1500, "ignoreSignal": True}, key="k")
     publish(sub.topic.name, {"then": "complete"}, partition_key="k")
-    execution = rig.execution(sub, receiver, first, lease_seconds=1)
+    renewals_fail = SlowReceiver(sub.id, "fail_after_cancel")
+    execution = rig.execution(sub, renewals_fail, first, lease_seconds=1)
     future = rig.start(execution)
     (run,) = probe.wait_for(1)
     transport.discard_or_cancel(str(sub.id), first.delivery_id, "ops", "x")
     wait_until(lambda: execution.signal.has(AbortReason.CANCELLED), timeout=3)
 
-    # The unrenewed lease runs out while the handler still ignores its signal; the next claim
-    # expires it: the cancelled row is discarded (never retried) and the key moves on.
+    # Renewals fail from here (the host is cut off from the database): the lease runs out
+    # while the handler still ignores its signal; the next claim expires it: the cancelled
+    # row is discarded (never retried) and the key moves on.
     get_driver().shift_time(120, subscription_id=str(sub.id))
     (second,) = Receiver(sub.id, "other-host").receive(5).deliveries
 

@@ -2,13 +2,15 @@
 cancellation, and the settle call that records the outcome.
 
 Abort reasons decide how the outcome is settled:
-* Cancelled: renewals stop; when the handler returns, its outcome is dropped and the cancel is
-  acknowledged (→ Discarded, key freed). Never before it returns: the acknowledgement frees an
+* Cancelled: when the handler returns, its outcome is dropped and the cancel is acknowledged
+  (→ Discarded, key freed). Never before it returns: the acknowledgement frees an
   Exclusive/Ordered key, and the key's next delivery must not start beside a handler that is
-  still running. A handler that ignores the signal keeps the key until its lease runs out;
-  lease expiry then discards the row. Checked before LeaseLost: the acknowledgement is fenced
-  by the lease token, so it succeeds exactly when nobody expired the row meanwhile, even if the
-  local horizon has passed.
+  still running. So renewals go on until then (the database renews a cancelled lease and
+  answers Cancelled): a handler that ignores the signal keeps the key until it returns, and
+  only a host that stops renewing (killed, or cut off from the database) lets the lease run
+  out, when lease expiry discards the row. Checked before LeaseLost: the acknowledgement is
+  fenced by the lease token, so it succeeds exactly when nobody expired the row meanwhile,
+  even if the local horizon has passed.
 * LeaseLost (a heartbeat reported Lost, or the local lease horizon passed): the outcome is
   dropped and nothing is written; another consumer may already run the delivery.
 * Shutdown: a Complete is still recorded; anything else releases the delivery without using up
@@ -77,6 +79,13 @@ logger = logging.getLogger("workqueue.deliveries")
 # delivery back, its holder's token still settles it, and nobody else can have run it.
 LEASE_EXPIRY_GRACE_SECONDS = 5.0
 MAX_REASON_LENGTH = 100
+#: The longest error text a delivery keeps (the procedures cut there too): a handler that put a
+#: response body in its exception wrote megabytes per attempt, which every dead-letter page
+#: then read. A longer text keeps its start (where the traceback begins) and its end (which
+#: names the exception).
+MAX_ERROR_LENGTH = 16_000
+_ERROR_HEAD_LENGTH = 4_000
+_ERROR_MARKER_ROOM = 60
 # A settle or renewal that failed on a lost connection (or a deadlock) is tried again after
 # 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
 RETRY_MIN_SECONDS = 0.1
@@ -504,7 +513,7 @@ class DeliveryExecution:
             outcome.kind,
             _storable(outcome.reason),
             outcome.delay_seconds,
-            _storable(error),
+            None if error is None else _error_text(error),
         )
 
     # -- heartbeats and timers -------------------------------------------------------------
@@ -570,7 +579,13 @@ class DeliveryExecution:
         future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
 
     def check_lease_soon(self) -> None:
-        """Renew now on a background thread (used when a cancel is announced)."""
+        """Renew now on a background thread (used when a cancel is announced), unless the
+        cancel is already known: the regular renewals go on for a cancelled delivery, and
+        announcements, which anyone connected may send, must not multiply them."""
+        if not self.signal.has(AbortReason.CANCELLED):
+            self._renew_soon()
+
+    def _renew_soon(self) -> None:
         if not self._stopped_renewing():
             self.services.background.submit(self._beat, None)
 
@@ -579,7 +594,6 @@ class DeliveryExecution:
             self._finished
             or self._completed_in_transaction()
             or self.signal.has(AbortReason.LEASE_LOST)
-            or self.signal.has(AbortReason.CANCELLED)
             or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
         )
 
@@ -606,14 +620,16 @@ class DeliveryExecution:
             extension = self.services.receiver.extend_lease(
                 self.delivery, _progress(progress) if progress else None
             )
-            if extension.state == LeaseState.HELD:
+            if extension.state in (LeaseState.HELD, LeaseState.CANCELLED):
                 self._lease_ends = began + self.lease_seconds
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()
-            elif extension.state == LeaseState.CANCELLED:
+            if extension.state == LeaseState.CANCELLED:
+                # Renewed all the same (see the module's docstring), but no longer the
+                # handler's to finish: a manual heartbeat tells it so.
                 held = False
                 self.signal.abort(AbortReason.CANCELLED)
-            else:
+            elif extension.state != LeaseState.HELD:
                 held = False
                 # Not lost but completed, when the handler's transaction committed while this
                 # renewal was on its way.
@@ -636,7 +652,7 @@ class DeliveryExecution:
         delay = self._beat_retry_seconds
         self._beat_retry_seconds = min(delay * 2, RETRY_MAX_SECONDS)
         if time.monotonic() + delay < self._lease_ends:
-            self._timers.append(self.services.timers.schedule(delay, self.check_lease_soon))
+            self._timers.append(self.services.timers.schedule(delay, self._renew_soon))
 
     # -- completing inside the handler's transaction ----------------------------------------
 
@@ -961,7 +977,21 @@ def _first_line(text: str) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    return _storable("".join(traceback.format_exception(exc)).strip())
+    return _error_text("".join(traceback.format_exception(exc)).strip())
+
+
+def _error_text(text: str) -> str:
+    """``text`` as a delivery keeps it: storable, and at most MAX_ERROR_LENGTH long."""
+    text = _storable(text)
+    if len(text) <= MAX_ERROR_LENGTH:
+        return text
+    tail_length = MAX_ERROR_LENGTH - _ERROR_HEAD_LENGTH - _ERROR_MARKER_ROOM
+    left_out = len(text) - _ERROR_HEAD_LENGTH - tail_length
+    return (
+        text[:_ERROR_HEAD_LENGTH]
+        + f"\n[... {left_out:,} characters left out ...]\n"
+        + text[-tail_length:]
+    )
 
 
 def _storable(value: Any) -> Any:

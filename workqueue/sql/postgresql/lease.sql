@@ -3,14 +3,15 @@
 -- scans are left aside, so that a heartbeat still finds its row by primary key after a burst.
 
 -- wq_extend_lease --
--- Renew a held lease, fenced by the lease token and the cancel flag; replace the progress only
--- when one is given. The renewal is as long as the lease it renews (its expiry less the time it
--- was claimed or last renewed), or the subscription's lease_seconds when that is longer: a lease
--- shortened while the delivery is held would otherwise run out between the holder's renewals,
--- which it times by the length the claim gave it, and another consumer would run the delivery
--- beside it. Returns one row: lease_state Held
--- (with the new expiry), Cancelled (an operator asked to cancel; the holder should stop and
--- acknowledge) or Lost (the token no longer holds the delivery).
+-- Renew a held lease, fenced by the lease token; replace the progress only when one is given.
+-- The renewal is as long as the lease it renews (its expiry less the time it was claimed or last
+-- renewed), or the subscription's lease_seconds when that is longer: a lease shortened while the
+-- delivery is held would otherwise run out between the holder's renewals, which it times by the
+-- length the claim gave it, and another consumer would run the delivery beside it. Returns one
+-- row: lease_state Held (with the new expiry), Cancelled (an operator asked to cancel; the holder
+-- should stop and acknowledge; the lease is renewed all the same, with its new expiry: a handler
+-- that has not stopped yet is still running, and its Exclusive or Ordered key must not be freed
+-- for the next delivery beside it) or Lost (the token no longer holds the delivery).
 CREATE OR REPLACE FUNCTION wq_extend_lease(
     p_delivery_id uuid,
     p_lease_token uuid,
@@ -35,15 +36,12 @@ BEGIN
            progress = COALESCE(p_progress, d.progress)
       FROM workqueue_subscription s
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
-       AND d.cancel_requested_at IS NULL AND s.id = d.subscription_id
-    RETURNING d.lease_expires_at INTO v_expires;
+       AND s.id = d.subscription_id
+    RETURNING d.lease_expires_at, d.cancel_requested_at IS NOT NULL INTO v_expires, v_cancelled;
     IF FOUND THEN
-        RETURN QUERY SELECT 'Held'::text, v_expires;
+        RETURN QUERY SELECT CASE WHEN v_cancelled THEN 'Cancelled' ELSE 'Held' END, v_expires;
         RETURN;
     END IF;
-    SELECT d.cancel_requested_at IS NOT NULL INTO v_cancelled
-      FROM workqueue_delivery d
-     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight';
-    RETURN QUERY SELECT CASE WHEN v_cancelled THEN 'Cancelled' ELSE 'Lost' END, NULL::timestamptz;
+    RETURN QUERY SELECT 'Lost'::text, NULL::timestamptz;
 END;
 $$;

@@ -335,6 +335,13 @@ BEGIN
                             NULL::uuid, NULL::text;
         RETURN;
     END IF;
+    -- The window's bounds are the application's (60 s to 30 days): a shorter or negative one
+    -- would switch the key's deduplication off, a longer one hold the key for decades.
+    IF p_deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000 THEN
+        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidDeduplication'::text,
+                            NULL::uuid, NULL::text;
+        RETURN;
+    END IF;
     IF (p_not_before IS NOT NULL AND p_delay_seconds IS NOT NULL) OR p_delay_seconds < 0 THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
                             NULL::uuid, NULL::text;
@@ -958,8 +965,11 @@ $$;
 
 -- wq_confirm_deduplication --
 -- The message that reserved a deduplication key was sent: hold the key for
--- p_deduplication_ttl_seconds (NULL: the topic's default) from now. Affects one row, or none
--- when the reservation is no longer this message's (it lapsed and another publish took it).
+-- p_deduplication_ttl_seconds (NULL: the topic's default; else 60 s to 30 days) from now.
+-- Affects one row, or none when the reservation is no longer this message's (it lapsed and
+-- another publish took it) or the window is out of bounds. Only a reservation is confirmed:
+-- a confirmed key keeps the window it was given, or any caller that knows its message id
+-- could shorten it (and let the message be published, and delivered, again).
 CREATE OR REPLACE FUNCTION wq_confirm_deduplication(
     p_topic_name text,
     p_deduplication_key text,
@@ -982,7 +992,10 @@ BEGIN
                secs => COALESCE(p_deduplication_ttl_seconds, t.default_deduplication_ttl_seconds))
       FROM workqueue_topic t
      WHERE t.name = lower(btrim(p_topic_name)) AND d.topic_id = t.id
-       AND d.deduplication_key = p_deduplication_key AND d.message_id = p_message_id;
+       AND d.deduplication_key = p_deduplication_key AND d.message_id = p_message_id
+       AND d.status = 'Reserved'
+       AND (p_deduplication_ttl_seconds IS NULL
+            OR p_deduplication_ttl_seconds BETWEEN 60 AND 2592000);
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN QUERY SELECT v_count;
 END;

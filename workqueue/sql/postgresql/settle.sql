@@ -72,7 +72,8 @@ END;
 $$;
 
 -- wq_retry --
--- InFlight → Pending, visible again after p_delay_seconds; the attempt stays counted.
+-- InFlight → Pending, visible again after p_delay_seconds; the attempt stays counted; the error
+-- text, cut to 16,000 characters as the runtime cuts it, replaces last_error.
 CREATE OR REPLACE FUNCTION wq_retry(
     p_delivery_id uuid,
     p_lease_token uuid,
@@ -92,7 +93,7 @@ BEGIN
     UPDATE workqueue_delivery d
        SET status = 'Pending',
            visible_at = now() + make_interval(secs => GREATEST(p_delay_seconds, 0)),
-           last_error = p_error,
+           last_error = left(p_error, 16000),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
        AND d.cancel_requested_at IS NULL;
@@ -102,8 +103,9 @@ END;
 $$;
 
 -- wq_dead_letter --
--- InFlight → DeadLettered with a short reason (≤ 100 characters); the error text replaces
--- last_error only when given. A dead letter waits for an operator to replay or discard it.
+-- InFlight → DeadLettered with a short reason (≤ 100 characters); the error text (cut to 16,000
+-- characters) replaces last_error only when given. A dead letter waits for an operator to
+-- replay or discard it.
 CREATE OR REPLACE FUNCTION wq_dead_letter(
     p_delivery_id uuid,
     p_lease_token uuid,
@@ -122,7 +124,7 @@ DECLARE
 BEGIN
     UPDATE workqueue_delivery d
        SET status = 'DeadLettered', dead_letter_reason = left(p_reason, 100),
-           dead_lettered_at = now(), last_error = COALESCE(p_error, d.last_error),
+           dead_lettered_at = now(), last_error = COALESCE(left(p_error, 16000), d.last_error),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
        AND d.cancel_requested_at IS NULL;

@@ -10,11 +10,13 @@ GO
 -- Renew a held lease from now, as long as the lease it renews (its expiry less the time it was
 -- claimed or last renewed) or the subscription's lease_seconds when that is longer (a lease
 -- shortened while the delivery is held would run out between the holder's renewals, which it
--- times by the length its claim gave it), fenced in one UPDATE by
--- (delivery id, lease token, InFlight, no cancel request); the progress is replaced only when one
--- is given. Returns exactly one row: lease_state Held with the new expiry; Cancelled when an
--- operator asked to cancel (the holder should stop and call wq_acknowledge_cancel); or Lost when
--- the token no longer holds the delivery. A cancel request never changes the token.
+-- times by the length its claim gave it), fenced in one UPDATE by (delivery id, lease token,
+-- InFlight); the progress is replaced only when one is given. Returns exactly one row:
+-- lease_state Held with the new expiry; Cancelled when an operator asked to cancel (the holder
+-- should stop and call wq_acknowledge_cancel; the lease is renewed all the same, with its new
+-- expiry: a handler that has not stopped yet is still running, and its Exclusive or Ordered key
+-- must not be freed for the next delivery beside it); or Lost when the token no longer holds
+-- the delivery. A cancel request never changes the token.
 -- returns: lease_state, lease_expires_at
 CREATE OR ALTER PROCEDURE dbo.wq_extend_lease
     @delivery_id uniqueidentifier,
@@ -29,7 +31,8 @@ BEGIN
     DECLARE @token_key char(32) = dbo.wq_uuid_text(@lease_token);
     DECLARE @state nvarchar(20) = N'Lost';
     DECLARE @expires datetimeoffset(7);
-    DECLARE @held TABLE (lease_expires_at datetimeoffset(7));
+    DECLARE @cancelled bit;
+    DECLARE @held TABLE (lease_expires_at datetimeoffset(7), cancelled bit);
 
     UPDATE d
        SET lease_expires_at = DATEADD(
@@ -41,20 +44,16 @@ BEGIN
                @now),
            last_heartbeat_at = @now,
            progress = COALESCE(@progress, d.progress)
-    OUTPUT inserted.lease_expires_at INTO @held
+    OUTPUT inserted.lease_expires_at,
+           CASE WHEN inserted.cancel_requested_at IS NULL THEN 0 ELSE 1 END
+      INTO @held
       FROM dbo.workqueue_delivery AS d
       JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
-     WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight'
-       AND d.cancel_requested_at IS NULL;
+     WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight';
 
-    SELECT @expires = h.lease_expires_at FROM @held AS h;
+    SELECT @expires = h.lease_expires_at, @cancelled = h.cancelled FROM @held AS h;
     IF @expires IS NOT NULL
-        SET @state = N'Held';
-    ELSE IF EXISTS (
-        SELECT 1 FROM dbo.workqueue_delivery AS d
-         WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight'
-           AND d.cancel_requested_at IS NOT NULL)
-        SET @state = N'Cancelled';
+        SET @state = CASE WHEN @cancelled = 1 THEN N'Cancelled' ELSE N'Held' END;
 
     -- result set
     SELECT @state AS lease_state, @expires AS lease_expires_at;

@@ -282,6 +282,13 @@ BEGIN
         SET @out_error_code = N'InvalidPriority';
         RETURN;
     END;
+    -- The window's bounds are the application's (60 s to 30 days): a shorter or negative one
+    -- would switch the key's deduplication off, a longer one hold the key for decades.
+    IF @deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000
+    BEGIN
+        SET @out_error_code = N'InvalidDeduplication';
+        RETURN;
+    END;
     IF (@not_before IS NOT NULL AND @delay_seconds IS NOT NULL) OR @delay_seconds < 0
     BEGIN
         SET @out_error_code = N'InvalidSchedule';
@@ -815,8 +822,11 @@ GO
 
 -- wq_confirm_deduplication --
 -- The message that reserved a deduplication key was sent: hold the key for
--- @deduplication_ttl_seconds (NULL: the topic's default) from now. Affects one row, or none
--- when the reservation is no longer this message's (it lapsed and another publish took it).
+-- @deduplication_ttl_seconds (NULL: the topic's default; else 60 s to 30 days) from now.
+-- Affects one row, or none when the reservation is no longer this message's (it lapsed and
+-- another publish took it) or the window is out of bounds. Only a reservation is confirmed:
+-- a confirmed key keeps the window it was given, or any caller that knows its message id
+-- could shorten it (and let the message be published, and delivered, again).
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_confirm_deduplication
     @topic_name nvarchar(4000),
@@ -840,7 +850,10 @@ BEGIN
       JOIN dbo.workqueue_topic AS t ON t.id = x.topic_id
      WHERE t.name = LOWER(LTRIM(RTRIM(@topic_name)))
        AND x.deduplication_key = @deduplication_key
-       AND x.message_id = dbo.wq_uuid_text(@message_id);
+       AND x.message_id = dbo.wq_uuid_text(@message_id)
+       AND x.status = N'Reserved'
+       AND (@deduplication_ttl_seconds IS NULL
+            OR @deduplication_ttl_seconds BETWEEN 60 AND 2592000);
 
     -- result set
     SELECT COUNT(*) AS affected_rows FROM @changed;

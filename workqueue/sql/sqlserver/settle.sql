@@ -74,7 +74,7 @@ GO
 
 -- wq_retry --
 -- InFlight -> Pending, visible again after @delay_seconds (negative or NULL means now); the
--- attempt stays counted and the error text replaces last_error.
+-- attempt stays counted and the error text (cut to 16,000 characters) replaces last_error.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_retry
     @delivery_id uniqueidentifier,
@@ -93,7 +93,7 @@ BEGIN
     UPDATE d
        SET status = N'Pending',
            visible_at = DATEADD(second, CASE WHEN @delay_seconds > 0 THEN @delay_seconds ELSE 0 END, @now),
-           last_error = @error,
+           last_error = LEFT(@error, 16000),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
     OUTPUT inserted.id INTO @changed
       FROM dbo.workqueue_delivery AS d
@@ -107,7 +107,7 @@ GO
 
 -- wq_dead_letter --
 -- InFlight -> DeadLettered with a short reason (cut to 100 characters), dead-lettered now; the
--- error text replaces last_error only when given. A dead letter waits for an operator to replay
+-- error text (cut to 16,000 characters) replaces last_error only when given. A dead letter waits for an operator to replay
 -- or discard it.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_dead_letter
@@ -126,7 +126,7 @@ BEGIN
 
     UPDATE d
        SET status = N'DeadLettered', dead_letter_reason = LEFT(@reason, 100),
-           dead_lettered_at = @now, last_error = COALESCE(@error, d.last_error),
+           dead_lettered_at = @now, last_error = COALESCE(LEFT(@error, 16000), d.last_error),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
     OUTPUT inserted.id INTO @changed
       FROM dbo.workqueue_delivery AS d

@@ -1,5 +1,5 @@
 """Partition cases: Exclusive single flight per key, Ordered heads, and cancelled heads
-(C11-C17, C25-C28)."""
+(C11-C17, C25-C28, C42)."""
 
 from __future__ import annotations
 
@@ -186,6 +186,37 @@ def exclusive_cancel_discarded_on_expiry(ctx: CaseContext) -> None:
         (stats["pending"], stats["in_flight"], stats["dead_lettered"]),
         (0, 1, 0),
         "stats (pending, in flight, dead-lettered): the cancelled head was not retried",
+    )
+
+
+@CASES.case(
+    "C42",
+    "Exclusive: a cancelled head's holder renews its lease, and keeps its key, until it "
+    "acknowledges",
+    requires=("cancel_in_flight",),
+)
+def exclusive_cancel_renewed_until_acknowledged(ctx: CaseContext) -> None:
+    # A handler that has not yet heard its cancel, or ignores it, is still running: the key's
+    # next message must not start beside it however long that takes.
+    ctx.subscribe("a", partition_mode="Exclusive", lease_seconds=LEASE)
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+    receiver = ctx.receiver("a")
+    expect_equal(ctx.discard("a", head.delivery_id).cancel_requested, True, "cancel requested")
+
+    for renewal in (1, 2):  # two renewals a lease apart: past the lease the claim gave
+        ctx.advance_time(LEASE - 1)
+        extension = receiver.extend_lease(head)
+        expect_equal(extension.state, "Cancelled", f"renewal {renewal} after the cancel")
+        expect_equal(
+            extension.lease_expires_at is not None, True, f"renewal {renewal} renews the lease"
+        )
+
+    ctx.expect_nothing_receivable("a", "past the first lease while the holder renews")
+    expect_settled(receiver.acknowledge_cancel(head), "Discarded", "acknowledging the cancel")
+    second = ctx.receive_one("a", owner="second")
+    expect_equal(
+        sorted(numbers([head, second])), [1, 2], "the key's other message after the acknowledgement"
     )
 
 
