@@ -736,6 +736,36 @@ def test_an_operator_cancel_reaches_a_running_handler_at_once_through_the_cancel
     heard_at_once(running, message, cancelled_at)
 
 
+def test_announcements_that_name_no_delivery_renew_nothing(
+    make_host, fast_listener, monkeypatch, pg_conn
+):
+    """Any role that may connect may NOTIFY: an empty notification on the cancel channel was
+    taken for a catch-up, a renewal of every delivery the host held; a thousand a second made
+    a thousand renewals a second per running delivery."""
+    renewals: list[float] = []
+    extend_lease = Receiver.extend_lease
+
+    def counted(self: Receiver, *args: Any, **kwargs: Any) -> Any:
+        renewals.append(time.monotonic())
+        return extend_lease(self, *args, **kwargs)
+
+    monkeypatch.setattr(Receiver, "extend_lease", counted)
+    s, running, message, _ = running_handler_far_from_its_heartbeat(make_host)
+    renewals.clear()
+
+    sent = 0
+    for payload in ("", "", "not-a-delivery", "", "*"):
+        for _ in range(40):
+            pg_conn.execute("SELECT pg_notify(%s, %s)", [get_driver().cancel_channel, payload])
+            sent += 1
+    time.sleep(0.5)  # the listener polls every 0.05 s here
+
+    assert sent == 200 and len(renewals) == 0, len(renewals)
+    # The channel still works for a real cancel.
+    transport.discard_or_cancel(str(s.id), running.delivery_id, "ops", "stop")
+    heard_at_once(running, message, time.monotonic())
+
+
 def test_a_cancel_made_while_the_listener_reconnects_is_caught_up(
     make_host, fast_listener, monkeypatch
 ):

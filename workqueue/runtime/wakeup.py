@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +82,11 @@ class Wakeup:
 
     def _dispatch(self, channel: str, payload: str | None) -> None:
         if channel == self._driver.cancel_channel:
-            if self._on_cancel is not None:
-                self._on_cancel(payload or None)  # none: a catch-up after (re)connecting
+            # None is this listener's own catch-up after (re)connecting. A notification names
+            # the delivery cancelled (wq_cancel); any role that may connect can NOTIFY, and one
+            # naming none would have every delivery this host holds renewed at once.
+            if self._on_cancel is not None and (payload is None or _is_uuid(payload)):
+                self._on_cancel(payload)
             return
         with self._lock:
             kicks = list(self._kicks.get(channel, {}).values())
@@ -135,3 +139,11 @@ class Wakeup:
         finally:
             self.connected.clear()
             listener.close()
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
