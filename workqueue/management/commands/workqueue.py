@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import copy
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -18,9 +20,20 @@ class Command(BaseCommand):
         self._verbs = {verb.name: verb for verb in all_verbs()}
         # How each verb's arguments are spelt on the command line, by their option names.
         self._spellings: dict[str, dict[str, str]] = {}
+        # Django's own options (--settings, --traceback, -v, ...), added before this runs, are
+        # read after the verb too: with no default there, so one given before it stands.
+        django_options = [
+            copy.copy(action)
+            for action in parser._actions
+            if action.option_strings and action.dest not in ("help", "version")
+        ]
+        for action in django_options:
+            action.default = argparse.SUPPRESS
         subparsers = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
         for verb in self._verbs.values():
             sub = subparsers.add_parser(verb.name, help=verb.help, description=verb.help)
+            for action in django_options:
+                sub._add_action(action)
             sub.add_argument("--json", action="store_true", help="Print JSON for machines.")
             verb.add_arguments(sub)
             self._spellings[verb.name] = {
