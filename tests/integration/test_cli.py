@@ -176,11 +176,6 @@ def test_publish_count_reports_a_rate_and_bad_json_is_refused():
         run("publish", "--topic", topic.name, "--payload", "{bad")
 
 
-def test_publish_to_an_unknown_topic_exits_with_the_error_code():
-    with pytest.raises(CommandError, match="TopicNotFound"):
-        run("publish", "--topic", "no.such.topic")
-
-
 def test_a_publish_the_database_refuses_is_a_one_line_error_not_a_traceback(pg_conn):
     # Here: the role the command connects as may not run the publish procedure.
     topic = TopicFactory()
@@ -229,6 +224,18 @@ def test_scaler_query_counts_claimable_and_in_flight_on_the_database(pg_conn):
     [(desired,)] = pg_conn.execute(sql).fetchall()
 
     assert desired == 2  # one per claimable key; the rest of "same" must wait
+
+
+def test_publishing_to_a_topic_no_one_created_names_the_topic_and_prints_no_result():
+    """It printed "Rejected None" and then "TopicNotFound: No topic has this name." without
+    the name, so a typo in --topic was hard to see."""
+    out = io.StringIO()
+    with pytest.raises(CommandError) as refused:
+        call_command("workqueue", "publish", "--topic", "orders.craeted", stdout=out)
+
+    assert "TopicNotFound" in str(refused.value) and "'orders.craeted'" in str(refused.value)
+    assert "sync-topology" in str(refused.value)
+    assert "None" not in out.getvalue()
 
 
 def test_scaler_query_for_a_name_no_subscription_has_warns_and_still_prints_it():

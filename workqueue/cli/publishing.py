@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from workqueue.cli import Verb
 from workqueue.cli.output import table, to_json
+from workqueue.types import PublishErrorCode
 
 BATCH = 100
 
@@ -108,7 +109,7 @@ class PublishVerb(Verb):
                     ]
                 )
             )
-        elif count == 1:
+        elif count == 1 and not rejected:
             r = results[0]
             command.stdout.write(f"{r.status} {r.message_id}")
         else:
@@ -120,7 +121,13 @@ class PublishVerb(Verb):
             )
         if rejected:
             first = rejected[0].error
-            raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
+            advice = (
+                f" (topic {options['topic']!r}: create it in the admin or declare it for "
+                "`manage.py workqueue sync-topology`)"
+                if first.code == PublishErrorCode.TOPIC_NOT_FOUND
+                else ""
+            )
+            raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}{advice}")
 
 
 def _attributes(pairs: list[str]) -> dict[str, str] | None:
