@@ -4,6 +4,7 @@ their messages."""
 
 from __future__ import annotations
 
+import logging
 import datetime as dt
 import math
 import threading
@@ -383,6 +384,21 @@ def test_the_api_signals_fire_on_enqueue_start_and_finish_failed_only_at_the_dea
         ("started", "always_fails", "RUNNING"),
         ("finished", "always_fails", "FAILED"),
     ]
+
+
+def test_the_failed_task_log_line_carries_the_tasks_own_traceback(run_host, caplog):
+    """django_tasks logs a FAILED task_finished with logger.exception; sent outside any
+    exception, its line ended in "NoneType: None" instead of why the task failed."""
+    failing = always_fails.enqueue("no")
+    with caplog.at_level(logging.ERROR, logger="django_tasks"):
+        run_host()
+        finished(failing.id)
+        wait_until(lambda: any("state=FAILED" in r.getMessage() for r in caplog.records))
+
+    (line,) = [r for r in caplog.records if "state=FAILED" in r.getMessage()]
+    logged = caplog.text
+    assert line.exc_info is not None and "NoneType: None" not in logged
+    assert "always_fails" in logged and "Traceback (most recent call last)" in logged
 
 
 def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):

@@ -38,13 +38,33 @@ def send_task_finished_for_dead_letter(
         result = read_result(str(message_id))
         if result.status != api.TaskResultStatus.FAILED:
             return  # replayed meanwhile
-        send(api.task_finished, type(result.task.get_backend()), result)
+        try:
+            raise TaskFailed(result)
+        except TaskFailed:
+            # Sent while the stand-in is being handled: a receiver that logs a failed task
+            # with logger.exception (django_tasks's does, for error trackers) prints why.
+            send(api.task_finished, type(result.task.get_backend()), result)
     except Exception:
         # The dead letter is recorded whatever happens here; a receiver must not undo it.
         logger.exception("Could not send task_finished for dead-lettered delivery %s", delivery_id)
     finally:
         if opened_here:
             connection.close()
+
+
+class TaskFailed(Exception):
+    """Stands in for the exception a task's last run raised, which is gone by the time its
+    delivery is dead-lettered (the run ended, maybe in another process): its text is the
+    traceback that run recorded."""
+
+    def __init__(self, result: api.TaskResult) -> None:
+        last = result.errors[-1] if result.errors else None
+        detail = (
+            f"{last.exception_class_path}\n{last.traceback.rstrip()}"
+            if last is not None
+            else "no error was recorded"
+        )
+        super().__init__(f"Task {result.task.module_path} (result {result.id}) failed: {detail}")
 
 
 def send(signal: Any, sender: type, task_result: api.TaskResult) -> None:
