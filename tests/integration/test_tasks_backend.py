@@ -4,8 +4,8 @@ their messages."""
 
 from __future__ import annotations
 
-import logging
 import datetime as dt
+import logging
 import math
 import threading
 import uuid
