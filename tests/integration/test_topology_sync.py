@@ -13,6 +13,7 @@ from django.core.management import CommandError, call_command
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from workqueue import publish
 from workqueue.models import Subscription, Topic
+from workqueue.tasks.messages import HANDLER_KEY
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -129,6 +130,22 @@ def test_unknown_fields_are_refused_naming_the_row_and_the_fields():
     with override_settings(WORKQUEUE={"TOPOLOGY": bad}), pytest.raises(Exception) as exc:
         declared_topology()
     assert 'WORKQUEUE["TOPOLOGY"]["topics"]["t.x"] has unknown field(s) retention' in str(exc.value)
+
+
+def test_prune_keeps_the_queues_the_tasks_api_made(declare):
+    """A Tasks API queue's topic and subscription are made by the first enqueue, not
+    declared: --prune on every deploy deleted the idle ones, and a deployment whose runtime
+    role may not create topology could enqueue on them no more."""
+    declare(DECLARED)
+    topic = TopicFactory(name="tasks.default")
+    SubscriptionFactory(topic=topic, name="tasks.default", handler_key=HANDLER_KEY)
+
+    out = sync("--prune")
+
+    assert "  subscription tasks.default: not declared; kept (a Tasks API queue)" in out
+    assert "  topic tasks.default: not declared; kept (a Tasks API queue)" in out
+    assert Subscription.objects.filter(name="tasks.default").exists()
+    assert Topic.objects.filter(name="tasks.default").exists()
 
 
 def test_undeclared_rows_are_kept_and_prune_never_deletes_one_with_deliveries(declare):

@@ -221,6 +221,10 @@ def _shown(value: Any) -> Any:
 
 def _undeclared(row: Model, kind: str, prune: bool, alias: str) -> TopologyChange:
     name = str(row)
+    if _is_tasks_queue(row, kind):
+        # Made by the first enqueue, never declared: pruning an idle one would leave a
+        # deployment whose runtime role may not create topology unable to enqueue on it.
+        return TopologyChange("keep", kind, name, note="not declared; kept (a Tasks API queue)")
     if not prune:
         return TopologyChange("keep", kind, name, note="not declared; kept (--prune deletes it)")
     blocker = _delete_blocker(row, kind)
@@ -234,6 +238,17 @@ def _undeclared(row: Model, kind: str, prune: bool, alias: str) -> TopologyChang
         except ProtectedError:
             blocker = "it gained deliveries or dependants meanwhile"
     return TopologyChange("refuse", kind, name, note=f"not declared, but not deleted: {blocker}")
+
+
+def _is_tasks_queue(row: Model, kind: str) -> bool:
+    """Whether ``row`` is a Tasks API queue's subscription, or the topic it runs on (both are
+    named after the queue)."""
+    from workqueue.models import Subscription
+    from workqueue.tasks.messages import HANDLER_KEY
+
+    if kind == "subscription":
+        return row.handler_key == HANDLER_KEY and row.name == row.topic.name
+    return Subscription.objects.filter(topic=row, name=row.name, handler_key=HANDLER_KEY).exists()
 
 
 def _delete_blocker(row: Model, kind: str) -> str | None:
