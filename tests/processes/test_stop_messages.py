@@ -83,7 +83,11 @@ def test_workqueue_work_reports_the_signal_as_the_reason_and_says_it_drains(star
     out, _ = proc.communicate(timeout=30)
 
     assert proc.returncode == 0, out
-    assert "Stopping (Shutdown): draining running handlers" in out
+    # Both waits of the drain: the one for handlers to finish, the one after aborting them.
+    assert (
+        "Stopping (Shutdown): draining running handlers (up to 500 ms; any still running are "
+        "then aborted and given 500 ms more) ..."
+    ) in out
     assert "reason=Shutdown (SIGTERM)" in out
     assert "reason=Idle" not in out
 
@@ -98,5 +102,8 @@ def test_workqueue_host_says_it_drains_on_a_signal_and_why_it_stopped(start):
     out, _ = proc.communicate(timeout=30)
 
     assert proc.returncode == 0, out
-    draining = out.index("SIGINT received: stopped claiming; draining running handlers")
+    draining = out.index(
+        "SIGINT received: stopped claiming; draining running handlers (up to 500 ms; any "
+        "still running are then aborted and given 500 ms more) ..."
+    )
     assert out.index("Host stopped (SIGINT)") > draining, out

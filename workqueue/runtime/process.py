@@ -75,6 +75,15 @@ def host_disabled() -> bool:
     return os.environ.get("WORKQUEUE_DISABLE_HOST", "").strip().lower() in {"1", "true", "yes"}
 
 
+def describe_drain(shutdown_drain_ms: int) -> str:
+    """The console's words for a host's drain: it waits twice (for handlers to finish, then,
+    having aborted those still running, for them to return)."""
+    return (
+        f"draining running handlers (up to {shutdown_drain_ms} ms; any still running are then "
+        f"aborted and given {shutdown_drain_ms} ms more) ..."
+    )
+
+
 def exit_now_if_work_left_behind(host: Any, code: int = 0) -> None:
     """End the process at once when the drain left work behind: handlers that did not stop,
     or outcomes still being recorded on a database that does not answer.

@@ -12,6 +12,7 @@ from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
     add_metrics_arguments,
+    describe_drain,
     describe_left_behind,
     exit_now_if_work_left_behind,
     host_disabled,
@@ -82,8 +83,8 @@ class Command(BaseCommand):
         try:
             stop.wait()
             self.stdout.write(
-                f"{stop.received} received: stopped claiming; draining running handlers (up to "
-                f"{host.config.shutdown_drain_ms} ms, then they are aborted) ..."
+                f"{stop.received} received: stopped claiming; "
+                f"{describe_drain(host.config.shutdown_drain_ms)}"
             )
             self.stdout.flush()
         finally:

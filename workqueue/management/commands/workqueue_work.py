@@ -20,6 +20,7 @@ from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
+    describe_drain,
     describe_left_behind,
     exit_now_if_work_left_behind,
     host_disabled,
@@ -91,7 +92,7 @@ class Command(BaseCommand):
                 max_duration_ms=options["max_duration_ms"],
                 stop_requested=stop,
                 on_started=self._print_plan,
-                on_stopping=self._print_stopping,
+                on_stopping=lambda reason: self._print_stopping(reason, config.shutdown_drain_ms),
             )
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc), returncode=2) from exc
@@ -109,8 +110,8 @@ class Command(BaseCommand):
             raise CommandError(f"Could not run: {details}", returncode=2)
         exit_now_if_work_left_behind(host, code=EXIT_WORK_LEFT_BEHIND)
 
-    def _print_stopping(self, reason: str) -> None:
-        self.stdout.write(f"Stopping ({reason}): draining running handlers ...")
+    def _print_stopping(self, reason: str, shutdown_drain_ms: int) -> None:
+        self.stdout.write(f"Stopping ({reason}): {describe_drain(shutdown_drain_ms)}")
         self.stdout.flush()
 
     def _print_plan(self, host: Host) -> None:
