@@ -6,6 +6,8 @@ import pytest
 from django.core.management import CommandError
 
 from workqueue.management.commands.workqueue import Command
+from workqueue.management.commands.workqueue_host import Command as HostCommand
+from workqueue.management.commands.workqueue_work import Command as WorkCommand
 
 
 def parse(*argv: str) -> dict:
@@ -31,3 +33,22 @@ def test_an_option_given_only_before_the_verb_is_not_reset_by_the_verb():
 def test_an_unknown_option_is_still_refused():
     with pytest.raises(CommandError, match="--tracebak"):
         Command().create_parser("manage.py", "workqueue").parse_args(["stats", "--tracebak"])
+
+
+COMMANDS = [(HostCommand, ["-s", "orders"]), (WorkCommand, ["-s", "orders", "--once"])]
+
+
+@pytest.mark.parametrize(("command", "argv"), COMMANDS)
+@pytest.mark.parametrize("value", ["0", "1001", "5000", "many"])
+def test_a_concurrency_outside_what_a_host_runs_is_refused_as_an_argument(command, argv, value):
+    """--concurrency 5000 started a host whose every subscription then sat in Error (at most
+    1,000 handlers of one subscription), and the host idled on."""
+    parser = command().create_parser("manage.py", "x")
+    with pytest.raises(CommandError, match="--concurrency"):
+        parser.parse_args([*argv, "--concurrency", value])
+
+
+@pytest.mark.parametrize(("command", "argv"), COMMANDS)
+def test_a_concurrency_within_bounds_is_taken(command, argv):
+    parser = command().create_parser("manage.py", "x")
+    assert parser.parse_args([*argv, "--concurrency", "1000"]).concurrency == 1000

@@ -1,8 +1,9 @@
 """Process-level concerns of the host commands: stop signals, the kill switch, the metrics
-port, and what the garbage collector walks."""
+port, what the garbage collector walks, and the arguments and console lines they share."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import os
@@ -15,6 +16,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from workqueue import metrics
+from workqueue.conf import MAX_CONCURRENCY
 
 #: A second signal this soon after the first is the same stop delivered twice.
 SECOND_SIGNAL_AFTER_SECONDS = 1.0
@@ -73,6 +75,25 @@ def stop_on_signals() -> Iterator[StopSignal]:
 def host_disabled() -> bool:
     """WORKQUEUE_DISABLE_HOST=1 makes the host commands exit 0 at once."""
     return os.environ.get("WORKQUEUE_DISABLE_HOST", "").strip().lower() in {"1", "true", "yes"}
+
+
+def add_concurrency_argument(parser: CommandParser, help: str) -> None:
+    """``--concurrency N``: 1 to MAX_CONCURRENCY, refused as an argument otherwise (a host
+    would start and leave every subscription in Error)."""
+
+    def concurrency(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= MAX_CONCURRENCY:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a concurrency from 1 to {MAX_CONCURRENCY:,} (a host runs at "
+                "most that many handlers of one subscription; run more hosts for more)"
+            )
+        return value
+
+    parser.add_argument("--concurrency", type=concurrency, default=None, metavar="N", help=help)
 
 
 def describe_drain(shutdown_drain_ms: int) -> str:

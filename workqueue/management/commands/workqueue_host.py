@@ -11,6 +11,7 @@ from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
+    add_concurrency_argument,
     add_metrics_arguments,
     describe_drain,
     describe_left_behind,
@@ -37,13 +38,10 @@ class Command(BaseCommand):
             metavar="NAME",
             help="Run this subscription (repeatable; '*' for all). Default: the settings.",
         )
-        parser.add_argument(
-            "--concurrency",
-            type=int,
-            default=None,
-            metavar="N",
-            help="Handlers at once for every subscription this host runs. Default: each "
-            "subscription's WORKQUEUE['SUBSCRIPTIONS'] entry, else the '*' entry, else 1.",
+        add_concurrency_argument(
+            parser,
+            "Handlers at once for every subscription this host runs (1 to 1,000). Default: "
+            "each subscription's WORKQUEUE['SUBSCRIPTIONS'] entry, else the '*' entry, else 1.",
         )
 
         add_metrics_arguments(parser, "this host's counters")
@@ -52,8 +50,6 @@ class Command(BaseCommand):
         if host_disabled():
             self.stdout.write("WORKQUEUE_DISABLE_HOST is set; not starting the host.")
             return
-        if options["concurrency"] is not None and options["concurrency"] < 1:
-            raise CommandError("--concurrency must be at least 1.")
         # The metrics server before the host starts: a port already taken fails the command
         # before any claim. The host is built after the freeze, so that what it makes while it
         # runs is walked as usual.

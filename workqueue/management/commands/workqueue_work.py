@@ -20,6 +20,7 @@ from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
+    add_concurrency_argument,
     describe_drain,
     describe_left_behind,
     exit_now_if_work_left_behind,
@@ -37,21 +38,44 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("-s", "--subscription", required=True, help="Name, or '*' for all.")
-        parser.add_argument("--once", action="store_true", required=True)
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            required=True,
+            help="Run until --max deliveries were received, the queue stays empty for "
+            "--idle-exit-ms or --max-duration-ms passes; then drain and exit (required: the "
+            "long-running host is workqueue_host).",
+        )
         parser.add_argument(
             "--max", type=int, default=1, help="Deliveries to receive (≥ 1; default 1)."
         )
+        add_concurrency_argument(
+            parser,
+            "Handlers at once (1 to 1,000). Default: the subscription's "
+            "WORKQUEUE['SUBSCRIPTIONS'] entry, else the '*' entry, else 1.",
+        )
         parser.add_argument(
-            "--concurrency",
+            "--max-duration-ms",
             type=int,
             default=None,
-            metavar="N",
-            help="Handlers at once. Default: the subscription's WORKQUEUE['SUBSCRIPTIONS'] "
-            "entry, else the '*' entry, else 1.",
+            metavar="MS",
+            help="Stop receiving after this long (≥ 1000), then drain and exit. Default: no limit.",
         )
-        parser.add_argument("--max-duration-ms", type=int, default=None)
-        parser.add_argument("--idle-exit-ms", type=int, default=5000)
-        parser.add_argument("--shutdown-drain-ms", type=int, default=30000)
+        parser.add_argument(
+            "--idle-exit-ms",
+            type=int,
+            default=5000,
+            metavar="MS",
+            help="Exit once nothing has been receivable for this long (default 5000).",
+        )
+        parser.add_argument(
+            "--shutdown-drain-ms",
+            type=int,
+            default=30000,
+            metavar="MS",
+            help="On stopping, wait this long for running handlers, abort those left and wait "
+            "as long again (default 30000).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if host_disabled():
@@ -65,8 +89,6 @@ class Command(BaseCommand):
             )
         if options["max"] < 1:
             raise CommandError("--max must be at least 1.")
-        if options["concurrency"] is not None and options["concurrency"] < 1:
-            raise CommandError("--concurrency must be at least 1.")
         if options["max_duration_ms"] is not None and options["max_duration_ms"] < 1000:
             raise CommandError("--max-duration-ms must be at least 1000.")
         config = HostConfig.from_settings(
