@@ -345,3 +345,11 @@ def test_a_server_still_recovering_is_left_to_finish(
         with pytest.raises(localdb.LocalDBError, match="still starting"):
             localdb.ensure_running()
     assert stopped == []
+
+
+def test_the_command_line_explains_itself_and_says_what_it_did(capsys):
+    """`--help` was a usage error (exit 2) and `stop` printed nothing."""
+    assert localdb._main(["--help"]) == 0
+    assert "destroy  stop it and delete its folder" in capsys.readouterr().out
+    assert localdb._main(["strat"]) == 2
+    assert "start    start the embedded PostgreSQL" in capsys.readouterr().err

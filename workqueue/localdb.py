@@ -925,10 +925,22 @@ def _start(base: Path, account: _Account) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+_USAGE = """usage: python -m workqueue.localdb {start|stop|url|path|destroy}
+
+  start    start the embedded PostgreSQL (made on first use) and print its URL
+  stop     stop it
+  url      print its URL, if it runs
+  path     print its folder (WORKQUEUE_LOCALDB_DIR, or the default)
+  destroy  stop it and delete its folder (only a folder it made)"""
+
+
 def _main(argv: list[str]) -> int:
     verbs = ("start", "stop", "url", "path", "destroy")
+    if argv in (["-h"], ["--help"]):
+        print(_USAGE)
+        return 0
     if len(argv) != 1 or argv[0] not in verbs:
-        print(f"usage: python -m workqueue.localdb {{{'|'.join(verbs)}}}", file=sys.stderr)
+        print(_USAGE, file=sys.stderr)
         return 2
     verb = argv[0]
     try:
@@ -936,8 +948,10 @@ def _main(argv: list[str]) -> int:
             print(ensure_running())
         elif verb == "stop":
             stop()
+            print("stopped")
         elif verb == "destroy":
             destroy()
+            print("destroyed")
         elif verb == "path":
             print(data_dir())
         else:

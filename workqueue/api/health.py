@@ -14,6 +14,7 @@ from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
 from workqueue.models.hosts import SERVING_STATES
 from workqueue.operators import operations
+from workqueue.operators.display import count_of
 from workqueue.operators.permissions import READ, Actor, require
 
 router = Router(tags=["health"])
@@ -73,7 +74,8 @@ def health(request: HttpRequest) -> dict[str, Any]:
             {
                 "name": unserved.name,
                 "state": NOT_RUNNING,
-                "reason": f"No live host runs it; {unserved.due} deliveries are due.",
+                "reason": "No live host runs it; "
+                f"{count_of(unserved.due, 'delivery is', 'deliveries are')} due.",
                 "running_hosts": 0,
                 "in_flight": 0,
             },

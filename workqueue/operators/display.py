@@ -28,3 +28,8 @@ def error_summary(last_error: str | None, width: int = 100) -> str:
 def short_id(value: object) -> str:
     """The first 8 characters of a UUID: enough to tell rows apart on one screen."""
     return str(value)[:8]
+
+
+def count_of(count: int, one: str, many: str) -> str:
+    """``1 delivery is`` / ``3 deliveries are``: a count with its words in number."""
+    return f"{count:,} {one if count == 1 else many}"

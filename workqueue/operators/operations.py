@@ -26,6 +26,7 @@ from workqueue.exceptions import (
 )
 from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
+from workqueue.operators.display import count_of
 from workqueue.operators.permissions import (
     CHANGE_TRANSPORT_PERMISSION,
     CLI,
@@ -797,9 +798,9 @@ def validate_bindings(
                 BindingIssue(
                     "Warning",
                     f"subscription {unserved.name}",
-                    f"{unserved.due} deliveries are due and no live host runs this "
-                    "subscription; they wait until one does. Start a host that runs it "
-                    f"(`manage.py workqueue_host -s {unserved.name}`, or '*' in "
+                    f"{count_of(unserved.due, 'delivery is', 'deliveries are')} due and no "
+                    "live host runs this subscription; they wait until one does. Start a host "
+                    f"that runs it (`manage.py workqueue_host -s {unserved.name}`, or '*' in "
                     "WORKQUEUE['SUBSCRIPTIONS']), or pause the subscription.",
                 )
             )
