@@ -15,7 +15,7 @@ class WorkqueueConfig(AppConfig):
         from django.db.models.signals import post_migrate, pre_delete, pre_save
 
         from workqueue import signals
-        from workqueue.checks import check_settings, check_system_user
+        from workqueue.checks import check_handler_keys, check_settings, check_system_user
         from workqueue.driver import close_before_database_administration, close_thread_connections
         from workqueue.driver.install import renew_grants_after_migrate
         from workqueue.models.queue import Deduplication, Delivery, Message
@@ -33,6 +33,7 @@ class WorkqueueConfig(AppConfig):
             renew_grants_after_migrate, sender=self, dispatch_uid="workqueue-renew-grants"
         )
         checks.register(check_system_user, "workqueue", checks.Tags.database)
+        checks.register(check_handler_keys, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
         connection_created.connect(
             close_before_database_administration, dispatch_uid="workqueue-driver-no-db"

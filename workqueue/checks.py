@@ -167,3 +167,46 @@ def check_system_user(
             )
         ]
     return []
+
+
+def check_handler_keys(
+    app_configs: list[AppConfig] | None = None,
+    databases: list[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Database check: a Worker subscription whose handler key no handler of this project
+    registers, but one nearly does, is named with the key it likely meant. A key unlike every
+    registered one may be served by hosts of another codebase: validate-bindings judges those
+    against the live hosts."""
+    from workqueue.conf import get_settings
+    from workqueue.models import Subscription
+    from workqueue.runtime.handlers import autodiscover, handler_registry
+    from workqueue.types import HostType, SubscriptionStatus
+
+    if not databases:
+        return []
+    try:
+        conf = get_settings()
+        autodiscover(conf.HANDLER_MODULES)
+        subscriptions = list(
+            Subscription.objects.using(conf.DATABASE_ALIAS)
+            .filter(host_type=HostType.WORKER)
+            .exclude(status=SubscriptionStatus.DISABLED)
+            .values_list("name", "handler_key")
+        )
+    except (WorkQueueConfigurationError, DatabaseError):
+        return []  # reported by check_settings, by a host, or `migrate` has not run yet
+    warnings = []
+    for name, key in subscriptions:
+        near = handler_registry.near(key) if handler_registry.get(key) is None else []
+        if near:
+            warnings.append(
+                checks.Warning(
+                    f"Subscription {name!r} runs handler key {key!r}, which no handler of "
+                    f"this project registers; did you mean {' or '.join(map(repr, near))}?",
+                    hint="Fix the subscription's handler_key (admin or sync-topology), or "
+                    "register a handler under that key (@register_handler).",
+                    id="workqueue.W004",
+                )
+            )
+    return warnings

@@ -14,7 +14,7 @@ from django.core import mail
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from workqueue.checks import check_system_user
+from workqueue.checks import check_handler_keys, check_system_user
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.system_user import resolve_system_user
 
@@ -85,3 +85,23 @@ def test_an_unset_system_user_names_the_setting_and_the_command(settings):
 def test_the_check_is_silent_in_the_test_environment(settings):
     settings.WORKQUEUE = {"SYSTEM_USER": "robot"}
     assert check_system_user(databases=["default"]) == []
+
+
+def test_check_database_names_the_handler_key_a_misspelt_one_meant(settings):
+    """A typo in a subscription's handler key (`billing.invoce`) passed `check` and
+    `sync-topology`, and surfaced only on a host as HandlerNotRegistered; validate-bindings
+    warned about it and about correct keys alike when no host was live."""
+    from tests.factories import SubscriptionFactory
+    from workqueue.runtime.handlers import handler_registry
+
+    registered = handler_registry.keys()[0]  # the samples' or the Tasks API's, as installed
+    misspelt = registered[:-1] + ("x" if registered[-1] != "x" else "y")
+    SubscriptionFactory(name="shop.typo", handler_key=misspelt)
+    SubscriptionFactory(name="shop.elsewhere", handler_key="served.by-another-codebase")
+
+    [warning] = check_handler_keys(databases=["default"])
+
+    assert warning.id == "workqueue.W004"
+    assert f"'shop.typo' runs handler key '{misspelt}'" in warning.msg
+    assert f"did you mean '{registered}'" in warning.msg
+    assert check_handler_keys(databases=None) == []  # the plain check reads no database

@@ -382,10 +382,11 @@ def test_the_host_plans_each_subscription_running_paused_unregistered_unsupporte
     disabled = sub(status="Disabled")
     topic_off = sub(topic=TopicFactory(status="Disabled"))
     unregistered = sub(handler_key="t.nobody-registered-this")
+    misspelt = sub(handler_key="t.scrpt")  # the test registry has "t.script"
     external = sub()
     # No transport that takes external consumers exists yet, so only a raw write makes one.
     write_unchecked(external, host_type="External", handler_key="")
-    names = [running, paused, disabled, topic_off, unregistered, external]
+    names = [running, paused, disabled, topic_off, unregistered, misspelt, external]
     host = make_host([{"name": s.name} for s in names] + [{"name": "no.such-subscription"}])
 
     host.start()
@@ -398,6 +399,10 @@ def test_the_host_plans_each_subscription_running_paused_unregistered_unsupporte
         unregistered.name: (
             "HandlerNotRegistered",
             "No handler registered for key 't.nobody-registered-this'",
+        ),
+        misspelt.name: (
+            "HandlerNotRegistered",
+            "No handler registered for key 't.scrpt'; did you mean 't.script'?",
         ),
         external.name: ("Unsupported", "Consumed by an external host, not this one"),
         "no.such-subscription": ("Error", "Subscription not found"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import threading
 from collections.abc import Callable
 from importlib import import_module
@@ -59,6 +60,10 @@ class HandlerRegistry:
 
     def keys(self) -> list[str]:
         return sorted(self._handlers)
+
+    def near(self, key: str) -> list[str]:
+        """Registered keys spelt almost like ``key`` (what a typo likely meant), closest first."""
+        return difflib.get_close_matches(key.strip(), self.keys(), n=3, cutoff=0.8)
 
 
 def _path(cls: type) -> str:

@@ -431,9 +431,11 @@ class Host:
         if not subscription.handler_key.strip():
             return entry(PlanState.HANDLER_NOT_REGISTERED, "The subscription has no handler key")
         if self.registry.get(subscription.handler_key) is None:
+            near = self.registry.near(subscription.handler_key)
             return entry(
                 PlanState.HANDLER_NOT_REGISTERED,
-                f"No handler registered for key {subscription.handler_key!r}",
+                f"No handler registered for key {subscription.handler_key!r}"
+                + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""),
             )
         return PlanEntry(
             name,
