@@ -27,9 +27,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from django.db import connections
+
 from workqueue import metrics, signals
 from workqueue.conf import setting
-from workqueue.driver.base import JsonText, canonical_json, encode_json_string
+from workqueue.driver.base import (
+    JsonText,
+    canonical_json,
+    encode_json_string,
+    routed_to_django_connection,
+)
 from workqueue.exceptions import InvalidInputError, InvalidMessageError
 from workqueue.ids import new_message_id, new_message_ids
 from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
@@ -263,7 +270,7 @@ def publish_many(
         for (index, _), row in zip(prepared, rows, strict=True):
             if row is not None:
                 results[index] = _result_from_row(row)
-    final = [r for r in results if r is not None]
+    final = [_topic_named(r, name, enlist) for r in results if r is not None]
     metrics.count_published(name, final)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
@@ -273,6 +280,23 @@ def publish_many(
         # not make the publish look failed.
         signals.published.send_robust(sender=publish_many, topic=name, message_ids=accepted)
     return final
+
+
+def _topic_named(result: PublishResult, topic: str, enlist: bool) -> PublishResult:
+    """``result``, its TopicNotFound saying which name was not found, and why a topic that
+    exists may not be seen: made in the caller's open transaction (a test's, typically), which
+    the queue's own connection cannot see."""
+    if result.error is None or result.error.code != PublishErrorCode.TOPIC_NOT_FOUND:
+        return result
+    text = f"No topic is named {topic!r}."
+    alias = setting("DATABASE_ALIAS")
+    if not enlist and not routed_to_django_connection(alias) and connections[alias].in_atomic_block:
+        text += (
+            " This publish ran on the work queue's own connection, which cannot see a topic "
+            "your open transaction made; in a test, use "
+            "workqueue.testing.use_test_connection() (or publish with enlist=True)."
+        )
+    return dataclasses.replace(result, error=PublishError(PublishErrorCode.TOPIC_NOT_FOUND, text))
 
 
 def _publish_on(

@@ -46,7 +46,9 @@ def test_publish_or_raise_raises_with_the_result_and_lets_duplicates_through():
 
     first = publish_or_raise(sub.topic.name, {"n": 1}, message_id=given)
     again = publish_or_raise(sub.topic.name, {"n": 1}, message_id=given)
-    with pytest.raises(PublishRejectedError, match="TopicNotFound: No topic has this name") as exc:
+    with pytest.raises(
+        PublishRejectedError, match="TopicNotFound: No topic is named 'no-such-topic'"
+    ) as exc:
         publish_or_raise("no-such-topic", {"n": 1})
 
     assert first.accepted and again.status == PublishStatus.DUPLICATE
@@ -86,3 +88,8 @@ def test_decimal_datetime_and_uuid_payloads_are_stored_as_django_encodes_them():
     assert single.accepted and again.status == "Duplicate" and batch.accepted
     stored = Message.objects.filter(id__in=[single.message_id, batch.message_id])
     assert [m.payload for m in stored] == [expected, expected]
+
+
+def test_a_topic_no_one_made_is_named_without_the_transaction_hint():
+    result = publish("no.such-topic", {"n": 1})
+    assert result.error.message == "No topic is named 'no.such-topic'."

@@ -122,8 +122,7 @@ class PublishVerb(Verb):
         if rejected:
             first = rejected[0].error
             advice = (
-                f" (topic {options['topic']!r}: create it in the admin or declare it for "
-                "`manage.py workqueue sync-topology`)"
+                " Create it in the admin, or declare it for `manage.py workqueue sync-topology`."
                 if first.code == PublishErrorCode.TOPIC_NOT_FOUND
                 else ""
             )
