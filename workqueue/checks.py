@@ -25,13 +25,14 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
                 id="workqueue.E001",
             )
         ]
+    hint = (
+        "Fix it in settings.WORKQUEUE (or its WORKQUEUE_* environment variable); "
+        "workqueue/conf.py describes each setting."
+    )
     errors = [
-        checks.Error(
-            problem,
-            hint="Fix it in settings.WORKQUEUE (or its WORKQUEUE_* environment variable); "
-            "workqueue/conf.py describes each setting.",
-            id="workqueue.E008",
-        )
+        checks.Error(problem.text, hint=hint, id="workqueue.E008")
+        if problem.serious
+        else checks.Warning(problem.text, hint=hint, id="workqueue.W005")
         for problem in setting_problems(conf)
     ]
     if conf.DATABASE_ALIAS not in settings.DATABASES:
@@ -187,15 +188,25 @@ def check_handler_keys(
         return []
     try:
         conf = get_settings()
+    except WorkQueueConfigurationError:
+        return []  # reported by check_settings
+    if conf.DATABASE_ALIAS not in databases:
+        return []
+    try:
         autodiscover(conf.HANDLER_MODULES)
+    except Exception:
+        # A web-only image may lack what a worker's handlers import (a library, an API key in
+        # the environment): that is for the hosts to report, not a reason to fail `migrate`.
+        return []
+    try:
         subscriptions = list(
             Subscription.objects.using(conf.DATABASE_ALIAS)
             .filter(host_type=HostType.WORKER)
             .exclude(status=SubscriptionStatus.DISABLED)
             .values_list("name", "handler_key")
         )
-    except (WorkQueueConfigurationError, DatabaseError):
-        return []  # reported by check_settings, by a host, or `migrate` has not run yet
+    except DatabaseError:
+        return []  # `migrate` runs database checks before it creates the tables
     warnings = []
     for name, key in subscriptions:
         near = handler_registry.near(key) if handler_registry.get(key) is None else []

@@ -68,7 +68,7 @@ MAX_CONCURRENCY = 1000
 #: The keys a ``SUBSCRIPTIONS`` entry may hold.
 SUBSCRIPTION_ENTRY_KEYS = ("name", "concurrency", "prefetch")
 #: Each number setting's smallest and largest value (None: no bound). A value outside them
-#: would not fail where it is read, only misbehave: a busy claim loop, a sweeper never run.
+#: would not fail where it is read, only misbehave: a busy claim loop, live host records purged.
 _NUMBER_RANGES: dict[str, tuple[int, int | None]] = {
     "IDLE_POLL_MIN_MS": (1, None),
     "IDLE_POLL_MAX_MS": (1, None),
@@ -142,85 +142,135 @@ def setting(name: str) -> Any:
     return tuple(value) if name in _TUPLE_KEYS and isinstance(value, list) else value
 
 
-def setting_problems(conf: WorkQueueSettings) -> list[str]:
+#: Hosts read a negative value of these as 0 (no wait, or the service off).
+_NEGATIVE_READ_AS_ZERO = (
+    "SHUTDOWN_DRAIN_MS",
+    "SWEEPER_INTERVAL_MS",
+    "RECONCILE_INTERVAL_MS",
+    "SCHEDULER_INTERVAL_MS",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SettingProblem:
+    text: str
+    #: False when hosts read the value leniently (clamp it, or take it for "off"): a warning
+    #: then, since an error stops every command, ``migrate`` included.
+    serious: bool = True
+
+
+def setting_problems(conf: WorkQueueSettings) -> list[SettingProblem]:
     """What in ``conf`` a host or a web process would misread, each naming the setting and
-    what it takes (``manage.py check`` reports them, so every command refuses to run)."""
+    what it takes (``manage.py check`` reports them: the serious ones stop every command)."""
     problems = []
     for name, (low, high) in _NUMBER_RANGES.items():
         value = getattr(conf, name)
         if value is None and name == "PUBLISH_BODY_LIMIT_BYTES":
             continue
-        if not _is_whole_number(value) or value < low or (high is not None and value > high):
-            within = f"{low:,} or more" if high is None else f"{low:,} to {high:,}"
-            problems.append(f"WORKQUEUE['{name}'] is {value!r}: it takes a whole number, {within}.")
+        if _is_whole_number(value) and low <= value and (high is None or value <= high):
+            continue
+        within = f"{low:,} or more" if high is None else f"{low:,} to {high:,}"
+        text = f"WORKQUEUE['{name}'] is {value!r}: it takes a whole number, {within}."
+        if name in _NEGATIVE_READ_AS_ZERO and _is_whole_number(value):
+            problems.append(SettingProblem(f"{text} Hosts read it as 0.", serious=False))
+        else:
+            problems.append(SettingProblem(text))
     if conf.SWEEPER_ENABLED is True and conf.SWEEPER_INTERVAL_MS == 0:
         problems.append(
-            "WORKQUEUE['SWEEPER_INTERVAL_MS'] is 0 with SWEEPER_ENABLED on: the sweeper would "
-            "never run, so no lease would expire. Give it an interval, or set SWEEPER_ENABLED "
-            "to False for hosts that should not sweep."
+            SettingProblem(
+                "WORKQUEUE['SWEEPER_INTERVAL_MS'] is 0 with SWEEPER_ENABLED on: hosts run no "
+                "sweeper, so leases expire only if `manage.py workqueue_sweep` runs somewhere. "
+                "Set SWEEPER_ENABLED to False to say so, or give the interval.",
+                serious=False,
+            )
         )
-    polls_are_numbers = not any("IDLE_POLL" in problem for problem in problems)
-    if polls_are_numbers and conf.IDLE_POLL_MAX_MS < conf.IDLE_POLL_MIN_MS:
+    polls = (conf.IDLE_POLL_MIN_MS, conf.IDLE_POLL_MAX_MS)
+    if all(_is_whole_number(v) and v >= 1 for v in polls) and polls[1] < polls[0]:
         problems.append(
-            f"WORKQUEUE['IDLE_POLL_MAX_MS'] ({conf.IDLE_POLL_MAX_MS}) is less than "
-            f"IDLE_POLL_MIN_MS ({conf.IDLE_POLL_MIN_MS}): the idle back-off grows from the "
-            "first to the second."
+            SettingProblem(
+                f"WORKQUEUE['IDLE_POLL_MAX_MS'] ({polls[1]}) is less than IDLE_POLL_MIN_MS "
+                f"({polls[0]}): idle consumers poll every {polls[1]} ms.",
+                serious=False,
+            )
         )
     if not isinstance(conf.SWEEPER_ENABLED, bool):
         problems.append(
-            f"WORKQUEUE['SWEEPER_ENABLED'] is {conf.SWEEPER_ENABLED!r}: it takes True or False."
+            SettingProblem(
+                f"WORKQUEUE['SWEEPER_ENABLED'] is {conf.SWEEPER_ENABLED!r}: it takes True or False."
+            )
         )
     modules = conf.HANDLER_MODULES
     if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
         problems.append(
-            f"WORKQUEUE['HANDLER_MODULES'] is {modules!r}: it takes a list of dotted module "
-            'paths, e.g. ["myapp.jobs"].'
+            SettingProblem(
+                f"WORKQUEUE['HANDLER_MODULES'] is {modules!r}: it takes a list of dotted module "
+                'paths, e.g. ["myapp.jobs"].'
+            )
         )
     return problems + subscription_entry_problems(conf.SUBSCRIPTIONS)
 
 
-def subscription_entry_problems(entries: Any) -> list[str]:
+def subscription_entry_problems(entries: Any) -> list[SettingProblem]:
     """What in ``SUBSCRIPTIONS`` a host would misread: hosts ignore a misspelt key and run
     the subscription at concurrency 1."""
     where = "WORKQUEUE['SUBSCRIPTIONS']"
     if not isinstance(entries, (list, tuple)):
-        return [f"{where} is {entries!r}: it takes a list of entries, e.g. {_EXAMPLE}."]
+        return [
+            SettingProblem(f"{where} is {entries!r}: it takes a list of entries, e.g. {_EXAMPLE}.")
+        ]
     problems = []
     seen: dict[str, str] = {}
     for entry in entries:
         if not isinstance(entry, dict):
-            problems.append(f"{where} holds {entry!r}, which is not an entry like {_EXAMPLE}.")
+            problems.append(
+                SettingProblem(f"{where} holds {entry!r}, which is not an entry like {_EXAMPLE}.")
+            )
             continue
         name = entry.get("name")
         if not isinstance(name, str) or not name.strip():
-            problems.append(f"{where} holds an entry with no name: {entry!r}.")
+            problems.append(SettingProblem(f"{where} holds an entry with no name: {entry!r}."))
             continue
         unknown = [key for key in entry if key not in SUBSCRIPTION_ENTRY_KEYS]
         if unknown:
             problems.append(
-                f"{where} entry {name!r} holds {', '.join(map(repr, unknown))}: an entry "
-                f"takes only {', '.join(SUBSCRIPTION_ENTRY_KEYS)}."
+                SettingProblem(
+                    f"{where} entry {name!r} holds {', '.join(map(repr, unknown))}: an entry "
+                    f"takes only {', '.join(SUBSCRIPTION_ENTRY_KEYS)}."
+                )
             )
-        concurrency = entry.get("concurrency", 1)
-        if not _is_whole_number(concurrency) or not 1 <= concurrency <= MAX_CONCURRENCY:
-            problems.append(
-                f"{where} entry {name!r} has concurrency {concurrency!r}: it takes a whole "
-                f"number, 1 to {MAX_CONCURRENCY:,} (run more hosts for more)."
-            )
+        problems.extend(_concurrency_problems(where, name, entry.get("concurrency", 1)))
         prefetch = entry.get("prefetch", 0)
         if not _is_whole_number(prefetch) or prefetch < 0:
             problems.append(
-                f"{where} entry {name!r} has prefetch {prefetch!r}: it takes a whole number, "
-                "0 or more (0 claims only for free slots)."
+                SettingProblem(
+                    f"{where} entry {name!r} has prefetch {prefetch!r}: it takes a whole "
+                    "number, 0 or more (0 claims only for free slots)."
+                )
             )
         normalised = name.strip().lower()
         if normalised in seen:
             problems.append(
-                f"{where} holds two entries for one subscription, {seen[normalised]!r} and "
-                f"{name!r} (names are matched without case and spaces): keep one."
+                SettingProblem(
+                    f"{where} holds two entries for one subscription, {seen[normalised]!r} and "
+                    f"{name!r} (names are matched without case and spaces): keep one."
+                )
             )
         seen[normalised] = name
     return problems
+
+
+def _concurrency_problems(where: str, name: str, concurrency: Any) -> list[SettingProblem]:
+    # Hosts take int(concurrency), then at least 1: "4" (from an environment variable) runs 4.
+    try:
+        value = int(concurrency) if not isinstance(concurrency, (bool, float)) else None
+    except (TypeError, ValueError):
+        value = None
+    text = f"{where} entry {name!r} has concurrency {concurrency!r}: it takes a whole number"
+    if value is None or value > MAX_CONCURRENCY:
+        return [SettingProblem(f"{text}, 1 to {MAX_CONCURRENCY:,} (run more hosts for more).")]
+    if value < 1:
+        return [SettingProblem(f"{text} of at least 1; hosts run it at 1.", serious=False)]
+    return []
 
 
 _EXAMPLE = '[{"name": "*", "concurrency": 4}]'

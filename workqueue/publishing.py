@@ -290,7 +290,12 @@ def _topic_named(result: PublishResult, topic: str, enlist: bool) -> PublishResu
         return result
     text = f"No topic is named {topic!r}."
     alias = setting("DATABASE_ALIAS")
-    if not enlist and not routed_to_django_connection(alias) and connections[alias].in_atomic_block:
+    if (
+        not enlist
+        and not routed_to_django_connection(alias)
+        and connections[alias].in_atomic_block
+        and _topic_row(topic) is not None  # on the caller's connection, in its transaction
+    ):
         text += (
             " This publish ran on the work queue's own connection, which cannot see a topic "
             "your open transaction made; in a test, use "

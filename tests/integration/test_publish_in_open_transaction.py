@@ -26,3 +26,13 @@ def test_a_topic_the_callers_open_transaction_made_is_unknown_and_the_error_says
     assert "workqueue.testing.use_test_connection()" in result.error.message
     with use_test_connection():
         assert publish(topic.name, {"n": 1}).status == "Accepted"
+
+
+def test_a_misspelt_topic_inside_a_transaction_gets_no_transaction_hint():
+    """ATOMIC_REQUESTS puts every view's publish inside a transaction: the hint is for a topic
+    the transaction holds, not for every name nobody made."""
+    TopicFactory(name="orders.created")
+
+    result = publish("orders.craeted", {"n": 1})
+
+    assert result.error.message == "No topic is named 'orders.craeted'."

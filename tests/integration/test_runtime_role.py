@@ -21,7 +21,7 @@ from django.urls import reverse
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.roles import connect_as, database_role, queue_connections_as
-from workqueue import publish, publish_many
+from workqueue import publish, publish_many, transport
 from workqueue.driver import get_driver
 from workqueue.driver.base import (
     DELIVERY_READABLE_COLUMNS,
@@ -31,7 +31,7 @@ from workqueue.driver.base import (
     canonical_json,
 )
 from workqueue.driver.procedures import PROCEDURES, Grant, get_procedure
-from workqueue.models import Delivery, HostRecord, TaskResult
+from workqueue.models import Deduplication, Delivery, HostRecord, TaskResult
 from workqueue.models.hosts import database_now
 from workqueue.runtime.executor import MAX_ERROR_LENGTH
 from workqueue.runtime.sweeper import Sweeper
@@ -264,6 +264,19 @@ def test_the_runtime_role_cannot_reconfirm_another_publishers_deduplication_key(
 
     retry = publish(topic.name, {}, deduplication_key="order-1")
     assert (retry.status, retry.message_id) == ("Duplicate", owner)
+
+
+def test_a_reservation_is_confirmed_for_a_window_past_thirty_days():
+    """A message id's ledger entry is held for its topic's retention, which may pass 30 days:
+    a confirm capped at 30 days left it Reserved, lapsed after 120 s, and the same id was sent
+    again (helper-79's review of the cap above)."""
+    topic = TopicFactory(retention_days=90)
+
+    owner = str(uuid.uuid4())
+    assert transport.reserve_deduplication(topic.name, "k", owner) == ("Reserved", owner)
+
+    assert transport.confirm_deduplication(topic.name, "k", owner, 90 * 86_400) is True
+    assert Deduplication.objects.get(topic=topic).status == "Confirmed"
 
 
 @pytest.mark.parametrize("settle", ["wq_retry", "wq_dead_letter"])

@@ -105,3 +105,16 @@ def test_check_database_names_the_handler_key_a_misspelt_one_meant(settings):
     assert f"'shop.typo' runs handler key '{misspelt}'" in warning.msg
     assert f"did you mean '{registered}'" in warning.msg
     assert check_handler_keys(databases=None) == []  # the plain check reads no database
+
+
+def test_the_handler_key_check_leaves_handler_modules_that_fail_to_import_to_the_hosts(settings):
+    """W004 imports the project's handlers to compare keys: one that raised at import (a
+    worker's library or secret missing from a web-only image) made every database check, and
+    so `migrate`, fail."""
+    settings.WORKQUEUE = {
+        **settings.WORKQUEUE,
+        "HANDLER_MODULES": ["tests.support.handlers_needing_a_secret"],
+    }
+
+    assert check_handler_keys(databases=["default"]) == []
+    assert check_handler_keys(databases=["other"]) == []  # not the queue's database

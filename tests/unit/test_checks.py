@@ -64,7 +64,6 @@ def test_a_queue_alias_the_orm_does_not_route_to_is_an_error_naming_the_router_f
     [
         # A misspelt key ran the subscription at concurrency 1 without a word.
         ([{"name": "orders", "concurency": 8}], "'concurency'"),
-        ([{"name": "orders", "concurrency": 0}], "concurrency 0"),
         ([{"name": "orders", "concurrency": 5000}], "concurrency 5000"),
         ([{"name": "orders", "concurrency": "eight"}], "concurrency 'eight'"),
         ([{"name": "orders", "concurrency": True}], "concurrency True"),
@@ -91,11 +90,7 @@ def test_a_subscriptions_entry_a_host_would_misread_is_an_error_naming_it(
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"IDLE_POLL_MIN_MS": 0}, "IDLE_POLL_MIN_MS"),
-        ({"IDLE_POLL_MIN_MS": 900, "IDLE_POLL_MAX_MS": 300}, "IDLE_POLL_MAX_MS"),
-        ({"SWEEPER_INTERVAL_MS": 0}, "SWEEPER_INTERVAL_MS"),
-        ({"SHUTDOWN_DRAIN_MS": -1}, "SHUTDOWN_DRAIN_MS"),
-        ({"RECONCILE_INTERVAL_MS": -5}, "RECONCILE_INTERVAL_MS"),
+        ({"IDLE_POLL_MIN_MS": 0}, "IDLE_POLL_MIN_MS"),  # a busy claim loop
         ({"SCHEDULER_INTERVAL_MS": "10s"}, "SCHEDULER_INTERVAL_MS"),
         ({"PUBLISH_MAX_BATCH": 0}, "PUBLISH_MAX_BATCH"),
         ({"PUBLISH_BODY_LIMIT_BYTES": 0}, "PUBLISH_BODY_LIMIT_BYTES"),
@@ -111,6 +106,33 @@ def test_a_number_setting_out_of_its_range_is_an_error_naming_the_range(settings
     [error] = check_settings()
     assert error.id == "workqueue.E008"
     assert f"WORKQUEUE['{named}']" in error.msg, error.msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        # Values hosts have always read leniently: a warning, since an error stops every
+        # command (migrate included) on upgrade.
+        ({"SUBSCRIPTIONS": [{"name": "orders", "concurrency": 0}]}, "hosts run it at 1"),
+        ({"IDLE_POLL_MIN_MS": 900, "IDLE_POLL_MAX_MS": 300}, "poll every 300 ms"),
+        ({"SWEEPER_INTERVAL_MS": 0}, "workqueue_sweep"),
+        ({"SHUTDOWN_DRAIN_MS": -1}, "read it as 0"),
+        ({"RECONCILE_INTERVAL_MS": -5}, "read it as 0"),
+    ],
+)
+def test_a_value_hosts_read_leniently_is_a_warning_saying_how_they_read_it(
+    settings, overrides, named
+):
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", **overrides}
+    [warning] = check_settings()
+    assert warning.id == "workqueue.W005"
+    assert named in warning.msg, warning.msg
+
+
+def test_a_concurrency_given_as_text_is_read_as_hosts_read_it(settings):
+    """Hosts take int() of it: "4" from an environment variable has always run 4."""
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "SUBSCRIPTIONS": [{"name": "*", "concurrency": "4"}]}
+    assert check_settings() == []
 
 
 def test_the_documented_subscriptions_shapes_pass(settings):

@@ -221,7 +221,7 @@ def _shown(value: Any) -> Any:
 
 def _undeclared(row: Model, kind: str, prune: bool, alias: str) -> TopologyChange:
     name = str(row)
-    if _is_tasks_queue(row, kind):
+    if _is_tasks_queue(row, kind, alias):
         # Made by the first enqueue, never declared: pruning an idle one would leave a
         # deployment whose runtime role may not create topology unable to enqueue on it.
         return TopologyChange("keep", kind, name, note="not declared; kept (a Tasks API queue)")
@@ -240,15 +240,21 @@ def _undeclared(row: Model, kind: str, prune: bool, alias: str) -> TopologyChang
     return TopologyChange("refuse", kind, name, note=f"not declared, but not deleted: {blocker}")
 
 
-def _is_tasks_queue(row: Model, kind: str) -> bool:
+def _is_tasks_queue(row: Model, kind: str, alias: str) -> bool:
     """Whether ``row`` is a Tasks API queue's subscription, or the topic it runs on (both are
     named after the queue)."""
-    from workqueue.models import Subscription
+    from workqueue.models import Subscription, Topic
     from workqueue.tasks.messages import HANDLER_KEY
 
     if kind == "subscription":
-        return row.handler_key == HANDLER_KEY and row.name == row.topic.name
-    return Subscription.objects.filter(topic=row, name=row.name, handler_key=HANDLER_KEY).exists()
+        return row.handler_key == HANDLER_KEY and (
+            Topic.objects.using(alias).filter(pk=row.topic_id, name=row.name).exists()
+        )
+    return (
+        Subscription.objects.using(alias)
+        .filter(topic=row, name=row.name, handler_key=HANDLER_KEY)
+        .exists()
+    )
 
 
 def _delete_blocker(row: Model, kind: str) -> str | None:

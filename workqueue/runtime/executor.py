@@ -620,7 +620,9 @@ class DeliveryExecution:
             extension = self.services.receiver.extend_lease(
                 self.delivery, _progress(progress) if progress else None
             )
-            if extension.state in (LeaseState.HELD, LeaseState.CANCELLED):
+            # A Cancelled answer renews too, and says so with its expiry; the previous
+            # release's procedure answered it without renewing, and with no expiry.
+            if extension.state == LeaseState.HELD or extension.lease_expires_at is not None:
                 self._lease_ends = began + self.lease_seconds
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()

@@ -965,9 +965,10 @@ $$;
 
 -- wq_confirm_deduplication --
 -- The message that reserved a deduplication key was sent: hold the key for
--- p_deduplication_ttl_seconds (NULL: the topic's default; else 60 s to 30 days) from now.
--- Affects one row, or none when the reservation is no longer this message's (it lapsed and
--- another publish took it) or the window is out of bounds. Only a reservation is confirmed:
+-- p_deduplication_ttl_seconds (NULL: the topic's default; else at least 60 s; a message id's
+-- own entry is held for the topic's retention, which may pass 30 days) from now. Affects one
+-- row, or none when the reservation is no longer this message's (it lapsed and another
+-- publish took it) or the window is under a minute. Only a reservation is confirmed:
 -- a confirmed key keeps the window it was given, or any caller that knows its message id
 -- could shorten it (and let the message be published, and delivered, again).
 CREATE OR REPLACE FUNCTION wq_confirm_deduplication(
@@ -994,8 +995,7 @@ BEGIN
      WHERE t.name = lower(btrim(p_topic_name)) AND d.topic_id = t.id
        AND d.deduplication_key = p_deduplication_key AND d.message_id = p_message_id
        AND d.status = 'Reserved'
-       AND (p_deduplication_ttl_seconds IS NULL
-            OR p_deduplication_ttl_seconds BETWEEN 60 AND 2592000);
+       AND (p_deduplication_ttl_seconds IS NULL OR p_deduplication_ttl_seconds >= 60);
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN QUERY SELECT v_count;
 END;

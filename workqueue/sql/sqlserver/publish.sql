@@ -822,9 +822,10 @@ GO
 
 -- wq_confirm_deduplication --
 -- The message that reserved a deduplication key was sent: hold the key for
--- @deduplication_ttl_seconds (NULL: the topic's default; else 60 s to 30 days) from now.
--- Affects one row, or none when the reservation is no longer this message's (it lapsed and
--- another publish took it) or the window is out of bounds. Only a reservation is confirmed:
+-- @deduplication_ttl_seconds (NULL: the topic's default; else at least 60 s; a message id's
+-- own entry is held for the topic's retention, which may pass 30 days) from now. Affects one
+-- row, or none when the reservation is no longer this message's (it lapsed and another
+-- publish took it) or the window is under a minute. Only a reservation is confirmed:
 -- a confirmed key keeps the window it was given, or any caller that knows its message id
 -- could shorten it (and let the message be published, and delivered, again).
 -- returns: affected_rows
@@ -852,8 +853,7 @@ BEGIN
        AND x.deduplication_key = @deduplication_key
        AND x.message_id = dbo.wq_uuid_text(@message_id)
        AND x.status = N'Reserved'
-       AND (@deduplication_ttl_seconds IS NULL
-            OR @deduplication_ttl_seconds BETWEEN 60 AND 2592000);
+       AND (@deduplication_ttl_seconds IS NULL OR @deduplication_ttl_seconds >= 60);
 
     -- result set
     SELECT COUNT(*) AS affected_rows FROM @changed;
