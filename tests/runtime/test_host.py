@@ -387,7 +387,11 @@ def test_the_host_plans_each_subscription_running_paused_unregistered_unsupporte
     # No transport that takes external consumers exists yet, so only a raw write makes one.
     write_unchecked(external, host_type="External", handler_key="")
     names = [running, paused, disabled, topic_off, unregistered, misspelt, external]
-    host = make_host([{"name": s.name} for s in names] + [{"name": "no.such-subscription"}])
+    sub(name="shop.billing-invoices")  # not asked for; the name below misses its last letter
+    near_miss = "shop.billing-invoice"
+    host = make_host(
+        [{"name": s.name} for s in names] + [{"name": "no.such-subscription"}, {"name": near_miss}]
+    )
 
     host.start()
 
@@ -406,6 +410,7 @@ def test_the_host_plans_each_subscription_running_paused_unregistered_unsupporte
         ),
         external.name: ("Unsupported", "Consumed by an external host, not this one"),
         "no.such-subscription": ("Error", "Subscription not found"),
+        near_miss: ("Error", "Subscription not found; did you mean 'shop.billing-invoices'?"),
     }
 
 

@@ -9,6 +9,7 @@ reason says which); not the Database transport → Unsupported; no registered ha
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import socket
@@ -397,9 +398,18 @@ class Host:
             for subscription in subscriptions.filter(host_type="Worker"):
                 found.setdefault(subscription.name, subscription)
                 names.add(subscription.name)
-        return {name: self._plan_one(name, found.get(name)) for name in sorted(names)}
+        # Names asked for that no subscription has: a typo, or one still to be created. All
+        # the names are read only then, to say which existing one was likely meant.
+        existing = (
+            list(Subscription.objects.values_list("name", flat=True))
+            if names - found.keys()
+            else []
+        )
+        return {name: self._plan_one(name, found.get(name), existing) for name in sorted(names)}
 
-    def _plan_one(self, name: str, subscription: Any) -> PlanEntry:
+    def _plan_one(self, name: str, subscription: Any, existing: list[str]) -> PlanEntry:
+        """``name``'s plan; ``existing``: every subscription's name when one asked for is
+        missing (to say which was likely meant)."""
         try:
             concurrency = self.config.concurrency_for(name)
         except WorkQueueConfigurationError as exc:
@@ -411,7 +421,12 @@ class Host:
             return PlanEntry(name, state, reason, concurrency)
 
         if subscription is None:
-            return entry(PlanState.ERROR, "Subscription not found")
+            near = difflib.get_close_matches(name, existing, n=3, cutoff=0.8)
+            return entry(
+                PlanState.ERROR,
+                "Subscription not found"
+                + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""),
+            )
         if subscription.host_type != "Worker":
             return entry(PlanState.UNSUPPORTED, "Consumed by an external host, not this one")
         topic, transport = subscription.topic, subscription.topic.transport
