@@ -128,7 +128,7 @@ def check_system_user(
     from django.core import mail
 
     from workqueue.conf import get_settings
-    from workqueue.system_user import CREATE_COMMAND, find_system_user, unknown_user_message
+    from workqueue.system_user import CREATE_COMMAND, find_system_user, unknown_user_problem
 
     # Django's test runner runs database checks against the new test database, where no user
     # exists until a test creates one; setup_test_environment() is what adds mail.outbox.
@@ -151,7 +151,7 @@ def check_system_user(
             # that runs no host (web processes only) needs no system user. Hosts refuse to start
             # without it, with the same advice.
             checks.Warning(
-                unknown_user_message(conf.SYSTEM_USER.strip()),
+                unknown_user_problem(conf.SYSTEM_USER.strip()),
                 hint=f"Run `{CREATE_COMMAND}`: it creates the account with an unusable "
                 "password and no admin rights.",
                 id="workqueue.W003",

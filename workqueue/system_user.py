@@ -47,11 +47,14 @@ def resolve_system_user(conf: WorkQueueSettings | None = None) -> Any:
     return user
 
 
+def unknown_user_problem(name: str) -> str:
+    return f"WORKQUEUE['SYSTEM_USER'] is {name!r}, but no user has that username or e-mail."
+
+
 def unknown_user_message(name: str) -> str:
     return (
-        f"WORKQUEUE['SYSTEM_USER'] is {name!r}, but no user has that username or e-mail. "
-        f"Create it with `{CREATE_COMMAND}` (an account with no password and no admin rights), "
-        "or set WORKQUEUE['SYSTEM_USER'] to an existing account."
+        f"{unknown_user_problem(name)} Create it with `{CREATE_COMMAND}` (an account with no "
+        "password and no admin rights), or set WORKQUEUE['SYSTEM_USER'] to an existing account."
     )
 
 
