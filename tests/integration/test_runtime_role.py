@@ -160,6 +160,21 @@ def _call(conn: psycopg.Connection, name: str, **params: object) -> list[tuple]:
     return conn.execute(driver.render_call(procedure), values).fetchall()
 
 
+def _publish_as(role: str, topic: Any, **params: object) -> tuple:
+    """Call wq_publish as ``role`` on ``topic`` with a new message id; its one row."""
+    with connect_as(role) as conn:
+        [row] = _call(
+            conn,
+            "wq_publish",
+            topic_name=topic.name,
+            message_id=str(uuid.uuid4()),
+            external=False,
+            published_by="runtime",
+            **params,
+        )
+    return row
+
+
 def test_the_runtime_role_cannot_read_lease_tokens_to_settle_another_hosts_delivery(
     runtime_role,
 ):
@@ -203,17 +218,7 @@ def test_the_database_counts_the_envelope_a_caller_understates(runtime_role, cla
     call_command("workqueue", "grant-runtime", runtime_role)
     oversized = {"text": "x" * 3000}
 
-    with connect_as(runtime_role) as conn:
-        [row] = _call(
-            conn,
-            "wq_publish",
-            topic_name=topic.name,
-            message_id=str(uuid.uuid4()),
-            payload=oversized,
-            envelope_bytes=claimed_bytes,
-            external=False,
-            published_by="runtime",
-        )
+    row = _publish_as(runtime_role, topic, payload=oversized, envelope_bytes=claimed_bytes)
     assert row[1:] == ("Rejected", "PayloadTooLarge")
     assert not Delivery.objects.filter(subscription__topic=topic).exists()
 
@@ -226,18 +231,9 @@ def test_the_database_refuses_a_deduplication_window_outside_its_bounds(runtime_
     topic = SubscriptionFactory().topic
     call_command("workqueue", "grant-runtime", runtime_role)
 
-    with connect_as(runtime_role) as conn:
-        [row] = _call(
-            conn,
-            "wq_publish",
-            topic_name=topic.name,
-            message_id=str(uuid.uuid4()),
-            payload={},
-            deduplication_key="order-1",
-            deduplication_ttl_seconds=ttl,
-            external=False,
-            published_by="runtime",
-        )
+    row = _publish_as(
+        runtime_role, topic, payload={}, deduplication_key="order-1", deduplication_ttl_seconds=ttl
+    )
     assert row[1:3] == ("Rejected", "InvalidDeduplication")
     assert publish(topic.name, {}, deduplication_key="order-1").status == "Accepted"
 

@@ -564,6 +564,16 @@ def test_an_ordered_subscription_made_during_a_keyed_publish_waits_for_it():
     )
 
 
+def _keyed_publish_left_open(topic: Any) -> _OpenTransaction:
+    """A publish of key "k" to ``topic``, fanned out and not yet committed (release it)."""
+    open_publish = _OpenTransaction(
+        lambda: publish(topic.name, {"n": 1}, partition_key="k", enlist=True)
+    )
+    open_publish.start()
+    assert open_publish.worked.wait(10) and open_publish.error is None
+    return open_publish
+
+
 @queue_db
 def test_a_move_that_changes_the_mode_waits_for_a_publish_to_the_old_topic():
     """Moving a subscription locked only the topic it moved to: a publish still fanning out
@@ -572,11 +582,7 @@ def test_a_move_that_changes_the_mode_waits_for_a_publish_to_the_old_topic():
     delivery: it stayed Pending for ever."""
     old_topic, new_topic = TopicFactory(), TopicFactory()
     sub = SubscriptionFactory(topic=old_topic, partition_mode="Exclusive")
-    first = _OpenTransaction(
-        lambda: publish(old_topic.name, {"n": 1}, partition_key="k", enlist=True)
-    )
-    first.start()
-    assert first.worked.wait(10) and first.error is None
+    first = _keyed_publish_left_open(old_topic)
     refused: list[BaseException] = []
 
     def move_and_change_mode() -> None:
@@ -611,11 +617,7 @@ def test_an_ordered_subscription_moved_mid_publish_runs_its_key_in_publish_order
     the new topic's lock, committed first and was claimed first: the key ran [2, 1]."""
     old_topic, new_topic = TopicFactory(), TopicFactory()
     sub = SubscriptionFactory(topic=old_topic, partition_mode="Ordered")
-    first = _OpenTransaction(
-        lambda: publish(old_topic.name, {"n": 1}, partition_key="k", enlist=True)
-    )
-    first.start()
-    assert first.worked.wait(10) and first.error is None
+    first = _keyed_publish_left_open(old_topic)
     mover = threading.Thread(
         target=lambda: (
             Subscription.objects.filter(pk=sub.pk).update(topic=new_topic),

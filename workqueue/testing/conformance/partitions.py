@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from workqueue.testing.conformance.harness import CaseContext, expect_equal, expect_settled, numbers
 from workqueue.testing.conformance.registry import CASES
+from workqueue.types import ClaimedDelivery
 
 LEASE = 5
 
@@ -163,16 +164,23 @@ def exclusive_cancel_frees_key_on_acknowledge(ctx: CaseContext) -> None:
     )
 
 
+def _cancelled_head_of_two(ctx: CaseContext) -> ClaimedDelivery:
+    """An Exclusive subscription "a" (lease LEASE) with two messages of one key: the head,
+    claimed, then cancelled by an operator."""
+    ctx.subscribe("a", partition_mode="Exclusive", lease_seconds=LEASE)
+    ctx.keyed(2)
+    head = ctx.receive_one("a")
+    expect_equal(ctx.discard("a", head.delivery_id).cancel_requested, True, "cancel requested")
+    return head
+
+
 @CASES.case(
     "C26",
     "Exclusive: an unacknowledged cancelled head is discarded at lease expiry, never retried",
     requires=("cancel_in_flight",),
 )
 def exclusive_cancel_discarded_on_expiry(ctx: CaseContext) -> None:
-    ctx.subscribe("a", partition_mode="Exclusive", lease_seconds=LEASE)
-    ctx.keyed(2)
-    head = ctx.receive_one("a")
-    expect_equal(ctx.discard("a", head.delivery_id).cancel_requested, True, "cancel requested")
+    head = _cancelled_head_of_two(ctx)
     ctx.expect_nothing_receivable("a", "while the cancelled head's lease runs")
 
     ctx.advance_time(LEASE + 1)
@@ -198,11 +206,8 @@ def exclusive_cancel_discarded_on_expiry(ctx: CaseContext) -> None:
 def exclusive_cancel_renewed_until_acknowledged(ctx: CaseContext) -> None:
     # A handler that has not yet heard its cancel, or ignores it, is still running: the key's
     # next message must not start beside it however long that takes.
-    ctx.subscribe("a", partition_mode="Exclusive", lease_seconds=LEASE)
-    ctx.keyed(2)
-    head = ctx.receive_one("a")
+    head = _cancelled_head_of_two(ctx)
     receiver = ctx.receiver("a")
-    expect_equal(ctx.discard("a", head.delivery_id).cancel_requested, True, "cancel requested")
 
     for renewal in (1, 2):  # two renewals a lease apart: past the lease the claim gave
         ctx.advance_time(LEASE - 1)
