@@ -335,13 +335,6 @@ BEGIN
                             NULL::uuid, NULL::text;
         RETURN;
     END IF;
-    -- The window's bounds are the application's (60 s to 30 days): a shorter or negative one
-    -- would switch the key's deduplication off, a longer one hold the key for decades.
-    IF p_deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000 THEN
-        RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidDeduplication'::text,
-                            NULL::uuid, NULL::text;
-        RETURN;
-    END IF;
     IF (p_not_before IS NOT NULL AND p_delay_seconds IS NOT NULL) OR p_delay_seconds < 0 THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
                             NULL::uuid, NULL::text;
@@ -386,6 +379,14 @@ BEGIN
     END IF;
 
     IF p_deduplication_key IS NOT NULL THEN
+        -- The window's bounds are the application's (60 s to 30 days): a shorter or negative
+        -- one would switch the key's deduplication off, a longer one hold the key for decades.
+        -- Tested here, where a key is given, so that a publish without one pays nothing.
+        IF p_deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000 THEN
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidDeduplication'::text,
+                                NULL::uuid, NULL::text;
+            RETURN;
+        END IF;
         LOOP
             v_attempt := v_attempt + 1;
             -- Take the key when free, when its window has passed, or when this same message

@@ -283,8 +283,9 @@ BEGIN
         RETURN;
     END;
     -- The window's bounds are the application's (60 s to 30 days): a shorter or negative one
-    -- would switch the key's deduplication off, a longer one hold the key for decades.
-    IF @deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000
+    -- would switch the key's deduplication off, a longer one hold the key for decades. (A
+    -- window without a key holds nothing.)
+    IF @deduplication_key IS NOT NULL AND @deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000
     BEGIN
         SET @out_error_code = N'InvalidDeduplication';
         RETURN;
