@@ -6,6 +6,7 @@ query needs. So the claim/settle/sweep rules and fencing cannot be bypassed."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from typing import Any
 
@@ -273,6 +274,36 @@ def test_a_reservation_is_confirmed_for_a_window_past_thirty_days():
 
     assert transport.confirm_deduplication(topic.name, "k", owner, 90 * 86_400) is True
     assert Deduplication.objects.get(topic=topic).status == "Confirmed"
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["publish", "publish_many"])
+def test_a_topology_lock_held_by_any_role_stops_publishes_for_seconds_not_for_ever(
+    runtime_role, pg_conn, monkeypatch, many
+):
+    """The topology lock is an advisory lock, which any role that may connect can take (an
+    autoscaler's login, say): held, every publish to the topic waited for it with no limit,
+    and the publishers' threads piled up. Now a publish waits at most 5 s, then is rejected
+    as retryable (TransportUnavailable), as on SQL Server."""
+    from workqueue import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "TRANSIENT_RETRIES", 0)
+    topic = SubscriptionFactory().topic
+    call_command("workqueue", "grant-scaler", runtime_role)
+    with connect_as(runtime_role) as holder:
+        holder.execute(
+            "SELECT pg_advisory_lock(hashtextextended('wq-topology:' || %s, 0))", [str(topic.id)]
+        )
+        began = time.monotonic()
+        if many:
+            results = publish_many(topic.name, [{"payload": {"n": n}} for n in range(3)])
+        else:
+            results = [publish(topic.name, {"n": 1})]
+        waited = time.monotonic() - began
+
+    assert {(r.status, r.error.code) for r in results} == {("Rejected", "TransportUnavailable")}
+    assert "lock timeout" in results[0].error.message
+    assert waited < 30
+    assert publish(topic.name, {"n": 2}).status == "Accepted"  # released with its session
 
 
 @pytest.mark.parametrize("settle", ["wq_retry", "wq_dead_letter"])

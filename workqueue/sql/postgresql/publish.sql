@@ -134,6 +134,24 @@ AS $$
     );
 $$;
 
+-- wq_wait_for_topology --
+-- Take a topic's topology lock shared, as a publish does, waiting at most 5 s (then SQLSTATE
+-- 55P03, which publishers retry): the publish procedures call it only when their first try
+-- found the lock held exclusive. A topology change holds it for moments; a session that is no
+-- change may hold it as long as it likes (an advisory lock needs no privilege), and every
+-- publish to the topic would wait for it with no limit.
+CREATE OR REPLACE FUNCTION wq_wait_for_topology(p_topic_id uuid)
+RETURNS void
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '5s'
+AS $$
+    SELECT pg_advisory_xact_lock_shared(
+        hashtextextended('wq-topology:' || lower(p_topic_id::text), 0)
+    );
+$$;
+
 -- wq_lock_topology --
 -- Take the transaction-scoped lock that orders a topic's subscription changes against its
 -- publishes: every publish holds it shared while it fans out; a change that depends on the
@@ -361,8 +379,10 @@ BEGIN
     END IF;
 
     -- Held until commit, so a partition-mode change waits for this fan-out (wq_lock_topology).
-    PERFORM pg_advisory_xact_lock_shared(
-        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
+    IF NOT pg_try_advisory_xact_lock_shared(
+            hashtextextended('wq-topology:' || lower(v_topic.id::text), 0)) THEN
+        PERFORM wq_wait_for_topology(v_topic.id);
+    END IF;
 
     -- Ordered subscriptions need a key's ordinals to commit in publish order. The key is
     -- tested on its own first: a condition holding a subquery is a statement for the executor
@@ -710,8 +730,10 @@ BEGIN
     -- Taken before the Ordered check: a change to Ordered that commits after the check and
     -- before the fan-out would otherwise get deliveries whose key was never locked, and a later
     -- publish of that key could commit its ordinal first.
-    PERFORM pg_advisory_xact_lock_shared(
-        hashtextextended('wq-topology:' || lower(v_topic.id::text), 0));
+    IF NOT pg_try_advisory_xact_lock_shared(
+            hashtextextended('wq-topology:' || lower(v_topic.id::text), 0)) THEN
+        PERFORM wq_wait_for_topology(v_topic.id);
+    END IF;
 
     IF EXISTS (
         SELECT 1 FROM workqueue_subscription s
