@@ -219,6 +219,26 @@ def test_random_starts_keep_the_variant_and_headroom_and_never_repeat():
     assert uuid.UUID(str(last)).variant == uuid.RFC_4122
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["publish", "publish_many"])
+def test_a_delay_in_a_long_transaction_runs_from_the_publish_call(many):
+    """PostgreSQL's now() is when the transaction began: a publish enlisted 3 s into a
+    transaction with delay_seconds=2 was due before it committed, and claimable at once."""
+    topic = TopicFactory()
+    sub = SubscriptionFactory(topic=topic)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT now()")  # the transaction starts here
+        time.sleep(2.5)  # and has run a while when the publish is made
+        if many:
+            publish_many(
+                topic, [{"payload": {"n": n}, "delay_seconds": 2} for n in range(2)], enlist=True
+            )
+        else:
+            publish(topic.name, {"n": 1}, delay_seconds=2, enlist=True)
+
+    assert Receiver(sub.id).receive(5).deliveries == [], "due before its delay from the call"
+
+
 def test_a_deduplication_window_in_a_long_transaction_runs_from_the_publish_call():
     """PostgreSQL's now() is when the transaction began. A publish enlisted late in a long
     transaction had its deduplication window cut short by that much: gone at commit if the

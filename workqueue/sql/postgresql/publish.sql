@@ -8,7 +8,8 @@
 -- A deduplication window runs from the publish call (statement_timestamp()), as on SQL Server,
 -- not from its transaction's start (now()): one enlisted late in a long transaction is not cut
 -- short by how long the transaction ran before it. Publish and due times stay on now(), the
--- clock claims read: inside one transaction (a TestCase) what is published now is due now.
+-- clock claims read: inside one transaction (a TestCase) what is published now is due now. A
+-- delay_seconds runs from the call too, for the same reason as the windows.
 
 CREATE SEQUENCE IF NOT EXISTS wq_publish_ordinal_seq;
 
@@ -358,8 +359,11 @@ BEGIN
                             NULL::uuid, NULL::text;
         RETURN;
     END IF;
-    v_due := GREATEST(COALESCE(p_not_before, now()), now())
-             + make_interval(secs => COALESCE(p_delay_seconds, 0));
+    -- A delay runs from the call (statement_timestamp()), not from the transaction's start:
+    -- enlisted late in a long transaction, it would be over, or nearly, at the commit.
+    v_due := CASE WHEN p_delay_seconds IS NOT NULL
+                  THEN statement_timestamp() + make_interval(secs => p_delay_seconds)
+                  ELSE GREATEST(COALESCE(p_not_before, now()), now()) END;
     IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
                             NULL::uuid, NULL::text;
@@ -624,9 +628,12 @@ AS $$
       FROM (
         SELECT f.*,
                -- Most messages are due at once: no interval to make or compare.
+               -- A delay runs from the call, as in wq_publish.
                CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN now()
-                    ELSE GREATEST(COALESCE(f.not_before, now()), now())
-                         + make_interval(secs => COALESCE(GREATEST(f.delay_seconds, 0), 0))
+                    WHEN f.delay_seconds IS NOT NULL
+                         THEN statement_timestamp()
+                              + make_interval(secs => GREATEST(f.delay_seconds, 0))
+                    ELSE GREATEST(f.not_before, now())
                END AS due
           FROM (
             SELECT (e.ordinality - 1)::integer AS idx,
