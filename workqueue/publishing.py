@@ -58,6 +58,9 @@ MAX_ATTRIBUTES = 10
 # Used with fullmatch: `$` would also match before a trailing newline.
 ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESERVED_ATTRIBUTE_PREFIXES = ("wq.", "wq_")
+#: Deduplication keys of the work queue's own publishes (recurring slots: wq.schedule:...),
+#: refused to external publishers.
+RESERVED_DEDUPLICATION_PREFIX = "wq."
 MAX_KEY_LENGTH = 200
 #: The length of workqueue_message.published_by (Django's own user names fit: 150).
 PUBLISHED_BY_MAX_LENGTH = 150
@@ -223,7 +226,7 @@ def publish_many(
     fresh_ids = new_message_ids(len(items))
     for index, item in enumerate(items):
         try:
-            prepared.append((index, _prepare(item, size_limit, fresh_ids[index])))
+            prepared.append((index, _prepare(item, size_limit, fresh_ids[index], external)))
         except _Invalid as invalid:
             results[index] = _rejected(invalid.error)
         except _Unstorable as unstorable:
@@ -514,7 +517,10 @@ def message_problem(message: OutgoingMessage) -> str | None:
 
 
 def _prepare(
-    message: OutgoingMessage, size_limit: _SizeLimit, fresh_id: str | None = None
+    message: OutgoingMessage,
+    size_limit: _SizeLimit,
+    fresh_id: str | None = None,
+    external: bool = False,
 ) -> dict[str, Any]:
     """Validate one message and return the procedure's parameters for it (raises _Invalid, or
     _Unstorable first for a value the database cannot store). A message without an id of its
@@ -531,7 +537,9 @@ def _prepare(
             PublishErrorCode.INVALID_PARTITION_KEY,
             f"partition_key must be a string of 1 to {MAX_KEY_LENGTH} characters.",
         )
-    dedup_key, dedup_ttl = _deduplication(message.deduplication_key, message.deduplication_ttl)
+    dedup_key, dedup_ttl = _deduplication(
+        message.deduplication_key, message.deduplication_ttl, external
+    )
     not_before, delay_seconds = _schedule(message.not_before, message.delay_seconds)
     priority = _priority(message.priority)
     correlation_id = message.correlation_id
@@ -752,7 +760,7 @@ def _json_text(value: str | None) -> str:
     return "null" if value is None else encode_json_string(value)
 
 
-def _deduplication(key: Any, ttl: Any) -> tuple[str | None, int | None]:
+def _deduplication(key: Any, ttl: Any, external: bool) -> tuple[str | None, int | None]:
     if key is not None and not isinstance(key, str):
         raise _Invalid(PublishErrorCode.INVALID_DEDUPLICATION, "deduplication_key must be text.")
     if key is not None:
@@ -767,6 +775,14 @@ def _deduplication(key: Any, ttl: Any) -> tuple[str | None, int | None]:
         raise _Invalid(
             PublishErrorCode.INVALID_DEDUPLICATION,
             f"deduplication_key must be at most {MAX_KEY_LENGTH} characters.",
+        )
+    if external and key is not None and key.lower().startswith(RESERVED_DEDUPLICATION_PREFIX):
+        # The work queue's own keys (a recurring publish's slots): an external publisher that
+        # sent one first would keep the slot from ever being published.
+        raise _Invalid(
+            PublishErrorCode.INVALID_DEDUPLICATION,
+            f"deduplication_key {key!r} uses the reserved prefix "
+            f"{RESERVED_DEDUPLICATION_PREFIX!r}.",
         )
     if ttl is not None:
         if key is None:

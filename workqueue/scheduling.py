@@ -29,7 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.publishing import OutgoingMessage, message_problem
+from workqueue.publishing import RESERVED_DEDUPLICATION_PREFIX, OutgoingMessage, message_problem
 
 #: How late a slot may still be published (the longest deduplication window, 30 days).
 MAX_LATENESS = dt.timedelta(days=30)
@@ -92,7 +92,8 @@ class Schedule:
         if now - at >= window:
             return None
         at_utc = at.astimezone(dt.UTC)
-        key = f"wq.schedule:{self.name}:{at_utc.isoformat()}"
+        # Under the reserved prefix: no external publisher may take a slot's key first.
+        key = f"{RESERVED_DEDUPLICATION_PREFIX}schedule:{self.name}:{at_utc.isoformat()}"
         return Slot(
             at=at_utc,
             deduplication_key=key,

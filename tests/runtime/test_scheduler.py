@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from django.db import connections
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.waiting import wait_until
+from workqueue import publish
 from workqueue.checks import check_settings
 from workqueue.driver import get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
@@ -93,6 +95,24 @@ def test_two_hosts_publish_each_slot_exactly_once(topic_name):
         # Another pass in the same minute publishes nothing more.
         assert [r.published for r in run_together(hosts)] == [{}, {}]
         assert published(topic_name) == minute + 1
+
+
+def test_a_slot_whose_key_another_publisher_holds_is_reported_not_taken_for_published(
+    topic_name, caplog
+):
+    """A Duplicate naming a message of some other publisher (not the slot's own id) was read
+    as another host's publish: the slot was silently never published."""
+    clock = Clock(dt.datetime(2026, 7, 2, 1, 0, 5, tzinfo=UTC))
+    scheduler = Scheduler(load_schedules([schedule(topic_name, "0 1 * * *")]), clock=clock)
+    slot_key = "wq.schedule:report:2026-07-02T01:00:00+00:00"
+    squatter = publish(topic_name, {"not": "the report"}, deduplication_key=slot_key)
+
+    with caplog.at_level(logging.ERROR, logger="workqueue.runtime.scheduler"):
+        result = scheduler.run_once()
+
+    assert result.published == {}
+    assert f"its deduplication key is held by message {squatter.message_id}" in caplog.text
+    assert "report slot 2026-07-02T01:00:00+00:00 was not published" in caplog.text
 
 
 def test_after_downtime_only_the_latest_missed_slot_is_published(topic_name):

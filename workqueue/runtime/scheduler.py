@@ -73,6 +73,18 @@ class Scheduler:
                 )
             elif published.status == PublishStatus.DUPLICATE:
                 result.duplicates[schedule.name] = slot.at
+                if published.message_id != slot.message_id:
+                    # Not another host's publish of this slot (it has the slot's own id): a
+                    # message of some other publisher holds the slot's key, so the slot's
+                    # message was not stored.
+                    logger.error(
+                        "Scheduler: schedule %s slot %s was not published: its deduplication "
+                        "key is held by message %s, which no scheduler published",
+                        schedule.name,
+                        slot.at.isoformat(),
+                        published.message_id,
+                        extra={"action": "schedule_refused"},
+                    )
             elif published.error is not None and published.error.retryable:
                 # Another host is publishing this slot right now (DeduplicationPending), or the
                 # database is busy: the next pass sees the outcome.
