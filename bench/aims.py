@@ -556,6 +556,9 @@ def cpu_score(
     pairs = [(cpu_per_delivery(b), cpu_per_delivery(o)) for b, o in zip(base, other, strict=True)]
     if any(b is None or o is None for b, o in pairs):
         return Score(label, "n/a (server not local)", "(informative)", "-")
+    if any(not b for b, _ in pairs):
+        # CPU times come in clock ticks (10 ms): a short run (--quick) can read none at all.
+        return Score(label, "n/a (too short to measure)", "(informative)", "-")
     ratio, spread = median_ratio([o / b for b, o in pairs])
     return Score(label, f"{ratio:.2f}x{spread}", "(informative)", "-")
 

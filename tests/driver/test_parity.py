@@ -56,6 +56,9 @@ VENDOR_ONLY_HELPERS = {
         "procedures' size guard; the T-SQL wq_publish_one counts its stored text inline",
         "wq_publish_items": "wq_publish_many's per-item checks as rows, for its set-based "
         "INSERTs; the T-SQL wq_publish_many runs wq_publish_one per item instead",
+        "wq_wait_for_topology": "the publish procedures' bounded wait for a held topology "
+        "lock (a function with its own lock_timeout); T-SQL's sp_getapplock takes @LockTimeout "
+        "in the call itself",
         "wq_settle_expired_leases": "takes a uuid[] of rows its callers locked; T-SQL has no "
         "array parameters and a set-returning procedure cannot be shared through nested INSERT "
         "... EXEC, so each T-SQL caller selects (UPDLOCK, READPAST) and settles in one statement",
