@@ -785,6 +785,24 @@ def test_due_work_with_no_live_host_at_all_is_listed_while_health_is_down(client
     assert limited["subscriptions"] == []
 
 
+def test_work_held_by_hosts_that_are_gone_is_listed_as_waiting_for_a_host(client):
+    """Every host killed mid-work: an Exclusive subscription's deliveries sat InFlight under
+    leases no host would renew, the rest of their keys behind them, and nothing was due, so
+    /health and validate-bindings reported nothing and the alert on due work could not fire."""
+    sub = SubscriptionFactory(name="ledger.sub", partition_mode="Exclusive")
+    for n in range(2):
+        publish(sub.topic.name, {"n": n}, partition_key="acct")
+    Receiver(sub.id, "killed-host").receive(1)  # its host then died: no record is live
+
+    body = call(client, "get", "/health", key=reader()).json()
+    issues = call(client, "get", "/bindings/validate", key=reader()).json()["issues"]
+
+    [entry] = body["subscriptions"]
+    assert (entry["name"], entry["state"]) == ("ledger.sub", "NotRunning")
+    assert entry["reason"] == "No live host runs it; 1 delivery held by hosts no longer seen."
+    assert any("1 delivery held by hosts no longer seen" in i["message"] for i in issues)
+
+
 def test_health_with_a_key_limited_to_subscriptions_shows_only_those(client):
     host("a:1", [running("orders.sub"), running("mail.sub")])
 

@@ -62,6 +62,44 @@ def test_dead_letters_then_replay_then_nothing_left():
     assert again == {"supported": True, "replayed": False}
 
 
+def test_the_dead_letter_table_shows_the_key_that_key_filters_by():
+    """On a subscription without partitions the KEY column was blank (the delivery's key),
+    while `--key` on the bulk verbs matched the message's key."""
+    sub = SubscriptionFactory(partition_mode="None")
+    dead_letter(sub, partition_key="kp")
+
+    table = run("dead-letters", "-s", sub.name)
+    dry_run = run(
+        "discard-dead-letters",
+        "-s",
+        sub.name,
+        "--key",
+        "kp",
+        "--dry-run",
+        "--discard-reason",
+        "x",
+    )
+
+    assert " kp " in table.splitlines()[2], table
+    assert "1 of 1" in dry_run
+
+
+def test_an_interrupted_bulk_verb_says_a_rerun_is_safe(monkeypatch):
+    """Ctrl-C in a bulk verb ended in a bare KeyboardInterrupt traceback."""
+    from workqueue.operators import operations
+
+    sub = SubscriptionFactory()
+    dead_letter(sub)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operations, "resolve_dead_letters", interrupted)
+    with pytest.raises(CommandError, match="Interrupted: the batches applied") as stopped:
+        run("discard-dead-letters", "-s", sub.name, "--discard-reason", "x")
+    assert stopped.value.returncode == 130
+
+
 def test_dead_letters_page_through_with_the_cursor():
     sub = SubscriptionFactory()
     ids = sorted(dead_letter(sub) for _ in range(3))

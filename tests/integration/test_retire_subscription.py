@@ -117,6 +117,30 @@ def test_running_work_past_the_wait_leaves_it_disabled_and_says_so():
     assert statuses(sub) == ["InFlight"]
 
 
+def test_discards_made_before_the_wait_ran_out_are_reported_with_the_backlog_command():
+    """Past --wait-seconds the command failed without saying it had discarded the Pending
+    work (4 went from Pending to Discarded unmentioned), and its hint read `backlog -s NAME`."""
+    sub = SubscriptionFactory()
+    for n in range(3):
+        publish(sub.topic.name, {"n": n})
+    Receiver(sub.id).receive(1)
+    out = io.StringIO()
+
+    with pytest.raises(CommandError) as refused:
+        call_command(
+            "workqueue",
+            "retire-subscription",
+            sub.name,
+            "--discard-pending",
+            "--wait-seconds",
+            "0.3",
+            stdout=out,
+        )
+
+    assert "Discarded 2 Pending or dead-lettered deliveries." in out.getvalue()
+    assert f"`manage.py workqueue backlog -s {sub.name}`" in str(refused.value)
+
+
 def test_the_procedures_touch_nothing_of_a_subscription_that_is_not_disabled():
     sub = SubscriptionFactory()
     with_every_status(sub)

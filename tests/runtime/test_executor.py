@@ -694,18 +694,23 @@ class FlakyReceiver(Receiver):
     ],
 )
 def test_a_settle_that_fails_on_a_lost_connection_is_retried_until_it_is_recorded(
-    rig, payload, settle, status
+    rig, payload, settle, status, caplog
 ):
     sub = rig.subscription(max_attempts=3)
     publish(sub.topic.name, payload)
     receiver = FlakyReceiver(sub.id, {settle}, failures=3)
     (delivery,) = receiver.receive(1).deliveries
 
-    result = rig.execution(sub, receiver, delivery).run()
+    with caplog.at_level(logging.WARNING, logger="workqueue.deliveries"):
+        result = rig.execution(sub, receiver, delivery).run()
 
     assert (result.kind, result.status) == (ExecutionResult.SETTLED, status)
     assert receiver.calls[settle] == 4
     assert (row(delivery).status, row(delivery).attempt_count) == (status, 1)
+    # Each retry line names the delivery (a database outage logs hundreds of them).
+    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == 3
+    assert all(f"delivery={delivery.delivery_id}" in line for line in retries), retries
 
 
 class AnswerLostReceiver(Receiver):

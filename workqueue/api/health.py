@@ -14,7 +14,6 @@ from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
 from workqueue.models.hosts import SERVING_STATES
 from workqueue.operators import operations
-from workqueue.operators.display import count_of
 from workqueue.operators.permissions import READ, Actor, require
 
 router = Router(tags=["health"])
@@ -74,8 +73,7 @@ def health(request: HttpRequest) -> dict[str, Any]:
             {
                 "name": unserved.name,
                 "state": NOT_RUNNING,
-                "reason": "No live host runs it; "
-                f"{count_of(unserved.due, 'delivery is', 'deliveries are')} due.",
+                "reason": f"No live host runs it; {unserved.waiting()}.",
                 "running_hosts": 0,
                 "in_flight": 0,
             },

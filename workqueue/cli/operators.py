@@ -100,6 +100,14 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
             f"{exc} (the batches applied before this error stay applied; running it again is "
             "safe, and --dry-run counts what is left)"
         ) from exc
+    except KeyboardInterrupt:
+        if not in_batches:
+            raise
+        raise CommandError(
+            "Interrupted: the batches applied before it stay applied; running it again is "
+            "safe, and --dry-run counts what is left.",
+            returncode=130,
+        ) from None
 
 
 def _write_page_json(command: BaseCommand, page: Any) -> None:
@@ -141,7 +149,9 @@ class DeadLettersVerb(Verb):
         rows = [
             (
                 i.delivery_id,
-                i.partition_key or "",
+                # The message's key, which --key filters by: a subscription without partitions
+                # keeps none on its deliveries.
+                i.message_partition_key or "",
                 i.attempts,
                 i.reason or "",
                 "yes" if i.blocks_key else "",

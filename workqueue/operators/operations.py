@@ -132,6 +132,22 @@ class UnservedSubscription:
     #: subscription's transport could not count them (``problem`` says why).
     due: int | None
     problem: str | None = None
+    #: Deliveries in flight though no live host runs the subscription: held by hosts that are
+    #: gone, until their leases expire (on partitioned subscriptions their keys wait too).
+    held: int = 0
+
+    def waiting(self) -> str:
+        """What waits for a host, in words: ``3 deliveries are due, 2 held by hosts no longer
+        seen`` (either part alone when the other is none)."""
+        parts = [f"{count_of(self.due, 'delivery is', 'deliveries are')} due"] if self.due else []
+        if self.held:
+            held = "held by hosts no longer seen"
+            parts.append(
+                f"{self.held:,} {held}"
+                if parts
+                else f"{count_of(self.held, 'delivery', 'deliveries')} {held}"
+            )
+        return ", ".join(parts)
 
 
 # -- input rules ---------------------------------------------------------------------------
@@ -798,8 +814,8 @@ def validate_bindings(
                 BindingIssue(
                     "Warning",
                     f"subscription {unserved.name}",
-                    f"{count_of(unserved.due, 'delivery is', 'deliveries are')} due and no "
-                    "live host runs this subscription; they wait until one does. Start a host "
+                    f"{unserved.waiting()} and no live host runs this subscription; they "
+                    "wait until one does. Start a host "
                     f"that runs it (`manage.py workqueue_host -s {unserved.name}`, or '*' in "
                     "WORKQUEUE['SUBSCRIPTIONS']), or pause the subscription.",
                 )
@@ -944,8 +960,10 @@ def unserved_subscriptions(
         ) as exc:
             unserved.append(UnservedSubscription(subscription.name, None, str(exc)))
             continue
-        if counted is not None and counted.claimable:
-            unserved.append(UnservedSubscription(subscription.name, counted.claimable))
+        if counted is not None and (counted.claimable or counted.in_flight):
+            unserved.append(
+                UnservedSubscription(subscription.name, counted.claimable, held=counted.in_flight)
+            )
     return unserved
 
 

@@ -97,10 +97,12 @@ def retire_subscription(
         if not now[DeliveryStatus.IN_FLIGHT]:
             break
         if time.monotonic() >= deadline:
+            if discarded:
+                say(f"Discarded {discarded} Pending or dead-lettered deliveries.")
             raise RetireRefusedError(
                 f"{now[DeliveryStatus.IN_FLIGHT]} deliveries of {name} were still running after "
                 f"{wait_seconds:g} s. It stays Disabled; run the command again once they finish "
-                "(`manage.py workqueue backlog -s NAME` shows them), or raise --wait-seconds."
+                f"(`manage.py workqueue backlog -s {name}` shows them), or raise --wait-seconds."
             )
         time.sleep(POLL_SECONDS)
     if discarded:

@@ -641,7 +641,7 @@ class DeliveryExecution:
             # A failed call is not a lost lease: keep running, and the horizon still aborts the
             # handler if renewals keep failing past the lease. A lost connection is worth
             # trying again soon, on a fresh one, rather than a whole heartbeat interval later.
-            self.log.warning("Heartbeat failed: %s", exc)
+            self.log.warning("Heartbeat failed (%s): %s", self._where, exc)
             if isinstance(exc, TransientDriverError):
                 self._retry_beat_soon()
         finally:
@@ -776,7 +776,10 @@ class DeliveryExecution:
                 if time.monotonic() + delay >= self._settle_deadline():
                     raise
                 self.log.warning(
-                    "Settle failed (%s); trying again in %.1f s while the lease lasts", exc, delay
+                    "Settle failed (%s): %s; trying again in %.1f s while the lease lasts",
+                    self._where,
+                    exc,
+                    delay,
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
@@ -896,7 +899,7 @@ class DeliveryExecution:
                 self._off_worker(lambda: self.services.receiver.acknowledge_cancel(self.delivery))
             )
         except WorkQueueError as exc:
-            self.log.error("Acknowledging the cancel failed: %s", exc)
+            self.log.error("Acknowledging the cancel failed (%s): %s", self._where, exc)
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
         if settled.settled:
             return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.DISCARDED)

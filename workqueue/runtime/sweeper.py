@@ -81,12 +81,13 @@ class Sweeper:
         metrics.SWEEPER_PASSES.labels(
             "failed" if result.failed_steps else "behind" if result.behind else "caught_up"
         ).inc()
-        if result.expired or any(n for n in result.purged.values()):
+        if result.expired > 0 or any(n > 0 for n in result.purged.values()):
+            # A step that failed (-1, logged with its traceback) is left out: no count to say.
             logger.info(
-                "Sweeper pass: %d lease(s) expired (%d dead-lettered), purged %s%s",
-                result.expired,
+                "Sweeper pass: %s lease(s) expired (%d dead-lettered), purged %s%s",
+                result.expired if result.expired >= 0 else "no",
                 result.expired_dead_letters,
-                result.purged,
+                {step: rows for step, rows in result.purged.items() if rows >= 0},
                 "; rows left for the next pass" if result.behind else "",
                 extra={"action": "sweep", "behind": result.behind},
             )
