@@ -4,9 +4,10 @@ queue's own connection cannot see the topic, and the rejection says so."""
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth import get_user_model
 
 from tests.factories import TopicFactory
-from workqueue import publish
+from workqueue import publish, publish_many
 from workqueue.testing import use_test_connection
 
 pytestmark = pytest.mark.django_db(transaction=False)
@@ -36,3 +37,49 @@ def test_a_misspelt_topic_inside_a_transaction_gets_no_transaction_hint():
     result = publish("orders.craeted", {"n": 1})
 
     assert result.error.message == "No topic is named 'orders.craeted'."
+
+
+def test_in_test_mode_a_publish_with_no_delay_is_due_in_its_own_transaction():
+    """A delay counted from the call made `delay_seconds=0` due at the call, after the
+    transaction's start that claims read as now: run_until_idle in the same test ran nothing."""
+    from tests.factories import SubscriptionFactory
+    from tests.support import handlers  # registers "tests.noop"
+    from workqueue.testing import run_until_idle
+
+    assert handlers.NoopHandler
+    get_user_model().objects.create_user("workqueue-system")  # WORKQUEUE["SYSTEM_USER"]
+    sub = SubscriptionFactory(handler_key="tests.noop")
+    with use_test_connection():
+        publish(sub.topic.name, {"n": 1}, delay_seconds=0)
+        publish_many(sub.topic, [{"payload": {"n": 2}, "delay_seconds": 0}] * 2)
+        runs = run_until_idle(sub.name)
+
+    assert [run.status for run in runs] == ["Completed"] * 3
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["publish", "publish_many"])
+def test_a_delay_of_the_whole_retention_is_taken_late_in_a_transaction(many):
+    """The delay runs from the call and the retention from the transaction's start: the
+    longest delay (the retention in seconds) was refused as InvalidSchedule when enlisted."""
+    import time
+
+    from django.db import connection, transaction
+
+    from tests.factories import SubscriptionFactory
+
+    topic = SubscriptionFactory(topic=TopicFactory(retention_days=1)).topic
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT now()")  # the transaction starts here
+        time.sleep(0.2)
+        with use_test_connection():
+            if many:
+                results = publish_many(
+                    topic, [{"payload": {"n": n}, "delay_seconds": 86_400} for n in range(2)]
+                )
+            else:
+                results = [publish(topic.name, {"n": 1}, delay_seconds=86_400)]
+            too_far = publish(topic.name, {"n": 9}, delay_seconds=86_401)
+
+    assert {r.status for r in results} == {"Accepted"}, results
+    assert too_far.error.code == "InvalidSchedule"

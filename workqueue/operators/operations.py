@@ -930,10 +930,11 @@ def unserved_subscriptions(
 
     require(actor, READ)
     running: set[str] = set()
+    listed: set[str] = set()  # by a live host in any state (one draining lists it Paused)
     for record in HostRecord.objects.live() if live_hosts is None else live_hosts:
-        running.update(
-            entry["name"] for entry in record.subscription_entries() if entry["state"] == "Running"
-        )
+        entries = record.subscription_entries()
+        running.update(entry["name"] for entry in entries if entry["state"] == "Running")
+        listed.update(entry["name"] for entry in entries)
     candidates = (
         Subscription.objects.select_related("topic__transport")
         .filter(
@@ -960,10 +961,12 @@ def unserved_subscriptions(
         ) as exc:
             unserved.append(UnservedSubscription(subscription.name, None, str(exc)))
             continue
-        if counted is not None and (counted.claimable or counted.in_flight):
-            unserved.append(
-                UnservedSubscription(subscription.name, counted.claimable, held=counted.in_flight)
-            )
+        if counted is None:
+            continue
+        # In flight with no live host listing the subscription: held by hosts that are gone.
+        held = counted.in_flight if subscription.name not in listed else 0
+        if counted.claimable or held:
+            unserved.append(UnservedSubscription(subscription.name, counted.claimable, held=held))
     return unserved
 
 

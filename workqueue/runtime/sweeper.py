@@ -85,7 +85,7 @@ class Sweeper:
             # A step that failed (-1, logged with its traceback) is left out: no count to say.
             logger.info(
                 "Sweeper pass: %s lease(s) expired (%d dead-lettered), purged %s%s",
-                result.expired if result.expired >= 0 else "no",
+                result.expired if result.expired >= 0 else "? (the step failed)",
                 result.expired_dead_letters,
                 {step: rows for step, rows in result.purged.items() if rows >= 0},
                 "; rows left for the next pass" if result.behind else "",

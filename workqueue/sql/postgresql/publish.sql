@@ -360,11 +360,16 @@ BEGIN
         RETURN;
     END IF;
     -- A delay runs from the call (statement_timestamp()), not from the transaction's start:
-    -- enlisted late in a long transaction, it would be over, or nearly, at the commit.
-    v_due := CASE WHEN p_delay_seconds IS NOT NULL
+    -- enlisted late in a long transaction, it would be over, or nearly, at the commit. No
+    -- delay is due now(), the claims' clock, so a transaction sees its own publish due. A
+    -- delay is held to the retention in seconds (as on SQL Server), since its due time and
+    -- now() + retention count from two clocks.
+    v_due := CASE WHEN p_delay_seconds > 0
                   THEN statement_timestamp() + make_interval(secs => p_delay_seconds)
                   ELSE GREATEST(COALESCE(p_not_before, now()), now()) END;
-    IF v_due > now() + make_interval(days => v_topic.retention_days) THEN
+    IF (CASE WHEN p_delay_seconds > 0
+             THEN p_delay_seconds::bigint > v_topic.retention_days::bigint * 86400
+             ELSE v_due > now() + make_interval(days => v_topic.retention_days) END) THEN
         RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidSchedule'::text,
                             NULL::uuid, NULL::text;
         RETURN;
@@ -617,7 +622,10 @@ AS $$
                    THEN 'InvalidPriority'
                WHEN (i.not_before IS NOT NULL AND i.delay_seconds IS NOT NULL)
                     OR i.delay_seconds < 0
-                    OR (i.due > now() AND i.due > now() + make_interval(days => p_retention_days))
+                    OR (i.due > now() AND CASE
+                            WHEN i.delay_seconds > 0
+                                THEN i.delay_seconds::bigint > p_retention_days::bigint * 86400
+                            ELSE i.due > now() + make_interval(days => p_retention_days) END)
                    THEN 'InvalidSchedule'
                WHEN GREATEST(i.envelope_bytes, wq_envelope_text_bytes(
                         i.partition_key, i.attributes, i.payload, i.payload_ref,
@@ -628,12 +636,11 @@ AS $$
       FROM (
         SELECT f.*,
                -- Most messages are due at once: no interval to make or compare.
-               -- A delay runs from the call, as in wq_publish.
+               -- A delay runs from the call, as in wq_publish; none is due now().
                CASE WHEN f.not_before IS NULL AND f.delay_seconds IS NULL THEN now()
-                    WHEN f.delay_seconds IS NOT NULL
-                         THEN statement_timestamp()
-                              + make_interval(secs => GREATEST(f.delay_seconds, 0))
-                    ELSE GREATEST(f.not_before, now())
+                    WHEN f.delay_seconds > 0
+                         THEN statement_timestamp() + make_interval(secs => f.delay_seconds)
+                    ELSE GREATEST(COALESCE(f.not_before, now()), now())
                END AS due
           FROM (
             SELECT (e.ordinality - 1)::integer AS idx,
