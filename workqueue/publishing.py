@@ -273,7 +273,9 @@ def publish_many(
         for (index, _), row in zip(prepared, rows, strict=True):
             if row is not None:
                 results[index] = _result_from_row(row)
-    final = [_topic_named(r, name, enlist) for r in results if r is not None]
+    final = [
+        r if r.error is None else _topic_named(r, name, enlist) for r in results if r is not None
+    ]
     metrics.count_published(name, final)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
@@ -286,10 +288,10 @@ def publish_many(
 
 
 def _topic_named(result: PublishResult, topic: str, enlist: bool) -> PublishResult:
-    """``result``, its TopicNotFound saying which name was not found, and why a topic that
-    exists may not be seen: made in the caller's open transaction (a test's, typically), which
-    the queue's own connection cannot see."""
-    if result.error is None or result.error.code != PublishErrorCode.TOPIC_NOT_FOUND:
+    """``result`` (a rejection), its TopicNotFound saying which name was not found, and why a
+    topic that exists may not be seen: made in the caller's open transaction (a test's,
+    typically), which the queue's own connection cannot see."""
+    if result.error.code != PublishErrorCode.TOPIC_NOT_FOUND:
         return result
     text = f"No topic is named {topic!r}."
     alias = setting("DATABASE_ALIAS")

@@ -803,6 +803,20 @@ def test_work_held_by_hosts_that_are_gone_is_listed_as_waiting_for_a_host(client
     assert any("1 delivery held by hosts no longer seen" in i["message"] for i in issues)
 
 
+def test_work_in_flight_on_a_draining_live_host_is_not_called_held_by_hosts_gone(client):
+    """A host draining lists its subscriptions Paused while it still holds their leases: its
+    in-flight work was reported as held by hosts no longer seen."""
+    sub = SubscriptionFactory(name="ledger.sub")
+    publish(sub.topic.name, {"n": 1})
+    Receiver(sub.id, "draining-host").receive(1)
+    draining = {"name": "ledger.sub", "state": "Paused", "reason": "Host is shut down"}
+    host("a:1", [{**draining, "in_flight": 1, "concurrency": 1}])
+
+    issues = call(client, "get", "/bindings/validate", key=reader()).json()["issues"]
+
+    assert not [i for i in issues if "held by hosts no longer seen" in i["message"]]
+
+
 def test_health_with_a_key_limited_to_subscriptions_shows_only_those(client):
     host("a:1", [running("orders.sub"), running("mail.sub")])
 
