@@ -309,6 +309,30 @@ def test_claims_read_only_due_rows_by_priority_whatever_is_scheduled(pg_conn, mo
         assert max(_pages_touched(plans)) < 50, plans
 
 
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_a_claim_takes_keys_and_keyless_rows_by_priority_reading_only_due_rows(pg_conn, mode):
+    # Both kinds scheduled for tomorrow over all 201 priorities, and due now at -10..9: the
+    # claim interleaves them by priority and reads neither kind's scheduled rows.
+    SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    subscription = SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
+    _seed_scheduled(pg_conn, subscription, keyed=True)
+    _seed_scheduled(pg_conn, subscription, keyed=False)
+
+    params = {"subscription_id": subscription.id, "lease_owner": "plan-test", "max_rows": 10}
+    plans = _nested_plans(pg_conn, "wq_claim", params, analyze=True, buffers=True)
+
+    assert "Seq Scan on workqueue_delivery" not in plans, plans
+    assert max(_pages_touched(plans)) < 50, plans
+    assert max(_rows_read(plans)) < 500, plans
+    claimed = pg_conn.execute(
+        "SELECT array_agg(priority ORDER BY priority DESC), count(partition_key) "
+        "FROM workqueue_delivery WHERE subscription_id = %s AND status = 'InFlight'",
+        [subscription.id],
+    ).fetchone()
+    assert claimed == ([9, 9, 8, 8, 7, 7, 6, 6, 5, 5], 5), mode
+
+
 def _pages_touched(plans: str) -> list[int]:
     """Buffer pages each statement inside the procedure touched (hit, read or dirtied); the
     logged plan of the procedure call itself, which adds up all of them, is left out."""

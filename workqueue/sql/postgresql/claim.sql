@@ -139,14 +139,15 @@ $$;
 -- (Ordered: when that row is the key's head, so no earlier Pending/InFlight/DeadLettered delivery
 -- exists; a head not yet due holds its key). Priority orders keys and keyless rows, never the
 -- rows within one key: publish order decides there.
--- Keys are taken first from a window of visible keyed rows, highest priority and then oldest
--- due first; when that window is full
--- of rows whose keys cannot run (a hot key's backlog behind its in-flight or dead-lettered head)
--- and capacity is left, a bounded walk over the keys continues after p_after_key, so the cost of
--- a claim never follows a blocked backlog. A row of kind 'KeyCursor' carries where the walk
--- stopped, for the caller's next claim. Each claim is a guarded statement that re-checks every
--- rule; a unique violation means another consumer won that key and only that key is skipped.
--- Remaining capacity goes to keyless deliveries, claimed in one skip-locked batch.
+-- Keys come from a window of visible keyed rows, highest priority and then oldest due first;
+-- when that window is full of rows whose keys cannot run (a hot key's backlog behind its
+-- in-flight or dead-lettered head) and capacity is left, a bounded walk over the keys continues
+-- after p_after_key, so the cost of a claim never follows a blocked backlog. A row of kind
+-- 'KeyCursor' carries where the walk stopped, for the caller's next claim. Each key's claim is a
+-- guarded statement that re-checks every rule; a unique violation means another consumer won
+-- that key and only that key is skipped. Keyless deliveries are claimed in skip-locked batches,
+-- taking their turn among the keys by priority and then by due time, so keyless work of a
+-- higher priority never waits behind keyed work (nor older keyless work behind newer keys).
 -- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1. When anything was
 -- claimed, a last row of kind 'Lease' says how long the leases are, in its attempt_count column
 -- (as a 'KeyCursor' row carries its key in partition_key): the subscription's setting now, which
@@ -196,18 +197,32 @@ DECLARE
     v_remaining integer := p_max_rows;
     v_window_size integer := p_max_rows * 4 + 32;
     v_window_keys text[] := '{}';
+    v_window_levels integer[] := '{}';
+    v_window_since timestamptz[] := '{}';
+    v_lowest_level integer;
     v_window_taken integer := 0;
     v_window_full boolean;
     v_level integer;
     v_level_keys text[];
+    v_level_since timestamptz[];
     v_level_rows integer;
     v_count integer;
     v_next integer := 0;
     v_walking boolean := false;
     v_walk_budget integer := p_max_rows * 4 + 64;
     v_walked_from_start boolean := false;
+    v_walk_at text;
     v_walked_to text;
+    v_keys_done boolean := false;
     v_key text;
+    v_key_level integer;
+    v_key_since timestamptz;
+    v_key_tried text;
+    v_keyless_level integer;
+    v_keyless_below integer := 101;
+    v_keyless_known boolean := false;
+    v_keyless_tried_for_key boolean := false;
+    v_due_before timestamptz;
     v_seen text[] := '{}';
     v_candidate_id uuid;
     v_candidate_row tid;
@@ -241,8 +256,9 @@ BEGIN
 
     IF v_sub.partition_mode <> 'None' THEN
         -- The window: keys of visible keyed Pending rows, priority by priority (highest
-        -- first), oldest due first within one. It reads a fixed number of
-        -- wq_dlv_claim_keyed_pri_ix entries, whatever the backlog, due or scheduled.
+        -- first), oldest due first within one, each with its priority and its oldest due time
+        -- there. It reads a fixed number of wq_dlv_claim_keyed_pri_ix entries, whatever the
+        -- backlog, due or scheduled.
         v_level := 101;
         LOOP
             EXIT WHEN v_window_taken >= v_window_size;
@@ -255,8 +271,10 @@ BEGIN
             EXIT WHEN v_level IS NULL;
             SELECT coalesce(array_agg(w.partition_key ORDER BY w.first_visible, w.first_order),
                             '{}'),
+                   coalesce(array_agg(w.first_visible ORDER BY w.first_visible, w.first_order),
+                            '{}'),
                    coalesce(sum(w.n), 0)
-              INTO v_level_keys, v_level_rows
+              INTO v_level_keys, v_level_since, v_level_rows
               FROM (
                     SELECT r.partition_key, min(r.visible_at) AS first_visible,
                            min(r.order_key) AS first_order, count(*) AS n
@@ -273,177 +291,229 @@ BEGIN
                    ) w;
             -- A key met again at a lower priority is skipped by the key loop (v_seen).
             v_window_keys := v_window_keys || v_level_keys;
+            v_window_since := v_window_since || v_level_since;
+            v_window_levels := v_window_levels
+                               || array_fill(v_level, ARRAY[cardinality(v_level_keys)]);
             v_window_taken := v_window_taken + v_level_rows;
+            v_lowest_level := v_level;
         END LOOP;
         v_window_full := v_window_taken >= v_window_size;
+    ELSE
+        v_keys_done := true;
+    END IF;
 
-        LOOP
-            EXIT WHEN v_remaining <= 0;
-            -- The next key to try: from the window, then (if it was full) from the walk.
+    -- Keys and keyless deliveries in one order: higher priority first and, within one, oldest
+    -- due first (a key by its oldest due row in the window; a key the walk finds comes after
+    -- the keyless rows of its window's lowest priority). Each turn claims either the next key
+    -- or a skip-locked batch of keyless rows older than it.
+    LOOP
+        EXIT WHEN v_remaining <= 0;
+        -- The next key to try, unless one already waits its turn: from the window, then (if
+        -- it was full) from the walk.
+        WHILE v_key IS NULL AND NOT v_keys_done LOOP
             IF NOT v_walking THEN
                 v_next := v_next + 1;
                 IF v_next <= coalesce(cardinality(v_window_keys), 0) THEN
                     v_key := v_window_keys[v_next];
+                    v_key_level := v_window_levels[v_next];
+                    v_key_since := v_window_since[v_next];
                 ELSIF v_window_full THEN
                     v_walking := true;
-                    v_key := p_after_key;
+                    v_walk_at := p_after_key;
                 ELSE
-                    EXIT;
+                    v_keys_done := true;
                 END IF;
             END IF;
             IF v_walking THEN
-                EXIT WHEN v_walk_budget <= 0;
+                IF v_walk_budget <= 0 THEN
+                    v_keys_done := true;
+                    EXIT;
+                END IF;
                 v_walk_budget := v_walk_budget - 1;
                 -- The next key with open deliveries, wrapping around to the first key once.
-                v_key := wq_next_open_key(p_subscription_id, v_key);
+                v_key := wq_next_open_key(p_subscription_id, v_walk_at);
+                v_walk_at := v_key;
                 IF v_key IS NULL THEN
-                    EXIT WHEN v_walked_from_start;
+                    v_keys_done := v_walked_from_start;
                     v_walked_from_start := true;
                     CONTINUE;
                 END IF;
                 v_walked_to := v_key;
+                v_key_level := v_lowest_level;
+                v_key_since := 'infinity';
             END IF;
-            CONTINUE WHEN v_key = ANY (v_seen);
-            v_seen := v_seen || v_key;
-
-            -- The key's candidate, read through wq_dlv_partition_head_ix.
-            IF v_ordered THEN
-                SELECT h.id, h.status, h.visible_at, h.cancel_requested_at INTO v_head
-                  FROM workqueue_delivery h
-                 WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
-                   AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
-                 ORDER BY h.order_key
-                 LIMIT 1;
-                CONTINUE WHEN NOT FOUND OR v_head.status <> 'Pending' OR v_head.visible_at > now()
-                           OR v_head.cancel_requested_at IS NOT NULL;
-                v_candidate_id := v_head.id;
-            ELSE
-                CONTINUE WHEN EXISTS (
-                    SELECT 1 FROM workqueue_delivery f
-                     WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
-                       AND f.status = 'InFlight');
-                -- The key's open rows in order_key order, first runnable one wins. Asking for
-                -- every open status (and fencing the Pending test off with OFFSET 0) leaves
-                -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
-                -- the planner would otherwise pick wq_dlv_claim_keyed_pri_ix and read every Pending
-                -- row.
-                SELECT o.id INTO v_candidate_id
-                  FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
-                          FROM workqueue_delivery c
-                         WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key
-                           AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
-                         ORDER BY c.order_key
-                        OFFSET 0) o
-                 WHERE o.status = 'Pending' AND o.visible_at <= now()
-                   AND o.cancel_requested_at IS NULL
-                 LIMIT 1;
-                CONTINUE WHEN NOT FOUND;
+            IF v_key = ANY (v_seen) THEN
+                v_key := NULL;
+            ELSIF v_key IS NOT NULL THEN
+                v_seen := v_seen || v_key;
             END IF;
+        END LOOP;
 
-            -- Never wait on another claimer: waiting while holding this call's earlier claims
-            -- can deadlock two claimers that meet keys in different orders. A key another
-            -- claimer is working on, or a row someone else has locked, is skipped this time.
-            CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(
-                'wq-claim:' || lower(p_subscription_id::text) || ':' || v_key, 0));
-            SELECT r.ctid INTO v_candidate_row
-              FROM workqueue_delivery r WHERE r.id = v_candidate_id FOR UPDATE SKIP LOCKED;
-            CONTINUE WHEN NOT FOUND;
-            BEGIN
+        -- Keyless rows go first when they are of a higher priority than the waiting key or,
+        -- of the same one, due before it. wq_next_priority's keyless probe, written out.
+        IF NOT v_keyless_known THEN
+            v_keyless_level := (SELECT k.priority FROM workqueue_delivery k
+                                 WHERE k.subscription_id = p_subscription_id
+                                   AND k.status = 'Pending' AND k.partition_key IS NULL
+                                   AND k.priority < v_keyless_below
+                                 ORDER BY k.priority DESC LIMIT 1);
+            v_keyless_known := true;
+        END IF;
+        IF v_keyless_level IS NOT NULL AND (
+               v_key IS NULL OR v_keyless_level > v_key_level
+               OR (v_keyless_level = v_key_level AND NOT v_keyless_tried_for_key)) THEN
+            v_due_before := CASE WHEN v_key IS NOT NULL AND v_keyless_level = v_key_level
+                                 THEN v_key_since ELSE 'infinity' END;
+            v_picked := ARRAY(
+                SELECT p.ctid
+                  FROM workqueue_delivery p
+                 WHERE p.subscription_id = p_subscription_id AND p.status = 'Pending'
+                   AND p.partition_key IS NULL AND p.priority = v_keyless_level
+                   AND p.visible_at <= now() AND p.visible_at < v_due_before
+                   AND p.cancel_requested_at IS NULL
+                 ORDER BY p.visible_at
+                 LIMIT v_remaining
+                   FOR UPDATE SKIP LOCKED);
+            v_count := 0;
+            IF cardinality(v_picked) > 0 THEN
                 RETURN QUERY
                 WITH claimed AS (
+                    -- The picked rows by ctid (locked, so they cannot move): a TID probe per
+                    -- row.
                     UPDATE workqueue_delivery d
                        SET status = 'InFlight', lease_owner = p_lease_owner,
                            lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
                            last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                            progress = NULL
-                     -- By the locked row's ctid (it cannot move while locked): with a status
-                     -- test in the statement, stale statistics can make the planner walk
-                     -- wq_dlv_claim_keyed_pri_ix for it instead of one primary-key probe.
-                     WHERE d.ctid = v_candidate_row AND d.status = 'Pending'
-                       AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
-                       AND NOT EXISTS (
-                           SELECT 1 FROM workqueue_delivery f
-                            WHERE f.subscription_id = d.subscription_id
-                              AND f.partition_key = d.partition_key AND f.status = 'InFlight')
-                       AND (NOT v_ordered OR NOT EXISTS (
-                           SELECT 1 FROM workqueue_delivery h
-                            WHERE h.subscription_id = d.subscription_id
-                              AND h.partition_key = d.partition_key AND h.order_key < d.order_key
-                              AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
+                     WHERE d.ctid = ANY (v_picked)
                     RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
-                              d.attempt_count, d.is_replay
+                              d.attempt_count, d.is_replay, d.visible_at
                 )
-                SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
-                       c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
-                       m.payload_ref, m.correlation_id::text, m.published_at
+                SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at,
+                       c.attempt_count, c.is_replay, m.id, m.topic_id, m.partition_key::text,
+                       m.attributes, m.payload, m.payload_ref, m.correlation_id::text,
+                       m.published_at
                   FROM claimed c
                  CROSS JOIN LATERAL (
-                       -- By primary key for each claimed row (OFFSET 0 keeps it a per-row probe:
-                       -- joined plainly, stale statistics can make the planner scan messages).
+                       -- A per-row probe by primary key, as in the keyed claim below.
                        SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
                               x.payload_ref, x.correlation_id, x.published_at
-                         FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m;
-                IF FOUND THEN
-                    v_remaining := v_remaining - 1;
+                         FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m
+                 ORDER BY c.visible_at;
+                GET DIAGNOSTICS v_count = ROW_COUNT;
+                v_remaining := v_remaining - v_count;
+            END IF;
+            IF v_remaining > 0 THEN
+                -- Nothing more of this priority is claimable now (or nothing due before the
+                -- waiting key): on to the next priority, or to the key.
+                IF v_due_before = 'infinity' THEN
+                    v_keyless_below := v_keyless_level;
+                    v_keyless_known := false;
+                ELSE
+                    v_keyless_tried_for_key := true;
                 END IF;
-            EXCEPTION WHEN unique_violation THEN
-                -- Another consumer put this key in flight first; skip only this candidate.
-                NULL;
-            END;
-        END LOOP;
-
-        IF v_walked_to IS NOT NULL THEN
-            RETURN QUERY
-            SELECT 'KeyCursor'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::integer,
-                   NULL::boolean, NULL::uuid, NULL::uuid, v_walked_to, NULL::jsonb, NULL::jsonb,
-                   NULL::jsonb, NULL::text, NULL::timestamptz;
+            END IF;
+            CONTINUE;
         END IF;
-    END IF;
+        EXIT WHEN v_key IS NULL;
 
-    -- Keyless deliveries, one priority at a time from the highest, oldest due first within one.
-    v_level := 101;
-    LOOP
-        EXIT WHEN v_remaining <= 0;
-        -- wq_next_priority's keyless probe, written out (see the window above).
-        v_level := (SELECT k.priority FROM workqueue_delivery k
-                     WHERE k.subscription_id = p_subscription_id AND k.status = 'Pending'
-                       AND k.partition_key IS NULL AND k.priority < v_level
-                     ORDER BY k.priority DESC LIMIT 1);
-        EXIT WHEN v_level IS NULL;
-        v_picked := ARRAY(
-            SELECT p.ctid
-              FROM workqueue_delivery p
-             WHERE p.subscription_id = p_subscription_id AND p.status = 'Pending'
-               AND p.partition_key IS NULL AND p.priority = v_level
-               AND p.visible_at <= now() AND p.cancel_requested_at IS NULL
-             ORDER BY p.visible_at
-             LIMIT v_remaining
-               FOR UPDATE SKIP LOCKED);
-        RETURN QUERY
-        WITH claimed AS (
-            -- The picked rows by ctid (locked, so they cannot move): a TID probe per row.
-            UPDATE workqueue_delivery d
-               SET status = 'InFlight', lease_owner = p_lease_owner,
-                   lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
-                   last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
-                   progress = NULL
-             WHERE d.ctid = ANY (v_picked)
-            RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at, d.attempt_count,
-                      d.is_replay, d.visible_at
-        )
-        SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
-               c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
-               m.payload_ref, m.correlation_id::text, m.published_at
-          FROM claimed c
-         CROSS JOIN LATERAL (
-               -- A per-row probe by primary key, as in the keyed claim above.
-               SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
-                      x.payload_ref, x.correlation_id, x.published_at
-                 FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m
-         ORDER BY c.visible_at;
-        GET DIAGNOSTICS v_count = ROW_COUNT;
-        v_remaining := v_remaining - v_count;
+        -- The key's turn. Whatever comes of it, the next turn takes the next key.
+        v_key_tried := v_key;
+        v_key := NULL;
+        v_keyless_tried_for_key := false;
+
+        -- The key's candidate, read through wq_dlv_partition_head_ix.
+        IF v_ordered THEN
+            SELECT h.id, h.status, h.visible_at, h.cancel_requested_at INTO v_head
+              FROM workqueue_delivery h
+             WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key_tried
+               AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+             ORDER BY h.order_key
+             LIMIT 1;
+            CONTINUE WHEN NOT FOUND OR v_head.status <> 'Pending' OR v_head.visible_at > now()
+                       OR v_head.cancel_requested_at IS NOT NULL;
+            v_candidate_id := v_head.id;
+        ELSE
+            CONTINUE WHEN EXISTS (
+                SELECT 1 FROM workqueue_delivery f
+                 WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key_tried
+                   AND f.status = 'InFlight');
+            -- The key's open rows in order_key order, first runnable one wins. Asking for
+            -- every open status (and fencing the Pending test off with OFFSET 0) leaves
+            -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
+            -- the planner would otherwise pick wq_dlv_claim_keyed_pri_ix and read every Pending
+            -- row.
+            SELECT o.id INTO v_candidate_id
+              FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
+                      FROM workqueue_delivery c
+                     WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key_tried
+                       AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
+                     ORDER BY c.order_key
+                    OFFSET 0) o
+             WHERE o.status = 'Pending' AND o.visible_at <= now()
+               AND o.cancel_requested_at IS NULL
+             LIMIT 1;
+            CONTINUE WHEN NOT FOUND;
+        END IF;
+
+        -- Never wait on another claimer: waiting while holding this call's earlier claims
+        -- can deadlock two claimers that meet keys in different orders. A key another
+        -- claimer is working on, or a row someone else has locked, is skipped this time.
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(
+            'wq-claim:' || lower(p_subscription_id::text) || ':' || v_key_tried, 0));
+        SELECT r.ctid INTO v_candidate_row
+          FROM workqueue_delivery r WHERE r.id = v_candidate_id FOR UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        BEGIN
+            RETURN QUERY
+            WITH claimed AS (
+                UPDATE workqueue_delivery d
+                   SET status = 'InFlight', lease_owner = p_lease_owner,
+                       lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
+                       last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
+                       progress = NULL
+                 -- By the locked row's ctid (it cannot move while locked): with a status
+                 -- test in the statement, stale statistics can make the planner walk
+                 -- wq_dlv_claim_keyed_pri_ix for it instead of one primary-key probe.
+                 WHERE d.ctid = v_candidate_row AND d.status = 'Pending'
+                   AND d.visible_at <= now() AND d.cancel_requested_at IS NULL
+                   AND NOT EXISTS (
+                       SELECT 1 FROM workqueue_delivery f
+                        WHERE f.subscription_id = d.subscription_id
+                          AND f.partition_key = d.partition_key AND f.status = 'InFlight')
+                   AND (NOT v_ordered OR NOT EXISTS (
+                       SELECT 1 FROM workqueue_delivery h
+                        WHERE h.subscription_id = d.subscription_id
+                          AND h.partition_key = d.partition_key AND h.order_key < d.order_key
+                          AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
+                RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
+                          d.attempt_count, d.is_replay
+            )
+            SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
+                   c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
+                   m.payload_ref, m.correlation_id::text, m.published_at
+              FROM claimed c
+             CROSS JOIN LATERAL (
+                   -- By primary key for each claimed row (OFFSET 0 keeps it a per-row probe:
+                   -- joined plainly, stale statistics can make the planner scan messages).
+                   SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
+                          x.payload_ref, x.correlation_id, x.published_at
+                     FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m;
+            IF FOUND THEN
+                v_remaining := v_remaining - 1;
+            END IF;
+        EXCEPTION WHEN unique_violation THEN
+            -- Another consumer put this key in flight first; skip only this candidate.
+            NULL;
+        END;
     END LOOP;
+
+    IF v_walked_to IS NOT NULL THEN
+        RETURN QUERY
+        SELECT 'KeyCursor'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::integer,
+               NULL::boolean, NULL::uuid, NULL::uuid, v_walked_to, NULL::jsonb, NULL::jsonb,
+               NULL::jsonb, NULL::text, NULL::timestamptz;
+    END IF;
 
     IF v_remaining < p_max_rows THEN
         RETURN QUERY

@@ -141,15 +141,16 @@ GO
 -- delivery per key: the key's first due Pending row by order_key when nothing of the key is in
 -- flight (Ordered: when that row is the key's head, so no earlier Pending, InFlight or
 -- DeadLettered delivery exists; a head not yet due holds its key). Priority orders keys and
--- keyless rows, never the rows within one key. Keys come first from a window of visible keyed
--- rows, highest priority and then oldest due first;
--- when that window is full of rows whose keys cannot run and capacity is left, a bounded walk
--- over the keys continues after @after_key, so a hot key's blocked backlog never makes claims
--- slower. A row of kind 'KeyCursor' carries where the walk stopped, for the caller's next claim.
--- Each claim is a guarded UPDATE that re-checks every rule; a unique-index violation
--- (2601/2627) means another consumer won that key, and only that key is skipped. Remaining
--- capacity goes to keyless deliveries, claimed in one skip-locked batch (UPDLOCK, READPAST,
--- ROWLOCK). Each claim sets a fresh lease token, lease_expires_at = now + lease_seconds,
+-- keyless rows, never the rows within one key. Keys come from a window of visible keyed rows,
+-- highest priority and then oldest due first; when that window is full of rows whose keys
+-- cannot run and capacity is left, a bounded walk over the keys continues after @after_key, so
+-- a hot key's blocked backlog never makes claims slower. A row of kind 'KeyCursor' carries where
+-- the walk stopped, for the caller's next claim. Each key's claim is a guarded UPDATE that
+-- re-checks every rule; a unique-index violation (2601/2627) means another consumer won that
+-- key, and only that key is skipped. Keyless deliveries are claimed in skip-locked batches
+-- (UPDLOCK, READPAST, ROWLOCK), taking their turn among the keys by priority and then by due
+-- time, so keyless work of a higher priority never waits behind keyed work (nor older keyless
+-- work behind newer keys). Each claim sets a fresh lease token, lease_expires_at = now + lease_seconds,
 -- last_heartbeat_at = now, attempt_count + 1 and clears progress. Rows of kind 'Claimed' come
 -- in claim order.
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
@@ -187,8 +188,21 @@ BEGIN
     DECLARE @walking bit = 0;
     DECLARE @walk_budget int = @max_rows * 4 + 64;
     DECLARE @walked_from_start bit = 0;
+    DECLARE @lowest_level int;
+    DECLARE @walk_at nvarchar(200);
     DECLARE @walked_to nvarchar(200);
+    DECLARE @keys_done bit = 0;
     DECLARE @key nvarchar(200);
+    DECLARE @key_level int;
+    DECLARE @key_since datetimeoffset(7);
+    DECLARE @key_tried nvarchar(200);
+    DECLARE @keyless_level int;
+    DECLARE @keyless_below int = 101;
+    DECLARE @keyless_known bit = 0;
+    DECLARE @keyless_tried_for_key bit = 0;
+    DECLARE @due_before datetimeoffset(7);
+    -- Later than any due time: "no bound" for a batch of keyless rows.
+    DECLARE @never datetimeoffset(7) = '9999-12-31T23:59:59.9999999+00:00';
     DECLARE @head_id char(32);
     DECLARE @head_status nvarchar(20);
     DECLARE @head_visible_at datetimeoffset(7);
@@ -196,6 +210,8 @@ BEGIN
     DECLARE @window_keys TABLE (
         ord int PRIMARY KEY,
         partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2,
+        priority int,
+        first_visible datetimeoffset(7),
         rows_in_window int
     );
     DECLARE @seen TABLE (partition_key nvarchar(200) COLLATE Latin1_General_100_BIN2);
@@ -217,8 +233,6 @@ BEGIN
     DECLARE @result TABLE (
         seq int IDENTITY(1, 1) PRIMARY KEY,
         phase tinyint,
-        sort_priority int,
-        sort_at datetimeoffset(7),
         kind nvarchar(20),
         delivery_id uniqueidentifier,
         lease_token uniqueidentifier,
@@ -268,9 +282,10 @@ BEGIN
         IF @partition_mode <> N'None'
         BEGIN
             -- The window: keys of visible keyed Pending rows, priority by priority (highest
-            -- first), oldest due first within one. It reads a fixed number of
-            -- wq_dlv_claim_keyed_pri_ix entries, whatever the backlog, due or scheduled. A key
-            -- met again at a lower priority is skipped by the key loop (@seen).
+            -- first), oldest due first within one, each with its priority and its oldest due
+            -- time there. It reads a fixed number of wq_dlv_claim_keyed_pri_ix entries,
+            -- whatever the backlog, due or scheduled. A key met again at a lower priority is
+            -- skipped by the key loop (@seen).
             SET @level = 101;
             WHILE @window_taken < @window_size
             BEGIN
@@ -278,10 +293,11 @@ BEGIN
                 IF @level IS NULL
                     BREAK;
                 SET @window_count = (SELECT COUNT(*) FROM @window_keys);
-                INSERT INTO @window_keys (ord, partition_key, rows_in_window)
+                INSERT INTO @window_keys (ord, partition_key, priority, first_visible,
+                                          rows_in_window)
                 SELECT @window_count
                        + ROW_NUMBER() OVER (ORDER BY MIN(r.visible_at), MIN(r.order_key)),
-                       r.partition_key, COUNT(*)
+                       r.partition_key, @level, MIN(r.visible_at), COUNT(*)
                   FROM (
                         SELECT TOP (@window_size - @window_taken)
                                d.partition_key, d.visible_at, d.order_key
@@ -294,180 +310,231 @@ BEGIN
                  GROUP BY r.partition_key;
                 SET @window_taken =
                     COALESCE((SELECT SUM(w.rows_in_window) FROM @window_keys AS w), 0);
+                SET @lowest_level = @level;
             END;
             IF @window_taken >= @window_size
                 SET @window_full = 1;
+        END
+        ELSE
+            SET @keys_done = 1;
 
-            WHILE @remaining > 0
+        -- Keys and keyless deliveries in one order: higher priority first and, within one,
+        -- oldest due first (a key by its oldest due row in the window; a key the walk finds
+        -- comes after the keyless rows of its window's lowest priority). Each turn claims
+        -- either the next key or a skip-locked batch of keyless rows older than it.
+        WHILE @remaining > 0
+        BEGIN
+            -- The next key to try, unless one already waits its turn: from the window, then
+            -- (if it was full) from the walk.
+            WHILE @key IS NULL AND @keys_done = 0
             BEGIN
-                -- The next key to try: from the window, then (if it was full) from the walk.
                 IF @walking = 0
                 BEGIN
                     SET @next += 1;
-                    SET @key = NULL;
-                    SELECT @key = w.partition_key FROM @window_keys AS w WHERE w.ord = @next;
+                    SELECT @key = w.partition_key, @key_level = w.priority,
+                           @key_since = w.first_visible
+                      FROM @window_keys AS w WHERE w.ord = @next;
                     IF @key IS NULL
                     BEGIN
-                        IF @window_full = 0
-                            BREAK;
-                        SET @walking = 1;
-                        SET @key = @after_key;
+                        IF @window_full = 1
+                        BEGIN
+                            SET @walking = 1;
+                            SET @walk_at = @after_key;
+                        END
+                        ELSE
+                            SET @keys_done = 1;
                     END;
                 END;
                 IF @walking = 1
                 BEGIN
                     IF @walk_budget <= 0
+                    BEGIN
+                        SET @keys_done = 1;
                         BREAK;
+                    END;
                     SET @walk_budget -= 1;
                     -- The next key with open deliveries, wrapping around to the first once.
-                    SET @key = dbo.wq_next_open_key(@subscription_key, @key);
+                    SET @key = dbo.wq_next_open_key(@subscription_key, @walk_at);
+                    SET @walk_at = @key;
                     IF @key IS NULL
                     BEGIN
-                        IF @walked_from_start = 1
-                            BREAK;
+                        SET @keys_done = @walked_from_start;
                         SET @walked_from_start = 1;
                         CONTINUE;
                     END;
                     SET @walked_to = @key;
+                    SET @key_level = @lowest_level;
+                    SET @key_since = @never;
                 END;
-                IF EXISTS (SELECT 1 FROM @seen AS s WHERE s.partition_key = @key)
-                    CONTINUE;
-                INSERT INTO @seen (partition_key) VALUES (@key);
-
-                -- The key's candidate, read through wq_dlv_partition_head_ix.
-                SET @candidate = NULL;
-                IF @ordered = 1
+                IF @key IS NOT NULL
                 BEGIN
-                    SET @head_id = NULL;
-                    SELECT TOP (1) @head_id = h.id, @head_status = h.status,
-                           @head_visible_at = h.visible_at,
-                           @head_cancel_requested_at = h.cancel_requested_at
-                      FROM dbo.workqueue_delivery AS h
-                     WHERE h.subscription_id = @subscription_key AND h.partition_key = @key
-                       AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
-                     ORDER BY h.order_key;
-                    IF @head_id IS NOT NULL AND @head_status = N'Pending'
-                       AND @head_visible_at <= @now
-                       AND @head_cancel_requested_at IS NULL
-                        SET @candidate = @head_id;
-                END
-                ELSE IF NOT EXISTS (
-                    SELECT 1 FROM dbo.workqueue_delivery AS f
-                     WHERE f.subscription_id = @subscription_key AND f.partition_key = @key
-                       AND f.status = N'InFlight')
-                    SELECT TOP (1) @candidate = c.id
-                      FROM dbo.workqueue_delivery AS c
-                     WHERE c.subscription_id = @subscription_key AND c.partition_key = @key
-                       AND c.status = N'Pending' AND c.visible_at <= @now
-                       AND c.cancel_requested_at IS NULL
-                     ORDER BY c.order_key;
-                IF @candidate IS NULL
-                    CONTINUE;
-
-                DELETE FROM @claimed;
-                BEGIN TRY
-                    UPDATE d
-                       SET status = N'InFlight',
-                           lease_owner = @lease_owner,
-                           lease_token = LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
-                           lease_expires_at = DATEADD(second, @lease_seconds, @now),
-                           last_heartbeat_at = @now,
-                           attempt_count = d.attempt_count + 1,
-                           progress = NULL
-                    OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
-                           inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
-                           inserted.visible_at
-                      INTO @claimed
-                      FROM dbo.workqueue_delivery AS d
-                     WHERE d.id = @candidate AND d.status = N'Pending'
-                       AND d.visible_at <= @now AND d.cancel_requested_at IS NULL
-                       AND NOT EXISTS (
-                           SELECT 1 FROM dbo.workqueue_delivery AS f
-                            WHERE f.subscription_id = d.subscription_id
-                              AND f.partition_key = d.partition_key AND f.status = N'InFlight')
-                       AND (@ordered = 0 OR NOT EXISTS (
-                           SELECT 1 FROM dbo.workqueue_delivery AS h
-                            WHERE h.subscription_id = d.subscription_id
-                              AND h.partition_key = d.partition_key
-                              AND h.order_key < d.order_key
-                              AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')));
-                END TRY
-                BEGIN CATCH
-                    -- Another consumer put this key in flight first: skip only this candidate.
-                    -- Anything else, or a race inside a caller's (now doomed) transaction, is
-                    -- raised.
-                    IF ERROR_NUMBER() NOT IN (2601, 2627) OR XACT_STATE() = -1
-                        THROW;
-                    DELETE FROM @claimed;
-                END CATCH;
-
-                IF EXISTS (SELECT 1 FROM @claimed)
-                BEGIN
-                    INSERT INTO @result
-                           (phase, sort_at, kind, delivery_id, lease_token, lease_expires_at,
-                            attempt_count, is_replay, message_id, topic_id, partition_key,
-                            attributes, payload, payload_ref, correlation_id, published_at)
-                    SELECT 2, c.visible_at, N'Claimed', dbo.wq_text_uuid(c.id),
-                           dbo.wq_text_uuid(c.lease_token), c.lease_expires_at, c.attempt_count,
-                           c.is_replay, dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id),
-                           m.partition_key, m.attributes, m.payload, m.payload_ref,
-                           m.correlation_id, m.published_at
-                      FROM @claimed AS c
-                      JOIN dbo.workqueue_message AS m ON m.id = c.message_id;
-                    SET @remaining -= 1;
+                    IF EXISTS (SELECT 1 FROM @seen AS s WHERE s.partition_key = @key)
+                        SET @key = NULL;
+                    ELSE
+                        INSERT INTO @seen (partition_key) VALUES (@key);
                 END;
             END;
 
-            IF @walked_to IS NOT NULL
-                INSERT INTO @result (phase, kind, partition_key)
-                VALUES (2, N'KeyCursor', @walked_to);
-        END;
+            -- Keyless rows go first when they are of a higher priority than the waiting key
+            -- or, of the same one, due before it.
+            IF @keyless_known = 0
+            BEGIN
+                SET @keyless_level = dbo.wq_next_priority(@subscription_key, 0, @keyless_below);
+                SET @keyless_known = 1;
+            END;
+            IF @keyless_level IS NOT NULL AND (
+                   @key IS NULL OR @keyless_level > @key_level
+                   OR (@keyless_level = @key_level AND @keyless_tried_for_key = 0))
+            BEGIN
+                SET @due_before = CASE WHEN @key IS NOT NULL AND @keyless_level = @key_level
+                                       THEN @key_since ELSE @never END;
+                DELETE FROM @claimed;
+                WITH picked AS (
+                    SELECT TOP (@remaining)
+                           d.status, d.lease_owner, d.lease_token, d.lease_expires_at,
+                           d.last_heartbeat_at, d.attempt_count, d.progress, d.id, d.message_id,
+                           d.is_replay, d.visible_at
+                      FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
+                     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+                       AND d.partition_key IS NULL AND d.priority = @keyless_level
+                       AND d.visible_at <= @now AND d.visible_at < @due_before
+                       AND d.cancel_requested_at IS NULL
+                     ORDER BY d.visible_at
+                )
+                UPDATE picked
+                   SET status = N'InFlight',
+                       lease_owner = @lease_owner,
+                       lease_token = LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
+                       lease_expires_at = DATEADD(second, @lease_seconds, @now),
+                       last_heartbeat_at = @now,
+                       attempt_count = attempt_count + 1,
+                       progress = NULL
+                OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
+                       inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
+                       inserted.visible_at
+                  INTO @claimed;
+                SET @remaining -= @@ROWCOUNT;
 
-        -- Keyless deliveries, one priority at a time from the highest, oldest due first.
-        SET @level = 101;
-        WHILE @remaining > 0
-        BEGIN
-            SET @level = dbo.wq_next_priority(@subscription_key, 0, @level);
-            IF @level IS NULL
+                -- Oldest due first: the identity follows this ORDER BY.
+                INSERT INTO @result
+                       (phase, kind, delivery_id, lease_token, lease_expires_at, attempt_count,
+                        is_replay, message_id, topic_id, partition_key, attributes, payload,
+                        payload_ref, correlation_id, published_at)
+                SELECT 2, N'Claimed', dbo.wq_text_uuid(c.id), dbo.wq_text_uuid(c.lease_token),
+                       c.lease_expires_at, c.attempt_count, c.is_replay,
+                       dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id), m.partition_key,
+                       m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
+                  FROM @claimed AS c
+                  JOIN dbo.workqueue_message AS m ON m.id = c.message_id
+                 ORDER BY c.visible_at;
+
+                IF @remaining > 0
+                BEGIN
+                    -- Nothing more of this priority is claimable now (or nothing due before
+                    -- the waiting key): on to the next priority, or to the key.
+                    IF @due_before = @never
+                    BEGIN
+                        SET @keyless_below = @keyless_level;
+                        SET @keyless_known = 0;
+                    END
+                    ELSE
+                        SET @keyless_tried_for_key = 1;
+                END;
+                CONTINUE;
+            END;
+            IF @key IS NULL
                 BREAK;
-            DELETE FROM @claimed;
-            WITH picked AS (
-                SELECT TOP (@remaining)
-                       d.status, d.lease_owner, d.lease_token, d.lease_expires_at,
-                       d.last_heartbeat_at, d.attempt_count, d.progress, d.id, d.message_id,
-                       d.is_replay, d.visible_at
-                  FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
-                 WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-                   AND d.partition_key IS NULL AND d.priority = @level
-                   AND d.visible_at <= @now AND d.cancel_requested_at IS NULL
-                 ORDER BY d.visible_at
-            )
-            UPDATE picked
-               SET status = N'InFlight',
-                   lease_owner = @lease_owner,
-                   lease_token = LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
-                   lease_expires_at = DATEADD(second, @lease_seconds, @now),
-                   last_heartbeat_at = @now,
-                   attempt_count = attempt_count + 1,
-                   progress = NULL
-            OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
-                   inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
-                   inserted.visible_at
-              INTO @claimed;
-            SET @remaining -= @@ROWCOUNT;
 
-            INSERT INTO @result
-                   (phase, sort_priority, sort_at, kind, delivery_id, lease_token,
-                    lease_expires_at, attempt_count, is_replay, message_id, topic_id,
-                    partition_key, attributes, payload, payload_ref, correlation_id, published_at)
-            SELECT 3, @level, c.visible_at, N'Claimed', dbo.wq_text_uuid(c.id),
-                   dbo.wq_text_uuid(c.lease_token), c.lease_expires_at, c.attempt_count,
-                   c.is_replay, dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id),
-                   m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id,
-                   m.published_at
-              FROM @claimed AS c
-              JOIN dbo.workqueue_message AS m ON m.id = c.message_id;
+            -- The key's turn. Whatever comes of it, the next turn takes the next key.
+            SET @key_tried = @key;
+            SET @key = NULL;
+            SET @keyless_tried_for_key = 0;
+
+            -- The key's candidate, read through wq_dlv_partition_head_ix.
+            SET @candidate = NULL;
+            IF @ordered = 1
+            BEGIN
+                SET @head_id = NULL;
+                SELECT TOP (1) @head_id = h.id, @head_status = h.status,
+                       @head_visible_at = h.visible_at,
+                       @head_cancel_requested_at = h.cancel_requested_at
+                  FROM dbo.workqueue_delivery AS h
+                 WHERE h.subscription_id = @subscription_key AND h.partition_key = @key_tried
+                   AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                 ORDER BY h.order_key;
+                IF @head_id IS NOT NULL AND @head_status = N'Pending'
+                   AND @head_visible_at <= @now
+                   AND @head_cancel_requested_at IS NULL
+                    SET @candidate = @head_id;
+            END
+            ELSE IF NOT EXISTS (
+                SELECT 1 FROM dbo.workqueue_delivery AS f
+                 WHERE f.subscription_id = @subscription_key AND f.partition_key = @key_tried
+                   AND f.status = N'InFlight')
+                SELECT TOP (1) @candidate = c.id
+                  FROM dbo.workqueue_delivery AS c
+                 WHERE c.subscription_id = @subscription_key AND c.partition_key = @key_tried
+                   AND c.status = N'Pending' AND c.visible_at <= @now
+                   AND c.cancel_requested_at IS NULL
+                 ORDER BY c.order_key;
+            IF @candidate IS NULL
+                CONTINUE;
+
+            DELETE FROM @claimed;
+            BEGIN TRY
+                UPDATE d
+                   SET status = N'InFlight',
+                       lease_owner = @lease_owner,
+                       lease_token = LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
+                       lease_expires_at = DATEADD(second, @lease_seconds, @now),
+                       last_heartbeat_at = @now,
+                       attempt_count = d.attempt_count + 1,
+                       progress = NULL
+                OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
+                       inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
+                       inserted.visible_at
+                  INTO @claimed
+                  FROM dbo.workqueue_delivery AS d
+                 WHERE d.id = @candidate AND d.status = N'Pending'
+                   AND d.visible_at <= @now AND d.cancel_requested_at IS NULL
+                   AND NOT EXISTS (
+                       SELECT 1 FROM dbo.workqueue_delivery AS f
+                        WHERE f.subscription_id = d.subscription_id
+                          AND f.partition_key = d.partition_key AND f.status = N'InFlight')
+                   AND (@ordered = 0 OR NOT EXISTS (
+                       SELECT 1 FROM dbo.workqueue_delivery AS h
+                        WHERE h.subscription_id = d.subscription_id
+                          AND h.partition_key = d.partition_key
+                          AND h.order_key < d.order_key
+                          AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')));
+            END TRY
+            BEGIN CATCH
+                -- Another consumer put this key in flight first: skip only this candidate.
+                -- Anything else, or a race inside a caller's (now doomed) transaction, is
+                -- raised.
+                IF ERROR_NUMBER() NOT IN (2601, 2627) OR XACT_STATE() = -1
+                    THROW;
+                DELETE FROM @claimed;
+            END CATCH;
+
+            IF EXISTS (SELECT 1 FROM @claimed)
+            BEGIN
+                INSERT INTO @result
+                       (phase, kind, delivery_id, lease_token, lease_expires_at, attempt_count,
+                        is_replay, message_id, topic_id, partition_key, attributes, payload,
+                        payload_ref, correlation_id, published_at)
+                SELECT 2, N'Claimed', dbo.wq_text_uuid(c.id), dbo.wq_text_uuid(c.lease_token),
+                       c.lease_expires_at, c.attempt_count, c.is_replay,
+                       dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id), m.partition_key,
+                       m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
+                  FROM @claimed AS c
+                  JOIN dbo.workqueue_message AS m ON m.id = c.message_id;
+                SET @remaining -= 1;
+            END;
         END;
+
+        IF @walked_to IS NOT NULL
+            INSERT INTO @result (phase, kind, partition_key) VALUES (3, N'KeyCursor', @walked_to);
     END;
 
     IF EXISTS (SELECT 1 FROM @result AS r WHERE r.kind = N'Claimed')
@@ -478,7 +545,6 @@ BEGIN
            r.is_replay, r.message_id, r.topic_id, r.partition_key, r.attributes, r.payload,
            r.payload_ref, r.correlation_id, r.published_at
       FROM @result AS r
-     ORDER BY r.phase, CASE WHEN r.phase = 3 THEN -r.sort_priority END,
-              CASE WHEN r.phase = 3 THEN r.sort_at END, r.seq;
+     ORDER BY r.phase, r.seq;
 END;
 GO

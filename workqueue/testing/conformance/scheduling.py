@@ -1,4 +1,4 @@
-"""Scheduled and prioritised delivery (C33-C40). Time passes through ``advance_time``."""
+"""Scheduled and prioritised delivery (C33-C40, C43, C44). Time passes through ``advance_time``."""
 
 from __future__ import annotations
 
@@ -168,3 +168,40 @@ def ordered_ignores_priority_within_key(ctx: CaseContext) -> None:
     ctx.expect_nothing_receivable("a", "while the key's head is in flight")
     expect_settled(ctx.receiver("a").complete(first), "Completed", "complete result")
     expect_equal(numbers(ctx.receive("a")), [2], "the second message after the first")
+
+
+@CASES.case(
+    "C43",
+    "Exclusive: keyless work of a higher priority is received before keyed work, and keyless "
+    "work of a lower priority after it",
+    requires=PRIORITISED,
+)
+def exclusive_priority_across_keyed_and_keyless(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.publish(key="k1")
+    ctx.publish(priority=50)
+    ctx.publish(key="k2")
+    ctx.publish(priority=-5)
+
+    expect_equal(numbers(ctx.receive("a", max=1)), [2], "the first claim of one")
+    expect_equal(numbers(ctx.receive("a", max=2)), [1, 3], "the keyed work next")
+    expect_equal(numbers(ctx.receive("a")), [4], "the lower-priority keyless work last")
+
+
+@CASES.case(
+    "C44",
+    "Exclusive: within one priority, keyed and keyless work is received oldest due first",
+    requires=PRIORITISED,
+)
+def exclusive_oldest_first_across_keyed_and_keyless(ctx: CaseContext) -> None:
+    ctx.subscribe("a", partition_mode="Exclusive")
+    ctx.publish()
+    ctx.publish(key="k1")
+    ctx.publish()
+    ctx.publish(key="k2")
+    ctx.publish(key="k3")
+    ctx.publish()
+
+    expect_equal(numbers(ctx.receive("a", max=2)), [1, 2], "the first claim of two")
+    expect_equal(numbers(ctx.receive("a", max=3)), [3, 4, 5], "the next claim of three")
+    expect_equal(numbers(ctx.receive("a")), [6], "the last")
