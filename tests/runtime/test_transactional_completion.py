@@ -31,6 +31,7 @@ from workqueue.exceptions import Cancelled, DeliveryBusyError, EnlistError, Leas
 from workqueue.models import Delivery, Message, Subscription
 from workqueue.operators import operations
 from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
+from workqueue.runtime.enlisted import EnlistedCompletion
 from workqueue.runtime.executor import ExecutionResult
 from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
 from workqueue.runtime.outcome import Outcome
@@ -212,6 +213,68 @@ def test_a_savepoint_rolled_back_around_the_completion_undoes_it_and_the_outcome
     row = Delivery.objects.get(pk=delivery.delivery_id)
     assert (row.status, row.last_error) == ("Pending", "the completion was undone")
     assert effects() == [(delivery.message_id, 1)]  # the outer block committed its own write
+
+
+def test_a_completion_undone_by_its_savepoint_does_not_read_as_committed_by_a_later_commit(
+    transactional_db,
+):
+    """While a commit's callbacks run, Django's list of pending callbacks is already empty and
+    its commit flag set. A completion whose savepoint rolled back read as committed all the
+    while a later commit's callbacks ran (an e-mail sent on commit, say), and a committed
+    completion stops the lease's renewals for good."""
+    reads: dict[str, list[str]] = {"undone": [], "committed": []}
+
+    def read_during_callbacks(completion: EnlistedCompletion, into: list[str]) -> None:
+        into.append(completion.state())
+        time.sleep(0.5)  # a slow callback: longer than it takes a completion's own mark to run
+        into.append(completion.state())
+
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                undone = EnlistedCompletion(connection)
+                raise RuntimeError("undo the completion only")
+        except RuntimeError:
+            pass
+        transaction.on_commit(lambda: read_during_callbacks(undone, reads["undone"]))
+        assert undone.state() == EnlistedCompletion.ROLLED_BACK
+    assert undone.state() == EnlistedCompletion.ROLLED_BACK
+    with transaction.atomic():
+        transaction.on_commit(lambda: read_during_callbacks(done, reads["committed"]))
+        done = EnlistedCompletion(connection)
+        assert done.state() == EnlistedCompletion.PENDING
+
+    assert reads["undone"][-1] == EnlistedCompletion.ROLLED_BACK
+    assert reads["committed"] == [EnlistedCompletion.COMMITTED] * 2
+    assert done.state() == EnlistedCompletion.COMMITTED
+
+
+def test_a_slow_commit_callback_after_an_undone_completion_leaves_the_lease_renewed(rig):
+    """The same, end to end: the renewals stopped at the first one that fell inside the slow
+    callback, and another host took the delivery over while its handler still ran."""
+
+    def undone_then_slow_callback(message: WorkMessage, context: WorkContext) -> Any:
+        with transaction.atomic():
+            write_effect(message, context)
+            try:
+                with transaction.atomic():
+                    context.complete(enlist=True)
+                    raise RuntimeError("undo the completion only")
+            except RuntimeError:
+                pass
+            transaction.on_commit(lambda: time.sleep(2.5))  # e-mails sent on commit
+        time.sleep(8)  # the handler works on, well past its lease of 5 s
+        return Outcome.complete()
+
+    sub = rig.subscription("tests.txn.body", lease_seconds=5)
+    receiver, delivery = rig.claim(sub, body(undone_then_slow_callback))
+    future = rig.start(rig.execution(sub, receiver, delivery))
+
+    time.sleep(8)
+    assert transport.expire_leases_all() == []
+    assert Receiver(sub.id, "host-b").receive(1).deliveries == []
+    assert future.result(timeout=30) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert status(delivery) == ("Completed", 1)
 
 
 # -- refused: stale holder, cancel --------------------------------------------------------------

@@ -17,6 +17,7 @@ locked rows, so nobody can take the delivery over in between, even past its leas
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from django.db import connections, transaction
@@ -26,6 +27,11 @@ from workqueue.types import DeliveryStatus
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
+
+
+#: How long commit hooks may be seen running before this completion's own (always the first of
+#: its commit's) has run, if that commit is this completion's: a thread switch or two.
+OWN_HOOK_START_SECONDS = 0.25
 
 
 class EnlistedCompletion:
@@ -39,6 +45,8 @@ class EnlistedCompletion:
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         self.connection = connection
         self._committed = False
+        self._undone = False
+        self._hooks_seen_running_at: float | None = None
         # One bound method, kept, so that it can be found again by identity in the hook list.
         self._hook = self._mark_committed
         transaction.on_commit(self._hook, using=connection.alias)
@@ -52,18 +60,27 @@ class EnlistedCompletion:
         self._committed = True
 
     def state(self) -> str:
-        """The transaction's fate so far. Timer threads ask too, so this only reads: Django
-        keeps a transaction's commit hooks in ``run_on_commit`` until it commits (then runs
-        them) or rolls back (then drops them, also when a savepoint around the call rolls
-        back). Between a commit and the end of its hooks the list is already empty, and
-        ``run_commit_hooks_on_set_autocommit_on`` is still set."""
+        """The transaction's fate so far. Timer threads ask too. Django keeps a transaction's
+        commit hooks in ``run_on_commit`` until it commits (then runs them) or rolls back (then
+        drops them, also when a savepoint around the call rolls back). While a commit's hooks
+        run, the list is already empty and ``run_commit_hooks_on_set_autocommit_on`` is set,
+        for this transaction's commit or for a later one after this completion was undone:
+        ours runs first of its commit's hooks, so a moment of that reads as still pending (the
+        row may already be committed Completed), and longer means another commit's hooks."""
         if self._committed:
             return self.COMMITTED
         if any(entry[1] is self._hook for entry in list(self.connection.run_on_commit)):
             return self.PENDING
-        if self.connection.run_commit_hooks_on_set_autocommit_on or self._committed:
-            return self.COMMITTED
-        return self.ROLLED_BACK
+        if self.connection.run_commit_hooks_on_set_autocommit_on and not self._undone:
+            now = time.monotonic()
+            if self._hooks_seen_running_at is None:
+                self._hooks_seen_running_at = now
+            if now - self._hooks_seen_running_at < OWN_HOOK_START_SECONDS:
+                return self.PENDING
+            # Not ours (ours would have run by now): once undone, never ours again.
+            self._undone = True
+        # Read again: the commit and its hooks may have run since the first test above.
+        return self.COMMITTED if self._committed else self.ROLLED_BACK
 
 
 def open_transaction(alias: str) -> BaseDatabaseWrapper:
