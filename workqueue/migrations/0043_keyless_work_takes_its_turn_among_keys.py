@@ -6,6 +6,10 @@ a keyed backlog of the lowest filled the claims, and keyless work published firs
 keys published after it. A claim now takes keys and keyless deliveries in one order: higher
 priority first and, within one priority, oldest due first. Hosts of the previous release read
 the result as before (the same rows and kinds, in claim order).
+
+``wq_take_rate_tokens`` records its refill at the clock's time even when the clock has stepped
+back past the previous refill: kept at the later time, the bucket refilled nothing until the
+clock caught up, and a rate-limited subscription started nothing meanwhile.
 """
 
 from django.db import migrations

@@ -647,9 +647,9 @@ class Consumer:
     def _room(self) -> tuple[int, int]:
         """(how many deliveries a claim may take now, the most it could take when all is
         free); called with the lock held. Past the free slots, room to claim ahead while the
-        running handlers are quick and nobody counts the deliveries (a one-shot run works on
-        what it claims, no more): ``prefetch`` at most, and no more than the slots get through
-        in PREFETCH_WINDOW_SECONDS."""
+        running handlers are quick, nobody counts the deliveries (a one-shot run works on
+        what it claims, no more) and no rate limit is taken at the claim: ``prefetch`` at most,
+        and no more than the slots get through in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
         running_elsewhere = self._predecessors_running() if self._predecessors else 0
         free = concurrency - self._handlers_running - running_elsewhere
@@ -659,6 +659,9 @@ class Consumer:
             # claims on every slot it counts free of its own.
             running_elsewhere
             or self.config.prefetch <= 0
+            # A rate limit is taken at the claim: deliveries claimed ahead would keep piling
+            # up while every slot hangs on a slow downstream, then all start at its recovery.
+            or self.plan.rate_limited
             or self.budget is not None
             or handler_seconds is None
             or handler_seconds >= PREFETCH_HANDLER_SECONDS

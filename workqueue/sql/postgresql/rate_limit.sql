@@ -49,8 +49,11 @@ BEGIN
       FROM workqueue_rate_limit_bucket b
      WHERE b.subscription_id = p_subscription_id;
     v_granted := LEAST(v_wanted, floor(v_available)::integer);
+    -- Refilled up to now, even when the clock has stepped back past the last refill (that
+    -- step added nothing): kept ahead of the clock, the bucket would refill nothing until the
+    -- clock caught up.
     UPDATE workqueue_rate_limit_bucket b
-       SET tokens = v_available - v_granted, refilled_at = GREATEST(b.refilled_at, v_now)
+       SET tokens = v_available - v_granted, refilled_at = v_now
      WHERE b.subscription_id = p_subscription_id;
     RETURN QUERY SELECT v_granted,
                         CASE WHEN v_granted > 0 OR v_wanted = 0 THEN 0

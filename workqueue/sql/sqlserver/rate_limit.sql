@@ -61,9 +61,11 @@ BEGIN
          WHERE b.subscription_id = @subscription_key;
         SET @granted = CASE WHEN FLOOR(@available) < @want THEN CAST(FLOOR(@available) AS int)
                             ELSE @want END;
+        -- Refilled up to now, even when the clock has stepped back past the last refill (that
+        -- step added nothing): kept ahead of the clock, the bucket would refill nothing until
+        -- the clock caught up.
         UPDATE dbo.workqueue_rate_limit_bucket
-           SET tokens = @available - @granted,
-               refilled_at = CASE WHEN refilled_at > @now THEN refilled_at ELSE @now END
+           SET tokens = @available - @granted, refilled_at = @now
          WHERE subscription_id = @subscription_key;
         COMMIT TRANSACTION;
     END;
