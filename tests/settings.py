@@ -8,3 +8,9 @@ from tests.support.environment import prepare
 prepare()
 
 from project.settings import *  # noqa: E402, F403
+from tests.support.routers import QUEUE_ALIAS  # noqa: E402
+
+# A second alias on the test database (a mirror of default), for the tests of a project that
+# keeps the work queue on an alias of its own (tests.support.routers): nothing touches it
+# unless a test names it in its databases.
+DATABASES[QUEUE_ALIAS] = {**DATABASES["default"], "TEST": {"MIRROR": "default"}}  # noqa: F405

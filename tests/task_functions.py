@@ -78,6 +78,14 @@ def returns_unstorable_text(label: str) -> str:
 
 
 @task()
+def fails_with_unstorable_text(padding: int) -> None:
+    # NUL and a lone surrogate (a file name that is not UTF-8), then a long tail.
+    raise ValueError(
+        "bad\x00input caf" + b"\xe9".decode("utf-8", "surrogateescape") + "x" * padding
+    )
+
+
+@task()
 def returns_itself(label: str) -> list[Any]:
     RUNS.append(label)
     value: list[Any] = []

@@ -14,6 +14,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
@@ -29,6 +30,7 @@ from tests import task_functions
 from tests.factories import SubscriptionFactory
 from tests.support.queue import answers_lost_once
 from tests.support.roles import acting_as_granted_role
+from tests.support.routers import QUEUE_ALIAS
 from tests.support.waiting import wait_until
 from tests.task_functions import (
     add,
@@ -36,6 +38,8 @@ from tests.task_functions import (
     commits_durably,
     creates_a_user_then_a_commit_callback_raises,
     echo,
+    fails_on_first_attempt,
+    fails_with_unstorable_text,
     first_run_fails_when_released,
     returns_a_tuple,
     returns_itself,
@@ -43,6 +47,8 @@ from tests.task_functions import (
 )
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
+from workqueue.operators import operations
+from workqueue.runtime.executor import MAX_ERROR_LENGTH
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
@@ -84,6 +90,17 @@ def run_host() -> Iterator[Callable[[], Host]]:
     for host in hosts:
         host.shutdown()
     get_driver().close()
+
+
+@pytest.fixture
+def queue_on_its_own_alias() -> Iterator[str]:
+    """The work queue on an alias other than ``default`` (a router sends the app's models
+    there); both aliases reach the test database."""
+    with override_settings(
+        DATABASE_ROUTERS=["tests.support.routers.WorkQueueAliasRouter"],
+        WORKQUEUE={**settings.WORKQUEUE, "DATABASE_ALIAS": QUEUE_ALIAS},
+    ):
+        yield QUEUE_ALIAS
 
 
 def finished(result_id: str) -> Any:
@@ -642,3 +659,61 @@ def test_a_run_that_fails_after_another_took_its_delivery_over_records_nothing(r
 
     assert default_task_backend.get_result(result.id).errors == []
     assert task_functions.RUNS == ["run", "run"]
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", QUEUE_ALIAS])
+def test_a_queue_on_another_alias_retries_a_failed_task_and_keeps_its_error(
+    run_host, queue_on_its_own_alias
+):
+    """The result's row was written under transactions opened on ``default`` while its
+    locking reads went to the queue's alias, in autocommit there: every failure's record
+    raised in place of the task's error, and every later attempt raised before the task
+    ran, so a task that failed once never ran again and its result kept no error."""
+    run_host()
+
+    result = finished(fails_on_first_attempt.enqueue().id)
+
+    assert (result.status, result.return_value) == ("SUCCESSFUL", 2)
+    assert [error.exception_class_path for error in result.errors] == ["builtins.RuntimeError"]
+    assert "attempt 1 fails" in result.errors[0].traceback
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", QUEUE_ALIAS])
+def test_a_queue_on_another_alias_reports_a_failed_task_and_replays_it(
+    run_host, queue_on_its_own_alias
+):
+    seen: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(str(task_result.status))
+
+    task_finished.connect(receive)
+    try:
+        failing = always_fails.enqueue("no")
+        run_host()
+        failed = finished(failing.id)
+        wait_until(lambda: seen)
+    finally:
+        task_finished.disconnect(receive)
+    assert (failed.status, len(failed.errors), seen) == ("FAILED", 2, ["FAILED"])
+
+    delivery = Delivery.objects.get(message_id=failing.id)
+    assert operations.replay(QUEUE, delivery.pk).replayed
+    wait_until(lambda: default_task_backend.get_result(failing.id).attempts == 4)
+    assert len(finished(failing.id).errors) == 4
+
+
+@pytest.mark.parametrize("padding", [0, 1_000_000])
+def test_a_failed_runs_error_is_kept_whatever_its_text(run_host, padding):
+    """An error text PostgreSQL cannot store (NUL, a lone surrogate) made recording it fail,
+    so the result kept no error at all; a long one was kept whole, once per attempt."""
+    run_host()
+
+    result = finished(fails_with_unstorable_text.enqueue(padding).id)
+
+    assert result.status == "FAILED" and len(result.errors) == 2
+    for error in result.errors:
+        assert error.exception_class_path == "builtins.ValueError"
+        assert "bad\\x00input caf\\udce9" in error.traceback
+        assert len(error.traceback) <= MAX_ERROR_LENGTH
+        assert error.traceback.endswith("x" if padding else "\\udce9")  # the end is kept

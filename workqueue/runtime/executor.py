@@ -468,14 +468,14 @@ class DeliveryExecution:
             return _Decision(
                 Outcome.DEAD_LETTER,
                 reason=_short(_storable(str(exc))),
-                error=_describe(exc),
+                error=describe_error(exc),
                 exception=exc,
             )
         except TransientWorkError as exc:
             return _Decision(
                 Outcome.RETRY,
                 delay_seconds=exc.retry_after_seconds,
-                error=_describe(exc),
+                error=describe_error(exc),
                 exception=exc,
             )
         except BaseException as exc:
@@ -488,7 +488,7 @@ class DeliveryExecution:
             # asyncio's CancelledError, and a KeyboardInterrupt a handler or a library raised on
             # a worker thread: there any of them would only end the thread, leaving its slot
             # taken and the delivery leased and renewed for the process's life.
-            return _Decision(Outcome.RETRY, error=_describe(exc), exception=exc)
+            return _Decision(Outcome.RETRY, error=describe_error(exc), exception=exc)
         finally:
             with self._lock:
                 # Before the connections are refreshed, which can hang on a database that does
@@ -981,7 +981,8 @@ def _first_line(text: str) -> str:
     return lines[-1] if lines[0].startswith("Traceback") else lines[0]
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """``exc``'s traceback as the work queue keeps it (storable, at most MAX_ERROR_LENGTH)."""
     return _error_text("".join(traceback.format_exception(exc)).strip())
 
 

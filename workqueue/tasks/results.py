@@ -3,17 +3,18 @@ See ``workqueue.tasks.messages`` for where each fact of a result comes from."""
 
 from __future__ import annotations
 
-import traceback
 import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, connections, router, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models.functions import Now
 
+from workqueue.conf import setting
 from workqueue.driver.base import CanonicalJSONEncoder
 from workqueue.models import Delivery, TaskResult
+from workqueue.runtime.executor import describe_error
 from workqueue.tasks import api
 from workqueue.tasks.messages import HANDLER_KEY, STATUS_BY_DELIVERY, TaskMessage, build_result
 from workqueue.types import DeliveryStatus
@@ -28,8 +29,10 @@ def read_result(result_id: str) -> api.TaskResult:
         message_id = uuid.UUID(str(result_id))
     except ValueError:
         raise api.TaskResultDoesNotExist(result_id) from None
+    alias = setting("DATABASE_ALIAS")
     delivery = (
-        Delivery.objects.select_related("message")
+        Delivery.objects.using(alias)
+        .select_related("message")
         .filter(message_id=message_id, subscription__handler_key=HANDLER_KEY)
         .first()
     )
@@ -37,7 +40,7 @@ def read_result(result_id: str) -> api.TaskResult:
         raise api.TaskResultDoesNotExist(result_id)
     # Read after the delivery: the host writes the return value in the transaction that
     # completes the delivery, so a Completed delivery always finds it here.
-    record = TaskResult.objects.filter(pk=message_id).first()
+    record = TaskResult.objects.using(alias).filter(pk=message_id).first()
     try:
         message = TaskMessage.from_payload(delivery.message.payload)
     except ValueError:
@@ -68,22 +71,26 @@ def record_start(result_id: str, worker_id: str, *, first_run: bool) -> TaskResu
     A ``first_run`` (first attempt, not a replay) normally finds no row and inserts it in one
     statement, the insert returning the database's times; an earlier run's row (a lease that
     expired before the attempt was counted) sends it down the locked path every later run takes.
+    Every statement goes to the work queue's alias, the one its delivery is settled on (a
+    project's router might send the model elsewhere, or only reads there).
     """
+    alias = setting("DATABASE_ALIAS")
+    results = TaskResult.objects.db_manager(alias)
     if first_run:
         # Outside a transaction the INSERT commits on its own (no BEGIN round trip); inside one
         # (a test's), a savepoint keeps the caller's transaction usable after a clash.
-        in_transaction = transaction.get_connection().in_atomic_block
+        in_transaction = transaction.get_connection(alias).in_atomic_block
         try:
-            with transaction.atomic() if in_transaction else nullcontext():
-                return TaskResult.objects.create(pk=result_id, worker_ids=[worker_id])
+            with transaction.atomic(using=alias) if in_transaction else nullcontext():
+                return results.create(pk=result_id, worker_ids=[worker_id])
         except IntegrityError:
             pass
-    with transaction.atomic():
-        record, _ = TaskResult.objects.select_for_update().get_or_create(pk=result_id)
-        TaskResult.objects.filter(pk=result_id).update(
+    with transaction.atomic(using=alias):
+        record, _ = results.select_for_update().get_or_create(pk=result_id)
+        results.filter(pk=result_id).update(
             last_attempted_at=Now(), worker_ids=[*record.worker_ids, worker_id]
         )
-    record.refresh_from_db()
+    record.refresh_from_db(using=alias)
     return record
 
 
@@ -91,21 +98,28 @@ def record_failure(result_id: str, exc: BaseException, context: WorkContext) -> 
     """Add the run's error to the result, unless the run no longer holds its delivery: its
     lease ran out and another run took the delivery over (and may have finished it), whose
     result this failure is not part of."""
-    still_held = Delivery.objects.filter(
-        pk=context.delivery_id, status=DeliveryStatus.IN_FLIGHT, attempt_count=context.attempt
-    ).exists()
+    alias = setting("DATABASE_ALIAS")
+    still_held = (
+        Delivery.objects.using(alias)
+        .filter(
+            pk=context.delivery_id, status=DeliveryStatus.IN_FLIGHT, attempt_count=context.attempt
+        )
+        .exists()
+    )
     if not still_held:
         return  # and takes no lock on the result another run may be writing
-    with transaction.atomic():
-        record = TaskResult.objects.select_for_update().get(pk=result_id)
+    with transaction.atomic(using=alias):
+        record = TaskResult.objects.using(alias).select_for_update().get(pk=result_id)
         record.errors = [
             *record.errors,
             {
                 "exception_class_path": f"{type(exc).__module__}.{type(exc).__qualname__}",
-                "traceback": "".join(traceback.format_exception(exc)),
+                # Kept as a delivery's error is: storable whatever the exception's text
+                # (refused, it would have taken the whole record with it), and bounded.
+                "traceback": describe_error(exc),
             },
         ]
-        record.save(update_fields=["errors"])
+        record.save(update_fields=["errors"], using=alias)
 
 
 _RETURN_VALUE = TaskResult._meta.get_field("return_value")
@@ -117,9 +131,10 @@ def record_success(record: TaskResult, value: Any) -> None:
 
     One UPDATE by primary key, written out here rather than built by the ORM for every task:
     on the build machine the ORM's query building cost ~0.25 ms of CPU a task, as much as
-    sending the statement. It goes to the database the ORM would route the write to, and the
-    model's own fields prepare the values as ``QuerySet.update`` does (None is SQL NULL)."""
-    connection = connections[router.db_for_write(TaskResult)]
+    sending the statement. It goes to the work queue's alias, in the transaction that
+    completes the delivery, and the model's own fields prepare the values as
+    ``QuerySet.update`` does (None is SQL NULL)."""
+    connection = connections[setting("DATABASE_ALIAS")]
     with connection.cursor() as cursor:
         cursor.execute(
             _return_value_update(connection.ops.quote_name),

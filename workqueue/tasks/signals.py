@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.db import connections, router
+from django.db import connections
 
+from workqueue.conf import setting
 from workqueue.models import Delivery
 from workqueue.tasks import api
 from workqueue.tasks.messages import HANDLER_KEY
@@ -25,11 +26,13 @@ def send_task_finished_for_dead_letter(
     task has FAILED: send the Tasks API's ``task_finished``."""
     # The claim loop and the sweeper send dead_lettered from threads that do not use Django's
     # connections: one opened here is closed here, or it would outlive its thread unclosed.
-    connection = connections[router.db_for_read(Delivery)]
+    alias = setting("DATABASE_ALIAS")
+    connection = connections[alias]
     opened_here = connection.connection is None
     try:
         message_id = (
-            Delivery.objects.filter(pk=delivery_id, subscription__handler_key=HANDLER_KEY)
+            Delivery.objects.using(alias)
+            .filter(pk=delivery_id, subscription__handler_key=HANDLER_KEY)
             .values_list("message_id", flat=True)
             .first()
         )
