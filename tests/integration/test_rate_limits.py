@@ -6,6 +6,7 @@ Pending and never fail; the limit shows in stats.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -103,14 +104,24 @@ def test_racing_takers_never_get_more_than_the_burst_plus_the_rate_over_their_ru
     assert granted.count(0) > 0  # they really contended for tokens
 
 
-def test_a_limit_out_of_range_is_refused_like_any_topology_mistake():
-    for fields in (
-        {"rate_limit_per_second": 0},
-        {"rate_limit_per_second": -1},
-        {"rate_limit_per_second": 5, "rate_limit_burst": 0},
-    ):
-        with pytest.raises(ValidationError):
-            SubscriptionFactory(**fields)
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"rate_limit_per_second": 0}, "rate_limit_per_second"),
+        ({"rate_limit_per_second": -1}, "rate_limit_per_second"),
+        ({"rate_limit_per_second": math.inf}, "rate_limit_per_second"),
+        # NaN passed every validator (no comparison holds for it): the database's check
+        # refused it with an IntegrityError instead of a message.
+        ({"rate_limit_per_second": math.nan}, "rate_limit_per_second"),
+        ({"rate_limit_per_second": 5, "rate_limit_burst": 0}, "rate_limit_burst"),
+        # A burst without a rate limited nothing, and said nothing.
+        ({"rate_limit_burst": 3}, "rate_limit_burst"),
+    ],
+)
+def test_a_limit_out_of_range_is_refused_like_any_topology_mistake(fields, field):
+    with pytest.raises(ValidationError) as refused:
+        SubscriptionFactory(**fields)
+    assert field in refused.value.message_dict
 
 
 @pytest.mark.processes

@@ -12,6 +12,7 @@ can on its own: CHECK constraints, and ``wq_sub_filter_valid`` for filters (filt
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -378,6 +379,18 @@ class Subscription(TopologyModel):
             errors["filter"] = str(exc)
         else:
             self.filter = parsed.to_json() if parsed is not None else None
+        rate = self.rate_limit_per_second
+        if rate is not None and not math.isfinite(float(rate)):
+            # NaN slips past the range validators: no comparison holds for it.
+            errors["rate_limit_per_second"] = (
+                "Must be a number from 0.001 to 1,000,000 (deliveries started per second), or "
+                "empty for no limit."
+            )
+        if rate is None and self.rate_limit_burst is not None:
+            errors["rate_limit_burst"] = (
+                "A burst needs a rate: set rate_limit_per_second too, or clear the burst (it "
+                "limits nothing on its own)."
+            )
         if self.backoff_max_seconds < self.backoff_base_seconds:
             errors["backoff_max_seconds"] = (
                 "Must be at least backoff_base_seconds "
