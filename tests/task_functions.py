@@ -86,6 +86,11 @@ def fails_with_unstorable_text(padding: int) -> None:
 
 
 @task()
+def renamed_after_enqueue() -> None:
+    """A test removes this attribute once the task is enqueued (a deploy that renamed it)."""
+
+
+@task()
 def returns_itself(label: str) -> list[Any]:
     RUNS.append(label)
     value: list[Any] = []

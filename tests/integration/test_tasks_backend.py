@@ -41,6 +41,7 @@ from tests.task_functions import (
     fails_on_first_attempt,
     fails_with_unstorable_text,
     first_run_fails_when_released,
+    renamed_after_enqueue,
     returns_a_tuple,
     returns_itself,
     returns_unstorable_text,
@@ -717,3 +718,33 @@ def test_a_failed_runs_error_is_kept_whatever_its_text(run_host, padding):
         assert "bad\\x00input caf\\udce9" in error.traceback
         assert len(error.traceback) <= MAX_ERROR_LENGTH
         assert error.traceback.endswith("x" if padding else "\\udce9")  # the end is kept
+
+
+def test_a_task_renamed_after_enqueue_still_has_a_readable_result(run_host, monkeypatch):
+    """Reading a result imported its task: once a deploy had renamed or removed it,
+    get_result raised ImportError for the life of the result, and its dead letter sent no
+    task_finished."""
+    seen: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(str(task_result.status))
+
+    enqueued = renamed_after_enqueue.enqueue()
+    monkeypatch.delattr(task_functions, "renamed_after_enqueue")
+
+    waiting = default_task_backend.get_result(enqueued.id)
+    assert (waiting.status, waiting.task.module_path) == (
+        "READY",
+        "tests.task_functions.renamed_after_enqueue",
+    )
+    task_finished.connect(receive)
+    try:
+        run_host()
+        failed = finished(enqueued.id)
+        wait_until(lambda: seen)
+    finally:
+        task_finished.disconnect(receive)
+    assert (failed.status, len(failed.errors), seen) == ("FAILED", 2, ["FAILED"])
+    assert "renamed_after_enqueue" in failed.errors[0].traceback
+    with pytest.raises(ImportError, match=r"tests\.task_functions\.renamed_after_enqueue"):
+        failed.task.call()

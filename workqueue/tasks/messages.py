@@ -188,6 +188,31 @@ def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
 _INT_BITS_ALWAYS_WRITABLE = 14_000
 
 
+def unloadable_task(message: TaskMessage, error: Exception) -> api.Task:
+    """A stand-in for the task ``message`` names that this process cannot load (renamed or
+    removed since it was enqueued, say), so that its result can still be read: it carries the
+    enqueued options, its ``module_path`` is the enqueued path, and calling it raises
+    ImportError saying why it could not be loaded. Made without the backend's validation of a
+    task (the Tasks API's dataclass runs it on creation), which it could never pass."""
+    module, _, name = message.task_path.rpartition(".")
+
+    def unloadable(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"Task {message.task_path} cannot be loaded here: {error}")
+
+    unloadable.__module__, unloadable.__name__, unloadable.__qualname__ = module, name, name
+    stand_in = object.__new__(api.Task)
+    for field, value in {
+        "func": unloadable,
+        "priority": message.priority,
+        "backend": message.backend,
+        "queue_name": message.queue_name,
+        "run_after": message.run_after,
+        "takes_context": False,
+    }.items():
+        object.__setattr__(stand_in, field, value)
+    return stand_in
+
+
 def build_result(
     task: api.Task,
     result_id: str,

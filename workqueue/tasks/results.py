@@ -16,7 +16,13 @@ from workqueue.driver.base import CanonicalJSONEncoder
 from workqueue.models import Delivery, TaskResult
 from workqueue.runtime.executor import describe_error
 from workqueue.tasks import api
-from workqueue.tasks.messages import HANDLER_KEY, STATUS_BY_DELIVERY, TaskMessage, build_result
+from workqueue.tasks.messages import (
+    HANDLER_KEY,
+    STATUS_BY_DELIVERY,
+    TaskMessage,
+    build_result,
+    unloadable_task,
+)
 from workqueue.types import DeliveryStatus
 
 if TYPE_CHECKING:
@@ -50,8 +56,14 @@ def read_result(result_id: str) -> api.TaskResult:
         DeliveryStatus.DISCARDED: delivery.completed_at,
         DeliveryStatus.DEAD_LETTERED: delivery.dead_lettered_at,
     }.get(delivery.status)
+    try:
+        task = message.load_task()
+    except Exception as exc:
+        # Renamed or removed by a later deploy (or its queue or backend since unconfigured):
+        # the result stays readable, around a stand-in that names the task.
+        task = unloadable_task(message, exc)
     return build_result(
-        message.load_task(),
+        task,
         str(message_id),
         message,
         STATUS_BY_DELIVERY[delivery.status],
