@@ -42,6 +42,17 @@ def test_stats_lists_every_subscription_and_json_matches():
     assert row["subscription_name"] == sub.name and row["pending"] == 1
 
 
+def test_stats_of_several_subscriptions_lists_each_once():
+    """argparse kept only the last ``-s``: asked for two, stats showed one."""
+    first, second, other = SubscriptionFactory(), SubscriptionFactory(), SubscriptionFactory()
+
+    data = json.loads(run("stats", "-s", second.name, "-s", first.name, "-s", first.name, "--json"))
+
+    names = [row["subscription_name"] for row in data["subscriptions"]]
+    assert names == sorted([first.name, second.name])
+    assert other.name not in run("stats", "-s", first.name, "-s", second.name)
+
+
 def test_stats_for_an_unknown_subscription_fails():
     with pytest.raises(CommandError, match="No subscription is named 'nope'"):
         run("stats", "-s", "nope")

@@ -17,12 +17,21 @@ class StatsVerb(Verb):
     help = "Per-subscription counts: pending, in flight, dead letters, blocked keys, ..."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("-s", "--subscription", default=None)
+        parser.add_argument(
+            "-s",
+            "--subscription",
+            action="append",
+            help="Only this subscription (repeat for several); all of them by default.",
+        )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
-        from workqueue.operators.operations import subscription_stats
+        from workqueue.operators.operations import StatsReport, subscription_stats
 
-        report = _operation_errors(lambda: subscription_stats(options["subscription"]))
+        report = StatsReport([])
+        for name in sorted(set(options["subscription"] or [None]), key=str):
+            part = _operation_errors(lambda name=name: subscription_stats(name))
+            report.subscriptions.extend(part.subscriptions)
+            report.failures.extend(part.failures)
         self._write(command, options, report)
         if report.failures:
             # Scripts and monitors read the exit code: a report with rows missing failed.
