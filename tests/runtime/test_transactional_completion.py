@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support import txn_handlers
@@ -275,6 +275,40 @@ def test_a_slow_commit_callback_after_an_undone_completion_leaves_the_lease_rene
     assert Receiver(sub.id, "host-b").receive(1).deliveries == []
     assert future.result(timeout=30) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
     assert status(delivery) == ("Completed", 1)
+
+
+def test_a_commit_whose_answer_was_lost_is_recorded_as_completed_not_as_a_lost_lease(rig, caplog):
+    """The server committed the handler's block, completion included, and the connection
+    failed before it said so: Django raised, the handler's error was settled as a retry,
+    refused (the row was Completed), and the delivery was logged at ERROR as a lost lease
+    that "may run again", which it never would."""
+
+    def answer_lost_after_commit(message: WorkMessage, context: WorkContext) -> Any:
+        real_commit = connection._commit
+
+        def commits_then_fails() -> None:
+            real_commit()
+            raise OperationalError("server closed the connection unexpectedly")
+
+        connection._commit = commits_then_fails
+        try:
+            with transaction.atomic():
+                write_effect(message, context)
+                context.complete(enlist=True)
+        finally:
+            connection._commit = real_commit
+        return Outcome.complete()
+
+    sub = rig.subscription("tests.txn.body", max_attempts=3)
+    receiver, delivery = rig.claim(sub, body(answer_lost_after_commit))
+
+    with caplog.at_level(logging.WARNING):
+        result = rig.execution(sub, receiver, delivery).run()
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert status(delivery) == ("Completed", 1)
+    assert effects() == [(delivery.message_id, 1)]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 # -- refused: stale holder, cancel --------------------------------------------------------------

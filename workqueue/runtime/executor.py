@@ -790,6 +790,10 @@ class DeliveryExecution:
         if enlisted is not None:
             if enlisted.state() != EnlistedCompletion.ROLLED_BACK:
                 return self._completed_by_handler(decision)
+            if self._completed_at_its_attempt():
+                # Its commit reached the server though Django saw it fail (the answer was lost
+                # with the connection): completed, not a lease lost or a retry refused.
+                return self._completed_by_handler(decision)
             if time.monotonic() >= self._lease_ends:
                 # The horizon waited while the handler's transaction held the row; with that
                 # transaction rolled back, the passed lease counts as lost, as it would have.
