@@ -400,7 +400,9 @@ def test_heartbeats_while_the_completion_is_pending_do_not_wait_for_the_handlers
     assert status(delivery) == ("Completed", 1)
 
 
-def test_past_the_lease_the_held_row_is_skipped_by_the_sweeper_and_claimers_until_commit(rig):
+def test_past_the_lease_the_held_row_is_skipped_by_the_sweeper_and_claimers_until_commit(
+    rig, caplog
+):
     # The local horizon (lease 5 s + 0.5 s grace) passes while the handler's transaction
     # holds the row: it aborts nothing, and nobody can take the delivery over meanwhile.
     sub = rig.subscription(lease_seconds=5)
@@ -409,11 +411,16 @@ def test_past_the_lease_the_held_row_is_skipped_by_the_sweeper_and_claimers_unti
     future = rig.start(execution)
     wait_for_phase(delivery.message_id, "completed")
 
-    time.sleep(6)  # past the lease in the database and past the local horizon
+    with caplog.at_level(logging.WARNING, logger="workqueue"):
+        time.sleep(6)  # past the lease in the database and past the local horizon
     assert not future.done()
     assert transport.expire_leases_all() == []
     assert Receiver(sub.id, "host-b").receive(1).deliveries == []
     assert status(delivery) == ("InFlight", 1)
+    # Said once, naming the delivery: a handler stuck there would hold it (and its key) for
+    # as long as its transaction stays open, with nothing else in the logs to say so.
+    [held] = [r.getMessage() for r in caplog.records if "past its lease" in r.getMessage()]
+    assert delivery.delivery_id in held and "idle_in_transaction_session_timeout" in held
 
     assert future.result(timeout=30) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
     assert execution.signal.reason is None

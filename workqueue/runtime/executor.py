@@ -298,6 +298,7 @@ class DeliveryExecution:
         # context.complete(enlist=True): the completion run in the handler's transaction, and
         # whether one is being run right now (no renewal may start meanwhile).
         self._enlisted: EnlistedCompletion | None = None
+        self._held_reported_until = 0.0  # monotonic: when to say again that it is held
         self._enlisting = False
         # A settle call failed on a lost connection, so it may have committed unanswered: a
         # completion sent again is then refused as already done, which is no lost lease.
@@ -550,6 +551,7 @@ class DeliveryExecution:
         if self._holds_row_in_transaction():
             # The handler's open transaction holds the row, so nobody can take the delivery
             # over yet; whether the lease is lost depends on how that transaction ends.
+            self._report_held_past_lease()
             self._timers.append(
                 self.services.timers.schedule(
                     HELD_ROW_RECHECK_SECONDS, lambda: self._horizon_reached(deadline)
@@ -558,6 +560,23 @@ class DeliveryExecution:
             return
         if not self._completed_in_transaction():
             self.signal.abort(AbortReason.LEASE_LOST)
+
+    def _report_held_past_lease(self) -> None:
+        """Say, once a lease's length, that the handler's open transaction holds the delivery
+        past its lease: a handler stuck there holds it, and its key, for as long as that
+        transaction stays open, and nothing else would say so."""
+        now = time.monotonic()
+        if now < self._held_reported_until:
+            return
+        self._held_reported_until = now + self.lease_seconds
+        self.log.warning(
+            "The handler's open transaction has held its completion %.0f s past its lease "
+            "(%s): nothing can take the delivery (or its key's next one) over until that "
+            "transaction ends; a handler stuck there ends only with its database session "
+            "(PostgreSQL's idle_in_transaction_session_timeout ends an idle one)",
+            now - self._lease_ends,
+            self._where,
+        )
 
     def _schedule_auto_heartbeat(self) -> bool:
         """Schedule the next automatic renewal; False when renewals have stopped."""
