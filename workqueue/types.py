@@ -257,6 +257,10 @@ class PartitionItem:
     condition: str
     head_delivery_id: str
     waiting_items: int
+    # An InFlight key's holder and when its lease ends (None otherwise, or where the
+    # transport keeps no leases in the database): a lease long passed means a dead holder.
+    lease_owner: str | None = None
+    lease_expires_at: dt.datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,6 +308,20 @@ def test_partitions_show_a_blocked_ordered_key_with_its_head(client):
     assert item["waitingItems"] >= 1
 
 
+def test_partitions_name_an_in_flight_keys_holder_and_its_lease_end(client):
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    publish(sub.topic.name, {"n": 1}, partition_key="customer-1")
+    [held] = Receiver(sub.id, "host-a").receive(1).deliveries
+
+    response = call(client, "get", f"/subscriptions/{sub.name}/partitions", key=reader())
+
+    assert response.status_code == 200, response.content
+    [item] = response.json()["items"]
+    assert (item["condition"], item["leaseOwner"]) == ("InFlight", "host-a")
+    ends = dt.datetime.fromisoformat(item["leaseExpiresAt"])  # to the millisecond
+    assert abs(ends - held.lease_expires_at) < dt.timedelta(milliseconds=1)
+
+
 def test_partitions_of_a_subscription_without_partitions_are_empty(client):
     sub = SubscriptionFactory()
 

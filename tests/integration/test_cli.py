@@ -146,6 +146,33 @@ def test_partitions_show_a_blocked_ordered_key_until_discard():
     assert json.loads(run("partitions", "-s", sub.name, "--json"))["items"] == []
 
 
+def test_partitions_name_an_in_flight_keys_holder_and_whether_its_lease_has_passed():
+    """A key held by a host that died looked exactly like one held by a live host."""
+    sub = SubscriptionFactory(partition_mode="Exclusive")
+    for key in ("live", "dead"):
+        publish(sub.topic.name, {"n": 1}, partition_key=key)
+    Receiver(sub.id, "host-a").receive(2)
+    with connection.cursor() as cursor:  # host-a's lease on "dead" ran out two minutes ago
+        cursor.execute(
+            "UPDATE workqueue_delivery SET lease_expires_at = now() - interval '2 minutes' "
+            "WHERE subscription_id = %s AND partition_key = 'dead'",
+            [sub.id],
+        )
+
+    text = run("partitions", "-s", sub.name)
+    items = {
+        i["partition_key"]: i
+        for i in json.loads(run("partitions", "-s", sub.name, "--json"))["items"]
+    }
+
+    assert "HOLDER" in text and "LEASE" in text
+    [live] = [line for line in text.splitlines() if line.startswith("live")]
+    [dead] = [line for line in text.splitlines() if line.startswith("dead")]
+    assert "host-a" in live and "ends in" in live
+    assert "host-a" in dead and "passed 2 min ago" in dead
+    assert items["dead"]["lease_owner"] == "host-a" and items["dead"]["lease_expires_at"]
+
+
 def test_discard_of_a_running_delivery_requests_a_cancel():
     sub = SubscriptionFactory()
     publish(sub.topic.name, {"n": 1})

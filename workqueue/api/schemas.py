@@ -188,6 +188,8 @@ class PartitionOut(_Out):
     condition: str
     head_delivery_id: str
     waiting_items: int
+    lease_owner: str | None = None
+    lease_expires_at: dt.datetime | None = None
 
 
 class PartitionPageOut(_Out):

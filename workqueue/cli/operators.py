@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from workqueue.cli import Verb
 from workqueue.cli.output import table, to_json
@@ -212,11 +214,33 @@ class PartitionsVerb(Verb):
         if options["json"]:
             _write_page_json(command, page)
             return
+        now = timezone.now()
         rows = [
-            (i.partition_key, i.condition, i.head_delivery_id, i.waiting_items) for i in page.items
+            (
+                i.partition_key,
+                i.condition,
+                i.head_delivery_id,
+                i.waiting_items,
+                i.lease_owner or "-",
+                _lease_end(i.lease_expires_at, now),
+            )
+            for i in page.items
         ]
-        command.stdout.write(table(rows, ("KEY", "CONDITION", "HEAD DELIVERY", "WAITING")))
+        command.stdout.write(
+            table(rows, ("KEY", "CONDITION", "HEAD DELIVERY", "WAITING", "HOLDER", "LEASE"))
+        )
         _write_next_page_hint(command, page)
+
+
+def _lease_end(expires_at: dt.datetime | None, now: dt.datetime) -> str:
+    """When a lease ends, from this machine's clock: one long passed means a holder that
+    stopped renewing (killed, cut off); lease expiry will hand its delivery back."""
+    if expires_at is None:
+        return "-"
+    seconds = round((expires_at - now).total_seconds())
+    if seconds >= 0:
+        return f"ends in {seconds} s"
+    return f"passed {-seconds // 60} min ago" if seconds <= -120 else f"passed {-seconds} s ago"
 
 
 class ReplayVerb(Verb):

@@ -41,7 +41,9 @@ from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.transports import BaseTransport
 from workqueue.types import (
     DeadLetterItem,
+    DeliveryStatus,
     PartitionCondition,
+    PartitionItem,
     SubscriptionStats,
 )
 
@@ -423,7 +425,33 @@ def list_partitions(
     next_cursor = (
         None if resume_after is None else cursors.encode({"partition_key": resume_after}, name)
     )
-    return Page(True, items[:size], next_cursor)
+    return Page(True, _with_leases(subscription, items[:size]), next_cursor)
+
+
+def _with_leases(subscription: Any, items: list[PartitionItem]) -> list[PartitionItem]:
+    """``items`` with each InFlight key's holder and lease end, read from the deliveries in
+    flight (at most one per key; a transport that keeps its deliveries elsewhere has none)."""
+    from workqueue.models import Delivery
+
+    keys = [item.partition_key for item in items if item.condition == "InFlight"]
+    if not keys:
+        return items
+    leases = {
+        row["partition_key"]: row
+        for row in Delivery.objects.filter(
+            subscription=subscription, partition_key__in=keys, status=DeliveryStatus.IN_FLIGHT
+        ).values("partition_key", "lease_owner", "lease_expires_at")
+    }
+    return [
+        replace(
+            item,
+            lease_owner=lease["lease_owner"],
+            lease_expires_at=lease["lease_expires_at"],
+        )
+        if (lease := leases.get(item.partition_key))
+        else item
+        for item in items
+    ]
 
 
 def replay(
