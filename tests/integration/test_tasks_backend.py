@@ -140,6 +140,15 @@ def test_float_arguments_reach_the_task_as_the_floats_enqueued(run_host):
     assert all(type(value) is float for value in result.return_value)
 
 
+@pytest.mark.parametrize("priority", [5.0, True])
+def test_a_priority_that_is_not_an_int_is_an_invalid_task(priority):
+    """5.0 passes the API's own check (a whole number); enqueue then failed with the queue's
+    TaskEnqueueError (InvalidPriority) rather than the API's error for a task it refuses."""
+    with pytest.raises(InvalidTaskError, match="priority"):
+        add.using(priority=priority)
+    assert published_tasks() == 0
+
+
 def test_run_after_is_the_deliverys_due_time_and_priority_its_priority(run_host):
     backend = default_task_backend
     assert (backend.supports_defer, backend.supports_priority) == (True, True)

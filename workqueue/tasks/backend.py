@@ -80,6 +80,12 @@ class WorkQueueBackend(api.BaseTaskBackend):
         problem = _queue_name_problem(task.queue_name)
         if problem:
             raise api.InvalidTaskError(problem)
+        if type(task.priority) is not int:
+            # The API accepts a whole float (5.0) or a bool; a delivery's priority is an int.
+            raise api.InvalidTaskError(
+                f"priority must be an int from -100 to 100; got {task.priority!r} "
+                f"({type(task.priority).__name__})."
+            )
         if task.run_after is not None and not timezone.is_aware(task.run_after):
             # The API checks this only with USE_TZ; the queue's due times are instants
             # whatever USE_TZ says, and a naive time names none.
