@@ -91,6 +91,12 @@ def renamed_after_enqueue() -> None:
 
 
 @task()
+def returns_more_than_jsonb_holds(label: str) -> str:
+    RUNS.append(label)
+    return "x" * (256 * 1024 * 1024)  # one byte past the longest string jsonb stores
+
+
+@task()
 def returns_itself(label: str) -> list[Any]:
     RUNS.append(label)
     value: list[Any] = []

@@ -1,9 +1,9 @@
 """PostgreSQL errors, provoked for real, reach callers as the right class: what is worth retrying
 (deadlock, lock timeout, a terminated backend, a lost connection) is a TransientDriverError; a
 unique violation is a UniqueViolationError; a value the database cannot store (a NUL character,
-a lone surrogate, any SQLSTATE class 22 data exception) is an UnstorableValueError; other
-failures that would happen again (bad SQL) are a plain DriverError. Only the transient ones are
-ever retried."""
+a lone surrogate, any SQLSTATE class 22 data exception, a value past a server limit) is an
+UnstorableValueError; other failures that would happen again (bad SQL) are a plain DriverError.
+Only the transient ones are ever retried."""
 
 from __future__ import annotations
 
@@ -134,8 +134,18 @@ def test_errors_that_would_fail_again_are_not_transient(tables, sql, values):
         ("SELECT %s::jsonb", ['"nul \\u0000 escaped"']),
         ("SELECT %s::jsonb", ["NaN"]),
         ("SELECT %s::integer", ["99999999999"]),
+        # A value past one of the server's limits (SQLSTATE 54000): refused before anything is
+        # allocated, the way a jsonb string past 256 MiB is (a Tasks API return value, say).
+        ("SELECT array_fill(0, ARRAY[%s])", [200_000_000]),
     ],
-    ids=["nul-character", "lone-surrogate", "jsonb-nul-escape", "jsonb-nan", "out-of-range"],
+    ids=[
+        "nul-character",
+        "lone-surrogate",
+        "jsonb-nul-escape",
+        "jsonb-nan",
+        "out-of-range",
+        "past-a-server-limit",
+    ],
 )
 def test_a_value_the_database_cannot_store_is_an_unstorable_value_error(tables, sql, values):
     error = raised(sql, values)

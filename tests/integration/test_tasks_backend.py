@@ -44,6 +44,7 @@ from tests.task_functions import (
     renamed_after_enqueue,
     returns_a_tuple,
     returns_itself,
+    returns_more_than_jsonb_holds,
     returns_unstorable_text,
 )
 from workqueue.driver import get_driver
@@ -104,8 +105,10 @@ def queue_on_its_own_alias() -> Iterator[str]:
         yield QUEUE_ALIAS
 
 
-def finished(result_id: str) -> Any:
-    return wait_until(lambda: (r := default_task_backend.get_result(result_id)).is_finished and r)
+def finished(result_id: str, timeout: float = 15.0) -> Any:
+    return wait_until(
+        lambda: (r := default_task_backend.get_result(result_id)).is_finished and r, timeout
+    )
 
 
 def published_tasks() -> int:
@@ -589,6 +592,20 @@ def test_a_return_value_that_cannot_be_stored_fails_at_once_and_runs_once(run_ho
     )
     (error,) = failed.errors
     assert error.exception_class is ValueError and says in error.traceback
+
+
+@pytest.mark.slow  # a quarter of a gigabyte, built, sent and refused: a minute on this machine
+def test_a_return_value_too_large_for_the_database_fails_at_once_and_runs_once(run_host):
+    """Refused by the server (jsonb holds strings up to 256 MiB - 1), not by the checks before
+    it: the error was retried like any other, running the task's side effects again. (The
+    refusal's class is checked quickly by tests/driver/test_driver.py.)"""
+    task_functions.RUNS.clear()
+    result = returns_more_than_jsonb_holds.enqueue("label")
+    run_host()
+    failed = finished(result.id, timeout=300)
+
+    assert (failed.status, failed.attempts, task_functions.RUNS) == ("FAILED", 1, ["label"])
+    assert "cannot exceed" in failed.errors[0].traceback
 
 
 @pytest.mark.parametrize("shape", ["contains itself", "5,000 levels deep"])

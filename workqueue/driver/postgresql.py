@@ -326,9 +326,14 @@ class PostgresDriver(BaseDriver):
             return LockTimeoutError(message)
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
-        # Class 22 ("data exception") from the server, or psycopg refusing to send a value (a
-        # NUL character: no SQLSTATE, the server never saw it): the value is the problem.
-        if (sqlstate or "").startswith("22") or (sqlstate is None and _is_data_error(cause)):
+        # Class 22 ("data exception") from the server, a value past one of its limits (54000:
+        # a jsonb string of 256 MiB, say), or psycopg refusing to send a value (a NUL
+        # character: no SQLSTATE, the server never saw it): the value is the problem.
+        if (
+            (sqlstate or "").startswith("22")
+            or sqlstate == "54000"
+            or (sqlstate is None and _is_data_error(cause))
+        ):
             return UnstorableValueError(message)
         if sqlstate is None:
             # No SQLSTATE: the server never judged the statement. A failed or broken connection

@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Any, NoReturn
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from workqueue.conf import setting
-from workqueue.exceptions import LeaseLost
+from workqueue.driver import get_driver
+from workqueue.exceptions import LeaseLost, UnstorableValueError
 from workqueue.runtime.context import WorkContext, WorkMessage
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import FatalWorkError, Outcome
@@ -85,7 +86,14 @@ class TaskHandler(BaseWorkHandler):
                     require_json_round_trip(value, "The task's return value")
                 except (TypeError, ValueError) as exc:
                     raise _UnusableReturnValue(exc) from exc
-                record_success(record, value)
+                try:
+                    record_success(record, value)
+                except DatabaseError as exc:
+                    # Refused for what it is (too large for the database, say): the next run
+                    # would return the same.
+                    if isinstance(get_driver().translate_error(exc), UnstorableValueError):
+                        raise _UnusableReturnValue(exc) from exc
+                    raise
                 context.complete(enlist=True)
         except LeaseLost:
             raise
