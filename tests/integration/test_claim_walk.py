@@ -73,3 +73,43 @@ def test_only_a_claim_short_of_what_it_asked_for_took_all_there_was():
 
     assert (len(full.deliveries), full.drained) == (2, False)
     assert (len(short.deliveries), short.drained) == (1, True)
+
+
+def _publish_items(topic: str, items: list[dict]) -> None:
+    results = publish_many(topic, [{"payload": {}, **item} for item in items])
+    assert all(r.accepted for r in results)
+
+
+def _clog_with_a_hot_key(subscription, priority: int = 0) -> None:
+    """More of the hot key's rows than a claim of one looks at, its head held: claims walk."""
+    _publish_items(subscription.topic.name, [{"partition_key": "hot", "priority": priority}] * 60)
+    held = Receiver(subscription.id, "holder").receive(1).deliveries
+    assert [d.partition_key for d in held] == ["hot"]
+
+
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_a_key_the_walk_finds_goes_after_keyless_work_of_a_higher_priority(mode):
+    """A walked key ranked as the window's lowest priority (the hot key's 50), so its
+    delivery of priority -10 was claimed before keyless work of priority 0 (review helper-85)."""
+    subscription = SubscriptionFactory(partition_mode=mode)
+    _clog_with_a_hot_key(subscription, priority=50)
+    _publish_items(subscription.topic.name, [{"partition_key": "a", "priority": -10}, {}])
+    walker = Receiver(subscription.id, "walker")
+
+    assert [d.partition_key for d in walker.receive(1).deliveries] == [None]
+    assert [d.partition_key for d in walker.receive(1).deliveries] == ["a"]
+
+
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_the_walk_resumes_at_a_key_it_found_but_gave_no_turn(mode):
+    """Older keyless work filled the claim while a found key waited its turn: the cursor had
+    already moved past that key, so the next claim skipped it (review helper-85)."""
+    subscription = SubscriptionFactory(partition_mode=mode)
+    _clog_with_a_hot_key(subscription)
+    _publish_items(subscription.topic.name, [{}])  # due before the keys published next
+    _publish_items(subscription.topic.name, [{"partition_key": "a"}, {"partition_key": "b"}])
+    walker = Receiver(subscription.id, "walker")
+
+    assert [d.partition_key for d in walker.receive(1).deliveries] == [None]
+    assert [d.partition_key for d in walker.receive(1).deliveries] == ["a"]
+    assert [d.partition_key for d in walker.receive(1).deliveries] == ["b"]

@@ -6,11 +6,13 @@ Pending and never fail; the limit shows in stats.
 
 from __future__ import annotations
 
+import importlib
 import math
 import threading
 import time
 
 import pytest
+from django.apps import apps as django_apps
 from django.core.exceptions import ValidationError
 from django.db import connection
 
@@ -116,12 +118,36 @@ def test_racing_takers_never_get_more_than_the_burst_plus_the_rate_over_their_ru
         ({"rate_limit_per_second": 5, "rate_limit_burst": 0}, "rate_limit_burst"),
         # A burst without a rate limited nothing, and said nothing.
         ({"rate_limit_burst": 3}, "rate_limit_burst"),
+        ({"rate_limit_per_second": "20/s"}, "rate_limit_per_second"),
     ],
 )
 def test_a_limit_out_of_range_is_refused_like_any_topology_mistake(fields, field):
     with pytest.raises(ValidationError) as refused:
         SubscriptionFactory(**fields)
     assert field in refused.value.message_dict
+
+
+def test_the_upgrade_clears_a_burst_stored_without_a_rate_so_the_subscription_saves_again():
+    """Refused now, such a subscription could no longer be saved: retiring it, pausing it in
+    the admin or syncing the topology failed (review helper-85)."""
+    migration = importlib.import_module(
+        "workqueue.migrations.0043_keyless_work_takes_its_turn_among_keys"
+    )
+    subscription, limited = SubscriptionFactory(), SubscriptionFactory(rate_limit_per_second=5)
+    with connection.cursor() as cursor:  # as an earlier release let it be stored
+        cursor.execute("UPDATE workqueue_subscription SET rate_limit_burst = 3")
+    subscription.refresh_from_db()
+    with pytest.raises(ValidationError):
+        subscription.save(update_fields=["status"])
+
+    with connection.schema_editor() as editor:
+        migration.clear_bursts_without_a_rate(django_apps, editor)
+
+    subscription.refresh_from_db()
+    limited.refresh_from_db()
+    assert (subscription.rate_limit_burst, limited.rate_limit_burst) == (None, 3)
+    subscription.status = "Paused"
+    subscription.save(update_fields=["status"])
 
 
 @pytest.mark.processes

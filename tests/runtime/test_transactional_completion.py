@@ -31,7 +31,7 @@ from workqueue.exceptions import Cancelled, DeliveryBusyError, EnlistError, Leas
 from workqueue.models import Delivery, Message, Subscription
 from workqueue.operators import operations
 from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
-from workqueue.runtime.enlisted import EnlistedCompletion
+from workqueue.runtime.enlisted import OWN_HOOK_START_SECONDS, EnlistedCompletion
 from workqueue.runtime.executor import ExecutionResult
 from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
 from workqueue.runtime.outcome import Outcome
@@ -226,7 +226,8 @@ def test_a_completion_undone_by_its_savepoint_does_not_read_as_committed_by_a_la
 
     def read_during_callbacks(completion: EnlistedCompletion, into: list[str]) -> None:
         into.append(completion.state())
-        time.sleep(0.5)  # a slow callback: longer than it takes a completion's own mark to run
+        # A slow callback: longer than it may take a completion's own mark to run.
+        time.sleep(OWN_HOOK_START_SECONDS + 0.25)
         into.append(completion.state())
 
     with transaction.atomic():
@@ -247,6 +248,34 @@ def test_a_completion_undone_by_its_savepoint_does_not_read_as_committed_by_a_la
     assert reads["undone"][-1] == EnlistedCompletion.ROLLED_BACK
     assert reads["committed"] == [EnlistedCompletion.COMMITTED] * 2
     assert done.state() == EnlistedCompletion.COMMITTED
+
+
+def test_an_undone_completion_whose_later_commit_callback_raised_is_settled_by_the_outcome(rig):
+    """A commit callback that raises leaves Django's commit flag set until the next
+    transaction: read at settle time, the undone completion passed for one still committing,
+    and the delivery was reported Completed while its row stayed InFlight (review helper-85)."""
+
+    def undone_then_a_callback_raises(message: WorkMessage, context: WorkContext) -> Any:
+        with transaction.atomic():
+            write_effect(message, context)
+            try:
+                with transaction.atomic():
+                    context.complete(enlist=True)
+                    raise RuntimeError("undo the completion only")
+            except RuntimeError:
+                pass
+            transaction.on_commit(lambda: 1 / 0)
+        return Outcome.complete()  # not reached: the callback's error leaves the block
+
+    sub = rig.subscription("tests.txn.body", max_attempts=3)
+    receiver, delivery = rig.claim(sub, body(undone_then_a_callback_raises))
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert result.status == "Pending"
+    row = Delivery.objects.get(pk=delivery.delivery_id)
+    assert (row.status, row.attempt_count) == ("Pending", 1)
+    assert "ZeroDivisionError" in row.last_error
 
 
 def test_a_slow_commit_callback_after_an_undone_completion_leaves_the_lease_renewed(rig):

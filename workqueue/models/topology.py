@@ -380,7 +380,11 @@ class Subscription(TopologyModel):
         else:
             self.filter = parsed.to_json() if parsed is not None else None
         rate = self.rate_limit_per_second
-        if rate is not None and not math.isfinite(float(rate)):
+        try:
+            finite = rate is None or math.isfinite(float(rate))
+        except (TypeError, ValueError):
+            finite = False  # "20/s" from a topology file, say
+        if not finite:
             # NaN slips past the range validators: no comparison holds for it.
             errors["rate_limit_per_second"] = (
                 "Must be a number from 0.001 to 1,000,000 (deliveries started per second), or "

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 #: How long commit hooks may be seen running before this completion's own (always the first of
 #: its commit's) has run, if that commit is this completion's: a thread switch or two.
-OWN_HOOK_START_SECONDS = 0.25
+OWN_HOOK_START_SECONDS = 1.0
 
 
 class EnlistedCompletion:
@@ -59,18 +59,22 @@ class EnlistedCompletion:
     def _mark_committed(self) -> None:
         self._committed = True
 
-    def state(self) -> str:
+    def state(self, *, handler_returned: bool = False) -> str:
         """The transaction's fate so far. Timer threads ask too. Django keeps a transaction's
         commit hooks in ``run_on_commit`` until it commits (then runs them) or rolls back (then
         drops them, also when a savepoint around the call rolls back). While a commit's hooks
         run, the list is already empty and ``run_commit_hooks_on_set_autocommit_on`` is set,
         for this transaction's commit or for a later one after this completion was undone:
         ours runs first of its commit's hooks, so a moment of that reads as still pending (the
-        row may already be committed Completed), and longer means another commit's hooks."""
+        row may already be committed Completed), and longer means another commit's hooks.
+        Once the handler has returned (``handler_returned``) its hooks have run, and the flag
+        may stay set after one of them raised: not marked committed is rolled back then."""
         if self._committed:
             return self.COMMITTED
         if any(entry[1] is self._hook for entry in list(self.connection.run_on_commit)):
             return self.PENDING
+        if handler_returned:
+            return self.ROLLED_BACK
         if self.connection.run_commit_hooks_on_set_autocommit_on and not self._undone:
             now = time.monotonic()
             if self._hooks_seen_running_at is None:

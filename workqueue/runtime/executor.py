@@ -807,11 +807,15 @@ class DeliveryExecution:
         self._finished = True  # the handler returned: no renewal starts after this
         enlisted = self._enlisted
         if enlisted is not None:
-            if enlisted.state() != EnlistedCompletion.ROLLED_BACK:
+            if enlisted.state(handler_returned=True) != EnlistedCompletion.ROLLED_BACK:
                 return self._completed_by_handler(decision)
-            if self._completed_at_its_attempt():
+            if (
+                isinstance(decision.exception, DatabaseError | InterfaceError)
+                and self._completed_at_its_attempt()
+            ):
                 # Its commit reached the server though Django saw it fail (the answer was lost
-                # with the connection): completed, not a lease lost or a retry refused.
+                # with the connection): completed, not a lease lost or a retry refused. (Read
+                # back only after a database error: the read costs the worker's connection.)
                 return self._completed_by_handler(decision)
             if time.monotonic() >= self._lease_ends:
                 # The horizon waited while the handler's transaction held the row; with that

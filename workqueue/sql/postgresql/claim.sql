@@ -199,7 +199,6 @@ DECLARE
     v_window_keys text[] := '{}';
     v_window_levels integer[] := '{}';
     v_window_since timestamptz[] := '{}';
-    v_lowest_level integer;
     v_window_taken integer := 0;
     v_window_full boolean;
     v_level integer;
@@ -212,6 +211,7 @@ DECLARE
     v_walk_budget integer := p_max_rows * 4 + 64;
     v_walked_from_start boolean := false;
     v_walk_at text;
+    v_walked_key boolean := false;
     v_walked_to text;
     v_keys_done boolean := false;
     v_key text;
@@ -225,6 +225,8 @@ DECLARE
     v_due_before timestamptz;
     v_seen text[] := '{}';
     v_candidate_id uuid;
+    v_candidate_priority integer;
+    v_candidate_since timestamptz;
     v_candidate_row tid;
     v_head record;
     v_lease interval;
@@ -295,7 +297,6 @@ BEGIN
             v_window_levels := v_window_levels
                                || array_fill(v_level, ARRAY[cardinality(v_level_keys)]);
             v_window_taken := v_window_taken + v_level_rows;
-            v_lowest_level := v_level;
         END LOOP;
         v_window_full := v_window_taken >= v_window_size;
     ELSE
@@ -303,14 +304,17 @@ BEGIN
     END IF;
 
     -- Keys and keyless deliveries in one order: higher priority first and, within one, oldest
-    -- due first (a key by its oldest due row in the window; a key the walk finds comes after
-    -- the keyless rows of its window's lowest priority). Each turn claims either the next key
-    -- or a skip-locked batch of keyless rows older than it.
+    -- due first (a key by its window priority and oldest due row there; a key the walk finds,
+    -- by the row it would run). Each turn claims either the next key or a skip-locked batch of
+    -- keyless rows ahead of it.
     LOOP
         EXIT WHEN v_remaining <= 0;
         -- The next key to try, unless one already waits its turn: from the window, then (if
-        -- it was full) from the walk.
+        -- it was full) from the walk; only a key with a candidate (read through
+        -- wq_dlv_partition_head_ix) waits its turn. A window key ranks by its window priority
+        -- and oldest due row; a key the walk finds, by its candidate's.
         WHILE v_key IS NULL AND NOT v_keys_done LOOP
+            v_walked_key := false;
             IF NOT v_walking THEN
                 v_next := v_next + 1;
                 IF v_next <= coalesce(cardinality(v_window_keys), 0) THEN
@@ -338,14 +342,59 @@ BEGIN
                     v_walked_from_start := true;
                     CONTINUE;
                 END IF;
-                v_walked_to := v_key;
-                v_key_level := v_lowest_level;
-                v_key_since := 'infinity';
+                v_walked_key := true;
             END IF;
-            IF v_key = ANY (v_seen) THEN
-                v_key := NULL;
-            ELSIF v_key IS NOT NULL THEN
+            CONTINUE WHEN v_key IS NULL;
+            v_candidate_id := NULL;
+            IF NOT v_key = ANY (v_seen) THEN
                 v_seen := v_seen || v_key;
+                IF v_ordered THEN
+                    SELECT h.id, h.status, h.visible_at, h.cancel_requested_at, h.priority
+                      INTO v_head
+                      FROM workqueue_delivery h
+                     WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key
+                       AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
+                     ORDER BY h.order_key
+                     LIMIT 1;
+                    IF FOUND AND v_head.status = 'Pending' AND v_head.visible_at <= now()
+                       AND v_head.cancel_requested_at IS NULL THEN
+                        v_candidate_id := v_head.id;
+                        v_candidate_priority := v_head.priority;
+                        v_candidate_since := v_head.visible_at;
+                    END IF;
+                ELSIF NOT EXISTS (
+                    SELECT 1 FROM workqueue_delivery f
+                     WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
+                       AND f.status = 'InFlight') THEN
+                    -- The key's open rows in order_key order, first runnable one wins. Asking
+                    -- for every open status (and fencing the Pending test off with OFFSET 0)
+                    -- leaves wq_dlv_partition_head_ix as the only index that fits: with stale
+                    -- statistics the planner would otherwise pick wq_dlv_claim_keyed_pri_ix
+                    -- and read every Pending row.
+                    SELECT o.id, o.priority, o.visible_at
+                      INTO v_candidate_id, v_candidate_priority, v_candidate_since
+                      FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at,
+                                   c.priority
+                              FROM workqueue_delivery c
+                             WHERE c.subscription_id = p_subscription_id
+                               AND c.partition_key = v_key
+                               AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
+                             ORDER BY c.order_key
+                            OFFSET 0) o
+                     WHERE o.status = 'Pending' AND o.visible_at <= now()
+                       AND o.cancel_requested_at IS NULL
+                     LIMIT 1;
+                END IF;
+            END IF;
+            IF v_candidate_id IS NULL THEN
+                -- Seen already, or nothing of it can run now: the walk goes on past it.
+                IF v_walked_key THEN
+                    v_walked_to := v_key;
+                END IF;
+                v_key := NULL;
+            ELSIF v_walked_key THEN
+                v_key_level := v_candidate_priority;
+                v_key_since := v_candidate_since;
             END IF;
         END LOOP;
 
@@ -417,43 +466,13 @@ BEGIN
         END IF;
         EXIT WHEN v_key IS NULL;
 
-        -- The key's turn. Whatever comes of it, the next turn takes the next key.
+        -- The key's turn. Whatever comes of it, the next turn takes the next key; a key the
+        -- walk found is where the walk has got to only now.
         v_key_tried := v_key;
         v_key := NULL;
         v_keyless_tried_for_key := false;
-
-        -- The key's candidate, read through wq_dlv_partition_head_ix.
-        IF v_ordered THEN
-            SELECT h.id, h.status, h.visible_at, h.cancel_requested_at INTO v_head
-              FROM workqueue_delivery h
-             WHERE h.subscription_id = p_subscription_id AND h.partition_key = v_key_tried
-               AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
-             ORDER BY h.order_key
-             LIMIT 1;
-            CONTINUE WHEN NOT FOUND OR v_head.status <> 'Pending' OR v_head.visible_at > now()
-                       OR v_head.cancel_requested_at IS NOT NULL;
-            v_candidate_id := v_head.id;
-        ELSE
-            CONTINUE WHEN EXISTS (
-                SELECT 1 FROM workqueue_delivery f
-                 WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key_tried
-                   AND f.status = 'InFlight');
-            -- The key's open rows in order_key order, first runnable one wins. Asking for
-            -- every open status (and fencing the Pending test off with OFFSET 0) leaves
-            -- wq_dlv_partition_head_ix as the only index that fits: with stale statistics
-            -- the planner would otherwise pick wq_dlv_claim_keyed_pri_ix and read every Pending
-            -- row.
-            SELECT o.id INTO v_candidate_id
-              FROM (SELECT c.id, c.status, c.visible_at, c.cancel_requested_at
-                      FROM workqueue_delivery c
-                     WHERE c.subscription_id = p_subscription_id AND c.partition_key = v_key_tried
-                       AND c.status IN ('Pending', 'InFlight', 'DeadLettered')
-                     ORDER BY c.order_key
-                    OFFSET 0) o
-             WHERE o.status = 'Pending' AND o.visible_at <= now()
-               AND o.cancel_requested_at IS NULL
-             LIMIT 1;
-            CONTINUE WHEN NOT FOUND;
+        IF v_walked_key THEN
+            v_walked_to := v_key_tried;
         END IF;
 
         -- Never wait on another claimer: waiting while holding this call's earlier claims

@@ -188,7 +188,9 @@ BEGIN
     DECLARE @walking bit = 0;
     DECLARE @walk_budget int = @max_rows * 4 + 64;
     DECLARE @walked_from_start bit = 0;
-    DECLARE @lowest_level int;
+    DECLARE @walked_key bit = 0;
+    DECLARE @candidate_priority int;
+    DECLARE @candidate_since datetimeoffset(7);
     DECLARE @walk_at nvarchar(200);
     DECLARE @walked_to nvarchar(200);
     DECLARE @keys_done bit = 0;
@@ -310,7 +312,6 @@ BEGIN
                  GROUP BY r.partition_key;
                 SET @window_taken =
                     COALESCE((SELECT SUM(w.rows_in_window) FROM @window_keys AS w), 0);
-                SET @lowest_level = @level;
             END;
             IF @window_taken >= @window_size
                 SET @window_full = 1;
@@ -319,15 +320,18 @@ BEGIN
             SET @keys_done = 1;
 
         -- Keys and keyless deliveries in one order: higher priority first and, within one,
-        -- oldest due first (a key by its oldest due row in the window; a key the walk finds
-        -- comes after the keyless rows of its window's lowest priority). Each turn claims
-        -- either the next key or a skip-locked batch of keyless rows older than it.
+        -- oldest due first (a key by its window priority and oldest due row there; a key the
+        -- walk finds, by the row it would run). Each turn claims either the next key or a
+        -- skip-locked batch of keyless rows ahead of it.
         WHILE @remaining > 0
         BEGIN
             -- The next key to try, unless one already waits its turn: from the window, then
-            -- (if it was full) from the walk.
+            -- (if it was full) from the walk; only a key with a candidate (read through
+            -- wq_dlv_partition_head_ix) waits its turn. A window key ranks by its window
+            -- priority and oldest due row; a key the walk finds, by its candidate's.
             WHILE @key IS NULL AND @keys_done = 0
             BEGIN
+                SET @walked_key = 0;
                 IF @walking = 0
                 BEGIN
                     SET @next += 1;
@@ -362,16 +366,56 @@ BEGIN
                         SET @walked_from_start = 1;
                         CONTINUE;
                     END;
-                    SET @walked_to = @key;
-                    SET @key_level = @lowest_level;
-                    SET @key_since = @never;
+                    SET @walked_key = 1;
                 END;
-                IF @key IS NOT NULL
+                IF @key IS NULL
+                    CONTINUE;
+                SET @candidate = NULL;
+                IF NOT EXISTS (SELECT 1 FROM @seen AS s WHERE s.partition_key = @key)
                 BEGIN
-                    IF EXISTS (SELECT 1 FROM @seen AS s WHERE s.partition_key = @key)
-                        SET @key = NULL;
-                    ELSE
-                        INSERT INTO @seen (partition_key) VALUES (@key);
+                    INSERT INTO @seen (partition_key) VALUES (@key);
+                    IF @ordered = 1
+                    BEGIN
+                        SET @head_id = NULL;
+                        SELECT TOP (1) @head_id = h.id, @head_status = h.status,
+                               @head_visible_at = h.visible_at,
+                               @head_cancel_requested_at = h.cancel_requested_at,
+                               @candidate_priority = h.priority
+                          FROM dbo.workqueue_delivery AS h
+                         WHERE h.subscription_id = @subscription_key AND h.partition_key = @key
+                           AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
+                         ORDER BY h.order_key;
+                        IF @head_id IS NOT NULL AND @head_status = N'Pending'
+                           AND @head_visible_at <= @now
+                           AND @head_cancel_requested_at IS NULL
+                        BEGIN
+                            SET @candidate = @head_id;
+                            SET @candidate_since = @head_visible_at;
+                        END;
+                    END
+                    ELSE IF NOT EXISTS (
+                        SELECT 1 FROM dbo.workqueue_delivery AS f
+                         WHERE f.subscription_id = @subscription_key AND f.partition_key = @key
+                           AND f.status = N'InFlight')
+                        SELECT TOP (1) @candidate = c.id, @candidate_priority = c.priority,
+                               @candidate_since = c.visible_at
+                          FROM dbo.workqueue_delivery AS c
+                         WHERE c.subscription_id = @subscription_key AND c.partition_key = @key
+                           AND c.status = N'Pending' AND c.visible_at <= @now
+                           AND c.cancel_requested_at IS NULL
+                         ORDER BY c.order_key;
+                END;
+                IF @candidate IS NULL
+                BEGIN
+                    -- Seen already, or nothing of it can run now: the walk goes on past it.
+                    IF @walked_key = 1
+                        SET @walked_to = @key;
+                    SET @key = NULL;
+                END
+                ELSE IF @walked_key = 1
+                BEGIN
+                    SET @key_level = @candidate_priority;
+                    SET @key_since = @candidate_since;
                 END;
             END;
 
@@ -445,40 +489,13 @@ BEGIN
             IF @key IS NULL
                 BREAK;
 
-            -- The key's turn. Whatever comes of it, the next turn takes the next key.
+            -- The key's turn. Whatever comes of it, the next turn takes the next key; a key
+            -- the walk found is where the walk has got to only now.
             SET @key_tried = @key;
             SET @key = NULL;
             SET @keyless_tried_for_key = 0;
-
-            -- The key's candidate, read through wq_dlv_partition_head_ix.
-            SET @candidate = NULL;
-            IF @ordered = 1
-            BEGIN
-                SET @head_id = NULL;
-                SELECT TOP (1) @head_id = h.id, @head_status = h.status,
-                       @head_visible_at = h.visible_at,
-                       @head_cancel_requested_at = h.cancel_requested_at
-                  FROM dbo.workqueue_delivery AS h
-                 WHERE h.subscription_id = @subscription_key AND h.partition_key = @key_tried
-                   AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
-                 ORDER BY h.order_key;
-                IF @head_id IS NOT NULL AND @head_status = N'Pending'
-                   AND @head_visible_at <= @now
-                   AND @head_cancel_requested_at IS NULL
-                    SET @candidate = @head_id;
-            END
-            ELSE IF NOT EXISTS (
-                SELECT 1 FROM dbo.workqueue_delivery AS f
-                 WHERE f.subscription_id = @subscription_key AND f.partition_key = @key_tried
-                   AND f.status = N'InFlight')
-                SELECT TOP (1) @candidate = c.id
-                  FROM dbo.workqueue_delivery AS c
-                 WHERE c.subscription_id = @subscription_key AND c.partition_key = @key_tried
-                   AND c.status = N'Pending' AND c.visible_at <= @now
-                   AND c.cancel_requested_at IS NULL
-                 ORDER BY c.order_key;
-            IF @candidate IS NULL
-                CONTINUE;
+            IF @walked_key = 1
+                SET @walked_to = @key_tried;
 
             DELETE FROM @claimed;
             BEGIN TRY
