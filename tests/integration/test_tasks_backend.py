@@ -10,7 +10,7 @@ import math
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -109,6 +109,21 @@ def finished(result_id: str, timeout: float = 15.0) -> Any:
     return wait_until(
         lambda: (r := default_task_backend.get_result(result_id)).is_finished and r, timeout
     )
+
+
+@contextmanager
+def finished_statuses() -> Iterator[list[str]]:
+    """The statuses ``task_finished`` is sent with while the block runs, as they come."""
+    seen: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(str(task_result.status))
+
+    task_finished.connect(receive)
+    try:
+        yield seen
+    finally:
+        task_finished.disconnect(receive)
 
 
 def published_tasks() -> int:
@@ -641,19 +656,11 @@ def test_a_commit_callback_that_raises_leaves_a_successful_task_successful(run_h
     """The callback runs after the task's work, result and completion committed; its error
     came out of the transaction block and was recorded as the task's failure, and
     task_finished never fired."""
-    seen: list[str] = []
-
-    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
-        seen.append(str(task_result.status))
-
-    task_finished.connect(receive)
-    try:
+    with finished_statuses() as seen:
         result = creates_a_user_then_a_commit_callback_raises.enqueue("hooked")
         run_host()
         done = finished(result.id)
         wait_until(lambda: seen)
-    finally:
-        task_finished.disconnect(receive)
 
     assert (done.status, done.return_value, done.errors) == (
         TaskResultStatus.SUCCESSFUL,
@@ -709,19 +716,11 @@ def test_a_queue_on_another_alias_retries_a_failed_task_and_keeps_its_error(
 def test_a_queue_on_another_alias_reports_a_failed_task_and_replays_it(
     run_host, queue_on_its_own_alias
 ):
-    seen: list[str] = []
-
-    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
-        seen.append(str(task_result.status))
-
-    task_finished.connect(receive)
-    try:
+    with finished_statuses() as seen:
         failing = always_fails.enqueue("no")
         run_host()
         failed = finished(failing.id)
         wait_until(lambda: seen)
-    finally:
-        task_finished.disconnect(receive)
     assert (failed.status, len(failed.errors), seen) == ("FAILED", 2, ["FAILED"])
 
     delivery = Delivery.objects.get(message_id=failing.id)
@@ -760,11 +759,6 @@ def test_a_task_renamed_after_enqueue_still_has_a_readable_result(run_host, monk
     """Reading a result imported its task: once a deploy had renamed or removed it,
     get_result raised ImportError for the life of the result, and its dead letter sent no
     task_finished."""
-    seen: list[str] = []
-
-    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
-        seen.append(str(task_result.status))
-
     enqueued = renamed_after_enqueue.enqueue()
     monkeypatch.delattr(task_functions, "renamed_after_enqueue")
 
@@ -773,13 +767,10 @@ def test_a_task_renamed_after_enqueue_still_has_a_readable_result(run_host, monk
         "READY",
         "tests.task_functions.renamed_after_enqueue",
     )
-    task_finished.connect(receive)
-    try:
+    with finished_statuses() as seen:
         run_host()
         failed = finished(enqueued.id)
         wait_until(lambda: seen)
-    finally:
-        task_finished.disconnect(receive)
     assert (failed.status, len(failed.errors), seen) == ("FAILED", 2, ["FAILED"])
     assert "renamed_after_enqueue" in failed.errors[0].traceback
     with pytest.raises(ImportError, match=r"tests\.task_functions\.renamed_after_enqueue"):

@@ -109,6 +109,16 @@ def status(delivery: ClaimedDelivery) -> tuple[str, int]:
     return row.status, row.attempt_count
 
 
+def complete_then_undo(context: WorkContext) -> None:
+    """Complete inside a savepoint that then rolls back, undoing the completion only."""
+    try:
+        with transaction.atomic():
+            context.complete(enlist=True)
+            raise RuntimeError("undo the completion only")
+    except RuntimeError:
+        pass
+
+
 def phases(message_id: str) -> list[str]:
     return [e["event"] for e in txn_handlers.events if e["message"] == message_id]
 
@@ -198,12 +208,7 @@ def test_a_savepoint_rolled_back_around_the_completion_undoes_it_and_the_outcome
     def completes_in_a_savepoint_that_rolls_back(message, context):
         with transaction.atomic():
             write_effect(message, context)
-            try:
-                with transaction.atomic():
-                    context.complete(enlist=True)
-                    raise RuntimeError("undo the completion only")
-            except RuntimeError:
-                pass
+            complete_then_undo(context)
         return Outcome.retry("the completion was undone", 0)
 
     sub = rig.subscription("tests.txn.body")
@@ -258,12 +263,7 @@ def test_an_undone_completion_whose_later_commit_callback_raised_is_settled_by_t
     def undone_then_a_callback_raises(message: WorkMessage, context: WorkContext) -> Any:
         with transaction.atomic():
             write_effect(message, context)
-            try:
-                with transaction.atomic():
-                    context.complete(enlist=True)
-                    raise RuntimeError("undo the completion only")
-            except RuntimeError:
-                pass
+            complete_then_undo(context)
             transaction.on_commit(lambda: 1 / 0)
         return Outcome.complete()  # not reached: the callback's error leaves the block
 
@@ -285,12 +285,7 @@ def test_a_slow_commit_callback_after_an_undone_completion_leaves_the_lease_rene
     def undone_then_slow_callback(message: WorkMessage, context: WorkContext) -> Any:
         with transaction.atomic():
             write_effect(message, context)
-            try:
-                with transaction.atomic():
-                    context.complete(enlist=True)
-                    raise RuntimeError("undo the completion only")
-            except RuntimeError:
-                pass
+            complete_then_undo(context)
             transaction.on_commit(lambda: time.sleep(2.5))  # e-mails sent on commit
         time.sleep(8)  # the handler works on, well past its lease of 5 s
         return Outcome.complete()
