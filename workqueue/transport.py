@@ -237,11 +237,12 @@ class Receiver:
         # letter made by expiry, replayed and completed again, all within this holder's settle
         # retries, could pass; the retries last the lease plus 5 s.) Read through the ORM (the
         # runtime role may read the table), on the calling thread's connection for the alias,
-        # closed again unless it is a test's transaction: this is a rare path, and a settle
-        # thread keeps no idle connection for it.
+        # closed again if opened here: this is a rare path, and a settle thread keeps no idle
+        # connection for it (a handler's thread keeps the one its handler uses).
         from workqueue.models import Delivery
 
         alias = self.driver.alias
+        opened_here = connections[alias].connection is None
         try:
             return (
                 Delivery.objects.using(alias)
@@ -253,7 +254,7 @@ class Receiver:
                 .exists()
             )
         finally:
-            if not connections[alias].in_atomic_block:
+            if opened_here and not connections[alias].in_atomic_block:
                 connections[alias].close()
 
 

@@ -113,3 +113,23 @@ def test_the_walk_resumes_at_a_key_it_found_but_gave_no_turn(mode):
     assert [d.partition_key for d in walker.receive(1).deliveries] == [None]
     assert [d.partition_key for d in walker.receive(1).deliveries] == ["a"]
     assert [d.partition_key for d in walker.receive(1).deliveries] == ["b"]
+
+
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_a_walked_key_outranked_by_keyless_work_does_not_hold_back_the_keys_after_it(mode):
+    """Waiting behind keyless work of a higher priority, the first key the walk found kept the
+    cursor before it, so every claim found it again and the keys after it were never reached,
+    a key of a higher priority than that keyless work included (review helper-86)."""
+    subscription = SubscriptionFactory(partition_mode=mode)
+    topic = subscription.topic.name
+    _clog_with_a_hot_key(subscription, priority=50)
+    _publish_items(topic, [{"partition_key": "a", "priority": -10}])
+    _publish_items(topic, [{"partition_key": "b", "priority": 10}])
+    walker = Receiver(subscription.id, "walker")
+
+    claimed = []
+    for _ in range(4):
+        _publish_items(topic, [{}])  # keyless work keeps coming, of priority 0
+        claimed += [d.partition_key for d in walker.receive(1).deliveries]
+
+    assert "b" in claimed[:2] and "a" not in claimed, claimed

@@ -301,11 +301,14 @@ def test_a_slow_commit_callback_after_an_undone_completion_leaves_the_lease_rene
     assert status(delivery) == ("Completed", 1)
 
 
-def test_a_commit_whose_answer_was_lost_is_recorded_as_completed_not_as_a_lost_lease(rig, caplog):
+@pytest.mark.parametrize("handler", ["lets the error out", "retries"])
+def test_a_commit_whose_answer_was_lost_is_recorded_as_completed_not_as_a_lost_lease(
+    rig, caplog, handler
+):
     """The server committed the handler's block, completion included, and the connection
-    failed before it said so: Django raised, the handler's error was settled as a retry,
-    refused (the row was Completed), and the delivery was logged at ERROR as a lost lease
-    that "may run again", which it never would."""
+    failed before it said so: Django raised, the handler's error (or the retry it asked for,
+    having caught that error) was settled, refused (the row was Completed), and the delivery
+    was logged at ERROR as a lost lease that "may run again", which it never would."""
 
     def answer_lost_after_commit(message: WorkMessage, context: WorkContext) -> Any:
         real_commit = connection._commit
@@ -319,6 +322,10 @@ def test_a_commit_whose_answer_was_lost_is_recorded_as_completed_not_as_a_lost_l
             with transaction.atomic():
                 write_effect(message, context)
                 context.complete(enlist=True)
+        except OperationalError:
+            if handler == "lets the error out":
+                raise
+            return Outcome.retry("the database went away", 0)
         finally:
             connection._commit = real_commit
         return Outcome.complete()

@@ -26,7 +26,7 @@ def test_missing_system_user_is_a_warning_naming_the_setting(settings):
 
 
 def test_unknown_database_alias_is_an_error(settings):
-    settings.WORKQUEUE = {"SYSTEM_USER": "x", "DATABASE_ALIAS": "queue"}
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "DATABASE_ALIAS": "nowhere"}
     [error] = check_settings()
     assert error.id == "workqueue.E002"
 

@@ -809,13 +809,10 @@ class DeliveryExecution:
         if enlisted is not None:
             if enlisted.state(handler_returned=True) != EnlistedCompletion.ROLLED_BACK:
                 return self._completed_by_handler(decision)
-            if (
-                isinstance(decision.exception, DatabaseError | InterfaceError)
-                and self._completed_at_its_attempt()
-            ):
+            if self._completed_at_its_attempt():
                 # Its commit reached the server though Django saw it fail (the answer was lost
-                # with the connection): completed, not a lease lost or a retry refused. (Read
-                # back only after a database error: the read costs the worker's connection.)
+                # with the connection, whatever the handler made of that error): completed, not
+                # a lease lost or a retry refused.
                 return self._completed_by_handler(decision)
             if time.monotonic() >= self._lease_ends:
                 # The horizon waited while the handler's transaction held the row; with that

@@ -527,6 +527,13 @@ BEGIN
         END;
     END LOOP;
 
+    -- A key the walk found that still waits as the claim fills up is passed over when keyless
+    -- work of a higher priority kept it waiting (the keys after it, which may rank higher,
+    -- must not wait behind it claim after claim), and kept for the next claim when only older
+    -- keyless work of its own priority did (its turn is near).
+    IF v_key IS NOT NULL AND v_walked_key AND v_keyless_level > v_key_level THEN
+        v_walked_to := v_key;
+    END IF;
     IF v_walked_to IS NOT NULL THEN
         RETURN QUERY
         SELECT 'KeyCursor'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, NULL::integer,

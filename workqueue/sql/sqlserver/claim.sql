@@ -550,6 +550,12 @@ BEGIN
             END;
         END;
 
+        -- A key the walk found that still waits as the claim fills up is passed over when
+        -- keyless work of a higher priority kept it waiting (the keys after it, which may rank
+        -- higher, must not wait behind it claim after claim), and kept for the next claim when
+        -- only older keyless work of its own priority did (its turn is near).
+        IF @key IS NOT NULL AND @walked_key = 1 AND @keyless_level > @key_level
+            SET @walked_to = @key;
         IF @walked_to IS NOT NULL
             INSERT INTO @result (phase, kind, partition_key) VALUES (3, N'KeyCursor', @walked_to);
     END;
