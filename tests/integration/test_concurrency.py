@@ -414,7 +414,7 @@ def test_threads_and_processes_never_hold_two_deliveries_of_one_key_at_once(mode
 #: A claim that forgets single flight: it no longer skips a key with a delivery in flight, and
 #: the unique index that backs it up is dropped. (Text edits of the current claim.sql.)
 BROKEN_CLAIM_EDITS = [
-    ("CONTINUE WHEN EXISTS (", "CONTINUE WHEN false AND EXISTS ("),
+    ("ELSIF NOT EXISTS (", "ELSIF true OR NOT EXISTS ("),
     ("AND f.partition_key = d.partition_key AND f.status = 'InFlight')", "AND false)"),
 ]
 
