@@ -242,9 +242,11 @@ class Receiver:
         from workqueue.models import Delivery
 
         alias = self.driver.alias
-        opened_here = connections[alias].connection is None
+        connection = connections[alias]
+        opened_here = connection.connection is None
+        failed = True
         try:
-            return (
+            found = (
                 Delivery.objects.using(alias)
                 .filter(
                     pk=delivery.delivery_id,
@@ -253,9 +255,12 @@ class Receiver:
                 )
                 .exists()
             )
+            failed = False
+            return found
         finally:
-            if opened_here and not connections[alias].in_atomic_block:
-                connections[alias].close()
+            # A connection that failed the read is not left for the thread's next handler.
+            if (opened_here or failed) and not connection.in_atomic_block:
+                connection.close()
 
 
 def _fence(delivery: ClaimedDelivery) -> dict[str, str]:

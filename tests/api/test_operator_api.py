@@ -321,6 +321,19 @@ def test_partitions_name_an_in_flight_keys_holder_and_its_lease_end(client):
     ends = dt.datetime.fromisoformat(item["leaseExpiresAt"])  # to the millisecond
     assert abs(ends - held.lease_expires_at) < dt.timedelta(milliseconds=1)
 
+    # A key limited to named subscriptions sees a pseudonym, as on /health: the host's id
+    # carries its hostname and process id (review helper-87).
+    limited = reader(subscriptions=[sub.name])
+    response = call(client, "get", f"/subscriptions/{sub.name}/partitions", key=limited)
+    [item] = response.json()["items"]
+    assert item["leaseOwner"].startswith("host-") and item["leaseOwner"] != "host-a"
+    assert (
+        item["leaseOwner"]
+        == call(client, "get", f"/subscriptions/{sub.name}/partitions", key=limited).json()[
+            "items"
+        ][0]["leaseOwner"]
+    )
+
 
 def test_partitions_of_a_subscription_without_partitions_are_empty(client):
     sub = SubscriptionFactory()

@@ -5,6 +5,7 @@ their messages."""
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import logging
 import math
 import threading
@@ -156,6 +157,19 @@ def test_float_arguments_reach_the_task_as_the_floats_enqueued(run_host):
     assert result.status == "SUCCESSFUL"
     assert result.return_value == [1e16, 1e23, -2.5e-300]
     assert all(type(value) is float for value in result.return_value)
+
+
+class Urgency(enum.IntEnum):
+    HIGH = 50
+
+
+def test_a_priority_given_as_an_int_enum_is_that_priority(run_host):
+    """Refused as not an int by this round's first check of the type (review helper-87)."""
+    run_host()
+    result = finished(add.using(priority=Urgency.HIGH).enqueue(1, 2).id)
+
+    assert (result.status, result.return_value) == ("SUCCESSFUL", 3)
+    assert Delivery.objects.get(message_id=result.id).priority == 50
 
 
 @pytest.mark.parametrize("priority", [5.0, True])

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from django.http import HttpRequest
-from django.utils.crypto import salted_hmac
 from ninja import Router
 
 from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
 from workqueue.models.hosts import SERVING_STATES
 from workqueue.operators import operations
+from workqueue.operators.display import host_pseudonym
 from workqueue.operators.permissions import READ, Actor, require
 
 router = Router(tags=["health"])
@@ -21,7 +21,6 @@ router = Router(tags=["health"])
 RUNNING = "Running"
 #: A subscription with due work that no live host runs.
 NOT_RUNNING = "NotRunning"
-PSEUDONYM_SALT = "workqueue.api.health.host"
 
 
 @router.get(
@@ -52,7 +51,9 @@ def health(request: HttpRequest) -> dict[str, Any]:
         # them): only callers who may see every subscription get them.
         hosts.append(
             {
-                "instance_id": _pseudonym(record.instance_id) if limited else record.instance_id,
+                "instance_id": host_pseudonym(record.instance_id)
+                if limited
+                else record.instance_id,
                 "hostname": None if limited else record.hostname,
                 "pid": None if limited else record.pid,
                 "started_at": record.started_at,
@@ -92,11 +93,6 @@ def health(request: HttpRequest) -> dict[str, Any]:
         "subscriptions": subscriptions,
         "database_warnings": database_warnings,
     }
-
-
-def _pseudonym(instance_id: str) -> str:
-    """A stable name for a host that reveals nothing of it without the SECRET_KEY."""
-    return "host-" + salted_hmac(PSEUDONYM_SALT, instance_id).hexdigest()[:16]
 
 
 def _visible(actor: Actor, name: str) -> bool:

@@ -83,6 +83,17 @@ _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
 
 
+#: Where the server refuses new transactions to avoid wraparound data loss, with the same
+#: SQLSTATE (54000) as a value past one of its limits: that refusal ends with a VACUUM, and is no
+#: verdict on the value. Told apart by the reporting function, which is not translated.
+_WRAPAROUND_FUNCTIONS = frozenset({"GetNewTransactionId", "GetNewMultiXactId"})
+
+
+def _is_wraparound_refusal(error: BaseException) -> bool:
+    diag = getattr(error, "diag", None)
+    return getattr(diag, "source_function", None) in _WRAPAROUND_FUNCTIONS
+
+
 def _is_data_error(error: BaseException) -> bool:
     import psycopg
     from django.db import DataError
@@ -331,7 +342,7 @@ class PostgresDriver(BaseDriver):
         # character: no SQLSTATE, the server never saw it): the value is the problem.
         if (
             (sqlstate or "").startswith("22")
-            or sqlstate == "54000"
+            or (sqlstate == "54000" and not _is_wraparound_refusal(cause))
             or (sqlstate is None and _is_data_error(cause))
         ):
             return UnstorableValueError(message)

@@ -3,6 +3,11 @@ JSON, the REST API and the detail pages."""
 
 from __future__ import annotations
 
+from django.utils.crypto import salted_hmac
+
+# Kept as it was first named, so that a host keeps its pseudonym across releases.
+PSEUDONYM_SALT = "workqueue.api.health.host"
+
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 
 
@@ -33,3 +38,10 @@ def short_id(value: object) -> str:
 def count_of(count: int, one: str, many: str) -> str:
     """``1 delivery is`` / ``3 deliveries are``: a count with its words in number."""
     return f"{count:,} {one if count == 1 else many}"
+
+
+def host_pseudonym(instance_id: str) -> str:
+    """A stable name for a host that reveals nothing of it (its instance id carries its
+    hostname and process id) without the SECRET_KEY: what an API key limited to named
+    subscriptions sees of hosts."""
+    return "host-" + salted_hmac(PSEUDONYM_SALT, instance_id).hexdigest()[:16]

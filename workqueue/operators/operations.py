@@ -26,7 +26,7 @@ from workqueue.exceptions import (
 )
 from workqueue.input_limits import text_problem
 from workqueue.operators import cursors
-from workqueue.operators.display import count_of
+from workqueue.operators.display import count_of, host_pseudonym
 from workqueue.operators.permissions import (
     CHANGE_TRANSPORT_PERMISSION,
     CLI,
@@ -425,12 +425,15 @@ def list_partitions(
     next_cursor = (
         None if resume_after is None else cursors.encode({"partition_key": resume_after}, name)
     )
-    return Page(True, _with_leases(subscription, items[:size]), next_cursor)
+    return Page(True, _with_leases(subscription, items[:size], actor), next_cursor)
 
 
-def _with_leases(subscription: Any, items: list[PartitionItem]) -> list[PartitionItem]:
+def _with_leases(
+    subscription: Any, items: list[PartitionItem], actor: Actor
+) -> list[PartitionItem]:
     """``items`` with each InFlight key's holder and lease end, read from the deliveries in
-    flight (at most one per key; a transport that keeps its deliveries elsewhere has none)."""
+    flight (at most one per key; a transport that keeps its deliveries elsewhere has none). A
+    caller limited to named subscriptions sees the holder's pseudonym, as on /health."""
     from workqueue.models import Delivery
 
     keys = [item.partition_key for item in items if item.condition == "InFlight"]
@@ -445,7 +448,9 @@ def _with_leases(subscription: Any, items: list[PartitionItem]) -> list[Partitio
     return [
         replace(
             item,
-            lease_owner=lease["lease_owner"],
+            lease_owner=host_pseudonym(lease["lease_owner"])
+            if actor.subscriptions and lease["lease_owner"]
+            else lease["lease_owner"],
             lease_expires_at=lease["lease_expires_at"],
         )
         if (lease := leases.get(item.partition_key))

@@ -80,8 +80,9 @@ class WorkQueueBackend(api.BaseTaskBackend):
         problem = _queue_name_problem(task.queue_name)
         if problem:
             raise api.InvalidTaskError(problem)
-        if type(task.priority) is not int:
-            # The API accepts a whole float (5.0) or a bool; a delivery's priority is an int.
+        if not isinstance(task.priority, int) or isinstance(task.priority, bool):
+            # The API accepts a whole float (5.0) or a bool; a delivery's priority is an int
+            # (an IntEnum member is one).
             raise api.InvalidTaskError(
                 f"priority must be an int from -100 to 100; got {task.priority!r} "
                 f"({type(task.priority).__name__})."
