@@ -423,7 +423,6 @@ BEGIN
                  ORDER BY p.visible_at
                  LIMIT v_remaining
                    FOR UPDATE SKIP LOCKED);
-            v_count := 0;
             IF cardinality(v_picked) > 0 THEN
                 RETURN QUERY
                 WITH claimed AS (

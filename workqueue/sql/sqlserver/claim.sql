@@ -150,9 +150,9 @@ GO
 -- key, and only that key is skipped. Keyless deliveries are claimed in skip-locked batches
 -- (UPDLOCK, READPAST, ROWLOCK), taking their turn among the keys by priority and then by due
 -- time, so keyless work of a higher priority never waits behind keyed work (nor older keyless
--- work behind newer keys). Each claim sets a fresh lease token, lease_expires_at = now + lease_seconds,
--- last_heartbeat_at = now, attempt_count + 1 and clears progress. Rows of kind 'Claimed' come
--- in claim order.
+-- work behind newer keys). Each claim sets a fresh lease token, lease_expires_at = now +
+-- lease_seconds, last_heartbeat_at = now, attempt_count + 1 and clears progress. Rows of kind
+-- 'Claimed' come in claim order.
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
 -- is raised instead of skipped. It runs wq_expire_leases through INSERT ... EXEC, so it cannot
 -- itself be the target of an INSERT ... EXEC.
