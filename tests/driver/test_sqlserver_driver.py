@@ -463,7 +463,10 @@ def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_wr
             "dbo.workqueue_delivery",
             "dbo.workqueue_deduplication",
             "dbo.workqueue_rate_limit_bucket",
+            "dbo.workqueue_sweep_lock",
         }
+        # A SELECT WITH (UPDLOCK) on it would hold the sweepers' lock.
+        assert "DENY SELECT ON dbo.workqueue_sweep_lock TO [work]]er]" in denies
         writes = [s for s in statements if s.startswith("GRANT") and "INSERT" in s]
         assert all(
             "dbo.workqueue_hostrecord " in s or "dbo.workqueue_taskresult " in s for s in writes

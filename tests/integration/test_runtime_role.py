@@ -6,6 +6,7 @@ query needs. So the claim/settle/sweep rules and fencing cannot be bypassed."""
 from __future__ import annotations
 
 import datetime as dt
+import io
 import time
 import uuid
 from typing import Any
@@ -304,6 +305,29 @@ def test_a_topology_lock_held_by_any_role_stops_publishes_for_seconds_not_for_ev
     assert "lock timeout" in results[0].error.message
     assert waited < 30
     assert publish(topic.name, {"n": 2}).status == "Accepted"  # released with its session
+
+
+@pytest.mark.parametrize("grant", [None, "grant-operator", "grant-runtime"])
+def test_no_session_but_a_sweepers_holds_the_sweep_lock(runtime_role, grant):
+    """The sweep lock was an advisory lock, which any role that may connect can take: a session
+    of a reporting login, or of an operator, that took it stopped every sweeper's passes (no
+    lease expired, nothing was purged) for as long as it liked. It is a row lock now, on a table
+    no granted role may read, lock or write: only the procedures take it."""
+    if grant:
+        call_command("workqueue", grant, runtime_role, stdout=io.StringIO())
+    with connect_as(runtime_role) as holder:
+        holder.execute("SELECT pg_advisory_lock(hashtextextended('wq-sweep', 0))")
+        with transport.sweep_lock() as acquired:
+            assert acquired
+        for statement in (
+            "SELECT 1 FROM workqueue_sweep_lock FOR UPDATE",
+            "SELECT 1 FROM workqueue_sweep_lock FOR KEY SHARE",
+            "LOCK TABLE workqueue_sweep_lock IN ACCESS SHARE MODE",
+            "INSERT INTO workqueue_sweep_lock (id) VALUES (2)",
+            "DELETE FROM workqueue_sweep_lock",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), holder.transaction():
+                holder.execute(statement)
 
 
 @pytest.mark.parametrize("settle", ["wq_retry", "wq_dead_letter"])

@@ -11,10 +11,12 @@ from __future__ import annotations
 import datetime as dt
 import io
 import os
+import re
 import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,13 +149,23 @@ def test_rows_within_retention_are_kept(dead_letters):
     assert Message.objects.filter(pk=message).exists()
 
 
-def test_a_second_sweeper_skips_its_pass_while_another_holds_the_lock():
+_ALERTS = Path(__file__).resolve().parents[2] / "docs" / "prometheus-alerts.yaml"
+_HOLDER_QUERY = re.search(r"`(SELECT l\.pid.*?)`", _ALERTS.read_text(), re.S)[1]
+
+
+def test_a_second_sweeper_skips_its_pass_while_another_holds_the_lock(pg_conn):
     holding, release = threading.Event(), threading.Event()
+    lock_pid = None
 
     def hold() -> None:
+        nonlocal lock_pid
         try:
             with transport.sweep_lock() as acquired:
                 assert acquired
+                [(lock_pid,)] = pg_conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE query LIKE '%wq_try_sweep_lock%' "
+                    "AND pid <> pg_backend_pid()"
+                ).fetchall()
                 holding.set()
                 release.wait(10)
         finally:
@@ -164,10 +176,43 @@ def test_a_second_sweeper_skips_its_pass_while_another_holds_the_lock():
     try:
         assert holding.wait(10)
         assert Sweeper().run_once().skipped
+        # The query the alert for a held sweep lock gives finds the holder first.
+        [found, *_] = pg_conn.execute(_HOLDER_QUERY).fetchall()
+        assert found[0] == lock_pid
     finally:
         release.set()
         holder.join(10)
     assert not Sweeper().run_once().skipped  # and the next pass runs
+
+
+def test_the_sweep_lock_outlives_a_flush_of_its_row(pg_conn):
+    """`manage.py flush` (and a test run's) empties every table, the sweep lock's one row too:
+    the first sweeper to miss it puts it back and holds it, and a second one meanwhile skips its
+    pass at once instead of waiting for the first's to end."""
+    pg_conn.execute("DELETE FROM workqueue_sweep_lock")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transport.sweep_lock() as acquired:
+                assert acquired
+                holding.set()
+                release.wait(30)
+        finally:
+            get_driver().close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        began = time.monotonic()
+        assert Sweeper().run_once().skipped
+        assert time.monotonic() - began < 20  # did not wait for the holder's 30 s
+    finally:
+        release.set()
+        holder.join(10)
+    assert not Sweeper().run_once().skipped
+    assert pg_conn.execute("SELECT id FROM workqueue_sweep_lock").fetchall() == [(1,)]
 
 
 @pytest.fixture

@@ -33,7 +33,10 @@ QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplicat
 #: The tables only the procedures write. No role but their owner may hold anything on them
 #: beyond SELECT: a trigger there (TRIGGER privilege) would run inside the SECURITY DEFINER
 #: procedures, as the owner.
-PROCEDURE_WRITTEN_TABLES = (*QUEUE_TABLES, "workqueue_rate_limit_bucket")
+#: The row a sweeper locks for its pass. Only the procedures' owner may lock it; on SQL Server a
+#: SELECT with UPDLOCK takes the lock, so no granted role may read it either.
+SWEEP_LOCK_TABLE = "workqueue_sweep_lock"
+PROCEDURE_WRITTEN_TABLES = (*QUEUE_TABLES, "workqueue_rate_limit_bucket", SWEEP_LOCK_TABLE)
 #: Every table the runtime and operator roles read.
 READ_TABLES = ("workqueue_transport", "workqueue_topic", "workqueue_subscription", *QUEUE_TABLES)
 #: Tasks API results: hosts record runs in them (the ORM, in the task's transaction), the

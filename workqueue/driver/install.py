@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0043_keyless_work_takes_its_turn_among_keys"
+LATEST_PROCEDURE_MIGRATION = "0044_one_sweep_at_a_time_by_a_row_lock"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -153,6 +153,7 @@ _OWN_RELATIONS = (
     "workqueue_delivery",
     "workqueue_deduplication",
     "workqueue_rate_limit_bucket",
+    "workqueue_sweep_lock",
     "wq_publish_ordinal_seq",
 )
 _DECLARED_FUNCTION = re.compile(r"\bCREATE\s+OR\s+REPLACE\s+FUNCTION\s+(wq_\w+)\s*\(", re.I)

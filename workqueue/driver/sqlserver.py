@@ -22,6 +22,7 @@ from workqueue.driver.base import (
     QUEUE_TABLES,
     READ_TABLES,
     RUNTIME_READABLE_COUNTS,
+    SWEEP_LOCK_TABLE,
     TASK_RESULT_TABLE,
     BaseDriver,
     DriverFeatures,
@@ -294,6 +295,9 @@ class SqlServerDriver(BaseDriver):
                 f"DENY INSERT, UPDATE, DELETE, ALTER ON dbo.{table} TO {quoted}"
                 for table in PROCEDURE_WRITTEN_TABLES
             ),
+            # A SELECT WITH (UPDLOCK) would hold the sweepers' lock: a role that reads every
+            # table (db_datareader) could stop every pass.
+            f"DENY SELECT ON dbo.{SWEEP_LOCK_TABLE} TO {quoted}",
         ]
 
     def grant_scaler_statements(self, role: str) -> list[str]:

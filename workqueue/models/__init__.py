@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from workqueue.models.apikeys import ApiKey
 from workqueue.models.hosts import HostRecord
-from workqueue.models.queue import Deduplication, Delivery, Message, RateLimitBucket
+from workqueue.models.queue import Deduplication, Delivery, Message, RateLimitBucket, SweepLock
 from workqueue.models.tasks import TaskResult
 from workqueue.models.topology import Subscription, Topic, Transport
 
@@ -14,6 +14,7 @@ __all__ = [
     "Message",
     "RateLimitBucket",
     "Subscription",
+    "SweepLock",
     "TaskResult",
     "Topic",
     "Transport",

@@ -246,3 +246,18 @@ class RateLimitBucket(DriverOwnedModel):
 
     def __str__(self) -> str:
         return f"{self.subscription_id}: {self.tokens:.2f} tokens"
+
+
+class SweepLock(DriverOwnedModel):
+    """The one row a sweeper locks for its pass (wq_try_sweep_lock), so that one pass runs at a
+    time across every host. A row lock, not an advisory lock: any role that may connect can take
+    an advisory lock, and one held by a session that is no sweeper stopped every pass; no granted
+    role may read or lock this table."""
+
+    id = models.SmallIntegerField(primary_key=True, editable=False)
+
+    class Meta:
+        db_table = "workqueue_sweep_lock"
+
+    def __str__(self) -> str:
+        return "sweep lock"

@@ -1,6 +1,6 @@
 -- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches.
--- One pass at a time cluster-wide: the sweeper holds wq_try_sweep_lock's transaction-scoped lock
--- on a private connection while it runs the steps on another.
+-- One pass at a time cluster-wide: the sweeper holds wq_try_sweep_lock's row lock, for its
+-- transaction, on a private connection while it runs the steps on another.
 -- Each step reads by index with sequential scans left aside: the sweeper keeps its connection
 -- (and a PL/pgSQL step its plans) for the host's life, and a plan made while the tables were
 -- nearly empty must not read them end to end once they have filled.
@@ -116,18 +116,38 @@ AS $$
 $$;
 
 -- wq_try_sweep_lock --
--- Try (without waiting) to take the cluster-wide sweep lock for the current transaction.
--- acquired = false means another sweeper is mid-pass; skip this one. The transaction then sits
--- idle while the pass runs on another connection: a server's idle_in_transaction_session_timeout
--- shorter than a pass would end the session, free the lock mid-pass for a second sweeper, and
--- fail the first pass at its end, so it is switched off for this transaction (until 0040 it
--- was not).
+-- Try (without waiting) to take the cluster-wide sweep lock for the current transaction: the one
+-- row of workqueue_sweep_lock, locked. acquired = false means another sweeper is mid-pass; skip
+-- this one. A row lock, not an advisory lock (until 0044): any role that may connect can take an
+-- advisory lock, and a session that is no sweeper holding it stopped every pass; only the owner
+-- may lock this row. The transaction then sits idle while the pass runs on another connection: a
+-- server's idle_in_transaction_session_timeout shorter than a pass would end the session, free
+-- the lock mid-pass for a second sweeper, and fail the first pass at its end, so it is switched
+-- off for this transaction (until 0040 it was not).
 CREATE OR REPLACE FUNCTION wq_try_sweep_lock()
 RETURNS TABLE (acquired boolean)
-LANGUAGE sql
+LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- Only putting a missing row back can wait (on another sweeper putting it back): not for long.
+SET lock_timeout = '50ms'
 AS $$
-    SELECT set_config('idle_in_transaction_session_timeout', '0', true);
-    SELECT pg_try_advisory_xact_lock(hashtextextended('wq-sweep', 0));
+DECLARE
+    v_acquired boolean;
+BEGIN
+    PERFORM set_config('idle_in_transaction_session_timeout', '0', true);
+    PERFORM 1 FROM workqueue_sweep_lock WHERE id = 1 FOR UPDATE SKIP LOCKED;
+    v_acquired := FOUND;
+    IF NOT v_acquired THEN
+        -- Held by another sweeper, or gone (a `flush` empties every table): put it back, and
+        -- then it is this transaction's. A sweeper putting it back right now keeps it.
+        BEGIN
+            INSERT INTO workqueue_sweep_lock (id) VALUES (1) ON CONFLICT DO NOTHING;
+            v_acquired := FOUND;
+        EXCEPTION WHEN lock_not_available THEN
+            v_acquired := false;
+        END;
+    END IF;
+    RETURN QUERY SELECT v_acquired;
+END;
 $$;

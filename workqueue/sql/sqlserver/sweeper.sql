@@ -1,6 +1,6 @@
 -- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches that
 -- skip rows other sessions hold locked (READPAST). One pass at a time across all hosts: the
--- sweeper holds wq_try_sweep_lock's transaction-owned application lock on a private connection
+-- sweeper holds wq_try_sweep_lock's row lock, owned by its transaction, on a private connection
 -- while it runs the steps on another.
 
 -- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
@@ -155,31 +155,40 @@ END;
 GO
 
 -- wq_try_sweep_lock --
--- Try, without waiting, to take the cluster-wide sweep lock: an exclusive application lock owned
--- by the caller's transaction and released when it ends. acquired = 0 means another sweeper is
--- mid-pass; skip this one. Must be called inside a transaction (raises 51000 otherwise), since a
--- lock owned by a statement's own transaction would be gone before the caller could use it.
+-- Try, without waiting, to take the cluster-wide sweep lock: the one row of workqueue_sweep_lock,
+-- update-locked until the caller's transaction ends. acquired = 0 means another sweeper is
+-- mid-pass; skip this one. A row lock, not an application lock (until 0044): any user may call
+-- sp_getapplock, and a session that is no sweeper holding the lock stopped every pass; no granted
+-- role may read or lock this table. Must be called inside a transaction (raises 51000
+-- otherwise), since a lock owned by a statement's own transaction would be gone before the
+-- caller could use it.
 -- returns: acquired
 CREATE OR ALTER PROCEDURE dbo.wq_try_sweep_lock
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
-    DECLARE @granted int;
+    DECLARE @acquired bit = 0;
 
     IF @@TRANCOUNT = 0
         THROW 51000, N'wq_try_sweep_lock must run inside the transaction that holds the sweep lock (error 51000).', 1;
 
-    EXEC @granted = sys.sp_getapplock
-        @Resource = N'wq-sweep',
-        @LockMode = N'Exclusive',
-        @LockOwner = N'Transaction',
-        @LockTimeout = 0;
+    SELECT @acquired = 1
+      FROM dbo.workqueue_sweep_lock WITH (UPDLOCK, ROWLOCK, READPAST)
+     WHERE id = 1;
 
-    IF @granted < -1
-        THROW 51000, N'wq_try_sweep_lock: sp_getapplock failed (error 51000).', 1;
+    IF @acquired = 0
+    BEGIN
+        -- Held by another sweeper, or gone (a `flush` empties every table): put it back, and
+        -- then it is this transaction's. Two sweepers that both find it gone race here: one
+        -- fails its pass on the key, and its next pass finds the row.
+        INSERT INTO dbo.workqueue_sweep_lock (id)
+        SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM dbo.workqueue_sweep_lock WHERE id = 1);
+        IF @@ROWCOUNT = 1
+            SET @acquired = 1;
+    END;
 
     -- result set
-    SELECT CAST(CASE WHEN @granted >= 0 THEN 1 ELSE 0 END AS bit) AS acquired;
+    SELECT @acquired AS acquired;
 END;
 GO
