@@ -229,6 +229,33 @@ def test_a_transient_retry_after_beyond_the_backoff_maximum_is_clamped_to_it(rig
     assert 18 <= (delivery.visible_at - db_now()).total_seconds() <= 20
 
 
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ({"then": "transient", "retryAfter": "30"}, "retry_after_seconds"),
+        ({"then": "retry", "delay": "30"}, "delay_seconds"),
+        ({"then": "retry", "reason": ["not", "text"]}, "reason"),
+    ],
+    ids=["retry-after header text", "delay as text", "reason not text"],
+)
+def test_an_outcome_of_the_wrong_type_is_a_retry_after_the_backoff_naming_the_field(
+    rig, payload, named
+):
+    """Audit helper-89: a Retry-After header passed on as text, or an exception given as the
+    retry's reason, failed the settle after the handler returned ("execution crashed"), and
+    the delivery sat InFlight until its lease expired, its own error replaced by LeaseExpired.
+    The outcome refuses it where the handler builds it: a retry after the backoff, at once, its
+    error naming the field and the fix."""
+    sub = rig.subscription(max_attempts=3, backoff_base_seconds=1, backoff_max_seconds=1)
+
+    result, delivery, _ = rig.run(sub, payload)
+
+    assert (result.status, delivery.status) == ("Pending", "Pending")
+    assert delivery.lease_expires_at is None
+    assert "TypeError" in delivery.last_error and named in delivery.last_error
+    assert (delivery.visible_at - db_now()).total_seconds() <= 1
+
+
 def test_a_transient_work_error_without_retry_after_uses_the_jittered_backoff(rig):
     # Attempt 1 with base 60: the delay is drawn from [0, 60] s, never above. A fresh
     # subscription per draw: a drawn delay of 0 would otherwise make the next run attempt 2.

@@ -175,6 +175,37 @@ def test_a_delivery_whose_lease_ran_down_while_it_waited_goes_back_unrun_attempt
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_delivery_claimed_ahead_behind_a_handler_that_outlives_its_lease_runs_on_attempt_1(
+    make_host, releases
+):
+    """Audit helper-89: a delivery claimed ahead was checked only when a slot freed. Behind a
+    handler running longer than a lease (renewing its own), nothing renewed it: its lease
+    expired, the attempt counted unrun, and on its last attempt it was dead-lettered
+    LeaseExpired without ever running. It goes back at half its lease now, attempt refunded."""
+    s = sub(lease_seconds=5, max_attempts=1)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=1000)
+    host.start()
+    first = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    blocker, victim = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [{"payload": {"sleepMs": 12_000, "then": "complete"}}, {"payload": {}}],
+        )
+    ]
+    probe.wait_for(1, message_id=blocker)
+
+    wait_until(lambda: status_of(blocker) == "Completed", timeout=30)
+    wait_until(lambda: status_of(victim) != "InFlight", timeout=30)
+
+    row = Delivery.objects.get(message_id=victim)
+    assert (row.status, row.dead_letter_reason) == ("Completed", None)
+    assert [r.attempt for r in probe.runs if r.message_id == victim] == [1]
+    assert releases, "it was never handed back while it waited"
+
+
+@pytest.mark.usefixtures("handlers_count_as_quick")
 def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refunded(
     make_host, releases, caplog
 ):

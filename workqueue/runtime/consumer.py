@@ -30,7 +30,7 @@ from workqueue.runtime.executor import (
 )
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
-from workqueue.runtime.timers import TimerQueue
+from workqueue.runtime.timers import Timer, TimerQueue
 from workqueue.runtime.workers import WorkerPool
 from workqueue.transports import TransportReceiver, transport_for
 from workqueue.types import (
@@ -285,6 +285,9 @@ class Consumer:
         self._handlers_running = 0  # slots taken: from claim until the handler returns
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
+        # For each of them, when it will have waited too long: nothing renews its lease while it
+        # waits, and left until a slot frees, it may have expired (an attempt spent unrun).
+        self._ready_timers: dict[tuple[str, str], Timer] = {}
         # Claimed ahead, turned late waiting for a slot, and queued to be handed back on a
         # background thread; still counted as running until the release returns.
         self._late: dict[tuple[str, str], DeliveryExecution] = {}
@@ -395,6 +398,9 @@ class Consumer:
             waiting = [*self._ready, *self._late.values()]
             self._ready.clear()
             self._late.clear()
+            for timer in self._ready_timers.values():
+                timer.cancel()
+            self._ready_timers.clear()
             for execution in waiting:
                 self._running.pop(execution.key, None)
         for execution in waiting:
@@ -753,6 +759,11 @@ class Consumer:
             ahead = self._handlers_running >= self.config.concurrency
             if ahead:
                 self._ready.append(execution)  # claimed ahead: starts when a slot frees
+                self._ready_timers[execution.key] = self._services.timers.schedule(
+                    (execution.lease_share_left() - PREFETCH_MIN_LEASE_SHARE)
+                    * execution.lease_seconds,
+                    lambda: self._waited_too_long(execution),
+                )
             else:
                 self._handlers_running += 1
         if cancelled:
@@ -790,6 +801,7 @@ class Consumer:
             following = None
             while self._ready and following is None and not self._stopping.is_set():
                 candidate = self._ready.popleft()
+                self._ready_timers.pop(candidate.key).cancel()
                 if candidate.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE:
                     following = candidate
                 else:
@@ -891,6 +903,20 @@ class Consumer:
         if self.plan.partition_mode != PartitionMode.NONE:
             return True
         return result.kind != ExecutionResult.SETTLED or result.status not in _ENDED
+
+    def _waited_too_long(self, execution: DeliveryExecution) -> None:
+        """A delivery claimed ahead has used up its share of the lease waiting for a slot
+        (every slot is held by a handler that runs on): hand it back now, attempt refunded.
+        Checked only when a slot freed, it stayed claimed while slots stayed busy, its lease
+        expired unrenewed, and the attempt was spent without a run (on its last attempt, a
+        LeaseExpired dead letter). On the timer thread: only the hand-back's call goes
+        elsewhere."""
+        with self._lock:
+            if self._ready_timers.pop(execution.key, None) is None:
+                return  # it took a slot, or stop() took it back
+            self._ready.remove(execution)
+            self._late[execution.key] = execution
+        self._background.run_or_call(self._hand_back, execution)
 
     def _hand_back(self, execution: DeliveryExecution) -> None:
         """Release a delivery claimed ahead that can no longer start in time, and wake the

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from workqueue.exceptions import WorkQueueError
+
+
+def _checked_seconds(value: object, name: str) -> float | None:
+    """``value`` if it is None or a number; otherwise a TypeError naming ``name``. Raised where
+    the handler builds its outcome: the delivery is then retried after the subscription's
+    backoff with this error as its last error, instead of its settle failing later and the
+    delivery waiting out its lease."""
+    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        return value  # type: ignore[return-value]
+    raise TypeError(
+        f"{name} must be a number of seconds or None, not {type(value).__name__} {value!r} "
+        "(convert a Retry-After header with float())"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +32,15 @@ class Outcome:
     COMPLETE = "Complete"
     RETRY = "Retry"
     DEAD_LETTER = "DeadLetter"
+
+    def __post_init__(self) -> None:
+        if self.reason is not None and not isinstance(self.reason, str):
+            raise TypeError(
+                f"an Outcome's reason must be text or None, not {type(self.reason).__name__} "
+                f"{self.reason!r} (pass str(error), or raise the error itself to keep its "
+                "traceback)"
+            )
+        _checked_seconds(self.delay_seconds, "an Outcome's delay_seconds")
 
     @classmethod
     def complete(cls) -> Outcome:
@@ -49,4 +72,6 @@ class TransientWorkError(WorkQueueError):
 
     def __init__(self, message: str = "", retry_after_seconds: float | None = None) -> None:
         super().__init__(message)
-        self.retry_after_seconds = retry_after_seconds
+        self.retry_after_seconds = _checked_seconds(
+            retry_after_seconds, "TransientWorkError's retry_after_seconds"
+        )
