@@ -671,6 +671,28 @@ def test_a_paused_subscription_accumulates_deliveries_that_cannot_be_claimed_unt
 
 
 @queue_db
+@pytest.mark.parametrize("disabled", ["topic", "transport"])
+def test_a_disabled_topic_or_transport_stops_claims_at_once_and_leaves_its_work_waiting(disabled):
+    """Audit helper-89: the claim read the subscription's status alone, so a topic or transport
+    Disabled as an emergency brake went on feeding its handlers until each host's next
+    re-plan (up to 30 s), health saying Running meanwhile."""
+    subscription = SubscriptionFactory()
+    topic = subscription.topic
+    receiver = Receiver(subscription.id)
+    publish(topic.name, {"n": 1})
+    owner = topic if disabled == "topic" else topic.transport
+    owner.status = "Disabled"
+    owner.save()
+
+    assert receiver.receive(10).deliveries == []
+    assert Delivery.objects.get(subscription=subscription).status == "Pending"
+
+    owner.status = "Active"
+    owner.save()
+    assert len(receiver.receive(10).deliveries) == 1
+
+
+@queue_db
 def test_a_disabled_subscription_gets_no_deliveries_even_after_it_is_enabled():
     topic = TopicFactory()
     active = SubscriptionFactory(topic=topic)

@@ -1004,3 +1004,24 @@ def test_a_quick_handler_with_automatic_heartbeats_costs_the_timer_thread_one_ti
     # The heartbeat tick only: the lease horizon is armed by the first tick, which a quick
     # handler never reaches (two timers a delivery were a third of the timer thread's work).
     assert scheduled == [10.0]
+
+
+def test_a_long_handler_keeps_only_its_live_timers(rig):
+    """Audit helper-89: every automatic heartbeat added a timer the execution kept for the
+    handler's life (52,000 a day for a day-long handler at a 5 s lease)."""
+    sub = rig.subscription(heartbeat_mode="Auto", lease_seconds=30)
+    receiver, delivery = rig.claim(sub, {"sleepMs": 3000, "then": "complete"})
+    # A 0.9 s lease here: a renewal every 0.3 s, some ten while the handler sleeps.
+    execution = rig.execution(sub, receiver, delivery, lease_seconds=0.9)
+    kept: list[int] = []
+    keep = execution._keep_timer
+
+    def counting(timer: Any) -> None:
+        keep(timer)
+        kept.append(len(execution._timers))
+
+    execution._keep_timer = counting  # type: ignore[method-assign]
+
+    assert execution.run().status == "Completed"
+    assert len(kept) >= 6, f"too few renewals to tell: {kept}"
+    assert max(kept) <= 2, f"timers kept as the handler ran: {kept}"

@@ -6,6 +6,10 @@ an operator's console) holding it stopped every sweeper's passes, so no lease ex
 was purged, for as long as the session lasted. The lock is now the one row of
 ``workqueue_sweep_lock``, locked for the sweeper's transaction; the grants give no role anything
 on that table, so only the procedures can take it.
+
+``wq_claim`` reads the subscription's topic and transport too: a Disabled topic or transport
+stops its subscriptions' claims at once, as a Paused subscription does, instead of at each
+host's next re-plan.
 """
 
 from typing import Any

@@ -390,7 +390,7 @@ class DeliveryExecution:
         if self.plan.heartbeat_mode != "Auto" or not self._schedule_auto_heartbeat():
             self._arm_horizon()
         if self.plan.max_processing_seconds:
-            self._timers.append(
+            self._keep_timer(
                 self.services.timers.schedule(
                     self.plan.max_processing_seconds,
                     lambda: self.signal.abort(AbortReason.MAX_PROCESSING_SECONDS),
@@ -552,7 +552,7 @@ class DeliveryExecution:
             # The handler's open transaction holds the row, so nobody can take the delivery
             # over yet; whether the lease is lost depends on how that transaction ends.
             self._report_held_past_lease()
-            self._timers.append(
+            self._keep_timer(
                 self.services.timers.schedule(
                     HELD_ROW_RECHECK_SECONDS, lambda: self._horizon_reached(deadline)
                 )
@@ -578,11 +578,18 @@ class DeliveryExecution:
             self._where,
         )
 
+    def _keep_timer(self, timer: Timer) -> None:
+        """Keep ``timer`` to cancel when the handler returns. Those that fired or were cancelled
+        go: a long handler's heartbeats added one a tick, for the handler's life."""
+        with self._lock:
+            self._timers = [kept for kept in self._timers if not kept.cancelled]
+            self._timers.append(timer)
+
     def _schedule_auto_heartbeat(self) -> bool:
         """Schedule the next automatic renewal; False when renewals have stopped."""
         if self._stopped_renewing():
             return False
-        self._timers.append(
+        self._keep_timer(
             self.services.timers.schedule(
                 heartbeat_interval_seconds(self.lease_seconds), self._auto_heartbeat_tick
             )
@@ -673,7 +680,7 @@ class DeliveryExecution:
         delay = self._beat_retry_seconds
         self._beat_retry_seconds = min(delay * 2, RETRY_MAX_SECONDS)
         if time.monotonic() + delay < self._lease_ends:
-            self._timers.append(self.services.timers.schedule(delay, self._renew_soon))
+            self._keep_timer(self.services.timers.schedule(delay, self._renew_soon))
 
     # -- completing inside the handler's transaction ----------------------------------------
 

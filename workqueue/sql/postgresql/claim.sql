@@ -234,13 +234,20 @@ DECLARE
 BEGIN
     -- The subscription, and a cheap probe of the lease index in the same statement: most
     -- claims find no passed lease, and then the expiry statement (row locks, a write) is
-    -- skipped. Passed leases expire whatever the subscription's status.
-    SELECT s.partition_mode, s.lease_seconds, s.status,
+    -- skipped. Passed leases expire whatever the subscription's status. A Disabled topic or
+    -- transport stops its subscriptions' claims as a Paused subscription does, at once (until
+    -- 0044 hosts stopped claiming only at their next re-plan, up to RECONCILE_INTERVAL_MS).
+    SELECT s.partition_mode, s.lease_seconds,
+           CASE WHEN t.status = 'Active' AND tr.status = 'Active' THEN s.status
+                ELSE 'Paused' END AS status,
            EXISTS (SELECT 1 FROM workqueue_delivery x
                     WHERE x.status = 'InFlight' AND x.lease_expires_at < now()
                       AND x.subscription_id = p_subscription_id) AS leases_passed
       INTO v_sub
-      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+      FROM workqueue_subscription s
+      JOIN workqueue_topic t ON t.id = s.topic_id
+      JOIN workqueue_transport tr ON tr.id = t.transport_id
+     WHERE s.id = p_subscription_id;
     IF v_sub.leases_passed THEN
         RETURN QUERY
         SELECT 'ExpiredDeadLetter'::text, e.delivery_id, NULL::uuid, NULL::timestamptz,

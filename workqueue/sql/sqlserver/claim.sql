@@ -272,10 +272,15 @@ BEGIN
       FROM @expired AS e
      WHERE e.new_status = N'DeadLettered';
 
+    -- A Disabled topic or transport stops its subscriptions' claims as a Paused subscription
+    -- does, at once (until 0044 hosts stopped claiming only at their next re-plan).
     SELECT @partition_mode = s.partition_mode,
            @lease_seconds = s.lease_seconds,
-           @subscription_status = s.status
+           @subscription_status = CASE WHEN t.status = N'Active' AND tr.status = N'Active'
+                                       THEN s.status ELSE N'Paused' END
       FROM dbo.workqueue_subscription AS s
+      JOIN dbo.workqueue_topic AS t ON t.id = s.topic_id
+      JOIN dbo.workqueue_transport AS tr ON tr.id = t.transport_id
      WHERE s.id = @subscription_key;
     SET @ordered = CASE WHEN @partition_mode = N'Ordered' THEN 1 ELSE 0 END;
 
