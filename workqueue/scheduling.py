@@ -6,7 +6,9 @@ which the README states for users:
 
 - A slot is published by whichever host's scheduler sees it first; every other host's publish
   of that slot is a ``Duplicate``, because each slot has its own deduplication key
-  (``wq.schedule:<name>:<slot in UTC>``) and message id.
+  (``wq.schedule:<name>:<slot in UTC>``) and message id. The message id is keyed with the
+  deployment's ``SECRET_KEY``: the same on every host, and unguessable to a publisher who
+  knows the schedule's name and cron (see ``slot_message_id``).
 - A scheduler publishes only the *latest* slot at or before now. After downtime the slots
   missed meanwhile are not caught up: the latest one is published once, the earlier ones never.
 - A slot stays publishable until the next slot, and at most ``MAX_LATENESS`` (30 days, the
@@ -27,6 +29,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
+from django.utils.crypto import salted_hmac
 
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.publishing import RESERVED_DEDUPLICATION_PREFIX, OutgoingMessage, message_problem
@@ -36,8 +39,8 @@ MAX_LATENESS = dt.timedelta(days=30)
 #: The shortest deduplication window publish accepts.
 MIN_WINDOW = dt.timedelta(seconds=60)
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
-# Message ids of slots: uuid5 of "<name>:<slot>" in this namespace, the same on every host.
-SLOT_NAMESPACE = uuid.UUID("7b0c2f5e-4f1a-4c55-9d0e-2f6c3d1a9b80")
+# The unkeyed slot ids of earlier releases: uuid5 of the slot's deduplication key here.
+PREVIOUS_SLOT_NAMESPACE = uuid.UUID("7b0c2f5e-4f1a-4c55-9d0e-2f6c3d1a9b80")
 _REQUIRED = ("name", "cron", "topic")
 _OPTIONAL = ("timezone", "payload", "partition_key", "attributes", "priority")
 
@@ -49,6 +52,9 @@ class Slot:
     at: dt.datetime
     deduplication_key: str
     message_id: str
+    #: The id a host of an earlier release gives the slot (during a rolling upgrade, the slot
+    #: may be published under it): the scheduler takes it for its own too.
+    previous_message_id: str
     #: Seconds the slot's deduplication key must live: from its publish (at or after the slot)
     #: until the slot stops being publishable.
     deduplication_ttl: int
@@ -97,9 +103,22 @@ class Schedule:
         return Slot(
             at=at_utc,
             deduplication_key=key,
-            message_id=str(uuid.uuid5(SLOT_NAMESPACE, key)),
+            message_id=slot_message_id(key),
+            previous_message_id=str(uuid.uuid5(PREVIOUS_SLOT_NAMESPACE, key)),
             deduplication_ttl=int(window.total_seconds()),
         )
+
+
+def slot_message_id(deduplication_key: str) -> str:
+    """The message id of the slot with ``deduplication_key``: an HMAC of it under the
+    deployment's ``SECRET_KEY``, so every host agrees on it and nobody else can work it out.
+    Derived in the open (uuid5, until this release), anyone who could publish to any topic
+    could take a slot's id first: the scheduler's publish was then refused (another topic:
+    MessageIDConflict, the slot never ran) or, on the schedule's own topic with the same
+    payload, taken for the slot itself (a Duplicate) while the squatter's copy was due days
+    later."""
+    digest = salted_hmac("workqueue.scheduling.slot", deduplication_key, algorithm="sha256")
+    return str(uuid.UUID(bytes=digest.digest()[:16], version=4))
 
 
 def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:

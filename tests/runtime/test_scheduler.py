@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,6 +114,65 @@ def test_a_slot_whose_key_another_publisher_holds_is_reported_not_taken_for_publ
     assert result.published == {}
     assert f"its deduplication key is held by message {squatter.message_id}" in caplog.text
     assert "report slot 2026-07-02T01:00:00+00:00 was not published" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["another topic", "the schedule's topic"])
+def test_a_publisher_who_knows_the_schedule_cannot_take_its_slot_first(topic_name, where):
+    """Audit helper-88: a slot's message id was uuid5 of its deduplication key in a namespace
+    the package publishes, so an API key that may publish to any topic could publish the next
+    slots' ids first: on another topic the scheduler's publish was refused (MessageIDConflict,
+    the slot never ran); on the schedule's own topic, with the same payload and a due time days
+    away, the scheduler took the squatter's message for its slot (a Duplicate, nothing
+    logged). Slot ids are keyed with SECRET_KEY now."""
+    other = TopicFactory()
+    SubscriptionFactory(topic=other)
+    slot_key = "wq.schedule:report:2026-07-02T01:00:00+00:00"
+    guessed = str(uuid.uuid5(uuid.UUID("7b0c2f5e-4f1a-4c55-9d0e-2f6c3d1a9b80"), slot_key))
+    squatted_topic = other.name if where == "another topic" else topic_name
+    squat = publish(
+        squatted_topic,
+        {"run": "report"},
+        message_id=guessed,
+        not_before=dt.datetime.now(UTC) + dt.timedelta(days=6),
+    )
+    assert squat.status == "Accepted"
+    clock = Clock(dt.datetime(2026, 7, 2, 1, 0, 5, tzinfo=UTC))
+    entries = [schedule(topic_name, "0 1 * * *", payload={"run": "report"})]
+
+    result = Scheduler(load_schedules(entries), clock=clock).run_once()
+
+    assert result.published == {"report": dt.datetime(2026, 7, 2, 1, 0, tzinfo=UTC)}
+    slot = Message.objects.filter(topic__name=topic_name).exclude(pk=guessed).get()
+    assert Delivery.objects.get(message=slot).visible_at <= dt.datetime.now(UTC)
+
+
+def test_slot_ids_are_keyed_with_the_secret_key_and_an_earlier_releases_id_is_taken_as_its_own(
+    topic_name, settings, caplog
+):
+    """Every host of one deployment gives a slot the same id (they share SECRET_KEY); a slot
+    that a host of the previous release published during a rolling upgrade, under its
+    unkeyed id, is that slot's publish, not a squatter's (no error for it)."""
+    entries = load_schedules([schedule(topic_name, "0 1 * * *")])
+    now = dt.datetime(2026, 7, 2, 1, 0, 5, tzinfo=UTC)
+    slot = entries[0].latest_slot(now)
+    assert entries[0].latest_slot(now) == slot
+    settings.SECRET_KEY = "another deployment's key " * 3
+    assert entries[0].latest_slot(now).message_id != slot.message_id
+    settings.SECRET_KEY = "x" * 60  # back to one key for the rest
+    slot = entries[0].latest_slot(now)
+    publish(
+        topic_name,
+        None,
+        message_id=slot.previous_message_id,
+        deduplication_key=slot.deduplication_key,
+        deduplication_ttl=slot.deduplication_ttl,
+    )
+
+    with caplog.at_level(logging.ERROR, logger="workqueue.runtime.scheduler"):
+        result = Scheduler(entries, clock=Clock(now)).run_once()
+
+    assert (result.published, result.duplicates) == ({}, {"report": slot.at})
+    assert caplog.text == ""
 
 
 def test_after_downtime_only_the_latest_missed_slot_is_published(topic_name):
