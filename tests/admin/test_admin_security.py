@@ -6,6 +6,7 @@ driver's own connection: these tests use committed data.
 
 from __future__ import annotations
 
+import datetime as dt
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +15,7 @@ from django.contrib import admin
 from django.contrib.admin.views.main import ChangeList
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory, TransportFactory, UserFactory
 from tests.support.queue import dead_letter
@@ -444,3 +446,51 @@ def test_only_a_superuser_sets_where_a_transport_sends_messages(client, admin_cl
     assert transport.configuration == before
     page = admin_client.get(_url("workqueue_transport_change", transport.pk))
     assert "configuration" in page.context["adminform"].form.fields
+
+
+def test_a_key_owner_brings_an_expiry_forward_but_cannot_revive_or_extend_their_key(client, keys):
+    """Audit helper-88: the change form took any expiry: an owner allowed to edit their keys
+    (not to add one) revived their expired key, or set an expiry of 2999, past the 10 years
+    issuing a key allows."""
+    own = keys["own"]
+    expired = timezone.now() - dt.timedelta(days=1)
+    ApiKey.objects.filter(pk=own.pk).update(expires_at=expired)
+    client.force_login(keys["keymaker"])
+    change = _url("workqueue_apikey_change", own.pk)
+
+    for refused in ({"expires_at_0": "2999-01-01", "expires_at_1": "00:00:00"}, {}):
+        answered = client.post(change, _key_form(**refused))
+        assert answered.status_code == 200  # the form again, with the error
+        assert "expires_at" in answered.context["adminform"].form.errors
+    own.refresh_from_db()
+    assert own.expires_at == expired and not own.is_active
+
+    soon = timezone.now() + dt.timedelta(days=3)
+    ApiKey.objects.filter(pk=own.pk).update(expires_at=soon)
+    earlier = (timezone.now() + dt.timedelta(days=1)).replace(microsecond=0)
+    moved = client.post(
+        change,
+        _key_form(
+            expires_at_0=earlier.astimezone(timezone.get_current_timezone()).date().isoformat(),
+            expires_at_1=earlier.astimezone(timezone.get_current_timezone()).time().isoformat(),
+        ),
+    )
+    assert moved.status_code == 302, moved.context and moved.context["adminform"].form.errors
+    own.refresh_from_db()
+    assert own.expires_at == earlier
+
+
+def test_a_superuser_may_extend_an_expiry_up_to_ten_years(admin_client, keys):
+    own = keys["own"]
+    ApiKey.objects.filter(pk=own.pk).update(expires_at=timezone.now() - dt.timedelta(days=1))
+    change = _url("workqueue_apikey_change", own.pk)
+
+    too_far = admin_client.post(
+        change, _key_form(expires_at_0="2999-01-01", expires_at_1="00:00:00")
+    )
+    extended = admin_client.post(change, _key_form())  # no expiry
+
+    assert "expires_at" in too_far.context["adminform"].form.errors
+    assert extended.status_code == 302
+    own.refresh_from_db()
+    assert own.expires_at is None

@@ -460,6 +460,31 @@ def test_replay_with_a_note_over_1000_characters_is_400_and_changes_nothing(clie
     assert status_of(delivery_id) == "DeadLettered"
 
 
+@pytest.mark.parametrize(
+    ("action", "body"),
+    [
+        ("replay", {"Note": "INC-512: the API is back"}),
+        ("replay", ["INC-512"]),
+        ("replay", "INC-512"),
+        ("discard", {"reason": "duplicate order", "dryRun": True}),
+        ("discard", ["duplicate order"]),
+    ],
+    ids=["misspelt note", "replay list", "replay text", "discard dry run", "discard list"],
+)
+def test_a_replay_or_discard_body_it_cannot_read_is_400_and_changes_nothing(client, action, body):
+    """Audit helper-88: unknown fields and bodies that are no object were dropped, and the
+    action went ahead: a replay without its audit note, a discard asked as a dry run done for
+    real."""
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+    path = replay_path(sub, delivery_id) if action == "replay" else discard_path(sub, delivery_id)
+
+    response = call(client, "post", path, body, key=operator())
+
+    assert response.status_code == 400, response.content
+    assert status_of(delivery_id) == "DeadLettered"
+
+
 def test_replay_on_an_unknown_subscription_is_404(client):
     sub = SubscriptionFactory(name="real.sub")
     delivery_id = dead_letter(sub)

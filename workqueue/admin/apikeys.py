@@ -8,6 +8,7 @@ would widen or cut off what someone else relies on.
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from django import forms
@@ -82,9 +83,34 @@ class ApiKeyCreateForm(_KeyLimitsForm):
 
 
 class ApiKeyChangeForm(_KeyLimitsForm):
+    #: Whether the editor may move an expiry later or remove it (ApiKeyAdmin.get_form sets it:
+    #: superusers, who may issue any key anyway).
+    may_extend_expiry = False
+
     class Meta:
         model = ApiKey
         fields = ["name", "scopes", "topics", "subscriptions", "expires_at"]
+
+    def clean_expires_at(self) -> Any:
+        # Any date was taken: an owner allowed to edit their keys but not to add one revived
+        # their expired key, or set an expiry of 2999, past what issuing a key allows.
+        expires_at = self.cleaned_data.get("expires_at")
+        latest = timezone.now() + dt.timedelta(days=MAX_EXPIRES_DAYS)
+        if expires_at is not None and expires_at > latest:
+            raise forms.ValidationError(
+                f"An expiry is at most {MAX_EXPIRES_DAYS:,} days away; leave it empty for none."
+            )
+        issued = self.instance.expires_at  # the stored one: the form is not applied yet
+        if (
+            not self.may_extend_expiry
+            and issued is not None
+            and (expires_at is None or expires_at > issued)
+        ):
+            raise forms.ValidationError(
+                "An expiry can be brought forward, not moved later or removed (a superuser "
+                "can): to keep using the API past it, ask for a new key."
+            )
+        return expires_at
 
 
 class KeyStateFilter(admin.SimpleListFilter):
@@ -188,7 +214,9 @@ class ApiKeyAdmin(DeclaredFiltersAdmin):
     ) -> Any:
         if obj is None:
             kwargs["form"] = self.add_form
-        return super().get_form(request, obj, change=change, **kwargs)
+            return super().get_form(request, obj, change=change, **kwargs)
+        form = super().get_form(request, obj, change=change, **kwargs)
+        return type(form.__name__, (form,), {"may_extend_expiry": request.user.is_superuser})
 
     def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
         return {"owner": request.user.pk, **super().get_changeform_initial_data(request)}

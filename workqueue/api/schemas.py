@@ -207,6 +207,10 @@ class BacklogOut(_Out):
 
 
 class ReplayIn(Schema):
+    # Unknown fields refused, as in every request: a misspelt "Note" was dropped, and the
+    # replay went ahead without its audit note.
+    model_config = ConfigDict(extra="forbid")
+
     note: str | None = Field(default=None, description="At most 1000 characters.")
 
 
@@ -216,6 +220,10 @@ class ReplayOut(_Out):
 
 
 class DiscardIn(Schema):
+    # Unknown fields refused: {"reason": ..., "dryRun": true} discarded for real (only the bulk
+    # discards have a dry run).
+    model_config = ConfigDict(extra="forbid")
+
     reason: str = Field(description="Why the delivery is discarded; at most 1000 characters.")
 
 
