@@ -179,6 +179,22 @@ def test_a_retry_on_the_last_attempt_dead_letters_with_max_attempts_exceeded_and
     ]
 
 
+def test_max_attempts_raised_since_the_plan_was_read_gives_the_last_attempt_a_retry(
+    rig, dead_letters
+):
+    """Audit helper-89: raising max_attempts (an outage's usual remedy) reached a host at its
+    next re-plan, up to RECONCILE_INTERVAL_MS later; meanwhile it dead-lettered by the old
+    value work the operator had just given more attempts."""
+    sub = rig.subscription(max_attempts=1, backoff_base_seconds=0, backoff_max_seconds=0)
+    receiver, delivery = rig.claim(sub, {"then": "retry", "reason": "downstream 503"})
+    execution = rig.execution(sub, receiver, delivery)  # its plan says 1
+    Subscription.objects.filter(pk=sub.pk).update(max_attempts=5)
+
+    result = execution.run()
+
+    assert (result.status, row(delivery).status, dead_letters) == ("Pending", "Pending", [])
+
+
 def test_a_retry_before_the_last_attempt_does_not_send_the_dead_lettered_signal(rig, dead_letters):
     sub = rig.subscription(max_attempts=2)
 

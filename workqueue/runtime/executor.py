@@ -54,6 +54,7 @@ from workqueue.exceptions import (
     TransientDriverError,
     WorkQueueError,
 )
+from workqueue.models import Subscription
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import (
     AbortReason,
@@ -854,7 +855,7 @@ class DeliveryExecution:
                     decision.reason or "DeadLettered", decision.error, decision.exception
                 )
             error = decision.error or "Retry requested by handler"
-            if self.delivery.attempt >= self.plan.max_attempts:
+            if self.delivery.attempt >= self._max_attempts_now():
                 return self._dead_letter("MaxAttemptsExceeded", error, decision.exception)
             delay = retry_delay_seconds(
                 self.delivery.attempt,
@@ -880,6 +881,24 @@ class DeliveryExecution:
             # The row is left for lease expiry, which retries or dead-letters it.
             self.log.error("Delivery settle failed (%s): %s", self._where, exc)
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
+
+    def _max_attempts_now(self) -> int:
+        """The subscription's ``max_attempts``: the plan's, unless the plan says this attempt
+        is the last, when the stored value decides. Raising it is an outage's usual remedy,
+        and a host decided by the plan it read up to RECONCILE_INTERVAL_MS before, so it
+        dead-lettered work the operator had just given more attempts (lease expiry, in the
+        database, went by the new value)."""
+        if self.delivery.attempt < self.plan.max_attempts:
+            return self.plan.max_attempts
+        try:
+            stored = (
+                Subscription.objects.filter(pk=self.plan.subscription_id)
+                .values_list("max_attempts", flat=True)
+                .first()
+            )
+        except DatabaseError:
+            return self.plan.max_attempts  # the plan's word, as before the read was made
+        return stored or self.plan.max_attempts
 
     def _completed_by_handler(self, decision: _Decision) -> ExecutionResult:
         """The handler's own transaction completed the delivery (or will, with the outer
