@@ -161,6 +161,34 @@ def test_a_limited_key_sees_hosts_only_through_its_subscriptions_without_names_o
     assert again["hosts"][0]["instanceId"] == shown["instanceId"]
 
 
+def test_a_limited_key_reads_why_a_subscription_fails_without_the_errors_text(client):
+    """Audit helper-88: a host records why a subscription is not claiming with the error's text,
+    which can name the database's host and address: /health passed it to keys it shows no
+    hostname to."""
+    failing = (
+        "Not claiming: receive failed: connection to server at "
+        '"db-primary.internal" (10.20.30.40), port 5432 failed: Connection refused'
+    )
+    host(
+        "db-worker-7:4242:aaaa1111",
+        ["mine.sub"],
+        "db-worker-7",
+        4242,
+        subscriptions=[
+            {"name": "mine.sub", "state": "Error", "reason": failing, "in_flight": 0},
+        ],
+    )
+
+    limited = call(client, "get", "/health", key=limited_reader()).json()
+    unrestricted = call(client, "get", "/health", key=unrestricted_reader()).json()
+
+    (shown,) = limited["subscriptions"]
+    assert shown["reason"].startswith("Not claiming: receive failed (")
+    for secret in ["db-primary", "10.20.30.40"]:
+        assert secret not in json.dumps(limited), secret
+    assert unrestricted["subscriptions"][0]["reason"] == failing
+
+
 def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts):
     body = call(client, "get", "/health", key=unrestricted_reader()).json()
 

@@ -11,7 +11,7 @@ from ninja import Router
 
 from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
-from workqueue.models.hosts import SERVING_STATES
+from workqueue.models.hosts import SERVING_STATES, reason_without_error
 from workqueue.operators import operations
 from workqueue.operators.display import host_pseudonym
 from workqueue.operators.permissions import READ, Actor, require
@@ -47,6 +47,9 @@ def health(request: HttpRequest) -> dict[str, Any]:
         entries = [e for e in record.subscription_entries() if _visible(actor, e["name"])]
         if limited and not entries:
             continue
+        if limited:
+            for entry in entries:
+                entry["reason"] = reason_without_error(entry["reason"])
         # Machine names and process ids map the deployment (and the instance id is made of
         # them): only callers who may see every subscription get them.
         hosts.append(

@@ -13,6 +13,22 @@ STALE_AFTER = dt.timedelta(seconds=45)
 #: purpose (the subscription, its topic or its transport is Paused or Disabled: its work waits).
 #: The others: HandlerNotRegistered, Unsupported, Error.
 SERVING_STATES = frozenset({"Running", "Paused"})
+#: Reasons a host records with an error's text after them (``"<headline>: <error>"``). That text
+#: can name the database's host and address, or an AWS queue's URL: a caller limited to named
+#: subscriptions, which is not shown the deployment's hosts, reads the headline alone.
+CLAIM_LOOP_FAILED = "Claim loop failed"
+RECEIVE_FAILED = "Not claiming: receive failed"
+RATE_TOKENS_FAILED = "Not claiming: taking rate-limit tokens failed"
+START_FAILED = "Consumer could not start"
+_ERROR_HEADLINES = (CLAIM_LOOP_FAILED, RECEIVE_FAILED, RATE_TOKENS_FAILED, START_FAILED)
+
+
+def reason_without_error(reason: str) -> str:
+    """``reason`` with the error text a host recorded after its headline left out."""
+    for headline in _ERROR_HEADLINES:
+        if reason.startswith(f"{headline}: "):
+            return f"{headline} (the error is shown to callers not limited to subscriptions)"
+    return reason
 
 
 def database_now() -> dt.datetime:

@@ -21,6 +21,7 @@ from typing import Any
 
 from workqueue import metrics
 from workqueue.exceptions import WorkQueueError
+from workqueue.models.hosts import CLAIM_LOOP_FAILED, RATE_TOKENS_FAILED, RECEIVE_FAILED
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
     DeliveryExecution,
@@ -502,7 +503,7 @@ class Consumer:
                     self._loop()
                     return
                 except Exception as exc:
-                    delay = self._failed(f"Claim loop failed: {exc!r}")
+                    delay = self._failed(f"{CLAIM_LOOP_FAILED}: {exc!r}")
                     logger.exception(
                         "%s: the claim loop failed; restarting it in %.1f s", self.plan.name, delay
                     )
@@ -621,7 +622,7 @@ class Consumer:
                 logger.warning(
                     "%s: not claiming until the database answers again: %s", self.plan.name, exc
                 )
-            self._failed(f"Not claiming: taking rate-limit tokens failed: {exc}")
+            self._failed(f"{RATE_TOKENS_FAILED}: {exc}")
             self._stopping.wait(max_wait)
             return 0
         if not granted:
@@ -713,7 +714,7 @@ class Consumer:
                 logger.warning(
                     "%s: not claiming until the database answers again: %s", self.plan.name, exc
                 )
-            self._failed(f"Not claiming: receive failed: {exc}")
+            self._failed(f"{RECEIVE_FAILED}: {exc}")
             result = ClaimResult([])
         else:
             claimed_in = time.monotonic() - began

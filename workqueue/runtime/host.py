@@ -27,6 +27,7 @@ from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.models.hosts import START_FAILED
 from workqueue.runtime.consumer import (
     Consumer,
     ConsumerConfig,
@@ -544,7 +545,7 @@ class Host:
         attempts = previous.attempts + 1 if previous else 1
         delay = restart_delay_seconds(attempts)
         self._start_failures[entry.name] = StartFailure(
-            f"Consumer could not start: {exc!r}", attempts, time.monotonic() + delay
+            f"{START_FAILED}: {exc!r}", attempts, time.monotonic() + delay
         )
         # Called from the except block that caught ``exc``: the log carries its traceback.
         logger.exception(
