@@ -16,6 +16,8 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -153,21 +155,25 @@ _ALERTS = Path(__file__).resolve().parents[2] / "docs" / "prometheus-alerts.yaml
 _HOLDER_QUERY = re.search(r"`(SELECT l\.pid.*?)`", _ALERTS.read_text(), re.S)[1]
 
 
-def test_a_second_sweeper_skips_its_pass_while_another_holds_the_lock(pg_conn):
+@contextmanager
+def sweep_lock_held_elsewhere(pg_conn: Any, seconds: float = 10) -> Iterator[int]:
+    """Hold the sweep lock on another thread (another connection) for the block, or at most
+    ``seconds``; yields the holding session's pid."""
     holding, release = threading.Event(), threading.Event()
-    lock_pid = None
+    holder_pid: list[int] = []
 
     def hold() -> None:
-        nonlocal lock_pid
         try:
             with transport.sweep_lock() as acquired:
                 assert acquired
-                [(lock_pid,)] = pg_conn.execute(
-                    "SELECT pid FROM pg_stat_activity WHERE query LIKE '%wq_try_sweep_lock%' "
-                    "AND pid <> pg_backend_pid()"
-                ).fetchall()
+                holder_pid.extend(
+                    pg_conn.execute(
+                        "SELECT pid FROM pg_stat_activity "
+                        "WHERE query LIKE '%wq_try_sweep_lock%' AND pid <> pg_backend_pid()"
+                    ).fetchone()
+                )
                 holding.set()
-                release.wait(10)
+                release.wait(seconds)
         finally:
             get_driver().close()
 
@@ -175,13 +181,18 @@ def test_a_second_sweeper_skips_its_pass_while_another_holds_the_lock(pg_conn):
     holder.start()
     try:
         assert holding.wait(10)
+        yield holder_pid[0]
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def test_a_second_sweeper_skips_its_pass_while_another_holds_the_lock(pg_conn):
+    with sweep_lock_held_elsewhere(pg_conn) as lock_pid:
         assert Sweeper().run_once().skipped
         # The query the alert for a held sweep lock gives finds the holder first.
         [found, *_] = pg_conn.execute(_HOLDER_QUERY).fetchall()
         assert found[0] == lock_pid
-    finally:
-        release.set()
-        holder.join(10)
     assert not Sweeper().run_once().skipped  # and the next pass runs
 
 
@@ -190,27 +201,10 @@ def test_the_sweep_lock_outlives_a_flush_of_its_row(pg_conn):
     the first sweeper to miss it puts it back and holds it, and a second one meanwhile skips its
     pass at once instead of waiting for the first's to end."""
     pg_conn.execute("DELETE FROM workqueue_sweep_lock")
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        try:
-            with transport.sweep_lock() as acquired:
-                assert acquired
-                holding.set()
-                release.wait(30)
-        finally:
-            get_driver().close()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10)
+    with sweep_lock_held_elsewhere(pg_conn, seconds=30):
         began = time.monotonic()
         assert Sweeper().run_once().skipped
         assert time.monotonic() - began < 20  # did not wait for the holder's 30 s
-    finally:
-        release.set()
-        holder.join(10)
     assert not Sweeper().run_once().skipped
     assert pg_conn.execute("SELECT id FROM workqueue_sweep_lock").fetchall() == [(1,)]
 

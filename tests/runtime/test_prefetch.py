@@ -185,16 +185,7 @@ def test_a_delivery_claimed_ahead_behind_a_handler_that_outlives_its_lease_runs_
     s = sub(lease_seconds=5, max_attempts=1)
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=1000)
     host.start()
-    first = publish(s.topic.name, {"then": "complete"}).message_id
-    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
-    blocker, victim = [
-        r.message_id
-        for r in publish_many(
-            s.topic.name,
-            [{"payload": {"sleepMs": 12_000, "then": "complete"}}, {"payload": {}}],
-        )
-    ]
-    probe.wait_for(1, message_id=blocker)
+    blocker, victim = _a_blocker_and_one_claimed_ahead(s, {"sleepMs": 12_000, "then": "complete"})
 
     wait_until(lambda: status_of(blocker) == "Completed", timeout=30)
     wait_until(lambda: status_of(victim) != "InFlight", timeout=30)
@@ -239,21 +230,27 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
     assert len(releases) == 3
 
 
-def _a_blocker_and_one_claimed_ahead(subscription: Any) -> tuple[str, str]:
-    """Publish, to a running host with one slot, a handler that holds it for 30 s unless
-    aborted and one more; return their message ids once the second waits, claimed ahead."""
+def _a_blocker_and_one_claimed_ahead(
+    subscription: Any, blocker: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """Publish, to a running host with one slot, a handler that holds it (``blocker``, by
+    default for 30 s unless aborted) and one more; return their message ids once the second
+    waits, claimed ahead."""
     first = publish(subscription.topic.name, {"then": "complete"}).message_id
     wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
-    blocker, victim = [
+    blocker_id, victim = [
         r.message_id
         for r in publish_many(
             subscription.topic.name,
-            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}, {"payload": {}}],
+            [
+                {"payload": blocker or {"sleepMs": 30_000, "thenOnAbort": "complete"}},
+                {"payload": {}},
+            ],
         )
     ]
-    probe.wait_for(1, message_id=blocker)
+    probe.wait_for(1, message_id=blocker_id)
     wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
-    return blocker, victim
+    return blocker_id, victim
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")
