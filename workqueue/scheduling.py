@@ -29,6 +29,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
+from django.conf import settings
 from django.utils.crypto import salted_hmac
 
 from workqueue.exceptions import WorkQueueConfigurationError
@@ -52,12 +53,19 @@ class Slot:
     at: dt.datetime
     deduplication_key: str
     message_id: str
-    #: The id a host of an earlier release gives the slot (during a rolling upgrade, the slot
-    #: may be published under it): the scheduler takes it for its own too.
-    previous_message_id: str
+    #: The ids other hosts of this deployment may have published the slot under: keyed with a
+    #: key of ``SECRET_KEY_FALLBACKS`` (hosts not yet given a rotated key), or unkeyed, by a
+    #: host of an earlier release (during a rolling upgrade). The slot counts as published
+    #: under any of them.
+    other_message_ids: tuple[str, ...]
     #: Seconds the slot's deduplication key must live: from its publish (at or after the slot)
     #: until the slot stops being publishable.
     deduplication_ttl: int
+
+    @property
+    def own_message_ids(self) -> tuple[str, ...]:
+        """Every id the slot may have been published under by a host of this deployment."""
+        return (self.message_id, *self.other_message_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,20 +112,26 @@ class Schedule:
             at=at_utc,
             deduplication_key=key,
             message_id=slot_message_id(key),
-            previous_message_id=str(uuid.uuid5(PREVIOUS_SLOT_NAMESPACE, key)),
+            other_message_ids=(
+                *(slot_message_id(key, secret) for secret in settings.SECRET_KEY_FALLBACKS),
+                str(uuid.uuid5(PREVIOUS_SLOT_NAMESPACE, key)),
+            ),
             deduplication_ttl=int(window.total_seconds()),
         )
 
 
-def slot_message_id(deduplication_key: str) -> str:
+def slot_message_id(deduplication_key: str, secret: str | None = None) -> str:
     """The message id of the slot with ``deduplication_key``: an HMAC of it under the
-    deployment's ``SECRET_KEY``, so every host agrees on it and nobody else can work it out.
+    deployment's ``SECRET_KEY`` (or ``secret``), so every host agrees on it and nobody else can
+    work it out.
     Derived in the open (uuid5, until this release), anyone who could publish to any topic
     could take a slot's id first: the scheduler's publish was then refused (another topic:
     MessageIDConflict, the slot never ran) or, on the schedule's own topic with the same
     payload, taken for the slot itself (a Duplicate) while the squatter's copy was due days
     later."""
-    digest = salted_hmac("workqueue.scheduling.slot", deduplication_key, algorithm="sha256")
+    digest = salted_hmac(
+        "workqueue.scheduling.slot", deduplication_key, secret=secret, algorithm="sha256"
+    )
     return str(uuid.UUID(bytes=digest.digest()[:16], version=4))
 
 

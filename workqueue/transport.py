@@ -224,6 +224,24 @@ class Receiver:
             self.driver.call_rowcount("wq_release", _fence(delivery)), DeliveryStatus.PENDING
         )
 
+    def max_attempts(self, planned: int) -> int:
+        # Lease expiry (in the database) goes by the stored value, so a settle must too: raising
+        # it is an outage's usual remedy, and a host went by the plan it read up to
+        # RECONCILE_INTERVAL_MS before, dead-lettering work just given more attempts. Read
+        # through the ORM (the topology is a Django model on any vendor); only on a last
+        # attempt's failure, and the plan's word stands when the read fails.
+        from workqueue.models import Subscription
+
+        try:
+            stored = (
+                Subscription.objects.filter(pk=self.subscription_id)
+                .values_list("max_attempts", flat=True)
+                .first()
+            )
+        except Exception:
+            return planned
+        return stored or planned
+
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult:
         return _settled(
             self.driver.call_rowcount("wq_acknowledge_cancel", _fence(delivery)),

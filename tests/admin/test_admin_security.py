@@ -494,3 +494,22 @@ def test_a_superuser_may_extend_an_expiry_up_to_ten_years(admin_client, keys):
     assert extended.status_code == 302
     own.refresh_from_db()
     assert own.expires_at is None
+
+
+def test_a_key_whose_stored_expiry_is_past_the_limit_can_still_be_renamed(client, keys):
+    """Review helper-90: a key given 2999 before the limit was checked could not be saved at
+    all, whatever was changed."""
+    own = keys["own"]
+    far = dt.datetime(2999, 1, 1, tzinfo=dt.UTC)
+    ApiKey.objects.filter(pk=own.pk).update(expires_at=far)
+    client.force_login(keys["keymaker"])
+    shown = far.astimezone(timezone.get_current_timezone())
+
+    renamed = client.post(
+        _url("workqueue_apikey_change", own.pk),
+        _key_form(expires_at_0=shown.date().isoformat(), expires_at_1=shown.time().isoformat()),
+    )
+
+    assert renamed.status_code == 302, renamed.context["adminform"].form.errors
+    own.refresh_from_db()
+    assert (own.name, own.expires_at) == ("widened", far)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import OperationalError, connection, connections
+from django.db import InterfaceError, OperationalError, connection, connections
 
 from tests.factories import SubscriptionFactory
 from tests.support.executions import ExecutionRig
@@ -193,6 +193,24 @@ def test_max_attempts_raised_since_the_plan_was_read_gives_the_last_attempt_a_re
     result = execution.run()
 
     assert (result.status, row(delivery).status, dead_letters) == ("Pending", "Pending", [])
+
+
+@pytest.mark.parametrize("error", [OperationalError, InterfaceError])
+def test_the_plans_max_attempts_stands_when_the_stored_one_cannot_be_read(
+    rig, dead_letters, monkeypatch, error
+):
+    """Review helper-90: a closed connection (InterfaceError, no DatabaseError) made the read
+    raise out of the settle: the delivery was left to lease expiry, its error lost."""
+    sub = rig.subscription(max_attempts=1)
+
+    def unreadable(*args: Any, **kwargs: Any) -> Any:
+        raise error("connection already closed")
+
+    monkeypatch.setattr(Subscription.objects, "filter", unreadable)
+    result, delivery, _ = rig.run(sub, {"then": "retry", "reason": "still broken"})
+
+    assert (result.status, delivery.dead_letter_reason) == ("DeadLettered", "MaxAttemptsExceeded")
+    assert delivery.last_error == "still broken" and len(dead_letters) == 1
 
 
 def test_a_retry_before_the_last_attempt_does_not_send_the_dead_lettered_signal(rig, dead_letters):

@@ -193,7 +193,9 @@ def test_a_delivery_claimed_ahead_behind_a_handler_that_outlives_its_lease_runs_
     row = Delivery.objects.get(message_id=victim)
     assert (row.status, row.dead_letter_reason) == ("Completed", None)
     assert [r.attempt for r in probe.runs if r.message_id == victim] == [1]
-    assert releases, "it was never handed back while it waited"
+    # Handed back once, and not claimed ahead again while the slot stayed stalled (it was,
+    # every half lease, keeping it from idle hosts).
+    assert len(releases) == 1, releases
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")

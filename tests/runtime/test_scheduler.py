@@ -146,33 +146,44 @@ def test_a_publisher_who_knows_the_schedule_cannot_take_its_slot_first(topic_nam
     assert Delivery.objects.get(message=slot).visible_at <= dt.datetime.now(UTC)
 
 
-def test_slot_ids_are_keyed_with_the_secret_key_and_an_earlier_releases_id_is_taken_as_its_own(
-    topic_name, settings, caplog
+@pytest.mark.parametrize("publisher", ["a host without the rotated key", "an earlier release"])
+def test_a_slot_another_host_of_the_deployment_published_under_its_id_counts_as_published(
+    topic_name, settings, caplog, capsys, publisher
 ):
-    """Every host of one deployment gives a slot the same id (they share SECRET_KEY); a slot
-    that a host of the previous release published during a rolling upgrade, under its
-    unkeyed id, is that slot's publish, not a squatter's (no error for it)."""
-    entries = load_schedules([schedule(topic_name, "0 1 * * *")])
-    now = dt.datetime(2026, 7, 2, 1, 0, 5, tzinfo=UTC)
-    slot = entries[0].latest_slot(now)
-    assert entries[0].latest_slot(now) == slot
-    settings.SECRET_KEY = "another deployment's key " * 3
-    assert entries[0].latest_slot(now).message_id != slot.message_id
-    settings.SECRET_KEY = "x" * 60  # back to one key for the rest
-    slot = entries[0].latest_slot(now)
+    """Slot ids are keyed with SECRET_KEY, so hosts whose keys differ give a slot different
+    ids: during a key rotation (the old key in SECRET_KEY_FALLBACKS) and a rolling upgrade from
+    a release whose ids were unkeyed, a slot published under the other id is the slot's own
+    publish, not a squatter's (review helper-90: an ERROR each pass until the next slot, and
+    `workqueue schedules` saying unpublished)."""
+    entries = [schedule(topic_name, "0 * * * *")]  # hourly: one slot while the test runs
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    now = get_driver().database_now()
+    [current] = load_schedules(entries)
+    settings.SECRET_KEY = "the key before the rotation " * 3
+    before = current.latest_slot(now)
+    settings.SECRET_KEY = "the key after the rotation " * 3
+    if publisher == "an earlier release":
+        other_id = before.other_message_ids[-1]  # unkeyed: the same under any key
+    else:
+        settings.SECRET_KEY_FALLBACKS = ["the key before the rotation " * 3]
+        other_id = before.message_id
+    slot = current.latest_slot(now)
+    assert slot.message_id != other_id
     publish(
         topic_name,
         None,
-        message_id=slot.previous_message_id,
+        message_id=other_id,
         deduplication_key=slot.deduplication_key,
         deduplication_ttl=slot.deduplication_ttl,
     )
 
     with caplog.at_level(logging.ERROR, logger="workqueue.runtime.scheduler"):
-        result = Scheduler(entries, clock=Clock(now)).run_once()
+        result = Scheduler([current]).run_once()
+    call_command("workqueue", "schedules", "--json")
 
     assert (result.published, result.duplicates) == ({}, {"report": slot.at})
     assert caplog.text == ""
+    assert json.loads(capsys.readouterr().out)[0]["published"] is True
 
 
 def test_after_downtime_only_the_latest_missed_slot_is_published(topic_name):

@@ -95,12 +95,12 @@ class ApiKeyChangeForm(_KeyLimitsForm):
         # Any date was taken: an owner allowed to edit their keys but not to add one revived
         # their expired key, or set an expiry of 2999, past what issuing a key allows.
         expires_at = self.cleaned_data.get("expires_at")
-        latest = timezone.now() + dt.timedelta(days=MAX_EXPIRES_DAYS)
-        if expires_at is not None and expires_at > latest:
-            raise forms.ValidationError(
-                f"An expiry is at most {MAX_EXPIRES_DAYS:,} days away; leave it empty for none."
-            )
         issued = self.instance.expires_at  # the stored one: the form is not applied yet
+        latest = timezone.now() + dt.timedelta(days=MAX_EXPIRES_DAYS)
+        # A stored expiry past the limit (set before it was checked) is left as it is: the
+        # key's other fields can still be edited.
+        if expires_at is not None and expires_at != issued and expires_at > latest:
+            raise forms.ValidationError(f"An expiry is at most {MAX_EXPIRES_DAYS:,} days away.")
         if (
             not self.may_extend_expiry
             and issued is not None

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-import uuid
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -211,11 +210,12 @@ class SchedulesVerb(Verb):
             refused = Scheduler(schedules).run_once().refused
         now = get_driver(conf.DATABASE_ALIAS).database_now()
         slots = {s.name: s.latest_slot(now) for s in schedules}
-        published = set(
-            Message.objects.using(conf.DATABASE_ALIAS)
-            .filter(id__in=[slot.message_id for slot in slots.values() if slot])
+        published = {
+            str(message_id)
+            for message_id in Message.objects.using(conf.DATABASE_ALIAS)
+            .filter(id__in=[i for slot in slots.values() if slot for i in slot.own_message_ids])
             .values_list("id", flat=True)
-        )
+        }
         rows = [
             {
                 "name": s.name,
@@ -224,7 +224,7 @@ class SchedulesVerb(Verb):
                 "topic": s.topic,
                 "slot": slots[s.name].at if slots[s.name] else None,
                 "published": bool(slots[s.name])
-                and uuid.UUID(slots[s.name].message_id) in published,
+                and not published.isdisjoint(slots[s.name].own_message_ids),
                 "next_slot": s.next_slot_time(now),
             }
             for s in schedules

@@ -295,8 +295,9 @@ class SqlServerDriver(BaseDriver):
                 f"DENY INSERT, UPDATE, DELETE, ALTER ON dbo.{table} TO {quoted}"
                 for table in PROCEDURE_WRITTEN_TABLES
             ),
-            # A SELECT WITH (UPDLOCK) would hold the sweepers' lock: a role that reads every
-            # table (db_datareader) could stop every pass.
+            # A SELECT WITH (UPDLOCK) would hold the sweepers' lock: these roles may read every
+            # other table, but not this one. (A login in db_datareader that is none of them
+            # still could: keep such logins off the queue's database.)
             f"DENY SELECT ON dbo.{SWEEP_LOCK_TABLE} TO {quoted}",
         ]
 

@@ -10,6 +10,11 @@ on that table, so only the procedures can take it.
 ``wq_claim`` reads the subscription's topic and transport too: a Disabled topic or transport
 stops its subscriptions' claims at once, as a Paused subscription does, instead of at each
 host's next re-plan.
+
+Reversing this migration drops the table while the installed ``wq_try_sweep_lock`` still locks
+it (reversing a procedure migration never reinstalls older procedures): every sweep fails until
+the database is migrated forward again. The previous release runs on this schema, so a
+rollback keeps it.
 """
 
 from typing import Any

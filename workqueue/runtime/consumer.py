@@ -289,6 +289,10 @@ class Consumer:
         # For each of them, when it will have waited too long: nothing renews its lease while it
         # waits, and left until a slot frees, it may have expired (an attempt spent unrun).
         self._ready_timers: dict[tuple[str, str], Timer] = {}
+        # Set when one of them waited too long: every slot is held by handlers that outlive a
+        # lease, and what is claimed ahead would only go back again. Nothing is claimed ahead
+        # until a slot frees (else this host takes the handed-back delivery straight back).
+        self._slots_stalled = False
         # Claimed ahead, turned late waiting for a slot, and queued to be handed back on a
         # background thread; still counted as running until the release returns.
         self._late: dict[tuple[str, str], DeliveryExecution] = {}
@@ -655,7 +659,8 @@ class Consumer:
         """(how many deliveries a claim may take now, the most it could take when all is
         free); called with the lock held. Past the free slots, room to claim ahead while the
         running handlers are quick, nobody counts the deliveries (a one-shot run works on
-        what it claims, no more) and no rate limit is taken at the claim: ``prefetch`` at most,
+        what it claims, no more), no rate limit is taken at the claim and no delivery claimed
+        ahead has had to go back since a slot last freed: ``prefetch`` at most,
         and no more than the slots get through in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
         running_elsewhere = self._predecessors_running() if self._predecessors else 0
@@ -669,6 +674,7 @@ class Consumer:
             # A rate limit is taken at the claim: deliveries claimed ahead would keep piling
             # up while every slot hangs on a slow downstream, then all start at its recovery.
             or self.plan.rate_limited
+            or self._slots_stalled
             or self.budget is not None
             or handler_seconds is None
             or handler_seconds >= PREFETCH_HANDLER_SECONDS
@@ -793,6 +799,7 @@ class Consumer:
         else back to the loop."""
         late: list[DeliveryExecution] = []
         with self._lock:
+            self._slots_stalled = False
             previous = self._handler_seconds
             self._handler_seconds = (
                 handled_seconds
@@ -917,6 +924,7 @@ class Consumer:
                 return  # it took a slot, or stop() took it back
             self._ready.remove(execution)
             self._late[execution.key] = execution
+            self._slots_stalled = True
         self._background.run_or_call(self._hand_back, execution)
 
     def _hand_back(self, execution: DeliveryExecution) -> None:

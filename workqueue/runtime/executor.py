@@ -54,7 +54,6 @@ from workqueue.exceptions import (
     TransientDriverError,
     WorkQueueError,
 )
-from workqueue.models import Subscription
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import (
     AbortReason,
@@ -884,21 +883,11 @@ class DeliveryExecution:
 
     def _max_attempts_now(self) -> int:
         """The subscription's ``max_attempts``: the plan's, unless the plan says this attempt
-        is the last, when the stored value decides. Raising it is an outage's usual remedy,
-        and a host decided by the plan it read up to RECONCILE_INTERVAL_MS before, so it
-        dead-lettered work the operator had just given more attempts (lease expiry, in the
-        database, went by the new value)."""
+        is the last, when the transport says what it goes by now (a value raised since the
+        plan was read gives the attempt a retry; see ``TransportReceiver.max_attempts``)."""
         if self.delivery.attempt < self.plan.max_attempts:
             return self.plan.max_attempts
-        try:
-            stored = (
-                Subscription.objects.filter(pk=self.plan.subscription_id)
-                .values_list("max_attempts", flat=True)
-                .first()
-            )
-        except DatabaseError:
-            return self.plan.max_attempts  # the plan's word, as before the read was made
-        return stored or self.plan.max_attempts
+        return self.services.receiver.max_attempts(self.plan.max_attempts)
 
     def _completed_by_handler(self, decision: _Decision) -> ExecutionResult:
         """The handler's own transaction completed the delivery (or will, with the outer

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import decimal
 import numbers
 from dataclasses import dataclass
+
+from django.utils.functional import Promise
 
 from workqueue.exceptions import WorkQueueError
 
@@ -13,7 +16,9 @@ def _checked_seconds(value: object, name: str) -> float | None:
     the handler builds its outcome: the delivery is then retried after the subscription's
     backoff with this error as its last error, instead of its settle failing later and the
     delivery waiting out its lease."""
-    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+    if value is None or (
+        isinstance(value, numbers.Real | decimal.Decimal) and not isinstance(value, bool)
+    ):
         return value  # type: ignore[return-value]
     raise TypeError(
         f"{name} must be a number of seconds or None, not {type(value).__name__} {value!r} "
@@ -34,6 +39,8 @@ class Outcome:
     DEAD_LETTER = "DeadLetter"
 
     def __post_init__(self) -> None:
+        if isinstance(self.reason, Promise):  # a translated reason (gettext_lazy)
+            object.__setattr__(self, "reason", str(self.reason))
         if self.reason is not None and not isinstance(self.reason, str):
             raise TypeError(
                 f"an Outcome's reason must be text or None, not {type(self.reason).__name__} "

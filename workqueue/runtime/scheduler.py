@@ -73,14 +73,15 @@ class Scheduler:
                 )
             elif published.status == PublishStatus.DUPLICATE:
                 result.duplicates[schedule.name] = slot.at
-                if published.message_id not in (slot.message_id, slot.previous_message_id):
+                if published.message_id not in slot.own_message_ids:
                     # Not another host's publish of this slot (it has the slot's own id): a
                     # message of some other publisher holds the slot's key, so the slot's
                     # message was not stored.
                     logger.error(
                         "Scheduler: schedule %s slot %s was not published: its deduplication "
                         "key is held by message %s, which no scheduler with this host's "
-                        "SECRET_KEY published (hosts of one deployment must share it)",
+                        "SECRET_KEY (or SECRET_KEY_FALLBACKS) published: hosts of one "
+                        "deployment must share the key",
                         schedule.name,
                         slot.at.isoformat(),
                         published.message_id,

@@ -729,6 +729,12 @@ class AwsReceiver:
             lambda: self._set_visibility(delivery, min(delay_seconds, max(left, 0))),
         )
 
+    def max_attempts(self, planned: int) -> int:
+        # The receive path dead-letters by the binding's value, read at the last re-plan (and
+        # SQS's redrive by the queue's, set when it was provisioned): going by a newer one here
+        # would retry a message that its next receive then dead-letters without running it.
+        return planned
+
     def release(self, delivery: ClaimedDelivery) -> SettleResult:
         """Give the message back at once, and its attempt with it, as the Database transport
         does. SQS counts every receive (making the message visible again would spend the

@@ -83,6 +83,12 @@ class TransportReceiver(Protocol):
 
     def release(self, delivery: ClaimedDelivery) -> SettleResult: ...
 
+    def max_attempts(self, planned: int) -> int:
+        """The subscription's ``max_attempts`` as this transport goes by it now, asked when the
+        plan (``planned``, read at the last re-plan) says a failed attempt is the last: a
+        transport whose own rules read the stored value answers that one."""
+        ...
+
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult: ...
 
     def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:

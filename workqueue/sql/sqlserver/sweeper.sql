@@ -180,12 +180,22 @@ BEGIN
     IF @acquired = 0
     BEGIN
         -- Held by another sweeper, or gone (a `flush` empties every table): put it back, and
-        -- then it is this transaction's. Two sweepers that both find it gone race here: one
-        -- fails its pass on the key, and its next pass finds the row.
-        INSERT INTO dbo.workqueue_sweep_lock (id)
-        SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM dbo.workqueue_sweep_lock WHERE id = 1);
-        IF @@ROWCOUNT = 1
-            SET @acquired = 1;
+        -- then it is this transaction's. A sweeper putting it back right now keeps it: this
+        -- one waits at most 50 ms for it (error 1222) or finds its key taken (2627), and skips
+        -- its pass, rather than wait for the other's pass to end. Both errors end only the
+        -- statement once XACT_ABORT is off (both settings end with the procedure).
+        SET XACT_ABORT OFF;
+        SET LOCK_TIMEOUT 50;
+        BEGIN TRY
+            INSERT INTO dbo.workqueue_sweep_lock (id)
+            SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM dbo.workqueue_sweep_lock WHERE id = 1);
+            IF @@ROWCOUNT = 1
+                SET @acquired = 1;
+        END TRY
+        BEGIN CATCH
+            IF ERROR_NUMBER() NOT IN (1222, 2601, 2627) OR XACT_STATE() <> 1
+                THROW;
+        END CATCH;
     END;
 
     -- result set
