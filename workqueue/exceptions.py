@@ -101,9 +101,10 @@ class Cancelled(LeaseLost):
 
 
 class EnlistError(WorkQueueError):
-    """``context.complete(enlist=True)`` cannot settle inside a transaction here: none is open
-    on the work queue's database alias, the transaction is on another alias, the handler has
-    already returned, or the delivery was already completed. The message names the fix."""
+    """``context.complete(enlist=True)`` or ``publish(..., enlist=True)`` cannot join a
+    transaction here: none is open on the work queue's database alias, the transaction is on
+    another alias, or (a completion) the handler has already returned or the delivery was
+    already completed. The message names the fix."""
 
 
 class UnsupportedDatabaseError(WorkQueueConfigurationError):

@@ -37,6 +37,7 @@ from workqueue.exceptions import (
     WorkQueueError,
 )
 from workqueue.payload_ref import stored_payload_ref
+from workqueue.runtime.enlisted import open_transaction
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -303,7 +304,18 @@ def publish(
     ``chosen_message_ids`` are the ids the publisher chose (the others were made for this
     call)."""
     driver = get_driver(alias)
-    connection = connections[alias] if enlist else None
+    # Enlisted, it joins the caller's open transaction on the queue's alias; with none there
+    # (no block at all, or a block on another alias) it committed at once, and a rollback of
+    # the caller's block left it published.
+    connection = (
+        open_transaction(
+            alias,
+            "publish(..., enlist=True)",
+            "Without enlist=True a publish commits at once on its own connection.",
+        )
+        if enlist
+        else None
+    )
     procedure, params = publish_call(topic, prepared, publisher, external)
     for attempt in range(1, TRANSIENT_RETRIES + 2):
         try:

@@ -215,6 +215,9 @@ class ClaimResult:
 class LeaseExtension:
     state: str
     lease_expires_at: dt.datetime | None = None
+    #: Seconds the renewal granted, when the transport gave less than a whole lease (SQS stops
+    #: at 12 hours from the receive): the holder's own view of its lease ends there too.
+    granted_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

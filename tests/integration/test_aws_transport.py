@@ -1326,6 +1326,23 @@ def test_a_retry_asking_past_twelve_hours_hides_the_message_as_long_as_sqs_allow
     assert 43_200 - 30 <= visibility <= 43_200 - 11  # 12 h after the receive, less a margin
 
 
+def test_a_heartbeat_near_twelve_hours_from_the_receive_renews_what_sqs_allows(aws):
+    """Audit helper-92: each heartbeat asked SQS for a whole lease from now, past 12 hours from
+    the receive, which SQS refuses: the refusal read as a lost lease, so a 12-hour lease was
+    lost at its first heartbeat. A renewal now grants what is left, and says so."""
+    subscription = provisioned(aws, lease_seconds=43_200)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    time.sleep(1.1)  # the handler ran a second
+
+    extension = holder.extend_lease(delivery)
+
+    assert extension.state == "Held", extension
+    assert 43_200 - 30 <= extension.granted_seconds <= 43_200 - 11
+    assert holder.complete(delivery).settled
+
+
 @pytest.fixture
 def rig() -> Iterator[ExecutionRig]:
     probe.reset()

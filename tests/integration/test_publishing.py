@@ -5,10 +5,14 @@ import time
 import uuid
 
 import pytest
+from django.conf import settings
 from django.db import connection, transaction
+from django.test import override_settings
 
 from tests.factories import SubscriptionFactory, TopicFactory
+from tests.support.routers import QUEUE_ALIAS
 from workqueue import publish, publish_many
+from workqueue.exceptions import EnlistError
 from workqueue.models import Deduplication, Delivery, Message, Topic
 from workqueue.transport import Receiver
 from workqueue.types import MAX_PAYLOAD_BYTES
@@ -261,3 +265,38 @@ def test_a_deduplication_window_in_a_long_transaction_runs_from_the_publish_call
     assert result.accepted and called - began >= dt.timedelta(seconds=2)
     ledger = Deduplication.objects.get(topic=topic, deduplication_key="order-1")
     assert ledger.expires_at >= called + dt.timedelta(seconds=60)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["publish", "publish_many"])
+def test_an_enlisted_publish_with_no_transaction_to_join_raises_and_stores_nothing(many):
+    """Audit helper-91: outside any transaction an enlisted publish committed at once, as if
+    it had not been enlisted; the completion's twin raised. The caller meant it to commit or
+    roll back with its changes, so it is told instead."""
+    topic = SubscriptionFactory().topic
+
+    with pytest.raises(EnlistError, match=r"needs an open transaction on database 'default'"):
+        if many:
+            publish_many(topic.name, [{"payload": {"n": 1}}], enlist=True)
+        else:
+            publish(topic.name, {"n": 1}, enlist=True)
+
+    assert not Message.objects.filter(topic=topic).exists()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", QUEUE_ALIAS])
+def test_an_enlisted_publish_in_a_block_on_another_alias_raises_and_survives_no_rollback():
+    """Audit helper-91: with the queue on an alias of its own, a publish enlisted in the
+    caller's block on ``default`` committed at once on the queue's alias and outlived the
+    block's rollback."""
+    with override_settings(
+        DATABASE_ROUTERS=["tests.support.routers.WorkQueueAliasRouter"],
+        WORKQUEUE={**settings.WORKQUEUE, "DATABASE_ALIAS": QUEUE_ALIAS},
+    ):
+        topic = SubscriptionFactory().topic
+        with (
+            pytest.raises(EnlistError, match=r"found a transaction on database 'default'"),
+            transaction.atomic(using="default"),
+        ):
+            publish(topic.name, {"n": 1}, enlist=True)
+
+        assert not Message.objects.filter(topic=topic).exists()

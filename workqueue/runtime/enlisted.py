@@ -87,9 +87,14 @@ class EnlistedCompletion:
         return self.COMMITTED if self._committed else self.ROLLED_BACK
 
 
-def open_transaction(alias: str) -> BaseDatabaseWrapper:
+def open_transaction(
+    alias: str,
+    call: str = "context.complete(enlist=True)",
+    otherwise: str = "To complete when the handler returns instead, return Outcome.complete().",
+) -> BaseDatabaseWrapper:
     """This thread's connection to ``alias`` when a ``transaction.atomic()`` is open on it;
-    otherwise ``EnlistError`` saying which block to open."""
+    otherwise ``EnlistError`` saying which block to open (``call`` names what asked, and
+    ``otherwise`` what to do instead)."""
     connection = transaction.get_connection(alias)
     if connection.in_atomic_block:
         return connection
@@ -98,16 +103,15 @@ def open_transaction(alias: str) -> BaseDatabaseWrapper:
     )
     if elsewhere:
         raise EnlistError(
-            f"context.complete(enlist=True) found a transaction on database "
+            f"{call} found a transaction on database "
             f"{', '.join(map(repr, elsewhere))}, but the work queue uses {alias!r} "
-            f"(WORKQUEUE['DATABASE_ALIAS']): the completion cannot join it. Make your changes "
-            f"inside transaction.atomic(using={alias!r}) and complete there."
+            f"(WORKQUEUE['DATABASE_ALIAS']): it cannot join that transaction. Make your changes "
+            f"inside transaction.atomic(using={alias!r}) and call it there."
         )
     raise EnlistError(
-        f"context.complete(enlist=True) needs an open transaction on database {alias!r}: call "
-        f"it inside the `with transaction.atomic(using={alias!r}):` block that makes your "
-        "changes, so they and the completion commit or roll back together. To complete when "
-        "the handler returns instead, return Outcome.complete()."
+        f"{call} needs an open transaction on database {alias!r}: call it inside the "
+        f"`with transaction.atomic(using={alias!r}):` block that makes your changes, so they "
+        f"and it commit or roll back together. {otherwise}"
     )
 
 

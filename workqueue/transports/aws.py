@@ -652,19 +652,37 @@ class AwsReceiver:
             self._let_go(delivery)
             return LeaseExtension(LeaseState.LOST)
         started = time.monotonic()
+        # Never past 12 hours from the receive: SQS refuses such a visibility, and the refusal
+        # read as a lost lease (with a 12-hour lease, at the first heartbeat). Near that end
+        # the renewal grants what is left, and the holder's lease ends with it.
+        granted = min(self.binding.lease_seconds, self._visibility_left(delivery))
+        if granted <= 0:
+            self._let_go(delivery)
+            return LeaseExtension(LeaseState.LOST)
         try:
-            self._set_visibility(delivery, self.binding.lease_seconds)
+            self._set_visibility(delivery, granted)
         except TransportUnavailableError as exc:
             if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
                 self._let_go(delivery)
                 return LeaseExtension(LeaseState.LOST)
             raise
         with self._lock:
-            self._leases[delivery.lease_token] = (
-                started + self.binding.lease_seconds - LEASE_SAFETY_SECONDS
-            )
+            self._leases[delivery.lease_token] = started + granted - LEASE_SAFETY_SECONDS
         return LeaseExtension(
-            LeaseState.HELD, _now() + dt.timedelta(seconds=self.binding.lease_seconds)
+            LeaseState.HELD,
+            _now() + dt.timedelta(seconds=granted),
+            None if granted == self.binding.lease_seconds else granted,
+        )
+
+    def _visibility_left(self, delivery: ClaimedDelivery) -> int:
+        """Seconds SQS still lets the message be hidden, from now: 12 hours from its receive,
+        less a margin for the call's own time."""
+        with self._lock:
+            received_at = self._received_at.get(delivery.lease_token, time.monotonic())
+        return (
+            SQS_MAX_VISIBILITY_SECONDS
+            - VISIBILITY_CAP_MARGIN_SECONDS
+            - math.ceil(time.monotonic() - received_at)
         )
 
     def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
@@ -719,10 +737,7 @@ class AwsReceiver:
         receive (SQS refuses a visibility past that, and the refusal would bring the message back
         at the end of its lease); its next receive is the next attempt. ``error`` is not kept:
         only a dead letter records its error."""
-        with self._lock:
-            received_at = self._received_at.get(delivery.lease_token, time.monotonic())
-        left = SQS_MAX_VISIBILITY_SECONDS - VISIBILITY_CAP_MARGIN_SECONDS
-        left -= math.ceil(time.monotonic() - received_at)
+        left = self._visibility_left(delivery)
         return self._settle(
             delivery,
             DeliveryStatus.PENDING,
