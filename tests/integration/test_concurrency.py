@@ -732,6 +732,43 @@ def test_a_publisher_racing_an_open_reservation_waits_for_its_outcome(owner_comm
         ] == [rival_id]
 
 
+def test_batches_sharing_deduplication_keys_in_other_orders_wait_instead_of_deadlocking(
+    pg_conn, monkeypatch
+):
+    """Audit helper-91: a batch reserved its deduplication keys in list order, so two batches
+    listing shared keys in other orders deadlocked: one was retried whole and, after the
+    retries, Rejected (every item). A batch now locks its keys in sorted order first, and the
+    second waits for the first."""
+    from workqueue import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "TRANSIENT_RETRIES", 0)  # a deadlock shows at once
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+
+    def batch(*keys: str) -> list[dict[str, Any]]:
+        return [{"payload": {"key": key}, "deduplication_key": key} for key in keys]
+
+    other: list[Any] = []
+
+    def other_batch() -> None:
+        other.extend(publish_many(topic.name, batch("k2", "k1")))
+        get_driver().close()
+
+    threads = _Threads()
+    with transaction.atomic():
+        first = publish_many(topic.name, batch("k1", "x"), enlist=True)
+        threads.start(other_batch)
+        _wait_until_a_backend_waits_on_a_lock(pg_conn)  # on k1, held by this transaction
+        second = publish_many(topic.name, batch("k2", "y"), enlist=True)
+    threads.join()
+
+    assert [r.status for r in [*first, *second]] == ["Accepted"] * 4
+    assert [(r.status, r.message_id) for r in other] == [
+        ("Duplicate", second[0].message_id),
+        ("Duplicate", first[0].message_id),
+    ]
+
+
 def _wait_until_a_backend_waits_on_a_lock(pg_conn, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -135,6 +135,23 @@ AS $$
     );
 $$;
 
+-- wq_lock_deduplication_key --
+-- Serialise the batches (wq_publish_many) that reserve one (topic, deduplication key): a batch
+-- takes its keys' locks in sorted order before it reserves any, so two batches listing shared
+-- keys in different orders wait for one another instead of deadlocking on the reservations.
+-- Transaction-scoped; waits at most 5 s, then fails with SQLSTATE 55P03 (retryable).
+CREATE OR REPLACE FUNCTION wq_lock_deduplication_key(p_topic_id uuid, p_deduplication_key text)
+RETURNS void
+LANGUAGE sql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '5s'
+AS $$
+    SELECT pg_advisory_xact_lock(
+        hashtextextended('wq-dedup:' || lower(p_topic_id::text) || ':' || p_deduplication_key, 0)
+    );
+$$;
+
 -- wq_wait_for_topology --
 -- Take a topic's topology lock shared, as a publish does, waiting at most 5 s (then SQLSTATE
 -- 55P03, which publishers retry): the publish procedures call it only when their first try
@@ -661,8 +678,8 @@ $$;
 
 -- wq_publish_many --
 -- Publish a JSON array of messages to one topic in one transaction, in array order. The
--- ordered-publish locks of every key in the batch are taken first, in sorted key order, so two
--- batches sharing keys cannot deadlock. Returns one row per item with its zero-based position,
+-- ordered-publish locks of every partition key in the batch are taken first, then those of its
+-- deduplication keys, each in sorted order, so two batches sharing keys cannot deadlock. Returns one row per item with its zero-based position,
 -- with the result wq_publish would give it.
 -- The topic is read once per batch and a batch without deduplication keys is written with one
 -- INSERT of its messages and one of their deliveries; ordinals follow array order. A batch with
@@ -765,6 +782,16 @@ BEGIN
 
     IF EXISTS (SELECT 1 FROM jsonb_array_elements(p_messages) e
                 WHERE e ->> 'deduplication_key' IS NOT NULL) THEN
+        -- Until 0044 the keys were reserved in array order only: batches sharing keys in other
+        -- orders deadlocked, were retried whole and at last Rejected.
+        FOR v_key IN
+            SELECT DISTINCT e ->> 'deduplication_key' COLLATE "C" AS k
+              FROM jsonb_array_elements(p_messages) e
+             WHERE e ->> 'deduplication_key' IS NOT NULL
+             ORDER BY 1
+        LOOP
+            PERFORM wq_lock_deduplication_key(v_topic.id, v_key);
+        END LOOP;
         FOR v_item IN
             SELECT (e.ordinality - 1)::integer AS idx, e.value AS m
               FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)

@@ -77,6 +77,41 @@ BEGIN
 END;
 GO
 
+-- wq_lock_deduplication_key --
+-- Serialise the batches (wq_publish_many) that reserve one (topic, deduplication key): a batch
+-- takes its keys' locks in sorted order before it reserves any, so two batches listing shared
+-- keys in different orders wait for one another instead of deadlocking on the reservations.
+-- An exclusive application lock owned by the caller's transaction, on the resource
+-- 'wq-dedup:<topic id, lower case>:<key exactly>'. Waits at most 5000 ms; a timeout or a
+-- deadlock raises error 51001 (retryable); any other failure raises 51000. Must be called inside
+-- a transaction.
+CREATE OR ALTER PROCEDURE dbo.wq_lock_deduplication_key
+    @topic_id uniqueidentifier,
+    @deduplication_key nvarchar(4000)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @resource nvarchar(255) =
+        LEFT(N'wq-dedup:' + LOWER(CONVERT(nchar(36), @topic_id)) + N':' + @deduplication_key, 255);
+    DECLARE @granted int;
+
+    IF @@TRANCOUNT = 0
+        THROW 51000, N'wq_lock_deduplication_key must run inside a transaction (error 51000).', 1;
+
+    EXEC @granted = sys.sp_getapplock
+        @Resource = @resource,
+        @LockMode = N'Exclusive',
+        @LockOwner = N'Transaction',
+        @LockTimeout = 5000;
+
+    IF @granted IN (-1, -3)
+        THROW 51001, N'wq_lock_deduplication_key: the deduplication lock was not granted within 5000 ms (error 51001); publish again.', 1;
+    IF @granted < 0
+        THROW 51000, N'wq_lock_deduplication_key: sp_getapplock failed (error 51000).', 1;
+END;
+GO
+
 -- wq_lock_topology --
 -- returns: locked
 -- Take the transaction-owned application lock that orders a topic's subscription changes against
@@ -597,7 +632,7 @@ BEGIN
     );
     DECLARE @keys TABLE (
         ord int IDENTITY(1, 1) PRIMARY KEY,
-        partition_key nvarchar(4000) COLLATE Latin1_General_100_BIN2
+        lock_key nvarchar(4000) COLLATE Latin1_General_100_BIN2
     );
     DECLARE @results TABLE (
         item_index int PRIMARY KEY,
@@ -667,18 +702,40 @@ BEGIN
     )
     BEGIN
         SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
-        INSERT INTO @keys (partition_key)
+        INSERT INTO @keys (lock_key)
         SELECT DISTINCT i.partition_key FROM @items AS i
          WHERE i.partition_key IS NOT NULL
          ORDER BY i.partition_key;
         WHILE 1 = 1
         BEGIN
             SET @key = NULL;
-            SELECT TOP (1) @key_ord = k.ord, @key = k.partition_key
+            SELECT TOP (1) @key_ord = k.ord, @key = k.lock_key
               FROM @keys AS k WHERE k.ord > @key_ord ORDER BY k.ord;
             IF @key IS NULL
                 BREAK;
             EXEC dbo.wq_lock_publish_order @topic_id = @topic_uuid, @partition_key = @key;
+        END;
+    END;
+    -- The deduplication keys' locks next, likewise sorted (until 0044 the keys were reserved
+    -- in list order only: batches sharing keys in other orders deadlocked). Their rows follow
+    -- the partition keys' in @keys, so the walk goes on from where that one stopped.
+    IF @topic_key IS NOT NULL AND EXISTS (
+        SELECT 1 FROM @items AS i WHERE i.deduplication_key IS NOT NULL
+    )
+    BEGIN
+        SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
+        INSERT INTO @keys (lock_key)
+        SELECT DISTINCT i.deduplication_key COLLATE Latin1_General_100_BIN2 FROM @items AS i
+         WHERE i.deduplication_key IS NOT NULL
+         ORDER BY 1;
+        WHILE 1 = 1
+        BEGIN
+            SET @key = NULL;
+            SELECT TOP (1) @key_ord = k.ord, @key = k.lock_key
+              FROM @keys AS k WHERE k.ord > @key_ord ORDER BY k.ord;
+            IF @key IS NULL
+                BREAK;
+            EXEC dbo.wq_lock_deduplication_key @topic_id = @topic_uuid, @deduplication_key = @key;
         END;
     END;
 
