@@ -1435,6 +1435,32 @@ def test_an_external_publisher_is_not_told_what_aws_said(aws, client, caplog):
     assert identity in caplog.text  # the operators are told
 
 
+@pytest.mark.parametrize("operation", ["sns.Publish", "sns.PublishBatch"])
+def test_a_publish_sns_refuses_says_what_aws_said(aws, client, caplog, operation):
+    """Audit helper-92: once the topic's ARN was known, SNS refusing the send (denied,
+    throttled, the topic deleted) was answered "the database stayed busy", and the operators'
+    log said nothing. A publisher in this process now reads what AWS said; an API key's
+    publisher does not, and the log says it."""
+    topic = provisioned(aws).topic
+    topic.allow_external_publish = True
+    topic.save()
+    assert publish(topic.name, {"warm": 1}).accepted  # the topic's ARN is known now
+    sns = clients_for(AwsSettings.parse(aws.configuration)).sns
+    messages = [{"payload": {"n": n}} for n in range(1 if operation == "sns.Publish" else 2)]
+    undo = _refuse(sns, operation)
+    try:
+        inside = publish_many(topic.name, messages)
+        key = ApiKeyFactory(scopes=["workqueue:publish"])
+        outside = rest_post(client, topic.name, {"messages": messages}, key=key).json()["results"]
+    finally:
+        undo()
+
+    assert {(r.status, r.error.code) for r in inside} == {("Rejected", "TransportUnavailable")}
+    assert all(f"not authorized to {operation}" in r.error.message for r in inside), inside
+    assert all(f"not authorized to {operation}" not in str(r) for r in outside), outside
+    assert f"not authorized to {operation}" in caplog.text
+
+
 def _refuse(client: Any, operation: str) -> Any:
     """Make ``client`` answer ``operation`` ("sns.ListTopics") as AWS does a caller without
     the IAM permission (403 AuthorizationError); returns the undo."""

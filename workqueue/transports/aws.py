@@ -1040,12 +1040,7 @@ class AwsTransport(BaseTransport):
         except TransportUnavailableError as exc:
             # As when SNS refuses the send itself: rejected and retryable, never raised (the
             # lookup happens once a process, so only a process's first publish could raise).
-            # What AWS said (the server's IAM identity, its endpoint, the topic's SNS name) is
-            # for this server's operators, not for an API key's publisher: they get it logged.
-            detail = str(exc)
-            if external:
-                logger.warning("Publishing to topic %r failed: %s", topic.name, detail)
-                detail = EXTERNAL_UNAVAILABLE_TEXT
+            detail = _what_the_publisher_reads(str(exc), topic.name, external)
             return [
                 _row(
                     m["message_id"],
@@ -1076,9 +1071,18 @@ class AwsTransport(BaseTransport):
                 entries.append((index, entry))
             elif admitted is not FOLLOWS:
                 rows[index] = admitted  # type: ignore[assignment]
-        for index, outcome in _publish_entries(clients, topic_arn, entries):
-            ledger.settle(index, messages[index], sent=outcome[0] == PublishStatus.ACCEPTED)
-            rows[index] = _row(messages[index]["message_id"], *outcome)
+        for index, refusal in _publish_entries(clients, topic_arn, entries):
+            ledger.settle(index, messages[index], sent=refusal is None)
+            rows[index] = (
+                _row(messages[index]["message_id"], PublishStatus.ACCEPTED)
+                if refusal is None
+                else _row(
+                    messages[index]["message_id"],
+                    PublishStatus.REJECTED,
+                    PublishErrorCode.TRANSPORT_UNAVAILABLE,
+                    _what_the_publisher_reads(refusal, topic.name, external),
+                )
+            )
         ledger.follow_up(rows, messages)
         return [row for row in rows if row is not None]
 
@@ -1344,17 +1348,17 @@ def _sns_entry(
 
 def _publish_entries(
     clients: AwsClients, topic_arn: str, entries: list[tuple[int, dict[str, Any]]]
-) -> Iterator[tuple[int, tuple[str, str | None]]]:
-    """(index, (status, error code)) of each entry, published one by one or in batches of up to
-    ten (and SNS's 256 KiB per batch)."""
+) -> Iterator[tuple[int, str | None]]:
+    """(index, None when SNS took it, else what SNS said) of each entry, published one by one
+    or in batches of up to ten (and SNS's 256 KiB per batch)."""
     if len(entries) == 1:
         index, entry = entries[0]
         try:
             _call(clients.sns.publish, TopicArn=topic_arn, **entry)
-        except TransportUnavailableError:
-            yield index, (PublishStatus.REJECTED, PublishErrorCode.TRANSPORT_UNAVAILABLE)
+        except TransportUnavailableError as exc:
+            yield index, str(exc)
         else:
-            yield index, (PublishStatus.ACCEPTED, None)
+            yield index, None
         return
     for batch in _batches(entries):
         request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
@@ -1362,19 +1366,25 @@ def _publish_entries(
             answer = _call(
                 clients.sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
             )
-        except TransportUnavailableError:
-            failed = set(range(len(batch)))
+        except TransportUnavailableError as exc:
+            failed = dict.fromkeys(range(len(batch)), str(exc))
         else:
-            failed = {int(f["Id"]) for f in answer.get("Failed", [])}
+            failed = {
+                int(f["Id"]): f"SNS refused it: {f.get('Code')}: {f.get('Message')}"
+                for f in answer.get("Failed", [])
+            }
         for i, (index, _) in enumerate(batch):
-            yield (
-                index,
-                (
-                    (PublishStatus.REJECTED, PublishErrorCode.TRANSPORT_UNAVAILABLE)
-                    if i in failed
-                    else (PublishStatus.ACCEPTED, None)
-                ),
-            )
+            yield index, failed.get(i)
+
+
+def _what_the_publisher_reads(detail: str, topic_name: str, external: bool) -> str:
+    """What AWS said when it took no message: for a publisher in this process, as said. What
+    AWS says (the server's IAM identity, its endpoint, the topic's SNS name) is for this
+    server's operators, not for an API key's publisher: they get it logged instead."""
+    if not external:
+        return detail
+    logger.warning("Publishing to topic %r failed: %s", topic_name, detail)
+    return EXTERNAL_UNAVAILABLE_TEXT
 
 
 def _batches(
