@@ -487,6 +487,61 @@ def test_retry_then_dead_letter_keeps_the_reason_and_replay_resets_the_attempts(
     assert operations.list_dead_letters(subscription.name).items == []
 
 
+def test_reading_the_dead_letters_long_polls_so_every_sqs_server_is_asked(aws):
+    """Audit helper-92: the scan received with WaitTimeSeconds=0, short polling, which asks a
+    sample of SQS's servers and can answer empty while messages wait; the scan stops at its
+    first empty answer. (moto answers every receive in full: only the request can be checked.)"""
+    subscription = provisioned(aws, max_attempts=1)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    holder.dead_letter(receive_one(holder), "Poison")
+    waits: list[int] = []
+    sqs = holder.binding.clients.sqs
+    event = "provide-client-params.sqs.ReceiveMessage"
+    sqs.meta.events.register(
+        event, lambda params, **_: waits.append(params["WaitTimeSeconds"]), unique_id="waits"
+    )
+    try:
+        [item] = operations.list_dead_letters(subscription.name).items
+    finally:
+        sqs.meta.events.unregister(event, unique_id="waits")
+
+    assert item.reason == "Poison"
+    assert waits and min(waits) >= 1, waits
+
+
+@pytest.mark.parametrize(
+    "change", ["topic made FIFO", "topic renamed", "subscription renamed", "subscription moved"]
+)
+def test_a_change_that_would_leave_an_aws_queues_work_unread_is_refused(aws, change):
+    """Audit helper-92: the transport names its SNS topics and SQS queues after the topology,
+    so a topic made FIFO or a rename made `provision` create new ones while the messages
+    waiting in the old ones were read by nobody (and deleted by SQS after 14 days)."""
+    subscription = provisioned(aws)
+    topic = subscription.topic
+    assert publish(topic.name, {"n": 1}).accepted
+    before = (topic.name, topic.is_fifo, subscription.name, subscription.topic_id)
+    if change == "topic made FIFO":
+        row, field, topic.is_fifo = topic, "is_fifo", True
+    elif change == "topic renamed":
+        row, field, topic.name = topic, "name", f"{topic.name}.v2"
+    elif change == "subscription renamed":
+        row, field, subscription.name = subscription, "name", f"{subscription.name}.v2"
+    else:
+        other = TopicFactory(transport=aws)
+        row, field, subscription.topic = subscription, "topic", other
+
+    with pytest.raises(TopologyValidationError, match="names its resources after this") as err:
+        row.save()
+
+    assert field in err.value.message_dict
+    stored_topic, stored = (
+        Topic.objects.get(pk=topic.pk),
+        Subscription.objects.get(pk=subscription.pk),
+    )
+    assert (stored_topic.name, stored_topic.is_fifo, stored.name, stored.topic_id) == before
+
+
 def test_fifo_sends_never_reuse_a_deduplication_id_so_sqs_drops_no_dead_letter_or_replay(aws):
     """SQS FIFO remembers a deduplication id for five minutes, even once the message it came
     with was deleted, and silently drops a later send with it. A dead letter was sent with

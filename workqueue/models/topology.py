@@ -227,6 +227,33 @@ def _supports_external(transport: Transport) -> bool:
         return True  # an unregistered driver is refused on the transport's own row
 
 
+def _renamed_resources_problem(
+    row: TopologyModel, transport: Transport | None, using: str, fields: dict[str, str]
+) -> dict[str, str]:
+    """For each of ``fields`` (the field, its column) that this write changes, why it may not,
+    when the transport names its resources after them (its old queues would keep their waiting
+    work, read by nobody: audit helper-92 found a topic made FIFO stranding its messages)."""
+    try:
+        names_resources = transport is not None and (
+            transport.transport_class.names_resources_after_topology
+        )
+    except WorkQueueConfigurationError:
+        return {}  # an unregistered driver is refused on the transport's own row
+    if not names_resources:
+        return {}
+    stored = type(row)._base_manager.using(using).filter(pk=row.pk).values(*fields.values()).first()
+    if stored is None:
+        return {}
+    problem = (
+        f"The {transport.driver_class} transport names its resources after this: changed, "
+        "provisioning would make new ones, and the messages waiting in the old ones would be "
+        "read by nobody. Make a new one instead, and retire this one once it is drained."
+    )
+    return {
+        field: problem for field, column in fields.items() if stored[column] != getattr(row, column)
+    }
+
+
 class Topic(TopologyModel):
     """A named stream of messages; each publish fans out to the topic's subscriptions."""
 
@@ -275,6 +302,12 @@ class Topic(TopologyModel):
         _require_json_object(self.binding_config, "binding_config")
         if self.allow_external_publish and self.is_read_by_tasks(using):
             raise ValidationError({"allow_external_publish": EXTERNAL_TASKS_PROBLEM})
+        if self.transport_id is not None and (
+            problems := _renamed_resources_problem(
+                self, self.transport, using, {"name": "name", "is_fifo": "is_fifo"}
+            )
+        ):
+            raise ValidationError(problems)
 
     def is_read_by_tasks(self, using: str | None = None) -> bool:
         """Whether a subscription runs this topic's messages as Tasks API tasks."""
@@ -407,6 +440,11 @@ class Subscription(TopologyModel):
                 "A work-queue host subscription needs the handler key to run: set it to the key "
                 "its handler is registered under (@register_handler)."
             )
+        errors.update(
+            _renamed_resources_problem(
+                self, self._transport(), using, {"name": "name", "topic": "topic_id"}
+            )
+        )
         if self.host_type != HostType.WORKER:
             transport = self._transport()
             if transport is not None and not _supports_external(transport):

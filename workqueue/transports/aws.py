@@ -111,6 +111,10 @@ EXTERNAL_UNAVAILABLE_TEXT = (
 DEAD_LETTER_SCAN_LIMIT = 1000
 #: How long a dead letter stays hidden while an operator read looks at the DLQ.
 DEAD_LETTER_SCAN_VISIBILITY = 30
+#: How long each receive of that read waits: long polling asks every SQS server, where short
+#: polling (0) asks a sample of them and can answer empty while dead letters wait, so a scan
+#: that stops at its first empty answer missed some (a replay by id said "not a dead letter").
+DEAD_LETTER_SCAN_WAIT_SECONDS = 1
 
 CONFIGURATION_KEYS = ("region", "prefix", "endpoint_url", "profile")
 PREFIX = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,39}\Z")
@@ -922,6 +926,7 @@ class AwsTransport(BaseTransport):
 
     supports_exclusive = True
     honours_topic_is_fifo = True
+    names_resources_after_topology = True
     supports_ordered = False
     heartbeat_modes: ClassVar[frozenset[str]] = frozenset({HeartbeatMode.AUTO})
     supports_rate_limit = False
@@ -1623,7 +1628,7 @@ class _dead_letter_scan:
                 self.binding.clients.sqs.receive_message,
                 QueueUrl=self.binding.dead_letter_queue_url,
                 MaxNumberOfMessages=SQS_BATCH_MAX,
-                WaitTimeSeconds=0,
+                WaitTimeSeconds=DEAD_LETTER_SCAN_WAIT_SECONDS,
                 VisibilityTimeout=DEAD_LETTER_SCAN_VISIBILITY,
                 MessageSystemAttributeNames=["SentTimestamp"],
                 MessageAttributeNames=["All"],

@@ -154,6 +154,11 @@ class BaseTransport:
     #: transport without that choice the field simply has no effect).
     honours_topic_is_fifo: ClassVar[bool] = False
 
+    #: Its resources are named after the topology (a topic's name and ``is_fifo``, a
+    #: subscription's name and topic): changed, provisioning makes new ones and the work waiting
+    #: in the old ones is read by nobody, so the topology refuses such a change.
+    names_resources_after_topology: ClassVar[bool] = False
+
     #: Which flag each partition mode needs (None needs nothing).
     PARTITION_MODE_FLAGS: ClassVar[dict[str, str]] = {
         PartitionMode.EXCLUSIVE: "supports_exclusive",
