@@ -215,10 +215,6 @@ def publish_many(
     name = topic if known is None else known.name
     if isinstance(name, str) and (problem := text_problem(name)):
         raise InvalidInputError(f"topic {problem}.")
-    if enlist and known is None:
-        # Its transport decides first: another transport's topic cannot enlist (and says so),
-        # while the procedures that would look the name up need the caller's open transaction.
-        known = _topic_row(name)
     size_limit = _SizeLimit.of(known)
     items = [
         m if isinstance(m, OutgoingMessage | _MessageFields) else _MessageFields(**m)

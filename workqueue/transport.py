@@ -37,7 +37,7 @@ from workqueue.exceptions import (
     WorkQueueError,
 )
 from workqueue.payload_ref import stored_payload_ref
-from workqueue.runtime.enlisted import open_transaction
+from workqueue.runtime.enlisted import publishing_connection
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -304,18 +304,9 @@ def publish(
     ``chosen_message_ids`` are the ids the publisher chose (the others were made for this
     call)."""
     driver = get_driver(alias)
-    # Enlisted, it joins the caller's open transaction on the queue's alias; with none there
-    # (no block at all, or a block on another alias) it committed at once, and a rollback of
-    # the caller's block left it published.
-    connection = (
-        open_transaction(
-            alias,
-            "publish(..., enlist=True)",
-            "Without enlist=True a publish commits at once on its own connection.",
-        )
-        if enlist
-        else None
-    )
+    # Enlisted, it joins the caller's open transaction on the queue's alias; one open on another
+    # alias only is refused (run beside it, the publish outlived its rollback).
+    connection = publishing_connection(alias) if enlist else None
     procedure, params = publish_call(topic, prepared, publisher, external)
     for attempt in range(1, TRANSIENT_RETRIES + 2):
         try:

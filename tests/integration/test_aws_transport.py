@@ -511,7 +511,15 @@ def test_reading_the_dead_letters_long_polls_so_every_sqs_server_is_asked(aws):
 
 
 @pytest.mark.parametrize(
-    "change", ["topic made FIFO", "topic renamed", "subscription renamed", "subscription moved"]
+    "change",
+    [
+        "topic made FIFO",
+        "topic renamed",
+        "topic moved off AWS",
+        "subscription renamed",
+        "subscription moved",
+        "subscription moved off AWS",
+    ],
 )
 def test_a_change_that_would_leave_an_aws_queues_work_unread_is_refused(aws, change):
     """Audit helper-92: the transport names its SNS topics and SQS queues after the topology,
@@ -525,11 +533,14 @@ def test_a_change_that_would_leave_an_aws_queues_work_unread_is_refused(aws, cha
         row, field, topic.is_fifo = topic, "is_fifo", True
     elif change == "topic renamed":
         row, field, topic.name = topic, "name", f"{topic.name}.v2"
+    elif change == "topic moved off AWS":
+        row, field, topic.transport = topic, "transport", TopicFactory().transport
     elif change == "subscription renamed":
         row, field, subscription.name = subscription, "name", f"{subscription.name}.v2"
+    elif change == "subscription moved":
+        row, field, subscription.topic = subscription, "topic", TopicFactory(transport=aws)
     else:
-        other = TopicFactory(transport=aws)
-        row, field, subscription.topic = subscription, "topic", other
+        row, field, subscription.topic = subscription, "topic", TopicFactory()
 
     with pytest.raises(TopologyValidationError, match="names its resources after this") as err:
         row.save()
@@ -540,6 +551,17 @@ def test_a_change_that_would_leave_an_aws_queues_work_unread_is_refused(aws, cha
         Subscription.objects.get(pk=subscription.pk),
     )
     assert (stored_topic.name, stored_topic.is_fifo, stored.name, stored.topic_id) == before
+
+
+def test_a_subscription_may_move_onto_an_aws_topic(aws):
+    """Review helper-93: the guard looked at the new topic's transport, so a Database
+    subscription (no AWS queue to strand) could not move onto an AWS topic."""
+    subscription = SubscriptionFactory()
+    subscription.topic = TopicFactory(transport=aws)
+
+    subscription.save()
+
+    assert Subscription.objects.get(pk=subscription.pk).topic.transport == aws
 
 
 def test_fifo_sends_never_reuse_a_deduplication_id_so_sqs_drops_no_dead_letter_or_replay(aws):
@@ -1514,6 +1536,8 @@ def test_a_publish_sns_refuses_says_what_aws_said(aws, client, caplog, operation
     assert all(f"not authorized to {operation}" in r.error.message for r in inside), inside
     assert all(f"not authorized to {operation}" not in str(r) for r in outside), outside
     assert f"not authorized to {operation}" in caplog.text
+    # Told once for the call, not once a message (review helper-93).
+    assert caplog.text.count(f"not authorized to {operation}") == 1
 
 
 def _refuse(client: Any, operation: str) -> Any:

@@ -769,6 +769,40 @@ def test_batches_sharing_deduplication_keys_in_other_orders_wait_instead_of_dead
     ]
 
 
+def test_a_single_publishs_deduplication_key_is_locked_as_a_batchs_are(pg_conn, monkeypatch):
+    """Review helper-93: with only batches taking the keys' locks, a transaction that published
+    k1 alone and then a batch holding k2 deadlocked with a batch of k1 and k2 (which held k2's
+    lock while it waited for k1's reservation)."""
+    from workqueue import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "TRANSIENT_RETRIES", 0)  # a deadlock shows at once
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+
+    def batch(*keys: str) -> list[dict[str, Any]]:
+        return [{"payload": {"key": key}, "deduplication_key": key} for key in keys]
+
+    other: list[Any] = []
+
+    def other_batch() -> None:
+        other.extend(publish_many(topic.name, batch("k1", "k2")))
+        get_driver().close()
+
+    threads = _Threads()
+    with transaction.atomic():
+        first = publish(topic.name, {"key": "k1"}, deduplication_key="k1", enlist=True)
+        threads.start(other_batch)
+        _wait_until_a_backend_waits_on_a_lock(pg_conn)  # on k1, held by this transaction
+        second = publish_many(topic.name, batch("k2", "y"), enlist=True)
+    threads.join()
+
+    assert [r.status for r in [first, *second]] == ["Accepted"] * 3
+    assert [(r.status, r.message_id) for r in other] == [
+        ("Duplicate", first.message_id),
+        ("Duplicate", second[0].message_id),
+    ]
+
+
 def _wait_until_a_backend_waits_on_a_lock(pg_conn, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -267,20 +267,28 @@ def test_a_deduplication_window_in_a_long_transaction_runs_from_the_publish_call
     assert ledger.expires_at >= called + dt.timedelta(seconds=60)
 
 
-@pytest.mark.parametrize("many", [False, True], ids=["publish", "publish_many"])
-def test_an_enlisted_publish_with_no_transaction_to_join_raises_and_stores_nothing(many):
-    """Audit helper-91: outside any transaction an enlisted publish committed at once, as if
-    it had not been enlisted; the completion's twin raised. The caller meant it to commit or
-    roll back with its changes, so it is told instead."""
+def test_an_enlisted_publish_joins_a_transaction_begun_by_turning_autocommit_off():
+    """Not only an atomic block: a transaction begun with set_autocommit(False) is joined, and
+    its rollback takes the publish with it (review helper-93)."""
     topic = SubscriptionFactory().topic
-
-    with pytest.raises(EnlistError, match=r"needs an open transaction on database 'default'"):
-        if many:
-            publish_many(topic.name, [{"payload": {"n": 1}}], enlist=True)
-        else:
-            publish(topic.name, {"n": 1}, enlist=True)
+    transaction.set_autocommit(False)
+    try:
+        assert publish(topic.name, {"n": 1}, enlist=True).accepted
+        transaction.rollback()
+    finally:
+        transaction.set_autocommit(True)
 
     assert not Message.objects.filter(topic=topic).exists()
+
+
+def test_an_enlisted_publish_with_no_transaction_open_anywhere_commits_at_once():
+    """Nothing to join and nothing to outlive (an on_commit callback, a handler or a command
+    without a block): it commits at once, as an unenlisted publish does, as it always has."""
+    topic = SubscriptionFactory().topic
+
+    assert publish(topic.name, {"n": 1}, enlist=True).accepted
+
+    assert Message.objects.filter(topic=topic).count() == 1
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", QUEUE_ALIAS])

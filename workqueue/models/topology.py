@@ -228,11 +228,25 @@ def _supports_external(transport: Transport) -> bool:
 
 
 def _renamed_resources_problem(
-    row: TopologyModel, transport: Transport | None, using: str, fields: dict[str, str]
+    row: TopologyModel, using: str, fields: dict[str, str], transport_column: str
 ) -> dict[str, str]:
     """For each of ``fields`` (the field, its column) that this write changes, why it may not,
-    when the transport names its resources after them (its old queues would keep their waiting
-    work, read by nobody: audit helper-92 found a topic made FIFO stranding its messages)."""
+    when the transport the stored row is on names its resources after them: its old queues
+    would keep their waiting work, read by nobody (audit helper-92 found a topic made FIFO
+    stranding its messages). ``transport_column`` reads the stored row's transport."""
+    stored = (
+        type(row)
+        ._base_manager.using(using)
+        .filter(pk=row.pk)
+        .values(*fields.values(), transport_column)
+        .first()
+    )
+    if stored is None:
+        return {}
+    changed = [field for field, column in fields.items() if stored[column] != getattr(row, column)]
+    if not changed:
+        return {}
+    transport = Transport._base_manager.using(using).filter(pk=stored[transport_column]).first()
     try:
         names_resources = transport is not None and (
             transport.transport_class.names_resources_after_topology
@@ -241,17 +255,12 @@ def _renamed_resources_problem(
         return {}  # an unregistered driver is refused on the transport's own row
     if not names_resources:
         return {}
-    stored = type(row)._base_manager.using(using).filter(pk=row.pk).values(*fields.values()).first()
-    if stored is None:
-        return {}
     problem = (
         f"The {transport.driver_class} transport names its resources after this: changed, "
         "provisioning would make new ones, and the messages waiting in the old ones would be "
         "read by nobody. Make a new one instead, and retire this one once it is drained."
     )
-    return {
-        field: problem for field, column in fields.items() if stored[column] != getattr(row, column)
-    }
+    return dict.fromkeys(changed, problem)
 
 
 class Topic(TopologyModel):
@@ -302,11 +311,8 @@ class Topic(TopologyModel):
         _require_json_object(self.binding_config, "binding_config")
         if self.allow_external_publish and self.is_read_by_tasks(using):
             raise ValidationError({"allow_external_publish": EXTERNAL_TASKS_PROBLEM})
-        if self.transport_id is not None and (
-            problems := _renamed_resources_problem(
-                self, self.transport, using, {"name": "name", "is_fifo": "is_fifo"}
-            )
-        ):
+        fields = {"name": "name", "is_fifo": "is_fifo", "transport": "transport_id"}
+        if problems := _renamed_resources_problem(self, using, fields, "transport_id"):
             raise ValidationError(problems)
 
     def is_read_by_tasks(self, using: str | None = None) -> bool:
@@ -442,7 +448,7 @@ class Subscription(TopologyModel):
             )
         errors.update(
             _renamed_resources_problem(
-                self, self._transport(), using, {"name": "name", "topic": "topic_id"}
+                self, using, {"name": "name", "topic": "topic_id"}, "topic__transport_id"
             )
         )
         if self.host_type != HostType.WORKER:

@@ -649,7 +649,8 @@ class DeliveryExecution:
             # A Cancelled answer renews too, and says so with its expiry; the previous
             # release's procedure answered it without renewing, and with no expiry.
             if extension.state == LeaseState.HELD or extension.lease_expires_at is not None:
-                self._lease_ends = began + (extension.granted_seconds or self.lease_seconds)
+                granted = extension.granted_seconds
+                self._lease_ends = began + (self.lease_seconds if granted is None else granted)
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()
             if extension.state == LeaseState.CANCELLED:

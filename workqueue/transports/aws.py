@@ -1045,7 +1045,7 @@ class AwsTransport(BaseTransport):
         except TransportUnavailableError as exc:
             # As when SNS refuses the send itself: rejected and retryable, never raised (the
             # lookup happens once a process, so only a process's first publish could raise).
-            detail = _what_the_publisher_reads(str(exc), topic.name, external)
+            detail = _what_the_publisher_reads(str(exc), topic.name, external, len(messages))
             return [
                 _row(
                     m["message_id"],
@@ -1076,18 +1076,25 @@ class AwsTransport(BaseTransport):
                 entries.append((index, entry))
             elif admitted is not FOLLOWS:
                 rows[index] = admitted  # type: ignore[assignment]
+        refused: dict[int, str] = {}
         for index, refusal in _publish_entries(clients, topic_arn, entries):
             ledger.settle(index, messages[index], sent=refusal is None)
-            rows[index] = (
-                _row(messages[index]["message_id"], PublishStatus.ACCEPTED)
-                if refusal is None
-                else _row(
+            if refusal is None:
+                rows[index] = _row(messages[index]["message_id"], PublishStatus.ACCEPTED)
+            else:
+                refused[index] = refusal
+        if refused:
+            # One log line a call, not one a message, for a batch that SNS refused whole.
+            told = _what_the_publisher_reads(
+                next(iter(refused.values())), topic.name, external, len(refused)
+            )
+            for index, refusal in refused.items():
+                rows[index] = _row(
                     messages[index]["message_id"],
                     PublishStatus.REJECTED,
                     PublishErrorCode.TRANSPORT_UNAVAILABLE,
-                    _what_the_publisher_reads(refusal, topic.name, external),
+                    refusal if not external else told,
                 )
-            )
         ledger.follow_up(rows, messages)
         return [row for row in rows if row is not None]
 
@@ -1382,13 +1389,14 @@ def _publish_entries(
             yield index, failed.get(i)
 
 
-def _what_the_publisher_reads(detail: str, topic_name: str, external: bool) -> str:
-    """What AWS said when it took no message: for a publisher in this process, as said. What
-    AWS says (the server's IAM identity, its endpoint, the topic's SNS name) is for this
-    server's operators, not for an API key's publisher: they get it logged instead."""
+def _what_the_publisher_reads(detail: str, topic_name: str, external: bool, count: int) -> str:
+    """What AWS said when it took none of ``count`` messages (``detail``, the first refusal):
+    for a publisher in this process, as said. What AWS says (the server's IAM identity, its
+    endpoint, the topic's SNS name) is for this server's operators, not for an API key's
+    publisher: they get it logged instead, once."""
     if not external:
         return detail
-    logger.warning("Publishing to topic %r failed: %s", topic_name, detail)
+    logger.warning("Publishing %d message(s) to topic %r failed: %s", count, topic_name, detail)
     return EXTERNAL_UNAVAILABLE_TEXT
 
 

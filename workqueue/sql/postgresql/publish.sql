@@ -136,9 +136,11 @@ AS $$
 $$;
 
 -- wq_lock_deduplication_key --
--- Serialise the batches (wq_publish_many) that reserve one (topic, deduplication key): a batch
--- takes its keys' locks in sorted order before it reserves any, so two batches listing shared
--- keys in different orders wait for one another instead of deadlocking on the reservations.
+-- Serialise the publishes that reserve one (topic, deduplication key), taken before the
+-- reservation: a batch (wq_publish_many) takes its keys' locks in sorted order before it
+-- reserves any, so two batches listing shared keys in different orders, or a batch and an
+-- enlisted transaction's single publishes, wait for one another instead of deadlocking on
+-- the reservations.
 -- Transaction-scoped; waits at most 5 s, then fails with SQLSTATE 55P03 (retryable).
 CREATE OR REPLACE FUNCTION wq_lock_deduplication_key(p_topic_id uuid, p_deduplication_key text)
 RETURNS void
@@ -433,6 +435,7 @@ BEGIN
                                 NULL::uuid, NULL::text;
             RETURN;
         END IF;
+        PERFORM wq_lock_deduplication_key(v_topic.id, p_deduplication_key);
         LOOP
             v_attempt := v_attempt + 1;
             -- Take the key when free, when its window has passed, or when this same message

@@ -78,9 +78,11 @@ END;
 GO
 
 -- wq_lock_deduplication_key --
--- Serialise the batches (wq_publish_many) that reserve one (topic, deduplication key): a batch
--- takes its keys' locks in sorted order before it reserves any, so two batches listing shared
--- keys in different orders wait for one another instead of deadlocking on the reservations.
+-- Serialise the publishes that reserve one (topic, deduplication key), taken before the
+-- reservation: a batch (wq_publish_many) takes its keys' locks in sorted order before it
+-- reserves any, so two batches listing shared keys in different orders, or a batch and an
+-- enlisted transaction's single publishes, wait for one another instead of deadlocking on
+-- the reservations.
 -- An exclusive application lock owned by the caller's transaction, on the resource
 -- 'wq-dedup:<topic id, lower case>:<key exactly>'. Waits at most 5000 ms; a timeout or a
 -- deadlock raises error 51001 (retryable); any other failure raises 51000. Must be called inside
@@ -389,6 +391,9 @@ BEGIN
 
     IF @deduplication_key IS NOT NULL
     BEGIN
+        -- The key's lock first, as a batch takes its keys' (wq_lock_deduplication_key).
+        SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
+        EXEC dbo.wq_lock_deduplication_key @topic_id = @topic_uuid, @deduplication_key = @deduplication_key;
         -- Take the key when it is free, when its window has passed, or when this same message
         -- reserved it before (a retry after a crash); never a confirmed key or another message's
         -- live reservation. HOLDLOCK keeps the key range locked until commit, so the owner read
