@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections
+from django.db import connections, transaction
 
 from workqueue.conf import setting
 from workqueue.driver import get_driver
@@ -32,12 +32,12 @@ from workqueue.driver.base import (
 )
 from workqueue.exceptions import (
     DeliveryBusyError,
+    EnlistError,
     LockTimeoutError,
     TransientDriverError,
     WorkQueueError,
 )
 from workqueue.payload_ref import stored_payload_ref
-from workqueue.runtime.enlisted import publishing_connection
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -287,6 +287,33 @@ def _fence(delivery: ClaimedDelivery) -> dict[str, str]:
 
 
 # -- publishing --------------------------------------------------------------------------
+
+
+def publishing_connection(alias: str) -> BaseDatabaseWrapper:
+    """The connection an enlisted publish runs on: this thread's to ``alias``, in the
+    transaction open there (an atomic block, or autocommit turned off), or, with no transaction
+    open anywhere, in autocommit (it commits at once, as it always has: there is no rollback
+    for it to outlive). ``EnlistError`` when a transaction is open on another alias only: run
+    there, the publish committed at once and outlived that transaction's rollback."""
+    connection = transaction.get_connection(alias)
+    if not (connection.in_atomic_block or not connection.get_autocommit()):
+        refuse_a_transaction_on_another_alias(alias, "publish(..., enlist=True)")
+    return connection
+
+
+def refuse_a_transaction_on_another_alias(alias: str, call: str) -> None:
+    """``EnlistError`` for ``call`` when a transaction is open on an alias other than the work
+    queue's ``alias``: it cannot join that one."""
+    elsewhere = sorted(
+        other.alias for other in connections.all(initialized_only=True) if other.in_atomic_block
+    )
+    if elsewhere:
+        raise EnlistError(
+            f"{call} found a transaction on database {', '.join(map(repr, elsewhere))}, but "
+            f"the work queue uses {alias!r} (WORKQUEUE['DATABASE_ALIAS']): it cannot join that "
+            f"transaction. Make your changes inside transaction.atomic(using={alias!r}) and "
+            "call it there."
+        )
 
 
 def publish(

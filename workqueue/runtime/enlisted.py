@@ -20,9 +20,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from django.db import connections, transaction
+from django.db import transaction
 
 from workqueue.exceptions import EnlistError
+from workqueue.transport import refuse_a_transaction_on_another_alias
 from workqueue.types import DeliveryStatus
 
 if TYPE_CHECKING:
@@ -93,38 +94,13 @@ def open_transaction(alias: str) -> BaseDatabaseWrapper:
     connection = transaction.get_connection(alias)
     if connection.in_atomic_block:
         return connection
-    _refuse_a_transaction_elsewhere(alias, "context.complete(enlist=True)")
+    refuse_a_transaction_on_another_alias(alias, "context.complete(enlist=True)")
     raise EnlistError(
         f"context.complete(enlist=True) needs an open transaction on database {alias!r}: "
         f"call it inside the `with transaction.atomic(using={alias!r}):` block that makes "
         "your changes, so they and the completion commit or roll back together. To complete "
         "when the handler returns instead, return Outcome.complete()."
     )
-
-
-def publishing_connection(alias: str) -> BaseDatabaseWrapper:
-    """The connection an enlisted publish runs on: this thread's to ``alias``, in the
-    transaction open there (an atomic block, or autocommit turned off), or, with no transaction
-    open anywhere, in autocommit (it commits at once, as it always has: there is no rollback
-    for it to outlive). ``EnlistError`` when a transaction is open on another alias only: run
-    there, the publish committed at once and outlived that transaction's rollback."""
-    connection = transaction.get_connection(alias)
-    if not (connection.in_atomic_block or not connection.get_autocommit()):
-        _refuse_a_transaction_elsewhere(alias, "publish(..., enlist=True)")
-    return connection
-
-
-def _refuse_a_transaction_elsewhere(alias: str, call: str) -> None:
-    elsewhere = sorted(
-        other.alias for other in connections.all(initialized_only=True) if other.in_atomic_block
-    )
-    if elsewhere:
-        raise EnlistError(
-            f"{call} found a transaction on database {', '.join(map(repr, elsewhere))}, but "
-            f"the work queue uses {alias!r} (WORKQUEUE['DATABASE_ALIAS']): it cannot join that "
-            f"transaction. Make your changes inside transaction.atomic(using={alias!r}) and "
-            "call it there."
-        )
 
 
 def cancel_requested(alias: str, delivery_id: str) -> bool:
