@@ -732,13 +732,20 @@ def test_a_publisher_racing_an_open_reservation_waits_for_its_outcome(owner_comm
         ] == [rival_id]
 
 
-def test_batches_sharing_deduplication_keys_in_other_orders_wait_instead_of_deadlocking(
-    pg_conn, monkeypatch
+@pytest.mark.parametrize(
+    ("held_first", "other_keys"),
+    [("by a batch", ("k2", "k1")), ("alone", ("k1", "k2"))],
+    ids=["batch-then-batch", "single-then-batch"],
+)
+def test_publishers_sharing_deduplication_keys_wait_for_each_other_instead_of_deadlocking(
+    pg_conn, monkeypatch, held_first, other_keys
 ):
     """Audit helper-91: a batch reserved its deduplication keys in list order, so two batches
     listing shared keys in other orders deadlocked: one was retried whole and, after the
-    retries, Rejected (every item). A batch now locks its keys in sorted order first, and the
-    second waits for the first."""
+    retries, Rejected (every item). Every reservation now takes its key's lock first, a batch
+    all its keys' in sorted order. Review helper-93: with only batches taking them, a
+    transaction that published k1 alone and then a batch holding k2 deadlocked with a batch of
+    k1 and k2 (which held k2's lock while it waited for k1's reservation)."""
     from workqueue import transport as transport_module
 
     monkeypatch.setattr(transport_module, "TRANSIENT_RETRIES", 0)  # a deadlock shows at once
@@ -751,55 +758,24 @@ def test_batches_sharing_deduplication_keys_in_other_orders_wait_instead_of_dead
     other: list[Any] = []
 
     def other_batch() -> None:
-        other.extend(publish_many(topic.name, batch("k2", "k1")))
+        other.extend(publish_many(topic.name, batch(*other_keys)))
         get_driver().close()
 
     threads = _Threads()
     with transaction.atomic():
-        first = publish_many(topic.name, batch("k1", "x"), enlist=True)
+        if held_first == "by a batch":
+            first = publish_many(topic.name, batch("k1", "x"), enlist=True)
+        else:
+            first = [publish(topic.name, {"key": "k1"}, deduplication_key="k1", enlist=True)]
         threads.start(other_batch)
         _wait_until_a_backend_waits_on_a_lock(pg_conn)  # on k1, held by this transaction
         second = publish_many(topic.name, batch("k2", "y"), enlist=True)
     threads.join()
 
-    assert [r.status for r in [*first, *second]] == ["Accepted"] * 4
+    assert {r.status for r in [*first, *second]} == {"Accepted"}
+    owners = {"k1": first[0].message_id, "k2": second[0].message_id}
     assert [(r.status, r.message_id) for r in other] == [
-        ("Duplicate", second[0].message_id),
-        ("Duplicate", first[0].message_id),
-    ]
-
-
-def test_a_single_publishs_deduplication_key_is_locked_as_a_batchs_are(pg_conn, monkeypatch):
-    """Review helper-93: with only batches taking the keys' locks, a transaction that published
-    k1 alone and then a batch holding k2 deadlocked with a batch of k1 and k2 (which held k2's
-    lock while it waited for k1's reservation)."""
-    from workqueue import transport as transport_module
-
-    monkeypatch.setattr(transport_module, "TRANSIENT_RETRIES", 0)  # a deadlock shows at once
-    topic = TopicFactory()
-    SubscriptionFactory(topic=topic)
-
-    def batch(*keys: str) -> list[dict[str, Any]]:
-        return [{"payload": {"key": key}, "deduplication_key": key} for key in keys]
-
-    other: list[Any] = []
-
-    def other_batch() -> None:
-        other.extend(publish_many(topic.name, batch("k1", "k2")))
-        get_driver().close()
-
-    threads = _Threads()
-    with transaction.atomic():
-        first = publish(topic.name, {"key": "k1"}, deduplication_key="k1", enlist=True)
-        threads.start(other_batch)
-        _wait_until_a_backend_waits_on_a_lock(pg_conn)  # on k1, held by this transaction
-        second = publish_many(topic.name, batch("k2", "y"), enlist=True)
-    threads.join()
-
-    assert [r.status for r in [first, *second]] == ["Accepted"] * 3
-    assert [(r.status, r.message_id) for r in other] == [
-        ("Duplicate", first.message_id),
-        ("Duplicate", second[0].message_id),
+        ("Duplicate", owners[key]) for key in other_keys
     ]
 
 
