@@ -102,9 +102,9 @@ class Cancelled(LeaseLost):
 
 class EnlistError(WorkQueueError):
     """``context.complete(enlist=True)`` or ``publish(..., enlist=True)`` cannot join a
-    transaction here: none is open on the work queue's database alias, the transaction is on
-    another alias, or (a completion) the handler has already returned or the delivery was
-    already completed. The message names the fix."""
+    transaction here: the caller's transaction is on another alias than the work queue's, or (a
+    completion) none is open, the handler has already returned or the delivery was already
+    completed. The message names the fix."""
 
 
 class UnsupportedDatabaseError(WorkQueueConfigurationError):

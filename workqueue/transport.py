@@ -296,7 +296,7 @@ def publishing_connection(alias: str) -> BaseDatabaseWrapper:
     for it to outlive). ``EnlistError`` when a transaction is open on another alias only: run
     there, the publish committed at once and outlived that transaction's rollback."""
     connection = transaction.get_connection(alias)
-    if not (connection.in_atomic_block or not connection.get_autocommit()):
+    if connection.get_autocommit():  # off inside an atomic block too
         refuse_a_transaction_on_another_alias(alias, "publish(..., enlist=True)")
     return connection
 

@@ -9,9 +9,9 @@ on that table, so only the procedures can take it.
 
 ``wq_claim`` reads the subscription's topic and transport too: a Disabled topic or transport
 stops its subscriptions' claims at once, as a Paused subscription does, instead of at each
-host's next re-plan. ``wq_publish_many`` locks a batch's deduplication keys in sorted order
-before it reserves any (``wq_lock_deduplication_key``): batches sharing keys in other orders
-deadlocked.
+host's next re-plan. A publish locks its deduplication key before it reserves it
+(``wq_lock_deduplication_key``), and ``wq_publish_many`` all of a batch's keys in sorted order
+first: batches sharing keys in other orders deadlocked.
 
 Reversing this migration drops the table while the installed ``wq_try_sweep_lock`` still locks
 it (reversing a procedure migration never reinstalls older procedures): every sweep fails until

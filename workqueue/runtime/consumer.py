@@ -286,9 +286,10 @@ class Consumer:
         self._handlers_running = 0  # slots taken: from claim until the handler returns
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
-        # For each of them, when it will have waited too long: nothing renews its lease while it
-        # waits, and left until a slot frees, it may have expired (an attempt spent unrun).
-        self._ready_timers: dict[tuple[str, str], Timer] = {}
+        # Due when the one that has waited longest will have waited too long: nothing renews
+        # its lease while it waits, and left until a slot frees, it may have expired (an attempt
+        # spent unrun). One timer for them all, set while any waits (they wait in claim order).
+        self._ready_check: Timer | None = None
         # Set when one of them waited too long: every slot is held by handlers that outlive a
         # lease, and what is claimed ahead would only go back again. Nothing is claimed ahead
         # until a slot frees (else this host takes the handed-back delivery straight back).
@@ -403,9 +404,9 @@ class Consumer:
             waiting = [*self._ready, *self._late.values()]
             self._ready.clear()
             self._late.clear()
-            for timer in self._ready_timers.values():
-                timer.cancel()
-            self._ready_timers.clear()
+            if self._ready_check is not None:
+                self._ready_check.cancel()
+                self._ready_check = None
             for execution in waiting:
                 self._running.pop(execution.key, None)
         for execution in waiting:
@@ -766,11 +767,8 @@ class Consumer:
             ahead = self._handlers_running >= self.config.concurrency
             if ahead:
                 self._ready.append(execution)  # claimed ahead: starts when a slot frees
-                self._ready_timers[execution.key] = self._services.timers.schedule(
-                    (execution.lease_share_left() - PREFETCH_MIN_LEASE_SHARE)
-                    * execution.lease_seconds,
-                    lambda: self._waited_too_long(execution),
-                )
+                if self._ready_check is None:
+                    self._check_ready_when_late(self._ready[0])
             else:
                 self._handlers_running += 1
         if cancelled:
@@ -809,7 +807,6 @@ class Consumer:
             following = None
             while self._ready and following is None and not self._stopping.is_set():
                 candidate = self._ready.popleft()
-                self._ready_timers.pop(candidate.key).cancel()
                 if candidate.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE:
                     following = candidate
                 else:
@@ -912,20 +909,33 @@ class Consumer:
             return True
         return result.kind != ExecutionResult.SETTLED or result.status not in _ENDED
 
-    def _waited_too_long(self, execution: DeliveryExecution) -> None:
-        """A delivery claimed ahead has used up its share of the lease waiting for a slot
-        (every slot is held by a handler that runs on): hand it back now, attempt refunded.
-        Checked only when a slot freed, it stayed claimed while slots stayed busy, its lease
-        expired unrenewed, and the attempt was spent without a run (on its last attempt, a
-        LeaseExpired dead letter). On the timer thread: only the hand-back's call goes
-        elsewhere."""
+    def _check_ready_when_late(self, head: DeliveryExecution) -> None:
+        """Set the timer for when ``head``, the delivery claimed ahead that has waited longest,
+        will have used up its share of the lease; called with the lock held."""
+        self._ready_check = self._services.timers.schedule(
+            (head.lease_share_left() - PREFETCH_MIN_LEASE_SHARE) * head.lease_seconds,
+            self._hand_back_the_late,
+        )
+
+    def _hand_back_the_late(self) -> None:
+        """Deliveries claimed ahead that used up their share of the lease waiting for a slot
+        (every slot held by a handler that runs on) go back now, attempts refunded. Looked at
+        only when a slot freed, they stayed claimed while the slots stayed busy, their leases
+        expired unrenewed, and each attempt was spent without a run (on a last attempt, a
+        LeaseExpired dead letter). On the timer thread: the hand-backs' calls go elsewhere."""
+        late: list[DeliveryExecution] = []
         with self._lock:
-            if self._ready_timers.pop(execution.key, None) is None:
-                return  # it took a slot, or stop() took it back
-            self._ready.remove(execution)
-            self._late[execution.key] = execution
-            self._slots_stalled = True
-        self._background.run_or_call(self._hand_back, execution)
+            self._ready_check = None
+            while self._ready and self._ready[0].lease_share_left() < PREFETCH_MIN_LEASE_SHARE:
+                execution = self._ready.popleft()
+                self._late[execution.key] = execution
+                late.append(execution)
+            if late:
+                self._slots_stalled = True
+            if self._ready and not self._stopping.is_set():
+                self._check_ready_when_late(self._ready[0])
+        for execution in late:
+            self._background.run_or_call(self._hand_back, execution)
 
     def _hand_back(self, execution: DeliveryExecution) -> None:
         """Release a delivery claimed ahead that can no longer start in time, and wake the

@@ -582,7 +582,8 @@ class DeliveryExecution:
         """Keep ``timer`` to cancel when the handler returns. Those that fired or were cancelled
         go: a long handler's heartbeats added one a tick, for the handler's life."""
         with self._lock:
-            self._timers = [kept for kept in self._timers if not kept.cancelled]
+            if self._timers:  # most deliveries end before their first timer fires
+                self._timers = [kept for kept in self._timers if not kept.cancelled]
             self._timers.append(timer)
 
     def _schedule_auto_heartbeat(self) -> bool:

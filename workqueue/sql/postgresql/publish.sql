@@ -682,8 +682,8 @@ $$;
 -- wq_publish_many --
 -- Publish a JSON array of messages to one topic in one transaction, in array order. The
 -- ordered-publish locks of every partition key in the batch are taken first, then those of its
--- deduplication keys, each in sorted order, so two batches sharing keys cannot deadlock. Returns one row per item with its zero-based position,
--- with the result wq_publish would give it.
+-- deduplication keys, each in sorted order, so two batches sharing keys cannot deadlock. Returns
+-- one row per item with its zero-based position, with the result wq_publish would give it.
 -- The topic is read once per batch and a batch without deduplication keys is written with one
 -- INSERT of its messages and one of their deliveries; ordinals follow array order. A batch with
 -- a deduplication key runs wq_publish item by item (the key's reserve-then-confirm protocol).

@@ -393,7 +393,8 @@ BEGIN
     BEGIN
         -- The key's lock first, as a batch takes its keys' (wq_lock_deduplication_key).
         SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
-        EXEC dbo.wq_lock_deduplication_key @topic_id = @topic_uuid, @deduplication_key = @deduplication_key;
+        EXEC dbo.wq_lock_deduplication_key
+            @topic_id = @topic_uuid, @deduplication_key = @deduplication_key;
         -- Take the key when it is free, when its window has passed, or when this same message
         -- reserved it before (a retry after a crash); never a confirmed key or another message's
         -- live reservation. HOLDLOCK keeps the key range locked until commit, so the owner read
