@@ -1484,6 +1484,98 @@ def test_a_dead_letters_attributes_carry_only_characters_sqs_accepts(aws):
     assert item.last_error == values["wq_error"]
 
 
+#: What SQS refuses in a body or an attribute (its documented character set's complement).
+NOT_SQS_TEXT = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _capture(client: Any, operation: str) -> tuple[list[dict[str, Any]], Any]:
+    """The parameters of each ``operation`` ("sqs.SendMessage") call ``client`` makes, and
+    the undo."""
+    sent: list[dict[str, Any]] = []
+    event = f"provide-client-params.{operation}"
+    client.meta.events.register(event, lambda params, **_: sent.append(params), unique_id="sent")
+    return sent, lambda: client.meta.events.unregister(event, unique_id="sent")
+
+
+def test_every_body_sent_to_aws_carries_only_characters_sqs_accepts(aws):
+    """Audit helper-94: U+FFFE and U+FFFF in a payload (or a partition key, a correlation id)
+    went into the SNS message raw. SQS refuses such a body, and SNS, having taken the publish,
+    drops a message its subscription queue refuses: Accepted, then lost (moto does not refuse
+    it, so the test reads what was sent). Bodies are escaped JSON now, read back unchanged,
+    on every send: the publish, a release's copy, a dead letter and a replay."""
+    subscription = provisioned(aws, lease_seconds=30)
+    topic = subscription.topic
+    payload = {"s": "a\uffffb", "t": "\ufffe", "c": "x\x01y"}
+    sns = clients_for(AwsSettings.parse(aws.configuration)).sns
+    published, undo = _capture(sns, "sns.Publish")
+    try:
+        result = publish(topic.name, payload, partition_key="k\uffff", correlation_id="c\ufffe")
+    finally:
+        undo()
+    assert result.accepted
+    holder = receiver(subscription)
+    sqs = holder.binding.clients.sqs
+    sent, undo = _capture(sqs, "sqs.SendMessage")
+    try:
+        delivery = receive_one(holder)
+        assert (delivery.payload, delivery.partition_key, delivery.correlation_id) == (
+            payload,
+            "k\uffff",
+            "c\ufffe",
+        )
+        assert holder.release(delivery).settled
+        copy = receive_one(holder)
+        assert copy.payload == payload
+        assert holder.dead_letter(copy, "Fatal", "no").settled
+        assert operations.replay(subscription.name, copy.delivery_id).replayed
+        assert receive_one(holder).payload == payload
+    finally:
+        undo()
+
+    bodies = [published[0]["Message"], *(params["MessageBody"] for params in sent)]
+    assert len(bodies) == 4  # the publish, the release, the dead letter, the replay
+    assert [NOT_SQS_TEXT.findall(body) for body in bodies] == [[]] * 4
+
+
+def test_an_attribute_sqs_would_refuse_is_rejected_before_anything_is_sent(aws):
+    """Audit helper-94: an attribute value holding a control character (or U+FFFE, U+FFFF)
+    went to SNS as it was; SQS refuses it, so SNS dropped the message after the publish was
+    Accepted and its deduplication key confirmed, which then answered every re-publish
+    Duplicate. Such a value cannot be escaped (SNS filter policies match it as written): the
+    message is Rejected, naming the attribute, and its key stays free. The batch's other
+    messages go."""
+    topic = provisioned(aws).topic
+    sns = clients_for(AwsSettings.parse(aws.configuration)).sns
+    sent, undo = _capture(sns, "sns.PublishBatch")
+    try:
+        results = publish_many(
+            topic,
+            [
+                {"payload": {"n": 1}, "attributes": {"kind": "a\x01b"}, "deduplication_key": "d"},
+                {"payload": {"n": 2}, "attributes": {"kind": "tab\tline\nok"}},
+                {"payload": {"n": 3}, "attributes": {"other": "z\ufffe"}},
+                {"payload": {"n": 4}},
+            ],
+        )
+    finally:
+        undo()
+
+    assert [(r.status, r.error and r.error.code) for r in results] == [
+        ("Rejected", "InvalidAttributes"),
+        ("Accepted", None),
+        ("Rejected", "InvalidAttributes"),
+        ("Accepted", None),
+    ]
+    assert "Attribute 'kind' holds '\\x01' (at position 1)" in results[0].error.message
+    assert "'other'" in results[2].error.message
+    assert not Deduplication.objects.filter(topic=topic).exists()
+    [batch] = sent
+    assert [json.loads(e["Message"])["payload"] for e in batch["PublishBatchRequestEntries"]] == [
+        {"n": 2},
+        {"n": 4},
+    ]
+
+
 def test_an_external_publisher_is_not_told_what_aws_said(aws, client, caplog):
     """AWS's refusal (the server's IAM identity, its endpoint, the SNS topic's name) went to
     an API key's publisher in the answer's message."""

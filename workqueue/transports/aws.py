@@ -816,7 +816,7 @@ def send_dead_letter(
         attributes[ERROR_ATTRIBUTE] = _sqs_text(error)[:4000]
     params: dict[str, Any] = {
         "QueueUrl": binding.dead_letter_queue_url,
-        "MessageBody": canonical_json(_envelope_of(delivery)),
+        "MessageBody": sqs_json(_envelope_of(delivery)),
         "MessageAttributes": _string_attributes(attributes),
     }
     if binding.fifo:
@@ -840,6 +840,29 @@ def _sqs_text(text: str) -> str:
     return _NOT_SQS_TEXT.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
 
 
+def sqs_json(value: Any) -> str:
+    """``value`` as a message body SQS accepts: its canonical JSON, with each character SQS
+    refuses (U+FFFE and U+FFFF: JSON already escapes the controls) written as a JSON escape,
+    which reads back as the same character. Sent raw, SNS took the message and SQS refused it
+    on the way to the subscription queues: a message published as Accepted, then lost."""
+    return _NOT_SQS_TEXT.sub(lambda m: f"\\u{ord(m[0]):04x}", canonical_json(value))
+
+
+def _attribute_problem(attributes: dict[str, str] | None) -> str | None:
+    """Why SQS would refuse one of ``attributes``' values, or None. They cannot be escaped as
+    a body is: SNS filter policies match a value as it is written."""
+    for name, value in (attributes or {}).items():
+        found = _NOT_SQS_TEXT.search(value)
+        if found is not None:
+            return (
+                f"Attribute {name!r} holds {found[0]!a} (at position {found.start()}), a "
+                "character SQS does not carry in a message attribute on this AWS transport: "
+                "allowed are tab, newline, carriage return and Unicode from U+0020 up, less "
+                "U+FFFE and U+FFFF. Put such text in the payload instead."
+            )
+    return None
+
+
 def _deduplication_id(kind: str, *parts: str) -> str:
     """A FIFO deduplication id (at most 128 characters) for ``kind`` of send of ``parts``."""
     return f"{kind}-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()
@@ -857,7 +880,7 @@ def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None
     }
     params: dict[str, Any] = {
         "QueueUrl": binding.queue_url,
-        "MessageBody": canonical_json(envelope),
+        "MessageBody": sqs_json(envelope),
         "MessageAttributes": _string_attributes(delivery.attributes or {}),
     }
     if not params["MessageAttributes"]:
@@ -1060,6 +1083,15 @@ class AwsTransport(BaseTransport):
         ledger = PublishLedger(topic, chosen_message_ids)
         published_at = _now().isoformat()
         for index, message in enumerate(messages):
+            problem = _attribute_problem(message["attributes"])
+            if problem is not None:
+                rows[index] = _row(
+                    message["message_id"],
+                    PublishStatus.REJECTED,
+                    PublishErrorCode.INVALID_ATTRIBUTES,
+                    problem,
+                )
+                continue
             entry, size = _sns_entry(topic, message, publisher, published_at)
             if size > SQS_MAX_MESSAGE_BYTES:
                 rows[index] = _row(
@@ -1216,7 +1248,7 @@ class AwsTransport(BaseTransport):
             envelope.pop("attempts_before", None)
             params: dict[str, Any] = {
                 "QueueUrl": binding.queue_url,
-                "MessageBody": canonical_json(envelope),
+                "MessageBody": sqs_json(envelope),
                 "MessageAttributes": _string_attributes(envelope.get("attributes") or {}),
             }
             if binding.fifo:
@@ -1348,7 +1380,7 @@ def _sns_entry(
         "published_at": published_at,
         "published_by": publisher,
     }
-    body = canonical_json(envelope)
+    body = sqs_json(envelope)
     attributes = message["attributes"] or NO_ATTRIBUTES_MARKER
     entry: dict[str, Any] = {"Message": body, "MessageAttributes": _string_attributes(attributes)}
     if topic.is_fifo:
