@@ -160,3 +160,40 @@ def test_a_failed_batch_settles_its_completions_alone(services):
 
     assert finished.result(10) == ExecutionResult(ExecutionResult.SETTLED, "Completed")
     assert Delivery.objects.get(pk=delivery.delivery_id).status == "Completed"
+
+
+def test_two_holders_of_one_delivery_in_one_batch_are_each_told_their_own_result():
+    """Audit helper-94: a batch's results are keyed by delivery id, so a stale holder's
+    completion batched with the re-claimer's (the same delivery id; on AWS two copies of one
+    message) was told the other's result: here the refused one read Completed. A second
+    completion of an id already in the batch now goes in the next batch."""
+    sub = SubscriptionFactory(handler_key="tests.batched.complete", lease_seconds=30)
+    receiver = Receiver(sub.id, "holder")
+    publish(sub.topic.name, {"n": 1})
+    publish(sub.topic.name, {"n": 2})
+    (first, stale) = receiver.receive(2).deliveries
+    get_driver().shift_time(31, subscription_id=str(sub.id))
+    (current,) = [d for d in receiver.receive(2).deliveries if d.delivery_id == stale.delivery_id]
+    gate = threading.Event()
+    real = receiver.complete_many
+
+    def held_at_the_gate(deliveries: Any) -> Any:
+        gate.wait(10)
+        return real(deliveries)
+
+    receiver.complete_many = held_at_the_gate  # type: ignore[method-assign]
+    batcher = CompletionBatcher(receiver, "test")
+    told: dict[str, Future[Any]] = {"stale": Future(), "current": Future()}
+    try:
+        # The first batch waits at the gate while the two holders' completions queue behind it.
+        assert batcher.complete_later(first, lambda outcome: None)
+        assert batcher.complete_later(stale, told["stale"].set_result)
+        assert batcher.complete_later(current, told["current"].set_result)
+        gate.set()
+        results = {who: future.result(10) for who, future in told.items()}
+    finally:
+        gate.set()
+        batcher.stop()
+
+    assert (results["stale"].outcome, results["current"].outcome) == ("LeaseLost", "Settled")
+    assert Delivery.objects.get(pk=stale.delivery_id).status == "Completed"

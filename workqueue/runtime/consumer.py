@@ -158,6 +158,9 @@ class CompletionBatcher:
         )
         self._lock = threading.Lock()
         self._stopped = False
+        # A completion held back from a batch that already had its delivery id, to open the
+        # next one (the batcher's thread alone reads and writes it).
+        self._held_back: tuple[ClaimedDelivery, SettleCallback] | None = None
         self._thread = threading.Thread(target=self._run, name=f"{name}-completions", daemon=True)
         self._thread.start()
 
@@ -203,10 +206,11 @@ class CompletionBatcher:
         """Wait for completions and settle those queued by then as one batch; False once
         stopped. A call of its own, so that nothing of a settled batch (its deliveries, their
         payloads, the callers' callbacks) is kept while the thread waits for the next."""
-        item = self._queue.get()
+        item, self._held_back = self._held_back or self._queue.get(), None
         if item is None:
             return False
         batch = [item]
+        in_batch = {item[0].delivery_id}
         while len(batch) < COMPLETION_BATCH_LIMIT:
             try:
                 more = self._queue.get_nowait()
@@ -215,7 +219,14 @@ class CompletionBatcher:
             if more is None:
                 self._queue.put(None)  # finish this batch, then stop
                 break
+            if more[0].delivery_id in in_batch:
+                # Two holders of one delivery (a lease that ran out and the re-claim; on AWS,
+                # two copies of a message): a batch's results are keyed by delivery id, so in
+                # one batch each was told the other's result.
+                self._held_back = more
+                break
             batch.append(more)
+            in_batch.add(more[0].delivery_id)
         metrics.SETTLE_BATCH.observe(len(batch))
         outcomes: list[SettleResult | Exception]
         try:
