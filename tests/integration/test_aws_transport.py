@@ -1385,7 +1385,7 @@ def test_a_retry_asking_past_twelve_hours_hides_the_message_as_long_as_sqs_allow
     delivery = receive_one(holder)
     time.sleep(1.1)  # the handler ran a second
     asked: list[int] = []
-    sqs = holder.binding.clients.sqs
+    sqs = holder.binding.lease_sqs
     sqs.meta.events.register(
         "provide-client-params.sqs.ChangeMessageVisibility",
         lambda params, **_: asked.append(params["VisibilityTimeout"]),
@@ -1440,6 +1440,85 @@ def test_a_lease_lost_on_aws_is_reported_as_lost_not_as_a_cancel_that_failed(aws
     result = rig.execution(subscription, holder, delivery).run()
 
     assert (result.kind, result.error) == ("LeaseLost", None)
+
+
+@pytest.fixture
+def slow_network(monkeypatch) -> Any:
+    """Calls on the SQS operation the test names (``slow_network.operation``) first run
+    ``slow_network.before(request)`` (count it, stall it, time it out), then go as usual."""
+    from botocore.httpsession import URLLib3Session
+
+    rig = type("SlowNetwork", (), {"operation": "", "calls": 0})()
+    rig.before = lambda request: None
+    real = URLLib3Session.send
+
+    def send(session: Any, request: Any) -> Any:
+        target = request.headers.get("X-Amz-Target", b"")
+        if rig.operation and target.endswith(rig.operation.encode()):
+            rig.calls += 1
+            rig.before(request)
+        return real(session, request)
+
+    monkeypatch.setattr(URLLib3Session, "send", send)
+    return rig
+
+
+def test_a_call_on_a_held_message_makes_one_attempt(aws, slow_network):
+    """Audit helper-94: settles and heartbeats went through a client that retried up to three
+    times over about a minute, past the lease checked before the call: a visibility change
+    that landed after another consumer had received the message cut its lease short, and a
+    third then received it too. One attempt now, its timeouts within LEASE_CALL_SECONDS."""
+    from botocore.exceptions import ReadTimeoutError
+
+    subscription = provisioned(aws, lease_seconds=30)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    slow_network.operation = "ChangeMessageVisibility"
+
+    def timed_out(request: Any) -> None:
+        raise ReadTimeoutError(endpoint_url=request.url)
+
+    slow_network.before = timed_out
+
+    with pytest.raises(TransportUnavailableError):
+        holder.retry(delivery, 0)
+    assert slow_network.calls == 1
+    config = holder.binding.lease_sqs.meta.config
+    assert config.connect_timeout + config.read_timeout <= 3.0
+
+
+def test_no_call_on_a_held_message_starts_with_less_of_the_lease_left_than_it_may_take(
+    aws, slow_network
+):
+    """A settle with less of the lease left than the call may take is a lost lease, and makes
+    no call: a retry's visibility change could otherwise land after the message came back."""
+    subscription = provisioned(aws, lease_seconds=30)  # a call may take up to 3 s
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    slow_network.operation = "ChangeMessageVisibility"
+    # As if the handler ran 28 s: its holder's clock says 1.5 s are left of the lease.
+    holder._leases[delivery.lease_token] = time.monotonic() + 1.5 - 0.5
+    assert holder._holds(delivery)
+
+    assert holder.retry(delivery, 0).outcome == SettleOutcome.LEASE_LOST
+    assert slow_network.calls == 0
+
+
+def test_a_heartbeat_answered_after_the_lease_ran_out_does_not_bring_it_back(aws, slow_network):
+    """Audit helper-94: a renewal whose answer came late (the network stalled past the lease)
+    set the holder's lease anew: the message, received by another consumer meanwhile, had two
+    holders, and the first one's completion deleted it under the second."""
+    subscription = provisioned(aws, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    slow_network.operation = "ChangeMessageVisibility"
+    slow_network.before = lambda request: time.sleep(5)
+
+    assert holder.extend_lease(delivery).state == "Lost"
+    assert holder.complete(delivery).outcome == SettleOutcome.LEASE_LOST
 
 
 def test_a_last_attempt_whose_lease_expired_is_dead_lettered_with_max_attempts(aws):

@@ -99,6 +99,13 @@ RECEIVE_WAIT_SECONDS = 1
 #: A lease counts as lost this long before its visibility timeout runs out, so a settle that
 #: passes the check reaches SQS while the timeout still holds (network time, clock drift).
 LEASE_SAFETY_SECONDS = 0.5
+#: The longest a call on a held message's receipt handle (a heartbeat or a settle) may take,
+#: at most (a tenth of a shorter lease, so settles fit between its heartbeats): its client
+#: makes one attempt, with connect and read timeouts within it, and the call is made only while
+#: more than that is left of the lease. botocore's own retries ran for up to a minute past the
+#: check, and a visibility change that landed after another consumer's receive cut that
+#: consumer's lease short: two holders at once.
+LEASE_CALL_SECONDS = 3.0
 #: SQS refuses a visibility that ends more than 12 hours after the receive; a retry's delay
 #: stops this far short of that (the call takes time to arrive).
 VISIBILITY_CAP_MARGIN_SECONDS = 10
@@ -306,8 +313,30 @@ class AwsClients:
         )
         self.sns = session.client("sns", endpoint_url=settings.endpoint_url, config=config)
         self.sqs = session.client("sqs", endpoint_url=settings.endpoint_url, config=config)
+        self._session = session
+        self._endpoint_url = settings.endpoint_url
+        self._lease_clients: dict[float, Any] = {}
+        self._lock = threading.Lock()
         self._queue_urls: dict[str, str] = {}
         self._topic_arns: dict[str, str] = {}
+
+    def lease_sqs(self, seconds: float) -> Any:
+        """The SQS client for calls on a held message: one attempt, whose connect and read
+        timeouts together stay within ``seconds``."""
+        from botocore.config import Config
+
+        with self._lock:  # a session is not thread-safe
+            client = self._lease_clients.get(seconds)
+            if client is None:
+                config = Config(
+                    retries={"total_max_attempts": 1, "mode": "standard"},
+                    connect_timeout=seconds / 3,
+                    read_timeout=seconds * 2 / 3,
+                )
+                client = self._lease_clients[seconds] = self._session.client(
+                    "sqs", endpoint_url=self._endpoint_url, config=config
+                )
+            return client
 
     def queue_url(self, name: str) -> str:
         url = self._queue_urls.get(name)
@@ -429,6 +458,19 @@ class QueueBinding:
     @property
     def dead_letter_queue_url(self) -> str:
         return self.clients.queue_url(self.names.dead_letter_queue)
+
+    @property
+    def lease_call_seconds(self) -> float:
+        """The longest a call on a held message's receipt handle may take (LEASE_CALL_SECONDS)."""
+        return min(LEASE_CALL_SECONDS, self.lease_seconds / 10)
+
+    @property
+    def lease_sqs(self) -> Any:
+        return self.clients.lease_sqs(self.lease_call_seconds)
+
+
+class _NoTimeLeftForACall(Exception):
+    """Less of the lease is left than a call on its receipt handle may take."""
 
 
 def _now() -> dt.datetime:
@@ -616,12 +658,26 @@ class AwsReceiver:
             self._leases.pop(delivery.lease_token, None)
             self._received_at.pop(delivery.lease_token, None)
 
+    def _time_for_a_call(self, delivery: ClaimedDelivery) -> bool:
+        """Whether a call on the receipt handle made now ends, at its longest, before the
+        visibility timeout does (counted from when its receive or renewal was sent, so the
+        call's own time takes the place of LEASE_SAFETY_SECONDS)."""
+        with self._lock:
+            deadline = self._leases.get(delivery.lease_token)
+        return (
+            deadline is not None
+            and time.monotonic() + self.binding.lease_call_seconds < deadline + LEASE_SAFETY_SECONDS
+        )
+
     def _settle(self, delivery: ClaimedDelivery, status: str, action: Any) -> SettleResult:
         if not self._holds(delivery):
             self._let_go(delivery)
             return SettleResult(SettleOutcome.LEASE_LOST)
         try:
             action()
+        except _NoTimeLeftForACall:
+            self._let_go(delivery)
+            return SettleResult(SettleOutcome.LEASE_LOST)
         except TransportUnavailableError as exc:
             if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
                 self._let_go(delivery)
@@ -630,18 +686,28 @@ class AwsReceiver:
         self._let_go(delivery)
         return SettleResult(SettleOutcome.SETTLED, status)
 
-    def _set_visibility(self, delivery: ClaimedDelivery, seconds: int) -> None:
+    def _set_visibility(
+        self, delivery: ClaimedDelivery, seconds: int, *, may_end_late: bool = False
+    ) -> None:
+        """``may_end_late``: the change lengthens whoever holds the message's lease, even
+        when it lands after a new receive, so it need not end before this lease does."""
+        queue_url = self.binding.queue_url  # resolved before the time is measured
+        if not may_end_late and not self._time_for_a_call(delivery):
+            raise _NoTimeLeftForACall
         _call(
-            self.binding.clients.sqs.change_message_visibility,
-            QueueUrl=self.binding.queue_url,
+            self.binding.lease_sqs.change_message_visibility,
+            QueueUrl=queue_url,
             ReceiptHandle=delivery.lease_token,
             VisibilityTimeout=min(max(int(seconds), 0), SQS_MAX_VISIBILITY_SECONDS),
         )
 
     def _delete(self, delivery: ClaimedDelivery) -> None:
+        queue_url = self.binding.queue_url
+        if not self._time_for_a_call(delivery):
+            raise _NoTimeLeftForACall
         _call(
-            self.binding.clients.sqs.delete_message,
-            QueueUrl=self.binding.queue_url,
+            self.binding.lease_sqs.delete_message,
+            QueueUrl=queue_url,
             ReceiptHandle=delivery.lease_token,
         )
 
@@ -664,12 +730,25 @@ class AwsReceiver:
             self._let_go(delivery)
             return LeaseExtension(LeaseState.LOST)
         try:
-            self._set_visibility(delivery, granted)
+            # A whole lease from when it lands is at least what a receive since then hid the
+            # message for; a shortened one (near SQS's 12 hours) could cut that short.
+            self._set_visibility(
+                delivery, granted, may_end_late=granted == self.binding.lease_seconds
+            )
+        except _NoTimeLeftForACall:
+            self._let_go(delivery)
+            return LeaseExtension(LeaseState.LOST)
         except TransportUnavailableError as exc:
             if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
                 self._let_go(delivery)
                 return LeaseExtension(LeaseState.LOST)
             raise
+        if not self._holds(delivery):
+            # The answer came after the lease ran out: the message may have been received
+            # since (the renewal then lengthened that holder's hiding of it), so the lease is
+            # not brought back.
+            self._let_go(delivery)
+            return LeaseExtension(LeaseState.LOST)
         with self._lock:
             self._leases[delivery.lease_token] = started + granted - LEASE_SAFETY_SECONDS
         return LeaseExtension(
@@ -708,18 +787,21 @@ class AwsReceiver:
 
     def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]:
         results: dict[str, SettleResult] = {}
-        held: list[ClaimedDelivery] = []
-        for delivery in deliveries:
-            if self._holds(delivery):
-                held.append(delivery)
-            else:
-                self._let_go(delivery)
-                results[delivery.delivery_id] = SettleResult(SettleOutcome.LEASE_LOST)
-        for start in range(0, len(held), SQS_BATCH_MAX):
-            chunk = held[start : start + SQS_BATCH_MAX]
+        settling = list(deliveries)
+        queue_url = self.binding.queue_url
+        for start in range(0, len(settling), SQS_BATCH_MAX):
+            chunk = []
+            for delivery in settling[start : start + SQS_BATCH_MAX]:
+                if self._time_for_a_call(delivery):
+                    chunk.append(delivery)
+                else:
+                    self._let_go(delivery)
+                    results[delivery.delivery_id] = SettleResult(SettleOutcome.LEASE_LOST)
+            if not chunk:
+                continue
             answer = _call(
-                self.binding.clients.sqs.delete_message_batch,
-                QueueUrl=self.binding.queue_url,
+                self.binding.lease_sqs.delete_message_batch,
+                QueueUrl=queue_url,
                 Entries=[
                     {"Id": str(i), "ReceiptHandle": d.lease_token} for i, d in enumerate(chunk)
                 ],
