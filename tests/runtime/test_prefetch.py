@@ -17,7 +17,7 @@ from tests.support.handlers import probe, registry
 from tests.support.hosts import runtime_threads, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
-from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.exceptions import TransientDriverError, WorkQueueConfigurationError
 from workqueue.models import Delivery
 from workqueue.runtime import consumer, wakeup
 from workqueue.runtime.context import AbortReason
@@ -196,6 +196,39 @@ def test_a_delivery_claimed_ahead_behind_a_handler_that_outlives_its_lease_runs_
     # Handed back once, and not claimed ahead again while the slot stayed stalled (it was,
     # every half lease, keeping it from idle hosts).
     assert len(releases) == 1, releases
+
+
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_hand_back_that_fails_on_a_lost_connection_is_made_again_while_the_lease_lasts(
+    make_host, monkeypatch, caplog
+):
+    """Audit helper-95: a hand-back was one call; when it failed (a failover, a connection
+    reset) the delivery was left to lease expiry, which counts the attempt as a run: on its last
+    attempt it was dead-lettered LeaseExpired without ever running. It is made again now,
+    backing off, while the lease lasts."""
+    failed: list[str] = []
+    release = transport.Receiver.release
+
+    def drops_the_first(self: transport.Receiver, delivery: Any) -> Any:
+        if not failed:
+            failed.append(delivery.delivery_id)
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return release(self, delivery)
+
+    monkeypatch.setattr(transport.Receiver, "release", drops_the_first)
+    s = sub(lease_seconds=5, max_attempts=1)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=1000)
+    host.start()
+    blocker, victim = _a_blocker_and_one_claimed_ahead(s, {"sleepMs": 8_000, "then": "complete"})
+
+    wait_until(lambda: status_of(blocker) == "Completed", timeout=30)
+    wait_until(lambda: status_of(victim) not in ("InFlight", "Pending"), timeout=30)
+
+    assert len(failed) == 1
+    row = Delivery.objects.get(message_id=victim)
+    assert (row.status, row.dead_letter_reason) == ("Completed", None)
+    assert [r.attempt for r in probe.runs if r.message_id == victim] == [1]
+    assert "trying again in 0.1 s while its lease lasts" in caplog.text
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from workqueue import metrics
-from workqueue.exceptions import WorkQueueError
+from workqueue.exceptions import TransientDriverError, TransportUnavailableError, WorkQueueError
 from workqueue.models.hosts import CLAIM_LOOP_FAILED, RATE_TOKENS_FAILED, RECEIVE_FAILED
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
+    RETRY_MAX_SECONDS,
+    RETRY_MIN_SECONDS,
     DeliveryExecution,
     ExecutionResult,
     ExecutionServices,
@@ -424,7 +426,7 @@ class Consumer:
             # Claimed ahead and never started (a hand-back still queued behind busy background
             # threads included): back to the queue now, attempt refunded, before the process
             # may end.
-            self._release(execution.delivery)
+            self._release(execution.delivery, execution.lease_ends)
         gave_up = False
         if not self._wait_idle(drain):
             with self._lock:
@@ -446,7 +448,7 @@ class Consumer:
                 self.unsettled = len(left) - self.abandoned
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
-            self._release(execution.delivery)
+            self._release(execution.delivery, execution.lease_ends)
         if gave_up and process_lives_on and self.abandoned:
             logger.warning(
                 "%s: %d handler(s) did not stop; they run on with their leases renewed until "
@@ -608,7 +610,7 @@ class Consumer:
                     self._return_rate_tokens(unused)
                 if self._stopping.is_set():
                     for delivery in claimed.deliveries:
-                        self._release(delivery)
+                        self._release(delivery, self._lease_ends(delivery, leased_at))
                     break
                 self._start_all(claimed.deliveries, leased_at)
             finally:
@@ -760,7 +762,7 @@ class Consumer:
             except BaseException:
                 # Claimed but never started: hand them back rather than leave them to expiry.
                 for unstarted in deliveries[index:]:
-                    self._release(unstarted)
+                    self._release(unstarted, self._lease_ends(unstarted, leased_at))
                 raise
 
     def _start(self, delivery: ClaimedDelivery, leased_at: float) -> None:
@@ -800,7 +802,8 @@ class Consumer:
                 self._handlers_running -= 1
             if not isinstance(exc, RuntimeError):
                 raise
-            self._release(execution.delivery)  # the pool is shutting down: hand it back
+            # The pool is shutting down: hand it back.
+            self._release(execution.delivery, execution.lease_ends)
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
         """A handler returned (on its worker thread): its slot goes to the next delivery
@@ -963,23 +966,56 @@ class Consumer:
         so that stop() waits for it: the process may end as soon as stop() returns. Should
         stop() give up first and release it too, the second release is refused by the lease
         token."""
-        self._release(execution.delivery)
+        self._release(execution.delivery, execution.lease_ends)
         with self._lock:
             if self._running.get(execution.key) is execution:
                 del self._running[execution.key]
             self._lock.notify_all()  # stop() may be waiting for the running ones to end
 
-    def _release(self, delivery: ClaimedDelivery) -> None:
-        try:
-            if not self.receiver.release(delivery).settled and self.hears_cancels:
-                # Refused: the lease is gone, or the delivery was cancelled while it waited
-                # (wq_release leaves a cancelled one alone). Acknowledge the cancel now, as
-                # the handler's start would have, rather than leave the delivery (and, in an
-                # Exclusive or Ordered subscription, its key) to lease expiry. Fenced by the
-                # lease token and the cancel request, so it changes nothing otherwise.
-                self.receiver.acknowledge_cancel(delivery)
-        except WorkQueueError as exc:
-            logger.warning("%s: release failed (lease expiry will retry): %s", self.plan.name, exc)
+    def _lease_ends(self, delivery: ClaimedDelivery, leased_at: float) -> float:
+        return leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
+
+    def _release(self, delivery: ClaimedDelivery, lease_ends: float) -> None:
+        """Hand back a delivery that never started, its attempt refunded. A call that fails
+        on a lost connection (or an unreachable transport) is made again, backing off, while
+        the lease lasts: left to lease expiry, the attempt would count as a run, and a last
+        attempt be dead-lettered without ever running. Fenced by the lease token, so a
+        release whose answer was lost is refused the second time, never applied twice."""
+        delay = RETRY_MIN_SECONDS
+        while True:
+            try:
+                if not self.receiver.release(delivery).settled and self.hears_cancels:
+                    # Refused: the lease is gone, or the delivery was cancelled while it waited
+                    # (wq_release leaves a cancelled one alone). Acknowledge the cancel now, as
+                    # the handler's start would have, rather than leave the delivery (and, in
+                    # an Exclusive or Ordered subscription, its key) to lease expiry. Fenced by
+                    # the lease token and the cancel request, so it changes nothing otherwise.
+                    self.receiver.acknowledge_cancel(delivery)
+                return
+            except (TransientDriverError, TransportUnavailableError) as exc:
+                if time.monotonic() + delay >= lease_ends:
+                    self._release_failed(exc)
+                    return
+                logger.warning(
+                    "%s: handing back a delivery that never started failed (%s); trying again "
+                    "in %.1f s while its lease lasts",
+                    self.plan.name,
+                    exc,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+            except WorkQueueError as exc:
+                self._release_failed(exc)
+                return
+
+    def _release_failed(self, exc: WorkQueueError) -> None:
+        logger.warning(
+            "%s: handing back a delivery that never started failed: %s; its lease will expire "
+            "and count the attempt",
+            self.plan.name,
+            exc,
+        )
 
     def _wait_idle(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds

@@ -523,6 +523,11 @@ class DeliveryExecution:
         """Until when a settle is worth retrying: the lease and a grace."""
         return self._lease_ends + self.services.lease_grace_seconds
 
+    @property
+    def lease_ends(self) -> float:
+        """When the lease may end in the database, by the local clock (monotonic)."""
+        return self._lease_ends
+
     def lease_share_left(self) -> float:
         """The share of the lease not used up yet by the local clock (1.0 just claimed or
         renewed, 0 or less once the database may have taken the delivery back)."""
