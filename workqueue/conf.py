@@ -58,6 +58,10 @@ class WorkQueueSettings:
     #: Each count a metrics scrape reads stops here, so a scrape costs milliseconds whatever
     #: the backlog (``workqueue_counts_capped`` says when one did); 1..1000000.
     METRICS_COUNT_CAP: int = 10_000
+    #: Each count stats read (REST, the admin dashboard, ``workqueue stats`` unless given
+    #: ``--cap``) stops here, so that a reader allowed one subscription cannot have a backlog of
+    #: millions counted at every call (``capped`` says when one did); 1..1000000.
+    STATS_COUNT_CAP: int = 100_000
     #: The sweeper deletes the record of a host not seen for this many days (a stopped host's
     #: or a dead one's); 1..3650.
     HOST_RECORD_RETENTION_DAYS: int = 7
@@ -81,6 +85,7 @@ _NUMBER_RANGES: dict[str, tuple[int, int | None]] = {
     "VACUUM_HORIZON_WARNING_SECONDS": (1, None),
     "DEAD_ROWS_WARNING": (1, None),
     "METRICS_COUNT_CAP": (1, 1_000_000),
+    "STATS_COUNT_CAP": (1, 1_000_000),
     "HOST_RECORD_RETENTION_DAYS": (1, 3650),
 }
 

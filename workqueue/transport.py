@@ -495,8 +495,9 @@ def release_deduplication(topic: str, key: str, message_id: str) -> bool:
 # -- operator primitives -------------------------------------------------------------------
 
 
-def subscription_stats(subscription_id: str) -> dict[str, Any] | None:
-    rows = _driver().call("wq_subscription_stats", {"subscription_id": subscription_id})
+def subscription_stats(subscription_id: str, cap: int | None = None) -> dict[str, Any] | None:
+    """A subscription's stats, each count made up to ``cap`` (None: the most, 1,000,000)."""
+    rows = _driver().call("wq_subscription_stats", {"subscription_id": subscription_id, "cap": cap})
     return rows[0] if rows else None
 
 

@@ -233,6 +233,9 @@ class SubscriptionStats:
     as_of: dt.datetime
     #: Deliveries started per second across every host at most (None: no limit).
     rate_limit_per_second: float | None = None
+    #: A count stopped at the cap it was read with (or the completions were counted among
+    #: fewer than the last hour's): the counts are then at least what they say.
+    capped: bool = False
 
 
 @dataclass(frozen=True, slots=True)

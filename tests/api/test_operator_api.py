@@ -6,12 +6,15 @@ nothing."""
 from __future__ import annotations
 
 import datetime as dt
+import io
+import json
 import time
 import uuid
 from typing import Any
 
 import pytest
 from django.conf import settings as django_settings
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.middleware.csrf import _get_new_csrf_string
 from django.test import Client
@@ -88,6 +91,29 @@ def test_stats_of_one_subscription(client):
 
     assert response.status_code == 200
     assert response.json()["subscriptions"][0]["pending"] == 1
+
+
+def test_stats_count_up_to_the_stats_cap_and_say_so_on_every_surface(client, settings):
+    """The counts stop at STATS_COUNT_CAP (a reader must not have a backlog of millions counted
+    at every call); ``capped`` says so on REST, the CLI notes it and may count further."""
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "STATS_COUNT_CAP": 2}
+    sub = SubscriptionFactory()
+    for _ in range(3):
+        pending(sub)
+
+    body = call(client, "get", f"/subscriptions/{sub.name}/stats", key=reader()).json()
+    [stats] = body["subscriptions"]
+    assert (stats["pending"], stats["capped"]) == (2, True)
+
+    out = io.StringIO()
+    call_command("workqueue", "stats", "-s", sub.name, stdout=out)
+    assert f"Counting stopped at the cap for {sub.name}" in out.getvalue()
+    out = io.StringIO()
+    call_command("workqueue", "stats", "-s", sub.name, "--cap", "10", "--json", stdout=out)
+    [stats] = json.loads(out.getvalue())["subscriptions"]
+    assert (stats["pending"], stats["capped"]) == (3, False)
+    with pytest.raises(CommandError, match="cap must be 1 to 1,000,000; got 0"):
+        call_command("workqueue", "stats", "--cap", "0")
 
 
 def test_stats_of_an_unknown_subscription_is_404(client):

@@ -141,3 +141,41 @@ def test_a_dead_letter_page_is_clamped_inside_sql(pg_conn, page_size):
         "SELECT count(*) FROM wq_list_dead_letters(%s, NULL, %s)", [subscription.id, page_size]
     ).fetchone()
     assert rows == (1000,)
+
+
+def test_stats_read_the_subscriptions_own_rows_up_to_the_cap(pg_conn):
+    """Audit helper-96: the Pending count and the oldest Pending age were each a sequential scan
+    of the whole delivery table, and the completions of the last hour a walk of every
+    subscription's: a reader allowed one small subscription had all of them read, about half a
+    second a call at a few million rows. Each count now walks the subscription's own index
+    entries, up to the cap; the completions are counted among the hour's newest cap."""
+    busy, small = SubscriptionFactory(), SubscriptionFactory()
+    for status in ("Pending", "Completed", "DeadLettered"):
+        seed_deliveries(pg_conn, busy, 3000, status=status)
+    seed_deliveries(pg_conn, small, 3, status="Pending")
+    seed_deliveries(pg_conn, small, 2, status="Completed")
+    pg_conn.execute("ANALYZE workqueue_delivery")
+
+    stats = "SELECT * FROM wq_subscription_stats(%s, %s)"
+    assert _most_rows_read(pg_conn, stats, [small.id, 100]) <= 100
+    assert _most_rows_read(pg_conn, stats, [busy.id, 100]) <= 100
+
+    [row] = operations.subscription_stats(small.name, cap=100).subscriptions
+    assert (row.pending, row.completed_last_hour, row.capped) == (3, 2, True)  # the newest
+    [row] = operations.subscription_stats(small.name, cap=10_000).subscriptions
+    assert (row.pending, row.completed_last_hour, row.capped) == (3, 2, False)
+    [row] = operations.subscription_stats(busy.name, cap=100).subscriptions
+    # Its completions among the newest 100 of any subscription (the small one's 2 are newer).
+    assert (row.pending, row.dead_lettered, row.completed_last_hour, row.capped) == (
+        100,
+        100,
+        98,
+        True,
+    )
+    [row] = operations.subscription_stats(busy.name).subscriptions  # STATS_COUNT_CAP
+    assert (row.pending, row.dead_lettered, row.completed_last_hour, row.capped) == (
+        3000,
+        3000,
+        3000,
+        False,
+    )

@@ -20,6 +20,7 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
 
+from workqueue.conf import get_settings
 from workqueue.exceptions import PermissionDeniedError, WorkQueueConfigurationError
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.models.hosts import SERVING_STATES, database_now
@@ -221,6 +222,8 @@ def dashboard_context(request: HttpRequest, site_name: str) -> dict[str, Any]:
     database_clock = database_now()
     return {
         "rows": rows,
+        "capped": [stats.subscription_name for stats in report.subscriptions if stats.capped],
+        "stats_count_cap": get_settings().STATS_COUNT_CAP,
         "failures": report.failures,
         "hosts": [
             _host(record, database_clock) for record in HostRecord.objects.live(database_clock)

@@ -134,6 +134,11 @@ class SubscriptionStatsOut(_Out):
     rate_limit_per_second: float | None = Field(
         description="Most deliveries started per second across every host; null: no limit."
     )
+    capped: bool = Field(
+        description="A count stopped at the server's STATS_COUNT_CAP (or the completions were "
+        "counted among fewer than the last hour's, the newest that many of every "
+        "subscription's): the counts are then at least what they say."
+    )
 
 
 class StatsFailureOut(_Out):

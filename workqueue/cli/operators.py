@@ -25,13 +25,19 @@ class StatsVerb(Verb):
             action="append",
             help="Only this subscription (repeat for several); all of them by default.",
         )
+        parser.add_argument(
+            "--cap",
+            type=int,
+            help="Count each figure up to N (1 to 1000000; default: the STATS_COUNT_CAP "
+            "setting). A figure that stops there is marked with a note.",
+        )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.operators.operations import StatsReport, subscription_stats
 
         report = StatsReport([])
         for name in sorted(set(options["subscription"] or [None]), key=str):
-            part = _operation_errors(lambda name=name: subscription_stats(name))
+            part = _operation_errors(lambda name=name: subscription_stats(name, cap=options["cap"]))
             report.subscriptions.extend(part.subscriptions)
             report.failures.extend(part.failures)
         self._write(command, options, report)
@@ -76,6 +82,12 @@ class StatsVerb(Verb):
             "RATE LIMIT",
         )
         command.stdout.write(table(rows, headers))
+        capped = [s.subscription_name for s in report.subscriptions if s.capped]
+        if capped:
+            command.stdout.write(
+                f"Counting stopped at the cap for {', '.join(capped)}: those figures are at "
+                "least what they say (--cap counts further, up to 1000000)."
+            )
         for failure in report.failures:
             command.stderr.write(f"{failure['subscription_name']}: {failure['error']}")
 

@@ -210,10 +210,11 @@ PROCEDURES: dict[str, Procedure] = {
         # Operators
         Procedure(
             "wq_subscription_stats",
-            _p("subscription_id:uuid"),
+            _p("subscription_id:uuid, cap:int"),
             _c(
                 "pending:int, in_flight:int, dead_lettered:int, blocked_keys:int, "
-                "oldest_pending_age_seconds:int, completed_last_hour:int, as_of:timestamp"
+                "oldest_pending_age_seconds:int, completed_last_hour:int, as_of:timestamp, "
+                "capped:bool"
             ),
             ResultKind.MANY,
             Grant.OPERATOR,

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATS_UNAVAILABLE = "Stats are unavailable for this subscription"
+#: The highest cap a stats read may be given (the procedures clamp to it).
+STATS_COUNT_MAX = 1_000_000
 MAX_NAME_LENGTH = 200
 MAX_NOTE_LENGTH = 1000
 DELIVERY_ID_LENGTH = 36  # a UUID's canonical text
@@ -241,10 +243,18 @@ def _transport_of(subscription: Any, flag: str | None = None, what: str = "") ->
 # -- the operations ------------------------------------------------------------------------
 
 
-def subscription_stats(subscription_name: str | None = None, *, actor: Actor = CLI) -> StatsReport:
-    """Counts for one subscription or all of them (sorted by name). A subscription whose
-    stats cannot be read is listed under ``failures`` with a fixed message."""
+def subscription_stats(
+    subscription_name: str | None = None, *, actor: Actor = CLI, cap: int | None = None
+) -> StatsReport:
+    """Counts for one subscription or all of them (sorted by name), each made up to ``cap``
+    (None: ``STATS_COUNT_CAP``; at most 1,000,000). A subscription whose stats cannot be read
+    is listed under ``failures`` with a fixed message."""
     from workqueue.models import Subscription
+
+    if cap is None:
+        cap = get_settings().STATS_COUNT_CAP
+    elif not 1 <= cap <= STATS_COUNT_MAX:
+        raise InvalidInputError(f"cap must be 1 to {STATS_COUNT_MAX:,}; got {cap}.")
 
     queryset = Subscription.objects.order_by("name")
     if subscription_name is not None:
@@ -260,7 +270,7 @@ def subscription_stats(subscription_name: str | None = None, *, actor: Actor = C
         if actor.subscriptions and subscription.name not in actor.subscriptions:
             continue
         try:
-            row = _transport_of(subscription).subscription_stats(str(subscription.id))
+            row = _transport_of(subscription).subscription_stats(str(subscription.id), cap)
         except WorkQueueError:
             report.failures.append(
                 {"subscription_name": subscription.name, "error": STATS_UNAVAILABLE}
@@ -280,6 +290,7 @@ def subscription_stats(subscription_name: str | None = None, *, actor: Actor = C
                 completed_last_hour=row["completed_last_hour"],
                 as_of=row["as_of"],
                 rate_limit_per_second=subscription.rate_limit_per_second,
+                capped=row["capped"],
             )
         )
     return report

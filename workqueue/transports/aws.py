@@ -1253,9 +1253,12 @@ class AwsTransport(BaseTransport):
 
     # -- operator reads ---------------------------------------------------------------------
 
-    def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
-        """Counts from the queues' approximate attributes. SQS keeps no history: completions
-        of the last hour and the oldest message's age are not known (reported as None)."""
+    def subscription_stats(
+        self, subscription_id: str, cap: int | None = None
+    ) -> dict[str, Any] | None:
+        """Counts from the queues' approximate attributes, which cost the same whatever the
+        backlog (so never capped). SQS keeps no history: completions of the last hour and the
+        oldest message's age are not known (reported as None)."""
         binding = QueueBinding.of(subscription_id)
         queue = _queue_counts(binding, binding.names.queue)
         dead = _queue_counts(binding, binding.names.dead_letter_queue)
@@ -1269,6 +1272,7 @@ class AwsTransport(BaseTransport):
             "oldest_pending_age_seconds": None,
             "completed_last_hour": None,
             "as_of": _now(),
+            "capped": False,
         }
 
     def queue_gauges(self, subscription_id: str, cap: int) -> dict[str, Any] | None:

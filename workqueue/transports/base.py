@@ -280,7 +280,12 @@ class BaseTransport:
 
     # -- operator reads ------------------------------------------------------------------------
 
-    def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
+    def subscription_stats(
+        self, subscription_id: str, cap: int | None = None
+    ) -> dict[str, Any] | None:
+        """An operator's counts (those of ``queue_gauges``, ``completed_last_hour``, ``as_of``
+        and ``capped``), each made up to ``cap`` where counting costs what it counts (None:
+        1,000,000); ``capped`` says when one stopped there."""
         raise NotImplementedError
 
     def backlog(self, subscription_id: str) -> Backlog | None:

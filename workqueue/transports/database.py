@@ -63,8 +63,10 @@ class DatabaseTransport(BaseTransport):
     def receiver(self, subscription_id: str, lease_owner: str | None = None) -> procedures.Receiver:
         return procedures.Receiver(subscription_id, lease_owner)
 
-    def subscription_stats(self, subscription_id: str) -> dict[str, Any] | None:
-        return procedures.subscription_stats(subscription_id)
+    def subscription_stats(
+        self, subscription_id: str, cap: int | None = None
+    ) -> dict[str, Any] | None:
+        return procedures.subscription_stats(subscription_id, cap)
 
     def backlog(self, subscription_id: str) -> Backlog | None:
         return procedures.backlog(subscription_id)

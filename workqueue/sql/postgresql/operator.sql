@@ -6,54 +6,6 @@
 -- the session, and a plan made while the tables were nearly empty must still read by index
 -- once a burst has filled them. (The SQL functions are planned afresh on every call.)
 
--- wq_subscription_stats --
--- Counts by status for one subscription, the number of Ordered keys blocked by a dead-lettered
--- head (NULL for other modes), the age of the oldest Pending delivery and completions in the last
--- hour, all as of the database clock.
-CREATE OR REPLACE FUNCTION wq_subscription_stats(p_subscription_id uuid)
-RETURNS TABLE (
-    pending bigint,
-    in_flight bigint,
-    dead_lettered bigint,
-    blocked_keys bigint,
-    oldest_pending_age_seconds bigint,
-    completed_last_hour bigint,
-    as_of timestamptz
-)
-LANGUAGE sql
-STABLE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-    SELECT
-        (SELECT count(*) FROM workqueue_delivery d
-          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'),
-        (SELECT count(*) FROM workqueue_delivery d
-          WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'),
-        (SELECT count(*) FROM workqueue_delivery d
-          WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'),
-        CASE WHEN s.partition_mode = 'Ordered' THEN (
-            SELECT count(DISTINCT d.partition_key) FROM workqueue_delivery d
-             WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
-               AND d.partition_key IS NOT NULL
-               AND NOT EXISTS (
-                   SELECT 1 FROM workqueue_delivery h
-                    WHERE h.subscription_id = d.subscription_id
-                      AND h.partition_key = d.partition_key AND h.order_key < d.order_key
-                      AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
-        END,
-        (SELECT CASE WHEN min(d.visible_at) IS NOT NULL THEN
-                    GREATEST(floor(extract(epoch FROM now() - min(d.visible_at))), 0)::bigint END
-           FROM workqueue_delivery d
-          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'),
-        (SELECT count(*) FROM workqueue_delivery d
-          WHERE d.subscription_id = p_subscription_id AND d.status = 'Completed'
-            AND d.completed_at > now() - interval '1 hour'),
-        now()
-      FROM workqueue_subscription s
-     WHERE s.id = p_subscription_id;
-$$;
-
 -- wq_queue_gauges --
 -- What a metrics scrape reads for one subscription, at a cost bounded whatever the backlog:
 -- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
@@ -144,6 +96,57 @@ AS $$
           WHERE l.priority IS NOT NULL)
       FROM workqueue_subscription s
      WHERE s.id = p_subscription_id;
+$$;
+
+-- wq_subscription_stats --
+-- What wq_queue_gauges reads for one subscription (Pending, InFlight and DeadLettered deliveries,
+-- Ordered keys blocked by a dead-lettered head, the age of the oldest Pending delivery), with
+-- its completions in the last hour and the database clock, each count made up to p_cap
+-- (clamped to 1..1000000; NULL: 1000000). capped is true when a count stopped there, or when
+-- the completions were counted among fewer than the last hour's: they are the subscription's
+-- among the newest p_cap deliveries any subscription completed or discarded in the hour (read
+-- along wq_dlv_purge_ix, which orders every subscription's), so that a caller allowed to read
+-- one small subscription cannot have the whole table read. No row when the subscription does
+-- not exist.
+-- Until 0045 the counts were exact, each a scan of what they counted (and of every
+-- subscription's rows for the completions and the Pending rows), and there was no p_cap.
+CREATE OR REPLACE FUNCTION wq_subscription_stats(
+    p_subscription_id uuid,
+    p_cap integer DEFAULT NULL
+)
+RETURNS TABLE (
+    pending bigint,
+    in_flight bigint,
+    dead_lettered bigint,
+    blocked_keys bigint,
+    oldest_pending_age_seconds bigint,
+    completed_last_hour bigint,
+    as_of timestamptz,
+    capped boolean
+)
+LANGUAGE sql
+STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET jit = off
+AS $$
+    WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 1000000), 1), 1000000) AS n),
+    recent AS (
+        SELECT count(*) AS examined,
+               count(*) FILTER (WHERE r.subscription_id = p_subscription_id
+                                  AND r.status = 'Completed') AS completed
+          FROM (SELECT d.subscription_id, d.status FROM workqueue_delivery d
+                 WHERE d.status IN ('Completed', 'Discarded')
+                   AND d.completed_at > now() - interval '1 hour'
+                 ORDER BY d.completed_at DESC
+                 LIMIT (SELECT n FROM cap)) AS r
+    )
+    SELECT g.pending, g.in_flight, g.dead_lettered, g.blocked_keys,
+           g.oldest_pending_age_seconds, recent.completed, now(),
+           GREATEST(g.pending, g.in_flight, g.dead_lettered, coalesce(g.blocked_keys, 0),
+                    recent.examined) >= (SELECT n FROM cap)
+      FROM wq_queue_gauges(p_subscription_id, (SELECT n FROM cap)) AS g, recent;
 $$;
 
 -- wq_list_dead_letters --

@@ -8,53 +8,6 @@ SET ANSI_NULLS ON;
 SET QUOTED_IDENTIFIER ON;
 GO
 
--- wq_subscription_stats --
--- Counts by status for one subscription, the number of Ordered keys blocked by a dead-lettered
--- head (NULL for other modes), the age in whole seconds of the oldest Pending delivery (never
--- negative; NULL when none is pending) and completions in the last hour, all as of the database
--- clock. No row when the subscription does not exist.
--- returns: pending, in_flight, dead_lettered, blocked_keys, oldest_pending_age_seconds, completed_last_hour, as_of
-CREATE OR ALTER PROCEDURE dbo.wq_subscription_stats
-    @subscription_id uniqueidentifier
-AS
-BEGIN
-    SET NOCOUNT ON;
-    SET XACT_ABORT ON;
-    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
-    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
-
-    -- result set
-    SELECT
-        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
-          WHERE d.subscription_id = s.id AND d.status = N'Pending') AS pending,
-        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
-          WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS in_flight,
-        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
-          WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS dead_lettered,
-        CASE WHEN s.partition_mode = N'Ordered' THEN (
-            SELECT COUNT(DISTINCT d.partition_key) FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
-               AND d.partition_key IS NOT NULL
-               AND NOT EXISTS (
-                   SELECT 1 FROM dbo.workqueue_delivery AS h
-                    WHERE h.subscription_id = d.subscription_id
-                      AND h.partition_key = d.partition_key AND h.order_key < d.order_key
-                      AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')))
-        END AS blocked_keys,
-        (SELECT CASE WHEN MIN(d.visible_at) IS NULL THEN NULL
-                     WHEN MIN(d.visible_at) >= @now THEN 0
-                     ELSE DATEDIFF_BIG(millisecond, MIN(d.visible_at), @now) / 1000 END
-           FROM dbo.workqueue_delivery AS d
-          WHERE d.subscription_id = s.id AND d.status = N'Pending') AS oldest_pending_age_seconds,
-        (SELECT COUNT(*) FROM dbo.workqueue_delivery AS d
-          WHERE d.subscription_id = s.id AND d.status = N'Completed'
-            AND d.completed_at > DATEADD(hour, -1, @now)) AS completed_last_hour,
-        @now AS as_of
-      FROM dbo.workqueue_subscription AS s
-     WHERE s.id = @subscription_key;
-END;
-GO
-
 -- wq_queue_gauges --
 -- What a metrics scrape reads for one subscription, at a cost bounded whatever the backlog:
 -- Pending, InFlight and DeadLettered deliveries and Ordered keys blocked by a dead-lettered head
@@ -147,6 +100,57 @@ BEGIN
             AS oldest_pending_age_seconds
       FROM dbo.workqueue_subscription AS s
      WHERE s.id = @subscription_key;
+END;
+GO
+
+-- wq_subscription_stats --
+-- What wq_queue_gauges reads for one subscription (Pending, InFlight and DeadLettered deliveries,
+-- Ordered keys blocked by a dead-lettered head, the age of the oldest Pending delivery), with
+-- its completions in the last hour and the database clock, each count made up to @cap
+-- (clamped to 1..1000000; NULL: 1000000). capped is 1 when a count stopped there, or when the
+-- completions were counted among fewer than the last hour's: they are the subscription's among
+-- the newest @cap deliveries any subscription completed or discarded in the hour (read along
+-- wq_dlv_purge_ix, which orders every subscription's), so that a caller allowed to read one
+-- small subscription cannot have the whole table read. No row when the subscription does not
+-- exist.
+-- Until 0045 the counts were exact, each a scan of what they counted, and there was no @cap.
+-- returns: pending, in_flight, dead_lettered, blocked_keys, oldest_pending_age_seconds, completed_last_hour, as_of, capped
+CREATE OR ALTER PROCEDURE dbo.wq_subscription_stats
+    @subscription_id uniqueidentifier,
+    @cap int = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @limit int = CASE WHEN @cap IS NULL OR @cap > 1000000 THEN 1000000
+                              WHEN @cap < 1 THEN 1 ELSE @cap END;
+    DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @gauges TABLE (
+        pending bigint,
+        in_flight bigint,
+        dead_lettered bigint,
+        blocked_keys bigint,
+        oldest_pending_age_seconds bigint
+    );
+    INSERT INTO @gauges EXEC dbo.wq_queue_gauges @subscription_id, @limit;
+    DECLARE @examined bigint;
+    DECLARE @completed bigint;
+    SELECT @examined = COUNT_BIG(*),
+           @completed = COUNT_BIG(CASE WHEN r.subscription_id = @subscription_key
+                                        AND r.status = N'Completed' THEN 1 END)
+      FROM (SELECT TOP (@limit) d.subscription_id, d.status FROM dbo.workqueue_delivery AS d
+             WHERE d.status IN (N'Completed', N'Discarded')
+               AND d.completed_at > DATEADD(hour, -1, @now)
+             ORDER BY d.completed_at DESC) AS r;
+
+    -- result set
+    SELECT g.pending, g.in_flight, g.dead_lettered, g.blocked_keys,
+           g.oldest_pending_age_seconds, @completed AS completed_last_hour, @now AS as_of,
+           CAST(CASE WHEN g.pending >= @limit OR g.in_flight >= @limit
+                       OR g.dead_lettered >= @limit OR ISNULL(g.blocked_keys, 0) >= @limit
+                       OR @examined >= @limit THEN 1 ELSE 0 END AS bit) AS capped
+      FROM @gauges AS g;
 END;
 GO
 
