@@ -71,6 +71,44 @@ def show_provisioning(modeladmin: Any, request: HttpRequest, queryset: QuerySet)
             )
 
 
+class RefusesDeletesQueueRowsHold:
+    """Deleting a topic or subscription that queue rows still refer to is refused (their
+    foreign keys protect them). Django's confirmation page (and "Delete selected"'s) would first
+    load and list every such row: for a subscription with 200,000 deliveries, 18 s and 700 MB
+    of the web process to say no. One existence check per object says it instead, and how to
+    retire it."""
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> Any:
+        held = [reason for obj in objs if (reason := _queue_rows_holding(obj)) is not None]
+        if held:
+            return [], {}, set(), held
+        return super().get_deleted_objects(objs, request)  # type: ignore[misc]
+
+
+def _queue_rows_holding(obj: Topic | Subscription) -> str | None:
+    """Why queue rows keep ``obj`` from being deleted, or None when none refer to it."""
+    # Imported here: the topology admin reads the queue tables only to refuse a delete.
+    from workqueue.models import Deduplication, Delivery, Message
+
+    if isinstance(obj, Subscription):
+        if Delivery.objects.filter(subscription=obj).exists():
+            return (
+                f"Subscription {obj.name}: its deliveries (waiting, running, dead-lettered or "
+                "kept for retention). Retire it with `manage.py workqueue retire-subscription "
+                f"{obj.name}`, which deals with its work and then deletes it."
+            )
+        return None
+    if Message.objects.filter(topic=obj).exists() or (
+        Deduplication.objects.filter(topic=obj).exists()
+    ):
+        return (
+            f"Topic {obj.name}: its messages or deduplication records, kept for its retention "
+            f"({obj.retention_days} days). Disable it, and delete it once the sweeper has "
+            "purged them."
+        )
+    return None
+
+
 @admin.register(Transport)
 class TransportAdmin(admin.ModelAdmin):
     form = TopologyForm
@@ -104,7 +142,7 @@ class TransportAdmin(admin.ModelAdmin):
 
 
 @admin.register(Topic)
-class TopicAdmin(admin.ModelAdmin):
+class TopicAdmin(RefusesDeletesQueueRowsHold, admin.ModelAdmin):
     form = TopologyForm
     list_display = (
         "name",
@@ -120,7 +158,7 @@ class TopicAdmin(admin.ModelAdmin):
 
 
 @admin.register(Subscription)
-class SubscriptionAdmin(DeadLetterRecoveryMixin, admin.ModelAdmin):
+class SubscriptionAdmin(RefusesDeletesQueueRowsHold, DeadLetterRecoveryMixin, admin.ModelAdmin):
     form = TopologyForm
     actions = [recover_dead_letters]
     list_display = (
