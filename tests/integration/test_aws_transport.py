@@ -1326,6 +1326,50 @@ def test_a_publish_that_cannot_reach_aws_is_rejected_as_unavailable_not_raised(u
     assert single.error.retryable and "could not" in single.error.message
 
 
+def test_a_reader_is_not_shown_what_aws_said_when_a_backlog_cannot_be_read(
+    monkeypatch, client, caplog
+):
+    """Audit helper-94: validate-bindings quoted the transport's error when a subscription's
+    backlog could not be read: the endpoint (with any credentials written into its URL) and,
+    from AWS, the server's IAM identity and account, to any reader, a key limited to that one
+    subscription included. Those who may change transports still read it; others are told the
+    transport could not be reached, and the log has the rest."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    down = TransportFactory(
+        name="aws-down",
+        driver_class="AWS",
+        configuration={"region": "eu-west-1", "endpoint_url": "http://user:hunter2@127.0.0.1:9"},
+    )
+    subscription = SubscriptionFactory(topic=TopicFactory(transport=down))
+    reader = ApiKeyFactory(
+        scopes=["workqueue:read"],
+        owner=UserFactory(perms=["workqueue.view_delivery"]),
+        subscriptions=[subscription.name],
+    )
+    editor = ApiKeyFactory(
+        scopes=["workqueue:read"],
+        owner=UserFactory(perms=["workqueue.view_delivery", "workqueue.change_transport"]),
+    )
+
+    def backlog_issue(key: Any) -> str:
+        response = client.get("/work-queue/bindings/validate", headers={"X-API-Key": key.raw_key})
+        assert response.status_code == 200, response.content
+        [message] = [
+            i["message"]
+            for i in response.json()["issues"]
+            if i["subject"] == f"subscription {subscription.name}"
+            and "backlog could not be read" in i["message"]
+        ]
+        return message
+
+    told = backlog_issue(reader)
+    assert "hunter2" not in told and "127.0.0.1" not in told, told
+    assert "the server's log says why" in told
+    assert "hunter2" in caplog.text  # the operators are told
+    assert "127.0.0.1" in backlog_issue(editor)
+
+
 def test_a_profile_this_machine_lacks_is_named_as_a_configuration_mistake(monkeypatch):
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")

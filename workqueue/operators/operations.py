@@ -845,12 +845,19 @@ def validate_bindings(
                 )
     for unserved in unserved_subscriptions(actor=actor, live_hosts=live_hosts):
         if unserved.name in in_scope and unserved.due is None:
+            # The transport's own words name its endpoint (credentials and all, when written
+            # into the URL) and, from a cloud, the server's identity and account: for those
+            # who may change transports only, as the provisioning dry run is.
+            why = unserved.problem
+            if not may_call_the_cloud(actor):
+                logger.warning("The backlog of %s could not be read: %s", unserved.name, why)
+                why = "its transport could not be reached or refused (the server's log says why)"
             issues.append(
                 BindingIssue(
                     "Warning",
                     f"subscription {unserved.name}",
                     "Its backlog could not be read, so whether work waits for it is unknown: "
-                    f"{unserved.problem}",
+                    + why,
                 )
             )
         elif unserved.name in in_scope:
