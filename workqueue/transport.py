@@ -250,14 +250,27 @@ class Receiver:
         )
 
     def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
-        # Asked for a completion whose earlier call may have committed: while this holder's
-        # completion was in doubt its lease held, or expired without lowering the count, and
-        # another holder's claim counts a new attempt. (Only a replay resets the count: a dead
-        # letter made by expiry, replayed and completed again, all within this holder's settle
-        # retries, could pass; the retries last the lease plus 5 s.) Read through the ORM (the
-        # runtime role may read the table), on the calling thread's connection for the alias,
-        # closed again if opened here: this is a rare path, and a settle thread keeps no idle
-        # connection for it (a handler's thread keeps the one its handler uses).
+        return self._stored_at_its_attempt(delivery, status=DeliveryStatus.COMPLETED)
+
+    def dead_lettered_at_its_attempt(self, delivery: ClaimedDelivery, reason: str) -> bool:
+        if reason == "LeaseExpired":
+            return False  # lease expiry's own reason: the row could be its
+        return self._stored_at_its_attempt(
+            delivery,
+            status=DeliveryStatus.DEAD_LETTERED,
+            dead_letter_reason=reason[:100],  # as wq_dead_letter stores it
+        )
+
+    def _stored_at_its_attempt(self, delivery: ClaimedDelivery, **settled: Any) -> bool:
+        # Asked for a settle whose earlier call may have committed: while this holder's
+        # settle was in doubt its lease held, or expired without lowering the count (and
+        # expiry dead-letters as LeaseExpired only), and another holder's claim counts a new
+        # attempt. (Only a replay resets the count: a dead letter made by expiry, replayed and
+        # settled again, all within this holder's settle retries, could pass; the retries last
+        # the lease plus 5 s.) Read through the ORM (the runtime role may read the table), on
+        # the calling thread's connection for the alias, closed again if opened here: this is
+        # a rare path, and a settle thread keeps no idle connection for it (a handler's thread
+        # keeps the one its handler uses).
         from workqueue.models import Delivery
 
         alias = self.driver.alias
@@ -267,11 +280,7 @@ class Receiver:
         try:
             found = (
                 Delivery.objects.using(alias)
-                .filter(
-                    pk=delivery.delivery_id,
-                    status=DeliveryStatus.COMPLETED,
-                    attempt_count=delivery.attempt,
-                )
+                .filter(pk=delivery.delivery_id, attempt_count=delivery.attempt, **settled)
                 .exists()
             )
             failed = False

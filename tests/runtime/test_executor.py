@@ -775,19 +775,30 @@ def test_a_settle_that_fails_on_a_lost_connection_is_retried_until_it_is_recorde
 
 
 class AnswerLostReceiver(Receiver):
-    """A Receiver whose first completion commits, and then its answer is lost with the
-    connection (the caller sees a lost connection, as when a network drops after the commit)."""
+    """A Receiver whose first ``settle`` call (complete, retry or dead_letter) commits, and then
+    its answer is lost with the connection (the caller sees a lost connection, as when a
+    network drops after the commit)."""
 
-    def __init__(self, subscription_id: Any) -> None:
+    def __init__(self, subscription_id: Any, settle: str = "complete") -> None:
         super().__init__(subscription_id, "test-holder")
-        self.completions = 0
+        self.settle = settle
+        self.calls = 0
+
+    def _answer(self, settle: str, settled: Any) -> Any:
+        if settle == self.settle:
+            self.calls += 1
+            if self.calls == 1:
+                raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return settled
 
     def complete(self, delivery: ClaimedDelivery, **kwargs: Any) -> Any:
-        self.completions += 1
-        settled = super().complete(delivery, **kwargs)
-        if self.completions == 1:
-            raise TransientDriverError("server closed the connection unexpectedly (test)")
-        return settled
+        return self._answer("complete", super().complete(delivery, **kwargs))
+
+    def retry(self, delivery: ClaimedDelivery, *args: Any) -> Any:
+        return self._answer("retry", super().retry(delivery, *args))
+
+    def dead_letter(self, delivery: ClaimedDelivery, *args: Any) -> Any:
+        return self._answer("dead_letter", super().dead_letter(delivery, *args))
 
 
 def test_a_completion_whose_answer_was_lost_is_reported_completed_not_as_a_lost_lease(rig, caplog):
@@ -801,9 +812,45 @@ def test_a_completion_whose_answer_was_lost_is_reported_completed_not_as_a_lost_
 
     result = rig.execution(sub, receiver, delivery).run()
 
-    assert receiver.completions == 2
+    assert receiver.calls == 2
     assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Completed")
     assert (row(delivery).status, row(delivery).attempt_count) == ("Completed", 1)
+
+
+def test_a_dead_letter_whose_answer_was_lost_is_logged_and_signalled_as_one(
+    rig, dead_letters, caplog
+):
+    """Audit helper-95: the dead letter committed, its answer was lost, and the one sent again
+    was refused: the execution ended LeaseLost with nothing logged and no dead_lettered signal
+    (a Tasks API task never reported FAILED). It is read back as a completion is."""
+    sub = rig.subscription(max_attempts=3)
+    publish(sub.topic.name, {"then": "dead_letter"})
+    receiver = AnswerLostReceiver(sub.id, "dead_letter")
+    (delivery,) = receiver.receive(1).deliveries
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert receiver.calls == 2
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, "DeadLettered")
+    assert row(delivery).status == "DeadLettered"
+    assert [d["delivery_id"] for d in dead_letters] == [delivery.delivery_id]
+    assert "Delivery dead-lettered" in caplog.text
+
+
+def test_a_retry_whose_answer_was_lost_is_logged_saying_it_may_have_taken_effect(rig, caplog):
+    """Audit helper-95: a refused settle ended LeaseLost with nothing logged. A retry cannot be
+    read back (lease expiry leaves the same row), so the lost lease is logged saying the first
+    call may have taken effect."""
+    sub = rig.subscription(max_attempts=3)
+    publish(sub.topic.name, {"then": "crash"})
+    receiver = AnswerLostReceiver(sub.id, "retry")
+    (delivery,) = receiver.receive(1).deliveries
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert (result.kind, row(delivery).status) == (ExecutionResult.LEASE_LOST, "Pending")
+    assert "Lease lost" in caplog.text
+    assert "whose answer was lost with its connection, took effect" in caplog.text
 
 
 def test_acknowledging_a_cancel_is_retried_after_a_lost_connection(rig):

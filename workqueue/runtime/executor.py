@@ -914,13 +914,21 @@ class DeliveryExecution:
     def _dead_letter(
         self, reason: str, error: str | None, exception: BaseException | None
     ) -> ExecutionResult:
-        result = self._result(
-            self._while_lease_lasts(
-                self._off_worker(
-                    lambda: self.services.receiver.dead_letter(self.delivery, reason, error)
-                )
+        settled = self._while_lease_lasts(
+            self._off_worker(
+                lambda: self.services.receiver.dead_letter(self.delivery, reason, error)
             )
         )
+        if (
+            not settled.settled
+            and self._answer_lost
+            and self._read_back("dead_lettered_at_its_attempt", reason)
+        ):
+            # The first call committed and its answer was lost with the connection: the dead
+            # letter is this attempt's, and is logged and signalled as one.
+            result = ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.DEAD_LETTERED)
+        else:
+            result = self._result(settled)
         if result.status == DeliveryStatus.DEAD_LETTERED:
             self.log.error(
                 "Delivery dead-lettered: %s (%s)%s",
@@ -954,29 +962,45 @@ class DeliveryExecution:
     def _result(self, settled: SettleResult) -> ExecutionResult:
         if settled.settled:
             return ExecutionResult(ExecutionResult.SETTLED, settled.status)
-        if not self.services.cancels:
-            return ExecutionResult(ExecutionResult.LEASE_LOST)
-        # A cancel may have landed after the last heartbeat: acknowledging it frees the key now
-        # instead of at lease expiry.
-        return self._acknowledge_cancel()
+        if self.services.cancels:
+            # A cancel may have landed after the last heartbeat: acknowledging it frees the
+            # key now instead of at lease expiry.
+            result = self._acknowledge_cancel()
+            if result.kind != ExecutionResult.LEASE_LOST:
+                return result
+        self.log.error(
+            "Lease lost (%s): the settle was refused, so the handler's outcome was not "
+            "recorded and the delivery may run again%s",
+            self._where,
+            " (or the settle's first call, whose answer was lost with its connection, took effect)"
+            if self._answer_lost
+            else "",
+        )
+        return ExecutionResult(ExecutionResult.LEASE_LOST)
 
     def _completion_result(self, settled: SettleResult) -> ExecutionResult:
         """``_result`` of a completion, which may be refused because an earlier call of it
         committed and its answer was lost with the connection: recorded, not a lost lease (as
-        the log and metrics would otherwise say). Only completions are read back: a retry,
-        dead letter or release leaves a row that lease expiry or another holder could leave
-        too."""
+        the log and metrics would otherwise say). A dead letter is read back too (by its
+        reason: lease expiry gives its own); a retry or release is not, since lease expiry
+        leaves the same row (Pending at the same attempt), and the lost lease logged says the
+        first call may have taken effect."""
         if not settled.settled and self._answer_lost and self._completed_at_its_attempt():
             return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.COMPLETED)
         return self._result(settled)
 
     def _completed_at_its_attempt(self) -> bool:
+        return self._read_back("completed_at_its_attempt")
+
+    def _read_back(self, method: str, *args: Any) -> bool:
+        """The receiver's read-back ``method`` of this delivery (``completed_at_its_attempt``,
+        ``dead_lettered_at_its_attempt``), False when it cannot tell."""
         # A receiver from before the method (a third-party transport) cannot tell either.
-        read_back = getattr(self.services.receiver, "completed_at_its_attempt", None)
+        read_back = getattr(self.services.receiver, method, None)
         if read_back is None:
             return False
         try:
-            return bool(read_back(self.delivery))
+            return bool(read_back(self.delivery, *args))
         except (WorkQueueError, DatabaseError, InterfaceError):
             return False  # cannot tell: reported as before
 

@@ -872,6 +872,9 @@ class AwsReceiver:
     def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
         return False  # a deleted SQS message leaves nothing to read back
 
+    def dead_lettered_at_its_attempt(self, delivery: ClaimedDelivery, reason: str) -> bool:
+        return False  # the DLQ cannot be searched by delivery without receiving from it
+
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult:
         raise UnsupportedByTransportError(
             "Cancelling a running delivery needs supports_cancel, which the AWS transport does "

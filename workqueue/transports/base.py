@@ -98,6 +98,12 @@ class TransportReceiver(Protocol):
         tell."""
         ...
 
+    def dead_lettered_at_its_attempt(self, delivery: ClaimedDelivery, reason: str) -> bool:
+        """Whether ``delivery`` is dead-lettered with ``reason`` at the attempt this holder
+        claimed; asked, as ``completed_at_its_attempt`` is, for a dead letter sent again after
+        its answer was lost."""
+        ...
+
 
 class BaseTransport:
     """One transport: its capabilities (class attributes) and its operations.
