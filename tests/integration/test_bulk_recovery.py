@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
 from tests.support.roles import acting_as_granted_role
+from tests.support.seeding import seed_deliveries
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import InvalidInputError, PermissionDeniedError
@@ -622,3 +623,46 @@ def test_discarding_waiting_work_from_the_cli_and_rest_needs_a_reason_and_the_op
     assert discarded.status_code == 200, discarded.content
     assert discarded.json()["matched"] == 4
     assert statuses(flood) == ["Discarded"] * 4 and statuses(keep) == ["Pending"]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "discard"])
+def test_a_bulk_discard_in_small_batches_examines_every_waiting_delivery_once(pg_conn, dry_run):
+    """Batches walk priorities and due times in ranges (helper-96's quadratic walk, mended):
+    across priorities, rows sharing a due time, and batches ending inside such a group, each
+    waiting delivery is examined exactly once, in (priority, due time, id) order."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 300)
+    # Three priorities, and due times in groups of up to 13 rows sharing one instant.
+    pg_conn.execute(
+        "UPDATE workqueue_delivery SET priority = mod(order_key, 3) - 1, "
+        "visible_at = timestamptz '2026-01-01' + (order_key / 13) * interval '1 second' "
+        "WHERE subscription_id = %s",
+        [subscription.id],
+    )
+    expected = [
+        str(i)
+        for (i,) in pg_conn.execute(
+            "SELECT id FROM workqueue_delivery WHERE subscription_id = %s "
+            "ORDER BY priority, visible_at, id",
+            [subscription.id],
+        ).fetchall()
+    ]
+    cursor: tuple[Any, Any, Any] = (None, None, None)
+    lasts, examined, changed = [], 0, 0
+    while True:
+        [row] = pg_conn.execute(
+            "SELECT * FROM wq_discard_pending(%s, false, NULL, NULL, NULL, NULL, %s, %s, %s, "
+            "7, %s, 'ops', 'test')",
+            [subscription.id, *cursor, dry_run],
+        ).fetchall()
+        examined += row[0]
+        changed += row[1]
+        if row[0]:
+            cursor = (row[2], row[3], row[4])
+            lasts.append(str(row[4]))
+        if row[0] < 7:
+            break
+
+    assert (examined, changed) == (300, 300)
+    # Each batch ended where the whole walk's order says its last row is.
+    assert lasts == [expected[min(i + 6, 299)] for i in range(0, 300, 7)]

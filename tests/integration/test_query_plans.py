@@ -377,6 +377,37 @@ def test_operator_reads_of_a_large_prioritised_backlog_stay_bounded(pg_conn):
         assert max(_rows_read(plans)) <= 1100, f"{procedure} read too much:\n{plans}"
 
 
+def test_a_bulk_discard_batch_past_the_start_reads_its_batch_not_the_rest_of_the_backlog(pg_conn):
+    """Audit helper-96: a batch ordered by (priority, visible_at, id), which the claim index
+    cannot give, so each one past the first read and sorted every row after its cursor: a bulk
+    discard of a million waiting deliveries ran a thousand batches, quadratic (191 s for a dry
+    run). A batch now reads the range of due times its rows fill."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 20_000)
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    [(priority, visible_at, delivery_id)] = pg_conn.execute(
+        "SELECT priority, visible_at, id FROM workqueue_delivery WHERE subscription_id = %s "
+        "ORDER BY priority, visible_at, id OFFSET 5000 LIMIT 1",
+        [subscription.id],
+    ).fetchall()
+    params = {
+        "subscription_id": subscription.id,
+        "keyed": False,
+        "after_priority": priority,
+        "after_visible_at": visible_at,
+        "after_delivery_id": delivery_id,
+        "batch_size": 500,
+        "dry_run": True,
+        "reason": "plan test",
+    }
+
+    plans = _nested_plans(pg_conn, "wq_discard_pending", params, analyze=True)
+
+    assert max(_rows_read(plans)) <= 1100, plans
+    [(examined, changed, *_)] = _call(pg_conn, "wq_discard_pending", params)
+    assert (examined, changed) == (500, 500)
+
+
 def test_a_batch_publish_reads_no_stored_message_after_the_table_grows(pg_conn):
     # A long-lived publisher starts while the message table is small and keeps its plans for
     # the session; then the table grows (a burst, before autovacuum analyzes it). The batch's

@@ -9,6 +9,11 @@ call at a few million rows. Each count now walks the subscription's own index en
 cap, as the metrics gauges do, and the completions are counted among the newest ``cap`` of the
 last hour. On PostgreSQL the two-parameter function replaces the one-parameter one, whose grants
 move to it.
+
+PostgreSQL: ``wq_discard_pending`` reads, for a batch, the range of due times its rows fill. It
+ordered by (priority, visible_at, id), which the claim index cannot give, so every batch past the
+first read and sorted all of the subscription's rows after its cursor: a bulk discard (or its
+dry run) of a backlog of a million ran a thousand such batches, for minutes.
 """
 
 from django.db import migrations

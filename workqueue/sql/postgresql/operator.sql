@@ -452,6 +452,12 @@ $$;
 -- case). Rows a claim holds at that moment are skipped (they are running: cancel them one by
 -- one). With p_dry_run nothing changes: changed reports how many would. The last row examined
 -- is where the next batch starts; a batch that examined fewer rows than its size was the last.
+-- A batch reads what it examines (and the rows sharing the first and last ones' due time), not
+-- the rest of the backlog: each priority is walked as a range of due times, its far end the due
+-- time of the row that fills the batch (read along the claim index), and only that range is
+-- sorted by id. Until 0045 one statement ordered by (priority, visible_at, id), which the claim
+-- index cannot give, so every batch read and sorted all of the subscription's rows after the
+-- cursor: a bulk discard of a backlog of a million ran a thousand such batches (minutes).
 CREATE OR REPLACE FUNCTION wq_discard_pending(
     p_subscription_id uuid,
     p_keyed boolean,
@@ -483,45 +489,94 @@ AS $$
 #variable_conflict use_column
 DECLARE
     v_limit integer := LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000);
-    v_examined integer;
+    v_key text := CASE WHEN p_keyed THEN 'NOT' ELSE '' END;
+    -- Where the walk stands: a priority, and the due time and id last examined in it.
+    v_priority integer := p_after_priority;
+    v_after_at timestamptz := p_after_visible_at;
+    v_after_id uuid := p_after_delivery_id;
+    v_wanted integer;
+    v_bound timestamptz;
+    v_found integer;
+    v_examined integer := 0;
     v_last_priority integer;
     v_last_visible_at timestamptz;
     v_last_id uuid;
-    v_matching uuid[];
+    v_ids uuid[];
+    v_matching uuid[] := '{}';
     v_changed integer := 0;
 BEGIN
-    -- Built per call so the key predicate is a literal the planner matches to the partial
-    -- claim index (wq_dlv_claim_keyed_ix or wq_dlv_claim_keyless_ix); the values stay
-    -- parameters.
-    EXECUTE format($query$
-        SELECT count(*),
-               (array_agg(w.priority ORDER BY w.priority DESC, w.visible_at DESC, w.id DESC))[1],
-               (array_agg(w.visible_at ORDER BY w.priority DESC, w.visible_at DESC, w.id DESC))[1],
-               (array_agg(w.id ORDER BY w.priority DESC, w.visible_at DESC, w.id DESC))[1],
-               array_agg(w.id) FILTER (WHERE w.matches)
-          FROM (SELECT d.id, d.priority, d.visible_at,
-                       ($5 IS NULL OR strpos(lower(coalesce(d.last_error, '')), lower($5)) > 0)
-                       AND ($2 IS NULL AND $3 IS NULL AND $4 IS NULL OR EXISTS (
-                           SELECT 1 FROM workqueue_message m
-                            WHERE m.id = d.message_id
-                              AND ($2 IS NULL OR m.partition_key = $2)
-                              AND ($3 IS NULL OR m.published_at >= $3)
-                              AND ($4 IS NULL OR m.published_at < $4)))
-                       AS matches
-                  FROM workqueue_delivery d
+    IF v_after_at IS NULL OR v_priority IS NULL THEN
+        v_priority := -32768;  -- before the lowest priority: the walk starts at the first one
+        v_after_at := 'infinity';
+    END IF;
+    LOOP
+        IF v_after_at = 'infinity' THEN
+            -- This priority is done: on to the next one present (one probe of the index).
+            EXECUTE format($probe$
+                SELECT d.priority FROM workqueue_delivery d
                  WHERE d.subscription_id = $1 AND d.status = 'Pending'
-                   AND d.partition_key IS %s NULL
-                   AND ($6 IS NULL OR (d.priority, d.visible_at, d.id) > ($9, $6, $7))
-                 ORDER BY d.priority, d.visible_at, d.id
-                 LIMIT $8
-                   FOR UPDATE SKIP LOCKED) AS w
-        $query$, CASE WHEN p_keyed THEN 'NOT' ELSE '' END)
-      INTO v_examined, v_last_priority, v_last_visible_at, v_last_id, v_matching
-      USING p_subscription_id, p_partition_key, p_published_from, p_published_before,
-            p_error_contains, p_after_visible_at, p_after_delivery_id, v_limit,
-            p_after_priority;
+                   AND d.partition_key IS %s NULL AND d.priority > $2
+                 ORDER BY d.priority LIMIT 1
+            $probe$, v_key) INTO v_priority USING p_subscription_id, v_priority;
+            EXIT WHEN v_priority IS NULL;
+            v_after_at := '-infinity';
+            v_after_id := NULL;
+        END IF;
+        v_wanted := v_limit - v_examined;
+        -- The due time of the row that fills the batch: rows up to it (those sharing it
+        -- included) hold what the batch wants, and no row beyond it is read. Built per call so
+        -- the key predicate is a literal the planner matches to the partial claim index.
+        EXECUTE format($bound$
+            SELECT d.visible_at FROM workqueue_delivery d
+             WHERE d.subscription_id = $1 AND d.status = 'Pending'
+               AND d.partition_key IS %s NULL AND d.priority = $2 AND d.visible_at > $3
+             ORDER BY d.visible_at OFFSET $4 - 1 LIMIT 1
+        $bound$, v_key) INTO v_bound USING p_subscription_id, v_priority, v_after_at, v_wanted;
+        EXECUTE format($query$
+            SELECT count(*),
+                   (array_agg(w.visible_at ORDER BY w.visible_at DESC, w.id DESC))[1],
+                   (array_agg(w.id ORDER BY w.visible_at DESC, w.id DESC))[1],
+                   array_agg(w.id) FILTER (WHERE w.matches)
+              FROM (SELECT d.id, d.visible_at,
+                           ($5 IS NULL
+                            OR strpos(lower(coalesce(d.last_error, '')), lower($5)) > 0)
+                           AND ($2 IS NULL AND $3 IS NULL AND $4 IS NULL OR EXISTS (
+                               SELECT 1 FROM workqueue_message m
+                                WHERE m.id = d.message_id
+                                  AND ($2 IS NULL OR m.partition_key = $2)
+                                  AND ($3 IS NULL OR m.published_at >= $3)
+                                  AND ($4 IS NULL OR m.published_at < $4)))
+                           AS matches
+                      FROM workqueue_delivery d
+                     WHERE d.subscription_id = $1 AND d.status = 'Pending'
+                       AND d.partition_key IS %s NULL AND d.priority = $9
+                       AND d.visible_at >= $6 AND d.visible_at <= $10
+                       AND (d.visible_at > $6 OR $7 IS NULL OR d.id > $7)
+                     ORDER BY d.visible_at, d.id
+                     LIMIT $8
+                       FOR UPDATE SKIP LOCKED) AS w
+        $query$, v_key)
+          INTO v_found, v_last_visible_at, v_last_id, v_ids
+          USING p_subscription_id, p_partition_key, p_published_from, p_published_before,
+                p_error_contains, v_after_at, v_after_id, v_wanted, v_priority,
+                coalesce(v_bound, 'infinity'::timestamptz);
+        IF v_found > 0 THEN
+            v_examined := v_examined + v_found;
+            v_last_priority := v_priority;
+            v_matching := v_matching || coalesce(v_ids, '{}');
+        END IF;
+        EXIT WHEN v_examined >= v_limit;
+        -- Fewer than wanted: every row up to the bound was examined or is held by a claim
+        -- (skipped, as ever). The priority goes on past the bound, or is done.
+        IF v_bound IS NULL THEN
+            v_after_at := 'infinity';
+        ELSE
+            v_after_at := v_bound;
+            v_after_id := 'ffffffff-ffff-ffff-ffff-ffffffffffff';
+        END IF;
+    END LOOP;
     IF p_dry_run THEN
-        v_changed := coalesce(cardinality(v_matching), 0);
+        v_changed := cardinality(v_matching);
     ELSE
         UPDATE workqueue_delivery d
            SET status = 'Discarded', completed_at = now(),
