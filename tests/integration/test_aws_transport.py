@@ -53,7 +53,7 @@ from workqueue.transports.aws import (
     QueueBinding,
     _Provisioner,
     clients_for,
-    send_released_copy,
+    send_copy,
 )
 from workqueue.types import DeliveryStatus, SettleOutcome
 
@@ -602,8 +602,8 @@ def test_a_release_sent_twice_for_one_receive_stores_one_copy(aws):
     held = receive_one(holder)
     binding = QueueBinding.of(str(subscription.id))
 
-    send_released_copy(binding, held)
-    send_released_copy(binding, held)  # the retry
+    send_copy(binding, held, attempts_before=held.attempt - 1)
+    send_copy(binding, held, attempts_before=held.attempt - 1)  # the retry
     holder.complete(held)  # the received message itself is gone: only the copies are left
 
     copies = []
@@ -1445,6 +1445,35 @@ def test_a_retry_asking_past_twelve_hours_hides_the_message_as_long_as_sqs_allow
     assert settled.settled
     [visibility] = asked
     assert 43_200 - 30 <= visibility <= 43_200 - 11  # 12 h after the receive, less a margin
+
+
+def test_a_retry_waits_out_its_backoff_delayed_not_in_flight_on_a_standard_queue(aws):
+    """Audit helper-94: a retry hid the message for its backoff, and SQS counts a hidden
+    message in flight: past 120,000 in flight a standard queue takes no receive (its long polls
+    answer empty, with no error), so an outage whose failures waited out long backoffs hidden
+    would stop fresh work, silently. A retry of up to 15 minutes now sends a delayed copy
+    (its attempt spent) and deletes the received message."""
+    subscription = provisioned(aws, lease_seconds=30)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+
+    assert holder.retry(delivery, 2, "downstream away").settled
+
+    counts = holder.binding.clients.sqs.get_queue_attributes(
+        QueueUrl=holder.binding.queue_url,
+        AttributeNames=[
+            "ApproximateNumberOfMessagesNotVisible",
+            "ApproximateNumberOfMessagesDelayed",
+        ],
+    )["Attributes"]
+    assert counts == {
+        "ApproximateNumberOfMessagesNotVisible": "0",
+        "ApproximateNumberOfMessagesDelayed": "1",
+    }
+    assert holder.receive(10).deliveries == []  # not before its delay
+    again = receive_one(holder)
+    assert (again.delivery_id, again.attempt, again.payload) == (delivery.delivery_id, 2, {"n": 1})
 
 
 def test_a_heartbeat_near_twelve_hours_from_the_receive_renews_what_sqs_allows(aws):

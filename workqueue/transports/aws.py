@@ -90,6 +90,8 @@ SNS_TOPIC_NAME_MAX = 256
 SQS_MAX_VISIBILITY_SECONDS = 43_200
 SQS_MAX_RETENTION_SECONDS = 1_209_600
 SQS_BATCH_MAX = 10
+#: The longest a message sent to SQS may wait before it can be received (DelaySeconds).
+SQS_MAX_DELAY_SECONDS = 900
 #: The largest maxReceiveCount of an SQS redrive policy.
 SQS_MAX_RECEIVE_COUNT = 1000
 #: SNS refuses a filter policy whose values, multiplied out over its keys, exceed this.
@@ -819,15 +821,35 @@ class AwsReceiver:
     def retry(
         self, delivery: ClaimedDelivery, delay_seconds: int = 0, error: str | None = None
     ) -> SettleResult:
-        """Hide the message for ``delay_seconds``, but no longer than 12 hours after its
-        receive (SQS refuses a visibility past that, and the refusal would bring the message back
-        at the end of its lease); its next receive is the next attempt. ``error`` is not kept:
-        only a dead letter records its error."""
-        left = self._visibility_left(delivery)
+        """Have the message received again after ``delay_seconds``: its next receive is the
+        next attempt. ``error`` is not kept: only a dead letter records its error.
+
+        On a standard queue a delay of up to 15 minutes sends the message again as a new SQS
+        message delayed that long (the envelope carries the attempts spent, as a release's
+        does), then deletes the received one: SQS counts a message hidden by its visibility as
+        in flight, and a standard queue takes no receive past 120,000 in flight (long polls
+        then answer empty, without an error), so an outage whose failures waited out their
+        backoffs hidden would stop fresh work. A failure between the send and the delete
+        leaves both copies (at least once, never none); a failed send hides the message
+        instead. Longer delays, and FIFO queues (which delay per queue only), hide it, but no
+        longer than 12 hours after its receive (SQS refuses a visibility past that, and the
+        refusal would bring the message back at the end of its lease)."""
+        delay = max(int(delay_seconds), 0)
+
+        def hide() -> None:
+            self._set_visibility(delivery, min(delay, max(self._visibility_left(delivery), 0)))
+
+        def send_delayed_then_delete() -> None:
+            try:
+                send_copy(self.binding, delivery, attempts_before=delivery.attempt, delay=delay)
+            except TransportUnavailableError:
+                hide()
+                return
+            self._delete(delivery)
+
+        resend = not self.binding.fifo and 0 < delay <= SQS_MAX_DELAY_SECONDS
         return self._settle(
-            delivery,
-            DeliveryStatus.PENDING,
-            lambda: self._set_visibility(delivery, min(delay_seconds, max(left, 0))),
+            delivery, DeliveryStatus.PENDING, send_delayed_then_delete if resend else hide
         )
 
     def max_attempts(self, planned: int) -> int:
@@ -848,7 +870,7 @@ class AwsReceiver:
 
         def give_back() -> None:
             try:
-                send_released_copy(self.binding, delivery)
+                send_copy(self.binding, delivery, attempts_before=delivery.attempt - 1)
             except TransportUnavailableError:
                 self._set_visibility(delivery, 0)
                 return
@@ -953,15 +975,18 @@ def _deduplication_id(kind: str, *parts: str) -> str:
     return f"{kind}-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None:
-    """Put a released delivery's message back on its queue as a new SQS message: same
-    delivery id, its receive count starting again, the attempts spent before this one kept
-    in the envelope (``attempts_before``), so the next receive is this same attempt again."""
+def send_copy(
+    binding: QueueBinding, delivery: ClaimedDelivery, *, attempts_before: int, delay: int = 0
+) -> None:
+    """Put a delivery's message back on its queue as a new SQS message: same delivery id, its
+    receive count starting again, ``attempts_before`` kept in the envelope, so its next receive
+    is attempt ``attempts_before + 1`` (a release gives this attempt back: ``attempt - 1``; a
+    retry spends it: ``attempt``), receivable after ``delay`` seconds (standard queues only)."""
     envelope = {
         **_envelope_of(delivery),
         "delivery_id": delivery.delivery_id,
         "replayed": delivery.is_replay,
-        "attempts_before": delivery.attempt - 1,
+        "attempts_before": attempts_before,
     }
     params: dict[str, Any] = {
         "QueueUrl": binding.queue_url,
@@ -970,6 +995,8 @@ def send_released_copy(binding: QueueBinding, delivery: ClaimedDelivery) -> None
     }
     if not params["MessageAttributes"]:
         del params["MessageAttributes"]
+    if delay:
+        params["DelaySeconds"] = delay
     if binding.fifo:
         params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
         # A new id per release: SQS FIFO drops a repeated one for 5 minutes.
