@@ -11,6 +11,8 @@ import re
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
@@ -139,6 +141,24 @@ def test_deleting_a_subscription_or_topic_queue_rows_hold_is_refused_without_loa
     )
     assert f"retire-subscription {subscription.name}" in refused.content.decode()
     assert Subscription.objects.filter(pk=subscription.pk).exists()
+
+
+def test_the_delivery_list_reads_its_first_page_not_the_whole_table(operator_client, pg_conn):
+    """Audit helper-96: ordered by order_key, which no index of all deliveries leads with, the
+    default list sorted every delivery to show its first hundred (over a second at a few
+    million). It walks the primary key now, newest first (ids are time-ordered)."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 5000)
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    with CaptureQueriesContext(connection) as queries:
+        page = operator_client.get(_url("workqueue_delivery_changelist"))
+    assert page.status_code == 200
+    [listing] = [q["sql"] for q in queries if "LIMIT 100" in q["sql"]]
+    plan = "\n".join(r[0] for r in pg_conn.execute("EXPLAIN ANALYZE " + listing).fetchall())
+    read = [int(n) for n in re.findall(r"actual time=\S+ rows=(\d+)", plan)]
+    assert max(read) <= 200, plan
+    newest = Delivery.objects.order_by("-id").values_list("id", flat=True)[:3]
+    assert [d.id for d in page.context["cl"].result_list[:3]] == list(newest)
 
 
 def test_the_admin_index_links_the_dashboard_for_a_permitted_user(operator_client):
