@@ -82,6 +82,20 @@ def _run_then(
     return finished
 
 
+def _batches_wait_at_a_gate(receiver: Receiver) -> threading.Event:
+    """Make ``receiver``'s batched completions wait (up to 10 s) until the returned event is
+    set, so that more completions queue behind the first batch meanwhile."""
+    gate = threading.Event()
+    real = receiver.complete_many
+
+    def held_at_the_gate(deliveries: Any) -> Any:
+        gate.wait(10)
+        return real(deliveries)
+
+    receiver.complete_many = held_at_the_gate  # type: ignore[method-assign]
+    return gate
+
+
 def test_a_batched_completion_by_a_stale_holder_is_refused_and_reported_as_a_lost_lease(
     services,
 ):
@@ -124,14 +138,7 @@ def test_a_batched_completion_frees_the_handlers_thread_before_the_batch_settles
     receiver = Receiver(sub.id, "holder")
     publish(sub.topic.name, {"n": 1})
     (delivery,) = receiver.receive(1).deliveries
-    gate = threading.Event()
-    real = receiver.complete_many
-
-    def slow_complete_many(deliveries: Any) -> Any:
-        gate.wait(10)
-        return real(deliveries)
-
-    receiver.complete_many = slow_complete_many  # type: ignore[method-assign]
+    gate = _batches_wait_at_a_gate(receiver)
     finished = _run_then(delivery, plan, services(receiver))
 
     assert not finished.done(), "the handler's thread waited for the batch"
@@ -174,14 +181,7 @@ def test_two_holders_of_one_delivery_in_one_batch_are_each_told_their_own_result
     (first, stale) = receiver.receive(2).deliveries
     get_driver().shift_time(31, subscription_id=str(sub.id))
     (current,) = [d for d in receiver.receive(2).deliveries if d.delivery_id == stale.delivery_id]
-    gate = threading.Event()
-    real = receiver.complete_many
-
-    def held_at_the_gate(deliveries: Any) -> Any:
-        gate.wait(10)
-        return real(deliveries)
-
-    receiver.complete_many = held_at_the_gate  # type: ignore[method-assign]
+    gate = _batches_wait_at_a_gate(receiver)
     batcher = CompletionBatcher(receiver, "test")
     told: dict[str, Future[Any]] = {"stale": Future(), "current": Future()}
     try:
