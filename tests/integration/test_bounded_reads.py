@@ -179,3 +179,18 @@ def test_stats_read_the_subscriptions_own_rows_up_to_the_cap(pg_conn):
         3000,
         False,
     )
+
+
+def test_stats_and_gauges_of_a_subscription_with_nothing_pending_have_no_oldest_age(pg_conn):
+    """Review helper-97: the gauges' age was GREATEST(age, 0), which PostgreSQL makes 0 when
+    the age is NULL (nothing pending); stats, now read through them, said 0 instead of none
+    (and SQL Server says NULL)."""
+    idle = SubscriptionFactory()
+    seed_deliveries(pg_conn, idle, 2, status="Completed")
+
+    [row] = operations.subscription_stats(idle.name).subscriptions
+    assert row.oldest_pending_age_seconds is None
+    [(age,)] = pg_conn.execute(
+        "SELECT oldest_pending_age_seconds FROM wq_queue_gauges(%s, 10)", [idle.id]
+    ).fetchall()
+    assert age is None

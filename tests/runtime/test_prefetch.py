@@ -265,6 +265,29 @@ def test_shutdown_hands_back_deliveries_claimed_ahead_with_their_attempts_refund
     assert len(releases) == 3
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_stop_with_the_database_away_makes_its_hand_backs_again_only_while_it_drains(
+    make_host, monkeypatch
+):
+    """Review helper-97: failed hand-backs were made again while each lease lasted, so a
+    shutdown with the database away waited the whole lease (60 s by default, hours for long
+    ones) on top of its drain. While stopping, they are made again only while the drain
+    lasts; lease expiry has them after that."""
+    s = sub(lease_seconds=60)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}], shutdown_drain_ms=500)
+    host.start()
+    _a_blocker_and_one_claimed_ahead(s, {"sleepMs": 30_000, "thenOnAbort": "complete"})
+
+    def away(self: transport.Receiver, delivery: Any) -> Any:
+        raise TransientDriverError("server closed the connection unexpectedly (test)")
+
+    monkeypatch.setattr(transport.Receiver, "release", away)
+    began = time.monotonic()
+    host.shutdown()
+
+    assert time.monotonic() - began < 20  # the drain's two waits and a margin, not the lease
+
+
 def _a_blocker_and_one_claimed_ahead(
     subscription: Any, blocker: dict[str, Any] | None = None
 ) -> tuple[str, str]:

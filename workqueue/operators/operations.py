@@ -290,7 +290,7 @@ def subscription_stats(
                 completed_last_hour=row["completed_last_hour"],
                 as_of=row["as_of"],
                 rate_limit_per_second=subscription.rate_limit_per_second,
-                capped=row["capped"],
+                capped=row.get("capped", False),
             )
         )
     return report

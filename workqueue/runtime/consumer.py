@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from workqueue import metrics
-from workqueue.exceptions import TransientDriverError, TransportUnavailableError, WorkQueueError
+from workqueue.exceptions import WorkQueueError
 from workqueue.models.hosts import CLAIM_LOOP_FAILED, RATE_TOKENS_FAILED, RECEIVE_FAILED
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
     RETRY_MAX_SECONDS,
     RETRY_MIN_SECONDS,
+    RETRYABLE_SETTLE_ERRORS,
     DeliveryExecution,
     ExecutionResult,
     ExecutionServices,
@@ -326,6 +327,9 @@ class Consumer:
         self._wake = threading.Event()
         self._kicked = False
         self._stopping = threading.Event()
+        # Until when a hand-back that fails is made again: its lease's end, or once stop() has
+        # begun, its drain's (a database down at shutdown must not hold the stop for a lease).
+        self._hand_backs_end = math.inf
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.received = 0
         self.finished = 0  # executions ended, however
@@ -406,6 +410,7 @@ class Consumer:
         whatever its partition key. Safe to call twice and before ``start``.
         """
         drain = self.config.shutdown_drain_ms / 1000
+        self._hand_backs_end = time.monotonic() + drain
         self._stopping.set()
         self._wake.set()
         # Tell running handlers now, not when the drain is over: cooperative ones can stop
@@ -978,9 +983,10 @@ class Consumer:
     def _release(self, delivery: ClaimedDelivery, lease_ends: float) -> None:
         """Hand back a delivery that never started, its attempt refunded. A call that fails
         on a lost connection (or an unreachable transport) is made again, backing off, while
-        the lease lasts: left to lease expiry, the attempt would count as a run, and a last
-        attempt be dead-lettered without ever running. Fenced by the lease token, so a
-        release whose answer was lost is refused the second time, never applied twice."""
+        the lease lasts (once the consumer is stopping, while its drain lasts): left to lease
+        expiry, the attempt would count as a run, and a last attempt be dead-lettered without
+        ever running. Fenced by the lease token, so a release whose answer was lost is refused
+        the second time, never applied twice."""
         delay = RETRY_MIN_SECONDS
         while True:
             try:
@@ -992,8 +998,8 @@ class Consumer:
                     # the lease token and the cancel request, so it changes nothing otherwise.
                     self.receiver.acknowledge_cancel(delivery)
                 return
-            except (TransientDriverError, TransportUnavailableError) as exc:
-                if time.monotonic() + delay >= lease_ends:
+            except RETRYABLE_SETTLE_ERRORS as exc:
+                if time.monotonic() + delay >= min(lease_ends, self._hand_backs_end):
                     self._release_failed(exc)
                     return
                 logger.warning(

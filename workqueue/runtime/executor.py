@@ -52,6 +52,7 @@ from workqueue.exceptions import (
     EnlistError,
     LeaseLost,
     TransientDriverError,
+    TransportUnavailableError,
     WorkQueueError,
 )
 from workqueue.runtime.backoff import retry_delay_seconds
@@ -90,6 +91,9 @@ _ERROR_MARKER_ROOM = 60
 # 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
 RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
+#: The failures worth that: the database's transient ones, and a cloud transport's that could
+#: not be reached or refused (its receiver makes one attempt a call, checking its lease first).
+RETRYABLE_SETTLE_ERRORS = (TransientDriverError, TransportUnavailableError)
 # How often the lease horizon looks again while a handler's open transaction holds the
 # delivery's row (after context.complete(enlist=True)): nobody else can take the row until then.
 HELD_ROW_RECHECK_SECONDS = 1.0
@@ -675,7 +679,7 @@ class DeliveryExecution:
             # handler if renewals keep failing past the lease. A lost connection is worth
             # trying again soon, on a fresh one, rather than a whole heartbeat interval later.
             self.log.warning("Heartbeat failed (%s): %s", self._where, exc)
-            if isinstance(exc, TransientDriverError):
+            if isinstance(exc, RETRYABLE_SETTLE_ERRORS):
                 self._retry_beat_soon()
         finally:
             with self._lock:
@@ -795,16 +799,18 @@ class DeliveryExecution:
         return on_a_settle_thread
 
     def _while_lease_lasts(self, settle: Callable[[], T]) -> T:
-        """Run a settle call; when it fails on a lost connection (or another transient error)
-        run it again on a fresh connection, backing off, for as long as the lease can still
-        be held. Safe because every settle is fenced by the lease token: a call that did take
-        effect before its connection dropped makes the retry answer "not settled", never apply
-        twice. Past the lease the row is lease expiry's to retry, and the error stands."""
+        """Run a settle call; when it fails on a lost connection (or another transient error,
+        or a cloud transport that could not be reached) run it again on a fresh connection,
+        backing off, for as long as the lease can still be held. Safe because every settle is
+        fenced by the lease token (a cloud receiver by its own clock, before each call): a call
+        that did take effect before its connection dropped makes the retry answer "not
+        settled", never apply twice. Past the lease the row is lease expiry's to retry, and
+        the error stands."""
         delay = RETRY_MIN_SECONDS
         while True:
             try:
                 return settle()
-            except TransientDriverError as exc:
+            except RETRYABLE_SETTLE_ERRORS as exc:
                 self._answer_lost = True
                 if time.monotonic() + delay >= self._settle_deadline():
                     raise

@@ -399,11 +399,19 @@ def _call(method: Any, *, missing: str | None = None, **params: Any) -> dict[str
     except ClientError as exc:
         if missing is not None and _error_code(exc) in _NOT_FOUND_CODES:
             raise TransportUnavailableError(missing) from exc
-        raise TransportUnavailableError(f"AWS refused {method.__name__}: {exc}") from exc
+        raise TransportUnavailableError(
+            f"AWS refused {method.__name__}: {_without_credentials(str(exc))}"
+        ) from exc
     except BotoCoreError as exc:
         raise TransportUnavailableError(
-            f"AWS could not be reached ({method.__name__}): {exc}"
+            f"AWS could not be reached ({method.__name__}): {_without_credentials(str(exc))}"
         ) from exc
+
+
+def _without_credentials(text: str) -> str:
+    """``text`` with the user and password of any URL in it (an ``endpoint_url`` written with
+    them) replaced by ``***``: errors are logged and shown to operators."""
+    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1***@", text, flags=re.IGNORECASE)
 
 
 # -- the subscription as SQS sees it -------------------------------------------------------
@@ -518,6 +526,10 @@ class AwsReceiver:
         # Receipt handle -> when its receive was sent (monotonic): SQS counts the 12-hour cap
         # on a message's visibility from then.
         self._received_at: dict[str, float] = {}
+        # Held messages whose copy a release or retry has sent: the settle, made again after
+        # its delete failed, deletes without sending another (a standard queue would keep
+        # both, and run them at once).
+        self._copied: set[str] = set()
         self._lock = threading.Lock()
 
     @property
@@ -647,6 +659,7 @@ class AwsReceiver:
             for token in [t for t, deadline in self._leases.items() if deadline <= now]:
                 del self._leases[token]
                 self._received_at.pop(token, None)
+                self._copied.discard(token)
 
     # -- fencing ----------------------------------------------------------------------------
 
@@ -659,6 +672,17 @@ class AwsReceiver:
         with self._lock:
             self._leases.pop(delivery.lease_token, None)
             self._received_at.pop(delivery.lease_token, None)
+            self._copied.discard(delivery.lease_token)
+
+    def _send_copy_once(self, delivery: ClaimedDelivery, attempts_before: int, delay: int) -> None:
+        """``send_copy`` for a held message, unless an earlier call of this settle sent it."""
+        with self._lock:
+            if delivery.lease_token in self._copied:
+                return
+        send_copy(self.binding, delivery, attempts_before=attempts_before, delay=delay)
+        with self._lock:
+            if delivery.lease_token in self._leases:
+                self._copied.add(delivery.lease_token)
 
     def _time_for_a_call(self, delivery: ClaimedDelivery) -> bool:
         """Whether a call on the receipt handle made now ends, at its longest, before the
@@ -841,7 +865,7 @@ class AwsReceiver:
 
         def send_delayed_then_delete() -> None:
             try:
-                send_copy(self.binding, delivery, attempts_before=delivery.attempt, delay=delay)
+                self._send_copy_once(delivery, delivery.attempt, delay)
             except TransportUnavailableError:
                 hide()
                 return
@@ -870,7 +894,7 @@ class AwsReceiver:
 
         def give_back() -> None:
             try:
-                send_copy(self.binding, delivery, attempts_before=delivery.attempt - 1)
+                self._send_copy_once(delivery, delivery.attempt - 1, 0)
             except TransportUnavailableError:
                 self._set_visibility(delivery, 0)
                 return

@@ -79,21 +79,26 @@ AS $$
                FROM levels l
               WHERE l.priority IS NOT NULL
          )
-         SELECT GREATEST(floor(extract(epoch FROM now() - min(
-                    -- Two subqueries, so each names its partial index's predicate as it is.
-                    CASE WHEN l.keyed THEN
-                        (SELECT d.visible_at FROM workqueue_delivery d
-                          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                            AND d.partition_key IS NOT NULL AND d.priority = l.priority
-                          ORDER BY d.visible_at LIMIT 1)
-                    ELSE
-                        (SELECT d.visible_at FROM workqueue_delivery d
-                          WHERE d.subscription_id = p_subscription_id AND d.status = 'Pending'
-                            AND d.partition_key IS NULL AND d.priority = l.priority
-                          ORDER BY d.visible_at LIMIT 1)
-                    END))), 0)::bigint
-           FROM levels l
-          WHERE l.priority IS NOT NULL)
+         -- NULL when nothing is pending (GREATEST would make that 0: it skips NULLs).
+         SELECT CASE WHEN o.oldest IS NOT NULL THEN
+                    GREATEST(floor(extract(epoch FROM now() - o.oldest)), 0)::bigint END
+           FROM (SELECT min(
+                        -- Two subqueries, so each names its partial index's predicate as it is.
+                        CASE WHEN l.keyed THEN
+                            (SELECT d.visible_at FROM workqueue_delivery d
+                              WHERE d.subscription_id = p_subscription_id
+                                AND d.status = 'Pending' AND d.partition_key IS NOT NULL
+                                AND d.priority = l.priority
+                              ORDER BY d.visible_at LIMIT 1)
+                        ELSE
+                            (SELECT d.visible_at FROM workqueue_delivery d
+                              WHERE d.subscription_id = p_subscription_id
+                                AND d.status = 'Pending' AND d.partition_key IS NULL
+                                AND d.priority = l.priority
+                              ORDER BY d.visible_at LIMIT 1)
+                        END) AS oldest
+                   FROM levels l
+                  WHERE l.priority IS NOT NULL) AS o)
       FROM workqueue_subscription s
      WHERE s.id = p_subscription_id;
 $$;
