@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -53,6 +54,8 @@ from workqueue.types import (
 
 if TYPE_CHECKING:
     from workqueue.models import Topic
+
+logger = logging.getLogger(__name__)
 
 MAX_ATTRIBUTES = 10
 # Used with fullmatch: `$` would also match before a trailing newline.
@@ -237,6 +240,7 @@ def publish_many(
         if topic_error is not None:
             rejected = [_rejected(topic_error) for _ in items]
             metrics.count_published(name, rejected)
+            _log_rejections(name, rejected)
             return rejected
 
     if prepared:
@@ -277,6 +281,7 @@ def publish_many(
         r if r.error is None else _topic_named(r, name, enlist) for r in results if r is not None
     ]
     metrics.count_published(name, final)
+    _log_rejections(name, final)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An
@@ -285,6 +290,23 @@ def publish_many(
         # not make the publish look failed.
         signals.published.send_robust(sender=publish_many, topic=name, message_ids=accepted)
     return final
+
+
+def _log_rejections(topic: Any, results: list[PublishResult]) -> None:
+    """One WARNING a call that had messages rejected, with the first one's reason: a caller that
+    does not look at its results (``publish(...)`` then a redirect) loses that work otherwise,
+    with no trace."""
+    rejected = [r for r in results if r.status == PublishStatus.REJECTED]
+    if rejected:
+        first = rejected[0].error
+        logger.warning(
+            "%d of %d message(s) published to topic %r were rejected; the first: %s: %s",
+            len(rejected),
+            len(results),
+            topic,
+            first.code,
+            first.message,
+        )
 
 
 def _topic_named(result: PublishResult, topic: str, enlist: bool) -> PublishResult:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import logging
 import uuid
 
 import pytest
@@ -93,3 +94,24 @@ def test_decimal_datetime_and_uuid_payloads_are_stored_as_django_encodes_them():
 def test_a_topic_no_one_made_is_named_without_the_transaction_hint():
     result = publish("no.such-topic", {"n": 1})
     assert result.error.message == "No topic is named 'no.such-topic'."
+
+
+def test_a_rejected_publish_is_logged_once_a_call_with_the_first_reason(caplog):
+    """Audit helper-98: a Rejected result was logged nowhere, so a caller that did not look at
+    it (``publish(...)`` and a redirect) lost the message without a trace."""
+    caplog.set_level(logging.WARNING, logger="workqueue.publishing")
+    topic = TopicFactory()
+
+    assert publish("orders.creatd", {"n": 1}).status == "Rejected"
+    publish_many(
+        topic.name,
+        [{"payload": {"n": 2}}, {"payload": {"n": 3}, "attributes": {"region": 5}}] * 2,
+    )
+    assert publish(topic.name, {"n": 4}).accepted
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "workqueue.publishing"]
+    assert len(lines) == 2, lines
+    assert "1 of 1 message(s) published to topic 'orders.creatd' were rejected" in lines[0]
+    assert "TopicNotFound" in lines[0]
+    assert f"2 of 4 message(s) published to topic '{topic.name}'" in lines[1]
+    assert "InvalidAttributes" in lines[1]
