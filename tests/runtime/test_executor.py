@@ -338,7 +338,9 @@ def test_a_return_value_that_is_not_an_outcome_retries_with_no_valid_outcome(rig
     result, delivery, _ = rig.run(sub, {"then": "invalid", "value": value})
 
     assert result.status == "Pending"
-    assert delivery.last_error == "Handler returned no valid outcome"
+    # Audit helper-98: it said only "no valid outcome"; it names the fix now.
+    assert delivery.last_error.startswith(f"Handler returned no valid outcome ({value!r})")
+    assert "`return Outcome.complete()`" in delivery.last_error
 
 
 def test_an_outcome_of_an_unknown_kind_is_not_a_valid_outcome(rig, monkeypatch):
@@ -347,10 +349,8 @@ def test_an_outcome_of_an_unknown_kind_is_not_a_valid_outcome(rig, monkeypatch):
 
     _, delivery, _ = rig.run(sub, {"then": "complete"})
 
-    assert (delivery.status, delivery.last_error) == (
-        "Pending",
-        "Handler returned no valid outcome",
-    )
+    assert delivery.status == "Pending"
+    assert delivery.last_error.startswith("Handler returned no valid outcome (")
 
 
 def test_a_handler_dead_letter_uses_its_reason_and_keeps_the_last_error(rig, dead_letters):
@@ -946,7 +946,8 @@ def test_handler_failures_are_logged_with_the_delivery_and_the_traceback(
     (record,) = delivery_logs(caplog)
     message = record.getMessage()
     assert record.levelname == level and text in message
-    for fact in (sub.name, delivery.delivery_id, f"attempt=1/{max_attempts}", "key=cust-7"):
+    facts = (sub.name, delivery.delivery_id, f"attempt=1/{max_attempts}", "key=cust-7")
+    for fact in (*facts, f"message={delivery.message_id}"):  # the id a publisher holds
         assert fact in message
     assert (record.delivery_id, record.partition_key) == (delivery.delivery_id, "cust-7")
     if exception is None:

@@ -319,9 +319,11 @@ class DeliveryExecution:
             },
         )
         # Every line names the delivery, so a plain-text log is enough to find it again.
+        # The message id too: it is what a publisher holds (a Tasks API task's result id).
         self._where = (
             f"subscription={plan.name} delivery={delivery.delivery_id} "
-            f"attempt={delivery.attempt}/{plan.max_attempts} key={delivery.partition_key}"
+            f"attempt={delivery.attempt}/{plan.max_attempts} key={delivery.partition_key} "
+            f"message={delivery.message_id}"
         )
 
     @property
@@ -511,7 +513,7 @@ class DeliveryExecution:
             Outcome.RETRY,
             Outcome.DEAD_LETTER,
         }:
-            return _Decision(Outcome.RETRY, error="Handler returned no valid outcome")
+            return _Decision(Outcome.RETRY, error=_not_an_outcome(outcome))
         # A handler's own dead letter keeps last_error as it was; a retry records its reason.
         error = outcome.reason if outcome.kind == Outcome.RETRY else None
         return _Decision(
@@ -1009,6 +1011,20 @@ class DeliveryExecution:
             return bool(read_back(self.delivery, *args))
         except (WorkQueueError, DatabaseError, InterfaceError):
             return False  # cannot tell: reported as before
+
+
+def _not_an_outcome(returned: Any) -> str:
+    """The error recorded for a handler that returned ``returned``, not an ``Outcome`` (a
+    ``handle`` that does its work and forgets to return): the delivery is retried, its work
+    repeated each time until it is dead-lettered, so the text says what to return."""
+    shown = repr(returned)
+    if len(shown) > 80:
+        shown = f"{shown[:77]}..."
+    return (
+        f"Handler returned no valid outcome ({shown}): end handle() with `return "
+        "Outcome.complete()` (or Outcome.retry(...), Outcome.dead_letter(...)), or raise to "
+        "fail; this attempt counts as failed and is retried"
+    )
 
 
 def report_lease_expired_dead_letter(
