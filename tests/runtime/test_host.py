@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import logging
 import os
 import re
 import socket
@@ -477,6 +478,17 @@ def test_every_consumer_is_built_before_the_first_claim_loop_starts(make_host, m
     assert {name for name, (state, _) in states(host).items() if state == "Running"} == {
         s.name for s in subscriptions
     }
+
+
+def test_a_host_with_no_subscription_to_run_says_so_at_the_default_level(make_host, caplog):
+    """Audit helper-98: with the topology declared in settings but never synced, a host ran
+    nothing and said so only at INFO ("no subscriptions"), which a project without LOGGING
+    does not show."""
+    caplog.set_level(logging.WARNING, logger="workqueue.runtime.host")
+    make_host([{"name": "*", "concurrency": 2}]).start()
+
+    assert "runs no subscription: none exists in the database yet" in caplog.text
+    assert "sync-topology" in caplog.text
 
 
 def test_reconcile_starts_a_resumed_subscription_and_a_new_one_without_a_restart(make_host):

@@ -299,13 +299,24 @@ class Host:
             for service in self._services:
                 service.start()
         self.record_health()
+        entries = self.health()["subscriptions"]
         logger.info(
             "Host %s started: %s",
             self.instance_id,
-            "; ".join(describe_subscription(e) for e in self.health()["subscriptions"])
-            or "no subscriptions",
+            "; ".join(describe_subscription(e) for e in entries) or "no subscriptions",
             extra={"action": "host_started"},
         )
+        if not entries:
+            # Said at the default level: a project whose topology is declared in settings but
+            # never synced starts a host that runs nothing, and said so only at INFO.
+            logger.warning(
+                "Host %s runs no subscription: none exists in the database yet. Create them "
+                "(`manage.py workqueue sync-topology` for those declared in "
+                "WORKQUEUE['TOPOLOGY'], or the admin); the host takes them up within "
+                "RECONCILE_INTERVAL_MS once they exist.",
+                self.instance_id,
+                extra={"action": "host_runs_nothing"},
+            )
         closing = aliases_closing_after_each_use(connections.settings)
         if closing:
             logger.warning(
