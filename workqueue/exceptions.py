@@ -124,9 +124,21 @@ class UnsupportedByTransportError(WorkQueueError):
 
 
 class TransportUnavailableError(WorkQueueError):
-    """A transport's remote service (SNS, SQS, ...) failed or could not be reached; the client
-    library's error is kept as ``__cause__``. Consumers treat it like a database outage: they
-    log once, back off and try again."""
+    """A transport's remote service (SNS, SQS, ...) failed, refused or could not be reached;
+    ``code`` is the service's error code when it answered with one. The client library's error
+    is not kept (its text can name an endpoint's credentials): the message says what it said.
+    Consumers treat it like a database outage: they log once, back off and try again."""
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class TransientTransportError(TransportUnavailableError):
+    """The remote service could not be reached, timed out, throttled the call or failed on its
+    side (HTTP 5xx): worth making the call again soon, as a database's transient errors are.
+    A refusal (denied, missing, invalid) is a TransportUnavailableError: made again until a
+    lease ran out, it would only hold a settle thread that long."""
 
 
 class DeliveryBusyError(WorkQueueError):

@@ -37,6 +37,7 @@ from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import (
     TopologyValidationError,
+    TransientTransportError,
     TransportUnavailableError,
     UnsupportedByTransportError,
     WorkQueueConfigurationError,
@@ -1624,10 +1625,12 @@ def test_a_settle_that_fails_once_on_aws_is_made_again_while_the_lease_lasts(
     assert holder.receive(10).deliveries == []
 
 
-def test_a_release_made_again_after_its_delete_failed_sends_one_copy(aws, slow_network):
-    """Review helper-97: a release (or a retry) sends a copy and then deletes the received
-    message; made again after the delete failed, it sent a second copy, and a standard queue
-    kept both, to run at once. The settle remembers the copy it sent."""
+@pytest.mark.parametrize("settle", ["release", "dead_letter"])
+def test_a_settle_made_again_after_its_delete_failed_sends_one_copy(aws, slow_network, settle):
+    """Review helpers 97 and 99: a release (or retry) sends a copy, a dead letter a DLQ message,
+    then deletes the received message; made again after the delete failed, each sent a second
+    one: a standard queue kept both copies to run at once, the DLQ listed the dead letter
+    twice. The receiver remembers what it sent for the message it holds."""
     from botocore.exceptions import ReadTimeoutError
 
     subscription = provisioned(aws, lease_seconds=30)
@@ -1641,15 +1644,55 @@ def test_a_release_made_again_after_its_delete_failed_sends_one_copy(aws, slow_n
             raise ReadTimeoutError(endpoint_url=request.url)
 
     slow_network.before = times_out_once
+    make = (
+        (lambda: holder.release(delivery))
+        if settle == "release"
+        else (lambda: holder.dead_letter(delivery, "Fatal", "no"))
+    )
 
-    with pytest.raises(TransportUnavailableError):
-        holder.release(delivery)
-    assert holder.release(delivery).settled
+    with pytest.raises(TransientTransportError):
+        make()
+    assert make().settled
 
+    if settle == "dead_letter":
+        assert [i.delivery_id for i in operations.list_dead_letters(subscription.name).items] == [
+            delivery.delivery_id
+        ]
+        return
     copies = receive_all(holder, 1)
     time.sleep(1.5)  # a second copy would be visible by now
     copies += holder.receive(10).deliveries
     assert [c.delivery_id for c in copies] == [delivery.delivery_id]
+
+
+def test_a_settle_aws_refuses_is_not_made_again_until_the_lease_runs_out(aws, rig):
+    """Review helper-99: every failure of a call on a held message was made again while the
+    lease lasted, a refusal too (denied by IAM or KMS), holding one of a consumer's two settle
+    threads for the whole lease. A refusal fails the settle at once; the message comes back at
+    the end of its lease."""
+    subscription = provisioned(aws, handler_key="t.script", lease_seconds=30)
+    publish(subscription.topic.name, {"then": "complete"})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    calls: list[int] = []
+
+    def denied(**_: Any) -> Any:
+        calls.append(1)
+        error = {"Code": "AccessDenied", "Message": "not authorized to sqs:DeleteMessage"}
+        return (
+            type("Response", (), {"status_code": 403, "headers": {}})(),
+            {"Error": error, "ResponseMetadata": {"HTTPStatusCode": 403}},
+        )
+
+    sqs = holder.binding.lease_sqs
+    sqs.meta.events.register("before-call.sqs.DeleteMessage", denied, unique_id="denied")
+    try:
+        result = rig.execution(subscription, holder, delivery).run()
+    finally:
+        sqs.meta.events.unregister("before-call.sqs.DeleteMessage", unique_id="denied")
+
+    assert result.kind == "Failed" and "AccessDenied" in result.error
+    assert calls == [1]
 
 
 def test_a_last_attempt_whose_lease_expired_is_dead_lettered_with_max_attempts(aws):

@@ -37,8 +37,7 @@ class Record(BaseWorkHandler):
         if message.payload.get("fail"):
             raise FatalWorkError(message.payload["fail"])
         if message.payload.get("busy"):
-            # A delay of its own: the subscription's full-jitter backoff may draw 0 seconds,
-            # and the retry would then be due at once even on a TestCase's frozen clock.
+            # A delay of its own, so the test says when the retry is due.
             raise TransientWorkError(message.payload["busy"], retry_after_seconds=60)
         if message.payload.get("duplicate_user"):
             # A failed save let out (the system user exists): an IntegrityError.

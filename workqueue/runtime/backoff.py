@@ -20,7 +20,7 @@ def retry_delay_seconds(
 
     A finite ``requested`` delay (from ``Outcome.retry`` or ``TransientWorkError``) is rounded
     up and clamped to ``[0, max_seconds]``. Otherwise the delay is drawn uniformly from
-    ``[0, min(max_seconds, base_seconds * 2**(attempt-1))]`` (full jitter), so a burst of
+    ``(0, min(max_seconds, base_seconds * 2**(attempt-1))]`` (full jitter), so a burst of
     failures spreads out instead of retrying in lock-step, and rounded up to a whole second:
     a subscription with a backoff never retries at once (rounded to the nearest, one retry in
     twenty with a 10 s base did, and a test asserting the retried run saw it run again).

@@ -327,8 +327,9 @@ class Consumer:
         self._wake = threading.Event()
         self._kicked = False
         self._stopping = threading.Event()
-        # Until when a hand-back that fails is made again: its lease's end, or once stop() has
-        # begun, its drain's (a database down at shutdown must not hold the stop for a lease).
+        # Once stop() has begun, hand-backs made by other threads (a late one, the claim loop's)
+        # are made again only until its drain ends: a database down at shutdown must not hold
+        # the stop for a lease.
         self._hand_backs_end = math.inf
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.received = 0
@@ -427,11 +428,13 @@ class Consumer:
                 self._ready_check = None
             for execution in waiting:
                 self._running.pop(execution.key, None)
+        # A hand-back that fails is made again while its lease lasts, or for one drain.
+        until = time.monotonic() + drain
         for execution in waiting:
             # Claimed ahead and never started (a hand-back still queued behind busy background
             # threads included): back to the queue now, attempt refunded, before the process
             # may end.
-            self._release(execution.delivery, execution.lease_ends)
+            self._release(execution.delivery, min(execution.lease_ends, until))
         gave_up = False
         if not self._wait_idle(drain):
             with self._lock:
@@ -451,9 +454,10 @@ class Consumer:
                 # Marked: should it fail after all, the failure uses its attempt.
                 self.abandoned = sum(1 for e in left if e.mark_outlived_drain())
                 self.unsettled = len(left) - self.abandoned
+        until = time.monotonic() + drain
         for execution in never_started:
             # Claimed but still queued for a worker thread: hand it back, attempt refunded.
-            self._release(execution.delivery, execution.lease_ends)
+            self._release(execution.delivery, min(execution.lease_ends, until))
         if gave_up and process_lives_on and self.abandoned:
             logger.warning(
                 "%s: %d handler(s) did not stop; they run on with their leases renewed until "
@@ -615,7 +619,7 @@ class Consumer:
                     self._return_rate_tokens(unused)
                 if self._stopping.is_set():
                     for delivery in claimed.deliveries:
-                        self._release(delivery, self._lease_ends(delivery, leased_at))
+                        self._release(delivery, self._release_until(delivery, leased_at))
                     break
                 self._start_all(claimed.deliveries, leased_at)
             finally:
@@ -767,7 +771,7 @@ class Consumer:
             except BaseException:
                 # Claimed but never started: hand them back rather than leave them to expiry.
                 for unstarted in deliveries[index:]:
-                    self._release(unstarted, self._lease_ends(unstarted, leased_at))
+                    self._release(unstarted, self._release_until(unstarted, leased_at))
                 raise
 
     def _start(self, delivery: ClaimedDelivery, leased_at: float) -> None:
@@ -808,7 +812,7 @@ class Consumer:
             if not isinstance(exc, RuntimeError):
                 raise
             # The pool is shutting down: hand it back.
-            self._release(execution.delivery, execution.lease_ends)
+            self._release(execution.delivery, min(execution.lease_ends, self._hand_backs_end))
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
         """A handler returned (on its worker thread): its slot goes to the next delivery
@@ -971,22 +975,25 @@ class Consumer:
         so that stop() waits for it: the process may end as soon as stop() returns. Should
         stop() give up first and release it too, the second release is refused by the lease
         token."""
-        self._release(execution.delivery, execution.lease_ends)
+        self._release(execution.delivery, min(execution.lease_ends, self._hand_backs_end))
         with self._lock:
             if self._running.get(execution.key) is execution:
                 del self._running[execution.key]
             self._lock.notify_all()  # stop() may be waiting for the running ones to end
 
-    def _lease_ends(self, delivery: ClaimedDelivery, leased_at: float) -> float:
-        return leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
+    def _release_until(self, delivery: ClaimedDelivery, leased_at: float) -> float:
+        """Until when a failed hand-back of ``delivery`` (claimed at ``leased_at``) is made
+        again: its lease's end, or once stopping, the drain's."""
+        lease_ends = leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
+        return min(lease_ends, self._hand_backs_end)
 
-    def _release(self, delivery: ClaimedDelivery, lease_ends: float) -> None:
+    def _release(self, delivery: ClaimedDelivery, until: float) -> None:
         """Hand back a delivery that never started, its attempt refunded. A call that fails
         on a lost connection (or an unreachable transport) is made again, backing off, while
-        the lease lasts (once the consumer is stopping, while its drain lasts): left to lease
-        expiry, the attempt would count as a run, and a last attempt be dead-lettered without
-        ever running. Fenced by the lease token, so a release whose answer was lost is refused
-        the second time, never applied twice."""
+        the lease lasts (``until``: its end; while stopping, a drain's): left to lease expiry,
+        the attempt would count as a run, and a last attempt be dead-lettered without ever
+        running. Fenced by the lease token, so a release whose answer was lost is refused the
+        second time, never applied twice."""
         delay = RETRY_MIN_SECONDS
         while True:
             try:
@@ -999,7 +1006,7 @@ class Consumer:
                     self.receiver.acknowledge_cancel(delivery)
                 return
             except RETRYABLE_SETTLE_ERRORS as exc:
-                if time.monotonic() + delay >= min(lease_ends, self._hand_backs_end):
+                if time.monotonic() + delay >= until:
                     self._release_failed(exc)
                     return
                 logger.warning(

@@ -52,7 +52,7 @@ from workqueue.exceptions import (
     EnlistError,
     LeaseLost,
     TransientDriverError,
-    TransportUnavailableError,
+    TransientTransportError,
     WorkQueueError,
 )
 from workqueue.runtime.backoff import retry_delay_seconds
@@ -92,8 +92,9 @@ _ERROR_MARKER_ROOM = 60
 RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
 #: The failures worth that: the database's transient ones, and a cloud transport's that could
-#: not be reached or refused (its receiver makes one attempt a call, checking its lease first).
-RETRYABLE_SETTLE_ERRORS = (TransientDriverError, TransportUnavailableError)
+#: not be reached, timed out, throttled or failed on its side (its receiver makes one attempt a
+#: call, checking its lease first). A refusal (denied, missing) is not made again.
+RETRYABLE_SETTLE_ERRORS = (TransientDriverError, TransientTransportError)
 # How often the lease horizon looks again while a handler's open transaction holds the
 # delivery's row (after context.complete(enlist=True)): nobody else can take the row until then.
 HELD_ROW_RECHECK_SECONDS = 1.0

@@ -306,9 +306,10 @@ class Host:
             "; ".join(describe_subscription(e) for e in entries) or "no subscriptions",
             extra={"action": "host_started"},
         )
-        if not entries:
+        if not entries and self.planning_failure is None:
             # Said at the default level: a project whose topology is declared in settings but
-            # never synced starts a host that runs nothing, and said so only at INFO.
+            # never synced starts a host that runs nothing, and said so only at INFO. (A plan
+            # that failed is logged as such, and made again.)
             logger.warning(
                 "Host %s runs no subscription: none exists in the database yet. Create them "
                 "(`manage.py workqueue sync-topology` for those declared in "

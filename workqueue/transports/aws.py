@@ -41,12 +41,13 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from workqueue.driver.base import canonical_json
 from workqueue.exceptions import (
+    TransientTransportError,
     TransportUnavailableError,
     UnsupportedByTransportError,
     WorkQueueConfigurationError,
@@ -391,27 +392,63 @@ def _error_code(exc: Exception) -> str:
 
 def _call(method: Any, *, missing: str | None = None, **params: Any) -> dict[str, Any]:
     """Call a boto3 client method; its failures become ``TransportUnavailableError`` (with
-    ``missing`` as the text when the resource does not exist)."""
+    ``missing`` as the text when the resource does not exist), ``TransientTransportError``
+    when worth making again soon."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         return method(**params)
     except ClientError as exc:
         if missing is not None and _error_code(exc) in _NOT_FOUND_CODES:
-            raise TransportUnavailableError(missing) from exc
-        raise TransportUnavailableError(
-            f"AWS refused {method.__name__}: {_without_credentials(str(exc))}"
-        ) from exc
+            raise TransportUnavailableError(missing, code=_error_code(exc)) from None
+        raise _unavailable(f"AWS refused {method.__name__}", exc) from None
     except BotoCoreError as exc:
-        raise TransportUnavailableError(
-            f"AWS could not be reached ({method.__name__}): {_without_credentials(str(exc))}"
-        ) from exc
+        raise _unavailable(f"AWS could not be reached ({method.__name__})", exc) from None
+
+
+#: Error codes AWS answers when it throttled a call (HTTP 400, yet worth making again soon).
+_THROTTLED_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "SlowDown",
+        "AWS.SimpleQueueService.RequestThrottled",
+        "KMS.ThrottlingException",
+    }
+)
+
+
+def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
+    """The error to raise for boto3's ``exc``: transient when the call could not be made or
+    answered (a connection or timeout), was throttled or failed on AWS's side (HTTP 5xx); a
+    refusal otherwise (denied, invalid, missing: made again, it would only fail again). Raised
+    ``from None``: botocore's exception text names the endpoint as configured, credentials
+    and all, and a traceback would print it."""
+    from botocore.exceptions import ConnectionError, HTTPClientError
+
+    code = _error_code(exc)
+    status = (
+        (getattr(exc, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    )
+    transient = (
+        isinstance(exc, ConnectionError | HTTPClientError)
+        or code in _THROTTLED_CODES
+        or status >= 500
+    )
+    error = TransientTransportError if transient else TransportUnavailableError
+    return error(f"{what}: {_without_credentials(str(exc))}", code=code)
 
 
 def _without_credentials(text: str) -> str:
     """``text`` with the user and password of any URL in it (an ``endpoint_url`` written with
-    them) replaced by ``***``: errors are logged and shown to operators."""
-    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1***@", text, flags=re.IGNORECASE)
+    them) replaced by ``***``, up to the host's last ``@``: errors are logged and shown to
+    operators."""
+    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/\s]+@", r"\1***@", text, flags=re.IGNORECASE)
 
 
 # -- the subscription as SQS sees it -------------------------------------------------------
@@ -526,10 +563,10 @@ class AwsReceiver:
         # Receipt handle -> when its receive was sent (monotonic): SQS counts the 12-hour cap
         # on a message's visibility from then.
         self._received_at: dict[str, float] = {}
-        # Held messages whose copy a release or retry has sent: the settle, made again after
-        # its delete failed, deletes without sending another (a standard queue would keep
-        # both, and run them at once).
+        # Held messages whose copy (a release's or retry's) or dead letter a settle has sent,
+        # and the lock that makes each send once (see _send_once).
         self._copied: set[str] = set()
+        self._sending = threading.Lock()
         self._lock = threading.Lock()
 
     @property
@@ -674,15 +711,20 @@ class AwsReceiver:
             self._received_at.pop(delivery.lease_token, None)
             self._copied.discard(delivery.lease_token)
 
-    def _send_copy_once(self, delivery: ClaimedDelivery, attempts_before: int, delay: int) -> None:
-        """``send_copy`` for a held message, unless an earlier call of this settle sent it."""
-        with self._lock:
-            if delivery.lease_token in self._copied:
-                return
-        send_copy(self.binding, delivery, attempts_before=attempts_before, delay=delay)
-        with self._lock:
-            if delivery.lease_token in self._leases:
-                self._copied.add(delivery.lease_token)
+    def _send_once(self, delivery: ClaimedDelivery, send: Callable[[], None]) -> None:
+        """Make ``send`` (a release's or retry's copy, or a dead letter) for a held message once:
+        a settle made again after its delete failed, or by two threads at once (a late
+        hand-back and a stop), then only deletes. Sent twice, a standard queue kept both copies
+        and ran them at once, and the DLQ listed the dead letter twice. Sends are rare (each a
+        failure or a hand-back): one at a time per receiver."""
+        with self._sending:
+            with self._lock:
+                if delivery.lease_token in self._copied:
+                    return
+            send()
+            with self._lock:
+                if delivery.lease_token in self._leases:
+                    self._copied.add(delivery.lease_token)
 
     def _time_for_a_call(self, delivery: ClaimedDelivery) -> bool:
         """Whether a call on the receipt handle made now ends, at its longest, before the
@@ -705,7 +747,7 @@ class AwsReceiver:
             self._let_go(delivery)
             return SettleResult(SettleOutcome.LEASE_LOST)
         except TransportUnavailableError as exc:
-            if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
+            if exc.code in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
                 self._let_go(delivery)
                 return SettleResult(SettleOutcome.LEASE_LOST)
             raise
@@ -765,7 +807,7 @@ class AwsReceiver:
             self._let_go(delivery)
             return LeaseExtension(LeaseState.LOST)
         except TransportUnavailableError as exc:
-            if _error_code(exc.__cause__) in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
+            if exc.code in {"ReceiptHandleIsInvalid", "InvalidParameterValue"}:
                 self._let_go(delivery)
                 return LeaseExtension(LeaseState.LOST)
             raise
@@ -865,7 +907,12 @@ class AwsReceiver:
 
         def send_delayed_then_delete() -> None:
             try:
-                self._send_copy_once(delivery, delivery.attempt, delay)
+                self._send_once(
+                    delivery,
+                    lambda: send_copy(
+                        self.binding, delivery, attempts_before=delivery.attempt, delay=delay
+                    ),
+                )
             except TransportUnavailableError:
                 hide()
                 return
@@ -894,7 +941,10 @@ class AwsReceiver:
 
         def give_back() -> None:
             try:
-                self._send_copy_once(delivery, delivery.attempt - 1, 0)
+                self._send_once(
+                    delivery,
+                    lambda: send_copy(self.binding, delivery, attempts_before=delivery.attempt - 1),
+                )
             except TransportUnavailableError:
                 self._set_visibility(delivery, 0)
                 return
@@ -910,7 +960,9 @@ class AwsReceiver:
         leaves a copy in each, never none)."""
 
         def move() -> None:
-            send_dead_letter(self.binding, delivery, reason, error)
+            self._send_once(
+                delivery, lambda: send_dead_letter(self.binding, delivery, reason, error)
+            )
             self._delete(delivery)
 
         return self._settle(delivery, DeliveryStatus.DEAD_LETTERED, move)
@@ -1502,7 +1554,7 @@ def _listed(clients: AwsClients, operation: str, key: str, **params: Any) -> Ite
         for page in clients.sns.get_paginator(operation).paginate(**params):
             yield from page.get(key, [])
     except (BotoCoreError, ClientError) as exc:
-        raise TransportUnavailableError(f"AWS could not {operation}: {exc}") from exc
+        raise _unavailable(f"AWS could not {operation}", exc) from None
 
 
 def _sns_entry(
@@ -1659,10 +1711,10 @@ class _Provisioner:
             url = sqs.get_queue_url(QueueName=name)["QueueUrl"]
         except ClientError as exc:
             if _error_code(exc) not in _NOT_FOUND_CODES:
-                raise TransportUnavailableError(f"AWS refused get_queue_url: {exc}") from exc
+                raise _unavailable("AWS refused get_queue_url", exc) from None
             url = None
         except BotoCoreError as exc:  # unreachable, no credentials, ...: not "missing"
-            raise TransportUnavailableError(f"AWS could not answer get_queue_url: {exc}") from exc
+            raise _unavailable("AWS could not answer get_queue_url", exc) from None
         if url is None:
             self._record("create", "sqs-queue", name, ", ".join(sorted(wanted)))
             if self.dry_run:
