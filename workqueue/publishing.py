@@ -240,7 +240,7 @@ def publish_many(
         if topic_error is not None:
             rejected = [_rejected(topic_error) for _ in items]
             metrics.count_published(name, rejected)
-            _log_rejections(name, rejected)
+            _log_rejections(name, rejected, external)
             return rejected
 
     if prepared:
@@ -281,7 +281,7 @@ def publish_many(
         r if r.error is None else _topic_named(r, name, enlist) for r in results if r is not None
     ]
     metrics.count_published(name, final)
-    _log_rejections(name, final)
+    _log_rejections(name, final, external)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
         # In-process consumers of the topic claim at once instead of at their next poll. (An
@@ -292,14 +292,16 @@ def publish_many(
     return final
 
 
-def _log_rejections(topic: Any, results: list[PublishResult]) -> None:
-    """One WARNING a call that had messages rejected, with the first one's reason: a caller that
+def _log_rejections(topic: Any, results: list[PublishResult], external: bool) -> None:
+    """One line a call that had messages rejected, with the first one's reason: a caller that
     does not look at its results (``publish(...)`` then a redirect) loses that work otherwise,
-    with no trace."""
+    with no trace. A WARNING for this process's own publishers; INFO for an API key's, which
+    reads its results in the answer (a faulty client would fill the log)."""
     rejected = [r for r in results if r.status == PublishStatus.REJECTED]
     if rejected:
         first = rejected[0].error
-        logger.warning(
+        logger.log(
+            logging.INFO if external else logging.WARNING,
             "%d of %d message(s) published to topic %r were rejected; the first: %s: %s",
             len(rejected),
             len(results),
