@@ -1523,11 +1523,24 @@ def test_a_lease_lost_on_aws_is_reported_as_lost_not_as_a_cancel_that_failed(aws
 def slow_network(monkeypatch) -> Any:
     """Calls on the SQS operation the test names (``slow_network.operation``) first run
     ``slow_network.before(request)`` (count it, stall it, time it out), then go as usual."""
+    from botocore.exceptions import ReadTimeoutError
     from botocore.httpsession import URLLib3Session
 
     rig = type("SlowNetwork", (), {"operation": "", "calls": 0})()
     rig.before = lambda request: None
     real = URLLib3Session.send
+
+    def time_out_once(operation: str) -> None:
+        """The first call of ``operation`` times out (as if the network dropped its answer)."""
+        rig.operation = operation
+
+        def first_times_out(request: Any) -> None:
+            if rig.calls == 1:
+                raise ReadTimeoutError(endpoint_url=request.url)
+
+        rig.before = first_times_out
+
+    rig.time_out_once = time_out_once
 
     def send(session: Any, request: Any) -> Any:
         target = request.headers.get("X-Amz-Target", b"")
@@ -1604,19 +1617,11 @@ def test_a_settle_that_fails_once_on_aws_is_made_again_while_the_lease_lasts(
     """Review helper-97: calls on a held message make one attempt, and the host retried only a
     database's transient errors: one SQS timeout on the DeleteMessage failed the settle, and
     the message ran again after its lease. The host makes it again, as for a lost connection."""
-    from botocore.exceptions import ReadTimeoutError
-
     subscription = provisioned(aws, handler_key="t.script", lease_seconds=30)
     publish(subscription.topic.name, {"then": "complete"})
     holder = receiver(subscription)
     delivery = receive_one(holder)
-    slow_network.operation = "DeleteMessage"
-
-    def times_out_once(request: Any) -> None:
-        if slow_network.calls == 1:
-            raise ReadTimeoutError(endpoint_url=request.url)
-
-    slow_network.before = times_out_once
+    slow_network.time_out_once("DeleteMessage")
 
     result = rig.execution(subscription, holder, delivery).run()
 
@@ -1631,19 +1636,11 @@ def test_a_settle_made_again_after_its_delete_failed_sends_one_copy(aws, slow_ne
     then deletes the received message; made again after the delete failed, each sent a second
     one: a standard queue kept both copies to run at once, the DLQ listed the dead letter
     twice. The receiver remembers what it sent for the message it holds."""
-    from botocore.exceptions import ReadTimeoutError
-
     subscription = provisioned(aws, lease_seconds=30)
     publish(subscription.topic.name, {"n": 1})
     holder = receiver(subscription)
     delivery = receive_one(holder)
-    slow_network.operation = "DeleteMessage"
-
-    def times_out_once(request: Any) -> None:
-        if slow_network.calls == 1:
-            raise ReadTimeoutError(endpoint_url=request.url)
-
-    slow_network.before = times_out_once
+    slow_network.time_out_once("DeleteMessage")
     make = (
         (lambda: holder.release(delivery))
         if settle == "release"
