@@ -297,18 +297,18 @@ def _log_rejections(topic: Any, results: list[PublishResult], external: bool) ->
     does not look at its results (``publish(...)`` then a redirect) loses that work otherwise,
     with no trace. A WARNING for this process's own publishers; INFO for an API key's, which
     reads its results in the answer (a faulty client would fill the log)."""
-    rejected = [r for r in results if r.status == PublishStatus.REJECTED]
-    if rejected:
-        first = rejected[0].error
-        logger.log(
-            logging.INFO if external else logging.WARNING,
-            "%d of %d message(s) published to topic %r were rejected; the first: %s: %s",
-            len(rejected),
-            len(results),
-            topic,
-            first.code,
-            first.message,
-        )
+    first = next((r for r in results if r.status == PublishStatus.REJECTED), None)
+    if first is None:
+        return  # every publish's path: no list is built
+    logger.log(
+        logging.INFO if external else logging.WARNING,
+        "%d of %d message(s) published to topic %r were rejected; the first: %s: %s",
+        sum(r.status == PublishStatus.REJECTED for r in results),
+        len(results),
+        topic,
+        first.error.code,
+        first.error.message,
+    )
 
 
 def _topic_named(result: PublishResult, topic: str, enlist: bool) -> PublishResult:

@@ -19,6 +19,8 @@ class StatsVerb(Verb):
     help = "Per-subscription counts: pending, in flight, dead letters, blocked keys, ..."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        from workqueue.operators.operations import STATS_COUNT_MAX
+
         parser.add_argument(
             "-s",
             "--subscription",
@@ -28,8 +30,8 @@ class StatsVerb(Verb):
         parser.add_argument(
             "--cap",
             type=int,
-            help="Count each figure up to N (1 to 1000000; default: the STATS_COUNT_CAP "
-            "setting). A figure that stops there is marked with a note.",
+            help=f"Count each figure up to N (1 to {STATS_COUNT_MAX}; default: the "
+            "STATS_COUNT_CAP setting). A figure that stops there is marked with a note.",
         )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
@@ -84,9 +86,11 @@ class StatsVerb(Verb):
         command.stdout.write(table(rows, headers))
         capped = [s.subscription_name for s in report.subscriptions if s.capped]
         if capped:
+            from workqueue.operators.operations import STATS_COUNT_MAX
+
             command.stdout.write(
                 f"Counting stopped at the cap for {', '.join(capped)}: those figures are at "
-                "least what they say (--cap counts further, up to 1000000)."
+                f"least what they say (--cap counts further, up to {STATS_COUNT_MAX})."
             )
         for failure in report.failures:
             command.stderr.write(f"{failure['subscription_name']}: {failure['error']}")

@@ -619,7 +619,8 @@ class Consumer:
                     self._return_rate_tokens(unused)
                 if self._stopping.is_set():
                     for delivery in claimed.deliveries:
-                        self._release(delivery, self._release_until(delivery, leased_at))
+                        lease_ends = self._lease_ends(delivery, leased_at)
+                        self._release(delivery, self._hand_back_until(lease_ends))
                     break
                 self._start_all(claimed.deliveries, leased_at)
             finally:
@@ -771,7 +772,8 @@ class Consumer:
             except BaseException:
                 # Claimed but never started: hand them back rather than leave them to expiry.
                 for unstarted in deliveries[index:]:
-                    self._release(unstarted, self._release_until(unstarted, leased_at))
+                    lease_ends = self._lease_ends(unstarted, leased_at)
+                    self._release(unstarted, self._hand_back_until(lease_ends))
                 raise
 
     def _start(self, delivery: ClaimedDelivery, leased_at: float) -> None:
@@ -812,7 +814,7 @@ class Consumer:
             if not isinstance(exc, RuntimeError):
                 raise
             # The pool is shutting down: hand it back.
-            self._release(execution.delivery, min(execution.lease_ends, self._hand_backs_end))
+            self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
         """A handler returned (on its worker thread): its slot goes to the next delivery
@@ -975,16 +977,18 @@ class Consumer:
         so that stop() waits for it: the process may end as soon as stop() returns. Should
         stop() give up first and release it too, the second release is refused by the lease
         token."""
-        self._release(execution.delivery, min(execution.lease_ends, self._hand_backs_end))
+        self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
         with self._lock:
             if self._running.get(execution.key) is execution:
                 del self._running[execution.key]
             self._lock.notify_all()  # stop() may be waiting for the running ones to end
 
-    def _release_until(self, delivery: ClaimedDelivery, leased_at: float) -> float:
-        """Until when a failed hand-back of ``delivery`` (claimed at ``leased_at``) is made
-        again: its lease's end, or once stopping, the drain's."""
-        lease_ends = leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
+    def _lease_ends(self, delivery: ClaimedDelivery, leased_at: float) -> float:
+        return leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
+
+    def _hand_back_until(self, lease_ends: float) -> float:
+        """Until when a failed hand-back is made again: the lease's end, or once stopping,
+        the drain's."""
         return min(lease_ends, self._hand_backs_end)
 
     def _release(self, delivery: ClaimedDelivery, until: float) -> None:

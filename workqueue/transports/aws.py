@@ -999,7 +999,7 @@ def send_dead_letter(
         attributes[ERROR_ATTRIBUTE] = _sqs_text(error)[:4000]
     params: dict[str, Any] = {
         "QueueUrl": binding.dead_letter_queue_url,
-        "MessageBody": sqs_json(_envelope_of(delivery)),
+        "MessageBody": _sqs_json(_envelope_of(delivery)),
         "MessageAttributes": _string_attributes(attributes),
     }
     if binding.fifo:
@@ -1023,7 +1023,7 @@ def _sqs_text(text: str) -> str:
     return _NOT_SQS_TEXT.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
 
 
-def sqs_json(value: Any) -> str:
+def _sqs_json(value: Any) -> str:
     """``value`` as a message body SQS accepts: its canonical JSON, with each character SQS
     refuses (U+FFFE and U+FFFF: JSON already escapes the controls) written as a JSON escape,
     which reads back as the same character. Sent raw, SNS took the message and SQS refused it
@@ -1066,7 +1066,7 @@ def send_copy(
     }
     params: dict[str, Any] = {
         "QueueUrl": binding.queue_url,
-        "MessageBody": sqs_json(envelope),
+        "MessageBody": _sqs_json(envelope),
         "MessageAttributes": _string_attributes(delivery.attributes or {}),
     }
     if not params["MessageAttributes"]:
@@ -1440,7 +1440,7 @@ class AwsTransport(BaseTransport):
             envelope.pop("attempts_before", None)
             params: dict[str, Any] = {
                 "QueueUrl": binding.queue_url,
-                "MessageBody": sqs_json(envelope),
+                "MessageBody": _sqs_json(envelope),
                 "MessageAttributes": _string_attributes(envelope.get("attributes") or {}),
             }
             if binding.fifo:
@@ -1572,7 +1572,7 @@ def _sns_entry(
         "published_at": published_at,
         "published_by": publisher,
     }
-    body = sqs_json(envelope)
+    body = _sqs_json(envelope)
     attributes = message["attributes"] or NO_ATTRIBUTES_MARKER
     entry: dict[str, Any] = {"Message": body, "MessageAttributes": _string_attributes(attributes)}
     if topic.is_fifo:
