@@ -15,7 +15,12 @@ class WorkqueueConfig(AppConfig):
         from django.db.models.signals import post_migrate, pre_delete, pre_save
 
         from workqueue import signals
-        from workqueue.checks import check_handler_keys, check_settings, check_system_user
+        from workqueue.checks import (
+            check_handler_keys,
+            check_settings,
+            check_system_user,
+            check_topology_drift,
+        )
         from workqueue.driver import close_before_database_administration, close_thread_connections
         from workqueue.driver.install import renew_grants_after_migrate
         from workqueue.models.queue import Deduplication, Delivery, Message
@@ -34,6 +39,7 @@ class WorkqueueConfig(AppConfig):
         )
         checks.register(check_system_user, "workqueue", checks.Tags.database)
         checks.register(check_handler_keys, "workqueue", checks.Tags.database)
+        checks.register(check_topology_drift, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
         connection_created.connect(
             close_before_database_administration, dispatch_uid="workqueue-driver-no-db"

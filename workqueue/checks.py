@@ -221,3 +221,33 @@ def check_handler_keys(
                 )
             )
     return warnings
+
+
+def check_topology_drift(
+    app_configs: list[AppConfig] | None = None,
+    databases: list[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Database check: the topology ``WORKQUEUE["TOPOLOGY"]`` declares is not the one the
+    database holds (a deploy that skipped ``sync-topology``: hosts run the old one)."""
+    from workqueue.conf import get_settings
+    from workqueue.operators.topology import topology_drift_warning
+
+    if not databases:
+        return []
+    try:
+        conf = get_settings()
+    except WorkQueueConfigurationError:
+        return []  # reported by check_settings
+    if conf.DATABASE_ALIAS not in databases:
+        return []
+    warning = topology_drift_warning()
+    if warning is None:
+        return []
+    return [
+        checks.Warning(
+            warning,
+            hint="`manage.py workqueue sync-topology --dry-run` prints every difference.",
+            id="workqueue.W006",
+        )
+    ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -191,3 +192,61 @@ def test_json_lists_each_change(declare):
         ("create", "subscription", "shop.orders-billing"),
         ("create", "subscription", "shop.orders-eu"),
     ]
+
+
+def drift_warnings() -> list[str]:
+    from django.core import checks
+
+    found = checks.run_checks(databases=["default"], tags=[checks.Tags.database])
+    return [m.msg for m in found if m.id == "workqueue.W006"]
+
+
+def test_check_warns_while_the_declaration_is_not_applied_and_writes_nothing(declare):
+    """A deploy that skipped sync-topology runs the topology the database had; `check
+    --database` (and migrate) said nothing of it."""
+    assert drift_warnings() == []  # nothing declared
+    declare(DECLARED)
+
+    (before,) = drift_warnings()
+    assert not Topic.objects.filter(name="shop.orders").exists()  # the check wrote nothing
+    sync()
+    applied = drift_warnings()
+    # An admin edit to a declared field, and a filter stored in another form of the same.
+    Subscription.objects.filter(name="shop.orders-billing").update(max_attempts=2)
+    (edited,) = drift_warnings()
+
+    assert before.startswith(
+        "The database's topology is not the one WORKQUEUE['TOPOLOGY'] declares (topic "
+        "shop.orders does not exist; subscription shop.orders-billing does not exist; "
+        "subscription shop.orders-eu does not exist): run `manage.py workqueue sync-topology`"
+    )
+    assert applied == []
+    assert "(subscription shop.orders-billing differs in max_attempts)" in edited
+    assert Subscription.objects.get(name="shop.orders-billing").max_attempts == 2
+
+
+def test_check_names_a_declared_row_the_sync_would_refuse(declare):
+    declare(
+        {
+            "topics": {"shop.refunds": {}},
+            "subscriptions": {
+                "shop.refunds-late": {"topic": "shop.missing", "handler_key": "x"},
+            },
+        }
+    )
+
+    (warning,) = drift_warnings()
+
+    assert "would refuse, so the database keeps the topology it has" in warning
+    assert "subscription shop.refunds-late: topic: no topic is named 'shop.missing'" in warning
+    assert not Topic.objects.filter(name="shop.refunds").exists()
+
+
+def test_a_host_starting_on_a_topology_not_yet_applied_says_so(declare, make_host, caplog):
+    declare(DECLARED)
+    caplog.set_level(logging.WARNING, logger="workqueue.runtime.host")
+
+    make_host([{"name": "*", "concurrency": 1}]).start()
+
+    assert "subscription shop.orders-billing does not exist" in caplog.text
+    assert "sync-topology" in caplog.text

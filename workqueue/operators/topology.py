@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Model, ProtectedError
 from django.utils.module_loading import import_string
 
@@ -132,65 +132,135 @@ def sync_topology(*, dry_run: bool = False, prune: bool = False) -> SyncReport:
     """Make the topology match the declaration (see the module's docstring). With ``dry_run``
     every row is validated and the differences are reported, then the transaction is rolled
     back. Raises ``TopologySyncError`` (nothing written) when a declared row is invalid."""
-    from workqueue.models import Subscription, Topic, Transport
-
     declared = declared_topology()
     alias = get_settings().DATABASE_ALIAS
-    changes: list[TopologyChange] = []
-    problems: list[str] = []
     with transaction.atomic(using=alias):
-        transports = {t.name: t for t in Transport.objects.using(alias)}
-        topics = {t.name: t for t in Topic.objects.using(alias).select_related("transport")}
-        for name, values in declared["topics"].items():
-            values = dict(values)
-            transport_name = values.pop("transport", "Database")
-            if transport_name not in transports:
-                problems.append(
-                    f"topic {name}: transport: no transport is named {transport_name!r}."
-                )
-                continue
-            values["transport"] = transports[transport_name]
-            row = topics.get(name) or Topic(name=name, transport=transports[transport_name])
-            change = _apply(row, "topic", values, alias, problems)
-            if change is not None:
-                changes.append(change)
-                topics[name] = row
-        subscriptions = {
-            s.name: s for s in Subscription.objects.using(alias).select_related("topic")
-        }
-        for name, values in declared["subscriptions"].items():
-            values = dict(values)
-            topic = topics.get(values["topic"])
-            if topic is None:
-                problems.append(
-                    f"subscription {name}: topic: no topic is named {values['topic']!r} "
-                    '(declare it under "topics" or create it first).'
-                )
-                continue
-            values["topic"] = topic
-            row = subscriptions.get(name) or Subscription(name=name, topic=topic)
-            change = _apply(row, "subscription", values, alias, problems)
-            if change is not None:
-                changes.append(change)
-        if problems:
-            raise TopologySyncError(problems)
-        undeclared_subs = [
-            s for n, s in subscriptions.items() if n not in declared["subscriptions"]
-        ]
-        for sub in undeclared_subs:
-            changes.append(_undeclared(sub, "subscription", prune, alias))
-        for topic in [t for n, t in topics.items() if n not in declared["topics"]]:
-            changes.append(_undeclared(topic, "topic", prune, alias))
+        changes, topics, subscriptions = _declared_changes(declared, alias, save=True)
+        for name, sub in subscriptions.items():
+            if name not in declared["subscriptions"]:
+                changes.append(_undeclared(sub, "subscription", prune, alias))
+        for name, topic in topics.items():
+            if name not in declared["topics"]:
+                changes.append(_undeclared(topic, "topic", prune, alias))
         if dry_run:
             transaction.set_rollback(True, using=alias)
     return SyncReport(changes, dry_run)
 
 
-def _apply(
-    row: Model, kind: str, values: dict[str, Any], alias: str, problems: list[str]
+def topology_drift() -> list[TopologyChange]:
+    """The rows ``sync_topology`` would create or update (``create`` and ``update`` changes),
+    read without writing anything: what a deploy that forgot ``sync-topology`` runs without.
+    Raises ``TopologySyncError`` when a declared row is invalid (the sync would refuse it too)
+    and ``WorkQueueConfigurationError`` for a declaration of the wrong shape.
+
+    Call it outside a transaction: validating a subscription inside one may take its topic's
+    topology lock (as a save does), which would hold publishes until that transaction ends."""
+    alias = get_settings().DATABASE_ALIAS
+    changes, _, _ = _declared_changes(declared_topology(), alias, save=False)
+    return changes
+
+
+def topology_drift_warning() -> str | None:
+    """What to tell an operator when the database's topology is not the one
+    ``WORKQUEUE["TOPOLOGY"]`` declares (rows to create or update, or a declaration the sync
+    would refuse); None when nothing is declared, it matches, or the tables cannot be read yet
+    (``migrate`` checks before it creates them)."""
+    if get_settings().TOPOLOGY is None:
+        return None
+    try:
+        drift = topology_drift()
+    except TopologySyncError as exc:
+        return (
+            "WORKQUEUE['TOPOLOGY'] declares rows that `manage.py workqueue sync-topology` "
+            "would refuse, so the database keeps the topology it has; fix them: "
+            + "; ".join(exc.problems)
+        )
+    except WorkQueueConfigurationError as exc:  # a declaration of the wrong shape
+        return str(exc)
+    except DatabaseError:
+        return None
+    if not drift:
+        return None
+    shown = [_drift_line(change) for change in drift[:_DRIFT_SHOWN]]
+    if len(drift) > _DRIFT_SHOWN:
+        shown.append(f"{len(drift) - _DRIFT_SHOWN} more")
+    return (
+        f"The database's topology is not the one WORKQUEUE['TOPOLOGY'] declares "
+        f"({'; '.join(shown)}): run `manage.py workqueue sync-topology` (after `migrate`) to "
+        "apply it."
+    )
+
+
+#: How many of the differences a drift warning names.
+_DRIFT_SHOWN = 5
+
+
+def _drift_line(change: TopologyChange) -> str:
+    if change.action == "create":
+        return f"{change.kind} {change.name} does not exist"
+    return f"{change.kind} {change.name} differs in {', '.join(change.fields)}"
+
+
+def _declared_changes(
+    declared: dict[str, dict[str, dict[str, Any]]], alias: str, *, save: bool
+) -> tuple[list[TopologyChange], dict[str, Model], dict[str, Model]]:
+    """The declared rows' changes, saved when ``save``; with the topics and subscriptions by
+    name (declared and stored). Raises ``TopologySyncError`` naming every invalid row."""
+    from workqueue.models import Subscription, Topic, Transport
+
+    changes: list[TopologyChange] = []
+    problems: list[str] = []
+    transports = {t.name: t for t in Transport.objects.using(alias)}
+    topics = {t.name: t for t in Topic.objects.using(alias).select_related("transport")}
+    for name, values in declared["topics"].items():
+        values = dict(values)
+        transport_name = values.pop("transport", "Database")
+        if transport_name not in transports:
+            problems.append(f"topic {name}: transport: no transport is named {transport_name!r}.")
+            continue
+        values["transport"] = transports[transport_name]
+        row = topics.get(name) or Topic(name=name, transport=transports[transport_name])
+        change = _declare(row, "topic", values, alias, problems, save=save)
+        if change is not None:
+            changes.append(change)
+            topics[name] = row
+    subscriptions = {s.name: s for s in Subscription.objects.using(alias).select_related("topic")}
+    for name, values in declared["subscriptions"].items():
+        values = dict(values)
+        topic = topics.get(values["topic"])
+        if topic is None:
+            problems.append(
+                f"subscription {name}: topic: no topic is named {values['topic']!r} "
+                '(declare it under "topics" or create it first).'
+            )
+            continue
+        if topic._state.adding:
+            # A topic still to create (``save`` is off): its subscription is to create too,
+            # and is validated when the sync creates both.
+            changes.append(TopologyChange("create", "subscription", name))
+            continue
+        values["topic"] = topic
+        row = subscriptions.get(name) or Subscription(name=name, topic=topic)
+        change = _declare(row, "subscription", values, alias, problems, save=save)
+        if change is not None:
+            changes.append(change)
+    if problems:
+        raise TopologySyncError(problems)
+    return changes, topics, subscriptions
+
+
+def _declare(
+    row: Model,
+    kind: str,
+    values: dict[str, Any],
+    alias: str,
+    problems: list[str],
+    *,
+    save: bool,
 ) -> TopologyChange | None:
-    """Set ``values`` on ``row``, validate it as the admin does and save it if anything
-    differs; the change made, or None. A validation failure is added to ``problems``."""
+    """Set ``values`` on ``row`` and validate it as the admin does; the change this makes (saved
+    when ``save``), or None when nothing differs. A validation failure is added to
+    ``problems``."""
     creating = row._state.adding
     before = {name: _shown(getattr(row, name)) for name in values}
     for name, value in values.items():
@@ -206,11 +276,13 @@ def _apply(
     after = {name: _shown(getattr(row, name)) for name in values}
     differing = {n: (before[n], after[n]) for n in values if before[n] != after[n]}
     if creating:
-        row.save(using=alias)
+        if save:
+            row.save(using=alias)
         return TopologyChange("create", kind, str(row), {n: (None, v) for n, v in after.items()})
     if not differing:
         return None
-    row.save(using=alias, update_fields=list(differing))
+    if save:
+        row.save(using=alias, update_fields=list(differing))
     return TopologyChange("update", kind, str(row), differing)
 
 

@@ -28,6 +28,7 @@ from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.models.hosts import START_FAILED
+from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.consumer import (
     Consumer,
     ConsumerConfig,
@@ -318,6 +319,10 @@ class Host:
                 self.instance_id,
                 extra={"action": "host_runs_nothing"},
             )
+        drift = topology_drift_warning()
+        if drift is not None:
+            # A deploy that skipped sync-topology runs the topology it had before, silently.
+            logger.warning(drift, extra={"action": "host_topology_drift"})
         closing = aliases_closing_after_each_use(connections.settings)
         if closing:
             logger.warning(
