@@ -449,7 +449,7 @@ def test_the_failed_task_log_line_carries_the_tasks_own_traceback(run_host, capl
     """django_tasks logs a FAILED task_finished with logger.exception; sent outside any
     exception, its line ended in "NoneType: None" instead of why the task failed."""
     failing = always_fails.enqueue("no")
-    with caplog.at_level(logging.ERROR, logger="django_tasks"):
+    with caplog.at_level(logging.ERROR):
         run_host()
         finished(failing.id)
         wait_until(lambda: any("state=FAILED" in r.getMessage() for r in caplog.records))
@@ -458,6 +458,11 @@ def test_the_failed_task_log_line_carries_the_tasks_own_traceback(run_host, capl
     logged = caplog.text
     assert line.exc_info is not None and "NoneType: None" not in logged
     assert "always_fails" in logged and "Traceback (most recent call last)" in logged
+    # Once: the host's dead-letter line names the failure without a second traceback (an
+    # error tracker would report the task twice).
+    (dead_letter,) = [r for r in caplog.records if "dead-lettered" in r.getMessage()]
+    assert dead_letter.exc_info is None and "ValueError" in dead_letter.getMessage()
+    assert [r for r in caplog.records if r.exc_info] == [line]
 
 
 def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):

@@ -308,6 +308,9 @@ class DeliveryExecution:
         # A settle call failed on a lost connection, so it may have committed unanswered: a
         # completion sent again is then refused as already done, which is no lost lease.
         self._answer_lost = False
+        # Whether the handler's class logs its failures' tracebacks itself (the Tasks API's):
+        # its dead letters are then logged without one, so a failure is not reported twice.
+        self._handler_logs_failures = False
         self.log = logging.LoggerAdapter(
             logger,
             {
@@ -446,6 +449,7 @@ class DeliveryExecution:
         handler_class = self.services.handlers.get(self.plan.handler_key)
         if handler_class is None:
             return _Decision(Outcome.DEAD_LETTER, reason="HandlerNotRegistered")
+        self._handler_logs_failures = handler_class.logs_failures
         message = WorkMessage(
             message_id=self.delivery.message_id,
             topic=self.plan.topic_name,
@@ -889,7 +893,7 @@ class DeliveryExecution:
                     delay,
                     self._where,
                     _first_line(error),
-                    exc_info=decision.exception,
+                    exc_info=_traceback_to_log(decision.exception),
                 )
             return result
         except WorkQueueError as exc:
@@ -944,7 +948,7 @@ class DeliveryExecution:
                 reason,
                 self._where,
                 f": {_first_line(error)}" if error else "",
-                exc_info=exception,
+                exc_info=None if self._handler_logs_failures else _traceback_to_log(exception),
             )
             # Robust: a receiver that raises (Django logs it) must not fail the settle.
             signals.dead_lettered.send_robust(
@@ -1072,6 +1076,13 @@ def _first_line(text: str) -> str:
     if not lines:
         return ""
     return lines[-1] if lines[0].startswith("Traceback") else lines[0]
+
+
+def _traceback_to_log(exception: BaseException | None) -> BaseException | None:
+    """What a settle's log line shows a traceback of: what the handler raised, but not a
+    ``TransientWorkError``, the handler's own way of asking for a retry (its message is on the
+    line, and the delivery keeps the traceback in ``last_error``)."""
+    return None if isinstance(exception, TransientWorkError) else exception
 
 
 def describe_error(exc: BaseException) -> str:

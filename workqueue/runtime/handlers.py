@@ -6,7 +6,7 @@ import difflib
 import threading
 from collections.abc import Callable
 from importlib import import_module
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from django.utils.module_loading import autodiscover_modules
 
@@ -22,6 +22,10 @@ class BaseWorkHandler:
     never to the publisher: anyone allowed to publish can make this code run, so check
     authorisation inside the handler where it matters.
     """
+
+    #: Set True when the handler logs the traceback of a failure itself (as the Tasks API's
+    #: does, through django_tasks): the host's line for its dead letter then leaves it out.
+    logs_failures: ClassVar[bool] = False
 
     def __init__(self, user: Any) -> None:
         self.user = user

@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 class TaskHandler(BaseWorkHandler):
     """Runs the task a ``tasks.<queue>`` message names."""
 
+    # django_tasks logs a FAILED task's traceback (``task_finished``, at ERROR).
+    logs_failures = True
+
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
         try:
             task_message = TaskMessage.from_payload(message.payload)
