@@ -176,3 +176,11 @@ class TopologyValidationError(WorkQueueError, ValidationError):
             f"{field}: {' '.join(messages)}" for field, messages in self.message_dict.items()
         )
         return f"{self.row} was not saved: {problems}"
+
+
+class OutsideTestTransactionWarning(RuntimeWarning):
+    """A publish committed on the work queue's own connection while the thread was inside a
+    Django ``TestCase``'s transaction: the test's rollback does not remove it, so it stays in
+    the test database for the tests after it. ``workqueue.testing.use_test_connection()`` (or
+    ``enlist=True``) keeps it inside the test. Turn it into an error with pytest's
+    ``filterwarnings = error::workqueue.exceptions.OutsideTestTransactionWarning``."""

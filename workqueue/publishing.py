@@ -23,7 +23,9 @@ import dataclasses
 import datetime as dt
 import logging
 import re
+import sys
 import uuid
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,7 +40,11 @@ from workqueue.driver.base import (
     encode_json_string,
     routed_to_django_connection,
 )
-from workqueue.exceptions import InvalidInputError, InvalidMessageError
+from workqueue.exceptions import (
+    InvalidInputError,
+    InvalidMessageError,
+    OutsideTestTransactionWarning,
+)
 from workqueue.ids import new_message_id, new_message_ids
 from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
@@ -284,12 +290,45 @@ def publish_many(
     _log_rejections(name, final, external)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
+        _warn_if_a_test_keeps_it(name, len(accepted))
         # In-process consumers of the topic claim at once instead of at their next poll. (An
         # enlisted publish is not visible until the caller commits; NOTIFY covers that.)
         # Robust: the messages are committed; a receiver that raises (Django logs it) must
         # not make the publish look failed.
         signals.published.send_robust(sender=publish_many, topic=name, message_ids=accepted)
     return final
+
+
+def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
+    """Warn (``OutsideTestTransactionWarning``) when ``count`` messages were just committed on
+    the queue's own connection while this thread is inside a ``TestCase``'s transaction, which
+    Django marks as such: nothing rolls them back, and the tests after this one see them."""
+    alias = setting("DATABASE_ALIAS")
+    if routed_to_django_connection(alias) or not any(
+        getattr(block, "_from_testcase", False) for block in connections[alias].atomic_blocks
+    ):
+        return
+    warnings.warn(
+        f"{count} message(s) published to topic {topic!r} committed on the work queue's own "
+        "connection during a test (TestCase, or pytest-django's db): the test's rollback does "
+        "not remove them, so they stay in the test database for the tests after it. Decorate "
+        "the test (or its class) with workqueue.testing.use_test_connection(), or publish with "
+        "enlist=True.",
+        OutsideTestTransactionWarning,
+        stacklevel=_callers_level(),
+    )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package and the Tasks API that
+    calls it (the test's line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_NOT_THE_CALLER):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_NOT_THE_CALLER = ("workqueue.", "django_tasks.", "django.tasks.")
 
 
 def _log_rejections(topic: Any, results: list[PublishResult], external: bool) -> None:

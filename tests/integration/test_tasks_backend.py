@@ -21,7 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.db.backends.signals import connection_created
 from django.db.models import F
-from django.test import override_settings
+from django.test import TestCase, override_settings
 from django.utils import timezone
 from django_tasks import TaskResultStatus, default_task_backend, task_backends
 from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
@@ -49,6 +49,7 @@ from tests.task_functions import (
     returns_unstorable_text,
 )
 from workqueue.driver import get_driver
+from workqueue.exceptions import OutsideTestTransactionWarning
 from workqueue.models import Delivery, Message, Subscription, TaskResult, Topic, Transport
 from workqueue.operators import operations
 from workqueue.runtime.executor import MAX_ERROR_LENGTH
@@ -379,6 +380,24 @@ def test_in_test_mode_a_task_no_subscription_receives_is_refused_too():
         add.enqueue(1, 2)
     Subscription.objects.filter(name=QUEUE).update(status="Active")
     assert default_task_backend.get_result(add.enqueue(1, 2).id).status == TaskResultStatus.READY
+
+
+def test_a_task_enqueued_in_a_testcase_without_test_mode_warns_that_it_outlives_the_test():
+    """The queue (made at a first enqueue, outside any transaction) exists, so the enqueue
+    commits on the queue's own connection, which a TestCase's rollback does not undo: it
+    stayed in the test database for every later test, and nothing said so."""
+    default_task_backend.ensure_queue("default")
+    atomics = TestCase._enter_atomics()  # what a TestCase (pytest-django's db) opens
+    try:
+        with pytest.warns(OutsideTestTransactionWarning, match="use_test_connection") as seen:
+            add.enqueue(1, 2)
+        with use_test_connection():
+            add.enqueue(1, 2)  # test mode: inside the test, no warning
+    finally:
+        TestCase._rollback_atomics(atomics)
+
+    assert [w.filename for w in seen] == [__file__]  # points at the test's line
+    assert Message.objects.count() == 1  # the first one outlived the "test"
 
 
 def test_a_task_enqueued_in_a_repeatable_read_transaction_is_not_refused():

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection, transaction
+from django.test import TestCase
 
 from tests.factories import SubscriptionFactory
 from workqueue import publish
 from workqueue.driver import get_driver
-from workqueue.exceptions import DriverError, WorkQueueConfigurationError
-from workqueue.models import Delivery, Subscription
+from workqueue.exceptions import (
+    DriverError,
+    OutsideTestTransactionWarning,
+    WorkQueueConfigurationError,
+)
+from workqueue.models import Delivery, Message, Subscription
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import FatalWorkError, Outcome, TransientWorkError
 from workqueue.testing import run_until_idle, use_test_connection
@@ -79,6 +85,30 @@ def test_without_test_mode_publish_cannot_see_topology_created_inside_a_testcase
     result = publish(topology.topic.name, {"n": 1})
     assert result.status == "Rejected"
     assert result.error.code == "TopicNotFound"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_publish_a_testcase_cannot_roll_back_warns_and_test_mode_or_enlist_does_not(topology):
+    """A topic committed outside the test (a session fixture's, a Tasks API queue) takes the
+    publish on the queue's own connection, which a TestCase's rollback does not undo."""
+    atomics = TestCase._enter_atomics()  # what a TestCase (pytest-django's db) opens
+    try:
+        with pytest.warns(OutsideTestTransactionWarning, match="use_test_connection") as seen:
+            publish(topology.topic.name, {"n": 1})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            publish(topology.topic.name, {"n": 2}, enlist=True)
+            with use_test_connection():
+                publish(topology.topic.name, {"n": 3})
+            publish("no-such-topic", {"n": 4})  # rejected: nothing committed
+    finally:
+        TestCase._rollback_atomics(atomics)
+
+    assert [w.filename for w in seen] == [__file__]
+    assert [m.payload["n"] for m in Message.objects.all()] == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        publish(topology.topic.name, {"n": 5})  # no TestCase transaction: nothing to warn of
 
 
 @pytest.mark.django_db
