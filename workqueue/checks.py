@@ -48,7 +48,7 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
     from workqueue.driver import driver_class_for_alias
 
     try:
-        driver_class_for_alias(conf.DATABASE_ALIAS)
+        driver_class = driver_class_for_alias(conf.DATABASE_ALIAS)
     except WorkQueueConfigurationError as exc:
         errors.append(
             checks.Error(
@@ -56,6 +56,11 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
                 hint="Use PostgreSQL (django.db.backends.postgresql) or SQL Server (mssql).",
                 id="workqueue.E003",
             )
+        )
+    else:
+        errors.extend(
+            checks.Error(problem, hint="Change it in settings.py.", id="workqueue.E009")
+            for problem in driver_class.settings_problems()
         )
     errors.extend(_routing_errors(conf.DATABASE_ALIAS))
     from workqueue.scheduling import load_schedules

@@ -568,3 +568,27 @@ def test_sql_server_has_no_listen_notify(driver):
     assert driver.features.binary_collation == "Latin1_General_100_BIN2"
     with pytest.raises(NotImplementedError):
         driver.open_listener()
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_tz", [False, True])
+def test_check_refuses_sql_server_without_use_tz(settings, monkeypatch, use_tz):
+    """Without USE_TZ, mssql-django creates DateTimeField as datetime2 (no offset): the
+    procedures' SYSDATETIMEOFFSET() clock is stored as the server's local time and compared as
+    UTC, so every lease looks expired at once on a server west of UTC."""
+    import workqueue.driver
+    from workqueue.checks import check_settings
+
+    # The alias's vendor decides the driver class; no SQL Server alias can connect here.
+    monkeypatch.setattr(workqueue.driver, "driver_class_for_alias", lambda alias: SqlServerDriver)
+    settings.USE_TZ = use_tz
+
+    found = [m for m in check_settings() if m.id == "workqueue.E009"]
+
+    if use_tz:
+        assert found == []
+    else:
+        (error,) = found
+        assert "needs USE_TZ = True" in error.msg and "datetime2" in error.msg

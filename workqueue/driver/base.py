@@ -172,6 +172,12 @@ class BaseDriver:
         # text on every call otherwise).
         self._rendered: dict[Procedure, str] = {}
 
+    @classmethod
+    def settings_problems(cls) -> list[str]:
+        """What in Django's settings keeps this vendor's procedures from working, each with
+        its fix (reported by ``manage.py check`` as ``workqueue.E009``)."""
+        return []
+
     # -- rendering and errors: the vendor-specific part ------------------------------------
 
     def render_call(self, procedure: Procedure) -> str:

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
 from django.db import DatabaseError, InterfaceError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -178,6 +179,21 @@ class SqlServerDriver(BaseDriver):
     features = DriverFeatures(
         supports_listen_notify=False, binary_collation="Latin1_General_100_BIN2"
     )
+
+    @classmethod
+    def settings_problems(cls) -> list[str]:
+        if settings.USE_TZ:
+            return []
+        # mssql-django makes DateTimeField a datetimeoffset column only under USE_TZ. The
+        # procedures' clock is SYSDATETIMEOFFSET(): into a datetime2 column it goes as the
+        # server's local wall time, and datetime2 compared with it reads as UTC, so on a server
+        # not on UTC every lease looks expired at once (or new work stays hidden for hours).
+        return [
+            "The work queue on SQL Server needs USE_TZ = True: without it Django creates the "
+            "queue's timestamp columns as datetime2, without an offset, and on a server whose "
+            "clock is not on UTC leases and due times would be off by its offset. Set USE_TZ = "
+            "True before the first `migrate` (the columns are created then)."
+        ]
 
     # -- calls -----------------------------------------------------------------------------
 
