@@ -18,7 +18,7 @@ from tests.support.roles import acting_as_granted_role
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
-from workqueue.models import ApiKey, Delivery
+from workqueue.models import ApiKey, Delivery, Topic, Transport
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -232,6 +232,25 @@ def test_backlog_counts_claimable_and_in_flight():
     data = json.loads(run("backlog", "-s", sub.name, "--json"))
 
     assert data == {"supported": True, "claimable": 2, "in_flight": 1, "total": 3, "capped": False}
+
+
+@pytest.mark.parametrize("disabled", ["topic", "transport"])
+def test_the_backlog_of_a_disabled_topic_or_transport_counts_nothing_claimable(disabled):
+    """Claims treat such a subscription as Paused (since 0044); the backlog counted its Pending
+    rows, so an autoscaler started hosts for work none of them could claim."""
+    sub = SubscriptionFactory()
+    for n in range(3):
+        publish(sub.topic.name, {"n": n})
+    Receiver(sub.id).receive(1)
+    rows = Topic.objects.filter(pk=sub.topic_id)
+    if disabled == "transport":
+        rows = Transport.objects.filter(pk=sub.topic.transport_id)
+    rows.update(status="Disabled")
+
+    data = json.loads(run("backlog", "-s", sub.name, "--json"))
+
+    assert (data["claimable"], data["in_flight"]) == (0, 1)  # the running one runs to its end
+    assert Receiver(sub.id).receive(5).deliveries == []
 
 
 def test_validate_bindings_warns_about_handlers_no_live_host_serves():

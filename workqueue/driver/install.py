@@ -24,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 
-LATEST_PROCEDURE_MIGRATION = "0045_stats_counted_along_their_own_indexes"
+LATEST_PROCEDURE_MIGRATION = "0046_backlog_counts_what_claims_may_take"
 
 MigrationStep = Callable[[Any, Any], None]
 

@@ -634,7 +634,8 @@ $$;
 -- wq_backlog --
 -- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
 -- that could be claimed now under the subscription's partition mode; 0 unless the subscription is
--- Active) and InFlight rows, each counted up to p_cap, clamped to 0..1000 (NULL: 1000) since the
+-- Active and its topic and transport are too, as wq_claim decides) and InFlight rows (which run
+-- to their end whatever those statuses), each counted up to p_cap, clamped to 0..1000 (NULL: 1000) since the
 -- scaler role calls this directly. No row when the subscription does not exist. Keys are
 -- counted by walking wq_dlv_partition_head_ix one key at a time (as wq_claim walks them), so a
 -- hot key's blocked backlog costs one step, not its rows; the walk takes at most 4 × cap + 64
@@ -658,8 +659,16 @@ DECLARE
     v_key text;
     v_head record;
 BEGIN
-    SELECT s.partition_mode, s.status INTO v_sub
-      FROM workqueue_subscription s WHERE s.id = p_subscription_id;
+    -- A Disabled topic or transport stops claims as a Paused subscription does: an autoscaler
+    -- must not start hosts for work none of them may claim.
+    SELECT s.partition_mode,
+           CASE WHEN t.status = 'Active' AND tr.status = 'Active' THEN s.status
+                ELSE 'Paused' END AS status
+      INTO v_sub
+      FROM workqueue_subscription s
+      JOIN workqueue_topic t ON t.id = s.topic_id
+      JOIN workqueue_transport tr ON tr.id = t.transport_id
+     WHERE s.id = p_subscription_id;
     IF NOT FOUND THEN
         RETURN;
     END IF;

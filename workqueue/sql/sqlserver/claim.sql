@@ -516,7 +516,9 @@ BEGIN
                        inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
                        inserted.visible_at
                   INTO @claimed
-                  FROM dbo.workqueue_delivery AS d
+                  -- Never wait on another claimer (as the keyless claim and PostgreSQL's
+                  -- SKIP LOCKED): a candidate someone has locked is skipped this time.
+                  FROM dbo.workqueue_delivery AS d WITH (READPAST, ROWLOCK)
                  WHERE d.id = @candidate AND d.status = N'Pending'
                    AND d.visible_at <= @now AND d.cancel_requested_at IS NULL
                    AND NOT EXISTS (

@@ -604,7 +604,8 @@ GO
 -- wq_backlog --
 -- What an autoscaler needs: claimable deliveries (visible keyless Pending rows, plus one per key
 -- that could be claimed now under the subscription's partition mode; 0 unless the subscription
--- is Active) and InFlight rows, each counted up to @cap, clamped to 0..1000 (NULL: 1000) since
+-- is Active and its topic and transport are too, as wq_claim decides) and InFlight rows (which
+-- run to their end whatever those statuses), each counted up to @cap, clamped to 0..1000 (NULL: 1000) since
 -- the scaler role may call this directly. No row when the subscription does not exist. Keys
 -- are counted by walking wq_dlv_partition_head_ix one key at a time (as wq_claim walks them),
 -- so a hot key's blocked backlog costs one step, not its rows; the walk takes at most
@@ -631,8 +632,14 @@ BEGIN
     DECLARE @head_status nvarchar(20);
     DECLARE @head_visible_at datetimeoffset(7);
 
-    SELECT @partition_mode = s.partition_mode, @subscription_status = s.status
+    -- A Disabled topic or transport stops claims as a Paused subscription does: an autoscaler
+    -- must not start hosts for work none of them may claim.
+    SELECT @partition_mode = s.partition_mode,
+           @subscription_status = CASE WHEN t.status = N'Active' AND tr.status = N'Active'
+                                       THEN s.status ELSE N'Paused' END
       FROM dbo.workqueue_subscription AS s
+      JOIN dbo.workqueue_topic AS t ON t.id = s.topic_id
+      JOIN dbo.workqueue_transport AS tr ON tr.id = t.transport_id
      WHERE s.id = @subscription_key;
 
     IF @subscription_status IS NOT NULL

@@ -51,14 +51,14 @@ BEGIN
         -- The clock is read only once the row is ours: a time read before waiting for the lock
         -- would be older than the refill the previous taker recorded, and count that time twice.
         SET @now = SYSDATETIMEOFFSET();
-        SELECT @available = CASE
-                   WHEN b.tokens + @rate * DATEDIFF_BIG(microsecond, b.refilled_at, @now) / 1e6
-                        > @burst
-                   THEN @burst
-                   WHEN b.refilled_at > @now THEN b.tokens
-                   ELSE b.tokens + @rate * DATEDIFF_BIG(microsecond, b.refilled_at, @now) / 1e6 END
-          FROM dbo.workqueue_rate_limit_bucket AS b WITH (UPDLOCK, HOLDLOCK)
-         WHERE b.subscription_id = @subscription_key;
+        -- Never above the burst, even when the clock stepped back (no refill) and the burst
+        -- was lowered since the tokens were counted.
+        SELECT @available = CASE WHEN r.tokens > @burst THEN @burst ELSE r.tokens END
+          FROM (SELECT b.tokens + CASE WHEN b.refilled_at > @now THEN 0
+                                       ELSE @rate * DATEDIFF_BIG(microsecond, b.refilled_at,
+                                                                 @now) / 1e6 END AS tokens
+                  FROM dbo.workqueue_rate_limit_bucket AS b WITH (UPDLOCK, HOLDLOCK)
+                 WHERE b.subscription_id = @subscription_key) AS r;
         SET @granted = CASE WHEN FLOOR(@available) < @want THEN CAST(FLOOR(@available) AS int)
                             ELSE @want END;
         -- Refilled up to now, even when the clock has stepped back past the last refill (that
