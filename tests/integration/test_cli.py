@@ -516,3 +516,38 @@ def test_a_publish_the_database_keeps_refusing_says_what_it_answered(monkeypatch
 
     assert (result.status, result.error.code) == ("Rejected", "TransportUnavailable")
     assert "connection refused: is the server running on port 1?" in result.error.message
+
+
+def test_install_procedures_puts_back_this_releases_procedures_and_grants(pg_conn):
+    """A migrate that failed after the workqueue migrations committed, then a roll-back of the
+    code, leaves a database that records the latest procedure migration but holds another
+    release's procedures, which no later migrate would reinstall (it has nothing to apply)."""
+    from tests.support.roles import database_role
+    from workqueue.driver.install import reinstall_procedures
+
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    with database_role(pg_conn, "wq_runtime") as role:
+        run("grant-runtime", role)
+        try:
+            # Another release's wq_backlog (a stand-in that answers wrongly), without the grant.
+            pg_conn.execute(
+                "CREATE OR REPLACE FUNCTION wq_backlog(p_subscription_id uuid, p_cap integer) "
+                "RETURNS TABLE (claimable bigint, in_flight bigint) LANGUAGE sql "
+                "AS $$ SELECT 7::bigint, 7::bigint $$"
+            )
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION wq_backlog(uuid, integer) FROM "{role}"')
+
+            out = run("install-procedures")
+
+            backlog = json.loads(run("backlog", "-s", sub.name, "--json"))
+            granted = pg_conn.execute(
+                "SELECT has_function_privilege(%s, 'wq_backlog(uuid, integer)', 'EXECUTE')",
+                [role],
+            ).fetchone()[0]
+        finally:
+            reinstall_procedures(connection)  # whatever happened above
+
+    assert "Installed the procedures of workqueue.0046" in out and f"{role} (runtime)" in out
+    assert (backlog["claimable"], backlog["in_flight"]) == (1, 0)
+    assert granted is True

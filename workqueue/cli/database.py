@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from workqueue.cli import Verb
 from workqueue.cli.output import to_json
@@ -196,6 +197,42 @@ class ReindexVerb(_StatementsVerb):
             )
 
 
+class InstallProceduresVerb(Verb):
+    name = "install-procedures"
+    help = (
+        "Install this release's procedures and renew the grants, as its latest migration does. "
+        "Needed only when the database records that migration but holds another release's "
+        "procedures: a migrate that failed after the work-queue migrations had committed, "
+        "then a roll-back of the code."
+    )
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from django.db import connections
+
+        from workqueue.conf import get_settings
+        from workqueue.driver import install
+
+        alias = get_settings().DATABASE_ALIAS
+        connection = connections[alias]
+        if not install.latest_procedure_migration_applied(connection):
+            raise CommandError(
+                f"Migration workqueue.{install.LATEST_PROCEDURE_MIGRATION} is not applied to "
+                f"database {alias!r}: run `manage.py migrate`, which installs the procedures."
+            )
+        try:
+            holders = install.reinstall_procedures(connection)
+        except DatabaseError as exc:
+            raise CommandError(
+                f"Could not install the procedures: {exc}. Run it as the database user that "
+                "owns the work-queue tables (the one that runs migrate)."
+            ) from exc
+        renewed = [f"{role} ({grant.value})" for grant, roles in holders.items() for role in roles]
+        command.stdout.write(
+            f"Installed the procedures of workqueue.{install.LATEST_PROCEDURE_MIGRATION}; "
+            f"renewed grants: {', '.join(renewed) or 'none held'}."
+        )
+
+
 class ConformanceVerb(Verb):
     name = "conformance"
     help = "Run the transport conformance suite against the configured database."
@@ -237,5 +274,6 @@ DATABASE_VERBS = [
     GrantScalerVerb,
     ScalerQueryVerb,
     ReindexVerb,
+    InstallProceduresVerb,
     ConformanceVerb,
 ]

@@ -10,7 +10,7 @@ A changed result shape also needs the old function dropped first: on PostgreSQL 
 before the function drops it only while it has the old shape (see wq_list_partitions in
 ``sql/postgresql/operator.sql``), and a dropped function loses its grants, which the upgrade
 note must say. Roles that hold the runtime or operator grant get it renewed after every migrate
-that applies a workqueue migration (``renew_grants``), so new procedures and columns reach them.
+(``renew_grants``), so new procedures and columns reach them.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.migrations.recorder import MigrationRecorder
 
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
+from workqueue.exceptions import WorkQueueConfigurationError
 
 LATEST_PROCEDURE_MIGRATION = "0046_backlog_counts_what_claims_may_take"
 
@@ -54,8 +56,8 @@ def renew_grants(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
     The grants name what they cover (each procedure, the readable delivery columns), so a
     migration that adds a procedure or a column leaves roles granted before it without them:
     the admin's delivery pages would fail with "permission denied" until someone ran
-    grant-runtime / grant-operator again. Renewing after every migrate that applies a workqueue
-    migration makes an upgraded database's roles equal to freshly granted ones.
+    grant-runtime / grant-operator again. Renewing after every migrate makes an upgraded
+    database's roles equal to freshly granted ones.
     """
     driver = driver_for_connection(connection)
     holders = driver.grant_holders(connection)
@@ -73,6 +75,23 @@ def renew_grants(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
     return holders
 
 
+def latest_procedure_migration_applied(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection``'s database records this release's latest procedure migration."""
+    applied = MigrationRecorder(connection).applied_migrations()
+    return ("workqueue", LATEST_PROCEDURE_MIGRATION) in applied
+
+
+def reinstall_procedures(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
+    """Install the procedures from the current files and renew the grants, in one transaction
+    on ``connection`` (the owner's), as the latest procedure migration does; the roles renewed.
+    For a database that records that migration but holds another release's procedures."""
+    driver = driver_for_connection(connection)
+    with transaction.atomic(using=connection.alias):
+        driver.install_procedures(connection)
+        driver.tune_queue_tables(connection)
+        return renew_grants(connection)
+
+
 def renew_grants_after_migrate(
     sender: Any,
     using: str,
@@ -81,11 +100,24 @@ def renew_grants_after_migrate(
     stdout: Any = None,
     **kwargs: Any,
 ) -> None:
-    """``post_migrate`` receiver: renew the grants once a migrate applied workqueue migrations
-    (a flush, or a migrate with nothing of ours to apply, changes no grant)."""
-    if not any(m.app_label == "workqueue" and not backwards for m, backwards in plan or ()):
+    """``post_migrate`` receiver: renew the grants after every migrate of a database that holds
+    this release's procedures (a flush, which sends no plan, changes no grant).
+
+    Every migrate, not only one that applied a workqueue migration: a migrate that failed after
+    ours had committed sent no ``post_migrate``, and the next one, with nothing of ours left to
+    apply, must still renew what they added (a runtime role without DELETE on the host records
+    could not sweep them, or without EXECUTE on a new procedure could not claim)."""
+    connection = connections[using]
+    if plan is None or not latest_procedure_migration_applied(connection):
         return
-    holders = renew_grants(connections[using])
+    try:
+        holders = renew_grants(connection)
+    except DatabaseError as exc:
+        raise WorkQueueConfigurationError(
+            f"The work-queue grants could not be renewed: {exc}. If the procedures installed "
+            "are another release's (a migrate that failed part-way, then a roll-back of the "
+            "code), run `manage.py workqueue install-procedures` as this user."
+        ) from exc
     renewed = [f"{role} ({grant.value})" for grant, roles in holders.items() for role in roles]
     if renewed and verbosity >= 1 and stdout is not None:
         stdout.write(f"  Renewed work-queue grants: {', '.join(renewed)}\n")
