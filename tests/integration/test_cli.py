@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -551,3 +552,21 @@ def test_install_procedures_puts_back_this_releases_procedures_and_grants(pg_con
     assert "Installed the procedures of workqueue.0046" in out and f"{role} (runtime)" in out
     assert (backlog["claimable"], backlog["in_flight"]) == (1, 0)
     assert granted is True
+
+
+def test_stats_a_procedure_cannot_give_are_unavailable_and_the_log_says_why(pg_conn, caplog):
+    """A process of a new release whose migrate has not run yet called a stats procedure that
+    did not exist: every surface said "unavailable", and nothing said why."""
+    sub = SubscriptionFactory()
+    pg_conn.execute("ALTER FUNCTION wq_subscription_stats(uuid, integer) RENAME TO wq_gone")
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="workqueue.operators.operations"),
+            pytest.raises(CommandError, match="Stats of 1 subscription"),
+        ):
+            run("stats", "-s", sub.name)
+    finally:
+        pg_conn.execute("ALTER FUNCTION wq_gone(uuid, integer) RENAME TO wq_subscription_stats")
+
+    assert "wq_subscription_stats" in caplog.text and "does not exist" in caplog.text
+    assert "`manage.py migrate` has not run" in caplog.text

@@ -271,7 +271,15 @@ def subscription_stats(
             continue
         try:
             row = _transport_of(subscription).subscription_stats(str(subscription.id), cap)
-        except WorkQueueError:
+        except WorkQueueError as exc:
+            # The reader sees a fixed sentence (the error may name the endpoint or the cloud
+            # identity); the operator reads why here, e.g. a release whose migrate has not run.
+            logger.warning(
+                "Stats of subscription %s could not be read: %s. A procedure that does not "
+                "exist means this release's `manage.py migrate` has not run on the database.",
+                subscription.name,
+                exc,
+            )
             report.failures.append(
                 {"subscription_name": subscription.name, "error": STATS_UNAVAILABLE}
             )
