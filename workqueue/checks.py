@@ -189,14 +189,9 @@ def check_handler_keys(
     from workqueue.runtime.handlers import autodiscover, handler_registry
     from workqueue.types import HostType, SubscriptionStatus
 
-    if not databases:
+    if not _checks_the_queue_database(databases):
         return []
-    try:
-        conf = get_settings()
-    except WorkQueueConfigurationError:
-        return []  # reported by check_settings
-    if conf.DATABASE_ALIAS not in databases:
-        return []
+    conf = get_settings()
     try:
         autodiscover(conf.HANDLER_MODULES)
     except Exception:
@@ -235,16 +230,9 @@ def check_topology_drift(
 ) -> list[Any]:
     """Database check: the topology ``WORKQUEUE["TOPOLOGY"]`` declares is not the one the
     database holds (a deploy that skipped ``sync-topology``: hosts run the old one)."""
-    from workqueue.conf import get_settings
     from workqueue.operators.topology import topology_drift_warning
 
-    if not databases:
-        return []
-    try:
-        conf = get_settings()
-    except WorkQueueConfigurationError:
-        return []  # reported by check_settings
-    if conf.DATABASE_ALIAS not in databases:
+    if not _checks_the_queue_database(databases):
         return []
     warning = topology_drift_warning()
     if warning is None:
@@ -256,3 +244,16 @@ def check_topology_drift(
             id="workqueue.W006",
         )
     ]
+
+
+def _checks_the_queue_database(databases: list[str] | None) -> bool:
+    """Whether a database check was asked of the queue's alias (and the settings, which
+    check_settings reports on, can be read)."""
+    from workqueue.conf import get_settings
+
+    if not databases:
+        return False
+    try:
+        return get_settings().DATABASE_ALIAS in databases
+    except WorkQueueConfigurationError:
+        return False  # reported by check_settings
