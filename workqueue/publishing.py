@@ -309,26 +309,37 @@ def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
     ):
         return
     warnings.warn(
-        f"{count} message(s) published to topic {topic!r} committed on the work queue's own "
-        "connection during a test (TestCase, or pytest-django's db): the test's rollback does "
-        "not remove them, so they stay in the test database for the tests after it. Decorate "
-        "the test (or its class) with workqueue.testing.use_test_connection(), or publish with "
-        "enlist=True.",
+        f"{count} message(s) published to topic {topic!r} during a test (TestCase, or "
+        "pytest-django's db) were stored outside the test's transaction, which does not remove "
+        "them: they stay for the tests after it. For a topic on the Database transport, "
+        "decorate the test (or its class) with workqueue.testing.use_test_connection(), or "
+        "publish with enlist=True.",
         OutsideTestTransactionWarning,
         stacklevel=_callers_level(),
     )
 
 
 def _callers_level() -> int:
-    """The ``stacklevel`` of the first frame outside this package and the Tasks API that
-    calls it (the test's line)."""
+    """The ``stacklevel`` of the first frame outside this package and what calls it on a
+    test's behalf (the test's line)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_NOT_THE_CALLER):
         frame, level = frame.f_back, level + 1
     return level
 
 
-_NOT_THE_CALLER = ("workqueue.", "django_tasks.", "django.tasks.")
+_NOT_THE_CALLER = (
+    "workqueue.",
+    "django_tasks.",
+    "django.tasks.",
+    # An enqueue run by transaction.on_commit (captureOnCommitCallbacks), async_to_sync, a
+    # thread pool or a REST view: the test's line is further out.
+    "django.db.",
+    "django.test.",
+    "asgiref.",
+    "concurrent.",
+    "ninja.",
+)
 
 
 def _log_rejections(topic: Any, results: list[PublishResult], external: bool) -> None:

@@ -585,7 +585,7 @@ def test_check_refuses_sql_server_without_use_tz(settings, monkeypatch, use_tz):
     monkeypatch.setattr(workqueue.driver, "driver_class_for_alias", lambda alias: SqlServerDriver)
     settings.USE_TZ = use_tz
 
-    found = [m for m in check_settings() if m.id == "workqueue.E009"]
+    found = [m for m in check_settings() if m.id == "workqueue.W007"]
 
     if use_tz:
         assert found == []

@@ -570,3 +570,4 @@ def test_stats_a_procedure_cannot_give_are_unavailable_and_the_log_says_why(pg_c
 
     assert "wq_subscription_stats" in caplog.text and "does not exist" in caplog.text
     assert "`manage.py migrate` has not run" in caplog.text
+    assert len(caplog.records) == 1  # one line a call, however many subscriptions failed

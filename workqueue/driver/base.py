@@ -175,7 +175,7 @@ class BaseDriver:
     @classmethod
     def settings_problems(cls) -> list[str]:
         """What in Django's settings keeps this vendor's procedures from working, each with
-        its fix (reported by ``manage.py check`` as ``workqueue.E009``)."""
+        its fix (reported by ``manage.py check`` as ``workqueue.W007``)."""
         return []
 
     # -- rendering and errors: the vendor-specific part ------------------------------------

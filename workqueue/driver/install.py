@@ -15,6 +15,7 @@ note must say. Roles that hold the runtime or operator grant get it renewed afte
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ from django.db.migrations.recorder import MigrationRecorder
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 from workqueue.exceptions import WorkQueueConfigurationError
+
+logger = logging.getLogger(__name__)
 
 LATEST_PROCEDURE_MIGRATION = "0046_backlog_counts_what_claims_may_take"
 
@@ -113,11 +116,18 @@ def renew_grants_after_migrate(
     try:
         holders = renew_grants(connection)
     except DatabaseError as exc:
-        raise WorkQueueConfigurationError(
-            f"The work-queue grants could not be renewed: {exc}. If the procedures installed "
-            "are another release's (a migrate that failed part-way, then a roll-back of the "
-            "code), run `manage.py workqueue install-procedures` as this user."
-        ) from exc
+        problem = (
+            f"The work-queue grants could not be renewed: {exc}. Run `migrate` again as the "
+            "user that owns the work-queue tables (two at once race on the same grants); if "
+            "the procedures installed are another release's (a migrate that failed part-way, "
+            "then a roll-back of the code), run `manage.py workqueue install-procedures`."
+        )
+        if not any(m.app_label == "workqueue" and not back for m, back in plan):
+            # Nothing of ours was applied: the grants were renewed when it was, so this
+            # migrate (of another app, or a second one started beside it) must not fail.
+            logger.warning(problem)
+            return
+        raise WorkQueueConfigurationError(problem) from exc
     renewed = [f"{role} ({grant.value})" for grant, roles in holders.items() for role in roles]
     if renewed and verbosity >= 1 and stdout is not None:
         stdout.write(f"  Renewed work-queue grants: {', '.join(renewed)}\n")

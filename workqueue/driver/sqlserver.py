@@ -191,8 +191,10 @@ class SqlServerDriver(BaseDriver):
         return [
             "The work queue on SQL Server needs USE_TZ = True: without it Django creates the "
             "queue's timestamp columns as datetime2, without an offset, and on a server whose "
-            "clock is not on UTC leases and due times would be off by its offset. Set USE_TZ = "
-            "True before the first `migrate` (the columns are created then)."
+            "clock is not on UTC leases and due times are off by its offset (every lease "
+            "expires at once west of UTC). Set USE_TZ = True before the first `migrate` (the "
+            "columns are created then); a database migrated without it is safe only while its "
+            "server runs on UTC."
         ]
 
     # -- calls -----------------------------------------------------------------------------

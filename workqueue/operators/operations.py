@@ -266,20 +266,14 @@ def subscription_stats(
     else:
         require(actor, READ)
     report = StatsReport([])
+    first_error: tuple[str, WorkQueueError] | None = None
     for subscription in queryset.select_related("topic__transport"):
         if actor.subscriptions and subscription.name not in actor.subscriptions:
             continue
         try:
             row = _transport_of(subscription).subscription_stats(str(subscription.id), cap)
         except WorkQueueError as exc:
-            # The reader sees a fixed sentence (the error may name the endpoint or the cloud
-            # identity); the operator reads why here, e.g. a release whose migrate has not run.
-            logger.warning(
-                "Stats of subscription %s could not be read: %s. A procedure that does not "
-                "exist means this release's `manage.py migrate` has not run on the database.",
-                subscription.name,
-                exc,
-            )
+            first_error = first_error or (subscription.name, exc)
             report.failures.append(
                 {"subscription_name": subscription.name, "error": STATS_UNAVAILABLE}
             )
@@ -300,6 +294,17 @@ def subscription_stats(
                 rate_limit_per_second=subscription.rate_limit_per_second,
                 capped=row.get("capped", False),
             )
+        )
+    if first_error is not None:
+        # The reader sees a fixed sentence (the error may name the endpoint or the cloud
+        # identity); the operator reads why here, once a call (the dashboard reads every
+        # subscription at each refresh).
+        logger.warning(
+            "Stats of %d subscription(s) could not be read; the first, %s: %s (on the Database "
+            "transport, a procedure that does not exist means this release's `manage.py "
+            "migrate` has not run)",
+            len(report.failures),
+            *first_error,
         )
     return report
 

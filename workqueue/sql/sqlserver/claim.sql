@@ -516,8 +516,8 @@ BEGIN
                        inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
                        inserted.visible_at
                   INTO @claimed
-                  -- Never wait on another claimer (as the keyless claim and PostgreSQL's
-                  -- SKIP LOCKED): a candidate someone has locked is skipped this time.
+                  -- A candidate row another session holds locked is skipped this time, not
+                  -- waited for (as the keyless claim and PostgreSQL's SKIP LOCKED do).
                   FROM dbo.workqueue_delivery AS d WITH (READPAST, ROWLOCK)
                  WHERE d.id = @candidate AND d.status = N'Pending'
                    AND d.visible_at <= @now AND d.cancel_requested_at IS NULL
