@@ -18,6 +18,7 @@ from django.db import connection, transaction
 
 from tests.support.database import psycopg_params
 from tests.support.processes import run_manage, subprocess_environment
+from tests.support.roles import database_role
 from workqueue.driver import get_driver
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 
@@ -48,8 +49,8 @@ CATALOG_QUERIES = {
          WHERE NOT tgisinternal AND tgrelid::regclass::text LIKE 'workqueue\\_%%'
          ORDER BY 1, 2""",
     "functions": """
-        SELECT p.oid::regprocedure::text, md5(p.prosrc), p.prosecdef, p.proconfig,
-               p.provolatile, pg_get_function_result(p.oid), p.proacl
+        SELECT p.oid::regprocedure::text, pg_get_function_arguments(p.oid), md5(p.prosrc),
+               p.prosecdef, p.proconfig, p.provolatile, pg_get_function_result(p.oid), p.proacl
           FROM pg_proc p
          WHERE p.pronamespace = current_schema()::regnamespace AND p.proname LIKE 'wq\\_%%'
          ORDER BY 1""",
@@ -164,6 +165,49 @@ def test_installing_drops_procedures_the_files_no_longer_declare():
     names = [row[0] for row in _catalog()["functions"]]
     assert "wq_obsolete()" not in names
     assert "wq_claim(uuid,text,integer,text)" in names
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "installed",
+    [
+        # A parameter named otherwise, and a default the files no longer give: the changes
+        # CREATE OR REPLACE refuses ("cannot change name of input parameter").
+        "p_other uuid, p_cap integer",
+        "p_subscription_id uuid, p_cap integer DEFAULT 5",
+    ],
+    ids=["renamed", "default"],
+)
+def test_installing_over_a_function_it_cannot_replace_recreates_it_with_its_grants(
+    pg_conn, installed
+):
+    """A release whose procedure renamed a parameter (or dropped a default, or changed its
+    result) would have stopped its own migrate, rolled back, until someone dropped the old
+    function by hand."""
+    signature = "wq_backlog(uuid, integer)"
+    with database_role(pg_conn, "wq_scaler") as role:
+        pg_conn.execute(f"DROP FUNCTION {signature}")
+        pg_conn.execute(
+            f"CREATE FUNCTION wq_backlog({installed}) "
+            "RETURNS TABLE (claimable bigint, in_flight bigint) LANGUAGE sql "
+            "AS $$ SELECT 0::bigint, 0::bigint $$"
+        )
+        pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+        try:
+            with transaction.atomic():
+                get_driver().install_procedures(connection)
+            arguments, granted = pg_conn.execute(
+                "SELECT pg_get_function_arguments(%s::regprocedure), "
+                "has_function_privilege(%s, %s, 'EXECUTE')",
+                [signature, role, signature],
+            ).fetchone()
+        finally:  # this worker's later tests need the function as the files declare it
+            pg_conn.execute(f"DROP FUNCTION IF EXISTS {signature}")
+            with transaction.atomic():
+                get_driver().install_procedures(connection)
+
+    assert arguments == "p_subscription_id uuid, p_cap integer"
+    assert granted is True
 
 
 @pytest.mark.django_db(transaction=True)

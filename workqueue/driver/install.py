@@ -6,10 +6,10 @@ procedure migrations become no-ops, so replaying history on a new database never
 today's bodies against yesterday's tables, and a fresh install equals an upgraded one (proved by
 tests/integration/test_migrations.py). To change a procedure: edit its .sql file, add a migration
 with ``RunPython(install_procedures_step("000N_name"), ...)`` and point the constant at it.
-A changed result shape also needs the old function dropped first: on PostgreSQL a DO block
-before the function drops it only while it has the old shape (see wq_list_partitions in
-``sql/postgresql/operator.sql``), and a dropped function loses its grants, which the upgrade
-note must say. Roles that hold the runtime or operator grant get it renewed after every migrate
+On PostgreSQL a function whose parameter names, defaults or result shape change (which
+CREATE OR REPLACE refuses) is dropped and created again by the install, its grants given back
+(older releases did it with a DO block before the function: see wq_list_partitions in
+``sql/postgresql/operator.sql``); on SQL Server CREATE OR ALTER makes any change in place. Roles that hold the runtime or operator grant get it renewed after every migrate
 (``renew_grants``), so new procedures and columns reach them.
 """
 

@@ -13,7 +13,7 @@ import select
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.base import (
@@ -125,6 +125,11 @@ _LIST_FUNCTIONS = """
 """
 
 # Roles (other than the owner and PUBLIC) granted EXECUTE on each wq_* function, by name.
+#: What CREATE OR REPLACE FUNCTION raises for a change it cannot make in place, and the hint
+#: naming the function to drop (PostgreSQL's own wording, in English unless lc_messages says
+#: otherwise: then the install fails as before, naming the function).
+INVALID_FUNCTION_DEFINITION = "42P13"
+_DROP_FIRST = re.compile(r"Use DROP FUNCTION (.+) first\.")
 _EXECUTE_GRANTEES = """
     SELECT p.proname::text, quote_ident(r.rolname)
       FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
@@ -266,7 +271,8 @@ class PostgresDriver(BaseDriver):
             # From every file: a call is qualified whichever file declares its function.
             functions = declared_functions(text for _name, text in files)
             for _name, text in files:
-                cursor.execute(qualify_own_objects(text, schema, functions))
+                qualified = qualify_own_objects(text, schema, functions)
+                self._run_replacing(connection, cursor, qualified)
             cursor.execute(_LIST_FUNCTIONS)
             for signature, oid, version in cursor.fetchall():
                 current = (oid, version) not in untouched
@@ -283,6 +289,31 @@ class PostgresDriver(BaseDriver):
                         )
                 else:
                     cursor.execute(f"DROP FUNCTION {signature}")
+
+    @staticmethod
+    def _run_replacing(connection: BaseDatabaseWrapper, cursor: Any, text: str) -> None:
+        """Run a procedure file. CREATE OR REPLACE refuses to rename a parameter, drop a
+        default or change a result: the function it names is then dropped, and the file run
+        again (its grants are given back with the others'), so such a change in a release does
+        not stop its `migrate` with "cannot change name of input parameter"."""
+        dropped: set[str] = set()
+        while True:
+            try:
+                with transaction.atomic(using=connection.alias):
+                    cursor.execute(text)
+                return
+            except DatabaseError as exc:
+                cause = exc.__cause__
+                diagnostics = getattr(cause, "diag", None)
+                found = _DROP_FIRST.search(getattr(diagnostics, "message_hint", None) or "")
+                if (
+                    getattr(cause, "sqlstate", None) != INVALID_FUNCTION_DEFINITION
+                    or found is None
+                    or found[1] in dropped
+                ):
+                    raise
+                dropped.add(found[1])
+                cursor.execute(f"DROP FUNCTION {found[1]}")
 
     def schema_problem(self, connection: BaseDatabaseWrapper | None = None) -> str | None:
         [(owner, schema, creators)] = self.execute(_SCHEMA_CREATORS, [], connection)
