@@ -704,6 +704,11 @@ def vacuum_horizon() -> VacuumHorizon:
     return _driver().vacuum_horizon()
 
 
+def procedures_problem() -> str | None:
+    """Why the procedures installed are not this release's, naming the fix, or None."""
+    return _driver().procedures_problem()
+
+
 def schema_problem() -> str | None:
     """Why roles other than the procedures' owner endanger it through their schema, or None."""
     return _driver().schema_problem()

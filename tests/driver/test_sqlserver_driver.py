@@ -592,3 +592,16 @@ def test_check_refuses_sql_server_without_use_tz(settings, monkeypatch, use_tz):
     else:
         (error,) = found
         assert "needs USE_TZ = True" in error.msg and "datetime2" in error.msg
+
+
+def test_the_procedures_stamp_is_left_and_read_in_sql_that_parses(driver, tmp_path):
+    from workqueue.driver.sqlserver import STAMP_STATEMENT
+
+    script = tmp_path / "stamp.sql"
+    script.write_text(
+        STAMP_STATEMENT.replace("%s", "N'stamp'") + "GO\n" + driver.procedures_stamp_sql + ";\n"
+    )
+    assert STAMP_STATEMENT.count("%s") == 2
+    assert parse_tsql(script).returncode == 0
+    # The same files hash to the same stamp on every process of a release.
+    assert driver.procedures_stamp == SqlServerDriver("another").procedures_stamp

@@ -571,3 +571,37 @@ def test_stats_a_procedure_cannot_give_are_unavailable_and_the_log_says_why(pg_c
     assert "wq_subscription_stats" in caplog.text and "does not exist" in caplog.text
     assert "`manage.py migrate` has not run" in caplog.text
     assert len(caplog.records) == 1  # one line a call, however many subscriptions failed
+
+
+@pytest.mark.parametrize(
+    "comment", ["'django-workqueue procedures 0123456789abcdef'", "NULL"], ids=["other", "none"]
+)
+def test_another_releases_procedures_are_named_by_validate_bindings_and_host_start(
+    pg_conn, make_host, caplog, comment
+):
+    """A process started before `migrate` (or on procedures a failed migrate and a code
+    roll-back left) failed call by call with nothing saying why."""
+    from workqueue.driver import get_driver
+    from workqueue.driver.install import reinstall_procedures
+
+    assert get_driver().procedures_problem() is None  # as migrate installed them
+    claim = pg_conn.execute("SELECT 'wq_claim'::regproc::regprocedure::text").fetchone()[0]
+    pg_conn.execute(f"COMMENT ON FUNCTION {claim} IS {comment}")
+    try:
+        out = io.StringIO()
+        with pytest.raises(CommandError, match="validate-bindings found errors"):
+            call_command("workqueue", "validate-bindings", "--json", stdout=out)
+        report = json.loads(out.getvalue())
+        with caplog.at_level(logging.WARNING, logger="workqueue.runtime.host"):
+            make_host([{"name": "*", "concurrency": 1}]).start()
+        run("install-procedures")
+        fixed = get_driver().procedures_problem()
+    finally:
+        reinstall_procedures(connection)
+
+    (issue,) = [i for i in report if "not this release's" in i["message"]]
+    assert issue["severity"] == "Error"
+    said = "installed: 'django-workqueue" if comment != "NULL" else "installed by an older release"
+    assert said in issue["message"] and "manage.py migrate" in issue["message"]
+    assert "not this release's" in caplog.text and "install-procedures" in caplog.text
+    assert fixed is None

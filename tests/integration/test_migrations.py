@@ -50,7 +50,8 @@ CATALOG_QUERIES = {
          ORDER BY 1, 2""",
     "functions": """
         SELECT p.oid::regprocedure::text, pg_get_function_arguments(p.oid), md5(p.prosrc),
-               p.prosecdef, p.proconfig, p.provolatile, pg_get_function_result(p.oid), p.proacl
+               p.prosecdef, p.proconfig, p.provolatile, pg_get_function_result(p.oid), p.proacl,
+               obj_description(p.oid, 'pg_proc')
           FROM pg_proc p
          WHERE p.pronamespace = current_schema()::regnamespace AND p.proname LIKE 'wq\\_%%'
          ORDER BY 1""",

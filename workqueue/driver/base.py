@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import decimal
 import functools
+import hashlib
 import json
 import re
 import threading
@@ -27,6 +28,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, get_procedure
 from workqueue.exceptions import DriverError, UnstorableValueError
+from workqueue.sql import load_procedures
 
 #: The driver-owned tables; their indexes churn with every publish, claim and settle.
 QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplication")
@@ -189,8 +191,9 @@ class BaseDriver:
         raise NotImplementedError
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
-        """Create or replace every procedure on ``connection`` (inside a migration), and drop
-        ``wq_*`` procedures that the current files no longer declare."""
+        """Create or replace every procedure on ``connection`` (inside a migration), drop
+        ``wq_*`` procedures that the current files no longer declare, and leave
+        ``procedures_stamp``."""
         raise NotImplementedError
 
     def schema_problem(self, connection: BaseDatabaseWrapper | None = None) -> str | None:
@@ -202,6 +205,35 @@ class BaseDriver:
         built-ins cannot be shadowed (SQL Server) leaves nothing to plant.
         """
         return None
+
+    # Which release's procedures are installed: the install leaves a stamp, the hash of the
+    # procedure files it ran, where any role may read it. A process of another release (one
+    # started before `migrate`, or a database a failed migrate and a code roll-back left with
+    # the other release's procedures) then says so, instead of failing call by call.
+
+    #: One row, one column: the stamp the install left (NULL, or no row, when none).
+    procedures_stamp_sql: str
+
+    @functools.cached_property
+    def procedures_stamp(self) -> str:
+        """The stamp an install of this release's procedure files leaves."""
+        files = load_procedures(self.sql_directory)
+        digest = hashlib.sha256("".join(text for _name, text in files).encode()).hexdigest()
+        return f"django-workqueue procedures {digest[:16]}"
+
+    def procedures_problem(self) -> str | None:
+        """Why the procedures installed are not this release's, naming the fix, or None."""
+        rows = self.execute(self.procedures_stamp_sql, [])
+        installed = rows[0][0] if rows else None
+        if installed == self.procedures_stamp:
+            return None
+        return (
+            "The procedures installed in the database are not this release's ("
+            + (f"installed: {installed!r}" if installed else "installed by an older release")
+            + f", this release: {self.procedures_stamp!r}), so calls may fail or act as "
+            "another release's. Run `manage.py migrate` as the owner of the work-queue tables; "
+            "if it has nothing to apply, run `manage.py workqueue install-procedures`."
+        )
 
     def tune_queue_tables(self, connection: BaseDatabaseWrapper) -> None:
         """Apply vendor settings that suit tables rewritten by every claim and settle (by

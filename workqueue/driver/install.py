@@ -9,8 +9,10 @@ with ``RunPython(install_procedures_step("000N_name"), ...)`` and point the cons
 On PostgreSQL a function whose parameter names, defaults or result shape change (which
 CREATE OR REPLACE refuses) is dropped and created again by the install, its grants given back
 (older releases did it with a DO block before the function: see wq_list_partitions in
-``sql/postgresql/operator.sql``); on SQL Server CREATE OR ALTER makes any change in place. Roles that hold the runtime or operator grant get it renewed after every migrate
-(``renew_grants``), so new procedures and columns reach them.
+``sql/postgresql/operator.sql``); on SQL Server CREATE OR ALTER makes any change in place.
+Roles that hold the runtime or operator grant get it renewed after every migrate
+(``renew_grants``), so new procedures and columns reach them. The install leaves a stamp of the
+files it ran (``BaseDriver.procedures_stamp``), which hosts and validate-bindings compare.
 """
 
 from __future__ import annotations

@@ -124,12 +124,13 @@ _LIST_FUNCTIONS = """
      WHERE n.nspname = current_schema() AND p.proname LIKE 'wq\\_%%'
 """
 
-# Roles (other than the owner and PUBLIC) granted EXECUTE on each wq_* function, by name.
 #: What CREATE OR REPLACE FUNCTION raises for a change it cannot make in place, and the hint
 #: naming the function to drop (PostgreSQL's own wording, in English unless lc_messages says
 #: otherwise: then the install fails as before, naming the function).
 INVALID_FUNCTION_DEFINITION = "42P13"
 _DROP_FIRST = re.compile(r"Use DROP FUNCTION (.+) first\.")
+
+# Roles (other than the owner and PUBLIC) granted EXECUTE on each wq_* function, by name.
 _EXECUTE_GRANTEES = """
     SELECT p.proname::text, quote_ident(r.rolname)
       FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
@@ -219,10 +220,22 @@ def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
     return sql
 
 
+_CLAIM_SIGNATURE = (
+    "SELECT p.oid::regprocedure::text FROM pg_proc p "
+    "JOIN pg_namespace n ON n.oid = p.pronamespace "
+    "WHERE n.nspname = current_schema() AND p.proname = 'wq_claim'"
+)
+
+
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
+    procedures_stamp_sql = (
+        "SELECT obj_description(p.oid, 'pg_proc') FROM pg_proc p "
+        "JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = current_schema() AND p.proname = 'wq_claim'"
+    )
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
     # A database that vanishes without closing its connections (a failover behind a load
     # balancer, a dropped network path) leaves a call waiting for an answer that never comes:
@@ -289,6 +302,10 @@ class PostgresDriver(BaseDriver):
                         )
                 else:
                     cursor.execute(f"DROP FUNCTION {signature}")
+            # On wq_claim, whose comment any role reads (the stamp is hex: no quoting needed).
+            cursor.execute(_CLAIM_SIGNATURE)
+            claim = cursor.fetchone()[0]
+            cursor.execute(f"COMMENT ON FUNCTION {claim} IS '{self.procedures_stamp}'")
 
     @staticmethod
     def _run_replacing(connection: BaseDatabaseWrapper, cursor: Any, text: str) -> None:

@@ -777,6 +777,9 @@ def validate_bindings(
     schema_problem = transport.schema_problem()
     if schema_problem is not None:
         issues.append(BindingIssue("Error", "database", schema_problem))
+    procedures_problem = transport.procedures_problem()
+    if procedures_problem is not None:
+        issues.append(BindingIssue("Error", "database", procedures_problem))
     issues.extend(_database_health_issues())
     live_keys: set[str] = set()
     in_scope: set[str] = set()  # subscriptions of the transports checked

@@ -26,7 +26,7 @@ from django.utils import timezone
 from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
-from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.consumer import (
@@ -45,7 +45,7 @@ from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.wakeup import Wakeup
 from workqueue.scheduling import load_schedules
 from workqueue.system_user import resolve_system_user
-from workqueue.transport import new_instance_id
+from workqueue.transport import new_instance_id, procedures_problem
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +319,7 @@ class Host:
                 self.instance_id,
                 extra={"action": "host_runs_nothing"},
             )
+        self._warn_of_other_procedures()
         drift = topology_drift_warning()
         if drift is not None:
             # A deploy that skipped sync-topology runs the topology it had before, silently.
@@ -333,6 +334,17 @@ class Host:
                 ", ".join(closing),
                 extra={"action": "host_connection_per_delivery"},
             )
+
+    def _warn_of_other_procedures(self) -> None:
+        """Say at WARNING when the database holds another release's procedures (this process
+        started before `migrate`, or a failed migrate and a roll-back left them): its calls
+        may fail one by one, or act as that release's, with nothing else saying why."""
+        try:
+            problem = procedures_problem()
+        except WorkQueueError:
+            return  # the database is away: the consumers say so
+        if problem is not None:
+            logger.warning(problem, extra={"action": "host_other_procedures"})
 
     def shutdown(self) -> None:
         """Stop claiming, drain running handlers, abort the rest, drain again. Idempotent:
