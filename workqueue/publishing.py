@@ -46,7 +46,13 @@ from workqueue.exceptions import (
     OutsideTestTransactionWarning,
 )
 from workqueue.ids import new_message_id, new_message_ids
-from workqueue.input_limits import TOO_DEEP_PROBLEM, json_text_problem, text_problem
+from workqueue.input_limits import (
+    KEY_UNITS,
+    TOO_DEEP_PROBLEM,
+    json_text_problem,
+    key_length,
+    text_problem,
+)
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
 from workqueue.transports import BaseTransport, directory_transport
 from workqueue.types import (
@@ -607,11 +613,13 @@ def _prepare(
     payload, payload_ref, body = _payload(message.payload, message.payload_ref)
     partition_key = message.partition_key
     if partition_key is not None and (
-        not isinstance(partition_key, str) or not 1 <= len(partition_key) <= MAX_KEY_LENGTH
+        not isinstance(partition_key, str)
+        or not partition_key
+        or key_length(partition_key) > MAX_KEY_LENGTH
     ):
         raise _Invalid(
             PublishErrorCode.INVALID_PARTITION_KEY,
-            f"partition_key must be a string of 1 to {MAX_KEY_LENGTH} characters.",
+            f"partition_key must be a string of 1 to {MAX_KEY_LENGTH} {KEY_UNITS}.",
         )
     dedup_key, dedup_ttl = _deduplication(
         message.deduplication_key, message.deduplication_ttl, external
@@ -620,11 +628,11 @@ def _prepare(
     priority = _priority(message.priority)
     correlation_id = message.correlation_id
     if correlation_id is not None and (
-        not isinstance(correlation_id, str) or len(correlation_id) > MAX_KEY_LENGTH
+        not isinstance(correlation_id, str) or key_length(correlation_id) > MAX_KEY_LENGTH
     ):
         raise _Invalid(
             PublishErrorCode.INVALID_PAYLOAD,
-            f"correlation_id must be a string of at most {MAX_KEY_LENGTH} characters.",
+            f"correlation_id must be a string of at most {MAX_KEY_LENGTH} {KEY_UNITS}.",
         )
     envelope_bytes = _envelope_bytes(partition_key, attributes, correlation_id, body)
     # Refused here so that an oversized message costs no database round trip (the procedure
@@ -847,10 +855,10 @@ def _deduplication(key: Any, ttl: Any, external: bool) -> tuple[str | None, int 
                 PublishErrorCode.INVALID_DEDUPLICATION,
                 "deduplication_key is blank; give a key, or leave it out for no deduplication.",
             )
-    if key is not None and len(key) > MAX_KEY_LENGTH:
+    if key is not None and key_length(key) > MAX_KEY_LENGTH:
         raise _Invalid(
             PublishErrorCode.INVALID_DEDUPLICATION,
-            f"deduplication_key must be at most {MAX_KEY_LENGTH} characters.",
+            f"deduplication_key must be at most {MAX_KEY_LENGTH} {KEY_UNITS}.",
         )
     if external and key is not None and key.lower().startswith(RESERVED_DEDUPLICATION_PREFIX):
         # The work queue's own keys (a recurring publish's slots): an external publisher that

@@ -122,6 +122,10 @@ def test_invalid_payload_boundaries(topic):
                 "InvalidPayload",
             ),
             "correlation id not text": ({"payload": 3, "correlation_id": 7}, "InvalidPayload"),
+            "correlation id of 101 emoji": (
+                {"payload": 4, "correlation_id": "\U0001f600" * 101},
+                "InvalidPayload",
+            ),
             # JSON keys are text: {1: "one"} would come back as {"1": "one"}.
             "a number as a key": ({"payload": {1: "one"}}, "InvalidPayload"),
             "a nested boolean key": ({"payload": {"a": [{True: "yes"}]}}, "InvalidPayload"),
@@ -143,6 +147,13 @@ def test_invalid_partition_key_boundaries(topic):
             "200 characters": ({"payload": 4, "partition_key": "k" * 200}, ACCEPTED),
             "200 two-byte characters": ({"payload": 5, "partition_key": "é" * 200}, ACCEPTED),
             "201 characters": ({"payload": 6, "partition_key": "k" * 201}, "InvalidPartitionKey"),
+            # Counted as SQL Server's nvarchar(200) holds them (UTF-16 units), on every vendor:
+            # 101 emoji fit PostgreSQL's varchar(200); on SQL Server the publish failed.
+            "100 emoji": ({"payload": 8, "partition_key": "\U0001f600" * 100}, ACCEPTED),
+            "101 emoji": (
+                {"payload": 9, "partition_key": "\U0001f600" * 101},
+                "InvalidPartitionKey",
+            ),
             "a number": ({"payload": 7, "partition_key": 7}, "InvalidPartitionKey"),
         },
     )
@@ -158,6 +169,8 @@ def test_invalid_deduplication_boundaries(topic):
         {
             "key of 200": (dedup("a" * 200), ACCEPTED),
             "key of 201": (dedup("b" * 201), "InvalidDeduplication"),
+            "key of 100 emoji": (dedup("\U0001f600" * 100), ACCEPTED),
+            "key of 101 emoji": (dedup("\U0001f601" * 101), "InvalidDeduplication"),
             "key not text": (dedup(42), "InvalidDeduplication"),
             "TTL without a key": (dedup(None, 60), "InvalidDeduplication"),
             "TTL 59": (dedup("c", 59), "InvalidDeduplication"),

@@ -24,7 +24,7 @@ from workqueue.exceptions import (
     WorkQueueConfigurationError,
     WorkQueueError,
 )
-from workqueue.input_limits import text_problem
+from workqueue.input_limits import KEY_UNITS, key_length, text_problem
 from workqueue.operators import cursors
 from workqueue.operators.display import count_of, host_pseudonym
 from workqueue.operators.permissions import (
@@ -690,11 +690,9 @@ def _filter_parameters(
         if (
             not isinstance(partition_key, str)
             or not partition_key
-            or len(partition_key) > MAX_KEY_LENGTH
+            or key_length(partition_key) > MAX_KEY_LENGTH
         ):
-            raise InvalidInputError(
-                f"partition_key must be 1 to {MAX_KEY_LENGTH} characters of text."
-            )
+            raise InvalidInputError(f"partition_key must be 1 to {MAX_KEY_LENGTH} {KEY_UNITS}.")
         partition_key = _storable(partition_key, "partition_key")
     for what, instant in window.items():
         if instant is not None and (not isinstance(instant, dt.datetime) or instant.tzinfo is None):
