@@ -125,3 +125,20 @@ def key_length(text: str) -> int:
 
 #: How a key's limit is said, wherever one is refused.
 KEY_UNITS = "characters (an emoji or another character beyond U+FFFF counts as two)"
+
+
+def within_units(text: str, units: int, *, from_end: bool = False) -> str:
+    """The longest start (or end) of ``text`` at most ``units`` UTF-16 code units long (see
+    ``key_length``): what SQL Server's ``LEFT`` would keep, but never half a character."""
+    if key_length(text) <= units:
+        return text
+    if text.isascii():
+        return text[len(text) - units :] if from_end else text[:units]
+    kept: list[str] = []
+    used = 0
+    for character in reversed(text) if from_end else text:
+        used += 2 if ord(character) > 0xFFFF else 1
+        if used > units:
+            break
+        kept.append(character)
+    return "".join(reversed(kept) if from_end else kept)

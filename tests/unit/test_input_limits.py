@@ -16,7 +16,9 @@ from workqueue.input_limits import (
     SURROGATE_PROBLEM,
     TOO_DEEP_PROBLEM,
     json_text_problem,
+    key_length,
     text_problem,
+    within_units,
 )
 
 
@@ -77,3 +79,44 @@ def test_a_wide_value_at_the_limit_is_checked_in_one_pass_per_level():
 
     assert json_text_problem(as_stored(wide)) is None
     assert json_text_problem(as_stored([*wide, nested(MAX_JSON_DEPTH)])) == TOO_DEEP_PROBLEM
+
+
+# -- lengths as SQL Server's nvarchar columns hold them ----------------------------------------
+
+GRIN = "\U0001f600"  # beyond U+FFFF: two UTF-16 code units
+
+
+def test_keys_are_measured_in_utf16_units():
+    assert key_length("order-7") == 7
+    assert key_length("é" * 10) == 10
+    assert key_length(GRIN * 10) == 20
+
+
+@pytest.mark.parametrize(
+    ("text", "units", "from_end", "kept"),
+    [
+        ("abcdef", 3, False, "abc"),
+        ("abcdef", 3, True, "def"),
+        (f"a{GRIN}b", 2, False, "a"),  # never half of the emoji
+        (f"a{GRIN}b", 3, False, f"a{GRIN}"),
+        (f"a{GRIN}b", 2, True, "b"),
+        (f"a{GRIN}b", 3, True, f"{GRIN}b"),
+        (f"a{GRIN}b", 9, False, f"a{GRIN}b"),
+    ],
+)
+def test_a_cut_keeps_whole_characters_within_the_units(text, units, from_end, kept):
+    assert within_units(text, units, from_end=from_end) == kept
+
+
+def test_reasons_and_errors_fit_their_columns_in_utf16_units():
+    """SQL Server's LEFT(@reason, 100) and LEFT(@error, 16000) count UTF-16 units: text cut
+    to 100 and 16,000 characters in Python was cut again there, through an emoji's middle."""
+    from workqueue.runtime.executor import MAX_ERROR_LENGTH, MAX_REASON_LENGTH, describe_error
+    from workqueue.runtime.executor import _short as reason_of
+
+    reason = reason_of(GRIN * 80)
+    error = describe_error(ValueError(GRIN * 20_000))
+
+    assert key_length(reason) <= MAX_REASON_LENGTH and reason.endswith("…")
+    assert key_length(error) <= MAX_ERROR_LENGTH
+    assert error.startswith("ValueError: ") and error.endswith(GRIN) and "left out" in error

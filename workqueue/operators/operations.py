@@ -180,8 +180,8 @@ def _note(value: Any, what: str, *, required: bool = False) -> str | None:
         return None
     if not isinstance(value, str):
         raise InvalidInputError(f"{what} must be text.")
-    if len(value) > MAX_NOTE_LENGTH:
-        raise InvalidInputError(f"{what} must be at most {MAX_NOTE_LENGTH} characters.")
+    if key_length(value) > MAX_NOTE_LENGTH:
+        raise InvalidInputError(f"{what} must be at most {MAX_NOTE_LENGTH} {KEY_UNITS}.")
     return _storable(value.strip(), what)
 
 

@@ -55,6 +55,7 @@ from workqueue.exceptions import (
     TransientTransportError,
     WorkQueueError,
 )
+from workqueue.input_limits import key_length, within_units
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import (
     AbortReason,
@@ -1067,7 +1068,9 @@ def report_lease_expired_dead_letter(
 
 def _short(text: str) -> str:
     text = text.strip() or "FatalWorkError"
-    return text if len(text) <= MAX_REASON_LENGTH else text[: MAX_REASON_LENGTH - 1] + "…"
+    if key_length(text) <= MAX_REASON_LENGTH:
+        return text
+    return within_units(text, MAX_REASON_LENGTH - 1) + "…"
 
 
 def _first_line(text: str) -> str:
@@ -1093,15 +1096,16 @@ def describe_error(exc: BaseException) -> str:
 def _error_text(text: str) -> str:
     """``text`` as a delivery keeps it: storable, and at most MAX_ERROR_LENGTH long."""
     text = _storable(text)
-    if len(text) <= MAX_ERROR_LENGTH:
+    if key_length(text) <= MAX_ERROR_LENGTH:
         return text
-    tail_length = MAX_ERROR_LENGTH - _ERROR_HEAD_LENGTH - _ERROR_MARKER_ROOM
-    left_out = len(text) - _ERROR_HEAD_LENGTH - tail_length
-    return (
-        text[:_ERROR_HEAD_LENGTH]
-        + f"\n[... {left_out:,} characters left out ...]\n"
-        + text[-tail_length:]
+    # Counted in UTF-16 units, as SQL Server's columns hold them: its LEFT would otherwise cut
+    # a longer text (or half a character) where Python's count did not.
+    head = within_units(text, _ERROR_HEAD_LENGTH)
+    tail = within_units(
+        text, MAX_ERROR_LENGTH - _ERROR_HEAD_LENGTH - _ERROR_MARKER_ROOM, from_end=True
     )
+    left_out = len(text) - len(head) - len(tail)
+    return head + f"\n[... {left_out:,} characters left out ...]\n" + tail
 
 
 def _storable(value: Any) -> Any:
