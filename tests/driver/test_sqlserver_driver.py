@@ -21,6 +21,7 @@ from tests.support.tsql import parse_tsql
 from workqueue.driver.base import JsonText
 from workqueue.driver.procedures import PROCEDURES, Grant, ParamType, get_procedure
 from workqueue.driver.sqlserver import (
+    STAMP_STATEMENT,
     SqlServerDriver,
     declared_routines,
     error_number,
@@ -403,7 +404,9 @@ def test_install_runs_every_batch_in_order_and_drops_only_stale_routines(driver)
     assert executed[len(expected) + 1 :] == [
         "DROP PROCEDURE dbo.[wq_old_claim]",
         "DROP FUNCTION dbo.[wq_old_fn]",
+        STAMP_STATEMENT,  # last: the stamp of the files just run
     ]
+    assert connection.executed[-1][1] == [driver.procedures_stamp] * 2
 
 
 def test_install_declares_every_registered_procedure(driver):
@@ -595,8 +598,6 @@ def test_check_refuses_sql_server_without_use_tz(settings, monkeypatch, use_tz):
 
 
 def test_the_procedures_stamp_is_left_and_read_in_sql_that_parses(driver, tmp_path):
-    from workqueue.driver.sqlserver import STAMP_STATEMENT
-
     script = tmp_path / "stamp.sql"
     script.write_text(
         STAMP_STATEMENT.replace("%s", "N'stamp'") + "GO\n" + driver.procedures_stamp_sql + ";\n"

@@ -26,7 +26,7 @@ from django.utils import timezone
 from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
-from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
+from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.consumer import (
@@ -341,8 +341,9 @@ class Host:
         may fail one by one, or act as that release's, with nothing else saying why."""
         try:
             problem = procedures_problem()
-        except WorkQueueError:
-            return  # the database is away: the consumers say so
+        except Exception:
+            # A warning must never stop a host: a database that is away, the consumers report.
+            return
         if problem is not None:
             logger.warning(problem, extra={"action": "host_other_procedures"})
 
