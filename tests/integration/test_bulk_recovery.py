@@ -104,6 +104,25 @@ def test_a_dry_run_counts_exactly_what_each_filter_selects_and_changes_nothing()
     assert set(statuses(everything)) == {"DeadLettered"}
 
 
+def test_the_time_window_takes_its_start_and_leaves_out_its_end():
+    """[from, before): a dead letter stamped exactly at ``before`` is the next window's. No test
+    put a row on either bound, so ``<=`` for the end went unseen (helper-103)."""
+    subscription = SubscriptionFactory()
+    (first, second) = dead_letters(subscription, {}, {})
+    at = Delivery.objects.get(pk=uuid_of(second)).dead_lettered_at
+
+    def selected(**window: Any) -> int:
+        return resolve_dead_letters(
+            subscription.name, "replay", DeadLetterSelection(**window), dry_run=True
+        ).matched
+
+    at_first = Delivery.objects.get(pk=uuid_of(first)).dead_lettered_at
+    assert at_first < at  # two stamps, so each bound has one row on it and one off it
+    assert selected(dead_lettered_from=at) == 1
+    assert selected(dead_lettered_before=at) == 1
+    assert selected(dead_lettered_from=at_first, dead_lettered_before=at) == 1
+
+
 def test_a_bulk_replay_changes_exactly_the_matching_dead_letters_batch_by_batch_and_records_who():
     subscription = SubscriptionFactory()
     rows = outage(subscription)

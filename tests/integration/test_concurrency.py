@@ -32,7 +32,7 @@ from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Deduplication, Delivery, Message
-from workqueue.transport import Receiver
+from workqueue.transport import Receiver, discard_or_cancel
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -540,6 +540,24 @@ def test_a_stale_lease_token_changes_nothing_after_expiry_and_reclaim():
     assert new_holder.complete(fresh).settled
     assert old_holder.complete(stale).outcome == "LeaseLost"
     assert Delivery.objects.get(pk=stale.delivery_id).status == "Completed"
+
+
+def test_a_stale_lease_token_cannot_acknowledge_a_cancel_meant_for_the_new_holder():
+    """The cancel acknowledgement is a settle too (it discards the delivery), and the stale
+    holder test above never tried it (helper-103)."""
+    sub = SubscriptionFactory(lease_seconds=30)
+    publish(sub.topic.name, {"n": 1})
+    old_holder, new_holder = Receiver(sub.id, "old-holder"), Receiver(sub.id, "new-holder")
+    (stale,) = old_holder.receive(1).deliveries
+    get_driver().shift_time(31, subscription_id=str(sub.id))
+    (fresh,) = new_holder.receive(1).deliveries
+    discard_or_cancel(str(sub.id), fresh.delivery_id, "ops", "stop it")  # the running one
+
+    assert old_holder.acknowledge_cancel(stale).outcome == "LeaseLost"
+    row = Delivery.objects.get(pk=stale.delivery_id)
+    assert (row.status, str(row.lease_token)) == ("InFlight", fresh.lease_token)
+    assert new_holder.acknowledge_cancel(fresh).settled
+    assert Delivery.objects.get(pk=stale.delivery_id).status == "Discarded"
 
 
 def test_a_batched_complete_fences_each_row_by_its_own_token():

@@ -308,3 +308,26 @@ def test_an_enlisted_publish_in_a_block_on_another_alias_raises_and_survives_no_
             publish(topic.name, {"n": 1}, enlist=True)
 
         assert not Message.objects.filter(topic=topic).exists()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["publish", "publish_many"])
+def test_a_messages_own_deduplication_ttl_ends_its_window_not_the_topics_default(batched):
+    """Only single publishes were tried past their TTL: a batch whose procedure dropped each
+    message's TTL for the topic's default kept answering Duplicate (helper-103)."""
+    from workqueue.driver import get_driver
+
+    topic = TopicFactory(default_deduplication_ttl_seconds=300)
+    SubscriptionFactory(topic=topic)
+
+    def sent(n: int, ttl: int | None = None) -> str:
+        message = {"payload": {"n": n}, "deduplication_key": "order-1", "deduplication_ttl": ttl}
+        if batched:  # with another message: a batch of one is published as one
+            return publish_many(topic.name, [message, {"payload": {"other": n}}])[0].status
+        return publish(topic.name, **message).status
+
+    first = sent(1, ttl=60)
+    within = sent(2)
+    get_driver().shift_time(70, topic_id=str(topic.id))  # past its 60 s, within the default's
+    after = sent(3)
+
+    assert (first, within, after) == ("Accepted", "Duplicate", "Accepted")

@@ -400,6 +400,18 @@ def test_a_task_enqueued_in_a_testcase_without_test_mode_warns_that_it_outlives_
     assert Message.objects.count() == 1  # the first one outlived the "test"
 
 
+def test_a_task_whose_waiting_delivery_is_discarded_reads_failed():
+    """The Tasks API reads FAILED once a task's delivery is dead-lettered or discarded, but no
+    test discarded one: a discarded task could have read READY, waiting for ever (helper-103)."""
+    enqueued = add.enqueue(1, 2)
+    delivery = Delivery.objects.get(message_id=enqueued.id)
+
+    operations.discard(delivery.subscription.name, str(delivery.id), reason="not needed")
+
+    assert Delivery.objects.get(pk=delivery.pk).status == "Discarded"
+    assert default_task_backend.get_result(enqueued.id).status == TaskResultStatus.FAILED
+
+
 def test_a_task_enqueued_in_a_repeatable_read_transaction_is_not_refused():
     """The check that the task got a delivery read from the caller's snapshot, taken before
     the publish committed on the queue's own connection: the task was queued, yet refused."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -301,6 +302,30 @@ def test_a_transient_work_error_without_retry_after_uses_the_jittered_backoff(ri
 
     assert all(0.5 <= d <= 60 for d in delays), delays
     assert len({round(d) for d in delays}) > 1, f"no jitter across 4 draws: {delays}"
+
+
+def test_the_backoff_grows_with_the_attempt_that_failed(rig, monkeypatch):
+    """The ceiling doubles each attempt (base x 2^(attempt-1)): every other executor test
+    retried attempt 1, where a backoff that ignored the attempt looks the same (helper-103)."""
+    import functools
+
+    import workqueue.runtime.executor as executor_module
+    from workqueue.runtime.backoff import retry_delay_seconds
+
+    top_of_each_draw = functools.partial(retry_delay_seconds, rand=lambda: 1.0)
+    monkeypatch.setattr(executor_module, "retry_delay_seconds", top_of_each_draw)
+    sub = rig.subscription(max_attempts=5, backoff_base_seconds=10, backoff_max_seconds=900)
+    publish(sub.topic.name, {"then": "crash", "message": "again"})
+    delays = []
+    for _ in range(3):
+        receiver, delivery = rig.claim(sub)
+        rig.execution(sub, receiver, delivery).run()
+        row = Delivery.objects.get(subscription=sub)
+        delay = (row.visible_at - db_now()).total_seconds()
+        delays.append(round(delay))
+        get_driver().shift_time(math.ceil(delay) + 1, subscription_id=str(sub.id))  # due again
+
+    assert delays == [10, 20, 40]
 
 
 def test_any_other_exception_retries_with_the_traceback_in_last_error(rig):
