@@ -120,7 +120,7 @@ def key_length(text: str) -> int:
     """``text``'s length as both databases' key columns hold it: in UTF-16 code units, as SQL
     Server's nvarchar counts, so a character beyond the Basic Multilingual Plane (most emoji)
     counts twice and a key that passes fits on either vendor."""
-    return len(text) if text.isascii() else len(text.encode("utf-16-le")) // 2
+    return len(text) if text.isascii() else len(text.encode("utf-16-le", "surrogatepass")) // 2
 
 
 #: How a key's limit is said, wherever one is refused.

@@ -106,8 +106,10 @@ def test_a_declared_content_length_over_the_default_limit_is_413_before_any_byte
 
 def test_a_full_batch_of_full_size_messages_with_the_longest_keys_fits(client, small_topic, key):
     """The allowance per message covers what is sent besides the counted envelope: the message
-    id, a 200-character deduplication key (4 bytes a character here) and its TTL."""
-    dedup = "\U0001d11e" * 200
+    id, a 200-character deduplication key (3 bytes a character here, the most a key of 200
+    UTF-16 units can take: a character beyond U+FFFF takes 4 bytes but counts two) and its
+    TTL."""
+    dedup = "\u934d" * 200
     messages = []
     for n in range(SMALL_BATCH):
         envelope = {

@@ -15,15 +15,18 @@ from django.test import Client
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
 from workqueue import publish
+from workqueue.input_limits import within_units
 from workqueue.operators.permissions import READ
 from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
-# The longest keys there are, each character 2 to 4 bytes in UTF-8 (or 6 to 12 as \u escapes).
+# The longest keys there are (200 UTF-16 units: an emoji counts two), each character 2 to 4
+# bytes in UTF-8 (or 6 to 12 as \u escapes).
 LONG_KEYS = sorted(
-    (first + "é" * 99 + "😀" * 50 + "ключ" * 12 + "鍵" * 2)[:MAX_KEY_LENGTH] for first in "abcde"
+    within_units(first + "é" * 99 + "😀" * 50 + "ключ" * 12 + "鍵" * 2, MAX_KEY_LENGTH)
+    for first in "abcde"
 )
 
 

@@ -120,3 +120,9 @@ def test_reasons_and_errors_fit_their_columns_in_utf16_units():
     assert key_length(reason) <= MAX_REASON_LENGTH and reason.endswith("…")
     assert key_length(error) <= MAX_ERROR_LENGTH
     assert error.startswith("ValueError: ") and error.endswith(GRIN) and "left out" in error
+
+
+def test_a_lone_surrogate_is_measured_not_raised_on():
+    """It is refused as unstorable where it is checked, naming the field; measuring it first
+    raised UnicodeEncodeError (a 500 from the REST API)."""
+    assert key_length("ab\ud800") == 3
