@@ -505,14 +505,20 @@ def test_concurrent_claimers_of_an_ordered_subscription_never_deadlock():
 # -- fencing -----------------------------------------------------------------------------------
 
 
-def test_a_stale_lease_token_changes_nothing_after_expiry_and_reclaim():
+def reclaimed_after_expiry() -> tuple[Any, Receiver, Receiver, Any, Any]:
+    """A delivery whose lease ran out in the old holder's hands and that a new holder claimed:
+    (subscription, old holder, new holder, the old claim, the new claim)."""
     sub = SubscriptionFactory(lease_seconds=30)
     publish(sub.topic.name, {"n": 1})
     old_holder, new_holder = Receiver(sub.id, "old-holder"), Receiver(sub.id, "new-holder")
     (stale,) = old_holder.receive(1).deliveries
-
     get_driver().shift_time(31, subscription_id=str(sub.id))
     (fresh,) = new_holder.receive(1).deliveries
+    return sub, old_holder, new_holder, stale, fresh
+
+
+def test_a_stale_lease_token_changes_nothing_after_expiry_and_reclaim():
+    _, old_holder, new_holder, stale, fresh = reclaimed_after_expiry()
     assert fresh.delivery_id == stale.delivery_id
     assert fresh.lease_token != stale.lease_token
     assert fresh.attempt == 2
@@ -545,12 +551,7 @@ def test_a_stale_lease_token_changes_nothing_after_expiry_and_reclaim():
 def test_a_stale_lease_token_cannot_acknowledge_a_cancel_meant_for_the_new_holder():
     """The cancel acknowledgement is a settle too (it discards the delivery), and the stale
     holder test above never tried it (helper-103)."""
-    sub = SubscriptionFactory(lease_seconds=30)
-    publish(sub.topic.name, {"n": 1})
-    old_holder, new_holder = Receiver(sub.id, "old-holder"), Receiver(sub.id, "new-holder")
-    (stale,) = old_holder.receive(1).deliveries
-    get_driver().shift_time(31, subscription_id=str(sub.id))
-    (fresh,) = new_holder.receive(1).deliveries
+    sub, old_holder, new_holder, stale, fresh = reclaimed_after_expiry()
     discard_or_cancel(str(sub.id), fresh.delivery_id, "ops", "stop it")  # the running one
 
     assert old_holder.acknowledge_cancel(stale).outcome == "LeaseLost"
