@@ -440,3 +440,36 @@ def test_the_metrics_port_serves_the_process_counters_while_the_database_is_away
     assert healthy["workqueue_gauges_read_failed"] == 0
     assert away["workqueue_gauges_read_failed"] == 1
     assert away["workqueue_sweeper_passes_total"] >= 1
+
+
+def test_each_outcome_has_its_own_label():
+    """Only completed and dead_lettered were ever read: a hand-back counted as a retry went
+    unseen (helper-104)."""
+    from workqueue.runtime.executor import ExecutionResult
+
+    settled = ExecutionResult.SETTLED
+    assert ExecutionResult(settled, "Pending", released=True).outcome_label == "released"
+    assert ExecutionResult(settled, "Pending").outcome_label == "retried"
+    assert ExecutionResult(settled, "Discarded").outcome_label == "discarded"
+    assert ExecutionResult(ExecutionResult.LEASE_LOST).outcome_label == "lease_lost"
+    assert ExecutionResult(ExecutionResult.FAILED).outcome_label == "settle_failed"
+
+
+def test_a_retry_and_a_hand_back_at_shutdown_are_counted_apart(make_host):
+    s = sub(max_attempts=5)
+
+    def counted(outcome: str) -> float:
+        return process_value("workqueue_deliveries_total", subscription=s.name, outcome=outcome)
+
+    before = {outcome: counted(outcome) for outcome in ("retried", "released")}
+    host = make_host(one(s), shutdown_drain_ms=300)
+    host.start()
+    retried = publish(s.topic.name, {"then": "retry", "delay": 3600}).message_id
+    wait_until(lambda: counted("retried") - before["retried"] == 1)
+    publish(s.topic.name, {"sleepMs": 30_000, "thenOnAbort": "retry"})
+    probe.wait_for(2)
+    host.shutdown()
+
+    assert counted("released") - before["released"] == 1
+    assert counted("retried") - before["retried"] == 1
+    assert status_of(retried) == "Pending"

@@ -140,3 +140,29 @@ def test_a_concurrency_no_machine_can_run_exits_2_naming_it(waiting_work, settin
         assert f"{where} gives subscription" in str(raised.value)
         assert "at most 1,000 handlers" in str(raised.value)
     assert Delivery.objects.get(subscription=waiting_work).status == "Pending"
+
+
+@pytest.mark.parametrize(
+    ("abandoned", "unsettled"), [(1, 0), (0, 1)], ids=["handler-running", "outcome-unrecorded"]
+)
+def test_work_left_behind_of_either_kind_ends_the_process_with_exit_3(
+    monkeypatch, abandoned, unsettled
+):
+    """Only a handler left running was ever tried: an outcome the database had not recorded by
+    the end of the drain could have ended the job with 0 (helper-104)."""
+    import types
+
+    from workqueue.management.commands.workqueue_work import EXIT_WORK_LEFT_BEHIND
+    from workqueue.runtime import process
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(process.os, "_exit", exit_now)
+    host = types.SimpleNamespace(abandoned_handlers=abandoned, unsettled_outcomes=unsettled)
+    with pytest.raises(Exited) as exited:
+        process.exit_now_if_work_left_behind(host, code=EXIT_WORK_LEFT_BEHIND)
+    assert exited.value.args == (3,)

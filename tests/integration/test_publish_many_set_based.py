@@ -159,3 +159,20 @@ def test_a_batch_stored_whole_is_accepted_item_by_item_with_each_items_due_time(
 
     again = publish_many(name, items)
     assert [(r.status, r.message_id) for r in again] == [("Duplicate", str(i)) for i in chosen]
+
+
+def test_a_batch_fans_out_to_active_and_paused_subscriptions_never_to_a_disabled_one():
+    """Every status test published one message at a time (wq_publish): the batch's own fan-out
+    could write a Disabled subscription deliveries unseen (helper-104)."""
+    topic = TopicFactory()
+    active = SubscriptionFactory(topic=topic)
+    paused = SubscriptionFactory(topic=topic, status="Paused")
+    disabled = SubscriptionFactory(topic=topic, status="Disabled")
+
+    results = publish_many(topic.name, [{"payload": 1}, {"payload": 2}])
+
+    assert [r.status for r in results] == ["Accepted", "Accepted"]
+    for result in results:
+        receivers = Delivery.objects.filter(message_id=result.message_id)
+        assert set(receivers.values_list("subscription_id", flat=True)) == {active.id, paused.id}
+    assert not Delivery.objects.filter(subscription=disabled).exists()

@@ -331,3 +331,16 @@ def test_a_messages_own_deduplication_ttl_ends_its_window_not_the_topics_default
     after = sent(3)
 
     assert (first, within, after) == ("Accepted", "Duplicate", "Accepted")
+
+
+def test_an_external_publish_in_python_to_a_topic_closed_to_it_is_rejected():
+    """The REST API refuses first, so no test had tried the library path (helper-104): a
+    caller passing external=True (a gateway of its own) is refused by the procedure itself,
+    whatever the Python check before it does."""
+    topic = TopicFactory(allow_external_publish=False)
+    SubscriptionFactory(topic=topic)
+
+    result = publish(topic.name, {"n": 1}, external=True)
+
+    assert (result.status, result.error.code) == ("Rejected", "TopicNotExternallyPublishable")
+    assert not Message.objects.filter(topic=topic).exists()

@@ -20,7 +20,7 @@ from tests.factories import SubscriptionFactory
 from tests.support.handlers import registry
 from tests.support.processes import hello
 from tests.support.waiting import wait_until
-from workqueue import publish_many
+from workqueue import publish, publish_many
 from workqueue.models import Delivery
 from workqueue.operators.operations import subscription_stats
 from workqueue.runtime.handlers import BaseWorkHandler
@@ -220,3 +220,25 @@ def test_starts_keep_to_the_rate_after_every_slot_stalled(make_host):
     # The bucket allows its burst plus the rate over the window (and one for timing at the
     # window's edges); the herd was every delivery claimed during the stall, about 50.
     assert most <= burst + rate * window + 1, most
+
+
+def test_a_trickle_starts_no_more_than_the_burst_plus_the_rate(make_host):
+    """Each claim of a trickle finds fewer deliveries than it took tokens for, and gives the
+    rest back: giving back every token taken (not only the unused ones) kept the bucket full,
+    and every delivery started at once; the tests before it keep a backlog, where no token is
+    left over (helper-104: 40 started where about 15 may)."""
+    rate, burst = 2, 6
+    _starts.clear()
+    subscription = SubscriptionFactory(
+        handler_key="tests.rate.stalling", rate_limit_per_second=rate, rate_limit_burst=burst
+    )
+    host = make_host([{"name": subscription.name, "concurrency": 8}])
+    host.start()
+    began = time.monotonic()
+    for n in range(40):  # ten a second for four seconds, five times the rate
+        publish(subscription.topic.name, {"n": n})
+        time.sleep(0.1)
+    elapsed = time.monotonic() - began
+
+    started = sum(1 for start in _starts if start <= began + elapsed)
+    assert started <= burst + rate * elapsed + 1, (started, elapsed)
