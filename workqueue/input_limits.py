@@ -130,6 +130,7 @@ KEY_UNITS = "characters (an emoji or another character beyond U+FFFF counts as t
 def within_units(text: str, units: int, *, from_end: bool = False) -> str:
     """The longest start (or end) of ``text`` at most ``units`` UTF-16 code units long (see
     ``key_length``): what SQL Server's ``LEFT`` would keep, but never half a character."""
+    units = max(units, 0)
     if key_length(text) <= units:
         return text
     if text.isascii():

@@ -52,6 +52,7 @@ from workqueue.input_limits import (
     json_text_problem,
     key_length,
     text_problem,
+    within_units,
 )
 from workqueue.payload_ref import PayloadRefError, canonical_payload_ref
 from workqueue.transports import BaseTransport, directory_transport
@@ -547,7 +548,7 @@ def _publisher(user: Any, system_user: str) -> str:
     """Who published, as recorded: cut to the column's length (a custom user model may allow
     e-mail addresses of 254 characters as user names, and the record is for reading only)."""
     name = user.get_username() if user is not None else system_user
-    return name[:PUBLISHED_BY_MAX_LENGTH]
+    return within_units(name, PUBLISHED_BY_MAX_LENGTH)
 
 
 def _topic_error(topic: str, external: bool, known: Topic | None) -> PublishError | None:

@@ -37,6 +37,7 @@ from workqueue.exceptions import (
     TransientDriverError,
     WorkQueueError,
 )
+from workqueue.input_limits import within_units
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
     Backlog,
@@ -258,7 +259,7 @@ class Receiver:
         return self._stored_at_its_attempt(
             delivery,
             status=DeliveryStatus.DEAD_LETTERED,
-            dead_letter_reason=reason[:100],  # as wq_dead_letter stores it
+            dead_letter_reason=within_units(reason, 100),  # as wq_dead_letter stores it
         )
 
     def _stored_at_its_attempt(self, delivery: ClaimedDelivery, **settled: Any) -> bool:

@@ -574,10 +574,15 @@ def test_stats_a_procedure_cannot_give_are_unavailable_and_the_log_says_why(pg_c
 
 
 @pytest.mark.parametrize(
-    "comment", ["'django-workqueue procedures 0123456789abcdef'", "NULL"], ids=["other", "none"]
+    ("comment", "said"),
+    [
+        ("'django-workqueue procedures 0001_initial 0123456789abcdef'", "(0001_initial)"),
+        ("NULL", "(from before stamps)"),
+    ],
+    ids=["earlier", "none"],
 )
-def test_another_releases_procedures_are_named_by_validate_bindings_and_host_start(
-    pg_conn, make_host, caplog, comment
+def test_an_earlier_releases_procedures_are_named_by_validate_bindings_and_host_start(
+    pg_conn, make_host, caplog, comment, said
 ):
     """A process started before `migrate` (or on procedures a failed migrate and a code
     roll-back left) failed call by call with nothing saying why."""
@@ -585,8 +590,7 @@ def test_another_releases_procedures_are_named_by_validate_bindings_and_host_sta
     from workqueue.driver.install import reinstall_procedures
 
     assert get_driver().procedures_problem() is None  # as migrate installed them
-    claim = pg_conn.execute("SELECT 'wq_claim'::regproc::regprocedure::text").fetchone()[0]
-    pg_conn.execute(f"COMMENT ON FUNCTION {claim} IS {comment}")
+    pg_conn.execute(f"COMMENT ON FUNCTION {claim_signature(pg_conn)} IS {comment}")
     try:
         out = io.StringIO()
         with pytest.raises(CommandError, match="validate-bindings found errors"):
@@ -601,7 +605,36 @@ def test_another_releases_procedures_are_named_by_validate_bindings_and_host_sta
 
     (issue,) = [i for i in report if "not this release's" in i["message"]]
     assert issue["severity"] == "Error"
-    said = "installed: 'django-workqueue" if comment != "NULL" else "installed by an older release"
-    assert said in issue["message"] and "manage.py migrate" in issue["message"]
+    assert f"an earlier release's {said}" in issue["message"]
+    assert "manage.py migrate" in issue["message"]
     assert "not this release's" in caplog.text and "install-procedures" in caplog.text
     assert fixed is None
+
+
+def test_a_later_releases_procedures_are_not_reported_nor_replaced_by_an_earlier_process(
+    pg_conn, make_host, caplog
+):
+    """During a rolling deploy the previous release's processes run on the new procedures,
+    which keep serving their calls: telling them to reinstall theirs (as the first stamp did,
+    helper-105) would take back what the new release's processes call."""
+    from workqueue.driver import get_driver
+    from workqueue.driver.install import reinstall_procedures
+
+    later = "'django-workqueue procedures 9999_a_later_release 0123456789abcdef'"
+    pg_conn.execute(f"COMMENT ON FUNCTION {claim_signature(pg_conn)} IS {later}")
+    try:
+        problem = get_driver().procedures_problem()
+        with caplog.at_level(logging.WARNING, logger="workqueue.runtime.host"):
+            make_host([{"name": "*", "concurrency": 1}]).start()
+        with pytest.raises(CommandError, match="a later release's \\(9999_a_later_release\\)"):
+            run("install-procedures")
+        kept = get_driver().installed_procedures()
+    finally:
+        reinstall_procedures(connection)
+
+    assert problem is None and "not this release's" not in caplog.text
+    assert kept == "9999_a_later_release"
+
+
+def claim_signature(pg_conn: Any) -> str:
+    return pg_conn.execute("SELECT 'wq_claim'::regproc::regprocedure::text").fetchone()[0]

@@ -126,3 +126,30 @@ def test_a_lone_surrogate_is_measured_not_raised_on():
     """It is refused as unstorable where it is checked, naming the field; measuring it first
     raised UnicodeEncodeError (a 500 from the REST API)."""
     assert key_length("ab\ud800") == 3
+
+
+def test_a_handlers_own_dead_letter_reason_is_cut_in_utf16_units():
+    """Only a FatalWorkError's message was cut that way; ``Outcome.dead_letter(reason)`` went to
+    SQL Server's LEFT(@reason, 100) whole, which kept half of a last emoji (helper-105)."""
+    from workqueue.runtime.executor import MAX_REASON_LENGTH, _cut_reason
+
+    assert _cut_reason("r" * 99 + GRIN) == "r" * 99 + "…"
+    assert _cut_reason("r" * 98 + GRIN) == "r" * 98 + GRIN
+    assert key_length(_cut_reason(GRIN * 80)) <= MAX_REASON_LENGTH
+
+
+@pytest.mark.parametrize(
+    "hint",
+    [
+        "Use DROP FUNCTION wq_backlog(uuid,integer) first.",
+        "Verwenden Sie zuerst DROP FUNCTION wq_backlog(uuid,integer).",
+        "まず DROP FUNCTION wq_backlog(uuid,integer) を使用してください。",
+    ],
+    ids=["en", "de", "ja"],
+)
+def test_the_function_to_drop_is_found_in_postgresqls_hint_in_any_language(hint):
+    """Only the English wording was read: under another lc_messages an install over a
+    function it cannot replace failed as before (helper-105)."""
+    from workqueue.driver.postgresql import _DROP_FIRST
+
+    assert _DROP_FIRST.search(hint)[1] == "wq_backlog(uuid,integer)"

@@ -210,7 +210,7 @@ class InstallProceduresVerb(Verb):
         from django.db import connections
 
         from workqueue.conf import get_settings
-        from workqueue.driver import install
+        from workqueue.driver import get_driver, install
 
         alias = get_settings().DATABASE_ALIAS
         connection = connections[alias]
@@ -218,6 +218,15 @@ class InstallProceduresVerb(Verb):
             raise CommandError(
                 f"Migration workqueue.{install.LATEST_PROCEDURE_MIGRATION} is not applied to "
                 f"database {alias!r}: run `manage.py migrate`, which installs the procedures."
+            )
+        installed = get_driver(alias).installed_procedures()
+        if installed is not None and installed > install.LATEST_PROCEDURE_MIGRATION:
+            # A rolling deploy's old process following a warning would take back what the new
+            # release's processes call.
+            raise CommandError(
+                f"The procedures installed are a later release's ({installed}); installing "
+                f"this release's ({install.LATEST_PROCEDURE_MIGRATION}) would take back what "
+                "that release's processes call. Run install-procedures from that release."
             )
         try:
             holders = install.reinstall_procedures(connection)

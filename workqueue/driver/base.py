@@ -28,7 +28,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, get_procedure
 from workqueue.exceptions import DriverError, UnstorableValueError
-from workqueue.sql import load_procedures
+from workqueue.sql import LATEST_PROCEDURE_MIGRATION, load_procedures
 
 #: The driver-owned tables; their indexes churn with every publish, claim and settle.
 QUEUE_TABLES = ("workqueue_message", "workqueue_delivery", "workqueue_deduplication")
@@ -152,6 +152,16 @@ def routed_to_django_connection(alias: str) -> bool:
     return alias in _routing.__dict__.get("depths", ())
 
 
+#: How a stamp of this project's procedures begins (``BaseDriver.procedures_stamp``).
+_STAMP_PREFIX = "django-workqueue procedures"
+
+
+def _stamped_migration(stamp: str | None) -> str | None:
+    """The migration a stamp names, or None for no stamp (or one of another shape)."""
+    words = (stamp or "").split()
+    return words[2] if len(words) == 4 and " ".join(words[:2]) == _STAMP_PREFIX else None
+
+
 class BaseDriver:
     """Runs ``wq_*`` procedures for one database alias."""
 
@@ -206,10 +216,12 @@ class BaseDriver:
         """
         return None
 
-    # Which release's procedures are installed: the install leaves a stamp, the hash of the
-    # procedure files it ran, where any role may read it. A process of another release (one
-    # started before `migrate`, or a database a failed migrate and a code roll-back left with
-    # the other release's procedures) then says so, instead of failing call by call.
+    # Which release's procedures are installed: the install leaves a stamp, the latest procedure
+    # migration and a hash of the files it ran, where any role may read it. A process of an
+    # earlier release (one started before `migrate`, or a database a failed migrate and a code
+    # roll-back left with other procedures) then says so, instead of failing call by call; one
+    # of a later release's (a rolling deploy's old processes) keeps quiet, as those
+    # procedures keep serving it.
 
     #: One row, one column: the stamp the install left (NULL, or no row, when none).
     procedures_stamp_sql: str
@@ -219,20 +231,40 @@ class BaseDriver:
         """The stamp an install of this release's procedure files leaves."""
         files = load_procedures(self.sql_directory)
         digest = hashlib.sha256("".join(text for _name, text in files).encode()).hexdigest()
-        return f"django-workqueue procedures {digest[:16]}"
+        return f"{_STAMP_PREFIX} {LATEST_PROCEDURE_MIGRATION} {digest[:16]}"
+
+    def installed_procedures(self) -> str | None:
+        """The latest procedure migration of the release whose procedures are installed (from
+        the stamp its install left), or None when none was left (a release before stamps)."""
+        return _stamped_migration(self._installed_stamp())
+
+    def _installed_stamp(self) -> str | None:
+        rows = self.execute(self.procedures_stamp_sql, [])
+        return rows[0][0] if rows else None
 
     def procedures_problem(self) -> str | None:
-        """Why the procedures installed are not this release's, naming the fix, or None."""
-        rows = self.execute(self.procedures_stamp_sql, [])
-        installed = rows[0][0] if rows else None
-        if installed == self.procedures_stamp:
+        """Why the procedures installed are not this release's, naming the fix, or None (they
+        are, or they are a later release's: its procedures keep serving this one's calls)."""
+        stamp = self._installed_stamp()
+        installed = _stamped_migration(stamp)
+        if stamp == self.procedures_stamp or (
+            installed is not None and installed > LATEST_PROCEDURE_MIGRATION
+        ):
             return None
+        if installed == LATEST_PROCEDURE_MIGRATION:
+            found = f"other files of this release's migration {installed}"
+            fix = "run `manage.py workqueue install-procedures`"
+        else:
+            found = f"an earlier release's ({installed or 'from before stamps'})"
+            fix = (
+                "run `manage.py migrate`; if it has nothing to apply (a migrate that failed "
+                "after the work-queue migrations committed, then a roll-back of the code), "
+                "`manage.py workqueue install-procedures`"
+            )
         return (
-            "The procedures installed in the database are not this release's ("
-            + (f"installed: {installed!r}" if installed else "installed by an older release")
-            + f", this release: {self.procedures_stamp!r}), so calls may fail or act as "
-            "another release's. Run `manage.py migrate` as the owner of the work-queue tables; "
-            "if it has nothing to apply, run `manage.py workqueue install-procedures`."
+            f"The procedures installed in the database are {found}, not this release's "
+            f"({LATEST_PROCEDURE_MIGRATION}), so calls may fail or act as theirs: as the owner "
+            f"of the work-queue tables, {fix}."
         )
 
     def tune_queue_tables(self, connection: BaseDatabaseWrapper) -> None:

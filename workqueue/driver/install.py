@@ -5,7 +5,8 @@ only by the latest migration that changes them (``LATEST_PROCEDURE_MIGRATION``).
 procedure migrations become no-ops, so replaying history on a new database never installs
 today's bodies against yesterday's tables, and a fresh install equals an upgraded one (proved by
 tests/integration/test_migrations.py). To change a procedure: edit its .sql file, add a migration
-with ``RunPython(install_procedures_step("000N_name"), ...)`` and point the constant at it.
+with ``RunPython(install_procedures_step("000N_name"), ...)`` and point the constant (in
+``workqueue/sql/__init__.py``) at it.
 On PostgreSQL a function whose parameter names, defaults or result shape change (which
 CREATE OR REPLACE refuses) is dropped and created again by the install, its grants given back
 (older releases did it with a DO block before the function: see wq_list_partitions in
@@ -28,10 +29,12 @@ from django.db.migrations.recorder import MigrationRecorder
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.sql import LATEST_PROCEDURE_MIGRATION
+
+__all__ = ["LATEST_PROCEDURE_MIGRATION"]  # kept here for callers that import it from here
 
 logger = logging.getLogger(__name__)
 
-LATEST_PROCEDURE_MIGRATION = "0046_backlog_counts_what_claims_may_take"
 
 MigrationStep = Callable[[Any, Any], None]
 

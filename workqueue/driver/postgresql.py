@@ -125,10 +125,11 @@ _LIST_FUNCTIONS = """
 """
 
 #: What CREATE OR REPLACE FUNCTION raises for a change it cannot make in place, and the hint
-#: naming the function to drop (PostgreSQL's own wording, in English unless lc_messages says
-#: otherwise: then the install fails as before, naming the function).
+#: naming the function to drop: "Use DROP FUNCTION wq_x(uuid,integer) first." (the words around
+#: the statement are translated under another lc_messages; the statement and its signature,
+#: which ends at the last parenthesis, are not).
 INVALID_FUNCTION_DEFINITION = "42P13"
-_DROP_FIRST = re.compile(r"Use DROP FUNCTION (.+) first\.")
+_DROP_FIRST = re.compile(r"DROP FUNCTION (.*\))")
 
 # Roles (other than the owner and PUBLIC) granted EXECUTE on each wq_* function, by name.
 _EXECUTE_GRANTEES = """
@@ -231,11 +232,8 @@ class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
-    procedures_stamp_sql = (
-        "SELECT obj_description(p.oid, 'pg_proc') FROM pg_proc p "
-        "JOIN pg_namespace n ON n.oid = p.pronamespace "
-        "WHERE n.nspname = current_schema() AND p.proname = 'wq_claim'"
-    )
+    # Through the search path, as the calls find wq_claim.
+    procedures_stamp_sql = "SELECT obj_description(to_regproc('wq_claim'), 'pg_proc')"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")
     # A database that vanishes without closing its connections (a failover behind a load
     # balancer, a dropped network path) leaves a call waiting for an answer that never comes:
@@ -312,11 +310,14 @@ class PostgresDriver(BaseDriver):
         """Run a procedure file. CREATE OR REPLACE refuses to rename a parameter, drop a
         default or change a result: the function it names is then dropped, and the file run
         again (its grants are given back with the others'), so such a change in a release does
-        not stop its `migrate` with "cannot change name of input parameter"."""
-        dropped: set[str] = set()
+        not stop its `migrate` with "cannot change name of input parameter". Each drop runs in
+        one savepoint with the file, so a file that fails anyway drops nothing."""
+        dropping: list[str] = []
         while True:
             try:
                 with transaction.atomic(using=connection.alias):
+                    for signature in dropping:
+                        cursor.execute(f"DROP FUNCTION {signature}")
                     cursor.execute(text)
                 return
             except DatabaseError as exc:
@@ -326,11 +327,10 @@ class PostgresDriver(BaseDriver):
                 if (
                     getattr(cause, "sqlstate", None) != INVALID_FUNCTION_DEFINITION
                     or found is None
-                    or found[1] in dropped
+                    or found[1] in dropping
                 ):
                     raise
-                dropped.add(found[1])
-                cursor.execute(f"DROP FUNCTION {found[1]}")
+                dropping.append(found[1])
 
     def schema_problem(self, connection: BaseDatabaseWrapper | None = None) -> str | None:
         [(owner, schema, creators)] = self.execute(_SCHEMA_CREATORS, [], connection)

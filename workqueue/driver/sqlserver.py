@@ -172,19 +172,15 @@ def _connection_lost(error: BaseException, outer: BaseException) -> bool:
     return isinstance(driver_error, str) and driver_error.strip().lower() in _CONNECTION_LOST
 
 
-#: Where the install leaves its stamp (``BaseDriver.procedures_stamp``): a property of wq_claim.
+#: Where the install leaves its stamp (``BaseDriver.procedures_stamp``): a property of the
+#: database, which every role that may connect can read (one of a procedure only the roles
+#: granted on it can see).
 STAMP_PROPERTY = "wq_procedures"
 STAMP_STATEMENT = f"""\
-IF EXISTS (SELECT 1 FROM sys.extended_properties
-            WHERE class = 1 AND major_id = OBJECT_ID(N'dbo.wq_claim') AND minor_id = 0
-              AND name = N'{STAMP_PROPERTY}')
-    EXEC sys.sp_updateextendedproperty @name = N'{STAMP_PROPERTY}', @value = %s,
-         @level0type = N'SCHEMA', @level0name = N'dbo',
-         @level1type = N'PROCEDURE', @level1name = N'wq_claim';
+IF EXISTS (SELECT 1 FROM sys.extended_properties WHERE class = 0 AND name = N'{STAMP_PROPERTY}')
+    EXEC sys.sp_updateextendedproperty @name = N'{STAMP_PROPERTY}', @value = %s;
 ELSE
-    EXEC sys.sp_addextendedproperty @name = N'{STAMP_PROPERTY}', @value = %s,
-         @level0type = N'SCHEMA', @level0name = N'dbo',
-         @level1type = N'PROCEDURE', @level1name = N'wq_claim';
+    EXEC sys.sp_addextendedproperty @name = N'{STAMP_PROPERTY}', @value = %s;
 """
 
 
@@ -193,9 +189,8 @@ class SqlServerDriver(BaseDriver):
     sql_directory = "sqlserver"
     now_sql = "SELECT SYSDATETIMEOFFSET()"
     procedures_stamp_sql = (
-        "SELECT CAST(value AS nvarchar(100)) FROM sys.extended_properties "
-        "WHERE class = 1 AND major_id = OBJECT_ID(N'dbo.wq_claim') AND minor_id = 0 "
-        f"AND name = N'{STAMP_PROPERTY}'"
+        "SELECT CAST(value AS nvarchar(200)) FROM sys.extended_properties "
+        f"WHERE class = 0 AND name = N'{STAMP_PROPERTY}'"
     )
     features = DriverFeatures(
         supports_listen_notify=False, binary_collation="Latin1_General_100_BIN2"
@@ -263,7 +258,7 @@ class SqlServerDriver(BaseDriver):
             for routine, kind in cursor.fetchall():
                 if routine.lower() not in declared:
                     cursor.execute(f"DROP {kind} dbo.{_quote_identifier(routine)}")
-            # An extended property of wq_claim, which a role that may execute it can read.
+            # A property of the database, which every role that may connect can read.
             cursor.execute(STAMP_STATEMENT, [self.procedures_stamp, self.procedures_stamp])
 
     def drop_procedures(self, connection: BaseDatabaseWrapper) -> None:

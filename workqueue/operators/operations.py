@@ -690,9 +690,13 @@ def _filter_parameters(
         if (
             not isinstance(partition_key, str)
             or not partition_key
-            or key_length(partition_key) > MAX_KEY_LENGTH
+            # Characters, not UTF-16 units: a filter only selects, and a PostgreSQL database
+            # may hold keys of up to 200 emoji that earlier releases accepted.
+            or len(partition_key) > MAX_KEY_LENGTH
         ):
-            raise InvalidInputError(f"partition_key must be 1 to {MAX_KEY_LENGTH} {KEY_UNITS}.")
+            raise InvalidInputError(
+                f"partition_key must be 1 to {MAX_KEY_LENGTH} characters of text."
+            )
         partition_key = _storable(partition_key, "partition_key")
     for what, instant in window.items():
         if instant is not None and (not isinstance(instant, dt.datetime) or instant.tzinfo is None):

@@ -522,9 +522,12 @@ class DeliveryExecution:
             return _Decision(Outcome.RETRY, error=_not_an_outcome(outcome))
         # A handler's own dead letter keeps last_error as it was; a retry records its reason.
         error = outcome.reason if outcome.kind == Outcome.RETRY else None
+        reason = outcome.reason
+        if outcome.kind == Outcome.DEAD_LETTER and reason is not None:
+            reason = _cut_reason(reason)
         return _Decision(
             outcome.kind,
-            _storable(outcome.reason),
+            _storable(reason),
             outcome.delay_seconds,
             None if error is None else _error_text(error),
         )
@@ -1067,7 +1070,13 @@ def report_lease_expired_dead_letter(
 
 
 def _short(text: str) -> str:
-    text = text.strip() or "FatalWorkError"
+    """A FatalWorkError's message as a dead-letter reason."""
+    return _cut_reason(text.strip() or "FatalWorkError")
+
+
+def _cut_reason(text: str) -> str:
+    """``text`` as the reason column holds it (in UTF-16 units, as SQL Server counts), cut with
+    an ellipsis rather than by the database, which could cut through a character."""
     if key_length(text) <= MAX_REASON_LENGTH:
         return text
     return within_units(text, MAX_REASON_LENGTH - 1) + "…"

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from importlib import resources
 
+#: The latest migration that changes the procedures: the one that installs them (older ones are
+#: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
+LATEST_PROCEDURE_MIGRATION = "0046_backlog_counts_what_claims_may_take"
+
 INSTALL_ORDER = (
     "filters",
     "publish",
