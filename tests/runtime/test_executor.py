@@ -328,6 +328,16 @@ def test_the_backoff_grows_with_the_attempt_that_failed(rig, monkeypatch):
     assert delays == [10, 20, 40]
 
 
+def test_a_handlers_own_dead_letter_reason_is_stored_cut_in_utf16_units(rig):
+    """``Outcome.dead_letter(reason)`` reached SQL Server's LEFT(@reason, 100) whole, which cut
+    a last emoji in half (helper-105): it is cut as the column counts, with an ellipsis."""
+    sub = rig.subscription(max_attempts=3)
+
+    _, delivery, _ = rig.run(sub, {"then": "dead_letter", "reason": "r" * 99 + "\U0001f600"})
+
+    assert delivery.dead_letter_reason == "r" * 99 + "…"
+
+
 def test_any_other_exception_retries_with_the_traceback_in_last_error(rig):
     sub = rig.subscription(max_attempts=3)
 
