@@ -8,6 +8,7 @@ then to the latest, so the shared test database is never migrated backwards."""
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from workqueue.driver import get_driver
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 
 # Everything a migration decides about the schema, in comparable text.
+#: What earlier releases left for these tests (their calls, their procedure files).
+RELEASES = Path(__file__).resolve().parent / "releases"
+
 CATALOG_QUERIES = {
     "columns": """
         SELECT table_name, column_name, data_type, character_maximum_length, is_nullable,
@@ -236,6 +240,28 @@ def test_installing_leaves_the_topology_readable_and_writable_until_it_commits()
                 reader.execute(f"SELECT count(*) FROM {table}")
                 # Nor writers (an operator pausing a subscription in the admin meanwhile).
                 reader.execute(f"UPDATE {table} SET name = name WHERE false")
+
+
+@pytest.mark.django_db
+def test_every_call_of_the_previous_release_still_binds_to_the_procedures(pg_conn):
+    """A rolling deploy runs the previous release's processes on this release's procedures: each
+    call they make (named arguments, the columns they read, as its registry rendered them) must
+    still bind. A renamed parameter, a new one without a default, or a dropped column fails to
+    bind here; the install itself no longer stops at the first two (it drops and recreates), so
+    nothing else would say so before the old processes failed call by call."""
+    previous = json.loads((RELEASES / "previous_release_calls.json").read_text("utf-8"))
+    failed = {}
+    for name, sql in sorted(previous["calls"].items()):
+        pieces = sql.split("%s")  # PREPARE numbers its parameters
+        prepared = pieces[0] + "".join(f"${n}{piece}" for n, piece in enumerate(pieces[1:], 1))
+        try:
+            with pg_conn.transaction():
+                pg_conn.execute(f"PREPARE wq_previous_call AS {prepared}")
+                pg_conn.execute("DEALLOCATE wq_previous_call")
+        except psycopg.Error as exc:
+            failed[name] = str(exc).splitlines()[0]
+
+    assert failed == {}, f"calls of release {previous['release']} that no longer bind"
 
 
 def test_only_the_latest_procedure_migration_installs():

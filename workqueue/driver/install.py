@@ -13,7 +13,10 @@ CREATE OR REPLACE refuses) is dropped and created again by the install, its gran
 ``sql/postgresql/operator.sql``); on SQL Server CREATE OR ALTER makes any change in place.
 Roles that hold the runtime or operator grant get it renewed after every migrate
 (``renew_grants``), so new procedures and columns reach them. The install leaves a stamp of the
-files it ran (``BaseDriver.procedures_stamp``), which hosts and validate-bindings compare.
+files it ran (``BaseDriver.procedures_stamp``), which hosts and validate-bindings compare. The
+previous release's calls must keep binding (tests/integration/releases/
+previous_release_calls.json, checked by test_migrations.py): a parameter renamed, or a new one
+without a default, breaks its processes during a rolling deploy.
 """
 
 from __future__ import annotations
