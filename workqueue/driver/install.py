@@ -32,9 +32,7 @@ from django.db.migrations.recorder import MigrationRecorder
 from workqueue.driver import driver_for_connection, get_driver
 from workqueue.driver.procedures import Grant
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.sql import LATEST_PROCEDURE_MIGRATION
-
-__all__ = ["LATEST_PROCEDURE_MIGRATION"]  # kept here for callers that import it from here
+from workqueue.sql import LATEST_PROCEDURE_MIGRATION  # callers (and tests) import it from here
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +46,16 @@ def install_procedures_step(migration_name: str) -> MigrationStep:
 
     def install(apps: Any, schema_editor: Any) -> None:
         if migration_name == LATEST_PROCEDURE_MIGRATION:
-            driver = driver_for_connection(schema_editor.connection)
-            driver.install_procedures(schema_editor.connection)
-            driver.tune_queue_tables(schema_editor.connection)
+            _install(schema_editor.connection)
 
     return install
+
+
+def _install(connection: BaseDatabaseWrapper) -> None:
+    """The procedures from the current files, and the queue tables' vendor settings."""
+    driver = driver_for_connection(connection)
+    driver.install_procedures(connection)
+    driver.tune_queue_tables(connection)
 
 
 def drop_procedures_step(apps: Any, schema_editor: Any) -> None:
@@ -96,10 +99,8 @@ def reinstall_procedures(connection: BaseDatabaseWrapper) -> dict[Grant, list[st
     """Install the procedures from the current files and renew the grants, in one transaction
     on ``connection`` (the owner's), as the latest procedure migration does; the roles renewed.
     For a database that records that migration but holds another release's procedures."""
-    driver = driver_for_connection(connection)
     with transaction.atomic(using=connection.alias):
-        driver.install_procedures(connection)
-        driver.tune_queue_tables(connection)
+        _install(connection)
         return renew_grants(connection)
 
 

@@ -221,13 +221,6 @@ def qualify_own_objects(sql: str, schema: str, functions: Iterable[str]) -> str:
     return sql
 
 
-_CLAIM_SIGNATURE = (
-    "SELECT p.oid::regprocedure::text FROM pg_proc p "
-    "JOIN pg_namespace n ON n.oid = p.pronamespace "
-    "WHERE n.nspname = current_schema() AND p.proname = 'wq_claim'"
-)
-
-
 class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
@@ -300,8 +293,9 @@ class PostgresDriver(BaseDriver):
                         )
                 else:
                     cursor.execute(f"DROP FUNCTION {signature}")
-            # On wq_claim, whose comment any role reads (the stamp is hex: no quoting needed).
-            cursor.execute(_CLAIM_SIGNATURE)
+            # On wq_claim, found as the calls and the stamp's readers find it; any role reads
+            # its comment (the stamp is hex and words: no quoting needed).
+            cursor.execute("SELECT to_regproc('wq_claim')::regprocedure::text")
             claim = cursor.fetchone()[0]
             cursor.execute(f"COMMENT ON FUNCTION {claim} IS '{self.procedures_stamp}'")
 
