@@ -496,6 +496,60 @@ def test_the_failed_task_log_line_carries_the_tasks_own_traceback(run_host, capl
     assert [r for r in caplog.records if r.exc_info] == [line]
 
 
+@pytest.fixture
+def task_errors_refused() -> Iterator[None]:
+    """The database refuses to add a run's error to a task result, and nothing else (a
+    trigger: a run's recording failing as it would with the database in trouble)."""
+    table = TaskResult._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION wq_test_refuse_task_errors() RETURNS trigger LANGUAGE plpgsql "
+            "AS $$ BEGIN RAISE EXCEPTION 'task errors refused by this test'; END $$"
+        )
+        cursor.execute(
+            f"CREATE TRIGGER wq_test_refuse_task_errors BEFORE UPDATE ON {table} FOR EACH ROW "
+            "WHEN (NEW.errors IS DISTINCT FROM OLD.errors) "
+            "EXECUTE FUNCTION wq_test_refuse_task_errors()"
+        )
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TRIGGER wq_test_refuse_task_errors ON {table}")
+        cursor.execute("DROP FUNCTION wq_test_refuse_task_errors()")
+
+
+def test_a_task_error_that_could_not_be_recorded_is_logged_and_settles_the_run(
+    run_host, task_errors_refused, caplog
+):
+    """The recording's own error took the task's place: the delivery was dead-lettered with
+    the database's refusal as its last error, and, the host leaving a task's traceback to
+    django_tasks (which reads the result's errors, empty here), the task's traceback reached
+    no log."""
+    failing = always_fails.enqueue("why it failed")
+    with caplog.at_level(logging.ERROR):
+        run_host()
+        failed = finished(failing.id)
+
+    assert failed.status == TaskResultStatus.FAILED and failed.errors == []
+    delivery = Delivery.objects.get(message_id=failing.id)
+    assert delivery.last_error.splitlines()[-1] == "ValueError: why it failed"
+    unrecorded = [r for r in caplog.records if "could not be added to its result" in r.getMessage()]
+    assert len(unrecorded) == failed.attempts == 2
+    assert "task errors refused by this test" in unrecorded[-1].getMessage()
+    assert isinstance(unrecorded[-1].exc_info[1], ValueError)
+
+
+def test_a_return_value_that_is_not_json_fails_at_once_even_when_its_error_is_not_recorded(
+    run_host, task_errors_refused
+):
+    """The recording's error was raised instead of the dead-letter-now decision: the task ran
+    again, its side effects with it."""
+    result = returns_a_tuple.enqueue()
+    run_host()
+    failed = finished(result.id)
+    assert failed.status == TaskResultStatus.FAILED and failed.attempts == 1
+    assert "return value is a tuple" in Delivery.objects.get(message_id=result.id).last_error
+
+
 def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):
     result = returns_a_tuple.enqueue()
     run_host()

@@ -61,7 +61,7 @@ class TaskHandler(BaseWorkHandler):
             task = task_message.load_task()
         except Exception as exc:
             # Retried like a failing task: a host running older code may import it later.
-            record_failure(result_id, exc, context)
+            _record(result_id, exc, context)
             raise
         running = build_result(
             task,
@@ -127,7 +127,7 @@ def _record_and_raise(result_id: str, exc: Exception, context: WorkContext) -> N
     """Record the task's failure ``exc`` (after the rollback, on its own: the failure
     outlives the task's work) and raise what the executor settles by."""
     if isinstance(exc, _UnusableReturnValue):
-        record_failure(result_id, exc.error, context)
+        _record(result_id, exc.error, context)
         # Running it again would return the same kind of value: dead-letter it now.
         raise FatalWorkError(str(exc.error)) from exc.error
     if isinstance(exc, RuntimeError) and _is_durable_block_refusal(exc):
@@ -137,11 +137,31 @@ def _record_and_raise(result_id: str, exc: Exception, context: WorkContext) -> N
             "refuses a durable block: use transaction.atomic() without durable=True in tasks."
         )
         explained.__cause__ = exc
-        record_failure(result_id, explained, context)
+        _record(result_id, explained, context)
         # Every attempt would fail the same way: dead-letter it now.
         raise FatalWorkError(str(explained)) from exc
-    record_failure(result_id, exc, context)
+    _record(result_id, exc, context)
     raise exc
+
+
+def _record(result_id: str, error: BaseException, context: WorkContext) -> None:
+    """Add ``error`` to the task's result; when that fails, log it with its traceback instead.
+
+    The run still settles by the task's own failure (a value that cannot be stored still
+    dead-letters at once): the recording's error would have taken its place, and with the
+    host's dead-letter line leaving tracebacks to django_tasks (``logs_failures``), whose
+    line reads the result's errors, the task's traceback would have reached no log."""
+    try:
+        record_failure(result_id, error, context)
+    except Exception as recording_error:
+        logger.error(
+            "Task result %s: the task failed and its error could not be added to its result "
+            "(%s: %s); the task's error follows",
+            result_id,
+            type(recording_error).__name__,
+            str(recording_error).strip().partition("\n")[0],
+            exc_info=error,
+        )
 
 
 class _UnusableReturnValue(Exception):
