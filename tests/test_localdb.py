@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import signal
 import socket
 import subprocess
@@ -275,30 +276,44 @@ def test_a_server_listening_on_tcp_is_replaced_by_a_socket_only_one(cluster_dir:
 # (audit helper-71)
 
 
+# A user's folder: by the name of one of its entries (a folder named "data" or "server.log"
+# was taken for the embedded database's own by its name alone: emptied by a start, deleted by
+# `destroy`; audit helper-106), and the entry the error names.
+USERS_FOLDERS = {
+    "a folder of documents": ("docs/thesis.txt", "docs"),
+    "a folder named data": ("data/thesis.txt", "data"),
+    "a folder named as a log": ("server.log/thesis.txt", "server.log"),
+}
+
+
+@pytest.mark.parametrize("layout", USERS_FOLDERS)
 def test_destroy_refuses_a_folder_holding_anything_else_and_deletes_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
     # A mistyped WORKQUEUE_LOCALDB_DIR (a home directory) was deleted whole by `destroy`.
+    users_file, named = USERS_FOLDERS[layout]
     folder = Path(tempfile.mkdtemp(prefix="wq-not-a-cluster-", dir="/tmp"))
-    (folder / "docs").mkdir()
-    (folder / "docs" / "thesis.txt").write_text("important")
+    (folder / users_file).parent.mkdir()
+    (folder / users_file).write_text("important")
     monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(folder))
     try:
-        with pytest.raises(localdb.LocalDBError, match=r"did not make \(docs\)"):
+        with pytest.raises(localdb.LocalDBError, match=rf"did not make \({re.escape(named)}\)"):
             localdb.destroy()
-        assert (folder / "docs" / "thesis.txt").read_text() == "important"
+        assert (folder / users_file).read_text() == "important"
     finally:
         subprocess.run(["rm", "-rf", str(folder)], check=True)
 
 
-@pytest.mark.parametrize("shape", ["a folder with files of its own", "a file"])
+@pytest.mark.parametrize("shape", ["a folder with files of its own", "a file", *USERS_FOLDERS])
 def test_a_start_refuses_a_path_that_is_not_its_own_and_changes_nothing(
     monkeypatch: pytest.MonkeyPatch, shape: str
 ) -> None:
     # A start chown-ed the folder to the server's account and made it 0700 (a file too).
     folder = Path(tempfile.mkdtemp(prefix="wq-not-a-cluster-", dir="/tmp"))
     target = folder / "notes.txt" if shape == "a file" else folder
-    (folder / "notes.txt").write_text("mine")
+    users_file = USERS_FOLDERS[shape][0] if shape in USERS_FOLDERS else "notes.txt"
+    (folder / users_file).parent.mkdir(exist_ok=True)
+    (folder / users_file).write_text("mine")
     os.chmod(folder, 0o755)
     before = target.stat()
     monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(target))
@@ -307,8 +322,21 @@ def test_a_start_refuses_a_path_that_is_not_its_own_and_changes_nothing(
             localdb.ensure_running()
         after = target.stat()
         assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)
+        assert (folder / users_file).read_text() == "mine"
     finally:
         subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+def test_a_first_start_interrupted_during_initdb_is_made_again(cluster_dir: Path) -> None:
+    # What initdb leaves when killed: a data folder with part of a cluster, its start marked.
+    localdb.ensure_running()
+    localdb.stop()
+    (cluster_dir / "initdb.done").rename(cluster_dir / "initdb.started")
+    (cluster_dir / "data" / "PG_VERSION").unlink()
+
+    assert select_one(localdb.ensure_running())[0] == "workqueue"
+    assert (cluster_dir / "initdb.done").is_file()
+    assert not (cluster_dir / "initdb.started").exists()
 
 
 def test_a_deleted_socket_folder_is_made_again(cluster_dir: Path) -> None:

@@ -85,11 +85,14 @@ _STATE_FILE = "state.json"
 _LOCK_FILE = "lock"
 _LOG_FILE = "server.log"
 _INITDB_DONE = "initdb.done"
-#: Everything this module keeps in its folder (and a state file being written,
-#: ``state.json.<pid>.tmp``); a folder holding anything else is not its own to take over
-#: (chown, chmod) or to delete.
-_OWN_ENTRIES = frozenset(
-    {"data", _STATE_FILE, _LOCK_FILE, _LOG_FILE, f"{_LOG_FILE}.1", _INITDB_DONE}
+# Written before initdb runs: an initdb that was interrupted left a data folder of its own.
+_INITDB_STARTED = "initdb.started"
+_DATA = "data"
+#: The files this module keeps in its folder (and a state file being written,
+#: ``state.json.<pid>.tmp``), and its one folder, ``data``: a folder holding anything else is
+#: not its own to take over (chown, chmod) or to delete.
+_OWN_FILES = frozenset(
+    {_STATE_FILE, _LOCK_FILE, _LOG_FILE, f"{_LOG_FILE}.1", _INITDB_DONE, _INITDB_STARTED}
 )
 _STATE_FILE_BEING_WRITTEN = re.compile(re.escape(_STATE_FILE) + r"\.\d+\.tmp")
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
@@ -258,6 +261,8 @@ def destroy() -> None:
     for entry in base.iterdir():
         if not _is_own_entry(entry.name):
             continue  # appeared since the check: not ours to delete (and the folder stays)
+        # Checked above: its own data folder, or one of its files (a folder of that name
+        # appearing since would be left, and the folder with it).
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
@@ -269,7 +274,29 @@ def destroy() -> None:
 def _is_own_entry(name: str) -> bool:
     # A state file being written (by another process starting now, or left by one killed
     # before its rename) is ours too.
-    return name in _OWN_ENTRIES or _STATE_FILE_BEING_WRITTEN.fullmatch(name) is not None
+    return (
+        name == _DATA or name in _OWN_FILES or _STATE_FILE_BEING_WRITTEN.fullmatch(name) is not None
+    )
+
+
+def _is_own(base: Path, entry: Path) -> bool:
+    """Whether ``entry`` of ``base`` is what this module made: one of its files (a plain file,
+    not a folder or a link by that name), or its data folder, which is its own only when
+    empty or when an initdb of its own ran (or began) there: a user's ``data`` folder is not
+    the embedded database's to empty because of its name."""
+    if not _is_own_entry(entry.name):
+        return False
+    if entry.is_symlink():
+        return False
+    if entry.name != _DATA:
+        return entry.is_file()
+    if not entry.is_dir():
+        return False
+    return (
+        (base / _INITDB_DONE).is_file()
+        or (base / _INITDB_STARTED).is_file()
+        or next(entry.iterdir(), None) is None
+    )
 
 
 def _require_own_folder(base: Path, action: str) -> None:
@@ -281,13 +308,20 @@ def _require_own_folder(base: Path, action: str) -> None:
         )
     if not base.is_dir():
         return
-    foreign = sorted(entry.name for entry in base.iterdir() if not _is_own_entry(entry.name))
+    foreign = sorted(entry.name for entry in base.iterdir() if not _is_own(base, entry))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise LocalDBError(
             f"{base} holds files the embedded database did not make ({shown}): it will not "
             f"{action} that folder. Check {DIR_VARIABLE}, and point it at a new or empty "
             "folder."
+            + (
+                f" (A {_DATA} folder is its own beside {_INITDB_DONE} or {_INITDB_STARTED}: one "
+                "without either, left by an interrupted first start of an earlier release, is "
+                "for you to delete.)"
+                if _DATA in foreign
+                else ""
+            )
         )
 
 
@@ -701,6 +735,9 @@ def _initialised_version(base: Path, pgdata: Path) -> str | None:
 def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
     # Called without a completed initdb: nothing there, or an initdb that was interrupted.
     # No server runs on it (the caller made sure), so start from scratch.
+    # Before the data folder is made, and before the mark of a completed initdb goes, so that
+    # the data folder is never left unclaimed: if initdb is interrupted, what it left is ours.
+    (base / _INITDB_STARTED).write_text(f"{bindir}\n")
     (base / _INITDB_DONE).unlink(missing_ok=True)
     shutil.rmtree(pgdata, ignore_errors=True)
     cmd = [
@@ -723,6 +760,7 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
             f"{(proc.stdout + proc.stderr).strip()}"
         )
     (base / _INITDB_DONE).write_text(f"{bindir}\n")
+    (base / _INITDB_STARTED).unlink()
 
 
 def _wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
