@@ -23,8 +23,7 @@ class WorkqueueConfig(AppConfig):
         )
         from workqueue.driver import close_before_database_administration, close_thread_connections
         from workqueue.driver.install import renew_grants_after_migrate
-        from workqueue.models.queue import Deduplication, Delivery, Message
-        from workqueue.models.readonly import refuse_signalled_write
+        from workqueue.models.readonly import DriverOwnedModel, refuse_signalled_write
         from workqueue.models.topology import (
             Subscription,
             Topic,
@@ -55,8 +54,11 @@ class WorkqueueConfig(AppConfig):
                 validate_topology_write, sender=model, dispatch_uid=f"workqueue-{model.__name__}"
             )
         # Model.save_base (loaddata's raw saves) and an unbound Model.delete skip the models'
-        # own save()/delete(); the signals reach the driver-owned models all the same.
-        for model in (Message, Delivery, Deduplication):
+        # own save()/delete(); the signals reach the driver-owned models all the same. Every
+        # one of them: with no receiver an unbound delete takes Django's fast path.
+        for model in self.get_models():
+            if not issubclass(model, DriverOwnedModel):
+                continue
             for signal in (pre_save, pre_delete):
                 signal.connect(
                     refuse_signalled_write,

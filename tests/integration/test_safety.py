@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.apps import apps
 from django.core import serializers
 from django.core.exceptions import ValidationError
 from django.core.management import call_command
@@ -27,7 +28,16 @@ from tests.support.database import lock_waits, psycopg_params
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import DriverOwnedWriteError
-from workqueue.models import Deduplication, Delivery, Message, Subscription, Topic
+from workqueue.models import (
+    Deduplication,
+    Delivery,
+    Message,
+    RateLimitBucket,
+    Subscription,
+    SweepLock,
+    Topic,
+)
+from workqueue.models.readonly import DriverOwnedModel
 from workqueue.transport import Receiver
 
 # Most tests need committed data (the driver works on its own connection); the read-only guard
@@ -268,6 +278,46 @@ def test_a_message_without_deliveries_is_still_refused_by_an_unbound_model_delet
         models.Model.delete(message)
 
     assert Message.objects.filter(pk=message.pk).exists()
+
+
+def test_every_driver_owned_model_is_one_whose_writes_these_tests_try():
+    owned = {
+        m for m in apps.get_app_config("workqueue").get_models() if issubclass(m, DriverOwnedModel)
+    }
+    assert owned == {Message, Delivery, Deduplication, RateLimitBucket, SweepLock}
+
+
+_COUNTER_WRITES = [
+    "instance.save",
+    "instance.delete",
+    "queryset.delete",
+    "Model.delete",
+    "Model.save_base",
+    "Model.save_base(raw=True)",
+    "loaddata",
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("model", [RateLimitBucket, SweepLock], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("write", _COUNTER_WRITES)
+def test_the_procedures_own_counters_refuse_orm_writes_too(model, write):
+    """Only the message, delivery and deduplication models were refused through the signals:
+    an unbound Model.delete (Django's fast path, with no receiver to stop it) deleted a rate
+    limit's bucket or the sweep lock's row (audit helper-106)."""
+    if model is RateLimitBucket:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO workqueue_rate_limit_bucket (subscription_id, tokens, refilled_at) "
+                "VALUES (%s, 1, now())",
+                [uuid.uuid4()],
+            )
+    row = model.objects.get()
+    before = list(model.objects.values())
+    with pytest.raises(DriverOwnedWriteError), transaction.atomic():
+        _WRITES[write](model, row)
+
+    assert list(model.objects.values()) == before
 
 
 @pytest.mark.django_db
