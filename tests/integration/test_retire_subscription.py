@@ -141,6 +141,23 @@ def test_discards_made_before_the_wait_ran_out_are_reported_with_the_backlog_com
     assert f"`manage.py workqueue backlog -s {sub.name}`" in str(refused.value)
 
 
+def test_the_purge_of_a_disabled_subscription_deletes_only_settled_deliveries():
+    """What keeps retiring from losing work silently is that the purge leaves every unsettled
+    row, whatever its caller asked: no test ran it on a subscription still holding one
+    (audit helper-106: a purge of dead letters too went unseen)."""
+    sub = SubscriptionFactory()
+    with_every_status(sub)
+    publish(sub.topic.name, {"n": "another"})
+    receiver = Receiver(sub.id)
+    (running,) = receiver.receive(1).deliveries  # one of the two waiting: InFlight now
+    Subscription.objects.filter(pk=sub.pk).update(status="Disabled")
+
+    assert transport.retire_purge(str(sub.id), 100) == 1
+
+    assert statuses(sub) == ["DeadLettered", "InFlight", "Pending"]
+    assert receiver.complete(running).settled
+
+
 def test_the_procedures_touch_nothing_of_a_subscription_that_is_not_disabled():
     sub = SubscriptionFactory()
     with_every_status(sub)

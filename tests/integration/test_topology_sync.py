@@ -122,6 +122,31 @@ def test_an_invalid_row_is_reported_like_the_admin_and_nothing_is_written(declar
     assert not Subscription.objects.filter(name="shop.refunds-audit").exists()
 
 
+def test_invalid_changes_to_stored_rows_are_all_reported_and_nothing_is_written(declare):
+    """Rows already stored are validated like new ones: each invalid change named, none
+    written (audit helper-106: with updates unvalidated, the model's own guard stopped the
+    sync at the first bad row, with another error, naming only that one)."""
+    declare(DECLARED)
+    sync()
+    invalid = {"backoff_base_seconds": 60, "backoff_max_seconds": 10}
+    subscriptions = DECLARED["subscriptions"]
+    declare(
+        {
+            "topics": {"shop.orders": {"allow_external_publish": True, "retention_days": 5}},
+            "subscriptions": {name: {**row, **invalid} for name, row in subscriptions.items()},
+        }
+    )
+
+    with pytest.raises(CommandError) as exc:
+        sync()
+
+    text = str(exc.value)
+    for name in subscriptions:
+        assert f"subscription {name}: backoff_max_seconds: Must be at least" in text
+    assert Topic.objects.get(name="shop.orders").retention_days == 3
+    assert not Subscription.objects.filter(backoff_max_seconds=10).exists()
+
+
 def test_unknown_fields_are_refused_naming_the_row_and_the_fields():
     from django.test import override_settings
 
