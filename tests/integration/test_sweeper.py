@@ -156,9 +156,17 @@ _HOLDER_QUERY = re.search(r"`(SELECT l\.pid.*?)`", _ALERTS.read_text(), re.S)[1]
 
 
 @contextmanager
-def sweep_lock_held_elsewhere(pg_conn: Any, seconds: float = 10) -> Iterator[int]:
+def sweep_lock_held_elsewhere(
+    pg_conn: Any, seconds: float = 10, *, flushed: bool = False
+) -> Iterator[int]:
     """Hold the sweep lock on another thread (another connection) for the block, or at most
-    ``seconds``; yields the holding session's pid."""
+    ``seconds``; yields the holding session's pid. Its row is there as `migrate` leaves it
+    (an earlier test's flush emptied the table: then both sweepers only met on putting it
+    back, and a lock any two could share went unseen), or, ``flushed``, gone."""
+    if flushed:
+        pg_conn.execute("DELETE FROM workqueue_sweep_lock")
+    else:
+        pg_conn.execute("INSERT INTO workqueue_sweep_lock (id) VALUES (1) ON CONFLICT DO NOTHING")
     holding, release = threading.Event(), threading.Event()
     holder_pid: list[int] = []
 
@@ -200,8 +208,7 @@ def test_the_sweep_lock_outlives_a_flush_of_its_row(pg_conn):
     """`manage.py flush` (and a test run's) empties every table, the sweep lock's one row too:
     the first sweeper to miss it puts it back and holds it, and a second one meanwhile skips its
     pass at once instead of waiting for the first's to end."""
-    pg_conn.execute("DELETE FROM workqueue_sweep_lock")
-    with sweep_lock_held_elsewhere(pg_conn, seconds=30):
+    with sweep_lock_held_elsewhere(pg_conn, seconds=30, flushed=True):
         began = time.monotonic()
         assert Sweeper().run_once().skipped
         assert time.monotonic() - began < 20  # did not wait for the holder's 30 s

@@ -72,6 +72,12 @@ def cancel_in_flight(ctx: CaseContext) -> None:
     )
     expect_equal(receiver.extend_lease(delivery).state, "Cancelled", "heartbeat after cancel")
     expect_equal(receiver.complete(delivery).outcome, "LeaseLost", "complete after cancel")
+    # The host completes in batches: the same fence holds there.
+    expect_equal(
+        receiver.complete_many([delivery])[delivery.delivery_id].outcome,
+        "LeaseLost",
+        "batched complete after cancel",
+    )
     expect_equal(receiver.retry(delivery, 0).outcome, "LeaseLost", "retry after cancel")
     # The digest names complete and retry; the same fence stops the other two settles.
     expect_equal(
