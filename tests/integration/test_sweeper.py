@@ -321,6 +321,19 @@ def test_sweep_once_fails_when_a_step_failed(pg_conn):
     assert "orphan_messages=-1" in out.getvalue() and "terminal_deliveries=0" in out.getvalue()
 
 
+def test_sweep_once_fails_when_its_pass_could_not_run(pg_conn):
+    """A pass that fails whole (here the sweep lock cannot be asked for) fails the job: a cron
+    job whose every pass failed must not exit 0 (audit helper-107: returning instead of raising
+    went unseen)."""
+    with (
+        acting_as_granted_role(
+            pg_conn, "wq_sweeper", "grant-runtime", revoked=["wq_try_sweep_lock"]
+        ),
+        pytest.raises(Exception, match="permission denied"),
+    ):
+        call_command("workqueue_sweep", "--once", stdout=io.StringIO())
+
+
 def test_a_standalone_sweeper_outlives_a_failing_pass(monkeypatch, settings, caplog):
     # It ended at the first database error (a restart, a failover), while a host's sweeper
     # logs the failure and passes again an interval later.
