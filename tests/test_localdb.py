@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import environ
 import psycopg
@@ -337,6 +338,156 @@ def test_a_first_start_interrupted_during_initdb_is_made_again(cluster_dir: Path
     assert select_one(localdb.ensure_running())[0] == "workqueue"
     assert (cluster_dir / "initdb.done").is_file()
     assert not (cluster_dir / "initdb.started").exists()
+
+
+# -- what another account can plant, and a damaged cluster (audit helper-108) -------------------
+
+
+@pytest.fixture
+def victim() -> Iterator[Path]:
+    """A file of the caller's that a link planted in the cluster's folders points at."""
+    folder = Path(tempfile.mkdtemp(prefix="wq-victim-", dir="/tmp"))
+    path = folder / "victim"
+    path.write_text("untouched")
+    os.chmod(path, 0o600)
+    yield path
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+def test_a_start_writes_through_no_link_planted_in_the_data_folder(
+    cluster_dir: Path, victim: Path
+) -> None:
+    """The data folder is the server account's: a link it left at the name a start writes
+    pg_hba.conf to had root overwrite the file it points at and give it to that account."""
+    localdb.ensure_running()
+    localdb.stop()
+    before = victim.stat()
+    (cluster_dir / "data" / f"pg_hba.conf.{os.getpid()}.tmp").symlink_to(victim)
+
+    assert select_one(localdb.ensure_running())[0] == "workqueue"
+
+    assert victim.read_text() == "untouched"
+    assert (victim.stat().st_uid, victim.stat().st_mode) == (before.st_uid, before.st_mode)
+
+
+def test_a_start_writes_its_state_through_no_link_planted_while_it_starts(
+    cluster_dir: Path, victim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create_database = localdb._create_database
+
+    def plant_then_create(*args: Any) -> None:
+        (cluster_dir / f"state.json.{os.getpid()}.tmp").symlink_to(victim)
+        create_database(*args)
+
+    monkeypatch.setattr(localdb, "_create_database", plant_then_create)
+
+    assert select_one(localdb.ensure_running())[0] == "workqueue"
+
+    assert victim.read_text() == "untouched"
+    assert not (cluster_dir / "state.json").is_symlink()
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_creates_nothing(cluster_dir: Path) -> None:
+    localdb.ensure_running()
+    localdb.stop()
+    target = Path(tempfile.mkdtemp(prefix="wq-victim-", dir="/tmp")) / "nologin"
+    (cluster_dir / "lock").unlink()
+    (cluster_dir / "lock").symlink_to(target)
+    try:
+        for action in (localdb.stop, localdb.ensure_running):
+            with pytest.raises(localdb.LocalDBError):
+                action()
+        assert not target.exists()
+    finally:
+        (cluster_dir / "lock").unlink()
+        subprocess.run(["rm", "-rf", str(target.parent)], check=True)
+
+
+def test_a_cluster_whose_version_cannot_be_read_is_not_made_again_over_its_data(
+    cluster_dir: Path,
+) -> None:
+    """It was taken for an initdb never done: deleted and replaced by an empty database, and
+    the start succeeded without a word."""
+    localdb.ensure_running()
+    localdb.stop()
+    (cluster_dir / "data" / "PG_VERSION").unlink()
+    (cluster_dir / "data" / "keep.txt").write_text("the data")
+
+    with pytest.raises(localdb.LocalDBError, match="looks damaged"):
+        localdb.ensure_running()
+
+    assert (cluster_dir / "data" / "keep.txt").read_text() == "the data"
+
+
+def test_stop_refuses_a_folder_it_did_not_make_and_touches_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`start` and `destroy` refused it, `stop` did not: it stopped someone's own cluster kept
+    in a folder named data, and left a lock file there."""
+    folder = Path(tempfile.mkdtemp(prefix="wq-not-a-cluster-", dir="/tmp"))
+    (folder / "data").mkdir()
+    (folder / "data" / "PG_VERSION").write_text("15\n")
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(folder))
+    try:
+        with pytest.raises(localdb.LocalDBError, match=r"did not make \(data\)") as refused:
+            localdb.stop()
+        assert "for you to delete" not in str(refused.value)  # a cluster: no such advice
+        assert sorted(p.name for p in folder.iterdir()) == ["data"]
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_a_socket_folder_another_user_made_again_is_never_handed_out(cluster_dir: Path) -> None:
+    """/tmp cleaned while the server ran, and the socket folder's (predictable) name taken by
+    another user with a server of their own: url() handed it out, and every query went to it."""
+    localdb.ensure_running()
+    sockdir = localdb._socket_dir(cluster_dir)
+    subprocess.run(["rm", "-rf", str(sockdir)], check=True)
+    sockdir.mkdir()
+    nobody = pwd.getpwnam("nobody")
+    os.chown(sockdir, nobody.pw_uid, nobody.pw_gid)
+    os.chmod(sockdir, 0o777)
+    impostor = socket.socket(socket.AF_UNIX)
+    impostor.bind(str(sockdir / f".s.PGSQL.{localdb.PORT}"))
+    impostor.listen()
+    impostor.setblocking(False)
+    try:
+        assert localdb.url() is None
+        with pytest.raises(localdb.LocalDBError, match="not a folder owned by this user"):
+            localdb.ensure_running()
+        with pytest.raises(BlockingIOError):
+            impostor.accept()  # nobody connected to it
+    finally:
+        impostor.close()
+        subprocess.run(["rm", "-rf", str(sockdir)], check=True)
+
+
+def test_a_stale_pidfile_naming_another_servers_segment_does_not_hold_up_a_start(
+    cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Segment ids are reused after a reboot or in a new container: a stale postmaster.pid
+    naming one that another server now holds made a start wait 30 s, then fail saying
+    processes of the old server were still running (audit helper-108)."""
+    localdb.ensure_running()
+    live = (cluster_dir / "data" / "postmaster.pid").read_text().splitlines()
+    other = Path(tempfile.mkdtemp(prefix="wq-localdb-test-", dir="/tmp"))
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(other))
+    try:
+        localdb.ensure_running()
+        localdb.stop()
+        finished = subprocess.Popen(["true"])
+        finished.wait()
+        # The other cluster's pidfile as a crash would leave it, with the live one's segment.
+        stale = [str(finished.pid), *live[1:7], "ready"]
+        (other / "data" / "postmaster.pid").write_text("\n".join(stale) + "\n")
+        began = time.monotonic()
+
+        assert select_one(localdb.ensure_running())[0] == "workqueue"
+        assert time.monotonic() - began < 20  # not the 30 s wait for a segment to detach
+    finally:
+        localdb.destroy()
+        monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(cluster_dir))
 
 
 def test_a_deleted_socket_folder_is_made_again(cluster_dir: Path) -> None:

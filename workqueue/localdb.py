@@ -56,6 +56,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -168,8 +169,10 @@ def url() -> str | None:
         return None
     if pm.listen:
         return None  # listening on TCP (started by an older version or by hand): restart it
-    if not (_socket_dir(base) / f".s.PGSQL.{port}").exists():
-        return None  # the socket folder was deleted (/tmp cleaned): restart it there
+    if not _socket_dir_is_ours(base) or not (_socket_dir(base) / f".s.PGSQL.{port}").exists():
+        # The socket folder was deleted (/tmp cleaned): restart it there. Or made again by
+        # another user, whose server would read every query: the start refuses it.
+        return None
     # A live, non-zombie process whose command line names this data folder: the postmaster
     # itself, not a process that reused its pid. (No TCP probe: each one forks a backend.)
     if not _process_alive(pid) or not _is_postmaster_of(pid, pgdata):
@@ -242,6 +245,8 @@ def stop() -> None:
     base = data_dir()
     if not base.is_dir():
         return
+    # Not someone else's server either (a cluster of theirs in a folder named data).
+    _require_own_folder(base, "stop")
     with _locked(base):
         # state.json stays: it no longer matches postmaster.pid (url() returns None as soon as
         # the server reports "stopping"), and the next start rewrites it.
@@ -320,6 +325,8 @@ def _require_own_folder(base: Path, action: str) -> None:
                 "without either, left by an interrupted first start of an earlier release, is "
                 "for you to delete.)"
                 if _DATA in foreign
+                and not (base / _DATA).is_symlink()
+                and not (base / _DATA / "PG_VERSION").exists()
                 else ""
             )
         )
@@ -439,6 +446,17 @@ def _check_reachable(base: Path, account: _Account) -> None:
             )
 
 
+def _socket_dir_is_ours(base: Path) -> bool:
+    """Whether the socket folder is the one a start made: a folder (not a link) that only its
+    owner may enter, owned by the server's account (which owns ``base``) or by this user."""
+    try:
+        st = os.lstat(_socket_dir(base))
+        owners = {os.geteuid(), base.stat().st_uid}
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077 and st.st_uid in owners
+
+
 def _prepare_socket_dir(base: Path, account: _Account) -> Path:
     path = _socket_dir(base)
     with contextlib.suppress(FileExistsError):
@@ -458,7 +476,16 @@ def _prepare_socket_dir(base: Path, account: _Account) -> Path:
 
 @contextlib.contextmanager
 def _locked(base: Path) -> Iterator[None]:
-    fd = os.open(base / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        # Not through a link: root would create, or lock, the file it points at.
+        fd = os.open(
+            base / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+        )
+    except OSError as exc:
+        raise LocalDBError(
+            f"Cannot open {base / _LOCK_FILE} (a link is never followed): {exc}. Remove it "
+            "and retry."
+        ) from exc
     try:
         deadline = time.monotonic() + _LOCK_TIMEOUT_S
         while True:
@@ -517,14 +544,14 @@ def _process_alive(pid: int) -> bool:
     """True if ``pid`` runs; zombies count as dead (this machine's init may never reap them)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
+            status_line = fh.read()
     except FileNotFoundError:
         if not os.path.isdir("/proc/self"):
             return _signal_alive(pid)
         return False
     except OSError:
         return _signal_alive(pid)
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    state = status_line[status_line.rfind(b")") + 2 : status_line.rfind(b")") + 3]
     return state not in (b"Z", b"X", b"x")
 
 
@@ -555,22 +582,25 @@ def _is_postmaster_of(pid: int, pgdata: Path) -> bool:
         return target == str(pgdata)
 
 
-def _shmem_attached(shmid: int | None) -> bool:
+def _shmem_attached(pm: _Postmaster) -> bool:
     """True while any process is attached to the old server's SysV segment.
 
     PostgreSQL itself refuses to start while the previous server's segment is attached; checking
     it here lets us remove a stale ``postmaster.pid`` (e.g. naming a zombie) without losing that
-    protection against two servers on one data folder.
+    protection against two servers on one data folder. The segment is that server's only if
+    its postmaster made it: after a reboot (or in a new container) the recorded id may name
+    another server's segment, which made a start wait 30 s and then fail.
     """
-    if shmid is None:
+    if pm.shmid is None:
         return False
     try:
         rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
     except OSError:
         return False
     for row in rows:
+        # key shmid perms size cpid lpid nattch ...
         cols = row.split()
-        if len(cols) > 6 and cols[1] == str(shmid):
+        if len(cols) > 6 and cols[1] == str(pm.shmid) and cols[4] == str(pm.pid):
             return int(cols[6]) > 0
     return False
 
@@ -723,13 +753,25 @@ def _log_tail(base: Path, lines: int = 30) -> str:
 
 
 def _initialised_version(base: Path, pgdata: Path) -> str | None:
-    """The cluster's major version, or None when there is no completed initdb."""
+    """The cluster's major version, or None when there is no completed initdb. A completed
+    one whose version cannot be read is damaged, not missing: it is never made again over
+    (that would replace the database with an empty one without a word)."""
     if not (base / _INITDB_DONE).exists():
         return None
     try:
-        return (pgdata / "PG_VERSION").read_text().strip() or None
-    except OSError:
-        return None
+        version = (pgdata / "PG_VERSION").read_text().strip()
+    except OSError as exc:
+        version, problem = "", str(exc)
+    else:
+        problem = "it is empty"
+    if not version:
+        raise LocalDBError(
+            f"The embedded database in {pgdata} looks damaged: its PG_VERSION cannot be read "
+            f"({problem}), though its initdb completed. Restore the folder, or delete the "
+            "database with `python -m workqueue.localdb destroy` (or `make clean-db`) to start "
+            "with an empty one."
+        )
+    return version
 
 
 def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
@@ -737,7 +779,7 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
     # No server runs on it (the caller made sure), so start from scratch.
     # Before the data folder is made, and before the mark of a completed initdb goes, so that
     # the data folder is never left unclaimed: if initdb is interrupted, what it left is ours.
-    (base / _INITDB_STARTED).write_text(f"{bindir}\n")
+    _write_new(base / _INITDB_STARTED, f"{bindir}\n")
     (base / _INITDB_DONE).unlink(missing_ok=True)
     shutil.rmtree(pgdata, ignore_errors=True)
     cmd = [
@@ -759,7 +801,7 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
             f"initdb failed for the embedded database in {pgdata} (exit {proc.returncode}):\n"
             f"{(proc.stdout + proc.stderr).strip()}"
         )
-    (base / _INITDB_DONE).write_text(f"{bindir}\n")
+    _write_new(base / _INITDB_DONE, f"{bindir}\n")
     (base / _INITDB_STARTED).unlink()
 
 
@@ -800,7 +842,7 @@ def _clear_stale_server(pgdata: Path, sockdir: Path) -> None:
         _stop_postmaster(pgdata)
     # The postmaster is gone (maybe a zombie whose pid PostgreSQL would still consider alive);
     # its children exit on their own once they notice. Wait for them to detach.
-    if not _wait_until(lambda: not _shmem_attached(pm.shmid), _SHMEM_RELEASE_TIMEOUT_S):
+    if not _wait_until(lambda: not _shmem_attached(pm), _SHMEM_RELEASE_TIMEOUT_S):
         raise LocalDBError(
             f"Processes of a previous PostgreSQL server on {pgdata} are still running "
             f"(shared memory segment {pm.shmid} is attached); stop them and retry."
@@ -854,14 +896,31 @@ def _rotate_log(base: Path) -> None:
             os.replace(log, base / f"{_LOG_FILE}.1")
 
 
+def _write_new(path: Path, text: str, owner: _Account | None = None) -> None:
+    """Write ``text`` to a file made afresh at ``path`` (mode 0600, owned by ``owner``'s
+    account when the server runs as another), never through whatever is at that name: the
+    folders written in belong to the server's account, and a link it left there
+    (``pg_hba.conf.<pid>.tmp`` pointing at ``/etc/passwd``) would have had root overwrite and
+    hand over the file it points at. What is there is removed; one planted again before the
+    file is made fails the write."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except OSError as exc:
+        raise LocalDBError(f"Cannot create {path} for the embedded database: {exc}") from exc
+    with os.fdopen(fd, "w") as file:
+        if owner is not None and owner.switch:
+            os.fchown(fd, owner.uid, owner.gid)
+        file.write(text)
+
+
 def _write_pg_hba(pgdata: Path, account: _Account) -> None:
-    target = pgdata / "pg_hba.conf"
     tmp = pgdata / f"pg_hba.conf.{os.getpid()}.tmp"
-    tmp.write_text(_PG_HBA)
-    if account.switch:
-        os.chown(tmp, account.uid, account.gid)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, target)
+    _write_new(tmp, _PG_HBA, account)
+    os.replace(tmp, pgdata / "pg_hba.conf")
 
 
 def _start_postmaster(
@@ -937,7 +996,7 @@ def _write_state(base: Path, pm: _Postmaster, user: str, sockdir: Path) -> str:
     db_url = _make_url(user, sockdir, pm.port)
     state = {"pid": pm.pid, "start": pm.start, "port": pm.port, "user": user, "url": db_url}
     tmp = base / f"{_STATE_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state) + "\n")
+    _write_new(tmp, json.dumps(state) + "\n")
     os.replace(tmp, base / _STATE_FILE)  # readers never see a half-written file
     return db_url
 
