@@ -663,6 +663,49 @@ def test_the_handler_hears_its_lease_is_lost_when_another_consumer_may_first_cla
     assert row(delivery).lease_owner == "other-host"
 
 
+class SlowAnswerReceiver(Receiver):
+    """Renews once in the database, then takes ``answer_delay`` seconds to answer (a slow
+    link), then cannot reach the database at all."""
+
+    def __init__(self, subscription_id: Any, answer_delay: float) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.answer_delay = answer_delay
+        self.renewal_sent: float | None = None
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        if self.renewal_sent is not None:
+            raise TransientDriverError("connection reset (test)")
+        self.renewal_sent = time.monotonic()
+        extension = super().extend_lease(delivery, progress)
+        time.sleep(self.answer_delay)
+        return extension
+
+
+def test_a_renewals_lease_is_counted_from_when_it_was_sent_not_answered(rig):
+    """The database counts the renewed lease from when the renewal ran, which is before its
+    answer came: counted from the answer, a slow answer let the handler run on past the moment
+    another consumer could claim its delivery (audit helper-107: unseen, only the claim's
+    timing was tested)."""
+    sub = rig.subscription(lease_seconds=5)  # renewals every 5/3 s
+    publish(sub.topic.name, {"sleepMs": 30_000})
+    receiver = SlowAnswerReceiver(sub.id, answer_delay=3)
+    sent = time.monotonic()
+    (delivery,) = receiver.receive(1).deliveries
+    future = rig.start(rig.execution(sub, receiver, delivery, leased_at=sent))
+    (run,) = probe.wait_for(1)
+
+    result = future.result(timeout=20)
+    aborted_at = time.monotonic()
+
+    assert run.signal_reason == AbortReason.LEASE_LOST
+    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert receiver.renewal_sent is not None
+    # At the renewed lease by the clock of its sending; counted from its answer, 3 s later.
+    assert 5.0 <= aborted_at - receiver.renewal_sent < 5.0 + 2.5
+
+
 def test_a_heartbeat_that_finds_the_lease_taken_over_aborts_with_lease_lost_and_writes_nothing(
     rig,
 ):
@@ -927,6 +970,23 @@ def test_a_settle_that_keeps_failing_past_the_lease_is_reported_as_failed_and_le
     assert receiver.calls["retry"] >= 3  # 0.1 s, 0.2 s, 0.4 s ... apart
     assert time.monotonic() - began < 60 / 2  # the local horizon, not the real 60 s lease
     assert row(delivery).status == "InFlight"
+
+
+def test_a_settle_is_retried_past_the_local_lease_for_its_grace(rig):
+    """The local lease is a horizon for the handler, not for its settle: until lease expiry
+    takes the row back the token still holds, so a settle keeps trying a grace longer (audit
+    helper-107: retries stopped at the local lease and no test failed)."""
+    sub = rig.subscription(max_attempts=3)
+    publish(sub.topic.name, {"then": "complete"})
+    # Four lost connections: tried again after 0.1, 0.2, 0.4 and 0.8 s, about 1.5 s in all.
+    receiver = FlakyReceiver(sub.id, {"complete"}, failures=4)
+    (delivery,) = receiver.receive(1).deliveries
+
+    result = rig.execution(sub, receiver, delivery, lease_seconds=1, grace=3).run()
+
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Completed")
+    assert receiver.calls["complete"] == 5
+    assert receiver.times[-1] - receiver.times[0] > 1  # settled past the 1 s local lease
 
 
 def test_a_heartbeat_that_fails_once_then_succeeds_keeps_the_lease_and_the_handler_running(rig):
