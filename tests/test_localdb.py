@@ -6,6 +6,7 @@ or kills the shared cluster the rest of the suite uses.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import re
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -488,6 +490,83 @@ def test_a_stale_pidfile_naming_another_servers_segment_does_not_hold_up_a_start
     finally:
         localdb.destroy()
         monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(cluster_dir))
+
+
+def test_a_folder_whose_path_the_starting_shell_would_read_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pg_ctl starts the server through a shell, the path in double quotes: a folder named
+    `price$HOME` started in another folder, and a quote or backtick would run as shell."""
+    parent = Path(tempfile.mkdtemp(prefix="wq-localdb-test-", dir="/tmp"))
+    folder = parent / "price$HOME"
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(folder))
+    try:
+        with pytest.raises(localdb.LocalDBError, match=r"holds \$, which the shell"):
+            localdb.ensure_running()
+        assert not folder.exists()
+    finally:
+        subprocess.run(["rm", "-rf", str(parent)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_a_folder_holding_another_users_file_is_not_taken_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A log file named as the embedded database's own but made (and held open) by another
+    user was kept as it was in the taken-over folder: that user read every query error."""
+    folder = Path(tempfile.mkdtemp(prefix="wq-not-a-cluster-", dir="/tmp"))
+    os.chmod(folder, 0o755)
+    log = folder / "server.log"
+    log.write_text("")
+    nobody = pwd.getpwnam("nobody")
+    os.chown(log, nobody.pw_uid, nobody.pw_gid)
+    before = folder.stat()
+    monkeypatch.setenv("WORKQUEUE_LOCALDB_DIR", str(folder))
+    try:
+        with pytest.raises(localdb.LocalDBError, match=r"did not make \(server\.log\)"):
+            localdb.ensure_running()
+        after = folder.stat()
+        assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)
+        assert sorted(p.name for p in folder.iterdir()) == ["server.log"]
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+
+
+def test_a_start_waiting_through_a_destroy_holds_the_lock_the_next_one_takes(
+    cluster_dir: Path,
+) -> None:
+    """`destroy` deletes the lock file it holds: a start that waited for it locked the deleted
+    file, and a third process, opening the name afresh, ran beside it (audit helper-108)."""
+    cluster_dir.mkdir(exist_ok=True)
+    waiting, held = threading.Event(), []
+
+    def start_waiting() -> None:
+        waiting.set()
+        with localdb._locked(cluster_dir):
+            lock = cluster_dir / "lock"
+            held.append(lock.exists() and not fcntl_free(lock))
+
+    with localdb._locked(cluster_dir):
+        waiter = threading.Thread(target=start_waiting)
+        waiter.start()
+        assert waiting.wait(5)
+        time.sleep(0.3)  # polling for the lock
+        (cluster_dir / "lock").unlink()  # as destroy does, last, while holding it
+    waiter.join(10)
+
+    assert held == [True]
+
+
+def fcntl_free(path: Path) -> bool:
+    """Whether a new open of ``path`` could take its lock now (another process's view)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def test_a_deleted_socket_folder_is_made_again(cluster_dir: Path) -> None:

@@ -97,8 +97,11 @@ _OWN_FILES = frozenset(
 )
 _STATE_FILE_BEING_WRITTEN = re.compile(re.escape(_STATE_FILE) + r"\.\d+\.tmp")
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
-_LOCK_TIMEOUT_S = 180.0
+_INITDB_TIMEOUT_S = 300
 _START_TIMEOUT_S = 60
+# Longer than a start may take (an initdb, then the server's start), so that a second process
+# waits a slow first start out instead of failing as if it were stuck.
+_LOCK_TIMEOUT_S = float(_INITDB_TIMEOUT_S + _START_TIMEOUT_S + 60)
 _STOP_TIMEOUT_S = 60.0
 _SHMEM_RELEASE_TIMEOUT_S = 30.0
 _SERVER_ACCOUNT_AS_ROOT = "postgres"
@@ -259,19 +262,24 @@ def destroy() -> None:
     ``WORKQUEUE_LOCALDB_DIR`` must not delete someone's files)."""
     base = data_dir()
     _require_own_folder(base, "delete")
-    stop()
-    shutil.rmtree(_socket_dir(base), ignore_errors=True)
     if not base.is_dir():
+        shutil.rmtree(_socket_dir(base), ignore_errors=True)
         return
-    for entry in base.iterdir():
-        if not _is_own_entry(entry.name):
-            continue  # appeared since the check: not ours to delete (and the folder stays)
-        # Checked above: its own data folder, or one of its files (a folder of that name
-        # appearing since would be left, and the folder with it).
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
+    # Under the lock, so that no start runs meanwhile; the lock file goes last, while held (a
+    # process waiting for it then finds it gone and takes the new one, see _locked).
+    with _locked(base):
+        _stop_postmaster(base / _DATA)
+        shutil.rmtree(_socket_dir(base), ignore_errors=True)
+        for entry in base.iterdir():
+            if not _is_own_entry(entry.name) or entry.name == _LOCK_FILE:
+                continue  # appeared since the check: not ours to delete (the folder stays)
+            # Checked above: its own data folder, or one of its files (a folder of that name
+            # appearing since would be left, and the folder with it).
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        (base / _LOCK_FILE).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         base.rmdir()
 
@@ -291,7 +299,13 @@ def _is_own(base: Path, entry: Path) -> bool:
     the embedded database's to empty because of its name."""
     if not _is_own_entry(entry.name):
         return False
-    if entry.is_symlink():
+    try:
+        made_by = entry.lstat().st_uid
+    except FileNotFoundError:
+        return True  # gone since it was listed
+    if entry.is_symlink() or made_by not in _own_accounts():
+        # Another user's file, however named (an open log file they could read on), is not
+        # the embedded database's to take over.
         return False
     if entry.name != _DATA:
         return entry.is_file()
@@ -302,6 +316,16 @@ def _is_own(base: Path, entry: Path) -> bool:
         or (base / _INITDB_STARTED).is_file()
         or next(entry.iterdir(), None) is None
     )
+
+
+def _own_accounts() -> set[int]:
+    """The users whose files the embedded database's folder holds: this one, and the server's
+    account when root runs the server as another (not made here if missing)."""
+    owners = {os.geteuid()}
+    if os.geteuid() == 0:
+        with contextlib.suppress(KeyError):
+            owners.add(pwd.getpwnam(_SERVER_ACCOUNT_AS_ROOT).pw_uid)
+    return owners
 
 
 def _require_own_folder(base: Path, action: str) -> None:
@@ -405,6 +429,15 @@ def _socket_dir(base: Path) -> Path:
 
 
 def _prepare_folder(base: Path, account: _Account) -> None:
+    # pg_ctl runs the server through a shell, the folder's path in double quotes: these would
+    # be read by the shell (a `$HOME` in the name started the server in another folder).
+    shell_read = sorted(set('"$`\\') & set(str(base)))
+    if shell_read:
+        raise LocalDBError(
+            f"The embedded database's folder {base} holds {' '.join(shell_read)}, which the "
+            f"shell that starts PostgreSQL would read. Point {DIR_VARIABLE} at a folder without "
+            "them."
+        )
     # Its owner and mode change below: only for a folder that is new, empty or already ours.
     _require_own_folder(base, "take over")
     missing = [p for p in (base, *base.parents) if not p.exists()]
@@ -476,22 +509,12 @@ def _prepare_socket_dir(base: Path, account: _Account) -> Path:
 
 @contextlib.contextmanager
 def _locked(base: Path) -> Iterator[None]:
-    try:
-        # Not through a link: root would create, or lock, the file it points at.
-        fd = os.open(
-            base / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-        )
-    except OSError as exc:
-        raise LocalDBError(
-            f"Cannot open {base / _LOCK_FILE} (a link is never followed): {exc}. Remove it "
-            "and retry."
-        ) from exc
+    fd = _open_lock(base)
     try:
         deadline = time.monotonic() + _LOCK_TIMEOUT_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 # Polling (not a blocking flock) so a stuck holder becomes a clear error.
                 if time.monotonic() > deadline:
@@ -501,9 +524,38 @@ def _locked(base: Path) -> Iterator[None]:
                         "PostgreSQL; see its server.log."
                     ) from None
                 time.sleep(0.05)
+                continue
+            if _still_named(fd, base / _LOCK_FILE):
+                break
+            # `destroy` deleted the file it locked while this waited: a lock on it excludes
+            # no one who opens the name afresh. Lock the file now at that name.
+            os.close(fd)
+            fd = _open_lock(base)
         yield
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def _open_lock(base: Path) -> int:
+    try:
+        # Not through a link: root would create, or lock, the file it points at.
+        return os.open(
+            base / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+        )
+    except OSError as exc:
+        raise LocalDBError(
+            f"Cannot open {base / _LOCK_FILE} (a link is never followed; a folder deleted "
+            f"meanwhile is made again by the next start): {exc}."
+        ) from exc
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -795,7 +847,7 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
         "-U",
         account.name,
     ]
-    proc = _run_as(account, cmd, cwd=base, timeout=300)
+    proc = _run_as(account, cmd, cwd=base, timeout=_INITDB_TIMEOUT_S)
     if proc.returncode != 0:
         raise LocalDBError(
             f"initdb failed for the embedded database in {pgdata} (exit {proc.returncode}):\n"
