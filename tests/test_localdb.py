@@ -569,6 +569,33 @@ def fcntl_free(path: Path) -> bool:
     return True
 
 
+def test_a_data_folder_swapped_for_a_link_during_a_start_is_written_through_by_nothing(
+    cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's account owns the data folder and may swap it for a link while a start
+    runs: root then made pg_hba.conf wherever the link pointed, and gave it to that account
+    (helper-109; the temp file's own name was already safe)."""
+    localdb.ensure_running()
+    localdb.stop()
+    elsewhere = Path(tempfile.mkdtemp(prefix="wq-victim-", dir="/tmp"))
+    find_bindir = localdb._find_bindir
+
+    def swap_then_find(*args: Any) -> Any:
+        (cluster_dir / "data").rename(cluster_dir / "data.real")
+        (cluster_dir / "data").symlink_to(elsewhere)
+        return find_bindir(*args)
+
+    monkeypatch.setattr(localdb, "_find_bindir", swap_then_find)
+    try:
+        with pytest.raises(localdb.LocalDBError, match="a link is never followed"):
+            localdb.ensure_running()
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        (cluster_dir / "data").unlink()
+        (cluster_dir / "data.real").rename(cluster_dir / "data")
+        subprocess.run(["rm", "-rf", str(elsewhere)], check=True)
+
+
 def test_a_deleted_socket_folder_is_made_again(cluster_dir: Path) -> None:
     # /tmp cleaned while the server ran: its URL kept being handed out, and every connection
     # failed ("No such file or directory") until someone stopped the server by hand.

@@ -10,7 +10,9 @@ folder and returns its URL. Guarantees:
 * **Cheap when running.** The fast path reads two small files and two ``/proc`` entries (well
   under a millisecond); it runs no subprocess, opens no connection and takes no lock.
 * **Self-healing.** A stale ``postmaster.pid`` (killed or crashed server, a zombie postmaster), a
-  deleted socket folder (``/tmp`` cleaned) or a half-finished ``initdb`` lead to a clean restart.
+  deleted socket folder (``/tmp`` cleaned) or a half-finished ``initdb`` (marked by
+  ``initdb.started``) lead to a clean restart. A cluster whose completed ``initdb`` left a version
+  it can no longer read is reported damaged, never made again over its data.
   Before a new server starts on an existing data folder, the old server's shared memory must no
   longer be attached by any process, which is PostgreSQL's own interlock against two servers.
 * **Durable.** ``fsync`` and ``synchronous_commit`` keep PostgreSQL's defaults; only
@@ -34,7 +36,11 @@ Folder (:func:`data_dir`): ``$WORKQUEUE_LOCALDB_DIR`` if set; otherwise
 ``$XDG_DATA_HOME/django-workqueue/pg`` (default ``~/.local/share/django-workqueue/pg``); as root
 without ``XDG_DATA_HOME``, ``/var/lib/django-workqueue/pg``, because the server then runs as the
 ``postgres`` OS user (``initdb`` and ``postgres`` refuse root) and ``/root`` is private. The folder
-holds ``data/`` (the cluster), ``server.log``, ``state.json`` and ``lock``.
+holds ``data/`` (the cluster), ``server.log``, ``state.json``, ``lock`` and the marks of an
+``initdb`` begun and done (``initdb.started``, ``initdb.done``); a folder holding anything else,
+or another user's file under one of these names, is not the embedded database's to take over,
+stop or delete. Every start, stop and destroy holds the lock while it changes the folder, and
+root writes nothing there through a link the server's account could have left.
 
 Server binaries are looked up in ``$WORKQUEUE_LOCALDB_BINDIR``, ``pg_config --bindir``,
 ``/usr/lib/postgresql/*/bin`` (newest first), ``/usr/local/pgsql/bin`` and ``PATH``; an existing
@@ -196,8 +202,9 @@ def ensure_running() -> str:
         return current
     base = data_dir()
     account = _server_account()
-    _prepare_folder(base, account)
-    with _locked(base):
+    _make_folder(base, account)
+    with _owned_and_locked(base, "take over"):
+        _take_over(base, account)
         # Another process may have finished starting it while we waited for the lock.
         current = url()
         if current is not None:
@@ -249,8 +256,7 @@ def stop() -> None:
     if not base.is_dir():
         return
     # Not someone else's server either (a cluster of theirs in a folder named data).
-    _require_own_folder(base, "stop")
-    with _locked(base):
+    with _owned_and_locked(base, "stop"):
         # state.json stays: it no longer matches postmaster.pid (url() returns None as soon as
         # the server reports "stopping"), and the next start rewrites it.
         _stop_postmaster(base / "data")
@@ -261,20 +267,19 @@ def destroy() -> None:
     folder holding anything the embedded database did not put there (a mistyped
     ``WORKQUEUE_LOCALDB_DIR`` must not delete someone's files)."""
     base = data_dir()
-    _require_own_folder(base, "delete")
+    _require_own_folder(base, "delete", strict=False)
     if not base.is_dir():
         shutil.rmtree(_socket_dir(base), ignore_errors=True)
         return
     # Under the lock, so that no start runs meanwhile; the lock file goes last, while held (a
     # process waiting for it then finds it gone and takes the new one, see _locked).
-    with _locked(base):
+    with _owned_and_locked(base, "delete"):
         _stop_postmaster(base / _DATA)
         shutil.rmtree(_socket_dir(base), ignore_errors=True)
         for entry in base.iterdir():
             if not _is_own_entry(entry.name) or entry.name == _LOCK_FILE:
                 continue  # appeared since the check: not ours to delete (the folder stays)
-            # Checked above: its own data folder, or one of its files (a folder of that name
-            # appearing since would be left, and the folder with it).
+            # Found its own under the lock, which every start, stop and destroy holds.
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -292,30 +297,26 @@ def _is_own_entry(name: str) -> bool:
     )
 
 
-def _is_own(base: Path, entry: Path) -> bool:
-    """Whether ``entry`` of ``base`` is what this module made: one of its files (a plain file,
-    not a folder or a link by that name), or its data folder, which is its own only when
-    empty or when an initdb of its own ran (or began) there: a user's ``data`` folder is not
-    the embedded database's to empty because of its name."""
+def _is_own(entry: Path, names: set[str], owners: set[int]) -> bool:
+    """Whether ``entry`` (of a folder holding ``names``) is what this module made: one of its
+    files (a plain file, not a folder or a link by that name), or its data folder, which is
+    its own only when empty or when an initdb of its own ran (or began) beside it: a user's
+    ``data`` folder is not the embedded database's to empty because of its name. Made by one
+    of ``owners`` either way: another user's file, however named (an open log file they could
+    read on), is not the embedded database's to take over."""
     if not _is_own_entry(entry.name):
         return False
     try:
-        made_by = entry.lstat().st_uid
+        st = entry.lstat()
     except FileNotFoundError:
         return True  # gone since it was listed
-    if entry.is_symlink() or made_by not in _own_accounts():
-        # Another user's file, however named (an open log file they could read on), is not
-        # the embedded database's to take over.
+    if st.st_uid not in owners:
         return False
     if entry.name != _DATA:
-        return entry.is_file()
-    if not entry.is_dir():
+        return stat.S_ISREG(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
         return False
-    return (
-        (base / _INITDB_DONE).is_file()
-        or (base / _INITDB_STARTED).is_file()
-        or next(entry.iterdir(), None) is None
-    )
+    return bool({_INITDB_DONE, _INITDB_STARTED} & names) or next(entry.iterdir(), None) is None
 
 
 def _own_accounts() -> set[int]:
@@ -328,8 +329,13 @@ def _own_accounts() -> set[int]:
     return owners
 
 
-def _require_own_folder(base: Path, action: str) -> None:
-    """Raise unless ``base`` is missing, or a folder holding only what this module makes."""
+def _require_own_folder(base: Path, action: str, *, strict: bool = True) -> None:
+    """Raise unless ``base`` is missing, or a folder holding only what this module makes.
+
+    Not ``strict``, only the entries' names are looked at: what a start does meanwhile
+    (a state file renamed into place, a log rotated, an initdb's marks) changes no name's
+    standing, so the check is sound without the lock. The strict check (each entry's kind and
+    owner, the data folder's marks) is made under the lock (see _owned_and_locked)."""
     if base.exists() and not base.is_dir():
         raise LocalDBError(
             f"{base} is a file, not a folder: the embedded database will not {action} it. "
@@ -337,7 +343,12 @@ def _require_own_folder(base: Path, action: str) -> None:
         )
     if not base.is_dir():
         return
-    foreign = sorted(entry.name for entry in base.iterdir() if not _is_own(base, entry))
+    entries = list(base.iterdir())
+    if strict:
+        names, owners = {entry.name for entry in entries}, _own_accounts()
+        foreign = sorted(entry.name for entry in entries if not _is_own(entry, names, owners))
+    else:
+        foreign = sorted(entry.name for entry in entries if not _is_own_entry(entry.name))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise LocalDBError(
@@ -428,7 +439,9 @@ def _socket_dir(base: Path) -> Path:
     return Path("/tmp") / f"wq-pg-{digest}"
 
 
-def _prepare_folder(base: Path, account: _Account) -> None:
+def _make_folder(base: Path, account: _Account) -> None:
+    """Make ``base`` (and its missing parents) unless it exists; refuse one that is not the
+    embedded database's by its entries' names (the whole check is made under the lock)."""
     # pg_ctl runs the server through a shell, the folder's path in double quotes: these would
     # be read by the shell (a `$HOME` in the name started the server in another folder).
     shell_read = sorted(set('"$`\\') & set(str(base)))
@@ -438,8 +451,7 @@ def _prepare_folder(base: Path, account: _Account) -> None:
             f"shell that starts PostgreSQL would read. Point {DIR_VARIABLE} at a folder without "
             "them."
         )
-    # Its owner and mode change below: only for a folder that is new, empty or already ours.
-    _require_own_folder(base, "take over")
+    _require_own_folder(base, "take over", strict=False)
     missing = [p for p in (base, *base.parents) if not p.exists()]
     try:
         for folder in reversed(missing):
@@ -451,12 +463,18 @@ def _prepare_folder(base: Path, account: _Account) -> None:
                 os.chmod(folder, 0o755)
     except OSError as exc:
         raise LocalDBError(f"Cannot create the embedded database folder {base}: {exc}") from exc
+
+
+def _take_over(base: Path, account: _Account) -> None:
+    """Give ``base``, found to be the embedded database's under the lock, to the server's
+    account, mode 0700: through the folder opened, so that a link put at its name meanwhile
+    (the account owns the folder, and may rename it in /tmp) gives away nothing."""
     if account.switch:
         _check_reachable(base, account)
-        st = base.stat()
-        if st.st_uid != account.uid:
-            os.chown(base, account.uid, account.gid)
-    os.chmod(base, 0o700)
+    with _opened(base) as folder:
+        if account.switch and os.fstat(folder).st_uid != account.uid:
+            os.fchown(folder, account.uid, account.gid)
+        os.fchmod(folder, 0o700)
 
 
 def _check_reachable(base: Path, account: _Account) -> None:
@@ -494,17 +512,42 @@ def _prepare_socket_dir(base: Path, account: _Account) -> Path:
     path = _socket_dir(base)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    is_dir = (st.st_mode & 0o170000) == 0o040000
-    if not is_dir or (st.st_uid not in (account.uid, os.geteuid())):
-        # Someone else's file at our name: never use it (it could redirect the socket).
-        raise LocalDBError(
-            f"{path} exists but is not a folder owned by this user; remove it and retry."
-        )
-    if account.switch and st.st_uid != account.uid:
-        os.chown(path, account.uid, account.gid)
-    os.chmod(path, 0o700)
+    refused = LocalDBError(
+        f"{path} exists but is not a folder owned by this user; remove it and retry."
+    )
+    try:
+        folder = _open_folder(path)
+    except LocalDBError:
+        raise refused from None  # a link or a file at our name
+    try:
+        st = os.fstat(folder)
+        if st.st_uid not in (account.uid, os.geteuid()):
+            # Someone else's folder at our name: never use it (it could redirect the socket).
+            raise refused
+        # Through the folder opened: a link put at the name meanwhile changes nothing else.
+        if account.switch and st.st_uid != account.uid:
+            os.fchown(folder, account.uid, account.gid)
+        os.fchmod(folder, 0o700)
+    finally:
+        os.close(folder)
     return path
+
+
+@contextlib.contextmanager
+def _owned_and_locked(base: Path, action: str) -> Iterator[None]:
+    """Hold the folder's lock, once the folder is found to be the embedded database's (under
+    the lock: every start, stop and destroy changes it only while holding it). A lock file
+    made only to find the folder someone else's is removed again."""
+    _require_own_folder(base, action, strict=False)
+    created = not (base / _LOCK_FILE).exists()
+    with _locked(base):
+        try:
+            _require_own_folder(base, action)
+        except LocalDBError:
+            if created:
+                (base / _LOCK_FILE).unlink(missing_ok=True)
+            raise
+        yield
 
 
 @contextlib.contextmanager
@@ -513,24 +556,22 @@ def _locked(base: Path) -> Iterator[None]:
     try:
         deadline = time.monotonic() + _LOCK_TIMEOUT_S
         while True:
-            try:
+            # Polling (not a blocking flock) so a stuck holder becomes a clear error.
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                # Polling (not a blocking flock) so a stuck holder becomes a clear error.
-                if time.monotonic() > deadline:
-                    raise LocalDBError(
-                        f"Another process has held {base / _LOCK_FILE} for over "
-                        f"{_LOCK_TIMEOUT_S:.0f}s while starting or stopping the embedded "
-                        "PostgreSQL; see its server.log."
-                    ) from None
-                time.sleep(0.05)
-                continue
-            if _still_named(fd, base / _LOCK_FILE):
-                break
-            # `destroy` deleted the file it locked while this waited: a lock on it excludes
-            # no one who opens the name afresh. Lock the file now at that name.
-            os.close(fd)
-            fd = _open_lock(base)
+                if _still_named(fd, base / _LOCK_FILE):
+                    break
+                # `destroy` deleted the file it locked while this waited: a lock on it
+                # excludes no one who opens the name afresh. Lock the file now at that name.
+                os.close(fd)
+                fd = _open_lock(base)
+            if time.monotonic() > deadline:
+                raise LocalDBError(
+                    f"Another process has held {base / _LOCK_FILE} for over "
+                    f"{_LOCK_TIMEOUT_S:.0f}s while starting or stopping the embedded "
+                    "PostgreSQL; see its server.log."
+                )
+            time.sleep(0.05)
         yield
     finally:
         os.close(fd)  # closing releases the flock
@@ -831,7 +872,8 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
     # No server runs on it (the caller made sure), so start from scratch.
     # Before the data folder is made, and before the mark of a completed initdb goes, so that
     # the data folder is never left unclaimed: if initdb is interrupted, what it left is ours.
-    _write_new(base / _INITDB_STARTED, f"{bindir}\n")
+    if not (base / _INITDB_STARTED).is_file():
+        _write_new(base, _INITDB_STARTED, f"{bindir}\n")
     (base / _INITDB_DONE).unlink(missing_ok=True)
     shutil.rmtree(pgdata, ignore_errors=True)
     cmd = [
@@ -853,7 +895,7 @@ def _initdb(base: Path, pgdata: Path, bindir: Path, account: _Account) -> None:
             f"initdb failed for the embedded database in {pgdata} (exit {proc.returncode}):\n"
             f"{(proc.stdout + proc.stderr).strip()}"
         )
-    _write_new(base / _INITDB_DONE, f"{bindir}\n")
+    _write_new(base, _INITDB_DONE, f"{bindir}\n")
     (base / _INITDB_STARTED).unlink()
 
 
@@ -899,8 +941,8 @@ def _clear_stale_server(pgdata: Path, sockdir: Path) -> None:
             f"Processes of a previous PostgreSQL server on {pgdata} are still running "
             f"(shared memory segment {pm.shmid} is attached); stop them and retry."
         )
-    with contextlib.suppress(FileNotFoundError):
-        (pgdata / "postmaster.pid").unlink()
+    with _opened(pgdata) as data, contextlib.suppress(FileNotFoundError):
+        os.unlink("postmaster.pid", dir_fd=data)
     # Socket lock files in our private socket folder name the dead pid, too.
     for leftover in sockdir.glob(".s.PGSQL.*"):
         with contextlib.suppress(FileNotFoundError):
@@ -948,31 +990,68 @@ def _rotate_log(base: Path) -> None:
             os.replace(log, base / f"{_LOG_FILE}.1")
 
 
-def _write_new(path: Path, text: str, owner: _Account | None = None) -> None:
-    """Write ``text`` to a file made afresh at ``path`` (mode 0600, owned by ``owner``'s
-    account when the server runs as another), never through whatever is at that name: the
-    folders written in belong to the server's account, and a link it left there
-    (``pg_hba.conf.<pid>.tmp`` pointing at ``/etc/passwd``) would have had root overwrite and
-    hand over the file it points at. What is there is removed; one planted again before the
-    file is made fails the write."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+@contextlib.contextmanager
+def _opened(folder: Path) -> Iterator[int]:
+    """``folder`` opened (see _open_folder), for the block."""
+    fd = _open_folder(folder)
     try:
-        fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_folder(folder: Path) -> int:
+    """``folder`` opened as a folder, following no link at its own name; the embedded
+    database's ``base/data``, following none at either name."""
+    try:
+        if folder.name == _DATA:
+            with _opened(folder.parent) as base:
+                return os.open(_DATA, _FOLDER_FLAGS, dir_fd=base)
+        return os.open(folder, _FOLDER_FLAGS)
     except OSError as exc:
-        raise LocalDBError(f"Cannot create {path} for the embedded database: {exc}") from exc
-    with os.fdopen(fd, "w") as file:
-        if owner is not None and owner.switch:
-            os.fchown(fd, owner.uid, owner.gid)
-        file.write(text)
+        raise LocalDBError(
+            f"Cannot open {folder} as a folder (a link is never followed): {exc}"
+        ) from exc
+
+
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_new(
+    folder: Path, name: str, text: str, owner: _Account | None = None, rename_to: str = ""
+) -> None:
+    """Write ``text`` to a file made afresh at ``name`` in ``folder`` (mode 0600, owned by
+    ``owner``'s account when the server runs as another), then rename it to ``rename_to`` if
+    given. Never through whatever is at a name: the folders written in belong to the server's
+    account, and a link it left there (``pg_hba.conf.<pid>.tmp`` pointing at ``/etc/passwd``,
+    or ``data`` itself pointing at ``/etc``) would have had root write and hand over the file
+    it points at. The folder is opened without following a link and every name is used
+    relative to it; what is at ``name`` is removed first, and one planted again before the
+    file is made fails the write."""
+    with _opened(folder) as at:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=at)
+        try:
+            fd = os.open(
+                name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=at,
+            )
+        except OSError as exc:
+            raise LocalDBError(
+                f"Cannot create {folder / name} for the embedded database: {exc}"
+            ) from exc
+        with os.fdopen(fd, "w") as file:
+            if owner is not None and owner.switch:
+                os.fchown(fd, owner.uid, owner.gid)
+            file.write(text)
+        if rename_to:
+            os.replace(name, rename_to, src_dir_fd=at, dst_dir_fd=at)
 
 
 def _write_pg_hba(pgdata: Path, account: _Account) -> None:
-    tmp = pgdata / f"pg_hba.conf.{os.getpid()}.tmp"
-    _write_new(tmp, _PG_HBA, account)
-    os.replace(tmp, pgdata / "pg_hba.conf")
+    _write_new(pgdata, f"pg_hba.conf.{os.getpid()}.tmp", _PG_HBA, account, "pg_hba.conf")
 
 
 def _start_postmaster(
@@ -1047,9 +1126,10 @@ def _create_database(user: str, sockdir: Path, port: int) -> None:
 def _write_state(base: Path, pm: _Postmaster, user: str, sockdir: Path) -> str:
     db_url = _make_url(user, sockdir, pm.port)
     state = {"pid": pm.pid, "start": pm.start, "port": pm.port, "user": user, "url": db_url}
-    tmp = base / f"{_STATE_FILE}.{os.getpid()}.tmp"
-    _write_new(tmp, json.dumps(state) + "\n")
-    os.replace(tmp, base / _STATE_FILE)  # readers never see a half-written file
+    # Renamed into place: readers never see a half-written file.
+    _write_new(
+        base, f"{_STATE_FILE}.{os.getpid()}.tmp", json.dumps(state) + "\n", None, _STATE_FILE
+    )
     return db_url
 
 
