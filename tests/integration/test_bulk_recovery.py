@@ -415,6 +415,15 @@ def staff(username: str, *codenames: str) -> User:
     return user
 
 
+def as_recovery_operator(client: Any, subscription: Subscription, **fields: Any) -> dict[str, Any]:
+    """Sign a staff user who may operate subscriptions in; the recovery action's form for
+    ``subscription`` with ``fields``."""
+    client.force_login(
+        staff("operator", "view_subscription", "view_delivery", "operate_subscription")
+    )
+    return {"action": "recover_dead_letters", "_selected_action": [subscription.pk], **fields}
+
+
 def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(client):
     subscription = SubscriptionFactory()
     rows = outage(subscription)
@@ -423,14 +432,7 @@ def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(c
     actions = client.get(url).context["action_form"]  # None: no action is offered at all
     assert actions is None or "recover_dead_letters" not in dict(actions.fields["action"].choices)
 
-    client.force_login(
-        staff("operator", "view_subscription", "view_delivery", "operate_subscription")
-    )
-    form = {
-        "action": "recover_dead_letters",
-        "_selected_action": [subscription.pk],
-        "dead_letter_reason": "Poison",
-    }
+    form = as_recovery_operator(client, subscription, dead_letter_reason="Poison")
     page = client.post(url, {**form, "index": "0"})
     assert page.status_code == 200 and "Count (dry run)" in page.content.decode()
     counted = client.post(url, {**form, "operation": "replay", "post": "count"})
@@ -494,16 +496,9 @@ def test_the_admin_applies_nothing_but_the_selection_it_counted(client, field, c
     subscription = SubscriptionFactory()
     ids = dead_letters(subscription, {"reason": "Poison", "key": "k"}, {})
     url = reverse("admin:workqueue_subscription_changelist")
-    client.force_login(
-        staff("operator", "view_subscription", "view_delivery", "operate_subscription")
+    form = as_recovery_operator(
+        client, subscription, operation="discard", note="cleanup", **{field: counted_with}
     )
-    form = {
-        "action": "recover_dead_letters",
-        "_selected_action": [subscription.pk],
-        "operation": "discard",
-        "note": "cleanup",
-        field: counted_with,
-    }
     counted = client.post(url, {**form, "post": "count"})
     assert counted.context["form"].errors == {}
 
