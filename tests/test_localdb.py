@@ -596,6 +596,36 @@ def test_a_data_folder_swapped_for_a_link_during_a_start_is_written_through_by_n
         subprocess.run(["rm", "-rf", str(elsewhere)], check=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_a_folder_swapped_for_a_link_during_a_start_gives_away_nothing(
+    cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's account owns the folder and may rename it in /tmp: swapped for a link
+    after the check, root chown-ed and chmod-ed what the link pointed at (helper-109)."""
+    localdb.ensure_running()
+    localdb.stop()
+    elsewhere = Path(tempfile.mkdtemp(prefix="wq-victim-", dir="/tmp"))
+    os.chmod(elsewhere, 0o755)
+    before = elsewhere.stat()
+    check_reachable = localdb._check_reachable
+
+    def swap_then_check(base: Path, account: Any) -> None:
+        check_reachable(base, account)
+        base.rename(base.with_name(base.name + ".real"))
+        base.symlink_to(elsewhere)
+
+    monkeypatch.setattr(localdb, "_check_reachable", swap_then_check)
+    try:
+        with pytest.raises(localdb.LocalDBError, match="a link is never followed"):
+            localdb.ensure_running()
+        after = elsewhere.stat()
+        assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)
+    finally:
+        cluster_dir.unlink()
+        cluster_dir.with_name(cluster_dir.name + ".real").rename(cluster_dir)
+        subprocess.run(["rm", "-rf", str(elsewhere)], check=True)
+
+
 def test_a_deleted_socket_folder_is_made_again(cluster_dir: Path) -> None:
     # /tmp cleaned while the server ran: its URL kept being handed out, and every connection
     # failed ("No such file or directory") until someone stopped the server by hand.

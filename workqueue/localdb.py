@@ -267,8 +267,7 @@ def destroy() -> None:
     folder holding anything the embedded database did not put there (a mistyped
     ``WORKQUEUE_LOCALDB_DIR`` must not delete someone's files)."""
     base = data_dir()
-    _require_own_folder(base, "delete", strict=False)
-    if not base.is_dir():
+    if not base.exists():
         shutil.rmtree(_socket_dir(base), ignore_errors=True)
         return
     # Under the lock, so that no start runs meanwhile; the lock file goes last, while held (a
@@ -440,8 +439,8 @@ def _socket_dir(base: Path) -> Path:
 
 
 def _make_folder(base: Path, account: _Account) -> None:
-    """Make ``base`` (and its missing parents) unless it exists; refuse one that is not the
-    embedded database's by its entries' names (the whole check is made under the lock)."""
+    """Make ``base`` (and its missing parents) unless it exists (whose it is, is checked
+    under the lock: see _owned_and_locked)."""
     # pg_ctl runs the server through a shell, the folder's path in double quotes: these would
     # be read by the shell (a `$HOME` in the name started the server in another folder).
     shell_read = sorted(set('"$`\\') & set(str(base)))
@@ -451,7 +450,6 @@ def _make_folder(base: Path, account: _Account) -> None:
             f"shell that starts PostgreSQL would read. Point {DIR_VARIABLE} at a folder without "
             "them."
         )
-    _require_own_folder(base, "take over", strict=False)
     missing = [p for p in (base, *base.parents) if not p.exists()]
     try:
         for folder in reversed(missing):
