@@ -16,7 +16,9 @@ machine's speed does not (this one is shared and varies by a factor of two betwe
    private ones: a bare one-row INSERT, and a publish's rows (a message and its delivery, with
    every index and constraint of the queue tables) in one bare statement. A publish cannot
    cost less than the second without storing less, so when that floor is under 1.3x Celery
-   the aim is out of reach with durability on (a floor above it only fails to rule it out);
+   the aim is out of reach with durability on (a floor above it only fails to rule it out).
+   A third line calls ``wq_publish`` bare, its parameters made ahead: ours against it is what
+   the Python around the call costs, it against a publish's rows what the procedure adds;
 2. ``publish_many`` of 100, next to a batch's rows written bare (the same floor, 100 at once),
    the two in turn in each round;
 3. the drain at concurrency 8 and 32;
@@ -56,6 +58,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from bench.django_setup import prepare_database, start_django
 
@@ -68,7 +71,10 @@ from bench import publish as publish_bench  # noqa: E402
 from bench.percentiles import percentile  # noqa: E402
 from workqueue.driver import get_driver  # noqa: E402
 from workqueue.driver.postgresql import _connect  # noqa: E402
+from workqueue.driver.procedures import get_procedure  # noqa: E402
 from workqueue.ids import new_message_id  # noqa: E402
+from workqueue.publishing import OutgoingMessage, _prepare, _SizeLimit  # noqa: E402
+from workqueue.transport import publish_call  # noqa: E402
 
 CELERY_SCRIPT = Path(__file__).resolve().parent / "peers" / "celery_redis.py"
 
@@ -140,6 +146,33 @@ def publish_rows_floor(count: int, warmup: int, batch: int = 1) -> float:
     )
 
 
+def procedure_floor(count: int, warmup: int) -> float:
+    """Publishes per second when ``wq_publish`` is called bare: each call's parameters made
+    ahead (validated and bound as a publish makes them), then sent as one prepared statement
+    and committed on its own, the procedure notifying inside its transaction. Ours against it
+    is what this project's Python around the call costs (validation, the result, metrics, the
+    announcement after the commit); it against a publish's rows is what the procedure's checks,
+    topic read, lock and fan-out cost."""
+    driver, procedure = get_driver(), get_procedure("wq_publish")
+    topic = publish_bench.make_topic(1)
+    limit = _SizeLimit.of(None)
+
+    def values(n: int) -> list[object]:
+        prepared = _prepare(OutgoingMessage(payload={"n": n}), limit)
+        _name, params = publish_call(topic.name, [prepared], "bench", external=False)
+        return driver.bind(procedure, params)
+
+    calls = [values(n) for n in range(count + warmup)]
+    connection = _prepared_connection()
+    try:
+        return _prepared_rate(
+            connection, driver.render_call(procedure), calls.__getitem__, count, warmup
+        )
+    finally:
+        connection.close()
+        driver.remove_topic(str(topic.id))
+
+
 def rows_floor_tables(messages: str, deliveries: str) -> list[str]:
     """The statements making the rows floor's scratch tables: copies of the queue tables."""
     return [
@@ -188,27 +221,45 @@ def _floor(
     psycopg ignore ``prepare=True``: the floors ran unprepared that way until 2026-12-03, at two
     thirds of their rate, and called aim 1 out of reach. Preparing is turned on for this
     connection whatever the options say, and checked."""
-    connection = _connect(get_driver().alias)
-    connection.prepare_threshold = 0
+    connection = _prepared_connection()
     try:
         for sql in create:
             connection.execute(sql)
         try:
-            for n in range(warmup):
-                connection.execute(statement, values(count + n), prepare=True)
-            if not connection.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0]:
-                raise RuntimeError(
-                    "the floor's statement was not prepared (psycopg ignores prepare=True while "
-                    "the connection's prepare_threshold is None)"
-                )
-            began = time.perf_counter()
-            for n in range(count):
-                connection.execute(statement, values(n), prepare=True)
-            return count / (time.perf_counter() - began)
+            return _prepared_rate(connection, statement, values, count, warmup)
         finally:
             connection.execute(f"DROP TABLE IF EXISTS {tables}")
     finally:
         connection.close()
+
+
+def _prepared_connection() -> Any:
+    """A connection made as the driver makes its private ones, preparing what it runs."""
+    connection = _connect(get_driver().alias)
+    connection.prepare_threshold = 0
+    return connection
+
+
+def _prepared_rate(
+    connection: Any,
+    statement: str,
+    values: Callable[[int], list[object]],
+    count: int,
+    warmup: int,
+) -> float:
+    """``statement`` per second, run ``count`` times (values ``values(0)`` on) after ``warmup``
+    untimed runs (values from ``values(count)``), each committed on its own and prepared."""
+    for n in range(warmup):
+        connection.execute(statement, values(count + n), prepare=True)
+    if not connection.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0]:
+        raise RuntimeError(
+            "the floor's statement was not prepared (psycopg ignores prepare=True while "
+            "the connection's prepare_threshold is None)"
+        )
+    began = time.perf_counter()
+    for n in range(count):
+        connection.execute(statement, values(n), prepare=True)
+    return count / (time.perf_counter() - began)
 
 
 def drop_scratch_tables() -> None:
@@ -282,24 +333,26 @@ def prepared_statements_off() -> Iterator[None]:
 
 
 def aim_publish(sizes: Sizes, celery: str | None) -> list[Score]:
-    ours, unprepared, floor, rows, peer = [], [], [], [], []
+    ours, unprepared, floor, rows, called, peer = [], [], [], [], [], []
     for round_ in range(sizes.rounds):
         ours.append(publish_rate(1, sizes.publishes)[0])
         with prepared_statements_off():
             unprepared.append(publish_rate(1, sizes.publishes)[0])
         floor.append(durable_floor(sizes.publishes, sizes.warmup))
         rows.append(publish_rows_floor(sizes.publishes, sizes.warmup))
+        called.append(procedure_floor(sizes.publishes, sizes.warmup))
         if celery:
             peer.append(celery_enqueue(celery, sizes.publishes))
         print(
             f"round {round_ + 1}: publish {ours[-1]:,.0f}/s, unprepared {unprepared[-1]:,.0f}/s, "
             f"durable one-row INSERT "
-            f"{floor[-1]:,.0f}/s, a publish's rows bare {rows[-1]:,.0f}/s"
+            f"{floor[-1]:,.0f}/s, a publish's rows bare {rows[-1]:,.0f}/s, "
+            f"wq_publish called bare {called[-1]:,.0f}/s"
             + (f", Celery enqueue {peer[-1]:,.0f}/s" if peer else ""),
             flush=True,
         )
     ours_rate, floor_rate = statistics.median(ours), statistics.median(floor)
-    rows_rate = statistics.median(rows)
+    rows_rate, called_rate = statistics.median(rows), statistics.median(called)
     peer_rate = statistics.median(peer) if peer else None
     return [
         against_celery("1. publish one at a time vs Celery enqueue", ours_rate, peer_rate),
@@ -308,6 +361,14 @@ def aim_publish(sizes: Sizes, celery: str | None) -> list[Score]:
         ),
         bound("   a bare one-row INSERT", floor_rate, ours_rate, peer_rate, 1.3, "aim 1"),
         bound("   a publish's rows, bare", rows_rate, ours_rate, peer_rate, 1.3, "aim 1"),
+        bound(
+            "   wq_publish called bare",
+            called_rate,
+            ours_rate,
+            peer_rate,
+            1.3,
+            "aim 1 with this procedure",
+        ),
     ]
 
 

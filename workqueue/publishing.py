@@ -123,6 +123,10 @@ _MessageFields = dataclasses.make_dataclass(
 )
 
 
+#: What publish_many takes as a message as it is (a mapping is read into a _MessageFields).
+_MESSAGE_CLASSES = (OutgoingMessage, _MessageFields)
+
+
 class _Invalid(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -225,18 +229,12 @@ def publish_many(
     the database cannot store raises ``InvalidMessageError`` (as for ``publish``) and nothing of
     the batch is published.
     """
-    # Imported here: publishing needs topology models only when handed one (layering rule 6).
-    from workqueue.models import Topic
-
-    known = topic if isinstance(topic, Topic) else None
+    known = None if isinstance(topic, str) else _given_topic(topic)
     name = topic if known is None else known.name
     if isinstance(name, str) and (problem := text_problem(name)):
         raise InvalidInputError(f"topic {problem}.")
     size_limit = _SizeLimit.of(known)
-    items = [
-        m if isinstance(m, OutgoingMessage | _MessageFields) else _MessageFields(**m)
-        for m in messages
-    ]
+    items = [m if isinstance(m, _MESSAGE_CLASSES) else _MessageFields(**m) for m in messages]
     results: list[PublishResult | None] = [None] * len(items)
     prepared: list[tuple[int, dict[str, Any]]] = []
     # An id for each item, used where the publisher chose none: made together, cheaper.
@@ -305,6 +303,15 @@ def publish_many(
         # not make the publish look failed.
         signals.published.send_robust(sender=publish_many, topic=name, message_ids=accepted)
     return final
+
+
+def _given_topic(topic: Any) -> Topic | None:
+    """``topic`` when it is a ``Topic`` (else None: a value of another type is left to the
+    name checks)."""
+    # Imported here: publishing needs topology models only when handed one (layering rule 6).
+    from workqueue.models import Topic
+
+    return topic if isinstance(topic, Topic) else None
 
 
 def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
@@ -587,8 +594,14 @@ class _SizeLimit:
     @classmethod
     def of(cls, topic: Topic | None) -> _SizeLimit:
         if topic is None:
-            return cls(MAX_PAYLOAD_BYTES, "the largest max_payload_bytes any topic may have")
+            return _ANY_TOPICS_LIMIT
         return cls(topic.max_payload_bytes, "the topic's max_payload_bytes")
+
+
+#: The limit of a publish by topic name, made once: the procedure checks the topic's own.
+_ANY_TOPICS_LIMIT = _SizeLimit(
+    MAX_PAYLOAD_BYTES, "the largest max_payload_bytes any topic may have"
+)
 
 
 def message_problem(message: OutgoingMessage) -> str | None:

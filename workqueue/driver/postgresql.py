@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from psycopg import pq
 
 from workqueue.driver.base import (
     API_KEY_TABLE,
@@ -653,7 +654,7 @@ class PostgresDriver(BaseDriver):
         procedure = get_procedure(name)
         values = self.bind(procedure, {**params, "caller_announces": True})
         results = self.execute(self._announcing_calls[name], values)
-        kept = len(procedure.column_names)
+        kept = len(procedure.columns)
         announcement = _announcement([result[kept:] for result in results])
         named: frozenset[str] = frozenset()
         if announcement is not None:
@@ -688,8 +689,6 @@ class PostgresDriver(BaseDriver):
         the connection's next statement collects first (``_collect_announcement``). The server
         runs it right after the publish, while this thread goes on; it runs even if the process
         exits at once, the statement being already with the server."""
-        from psycopg import pq
-
         owned = getattr(self._local, "raw", None)
         if owned is None or owned.connection.closed:
             return
@@ -779,8 +778,6 @@ def _collect_announcement(owned: _ThreadConnection) -> None:
     almost always arrived by now), so the connection can run its next statement. A failed
     announcement is logged: the hosts find that publish at their next poll. A broken
     connection is closed, to be replaced by the statement that comes next."""
-    from psycopg import pq
-
     topic, owned.announcing = owned.announcing, None
     pgconn = owned.connection.pgconn
     try:
