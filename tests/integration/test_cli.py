@@ -18,6 +18,7 @@ from tests.support.queue import dead_letter, row_held
 from tests.support.roles import acting_as_granted_role
 from workqueue import publish
 from workqueue.driver import get_driver
+from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import ApiKey, Delivery, Topic, Transport
 from workqueue.transport import Receiver
@@ -549,7 +550,8 @@ def test_install_procedures_puts_back_this_releases_procedures_and_grants(pg_con
         finally:
             reinstall_procedures(connection)  # whatever happened above
 
-    assert "Installed the procedures of workqueue.0046" in out and f"{role} (runtime)" in out
+    installed = f"Installed the procedures of workqueue.{LATEST_PROCEDURE_MIGRATION}"
+    assert installed in out and f"{role} (runtime)" in out
     assert (backlog["claimable"], backlog["in_flight"]) == (1, 0)
     assert granted is True
 

@@ -290,7 +290,7 @@ def test_claims_read_only_due_rows_by_priority_whatever_is_scheduled(pg_conn, mo
     # scheduled for tomorrow are never read.
     assert max(_rows_read(plans)) < 500, plans
     claimed = pg_conn.execute(
-        "SELECT array_agg(priority ORDER BY priority DESC) FROM workqueue_delivery "
+        "SELECT array_agg(priority::integer ORDER BY priority DESC) FROM workqueue_delivery "
         "WHERE subscription_id = %s AND status = 'InFlight'",
         [subscription.id],
     ).fetchone()[0]
@@ -326,7 +326,7 @@ def test_a_claim_takes_keys_and_keyless_rows_by_priority_reading_only_due_rows(p
     assert max(_pages_touched(plans)) < 50, plans
     assert max(_rows_read(plans)) < 500, plans
     claimed = pg_conn.execute(
-        "SELECT array_agg(priority ORDER BY priority DESC), count(partition_key) "
+        "SELECT array_agg(priority::integer ORDER BY priority DESC), count(partition_key) "
         "FROM workqueue_delivery WHERE subscription_id = %s AND status = 'InFlight'",
         [subscription.id],
     ).fetchone()

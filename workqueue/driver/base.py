@@ -275,6 +275,11 @@ class BaseDriver:
         """Drop every ``wq_*`` procedure (reversing the first procedure migration)."""
         raise NotImplementedError
 
+    def revert_delivery_rules(self, connection: BaseDatabaseWrapper) -> None:
+        """Put back the delivery columns' CHECK constraints that Django's state holds before
+        migration 0047, where the procedure files keep those rules otherwise (reversing 0047,
+        so that earlier migrations find them). By default nothing: the vendor kept them."""
+
     def grant_runtime_statements(self, role: str) -> list[str]:
         """Statements giving ``role`` what hosts and publishers need: EXECUTE on the runtime
         procedures, SELECT on the tables (not the lease tokens), no DML on the queue tables,

@@ -63,6 +63,12 @@ def drop_procedures_step(apps: Any, schema_editor: Any) -> None:
     driver_for_connection(schema_editor.connection).drop_procedures(schema_editor.connection)
 
 
+def revert_delivery_rules_step(apps: Any, schema_editor: Any) -> None:
+    """RunPython reverse step of migration 0047 (``BaseDriver.revert_delivery_rules``)."""
+    connection = schema_editor.connection
+    driver_for_connection(connection).revert_delivery_rules(connection)
+
+
 def renew_grants(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
     """Give every role that holds the runtime or operator grant the grant as it stands now, on
     ``connection`` (the migrating owner's); return the roles, by grant.

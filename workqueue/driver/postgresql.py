@@ -150,10 +150,13 @@ _EXECUTE_GRANTEES_BY_NAME = """
        AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner
 """
 
-# The relations the procedure bodies name. Their search_path is pinned to pg_catalog alone, so
-# install_procedures qualifies each of these (and every wq_* function the files declare) with
-# the schema the tables were migrated into.
+# The relations (and the delivery columns' domains) the procedure files name. Their search_path
+# is pinned to pg_catalog alone, so install_procedures qualifies each of these (and every wq_*
+# function the files declare) with the schema the tables were migrated into.
 _OWN_RELATIONS = (
+    "wq_delivery_status",
+    "wq_priority",
+    "wq_attempt_count",
     "workqueue_transport",
     "workqueue_topic",
     "workqueue_subscription",
@@ -194,6 +197,28 @@ _SCHEMA_CREATORS = """
                   AND has_schema_privilege(r.oid, current_schema(), 'CREATE')
                 ORDER BY 1) END
       FROM public_may
+"""
+
+
+_REVERT_DELIVERY_RULES = """
+    DO $revert$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM pg_attribute a
+                    WHERE a.attrelid = 'workqueue_delivery'::regclass AND a.attname = 'status'
+                      AND a.atttypid = to_regtype('wq_delivery_status')) THEN
+            ALTER TABLE workqueue_delivery
+                ALTER COLUMN status TYPE varchar(20),
+                ALTER COLUMN priority TYPE smallint,
+                ALTER COLUMN attempt_count TYPE integer,
+                ADD CONSTRAINT wq_delivery_status_valid CHECK (status IN (
+                    'Pending', 'InFlight', 'Completed', 'DeadLettered', 'Discarded')),
+                ADD CONSTRAINT wq_delivery_attempts_nonneg CHECK (attempt_count >= 0),
+                ADD CONSTRAINT wq_delivery_priority_range CHECK (
+                    priority >= -100 AND priority <= 100);
+        END IF;
+        DROP DOMAIN IF EXISTS wq_delivery_status, wq_priority, wq_attempt_count;
+    END
+    $revert$
 """
 
 
@@ -361,6 +386,13 @@ class PostgresDriver(BaseDriver):
             for signature, _oid, _version in cursor.fetchall():
                 cursor.execute(f"DROP FUNCTION IF EXISTS {signature} CASCADE")
             cursor.execute("DROP SEQUENCE IF EXISTS wq_publish_ordinal_seq")
+
+    def revert_delivery_rules(self, connection: BaseDatabaseWrapper) -> None:
+        # The columns back to their base types (the indexes naming the status in their WHERE
+        # are rebuilt) and the CHECK constraints back as migrations 0001 and 0015 made them;
+        # the domains then go (sql/postgresql/publish.sql makes them again).
+        with connection.cursor() as cursor:
+            cursor.execute(_REVERT_DELIVERY_RULES)
 
     def render_call(self, procedure: Procedure) -> str:
         return self._render_select(procedure, procedure.column_names)

@@ -442,7 +442,7 @@ BEGIN
                            progress = NULL
                      WHERE d.ctid = ANY (v_picked)
                     RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
-                              d.attempt_count, d.is_replay, d.visible_at
+                              d.attempt_count::integer, d.is_replay, d.visible_at
                 )
                 SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at,
                        c.attempt_count, c.is_replay, m.id, m.topic_id, m.partition_key::text,
@@ -512,7 +512,7 @@ BEGIN
                           AND h.partition_key = d.partition_key AND h.order_key < d.order_key
                           AND h.status IN ('Pending', 'InFlight', 'DeadLettered')))
                 RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
-                          d.attempt_count, d.is_replay
+                          d.attempt_count::integer, d.is_replay
             )
             SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
                    c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
