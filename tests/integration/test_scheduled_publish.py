@@ -121,6 +121,43 @@ def test_the_procedure_refuses_a_due_time_past_retention_whoever_calls_it():
     ]
 
 
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"not_before": "far"}, "InvalidSchedule"),
+        ({"delay_seconds": 86_460}, "InvalidSchedule"),
+        ({"delay_seconds": -5}, "InvalidSchedule"),
+        ({"delay_seconds": 5, "not_before": "now"}, "InvalidSchedule"),
+        ({"priority": 300}, "InvalidPriority"),
+        ({"priority": -101}, "InvalidPriority"),
+    ],
+)
+def test_a_single_publish_the_python_checks_did_not_see_is_refused_by_the_procedure(fields, code):
+    # wq_publish's own checks, as wq_publish_many's above, for a caller that skips the Python
+    # ones (which refuse all of these first): stored, the priority would fail on the delivery's
+    # rule as an error instead of a rejection, and the due time would outlive the retention.
+    # Seen failing with the procedure's priority check removed, which every other test let by.
+    topic = TopicFactory(retention_days=1)
+    SubscriptionFactory(topic=topic)
+    times = {"far": (_db_now() + dt.timedelta(days=1, minutes=1)).isoformat()}
+    times["now"] = _db_now().isoformat()
+    params = {k: times.get(v, v) if k == "not_before" else v for k, v in fields.items()}
+    [row] = get_driver().call(
+        "wq_publish",
+        {
+            "topic_name": topic.name,
+            "message_id": "6f1c3c1e-0000-4000-8000-000000000010",
+            "payload": {"n": 1},
+            "envelope_bytes": 100,
+            "external": False,
+            "published_by": "test",
+            **params,
+        },
+    )
+    assert (row["status"], row["error_code"]) == ("Rejected", code)
+    assert not Message.objects.filter(topic=topic).exists()
+
+
 CURRENT_PUBLISH = (
     "wq_publish(text,uuid,text,jsonb,jsonb,jsonb,text,text,integer,integer,boolean,text,"
     "timestamp with time zone,integer,integer,boolean)"
