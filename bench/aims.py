@@ -17,8 +17,9 @@ machine's speed does not (this one is shared and varies by a factor of two betwe
    every index and constraint of the queue tables) in one bare statement. A publish cannot
    cost less than the second without storing less, so when that floor is under 1.3x Celery
    the aim is out of reach with durability on (a floor above it only fails to rule it out).
-   A third line calls ``wq_publish`` bare, its parameters made ahead: ours against it is what
-   the Python around the call costs, it against a publish's rows what the procedure adds;
+   A third line calls ``wq_publish`` bare, its parameters made ahead and no announcement made:
+   ours against it is what the Python around the call and the announcement cost, it against a
+   publish's rows what the procedure adds;
 2. ``publish_many`` of 100, next to a batch's rows written bare (the same floor, 100 at once),
    the two in turn in each round;
 3. the drain at concurrency 8 and 32;
@@ -149,10 +150,10 @@ def publish_rows_floor(count: int, warmup: int, batch: int = 1) -> float:
 def procedure_floor(count: int, warmup: int) -> float:
     """Publishes per second when ``wq_publish`` is called bare: each call's parameters made
     ahead (validated and bound as a publish makes them), then sent as one prepared statement
-    and committed on its own, the procedure notifying inside its transaction. Ours against it
-    is what this project's Python around the call costs (validation, the result, metrics, the
-    announcement after the commit); it against a publish's rows is what the procedure's checks,
-    topic read, lock and fan-out cost."""
+    and committed on its own, with no announcement at all (``caller_announces``, and none sent
+    after). Ours against it is what this project's Python around the call and the announcement
+    cost; it against a publish's rows, what the procedure's checks, topic read, lock and
+    fan-out cost."""
     driver, procedure = get_driver(), get_procedure("wq_publish")
     topic = publish_bench.make_topic(1)
     limit = _SizeLimit.of(None)
@@ -160,7 +161,7 @@ def procedure_floor(count: int, warmup: int) -> float:
     def values(n: int) -> list[object]:
         prepared = _prepare(OutgoingMessage(payload={"n": n}), limit)
         _name, params = publish_call(topic.name, [prepared], "bench", external=False)
-        return driver.bind(procedure, params)
+        return driver.bind(procedure, {**params, "caller_announces": True})
 
     calls = [values(n) for n in range(count + warmup)]
     connection = _prepared_connection()

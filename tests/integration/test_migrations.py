@@ -30,7 +30,7 @@ RELEASES = Path(__file__).resolve().parent / "releases"
 CATALOG_QUERIES = {
     "columns": """
         SELECT table_name, column_name, data_type, character_maximum_length, is_nullable,
-               column_default, collation_name
+               column_default, collation_name, domain_name
           FROM information_schema.columns
          WHERE table_schema = current_schema() AND table_name LIKE 'workqueue\\_%%'
          ORDER BY 1, 2""",
@@ -43,6 +43,12 @@ CATALOG_QUERIES = {
          WHERE connamespace = current_schema()::regnamespace
            AND conrelid::regclass::text LIKE 'workqueue\\_%%'
          ORDER BY 1, 2""",
+    "domains": """
+        SELECT t.typname, format_type(t.typbasetype, t.typtypmod),
+               c.conname, pg_get_constraintdef(c.oid), c.convalidated
+          FROM pg_type t LEFT JOIN pg_constraint c ON c.contypid = t.oid
+         WHERE t.typnamespace = current_schema()::regnamespace AND t.typtype = 'd'
+         ORDER BY 1, 4""",
     "table_options": """
         SELECT relname, reloptions FROM pg_class
          WHERE relnamespace = current_schema()::regnamespace AND relkind = 'r'

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 
 from tests.factories import SubscriptionFactory
 from tests.support.roles import database_role
@@ -189,3 +189,62 @@ def test_function_bodies_name_every_table_and_function_by_schema(pg_conn):
     found = {name: unqualified.findall(body) for name, body in bodies}
     assert {name: names for name, names in found.items() if names} == {}
     assert any(".workqueue_delivery" in body for _, body in bodies)
+
+
+class Rollback(Exception):
+    """Raised to leave a ``transaction.atomic()`` block by rolling it back."""
+
+
+def _reinstall_after_losing_create(schema: str, creator: str) -> None:
+    """On Django's connection, in its open transaction: the creator loses CREATE on the schema
+    (what it made there stays: the install checks who may create now, not what was made), and
+    the procedures are installed as they are on a database older than 0047, which makes the
+    delivery columns' domains."""
+    driver = get_driver()
+    with connection.cursor() as cursor:
+        cursor.execute(f'REVOKE CREATE ON SCHEMA {schema} FROM "{creator}"')
+    driver.revert_delivery_rules(connection)
+    driver.install_procedures(connection)
+
+
+def test_an_operator_planted_before_the_upgrade_is_not_bound_into_the_delivery_rules(
+    shadows, schema, creator
+):
+    # The domains' constraints are made by the migrating session, whose search_path holds the
+    # schema: a bare `VALUE IN (...)` took the planted varchar = varchar, and every write of a
+    # delivery ran it (seen failing so).
+    subscription = SubscriptionFactory()
+    with pytest.raises(Rollback), transaction.atomic():
+        _reinstall_after_losing_create(schema, creator)
+        shadows_before = _shadow_log(schema)
+        assert publish(subscription.topic.name, {"n": 1}, enlist=True).accepted
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE workqueue_delivery SET status = 'Completed', priority = 1, "
+                "attempt_count = 1"
+            )
+        assert _shadow_log(schema) == shadows_before == []
+        raise Rollback
+
+
+def _shadow_log(schema: str) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT shadow, as_role FROM {schema}.shadow_log")
+        return cursor.fetchall()
+
+
+@pytest.mark.parametrize("name", ["wq_delivery_status", "wq_priority", "wq_attempt_count"])
+def test_installing_refuses_a_type_another_role_made_under_a_domains_name(
+    pg_conn, schema, creator, name
+):
+    # Taken over, the creator's type would be the column's: it could add a constraint that
+    # runs as whoever writes a delivery (the procedures' owner), or drop the column with it.
+    driver = get_driver()
+    refused = pytest.raises(DatabaseError, match="is not the domain this install makes")
+    with refused, transaction.atomic(), connection.cursor() as cursor:
+        driver.revert_delivery_rules(connection)  # as before 0047: the names are free
+        cursor.execute(f'SET ROLE "{creator}"')
+        cursor.execute(f"CREATE DOMAIN {schema}.{name} AS integer")
+        cursor.execute("RESET ROLE")
+        cursor.execute(f'REVOKE CREATE ON SCHEMA {schema} FROM "{creator}"')
+        driver.install_procedures(connection)

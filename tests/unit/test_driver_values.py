@@ -88,3 +88,12 @@ def test_every_column_type_has_a_decoder_and_null_stays_null():
     assert decode_value(ParamType.BOOL, 1) is True
     assert decode_value(ParamType.TEXT, "Text") == "Text"
     assert decode_value(ParamType.UUID, ID.upper()) == ID
+
+
+def test_every_parameter_type_has_an_adapter():
+    # BaseDriver.adapt looks a value's adapter up by its parameter's type: a type added without
+    # one would fail every call that passes it a value.
+    from workqueue.driver.base import _ADAPTERS
+    from workqueue.driver.procedures import ParamType
+
+    assert set(_ADAPTERS) == {kind.value for kind in ParamType}

@@ -210,11 +210,15 @@ _REVERT_DELIVERY_RULES = """
                 ALTER COLUMN status TYPE varchar(20),
                 ALTER COLUMN priority TYPE smallint,
                 ALTER COLUMN attempt_count TYPE integer,
-                ADD CONSTRAINT wq_delivery_status_valid CHECK (status IN (
-                    'Pending', 'InFlight', 'Completed', 'DeadLettered', 'Discarded')),
-                ADD CONSTRAINT wq_delivery_attempts_nonneg CHECK (attempt_count >= 0),
+                ADD CONSTRAINT wq_delivery_status_valid CHECK (
+                    status::pg_catalog.text OPERATOR(pg_catalog.=) ANY (ARRAY[
+                        'Pending', 'InFlight', 'Completed', 'DeadLettered', 'Discarded'
+                    ]::pg_catalog.text[])),
+                ADD CONSTRAINT wq_delivery_attempts_nonneg CHECK (
+                    attempt_count OPERATOR(pg_catalog.>=) 0),
                 ADD CONSTRAINT wq_delivery_priority_range CHECK (
-                    priority >= -100 AND priority <= 100);
+                    priority OPERATOR(pg_catalog.>=) -100
+                    AND priority OPERATOR(pg_catalog.<=) 100);
         END IF;
         DROP DOMAIN IF EXISTS wq_delivery_status, wq_priority, wq_attempt_count;
     END
@@ -389,8 +393,10 @@ class PostgresDriver(BaseDriver):
 
     def revert_delivery_rules(self, connection: BaseDatabaseWrapper) -> None:
         # The columns back to their base types (the indexes naming the status in their WHERE
-        # are rebuilt) and the CHECK constraints back as migrations 0001 and 0015 made them;
-        # the domains then go (sql/postgresql/publish.sql makes them again).
+        # are rebuilt, and the CHECKs read every row, under the table's lock) and the CHECK
+        # constraints back under the names migrations 0001 and 0015 gave them, with
+        # pg_catalog's operators as the domains have them; the domains then go
+        # (sql/postgresql/publish.sql makes them again).
         with connection.cursor() as cursor:
             cursor.execute(_REVERT_DELIVERY_RULES)
 

@@ -4,9 +4,9 @@ PostgreSQL: the status, priority and attempt count of a delivery are kept in ran
 columns' types, domains (``wq_delivery_status``, ``wq_priority``, ``wq_attempt_count``), instead
 of by three CHECK constraints, which PostgreSQL read from their stored text and planned again at
 every statement writing deliveries: an eighth of a publish's database work, and as much of
-every claim's and settle's. The columns keep their base types, so no row is read or rewritten;
-the indexes that name the status in their WHERE are rebuilt while ``migrate`` holds the table's
-lock (README, Upgrading). The procedures cast those columns back to their base types where they
+every claim's and settle's. The domains are over the columns' own types, so no row is
+rewritten; the indexes that name the status in their WHERE are rebuilt (each reads the table)
+while ``migrate`` holds the table's lock (README, Upgrading). The procedures cast those columns back to their base types where they
 return them.
 
 SQL Server keeps the three CHECK constraints, which it compiles into its plans once: Django's

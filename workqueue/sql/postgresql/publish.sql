@@ -261,41 +261,77 @@ $delete_guards$;
 -- The delivery columns' rules, kept by their types: a domain's constraint is held ready once per
 -- session, where PostgreSQL reads a table's CHECK constraints from their stored text and plans
 -- them again at every statement that writes the table. Every publish, claim and settle wrote
--- deliveries through statements of their own, and those three CHECKs were an eighth of a
--- publish's database work (bench/instructions.py). A value outside its domain is refused as the
--- CHECK refused it, by whatever writes it.
--- Made in three steps so that no row is read and the table is not rewritten: the domain without
--- its constraint, the column's type (the same base type: its indexes that name the column in
--- their WHERE are rebuilt, under the table's lock, until the migrate commits), then the
--- constraint NOT VALID. Nothing but the CHECKs being replaced ever wrote the rows already there.
+-- deliveries through statements of their own, and those three CHECKs were a ninth of a
+-- publish's database instructions (bench/instructions.py). A value outside its domain is
+-- refused as the CHECK refused it, by whatever writes it.
+-- Made in three steps so that no row is rewritten: the domain without its constraint, the
+-- columns' types (the same base types; the indexes that name the status in their WHERE are
+-- rebuilt, a read of the table each, under its lock until the migrate commits), then the
+-- constraint NOT VALID: nothing but the CHECKs being replaced ever wrote the rows already there.
+-- The constraints spell out pg_catalog's operators, so that no operator a role made in a schema
+-- on the migrating session's path is bound into them. A type of one of these names that is not
+-- this install's own (a domain over the base type, owned by the tables' owner or a superuser)
+-- is refused: its maker could add constraints that run as whoever writes a delivery, or drop
+-- the column with it.
 DO $delivery_domains$
+DECLARE
+    v_owner oid := (SELECT c.relowner FROM pg_class c
+                     WHERE c.oid = 'workqueue_delivery'::regclass);
+    v_changes text[] := ARRAY[]::text[];
+    v_domain record;
 BEGIN
     IF to_regtype('wq_delivery_status') IS NULL THEN
         CREATE DOMAIN wq_delivery_status AS varchar(20);
         ALTER DOMAIN wq_delivery_status ADD CONSTRAINT wq_delivery_status_valid
-            CHECK (VALUE IN ('Pending', 'InFlight', 'Completed', 'DeadLettered', 'Discarded'))
+            CHECK (VALUE::pg_catalog.text OPERATOR(pg_catalog.=) ANY (
+                ARRAY['Pending', 'InFlight', 'Completed', 'DeadLettered', 'Discarded']
+                    ::pg_catalog.text[]))
             NOT VALID;
     END IF;
     IF to_regtype('wq_priority') IS NULL THEN
         CREATE DOMAIN wq_priority AS smallint;
         ALTER DOMAIN wq_priority ADD CONSTRAINT wq_priority_range
-            CHECK (VALUE BETWEEN -100 AND 100) NOT VALID;
+            CHECK (VALUE OPERATOR(pg_catalog.>=) -100 AND VALUE OPERATOR(pg_catalog.<=) 100)
+            NOT VALID;
     END IF;
     IF to_regtype('wq_attempt_count') IS NULL THEN
         CREATE DOMAIN wq_attempt_count AS integer;
         ALTER DOMAIN wq_attempt_count ADD CONSTRAINT wq_attempt_count_nonneg
-            CHECK (VALUE >= 0) NOT VALID;
+            CHECK (VALUE OPERATOR(pg_catalog.>=) 0) NOT VALID;
     END IF;
-    IF EXISTS (SELECT 1 FROM pg_attribute a
-                WHERE a.attrelid = 'workqueue_delivery'::regclass AND a.attname = 'status'
-                  AND a.atttypid <> 'wq_delivery_status'::regtype) THEN
-        ALTER TABLE workqueue_delivery
-            DROP CONSTRAINT IF EXISTS wq_delivery_status_valid,
-            DROP CONSTRAINT IF EXISTS wq_delivery_priority_range,
-            DROP CONSTRAINT IF EXISTS wq_delivery_attempts_nonneg,
-            ALTER COLUMN status TYPE wq_delivery_status,
-            ALTER COLUMN priority TYPE wq_priority,
-            ALTER COLUMN attempt_count TYPE wq_attempt_count;
+    FOR v_domain IN
+        SELECT x.column_name, x.check_name, to_regtype(x.type_name) AS domain_type,
+               x.base_type::regtype AS base_type
+          FROM (VALUES ('status', 'wq_delivery_status_valid', 'wq_delivery_status',
+                        'varchar'),
+                       ('priority', 'wq_delivery_priority_range', 'wq_priority', 'int2'),
+                       ('attempt_count', 'wq_delivery_attempts_nonneg', 'wq_attempt_count',
+                        'int4')) AS x(column_name, check_name, type_name, base_type)
+    LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_type t
+                        WHERE t.oid = v_domain.domain_type AND t.typtype = 'd'
+                          AND t.typbasetype = v_domain.base_type
+                          AND (t.typowner = v_owner
+                               OR (SELECT r.rolsuper FROM pg_roles r WHERE r.oid = t.typowner)))
+        THEN
+            RAISE EXCEPTION 'type % is not the domain this install makes', v_domain.domain_type
+                USING HINT = 'Another role made a type of that name in the work queue''s '
+                             || 'schema; drop it, then run manage.py migrate again.';
+        END IF;
+        -- Column by column: one turned back into a plain type (by an AlterField, say) is
+        -- given its domain again at the next install.
+        IF (SELECT a.atttypid FROM pg_attribute a
+             WHERE a.attrelid = 'workqueue_delivery'::regclass
+               AND a.attname = v_domain.column_name) <> v_domain.domain_type THEN
+            v_changes := v_changes
+                || format('DROP CONSTRAINT IF EXISTS %I', v_domain.check_name)
+                || format('ALTER COLUMN %I TYPE %s', v_domain.column_name, v_domain.domain_type);
+        END IF;
+    END LOOP;
+    -- In one statement: the indexes are rebuilt once.
+    IF cardinality(v_changes) > 0 THEN
+        EXECUTE format('ALTER TABLE %s %s', 'workqueue_delivery'::regclass,
+                       array_to_string(v_changes, ', '));
     END IF;
 END
 $delivery_domains$;
