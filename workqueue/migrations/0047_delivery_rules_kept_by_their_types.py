@@ -3,11 +3,11 @@
 PostgreSQL: the status, priority and attempt count of a delivery are kept in range by their
 columns' types, domains (``wq_delivery_status``, ``wq_priority``, ``wq_attempt_count``), instead
 of by three CHECK constraints, which PostgreSQL read from their stored text and planned again at
-every statement writing deliveries: an eighth of a publish's database work, and as much of
-every claim's and settle's. The domains are over the columns' own types, so no row is
+every statement writing deliveries: a ninth of a publish's database instructions, a seventh of
+a claim's and its completion's. The domains are over the columns' own types, so no row is
 rewritten; the indexes that name the status in their WHERE are rebuilt (each reads the table)
-while ``migrate`` holds the table's lock (README, Upgrading). The procedures cast those columns back to their base types where they
-return them.
+while ``migrate`` holds the table's lock (README, Upgrading). ``wq_claim`` casts the attempt
+count back to its base type where it returns it.
 
 SQL Server keeps the three CHECK constraints, which it compiles into its plans once: Django's
 model no longer declares them, and this migration removes them from Django's state only.

@@ -414,10 +414,10 @@ DECLARE
     v_ordinal bigint;
     v_attempt integer := 0;
 BEGIN
-    -- The topic, and the first of the call's problems that reject it, in one statement: a
-    -- PL/pgSQL condition of its own per check was an expression to set up afresh in every
-    -- transaction, which is every publish (2 % of a publish's database instructions more than
-    -- this). The order is the rejections' order of precedence.
+    -- The topic, and the first of the call's problems that reject it, in one statement: as a
+    -- PL/pgSQL condition of its own, each check was an expression set up afresh in every
+    -- transaction, which is every publish (2 % more of its database instructions). The order is
+    -- the rejections' order of precedence.
     SELECT t.id, t.default_deduplication_ttl_seconds,
            CASE
                -- Another transport's messages do not live in these tables: the caller hands the
