@@ -7,9 +7,10 @@ nothing that outlives the run. ``start_django`` only sets Django up, so importin
 ``prepare_database``, called once a script has read its arguments, migrates the embedded
 database when it is behind (a fresh cluster, say: the benchmarks create topics and
 subscriptions of their own, and a traceback about a missing ``auth_user`` table tells nobody
-what to run), and makes the system user that benchmarks publish and run handlers as. A
-database that DATABASE_URL names is never migrated behind its owner's back: when it is behind,
-the script stops and says so.
+what to run), installs this checkout's procedures there when the ones installed came from
+other files (see ``_install_this_checkouts_procedures``), and makes the system user that
+benchmarks publish and run handlers as. A database that DATABASE_URL names is never migrated
+or reinstalled behind its owner's back: when it is behind, the script stops and says so.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def prepare_database() -> None:
     executor = MigrationExecutor(connection)
     if executor.migration_plan(executor.loader.graph.leaf_nodes()):
         _migrate()
+    _install_this_checkouts_procedures()
     _ensure_system_user()
 
 
@@ -50,6 +52,27 @@ def _migrate() -> None:
         )
     print("Migrating the embedded database first (manage.py migrate).", file=sys.stderr)
     call_command("migrate", verbosity=0)
+
+
+def _install_this_checkouts_procedures() -> None:
+    """A database migrated before the procedure files last changed without a migration of their
+    own (between releases) runs the older bodies, and a benchmark would time those: the
+    embedded one gets this checkout's (their stamp says which files were installed)."""
+    from django.core.management import call_command
+
+    from workqueue.driver import get_driver
+
+    problem = get_driver().procedures_problem()
+    if problem is None:
+        return
+    if os.environ.get("DATABASE_URL"):
+        raise SystemExit(f"{problem} A benchmark would time those procedures, not this checkout's.")
+    print(
+        "Installing this checkout's procedures in the embedded database first "
+        "(manage.py workqueue install-procedures).",
+        file=sys.stderr,
+    )
+    call_command("workqueue", "install-procedures")
 
 
 def _ensure_system_user() -> None:

@@ -75,6 +75,18 @@ def enqueue(tasks: int) -> float:
     return tasks / (time.perf_counter() - began)
 
 
+def enqueue_blocks() -> None:
+    """Serve bench/aims.py, which alternates blocks of Celery's enqueue with blocks of its own
+    publishes so that both meet the same moments of a shared machine: each line read is a
+    number of tasks to enqueue one at a time, each line written the seconds that took."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        began = time.perf_counter()
+        for n in range(int(line)):
+            noop.delay(n, 0)
+        print(f"{time.perf_counter() - began:.6f}", flush=True)
+
+
 def drain(tasks: int, pool: str, concurrency: int) -> float:
     worker = subprocess.Popen(
         [
@@ -122,6 +134,11 @@ def main() -> None:
         action="store_true",
         help="time the enqueue only (bench/aims.py compares it with a publish)",
     )
+    parser.add_argument(
+        "--enqueue-blocks",
+        action="store_true",
+        help="enqueue blocks of tasks as standard input asks, each timed (bench/aims.py)",
+    )
     args = parser.parse_args()
     port = int(REDIS_URL.rsplit(":", 1)[1].split("/")[0])
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as workdir:
@@ -129,6 +146,10 @@ def main() -> None:
         persistence = f"appendfsync {args.appendfsync}" if args.appendfsync else "snapshots only"
         print(f"Celery {celery.__version__} on Redis ({persistence})")
         try:
+            if args.enqueue_blocks:
+                ledger.flushdb()
+                enqueue_blocks()
+                return
             if args.enqueue_only:
                 ledger.flushdb()
                 rate = enqueue(args.tasks)
