@@ -58,12 +58,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bench.django_setup import prepare_database, start_django
 
@@ -304,32 +305,54 @@ class CeleryEnqueuer:
     def seconds(self, tasks: int) -> float:
         """How long enqueueing ``tasks`` no-op tasks one at a time took the peer."""
         assert self._peer.stdin is not None
-        self._peer.stdin.write(f"{tasks}\n")
-        self._peer.stdin.flush()
+        try:
+            self._peer.stdin.write(f"{tasks}\n")
+            self._peer.stdin.flush()
+        except BrokenPipeError:
+            self._stopped()  # the peer exited; its own words say why
         return float(self._answer())
 
     def _answer(self) -> str:
+        """The peer's next line, within ``PEER_ANSWER_SECONDS`` (a peer that hangs is killed)."""
         assert self._peer.stdout is not None
-        line = self._peer.stdout.readline()
+        watchdog = threading.Timer(PEER_ANSWER_SECONDS, self._peer.kill)
+        watchdog.start()
+        try:
+            line = self._peer.stdout.readline()
+        finally:
+            watchdog.cancel()
         if not line:
-            self._peer.wait(30)
-            self._errors.seek(0)
-            raise SystemExit(
-                f"the Celery peer stopped (exit {self._peer.returncode}); if it left its "
-                f"redis-server on port 6390 running, stop it:\n{self._errors.read()[-2000:]}"
-            )
+            self._stopped()
         return line.strip()
+
+    def _stopped(self) -> NoReturn:
+        self._peer.wait(30)
+        self._errors.seek(0)
+        raise SystemExit(
+            f"the Celery peer stopped (exit {self._peer.returncode}); if it left its "
+            f"redis-server on port 6390 running, stop it:\n{self._errors.read()[-2000:]}"
+        )
 
     def close(self) -> None:
         """Let the peer stop its redis-server and exit."""
         if self._peer.stdin is not None:
-            self._peer.stdin.close()
+            # As Popen.communicate does: a peer that already exited left a broken pipe.
+            with contextlib.suppress(BrokenPipeError):
+                self._peer.stdin.close()
         try:
             self._peer.wait(30)
         except subprocess.TimeoutExpired:
             self._peer.kill()
+            self._peer.wait(30)
+            print(
+                "the Celery peer did not exit and was killed: stop its redis-server on port 6390",
+                file=sys.stderr,
+            )
         self._errors.close()
 
+
+#: How long the peer may take over a block (or its start) before it is taken for hung.
+PEER_ANSWER_SECONDS = 600
 
 #: Publishes (and Celery enqueues) per block of aim 1's alternation: ~0.1 s each, short
 #: enough that both meet the same moments of the machine, long enough to time well.
@@ -348,7 +371,7 @@ def alternated(
     topic = publish_bench.make_topic(1)
     try:
         for n in range(warmup):  # the procedure compiled, the caches and the topic's rows warm
-            publish(topic.name, {"n": n})
+            assert publish(topic.name, {"n": n}).accepted
         if peer is not None:
             peer.seconds(warmup)  # its connection to Redis made
         ours_seconds = peer_seconds = 0.0
@@ -357,7 +380,7 @@ def alternated(
                 peer_seconds += peer.seconds(block)
             began = time.perf_counter()
             for n in range(block):
-                publish(topic.name, {"n": n})
+                assert publish(topic.name, {"n": n}).accepted
             ours_seconds += time.perf_counter() - began
             if peer is not None and not number % 2:
                 peer_seconds += peer.seconds(block)
@@ -410,15 +433,18 @@ def aim_publish(sizes: Sizes, celery: str | None) -> list[Score]:
 
 
 def _aim_publish(sizes: Sizes, peer: CeleryEnqueuer | None) -> list[Score]:
-    ours, peers, cpu, unprepared, floor, rows, called = [], [], [], [], [], [], []
+    ours, peers, alone, cpu, unprepared, floor, rows, called = [], [], [], [], [], [], [], []
     for round_ in range(sizes.rounds):
         rate, peer_rate = alternated(sizes.publishes, sizes.warmup, peer)
         ours.append(rate)
         if peer_rate is not None:
             peers.append(peer_rate)
-        # The CPU of publishes run on their own, as the issue measured its 0.44 ms: in turn with
-        # the peer, the peer's processes (and the caches they take over) add a third to it.
-        cpu.append(publish_rate(1, sizes.publishes)[1])
+        # Publishes run on their own, as the issue measured its 0.44 ms of CPU (in turn with the
+        # peer, the peer's processes and the caches they take add a third to it) and as the
+        # floors run, so that ours is set against each floor alike.
+        alone_rate, alone_cpu = publish_rate(1, sizes.publishes)
+        alone.append(alone_rate)
+        cpu.append(alone_cpu)
         with prepared_statements_off():
             unprepared.append(publish_rate(1, sizes.publishes)[0])
         floor.append(durable_floor(sizes.publishes, sizes.warmup))
@@ -427,12 +453,13 @@ def _aim_publish(sizes: Sizes, peer: CeleryEnqueuer | None) -> list[Score]:
         print(
             f"round {round_ + 1}: publish {rate:,.0f}/s"
             + (f" against Celery enqueue {peer_rate:,.0f}/s in turn" if peer_rate else "")
-            + f"; alone, PostgreSQL CPU {_ms(cpu[-1])} a publish; then unprepared "
+            + f"; alone {alone_rate:,.0f}/s, PostgreSQL CPU {_cpu_text(alone_cpu)} a publish; "
+            f"then unprepared "
             f"{unprepared[-1]:,.0f}/s, durable one-row INSERT {floor[-1]:,.0f}/s, a publish's "
             f"rows bare {rows[-1]:,.0f}/s, wq_publish called bare {called[-1]:,.0f}/s",
             flush=True,
         )
-    ours_rate = statistics.median(ours)
+    ours_rate, alone_rate = statistics.median(ours), statistics.median(alone)
     peer_rate = statistics.median(peers) if peers else None
     floor_rate, rows_rate = statistics.median(floor), statistics.median(rows)
     return [
@@ -444,14 +471,16 @@ def _aim_publish(sizes: Sizes, peer: CeleryEnqueuer | None) -> list[Score]:
         ),
         database_cpu_score(cpu),
         against_celery(
-            "   the same, prepared statements off", statistics.median(unprepared), peer_rate
+            "   the same, prepared statements off, run alone",
+            statistics.median(unprepared),
+            peer_rate,
         ),
-        bound("   a bare one-row INSERT", floor_rate, ours_rate, peer_rate, 1.3, "aim 1"),
-        bound("   a publish's rows, bare", rows_rate, ours_rate, peer_rate, 1.3, "aim 1"),
+        bound("   a bare one-row INSERT", floor_rate, alone_rate, peer_rate, 1.3, "aim 1"),
+        bound("   a publish's rows, bare", rows_rate, alone_rate, peer_rate, 1.3, "aim 1"),
         bound(
             "   wq_publish called bare",
             statistics.median(called),
-            ours_rate,
+            alone_rate,
             peer_rate,
             1.3,
             "aim 1 with this procedure",
@@ -481,8 +510,9 @@ def database_cpu_score(readings: list[float | None]) -> Score:
     )
 
 
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f} ms"
+def _cpu_text(milliseconds: float | None) -> str:
+    """A CPU reading; none (remote server) or zero (a run too short for a clock tick) is n/a."""
+    return f"{milliseconds:.3f} ms" if milliseconds else "n/a"
 
 
 def against_celery(
@@ -506,8 +536,9 @@ def against_celery(
 def bound(
     label: str, floor: float, ours: float, peer: float | None, aim: float, name: str
 ) -> Score:
-    """A floor's line: its rate, ours as a share of it and, against the peer, whether it
-    rules the aim out (a floor above the aim only fails to rule it out)."""
+    """A floor's line: its rate, ours (run alone, as the floor runs) as a share of it and,
+    against the peer, whether it rules the aim out (a floor above the aim only fails to rule
+    it out)."""
     measured = f"{floor:,.0f}/s (ours {ours / floor:.2f}x of it)"
     if peer is None:
         return Score(label, measured, "(a floor)", "-")

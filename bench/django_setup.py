@@ -72,7 +72,8 @@ def _install_this_checkouts_procedures() -> None:
         "(manage.py workqueue install-procedures).",
         file=sys.stderr,
     )
-    call_command("workqueue", "install-procedures")
+    # Its report to standard error, with this one: a script's standard output is its figures.
+    call_command("workqueue", "install-procedures", stdout=sys.stderr)
 
 
 def _ensure_system_user() -> None:

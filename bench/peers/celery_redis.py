@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument(
         "--enqueue-only",
         action="store_true",
-        help="time the enqueue only (bench/aims.py compares it with a publish)",
+        help="time the enqueue only (the README's table of peers)",
     )
     parser.add_argument(
         "--enqueue-blocks",

@@ -18,6 +18,7 @@ from django.db import connection
 
 from tests.factories import TransportFactory
 from tests.support.processes import run_python, subprocess_environment
+from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
@@ -215,9 +216,9 @@ def test_the_aims_scorecard_runs_every_aim_in_a_short_variant():
     # Without a Celery virtualenv aim 1 and its floors are reported, not scored; aims 2 to 6
     # are scored (7 is an hour: not run).
     assert re.search(
-        r"^round 1: publish [\d,]+/s; alone, PostgreSQL CPU ([\d.]+ ms|n/a) a publish; then "
-        r"unprepared [\d,]+/s, durable one-row INSERT [\d,]+/s, a publish.s rows bare [\d,]+/s, "
-        r"wq_publish called bare [\d,]+/s$",
+        r"^round 1: publish [\d,]+/s; alone [\d,]+/s, PostgreSQL CPU ([\d.]+ ms|n/a) a "
+        r"publish; then unprepared [\d,]+/s, durable one-row INSERT [\d,]+/s, a publish.s "
+        r"rows bare [\d,]+/s, wq_publish called bare [\d,]+/s$",
         run.stdout,
         re.M,
     ), run.stdout
@@ -295,8 +296,6 @@ def test_a_benchmark_on_a_fresh_embedded_database_migrates_it_first(private_clus
 
     # Procedure files changed since that install, with no migration of their own (as between
     # releases): the next benchmark times this checkout's bodies, not the installed ones.
-    from workqueue.sql import LATEST_PROCEDURE_MIGRATION
-
     with psycopg.connect(private_cluster, autocommit=True) as conn:
         conn.execute(
             "CREATE OR REPLACE FUNCTION wq_topic_channel(p_topic_id uuid) RETURNS text "
