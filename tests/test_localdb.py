@@ -662,6 +662,33 @@ def test_a_server_still_recovering_is_left_to_finish(
     assert stopped == []
 
 
+def test_a_user_without_a_home_folder_is_told_which_setting_names_the_folder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As a container started under an arbitrary user id runs: no HOME, and no account entry
+    # for the id (this process keeps its own rights; only the id it reports is another).
+    uid = next(n for n in range(54321, 60000) if not _has_account(n))
+    for variable in ("HOME", "XDG_DATA_HOME", localdb.DIR_VARIABLE):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(os, "getuid", lambda: uid)
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+
+    with pytest.raises(localdb.LocalDBError) as refused:
+        localdb.data_dir()
+
+    assert "HOME is unset" in str(refused.value)
+    assert f"user id {uid} has no account entry" in str(refused.value)
+    assert localdb.DIR_VARIABLE in str(refused.value)
+
+
+def _has_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
 def test_the_command_line_explains_itself_and_says_what_it_did(capsys):
     """`--help` was a usage error (exit 2) and `stop` printed nothing."""
     assert localdb._main(["--help"]) == 0

@@ -154,7 +154,17 @@ def data_dir() -> Path:
     elif os.geteuid() == 0:
         path = "/var/lib/django-workqueue/pg"
     else:
-        path = os.path.join(Path.home(), ".local", "share", "django-workqueue", "pg")
+        try:
+            home = Path.home()
+        except RuntimeError:
+            # No HOME and no account entry for this user id: a container run under an
+            # arbitrary uid, say.
+            raise LocalDBError(
+                "The embedded database has no folder to live in: HOME is unset and user id "
+                f"{os.geteuid()} has no account entry to find a home folder by. Set {DIR_VARIABLE} "
+                "to a folder for it (or HOME), or set DATABASE_URL to use an existing database."
+            ) from None
+        path = os.path.join(home, ".local", "share", "django-workqueue", "pg")
     return Path(os.path.realpath(path))
 
 
