@@ -286,13 +286,16 @@ def test_a_benchmark_on_a_fresh_embedded_database_migrates_it_first(private_clus
     del env["DATABASE_URL"]
     env.update(WORKQUEUE_LOCALDB="1", WORKQUEUE_LOCALDB_DIR=os.environ["WORKQUEUE_LOCALDB_DIR"])
 
-    run = run_python(
-        "bench/publish.py",
-        *("--messages", "20", "--batch", "1", "--warmup", "5"),
-        env=env,
-        timeout=180,
-        check=True,
-    )
+    def publish_benchmark() -> subprocess.CompletedProcess:
+        return run_python(
+            "bench/publish.py",
+            *("--messages", "20", "--batch", "1", "--warmup", "5"),
+            env=env,
+            timeout=180,
+            check=True,
+        )
+
+    run = publish_benchmark()
 
     assert "Migrating the embedded database first" in run.stderr
     assert re.search(r"publish 20 messages.*one at a time, 1 subscription", run.stdout), run.stdout
@@ -309,13 +312,7 @@ def test_a_benchmark_on_a_fresh_embedded_database_migrates_it_first(private_clus
             f"'django-workqueue procedures {LATEST_PROCEDURE_MIGRATION} 0000000000000000'"
         )
 
-    run = run_python(
-        "bench/publish.py",
-        *("--messages", "20", "--batch", "1", "--warmup", "5"),
-        env=env,
-        timeout=180,
-        check=True,
-    )
+    run = publish_benchmark()
 
     assert "Installing this checkout's procedures" in run.stderr
     with psycopg.connect(private_cluster) as conn:
