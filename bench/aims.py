@@ -440,8 +440,8 @@ def _aim_publish(sizes: Sizes, peer: CeleryEnqueuer | None) -> list[Score]:
         if peer_rate is not None:
             peers.append(peer_rate)
         # Publishes run on their own, as the issue measured its 0.44 ms of CPU (in turn with the
-        # peer, the peer's processes and the caches they take add a third to it) and as the
-        # floors run, so that ours is set against each floor alike.
+        # peer, the peer's processes and the caches they take added a third to a half to it),
+        # and as the floors run, so that ours is set against each floor alike.
         alone_rate, alone_cpu = publish_rate(1, sizes.publishes)
         alone.append(alone_rate)
         cpu.append(alone_cpu)
