@@ -9,8 +9,8 @@ machine's speed does not (this one is shared and varies by a factor of two betwe
 
 1. one publish at a time against Celery's enqueue on Redis (``bench/peers/celery_redis.py
    --enqueue-blocks`` run by ``--celery PYTHON``, the peer's virtualenv; skipped without it),
-   in blocks of 250 taken in turn, so that each round's two rates cover the same seconds; the
-   median of the rounds' ratios is the score. The aim's second half, PostgreSQL CPU per
+   in blocks of 250 taken in turn, so that each round's two rates come from one stretch of
+   time; the median of the rounds' ratios is the score. The aim's second half, PostgreSQL CPU per
    publish at most half the issue's 0.44 ms, is read (from /proc, of the publishing
    connection's backend) from as many publishes run on their own, as the issue read it. Then
    the same publishes with prepared statements off (``"prepare_threshold": None`` in the
@@ -365,7 +365,7 @@ def alternated(
     """(publishes per second, Celery enqueues per second or None without a peer) for
     ``publishes`` single publishes to a new topic with one subscription, in blocks of ``BLOCK``
     alternating with as many Celery enqueues (which goes first alternates too): a round's two
-    rates are taken over the same seconds, where rounds run apart met a machine whose flush
+    rates come from one stretch of time, where rounds run apart met a machine whose flush
     speed moved twofold between them."""
     block = min(BLOCK, publishes)
     topic = publish_bench.make_topic(1)
@@ -454,9 +454,8 @@ def _aim_publish(sizes: Sizes, peer: CeleryEnqueuer | None) -> list[Score]:
             f"round {round_ + 1}: publish {rate:,.0f}/s"
             + (f" against Celery enqueue {peer_rate:,.0f}/s in turn" if peer_rate else "")
             + f"; alone {alone_rate:,.0f}/s, PostgreSQL CPU {_cpu_text(alone_cpu)} a publish; "
-            f"then unprepared "
-            f"{unprepared[-1]:,.0f}/s, durable one-row INSERT {floor[-1]:,.0f}/s, a publish's "
-            f"rows bare {rows[-1]:,.0f}/s, wq_publish called bare {called[-1]:,.0f}/s",
+            f"then unprepared {unprepared[-1]:,.0f}/s, durable one-row INSERT {floor[-1]:,.0f}/s, "
+            f"a publish's rows bare {rows[-1]:,.0f}/s, wq_publish called bare {called[-1]:,.0f}/s",
             flush=True,
         )
     ours_rate, alone_rate = statistics.median(ours), statistics.median(alone)
