@@ -439,30 +439,75 @@ def test_stop_refuses_a_folder_it_did_not_make_and_touches_nothing(
         subprocess.run(["rm", "-rf", str(folder)], check=True)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
-def test_a_socket_folder_another_user_made_again_is_never_handed_out(cluster_dir: Path) -> None:
-    """/tmp cleaned while the server ran, and the socket folder's (predictable) name taken by
-    another user with a server of their own: url() handed it out, and every query went to it."""
-    localdb.ensure_running()
-    sockdir = localdb._socket_dir(cluster_dir)
-    subprocess.run(["rm", "-rf", str(sockdir)], check=True)
-    sockdir.mkdir()
+def squat(folder: Path) -> socket.socket:
+    """Make ``folder`` as another local user would to catch the embedded database's socket: an
+    open folder of theirs, a server of theirs listening where the database's would."""
+    folder.mkdir()
     nobody = pwd.getpwnam("nobody")
-    os.chown(sockdir, nobody.pw_uid, nobody.pw_gid)
-    os.chmod(sockdir, 0o777)
+    os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+    os.chmod(folder, 0o777)
     impostor = socket.socket(socket.AF_UNIX)
-    impostor.bind(str(sockdir / f".s.PGSQL.{localdb.PORT}"))
+    impostor.bind(str(folder / f".s.PGSQL.{localdb.PORT}"))
     impostor.listen()
     impostor.setblocking(False)
+    return impostor
+
+
+def assert_never_reached(impostor: socket.socket, folder: Path) -> None:
+    with pytest.raises(BlockingIOError):
+        impostor.accept()  # nobody connected to it
+    impostor.close()
+    assert folder.stat().st_uid == pwd.getpwnam("nobody").pw_uid  # theirs, left as it was
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_a_socket_folder_another_user_made_again_is_never_handed_out(cluster_dir: Path) -> None:
+    """/tmp cleaned while the server ran, and the socket folder's name taken by another user
+    with a server of their own: url() handed it out, and every query went to it. Then every
+    start refused the folder, and the developer was locked out until someone removed it."""
+    url = localdb.ensure_running()
+    taken = localdb._socket_dir(cluster_dir)
+    subprocess.run(["rm", "-rf", str(taken)], check=True)
+    impostor = squat(taken)
     try:
         assert localdb.url() is None
-        with pytest.raises(localdb.LocalDBError, match="not a folder owned by this user"):
-            localdb.ensure_running()
-        with pytest.raises(BlockingIOError):
-            impostor.accept()  # nobody connected to it
+
+        restarted = localdb.ensure_running()
+
+        assert restarted != url and localdb.url() == restarted
+        assert localdb._socket_dir(cluster_dir) != taken
+        assert select_one(restarted) == ("workqueue", "postgres")
+        assert_never_reached(impostor, taken)
     finally:
         impostor.close()
-        subprocess.run(["rm", "-rf", str(sockdir)], check=True)
+        subprocess.run(["rm", "-rf", str(taken)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_a_socket_folder_name_taken_before_the_first_start_locks_nobody_out(
+    cluster_dir: Path,
+) -> None:
+    """The socket folder's name in /tmp follows from the user id and the data folder, so
+    another local user could make it before the developer's first start: every start refused
+    it ("exists but is not a folder owned by this user") until an administrator removed it.
+    The start now takes a folder of its own under an unguessable name, and keeps using it."""
+    taken = localdb._socket_dir(cluster_dir)
+    impostor = squat(taken)
+    try:
+        url = localdb.ensure_running()
+        chosen = localdb._socket_dir(cluster_dir)
+
+        assert chosen != taken and chosen.parent == taken.parent
+        assert chosen.stat().st_uid == pwd.getpwnam("postgres").pw_uid
+        assert chosen.stat().st_mode & 0o777 == 0o700
+        assert f"host={chosen}&" in url
+        assert select_one(url) == ("workqueue", "postgres")
+        localdb.stop()
+        assert localdb.ensure_running() == url  # the next start finds the same folder
+        assert_never_reached(impostor, taken)
+    finally:
+        impostor.close()
+        subprocess.run(["rm", "-rf", str(taken)], check=True)
 
 
 def test_a_stale_pidfile_naming_another_servers_segment_does_not_hold_up_a_start(

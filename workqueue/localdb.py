@@ -36,11 +36,13 @@ Folder (:func:`data_dir`): ``$WORKQUEUE_LOCALDB_DIR`` if set; otherwise
 ``$XDG_DATA_HOME/django-workqueue/pg`` (default ``~/.local/share/django-workqueue/pg``); as root
 without ``XDG_DATA_HOME``, ``/var/lib/django-workqueue/pg``, because the server then runs as the
 ``postgres`` OS user (``initdb`` and ``postgres`` refuse root) and ``/root`` is private. The folder
-holds ``data/`` (the cluster), ``server.log``, ``state.json``, ``lock`` and the marks of an
-``initdb`` begun and done (``initdb.started``, ``initdb.done``); a folder holding anything else,
-or another user's file under one of these names, is not the embedded database's to take over,
-stop or delete. Every start, stop and destroy holds the lock while it changes the folder, and
-root writes nothing there through a link the server's account could have left.
+holds ``data/`` (the cluster), ``server.log``, ``state.json``, ``lock``, the marks of an
+``initdb`` begun and done (``initdb.started``, ``initdb.done``) and, when another local user
+held the socket folder's usual name, the name chosen instead (``socket-folder``); a folder
+holding anything else, or another user's file under one of these names, is not the embedded
+database's to take over, stop or delete. Every start, stop and destroy holds the lock while it
+changes the folder, and root writes nothing there through a link the server's account could
+have left.
 
 Server binaries are looked up in ``$WORKQUEUE_LOCALDB_BINDIR``, ``pg_config --bindir``,
 ``/usr/lib/postgresql/*/bin`` (newest first), ``/usr/local/pgsql/bin`` and ``PATH``; an existing
@@ -59,6 +61,7 @@ import json
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -95,13 +98,27 @@ _INITDB_DONE = "initdb.done"
 # Written before initdb runs: an initdb that was interrupted left a data folder of its own.
 _INITDB_STARTED = "initdb.started"
 _DATA = "data"
-#: The files this module keeps in its folder (and a state file being written,
-#: ``state.json.<pid>.tmp``), and its one folder, ``data``: a folder holding anything else is
+# Names the socket folder a start chose because another user held the usual one.
+_SOCKET_NAME_FILE = "socket-folder"
+_SOCKET_ROOT = Path("/tmp")
+_CHOSEN_SOCKET_NAME = re.compile(r"wq-pg-[0-9a-f]{16}")
+#: The files this module keeps in its folder (and one being written, ``state.json.<pid>.tmp``
+#: or ``socket-folder.<pid>.tmp``), and its one folder, ``data``: a folder holding anything else is
 #: not its own to take over (chown, chmod) or to delete.
 _OWN_FILES = frozenset(
-    {_STATE_FILE, _LOCK_FILE, _LOG_FILE, f"{_LOG_FILE}.1", _INITDB_DONE, _INITDB_STARTED}
+    {
+        _STATE_FILE,
+        _LOCK_FILE,
+        _LOG_FILE,
+        f"{_LOG_FILE}.1",
+        _INITDB_DONE,
+        _INITDB_STARTED,
+        _SOCKET_NAME_FILE,
+    }
 )
-_STATE_FILE_BEING_WRITTEN = re.compile(re.escape(_STATE_FILE) + r"\.\d+\.tmp")
+_FILE_BEING_WRITTEN = re.compile(
+    f"({re.escape(_STATE_FILE)}|{re.escape(_SOCKET_NAME_FILE)})" + r"\.\d+\.tmp"
+)
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
 _INITDB_TIMEOUT_S = 300
 _START_TIMEOUT_S = 60
@@ -299,11 +316,9 @@ def destroy() -> None:
 
 
 def _is_own_entry(name: str) -> bool:
-    # A state file being written (by another process starting now, or left by one killed
-    # before its rename) is ours too.
-    return (
-        name == _DATA or name in _OWN_FILES or _STATE_FILE_BEING_WRITTEN.fullmatch(name) is not None
-    )
+    # A file being written (by another process starting now, or left by one killed before
+    # its rename) is ours too.
+    return name == _DATA or name in _OWN_FILES or _FILE_BEING_WRITTEN.fullmatch(name) is not None
 
 
 def _is_own(entry: Path, names: set[str], owners: set[int]) -> bool:
@@ -443,9 +458,15 @@ def _create_postgres_account() -> None:
 
 def _socket_dir(base: Path) -> Path:
     # Unix socket paths are limited to 107 bytes and the server account must reach the folder,
-    # so it lives directly in /tmp under a short name derived from the owner and data folder.
+    # so it lives directly in /tmp under a short name: one derived from the owner and data
+    # folder, or the one a start chose instead because another user had taken that (recorded
+    # in the folder, and only read when it has the form a start gives it).
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        recorded = (base / _SOCKET_NAME_FILE).read_text().strip()
+        if _CHOSEN_SOCKET_NAME.fullmatch(recorded):
+            return _SOCKET_ROOT / recorded
     digest = hashlib.sha256(f"{os.geteuid()}:{base}".encode()).hexdigest()[:16]
-    return Path("/tmp") / f"wq-pg-{digest}"
+    return _SOCKET_ROOT / f"wq-pg-{digest}"
 
 
 def _make_folder(base: Path, account: _Account) -> None:
@@ -517,28 +538,58 @@ def _socket_dir_is_ours(base: Path) -> bool:
 
 
 def _prepare_socket_dir(base: Path, account: _Account) -> Path:
+    """The socket folder a start uses, made or taken back (the server's account's, mode 0700).
+
+    The usual name is predictable, so another local user may hold a folder (or a link) there:
+    it is never used (it could redirect the socket), and the start takes a folder under an
+    unguessable name instead, recorded in ``base`` for every later start and ``url()``. A
+    recorded folder taken after ``/tmp`` was cleaned is replaced the same way: nobody can lock
+    the developer out."""
     path = _socket_dir(base)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    refused = LocalDBError(
-        f"{path} exists but is not a folder owned by this user; remove it and retry."
+    if _make_own_socket_dir(path, account):
+        return path
+    chosen = _SOCKET_ROOT / f"wq-pg-{secrets.token_hex(8)}"
+    try:
+        os.mkdir(chosen, 0o700)  # a new name: a folder already there is nobody's to reuse
+    except OSError as exc:
+        raise LocalDBError(f"Cannot create the socket folder {chosen}: {exc}") from exc
+    if not _make_own_socket_dir(chosen, account):
+        raise LocalDBError(f"The socket folder {chosen} was replaced as it was made; retry.")
+    _write_new(
+        base,
+        f"{_SOCKET_NAME_FILE}.{os.getpid()}.tmp",
+        chosen.name + "\n",
+        account,
+        _SOCKET_NAME_FILE,
     )
+    print(
+        f"workqueue.localdb: {path} belongs to another user; the embedded database's socket "
+        f"is in {chosen} instead.",
+        file=sys.stderr,
+    )
+    return chosen
+
+
+def _make_own_socket_dir(path: Path, account: _Account) -> bool:
+    """Give the folder at ``path`` to the server's account, mode 0700, unless it is not a
+    folder (a link or a file) or belongs to another user: then False, and nothing changed."""
     try:
         folder = _open_folder(path)
     except LocalDBError:
-        raise refused from None  # a link or a file at our name
+        return False
     try:
         st = os.fstat(folder)
         if st.st_uid not in (account.uid, os.geteuid()):
-            # Someone else's folder at our name: never use it (it could redirect the socket).
-            raise refused
+            return False
         # Through the folder opened: a link put at the name meanwhile changes nothing else.
         if account.switch and st.st_uid != account.uid:
             os.fchown(folder, account.uid, account.gid)
         os.fchmod(folder, 0o700)
     finally:
         os.close(folder)
-    return path
+    return True
 
 
 @contextlib.contextmanager
