@@ -1,13 +1,18 @@
 """PostgreSQL errors, provoked for real, reach callers as the right class: what is worth retrying
-(deadlock, lock timeout, a terminated backend, a lost connection) is a TransientDriverError; a
-unique violation is a UniqueViolationError; a value the database cannot store (a NUL character,
-a lone surrogate, any SQLSTATE class 22 data exception, a value past a server limit) is an
-UnstorableValueError; other failures that would happen again (bad SQL) are a plain DriverError.
-Only the transient ones are ever retried."""
+(deadlock, lock timeout, a terminated backend, a lost connection, a full disk) is a
+TransientDriverError; a unique violation is a UniqueViolationError; a value the database cannot
+store (a NUL character, a lone surrogate, any SQLSTATE class 22 data exception, a value past a
+server limit) is an UnstorableValueError; other failures that would happen again (bad SQL) are a
+plain DriverError. Only the transient ones are ever retried."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 import threading
+import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -161,3 +166,51 @@ def test_an_enlisted_call_translates_the_same_way(tables):
 
     with transaction.atomic(), pytest.raises(UnstorableValueError):
         get_driver().execute("SELECT %s::text", ["\ud800"], connection)
+
+
+@pytest.fixture
+def full_tablespace(pg_conn):
+    """A table in a tablespace on a 1 MiB file system of its own, filled up: the next write to
+    it fails for want of disk space, as every write does when the server's disk is full."""
+    folder = Path(tempfile.mkdtemp(prefix="wq-full-disk-", dir="/tmp"))
+    data_directory = Path(pg_conn.execute("SHOW data_directory").fetchone()[0])
+    if os.geteuid() != 0 or not data_directory.exists():
+        pytest.skip("needs root, and the test server's data folder on this machine")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        folder.rmdir()
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode().strip()}")
+    server = data_directory.stat()
+    os.chown(folder, server.st_uid, server.st_gid)
+    name = f"wq_full_{uuid.uuid4().hex[:8]}"
+    try:
+        pg_conn.execute(f"CREATE TABLESPACE {name} LOCATION '{folder}'")
+        pg_conn.execute(f"CREATE TABLE {name} (body text) TABLESPACE {name}")
+        with pytest.raises(psycopg.errors.DiskFull):
+            pg_conn.execute(
+                f"INSERT INTO {name} SELECT repeat(md5(n::text), 100) "
+                "FROM generate_series(1, 100000) n"
+            )
+        yield name
+    finally:
+        get_driver().close()
+        pg_conn.execute(f"DROP TABLE IF EXISTS {name}")
+        pg_conn.execute(f"DROP TABLESPACE IF EXISTS {name}")
+        subprocess.run(["umount", str(folder)], check=True)
+        folder.rmdir()
+
+
+def test_a_full_disk_is_transient_and_says_to_free_space(full_tablespace):
+    """A full disk (SQLSTATE 53100) was a plain DriverError: a host gave up settling a handled
+    delivery at once and left it to its lease, to be run again, rather than trying again
+    while the lease lasted; publishers could not tell it apart from a call that would fail
+    forever. Space freed (the sweeper's purges, an operator), the same call succeeds."""
+    error = raised(
+        f"INSERT INTO {full_tablespace} SELECT repeat(md5(n::text), 100) "
+        "FROM generate_series(1, 1000) n"
+    )
+
+    assert isinstance(error, TransientDriverError)
+    assert "No space left on device" in str(error) and "free disk space" in str(error)

@@ -277,6 +277,45 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
         ),
         pytest.param(
             _wrapped(
+                OperationalError,
+                pyodbc.OperationalError(
+                    "42000",
+                    "[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Could not "
+                    "allocate space for object 'dbo.workqueue_delivery'.'PK_workqueue_delivery' "
+                    "in database 'wq' because the 'PRIMARY' filegroup is full. (1105) "
+                    "(SQLExecDirectW)",
+                ),
+            ),
+            TransientDriverError,
+            id="pyodbc-1105-full-filegroup",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                _python_driver(
+                    mssql_python_errors.OperationalError,
+                    "General error",
+                    "The transaction log for database 'wq' is full due to 'LOG_BACKUP'.",
+                ),
+            ),
+            TransientDriverError,
+            id="mssql-python-9002-full-log",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                _python_driver(
+                    mssql_python_errors.OperationalError,
+                    "Memory allocation error",
+                    "There is insufficient system memory in resource pool 'default' to run "
+                    "this query.",
+                ),
+            ),
+            TransientDriverError,
+            id="mssql-python-701-memory",
+        ),
+        pytest.param(
+            _wrapped(
                 DatabaseError,
                 _python_driver(
                     mssql_python_errors.ProgrammingError,

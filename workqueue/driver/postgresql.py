@@ -80,8 +80,12 @@ _NO_SUCH_STATEMENT = "26000"
 #: was prepared ("cached plan must not change result type"; the message may be translated).
 _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 
-# deadlock, serialization failure, lock timeout, and the connection-exception class.
-_TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03"}
+# Deadlock, serialization failure, lock timeout, a server shutting down or starting (57P0x),
+# and the server out of disk space or memory (53100, 53200): the same call succeeds once space
+# is freed (the sweeper's purges, an operator), so a host keeps trying to settle a handled
+# delivery while its lease lasts instead of leaving it to be run again. (The connection
+# exceptions, class 08, are matched by their class.)
+_TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03", "53100", "53200"}
 
 
 #: Where the server refuses new transactions to avoid wraparound data loss, with the same
