@@ -23,6 +23,7 @@ from django.db import connection, connections
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory, write_unchecked
+from tests.support.database import queue_connection_settings
 from tests.support.handlers import probe, registry
 from tests.support.hosts import one, runtime_threads, states, status_of, sub
 from tests.support.waiting import wait_until
@@ -981,6 +982,50 @@ def test_a_host_whose_clock_is_behind_is_live_by_the_database_clock(make_host, m
 ten_min = dt.timedelta(minutes=10)
 
 
+def test_a_shutdown_after_a_database_restart_still_records_the_host_stopped(
+    make_host, pg_conn, caplog
+):
+    """A database restarted while the host ran left the stopping thread's connection dead: the
+    final report failed ("terminating connection due to administrator command", logged at
+    ERROR with a traceback) and the host read as running, with work in flight, until its
+    record went stale (helper-113's first-hour review)."""
+    host = make_host(one(sub()))
+    host.start()
+    host.record_health()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
+
+    host.shutdown()
+
+    record = HostRecord.objects.get(instance_id=host.instance_id)
+    assert record.stopped_at is not None
+    assert not [r for r in caplog.records if "health" in r.getMessage()]
+
+
+def test_health_reports_failing_through_an_outage_are_logged_once_and_the_return_once(
+    make_host, caplog, tmp_path
+):
+    """Each report during an outage logged "Recording host health failed" at ERROR with a
+    traceback, every 10 s, beside the consumers' own warning that the database was away."""
+    host = make_host(one(sub()))
+    host.start()
+    caplog.set_level(logging.INFO, logger="workqueue.runtime.host")
+
+    with queue_connection_settings(HOST=str(tmp_path), options={}):  # no server there
+        connection.close()  # the next report connects, and finds no server
+        for _ in range(3):
+            host.record_health()
+    host.record_health()
+
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "health" in r.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert said[0][1].startswith("Recording host health failed (") and "\n" not in said[0][1]
+    assert not [r for r in caplog.records if r.exc_info]
+    assert HostRecord.objects.live().filter(instance_id=host.instance_id).exists()
+
+
 def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdown(make_host):
     s = sub()
     missing = {"name": "no.such-subscription"}
@@ -1548,6 +1593,28 @@ def test_the_listener_reconnects_at_once_after_a_cut_long_after_an_earlier_outag
         listener.stop()
 
     assert took < 1.5, f"listening again took {took:.1f} s after one cut"
+
+
+def test_a_listener_outage_is_logged_once_and_its_end_once(fast_listener, caplog, tmp_path):
+    """Each failed reconnect during an outage logged "Notifications lost" at WARNING again
+    (seven in a 15 s restart, helper-113), and nothing said when they were back."""
+    caplog.set_level(logging.DEBUG, logger="workqueue.runtime.wakeup")
+
+    def said() -> list[str]:
+        return [r.levelname for r in caplog.records if "Notifications" in r.getMessage()]
+
+    listener = wakeup.Wakeup(get_driver())
+    listener.subscribe("00000000-0000-0000-0000-000000000001", lambda: None, "x")
+    try:
+        with queue_connection_settings(HOST=str(tmp_path), options={}):  # no server there
+            listener.start()
+            wait_until(lambda: len(said()) >= 3, timeout=20)
+        wait_until(lambda: "INFO" in said(), timeout=20)
+    finally:
+        listener.stop()
+
+    levels = said()
+    assert levels[0] == "WARNING" and set(levels[1:-1]) == {"DEBUG"} and levels[-1] == "INFO"
 
 
 def test_a_concurrency_over_the_limit_is_that_subscriptions_error_and_the_others_run(make_host):

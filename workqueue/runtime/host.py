@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections, router
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -219,6 +219,7 @@ class Host:
         self._plans: dict[str, PlanEntry] = {}
         self._start_failures: dict[str, StartFailure] = {}
         self._recorded_states: list[tuple[str, str, str]] = []
+        self._health_failing = False
         self._started = False
         self._shut_down = threading.Event()
         self._shutting_down = False
@@ -693,23 +694,53 @@ class Host:
         now = Now()
         subscriptions = self.health()["subscriptions"]
         self._recorded_states = [(s["name"], s["state"], s["reason"]) for s in subscriptions]
+        alias = router.db_for_write(HostRecord)
         try:
-            HostRecord.objects.update_or_create(
-                instance_id=self.instance_id,
-                defaults={
-                    "hostname": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "started_at": self.started_at,
-                    "last_seen_at": now,
-                    "stopped_at": now if stopped else None,
-                    "subscriptions": subscriptions,
-                    "handler_keys": self.registry.keys(),
-                },
-            )
+            # Twice at most: a database restarted since this thread's last report left its
+            # connection dead, and the first use is what finds that out. Without the second
+            # try on a fresh connection the report was lost, the final one of a shutdown too
+            # (the host then read as running, with work in flight, until it went stale).
+            for last_try in (False, True):
+                try:
+                    HostRecord.objects.using(alias).update_or_create(
+                        instance_id=self.instance_id,
+                        defaults={
+                            "hostname": socket.gethostname(),
+                            "pid": os.getpid(),
+                            "started_at": self.started_at,
+                            "last_seen_at": now,
+                            "stopped_at": now if stopped else None,
+                            "subscriptions": subscriptions,
+                            "handler_keys": self.registry.keys(),
+                        },
+                    )
+                    break
+                except DatabaseError as exc:
+                    connections[alias].close()
+                    if last_try:
+                        self._health_not_recorded(exc)
+                        return
         except Exception:
             logger.exception("Recording host health failed")
+            return
         finally:
             close_old_connections()
+        if self._health_failing:
+            self._health_failing = False
+            logger.info("Host health recorded again")
+
+    def _health_not_recorded(self, exc: DatabaseError) -> None:
+        """Say once per outage that health is not being recorded: the consumers already report
+        the database away, and a traceback every 10 s of it paged people for one cause."""
+        if self._health_failing:
+            logger.debug("Host health still not recorded: %s", exc)
+            return
+        self._health_failing = True
+        logger.warning(
+            "Recording host health failed (%s); trying again every %d s",
+            " ".join(str(exc).split()) or type(exc).__name__,  # one line: libpq's are several
+            HEALTH_INTERVAL_SECONDS,
+        )
 
     # -- one-shot mode ---------------------------------------------------------------------
 

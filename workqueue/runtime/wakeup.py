@@ -39,6 +39,7 @@ class Wakeup:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listened = False  # whether the current connection has listened (see _run)
+        self._outage_reported = False  # whether the current outage has been logged
         self._thread = threading.Thread(target=self._run, name="wq-wakeup", daemon=True)
         self.connected = threading.Event()
 
@@ -110,7 +111,13 @@ class Wakeup:
                     # grown it to (up to 10 s). A connection that opens but cannot LISTEN (a
                     # standby during a failover) keeps backing off.
                     delay = 0.2
-                logger.warning("Notifications lost (%s); polling until reconnected", exc)
+                if self._outage_reported:
+                    # Once an outage: each failed reconnect said the same again (seven
+                    # warnings in a 15 s restart).
+                    logger.debug("Notifications still lost (%s)", exc)
+                else:
+                    logger.warning("Notifications lost (%s); polling until reconnected", exc)
+                    self._outage_reported = True
                 self.connected.clear()
                 self._stop.wait(delay)
                 delay = min(delay * 2, MAX_RECONNECT_DELAY)
@@ -133,6 +140,9 @@ class Wakeup:
                 for channel in listening - wanted:
                     listener.unlisten(channel)
                 listening = wanted
+                if self._outage_reported:
+                    logger.info("Notifications back: listening again")
+                    self._outage_reported = False
                 self._listened = True
                 for channel, payload in listener.notifications(timeout=POLL_SECONDS):
                     self._dispatch(channel, payload)
