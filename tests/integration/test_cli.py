@@ -20,7 +20,7 @@ from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 from workqueue.exceptions import TransientDriverError
-from workqueue.models import ApiKey, Delivery, Topic, Transport
+from workqueue.models import ApiKey, Delivery, Message, Topic, Transport
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -328,11 +328,36 @@ def test_publishing_to_a_topic_no_one_created_names_the_topic_and_prints_no_resu
     the name, so a typo in --topic was hard to see."""
     out = io.StringIO()
     with pytest.raises(CommandError) as refused:
-        call_command("workqueue", "publish", "--topic", "orders.craeted", stdout=out)
+        call_command(
+            "workqueue", "publish", "--topic", "orders.craeted", "--payload", "{}", stdout=out
+        )
 
     assert "TopicNotFound" in str(refused.value) and "'orders.craeted'" in str(refused.value)
     assert "sync-topology" in str(refused.value)
     assert "None" not in out.getvalue()
+
+
+def test_a_mistyped_topic_is_answered_with_the_names_it_resembles():
+    TopicFactory(name="orders.created")
+    TopicFactory(name="orders.cancelled")
+
+    with pytest.raises(CommandError) as refused:
+        call_command("workqueue", "publish", "--topic", "orders.creatd", "--payload", "{}")
+
+    assert "Did you mean 'orders.created'?" in str(refused.value)
+
+
+def test_publishing_needs_a_payload_or_a_reference_and_publishes_nothing_without():
+    """Without --payload a message of payload null was published (and printed Accepted),
+    though the usage line asks for --payload or --payload-ref (helper-113)."""
+    sub = SubscriptionFactory()
+
+    with pytest.raises(CommandError, match="one of the arguments --payload --payload-ref"):
+        call_command("workqueue", "publish", "--topic", sub.topic.name)
+
+    assert not Message.objects.filter(topic=sub.topic).exists()
+    call_command("workqueue", "publish", "--topic", sub.topic.name, "--payload", "null")
+    assert Message.objects.get(topic=sub.topic).payload is None
 
 
 def test_scaler_query_for_a_name_no_subscription_has_warns_and_still_prints_it():

@@ -226,10 +226,12 @@ def test_the_cli_publishes_with_a_delay_a_due_time_and_a_priority(capsys):
     sub = SubscriptionFactory()
     at = (_db_now() + dt.timedelta(hours=3)).replace(microsecond=0)
 
-    call_command("workqueue", "publish", "--topic", sub.topic.name, "--delay", "900")
     call_command(
-        "workqueue", "publish", "--topic", sub.topic.name, "--not-before", at.isoformat(),
-        "--priority", "40",
+        "workqueue", "publish", "--topic", sub.topic.name, "--payload", "{}", "--delay", "900"
+    )
+    call_command(
+        "workqueue", "publish", "--topic", sub.topic.name, "--payload", "{}",
+        "--not-before", at.isoformat(), "--priority", "40",
     )  # fmt: skip
 
     rows = sorted(Delivery.objects.filter(subscription=sub), key=lambda d: d.order_key)
@@ -237,8 +239,8 @@ def test_the_cli_publishes_with_a_delay_a_due_time_and_a_priority(capsys):
     assert (rows[1].visible_at, rows[1].priority) == (at, 40)
     with pytest.raises(CommandError, match=r"InvalidSchedule: .*not both"):
         call_command(
-            "workqueue", "publish", "--topic", sub.topic.name, "--delay", "5",
-            "--not-before", at.isoformat(),
+            "workqueue", "publish", "--topic", sub.topic.name, "--payload", "{}",
+            "--delay", "5", "--not-before", at.isoformat(),
         )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import time
@@ -23,8 +24,13 @@ class PublishVerb(Verb):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--topic", required=True)
-        parser.add_argument("--payload", default="null", help='JSON, e.g. \'{"name": "Ada"}\'.')
-        parser.add_argument(
+        # One of the two, as the usage line says: without either, a message of payload null
+        # was published, and a forgotten --payload went unnoticed until a handler read it.
+        body = parser.add_mutually_exclusive_group(required=True)
+        body.add_argument(
+            "--payload", default=None, help='JSON, e.g. \'{"name": "Ada"}\' (or null).'
+        )
+        body.add_argument(
             "--payload-ref",
             default=None,
             help="A claim-check reference instead of --payload, as JSON: "
@@ -121,11 +127,22 @@ class PublishVerb(Verb):
         if rejected:
             first = rejected[0].error
             advice = (
-                " Create it in the admin, or declare it for `manage.py workqueue sync-topology`."
+                _topic_advice(options["topic"])
                 if first.code == PublishErrorCode.TOPIC_NOT_FOUND
                 else ""
             )
             raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}{advice}")
+
+
+def _topic_advice(name: str) -> str:
+    """What to do about a topic no one created: the names it resembles, as host and check
+    errors give for a mistyped subscription or handler key, then how to create one."""
+    from workqueue.models import Topic
+
+    existing = Topic.objects.values_list("name", flat=True)
+    near = difflib.get_close_matches(name.strip().lower(), existing, n=3, cutoff=0.8)
+    guess = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
+    return f"{guess} Create it in the admin, or declare it for `manage.py workqueue sync-topology`."
 
 
 def _attributes(pairs: list[str]) -> dict[str, str] | None:
