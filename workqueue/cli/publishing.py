@@ -66,6 +66,7 @@ class PublishVerb(Verb):
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.exceptions import InvalidInputError, WorkQueueError
         from workqueue.publishing import publish_many
+        from workqueue.runtime.process import unmigrated_problem
 
         payload = _json_option(options, "payload")
         payload_ref = _json_option(options, "payload_ref")
@@ -93,8 +94,11 @@ class PublishVerb(Verb):
                 raise CommandError(str(exc)) from None
             except WorkQueueError as exc:
                 # The database refused the batch (a missing grant, say): nothing of it stored.
+                # Its procedure missing because nobody ran `migrate` is told as that.
                 done = f" ({len(results)} of {count} were published before it)" if results else ""
-                raise CommandError(f"Publishing failed: {exc}{done}") from None
+                raise CommandError(
+                    unmigrated_problem() or f"Publishing failed: {exc}{done}"
+                ) from None
             if progress:
                 progress.update(len(results))
         elapsed = max(time.monotonic() - started, 1e-9)

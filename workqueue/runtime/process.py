@@ -14,9 +14,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    connections,
+)
 
 from workqueue import metrics
-from workqueue.conf import MAX_CONCURRENCY
+from workqueue.conf import MAX_CONCURRENCY, get_settings
+from workqueue.exceptions import DriverError, WorkQueueConfigurationError
 
 #: A second signal this soon after the first is the same stop delivered twice.
 SECOND_SIGNAL_AFTER_SECONDS = 1.0
@@ -70,6 +79,54 @@ def stop_on_signals() -> Iterator[StopSignal]:
         for signum, former in previous.items():
             if former is not None:  # None: set outside Python (an embedding server), kept as is
                 signal.signal(signum, former)
+
+
+@contextlib.contextmanager
+def database_errors_explained() -> Iterator[None]:
+    """One line naming the fix (a ``CommandError``), instead of a traceback through the ORM,
+    when a command finds the database away or not migrated: a host started against a wrong
+    ``DATABASE_URL`` printed 95 lines from deep inside its start, and one started before
+    ``migrate`` said only that ``auth_user`` did not exist."""
+    try:
+        yield
+    except (OperationalError, InterfaceError) as exc:
+        # Django's OperationalError also covers timeouts, deadlocks and a full server: the
+        # database's own words say which.
+        detail = " ".join(str(exc).split())
+        raise CommandError(
+            f"The database could not be used ({detail}). If it is away, check that it runs "
+            "and that DATABASE_URL (or DATABASES) points at it; then run the command again."
+        ) from exc
+    except (ProgrammingError, DriverError) as exc:
+        problem = unmigrated_problem()
+        if problem is None:
+            raise
+        raise CommandError(problem) from exc
+
+
+def unmigrated_problem() -> str | None:
+    """Why a statement on the queue's database could not find its table or procedure, when
+    the reason is migrations not applied there (naming ``migrate``); else None. Asked only
+    once something failed: it reads every migration file."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        alias = get_settings().DATABASE_ALIAS
+    except WorkQueueConfigurationError:
+        alias = DEFAULT_DB_ALIAS  # the settings' own problem is reported elsewhere
+    try:
+        executor = MigrationExecutor(connections[alias])
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    except DatabaseError:
+        return None
+    if not plan:
+        return None
+    first = plan[0][0]
+    return (
+        f"The database {alias!r} is not migrated: {len(plan)} migration(s) to apply, the "
+        f"first {first.app_label}.{first.name}. Run `manage.py migrate`, then run the command "
+        "again."
+    )
 
 
 def host_disabled() -> bool:

@@ -7,10 +7,10 @@ import copy
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import InterfaceError, OperationalError
 
 from workqueue.cli import all_verbs
 from workqueue.input_limits import text_problem
+from workqueue.runtime.process import database_errors_explained
 
 
 class Command(BaseCommand):
@@ -43,18 +43,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self._refuse_unstorable_text(options)
-        try:
+        # Django's own reads (topology, API keys, host records) failing: one line saying so.
+        with database_errors_explained():
             self._verbs[options["verb"]].run(self, options)
-        except (OperationalError, InterfaceError) as exc:
-            # Django's own reads (topology, API keys, host records) failing: one line saying
-            # so, not a traceback through the ORM.
-            # Django's OperationalError also covers timeouts, deadlocks and a full server:
-            # the database's own words say which.
-            detail = " ".join(str(exc).split())
-            raise CommandError(
-                f"The database could not be used ({detail}). If it is away, check that it runs "
-                "and that DATABASE_URL (or DATABASES) points at it; then run the command again."
-            ) from exc
 
     def _refuse_unstorable_text(self, options: dict[str, Any]) -> None:
         """Refuse text no verb could give the database, before any verb runs: a NUL character,

@@ -13,6 +13,7 @@ from workqueue.runtime.process import (
     StopSignal,
     add_concurrency_argument,
     add_metrics_arguments,
+    database_errors_explained,
     describe_drain,
     describe_left_behind,
     exit_now_if_work_left_behind,
@@ -67,7 +68,8 @@ class Command(BaseCommand):
             )
         )
         try:
-            host.start()
+            with database_errors_explained():
+                host.start()
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc)) from exc
         for entry in host.health()["subscriptions"]:

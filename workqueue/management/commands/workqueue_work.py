@@ -21,6 +21,7 @@ from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
     add_concurrency_argument,
+    database_errors_explained,
     describe_drain,
     describe_left_behind,
     exit_now_if_work_left_behind,
@@ -108,14 +109,17 @@ class Command(BaseCommand):
     def _run(self, config: HostConfig, stop: StopSignal, options: dict[str, Any]) -> None:
         host = Host(config)
         try:
-            result = host.run_once(
-                max_deliveries=options["max"],
-                idle_exit_ms=options["idle_exit_ms"],
-                max_duration_ms=options["max_duration_ms"],
-                stop_requested=stop,
-                on_started=self._print_plan,
-                on_stopping=lambda reason: self._print_stopping(reason, config.shutdown_drain_ms),
-            )
+            with database_errors_explained():
+                result = host.run_once(
+                    max_deliveries=options["max"],
+                    idle_exit_ms=options["idle_exit_ms"],
+                    max_duration_ms=options["max_duration_ms"],
+                    stop_requested=stop,
+                    on_started=self._print_plan,
+                    on_stopping=lambda reason: self._print_stopping(
+                        reason, config.shutdown_drain_ms
+                    ),
+                )
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         why = f" ({stop.received})" if result.reason == "Shutdown" and stop.received else ""
