@@ -210,6 +210,22 @@ def test_the_partition_mode_cannot_change_on_any_path_once_deliveries_exist(
     assert Subscription.objects.get(pk=sub.pk).partition_mode == "None"
 
 
+def test_a_partition_mode_that_is_no_mode_is_refused_as_that_not_as_a_change():
+    """'exclusive' for 'Exclusive' on a subscription with deliveries was refused with a second
+    sentence saying the mode cannot change from None to exclusive once there are deliveries:
+    the wrong cause, pointing at a new subscription (helper-113)."""
+    sub = SubscriptionFactory(partition_mode="None")
+    publish(sub.topic.name, {"n": 1}, enlist=True)
+    sub.partition_mode = "exclusive"
+
+    with pytest.raises(ValidationError) as refused:
+        sub.full_clean()
+
+    assert refused.value.message_dict["partition_mode"] == [
+        "Value 'exclusive' is not a valid choice."
+    ]
+
+
 # -- Tasks API topics stay closed to external publishers ---------------------------------------
 
 

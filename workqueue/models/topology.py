@@ -558,6 +558,10 @@ class Subscription(TopologyModel):
                 )
         if previous is None or previous["partition_mode"] == self.partition_mode:
             return None
+        if self.partition_mode not in PartitionMode.values:
+            # Not a mode at all ('exclusive'): the field's own error says so and lists the
+            # choices; a second one about changing the mode pointed at the wrong cause.
+            return None
         if self.deliveries.using(using).exists():
             return (
                 f"The partition mode cannot change from {previous['partition_mode']} to "
