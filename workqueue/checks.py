@@ -13,23 +13,28 @@ from workqueue.exceptions import WorkQueueConfigurationError
 
 
 def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[Any]:
-    from workqueue.conf import get_settings, setting_problems
+    from workqueue.conf import get_settings, setting_problems, unknown_settings_problem
 
+    def read_error(text: str) -> checks.Error:
+        return checks.Error(
+            text,
+            hint="Fix settings.WORKQUEUE or the WORKQUEUE_* environment variable named.",
+            id="workqueue.E001",
+        )
+
+    # An unknown key beside the other settings' problems, not before them: one at a time, a
+    # misspelt SHUTDOWN_DRAIN hid the misspelt concurrency of a SUBSCRIPTIONS entry.
+    unknown = unknown_settings_problem()
+    errors = [] if unknown is None else [read_error(unknown)]
     try:
-        conf = get_settings()
+        conf = get_settings(ignore_unknown=True)
     except WorkQueueConfigurationError as exc:
-        return [
-            checks.Error(
-                str(exc),
-                hint="Fix settings.WORKQUEUE or the WORKQUEUE_* environment variable named.",
-                id="workqueue.E001",
-            )
-        ]
+        return [*errors, read_error(str(exc))]
     hint = (
         "Fix it in settings.WORKQUEUE (or its WORKQUEUE_* environment variable); "
         "workqueue/conf.py describes each setting."
     )
-    errors = [
+    errors += [
         checks.Error(problem.text, hint=hint, id="workqueue.E008")
         if problem.serious
         else checks.Warning(problem.text, hint=hint, id="workqueue.W005")

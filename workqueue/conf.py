@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, fields
@@ -285,14 +286,28 @@ def _is_whole_number(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def get_settings() -> WorkQueueSettings:
+def get_settings(*, ignore_unknown: bool = False) -> WorkQueueSettings:
     """Read the settings now (call it where needed rather than caching it globally); each one
-    as ``setting`` reads it."""
-    configured = getattr(settings, "WORKQUEUE", {}) or {}
-    unknown = sorted(set(configured) - set(_DEFAULTS))
-    if unknown:
-        raise WorkQueueConfigurationError(
-            f"Unknown WORKQUEUE setting(s) {', '.join(unknown)}; known settings are "
-            f"{', '.join(sorted(_DEFAULTS))}."
-        )
+    as ``setting`` reads it. An unknown key in ``settings.WORKQUEUE`` raises, unless
+    ``ignore_unknown`` (the check reports it, and the problems of the others beside it)."""
+    problem = None if ignore_unknown else unknown_settings_problem()
+    if problem is not None:
+        raise WorkQueueConfigurationError(problem)
     return WorkQueueSettings(**{name: setting(name) for name in _DEFAULTS})
+
+
+def unknown_settings_problem() -> str | None:
+    """The keys of ``settings.WORKQUEUE`` that are no setting, each with the names it
+    resembles (``SHUTDOWN_DRAIN``: did you mean ``SHUTDOWN_DRAIN_MS``?), or None."""
+    configured = getattr(settings, "WORKQUEUE", {}) or {}
+    unknown = sorted(set(configured) - set(_DEFAULTS), key=str)
+    if not unknown:
+        return None
+    named = []
+    for key in unknown:
+        near = difflib.get_close_matches(str(key).upper(), _DEFAULTS, n=2, cutoff=0.6)
+        named.append(f"{key} (did you mean {' or '.join(near)}?)" if near else str(key))
+    return (
+        f"Unknown WORKQUEUE setting(s) {', '.join(named)}; known settings are "
+        f"{', '.join(sorted(_DEFAULTS))}."
+    )

@@ -12,6 +12,22 @@ def test_unknown_setting_is_reported_with_the_known_names(settings):
     assert "IDLE_POLL_MN_MS" in error.msg and "IDLE_POLL_MIN_MS" in error.msg
 
 
+def test_an_unknown_setting_names_the_one_it_resembles_and_the_others_problems_too(settings):
+    """Reported alone, it hid every other problem until fixed (a misspelt concurrency of a
+    SUBSCRIPTIONS entry next), and left the reader to find the name it meant in the list."""
+    settings.WORKQUEUE = {
+        "SYSTEM_USER": "x",
+        "SHUTDOWN_DRAIN": 1000,
+        "SUBSCRIPTIONS": [{"name": "orders", "concurency": 4}],
+    }
+
+    unknown, entry = check_settings()
+
+    assert unknown.id == "workqueue.E001"
+    assert "SHUTDOWN_DRAIN (did you mean SHUTDOWN_DRAIN_MS?)" in unknown.msg
+    assert entry.id == "workqueue.E008" and "'concurency'" in entry.msg
+
+
 def test_bad_environment_override_names_the_variable(settings, monkeypatch):
     settings.WORKQUEUE = {"SYSTEM_USER": "x"}
     monkeypatch.setenv("WORKQUEUE_IDLE_POLL_MAX_MS", "soon")
