@@ -152,7 +152,6 @@ def test_work_left_behind_of_either_kind_ends_the_process_with_exit_3(
     the end of the drain could have ended the job with 0 (helper-104)."""
     import types
 
-    from workqueue.management.commands.workqueue_work import EXIT_WORK_LEFT_BEHIND
     from workqueue.runtime import process
 
     class Exited(Exception):
@@ -164,5 +163,5 @@ def test_work_left_behind_of_either_kind_ends_the_process_with_exit_3(
     monkeypatch.setattr(process.os, "_exit", exit_now)
     host = types.SimpleNamespace(abandoned_handlers=abandoned, unsettled_outcomes=unsettled)
     with pytest.raises(Exited) as exited:
-        process.exit_now_if_work_left_behind(host, code=EXIT_WORK_LEFT_BEHIND)
+        process.exit_now_if_work_left_behind(host)
     assert exited.value.args == (3,)

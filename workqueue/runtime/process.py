@@ -162,9 +162,15 @@ def describe_drain(shutdown_drain_ms: int) -> str:
     )
 
 
-def exit_now_if_work_left_behind(host: Any, code: int = 0) -> None:
-    """End the process at once when the drain left work behind: handlers that did not stop,
-    or outcomes still being recorded on a database that does not answer.
+#: The exit code of a host command whose drain left work behind: a supervisor or job runner
+#: can tell it from a clean stop (0), as the last console line tells a reader.
+EXIT_WORK_LEFT_BEHIND = 3
+
+
+def exit_now_if_work_left_behind(host: Any) -> None:
+    """End the process at once, with ``EXIT_WORK_LEFT_BEHIND``, when the drain left work
+    behind: handlers that did not stop, or outcomes still being recorded on a database that
+    does not answer.
 
     Left to interpreter exit, the threads running them can keep a draining process alive past
     its termination grace period (a handler that ignores its abort signal did:
@@ -176,7 +182,7 @@ def exit_now_if_work_left_behind(host: Any, code: int = 0) -> None:
 
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(EXIT_WORK_LEFT_BEHIND)
 
 
 def describe_left_behind(host: Any) -> str:

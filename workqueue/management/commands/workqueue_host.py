@@ -1,4 +1,8 @@
-"""``manage.py workqueue_host``: run subscriptions until SIGTERM/SIGINT, then drain."""
+"""``manage.py workqueue_host``: run subscriptions until SIGTERM/SIGINT, then drain.
+
+Exit 0 once stopped; exit 3 when the drain left work behind (handlers that did not stop,
+outcomes the database did not record), whose deliveries run again after their lease expires,
+as ``workqueue_work`` does: a supervisor can tell it from a clean stop."""
 
 from __future__ import annotations
 

@@ -30,9 +30,6 @@ from workqueue.runtime.process import (
     stop_on_signals,
 )
 
-#: The exit code of a run whose drain left work behind (see the module's notes).
-EXIT_WORK_LEFT_BEHIND = 3
-
 
 class Command(BaseCommand):
     help = "Process a subscription's deliveries once (for container jobs), then exit."
@@ -134,7 +131,7 @@ class Command(BaseCommand):
         if failed:
             details = "; ".join(f"{s['name']}: {s['state']} ({s['reason']})" for s in failed)
             raise CommandError(f"Could not run: {details}", returncode=2)
-        exit_now_if_work_left_behind(host, code=EXIT_WORK_LEFT_BEHIND)
+        exit_now_if_work_left_behind(host)
 
     def _print_stopping(self, reason: str, shutdown_drain_ms: int) -> None:
         self.stdout.write(f"Stopping ({reason}): {describe_drain(shutdown_drain_ms)}")
