@@ -184,3 +184,10 @@ class OutsideTestTransactionWarning(RuntimeWarning):
     the test database for the tests after it. ``workqueue.testing.use_test_connection()`` (or
     ``enlist=True``) keeps it inside the test. Turn it into an error with pytest's
     ``filterwarnings = error::workqueue.exceptions.OutsideTestTransactionWarning``."""
+
+
+class DeliveriesNotRunWarning(RuntimeWarning):
+    """``workqueue.testing.run_until_idle()`` (run for every subscription) left Pending
+    deliveries of a subscription it could not run: its handler key is registered by no handler
+    of this project (a typo, say), or it is Unsupported or in Error. The text names the
+    subscription and the reason, with the handler keys the key resembles."""

@@ -22,6 +22,7 @@ from tests.factories import SubscriptionFactory
 from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import (
+    DeliveriesNotRunWarning,
     DriverError,
     OutsideTestTransactionWarning,
     WorkQueueConfigurationError,
@@ -160,6 +161,25 @@ def test_run_until_idle_names_why_a_subscription_cannot_run(topology):
     get_user_model().objects.filter(username="workqueue-system").delete()
     with pytest.raises(WorkQueueConfigurationError, match="SYSTEM_USER"):
         run_until_idle()
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_run_until_idle_warns_of_pending_work_it_could_not_run_and_names_the_key_meant(topology):
+    """A mistyped handler key in a test's topology: run_until_idle() returned [] without a
+    word, and the test failed on its assertion, far from the cause (helper-113)."""
+    typo = SubscriptionFactory(handler_key="testing.recrod")
+    idle = SubscriptionFactory(handler_key="testing.nobody")  # nothing pending: no warning
+    publish(typo.topic.name, {"n": 1})
+
+    with pytest.warns(DeliveriesNotRunWarning) as warned:
+        assert run_until_idle() == []
+
+    [warning] = warned
+    text = str(warning.message)
+    assert f"subscription {typo.name!r}" in text and "HandlerNotRegistered" in text
+    assert "did you mean 'testing.record'?" in text and idle.name not in text
+    assert warning.filename == __file__  # pointed at the test's own line
 
 
 @pytest.mark.django_db

@@ -13,6 +13,7 @@ executor (handler call, outcome, retry and dead-letter rules, logging), until no
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,10 @@ from django.test.utils import TestContextDecorator
 
 from workqueue.conf import get_settings
 from workqueue.driver.base import on_django_connection
-from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.exceptions import DeliveriesNotRunWarning, WorkQueueConfigurationError
 from workqueue.runtime.executor import DeliveryExecution, ExecutionResult, ExecutionServices
 from workqueue.runtime.handlers import autodiscover, handler_registry
-from workqueue.runtime.host import Host, HostConfig, PlanState
+from workqueue.runtime.host import CANNOT_RUN, Host, HostConfig, PlanEntry, PlanState
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.workers import WorkerPool
@@ -96,7 +97,8 @@ def run_until_idle(
     conf = get_settings()
     with on_django_connection(conf.DATABASE_ALIAS):
         autodiscover(conf.HANDLER_MODULES)
-        plans = _runnable_plans(subscription)
+        entries = _planned(subscription)
+        plans = [entry.plan for entry in entries if entry.plan is not None]
         if user is None:
             user = resolve_system_user(conf)
         timers = TimerQueue("wq-test-timers")
@@ -117,15 +119,16 @@ def run_until_idle(
                     if run is not None:
                         runs.append(run)
                         progressed = True
+            _warn_of_deliveries_not_run(entries, conf.DATABASE_ALIAS)
             return runs
         finally:
             background.shutdown()
             timers.stop()
 
 
-def _runnable_plans(subscription: str | None) -> list[SubscriptionPlan]:
+def _planned(subscription: str | None) -> list[PlanEntry]:
     """Plan like a host: the named subscription (which must be Running), or every Worker
-    subscription that would run."""
+    subscription, each with what would run of it."""
     # Only the host's planning is used; the host is never started.
     name = (subscription or "*").strip().lower()
     entries = Host(HostConfig(subscriptions=[{"name": name}])).plan()
@@ -135,7 +138,28 @@ def _runnable_plans(subscription: str | None) -> list[SubscriptionPlan]:
             raise WorkQueueConfigurationError(
                 f"Subscription {entry.name!r} cannot run: {entry.state} ({entry.reason})."
             )
-    return [entry.plan for entry in entries.values() if entry.plan is not None]
+    return list(entries.values())
+
+
+def _warn_of_deliveries_not_run(entries: list[PlanEntry], alias: str) -> None:
+    """Warn of each subscription that could not run and has Pending deliveries: a handler key
+    mistyped in a test's topology left its deliveries unrun without a word, and the test's
+    assertion failed far from the cause."""
+    from workqueue.models import Delivery
+
+    for entry in entries:
+        if entry.state not in CANNOT_RUN:
+            continue
+        pending = Delivery.objects.using(alias).filter(
+            subscription__name=entry.name, status=DeliveryStatus.PENDING
+        )
+        if pending.exists():
+            warnings.warn(
+                f"run_until_idle() left the Pending deliveries of subscription {entry.name!r}: "
+                f"it cannot run here, {entry.state} ({entry.reason}).",
+                DeliveriesNotRunWarning,
+                stacklevel=3,
+            )
 
 
 class _Executor:
