@@ -165,3 +165,18 @@ def test_work_left_behind_of_either_kind_ends_the_process_with_exit_3(
     with pytest.raises(Exited) as exited:
         process.exit_now_if_work_left_behind(host)
     assert exited.value.args == (3,)
+
+
+def test_an_idle_job_says_it_has_nothing_to_drain():
+    """It announced "draining running handlers (up to 30000 ms; any still running are then
+    aborted and given 30000 ms more)" with nothing running (helper-113)."""
+    get_user_model().objects.create_user("workqueue-system")
+    subscription = SubscriptionFactory()
+    out = io.StringIO()
+
+    call_command(
+        "workqueue_work", "-s", subscription.name, "--once", "--idle-exit-ms", "300", stdout=out
+    )
+
+    assert "Stopping (Idle): no handler is running." in out.getvalue()
+    assert "draining" not in out.getvalue()

@@ -114,7 +114,7 @@ class Command(BaseCommand):
                     stop_requested=stop,
                     on_started=self._print_plan,
                     on_stopping=lambda reason: self._print_stopping(
-                        reason, config.shutdown_drain_ms
+                        reason, host, config.shutdown_drain_ms
                     ),
                 )
         except WorkQueueConfigurationError as exc:
@@ -133,8 +133,11 @@ class Command(BaseCommand):
             raise CommandError(f"Could not run: {details}", returncode=2)
         exit_now_if_work_left_behind(host)
 
-    def _print_stopping(self, reason: str, shutdown_drain_ms: int) -> None:
-        self.stdout.write(f"Stopping ({reason}): {describe_drain(shutdown_drain_ms)}")
+    def _print_stopping(self, reason: str, host: Host, shutdown_drain_ms: int) -> None:
+        # An idle job announced a drain of up to twice 30 s with nothing to drain.
+        running = sum(entry["in_flight"] for entry in host.health()["subscriptions"])
+        drain = describe_drain(shutdown_drain_ms) if running else "no handler is running."
+        self.stdout.write(f"Stopping ({reason}): {drain}")
         self.stdout.flush()
 
     def _print_plan(self, host: Host) -> None:
