@@ -883,6 +883,23 @@ class AnswerLostReceiver(Receiver):
         return self._answer("dead_letter", super().dead_letter(delivery, *args))
 
 
+def test_a_completion_is_logged_at_debug_with_the_delivery(rig, caplog):
+    """A completed delivery logged nothing at any level: an operator turning on DEBUG still
+    could not follow a delivery through (helper-113)."""
+    sub = rig.subscription()
+    publish(sub.topic.name, {"then": "complete"})
+    receiver = Receiver(sub.id, "test-holder")
+    (delivery,) = receiver.receive(1).deliveries
+
+    with caplog.at_level(logging.DEBUG, logger="workqueue.deliveries"):
+        result = rig.execution(sub, receiver, delivery).run()
+
+    assert result.status == "Completed"
+    [line] = [r for r in caplog.records if r.getMessage().startswith("Delivery completed")]
+    assert line.levelno == logging.DEBUG
+    assert f"delivery={delivery.delivery_id}" in line.getMessage()
+
+
 def test_a_completion_whose_answer_was_lost_is_reported_completed_not_as_a_lost_lease(rig, caplog):
     """The completion committed, its answer was lost, and the one sent again was refused as
     already done: the execution ended as LeaseLost (counted as lease_lost) for work the

@@ -870,9 +870,14 @@ class DeliveryExecution:
                 )
                 return replace(result, released=result.status == DeliveryStatus.PENDING)
             if decision.kind == Outcome.COMPLETE:
-                return self._completion_result(
+                result = self._completion_result(
                     self._while_lease_lasts(lambda: self.services.complete(self.delivery))
                 )
+                if result.status == DeliveryStatus.COMPLETED:
+                    # DEBUG: one line per delivery is too many for INFO on a busy host, and
+                    # with none at any level an operator could not follow one delivery through.
+                    self.log.debug("Delivery completed (%s)", self._where)
+                return result
             if decision.kind == Outcome.DEAD_LETTER:
                 return self._dead_letter(
                     decision.reason or "DeadLettered", decision.error, decision.exception
