@@ -311,7 +311,7 @@ def test_the_cli_counts_first_then_replays_and_discards_by_filter():
         "--discard-reason",
         "bad SKUs",
     )
-    assert "Discarded 2 of 4 dead letters" in discarded
+    assert f"Discarded 2 of 4 dead letters of {subscription.name} (1 batch)." in discarded
     assert statuses(rows["poison"]) == ["Discarded"] * 2
     # Nothing to do is not an error (exit 0), as for a single replay.
     nothing = run("replay-dead-letters", "-s", subscription.name, "--key", "nobody")

@@ -1026,6 +1026,24 @@ def test_health_reports_failing_through_an_outage_are_logged_once_and_the_return
     assert HostRecord.objects.live().filter(instance_id=host.instance_id).exists()
 
 
+def test_planning_through_an_outage_is_logged_once_and_its_end_once(make_host, caplog, tmp_path):
+    """Each re-plan during an outage logged "Planning failed" with a traceback (helper-114)."""
+    host = make_host(one(sub()))
+    host.start()
+    caplog.set_level(logging.INFO, logger="workqueue.runtime.host")
+
+    with queue_connection_settings(HOST=str(tmp_path), options={}):  # no server there
+        connection.close()
+        for _ in range(3):
+            host.reconcile()
+    host.reconcile()
+
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "lanning" in r.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "\n" not in said[0][1] and not [r for r in caplog.records if r.exc_info]
+    assert host.planning_failure is None
+
+
 def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdown(make_host):
     s = sub()
     missing = {"name": "no.such-subscription"}

@@ -105,7 +105,7 @@ class _ResolveDeadLettersVerb(Verb):
         else:
             command.stdout.write(
                 f"{self.past_tense.capitalize()} {outcome.matched} of {outcome.examined} dead "
-                f"letters of {options['subscription']} ({outcome.batches} batches)."
+                f"letters of {options['subscription']} ({_batches(outcome.batches)})."
             )
 
 
@@ -188,8 +188,12 @@ class DiscardPendingVerb(Verb):
         else:
             command.stdout.write(
                 f"Discarded {outcome.matched} of {outcome.examined} waiting deliveries of "
-                f"{options['subscription']} ({outcome.batches} batches)."
+                f"{options['subscription']} ({_batches(outcome.batches)})."
             )
+
+
+def _batches(count: int) -> str:
+    return f"{count} batch" if count == 1 else f"{count} batches"
 
 
 RECOVERY_VERBS = [ReplayDeadLettersVerb, DiscardDeadLettersVerb, DiscardPendingVerb]

@@ -558,7 +558,8 @@ class Consumer:
 
     def _recovered(self) -> None:
         if self.failure is not None:
-            logger.info("%s: claiming again after: %s", self.plan.name, self.failure)
+            # Said as a recovery, the failure it ends after: quoted first, it read as an error.
+            logger.info("%s: claiming again (it had stopped: %s)", self.plan.name, self.failure)
         self.failure = None
         self._failures_in_a_row = 0
 
@@ -1013,7 +1014,9 @@ class Consumer:
                 if time.monotonic() + delay >= until:
                     self._release_failed(exc)
                     return
-                logger.warning(
+                # Once at WARNING, then DEBUG, as a finished handler's settle retries.
+                logger.log(
+                    logging.WARNING if delay == RETRY_MIN_SECONDS else logging.DEBUG,
                     "%s: handing back a delivery that never started failed (%s); trying again "
                     "in %.1f s while its lease lasts",
                     self.plan.name,

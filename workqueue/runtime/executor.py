@@ -818,21 +818,32 @@ class DeliveryExecution:
         settled", never apply twice. Past the lease the row is lease expiry's to retry, and
         the error stands."""
         delay = RETRY_MIN_SECONDS
+        failures = 0
         while True:
             try:
-                return settle()
+                settled = settle()
             except RETRYABLE_SETTLE_ERRORS as exc:
                 self._answer_lost = True
                 if time.monotonic() + delay >= self._settle_deadline():
                     raise
-                self.log.warning(
+                failures += 1
+                # Once at WARNING, then DEBUG: every 0.1 to 2 s of an outage, each finished
+                # handler said it again (84 lines for six handlers in a 20 s restart).
+                self.log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
                     "Settle failed (%s): %s; trying again in %.1f s while the lease lasts",
                     self._where,
-                    exc,
+                    _one_line(exc),
                     delay,
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
+                continue
+            if failures:
+                self.log.info(
+                    "Settle went through after %d failed tries (%s)", failures, self._where
+                )
+            return settled
 
     def _settle(self, decision: _Decision) -> ExecutionResult:
         self._finished = True  # the handler returned: no renewal starts after this
@@ -907,7 +918,12 @@ class DeliveryExecution:
             return result
         except WorkQueueError as exc:
             # The row is left for lease expiry, which retries or dead-letters it.
-            self.log.error("Delivery settle failed (%s): %s", self._where, exc)
+            self.log.error(
+                "Delivery settle failed (%s): %s; the outcome was not recorded, and the "
+                "delivery runs again once its lease expires",
+                self._where,
+                _one_line(exc),
+            )
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
 
     def _max_attempts_now(self) -> int:
@@ -1025,6 +1041,17 @@ class DeliveryExecution:
             return bool(read_back(self.delivery, *args))
         except (WorkQueueError, DatabaseError, InterfaceError):
             return False  # cannot tell: reported as before
+
+
+def _one_line(error: BaseException) -> str:
+    """``error``'s text on one line, its detail and hint kept: the server's runs to several,
+    ending with where in a procedure it arose (its ``CONTEXT``: a dozen lines of SQL)."""
+    kept = []
+    for line in str(error).splitlines():
+        if line.startswith(("CONTEXT:", "QUERY:")):
+            break
+        kept.append(line)
+    return " ".join(" ".join(kept).split()) or type(error).__name__
 
 
 def _not_an_outcome(returned: Any) -> str:

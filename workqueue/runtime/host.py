@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DatabaseError, close_old_connections, connections, router
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+    router,
+)
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -498,11 +505,22 @@ class Host:
         try:
             plans = self.plan()
         except Exception as exc:
-            logger.exception("Planning failed; keeping the current consumers")
+            if isinstance(exc, (OperationalError, InterfaceError)):
+                # The database away: the consumers say so too, so one line, once an outage;
+                # anything else is a fault worth its traceback every time.
+                if self.planning_failure is None:
+                    logger.warning(
+                        "Planning failed; keeping the current consumers: %s",
+                        " ".join(str(exc).split()),
+                    )
+            else:
+                logger.exception("Planning failed; keeping the current consumers")
             self.planning_failure = f"{type(exc).__name__}: {exc}"
             return
         finally:
             close_old_connections()
+        if self.planning_failure is not None:
+            logger.info("Planning again: the subscriptions are read as usual")
         self.planning_failure = None
         with self._lock:
             if self._shutting_down:

@@ -116,7 +116,10 @@ class Wakeup:
                     # warnings in a 15 s restart).
                     logger.debug("Notifications still lost (%s)", exc)
                 else:
-                    logger.warning("Notifications lost (%s); polling until reconnected", exc)
+                    logger.warning(
+                        "Notifications lost (%s); polling until reconnected",
+                        " ".join(str(exc).split()) or type(exc).__name__,
+                    )
                     self._outage_reported = True
                 self.connected.clear()
                 self._stop.wait(delay)
