@@ -982,6 +982,22 @@ def test_a_host_whose_clock_is_behind_is_live_by_the_database_clock(make_host, m
 ten_min = dt.timedelta(minutes=10)
 
 
+def test_a_host_logs_each_completion_at_debug(make_host, caplog):
+    """Logged only on the settle path a test executor takes: a host completes in batches, and
+    its completions logged nothing (helper-115's review)."""
+    caplog.set_level(logging.DEBUG, logger="workqueue.deliveries")
+    s = sub()
+    host = make_host(one(s, concurrency=2))
+    host.start()
+    ids = [publish(s.topic.name, {"then": "complete"}).message_id for _ in range(3)]
+
+    wait_until(lambda: all(status_of(i) == "Completed" for i in ids), timeout=30)
+
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Delivery compl")]
+    assert sorted(m for i in ids for m in done if f"message={i}" in m) == sorted(done)
+    assert len(done) == 3, done
+
+
 def test_a_shutdown_after_a_database_restart_still_records_the_host_stopped(
     make_host, pg_conn, caplog
 ):

@@ -375,6 +375,7 @@ class DeliveryExecution:
 
         def settled(outcome: SettleResult | Exception) -> None:
             if isinstance(outcome, SettleResult) and outcome.settled:
+                self._log_completed()
                 finish(ExecutionResult(ExecutionResult.SETTLED, outcome.status))
                 return
             if isinstance(outcome, Exception):
@@ -383,6 +384,11 @@ class DeliveryExecution:
 
         if not complete_later(self.delivery, settled):
             settle_alone()
+
+    def _log_completed(self) -> None:
+        # DEBUG: a line per delivery is too many for INFO on a busy host, and with none at any
+        # level an operator could not follow one delivery through.
+        self.log.debug("Delivery completed (%s)", self._where)
 
     def _plain_completion(self, decision: _Decision) -> bool:
         """Whether settling ``decision`` is one fenced completion and nothing else."""
@@ -885,9 +891,7 @@ class DeliveryExecution:
                     self._while_lease_lasts(lambda: self.services.complete(self.delivery))
                 )
                 if result.status == DeliveryStatus.COMPLETED:
-                    # DEBUG: one line per delivery is too many for INFO on a busy host, and
-                    # with none at any level an operator could not follow one delivery through.
-                    self.log.debug("Delivery completed (%s)", self._where)
+                    self._log_completed()
                 return result
             if decision.kind == Outcome.DEAD_LETTER:
                 return self._dead_letter(
@@ -947,6 +951,7 @@ class DeliveryExecution:
                 self._where,
                 exc_info=decision.exception,
             )
+        self._log_completed()
         return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.COMPLETED)
 
     def _dead_letter(
