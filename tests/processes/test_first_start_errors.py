@@ -40,3 +40,30 @@ def test_a_command_against_a_database_that_is_not_there_says_so_in_a_line(tmp_pa
         "TransportUnavailable" in done.stderr  # a publish: retryable, as the README says
     ), done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.fixture
+def queue_not_migrated(scratch_database: str) -> str:
+    """A database where Django's own apps are migrated and the system user exists, but the
+    work queue is not: its app left out of a migrate, or added to INSTALLED_APPS after."""
+    env = subprocess_environment(scratch_database)
+    run_manage("migrate", "auth", "-v0", env=env, check=True)
+    run_manage("workqueue", "create-system-user", env=env, check=True)
+    return scratch_database
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [(COMMANDS["host"], 1), (COMMANDS["one-shot"], 2), (COMMANDS["stats"], 1)],
+    ids=["host", "one-shot", "stats"],
+)
+def test_a_command_on_a_database_without_the_queues_tables_says_to_run_migrate(
+    queue_not_migrated, command, code
+):
+    """The host started, ran nothing and logged a failed planning with a traceback at every
+    re-plan; the one-shot job exited 2 with "Could not plan the subscriptions:
+    ProgrammingError" (helper-115's review)."""
+    done = run_manage(*command, env=subprocess_environment(queue_not_migrated), timeout=60)
+
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "migrate" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -97,7 +97,7 @@ class PublishVerb(Verb):
                 # Its procedure missing because nobody ran `migrate` is told as that.
                 done = f" ({len(results)} of {count} were published before it)" if results else ""
                 raise CommandError(
-                    unmigrated_problem() or f"Publishing failed: {exc}{done}"
+                    unmigrated_problem(exc) or f"Publishing failed: {exc}{done}"
                 ) from None
             if progress:
                 progress.update(len(results))

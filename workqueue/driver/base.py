@@ -162,6 +162,15 @@ def _stamped_migration(stamp: str | None) -> str | None:
     return words[2] if len(words) == 4 and " ".join(words[:2]) == _STAMP_PREFIX else None
 
 
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and what it was raised from, in turn (a driver's error wraps Django's, which
+    wraps the client library's)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__
+
+
 class BaseDriver:
     """Runs ``wq_*`` procedures for one database alias."""
 
@@ -199,6 +208,11 @@ class BaseDriver:
     def translate_error(self, error: DatabaseError) -> DriverError:
         """Map a database error to the app's own error class, keeping it as ``__cause__``."""
         raise NotImplementedError
+
+    def names_a_missing_object(self, error: BaseException) -> bool:
+        """Whether ``error`` (or what it was raised from) says a table, view or procedure does
+        not exist: what a database nobody migrated answers."""
+        return False
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
         """Create or replace every procedure on ``connection`` (inside a migration), drop

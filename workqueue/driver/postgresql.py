@@ -31,6 +31,7 @@ from workqueue.driver.base import (
     Row,
     SparseIndex,
     VacuumHorizon,
+    error_chain,
     routed_to_django_connection,
     unencodable,
 )
@@ -86,6 +87,10 @@ _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 # delivery while its lease lasts instead of leaving it to be run again. (The connection
 # exceptions, class 08, are matched by their class.)
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03", "53100", "53200"}
+
+
+#: undefined_table, undefined_function: a relation or a procedure that is not there.
+_MISSING_OBJECT_SQLSTATES = frozenset({"42P01", "42883"})
 
 
 #: Where the server refuses new transactions to avoid wraparound data loss, with the same
@@ -440,6 +445,12 @@ class PostgresDriver(BaseDriver):
                 return TransientDriverError(message or "lost the database connection")
             return DriverError(message)
         return DriverError(message)
+
+    def names_a_missing_object(self, error: BaseException) -> bool:
+        return any(
+            getattr(cause, "sqlstate", None) in _MISSING_OBJECT_SQLSTATES
+            for cause in error_chain(error)
+        )
 
     def grant_runtime_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)

@@ -29,6 +29,7 @@ from workqueue.driver.base import (
     DriverFeatures,
     QueueTableSize,
     VacuumHorizon,
+    error_chain,
 )
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, granted_to
 from workqueue.exceptions import (
@@ -248,6 +249,10 @@ class SqlServerDriver(BaseDriver):
         if _connection_lost(cause, error):
             return TransientDriverError(message or "lost the database connection")
         return DriverError(message)
+
+    def names_a_missing_object(self, error: BaseException) -> bool:
+        # 208: invalid object name (a table); 2812: could not find stored procedure.
+        return any(error_number(cause) in (208, 2812) for cause in error_chain(error))
 
     # -- installation ----------------------------------------------------------------------
 

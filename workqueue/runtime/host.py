@@ -33,6 +33,7 @@ from django.utils import timezone
 from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
+from workqueue.driver.install import work_queue_migrated
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
@@ -267,6 +268,13 @@ class Host:
                 )
             autodiscover(conf.HANDLER_MODULES)
             self.user = resolve_system_user(conf)
+            if not work_queue_migrated(connections[conf.DATABASE_ALIAS]):
+                # Started, it would run nothing and log a failed planning every re-plan.
+                raise WorkQueueConfigurationError(
+                    f"The work queue's tables are not in database {conf.DATABASE_ALIAS!r}: no "
+                    "work-queue migration is applied there. Run `manage.py migrate`, then "
+                    "start the host again."
+                )
             # Checked before anything starts: a bad schedule stops the host with its name.
             scheduler = Scheduler(load_schedules(self.config.schedules))
             self._timers = TimerQueue()

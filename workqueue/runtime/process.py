@@ -98,26 +98,31 @@ def database_errors_explained() -> Iterator[None]:
             "and that DATABASE_URL (or DATABASES) points at it; then run the command again."
         ) from exc
     except (ProgrammingError, DriverError) as exc:
-        problem = unmigrated_problem()
+        problem = unmigrated_problem(exc)
         if problem is None:
             raise
         raise CommandError(problem) from exc
 
 
-def unmigrated_problem() -> str | None:
-    """Why a statement on the queue's database could not find its table or procedure, when
-    the reason is migrations not applied there (naming ``migrate``); else None. Asked only
-    once something failed: it reads every migration file."""
+def unmigrated_problem(error: BaseException) -> str | None:
+    """Why ``error`` arose, naming ``migrate``, when it says a table or procedure is missing
+    and the queue's database has migrations to apply; else None (a missing grant, say, or a
+    fault: told as themselves). Asked only once something failed: it reads every migration
+    file."""
     from django.db.migrations.executor import MigrationExecutor
+
+    from workqueue.driver import get_driver
 
     try:
         alias = get_settings().DATABASE_ALIAS
     except WorkQueueConfigurationError:
         alias = DEFAULT_DB_ALIAS  # the settings' own problem is reported elsewhere
     try:
+        if not get_driver(alias).names_a_missing_object(error):
+            return None
         executor = MigrationExecutor(connections[alias])
         plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
-    except DatabaseError:
+    except (DatabaseError, WorkQueueConfigurationError):
         return None
     if not plan:
         return None
