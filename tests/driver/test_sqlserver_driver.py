@@ -303,19 +303,6 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
         ),
         pytest.param(
             _wrapped(
-                OperationalError,
-                _python_driver(
-                    mssql_python_errors.OperationalError,
-                    "Memory allocation error",
-                    "There is insufficient system memory in resource pool 'default' to run "
-                    "this query.",
-                ),
-            ),
-            TransientDriverError,
-            id="mssql-python-701-memory",
-        ),
-        pytest.param(
-            _wrapped(
                 DatabaseError,
                 _python_driver(
                     mssql_python_errors.ProgrammingError,

@@ -82,11 +82,13 @@ _NO_SUCH_STATEMENT = "26000"
 _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 
 # Deadlock, serialization failure, lock timeout, a server shutting down or starting (57P0x),
-# and the server out of disk space or memory (53100, 53200): the same call succeeds once space
-# is freed (the sweeper's purges, an operator), so a host keeps trying to settle a handled
-# delivery while its lease lasts instead of leaving it to be run again. (The connection
-# exceptions, class 08, are matched by their class.)
-_TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03", "53100", "53200"}
+# and the server's disk full (53100): the same call succeeds once space is freed (the
+# sweeper's purges, an operator), so a host keeps trying to settle a handled delivery while
+# its lease lasts instead of leaving it to be run again. Not 53200 (out of memory): it is also
+# "out of shared memory" for a statement that needs more locks than max_locks_per_transaction
+# allows, which fails the same way every time. (The connection exceptions, class 08, are
+# matched by their class.)
+_TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03", "53100"}
 
 
 #: undefined_table, undefined_function: a relation or a procedure that is not there.

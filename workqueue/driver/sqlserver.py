@@ -45,10 +45,10 @@ UNIQUE_ERRORS = frozenset({2601, 2627})
 # Worth retrying: 1205 deadlock victim, 1222 lock request timeout, 51001 the ordered-publish lock
 # was not granted in time (raised by wq_lock_publish_order); lost connections (233, 64, 10053,
 # 10054, 10060), Azure SQL failover/throttling (40197, 40501, 40613), and the server out of
-# space or memory (1105 a full filegroup, 9002 a full transaction log, 701 memory), which
-# passes once space is freed, as PostgreSQL's 53100 and 53200 do.
+# space (1105 a full filegroup, 9002 a full transaction log), which passes once space is freed,
+# as PostgreSQL's 53100 does.
 TRANSIENT_ERRORS = frozenset(
-    {1205, 1222, 51001, 64, 233, 10053, 10054, 10060, 40197, 40501, 40613, 1105, 9002, 701}
+    {1205, 1222, 51001, 64, 233, 10053, 10054, 10060, 40197, 40501, 40613, 1105, 9002}
 )
 
 # Message fragments for drivers that do not report the error number (mssql-python puts only the
@@ -60,8 +60,7 @@ _MESSAGE_NUMBERS = (
     ("was deadlocked on", 1205),
     ("lock request time out period exceeded", 1222),
     ("filegroup is full", 1105),
-    ("is full due to", 9002),
-    ("insufficient system memory", 701),
+    ("the transaction log for database", 9002),
 )
 # pyodbc ends a server message with "(<number>) (SQLExecDirectW)".
 _PYODBC_NUMBER = re.compile(r"\((-?\d{1,6})\)\s*\(SQL[A-Za-z]+\)")
