@@ -510,6 +510,49 @@ def test_a_socket_folder_name_taken_before_the_first_start_locks_nobody_out(
         subprocess.run(["rm", "-rf", str(taken)], check=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another OS user")
+def test_destroy_leaves_another_users_folder_at_the_socket_folders_name(cluster_dir: Path) -> None:
+    """destroy() deleted whatever folder the socket folder's name (or the name recorded in the
+    cluster's folder, which the server's account may write) pointed at: another user's
+    included (helper-115's review)."""
+    taken = localdb._socket_dir(cluster_dir)
+    theirs = Path(tempfile.mkdtemp(prefix="wq-pg-", dir="/tmp"))
+    elsewhere = theirs.with_name(f"wq-pg-{'ab' * 8}")
+    theirs.rename(elsewhere)
+    impostor = squat(taken)
+    try:
+        nobody = pwd.getpwnam("nobody")
+        os.chown(elsewhere, nobody.pw_uid, nobody.pw_gid)
+        localdb.destroy()  # no cluster: the name derived from the folder
+        assert taken.is_dir()
+        cluster_dir.mkdir()
+        (cluster_dir / "socket-folder").write_text(elsewhere.name + "\n")
+        localdb.destroy()  # the recorded name
+        assert elsewhere.is_dir() and taken.is_dir()
+    finally:
+        impostor.close()
+        subprocess.run(["rm", "-rf", str(taken), str(elsewhere)], check=True)
+
+
+def test_a_pipe_at_the_recorded_socket_name_neither_hangs_nor_misleads(cluster_dir: Path) -> None:
+    """The record is read by every process asking for the URL; the server's account, which
+    owns the folder, could leave a pipe there for readers to wait on for ever."""
+    url = localdb.ensure_running()
+    os.mkfifo(cluster_dir / "socket-folder")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "workqueue.localdb", "url"],
+            env={**os.environ, "WORKQUEUE_LOCALDB_DIR": str(cluster_dir)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        (cluster_dir / "socket-folder").unlink()  # not the database's own: destroy refuses it
+
+    assert done.returncode == 0 and done.stdout.strip() == url, done
+
+
 def test_a_stale_pidfile_naming_another_servers_segment_does_not_hold_up_a_start(
     cluster_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

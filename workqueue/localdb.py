@@ -7,7 +7,7 @@ folder and returns its URL. Guarantees:
 * **One server per folder.** An ``fcntl.flock`` on ``<folder>/lock`` serialises every start and
   stop, so any number of concurrent processes (pytest-xdist workers, subprocess hosts) start the
   cluster once and all get the same URL.
-* **Cheap when running.** The fast path reads two small files and two ``/proc`` entries (well
+* **Cheap when running.** The fast path reads three small files and two ``/proc`` entries (well
   under a millisecond); it runs no subprocess, opens no connection and takes no lock.
 * **Self-healing.** A stale ``postmaster.pid`` (killed or crashed server, a zombie postmaster), a
   deleted socket folder (``/tmp`` cleaned) or a half-finished ``initdb`` (marked by
@@ -295,13 +295,13 @@ def destroy() -> None:
     ``WORKQUEUE_LOCALDB_DIR`` must not delete someone's files)."""
     base = data_dir()
     if not base.exists():
-        shutil.rmtree(_socket_dir(base), ignore_errors=True)
+        _remove_socket_dir(base)
         return
     # Under the lock, so that no start runs meanwhile; the lock file goes last, while held (a
     # process waiting for it then finds it gone and takes the new one, see _locked).
     with _owned_and_locked(base, "delete"):
         _stop_postmaster(base / _DATA)
-        shutil.rmtree(_socket_dir(base), ignore_errors=True)
+        _remove_socket_dir(base)
         for entry in base.iterdir():
             if not _is_own_entry(entry.name) or entry.name == _LOCK_FILE:
                 continue  # appeared since the check: not ours to delete (the folder stays)
@@ -459,14 +459,45 @@ def _create_postgres_account() -> None:
 def _socket_dir(base: Path) -> Path:
     # Unix socket paths are limited to 107 bytes and the server account must reach the folder,
     # so it lives directly in /tmp under a short name: one derived from the owner and data
-    # folder, or the one a start chose instead because another user had taken that (recorded
-    # in the folder, and only read when it has the form a start gives it).
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        recorded = (base / _SOCKET_NAME_FILE).read_text().strip()
-        if _CHOSEN_SOCKET_NAME.fullmatch(recorded):
-            return _SOCKET_ROOT / recorded
+    # folder, or the one a start chose instead because another user had taken that.
+    recorded = _recorded_socket_name(base)
+    if recorded is not None:
+        return _SOCKET_ROOT / recorded
     digest = hashlib.sha256(f"{os.geteuid()}:{base}".encode()).hexdigest()[:16]
     return _SOCKET_ROOT / f"wq-pg-{digest}"
+
+
+def _recorded_socket_name(base: Path) -> str | None:
+    """The socket folder's name a start recorded in ``base``, if it has the form a start gives
+    it. The server's account owns ``base`` when root runs it: a link or a pipe put there must
+    neither be followed nor hang the reader."""
+    try:
+        fd = os.open(
+            base / _SOCKET_NAME_FILE,
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        )
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return text if _CHOSEN_SOCKET_NAME.fullmatch(text) else None
+
+
+def _remove_socket_dir(base: Path) -> None:
+    """Delete the socket folder if it is a folder of this user's or of the server account's:
+    another user's at its name (which a start refuses to use) stays, whatever name the record
+    in ``base`` gives."""
+    path = _socket_dir(base)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid in _own_accounts():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _make_folder(base: Path, account: _Account) -> None:
