@@ -15,6 +15,18 @@ if TYPE_CHECKING:
     from workqueue.types import PublishResult
 
 
+def one_line(error: BaseException) -> str:
+    """``error``'s text for a log line or a command's message: on one line, its detail and hint
+    kept, without where in a procedure it arose (the server's ``CONTEXT``, a dozen lines of
+    SQL) or a query it quotes; its class's name when it has no text."""
+    kept = []
+    for line in str(error).splitlines():
+        if line.startswith(("CONTEXT:", "QUERY:")):
+            break
+        kept.append(line)
+    return " ".join(" ".join(kept).split()) or type(error).__name__
+
+
 class WorkQueueError(Exception):
     """Base class of every error the work queue raises on purpose."""
 

@@ -172,10 +172,10 @@ def test_an_enlisted_call_translates_the_same_way(tables):
 def full_tablespace(pg_conn):
     """A table in a tablespace on a 1 MiB file system of its own, filled up: the next write to
     it fails for want of disk space, as every write does when the server's disk is full."""
-    folder = Path(tempfile.mkdtemp(prefix="wq-full-disk-", dir="/tmp"))
     data_directory = Path(pg_conn.execute("SHOW data_directory").fetchone()[0])
     if os.geteuid() != 0 or not data_directory.exists():
         pytest.skip("needs root, and the test server's data folder on this machine")
+    folder = Path(tempfile.mkdtemp(prefix="wq-full-disk-", dir="/tmp"))
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
     )

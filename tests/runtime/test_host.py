@@ -1027,6 +1027,8 @@ def test_health_reports_failing_through_an_outage_are_logged_once_and_the_return
     traceback, every 10 s, beside the consumers' own warning that the database was away."""
     host = make_host(one(sub()))
     host.start()
+    for service in host._services:
+        service.stop()  # only this test's reports: the periodic and supervisor ones would race
     caplog.set_level(logging.INFO, logger="workqueue.runtime.host")
 
     with queue_connection_settings(HOST=str(tmp_path), options={}):  # no server there
@@ -1046,6 +1048,8 @@ def test_planning_through_an_outage_is_logged_once_and_its_end_once(make_host, c
     """Each re-plan during an outage logged "Planning failed" with a traceback (helper-114)."""
     host = make_host(one(sub()))
     host.start()
+    for service in host._services:
+        service.stop()  # only this test's re-plans
     caplog.set_level(logging.INFO, logger="workqueue.runtime.host")
 
     with queue_connection_settings(HOST=str(tmp_path), options={}):  # no server there

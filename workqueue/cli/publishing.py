@@ -141,9 +141,10 @@ class PublishVerb(Verb):
 def _topic_advice(name: str) -> str:
     """What to do about a topic no one created: the names it resembles, as host and check
     errors give for a mistyped subscription or handler key, then how to create one."""
+    from workqueue.conf import get_settings
     from workqueue.models import Topic
 
-    existing = Topic.objects.values_list("name", flat=True)
+    existing = Topic.objects.using(get_settings().DATABASE_ALIAS).values_list("name", flat=True)
     near = difflib.get_close_matches(name.strip().lower(), existing, n=3, cutoff=0.8)
     guess = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
     return f"{guess} Create it in the admin, or declare it for `manage.py workqueue sync-topology`."

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workqueue import metrics
-from workqueue.exceptions import WorkQueueError
+from workqueue.exceptions import WorkQueueError, one_line
 from workqueue.models.hosts import CLAIM_LOOP_FAILED, RATE_TOKENS_FAILED, RECEIVE_FAILED
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
@@ -1020,7 +1020,7 @@ class Consumer:
                     "%s: handing back a delivery that never started failed (%s); trying again "
                     "in %.1f s while its lease lasts",
                     self.plan.name,
-                    exc,
+                    one_line(exc),
                     delay,
                 )
                 time.sleep(delay)

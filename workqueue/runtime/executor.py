@@ -54,6 +54,7 @@ from workqueue.exceptions import (
     TransientDriverError,
     TransientTransportError,
     WorkQueueError,
+    one_line,
 )
 from workqueue.input_limits import key_length, within_units
 from workqueue.runtime.backoff import retry_delay_seconds
@@ -839,7 +840,7 @@ class DeliveryExecution:
                     logging.WARNING if failures == 1 else logging.DEBUG,
                     "Settle failed (%s): %s; trying again in %.1f s while the lease lasts",
                     self._where,
-                    _one_line(exc),
+                    one_line(exc),
                     delay,
                 )
                 time.sleep(delay)
@@ -926,7 +927,7 @@ class DeliveryExecution:
                 "Delivery settle failed (%s): %s; the outcome was not recorded, and the "
                 "delivery runs again once its lease expires",
                 self._where,
-                _one_line(exc),
+                one_line(exc),
             )
             return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
 
@@ -1046,17 +1047,6 @@ class DeliveryExecution:
             return bool(read_back(self.delivery, *args))
         except (WorkQueueError, DatabaseError, InterfaceError):
             return False  # cannot tell: reported as before
-
-
-def _one_line(error: BaseException) -> str:
-    """``error``'s text on one line, its detail and hint kept: the server's runs to several,
-    ending with where in a procedure it arose (its ``CONTEXT``: a dozen lines of SQL)."""
-    kept = []
-    for line in str(error).splitlines():
-        if line.startswith(("CONTEXT:", "QUERY:")):
-            break
-        kept.append(line)
-    return " ".join(" ".join(kept).split()) or type(error).__name__
 
 
 def _not_an_outcome(returned: Any) -> str:

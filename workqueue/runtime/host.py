@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import (
-    DatabaseError,
     InterfaceError,
     OperationalError,
     close_old_connections,
@@ -34,7 +33,7 @@ from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.driver.install import work_queue_migrated
-from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.exceptions import WorkQueueConfigurationError, one_line
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.consumer import (
@@ -227,7 +226,8 @@ class Host:
         self._plans: dict[str, PlanEntry] = {}
         self._start_failures: dict[str, StartFailure] = {}
         self._recorded_states: list[tuple[str, str, str]] = []
-        self._health_failing = False
+        self._health_failing = False  # whether this outage's failed report was logged
+        self._planning_outage_reported = False  # likewise for planning
         self._started = False
         self._shut_down = threading.Event()
         self._shutting_down = False
@@ -516,10 +516,10 @@ class Host:
             if isinstance(exc, (OperationalError, InterfaceError)):
                 # The database away: the consumers say so too, so one line, once an outage;
                 # anything else is a fault worth its traceback every time.
-                if self.planning_failure is None:
+                if not self._planning_outage_reported:
+                    self._planning_outage_reported = True
                     logger.warning(
-                        "Planning failed; keeping the current consumers: %s",
-                        " ".join(str(exc).split()),
+                        "Planning failed; keeping the current consumers: %s", one_line(exc)
                     )
             else:
                 logger.exception("Planning failed; keeping the current consumers")
@@ -527,7 +527,8 @@ class Host:
             return
         finally:
             close_old_connections()
-        if self.planning_failure is not None:
+        if self._planning_outage_reported:
+            self._planning_outage_reported = False
             logger.info("Planning again: the subscriptions are read as usual")
         self.planning_failure = None
         with self._lock:
@@ -741,7 +742,7 @@ class Host:
                         },
                     )
                     break
-                except DatabaseError as exc:
+                except (OperationalError, InterfaceError) as exc:
                     connections[alias].close()
                     if last_try:
                         self._health_not_recorded(exc)
@@ -755,7 +756,7 @@ class Host:
             self._health_failing = False
             logger.info("Host health recorded again")
 
-    def _health_not_recorded(self, exc: DatabaseError) -> None:
+    def _health_not_recorded(self, exc: Exception) -> None:
         """Say once per outage that health is not being recorded: the consumers already report
         the database away, and a traceback every 10 s of it paged people for one cause."""
         if self._health_failing:
@@ -764,7 +765,7 @@ class Host:
         self._health_failing = True
         logger.warning(
             "Recording host health failed (%s); trying again every %d s",
-            " ".join(str(exc).split()) or type(exc).__name__,  # one line: libpq's are several
+            one_line(exc),
             HEALTH_INTERVAL_SECONDS,
         )
 

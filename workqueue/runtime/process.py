@@ -25,7 +25,7 @@ from django.db import (
 
 from workqueue import metrics
 from workqueue.conf import MAX_CONCURRENCY, get_settings
-from workqueue.exceptions import DriverError, WorkQueueConfigurationError
+from workqueue.exceptions import DriverError, WorkQueueConfigurationError, one_line
 
 #: A second signal this soon after the first is the same stop delivered twice.
 SECOND_SIGNAL_AFTER_SECONDS = 1.0
@@ -92,9 +92,8 @@ def database_errors_explained() -> Iterator[None]:
     except (OperationalError, InterfaceError) as exc:
         # Django's OperationalError also covers timeouts, deadlocks and a full server: the
         # database's own words say which.
-        detail = " ".join(str(exc).split())
         raise CommandError(
-            f"The database could not be used ({detail}). If it is away, check that it runs "
+            f"The database could not be used ({one_line(exc)}). If it is away, check that it runs "
             "and that DATABASE_URL (or DATABASES) points at it; then run the command again."
         ) from exc
     except (ProgrammingError, DriverError) as exc:

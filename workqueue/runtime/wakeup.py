@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workqueue.driver.base import BaseDriver
+from workqueue.exceptions import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class Wakeup:
                 else:
                     logger.warning(
                         "Notifications lost (%s); polling until reconnected",
-                        " ".join(str(exc).split()) or type(exc).__name__,
+                        one_line(exc),
                     )
                     self._outage_reported = True
                 self.connected.clear()
