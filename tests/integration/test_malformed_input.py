@@ -205,7 +205,7 @@ def test_cli_publish_refuses_with_a_command_error_naming_the_field(
         ["dead-letters", "-s", ARGV_NOT_UTF8],
         ["partitions", "-s", f"a{NUL}"],
         ["validate-bindings", "--transport", ARGV_NOT_UTF8],
-        ["publish", "--topic", f"t{NUL}"],
+        ["publish", "--topic", f"t{NUL}", "--payload", "{}"],
         ["apikey", "revoke", ARGV_NOT_UTF8],
         ["apikey", "create", "--user", f"ada{NUL}", "--scopes", "workqueue:read"],
     ],

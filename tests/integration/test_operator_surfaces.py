@@ -66,6 +66,8 @@ def test_publish_attributes_from_the_command_line_reach_the_message_and_its_filt
             "publish",
             "--topic",
             topic.name,
+            "--payload",
+            "{}",
             "--attribute",
             "region=eu",
             "--attribute",
@@ -89,7 +91,7 @@ def test_a_malformed_attribute_option_is_refused_before_publishing(given, proble
     args = [arg for pair in given for arg in ("--attribute", pair)]
 
     with pytest.raises(CommandError, match=problem):
-        run("publish", "--topic", topic.name, *args)
+        run("publish", "--topic", topic.name, "--payload", "{}", *args)
     assert not Message.objects.filter(topic=topic).exists()
 
 
