@@ -101,13 +101,6 @@ def latest_procedure_migration_applied(connection: BaseDatabaseWrapper) -> bool:
     return ("workqueue", LATEST_PROCEDURE_MIGRATION) in applied
 
 
-def work_queue_migrated(connection: BaseDatabaseWrapper) -> bool:
-    """Whether ``connection``'s database records any work-queue migration: none means its
-    tables are not there (a database nobody migrated, or migrated without this app)."""
-    applied = MigrationRecorder(connection).applied_migrations()
-    return any(app == "workqueue" for app, _name in applied)
-
-
 def reinstall_procedures(connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
     """Install the procedures from the current files and renew the grants, in one transaction
     on ``connection`` (the owner's), as the latest procedure migration does; the roles renewed.

@@ -32,7 +32,6 @@ from django.utils import timezone
 from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, get_driver
-from workqueue.driver.install import work_queue_migrated
 from workqueue.exceptions import WorkQueueConfigurationError, one_line
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
@@ -268,12 +267,12 @@ class Host:
                 )
             autodiscover(conf.HANDLER_MODULES)
             self.user = resolve_system_user(conf)
-            if not work_queue_migrated(connections[conf.DATABASE_ALIAS]):
+            if not _has_the_queue_tables(conf.DATABASE_ALIAS):
                 # Started, it would run nothing and log a failed planning every re-plan.
                 raise WorkQueueConfigurationError(
-                    f"The work queue's tables are not in database {conf.DATABASE_ALIAS!r}: no "
-                    "work-queue migration is applied there. Run `manage.py migrate`, then "
-                    "start the host again."
+                    f"The work queue's tables are not in database {conf.DATABASE_ALIAS!r}: its "
+                    "migrations are not applied there. Run `manage.py migrate`, then start the "
+                    "host again."
                 )
             # Checked before anything starts: a bad schedule stops the host with its name.
             scheduler = Scheduler(load_schedules(self.config.schedules))
@@ -852,6 +851,14 @@ class Host:
             for entry in self.health()["subscriptions"]
             if entry["state"] in CANNOT_RUN and entry["name"] not in transient
         ]
+
+
+def _has_the_queue_tables(alias: str) -> bool:
+    """Whether ``alias``'s database holds the work queue's tables, read from the catalog,
+    which every role may read (a runtime role may not read ``django_migrations``)."""
+    from workqueue.models import Subscription
+
+    return Subscription._meta.db_table in connections[alias].introspection.table_names()
 
 
 def _stop_at_once(consumers: list[Consumer], *, process_lives_on: bool) -> list[threading.Thread]:
