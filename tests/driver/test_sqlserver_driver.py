@@ -364,22 +364,26 @@ def test_sql_server_errors_map_to_the_apps_error_classes(driver, error, expected
     [
         ("Invalid object name 'dbo.workqueue_subscription'. (208)", True),
         ("Could not find stored procedure 'dbo.wq_publish'. (2812)", True),
+        ("Invalid column name 'priority'. (207)", True),
         ("The EXECUTE permission was denied on the object 'wq_publish'. (229)", False),
     ],
-    ids=["table-208", "procedure-2812", "permission-229"],
+    ids=["table-208", "procedure-2812", "column-207", "permission-229"],
 )
 def test_a_missing_table_or_procedure_is_told_from_other_errors(driver, message, missing):
     """What a database nobody migrated answers, which commands explain as `migrate` to run; a
-    missing grant must not read as that."""
-    error = _wrapped(
-        DatabaseError,
-        pyodbc.ProgrammingError(
-            "42S02",
-            f"[42S02] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]{message} "
-            "(SQLExecDirectW)",
-        ),
+    missing grant must not read as that. With either client library: mssql-python gives no
+    error number, only the server's text (helper-116)."""
+    from_pyodbc = pyodbc.ProgrammingError(
+        "42S02",
+        f"[42S02] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]{message} (SQLExecDirectW)",
     )
-    assert driver.names_a_missing_object(driver.translate_error(error)) is missing
+    text = message.rsplit(" (", 1)[0]
+    from_mssql_python = _python_driver(
+        mssql_python_errors.ProgrammingError, "Base table or view not found", text
+    )
+    for client_error in (from_pyodbc, from_mssql_python):
+        error = _wrapped(DatabaseError, client_error)
+        assert driver.names_a_missing_object(driver.translate_error(error)) is missing, error
 
 
 def test_error_numbers_are_read_from_every_driver_style():

@@ -67,3 +67,21 @@ def test_a_command_on_a_database_without_the_queues_tables_says_to_run_migrate(
 
     assert done.returncode == code, done.stdout + done.stderr
     assert "migrate" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_one_shot_job_on_a_database_an_upgrade_did_not_migrate_says_to_run_migrate(
+    scratch_database,
+):
+    """New code on a database still at an early release (a deploy that skipped `migrate`):
+    planning read a column not there yet and the job exited 2 with "Could not plan the
+    subscriptions: ProgrammingError: column ... does not exist" (helper-116's review)."""
+    env = subprocess_environment(scratch_database)
+    run_manage("migrate", "auth", "-v0", env=env, check=True)
+    run_manage("migrate", "workqueue", "0006_claim_key_walk", "-v0", env=env, check=True)
+    run_manage("workqueue", "create-system-user", env=env, check=True)
+
+    done = run_manage(*COMMANDS["one-shot"], env=env, timeout=60)
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "is not migrated" in done.stderr and "Run `manage.py migrate`" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -210,8 +210,8 @@ class BaseDriver:
         raise NotImplementedError
 
     def names_a_missing_object(self, error: BaseException) -> bool:
-        """Whether ``error`` (or what it was raised from) says a table, view or procedure does
-        not exist: what a database nobody migrated answers."""
+        """Whether ``error`` (or what it was raised from) says a table, column or procedure
+        does not exist: what a database not migrated answers."""
         return False
 
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:

@@ -91,8 +91,9 @@ _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 _TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03", "53100"}
 
 
-#: undefined_table, undefined_function: a relation or a procedure that is not there.
-_MISSING_OBJECT_SQLSTATES = frozenset({"42P01", "42883"})
+#: undefined_table, undefined_column, undefined_function: a relation, a column (a migration
+#: that adds one not applied) or a procedure that is not there.
+_MISSING_OBJECT_SQLSTATES = frozenset({"42P01", "42703", "42883"})
 
 
 #: Where the server refuses new transactions to avoid wraparound data loss, with the same

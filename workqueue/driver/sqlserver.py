@@ -61,6 +61,9 @@ _MESSAGE_NUMBERS = (
     ("lock request time out period exceeded", 1222),
     ("filegroup is full", 1105),
     ("the transaction log for database", 9002),
+    ("invalid object name", 208),
+    ("invalid column name", 207),
+    ("could not find stored procedure", 2812),
 )
 # pyodbc ends a server message with "(<number>) (SQLExecDirectW)".
 _PYODBC_NUMBER = re.compile(r"\((-?\d{1,6})\)\s*\(SQL[A-Za-z]+\)")
@@ -250,8 +253,9 @@ class SqlServerDriver(BaseDriver):
         return DriverError(message)
 
     def names_a_missing_object(self, error: BaseException) -> bool:
-        # 208: invalid object name (a table); 2812: could not find stored procedure.
-        return any(error_number(cause) in (208, 2812) for cause in error_chain(error))
+        # 208: invalid object name (a table); 207: invalid column name; 2812: could not find
+        # stored procedure.
+        return any(error_number(cause) in (207, 208, 2812) for cause in error_chain(error))
 
     # -- installation ----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import (
+    DatabaseError,
     InterfaceError,
     OperationalError,
     close_old_connections,
@@ -44,6 +45,7 @@ from workqueue.runtime.consumer import (
 )
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
 from workqueue.runtime.plan import SubscriptionPlan
+from workqueue.runtime.process import unmigrated_problem
 from workqueue.runtime.scheduler import Scheduler
 from workqueue.runtime.service import PeriodicService
 from workqueue.runtime.sweeper import Sweeper, pause_after
@@ -512,17 +514,21 @@ class Host:
         try:
             plans = self.plan()
         except Exception as exc:
-            if isinstance(exc, (OperationalError, InterfaceError)):
-                # The database away: the consumers say so too, so one line, once an outage;
+            # A database that is not migrated (new code, a column it reads not there yet) is
+            # told as that, naming `migrate`.
+            unmigrated = unmigrated_problem(exc) if isinstance(exc, DatabaseError) else None
+            if unmigrated is not None or isinstance(exc, (OperationalError, InterfaceError)):
+                # The database away (the consumers say so too) or behind: one line, once;
                 # anything else is a fault worth its traceback every time.
                 if not self._planning_outage_reported:
                     self._planning_outage_reported = True
                     logger.warning(
-                        "Planning failed; keeping the current consumers: %s", one_line(exc)
+                        "Planning failed; keeping the current consumers: %s",
+                        unmigrated or one_line(exc),
                     )
             else:
                 logger.exception("Planning failed; keeping the current consumers")
-            self.planning_failure = f"{type(exc).__name__}: {exc}"
+            self.planning_failure = unmigrated or f"{type(exc).__name__}: {exc}"
             return
         finally:
             close_old_connections()
@@ -854,11 +860,18 @@ class Host:
 
 
 def _has_the_queue_tables(alias: str) -> bool:
-    """Whether ``alias``'s database holds the work queue's tables, read from the catalog,
-    which every role may read (a runtime role may not read ``django_migrations``)."""
+    """Whether ``alias``'s database holds the work queue's tables: asked as planning will ask,
+    with its grants and name resolution (a runtime role may not read ``django_migrations``,
+    and a catalog listing misses tables reached through a default schema on SQL Server)."""
     from workqueue.models import Subscription
 
-    return Subscription._meta.db_table in connections[alias].introspection.table_names()
+    try:
+        Subscription.objects.using(alias).exists()
+    except DatabaseError as exc:
+        if get_driver(alias).names_a_missing_object(exc):
+            return False
+        raise
+    return True
 
 
 def _stop_at_once(consumers: list[Consumer], *, process_lives_on: bool) -> list[threading.Thread]:
