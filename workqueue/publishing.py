@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import difflib
 import logging
 import re
 import sys
@@ -289,9 +290,17 @@ def publish_many(
         for (index, _), row in zip(prepared, rows, strict=True):
             if row is not None:
                 results[index] = _result_from_row(row)
-    final = [
-        r if r.error is None else _topic_named(r, name, enlist) for r in results if r is not None
-    ]
+    final = [r for r in results if r is not None]
+    if any(r.error is not None and r.error.code == PublishErrorCode.TOPIC_NOT_FOUND for r in final):
+        not_found = PublishError(
+            PublishErrorCode.TOPIC_NOT_FOUND, _topic_not_found_text(name, enlist, external)
+        )
+        final = [
+            dataclasses.replace(r, error=not_found)
+            if r.error is not None and r.error.code == PublishErrorCode.TOPIC_NOT_FOUND
+            else r
+            for r in final
+        ]
     metrics.count_published(name, final)
     _log_rejections(name, final, external)
     accepted = [r.message_id for r in final if r.accepted]
@@ -380,26 +389,37 @@ def _log_rejections(topic: Any, results: list[PublishResult], external: bool) ->
     )
 
 
-def _topic_named(result: PublishResult, topic: str, enlist: bool) -> PublishResult:
-    """``result`` (a rejection), its TopicNotFound saying which name was not found, and why a
-    topic that exists may not be seen: made in the caller's open transaction (a test's,
-    typically), which the queue's own connection cannot see."""
-    if result.error.code != PublishErrorCode.TOPIC_NOT_FOUND:
-        return result
+def _topic_not_found_text(topic: str, enlist: bool, external: bool) -> str:
+    """What a TopicNotFound says: which name was not found; to this server's own callers, the
+    topics it resembles and how to make one (an external publisher is told no other topic's
+    name); and why a topic that exists may not be seen: made in the caller's open transaction
+    (a test's, typically), which the queue's own connection cannot see."""
+    # Imported here: publishing reads topology only on this path (layering rule 6).
+    from workqueue.models import Topic
+
     text = f"No topic is named {topic!r}."
+    if external:
+        return text
     alias = setting("DATABASE_ALIAS")
+    existing = Topic.objects.using(alias).values_list("name", flat=True)
+    near = difflib.get_close_matches(topic.strip().lower(), existing, n=3, cutoff=0.8)
+    if near:
+        text += f" Did you mean {' or '.join(map(repr, near))}?"
     if (
         not enlist
         and not routed_to_django_connection(alias)
         and connections[alias].in_atomic_block
         and _topic_row(topic) is not None  # on the caller's connection, in its transaction
     ):
-        text += (
+        return text + (
             " This publish ran on the work queue's own connection, which cannot see a topic "
             "your open transaction made; in a test, use "
             "workqueue.testing.use_test_connection() (or publish with enlist=True)."
         )
-    return dataclasses.replace(result, error=PublishError(PublishErrorCode.TOPIC_NOT_FOUND, text))
+    return text + (
+        " Create it in the admin, or declare it in WORKQUEUE['TOPOLOGY'] and run "
+        "`manage.py workqueue sync-topology`."
+    )
 
 
 def _publish_on(

@@ -57,6 +57,21 @@ def test_publish_or_raise_raises_with_the_result_and_lets_duplicates_through():
     assert exc.value.code == "TopicNotFound" and exc.value.retryable is False
 
 
+def test_a_topic_no_one_created_is_answered_with_the_names_it_resembles_and_the_fix():
+    """It said only "No topic is named 'orders.creatd'." (helper-113's first hour)."""
+    TopicFactory(name="orders.created")
+
+    single = publish("orders.creatd", {"n": 1})
+    batch = publish_many("orders.creatd", [{"payload": 1}, {"payload": 2}])
+
+    for result in (single, *batch):
+        assert result.error.message == (
+            "No topic is named 'orders.creatd'. Did you mean 'orders.created'? Create it in "
+            "the admin, or declare it in WORKQUEUE['TOPOLOGY'] and run `manage.py workqueue "
+            "sync-topology`."
+        )
+
+
 def test_raise_if_rejected_works_on_each_result_of_a_batch():
     sub = SubscriptionFactory()
     ok, bad = publish_many(sub.topic.name, [{"payload": 1}, {"partition_key": ""}])
@@ -93,7 +108,8 @@ def test_decimal_datetime_and_uuid_payloads_are_stored_as_django_encodes_them():
 
 def test_a_topic_no_one_made_is_named_without_the_transaction_hint():
     result = publish("no.such-topic", {"n": 1})
-    assert result.error.message == "No topic is named 'no.such-topic'."
+    assert result.error.message.startswith("No topic is named 'no.such-topic'. Create it")
+    assert "transaction" not in result.error.message
 
 
 def test_a_rejected_publish_is_logged_once_a_call_with_the_first_reason(caplog):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 import time
@@ -13,7 +12,6 @@ from django.core.management.base import BaseCommand, CommandError
 
 from workqueue.cli import Verb
 from workqueue.cli.output import table, to_json
-from workqueue.types import PublishErrorCode
 
 BATCH = 100
 
@@ -130,24 +128,7 @@ class PublishVerb(Verb):
             )
         if rejected:
             first = rejected[0].error
-            advice = (
-                _topic_advice(options["topic"])
-                if first.code == PublishErrorCode.TOPIC_NOT_FOUND
-                else ""
-            )
-            raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}{advice}")
-
-
-def _topic_advice(name: str) -> str:
-    """What to do about a topic no one created: the names it resembles, as host and check
-    errors give for a mistyped subscription or handler key, then how to create one."""
-    from workqueue.conf import get_settings
-    from workqueue.models import Topic
-
-    existing = Topic.objects.using(get_settings().DATABASE_ALIAS).values_list("name", flat=True)
-    near = difflib.get_close_matches(name.strip().lower(), existing, n=3, cutoff=0.8)
-    guess = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
-    return f"{guess} Create it in the admin, or declare it for `manage.py workqueue sync-topology`."
+            raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
 
 
 def _attributes(pairs: list[str]) -> dict[str, str] | None:
