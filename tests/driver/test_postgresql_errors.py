@@ -214,3 +214,20 @@ def test_a_full_disk_is_transient_and_says_to_free_space(full_tablespace):
 
     assert isinstance(error, TransientDriverError)
     assert "No space left on device" in str(error) and "free disk space" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("sql", "missing"),
+    [
+        ("SELECT * FROM wq_no_such_table", True),  # 42P01
+        ("SELECT no_such_column FROM wq_test_errors", True),  # 42703
+        ("SELECT wq_no_such_function()", True),  # 42883
+        ("SELEKT 1", False),  # 42601
+        ("SELECT 1 / 0", False),  # 22012
+    ],
+    ids=["table", "column", "function", "syntax", "division"],
+)
+def test_only_a_missing_table_column_or_function_reads_as_not_migrated(tables, sql, missing):
+    """Commands explain these as `migrate` to run (when migrations are pending); any other
+    error, a missing grant or a fault, must be told as itself."""
+    assert get_driver().names_a_missing_object(raised(sql)) is missing

@@ -104,10 +104,10 @@ def database_errors_explained() -> Iterator[None]:
 
 
 def unmigrated_problem(error: BaseException) -> str | None:
-    """Why ``error`` arose, naming ``migrate``, when it says a table or procedure is missing
-    and the queue's database has migrations to apply; else None (a missing grant, say, or a
-    fault: told as themselves). Asked only once something failed: it reads every migration
-    file."""
+    """Why ``error`` arose, naming ``migrate``, when it says a table, column or procedure is
+    missing and the queue's database has migrations to apply; else None (a missing grant, say,
+    or a fault: told as themselves). Asked only once something failed: it reads every
+    migration file."""
     from django.db.migrations.executor import MigrationExecutor
 
     from workqueue.driver import get_driver

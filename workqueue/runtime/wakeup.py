@@ -115,7 +115,7 @@ class Wakeup:
                 if self._outage_reported:
                     # Once an outage: each failed reconnect said the same again (seven
                     # warnings in a 15 s restart).
-                    logger.debug("Notifications still lost (%s)", exc)
+                    logger.debug("Notifications still lost (%s)", one_line(exc))
                 else:
                     logger.warning(
                         "Notifications lost (%s); polling until reconnected",
