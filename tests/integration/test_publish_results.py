@@ -72,6 +72,17 @@ def test_a_topic_no_one_created_is_answered_with_the_names_it_resembles_and_the_
         )
 
 
+def test_an_external_publisher_is_told_no_other_topics_name():
+    """The REST API publishes with external=True; a topic deleted after its lookup comes back
+    as a TopicNotFound result in the response body, which must not list the topics its name
+    resembles."""
+    TopicFactory(name="orders.created")
+
+    [result] = publish_many("orders.creatd", [{"payload": 1}], external=True)
+
+    assert result.error.message == "No topic is named 'orders.creatd'."
+
+
 def test_raise_if_rejected_works_on_each_result_of_a_batch():
     sub = SubscriptionFactory()
     ok, bad = publish_many(sub.topic.name, [{"payload": 1}, {"partition_key": ""}])
