@@ -45,7 +45,7 @@ from workqueue.runtime.consumer import (
 )
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
 from workqueue.runtime.plan import SubscriptionPlan
-from workqueue.runtime.process import unmigrated_problem
+from workqueue.runtime.process import StopSignal, unmigrated_problem
 from workqueue.runtime.scheduler import Scheduler
 from workqueue.runtime.service import PeriodicService
 from workqueue.runtime.sweeper import Sweeper, pause_after
@@ -782,7 +782,7 @@ class Host:
         max_deliveries: int | None = None,
         idle_exit_ms: int = 5000,
         max_duration_ms: int | None = None,
-        stop_requested: threading.Event | None = None,
+        stop_requested: threading.Event | StopSignal | None = None,
         on_started: Callable[[Host], None] | None = None,
         on_stopping: Callable[[str], None] | None = None,
     ) -> RunOnceResult:
@@ -792,6 +792,9 @@ class Host:
 
         The budget counts deliveries received (each claim is capped to what remains); the run
         never ends while a claim is pending or a handler is running, except by drain.
+
+        Set from a signal handler, ``stop_requested`` must be a ``StopSignal``: a
+        ``threading.Event``'s ``set()`` there can deadlock with this loop's wait on it.
         """
         if self._started:
             raise RuntimeError("run_once needs a host that has not been started")

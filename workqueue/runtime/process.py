@@ -8,7 +8,6 @@ import contextlib
 import gc
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,10 +30,39 @@ from workqueue.exceptions import DriverError, WorkQueueConfigurationError, one_l
 SECOND_SIGNAL_AFTER_SECONDS = 1.0
 
 
-class StopSignal(threading.Event):
-    """Set by the first SIGTERM or SIGINT; ``received`` names that signal (``"SIGTERM"``)."""
+#: How often a wait on a StopSignal looks whether it was set: the longest a stop waits.
+STOP_POLL_SECONDS = 0.02
 
-    received: str | None = None
+
+class StopSignal:
+    """Set by the first SIGTERM or SIGINT; ``received`` names that signal (``"SIGTERM"``).
+
+    Setting it takes no lock, since a signal's handler runs in the main thread between any two
+    of its bytecodes, also while that thread is inside a wait on this very object. A
+    ``threading.Event`` there deadlocked: its ``set()`` waited for the lock its own ``wait()``
+    held, for ever, and a second signal's handler did the same, so a one-shot job polling its
+    stop 50 times a second now and then ignored SIGTERM until it was killed, with no drain.
+    A wait therefore looks at a plain flag every ``STOP_POLL_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the stop was set, at the latest once ``timeout`` seconds have passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = STOP_POLL_SECONDS if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, STOP_POLL_SECONDS))
+        return True
 
 
 @contextlib.contextmanager
@@ -50,6 +78,7 @@ def stop_on_signals() -> Iterator[StopSignal]:
 
     def handler(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        # Nothing here may take a lock (StopSignal says why).
         if not stop.is_set():
             stop.received = name
             first_at.append(time.monotonic())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -11,7 +10,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import close_old_connections
 
 from workqueue.conf import get_settings
-from workqueue.runtime.process import add_metrics_arguments, metrics_served, stop_on_signals
+from workqueue.runtime.process import (
+    StopSignal,
+    add_metrics_arguments,
+    metrics_served,
+    stop_on_signals,
+)
 from workqueue.runtime.sweeper import Sweeper, SweeperPassResult, pause_after
 
 logger = logging.getLogger("workqueue.runtime.sweeper")
@@ -46,7 +50,7 @@ class Command(BaseCommand):
                 )
             # No signal handlers of its own, as before: a single sweep may run on any thread
             # (call_command from a job), and Ctrl-C ends it as it ends any command.
-            self._sweep(sweeper, interval, threading.Event(), until=time.monotonic() + interval)
+            self._sweep(sweeper, interval, StopSignal(), until=time.monotonic() + interval)
             return
         with (
             stop_on_signals() as stop,
@@ -58,7 +62,7 @@ class Command(BaseCommand):
             self._sweep(sweeper, interval, stop, until=None)
 
     def _sweep(
-        self, sweeper: Sweeper, interval: float, stop: threading.Event, until: float | None
+        self, sweeper: Sweeper, interval: float, stop: StopSignal, until: float | None
     ) -> None:
         """Pass after pass, an interval apart or sooner while behind, until ``stop`` is set;
         with ``until``, only while behind and not past that time."""
