@@ -231,8 +231,13 @@ def publish_many(
     the batch is published.
     """
     known = None if isinstance(topic, str) else _given_topic(topic)
+    if known is None and not isinstance(topic, str):
+        # It failed deep in the transport with an AttributeError naming neither.
+        raise InvalidInputError(
+            f"topic must be a topic's name (a str) or a Topic, not {type(topic).__name__}."
+        )
     name = topic if known is None else known.name
-    if isinstance(name, str) and (problem := text_problem(name)):
+    if problem := text_problem(name):
         raise InvalidInputError(f"topic {problem}.")
     size_limit = _SizeLimit.of(known)
     items = [m if isinstance(m, _MESSAGE_CLASSES) else _MessageFields(**m) for m in messages]
@@ -251,10 +256,9 @@ def publish_many(
     if len(prepared) < len(items):
         topic_error = _topic_error(name, external, known)
         if topic_error is not None:
-            rejected = [_rejected(topic_error) for _ in items]
-            metrics.count_published(name, rejected)
-            _log_rejections(name, rejected, external)
-            return rejected
+            # The topic's problem outranks the messages' own; told below as on every path.
+            results = [_rejected(topic_error) for _ in items]
+            prepared = []
 
     if prepared:
         publisher = _publisher(user, setting("SYSTEM_USER"))
@@ -315,8 +319,8 @@ def publish_many(
 
 
 def _given_topic(topic: Any) -> Topic | None:
-    """``topic`` when it is a ``Topic`` (else None: a value of another type is left to the
-    name checks)."""
+    """``topic`` when it is a ``Topic``, else None (a name; any other value is refused by the
+    caller)."""
     # Imported here: publishing needs topology models only when handed one (layering rule 6).
     from workqueue.models import Topic
 
@@ -591,8 +595,7 @@ def _topic_error(topic: str, external: bool, known: Topic | None) -> PublishErro
         # Imported here: publishing reads topology only on this rare path (layering rule 6).
         from workqueue.models import Topic
 
-        name = topic.strip().lower() if isinstance(topic, str) else ""
-        found = Topic.objects.select_related("transport").filter(name=name).first()
+        found = Topic.objects.select_related("transport").filter(name=topic.strip().lower()).first()
     if found is None:
         code = PublishErrorCode.TOPIC_NOT_FOUND
     elif found.status != "Active" or found.transport.status != "Active":

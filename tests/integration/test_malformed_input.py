@@ -99,6 +99,18 @@ def test_a_topic_name_the_database_cannot_store_is_refused(name, statements):
     assert statements == []
 
 
+@pytest.mark.parametrize("given", [None, 123, b"orders", ["orders"]])
+def test_a_topic_that_is_neither_a_name_nor_a_topic_is_refused_naming_its_type(given, statements):
+    """It raised AttributeError from deep in the transport ('int' object has no attribute
+    'name'), or came back as a TopicNotFound saying nothing of the type."""
+    refusal = rf"^topic must be a topic's name \(a str\) or a Topic, not {type(given).__name__}"
+    for valid_or_not in ({}, {"priority": 500}):
+        with pytest.raises(InvalidInputError, match=refusal):
+            publish(given, {"n": 1}, **valid_or_not)
+
+    assert statements == []
+
+
 def test_what_looks_like_malformed_text_but_is_not_is_published_and_delivered_exactly(topic):
     payload = {"deep": nested(63), "emoji": "\U0001f600", "text": "\\u0000 \\ud800"}
 

@@ -63,8 +63,12 @@ def test_a_topic_no_one_created_is_answered_with_the_names_it_resembles_and_the_
 
     single = publish("orders.creatd", {"n": 1})
     batch = publish_many("orders.creatd", [{"payload": 1}, {"payload": 2}])
+    # A message refused before the database is asked (a priority out of range): the topic's
+    # problem outranks it, and said only "No topic has this name." (seen from the CLI).
+    invalid = publish("orders.creatd", {"n": 1}, priority=500)
+    with_an_invalid = publish_many("orders.creatd", [{"payload": 1}, {"priority": 500}])
 
-    for result in (single, *batch):
+    for result in (single, *batch, invalid, *with_an_invalid):
         assert result.error.message == (
             "No topic is named 'orders.creatd'. Did you mean 'orders.created'? Create it in "
             "the admin, or declare it in WORKQUEUE['TOPOLOGY'] and run `manage.py workqueue "
