@@ -374,6 +374,11 @@ _NOT_THE_CALLER = (
 )
 
 
+#: The ``action`` of the line logging a call's rejections (a caller that reports them itself,
+#: as the CLI does, filters it out).
+REJECTIONS_LOGGED = "publish_rejected"
+
+
 def _log_rejections(topic: Any, results: list[PublishResult], external: bool) -> None:
     """One line a call that had messages rejected, with the first one's reason: a caller that
     does not look at its results (``publish(...)`` then a redirect) loses that work otherwise,
@@ -390,6 +395,7 @@ def _log_rejections(topic: Any, results: list[PublishResult], external: bool) ->
         topic,
         first.error.code,
         first.error.message,
+        extra={"action": REJECTIONS_LOGGED},
     )
 
 

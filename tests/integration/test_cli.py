@@ -337,6 +337,18 @@ def test_publishing_to_a_topic_no_one_created_names_the_topic_and_prints_no_resu
     assert "None" not in out.getvalue()
 
 
+def test_a_rejection_is_told_once_by_the_command_not_again_by_the_librarys_log(caplog):
+    """The library logs a call's rejections for callers that do not read their results; the
+    command reads them and says so itself, and printed the same sentence twice."""
+    with caplog.at_level(logging.INFO, logger="workqueue"), pytest.raises(CommandError):
+        call_command("workqueue", "publish", "--topic", "orders.craeted", "--payload", "{}")
+
+    assert [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()] == []
+    # Only while the command runs: the library's own callers are still told.
+    publish("orders.craeted", {})
+    assert any("were rejected" in r.getMessage() for r in caplog.records)
+
+
 def test_a_mistyped_topic_is_answered_with_the_names_it_resembles():
     TopicFactory(name="orders.created")
     TopicFactory(name="orders.cancelled")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -86,7 +89,10 @@ class PublishVerb(Verb):
         progress = _Progress(count, command.stderr) if count >= 1000 else None
         for offset in range(0, count, BATCH):
             try:
-                results += publish_many(options["topic"], [message] * min(BATCH, count - offset))
+                with _rejections_told_here():
+                    results += publish_many(
+                        options["topic"], [message] * min(BATCH, count - offset)
+                    )
             except InvalidInputError as exc:
                 # A value the database cannot store: refused before anything was published.
                 raise CommandError(str(exc)) from None
@@ -129,6 +135,22 @@ class PublishVerb(Verb):
         if rejected:
             first = rejected[0].error
             raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
+
+
+@contextlib.contextmanager
+def _rejections_told_here() -> Iterator[None]:
+    """Leave out the library's line on a call's rejections, which this command reports itself
+    (stderr and its exit status): it printed the same sentence twice."""
+    from workqueue.publishing import REJECTIONS_LOGGED, logger
+
+    def not_the_rejections(record: logging.LogRecord) -> bool:
+        return getattr(record, "action", None) != REJECTIONS_LOGGED
+
+    logger.addFilter(not_the_rejections)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_the_rejections)
 
 
 def _attributes(pairs: list[str]) -> dict[str, str] | None:
