@@ -198,8 +198,19 @@ class OutsideTestTransactionWarning(RuntimeWarning):
     ``filterwarnings = error::workqueue.exceptions.OutsideTestTransactionWarning``."""
 
 
+class PublishInsideAtomicInTestWarning(RuntimeWarning):
+    """In test mode (``workqueue.testing.use_test_connection``), a publish without
+    ``enlist=True`` ran inside a ``transaction.atomic()`` block of the code under test. In
+    production such a publish commits at once on the work queue's own connection, whatever the
+    block then does; in test mode it joined the test's transaction, so a rollback of the block
+    takes it, and a test of "the block failed" passes while production would have published.
+    Publish with ``enlist=True`` (to commit or roll back with the block) or after the block
+    (``transaction.on_commit``)."""
+
+
 class DeliveriesNotRunWarning(RuntimeWarning):
     """``workqueue.testing.run_until_idle()`` (run for every subscription) left Pending
     deliveries of a subscription it could not run: its handler key is registered by no handler
     of this project (a typo, say), or it is Unsupported or in Error. The text names the
-    subscription and the reason, with the handler keys the key resembles."""
+    subscription and the reason, with the handler keys the key resembles. Also when the run
+    stopped at its ``max_deliveries`` with due deliveries left."""

@@ -46,6 +46,7 @@ from workqueue.exceptions import (
     InvalidInputError,
     InvalidMessageError,
     OutsideTestTransactionWarning,
+    PublishInsideAtomicInTestWarning,
 )
 from workqueue.ids import new_message_id, new_message_ids
 from workqueue.input_limits import (
@@ -330,15 +331,31 @@ def _given_topic(topic: Any) -> Topic | None:
 def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
     """Warn (``OutsideTestTransactionWarning``) when ``count`` messages were just committed on
     the queue's own connection while this thread is inside a ``TestCase``'s transaction, which
-    Django marks as such: nothing rolls them back, and the tests after this one see them."""
+    Django marks as such: nothing rolls them back, and the tests after this one see them.
+    Warn (``PublishInsideAtomicInTestWarning``) when test mode put them inside an atomic block
+    of the code under test instead: its rollback takes them, where in production they would
+    have committed on their own."""
     if "outbox" not in vars(mail):
         # Not in Django's test environment (which adds mail.outbox), so no TestCase is open:
         # every publish passes here, and a dictionary lookup is all it pays.
         return
     alias = setting("DATABASE_ALIAS")
-    if routed_to_django_connection(alias) or not any(
-        getattr(block, "_from_testcase", False) for block in connections[alias].atomic_blocks
-    ):
+    blocks = connections[alias].atomic_blocks
+    if routed_to_django_connection(alias):
+        if all(getattr(block, "_from_testcase", False) for block in blocks):
+            return
+        warnings.warn(
+            f"{count} message(s) published to topic {topic!r} without enlist=True inside "
+            "transaction.atomic(): in production they commit at once on the work queue's own "
+            "connection, whatever the block then does, but in test mode they joined the "
+            "test's transaction and go with the block if it rolls back, so the test cannot "
+            "see what production does. Publish with enlist=True to commit or roll back with "
+            "the block, or after it (transaction.on_commit).",
+            PublishInsideAtomicInTestWarning,
+            stacklevel=_callers_level(),
+        )
+        return
+    if not any(getattr(block, "_from_testcase", False) for block in blocks):
         return
     warnings.warn(
         f"{count} message(s) published to topic {topic!r} during a test (TestCase, or "
@@ -412,9 +429,11 @@ def _topic_not_found_text(topic: str, enlist: bool, external: bool) -> str:
         return text
     alias = setting("DATABASE_ALIAS")
     existing = Topic.objects.using(alias).values_list("name", flat=True)
-    near = difflib.get_close_matches(topic.strip().lower(), existing, n=3, cutoff=0.8)
+    wanted = topic.strip().lower()
+    # Itself too, when it exists where this reads but not on the queue's connection (below).
+    near = [n for n in difflib.get_close_matches(wanted, existing, n=4, cutoff=0.8) if n != wanted]
     if near:
-        text += f" Did you mean {' or '.join(map(repr, near))}?"
+        text += f" Did you mean {' or '.join(map(repr, near[:3]))}?"
     if (
         not enlist
         and not routed_to_django_connection(alias)
@@ -424,7 +443,9 @@ def _topic_not_found_text(topic: str, enlist: bool, external: bool) -> str:
         return text + (
             " This publish ran on the work queue's own connection, which cannot see a topic "
             "your open transaction made; in a test, use "
-            "workqueue.testing.use_test_connection() (or publish with enlist=True)."
+            "workqueue.testing.use_test_connection() (or publish with enlist=True): as a "
+            "decorator of the test or its TestCase class, or as a context manager in a pytest "
+            "fixture (`with use_test_connection(): ...`)."
         )
     return text + (
         " Create it in the admin, or declare it in WORKQUEUE['TOPOLOGY'] and run "

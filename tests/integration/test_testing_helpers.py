@@ -25,6 +25,7 @@ from workqueue.exceptions import (
     DeliveriesNotRunWarning,
     DriverError,
     OutsideTestTransactionWarning,
+    PublishInsideAtomicInTestWarning,
     WorkQueueConfigurationError,
 )
 from workqueue.models import Delivery, Message, Subscription
@@ -43,6 +44,8 @@ class Record(BaseWorkHandler):
         SEEN.append({"payload": message.payload, "user": self.user.get_username()})
         if message.payload.get("fail"):
             raise FatalWorkError(message.payload["fail"])
+        if message.payload.get("dead_letter"):
+            return Outcome.dead_letter(message.payload["dead_letter"])
         if message.payload.get("busy"):
             # A delay of its own, so the test says when the retry is due.
             raise TransientWorkError(message.payload["busy"], retry_after_seconds=60)
@@ -148,9 +151,41 @@ def test_run_until_idle_reports_retries_and_dead_letters_and_stops_at_max_delive
         assert (retry.status, retry.attempt) == ("Pending", 1)
         assert "TransientWorkError: supplier timed out" in retry.error
 
+        # A dead letter the handler asked for records its reason alone, and run.error said
+        # None (helper-118).
+        publish(topology.topic.name, {"n": 1, "dead_letter": "bad ledger entry"})
+        [asked] = run_until_idle()
+        assert (asked.status, asked.error) == ("DeadLettered", "bad ledger entry")
+
         publish(topology.topic.name, {"n": 1, "then": {"n": 2, "then": {"n": 3}}})
-        assert len(run_until_idle(max_deliveries=2)) == 2
-        assert [r.status for r in run_until_idle()] == ["Completed"]
+        # Stopping at the budget with work left said nothing (helper-118).
+        with pytest.warns(DeliveriesNotRunWarning, match="stopped at max_deliveries=2") as seen:
+            assert len(run_until_idle(max_deliveries=2)) == 2
+        assert [w.filename for w in seen] == [__file__]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a budget spent on the last due delivery is silent
+            assert [r.status for r in run_until_idle(max_deliveries=1)] == ["Completed"]
+        assert run_until_idle() == []
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_a_publish_test_mode_puts_inside_the_code_under_tests_atomic_block_warns(topology):
+    """In production a publish without enlist=True commits at once whatever the block around
+    it does; in test mode it went with the block's rollback, so a test of "the order failed,
+    nothing was published" passed while production published (helper-118)."""
+    warned = pytest.warns(PublishInsideAtomicInTestWarning, match="enlist=True")
+    with warned as seen, transaction.atomic():
+        publish(topology.topic.name, {"n": 1})
+    assert [w.filename for w in seen] == [__file__]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with transaction.atomic():
+            publish(topology.topic.name, {"n": 2}, enlist=True)  # goes with the block: meant
+        publish(topology.topic.name, {"n": 3})  # only the test's own transaction: as usual
+        with transaction.atomic():
+            publish("no-such-topic", {"n": 4})  # rejected: nothing to lose or keep
 
 
 @pytest.mark.django_db
@@ -316,3 +351,28 @@ def test_test_mode_as_a_class_decorator_covers_each_test_of_a_testcase():
     assert result.wasSuccessful()
     assert seen == [True, True]
     assert not routed_to_django_connection("default")
+
+
+@pytest.mark.django_db
+def test_test_mode_as_a_class_decorator_covers_set_up_test_data_too():
+    """Django's decorator starts at setUp: a publish in setUpTestData went to the queue's own
+    connection, which cannot see the class's topic (helper-118)."""
+    import unittest
+
+    statuses: list[str] = []
+
+    @use_test_connection()
+    class Inner(TestCase):
+        @classmethod
+        def setUpTestData(cls) -> None:
+            cls.subscription = SubscriptionFactory(handler_key="testing.record")
+            statuses.append(publish(cls.subscription.topic.name, {"n": 1}).status)
+
+        def test_it_sees_what_set_up_test_data_published(self) -> None:
+            statuses.append(Message.objects.get().payload["n"])
+
+    result = unittest.TestSuite([Inner("test_it_sees_what_set_up_test_data_published")]).run(
+        unittest.TestResult()
+    )
+    assert result.wasSuccessful(), result.errors + result.failures
+    assert statuses == ["Accepted", 1]

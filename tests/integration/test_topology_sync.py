@@ -82,6 +82,46 @@ def test_a_dry_run_prints_the_plan_and_writes_nothing_then_sync_applies_it_once(
     assert Topic.objects.get(name="shop.orders").transport.name == "Database"
 
 
+def test_the_database_transport_a_transactional_tests_flush_removed_is_made_again(settings):
+    """Every transactional test (TransactionTestCase, pytest-django's transactional_db) empties
+    the tables, the transport `migrate` seeds included, and the sync then refused every topic:
+    "no transport is named 'Database'", which no declaration can add (helper-118)."""
+    from workqueue.models.topology import SEEDED_TRANSPORT_ID
+    from workqueue.operators.topology import topology_drift
+
+    Transport.objects.all().delete()
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "TOPOLOGY": DECLARED}
+
+    drift = [(c.action, c.kind, c.name) for c in topology_drift()]
+    planned = sync("--dry-run")
+    assert not Transport.objects.exists()
+    applied = sync()
+
+    assert drift[:2] == [("create", "transport", "Database"), ("create", "topic", "shop.orders")]
+    assert "+ transport Database" in planned and "+ topic shop.orders" in planned
+    assert "Dry run: 4 change(s) validated, nothing written." in planned
+    assert "Applied 4 change(s)." in applied
+    transport = Transport.objects.get()
+    assert (transport.id, transport.name, transport.driver_class) == (
+        SEEDED_TRANSPORT_ID,
+        "Database",
+        "Database",
+    )
+    assert Topic.objects.get(name="shop.orders").transport == transport
+    assert publish("shop.orders", {"n": 1}).accepted
+    assert "No changes" in sync()
+
+
+def test_verbosity_0_prints_nothing_but_errors(declare):
+    declare(DECLARED)
+    out = io.StringIO()
+
+    call_command("workqueue", "sync-topology", verbosity=0, stdout=out)
+
+    assert out.getvalue() == ""
+    assert Subscription.objects.filter(topic__name="shop.orders").count() == 2
+
+
 def test_code_wins_on_declared_fields_and_the_admin_keeps_the_others(declare):
     declare("tests.integration.test_topology_sync.DECLARED")
     sync()

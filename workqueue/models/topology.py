@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from workqueue.transports import BaseTransport
 
 DATABASE_DRIVER = "Database"
+#: The id migration 0003 gives the ``Database`` transport it seeds (fixed, so that topology
+#: dumped in one environment loads into another).
+SEEDED_TRANSPORT_ID = uuid.UUID("e39b2117-80ac-49fd-9883-79105f406947")
 
 # Topic and subscription names: lower-case words of letters and digits joined by '.', '_' or '-'.
 # \A...\Z, not ^...$: RegexValidator searches, and `$` also matches before a trailing newline.
@@ -178,6 +181,18 @@ class Transport(TopologyModel):
 
     def __str__(self) -> str:
         return self.name
+
+    @classmethod
+    def seeded(cls) -> Transport:
+        """The ``Database`` transport as migration 0003 seeds it (unsaved), fixed id included:
+        a transactional test's flush empties the table, and ``sync-topology`` makes it again
+        for the topics declared on it."""
+        return cls(
+            id=SEEDED_TRANSPORT_ID,
+            name=DATABASE_DRIVER,
+            driver_class=DATABASE_DRIVER,
+            description="Messages and deliveries live in this database's queue tables.",
+        )
 
     @property
     def transport_class(self) -> type[BaseTransport]:

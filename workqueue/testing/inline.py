@@ -38,8 +38,9 @@ from workqueue.types import DeliveryStatus
 class use_test_connection(TestContextDecorator):
     """Run this thread's work-queue calls on the test's database connection (test mode).
 
-    Use it as a decorator on a test function or a ``TestCase`` class (active from ``setUp`` to
-    the test's cleanup), or as a context manager. While it is active, ``publish()``,
+    Use it as a decorator on a test function or a ``TestCase`` class (active in
+    ``setUpTestData``, and from ``setUp`` to the test's cleanup), or as a context manager (in a
+    pytest fixture, say). While it is active, ``publish()``,
     ``publish_many()``, the operator functions and ``run_until_idle()`` called on this thread
     see what the test's transaction holds and write into it, each call in a savepoint so a
     failing call undoes only itself. Calls from other threads keep their private connections.
@@ -56,6 +57,21 @@ class use_test_connection(TestContextDecorator):
 
     def disable(self) -> None:
         self._contexts.pop().__exit__(None, None, None)
+
+    def decorate_class(self, cls: type) -> type:
+        decorated = super().decorate_class(cls)
+        set_up_test_data = getattr(cls, "setUpTestData", None)
+        if set_up_test_data is not None:
+            # Django's decorator starts at setUp: a publish in setUpTestData went to the
+            # queue's own connection, which cannot see the class's rows (TopicNotFound).
+            class_data = set_up_test_data.__func__
+
+            def setUpTestData(klass: type) -> None:
+                with self:
+                    class_data(klass)
+
+            cls.setUpTestData = classmethod(setUpTestData)  # type: ignore[attr-defined]
+        return decorated
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +101,8 @@ def run_until_idle(
     them. Deliveries published by handlers run too. A retried delivery runs again only once its
     backoff has passed: inside a ``TestCase`` the database clock stands still for the whole
     test, so a retry with a delay waits for good and the run ends. ``max_deliveries`` bounds the
-    run (handlers that keep publishing); the run stops there, leaving the rest.
+    run (handlers that keep publishing); the run stops there, leaving the rest, and warns
+    (``DeliveriesNotRunWarning``) when some of them were due.
 
     Handlers run as ``user`` (default: ``WORKQUEUE['SYSTEM_USER']``, which must exist in the
     test database). The run uses test mode (``use_test_connection``) throughout, so it sees and
@@ -120,6 +137,8 @@ def run_until_idle(
                         runs.append(run)
                         progressed = True
             _warn_of_deliveries_not_run(entries, conf.DATABASE_ALIAS)
+            if len(runs) >= max_deliveries:
+                _warn_if_the_budget_left_work(plans, max_deliveries, conf.DATABASE_ALIAS)
             return runs
         finally:
             background.shutdown()
@@ -160,6 +179,30 @@ def _warn_of_deliveries_not_run(entries: list[PlanEntry], alias: str) -> None:
                 DeliveriesNotRunWarning,
                 stacklevel=3,
             )
+
+
+def _warn_if_the_budget_left_work(
+    plans: list[SubscriptionPlan], max_deliveries: int, alias: str
+) -> None:
+    """Warn when the run stopped at ``max_deliveries`` with due deliveries left: handlers that
+    keep publishing looked like a run that had finished."""
+    from django.db.models.functions import Now
+
+    from workqueue.models import Delivery
+
+    due = Delivery.objects.using(alias).filter(
+        subscription_id__in=[plan.subscription_id for plan in plans],
+        status=DeliveryStatus.PENDING,
+        visible_at__lte=Now(),
+    )
+    if due.exists():
+        warnings.warn(
+            f"run_until_idle() stopped at max_deliveries={max_deliveries} with due deliveries "
+            "left unrun (handlers that keep publishing?); pass a larger max_deliveries to run "
+            "them.",
+            DeliveriesNotRunWarning,
+            stacklevel=3,
+        )
 
 
 class _Executor:
@@ -258,4 +301,8 @@ def _last_error(delivery_id: str) -> str | None:
     # Imported here: importing workqueue.testing must not load models before apps are ready.
     from workqueue.models import Delivery
 
-    return Delivery.objects.filter(pk=delivery_id).values_list("last_error", flat=True).first()
+    # A dead letter of Outcome.dead_letter(reason) records only its reason.
+    recorded = Delivery.objects.filter(pk=delivery_id).values_list(
+        "last_error", "dead_letter_reason"
+    )
+    return next((error or reason for error, reason in recorded), None)
