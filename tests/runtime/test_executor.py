@@ -663,6 +663,62 @@ def test_the_handler_hears_its_lease_is_lost_when_another_consumer_may_first_cla
     assert row(delivery).lease_owner == "other-host"
 
 
+class RenewsOnceReceiver(Receiver):
+    """Renews once in the database, then cannot reach it (a partition)."""
+
+    def __init__(self, subscription_id: Any) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.renewed = False
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        if self.renewed:
+            raise TransientDriverError("connection reset (test)")
+        self.renewed = True
+        return super().extend_lease(delivery, progress)
+
+
+def test_a_renewal_racing_the_first_ticks_horizon_leaves_the_lease_watched(rig, monkeypatch):
+    """The first automatic renewal tick arms the lease horizon on the timer thread while a
+    renewal on another thread (a cancel announcement, a listener's reconnect, the handler's own
+    heartbeat) arms a newer one. The tick's older horizon, swapped in last, cancelled the newer
+    one; when it fired, the lease had been renewed past it, so it armed none. With renewals
+    failing from then on, the handler ran past its lease, never told, while another host could
+    take the delivery (helper-117)."""
+    sub = rig.subscription(lease_seconds=5)  # a first tick after 1.7 s
+    publish(sub.topic.name, {"sleepMs": 30_000})
+    receiver = RenewsOnceReceiver(sub.id)
+    (delivery,) = receiver.receive(1).deliveries
+    in_the_window, renewed = threading.Event(), threading.Event()
+    schedule = rig.timers.schedule
+
+    def schedule_then_hold(delay: float, callback: Any) -> Any:
+        timer = schedule(delay, callback)
+        if threading.current_thread().name == "test-timers" and not in_the_window.is_set():
+            # The tick's horizon is scheduled; hold the timer thread before its swap.
+            in_the_window.set()
+            renewed.wait(10)
+        return timer
+
+    monkeypatch.setattr(rig.timers, "schedule", schedule_then_hold)
+    execution = rig.execution(sub, receiver, delivery, heartbeat_mode="Auto")
+    future = rig.start(execution)
+    assert in_the_window.wait(10)
+    first_lease_ends = execution.lease_ends
+    execution.check_lease_soon()  # renews on the background thread, arming its horizon
+    wait_until(lambda: execution.lease_ends > first_lease_ends, timeout=5, interval=0.005)
+    time.sleep(0.05)  # its horizon swapped in
+    renewed.set()
+
+    result = future.result(timeout=15)  # the handler sleeps 30 s unless told
+    told_after_lease = time.monotonic() - execution.lease_ends
+
+    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert probe.runs[-1].signal_reason == AbortReason.LEASE_LOST
+    assert told_after_lease < 2.0  # at the renewed lease's end, not some later time
+
+
 class SlowAnswerReceiver(Receiver):
     """Renews once in the database, then takes ``answer_delay`` seconds to answer (a slow
     link), then cannot reach the database at all."""

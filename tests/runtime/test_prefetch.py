@@ -290,6 +290,46 @@ def test_a_stop_with_the_database_away_makes_its_hand_backs_again_only_while_it_
     assert time.monotonic() - began < 20  # the drain's two waits and a margin, not the lease
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_stop_whose_hand_backs_meet_a_silent_database_ends_with_its_drain_not_after_each(
+    make_host, monkeypatch
+):
+    """The deliveries claimed ahead were handed back one after another, each making at least
+    one call: on a database that does not answer, each call waits its own timeout (about 30 s
+    of TCP user timeout), so a stop with a hundred claimed ahead took an hour, however short
+    its drain (helper-117). Once the drain's time is spent, the rest go to lease expiry."""
+    s = sub(lease_seconds=60)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 8}], shutdown_drain_ms=500)
+    host.start()
+    first = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    blocker, *waiting = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}]
+            + [{"payload": {"then": "complete"}}] * 6,
+        )
+    ]
+    probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: all(status_of(m) == "InFlight" for m in waiting))  # claimed ahead
+    calls: list[float] = []
+
+    def silent(self: transport.Receiver, delivery: Any) -> Any:
+        calls.append(time.monotonic())
+        time.sleep(3)  # stands for the ~30 s a call to a silent database takes to fail
+        raise TransientDriverError("timeout expired (test)")
+
+    monkeypatch.setattr(transport.Receiver, "release", silent)
+    began = time.monotonic()
+    host.shutdown()
+
+    # One call that outlived the drain, then none: not six times three seconds.
+    assert len(calls) == 1
+    assert time.monotonic() - began < 10
+    assert all(status_of(m) == "InFlight" for m in waiting)  # left to lease expiry
+
+
 def _a_blocker_and_one_claimed_ahead(
     subscription: Any, blocker: dict[str, Any] | None = None
 ) -> tuple[str, str]:

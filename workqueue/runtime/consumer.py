@@ -428,13 +428,10 @@ class Consumer:
                 self._ready_check = None
             for execution in waiting:
                 self._running.pop(execution.key, None)
-        # A hand-back that fails is made again while its lease lasts, or for one drain.
-        until = time.monotonic() + drain
-        for execution in waiting:
-            # Claimed ahead and never started (a hand-back still queued behind busy background
-            # threads included): back to the queue now, attempt refunded, before the process
-            # may end.
-            self._release(execution.delivery, min(execution.lease_ends, until))
+        # Claimed ahead and never started (a hand-back still queued behind busy background
+        # threads included): back to the queue now, attempt refunded, before the process may
+        # end.
+        self._hand_back_all(waiting, time.monotonic() + drain)
         gave_up = False
         if not self._wait_idle(drain):
             with self._lock:
@@ -454,10 +451,8 @@ class Consumer:
                 # Marked: should it fail after all, the failure uses its attempt.
                 self.abandoned = sum(1 for e in left if e.mark_outlived_drain())
                 self.unsettled = len(left) - self.abandoned
-        until = time.monotonic() + drain
-        for execution in never_started:
-            # Claimed but still queued for a worker thread: hand it back, attempt refunded.
-            self._release(execution.delivery, min(execution.lease_ends, until))
+        # Claimed but still queued for a worker thread: handed back, attempts refunded.
+        self._hand_back_all(never_started, time.monotonic() + drain)
         if gave_up and process_lives_on and self.abandoned:
             logger.warning(
                 "%s: %d handler(s) did not stop; they run on with their leases renewed until "
@@ -571,6 +566,7 @@ class Consumer:
         while not self._stopping.is_set():
             with self._lock:
                 free, capacity = self._room()
+                room = free
                 busy = self._handlers_running > 0
             if 0 < free < capacity / 2 and busy and not gathered:
                 # Little room and handlers are finishing: a moment's wait lets one claim fill
@@ -588,9 +584,15 @@ class Consumer:
             if free <= 0:
                 self.receive_pending = False
                 # Full (or the one-shot budget is spent): wait for a slot or a stop. Whatever
-                # the last claim took, the next freed slot must wake the loop now.
-                self._last_receive_drained = False
-                self._wait(max_delay)
+                # the last claim took, the next freed slot must wake the loop now; one freed
+                # since the room was read still saw "drained" and woke nothing (reachable when
+                # the room shrank after a short claim: a predecessor's handlers, a prefetch
+                # window cut by slower handlers), so it is claimed for at once.
+                with self._lock:
+                    self._last_receive_drained = False
+                    freed_since = room <= 0 and self._room()[0] > 0
+                if not freed_since:
+                    self._wait(max_delay)
                 continue
             if self.plan.rate_limited:
                 granted = self._take_rate_tokens(free, max_delay)
@@ -920,7 +922,9 @@ class Consumer:
         # The settle may have made more claimable (a partition key freed, a retry due now):
         # worth a claim when the last one came back short, or one is on its way (it may have
         # looked before this settle committed). A full claim's loop waits for slots instead.
-        if (self._last_receive_short or self.receive_pending) and self._may_free_work(result):
+        # Read in the opposite order to the loop's writes (short, then no claim pending): read
+        # the other way round, a claim ending between the two reads was missed by both.
+        if (self.receive_pending or self._last_receive_short) and self._may_free_work(result):
             self._wake.set()
         metrics.labelled(metrics.DELIVERIES, self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:
@@ -986,6 +990,26 @@ class Consumer:
 
     def _lease_ends(self, delivery: ClaimedDelivery, leased_at: float) -> float:
         return leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
+
+    def _hand_back_all(self, executions: list[DeliveryExecution], until: float) -> None:
+        """Hand back deliveries that never started, until ``until`` (a drain's end; a failed
+        hand-back is made again until then, or its lease's end if sooner). Past it, the rest
+        go to lease expiry: each call to a database that does not answer waits out its own
+        timeout (about 30 s), and made one after another they held a stop far past its
+        drain."""
+        left = 0
+        for execution in executions:
+            if time.monotonic() >= until:
+                left += 1
+            else:
+                self._release(execution.delivery, min(execution.lease_ends, until))
+        if left:
+            logger.warning(
+                "%s: the drain's time ran out before %d delivery(ies) that never started were "
+                "handed back; they run again once their leases expire, which counts an attempt",
+                self.plan.name,
+                left,
+            )
 
     def _hand_back_until(self, lease_ends: float) -> float:
         """Until when a failed hand-back is made again: the lease's end, or once stopping,

@@ -573,8 +573,14 @@ class DeliveryExecution:
             timer.cancel()
 
     def _horizon_reached(self, deadline: float) -> None:
-        if self._finished or self._lease_ends > deadline:
-            return  # settling already, or renewed since: a newer horizon watches the lease
+        if self._finished:
+            return  # settling already
+        if self._lease_ends > deadline:
+            # Renewed since. That renewal's horizon may be gone: the first tick's, armed at
+            # the same time on the timer thread, can be swapped in after it and cancel it.
+            # Watch the renewed lease from here (at worst, a horizon replaced by its equal).
+            self._arm_horizon()
+            return
         if self._holds_row_in_transaction():
             # The handler's open transaction holds the row, so nobody can take the delivery
             # over yet; whether the lease is lost depends on how that transaction ends.
