@@ -90,6 +90,30 @@ def test_second_call_reuses_the_running_server(cluster_dir: Path) -> None:
     assert select_one(first) == ("workqueue", config["USER"])
 
 
+def test_each_project_can_have_a_database_of_its_own_on_the_one_server(
+    cluster_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every project of an account shares the one server and its default database: a second
+    project's `migrate` went into the first one's tables without a word (helper-118)."""
+    default = localdb.ensure_running()
+    shop = localdb.ensure_running("shop")
+
+    assert select_one(shop)[0] == "shop"
+    assert select_one(default)[0] == "workqueue"
+    assert starts_logged(cluster_dir) == 1  # one server for both
+    assert localdb.ensure_running("shop") == shop  # made once, then reused
+    assert localdb.django_database(debug=True, database="shop")["NAME"] == "shop"
+    assert localdb._main(["url", "--database", "shop"]) == 0
+    assert capsys.readouterr().out.strip() == shop
+    assert localdb._main(["start", "--database", "blog"]) == 0
+    assert select_one(capsys.readouterr().out.strip())[0] == "blog"
+    # Only a plain identifier: the name goes into CREATE DATABASE and a URL's path.
+    with pytest.raises(ImproperlyConfigured, match="cannot name an embedded database"):
+        localdb.ensure_running('shop"; DROP DATABASE workqueue; --')
+    assert localdb._main(["start", "--database", "Shop-2"]) == 1
+    assert "cannot name an embedded database" in capsys.readouterr().err
+
+
 def test_concurrent_first_calls_start_one_server(cluster_dir: Path) -> None:
     code = "from workqueue import localdb; print(localdb.ensure_running())"
     env = {**os.environ, "WORKQUEUE_LOCALDB_DIR": str(cluster_dir)}

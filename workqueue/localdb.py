@@ -216,31 +216,36 @@ def url() -> str | None:
     return str(db_url)
 
 
-def ensure_running() -> str:
-    """Start this folder's cluster unless it is running, and return its database URL.
+def ensure_running(database: str = DATABASE_NAME) -> str:
+    """Start this folder's cluster unless it is running, and return the URL of its
+    ``database`` (``workqueue`` by default; another name gives a project a database of its
+    own on the one server, made on first use).
 
-    Guarantees on return: the server runs as described in :func:`url` and the ``workqueue``
-    database exists. Only an explicit :func:`stop` (or a crash) stops it again; it outlives
-    the calling process. Concurrent callers (threads or processes) start it once.
+    Guarantees on return: the server runs as described in :func:`url` and the database
+    exists. Only an explicit :func:`stop` (or a crash) stops it again; it outlives the calling
+    process. Concurrent callers (threads or processes) start it once.
     Raises :class:`LocalDBError` (an ``ImproperlyConfigured``) when it cannot.
     """
+    _check_database_name(database)
     current = url()
-    if current is not None:
+    if current is None:
+        base = data_dir()
+        account = _server_account()
+        _make_folder(base, account)
+        with _owned_and_locked(base, "take over"):
+            _take_over(base, account)
+            # Another process may have finished starting it while we waited for the lock.
+            current = url() or _start(base, account)
+    if database == DATABASE_NAME:
         return current
-    base = data_dir()
-    account = _server_account()
-    _make_folder(base, account)
-    with _owned_and_locked(base, "take over"):
-        _take_over(base, account)
-        # Another process may have finished starting it while we waited for the lock.
-        current = url()
-        if current is not None:
-            return current
-        return _start(base, account)
+    user, sockdir, port = _url_parts(current)
+    _create_database(user, sockdir, port, database)
+    return _make_url(user, sockdir, port, database)
 
 
-def django_database(*, debug: bool) -> dict[str, Any]:
-    """Return the Django ``DATABASES`` entry of the embedded cluster, starting it if needed.
+def django_database(*, debug: bool, database: str = DATABASE_NAME) -> dict[str, Any]:
+    """Return the Django ``DATABASES`` entry of the embedded cluster's ``database``, starting
+    the cluster (and making the database) if needed.
 
     For settings whose ``DATABASE_URL`` is unset. Starts nothing, and raises
     :class:`LocalDBError` naming the fix, unless ``debug`` is true or ``WORKQUEUE_LOCALDB``
@@ -260,7 +265,7 @@ def django_database(*, debug: bool) -> dict[str, Any]:
             f"For development or tests, set {OPT_IN_VARIABLE}=1 (or DEBUG on) to start the "
             "embedded PostgreSQL instead; it is for one developer's machine, never production."
         )
-    parts = urlsplit(ensure_running())
+    parts = urlsplit(ensure_running(database))
     query = parse_qs(parts.query)
     # HOST and PORT rather than OPTIONS (django-environ's reading of the URL), so that
     # `manage.py dbshell` finds the socket too.
@@ -1179,13 +1184,30 @@ def _start_postmaster(
     )
 
 
-def _make_url(user: str, sockdir: Path, port: int) -> str:
-    return (
-        f"postgres://{quote(user, safe='')}@/{DATABASE_NAME}?host={quote(str(sockdir))}&port={port}"
-    )
+def _make_url(user: str, sockdir: Path, port: int, database: str = DATABASE_NAME) -> str:
+    return f"postgres://{quote(user, safe='')}@/{database}?host={quote(str(sockdir))}&port={port}"
 
 
-def _create_database(user: str, sockdir: Path, port: int) -> None:
+def _url_parts(db_url: str) -> tuple[str, Path, int]:
+    """(user, socket folder, port) of a URL ``_make_url`` made."""
+    parts = urlsplit(db_url)
+    query = parse_qs(parts.query)
+    return unquote(parts.username or ""), Path(query["host"][0]), int(query["port"][0])
+
+
+#: A database name a project may ask for: an unquoted PostgreSQL identifier.
+_DATABASE_NAME_RULE = re.compile(r"\A[a-z_][a-z0-9_]{0,62}\Z")
+
+
+def _check_database_name(database: str) -> None:
+    if not _DATABASE_NAME_RULE.match(database):
+        raise LocalDBError(
+            f"{database!r} cannot name an embedded database: use lower-case letters, digits "
+            "and underscores, starting with a letter (at most 63), e.g. your project's name."
+        )
+
+
+def _create_database(user: str, sockdir: Path, port: int, database: str = DATABASE_NAME) -> None:
     import psycopg
     from psycopg import errors, sql
 
@@ -1199,16 +1221,14 @@ def _create_database(user: str, sockdir: Path, port: int) -> None:
             connect_timeout=10,
         ) as conn:
             exists = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE_NAME,)
+                "SELECT 1 FROM pg_database WHERE datname = %s", (database,)
             ).fetchone()
             if not exists:
                 with contextlib.suppress(errors.DuplicateDatabase):
-                    conn.execute(
-                        sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE_NAME))
-                    )
+                    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
     except psycopg.Error as exc:
         raise LocalDBError(
-            f"Cannot create the {DATABASE_NAME!r} database on the embedded PostgreSQL "
+            f"Cannot create the {database!r} database on the embedded PostgreSQL "
             f"(socket folder {sockdir}): {exc}"
         ) from exc
 
@@ -1244,13 +1264,17 @@ def _start(base: Path, account: _Account) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-_USAGE = """usage: python -m workqueue.localdb {start|stop|url|path|destroy}
+_USAGE = """usage: python -m workqueue.localdb {start|stop|url|path|destroy} [--database NAME]
 
   start    start the embedded PostgreSQL (made on first use) and print its URL
   stop     stop it
   url      print its URL, if it runs
   path     print its folder (WORKQUEUE_LOCALDB_DIR, or the default)
-  destroy  stop it and delete its folder (only a folder it made)"""
+  destroy  stop it and delete its folder (only a folder it made)
+
+  --database NAME  (start, url) the URL of a database of NAME on that server, which start
+                   makes on first use: one per project, since every project of this account
+                   shares the one server and its default database, workqueue"""
 
 
 def _main(argv: list[str]) -> int:
@@ -1258,13 +1282,17 @@ def _main(argv: list[str]) -> int:
     if argv in (["-h"], ["--help"]):
         print(_USAGE)
         return 0
+    database = DATABASE_NAME
+    if len(argv) == 3 and argv[0] in ("start", "url") and argv[1] == "--database":
+        argv, database = argv[:1], argv[2]
     if len(argv) != 1 or argv[0] not in verbs:
         print(_USAGE, file=sys.stderr)
         return 2
     verb = argv[0]
     try:
+        _check_database_name(database)
         if verb == "start":
-            print(ensure_running())
+            print(ensure_running(database))
         elif verb == "stop":
             stop()
             print("stopped")
@@ -1278,7 +1306,7 @@ def _main(argv: list[str]) -> int:
             if current is None:
                 print("The embedded PostgreSQL is not running.", file=sys.stderr)
                 return 1
-            print(current)
+            print(_make_url(*_url_parts(current), database))
     except ImproperlyConfigured as exc:
         print(exc, file=sys.stderr)
         return 1
