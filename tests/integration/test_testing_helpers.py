@@ -189,6 +189,22 @@ def test_a_publish_test_mode_puts_inside_the_code_under_tests_atomic_block_warns
 
 
 @pytest.mark.django_db
+@use_test_connection()
+def test_run_until_idle_without_the_system_user_says_how_to_make_it_in_the_test():
+    """It said to run `manage.py workqueue create-system-user`, which makes the account in the
+    development database, not the test's (helper-118)."""
+    sub = SubscriptionFactory(handler_key="testing.record")
+    publish(sub.topic.name, {"n": 1})
+
+    with pytest.raises(WorkQueueConfigurationError) as refused:
+        run_until_idle()
+
+    assert "create_system_user(), in setUpTestData or a fixture" in str(refused.value)
+    assert "run_until_idle(user=...)" in str(refused.value)
+    assert "manage.py" not in str(refused.value)
+
+
+@pytest.mark.django_db
 def test_run_until_idle_names_why_a_subscription_cannot_run(topology):
     Subscription.objects.filter(pk=topology.pk).update(status="Paused")
     with pytest.raises(WorkQueueConfigurationError, match="Paused"):

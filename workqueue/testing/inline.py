@@ -29,7 +29,7 @@ from workqueue.runtime.host import CANNOT_RUN, Host, HostConfig, PlanEntry, Plan
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.workers import WorkerPool
-from workqueue.system_user import resolve_system_user
+from workqueue.system_user import configured_name, find_system_user, unknown_user_problem
 from workqueue.transports import transport_for
 from workqueue.types import DeliveryStatus
 
@@ -117,7 +117,7 @@ def run_until_idle(
         entries = _planned(subscription)
         plans = [entry.plan for entry in entries if entry.plan is not None]
         if user is None:
-            user = resolve_system_user(conf)
+            user = _system_user_of_the_test(conf)
         timers = TimerQueue("wq-test-timers")
         background = WorkerPool(1, "wq-test-background")
         try:
@@ -143,6 +143,20 @@ def run_until_idle(
         finally:
             background.shutdown()
             timers.stop()
+
+
+def _system_user_of_the_test(conf: Any) -> Any:
+    """The system user, which must exist in the test database: the production advice
+    (``manage.py workqueue create-system-user``) would make it in the development one."""
+    user = find_system_user(conf)
+    if user is None:
+        raise WorkQueueConfigurationError(
+            f"{unknown_user_problem(configured_name(conf))} Handlers run as it, so the test "
+            "database needs it: create it in the test (workqueue.system_user."
+            "create_system_user(), in setUpTestData or a fixture), or pass "
+            "run_until_idle(user=...)."
+        )
+    return user
 
 
 def _planned(subscription: str | None) -> list[PlanEntry]:
