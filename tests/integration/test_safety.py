@@ -249,6 +249,11 @@ def test_orm_writes_to_driver_owned_tables_are_refused_and_point_to_the_operator
     if refusal is DriverOwnedWriteError:
         assert "operator API" in text and "replay" in text and "discard" in text
         assert "workqueue.publish()" in text
+    # Rows being loaded: a fixture, or serialized_rollback restoring the test database, which
+    # was told only to publish and replay (helper-118).
+    assert ("TEST_NON_SERIALIZED_APPS" in text) == (
+        write in {"loaddata", "Model.save_base(raw=True)"}
+    )
     assert list(model.objects.order_by("pk").values()) == before
 
 

@@ -100,6 +100,17 @@ class DriverOwnedModel(models.Model):
         _refuse(type(self))
 
 
+#: Added for a raw save: rows being loaded, which no one means as a write to the queue.
+_LOADING_ADVICE = (
+    " Loading rows cannot write them either: leave the work queue's tables out of fixtures "
+    "(loaddata), and for a TransactionTestCase's serialized_rollback, which saves every model's "
+    "rows back, add 'workqueue' to TEST_NON_SERIALIZED_APPS (declared topology comes back "
+    "with `manage.py workqueue sync-topology`)."
+)
+
+
 def refuse_signalled_write(sender: type[models.Model], **kwargs: Any) -> NoReturn:
     """``pre_save`` / ``pre_delete`` receiver: no save, raw or not, and no delete gets through."""
+    if kwargs.get("raw"):
+        raise DriverOwnedWriteError(_ADVICE.format(model=sender.__name__) + _LOADING_ADVICE)
     _refuse(sender)
