@@ -129,3 +129,10 @@ def first_run_fails_when_released() -> str:
         RELEASE_FIRST_RUN.wait(20)
         raise ValueError("the first run failed after another run took its delivery over")
     return "ok"
+
+
+@task()
+def enqueues_a_follow_up(n: int) -> int:
+    """Enqueues ``add(n, 1)``: a task chaining another."""
+    add.enqueue(n, 1)
+    return n

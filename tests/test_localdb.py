@@ -112,6 +112,11 @@ def test_each_project_can_have_a_database_of_its_own_on_the_one_server(
         localdb.ensure_running('shop"; DROP DATABASE workqueue; --')
     assert localdb._main(["start", "--database", "Shop-2"]) == 1
     assert "cannot name an embedded database" in capsys.readouterr().err
+    # The server's own, and test databases' (review helper-119: template1 was taken, whose
+    # tables every later database copies).
+    for taken in ("template1", "template0", "postgres", "test_shop", "_shop"):
+        with pytest.raises(ImproperlyConfigured, match="cannot name an embedded database"):
+            localdb.ensure_running(taken)
 
 
 def test_concurrent_first_calls_start_one_server(cluster_dir: Path) -> None:

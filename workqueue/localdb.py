@@ -1196,7 +1196,7 @@ def _url_parts(db_url: str) -> tuple[str, Path, int]:
 
 
 #: A database name a project may ask for: an unquoted PostgreSQL identifier.
-_DATABASE_NAME_RULE = re.compile(r"\A[a-z_][a-z0-9_]{0,62}\Z")
+_DATABASE_NAME_RULE = re.compile(r"\A[a-z][a-z0-9_]{0,62}\Z")
 
 
 def _check_database_name(database: str) -> None:
@@ -1204,6 +1204,13 @@ def _check_database_name(database: str) -> None:
         raise LocalDBError(
             f"{database!r} cannot name an embedded database: use lower-case letters, digits "
             "and underscores, starting with a letter (at most 63), e.g. your project's name."
+        )
+    # The server's own (a project's tables in template1 would be copied into every database
+    # made after), and the names Django gives test databases (another project's, or its own).
+    if database == "postgres" or database.startswith(("template", "test_")):
+        raise LocalDBError(
+            f"{database!r} cannot name an embedded database: it is the server's own or names "
+            "a test database (Django makes test_NAME itself). Use your project's name."
         )
 
 

@@ -382,6 +382,25 @@ def test_in_test_mode_a_task_no_subscription_receives_is_refused_too():
     assert default_task_backend.get_result(add.enqueue(1, 2).id).status == TaskResultStatus.READY
 
 
+@pytest.mark.django_db
+@use_test_connection()
+def test_a_task_that_enqueues_another_runs_in_test_mode_without_a_warning():
+    """A task runs inside its own transaction, so its enqueue took that block for the code
+    under test's and warned (PublishInsideAtomicInTestWarning), an error under the usual
+    filterwarnings, so the task failed (review helper-119); an enqueue has no enlist=True to
+    offer anyway."""
+    from tests.task_functions import enqueues_a_follow_up
+    from workqueue.testing import run_until_idle
+
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    enqueues_a_follow_up.enqueue(1)
+
+    runs = run_until_idle()
+
+    assert [run.status for run in runs] == ["Completed", "Completed"], runs
+
+
 def test_a_task_enqueued_in_a_testcase_without_test_mode_warns_that_it_outlives_the_test():
     """The queue (made at a first enqueue, outside any transaction) exists, so the enqueue
     commits on the queue's own connection, which a TestCase's rollback does not undo: it

@@ -112,6 +112,20 @@ def test_the_database_transport_a_transactional_tests_flush_removed_is_made_agai
     assert "No changes" in sync()
 
 
+def test_a_renamed_seeded_transport_is_not_made_twice(settings):
+    """The seeded transport renamed in the admin is still there under its fixed id: making it
+    again failed on the primary key (review helper-119); the declaration's topics name a
+    transport that does not exist, and the sync says so."""
+    Transport.objects.all().delete()
+    Transport.seeded().save()
+    Transport.objects.update(name="Primary")
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "TOPOLOGY": DECLARED}
+
+    with pytest.raises(CommandError, match="no transport is named 'Database'"):
+        sync()
+    assert list(Transport.objects.values_list("name", flat=True)) == ["Primary"]
+
+
 def test_verbosity_0_prints_nothing_but_errors(declare):
     declare(DECLARED)
     out = io.StringIO()

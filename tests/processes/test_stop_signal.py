@@ -110,4 +110,4 @@ def test_a_set_stop_is_seen_at_once():
 
     began = time.monotonic()
     assert stop.wait(60) is True
-    assert time.monotonic() - began < process.STOP_POLL_SECONDS
+    assert time.monotonic() - began < 5  # at once, not after a poll's sleep or the timeout

@@ -8,6 +8,7 @@ a slow thread is simulated by delaying the step that hands a claimed delivery to
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.handlers import probe
 from tests.support.hosts import one, states, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import publish, transport
@@ -122,6 +124,44 @@ def test_run_once_with_max_1_processes_the_delivery_it_claimed_even_on_a_slow_th
     result = host.run_once(max_deliveries=1, idle_exit_ms=200)
 
     assert (result.processed, result.reason) == (1, "MaxDeliveries")
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.attempt_count) == ("Completed", 1)
+
+
+def test_run_once_never_ends_between_a_claims_return_and_its_read_of_the_claim_pending(
+    make_host, monkeypatch
+):
+    """The run read a consumer's handlers in flight, then whether a claim was pending: the
+    reverse of the order the loop writes them in (in flight counted before "pending" is
+    cleared). A claim ending between the two reads read as neither, and with the budget spent
+    the run ended as MaxDeliveries with the handler just started (review helper-119)."""
+    s = sub()
+    # Longer than the drain: a run that ends early aborts it and hands it back.
+    message = publish(s.topic.name, {"sleepMs": 2000, "then": "complete"}).message_id
+    in_flight = consumer_module.Consumer.in_flight.fget
+
+    def read_then_descheduled(self: Any) -> int:
+        value = in_flight(self)
+        # The run's loop reading it (host health reads it too, on the same thread).
+        if sys._getframe(2).f_code.co_name == "run_once" and self.receive_pending:
+            # The run's thread loses the CPU right after this read; the claim returns meanwhile.
+            wait_until(lambda: not self.receive_pending, timeout=10, interval=0.001)
+        return value
+
+    monkeypatch.setattr(consumer_module.Consumer, "in_flight", property(read_then_descheduled))
+    receive = transport.Receiver.receive
+
+    def slow(self: transport.Receiver, max_rows: int) -> Any:
+        time.sleep(0.2)  # a claim on a loaded database: the run's reads land inside it
+        return receive(self, max_rows)
+
+    monkeypatch.setattr(transport.Receiver, "receive", slow)
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=200)
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=60_000)
+
+    assert (result.processed, result.reason) == (1, "MaxDeliveries")
+    assert probe.runs[-1].signal_reason is None  # ran to its end, not aborted by a drain
     row = Delivery.objects.get(message_id=message)
     assert (row.status, row.attempt_count) == ("Completed", 1)
 

@@ -330,6 +330,35 @@ def test_a_stop_whose_hand_backs_meet_a_silent_database_ends_with_its_drain_not_
     assert all(status_of(m) == "InFlight" for m in waiting)  # left to lease expiry
 
 
+@pytest.mark.usefixtures("handlers_count_as_quick")
+def test_a_stop_with_no_drain_time_still_hands_back_what_never_started(make_host, releases):
+    """SHUTDOWN_DRAIN_MS may be 0: the bound on hand-backs (above) then left every delivery
+    claimed ahead to lease expiry, its attempt spent without a run (review helper-119). Only a
+    hand-back that failed past the drain's end stops the rest."""
+    s = sub(lease_seconds=60)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 4}], shutdown_drain_ms=0)
+    host.start()
+    first = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
+    blocker, *waiting = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [{"payload": {"sleepMs": 30_000, "thenOnAbort": "complete"}}]
+            + [{"payload": {"then": "complete"}}] * 3,
+        )
+    ]
+    probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: all(status_of(m) == "InFlight" for m in waiting))  # claimed ahead
+
+    host.shutdown()
+
+    for message_id in waiting:
+        row = Delivery.objects.get(message_id=message_id)
+        assert (row.status, row.attempt_count) == ("Pending", 0)
+    assert len(releases) == 3
+
+
 def _a_blocker_and_one_claimed_ahead(
     subscription: Any, blocker: dict[str, Any] | None = None
 ) -> tuple[str, str]:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -143,8 +144,14 @@ def _rejections_told_here() -> Iterator[None]:
     (stderr and its exit status): it printed the same sentence twice."""
     from workqueue.publishing import REJECTIONS_LOGGED, logger
 
+    command_thread = threading.get_ident()
+
     def not_the_rejections(record: logging.LogRecord) -> bool:
-        return getattr(record, "action", None) != REJECTIONS_LOGGED
+        # Only this thread's: a filter applies to the logger in every thread, and other
+        # threads of a process running the command (call_command) keep their lines.
+        return getattr(record, "action", None) != REJECTIONS_LOGGED or (
+            record.thread != command_thread
+        )
 
     logger.addFilter(not_the_rejections)
     try:

@@ -221,9 +221,15 @@ def _declared_changes(
     problems: list[str] = []
     transports = {t.name: t for t in Transport.objects.using(alias)}
     seeded = Transport.seeded()
-    if seeded.name not in transports and any(
-        values.get("transport", seeded.name) == seeded.name
-        for values in declared["topics"].values()
+    if (
+        seeded.name not in transports
+        # Renamed in the admin, it is still there: declared topics then name a transport
+        # that does not exist, said as such.
+        and all(transport.pk != seeded.pk for transport in transports.values())
+        and any(
+            values.get("transport", seeded.name) == seeded.name
+            for values in declared["topics"].values()
+        )
     ):
         # The transport `migrate` seeds, gone after a transactional test's flush (Django's
         # TransactionTestCase, pytest-django's transactional_db): made again, as migrated.

@@ -992,17 +992,20 @@ class Consumer:
         return leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
 
     def _hand_back_all(self, executions: list[DeliveryExecution], until: float) -> None:
-        """Hand back deliveries that never started, until ``until`` (a drain's end; a failed
-        hand-back is made again until then, or its lease's end if sooner). Past it, the rest
-        go to lease expiry: each call to a database that does not answer waits out its own
-        timeout (about 30 s), and made one after another they held a stop far past its
-        drain."""
+        """Hand back deliveries that never started; a failed hand-back is made again until
+        ``until`` (a drain's end), or its lease's end if sooner. Once one has failed past it,
+        the rest go to lease expiry: each call to a database that does not answer waits out
+        its own timeout (about 30 s), and made one after another they held a stop far past
+        its drain."""
         left = 0
+        answered = True
         for execution in executions:
-            if time.monotonic() >= until:
+            # Each is tried while the database answers, however short the drain (0 is
+            # allowed): only once one has failed past the drain's end are the rest left.
+            if not answered and time.monotonic() >= until:
                 left += 1
             else:
-                self._release(execution.delivery, min(execution.lease_ends, until))
+                answered = self._release(execution.delivery, min(execution.lease_ends, until))
         if left:
             logger.warning(
                 "%s: the drain's time ran out before %d delivery(ies) that never started were "
@@ -1016,13 +1019,14 @@ class Consumer:
         the drain's."""
         return min(lease_ends, self._hand_backs_end)
 
-    def _release(self, delivery: ClaimedDelivery, until: float) -> None:
-        """Hand back a delivery that never started, its attempt refunded. A call that fails
-        on a lost connection (or an unreachable transport) is made again, backing off, while
-        the lease lasts (``until``: its end; while stopping, a drain's): left to lease expiry,
-        the attempt would count as a run, and a last attempt be dead-lettered without ever
-        running. Fenced by the lease token, so a release whose answer was lost is refused the
-        second time, never applied twice."""
+    def _release(self, delivery: ClaimedDelivery, until: float) -> bool:
+        """Hand back a delivery that never started, its attempt refunded; False when the call
+        failed for good. A call that fails on a lost connection (or an unreachable
+        transport) is made again, backing off, while the lease lasts (``until``: its end;
+        while stopping, a drain's): left to lease expiry, the attempt would count as a run,
+        and a last attempt be dead-lettered without ever running. Fenced by the lease token,
+        so a release whose answer was lost is refused the second time, never applied
+        twice."""
         delay = RETRY_MIN_SECONDS
         while True:
             try:
@@ -1033,11 +1037,11 @@ class Consumer:
                     # an Exclusive or Ordered subscription, its key) to lease expiry. Fenced by
                     # the lease token and the cancel request, so it changes nothing otherwise.
                     self.receiver.acknowledge_cancel(delivery)
-                return
+                return True
             except RETRYABLE_SETTLE_ERRORS as exc:
                 if time.monotonic() + delay >= until:
                     self._release_failed(exc)
-                    return
+                    return False
                 # Once at WARNING, then DEBUG, as a finished handler's settle retries.
                 logger.log(
                     logging.WARNING if delay == RETRY_MIN_SECONDS else logging.DEBUG,
@@ -1051,7 +1055,7 @@ class Consumer:
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
             except WorkQueueError as exc:
                 self._release_failed(exc)
-                return
+                return False
 
     def _release_failed(self, exc: WorkQueueError) -> None:
         logger.warning(

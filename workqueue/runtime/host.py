@@ -820,7 +820,9 @@ class Host:
                 if not consumers:
                     reason = "Idle"  # nothing could run; health says why
                     break
-                busy = any(c.in_flight or c.receive_pending for c in consumers)
+                # "Pending" first: a consumer counts a claim's deliveries in flight before it
+                # clears it, so a claim ending between the two reads is seen by the second.
+                busy = any(c.receive_pending or c.in_flight for c in consumers)
                 if max_duration_ms is not None and time.monotonic() - began >= (
                     max_duration_ms / 1000
                 ):
