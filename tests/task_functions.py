@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -136,3 +137,14 @@ def enqueues_a_follow_up(n: int) -> int:
     """Enqueues ``add(n, 1)``: a task chaining another."""
     add.enqueue(n, 1)
     return n
+
+
+@task()
+def makes_a_user_then_enqueues_its_check(username: str, then_fail: bool = False) -> None:
+    """Creates ``username``, enqueues ``user_exists(username)``, then works on a while (or
+    fails): a follow-up that ran before this committed would not find the user."""
+    get_user_model().objects.create(username=username)
+    user_exists.enqueue(username)
+    time.sleep(1)
+    if then_fail:
+        raise ValueError("failed after enqueueing its follow-up")

@@ -345,8 +345,7 @@ def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
         # A TestCase's own blocks, and the one a Tasks API task runs in (whose enqueue has no
         # enlist=True to offer; README "Testing your code" says what a failing task keeps).
         if all(
-            getattr(block, "_from_testcase", False)
-            or getattr(block, "_workqueue_runs_the_task", False)
+            getattr(block, "_from_testcase", False) or getattr(block, RUNS_A_TASK, False)
             for block in blocks
         ):
             return
@@ -395,6 +394,16 @@ _NOT_THE_CALLER = (
     "concurrent.",
     "ninja.",
 )
+
+
+#: Marks the ``transaction.atomic()`` a Tasks API task runs in (``workqueue.tasks.handler``):
+#: an enqueue inside it joins it, and test mode does not take it for the code under test's.
+RUNS_A_TASK = "_workqueue_runs_a_task"
+
+
+def running_a_task(alias: str) -> bool:
+    """Whether this thread is inside the transaction a Tasks API task runs in on ``alias``."""
+    return any(getattr(block, RUNS_A_TASK, False) for block in connections[alias].atomic_blocks)
 
 
 #: The ``action`` of the line logging a call's rejections (a caller that reports them itself,

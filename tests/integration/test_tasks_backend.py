@@ -569,6 +569,33 @@ def test_a_return_value_that_is_not_json_fails_at_once_even_when_its_error_is_no
     assert "return value is a tuple" in Delivery.objects.get(message_id=result.id).last_error
 
 
+def test_a_task_enqueued_by_a_running_task_is_published_with_its_result_or_not_at_all(run_host):
+    """A task's enqueue was published at once, while the task's own transaction was still
+    open: its follow-up ran before the task's rows were committed (a user it had just made was
+    not there: retried, or dead-lettered), and a task that then failed left one copy of the
+    follow-up per run (helper-120). Now the follow-up commits with the task's result."""
+    from tests.task_functions import makes_a_user_then_enqueues_its_check, user_exists
+
+    done = makes_a_user_then_enqueues_its_check.enqueue("made-by-the-task")
+    failed = makes_a_user_then_enqueues_its_check.enqueue("rolled-back", then_fail=True)
+    run_host()
+
+    assert finished(done.id).status == TaskResultStatus.SUCCESSFUL
+    assert finished(failed.id, timeout=30).status == TaskResultStatus.FAILED
+    follow_ups = [
+        m
+        for m in Message.objects.filter(topic__name=QUEUE)
+        if m.payload["task"] == user_exists.module_path
+    ]
+    assert len(follow_ups) == 1  # none from the two failed runs
+    check = finished(str(follow_ups[0].id))
+    assert (check.status, check.return_value, check.attempts) == (
+        TaskResultStatus.SUCCESSFUL,
+        True,  # it saw the user: run after the commit, not beside the task
+        1,
+    )
+
+
 def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):
     result = returns_a_tuple.enqueue()
     run_host()

@@ -256,7 +256,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
     def _publish(self, message: TaskMessage) -> PublishResult:
         # Imported here: publishing reaches the driver, which this module must not load at
         # import time (the backend is built when a @task decorator runs, at module import).
-        from workqueue.publishing import publish
+        from workqueue.publishing import publish, running_a_task
 
         if message.queue_name not in self._ready_queues:
             self.ensure_queue(message.queue_name)
@@ -265,6 +265,10 @@ class WorkQueueBackend(api.BaseTaskBackend):
             message.to_payload(),
             not_before=message.run_after,
             priority=message.priority,
+            # Enqueued by a running task: published with its result, or not at all. Sent at
+            # once, the follow-up could run before the task's rows were committed (and not
+            # see them), and a task that then failed left one more copy each run.
+            enlist=running_a_task(get_settings().DATABASE_ALIAS),
         )
 
 

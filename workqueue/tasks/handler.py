@@ -24,6 +24,7 @@ from django.db import DatabaseError, transaction
 from workqueue.conf import setting
 from workqueue.driver import get_driver
 from workqueue.exceptions import LeaseLost, UnstorableValueError
+from workqueue.publishing import RUNS_A_TASK
 from workqueue.runtime.context import WorkContext, WorkMessage
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import FatalWorkError, Outcome
@@ -80,10 +81,10 @@ class TaskHandler(BaseWorkHandler):
             nonlocal committed
             committed = True
 
-        # The task's own transaction, not one of the code under test: a task's enqueue in it
-        # does not warn in test mode (publishing.PublishInsideAtomicInTestWarning).
+        # Marked: an enqueue in it joins it (the backend), and test mode does not take it for
+        # a block of the code under test (publishing.PublishInsideAtomicInTestWarning).
         task_transaction = transaction.atomic(using=alias)
-        task_transaction._workqueue_runs_the_task = True  # type: ignore[attr-defined]
+        setattr(task_transaction, RUNS_A_TASK, True)
         try:
             with task_transaction:
                 # Registered before the task's own callbacks, so it runs before any of them.
