@@ -209,9 +209,13 @@ def test_run_after_past_the_queues_retention_is_refused_at_enqueue():
     default_task_backend.ensure_queue("default")
     Topic.objects.filter(name=QUEUE).update(retention_days=1)
 
-    with pytest.raises(TaskEnqueueError, match=r"InvalidSchedule: .*retention_days"):
+    with pytest.raises(TaskEnqueueError, match=r"InvalidSchedule: .*retention_days") as refused:
         add.using(run_after=timezone.now() + dt.timedelta(days=2)).enqueue(1, 1)
     assert published_tasks() == 0
+    # The limit and how to raise it, which the refusal left to be found (helper-120).
+    assert "at most 1 day ahead on this queue: raise retention_days of topic tasks.default" in (
+        str(refused.value)
+    )
 
 
 def test_a_naive_run_after_is_refused_naming_run_after_even_without_use_tz(settings):

@@ -85,3 +85,25 @@ def test_a_one_shot_job_on_a_database_an_upgrade_did_not_migrate_says_to_run_mig
     assert done.returncode == 2, done.stdout + done.stderr
     assert "is not migrated" in done.stderr and "Run `manage.py migrate`" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_enqueueing_a_task_on_a_database_without_the_queues_tables_says_to_run_migrate(
+    queue_not_migrated,
+):
+    """The enqueue's first step, making the queue's topic, met the missing table and its
+    error said to look at the role's privileges (helper-120)."""
+    enqueue = (
+        "from tests.task_functions import add\n"
+        "try:\n"
+        "    add.enqueue(1, 2)\n"
+        "except Exception as refused:\n"
+        "    print(type(refused).__name__, refused)\n"
+    )
+
+    done = run_manage(
+        "shell", "-c", enqueue, env=subprocess_environment(queue_not_migrated), timeout=60
+    )
+
+    (said,) = [line for line in done.stdout.splitlines() if "Error" in line]
+    assert said.startswith("TaskEnqueueError The database 'default' is not migrated"), said
+    assert "Run `manage.py migrate`" in said and "privilege" not in said

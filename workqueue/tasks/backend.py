@@ -132,6 +132,8 @@ class WorkQueueBackend(api.BaseTaskBackend):
         if not published.accepted:
             error = published.error
             reason = f"{error.code}: {error.message}" if error else published.status
+            if error is not None and error.code == PublishErrorCode.INVALID_SCHEDULE:
+                reason += _run_after_advice(task.queue_name)
             raise TaskEnqueueError(
                 f"The task {task.module_path} was not enqueued on topic "
                 f"{topic_name(task.queue_name)}: {reason}"
@@ -199,6 +201,12 @@ class WorkQueueBackend(api.BaseTaskBackend):
             else:
                 runner = _create_topology(queue_name, self.subscription_options)
         except ProgrammingError as exc:
+            # Imported here: the backend is built at a @task's import, before the runtime.
+            from workqueue.runtime.process import unmigrated_problem
+
+            if (unmigrated := unmigrated_problem(exc)) is not None:
+                # Its tables missing: the privilege advice below sent a user after grants.
+                raise TaskEnqueueError(unmigrated) from exc
             # Most often a role without the right to write topology (the runtime grant gives
             # none) meeting a queue nobody has created yet: the database's words alone do not
             # say that this is a one-off, nor how to do it.
@@ -270,6 +278,21 @@ class WorkQueueBackend(api.BaseTaskBackend):
             # see them), and a task that then failed left one more copy each run.
             enlist=running_a_task(get_settings().DATABASE_ALIAS),
         )
+
+
+def _run_after_advice(queue_name: str) -> str:
+    """What to do about a ``run_after`` the queue's topic refused: name its limit and how to
+    raise it (it said only "at most the topic's retention_days ahead")."""
+    from workqueue.models import Topic
+
+    name = topic_name(queue_name)
+    days = Topic.objects.filter(name=name).values_list("retention_days", flat=True).first()
+    limit = f"{days} day{'' if days == 1 else 's'}" if days is not None else "its retention_days"
+    return (
+        f" A task's run_after may be at most {limit} ahead on this queue: raise "
+        f"retention_days of topic {name} (the admin, or WORKQUEUE['TOPOLOGY']['topics'] and "
+        "`manage.py workqueue sync-topology`), or enqueue nearer the time."
+    )
 
 
 def _subscription_options(options: Mapping[str, Any]) -> dict[str, Any]:
