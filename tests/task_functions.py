@@ -148,3 +148,8 @@ def makes_a_user_then_enqueues_its_check(username: str, then_fail: bool = False)
     time.sleep(1)
     if then_fail:
         raise ValueError("failed after enqueueing its follow-up")
+
+
+@task()
+def returns_a_set() -> set[int]:
+    return {1, 2}

@@ -28,6 +28,7 @@ from workqueue.tasks.messages import (
     build_result,
     require_json_round_trip,
     topic_name,
+    tuples_as_lists,
 )
 from workqueue.types import PublishErrorCode, PublishResult
 
@@ -107,8 +108,8 @@ class WorkQueueBackend(api.BaseTaskBackend):
         self.validate_task(task)
         message = TaskMessage(
             task_path=task.module_path,
-            args=list(args),
-            kwargs=dict(kwargs),
+            args=tuples_as_lists(list(args)),
+            kwargs=tuples_as_lists(dict(kwargs)),
             backend=self.alias,
             queue_name=task.queue_name,
             priority=task.priority,

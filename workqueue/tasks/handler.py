@@ -34,6 +34,7 @@ from workqueue.tasks.messages import (
     TaskMessage,
     build_result,
     require_json_round_trip,
+    tuples_as_lists,
 )
 from workqueue.tasks.results import record_failure, record_start, record_success
 from workqueue.tasks.signals import send
@@ -89,7 +90,7 @@ class TaskHandler(BaseWorkHandler):
             with task_transaction:
                 # Registered before the task's own callbacks, so it runs before any of them.
                 transaction.on_commit(mark_committed, using=alias)
-                value = _call(task, running, task_message)
+                value = tuples_as_lists(_call(task, running, task_message))
                 try:
                     require_json_round_trip(value, "The task's return value")
                 except (TypeError, ValueError) as exc:

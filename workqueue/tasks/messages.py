@@ -129,6 +129,22 @@ class TaskMessage:
         )
 
 
+def tuples_as_lists(value: Any, depth: int = 0) -> Any:
+    """``value`` with every tuple in it (at any depth of lists, tuples and dicts) made a list,
+    as the Tasks API's own backends store arguments and return values (JSON has no tuple): a
+    task returning ``(label, count)`` failed here, where the reference backend stored
+    ``[label, count]``. Nesting past ``MAX_JSON_DEPTH`` is left as it is (a value that contains
+    itself), for ``require_json_round_trip`` to refuse."""
+    if depth > MAX_JSON_DEPTH:
+        return value
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return [tuples_as_lists(item, depth + 1) for item in value]
+    if kind is dict:
+        return {key: tuples_as_lists(item, depth + 1) for key, item in value.items()}
+    return value
+
+
 def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
     """Raise ``TypeError`` (``ValueError`` for NaN and infinities, text the database cannot
     store, integers too long for JSON text, and nesting past ``MAX_JSON_DEPTH``, which a value
