@@ -19,6 +19,7 @@ class WorkqueueConfig(AppConfig):
             check_handler_keys,
             check_settings,
             check_system_user,
+            check_task_queue_drift,
             check_topology_drift,
         )
         from workqueue.driver import close_before_database_administration, close_thread_connections
@@ -39,6 +40,7 @@ class WorkqueueConfig(AppConfig):
         checks.register(check_system_user, "workqueue", checks.Tags.database)
         checks.register(check_handler_keys, "workqueue", checks.Tags.database)
         checks.register(check_topology_drift, "workqueue", checks.Tags.database)
+        checks.register(check_task_queue_drift, "workqueue", checks.Tags.database)
         request_finished.connect(close_thread_connections, dispatch_uid="workqueue-driver")
         connection_created.connect(
             close_before_database_administration, dispatch_uid="workqueue-driver-no-db"

@@ -257,6 +257,28 @@ def check_topology_drift(
     ]
 
 
+def check_task_queue_drift(
+    app_configs: list[AppConfig] | None = None,
+    databases: list[str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Database check: a Tasks API queue's subscription differs from its backend's
+    ``OPTIONS['SUBSCRIPTION']`` (changed after the queue was made, which changes nothing)."""
+    from django.core import mail
+
+    from workqueue.tasks import WorkQueueBackend, api
+
+    # Django's test runner checks the new test database, which holds no queue yet.
+    if not _checks_the_queue_database(databases) or hasattr(mail, "outbox"):
+        return []
+    return [
+        warning
+        for backend in api.task_backends.all()
+        if isinstance(backend, WorkQueueBackend)
+        for warning in backend.subscription_option_drift()
+    ]
+
+
 def _checks_the_queue_database(databases: list[str] | None) -> bool:
     """Whether a database check was asked of the queue's alias (and the settings, which
     check_settings reports on, can be read)."""

@@ -355,7 +355,8 @@ def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
             "connection, whatever the block then does, but in test mode they joined the "
             "test's transaction and go with the block if it rolls back, so the test cannot "
             "see what production does. Publish with enlist=True to commit or roll back with "
-            "the block, or after it (transaction.on_commit).",
+            "the block, or after it (transaction.on_commit, the one way for a Tasks API "
+            "enqueue: transaction.on_commit(functools.partial(task.enqueue, ...))).",
             PublishInsideAtomicInTestWarning,
             stacklevel=_callers_level(),
         )

@@ -317,6 +317,36 @@ def test_the_backend_creates_its_topic_and_subscription_once_with_the_configured
         WorkQueueBackend("x", {"OPTIONS": {"SUBSCRIPTION": {"partition_mode": "Ordered"}}})
 
 
+def test_check_warns_of_a_queue_made_before_its_subscription_options_changed():
+    """The options apply when the backend makes a queue, once: raising max_attempts after the
+    first enqueue changed nothing, and `check --database` said nothing (helper-120)."""
+    from django.core import checks, mail
+
+    backend = {"BACKEND": "workqueue.tasks.WorkQueueBackend", "QUEUES": ["mail"]}
+
+    def drift(options: dict[str, Any]) -> list[str]:
+        outbox = mail.outbox  # Django's test environment: the check skips its new database
+        del mail.outbox
+        try:
+            with override_settings(TASKS={"default": {**backend, "OPTIONS": options}}):
+                found = checks.run_checks(databases=["default"], tags=[checks.Tags.database])
+        finally:
+            mail.outbox = outbox
+        return [m.msg for m in found if m.id == "workqueue.W008"]
+
+    made_with = {"SUBSCRIPTION": {"max_attempts": 3, "lease_seconds": 120}}
+    with override_settings(TASKS={"default": {**backend, "OPTIONS": made_with}}):
+        add.using(queue_name="mail").enqueue(1, 2)
+
+    assert drift(made_with) == []
+    (changed,) = drift({"SUBSCRIPTION": {"max_attempts": 7, "lease_seconds": 120}})
+    assert changed.startswith(
+        "Subscription tasks.mail differs from TASKS['default']['OPTIONS']['SUBSCRIPTION']: "
+        "max_attempts 3 (the option: 7)."
+    )
+    assert Subscription.objects.get(name="tasks.mail").max_attempts == 3  # nothing written
+
+
 def test_the_first_task_of_a_queue_enqueued_in_a_transaction_creates_the_queue_outside_it():
     with pytest.raises(RuntimeError), transaction.atomic():
         result = add.enqueue(1, 1)

@@ -4,10 +4,10 @@ backport. The rest of ``workqueue.tasks`` imports the API from here, so one modu
 from __future__ import annotations
 
 try:
-    from django.tasks import base, exceptions, signals
+    from django.tasks import base, exceptions, signals, task_backends
     from django.tasks.backends.base import BaseTaskBackend
 except ImportError:
-    from django_tasks import base, exceptions, signals
+    from django_tasks import base, exceptions, signals, task_backends
     from django_tasks.backends.base import BaseTaskBackend
 
 Task = base.Task
@@ -33,6 +33,7 @@ __all__ = [
     "TaskResult",
     "TaskResultDoesNotExist",
     "TaskResultStatus",
+    "task_backends",
     "task_enqueued",
     "task_finished",
     "task_started",

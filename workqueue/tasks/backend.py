@@ -234,6 +234,44 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 )
         yield from self._subscription_option_errors()
 
+    def subscription_option_drift(self) -> Iterable[checks.CheckMessage]:
+        """A queue's subscription that differs from OPTIONS['SUBSCRIPTION']: the options apply
+        when the backend makes a queue, once, and a later change to them did nothing, without
+        a word. A database check (``workqueue.checks.check_task_queue_drift``): the API's own
+        check of the backends is not given the databases to read."""
+        # Imported here: the backend is built when a @task decorator runs, before models load.
+        from django.db import DatabaseError
+
+        from workqueue.models import Subscription
+
+        if not self.subscription_options:
+            return
+        names = [topic_name(queue) for queue in sorted(self.queues)]
+        try:
+            stored = list(
+                Subscription.objects.filter(name__in=names).values(
+                    "name", *self.subscription_options
+                )
+            )
+        except DatabaseError:
+            return  # not migrated yet: other checks say so
+        where = f"TASKS[{self.alias!r}]['OPTIONS']['SUBSCRIPTION']"
+        for row in stored:
+            differing = [
+                f"{field} {row[field]!r} (the option: {value!r})"
+                for field, value in sorted(self.subscription_options.items())
+                if row[field] != value
+            ]
+            if differing:
+                yield checks.Warning(
+                    f"Subscription {row['name']} differs from {where}: "
+                    f"{'; '.join(differing)}. The options apply when the backend makes a "
+                    "queue, once; a queue made before the change keeps what it was made with.",
+                    hint="Change the subscription in the admin (or WORKQUEUE['TOPOLOGY'] and "
+                    "`manage.py workqueue sync-topology`), or the option back.",
+                    id="workqueue.W008",
+                )
+
     def _subscription_option_errors(self) -> Iterable[checks.CheckMessage]:
         """Values of OPTIONS['SUBSCRIPTION'] a queue's subscription could not be saved with:
         told by ``manage.py check``, not by the first ``enqueue`` to each queue."""
