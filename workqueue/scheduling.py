@@ -44,6 +44,8 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 PREVIOUS_SLOT_NAMESPACE = uuid.UUID("7b0c2f5e-4f1a-4c55-9d0e-2f6c3d1a9b80")
 _REQUIRED = ("name", "cron", "topic")
 _OPTIONAL = ("timezone", "payload", "partition_key", "attributes", "priority")
+#: A schedule that enqueues a Tasks API task names it instead of a topic and payload.
+_TASK_KEYS = ("task", "args", "kwargs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,9 @@ class Schedule:
     partition_key: str | None = None
     attributes: Mapping[str, str] | None = None
     priority: int = 0
+    #: The dotted path of the Tasks API task each slot enqueues (its ``topic`` and ``payload``
+    #: are then the task's queue and message), or None.
+    task: str | None = None
 
     @property
     def zone(self) -> ZoneInfo:
@@ -146,14 +151,18 @@ def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
         where = f"WORKQUEUE['SCHEDULES'][{index}]"
         if not isinstance(entry, Mapping):
             raise WorkQueueConfigurationError(f"{where} must be a dict, not {entry!r}.")
+        if entry.get("task") is not None:
+            entry = _task_entry(entry, where)
         missing = [key for key in _REQUIRED if not entry.get(key)]
-        unknown = sorted(set(entry) - set(_REQUIRED) - set(_OPTIONAL))
+        unknown = sorted(set(entry) - set(_REQUIRED) - set(_OPTIONAL) - {"task"})
         if missing or unknown:
             raise WorkQueueConfigurationError(
                 f"{where}: "
                 + (f"missing {', '.join(missing)}; " if missing else "")
                 + (f"unknown key(s) {', '.join(unknown)}; " if unknown else "")
-                + f"a schedule has {', '.join(_REQUIRED)} and optionally {', '.join(_OPTIONAL)}."
+                + f"a schedule has {', '.join(_REQUIRED)} and optionally {', '.join(_OPTIONAL)}"
+                + " (or, to enqueue a Tasks API task, task and optionally args and kwargs "
+                "instead of topic and payload)."
             )
         schedule = Schedule(**entry)
         if not isinstance(schedule.name, str) or not NAME.fullmatch(schedule.name):
@@ -195,3 +204,69 @@ def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
             )
         schedules.append(schedule)
     return schedules
+
+
+def _task_entry(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A schedule entry that names a Tasks API task (``task``, optional ``args`` and
+    ``kwargs``), made the entry of its slots' publish: the task's queue's topic and the
+    message ``task.enqueue(*args, **kwargs)`` would publish, so each slot runs the task once,
+    its result readable by the slot's message id."""
+    # Imported here: the Tasks API is needed only by schedules that name a task.
+    from django.utils.module_loading import import_string
+
+    from workqueue.tasks import WorkQueueBackend, api
+    from workqueue.tasks.messages import (
+        TaskMessage,
+        require_json_round_trip,
+        topic_name,
+        tuples_as_lists,
+    )
+
+    clashing = sorted({"topic", "payload", "partition_key", "attributes"} & set(entry))
+    if clashing:
+        raise WorkQueueConfigurationError(
+            f"{where}: a schedule of a task publishes to the task's queue with the task's "
+            f"message; leave out {', '.join(clashing)}."
+        )
+    path = entry["task"]
+    try:
+        task = import_string(path) if isinstance(path, str) else None
+    except ImportError as exc:
+        raise WorkQueueConfigurationError(
+            f"{where}: task {path!r} cannot be imported ({exc}); give the dotted path of a "
+            "@task function, e.g. 'shop.tasks.send_digest'."
+        ) from None
+    if not isinstance(task, api.Task):
+        raise WorkQueueConfigurationError(
+            f"{where}: task {path!r} is not a Tasks API task: decorate the function with @task."
+        )
+    if not isinstance(task.get_backend(), WorkQueueBackend):
+        raise WorkQueueConfigurationError(
+            f"{where}: task {path!r} runs on TASKS[{task.backend!r}], which is not this work "
+            "queue's backend (workqueue.tasks.WorkQueueBackend): only its tasks can be "
+            "scheduled here."
+        )
+    args = tuples_as_lists(list(entry.get("args") or []))
+    kwargs = tuples_as_lists(dict(entry.get("kwargs") or {}))
+    try:
+        require_json_round_trip(args, "args", depth=1)
+        require_json_round_trip(kwargs, "kwargs", depth=1)
+    except (TypeError, ValueError) as exc:
+        raise WorkQueueConfigurationError(f"{where}: {exc}") from None
+    message = TaskMessage(
+        task_path=task.module_path,
+        args=args,
+        kwargs=kwargs,
+        backend=task.backend,
+        queue_name=task.queue_name,
+        priority=task.priority,
+        run_after=None,
+    )
+    kept = {key: value for key, value in entry.items() if key not in _TASK_KEYS}
+    return {
+        **kept,
+        "task": task.module_path,
+        "topic": topic_name(task.queue_name),
+        "payload": message.to_payload(),
+        "priority": entry.get("priority", task.priority),
+    }

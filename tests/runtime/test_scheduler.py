@@ -248,9 +248,48 @@ def test_a_slot_stays_publishable_until_the_next_across_a_dst_change(topic_name)
     assert published(topic_name) == 1
 
 
+def test_a_schedule_of_a_task_enqueues_it_once_a_slot_and_its_result_reads_by_the_slots_id():
+    """There was no way to run a Tasks API task on a schedule but to publish the task's
+    internal message by hand (helper-120). Its queue need not exist yet."""
+    from django_tasks import default_task_backend
+
+    from workqueue.testing import run_until_idle
+
+    get_user_model().objects.create_user("workqueue-system")
+    entries = [
+        {"name": "sums", "cron": "0 * * * *", "task": "tests.task_functions.add", "args": [1, 2]}
+    ]
+    clock = Clock(dt.datetime(2026, 7, 1, 1, 30, tzinfo=UTC))
+    first = Scheduler(load_schedules(entries), clock=clock).run_once()
+    again = Scheduler(load_schedules(entries), clock=clock).run_once()  # another host
+
+    assert first.published == {"sums": dt.datetime(2026, 7, 1, 1, 0, tzinfo=UTC)}
+    assert again.duplicates == first.published
+    [message] = Message.objects.filter(topic__name="tasks.default")
+    [run] = run_until_idle("tasks.default")
+    result = default_task_backend.get_result(str(message.id))
+    assert (run.status, result.status, result.return_value) == ("Completed", "SUCCESSFUL", 3)
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [
+        (
+            {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.no_such_task"},
+            "cannot be imported",
+        ),
+        (
+            {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.RUNS"},
+            "decorate the function with @task",
+        ),
+        (
+            {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.add", "topic": "t"},
+            "leave out topic",
+        ),
+        (
+            {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.add", "args": [{1}]},
+            "args[0] is a set",
+        ),
         ({"name": "a", "cron": "61 * * * *", "topic": "t"}, "cron '61 * * * *' is not a cron"),
         ({"name": "a", "cron": "* * * * *", "topic": "t", "timezone": "Mars/Base"}, "IANA"),
         ({"name": "a", "cron": "* * * * *"}, "missing topic"),
@@ -339,6 +378,8 @@ def test_the_schedules_command_shows_each_slot_whether_published_and_the_next(
 
     assert (before["published"], after["published"]) == (False, True)
     assert (after["name"], after["topic"], after["timezone"]) == ("report", topic_name, "UTC")
+    # The slot's message (a task schedule's result is read by its id).
+    assert Message.objects.filter(pk=after["message_id"], topic__name=topic_name).exists()
     slot, following = dt.datetime.fromisoformat(after["slot"]), after["next_slot"]
     assert dt.datetime.fromisoformat(following) - slot == dt.timedelta(hours=1)
 

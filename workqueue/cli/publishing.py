@@ -255,6 +255,8 @@ class SchedulesVerb(Verb):
                 "timezone": s.timezone,
                 "topic": s.topic,
                 "slot": slots[s.name].at if slots[s.name] else None,
+                # A task schedule's result is read by it (get_result).
+                "message_id": slots[s.name].message_id if slots[s.name] else None,
                 "published": bool(slots[s.name])
                 and not published.isdisjoint(slots[s.name].own_message_ids),
                 "next_slot": s.next_slot_time(now),

@@ -3,6 +3,7 @@ across all hosts (see ``workqueue.scheduling`` for the policy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.publishing import publish
-from workqueue.scheduling import Schedule
-from workqueue.types import PublishStatus
+from workqueue.scheduling import Schedule, Slot
+from workqueue.types import PublishErrorCode, PublishResult, PublishStatus
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,7 @@ class Scheduler:
             if slot is None:
                 continue
             try:
-                published = publish(
-                    schedule.topic,
-                    schedule.payload,
-                    partition_key=schedule.partition_key,
-                    attributes=schedule.attributes,
-                    priority=schedule.priority,
-                    deduplication_key=slot.deduplication_key,
-                    deduplication_ttl=slot.deduplication_ttl,
-                    message_id=slot.message_id,
-                )
+                published = _publish_slot(schedule, slot)
             except Exception:
                 # One schedule's failure (a database error, a payload that cannot be stored)
                 # must not keep the others from publishing; the next pass tries again.
@@ -102,3 +94,27 @@ class Scheduler:
                     extra={"action": "schedule_refused"},
                 )
         return result
+
+
+def _publish_slot(schedule: Schedule, slot: Slot) -> PublishResult:
+    published = publish(
+        schedule.topic,
+        schedule.payload,
+        partition_key=schedule.partition_key,
+        attributes=schedule.attributes,
+        priority=schedule.priority,
+        deduplication_key=slot.deduplication_key,
+        deduplication_ttl=slot.deduplication_ttl,
+        message_id=slot.message_id,
+    )
+    not_found = published.error is not None and (
+        published.error.code == PublishErrorCode.TOPIC_NOT_FOUND
+    )
+    if schedule.task is None or not not_found:
+        return published
+    # A task's queue nobody has enqueued to yet: made as the task's first enqueue makes it.
+    from django.utils.module_loading import import_string
+
+    task = import_string(schedule.task)
+    task.get_backend().ensure_queue(task.queue_name)
+    return _publish_slot(dataclasses.replace(schedule, task=None), slot)
