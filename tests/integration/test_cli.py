@@ -75,6 +75,27 @@ def test_dead_letters_then_replay_then_nothing_left():
     assert again == {"supported": True, "replayed": False}
 
 
+def test_replay_and_discard_take_a_message_id_such_as_a_tasks_result_id():
+    """A Tasks API task's result id is its message's id, which replay refused as "not a dead
+    letter of tasks.default" (helper-120)."""
+    sub = SubscriptionFactory()
+    delivery_id = dead_letter(sub)
+    message_id = str(Delivery.objects.get(id=delivery_id).message_id)
+
+    replayed = run("replay", "-s", sub.name, "--message", message_id)
+    discarded = run("discard", "-s", sub.name, "--message", message_id, "--reason", "done")
+
+    assert replayed.strip() == f"Replayed {delivery_id}"
+    assert discarded.strip() == f"Discarded {delivery_id}"
+    assert Delivery.objects.get(id=delivery_id).status == "Discarded"
+    with pytest.raises(CommandError, match=f"has no delivery of message {delivery_id}"):
+        run("replay", "-s", sub.name, "--message", delivery_id)
+    with pytest.raises(CommandError, match="not a message id"):
+        run("replay", "-s", sub.name, "--message", "42")
+    with pytest.raises(CommandError, match="not allowed with argument"):
+        run("replay", "-s", sub.name, "--message", message_id, "--delivery", delivery_id)
+
+
 def test_the_dead_letter_table_shows_the_key_that_key_filters_by():
     """On a subscription without partitions the KEY column was blank (the delivery's key),
     while `--key` on the bulk verbs matched the message's key."""

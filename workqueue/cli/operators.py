@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import uuid
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -259,20 +260,57 @@ def _lease_end(expires_at: dt.datetime | None, now: dt.datetime) -> str:
     return f"passed {-seconds // 60} min ago" if seconds <= -120 else f"passed {-seconds} s ago"
 
 
+def _delivery_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--delivery", help="The delivery's id.")
+    which.add_argument(
+        "--message",
+        help="Its message's id instead (a Tasks API task's result id is its message id).",
+    )
+
+
+def _chosen_delivery(options: dict[str, Any]) -> str:
+    """The delivery ``--delivery`` names, or the subscription's delivery of ``--message``
+    (written back into ``options["delivery"]`` for the lines that name it)."""
+    if options["message"] is None:
+        return options["delivery"]
+    from workqueue.models import Delivery
+
+    try:
+        message_id = uuid.UUID(options["message"])
+    except ValueError:
+        raise CommandError(f"--message {options['message']!r} is not a message id.") from None
+    found = (
+        Delivery.objects.filter(
+            subscription__name=options["subscription"].strip().lower(), message_id=message_id
+        )
+        .values_list("id", flat=True)
+        .first()
+    )
+    if found is None:
+        raise CommandError(
+            f"Subscription {options['subscription']} has no delivery of message "
+            f"{options['message']}."
+        )
+    options["delivery"] = str(found)
+    return options["delivery"]
+
+
 class ReplayVerb(Verb):
     name = "replay"
     help = "Send a dead letter back to Pending (attempts reset; an Ordered head keeps its place)."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         _subscription_argument(parser)
-        parser.add_argument("--delivery", required=True)
+        _delivery_arguments(parser)
         parser.add_argument("--note", default=None)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.operators.operations import replay
 
+        delivery = _chosen_delivery(options)
         outcome = _operation_errors(
-            lambda: replay(options["subscription"], options["delivery"], note=options["note"])
+            lambda: replay(options["subscription"], delivery, note=options["note"])
         )
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))
@@ -293,14 +331,15 @@ class DiscardVerb(Verb):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         _subscription_argument(parser)
-        parser.add_argument("--delivery", required=True)
+        _delivery_arguments(parser)
         parser.add_argument("--reason", required=True)
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.operators.operations import discard
 
+        delivery = _chosen_delivery(options)
         outcome = _operation_errors(
-            lambda: discard(options["subscription"], options["delivery"], reason=options["reason"])
+            lambda: discard(options["subscription"], delivery, reason=options["reason"])
         )
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))
