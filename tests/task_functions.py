@@ -153,3 +153,23 @@ def makes_a_user_then_enqueues_its_check(username: str, then_fail: bool = False)
 @task()
 def returns_a_set() -> set[int]:
     return {1, 2}
+
+
+#: Set while ``enqueues_when_told`` waits to enqueue; set ``ENQUEUE_NOW`` to let it go on.
+WAITING_TO_ENQUEUE = threading.Event()
+ENQUEUE_NOW = threading.Event()
+ENQUEUE_REFUSALS: list[str] = []
+
+
+@task()
+def enqueues_when_told(username: str) -> str:
+    """Makes a user, waits for ``ENQUEUE_NOW``, then enqueues a follow-up as best effort: a
+    refused enqueue is noted in ``ENQUEUE_REFUSALS`` and the task goes on."""
+    get_user_model().objects.create(username=username)
+    WAITING_TO_ENQUEUE.set()
+    ENQUEUE_NOW.wait(30)
+    try:
+        user_exists.enqueue(username)
+    except Exception as refused:  # what a best-effort caller does
+        ENQUEUE_REFUSALS.append(f"{type(refused).__name__}: {refused}")
+    return get_user_model().objects.get(username=username).username

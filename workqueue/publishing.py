@@ -342,8 +342,8 @@ def _warn_if_a_test_keeps_it(topic: Any, count: int) -> None:
     alias = setting("DATABASE_ALIAS")
     blocks = connections[alias].atomic_blocks
     if routed_to_django_connection(alias):
-        # A TestCase's own blocks, and the one a Tasks API task runs in (whose enqueue has no
-        # enlist=True to offer; README "Testing your code" says what a failing task keeps).
+        # A TestCase's own blocks, and the one a Tasks API task runs in (its enqueue joins it;
+        # a plain publish there is a handler's, which README "Testing your code" covers).
         if all(
             getattr(block, "_from_testcase", False) or getattr(block, RUNS_A_TASK, False)
             for block in blocks

@@ -246,20 +246,27 @@ def _task_entry(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
             "queue's backend (workqueue.tasks.WorkQueueBackend): only its tasks can be "
             "scheduled here."
         )
-    args = tuples_as_lists(list(entry.get("args") or []))
-    kwargs = tuples_as_lists(dict(entry.get("kwargs") or {}))
+    args, kwargs = entry.get("args", []), entry.get("kwargs", {})
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
+        # list("12") is ['1', '2']: said, not taken for arguments.
+        raise WorkQueueConfigurationError(
+            f"{where}: args must be a list and kwargs a dict (got {type(args).__name__} and "
+            f"{type(kwargs).__name__})."
+        )
+    args, kwargs = tuples_as_lists(list(args)), tuples_as_lists(kwargs)
     try:
         require_json_round_trip(args, "args", depth=1)
         require_json_round_trip(kwargs, "kwargs", depth=1)
     except (TypeError, ValueError) as exc:
         raise WorkQueueConfigurationError(f"{where}: {exc}") from None
+    priority = entry.get("priority", task.priority)
     message = TaskMessage(
         task_path=task.module_path,
         args=args,
         kwargs=kwargs,
         backend=task.backend,
         queue_name=task.queue_name,
-        priority=task.priority,
+        priority=priority,  # as the slot's delivery runs, so its result says the same
         run_after=None,
     )
     kept = {key: value for key, value in entry.items() if key not in _TASK_KEYS}
@@ -268,5 +275,5 @@ def _task_entry(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
         "task": task.module_path,
         "topic": topic_name(task.queue_name),
         "payload": message.to_payload(),
-        "priority": entry.get("priority", task.priority),
+        "priority": priority,
     }

@@ -92,6 +92,8 @@ def test_replay_and_discard_take_a_message_id_such_as_a_tasks_result_id():
         run("replay", "-s", sub.name, "--message", delivery_id)
     with pytest.raises(CommandError, match="not a message id"):
         run("replay", "-s", sub.name, "--message", "42")
+    with pytest.raises(CommandError, match="No subscription is named 'nope'"):
+        run("replay", "-s", "nope", "--message", message_id)
     with pytest.raises(CommandError, match="not allowed with argument"):
         run("replay", "-s", sub.name, "--message", message_id, "--delivery", delivery_id)
 

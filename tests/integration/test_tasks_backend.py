@@ -648,6 +648,40 @@ def test_a_task_enqueued_by_a_running_task_is_published_with_its_result_or_not_a
     )
 
 
+def test_an_enqueue_the_database_refuses_inside_a_task_fails_alone(run_host, pg_conn):
+    """The enlisted enqueue's error (a lock timeout) left the task's whole transaction aborted:
+    a task that caught it, as a best-effort enqueue does, then failed on its next query, and
+    it was a LockTimeoutError rather than the TaskEnqueueError enqueue promises (review
+    helper-121). Its savepoint takes only the enqueue."""
+    from tests import task_functions
+
+    default_task_backend.ensure_queue("default")
+    topic_id = str(Topic.objects.get(name=QUEUE).id)
+    for flag in (task_functions.WAITING_TO_ENQUEUE, task_functions.ENQUEUE_NOW):
+        flag.clear()
+    task_functions.ENQUEUE_REFUSALS.clear()
+    result = task_functions.enqueues_when_told.enqueue("kept")
+    run_host()
+    assert task_functions.WAITING_TO_ENQUEUE.wait(20)
+    # Any role that may connect can hold a topic's topology lock; a publish waits 5 s for it.
+    pg_conn.execute(
+        "SELECT pg_advisory_lock(hashtextextended('wq-topology:' || %s, 0))", [topic_id]
+    )
+    try:
+        task_functions.ENQUEUE_NOW.set()
+        done = finished(result.id, timeout=30)
+    finally:
+        pg_conn.execute(
+            "SELECT pg_advisory_unlock(hashtextextended('wq-topology:' || %s, 0))", [topic_id]
+        )
+
+    assert (done.status, done.attempts, done.return_value) == ("SUCCESSFUL", 1, "kept")
+    [refusal] = task_functions.ENQUEUE_REFUSALS
+    assert refusal.startswith("TaskEnqueueError: The task tests.task_functions.user_exists")
+    assert "lock timeout" in refusal and "tried again" in refusal
+    assert get_user_model().objects.filter(username="kept").exists()
+
+
 def test_a_return_value_that_is_not_json_fails_the_task_at_once(run_host):
     result = returns_a_set.enqueue()
     run_host()
@@ -825,12 +859,19 @@ def test_a_return_value_too_large_for_the_database_fails_at_once_and_runs_once(r
     assert "cannot exceed" in failed.errors[0].traceback
 
 
-@pytest.mark.parametrize("shape", ["contains itself", "5,000 levels deep"])
+@pytest.mark.parametrize(
+    "shape", ["contains itself", "contains itself twice", "a tuple containing itself", "deep"]
+)
 def test_enqueue_refuses_an_argument_nested_past_the_limit_naming_it(shape):
-    # A raw RecursionError, a thousand frames long, instead of the promised error.
+    # A raw RecursionError, a thousand frames long, instead of the promised error; and,
+    # twice inside itself, 2**64 calls making its tuples lists (review helper-121).
     value: Any = []
     if shape == "contains itself":
         value.append(value)
+    elif shape == "contains itself twice":
+        value += [value, value]
+    elif shape == "a tuple containing itself":
+        value.append((value,))
     else:
         for _ in range(5000):
             value = [value]

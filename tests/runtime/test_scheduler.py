@@ -257,7 +257,13 @@ def test_a_schedule_of_a_task_enqueues_it_once_a_slot_and_its_result_reads_by_th
 
     get_user_model().objects.create_user("workqueue-system")
     entries = [
-        {"name": "sums", "cron": "0 * * * *", "task": "tests.task_functions.add", "args": [1, 2]}
+        {
+            "name": "sums",
+            "cron": "0 * * * *",
+            "task": "tests.task_functions.add",
+            "args": [1, 2],
+            "priority": 7,
+        }
     ]
     clock = Clock(dt.datetime(2026, 7, 1, 1, 30, tzinfo=UTC))
     first = Scheduler(load_schedules(entries), clock=clock).run_once()
@@ -269,6 +275,27 @@ def test_a_schedule_of_a_task_enqueues_it_once_a_slot_and_its_result_reads_by_th
     [run] = run_until_idle("tasks.default")
     result = default_task_backend.get_result(str(message.id))
     assert (run.status, result.status, result.return_value) == ("Completed", "SUCCESSFUL", 3)
+    # The priority it ran at is the one its result reports (review helper-121).
+    assert Delivery.objects.get(message=message).priority == result.task.priority == 7
+
+
+def test_a_schedule_of_a_task_whose_queue_takes_no_delivery_is_reported_not_counted_done(caplog):
+    """Published to a queue whose subscription is Disabled, the slot read as published while
+    the task would never run (review helper-121)."""
+    from django_tasks import default_task_backend
+
+    from workqueue.models import Subscription
+
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name="tasks.default").update(status="Disabled")
+    entries = [{"name": "sums", "cron": "0 * * * *", "task": "tests.task_functions.add"}]
+    clock = Clock(dt.datetime(2026, 7, 1, 1, 30, tzinfo=UTC))
+
+    with caplog.at_level(logging.ERROR, logger="workqueue.runtime.scheduler"):
+        result = Scheduler(load_schedules(entries), clock=clock).run_once()
+
+    assert (result.published, result.refused) == ({}, {"sums": "NoSubscription"})
+    assert "no subscription of tasks.default took it" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -289,6 +316,15 @@ def test_a_schedule_of_a_task_enqueues_it_once_a_slot_and_its_result_reads_by_th
         (
             {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.add", "args": [{1}]},
             "args[0] is a set",
+        ),
+        # list("12") would have been the arguments '1' and '2' (review helper-121).
+        (
+            {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.add", "args": "12"},
+            "args must be a list and kwargs a dict (got str and dict)",
+        ),
+        (
+            {"name": "a", "cron": "* * * * *", "task": "tests.task_functions.add", "kwargs": 5},
+            "args must be a list and kwargs a dict (got list and int)",
         ),
         ({"name": "a", "cron": "61 * * * *", "topic": "t"}, "cron '61 * * * *' is not a cron"),
         ({"name": "a", "cron": "* * * * *", "topic": "t", "timezone": "Mars/Base"}, "IANA"),

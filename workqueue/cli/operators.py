@@ -275,15 +275,16 @@ def _chosen_delivery(options: dict[str, Any]) -> str:
     if options["message"] is None:
         return options["delivery"]
     from workqueue.models import Delivery
+    from workqueue.operators.operations import _name, _subscription
 
     try:
         message_id = uuid.UUID(options["message"])
     except ValueError:
         raise CommandError(f"--message {options['message']!r} is not a message id.") from None
+    # Checked and found as the operation itself will: a name it refuses, or no such one.
+    subscription = _operation_errors(lambda: _subscription(_name(options["subscription"])))
     found = (
-        Delivery.objects.filter(
-            subscription__name=options["subscription"].strip().lower(), message_id=message_id
-        )
+        Delivery.objects.filter(subscription=subscription, message_id=message_id)
         .values_list("id", flat=True)
         .first()
     )

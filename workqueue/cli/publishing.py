@@ -255,8 +255,9 @@ class SchedulesVerb(Verb):
                 "timezone": s.timezone,
                 "topic": s.topic,
                 "slot": slots[s.name].at if slots[s.name] else None,
-                # A task schedule's result is read by it (get_result).
-                "message_id": slots[s.name].message_id if slots[s.name] else None,
+                # A task schedule's result is read by it (get_result): the id it was published
+                # under (a fallback key's, during a rotation), else the one it will be.
+                "message_id": _slot_message_id(slots[s.name], published),
                 "published": bool(slots[s.name])
                 and not published.isdisjoint(slots[s.name].own_message_ids),
                 "next_slot": s.next_slot_time(now),
@@ -292,6 +293,12 @@ class SchedulesVerb(Verb):
                 ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
             )
         )
+
+
+def _slot_message_id(slot: Any, published: set[str]) -> str | None:
+    if slot is None:
+        return None
+    return next((i for i in slot.own_message_ids if i in published), slot.message_id)
 
 
 class ApiKeyVerb(Verb):

@@ -54,7 +54,26 @@ class Scheduler:
                 logger.exception("Scheduler: publishing %s failed", schedule.name)
                 result.refused[schedule.name] = "Error"
                 continue
-            if published.status == PublishStatus.ACCEPTED:
+            if (
+                published.status == PublishStatus.ACCEPTED
+                and schedule.task is not None
+                and (published.delivered_to is not None and not published.delivered_to)
+            ):
+                # Stored, but its queue's subscription is Disabled (or gone): the task would
+                # never run, and the slot must not read as done without a word.
+                result.refused[schedule.name] = "NoSubscription"
+                logger.error(
+                    "Scheduler: schedule %s slot %s enqueued task %s as message %s, but no "
+                    "subscription of %s took it (Disabled or deleted): it will not run; enable "
+                    "the subscription (or delete it: the next enqueue makes it again)",
+                    schedule.name,
+                    slot.at.isoformat(),
+                    schedule.task,
+                    published.message_id,
+                    schedule.topic,
+                    extra={"action": "schedule_refused"},
+                )
+            elif published.status == PublishStatus.ACCEPTED:
                 result.published[schedule.name] = slot.at
                 logger.info(
                     "Scheduler: published %s slot %s as message %s",

@@ -16,11 +16,15 @@ from typing import Any, TypeVar
 
 from django.core import checks
 from django.core.exceptions import ValidationError
-from django.db import ProgrammingError, connections
+from django.db import ProgrammingError, connections, transaction
 from django.utils import timezone
 
 from workqueue.conf import get_settings
-from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
+from workqueue.exceptions import (
+    TransientDriverError,
+    WorkQueueConfigurationError,
+    WorkQueueError,
+)
 from workqueue.tasks import api
 from workqueue.tasks.messages import (
     HANDLER_KEY,
@@ -103,7 +107,9 @@ class WorkQueueBackend(api.BaseTaskBackend):
         The publish commits at once on the work queue's own connection, inside a
         ``transaction.atomic()`` or not, as the Tasks API defines ``enqueue``. To enqueue only
         if (and once) your transaction commits, enqueue from
-        ``transaction.on_commit(functools.partial(task.enqueue, ...))``.
+        ``transaction.on_commit(functools.partial(task.enqueue, ...))``. An enqueue made by a
+        running task is the exception: it joins the transaction the task runs in, and is
+        published with the task's writes and result, or not at all.
         """
         self.validate_task(task)
         message = TaskMessage(
@@ -307,16 +313,36 @@ class WorkQueueBackend(api.BaseTaskBackend):
 
         if message.queue_name not in self._ready_queues:
             self.ensure_queue(message.queue_name)
-        return publish(
-            topic_name(message.queue_name),
-            message.to_payload(),
-            not_before=message.run_after,
-            priority=message.priority,
-            # Enqueued by a running task: published with its result, or not at all. Sent at
-            # once, the follow-up could run before the task's rows were committed (and not
-            # see them), and a task that then failed left one more copy each run.
-            enlist=running_a_task(get_settings().DATABASE_ALIAS),
-        )
+        alias = get_settings().DATABASE_ALIAS
+        if not running_a_task(alias):
+            return publish(
+                topic_name(message.queue_name),
+                message.to_payload(),
+                not_before=message.run_after,
+                priority=message.priority,
+            )
+        # Enqueued by a running task: published in its transaction, so with its writes and
+        # result, or not at all. Sent at once, the follow-up could run before the task's rows
+        # were committed (and not see them), and a task that then failed left a copy each run.
+        # In a savepoint: a publish the database refuses (a lock timeout) must not leave the
+        # task's whole transaction aborted, only this enqueue failed.
+        try:
+            with transaction.atomic(using=alias):
+                return publish(
+                    topic_name(message.queue_name),
+                    message.to_payload(),
+                    not_before=message.run_after,
+                    priority=message.priority,
+                    enlist=True,
+                )
+        except WorkQueueError as exc:
+            retry = (
+                " (it may succeed if tried again)" if isinstance(exc, TransientDriverError) else ""
+            )
+            raise TaskEnqueueError(
+                f"The task {message.task_path} was not enqueued on topic "
+                f"{topic_name(message.queue_name)}: {exc}{retry}"
+            ) from exc
 
 
 def _run_after_advice(queue_name: str) -> str:

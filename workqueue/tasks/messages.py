@@ -129,20 +129,32 @@ class TaskMessage:
         )
 
 
-def tuples_as_lists(value: Any, depth: int = 0) -> Any:
+def tuples_as_lists(value: Any) -> Any:
     """``value`` with every tuple in it (at any depth of lists, tuples and dicts) made a list,
     as the Tasks API's own backends store arguments and return values (JSON has no tuple): a
     task returning ``(label, count)`` failed here, where the reference backend stored
-    ``[label, count]``. Nesting past ``MAX_JSON_DEPTH`` is left as it is (a value that contains
-    itself), for ``require_json_round_trip`` to refuse."""
-    if depth > MAX_JSON_DEPTH:
-        return value
+    ``[label, count]``. Each container is copied once (one met again inside itself stays the
+    same copy: a list holding itself twice took 2**64 calls, review helper-121), and nesting
+    past ``MAX_JSON_DEPTH`` is left as it is: ``require_json_round_trip`` refuses both."""
+    return _tuples_as_lists(value, {}, 0)
+
+
+def _tuples_as_lists(value: Any, copies: dict[int, Any], depth: int) -> Any:
     kind = type(value)
-    if kind is tuple or kind is list:
-        return [tuples_as_lists(item, depth + 1) for item in value]
+    if kind not in (tuple, list, dict) or depth > MAX_JSON_DEPTH:
+        return value
+    if id(value) in copies:
+        return copies[id(value)]
     if kind is dict:
-        return {key: tuples_as_lists(item, depth + 1) for key, item in value.items()}
-    return value
+        mapping: dict[Any, Any] = {}
+        copies[id(value)] = mapping
+        for key, item in value.items():
+            mapping[key] = _tuples_as_lists(item, copies, depth + 1)
+        return mapping
+    items: list[Any] = []
+    copies[id(value)] = items
+    items.extend(_tuples_as_lists(item, copies, depth + 1) for item in value)
+    return items
 
 
 def require_json_round_trip(value: Any, where: str, depth: int = 0) -> None:
