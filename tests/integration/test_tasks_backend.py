@@ -247,6 +247,14 @@ def test_a_naive_run_after_is_refused_naming_run_after_even_without_use_tz(setti
     assert published_tasks() == 0
 
 
+def test_a_run_after_that_is_a_delay_is_refused_saying_how_to_make_it_a_time():
+    """A timedelta ("in five minutes") failed inside the API's own check with "AttributeError:
+    'datetime.timedelta' object has no attribute 'utcoffset'" (helper-120)."""
+    with pytest.raises(InvalidTaskError, match=r"not a timedelta: for a delay, timezone\.now\(\)"):
+        add.using(run_after=dt.timedelta(minutes=5))
+    assert published_tasks() == 0
+
+
 def test_queue_names_must_make_topic_names():
     with override_settings(
         TASKS={"default": {"BACKEND": "workqueue.tasks.WorkQueueBackend", "QUEUES": []}}

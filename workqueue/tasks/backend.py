@@ -10,6 +10,7 @@ policy or status: a result's status is its delivery's.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -81,6 +82,13 @@ class WorkQueueBackend(api.BaseTaskBackend):
         self._ready_queues: dict[str, str | None] = {}
 
     def validate_task(self, task: api.Task) -> None:
+        if task.run_after is not None and not isinstance(task.run_after, dt.datetime):
+            # The API's own check calls utcoffset() on it: a timedelta ("in five minutes")
+            # failed there with an AttributeError naming neither run_after nor the fix.
+            raise api.InvalidTaskError(
+                f"run_after must be an aware datetime, not a {type(task.run_after).__name__}: "
+                "for a delay, timezone.now() + timedelta(minutes=5)."
+            )
         super().validate_task(task)
         problem = _queue_name_problem(task.queue_name)
         if problem:
