@@ -223,7 +223,9 @@ def ensure_running(database: str = DATABASE_NAME) -> str:
 
     Guarantees on return: the server runs as described in :func:`url` and the database
     exists. Only an explicit :func:`stop` (or a crash) stops it again; it outlives the calling
-    process. Concurrent callers (threads or processes) start it once.
+    process. Concurrent callers (threads or processes) start it once. The fast path of a
+    running server opens no connection for the default database; another one costs a
+    connection each call, to make sure it exists.
     Raises :class:`LocalDBError` (an ``ImproperlyConfigured``) when it cannot.
     """
     _check_database_name(database)

@@ -215,12 +215,7 @@ def _task_entry(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     from django.utils.module_loading import import_string
 
     from workqueue.tasks import WorkQueueBackend, api
-    from workqueue.tasks.messages import (
-        TaskMessage,
-        require_json_round_trip,
-        topic_name,
-        tuples_as_lists,
-    )
+    from workqueue.tasks.messages import TaskMessage, topic_name
 
     clashing = sorted({"topic", "payload", "partition_key", "attributes"} & set(entry))
     if clashing:
@@ -253,22 +248,12 @@ def _task_entry(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
             f"{where}: args must be a list and kwargs a dict (got {type(args).__name__} and "
             f"{type(kwargs).__name__})."
         )
-    args, kwargs = tuples_as_lists(list(args)), tuples_as_lists(kwargs)
+    priority = entry.get("priority", task.priority)
     try:
-        require_json_round_trip(args, "args", depth=1)
-        require_json_round_trip(kwargs, "kwargs", depth=1)
+        # The slot's delivery runs at the schedule's priority, so its result says the same.
+        message = TaskMessage.enqueued(task, args, kwargs, priority=priority)
     except (TypeError, ValueError) as exc:
         raise WorkQueueConfigurationError(f"{where}: {exc}") from None
-    priority = entry.get("priority", task.priority)
-    message = TaskMessage(
-        task_path=task.module_path,
-        args=args,
-        kwargs=kwargs,
-        backend=task.backend,
-        queue_name=task.queue_name,
-        priority=priority,  # as the slot's delivery runs, so its result says the same
-        run_after=None,
-    )
     kept = {key: value for key, value in entry.items() if key not in _TASK_KEYS}
     return {
         **kept,

@@ -3,8 +3,8 @@ across all hosts (see ``workqueue.scheduling`` for the policy)."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,7 +116,8 @@ class Scheduler:
 
 
 def _publish_slot(schedule: Schedule, slot: Slot) -> PublishResult:
-    published = publish(
+    publishing = functools.partial(
+        publish,
         schedule.topic,
         schedule.payload,
         partition_key=schedule.partition_key,
@@ -126,14 +127,14 @@ def _publish_slot(schedule: Schedule, slot: Slot) -> PublishResult:
         deduplication_ttl=slot.deduplication_ttl,
         message_id=slot.message_id,
     )
-    not_found = published.error is not None and (
-        published.error.code == PublishErrorCode.TOPIC_NOT_FOUND
-    )
-    if schedule.task is None or not not_found:
+    published = publishing()
+    if schedule.task is None or published.error is None:
+        return published
+    if published.error.code != PublishErrorCode.TOPIC_NOT_FOUND:
         return published
     # A task's queue nobody has enqueued to yet: made as the task's first enqueue makes it.
     from django.utils.module_loading import import_string
 
     task = import_string(schedule.task)
     task.get_backend().ensure_queue(task.queue_name)
-    return _publish_slot(dataclasses.replace(schedule, task=None), slot)
+    return publishing()

@@ -11,6 +11,7 @@ policy or status: a result's status is its delivery's.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,9 +32,7 @@ from workqueue.tasks.messages import (
     HANDLER_KEY,
     TaskMessage,
     build_result,
-    require_json_round_trip,
     topic_name,
-    tuples_as_lists,
 )
 from workqueue.types import PublishErrorCode, PublishResult
 
@@ -120,18 +119,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
         published with the task's writes and result, or not at all.
         """
         self.validate_task(task)
-        message = TaskMessage(
-            task_path=task.module_path,
-            args=tuples_as_lists(list(args)),
-            kwargs=tuples_as_lists(dict(kwargs)),
-            backend=self.alias,
-            queue_name=task.queue_name,
-            priority=task.priority,
-            run_after=task.run_after,
-        )
-        # One level down in the message's payload, which may nest MAX_JSON_DEPTH levels.
-        require_json_round_trip(message.args, "args", depth=1)
-        require_json_round_trip(message.kwargs, "kwargs", depth=1)
+        message = TaskMessage.enqueued(task, args, kwargs, run_after=task.run_after)
         published = self._publish(message)
         if published.error is not None and published.error.code == (
             PublishErrorCode.TOPIC_NOT_FOUND
@@ -322,13 +310,15 @@ class WorkQueueBackend(api.BaseTaskBackend):
         if message.queue_name not in self._ready_queues:
             self.ensure_queue(message.queue_name)
         alias = get_settings().DATABASE_ALIAS
+        publishing = functools.partial(
+            publish,
+            topic_name(message.queue_name),
+            message.to_payload(),
+            not_before=message.run_after,
+            priority=message.priority,
+        )
         if not running_a_task(alias):
-            return publish(
-                topic_name(message.queue_name),
-                message.to_payload(),
-                not_before=message.run_after,
-                priority=message.priority,
-            )
+            return publishing()
         # Enqueued by a running task: published in its transaction, so with its writes and
         # result, or not at all. Sent at once, the follow-up could run before the task's rows
         # were committed (and not see them), and a task that then failed left a copy each run.
@@ -336,13 +326,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
         # task's whole transaction aborted, only this enqueue failed.
         try:
             with transaction.atomic(using=alias):
-                return publish(
-                    topic_name(message.queue_name),
-                    message.to_payload(),
-                    not_before=message.run_after,
-                    priority=message.priority,
-                    enlist=True,
-                )
+                return publishing(enlist=True)
         except WorkQueueError as exc:
             retry = (
                 " (it may succeed if tried again)" if isinstance(exc, TransientDriverError) else ""

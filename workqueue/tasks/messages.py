@@ -77,6 +77,33 @@ class TaskMessage:
         return payload
 
     @classmethod
+    def enqueued(
+        cls,
+        task: api.Task,
+        args: Any,
+        kwargs: Any,
+        *,
+        priority: int | None = None,
+        run_after: dt.datetime | None = None,
+    ) -> TaskMessage:
+        """The message an enqueue of ``task`` publishes (``task.enqueue(*args, **kwargs)``, or
+        a schedule's slot): tuples in the arguments made lists, then each argument checked
+        (``require_json_round_trip``: ``TypeError`` or ``ValueError`` naming it)."""
+        message = cls(
+            task_path=task.module_path,
+            args=tuples_as_lists(list(args)),
+            kwargs=tuples_as_lists(dict(kwargs)),
+            backend=task.backend,
+            queue_name=task.queue_name,
+            priority=task.priority if priority is None else priority,
+            run_after=run_after,
+        )
+        # One level down in the message's payload, which may nest MAX_JSON_DEPTH levels.
+        require_json_round_trip(message.args, "args", depth=1)
+        require_json_round_trip(message.kwargs, "kwargs", depth=1)
+        return message
+
+    @classmethod
     def from_payload(cls, payload: Any) -> TaskMessage:
         """Read a payload written by ``to_payload``; ValueError says what is wrong with it."""
         if not isinstance(payload, Mapping):
