@@ -372,6 +372,30 @@ def test_a_rejection_is_told_once_by_the_command_not_again_by_the_librarys_log(c
     assert any("were rejected" in r.getMessage() for r in caplog.records)
 
 
+def test_while_the_command_publishes_other_threads_rejections_are_still_logged(caplog):
+    """A logger's filter applies in every thread: a process running the command (call_command)
+    lost its other threads' rejection lines meanwhile (review helper-119)."""
+    import threading
+
+    from workqueue.cli.publishing import _rejections_told_here
+
+    with caplog.at_level(logging.INFO, logger="workqueue"), _rejections_told_here():
+
+        def publish_elsewhere() -> None:
+            try:
+                publish("orders.craeted", {})
+            finally:
+                get_driver().close()  # the thread's own connections: the queue's and Django's
+                connection.close()
+
+        elsewhere = threading.Thread(target=publish_elsewhere)
+        elsewhere.start()
+        elsewhere.join()
+        publish("orders.craeted", {})  # this thread's: left out
+
+    assert len([r for r in caplog.records if "were rejected" in r.getMessage()]) == 1
+
+
 def test_a_mistyped_topic_is_answered_with_the_names_it_resembles():
     TopicFactory(name="orders.created")
     TopicFactory(name="orders.cancelled")
