@@ -20,6 +20,7 @@ import pytest
 from botocore.exceptions import EndpointConnectionError
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.urls import reverse
 from django.utils import timezone
 
@@ -128,6 +129,41 @@ def test_a_subscription_whose_queue_name_sqs_would_refuse_is_refused_on_save(aws
         SubscriptionFactory(topic=topic, name="a" * 70)
 
     assert "SQS allows 80" in str(refused.value.message_dict["name"])
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+def test_a_subscription_named_after_another_ones_dead_letter_queue_is_refused_on_save(aws, fifo):
+    """Subscription "billing-dlq"'s queue was subscription "billing"'s dead-letter queue, so
+    its consumer ran, and by completing deleted, billing's dead letters (payloads included),
+    and its own messages were listed and could be replayed as billing's (helper-123)."""
+    topic = TopicFactory(transport=aws, is_fifo=fifo)
+    billing = SubscriptionFactory(topic=topic, name="billing")
+
+    with pytest.raises(TopologyValidationError) as refused:
+        SubscriptionFactory(topic=TopicFactory(transport=aws, is_fifo=fifo), name="billing-dlq")
+
+    assert "may not end in '-dlq'" in str(refused.value.message_dict["name"])
+    assert QueueBinding.of(str(billing.id)).names.dead_letter_queue.startswith("wq")
+    # A dotted name whose last word is "dlq" makes "...--dlq": no other queue's dead letters.
+    SubscriptionFactory(topic=topic, name="billing.dlq")
+
+
+def test_a_subscription_saved_before_the_dead_letter_queue_rule_is_neither_bound_nor_provisioned(
+    aws,
+):
+    topic = TopicFactory(transport=aws)
+    SubscriptionFactory(topic=topic, name="billing")
+    intruder = SubscriptionFactory(topic=topic, name="billing-audit")
+    # As a row saved by an earlier release, which had no such rule.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workqueue_subscription SET name = 'billing-dlq' WHERE id = %s", [intruder.pk]
+        )
+
+    with pytest.raises(WorkQueueConfigurationError, match="may not end in '-dlq'"):
+        transport_for("AWS").receiver(str(intruder.id))
+    with pytest.raises(WorkQueueConfigurationError, match="dead-letter queue of the queue"):
+        transport_for("AWS").provision(aws, dry_run=False)
 
 
 def test_a_lease_longer_than_sqs_can_hide_a_message_is_refused_on_save(aws):

@@ -197,6 +197,10 @@ def configuration_problem(configuration: dict[str, Any] | None) -> str | None:
     return None
 
 
+#: What a subscription's queue name gets to name its dead-letter queue.
+DEAD_LETTER_QUEUE_SUFFIX = "-dlq"
+
+
 def _resource_part(name: str) -> str:
     return name.replace(".", "--")
 
@@ -216,10 +220,21 @@ class AwsNames:
         return cls(
             topic=f"{prefix}-{_resource_part(topic_name)}{suffix}",
             queue=f"{queue}{suffix}",
-            dead_letter_queue=f"{queue}-dlq{suffix}",
+            dead_letter_queue=f"{queue}{DEAD_LETTER_QUEUE_SUFFIX}{suffix}",
         )
 
     def problem(self) -> str | None:
+        owner = self.queue.removesuffix(".fifo").removesuffix(DEAD_LETTER_QUEUE_SUFFIX)
+        if len(owner) < len(self.queue.removesuffix(".fifo")) and not owner.endswith("-"):
+            # Subscription names are unique, but "x-dlq"'s queue is "x"'s dead-letter queue:
+            # its consumer would run, and by completing delete, x's dead letters, and its own
+            # messages would be listed and replayed as x's. ("x.dlq" makes "x--dlq", which no
+            # name's queue has as its dead-letter queue.)
+            return (
+                f"On the AWS transport a subscription name may not end in "
+                f"{DEAD_LETTER_QUEUE_SUFFIX!r}: its SQS queue {self.queue!r} is the name of the "
+                f"dead-letter queue of the queue {owner!r}. Choose another name."
+            )
         if len(self.topic) > SNS_TOPIC_NAME_MAX:
             return (
                 f"The SNS topic name {self.topic!r} would be {len(self.topic)} characters; SNS "
@@ -486,6 +501,11 @@ class QueueBinding:
     def of_row(cls, row: Any) -> QueueBinding:
         topic = row.topic
         settings = AwsSettings.parse(topic.transport.configuration)
+        names = AwsNames.of(settings.prefix, topic.name, row.name, topic.is_fifo)
+        if (problem := names.problem()) is not None:
+            # Saved before the rule above (or through a path that skips validation): never
+            # bound, so that no consumer reads another subscription's dead letters.
+            raise WorkQueueConfigurationError(f"Subscription {row.name!r}: {problem}")
         return cls(
             subscription_id=str(row.id),
             subscription_name=row.name,
@@ -494,7 +514,7 @@ class QueueBinding:
             exclusive=row.partition_mode == PartitionMode.EXCLUSIVE,
             lease_seconds=row.lease_seconds,
             max_attempts=row.max_attempts,
-            names=AwsNames.of(settings.prefix, topic.name, row.name, topic.is_fifo),
+            names=names,
             clients=clients_for(settings),
         )
 
