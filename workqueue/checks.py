@@ -67,7 +67,7 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
         # every manage.py command by an upgrade.
         errors.extend(
             checks.Warning(problem, hint="Change it in settings.py.", id="workqueue.W007")
-            for problem in driver_class.settings_problems()
+            for problem in driver_class.settings_problems(conf.DATABASE_ALIAS)
         )
     errors.extend(_routing_errors(conf.DATABASE_ALIAS))
     from workqueue.scheduling import load_schedules

@@ -83,6 +83,12 @@ class TransientDriverError(DriverError):
     """A failure worth retrying: deadlock, serialization failure, lock timeout, lost connection."""
 
 
+class SerializationFailureError(TransientDriverError):
+    """The transaction ran above READ COMMITTED (REPEATABLE READ, SERIALIZABLE, SQL Server's
+    SNAPSHOT) and was refused a row changed since its snapshot, or a result no serial order
+    gives (PostgreSQL SQLSTATE 40001, SQL Server error 3960)."""
+
+
 class LockTimeoutError(TransientDriverError):
     """A statement waited longer than its procedure allows for a row another transaction
     holds (PostgreSQL SQLSTATE 55P03, SQL Server error 1222)."""

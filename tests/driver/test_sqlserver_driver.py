@@ -31,6 +31,7 @@ from workqueue.driver.sqlserver import (
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
+    SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
 )
@@ -236,6 +237,36 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
             ),
             TransientDriverError,
             id="mssql-python-1205",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                pyodbc.OperationalError(
+                    "42000",
+                    "[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Snapshot "
+                    "isolation transaction aborted due to update conflict. You cannot use "
+                    "snapshot isolation to access table 'dbo.workqueue_delivery' directly or "
+                    "indirectly in database 'wq' to update, delete, or insert the row that has "
+                    "been modified or deleted by another transaction. Retry the transaction or "
+                    "change the isolation level for the update/delete statement. (3960) "
+                    "(SQLExecDirectW)",
+                ),
+            ),
+            # An enlisted completion refused this way names the isolation level (executor).
+            SerializationFailureError,
+            id="pyodbc-3960",
+        ),
+        pytest.param(
+            _wrapped(
+                OperationalError,
+                _python_driver(
+                    mssql_python_errors.OperationalError,
+                    "General error",
+                    "Snapshot isolation transaction aborted due to update conflict.",
+                ),
+            ),
+            SerializationFailureError,
+            id="mssql-python-3960",
         ),
         pytest.param(
             _wrapped(

@@ -707,3 +707,89 @@ def test_an_operator_discard_of_a_delivery_held_in_its_handlers_transaction_answ
     # Once the transaction has ended the same request gets its ordinary answer.
     again = operations.discard(sub.name, delivery.delivery_id, reason="stuck?")
     assert (again.discarded, again.cancel_requested) == (False, False)
+
+
+# -- isolation above READ COMMITTED -----------------------------------------------------------
+
+
+@pytest.fixture
+def repeatable_read(rig: Rig) -> Iterator[None]:
+    """The project's connection at REPEATABLE READ, as Django's
+    ``DATABASES[...]['OPTIONS']['isolation_level']`` sets it."""
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    before = dict(options)
+    options["isolation_level"] = psycopg.IsolationLevel.REPEATABLE_READ
+    connection.close()
+    yield
+    options.clear()
+    options.update(before)
+    connection.close()
+
+
+def heartbeat_then_complete(message: WorkMessage, context: WorkContext) -> Outcome:
+    with transaction.atomic():
+        write_effect(message, context)  # the transaction's snapshot is taken here
+        assert context.heartbeat({"message": "halfway"})  # the delivery's row changes
+        context.complete(enlist=True)
+    return Outcome.complete()
+
+
+def read_committed_then_complete(message: WorkMessage, context: WorkContext) -> Outcome:
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        return heartbeat_then_complete(message, context)
+
+
+def test_a_completion_refused_above_read_committed_says_why_and_how_to_fix_it(rig, repeatable_read):
+    """At REPEATABLE READ a renewal after the transaction's snapshot (the host's, every third
+    of the lease, or the handler's heartbeat) made the completion fail as "could not serialize
+    access due to concurrent update", retried to a dead letter with nothing naming the
+    isolation level: every handler outlasting a third of its lease, every such Tasks API task
+    (helper-124)."""
+    sub = rig.subscription("tests.txn.body", max_attempts=1, heartbeat_mode="Manual")
+    receiver, delivery = rig.claim(sub, body(heartbeat_then_complete))
+
+    rig.execution(sub, receiver, delivery).run()
+
+    row = Delivery.objects.get(pk=delivery.delivery_id)
+    assert row.status == "DeadLettered"
+    assert "above READ COMMITTED" in row.last_error
+    assert "SET TRANSACTION ISOLATION LEVEL READ COMMITTED" in row.last_error
+    assert effects() == []
+
+
+def test_the_fix_the_refusal_names_completes_on_a_repeatable_read_connection(rig, repeatable_read):
+    sub = rig.subscription("tests.txn.body", max_attempts=1, heartbeat_mode="Manual")
+    receiver, delivery = rig.claim(sub, body(read_committed_then_complete))
+
+    result = rig.execution(sub, receiver, delivery).run()
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert effects() == [(delivery.message_id, 1)]
+
+
+@pytest.mark.parametrize(
+    ("level", "warned"),
+    [
+        (psycopg.IsolationLevel.REPEATABLE_READ, True),
+        (psycopg.IsolationLevel.SERIALIZABLE, True),
+        (psycopg.IsolationLevel.READ_COMMITTED, False),
+        (None, False),
+    ],
+)
+def test_manage_py_check_warns_of_an_isolation_level_that_refuses_completions(
+    monkeypatch, level, warned
+):
+    from workqueue.checks import check_settings
+
+    options = {} if level is None else {"isolation_level": level}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+
+    found = [m.msg for m in check_settings() if m.id == "workqueue.W007"]
+
+    if warned:
+        [text] = found
+        assert f"is {level.name.replace('_', ' ')}" in text and "READ COMMITTED" in text
+    else:
+        assert found == []

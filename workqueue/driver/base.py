@@ -194,9 +194,10 @@ class BaseDriver:
         self._rendered: dict[Procedure, str] = {}
 
     @classmethod
-    def settings_problems(cls) -> list[str]:
-        """What in Django's settings keeps this vendor's procedures from working, each with
-        its fix (reported by ``manage.py check`` as ``workqueue.W007``)."""
+    def settings_problems(cls, alias: str) -> list[str]:
+        """What in Django's settings (those of the queue's ``alias`` among them) keeps this
+        vendor's procedures from working, each with its fix (reported by ``manage.py check``
+        as ``workqueue.W007``)."""
         return []
 
     # -- rendering and errors: the vendor-specific part ------------------------------------

@@ -13,7 +13,7 @@ import select
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg import pq
 
@@ -39,6 +39,7 @@ from workqueue.driver.procedures import Grant, ParamType, Procedure, get_procedu
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
+    SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
     UnstorableValueError,
@@ -283,6 +284,32 @@ class PostgresDriver(BaseDriver):
         "tcp_user_timeout": 30_000,  # milliseconds
     }
 
+    @classmethod
+    def settings_problems(cls, alias: str) -> list[str]:
+        # Imported here: Django's PostgreSQL backend, and its IsolationLevel for whichever
+        # psycopg it runs on, load only with a PostgreSQL alias.
+        from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+        level = connections[alias].settings_dict.get("OPTIONS", {}).get("isolation_level")
+        try:
+            level = None if level is None else IsolationLevel(level)
+        except ValueError:
+            return []  # Django refuses it itself, at the first connection
+        if level not in (IsolationLevel.REPEATABLE_READ, IsolationLevel.SERIALIZABLE):
+            return []
+        return [
+            f"DATABASES[{alias!r}]['OPTIONS']['isolation_level'] is "
+            f"{level.name.replace('_', ' ')}: a transaction that completes a delivery "
+            "(context.complete(enlist=True), and every Tasks API task, whose result commits "
+            "with its completion) is refused whenever the host renewed the delivery's lease "
+            "after its first statement, since renewals change the delivery's row and PostgreSQL "
+            "refuses such a transaction to update a row changed since its snapshot: one that "
+            "outlasts a third of the lease never completes. Give the work queue an alias of the "
+            "same database at READ COMMITTED (WORKQUEUE['DATABASE_ALIAS']) and make the "
+            "handlers' changes through it, or run `SET TRANSACTION ISOLATION LEVEL READ "
+            "COMMITTED` first in each such block."
+        ]
+
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
         # The SECURITY DEFINER functions run with search_path = pg_catalog, pg_temp and name
         # their own tables and functions qualified. Keeping the tables' schema out of the path
@@ -429,6 +456,8 @@ class PostgresDriver(BaseDriver):
             return UniqueViolationError(message)
         if sqlstate == "55P03":
             return LockTimeoutError(message)
+        if sqlstate == "40001":
+            return SerializationFailureError(message)
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
         # Class 22 ("data exception") from the server, a value past one of its limits (54000:

@@ -35,6 +35,7 @@ from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, gran
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
+    SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
 )
@@ -51,6 +52,9 @@ TRANSIENT_ERRORS = frozenset(
     {1205, 1222, 51001, 64, 233, 10053, 10054, 10060, 40197, 40501, 40613, 1105, 9002}
 )
 
+# A SNAPSHOT transaction refused a row changed since it began (worth retrying, as a whole).
+SNAPSHOT_UPDATE_CONFLICT = 3960
+
 # Message fragments for drivers that do not report the error number (mssql-python puts only the
 # SQLSTATE class and the server's text in its exceptions).
 _MESSAGE_NUMBERS = (
@@ -58,6 +62,7 @@ _MESSAGE_NUMBERS = (
     ("violation of primary key constraint", 2627),
     ("violation of unique key constraint", 2627),
     ("was deadlocked on", 1205),
+    ("snapshot isolation transaction aborted due to update conflict", 3960),
     ("lock request time out period exceeded", 1222),
     ("filegroup is full", 1105),
     ("the transaction log for database", 9002),
@@ -207,7 +212,7 @@ class SqlServerDriver(BaseDriver):
     )
 
     @classmethod
-    def settings_problems(cls) -> list[str]:
+    def settings_problems(cls, alias: str) -> list[str]:
         if settings.USE_TZ:
             return []
         # mssql-django makes DateTimeField a datetimeoffset column only under USE_TZ. The
@@ -246,6 +251,9 @@ class SqlServerDriver(BaseDriver):
             return UniqueViolationError(message)
         if number == 1222:  # SET LOCK_TIMEOUT ran out (wq_cancel, wq_discard)
             return LockTimeoutError(message)
+        if number == SNAPSHOT_UPDATE_CONFLICT:
+            return SerializationFailureError(message)
+        # SQLSTATE 40001 here is also a deadlock's (1205), not a snapshot's refusal.
         if number in TRANSIENT_ERRORS or _sqlstate(cause) == "40001":
             return TransientDriverError(message)
         if _connection_lost(cause, error):

@@ -51,6 +51,7 @@ from workqueue.exceptions import (
     Cancelled,
     EnlistError,
     LeaseLost,
+    SerializationFailureError,
     TransientDriverError,
     TransientTransportError,
     WorkQueueError,
@@ -776,7 +777,22 @@ class DeliveryExecution:
                 # Let it finish first: once the row is locked below, it would wait for the
                 # handler's transaction.
                 renewal.result()
-            settled = self.services.receiver.complete(self.delivery, connection=connection)
+            try:
+                settled = self.services.receiver.complete(self.delivery, connection=connection)
+            except SerializationFailureError as exc:
+                raise EnlistError(
+                    f"Delivery {self.delivery.delivery_id} could not be completed in your "
+                    "transaction: the database refused it as a serialization failure. The "
+                    f"transaction runs above READ COMMITTED on database {alias!r} (REPEATABLE "
+                    "READ, SERIALIZABLE or SNAPSHOT), where a row changed after its first "
+                    "statement may not be updated, and the host changes the delivery's row "
+                    "whenever it renews the lease (every third of it, and at each "
+                    "context.heartbeat()). Your changes roll back and the delivery is retried. "
+                    "Complete in a READ COMMITTED transaction: give the work queue an alias of "
+                    "the same database at READ COMMITTED (WORKQUEUE['DATABASE_ALIAS']) and make "
+                    "the handler's changes through it, or on PostgreSQL run `SET TRANSACTION "
+                    "ISOLATION LEVEL READ COMMITTED` first in the block."
+                ) from exc
             if settled.settled:
                 self._enlisted = EnlistedCompletion(connection)
                 return
