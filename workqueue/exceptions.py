@@ -159,6 +159,32 @@ class TransientTransportError(TransportUnavailableError):
     lease ran out, it would only hold a settle thread that long."""
 
 
+class BulkOperationInterrupted(WorkQueueError):
+    """A bulk replay or discard, which commits batch by batch, was stopped by a database or
+    transport failure (its ``__cause__``) after at least one batch had committed. Those batches
+    stay applied: ``matched`` of the ``examined`` rows were changed (on a ``dry_run``, only
+    counted) in ``batches`` batches; ``action`` is replay or discard. The text says so, and that
+    running the operation again is safe. REST answers as for the failure, with the counts; the
+    CLI exits 1; the admin reports the counts and records them in the subscription's history."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        action: str,
+        dry_run: bool,
+        matched: int,
+        examined: int,
+        batches: int,
+    ) -> None:
+        super().__init__(message)
+        self.action = action
+        self.dry_run = dry_run
+        self.matched = matched
+        self.examined = examined
+        self.batches = batches
+
+
 class DeliveryBusyError(WorkQueueError):
     """A delivery could not be changed because a transaction holds its row: its handler is
     completing it inside ``transaction.atomic()`` and has not committed yet. Nothing was

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from django.contrib import messages
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
@@ -823,3 +824,115 @@ def test_a_bulk_discard_in_small_batches_examines_every_waiting_delivery_once(pg
     assert (examined, changed) == (300, 300)
     # Each batch ended where the whole walk's order says its last row is.
     assert lasts == [expected[min(i + 6, 299)] for i in range(0, 300, 7)]
+
+
+# -- a failure partway ----------------------------------------------------------------------
+
+
+def connection_dropped_before(
+    monkeypatch: pytest.MonkeyPatch, pg_conn: Any, procedure: str, call: int
+) -> None:
+    """From now on the driver's connection is dropped (its backend terminated, as a failover
+    does) just before the ``call``-th call of ``procedure``: the batches before it committed."""
+    driver = get_driver()
+    original = driver.call
+    calls = 0
+
+    def dropping(name: str, params: Any = None, **kw: Any) -> Any:
+        nonlocal calls
+        if name == procedure:
+            calls += 1
+            if calls == call:
+                (pid,) = driver.execute("SELECT pg_backend_pid()", [])[0]
+                pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
+        return original(name, params, **kw)
+
+    monkeypatch.setattr(driver, "call", dropping)
+
+
+DROPPED = "terminating connection due to administrator command"
+
+
+def test_a_bulk_command_stopped_by_a_dropped_connection_says_what_its_batches_did(
+    monkeypatch, pg_conn
+):
+    """The batches before the failure stay committed; the command said so, but not how many
+    rows they changed (reviewer h124). Here the keyless index's batches all committed and the
+    keyed index's first one failed: the count is of both."""
+    subscription = SubscriptionFactory(partition_mode="Exclusive")
+    keyless = waiting(subscription, 3)
+    keyed = waiting(subscription, 2, key="k")
+    connection_dropped_before(monkeypatch, pg_conn, "wq_discard_pending", call=3)
+    argv = ("discard-pending", "-s", subscription.name, "--discard-reason", "flood")
+
+    with pytest.raises(CommandError) as stopped:
+        run(*argv, "--batch-size", "2")
+
+    assert str(stopped.value) == (
+        "Stopped by an error after 2 batches, in which 3 of the 3 waiting deliveries examined "
+        "were discarded: those stay discarded. Running it again is safe and goes on with what "
+        f"is left (a dry run counts it). The error: {DROPPED}"
+    )
+    interrupted = stopped.value.__cause__
+    assert (interrupted.action, interrupted.dry_run) == ("discard", False)
+    assert (interrupted.matched, interrupted.examined, interrupted.batches) == (3, 3, 2)
+    assert statuses(keyless) == ["Discarded"] * 3 and statuses(keyed) == ["Pending"] * 2
+    assert f"Discarded 2 of 2 waiting deliveries of {subscription.name}" in run(*argv)
+
+
+def test_a_bulk_replay_through_rest_stopped_by_a_dropped_connection_counts_what_it_did(
+    client, monkeypatch, pg_conn
+):
+    """Its first batch of 1000 committed, then the connection dropped: the caller heard only
+    "unavailable, try again" and the subscription's history had nothing (reviewer h124). The
+    answer counts the batches that committed, without the database's text."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 1500, status="DeadLettered")
+    key = ApiKeyFactory(scopes=[OPERATE])
+    connection_dropped_before(monkeypatch, pg_conn, "wq_resolve_dead_letters", call=2)
+
+    stopped = post(
+        client, f"/subscriptions/{subscription.name}/dead-letters/replay", {"note": "INC-512"}, key
+    )
+
+    assert stopped.status_code == 503
+    assert stopped.json() == {
+        "detail": "The work queue's database is unavailable; try again shortly.",
+        "matched": 1000,
+        "examined": 1000,
+        "batches": 1,
+    }
+    assert Delivery.objects.filter(subscription=subscription, status="Pending").count() == 1000
+    history = LogEntry.objects.get(object_id=str(subscription.pk))
+    assert history.change_message == (
+        "Replayed 1000 dead letters, stopped by an error after 1 batch, through the REST API "
+        f"with API key wq_{key.prefix} (note: INC-512)"
+    )
+
+
+def test_an_admin_bulk_replay_stopped_by_a_dropped_connection_says_and_records_what_it_did(
+    client, monkeypatch, pg_conn
+):
+    """The admin said "failed" with no count and recorded nothing, though 1000 dead letters
+    were replayed (reviewer h124); one history entry per bulk operation is promised."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 1500, status="DeadLettered")
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = as_recovery_operator(client, subscription, operation="replay", note="INC-512")
+    counted = client.post(url, {**form, "post": "count"}).context["counted"]
+    connection_dropped_before(monkeypatch, pg_conn, "wq_resolve_dead_letters", call=2)
+
+    applied = client.post(url, {**form, "post": "apply", "counted": counted}, follow=True)
+
+    [message] = applied.context["messages"]
+    assert message.level == messages.WARNING
+    assert str(message) == (
+        f"{subscription.name}: stopped by an error after 1000 of 1000 dead letters were "
+        "replayed (in 1 batch; they stay replayed: Count and Apply again for what is left): "
+        f"{DROPPED}"
+    )
+    assert Delivery.objects.filter(subscription=subscription, status="Pending").count() == 1000
+    history = LogEntry.objects.get(object_id=str(subscription.pk))
+    assert history.change_message == (
+        "Replayed 1000 dead letters, stopped by an error after 1 batch (note: INC-512)"
+    )

@@ -19,11 +19,14 @@ from django.template.response import TemplateResponse
 
 from workqueue.admin.actions import may_operate
 from workqueue.exceptions import (
+    BulkOperationInterrupted,
     PermissionDeniedError,
     UnsupportedByTransportError,
     WorkQueueError,
+    one_line,
 )
 from workqueue.operators import operations
+from workqueue.operators.display import count_of
 from workqueue.operators.permissions import Actor
 
 TEMPLATE = "workqueue/admin/dead_letter_recovery.html"
@@ -150,6 +153,10 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
         dry_run = request.POST["post"] == "count"
         data = form.cleaned_data
         actor = Actor(user=request.user)
+        verb = "would be" if dry_run else "were"
+        done = "replayed" if data["operation"] == "replay" else "discarded"
+        rows = "waiting deliveries" if data["operation"] == "discard_pending" else "dead letters"
+        note = f" (note: {data['note']})" if data["note"] else ""
         results = []
         for name in subscriptions:
             try:
@@ -160,17 +167,36 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
             except UnsupportedByTransportError as exc:
                 results.append((name, f"not supported: {exc}"))
                 continue
+            except BulkOperationInterrupted as stopped:
+                # The batches before the failure committed: say how much they did, and record
+                # it, as for a whole operation.
+                batches = count_of(stopped.batches, "batch", "batches")
+                then = (
+                    "nothing was changed: Count again to count them all"
+                    if dry_run
+                    else f"they stay {done}: Count and Apply again for what is left"
+                )
+                results.append(
+                    (
+                        name,
+                        f"stopped by an error after {stopped.matched} of {stopped.examined} "
+                        f"{rows} {verb} {done} (in {batches}; {then}): "
+                        f"{one_line(stopped.__cause__ or stopped)}",
+                    )
+                )
+                if not dry_run and stopped.matched:
+                    modeladmin.log_change(
+                        request,
+                        queryset.get(name=name),
+                        f"{done.capitalize()} {stopped.matched} {rows}, stopped by an error "
+                        f"after {batches}{note}",
+                    )
+                continue
             except WorkQueueError as exc:
                 results.append((name, f"failed: {exc}"))
                 continue
-            verb = "would be" if dry_run else "were"
-            done = "replayed" if data["operation"] == "replay" else "discarded"
-            rows = (
-                "waiting deliveries" if data["operation"] == "discard_pending" else "dead letters"
-            )
             results.append((name, f"{outcome.matched} of {outcome.examined} {rows} {verb} {done}"))
             if not dry_run and outcome.matched:
-                note = f" (note: {data['note']})" if data["note"] else ""
                 subscription = queryset.get(name=name)
                 modeladmin.log_change(
                     request, subscription, f"{done.capitalize()} {outcome.matched} {rows}{note}"
@@ -178,7 +204,8 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
         if not dry_run:
             summary = "; ".join(f"{name}: {text}" for name, text in results)
             failed = any(
-                text.startswith(("refused", "failed", "not supported")) for _, text in results
+                text.startswith(("refused", "stopped", "failed", "not supported"))
+                for _, text in results
             )
             modeladmin.message_user(
                 request, summary, messages.WARNING if failed else messages.SUCCESS

@@ -23,6 +23,7 @@ from ninja.errors import HttpError, ValidationError
 from workqueue.api import docs, health, metrics, publish, subscriptions
 from workqueue.api.auth import ApiKeyAuth, SessionAuth
 from workqueue.exceptions import (
+    BulkOperationInterrupted,
     DeliveryBusyError,
     DriverError,
     InvalidInputError,
@@ -92,6 +93,13 @@ def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse
         )
         return _error(request, 400, UNSTORABLE_VALUE)
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
+    if isinstance(exc, BulkOperationInterrupted):
+        # Its committed batches stay applied: the caller is told how much they did, with the
+        # answer the failure itself gets (not its text).
+        done = {"matched": exc.matched, "examined": exc.examined, "batches": exc.batches}
+        if isinstance(exc.__cause__, DriverError):
+            return _error(request, 503, DATABASE_UNAVAILABLE, **done)
+        return _error(request, 500, SERVER_ERROR, **done)
     if isinstance(exc, DriverError):
         return _error(request, 503, DATABASE_UNAVAILABLE)
     return _error(request, 500, SERVER_ERROR)

@@ -45,6 +45,19 @@ class ErrorOut(Schema):
     #: On a 409 from a discard: the delivery whose row an open transaction holds (its handler
     #: completing it inside ``transaction.atomic()``); the same request can be sent again.
     delivery_id: str | None = Field(None, alias="deliveryId")
+    # On a 503 (500 for a cloud transport's failure) from a bulk operation that a failure
+    # stopped after some of its batches had committed: what those batches did, as a 200 counts.
+    matched: int | None = Field(
+        None, description="Bulk operation stopped partway: the rows its batches changed."
+    )
+    examined: int | None = Field(
+        None, description="Bulk operation stopped partway: the rows its batches looked at."
+    )
+    batches: int | None = Field(
+        None,
+        description="Bulk operation stopped partway: the batches that committed (they stay "
+        "applied; sending the request again goes on with what is left).",
+    )
 
 
 # -- publish --------------------------------------------------------------------------------

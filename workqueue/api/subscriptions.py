@@ -4,6 +4,7 @@ and the admin), which checks permissions and validates input before touching the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -27,8 +28,10 @@ from workqueue.api.schemas import (
     ReplayOut,
     StatsOut,
 )
+from workqueue.exceptions import BulkOperationInterrupted
 from workqueue.models import Delivery
 from workqueue.operators import operations
+from workqueue.operators.display import count_of
 from workqueue.operators.permissions import Actor
 from workqueue.types import DeadLetterItem
 
@@ -39,6 +42,9 @@ READ_ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
 # ``capability``), e.g. replay on a transport without supports_replay; or, for a discard, an
 # open transaction holds the delivery's row (``deliveryId``): send the request again shortly.
 TRANSPORT_ERRORS = {**READ_ERRORS, 409: ErrorOut}
+# 503: the database failed; after some batches of a bulk operation had committed, the answer
+# counts what they did (``matched``, ``examined``, ``batches``), which stays done.
+BULK_ERRORS = {**TRANSPORT_ERRORS, 503: ErrorOut}
 
 
 @router.get(
@@ -201,7 +207,7 @@ def discard(
 
 @router.post(
     "/{name}/dead-letters/replay",
-    response={200: BulkOut, **TRANSPORT_ERRORS},
+    response={200: BulkOut, **BULK_ERRORS},
     by_alias=True,
     operation_id="replayDeadLetters",
     summary="Replay every dead letter matching a filter",
@@ -210,19 +216,29 @@ def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> 
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Replays the
     subscription's dead letters that match every field of ``filter`` (all of them with an empty
     filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead.
-    Replayed Ordered heads keep their places."""
+    Replayed Ordered heads keep their places. A 503 once some batches have committed counts
+    what they did (``matched``, ``examined``, ``batches``): sending it again goes on with the
+    rest."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
-    outcome = operations.resolve_dead_letters(
-        name, "replay", _selection(body.filter), dry_run=body.dry_run, note=body.note, actor=actor
+    return _logged_bulk(
+        lambda: operations.resolve_dead_letters(
+            name,
+            "replay",
+            _selection(body.filter),
+            dry_run=body.dry_run,
+            note=body.note,
+            actor=actor,
+        ),
+        actor,
+        name,
+        "Replayed {} dead letters",
+        body.note,
     )
-    if outcome.matched and not outcome.dry_run:
-        _log_bulk(actor, name, f"Replayed {outcome.matched} dead letters", body.note)
-    return outcome
 
 
 @router.post(
     "/{name}/dead-letters/discard",
-    response={200: BulkOut, **TRANSPORT_ERRORS},
+    response={200: BulkOut, **BULK_ERRORS},
     by_alias=True,
     operation_id="discardDeadLetters",
     summary="Discard every dead letter matching a filter",
@@ -230,24 +246,29 @@ def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> 
 def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -> Any:
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Discards the
     subscription's dead letters that match every field of ``filter`` (all of them with an empty
-    filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead."""
+    filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead.
+    A 503 once some batches have committed counts what they did (``matched``, ``examined``,
+    ``batches``): sending it again goes on with the rest."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
-    outcome = operations.resolve_dead_letters(
+    return _logged_bulk(
+        lambda: operations.resolve_dead_letters(
+            name,
+            "discard",
+            _selection(body.filter),
+            dry_run=body.dry_run,
+            note=body.reason,
+            actor=actor,
+        ),
+        actor,
         name,
-        "discard",
-        _selection(body.filter),
-        dry_run=body.dry_run,
-        note=body.reason,
-        actor=actor,
+        "Discarded {} dead letters",
+        body.reason,
     )
-    if outcome.matched and not outcome.dry_run:
-        _log_bulk(actor, name, f"Discarded {outcome.matched} dead letters", body.reason)
-    return outcome
 
 
 @router.post(
     "/{name}/pending/discard",
-    response={200: BulkOut, **TRANSPORT_ERRORS},
+    response={200: BulkOut, **BULK_ERRORS},
     by_alias=True,
     operation_id="discardPending",
     summary="Discard every waiting delivery matching a filter",
@@ -256,7 +277,8 @@ def discard_pending(request: HttpRequest, name: str, body: PendingDiscardIn) -> 
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Discards the
     subscription's Pending deliveries that match every field of ``filter`` (all of them with an
     empty filter), so they never run, in batches of 1000; running deliveries are left alone.
-    ``dryRun`` counts them instead."""
+    ``dryRun`` counts them instead. A 503 once some batches have committed counts what they
+    did (``matched``, ``examined``, ``batches``): sending it again goes on with the rest."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     selection = operations.PendingSelection(
         partition_key=body.filter.partition_key,
@@ -264,12 +286,15 @@ def discard_pending(request: HttpRequest, name: str, body: PendingDiscardIn) -> 
         published_before=body.filter.published_before,
         error_contains=body.filter.error_contains,
     )
-    outcome = operations.discard_pending(
-        name, selection, reason=body.reason, dry_run=body.dry_run, actor=actor
+    return _logged_bulk(
+        lambda: operations.discard_pending(
+            name, selection, reason=body.reason, dry_run=body.dry_run, actor=actor
+        ),
+        actor,
+        name,
+        "Discarded {} waiting deliveries",
+        body.reason,
     )
-    if outcome.matched and not outcome.dry_run:
-        _log_bulk(actor, name, f"Discarded {outcome.matched} waiting deliveries", body.reason)
-    return outcome
 
 
 def _selection(body: DeadLetterFilterIn) -> operations.DeadLetterSelection:
@@ -280,6 +305,29 @@ def _selection(body: DeadLetterFilterIn) -> operations.DeadLetterSelection:
         dead_lettered_before=body.dead_lettered_before,
         error_contains=body.error_contains,
     )
+
+
+def _logged_bulk(
+    run: Callable[[], operations.BulkOutcome],
+    actor: Actor,
+    subscription_name: str,
+    done: str,
+    note: str | None,
+) -> operations.BulkOutcome:
+    """Run a bulk operation and record what it changed (``done``, "Replayed {} dead letters",
+    given the count) in the subscription's history. One a failure stopped partway is recorded
+    too, with what its committed batches changed, which stays changed; then it fails."""
+    try:
+        outcome = run()
+    except BulkOperationInterrupted as stopped:
+        if stopped.matched and not stopped.dry_run:
+            batches = count_of(stopped.batches, "batch", "batches")
+            what = f"{done.format(stopped.matched)}, stopped by an error after {batches},"
+            _log_bulk(actor, subscription_name, what, note)
+        raise
+    if outcome.matched and not outcome.dry_run:
+        _log_bulk(actor, subscription_name, done.format(outcome.matched), note)
+    return outcome
 
 
 def _log_bulk(actor: Actor, subscription_name: str, what: str, note: str | None) -> None:

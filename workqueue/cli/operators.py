@@ -101,6 +101,7 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
     """Turn the operators' expected errors into CommandError (stderr, non-zero exit).
     ``in_batches``: the operation commits batch by batch (a bulk replay or discard)."""
     from workqueue.exceptions import (
+        BulkOperationInterrupted,
         DeliveryBusyError,
         DriverError,
         InvalidInputError,
@@ -113,6 +114,7 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
     try:
         return run()
     except (
+        BulkOperationInterrupted,  # says what its committed batches did and what a re-run does
         DeliveryBusyError,
         InvalidInputError,
         NotFoundError,

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any
 from workqueue import transport
 from workqueue.conf import get_settings
 from workqueue.exceptions import (
+    BulkOperationInterrupted,
+    DriverError,
     InvalidInputError,
     NotFoundError,
     TransportUnavailableError,
     UnsupportedByTransportError,
     WorkQueueConfigurationError,
     WorkQueueError,
+    one_line,
 )
 from workqueue.input_limits import KEY_UNITS, key_length, text_problem
 from workqueue.operators import cursors
@@ -540,7 +543,9 @@ def resolve_dead_letters(
     ``dry_run``. Works through the dead letters in batches of ``batch_size`` (1..5000), each
     its own transaction, so the rows of one batch are locked only while it runs; each changed
     delivery records the actor and note, as single replays and discards do. Replayed Ordered
-    heads keep their places, so each key resumes in publish order."""
+    heads keep their places, so each key resumes in publish order. A database or transport
+    failure after a batch committed raises BulkOperationInterrupted, which counts what was
+    done."""
     name = _name(subscription_name)
     if action not in ("replay", "discard"):
         raise InvalidInputError("action must be replay or discard.")
@@ -566,7 +571,7 @@ def resolve_dead_letters(
         "Replaying dead letters",
     )
     sub_id = str(subscription.id)
-    matched, examined, batches = _in_batches(
+    return _in_batches(
         lambda after: found.resolve_dead_letters(
             sub_id,
             action.capitalize(),
@@ -579,8 +584,9 @@ def resolve_dead_letters(
         ),
         batch_size,
         lambda batch: batch["last_delivery_id"],
+        BulkOutcome(True, action, dry_run, matched=0, examined=0, batches=0),
+        "dead letters",
     )
-    return BulkOutcome(True, action, dry_run, matched, examined, batches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,7 +614,9 @@ def discard_pending(
     """Discard every Pending delivery of a subscription matching ``selection`` (they never
     run), or count them with ``dry_run``; ``reason`` is recorded on each. Works along the claim
     indexes in batches of ``batch_size``, each its own transaction, skipping rows a claim holds
-    at that moment: running deliveries are never touched (cancel them one by one)."""
+    at that moment: running deliveries are never touched (cancel them one by one). A database
+    or transport failure after a batch committed raises BulkOperationInterrupted, which counts
+    what both indexes' batches did."""
     name = _name(subscription_name)
     reason = _note(reason, "reason", required=True)
     if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
@@ -626,9 +634,9 @@ def discard_pending(
     found = _transport_of(
         subscription, "supports_bulk_discard_pending", "Discarding Pending deliveries in bulk"
     )
-    totals = [0, 0, 0]  # matched, examined, batches
+    outcome = BulkOutcome(True, "discard", dry_run, matched=0, examined=0, batches=0)
     for keyed in (False, True):  # the keyless claim index, then the keyed one
-        counted = _in_batches(
+        outcome = _in_batches(
             lambda after, keyed=keyed: found.discard_pending(
                 str(subscription.id),
                 keyed=keyed,
@@ -645,28 +653,43 @@ def discard_pending(
                 batch["last_visible_at"],
                 batch["last_delivery_id"],
             ),
+            outcome,
+            "waiting deliveries",
         )
-        totals = [total + part for total, part in zip(totals, counted, strict=True)]
-    return BulkOutcome(True, "discard", dry_run, *totals)
+    return outcome
 
 
 def _in_batches(
     run_batch: Callable[[Any], dict[str, Any]],
     batch_size: int,
     resume_point: Callable[[dict[str, Any]], Any],
-) -> tuple[int, int, int]:
+    done: BulkOutcome,
+    rows: str,
+) -> BulkOutcome:
     """Run a bulk operation's procedure batch after batch, each resuming where the last one's
     rows ended (``resume_point`` of its result), until one examines fewer rows than a full
-    batch. Returns the rows changed (or, on a dry run, to change), examined, and the batches."""
-    matched = examined = batches = 0
+    batch. Returns ``done`` (the outcome so far: nothing yet, or an earlier pass's) with the
+    rows changed (or, on a dry run, to change), examined, and the batches added.
+
+    A database or transport failure once a batch has committed is a BulkOperationInterrupted
+    with the counts so far (``rows`` names what they count, "dead letters"): those batches
+    stay applied, which the failure alone would not tell the caller."""
     after = None
     while True:
-        batch = run_batch(after)
-        batches += 1
-        matched += batch["changed"]
-        examined += batch["examined"]
+        try:
+            batch = run_batch(after)
+        except (DriverError, TransportUnavailableError) as exc:
+            if not done.batches:
+                raise  # nothing was applied: the failure says all there is
+            raise _interrupted(done, rows, exc) from exc
+        done = replace(
+            done,
+            matched=done.matched + batch["changed"],
+            examined=done.examined + batch["examined"],
+            batches=done.batches + 1,
+        )
         if batch["examined"] < batch_size:
-            return matched, examined, batches
+            return done
         following = resume_point(batch)
         if following is None or following == after:
             # The same batch would be read forever.
@@ -676,6 +699,33 @@ def _in_batches(
                 "match this version of django-workqueue."
             )
         after = following
+
+
+def _interrupted(done: BulkOutcome, rows: str, error: WorkQueueError) -> BulkOperationInterrupted:
+    """The error saying what the committed batches (``done``) did before ``error``."""
+    changed = "replayed" if done.action == "replay" else "discarded"
+    batches = count_of(done.batches, "batch", "batches")
+    if done.dry_run:
+        text = (
+            f"The dry run was stopped by an error after {batches}, having found {done.matched} "
+            f"of the {done.examined} {rows} examined to be {changed}; nothing was changed. Run "
+            f"it again to count them all. The error: {one_line(error)}"
+        )
+    else:
+        text = (
+            f"Stopped by an error after {batches}, in which {done.matched} of the "
+            f"{done.examined} {rows} examined were {changed}: those stay {changed}. Running it "
+            f"again is safe and goes on with what is left (a dry run counts it). The error: "
+            f"{one_line(error)}"
+        )
+    return BulkOperationInterrupted(
+        text,
+        action=done.action,
+        dry_run=done.dry_run,
+        matched=done.matched,
+        examined=done.examined,
+        batches=done.batches,
+    )
 
 
 def _filter_parameters(
