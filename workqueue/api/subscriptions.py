@@ -219,21 +219,7 @@ def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> 
     Replayed Ordered heads keep their places. A 503 once some batches have committed counts
     what they did (``matched``, ``examined``, ``batches``): sending it again goes on with the
     rest."""
-    actor: Actor = request.auth  # type: ignore[attr-defined]
-    return _logged_bulk(
-        lambda: operations.resolve_dead_letters(
-            name,
-            "replay",
-            _selection(body.filter),
-            dry_run=body.dry_run,
-            note=body.note,
-            actor=actor,
-        ),
-        actor,
-        name,
-        "Replayed {} dead letters",
-        body.note,
-    )
+    return _resolve_dead_letters(request, name, "replay", body, body.note)
 
 
 @router.post(
@@ -249,21 +235,7 @@ def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -
     filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead.
     A 503 once some batches have committed counts what they did (``matched``, ``examined``,
     ``batches``): sending it again goes on with the rest."""
-    actor: Actor = request.auth  # type: ignore[attr-defined]
-    return _logged_bulk(
-        lambda: operations.resolve_dead_letters(
-            name,
-            "discard",
-            _selection(body.filter),
-            dry_run=body.dry_run,
-            note=body.reason,
-            actor=actor,
-        ),
-        actor,
-        name,
-        "Discarded {} dead letters",
-        body.reason,
-    )
+    return _resolve_dead_letters(request, name, "discard", body, body.reason)
 
 
 @router.post(
@@ -294,6 +266,26 @@ def discard_pending(request: HttpRequest, name: str, body: PendingDiscardIn) -> 
         name,
         "Discarded {} waiting deliveries",
         body.reason,
+    )
+
+
+def _resolve_dead_letters(
+    request: HttpRequest,
+    name: str,
+    action: str,
+    body: BulkReplayIn | BulkDiscardIn,
+    note: str | None,
+) -> Any:
+    """Replay or discard (``action``) the dead letters ``body`` selects, logged with ``note``."""
+    actor: Actor = request.auth  # type: ignore[attr-defined]
+    return _logged_bulk(
+        lambda: operations.resolve_dead_letters(
+            name, action, _selection(body.filter), dry_run=body.dry_run, note=note, actor=actor
+        ),
+        actor,
+        name,
+        f"{action.capitalize()}ed {{}} dead letters",  # Replayed, Discarded
+        note,
     )
 
 
