@@ -57,7 +57,7 @@ from workqueue.transports.aws import (
     clients_for,
     send_copy,
 )
-from workqueue.types import DeliveryStatus, SettleOutcome
+from workqueue.types import DeliveryStatus, SettleOutcome, SettleResult
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -614,8 +614,10 @@ def test_fifo_sends_never_reuse_a_deduplication_id_so_sqs_drops_no_dead_letter_o
     def record(params: dict[str, Any], **_: Any) -> None:
         sends.append((params["QueueUrl"].rsplit("/", 1)[-1], params["MessageDeduplicationId"]))
 
-    sqs = QueueBinding.of(str(subscription.id)).clients.sqs
-    sqs.meta.events.register("provide-client-params.sqs.SendMessage", record)
+    binding = QueueBinding.of(str(subscription.id))
+    # A settle sends through the lease's client, a replay through the default one.
+    for sqs in (binding.lease_sqs, binding.clients.sqs):
+        sqs.meta.events.register("provide-client-params.sqs.SendMessage", record)
     publish(subscription.topic.name, {"n": 1}, partition_key="k")
     holder = receiver(subscription)
     for _ in range(2):
@@ -1750,18 +1752,12 @@ def test_a_dead_letters_attributes_carry_only_characters_sqs_accepts(aws):
     publish(subscription.topic.name, {"n": 1})
     holder = receiver(subscription)
     delivery = receive_one(holder)
-    sent: list[dict[str, Any]] = []
-    sqs = holder.binding.clients.sqs
-    sqs.meta.events.register(
-        "provide-client-params.sqs.SendMessage",
-        lambda params, **_: sent.append(params),
-        unique_id="sent",
-    )
+    sent, undo = _capture(holder.binding.lease_sqs, "sqs.SendMessage")  # a settle's client
     try:
         error = "CalledProcessError: \x1b[31mfailed\x1b[0m\x00"
         assert holder.dead_letter(delivery, "Fatal", error).settled
     finally:
-        sqs.meta.events.unregister("provide-client-params.sqs.SendMessage", unique_id="sent")
+        undo()
 
     [params] = sent
     values = {k: v["StringValue"] for k, v in params["MessageAttributes"].items()}
@@ -1800,8 +1796,9 @@ def test_every_body_sent_to_aws_carries_only_characters_sqs_accepts(aws):
         undo()
     assert result.accepted
     holder = receiver(subscription)
-    sqs = holder.binding.clients.sqs
-    sent, undo = _capture(sqs, "sqs.SendMessage")
+    # A settle sends through the lease's client, a replay through the default one.
+    settles, undo_settles = _capture(holder.binding.lease_sqs, "sqs.SendMessage")
+    replays, undo = _capture(holder.binding.clients.sqs, "sqs.SendMessage")
     try:
         delivery = receive_one(holder)
         assert (delivery.payload, delivery.partition_key, delivery.correlation_id) == (
@@ -1816,8 +1813,10 @@ def test_every_body_sent_to_aws_carries_only_characters_sqs_accepts(aws):
         assert operations.replay(subscription.name, copy.delivery_id).replayed
         assert receive_one(holder).payload == payload
     finally:
+        undo_settles()
         undo()
 
+    sent = [*settles, *replays]  # the release's copy, the dead letter; the replay
     bodies = [published[0]["Message"], *(params["MessageBody"] for params in sent)]
     assert len(bodies) == 4  # the publish, the release, the dead letter, the replay
     assert [NOT_SQS_TEXT.findall(body) for body in bodies] == [[]] * 4
@@ -1995,3 +1994,183 @@ def test_a_message_written_to_the_queue_by_hand_does_not_fail_the_claim_it_is_in
         claimed += holder.receive(10).deliveries
 
     assert sorted((d.payload["n"], d.attempt) for d in claimed) == [(1, 1), (2, 1)]
+
+
+def test_a_slow_move_of_an_expired_last_attempt_leaves_the_rest_of_its_claim_its_leases(
+    aws, slow_network
+):
+    """helper-123: a claim dead-lettered each message it received on its last attempt's expired
+    lease (a send and a delete) before handing the rest over; on a slow SQS the fresh ones'
+    leases ran out meanwhile: handed over lost, their attempt spent without running, a last
+    one then dead-lettered LeaseExpired having never run. The fresh ones go first now, and the
+    move is made at the start of the next claim (with a send this slow the move itself cannot
+    end within its lease: SQS's redrive or a later claim moves it)."""
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=5)
+    publish(subscription.topic.name, {"n": "expired"})
+    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
+    time.sleep(5.5)
+    publish(subscription.topic.name, {"n": "fresh"})
+    slow_network.operation = "SendMessage"
+    slow_network.before = lambda request: time.sleep(6)
+    taker = receiver(subscription)
+
+    claimed: list[Any] = []
+    deadline = time.monotonic() + 10
+    while not claimed and time.monotonic() < deadline:
+        claimed = taker.receive(10).deliveries
+
+    [fresh] = claimed
+    assert fresh.payload == {"n": "fresh"}
+    assert taker.complete(fresh).settled  # its lease was whole when it was handed over
+
+
+def test_an_expired_last_attempt_received_with_fresh_work_is_dead_lettered_by_the_next_claim(aws):
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=5)
+    publish(subscription.topic.name, {"n": "expired"})
+    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
+    time.sleep(5.5)
+    publish(subscription.topic.name, {"n": "fresh"})
+    taker = receiver(subscription)
+    claimed: list[Any] = []
+    deadline = time.monotonic() + 10
+    while not claimed and time.monotonic() < deadline:
+        claimed = taker.receive(10).deliveries
+    assert [d.payload for d in claimed] == [{"n": "fresh"}]
+
+    moved = taker.receive(10).expired_dead_letters
+
+    assert [e.reason for e in moved] == ["LeaseExpired"]
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert item.payload == {"n": "expired"} and item.reason == "LeaseExpired"
+
+
+@pytest.fixture
+def lost_answers(monkeypatch) -> Any:
+    """Calls of the operation the test names (``lost_answers.operation``) reach AWS, which acts
+    on them, and then their answer is lost: the client sees a read timeout."""
+    from botocore.exceptions import ReadTimeoutError
+    from botocore.httpsession import URLLib3Session
+
+    rig = type("LostAnswers", (), {"operation": "", "calls": 0})()
+    real = URLLib3Session.send
+
+    def send(session: Any, request: Any) -> Any:
+        answer = real(session, request)
+        target = request.headers.get("X-Amz-Target", b"")  # SQS's JSON protocol
+        body = request.body or b""  # SNS's query protocol
+        body = body.encode() if isinstance(body, str) else body
+        operation = rig.operation.encode()
+        if operation and (target.endswith(operation) or b"Action=" + operation + b"&" in body):
+            rig.calls += 1
+            raise ReadTimeoutError(endpoint_url=request.url)
+        return answer
+
+    monkeypatch.setattr(URLLib3Session, "send", send)
+    return rig
+
+
+@pytest.mark.parametrize("settle", ["release", "retry", "dead_letter"])
+def test_a_settle_whose_send_goes_unanswered_sends_it_once(aws, lost_answers, settle):
+    """helper-123: a settle's send (a release's or retry's copy, a dead letter) went through
+    the default client, which made it again when the answer was lost; each that reached SQS
+    was kept (a standard queue has no deduplication id), so one release ran four times and
+    the DLQ listed a dead letter twice. One attempt now: a lost answer costs one copy at most
+    (at least once: the settle cannot know it arrived, so it does not delete the original)."""
+    subscription = provisioned(aws, lease_seconds=30)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    lost_answers.operation = "SendMessage"
+
+    try:
+        if settle == "release":
+            holder.release(delivery)
+        elif settle == "retry":
+            holder.retry(delivery, 1)
+        else:
+            holder.dead_letter(delivery, "Fatal", "no")
+    except TransientTransportError:
+        assert settle == "dead_letter"  # left to the host to make again
+
+    assert lost_answers.calls == 1
+
+
+def test_a_batch_of_completions_whose_second_chunk_fails_keeps_the_first_chunks_completed(
+    aws, slow_network
+):
+    """helper-123: twelve completions are two DeleteMessageBatch calls; the second failing
+    raised for all twelve, and the first ten, already deleted and let go, answered LeaseLost
+    when completed again. Each chunk's failure is its own now."""
+    from botocore.exceptions import ReadTimeoutError
+
+    subscription = provisioned(aws, lease_seconds=30)
+    publish_many(subscription.topic.name, [{"payload": {"n": n}} for n in range(12)])
+    holder = receiver(subscription)
+    held: list[Any] = []
+    deadline = time.monotonic() + 10
+    while len(held) < 12 and time.monotonic() < deadline:
+        held += holder.receive(10).deliveries
+    assert len(held) == 12
+    slow_network.operation = "DeleteMessageBatch"
+
+    def second_call_times_out(request: Any) -> None:
+        if slow_network.calls == 2:
+            raise ReadTimeoutError(endpoint_url=request.url)
+
+    slow_network.before = second_call_times_out
+
+    results = holder.complete_many(held)
+
+    done = [d for d in held if isinstance(results[d.delivery_id], SettleResult)]
+    failed = [d for d in held if isinstance(results[d.delivery_id], TransientTransportError)]
+    assert len(done) == 10 and len(failed) == 2
+    assert {results[d.delivery_id].outcome for d in done} == {SettleOutcome.SETTLED}
+    # The failed ones are still held: completed again, they are Completed.
+    assert all(holder.complete(d).settled for d in failed)
+    assert holder.receive(10).deliveries == []
+
+
+def test_a_keyed_publish_whose_answer_is_lost_is_sent_once_and_keeps_its_key(aws, lost_answers):
+    """helper-123: a Publish whose answer was lost may have arrived; botocore's retries sent it
+    again (each arrival a message: a standard topic has no deduplication id), and the final
+    failure released the key, so that the publisher's re-publish went out too: five messages
+    under one key. One attempt now, and the key stays reserved until it lapses."""
+    subscription = provisioned(aws)
+    lost_answers.operation = "Publish"
+
+    first = publish(subscription.topic.name, {"n": 1}, deduplication_key="order-42")
+
+    assert lost_answers.calls == 1
+    assert first.error.code == "TransportUnavailable"
+    assert "may have reached SNS" in first.error.message
+    lost_answers.operation = ""
+    again = publish(subscription.topic.name, {"n": 1}, deduplication_key="order-42")
+    assert again.error.code == "DeduplicationPending"
+    arrived = []
+    holder = receiver(subscription)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        arrived += holder.receive(10).deliveries
+    assert [d.payload for d in arrived] == [{"n": 1}]
+
+
+def test_a_fifo_publish_reusing_a_generated_id_with_other_content_is_not_dropped(aws):
+    """helper-123: on a FIFO topic the SNS deduplication id was the message id, and the ledger
+    records only ids a publisher chose, so a publish naming an id generated for an earlier
+    message, with other content, was Accepted and then dropped by SNS. Same id and content is
+    still one message (a re-send)."""
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    topic = subscription.topic.name
+    first = publish(topic, {"order": 1}, partition_key="k")
+    reused = publish(topic, {"order": 2}, partition_key="k", message_id=first.message_id)
+    resent = publish(topic, {"order": 2}, partition_key="k", message_id=first.message_id)
+    assert (reused.status, resent.status) == ("Accepted", "Duplicate")
+
+    holder = receiver(subscription)
+    arrived = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        for delivery in holder.receive(10).deliveries:
+            arrived.append(delivery.payload)
+            holder.complete(delivery)
+    assert arrived == [{"order": 1}, {"order": 2}]

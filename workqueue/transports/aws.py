@@ -56,7 +56,12 @@ from workqueue.filters import AnyOf, AttributeFilter, FilterError, Operator, par
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.transport import new_instance_id
 from workqueue.transports.base import BaseTransport, ProvisionChange
-from workqueue.transports.ledger import FOLLOWS, PublishLedger
+from workqueue.transports.ledger import (
+    FOLLOWS,
+    RESERVATION_SECONDS,
+    PublishLedger,
+    content_fingerprint,
+)
 from workqueue.types import (
     Backlog,
     ClaimedDelivery,
@@ -330,6 +335,14 @@ class AwsClients:
             read_timeout=RECEIVE_WAIT_SECONDS + 20,
         )
         self.sns = session.client("sns", endpoint_url=settings.endpoint_url, config=config)
+        # For publishes that hold a deduplication reservation: a Publish whose answer was lost
+        # may have arrived, and each arrival is a message (a standard topic has no
+        # deduplication id), so botocore's retries sent one key's message up to three times.
+        self.sns_once = session.client(
+            "sns",
+            endpoint_url=settings.endpoint_url,
+            config=config.merge(Config(retries={"total_max_attempts": 1, "mode": "standard"})),
+        )
         self.sqs = session.client("sqs", endpoint_url=settings.endpoint_url, config=config)
         self._session = session
         self._endpoint_url = settings.endpoint_url
@@ -588,6 +601,9 @@ class AwsReceiver:
         self._copied: set[str] = set()
         self._sending = threading.Lock()
         self._lock = threading.Lock()
+        #: Received on their last attempt's expired lease by a claim that had fresh deliveries
+        #: to hand over first: dead-lettered at the start of the next claim (see receive).
+        self._last_attempts_to_move: list[ClaimedDelivery] = []
 
     @property
     def enlist_alias(self) -> str | None:
@@ -600,9 +616,12 @@ class AwsReceiver:
 
     def receive(self, max_rows: int) -> ClaimResult:
         self._forget_lapsed_leases()
+        with self._lock:
+            deferred, self._last_attempts_to_move = self._last_attempts_to_move, []
+        expired = self._move_to_dead_letters(deferred)
         messages = list(self._receive_messages(max(1, max_rows)))
         claimed: list[ClaimedDelivery] = []
-        expired: list[ExpiredDeadLetter] = []
+        last_attempts: list[ClaimedDelivery] = []
         for message, received_at in messages:
             delivery = self._delivery(message)
             with self._lock:
@@ -614,35 +633,54 @@ class AwsReceiver:
                 # The lease of its last attempt expired (its holder died or hung): as on the
                 # Database transport, that attempt counts and the delivery is dead-lettered,
                 # recorded with max_attempts attempts (this receive is none).
-                last = replace(delivery, attempt=self.binding.max_attempts)
-                try:
-                    settled = self.dead_letter(
-                        last, "LeaseExpired", "The lease of the last attempt expired."
-                    )
-                except TransportUnavailableError as exc:
-                    # Left hidden for its lease; SQS's redrive then moves it to the DLQ itself
-                    # (this receive was its last: MaxReceiveCountExceeded, the backstop). The
-                    # rest of the claim is not lost with it.
-                    logger.warning(
-                        "%s: could not dead-letter a delivery whose last lease expired "
-                        "(trying again after its lease): %s",
-                        self.binding.subscription_name,
-                        exc,
-                    )
-                    self._let_go(delivery)
-                    continue
-                if settled.settled:
-                    expired.append(
-                        ExpiredDeadLetter(
-                            delivery.delivery_id,
-                            self.subscription_id,
-                            delivery.partition_key,
-                            "LeaseExpired",
-                        )
-                    )
-                continue
-            claimed.append(delivery)
+                last_attempts.append(replace(delivery, attempt=self.binding.max_attempts))
+            else:
+                claimed.append(delivery)
+        if claimed:
+            # Moved at the start of the next claim, so that the fresh deliveries are handed
+            # over first: each move is a send and a delete, and made here, on a slow SQS, they
+            # took the fresh ones' leases (handed over with none left, their attempt spent
+            # without running; a last one then dead-lettered LeaseExpired having never run).
+            # Still hidden for a lease: one that outlasts it is received again and moved then
+            # (or by SQS's redrive).
+            with self._lock:
+                self._last_attempts_to_move.extend(last_attempts)
+        else:
+            expired += self._move_to_dead_letters(last_attempts)
         return ClaimResult(claimed, expired)
+
+    def _move_to_dead_letters(
+        self, last_attempts: list[ClaimedDelivery]
+    ) -> list[ExpiredDeadLetter]:
+        """Dead-letter held messages whose last attempt's lease expired; those moved."""
+        moved = []
+        for delivery in last_attempts:
+            try:
+                settled = self.dead_letter(
+                    delivery, "LeaseExpired", "The lease of the last attempt expired."
+                )
+            except TransportUnavailableError as exc:
+                # Left hidden for its lease; SQS's redrive then moves it to the DLQ itself
+                # (its receive was its last: MaxReceiveCountExceeded, the backstop). The rest
+                # of the claim is not lost with it.
+                logger.warning(
+                    "%s: could not dead-letter a delivery whose last lease expired "
+                    "(trying again after its lease): %s",
+                    self.binding.subscription_name,
+                    exc,
+                )
+                self._let_go(delivery)
+                continue
+            if settled.settled:
+                moved.append(
+                    ExpiredDeadLetter(
+                        delivery.delivery_id,
+                        self.subscription_id,
+                        delivery.partition_key,
+                        "LeaseExpired",
+                    )
+                )
+        return moved
 
     def _receive_messages(self, wanted: int) -> Iterator[tuple[dict[str, Any], float]]:
         """Up to ``wanted`` messages, each with the moment (monotonic) its receive was sent,
@@ -873,8 +911,10 @@ class AwsReceiver:
             )
         return self._settle(delivery, DeliveryStatus.COMPLETED, lambda: self._delete(delivery))
 
-    def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]:
-        results: dict[str, SettleResult] = {}
+    def complete_many(
+        self, deliveries: Iterable[ClaimedDelivery]
+    ) -> dict[str, SettleResult | Exception]:
+        results: dict[str, SettleResult | Exception] = {}
         settling = list(deliveries)
         queue_url = self.binding.queue_url
         for start in range(0, len(settling), SQS_BATCH_MAX):
@@ -887,19 +927,36 @@ class AwsReceiver:
                     results[delivery.delivery_id] = SettleResult(SettleOutcome.LEASE_LOST)
             if not chunk:
                 continue
-            answer = _call(
-                self.binding.lease_sqs.delete_message_batch,
-                QueueUrl=queue_url,
-                Entries=[
-                    {"Id": str(i), "ReceiptHandle": d.lease_token} for i, d in enumerate(chunk)
-                ],
-            )
-            failed = {int(f["Id"]) for f in answer.get("Failed", [])}
+            try:
+                answer = _call(
+                    self.binding.lease_sqs.delete_message_batch,
+                    QueueUrl=queue_url,
+                    Entries=[
+                        {"Id": str(i), "ReceiptHandle": d.lease_token} for i, d in enumerate(chunk)
+                    ],
+                )
+            except TransportUnavailableError as exc:
+                # This chunk's failure is its own: the chunks deleted before it stay Completed
+                # (raised for the whole call, their completions were made again and, let go,
+                # answered LeaseLost), and its deliveries stay held for their holders to
+                # complete again.
+                results.update(dict.fromkeys((d.delivery_id for d in chunk), exc))
+                continue
+            refused = {int(f["Id"]): f for f in answer.get("Failed", [])}
             for i, delivery in enumerate(chunk):
+                failure = refused.get(i)
+                if failure is not None and not failure.get("SenderFault", True):
+                    # SQS's own failure, not the receipt handle's: still held, made again.
+                    results[delivery.delivery_id] = TransientTransportError(
+                        f"SQS could not delete the message: {failure.get('Code')}: "
+                        f"{failure.get('Message')}",
+                        code=failure.get("Code", ""),
+                    )
+                    continue
                 self._let_go(delivery)
                 results[delivery.delivery_id] = (
                     SettleResult(SettleOutcome.LEASE_LOST)
-                    if i in failed
+                    if failure is not None
                     else SettleResult(SettleOutcome.SETTLED, DeliveryStatus.COMPLETED)
                 )
         return results
@@ -1031,7 +1088,7 @@ def send_dead_letter(
         params["MessageDeduplicationId"] = _deduplication_id(
             "dead", delivery.delivery_id, delivery.lease_token
         )
-    _call(binding.clients.sqs.send_message, **params)
+    _send_for_a_settle(binding, params)
 
 
 #: What SQS refuses in a message body or a string attribute value.
@@ -1101,7 +1158,16 @@ def send_copy(
         params["MessageDeduplicationId"] = _deduplication_id(
             "release", delivery.delivery_id, delivery.lease_token
         )
-    _call(binding.clients.sqs.send_message, **params)
+    _send_for_a_settle(binding, params)
+
+
+def _send_for_a_settle(binding: QueueBinding, params: dict[str, Any]) -> None:
+    """SendMessage for a settle of a held message, through the lease's client: one attempt,
+    within LEASE_CALL_SECONDS. The default client made up to three, and a send whose answer
+    was lost is a send made: on a standard queue (no deduplication id) each attempt that
+    reached SQS queued a copy, so one release ran four times, and the settle could outlast
+    the lease it was made in (helper-123). A failed send is the settle's to handle."""
+    _call(binding.lease_sqs.send_message, **params)
 
 
 def _envelope_of(delivery: ClaimedDelivery) -> dict[str, Any]:
@@ -1317,12 +1383,24 @@ class AwsTransport(BaseTransport):
             elif admitted is not FOLLOWS:
                 rows[index] = admitted  # type: ignore[assignment]
         refused: dict[int, str] = {}
-        for index, refusal in _publish_entries(clients, topic_arn, entries):
-            ledger.settle(index, messages[index], sent=refusal is None)
+        published = _publish_entries(clients, topic_arn, entries, once=ledger.holds_reservations)
+        for index, refusal, arrived in published:
             if refusal is None:
+                ledger.settle(index, messages[index], sent=True)
                 rows[index] = _row(messages[index]["message_id"], PublishStatus.ACCEPTED)
+                continue
+            if arrived and ledger.holds(index):
+                # Kept reserved, to lapse: a publish again meanwhile is DeduplicationPending
+                # rather than a second message under the key.
+                ledger.settle(index, messages[index], sent=None)
+                refusal += (
+                    " It may have reached SNS all the same: its deduplication key (or message "
+                    f"id) stays reserved for {RESERVATION_SECONDS} s, and a publish with it "
+                    "meanwhile answers DeduplicationPending."
+                )
             else:
-                refused[index] = refusal
+                ledger.settle(index, messages[index], sent=False)
+            refused[index] = refusal
         if refused:
             # One log line a call, not one a message, for a batch that SNS refused whole.
             told = _what_the_publisher_reads(
@@ -1597,40 +1675,55 @@ def _sns_entry(
     entry: dict[str, Any] = {"Message": body, "MessageAttributes": _string_attributes(attributes)}
     if topic.is_fifo:
         entry["MessageGroupId"] = _group_id(message["partition_key"], message["message_id"])
-        # Our message id: SNS drops a re-publish of it within its 5-minute window.
-        entry["MessageDeduplicationId"] = message["message_id"]
+        # Our message id and its content: SNS drops a re-publish of the same message within
+        # its 5-minute window (botocore's retry of a send whose answer was lost). The id alone
+        # also dropped a publish that reused an id this process generated (the ledger records
+        # only the ids a publisher chose) with other content: Accepted, then lost.
+        entry["MessageDeduplicationId"] = _deduplication_id(
+            "publish", message["message_id"], content_fingerprint(topic.id, message)
+        )
     return entry, len(body.encode()) + _attribute_bytes(attributes)
 
 
 def _publish_entries(
-    clients: AwsClients, topic_arn: str, entries: list[tuple[int, dict[str, Any]]]
-) -> Iterator[tuple[int, str | None]]:
-    """(index, None when SNS took it, else what SNS said) of each entry, published one by one
-    or in batches of up to ten (and SNS's 256 KiB per batch)."""
+    clients: AwsClients, topic_arn: str, entries: list[tuple[int, dict[str, Any]]], *, once: bool
+) -> Iterator[tuple[int, str | None, bool]]:
+    """(index, None when SNS took it else what SNS said, whether it may have arrived all the
+    same) of each entry, published one by one or in batches of up to ten (and SNS's 256 KiB per
+    batch); with ``once``, each call made one time only (see ``AwsClients.sns_once``)."""
+    sns = clients.sns_once if once else clients.sns
     if len(entries) == 1:
         index, entry = entries[0]
         try:
-            _call(clients.sns.publish, TopicArn=topic_arn, **entry)
+            _call(sns.publish, TopicArn=topic_arn, **entry)
         except TransportUnavailableError as exc:
-            yield index, str(exc)
+            yield index, str(exc), _may_have_arrived(exc)
         else:
-            yield index, None
+            yield index, None, True
         return
     for batch in _batches(entries):
         request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
         try:
             answer = _call(
-                clients.sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
+                sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
             )
         except TransportUnavailableError as exc:
-            failed = dict.fromkeys(range(len(batch)), str(exc))
+            failed = dict.fromkeys(range(len(batch)), (str(exc), _may_have_arrived(exc)))
         else:
             failed = {
-                int(f["Id"]): f"SNS refused it: {f.get('Code')}: {f.get('Message')}"
+                int(f["Id"]): (f"SNS refused it: {f.get('Code')}: {f.get('Message')}", False)
                 for f in answer.get("Failed", [])
             }
         for i, (index, _) in enumerate(batch):
-            yield index, failed.get(i)
+            refusal, arrived = failed.get(i, (None, True))
+            yield index, refusal, arrived
+
+
+def _may_have_arrived(failure: TransportUnavailableError) -> bool:
+    """Whether a send that failed so may have been taken all the same: its answer lost (a
+    timeout, a dropped connection) or AWS failing on its side. A refusal, or a throttled call,
+    was not taken."""
+    return isinstance(failure, TransientTransportError) and failure.code not in _THROTTLED_CODES
 
 
 def _what_the_publisher_reads(detail: str, topic_name: str, external: bool, count: int) -> str:

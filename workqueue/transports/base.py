@@ -71,7 +71,13 @@ class TransportReceiver(Protocol):
         self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
     ) -> SettleResult: ...
 
-    def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]: ...
+    def complete_many(
+        self, deliveries: Iterable[ClaimedDelivery]
+    ) -> dict[str, SettleResult | Exception]:
+        """Each delivery's completion, by delivery id: its result, or the failure its holder
+        hears (and may make the completion again after) when only part of the batch failed.
+        A failure of the whole batch is raised."""
+        ...
 
     def retry(
         self, delivery: ClaimedDelivery, delay_seconds: int = 0, error: str | None = None

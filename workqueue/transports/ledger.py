@@ -37,6 +37,9 @@ MAX_TTL_SECONDS = 2**31 - 1
 #: of the same call (``PublishLedger.follow_up`` fills it in).
 FOLLOWS = object()
 
+#: How long a reservation holds its key or id before it lapses (the procedures' 120 s).
+RESERVATION_SECONDS = 120
+
 
 def message_id_key(message_id: str) -> str:
     """The ledger key under which a chosen ``message_id`` is reserved on its topic."""
@@ -127,11 +130,23 @@ class PublishLedger:
         self._held[index] = (key, fingerprint)
         return None
 
-    def settle(self, index: int, message: dict[str, Any], *, sent: bool) -> None:
+    @property
+    def holds_reservations(self) -> bool:
+        """Whether any message admitted so far reserved a key or an id."""
+        return any(key is not None or fp is not None for key, fp in self._held.values())
+
+    def holds(self, index: int) -> bool:
+        """Whether the message at ``index`` reserved a key or an id."""
+        return any(part is not None for part in self._held.get(index, (None, None)))
+
+    def settle(self, index: int, message: dict[str, Any], *, sent: bool | None) -> None:
         """Confirm what ``message`` reserved once it was sent, or release it when sending
-        failed. A confirmation can find the reservation gone (it lapsed after 120 s and another
-        publish took it): the message is out all the same, so both were sent."""
+        failed; ``sent`` None (the send failed, yet may have arrived) leaves it reserved, to
+        lapse. A confirmation can find the reservation gone (it lapsed after RESERVATION_SECONDS
+        and another publish took it): the message is out all the same, so both were sent."""
         key, fingerprint = self._held.pop(index, (None, None))
+        if sent is None:
+            return
         topic_name, message_id = self.topic.name, message["message_id"]
         if key is not None:
             if sent:
