@@ -2174,3 +2174,38 @@ def test_a_fifo_publish_reusing_a_generated_id_with_other_content_is_not_dropped
             arrived.append(delivery.payload)
             holder.complete(delivery)
     assert arrived == [{"order": 1}, {"order": 2}]
+
+
+def test_a_bulk_replay_reads_the_dead_letter_queue_once_a_batch(aws):
+    """helper-123 (read, then measured here): each dead letter of a bulk replay or discard was
+    looked up by a scan of the whole DLQ of its own, so a batch of N read the DLQ N + 1 times,
+    each scan ending on a 1 s empty poll (1,000 dead letters: tens of minutes). A batch changes
+    the dead letters its own scan holds now."""
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=30)
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(25)])
+    holder = receiver(subscription)
+    dead = receive_all(holder, 25)
+    for delivery in dead:
+        assert holder.dead_letter(delivery, "Poison", "bad input").settled
+    sqs = holder.binding.clients.sqs
+    dead_letter_queue = holder.binding.dead_letter_queue_url
+    reads: list[str] = []
+    sqs.meta.events.register(
+        "provide-client-params.sqs.ReceiveMessage",
+        lambda params, **_: reads.append(params["QueueUrl"]),
+        unique_id="reads",
+    )
+    try:
+        began = time.monotonic()
+        outcome = operations.resolve_dead_letters(
+            subscription.name, "replay", operations.DeadLetterSelection()
+        )
+        took = time.monotonic() - began
+    finally:
+        sqs.meta.events.unregister("provide-client-params.sqs.ReceiveMessage", unique_id="reads")
+
+    assert (outcome.matched, outcome.examined, outcome.batches) == (25, 25, 1)
+    assert reads.count(dead_letter_queue) <= 5, (reads.count(dead_letter_queue), took)
+    replayed = receive_all(holder, 25)
+    assert sorted(d.delivery_id for d in replayed) == sorted(d.delivery_id for d in dead)
+    assert operations.list_dead_letters(subscription.name).items == []

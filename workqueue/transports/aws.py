@@ -1532,26 +1532,7 @@ class AwsTransport(BaseTransport):
             message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
             if message is None:
                 return False
-            envelope = {**_envelope(message["Body"]), "replayed": True, "delivery_id": delivery_id}
-            # Attempts start again at 1 (a message SQS's redrive moved keeps the body a
-            # release wrote, with the attempts spent before it).
-            envelope.pop("attempts_before", None)
-            params: dict[str, Any] = {
-                "QueueUrl": binding.queue_url,
-                "MessageBody": _sqs_json(envelope),
-                "MessageAttributes": _string_attributes(envelope.get("attributes") or {}),
-            }
-            if binding.fifo:
-                params["MessageGroupId"] = _group_id(
-                    envelope.get("partition_key"), envelope.get("message_id") or delivery_id
-                )
-                # Named by the dead letter's own SQS message: each dead-lettering of the
-                # delivery is replayed anew (see _deduplication_id).
-                params["MessageDeduplicationId"] = _deduplication_id(
-                    "replay", delivery_id, message["MessageId"]
-                )
-            _call(binding.clients.sqs.send_message, **params)
-            _delete_dead_letter(binding, message)
+            _replay_dead_letter(binding, message)
             found.remove(message)
         return True
 
@@ -1577,21 +1558,32 @@ class AwsTransport(BaseTransport):
         binding = QueueBinding.of(subscription_id)
         after = options.get("after_delivery_id")
         batch_size = options["batch_size"]
-        with _dead_letter_scan(binding) as found:
+        changed = 0
+        late: list[str] = []
+        scan = _dead_letter_scan(binding)
+        with scan as found:
             ordered = sorted(
                 (m for m in found if after is None or _dead_letter_id(m) > after),
                 key=_dead_letter_id,
             )[:batch_size]
-        changed = 0
-        for message in ordered:
-            if not _selected(_dead_letter_item(binding, message), selection):
-                continue
-            if options.get("dry_run"):
-                changed += 1
-                continue
-            # Each looks the dead letter up again (the scan above let go of it): one another
-            # caller replayed or discarded meanwhile is not counted as changed here.
-            delivery_id = _dead_letter_id(message)
+            for message in ordered:
+                if not _selected(_dead_letter_item(binding, message), selection):
+                    continue
+                if options.get("dry_run"):
+                    changed += 1
+                elif scan.holds_hidden():
+                    # Changed with the receipt handle of this scan, which hides it from every
+                    # other reader meanwhile. Each looked up by a scan of its own instead, a
+                    # batch of N dead letters read the DLQ N + 1 times (a 1,000-letter replay
+                    # took tens of minutes).
+                    _resolve_dead_letter(binding, action, message)
+                    found.remove(message)
+                    changed += 1
+                else:
+                    late.append(_dead_letter_id(message))
+        for delivery_id in late:
+            # Past half the scan's hiding: each looked up again once the scan let go of it (one
+            # another caller changed meanwhile is not counted here).
             if action == "Replay":
                 done = self.replay(subscription_id, delivery_id, options.get("actor"), None)
             else:
@@ -1965,8 +1957,15 @@ class _dead_letter_scan:
     def __init__(self, binding: QueueBinding) -> None:
         self.binding = binding
         self.found: list[dict[str, Any]] = []
+        self.started = 0.0
+
+    def holds_hidden(self) -> bool:
+        """Whether the messages received are still hidden by this scan, with time to spare
+        for a call: within half of DEAD_LETTER_SCAN_VISIBILITY from its first receive."""
+        return time.monotonic() - self.started < DEAD_LETTER_SCAN_VISIBILITY / 2
 
     def __enter__(self) -> list[dict[str, Any]]:
+        self.started = time.monotonic()
         seen: set[str] = set()
         while len(self.found) < DEAD_LETTER_SCAN_LIMIT:
             answer = _call(
@@ -2008,6 +2007,40 @@ def _dead_letter_id(message: dict[str, Any]) -> str:
         or _envelope(message["Body"]).get("delivery_id")
         or message["MessageId"]
     )
+
+
+def _resolve_dead_letter(binding: QueueBinding, action: str, message: dict[str, Any]) -> None:
+    """Replay or discard (``action``, "Replay" or "Discard") a dead letter a scan holds."""
+    if action == "Replay":
+        _replay_dead_letter(binding, message)
+    else:
+        _delete_dead_letter(binding, message)
+
+
+def _replay_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
+    """Send a dead letter a scan holds back to the subscription's queue as a new SQS message
+    (so its receive count, the attempt, starts again at 1), then delete it from the DLQ."""
+    delivery_id = _dead_letter_id(message)
+    envelope = {**_envelope(message["Body"]), "replayed": True, "delivery_id": delivery_id}
+    # Attempts start again at 1 (a message SQS's redrive moved keeps the body a release wrote,
+    # with the attempts spent before it).
+    envelope.pop("attempts_before", None)
+    params: dict[str, Any] = {
+        "QueueUrl": binding.queue_url,
+        "MessageBody": _sqs_json(envelope),
+        "MessageAttributes": _string_attributes(envelope.get("attributes") or {}),
+    }
+    if binding.fifo:
+        params["MessageGroupId"] = _group_id(
+            envelope.get("partition_key"), envelope.get("message_id") or delivery_id
+        )
+        # Named by the dead letter's own SQS message: each dead-lettering of the delivery is
+        # replayed anew (see _deduplication_id).
+        params["MessageDeduplicationId"] = _deduplication_id(
+            "replay", delivery_id, message["MessageId"]
+        )
+    _call(binding.clients.sqs.send_message, **params)
+    _delete_dead_letter(binding, message)
 
 
 def _delete_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
