@@ -156,7 +156,15 @@ class TransientTransportError(TransportUnavailableError):
     """The remote service could not be reached, timed out, throttled the call or failed on its
     side (HTTP 5xx): worth making the call again soon, as a database's transient errors are.
     A refusal (denied, missing, invalid) is a TransportUnavailableError: made again until a
-    lease ran out, it would only hold a settle thread that long."""
+    lease ran out, it would only hold a settle thread that long.
+
+    ``may_have_arrived``: the request may have been carried out all the same (its answer was
+    lost, or the service failed on its side); False when it never left (no connection) or was
+    throttled."""
+
+    def __init__(self, message: str, *, code: str = "", may_have_arrived: bool = False) -> None:
+        super().__init__(message, code=code)
+        self.may_have_arrived = may_have_arrived
 
 
 class BulkOperationInterrupted(WorkQueueError):

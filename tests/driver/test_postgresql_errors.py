@@ -22,6 +22,7 @@ from workqueue.driver import get_driver
 from workqueue.exceptions import (
     DriverError,
     LockTimeoutError,
+    SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
     UnstorableValueError,
@@ -84,6 +85,27 @@ def test_a_deadlock_between_two_connections_is_transient(tables):
 
     (error,) = errors
     assert type(error) is TransientDriverError and "deadlock" in str(error)
+
+
+def test_a_serialization_failure_is_transient_and_named_as_one(tables, pg_conn):
+    """A REPEATABLE READ transaction updating a row changed since its snapshot: what an enlisted
+    completion meets after a lease renewal, which the executor names (its own class)."""
+    driver = get_driver()
+    try:
+        with (
+            pytest.raises(DriverError) as caught,
+            driver.transaction() as conn,
+            conn.cursor() as cursor,
+        ):
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            cursor.execute("SELECT v FROM wq_test_errors WHERE id = 1")
+            pg_conn.execute("UPDATE wq_test_errors SET v = 'elsewhere' WHERE id = 1")
+            cursor.execute("UPDATE wq_test_errors SET v = 'here' WHERE id = 1")
+    finally:
+        driver.close()
+    error = caught.value
+    assert type(error) is SerializationFailureError and "serialize" in str(error)
+    assert isinstance(error, TransientDriverError)
 
 
 def test_a_terminated_backend_is_transient_and_the_next_call_reconnects(tables):

@@ -42,9 +42,10 @@ READ_ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut}
 # ``capability``), e.g. replay on a transport without supports_replay; or, for a discard, an
 # open transaction holds the delivery's row (``deliveryId``): send the request again shortly.
 TRANSPORT_ERRORS = {**READ_ERRORS, 409: ErrorOut}
-# 503: the database failed; after some batches of a bulk operation had committed, the answer
-# counts what they did (``matched``, ``examined``, ``batches``), which stays done.
-BULK_ERRORS = {**TRANSPORT_ERRORS, 503: ErrorOut}
+# 503: the database failed (500: a cloud transport did); after some batches of a bulk operation
+# had committed, the answer counts what they did (``matched``, ``examined``, ``batches``), which
+# stays done.
+BULK_ERRORS = {**TRANSPORT_ERRORS, 500: ErrorOut, 503: ErrorOut}
 
 
 @router.get(
@@ -216,10 +217,10 @@ def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> 
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Replays the
     subscription's dead letters that match every field of ``filter`` (all of them with an empty
     filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead.
-    Replayed Ordered heads keep their places. A 503 once some batches have committed counts
-    what they did (``matched``, ``examined``, ``batches``): sending it again goes on with the
-    rest."""
-    return _resolve_dead_letters(request, name, "replay", body, body.note)
+    Replayed Ordered heads keep their places. A 503 (a 500 when a cloud transport failed) once
+    some batches have committed counts what they did (``matched``, ``examined``, ``batches``):
+    sending it again goes on with the rest."""
+    return _resolve_dead_letters(request, name, "replay", body, body.note, "Replayed")
 
 
 @router.post(
@@ -233,9 +234,9 @@ def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Discards the
     subscription's dead letters that match every field of ``filter`` (all of them with an empty
     filter) in batches of 1000, each its own transaction; ``dryRun`` counts them instead.
-    A 503 once some batches have committed counts what they did (``matched``, ``examined``,
-    ``batches``): sending it again goes on with the rest."""
-    return _resolve_dead_letters(request, name, "discard", body, body.reason)
+    A 503 (a 500 when a cloud transport failed) once some batches have committed counts what
+    they did (``matched``, ``examined``, ``batches``): sending it again goes on with the rest."""
+    return _resolve_dead_letters(request, name, "discard", body, body.reason, "Discarded")
 
 
 @router.post(
@@ -249,8 +250,9 @@ def discard_pending(request: HttpRequest, name: str, body: PendingDiscardIn) -> 
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. Discards the
     subscription's Pending deliveries that match every field of ``filter`` (all of them with an
     empty filter), so they never run, in batches of 1000; running deliveries are left alone.
-    ``dryRun`` counts them instead. A 503 once some batches have committed counts what they
-    did (``matched``, ``examined``, ``batches``): sending it again goes on with the rest."""
+    ``dryRun`` counts them instead. A 503 (a 500 when a cloud transport failed) once some
+    batches have committed counts what they did (``matched``, ``examined``, ``batches``):
+    sending it again goes on with the rest."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     selection = operations.PendingSelection(
         partition_key=body.filter.partition_key,
@@ -275,8 +277,10 @@ def _resolve_dead_letters(
     action: str,
     body: BulkReplayIn | BulkDiscardIn,
     note: str | None,
+    done: str,
 ) -> Any:
-    """Replay or discard (``action``) the dead letters ``body`` selects, logged with ``note``."""
+    """Replay or discard (``action``) the dead letters ``body`` selects, logged as ``done``
+    ("Replayed") with ``note``."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     return _logged_bulk(
         lambda: operations.resolve_dead_letters(
@@ -284,7 +288,7 @@ def _resolve_dead_letters(
         ),
         actor,
         name,
-        f"{action.capitalize()}ed {{}} dead letters",  # Replayed, Discarded
+        f"{done} {{}} dead letters",
         note,
     )
 

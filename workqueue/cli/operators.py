@@ -126,10 +126,9 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
         if not in_batches:
             raise CommandError(str(exc)) from exc
         # Say what a re-run finds.
-        raise CommandError(
-            f"{exc} (the batches applied before this error stay applied; running it again is "
-            "safe, and --dry-run counts what is left)"
-        ) from exc
+        # A failure after a batch committed is a BulkOperationInterrupted (above): here the
+        # first failed, and nothing was applied.
+        raise CommandError(f"{exc} (nothing was applied; running it again is safe)") from exc
     except KeyboardInterrupt:
         if not in_batches:
             raise

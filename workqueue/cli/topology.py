@@ -167,6 +167,7 @@ class ProvisionVerb(Verb):
                     }
                 )
             )
+            _refuse_if_any_refused(report)
             return
         for name, found in report.changes.items():
             for change in found:
@@ -180,6 +181,14 @@ class ProvisionVerb(Verb):
             command.stdout.write(f"Dry run: {report.writes} change(s), nothing created.")
         elif report.writes:
             command.stdout.write(f"Applied {report.writes} change(s).")
+        _refuse_if_any_refused(report)
+
+
+def _refuse_if_any_refused(report: Any) -> None:
+    """Exit non-zero when a resource was refused (its reason is printed above)."""
+    refused = [c for found in report.changes.values() for c in found if c.action == "refuse"]
+    if refused:
+        raise CommandError(f"{len(refused)} resource(s) were not provisioned; see above.")
 
 
 TOPOLOGY_VERBS = [SyncTopologyVerb, RetireSubscriptionVerb, ProvisionVerb]

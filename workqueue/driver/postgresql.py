@@ -89,7 +89,8 @@ _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 # "out of shared memory" for a statement that needs more locks than max_locks_per_transaction
 # allows, which fails the same way every time. (The connection exceptions, class 08, are
 # matched by their class.)
-_TRANSIENT_SQLSTATES = {"40P01", "40001", "55P03", "57P01", "57P02", "57P03", "53100"}
+# (A serialization failure, 40001, is transient too: SerializationFailureError.)
+_TRANSIENT_SQLSTATES = {"40P01", "55P03", "57P01", "57P02", "57P03", "53100"}
 
 
 #: undefined_table, undefined_column, undefined_function: a relation, a column (a migration

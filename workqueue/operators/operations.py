@@ -693,11 +693,12 @@ def _in_batches(
         following = resume_point(batch)
         if following is None or following == after:
             # The same batch would be read forever.
-            raise WorkQueueError(
+            stuck = WorkQueueError(
                 "A bulk operation's batch did not move past the rows it read; stopping rather "
                 "than reading them again. Run `manage.py migrate` so the installed procedures "
                 "match this version of django-workqueue."
             )
+            raise _interrupted(done, rows, stuck) from stuck
         after = following
 
 

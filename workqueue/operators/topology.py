@@ -397,7 +397,9 @@ class ProvisionReport:
 
     @property
     def writes(self) -> int:
-        return sum(c.action != "keep" for found in self.changes.values() for c in found)
+        return sum(
+            c.action not in ("keep", "refuse") for found in self.changes.values() for c in found
+        )
 
 
 def provision(transport_name: str | None = None, *, dry_run: bool = False) -> ProvisionReport:

@@ -130,6 +130,9 @@ DEAD_LETTER_SCAN_VISIBILITY = 30
 #: polling (0) asks a sample of them and can answer empty while dead letters wait, so a scan
 #: that stops at its first empty answer missed some (a replay by id said "not a dead letter").
 DEAD_LETTER_SCAN_WAIT_SECONDS = 1
+#: Tries of a Publish made through the one-attempt client (``AwsClients.sns_once``) while it
+#: fails in a way that cannot have reached SNS (no connection, throttled), as botocore's three.
+SNS_SAFE_TRIES = 3
 
 CONFIGURATION_KEYS = ("region", "prefix", "endpoint_url", "profile")
 PREFIX = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,39}\Z")
@@ -202,7 +205,7 @@ def configuration_problem(configuration: dict[str, Any] | None) -> str | None:
     return None
 
 
-#: What a subscription's queue name gets to name its dead-letter queue.
+#: Added to a subscription's queue name, the name of its dead-letter queue.
 DEAD_LETTER_QUEUE_SUFFIX = "-dlq"
 
 
@@ -217,6 +220,8 @@ class AwsNames:
     topic: str
     queue: str
     dead_letter_queue: str
+    #: The subscription whose dead-letter queue this one's queue would be, if any.
+    dead_letter_queue_of: str | None = None
 
     @classmethod
     def of(cls, prefix: str, topic_name: str, subscription_name: str, fifo: bool) -> AwsNames:
@@ -226,19 +231,21 @@ class AwsNames:
             topic=f"{prefix}-{_resource_part(topic_name)}{suffix}",
             queue=f"{queue}{suffix}",
             dead_letter_queue=f"{queue}{DEAD_LETTER_QUEUE_SUFFIX}{suffix}",
+            # Subscription names are unique, but "x-dlq"'s queue is "x"'s dead-letter queue:
+            # its consumer would run, and by completing delete, x's dead letters, and its own
+            # messages would be listed and replayed as x's. (A name never starts with "-", so
+            # something is left; "x.dlq" makes "x--dlq", the dead-letter queue of no name.)
+            dead_letter_queue_of=subscription_name.removesuffix(DEAD_LETTER_QUEUE_SUFFIX)
+            if subscription_name.endswith(DEAD_LETTER_QUEUE_SUFFIX)
+            else None,
         )
 
     def problem(self) -> str | None:
-        owner = self.queue.removesuffix(".fifo").removesuffix(DEAD_LETTER_QUEUE_SUFFIX)
-        if len(owner) < len(self.queue.removesuffix(".fifo")) and not owner.endswith("-"):
-            # Subscription names are unique, but "x-dlq"'s queue is "x"'s dead-letter queue:
-            # its consumer would run, and by completing delete, x's dead letters, and its own
-            # messages would be listed and replayed as x's. ("x.dlq" makes "x--dlq", which no
-            # name's queue has as its dead-letter queue.)
+        if self.dead_letter_queue_of is not None:
             return (
                 f"On the AWS transport a subscription name may not end in "
-                f"{DEAD_LETTER_QUEUE_SUFFIX!r}: its SQS queue {self.queue!r} is the name of the "
-                f"dead-letter queue of the queue {owner!r}. Choose another name."
+                f"{DEAD_LETTER_QUEUE_SUFFIX!r}: its SQS queue {self.queue!r} is the dead-letter "
+                f"queue of subscription {self.dead_letter_queue_of!r}. Choose another name."
             )
         if len(self.topic) > SNS_TOPIC_NAME_MAX:
             return (
@@ -457,7 +464,14 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
     refusal otherwise (denied, invalid, missing: made again, it would only fail again). Raised
     ``from None``: botocore's exception text names the endpoint as configured, credentials
     and all, and a traceback would print it."""
-    from botocore.exceptions import ConnectionError, HTTPClientError
+    from botocore.exceptions import (
+        ConnectionError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        HTTPClientError,
+        ProxyConnectionError,
+        SSLError,
+    )
 
     code = _error_code(exc)
     status = (
@@ -468,8 +482,17 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
         or code in _THROTTLED_CODES
         or status >= 500
     )
-    error = TransientTransportError if transient else TransportUnavailableError
-    return error(f"{what}: {_without_credentials(str(exc))}", code=code)
+    text = f"{what}: {_without_credentials(str(exc))}"
+    if not transient:
+        return TransportUnavailableError(text, code=code)
+    # A connection never made, or a throttled call, was not carried out; a lost answer (a read
+    # timeout, a dropped connection) or AWS's own failure may have been.
+    never_sent = isinstance(
+        exc, EndpointConnectionError | ConnectTimeoutError | ProxyConnectionError | SSLError
+    )
+    return TransientTransportError(
+        text, code=code, may_have_arrived=not never_sent and code not in _THROTTLED_CODES
+    )
 
 
 def _without_credentials(text: str) -> str:
@@ -601,9 +624,9 @@ class AwsReceiver:
         self._copied: set[str] = set()
         self._sending = threading.Lock()
         self._lock = threading.Lock()
-        #: Received on their last attempt's expired lease by a claim that had fresh deliveries
-        #: to hand over first: dead-lettered at the start of the next claim (see receive).
-        self._last_attempts_to_move: list[ClaimedDelivery] = []
+        #: Deliveries received on their last attempt's expired lease and dead-lettered since the
+        #: last claim returned, for the next to report (see receive).
+        self._moved: list[ExpiredDeadLetter] = []
 
     @property
     def enlist_alias(self) -> str | None:
@@ -616,9 +639,6 @@ class AwsReceiver:
 
     def receive(self, max_rows: int) -> ClaimResult:
         self._forget_lapsed_leases()
-        with self._lock:
-            deferred, self._last_attempts_to_move = self._last_attempts_to_move, []
-        expired = self._move_to_dead_letters(deferred)
         messages = list(self._receive_messages(max(1, max_rows)))
         claimed: list[ClaimedDelivery] = []
         last_attempts: list[ClaimedDelivery] = []
@@ -636,24 +656,28 @@ class AwsReceiver:
                 last_attempts.append(replace(delivery, attempt=self.binding.max_attempts))
             else:
                 claimed.append(delivery)
-        if claimed:
-            # Moved at the start of the next claim, so that the fresh deliveries are handed
-            # over first: each move is a send and a delete, and made here, on a slow SQS, they
-            # took the fresh ones' leases (handed over with none left, their attempt spent
-            # without running; a last one then dead-lettered LeaseExpired having never run).
-            # Still hidden for a lease: one that outlasts it is received again and moved then
-            # (or by SQS's redrive).
-            with self._lock:
-                self._last_attempts_to_move.extend(last_attempts)
+        if claimed and last_attempts:
+            # Moved beside the fresh deliveries' handlers, within the lease this receive gave
+            # them: each move is a send and a delete, and made before handing the fresh ones
+            # over, on a slow SQS, they took their leases (handed over with none left, their
+            # attempt spent without running; a last one then dead-lettered LeaseExpired having
+            # never run). Reported by the next claim.
+            threading.Thread(
+                target=self._move_to_dead_letters,
+                args=(last_attempts,),
+                name=f"wq-aws-{self.binding.subscription_name}-dead-letters",
+                daemon=True,
+            ).start()
         else:
-            expired += self._move_to_dead_letters(last_attempts)
-        return ClaimResult(claimed, expired)
+            self._move_to_dead_letters(last_attempts)
+        with self._lock:
+            # Reported once a claim succeeds: one that fails after a move would lose them.
+            moved, self._moved = self._moved, []
+        return ClaimResult(claimed, moved)
 
-    def _move_to_dead_letters(
-        self, last_attempts: list[ClaimedDelivery]
-    ) -> list[ExpiredDeadLetter]:
-        """Dead-letter held messages whose last attempt's lease expired; those moved."""
-        moved = []
+    def _move_to_dead_letters(self, last_attempts: list[ClaimedDelivery]) -> None:
+        """Dead-letter held messages whose last attempt's lease expired; those moved are
+        reported by the next claim."""
         for delivery in last_attempts:
             try:
                 settled = self.dead_letter(
@@ -672,15 +696,14 @@ class AwsReceiver:
                 self._let_go(delivery)
                 continue
             if settled.settled:
-                moved.append(
-                    ExpiredDeadLetter(
-                        delivery.delivery_id,
-                        self.subscription_id,
-                        delivery.partition_key,
-                        "LeaseExpired",
-                    )
+                moved = ExpiredDeadLetter(
+                    delivery.delivery_id,
+                    self.subscription_id,
+                    delivery.partition_key,
+                    "LeaseExpired",
                 )
-        return moved
+                with self._lock:
+                    self._moved.append(moved)
 
     def _receive_messages(self, wanted: int) -> Iterator[tuple[dict[str, Any], float]]:
         """Up to ``wanted`` messages, each with the moment (monotonic) its receive was sent,
@@ -774,25 +797,30 @@ class AwsReceiver:
         a settle made again after its delete failed, or by two threads at once (a late
         hand-back and a stop), then only deletes. Sent twice, a standard queue kept both copies
         and ran them at once, and the DLQ listed the dead letter twice. Sends are rare (each a
-        failure or a hand-back): one at a time per receiver."""
+        failure or a hand-back): one at a time per receiver. Not begun without the time for
+        the send and the delete after it: a send whose delete came too late left a copy beside
+        the message (a dead letter listed twice once SQS's redrive moved it too)."""
         with self._sending:
             with self._lock:
                 if delivery.lease_token in self._copied:
                     return
+            if not self._time_for_a_call(delivery, calls=2):
+                raise _NoTimeLeftForACall
             send()
             with self._lock:
                 if delivery.lease_token in self._leases:
                     self._copied.add(delivery.lease_token)
 
-    def _time_for_a_call(self, delivery: ClaimedDelivery) -> bool:
-        """Whether a call on the receipt handle made now ends, at its longest, before the
-        visibility timeout does (counted from when its receive or renewal was sent, so the
-        call's own time takes the place of LEASE_SAFETY_SECONDS)."""
+    def _time_for_a_call(self, delivery: ClaimedDelivery, calls: int = 1) -> bool:
+        """Whether ``calls`` calls on the receipt handle made now one after the other end, at
+        their longest, before the visibility timeout does (counted from when its receive or
+        renewal was sent, so the calls' own time takes the place of LEASE_SAFETY_SECONDS)."""
         with self._lock:
             deadline = self._leases.get(delivery.lease_token)
         return (
             deadline is not None
-            and time.monotonic() + self.binding.lease_call_seconds < deadline + LEASE_SAFETY_SECONDS
+            and time.monotonic() + calls * self.binding.lease_call_seconds
+            < deadline + LEASE_SAFETY_SECONDS
         )
 
     def _settle(self, delivery: ClaimedDelivery, status: str, action: Any) -> SettleResult:
@@ -1383,7 +1411,9 @@ class AwsTransport(BaseTransport):
             elif admitted is not FOLLOWS:
                 rows[index] = admitted  # type: ignore[assignment]
         refused: dict[int, str] = {}
-        published = _publish_entries(clients, topic_arn, entries, once=ledger.holds_reservations)
+        # A FIFO topic's deduplication id makes botocore's re-sends safe.
+        once = ledger.holds_reservations and not topic.is_fifo
+        published = _publish_entries(clients, topic_arn, entries, once=once)
         for index, refusal, arrived in published:
             if refusal is None:
                 ledger.settle(index, messages[index], sent=True)
@@ -1431,6 +1461,13 @@ class AwsTransport(BaseTransport):
             for subscription in sorted(topic.subscriptions.all(), key=lambda s: s.name):
                 names = AwsNames.of(settings.prefix, topic.name, subscription.name, topic.is_fifo)
                 problem = names.problem()
+                if names.dead_letter_queue_of is not None:
+                    # Saved by an earlier release: refused, and the rest provisioned (the
+                    # subscription that replaces it among them).
+                    provisioner.changes.append(
+                        ProvisionChange("refuse", "SQS queue", names.queue, problem or "")
+                    )
+                    continue
                 if problem is not None:
                     raise WorkQueueConfigurationError(problem)
                 provisioner.subscription(topic, subscription, names, topic_arn)
@@ -1682,40 +1719,48 @@ def _publish_entries(
 ) -> Iterator[tuple[int, str | None, bool]]:
     """(index, None when SNS took it else what SNS said, whether it may have arrived all the
     same) of each entry, published one by one or in batches of up to ten (and SNS's 256 KiB per
-    batch); with ``once``, each call made one time only (see ``AwsClients.sns_once``)."""
-    sns = clients.sns_once if once else clients.sns
-    if len(entries) == 1:
-        index, entry = entries[0]
+    batch); with ``once``, a call whose answer may be lost is never made again (see
+    ``AwsClients.sns_once``), while one that cannot have arrived is, as botocore would."""
+    for batch in [entries] if len(entries) == 1 else _batches(entries):
         try:
-            _call(sns.publish, TopicArn=topic_arn, **entry)
-        except TransportUnavailableError as exc:
-            yield index, str(exc), _may_have_arrived(exc)
-        else:
-            yield index, None, True
-        return
-    for batch in _batches(entries):
-        request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
-        try:
-            answer = _call(
-                sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
+            failed = (
+                _publish_batch(clients.sns_once, topic_arn, batch, SNS_SAFE_TRIES)
+                if once
+                else _publish_batch(clients.sns, topic_arn, batch, 1)  # botocore retries
             )
         except TransportUnavailableError as exc:
-            failed = dict.fromkeys(range(len(batch)), (str(exc), _may_have_arrived(exc)))
-        else:
-            failed = {
-                int(f["Id"]): (f"SNS refused it: {f.get('Code')}: {f.get('Message')}", False)
-                for f in answer.get("Failed", [])
-            }
+            arrived = isinstance(exc, TransientTransportError) and exc.may_have_arrived
+            failed = dict.fromkeys(range(len(batch)), (str(exc), arrived))
         for i, (index, _) in enumerate(batch):
-            refusal, arrived = failed.get(i, (None, True))
+            refusal, arrived = failed.get(i, (None, False))
             yield index, refusal, arrived
 
 
-def _may_have_arrived(failure: TransportUnavailableError) -> bool:
-    """Whether a send that failed so may have been taken all the same: its answer lost (a
-    timeout, a dropped connection) or AWS failing on its side. A refusal, or a throttled call,
-    was not taken."""
-    return isinstance(failure, TransientTransportError) and failure.code not in _THROTTLED_CODES
+def _publish_batch(
+    sns: Any, topic_arn: str, batch: list[tuple[int, dict[str, Any]]], tries: int
+) -> dict[int, tuple[str, bool]]:
+    """Publish ``batch`` (one entry: Publish; more: PublishBatch); SNS's refusals of single
+    entries by position, with False (not taken). A failure of the call is raised, after up to
+    ``tries`` tries while it cannot have arrived (no connection, throttled)."""
+    for attempt in range(1, tries + 1):
+        try:
+            if len(batch) == 1:
+                _call(sns.publish, TopicArn=topic_arn, **batch[0][1])
+                return {}
+            request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
+            answer = _call(
+                sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
+            )
+        except TransientTransportError as exc:
+            if exc.may_have_arrived or attempt == tries:
+                raise
+            time.sleep(0.05 * 2**attempt)
+            continue
+        return {
+            int(f["Id"]): (f"SNS refused it: {f.get('Code')}: {f.get('Message')}", False)
+            for f in answer.get("Failed", [])
+        }
+    raise AssertionError("unreachable")
 
 
 def _what_the_publisher_reads(detail: str, topic_name: str, external: bool, count: int) -> str:

@@ -40,6 +40,15 @@ FOLLOWS = object()
 #: How long a reservation holds its key or id before it lapses (the procedures' 120 s).
 RESERVATION_SECONDS = 120
 
+_UNCERTAIN = uuid.UUID("5f0f7a3c-4b1e-4d52-9a7e-2f8d3c6b1a90")
+
+
+def uncertain_owner(owner: str) -> str:
+    """The owner a reservation is handed to when its send may have arrived, made from its own
+    (a message id, or a content fingerprint): no publish ever owns it, so none takes the
+    reservation over before it lapses, not even the same message published again."""
+    return str(uuid.uuid5(_UNCERTAIN, owner))
+
 
 def message_id_key(message_id: str) -> str:
     """The ledger key under which a chosen ``message_id`` is reserved on its topic."""
@@ -141,13 +150,22 @@ class PublishLedger:
 
     def settle(self, index: int, message: dict[str, Any], *, sent: bool | None) -> None:
         """Confirm what ``message`` reserved once it was sent, or release it when sending
-        failed; ``sent`` None (the send failed, yet may have arrived) leaves it reserved, to
-        lapse. A confirmation can find the reservation gone (it lapsed after RESERVATION_SECONDS
-        and another publish took it): the message is out all the same, so both were sent."""
+        failed. ``sent`` None: the send failed, yet may have arrived; the reservation is handed
+        to an owner no publish has (``uncertain_owner``), to lapse after RESERVATION_SECONDS,
+        so that a publish with the key or id meanwhile (this message's again included, which
+        would take its own reservation over) is not sent. A confirmation can find the
+        reservation gone (it lapsed and another publish took it): the message is out all the
+        same, so both were sent."""
         key, fingerprint = self._held.pop(index, (None, None))
-        if sent is None:
-            return
         topic_name, message_id = self.topic.name, message["message_id"]
+        if sent is None:
+            # Released, then taken again at once; a publish that takes it in between is sent,
+            # as one would after the lapse.
+            for held_key, owner in ((key, message_id), (message_id_key(message_id), fingerprint)):
+                if held_key is not None and owner is not None:
+                    procedures.release_deduplication(topic_name, held_key, owner)
+                    procedures.reserve_deduplication(topic_name, held_key, uncertain_owner(owner))
+            return
         if key is not None:
             if sent:
                 procedures.confirm_deduplication(
@@ -209,6 +227,9 @@ class PublishLedger:
             return _row(message_id, PublishStatus.REJECTED, PublishErrorCode.TRANSPORT_UNAVAILABLE)
         if status == "Duplicate" and owner == fingerprint:
             return _row(message_id, PublishStatus.DUPLICATE)
+        if owner == uncertain_owner(fingerprint):
+            # This very message, sent before with its answer lost: it may be out already.
+            return _row(message_id, PublishStatus.REJECTED, PublishErrorCode.DEDUPLICATION_PENDING)
         # Another message's content holds the id (sent, or being sent right now; the same
         # content being sent by another publish takes the reservation over instead).
         return _row(message_id, PublishStatus.REJECTED, PublishErrorCode.MESSAGE_ID_CONFLICT)
