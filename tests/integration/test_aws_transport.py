@@ -82,6 +82,19 @@ def receiver(subscription: Subscription) -> AwsReceiver:
     return transport_for("AWS").receiver(str(subscription.id))
 
 
+def arrivals(subscription_receiver: AwsReceiver, *, complete: bool = False) -> list[Any]:
+    """Every delivery received within 3 s (a second copy would be visible by then), each
+    completed as it comes with ``complete``."""
+    found: list[Any] = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        for delivery in subscription_receiver.receive(10).deliveries:
+            found.append(delivery)
+            if complete:
+                subscription_receiver.complete(delivery)
+    return found
+
+
 def receive_one(subscription_receiver: AwsReceiver, timeout: float = 10) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -2163,12 +2176,7 @@ def test_a_keyed_publish_whose_answer_is_lost_is_sent_once_and_keeps_its_key(aws
     lost_answers.operation = ""
     again = publish(subscription.topic.name, {"n": 1}, deduplication_key="order-42")
     assert again.error.code == "DeduplicationPending"
-    arrived = []
-    holder = receiver(subscription)
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        arrived += holder.receive(10).deliveries
-    assert [d.payload for d in arrived] == [{"n": 1}]
+    assert [d.payload for d in arrivals(receiver(subscription))] == [{"n": 1}]
 
 
 def test_a_fifo_publish_reusing_a_generated_id_with_other_content_is_not_dropped(aws):
@@ -2183,14 +2191,11 @@ def test_a_fifo_publish_reusing_a_generated_id_with_other_content_is_not_dropped
     resent = publish(topic, {"order": 2}, partition_key="k", message_id=first.message_id)
     assert (reused.status, resent.status) == ("Accepted", "Duplicate")
 
-    holder = receiver(subscription)
-    arrived = []
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        for delivery in holder.receive(10).deliveries:
-            arrived.append(delivery.payload)
-            holder.complete(delivery)
-    assert arrived == [{"order": 1}, {"order": 2}]
+    # Each completed as it comes: a FIFO group hands out its next message after.
+    assert [d.payload for d in arrivals(receiver(subscription), complete=True)] == [
+        {"order": 1},
+        {"order": 2},
+    ]
 
 
 def test_a_bulk_replay_reads_the_dead_letter_queue_once_a_batch(aws):
@@ -2204,25 +2209,17 @@ def test_a_bulk_replay_reads_the_dead_letter_queue_once_a_batch(aws):
     dead = receive_all(holder, 25)
     for delivery in dead:
         assert holder.dead_letter(delivery, "Poison", "bad input").settled
-    sqs = holder.binding.clients.sqs
-    dead_letter_queue = holder.binding.dead_letter_queue_url
-    reads: list[str] = []
-    sqs.meta.events.register(
-        "provide-client-params.sqs.ReceiveMessage",
-        lambda params, **_: reads.append(params["QueueUrl"]),
-        unique_id="reads",
-    )
+    reads, undo = _capture(holder.binding.clients.sqs, "sqs.ReceiveMessage")
     try:
-        began = time.monotonic()
         outcome = operations.resolve_dead_letters(
             subscription.name, "replay", operations.DeadLetterSelection()
         )
-        took = time.monotonic() - began
     finally:
-        sqs.meta.events.unregister("provide-client-params.sqs.ReceiveMessage", unique_id="reads")
+        undo()
 
     assert (outcome.matched, outcome.examined, outcome.batches) == (25, 25, 1)
-    assert reads.count(dead_letter_queue) <= 5, (reads.count(dead_letter_queue), took)
+    dead_letter_queue = holder.binding.dead_letter_queue_url
+    assert [r["QueueUrl"] for r in reads].count(dead_letter_queue) <= 5
     replayed = receive_all(holder, 25)
     assert sorted(d.delivery_id for d in replayed) == sorted(d.delivery_id for d in dead)
     assert operations.list_dead_letters(subscription.name).items == []
@@ -2247,12 +2244,7 @@ def test_the_same_message_published_again_after_a_lost_answer_waits_for_the_rese
     again = publish(subscription.topic.name, {"n": 1}, **options)
 
     assert again.error.code == "DeduplicationPending"
-    arrived = []
-    holder = receiver(subscription)
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        arrived += holder.receive(10).deliveries
-    assert [d.message_id for d in arrived] == [chosen]
+    assert [d.message_id for d in arrivals(receiver(subscription))] == [chosen]
 
 
 def test_a_keyed_publish_that_never_reached_sns_frees_its_key_after_its_tries(aws, monkeypatch):
