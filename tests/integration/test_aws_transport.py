@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -57,6 +58,7 @@ from workqueue.transports.aws import (
     clients_for,
     send_copy,
 )
+from workqueue.transports.ledger import content_fingerprint
 from workqueue.types import DeliveryStatus, SettleOutcome, SettleResult
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -184,6 +186,11 @@ def test_a_subscription_saved_before_the_dead_letter_queue_rule_is_neither_bound
     assert receiver(replacement).receive(1).deliveries == []  # its queue exists
     with pytest.raises(CommandError, match="1 resource"):
         workqueue_cli("provision", "--transport", aws.name)
+    # What an earlier provision made for it is named for removal, and the bindings check says
+    # so as an error, not as "run provision" for ever (helper-127).
+    assert "RedrivePolicy" in refused.detail and "SNS subscription" in refused.detail
+    [error] = [i for i in operations.validate_bindings() if i.severity == "Error"]
+    assert "is refused" in error.message and "billing" in error.message
 
 
 def test_only_a_name_ending_in_dash_dlq_names_another_subscriptions_dead_letter_queue():
@@ -2291,3 +2298,96 @@ def test_a_dead_letter_without_the_time_for_its_send_and_delete_sends_nothing(aw
     assert settled.outcome == SettleOutcome.LEASE_LOST
     assert slow_network.calls == 0
     assert operations.list_dead_letters(subscription.name).items == []
+
+
+def test_a_publish_that_took_a_reservation_over_confirms_it_when_the_first_answer_is_lost(aws):
+    """helper-127: two publishes of one message (its key and chosen id); the second takes the
+    first's reservation over and is sent; the first's answer is lost after that, and handing
+    its reservation to the uncertain owner released the second's: the key then lapsed as if
+    nothing had been sent. The second's confirmation takes it back."""
+    from workqueue.transports.ledger import PublishLedger
+
+    topic = provisioned(aws).topic
+    chosen = str(uuid.uuid4())
+    message = {
+        "message_id": chosen,
+        "deduplication_key": "order-9",
+        "deduplication_ttl_seconds": 600,
+        "partition_key": None,
+        "attributes": None,
+        "payload": {"n": 1},
+        "payload_ref": None,
+        "correlation_id": None,
+    }
+    first = PublishLedger(topic, frozenset({chosen}))
+    second = PublishLedger(topic, frozenset({chosen}))
+    assert first.admit(0, message) is None
+    assert second.admit(0, message) is None  # the same message: the reservations are its own
+
+    first.settle(0, message, sent=None)
+    second.settle(0, message, sent=True)
+
+    held = Deduplication.objects.filter(topic=topic).order_by("deduplication_key")
+    assert [(d.status, str(d.message_id)) for d in held] == [
+        ("Confirmed", str(content_fingerprint(topic.id, message))),
+        ("Confirmed", chosen),
+    ]
+
+
+def test_a_receiver_closed_while_moving_dead_letters_lets_the_moves_end_and_logs_them(aws, caplog):
+    """helper-127: a move made beside a claim was a daemon thread nobody waited for: a stop
+    could cut it between its send and its delete (the dead letter then listed twice), and a
+    move no claim reported afterwards went unsaid."""
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=10)
+    publish(subscription.topic.name, {"n": "expired"})
+    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
+    time.sleep(10.5)
+    publish(subscription.topic.name, {"n": "fresh"})
+    taker = receiver(subscription)
+    claimed: list[Any] = []
+    deadline = time.monotonic() + 10
+    while not claimed and time.monotonic() < deadline:
+        claimed = taker.receive(10).deliveries
+
+    with caplog.at_level(logging.WARNING, logger="workqueue"):
+        taker.close()
+
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert item.reason == "LeaseExpired"
+    assert any("as its consumer stopped" in r.getMessage() for r in caplog.records)
+
+
+def test_a_release_without_time_for_its_copy_makes_the_message_visible_instead(aws, slow_network):
+    """helper-127: with time for one call but not two, a release answered LeaseLost and left
+    the message hidden to the end of its lease; it falls back to making it visible, as when
+    its send fails."""
+    subscription = provisioned(aws, lease_seconds=10)  # a call may take 1 s
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    time.sleep(8.3)  # one call's time is left, not two
+    slow_network.operation = "SendMessage"
+
+    assert holder.release(delivery).settled
+
+    assert slow_network.calls == 0
+    assert receive_one(receiver(subscription), timeout=1.5).delivery_id == delivery.delivery_id
+
+
+@pytest.mark.parametrize(
+    ("failure", "arrived"),
+    [
+        ("EndpointConnectionError", False),
+        ("ConnectTimeoutError", False),
+        ("ReadTimeoutError", True),
+        ("SSLError", True),  # urllib3 raises it while reading an answer too
+    ],
+)
+def test_only_a_failure_before_the_request_left_cannot_have_arrived(failure, arrived):
+    import botocore.exceptions
+
+    from workqueue.transports.aws import _unavailable
+
+    error = getattr(botocore.exceptions, failure)(endpoint_url="https://sns", error="x")
+
+    assert _unavailable("AWS could not be reached", error).may_have_arrived is arrived

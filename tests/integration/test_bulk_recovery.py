@@ -880,7 +880,7 @@ def test_a_bulk_command_stopped_by_a_dropped_connection_says_what_its_batches_di
     assert f"Discarded 2 of 2 waiting deliveries of {subscription.name}" in run(*argv)
 
 
-def test_a_bulk_command_whose_first_batch_fails_says_nothing_was_applied(monkeypatch, pg_conn):
+def test_a_bulk_command_whose_first_batch_fails_says_so(monkeypatch, pg_conn):
     """A failure after a batch committed counts what was done (above); one in the first batch
     said "the batches applied before this error stay applied", of batches there were none
     (helper-126)."""
@@ -891,7 +891,10 @@ def test_a_bulk_command_whose_first_batch_fails_says_nothing_was_applied(monkeyp
     with pytest.raises(CommandError) as stopped:
         run("discard-pending", "-s", subscription.name, "--discard-reason", "flood")
 
-    assert str(stopped.value) == f"{DROPPED} (nothing was applied; running it again is safe)"
+    assert str(stopped.value) == (
+        f"{DROPPED} (the first batch failed; running it again is safe, and --dry-run counts "
+        "what is left)"
+    )
     assert statuses(kept) == ["Pending"] * 3
 
 

@@ -127,8 +127,12 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
             raise CommandError(str(exc)) from exc
         # Say what a re-run finds.
         # A failure after a batch committed is a BulkOperationInterrupted (above): here the
-        # first failed, and nothing was applied.
-        raise CommandError(f"{exc} (nothing was applied; running it again is safe)") from exc
+        # first batch failed (on the database, before changing anything; a cloud transport's
+        # batch, made item by item, may have changed some).
+        raise CommandError(
+            f"{exc} (the first batch failed; running it again is safe, and --dry-run counts "
+            "what is left)"
+        ) from exc
     except KeyboardInterrupt:
         if not in_batches:
             raise

@@ -696,7 +696,7 @@ def _in_batches(
             stuck = WorkQueueError(
                 "A bulk operation's batch did not move past the rows it read; stopping rather "
                 "than reading them again. Run `manage.py migrate` so the installed procedures "
-                "match this version of django-workqueue."
+                "match this version of django-workqueue, then run it again."
             )
             raise _interrupted(done, rows, stuck) from stuck
         after = following
@@ -954,7 +954,9 @@ def _provisioning_issues(
     subject = f"transport {row.name}"
     command = f"`manage.py workqueue provision --transport {row.name}`"
     try:
-        changes = [c for c in transport_class().provision(row, dry_run=True) if c.action != "keep"]
+        found = transport_class().provision(row, dry_run=True)
+        changes = [c for c in found if c.action not in ("keep", "refuse")]
+        refused = [c for c in found if c.action == "refuse"]
     except (TransportUnavailableError, WorkQueueConfigurationError) as exc:
         return [
             BindingIssue(
@@ -963,20 +965,26 @@ def _provisioning_issues(
                 f"Its resources could not be checked ({exc}); {command} --dry-run shows them.",
             )
         ]
+    issues = [
+        # Provisioning cannot fix these: the detail says what to change.
+        BindingIssue("Error", subject, f"{c.kind} {c.name} is refused: {c.detail}")
+        for c in ([] if limited else refused)
+    ]
     if not changes:
-        return []
+        return issues
     listed = (
         f"{len(changes)} changes"
         if limited
         else "; ".join(f"{c.action} {c.kind} {c.name}" for c in changes)
     )
     return [
+        *issues,
         BindingIssue(
             "Warning",
             subject,
             f"Its cloud resources do not match the topology ({listed}): publishes and claims "
             f"fail or miss messages until you run {command}.",
-        )
+        ),
     ]
 
 

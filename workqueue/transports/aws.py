@@ -470,7 +470,6 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
         EndpointConnectionError,
         HTTPClientError,
         ProxyConnectionError,
-        SSLError,
     )
 
     code = _error_code(exc)
@@ -486,9 +485,10 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
     if not transient:
         return TransportUnavailableError(text, code=code)
     # A connection never made, or a throttled call, was not carried out; a lost answer (a read
-    # timeout, a dropped connection) or AWS's own failure may have been.
+    # timeout, a dropped connection, a TLS error, which can come while reading the answer) or
+    # AWS's own failure may have been.
     never_sent = isinstance(
-        exc, EndpointConnectionError | ConnectTimeoutError | ProxyConnectionError | SSLError
+        exc, EndpointConnectionError | ConnectTimeoutError | ProxyConnectionError
     )
     return TransientTransportError(
         text, code=code, may_have_arrived=not never_sent and code not in _THROTTLED_CODES
@@ -627,13 +627,31 @@ class AwsReceiver:
         #: Deliveries received on their last attempt's expired lease and dead-lettered since the
         #: last claim returned, for the next to report (see receive).
         self._moved: list[ExpiredDeadLetter] = []
+        #: The threads making those moves (close() lets them end).
+        self._movers: list[threading.Thread] = []
 
     @property
     def enlist_alias(self) -> str | None:
         return None  # SQS cannot settle inside a database transaction
 
     def close(self) -> None:
-        """Nothing to close: boto3 clients are shared by the process."""
+        """Let moves to the dead-letter queue under way end (each within its lease: a process
+        exiting between a move's send and its delete left the dead letter listed twice once
+        SQS redrove the message), and log those no claim will report now. boto3 clients are
+        shared by the process: nothing else to close."""
+        with self._lock:
+            movers, self._movers = self._movers, []
+        for mover in movers:
+            mover.join(timeout=self.binding.lease_seconds)
+        with self._lock:
+            unreported, self._moved = self._moved, []
+        for moved in unreported:
+            logger.warning(
+                "%s: delivery %s was dead-lettered (LeaseExpired: the lease of its last attempt "
+                "expired) as its consumer stopped",
+                self.binding.subscription_name,
+                moved.delivery_id,
+            )
 
     # -- receiving -----------------------------------------------------------------------
 
@@ -662,12 +680,15 @@ class AwsReceiver:
             # over, on a slow SQS, they took their leases (handed over with none left, their
             # attempt spent without running; a last one then dead-lettered LeaseExpired having
             # never run). Reported by the next claim.
-            threading.Thread(
+            mover = threading.Thread(
                 target=self._move_to_dead_letters,
                 args=(last_attempts,),
                 name=f"wq-aws-{self.binding.subscription_name}-dead-letters",
                 daemon=True,
-            ).start()
+            )
+            with self._lock:
+                self._movers = [m for m in self._movers if m.is_alive()] + [mover]
+            mover.start()
         else:
             self._move_to_dead_letters(last_attempts)
         with self._lock:
@@ -1018,8 +1039,8 @@ class AwsReceiver:
                         self.binding, delivery, attempts_before=delivery.attempt, delay=delay
                     ),
                 )
-            except TransportUnavailableError:
-                hide()
+            except (TransportUnavailableError, _NoTimeLeftForACall):
+                hide()  # one call, held to the lease by itself
                 return
             self._delete(delivery)
 
@@ -1050,8 +1071,8 @@ class AwsReceiver:
                     delivery,
                     lambda: send_copy(self.binding, delivery, attempts_before=delivery.attempt - 1),
                 )
-            except TransportUnavailableError:
-                self._set_visibility(delivery, 0)
+            except (TransportUnavailableError, _NoTimeLeftForACall):
+                self._set_visibility(delivery, 0)  # one call, held to the lease by itself
                 return
             self._delete(delivery)
 
@@ -1463,9 +1484,19 @@ class AwsTransport(BaseTransport):
                 problem = names.problem()
                 if names.dead_letter_queue_of is not None:
                     # Saved by an earlier release: refused, and the rest provisioned (the
-                    # subscription that replaces it among them).
+                    # subscription that replaces it among them). What an earlier provision
+                    # made of it on the shared queue is for an operator to remove.
+                    cleanup = (
+                        f" Remove by hand what an earlier provision made for it: the SNS "
+                        f"subscription of topic {names.topic!r} to that queue (or its topic's "
+                        f"messages keep arriving among the dead letters) and the queue's "
+                        f"redrive policy (`aws sqs set-queue-attributes --attributes "
+                        f"RedrivePolicy=`; or the dead letters move on to "
+                        f"{names.dead_letter_queue!r} after max_attempts + 1 reads of the "
+                        "dead-letter queue)."
+                    )
                     provisioner.changes.append(
-                        ProvisionChange("refuse", "SQS queue", names.queue, problem or "")
+                        ProvisionChange("refuse", "SQS queue", names.queue, f"{problem}{cleanup}")
                     )
                     continue
                 if problem is not None:
@@ -1729,7 +1760,10 @@ def _publish_entries(
                 else _publish_batch(clients.sns, topic_arn, batch, 1)  # botocore retries
             )
         except TransportUnavailableError as exc:
-            arrived = isinstance(exc, TransientTransportError) and exc.may_have_arrived
+            # Through botocore's retries the last failure tells nothing of the earlier tries.
+            arrived = isinstance(exc, TransientTransportError) and (
+                exc.may_have_arrived or not once
+            )
             failed = dict.fromkeys(range(len(batch)), (str(exc), arrived))
         for i, (index, _) in enumerate(batch):
             refusal, arrived = failed.get(i, (None, False))

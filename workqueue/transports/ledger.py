@@ -168,18 +168,28 @@ class PublishLedger:
             return
         if key is not None:
             if sent:
-                procedures.confirm_deduplication(
-                    topic_name, key, message_id, message["deduplication_ttl_seconds"]
-                )
+                self._confirm(key, message_id, message["deduplication_ttl_seconds"])
             else:
                 procedures.release_deduplication(topic_name, key, message_id)
         if fingerprint is not None:
             id_key = message_id_key(message_id)
             if sent:
                 ttl = min(self.topic.retention_days * 86_400, MAX_TTL_SECONDS)
-                procedures.confirm_deduplication(topic_name, id_key, fingerprint, ttl)
+                self._confirm(id_key, fingerprint, ttl)
             else:
                 procedures.release_deduplication(topic_name, id_key, fingerprint)
+
+    def _confirm(self, key: str, owner: str, ttl: int | None) -> None:
+        """Confirm ``owner``'s reservation of ``key``. One handed to ``uncertain_owner(owner)``
+        meanwhile (a publish of this same message whose answer was lost, after this one took
+        the reservation over) is taken back and confirmed: this send is known to have
+        arrived."""
+        topic_name = self.topic.name
+        if procedures.confirm_deduplication(topic_name, key, owner, ttl):
+            return
+        if procedures.release_deduplication(topic_name, key, uncertain_owner(owner)):
+            procedures.reserve_deduplication(topic_name, key, owner)
+            procedures.confirm_deduplication(topic_name, key, owner, ttl)
 
     def follow_up(self, rows: list[dict[str, Any] | None], messages: list[dict[str, Any]]) -> None:
         """Fill in the rows of messages that followed an earlier one of the call: a Duplicate
