@@ -2029,6 +2029,26 @@ def test_a_message_written_to_the_queue_by_hand_does_not_fail_the_claim_it_is_in
     assert sorted((d.payload["n"], d.attempt) for d in claimed) == [(1, 1), (2, 1)]
 
 
+def an_expired_last_attempt_then_a_fresh_message(lease_seconds: int, aws: Transport) -> Any:
+    """A subscription (max_attempts 1) whose queue holds a message received on its last
+    attempt, its holder gone and its lease over, and then a fresh one."""
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=lease_seconds)
+    publish(subscription.topic.name, {"n": "expired"})
+    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
+    time.sleep(lease_seconds + 0.5)
+    publish(subscription.topic.name, {"n": "fresh"})
+    return subscription
+
+
+def claim_something(taker: AwsReceiver) -> list[Any]:
+    """The deliveries of the first claim that hands any over (within 10 s)."""
+    claimed: list[Any] = []
+    deadline = time.monotonic() + 10
+    while not claimed and time.monotonic() < deadline:
+        claimed = taker.receive(10).deliveries
+    return claimed
+
+
 def test_a_slow_move_of_an_expired_last_attempt_leaves_the_rest_of_its_claim_its_leases(
     aws, slow_network
 ):
@@ -2038,19 +2058,12 @@ def test_a_slow_move_of_an_expired_last_attempt_leaves_the_rest_of_its_claim_its
     one then dead-lettered LeaseExpired having never run. The fresh ones go first now, and the
     move is made at the start of the next claim (with a send this slow the move itself cannot
     end within its lease: SQS's redrive or a later claim moves it)."""
-    subscription = provisioned(aws, max_attempts=1, lease_seconds=5)
-    publish(subscription.topic.name, {"n": "expired"})
-    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
-    time.sleep(5.5)
-    publish(subscription.topic.name, {"n": "fresh"})
+    subscription = an_expired_last_attempt_then_a_fresh_message(5, aws)
     slow_network.operation = "SendMessage"
     slow_network.before = lambda request: time.sleep(6)
     taker = receiver(subscription)
 
-    claimed: list[Any] = []
-    deadline = time.monotonic() + 10
-    while not claimed and time.monotonic() < deadline:
-        claimed = taker.receive(10).deliveries
+    claimed = claim_something(taker)
 
     [fresh] = claimed
     assert fresh.payload == {"n": "fresh"}
@@ -2062,17 +2075,9 @@ def test_an_expired_last_attempt_received_with_fresh_work_is_dead_lettered_besid
     their receive gave both (helper-126: moved by the next claim, it was lost when that claim
     came later than the lease, and SQS's redrive moved it as MaxReceiveCountExceeded); the
     move is reported by the next claim."""
-    subscription = provisioned(aws, max_attempts=1, lease_seconds=5)
-    publish(subscription.topic.name, {"n": "expired"})
-    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
-    time.sleep(5.5)
-    publish(subscription.topic.name, {"n": "fresh"})
+    subscription = an_expired_last_attempt_then_a_fresh_message(5, aws)
     taker = receiver(subscription)
-    claimed: list[Any] = []
-    deadline = time.monotonic() + 10
-    while not claimed and time.monotonic() < deadline:
-        claimed = taker.receive(10).deliveries
-    assert [d.payload for d in claimed] == [{"n": "fresh"}]
+    assert [d.payload for d in claim_something(taker)] == [{"n": "fresh"}]
 
     wait_until(lambda: operations.list_dead_letters(subscription.name).items, timeout=10)
 
@@ -2281,15 +2286,22 @@ def test_a_keyed_publish_that_never_reached_sns_frees_its_key_after_its_tries(aw
     assert publish(subscription.topic.name, {"n": 1}, deduplication_key="order-8").accepted
 
 
+def held_with_time_for_one_call(aws: Transport) -> tuple[Subscription, AwsReceiver, Any]:
+    """A delivery held so late in its 10 s lease (a call may take 1 s) that one call's time is
+    left, not two; its subscription and receiver."""
+    subscription = provisioned(aws, lease_seconds=10)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    time.sleep(8.3)
+    return subscription, holder, delivery
+
+
 def test_a_dead_letter_without_the_time_for_its_send_and_delete_sends_nothing(aws, slow_network):
     """helper-126: only the delete was held to the lease, so a move begun late (now likelier,
     made beside a claim) sent its dead letter and then could not delete the message, which
     SQS's redrive later moved again: listed twice. Not begun without time for both calls."""
-    subscription = provisioned(aws, lease_seconds=10)  # a call may take 1 s
-    publish(subscription.topic.name, {"n": 1})
-    holder = receiver(subscription)
-    delivery = receive_one(holder)
-    time.sleep(8.3)  # one call's time is left, not two
+    subscription, holder, delivery = held_with_time_for_one_call(aws)
     slow_network.operation = "SendMessage"
     slow_network.before = lambda request: time.sleep(0.9)
 
@@ -2338,16 +2350,9 @@ def test_a_receiver_closed_while_moving_dead_letters_lets_the_moves_end_and_logs
     """helper-127: a move made beside a claim was a daemon thread nobody waited for: a stop
     could cut it between its send and its delete (the dead letter then listed twice), and a
     move no claim reported afterwards went unsaid."""
-    subscription = provisioned(aws, max_attempts=1, lease_seconds=10)
-    publish(subscription.topic.name, {"n": "expired"})
-    receive_one(receiver(subscription))  # its holder dies with it: the lease runs out
-    time.sleep(10.5)
-    publish(subscription.topic.name, {"n": "fresh"})
+    subscription = an_expired_last_attempt_then_a_fresh_message(10, aws)
     taker = receiver(subscription)
-    claimed: list[Any] = []
-    deadline = time.monotonic() + 10
-    while not claimed and time.monotonic() < deadline:
-        claimed = taker.receive(10).deliveries
+    assert [d.payload for d in claim_something(taker)] == [{"n": "fresh"}]
 
     with caplog.at_level(logging.WARNING, logger="workqueue"):
         taker.close()
@@ -2361,11 +2366,7 @@ def test_a_release_without_time_for_its_copy_makes_the_message_visible_instead(a
     """helper-127: with time for one call but not two, a release answered LeaseLost and left
     the message hidden to the end of its lease; it falls back to making it visible, as when
     its send fails."""
-    subscription = provisioned(aws, lease_seconds=10)  # a call may take 1 s
-    publish(subscription.topic.name, {"n": 1})
-    holder = receiver(subscription)
-    delivery = receive_one(holder)
-    time.sleep(8.3)  # one call's time is left, not two
+    subscription, holder, delivery = held_with_time_for_one_call(aws)
     slow_network.operation = "SendMessage"
 
     assert holder.release(delivery).settled
