@@ -24,6 +24,7 @@ from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.host import HostConfig
 from workqueue.runtime.outcome import Outcome
+from workqueue.runtime.process import describe_left_behind
 from workqueue.types import MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -307,6 +308,11 @@ def test_a_stop_whose_hand_backs_meet_a_silent_database_ends_with_its_drain_not_
     assert len(calls) == 1
     assert time.monotonic() - began < 10
     assert all(status_of(m) == "InFlight" for m in waiting)  # left to lease expiry
+    # And the stop's last line says so: it said every handler finished or was handed back.
+    assert describe_left_behind(host) == (
+        "6 delivery(ies) claimed ahead and never started could not be handed back; their "
+        "deliveries are left to lease expiry."
+    )
 
 
 @pytest.mark.usefixtures("handlers_count_as_quick")

@@ -342,6 +342,8 @@ class Consumer:
         self.last_receive_empty = False
         self.abandoned = 0  # handlers still running when stop() gave up on them
         self.unsettled = 0  # handlers that had returned then, their outcome not yet recorded
+        #: Deliveries claimed ahead that a stop could not hand back (left to lease expiry).
+        self.not_handed_back = 0
         #: Why the claim loop is not claiming right now (health reports the subscription as
         #: Error with this reason); None while it works.
         self.failure: str | None = None
@@ -997,7 +999,7 @@ class Consumer:
         the rest go to lease expiry: each call to a database that does not answer waits out
         its own timeout (about 30 s), and made one after another they held a stop far past
         its drain."""
-        left = 0
+        left = failed = 0
         answered = True
         for execution in executions:
             # Each is tried while the database answers, however short the drain (0 is
@@ -1006,6 +1008,10 @@ class Consumer:
                 left += 1
             else:
                 answered = self._release(execution.delivery, min(execution.lease_ends, until))
+                failed += not answered
+        # Counted for the stop's last line, which said "every handler finished or was handed
+        # back" while these waited for lease expiry, their attempt spent without a run.
+        self.not_handed_back += left + failed
         if left:
             logger.warning(
                 "%s: the drain's time ran out before %d delivery(ies) that never started were "

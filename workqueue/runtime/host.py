@@ -243,6 +243,9 @@ class Host:
         #: Handlers that had returned by then, their outcome not yet recorded (the database did
         #: not answer): recorded if it answers while the lease lasts and the process lives.
         self.unsettled_outcomes = 0
+        #: Deliveries claimed ahead, never started, that could not be handed back (the
+        #: database did not answer within the drain): left to lease expiry.
+        self.not_handed_back = 0
         #: Why the last planning raised (None once one succeeds): nothing was started then.
         self.planning_failure: str | None = None
 
@@ -423,6 +426,7 @@ class Host:
             self.unsettled_outcomes = sum(c.unsettled for c in consumers) + sum(
                 returned for _running, returned in left
             )
+            self.not_handed_back = sum(c.not_handed_back for c in consumers)
             if self._wakeup is not None:
                 self._wakeup.stop()
             if self._timers is not None:

@@ -228,6 +228,11 @@ def describe_left_behind(host: Any) -> str:
             f"{host.unsettled_outcomes} handler(s) returned but the database did not record "
             "their outcome in time"
         )
+    if host.not_handed_back:
+        parts.append(
+            f"{host.not_handed_back} delivery(ies) claimed ahead and never started could not "
+            "be handed back"
+        )
     if not parts:
         return "every handler finished or was handed back."
     return "; ".join(parts) + "; their deliveries are left to lease expiry."
