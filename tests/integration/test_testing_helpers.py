@@ -128,6 +128,7 @@ def test_in_test_mode_publish_and_run_until_idle_work_inside_the_test_transactio
         (topology.name, "Completed", 1),
     ]
     assert runs[0].message_id == accepted.message_id
+    assert repr(runs[0].status) == "'Completed'"  # not DeliveryStatus.COMPLETED in a diff
     assert [s["payload"]["n"] for s in SEEN] == [1, 2]
     assert {s["user"] for s in SEEN} == {"workqueue-system"}
     # The handler's ORM writes and the procedures' rows are in the test's transaction.

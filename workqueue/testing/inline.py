@@ -256,7 +256,9 @@ class _Executor:
             return None
         delivery = claimed[0]
         result = DeliveryExecution(delivery, self.plan, self.services).run()
-        status = result.status if result.kind == ExecutionResult.SETTLED else None
+        # Plain text: a choices member reprs as DeliveryStatus.PENDING in a failed assertion's
+        # diff, where the test compared it with "Completed".
+        status = str(result.status) if result.kind == ExecutionResult.SETTLED else None
         error = result.error
         if status in {DeliveryStatus.PENDING, DeliveryStatus.DEAD_LETTERED}:
             error = _last_error(delivery.delivery_id)
