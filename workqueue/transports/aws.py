@@ -1595,14 +1595,7 @@ class AwsTransport(BaseTransport):
     ) -> bool:
         """Send the dead letter back to the subscription's queue as a new SQS message (so its
         receive count, the attempt, starts again at 1), then delete it from the DLQ."""
-        binding = QueueBinding.of(subscription_id)
-        with _dead_letter_scan(binding) as found:
-            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
-            if message is None:
-                return False
-            _replay_dead_letter(binding, message)
-            found.remove(message)
-        return True
+        return _resolve_dead_letter_by_id(QueueBinding.of(subscription_id), "Replay", delivery_id)
 
     def discard(
         self, subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
@@ -1610,13 +1603,7 @@ class AwsTransport(BaseTransport):
         """Delete a dead letter from the DLQ. A message waiting in the queue itself cannot be
         picked out by id without receiving it from under the consumers: not discarded."""
         binding = QueueBinding.of(subscription_id)
-        with _dead_letter_scan(binding) as found:
-            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
-            if message is None:
-                return DiscardResult(changed=False)
-            _delete_dead_letter(binding, message)
-            found.remove(message)
-        return DiscardResult(changed=True)
+        return DiscardResult(changed=_resolve_dead_letter_by_id(binding, "Discard", delivery_id))
 
     def resolve_dead_letters(
         self, subscription_id: str, action: str, selection: dict[str, Any], **options: Any
@@ -1652,13 +1639,7 @@ class AwsTransport(BaseTransport):
         for delivery_id in late:
             # Past half the scan's hiding: each looked up again once the scan let go of it (one
             # another caller changed meanwhile is not counted here).
-            if action == "Replay":
-                done = self.replay(subscription_id, delivery_id, options.get("actor"), None)
-            else:
-                done = self.discard(
-                    subscription_id, delivery_id, options.get("actor"), None
-                ).changed
-            changed += int(done)
+            changed += int(_resolve_dead_letter_by_id(binding, action, delivery_id))
         return {
             "examined": len(ordered),
             "changed": changed,
@@ -2086,6 +2067,18 @@ def _dead_letter_id(message: dict[str, Any]) -> str:
         or _envelope(message["Body"]).get("delivery_id")
         or message["MessageId"]
     )
+
+
+def _resolve_dead_letter_by_id(binding: QueueBinding, action: str, delivery_id: str) -> bool:
+    """Replay or discard (``action``) the dead letter of ``delivery_id``, found by a scan of
+    its own; False when the DLQ does not hold it."""
+    with _dead_letter_scan(binding) as found:
+        message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
+        if message is None:
+            return False
+        _resolve_dead_letter(binding, action, message)
+        found.remove(message)
+    return True
 
 
 def _resolve_dead_letter(binding: QueueBinding, action: str, message: dict[str, Any]) -> None:
