@@ -54,6 +54,7 @@ from workqueue.transports.aws import (
     AwsSettings,
     AwsTransport,
     QueueBinding,
+    _attribute_bytes,
     _Provisioner,
     clients_for,
     send_copy,
@@ -396,6 +397,49 @@ def test_queues_keep_waiting_work_and_dead_letters_as_long_as_sqs_allows(aws):
     }
 
     assert kept == {"queue": "1209600", "dlq": "1209600"}
+
+
+def test_a_message_at_the_publish_limit_fits_its_queues_once_settled_with_a_long_error(aws):
+    """SNS carries messages up to 256 KiB, and SQS queues made before 2025 (or by this transport
+    before it asked for more) hold no more, counting attributes: a retry's copy adds the
+    delivery's id and attempts to the body, and a dead letter adds its reason and up to 4,000
+    characters of error as attributes, so AWS refused the dead letter of a message near the
+    limit (moto counts only bodies, so the test weighs what was sent). Provisioning now raises
+    both queues to SQS's 1 MiB."""
+    subscription = provisioned(aws, max_attempts=3)
+    binding = QueueBinding.of(str(subscription.id))
+    sqs = binding.clients.sqs
+    for url in (binding.queue_url, binding.dead_letter_queue_url):
+        sqs.set_queue_attributes(QueueUrl=url, Attributes={"MaximumMessageSize": "262144"})
+
+    changed = transport_for("AWS").provision(aws, dry_run=False)
+    assert publish(subscription.topic.name, "x" * 261_800).accepted
+    holder = receiver(subscription)
+    sent, undo = _capture(holder.binding.lease_sqs, "sqs.SendMessage")
+    try:
+        delivery = receive_one(holder)
+        assert holder.retry(delivery, 0, "boom").status == DeliveryStatus.PENDING
+        again = receive_one(holder)
+        assert holder.dead_letter(again, "MaxAttemptsExceeded", "\u00e9" * 4000).settled
+    finally:
+        undo()
+
+    # (moto drops a queue's Policy on a SetQueueAttributes without it, so it is set again too)
+    assert [
+        (c.action, "MaximumMessageSize" in c.detail) for c in changed if c.kind == "sqs-queue"
+    ] == [("update", True), ("update", True)]
+    assert (again.delivery_id, again.attempt) == (delivery.delivery_id, 2)
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert item.last_error == "\u00e9" * 4000
+    for params in sent:
+        allowed = sqs.get_queue_attributes(
+            QueueUrl=params["QueueUrl"], AttributeNames=["MaximumMessageSize"]
+        )["Attributes"]["MaximumMessageSize"]
+        attributes = {
+            name: value["StringValue"] for name, value in params["MessageAttributes"].items()
+        }
+        size = len(params["MessageBody"].encode()) + _attribute_bytes(attributes)
+        assert size <= int(allowed), (params["QueueUrl"], size, allowed)
 
 
 def test_the_provision_verb_prints_changes_and_reports_no_changes_the_second_time(aws, capsys):

@@ -89,8 +89,10 @@ logger = logging.getLogger(__name__)
 AWS_DRIVER = "AWS"
 INSTALL_HINT = "The AWS transport needs boto3: pip install django-workqueue[aws]."
 
-#: SQS's largest message (body and attributes), which SNS shares.
+#: SNS's largest message (body and attributes, as SQS counts them): a publish must fit it.
 SQS_MAX_MESSAGE_BYTES = 262_144
+#: The largest message an SQS queue may be set to hold (256 KiB was its default until 2025).
+SQS_QUEUE_MAX_MESSAGE_BYTES = 1_048_576
 SQS_QUEUE_NAME_MAX = 80
 SNS_TOPIC_NAME_MAX = 256
 SQS_MAX_VISIBILITY_SECONDS = 43_200
@@ -1839,10 +1841,19 @@ class _Provisioner:
         dead_arn = self.queue(
             names.dead_letter_queue,
             fifo,
-            {"MessageRetentionPeriod": str(SQS_MAX_RETENTION_SECONDS)},
+            {
+                "MessageRetentionPeriod": str(SQS_MAX_RETENTION_SECONDS),
+                "MaximumMessageSize": str(SQS_QUEUE_MAX_MESSAGE_BYTES),
+            },
         )
         wanted = {
             "VisibilityTimeout": str(subscription.lease_seconds),
+            # SNS carries at most SQS_MAX_MESSAGE_BYTES, but a settle's send is bigger: a
+            # copy's body names its delivery and attempts, and a dead letter carries its
+            # reason and error as attributes, which SQS counts. A queue made with the 256 KiB
+            # that was SQS's default until 2025 refused the dead letter of a message near
+            # the limit; SQS's largest leaves room for all of them.
+            "MaximumMessageSize": str(SQS_QUEUE_MAX_MESSAGE_BYTES),
             # SQS deletes a message its retention outlived, settled or not: the topic's
             # retention_days is about settled work (which SQS deletes at once), so waiting work
             # is kept as long as SQS allows, as the Database transport keeps it for ever.
