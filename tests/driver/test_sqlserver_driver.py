@@ -567,9 +567,11 @@ def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_wr
     assert "GRANT SELECT ON dbo.workqueue_taskresult TO [work]]er]" in operator
 
 
-def test_scaler_grants_read_two_tables_only_and_no_lease_token(driver):
+def test_scaler_grants_read_the_topology_and_deliveries_only_and_no_lease_token(driver):
     assert driver.grant_scaler_statements("keda") == [
         "GRANT SELECT ON dbo.workqueue_subscription TO [keda]",
+        "GRANT SELECT ON dbo.workqueue_topic TO [keda]",
+        "GRANT SELECT ON dbo.workqueue_transport TO [keda]",
         "GRANT SELECT ON dbo.workqueue_delivery TO [keda]",
         "DENY SELECT ON dbo.workqueue_delivery (lease_token) TO [keda]",
     ]
@@ -584,6 +586,22 @@ def test_scaler_query_caps_each_half_at_1000_reads_ready_once_and_returns_backlo
     assert final.count("FROM ready") == 1  # one evaluation of the unordered TOP
     assert re.fullmatch(r"SELECT \(SELECT [^;]*\) AS Backlog;\n", final, re.S)
     assert "1000" not in final.split("FROM ready")[0]  # the sum is not capped
+
+
+def test_scaler_query_counts_nothing_claimable_under_a_disabled_topic_or_transport(driver):
+    """It read the subscription's status alone, so an autoscaler started hosts for the work
+    of a subscription whose topic or transport was Disabled, which none of them may claim."""
+    sql = driver.scaler_query("orders")
+    subscriptions = sql.split("), ready AS (")[0]
+
+    assert "JOIN dbo.workqueue_topic t ON t.id = s.topic_id" in subscriptions
+    assert "JOIN dbo.workqueue_transport tr ON tr.id = t.transport_id" in subscriptions
+    assert re.search(
+        r"CASE WHEN t\.status = N'Active' AND tr\.status = N'Active' THEN s\.status\s+"
+        r"ELSE N'Paused' END AS status",
+        subscriptions,
+    )
+    assert "WHERE s.status = 'Active'" in sql  # what the claimable half counts under
 
 
 def test_grant_reindex_and_scaler_sql_parses(driver, tmp_path):

@@ -364,6 +364,8 @@ class SqlServerDriver(BaseDriver):
         quoted = _quote_identifier(role)
         return [
             f"GRANT SELECT ON dbo.workqueue_subscription TO {quoted}",
+            f"GRANT SELECT ON dbo.workqueue_topic TO {quoted}",
+            f"GRANT SELECT ON dbo.workqueue_transport TO {quoted}",
             f"GRANT SELECT ON dbo.workqueue_delivery TO {quoted}",
             f"DENY SELECT ON dbo.workqueue_delivery ({LEASE_TOKEN_COLUMN}) TO {quoted}",
         ]
@@ -471,7 +473,9 @@ class SqlServerDriver(BaseDriver):
 
 # Claimable now (keyless visible Pending rows, plus one per key that could be claimed) plus
 # InFlight rows, for one subscription by name (the one "?" parameter), each half capped at 1000
-# and the sum not (as on PostgreSQL). Reads two tables only. The claimable half reads `ready`
+# and the sum not (as on PostgreSQL). Nothing is claimable unless the subscription, its topic and
+# its transport are Active, as wq_claim and wq_backlog decide: an autoscaler must not start hosts
+# for work none of them may claim. The claimable half reads `ready`
 # once (keyless rows are COUNT(*) - COUNT(partition_key)): SQL Server evaluates a CTE once per
 # reference, and two reads of an unordered TOP (1000) may see different rows and pass 1000.
 #: The oldest open transaction in this database, or snapshot anywhere on the instance (the
@@ -496,7 +500,13 @@ ORDER BY seconds DESC
 SCALER_QUERY = """\
 DECLARE @name nvarchar(200) = LOWER(?);
 WITH s AS (
-    SELECT id, partition_mode, status FROM dbo.workqueue_subscription WHERE name = @name
+    SELECT s.id, s.partition_mode,
+           CASE WHEN t.status = N'Active' AND tr.status = N'Active' THEN s.status
+                ELSE N'Paused' END AS status
+      FROM dbo.workqueue_subscription s
+      JOIN dbo.workqueue_topic t ON t.id = s.topic_id
+      JOIN dbo.workqueue_transport tr ON tr.id = t.transport_id
+     WHERE s.name = @name
 ), ready AS (
     SELECT TOP (1000) d.partition_key
       FROM dbo.workqueue_delivery d JOIN s ON d.subscription_id = s.id
