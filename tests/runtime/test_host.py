@@ -522,6 +522,32 @@ def test_reconcile_stops_a_subscription_that_was_paused_meanwhile(make_host):
     assert status_of(message) == "Pending"
 
 
+def test_a_replan_lets_go_of_the_consumers_it_stopped(make_host):
+    """Audit helper-129: the wake-up thread keyed each consumer's kick by id(), and a bound
+    method is made anew at each read, so the re-plan's unsubscribe found nothing: every
+    consumer a re-plan stopped (a pause, a disable, any change of settings) stayed registered,
+    kicked and alive for the host's life, and the host listened on topics it no longer ran."""
+    s = sub()
+    other = sub()
+    host = make_host([{"name": s.name}, {"name": other.name}], reconcile_interval_ms=0)
+    host.start()
+    channel = host._wakeup._driver.topic_channel(str(s.topic_id))
+    other_channel = host._wakeup._driver.topic_channel(str(other.topic_id))
+
+    for _ in range(3):
+        Subscription.objects.filter(pk=s.pk).update(status="Paused")
+        host.reconcile()
+        Subscription.objects.filter(pk=s.pk).update(status="Active")
+        host.reconcile()
+    Subscription.objects.filter(pk=other.pk).update(status="Paused")
+    host.reconcile()
+    gc.collect()
+
+    live = [c for c in gc.get_objects() if isinstance(c, Consumer) and c.plan.name == s.name]
+    assert (len(host._wakeup._kicks.get(channel, {})), len(live)) == (1, 1)
+    assert other_channel not in host._wakeup._wanted()
+
+
 def test_a_claim_that_expires_a_last_attempt_dead_letters_it_and_sends_the_signal(make_host):
     s = sub(max_attempts=1, lease_seconds=5)
     message = publish(s.topic.name, {"then": "complete"}).message_id

@@ -34,8 +34,11 @@ CancelCallback = Callable[[str | None], None]
 class Wakeup:
     def __init__(self, driver: BaseDriver) -> None:
         self._driver = driver
-        # channel -> id(kick) -> (the consumer's subscription id, its kick)
-        self._kicks: dict[str, dict[int, tuple[str, Kick]]] = {}
+        # channel -> kick -> the consumer's subscription id. Keyed by the kick itself: a
+        # consumer's bound method is made anew at each read, and two such equal one another
+        # (keyed by id(), unsubscribe found nothing, and every consumer a re-plan stopped stayed
+        # registered, kicked and listened for, for the host's life).
+        self._kicks: dict[str, dict[Kick, str]] = {}
         self._on_cancel: CancelCallback | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -61,12 +64,12 @@ class Wakeup:
         """Call ``kick`` when something is published to the topic for ``subscription_id``."""
         channel = self._driver.topic_channel(topic_id)
         with self._lock:
-            self._kicks.setdefault(channel, {})[id(kick)] = (str(subscription_id).lower(), kick)
+            self._kicks.setdefault(channel, {})[kick] = str(subscription_id).lower()
 
     def unsubscribe(self, topic_id: str, kick: Kick) -> None:
         channel = self._driver.topic_channel(topic_id)
         with self._lock:
-            self._kicks.get(channel, {}).pop(id(kick), None)
+            self._kicks.get(channel, {}).pop(kick, None)
             if not self._kicks.get(channel):
                 self._kicks.pop(channel, None)
 
@@ -91,11 +94,11 @@ class Wakeup:
                 self._on_cancel(payload)
             return
         with self._lock:
-            kicks = list(self._kicks.get(channel, {}).values())
+            kicks = list(self._kicks.get(channel, {}).items())
         # A payload names the subscriptions that got deliveries (wq_announce); none (a catch-up,
         # or a publish that named none) means any consumer of the topic may have work.
         named = set(payload.split(",")) if payload else None
-        for subscription_id, kick in kicks:
+        for kick, subscription_id in kicks:
             if named is None or subscription_id in named:
                 kick()
 
