@@ -31,9 +31,11 @@ from tests.factories import (
     TopicFactory,
     TransportFactory,
     UserFactory,
+    write_unchecked,
 )
 from tests.support.api import post as rest_post
 from tests.support.executions import ExecutionRig
+from tests.support.filter_cases import leaf, root
 from tests.support.handlers import probe, registry
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
@@ -305,6 +307,47 @@ def test_a_message_without_attributes_reaches_sns_with_one_so_isnull_filters_mat
     assert sent == [{"wq_no_attributes": {"DataType": "String", "StringValue": "1"}}]
     [delivery] = receive_all(receiver(subscription), 1)
     assert delivery.attributes == {}  # the marker is SNS's alone
+
+
+def _with_a_stored_filter(aws: Transport, stored_filter: Any) -> tuple[Subscription, ...]:
+    """A topic on ``aws`` with a subscription holding ``stored_filter`` written behind the
+    guard, and one after it (provisioned in name order)."""
+    topic = TopicFactory(transport=aws)
+    broken = SubscriptionFactory(topic=topic, name=f"{topic.name}.a-broken")
+    after = SubscriptionFactory(topic=topic, name=f"{topic.name}.z-after")
+    write_unchecked(broken, filter=stored_filter)
+    broken.refresh_from_db()
+    return broken, after
+
+
+def test_an_invalid_stored_filter_matches_nothing_and_the_rest_is_provisioned(aws):
+    """Audit helper-129: provisioning parsed the stored filter, so one invalid in the table
+    (the README: it matches no message, its topic's other subscriptions get theirs) raised a
+    FilterError that stopped the run: the subscriptions after it got no queue and no SNS
+    subscription, and what was published to them was lost."""
+    broken, after = _with_a_stored_filter(
+        aws, {"logic": "or", "filters": [leaf("a", "eq", "x"), leaf("b", "eq", "y")]}
+    )
+
+    transport_for("AWS").provision(aws, dry_run=False)
+    assert publish(after.topic.name, {"n": 1}, attributes={"a": "x"}).accepted
+
+    assert [d.payload for d in arrivals(receiver(after), complete=True)] == [{"n": 1}]
+    assert arrivals(receiver(broken)) == []
+
+
+def test_a_filter_stored_as_json_text_matches_nothing_on_aws_as_everywhere(aws):
+    """Audit helper-129: a filter column holding a JSON string is invalid (the fan-out, Python
+    and validate-bindings match nothing with it), but provisioning parsed the text into the
+    filter it spells, so SNS delivered to that queue what no other reader would."""
+    text = json.dumps(root(leaf("a", "eq", "x")))
+    broken, _after = _with_a_stored_filter(aws, text)
+    assert broken.filter == text and broken.filter_problem() is not None
+
+    transport_for("AWS").provision(aws, dry_run=False)
+    assert publish(broken.topic.name, {"n": 1}, attributes={"a": "x"}).accepted
+
+    assert arrivals(receiver(broken)) == []
 
 
 def test_a_disabled_subscription_stops_receiving_from_sns_once_provisioned(aws):

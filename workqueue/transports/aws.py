@@ -268,6 +268,7 @@ class AwsNames:
 #: The filter policy of a Disabled subscription: it asks for a message attribute no message
 #: has (publishers may not use the ``wq_`` prefix), so SNS delivers nothing more to its queue,
 #: as publishing fans out nothing more to a Disabled subscription on the Database transport.
+#: A subscription whose stored filter is invalid gets it too: such a filter matches nothing.
 DISABLED_FILTER_POLICY: dict[str, list[Any]] = {"wq_disabled": [{"exists": True}]}
 
 
@@ -1919,11 +1920,17 @@ class _Provisioner:
         self, subscription: Any, names: AwsNames, topic_arn: str, queue_arn: str
     ) -> None:
         sns = self.clients.sns
-        policy = (
-            DISABLED_FILTER_POLICY
-            if subscription.status == SubscriptionStatus.DISABLED
-            else filter_policy(parse_filter(subscription.filter))
-        )
+        if (
+            subscription.status == SubscriptionStatus.DISABLED
+            or subscription.filter_problem() is not None
+        ):
+            # A filter invalid in the table (written behind the guard, or before it) matches
+            # no message, as the Database transport's fan-out decides. Parsed, it stopped the
+            # whole provisioning run (FilterError), and one stored as JSON text was read as
+            # the filter it spells, so SNS delivered what no other reader would.
+            policy = DISABLED_FILTER_POLICY
+        else:
+            policy = filter_policy(parse_filter(subscription.filter))
         wanted = {
             "RawMessageDelivery": "true",
             "FilterPolicy": json.dumps(policy, sort_keys=True) if policy else "",
