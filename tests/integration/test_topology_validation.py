@@ -166,15 +166,27 @@ CANONICAL = {
 
 
 @pytest.mark.parametrize(
-    "write", ["instance.save", "manager.create", "queryset.update", "loaddata"]
+    "write",
+    [
+        "instance.save",
+        "manager.create",
+        "queryset.update",
+        "manager.bulk_create",
+        "manager.bulk_update",
+        "loaddata",
+    ],
 )
 @pytest.mark.parametrize("given", [WRITTEN, json.dumps(WRITTEN)], ids=["object", "json-text"])
 def test_a_valid_filter_is_stored_in_its_canonical_form(tmp_path: Path, write: str, given: Any):
+    """bulk_update (audit helper-129) checked the values its Case computes but wrote the Case
+    itself: the filter as given, and given as JSON text, refused by the database's guard with a
+    bare IntegrityError."""
     row = SubscriptionFactory()
 
     WRITES[write](row, {"filter": given}, tmp_path)
 
-    name = f"{row.name}-copy" if write == "manager.create" else row.name
+    copied = write in ("manager.create", "manager.bulk_create")
+    name = f"{row.name}-copy" if copied else row.name
     assert Subscription.objects.get(name=name).filter == CANONICAL
 
 
@@ -275,6 +287,10 @@ def test_a_handler_key_is_stored_as_hosts_read_it():
     saved = SubscriptionFactory(topic=topic, handler_key=" workqueue.tasks\n")
     other = SubscriptionFactory(topic=topic)
     Subscription.objects.filter(pk=other.pk).update(handler_key="  orders.handler ")
+    bulk = SubscriptionFactory(topic=topic)
+    bulk.handler_key = "  tests.noop  "
+    Subscription.objects.bulk_update([bulk], ["handler_key"])
 
     assert Subscription.objects.get(pk=saved.pk).handler_key == "workqueue.tasks"
     assert Subscription.objects.get(pk=other.pk).handler_key == "orders.handler"
+    assert Subscription.objects.get(pk=bulk.pk).handler_key == "tests.noop"

@@ -66,8 +66,9 @@ _NEW_VALUE = "wq_new_"
 
 class TopologyQuerySet(models.QuerySet):
     """Holds the queryset writes that skip ``save()`` to the model's rules: ``bulk_create``
-    checks each new row; ``update()`` (which ``bulk_update`` uses) computes each row's new
-    values, checks them, then writes, in one transaction."""
+    checks each new row; ``update()`` (which ``bulk_update`` uses, its objects' values in their
+    stored form) computes each row's new values, checks them, then writes, in one
+    transaction."""
 
     def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[Any]:
         self._for_write = True
@@ -76,6 +77,17 @@ class TopologyQuerySet(models.QuerySet):
             for obj in objs:
                 obj.validate_for_write(self.db)
             return super().bulk_create(objs, *args, **kwargs)
+
+    def bulk_update(self, objs: Any, fields: Any, *args: Any, **kwargs: Any) -> int:
+        # update() checks the values of the Case that bulk_update builds, but writes the Case:
+        # the objects' values go in as given unless put in their stored form first.
+        objs = list(objs)
+        for obj in objs:
+            given = {name: getattr(obj, name) for name in fields}
+            for name, value in self.model.normalise_update(given).items():
+                if value is not given[name]:
+                    setattr(obj, name, value)
+        return super().bulk_update(objs, fields, *args, **kwargs)
 
     def update(self, **kwargs: Any) -> int:
         if self.query.is_sliced:
