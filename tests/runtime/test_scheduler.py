@@ -29,7 +29,9 @@ from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.models import Delivery, Message
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.scheduler import Scheduler
+from workqueue.runtime.sweeper import Sweeper
 from workqueue.scheduling import load_schedules
+from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -418,6 +420,64 @@ def test_the_schedules_command_shows_each_slot_whether_published_and_the_next(
     assert Message.objects.filter(pk=after["message_id"], topic__name=topic_name).exists()
     slot, following = dt.datetime.fromisoformat(after["slot"]), after["next_slot"]
     assert dt.datetime.fromisoformat(following) - slot == dt.timedelta(hours=1)
+
+
+def test_schedules_still_says_published_once_retention_purged_the_slots_message(settings, capsys):
+    """Audit helper-130: "published" was read from the messages table, which retention purges
+    long before a slot stops being publishable (a yearly slot here, kept by its key for 30
+    days), so the command said "no" while the key kept every host from publishing it again."""
+    topic = TopicFactory(retention_days=1)
+    subscription = SubscriptionFactory(topic=topic)
+    slot_at = (get_driver().database_now() - dt.timedelta(days=2)).replace(second=0, microsecond=0)
+    entries = [
+        schedule(topic.name, f"{slot_at.minute} {slot_at.hour} {slot_at.day} {slot_at.month} *")
+    ]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    assert Scheduler(load_schedules(entries)).run_once().published == {"report": slot_at}
+    receiver = Receiver(subscription.id)
+    (delivery,) = receiver.receive(1).deliveries
+    assert receiver.complete(delivery).settled
+    get_driver().shift_time(86_400 + 60, topic_id=str(topic.id))  # a day and a minute on
+    Sweeper().run_once()
+    assert not Message.objects.filter(topic=topic).exists()
+    assert Scheduler(load_schedules(entries)).run_once().duplicates == {"report": slot_at}
+
+    call_command("workqueue", "schedules", "--json")
+    [row] = json.loads(capsys.readouterr().out)
+
+    assert (dt.datetime.fromisoformat(row["slot"]), row["published"]) == (slot_at, True)
+
+
+def test_a_schedule_changed_after_its_slot_ran_counts_the_slot_as_published(caplog):
+    """Audit helper-130: a definition changed under the same name (another payload and a cron
+    naming a slot already run; or another topic) had that slot's publish refused
+    MessageIDConflict, the slot's own id holding its earlier message: an ERROR on every pass of
+    every host, and `schedules --publish` failing, until the next slot (up to a day)."""
+    old, new = TopicFactory(), TopicFactory()
+    SubscriptionFactory(topic=old)
+    SubscriptionFactory(topic=new)
+    clock = Clock(dt.datetime(2026, 5, 4, 10, 0, 30, tzinfo=UTC))
+    before = [schedule(old.name, "*/5 * * * *", payload={"format": "csv"})]
+    ran = Scheduler(load_schedules(before), clock=clock).run_once()
+    assert ran.published == {"report": dt.datetime(2026, 5, 4, 10, 0, tzinfo=UTC)}
+
+    changes = [  # each when its latest slot is 10:00 again
+        (schedule(old.name, "0 * * * *", payload={"format": "pdf"}), 20),
+        (schedule(new.name, "*/5 * * * *", payload={"format": "csv"}), 4),
+    ]
+    with caplog.at_level(logging.WARNING, logger="workqueue.runtime.scheduler"):
+        for entries, minute in changes:
+            get_driver().shift_time(301, topic_id=str(old.id))  # the slot's key has expired
+            clock.now = dt.datetime(2026, 5, 4, 10, minute, 40, tzinfo=UTC)
+            after = Scheduler(load_schedules([entries]), clock=clock)
+            passes = [after.run_once() for _ in range(3)]
+            assert [(p.refused, p.published) for p in passes] == [({}, {})] * 3, passes
+            assert passes[0].duplicates == {"report": dt.datetime(2026, 5, 4, 10, 0, tzinfo=UTC)}
+
+    assert (published(old.name), published(new.name)) == (1, 0)
+    told = [r for r in caplog.records if r.name == "workqueue.runtime.scheduler"]
+    assert [r.levelname for r in told] == ["WARNING", "WARNING"], caplog.text
+    assert "was published before its definition changed" in told[0].getMessage()
 
 
 def test_schedules_publish_runs_a_pass_for_deployments_without_a_host(settings, topic_name, capsys):

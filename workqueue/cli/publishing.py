@@ -225,11 +225,14 @@ class SchedulesVerb(Verb):
         )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from django.db.models import Q
+
         from workqueue.conf import get_settings
         from workqueue.driver import get_driver
         from workqueue.exceptions import WorkQueueConfigurationError
-        from workqueue.models import Message
+        from workqueue.models import Deduplication, Message
         from workqueue.scheduling import load_schedules
+        from workqueue.types import DeduplicationStatus
 
         conf = get_settings()
         try:
@@ -242,12 +245,28 @@ class SchedulesVerb(Verb):
             refused = Scheduler(schedules).run_once().refused
         now = get_driver(conf.DATABASE_ALIAS).database_now()
         slots = {s.name: s.latest_slot(now) for s in schedules}
+        own_ids = [i for slot in slots.values() if slot for i in slot.own_message_ids]
         published = {
             str(message_id)
             for message_id in Message.objects.using(conf.DATABASE_ALIAS)
-            .filter(id__in=[i for slot in slots.values() if slot for i in slot.own_message_ids])
+            .filter(id__in=own_ids)
             .values_list("id", flat=True)
         }
+        # Retention may purge a slot's message long before the slot stops being publishable (a
+        # monthly slot, seven days' retention): the key the slot's publish confirmed still
+        # says so, and keeps every host from publishing it again.
+        keys = Q()
+        for schedule in schedules:
+            if slot := slots[schedule.name]:
+                keys |= Q(topic__name=schedule.topic, deduplication_key=slot.deduplication_key)
+        if keys:
+            published.update(
+                str(message_id)
+                for message_id in Deduplication.objects.using(conf.DATABASE_ALIAS)
+                .filter(keys, status=DeduplicationStatus.CONFIRMED, expires_at__gt=now)
+                .filter(message_id__in=own_ids)
+                .values_list("message_id", flat=True)
+            )
         rows = [
             {
                 "name": s.name,

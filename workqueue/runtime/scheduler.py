@@ -36,6 +36,7 @@ class Scheduler:
     ) -> None:
         self.schedules = list(schedules)
         self.clock = clock or get_driver(get_settings().DATABASE_ALIAS).database_now
+        self._changed_slots_reported: set[tuple[str, dt.datetime]] = set()
 
     def run_once(self) -> SchedulerPassResult:
         result = SchedulerPassResult()
@@ -97,6 +98,25 @@ class Scheduler:
                         slot.at.isoformat(),
                         published.message_id,
                         extra={"action": "schedule_refused"},
+                    )
+            elif (
+                published.error is not None
+                and published.error.code == PublishErrorCode.MESSAGE_ID_CONFLICT
+            ):
+                # The slot's own id (an HMAC only this deployment's schedulers make) holds
+                # another message: this slot was published before the schedule's definition
+                # changed (another payload, topic or cron naming a slot already run). It ran
+                # once; refused, it was logged as an error on every pass until the next slot.
+                result.duplicates[schedule.name] = slot.at
+                if (schedule.name, slot.at) not in self._changed_slots_reported:
+                    self._changed_slots_reported.add((schedule.name, slot.at))
+                    logger.warning(
+                        "Scheduler: schedule %s slot %s was published before its definition "
+                        "changed; it is not published again, and the next slot is published "
+                        "as now defined",
+                        schedule.name,
+                        slot.at.isoformat(),
+                        extra={"action": "schedule_changed"},
                     )
             elif published.error is not None and published.error.retryable:
                 # Another host is publishing this slot right now (DeduplicationPending), or the
