@@ -22,9 +22,11 @@ from django.db import connection, models, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.support.filter_cases import any_of, leaf, root
+from tests.support.queue import dead_letter, pending
 from workqueue import publish
 from workqueue.models import Subscription, Topic, Transport
 from workqueue.operators import operations
+from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.django_db
 
@@ -236,6 +238,81 @@ def test_a_partition_mode_that_is_no_mode_is_refused_as_that_not_as_a_change():
     assert refused.value.message_dict["partition_mode"] == [
         "Value 'exclusive' is not a valid choice."
     ]
+
+
+# -- work waiting in the queue tables is not moved out of every host's reach ---------------------
+
+AWS_CONFIGURATION = {"region": "eu-west-1", "endpoint_url": "http://127.0.0.1:9"}
+
+
+def _move(sub: Subscription, to: Transport, what: str, write: str, tmp_path: Path) -> None:
+    if what == "topic":
+        WRITES[write](sub.topic, {"transport_id": to.pk}, tmp_path)
+    else:
+        WRITES[write](sub, {"topic_id": TopicFactory(transport=to).pk}, tmp_path)
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("write", ["instance.save", "queryset.update", "loaddata"])
+@pytest.mark.parametrize("what", ["topic", "subscription"])
+@pytest.mark.parametrize("waiting", ["Pending", "DeadLettered"])
+def test_work_waiting_in_the_database_keeps_its_topic_off_a_transport_that_does_not_read_it(
+    tmp_path: Path, write: str, what: str, waiting: str
+):
+    """Audit helper-129: a Database topic with waiting work was accepted onto an AWS transport
+    (or its subscription onto an AWS topic). Hosts then ran the subscription from SQS and the
+    operators' procedures refused it, so its deliveries in the queue tables were read by
+    nobody, and the move back was refused (AWS names its resources after the topology)."""
+    aws = TransportFactory(name="aws-move", driver_class="AWS", configuration=AWS_CONFIGURATION)
+    sub = SubscriptionFactory()
+    if waiting == "DeadLettered":
+        dead_letter(sub)
+    else:
+        pending(sub)
+
+    with pytest.raises(ValidationError) as refused, transaction.atomic():
+        _move(sub, aws, what, write, tmp_path)
+
+    field = "transport" if what == "topic" else "topic"
+    assert "Deliveries still wait in the database" in refused.value.message_dict[field][0]
+    stored = Subscription.objects.select_related("topic__transport").get(pk=sub.pk)
+    assert stored.topic.transport.driver_class == "Database"
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("what", ["topic", "subscription"])
+def test_a_drained_topic_moves_to_a_transport_that_does_not_read_the_database(
+    tmp_path: Path, what: str
+):
+    aws = TransportFactory(name="aws-move", driver_class="AWS", configuration=AWS_CONFIGURATION)
+    sub = SubscriptionFactory()
+    pending(sub)
+    receiver = Receiver(sub.id)
+    [delivery] = receiver.receive(1).deliveries
+    assert receiver.complete(delivery).settled
+
+    _move(sub, aws, what, "instance.save", tmp_path)
+
+    assert Subscription.objects.get(pk=sub.pk).topic.transport_id == aws.pk
+
+
+def test_a_transports_driver_cannot_change_under_its_topics():
+    """The same stranding from the transport's row: its topics' waiting work stays where the
+    old driver keeps it, which the new one never reads."""
+    used = TransportFactory(name="used")
+    TopicFactory(transport=used)
+    unused = TransportFactory(name="unused")
+
+    with pytest.raises(ValidationError) as refused, transaction.atomic():
+        Transport.objects.filter(pk=used.pk).update(
+            driver_class="AWS", configuration=AWS_CONFIGURATION
+        )
+    unused.driver_class, unused.configuration = "AWS", AWS_CONFIGURATION
+    unused.save()
+
+    assert "the driver cannot change under them" in refused.value.message_dict["driver_class"][0]
+    assert Transport.objects.get(pk=used.pk).driver_class == "Database"
+    assert Transport.objects.get(pk=unused.pk).driver_class == "AWS"
 
 
 # -- Tasks API topics stay closed to external publishers ---------------------------------------

@@ -146,6 +146,14 @@ class TopologyModel(models.Model):
         """The values a queryset ``update()`` writes, in their stored form."""
         return values
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # One transaction for the check (pre_save) and the write, so a check that takes a
+        # topic's topology lock (a partition-mode change, a move off the queue tables) holds it
+        # until the row is written.
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using):
+            super().save(*args, **kwargs)
+
     def validate_for_write(self, using: str) -> None:
         """Refuse to write a row the admin would refuse: the fields' validators and
         ``check_rules()``. The primary key and foreign keys are the database's to check
@@ -228,6 +236,19 @@ class Transport(TopologyModel):
         problem = self.transport_class.configuration_problem(self.configuration)
         if problem is not None:
             raise ValidationError({"configuration": problem})
+        stored = type(self)._base_manager.using(using).filter(pk=self.pk)
+        driver = stored.values_list("driver_class", flat=True).first()
+        if driver not in (None, self.driver_class) and self.topics.using(using).exists():
+            # The topics' waiting work is where the old driver keeps it (the queue tables, or
+            # queues named after them), which the new one would never read.
+            raise ValidationError(
+                {
+                    "driver_class": f"Topics use this transport, and their waiting work is "
+                    f"where the {driver} driver keeps it: the driver cannot change under them. "
+                    f"Make a transport with the {self.driver_class} driver and move the topics "
+                    "to it once their work is drained."
+                }
+            )
 
 
 # A Tasks API message names the task to import and run, with its arguments: whoever may
@@ -290,6 +311,54 @@ def _renamed_resources_problem(
     return dict.fromkeys(changed, problem)
 
 
+def _stranded_work_problem(
+    using: str, leaving_id: Any, joining_id: Any, topic_ids: set[Any], deliveries: Q
+) -> str | None:
+    """Why a move from the transport ``leaving_id`` to ``joining_id`` must wait, or None.
+
+    Once on a transport that does not keep deliveries in this database, a subscription is run
+    by that transport's receiver and the operators' procedures refuse it, so what still waits
+    in the queue tables (the ``deliveries`` Pending, in flight or dead-lettered) would be read
+    by nobody, with no way back (audit helper-129). ``topic_ids`` are the topics whose
+    publishes may be writing such deliveries right now: their topology lock is taken first,
+    so those publishes are seen and later ones see the move."""
+    if leaving_id is None or joining_id is None or leaving_id == joining_id:
+        return None
+    transports = Transport._base_manager.using(using).in_bulk([leaving_id, joining_id])
+    leaving, joining = transports.get(leaving_id), transports.get(joining_id)
+    try:
+        stranded = (
+            leaving is not None
+            and joining is not None
+            and leaving.transport_class.keeps_deliveries_in_database
+            and not joining.transport_class.keeps_deliveries_in_database
+        )
+    except WorkQueueConfigurationError:
+        return None  # an unregistered driver is refused on the transport's own row
+    if not stranded:
+        return None
+    # Imported here: models must not depend on the driver or the queue tables at import time.
+    from workqueue.driver import get_driver
+    from workqueue.models.queue import OPEN_STATUSES, Delivery
+
+    connection = connections[using]
+    if connection.in_atomic_block:
+        for topic_id in sorted(topic_ids, key=str):
+            get_driver(using).call(
+                "wq_lock_topology", {"topic_id": topic_id}, connection=connection
+            )
+    waiting = Delivery._base_manager.using(using).filter(deliveries, status__in=OPEN_STATUSES)
+    if not waiting.exists():
+        return None
+    return (
+        f"Deliveries still wait in the database on the {leaving.driver_class} transport "
+        f"(Pending, in flight or dead-lettered); on {joining.name!r} hosts would no longer read "
+        "them, and operators could not replay or discard them. Let them finish, replay or "
+        "discard the dead letters (manage.py workqueue stats), then move it; or make a new one "
+        f"on {joining.name!r} and retire this one once it is drained."
+    )
+
+
 class Topic(TopologyModel):
     """A named stream of messages; each publish fans out to the topic's subscriptions."""
 
@@ -341,6 +410,15 @@ class Topic(TopologyModel):
         fields = {"name": "name", "is_fifo": "is_fifo", "transport": "transport_id"}
         if problems := _renamed_resources_problem(self, using, fields, "transport_id"):
             raise ValidationError(problems)
+        stored = type(self)._base_manager.using(using).filter(pk=self.pk)
+        if problem := _stranded_work_problem(
+            using,
+            stored.values_list("transport_id", flat=True).first(),
+            self.transport_id,
+            {self.pk},
+            Q(subscription__topic_id=self.pk),
+        ):
+            raise ValidationError({"transport": problem})
 
     def is_read_by_tasks(self, using: str | None = None) -> bool:
         """Whether a subscription runs this topic's messages as Tasks API tasks."""
@@ -478,6 +556,8 @@ class Subscription(TopologyModel):
                 self, using, {"name": "name", "topic": "topic_id"}, "topic__transport_id"
             )
         )
+        if "topic" not in errors and (problem := self._stranded_work_problem(using)):
+            errors["topic"] = problem
         if self.host_type != HostType.WORKER:
             transport = self._transport()
             if transport is not None and not _supports_external(transport):
@@ -522,6 +602,23 @@ class Subscription(TopologyModel):
         except FilterError:
             return values
         return {**values, "filter": parsed.to_json() if parsed is not None else None}
+
+    def _stranded_work_problem(self, using: str) -> str | None:
+        """Why this move to another topic must wait: see ``_stranded_work_problem``."""
+        stored = type(self)._base_manager.using(using).filter(pk=self.pk).values("topic_id").first()
+        if stored is None or stored["topic_id"] == self.topic_id:
+            return None
+        topics = Topic._base_manager.using(using).in_bulk([stored["topic_id"], self.topic_id])
+        leaving, joining = topics.get(stored["topic_id"]), topics.get(self.topic_id)
+        if leaving is None or joining is None:
+            return None  # a fixture's topic not loaded yet; its foreign key is checked at commit
+        return _stranded_work_problem(
+            using,
+            leaving.transport_id,
+            joining.transport_id,
+            {leaving.pk, joining.pk},
+            Q(subscription_id=self.pk),
+        )
 
     def _transport(self) -> Transport | None:
         if not self.topic_id:
@@ -621,10 +718,3 @@ class Subscription(TopologyModel):
             or previous["filter"] != self.filter
             or previous["topic_id"] != self.topic_id
         )
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        # One transaction for the check (pre_save) and the write, so a partition-mode change
-        # holds the topology lock it takes until the row is written.
-        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
-        with transaction.atomic(using=using):
-            super().save(*args, **kwargs)
