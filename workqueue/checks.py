@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from django.apps import AppConfig
 from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError
+from django.utils import timezone
 
 from workqueue.exceptions import WorkQueueConfigurationError
 
@@ -73,7 +75,7 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
     from workqueue.scheduling import load_schedules
 
     try:
-        load_schedules(conf.SCHEDULES)
+        schedules = load_schedules(conf.SCHEDULES)
     except WorkQueueConfigurationError as exc:
         errors.append(
             checks.Error(
@@ -83,6 +85,8 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
                 id="workqueue.E005",
             )
         )
+    else:
+        errors.extend(_scheduler_interval_warnings(schedules, conf.SCHEDULER_INTERVAL_MS))
     if not conf.SYSTEM_USER:
         errors.append(
             checks.Warning(
@@ -94,6 +98,32 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
             )
         )
     return errors
+
+
+def _scheduler_interval_warnings(schedules: list[Any], interval_ms: int) -> list[Any]:
+    """A schedule whose slots come closer together than the scheduler's passes: a slot is
+    publishable only until the next one, so passes further apart skip slots for good (audit
+    helper-130: a 90 s interval published 8 of 12 minutely slots, and nothing said so)."""
+    if not interval_ms:
+        return []  # no scheduler runs
+    interval = dt.timedelta(milliseconds=interval_ms)
+    now = timezone.now()
+    warnings = []
+    for schedule in schedules:
+        gap = schedule.shortest_gap(now)
+        if gap < interval:
+            warnings.append(
+                checks.Warning(
+                    f"WORKQUEUE['SCHEDULER_INTERVAL_MS'] is {interval_ms} ms, but schedule "
+                    f"{schedule.name!r} ({schedule.cron}) has slots {gap.total_seconds():g} s "
+                    "apart: a slot is publishable only until the next one, so a pass that "
+                    "comes later skips it for good.",
+                    hint="Lower SCHEDULER_INTERVAL_MS below the schedule's shortest gap (the "
+                    "default, 10000, suits any cron), or space the schedule's slots further.",
+                    id="workqueue.W009",
+                )
+            )
+    return warnings
 
 
 def _routing_errors(alias: str) -> list[Any]:

@@ -94,6 +94,17 @@ class Schedule:
         """The first slot after ``now``, in UTC."""
         return next(CronSim(self.cron, now.astimezone(self.zone))).astimezone(dt.UTC)
 
+    def shortest_gap(self, start: dt.datetime, slots: int = 200) -> dt.timedelta:
+        """The shortest time between two of the next ``slots`` slots after ``start``."""
+        times = CronSim(self.cron, start.astimezone(self.zone))
+        previous = next(times).astimezone(dt.UTC)
+        shortest = dt.timedelta.max
+        for _ in range(slots - 1):
+            current = next(times).astimezone(dt.UTC)
+            shortest = min(shortest, current - previous)
+            previous = current
+        return shortest
+
     def latest_slot(self, now: dt.datetime) -> Slot | None:
         """The slot to publish at ``now``: the latest at or before it, unless that one is no
         longer publishable (see the module's policy)."""
@@ -104,6 +115,12 @@ class Schedule:
         except StopIteration:
             return None
         following = next(CronSim(self.cron, at))
+        while following.astimezone(dt.UTC) <= now:
+            # Started in the hour a zone repeats when its clocks go back, the backward search
+            # passes over a slot made in that hour's first pass (01:30 EDT, searched from
+            # 01:10 EST) and returns the day before's, which is no longer publishable: the
+            # slot had none for up to an hour (audit helper-130). The forward one does not.
+            at, following = following, next(CronSim(self.cron, following))
         # In UTC: two times of one zone subtract by their wall clocks, which makes the gap
         # across a DST change an hour short or long (01:00 EDT to 01:00 EST: zero).
         gap = following.astimezone(dt.UTC) - at.astimezone(dt.UTC)

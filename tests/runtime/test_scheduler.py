@@ -353,6 +353,29 @@ def test_a_bad_schedule_is_refused_naming_the_entry_and_the_fix(entry, says):
     assert says in str(raised.value)
 
 
+def test_passes_further_apart_than_a_schedules_slots_are_warned_of(settings, topic_name):
+    """Audit helper-130: a slot is publishable only until the next one, so a scheduler whose
+    passes come further apart skips slots for good (90 s passes published 8 of 12 minutely
+    slots here), and nothing said so."""
+    entries = [schedule(topic_name, "* * * * *")]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    clock = Clock(dt.datetime(2026, 5, 4, 9, 0, 30, tzinfo=UTC))
+    scheduler = Scheduler(load_schedules(entries), clock=clock)
+    for _ in range(8):
+        scheduler.run_once()
+        clock.now += dt.timedelta(seconds=90)
+    assert published(topic_name) == 8
+
+    quiet = check_settings()
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULER_INTERVAL_MS": 90_000}
+    warned = [e for e in check_settings() if e.id == "workqueue.W009"]
+
+    assert not [e for e in quiet if e.id == "workqueue.W009"]
+    assert len(warned) == 1
+    assert "'report' (* * * * *) has slots 60 s apart" in warned[0].msg
+    assert "Lower SCHEDULER_INTERVAL_MS" in warned[0].hint
+
+
 def test_two_schedules_cannot_share_a_name(settings):
     twice = [{"name": "a", "cron": "* * * * *", "topic": "t"}] * 2
     with pytest.raises(WorkQueueConfigurationError, match="already named 'a'"):

@@ -29,3 +29,35 @@ def test_a_slots_key_lives_until_the_slot_stops_being_publishable(cron, window):
     slot = schedule.latest_slot(dt.datetime(2027, 1, 1, 0, 0, 30, tzinfo=dt.UTC))
     assert slot is not None
     assert slot.deduplication_ttl == window.total_seconds()
+
+
+UTC = dt.UTC
+
+
+@pytest.mark.parametrize(
+    ("zone", "cron", "slot_utc", "now_utc"),
+    [
+        # New York falls back on 2026-11-01 at 02:00 EDT to 01:00 EST (06:00 UTC): the 01:30
+        # slot is 01:30 EDT (05:30 UTC), and at 01:10 EST (06:10 UTC) it is still the latest.
+        ("America/New_York", "30 1 * * *", dt.datetime(2026, 11, 1, 5, 30, tzinfo=UTC),
+         dt.datetime(2026, 11, 1, 6, 10, tzinfo=UTC)),
+        ("America/New_York", "59 1 * * *", dt.datetime(2026, 11, 1, 5, 59, tzinfo=UTC),
+         dt.datetime(2026, 11, 1, 6, 45, tzinfo=UTC)),
+        # Sydney falls back on 2026-04-05 at 03:00 AEDT to 02:00 AEST (16:00 UTC on the 4th).
+        ("Australia/Sydney", "30 2 * * *", dt.datetime(2026, 4, 4, 15, 30, tzinfo=UTC),
+         dt.datetime(2026, 4, 4, 16, 10, tzinfo=UTC)),
+    ],
+)  # fmt: skip
+def test_a_slot_in_the_hour_clocks_repeat_stays_publishable_until_the_next(
+    zone, cron, slot_utc, now_utc
+):
+    """Audit helper-130: searched backwards from the repeated hour, the slot of its first pass
+    was passed over for the day before's, no longer publishable: no slot for up to an hour,
+    published that much late by hosts coming back then, and none shown by `schedules`."""
+    schedule = Schedule(name="s", cron=cron, topic="t", timezone=zone)
+    assert schedule.latest_slot(slot_utc + dt.timedelta(minutes=1)).at == slot_utc
+    assert schedule.next_slot_time(slot_utc) > now_utc
+
+    slot = schedule.latest_slot(now_utc)
+
+    assert slot is not None and slot.at == slot_utc, slot
