@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -29,6 +30,7 @@ from workqueue.driver.base import (
     VacuumHorizon,
     canonical_json,
     encode_json_string,
+    routed_to_django_connection,
 )
 from workqueue.exceptions import (
     DeliveryBusyError,
@@ -262,16 +264,30 @@ class Receiver:
             dead_letter_reason=within_units(reason, 100),  # as wq_dead_letter stores it
         )
 
+    def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
+        # A read that renews nothing: a cancel announced (by anyone who may connect) or a
+        # catch-up after the listener reconnected costs the holder no renewal unless an
+        # operator did ask (then extend_lease confirms it against the lease token).
+        return self._exists(
+            pk=delivery.delivery_id,
+            status=DeliveryStatus.IN_FLIGHT,
+            cancel_requested_at__isnull=False,
+        )
+
     def _stored_at_its_attempt(self, delivery: ClaimedDelivery, **settled: Any) -> bool:
         # Asked for a settle whose earlier call may have committed: while this holder's
         # settle was in doubt its lease held, or expired without lowering the count (and
         # expiry dead-letters as LeaseExpired only), and another holder's claim counts a new
         # attempt. (Only a replay resets the count: a dead letter made by expiry, replayed and
         # settled again, all within this holder's settle retries, could pass; the retries last
-        # the lease plus 5 s.) Read through the ORM (the runtime role may read the table), on
-        # the calling thread's connection for the alias, closed again if opened here: this is
-        # a rare path, and a settle thread keeps no idle connection for it (a handler's thread
-        # keeps the one its handler uses).
+        # the lease plus 5 s.)
+        return self._exists(pk=delivery.delivery_id, attempt_count=delivery.attempt, **settled)
+
+    def _exists(self, **lookups: Any) -> bool:
+        """Whether a delivery matches ``lookups``. Read through the ORM (the runtime role may
+        read the table), on the calling thread's connection for the alias, closed again if
+        opened here: these are rare reads, and a settle or heartbeat thread keeps no idle
+        connection for them (a handler's thread keeps the one its handler uses)."""
         from workqueue.models import Delivery
 
         alias = self.driver.alias
@@ -279,11 +295,7 @@ class Receiver:
         opened_here = connection.connection is None
         failed = True
         try:
-            found = (
-                Delivery.objects.using(alias)
-                .filter(pk=delivery.delivery_id, attempt_count=delivery.attempt, **settled)
-                .exists()
-            )
+            found = Delivery.objects.using(alias).filter(**lookups).exists()
             failed = False
             return found
         finally:
@@ -748,18 +760,49 @@ def retire_purge(subscription_id: str, batch_size: int) -> int:
     return _driver().call_rowcount("wq_retire_purge", params)
 
 
+#: How often a held sweep lock's idle session is touched, so that the server's limit on idle
+#: transactions (wq_try_sweep_lock sets ten minutes) ends only the session of a sweeper that
+#: stopped running (frozen, or cut off), never a pass that is still working.
+SWEEP_LOCK_KEEPALIVE_SECONDS = 30.0
+
+
 @contextmanager
 def sweep_lock() -> Iterator[bool]:
     """Hold the cluster-wide sweep lock for the block, on a connection of its own.
 
     Yields False (and holds nothing) when another sweeper is mid-pass. The lock is
-    transaction-scoped, so a crashed sweeper can never leave it held.
+    transaction-scoped, so a crashed sweeper can never leave it held, and a frozen one holds it
+    until the server ends its idle session; a thread keeps the session of a working pass alive.
     """
     driver = get_driver(setting("DATABASE_ALIAS"))
     lock_driver = type(driver)(driver.alias)  # a separate connection from the pass's own work
     try:
         with lock_driver.transaction() as connection:
             row = lock_driver.call_one("wq_try_sweep_lock", connection=connection)
-            yield bool(row["acquired"])
+            if not row["acquired"]:
+                yield False
+                return
+            if routed_to_django_connection(driver.alias):
+                yield True  # test mode: the lock's transaction is a savepoint of the test's own
+                return
+            stop = threading.Event()
+
+            def keep_alive() -> None:
+                while not stop.wait(SWEEP_LOCK_KEEPALIVE_SECONDS):
+                    try:
+                        lock_driver.execute("SELECT 1", [], connection=connection)
+                    except Exception:
+                        return  # the session is gone: the pass's end reports it
+
+            # Only the keeper uses the lock's connection until the block ends.
+            connection.inc_thread_sharing()
+            keeper = threading.Thread(target=keep_alive, name="wq-sweep-lock", daemon=True)
+            keeper.start()
+            try:
+                yield True
+            finally:
+                stop.set()
+                keeper.join()
+                connection.dec_thread_sharing()
     finally:
         lock_driver.close()

@@ -377,6 +377,49 @@ def test_operator_reads_of_a_large_prioritised_backlog_stay_bounded(pg_conn):
         assert max(_rows_read(plans)) <= 1100, f"{procedure} read too much:\n{plans}"
 
 
+def test_a_purge_batch_reads_what_it_purges_not_what_longer_retentions_keep(pg_conn):
+    """Audit helper-130: the purge read every subscription's settled deliveries in one order of
+    age from the shortest retention's cutoff, keeping those past their own topic's: beside a
+    topic of a longer retention, every batch read all that topic still keeps (20,010 rows
+    returned and 40,010 thrown away to delete 10), and fell behind as that history grew."""
+    kept = SubscriptionFactory(topic=TopicFactory(retention_days=30))
+    purged = SubscriptionFactory(topic=TopicFactory(retention_days=1))
+    seed_deliveries(pg_conn, kept, 20_000, status="Completed")
+    seed_deliveries(pg_conn, purged, 10, status="Completed")
+    for subscription in (kept, purged):  # two days on: past one retention, well within the other
+        get_driver().shift_time(2 * 86_400, subscription_id=str(subscription.id))
+    pg_conn.execute("ANALYZE workqueue_delivery")
+
+    plans = _nested_plans(
+        pg_conn, "wq_purge_terminal_deliveries", {"batch_size": 1000}, analyze=True
+    )
+
+    assert max(_rows_read(plans)) <= 1000, plans
+    left = dict(
+        pg_conn.execute(
+            "SELECT subscription_id, count(*) FROM workqueue_delivery GROUP BY 1"
+        ).fetchall()
+    )
+    assert left == {kept.id: 20_000}
+
+
+def test_a_subscriptions_completions_are_counted_among_its_own(pg_conn):
+    """Its completions of the last hour were counted among the newest ``cap`` of every
+    subscription's: beside a busier one, a subscription's count read 0 (capped) however many
+    it had completed, and a caller reading one small subscription had the busy one's read."""
+    small, busy = (SubscriptionFactory(topic=TopicFactory()) for _ in range(2))
+    seed_deliveries(pg_conn, small, 30, status="Completed")
+    seed_deliveries(pg_conn, busy, 20_000, status="Completed")
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    params = {"subscription_id": small.id, "cap": 1000}
+
+    plans = _nested_plans(pg_conn, "wq_subscription_stats", params, analyze=True)
+    [row] = _call(pg_conn, "wq_subscription_stats", params)
+
+    assert max(_rows_read(plans)) <= 1000, plans
+    assert (row[5], row[7]) == (30, False)  # completed_last_hour, capped
+
+
 def test_a_bulk_discard_batch_past_the_start_reads_its_batch_not_the_rest_of_the_backlog(pg_conn):
     """Audit helper-96: a batch ordered by (priority, visible_at, id), which the claim index
     cannot give, so each one past the first read and sorted every row after its cursor: a bulk

@@ -216,6 +216,34 @@ def test_the_sweep_lock_outlives_a_flush_of_its_row(pg_conn):
     assert pg_conn.execute("SELECT id FROM workqueue_sweep_lock").fetchall() == [(1,)]
 
 
+def test_a_frozen_sweepers_lock_is_freed_by_the_server_and_a_working_ones_kept(
+    pg_conn, monkeypatch
+):
+    """Audit helper-128: wq_try_sweep_lock switched the server's limit on idle transactions off
+    for the lock's session, which sits idle while its pass runs elsewhere, so a sweeper frozen
+    mid-pass (SIGSTOP, a paused VM: its kernel still answers TCP keepalives) held the lock and
+    stopped every instance's passes for as long as it stayed frozen. The session may now sit
+    idle ten minutes, and a working pass touches it meanwhile."""
+    pg_conn.execute("INSERT INTO workqueue_sweep_lock (id) VALUES (1) ON CONFLICT DO NOTHING")
+    with pg_conn.transaction():
+        assert pg_conn.execute("SELECT acquired FROM wq_try_sweep_lock()").fetchone() == (True,)
+        limit = pg_conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+    assert limit == ("10min",)
+
+    monkeypatch.setattr(transport, "SWEEP_LOCK_KEEPALIVE_SECONDS", 0.2)
+
+    def last_touched(pid: int) -> dt.datetime:
+        return pg_conn.execute(
+            "SELECT state_change FROM pg_stat_activity WHERE pid = %s", [pid]
+        ).fetchone()[0]
+
+    with sweep_lock_held_elsewhere(pg_conn, seconds=3) as lock_pid:
+        touched = [last_touched(lock_pid)]
+        time.sleep(0.6)
+        touched.append(last_touched(lock_pid))
+    assert touched[1] > touched[0], "the held lock's session was left idle"
+
+
 @pytest.fixture
 def small_passes(monkeypatch) -> int:
     """Limit a pass to 2 batches of 20 rows a step (40 rows), so a backlog of a few hundred

@@ -188,11 +188,16 @@ class Delivery(DriverOwnedModel):
                 condition=Q(status=DeliveryStatus.DEAD_LETTERED),
                 name="wq_dlv_dead_letter_ix",
             ),
+            # Settled deliveries by subscription and age: the retention purge walks each
+            # subscription up to its topic's own cutoff, and the stats count a subscription's
+            # completions of the last hour, each reading its own rows only. (Until 0048 they
+            # were ordered by age alone, and a purge read every retained row of the topics
+            # with a longer retention than the shortest, at every batch.)
             models.Index(
-                fields=["completed_at"],
-                include=["subscription", "status"],
+                fields=["subscription", "completed_at"],
+                include=["status"],
                 condition=Q(status__in=TERMINAL_STATUSES),
-                name="wq_dlv_purge_ix",
+                name="wq_dlv_settled_ix",
             ),
         ]
 

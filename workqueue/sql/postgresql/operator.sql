@@ -107,14 +107,12 @@ $$;
 -- What wq_queue_gauges reads for one subscription (Pending, InFlight and DeadLettered deliveries,
 -- Ordered keys blocked by a dead-lettered head, the age of the oldest Pending delivery), with
 -- its completions in the last hour and the database clock, each count made up to p_cap
--- (clamped to 1..1000000; NULL: 1000000). capped is true when a count stopped there, or when
--- the completions were counted among fewer than the last hour's: they are the subscription's
--- among the newest p_cap deliveries any subscription completed or discarded in the hour (read
--- along wq_dlv_purge_ix, which orders every subscription's), so that a caller allowed to read
--- one small subscription cannot have the whole table read. No row when the subscription does
--- not exist.
+-- (clamped to 1..1000000; NULL: 1000000), along the subscription's own index entries, so that
+-- a caller allowed to read one small subscription cannot have the whole table read. capped is
+-- true when a count stopped there. No row when the subscription does not exist.
 -- Until 0045 the counts were exact, each a scan of what they counted (and of every
--- subscription's rows for the completions and the Pending rows), and there was no p_cap.
+-- subscription's rows for the completions and the Pending rows), and there was no p_cap; until
+-- 0048 the completions were counted among the newest p_cap of every subscription's.
 CREATE OR REPLACE FUNCTION wq_subscription_stats(
     p_subscription_id uuid,
     p_cap integer DEFAULT NULL
@@ -138,19 +136,18 @@ SET jit = off
 AS $$
     WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 1000000), 1), 1000000) AS n),
     recent AS (
-        SELECT count(*) AS examined,
-               count(*) FILTER (WHERE r.subscription_id = p_subscription_id
-                                  AND r.status = 'Completed') AS completed
-          FROM (SELECT d.subscription_id, d.status FROM workqueue_delivery d
-                 WHERE d.status IN ('Completed', 'Discarded')
+        SELECT count(*) AS completed
+          FROM (SELECT 1 FROM workqueue_delivery d
+                 WHERE d.subscription_id = p_subscription_id
+                   AND d.status IN ('Completed', 'Discarded')
                    AND d.completed_at > now() - interval '1 hour'
-                 ORDER BY d.completed_at DESC
+                   AND d.status = 'Completed'
                  LIMIT (SELECT n FROM cap)) AS r
     )
     SELECT g.pending, g.in_flight, g.dead_lettered, g.blocked_keys,
            g.oldest_pending_age_seconds, recent.completed, now(),
            GREATEST(g.pending, g.in_flight, g.dead_lettered, coalesce(g.blocked_keys, 0),
-                    recent.examined) >= (SELECT n FROM cap)
+                    recent.completed) >= (SELECT n FROM cap)
       FROM wq_queue_gauges(p_subscription_id, (SELECT n FROM cap)) AS g, recent;
 $$;
 

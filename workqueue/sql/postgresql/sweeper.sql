@@ -35,6 +35,9 @@ $$;
 -- wq_purge_terminal_deliveries --
 -- Delete up to p_batch_size Completed/Discarded deliveries older than their topic's retention.
 -- Dead letters are never purged: they wait for an operator.
+-- Subscription by subscription, each along wq_dlv_settled_ix up to its own topic's cutoff: until
+-- 0048 every subscription's were read in one order of age, so each batch read all the settled
+-- deliveries that topics with a longer retention than the shortest still keep.
 CREATE OR REPLACE FUNCTION wq_purge_terminal_deliveries(p_batch_size integer)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
@@ -44,18 +47,20 @@ SET enable_seqscan = off
 SET jit = off
 AS $$
     WITH victims AS (
-        SELECT d.id
-          FROM workqueue_delivery d
-          JOIN workqueue_subscription s ON s.id = d.subscription_id
+        SELECT v.id
+          FROM workqueue_subscription s
           JOIN workqueue_topic t ON t.id = s.topic_id
-         WHERE d.status IN ('Completed', 'Discarded')
-           -- The shortest retention bounds the index range scan; the topic's own decides.
-           AND d.completed_at < now() - make_interval(
-                   days => (SELECT COALESCE(min(t2.retention_days), 1) FROM workqueue_topic t2))
-           AND d.completed_at < now() - make_interval(days => t.retention_days)
-         ORDER BY d.completed_at
+         CROSS JOIN LATERAL (
+            SELECT d.id
+              FROM workqueue_delivery d
+             WHERE d.subscription_id = s.id
+               AND d.status IN ('Completed', 'Discarded')
+               AND d.completed_at < now() - make_interval(days => t.retention_days)
+             ORDER BY d.completed_at
+             LIMIT p_batch_size
+               FOR UPDATE OF d SKIP LOCKED
+         ) v
          LIMIT p_batch_size
-           FOR UPDATE OF d SKIP LOCKED
     ), deleted AS (
         DELETE FROM workqueue_delivery d USING victims v WHERE d.id = v.id RETURNING 1
     )
@@ -120,10 +125,14 @@ $$;
 -- row of workqueue_sweep_lock, locked. acquired = false means another sweeper is mid-pass; skip
 -- this one. A row lock, not an advisory lock (until 0044): any role that may connect can take an
 -- advisory lock, and a session that is no sweeper holding it stopped every pass; only the owner
--- may lock this row. The transaction then sits idle while the pass runs on another connection: a
--- server's idle_in_transaction_session_timeout shorter than a pass would end the session, free
--- the lock mid-pass for a second sweeper, and fail the first pass at its end, so it is switched
--- off for this transaction (until 0040 it was not).
+-- may lock this row. The transaction then sits idle while the pass runs on another connection,
+-- its sweeper touching it every SWEEP_LOCK_KEEPALIVE_SECONDS (30): a server's
+-- idle_in_transaction_session_timeout shorter than that would end the session, free the lock
+-- mid-pass for a second sweeper, and fail the first pass at its end, so the timeout is ten
+-- minutes for this transaction, and PostgreSQL 17's transaction_timeout is off for it. Until
+-- 0040 the server's timeout applied; until 0048 there was none, so a sweeper frozen mid-pass
+-- (SIGSTOP, a paused VM: the kernel still answers TCP keepalives) held the lock, and stopped
+-- every instance's passes, for as long as it stayed frozen.
 CREATE OR REPLACE FUNCTION wq_try_sweep_lock()
 RETURNS TABLE (acquired boolean)
 LANGUAGE plpgsql
@@ -135,7 +144,10 @@ AS $$
 DECLARE
     v_acquired boolean;
 BEGIN
-    PERFORM set_config('idle_in_transaction_session_timeout', '0', true);
+    PERFORM set_config('idle_in_transaction_session_timeout', '10min', true);
+    IF current_setting('server_version_num')::integer >= 170000 THEN
+        PERFORM set_config('transaction_timeout', '0', true);
+    END IF;
     PERFORM 1 FROM workqueue_sweep_lock WHERE id = 1 FOR UPDATE SKIP LOCKED;
     v_acquired := FOUND;
     IF NOT v_acquired THEN

@@ -68,7 +68,10 @@ GO
 
 -- wq_purge_terminal_deliveries --
 -- Delete up to @batch_size Completed/Discarded deliveries whose completed_at is older than their
--- topic's retention_days, oldest first. Dead letters are never purged: they wait for an operator.
+-- topic's retention_days. Dead letters are never purged: they wait for an operator.
+-- Subscription by subscription, each along wq_dlv_settled_ix up to its own topic's cutoff: until
+-- 0048 every subscription's were read in one order of age, so each batch read all the settled
+-- deliveries that topics with a longer retention than the shortest still keep.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_purge_terminal_deliveries
     @batch_size int
@@ -77,24 +80,22 @@ BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
-    DECLARE @shortest_retention int;
     DECLARE @deleted TABLE (id char(32));
-
-    -- The shortest retention bounds the index range scan; each topic's own decides.
-    SELECT @shortest_retention = COALESCE(MIN(t.retention_days), 1) FROM dbo.workqueue_topic AS t;
 
     DELETE d
     OUTPUT deleted.id INTO @deleted
       FROM dbo.workqueue_delivery AS d
      WHERE d.id IN (
-               SELECT TOP (@batch_size) x.id
-                 FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
-                 JOIN dbo.workqueue_subscription AS s ON s.id = x.subscription_id
+               SELECT TOP (@batch_size) v.id
+                 FROM dbo.workqueue_subscription AS s
                  JOIN dbo.workqueue_topic AS t ON t.id = s.topic_id
-                WHERE x.status IN (N'Completed', N'Discarded')
-                  AND x.completed_at < DATEADD(day, -@shortest_retention, @now)
-                  AND x.completed_at < DATEADD(day, -t.retention_days, @now)
-                ORDER BY x.completed_at)
+                CROSS APPLY (
+                    SELECT TOP (@batch_size) x.id
+                      FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+                     WHERE x.subscription_id = s.id
+                       AND x.status IN (N'Completed', N'Discarded')
+                       AND x.completed_at < DATEADD(day, -t.retention_days, @now)
+                     ORDER BY x.completed_at) AS v)
        AND d.status IN (N'Completed', N'Discarded');
 
     -- result set
