@@ -25,7 +25,7 @@ from django.utils import timezone
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory, write_unchecked
 from tests.support.database import queue_connection_settings
 from tests.support.handlers import probe, registry
-from tests.support.hosts import one, runtime_threads, states, status_of, sub
+from tests.support.hosts import listener_pid, one, runtime_threads, states, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
@@ -1131,22 +1131,6 @@ def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdow
 # -- wake-ups -----------------------------------------------------------------------------------
 
 
-def listener_pid() -> int | None:
-    """The backend of the (only) host's notification listener: its last statement was a LISTEN.
-
-    Which channels it listens on is not visible from another session, so tests that need the
-    topic's channel shorten the listener's re-read interval and then give it a moment.
-    """
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND query LIKE 'LISTEN %%'"
-        )
-        found = cursor.fetchall()
-    assert len(found) <= 1, found
-    return found[0][0] if found else None
-
-
 @pytest.fixture
 def fast_listener(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
@@ -1632,26 +1616,17 @@ def test_the_listener_reconnects_at_once_after_a_cut_long_after_an_earlier_outag
             raise OSError("connection refused (the database is restarting)")
         return open_listener()
 
-    def listening_pid() -> int | None:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                "AND query LIKE 'LISTEN %%'"
-            )
-            found = cursor.fetchall()
-        return found[0][0] if found else None
-
     monkeypatch.setattr(driver, "open_listener", restarting_database)
     listener = wakeup.Wakeup(driver)
     listener.subscribe("00000000-0000-0000-0000-000000000001", lambda: None, "x")
     listener.start()
     try:
-        first = wait_until(listening_pid, timeout=20)
+        first = wait_until(listener_pid, timeout=20)
         time.sleep(0.5)  # connected a while (days, in production)
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_terminate_backend(%s)", [first])
         cut = time.monotonic()
-        wait_until(lambda: listening_pid() not in (None, first), timeout=20)
+        wait_until(lambda: listener_pid() not in (None, first), timeout=20)
         took = time.monotonic() - cut
     finally:
         listener.stop()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from django.db import connection
+
 from tests.factories import SubscriptionFactory
 from workqueue.models import Delivery, Subscription
 from workqueue.runtime.host import Host
@@ -38,3 +40,19 @@ def one(subscription: Subscription, concurrency: int = 2) -> list[dict[str, Any]
 def states(host: Host) -> dict[str, tuple[str, str]]:
     """Each subscription's (state, reason) as the host reports its health."""
     return {s["name"]: (s["state"], s["reason"]) for s in host.health()["subscriptions"]}
+
+
+def listener_pid() -> int | None:
+    """The backend of the (only) host's notification listener: its last statement was a LISTEN.
+
+    Which channels it listens on is not visible from another session, so tests that need the
+    topic's channel shorten the listener's re-read interval and then give it a moment.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN %%'"
+        )
+        found = cursor.fetchall()
+    assert len(found) <= 1, found
+    return found[0][0] if found else None

@@ -788,6 +788,7 @@ class Consumer:
             self._services,
             on_handler_done=self._free_slot,
             leased_at=leased_at,
+            on_cancelled_unstarted=self._hand_back_cancelled_ahead,
         )
         with self._lock:
             self._running[execution.key] = execution
@@ -822,10 +823,7 @@ class Consumer:
             self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
-        """A handler returned (on its worker thread): its slot goes to the next delivery
-        claimed ahead, returned for this thread to run next (no hand-off to another thread),
-        else back to the loop."""
-        late: list[DeliveryExecution] = []
+        """A handler returned (on its worker thread): its slot is passed on."""
         with self._lock:
             self._slots_stalled = False
             previous = self._handler_seconds
@@ -834,6 +832,14 @@ class Consumer:
                 if previous is None
                 else previous + HANDLER_TIME_WEIGHT * (handled_seconds - previous)
             )
+        return self._pass_slot_on()
+
+    def _pass_slot_on(self) -> DeliveryExecution | None:
+        """A slot is free (its handler returned, or the delivery it went to can no longer
+        start): it goes to the next delivery claimed ahead, returned for this thread to run
+        next (no hand-off to another thread), else back to the loop."""
+        late: list[DeliveryExecution] = []
+        with self._lock:
             following = None
             while self._ready and following is None and not self._stopping.is_set():
                 candidate = self._ready.popleft()
@@ -866,6 +872,9 @@ class Consumer:
         current: DeliveryExecution | None = execution
         try:
             while current is not None:
+                if current is not execution and self._too_late_to_start(current):
+                    current = self._pass_slot_on()
+                    continue
                 if not self._take_for_this_thread(current):
                     return  # handed back unrun; nothing follows it in the slot
                 self._execute_one(current)
@@ -880,6 +889,28 @@ class Consumer:
             # or to settle after the background pool stopped. Kept, every one of the 2 x
             # concurrency workers would come to hold one, idle, for the thread's life.
             self.receiver.close()
+
+    def _too_late_to_start(self, execution: DeliveryExecution) -> bool:
+        """Whether ``execution``, claimed ahead and about to start on this worker, has used up
+        its share of the lease meanwhile, and is handed back unrun (attempt refunded) instead.
+
+        A delivery claimed ahead is given its slot when a handler returns, with enough lease
+        left then, but starts only once that handler's settle has returned on this thread,
+        which may take longer than the lease (a slow database, a settle retried through an
+        outage); a host frozen between a claim and its start does the same. Started anyway,
+        it ran on a lease another host may have taken back, two executions of one Exclusive
+        key at once, until its first heartbeat a third of a lease later (audit helper-128).
+        (One that got its slot at its claim starts at once.)"""
+        with self._lock:
+            if (
+                self._running.get(execution.key) is not execution
+                or self._stopping.is_set()
+                or execution.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE
+            ):
+                return False  # stop() decides for it (_take_for_this_thread), or it starts
+            self._late[execution.key] = execution
+        self._background.run_or_call(self._hand_back, execution)
+        return True
 
     def _take_for_this_thread(self, execution: DeliveryExecution) -> bool:
         """Mark ``execution`` started on this worker; once the consumer is stopping, hand it
@@ -968,6 +999,19 @@ class Consumer:
                 self._check_ready_when_late(self._ready[0])
         for execution in late:
             self._background.run_or_call(self._hand_back, execution)
+
+    def _hand_back_cancelled_ahead(self, execution: DeliveryExecution) -> None:
+        """A delivery claimed ahead was found cancelled while it waits for a slot: it goes back
+        now, which acknowledges the cancel (the release is refused), instead of holding its
+        Exclusive or Ordered key from every other host until a slot frees or half its lease
+        has passed (audit helper-128). One that has its slot already ends there."""
+        with self._lock:
+            try:
+                self._ready.remove(execution)
+            except ValueError:
+                return
+            self._late[execution.key] = execution
+        self._background.run_or_call(self._hand_back, execution)
 
     def _hand_back(self, execution: DeliveryExecution) -> None:
         """Release a delivery claimed ahead that can no longer start in time, and wake the

@@ -92,6 +92,9 @@ _ERROR_HEAD_LENGTH = 4_000
 _ERROR_MARKER_ROOM = 60
 # A settle or renewal that failed on a lost connection (or a deadlock) is tried again after
 # 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
+#: The least time between two checks for a cancel of one delivery, however often one is
+#: announced (check_lease_soon).
+CANCEL_CHECK_SECONDS = 1.0
 RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
 #: The failures worth that: the database's transient ones, and a cloud transport's that could
@@ -274,11 +277,14 @@ class DeliveryExecution:
         services: ExecutionServices,
         on_handler_done: Callable[[float], DeliveryExecution | None] | None = None,
         leased_at: float | None = None,
+        on_cancelled_unstarted: Callable[[DeliveryExecution], None] | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
         self.services = services
         self._on_handler_done = on_handler_done
+        #: Told when a renewal finds the delivery cancelled before its handler started.
+        self._on_cancelled_unstarted = on_cancelled_unstarted
         self.started = False
         #: What ``on_handler_done`` handed this execution's slot to: the next delivery to run
         #: on this thread, once this one's settling has been handed on.
@@ -303,6 +309,9 @@ class DeliveryExecution:
         self._beat_retry_seconds = RETRY_MIN_SECONDS
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
+        # Checks for a cancel (check_lease_soon): whether one waits, and when the last began.
+        self._cancel_check_waiting = False
+        self._cancel_checked_at = float("-inf")
         # context.complete(enlist=True): the completion run in the handler's transaction, and
         # whether one is being run right now (no renewal may start meanwhile).
         self._enlisted: EnlistedCompletion | None = None
@@ -640,11 +649,45 @@ class DeliveryExecution:
         future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
 
     def check_lease_soon(self) -> None:
-        """Renew now on a background thread (used when a cancel is announced), unless the
-        cancel is already known: the regular renewals go on for a cancelled delivery, and
-        announcements, which anyone connected may send, must not multiply them."""
-        if not self.signal.has(AbortReason.CANCELLED):
-            self._renew_soon()
+        """Look for an operator's cancel on a background thread (one was announced, or
+        announcements may have been missed), unless the cancel is known already.
+
+        Announcements come from anyone who may connect, so they buy nothing by themselves:
+        the check is a read that renews nothing (a Manual handler that stopped beating loses
+        its lease whatever is announced), only a cancel it finds is confirmed by a renewal
+        (which signals the handler), and one delivery has at most one check waiting, made at
+        most once every CANCEL_CHECK_SECONDS: a burst naming it took the background threads
+        that carry every other delivery's heartbeats, and their handlers were told LeaseLost
+        (audit helper-128)."""
+        if self.signal.has(AbortReason.CANCELLED) or self._stopped_renewing():
+            return
+        with self._lock:
+            if self._cancel_check_waiting:
+                return
+            self._cancel_check_waiting = True
+            wait = self._cancel_checked_at + CANCEL_CHECK_SECONDS - time.monotonic()
+        if wait > 0:
+            self._keep_timer(
+                self.services.timers.schedule(
+                    wait, lambda: self.services.background.submit(self._check_for_cancel)
+                )
+            )
+        else:
+            self.services.background.submit(self._check_for_cancel)
+
+    def _check_for_cancel(self) -> None:
+        with self._lock:
+            self._cancel_check_waiting = False
+            self._cancel_checked_at = time.monotonic()
+        if self.signal.has(AbortReason.CANCELLED) or self._stopped_renewing():
+            return
+        read = getattr(self.services.receiver, "cancel_requested", None)
+        try:
+            asked = read is None or read(self.delivery)
+        except Exception:
+            asked = True  # the read failed: the renewal finds out, as it did before the read
+        if asked:
+            self._beat(None)
 
     def _renew_soon(self) -> None:
         if not self._stopped_renewing():
@@ -693,6 +736,8 @@ class DeliveryExecution:
                 # handler's to finish: a manual heartbeat tells it so.
                 held = False
                 self.signal.abort(AbortReason.CANCELLED)
+                if not self.started and self._on_cancelled_unstarted is not None:
+                    self._on_cancelled_unstarted(self)
             elif extension.state != LeaseState.HELD:
                 held = False
                 # Not lost but completed, when the handler's transaction committed while this

@@ -224,6 +224,8 @@ class Host:
         # Stopped by a re-plan while handlers they gave up on still run (Consumer.lingering):
         # counted in health and at shutdown until those return.
         self._lingering: list[Consumer] = []
+        # The consumers a shutdown is draining: their handlers still run, and hear cancels.
+        self._draining: list[Consumer] = []
         self._plans: dict[str, PlanEntry] = {}
         self._start_failures: dict[str, StartFailure] = {}
         self._recorded_states: list[tuple[str, str, str]] = []
@@ -397,6 +399,7 @@ class Host:
             signals.published.disconnect(dispatch_uid=self.instance_id)
             with self._lock:
                 consumers = list(self._consumers.values())
+                self._draining = consumers
                 self._consumers.clear()
                 self._start_failures.clear()
                 self._plans = {
@@ -683,8 +686,17 @@ class Host:
             consumer.kick()
 
     def _on_cancel(self, delivery_id: str | None) -> None:
+        # Handlers a shutdown or a re-plan is draining run on too (told the host is stopping,
+        # a request they may take their time over): a cancel reaches them at once as well,
+        # not at their next heartbeat (audit helper-128).
         with self._lock:
-            consumers = [c for c in self._consumers.values() if c.hears_cancels]
+            holders = [
+                *self._consumers.values(),
+                *self._draining,
+                *self._retiring,
+                *self._lingering,
+            ]
+            consumers = [c for c in dict.fromkeys(holders) if c.hears_cancels]
         for consumer in consumers:
             consumer.check_lease(delivery_id)
 

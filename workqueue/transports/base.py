@@ -97,6 +97,12 @@ class TransportReceiver(Protocol):
 
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult: ...
 
+    def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
+        """Whether an operator has asked to cancel ``delivery``, read without renewing its
+        lease; asked of a transport with ``supports_cancel`` when a cancel was announced. A
+        transport without it has such a check made as a renewal (``extend_lease``)."""
+        ...
+
     def completed_at_its_attempt(self, delivery: ClaimedDelivery) -> bool:
         """Whether ``delivery`` is Completed at the attempt this holder claimed. Asked only
         when a completion's answer was lost (its connection dropped after the commit) and the

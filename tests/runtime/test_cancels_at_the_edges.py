@@ -1,0 +1,273 @@
+"""Cancels of running handlers at the edges (stops, re-plans, announcements), and a delivery claimed
+ahead that must not start on a lease that ran out (audit helper-128)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.db import connections
+
+from tests.support.handlers import probe
+from tests.support.hosts import listener_pid, one, status_of, sub
+from tests.support.waiting import wait_until
+from workqueue import publish, transport
+from workqueue.models import Subscription
+from workqueue.runtime import wakeup
+from workqueue.runtime.context import AbortReason
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def _on_a_thread(call: Any) -> None:
+    try:
+        call()
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.parametrize("edge", ["shutdown drain", "re-plan drain"])
+def test_a_cancel_made_while_the_host_drains_reaches_the_handler_at_once(
+    make_host, monkeypatch, edge
+):
+    """README: the holder hears of a cancel at once (NOTIFY). The host's cancel callback looks
+    only at ``Host._consumers``; a shutdown empties it before its drain and a re-plan pops the
+    consumers it retires before theirs. A handler still running in the drain (told
+    ``stopping``, which is a request, not an order) heard the operator's cancel only at its
+    next heartbeat (here 20 s after the claim), and its side effects went on meanwhile."""
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
+    s = sub(partition_mode="Exclusive", lease_seconds=60, max_attempts=5)  # heartbeat every 20 s
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=15_000)
+    host.start()
+    wait_until(listener_pid, timeout=5)
+    message = publish(s.topic.name, {"sleepMs": 30_000}, partition_key="k").message_id
+    (running,) = probe.wait_for(1)
+
+    if edge == "shutdown drain":
+        stop = host.shutdown
+    else:
+        Subscription.objects.filter(pk=s.pk).update(max_attempts=6)  # an operator's edit
+        stop = host.reconcile
+    stopper = threading.Thread(target=_on_a_thread, args=(stop,))
+    stopper.start()
+    time.sleep(0.5)  # the drain has begun: the handler was told the host is stopping
+
+    assert transport.discard_or_cancel(
+        str(s.id), running.delivery_id, "ops", "stop"
+    ).cancel_requested
+    cancelled_at = time.monotonic()
+
+    try:
+        wait_until(lambda: running.finished.is_set(), timeout=6)
+    finally:
+        heard_after = time.monotonic() - cancelled_at
+        stopper.join(30)
+    assert running.signal_reason == AbortReason.CANCELLED, (running.signal_reason, heard_after)
+    wait_until(lambda: status_of(message) == "Discarded", timeout=5)
+
+
+@pytest.mark.parametrize(
+    "checks", ["nothing (control)", "announcements naming it", "listener reconnects"]
+)
+def test_a_manual_heartbeat_handler_that_stopped_beating_loses_its_lease_whatever_is_announced(
+    make_host, monkeypatch, pg_conn, checks
+):
+    """``heartbeat_mode = Manual``: the handler must call ``context.heartbeat()`` within every
+    lease, else it is told LeaseLost and the delivery goes to another host (README "Leases").
+    A cancel check is made as a renewal (``check_lease_soon`` -> ``extend_lease``): every
+    announcement naming the delivery on ``wq_cancel`` (any role that may connect can send one)
+    and every catch-up after a listener reconnect (a proxy's idle timeout cutting the LISTEN
+    connection) renewed the lease of a handler that had stopped beating, so a hung handler kept
+    its delivery, and its Exclusive key, for as long as they came."""
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(wakeup, "MAX_RECONNECT_DELAY", 0.2)
+    s = sub(partition_mode="Exclusive", lease_seconds=5, heartbeat_mode="Manual")
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    wait_until(listener_pid, timeout=5)
+    message = publish(s.topic.name, {"sleepMs": 14_000}, partition_key="k").message_id
+    (running,) = probe.wait_for(1)  # it never calls context.heartbeat(): a hung handler
+
+    began = time.monotonic()
+    while not running.finished.is_set() and time.monotonic() - began < 12:
+        if checks == "announcements naming it":
+            pg_conn.execute("SELECT pg_notify('wq_cancel', %s)", [running.delivery_id])
+        elif checks == "listener reconnects":
+            backend = listener_pid()
+            if backend is not None:
+                pg_conn.execute("SELECT pg_terminate_backend(%s)", [backend])
+        running.finished.wait(1.0)
+
+    assert running.finished.wait(5)
+    told_after = time.monotonic() - running.started_at
+    assert running.signal_reason == AbortReason.LEASE_LOST, (
+        f"a Manual handler that never beat was told {running.signal_reason!r} after "
+        f"{told_after:.1f} s (lease 5 s); its delivery is {status_of(message)}"
+    )
+
+
+def test_a_cancelled_delivery_claimed_ahead_frees_its_exclusive_key_without_waiting_for_a_slot(
+    make_host, monkeypatch
+):
+    """A delivery claimed ahead (prefetch) and cancelled while it waits for a slot never runs,
+    so nothing has to return before its key is free. The host hears the cancel at once (the
+    renewal answers Cancelled) yet keeps the delivery InFlight in its ready queue until a slot
+    frees or half its lease has passed (re-counted from the cancel check's renewal): behind a
+    long handler, the Exclusive key stays held from every other host for up to half a lease
+    after the cancel."""
+    from workqueue.runtime import consumer as consumer_module
+
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(consumer_module, "PREFETCH_HANDLER_SECONDS", 60.0)
+    monkeypatch.setattr(consumer_module, "PREFETCH_WINDOW_SECONDS", 60.0)
+    s = sub(partition_mode="Exclusive", lease_seconds=60)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    host.start()
+    wait_until(listener_pid, timeout=5)
+    first = publish(s.topic.name, {"then": "complete"}, partition_key="warm").message_id
+    wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead on
+    blocker = publish(s.topic.name, {"sleepMs": 20_000}, partition_key="slow").message_id
+    probe.wait_for(1, message_id=blocker)
+    victim = publish(s.topic.name, {"then": "complete"}, partition_key="acct").message_id
+    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    from workqueue.models import Delivery
+
+    waiting = Delivery.objects.get(message_id=victim)
+
+    assert transport.discard_or_cancel(str(s.id), str(waiting.id), "ops", "no").cancel_requested
+    cancelled_at = time.monotonic()
+
+    try:
+        wait_until(lambda: status_of(victim) == "Discarded", timeout=5)
+    except AssertionError:
+        raise AssertionError(
+            f"{time.monotonic() - cancelled_at:.1f} s after the cancel the delivery claimed "
+            f"ahead is still {status_of(victim)} (its key 'acct' held) while the blocker runs"
+        ) from None
+    assert victim not in {r.message_id for r in probe.runs}
+
+
+def test_announcements_naming_a_running_delivery_do_not_starve_the_other_deliveries_renewals(
+    make_host, monkeypatch, pg_conn
+):
+    """Any role that may connect can NOTIFY ``wq_cancel``. A notification naming a running
+    delivery queues a renewal of it on the consumer's two background threads, however many
+    are queued already (only a delivery known to be cancelled is skipped); the queue is
+    unbounded, and the same threads carry the other deliveries' heartbeats and the off-worker
+    settles. A burst of announcements naming one delivery (each its own commit, which one DO
+    block sends by the thousand a second) buried the heartbeats of another delivery behind
+    them: its handler, healthy and renewing, was told LeaseLost and its outcome dropped,
+    and its delivery became claimable by any other host while it still ran."""
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
+    renewals: list[str] = []
+    from workqueue.transport import Receiver
+
+    extend_lease = Receiver.extend_lease
+
+    def counted(self: Receiver, delivery: Any, *args: Any, **kwargs: Any) -> Any:
+        renewals.append(delivery.delivery_id)
+        return extend_lease(self, delivery, *args, **kwargs)
+
+    monkeypatch.setattr(Receiver, "extend_lease", counted)
+    s = sub(lease_seconds=6)  # automatic heartbeats every 2 s
+    host = make_host(one(s, concurrency=2))
+    host.start()
+    wait_until(listener_pid, timeout=5)
+    publish(s.topic.name, {"sleepMs": 14_000})
+    (target,) = probe.wait_for(1)
+    other = publish(s.topic.name, {"sleepMs": 14_000}).message_id
+    bystander = next(r for r in probe.wait_for(2) if r.message_id == other)
+
+    flood_error: list[BaseException] = []
+
+    def flood() -> None:
+        try:
+            pg_conn.execute(
+                "DO $$ DECLARE t timestamptz := clock_timestamp(); BEGIN "
+                "WHILE clock_timestamp() < t + interval '8 seconds' LOOP "
+                f"PERFORM pg_notify('wq_cancel', '{target.delivery_id}'); COMMIT; "
+                "END LOOP; END $$"
+            )
+        except BaseException as exc:  # pragma: no cover - reported below
+            flood_error.append(exc)
+
+    flooding = threading.Thread(target=flood)
+    flooding.start()
+    flooding.join(20)
+    assert not flood_error, flood_error
+
+    assert bystander.finished.wait(15)
+    assert target.finished.wait(15)
+    named_renewals = sum(1 for r in renewals if r == target.delivery_id)
+    assert bystander.signal_reason is None, (
+        f"a healthy handler whose heartbeats ran every 2 s was told {bystander.signal_reason} "
+        f"({named_renewals} renewals of the announced delivery were made meanwhile)"
+    )
+    wait_until(lambda: status_of(other) != "InFlight", timeout=10)
+    assert status_of(other) == "Completed"
+
+
+def test_a_delivery_next_in_a_slot_never_starts_on_a_lease_that_ran_out_while_the_slot_settled(
+    make_host, monkeypatch
+):
+    """A delivery claimed ahead is checked for lease left when a handler returns and hands it
+    its slot (``_free_slot``), but it starts only after that handler's settle, made on the
+    same worker thread, has returned; a settle may take up to the previous lease plus 5 s (it is
+    retried while a database is away) and nothing looks at the lease again
+    (``_take_for_this_thread``). It then starts on a lease that ran out meanwhile: another host
+    has taken the delivery back and runs it, and this host runs it too, on the stale token,
+    until its first heartbeat a third of a lease later says the lease is lost: two executions
+    of one Exclusive key at once."""
+    from workqueue.runtime import consumer as consumer_module
+    from workqueue.transport import Receiver
+
+    monkeypatch.setattr(consumer_module, "PREFETCH_HANDLER_SECONDS", 60.0)
+    monkeypatch.setattr(consumer_module, "PREFETCH_WINDOW_SECONDS", 60.0)
+    s = sub(
+        partition_mode="Exclusive",
+        lease_seconds=5,
+        max_attempts=5,
+        backoff_base_seconds=60,
+        backoff_max_seconds=60,
+    )
+    slow_for: set[str] = set()
+    retry = Receiver.retry
+
+    def slow_retry(self: Receiver, delivery: Any, *args: Any, **kwargs: Any) -> Any:
+        if delivery.delivery_id in slow_for:
+            slow_for.discard(delivery.delivery_id)
+            time.sleep(7)  # a database that answers slowly, or a settle retried through a blip
+        return retry(self, delivery, *args, **kwargs)
+
+    monkeypatch.setattr(Receiver, "retry", slow_retry)
+    first_host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    first_host.start()
+    warm = publish(s.topic.name, {"then": "complete"}, partition_key="warm").message_id
+    wait_until(lambda: status_of(warm) == "Completed")  # a handler returned: claiming ahead on
+    from workqueue import publish_many
+    from workqueue.models import Delivery
+
+    blocker, victim = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [
+                {"payload": {"sleepMs": 300, "then": "retry"}, "partition_key": "a"},
+                {"payload": {"sleepMs": 4000}, "partition_key": "k"},
+            ],
+        )
+    ]
+    slow_for.add(str(Delivery.objects.get(message_id=blocker).pk))
+    probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    second_host = make_host(one(s, concurrency=1))
+    second_host.start()  # an idle host: it takes the victim back once its lease has run out
+
+    wait_until(lambda: status_of(victim) == "Completed", timeout=25)
+
+    runs = [r for r in probe.runs if r.message_id == victim]
+    assert len(runs) == 1, "key 'k' ran twice: " + ", ".join(
+        f"attempt {r.attempt} on {r.thread} at {r.started_at:.1f}" for r in runs
+    )
