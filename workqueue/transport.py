@@ -267,12 +267,10 @@ class Receiver:
     def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
         # A read that renews nothing: a cancel announced (by anyone who may connect) or a
         # catch-up after the listener reconnected costs the holder no renewal unless an
-        # operator did ask (then extend_lease confirms it against the lease token).
-        return self._exists(
-            pk=delivery.delivery_id,
-            status=DeliveryStatus.IN_FLIGHT,
-            cancel_requested_at__isnull=False,
-        )
+        # operator did ask (then extend_lease confirms it against the lease token). On the
+        # driver's connection for this thread, which its renewals keep open: through the ORM a
+        # heartbeat thread opened (and closed) a connection for every check.
+        return self.driver.cancel_requested(delivery.delivery_id)
 
     def _stored_at_its_attempt(self, delivery: ClaimedDelivery, **settled: Any) -> bool:
         # Asked for a settle whose earlier call may have committed: while this holder's

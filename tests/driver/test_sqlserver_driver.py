@@ -612,7 +612,13 @@ def test_grant_reindex_and_scaler_sql_parses(driver, tmp_path):
         + driver.grant_scaler_statements("k")
         + driver.rebuild_index_statements()
     )
-    script.write_text(";\n".join(statements) + ";\nGO\n" + driver.scaler_query("orders"))
+    script.write_text(
+        ";\n".join(statements)
+        + ";\nGO\n"
+        + driver.scaler_query("orders")
+        + "\nGO\n"
+        + driver.cancel_requested_sql.replace("%s", "'0123456789abcdef0123456789abcdef'")
+    )
     result = parse_tsql(script)
     assert result.returncode == 0, result.stderr
 

@@ -143,6 +143,27 @@ def test_a_dead_letter_page_is_clamped_inside_sql(pg_conn, page_size):
     assert rows == (1000,)
 
 
+def test_a_bulk_discards_rows_are_not_read_past_the_cap_by_the_stats(pg_conn):
+    """Review helper-131: the completions were counted up to the cap after the Discarded rows
+    were passed over, so the hour after a bulk discard of a million deliveries every stats call
+    (dashboard, REST) read all of them. The cap bounds the settled rows read."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 3000, status="Completed")
+    pg_conn.execute(
+        "UPDATE workqueue_delivery SET status = 'Discarded' WHERE subscription_id = %s",
+        [subscription.id],
+    )
+    seed_deliveries(pg_conn, subscription, 2, status="Completed")
+    pg_conn.execute("ANALYZE workqueue_delivery")
+
+    stats = "SELECT * FROM wq_subscription_stats(%s, %s)"
+    assert _most_rows_read(pg_conn, stats, [subscription.id, 100]) <= 100
+    [row] = operations.subscription_stats(subscription.name, cap=100).subscriptions
+    assert row.capped  # the completions are at least what they say
+    [row] = operations.subscription_stats(subscription.name, cap=10_000).subscriptions
+    assert (row.completed_last_hour, row.capped) == (2, False)
+
+
 def test_stats_read_the_subscriptions_own_rows_up_to_the_cap(pg_conn):
     """Audit helper-96: the Pending count and the oldest Pending age were each a sequential scan
     of the whole delivery table, and the completions of the last hour a walk of every

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,11 @@ from django.db import connection, models, transaction
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
 from tests.support.filter_cases import any_of, leaf, root
 from tests.support.queue import dead_letter, pending
-from workqueue import publish
-from workqueue.models import Subscription, Topic, Transport
+from tests.support.transports import LIMITED, limited_transport
+from tests.support.waiting import wait_until
+from workqueue import publish, publish_many
+from workqueue.driver import get_driver
+from workqueue.models import Delivery, Subscription, Topic, Transport
 from workqueue.operators import operations
 from workqueue.transport import Receiver
 
@@ -296,6 +300,51 @@ def test_a_drained_topic_moves_to_a_transport_that_does_not_read_the_database(
     assert Subscription.objects.get(pk=sub.pk).topic.transport_id == aws.pk
 
 
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("batch", [False, True], ids=["publish", "publish_many"])
+def test_a_publish_that_waited_for_a_move_goes_to_the_topics_new_transport(pg_conn, batch):
+    """Audit helper-131: a publish read the topic's transport, then waited for the topology lock
+    the move held while it checked for waiting work, then wrote Database deliveries for a
+    topic the move had just put on AWS: stranded, the work the check is there to keep in
+    reach. A publish that waited reads the transport again."""
+    aws = TransportFactory(name="aws-move", driver_class="AWS", configuration=AWS_CONFIGURATION)
+    sub = SubscriptionFactory()
+    topic = sub.topic
+    answers: list[Any] = []
+
+    def publisher() -> None:
+        try:
+            if batch:
+                answers.extend(publish_many(topic.name, [{"payload": {"n": 1}}]))
+            else:
+                answers.append(publish(topic.name, {"n": 1}))
+        except Exception as exc:  # the AWS endpoint does not answer
+            answers.append(exc)
+        finally:
+            get_driver().close()
+            connection.close()
+
+    def publisher_waits() -> bool:
+        return (
+            pg_conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+            ).fetchone()[0]
+            > 0
+        )
+
+    with transaction.atomic():
+        topic.transport = aws
+        topic.save()  # holds the topology lock until this block commits
+        thread = threading.Thread(target=publisher)
+        thread.start()
+        wait_until(publisher_waits, timeout=10)
+    thread.join(30)
+
+    assert not Delivery.objects.filter(subscription=sub).exists(), answers
+    [answer] = answers
+    assert not getattr(answer, "accepted", False), answer
+
+
 def test_a_transports_driver_cannot_change_under_its_topics():
     """The same stranding from the transport's row: its topics' waiting work stays where the
     old driver keeps it, which the new one never reads."""
@@ -313,6 +362,10 @@ def test_a_transports_driver_cannot_change_under_its_topics():
     assert "the driver cannot change under them" in refused.value.message_dict["driver_class"][0]
     assert Transport.objects.get(pk=used.pk).driver_class == "Database"
     assert Transport.objects.get(pk=unused.pk).driver_class == "AWS"
+    # Between the Database driver and a variant of it the work stays where both read it.
+    with limited_transport():
+        Transport.objects.filter(pk=used.pk).update(driver_class=LIMITED)
+        assert Transport.objects.get(pk=used.pk).driver_class == LIMITED
 
 
 # -- Tasks API topics stay closed to external publishers ---------------------------------------

@@ -13,6 +13,8 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -680,6 +682,25 @@ class RenewsOnceReceiver(Receiver):
 
     def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
         return True  # the read finds a cancel asked for, so a cancel check renews
+
+
+def test_a_cancel_announced_after_the_consumers_pool_shut_down_fails_nobody(rig):
+    """Review helper-131: a shutdown that gave up on a handler closes its consumer's pools while
+    the listener still runs; a cancel announced for that handler then raised RuntimeError into
+    the listener's thread (taken for an outage: a reconnect, and the catch-up raised again),
+    and left the delivery's check marked as waiting for good."""
+    sub = rig.subscription()
+    publish(sub.topic.name, {"then": "complete"})
+    receiver = Receiver(sub.id, "test-holder")
+    (delivery,) = receiver.receive(1).deliveries
+    execution = rig.execution(sub, receiver, delivery)
+    closed = ThreadPoolExecutor(1)
+    closed.shutdown()
+    execution.services = replace(execution.services, background=closed)
+
+    execution.check_lease_soon()
+
+    assert not execution._cancel_check_waiting
 
 
 def test_a_renewal_racing_the_first_ticks_horizon_leaves_the_lease_watched(rig, monkeypatch):

@@ -123,7 +123,7 @@ class GrantOperatorVerb(_GrantVerb):
 
 class GrantScalerVerb(_GrantVerb):
     name = "grant-scaler"
-    help = "Let an autoscaler login read the two tables its scaler query needs, nothing else."
+    help = "Let an autoscaler login read what its scaler query needs, nothing else."
     statements_for = "grant_scaler_statements"
 
 

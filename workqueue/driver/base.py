@@ -180,6 +180,8 @@ class BaseDriver:
     sql_directory: str
     #: One row, one column: the database's current time with its offset.
     now_sql: str
+    #: A row when the running delivery whose id is the one parameter carries a cancel request.
+    cancel_requested_sql: str
     #: Connection options the queue's own connections take unless the alias's OPTIONS set them.
     own_connection_options: ClassVar[Mapping[str, Any]] = {}
 
@@ -552,6 +554,15 @@ class BaseDriver:
         from it, so all hosts agree whatever their own clocks say)."""
         [(value,)] = self.execute(self.now_sql, [])
         return decode_value(ParamType.TIMESTAMP, value)
+
+    def cancel_requested(self, delivery_id: str) -> bool:
+        """Whether an operator asked to cancel the running delivery ``delivery_id``: a read on
+        this thread's own connection (the one its renewals use) that renews nothing."""
+        return bool(self.execute(self.cancel_requested_sql, [self.stored_id(delivery_id)]))
+
+    def stored_id(self, value: str) -> Any:
+        """A delivery's (or any row's) id as the tables store it, for a statement's parameter."""
+        return uuid.UUID(value)
 
     def call_one(self, name: str, params: Mapping[str, Any] | None = None, **kw: Any) -> Row:
         rows = self.call(name, params, **kw)

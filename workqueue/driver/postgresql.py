@@ -269,6 +269,10 @@ class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
+    cancel_requested_sql = (
+        "SELECT 1 FROM workqueue_delivery WHERE id = %s AND status = 'InFlight' "
+        "AND cancel_requested_at IS NOT NULL"
+    )
     # Through the search path, as the calls find wq_claim.
     procedures_stamp_sql = "SELECT obj_description(to_regproc('wq_claim'), 'pg_proc')"
     features = DriverFeatures(supports_listen_notify=True, binary_collation="C")

@@ -203,6 +203,10 @@ class SqlServerDriver(BaseDriver):
     vendor_label = "SQL Server"
     sql_directory = "sqlserver"
     now_sql = "SELECT SYSDATETIMEOFFSET()"
+    cancel_requested_sql = (
+        "SELECT 1 FROM dbo.workqueue_delivery WHERE id = %s AND status = N'InFlight' "
+        "AND cancel_requested_at IS NOT NULL"
+    )
     procedures_stamp_sql = (
         "SELECT CAST(value AS nvarchar(200)) FROM sys.extended_properties "
         f"WHERE class = 0 AND name = N'{STAMP_PROPERTY}'"
@@ -415,6 +419,9 @@ class SqlServerDriver(BaseDriver):
             return VacuumHorizon(0.0, None, "", True)
         holder, seconds = rows[0]
         return VacuumHorizon(max(float(seconds or 0.0), 0.0), None, holder, True)
+
+    def stored_id(self, value: str) -> Any:
+        return stored_uuid(value)
 
     def scaler_query(self, subscription_name: str) -> str:
         literal = "N'" + subscription_name.strip().lower().replace("'", "''") + "'"

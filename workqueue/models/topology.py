@@ -238,7 +238,11 @@ class Transport(TopologyModel):
             raise ValidationError({"configuration": problem})
         stored = type(self)._base_manager.using(using).filter(pk=self.pk)
         driver = stored.values_list("driver_class", flat=True).first()
-        if driver not in (None, self.driver_class) and self.topics.using(using).exists():
+        if (
+            driver not in (None, self.driver_class)
+            and not _both_keep_deliveries_in_database(driver, self.driver_class)
+            and self.topics.using(using).exists()
+        ):
             # The topics' waiting work is where the old driver keeps it (the queue tables, or
             # queues named after them), which the new one would never read.
             raise ValidationError(
@@ -309,6 +313,17 @@ def _renamed_resources_problem(
         "read by nobody. Make a new one instead, and retire this one once it is drained."
     )
     return dict.fromkeys(changed, problem)
+
+
+def _both_keep_deliveries_in_database(driver: str, other: str) -> bool:
+    """Whether two drivers both keep deliveries in the queue tables (Database and its variants),
+    so that a transport may change from one to the other under its topics."""
+    from workqueue.transports import transport_class
+
+    try:
+        return all(transport_class(name).keeps_deliveries_in_database for name in (driver, other))
+    except WorkQueueConfigurationError:
+        return False  # an unregistered driver: refused on its own, or its work is unknown
 
 
 def _stranded_work_problem(

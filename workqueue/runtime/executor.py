@@ -667,13 +667,18 @@ class DeliveryExecution:
             self._cancel_check_waiting = True
             wait = self._cancel_checked_at + CANCEL_CHECK_SECONDS - time.monotonic()
         if wait > 0:
-            self._keep_timer(
-                self.services.timers.schedule(
-                    wait, lambda: self.services.background.submit(self._check_for_cancel)
-                )
-            )
+            self._keep_timer(self.services.timers.schedule(wait, self._submit_cancel_check))
         else:
+            self._submit_cancel_check()
+
+    def _submit_cancel_check(self) -> None:
+        try:
             self.services.background.submit(self._check_for_cancel)
+        except RuntimeError:
+            # The consumer's pool has shut down (a stop that gave up on this handler): nothing
+            # is left to check for, and the caller (the listener's thread) must not fail.
+            with self._lock:
+                self._cancel_check_waiting = False
 
     def _check_for_cancel(self) -> None:
         with self._lock:
@@ -686,7 +691,8 @@ class DeliveryExecution:
             asked = read is None or read(self.delivery)
         except Exception:
             asked = True  # the read failed: the renewal finds out, as it did before the read
-        if asked:
+        if asked and self._beat(None) and not self.signal.has(AbortReason.CANCELLED):
+            # Joined a renewal sent before the cancel was asked (its answer: Held): once more.
             self._beat(None)
 
     def _renew_soon(self) -> None:

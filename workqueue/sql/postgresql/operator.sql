@@ -108,7 +108,8 @@ $$;
 -- Ordered keys blocked by a dead-lettered head, the age of the oldest Pending delivery), with
 -- its completions in the last hour and the database clock, each count made up to p_cap
 -- (clamped to 1..1000000; NULL: 1000000), along the subscription's own index entries, so that
--- a caller allowed to read one small subscription cannot have the whole table read. capped is
+-- a caller allowed to read one small subscription cannot have the whole table read (the
+-- completions among the hour's settled rows, Completed or Discarded, up to the cap). capped is
 -- true when a count stopped there. No row when the subscription does not exist.
 -- Until 0045 the counts were exact, each a scan of what they counted (and of every
 -- subscription's rows for the completions and the Pending rows), and there was no p_cap; until
@@ -135,19 +136,20 @@ SET enable_seqscan = off
 SET jit = off
 AS $$
     WITH cap AS (SELECT LEAST(GREATEST(coalesce(p_cap, 1000000), 1), 1000000) AS n),
+    -- The hour's settled rows, Completed or Discarded as the index holds them, up to the cap:
+    -- a bulk discard's million Discarded rows must not be read past it either.
     recent AS (
-        SELECT count(*) AS completed
-          FROM (SELECT 1 FROM workqueue_delivery d
+        SELECT count(*) AS examined, count(*) FILTER (WHERE r.status = 'Completed') AS completed
+          FROM (SELECT d.status FROM workqueue_delivery d
                  WHERE d.subscription_id = p_subscription_id
                    AND d.status IN ('Completed', 'Discarded')
                    AND d.completed_at > now() - interval '1 hour'
-                   AND d.status = 'Completed'
                  LIMIT (SELECT n FROM cap)) AS r
     )
     SELECT g.pending, g.in_flight, g.dead_lettered, g.blocked_keys,
            g.oldest_pending_age_seconds, recent.completed, now(),
            GREATEST(g.pending, g.in_flight, g.dead_lettered, coalesce(g.blocked_keys, 0),
-                    recent.completed) >= (SELECT n FROM cap)
+                    recent.examined) >= (SELECT n FROM cap)
       FROM wq_queue_gauges(p_subscription_id, (SELECT n FROM cap)) AS g, recent;
 $$;
 

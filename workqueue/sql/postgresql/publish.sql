@@ -464,6 +464,17 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock_shared(
             hashtextextended('wq-topology:' || lower(v_topic.id::text), 0)) THEN
         PERFORM wq_wait_for_topology(v_topic.id);
+        -- A topology change held the lock, a move of the topic to another transport perhaps,
+        -- committed by now: read before it, the topic's transport is read again (since 0048),
+        -- or this fan-out wrote deliveries no host would read any more.
+        IF NOT EXISTS (
+                SELECT 1 FROM workqueue_topic t JOIN workqueue_transport tr ON tr.id = t.transport_id
+                 WHERE t.id = v_topic.id
+                   AND (tr.driver_class = 'Database' OR tr.driver_class LIKE 'Database.%')) THEN
+            RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'TopicOnOtherTransport',
+                                NULL::uuid, NULL::text;
+            RETURN;
+        END IF;
     END IF;
 
     -- Ordered subscriptions need a key's ordinals to commit in publish order. The key is
@@ -825,6 +836,18 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock_shared(
             hashtextextended('wq-topology:' || lower(v_topic.id::text), 0)) THEN
         PERFORM wq_wait_for_topology(v_topic.id);
+        -- Read again once a topology change let go of the lock, as in wq_publish.
+        IF NOT EXISTS (
+                SELECT 1 FROM workqueue_topic t JOIN workqueue_transport tr ON tr.id = t.transport_id
+                 WHERE t.id = v_topic.id
+                   AND (tr.driver_class = 'Database' OR tr.driver_class LIKE 'Database.%')) THEN
+            RETURN QUERY
+            SELECT (e.ordinality - 1)::integer, (e.value ->> 'message_id')::uuid,
+                   'Rejected'::text, 'TopicOnOtherTransport'::text, NULL::uuid, NULL::text
+              FROM jsonb_array_elements(p_messages) WITH ORDINALITY AS e(value, ordinality)
+             ORDER BY e.ordinality;
+            RETURN;
+        END IF;
     END IF;
 
     IF EXISTS (

@@ -108,7 +108,8 @@ GO
 -- Ordered keys blocked by a dead-lettered head, the age of the oldest Pending delivery), with
 -- its completions in the last hour and the database clock, each count made up to @cap
 -- (clamped to 1..1000000; NULL: 1000000), along the subscription's own index entries, so that
--- a caller allowed to read one small subscription cannot have the whole table read. capped is
+-- a caller allowed to read one small subscription cannot have the whole table read (the
+-- completions among the hour's settled rows, Completed or Discarded, up to the cap). capped is
 -- 1 when a count stopped there. No row when the subscription does not exist.
 -- Until 0045 the counts were exact, each a scan of what they counted, and there was no @cap;
 -- until 0048 the completions were counted among the newest @cap of every subscription's.
@@ -132,20 +133,23 @@ BEGIN
         oldest_pending_age_seconds bigint
     );
     INSERT INTO @gauges EXEC dbo.wq_queue_gauges @subscription_id, @limit;
+    -- The hour's settled rows, Completed or Discarded as the index holds them, up to the cap:
+    -- a bulk discard's million Discarded rows must not be read past it either.
+    DECLARE @examined bigint;
     DECLARE @completed bigint;
-    SELECT @completed = COUNT_BIG(*)
-      FROM (SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
+    SELECT @examined = COUNT_BIG(*),
+           @completed = COUNT_BIG(CASE WHEN r.status = N'Completed' THEN 1 END)
+      FROM (SELECT TOP (@limit) d.status FROM dbo.workqueue_delivery AS d
              WHERE d.subscription_id = @subscription_key
                AND d.status IN (N'Completed', N'Discarded')
-               AND d.completed_at > DATEADD(hour, -1, @now)
-               AND d.status = N'Completed') AS r;
+               AND d.completed_at > DATEADD(hour, -1, @now)) AS r;
 
     -- result set
     SELECT g.pending, g.in_flight, g.dead_lettered, g.blocked_keys,
            g.oldest_pending_age_seconds, @completed AS completed_last_hour, @now AS as_of,
            CAST(CASE WHEN g.pending >= @limit OR g.in_flight >= @limit
                        OR g.dead_lettered >= @limit OR ISNULL(g.blocked_keys, 0) >= @limit
-                       OR @completed >= @limit THEN 1 ELSE 0 END AS bit) AS capped
+                       OR @examined >= @limit THEN 1 ELSE 0 END AS bit) AS capped
       FROM @gauges AS g;
 END;
 GO

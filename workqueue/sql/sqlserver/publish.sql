@@ -375,6 +375,21 @@ BEGIN
         @LockTimeout = 5000;
     IF @topology_granted < 0
         THROW 51001, N'wq_publish: the topology lock was not granted within 5000 ms (error 51001); publish again.', 1;
+    -- Granted after a wait (1): a topology change held the lock, a move of the topic to another
+    -- transport perhaps, committed by now. The transport read above came before it, so it is
+    -- read again (since 0048), or this fan-out wrote deliveries no host would read any more.
+    IF @topology_granted = 1 AND NOT EXISTS (
+        SELECT 1
+          FROM dbo.workqueue_topic AS t
+          JOIN dbo.workqueue_transport AS tr ON tr.id = t.transport_id
+         WHERE t.id = @topic_key
+           AND (tr.driver_class = N'Database' OR tr.driver_class LIKE N'Database.%')
+    )
+    BEGIN
+        SET @out_error_code = N'TopicOnOtherTransport';
+        COMMIT TRANSACTION;
+        RETURN;
+    END;
 
     -- Ordered subscriptions need a key's ordinals to commit in publish order.
     IF @partition_key IS NOT NULL AND EXISTS (
