@@ -6,8 +6,13 @@ each batch read every settled delivery the longer ones still keep, to find the f
 ones may lose (20,010 index entries for 10 deletions in audit helper-130's test), and fell
 behind as that history grew. It now walks each subscription up to its topic's cutoff
 (``wq_purge_terminal_deliveries``). ``wq_subscription_stats`` counts a subscription's own
-completions of the last hour along the same index, up to its cap, instead of counting them
-among the newest completions of every subscription.
+completions of the last hour along the same index, among its settled rows of the hour up to its
+cap, instead of counting them among the newest completions of every subscription.
+
+The reinstalled procedures also: read a topic's transport again in ``wq_publish`` and
+``wq_publish_many`` after waiting for its topology lock (a move to another transport may have
+committed meanwhile); and, on PostgreSQL, give the sweep lock's idle session ten minutes
+(``wq_try_sweep_lock``; it had no limit, so a frozen sweeper held the lock for ever).
 
 The index is built while ``migrate`` holds the delivery table's lock: on a large table, run it
 when a pause in publishing and settling is acceptable (README, Upgrading).
