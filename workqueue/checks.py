@@ -104,8 +104,8 @@ def _scheduler_interval_warnings(schedules: list[Any], interval_ms: int) -> list
     """A schedule whose slots come closer together than the scheduler's passes: a slot is
     publishable only until the next one, so passes further apart skip slots for good (audit
     helper-130: a 90 s interval published 8 of 12 minutely slots, and nothing said so)."""
-    if not interval_ms:
-        return []  # no scheduler runs
+    if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms <= 0:
+        return []  # no scheduler runs, or a value the settings' own check reports (E008)
     interval = dt.timedelta(milliseconds=interval_ms)
     now = timezone.now()
     warnings = []

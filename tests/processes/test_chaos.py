@@ -423,9 +423,16 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
                 "ignoreSignal": ignoring,
                 "failPercent": 0,
             }
-        # Mostly a few ms; one in 40 takes 300 ms, so a kill finds work running.
+        # Mostly a few ms; one in 40 takes 300 ms, so a kill finds work running. 2 % of attempts
+        # fail by chance (none at all, one run in 400 of the small size), and one message in a
+        # hundred fails its first attempt, so that every run retries something.
         sleep_ms = 300 if ordinal % 40 == 7 else ordinal % 8
-        return {"ordinal": ordinal, "sleepMs": sleep_ms, "failPercent": 2}
+        return {
+            "ordinal": ordinal,
+            "sleepMs": sleep_ms,
+            "failPercent": 2,
+            "failFirstAttempt": ordinal % 100 == 11,
+        }
 
     def publish_in_batches() -> None:
         batches = max(int(size.publish_seconds / 0.2), 1)

@@ -46,23 +46,26 @@ SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
 SET jit = off
 AS $$
-    WITH victims AS (
-        SELECT v.id
-          FROM workqueue_subscription s
-          JOIN workqueue_topic t ON t.id = s.topic_id
-         CROSS JOIN LATERAL (
-            SELECT d.id
-              FROM workqueue_delivery d
-             WHERE d.subscription_id = s.id
-               AND d.status IN ('Completed', 'Discarded')
-               AND d.completed_at < now() - make_interval(days => t.retention_days)
-             ORDER BY d.completed_at
-             LIMIT p_batch_size
-               FOR UPDATE OF d SKIP LOCKED
-         ) v
-         LIMIT p_batch_size
-    ), deleted AS (
-        DELETE FROM workqueue_delivery d USING victims v WHERE d.id = v.id RETURNING 1
+    -- The victims as an array the DELETE probes by primary key: joined as a relation, the
+    -- planner (which cannot tell how many a batch size leaves) could hash the whole table.
+    WITH deleted AS (
+        DELETE FROM workqueue_delivery d
+         WHERE d.id = ANY (ARRAY(
+            SELECT v.id
+              FROM workqueue_subscription s
+              JOIN workqueue_topic t ON t.id = s.topic_id
+             CROSS JOIN LATERAL (
+                SELECT x.id
+                  FROM workqueue_delivery x
+                 WHERE x.subscription_id = s.id
+                   AND x.status IN ('Completed', 'Discarded')
+                   AND x.completed_at < now() - make_interval(days => t.retention_days)
+                 ORDER BY x.completed_at
+                 LIMIT p_batch_size
+                   FOR UPDATE OF x SKIP LOCKED
+             ) v
+             LIMIT p_batch_size))
+        RETURNING 1
     )
     SELECT count(*)::integer FROM deleted;
 $$;
