@@ -29,7 +29,7 @@ from tests.support.hosts import listener_pid, one, runtime_threads, states, stat
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, publish_many, signals, transport
 from workqueue.driver import get_driver
-from workqueue.driver.postgresql import PostgresDriver
+from workqueue.driver.postgresql import PostgresDriver, PostgresListener
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.models.hosts import database_now
@@ -1145,9 +1145,12 @@ class WakeLog:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.events: list[tuple[str, Any]] = []
+        #: Each LISTEN the listener made: the number of events recorded by then, the channel.
+        self.listens: list[tuple[int, str]] = []
         self._lock = threading.Lock()
         log = self
         original_wait, original_kick = Consumer._wait, Consumer.kick
+        original_listen = PostgresListener.listen
         original_receive, original_dispatch = Consumer._receive, wakeup.Wakeup._dispatch
 
         def _wait(consumer: Consumer, seconds: float) -> bool:
@@ -1172,7 +1175,14 @@ class WakeLog:
         monkeypatch.setattr(Consumer, "_wait", _wait)
         monkeypatch.setattr(Consumer, "kick", kick)
         monkeypatch.setattr(Consumer, "_receive", _receive)
+
+        def listen(listener: PostgresListener, channel: str) -> None:
+            original_listen(listener, channel)
+            with log._lock:
+                log.listens.append((len(log.events), channel))
+
         monkeypatch.setattr(wakeup.Wakeup, "_dispatch", _dispatch)
+        monkeypatch.setattr(PostgresListener, "listen", listen)
 
     def add(self, kind: str, detail: Any) -> None:
         with self._lock:
@@ -1181,6 +1191,20 @@ class WakeLog:
     def snapshot(self) -> list[tuple[str, Any]]:
         with self._lock:
             return list(self.events)
+
+    def wait_until_listening(self, channel: str, after: int = 0) -> None:
+        """Wait until a LISTEN on ``channel`` made after event ``after`` has been followed by its
+        catch-up kick. A (re)connect kicks the consumers of the channels it wants at once, before
+        any LISTEN: that kick alone (on a loaded machine, the LISTEN and its kick came after the
+        consumer's next sleep had begun) said nothing of whether notifications could arrive."""
+
+        def listening() -> bool:
+            with self._lock:
+                listens = [at for at, listened in self.listens if listened == channel]
+                events = list(self.events)
+            return any(at >= after and ("catch-up", channel) in events[at:] for at in listens)
+
+        wait_until(listening, timeout=5)
 
     def wait_until_idle(self, after: int = 0, at_least: float = 4.0) -> int:
         """Wait until the consumer sleeps a long idle wait begun after event ``after``; return
@@ -1234,8 +1258,8 @@ def test_a_publish_from_another_connection_wakes_an_idle_consumer_through_listen
     host.start()
     signals.published.disconnect(dispatch_uid=host.instance_id)  # no in-process kick
     channel = get_driver().topic_channel(str(s.topic_id))
-    wait_until(lambda: ("catch-up", channel) in log.snapshot(), timeout=5)  # LISTEN done
-    mark = log.wait_until_idle()
+    log.wait_until_listening(channel)
+    mark = log.wait_until_idle(after=len(log.snapshot()))
 
     published_at = time.monotonic()
     publish(s.topic.name, {"then": "complete"})  # this thread's own driver connection
@@ -1260,17 +1284,17 @@ def test_the_listener_reconnects_after_losing_its_connection_and_wakes_consumers
     signals.published.disconnect(dispatch_uid=host.instance_id)
     channel = get_driver().topic_channel(str(s.topic_id))
     old = wait_until(listener_pid, timeout=5)
-    wait_until(lambda: ("catch-up", channel) in log.snapshot(), timeout=5)
-    log.wait_until_idle()
+    log.wait_until_listening(channel)
+    log.wait_until_idle(after=len(log.snapshot()))
     before_loss = len(log.snapshot())
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [old])
 
     wait_until(lambda: listener_pid() not in (None, old), timeout=5)
-    # Listening again: the reconnect's catch-up kick has come and gone, and the consumer sleeps.
-    wait_until(lambda: ("catch-up", channel) in log.snapshot()[before_loss:], timeout=5)
-    mark = log.wait_until_idle(after=before_loss)
+    # Listening again: the reconnect's catch-up kicks have come and gone, and the consumer sleeps.
+    log.wait_until_listening(channel, after=before_loss)
+    mark = log.wait_until_idle(after=len(log.snapshot()))
     published_at = time.monotonic()
     publish(s.topic.name, {"then": "complete"})
 
@@ -1320,8 +1344,8 @@ def test_a_claim_that_took_all_there_was_is_not_followed_by_claims_that_find_not
     # every claim seen here is one the loop chose to make.
     signals.published.disconnect(dispatch_uid=host.instance_id)
     channel = get_driver().topic_channel(str(s.topic_id))
-    wait_until(lambda: ("catch-up", channel) in log.snapshot(), timeout=5)
-    mark = log.wait_until_idle()
+    log.wait_until_listening(channel)
+    mark = log.wait_until_idle(after=len(log.snapshot()))
 
     _publish_one_at_a_time(s, 3)
 
@@ -1377,7 +1401,7 @@ def test_a_publish_wakes_only_the_consumers_of_the_subscriptions_that_got_delive
     host.start()
     signals.published.disconnect(dispatch_uid=host.instance_id)  # notifications only
     channel = get_driver().topic_channel(str(topic.id))
-    wait_until(lambda: ("catch-up", channel) in log.snapshot(), timeout=5)
+    log.wait_until_listening(channel)
     time.sleep(0.3)  # both consumers' catch-up claims are done; each sleeps for 5 s
     before = {name: len(made) for name, made in claims.items()}
 
