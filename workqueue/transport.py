@@ -278,14 +278,10 @@ class Receiver:
         # expiry dead-letters as LeaseExpired only), and another holder's claim counts a new
         # attempt. (Only a replay resets the count: a dead letter made by expiry, replayed and
         # settled again, all within this holder's settle retries, could pass; the retries last
-        # the lease plus 5 s.)
-        return self._exists(pk=delivery.delivery_id, attempt_count=delivery.attempt, **settled)
-
-    def _exists(self, **lookups: Any) -> bool:
-        """Whether a delivery matches ``lookups``. Read through the ORM (the runtime role may
-        read the table), on the calling thread's connection for the alias, closed again if
-        opened here: these are rare reads, and a settle or heartbeat thread keeps no idle
-        connection for them (a handler's thread keeps the one its handler uses)."""
+        # the lease plus 5 s.) Read through the ORM (the runtime role may read the table), on
+        # the calling thread's connection for the alias, closed again if opened here: this is
+        # a rare path, and a settle thread keeps no idle connection for it (a handler's thread
+        # keeps the one its handler uses).
         from workqueue.models import Delivery
 
         alias = self.driver.alias
@@ -293,7 +289,11 @@ class Receiver:
         opened_here = connection.connection is None
         failed = True
         try:
-            found = Delivery.objects.using(alias).filter(**lookups).exists()
+            found = (
+                Delivery.objects.using(alias)
+                .filter(pk=delivery.delivery_id, attempt_count=delivery.attempt, **settled)
+                .exists()
+            )
             failed = False
             return found
         finally:

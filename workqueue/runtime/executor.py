@@ -90,11 +90,11 @@ MAX_REASON_LENGTH = 100
 MAX_ERROR_LENGTH = 16_000
 _ERROR_HEAD_LENGTH = 4_000
 _ERROR_MARKER_ROOM = 60
-# A settle or renewal that failed on a lost connection (or a deadlock) is tried again after
-# 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
 #: The least time between two checks for a cancel of one delivery, however often one is
 #: announced (check_lease_soon).
 CANCEL_CHECK_SECONDS = 1.0
+# A settle or renewal that failed on a lost connection (or a deadlock) is tried again after
+# 0.1 s, 0.2 s, 0.4 s ... at most 2 s, for as long as the lease can still be held.
 RETRY_MIN_SECONDS = 0.1
 RETRY_MAX_SECONDS = 2.0
 #: The failures worth that: the database's transient ones, and a cloud transport's that could
