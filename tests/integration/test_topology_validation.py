@@ -345,6 +345,117 @@ def test_a_publish_that_waited_for_a_move_goes_to_the_topics_new_transport(pg_co
     assert not getattr(answer, "accepted", False), answer
 
 
+def _race(first: Callable[[], None], second: Callable[[], None], pg_conn: Any) -> list[Any]:
+    """Run ``first`` in a transaction left open while ``second`` runs in another thread, until
+    ``second`` either waits for a lock ``first`` holds or has finished; then commit ``first``.
+    What ``second`` raised, if anything."""
+    raised: list[Any] = []
+
+    def run_second() -> None:
+        try:
+            with transaction.atomic():
+                second()
+        except ValidationError as exc:
+            raised.append(exc)
+        finally:
+            connection.close()
+
+    def second_waits_or_ended() -> bool:
+        waiting = pg_conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        ).fetchone()[0]
+        return waiting > 0 or not thread.is_alive()
+
+    thread = threading.Thread(target=run_second)
+    with transaction.atomic():
+        first()
+        thread.start()
+        wait_until(second_waits_or_ended, timeout=10)
+    thread.join(30)
+    assert not thread.is_alive()
+    return raised
+
+
+def _stranded(sub: Subscription) -> bool:
+    """Whether ``sub`` has open deliveries in the queue tables while its topic is on a transport
+    that does not read them."""
+    stored = Subscription.objects.select_related("topic__transport").get(pk=sub.pk)
+    return (
+        stored.topic.transport.driver_class == "AWS"
+        and Delivery.objects.filter(
+            subscription=sub, status__in=["Pending", "InFlight", "DeadLettered"]
+        ).exists()
+    )
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("first", ["topic moves", "subscription moves"])
+def test_a_subscription_joining_a_topic_that_leaves_the_database_at_once_strands_nothing(
+    pg_conn: Any, first: str
+):
+    """Two admins at once (helper-131's residual): a subscription with waiting work moves to a
+    Database topic while that topic moves to AWS. Each check passed on what it saw (the topic
+    had no waiting work yet; the subscription joined a Database topic), and once both
+    committed the subscription's deliveries waited in tables no host reads for it. The second
+    save now waits for the first and is refused."""
+    aws = TransportFactory(name="aws-move", driver_class="AWS", configuration=AWS_CONFIGURATION)
+    sub = SubscriptionFactory()
+    pending(sub)
+    # On a Database transport of its own, so the subscription's move locks transports too.
+    joined = TopicFactory(transport=TransportFactory(name="other-database"))
+
+    def move_topic() -> None:
+        topic = Topic.objects.get(pk=joined.pk)
+        topic.transport = aws
+        topic.save()
+
+    def move_subscription() -> None:
+        moving = Subscription.objects.get(pk=sub.pk)
+        moving.topic = joined
+        moving.save()
+
+    order = [move_topic, move_subscription]
+    if first == "subscription moves":
+        order.reverse()
+    refused = _race(*order, pg_conn)
+
+    assert not _stranded(sub)
+    assert len(refused) == 1, refused
+    assert "Deliveries still wait in the database" in str(refused[0])
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("first", ["transport changes driver", "topic moves"])
+def test_a_topic_joining_a_transport_whose_driver_changes_at_once_strands_nothing(
+    pg_conn: Any, first: str
+):
+    """The same race a level up: a topic with waiting work moves to a Database transport
+    while that transport's driver changes to AWS. The transport had no topics when it checked,
+    the topic joined a Database transport when it did, and both committed."""
+    sub = SubscriptionFactory()
+    pending(sub)
+    target = TransportFactory(name="changing")
+
+    def change_driver() -> None:
+        transport = Transport.objects.get(pk=target.pk)
+        transport.driver_class, transport.configuration = "AWS", AWS_CONFIGURATION
+        transport.save()
+
+    def move_topic() -> None:
+        topic = Topic.objects.get(pk=sub.topic_id)
+        topic.transport = target
+        topic.save()
+
+    order = [change_driver, move_topic]
+    if first == "topic moves":
+        order.reverse()
+    refused = _race(*order, pg_conn)
+
+    assert not _stranded(sub)
+    assert len(refused) == 1, refused
+
+
 def test_a_transports_driver_cannot_change_under_its_topics():
     """The same stranding from the transport's row: its topics' waiting work stays where the
     old driver keeps it, which the new one never reads."""

@@ -237,6 +237,11 @@ class Transport(TopologyModel):
         if problem is not None:
             raise ValidationError({"configuration": problem})
         stored = type(self)._base_manager.using(using).filter(pk=self.pk)
+        if connections[using].in_atomic_block:
+            # Locked before the topics are looked for, and held until the row is written: a
+            # topic moving here at the same time (which locks this row first) is either seen
+            # below or reads the new driver once this commits.
+            stored = stored.select_for_update()
         driver = stored.values_list("driver_class", flat=True).first()
         if (
             driver not in (None, self.driver_class)
@@ -326,6 +331,21 @@ def _both_keep_deliveries_in_database(driver: str, other: str) -> bool:
         return False  # an unregistered driver: refused on its own, or its work is unknown
 
 
+def _lock_topology(using: str, topic_ids: set[Any]) -> None:
+    """Take the topology lock of each of ``topic_ids`` exclusively until the transaction ends
+    (publishes hold it shared while they fan out), in one order (by id), so two writes locking
+    the same topics the opposite way wait for each other instead of deadlocking. Outside a
+    transaction there is nothing to hold it for."""
+    connection = connections[using]
+    if not connection.in_atomic_block:
+        return
+    # Imported here: models must not depend on the driver at import time.
+    from workqueue.driver import get_driver
+
+    for topic_id in sorted(topic_ids, key=str):
+        get_driver(using).call("wq_lock_topology", {"topic_id": topic_id}, connection=connection)
+
+
 def _stranded_work_problem(
     using: str, leaving_id: Any, joining_id: Any, topic_ids: set[Any], deliveries: Q
 ) -> str | None:
@@ -336,10 +356,20 @@ def _stranded_work_problem(
     in the queue tables (the ``deliveries`` Pending, in flight or dead-lettered) would be read
     by nobody, with no way back (audit helper-129). ``topic_ids`` are the topics whose
     publishes may be writing such deliveries right now: their topology lock is taken first,
-    so those publishes are seen and later ones see the move."""
+    so those publishes are seen and later ones see the move, as do moves of the same topics
+    made at the same time."""
     if leaving_id is None or joining_id is None or leaving_id == joining_id:
         return None
-    transports = Transport._base_manager.using(using).in_bulk([leaving_id, joining_id])
+    # The topics' locks, then the transports' rows, each in one order, and held until this
+    # move commits whether or not it strands anything: every write that takes both takes them
+    # in this order, so none waits for another in a circle. A change of the joining
+    # transport's driver (which locks its row before it looks for topics) waits, then sees
+    # this topic; or this move waits for it, then reads the new driver.
+    _lock_topology(using, topic_ids)
+    transports = Transport._base_manager.using(using).order_by("pk")
+    if connections[using].in_atomic_block:
+        transports = transports.select_for_update()
+    transports = transports.in_bulk([leaving_id, joining_id])
     leaving, joining = transports.get(leaving_id), transports.get(joining_id)
     try:
         stranded = (
@@ -352,16 +382,9 @@ def _stranded_work_problem(
         return None  # an unregistered driver is refused on the transport's own row
     if not stranded:
         return None
-    # Imported here: models must not depend on the driver or the queue tables at import time.
-    from workqueue.driver import get_driver
+    # Imported here: models must not depend on the queue tables at import time.
     from workqueue.models.queue import OPEN_STATUSES, Delivery
 
-    connection = connections[using]
-    if connection.in_atomic_block:
-        for topic_id in sorted(topic_ids, key=str):
-            get_driver(using).call(
-                "wq_lock_topology", {"topic_id": topic_id}, connection=connection
-            )
     waiting = Delivery._base_manager.using(using).filter(deliveries, status__in=OPEN_STATUSES)
     if not waiting.exists():
         return None
@@ -623,6 +646,10 @@ class Subscription(TopologyModel):
         stored = type(self)._base_manager.using(using).filter(pk=self.pk).values("topic_id").first()
         if stored is None or stored["topic_id"] == self.topic_id:
             return None
+        # Both topics' locks before their transports are read: a topic leaving the database at
+        # the same time (which takes its lock before it looks for waiting work) is either read
+        # here on its new transport, or sees this subscription's work once this commits.
+        _lock_topology(using, {stored["topic_id"], self.topic_id})
         topics = Topic._base_manager.using(using).in_bulk([stored["topic_id"], self.topic_id])
         leaving, joining = topics.get(stored["topic_id"]), topics.get(self.topic_id)
         if leaving is None or joining is None:
@@ -675,26 +702,16 @@ class Subscription(TopologyModel):
         using = using or router.db_for_write(type(self), instance=self)
         rows = type(self)._base_manager.using(using).filter(pk=self.pk)
         previous = rows.values("partition_mode", "status", "filter", "topic_id").first()
-        connection = connections[using]
-        if (
-            connection.in_atomic_block
-            and self.topic_id is not None  # no topic yet: refused as a field error
-            and self._changes_what_publishes_lock(previous)
-        ):
-            # Publishes hold the topic's topology lock shared while they fan out; taking it
-            # exclusive here (until this transaction ends, after the row is written) means
-            # deliveries being written right now are seen by the check below, and publishes
-            # that start later see this row. A move locks the topic it leaves too: a publish
-            # there may be writing this subscription a delivery now. In one order (by id), so
-            # two moves the opposite way wait for each other instead of deadlocking.
-            # Imported here: models must not depend on the driver at import time.
-            from workqueue.driver import get_driver
-
-            topics = {self.topic_id, previous["topic_id"] if previous else self.topic_id}
-            for topic_id in sorted(topics, key=str):
-                get_driver(using).call(
-                    "wq_lock_topology", {"topic_id": topic_id}, connection=connection
-                )
+        if self.topic_id is not None and self._changes_what_publishes_lock(previous):
+            # (No topic yet: refused as a field error.) Publishes hold the topic's topology
+            # lock shared while they fan out; taking it exclusive here (until this transaction
+            # ends, after the row is written) means deliveries being written right now are seen
+            # by the check below, and publishes that start later see this row. A move locks the
+            # topic it leaves too: a publish there may be writing this subscription a delivery
+            # now.
+            _lock_topology(
+                using, {self.topic_id, previous["topic_id"] if previous else self.topic_id}
+            )
         if previous is None or previous["partition_mode"] == self.partition_mode:
             return None
         if self.partition_mode not in PartitionMode.values:
