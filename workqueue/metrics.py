@@ -292,6 +292,15 @@ def _database_gauges() -> Iterator[Metric]:
     )
     visible.add_metric([], int(horizon.sees_every_session))
     yield visible
+    usage = transport.notification_queue_usage()
+    if usage is not None:
+        queue = GaugeMetricFamily(
+            "workqueue_db_notification_queue_usage",
+            "How full the server's notification queue is, from 0 to 1 (every publish fails at "
+            "1); it stays near 0 unless a listening session stops reading (PostgreSQL only).",
+        )
+        queue.add_metric([], usage)
+        yield queue
 
 
 def render(actor: Actor = CLI) -> bytes:

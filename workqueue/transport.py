@@ -27,6 +27,7 @@ from workqueue.driver.base import (
     JsonText,
     QueueTableSize,
     SparseIndex,
+    StalledListeners,
     VacuumHorizon,
     canonical_json,
     encode_json_string,
@@ -713,6 +714,16 @@ def queue_table_sizes() -> list[QueueTableSize]:
 
 def vacuum_horizon() -> VacuumHorizon:
     return _driver().vacuum_horizon()
+
+
+def notification_queue_usage() -> float | None:
+    return _driver().notification_queue_usage()
+
+
+def release_stalled_listeners(
+    min_queue_usage: float, confirm_seconds: float
+) -> StalledListeners | None:
+    return _driver().release_stalled_listeners(min_queue_usage, confirm_seconds)
 
 
 def procedures_problem() -> str | None:

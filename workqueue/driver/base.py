@@ -116,6 +116,19 @@ class VacuumHorizon:
 
 
 @dataclass(frozen=True, slots=True)
+class StalledListeners:
+    """What a look for sessions that stopped reading their notifications found and did."""
+
+    #: How full the server's notification queue is, from 0 to 1: at 1 every transaction that
+    #: notifies (every publish) fails at its commit.
+    queue_usage: float
+    #: The sessions disconnected, each described for the operator.
+    released: list[str]
+    #: The sessions that could not be disconnected, each described with why.
+    refused: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class DriverFeatures:
     """What a vendor can do; callers ask these flags instead of naming the vendor."""
 
@@ -346,6 +359,20 @@ class BaseDriver:
     def vacuum_horizon(self) -> VacuumHorizon:
         """The oldest transaction horizon holding back cleanup of the queue tables."""
         raise NotImplementedError
+
+    def notification_queue_usage(self) -> float | None:
+        """How full the server's notification queue is, from 0 to 1; None where the database
+        has none (no LISTEN/NOTIFY)."""
+        return None
+
+    def release_stalled_listeners(
+        self, min_queue_usage: float, confirm_seconds: float
+    ) -> StalledListeners | None:
+        """When the notification queue is at least ``min_queue_usage`` full, disconnect the
+        sessions of this database that have stopped reading what the server sends them (so
+        hold the queue's oldest notifications for ever), seen so twice ``confirm_seconds``
+        apart; None where the database has no notification queue."""
+        return None
 
     def scaler_query(self, subscription_name: str) -> str:
         """Self-contained SQL an autoscaler runs to size its workers for one subscription: one

@@ -10,6 +10,7 @@ import os
 import re
 import secrets
 import select
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from workqueue.driver.base import (
     QueueTableSize,
     Row,
     SparseIndex,
+    StalledListeners,
     VacuumHorizon,
     error_chain,
     routed_to_django_connection,
@@ -44,6 +46,7 @@ from workqueue.exceptions import (
     UniqueViolationError,
     UnstorableValueError,
     WorkQueueConfigurationError,
+    one_line,
 )
 from workqueue.sql import load_procedures
 
@@ -604,6 +607,40 @@ class PostgresDriver(BaseDriver):
             bool(sees_every_session),
         )
 
+    def notification_queue_usage(self) -> float | None:
+        return float(self.execute("SELECT pg_notification_queue_usage()", [])[0][0])
+
+    def release_stalled_listeners(
+        self, min_queue_usage: float, confirm_seconds: float
+    ) -> StalledListeners | None:
+        usage = self.notification_queue_usage() or 0.0
+        if usage < min_queue_usage:
+            return StalledListeners(usage, [], [])
+        seen = self._stalled_sessions()
+        if seen:
+            # A session that is merely slow to read gets its write through meanwhile.
+            time.sleep(confirm_seconds)
+            still = self._stalled_sessions()
+            seen = {session: holder for session, holder in seen.items() if session in still}
+        released: list[str] = []
+        refused: list[str] = []
+        for (pid, _), holder in sorted(seen.items()):
+            try:
+                # False when it has just gone: nothing to report.
+                if self.execute("SELECT pg_terminate_backend(%s)", [pid])[0][0]:
+                    released.append(holder)
+            except DriverError as exc:  # another role's session, or a superuser's
+                refused.append(f"{holder}: {one_line(exc)}")
+        return StalledListeners(usage, released, refused)
+
+    def _stalled_sessions(self) -> dict[tuple[int, Any], str]:
+        """This database's sessions blocked writing to a client that is not reading, by
+        (pid, when it started), each described."""
+        return {
+            (pid, started): holder
+            for pid, started, holder in self.execute(STALLED_SESSIONS_QUERY, [])
+        }
+
     def scaler_query(self, subscription_name: str) -> str:
         literal = "'" + subscription_name.strip().lower().replace("'", "''") + "'"
         return SCALER_QUERY.replace("%(name)s", literal)
@@ -1088,6 +1125,22 @@ SELECT holder, seconds, transactions FROM (
 ) AS holders
 ORDER BY transactions DESC NULLS LAST, seconds DESC NULLS LAST
 LIMIT 1
+"""
+#: This database's sessions that sit idle blocked writing to their client: between statements
+#: a session writes only what it is notified of, so one whose client stopped reading (a frozen
+#: or hung process; its kernel still holds the connection open) keeps the server's
+#: notification queue from being truncated past what it has not handed over. (Sent with a
+#: parameter list: % is doubled.)
+STALLED_SESSIONS_QUERY = """
+SELECT a.pid, a.backend_start,
+       format('session %%s (user %%s, %%s, client %%s, idle since %%s)', a.pid,
+              coalesce(a.usename::text, '?'),
+              coalesce(nullif(a.application_name, ''), 'no application name'),
+              coalesce(host(a.client_addr), 'local'),
+              to_char(a.state_change AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS "UTC"'))
+  FROM pg_stat_activity a
+ WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+   AND a.state = 'idle' AND a.wait_event = 'ClientWrite'
 """
 SCALER_QUERY = """\
 SELECT coalesce((

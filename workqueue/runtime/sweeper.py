@@ -25,6 +25,12 @@ EXPIRE_BATCH = 500
 PURGE_BATCH = 1000
 MAX_BATCHES = 20
 PURGE_STEPS = ("terminal_deliveries", "orphan_messages", "expired_deduplications")
+#: How full the server's notification queue must be before sessions that stopped reading it
+#: are looked for: 1 % is about 80 MB, some 2.5 million announcements no listener took, where
+#: one reading its notifications keeps it near 0. Every publish fails once it is full.
+STALLED_LISTENER_QUEUE_USAGE = 0.01
+#: How long a session must stay blocked writing to its client to count as stalled.
+STALLED_LISTENER_CONFIRM_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -37,11 +43,17 @@ class SweeperPassResult:
     expired_dead_letters: int = 0
     purged: dict[str, int] = field(default_factory=dict)
     behind: bool = False
+    #: Sessions disconnected for holding the notification queue (see _release_stalled_listeners).
+    released_listeners: int = 0
 
     @property
     def failed_steps(self) -> list[str]:
         """The steps that failed (their errors are logged)."""
-        counts = {"expired_leases": self.expired, **self.purged}
+        counts = {
+            "expired_leases": self.expired,
+            **self.purged,
+            "released_listeners": self.released_listeners,
+        }
         return [step for step, rows in counts.items() if rows < 0]
 
 
@@ -74,6 +86,7 @@ class Sweeper:
                 result.purged[step] = self._purge(step, result)
             result.purged["task_results"] = self._purge_task_results(result)
             result.purged["host_records"] = self._purge_host_records(result)
+            self._release_stalled_listeners(result)
         counts = {"expired_leases": result.expired, **result.purged}
         for step, rows in counts.items():
             if rows > 0:
@@ -116,6 +129,58 @@ class Sweeper:
         except Exception:
             logger.exception("Sweeper: expiring leases failed")
             result.expired = -1
+
+    def _release_stalled_listeners(self, result: SweeperPassResult) -> None:
+        """Keep the notification queue from filling up behind a listener that stopped reading.
+
+        The server keeps each notification until every listening session has handed it to its
+        client. A host frozen or hung with its connection still open (SIGSTOP, a paused VM, a
+        deadlocked wake-up thread: the kernel keeps the socket) stops reading, and the queue
+        grows by each publish's announcement until, some hundreds of millions later, every
+        publish fails at its commit. Such a session is disconnected: a host reconnects when it
+        resumes and catches up on what it missed, as after any outage."""
+        try:
+            found = transport.release_stalled_listeners(
+                STALLED_LISTENER_QUEUE_USAGE, STALLED_LISTENER_CONFIRM_SECONDS
+            )
+        except Exception:
+            logger.exception("Sweeper: looking for sessions that stopped reading failed")
+            result.released_listeners = -1
+            return
+        if found is None or found.queue_usage < STALLED_LISTENER_QUEUE_USAGE:
+            return
+        full = f"{found.queue_usage:.1%}"
+        result.released_listeners = len(found.released)
+        for holder in found.released:
+            logger.warning(
+                "Disconnected %s: it had stopped reading its notifications, and the server's "
+                "notification queue, which keeps them until every listener has read them, was "
+                "%s full (every publish fails once it is full). A host reconnects when it "
+                "resumes.",
+                holder,
+                full,
+                extra={"action": "stalled_listener_released", "queue_usage": found.queue_usage},
+            )
+        for refusal in found.refused:
+            logger.error(
+                "The server's notification queue is %s full (every publish fails once it is "
+                "full) and a session that stopped reading it could not be disconnected: %s. "
+                "End it (SELECT pg_terminate_backend(pid)), or let the sweeper's role do so "
+                "(membership in the session's role, or pg_signal_backend).",
+                full,
+                refusal,
+                extra={"action": "stalled_listener_refused", "queue_usage": found.queue_usage},
+            )
+        if not found.released and not found.refused:
+            logger.error(
+                "The server's notification queue is %s full (every publish fails once it is "
+                "full), and no session of this database that this login can see has stopped "
+                "reading: a listener of another login (pg_monitor shows it), in another "
+                "database of the server, or inside a long transaction is holding it. Find it "
+                "in pg_stat_activity (wait_event ClientWrite, or an old xact_start) and end it.",
+                full,
+                extra={"action": "notification_queue_full", "queue_usage": found.queue_usage},
+            )
 
     def _purge_task_results(self, result: SweeperPassResult) -> int:
         """Tasks API results go with their messages (so with the topic's retention)."""
