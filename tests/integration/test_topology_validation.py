@@ -345,10 +345,23 @@ def test_a_publish_that_waited_for_a_move_goes_to_the_topics_new_transport(pg_co
     assert not getattr(answer, "accepted", False), answer
 
 
-def _race(first: Callable[[], None], second: Callable[[], None], pg_conn: Any) -> list[Any]:
-    """Run ``first`` in a transaction left open while ``second`` runs in another thread, until
-    ``second`` either waits for a lock ``first`` holds or has finished; then commit ``first``.
-    What ``second`` raised, if anything."""
+def _saving(model: type[models.Model], pk: Any, **changes: Any) -> Callable[[], None]:
+    """A save of ``model``'s row ``pk`` with ``changes``, read when it runs."""
+
+    def save() -> None:
+        row = model.objects.get(pk=pk)
+        for name, value in changes.items():
+            setattr(row, name, value)
+        row.save()
+
+    return save
+
+
+def _race(saves: dict[str, Callable[[], None]], first: str, pg_conn: Any) -> list[Any]:
+    """Run the ``first`` of two ``saves`` in a transaction left open while the other runs in
+    another thread, until that one either waits for a lock the first holds or has finished;
+    then commit the first. What the second raised, if anything."""
+    [second] = [save for name, save in saves.items() if name != first]
     raised: list[Any] = []
 
     def run_second() -> None:
@@ -369,7 +382,7 @@ def _race(first: Callable[[], None], second: Callable[[], None], pg_conn: Any) -
 
     thread = threading.Thread(target=run_second)
     with transaction.atomic():
-        first()
+        saves[first]()
         thread.start()
         wait_until(second_waits_or_ended, timeout=10)
     thread.join(30)
@@ -404,21 +417,12 @@ def test_a_subscription_joining_a_topic_that_leaves_the_database_at_once_strands
     pending(sub)
     # On a Database transport of its own, so the subscription's move locks transports too.
     joined = TopicFactory(transport=TransportFactory(name="other-database"))
+    saves = {
+        "topic moves": _saving(Topic, joined.pk, transport=aws),
+        "subscription moves": _saving(Subscription, sub.pk, topic=joined),
+    }
 
-    def move_topic() -> None:
-        topic = Topic.objects.get(pk=joined.pk)
-        topic.transport = aws
-        topic.save()
-
-    def move_subscription() -> None:
-        moving = Subscription.objects.get(pk=sub.pk)
-        moving.topic = joined
-        moving.save()
-
-    order = [move_topic, move_subscription]
-    if first == "subscription moves":
-        order.reverse()
-    refused = _race(*order, pg_conn)
+    refused = _race(saves, first, pg_conn)
 
     assert not _stranded(sub)
     assert len(refused) == 1, refused
@@ -436,21 +440,14 @@ def test_a_topic_joining_a_transport_whose_driver_changes_at_once_strands_nothin
     sub = SubscriptionFactory()
     pending(sub)
     target = TransportFactory(name="changing")
+    saves = {
+        "transport changes driver": _saving(
+            Transport, target.pk, driver_class="AWS", configuration=AWS_CONFIGURATION
+        ),
+        "topic moves": _saving(Topic, sub.topic_id, transport=target),
+    }
 
-    def change_driver() -> None:
-        transport = Transport.objects.get(pk=target.pk)
-        transport.driver_class, transport.configuration = "AWS", AWS_CONFIGURATION
-        transport.save()
-
-    def move_topic() -> None:
-        topic = Topic.objects.get(pk=sub.topic_id)
-        topic.transport = target
-        topic.save()
-
-    order = [change_driver, move_topic]
-    if first == "topic moves":
-        order.reverse()
-    refused = _race(*order, pg_conn)
+    refused = _race(saves, first, pg_conn)
 
     assert not _stranded(sub)
     assert len(refused) == 1, refused
