@@ -716,6 +716,13 @@ def vacuum_horizon() -> VacuumHorizon:
     return _driver().vacuum_horizon()
 
 
+#: How full the server's notification queue may get before the sweeper looks for sessions that
+#: stopped reading it and the health checks warn: 1 % is about 80 MB, some 2.5 million
+#: announcements no listener took, where listeners that read keep it near 0. Every publish
+#: fails once it is full.
+NOTIFICATION_QUEUE_WARNING_USAGE = 0.01
+
+
 def notification_queue_usage() -> float | None:
     return _driver().notification_queue_usage()
 

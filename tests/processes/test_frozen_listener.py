@@ -19,9 +19,9 @@ import pytest
 
 from tests.support.processes import hello
 from tests.support.waiting import wait_until
-from workqueue import publish
+from workqueue import publish, transport
 from workqueue.models import Delivery
-from workqueue.runtime import sweeper
+from workqueue.operators.operations import database_warnings
 from workqueue.runtime.sweeper import Sweeper
 
 pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
@@ -79,7 +79,9 @@ def test_a_frozen_hosts_listener_is_disconnected_before_it_fills_the_notificatio
         filled = queue_usage(pg_conn)
         assert filled > 0
         # 1 % in production; what this test sent is a few hundredths of that.
-        monkeypatch.setattr(sweeper, "STALLED_LISTENER_QUEUE_USAGE", filled / 2)
+        monkeypatch.setattr(transport, "NOTIFICATION_QUEUE_WARNING_USAGE", filled / 2)
+        [warning] = [w for w in database_warnings() if "notification queue" in w]
+        assert "wait_event ClientWrite" in warning
 
         with caplog.at_level(logging.WARNING, logger="workqueue.runtime.sweeper"):
             result = Sweeper().run_once()
@@ -92,6 +94,7 @@ def test_a_frozen_hosts_listener_is_disconnected_before_it_fills_the_notificatio
         assert f"session {frozen_session[0]} " in released.getMessage()
         # The host that reads its notifications keeps its session.
         assert listening_session(pg_conn, working.pid) == working_session
+        assert not [w for w in database_warnings() if "notification queue" in w]
     finally:
         frozen.popen.send_signal(signal.SIGCONT)
 
@@ -107,7 +110,7 @@ def test_a_queue_filling_with_no_stalled_session_here_is_reported_with_where_to_
 ):
     """Nothing of this database holds the queue (another database's listener does, or this
     test's zero threshold): nothing is disconnected, and the sweeper says where to look."""
-    monkeypatch.setattr(sweeper, "STALLED_LISTENER_QUEUE_USAGE", 0.0)
+    monkeypatch.setattr(transport, "NOTIFICATION_QUEUE_WARNING_USAGE", 0.0)
 
     with caplog.at_level(logging.ERROR, logger="workqueue.runtime.sweeper"):
         result = Sweeper().run_once()

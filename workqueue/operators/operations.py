@@ -990,7 +990,8 @@ def _provisioning_issues(
 
 def database_warnings(*, actor: Actor = CLI) -> list[str]:
     """What threatens the queue tables' upkeep now (sparse indexes, a vacuum horizon held past
-    ``VACUUM_HORIZON_WARNING_SECONDS``, dead rows outnumbering live ones), as sentences naming
+    ``VACUUM_HORIZON_WARNING_SECONDS``, a filling notification queue, dead rows outnumbering
+    live ones), as sentences naming
     the fix. Database-wide, so a caller limited to named subscriptions hears none of it."""
     require(actor, READ)
     if actor.subscriptions:
@@ -1024,6 +1025,19 @@ def _database_health_issues() -> list[BindingIssue]:
                 "their indexes grow and claims slow down. End it (commit, or "
                 "pg_terminate_backend / KILL the session; drop an unused replication slot). "
                 "The threshold is WORKQUEUE['VACUUM_HORIZON_WARNING_SECONDS'].",
+            )
+        )
+    usage = transport.notification_queue_usage()
+    if usage is not None and usage >= transport.NOTIFICATION_QUEUE_WARNING_USAGE:
+        issues.append(
+            BindingIssue(
+                "Warning",
+                "database",
+                f"The server's notification queue is {usage:.1%} full, and every publish fails "
+                "once it is full: a session listening for notifications has stopped reading "
+                "them. The sweeper disconnects such sessions of this database and logs what it "
+                "did; find one it cannot end in pg_stat_activity (wait_event ClientWrite, or an "
+                "old xact_start) and end it (pg_terminate_backend).",
             )
         )
     for table in transport.queue_table_sizes():

@@ -25,10 +25,6 @@ EXPIRE_BATCH = 500
 PURGE_BATCH = 1000
 MAX_BATCHES = 20
 PURGE_STEPS = ("terminal_deliveries", "orphan_messages", "expired_deduplications")
-#: How full the server's notification queue must be before sessions that stopped reading it
-#: are looked for: 1 % is about 80 MB, some 2.5 million announcements no listener took, where
-#: one reading its notifications keeps it near 0. Every publish fails once it is full.
-STALLED_LISTENER_QUEUE_USAGE = 0.01
 #: How long a session must stay blocked writing to its client to count as stalled.
 STALLED_LISTENER_CONFIRM_SECONDS = 1.0
 
@@ -141,13 +137,13 @@ class Sweeper:
         resumes and catches up on what it missed, as after any outage."""
         try:
             found = transport.release_stalled_listeners(
-                STALLED_LISTENER_QUEUE_USAGE, STALLED_LISTENER_CONFIRM_SECONDS
+                transport.NOTIFICATION_QUEUE_WARNING_USAGE, STALLED_LISTENER_CONFIRM_SECONDS
             )
         except Exception:
             logger.exception("Sweeper: looking for sessions that stopped reading failed")
             result.released_listeners = -1
             return
-        if found is None or found.queue_usage < STALLED_LISTENER_QUEUE_USAGE:
+        if found is None or found.queue_usage < transport.NOTIFICATION_QUEUE_WARNING_USAGE:
             return
         full = f"{found.queue_usage:.1%}"
         result.released_listeners = len(found.released)
