@@ -271,6 +271,22 @@ def test_discard_requires_a_reason_discards_pending_and_cancels_running(operator
     assert cancelled.status == "InFlight" and cancelled.cancel_requested_at is not None
 
 
+@pytest.mark.parametrize(
+    ("action", "field"), [("replay_deliveries", "note"), ("discard_deliveries", "reason")]
+)
+def test_a_note_the_operation_would_refuse_is_the_forms_error_on_its_field(
+    operator_client, action, field
+):
+    """Audit helper-132: the forms counted characters, the operations count an emoji as two,
+    so 600 emoji passed the form and every row came back a bare "failed", never saying why."""
+    dead = dead_letter(SubscriptionFactory())
+
+    refused = _act(operator_client, action, [dead], post="yes", **{field: "\N{PILE OF POO}" * 600})
+
+    assert "counts as two" in str(refused.context["form"].errors[field])
+    assert Delivery.objects.get(pk=dead).status == "DeadLettered"
+
+
 def test_a_reader_without_operate_permission_gets_no_actions(reader_client):
     dead = dead_letter(SubscriptionFactory())
 

@@ -511,6 +511,56 @@ def test_the_admin_applies_nothing_but_the_selection_it_counted(client, field, c
     assert statuses(ids) == ["DeadLettered"] * 2
 
 
+@pytest.mark.parametrize("wanted", ["c-7 ", " "], ids=["trailing space", "all whitespace"])
+@pytest.mark.parametrize("operation", ["discard", "discard_pending"])
+def test_the_admin_filters_by_the_partition_key_exactly_as_given(client, wanted, operation):
+    """Audit helper-132: keys are stored and compared exactly as published ("c-7" and "c-7 "
+    are two keys, " " is one), as the CLI and REST filter by them; the admin's form trimmed the
+    key, so "c-7 " counted and discarded the dead letters (or waiting work) of "c-7", and a key
+    of spaces became "any": every one of the subscription's."""
+    subscription = SubscriptionFactory(partition_mode="Exclusive")
+    if operation == "discard":
+        target, other = dead_letters(subscription, {"key": wanted}, {"key": "c-7"})
+    else:
+        [target], [other] = waiting(subscription, 1, key=wanted), waiting(subscription, 1, "c-7")
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = as_recovery_operator(
+        client, subscription, operation=operation, partition_key=wanted, note="bad importer key"
+    )
+
+    counted = client.post(url, {**form, "post": "count"})
+    assert counted.context["form"].errors == {}
+    [(_, count)] = counted.context["counts"]
+    assert count.startswith("1 of 2 ")
+    client.post(url, {**form, "post": "apply", "counted": counted.context["counted"]})
+
+    assert statuses([target, other]) == [
+        "Discarded",
+        "DeadLettered" if operation == "discard" else "Pending",
+    ]
+
+
+def test_the_admin_refuses_a_blank_error_filter_and_matches_one_with_its_spaces(client):
+    """A blank error filter is refused in the admin as from the CLI and REST, not read as
+    none; one with spaces is matched with them (trimmed, " API " matched "RAPID" too)."""
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {"error": "TimeoutError: the API "}, {"error": "RAPIDError"})
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = as_recovery_operator(client, subscription, operation="discard", note="cleanup")
+
+    blank = client.post(url, {**form, "error_contains": "  ", "post": "count"})
+    spaced = client.post(url, {**form, "error_contains": " API ", "post": "count"})
+
+    assert "blank" in str(blank.context["form"].errors["error_contains"])
+    assert spaced.context["counts"] == [
+        (subscription.name, "1 of 2 dead letters would be discarded")
+    ]
+    # The CLI's and REST's way in, likewise.
+    selection = DeadLetterSelection(error_contains=" API ")
+    assert resolve_dead_letters(subscription.name, "replay", selection, dry_run=True).matched == 1
+    assert statuses(ids) == ["DeadLettered"] * 2
+
+
 # -- a million dead letters -----------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -26,6 +27,7 @@ from workqueue.exceptions import (
     UnsupportedByTransportError,
     WorkQueueError,
 )
+from workqueue.input_limits import KEY_UNITS, key_length
 from workqueue.operators import operations
 from workqueue.operators.permissions import OPERATE, Actor, require
 
@@ -44,10 +46,19 @@ def may_operate(request: HttpRequest) -> bool:
     return True
 
 
+def within_note_length(value: str) -> None:
+    """A note, reason or error filter the operations take: counted as they count it (an emoji
+    as two), not in characters as ``max_length`` does, so that the form refuses, naming the
+    field, what each row's operation would refuse with a bare "failed" (audit helper-132)."""
+    if key_length(value) > operations.MAX_NOTE_LENGTH:
+        raise ValidationError(f"At most {operations.MAX_NOTE_LENGTH} {KEY_UNITS}.")
+
+
 class ReplayForm(forms.Form):
     note = forms.CharField(
         required=False,
         max_length=operations.MAX_NOTE_LENGTH,
+        validators=[within_note_length],
         widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
         help_text="Optional; recorded on each delivery with your username.",
     )
@@ -56,6 +67,7 @@ class ReplayForm(forms.Form):
 class DiscardForm(forms.Form):
     reason = forms.CharField(
         max_length=operations.MAX_NOTE_LENGTH,
+        validators=[within_note_length],
         widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
         help_text="Required; recorded on each delivery with your username.",
     )

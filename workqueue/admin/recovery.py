@@ -17,7 +17,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
-from workqueue.admin.actions import may_operate
+from workqueue.admin.actions import may_operate, within_note_length
 from workqueue.exceptions import (
     BulkOperationInterrupted,
     PermissionDeniedError,
@@ -48,7 +48,11 @@ class DeadLetterRecoveryForm(forms.Form):
         max_length=100,
         help_text="Dead letters only: e.g. MaxAttemptsExceeded; empty: any.",
     )
-    partition_key = forms.CharField(required=False, max_length=200, help_text="Empty: any.")
+    # Untrimmed, both filters: keys are compared exactly as published ("c-7 " is not "c-7", and
+    # " " is a key), and text trimmed matches more than was asked for (audit helper-132).
+    partition_key = forms.CharField(
+        required=False, strip=False, max_length=200, help_text="Empty: any."
+    )
     since = forms.DateTimeField(
         required=False,
         help_text="Dead-lettered (waiting deliveries: published) at or after this time, in "
@@ -57,12 +61,15 @@ class DeadLetterRecoveryForm(forms.Form):
     before = forms.DateTimeField(required=False, help_text="... and before this time.")
     error_contains = forms.CharField(
         required=False,
+        strip=False,
         max_length=operations.MAX_NOTE_LENGTH,
+        validators=[within_note_length],
         help_text="Text the last error contains, any case.",
     )
     note = forms.CharField(
         required=False,
         max_length=operations.MAX_NOTE_LENGTH,
+        validators=[within_note_length],
         widget=forms.Textarea(attrs={"rows": 2, "cols": 60}),
         help_text="Recorded on each delivery with your username; required to discard.",
     )
@@ -74,6 +81,11 @@ class DeadLetterRecoveryForm(forms.Form):
             self.add_error("note", "Say why they are discarded.")
         if operation == "discard_pending" and data.get("dead_letter_reason"):
             self.add_error("dead_letter_reason", "Waiting deliveries have no dead-letter reason.")
+        if (text := data.get("error_contains")) and not text.strip():
+            # As the CLI and REST refuse it: read as no filter, it would match every delivery.
+            self.add_error(
+                "error_contains", "The error filter is blank: leave it empty to match any error."
+            )
         return data
 
     def selection_fingerprint(self) -> str:

@@ -191,12 +191,14 @@ def _note(value: Any, what: str, *, required: bool = False) -> str | None:
 def _filter_text(value: Any, what: str) -> str | None:
     """A text filter of a bulk operation: left out (``None``), it matches every row. Blank
     text is refused rather than read as left out, so that an empty shell variable or form
-    value cannot widen a discard to every dead letter."""
+    value cannot widen a discard to every dead letter; other text is matched as given
+    (trimmed, " API " would match "RAPID" too: audit helper-132)."""
     if isinstance(value, str) and not value.strip():
         raise InvalidInputError(
             f"The {what} is blank: leave it out to match every delivery, or give the text to match."
         )
-    return _note(value, what)
+    # Checked as a note is (text, length, storable), then kept as given.
+    return None if _note(value, what) is None else value
 
 
 def _delivery_id(value: Any) -> str | None:
