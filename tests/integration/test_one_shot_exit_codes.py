@@ -180,3 +180,14 @@ def test_an_idle_job_says_it_has_nothing_to_drain():
 
     assert "Stopping (Idle): no handler is running." in out.getvalue()
     assert "draining" not in out.getvalue()
+
+
+@pytest.mark.parametrize("option", ["--idle-exit-ms", "--shutdown-drain-ms"])
+def test_a_negative_wait_is_refused_naming_the_option(waiting_work, option):
+    """Audit helper-134: accepted, a negative drain counted every running handler as left
+    behind (exit 3) and was printed as "up to -5 ms"."""
+    with pytest.raises(CommandError, match=f"{option} must be 0 or more") as refused:
+        call_command("workqueue_work", "-s", waiting_work.name, "--once", option, "-5")
+
+    assert refused.value.returncode == 2
+    assert Delivery.objects.get(subscription=waiting_work).status == "Pending"

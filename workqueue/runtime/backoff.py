@@ -25,8 +25,16 @@ def retry_delay_seconds(
     a subscription with a backoff never retries at once (rounded to the nearest, one retry in
     twenty with a 10 s base did, and a test asserting the retried run saw it run again).
     """
-    if requested is not None and math.isfinite(requested):
-        return int(min(max(math.ceil(requested), 0), max_seconds))
+    if requested is not None:
+        try:
+            if math.isfinite(requested):
+                return int(min(max(math.ceil(requested), 0), max_seconds))
+        except OverflowError:
+            # An int or Fraction beyond a float's range (a handler's own ``2 ** attempt`` at
+            # attempt 1024): as long a wait as allowed, or none (audit helper-134).
+            return max_seconds if requested > 0 else 0
+        except ValueError:
+            pass  # a signalling NaN (Decimal): no delay asked for, as for any other NaN
     exponent = min(max(attempt - 1, 0), MAX_EXPONENT)
     ceiling = min(max_seconds, base_seconds * 2**exponent)
     if ceiling <= 0:

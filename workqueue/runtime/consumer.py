@@ -658,6 +658,11 @@ class Consumer:
             self._failed(f"{RATE_TOKENS_FAILED}: {exc}")
             self._stopping.wait(max_wait)
             return 0
+        if self.failure is not None and self.failure.startswith(RATE_TOKENS_FAILED):
+            # Answered: the failure is over, whether or not a token is due yet. Left to the
+            # next claim, it lasted until a token was (up to 1/rate seconds of Error, and a
+            # one-shot job reporting a subscription that could not run: audit helper-134).
+            self._recovered()
         if not granted:
             # A publish's kick adds no token: only time does, so only a stop cuts this short.
             self._stopping.wait(min(max(wait, 0.001), max_wait))

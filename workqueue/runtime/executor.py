@@ -1126,7 +1126,13 @@ def _not_an_outcome(returned: Any) -> str:
     """The error recorded for a handler that returned ``returned``, not an ``Outcome`` (a
     ``handle`` that does its work and forgets to return): the delivery is retried, its work
     repeated each time until it is dead-lettered, so the text says what to return."""
-    shown = repr(returned)
+    try:
+        shown = repr(returned)
+    except Exception as exc:
+        # A model instance whose __str__ follows a relation that is not there, say: raised
+        # here, it crashed the execution, and the delivery waited InFlight for its lease to
+        # run out, its attempt spent with no error recorded (audit helper-134).
+        shown = f"a {type(returned).__name__} whose repr() raised {type(exc).__name__}"
     if len(shown) > 80:
         shown = f"{shown[:77]}..."
     return (

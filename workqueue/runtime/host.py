@@ -658,8 +658,12 @@ class Host:
             user=self.user,
             timers=self._timers,
             budget=self._budget,
-            # Handlers a re-plan gave up on run on; they count against the concurrency.
-            predecessors=[c for c in self._lingering if c.plan.name == entry.name],
+            # Handlers a re-plan gave up on run on; they count against the concurrency. By id:
+            # a renamed subscription is the same one (by name, its new consumer counted none
+            # of them, audit helper-134).
+            predecessors=[
+                c for c in self._lingering if c.plan.subscription_id == entry.plan.subscription_id
+            ],
         )
 
     def _run_consumer(self, entry: PlanEntry, consumer: Consumer) -> None:
@@ -718,7 +722,12 @@ class Host:
             if state == PlanState.RUNNING and failure:
                 state, reason = PlanState.ERROR, failure
             in_flight = consumer.in_flight if consumer is not None else 0
-            in_flight += sum(c.in_flight for c in stopped if c.plan.name == name)
+            if entry.plan is not None:
+                in_flight += sum(
+                    c.in_flight
+                    for c in stopped
+                    if c.plan.subscription_id == entry.plan.subscription_id
+                )
             subscriptions.append(
                 {
                     "name": entry.name,
@@ -836,6 +845,14 @@ class Host:
                 if not consumers:
                     reason = "Idle"  # nothing could run; health says why
                     break
+                # Read before "busy": a consumer marks a claim pending before it takes from the
+                # budget, and records whether a claim came back empty before it clears the
+                # mark, so a claim that spends the budget, or ends with work, after one of
+                # these reads is seen as busy below. Read after it, a claim starting between
+                # the two reads was seen by neither, and the run ended with the claim that
+                # spent its budget still out, its delivery handed back (audit helper-134).
+                spent = self._budget.spent
+                all_empty = all(c.last_receive_empty or c.failing for c in consumers)
                 # "Pending" first: a consumer counts a claim's deliveries in flight before it
                 # clears it, so a claim ending between the two reads is seen by the second.
                 busy = any(c.receive_pending or c.in_flight for c in consumers)
@@ -844,7 +861,7 @@ class Host:
                 ):
                     reason = "MaxDuration"
                     break
-                if self._budget.spent and not busy:
+                if spent and not busy:
                     reason = "MaxDeliveries"
                     break
                 quiet = min(time.monotonic() - c.last_activity for c in consumers)
@@ -853,12 +870,7 @@ class Host:
                 retrying = any(c.retrying for c in consumers)
                 # One whose claims keep failing (a database error, or an exception that
                 # restarts its loop) has nothing more to give this run: could_not_run says why.
-                if (
-                    not busy
-                    and not retrying
-                    and all(c.last_receive_empty or c.failing for c in consumers)
-                    and quiet >= idle_exit_ms / 1000
-                ):
+                if not busy and not retrying and all_empty and quiet >= idle_exit_ms / 1000:
                     reason = "Idle"
                     break
                 stop_requested.wait(0.02)

@@ -89,6 +89,10 @@ class Command(BaseCommand):
             raise CommandError("--max must be at least 1.")
         if options["max_duration_ms"] is not None and options["max_duration_ms"] < 1000:
             raise CommandError("--max-duration-ms must be at least 1000.")
+        for option in ("idle_exit_ms", "shutdown_drain_ms"):
+            if options[option] < 0:
+                flag = "--" + option.replace("_", "-")
+                raise CommandError(f"{flag} must be 0 or more.", returncode=2)
         config = HostConfig.from_settings(
             get_settings(),
             [options["subscription"]],

@@ -1,0 +1,235 @@
+"""The host runtime at its limits (audit helper-134): concurrency across a rename, a one-shot
+budget read against its claim, what a handler returns or asks for at the edges of what Python
+represents, and health after a failed rate-limit take."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.support.handlers import Run, probe, registry
+from tests.support.hosts import one, states, status_of, sub
+from tests.support.waiting import wait_until
+from workqueue import publish
+from workqueue.exceptions import TransientDriverError
+from workqueue.models import Delivery
+from workqueue.runtime.consumer import Consumer
+from workqueue.runtime.handlers import BaseWorkHandler
+from workqueue.runtime.outcome import Outcome
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def test_a_renamed_subscriptions_lingering_handler_still_counts_against_its_concurrency(
+    make_host,
+):
+    """A re-plan that gives up on a handler passes it to the subscription's next consumer as a
+    predecessor, so it keeps a slot of the concurrency until it returns. The predecessor is
+    looked up by the subscription's *name*: rename the subscription (allowed on the Database
+    transport, and a settings edit like any other) and the new consumer, planned under the new
+    name, counts nothing of it: concurrency 1 runs two handlers at once."""
+    s = sub(lease_seconds=5, max_attempts=3)
+    host = make_host([{"name": "*", "concurrency": 1}])  # a drain of 300 ms
+    host.start()
+    publish(s.topic.name, {"sleepMs": 3_000, "ignoreSignal": True})
+    (lingering,) = probe.wait_for(1)
+
+    s.name = f"{s.name}-renamed"  # an operator renames it in the admin
+    s.save()
+    host.reconcile()
+    messages = [publish(s.topic.name, {"sleepMs": 400}).message_id for _ in range(3)]
+
+    most_at_once = 0
+    while not lingering.finished.is_set():
+        most_at_once = max(most_at_once, sum(1 for r in probe.runs if not r.finished.is_set()))
+        time.sleep(0.01)
+
+    assert most_at_once == 1, (
+        f"{most_at_once} handlers of a concurrency-1 subscription ran at once after a rename"
+    )
+    wait_until(lambda: all(status_of(m) == "Completed" for m in messages))
+
+
+def test_a_one_shot_run_never_calls_its_budget_spent_while_the_claim_that_spent_it_is_out(
+    make_host, monkeypatch
+):
+    """run_once reads "busy" (a claim pending, or deliveries in flight) and only then whether
+    the budget is spent. The claim loop marks its claim pending and then takes the budget, so
+    a claim that starts between the run's two reads is seen by neither: the run ends as
+    MaxDeliveries while the claim that spent the budget is still out, and the drain then hands
+    its delivery back unrun. Here the claim loop is slowed while it holds its lock (as among
+    busy threads, or a GC pause), which is where run_once's read of ``in_flight`` waits: a
+    job with --max 1 and one delivery waiting processes nothing and exits 0."""
+    s = sub()
+    real_room = Consumer._room
+
+    def slow_room(self):  # called with the consumer's lock held
+        if threading.current_thread().name == f"wq-{s.name}":  # the claim loop only
+            time.sleep(0.05)
+        return real_room(self)
+
+    monkeypatch.setattr(Consumer, "_room", slow_room)
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=2_000)
+    message = None
+
+    def publish_once_running(_host) -> None:
+        nonlocal message
+        message = publish(s.topic.name, {"sleepMs": 300}).message_id
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=3_000, on_started=publish_once_running)
+
+    assert (result.processed, result.reason, status_of(message)) == (
+        1,
+        "MaxDeliveries",
+        "Completed",
+    ), f"the job ended {result.reason} having processed {result.processed}"
+
+
+class _Unprintable:
+    """What a handler may return by mistake: an object whose repr fails (a model instance whose
+    __str__ follows a relation that is not there, say)."""
+
+    def __repr__(self) -> str:
+        raise AttributeError("'NoneType' object has no attribute 'name'")
+
+
+class _ReturnsTheWrongThing(BaseWorkHandler):
+    def handle(self, message, context):
+        probe.add(
+            Run(
+                message_id=message.message_id,
+                attempt=context.attempt,
+                max_attempts=context.max_attempts,
+                delivery_id=context.delivery_id,
+                subscription=context.subscription_name,
+                user=self.user,
+                thread=threading.current_thread().name,
+                started_at=time.monotonic(),
+            )
+        )
+        return _Unprintable()  # meant: return Outcome.complete()
+
+
+registry.register("t.returns-unprintable", _ReturnsTheWrongThing)
+
+
+def test_a_handler_returning_an_object_whose_repr_fails_is_retried_at_once_saying_why(make_host):
+    """README: a handler that returns anything but an Outcome "has failed that attempt, and its
+    delivery is retried ... the error recorded and logged says what was returned and what to
+    return instead". The error text is built with repr() of the returned value, outside any
+    guard: when that repr raises, the execution crashes, nothing is settled, and the delivery
+    sits InFlight until its lease expires (60 s here; the attempt is spent with no error
+    recorded, and on a last attempt it becomes a LeaseExpired dead letter)."""
+    s = sub(handler_key="t.returns-unprintable", max_attempts=3, lease_seconds=60)
+    message = publish(s.topic.name, {}).message_id
+    host = make_host(one(s, concurrency=1))
+
+    host.run_once(max_deliveries=1, idle_exit_ms=300)
+
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.lease_owner) == ("Pending", None), (
+        f"left {row.status} (lease owner {row.lease_owner}) until its lease expires"
+    )
+    assert "no valid outcome" in (row.last_error or "")
+
+
+class _BacksOffByItself(BaseWorkHandler):
+    """Its own exponential backoff, as a handler on a subscription that retries for a long time
+    might do: ``2 ** context.attempt`` seconds, which passes a float's range at attempt 1024."""
+
+    def handle(self, message, context):
+        return Outcome.retry("upstream busy", delay_seconds=2 ** (context.attempt + 1023))
+
+
+registry.register("t.backs-off-by-itself", _BacksOffByItself)
+
+
+def test_a_requested_retry_delay_too_large_for_a_float_is_clamped_not_a_crash(make_host):
+    """README: "a delay the handler asks for is used as given" within backoff_max_seconds, and
+    ``retry_delay_seconds`` says a finite requested delay is "rounded up and clamped to
+    [0, max_seconds]". An int (or Fraction) past a float's range is accepted by Outcome and
+    TransientWorkError (numbers.Real), then ``math.isfinite`` raises OverflowError in the
+    settle: the execution crashes, nothing is recorded, and the delivery waits InFlight for
+    its lease to expire (each such attempt spent unrecorded, the last one a LeaseExpired dead
+    letter)."""
+    s = sub(
+        handler_key="t.backs-off-by-itself",
+        max_attempts=5000,
+        backoff_max_seconds=3600,
+        lease_seconds=60,
+    )
+    message = publish(s.topic.name, {}).message_id
+    host = make_host(one(s, concurrency=1))
+
+    host.run_once(max_deliveries=1, idle_exit_ms=300)
+
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.attempt_count) == ("Pending", 1), (
+        f"left {row.status} (lease owner {row.lease_owner}) until its lease expires"
+    )
+    assert row.last_error == "upstream busy"
+
+
+def test_a_rate_limited_subscription_is_running_again_once_the_database_answers(
+    make_host, monkeypatch
+):
+    """A failed take of rate-limit tokens marks the consumer failing (health: Error, "taking
+    rate-limit tokens failed"), and only a claim that goes through clears it. A take that goes
+    through but grants nothing (the bucket is empty: a low rate, or other hosts took the
+    tokens) does not: the subscription reads Error, and /work-queue/health degraded, for as
+    long as the next token takes, though the database answers again (here 50 s, after a blip
+    of one failed call). In a one-shot job, three such failures in a row read as a
+    subscription that cannot run (exit 2)."""
+    s = sub(rate_limit_per_second=0.02, rate_limit_burst=1)  # a token every 50 s
+    Receiver(s.id, "another-host").take_rate_tokens(1)  # another host took the one token
+    real_take = Receiver.take_rate_tokens
+    blip = {"failures_left": 1}
+
+    def take(self, wanted):
+        if blip["failures_left"]:
+            blip["failures_left"] -= 1
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return real_take(self, wanted)
+
+    monkeypatch.setattr(Receiver, "take_rate_tokens", take)
+    publish(s.topic.name, {"then": "complete"})
+    host = make_host(one(s, concurrency=1))  # polls at most every 200 ms
+    host.start()
+    wait_until(lambda: blip["failures_left"] == 0)
+    time.sleep(2)  # ten takes since, each answered (nothing granted yet)
+
+    state, reason = states(host)[s.name]
+    assert state == "Running", f"still {state} ({reason}) though every take since was answered"
+
+
+def test_a_one_shot_job_whose_token_takes_failed_then_answered_is_not_a_job_that_cannot_run(
+    make_host, monkeypatch
+):
+    """The one-shot side of the same: three failed takes in a row (a database restart of a few
+    seconds), then takes that are answered but grant nothing yet. The consumer still counts
+    as failing when the run ends (here at its --max-duration-ms, the next token being 50 s
+    away), so the run reports the subscription as one that could not run: `workqueue_work`
+    exits 2 ("Could not run: ... Error (Not claiming: taking rate-limit tokens failed ...)")
+    although the database answers and the work merely waits for its rate."""
+    s = sub(rate_limit_per_second=0.02, rate_limit_burst=1)  # a token every 50 s
+    Receiver(s.id, "another-host").take_rate_tokens(1)  # another host took the one token
+    real_take = Receiver.take_rate_tokens
+    blip = {"failures_left": 3}
+
+    def take(self, wanted):
+        if blip["failures_left"]:
+            blip["failures_left"] -= 1
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        return real_take(self, wanted)
+
+    monkeypatch.setattr(Receiver, "take_rate_tokens", take)
+    publish(s.topic.name, {"then": "complete"})
+    host = make_host(one(s, concurrency=1))
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=2_000, max_duration_ms=5_000)
+
+    assert blip["failures_left"] == 0
+    assert result.could_not_run == [], f"ended {result.reason}: {result.could_not_run}"
