@@ -391,6 +391,7 @@ _NOT_THE_CALLER = (
     # thread pool or a REST view: the test's line is further out.
     "django.db.",
     "django.test.",
+    "django.utils.asyncio",  # the async_unsafe guard around the backend's enqueue
     "asgiref.",
     "concurrent.",
     "ninja.",

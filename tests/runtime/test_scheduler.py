@@ -300,6 +300,38 @@ def test_a_schedule_of_a_task_whose_queue_takes_no_delivery_is_reported_not_coun
     assert "no subscription of tasks.default took it" in caplog.text
 
 
+def test_a_schedule_of_a_task_whose_subscription_was_deleted_makes_it_again_as_enqueue_does():
+    """Audit helper-133: the queue was made only when its topic was missing. With the topic
+    kept and its subscription deleted (the admin, a topology sync), every slot was stored with
+    no delivery, counted as published, and the task never ran; a queue fed only by its
+    schedule never got the enqueue that would have made the subscription again."""
+    from django_tasks import default_task_backend
+
+    from workqueue.models import Subscription
+
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name="tasks.default").delete()
+    schedules = load_schedules(
+        [{"name": "sums", "cron": "0 * * * *", "task": "tests.task_functions.add", "args": [1, 2]}]
+    )
+
+    first = Scheduler(schedules, clock=Clock(dt.datetime(2026, 7, 1, 1, 30, tzinfo=UTC))).run_once()
+    second = Scheduler(
+        schedules, clock=Clock(dt.datetime(2026, 7, 1, 2, 30, tzinfo=UTC))
+    ).run_once()
+
+    assert (first.published, first.refused) == (
+        {"sums": dt.datetime(2026, 7, 1, 1, tzinfo=UTC)},
+        {},
+    )
+    assert (second.published, second.refused) == (
+        {"sums": dt.datetime(2026, 7, 1, 2, tzinfo=UTC)},
+        {},
+    )
+    assert Delivery.objects.filter(subscription__name="tasks.default").count() == 2
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [

@@ -60,13 +60,13 @@ class Scheduler:
                 and schedule.task is not None
                 and (published.delivered_to is not None and not published.delivered_to)
             ):
-                # Stored, but its queue's subscription is Disabled (or gone): the task would
-                # never run, and the slot must not read as done without a word.
+                # Stored, but its queue's subscription is Disabled (or was deleted just now):
+                # the task would never run, and the slot must not read as done without a word.
                 result.refused[schedule.name] = "NoSubscription"
                 logger.error(
                     "Scheduler: schedule %s slot %s enqueued task %s as message %s, but no "
-                    "subscription of %s took it (Disabled or deleted): it will not run; enable "
-                    "the subscription (or delete it: the next enqueue makes it again)",
+                    "subscription of %s took it (Disabled): it will not run; enable the "
+                    "subscription, or delete it (the next slot makes it again)",
                     schedule.name,
                     slot.at.isoformat(),
                     schedule.task,
@@ -147,14 +147,13 @@ def _publish_slot(schedule: Schedule, slot: Slot) -> PublishResult:
         deduplication_ttl=slot.deduplication_ttl,
         message_id=slot.message_id,
     )
-    published = publishing()
-    if schedule.task is None or published.error is None:
-        return published
-    if published.error.code != PublishErrorCode.TOPIC_NOT_FOUND:
-        return published
-    # A task's queue nobody has enqueued to yet: made as the task's first enqueue makes it.
-    from django.utils.module_loading import import_string
+    if schedule.task is not None:
+        # The task's queue made sure of before each slot, as the task's own enqueue makes sure
+        # of it: made only when the topic was missing, a queue whose subscription was deleted
+        # (its topic kept) took every slot with no delivery, the task never run and each slot
+        # counted as published (audit helper-133).
+        from django.utils.module_loading import import_string
 
-    task = import_string(schedule.task)
-    task.get_backend().ensure_queue(task.queue_name)
+        task = import_string(schedule.task)
+        task.get_backend().ensure_queue(task.queue_name)
     return publishing()

@@ -20,6 +20,7 @@ from django.core import checks
 from django.core.exceptions import ValidationError
 from django.db import ProgrammingError, connections, transaction
 from django.utils import timezone
+from django.utils.asyncio import async_unsafe
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import (
@@ -108,6 +109,13 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 "USE_TZ = True, or datetime.now(timezone.utc) + ..."
             )
 
+    # From an async context (a coroutine task, an async view) the thread's Django connection
+    # is not the one its transaction runs on: a task's plain enqueue() published at once, and a
+    # failed run left a copy (audit helper-133). ``aenqueue`` runs this on the sync thread.
+    @async_unsafe(
+        "Task.enqueue() cannot be called from an async context (a coroutine task, an async "
+        "view): use `await task.aenqueue(...)`, which joins a running task's transaction."
+    )
     def enqueue(self, task: api.Task, args: Any, kwargs: Any) -> api.TaskResult:
         """Publish the task as one message on ``tasks.<queue>`` and return its READY result.
 
@@ -169,12 +177,20 @@ class WorkQueueBackend(api.BaseTaskBackend):
             api.TaskResultStatus.READY,
             enqueued_at=timezone.now(),
         )
-        # Imported here: it reads models (see get_result).
+        # Imported here: they read models or reach the driver (see get_result, _publish).
+        from workqueue.publishing import running_a_task
         from workqueue.tasks.signals import send
 
         # The task is queued whatever a receiver does: its failure is logged, not raised, so
         # a caller never enqueues the task twice because a receiver failed.
-        send(api.task_enqueued, type(self), result)
+        announce = functools.partial(send, api.task_enqueued, type(self), result)
+        alias = get_settings().DATABASE_ALIAS
+        if running_a_task(alias):
+            # Enlisted in a running task's transaction: enqueued only if that commits (told at
+            # once, receivers heard of follow-ups a failed run took back: audit helper-133).
+            transaction.on_commit(announce, using=alias)
+        else:
+            announce()
         return result
 
     def get_result(self, result_id: str) -> api.TaskResult:
@@ -182,7 +198,16 @@ class WorkQueueBackend(api.BaseTaskBackend):
         # Imported here: it reads models, which may not be ready when TASKS is first loaded.
         from workqueue.tasks.results import read_result
 
-        return read_result(result_id)
+        try:
+            return read_result(result_id)
+        except api.TaskResultDoesNotExist:
+            if not connections[get_settings().DATABASE_ALIAS].in_atomic_block:
+                raise
+            # The caller's transaction may read from a snapshot taken before the task's
+            # publish committed (REPEATABLE READ, SERIALIZABLE): the result enqueue() had just
+            # returned "did not exist" (audit helper-133). Read again outside it, as enqueue
+            # itself asks.
+            return _on_a_connection_of_its_own(read_result, result_id)
 
     def ensure_queue(self, queue_name: str) -> None:
         """Create topic and subscription ``tasks.<queue_name>`` if missing; leave existing ones

@@ -17,6 +17,7 @@ committed: the task succeeded, and the callback's error is logged.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, NoReturn
 
 from django.db import DatabaseError, transaction
@@ -106,7 +107,14 @@ class TaskHandler(BaseWorkHandler):
                 context.complete(enlist=True)
         except LeaseLost:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if (
+                isinstance(exc, KeyboardInterrupt)
+                and threading.current_thread() is threading.main_thread()
+            ):
+                raise  # Ctrl-C during run_until_idle (a test), as the executor lets it through
+            # SystemExit and asyncio's CancelledError too, which the executor retries like any
+            # failure: unrecorded, that run left no error in the result (audit helper-133).
             if not committed:
                 _record_and_raise(result_id, exc, context)
             # Raised by one of the task's on_commit callbacks, after the task's work, its
@@ -129,7 +137,7 @@ class TaskHandler(BaseWorkHandler):
         return Outcome.complete()
 
 
-def _record_and_raise(result_id: str, exc: Exception, context: WorkContext) -> NoReturn:
+def _record_and_raise(result_id: str, exc: BaseException, context: WorkContext) -> NoReturn:
     """Record the task's failure ``exc`` (after the rollback, on its own: the failure
     outlives the task's work) and raise what the executor settles by."""
     if isinstance(exc, _UnusableReturnValue):

@@ -1,0 +1,201 @@
+"""The Tasks API backend at its edges (audit helper-133), a host running tasks.default in this
+process: a coroutine task's plain enqueue, a run ended by a BaseException, the task_enqueued
+signal of a follow-up a failed run took back, and a result read inside a REPEATABLE READ
+transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection, transaction
+from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
+from django_tasks.signals import task_enqueued
+
+from tests.support.waiting import wait_until
+from workqueue.driver import get_driver
+from workqueue.models import Message, Subscription
+from workqueue.runtime.host import Host, HostConfig
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+QUEUE = "tasks.default"
+
+
+@task()
+def edge_noop(label: str) -> str:
+    return label
+
+
+@task(takes_context=True)
+def edge_enqueues_a_follow_up_then_fails_first(context: TaskContext) -> str:
+    edge_noop.enqueue("follow-up")
+    if context.attempt == 1:
+        raise RuntimeError("the first run fails after enqueueing its follow-up")
+    return "ok"
+
+
+@task(takes_context=True)
+def edge_exits_on_first_attempt(context: TaskContext) -> str:
+    if context.attempt == 1:
+        sys.exit("a command-line parser called inside the task gave up")
+    return "ok"
+
+
+@task(takes_context=True)
+async def edge_cancelled_on_first_attempt(context: TaskContext) -> str:
+    if context.attempt == 1:
+        raise asyncio.CancelledError("an awaited call was cancelled")
+    return "ok"
+
+
+@task()
+def edge_warm_up() -> str:
+    """Enqueues once on the host's handler thread, as any task chaining another does: the
+    queue is then "ready" in that thread's backend, which a coroutine task run from the
+    thread shares (django_tasks' task_backends is an asgiref Local, not thread-critical)."""
+    edge_noop.enqueue("warm-up")
+    return "warm"
+
+
+@task(takes_context=True)
+async def edge_coroutine_enqueues_then_fails_first(context: TaskContext) -> str:
+    edge_noop.enqueue("follow-up from a coroutine")  # the plain call, not aenqueue
+    if context.attempt == 1:
+        raise RuntimeError("the first run fails after enqueueing its follow-up")
+    return "ok"
+
+
+@task(takes_context=True)
+async def edge_coroutine_aenqueues_then_fails_first(context: TaskContext) -> str:
+    await edge_noop.aenqueue("aenqueued")
+    if context.attempt == 1:
+        raise RuntimeError("the first run fails after enqueueing its follow-up")
+    return "ok"
+
+
+@pytest.fixture
+def host() -> Iterator[None]:
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name=QUEUE).update(
+        max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0
+    )
+    running = Host(
+        HostConfig(
+            subscriptions=[{"name": QUEUE, "concurrency": 1}],
+            idle_poll_min_ms=50,
+            idle_poll_max_ms=200,
+            shutdown_drain_ms=300,
+            sweeper_interval_ms=0,
+            reconcile_interval_ms=0,
+        )
+    )
+    running.start()
+    try:
+        yield
+    finally:
+        running.shutdown()
+        get_driver().close()
+
+
+def finished(result_id: str) -> Any:
+    return wait_until(lambda: (r := default_task_backend.get_result(result_id)).is_finished and r)
+
+
+def test_task_enqueued_is_sent_only_for_a_follow_up_that_was_enqueued(host):
+    """An enqueue made by a running task joins the task's transaction; a run that fails takes
+    it back. task_enqueued was sent all the same, at the enqueue, for a task that never
+    existed (its id is found by no get_result)."""
+    announced: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        if task_result.task.name == "edge_noop":
+            announced.append(task_result.id)
+
+    task_enqueued.connect(receive)
+    try:
+        result = edge_enqueues_a_follow_up_then_fails_first.enqueue()
+        assert finished(result.id).status == TaskResultStatus.SUCCESSFUL
+    finally:
+        task_enqueued.disconnect(receive)
+
+    stored = [
+        str(m.id)
+        for m in Message.objects.filter(topic__name=QUEUE)
+        if m.payload["task"] == edge_noop.module_path
+    ]
+    assert len(stored) == 1  # the failed run's enqueue rolled back with it (as documented)
+    assert announced == stored  # fails: the rolled-back follow-up was announced too
+
+
+@pytest.mark.parametrize(
+    ("the_task", "exception_class_path"),
+    [
+        (edge_exits_on_first_attempt, "builtins.SystemExit"),
+        (edge_cancelled_on_first_attempt, "asyncio.exceptions.CancelledError"),
+    ],
+)
+def test_a_run_that_raises_a_base_exception_keeps_its_error_in_the_result(
+    host, the_task, exception_class_path
+):
+    """The executor retries a handler that raised SystemExit or CancelledError (a
+    BaseException); the task's handler records only Exception, so that failed run left no
+    entry in result.errors (README: "errors (one per failed run ...)"). A task that always
+    does so reads FAILED with errors == [] ("no error was recorded")."""
+    result = the_task.enqueue()
+    done = finished(result.id)
+    assert (done.status, done.attempts) == (TaskResultStatus.SUCCESSFUL, 2)
+    assert [e.exception_class_path for e in done.errors] == [exception_class_path]
+
+
+def test_get_result_right_after_enqueue_in_a_repeatable_read_transaction():
+    """enqueue publishes on the queue's own connection and asks again outside a REPEATABLE
+    READ caller's snapshot before deciding the task got a delivery (fixed before); get_result
+    reads from the caller's snapshot only, so the result enqueue just returned "does not
+    exist" until the caller's transaction ends (and result.refresh() raises likewise)."""
+    from tests.task_functions import add
+
+    default_task_backend.ensure_queue("default")
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        cursor.execute("SELECT count(*) FROM workqueue_delivery")  # the snapshot is taken
+        result = add.enqueue(1, 2)
+        assert add.get_result(result.id).status == TaskResultStatus.READY
+
+
+def test_a_coroutine_tasks_plain_enqueue_is_refused_every_time_naming_aenqueue(host):
+    """A coroutine task runs on asgiref's event-loop thread, whose Django connection is not
+    the one the task's transaction is open on: once the queue was ready in the (shared)
+    backend, a plain enqueue() there published at once on the queue's own connection, before
+    the task committed, and each failed run left a copy (on a thread whose backend had not
+    made sure of the queue yet, the same call raised SynchronousOnlyOperation: what happened
+    depended on what ran before). It is refused every time now, naming ``aenqueue``."""
+    assert finished(edge_warm_up.enqueue().id).status == TaskResultStatus.SUCCESSFUL
+
+    result = edge_coroutine_enqueues_then_fails_first.enqueue()
+    done = finished(result.id)
+
+    assert done.status == TaskResultStatus.FAILED
+    assert all("aenqueue" in error.traceback for error in done.errors), done.errors
+    assert not [m for m in follow_ups() if m.payload["args"] == ["follow-up from a coroutine"]]
+
+
+def test_a_coroutine_tasks_aenqueue_is_published_with_the_run_that_commits(host):
+    result = edge_coroutine_aenqueues_then_fails_first.enqueue()
+    done = finished(result.id)
+
+    assert (done.status, done.attempts) == (TaskResultStatus.SUCCESSFUL, 2)
+    assert len([m for m in follow_ups() if m.payload["args"] == ["aenqueued"]]) == 1
+
+
+def follow_ups() -> list[Message]:
+    return [
+        m
+        for m in Message.objects.filter(topic__name=QUEUE)
+        if m.payload["task"] == edge_noop.module_path
+    ]
