@@ -1,7 +1,7 @@
 """The Tasks API backend at its edges (audit helper-133), a host running tasks.default in this
 process: a coroutine task's plain enqueue, a run ended by a BaseException, the task_enqueued
-signal of a follow-up a failed run took back, and a result read inside a REPEATABLE READ
-transaction."""
+signal of a follow-up a failed run took back, a commit whose answer was lost, and a result read
+inside a REPEATABLE READ transaction."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
-from django_tasks.signals import task_enqueued
+from django_tasks.signals import task_enqueued, task_finished
 
 from tests.support.waiting import wait_until
 from workqueue.driver import get_driver
@@ -51,6 +51,21 @@ async def edge_cancelled_on_first_attempt(context: TaskContext) -> str:
     if context.attempt == 1:
         raise asyncio.CancelledError("an awaited call was cancelled")
     return "ok"
+
+
+@task()
+def edge_commit_answer_lost(label: str) -> str:
+    """Its transaction's commit reaches the server, then the connection fails before the
+    answer comes back (once), as in test_transactional_completion's lost-answer test."""
+    real_commit = connection._commit
+
+    def commits_then_fails() -> None:
+        connection._commit = real_commit
+        real_commit()
+        raise OperationalError("server closed the connection unexpectedly (test)")
+
+    connection._commit = commits_then_fails
+    return label
 
 
 @task()
@@ -151,6 +166,29 @@ def test_a_run_that_raises_a_base_exception_keeps_its_error_in_the_result(
     done = finished(result.id)
     assert (done.status, done.attempts) == (TaskResultStatus.SUCCESSFUL, 2)
     assert [e.exception_class_path for e in done.errors] == [exception_class_path]
+
+
+def test_a_task_whose_commit_answer_was_lost_sends_task_finished_successful(host):
+    """The task's transaction (its result and its completion) committed, but Django saw the
+    commit fail: the handler took the task for failed (nothing recorded, the delivery no longer
+    held), the executor found the completion and settled it as Completed, and
+    task_finished(SUCCESSFUL) was never sent, though the task reads SUCCESSFUL."""
+    seen: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(str(task_result.status))
+
+    task_finished.connect(receive)
+    try:
+        result = edge_commit_answer_lost.enqueue("done")
+        done = finished(result.id)
+        # Sent after the commit, on the host's thread.
+        wait_until(lambda: seen, timeout=5)
+    finally:
+        task_finished.disconnect(receive)
+
+    assert (done.status, done.return_value, done.attempts) == ("SUCCESSFUL", "done", 1)
+    assert seen == ["SUCCESSFUL"]
 
 
 def test_get_result_right_after_enqueue_in_a_repeatable_read_transaction():

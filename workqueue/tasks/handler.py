@@ -20,7 +20,7 @@ import logging
 import threading
 from typing import Any, NoReturn
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections, transaction
 
 from workqueue.conf import setting
 from workqueue.driver import get_driver
@@ -39,6 +39,7 @@ from workqueue.tasks.messages import (
 )
 from workqueue.tasks.results import record_failure, record_start, record_success
 from workqueue.tasks.signals import send
+from workqueue.types import DeliveryStatus
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class TaskHandler(BaseWorkHandler):
         # a block of the code under test (publishing.PublishInsideAtomicInTestWarning).
         task_transaction = transaction.atomic(using=alias)
         setattr(task_transaction, RUNS_A_TASK, True)
+        completing = False  # the block's work is done: what fails now is its commit
         try:
             with task_transaction:
                 # Registered before the task's own callbacks, so it runs before any of them.
@@ -105,6 +107,7 @@ class TaskHandler(BaseWorkHandler):
                         raise _UnusableReturnValue(exc) from exc
                     raise
                 context.complete(enlist=True)
+                completing = True
         except LeaseLost:
             raise
         except BaseException as exc:
@@ -115,16 +118,21 @@ class TaskHandler(BaseWorkHandler):
                 raise  # Ctrl-C during run_until_idle (a test), as the executor lets it through
             # SystemExit and asyncio's CancelledError too, which the executor retries like any
             # failure: unrecorded, that run left no error in the result (audit helper-133).
-            if not committed:
+            if not committed and not (completing and _completed_by_this_run(context, alias)):
                 _record_and_raise(result_id, exc, context)
-            # Raised by one of the task's on_commit callbacks, after the task's work, its
-            # result and its completion committed: the task succeeded.
-            logger.exception(
-                "Task %s (result %s) succeeded, but a callback it registered with "
-                "transaction.on_commit raised after the commit",
-                task_message.task_path,
-                result_id,
-            )
+            if committed:
+                # Raised by one of the task's on_commit callbacks, after the task's work, its
+                # result and its completion committed: the task succeeded.
+                logger.exception(
+                    "Task %s (result %s) succeeded, but a callback it registered with "
+                    "transaction.on_commit raised after the commit",
+                    task_message.task_path,
+                    result_id,
+                )
+            # Otherwise the commit reached the server and its answer was lost with the
+            # connection: the task succeeded too, its callbacks never ran (Django saw a failed
+            # commit). Taken for a failure, it sent no task_finished, though it read
+            # SUCCESSFUL (audit helper-133).
         finished = build_result(
             task,
             result_id,
@@ -135,6 +143,27 @@ class TaskHandler(BaseWorkHandler):
         )
         send(api.task_finished, backend_class, finished)
         return Outcome.complete()
+
+
+def _completed_by_this_run(context: WorkContext, alias: str) -> bool:
+    """Whether this run's completion is stored, though its commit raised: read on a connection
+    of its own (the task's is the one that failed). False when that cannot be told."""
+    from workqueue.models import Delivery
+
+    if not connections[alias].in_atomic_block:  # (test mode runs tasks inside the test's)
+        connections[alias].close()  # broken or not: the query below opens a new one
+    try:
+        return (
+            Delivery.objects.using(alias)
+            .filter(
+                pk=context.delivery_id,
+                status=DeliveryStatus.COMPLETED,
+                attempt_count=context.attempt,
+            )
+            .exists()
+        )
+    except DatabaseError:
+        return False
 
 
 def _record_and_raise(result_id: str, exc: BaseException, context: WorkContext) -> NoReturn:
