@@ -363,3 +363,25 @@ def test_a_malformed_host_record_breaks_no_operator_page(client, subscriptions, 
     dashboard = client.get(reverse("admin:workqueue_dashboard"))
 
     assert (health.status_code, bindings.status_code, dashboard.status_code) == (200, 200, 200)
+
+
+def test_a_session_form_post_to_an_operator_endpoint_is_a_400_not_a_500(caplog):
+    """Audit helper-137: the session's CSRF check reads request.POST, which for a form post
+    (multipart) consumes the body; django-ninja then read request.body, Django raised
+    RawPostDataException, and the API answered 500 with an ERROR and its traceback."""
+    from django.test import Client
+
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(UserFactory(is_staff=True, perms=ALL_PERMISSIONS))
+    client.get("/work-queue/docs")  # the docs page sets the CSRF cookie, as in a browser
+    token = client.cookies["csrftoken"].value
+    subscription = SubscriptionFactory()
+
+    response = client.post(
+        f"/work-queue/subscriptions/{subscription.name}/pending/discard",
+        data={"csrfmiddlewaretoken": token, "reason": "form"},  # multipart/form-data
+    )
+
+    assert response.status_code == 400, (response.status_code, response.content)
+    assert "application/json" in response.json()["detail"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

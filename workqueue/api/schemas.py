@@ -409,3 +409,20 @@ def inline_json_schema(model: type[BaseModel]) -> dict[str, Any]:
         return node
 
     return resolve(schema)
+
+
+#: Field errors a 400 lists at most; the rest are counted in one more entry.
+MAX_FIELD_ERRORS = 20
+
+
+def field_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where and what of each of ``errors`` (pydantic's or ninja's), never the input, at most
+    MAX_FIELD_ERRORS of them: one per unknown field, a body of a million was answered with
+    more than it sent (audit helper-137)."""
+    listed = [
+        {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))}
+        for e in errors[:MAX_FIELD_ERRORS]
+    ]
+    if len(errors) > MAX_FIELD_ERRORS:
+        listed.append({"loc": [], "msg": f"... and {len(errors) - MAX_FIELD_ERRORS} more"})
+    return listed

@@ -246,12 +246,24 @@ class SchedulesVerb(Verb):
         now = get_driver(conf.DATABASE_ALIAS).database_now()
         slots = {s.name: s.latest_slot(now) for s in schedules}
         own_ids = [i for slot in slots.values() if slot for i in slot.own_message_ids]
-        published = {
-            str(message_id)
-            for message_id in Message.objects.using(conf.DATABASE_ALIAS)
-            .filter(id__in=own_ids)
-            .values_list("id", flat=True)
-        }
+        # The unkeyed id of earlier releases (the last of a slot's) counts on the schedule's
+        # own topic only: anyone may compute it and publish it elsewhere (audit helper-137).
+        # The keyed ones count on any: a slot published before its schedule moved topic ran.
+        own_messages = Q()
+        for schedule in schedules:
+            if slot := slots[schedule.name]:
+                *keyed, unkeyed = slot.own_message_ids
+                own_messages |= Q(id__in=keyed) | Q(topic__name=schedule.topic, id=unkeyed)
+        published = (
+            {
+                str(message_id)
+                for message_id in Message.objects.using(conf.DATABASE_ALIAS)
+                .filter(own_messages)
+                .values_list("id", flat=True)
+            }
+            if own_messages
+            else set()
+        )
         # Retention may purge a slot's message long before the slot stops being publishable (a
         # monthly slot, seven days' retention): the key the slot's publish confirmed still
         # says so, and keeps every host from publishing it again.
