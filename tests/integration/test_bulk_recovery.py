@@ -558,6 +558,9 @@ def test_the_admin_refuses_a_blank_error_filter_and_matches_one_with_its_spaces(
     # The CLI's and REST's way in, likewise.
     selection = DeadLetterSelection(error_contains=" API ")
     assert resolve_dead_letters(subscription.name, "replay", selection, dry_run=True).matched == 1
+    # A reason is a name, matched whole: its spaces are not part of it (review helper-135).
+    by_reason = DeadLetterSelection(reason=" Poison ")
+    assert resolve_dead_letters(subscription.name, "replay", by_reason, dry_run=True).matched == 2
     assert statuses(ids) == ["DeadLettered"] * 2
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import sqlite3
 from pathlib import Path
 
 import psycopg
@@ -18,7 +19,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from tests.support.database import psycopg_params
-from tests.support.processes import run_manage, subprocess_environment
+from tests.support.processes import PROJECT_ROOT, run_manage, subprocess_environment
 from tests.support.roles import database_role
 from workqueue.driver import get_driver
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
@@ -107,6 +108,60 @@ def test_an_upgraded_database_equals_a_fresh_one(scratch_database):
     _migrate(scratch_database)
 
     assert _scratch_catalog(scratch_database) == fresh
+
+
+QUEUE_ON_ITS_OWN_ALIAS = """
+import os
+
+from project.settings import *  # noqa: F403
+
+DATABASES = {
+    "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["WQ_TEST_APP_DB"]},
+    "queue": env.db_url_config(os.environ["DATABASE_URL"]),  # noqa: F405
+}
+DATABASE_ROUTERS = ["queue_alias_settings.QueueRouter"]
+WORKQUEUE = {**WORKQUEUE, "DATABASE_ALIAS": "queue"}  # noqa: F405
+
+
+class QueueRouter:
+    # The app's tables on "queue"; every other app's on both (the API keys name users).
+    def db_for_read(self, model, **hints):
+        return "queue" if model._meta.app_label == "workqueue" else None
+
+    db_for_write = db_for_read
+
+    def allow_relation(self, first, second, **hints):
+        return True
+
+    def allow_migrate(self, db, app_label, **hints):
+        return db == "queue" if app_label == "workqueue" else None
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.django_db
+def test_a_queue_on_an_alias_of_its_own_migrates_there_and_nowhere_else(scratch_database, tmp_path):
+    """Audit helper-136: with the queue on its own alias (``DATABASE_ALIAS`` and a router, as
+    workqueue.E006 advises) ``migrate`` of the default database failed at 0025, whose own
+    operation dropped constraints whatever the router said (SQLite: a syntax error), and
+    after it the grants were renewed on a database the router keeps the app off."""
+    (tmp_path / "queue_alias_settings.py").write_text(QUEUE_ON_ITS_OWN_ALIAS)
+    env = {
+        **subprocess_environment(scratch_database),
+        "DJANGO_SETTINGS_MODULE": "queue_alias_settings",
+        "PYTHONPATH": f"{tmp_path}:{PROJECT_ROOT}",
+        "WQ_TEST_APP_DB": str(tmp_path / "app.sqlite3"),
+    }
+
+    for database in ("default", "queue"):
+        done = run_manage("migrate", "--database", database, "-v0", env=env)
+        assert done.returncode == 0, f"{database}: {done.stdout}\n{done.stderr[-3000:]}"
+
+    assert _scratch_catalog(scratch_database) == _catalog()
+    with sqlite3.connect(tmp_path / "app.sqlite3") as app:
+        tables = {row[0] for row in app.execute("SELECT name FROM sqlite_master")}
+    assert "auth_user" in tables
+    assert not {"workqueue_topic", "workqueue_delivery"} & tables
 
 
 @pytest.mark.processes

@@ -20,8 +20,7 @@ from tests.support.waiting import wait_until
 from workqueue.driver import get_driver
 from workqueue.models import Message, Subscription
 from workqueue.runtime.host import Host, HostConfig
-
-pytestmark = pytest.mark.usefixtures("queue_db")
+from workqueue.testing import run_until_idle, use_test_connection
 
 QUEUE = "tasks.default"
 
@@ -94,7 +93,7 @@ async def edge_coroutine_aenqueues_then_fails_first(context: TaskContext) -> str
 
 
 @pytest.fixture
-def host() -> Iterator[None]:
+def host(queue_db: None) -> Iterator[None]:
     get_user_model().objects.create_user("workqueue-system")
     default_task_backend.ensure_queue("default")
     Subscription.objects.filter(name=QUEUE).update(
@@ -148,6 +147,30 @@ def test_task_enqueued_is_sent_only_for_a_follow_up_that_was_enqueued(host):
     assert announced == stored  # fails: the rolled-back follow-up was announced too
 
 
+@pytest.mark.django_db
+@use_test_connection()
+def test_task_enqueued_is_sent_for_a_follow_up_in_test_mode():
+    """Review helper-135: in test mode the task's transaction is a savepoint of the test's,
+    whose commit never comes: sent on commit, a follow-up's task_enqueued was never sent."""
+    from tests.task_functions import enqueues_a_follow_up
+
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    announced: list[str] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        announced.append(task_result.task.name)
+
+    task_enqueued.connect(receive)
+    try:
+        enqueues_a_follow_up.enqueue(1)
+        run_until_idle()
+    finally:
+        task_enqueued.disconnect(receive)
+
+    assert len(announced) == 2, announced
+
+
 @pytest.mark.parametrize(
     ("the_task", "exception_class_path"),
     [
@@ -191,6 +214,7 @@ def test_a_task_whose_commit_answer_was_lost_sends_task_finished_successful(host
     assert seen == ["SUCCESSFUL"]
 
 
+@pytest.mark.usefixtures("queue_db")
 def test_get_result_right_after_enqueue_in_a_repeatable_read_transaction():
     """enqueue publishes on the queue's own connection and asks again outside a REPEATABLE
     READ caller's snapshot before deciding the task got a delivery (fixed before); get_result

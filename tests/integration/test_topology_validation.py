@@ -453,6 +453,39 @@ def test_a_topic_joining_a_transport_whose_driver_changes_at_once_strands_nothin
     assert len(refused) == 1, refused
 
 
+@pytest.mark.usefixtures("queue_db")
+def test_a_move_that_strands_nothing_does_not_wait_for_the_topics_publishes():
+    """Review helper-135: the fix for the races above first took both topics' topology locks on
+    every move; publishes hold them shared, a running task's enqueue until the task commits,
+    so a plain move waited for those (and publishes queued behind it) and failed after 5 s
+    with LockTimeoutError. A move locks rows now, which publishes do not."""
+    sub = SubscriptionFactory()
+    elsewhere = TopicFactory()
+    holding, release = threading.Event(), threading.Event()
+
+    def publisher_in_a_long_transaction() -> None:
+        try:
+            with transaction.atomic():
+                publish(sub.topic.name, {"n": 1}, enlist=True)
+                holding.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=publisher_in_a_long_transaction)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        moving = Subscription.objects.get(pk=sub.pk)
+        moving.topic = elsewhere
+        moving.save()  # raised LockTimeoutError after 5 s
+        assert not release.is_set()
+    finally:
+        release.set()
+        thread.join(30)
+    assert Subscription.objects.get(pk=sub.pk).topic_id == elsewhere.pk
+
+
 def test_a_transports_driver_cannot_change_under_its_topics():
     """The same stranding from the transport's row: its topics' waiting work stays where the
     old driver keeps it, which the new one never reads."""
@@ -495,6 +528,31 @@ def test_a_topic_read_by_the_tasks_handler_cannot_be_opened_to_external_publishe
         SubscriptionFactory(topic=open_topic, handler_key="workqueue.tasks")
     assert "handler_key" in subscribed.value.message_dict
     assert not Topic.objects.get(pk=tasks_topic.pk).allow_external_publish
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("waiting", ["Pending", "DeadLettered"])
+def test_work_published_for_another_handler_never_becomes_tasks(waiting):
+    """Audit helper-137: a key published a task-shaped payload while the topic was open; the
+    operator closed the topic (as EXTERNAL_TASKS_PROBLEM advises) and gave the subscription
+    the Tasks API's handler, and the key holder's message ran as a task of the project, with
+    its arguments, as the system user. Work waiting from before the switch now refuses it."""
+    topic = TopicFactory(name="jobs", allow_external_publish=True)
+    subscription = SubscriptionFactory(topic=topic, name="jobs.worker", handler_key="tests.noop")
+    task_shaped = {"task": "tests.task_functions.user_exists", "args": ["x"]}
+    waits = (dead_letter if waiting == "DeadLettered" else pending)(subscription, task_shaped)
+    topic.allow_external_publish = False
+    topic.save()
+    subscription.handler_key = "workqueue.tasks"
+
+    with pytest.raises(ValidationError, match="would import and run") as refused:
+        subscription.save()
+
+    assert "handler_key" in refused.value.message_dict
+    assert Subscription.objects.get(pk=subscription.pk).handler_key == "tests.noop"
+    # Once that work is gone, the switch is allowed.
+    operations.discard(subscription.name, waits, reason="not a task")
+    subscription.save()
 
 
 def test_validate_bindings_reports_a_task_subscription_on_an_open_topic_as_an_error():

@@ -107,3 +107,26 @@ def test_enqueueing_a_task_on_a_database_without_the_queues_tables_says_to_run_m
     (said,) = [line for line in done.stdout.splitlines() if "Error" in line]
     assert said.startswith("TaskEnqueueError The database 'default' is not migrated"), said
     assert "Run `manage.py migrate`" in said and "privilege" not in said
+
+
+def test_publishing_from_code_on_a_database_without_the_queues_tables_says_to_run_migrate(
+    queue_not_migrated,
+):
+    """Audit helper-136: the commands said so, but ``publish()`` from a view or a shell gave
+    the database's own words: function wq_publish(p_topic_name => text, ...) does not exist,
+    with a hint about explicit type casts."""
+    publishing = (
+        "from workqueue import publish\n"
+        "try:\n"
+        "    publish('orders.created', {'order': 1})\n"
+        "except Exception as refused:\n"
+        "    print(type(refused).__name__, refused)\n"
+    )
+
+    done = run_manage(
+        "shell", "-c", publishing, env=subprocess_environment(queue_not_migrated), timeout=60
+    )
+
+    (said,) = [line for line in done.stdout.splitlines() if "Error" in line]
+    assert said.startswith("WorkQueueConfigurationError The database 'default' is not migrated")
+    assert "Run `manage.py migrate`" in said

@@ -1158,6 +1158,22 @@ def test_handler_failures_are_logged_with_the_delivery_and_a_crashs_traceback(
         assert record.exc_info is not None and issubclass(record.exc_info[0], exception)
 
 
+def test_a_failure_is_summed_up_by_its_exceptions_line_not_its_messages_last(rig, caplog):
+    """Audit helper-136: the line took the traceback's last line, which for a message of
+    several lines (every database error: ``LINE 1: ...`` then a caret) is not the exception:
+    a missing table was logged as "...): ^"."""
+    sub = rig.subscription(max_attempts=3)
+    message = 'relation "shop_receipt" does not exist\nLINE 1: INSERT INTO "shop_receipt"\n   ^'
+    receiver, delivery = rig.claim(sub, {"then": "crash", "message": message})
+    caplog.set_level(logging.WARNING, logger="workqueue.deliveries")
+
+    rig.execution(sub, receiver, delivery).run()
+
+    (record,) = delivery_logs(caplog)
+    summary = record.getMessage().split("): ", 1)[1]
+    assert summary == 'ValueError: relation "shop_receipt" does not exist'
+
+
 def test_a_completed_delivery_logs_only_at_debug_and_a_lost_lease_logs_an_error(rig, caplog):
     sub = rig.subscription(lease_seconds=60)
     caplog.set_level(logging.DEBUG, logger="workqueue.deliveries")

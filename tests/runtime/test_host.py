@@ -404,7 +404,9 @@ def test_the_host_plans_each_subscription_running_paused_unregistered_unsupporte
         topic_off.name: ("Paused", f"Topic {topic_off.topic.name} is Disabled"),
         unregistered.name: (
             "HandlerNotRegistered",
-            "No handler registered for key 't.nobody-registered-this'",
+            "No handler registered for key 't.nobody-registered-this'; handlers are loaded "
+            "from each installed app's work_handlers.py and the modules named in "
+            "WORKQUEUE['HANDLER_MODULES']: is the one that registers it among them?",
         ),
         misspelt.name: (
             "HandlerNotRegistered",
@@ -490,6 +492,34 @@ def test_a_host_with_no_subscription_to_run_says_so_at_the_default_level(make_ho
 
     assert "runs no subscription: none exists in the database yet" in caplog.text
     assert "sync-topology" in caplog.text
+
+
+def test_a_subscription_whose_handler_is_not_loaded_is_a_warning_once_naming_where_to_look(
+    make_host, caplog
+):
+    """Audit helper-136: said only in the host's INFO start line, a subscription whose
+    handler module was never loaded piled up unseen with the app's loggers at WARNING; the
+    reason did not say where handlers are loaded from."""
+    missing = sub(handler_key="shop.ship")
+    caplog.set_level(logging.WARNING, logger="workqueue.runtime.host")
+    host = make_host([{"name": "*", "concurrency": 1}])
+    host.start()
+    host.reconcile()
+
+    [warning] = [r for r in caplog.records if getattr(r, "action", "") == "subscription_not_run"]
+    assert missing.name in warning.getMessage()
+    assert "WORKQUEUE['HANDLER_MODULES']" in warning.getMessage()
+
+
+def test_a_host_asked_to_run_no_subscription_says_that_not_that_none_exists(make_host, caplog):
+    """Audit helper-136: WORKQUEUE['SUBSCRIPTIONS'] = [] made the host say no subscription
+    existed in a database holding three, and point at sync-topology."""
+    sub()
+    caplog.set_level(logging.WARNING, logger="workqueue.runtime.host")
+    make_host([]).start()
+
+    assert "WORKQUEUE['SUBSCRIPTIONS'] names none" in caplog.text
+    assert "none exists in the database" not in caplog.text
 
 
 def test_reconcile_starts_a_resumed_subscription_and_a_new_one_without_a_restart(make_host):

@@ -233,3 +233,25 @@ def test_a_one_shot_job_whose_token_takes_failed_then_answered_is_not_a_job_that
 
     assert blip["failures_left"] == 0
     assert result.could_not_run == [], f"ended {result.reason}: {result.could_not_run}"
+
+
+@pytest.mark.parametrize("change", ["paused", "renamed and paused"])
+def test_a_paused_subscriptions_handler_that_runs_on_is_counted_in_its_health(make_host, change):
+    """Review helper-135: matched by the plan's id, a subscription with no plan (Paused,
+    Disabled, a host shutting down) counted its handlers still running as 0 in /health and
+    the host records; by name, a renamed one did."""
+    s = sub(lease_seconds=5, max_attempts=3)
+    host = make_host([{"name": "*", "concurrency": 1}])  # a drain of 300 ms
+    host.start()
+    publish(s.topic.name, {"sleepMs": 3_000, "ignoreSignal": True})
+    (lingering,) = probe.wait_for(1)
+    if change == "renamed and paused":
+        s.name = f"{s.name}-renamed"
+    s.status = "Paused"
+    s.save()
+
+    host.reconcile()
+
+    assert not lingering.finished.is_set()
+    [entry] = [e for e in host.health()["subscriptions"] if e["name"] == s.name]
+    assert (entry["state"], entry["in_flight"]) == ("Paused", 1), entry

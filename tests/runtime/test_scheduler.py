@@ -332,6 +332,35 @@ def test_a_schedule_of_a_task_whose_subscription_was_deleted_makes_it_again_as_e
     assert Delivery.objects.filter(subscription__name="tasks.default").count() == 2
 
 
+def test_a_task_schedule_of_an_existing_queue_only_reads_the_topology(pg_conn):
+    """Review helper-135: making sure of the queue at each pass looked up the transport named
+    "Database" first; with the seeded transport renamed (which the topology allows), each pass
+    made a new one, or, run as the runtime role (which may not write the topology), failed and
+    published nothing, although the queue existed."""
+    from django_tasks import default_task_backend
+
+    from tests.support.roles import acting_as_granted_role
+    from workqueue.models import Transport
+
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    Transport.objects.filter(name="Database").update(name="main-db")
+    schedules = load_schedules(
+        [{"name": "sums", "cron": "0 * * * *", "task": "tests.task_functions.add", "args": [1, 2]}]
+    )
+
+    with acting_as_granted_role(pg_conn, "wq_sched", "grant-runtime"):
+        result = Scheduler(
+            schedules, clock=Clock(dt.datetime(2026, 7, 1, 1, 30, tzinfo=UTC))
+        ).run_once()
+
+    assert (result.published, result.refused) == (
+        {"sums": dt.datetime(2026, 7, 1, 1, tzinfo=UTC)},
+        {},
+    )
+    assert list(Transport.objects.values_list("name", flat=True)) == ["main-db"]
+
+
 @pytest.mark.parametrize(
     ("entry", "says"),
     [
@@ -501,6 +530,32 @@ def test_schedules_still_says_published_once_retention_purged_the_slots_message(
     [row] = json.loads(capsys.readouterr().out)
 
     assert (dt.datetime.fromisoformat(row["slot"]), row["published"]) == (slot_at, True)
+
+
+def test_schedules_does_not_take_a_message_squatting_a_slots_old_id_for_the_slot(
+    client, settings, capsys
+):
+    """Audit helper-137: a slot's ids include the unkeyed one of earlier releases, which anyone
+    who knows the schedule can compute; a key holder published it to a topic of its own, and
+    `workqueue schedules` said the slot, never run, was published."""
+    from tests.factories import ApiKeyFactory
+    from tests.support.api import post
+
+    topic = TopicFactory(name="reports")
+    SubscriptionFactory(topic=topic)
+    entries = [schedule(topic.name, "0 * * * *")]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    [report] = load_schedules(entries)
+    unkeyed = report.latest_slot(get_driver().database_now()).own_message_ids[-1]
+    TopicFactory(name="inbox", allow_external_publish=True)
+    key = ApiKeyFactory(scopes=["workqueue:publish"], topics=["inbox"])
+    squat = post(client, "inbox", {"messages": [{"messageId": unkeyed, "payload": 1}]}, key=key)
+    assert squat.json()["results"][0]["status"] == "Accepted"
+
+    call_command("workqueue", "schedules", "--json")
+    [row] = json.loads(capsys.readouterr().out)
+
+    assert (row["published"], row["message_id"] != unkeyed) == (False, True), row
 
 
 def test_a_schedule_changed_after_its_slot_ran_counts_the_slot_as_published(caplog):

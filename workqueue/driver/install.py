@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.migrations.recorder import MigrationRecorder
 
@@ -126,6 +126,10 @@ def renew_grants_after_migrate(
     apply, must still renew what they added (a runtime role without DELETE on the host records
     could not sweep them, or without EXECUTE on a new procedure could not claim)."""
     connection = connections[using]
+    if not router.allow_migrate(using, "workqueue"):
+        # A database the router keeps the app off (the queue on an alias of its own): Django
+        # records the app's migrations as applied there, with none of its tables.
+        return
     if plan is None or not latest_procedure_migration_applied(connection):
         return
     try:

@@ -624,7 +624,7 @@ class PostgresDriver(BaseDriver):
             seen = {session: holder for session, holder in seen.items() if session in still}
         released: list[str] = []
         refused: list[str] = []
-        for (pid, _), holder in sorted(seen.items()):
+        for (pid, *_), holder in sorted(seen.items()):
             try:
                 # False when it has just gone: nothing to report.
                 if self.execute("SELECT pg_terminate_backend(%s)", [pid])[0][0]:
@@ -633,13 +633,12 @@ class PostgresDriver(BaseDriver):
                 refused.append(f"{holder}: {one_line(exc)}")
         return StalledListeners(usage, released, refused)
 
-    def _stalled_sessions(self) -> dict[tuple[int, Any], str]:
-        """This database's sessions blocked writing to a client that is not reading, by
-        (pid, when it started), each described."""
-        return {
-            (pid, started): holder
-            for pid, started, holder in self.execute(STALLED_SESSIONS_QUERY, [])
-        }
+    def _stalled_sessions(self) -> dict[tuple[Any, ...], str]:
+        """This database's sessions blocked writing to a client that is not reading, each
+        described, by what tells a session that stayed so from one that ran a statement in
+        between (pid, when it started, when it last went idle)."""
+        rows = self.execute(STALLED_SESSIONS_QUERY, [])
+        return {(pid, started, idle_since): holder for pid, started, idle_since, holder in rows}
 
     def scaler_query(self, subscription_name: str) -> str:
         literal = "'" + subscription_name.strip().lower().replace("'", "''") + "'"
@@ -1132,7 +1131,7 @@ LIMIT 1
 #: notification queue from being truncated past what it has not handed over. (Sent with a
 #: parameter list: % is doubled.)
 STALLED_SESSIONS_QUERY = """
-SELECT a.pid, a.backend_start,
+SELECT a.pid, a.backend_start, a.state_change,
        format('session %%s (user %%s, %%s, client %%s, idle since %%s)', a.pid,
               coalesce(a.usename::text, '?'),
               coalesce(nullif(a.application_name, ''), 'no application name'),

@@ -42,6 +42,8 @@ class DropForeignKeyConstraint(migrations.operations.base.Operation):
 
     def database_forwards(self, app_label, schema_editor, from_state, to_state):
         model = from_state.apps.get_model(app_label, self.model_name)
+        if not self.allow_migrate_model(schema_editor.connection.alias, model):
+            return  # as Django's own operations: the router keeps the app off this database
         field = model._meta.get_field(self.name)
         target = field.target_field
         # As BaseDatabaseSchemaEditor._fk_constraint_name names it when it creates it.
@@ -54,6 +56,8 @@ class DropForeignKeyConstraint(migrations.operations.base.Operation):
 
     def database_backwards(self, app_label, schema_editor, from_state, to_state):
         model = to_state.apps.get_model(app_label, self.model_name)
+        if not self.allow_migrate_model(schema_editor.connection.alias, model):
+            return
         constrained = model._meta.get_field(self.name)
         unconstrained = copy.copy(constrained)
         unconstrained.db_constraint = False

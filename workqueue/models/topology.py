@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import connections, models, router, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 
 from workqueue.exceptions import TopologyValidationError, WorkQueueConfigurationError
 from workqueue.filters import FilterError, parse_filter, stored_filter_problem
@@ -236,12 +236,10 @@ class Transport(TopologyModel):
         problem = self.transport_class.configuration_problem(self.configuration)
         if problem is not None:
             raise ValidationError({"configuration": problem})
-        stored = type(self)._base_manager.using(using).filter(pk=self.pk)
-        if connections[using].in_atomic_block:
-            # Locked before the topics are looked for, and held until the row is written: a
-            # topic moving here at the same time (which locks this row first) is either seen
-            # below or reads the new driver once this commits.
-            stored = stored.select_for_update()
+        # Locked before the topics are looked for, and held until the row is written: a topic
+        # moving here at the same time (which locks this row first) is either seen below or
+        # reads the new driver once this commits.
+        stored = _locked(type(self)._base_manager.using(using).filter(pk=self.pk), using)
         driver = stored.values_list("driver_class", flat=True).first()
         if (
             driver not in (None, self.driver_class)
@@ -346,6 +344,13 @@ def _lock_topology(using: str, topic_ids: set[Any]) -> None:
         get_driver(using).call("wq_lock_topology", {"topic_id": topic_id}, connection=connection)
 
 
+def _locked(rows: QuerySet, using: str) -> QuerySet:
+    """``rows`` read FOR UPDATE, in primary key order, when a transaction holds the locks until
+    this write commits; as they are otherwise."""
+    rows = rows.order_by("pk")
+    return rows.select_for_update() if connections[using].in_atomic_block else rows
+
+
 def _stranded_work_problem(
     using: str, leaving_id: Any, joining_id: Any, topic_ids: set[Any], deliveries: Q
 ) -> str | None:
@@ -355,20 +360,19 @@ def _stranded_work_problem(
     by that transport's receiver and the operators' procedures refuse it, so what still waits
     in the queue tables (the ``deliveries`` Pending, in flight or dead-lettered) would be read
     by nobody, with no way back (audit helper-129). ``topic_ids`` are the topics whose
-    publishes may be writing such deliveries right now: their topology lock is taken first,
-    so those publishes are seen and later ones see the move, as do moves of the same topics
-    made at the same time."""
+    publishes may be writing such deliveries right now: their topology lock is taken before
+    the deliveries are looked for, so those publishes are seen and later ones see the move.
+
+    Two such writes at once wait for each other on the rows they read, taken in one order:
+    topics' rows, then transports' rows, then topology locks (audit helper-131's residual)."""
     if leaving_id is None or joining_id is None or leaving_id == joining_id:
         return None
-    # The topics' locks, then the transports' rows, each in one order, and held until this
-    # move commits whether or not it strands anything: every write that takes both takes them
-    # in this order, so none waits for another in a circle. A change of the joining
-    # transport's driver (which locks its row before it looks for topics) waits, then sees
-    # this topic; or this move waits for it, then reads the new driver.
-    _lock_topology(using, topic_ids)
-    transports = Transport._base_manager.using(using).order_by("pk")
-    if connections[using].in_atomic_block:
-        transports = transports.select_for_update()
+    # Locked whether or not this move strands anything: a change of the joining transport's
+    # driver (which locks its row before it looks for topics) waits, then sees this topic; or
+    # this move waits for it, then reads the new driver. (Rows, not the topology lock: that
+    # one would make every move wait for the topics' publishes, a running task's enqueue
+    # holding it until the task commits.)
+    transports = _locked(Transport._base_manager.using(using), using)
     transports = transports.in_bulk([leaving_id, joining_id])
     leaving, joining = transports.get(leaving_id), transports.get(joining_id)
     try:
@@ -385,6 +389,7 @@ def _stranded_work_problem(
     # Imported here: models must not depend on the queue tables at import time.
     from workqueue.models.queue import OPEN_STATUSES, Delivery
 
+    _lock_topology(using, topic_ids)
     waiting = Delivery._base_manager.using(using).filter(deliveries, status__in=OPEN_STATUSES)
     if not waiting.exists():
         return None
@@ -448,7 +453,9 @@ class Topic(TopologyModel):
         fields = {"name": "name", "is_fifo": "is_fifo", "transport": "transport_id"}
         if problems := _renamed_resources_problem(self, using, fields, "transport_id"):
             raise ValidationError(problems)
-        stored = type(self)._base_manager.using(using).filter(pk=self.pk)
+        # Locked first: a subscription moving here at the same time (which locks this row
+        # before it reads the transport) is either seen below, or reads the new transport.
+        stored = _locked(type(self)._base_manager.using(using).filter(pk=self.pk), using)
         if problem := _stranded_work_problem(
             using,
             stored.values_list("transport_id", flat=True).first(),
@@ -582,7 +589,7 @@ class Subscription(TopologyModel):
                 "Must be at least backoff_base_seconds "
                 f"({self.backoff_base_seconds}); raise it or lower the base."
             )
-        if problem := self.external_tasks_problem():
+        if problem := self.external_tasks_problem() or self._work_becoming_tasks_problem(using):
             errors["handler_key"] = problem
         if self.host_type == HostType.WORKER and not self.handler_key.strip():
             errors["handler_key"] = (
@@ -646,11 +653,13 @@ class Subscription(TopologyModel):
         stored = type(self)._base_manager.using(using).filter(pk=self.pk).values("topic_id").first()
         if stored is None or stored["topic_id"] == self.topic_id:
             return None
-        # Both topics' locks before their transports are read: a topic leaving the database at
-        # the same time (which takes its lock before it looks for waiting work) is either read
-        # here on its new transport, or sees this subscription's work once this commits.
-        _lock_topology(using, {stored["topic_id"], self.topic_id})
-        topics = Topic._base_manager.using(using).in_bulk([stored["topic_id"], self.topic_id])
+        # Both topics' rows locked before their transports are read: a topic leaving the
+        # database at the same time (which locks its row before it looks for waiting work) is
+        # either read here on its new transport, or sees this subscription's work once this
+        # commits.
+        topics = _locked(Topic._base_manager.using(using), using).in_bulk(
+            [stored["topic_id"], self.topic_id]
+        )
         leaving, joining = topics.get(stored["topic_id"]), topics.get(self.topic_id)
         if leaving is None or joining is None:
             return None  # a fixture's topic not loaded yet; its foreign key is checked at commit
@@ -669,6 +678,35 @@ class Subscription(TopologyModel):
             return self.topic.transport
         except ObjectDoesNotExist:
             return None  # a fixture's topic not loaded yet; its foreign key is checked at commit
+
+    def _work_becoming_tasks_problem(self, using: str) -> str | None:
+        """Why this subscription may not start running its waiting work as Tasks API tasks.
+
+        A message names the task to import and run, with its arguments: deliveries written
+        while the subscription had another handler (or while its topic allowed external
+        publishing, closed since) were published by whoever could publish there, never checked
+        as tasks. Waiting, in flight or dead-lettered (a replay would run it), they would run
+        as any task of the project (audit helper-137)."""
+        if self.handler_key.strip() != _tasks_handler_key():
+            return None
+        stored = type(self)._base_manager.using(using).filter(pk=self.pk)
+        previous = stored.values_list("handler_key", flat=True).first()
+        if previous is None or previous.strip() == _tasks_handler_key():
+            return None
+        # Imported here: models must not depend on the queue tables at import time.
+        from workqueue.models.queue import OPEN_STATUSES, Delivery
+
+        waiting = Delivery._base_manager.using(using).filter(
+            subscription_id=self.pk, status__in=OPEN_STATUSES
+        )
+        if not waiting.exists():
+            return None
+        return (
+            "The subscription holds deliveries published for its previous handler "
+            f"({previous.strip()!r}), pending, in flight or dead-lettered: run as Tasks API "
+            "tasks, each would import and run whatever task its message names. Let them "
+            "finish or discard them first, or make a new subscription for the tasks."
+        )
 
     def external_tasks_problem(self) -> str | None:
         """Why this subscription must not run its topic's messages as Tasks API tasks (its

@@ -555,7 +555,8 @@ def resolve_dead_letters(
     if not isinstance(batch_size, int) or not 1 <= batch_size <= 5000:
         raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
     filters = {
-        "reason": _filter_text(selection.reason, "reason filter"),
+        # A reason is a name, compared whole: trimmed ("MaxAttemptsExceeded " matched none).
+        "reason": (_filter_text(selection.reason, "reason filter") or "").strip() or None,
         **_filter_parameters(
             partition_key=selection.partition_key,
             window={

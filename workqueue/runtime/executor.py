@@ -58,6 +58,7 @@ from workqueue.exceptions import (
     one_line,
 )
 from workqueue.input_limits import key_length, within_units
+from workqueue.operators.display import error_summary
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import (
     AbortReason,
@@ -1188,12 +1189,15 @@ def _cut_reason(text: str) -> str:
     return within_units(text, MAX_REASON_LENGTH - 1) + "…"
 
 
+#: Characters of an error's summary in a settle's log line.
+SUMMARY_WIDTH = 500
+
+
 def _first_line(text: str) -> str:
-    """A traceback's last line names the exception; plain text keeps its first line."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    return lines[-1] if lines[0].startswith("Traceback") else lines[0]
+    """What a log line says of an error: its exception's ``Type: message`` line, as the
+    operators' listings show it. (A traceback's last line, used until audit helper-136, is the
+    end of the exception's message, for a database error its ``LINE 1:`` or caret line.)"""
+    return error_summary(text, width=SUMMARY_WIDTH)
 
 
 def _traceback_to_log(exception: BaseException | None) -> BaseException | None:

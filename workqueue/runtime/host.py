@@ -81,6 +81,15 @@ class PlanEntry:
     reason: str = ""
     concurrency: int = 1
     plan: SubscriptionPlan | None = None
+    #: The subscription's id, when it exists: handlers of its earlier consumers are matched by
+    #: it, not by its name, which an operator may change (audit helper-134).
+    subscription_id: str | None = None
+
+    def runs(self, consumer: Consumer) -> bool:
+        """Whether ``consumer`` (perhaps one a re-plan stopped) ran this subscription."""
+        if self.subscription_id is not None:
+            return consumer.plan.subscription_id == self.subscription_id
+        return consumer.plan.name == self.name
 
 
 _NOT_PLANNED = PlanEntry("", PlanState.ERROR)
@@ -330,17 +339,28 @@ class Host:
             extra={"action": "host_started"},
         )
         if not entries and self.planning_failure is None:
-            # Said at the default level: a project whose topology is declared in settings but
-            # never synced starts a host that runs nothing, and said so only at INFO. (A plan
-            # that failed is logged as such, and made again.)
-            logger.warning(
-                "Host %s runs no subscription: none exists in the database yet. Create them "
-                "(`manage.py workqueue sync-topology` for those declared in "
-                "WORKQUEUE['TOPOLOGY'], or the admin); the host takes them up within "
-                "RECONCILE_INTERVAL_MS once they exist.",
-                self.instance_id,
-                extra={"action": "host_runs_nothing"},
-            )
+            if not self.config.selection()[1]:
+                # Nothing asked for: told as such, not as a database without subscriptions
+                # (audit helper-136, a database with three).
+                logger.warning(
+                    "Host %s runs no subscription: WORKQUEUE['SUBSCRIPTIONS'] names none (it "
+                    "is empty), so it runs only its sweeper and scheduler. Name them there, "
+                    "or '*' for every one, or pass -s to the command.",
+                    self.instance_id,
+                    extra={"action": "host_runs_nothing"},
+                )
+            else:
+                # Said at the default level: a project whose topology is declared in settings
+                # but never synced starts a host that runs nothing, and said so only at INFO.
+                # (A plan that failed is logged as such, and made again.)
+                logger.warning(
+                    "Host %s runs no subscription: none exists in the database yet. Create "
+                    "them (`manage.py workqueue sync-topology` for those declared in "
+                    "WORKQUEUE['TOPOLOGY'], or the admin); the host takes them up within "
+                    "RECONCILE_INTERVAL_MS once they exist.",
+                    self.instance_id,
+                    extra={"action": "host_runs_nothing"},
+                )
         self._warn_of_other_procedures()
         drift = topology_drift_warning()
         if drift is not None:
@@ -403,7 +423,13 @@ class Host:
                 self._consumers.clear()
                 self._start_failures.clear()
                 self._plans = {
-                    name: PlanEntry(name, PlanState.PAUSED, "Host is shut down", entry.concurrency)
+                    name: PlanEntry(
+                        name,
+                        PlanState.PAUSED,
+                        "Host is shut down",
+                        entry.concurrency,
+                        subscription_id=entry.subscription_id,
+                    )
                     if entry.state == PlanState.RUNNING
                     else entry
                     for name, entry in self._plans.items()
@@ -473,7 +499,8 @@ class Host:
             return PlanEntry(name, PlanState.ERROR, str(exc), MAX_CONCURRENCY)
 
         def entry(state: str, reason: str = "") -> PlanEntry:
-            return PlanEntry(name, state, reason, concurrency)
+            known = None if subscription is None else str(subscription.id)
+            return PlanEntry(name, state, reason, concurrency, subscription_id=known)
 
         if subscription is None:
             near = difflib.get_close_matches(name, existing, n=3, cutoff=0.8)
@@ -505,7 +532,13 @@ class Host:
             return entry(
                 PlanState.HANDLER_NOT_REGISTERED,
                 f"No handler registered for key {subscription.handler_key!r}"
-                + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""),
+                + (
+                    f"; did you mean {' or '.join(map(repr, near))}?"
+                    if near
+                    else "; handlers are loaded from each installed app's work_handlers.py "
+                    "and the modules named in WORKQUEUE['HANDLER_MODULES']: is the one that "
+                    "registers it among them?"
+                ),
             )
         return PlanEntry(
             name,
@@ -513,6 +546,7 @@ class Host:
             "",
             concurrency,
             SubscriptionPlan.from_subscription(subscription),
+            str(subscription.id),
         )
 
     def reconcile(self) -> None:
@@ -556,7 +590,20 @@ class Host:
                 ):
                     to_stop.append(self._consumers.pop(name))
             self._retiring.extend(to_stop)
-            self._plans = plans
+            previous, self._plans = self._plans, plans
+        for name, entry in plans.items():
+            before = previous.get(name)
+            if entry.state in CANNOT_RUN and (before is None or before.reason != entry.reason):
+                # Once, at the default level: said at INFO only (the host's start line), a
+                # subscription whose handler was never loaded piled up unseen where the app's
+                # loggers are at WARNING (audit helper-136).
+                logger.warning(
+                    "%s: %s, not run (%s)",
+                    name,
+                    entry.state,
+                    entry.reason,
+                    extra={"action": "subscription_not_run"},
+                )
         try:
             for consumer in to_stop:
                 self._detach(consumer)
@@ -661,9 +708,7 @@ class Host:
             # Handlers a re-plan gave up on run on; they count against the concurrency. By id:
             # a renamed subscription is the same one (by name, its new consumer counted none
             # of them, audit helper-134).
-            predecessors=[
-                c for c in self._lingering if c.plan.subscription_id == entry.plan.subscription_id
-            ],
+            predecessors=[c for c in self._lingering if entry.runs(c)],
         )
 
     def _run_consumer(self, entry: PlanEntry, consumer: Consumer) -> None:
@@ -722,12 +767,7 @@ class Host:
             if state == PlanState.RUNNING and failure:
                 state, reason = PlanState.ERROR, failure
             in_flight = consumer.in_flight if consumer is not None else 0
-            if entry.plan is not None:
-                in_flight += sum(
-                    c.in_flight
-                    for c in stopped
-                    if c.plan.subscription_id == entry.plan.subscription_id
-                )
+            in_flight += sum(c.in_flight for c in stopped if entry.runs(c))
             subscriptions.append(
                 {
                     "name": entry.name,
@@ -861,7 +901,9 @@ class Host:
                 ):
                     reason = "MaxDuration"
                     break
-                if spent and not busy:
+                # And again after: a claim can give back what it took (no rate token was
+                # due, or it came back short), between the first read and "busy" (helper-135).
+                if spent and not busy and self._budget.spent:
                     reason = "MaxDeliveries"
                     break
                 quiet = min(time.monotonic() - c.last_activity for c in consumers)

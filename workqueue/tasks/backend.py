@@ -178,18 +178,22 @@ class WorkQueueBackend(api.BaseTaskBackend):
             enqueued_at=timezone.now(),
         )
         # Imported here: they read models or reach the driver (see get_result, _publish).
-        from workqueue.publishing import running_a_task
+        from workqueue.publishing import RUNS_A_TASK
         from workqueue.tasks.signals import send
 
         # The task is queued whatever a receiver does: its failure is logged, not raised, so
         # a caller never enqueues the task twice because a receiver failed.
         announce = functools.partial(send, api.task_enqueued, type(self), result)
         alias = get_settings().DATABASE_ALIAS
-        if running_a_task(alias):
-            # Enlisted in a running task's transaction: enqueued only if that commits (told at
-            # once, receivers heard of follow-ups a failed run took back: audit helper-133).
+        blocks = connections[alias].atomic_blocks
+        if blocks and getattr(blocks[0], RUNS_A_TASK, False):
+            # Enlisted in the transaction of a running task, which commits on its own: enqueued
+            # only if that commits (told at once, receivers heard of follow-ups a failed run
+            # took back: audit helper-133).
             transaction.on_commit(announce, using=alias)
         else:
+            # Published already, or enlisted in a task run inside a test's transaction (test
+            # mode), whose commit never comes (review helper-135).
             announce()
         return result
 
@@ -468,17 +472,23 @@ def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -
 
     alias = get_settings().DATABASE_ALIAS
     name = topic_name(queue_name)
-    # Seeded by the migrations; recreated here only if someone deleted it.
-    transport, _ = Transport.objects.db_manager(alias).get_or_create(
-        name="Database", defaults={"driver_class": "Database"}
-    )
-    topic, _ = Topic.objects.db_manager(alias).get_or_create(
-        name=name,
-        defaults={
-            "transport": transport,
-            "description": f"Django Tasks API queue {queue_name!r} (workqueue.tasks).",
-        },
-    )
+    # Read first: an existing queue costs reads only (a scheduler makes sure of its task's
+    # queue at every pass, perhaps as a role that may not write the topology), and the
+    # transport is looked up only for a topic to make (review helper-135: the seeded
+    # transport renamed, a "Database" one was made again at each pass).
+    topic = Topic.objects.db_manager(alias).select_related("transport").filter(name=name).first()
+    if topic is None:
+        # Seeded by the migrations; recreated here only if someone deleted it.
+        transport, _ = Transport.objects.db_manager(alias).get_or_create(
+            name="Database", defaults={"driver_class": "Database"}
+        )
+        topic, _ = Topic.objects.db_manager(alias).get_or_create(
+            name=name,
+            defaults={
+                "transport": transport,
+                "description": f"Django Tasks API queue {queue_name!r} (workqueue.tasks).",
+            },
+        )
     if not topic.transport.transport_class().keeps_deliveries_in_database:
         # Task results are read from this database's deliveries (workqueue.tasks.results): on
         # a transport that keeps them elsewhere the tasks would run, but no result would ever

@@ -129,10 +129,19 @@ class TaskHandler(BaseWorkHandler):
                     task_message.task_path,
                     result_id,
                 )
-            # Otherwise the commit reached the server and its answer was lost with the
-            # connection: the task succeeded too, its callbacks never ran (Django saw a failed
-            # commit). Taken for a failure, it sent no task_finished, though it read
-            # SUCCESSFUL (audit helper-133).
+            else:
+                # The commit reached the server and its answer was lost with the connection:
+                # the task succeeded too, its callbacks never ran (Django saw a failed commit).
+                # Taken for a failure, it sent no task_finished, though it read SUCCESSFUL
+                # (audit helper-133).
+                logger.warning(
+                    "Task %s (result %s) succeeded: its commit raised, but reached the "
+                    "database (its completion is stored); the callbacks it registered with "
+                    "transaction.on_commit did not run",
+                    task_message.task_path,
+                    result_id,
+                    exc_info=exc,
+                )
         finished = build_result(
             task,
             result_id,
