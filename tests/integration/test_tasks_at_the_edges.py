@@ -16,10 +16,9 @@ from django.db import OperationalError, connection, transaction
 from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
 from django_tasks.signals import task_enqueued, task_finished
 
+from tests.support.hosts import running_tasks_queue
 from tests.support.waiting import wait_until
-from workqueue.driver import get_driver
-from workqueue.models import Message, Subscription
-from workqueue.runtime.host import Host, HostConfig
+from workqueue.models import Message
 from workqueue.testing import run_until_idle, use_test_connection
 
 QUEUE = "tasks.default"
@@ -94,27 +93,8 @@ async def edge_coroutine_aenqueues_then_fails_first(context: TaskContext) -> str
 
 @pytest.fixture
 def host(queue_db: None) -> Iterator[None]:
-    get_user_model().objects.create_user("workqueue-system")
-    default_task_backend.ensure_queue("default")
-    Subscription.objects.filter(name=QUEUE).update(
-        max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0
-    )
-    running = Host(
-        HostConfig(
-            subscriptions=[{"name": QUEUE, "concurrency": 1}],
-            idle_poll_min_ms=50,
-            idle_poll_max_ms=200,
-            shutdown_drain_ms=300,
-            sweeper_interval_ms=0,
-            reconcile_interval_ms=0,
-        )
-    )
-    running.start()
-    try:
+    with running_tasks_queue():
         yield
-    finally:
-        running.shutdown()
-        get_driver().close()
 
 
 def finished(result_id: str) -> Any:

@@ -9,17 +9,16 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.db import connection
 from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
 
 from tests.support import txn_handlers
+from tests.support.hosts import running_tasks_queue
 from tests.support.txn_handlers import effects
 from tests.support.waiting import wait_until
 from workqueue import transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Subscription, TaskResult
-from workqueue.runtime.host import Host, HostConfig
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -57,28 +56,11 @@ def writes_a_row_and_loses_its_lease(context: TaskContext) -> str:
 
 @pytest.fixture
 def host() -> Iterator[None]:
-    get_user_model().objects.create_user("workqueue-system")
     txn_handlers.create_effect_table()
-    default_task_backend.ensure_queue("default")
-    Subscription.objects.filter(name=QUEUE).update(
-        max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0
-    )
-    running = Host(
-        HostConfig(
-            subscriptions=[{"name": QUEUE, "concurrency": 1}],
-            idle_poll_min_ms=50,
-            idle_poll_max_ms=200,
-            shutdown_drain_ms=300,
-            sweeper_interval_ms=0,
-            reconcile_interval_ms=0,
-        )
-    )
-    running.start()
     try:
-        yield
+        with running_tasks_queue():
+            yield
     finally:
-        running.shutdown()
-        get_driver().close()
         txn_handlers.drop_effect_table()
 
 

@@ -87,46 +87,33 @@ def test_a_one_shot_job_on_a_database_an_upgrade_did_not_migrate_says_to_run_mig
     assert "Traceback" not in done.stderr, done.stderr
 
 
-def test_enqueueing_a_task_on_a_database_without_the_queues_tables_says_to_run_migrate(
-    queue_not_migrated,
+@pytest.mark.parametrize(
+    ("call", "refused_with"),
+    [
+        ("from tests.task_functions import add\n    add.enqueue(1, 2)", "TaskEnqueueError"),
+        (
+            "from workqueue import publish\n    publish('orders.created', {'order': 1})",
+            "WorkQueueConfigurationError",
+        ),
+    ],
+    ids=["enqueue", "publish"],
+)
+def test_publishing_from_code_on_a_database_without_the_queues_tables_says_to_run_migrate(
+    queue_not_migrated, call, refused_with
 ):
     """The enqueue's first step, making the queue's topic, met the missing table and its
-    error said to look at the role's privileges (helper-120)."""
-    enqueue = (
-        "from tests.task_functions import add\n"
-        "try:\n"
-        "    add.enqueue(1, 2)\n"
-        "except Exception as refused:\n"
-        "    print(type(refused).__name__, refused)\n"
+    error said to look at the role's privileges (helper-120); ``publish()`` from a view or a
+    shell gave the database's own words, that function wq_publish(p_topic_name => text, ...)
+    did not exist, with a hint about type casts (audit helper-136)."""
+    code = (
+        f"try:\n    {call}\n"
+        "except Exception as refused:\n    print(type(refused).__name__, refused)\n"
     )
 
     done = run_manage(
-        "shell", "-c", enqueue, env=subprocess_environment(queue_not_migrated), timeout=60
+        "shell", "-c", code, env=subprocess_environment(queue_not_migrated), timeout=60
     )
 
     (said,) = [line for line in done.stdout.splitlines() if "Error" in line]
-    assert said.startswith("TaskEnqueueError The database 'default' is not migrated"), said
+    assert said.startswith(f"{refused_with} The database 'default' is not migrated"), said
     assert "Run `manage.py migrate`" in said and "privilege" not in said
-
-
-def test_publishing_from_code_on_a_database_without_the_queues_tables_says_to_run_migrate(
-    queue_not_migrated,
-):
-    """Audit helper-136: the commands said so, but ``publish()`` from a view or a shell gave
-    the database's own words: function wq_publish(p_topic_name => text, ...) does not exist,
-    with a hint about explicit type casts."""
-    publishing = (
-        "from workqueue import publish\n"
-        "try:\n"
-        "    publish('orders.created', {'order': 1})\n"
-        "except Exception as refused:\n"
-        "    print(type(refused).__name__, refused)\n"
-    )
-
-    done = run_manage(
-        "shell", "-c", publishing, env=subprocess_environment(queue_not_migrated), timeout=60
-    )
-
-    (said,) = [line for line in done.stdout.splitlines() if "Error" in line]
-    assert said.startswith("WorkQueueConfigurationError The database 'default' is not migrated")
-    assert "Run `manage.py migrate`" in said

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from tests.support.handlers import Run, probe, registry
+from tests.support.handlers import probe, registry
 from tests.support.hosts import one, states, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import publish
 from workqueue.exceptions import TransientDriverError
-from workqueue.models import Delivery
+from workqueue.models import Delivery, Subscription
 from workqueue.runtime.consumer import Consumer
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.outcome import Outcome
@@ -98,18 +98,6 @@ class _Unprintable:
 
 class _ReturnsTheWrongThing(BaseWorkHandler):
     def handle(self, message, context):
-        probe.add(
-            Run(
-                message_id=message.message_id,
-                attempt=context.attempt,
-                max_attempts=context.max_attempts,
-                delivery_id=context.delivery_id,
-                subscription=context.subscription_name,
-                user=self.user,
-                thread=threading.current_thread().name,
-                started_at=time.monotonic(),
-            )
-        )
         return _Unprintable()  # meant: return Outcome.complete()
 
 
@@ -183,23 +171,10 @@ def test_a_rate_limited_subscription_is_running_again_once_the_database_answers(
     long as the next token takes, though the database answers again (here 50 s, after a blip
     of one failed call). In a one-shot job, three such failures in a row read as a
     subscription that cannot run (exit 2)."""
-    s = sub(rate_limit_per_second=0.02, rate_limit_burst=1)  # a token every 50 s
-    Receiver(s.id, "another-host").take_rate_tokens(1)  # another host took the one token
-    real_take = Receiver.take_rate_tokens
-    blip = {"failures_left": 1}
-
-    def take(self, wanted):
-        if blip["failures_left"]:
-            blip["failures_left"] -= 1
-            raise TransientDriverError("server closed the connection unexpectedly (test)")
-        return real_take(self, wanted)
-
-    monkeypatch.setattr(Receiver, "take_rate_tokens", take)
-    publish(s.topic.name, {"then": "complete"})
+    s, takes = _waiting_for_a_token_after_failed_takes(monkeypatch, failures=1)
     host = make_host(one(s, concurrency=1))  # polls at most every 200 ms
     host.start()
-    wait_until(lambda: blip["failures_left"] == 0)
-    time.sleep(2)  # ten takes since, each answered (nothing granted yet)
+    wait_until(lambda: takes["answered"] >= 3, timeout=20)  # nothing granted yet
 
     state, reason = states(host)[s.name]
     assert state == "Running", f"still {state} ({reason}) though every take since was answered"
@@ -214,24 +189,12 @@ def test_a_one_shot_job_whose_token_takes_failed_then_answered_is_not_a_job_that
     away), so the run reports the subscription as one that could not run: `workqueue_work`
     exits 2 ("Could not run: ... Error (Not claiming: taking rate-limit tokens failed ...)")
     although the database answers and the work merely waits for its rate."""
-    s = sub(rate_limit_per_second=0.02, rate_limit_burst=1)  # a token every 50 s
-    Receiver(s.id, "another-host").take_rate_tokens(1)  # another host took the one token
-    real_take = Receiver.take_rate_tokens
-    blip = {"failures_left": 3}
-
-    def take(self, wanted):
-        if blip["failures_left"]:
-            blip["failures_left"] -= 1
-            raise TransientDriverError("server closed the connection unexpectedly (test)")
-        return real_take(self, wanted)
-
-    monkeypatch.setattr(Receiver, "take_rate_tokens", take)
-    publish(s.topic.name, {"then": "complete"})
+    s, takes = _waiting_for_a_token_after_failed_takes(monkeypatch, failures=3)
     host = make_host(one(s, concurrency=1))
 
     result = host.run_once(max_deliveries=1, idle_exit_ms=2_000, max_duration_ms=5_000)
 
-    assert blip["failures_left"] == 0
+    assert takes["failures_left"] == 0 and takes["answered"] > 0
     assert result.could_not_run == [], f"ended {result.reason}: {result.could_not_run}"
 
 
@@ -255,3 +218,27 @@ def test_a_paused_subscriptions_handler_that_runs_on_is_counted_in_its_health(ma
     assert not lingering.finished.is_set()
     [entry] = [e for e in host.health()["subscriptions"] if e["name"] == s.name]
     assert (entry["state"], entry["in_flight"]) == ("Paused", 1), entry
+
+
+def _waiting_for_a_token_after_failed_takes(
+    monkeypatch: pytest.MonkeyPatch, failures: int
+) -> tuple[Subscription, dict[str, int]]:
+    """A subscription with a delivery waiting and its one token taken by another host (the next
+    is due in 50 s), whose next ``failures`` takes of tokens fail as in an outage; its takes
+    counted (``failures_left``, ``answered``)."""
+    s = sub(rate_limit_per_second=0.02, rate_limit_burst=1)
+    Receiver(s.id, "another-host").take_rate_tokens(1)
+    real_take = Receiver.take_rate_tokens
+    takes = {"failures_left": failures, "answered": 0}
+
+    def take(self: Receiver, wanted: int) -> tuple[int, float]:
+        if takes["failures_left"]:
+            takes["failures_left"] -= 1
+            raise TransientDriverError("server closed the connection unexpectedly (test)")
+        answer = real_take(self, wanted)
+        takes["answered"] += 1
+        return answer
+
+    monkeypatch.setattr(Receiver, "take_rate_tokens", take)
+    publish(s.topic.name, {"then": "complete"})
+    return s, takes

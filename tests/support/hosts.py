@@ -5,13 +5,15 @@ tests/conftest.py) builds them."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from django.db import connection
 
 from tests.factories import SubscriptionFactory
 from workqueue.models import Delivery, Subscription
-from workqueue.runtime.host import Host
+from workqueue.runtime.host import Host, HostConfig
 
 RUNTIME_THREADS = ("wq-", "workqueue-timers")
 
@@ -56,3 +58,36 @@ def listener_pid() -> int | None:
         found = cursor.fetchall()
     assert len(found) <= 1, found
     return found[0][0] if found else None
+
+
+@contextmanager
+def running_tasks_queue(queue: str = "default") -> Iterator[None]:
+    """A host in this process running the Tasks API queue ``tasks.<queue>``, made with its
+    system user; a failed task is retried at once, three attempts in all."""
+    from django.contrib.auth import get_user_model
+    from django_tasks import default_task_backend
+
+    from workqueue.driver import get_driver
+
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue(queue)
+    name = f"tasks.{queue}"
+    Subscription.objects.filter(name=name).update(
+        max_attempts=3, backoff_base_seconds=0, backoff_max_seconds=0
+    )
+    running = Host(
+        HostConfig(
+            subscriptions=[{"name": name, "concurrency": 1}],
+            idle_poll_min_ms=50,
+            idle_poll_max_ms=200,
+            shutdown_drain_ms=300,
+            sweeper_interval_ms=0,
+            reconcile_interval_ms=0,
+        )
+    )
+    running.start()
+    try:
+        yield
+    finally:
+        running.shutdown()
+        get_driver().close()
