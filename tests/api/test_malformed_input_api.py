@@ -278,3 +278,22 @@ def test_an_operator_body_of_many_unknown_fields_gets_a_short_400(client):
     assert response.status_code == 400
     assert len(response.content) < 4_000, len(response.content)
     assert response.json()["errors"][-1]["msg"].startswith("... and ")
+
+
+@pytest.mark.parametrize("scopes", [[PUBLISH], [READ]])
+def test_a_key_that_may_not_operate_is_refused_before_its_body_is_read(client, scopes):
+    """Audit helper-137: the body was validated before the view checked the key's scope, so a
+    publish-only key got 400 for a body of unknown fields (and its validation's cost), where
+    403 is the answer."""
+    subscription = SubscriptionFactory()
+    key = ApiKeyFactory(scopes=scopes)
+
+    response = client.post(
+        f"/work-queue/subscriptions/{subscription.name}/pending/discard",
+        data='{"unknown": 1}',
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+    assert response.status_code == 403, (response.status_code, response.content)
+    assert "lacks the workqueue:operate scope" in response.json()["detail"]

@@ -12,6 +12,7 @@ from django.apps import apps
 from django.http import HttpRequest
 from ninja import Router
 
+from workqueue.api.auth import OPERATOR_AUTH
 from workqueue.api.schemas import (
     BacklogOut,
     BulkDiscardIn,
@@ -169,6 +170,7 @@ def backlog(request: HttpRequest, name: str) -> operations.BacklogReport:
     response={200: ReplayOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="replayDeadLetter",
+    auth=OPERATOR_AUTH,
     summary="Send a dead letter back to the queue",
 )
 def replay(
@@ -190,6 +192,7 @@ def replay(
     response={200: DiscardOut, **TRANSPORT_ERRORS},
     by_alias=True,
     operation_id="discardDelivery",
+    auth=OPERATOR_AUTH,
     summary="Discard a delivery, or cancel it if it is running",
 )
 def discard(
@@ -211,6 +214,7 @@ def discard(
     response={200: BulkOut, **BULK_ERRORS},
     by_alias=True,
     operation_id="replayDeadLetters",
+    auth=OPERATOR_AUTH,
     summary="Replay every dead letter matching a filter",
 )
 def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> Any:
@@ -228,6 +232,7 @@ def replay_dead_letters(request: HttpRequest, name: str, body: BulkReplayIn) -> 
     response={200: BulkOut, **BULK_ERRORS},
     by_alias=True,
     operation_id="discardDeadLetters",
+    auth=OPERATOR_AUTH,
     summary="Discard every dead letter matching a filter",
 )
 def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -> Any:
@@ -244,6 +249,7 @@ def discard_dead_letters(request: HttpRequest, name: str, body: BulkDiscardIn) -
     response={200: BulkOut, **BULK_ERRORS},
     by_alias=True,
     operation_id="discardPending",
+    auth=OPERATOR_AUTH,
     summary="Discard every waiting delivery matching a filter",
 )
 def discard_pending(request: HttpRequest, name: str, body: PendingDiscardIn) -> Any:
