@@ -110,6 +110,30 @@ def test_the_dead_letters_table_names_the_exception_and_prints_a_command_to_past
     assert run(*command).strip() == f"Replayed {delivery_id}"
 
 
+def test_error_summary_of_a_traceback_cut_to_its_ends_is_its_exception_line():
+    """Review helper-138: a traceback longer than a delivery keeps (16,000 characters) is kept
+    as its start and its end around a marker line; the summary (and a settle's log line) was
+    the marker, "[... 8,024 characters left out ...]"."""
+    from workqueue.runtime.executor import describe_error
+
+    # Two functions in turn: Python folds a run of one repeated frame into a line.
+    def down(n: int) -> None:
+        if n == 0:
+            raise ValueError("the real problem\nLINE 1: and more\n   ^")
+        further(n - 1)
+
+    def further(n: int) -> None:
+        down(n)
+
+    try:
+        down(300)
+    except ValueError as exc:
+        stored = describe_error(exc)
+
+    assert "characters left out" in stored  # cut, as the test means
+    assert error_summary(stored) == "ValueError: the real problem"
+
+
 def test_error_summary_of_plain_text_is_its_first_line():
     assert error_summary("Poison message\nmore") == "Poison message"
     assert error_summary(None) == ""
