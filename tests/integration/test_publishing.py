@@ -344,3 +344,20 @@ def test_an_external_publish_in_python_to_a_topic_closed_to_it_is_rejected():
 
     assert (result.status, result.error.code) == ("Rejected", "TopicNotExternallyPublishable")
     assert not Message.objects.filter(topic=topic).exists()
+
+
+@pytest.mark.parametrize("external", [True, False])
+@pytest.mark.parametrize("count", [1, 3], ids=["wq_publish", "wq_publish_many"])
+def test_a_message_records_whether_an_api_key_published_it(external, count):
+    """What the Tasks API's handler rule reads (migration 0049): each procedure stores the
+    application's word, ``external``, for every message it writes."""
+    topic = TopicFactory(allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+
+    results = publish_many(
+        topic.name, [{"payload": {"n": n}} for n in range(count)], external=external
+    )
+
+    ids = [r.message_id for r in results]
+    stored = set(Message.objects.filter(id__in=ids).values_list("published_externally", flat=True))
+    assert stored == {external}

@@ -530,17 +530,24 @@ def test_a_topic_read_by_the_tasks_handler_cannot_be_opened_to_external_publishe
     assert not Topic.objects.get(pk=tasks_topic.pk).allow_external_publish
 
 
+TASK_SHAPED = {"task": "tests.task_functions.user_exists", "args": ["x"], "kwargs": {}}
+
+
 @pytest.mark.usefixtures("queue_db")
 @pytest.mark.parametrize("waiting", ["Pending", "DeadLettered"])
-def test_work_published_for_another_handler_never_becomes_tasks(waiting):
+def test_work_an_api_key_published_never_becomes_tasks(waiting):
     """Audit helper-137: a key published a task-shaped payload while the topic was open; the
     operator closed the topic (as EXTERNAL_TASKS_PROBLEM advises) and gave the subscription
     the Tasks API's handler, and the key holder's message ran as a task of the project, with
-    its arguments, as the system user. Work waiting from before the switch now refuses it."""
+    its arguments, as the system user. Work a key published, still waiting, refuses it."""
     topic = TopicFactory(name="jobs", allow_external_publish=True)
     subscription = SubscriptionFactory(topic=topic, name="jobs.worker", handler_key="tests.noop")
-    task_shaped = {"task": "tests.task_functions.user_exists", "args": ["x"]}
-    waits = (dead_letter if waiting == "DeadLettered" else pending)(subscription, task_shaped)
+    [published] = publish_many(topic.name, [{"payload": TASK_SHAPED}], external=True)
+    waits = str(Delivery.objects.get(message_id=published.message_id).pk)
+    if waiting == "DeadLettered":
+        receiver = Receiver(subscription.id)
+        [claimed] = receiver.receive(1).deliveries
+        assert receiver.dead_letter(claimed, "Poison", "ValueError: boom").settled
     topic.allow_external_publish = False
     topic.save()
     subscription.handler_key = "workqueue.tasks"
@@ -553,6 +560,21 @@ def test_work_published_for_another_handler_never_becomes_tasks(waiting):
     # Once that work is gone, the switch is allowed.
     operations.discard(subscription.name, waits, reason="not a task")
     subscription.save()
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_task_queue_whose_key_was_mistyped_is_corrected_with_its_tasks_waiting():
+    """Review helper-138: refused for any waiting work, a mistyped handler key on a busy task
+    queue could be corrected only by discarding its tasks. The application's own work may
+    switch."""
+    topic = TopicFactory(name="tasks.reports")
+    subscription = SubscriptionFactory(topic=topic, handler_key="workqueue.task")  # mistyped
+    pending(subscription, TASK_SHAPED)
+    subscription.handler_key = "workqueue.tasks"
+
+    subscription.save()
+
+    assert Subscription.objects.get(pk=subscription.pk).handler_key == "workqueue.tasks"
 
 
 def test_validate_bindings_reports_a_task_subscription_on_an_open_topic_as_an_error():

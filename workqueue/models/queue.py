@@ -48,6 +48,11 @@ class Message(DriverOwnedModel):
     published_by = models.CharField(
         max_length=150, null=True, blank=True, help_text="Username of the publishing user."
     )
+    # The application's word, as p_external: whether an API key published it over the REST
+    # API. Such work never becomes a Tasks API task (Subscription's handler rules).
+    published_externally = models.BooleanField(
+        db_default=False, help_text="Published over the REST API with an API key."
+    )
 
     class Meta:
         ordering = ["publish_ordinal"]

@@ -682,11 +682,12 @@ class Subscription(TopologyModel):
     def _work_becoming_tasks_problem(self, using: str) -> str | None:
         """Why this subscription may not start running its waiting work as Tasks API tasks.
 
-        A message names the task to import and run, with its arguments: deliveries written
-        while the subscription had another handler (or while its topic allowed external
-        publishing, closed since) were published by whoever could publish there, never checked
-        as tasks. Waiting, in flight or dead-lettered (a replay would run it), they would run
-        as any task of the project (audit helper-137)."""
+        A message names the task to import and run, with its arguments: work an API key
+        published while the topic allowed external publishing (closed since, as the Tasks
+        API's handler requires) would run as any task of the project, as the system user, once
+        the subscription had that handler: pending, in flight, or dead-lettered (a replay
+        would run it) (audit helper-137). Work published by the application (the Tasks API's
+        own enqueues, under a mistyped handler key say) may switch."""
         if self.handler_key.strip() != _tasks_handler_key():
             return None
         stored = type(self)._base_manager.using(using).filter(pk=self.pk)
@@ -697,15 +698,17 @@ class Subscription(TopologyModel):
         from workqueue.models.queue import OPEN_STATUSES, Delivery
 
         waiting = Delivery._base_manager.using(using).filter(
-            subscription_id=self.pk, status__in=OPEN_STATUSES
+            subscription_id=self.pk,
+            status__in=OPEN_STATUSES,
+            message__published_externally=True,
         )
         if not waiting.exists():
             return None
         return (
-            "The subscription holds deliveries published for its previous handler "
-            f"({previous.strip()!r}), pending, in flight or dead-lettered: run as Tasks API "
-            "tasks, each would import and run whatever task its message names. Let them "
-            "finish or discard them first, or make a new subscription for the tasks."
+            "The subscription holds deliveries an API key published over the REST API "
+            f"(for its handler {previous.strip()!r}), pending, in flight or dead-lettered: run "
+            "as Tasks API tasks, each would import and run whatever task its message names. "
+            "Let them finish or discard them first, or make a new subscription for the tasks."
         )
 
     def external_tasks_problem(self) -> str | None:

@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0048_settled_deliveries_walked_by_subscription"
+LATEST_PROCEDURE_MIGRATION = "0049_messages_record_external_publishers"
 
 INSTALL_ORDER = (
     "filters",

@@ -539,9 +539,10 @@ BEGIN
 
     INSERT INTO workqueue_message
            (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
-            correlation_id, published_at, published_by)
+            correlation_id, published_at, published_by, published_externally)
     VALUES (p_message_id, nextval('wq_publish_ordinal_seq'), v_topic.id, p_partition_key,
-            p_attributes, p_payload, p_payload_ref, p_correlation_id, now(), p_published_by)
+            p_attributes, p_payload, p_payload_ref, p_correlation_id, now(), p_published_by,
+            coalesce(p_external, false))
     ON CONFLICT (id) DO NOTHING
     RETURNING publish_ordinal INTO v_ordinal;
 
@@ -926,9 +927,9 @@ BEGIN
         -- the result query below tells a duplicate from a conflict.
         INSERT INTO workqueue_message
                (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
-                correlation_id, published_at, published_by)
+                correlation_id, published_at, published_by, published_externally)
         SELECT i.message_id, i.ordinal, v_topic.id, i.partition_key, i.attributes, i.payload,
-               i.payload_ref, i.correlation_id, now(), p_published_by
+               i.payload_ref, i.correlation_id, now(), p_published_by, coalesce(p_external, false)
           FROM items i
          ORDER BY i.item_index
         ON CONFLICT (id) DO NOTHING

@@ -453,10 +453,10 @@ BEGIN
 
     INSERT INTO dbo.workqueue_message
            (id, publish_ordinal, topic_id, partition_key, attributes, payload, payload_ref,
-            correlation_id, published_at, published_by)
+            correlation_id, published_at, published_by, published_externally)
     OUTPUT inserted.id INTO @inserted
     SELECT @message_key, @ordinal, @topic_key, @partition_key, @attributes, @payload,
-           @payload_ref, @correlation_id, @now, @published_by
+           @payload_ref, @correlation_id, @now, @published_by, ISNULL(@external, 0)
      WHERE NOT EXISTS (
            SELECT 1 FROM dbo.workqueue_message AS m WITH (UPDLOCK, HOLDLOCK)
             WHERE m.id = @message_key);
