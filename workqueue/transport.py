@@ -274,33 +274,40 @@ class Receiver:
         return self.driver.cancel_requested(delivery.delivery_id)
 
     def _stored_at_its_attempt(self, delivery: ClaimedDelivery, **settled: Any) -> bool:
-        # Asked for a settle whose earlier call may have committed: while this holder's
-        # settle was in doubt its lease held, or expired without lowering the count (and
-        # expiry dead-letters as LeaseExpired only), and another holder's claim counts a new
-        # attempt. (Only a replay resets the count: a dead letter made by expiry, replayed and
-        # settled again, all within this holder's settle retries, could pass; the retries last
-        # the lease plus 5 s.) Read through the ORM (the runtime role may read the table), on
-        # the calling thread's connection for the alias, closed again if opened here: this is
-        # a rare path, and a settle thread keeps no idle connection for it (a handler's thread
-        # keeps the one its handler uses).
-        from workqueue.models import Delivery
+        return stored_at_attempt(
+            self.driver.alias, delivery.delivery_id, delivery.attempt, **settled
+        )
 
-        alias = self.driver.alias
-        connection = connections[alias]
-        opened_here = connection.connection is None
-        failed = True
-        try:
-            found = (
-                Delivery.objects.using(alias)
-                .filter(pk=delivery.delivery_id, attempt_count=delivery.attempt, **settled)
-                .exists()
-            )
-            failed = False
-            return found
-        finally:
-            # A connection that failed the read is not left for the thread's next handler.
-            if (opened_here or failed) and not connection.in_atomic_block:
-                connection.close()
+
+def stored_at_attempt(alias: str, delivery_id: str, attempt: int, **settled: Any) -> bool:
+    """Whether delivery ``delivery_id`` is stored ``settled`` (its status, and so on) at the
+    attempt its holder claimed: asked for a settle whose earlier call may have committed.
+
+    While this holder's settle was in doubt its lease held, or expired without lowering the
+    count (and expiry dead-letters as LeaseExpired only), and another holder's claim counts a
+    new attempt. (Only a replay resets the count: a dead letter made by expiry, replayed and
+    settled again, all within this holder's settle retries, could pass; the retries last the
+    lease plus 5 s.) Read through the ORM (the runtime role may read the table), on the calling
+    thread's connection for the alias, closed again if opened here: this is a rare path, and a
+    settle thread keeps no idle connection for it (a handler's thread keeps the one its handler
+    uses)."""
+    from workqueue.models import Delivery
+
+    connection = connections[alias]
+    opened_here = connection.connection is None
+    failed = True
+    try:
+        found = (
+            Delivery.objects.using(alias)
+            .filter(pk=delivery_id, attempt_count=attempt, **settled)
+            .exists()
+        )
+        failed = False
+        return found
+    finally:
+        # A connection that failed the read is not left for the thread's next handler.
+        if (opened_here or failed) and not connection.in_atomic_block:
+            connection.close()
 
 
 def _fence(delivery: ClaimedDelivery) -> dict[str, str]:
@@ -727,10 +734,8 @@ def notification_queue_usage() -> float | None:
     return _driver().notification_queue_usage()
 
 
-def release_stalled_listeners(
-    min_queue_usage: float, confirm_seconds: float
-) -> StalledListeners | None:
-    return _driver().release_stalled_listeners(min_queue_usage, confirm_seconds)
+def release_stalled_listeners(confirm_seconds: float) -> StalledListeners:
+    return _driver().release_stalled_listeners(confirm_seconds)
 
 
 def procedures_problem() -> str | None:

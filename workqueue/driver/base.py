@@ -119,9 +119,6 @@ class VacuumHorizon:
 class StalledListeners:
     """What a look for sessions that stopped reading their notifications found and did."""
 
-    #: How full the server's notification queue is, from 0 to 1: at 1 every transaction that
-    #: notifies (every publish) fails at its commit.
-    queue_usage: float
     #: The sessions disconnected, each described for the operator.
     released: list[str]
     #: The sessions that could not be disconnected, each described with why.
@@ -365,14 +362,11 @@ class BaseDriver:
         has none (no LISTEN/NOTIFY)."""
         return None
 
-    def release_stalled_listeners(
-        self, min_queue_usage: float, confirm_seconds: float
-    ) -> StalledListeners | None:
-        """When the notification queue is at least ``min_queue_usage`` full, disconnect the
-        sessions of this database that have stopped reading what the server sends them (so
-        hold the queue's oldest notifications for ever), seen so twice ``confirm_seconds``
-        apart; None where the database has no notification queue."""
-        return None
+    def release_stalled_listeners(self, confirm_seconds: float) -> StalledListeners:
+        """Disconnect the sessions of this database that have stopped reading what the server
+        sends them (so hold the notification queue's oldest entries for ever), seen so twice
+        ``confirm_seconds`` apart. Asked only where ``notification_queue_usage`` reads one."""
+        raise NotImplementedError
 
     def scaler_query(self, subscription_name: str) -> str:
         """Self-contained SQL an autoscaler runs to size its workers for one subscription: one

@@ -610,12 +610,7 @@ class PostgresDriver(BaseDriver):
     def notification_queue_usage(self) -> float | None:
         return float(self.execute("SELECT pg_notification_queue_usage()", [])[0][0])
 
-    def release_stalled_listeners(
-        self, min_queue_usage: float, confirm_seconds: float
-    ) -> StalledListeners | None:
-        usage = self.notification_queue_usage() or 0.0
-        if usage < min_queue_usage:
-            return StalledListeners(usage, [], [])
+    def release_stalled_listeners(self, confirm_seconds: float) -> StalledListeners:
         seen = self._stalled_sessions()
         if seen:
             # A session that is merely slow to read gets its write through meanwhile.
@@ -631,7 +626,7 @@ class PostgresDriver(BaseDriver):
                     released.append(holder)
             except DriverError as exc:  # another role's session, or a superuser's
                 refused.append(f"{holder}: {one_line(exc)}")
-        return StalledListeners(usage, released, refused)
+        return StalledListeners(released, refused)
 
     def _stalled_sessions(self) -> dict[tuple[Any, ...], str]:
         """This database's sessions blocked writing to a client that is not reading, each

@@ -188,17 +188,18 @@ def _note(value: Any, what: str, *, required: bool = False) -> str | None:
     return _storable(value.strip(), what)
 
 
-def _filter_text(value: Any, what: str) -> str | None:
+def _filter_text(value: Any, what: str, *, trim: bool = False) -> str | None:
     """A text filter of a bulk operation: left out (``None``), it matches every row. Blank
     text is refused rather than read as left out, so that an empty shell variable or form
     value cannot widen a discard to every dead letter; other text is matched as given
-    (trimmed, " API " would match "RAPID" too: audit helper-132)."""
+    (trimmed, " API " would match "RAPID" too: audit helper-132), unless ``trim``."""
     if isinstance(value, str) and not value.strip():
         raise InvalidInputError(
             f"The {what} is blank: leave it out to match every delivery, or give the text to match."
         )
-    # Checked as a note is (text, length, storable), then kept as given.
-    return None if _note(value, what) is None else value
+    # Checked as a note is (text, length, storable), which trims it; else kept as given.
+    checked = _note(value, what)
+    return checked if trim or checked is None else value
 
 
 def _delivery_id(value: Any) -> str | None:
@@ -556,7 +557,7 @@ def resolve_dead_letters(
         raise InvalidInputError("batch_size must be a whole number from 1 to 5000.")
     filters = {
         # A reason is a name, compared whole: trimmed ("MaxAttemptsExceeded " matched none).
-        "reason": (_filter_text(selection.reason, "reason filter") or "").strip() or None,
+        "reason": _filter_text(selection.reason, "reason filter", trim=True),
         **_filter_parameters(
             partition_key=selection.partition_key,
             window={

@@ -136,16 +136,15 @@ class Sweeper:
         publish fails at its commit. Such a session is disconnected: a host reconnects when it
         resumes and catches up on what it missed, as after any outage."""
         try:
-            found = transport.release_stalled_listeners(
-                transport.NOTIFICATION_QUEUE_WARNING_USAGE, STALLED_LISTENER_CONFIRM_SECONDS
-            )
+            usage = transport.notification_queue_usage()
+            if usage is None or usage < transport.NOTIFICATION_QUEUE_WARNING_USAGE:
+                return  # no queue (SQL Server), or one that listeners keep reading
+            found = transport.release_stalled_listeners(STALLED_LISTENER_CONFIRM_SECONDS)
         except Exception:
             logger.exception("Sweeper: looking for sessions that stopped reading failed")
             result.released_listeners = -1
             return
-        if found is None or found.queue_usage < transport.NOTIFICATION_QUEUE_WARNING_USAGE:
-            return
-        full = f"{found.queue_usage:.1%}"
+        full = f"{usage:.1%}"
         result.released_listeners = len(found.released)
         for holder in found.released:
             logger.warning(
@@ -155,7 +154,7 @@ class Sweeper:
                 "resumes.",
                 holder,
                 full,
-                extra={"action": "stalled_listener_released", "queue_usage": found.queue_usage},
+                extra={"action": "stalled_listener_released", "queue_usage": usage},
             )
         for refusal in found.refused:
             logger.error(
@@ -165,7 +164,7 @@ class Sweeper:
                 "(membership in the session's role, or pg_signal_backend).",
                 full,
                 refusal,
-                extra={"action": "stalled_listener_refused", "queue_usage": found.queue_usage},
+                extra={"action": "stalled_listener_refused", "queue_usage": usage},
             )
         if not found.released and not found.refused:
             logger.error(
@@ -175,7 +174,7 @@ class Sweeper:
                 "database of the server, or inside a long transaction is holding it. Find it "
                 "in pg_stat_activity (wait_event ClientWrite, or an old xact_start) and end it.",
                 full,
-                extra={"action": "notification_queue_full", "queue_usage": found.queue_usage},
+                extra={"action": "notification_queue_full", "queue_usage": usage},
             )
 
     def _purge_task_results(self, result: SweeperPassResult) -> int:

@@ -39,6 +39,7 @@ from workqueue.tasks.messages import (
 )
 from workqueue.tasks.results import record_failure, record_start, record_success
 from workqueue.tasks.signals import send
+from workqueue.transport import stored_at_attempt
 from workqueue.types import DeliveryStatus
 
 logger = logging.getLogger(__name__)
@@ -157,19 +158,11 @@ class TaskHandler(BaseWorkHandler):
 def _completed_by_this_run(context: WorkContext, alias: str) -> bool:
     """Whether this run's completion is stored, though its commit raised: read on a connection
     of its own (the task's is the one that failed). False when that cannot be told."""
-    from workqueue.models import Delivery
-
     if not connections[alias].in_atomic_block:  # (test mode runs tasks inside the test's)
-        connections[alias].close()  # broken or not: the query below opens a new one
+        connections[alias].close()  # broken or not: the read opens a new one
     try:
-        return (
-            Delivery.objects.using(alias)
-            .filter(
-                pk=context.delivery_id,
-                status=DeliveryStatus.COMPLETED,
-                attempt_count=context.attempt,
-            )
-            .exists()
+        return stored_at_attempt(
+            alias, context.delivery_id, context.attempt, status=DeliveryStatus.COMPLETED
         )
     except DatabaseError:
         return False
