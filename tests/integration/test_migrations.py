@@ -11,6 +11,7 @@ import io
 import json
 import re
 import sqlite3
+import uuid
 from pathlib import Path
 
 import psycopg
@@ -334,3 +335,23 @@ def test_only_the_latest_procedure_migration_installs():
     )
     assert installing, "some migration must install the procedures"
     assert installing[-1] == LATEST_PROCEDURE_MIGRATION
+
+
+def test_messages_stored_before_publishers_were_recorded_read_as_published_by_a_key(
+    scratch_database,
+):
+    """Migration 0049 cannot know who published the messages already stored; the Tasks API's
+    handler rule reads the column, so they must read as possibly a key's (the safe side), and
+    only messages published afterwards as the application's by default."""
+    _migrate(scratch_database, "workqueue", "0048")
+    before, after = uuid.uuid4(), uuid.uuid4()
+    insert = "INSERT INTO workqueue_message (id, publish_ordinal, topic_id) VALUES (%s, %s, %s)"
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(insert, (before, 1, uuid.uuid4()))
+    _migrate(scratch_database)
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        conn.execute(insert, (after, 2, uuid.uuid4()))
+        stored = dict(
+            conn.execute("SELECT id, published_externally FROM workqueue_message").fetchall()
+        )
+    assert stored == {before: True, after: False}

@@ -5,10 +5,14 @@ A message names what runs it only through its subscription's handler: work publi
 handler, by whoever could publish to the topic, became Tasks API tasks once the subscription
 was given the Tasks API's handler (audit helper-137: a key's task-shaped payload ran as any
 task). The switch is refused only while the subscription holds such work, which needs to know
-who published it; messages from before this migration read as not published by a key.
+who published it. Nothing records who published the messages already stored, so they read
+as a key's (the safe side: a subscription holding such work keeps its handler until it drains);
+the column is added with that default, then given the application's (``False``), so only rows
+stored before this migration read True. Each procedure writes the column explicitly anyway.
 
-The column has a default, so adding it rewrites no table on PostgreSQL 11 and later or on SQL
-Server.
+Adding a column with a constant default rewrites no table on PostgreSQL 11 and later (the
+existing rows read the default given when it was added) or on SQL Server (a metadata-only
+change since 2012 Enterprise; other editions fill the column once).
 """
 
 from django.db import migrations, models
@@ -23,6 +27,20 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.AddField(
+            model_name="message",
+            name="published_externally",
+            field=models.BooleanField(
+                db_default=True, help_text="Published over the REST API with an API key."
+            ),
+        ),
+        # Dropped, then set: SQL Server's schema editor changes a default only by adding one,
+        # which a column holding one refuses.
+        migrations.AlterField(
+            model_name="message",
+            name="published_externally",
+            field=models.BooleanField(help_text="Published over the REST API with an API key."),
+        ),
+        migrations.AlterField(
             model_name="message",
             name="published_externally",
             field=models.BooleanField(

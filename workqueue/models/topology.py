@@ -705,8 +705,9 @@ class Subscription(TopologyModel):
         if not waiting.exists():
             return None
         return (
-            "The subscription holds deliveries an API key published over the REST API "
-            f"(for its handler {previous.strip()!r}), pending, in flight or dead-lettered: run "
+            "The subscription holds deliveries an API key published over the REST API, or "
+            "stored before this release recorded who published them (for its handler "
+            f"{previous.strip()!r}), pending, in flight or dead-lettered: run "
             "as Tasks API tasks, each would import and run whatever task its message names. "
             "Let them finish or discard them first, or make a new subscription for the tasks."
         )
