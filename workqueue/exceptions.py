@@ -83,6 +83,12 @@ class TransientDriverError(DriverError):
     """A failure worth retrying: deadlock, serialization failure, lock timeout, lost connection."""
 
 
+class DeadlockError(TransientDriverError):
+    """The database broke a circle of transactions waiting for each other's locks by aborting
+    this one (PostgreSQL SQLSTATE 40P01, SQL Server error 1205): the whole transaction may run
+    again."""
+
+
 class SerializationFailureError(TransientDriverError):
     """The transaction ran above READ COMMITTED (REPEATABLE READ, SERIALIZABLE, SQL Server's
     SNAPSHOT) and was refused a row changed since its snapshot, or a result no serial order

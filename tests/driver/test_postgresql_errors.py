@@ -20,6 +20,7 @@ import pytest
 from tests.support.database import psycopg_params, queue_connection_settings
 from workqueue.driver import get_driver
 from workqueue.exceptions import (
+    DeadlockError,
     DriverError,
     LockTimeoutError,
     SerializationFailureError,
@@ -60,8 +61,9 @@ def test_a_lock_timeout_is_transient_and_named_as_one(tables, pg_conn):
     assert isinstance(error, TransientDriverError)
 
 
-def test_a_deadlock_between_two_connections_is_transient(tables):
-    """Two transactions lock rows 1 and 2 in opposite orders; PostgreSQL kills one of them."""
+def test_a_deadlock_between_two_connections_is_transient_and_named_as_one(tables):
+    """Two transactions lock rows 1 and 2 in opposite orders; PostgreSQL kills one of them
+    (a DeadlockError: the topology sync runs again on it)."""
     barrier = threading.Barrier(2)
     errors: list[BaseException] = []
 
@@ -84,7 +86,8 @@ def test_a_deadlock_between_two_connections_is_transient(tables):
         thread.join(timeout=30)
 
     (error,) = errors
-    assert type(error) is TransientDriverError and "deadlock" in str(error)
+    assert type(error) is DeadlockError and "deadlock" in str(error)
+    assert isinstance(error, TransientDriverError)
 
 
 def test_a_serialization_failure_is_transient_and_named_as_one(tables, pg_conn):

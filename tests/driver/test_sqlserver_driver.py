@@ -29,6 +29,7 @@ from workqueue.driver.sqlserver import (
     stored_uuid,
 )
 from workqueue.exceptions import (
+    DeadlockError,
     DriverError,
     LockTimeoutError,
     SerializationFailureError,
@@ -222,7 +223,7 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
                     "(SQLExecDirectW)",
                 ),
             ),
-            TransientDriverError,
+            DeadlockError,
             id="pyodbc-1205",
         ),
         pytest.param(
@@ -235,7 +236,7 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
                     "process and has been chosen as the deadlock victim. Rerun the transaction.",
                 ),
             ),
-            TransientDriverError,
+            DeadlockError,
             id="mssql-python-1205",
         ),
         pytest.param(

@@ -7,11 +7,16 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 
+import psycopg
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory, TransportFactory
+from tests.support.database import psycopg_params
+from tests.support.waiting import wait_until
 from workqueue import publish
 from workqueue.models import Subscription, Topic, Transport
 from workqueue.tasks.messages import HANDLER_KEY
@@ -400,3 +405,49 @@ def test_a_host_starting_on_a_topology_not_yet_applied_says_so(declare, make_hos
 
     assert "subscription shop.orders-billing does not exist" in caplog.text
     assert "sync-topology" in caplog.text
+
+
+def test_a_sync_crossing_another_writer_is_tried_again_not_lost(declare, pg_conn):
+    """Review helper-135's residual: a transaction writing several topology rows locks them in
+    its own order, so two such writers crossing deadlock and PostgreSQL aborts one. The sync
+    is the one aborted here (it waited first): it tries again once the other has committed,
+    instead of failing a deploy's step with "deadlock detected"."""
+    declare({"topics": {"t.first": {"retention_days": 3}, "t.second": {"retention_days": 3}}})
+    sync()
+    declare({"topics": {"t.first": {"retention_days": 5}, "t.second": {"retention_days": 5}}})
+    lock = "SELECT 1 FROM workqueue_topic WHERE name = %s FOR UPDATE"
+    other = psycopg.connect(autocommit=True, **psycopg_params())
+    raised: list[BaseException] = []
+    printed: list[str] = []
+
+    def run_sync() -> None:
+        try:
+            printed.append(sync())
+        except BaseException as exc:  # reported by the assertion below
+            raised.append(exc)
+        finally:
+            connection.close()
+
+    def sync_waits() -> bool:
+        return bool(
+            pg_conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database() AND pid <> %s",
+                (other.info.backend_pid,),
+            ).fetchone()[0]
+        )
+
+    thread = threading.Thread(target=run_sync)
+    with other, other.transaction():
+        other.execute(lock, ("t.second",))
+        thread.start()
+        # The sync has written t.first and waits for t.second; taking t.first now closes the
+        # circle, and the sync, waiting longer, is the one PostgreSQL aborts.
+        wait_until(sync_waits, timeout=10)
+        other.execute(lock, ("t.first",))
+    thread.join(30)
+
+    assert not thread.is_alive()
+    assert not raised, raised
+    assert "Applied 2 change(s)." in printed[0]
+    assert set(Topic.objects.values_list("retention_days", flat=True)) == {5}

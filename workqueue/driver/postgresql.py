@@ -39,6 +39,7 @@ from workqueue.driver.base import (
 )
 from workqueue.driver.procedures import Grant, ParamType, Procedure, get_procedure, granted_to
 from workqueue.exceptions import (
+    DeadlockError,
     DriverError,
     LockTimeoutError,
     SerializationFailureError,
@@ -466,6 +467,8 @@ class PostgresDriver(BaseDriver):
             return LockTimeoutError(message)
         if sqlstate == "40001":
             return SerializationFailureError(message)
+        if sqlstate == "40P01":
+            return DeadlockError(message)
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
         # Class 22 ("data exception") from the server, a value past one of its limits (54000:

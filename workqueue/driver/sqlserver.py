@@ -33,6 +33,7 @@ from workqueue.driver.base import (
 )
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, granted_to
 from workqueue.exceptions import (
+    DeadlockError,
     DriverError,
     LockTimeoutError,
     SerializationFailureError,
@@ -257,6 +258,8 @@ class SqlServerDriver(BaseDriver):
             return LockTimeoutError(message)
         if number == SNAPSHOT_UPDATE_CONFLICT:
             return SerializationFailureError(message)
+        if number == 1205:
+            return DeadlockError(message)
         # SQLSTATE 40001 here is also a deadlock's (1205), not a snapshot's refusal.
         if number in TRANSIENT_ERRORS or _sqlstate(cause) == "40001":
             return TransientDriverError(message)

@@ -20,21 +20,35 @@ subscription with deliveries, or a topic with messages or subscriptions, is neve
 
 from __future__ import annotations
 
+import logging
+import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models import Model, ProtectedError
 from django.utils.module_loading import import_string
 
 from workqueue.conf import get_settings
-from workqueue.exceptions import NotFoundError, WorkQueueConfigurationError, WorkQueueError
+from workqueue.exceptions import (
+    DeadlockError,
+    NotFoundError,
+    WorkQueueConfigurationError,
+    WorkQueueError,
+)
 from workqueue.transports.base import ProvisionChange
+
+logger = logging.getLogger(__name__)
 
 #: Fields a declaration may not set: ids are the database's, names are the declaration's keys.
 _NOT_DECLARABLE = {"id", "name"}
+
+#: Runs of a sync the database may abort to break a deadlock with another writer of the same
+#: rows (another sync, a queryset update), before the error is the caller's.
+SYNC_ATTEMPTS = 5
 
 
 class TopologySyncError(WorkQueueError):
@@ -134,6 +148,29 @@ def sync_topology(*, dry_run: bool = False, prune: bool = False) -> SyncReport:
     back. Raises ``TopologySyncError`` (nothing written) when a declared row is invalid."""
     declared = declared_topology()
     alias = get_settings().DATABASE_ALIAS
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return _sync_once(declared, alias, dry_run=dry_run, prune=prune)
+        except (DatabaseError, DeadlockError) as error:
+            if attempt == SYNC_ATTEMPTS or not _deadlock_victim(error, alias):
+                raise
+            # Each run is all or nothing, so nothing of the aborted one is left; a pause of
+            # varying length lets the other writer commit before this one locks its rows again.
+            logger.warning(
+                "The database aborted the topology sync to break a deadlock with another "
+                "writer of the same rows; running it again (attempt %d of %d).",
+                attempt + 1,
+                SYNC_ATTEMPTS,
+            )
+            time.sleep(random.uniform(0.05, 0.25) * attempt)
+
+
+def _sync_once(
+    declared: dict[str, dict[str, dict[str, Any]]], alias: str, *, dry_run: bool, prune: bool
+) -> SyncReport:
+    """One all-or-nothing run of ``sync_topology``."""
     with transaction.atomic(using=alias):
         changes, topics, subscriptions = _declared_changes(declared, alias, save=True)
         for name, sub in subscriptions.items():
@@ -145,6 +182,19 @@ def sync_topology(*, dry_run: bool = False, prune: bool = False) -> SyncReport:
         if dry_run:
             transaction.set_rollback(True, using=alias)
     return SyncReport(changes, dry_run)
+
+
+def _deadlock_victim(error: BaseException, alias: str) -> bool:
+    """Whether ``error`` says the database aborted this sync's own transaction to break a
+    deadlock; inside a caller's transaction it is that transaction that must run again."""
+    if connections[alias].in_atomic_block:
+        return False
+    if isinstance(error, DatabaseError):
+        # Imported here: the topology commands must not need a driver until one answers.
+        from workqueue.driver import get_driver
+
+        error = get_driver(alias).translate_error(error)
+    return isinstance(error, DeadlockError)
 
 
 def topology_drift() -> list[TopologyChange]:
