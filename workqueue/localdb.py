@@ -69,7 +69,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,13 +185,13 @@ def data_dir() -> Path:
     return Path(os.path.realpath(path))
 
 
-def url() -> str | None:
-    """Return the URL if this folder's server is running, else None.
+def url(database: str = DATABASE_NAME) -> str | None:
+    """Return the URL of ``database`` if this folder's server is running, else None.
 
     Running means: the postmaster recorded at the last start is alive (not a zombie), is the
     postmaster of this folder, and reports "ready" (it then listens on the URL's port). The
-    ``workqueue`` database exists whenever a URL is returned. Runs no subprocess, opens no
-    connection and takes no lock.
+    ``workqueue`` database exists whenever a URL is returned; another ``database`` exists once
+    :func:`ensure_running` made it. Runs no subprocess, opens no connection and takes no lock.
     """
     base = data_dir()
     try:
@@ -213,7 +213,26 @@ def url() -> str | None:
     # itself, not a process that reused its pid. (No TCP probe: each one forks a backend.)
     if not _process_alive(pid) or not _is_postmaster_of(pid, pgdata):
         return None
+    if database != DATABASE_NAME:
+        return _make_url(*_url_parts(str(db_url)), database)
     return str(db_url)
+
+
+def database_named_by(settings_dict: Mapping[str, Any]) -> str | None:
+    """Return the name of the database a Django ``DATABASES`` entry names on this folder's
+    server, or None when it names another server (or the embedded server of another folder).
+
+    Told by the socket folder the entry connects through (``HOST``, or ``OPTIONS["host"]`` as
+    django-environ reads the URL), which only this folder's server uses; whether the server
+    runs does not matter.
+    """
+    host = settings_dict.get("HOST") or (settings_dict.get("OPTIONS") or {}).get("host")
+    if not isinstance(host, str) or not host.startswith("/"):
+        return None
+    if os.path.realpath(host) != os.path.realpath(_socket_dir(data_dir())):
+        return None
+    name = settings_dict.get("NAME")
+    return name if isinstance(name, str) and name else None
 
 
 def ensure_running(database: str = DATABASE_NAME) -> str:
@@ -1311,11 +1330,11 @@ def _main(argv: list[str]) -> int:
         elif verb == "path":
             print(data_dir())
         else:
-            current = url()
+            current = url(database)
             if current is None:
                 print("The embedded PostgreSQL is not running.", file=sys.stderr)
                 return 1
-            print(_make_url(*_url_parts(current), database))
+            print(current)
     except ImproperlyConfigured as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -465,10 +465,49 @@ def test_granting_to_the_owner_of_the_tables_is_refused_and_changes_nothing():
 def test_localdb_url_prints_the_embedded_database_url():
     from workqueue import localdb
 
-    expected = localdb.url()
+    expected = localdb.url(connection.settings_dict["NAME"])
     if expected is None:
         pytest.skip("the suite is running against DATABASE_URL, not the embedded database")
     assert run("localdb", "url").strip() == expected
+
+
+def test_localdb_verbs_act_on_the_database_the_projects_settings_name(monkeypatch):
+    """In a project of a user's own (DATABASES naming ``shop`` on the embedded server, made
+    with ``python -m workqueue.localdb start --database shop``), ``localdb url`` printed the
+    URL of the ``workqueue`` database, the repository's demo's, and ``localdb start`` made
+    that database: the project's own was never named (newcomer review)."""
+    from workqueue import localdb
+
+    if localdb.url() is None:
+        pytest.skip("the suite is running against DATABASE_URL, not the embedded database")
+    project_database = f"h139_shop_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setitem(connection.settings_dict, "NAME", project_database)
+    try:
+        started = run("localdb", "start").strip()
+        assert started == localdb.url(project_database)
+        assert f"/{project_database}?" in started
+        assert run("localdb", "url").strip() == started
+    finally:
+        monkeypatch.undo()
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE IF EXISTS {project_database}")
+
+
+@pytest.mark.parametrize("action", ["start", "stop", "url"])
+def test_localdb_verbs_refuse_a_project_whose_database_is_not_the_embedded_one(monkeypatch, action):
+    """A project on a PostgreSQL of its own (a container, a server) got the embedded one's
+    URL from ``localdb url``, and ``localdb start`` made and started a cluster it never uses;
+    each now says which setting names which database, and how to use the embedded one."""
+    # Put back before the test's flush, which connects with these settings.
+    with monkeypatch.context() as patch, pytest.raises(CommandError) as refused:
+        patch.setitem(connection.settings_dict, "HOST", "db.example.com")
+        patch.setitem(connection.settings_dict, "OPTIONS", {})
+        run("localdb", action)
+
+    text = str(refused.value)
+    assert "DATABASES['default']" in text and "'db.example.com'" in text
+    assert "python -m workqueue.localdb start --database" in text
+    assert "WORKQUEUE_LOCALDB_DIR" in text
 
 
 def _bloat_the_delivery_indexes(pg_conn, subscription, rows: int = 20_000) -> None:

@@ -15,28 +15,63 @@ from workqueue.cli.output import to_json
 
 class LocalDbVerb(Verb):
     name = "localdb"
-    help = "Control the embedded PostgreSQL cluster used when DATABASE_URL is unset."
+    help = (
+        "Control the embedded PostgreSQL that holds the database this project's settings name "
+        "(DATABASES, at WORKQUEUE['DATABASE_ALIAS']): start it (making that database), stop "
+        "it, or print that database's URL."
+    )
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("action", choices=["start", "stop", "url"])
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from django.db import connections
+
         from workqueue import localdb
+        from workqueue.conf import get_settings
 
         action = options["action"]
-        if action == "start":
-            command.stdout.write(localdb.ensure_running())
-        elif action == "stop":
-            localdb.stop()
-            command.stdout.write("stopped")
-        else:
-            current = localdb.url()
-            if current is None:
-                raise CommandError(
-                    "The embedded PostgreSQL is not running; start it with "
-                    "`manage.py workqueue localdb start`."
-                )
-            command.stdout.write(current)
+        alias = get_settings().DATABASE_ALIAS
+        settings_dict = connections[alias].settings_dict
+        try:
+            # The project's own database, not the repository demo's: one server holds a
+            # database per project (`python -m workqueue.localdb start --database NAME`).
+            database = localdb.database_named_by(settings_dict)
+            if database is None:
+                raise CommandError(_not_the_embedded_database(alias, settings_dict, action))
+            if action == "start":
+                command.stdout.write(localdb.ensure_running(database))
+            elif action == "stop":
+                localdb.stop()
+                command.stdout.write("stopped")
+            else:
+                current = localdb.url(database)
+                if current is None:
+                    raise CommandError(
+                        "The embedded PostgreSQL is not running; start it with "
+                        "`manage.py workqueue localdb start`."
+                    )
+                command.stdout.write(current)
+        except localdb.LocalDBError as exc:
+            raise CommandError(str(exc)) from exc
+
+
+def _not_the_embedded_database(alias: str, settings_dict: dict[str, Any], action: str) -> str:
+    from workqueue import localdb
+
+    host = settings_dict.get("HOST") or (settings_dict.get("OPTIONS") or {}).get("host")
+    name = settings_dict.get("NAME")
+    where = f"host {host!r}" if host else "the default host (no HOST)"
+    suggested = name if isinstance(name, str) and name.isidentifier() else "yourproject"
+    return (
+        f"DATABASES[{alias!r}] names database {name!r} on {where}, not on the embedded "
+        f"PostgreSQL of {localdb.data_dir()}, so `manage.py workqueue localdb {action}` has "
+        "nothing of this project's to act on. To develop on the embedded database, run "
+        f"`python -m workqueue.localdb start --database {suggested.lower()}` and set "
+        f"DATABASES[{alias!r}] to the URL it prints (DATABASE_URL, with django-environ); if it "
+        "names an embedded database already, set WORKQUEUE_LOCALDB_DIR to the folder that "
+        "database was started with."
+    )
 
 
 class _StatementsVerb(Verb):
