@@ -8,6 +8,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from workqueue.logtext import log_text
+
 
 def _plain(value: Any) -> Any:
     if isinstance(value, dt.datetime):
@@ -22,8 +24,12 @@ def to_json(data: Any) -> str:
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
-    """Format rows as a left-aligned text table with a header rule."""
-    cells = [[("" if v is None else str(_plain(v))) for v in row] for row in rows]
+    """Format rows as a left-aligned text table with a header rule.
+
+    Cells hold what publishers and handlers chose (keys, reasons, errors): their control
+    characters are escaped, so that a newline cannot break a row in two nor an ANSI escape
+    repaint the operator's terminal (review helper-142)."""
+    cells = [[("" if v is None else log_text(str(_plain(v)))) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]

@@ -58,6 +58,7 @@ from workqueue.exceptions import (
     one_line,
 )
 from workqueue.input_limits import key_length, within_units
+from workqueue.logtext import log_text, log_value
 from workqueue.operators.display import error_summary
 from workqueue.runtime.backoff import retry_delay_seconds
 from workqueue.runtime.context import (
@@ -337,10 +338,12 @@ class DeliveryExecution:
         )
         # Every line names the delivery, so a plain-text log is enough to find it again.
         # The message id too: it is what a publisher holds (a Tasks API task's result id).
+        # The key and the id are the publisher's (a cloud queue's message carries its own id):
+        # escaped, so that a newline in them cannot forge a line (review helper-142).
         self._where = (
             f"subscription={plan.name} delivery={delivery.delivery_id} "
-            f"attempt={delivery.attempt}/{plan.max_attempts} key={delivery.partition_key} "
-            f"message={delivery.message_id}"
+            f"attempt={delivery.attempt}/{plan.max_attempts} "
+            f"key={log_value(delivery.partition_key)} message={log_value(delivery.message_id)}"
         )
 
     @property
@@ -1050,7 +1053,7 @@ class DeliveryExecution:
         if result.status == DeliveryStatus.DEAD_LETTERED:
             self.log.error(
                 "Delivery dead-lettered: %s (%s)%s",
-                reason,
+                log_text(reason),  # a FatalWorkError's message: every line of it
                 self._where,
                 f": {_first_line(error)}" if error else "",
                 exc_info=None if self._handler_logs_failures else _traceback_to_log(exception),
@@ -1160,7 +1163,7 @@ def report_lease_expired_dead_letter(
         "stopped renewing the lease on its last attempt",
         subscription,
         delivery_id,
-        partition_key,
+        log_value(partition_key),
         extra={
             "subscription": subscription,
             "delivery_id": delivery_id,
@@ -1196,8 +1199,9 @@ SUMMARY_WIDTH = 500
 def _first_line(text: str) -> str:
     """What a log line says of an error: its exception's ``Type: message`` line, as the
     operators' listings show it. (A traceback's last line, used until audit helper-136, is the
-    end of the exception's message, for a database error its ``LINE 1:`` or caret line.)"""
-    return error_summary(text, width=SUMMARY_WIDTH)
+    end of the exception's message, for a database error its ``LINE 1:`` or caret line.)
+    Its control characters are escaped: the message is often a payload's data."""
+    return log_text(error_summary(text, width=SUMMARY_WIDTH))
 
 
 def _traceback_to_log(exception: BaseException | None) -> BaseException | None:
