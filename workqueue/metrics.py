@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -333,12 +335,40 @@ def serve(port: int, address: str = "127.0.0.1") -> Any:
     """Serve this process's metrics and the queue's gauges over HTTP without authentication
     (an internal scrape port: bind it where only Prometheus reaches). Returns the server."""
     server, _thread = start_http_server(
-        port, addr=address, registry=_combined(QueueCollector(close_connections=True))
+        port,
+        addr=address,
+        registry=_combined(_OneReadAtATime(QueueCollector(close_connections=True))),
     )
     return server
 
 
-def _combined(cluster: QueueCollector) -> CollectorRegistry:
+class _OneReadAtATime(Collector):
+    """The queue's gauges for an unauthenticated port: one scrape reads the database at a
+    time, and a scrape that waited for it serves the read that began after it arrived (as
+    fresh as its own would be). The server answers each request on a thread of its own, so
+    whoever reached the port opened a database session per scrape sent at once, up to
+    ``max_connections`` (review helper-142)."""
+
+    def __init__(self, cluster: QueueCollector) -> None:
+        self.actor = cluster.actor
+        self._cluster = cluster
+        self._lock = threading.Lock()
+        self._began = float("-inf")  # monotonic: when the last read began
+        self._families: list[Metric] = []
+
+    def collect(self) -> Iterator[Metric]:
+        arrived = time.monotonic()
+        with self._lock:
+            if self._began < arrived:
+                began = time.monotonic()
+                # Kept only once read: after a read that raised, the next scrape reads again.
+                self._families = list(self._cluster.collect())
+                self._began = began
+            families = self._families
+        return iter(families)
+
+
+def _combined(cluster: QueueCollector | _OneReadAtATime) -> CollectorRegistry:
     registry = CollectorRegistry()
     limited = cluster.actor.subscriptions
     # A registry is a collector of its metrics.

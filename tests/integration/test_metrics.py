@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from tests.support.processes import hello
 from tests.support.queue import dead_letter, pending
 from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
-from workqueue import metrics, publish
+from workqueue import metrics, publish, transport
 from workqueue.driver import get_driver
 from workqueue.transport import Receiver
 
@@ -473,3 +476,50 @@ def test_a_retry_and_a_hand_back_at_shutdown_are_counted_apart(make_host):
     assert counted("released") - before["released"] == 1
     assert counted("retried") - before["retried"] == 1
     assert status_of(retried) == "Pending"
+
+
+def test_concurrent_scrapes_of_a_metrics_port_read_the_database_one_at_a_time(monkeypatch):
+    """Review helper-142: the port is unauthenticated, and each scrape read the database on a
+    session of its own thread: whoever reached the port (a pod network, with
+    ``--metrics-address 0.0.0.0``) opened as many sessions as it sent scrapes at once, up to
+    max_connections, starving the hosts and the web. Scrapes now read one at a time, and
+    those that waited serve the read that ran meanwhile."""
+    SubscriptionFactory()
+    reading = 0
+    most = 0
+    reads = 0
+    lock = threading.Lock()
+    real = transport.queue_table_sizes
+
+    def slow_sizes() -> Any:
+        nonlocal reading, most, reads
+        with lock:
+            reading += 1
+            reads += 1
+            most = max(most, reading)
+        try:
+            time.sleep(0.3)  # a scrape on a loaded server, its session open meanwhile
+            return real()
+        finally:
+            with lock:
+                reading -= 1
+
+    monkeypatch.setattr(transport, "queue_table_sizes", slow_sizes)
+    server = metrics.serve(0)
+    port = server.server_address[1]
+
+    def scrape(_: int) -> str:
+        url = f"http://127.0.0.1:{port}/metrics"
+        return urllib.request.urlopen(url, timeout=60).read().decode()
+
+    try:
+        with ThreadPoolExecutor(20) as pool:
+            texts = list(pool.map(scrape, range(20)))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    assert most == 1
+    assert reads < 20  # the waiting scrapes shared a read
+    assert all("workqueue_pending_deliveries" in text for text in texts)
+    assert all("workqueue_gauges_read_failed 0.0" in text for text in texts)
