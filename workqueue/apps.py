@@ -16,10 +16,13 @@ class WorkqueueConfig(AppConfig):
 
         from workqueue import signals
         from workqueue.checks import (
+            check_environment,
             check_handler_keys,
+            check_handler_modules,
             check_settings,
             check_system_user,
             check_task_queue_drift,
+            check_topology_declaration,
             check_topology_drift,
         )
         from workqueue.driver import close_before_database_administration, close_thread_connections
@@ -34,6 +37,9 @@ class WorkqueueConfig(AppConfig):
         from workqueue.tasks.signals import send_task_finished_for_dead_letter
 
         checks.register(check_settings, "workqueue")
+        checks.register(check_handler_modules, "workqueue")
+        checks.register(check_topology_declaration, "workqueue")
+        checks.register(check_environment, "workqueue")
         post_migrate.connect(
             renew_grants_after_migrate, sender=self, dispatch_uid="workqueue-renew-grants"
         )

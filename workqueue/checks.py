@@ -100,6 +100,83 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
     return errors
 
 
+def check_handler_modules(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[Any]:
+    """Import ``WORKQUEUE["HANDLER_MODULES"]`` as a host does at start: a misspelt module is
+    an error wherever it runs; one that raises while importing is a warning, since a web-only
+    image may lack what a worker's handlers import (its ``migrate`` must still run)."""
+    from workqueue.conf import get_settings
+    from workqueue.runtime.handlers import handler_module_problems
+
+    try:
+        modules = get_settings(ignore_unknown=True).HANDLER_MODULES
+    except WorkQueueConfigurationError:
+        return []  # reported by check_settings
+    if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
+        return []  # not a list of paths: check_settings says what it takes (E008)
+    return [
+        checks.Error(
+            problem.text,
+            hint="Fix the dotted path in WORKQUEUE['HANDLER_MODULES'] (or "
+            "WORKQUEUE_HANDLER_MODULES): hosts refuse to start with it.",
+            id="workqueue.E009",
+        )
+        if problem.missing
+        else checks.Warning(
+            problem.text,
+            hint="Hosts refuse to start until it imports. Where no host runs (a web-only "
+            "image without the handlers' libraries or secrets), silence it with "
+            "SILENCED_SYSTEM_CHECKS = ['workqueue.W010'].",
+            id="workqueue.W010",
+        )
+        for problem in handler_module_problems(modules)
+    ]
+
+
+def check_topology_declaration(
+    app_configs: list[AppConfig] | None = None, **kwargs: Any
+) -> list[Any]:
+    """The shape of ``WORKQUEUE["TOPOLOGY"]`` (its sections, rows and field names), read as
+    ``sync-topology`` reads it, without the database; its values are the models' rules, which
+    ``sync-topology`` and the database check W006 apply."""
+    from workqueue.conf import get_settings
+    from workqueue.operators.topology import declared_topology
+
+    try:
+        if get_settings().TOPOLOGY is None:
+            return []
+    except WorkQueueConfigurationError:
+        return []  # reported by check_settings
+    try:
+        declared_topology()
+    except WorkQueueConfigurationError as exc:
+        return [
+            checks.Error(
+                str(exc),
+                hint="Fix WORKQUEUE['TOPOLOGY'] (README: Topology field reference); "
+                "`manage.py workqueue sync-topology` refuses it as it is.",
+                id="workqueue.E010",
+            )
+        ]
+    return []
+
+
+def check_environment(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[Any]:
+    """A ``WORKQUEUE_*`` environment variable nothing reads: a misspelt override changes
+    nothing, silently."""
+    from workqueue.conf import OTHER_ENVIRONMENT_VARIABLES, unknown_environment_problems
+
+    others = ", ".join(OTHER_ENVIRONMENT_VARIABLES)
+    return [
+        checks.Warning(
+            problem,
+            hint="Rename or unset it. Each WORKQUEUE setting is read from WORKQUEUE_<KEY> "
+            f"(workqueue/conf.py lists the keys); besides those, only {others} are read.",
+            id="workqueue.W011",
+        )
+        for problem in unknown_environment_problems()
+    ]
+
+
 def _scheduler_interval_warnings(schedules: list[Any], interval_ms: int) -> list[Any]:
     """A schedule whose slots come closer together than the scheduler's passes: a slot is
     publishable only until the next one, so passes further apart skip slots for good (audit
@@ -275,6 +352,8 @@ def check_topology_drift(
     # check_system_user).
     if not _checks_the_queue_database(databases) or hasattr(mail, "outbox"):
         return []
+    if check_topology_declaration():
+        return []  # a declaration of the wrong shape: E010 says so
     warning = topology_drift_warning()
     if warning is None:
         return []

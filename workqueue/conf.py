@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -294,6 +295,60 @@ def get_settings(*, ignore_unknown: bool = False) -> WorkQueueSettings:
     if problem is not None:
         raise WorkQueueConfigurationError(problem)
     return WorkQueueSettings(**{name: setting(name) for name in _DEFAULTS})
+
+
+#: The ``WORKQUEUE_*`` environment variables read besides each setting's override
+#: (``WORKQUEUE_<KEY>`` for every key of WorkQueueSettings), with what they do.
+OTHER_ENVIRONMENT_VARIABLES: dict[str, str] = {
+    "WORKQUEUE_DISABLE_HOST": "1 makes the host commands exit 0 at once",
+    "WORKQUEUE_LOCALDB": "1 lets a process with DEBUG off use the embedded PostgreSQL",
+    "WORKQUEUE_LOCALDB_DIR": "the embedded PostgreSQL's folder",
+    "WORKQUEUE_LOCALDB_BINDIR": "the PostgreSQL server programs the embedded database runs",
+    # This repository's sample project and test suite.
+    "WORKQUEUE_TEST_MSSQL_URL": "the SQL Server the test suite also runs against",
+    "WORKQUEUE_TEST_AWS_REGION": "the real AWS region the test suite's AWS cases run against",
+}
+_ENVIRONMENT_PREFIX = "WORKQUEUE_"
+
+
+def known_environment_variables() -> frozenset[str]:
+    """Every ``WORKQUEUE_*`` environment variable the work queue reads."""
+    overrides = {f"{_ENVIRONMENT_PREFIX}{name}" for name in _DEFAULTS}
+    return frozenset(overrides | set(OTHER_ENVIRONMENT_VARIABLES))
+
+
+def unknown_environment_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``WORKQUEUE_*`` variables of ``environ`` (default: this process's) that nothing
+    reads, so that they change nothing (``WORKQUEUE_SHUTDOWN_DRAIN`` for
+    ``WORKQUEUE_SHUTDOWN_DRAIN_MS``), each with the known name it resembles and what that
+    one sets."""
+    environ = os.environ if environ is None else environ
+    known = known_environment_variables()
+    problems = []
+    for name in sorted(environ):
+        if name in known or not name.upper().startswith(_ENVIRONMENT_PREFIX):
+            continue
+        text = (
+            f"The environment variable {name} is set, but the work queue reads no variable "
+            "of that name, so it changes nothing"
+        )
+        # Compared without the prefix they all share, which would make any two look alike.
+        near = difflib.get_close_matches(
+            name.upper().removeprefix(_ENVIRONMENT_PREFIX),
+            sorted(known_name.removeprefix(_ENVIRONMENT_PREFIX) for known_name in known),
+            n=1,
+            cutoff=0.6,
+        )
+        if near:
+            meant = f"{_ENVIRONMENT_PREFIX}{near[0]}"
+            sets = (
+                f"WORKQUEUE['{near[0]}']"
+                if near[0] in _DEFAULTS
+                else OTHER_ENVIRONMENT_VARIABLES[meant]
+            )
+            text += f"; did you mean {meant} ({sets})?"
+        problems.append(text + ("" if near else "."))
+    return problems
 
 
 def unknown_settings_problem() -> str | None:

@@ -184,3 +184,162 @@ def test_a_single_value_where_a_list_belongs_is_named_not_read_as_its_letters(
     settings.WORKQUEUE = {"SYSTEM_USER": "x", **overrides}
     [error] = check_settings()
     assert named in error.msg, error.msg
+
+
+# -- what plain `manage.py check` finds without a database (newcomer review, helper-139) -------
+
+
+def test_check_names_a_handler_module_that_does_not_exist(settings):
+    """A misspelt HANDLER_MODULES entry passed `manage.py check` and failed only at host start."""
+    from workqueue.checks import check_handler_modules
+
+    settings.WORKQUEUE = {
+        "SYSTEM_USER": "x",
+        "HANDLER_MODULES": ["tests.support.handlers", "tests.support.handlerz"],
+    }
+
+    [error] = check_handler_modules()
+
+    assert error.id == "workqueue.E009"
+    assert "'tests.support.handlerz'" in error.msg and "No module named" in error.msg
+    assert "HANDLER_MODULES" in error.hint
+
+
+def test_check_warns_of_a_handler_module_that_raises_on_import_naming_the_exception(settings):
+    """Found but failing inside (a worker's library or secret missing from a web-only image):
+    a warning, so that such an image's `migrate` still runs; hosts refuse to start with it."""
+    from workqueue.checks import check_handler_modules
+
+    settings.WORKQUEUE = {
+        "SYSTEM_USER": "x",
+        "HANDLER_MODULES": ["tests.support.handlers_needing_a_secret"],
+    }
+
+    [warning] = check_handler_modules()
+
+    assert warning.id == "workqueue.W010"
+    assert "'tests.support.handlers_needing_a_secret'" in warning.msg
+    assert "RuntimeError: needs SOME_API_KEY in the environment" in warning.msg
+
+
+def test_check_of_handler_modules_leaves_a_malformed_setting_to_the_settings_check(settings):
+    from workqueue.checks import check_handler_modules
+
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "HANDLER_MODULES": "myapp.jobs"}
+    assert check_handler_modules() == []  # E008 says it takes a list
+
+
+@pytest.mark.parametrize(
+    ("topology", "named"),
+    [
+        (
+            {
+                "topics": {"hello": {}},
+                "subscriptions": {"hello-greet": {"topic": "hello", "handler": "x"}},
+            },
+            'WORKQUEUE["TOPOLOGY"]["subscriptions"]["hello-greet"] has unknown field(s) '
+            "handler (did you mean handler_key?)",
+        ),
+        (
+            {"topics": {}, "subscriptions": {"hello-greet": {"handler_key": "x"}}},
+            'WORKQUEUE["TOPOLOGY"]["subscriptions"]["hello-greet"] needs topic',
+        ),
+        ({"topic": {}}, 'WORKQUEUE["TOPOLOGY"] must be a dict with the keys "topics"'),
+        ("tests.support.nowhere.TOPOLOGY", "cannot be imported"),
+    ],
+)
+def test_check_names_the_topology_entry_and_field_sync_topology_would_refuse(
+    settings, topology, named
+):
+    """A TOPOLOGY of the wrong shape passed `manage.py check` and failed only at
+    `sync-topology`. Checked without a database (a unit test may not reach one)."""
+    from workqueue.checks import check_topology_declaration
+
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "TOPOLOGY": topology}
+
+    [error] = check_topology_declaration()
+
+    assert error.id == "workqueue.E010"
+    assert named in error.msg, error.msg
+
+
+def test_a_well_formed_or_absent_topology_passes_the_check(settings):
+    from workqueue.checks import check_topology_declaration
+
+    settings.WORKQUEUE = {"SYSTEM_USER": "x"}
+    assert check_topology_declaration() == []
+    settings.WORKQUEUE = {
+        "SYSTEM_USER": "x",
+        "TOPOLOGY": {
+            "topics": {"hello": {}},
+            "subscriptions": {"hello-greet": {"topic": "hello", "handler_key": "hello.greet"}},
+        },
+    }
+    assert check_topology_declaration() == []
+
+
+def test_an_unknown_workqueue_environment_variable_is_warned_with_the_nearest_name(
+    settings, monkeypatch
+):
+    """WORKQUEUE_SHUTDOWN_DRAIN (the setting is SHUTDOWN_DRAIN_MS) changed nothing, silently."""
+    from workqueue.checks import check_environment
+
+    settings.WORKQUEUE = {"SYSTEM_USER": "x"}
+    monkeypatch.setenv("WORKQUEUE_SHUTDOWN_DRAIN", "1000")
+    monkeypatch.setenv("WORKQUEUE_NOTHING_LIKE_IT", "1")
+    monkeypatch.setenv("WORKQUEUE_SHUTDOWN_DRAIN_MS", "1000")  # known: no warning
+
+    unlike, near = check_environment()  # in the variables' order
+
+    assert near.id == unlike.id == "workqueue.W011"
+    assert "WORKQUEUE_SHUTDOWN_DRAIN " in near.msg or "WORKQUEUE_SHUTDOWN_DRAIN is" in near.msg
+    assert "did you mean WORKQUEUE_SHUTDOWN_DRAIN_MS" in near.msg
+    assert "WORKQUEUE['SHUTDOWN_DRAIN_MS']" in near.msg
+    assert "WORKQUEUE_NOTHING_LIKE_IT" in unlike.msg and "did you mean" not in unlike.msg
+
+
+def test_the_environment_variables_the_project_reads_are_all_known():
+    """Every WORKQUEUE_* name the app, the sample project or the test suite's support code
+    spells is one the check knows, so the check never warns of a variable that is read."""
+    import re
+    from pathlib import Path
+
+    from workqueue.conf import known_environment_variables
+
+    root = Path(__file__).resolve().parents[2]
+    spelt = {
+        name
+        for folder in ("workqueue", "project", "workqueue_samples", "tests/support")
+        for path in (root / folder).rglob("*.py")
+        for name in re.findall(r"\bWORKQUEUE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())
+    }
+    # A name the code builds others from, and the docstrings' example of a misspelt one.
+    spelt -= {"WORKQUEUE_KEY", "WORKQUEUE_SHUTDOWN_DRAIN"}
+
+    assert spelt, "found no variable at all: the search is wrong"
+    assert spelt <= known_environment_variables(), spelt - known_environment_variables()
+
+
+def test_manage_py_check_reports_handler_modules_topology_and_unknown_variables(
+    settings, monkeypatch
+):
+    """The newcomer's view: plain `manage.py check` said "no issues" for all three."""
+    import io
+
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+
+    settings.WORKQUEUE = {
+        "SYSTEM_USER": "x",
+        "HANDLER_MODULES": ["tests.support.handlerz"],
+        "TOPOLOGY": {"topics": {}, "subscriptions": {"hello-greet": {"handler": "x"}}},
+    }
+    monkeypatch.setenv("WORKQUEUE_SHUTDOWN_DRAIN", "1000")
+
+    with pytest.raises(SystemCheckError) as failed:
+        call_command("check", stdout=io.StringIO(), stderr=io.StringIO())
+
+    report = str(failed.value)
+    assert "workqueue.E009" in report and "'tests.support.handlerz'" in report
+    assert "workqueue.E010" in report and '["hello-greet"]' in report
+    assert "workqueue.W011" in report and "WORKQUEUE_SHUTDOWN_DRAIN_MS" in report

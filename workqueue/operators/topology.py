@@ -20,6 +20,7 @@ subscription with deliveries, or a topic with messages or subscriptions, is neve
 
 from __future__ import annotations
 
+import difflib
 import logging
 import random
 import time
@@ -129,10 +130,14 @@ def declared_topology() -> dict[str, dict[str, dict[str, Any]]]:
             where = f'WORKQUEUE["TOPOLOGY"]["{section}"]["{name}"]'
             if not isinstance(values, Mapping):
                 raise WorkQueueConfigurationError(f"{where} must be a dict of fields.")
-            unknown = sorted(set(values) - allowed)
+            unknown = sorted(set(values) - allowed, key=str)
             if unknown:
+                named = []
+                for key in unknown:
+                    near = difflib.get_close_matches(str(key), sorted(allowed), n=2, cutoff=0.6)
+                    named.append(f"{key} (did you mean {' or '.join(near)}?)" if near else str(key))
                 raise WorkQueueConfigurationError(
-                    f"{where} has unknown field(s) {', '.join(unknown)}; the fields are "
+                    f"{where} has unknown field(s) {', '.join(named)}; the fields are "
                     f"{', '.join(sorted(allowed))}."
                 )
             missing = sorted(required - set(values))

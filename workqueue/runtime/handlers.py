@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, ClassVar, TypeVar
 
@@ -94,10 +95,41 @@ def autodiscover(extra_modules: tuple[str, ...] = ()) -> None:
     import raises, so a broken handler never silently plans as HandlerNotRegistered.
     """
     autodiscover_modules("work_handlers")
+    for problem in handler_module_problems(extra_modules):
+        if isinstance(problem.error, ImportError):
+            raise WorkQueueConfigurationError(problem.text) from problem.error
+        raise problem.error  # a bug inside the module: its own traceback says where
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerModuleProblem:
+    """A ``HANDLER_MODULES`` entry that would stop a host from starting."""
+
+    module: str
+    text: str
+    #: True when the module named does not exist (a misspelt path): wrong wherever it runs.
+    #: False when it exists but raised while importing, which may be an image's doing (a
+    #: web-only image without a worker's library or secret).
+    missing: bool
+    error: Exception = field(compare=False)
+
+
+def handler_module_problems(extra_modules: tuple[str, ...]) -> list[HandlerModuleProblem]:
+    """Import each of ``extra_modules`` as :func:`autodiscover` does at host start, and say
+    which fail and how, instead of raising (``manage.py check`` reports them)."""
+    problems = []
     for module in extra_modules:
         try:
             import_module(module)
-        except ImportError as exc:
-            raise WorkQueueConfigurationError(
-                f"WORKQUEUE['HANDLER_MODULES'] names {module!r}, which cannot be imported: {exc}"
-            ) from exc
+        except Exception as exc:
+            missing = isinstance(exc, ModuleNotFoundError) and (
+                exc.name == module or module.startswith(f"{exc.name}.")
+            )
+            problems.append(HandlerModuleProblem(module, _cannot_import(module, exc), missing, exc))
+    return problems
+
+
+def _cannot_import(module: str, exc: Exception) -> str:
+    # An ImportError's text names what is missing; any other exception is named by its type.
+    reason = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+    return f"WORKQUEUE['HANDLER_MODULES'] names {module!r}, which cannot be imported: {reason}"
