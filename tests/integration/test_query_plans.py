@@ -13,6 +13,7 @@ import re
 import uuid
 
 import pytest
+from django.db import connection
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.filter_cases import leaf, root
@@ -20,6 +21,8 @@ from tests.support.seeding import seed_deliveries
 from workqueue.driver import get_driver
 from workqueue.driver.base import QUEUE_TABLES
 from workqueue.driver.procedures import get_procedure
+from workqueue.models import TaskResult
+from workqueue.tasks.messages import HANDLER_KEY
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -760,3 +763,54 @@ def test_procedures_that_leave_sequential_scans_aside_are_not_jit_compiled(pg_co
         plans = _nested_plans(pg_conn, procedure, {"batch_size": 1000})
         assert "workqueue_topic" in plans, f"{procedure}: no nested plan logged"
         assert "JIT" not in plans, f"{procedure}:\n{plans}"
+
+
+def test_a_task_result_purge_reads_what_it_purges_not_what_longer_retentions_keep(pg_conn):
+    """The results' walk read every result older than the shortest retention of any task
+    queue, so beside a queue of a longer retention each sweeper pass read all the results
+    that queue still keeps (20,000 here, to delete 10), and read more as its history grew.
+    Each result now names its queue's topic and is walked from its own topic's cutoff."""
+    kept = SubscriptionFactory(topic=TopicFactory(retention_days=30), handler_key=HANDLER_KEY)
+    purged = SubscriptionFactory(topic=TopicFactory(retention_days=1), handler_key=HANDLER_KEY)
+    seed_deliveries(pg_conn, kept, 20_000)  # tasks waiting for their retry: messages alive
+    started = "now() - interval '2 days'"  # past one retention, well within the other
+    pg_conn.execute(
+        "INSERT INTO workqueue_taskresult (id, topic, started_at, last_attempted_at, "
+        f"worker_ids, errors) SELECT id, %s, {started}, {started}, '[]', '[]' "
+        "FROM workqueue_message WHERE topic_id = %s",
+        (kept.topic.name, kept.topic_id),
+    )
+    orphans = [uuid.uuid4() for _ in range(10)]  # their messages purged with their topic's
+    pg_conn.execute(
+        "INSERT INTO workqueue_taskresult (id, topic, started_at, last_attempted_at, "
+        f"worker_ids, errors) SELECT id, %s, {started}, {started}, '[]', '[]' "
+        "FROM unnest(%s::uuid[]) AS id",
+        (purged.topic.name, orphans),
+    )
+    pg_conn.execute("ANALYZE workqueue_taskresult")
+    pg_conn.execute("ANALYZE workqueue_message")
+
+    notices: list[str] = []
+    connection.ensure_connection()
+    connection.connection.add_notice_handler(
+        lambda diag: notices.append(diag.message_primary or "")
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("LOAD 'auto_explain'")
+        for setting in (
+            "auto_explain.log_min_duration = 0",
+            "auto_explain.log_analyze = on",
+            "client_min_messages = log",
+        ):
+            cursor.execute(f"SET {setting}")
+    try:
+        removed = TaskResult.objects.purge_orphans(1000)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET client_min_messages")
+    plans = "\n".join(notices)
+
+    assert removed == 10
+    assert "workqueue_taskresult" in plans
+    assert max(_rows_read(plans)) <= 1000, plans
+    assert TaskResult.objects.count() == 20_000

@@ -28,7 +28,7 @@ from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
 from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from tests import task_functions
-from tests.factories import SubscriptionFactory
+from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.queue import answers_lost_once
 from tests.support.roles import acting_as_granted_role
 from tests.support.routers import QUEUE_ALIAS
@@ -762,6 +762,21 @@ def test_results_are_purged_with_their_messages_by_the_sweeper(run_host):
     assert default_task_backend.get_result(recent.id).return_value == 4
 
 
+def test_results_naming_no_known_topic_are_reaped_from_the_longest_retention():
+    """Results recorded before they named their topic (or whose topic was renamed) cannot be
+    walked from their own topic's cutoff: they go once past every topic's retention, never
+    while a longer-retention topic may still hold their message."""
+    TopicFactory(retention_days=1)
+    TopicFactory(retention_days=30)
+    ids = {age: uuid.uuid4() for age in (2, 31)}
+    for age, result_id in ids.items():
+        started = timezone.now() - dt.timedelta(days=age)
+        TaskResult.objects.create(id=result_id, topic=None, started_at=started)
+
+    assert TaskResult.objects.purge_orphans(100) == 1
+    assert list(TaskResult.objects.values_list("id", flat=True)) == [ids[2]]
+
+
 def test_a_host_runs_tasks_on_kept_connections_in_three_statements_each(run_host):
     """The handler's worker threads keep their ORM connections between deliveries (the project
     sets CONN_MAX_AGE) and a first run costs one INSERT of its result, one UPDATE of the return
@@ -797,13 +812,14 @@ def test_a_first_run_that_finds_an_earlier_runs_record_adds_to_it(in_transaction
     """A lease can expire before its attempt is counted, so a "first" run may find the row an
     earlier run wrote: its insert clashes and it takes the locked path instead."""
     result_id = str(uuid.uuid4())
-    first = record_start(result_id, "host-a", first_run=True)
+    first = record_start(result_id, "tasks.default", "host-a", first_run=True)
     with transaction.atomic() if in_transaction else nullcontext():
-        again = record_start(result_id, "host-b", first_run=True)
+        again = record_start(result_id, "tasks.default", "host-b", first_run=True)
         if in_transaction:
             TaskResult.objects.count()  # the caller's transaction is still usable
 
     assert again.worker_ids == ["host-a", "host-b"]
+    assert again.topic == "tasks.default"
     assert again.started_at == first.started_at <= again.last_attempted_at
 
 

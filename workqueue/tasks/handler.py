@@ -60,7 +60,10 @@ class TaskHandler(BaseWorkHandler):
             raise FatalWorkError(f"Not a task message: {exc}") from exc
         result_id = message.message_id
         record = record_start(
-            result_id, context.worker_id, first_run=context.attempt == 1 and not context.is_replay
+            result_id,
+            message.topic,
+            context.worker_id,
+            first_run=context.attempt == 1 and not context.is_replay,
         )
         try:
             task = task_message.load_task()

@@ -76,9 +76,10 @@ def read_result(result_id: str) -> api.TaskResult:
 # -- written by the host ----------------------------------------------------------------------
 
 
-def record_start(result_id: str, worker_id: str, *, first_run: bool) -> TaskResult:
+def record_start(result_id: str, topic: str, worker_id: str, *, first_run: bool) -> TaskResult:
     """Count a run, committed before the task runs: the first sets ``started_at``; each sets
     ``last_attempted_at`` (database clock, like ``published_at``) and adds its worker id.
+    ``topic`` (the task's queue's topic, by name) decides when the sweeper reaps the row.
 
     A ``first_run`` (first attempt, not a replay) normally finds no row and inserts it in one
     statement, the insert returning the database's times; an earlier run's row (a lease that
@@ -94,11 +95,13 @@ def record_start(result_id: str, worker_id: str, *, first_run: bool) -> TaskResu
         in_transaction = transaction.get_connection(alias).in_atomic_block
         try:
             with transaction.atomic(using=alias) if in_transaction else nullcontext():
-                return results.create(pk=result_id, worker_ids=[worker_id])
+                return results.create(pk=result_id, topic=topic, worker_ids=[worker_id])
         except IntegrityError:
             pass
     with transaction.atomic(using=alias):
-        record, _ = results.select_for_update().get_or_create(pk=result_id)
+        record, _ = results.select_for_update().get_or_create(
+            pk=result_id, defaults={"topic": topic}
+        )
         results.filter(pk=result_id).update(
             last_attempted_at=Now(), worker_ids=[*record.worker_ids, worker_id]
         )
