@@ -7,6 +7,7 @@ line with its control characters escaped; the record's attributes keep it as it 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Iterator
@@ -126,3 +127,39 @@ def test_a_value_is_left_alone_when_plain_and_quoted_otherwise(value, shown):
 def test_free_text_keeps_its_words_and_escapes_its_control_characters():
     assert log_text("bad data: émile") == "bad data: émile"
     assert log_text("a\nb\x1b[2J\r\u2028") == "a\\nb\\x1b[2J\\r\\u2028"
+
+
+class _AsTheQueueSaid:
+    """A receiver that settles the real delivery behind one whose ids a queue message set."""
+
+    def __init__(self, receiver: Any, real: Any) -> None:
+        self._receiver, self._real = receiver, real
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._receiver, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if args and isinstance(args[0], type(self._real)):
+                args = (self._real, *args[1:])
+            return method(*args, **kwargs)
+
+        return call
+
+
+def test_ids_a_cloud_queues_message_carries_cannot_forge_a_log_line(rig, caplog):
+    """On a cloud transport the delivery and message ids come from the message's body, which
+    whoever may send to the queue wrote."""
+    sub = SubscriptionFactory(handler_key="t.script", max_attempts=3)
+    receiver, delivery = rig.claim(sub, {"then": "crash", "message": "boom"}, key="k")
+    forged = dataclasses.replace(
+        delivery, delivery_id=f"d-1{FORGED}", message_id=f"m-1{FORGED}\x1b[2J"
+    )
+    caplog.set_level(logging.DEBUG, logger="workqueue.deliveries")
+
+    rig.execution(sub, _AsTheQueueSaid(receiver, delivery), forged).run()
+
+    (record,) = delivery_lines(caplog)
+    assert "retrying in" in record.getMessage()
+    assert_one_clean_line(record.getMessage())

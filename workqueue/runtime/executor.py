@@ -338,10 +338,10 @@ class DeliveryExecution:
         )
         # Every line names the delivery, so a plain-text log is enough to find it again.
         # The message id too: it is what a publisher holds (a Tasks API task's result id).
-        # The key and the id are the publisher's (a cloud queue's message carries its own id):
+        # The key is the publisher's, and a cloud queue's message carries its ids in its body:
         # escaped, so that a newline in them cannot forge a line (review helper-142).
         self._where = (
-            f"subscription={plan.name} delivery={delivery.delivery_id} "
+            f"subscription={plan.name} delivery={log_value(delivery.delivery_id)} "
             f"attempt={delivery.attempt}/{plan.max_attempts} "
             f"key={log_value(delivery.partition_key)} message={log_value(delivery.message_id)}"
         )
