@@ -511,6 +511,30 @@ def test_a_replay_or_discard_body_it_cannot_read_is_400_and_changes_nothing(clie
     assert status_of(delivery_id) == "DeadLettered"
 
 
+def test_a_mistyped_subscription_name_is_404_naming_the_ones_it_resembles(client):
+    """The 404 said only that no subscription had the name (newcomer review, helper-139)."""
+    SubscriptionFactory(name="orders.email")
+
+    response = call(client, "get", "/subscriptions/orders.emial/stats", key=reader())
+
+    assert response.status_code == 404
+    assert "Did you mean 'orders.email'?" in response.json()["detail"]
+
+
+def test_a_limited_key_is_told_no_name_beyond_its_limit_in_a_404(client):
+    """Suggestions come from the subscriptions the caller may read: a key limited to some is
+    never told the names of the others."""
+    SubscriptionFactory(name="orders.email")
+    SubscriptionFactory(name="orders.emails")
+    key = reader(subscriptions=["orders.emailz", "orders.emails"])
+
+    response = call(client, "get", "/subscriptions/orders.emailz/stats", key=key)
+
+    assert response.status_code == 404
+    detail = response.json()["detail"]
+    assert "'orders.emails'" in detail and "'orders.email'" not in detail
+
+
 def test_replay_on_an_unknown_subscription_is_404(client):
     sub = SubscriptionFactory(name="real.sub")
     delivery_id = dead_letter(sub)

@@ -60,6 +60,36 @@ def test_stats_for_an_unknown_subscription_fails():
         run("stats", "-s", "nope")
 
 
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ("stats", "-s"),
+        ("dead-letters", "-s"),
+        ("partitions", "-s"),
+        ("backlog", "-s"),
+        ("replay", "--delivery", "0190a5d4-ac96-7c4b-bcce-b302099a8057", "-s"),
+        ("discard", "--delivery", "0190a5d4-ac96-7c4b-bcce-b302099a8057", "--reason", "x", "-s"),
+        ("replay-dead-letters", "-s"),
+        ("retire-subscription",),
+    ],
+)
+def test_a_mistyped_subscription_name_names_the_ones_it_resembles(verb):
+    """Operator verbs said only "No subscription is named 'orders.emial'." (newcomer review,
+    helper-139); the one place that finds a subscription for an operator now names those
+    spelt nearly alike."""
+    SubscriptionFactory(name="orders.email")
+    SubscriptionFactory(name="orders.emails")
+    SubscriptionFactory(name="billing.invoice")
+
+    with pytest.raises(CommandError) as refused:
+        run(*verb, "orders.emial")
+
+    text = str(refused.value)
+    assert "No subscription is named 'orders.emial'" in text
+    assert "Did you mean 'orders.email' or 'orders.emails'?" in text
+    assert "billing" not in text
+
+
 def test_dead_letters_then_replay_then_nothing_left():
     sub = SubscriptionFactory()
     delivery_id = dead_letter(sub)

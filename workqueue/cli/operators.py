@@ -281,13 +281,14 @@ def _chosen_delivery(options: dict[str, Any]) -> str:
         return options["delivery"]
     from workqueue.models import Delivery
     from workqueue.operators.operations import _name, _subscription
+    from workqueue.operators.permissions import CLI
 
     try:
         message_id = uuid.UUID(options["message"])
     except ValueError:
         raise CommandError(f"--message {options['message']!r} is not a message id.") from None
     # Checked and found as the operation itself will: a name it refuses, or no such one.
-    subscription = _operation_errors(lambda: _subscription(_name(options["subscription"])))
+    subscription = _operation_errors(lambda: _subscription(_name(options["subscription"]), CLI))
     found = (
         Delivery.objects.filter(subscription=subscription, message_id=message_id)
         .values_list("id", flat=True)

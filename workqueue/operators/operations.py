@@ -8,6 +8,7 @@ error."""
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -37,6 +38,7 @@ from workqueue.operators.permissions import (
     READ,
     Actor,
     may_call_the_cloud,
+    may_name_subscription,
     may_view_payload,
     require,
 )
@@ -223,14 +225,30 @@ def _target_delivery_id(value: Any) -> str:
     return target
 
 
-def _subscription(name: str) -> Any:
+def _subscription(name: str, actor: Actor) -> Any:
+    """The subscription an operation acts on: the one place operators' names are found."""
     # Imported here: operators read topology only when called (keeps imports cheap).
     from workqueue.models import Subscription
 
     found = Subscription.objects.filter(name=name).select_related("topic__transport").first()
     if found is None:
-        raise NotFoundError(f"No subscription is named {name!r}.")
+        raise _no_subscription(name, actor)
     return found
+
+
+def _no_subscription(name: str, actor: Actor) -> NotFoundError:
+    """No subscription has ``name``: say so, with the names spelt nearly alike (a typo's
+    likely meaning) among those ``actor`` may be told of."""
+    from workqueue.models import Subscription
+
+    names = [
+        existing
+        for existing in Subscription.objects.values_list("name", flat=True)
+        if may_name_subscription(actor, existing)
+    ]
+    near = difflib.get_close_matches(name, names, n=3, cutoff=0.8)
+    suggestion = f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
+    return NotFoundError(f"No subscription is named {name!r}.{suggestion}")
 
 
 def _transport_of(subscription: Any, flag: str | None = None, what: str = "") -> BaseTransport:
@@ -268,7 +286,7 @@ def subscription_stats(
         require(actor, READ, subscription=name)
         queryset = queryset.filter(name=name)
         if not queryset.exists():
-            raise NotFoundError(f"No subscription is named {name!r}.")
+            raise _no_subscription(name, actor)
     else:
         require(actor, READ)
     report = StatsReport([])
@@ -399,7 +417,7 @@ def list_dead_letters(
     if after is not None and _delivery_id(after) is None:
         raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     viewer = may_view_payload(actor)
     # Not read at all for a caller who may not see them: a page of a thousand payloads read to
     # be blanked cost the web process their whole size, a read key's way to exhaust it.
@@ -445,7 +463,7 @@ def list_partitions(
     if isinstance(after, str) and text_problem(after) is not None:
         raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     if subscription.partition_mode == "None":
         return Page(True, [])
     found = _transport_of(subscription, "supports_partition_listing", "Listing partitions")
@@ -497,7 +515,7 @@ def replay(
     name = _name(subscription_name)
     note = _note(note, "note")
     require(actor, OPERATE, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     target = _target_delivery_id(delivery_id)
     found = _transport_of(subscription, "supports_replay", "Replaying a dead letter")
     return ReplayOutcome(True, found.replay(str(subscription.id), target, actor.name, note))
@@ -512,7 +530,7 @@ def discard(
     name = _name(subscription_name)
     reason = _note(reason, "reason", required=True)
     require(actor, OPERATE, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     target = _target_delivery_id(delivery_id)
     found = _transport_of(subscription)
     result = found.discard(str(subscription.id), target, actor.name, reason)
@@ -568,7 +586,7 @@ def resolve_dead_letters(
         ),
     }
     require(actor, OPERATE, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     found = _transport_of(
         subscription,
         "supports_replay" if action == "replay" else None,
@@ -634,7 +652,7 @@ def discard_pending(
         error_contains=selection.error_contains,
     )
     require(actor, OPERATE, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     found = _transport_of(
         subscription, "supports_bulk_discard_pending", "Discarding Pending deliveries in bulk"
     )
@@ -770,10 +788,10 @@ def backlog(subscription_name: str, *, actor: Actor = CLI) -> BacklogReport:
     """Claimable and in-flight counts for autoscaling, each capped at 1000."""
     name = _name(subscription_name)
     require(actor, READ, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     result = _transport_of(subscription).backlog(str(subscription.id))
     if result is None:
-        raise NotFoundError(f"No subscription is named {name!r}.")
+        raise _no_subscription(name, actor)
     return BacklogReport(True, result.claimable, result.in_flight, result.total, result.capped)
 
 

@@ -117,6 +117,12 @@ def require(
         raise PermissionDeniedError(f"This needs the {permission} permission.")
 
 
+def may_name_subscription(actor: Actor, name: str) -> bool:
+    """Whether ``actor`` may be told that subscription ``name`` exists: an API key limited to
+    some subscriptions hears no other's name (in a "did you mean" either)."""
+    return actor.scopes is None or _in_limit(actor.subscriptions, name)
+
+
 def may_view_payload(actor: Actor) -> bool:
     return _has_perm(actor, PAYLOAD_PERMISSION)
 

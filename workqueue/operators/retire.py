@@ -61,7 +61,7 @@ def retire_subscription(
     """
     name = _name(name)
     require(actor, OPERATE, subscription=name)
-    subscription = _subscription(name)
+    subscription = _subscription(name, actor)
     found = _transport_of(subscription)
     if not found.keeps_deliveries_in_database:
         return _retire_elsewhere(subscription, found, dry_run, discard_pending, say)
