@@ -90,16 +90,13 @@ def test_a_handlers_reason_or_error_cannot_forge_a_log_line(rig, caplog, payload
     assert_one_clean_line(record.getMessage())
 
 
-def test_a_lease_expiry_dead_letter_cannot_forge_a_log_line(caplog):
+@pytest.mark.parametrize("delivery_id", [str(uuid.uuid4()), f"d-1{FORGED}"])
+def test_a_lease_expiry_dead_letter_cannot_forge_a_log_line(caplog, delivery_id):
+    """Lease expiry on a cloud queue reports the delivery id its message's body names."""
     caplog.set_level(logging.ERROR, logger="workqueue.deliveries")
 
     report_lease_expired_dead_letter(
-        object,
-        "orders.email",
-        str(uuid.uuid4()),
-        str(uuid.uuid4()),
-        HOSTILE_KEY,
-        reason="LeaseExpired",
+        object, "orders.email", str(uuid.uuid4()), delivery_id, HOSTILE_KEY, reason="LeaseExpired"
     )
 
     (record,) = delivery_lines(caplog)

@@ -1162,7 +1162,7 @@ def report_lease_expired_dead_letter(
         "Delivery dead-lettered: LeaseExpired (subscription=%s delivery=%s key=%s): its holder "
         "stopped renewing the lease on its last attempt",
         subscription,
-        delivery_id,
+        log_value(delivery_id),  # a cloud queue's message names its own
         log_value(partition_key),
         extra={
             "subscription": subscription,
