@@ -2479,3 +2479,96 @@ def test_only_a_failure_before_the_request_left_cannot_have_arrived(failure, arr
     error = getattr(botocore.exceptions, failure)(endpoint_url="https://sns", error="x")
 
     assert _unavailable("AWS could not be reached", error).may_have_arrived is arrived
+
+
+# -- review helper-141 -----------------------------------------------------------------------
+
+
+def test_every_dead_letter_of_a_key_on_a_fifo_queue_is_listed_and_replayable_by_id(aws):
+    """helper-141: a dead letter went to the FIFO dead-letter queue in its partition key's
+    message group, and SQS FIFO hands out nothing more of a group while some of it is
+    received, so a read of the DLQ (which receives what it lists) saw one answer's ten dead
+    letters of a key: 10 of 13 were listed, and a replay by id of the others said "not a dead
+    letter" while they waited, unseen, for SQS's 14 days."""
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive", max_attempts=1)
+    publish_many(
+        subscription.topic, [{"payload": {"n": n}, "partition_key": "k"} for n in range(13)]
+    )
+    holder = receiver(subscription)
+    dead = []
+    for _ in range(13):
+        delivery = receive_one(holder)
+        assert holder.dead_letter(delivery, "Poison", "bad input").settled
+        dead.append(delivery.delivery_id)
+
+    listed = operations.list_dead_letters(subscription.name).items
+    assert sorted(i.delivery_id for i in listed) == sorted(dead)
+    assert {i.message_partition_key for i in listed} == {"k"}
+    for delivery_id in dead:
+        assert operations.replay(subscription.name, delivery_id).replayed
+    # Replayed under the key's group again: still one at a time, in the order replayed.
+    replayed = [receive_one(holder).delivery_id]
+    assert receiver(subscription).receive(10).deliveries == []
+    assert replayed == dead[:1]
+
+
+def _seed_dead_letters(holder: AwsReceiver, ids: list[str], reason: str) -> None:
+    """Dead letters written straight to the DLQ as the receiver writes them, in that order."""
+    for start in range(0, len(ids), 10):
+        holder.binding.clients.sqs.send_message_batch(
+            QueueUrl=holder.binding.dead_letter_queue_url,
+            Entries=[
+                {
+                    "Id": str(i),
+                    "MessageBody": json.dumps({"message_id": str(uuid.uuid4()), "payload": {}}),
+                    "MessageAttributes": {
+                        "wq_reason": {"DataType": "String", "StringValue": reason},
+                        "wq_delivery_id": {"DataType": "String", "StringValue": delivery_id},
+                    },
+                }
+                for i, delivery_id in enumerate(ids[start : start + 10])
+            ],
+        )
+
+
+@pytest.mark.parametrize("action", ["replay", "discard"])
+def test_a_bulk_operation_on_more_dead_letters_than_one_read_sees_changes_them_all(
+    aws, monkeypatch, action
+):
+    """helper-141: a bulk replay walked the dead letters by id after the last batch's, but a
+    read of the DLQ sees 1,000 of them, chosen by SQS, whose ids fall anywhere: the next
+    batch's read skipped every id below the cursor that the first read had not seen, and the
+    operation ended reporting success (an outage's 5,000 dead letters: about 1,000 replayed,
+    the rest left to SQS's 14 days). Here a read sees 10 (as 1,000), SQS hands out the highest
+    ids first (as random ids do, some time), and 5 dead letters of another reason stay."""
+    import workqueue.transports.aws as aws_module
+
+    subscription = provisioned(aws, max_attempts=1)
+    holder = receiver(subscription)
+    _seed_dead_letters(holder, [f"other-{n}" for n in range(5)], "Other")
+    _seed_dead_letters(holder, [f"d-{n:04d}" for n in reversed(range(30))], "Poison")
+    monkeypatch.setattr(aws_module, "DEAD_LETTER_SCAN_LIMIT", 10)
+
+    counted = operations.resolve_dead_letters(
+        subscription.name,
+        action,
+        operations.DeadLetterSelection(reason="Poison"),
+        dry_run=True,
+        note="outage",
+        batch_size=10,
+    )
+    outcome = operations.resolve_dead_letters(
+        subscription.name,
+        action,
+        operations.DeadLetterSelection(reason="Poison"),
+        note="outage",
+        batch_size=10,
+    )
+
+    assert counted.matched <= 10  # a dry run changes nothing: one walk, what its reads see
+    assert outcome.matched == 30
+    monkeypatch.setattr(aws_module, "DEAD_LETTER_SCAN_LIMIT", 1000)
+    left = operations.list_dead_letters(subscription.name).items
+    assert sorted(i.delivery_id for i in left) == [f"other-{n}" for n in range(5)]
+    if action == "replay":
+        assert len(receive_all(holder, 30)) == 30

@@ -1132,14 +1132,18 @@ def send_dead_letter(
         "MessageAttributes": _string_attributes(attributes),
     }
     if binding.fifo:
-        params["MessageGroupId"] = _group_id(delivery.partition_key, delivery.message_id)
         # SQS FIFO drops a send whose deduplication id it saw in the last five minutes, even
         # if that message was deleted since: the id names this receive (its receipt handle),
         # so a replay that fails again is dead-lettered anew, while a settle retried after an
         # error sends the same id and stores one copy.
-        params["MessageDeduplicationId"] = _deduplication_id(
-            "dead", delivery.delivery_id, delivery.lease_token
-        )
+        deduplication_id = _deduplication_id("dead", delivery.delivery_id, delivery.lease_token)
+        params["MessageDeduplicationId"] = deduplication_id
+        # A group of its own, not the partition key's: a FIFO queue hands out nothing more of
+        # a group while some of it is received, so an operator's read of the DLQ (which
+        # receives what it lists) saw at most one answer's ten dead letters of a key, and a
+        # replay or discard by id of the others said "not a dead letter". Dead letters keep
+        # no order (their key is in the envelope; a replay goes back under the key's group).
+        params["MessageGroupId"] = deduplication_id
     _send_for_a_settle(binding, params)
 
 
@@ -1612,14 +1616,58 @@ class AwsTransport(BaseTransport):
         self, subscription_id: str, action: str, selection: dict[str, Any], **options: Any
     ) -> dict[str, Any]:
         """One batch of a bulk replay or discard of the dead letters matching ``selection``,
-        in delivery id order after ``after_delivery_id``."""
+        in delivery id order after the cursor ``after_delivery_id`` (``_bulk_cursor``).
+
+        A read of the DLQ sees at most DEAD_LETTER_SCAN_LIMIT dead letters, chosen by SQS,
+        with ids anywhere: a DLQ holding more has dead letters below the cursor that no batch
+        of that walk saw, and a bulk replay of an outage's 5,000 changed about 1,000 and
+        reported itself done. So when a walk of the ids reaches the end of what its reads saw,
+        and a read was full, and the walk changed some (they left the DLQ, making room for
+        others in the next read), a new walk starts from the lowest id, within this batch.
+        A walk that changed nothing ends the operation: what its reads saw did not match, and
+        a read again would see the same. A dry run changes nothing, so it makes one walk."""
         binding = QueueBinding.of(subscription_id)
-        after = options.get("after_delivery_id")
         batch_size = options["batch_size"]
+        dry_run = bool(options.get("dry_run"))
+        walk, walk_changed, after = _bulk_cursor(options.get("after_delivery_id"))
+        changed = examined = 0
+        while True:
+            done, looked_at, after, full = self._resolve_a_batch(
+                binding, action, selection, after, batch_size - examined, dry_run
+            )
+            changed += done
+            examined += looked_at
+            walk_changed = walk_changed or done > 0
+            if examined >= batch_size or dry_run or not full or not walk_changed:
+                break
+            # The end of this walk's ids: the next read, from the lowest id, sees dead
+            # letters this walk's reads could not (the changed ones left the DLQ).
+            walk, walk_changed, after = walk + 1, False, None
+        return {
+            "examined": examined,
+            "changed": changed,
+            "last_delivery_id": None
+            if after is None
+            else f"{walk}{_CURSOR_SEPARATOR}{int(walk_changed)}{_CURSOR_SEPARATOR}{after}",
+        }
+
+    @staticmethod
+    def _resolve_a_batch(
+        binding: QueueBinding,
+        action: str,
+        selection: dict[str, Any],
+        after: str | None,
+        batch_size: int,
+        dry_run: bool,
+    ) -> tuple[int, int, str | None, bool]:
+        """Up to ``batch_size`` dead letters of one read of the DLQ after the id ``after``:
+        (how many were changed, how many examined, the last id examined, or ``after`` when
+        none was, whether the read was full: the DLQ may hold more than it saw)."""
         changed = 0
         late: list[str] = []
         scan = _dead_letter_scan(binding)
         with scan as found:
+            full = len(found) >= DEAD_LETTER_SCAN_LIMIT
             ordered = sorted(
                 (m for m in found if after is None or _dead_letter_id(m) > after),
                 key=_dead_letter_id,
@@ -1627,7 +1675,7 @@ class AwsTransport(BaseTransport):
             for message in ordered:
                 if not _selected(_dead_letter_item(binding, message), selection):
                     continue
-                if options.get("dry_run"):
+                if dry_run:
                     changed += 1
                 elif scan.holds_hidden():
                     # Changed with the receipt handle of this scan, which hides it from every
@@ -1643,11 +1691,21 @@ class AwsTransport(BaseTransport):
             # Past half the scan's hiding: each looked up again once the scan let go of it (one
             # another caller changed meanwhile is not counted here).
             changed += int(_resolve_dead_letter_by_id(binding, action, delivery_id))
-        return {
-            "examined": len(ordered),
-            "changed": changed,
-            "last_delivery_id": _dead_letter_id(ordered[-1]) if ordered else None,
-        }
+        last = _dead_letter_id(ordered[-1]) if ordered else after
+        return changed, len(ordered), last, full
+
+
+#: Separates a bulk operation's cursor's parts (``_bulk_cursor``).
+_CURSOR_SEPARATOR = "/"
+
+
+def _bulk_cursor(cursor: str | None) -> tuple[int, bool, str | None]:
+    """A bulk operation's cursor, as ``resolve_dead_letters`` wrote it: (which walk of the ids,
+    whether that walk changed any dead letter, the last delivery id it examined)."""
+    if not cursor:
+        return 0, False, None
+    walk, walk_changed, after = cursor.split(_CURSOR_SEPARATOR, 2)
+    return int(walk), walk_changed == "1", after
 
 
 # -- publishing helpers --------------------------------------------------------------------
