@@ -290,3 +290,99 @@ def test_a_delivery_next_in_a_slot_never_starts_on_a_lease_that_ran_out_while_th
     assert len(runs) == 1, "key 'k' ran twice: " + ", ".join(
         f"attempt {r.attempt} on {r.thread} at {r.started_at:.1f}" for r in runs
     )
+
+
+@pytest.mark.parametrize("settle_returns", ["after the hand-back", "during the hand-back"])
+def test_a_cancelled_delivery_next_in_a_slot_frees_its_key_without_waiting_for_the_slots_settle(
+    make_host, monkeypatch, settle_returns
+):
+    """A delivery claimed ahead is handed its slot when the handler before it returns, and starts
+    on that handler's worker thread once its settle has returned. Cancelled in between, it was
+    no longer waiting for a slot (``_hand_back_cancelled_ahead`` found it in no queue), so it
+    kept its Exclusive key until that settle returned: through a database that answers slowly,
+    up to the previous delivery's lease and a grace. It never runs after the cancel, so nothing
+    has to return before the key is free. Nor may it start, or its slot be passed on a second
+    time, when the settle returns while its hand-back is still on its way (a double pass is a
+    slot counted free twice: a concurrency-1 subscription running two handlers)."""
+    from workqueue import publish_many
+    from workqueue.models import Delivery
+    from workqueue.runtime import consumer as consumer_module
+    from workqueue.transport import Receiver
+
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)  # the cancel notification comes at once
+    monkeypatch.setattr(consumer_module, "PREFETCH_HANDLER_SECONDS", 60.0)
+    monkeypatch.setattr(consumer_module, "PREFETCH_WINDOW_SECONDS", 60.0)
+    s = sub(partition_mode="Exclusive", lease_seconds=60, max_attempts=5)
+    hanging, entered, answered = threading.Event(), threading.Event(), threading.Event()
+    held_release, releasing, released = set(), threading.Event(), threading.Event()
+    retry, release = Receiver.retry, Receiver.release
+
+    def slow_retry(self: Receiver, *args: Any, **kwargs: Any) -> Any:
+        if hanging.is_set():
+            entered.set()
+            answered.wait(30)  # a database that answers slowly (a settle retried through a blip)
+        return retry(self, *args, **kwargs)
+
+    def held(self: Receiver, delivery: Any) -> Any:
+        if delivery.delivery_id in held_release:
+            releasing.set()
+            released.wait(30)
+        return release(self, delivery)
+
+    monkeypatch.setattr(Receiver, "retry", slow_retry)
+    monkeypatch.setattr(Receiver, "release", held)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 2}])
+    host.start()
+    consumer = host._consumers[s.name]
+    wait_until(listener_pid, timeout=5)
+    warm = publish(s.topic.name, {"then": "complete"}, partition_key="warm").message_id
+    wait_until(lambda: status_of(warm) == "Completed")  # a handler returned: claiming ahead on
+    hanging.set()
+    blocker, victim = [
+        r.message_id
+        for r in publish_many(
+            s.topic.name,
+            [
+                {"payload": {"sleepMs": 1500, "then": "retry"}, "partition_key": "a"},
+                {"payload": {"then": "complete"}, "partition_key": "k"},
+            ],
+        )
+    ]
+    (running,) = probe.wait_for(1, message_id=blocker)
+    wait_until(lambda: status_of(victim) == "InFlight")  # claimed ahead, waiting for the slot
+    assert not running.finished.is_set(), "the blocker returned before the victim was claimed"
+    assert entered.wait(10)  # the blocker's retry hangs; the victim is next on its thread
+    waiting = Delivery.objects.get(message_id=victim)
+    if settle_returns == "during the hand-back":
+        held_release.add(str(waiting.pk))
+
+    try:
+        assert transport.discard_or_cancel(str(s.id), str(waiting.id), "ops", "no").cancel_requested
+        cancelled_at = time.monotonic()
+        if settle_returns == "during the hand-back":
+            assert releasing.wait(5), "the hand-back waited for the settle before it"
+            answered.set()
+            wait_until(lambda: status_of(blocker) == "Pending")  # its retry settled
+            wait_until(lambda: consumer.in_flight == 1)  # the worker goes on to the victim
+            time.sleep(0.3)  # and decides what to do with it before the release returns
+            released.set()
+        try:
+            wait_until(lambda: status_of(victim) == "Discarded", timeout=5)
+        except AssertionError:
+            raise AssertionError(
+                f"{time.monotonic() - cancelled_at:.1f} s after the cancel the delivery next in "
+                f"the slot is still {status_of(victim)} (its key 'k' held) while the settle "
+                "before it hangs"
+            ) from None
+        # The key is free for its next delivery, which takes the slot the victim gave up.
+        after = publish(s.topic.name, {"then": "complete"}, partition_key="k").message_id
+        wait_until(lambda: status_of(after) == "Completed", timeout=5)
+    finally:
+        answered.set()
+        released.set()
+
+    wait_until(lambda: status_of(blocker) == "Pending")  # its retry settled at last
+    wait_until(lambda: consumer.in_flight == 0)
+    assert victim not in {r.message_id for r in probe.runs}
+    # The slot was given up once: nothing passed it on a second time.
+    assert consumer._handlers_running == 0

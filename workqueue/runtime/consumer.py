@@ -311,6 +311,10 @@ class Consumer:
         # Claimed ahead, turned late waiting for a slot, and queued to be handed back on a
         # background thread; still counted as running until the release returns.
         self._late: dict[tuple[str, str], DeliveryExecution] = {}
+        # Every delivery going back unstarted, from the moment that is decided until its
+        # release has returned (past its time in ``_late``): no worker may start one, and a
+        # cancel heard meanwhile must not take one for a delivery that holds a slot.
+        self._handing_back: set[tuple[str, str]] = set()
         # Running mean of handler times (None until one returns): whether to claim ahead.
         self._handler_seconds: float | None = None
         # How much room to claim into the loop waits for: a handler that returns wakes it only
@@ -430,6 +434,7 @@ class Consumer:
                 self._ready_check = None
             for execution in waiting:
                 self._running.pop(execution.key, None)
+                self._handing_back.discard(execution.key)
         # Claimed ahead and never started (a hand-back still queued behind busy background
         # threads included): back to the queue now, attempt refunded, before the process may
         # end.
@@ -851,7 +856,7 @@ class Consumer:
                 if candidate.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE:
                     following = candidate
                 else:
-                    self._late[candidate.key] = candidate
+                    self._to_hand_back(candidate)
                     late.append(candidate)
             if following is None:
                 self._handlers_running -= 1
@@ -909,11 +914,13 @@ class Consumer:
         with self._lock:
             if (
                 self._running.get(execution.key) is not execution
+                or execution.key in self._handing_back
                 or self._stopping.is_set()
                 or execution.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE
             ):
-                return False  # stop() decides for it (_take_for_this_thread), or it starts
-            self._late[execution.key] = execution
+                # stop() or a cancel decides for it (_take_for_this_thread), or it starts
+                return False
+            self._to_hand_back(execution)
         self._background.run_or_call(self._hand_back, execution)
         return True
 
@@ -927,8 +934,13 @@ class Consumer:
         under the consumer's lock, so no delivery starts after it was handed back, on a lease
         this host no longer holds while another host may run it."""
         with self._lock:
-            if self._running.get(execution.key) is not execution:
-                return False  # stop() took it back, and hands it back
+            if (
+                self._running.get(execution.key) is not execution
+                or execution.key in self._handing_back
+            ):
+                # stop() took it back, or a cancel did (_hand_back_cancelled_ahead), and hands
+                # it back; a cancel passed its slot on too, so nothing follows it here.
+                return False
             if not self._stopping.is_set():
                 execution.started = True
                 return True
@@ -996,7 +1008,7 @@ class Consumer:
             self._ready_check = None
             while self._ready and self._ready[0].lease_share_left() < PREFETCH_MIN_LEASE_SHARE:
                 execution = self._ready.popleft()
-                self._late[execution.key] = execution
+                self._to_hand_back(execution)
                 late.append(execution)
             if late:
                 self._slots_stalled = True
@@ -1006,17 +1018,43 @@ class Consumer:
             self._background.run_or_call(self._hand_back, execution)
 
     def _hand_back_cancelled_ahead(self, execution: DeliveryExecution) -> None:
-        """A delivery claimed ahead was found cancelled while it waits for a slot: it goes back
-        now, which acknowledges the cancel (the release is refused), instead of holding its
-        Exclusive or Ordered key from every other host until a slot frees or half its lease
-        has passed (audit helper-128). One that has its slot already ends there."""
+        """A delivery that has not started was found cancelled: it goes back now, which
+        acknowledges the cancel (the release is refused), instead of holding its Exclusive or
+        Ordered key from every other host until it would have started.
+
+        One claimed ahead and waiting for a slot would wait until a slot frees or half its
+        lease has passed (audit helper-128). One that holds a slot already (next in the slot
+        of a handler that returned, or queued for a worker thread) would wait until it reached
+        a worker: next in a slot, that is once the previous delivery's settle has returned on
+        the same thread, up to its lease and a grace while the database answers slowly. Its
+        slot passes on now (marked as going back under the lock the worker decides under, so
+        the worker neither starts it nor passes the slot on a second time). Once the consumer
+        is stopping, stop() hands back whatever has not started."""
+        holds_slot = False
         with self._lock:
+            if (
+                self._running.get(execution.key) is not execution
+                or execution.key in self._handing_back
+            ):
+                return  # gone already, or going back
             try:
                 self._ready.remove(execution)
             except ValueError:
-                return
-            self._late[execution.key] = execution
+                if execution.started or self._stopping.is_set():
+                    return  # it started (settling acknowledges the cancel), or stop() decides
+                holds_slot = True
+            self._to_hand_back(execution)
+        if holds_slot:
+            following = self._pass_slot_on()
+            if following is not None:
+                self._run_in_slot(following)
         self._background.run_or_call(self._hand_back, execution)
+
+    def _to_hand_back(self, execution: DeliveryExecution) -> None:
+        """Mark ``execution``, which never started, as going back (``_hand_back`` next, unless
+        stop() takes it first); called with the lock held."""
+        self._handing_back.add(execution.key)
+        self._late[execution.key] = execution
 
     def _hand_back(self, execution: DeliveryExecution) -> None:
         """Release a delivery claimed ahead that can no longer start in time, and wake the
@@ -1033,11 +1071,14 @@ class Consumer:
         so that stop() waits for it: the process may end as soon as stop() returns. Should
         stop() give up first and release it too, the second release is refused by the lease
         token."""
-        self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
-        with self._lock:
-            if self._running.get(execution.key) is execution:
-                del self._running[execution.key]
-            self._lock.notify_all()  # stop() may be waiting for the running ones to end
+        try:
+            self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
+        finally:
+            with self._lock:
+                if self._running.get(execution.key) is execution:
+                    del self._running[execution.key]
+                self._handing_back.discard(execution.key)
+                self._lock.notify_all()  # stop() may be waiting for the running ones to end
 
     def _lease_ends(self, delivery: ClaimedDelivery, leased_at: float) -> float:
         return leased_at + (delivery.lease_seconds or self.plan.lease_seconds)
