@@ -513,3 +513,114 @@ def test_a_key_whose_stored_expiry_is_past_the_limit_can_still_be_renamed(client
     assert renamed.status_code == 302, renamed.context["adminform"].form.errors
     own.refresh_from_db()
     assert (own.name, own.expires_at) == ("widened", far)
+
+
+# -- what an operator reads is what is stored (review helper-143) ------------------------------
+
+# Characters Django's escaping leaves alone: U+202E RIGHT-TO-LEFT OVERRIDE draws the text after
+# it backwards, so this key reads "customer-42"; U+200B ZERO WIDTH SPACE draws as nothing, and
+# U+E0001 LANGUAGE TAG (beyond the BMP) too.
+SPOOFED_KEY = "\u202e24-remotsuc"
+INVISIBLE = ("\u202e", "\u200b", "\U000e0001")
+
+
+def _spoofed_dead_letter() -> Delivery:
+    """A dead letter whose publisher and handler chose text that draws as something else."""
+    return Delivery.objects.get(
+        pk=dead_letter(
+            # Ordered: its deliveries carry the message's partition key.
+            SubscriptionFactory(partition_mode="Ordered"),
+            {"amount": "\u202e00.01", "note\u200b": ["\U000e0001x"]},
+            partition_key=SPOOFED_KEY,
+            correlation_id="order-7\u200b",
+            attributes={"tier": "gold\u200b"},
+            deduplication_key="import-1\u200b",
+            reason="Poison\u200b",
+            error='Traceback (most recent call last):\n  File "h.py", line 1\n'
+            "ValueError: card \u202e1234 declined",
+        )
+    )
+
+
+def _page(client: Client, url: str) -> str:
+    response = client.get(url)
+    assert response.status_code == 200
+    return response.content.decode()
+
+
+def _drawn_as_stored(html: str) -> None:
+    assert not [c for c in INVISIBLE if c in html], "an invisible character reached the page"
+
+
+def test_the_queue_pages_draw_invisible_and_reordering_characters_as_escapes(client):
+    """The delivery and message lists and detail pages, and the deduplication list, drew a key
+    published as "\\u202e24-remotsuc" as "customer-42", and "order-7\\u200b" as "order-7"; the
+    CLI's tables escape them. Seen failing: each page held the characters as they came."""
+    delivery = _spoofed_dead_letter()
+    _signed_in(client, *READER_PERMISSIONS, "workqueue.view_payload")
+    pages = {
+        name: _page(client, url)
+        for name, url in {
+            "deliveries": _url("workqueue_delivery_changelist"),
+            "delivery": _url("workqueue_delivery_change", delivery.pk),
+            "messages": _url("workqueue_message_changelist"),
+            "message": _url("workqueue_message_change", delivery.message_id),
+            "deduplications": _url("workqueue_deduplication_changelist"),
+        }.items()
+    }
+
+    for html in pages.values():
+        _drawn_as_stored(html)
+    assert "\\u202e24-remotsuc" in pages["deliveries"]
+    assert "Poison\\u200b" in pages["deliveries"]
+    assert "ValueError: card \\u202e1234 declined" in pages["deliveries"]
+    assert "\\u202e24-remotsuc" in pages["delivery"]
+    # The traceback keeps its lines; the payload is the same JSON, its strings escaped.
+    assert "line 1<br>ValueError: card \\u202e1234 declined" in pages["delivery"]
+    assert "&quot;amount&quot;: &quot;\\u202e00.01&quot;" in pages["delivery"]
+    assert "\\udb40\\udc01x" in pages["message"]
+    assert "order-7\\u200b" in pages["messages"]
+    assert "gold\\u200b" in pages["message"]
+    assert "import-1\\u200b" in pages["deduplications"]
+
+
+def test_the_replay_confirmation_draws_the_key_it_acts_on_as_stored(client):
+    delivery = _spoofed_dead_letter()
+    _signed_in(client, *OPERATOR)
+
+    confirm = client.post(
+        _url("workqueue_delivery_changelist"),
+        {"action": "replay_deliveries", "_selected_action": [str(delivery.pk)]},
+    )
+
+    assert confirm.status_code == 200
+    html = confirm.content.decode()
+    _drawn_as_stored(html)
+    assert "<td>\\u202e24-remotsuc</td>" in html
+    assert f'value="{delivery.pk}"' in html
+
+
+def test_the_escaped_payload_is_the_same_json():
+    import json
+
+    from workqueue.admin.display import visible_json
+
+    value = {"amount": "\u202e00.01", "k\u200b": ["\U000e0001", "日本", "😀", "a\nb"], "n": 1}
+
+    for indent in (None, 2):
+        text = visible_json(value, indent=indent)
+        assert json.loads(text) == value
+        assert not [c for c in INVISIBLE if c in text]
+    assert "日本" in visible_json(value) and "😀" in visible_json(value)
+
+
+def test_a_reader_without_view_payload_still_sees_no_payload_on_the_message_page(client):
+    delivery = _spoofed_dead_letter()
+    _signed_in(client, *READER_PERMISSIONS)
+
+    html = _page(client, _url("workqueue_message_change", delivery.message_id))
+    delivery_html = _page(client, _url("workqueue_delivery_change", delivery.pk))
+
+    for page in (html, delivery_html):
+        assert "amount" not in page and "00.01" not in page
+    assert "gold\\u200b" in html

@@ -21,6 +21,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from workqueue.admin.display import visible_text
 from workqueue.exceptions import (
     DeliveryBusyError,
     PermissionDeniedError,
@@ -120,7 +121,21 @@ def _intermediate_page(
         "submit_label": submit,
         "form": form,
         "action_name": action,
-        "deliveries": queryset.select_related("subscription").order_by("subscription__name", "pk"),
+        "deliveries": [
+            {
+                "pk": delivery.pk,
+                "subscription": delivery.subscription.name,
+                "status": delivery.status,
+                # Drawn with their invisible and reordering characters escaped: a key published
+                # as "\u202e24-remotsuc" read "customer-42" on this page (review helper-143).
+                "partition_key": visible_text(delivery.partition_key),
+                "attempt_count": delivery.attempt_count,
+                "dead_letter_reason": visible_text(delivery.dead_letter_reason),
+            }
+            for delivery in queryset.select_related("subscription").order_by(
+                "subscription__name", "pk"
+            )
+        ],
         "opts": opts,
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         "media": modeladmin.media + form.media,

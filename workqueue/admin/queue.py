@@ -9,7 +9,6 @@ so no query string can probe a column the pages do not show.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -21,6 +20,7 @@ from django.utils.html import format_html
 
 from workqueue.admin.actions import DeliveryActionsMixin, discard_deliveries, replay_deliveries
 from workqueue.admin.dashboard import DashboardMixin
+from workqueue.admin.display import visible_json, visible_text
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import Deduplication, Delivery, Message
 from workqueue.operators.display import error_summary, short_id
@@ -42,6 +42,27 @@ class ViewOnlyAdmin(DeclaredFiltersAdmin):
 
     show_full_result_count = False
     list_per_page = 100
+    #: Fields whose stored text publishers or handlers chose, each drawn on the detail page by
+    #: the method named here instead (its invisible and reordering characters escaped:
+    #: workqueue.admin.display). Applied after the fields a user may not see are left out.
+    shown_as: dict[str, str] = {}
+
+    def shown_fields(self, fields: list[str]) -> list[str]:
+        """``fields`` with each one in ``shown_as`` replaced by its drawing method."""
+        return [self.shown_as.get(name, name) for name in fields]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> Any:
+        return (*super().get_readonly_fields(request, obj), *self.shown_as.values())
+
+    def _text(self, value: str | None, *, lines: bool = False) -> str:
+        shown = visible_text(value, lines=lines)
+        # A readonly method's None would be drawn as "None".
+        return self.get_empty_value_display() if shown is None else shown
+
+    def _json(self, value: Any) -> str:
+        if value is None:
+            return self.get_empty_value_display()
+        return format_html("<pre>{}</pre>", visible_json(value, indent=2))
 
     def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
@@ -72,8 +93,8 @@ class MessageAdmin(ViewOnlyAdmin):
     list_display = (
         "id",
         "topic",
-        "partition_key",
-        "correlation_id",
+        "key",
+        "correlation",
         "published_at",
         "published_by",
     )
@@ -82,6 +103,13 @@ class MessageAdmin(ViewOnlyAdmin):
     ordering = ("-publish_ordinal",)
     search_fields = ("id", "partition_key", "correlation_id")
     search_help_text = "An exact message id, partition key or correlation id."
+    shown_as = {
+        "partition_key": "key",
+        "correlation_id": "correlation",
+        "attributes": "message_attributes",
+        "payload": "payload_shown",
+        "payload_ref": "payload_ref_shown",
+    }
 
     def exact_search(self, term: str) -> Q:
         found = Q(partition_key=term) | Q(correlation_id=term)
@@ -90,10 +118,33 @@ class MessageAdmin(ViewOnlyAdmin):
         return found
 
     def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
-        fields = list(super().get_fields(request, obj))
-        if may_view_payload(Actor(user=request.user)):
-            return fields
-        return [name for name in fields if name not in PAYLOAD_FIELDS]
+        fields = [f for f in super().get_fields(request, obj) if f not in self.shown_as.values()]
+        if not may_view_payload(Actor(user=request.user)):
+            fields = [name for name in fields if name not in PAYLOAD_FIELDS]
+        # After the payload is left out: only the fields kept are swapped for their drawing.
+        return self.shown_fields(fields)
+
+    @admin.display(description="partition key", ordering="partition_key")
+    def key(self, obj: Message) -> str:
+        return self._text(obj.partition_key)
+
+    @admin.display(description="correlation id", ordering="correlation_id")
+    def correlation(self, obj: Message) -> str:
+        return self._text(obj.correlation_id)
+
+    @admin.display(description="attributes")
+    def message_attributes(self, obj: Message) -> str:
+        return self._json(obj.attributes)
+
+    @admin.display(description="payload")
+    def payload_shown(self, obj: Message) -> str:
+        # Only listed in get_fields() for users with workqueue.view_payload.
+        return self._json(obj.payload)
+
+    @admin.display(description="payload reference")
+    def payload_ref_shown(self, obj: Message) -> str:
+        # Only listed in get_fields() for users with workqueue.view_payload.
+        return self._json(obj.payload_ref)
 
 
 @admin.register(Delivery)
@@ -104,12 +155,12 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         "short_id",
         "subscription",
         "status",
-        "partition_key",
+        "key",
         "attempt_count",
         "is_replay",
         "priority",
         "visible_at",
-        "dead_letter_reason",
+        "reason",
         "last_error_line",
         "cancel_requested_at",
     )
@@ -124,6 +175,13 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         "An exact delivery id, message id, partition key or correlation id of the message."
     )
     readonly_fields = ("message_link", "message_payload")
+    shown_as = {
+        "partition_key": "key",
+        "dead_letter_reason": "reason",
+        "last_error": "error",
+        "progress": "progress_shown",
+        "resolution_note": "note",
+    }
 
     def exact_search(self, term: str) -> Q:
         found = Q(partition_key=term) | Q(message__correlation_id=term)
@@ -133,12 +191,32 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
 
     def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
         # The lease token is for its holder alone; the runtime role may not even read it.
-        hidden = {*self.readonly_fields, "lease_token"}
+        hidden = {*self.readonly_fields, *self.shown_as.values(), "lease_token"}
         fields = [f for f in super().get_fields(request, obj) if f not in hidden]
         extra = ["message_link"]
         if may_view_payload(Actor(user=request.user)):
             extra.append("message_payload")
-        return [*extra, *(f for f in fields if f != "message")]
+        return [*extra, *self.shown_fields([f for f in fields if f != "message"])]
+
+    @admin.display(description="partition key", ordering="partition_key")
+    def key(self, obj: Delivery) -> str:
+        return self._text(obj.partition_key)
+
+    @admin.display(description="dead-letter reason", ordering="dead_letter_reason")
+    def reason(self, obj: Delivery) -> str:
+        return self._text(obj.dead_letter_reason)
+
+    @admin.display(description="last error")
+    def error(self, obj: Delivery) -> str:
+        return self._text(obj.last_error, lines=True)
+
+    @admin.display(description="progress")
+    def progress_shown(self, obj: Delivery) -> str:
+        return self._json(obj.progress)
+
+    @admin.display(description="resolution note")
+    def note(self, obj: Delivery) -> str:
+        return self._text(obj.resolution_note, lines=True)
 
     @admin.display(description="id", ordering="id")
     def short_id(self, obj: Delivery) -> str:
@@ -147,7 +225,7 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
 
     @admin.display(description="last error")
     def last_error_line(self, obj: Delivery) -> str:
-        return error_summary(obj.last_error, width=80)
+        return visible_text(error_summary(obj.last_error, width=80)) or ""
 
     @admin.display(description="message")
     def message_link(self, obj: Delivery) -> str:
@@ -161,23 +239,29 @@ class DeliveryAdmin(DashboardMixin, DeliveryActionsMixin, ViewOnlyAdmin):
         message = obj.message
         if message.payload_ref is not None:
             return format_html(
-                "<p>Reference (claim check):</p><pre>{}</pre>", _json(message.payload_ref)
+                "<p>Reference (claim check):</p><pre>{}</pre>",
+                visible_json(message.payload_ref, indent=2),
             )
-        return format_html("<pre>{}</pre>", _json(message.payload))
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+        return format_html("<pre>{}</pre>", visible_json(message.payload, indent=2))
 
 
 @admin.register(Deduplication)
 class DeduplicationAdmin(ViewOnlyAdmin):
-    list_display = ("deduplication_key", "topic", "message_id", "status", "expires_at")
+    list_display = ("key", "topic", "message_id", "status", "expires_at")
     list_filter = ("status", "topic")
     list_select_related = ("topic",)
     ordering = ("-expires_at",)
     search_fields = ("deduplication_key", "message_id")
     search_help_text = "An exact deduplication key or message id."
+    shown_as = {"deduplication_key": "key"}
+
+    def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        fields = [f for f in super().get_fields(request, obj) if f not in self.shown_as.values()]
+        return self.shown_fields(fields)
+
+    @admin.display(description="deduplication key", ordering="deduplication_key")
+    def key(self, obj: Deduplication) -> str:
+        return self._text(obj.deduplication_key)
 
     def exact_search(self, term: str) -> Q:
         found = Q(deduplication_key=term)
