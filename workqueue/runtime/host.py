@@ -36,6 +36,7 @@ from workqueue.driver import close_all_thread_connections, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError, one_line
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
+from workqueue.runtime.activity import LOOK_EVERY_SECONDS, ActivitySummary
 from workqueue.runtime.consumer import (
     Consumer,
     ConsumerConfig,
@@ -219,7 +220,15 @@ def describe_subscription(entry: dict[str, Any]) -> str:
 
 
 class Host:
-    def __init__(self, config: HostConfig, registry: HandlerRegistry = handler_registry) -> None:
+    def __init__(
+        self,
+        config: HostConfig,
+        registry: HandlerRegistry = handler_registry,
+        *,
+        console: Callable[[str], None] | None = None,
+    ) -> None:
+        """``console`` hears the periodic summary of what the deliveries came to while the
+        project's logging would not show it (see runtime.activity): the command's stdout."""
         self.config = config
         self.instance_id = config.instance_id
         self.registry = registry
@@ -245,6 +254,8 @@ class Host:
         self._shutting_down = False
         self._services: list[PeriodicService] = []
         self._health_service: PeriodicService | None = None
+        self._console = console
+        self._activity: ActivitySummary | None = None
         self._timers: TimerQueue | None = None
         self._wakeup: Wakeup | None = None
         self._budget: RunBudget | None = None
@@ -310,6 +321,10 @@ class Host:
                     PeriodicService(
                         "wq-reconcile", self.config.reconcile_interval_ms / 1000, self.reconcile
                     )
+                )
+                self._activity = ActivitySummary(echo=self._console)
+                self._services.append(
+                    PeriodicService("wq-activity", LOOK_EVERY_SECONDS, self._activity.run_once)
                 )
                 self._services.append(
                     PeriodicService(
@@ -440,6 +455,9 @@ class Host:
                     service.stop()
             for thread in stoppers:
                 thread.join()
+            if self._activity is not None:
+                # What the drain finished, and what the last interval held back.
+                self._activity.run_once(final=True)
             with self._lock:
                 # The process may end once this returns: a re-plan's drain must be over too.
                 self._retired.wait_for(lambda: not self._retiring)

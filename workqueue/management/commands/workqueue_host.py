@@ -69,7 +69,10 @@ class Command(BaseCommand):
         host = Host(
             HostConfig.from_settings(
                 get_settings(), options["subscriptions"], concurrency=options["concurrency"]
-            )
+            ),
+            # What the deliveries came to, now and then, where the logging would not say it
+            # (a project without LOGGING shows no INFO line): -v 0 keeps the console quiet.
+            console=self._console_line if options["verbosity"] >= 1 else None,
         )
         try:
             with database_errors_explained():
@@ -94,3 +97,7 @@ class Command(BaseCommand):
         self.stdout.write(f"Host stopped ({stop.received}); {describe_left_behind(host)}")
         self.stdout.flush()
         exit_now_if_work_left_behind(host)
+
+    def _console_line(self, line: str) -> None:
+        self.stdout.write(line)
+        self.stdout.flush()
