@@ -624,3 +624,30 @@ def test_a_reader_without_view_payload_still_sees_no_payload_on_the_message_page
     for page in (html, delivery_html):
         assert "amount" not in page and "00.01" not in page
     assert "gold\\u200b" in html
+
+
+PROXY = "https://relay:s3cret-pw@proxy.example:8443/aws"
+
+
+def test_a_transport_reader_sees_its_endpoint_without_the_urls_password(client, admin_client):
+    """Review helper-143: a transport's endpoint_url may carry a proxy's user and password,
+    which the AWS transport's error texts leave out; its admin page showed them to every user
+    allowed to view transports, and its list answered ?configuration__endpoint_url__contains=,
+    row by row. Seen failing: the page held s3cret-pw and the probe listed the row."""
+    transport = TransportFactory(name="Cloud")
+    transport.configuration = {"region": "eu-west-1", "endpoint_url": PROXY}
+    transport.save(update_fields=["configuration"])
+    _signed_in(client, "workqueue.view_transport")
+
+    page = _page(client, _url("workqueue_transport_change", transport.pk))
+    probe = client.get(
+        _url("workqueue_transport_changelist"), {"configuration__endpoint_url__contains": "s3c"}
+    )
+    listed = client.get(_url("workqueue_transport_changelist"), {"status__exact": "Active"})
+
+    assert "s3cret" not in page
+    assert "https://***@proxy.example:8443/aws" in page and "eu-west-1" in page
+    assert probe.status_code == 400
+    assert str(transport.pk) in _listed(listed)
+    # Whoever may set it sees it whole, in the form that edits it.
+    assert PROXY in _page(admin_client, _url("workqueue_transport_change", transport.pk))
