@@ -651,3 +651,24 @@ def test_a_transport_reader_sees_its_endpoint_without_the_urls_password(client, 
     assert str(transport.pk) in _listed(listed)
     # Whoever may set it sees it whole, in the form that edits it.
     assert PROXY in _page(admin_client, _url("workqueue_transport_change", transport.pk))
+
+
+def test_a_key_copied_from_the_page_finds_its_deliveries(client):
+    delivery = _spoofed_dead_letter()
+    _signed_in(client, *READER_PERMISSIONS)
+
+    found = client.get(_url("workqueue_delivery_changelist"), {"q": "\\u202e24-remotsuc"})
+    by_correlation = client.get(_url("workqueue_message_changelist"), {"q": "order-7\\u200b"})
+    as_stored = client.get(_url("workqueue_delivery_changelist"), {"q": SPOOFED_KEY})
+    shown_key = client.get(_url("workqueue_delivery_changelist"), {"q": "customer-42"})
+
+    assert _listed(found) == _listed(as_stored) == {str(delivery.pk)}
+    assert _listed(by_correlation) == {str(delivery.message_id)}
+    assert _listed(shown_key) == set()
+
+
+def test_the_escapes_read_back_as_the_text_drawn():
+    from workqueue.admin.display import stored_text, visible_text
+
+    for text in ["\u202e24-remotsuc", "a\u200bb\U000e0001", "tab\there\x1b[31m", "日本 😀", "x"]:
+        assert stored_text(visible_text(text)) == text

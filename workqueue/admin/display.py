@@ -14,6 +14,7 @@ and zero-width ones, separators other than the space) becomes its escape, ``\\u2
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from workqueue.logtext import log_text
@@ -27,6 +28,25 @@ def visible_text(value: str | None, *, lines: bool = False) -> str | None:
     if not lines:
         return log_text(value)
     return "\n".join(log_text(line) for line in value.split("\n"))
+
+
+# The escapes visible_text writes (Python's, as repr writes a character it cannot print).
+_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|([ntr]))")
+_CONTROL = {"n": "\n", "t": "\t", "r": "\r"}
+
+
+def stored_text(shown: str) -> str:
+    """The text ``shown`` was drawn from: its escapes read back (``\\u200b`` as U+200B), so
+    that a key copied from a page finds its rows in the exact search."""
+
+    def character(match: re.Match[str]) -> str:
+        hex_code = match.group(1) or match.group(2) or match.group(3)
+        if hex_code is None:
+            return _CONTROL[match.group(4)]
+        code = int(hex_code, 16)
+        return chr(code) if code <= 0x10FFFF else match.group(0)
+
+    return _ESCAPE.sub(character, shown)
 
 
 def visible_json(value: Any, *, indent: int | None = None) -> str:

@@ -20,7 +20,7 @@ from django.utils.html import format_html
 
 from workqueue.admin.actions import DeliveryActionsMixin, discard_deliveries, replay_deliveries
 from workqueue.admin.dashboard import DashboardMixin
-from workqueue.admin.display import visible_json, visible_text
+from workqueue.admin.display import stored_text, visible_json, visible_text
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import Deduplication, Delivery, Message
 from workqueue.operators.display import error_summary, short_id
@@ -85,7 +85,11 @@ class ViewOnlyAdmin(DeclaredFiltersAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        return queryset.filter(self.exact_search(term)), False
+        found = self.exact_search(term)
+        if (stored := stored_text(term)) != term:
+            # A key copied from these pages, where its invisible characters show as escapes.
+            found |= self.exact_search(stored)
+        return queryset.filter(found), False
 
 
 @admin.register(Message)
