@@ -219,6 +219,9 @@ class QueueCollector(Collector):
             unavailable.add_metric([subscription_name], 1)
         gauges["unavailable"] = unavailable
         yield from gauges.values()
+        now = database_now()
+        live_hosts = list(HostRecord.objects.live(now))
+        yield _running_hosts(live_hosts, self.actor)
         if self.actor.subscriptions:
             return  # host identities are for unrestricted readers only
         seen = GaugeMetricFamily(
@@ -226,16 +229,48 @@ class QueueCollector(Collector):
             "Seconds since each live host last recorded its health.",
             labels=["instance"],
         )
-        now = database_now()
-        for instance, last_seen in HostRecord.objects.live(now).values_list(
-            "instance_id", "last_seen_at"
-        ):
-            seen.add_metric([instance], max((now - last_seen).total_seconds(), 0.0))
+        for record in live_hosts:
+            seen.add_metric(
+                [record.instance_id], max((now - record.last_seen_at).total_seconds(), 0.0)
+            )
         yield seen
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))
         yield live
         yield from _database_gauges()
+
+
+def _running_hosts(live_hosts: list[Any], actor: Actor) -> Metric:
+    """How many live hosts run (are claiming for) each subscription meant to run on them:
+    Active, consumed by work-queue hosts, its topic and transport Active. With the due and
+    in-flight gauges it says what ``/health`` calls NotRunning (work waits that nothing will
+    take), which the live host count alone cannot say while other subscriptions' hosts live
+    (review helper-142). None for a subscription waiting on purpose (Paused, Disabled), so an
+    alert on it cannot fire for those."""
+    from workqueue.models import Subscription
+
+    running: dict[str, int] = {}
+    for record in live_hosts:
+        entries = record.subscription_entries()
+        for name in {entry["name"] for entry in entries if entry["state"] == "Running"}:
+            running[name] = running.get(name, 0) + 1
+    meant_to_run = Subscription.objects.filter(
+        status="Active",
+        host_type="Worker",
+        topic__status="Active",
+        topic__transport__status="Active",
+    )
+    if actor.subscriptions:
+        meant_to_run = meant_to_run.filter(name__in=actor.subscriptions)
+    family = GaugeMetricFamily(
+        "workqueue_running_hosts",
+        "Live hosts running the subscription (claiming for it); only subscriptions meant to "
+        "run on hosts (Active, with an Active topic and transport) have one.",
+        labels=["subscription"],
+    )
+    for name in meant_to_run.order_by("name").values_list("name", flat=True):
+        family.add_metric([name], running.get(name, 0))
+    return family
 
 
 def _database_gauges() -> Iterator[Metric]:

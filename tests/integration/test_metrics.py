@@ -7,6 +7,7 @@ only metrics that exist.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import threading
@@ -21,6 +22,7 @@ import yaml
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
@@ -33,6 +35,7 @@ from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, transport
 from workqueue.driver import get_driver
+from workqueue.models import HostRecord
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -395,6 +398,7 @@ CLUSTER_WIDE = {
     "workqueue_oldest_pending_age_seconds",
     "workqueue_counts_capped",
     "workqueue_live_hosts",
+    "workqueue_running_hosts",
 }
 
 
@@ -523,3 +527,57 @@ def test_concurrent_scrapes_of_a_metrics_port_read_the_database_one_at_a_time(mo
     assert reads < 20  # the waiting scrapes shared a read
     assert all("workqueue_pending_deliveries" in text for text in texts)
     assert all("workqueue_gauges_read_failed 0.0" in text for text in texts)
+
+
+def _live_host(instance_id: str, entries: list[tuple[str, str]]) -> None:
+    now = timezone.now()
+    HostRecord.objects.create(
+        instance_id=instance_id,
+        hostname=instance_id.split(":")[0],
+        pid=1,
+        started_at=now - dt.timedelta(minutes=5),
+        last_seen_at=now,
+        subscriptions=[
+            {"name": name, "state": state, "reason": "", "in_flight": 0, "concurrency": 2}
+            for name, state in entries
+        ],
+        handler_keys=[],
+    )
+
+
+def test_a_subscription_no_live_host_runs_shows_in_the_gauges_while_other_hosts_live(client):
+    """Review helper-142: /health turned degraded (NotRunning) for due work no live host runs,
+    but the metrics said only how many hosts were live, so WorkQueueDueWorkWithNothingRunning
+    could fire only once every host was gone. A deploy whose hosts all lost a handler
+    (HandlerNotRegistered) or the ``-s`` of a subscription left its work waiting unalerted, up
+    to WorkQueueBacklogAging's warning 25 minutes later. ``workqueue_running_hosts`` counts the
+    live hosts running each subscription meant to run (not a Paused one), and the alert joins
+    on it."""
+    stranded = SubscriptionFactory(handler_key="shop.charge")
+    served = SubscriptionFactory()
+    paused = SubscriptionFactory(status="Paused")
+    for subscription in (stranded, served, paused):
+        pending(subscription)
+    _live_host("web-1:1:a", [(served.name, "Running"), (stranded.name, "HandlerNotRegistered")])
+    _live_host("web-2:2:b", [(served.name, "Running")])
+
+    text = call(client, "get", "/metrics", key=reader()).content.decode()
+    limited = call(client, "get", "/metrics", key=reader(subscriptions=[stranded.name]))
+
+    assert gauge(text, "workqueue_running_hosts", stranded.name) == 0
+    assert gauge(text, "workqueue_running_hosts", served.name) == 2
+    assert gauge(text, "workqueue_running_hosts", paused.name) is None  # waits on purpose
+    assert gauge(text, "workqueue_due_deliveries", stranded.name) == 1
+    # A key limited to the subscription reads it too (a count: no host is named).
+    limited_text = limited.content.decode()
+    assert gauge(limited_text, "workqueue_running_hosts", stranded.name) == 0
+    assert gauge(limited_text, "workqueue_running_hosts", served.name) is None
+    assert "web-1" not in limited_text
+    alerts = yaml.safe_load((DOCS / "prometheus-alerts.yaml").read_text())
+    (rule,) = [
+        rule
+        for group in alerts["groups"]
+        for rule in group["rules"]
+        if rule["alert"] == "WorkQueueDueWorkWithNothingRunning"
+    ]
+    assert "on (subscription)" in rule["expr"] and "workqueue_running_hosts" in rule["expr"]
