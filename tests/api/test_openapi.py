@@ -222,6 +222,26 @@ def test_the_docs_page_needs_neither_ninja_nor_staticfiles_in_installed_apps(cli
 
 
 @pytest.mark.django_db
+def test_the_docs_pages_settings_cannot_end_their_script_element(client, monkeypatch):
+    """Review helper-143: the settings went into the page as JSON with |safe, as django-ninja's
+    own page writes them, so a value holding "</script>" ended the element and what followed
+    was markup. Seen failing: the page held <script>alert(1)</script>."""
+    hostile = "</script><script>alert(1)</script><!--"
+    monkeypatch.setitem(api.docs.settings, "docExpansion", hostile)
+
+    html, _ = _docs_page(client)
+
+    assert "<script>alert(1)" not in html
+    found = re.search(
+        r'<script id="swagger-settings" type="application/json">(.*?)</script>', html, re.S
+    )
+    assert found is not None
+    settings = json.loads(found.group(1))
+    assert settings["docExpansion"] == hostile
+    assert settings["url"] == f"{PREFIX}/openapi.json"
+
+
+@pytest.mark.django_db
 def test_only_swagger_uis_own_files_are_served(client):
     for name in ("redoc.standalone.js", "..%2F..%2F__init__.py", "swagger-ui-bundle.js.map"):
         assert client.get(f"{PREFIX}/docs/assets/{name}").status_code == 404, name
