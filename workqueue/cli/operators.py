@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import shlex
 import uuid
 from typing import Any
 
@@ -13,6 +14,7 @@ from django.utils import timezone
 
 from workqueue.cli import Verb
 from workqueue.cli.output import table, to_json
+from workqueue.logtext import log_text
 
 
 class StatsVerb(Verb):
@@ -204,10 +206,17 @@ class DeadLettersVerb(Verb):
         )
         command.stdout.write(table(rows, headers))
         if page.items:
-            # Ready to paste: the full id of the first dead letter in the next command.
+            # Ready to paste: the full id of the first dead letter in the next command. Quoted
+            # for a shell: on a cloud queue the id is the message's own, which whoever may
+            # send to the queue wrote (review helper-142: "x; curl ... | sh" ran on paste).
             command.stdout.write(
-                f"replay: manage.py workqueue replay -s {options['subscription']} "
-                f"--delivery {page.items[0].delivery_id}"
+                "replay: "
+                + shlex.join(
+                    [
+                        *("manage.py", "workqueue", "replay", "-s", options["subscription"]),
+                        *("--delivery", log_text(str(page.items[0].delivery_id))),
+                    ]
+                )
             )
         _write_next_page_hint(command, page)
 
