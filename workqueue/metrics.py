@@ -130,6 +130,7 @@ class QueueCollector(Collector):
         # The host's scrape server runs each scrape on a thread of its own: close what the
         # scrape opened there, as a request would. (A view must leave its request's alone.)
         self.close_connections = close_connections
+        self.read_failed = False  # whether the last collect could not read the database
 
     def collect(self) -> Iterator[Metric]:
         failed = GaugeMetricFamily(
@@ -146,8 +147,10 @@ class QueueCollector(Collector):
                 # while the database was away: when they matter most.
                 logger.warning("Metrics: the queue's gauges could not be read: %s", exc)
                 failed.add_metric([], 1)
+                self.read_failed = True
             else:
                 failed.add_metric([], 0)
+                self.read_failed = False
             yield failed
         finally:
             if self.close_connections:
@@ -343,6 +346,14 @@ def _database_gauges() -> Iterator[Metric]:
 def render(actor: Actor = CLI) -> bytes:
     """The exposition text: this process's metrics and the queue's gauges."""
     return generate_latest(_combined(QueueCollector(actor)))
+
+
+def render_once() -> tuple[bytes, bool]:
+    """The exposition text for a one-shot printout, and whether the queue's gauges could be
+    read: the caller fails when not, since a script reading its exit status would otherwise
+    take a database that is away for a queue that is fine (review helper-142)."""
+    cluster = QueueCollector()
+    return generate_latest(_combined(cluster)), not cluster.read_failed
 
 
 class _ProcessMetricsOf:

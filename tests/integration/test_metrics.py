@@ -35,7 +35,9 @@ from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
 from workqueue import metrics, publish, transport
 from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import HostRecord
+from workqueue.operators import operations
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -581,3 +583,21 @@ def test_a_subscription_no_live_host_runs_shows_in_the_gauges_while_other_hosts_
         if rule["alert"] == "WorkQueueDueWorkWithNothingRunning"
     ]
     assert "on (subscription)" in rule["expr"] and "workqueue_running_hosts" in rule["expr"]
+
+
+def test_the_cli_fails_when_it_could_not_read_the_gauges(monkeypatch, capsys):
+    """Review helper-142: with the database away, ``workqueue metrics`` printed the process's
+    own counters (nothing, in a one-shot process) and ``workqueue_gauges_read_failed 1``, and
+    exited 0: a cron check or script that runs it read "fine". It still prints what it has,
+    then fails."""
+    SubscriptionFactory()
+
+    def away(**_: Any) -> Any:
+        raise TransientDriverError("connection refused")
+
+    monkeypatch.setattr(operations, "queue_gauges", away)
+
+    with pytest.raises(CommandError, match="could not be read"):
+        call_command("workqueue", "metrics")
+
+    assert samples(capsys.readouterr().out)[("workqueue_gauges_read_failed", ())] == 1

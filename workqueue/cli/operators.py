@@ -422,13 +422,20 @@ class MetricsVerb(Verb):
     name = "metrics"
     help = (
         "Print the Prometheus metrics once: the queue's gauges read from the database (this "
-        "one-shot process has no runtime counters of its own)."
+        "one-shot process has no runtime counters of its own). Exits 1 when they could not "
+        "be read."
     )
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue import metrics
 
-        command.stdout.write(metrics.render().decode(), ending="")
+        text, read = metrics.render_once()
+        command.stdout.write(text.decode(), ending="")
+        if not read:
+            raise CommandError(
+                "The queue's gauges could not be read from the database (the error is logged "
+                "by workqueue.metrics); only this process's own counters were printed."
+            )
 
 
 OPERATOR_VERBS = [
