@@ -48,6 +48,7 @@ from workqueue.exceptions import (
 )
 from workqueue.models import Deduplication, Message, Subscription, Topic, Transport
 from workqueue.operators import operations
+from workqueue.operators.permissions import Actor
 from workqueue.transports import transport_for
 from workqueue.transports.aws import (
     AwsClients,
@@ -2572,3 +2573,66 @@ def test_a_bulk_operation_on_more_dead_letters_than_one_read_sees_changes_them_a
     assert sorted(i.delivery_id for i in left) == [f"other-{n}" for n in range(5)]
     if action == "replay":
         assert len(receive_all(holder, 30)) == 30
+
+
+def test_a_heartbeat_landing_after_a_retry_does_not_cut_its_backoff_short(aws, slow_network):
+    """helper-141: a heartbeat and a settle of one delivery went to SQS independently (the
+    host renews on a thread of its own), so a renewal sent just before the handler failed, and
+    slow on the way, landed after the retry's visibility change and set the message's
+    visibility back to the lease: a retry asking for a 1,000 s backoff ran again 5 s later.
+    Calls on one receipt handle now go one at a time, and a call that waited finds the settle
+    made (a lost lease) or the renewal made (the settle then hides it for its backoff)."""
+    import threading
+
+    subscription = provisioned(aws, lease_seconds=5)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    delivery = receive_one(holder)
+    slow_network.operation = "ChangeMessageVisibility"
+
+    def the_renewal_is_slow(request: Any) -> None:
+        if slow_network.calls == 1:
+            time.sleep(1.5)
+
+    slow_network.before = the_renewal_is_slow
+    renewal = threading.Thread(target=holder.extend_lease, args=(delivery,))
+    renewal.start()
+    time.sleep(0.3)
+    assert holder.retry(delivery, 1000).settled
+    renewal.join()
+    started = time.monotonic()
+
+    other = receiver(subscription)
+    while time.monotonic() < started + 7:
+        assert other.receive(10).deliveries == [], "the retry ran before its backoff"
+
+
+def test_a_replay_or_discard_on_aws_records_who_acted_and_why(aws, caplog):
+    """helper-141: the Database transport writes who replayed or discarded a dead letter, and
+    the note, on the delivery (``resolved_by``, ``resolution_note``; the REST API adds the
+    admin's history of the delivery). On AWS the actor and note were dropped: a dead letter
+    leaves the DLQ with the operation, and there is no delivery row, so a discard (which
+    deletes it for good) left no trace of who did it or why, through any door."""
+    subscription = provisioned(aws, max_attempts=1)
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(4)])
+    holder = receiver(subscription)
+    dead = receive_all(holder, 4)
+    for delivery in dead:
+        assert holder.dead_letter(delivery, "Poison", "bad input").settled
+    alice = Actor(user=UserFactory(username="alice", is_superuser=True), label="API key wq_1a2b")
+    caplog.set_level(logging.INFO, logger="workqueue.transports.aws")
+
+    operations.replay(subscription.name, dead[0].delivery_id, note="fixed\nupstream", actor=alice)
+    operations.discard(subscription.name, dead[1].delivery_id, reason="spam", actor=alice)
+    operations.resolve_dead_letters(
+        subscription.name, "discard", operations.DeadLetterSelection(), note="outage"
+    )
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "workqueue.transports.aws"]
+    assert lines == [
+        f"Dead letter {dead[0].delivery_id} of {subscription.name} replayed by "
+        "'alice via API key wq_1a2b' (note: 'fixed\\nupstream')",
+        f"Dead letter {dead[1].delivery_id} of {subscription.name} discarded by "
+        "'alice via API key wq_1a2b' (note: 'spam')",
+        f"2 dead letters (a bulk batch) of {subscription.name} discarded by 'cli' (note: 'outage')",
+    ]

@@ -627,6 +627,11 @@ class AwsReceiver:
         self._copied: set[str] = set()
         self._sending = threading.Lock()
         self._lock = threading.Lock()
+        # Receipt handle -> the lock its calls (a renewal, a settle) take one at a time: made
+        # independently (the host renews on a thread of its own), a renewal sent before a
+        # retry and landing after it set the message's visibility back to the lease, and the
+        # retry ran again at once instead of after its backoff.
+        self._handle_locks: dict[str, threading.Lock] = {}
         #: Deliveries received on their last attempt's expired lease and dead-lettered since the
         #: last claim returned, for the next to report (see receive).
         self._moved: list[ExpiredDeadLetter] = []
@@ -802,6 +807,11 @@ class AwsReceiver:
                 del self._leases[token]
                 self._received_at.pop(token, None)
                 self._copied.discard(token)
+                self._handle_locks.pop(token, None)
+            # Those a call made after its lease was let go (it found nothing to do).
+            for token in [t for t, lock in self._handle_locks.items() if t not in self._leases]:
+                if not self._handle_locks[token].locked():
+                    del self._handle_locks[token]
 
     # -- fencing ----------------------------------------------------------------------------
 
@@ -815,6 +825,13 @@ class AwsReceiver:
             self._leases.pop(delivery.lease_token, None)
             self._received_at.pop(delivery.lease_token, None)
             self._copied.discard(delivery.lease_token)
+            # A call waiting for it holds it already, and then finds the lease gone.
+            self._handle_locks.pop(delivery.lease_token, None)
+
+    def _handle_lock(self, delivery: ClaimedDelivery) -> threading.Lock:
+        """The lock a call on ``delivery``'s receipt handle holds while it is made."""
+        with self._lock:
+            return self._handle_locks.setdefault(delivery.lease_token, threading.Lock())
 
     def _send_once(self, delivery: ClaimedDelivery, send: Callable[[], None]) -> None:
         """Make ``send`` (a release's or retry's copy, or a dead letter) for a held message once:
@@ -848,6 +865,12 @@ class AwsReceiver:
         )
 
     def _settle(self, delivery: ClaimedDelivery, status: str, action: Any) -> SettleResult:
+        # After a renewal under way: one landing after the settle undid a retry's backoff (or
+        # hid a released message for a whole lease). The lease is read once it is done.
+        with self._handle_lock(delivery):
+            return self._settle_holding(delivery, status, action)
+
+    def _settle_holding(self, delivery: ClaimedDelivery, status: str, action: Any) -> SettleResult:
         if not self._holds(delivery):
             self._let_go(delivery)
             return SettleResult(SettleOutcome.LEASE_LOST)
@@ -895,7 +918,12 @@ class AwsReceiver:
         self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
     ) -> LeaseExtension:
         """Extend the visibility timeout by ``lease_seconds`` from now (``progress`` is not
-        kept: SQS has nowhere to keep it)."""
+        kept: SQS has nowhere to keep it); after a settle under way, which it then finds made
+        (see ``_handle_locks``)."""
+        with self._handle_lock(delivery):
+            return self._extend_lease_holding(delivery)
+
+    def _extend_lease_holding(self, delivery: ClaimedDelivery) -> LeaseExtension:
         if not self._holds(delivery):
             self._let_go(delivery)
             return LeaseExtension(LeaseState.LOST)
@@ -1602,7 +1630,11 @@ class AwsTransport(BaseTransport):
     ) -> bool:
         """Send the dead letter back to the subscription's queue as a new SQS message (so its
         receive count, the attempt, starts again at 1), then delete it from the DLQ."""
-        return _resolve_dead_letter_by_id(QueueBinding.of(subscription_id), "Replay", delivery_id)
+        binding = QueueBinding.of(subscription_id)
+        replayed = _resolve_dead_letter_by_id(binding, "Replay", delivery_id)
+        if replayed:
+            _log_resolution(binding, f"Dead letter {delivery_id}", "replayed", actor, note)
+        return replayed
 
     def discard(
         self, subscription_id: str, delivery_id: str, actor: str | None, reason: str | None
@@ -1610,7 +1642,10 @@ class AwsTransport(BaseTransport):
         """Delete a dead letter from the DLQ. A message waiting in the queue itself cannot be
         picked out by id without receiving it from under the consumers: not discarded."""
         binding = QueueBinding.of(subscription_id)
-        return DiscardResult(changed=_resolve_dead_letter_by_id(binding, "Discard", delivery_id))
+        discarded = _resolve_dead_letter_by_id(binding, "Discard", delivery_id)
+        if discarded:
+            _log_resolution(binding, f"Dead letter {delivery_id}", "discarded", actor, reason)
+        return DiscardResult(changed=discarded)
 
     def resolve_dead_letters(
         self, subscription_id: str, action: str, selection: dict[str, Any], **options: Any
@@ -1643,6 +1678,10 @@ class AwsTransport(BaseTransport):
             # The end of this walk's ids: the next read, from the lowest id, sees dead
             # letters this walk's reads could not (the changed ones left the DLQ).
             walk, walk_changed, after = walk + 1, False, None
+        if changed and not dry_run:
+            done_to = "replayed" if action == "Replay" else "discarded"
+            what = f"{changed} dead letter{'s' if changed != 1 else ''} (a bulk batch)"
+            _log_resolution(binding, what, done_to, options.get("actor"), options.get("note"))
         return {
             "examined": examined,
             "changed": changed,
@@ -1693,6 +1732,16 @@ class AwsTransport(BaseTransport):
             changed += int(_resolve_dead_letter_by_id(binding, action, delivery_id))
         last = _dead_letter_id(ordered[-1]) if ordered else after
         return changed, len(ordered), last, full
+
+
+def _log_resolution(
+    binding: QueueBinding, what: str, done: str, actor: str | None, note: str | None
+) -> None:
+    """The record of an operator's replay or discard: the Database transport writes who acted
+    and the note on the delivery (``resolved_by``, ``resolution_note``), but a dead letter SQS
+    held leaves the DLQ with the operation, and a discard left no trace of who deleted it or
+    why. The actor and note are written as Python literals: they cannot forge a line."""
+    logger.info("%s of %s %s by %r (note: %r)", what, binding.subscription_name, done, actor, note)
 
 
 #: Separates a bulk operation's cursor's parts (``_bulk_cursor``).
