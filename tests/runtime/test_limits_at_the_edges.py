@@ -4,6 +4,7 @@ represents, and health after a failed rate-limit take."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -81,6 +82,91 @@ def test_a_one_shot_run_never_calls_its_budget_spent_while_the_claim_that_spent_
 
     result = host.run_once(max_deliveries=1, idle_exit_ms=3_000, on_started=publish_once_running)
 
+    assert (result.processed, result.reason, status_of(message)) == (
+        1,
+        "MaxDeliveries",
+        "Completed",
+    ), f"the job ended {result.reason} having processed {result.processed}"
+
+
+def test_a_one_shot_run_never_ends_while_another_consumer_takes_the_budget_one_gave_back(
+    make_host, monkeypatch
+):
+    """run_once calls its budget received and done when it reads it spent, then every consumer
+    idle, then it spent again (helper-135). Two consumers share the budget of one: A holds it
+    in a claim that comes back empty while B waits. Between the run's first read and its read
+    of "busy", A gives the budget back and goes idle; between "busy" and the second read, B
+    takes it and claims. All three reads agree, yet the budget read the second time is a new
+    take: the run ended as MaxDeliveries with B's claim out, its delivery handed back unrun (a
+    job with --max 1 and work waiting processed nothing). The interleaving is made exact by
+    holding A's claim and B's loop, and by running the steps in the run's own reads."""
+    from workqueue.runtime import consumer as consumer_module
+
+    empty, waiting = sub(), sub()
+    message = publish(waiting.topic.name, {"then": "complete"}).message_id
+    host = make_host(
+        [{"name": empty.name, "concurrency": 1}, {"name": waiting.name, "concurrency": 1}],
+        # Neither loop claims again unless told to: the steps below decide every claim.
+        idle_poll_min_ms=10_000,
+        idle_poll_max_ms=60_000,
+        shutdown_drain_ms=300,
+    )
+    a_claiming, a_answer = threading.Event(), threading.Event()
+    step = ["waiting for A's claim"]
+    receive, take = Receiver.receive, consumer_module.RunBudget.take
+
+    def held_receive(self: Receiver, max_rows: int):
+        if self.subscription_id == str(empty.id) and not a_answer.is_set():
+            a_claiming.set()  # A took the whole budget for this claim
+            a_answer.wait(10)
+        if self.subscription_id == str(waiting.id):
+            time.sleep(0.5)  # B's claim, on a loaded database: still out as the run reads on
+        return receive(self, max_rows)
+
+    def take_after_a(self, wanted: int) -> int:
+        if threading.current_thread().name == f"wq-{waiting.name}":
+            a_claiming.wait(10)  # B comes second: the budget is A's
+        return take(self, wanted)
+
+    def consumer_named(name: str) -> Consumer:
+        return host._consumers[name]
+
+    failing, in_flight = Consumer.failing.fget, Consumer.in_flight.fget
+
+    def failing_read(self: Consumer) -> bool:
+        # all_empty, read between the run's first read of the budget and "busy"
+        if sys._getframe(2).f_code.co_name == "run_once":
+            if step[0] == "waiting for A's claim" and a_claiming.is_set():
+                step[0] = "armed"  # from the next pass on, its first read saw A's claim out
+            elif step[0] == "armed":
+                a = consumer_named(empty.name)
+                assert a.receive_pending
+                a_answer.set()  # A's claim comes back empty and gives the budget back
+                wait_until(lambda: not a.receive_pending, timeout=10, interval=0.001)
+                step[0] = "A gave back"
+        return failing(self)
+
+    def in_flight_read(self: Consumer) -> int:
+        value = in_flight(self)
+        # "busy", read after B's "claim pending" (False) and before the second budget read
+        if (
+            sys._getframe(2).f_code.co_name == "run_once"
+            and step[0] == "A gave back"
+            and self.plan.name == waiting.name
+        ):
+            self.kick()  # B's loop claims now, taking the budget A gave back
+            wait_until(lambda: host._budget.spent, timeout=10, interval=0.001)
+            step[0] = "B took"
+        return value
+
+    monkeypatch.setattr(Receiver, "receive", held_receive)
+    monkeypatch.setattr(consumer_module.RunBudget, "take", take_after_a)
+    monkeypatch.setattr(Consumer, "failing", property(failing_read))
+    monkeypatch.setattr(Consumer, "in_flight", property(in_flight_read))
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=60_000, max_duration_ms=30_000)
+
+    assert step[0] == "B took", f"the interleaving was not reached ({step[0]})"
     assert (result.processed, result.reason, status_of(message)) == (
         1,
         "MaxDeliveries",

@@ -124,6 +124,10 @@ class RunBudget:
 
     def __init__(self, max_deliveries: int | None) -> None:
         self.remaining = max_deliveries
+        # Takes that were granted some of it, ever: read before and after its reads of the
+        # consumers, an unchanged count tells a run that no claim took any meanwhile (one
+        # given back and taken again between two reads of "spent" looks spent to both).
+        self._takes = 0
         self._lock = threading.Lock()
 
     def take(self, wanted: int) -> int:
@@ -132,6 +136,8 @@ class RunBudget:
                 return wanted
             granted = min(wanted, self.remaining)
             self.remaining -= granted
+            if granted:
+                self._takes += 1
             return granted
 
     def give_back(self, unused: int) -> None:
@@ -143,6 +149,11 @@ class RunBudget:
     def spent(self) -> bool:
         with self._lock:
             return self.remaining == 0
+
+    def read(self) -> tuple[bool, int]:
+        """(whether it is spent, how many takes were granted some of it so far), in one hold."""
+        with self._lock:
+            return self.remaining == 0, self._takes
 
 
 SettleCallback = Callable[[SettleResult | Exception], None]

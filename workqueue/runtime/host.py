@@ -909,7 +909,7 @@ class Host:
                 # these reads is seen as busy below. Read after it, a claim starting between
                 # the two reads was seen by neither, and the run ended with the claim that
                 # spent its budget still out, its delivery handed back (audit helper-134).
-                spent = self._budget.spent
+                spent, takes = self._budget.read()
                 all_empty = all(c.last_receive_empty or c.failing for c in consumers)
                 # "Pending" first: a consumer counts a claim's deliveries in flight before it
                 # clears it, so a claim ending between the two reads is seen by the second.
@@ -919,9 +919,11 @@ class Host:
                 ):
                     reason = "MaxDuration"
                     break
-                # And again after: a claim can give back what it took (no rate token was
-                # due, or it came back short), between the first read and "busy" (helper-135).
-                if spent and not busy and self._budget.spent:
+                # And again after, with no take since: a claim can give back what it took (no
+                # rate token was due, or it came back short) between the first read and "busy"
+                # (helper-135), and another consumer's claim take it again before the second
+                # (helper-140): spent at both reads, yet a claim is out that "busy" missed.
+                if spent and not busy and self._budget.read() == (True, takes):
                     reason = "MaxDeliveries"
                     break
                 quiet = min(time.monotonic() - c.last_activity for c in consumers)
