@@ -328,3 +328,29 @@ def _waiting_for_a_token_after_failed_takes(
     monkeypatch.setattr(Receiver, "take_rate_tokens", take)
     publish(s.topic.name, {"then": "complete"})
     return s, takes
+
+
+def test_a_renamed_subscription_listed_under_both_names_counts_its_handler_once_in_health(
+    make_host,
+):
+    """SUBSCRIPTIONS may name a subscription under its old and its new name across a rename
+    (the old entry then reads Error, not found). Health matched a re-plan's lingering handler
+    by id to the new name's entry and, the old entry having no id any more, by name to the old
+    one: one running handler counted twice in /health and the host records. It is counted once,
+    under the subscription it runs for."""
+    s = sub(lease_seconds=5, max_attempts=3)
+    old, new = s.name, f"{s.name}-renamed"
+    host = make_host(
+        [{"name": old, "concurrency": 1}, {"name": new, "concurrency": 1}]
+    )  # a drain of 300 ms
+    host.start()
+    publish(s.topic.name, {"sleepMs": 3_000, "ignoreSignal": True})
+    (lingering,) = probe.wait_for(1)
+    s.name = new  # an operator renames it in the admin
+    s.save()
+
+    host.reconcile()
+
+    assert not lingering.finished.is_set()
+    counted = {e["name"]: (e["state"], e["in_flight"]) for e in host.health()["subscriptions"]}
+    assert counted == {old: ("Error", 0), new: ("Running", 1)}, counted

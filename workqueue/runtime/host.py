@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,15 @@ class PlanEntry:
         if self.subscription_id is not None:
             return consumer.plan.subscription_id == self.subscription_id
         return consumer.plan.name == self.name
+
+    def counts(self, consumer: Consumer, planned_ids: Collection[str]) -> bool:
+        """Whether health counts ``consumer``'s handlers under this entry, ``planned_ids``
+        being the ids of every entry's subscription: each consumer under one entry only. One
+        whose subscription an entry has by id is that entry's: a renamed subscription listed
+        under its old name too (not found, so no id) was counted under both names."""
+        if self.subscription_id is None and consumer.plan.subscription_id in planned_ids:
+            return False
+        return self.runs(consumer)
 
 
 _NOT_PLANNED = PlanEntry("", PlanState.ERROR)
@@ -777,6 +786,7 @@ class Host:
             # Handlers of consumers a re-plan is stopping, or gave up on, still run here.
             stopped = [*self._retiring, *self._lingering]
         subscriptions = []
+        planned_ids = {e.subscription_id for e in plans.values() if e.subscription_id is not None}
         for name, entry in plans.items():
             state, reason = entry.state, entry.reason
             consumer = consumers.get(name)
@@ -785,7 +795,7 @@ class Host:
             if state == PlanState.RUNNING and failure:
                 state, reason = PlanState.ERROR, failure
             in_flight = consumer.in_flight if consumer is not None else 0
-            in_flight += sum(c.in_flight for c in stopped if entry.runs(c))
+            in_flight += sum(c.in_flight for c in stopped if entry.counts(c, planned_ids))
             subscriptions.append(
                 {
                     "name": entry.name,
