@@ -385,3 +385,33 @@ def test_a_session_form_post_to_an_operator_endpoint_is_a_400_not_a_500(caplog):
     assert response.status_code == 400, (response.status_code, response.content)
     assert "application/json" in response.json()["detail"]
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_no_cache_keeps_what_the_api_answers_a_signed_in_browser(client):
+    """Review helper-143: the admin's pages are sent never to be cached, the API's answers
+    were sent with no Cache-Control at all, so a browser that opened a dead-letter listing
+    from the dashboard kept its payloads in its cache and history after signing out. Seen
+    failing: no Cache-Control header."""
+    subscription = SubscriptionFactory()
+    dead_letter(subscription, {"card": "4111111111111111"})
+    client.force_login(UserFactory(is_staff=True, perms=list(ALL_PERMISSIONS)))
+
+    answers = {
+        path: client.get(f"/work-queue{path}")
+        for path in (
+            f"/subscriptions/{subscription.name}/dead-letters",
+            "/subscriptions/stats",
+            "/health",
+            "/metrics",
+            "/subscriptions/no.such/stats",
+        )
+    }
+    asset = client.get("/work-queue/docs/assets/swagger-ui.css")
+    asset.close()  # a file response: its file is not read here
+
+    for path, answer in answers.items():
+        directives = {d.strip() for d in answer.get("Cache-Control", "").split(",")}
+        assert {"no-store", "private"} <= directives, (path, answer.status_code)
+    assert answers[f"/subscriptions/{subscription.name}/dead-letters"].status_code == 200
+    # Swagger UI's own files stay cacheable: they are the same for everyone.
+    assert asset["Cache-Control"].startswith("public")

@@ -18,6 +18,7 @@ from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.request import RawPostDataException
+from django.views.decorators.cache import never_cache
 from ninja import NinjaAPI
 from ninja.errors import HttpError, ValidationError
 
@@ -47,6 +48,12 @@ api = NinjaAPI(
     docs_url="/docs",
     docs=docs.OfflineSwagger(),
 )
+# Every answer but the docs page's files is the caller's own (payloads, dead letters, error
+# texts) and kept by no cache, as the admin keeps its pages: the dashboard links a browser to
+# the dead-letter listing, which a browser stored and showed again from its history after the
+# session had ended (review helper-143). Before add_router, which freezes the routers.
+for _router in (publish.router, subscriptions.router, health.router, metrics.router):
+    _router.add_decorator(never_cache, mode="view")
 api.add_router("", publish.router)
 api.add_router("/subscriptions", subscriptions.router)
 api.add_router("", health.router)
