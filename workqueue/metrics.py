@@ -191,7 +191,8 @@ class QueueCollector(Collector):
             ),
             "oldest": GaugeMetricFamily(
                 "workqueue_oldest_pending_age_seconds",
-                "Age of the oldest waiting delivery (0 when none waits).",
+                "Age of the oldest waiting delivery (0 when none waits; no sample when its "
+                "transport cannot tell, as SQS cannot).",
                 labels=labels,
             ),
         }
@@ -209,7 +210,11 @@ class QueueCollector(Collector):
             gauges["in_flight"].add_metric(name, counts.in_flight)
             gauges["dead_lettered"].add_metric(name, counts.dead_lettered)
             gauges["blocked_keys"].add_metric(name, counts.blocked_keys or 0)
-            gauges["oldest"].add_metric(name, counts.oldest_pending_age_seconds or 0)
+            age = counts.oldest_pending_age_seconds
+            if age is not None or counts.pending == 0:
+                # None with work waiting: the transport cannot tell (SQS), and 0 would say
+                # that nothing has waited (review helper-142). The series is left out.
+                gauges["oldest"].add_metric(name, age or 0)
             capped.add_metric(name, int(counts.capped))
         gauges["capped"] = capped
         unavailable = GaugeMetricFamily(

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from workqueue.exceptions import TransientDriverError
 from workqueue.models import HostRecord
 from workqueue.operators import operations
 from workqueue.transport import Receiver
+from workqueue.transports.database import DatabaseTransport
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -601,3 +603,30 @@ def test_the_cli_fails_when_it_could_not_read_the_gauges(monkeypatch, capsys):
         call_command("workqueue", "metrics")
 
     assert samples(capsys.readouterr().out)[("workqueue_gauges_read_failed", ())] == 1
+
+
+def test_an_age_the_transport_does_not_know_is_left_out_not_shown_as_zero(monkeypatch):
+    """Review helper-142: SQS does not say how old a queue's oldest message is (stats show
+    null, the CLI "-"), but the gauge wrote 0 for it: a dashboard read "nothing has waited"
+    beside thousands pending, and no age alert could ever fire. The series is left out when
+    work waits and its age is unknown; 0 still means that nothing waits."""
+    waiting, idle = SubscriptionFactory(), SubscriptionFactory()
+    counts = {waiting.id: 4200, idle.id: 0}
+
+    def as_sqs_counts(self: Any, subscription_id: str, cap: int) -> dict[str, Any]:
+        pending = counts[uuid.UUID(subscription_id)]
+        return {
+            "pending": pending,
+            "in_flight": 0,
+            "dead_lettered": 0,
+            "blocked_keys": None,
+            "oldest_pending_age_seconds": None,
+        }
+
+    monkeypatch.setattr(DatabaseTransport, "queue_gauges", as_sqs_counts)
+
+    text = metrics.render().decode()
+
+    assert gauge(text, "workqueue_pending_deliveries", waiting.name) == 4200
+    assert gauge(text, "workqueue_oldest_pending_age_seconds", waiting.name) is None
+    assert gauge(text, "workqueue_oldest_pending_age_seconds", idle.name) == 0
