@@ -71,3 +71,50 @@ def test_an_operator_logs_in_opens_the_dashboard_and_replays_a_dead_letter(live_
     replayed = Delivery.objects.get(pk=delivery_id)
     assert replayed.status == "Pending"
     assert (replayed.resolved_by, replayed.resolution_note) == ("operator", "fixed the parser")
+
+
+# Where each character of an element's text is drawn: its line's top and its left edge (a cell
+# may wrap the text onto a second line).
+CHARACTER_POSITIONS = """(element) => {
+    const text = element.firstChild;
+    const positions = [];
+    for (let i = 0; i < text.length; i++) {
+        const range = document.createRange();
+        range.setStart(text, i);
+        range.setEnd(text, i + 1);
+        const box = range.getBoundingClientRect();
+        if (box.width > 0) positions.push([Math.round(box.top), box.left]);
+    }
+    return positions;
+}"""
+
+
+def test_a_key_that_reorders_its_own_text_is_drawn_in_the_order_it_is_stored(live_server):
+    """Review helper-143: a partition key published as "\\u202e24-remotsuc" (a RIGHT-TO-LEFT
+    OVERRIDE) was drawn backwards, as "customer-42", in the delivery list an operator replays
+    and discards from. Seen failing: its characters were drawn right to left."""
+    _operator()
+    subscription = SubscriptionFactory(name="orders.ordered", partition_mode="Ordered")
+    dead_letter(subscription, {"order": 7}, partition_key="\u202e24-remotsuc")
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(15_000)
+            page.goto(f"{live_server.url}/admin/login/?next=/admin/workqueue/delivery/")
+            page.fill("#id_username", "operator")
+            page.fill("#id_password", "operator-pw")
+            page.click("input[type=submit]")
+            # field-partition_key: the column's name before the fix.
+            cell = page.locator("#result_list td.field-key, #result_list td.field-partition_key")
+            cell = cell.first
+            text = cell.inner_text()
+            positions = cell.evaluate(CHARACTER_POSITIONS)
+        finally:
+            browser.close()
+
+    # Line by line, left to right: in the order the characters are stored.
+    assert positions == sorted(positions), ("the key is not drawn as stored", positions)
+    assert text == "\\u202e24-remotsuc"
+    assert len(positions) == len(text)
