@@ -21,7 +21,7 @@ from tests.factories import (
     UserFactory,
 )
 from tests.support.api import call
-from tests.support.queue import dead_letter
+from tests.support.queue import dead_letter, pending
 from workqueue.driver.base import SparseIndex
 from workqueue.exceptions import PermissionDeniedError
 from workqueue.models import ApiKey, Delivery, HostRecord, Message
@@ -415,3 +415,88 @@ def test_no_cache_keeps_what_the_api_answers_a_signed_in_browser(client):
     assert answers[f"/subscriptions/{subscription.name}/dead-letters"].status_code == 200
     # Swagger UI's own files stay cacheable: they are the same for everyone.
     assert asset["Cache-Control"].startswith("public")
+
+
+# -- what a bulk operation's filter and count reveal ------------------------------------------
+
+CONTENT_FILTERS = {
+    "errorContains": {"errorContains": "card 4"},
+    "partitionKey": {"partitionKey": "customer-4"},
+    "deadLetterReason": {"deadLetterReason": "Card 4111 declined"},
+}
+
+
+@pytest.mark.parametrize("content", CONTENT_FILTERS.values(), ids=CONTENT_FILTERS.keys())
+def test_a_key_that_may_not_read_cannot_read_dead_letters_through_a_bulk_filters_count(
+    client, content
+):
+    """Review helper-143: a key that may operate but not read got 403 listing the dead letters,
+    yet a dry run filtered by error text (or key, or reason) answered how many matched: "card
+    4" 1, "card 5" 0, which reads the error a character at a time. A filter on what dead
+    letters hold needs the read scope and permission too; filters on nothing they hold (none,
+    a time window) do not."""
+    sub = SubscriptionFactory()
+    dead_letter(
+        sub, reason="Card 4111 declined", error="ValueError: card 4111", partition_key="customer-4"
+    )
+    path = f"/subscriptions/{sub.name}"
+    operate_only = operate_key(OPERATE_SUBSCRIPTION)
+    may_read = ApiKeyFactory(
+        scopes=[OPERATE, READ], owner=UserFactory(perms=[OPERATE_SUBSCRIPTION, READ_PERMISSION])
+    )
+    dry_run = {"filter": content, "dryRun": True}
+    discard = {"filter": content, "dryRun": True, "reason": "cleanup"}
+
+    listed = call(client, "get", f"{path}/dead-letters", key=operate_only)
+    counted = call(client, "post", f"{path}/dead-letters/replay", dry_run, key=operate_only)
+    discarded = call(client, "post", f"{path}/dead-letters/discard", discard, key=operate_only)
+    read_permission_only = operate_key(OPERATE_SUBSCRIPTION, READ_PERMISSION)
+    scope_lacking = call(
+        client, "post", f"{path}/dead-letters/replay", dry_run, key=read_permission_only
+    )
+    allowed = call(client, "post", f"{path}/dead-letters/replay", dry_run, key=may_read)
+    unfiltered = call(
+        client, "post", f"{path}/dead-letters/replay", {"dryRun": True}, key=operate_only
+    )
+
+    assert listed.status_code == 403
+    assert (counted.status_code, discarded.status_code, scope_lacking.status_code) == (
+        403,
+        403,
+        403,
+    ), counted.content
+    assert "workqueue:read" in counted.json()["detail"]
+    assert allowed.json()["matched"] == 1
+    assert unfiltered.json()["matched"] == 1
+
+
+@pytest.mark.parametrize("content", ["errorContains", "partitionKey"])
+def test_a_key_that_may_not_read_cannot_read_waiting_work_through_a_bulk_filters_count(
+    client, content
+):
+    sub = SubscriptionFactory()
+    pending(sub, partition_key="customer-4")
+    body = {"filter": CONTENT_FILTERS[content], "dryRun": True, "reason": "cleanup"}
+    path = f"/subscriptions/{sub.name}/pending/discard"
+
+    refused = call(client, "post", path, body, key=operate_key(OPERATE_SUBSCRIPTION))
+    unfiltered = call(
+        client, "post", path, {**body, "filter": {}}, key=operate_key(OPERATE_SUBSCRIPTION)
+    )
+
+    assert refused.status_code == 403, refused.content
+    assert unfiltered.json()["matched"] == 1
+
+
+def test_an_admin_user_who_may_not_read_cannot_count_dead_letters_by_their_content():
+    sub = SubscriptionFactory()
+    dead_letter(sub, error="ValueError: card 4111")
+    operate_only = Actor(user=UserFactory(perms=[OPERATE_SUBSCRIPTION]))
+    probe = operations.DeadLetterSelection(error_contains="card 4")
+
+    with pytest.raises(PermissionDeniedError, match=r"workqueue\.view_delivery"):
+        operations.resolve_dead_letters(sub.name, "replay", probe, dry_run=True, actor=operate_only)
+    everything = operations.resolve_dead_letters(
+        sub.name, "replay", operations.DeadLetterSelection(), dry_run=True, actor=operate_only
+    )
+    assert everything.matched == 1

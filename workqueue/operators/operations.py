@@ -22,6 +22,7 @@ from workqueue.exceptions import (
     DriverError,
     InvalidInputError,
     NotFoundError,
+    PermissionDeniedError,
     TransportUnavailableError,
     UnsupportedByTransportError,
     WorkQueueConfigurationError,
@@ -586,6 +587,7 @@ def resolve_dead_letters(
         ),
     }
     require(actor, OPERATE, subscription=name)
+    _require_read_to_filter_by_content(actor, name, filters, ("reason", "partition_key"))
     subscription = _subscription(name, actor)
     found = _transport_of(
         subscription,
@@ -652,6 +654,7 @@ def discard_pending(
         error_contains=selection.error_contains,
     )
     require(actor, OPERATE, subscription=name)
+    _require_read_to_filter_by_content(actor, name, filters, ("partition_key",))
     subscription = _subscription(name, actor)
     found = _transport_of(
         subscription, "supports_bulk_discard_pending", "Discarding Pending deliveries in bulk"
@@ -749,6 +752,25 @@ def _interrupted(done: BulkOutcome, rows: str, error: WorkQueueError) -> BulkOpe
         examined=done.examined,
         batches=done.batches,
     )
+
+
+def _require_read_to_filter_by_content(
+    actor: Actor, name: str, filters: dict[str, Any], content: tuple[str, ...]
+) -> None:
+    """A bulk operation filtered by what the deliveries hold (``content``'s filters, and the
+    error text) answers, in the count it returns, what reading them would: "card 4" matched 1
+    and "card 5" none reads an error a character at a time (review helper-143). Such a filter
+    needs what reading needs too; no filter, or a time window, only what operating needs."""
+    used = [what for what in (*content, "error_contains") if filters.get(what) is not None]
+    if not used:
+        return
+    try:
+        require(actor, READ, subscription=name)
+    except PermissionDeniedError as exc:
+        raise PermissionDeniedError(
+            f"Filtering by {' and '.join(used)} tells what the deliveries hold, as reading "
+            f"them would: {exc} Filter by time only, or act as a caller who may read."
+        ) from exc
 
 
 def _filter_parameters(
