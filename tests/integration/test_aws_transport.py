@@ -2636,3 +2636,57 @@ def test_a_replay_or_discard_on_aws_records_who_acted_and_why(aws, caplog):
         "'alice via API key wq_1a2b' (note: 'spam')",
         f"2 dead letters (a bulk batch) of {subscription.name} discarded by 'cli' (note: 'outage')",
     ]
+
+
+def _answer(client: Any, operation: str, code: str, status: int = 403) -> Any:
+    """Make ``client`` answer ``operation`` ("sqs.ReceiveMessage") with AWS's error ``code``;
+    returns the undo."""
+    event = f"before-call.{operation}"
+
+    def refused(**_: Any) -> Any:
+        error = {"Code": code, "Message": f"as AWS answers {code}"}
+        return (
+            type("Response", (), {"status_code": status, "headers": {}})(),
+            {"Error": error, "ResponseMetadata": {"HTTPStatusCode": status}},
+        )
+
+    client.meta.events.register(event, refused, unique_id=f"{operation}-{code}")
+    return lambda: client.meta.events.unregister(event, unique_id=f"{operation}-{code}")
+
+
+@pytest.mark.parametrize(
+    ("code", "fix"),
+    [
+        ("InvalidClientTokenId", "Fix the credentials"),
+        ("ExpiredToken", "Fix the credentials"),
+        ("AccessDenied", "IAM policy"),
+        ("AWS.SimpleQueueService.NonExistentQueue", "manage.py workqueue provision"),
+    ],
+)
+def test_a_refusal_of_a_misconfigured_transport_names_the_fix(aws, code, fix):
+    """helper-141: a host whose credentials AWS refused, or whose queue was deleted after it
+    started, logged only AWS's words ("The security token included in the request is
+    invalid", "The specified queue does not exist"), claim after claim, never what to change."""
+    subscription = provisioned(aws)
+    holder = receiver(subscription)
+    holder.receive(1)  # the queue's URL is known: only the receive is refused
+    undo = _answer(holder.binding.clients.sqs, "sqs.ReceiveMessage", code)
+    try:
+        with pytest.raises(TransportUnavailableError) as refused:
+            holder.receive(1)
+    finally:
+        undo()
+
+    assert fix in str(refused.value)
+
+
+def test_missing_credentials_are_named_as_such_not_as_aws_out_of_reach(monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    nowhere = AwsClients(AwsSettings(region="eu-west-1", endpoint_url="http://127.0.0.1:9"))
+
+    with pytest.raises(TransportUnavailableError, match="Fix the credentials"):
+        _Provisioner(nowhere, dry_run=True).queue("wq-nowhere", False, {})

@@ -486,7 +486,7 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
     )
     text = f"{what}: {_without_credentials(str(exc))}"
     if not transient:
-        return TransportUnavailableError(text, code=code)
+        return TransportUnavailableError(text + _fix_for(exc, code), code=code)
     # A connection never made, or a throttled call, was not carried out; a lost answer (a read
     # timeout, a dropped connection, a TLS error, which can come while reading the answer) or
     # AWS's own failure may have been.
@@ -496,6 +496,53 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
     return TransientTransportError(
         text, code=code, may_have_arrived=not never_sent and code not in _THROTTLED_CODES
     )
+
+
+#: Error codes AWS answers when it does not take the caller's credentials at all.
+_CREDENTIALS_CODES = frozenset(
+    {
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "SignatureDoesNotMatch",
+        "IncompleteSignature",
+        "InvalidAccessKeyId",
+        "MissingAuthenticationToken",
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "RequestExpired",
+    }
+)
+#: Error codes AWS answers when the caller's identity may not make the call.
+_DENIED_CODES = frozenset(
+    {"AccessDenied", "AccessDeniedException", "AuthorizationError", "KMS.AccessDeniedException"}
+)
+
+
+def _fix_for(exc: Exception, code: str) -> str:
+    """What to do about a refusal, to follow AWS's words (which say what is wrong, not what to
+    change here): a queue that does not exist said only "The specified queue does not exist",
+    and credentials that were missing read as AWS that "could not be reached"."""
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError) or code in (
+        _CREDENTIALS_CODES
+    ):
+        return (
+            " Fix the credentials the server's boto3 session uses for this transport: its "
+            "'profile' key, or boto3's usual chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "the instance or pod role); they are missing, wrong or expired."
+        )
+    if code in _DENIED_CODES:
+        return (
+            " The server's AWS identity may not make this call: allow it in the identity's IAM "
+            "policy (the README's AWS transport section lists the calls each part makes)."
+        )
+    if code in _NOT_FOUND_CODES:
+        return (
+            " Run `manage.py workqueue provision` to create the transport's SNS topics and SQS "
+            "queues (it creates only what is missing)."
+        )
+    return ""
 
 
 def _without_credentials(text: str) -> str:
