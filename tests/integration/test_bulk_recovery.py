@@ -486,6 +486,28 @@ def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(c
     assert statuses(rows["poison"]) == ["Pending"] * 2  # replayed above: no "flood" key
 
 
+def test_an_admin_operator_who_may_not_read_counts_by_time_but_not_by_content(client):
+    """Review helper-143: the recovery form's count answered a user who may operate but not
+    read how many dead letters held an error text, reading them a character at a time."""
+    subscription = SubscriptionFactory()
+    outage(subscription)
+    url = reverse("admin:workqueue_subscription_changelist")
+    client.force_login(staff("blind-operator", "view_subscription", "operate_subscription"))
+    form = {"action": "recover_dead_letters", "_selected_action": [subscription.pk]}
+
+    probed = client.post(
+        url, {**form, "operation": "replay", "post": "count", "error_contains": "payments"}
+    )
+    everything = client.post(url, {**form, "operation": "replay", "post": "count"})
+
+    [(name, said)] = probed.context["counts"]
+    assert name == subscription.name
+    assert said.startswith("refused: Filtering by error_contains") and "view_delivery" in said
+    assert everything.context["counts"] == [
+        (subscription.name, "7 of 7 dead letters would be replayed")
+    ]
+
+
 @pytest.mark.parametrize(
     ("field", "counted_with"),
     [

@@ -173,8 +173,9 @@ def recover_dead_letters(modeladmin: Any, request: HttpRequest, queryset: QueryS
         for name in subscriptions:
             try:
                 outcome = form.run(name, dry_run=dry_run, actor=actor)
-            except PermissionDeniedError:
-                results.append((name, "refused: you may not operate this subscription"))
+            except PermissionDeniedError as exc:
+                # Which permission is missing: operating, or reading for a filter on content.
+                results.append((name, f"refused: {exc}"))
                 continue
             except UnsupportedByTransportError as exc:
                 results.append((name, f"not supported: {exc}"))
