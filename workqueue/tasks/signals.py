@@ -10,6 +10,7 @@ from typing import Any
 from django.db import connections
 
 from workqueue.conf import setting
+from workqueue.logtext import log_value
 from workqueue.models import Delivery
 from workqueue.tasks import api
 from workqueue.tasks.messages import HANDLER_KEY
@@ -49,7 +50,10 @@ def send_task_finished_for_dead_letter(
             send(api.task_finished, type(result.task.get_backend()), result)
     except Exception:
         # The dead letter is recorded whatever happens here; a receiver must not undo it.
-        logger.exception("Could not send task_finished for dead-lettered delivery %s", delivery_id)
+        # On a cloud transport the id is read from the message body: written as one field.
+        logger.exception(
+            "Could not send task_finished for dead-lettered delivery %s", log_value(delivery_id)
+        )
     finally:
         if opened_here:
             connection.close()
