@@ -1042,3 +1042,18 @@ def test_a_task_renamed_after_enqueue_still_has_a_readable_result(run_host, monk
     assert "renamed_after_enqueue" in failed.errors[0].traceback
     with pytest.raises(ImportError, match=r"tests\.task_functions\.renamed_after_enqueue"):
         failed.task.call()
+
+
+def test_a_dead_letter_of_a_cloud_transport_is_no_task_and_logs_nothing(caplog):
+    """The Tasks API's receiver hears every subscription's dead letters; a cloud transport's
+    delivery id is read from its message body, whatever a sender wrote there. Looked up as a
+    task's, one that is no UUID raised, and was logged at ERROR with its text as it came (a
+    newline forging a line of its own: review helper-142)."""
+    from workqueue.tasks.signals import send_task_finished_for_dead_letter
+
+    with caplog.at_level(logging.DEBUG, logger="workqueue"):
+        send_task_finished_for_dead_letter(
+            None, subscription_id="s", delivery_id="x\n2026-12-06 ERROR forged"
+        )
+
+    assert caplog.records == []

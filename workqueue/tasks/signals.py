@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from django.db import connections
@@ -25,6 +26,10 @@ def send_task_finished_for_dead_letter(
     """``workqueue.signals.dead_lettered`` receiver: a task's delivery was dead-lettered (by
     its handler's outcome, or by lease expiry on its last attempt) in this process, so the
     task has FAILED: send the Tasks API's ``task_finished``."""
+    if not _is_uuid(delivery_id):
+        # A cloud transport's delivery (tasks run only from the queue tables, whose ids are
+        # UUIDs): its id, read from the message body, is whatever a sender wrote there.
+        return
     # The claim loop and the sweeper send dead_lettered from threads that do not use Django's
     # connections: one opened here is closed here, or it would outlive its thread unclosed.
     alias = setting("DATABASE_ALIAS")
@@ -50,13 +55,20 @@ def send_task_finished_for_dead_letter(
             send(api.task_finished, type(result.task.get_backend()), result)
     except Exception:
         # The dead letter is recorded whatever happens here; a receiver must not undo it.
-        # On a cloud transport the id is read from the message body: written as one field.
         logger.exception(
             "Could not send task_finished for dead-lettered delivery %s", log_value(delivery_id)
         )
     finally:
         if opened_here:
             connection.close()
+
+
+def _is_uuid(value: object) -> bool:
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True
 
 
 class TaskFailed(Exception):
