@@ -5,6 +5,7 @@ the seam, and the receiver's claim, heartbeat and settles with their fencing."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import logging
@@ -2690,3 +2691,53 @@ def test_missing_credentials_are_named_as_such_not_as_aws_out_of_reach(monkeypat
 
     with pytest.raises(TransportUnavailableError, match="Fix the credentials"):
         _Provisioner(nowhere, dry_run=True).queue("wq-nowhere", False, {})
+
+
+def test_a_message_written_to_the_dead_letter_queue_by_hand_does_not_stop_the_operators(aws):
+    """helper-141: anyone who may send to the DLQ could stop every operator read of it: a
+    message whose envelope named a numeric delivery id made the listing's sort fail (a
+    TypeError), one with a non-numeric attempts attribute raised ValueError, and a date
+    without its zone failed the bulk operations' time window. The listing, replay and discard
+    of every dead letter (the bad one included, in bulk) all failed with them."""
+    subscription = provisioned(aws, max_attempts=1)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    dead = receive_one(holder)
+    assert holder.dead_letter(dead, "Poison", "bad input").settled
+    sqs = holder.binding.clients.sqs
+    sqs.send_message(
+        QueueUrl=holder.binding.dead_letter_queue_url,
+        MessageBody=json.dumps(
+            {
+                "delivery_id": 5,
+                "message_id": 7,
+                "partition_key": 3,
+                "attributes": [1],
+                "correlation_id": {},
+                "published_at": "2020-01-01",
+                "payload": 1,
+            }
+        ),
+        MessageAttributes={
+            "wq_attempts": {"DataType": "String", "StringValue": "many"},
+            "wq_dead_lettered_at": {"DataType": "String", "StringValue": "2020-01-01T00:00:00"},
+        },
+    )
+
+    listed = operations.list_dead_letters(subscription.name).items
+    assert sorted(i.delivery_id for i in listed) == sorted(["5", dead.delivery_id])
+    assert all(i.dead_lettered_at.tzinfo is not None for i in listed)
+    shown = json.loads(workqueue_cli("dead-letters", "-s", subscription.name, "--json"))["items"]
+    assert sorted(i["delivery_id"] for i in shown) == sorted(["5", dead.delivery_id])
+    outcome = operations.resolve_dead_letters(
+        subscription.name,
+        "discard",
+        operations.DeadLetterSelection(dead_lettered_from=timezone.now() - dt.timedelta(days=1)),
+        note="cleanup",
+    )
+    assert outcome.matched == 1
+    outcome = operations.resolve_dead_letters(
+        subscription.name, "discard", operations.DeadLetterSelection(), note="cleanup"
+    )
+    assert outcome.matched == 1
+    assert operations.list_dead_letters(subscription.name).items == []

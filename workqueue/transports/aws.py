@@ -1336,12 +1336,24 @@ def _envelope(body: str) -> dict[str, Any]:
 
 
 def _parse_time(text: Any) -> dt.datetime | None:
+    """A time the transport wrote (ISO 8601, in UTC); one written without its zone (by hand)
+    is read as UTC, as ours are: compared with an aware time (a bulk operation's window), a
+    naive one raised TypeError."""
     if not isinstance(text, str):
         return None
     try:
-        return dt.datetime.fromisoformat(text)
+        found = dt.datetime.fromisoformat(text)
     except ValueError:
         return None
+    return found if found.tzinfo is not None else found.replace(tzinfo=dt.UTC)
+
+
+def _count(text: Any) -> int:
+    """A count an attribute holds; 0 when it holds none (written by hand)."""
+    try:
+        return max(int(text), 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 # -- the transport -------------------------------------------------------------------------
@@ -2234,7 +2246,9 @@ def _dead_letter_id(message: dict[str, Any]) -> str:
     receiver's own move names it in an attribute; a message SQS's redrive moved has none, and
     keeps its body (a replayed or released one names its delivery there) and its SQS id."""
     found = message.get("MessageAttributes", {}).get(DELIVERY_ID_ATTRIBUTE, {})
-    return (
+    # As text whatever the body says: one written by hand with a number there made the sort
+    # of every operator read of the DLQ fail, and no dead letter could be listed or changed.
+    return str(
         found.get("StringValue")
         or _envelope(message["Body"]).get("delivery_id")
         or message["MessageId"]
@@ -2304,7 +2318,7 @@ def _dead_letter_item(binding: QueueBinding, message: dict[str, Any]) -> DeadLet
     return DeadLetterItem(
         delivery_id=_dead_letter_id(message),
         partition_key=envelope.get("partition_key") if binding.exclusive else None,
-        attempts=int(attributes.get(ATTEMPTS_ATTRIBUTE, "0") or 0),
+        attempts=_count(attributes.get(ATTEMPTS_ATTRIBUTE)),
         # A message SQS's redrive moved (the backstop) carries no reason of ours.
         reason=attributes.get(REASON_ATTRIBUTE, "MaxReceiveCountExceeded"),
         last_error=attributes.get(ERROR_ATTRIBUTE),
