@@ -2741,3 +2741,22 @@ def test_a_message_written_to_the_dead_letter_queue_by_hand_does_not_stop_the_op
     )
     assert outcome.matched == 1
     assert operations.list_dead_letters(subscription.name).items == []
+
+
+def test_a_message_written_to_the_queue_by_hand_with_numeric_ids_can_be_dead_lettered(aws):
+    """helper-141: the receiver took a delivery's id from the body as it came, so a message
+    written to the queue by hand with a number there reached the handler with an int id, and
+    its dead letter's move raised TypeError (the id is an attribute, which must be text): the
+    settle failed, and the message ran again until SQS's redrive took it."""
+    subscription = provisioned(aws, max_attempts=3)
+    holder = receiver(subscription)
+    holder.binding.clients.sqs.send_message(
+        QueueUrl=holder.binding.queue_url,
+        MessageBody=json.dumps({"delivery_id": 5, "message_id": 7, "payload": {"n": 1}}),
+    )
+    delivery = receive_one(holder)
+
+    assert (delivery.delivery_id, delivery.message_id) == ("5", "7")
+    assert holder.dead_letter(delivery, "Poison", "bad input").settled
+    [item] = operations.list_dead_letters(subscription.name).items
+    assert (item.delivery_id, item.message_id, item.reason) == ("5", "7", "Poison")

@@ -827,8 +827,10 @@ class AwsReceiver:
         envelope = _envelope(message["Body"])
         system = message.get("Attributes", {})
         return ClaimedDelivery(
-            # A replayed message is a new SQS message carrying the id its delivery had.
-            delivery_id=envelope.get("delivery_id") or message["MessageId"],
+            # A replayed message is a new SQS message carrying the id its delivery had. As
+            # text whatever the body holds (one written by hand): a dead letter carries the id
+            # as an attribute, and an int there made its move raise TypeError.
+            delivery_id=str(envelope.get("delivery_id") or message["MessageId"]),
             subscription_id=self.subscription_id,
             lease_token=message["ReceiptHandle"],
             lease_expires_at=_now() + dt.timedelta(seconds=self.binding.lease_seconds),
@@ -836,7 +838,7 @@ class AwsReceiver:
             # (a release sends the message again: see AwsReceiver.release).
             attempt=int(system.get("ApproximateReceiveCount", "1")) + _attempts_before(envelope),
             is_replay=bool(envelope.get("replayed")),
-            message_id=envelope.get("message_id") or message["MessageId"],
+            message_id=str(envelope.get("message_id") or message["MessageId"]),
             topic_id=envelope.get("topic_id", ""),
             partition_key=envelope.get("partition_key"),
             attributes=envelope.get("attributes") or {},
@@ -2325,7 +2327,7 @@ def _dead_letter_item(binding: QueueBinding, message: dict[str, Any]) -> DeadLet
         dead_lettered_at=_parse_time(attributes.get(DEAD_LETTERED_AT_ATTRIBUTE))
         or (dt.datetime.fromtimestamp(int(sent) / 1000, dt.UTC) if sent else None),
         blocks_key=False,
-        message_id=envelope.get("message_id") or message["MessageId"],
+        message_id=str(envelope.get("message_id") or message["MessageId"]),
         topic=binding.topic_name,
         message_partition_key=envelope.get("partition_key"),
         attributes=envelope.get("attributes") or {},
