@@ -90,7 +90,12 @@ def test_a_handlers_reason_or_error_cannot_forge_a_log_line(rig, caplog, payload
     assert_one_clean_line(record.getMessage())
 
 
-@pytest.mark.parametrize("delivery_id", [str(uuid.uuid4()), f"d-1{FORGED}"])
+# Fixed ids: pytest-xdist's workers must collect the same test names.
+@pytest.mark.parametrize(
+    "delivery_id",
+    ["6f1c2a3e-8d4b-4c7e-9a0f-1b2c3d4e5f60", f"d-1{FORGED}"],
+    ids=["a uuid", "a forged line"],
+)
 def test_a_lease_expiry_dead_letter_cannot_forge_a_log_line(caplog, delivery_id):
     """Lease expiry on a cloud queue reports the delivery id its message's body names."""
     caplog.set_level(logging.ERROR, logger="workqueue.deliveries")
