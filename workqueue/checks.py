@@ -101,9 +101,10 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
 
 
 def check_handler_modules(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[Any]:
-    """Import ``WORKQUEUE["HANDLER_MODULES"]`` as a host does at start: a misspelt module is
-    an error wherever it runs; one that raises while importing is a warning, since a web-only
-    image may lack what a worker's handlers import (its ``migrate`` must still run)."""
+    """Import ``WORKQUEUE["HANDLER_MODULES"]`` as a host does at start: a module missing from
+    a package that exists is misspelt, an error wherever it runs; one that raises while
+    importing, or whose package is not installed, is a warning, since a web-only image may lack
+    a worker's package or what its handlers import (its ``migrate`` must still run)."""
     from workqueue.conf import get_settings
     from workqueue.runtime.handlers import handler_module_problems
 

@@ -222,6 +222,39 @@ def test_check_warns_of_a_handler_module_that_raises_on_import_naming_the_except
     assert "RuntimeError: needs SOME_API_KEY in the environment" in warning.msg
 
 
+def test_a_handler_package_not_installed_here_is_a_warning_not_an_error(settings):
+    """Review helper-144: a web-only image without the worker's package answered E009, an
+    error, which stops `migrate` there; a module missing inside a package that is installed
+    is the misspelling E009 names."""
+    from workqueue.checks import check_handler_modules
+
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "HANDLER_MODULES": ["shop_worker.handlers"]}
+
+    [warning] = check_handler_modules()
+
+    assert warning.id == "workqueue.W010"
+    assert "No module named 'shop_worker'" in warning.msg
+    assert "SILENCED_SYSTEM_CHECKS" in warning.hint
+
+
+def test_a_host_started_after_the_check_names_the_modules_own_error(settings):
+    """Review helper-144: the check's import of a module that registered a handler and then
+    raised left the registration behind, and the host's start (which runs the checks first)
+    then said the key was "registered twice" instead of what the module raised."""
+    from workqueue.checks import check_handler_modules
+    from workqueue.runtime.handlers import autodiscover, handler_registry
+
+    module = "tests.support.handlers_registering_then_failing"
+    settings.WORKQUEUE = {"SYSTEM_USER": "x", "HANDLER_MODULES": [module]}
+    try:
+        [warning] = check_handler_modules()
+        assert warning.id == "workqueue.W010"
+        with pytest.raises(RuntimeError, match="needs SOME_API_KEY"):
+            autodiscover((module,))
+    finally:
+        handler_registry._handlers.pop("tests.registered-then-failing", None)
+
+
 def test_check_of_handler_modules_leaves_a_malformed_setting_to_the_settings_check(settings):
     from workqueue.checks import check_handler_modules
 
@@ -343,3 +376,18 @@ def test_manage_py_check_reports_handler_modules_topology_and_unknown_variables(
     assert "workqueue.E009" in report and "'tests.support.handlerz'" in report
     assert "workqueue.E010" in report and '["hello-greet"]' in report
     assert "workqueue.W011" in report and "WORKQUEUE_SHUTDOWN_DRAIN_MS" in report
+
+
+def test_two_handlers_under_one_key_are_refused_but_a_module_imported_again_is_not():
+    from workqueue.exceptions import WorkQueueConfigurationError
+    from workqueue.runtime.handlers import BaseWorkHandler, HandlerRegistry
+
+    def handler_class(module: str) -> type[BaseWorkHandler]:
+        return type("Greet", (BaseWorkHandler,), {"__module__": module})
+
+    registry = HandlerRegistry()
+    registry.register("greet", handler_class("shop.handlers"))
+    registry.register("greet", again := handler_class("shop.handlers"))  # imported again
+    with pytest.raises(WorkQueueConfigurationError, match="registered twice"):
+        registry.register("greet", handler_class("billing.handlers"))
+    assert registry.get("greet") is again

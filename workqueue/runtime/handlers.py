@@ -53,7 +53,10 @@ class HandlerRegistry:
         key = key.strip()
         with self._lock:
             existing = self._handlers.get(key)
-            if existing is not None and existing is not handler:
+            # The same class of the same module again is that module imported again after an
+            # import that raised once its classes were defined (``manage.py check`` imports
+            # HANDLER_MODULES before a host's start does): the later one stands.
+            if existing is not None and _path(existing) != _path(handler):
                 raise WorkQueueConfigurationError(
                     f"Handler key {key!r} is registered twice ({_path(existing)} and "
                     f"{_path(handler)}); give one of them another key."
@@ -107,9 +110,10 @@ class HandlerModuleProblem:
 
     module: str
     text: str
-    #: True when the module named does not exist (a misspelt path): wrong wherever it runs.
-    #: False when it exists but raised while importing, which may be an image's doing (a
-    #: web-only image without a worker's library or secret).
+    #: True when the module named does not exist in a package that does (a misspelt path):
+    #: wrong wherever it runs. False when it exists but raised while importing, or its package
+    #: is not installed, which may be an image's doing (a web-only image without a worker's
+    #: package, library or secret).
     missing: bool
     error: Exception = field(compare=False)
 
@@ -122,11 +126,19 @@ def handler_module_problems(extra_modules: tuple[str, ...]) -> list[HandlerModul
         try:
             import_module(module)
         except Exception as exc:
-            missing = isinstance(exc, ModuleNotFoundError) and (
-                exc.name == module or module.startswith(f"{exc.name}.")
-            )
-            problems.append(HandlerModuleProblem(module, _cannot_import(module, exc), missing, exc))
+            text = _cannot_import(module, exc)
+            problems.append(HandlerModuleProblem(module, text, _misspelt(module, exc), exc))
     return problems
+
+
+def _misspelt(module: str, exc: Exception) -> bool:
+    """Whether importing ``module`` failed because its last part does not exist inside a
+    package that does (``shop.jobz``): wrong wherever it runs. A package that is not installed
+    at all (``shop_worker``, missing from a web-only image) is the image's doing."""
+    if not isinstance(exc, ModuleNotFoundError) or exc.name != module:
+        return False
+    package, _, _ = module.rpartition(".")
+    return bool(package)
 
 
 def _cannot_import(module: str, exc: Exception) -> str:
