@@ -7,6 +7,7 @@ driver's own connection: these tests use committed data.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -672,3 +673,44 @@ def test_the_escapes_read_back_as_the_text_drawn():
 
     for text in ["\u202e24-remotsuc", "a\u200bb\U000e0001", "tab\there\x1b[31m", "日本 😀", "x"]:
         assert stored_text(visible_text(text)) == text
+
+
+# Characters str.isprintable accepts that draw as nothing or as a blank (review helper-144).
+DRAWN_AS_NOTHING = [
+    "\u034f",  # combining grapheme joiner
+    "\u115f",  # Hangul choseong filler
+    "\u1160",  # Hangul jungseong filler
+    "\u17b4",  # Khmer vowel inherent aq
+    "\u180b",  # Mongolian free variation selector one
+    "\u2800",  # Braille pattern blank
+    "\u3164",  # Hangul filler
+    "\ufe0f",  # variation selector 16
+    "\uffa0",  # halfwidth Hangul filler
+    "\U000e0100",  # variation selector 17
+]
+
+
+@pytest.mark.parametrize("hidden", DRAWN_AS_NOTHING, ids=lambda c: f"U+{ord(c):04X}")
+def test_characters_that_draw_as_nothing_are_written_as_escapes_everywhere(hidden):
+    from workqueue.admin.display import stored_text, visible_json, visible_text
+    from workqueue.logtext import log_text, log_value
+
+    key = f"customer-42{hidden}"
+    for shown in (visible_text(key), log_text(key), log_value(key), visible_json({"k": key})):
+        assert hidden not in shown, shown
+        assert "\\u" in shown or "\\U" in shown, shown
+    assert stored_text(visible_text(key)) == key
+    assert json.loads(visible_json({"k": key})) == {"k": key}
+
+
+@pytest.mark.parametrize("typed", ["\\x00", "\\u0000", "\\ud800", "x\\udfffy"])
+def test_an_escape_of_what_no_key_can_hold_searches_for_the_text_as_typed(client, typed):
+    """Review helper-144: the search read a typed "\\x00" back as a NUL character, which
+    PostgreSQL refuses in text (a 500), and "\\ud800" as a lone surrogate (a 500)."""
+    _spoofed_dead_letter()
+    _signed_in(client, *READER_PERMISSIONS)
+
+    for page in ("workqueue_delivery_changelist", "workqueue_message_changelist"):
+        answer = client.get(_url(page), {"q": typed})
+        assert answer.status_code == 200, answer.content[:300]
+        assert _listed(answer) == set()
