@@ -155,7 +155,7 @@ def test_a_one_shot_run_never_ends_while_another_consumer_takes_the_budget_one_g
             and self.plan.name == waiting.name
         ):
             self.kick()  # B's loop claims now, taking the budget A gave back
-            wait_until(lambda: host._budget.spent, timeout=10, interval=0.001)
+            wait_until(lambda: host._budget.read()[0], timeout=10, interval=0.001)
             step[0] = "B took"
         return value
 

@@ -7,7 +7,6 @@ form next to the field they concern.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django import forms
@@ -22,6 +21,7 @@ from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.admin.recovery import DeadLetterRecoveryMixin, recover_dead_letters
 from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
 from workqueue.models import Subscription, Topic, Transport
+from workqueue.transports.base import without_url_credentials
 
 
 class TopologyForm(forms.ModelForm):
@@ -111,23 +111,6 @@ def _queue_rows_holding(obj: Topic | Subscription) -> str | None:
             "purged them."
         )
     return None
-
-
-# The user and password of a URL (an endpoint_url written with them, e.g. a proxy's), up to the
-# host's last "@": the AWS transport's error texts leave them out the same way.
-_URL_CREDENTIALS = re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/\s]+@", re.IGNORECASE)
-
-
-def without_url_credentials(value: Any) -> Any:
-    """``value`` (a configuration: JSON) with the credentials of every URL in its strings
-    replaced by ``***``."""
-    if isinstance(value, str):
-        return _URL_CREDENTIALS.sub(r"\1***@", value)
-    if isinstance(value, list):
-        return [without_url_credentials(item) for item in value]
-    if isinstance(value, dict):
-        return {key: without_url_credentials(item) for key, item in value.items()}
-    return value
 
 
 @admin.register(Transport)

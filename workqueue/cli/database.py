@@ -63,6 +63,15 @@ def _not_the_embedded_database(alias: str, settings_dict: dict[str, Any], action
     name = settings_dict.get("NAME")
     where = f"host {host!r}" if host else "the default host (no HOST)"
     suggested = name if isinstance(name, str) and name.isidentifier() else "yourproject"
+    if action == "stop":
+        # An embedded server may still run from before the settings changed: stopped by its
+        # own module, which needs no project.
+        return (
+            f"DATABASES[{alias!r}] names database {name!r} on {where}, not on the embedded "
+            f"PostgreSQL of {localdb.data_dir()}, so this project has no embedded server to "
+            "stop. To stop one started from elsewhere, run `python -m workqueue.localdb stop` "
+            "(with WORKQUEUE_LOCALDB_DIR set to the folder it was started with)."
+        )
     return (
         f"DATABASES[{alias!r}] names database {name!r} on {where}, not on the embedded "
         f"PostgreSQL of {localdb.data_dir()}, so `manage.py workqueue localdb {action}` has "

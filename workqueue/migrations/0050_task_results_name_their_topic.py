@@ -7,7 +7,10 @@ longer retention each pass read all the results that queue still keeps (20,000 r
 10 in the test), more as its history grew. Results recorded before this migration name no
 topic and are walked from the longest retention instead (reaped later, never sooner).
 
-Not a procedure migration: results are an ordinary model the host writes with the ORM.
+Not a procedure migration: results are an ordinary model the host writes with the ORM. The
+index is built while ``migrate`` holds the table's lock, which holds up every task's start
+(its result's INSERT) until it is built: with millions of results, run it in a quiet minute,
+as 0047's and 0048's.
 """
 
 from django.db import migrations, models

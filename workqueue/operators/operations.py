@@ -761,15 +761,17 @@ def _require_read_to_filter_by_content(
     error text) answers, in the count it returns, what reading them would: "card 4" matched 1
     and "card 5" none reads an error a character at a time (review helper-143). Such a filter
     needs what reading needs too; no filter, or a time window, only what operating needs."""
-    used = [what for what in (*content, "error_contains") if filters.get(what) is not None]
-    if not used:
+    if all(filters.get(what) is None for what in (*content, "error_contains")):
         return
     try:
         require(actor, READ, subscription=name)
     except PermissionDeniedError as exc:
+        # Named in no one door's words (REST's errorContains, the admin's labels, the CLI's
+        # --error-contains): what each filter is.
         raise PermissionDeniedError(
-            f"Filtering by {' and '.join(used)} tells what the deliveries hold, as reading "
-            f"them would: {exc} Filter by time only, or act as a caller who may read."
+            "A filter on what the deliveries hold (their dead-letter reason, partition key or "
+            f"error text) tells it, as reading them would: {exc} Filter by time only, or act "
+            "as a caller who may read."
         ) from exc
 
 

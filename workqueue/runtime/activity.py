@@ -80,6 +80,7 @@ class ActivitySummary:
         for subscription, outcomes in sorted(moved.items()):
             line = f"{subscription}: {_described(outcomes)} in the last {seconds} s"
             logger.info(
+                "%s",
                 line,
                 extra={
                     "action": "deliveries_summary",

@@ -145,11 +145,6 @@ class RunBudget:
             if self.remaining is not None:
                 self.remaining += unused
 
-    @property
-    def spent(self) -> bool:
-        with self._lock:
-            return self.remaining == 0
-
     def read(self) -> tuple[bool, int]:
         """(whether it is spent, how many takes were granted some of it so far), in one hold."""
         with self._lock:

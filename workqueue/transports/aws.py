@@ -55,7 +55,7 @@ from workqueue.exceptions import (
 from workqueue.filters import AnyOf, AttributeFilter, FilterError, Operator, parse_filter
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.transport import new_instance_id
-from workqueue.transports.base import BaseTransport, ProvisionChange
+from workqueue.transports.base import BaseTransport, ProvisionChange, without_url_credentials
 from workqueue.transports.ledger import (
     FOLLOWS,
     RESERVATION_SECONDS,
@@ -484,7 +484,7 @@ def _unavailable(what: str, exc: Exception) -> TransportUnavailableError:
         or code in _THROTTLED_CODES
         or status >= 500
     )
-    text = f"{what}: {_without_credentials(str(exc))}"
+    text = f"{what}: {without_url_credentials(str(exc))}"
     if not transient:
         return TransportUnavailableError(text + _fix_for(exc, code), code=code)
     # A connection never made, or a throttled call, was not carried out; a lost answer (a read
@@ -543,13 +543,6 @@ def _fix_for(exc: Exception, code: str) -> str:
             "queues (it creates only what is missing)."
         )
     return ""
-
-
-def _without_credentials(text: str) -> str:
-    """``text`` with the user and password of any URL in it (an ``endpoint_url`` written with
-    them) replaced by ``***``, up to the host's last ``@``: errors are logged and shown to
-    operators."""
-    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/\s]+@", r"\1***@", text, flags=re.IGNORECASE)
 
 
 # -- the subscription as SQS sees it -------------------------------------------------------

@@ -9,6 +9,7 @@ the Database transport uses it, other transports need not.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -357,3 +358,21 @@ class BaseTransport:
 
     def discard_pending(self, subscription_id: str, **options: Any) -> dict[str, Any]:
         raise NotImplementedError
+
+
+# The user and password of a URL (an endpoint_url written with them, e.g. a proxy's), up to the
+# host's last "@".
+_URL_CREDENTIALS = re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/\s]+@", re.IGNORECASE)
+
+
+def without_url_credentials(value: Any) -> Any:
+    """``value`` (text, or a configuration: JSON) with the user and password of every URL in
+    its strings replaced by ``***``: what errors and the admin show of a transport's
+    configuration."""
+    if isinstance(value, str):
+        return _URL_CREDENTIALS.sub(r"\1***@", value)
+    if isinstance(value, list):
+        return [without_url_credentials(item) for item in value]
+    if isinstance(value, dict):
+        return {key: without_url_credentials(item) for key, item in value.items()}
+    return value
