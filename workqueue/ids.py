@@ -1,9 +1,11 @@
-"""Ids the application chooses for the rows it asks the queue to create."""
+"""Ids the application chooses for the rows it asks the queue to create, and the test of text
+that should hold one."""
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 
 
 def new_message_id() -> str:
@@ -40,3 +42,13 @@ def _formatted(octets: bytearray, clock: bytes) -> str:
     octets[8] = (octets[8] & 0x3F) | 0x80  # RFC 9562 variant
     text = octets.hex()
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
+def is_uuid(value: object) -> bool:
+    """Whether ``value`` reads as a UUID: text that reached this process from outside (a
+    notification's payload, a cloud queue's message body) before it is taken for an id."""
+    try:
+        uuid.UUID(str(value))
+    except ValueError:
+        return False
+    return True

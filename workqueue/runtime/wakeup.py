@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from workqueue.driver.base import BaseDriver
 from workqueue.exceptions import one_line
+from workqueue.ids import is_uuid
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Wakeup:
             # None is this listener's own catch-up after (re)connecting. A notification names
             # the delivery cancelled (wq_cancel); any role that may connect can NOTIFY, and one
             # naming none would have every delivery this host holds renewed at once.
-            if self._on_cancel is not None and (payload is None or _is_uuid(payload)):
+            if self._on_cancel is not None and (payload is None or is_uuid(payload)):
                 self._on_cancel(payload)
             return
         with self._lock:
@@ -156,11 +156,3 @@ class Wakeup:
         finally:
             self.connected.clear()
             listener.close()
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True

@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from django.db import connections
 
 from workqueue.conf import setting
+from workqueue.ids import is_uuid
 from workqueue.logtext import log_value
 from workqueue.models import Delivery
 from workqueue.tasks import api
@@ -26,7 +26,7 @@ def send_task_finished_for_dead_letter(
     """``workqueue.signals.dead_lettered`` receiver: a task's delivery was dead-lettered (by
     its handler's outcome, or by lease expiry on its last attempt) in this process, so the
     task has FAILED: send the Tasks API's ``task_finished``."""
-    if not _is_uuid(delivery_id):
+    if not is_uuid(delivery_id):
         # A cloud transport's delivery (tasks run only from the queue tables, whose ids are
         # UUIDs): its id, read from the message body, is whatever a sender wrote there.
         return
@@ -61,14 +61,6 @@ def send_task_finished_for_dead_letter(
     finally:
         if opened_here:
             connection.close()
-
-
-def _is_uuid(value: object) -> bool:
-    try:
-        uuid.UUID(str(value))
-    except ValueError:
-        return False
-    return True
 
 
 class TaskFailed(Exception):
