@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -351,6 +351,20 @@ def unknown_environment_problems(environ: Mapping[str, str] | None = None) -> li
     return problems
 
 
+def with_near_names(
+    unknown: Iterable[Any], known: Iterable[str], *, fold: Callable[[str], str] = str
+) -> str:
+    """``unknown`` names (a setting's keys, a declaration's fields) listed for an error, each
+    with the ``known`` ones it resembles once ``fold``ed: ``handler (did you mean
+    handler_key?), retries``."""
+    known = sorted(known)
+    named = []
+    for name in unknown:
+        near = difflib.get_close_matches(fold(str(name)), known, n=2, cutoff=0.6)
+        named.append(f"{name} (did you mean {' or '.join(near)}?)" if near else str(name))
+    return ", ".join(named)
+
+
 def unknown_settings_problem() -> str | None:
     """The keys of ``settings.WORKQUEUE`` that are no setting, each with the names it
     resembles (``SHUTDOWN_DRAIN``: did you mean ``SHUTDOWN_DRAIN_MS``?), or None."""
@@ -358,11 +372,7 @@ def unknown_settings_problem() -> str | None:
     unknown = sorted(set(configured) - set(_DEFAULTS), key=str)
     if not unknown:
         return None
-    named = []
-    for key in unknown:
-        near = difflib.get_close_matches(str(key).upper(), _DEFAULTS, n=2, cutoff=0.6)
-        named.append(f"{key} (did you mean {' or '.join(near)}?)" if near else str(key))
+    named = with_near_names(unknown, _DEFAULTS, fold=str.upper)
     return (
-        f"Unknown WORKQUEUE setting(s) {', '.join(named)}; known settings are "
-        f"{', '.join(sorted(_DEFAULTS))}."
+        f"Unknown WORKQUEUE setting(s) {named}; known settings are {', '.join(sorted(_DEFAULTS))}."
     )

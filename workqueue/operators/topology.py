@@ -20,7 +20,6 @@ subscription with deliveries, or a topic with messages or subscriptions, is neve
 
 from __future__ import annotations
 
-import difflib
 import logging
 import random
 import time
@@ -33,7 +32,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.models import Model, ProtectedError
 from django.utils.module_loading import import_string
 
-from workqueue.conf import get_settings
+from workqueue.conf import get_settings, with_near_names
 from workqueue.exceptions import (
     DeadlockError,
     NotFoundError,
@@ -132,13 +131,9 @@ def declared_topology() -> dict[str, dict[str, dict[str, Any]]]:
                 raise WorkQueueConfigurationError(f"{where} must be a dict of fields.")
             unknown = sorted(set(values) - allowed, key=str)
             if unknown:
-                named = []
-                for key in unknown:
-                    near = difflib.get_close_matches(str(key), sorted(allowed), n=2, cutoff=0.6)
-                    named.append(f"{key} (did you mean {' or '.join(near)}?)" if near else str(key))
                 raise WorkQueueConfigurationError(
-                    f"{where} has unknown field(s) {', '.join(named)}; the fields are "
-                    f"{', '.join(sorted(allowed))}."
+                    f"{where} has unknown field(s) {with_near_names(unknown, allowed)}; "
+                    f"the fields are {', '.join(sorted(allowed))}."
                 )
             missing = sorted(required - set(values))
             if missing:
