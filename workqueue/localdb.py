@@ -218,6 +218,12 @@ def url(database: str = DATABASE_NAME) -> str | None:
     return str(db_url)
 
 
+def settings_host(settings_dict: Mapping[str, Any]) -> Any:
+    """The host a Django ``DATABASES`` entry connects to: ``HOST``, or ``OPTIONS["host"]`` as
+    django-environ reads a URL's socket folder."""
+    return settings_dict.get("HOST") or (settings_dict.get("OPTIONS") or {}).get("host")
+
+
 def database_named_by(settings_dict: Mapping[str, Any]) -> str | None:
     """Return the name of the database a Django ``DATABASES`` entry names on this folder's
     server, or None when it names another server (or the embedded server of another folder).
@@ -226,7 +232,7 @@ def database_named_by(settings_dict: Mapping[str, Any]) -> str | None:
     django-environ reads the URL), which only this folder's server uses; whether the server
     runs does not matter.
     """
-    host = settings_dict.get("HOST") or (settings_dict.get("OPTIONS") or {}).get("host")
+    host = settings_host(settings_dict)
     if not isinstance(host, str) or not host.startswith("/"):
         return None
     if os.path.realpath(host) != os.path.realpath(_socket_dir(data_dir())):

@@ -59,23 +59,25 @@ class LocalDbVerb(Verb):
 def _not_the_embedded_database(alias: str, settings_dict: dict[str, Any], action: str) -> str:
     from workqueue import localdb
 
-    host = settings_dict.get("HOST") or (settings_dict.get("OPTIONS") or {}).get("host")
+    host = localdb.settings_host(settings_dict)
     name = settings_dict.get("NAME")
     where = f"host {host!r}" if host else "the default host (no HOST)"
-    suggested = name if isinstance(name, str) and name.isidentifier() else "yourproject"
+    elsewhere = (
+        f"DATABASES[{alias!r}] names database {name!r} on {where}, not on the embedded "
+        f"PostgreSQL of {localdb.data_dir()}"
+    )
     if action == "stop":
         # An embedded server may still run from before the settings changed: stopped by its
         # own module, which needs no project.
         return (
-            f"DATABASES[{alias!r}] names database {name!r} on {where}, not on the embedded "
-            f"PostgreSQL of {localdb.data_dir()}, so this project has no embedded server to "
-            "stop. To stop one started from elsewhere, run `python -m workqueue.localdb stop` "
-            "(with WORKQUEUE_LOCALDB_DIR set to the folder it was started with)."
+            f"{elsewhere}, so this project has no embedded server to stop. To stop one started "
+            "from elsewhere, run `python -m workqueue.localdb stop` (with "
+            "WORKQUEUE_LOCALDB_DIR set to the folder it was started with)."
         )
+    suggested = name if isinstance(name, str) and name.isidentifier() else "yourproject"
     return (
-        f"DATABASES[{alias!r}] names database {name!r} on {where}, not on the embedded "
-        f"PostgreSQL of {localdb.data_dir()}, so `manage.py workqueue localdb {action}` has "
-        "nothing of this project's to act on. To develop on the embedded database, run "
+        f"{elsewhere}, so `manage.py workqueue localdb {action}` has nothing of this "
+        "project's to act on. To develop on the embedded database, run "
         f"`python -m workqueue.localdb start --database {suggested.lower()}` and set "
         f"DATABASES[{alias!r}] to the URL it prints (DATABASE_URL, with django-environ); if it "
         "names an embedded database already, set WORKQUEUE_LOCALDB_DIR to the folder that "
