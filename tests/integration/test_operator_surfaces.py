@@ -134,6 +134,34 @@ def test_error_summary_of_a_traceback_cut_to_its_ends_is_its_exception_line():
     assert error_summary(stored) == "ValueError: the real problem"
 
 
+@pytest.mark.parametrize(
+    ("message", "summary"),
+    [
+        ("the real problem " + "x" * 20_000, "ValueError: the real problem " + "x" * 70 + "…"),
+        ("the real problem\n" + "detail line\n" * 3_000, "ValueError: the real problem"),
+    ],
+    ids=["one long line", "many lines"],
+)
+def test_error_summary_of_an_exception_whose_own_message_was_cut_is_its_exception_line(
+    message, summary
+):
+    """Found in the last read of round 40: the rule for a cut traceback took the lines after
+    the cut for the exception's, so an exception whose own message was cut (a long error, a
+    payload in it) was summed up as "" or as a line of its message."""
+    from workqueue.runtime.executor import describe_error
+
+    def fail() -> None:
+        raise ValueError(message)
+
+    try:
+        fail()
+    except ValueError as exc:
+        stored = describe_error(exc)
+
+    assert "characters left out" in stored  # cut, as the test means
+    assert error_summary(stored) == summary
+
+
 def test_error_summary_of_plain_text_is_its_first_line():
     assert error_summary("Poison message\nmore") == "Poison message"
     assert error_summary(None) == ""

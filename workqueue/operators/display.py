@@ -3,19 +3,12 @@ JSON, the REST API and the detail pages."""
 
 from __future__ import annotations
 
-import re
-
 from django.utils.crypto import salted_hmac
 
 # Kept as it was first named, so that a host keeps its pseudonym across releases.
 PSEUDONYM_SALT = "workqueue.api.health.host"
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
-
-
-#: The line a stored error's middle was cut out for (``runtime.executor``: at most 16,000
-#: characters kept, its start and its end).
-CUT_MARKER = re.compile(r"^\[\.\.\. [\d,]+ characters left out \.\.\.\]$")
 
 
 def error_summary(last_error: str | None, width: int = 100) -> str:
@@ -25,21 +18,16 @@ def error_summary(last_error: str | None, width: int = 100) -> str:
     if not last_error:
         return ""
     lines = last_error.splitlines()
-    traceback = False
-    for index, line in enumerate(lines):
-        if CUT_MARKER.match(line):
-            # The end kept after a cut holds the last exception; its first line may begin
-            # mid-line (review helper-138: the marker itself was taken for the exception).
-            lines, traceback = lines[index + 2 :], True
-            break
     start = 0
     for index, line in enumerate(lines):
         if line.startswith(TRACEBACK_HEADER) or line.startswith('  File "'):
-            start, traceback = index + 1, True
-    if traceback:
+            start = index + 1
+    if start:
         # Frames and their source lines are indented; the exception line is the first after
         # the last frame that is not (a chained exception's traceback starts after the last
-        # header found above).
+        # header found above). Of a traceback cut to its start and its end, the end's frames
+        # are the last found (review helper-138: the cut's marker was taken for the
+        # exception when only the header was looked for).
         lines = [line for line in lines[start:] if line and not line[0].isspace()]
     first = next((line for line in lines if line.strip()), "")
     return first if len(first) <= width else first[: width - 1] + "…"
