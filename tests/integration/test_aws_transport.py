@@ -2760,3 +2760,90 @@ def test_a_message_written_to_the_queue_by_hand_with_numeric_ids_can_be_dead_let
     assert holder.dead_letter(delivery, "Poison", "bad input").settled
     [item] = operations.list_dead_letters(subscription.name).items
     assert (item.delivery_id, item.message_id, item.reason) == ("5", "7", "Poison")
+
+
+# -- a receive whose answer was lost -------------------------------------------------------
+
+
+class LosesReceiveAnswers:
+    """Makes ReceiveMessage calls of ``client`` reach SQS and then fail as a dropped
+    connection does (the server hid what it answered, the caller never read it): the first
+    ``lost`` tries, or every try while ``losing`` is set. Records the ReceiveRequestAttemptId
+    each try carried."""
+
+    def __init__(self, client: Any, lost: int = 0) -> None:
+        self.client = client
+        self.lost = lost
+        self.losing = False
+        self.attempt_ids: list[str | None] = []
+
+    def __enter__(self) -> LosesReceiveAnswers:
+        self.client.meta.events.register(
+            "before-send.sqs.ReceiveMessage", self._send, unique_id="loses-receive-answers"
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.meta.events.unregister(
+            "before-send.sqs.ReceiveMessage", unique_id="loses-receive-answers"
+        )
+
+    def _send(self, request: Any, **_: Any) -> None:
+        from botocore.exceptions import ConnectionClosedError
+        from botocore.httpsession import URLLib3Session
+
+        self.attempt_ids.append(json.loads(request.body).get("ReceiveRequestAttemptId"))
+        if self.losing or self.lost:
+            self.lost = max(0, self.lost - 1)
+            URLLib3Session().send(request)  # answered, then the answer is lost
+            raise ConnectionClosedError(endpoint_url=request.url)
+
+
+def test_a_fifo_receive_whose_answer_was_lost_is_asked_again_with_its_attempt_id(aws):
+    # SQS FIFO answers a ReceiveMessage sent again with the same ReceiveRequestAttemptId with
+    # the messages (and receipt handles) the lost answer held; asked again without it, those
+    # stay hidden for a lease, and their group's later messages behind them. moto does not
+    # keep attempt ids, so what is proven here is what SQS is asked.
+    subscription = provisioned(aws, fifo=True, partition_mode="Exclusive")
+    holder = receiver(subscription)
+
+    with LosesReceiveAnswers(holder.binding.clients.sqs, lost=1) as network:
+        holder.receive(10)  # botocore makes the call again after the dropped connection
+
+    assert len(network.attempt_ids) == 2
+    assert network.attempt_ids[0] and network.attempt_ids[0] == network.attempt_ids[1]
+
+
+def test_a_fifo_receive_that_failed_is_the_next_claims_receive_with_its_attempt_id(aws):
+    subscription = provisioned(aws, fifo=True)
+    holder = receiver(subscription)
+
+    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
+        network.losing = True
+        with pytest.raises(TransientTransportError):
+            holder.receive(10)  # every try of botocore's lost its answer
+        network.losing = False
+        holder.receive(10)
+        holder.receive(10)
+
+    first, *retries, next_claim, after_it = network.attempt_ids
+    assert first and retries and set(retries) == {first} and next_claim == first
+    assert after_it and after_it != first  # answered: the next receive is a new one
+
+
+def test_a_receive_made_again_with_an_earlier_attempt_id_counts_its_lease_from_that_attempt(aws):
+    # What SQS answers an attempt id made again are the messages its first try hid, their
+    # visibility counted from that try: a lease counted from the repeated call would outlast
+    # SQS's, and two holders could run one message.
+    subscription = provisioned(aws, fifo=True, lease_seconds=30)
+    holder = receiver(subscription)
+    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
+        network.losing = True
+        with pytest.raises(TransientTransportError):
+            holder.receive(10)
+    failed_at = time.monotonic()
+    publish(subscription.topic, {"n": 1}, partition_key="k")
+
+    delivery = receive_one(holder)
+
+    assert holder._received_at[delivery.lease_token] < failed_at

@@ -41,6 +41,7 @@ import math
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -116,6 +117,10 @@ LEASE_SAFETY_SECONDS = 0.5
 #: check, and a visibility change that landed after another consumer's receive cut that
 #: consumer's lease short: two holders at once.
 LEASE_CALL_SECONDS = 3.0
+#: SQS FIFO answers a ReceiveMessage made again with its ReceiveRequestAttemptId with the
+#: messages the first try hid, for up to five minutes; a failed receive's id is made again
+#: within this, and within half its lease (the rest of which its messages' handlers get).
+RECEIVE_ATTEMPT_REUSE_SECONDS = 240
 #: SQS refuses a visibility that ends more than 12 hours after the receive; a retry's delay
 #: stops this far short of that (the call takes time to arrive).
 VISIBILITY_CAP_MARGIN_SECONDS = 10
@@ -677,6 +682,9 @@ class AwsReceiver:
         self._moved: list[ExpiredDeadLetter] = []
         #: The threads making those moves (close() lets them end).
         self._movers: list[threading.Thread] = []
+        #: On a FIFO queue, the ReceiveRequestAttemptId of a receive that failed and when it was
+        #: first sent: the next receive sends it again (see _receive_attempt).
+        self._unanswered_receive: tuple[str, float] | None = None
 
     @property
     def enlist_alias(self) -> str | None:
@@ -790,6 +798,10 @@ class AwsReceiver:
         received = 0
         while wanted > 0:
             started = time.monotonic()
+            attempt: dict[str, str] = {}
+            if self.binding.fifo:
+                attempt_id, started = self._receive_attempt(started)
+                attempt["ReceiveRequestAttemptId"] = attempt_id
             try:
                 answer = _call(
                     self.binding.clients.sqs.receive_message,
@@ -799,8 +811,12 @@ class AwsReceiver:
                     VisibilityTimeout=self.binding.lease_seconds,
                     MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
                     MessageAttributeNames=["All"],
+                    **attempt,
                 )
             except TransportUnavailableError:
+                if attempt:
+                    with self._lock:
+                        self._unanswered_receive = (attempt["ReceiveRequestAttemptId"], started)
                 if not received:
                     raise
                 # What earlier calls received is claimed (each spent an attempt): raised, it
@@ -815,6 +831,26 @@ class AwsReceiver:
             if not found or not self.binding.exclusive:
                 return
             wait = 0
+
+    def _receive_attempt(self, now: float) -> tuple[str, float]:
+        """The ReceiveRequestAttemptId for a receive from a FIFO queue, and the moment the
+        visibility of what it receives counts from.
+
+        A receive whose answer was lost (a dropped connection, a timeout) hid what SQS answered
+        for a lease, and on a FIFO queue every later message of those groups behind it.
+        botocore's retries send the call again as it was, its id with it, and SQS answers with
+        what the lost answer held; a receive that failed through all of them is sent again, id
+        and all, by the next claim, while SQS still keeps the id. What that answers was hidden
+        when the failed receive was first sent, so its lease counts from then."""
+        with self._lock:
+            unanswered, self._unanswered_receive = self._unanswered_receive, None
+        if unanswered is not None:
+            attempt_id, first_sent = unanswered
+            if now - first_sent < min(
+                RECEIVE_ATTEMPT_REUSE_SECONDS, self.binding.lease_seconds / 2
+            ):
+                return attempt_id, first_sent
+        return uuid.uuid4().hex, now
 
     def _delivery(self, message: dict[str, Any]) -> ClaimedDelivery:
         envelope = _envelope(message["Body"])
