@@ -67,6 +67,10 @@ class WorkQueueSettings:
     #: The sweeper deletes the record of a host not seen for this many days (a stopped host's
     #: or a dead one's); 1..3650.
     HOST_RECORD_RETENTION_DAYS: int = 7
+    #: A host reports a handler run as stuck (health, the ``workqueue_stuck_handler_runs``
+    #: gauge, one WARNING) once it has run this many seconds, when its subscription sets no
+    #: ``max_processing_seconds`` (which is its threshold then); 1 or more.
+    HANDLER_RUN_WARNING_SECONDS: int = 1800
 
 
 #: The most handlers of one subscription a host runs at once (each slot is two threads).
@@ -89,6 +93,7 @@ _NUMBER_RANGES: dict[str, tuple[int, int | None]] = {
     "METRICS_COUNT_CAP": (1, 1_000_000),
     "STATS_COUNT_CAP": (1, 1_000_000),
     "HOST_RECORD_RETENTION_DAYS": (1, 3650),
+    "HANDLER_RUN_WARNING_SECONDS": (1, None),
 }
 
 

@@ -230,6 +230,7 @@ class QueueCollector(Collector):
         now = database_now()
         live_hosts = list(HostRecord.objects.live(now))
         yield _running_hosts(live_hosts, self.actor)
+        yield from _handler_runs(live_hosts, now, self.actor)
         if self.actor.subscriptions:
             return  # host identities are for unrestricted readers only
         seen = GaugeMetricFamily(
@@ -279,6 +280,44 @@ def _running_hosts(live_hosts: list[Any], actor: Actor) -> Metric:
     for name in meant_to_run.order_by("name").values_list("name", flat=True):
         family.add_metric([name], running.get(name, 0))
     return family
+
+
+def _handler_runs(live_hosts: list[Any], now: Any, actor: Actor) -> Iterator[Metric]:
+    """The oldest handler run and the runs past their threshold, per subscription, as the live
+    hosts recorded them (only the host that runs a handler knows when it started; see
+    runtime.handler_runs). A series for every subscription a live host lists, 0 when none of
+    its handlers runs. A host records its stuck runs as soon as they change, and the ages
+    every 10 s: each age is its host's figure plus the time since that report."""
+    oldest: dict[str, float] = {}
+    stuck: dict[str, int] = {}
+    for record in live_hosts:
+        since_report = max((now - record.last_seen_at).total_seconds(), 0.0)
+        for entry in record.subscription_entries():
+            name = entry["name"]
+            if actor.subscriptions and name.strip().lower() not in actor.subscriptions:
+                continue
+            age = entry["oldest_run_seconds"]
+            age = 0.0 if age is None else age + since_report
+            oldest[name] = max(oldest.get(name, 0.0), age)
+            stuck[name] = stuck.get(name, 0) + entry["stuck_count"]
+    ages = GaugeMetricFamily(
+        "workqueue_oldest_handler_run_age_seconds",
+        "How long the oldest handler of the subscription running on a live host has run (0 "
+        "when none runs).",
+        labels=["subscription"],
+    )
+    counts = GaugeMetricFamily(
+        "workqueue_stuck_handler_runs",
+        "Handler runs on live hosts past their threshold (the subscription's "
+        "max_processing_seconds, else HANDLER_RUN_WARNING_SECONDS); GET /work-queue/health "
+        "names their deliveries.",
+        labels=["subscription"],
+    )
+    for name in sorted(oldest):
+        ages.add_metric([name], oldest[name])
+        counts.add_metric([name], stuck[name])
+    yield ages
+    yield counts
 
 
 def _database_gauges() -> Iterator[Metric]:

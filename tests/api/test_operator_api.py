@@ -718,6 +718,10 @@ def host(instance_id: str, subscriptions: list[dict[str, Any]], **fields: Any) -
     return HostRecord.objects.create(instance_id=instance_id, **values)
 
 
+#: What /health adds to a subscription none of whose handlers runs (see test_stuck_handlers).
+NO_RUNS = {"oldestRunSeconds": None, "stuckCount": 0, "stuckRuns": []}
+
+
 def running(name: str, in_flight: int = 0) -> dict[str, Any]:
     return {
         "name": name,
@@ -778,10 +782,15 @@ def test_health_lists_live_hosts_and_each_subscriptions_state(client):
         "reason": "",
         "inFlight": 2,
         "concurrency": 4,
+        "oldestRunSeconds": None,
+        "stuckCount": 0,
+        "stuckRuns": [],
     }
     assert body["subscriptions"] == [
-        {"name": "mail.sub", "state": "Running", "reason": "", "runningHosts": 1, "inFlight": 0},
-        {"name": "orders.sub", "state": "Running", "reason": "", "runningHosts": 2, "inFlight": 3},
+        {"name": "mail.sub", "state": "Running", "reason": "", "runningHosts": 1, "inFlight": 0}
+        | NO_RUNS,
+        {"name": "orders.sub", "state": "Running", "reason": "", "runningHosts": 2, "inFlight": 3}
+        | NO_RUNS,
     ]
 
 
@@ -857,8 +866,10 @@ def test_due_work_that_no_live_host_runs_degrades_health_and_warns_in_validate_b
             "reason": "No live host runs it; 2 deliveries are due.",
             "runningHosts": 0,
             "inFlight": 0,
-        },
-        {"name": "orders.sub", "state": "Running", "reason": "", "runningHosts": 1, "inFlight": 0},
+        }
+        | NO_RUNS,
+        {"name": "orders.sub", "state": "Running", "reason": "", "runningHosts": 1, "inFlight": 0}
+        | NO_RUNS,
     ]
 
     issues = call(client, "get", "/bindings/validate", key=key).json()["issues"]

@@ -348,6 +348,19 @@ def test_keys_limited_for_every_scope_they_hold_are_issued_and_work(client):
         ([{"name": "mine.sub", "state": "Running", "in_flight": "a", "concurrency": None}], 7),
         ({"name": "mine.sub"}, "workqueue.tasks"),
         (["mine.sub", 3, {"name": ["x"], "state": {"y": 1}, "in_flight": -5}], [1, None]),
+        (
+            [
+                {
+                    "name": "mine.sub",
+                    "state": "Running",
+                    "oldest_run_seconds": "long",
+                    "stuck_count": 1.5,
+                    "stuck_runs": [{"delivery_id": 5}, "x", {"delivery_id": "d", "seconds": []}],
+                },
+                {"name": "mine.sub", "oldest_run_seconds": -3, "stuck_runs": {"d": 1}},
+            ],
+            [],
+        ),
     ],
 )
 def test_a_malformed_host_record_breaks_no_operator_page(client, subscriptions, handler_keys):

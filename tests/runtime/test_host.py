@@ -1136,6 +1136,10 @@ def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdow
     assert HostRecord.objects.live().filter(pk=record.pk).exists()
     assert record.last_seen_at >= record.started_at
     assert record.handler_keys == registry.keys()
+    # The running handler's age is the record's, taken when it was written.
+    (age,) = [e.pop("oldest_run_seconds") for e in record.subscriptions if e["name"] == s.name]
+    assert age is not None and age >= 0
+    no_runs = {"stuck_count": 0, "stuck_runs": []}
     assert record.subscriptions == [
         {
             "name": "no.such-subscription",
@@ -1143,8 +1147,17 @@ def test_host_health_is_recorded_in_the_database_while_running_and_after_shutdow
             "reason": "Subscription not found",
             "in_flight": 0,
             "concurrency": 1,
+            "oldest_run_seconds": None,
+            **no_runs,
         },
-        {"name": s.name, "state": "Running", "reason": "", "in_flight": 1, "concurrency": 3},
+        {
+            "name": s.name,
+            "state": "Running",
+            "reason": "",
+            "in_flight": 1,
+            "concurrency": 3,
+            **no_runs,
+        },
     ]
 
     host.shutdown()

@@ -114,6 +114,7 @@ def test_a_subscriptions_entry_a_host_would_misread_is_an_error_naming_it(
         ({"DEAD_ROWS_WARNING": 0}, "DEAD_ROWS_WARNING"),
         ({"VACUUM_HORIZON_WARNING_SECONDS": 0}, "VACUUM_HORIZON_WARNING_SECONDS"),
         ({"HOST_RECORD_RETENTION_DAYS": 0}, "HOST_RECORD_RETENTION_DAYS"),
+        ({"HANDLER_RUN_WARNING_SECONDS": 0}, "HANDLER_RUN_WARNING_SECONDS"),
         ({"SWEEPER_ENABLED": "no"}, "SWEEPER_ENABLED"),
     ],
 )

@@ -11,7 +11,7 @@ from ninja import Router
 
 from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
-from workqueue.models.hosts import SERVING_STATES, reason_without_error
+from workqueue.models.hosts import SERVING_STATES, STUCK_RUNS_LISTED, reason_without_error
 from workqueue.operators import operations
 from workqueue.operators.display import host_pseudonym
 from workqueue.operators.permissions import READ, Actor, require
@@ -33,7 +33,8 @@ NOT_RUNNING = "NotRunning"
 def health(request: HttpRequest) -> dict[str, Any]:
     """Read from the records that running hosts refresh every few seconds; a host that stopped
     or has not reported recently is left out. A subscription with due work that no live host
-    runs is listed as NotRunning and makes the status degraded, as does a threat to the queue
+    runs is listed as NotRunning and makes the status degraded, as do a handler run past its
+    threshold (``stuckRuns`` names its delivery and handler key) and a threat to the queue
     tables' upkeep (``database_warnings``: unrestricted readers only). A key limited to named
     subscriptions sees only those subscriptions and the hosts that run one of them, each under
     a pseudonym instead of its instance id, without hostname or pid."""
@@ -80,13 +81,19 @@ def health(request: HttpRequest) -> dict[str, Any]:
                 "reason": f"No live host runs it; {unserved.waiting()}.",
                 "running_hosts": 0,
                 "in_flight": 0,
+                "oldest_run_seconds": None,
+                "stuck_count": 0,
+                "stuck_runs": [],
             },
         )
     subscriptions = [summary[name] for name in sorted(summary)]
     database_warnings = operations.database_warnings(actor=actor)
     if not hosts:
         status = "down"
-    elif all(s["state"] in SERVING_STATES for s in subscriptions) and not database_warnings:
+    elif (
+        all(s["state"] in SERVING_STATES and not s["stuck_count"] for s in subscriptions)
+        and not database_warnings
+    ):
         status = "ok"
     else:
         status = "degraded"
@@ -112,12 +119,23 @@ def _merge(summary: dict[str, dict[str, Any]], entry: dict[str, Any]) -> None:
             "reason": entry["reason"],
             "running_hosts": 0,
             "in_flight": 0,
+            "oldest_run_seconds": None,
+            "stuck_count": 0,
+            "stuck_runs": [],
         },
     )
     if running:
         current["running_hosts"] += 1
         current["state"], current["reason"] = RUNNING, ""
     current["in_flight"] += entry["in_flight"]
+    # Each host runs handlers of its own: the oldest of them all, and every host's stuck ones.
+    ages = [
+        a for a in (current["oldest_run_seconds"], entry["oldest_run_seconds"]) if a is not None
+    ]
+    current["oldest_run_seconds"] = max(ages, default=None)
+    current["stuck_count"] += entry["stuck_count"]
+    stuck = sorted([*current["stuck_runs"], *entry["stuck_runs"]], key=lambda r: -r["seconds"])
+    current["stuck_runs"] = stuck[:STUCK_RUNS_LISTED]
 
 
 @router.get(

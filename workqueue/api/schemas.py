@@ -342,12 +342,30 @@ class BindingIssuesOut(_Out):
 # -- health ---------------------------------------------------------------------------------
 
 
+class StuckRunOut(_Out):
+    delivery_id: str = Field(
+        description="Cancel it with POST .../subscriptions/{name}/deliveries/{id}/discard."
+    )
+    handler_key: str
+    seconds: float = Field(description="How long its handler had run when the host reported.")
+    threshold_seconds: int = Field(
+        description="The subscription's max_processing_seconds, else the server's "
+        "HANDLER_RUN_WARNING_SECONDS."
+    )
+
+
 class HostSubscriptionOut(_Out):
     name: str
     state: str
     reason: str
     in_flight: int
     concurrency: int
+    oldest_run_seconds: float | None = Field(
+        description="How long the oldest handler of the subscription running on this host had "
+        "run when it reported; null when none runs."
+    )
+    stuck_count: int = Field(description="Its handler runs here past their threshold.")
+    stuck_runs: list[StuckRunOut] = Field(description="The oldest ten of them.")
 
 
 class HostOut(_Out):
@@ -371,13 +389,22 @@ class SubscriptionHealthOut(_Out):
     reason: str
     running_hosts: int
     in_flight: int
+    oldest_run_seconds: float | None = Field(
+        description="The oldest handler run among the live hosts; null when none runs."
+    )
+    stuck_count: int = Field(
+        description="Handler runs past their threshold on the live hosts: each makes the "
+        "status degraded."
+    )
+    stuck_runs: list[StuckRunOut] = Field(description="The oldest ten of them.")
 
 
 class HealthOut(_Out):
     status: str = Field(
-        description="ok: live hosts, every subscription running, no database warning; "
-        "degraded: some subscription is not running, or has due work that no live host runs, "
-        "or the database warns; down: no live host."
+        description="ok: live hosts, every subscription running, no stuck handler run, no "
+        "database warning; degraded: some subscription is not running, or has due work that "
+        "no live host runs, or a handler run past its threshold, or the database warns; down: "
+        "no live host."
     )
     hosts: list[HostOut]
     subscriptions: list[SubscriptionHealthOut]

@@ -21,6 +21,9 @@ RECEIVE_FAILED = "Not claiming: receive failed"
 RATE_TOKENS_FAILED = "Not claiming: taking rate-limit tokens failed"
 START_FAILED = "Consumer could not start"
 _ERROR_HEADLINES = (CLAIM_LOOP_FAILED, RECEIVE_FAILED, RATE_TOKENS_FAILED, START_FAILED)
+#: The most stuck handler runs a host lists per subscription (the oldest): it may run a
+#: thousand handlers of one, and its record is rewritten every few seconds.
+STUCK_RUNS_LISTED = 10
 
 
 def reason_without_error(reason: str) -> str:
@@ -66,7 +69,9 @@ class HostRecord(models.Model):
     started_at = models.DateTimeField()
     last_seen_at = models.DateTimeField()
     stopped_at = models.DateTimeField(null=True, blank=True)
-    #: [{"name", "state", "reason", "in_flight", "handler_key"}, ...]
+    #: [{"name", "state", "reason", "in_flight", "concurrency", "oldest_run_seconds",
+    #: "stuck_count", "stuck_runs": [{"delivery_id", "handler_key", "seconds",
+    #: "threshold_seconds"}, ...]}, ...] (runtime.host.Host.health)
     subscriptions = models.JSONField(default=list)
     #: Handler keys this host has registered (validate-bindings reports unserved ones).
     handler_keys = models.JSONField(default=list)
@@ -92,6 +97,9 @@ class HostRecord(models.Model):
                 "reason": str(entry.get("reason") or ""),
                 "in_flight": _count(entry.get("in_flight")),
                 "concurrency": _count(entry.get("concurrency")),
+                "oldest_run_seconds": _seconds(entry.get("oldest_run_seconds")),
+                "stuck_count": _count(entry.get("stuck_count")),
+                "stuck_runs": _stuck_runs(entry.get("stuck_runs")),
             }
             for entry in entries
             if isinstance(entry, dict)
@@ -106,3 +114,26 @@ class HostRecord(models.Model):
 def _count(value: Any) -> int:
     """A count as a host recorded it: a whole number of at least 0, else 0."""
     return value if type(value) is int and value >= 0 else 0
+
+
+def _seconds(value: Any) -> float | None:
+    """A duration as a host recorded it: a number of at least 0, else None (none known)."""
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):
+        return None
+    return float(value)
+
+
+def _stuck_runs(value: Any) -> list[dict[str, Any]]:
+    """The stuck runs as a host recorded them (``runtime.handler_runs``), those malformed
+    left out, at most as many as a host lists."""
+    runs = value if isinstance(value, list) else []
+    return [
+        {
+            "delivery_id": run["delivery_id"],
+            "handler_key": str(run.get("handler_key") or ""),
+            "seconds": _seconds(run.get("seconds")) or 0.0,
+            "threshold_seconds": _count(run.get("threshold_seconds")),
+        }
+        for run in runs[:STUCK_RUNS_LISTED]
+        if isinstance(run, dict) and isinstance(run.get("delivery_id"), str)
+    ]

@@ -32,6 +32,7 @@ from workqueue.runtime.executor import (
     ExecutionServices,
     report_lease_expired_dead_letter,
 )
+from workqueue.runtime.handler_runs import HandlerRun
 from workqueue.runtime.handlers import HandlerRegistry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.timers import Timer, TimerQueue
@@ -405,6 +406,33 @@ class Consumer:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._running)
+
+    def handler_runs(self, default_threshold_seconds: int) -> list[HandlerRun]:
+        """The handlers running now (called, not yet returned), each with when it started and
+        its threshold: the subscription's ``max_processing_seconds``, else
+        ``default_threshold_seconds``."""
+        with self._lock:
+            executions = list(self._running.values())
+        if self.plan.max_processing_seconds:
+            threshold, source = self.plan.max_processing_seconds, "max_processing_seconds"
+        else:
+            threshold, source = default_threshold_seconds, "HANDLER_RUN_WARNING_SECONDS"
+        runs = []
+        for execution in executions:
+            since = execution.handler_running_since()
+            if since is not None:
+                runs.append(
+                    HandlerRun(
+                        key=execution.key,
+                        subscription=self.plan.name,
+                        delivery_id=execution.delivery.delivery_id,
+                        handler_key=self.plan.handler_key,
+                        started_at=since,
+                        threshold_seconds=threshold,
+                        threshold_source=source,
+                    )
+                )
+        return runs
 
     @property
     def alive(self) -> bool:

@@ -298,6 +298,8 @@ class DeliveryExecution:
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
         self._handler_returned = False  # from then on no horizon is armed
+        # When the handler was called (time.monotonic()): how long it has run, for health.
+        self._handler_began: float | None = None
         # When the lease may end in the database, by the local clock: the moment the claim
         # (``leased_at``, before its call was sent), or the last renewal that held, was sent,
         # plus the lease. The database counts from later (its own now(), once the call
@@ -355,6 +357,12 @@ class DeliveryExecution:
         """Whether the handler has returned (or raised): what is left is recording its outcome."""
         with self._lock:
             return self._handler_returned
+
+    def handler_running_since(self) -> float | None:
+        """When (``time.monotonic()``) the handler was called, while it runs; None before it
+        is called and once it has returned."""
+        with self._lock:
+            return None if self._handler_returned else self._handler_began
 
     # -- running ---------------------------------------------------------------------------
 
@@ -435,6 +443,7 @@ class DeliveryExecution:
                 # the handler never starts, and settling acknowledges the cancel.
                 decision = _Decision(Outcome.COMPLETE)
             else:
+                self._handler_began = began
                 decision = self._call_handler()
         finally:
             handled_in = time.monotonic() - began

@@ -44,6 +44,7 @@ from workqueue.runtime.consumer import (
     default_prefetch,
     restart_delay_seconds,
 )
+from workqueue.runtime.handler_runs import HandlerRun, StuckRunLog, runs_report
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.process import StopSignal, unmigrated_problem
@@ -148,6 +149,9 @@ class HostConfig:
     #: ``scheduler_interval_ms`` (0: no scheduler).
     schedules: list[dict[str, Any]] = field(default_factory=list)
     scheduler_interval_ms: int = 10000
+    #: How long a handler of a subscription without ``max_processing_seconds`` runs before
+    #: health names it as stuck (``WORKQUEUE["HANDLER_RUN_WARNING_SECONDS"]``).
+    handler_run_warning_seconds: int = 1800
     instance_id: str = field(default_factory=new_instance_id)
 
     @classmethod
@@ -164,6 +168,7 @@ class HostConfig:
             reconcile_interval_ms=conf.RECONCILE_INTERVAL_MS,
             schedules=[dict(entry) for entry in conf.SCHEDULES],
             scheduler_interval_ms=conf.SCHEDULER_INTERVAL_MS,
+            handler_run_warning_seconds=conf.HANDLER_RUN_WARNING_SECONDS,
         )
         for key, value in overrides.items():
             setattr(config, key, value)  # slots: an unknown name raises AttributeError
@@ -255,7 +260,8 @@ class Host:
         self._draining: list[Consumer] = []
         self._plans: dict[str, PlanEntry] = {}
         self._start_failures: dict[str, StartFailure] = {}
-        self._recorded_states: list[tuple[str, str, str]] = []
+        self._recorded_states: list[tuple[Any, ...]] = []
+        self._stuck_log = StuckRunLog()
         self._health_failing = False  # whether this outage's failed report was logged
         self._planning_outage_reported = False  # likewise for planning
         self._started = False
@@ -711,8 +717,10 @@ class Host:
                 and name not in self._consumers
             ]
             self._try_start(due)
-        states = [(s["name"], s["state"], s["reason"]) for s in self.health()["subscriptions"]]
-        if states != self._recorded_states:
+        now = time.monotonic()
+        subscriptions, runs = self._health(now)
+        self._stuck_log.report([run for run in runs if run.stuck(now)], now)
+        if [_recorded_state(s) for s in subscriptions] != self._recorded_states:
             self.record_health()
 
     def _build_consumer(self, entry: PlanEntry) -> Consumer:
@@ -779,6 +787,15 @@ class Host:
     # -- health ----------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
+        return {
+            "instance_id": self.instance_id,
+            "started_at": self.started_at,
+            "subscriptions": self._health(time.monotonic())[0],
+        }
+
+    def _health(self, now: float) -> tuple[list[dict[str, Any]], list[HandlerRun]]:
+        """Each subscription's health entry, and every handler running here (``now``:
+        ``time.monotonic()``, which their ages are counted to)."""
         with self._lock:
             consumers = dict(self._consumers)
             plans = dict(self._plans)
@@ -786,6 +803,7 @@ class Host:
             # Handlers of consumers a re-plan is stopping, or gave up on, still run here.
             stopped = [*self._retiring, *self._lingering]
         subscriptions = []
+        runs: list[HandlerRun] = []
         planned_ids = {e.subscription_id for e in plans.values() if e.subscription_id is not None}
         for name, entry in plans.items():
             state, reason = entry.state, entry.reason
@@ -794,22 +812,26 @@ class Host:
             failure = failure or (consumer.failure if consumer is not None else None)
             if state == PlanState.RUNNING and failure:
                 state, reason = PlanState.ERROR, failure
-            in_flight = consumer.in_flight if consumer is not None else 0
-            in_flight += sum(c.in_flight for c in stopped if entry.counts(c, planned_ids))
+            holders = [c for c in stopped if entry.counts(c, planned_ids)]
+            if consumer is not None:
+                holders.append(consumer)
+            own = [
+                run
+                for holder in holders
+                for run in holder.handler_runs(self.config.handler_run_warning_seconds)
+            ]
+            runs.extend(own)
             subscriptions.append(
                 {
                     "name": entry.name,
                     "state": state,
                     "reason": reason,
-                    "in_flight": in_flight,
+                    "in_flight": sum(holder.in_flight for holder in holders),
                     "concurrency": entry.concurrency,
+                    **runs_report(own, now),
                 }
             )
-        return {
-            "instance_id": self.instance_id,
-            "started_at": self.started_at,
-            "subscriptions": subscriptions,
-        }
+        return subscriptions, runs
 
     def record_health(self, stopped: bool = False) -> None:
         from workqueue.models import HostRecord
@@ -818,7 +840,7 @@ class Host:
         # looked gone at once, one ahead stayed live long after it died.
         now = Now()
         subscriptions = self.health()["subscriptions"]
-        self._recorded_states = [(s["name"], s["state"], s["reason"]) for s in subscriptions]
+        self._recorded_states = [_recorded_state(s) for s in subscriptions]
         alias = router.db_for_write(HostRecord)
         try:
             # Twice at most: a database restarted since this thread's last report left its
@@ -962,6 +984,14 @@ class Host:
             for entry in self.health()["subscriptions"]
             if entry["state"] in CANNOT_RUN and entry["name"] not in transient
         ]
+
+
+def _recorded_state(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a subscription's health entry is recorded at once when it changes, not at the
+    next periodic report: its state, and which of its runs are stuck (so that other processes
+    read a run as stuck within a second of it turning so, and as gone once it returns)."""
+    stuck = tuple(run["delivery_id"] for run in entry["stuck_runs"])
+    return (entry["name"], entry["state"], entry["reason"], entry["stuck_count"], stuck)
 
 
 def _has_the_queue_tables(alias: str) -> bool:
