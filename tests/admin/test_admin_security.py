@@ -714,3 +714,19 @@ def test_an_escape_of_what_no_key_can_hold_searches_for_the_text_as_typed(client
         answer = client.get(_url(page), {"q": typed})
         assert answer.status_code == 200, answer.content[:300]
         assert _listed(answer) == set()
+
+
+def test_an_api_keys_name_is_drawn_with_its_invisible_characters_as_escapes(client):
+    """Round 40's leftover (helper-143): a staff user names their own key, and the superuser's
+    list of every key drew the name as given, so "\\u202etob-yolped" read "deploy-bot" there,
+    beside the real one."""
+    owner = UserFactory(is_staff=True, perms=["workqueue.add_apikey", "workqueue.view_apikey"])
+    ApiKeyFactory(owner=owner, name="\u202etob-yolped\u200b")
+    client.force_login(UserFactory(is_staff=True, is_superuser=True))
+
+    page = client.get(_url("workqueue_apikey_changelist")).content.decode()
+    found = client.get(_url("workqueue_apikey_changelist"), {"q": "\\u202etob"})
+
+    assert "\u202e" not in page and "\u200b" not in page
+    assert "\\u202etob-yolped\\u200b" in page
+    assert len(found.context["cl"].result_list) == 1  # the name copied from the page finds it

@@ -20,6 +20,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.cache import patch_cache_control
 
+from workqueue.admin.display import stored_text, visible_text
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import ApiKey
 from workqueue.models.apikeys import KEY_PREFIX, MAX_EXPIRES_DAYS
@@ -155,7 +156,7 @@ class ApiKeyAdmin(DeclaredFiltersAdmin):
     add_form = ApiKeyCreateForm
     list_display = (
         "display_key",
-        "name",
+        "key_name",
         "owner",
         "scope_list",
         "created_at",
@@ -173,6 +174,22 @@ class ApiKeyAdmin(DeclaredFiltersAdmin):
     @admin.display(description="key")
     def display_key(self, obj: ApiKey) -> str:
         return f"{KEY_PREFIX}_{obj.prefix}_…"
+
+    @admin.display(description="name", ordering="name")
+    def key_name(self, obj: ApiKey) -> str | None:
+        # Named by its owner, and every key is listed to a superuser: "\u202etob-yolped" read
+        # "deploy-bot" there, beside the real one.
+        return visible_text(obj.name)
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        term = search_term.strip()
+        if (stored := stored_text(term)) != term:
+            # A name copied from the list, where its invisible characters show as escapes.
+            found |= queryset.filter(name__icontains=stored)
+        return found, may_have_duplicates
 
     @admin.display(description="scopes")
     def scope_list(self, obj: ApiKey) -> str:
