@@ -389,6 +389,45 @@ def test_dashboard_says_how_long_ago_each_host_reported_by_the_databases_clock(o
     assert re.search(r"last seen 2[0-5]s ago", response.content.decode())
 
 
+def test_dashboard_names_a_hosts_stuck_handler_runs_and_the_oldest_runs_age(operator_client):
+    """An operator who opens the dashboard at 3 a.m. sees which delivery to cancel
+    (helper-147; seen failing: the host read healthy, the run unnamed)."""
+    now = database_now()
+    HostRecord.objects.create(
+        instance_id="w:1:a",
+        hostname="w",
+        pid=1,
+        started_at=now,
+        last_seen_at=now,
+        subscriptions=[
+            {
+                "name": "orders.email",
+                "state": "Running",
+                "in_flight": 2,
+                "oldest_run_seconds": 2412.6,
+                "stuck_count": 1,
+                "stuck_runs": [
+                    {
+                        "delivery_id": "7f9c0000-0000-4000-8000-000000000001",
+                        "handler_key": "orders.send_email\u202e",
+                        "seconds": 2412.6,
+                        "threshold_seconds": 1800,
+                    }
+                ],
+            }
+        ],
+    )
+
+    response = operator_client.get(_url("workqueue_dashboard"))
+
+    (host,) = response.context["hosts"]
+    assert not host["healthy"]
+    html = response.content.decode()
+    assert "needs attention" in html and "40m 12s" in html
+    assert "7f9c0000-0000-4000-8000-000000000001" in html and "orders.send_email" in html
+    assert "\\u202e" in html and "\u202e" not in html  # a hostile key reads as written
+
+
 # -- payloads -----------------------------------------------------------------------------
 
 

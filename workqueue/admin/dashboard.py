@@ -20,6 +20,7 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
 
+from workqueue.admin.display import visible_text
 from workqueue.conf import get_settings
 from workqueue.exceptions import PermissionDeniedError, WorkQueueConfigurationError
 from workqueue.models import Delivery, HostRecord, Subscription
@@ -192,13 +193,27 @@ def _host(record: HostRecord, now: dt.datetime) -> dict[str, Any]:
     """A live host's row; ``now`` is the database's clock, which stamped its report (the web
     server's own clock may be off by minutes)."""
     subscriptions = record.subscription_entries()
+    for entry in subscriptions:
+        oldest = entry["oldest_run_seconds"]
+        entry["oldest_run"] = _age(None if oldest is None else int(oldest))
+        for run in entry["stuck_runs"]:
+            run["age"] = _age(int(run["seconds"]))
+            # A cloud queue's delivery id is its message's text: drawn with what would not
+            # show escaped, as the delivery list draws publishers' text.
+            run["delivery_id"] = visible_text(run["delivery_id"])
+            run["handler_key"] = visible_text(run["handler_key"])
+        # The runs past the ten a host names (it counts them all).
+        entry["stuck_unlisted"] = entry["stuck_count"] - len(entry["stuck_runs"])
     seen_seconds_ago = max(0, int((now - record.last_seen_at).total_seconds()))
     return {
         "record": record,
         "seen_seconds_ago": seen_seconds_ago,
         "seen_ago": _age(seen_seconds_ago),
         "subscriptions": subscriptions,
-        "healthy": all(s["state"] in SERVING_STATES for s in subscriptions),
+        # A stuck handler run needs an operator as much as a subscription that cannot run.
+        "healthy": all(
+            s["state"] in SERVING_STATES and not s["stuck_count"] for s in subscriptions
+        ),
         "in_flight": sum(s["in_flight"] for s in subscriptions),
     }
 
