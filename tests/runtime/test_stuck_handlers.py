@@ -39,17 +39,21 @@ class Gate:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._started: dict[str, str] = {}  # message id -> delivery id
+        self._started: dict[str, WorkContext] = {}  # message id -> its run's context
         self._releases: dict[str, threading.Event] = {}
 
-    def arrive(self, message_id: str, delivery_id: str) -> threading.Event:
+    def arrive(self, message_id: str, context: WorkContext) -> threading.Event:
         with self._lock:
-            self._started[message_id] = delivery_id
+            self._started[message_id] = context
             self._lock.notify_all()
             return self._releases.setdefault(message_id, threading.Event())
 
     def wait_started(self, message_id: str) -> str:
         """The delivery id of ``message_id``'s run, once its handler has started."""
+        return self.context_of(message_id).delivery_id
+
+    def context_of(self, message_id: str) -> WorkContext:
+        """The context of ``message_id``'s run, once its handler has started."""
         with self._lock:
             assert self._lock.wait_for(lambda: message_id in self._started, timeout=10)
             return self._started[message_id]
@@ -73,7 +77,7 @@ class BlockingHandler(BaseWorkHandler):
     """Blocks until the test releases it, deaf to its abort signal as a hung handler is."""
 
     def handle(self, message: WorkMessage, context: WorkContext) -> Outcome:
-        gate.arrive(message.message_id, context.delivery_id).wait(30)
+        gate.arrive(message.message_id, context).wait(30)
         return Outcome.complete()
 
 
@@ -169,6 +173,23 @@ def test_a_subscriptions_max_processing_seconds_is_its_threshold_over_the_settin
     (run,) = wait_until(lambda: entry(host, s.name)["stuck_runs"])
 
     assert (run["delivery_id"], run["threshold_seconds"]) == (delivery, 1)
+
+
+def test_a_manual_heartbeat_handler_that_lost_its_lease_is_still_named_while_it_runs(
+    make_host, blocked
+):
+    """Its lease runs out (it never beats), another host may run the delivery, but its thread
+    still runs here, holding a slot: what the host reports is the run, not the lease."""
+    s = sub(handler_key=BLOCKING, heartbeat_mode="Manual", lease_seconds=5)
+    host = make_host(one(s), handler_run_warning_seconds=1)
+    host.start()
+    message = publish(s.topic.name, {}).message_id
+    context = blocked.context_of(message)
+
+    wait_until(lambda: context.signal.reason == "LeaseLost", timeout=10)
+
+    (run,) = entry(host, s.name)["stuck_runs"]
+    assert run["delivery_id"] == context.delivery_id and run["seconds"] >= 5
 
 
 def test_a_subscription_with_no_handler_running_has_no_oldest_run(make_host):
