@@ -474,16 +474,21 @@ class BaseDriver:
             finally:
                 conn.set_autocommit(True)
         except DatabaseError as exc:
-            self._discard_if_broken(conn)
+            self._discard_if_broken(conn, exc)
             raise self.translate_error(exc) from exc
 
-    def _discard_if_broken(self, conn: BaseDatabaseWrapper) -> None:
+    def _discard_if_broken(self, conn: BaseDatabaseWrapper, error: BaseException) -> None:
         try:
             broken = conn.connection is None or not conn.is_usable()
         except Exception:
             broken = True
-        if broken:
+        if broken or self.session_unfit(error):
             self.close()
+
+    def session_unfit(self, error: BaseException) -> bool:
+        """Whether ``error`` says the session that raised it would refuse every later call too
+        (an open connection, not a broken one), so it is closed and the next call opens anew."""
+        return False
 
     # -- calling ---------------------------------------------------------------------------
 
@@ -562,7 +567,7 @@ class BaseDriver:
             raise unencodable(exc) from exc
         except DatabaseError as exc:
             if connection is None:
-                self._discard_if_broken(conn)
+                self._discard_if_broken(conn, exc)
             raise self.translate_error(exc) from exc
 
     def returned_rows(self, cursor: Any) -> bool:

@@ -96,6 +96,29 @@ _OUTDATED_PLAN = ("0A000", "RevalidateCachedQuery")
 # (A serialization failure, 40001, is transient too: SerializationFailureError.)
 _TRANSIENT_SQLSTATES = {"40P01", "55P03", "57P01", "57P02", "57P03", "53100"}
 
+#: query_canceled: a statement_timeout a DBA set on the role or database (or pg_cancel_backend)
+#: stopped a call, which rolled back. The queue's calls take milliseconds unless a lock or a
+#: loaded server holds them up, so the same call usually goes through a moment later: a host
+#: keeps trying to settle a handled delivery while its lease lasts, as for a lost connection.
+STATEMENT_CANCELLED_SQLSTATE = "57014"
+STATEMENT_CANCELLED_HINT = (
+    "a statement_timeout set on the role or database, or a cancel, stopped the call: it is "
+    "tried again; if it keeps happening, raise the timeout for the queue's role"
+)
+
+#: read_only_sql_transaction: a session on a standby (what a failover leaves a client that
+#: reconnected to the old primary, or to a name not yet pointing at the new one), or one opened
+#: while default_transaction_read_only was on for its role or database. Transient, but not on
+#: that session: it stays read-only for its life, so the driver closes it, and the retry opens
+#: a new one that reaches the primary once the name (or the setting) is right again.
+READ_ONLY_SQLSTATE = "25006"
+READ_ONLY_HINT = (
+    "the database is read-only: a standby (after a failover, point DATABASE_URL's host at the "
+    "new primary, or list every server with target_session_attrs=read-write) or "
+    "default_transaction_read_only set on the role or database. Calls are retried on new "
+    "connections and go through once they reach a writable primary"
+)
+
 
 #: undefined_table, undefined_column, undefined_function: a relation, a column (a migration
 #: that adds one not applied) or a procedure that is not there.
@@ -469,6 +492,11 @@ class PostgresDriver(BaseDriver):
             return SerializationFailureError(message)
         if sqlstate == "40P01":
             return DeadlockError(message)
+        if sqlstate in (READ_ONLY_SQLSTATE, STATEMENT_CANCELLED_SQLSTATE):
+            # The server's words name the statement a procedure ran, with its SQL as CONTEXT:
+            # the first line, and what it means, are what an operator needs.
+            hint = READ_ONLY_HINT if sqlstate == READ_ONLY_SQLSTATE else STATEMENT_CANCELLED_HINT
+            return TransientDriverError(f"{message.splitlines()[0]} ({hint})")
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
         # Class 22 ("data exception") from the server, a value past one of its limits (54000:
@@ -488,6 +516,11 @@ class PostgresDriver(BaseDriver):
                 return TransientDriverError(message or "lost the database connection")
             return DriverError(message)
         return DriverError(message)
+
+    def session_unfit(self, error: BaseException) -> bool:
+        return any(
+            getattr(cause, "sqlstate", None) == READ_ONLY_SQLSTATE for cause in error_chain(error)
+        )
 
     def names_a_missing_object(self, error: BaseException) -> bool:
         return any(
@@ -722,6 +755,9 @@ class PostgresDriver(BaseDriver):
                     raise self.translate_error(exc) from exc
                 if raw.closed or raw.broken:
                     self._local.raw = None
+                elif exc.sqlstate == READ_ONLY_SQLSTATE:
+                    self._local.raw = None  # read-only for its life: the next call opens anew
+                    owned.close()
                 elif not retried and self._recovered_prepared_statement(owned, exc):
                     retried = True  # the call stopped before it ran anything: once more
                     continue

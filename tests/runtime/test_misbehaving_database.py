@@ -1,0 +1,186 @@
+"""A host and a publisher against a PostgreSQL that misbehaves the way it does at night, each
+provoked for real on the test server: no work is lost or run twice, both recover by themselves
+when the database does, and the operator is told what is wrong once.
+
+A read-only server is what a failover leaves a client that reconnected to the old primary, now a
+standby, or to a database whose DBA set ``default_transaction_read_only``. Here the database's
+default is turned on and the queue's sessions are ended, as a failover ends them: the sessions
+the host and the publisher open again are read-only, and stay so after the default is reset,
+as a session on a standby stays one after DNS points at the new primary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from tests.support.database import psycopg_params
+from tests.support.hosts import one, states, sub
+from tests.support.waiting import wait_until
+from workqueue import publish
+from workqueue.types import PublishErrorCode, PublishStatus
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+
+def _delivery_of(message_id: str) -> tuple[str, int]:
+    # On a connection of the test's own, made before the database turned read-only (reads work
+    # on a read-only session anyway).
+    with psycopg.connect(**psycopg_params(), autocommit=True) as conn:
+        return conn.execute(
+            "SELECT status, attempt_count FROM workqueue_delivery WHERE message_id = %s",
+            [message_id],
+        ).fetchone()
+
+
+class ReadOnly:
+    """Turns the test database read-only for new sessions and back, from a session opened
+    before (``pg_conn``)."""
+
+    def __init__(self, admin: psycopg.Connection) -> None:
+        self.admin = admin
+        (self.database,) = admin.execute("SELECT current_database()").fetchone()
+
+    def on(self) -> None:
+        self.admin.execute(
+            f'ALTER DATABASE "{self.database}" SET default_transaction_read_only = on'
+        )
+        # A failover ends every session; the queue's reconnect to the read-only server.
+        self.admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND application_name LIKE 'workqueue:%%'"
+        )
+
+    def off(self) -> None:
+        self.admin.execute(f'ALTER DATABASE "{self.database}" RESET default_transaction_read_only')
+
+
+@pytest.fixture
+def read_only(pg_conn) -> Iterator[ReadOnly]:
+    switch = ReadOnly(pg_conn)
+    try:
+        yield switch
+    finally:
+        switch.off()
+
+
+def test_a_settle_refused_by_a_read_only_server_goes_through_once_it_is_writable_again(
+    make_host, read_only, caplog
+):
+    """A completion refused with SQLSTATE 25006 failed at once ("Delivery settle failed",
+    ERROR, per delivery), left to its lease to be run a second time; and the session it was
+    refused on was kept, so even once the primary was back every settle, claim and publish of
+    the process failed on it until a restart."""
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub(lease_seconds=60)
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 1000}).message_id
+    wait_until(lambda: _delivery_of(message)[0] == "InFlight", timeout=10)
+
+    read_only.on()
+    wait_until(lambda: "read-only" in caplog.text, timeout=10)  # the completion was refused
+    time.sleep(0.5)  # a few tries
+    read_only.off()  # the sessions already open stay read-only
+
+    wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
+    later = publish(s.topic.name, {}).message_id
+    wait_until(lambda: _delivery_of(later) == ("Completed", 1), timeout=10)
+    assert "Running" in states(host)[s.name][0]
+    said = [r for r in caplog.records if "read-only" in r.getMessage()]
+    assert said and all(r.levelno <= logging.WARNING for r in said), [
+        (r.levelname, r.getMessage()) for r in said
+    ]
+    assert "primary" in said[0].getMessage()  # what to do about it
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_publish_to_a_read_only_server_is_retryable_and_the_next_one_goes_through(
+    read_only,
+):
+    """A publish refused as read-only raised a plain DriverError quoting the procedure's SQL
+    (a 500, or a traceback, for a caller told that failures come back as TransportUnavailable),
+    and the process's connection stayed read-only: every later publish failed too."""
+    from tests.factories import TopicFactory
+
+    topic = TopicFactory()
+    publish(topic.name, {})  # the thread's connection is open before the failover
+    read_only.on()
+
+    refused = publish(topic.name, {})
+
+    assert refused.status == PublishStatus.REJECTED
+    assert refused.error.code == PublishErrorCode.TRANSPORT_UNAVAILABLE
+    assert "read-only" in refused.error.message and "primary" in refused.error.message
+    read_only.off()
+    assert publish(topic.name, {}).status == PublishStatus.ACCEPTED
+
+
+@pytest.mark.parametrize("in_a_transaction", [False, True], ids=["call", "transaction"])
+def test_a_session_refused_as_read_only_is_closed_and_the_next_call_opens_a_writable_one(
+    in_a_transaction,
+):
+    """Both of the driver's paths: its calls (claims, settles, publishes) and its transactions
+    (the sweeper's lock, operators' bulk batches). The refused session was kept."""
+    from workqueue.driver import get_driver
+    from workqueue.exceptions import TransientDriverError
+
+    driver = get_driver()
+
+    def run(sql: str) -> list[tuple]:
+        if not in_a_transaction:
+            return driver.execute(sql, [])
+        with driver.transaction() as connection, connection.cursor() as cursor:
+            cursor.execute(sql)
+            return cursor.fetchall() if cursor.description else []
+
+    run("SET default_transaction_read_only = on")  # this session only, for its life
+    [(refused_on,)] = run("SELECT pg_backend_pid()")
+    with pytest.raises(TransientDriverError) as caught:
+        run("CREATE TEMPORARY SEQUENCE wq_read_only_probe")
+    assert "read-only" in str(caught.value) and "\n" not in str(caught.value)
+
+    [(next_on,)] = run("SELECT pg_backend_pid()")
+    assert next_on != refused_on
+    run("CREATE TEMPORARY SEQUENCE wq_read_only_probe")  # writable
+
+
+def test_a_settle_cancelled_by_a_statement_timeout_is_tried_again_while_the_lease_lasts(
+    make_host, pg_conn, caplog
+):
+    """A DBA's statement_timeout on the database (SQLSTATE 57014) cancelled a completion that
+    waited on a row lock: it failed at once (ERROR), and the handled delivery ran again once its
+    lease expired. The same call goes through a moment later."""
+    caplog.set_level(logging.INFO, logger="workqueue")
+    (database,) = pg_conn.execute("SELECT current_database()").fetchone()
+    s = sub(lease_seconds=60)
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 1000}).message_id
+    wait_until(lambda: _delivery_of(message)[0] == "InFlight", timeout=10)
+    pg_conn.execute(f'ALTER DATABASE "{database}" SET statement_timeout = 300')
+    try:
+        pg_conn.execute(  # the queue's sessions open again with the DBA's timeout
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND application_name LIKE 'workqueue:%%'"
+        )
+        with pg_conn.transaction():  # holds the row past the timeout
+            pg_conn.execute(
+                "SELECT 1 FROM workqueue_delivery WHERE message_id = %s FOR UPDATE", [message]
+            )
+            wait_until(lambda: "statement timeout" in caplog.text, timeout=10)
+    finally:
+        pg_conn.execute(f'ALTER DATABASE "{database}" RESET statement_timeout')
+
+    wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
+    said = [r for r in caplog.records if "statement timeout" in r.getMessage()]
+    assert all(r.levelno <= logging.WARNING for r in said), [
+        (r.levelname, r.getMessage()) for r in said
+    ]
+    assert "statement_timeout" in said[0].getMessage()  # which setting it was
