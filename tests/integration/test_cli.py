@@ -314,6 +314,71 @@ def test_validate_bindings_warns_about_handlers_no_live_host_serves():
     assert sub.name in out and "not registered in any live host" in out
 
 
+def test_validate_bindings_names_handler_runs_a_live_host_reports_stuck():
+    """Round 41 (helper-147's leftover): a host names its handler runs past their threshold in
+    health and the gauges, but validate-bindings, the operators' "why is work not flowing"
+    on every door, said "No problems found." while one held its key for hours."""
+    from django.utils import timezone
+
+    from workqueue.models import HostRecord
+
+    stuck_one = SubscriptionFactory(handler_key="tests.noop")
+    fine = SubscriptionFactory(handler_key="tests.noop")
+    now = timezone.now()
+    entries = [
+        {
+            "name": stuck_one.name,
+            "state": "Running",
+            "reason": "",
+            "in_flight": 2,
+            "concurrency": 4,
+            "oldest_run_seconds": 7300.0,
+            "stuck_count": 2,
+            "stuck_runs": [
+                {
+                    "delivery_id": "d-oldest",
+                    "handler_key": "tests.noop",
+                    "seconds": 7300.0,
+                    "threshold_seconds": 1800,
+                },
+                {
+                    "delivery_id": "d-next",
+                    "handler_key": "tests.noop",
+                    "seconds": 1900.0,
+                    "threshold_seconds": 1800,
+                },
+            ],
+        },
+        {
+            "name": fine.name,
+            "state": "Running",
+            "reason": "",
+            "in_flight": 1,
+            "concurrency": 4,
+            "oldest_run_seconds": 3.0,
+            "stuck_count": 0,
+            "stuck_runs": [],
+        },
+    ]
+    HostRecord.objects.create(
+        instance_id="host-a",
+        hostname="worker-1",
+        pid=1,
+        started_at=now,
+        last_seen_at=now,
+        subscriptions=entries,
+        handler_keys=["tests.noop"],
+    )
+
+    issues = json.loads(run("validate-bindings", "--json"))
+
+    about = [i for i in issues if i["subject"] == f"subscription {stuck_one.name}"]
+    assert [i["severity"] for i in about] == ["Warning"]
+    assert "2 handler runs" in about[0]["message"] and "d-oldest" in about[0]["message"]
+    assert f"discard -s {stuck_one.name} --delivery d-oldest" in about[0]["message"]
+    assert not [i for i in issues if i["subject"] == f"subscription {fine.name}"]
+
+
 def test_publish_count_reports_a_rate_and_bad_json_is_refused():
     topic = TopicFactory()
     SubscriptionFactory(topic=topic)

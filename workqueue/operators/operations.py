@@ -986,6 +986,7 @@ def validate_bindings(
                     "WORKQUEUE['SUBSCRIPTIONS']), or pause the subscription.",
                 )
             )
+    issues.extend(_stuck_run_issues(live_hosts, in_scope))
     if visible is None:
         return issues
     return [issue for issue in issues if issue.subject in visible]
@@ -1099,6 +1100,43 @@ def _database_health_issues() -> list[BindingIssue]:
                     "this table. The threshold is WORKQUEUE['DEAD_ROWS_WARNING'].",
                 )
             )
+    return issues
+
+
+def _stuck_run_issues(live_hosts: list[Any], in_scope: set[str]) -> list[BindingIssue]:
+    """A Warning for each subscription in ``in_scope`` whose handler runs a live host reports
+    past their threshold (``runtime.handler_runs``): one holds its slot, and on an Exclusive or
+    Ordered subscription its key, for as long as it runs."""
+    found: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+    for record in live_hosts:
+        for entry in record.subscription_entries():
+            if entry["name"] in in_scope and entry["stuck_count"]:
+                count, runs = found.get(entry["name"], (0, []))
+                found[entry["name"]] = (count + entry["stuck_count"], runs + entry["stuck_runs"])
+    issues = []
+    for name in sorted(found):
+        count, runs = found[name]
+        oldest = max(runs, key=lambda run: run["seconds"], default=None)
+        named = (
+            f" (the oldest: delivery {oldest['delivery_id']}, handler {oldest['handler_key']}, "
+            f"{oldest['seconds']:,.0f} s against {oldest['threshold_seconds']:,} s). Cancel one "
+            f"with `manage.py workqueue discard -s {name} --delivery {oldest['delivery_id']} "
+            "--reason TEXT`"
+            if oldest is not None
+            else ". Cancel one with `manage.py workqueue discard` (GET /work-queue/health names "
+            "them)"
+        )
+        issues.append(
+            BindingIssue(
+                "Warning",
+                f"subscription {name}",
+                f"{count} handler run{'s' if count != 1 else ''} on live hosts "
+                f"{'have' if count != 1 else 'has'} run past the threshold "
+                f"(max_processing_seconds, else HANDLER_RUN_WARNING_SECONDS) and may be "
+                f"hung{named}; a handler deaf to its abort signal runs on until its host "
+                "restarts.",
+            )
+        )
     return issues
 
 
