@@ -93,7 +93,7 @@ def private_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 @pytest.fixture
-def make_host(queue_db) -> Iterator[Callable[..., Any]]:
+def make_host(queue_db, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
     """Build hosts in this process with the private test registry, fast polling and no
     background services; shut them all down after."""
     from django.contrib.auth import get_user_model
@@ -102,8 +102,13 @@ def make_host(queue_db) -> Iterator[Callable[..., Any]]:
     from tests.support.hosts import runtime_threads
     from tests.support.waiting import wait_until
     from workqueue.driver import get_driver
+    from workqueue.runtime import wakeup
     from workqueue.runtime.host import Host, HostConfig
 
+    # The notification listener looks at its stop flag (and re-reads its channels) between
+    # waits of POLL_SECONDS: at the 0.5 s default every host's shutdown waited out most of one,
+    # a minute of the suite. A test that needs the wider window sets its own after this.
+    monkeypatch.setattr(wakeup, "POLL_SECONDS", 0.05)
     probe.reset()
     get_user_model().objects.create_user("workqueue-system")
     hosts: list[Host] = []
