@@ -100,6 +100,12 @@ class LockTimeoutError(TransientDriverError):
     holds (PostgreSQL SQLSTATE 55P03, SQL Server error 1222)."""
 
 
+class PrivilegeRefusedError(DriverError):
+    """The database refused the call for want of a grant (PostgreSQL SQLSTATE 42501, SQL
+    Server error 229): a DBA's REVOKE, or a role never given its grants. Every such call fails
+    the same way until the grant is given (back), so it is not retried."""
+
+
 class UnstorableValueError(DriverError):
     """The database, or its client library, refused a value: a NUL character, a lone surrogate,
     malformed JSON, a number out of range (PostgreSQL's SQLSTATE class 22, "data exception").

@@ -32,6 +32,7 @@ from workqueue.exceptions import (
     DeadlockError,
     DriverError,
     LockTimeoutError,
+    PrivilegeRefusedError,
     SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
@@ -382,6 +383,19 @@ def _python_driver(cls: type, driver_error: str, message: str) -> BaseException:
             ),
             DriverError,
             id="missing-procedure-2812",
+        ),
+        pytest.param(
+            _wrapped(
+                DatabaseError,
+                pyodbc.ProgrammingError(
+                    "42000",
+                    "[42000] [Microsoft][ODBC Driver 18 for SQL Server][SQL Server]The EXECUTE "
+                    "permission was denied on the object 'wq_complete_many'. (229) "
+                    "(SQLExecDirectW)",
+                ),
+            ),
+            PrivilegeRefusedError,
+            id="permission-denied-229",
         ),
     ],
 )

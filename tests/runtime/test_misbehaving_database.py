@@ -184,3 +184,52 @@ def test_a_settle_cancelled_by_a_statement_timeout_is_tried_again_while_the_leas
         (r.levelname, r.getMessage()) for r in said
     ]
     assert "statement_timeout" in said[0].getMessage()  # which setting it was
+
+
+def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given_back(
+    make_host, pg_conn, caplog
+):
+    """A DBA's REVOKE of the completion procedures (SQLSTATE 42501) from the hosts' role: the
+    host went on claiming everything at full speed, ran every handler, lost every outcome (an
+    ERROR each, not naming the fix), and reported itself Running and healthy while each
+    delivery ran again at lease expiry until it was dead-lettered as LeaseExpired."""
+    from tests.support.roles import acting_as_granted_role
+    from workqueue.models import Delivery
+
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub(lease_seconds=5, max_attempts=3)
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
+        completions = [
+            signature
+            for (signature,) in pg_conn.execute(
+                "SELECT oid::regprocedure::text FROM pg_proc "
+                "WHERE proname IN ('wq_complete', 'wq_complete_many')"
+            )
+        ]
+        host = make_host(one(s, concurrency=2))
+        host.start()
+        for signature in completions:
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+
+        first = publish(s.topic.name, {}).message_id
+        wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
+        later = [publish(s.topic.name, {}).message_id for _ in range(4)]
+        time.sleep(1.5)
+        state, reason = states(host)[s.name]
+        claimed = Delivery.objects.filter(message_id__in=later, attempt_count__gt=0).count()
+        for signature in completions:
+            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+
+        assert state == "Error" and "permission denied" in reason, reason
+        assert "grant-runtime" in reason  # the fix
+        assert claimed <= 1, claimed  # one at a time, not all four run for nothing
+        for message in later:
+            wait_until(lambda m=message: _delivery_of(m)[0] == "Completed", timeout=15)
+        wait_until(lambda: _delivery_of(first)[0] == "Completed", timeout=15)
+        assert states(host)[s.name] == ("Running", "")
+        host.shutdown()
+    told = [r for r in caplog.records if getattr(r, "action", None) == "settles_refused"]
+    assert len(told) == 1 and "grant-runtime" in told[0].getMessage()
+    assert "outcomes are recorded again" in caplog.text
+

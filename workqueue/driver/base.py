@@ -47,6 +47,11 @@ TASK_RESULT_TABLE = "workqueue_taskresult"
 #: Operator procedures the runtime role may call too: read-only counts, capped, which a host's
 #: metrics port serves (the gauges) and that tell nothing the role cannot read from the tables.
 RUNTIME_READABLE_COUNTS = ("wq_backlog", "wq_queue_gauges")
+#: What a call refused for want of a grant (PrivilegeRefusedError) adds to the database's words.
+PRIVILEGE_REFUSED_HINT = (
+    "the role this process connects as lacks a grant: run `manage.py workqueue grant-runtime "
+    "ROLE` for hosts and publishers, `grant-operator ROLE` for operators"
+)
 #: REST API keys: the process serving the API looks them up and stamps their last use.
 API_KEY_TABLE = "workqueue_apikey"
 #: The delivery column no role but the owner may read: whoever knows a delivery's lease token

@@ -21,6 +21,7 @@ from psycopg import pq
 from workqueue.driver.base import (
     API_KEY_TABLE,
     DELIVERY_READABLE_COLUMNS,
+    PRIVILEGE_REFUSED_HINT,
     PROCEDURE_WRITTEN_TABLES,
     QUEUE_TABLES,
     READ_TABLES,
@@ -42,6 +43,7 @@ from workqueue.exceptions import (
     DeadlockError,
     DriverError,
     LockTimeoutError,
+    PrivilegeRefusedError,
     SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
@@ -492,6 +494,8 @@ class PostgresDriver(BaseDriver):
             return SerializationFailureError(message)
         if sqlstate == "40P01":
             return DeadlockError(message)
+        if sqlstate == "42501":  # insufficient_privilege
+            return PrivilegeRefusedError(f"{message.splitlines()[0]} ({PRIVILEGE_REFUSED_HINT})")
         if sqlstate in (READ_ONLY_SQLSTATE, STATEMENT_CANCELLED_SQLSTATE):
             # The server's words name the statement a procedure ran, with its SQL as CONTEXT:
             # the first line, and what it means, are what an operator needs.

@@ -19,6 +19,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from workqueue.driver.base import (
     API_KEY_TABLE,
     LEASE_TOKEN_COLUMN,
+    PRIVILEGE_REFUSED_HINT,
     PROCEDURE_WRITTEN_TABLES,
     QUEUE_TABLES,
     READ_TABLES,
@@ -36,6 +37,7 @@ from workqueue.exceptions import (
     DeadlockError,
     DriverError,
     LockTimeoutError,
+    PrivilegeRefusedError,
     SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
@@ -260,6 +262,8 @@ class SqlServerDriver(BaseDriver):
             return SerializationFailureError(message)
         if number == 1205:
             return DeadlockError(message)
+        if number == 229:  # "The EXECUTE permission was denied on the object ..."
+            return PrivilegeRefusedError(f"{message} ({PRIVILEGE_REFUSED_HINT})")
         # SQLSTATE 40001 here is also a deadlock's (1205), not a snapshot's refusal.
         if number in TRANSIENT_ERRORS or _sqlstate(cause) == "40001":
             return TransientDriverError(message)

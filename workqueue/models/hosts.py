@@ -20,7 +20,14 @@ CLAIM_LOOP_FAILED = "Claim loop failed"
 RECEIVE_FAILED = "Not claiming: receive failed"
 RATE_TOKENS_FAILED = "Not claiming: taking rate-limit tokens failed"
 START_FAILED = "Consumer could not start"
-_ERROR_HEADLINES = (CLAIM_LOOP_FAILED, RECEIVE_FAILED, RATE_TOKENS_FAILED, START_FAILED)
+SETTLES_REFUSED = "Claiming little: the database refuses to record outcomes"
+_ERROR_HEADLINES = (
+    CLAIM_LOOP_FAILED,
+    RECEIVE_FAILED,
+    RATE_TOKENS_FAILED,
+    START_FAILED,
+    SETTLES_REFUSED,
+)
 #: The most stuck handler runs a host lists per subscription (the oldest): it may run a
 #: thousand handlers of one, and its record is rewritten every few seconds.
 STUCK_RUNS_LISTED = 10

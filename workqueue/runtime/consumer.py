@@ -21,7 +21,12 @@ from typing import Any
 
 from workqueue import metrics
 from workqueue.exceptions import WorkQueueError, one_line
-from workqueue.models.hosts import CLAIM_LOOP_FAILED, RATE_TOKENS_FAILED, RECEIVE_FAILED
+from workqueue.models.hosts import (
+    CLAIM_LOOP_FAILED,
+    RATE_TOKENS_FAILED,
+    RECEIVE_FAILED,
+    SETTLES_REFUSED,
+)
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.executor import (
     RETRY_MAX_SECONDS,
@@ -359,6 +364,12 @@ class Consumer:
         #: Error with this reason); None while it works.
         self.failure: str | None = None
         self._failures_in_a_row = 0
+        # Set while the database refuses settles for want of a grant (a DBA's REVOKE): every
+        # outcome reached meanwhile is lost and its delivery runs again at lease expiry, so
+        # the loop claims nothing until ``_claims_resume_at``, then one delivery at a time,
+        # until a settle goes through.
+        self._settles_refused = False
+        self._claims_resume_at = 0.0
         self._predecessors = list(predecessors)
         self._successors: list[Consumer] = []  # told when a handler of this one returns
         for predecessor in self._predecessors:
@@ -592,7 +603,33 @@ class Consumer:
         self.failure = reason
         return restart_delay_seconds(self._failures_in_a_row)
 
+    def _settle_refused(self, error: str | None) -> bool:
+        """A settle was refused for want of a grant: claim nothing for a while (the backoff of
+        a failed claim), and then only one delivery at a time, so that few handlers run for
+        outcomes that cannot be recorded (each would run again at lease expiry, and at its last
+        attempt be dead-lettered as LeaseExpired), until a settle goes through again. Called
+        with the lock held; True for the first refusal of a spell (to be logged)."""
+        now = time.monotonic()
+        first = not self._settles_refused
+        self._settles_refused = True
+        if now >= self._claims_resume_at:  # handlers refused together count as one refusal
+            self._claims_resume_at = now + self._failed(f"{SETTLES_REFUSED}: {error}")
+        return first
+
+    def _settles_recorded(self) -> None:
+        with self._lock:
+            if not self._settles_refused:
+                return
+            self._settles_refused = False
+            self._claims_resume_at = 0.0
+            self.failure = None
+            self._failures_in_a_row = 0
+        logger.info("%s: outcomes are recorded again; claiming as before", self.plan.name)
+        self._wake.set()
+
     def _recovered(self) -> None:
+        if self._settles_refused:
+            return  # not over until a settle goes through (_settles_recorded)
         if self.failure is not None:
             # Said as a recovery, the failure it ends after: quoted first, it read as an error.
             logger.info("%s: claiming again (it had stopped: %s)", self.plan.name, self.failure)
@@ -606,9 +643,19 @@ class Consumer:
         gathered = False
         while not self._stopping.is_set():
             with self._lock:
+                # Read with the room: a refusal pauses claims as its delivery stops counting
+                # as running, under this lock (_finish).
+                paused = self._claims_resume_at - time.monotonic()
                 free, capacity = self._room()
+                if self._settles_refused:
+                    # One delivery, once the last one's outcome is known: a probe of whether
+                    # settles go through again.
+                    free = 0 if self._running else min(free, 1)
                 room = free
                 busy = self._handlers_running > 0
+            if paused > 0:
+                self._wait(paused)  # settles refused (_settle_refused); a stop wakes it
+                continue
             if 0 < free < capacity / 2 and busy and not gathered:
                 # Little room and handlers are finishing: a moment's wait lets one claim fill
                 # much of it instead of many claims filling a slot each (each claim is a round
@@ -995,8 +1042,12 @@ class Consumer:
         """Account for an execution that ended (on its worker, or on the thread that settled
         its batched completion); once per execution."""
         with self._lock:
-            if self._running.pop(execution.key, None) is None:
+            if execution.key not in self._running:
                 return  # accounted for already (it crashed after settling)
+            # Before it stops counting as running: the loop, which claims one delivery at a
+            # time while settles are refused, must not find none running and no pause yet.
+            refusal_is_news = result.refused and self._settle_refused(result.error)
+            del self._running[execution.key]
             self.finished += 1
             if result.kind == ExecutionResult.SETTLED and not result.released:
                 self.processed += 1
@@ -1010,6 +1061,18 @@ class Consumer:
         # the other way round, a claim ending between the two reads was missed by both.
         if (self.receive_pending or self._last_receive_short) and self._may_free_work(result):
             self._wake.set()
+        if refusal_is_news:
+            logger.warning(
+                "%s: not claiming: the database refused to record a handler's outcome (%s); "
+                "the delivery runs again once its lease expires. Claiming one delivery at a "
+                "time, at most %.0f s apart, until an outcome is recorded again.",
+                self.plan.name,
+                result.error,
+                RESTART_MAX_SECONDS,
+                extra={"action": "settles_refused", "subscription": self.plan.name},
+            )
+        elif result.kind == ExecutionResult.SETTLED and self._settles_refused:
+            self._settles_recorded()
         metrics.labelled(metrics.DELIVERIES, self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:
             self._on_result(result)

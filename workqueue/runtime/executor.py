@@ -51,6 +51,7 @@ from workqueue.exceptions import (
     Cancelled,
     EnlistError,
     LeaseLost,
+    PrivilegeRefusedError,
     SerializationFailureError,
     TransientDriverError,
     TransientTransportError,
@@ -119,6 +120,9 @@ class ExecutionResult:
     error: str | None = None
     #: Handed back unprocessed at shutdown (attempt refunded): not counted as processed.
     released: bool = False
+    #: Failed because the database refused the settle for want of a grant: every settle of
+    #: the subscription would be refused too, until the grant is given (back).
+    refused: bool = False
 
     SETTLED = "Settled"
     LEASE_LOST = "LeaseLost"
@@ -1015,7 +1019,7 @@ class DeliveryExecution:
                 self._where,
                 one_line(exc),
             )
-            return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
+            return _failed_settle(exc)
 
     def _max_attempts_now(self) -> int:
         """The subscription's ``max_attempts``: the plan's, unless the plan says this attempt
@@ -1084,7 +1088,7 @@ class DeliveryExecution:
             )
         except WorkQueueError as exc:
             self.log.error("Acknowledging the cancel failed (%s): %s", self._where, exc)
-            return ExecutionResult(ExecutionResult.FAILED, error=str(exc))
+            return _failed_settle(exc)
         if settled.settled:
             return ExecutionResult(ExecutionResult.SETTLED, DeliveryStatus.DISCARDED)
         return ExecutionResult(ExecutionResult.LEASE_LOST)
@@ -1133,6 +1137,12 @@ class DeliveryExecution:
             return bool(read_back(self.delivery, *args))
         except (WorkQueueError, DatabaseError, InterfaceError):
             return False  # cannot tell: reported as before
+
+
+def _failed_settle(exc: WorkQueueError) -> ExecutionResult:
+    return ExecutionResult(
+        ExecutionResult.FAILED, error=str(exc), refused=isinstance(exc, PrivilegeRefusedError)
+    )
 
 
 def _not_an_outcome(returned: Any) -> str:
