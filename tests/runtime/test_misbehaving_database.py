@@ -62,11 +62,14 @@ class ReadOnly:
 
 @pytest.fixture
 def read_only(pg_conn) -> Iterator[ReadOnly]:
+    from django.db import connection
+
     switch = ReadOnly(pg_conn)
     try:
         yield switch
     finally:
         switch.off()
+        connection.close()  # one opened meanwhile is read-only: the test's flush needs another
 
 
 def test_a_settle_refused_by_a_read_only_server_goes_through_once_it_is_writable_again(
@@ -232,4 +235,67 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
     told = [r for r in caplog.records if getattr(r, "action", None) == "settles_refused"]
     assert len(told) == 1 and "grant-runtime" in told[0].getMessage()
     assert "outcomes are recorded again" in caplog.text
+
+
+def test_sweeper_passes_failing_through_a_read_only_spell_are_told_once_and_their_end_once(
+    read_only, caplog
+):
+    """Each of a host's sweeper passes that failed while the database refused writes (or was
+    away) logged "wq-sweeper pass failed" at ERROR with a traceback: a traceback a minute for
+    as long as the spell lasted, on every host."""
+    from workqueue.runtime.service import PeriodicService
+    from workqueue.runtime.sweeper import Sweeper, pause_after
+
+    caplog.set_level(logging.INFO, logger="workqueue.runtime")
+    service = PeriodicService("wq-sweeper", 0.05, Sweeper().run_once, pause=pause_after)
+    read_only.on()
+    service.start()
+    try:
+        wait_until(lambda: "read-only" in caplog.text, timeout=10)
+        time.sleep(0.5)  # passes go on failing
+        read_only.off()
+        wait_until(lambda: "passes work again" in caplog.text, timeout=10)
+    finally:
+        service.stop()
+
+    said = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "workqueue.runtime.service" and r.levelno >= logging.INFO
+    ]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "read-only" in said[0][1] and "\n" not in said[0][1]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_health_reports_refused_as_read_only_are_told_once_and_recorded_again_after(
+    make_host, read_only, caplog
+):
+    """A host's health report refused as read-only (Django's InternalError, not the
+    OperationalError of a database away) logged "Recording host health failed" at ERROR with
+    a traceback every 10 s, and its read-only connection was kept for later reports."""
+    from django.db import connection
+
+    host = make_host(one(sub()))
+    host.start()
+    for service in host._services:
+        service.stop()  # only this test's reports
+    caplog.set_level(logging.INFO, logger="workqueue.runtime.host")
+    read_only.on()
+    connection.close()  # the next report opens a session on the read-only database
+
+    for _ in range(3):
+        host.record_health()
+    read_only.off()  # the session stays read-only: only a new one can record
+    (writable_since,) = read_only.admin.execute("SELECT now()").fetchone()
+    host.record_health()
+
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "health" in r.getMessage()]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "read-only" in said[0][1] and "\n" not in said[0][1]
+    assert not [r for r in caplog.records if r.exc_info]
+    (seen,) = read_only.admin.execute(
+        "SELECT last_seen_at FROM workqueue_hostrecord WHERE instance_id = %s", [host.instance_id]
+    ).fetchone()
+    assert seen >= writable_since
 

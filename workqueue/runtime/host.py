@@ -49,7 +49,7 @@ from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_re
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.process import StopSignal, unmigrated_problem
 from workqueue.runtime.scheduler import Scheduler
-from workqueue.runtime.service import PeriodicService
+from workqueue.runtime.service import PeriodicService, database_away
 from workqueue.runtime.sweeper import Sweeper, pause_after
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.wakeup import Wakeup
@@ -862,7 +862,10 @@ class Host:
                         },
                     )
                     break
-                except (OperationalError, InterfaceError) as exc:
+                except DatabaseError as exc:
+                    if not database_away(exc):
+                        raise
+                    # A session refused as read-only stays so: the next try opens another.
                     connections[alias].close()
                     if last_try:
                         self._health_not_recorded(exc)

@@ -1,8 +1,10 @@
 """A background service: ``run_once()`` on a fixed interval in its own thread until stopped.
 
 ``stop()`` is safe twice and before ``start()``; a failing pass is logged and the next one
-still runs, an interval later. A service given ``pause`` waits what it says after each pass
-that returned (from the pass's result and how long it took) instead of the interval.
+still runs, an interval later (passes failing while the database is away, or refuses writes,
+are told once, and their end once: :class:`OutageLog`). A service given ``pause`` waits what
+it says after each pass that returned (from the pass's result and how long it took) instead of
+the interval.
 """
 
 from __future__ import annotations
@@ -13,11 +15,57 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import close_old_connections
+from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections
 
-from workqueue.driver import close_all_thread_connections
+from workqueue.conf import get_settings
+from workqueue.driver import close_all_thread_connections, get_driver
+from workqueue.exceptions import TransientDriverError, one_line
 
 logger = logging.getLogger(__name__)
+
+
+def database_away(exc: BaseException) -> bool:
+    """Whether ``exc``, from the driver or the ORM, says the database is away, restarting or
+    refusing writes for now: a failure that a later try, on a new connection, gets past."""
+    # Django's OperationalError and InterfaceError are the ORM's connection failures; others
+    # (its InternalError for a read-only server) are judged as the driver judges its own.
+    if isinstance(exc, (TransientDriverError, OperationalError, InterfaceError)):
+        return True
+    if not isinstance(exc, DatabaseError):
+        return False
+    driver = get_driver(get_settings().DATABASE_ALIAS)
+    return isinstance(driver.translate_error(exc), TransientDriverError)
+
+
+class OutageLog:
+    """Logs a periodic job's failed passes: a database away, restarting or refusing writes
+    once, as a WARNING without a traceback, and its end once, at INFO (a traceback each pass,
+    on every host, for as long as an outage lasted, told nothing more); anything else each
+    time, with its traceback."""
+
+    def __init__(self, what: str, log: logging.Logger) -> None:
+        self.what = what
+        self.log = log
+        self._away = False
+
+    def failed(self, exc: Exception) -> None:
+        if not database_away(exc):
+            self.log.exception("%s pass failed; the next pass will try again", self.what)
+            return
+        if not self._away:
+            self.log.warning(
+                "%s pass failed: %s; passing again each interval, and saying so once one "
+                "goes through",
+                self.what,
+                one_line(exc),
+                extra={"action": "pass_failed"},
+            )
+        self._away = True
+
+    def passed(self) -> None:
+        if self._away:
+            self._away = False
+            self.log.info("%s passes work again", self.what)
 
 
 class PeriodicService:
@@ -35,6 +83,7 @@ class PeriodicService:
         self._pause = pause
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failures = OutageLog(name, logger)
 
     def start(self) -> None:
         if self._thread is None and self.interval_seconds > 0:
@@ -60,8 +109,10 @@ class PeriodicService:
                     result = self._run_once()
                     if self._pause is not None:
                         wait = self._pause(result, time.monotonic() - began, self.interval_seconds)
-                except Exception:
-                    logger.exception("%s pass failed; the next pass will try again", self.name)
+                except Exception as exc:
+                    self._failures.failed(exc)
+                else:
+                    self._failures.passed()
                 finally:
                     # As at the end of a request: a Django connection a database restart broke
                     # is closed, so the next pass opens a fresh one instead of failing on it for

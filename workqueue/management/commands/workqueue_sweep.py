@@ -16,6 +16,7 @@ from workqueue.runtime.process import (
     metrics_served,
     stop_on_signals,
 )
+from workqueue.runtime.service import OutageLog
 from workqueue.runtime.sweeper import Sweeper, SweeperPassResult, pause_after
 
 logger = logging.getLogger("workqueue.runtime.sweeper")
@@ -66,6 +67,7 @@ class Command(BaseCommand):
     ) -> None:
         """Pass after pass, an interval apart or sooner while behind, until ``stop`` is set;
         with ``until``, only while behind and not past that time."""
+        failures = OutageLog("Sweeper", logger)
         while True:
             began = time.monotonic()
             if until is None:
@@ -74,14 +76,15 @@ class Command(BaseCommand):
                 close_old_connections()
             try:
                 result = sweeper.run_once()
-            except Exception:
+            except Exception as exc:
                 if until is not None:
                     raise  # a --once job fails, and says why
                 # As a host's sweeper does: a database restart must not end the sweeping.
-                logger.exception("Sweeper pass failed; the next pass will try again")
+                failures.failed(exc)
                 if stop.wait(interval):
                     return
                 continue
+            failures.passed()
             self._report(result)
             if until is not None and result.failed_steps:
                 # A job whose steps fail every time (a grant missing after an upgrade, a
