@@ -299,3 +299,38 @@ def test_health_reports_refused_as_read_only_are_told_once_and_recorded_again_af
     ).fetchone()
     assert seen >= writable_since
 
+
+def test_a_host_out_of_connection_slots_settles_what_it_ran_once_slots_free(
+    make_host, pg_conn, caplog
+):
+    """Connection slots exhausted (SQLSTATE 53300, here the role's CONNECTION LIMIT reached)
+    after a failover ended the host's sessions: the host cannot reconnect, and a publish is
+    TransportUnavailable (retryable); the finished handler's completion is tried again while
+    its lease lasts, and goes through at its attempt once a slot frees. Held before this
+    suite: a connection refused at its start is a lost connection to the driver."""
+    from tests.support.roles import acting_as_granted_role
+
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub(lease_seconds=60)
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
+        host = make_host(one(s, concurrency=1))
+        host.start()
+        message = publish(s.topic.name, {"sleepMs": 1000}).message_id
+        wait_until(lambda: _delivery_of(message)[0] == "InFlight", timeout=10)
+        pg_conn.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 0')
+        try:
+            pg_conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                [role],
+            )
+            refused = publish(s.topic.name, {})
+            wait_until(lambda: "too many connections" in caplog.text, timeout=10)
+        finally:
+            pg_conn.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
+
+        assert refused.error.code == PublishErrorCode.TRANSPORT_UNAVAILABLE
+        assert "too many connections" in refused.error.message
+        wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
+        host.shutdown()
+    assert not [r for r in caplog.records if r.exc_info]
