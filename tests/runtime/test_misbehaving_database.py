@@ -334,3 +334,31 @@ def test_a_host_out_of_connection_slots_settles_what_it_ran_once_slots_free(
         wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
         host.shutdown()
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_handlers_orm_session_refused_as_read_only_is_closed_after_the_handler(read_only):
+    """A handler's ORM session opened while the server was read-only stayed read-only: Django's
+    health check (SELECT 1) passes it, and CONN_MAX_AGE (60 s here) kept it, so every handler
+    on that worker thread failed its writes for a minute after the primary was back. It is
+    closed after the handler that met the refusal (what the executor runs after each one)."""
+    from django.contrib.auth import get_user_model
+    from django.db import DatabaseError, connection
+
+    from workqueue.runtime.executor import (
+        close_old_connections_of_this_thread,
+        ready_connections_of_this_thread,
+    )
+
+    users = get_user_model().objects
+    read_only.on()
+    connection.close()  # the handler's first query opens a session on the read-only server
+    ready_connections_of_this_thread()
+    with pytest.raises(DatabaseError, match="read-only"):
+        users.create(username="written-while-read-only")
+    read_only.off()
+    close_old_connections_of_this_thread()
+
+    ready_connections_of_this_thread()  # the next handler on this thread
+    users.create(username="written-once-writable")
+    close_old_connections_of_this_thread()
+    assert users.filter(username="written-once-writable").exists()

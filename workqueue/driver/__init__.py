@@ -84,6 +84,16 @@ def close_before_database_administration(sender: Any, connection: Any, **kwargs:
             driver.close_all()
 
 
+def refuses_writes(connection: Any) -> bool:
+    """Whether Django's open ``connection`` is a session that refuses every write for its life
+    (see BaseDriver.session_refuses_writes); False for a vendor the queue does not run on."""
+    try:
+        driver = get_driver(connection.alias)
+    except UnsupportedDatabaseError:
+        return False
+    return driver.session_refuses_writes(connection)
+
+
 def binary_collation(connection: Any) -> str:
     """The collation that makes keys compare byte for byte on ``connection``'s vendor."""
     return driver_class_for_vendor(connection.vendor).features.binary_collation
@@ -101,4 +111,5 @@ __all__ = [
     "close_thread_connections",
     "driver_for_connection",
     "get_driver",
+    "refuses_writes",
 ]

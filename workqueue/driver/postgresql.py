@@ -526,6 +526,14 @@ class PostgresDriver(BaseDriver):
             getattr(cause, "sqlstate", None) == READ_ONLY_SQLSTATE for cause in error_chain(error)
         )
 
+    def session_refuses_writes(self, connection: BaseDatabaseWrapper) -> bool:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SHOW transaction_read_only")
+                return cursor.fetchone()[0] == "on"
+        except DatabaseError:
+            return False  # broken: Django's own check closes it
+
     def names_a_missing_object(self, error: BaseException) -> bool:
         return any(
             getattr(cause, "sqlstate", None) in _MISSING_OBJECT_SQLSTATES

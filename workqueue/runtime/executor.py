@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, InterfaceError, connections
 
 from workqueue import metrics, signals
+from workqueue.driver import refuses_writes
 from workqueue.exceptions import (
     Cancelled,
     EnlistError,
@@ -222,6 +223,11 @@ def close_old_connections_of_this_thread() -> None:
         alias = wrapper.alias
         if alias in state.watched and wrapper.connection is not None and wrapper.health_check_done:
             state.healthy_since[alias] = state.delivery_began
+        if wrapper.errors_occurred and wrapper.connection is not None and refuses_writes(wrapper):
+            # Opened while the server was read-only (a standby a failover left it on,
+            # default_transaction_read_only): it stays so for its life, and Django's check
+            # passes it, so the thread's handlers would fail until CONN_MAX_AGE closed it.
+            wrapper.close()
         wrapper.close_if_unusable_or_obsolete()
         if wrapper.connection is None:
             state.healthy_since.pop(alias, None)
