@@ -362,3 +362,31 @@ def test_a_handlers_orm_session_refused_as_read_only_is_closed_after_the_handler
     users.create(username="written-once-writable")
     close_old_connections_of_this_thread()
     assert users.filter(username="written-once-writable").exists()
+
+
+def test_an_operator_request_the_database_refuses_as_read_only_is_503_in_a_line(
+    client, read_only, caplog
+):
+    """An operator's discard while the server refused writes answered 503, and logged "Work
+    queue API request failed" at ERROR with a traceback for each request: a client retrying,
+    or a dashboard polling, wrote a traceback a request for as long as the spell lasted."""
+    from django.contrib.auth import get_user_model
+
+    from tests.support.api import call
+    from workqueue.models import Delivery
+
+    s = sub()
+    message = publish(s.topic.name, {}).message_id
+    delivery = Delivery.objects.get(message_id=message)
+    client.force_login(get_user_model().objects.create_superuser("ops", password="-"))
+    read_only.on()
+
+    path = f"/subscriptions/{s.name}/deliveries/{delivery.pk}/discard"
+    answers = [call(client, "post", path, {"reason": "duplicate"}) for _ in range(2)]
+
+    assert [a.status_code for a in answers] == [503, 503], answers[0].content
+    said = [r for r in caplog.records if r.name == "workqueue.api"]
+    assert said and not [r for r in said if r.exc_info], [r.getMessage() for r in said]
+    assert "read-only" in said[-1].getMessage()  # the first found its session ended
+    read_only.off()
+    assert call(client, "post", path, {"reason": "duplicate"}).status_code == 200

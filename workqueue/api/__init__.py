@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
-from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.http.request import RawPostDataException
 from django.views.decorators.cache import never_cache
@@ -25,6 +24,7 @@ from ninja.errors import HttpError, ValidationError
 from workqueue.api import docs, health, metrics, publish, subscriptions
 from workqueue.api.auth import ApiKeyAuth, SessionAuth
 from workqueue.api.schemas import field_errors
+from workqueue.driver import database_away
 from workqueue.exceptions import (
     BulkOperationInterrupted,
     DeliveryBusyError,
@@ -32,9 +32,11 @@ from workqueue.exceptions import (
     InvalidInputError,
     NotFoundError,
     PermissionDeniedError,
+    PrivilegeRefusedError,
     UnstorableValueError,
     UnsupportedByTransportError,
     WorkQueueError,
+    one_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,8 @@ def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse
             extra={"action": "api_unstorable_value"},
         )
         return _error(request, 400, UNSTORABLE_VALUE)
+    if isinstance(exc, PrivilegeRefusedError) or database_away(exc):
+        return _database_unavailable(request, exc)
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
     if isinstance(exc, BulkOperationInterrupted):
         # Its committed batches stay applied: the caller is told how much they did, with the
@@ -161,10 +165,22 @@ def _form_body(request: HttpRequest, exc: RawPostDataException) -> HttpResponse:
 
 @api.exception_handler(Exception)
 def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
+    if database_away(exc):
+        # Django's own reads and writes (the API key, topology, host records) with the
+        # database away or read-only: the 503 the queue's own calls answer then, so a load
+        # balancer or on-call engineer can tell an outage from a bug.
+        return _database_unavailable(request, exc)
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
-    if isinstance(exc, OperationalError | InterfaceError):
-        # Django's own reads (the API key, topology, host records) with the database away:
-        # the 503 the queue's own calls answer then, so a load balancer or on-call engineer
-        # can tell an outage from a bug.
-        return _error(request, 503, DATABASE_UNAVAILABLE)
     return _error(request, 500, SERVER_ERROR)
+
+
+def _database_unavailable(request: HttpRequest, exc: Exception) -> HttpResponse:
+    # The database away, refusing writes or refusing this role a grant: every request fails
+    # alike until that is fixed, and the error's text says which; a traceback for each one (a
+    # client retrying, a dashboard polling) added nothing but volume.
+    logger.warning(
+        "Work queue API request failed: %s",
+        one_line(exc),
+        extra={"action": "api_database_unavailable"},
+    )
+    return _error(request, 503, DATABASE_UNAVAILABLE)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
+from workqueue.conf import get_settings
 from workqueue.driver.base import BaseDriver
-from workqueue.exceptions import UnsupportedDatabaseError
+from workqueue.exceptions import TransientDriverError, UnsupportedDatabaseError
 
 _DRIVER_CLASSES = {
     "postgresql": "workqueue.driver.postgresql.PostgresDriver",
@@ -94,6 +95,19 @@ def refuses_writes(connection: Any) -> bool:
     return driver.session_refuses_writes(connection)
 
 
+def database_away(exc: BaseException) -> bool:
+    """Whether ``exc``, from the driver or the ORM, says the database is away, restarting or
+    refusing writes for now: a failure that a later try, on a new connection, gets past."""
+    # Django's OperationalError and InterfaceError are the ORM's connection failures; others
+    # (its InternalError for a read-only server) are judged as the driver judges its own.
+    if isinstance(exc, (TransientDriverError, OperationalError, InterfaceError)):
+        return True
+    if not isinstance(exc, DatabaseError):
+        return False
+    driver = get_driver(get_settings().DATABASE_ALIAS)
+    return isinstance(driver.translate_error(exc), TransientDriverError)
+
+
 def binary_collation(connection: Any) -> str:
     """The collation that makes keys compare byte for byte on ``connection``'s vendor."""
     return driver_class_for_vendor(connection.vendor).features.binary_collation
@@ -109,6 +123,7 @@ __all__ = [
     "binary_collation",
     "close_before_database_administration",
     "close_thread_connections",
+    "database_away",
     "driver_for_connection",
     "get_driver",
     "refuses_writes",

@@ -32,7 +32,7 @@ from django.utils import timezone
 
 from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
-from workqueue.driver import close_all_thread_connections, get_driver
+from workqueue.driver import close_all_thread_connections, database_away, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError, one_line
 from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
@@ -49,7 +49,7 @@ from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_re
 from workqueue.runtime.plan import SubscriptionPlan
 from workqueue.runtime.process import StopSignal, unmigrated_problem
 from workqueue.runtime.scheduler import Scheduler
-from workqueue.runtime.service import PeriodicService, database_away
+from workqueue.runtime.service import PeriodicService
 from workqueue.runtime.sweeper import Sweeper, pause_after
 from workqueue.runtime.timers import TimerQueue
 from workqueue.runtime.wakeup import Wakeup

@@ -15,26 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections
+from django.db import close_old_connections
 
-from workqueue.conf import get_settings
-from workqueue.driver import close_all_thread_connections, get_driver
-from workqueue.exceptions import TransientDriverError, one_line
+from workqueue.driver import close_all_thread_connections, database_away
+from workqueue.exceptions import one_line
 
 logger = logging.getLogger(__name__)
-
-
-def database_away(exc: BaseException) -> bool:
-    """Whether ``exc``, from the driver or the ORM, says the database is away, restarting or
-    refusing writes for now: a failure that a later try, on a new connection, gets past."""
-    # Django's OperationalError and InterfaceError are the ORM's connection failures; others
-    # (its InternalError for a read-only server) are judged as the driver judges its own.
-    if isinstance(exc, (TransientDriverError, OperationalError, InterfaceError)):
-        return True
-    if not isinstance(exc, DatabaseError):
-        return False
-    driver = get_driver(get_settings().DATABASE_ALIAS)
-    return isinstance(driver.translate_error(exc), TransientDriverError)
 
 
 class OutageLog:
