@@ -390,3 +390,40 @@ def test_an_operator_request_the_database_refuses_as_read_only_is_503_in_a_line(
     assert "read-only" in said[-1].getMessage()  # the first found its session ended
     read_only.off()
     assert call(client, "post", path, {"reason": "duplicate"}).status_code == 200
+
+
+def test_a_one_shot_job_whose_outcomes_are_refused_for_a_grant_exits_2_naming_it(pg_conn):
+    """A container job (workqueue_work --once) whose completion the database refused for want
+    of a grant ran its handler, lost the outcome and exited 0 ("processed=0"): the job read
+    as a success while its delivery waited for its lease to run, and fail, again."""
+    import io
+
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    import tests.support.handlers  # noqa: F401  (the commands' registry: tests.noop)
+    from tests.factories import SubscriptionFactory
+    from tests.support.roles import acting_as_granted_role
+
+    get_user_model().objects.create_user("workqueue-system")
+    s = SubscriptionFactory()
+    message = publish(s.topic.name, {}).message_id
+    revoked = ["wq_complete", "wq_complete_many"]
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime", revoked) as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
+        with pytest.raises(CommandError) as raised:
+            call_command(
+                "workqueue_work",
+                "-s",
+                s.name,
+                "--once",
+                "--idle-exit-ms",
+                "300",
+                stdout=io.StringIO(),
+            )
+
+    assert raised.value.returncode == 2
+    assert "refuses to record outcomes" in str(raised.value), str(raised.value)
+    assert "grant-runtime" in str(raised.value)
+    assert _delivery_of(message) == ("InFlight", 1)  # its lease brings it back

@@ -594,8 +594,9 @@ class Consumer:
     @property
     def failing(self) -> bool:
         """Whether the claim loop has failed several times in a row just now (a missing
-        grant, a database that stays away), not once (a dropped connection it gets past)."""
-        return self._failures_in_a_row >= FAILURES_THAT_PERSIST
+        grant, a database that stays away), not once (a dropped connection it gets past), or
+        the database refuses to record outcomes (a grant taken away: no blip)."""
+        return self._settles_refused or self._failures_in_a_row >= FAILURES_THAT_PERSIST
 
     def _failed(self, reason: str) -> float:
         """Record a failure (health shows it); return the backoff before the next try."""
