@@ -729,3 +729,16 @@ def test_the_procedures_stamp_is_left_and_read_in_sql_that_parses(driver, tmp_pa
     assert parse_tsql(script).returncode == 0
     # The same files hash to the same stamp on every process of a release.
     assert driver.procedures_stamp == SqlServerDriver("another").procedures_stamp
+
+
+def test_a_permission_refusal_from_mssql_python_is_a_privilege_refusal(driver):
+    error = _wrapped(
+        DatabaseError,
+        _python_driver(
+            mssql_python_errors.ProgrammingError,
+            "Syntax error or access violation",
+            "The EXECUTE permission was denied on the object 'wq_complete_many', database "
+            "'wq', schema 'dbo'.",
+        ),
+    )
+    assert isinstance(driver.translate_error(error), PrivilegeRefusedError)

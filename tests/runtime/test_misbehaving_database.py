@@ -427,3 +427,74 @@ def test_a_one_shot_job_whose_outcomes_are_refused_for_a_grant_exits_2_naming_it
     assert "refuses to record outcomes" in str(raised.value), str(raised.value)
     assert "grant-runtime" in str(raised.value)
     assert _delivery_of(message) == ("InFlight", 1)  # its lease brings it back
+
+
+def _completion_signatures(pg_conn: psycopg.Connection) -> list[str]:
+    return [
+        signature
+        for (signature,) in pg_conn.execute(
+            "SELECT oid::regprocedure::text FROM pg_proc "
+            "WHERE proname IN ('wq_complete', 'wq_complete_many')"
+        )
+    ]
+
+
+def test_the_claim_loop_waits_while_its_probe_runs_with_settles_refused(make_host, pg_conn):
+    """Review helper-150: while settles were refused and a probe ran, the loop found room in
+    its free slots, claimed none (one probe at a time) and went round at once: a core spun
+    (a million turns a second) beside the handlers."""
+    from tests.support.roles import acting_as_granted_role
+
+    s = sub(lease_seconds=30, max_attempts=3)
+    revoked = ["wq_complete", "wq_complete_many"]
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime", revoked) as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')
+        host = make_host(one(s, concurrency=4))
+        host.start()
+        publish(s.topic.name, {})
+        wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
+        consumer = host._consumers[s.name]
+        turns = [0]
+        room = consumer._room
+
+        def counted_room() -> tuple[int, int]:
+            turns[0] += 1
+            return room()
+
+        consumer._room = counted_room
+        publish(s.topic.name, {"sleepMs": 2500})  # the probe, once the 1 s pause ends
+        time.sleep(1.5)
+        turns[0] = 0
+        time.sleep(1.0)  # the probe runs throughout
+        counted = turns[0]
+        host.shutdown()
+
+    assert counted < 200, f"the claim loop went round {counted} times in a second"
+
+
+def test_a_long_handler_from_before_a_refusal_does_not_hold_the_probe_back(make_host, pg_conn):
+    """Review helper-150: the next probe waited for every running handler, those claimed
+    before the refusal too, so one long (or hung) handler kept the subscription from claiming
+    after the grant was given back, reading Error 'grant-runtime' all the while."""
+    from tests.support.handlers import probe
+    from tests.support.roles import acting_as_granted_role
+
+    s = sub(lease_seconds=30, max_attempts=3)
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')
+        completions = _completion_signatures(pg_conn)
+        host = make_host(one(s, concurrency=3))
+        host.start()
+        publish(s.topic.name, {"sleepMs": 60_000})  # runs until the host stops
+        probe.wait_for(1)
+        for signature in completions:
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        publish(s.topic.name, {})
+        wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
+        for signature in completions:
+            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+
+        later = [publish(s.topic.name, {}).message_id for _ in range(2)]
+        wait_until(lambda: all(_delivery_of(m)[0] == "Completed" for m in later), timeout=10)
+        wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=5)
+        host.shutdown()

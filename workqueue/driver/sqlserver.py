@@ -72,6 +72,7 @@ _MESSAGE_NUMBERS = (
     ("invalid object name", 208),
     ("invalid column name", 207),
     ("could not find stored procedure", 2812),
+    ("permission was denied on the object", 229),
 )
 # pyodbc ends a server message with "(<number>) (SQLExecDirectW)".
 _PYODBC_NUMBER = re.compile(r"\((-?\d{1,6})\)\s*\(SQL[A-Za-z]+\)")

@@ -370,6 +370,9 @@ class Consumer:
         # until a settle goes through.
         self._settles_refused = False
         self._claims_resume_at = 0.0
+        # The executions claimed while settles are refused (the probes): the next probe waits
+        # for these, not for handlers claimed before the refusal (a long or hung one).
+        self._probes: set[Any] = set()
         self._predecessors = list(predecessors)
         self._successors: list[Consumer] = []  # told when a handler of this one returns
         for predecessor in self._predecessors:
@@ -629,13 +632,16 @@ class Consumer:
         self._wake.set()
 
     def _recovered(self) -> None:
-        if self._settles_refused:
-            return  # not over until a settle goes through (_settles_recorded)
-        if self.failure is not None:
+        # Under the lock: a worker's refused settle (_settle_refused) sets the same fields, and
+        # cleared between its check and its writes it read as refused with no reason.
+        with self._lock:
+            if self._settles_refused:
+                return  # not over until a settle goes through (_settles_recorded)
+            ended, self.failure = self.failure, None
+            self._failures_in_a_row = 0
+        if ended is not None:
             # Said as a recovery, the failure it ends after: quoted first, it read as an error.
-            logger.info("%s: claiming again (it had stopped: %s)", self.plan.name, self.failure)
-        self.failure = None
-        self._failures_in_a_row = 0
+            logger.info("%s: claiming again (it had stopped: %s)", self.plan.name, ended)
 
     def _loop(self) -> None:
         min_delay = self.config.idle_poll_min_ms / 1000
@@ -651,7 +657,7 @@ class Consumer:
                 if self._settles_refused:
                     # One delivery, once the last one's outcome is known: a probe of whether
                     # settles go through again.
-                    free = 0 if self._running else min(free, 1)
+                    free = 0 if self._probes else min(free, 1)
                 room = free
                 busy = self._handlers_running > 0
             if paused > 0:
@@ -679,7 +685,10 @@ class Consumer:
                 # window cut by slower handlers), so it is claimed for at once.
                 with self._lock:
                     self._last_receive_drained = False
-                    freed_since = room <= 0 and self._room()[0] > 0
+                    # While settles are refused the room is one probe at a time, whatever
+                    # slots are free: a free slot is no reason to claim again.
+                    probing = self._settles_refused and bool(self._probes)
+                    freed_since = room <= 0 and not probing and self._room()[0] > 0
                 if not freed_since:
                     self._wait(max_delay)
                 continue
@@ -884,6 +893,8 @@ class Consumer:
         )
         with self._lock:
             self._running[execution.key] = execution
+            if self._settles_refused:
+                self._probes.add(execution.key)
             announced = self._recent_cancels.pop(delivery.delivery_id, None)
             cancelled = announced is not None and announced >= leased_at - RECENT_CANCEL_SECONDS
             ahead = self._handlers_running >= self.config.concurrency
@@ -1049,6 +1060,7 @@ class Consumer:
             # time while settles are refused, must not find none running and no pause yet.
             refusal_is_news = result.refused and self._settle_refused(result.error)
             del self._running[execution.key]
+            self._probes.discard(execution.key)
             self.finished += 1
             if result.kind == ExecutionResult.SETTLED and not result.released:
                 self.processed += 1
@@ -1072,7 +1084,10 @@ class Consumer:
                 RESTART_MAX_SECONDS,
                 extra={"action": "settles_refused", "subscription": self.plan.name},
             )
-        elif result.kind == ExecutionResult.SETTLED and self._settles_refused:
+        elif (
+            result.kind == ExecutionResult.SETTLED and not result.released and self._settles_refused
+        ):
+            # A hand-back at shutdown says nothing of whether outcomes are recorded again.
             self._settles_recorded()
         metrics.labelled(metrics.DELIVERIES, self.plan.name, result.outcome_label).inc()
         if self._on_result is not None:
@@ -1175,6 +1190,7 @@ class Consumer:
             with self._lock:
                 if self._running.get(execution.key) is execution:
                     del self._running[execution.key]
+                    self._probes.discard(execution.key)
                 self._handing_back.discard(execution.key)
                 self._lock.notify_all()  # stop() may be waiting for the running ones to end
 
