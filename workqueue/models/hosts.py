@@ -140,6 +140,8 @@ def _stuck_runs(value: Any) -> list[dict[str, Any]]:
             "handler_key": str(run.get("handler_key") or ""),
             "seconds": _seconds(run.get("seconds")) or 0.0,
             "threshold_seconds": _count(run.get("threshold_seconds")),
+            # Recorded by this release on: a run an older host named was cancellable there.
+            "cancellable": run.get("cancellable") is not False,
         }
         for run in runs[:STUCK_RUNS_LISTED]
         if isinstance(run, dict) and isinstance(run.get("delivery_id"), str)

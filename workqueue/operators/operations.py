@@ -44,6 +44,7 @@ from workqueue.operators.permissions import (
     require,
 )
 from workqueue.publishing import MAX_KEY_LENGTH
+from workqueue.runtime.handler_runs import what_to_do
 from workqueue.transports import BaseTransport
 from workqueue.types import (
     DeadLetterItem,
@@ -1119,12 +1120,10 @@ def _stuck_run_issues(live_hosts: list[Any], in_scope: set[str]) -> list[Binding
         oldest = max(runs, key=lambda run: run["seconds"], default=None)
         named = (
             f" (the oldest: delivery {oldest['delivery_id']}, handler {oldest['handler_key']}, "
-            f"{oldest['seconds']:,.0f} s against {oldest['threshold_seconds']:,} s). Cancel one "
-            f"with `manage.py workqueue discard -s {name} --delivery {oldest['delivery_id']} "
-            "--reason TEXT`"
+            f"{oldest['seconds']:,.0f} s against {oldest['threshold_seconds']:,} s). "
+            + what_to_do(name, oldest["delivery_id"], oldest["cancellable"])
             if oldest is not None
-            else ". Cancel one with `manage.py workqueue discard` (GET /work-queue/health names "
-            "them)"
+            else ". GET /work-queue/health names them"
         )
         issues.append(
             BindingIssue(

@@ -444,6 +444,7 @@ class Consumer:
                         started_at=since,
                         threshold_seconds=threshold,
                         threshold_source=source,
+                        cancellable=self.hears_cancels,
                     )
                 )
         return runs

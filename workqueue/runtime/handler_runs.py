@@ -11,12 +11,13 @@ hold: no query, so nothing is added to the claim and settle path.
 from __future__ import annotations
 
 import logging
+import shlex
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from workqueue.logtext import log_value
+from workqueue.logtext import log_text, log_value
 from workqueue.models.hosts import STUCK_RUNS_LISTED
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,33 @@ class HandlerRun:
     #: Which setting gave the threshold: ``max_processing_seconds`` or
     #: ``HANDLER_RUN_WARNING_SECONDS``.
     threshold_source: str
+    #: Whether its transport can cancel a running delivery (``supports_cancel``).
+    cancellable: bool = True
 
     def seconds(self, now: float) -> float:
         return max(now - self.started_at, 0.0)
 
     def stuck(self, now: float) -> bool:
         return self.seconds(now) >= self.threshold_seconds
+
+
+def what_to_do(subscription: str, delivery_id: str, cancellable: bool) -> str:
+    """What an operator can do about a stuck run, as one sentence: the command that cancels
+    it, ready to paste (quoted for a shell: on a cloud queue the delivery id is the message's
+    own text, which whoever may send to the queue chose), or, where the transport cannot
+    cancel a running delivery, what can stop it."""
+    if not cancellable:
+        return (
+            "Its transport cannot cancel a running delivery: restart its host, or give the "
+            "subscription a max_processing_seconds, past which a handler is aborted"
+        )
+    command = shlex.join(
+        [
+            *("manage.py", "workqueue", "discard", "-s", log_text(subscription)),
+            *("--delivery", log_text(delivery_id), "--reason", "TEXT"),
+        ]
+    )
+    return f"Cancel it with `{command}` (it is never run again)"
 
 
 def runs_report(runs: Iterable[HandlerRun], now: float) -> dict[str, Any]:
@@ -60,6 +82,7 @@ def runs_report(runs: Iterable[HandlerRun], now: float) -> dict[str, Any]:
                 "handler_key": run.handler_key,
                 "seconds": round(run.seconds(now), 1),
                 "threshold_seconds": run.threshold_seconds,
+                "cancellable": run.cancellable,
             }
             for run in stuck[:STUCK_RUNS_LISTED]
         ],
@@ -86,17 +109,15 @@ class StuckRunLog:
             # are operators': escaped, none can forge a line (workqueue.logtext).
             logger.warning(
                 "%s: handler %s has run delivery %s for %d s, past the %d s of %s; it may be "
-                "hung (its lease is renewed while it runs). Cancel it with `manage.py "
-                "workqueue discard -s %s --delivery %s --reason TEXT` (a handler deaf to its "
-                "abort signal runs on until its host restarts; it is never run again).",
+                "hung (its lease is renewed while it runs). %s; a handler deaf to its abort "
+                "signal runs on until its host restarts.",
                 log_value(run.subscription),
                 log_value(run.handler_key),
                 log_value(run.delivery_id),
                 run.seconds(now),
                 run.threshold_seconds,
                 run.threshold_source,
-                log_value(run.subscription),
-                log_value(run.delivery_id),
+                what_to_do(run.subscription, run.delivery_id, run.cancellable),
                 extra={
                     "action": "handler_run_stuck",
                     "subscription": run.subscription,
