@@ -89,10 +89,12 @@ def refuses_writes(connection: Any) -> bool:
     """Whether Django's open ``connection`` is a session that refuses every write for its life
     (see BaseDriver.session_refuses_writes); False for a vendor the queue does not run on."""
     try:
-        driver = get_driver(connection.alias)
+        # The class, not get_driver(): any alias a handler used may be asked (a project's own
+        # databases too), and a driver instance is the queue's, with connections of its own.
+        driver_class = driver_class_for_vendor(connection.vendor)
     except UnsupportedDatabaseError:
         return False
-    return driver.session_refuses_writes(connection)
+    return driver_class.session_refuses_writes(connection)
 
 
 def database_away(exc: BaseException) -> bool:

@@ -495,7 +495,8 @@ class BaseDriver:
         (an open connection, not a broken one), so it is closed and the next call opens anew."""
         return False
 
-    def session_refuses_writes(self, connection: BaseDatabaseWrapper) -> bool:
+    @staticmethod
+    def session_refuses_writes(connection: BaseDatabaseWrapper) -> bool:
         """Whether Django's open ``connection`` is a session that refuses every write for its
         life (one opened on a read-only server), which Django's health check passes."""
         return False

@@ -104,8 +104,8 @@ _TRANSIENT_SQLSTATES = {"40P01", "55P03", "57P01", "57P02", "57P03", "53100"}
 #: keeps trying to settle a handled delivery while its lease lasts, as for a lost connection.
 STATEMENT_CANCELLED_SQLSTATE = "57014"
 STATEMENT_CANCELLED_HINT = (
-    "a statement_timeout set on the role or database, or a cancel, stopped the call: it is "
-    "tried again; if it keeps happening, raise the timeout for the queue's role"
+    "a statement_timeout set on the role or database, or a cancel, stopped the call; if it "
+    "keeps happening, raise the timeout for the queue's role"
 )
 
 #: read_only_sql_transaction: a session on a standby (what a failover leaves a client that
@@ -117,8 +117,8 @@ READ_ONLY_SQLSTATE = "25006"
 READ_ONLY_HINT = (
     "the database is read-only: a standby (after a failover, point DATABASE_URL's host at the "
     "new primary, or list every server with target_session_attrs=read-write) or "
-    "default_transaction_read_only set on the role or database. Calls are retried on new "
-    "connections and go through once they reach a writable primary"
+    "default_transaction_read_only set on the role or database. The session is closed: the "
+    "next call opens a new one, which goes through once it reaches a writable primary"
 )
 
 
@@ -500,7 +500,8 @@ class PostgresDriver(BaseDriver):
             # The server's words name the statement a procedure ran, with its SQL as CONTEXT:
             # the first line, and what it means, are what an operator needs.
             hint = READ_ONLY_HINT if sqlstate == READ_ONLY_SQLSTATE else STATEMENT_CANCELLED_HINT
-            return TransientDriverError(f"{message.splitlines()[0]} ({hint})")
+            first_line = (message.splitlines() or [""])[0]
+            return TransientDriverError(f"{first_line} ({hint})")
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
         # Class 22 ("data exception") from the server, a value past one of its limits (54000:
@@ -526,7 +527,8 @@ class PostgresDriver(BaseDriver):
             getattr(cause, "sqlstate", None) == READ_ONLY_SQLSTATE for cause in error_chain(error)
         )
 
-    def session_refuses_writes(self, connection: BaseDatabaseWrapper) -> bool:
+    @staticmethod
+    def session_refuses_writes(connection: BaseDatabaseWrapper) -> bool:
         try:
             with connection.cursor() as cursor:
                 cursor.execute("SHOW transaction_read_only")
