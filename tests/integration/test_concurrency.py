@@ -25,7 +25,7 @@ import pytest
 from django.db import connections, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.database import psycopg_params
+from tests.support.database import edited_procedures, psycopg_params
 from tests.support.processes import PROJECT_ROOT, subprocess_environment
 from tests.support.sampling import InFlightSampler
 from workqueue import publish, publish_many
@@ -424,21 +424,10 @@ def broken_claim():
     """Install the broken claim in this worker's test database; put the real one back after."""
     from django.db import connection
 
-    from workqueue.driver.postgresql import declared_functions, qualify_own_objects
-    from workqueue.sql import load_procedures, read_sql
-
-    text = read_sql("postgresql", "claim")
-    for old, new in BROKEN_CLAIM_EDITS:
-        assert old in text, old
-        text = text.replace(old, new)
+    text = edited_procedures("claim", BROKEN_CLAIM_EDITS)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_get_indexdef('wq_delivery_inflight_key_uq'::regclass)")
         (index,) = cursor.fetchone()
-        cursor.execute("SELECT quote_ident(current_schema())")
-        (schema,) = cursor.fetchone()
-    # Installed the way the driver installs every file: its own objects named by schema.
-    functions = declared_functions(text for _name, text in load_procedures("postgresql"))
-    text = qualify_own_objects(text, schema, functions)
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("DROP INDEX wq_delivery_inflight_key_uq")

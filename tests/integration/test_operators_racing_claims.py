@@ -36,7 +36,7 @@ import pytest
 from django.db import connection, transaction
 
 from tests.factories import SubscriptionFactory, TopicFactory
-from tests.support.database import psycopg_params
+from tests.support.database import edited_procedures, psycopg_params
 from workqueue import publish_many
 from workqueue.driver import get_driver
 
@@ -390,18 +390,7 @@ DEAD_LETTERS_DO_NOT_BLOCK = [
 def claim_that_ignores_dead_letters():
     """wq_claim with an Ordered key's dead-lettered head no longer holding the key, in this
     worker's test database; the real one put back after."""
-    from workqueue.driver.postgresql import declared_functions, qualify_own_objects
-    from workqueue.sql import load_procedures, read_sql
-
-    text = read_sql("postgresql", "claim")
-    for old, new in DEAD_LETTERS_DO_NOT_BLOCK:
-        assert old in text, old
-        text = text.replace(old, new)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT quote_ident(current_schema())")
-        (schema,) = cursor.fetchone()
-    functions = declared_functions(text for _name, text in load_procedures("postgresql"))
-    text = qualify_own_objects(text, schema, functions)
+    text = edited_procedures("claim", DEAD_LETTERS_DO_NOT_BLOCK)
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute(text)

@@ -18,23 +18,13 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.support.database import psycopg_params
+from tests.support.database import delivery_of_message
 from tests.support.hosts import one, states, sub
 from tests.support.waiting import wait_until
 from workqueue import publish
 from workqueue.types import PublishErrorCode, PublishStatus
 
 pytestmark = pytest.mark.usefixtures("queue_db")
-
-
-def _delivery_of(message_id: str) -> tuple[str, int]:
-    # On a connection of the test's own, made before the database turned read-only (reads work
-    # on a read-only session anyway).
-    with psycopg.connect(**psycopg_params(), autocommit=True) as conn:
-        return conn.execute(
-            "SELECT status, attempt_count FROM workqueue_delivery WHERE message_id = %s",
-            [message_id],
-        ).fetchone()
 
 
 class ReadOnly:
@@ -84,16 +74,16 @@ def test_a_settle_refused_by_a_read_only_server_goes_through_once_it_is_writable
     host = make_host(one(s, concurrency=1))
     host.start()
     message = publish(s.topic.name, {"sleepMs": 1000}).message_id
-    wait_until(lambda: _delivery_of(message)[0] == "InFlight", timeout=10)
+    wait_until(lambda: delivery_of_message(message)[0] == "InFlight", timeout=10)
 
     read_only.on()
     wait_until(lambda: "read-only" in caplog.text, timeout=10)  # the completion was refused
     time.sleep(0.5)  # a few tries
     read_only.off()  # the sessions already open stay read-only
 
-    wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
+    wait_until(lambda: delivery_of_message(message) == ("Completed", 1), timeout=10)
     later = publish(s.topic.name, {}).message_id
-    wait_until(lambda: _delivery_of(later) == ("Completed", 1), timeout=10)
+    wait_until(lambda: delivery_of_message(later) == ("Completed", 1), timeout=10)
     assert "Running" in states(host)[s.name][0]
     said = [r for r in caplog.records if "read-only" in r.getMessage()]
     assert said and all(r.levelno <= logging.WARNING for r in said), [
@@ -165,7 +155,7 @@ def test_a_settle_cancelled_by_a_statement_timeout_is_tried_again_while_the_leas
     host = make_host(one(s, concurrency=1))
     host.start()
     message = publish(s.topic.name, {"sleepMs": 1000}).message_id
-    wait_until(lambda: _delivery_of(message)[0] == "InFlight", timeout=10)
+    wait_until(lambda: delivery_of_message(message)[0] == "InFlight", timeout=10)
     pg_conn.execute(f'ALTER DATABASE "{database}" SET statement_timeout = 300')
     try:
         pg_conn.execute(  # the queue's sessions open again with the DBA's timeout
@@ -181,7 +171,7 @@ def test_a_settle_cancelled_by_a_statement_timeout_is_tried_again_while_the_leas
     finally:
         pg_conn.execute(f'ALTER DATABASE "{database}" RESET statement_timeout')
 
-    wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
+    wait_until(lambda: delivery_of_message(message) == ("Completed", 1), timeout=10)
     said = [r for r in caplog.records if "statement timeout" in r.getMessage()]
     assert all(r.levelno <= logging.WARNING for r in said), [
         (r.levelname, r.getMessage()) for r in said
@@ -228,8 +218,8 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
         assert "grant-runtime" in reason  # the fix
         assert claimed <= 1, claimed  # one at a time, not all four run for nothing
         for message in later:
-            wait_until(lambda m=message: _delivery_of(m)[0] == "Completed", timeout=15)
-        wait_until(lambda: _delivery_of(first)[0] == "Completed", timeout=15)
+            wait_until(lambda m=message: delivery_of_message(m)[0] == "Completed", timeout=15)
+        wait_until(lambda: delivery_of_message(first)[0] == "Completed", timeout=15)
         assert states(host)[s.name] == ("Running", "")
         host.shutdown()
     told = [r for r in caplog.records if getattr(r, "action", None) == "settles_refused"]
@@ -317,7 +307,7 @@ def test_a_host_out_of_connection_slots_settles_what_it_ran_once_slots_free(
         host = make_host(one(s, concurrency=1))
         host.start()
         message = publish(s.topic.name, {"sleepMs": 1000}).message_id
-        wait_until(lambda: _delivery_of(message)[0] == "InFlight", timeout=10)
+        wait_until(lambda: delivery_of_message(message)[0] == "InFlight", timeout=10)
         pg_conn.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 0')
         try:
             pg_conn.execute(
@@ -331,7 +321,7 @@ def test_a_host_out_of_connection_slots_settles_what_it_ran_once_slots_free(
 
         assert refused.error.code == PublishErrorCode.TRANSPORT_UNAVAILABLE
         assert "too many connections" in refused.error.message
-        wait_until(lambda: _delivery_of(message) == ("Completed", 1), timeout=10)
+        wait_until(lambda: delivery_of_message(message) == ("Completed", 1), timeout=10)
         host.shutdown()
     assert not [r for r in caplog.records if r.exc_info]
 
@@ -426,7 +416,7 @@ def test_a_one_shot_job_whose_outcomes_are_refused_for_a_grant_exits_2_naming_it
     assert raised.value.returncode == 2
     assert "refuses to record outcomes" in str(raised.value), str(raised.value)
     assert "grant-runtime" in str(raised.value)
-    assert _delivery_of(message) == ("InFlight", 1)  # its lease brings it back
+    assert delivery_of_message(message) == ("InFlight", 1)  # its lease brings it back
 
 
 def _completion_signatures(pg_conn: psycopg.Connection) -> list[str]:
@@ -495,6 +485,6 @@ def test_a_long_handler_from_before_a_refusal_does_not_hold_the_probe_back(make_
             pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
 
         later = [publish(s.topic.name, {}).message_id for _ in range(2)]
-        wait_until(lambda: all(_delivery_of(m)[0] == "Completed" for m in later), timeout=10)
+        wait_until(lambda: all(delivery_of_message(m)[0] == "Completed" for m in later), timeout=10)
         wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=5)
         host.shutdown()

@@ -16,11 +16,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 from django.db import connections
 
-from tests.support.database import psycopg_params, queue_connection_settings
+from tests.support.database import (
+    delivery_of_message,
+    queue_connection_settings,
+)
 from tests.support.handlers import probe
 from tests.support.hosts import one, sub
 from tests.support.silent_network import PORT, silent_network
@@ -42,15 +44,6 @@ def _server_socket() -> Path:
     return server_socket
 
 
-def _delivery_of(message_id: str) -> tuple[str, int]:
-    # Over the Unix socket, on a connection of the test's own: never over a path made silent.
-    with psycopg.connect(**psycopg_params(), autocommit=True) as conn:
-        return conn.execute(
-            "SELECT status, attempt_count FROM workqueue_delivery WHERE message_id = %s",
-            [message_id],
-        ).fetchone()
-
-
 def test_a_completion_sent_to_a_database_that_went_silent_is_retried_over_the_new_path(
     make_host,
 ):
@@ -66,18 +59,18 @@ def test_a_completion_sent_to_a_database_that_went_silent_is_retried_over_the_ne
         first = publish(s.topic.name, {"then": "complete"}).message_id
         second = publish(s.topic.name, {"sleepMs": 3_000}).message_id
         probe.wait_for(1, message_id=second)
-        wait_until(lambda: _delivery_of(first) == ("Completed", 1), timeout=10)
+        wait_until(lambda: delivery_of_message(first) == ("Completed", 1), timeout=10)
 
         network.go_silent("a")
         silent_since = time.monotonic()
         with queue_connection_settings(options={}, HOST=network.address("b")):
-            while _delivery_of(second)[0] != "Completed":
+            while delivery_of_message(second)[0] != "Completed":
                 waited = time.monotonic() - silent_since
-                assert waited < 90, f"still {_delivery_of(second)} {waited:.0f} s on"
+                assert waited < 90, f"still {delivery_of_message(second)} {waited:.0f} s on"
                 time.sleep(0.2)
             completed_after = time.monotonic() - silent_since
             host.shutdown()
 
-    assert _delivery_of(second) == ("Completed", 1)  # recorded, never run again
+    assert delivery_of_message(second) == ("Completed", 1)  # recorded, never run again
     assert completed_after < LEASE_SECONDS / 2
     assert (host.abandoned_handlers, host.unsettled_outcomes) == (0, 0)

@@ -1,11 +1,13 @@
 """How tests reach the test database outside Django's cursor: raw psycopg connection
 parameters, a URL for subprocesses (hosts, workers, scripts), the queue's connection settings
-changed for a while, and whether a SQL Server is configured for the tests that run there too."""
+changed for a while, a delivery's row read on a connection of the test's own, a procedure file
+edited for a negative control, and whether a SQL Server is configured for the tests that run
+there too."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -23,6 +25,37 @@ def psycopg_params() -> dict[str, Any]:
     params.pop("cursor_factory", None)
     params.pop("context", None)
     return params
+
+
+def delivery_of_message(message_id: str) -> tuple[str, int]:
+    """(status, attempt count) of the delivery of ``message_id``, read over the Unix socket on
+    a connection of the test's own: it works while the queue's own connections cannot (a path
+    made silent, a server turned read-only, a role out of connection slots)."""
+    import psycopg
+
+    with psycopg.connect(**psycopg_params(), autocommit=True) as conn:
+        return conn.execute(
+            "SELECT status, attempt_count FROM workqueue_delivery WHERE message_id = %s",
+            [message_id],
+        ).fetchone()
+
+
+def edited_procedures(file: str, edits: Sequence[tuple[str, str]]) -> str:
+    """PostgreSQL's procedure file ``file`` with each (old, new) text edit made (every old text
+    must be there: a file that changed fails the test, not the control), its own objects named
+    by this worker's schema as the driver installs them: SQL to run for a negative control."""
+    from workqueue.driver.postgresql import declared_functions, qualify_own_objects
+    from workqueue.sql import load_procedures, read_sql
+
+    text = read_sql("postgresql", file)
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT quote_ident(current_schema())")
+        (schema,) = cursor.fetchone()
+    functions = declared_functions(text for _name, text in load_procedures("postgresql"))
+    return qualify_own_objects(text, schema, functions)
 
 
 _MISSING = object()
