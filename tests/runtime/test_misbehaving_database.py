@@ -488,3 +488,30 @@ def test_a_long_handler_from_before_a_refusal_does_not_hold_the_probe_back(make_
         wait_until(lambda: all(delivery_of_message(m)[0] == "Completed" for m in later), timeout=10)
         wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=5)
         host.shutdown()
+
+
+def test_heartbeats_failing_through_a_read_only_spell_are_told_once_and_their_return_once(
+    make_host, read_only, caplog
+):
+    """helper-149's leftover: every failed renewal of an outage logged a WARNING (a handler
+    beating each 100 ms said it ten times a second, each handler of each host), where a failed
+    settle says it once and then at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="workqueue")
+    s = sub(lease_seconds=60)
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 4000, "heartbeatEveryMs": 100}).message_id
+    wait_until(lambda: delivery_of_message(message)[0] == "InFlight", timeout=10)
+
+    read_only.on()
+    wait_until(lambda: "Heartbeat failed" in caplog.text, timeout=10)
+    time.sleep(1.0)  # about ten beats more
+    read_only.off()
+    wait_until(lambda: delivery_of_message(message) == ("Completed", 1), timeout=15)
+    host.shutdown()
+
+    failed = [r for r in caplog.records if "Heartbeat failed" in r.getMessage()]
+    assert len(failed) > 2, len(failed)
+    assert [r.levelno for r in failed].count(logging.WARNING) == 1
+    back = [r for r in caplog.records if "Heartbeat went through" in r.getMessage()]
+    assert [r.levelno for r in back] == [logging.INFO]

@@ -321,6 +321,7 @@ class DeliveryExecution:
         self.lease_seconds = delivery.lease_seconds or plan.lease_seconds
         self._lease_ends = began + self.lease_seconds
         self._beat_retry_seconds = RETRY_MIN_SECONDS
+        self._beat_failures = 0  # renewals failed in a row (logged once, as a settle's are)
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
         # Checks for a cancel (check_lease_soon): whether one waits, and when the last began.
@@ -760,6 +761,13 @@ class DeliveryExecution:
                 self._lease_ends = began + (self.lease_seconds if granted is None else granted)
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
                 self._arm_horizon()
+            if self._beat_failures:
+                self.log.info(
+                    "Heartbeat went through after %d failed tries (%s)",
+                    self._beat_failures,
+                    self._where,
+                )
+                self._beat_failures = 0
             if extension.state == LeaseState.CANCELLED:
                 # Renewed all the same (see the module's docstring), but no longer the
                 # handler's to finish: a manual heartbeat tells it so.
@@ -777,7 +785,15 @@ class DeliveryExecution:
             # A failed call is not a lost lease: keep running, and the horizon still aborts the
             # handler if renewals keep failing past the lease. A lost connection is worth
             # trying again soon, on a fresh one, rather than a whole heartbeat interval later.
-            self.log.warning("Heartbeat failed (%s): %s", self._where, exc)
+            # Once at WARNING, then DEBUG, as a settle's: a handler beating every 100 ms said
+            # it ten times a second through an outage, each handler of each host.
+            self._beat_failures += 1
+            self.log.log(
+                logging.WARNING if self._beat_failures == 1 else logging.DEBUG,
+                "Heartbeat failed (%s): %s",
+                self._where,
+                one_line(exc),
+            )
             if isinstance(exc, RETRYABLE_SETTLE_ERRORS):
                 self._retry_beat_soon()
         finally:
