@@ -515,3 +515,22 @@ def test_heartbeats_failing_through_a_read_only_spell_are_told_once_and_their_re
     assert [r.levelno for r in failed].count(logging.WARNING) == 1
     back = [r for r in caplog.records if "Heartbeat went through" in r.getMessage()]
     assert [r.levelno for r in back] == [logging.INFO]
+
+
+def test_a_rest_request_whose_orm_read_is_refused_a_grant_is_503_in_a_line(client, pg_conn, caplog):
+    """Review helper-150: a grant the queue's procedures lack answered 503 in one line, but the
+    same missing grant met in Django's own reads (here the key's owner, auth_user, which
+    grant-operator does not give) answered 500 with a traceback a request: one cause, two
+    answers, and a traceback storm while a dashboard polls."""
+    from tests.support.api import call, reader
+    from tests.support.roles import acting_as_granted_role
+
+    key = reader()
+    with acting_as_granted_role(pg_conn, "wq_op", "grant-operator"):
+        answers = [call(client, "get", "/health", key=key) for _ in range(2)]
+
+    assert [a.status_code for a in answers] == [503, 503], answers[0].content
+    said = [r for r in caplog.records if r.name == "workqueue.api"]
+    assert said and not [r for r in said if r.exc_info], [r.getMessage() for r in said]
+    assert "permission denied" in said[-1].getMessage()
+    assert "grant-operator" in said[-1].getMessage()  # what to do about it

@@ -24,7 +24,7 @@ from ninja.errors import HttpError, ValidationError
 from workqueue.api import docs, health, metrics, publish, subscriptions
 from workqueue.api.auth import ApiKeyAuth, SessionAuth
 from workqueue.api.schemas import field_errors
-from workqueue.driver import database_away
+from workqueue.driver import database_away, in_driver_terms, refused_a_grant
 from workqueue.exceptions import (
     BulkOperationInterrupted,
     DeliveryBusyError,
@@ -32,7 +32,6 @@ from workqueue.exceptions import (
     InvalidInputError,
     NotFoundError,
     PermissionDeniedError,
-    PrivilegeRefusedError,
     UnstorableValueError,
     UnsupportedByTransportError,
     WorkQueueError,
@@ -103,7 +102,7 @@ def _work_queue_error(request: HttpRequest, exc: WorkQueueError) -> HttpResponse
             extra={"action": "api_unstorable_value"},
         )
         return _error(request, 400, UNSTORABLE_VALUE)
-    if isinstance(exc, PrivilegeRefusedError) or database_away(exc):
+    if refused_a_grant(exc) or database_away(exc):
         return _database_unavailable(request, exc)
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
     if isinstance(exc, BulkOperationInterrupted):
@@ -165,10 +164,10 @@ def _form_body(request: HttpRequest, exc: RawPostDataException) -> HttpResponse:
 
 @api.exception_handler(Exception)
 def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
-    if database_away(exc):
+    if database_away(exc) or refused_a_grant(exc):
         # Django's own reads and writes (the API key, topology, host records) with the
-        # database away or read-only: the 503 the queue's own calls answer then, so a load
-        # balancer or on-call engineer can tell an outage from a bug.
+        # database away, read-only or refusing the role a grant: the 503 the queue's own calls
+        # answer then, so a load balancer or on-call engineer can tell an outage from a bug.
         return _database_unavailable(request, exc)
     logger.exception("Work queue API request failed", extra={"action": "api_error"})
     return _error(request, 500, SERVER_ERROR)
@@ -180,7 +179,7 @@ def _database_unavailable(request: HttpRequest, exc: Exception) -> HttpResponse:
     # client retrying, a dashboard polling) added nothing but volume.
     logger.warning(
         "Work queue API request failed: %s",
-        one_line(exc),
+        one_line(in_driver_terms(exc)),  # the ORM's errors too, with what to do about them
         extra={"action": "api_database_unavailable"},
     )
     return _error(request, 503, DATABASE_UNAVAILABLE)

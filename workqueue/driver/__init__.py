@@ -13,7 +13,11 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from workqueue.conf import get_settings
 from workqueue.driver.base import BaseDriver
-from workqueue.exceptions import TransientDriverError, UnsupportedDatabaseError
+from workqueue.exceptions import (
+    PrivilegeRefusedError,
+    TransientDriverError,
+    UnsupportedDatabaseError,
+)
 
 _DRIVER_CLASSES = {
     "postgresql": "workqueue.driver.postgresql.PostgresDriver",
@@ -97,6 +101,15 @@ def refuses_writes(connection: Any) -> bool:
     return driver_class.session_refuses_writes(connection)
 
 
+def in_driver_terms(exc: BaseException) -> BaseException:
+    """``exc`` as the queue's driver names it: a Django ``DatabaseError`` (the ORM's own reads
+    and writes) translated as the driver translates its own calls' errors (its text then says
+    what to do), anything else as it is."""
+    if not isinstance(exc, DatabaseError):
+        return exc
+    return get_driver(get_settings().DATABASE_ALIAS).translate_error(exc)
+
+
 def database_away(exc: BaseException) -> bool:
     """Whether ``exc``, from the driver or the ORM, says the database is away, restarting or
     refusing writes for now: a failure that a later try, on a new connection, gets past."""
@@ -104,10 +117,13 @@ def database_away(exc: BaseException) -> bool:
     # (its InternalError for a read-only server) are judged as the driver judges its own.
     if isinstance(exc, (TransientDriverError, OperationalError, InterfaceError)):
         return True
-    if not isinstance(exc, DatabaseError):
-        return False
-    driver = get_driver(get_settings().DATABASE_ALIAS)
-    return isinstance(driver.translate_error(exc), TransientDriverError)
+    return isinstance(in_driver_terms(exc), TransientDriverError)
+
+
+def refused_a_grant(exc: BaseException) -> bool:
+    """Whether ``exc``, from the driver or the ORM, is the database refusing the role a
+    privilege (a missing grant): every call needing it fails alike until a DBA grants it."""
+    return isinstance(in_driver_terms(exc), PrivilegeRefusedError)
 
 
 def binary_collation(connection: Any) -> str:
@@ -128,5 +144,7 @@ __all__ = [
     "database_away",
     "driver_for_connection",
     "get_driver",
+    "in_driver_terms",
+    "refused_a_grant",
     "refuses_writes",
 ]
