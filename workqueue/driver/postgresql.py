@@ -494,13 +494,13 @@ class PostgresDriver(BaseDriver):
             return SerializationFailureError(message)
         if sqlstate == "40P01":
             return DeadlockError(message)
+        # For these the server's words name the statement a procedure ran, with its SQL as
+        # CONTEXT: the first line, and what it means, are what an operator needs.
+        first_line = (message.splitlines() or [""])[0]
         if sqlstate == "42501":  # insufficient_privilege
-            return PrivilegeRefusedError(f"{message.splitlines()[0]} ({PRIVILEGE_REFUSED_HINT})")
+            return PrivilegeRefusedError(f"{first_line} ({PRIVILEGE_REFUSED_HINT})")
         if sqlstate in (READ_ONLY_SQLSTATE, STATEMENT_CANCELLED_SQLSTATE):
-            # The server's words name the statement a procedure ran, with its SQL as CONTEXT:
-            # the first line, and what it means, are what an operator needs.
             hint = READ_ONLY_HINT if sqlstate == READ_ONLY_SQLSTATE else STATEMENT_CANCELLED_HINT
-            first_line = (message.splitlines() or [""])[0]
             return TransientDriverError(f"{first_line} ({hint})")
         if sqlstate in _TRANSIENT_SQLSTATES or (sqlstate or "").startswith("08"):
             return TransientDriverError(message)
@@ -769,7 +769,7 @@ class PostgresDriver(BaseDriver):
                     raise self.translate_error(exc) from exc
                 if raw.closed or raw.broken:
                     self._local.raw = None
-                elif exc.sqlstate == READ_ONLY_SQLSTATE:
+                elif self.session_unfit(exc):
                     self._local.raw = None  # read-only for its life: the next call opens anew
                     owned.close()
                 elif not retried and self._recovered_prepared_statement(owned, exc):
