@@ -18,6 +18,7 @@ from django_tasks.signals import task_enqueued, task_finished
 
 from tests.support.hosts import running_tasks_queue
 from tests.support.waiting import wait_until
+from workqueue.exceptions import PublishInsideAtomicInTestWarning
 from workqueue.models import Message
 from workqueue.testing import run_until_idle, use_test_connection
 
@@ -149,6 +150,34 @@ def test_task_enqueued_is_sent_for_a_follow_up_in_test_mode():
         task_enqueued.disconnect(receive)
 
     assert len(announced) == 2, announced
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_the_queue_a_first_enqueue_makes_in_test_mode_goes_with_the_tests_rollback(pg_conn):
+    """Test mode promises that the test's rollback removes what the queue wrote. The topic
+    and subscription a first enqueue makes for its queue were committed on a connection of
+    their own instead, and stayed for every later test: a test making a topic of that name
+    failed on its unique name, or not, by the order the tests ran in."""
+    from tests.task_functions import add
+
+    def committed() -> tuple[int, int]:
+        return pg_conn.execute(
+            "SELECT (SELECT count(*) FROM workqueue_topic WHERE name = 'tasks.default'),"
+            " (SELECT count(*) FROM workqueue_subscription WHERE name = 'tasks.default')"
+        ).fetchone()
+
+    assert committed() == (0, 0)
+    # A test before this one, and its rollback (told, as a publish inside atomic() is).
+    with pytest.warns(PublishInsideAtomicInTestWarning), transaction.atomic():
+        add.enqueue(1, 2)
+        transaction.set_rollback(True)
+    assert committed() == (0, 0)
+    # The backend remembers the queue as made: its publish finds no topic and makes it again.
+    add.enqueue(1, 2)
+
+    assert Message.objects.filter(topic__name="tasks.default").count() == 1
+    assert committed() == (0, 0)
 
 
 @pytest.mark.parametrize(

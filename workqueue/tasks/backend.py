@@ -221,12 +221,18 @@ class WorkQueueBackend(api.BaseTaskBackend):
         problem = _queue_name_problem(queue_name)
         if problem:
             raise api.InvalidTaskError(problem)
+        # Imported here: the backend is built at a @task's import, before the driver loads.
+        from workqueue.driver.base import routed_to_django_connection
+
         alias = get_settings().DATABASE_ALIAS
         try:
-            if connections[alias].in_atomic_block:
+            if connections[alias].in_atomic_block and not routed_to_django_connection(alias):
                 # The caller's transaction must not hold the new topic: the publish runs on the
                 # queue's own connection and would not see it (and a rollback would undo it). A
-                # thread has a connection of its own, in autocommit.
+                # thread has a connection of its own, in autocommit. In test mode the publish
+                # runs in the caller's transaction, and the topic goes with the test's
+                # rollback, as everything else the queue wrote (the next test's publish finds
+                # no topic and makes it again).
                 runner = _on_a_connection_of_its_own(
                     _create_topology, queue_name, self.subscription_options
                 )
