@@ -16,6 +16,17 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cheap_transactional_reset() -> Iterator[None]:
+    """Transactional tests end with tests.support.reset's row deletes instead of Django's
+    flush, where those leave the same database (about 0.15 s less a test)."""
+    from tests.support.reset import install
+
+    undo = install()
+    yield
+    undo()
+
+
 @pytest.fixture
 def pg_conn(django_db_setup, django_db_blocker):
     """An autocommit psycopg connection to this worker's test database (procedures installed)."""
