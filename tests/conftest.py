@@ -164,7 +164,7 @@ def processes(queue_db, tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def aws_endpoint() -> Iterator[Any]:
+def aws_server() -> Iterator[Any]:
     """SNS and SQS for the AWS transport: moto's standalone server on 127.0.0.1 for the whole
     session (real AWS with WORKQUEUE_TEST_AWS_REGION set); skips when moto is not installed."""
     from tests.support.aws import REAL_AWS_REGION, aws_endpoint, moto_server_command
@@ -173,3 +173,15 @@ def aws_endpoint() -> Iterator[Any]:
         pytest.skip("moto[server] is not installed: pip install -r requirements.txt")
     with aws_endpoint() as endpoint:
         yield endpoint
+
+
+@pytest.fixture
+def aws_endpoint(aws_server, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The session's AWS endpoint, with boto3 clients of this test's own. The transport keeps
+    one set of clients per configuration for the life of the process, and each test's fresh
+    prefix is a configuration: some 30,000 objects each (botocore's service models), which
+    every later full garbage collection of the worker walked, 2 s a host teardown by the end."""
+    from workqueue.transports import aws
+
+    monkeypatch.setattr(aws, "_clients", {})
+    return aws_server
