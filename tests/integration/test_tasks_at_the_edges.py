@@ -16,10 +16,11 @@ from django.db import OperationalError, connection, transaction
 from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
 from django_tasks.signals import task_enqueued, task_finished
 
+from tests.factories import TopicFactory
 from tests.support.hosts import running_tasks_queue
 from tests.support.waiting import wait_until
 from workqueue.exceptions import PublishInsideAtomicInTestWarning
-from workqueue.models import Message
+from workqueue.models import Delivery, Message
 from workqueue.testing import run_until_idle, use_test_connection
 
 QUEUE = "tasks.default"
@@ -178,6 +179,25 @@ def test_the_queue_a_first_enqueue_makes_in_test_mode_goes_with_the_tests_rollba
 
     assert Message.objects.filter(topic__name="tasks.default").count() == 1
     assert committed() == (0, 0)
+
+
+@pytest.mark.django_db
+@use_test_connection()
+def test_a_queue_whose_subscription_a_rollback_took_is_made_again_in_test_mode():
+    """Review helper-151: with the queue's topology made in the test's transaction, a rollback
+    can take the subscription and leave a topic the test made itself (or declared); the
+    backend, remembering the queue as made, published to a topic nothing subscribed to, and
+    every later enqueue of the test (and of the tests after it) failed."""
+    from tests.task_functions import add
+
+    TopicFactory(name="tasks.default")
+    with pytest.warns(PublishInsideAtomicInTestWarning), transaction.atomic():
+        add.enqueue(1, 2)
+        transaction.set_rollback(True)
+
+    add.enqueue(1, 2)
+
+    assert Delivery.objects.filter(subscription__name="tasks.default").count() == 1
 
 
 @pytest.mark.parametrize(

@@ -226,13 +226,16 @@ class WorkQueueBackend(api.BaseTaskBackend):
 
         alias = get_settings().DATABASE_ALIAS
         try:
-            if connections[alias].in_atomic_block and not routed_to_django_connection(alias):
+            if routed_to_django_connection(alias):
+                # Test mode: the publish runs in the caller's transaction, so the topic and
+                # subscription are made there, in a savepoint as every queue call of test
+                # mode, and go with the test's rollback like everything else the queue wrote.
+                with transaction.atomic(using=alias):
+                    runner = _create_topology(queue_name, self.subscription_options)
+            elif connections[alias].in_atomic_block:
                 # The caller's transaction must not hold the new topic: the publish runs on the
                 # queue's own connection and would not see it (and a rollback would undo it). A
-                # thread has a connection of its own, in autocommit. In test mode the publish
-                # runs in the caller's transaction, and the topic goes with the test's
-                # rollback, as everything else the queue wrote (the next test's publish finds
-                # no topic and makes it again).
+                # thread has a connection of its own, in autocommit.
                 runner = _on_a_connection_of_its_own(
                     _create_topology, queue_name, self.subscription_options
                 )
@@ -340,11 +343,15 @@ class WorkQueueBackend(api.BaseTaskBackend):
     def _publish(self, message: TaskMessage) -> PublishResult:
         # Imported here: publishing reaches the driver, which this module must not load at
         # import time (the backend is built when a @task decorator runs, at module import).
+        from workqueue.driver.base import routed_to_django_connection
         from workqueue.publishing import publish, running_a_task
 
-        if message.queue_name not in self._ready_queues:
-            self.ensure_queue(message.queue_name)
         alias = get_settings().DATABASE_ALIAS
+        # In test mode a rollback (the test's, or a block's inside it) may have taken the
+        # queue's topology since it was made, or only its subscription: made sure of at every
+        # enqueue there (two reads), where a process otherwise does it once per queue.
+        if message.queue_name not in self._ready_queues or routed_to_django_connection(alias):
+            self.ensure_queue(message.queue_name)
         publishing = functools.partial(
             publish,
             topic_name(message.queue_name),
