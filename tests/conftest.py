@@ -41,6 +41,16 @@ def pg_conn(django_db_setup, django_db_blocker):
 
 
 @pytest.fixture
+def truncated_queue_tables(pg_conn) -> None:
+    """The queue tables as a fresh install has them, not as the suite's reset after the last
+    test leaves them (rows deleted, their pages and dead-row counts still there): for tests
+    of plans, the pages and rows they read, and table statistics."""
+    from workqueue.driver.base import QUEUE_TABLES
+
+    pg_conn.execute(f"TRUNCATE {', '.join(QUEUE_TABLES)}")
+
+
+@pytest.fixture
 def queue_db(transactional_db):
     """Database access for tests that use the driver: the driver works on its own connection, so
     test data must be committed (a transactional test) for it to be seen."""

@@ -30,7 +30,9 @@ def row_counts() -> dict[str, int]:
 def kept_rows() -> tuple[list[tuple], list[tuple]]:
     return (
         list(ContentType.objects.order_by("pk").values_list("pk", "app_label", "model")),
-        list(Permission.objects.order_by("pk").values_list("pk", "content_type", "codename")),
+        list(
+            Permission.objects.order_by("pk").values_list("pk", "content_type", "codename", "name")
+        ),
     )
 
 
@@ -47,7 +49,7 @@ def fill_the_queue_and_auth_tables() -> None:
 def test_the_reset_empties_every_table_the_flush_empties_and_keeps_migrates_rows() -> None:
     # The flush after an earlier test (or the first reset of this worker) records what migrate
     # made; the cheap reset works only against that record.
-    reset._remember_fingerprint("default")
+    reset._remember_flushed("default")
     before_kept = kept_rows()
     fill_the_queue_and_auth_tables()
     # Including the guarded ones: a subscription with deliveries, a topic with messages.
@@ -72,27 +74,37 @@ def test_the_reset_empties_every_table_the_flush_empties_and_keeps_migrates_rows
     assert kept_rows() == before_kept
 
 
-def test_a_test_that_changed_the_permissions_is_reset_by_djangos_flush() -> None:
-    reset._remember_fingerprint("default")
+def create_a_permission() -> None:
     Permission.objects.create(
         codename="made_by_a_test",
         name="Made by a test",
         content_type=ContentType.objects.get_for_model(Group),
     )
+
+
+def rename_a_permission() -> None:
+    Permission.objects.filter(codename="view_topic").update(name="Renamed by a test")
+
+
+@pytest.mark.parametrize("change", [create_a_permission, rename_a_permission])
+def test_a_test_that_changed_the_permissions_is_reset_by_djangos_flush(change) -> None:
+    reset._remember_flushed("default")
+    before = kept_rows()
+    change()
     UserFactory()
 
     assert reset.reset_tables("default") is False
 
-    # Untouched: the flush after this test removes the permission and makes migrate's again.
-    assert Permission.objects.filter(codename="made_by_a_test").exists()
+    # Untouched: the flush after this test makes migrate's permissions again.
+    assert kept_rows() != before
 
 
 def test_a_table_filled_past_a_page_is_truncated_and_the_rest_deleted_from() -> None:
+    reset._remember_flushed("default")
     subscription = SubscriptionFactory()
     publish_many(
         subscription.topic.name, [{"payload": {"n": n, "text": "x" * 200}} for n in range(100)]
     )
-    reset._remember_fingerprint("default")
 
     assert reset.reset_tables("default") is True
 
@@ -103,3 +115,28 @@ def test_a_table_filled_past_a_page_is_truncated_and_the_rest_deleted_from() -> 
         message_bytes, topic_bytes = cursor.fetchone()
     assert message_bytes == 0  # a new, empty file: no dead rows for the next test to read
     assert topic_bytes == 8192  # its one page stays, holding the deleted row
+
+
+def index_sizes(table: str) -> list[int]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_relation_size(indexrelid) FROM pg_index WHERE indrelid = %s::regclass",
+            [table],
+        )
+        return [size for (size,) in cursor.fetchall()]
+
+
+def test_a_table_whose_indexes_grew_is_truncated_even_once_a_vacuum_emptied_its_heap() -> None:
+    reset._remember_flushed("default")
+    subscription = SubscriptionFactory()
+    publish_many(subscription.topic.name, [{"payload": {"n": n}} for n in range(300)])
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM workqueue_delivery")
+        cursor.execute("VACUUM workqueue_delivery")  # gives the empty heap back, not the index
+        cursor.execute("SELECT pg_relation_size('workqueue_delivery')")
+        assert cursor.fetchone() == (0,)
+    assert max(index_sizes("workqueue_delivery")) > 2 * 8192
+
+    assert reset.reset_tables("default") is True
+
+    assert max(index_sizes("workqueue_delivery")) == 8192  # each index as a new one is

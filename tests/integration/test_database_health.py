@@ -28,7 +28,7 @@ from workqueue.models import HostRecord
 from workqueue.operators.permissions import READ
 from workqueue.transport import Receiver
 
-pytestmark = pytest.mark.usefixtures("queue_db")
+pytestmark = pytest.mark.usefixtures("queue_db", "truncated_queue_tables")
 
 
 @contextmanager

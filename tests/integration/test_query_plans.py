@@ -29,14 +29,6 @@ pytestmark = pytest.mark.usefixtures("queue_db", "truncated_queue_tables")
 BACKLOG = 100_000
 
 
-@pytest.fixture
-def truncated_queue_tables(pg_conn) -> None:
-    """The queue tables as a fresh install has them, not as the suite's reset after the last
-    test leaves them (rows deleted, their pages still there): a plan, and the pages and rows
-    it reads, depend on a table's size on disk and on its dead rows."""
-    pg_conn.execute(f"TRUNCATE {', '.join(QUEUE_TABLES)}")
-
-
 def _call(pg_conn, procedure: str, params: dict) -> list:
     """Call ``procedure`` on ``pg_conn`` as the driver renders the call; its rows, undecoded."""
     driver = get_driver()
