@@ -136,15 +136,16 @@ def reset_tables(alias: str) -> bool:
 
 
 def _tables(alias: str) -> list[str]:
-    """The tables ``flush`` truncates on ``alias`` but the kept ones, quoted."""
+    """The tables ``flush`` truncates on ``alias`` but the kept ones, quoted, sorted (Django
+    gives them in the order of a set of strings, which changes from one process to the next)."""
     connection = connections[alias]
-    return [
+    return sorted(
         connection.ops.quote_name(table)
         for table in connection.introspection.django_table_names(
             only_existing=True, include_views=False
         )
         if table not in KEPT_TABLES
-    ]
+    )
 
 
 def _remember_flushed(alias: str) -> None:
