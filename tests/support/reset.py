@@ -31,6 +31,7 @@ or permissions (their rows differ from what the last flush left), after which th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, transaction
@@ -67,12 +68,12 @@ SELECT t, r.oid, pg_relation_size(r.oid)
 """
 
 
+@dataclass(frozen=True)
 class _Flushed:
     """What the last flush of an alias left: the kept tables' rows, and each relation's size."""
 
-    def __init__(self, kept: tuple[Any, ...], sizes: dict[int, int]) -> None:
-        self.kept = kept
-        self.sizes = sizes
+    kept: tuple[Any, ...]
+    sizes: dict[int, int]
 
 
 _flushed: dict[str, _Flushed] = {}
@@ -110,12 +111,12 @@ def reset_tables(alias: str) -> bool:
     flushed = _flushed.get(alias)
     if connection.vendor != "postgresql" or flushed is None:
         return False
-    tables = _tables(alias)
     with connection.cursor() as cursor:
         cursor.execute(_STATE_SQL)
         *kept, superuser = cursor.fetchone()
         if not superuser or tuple(kept) != flushed.kept:
             return False
+        tables = _tables(alias)
         cursor.execute(_SIZES_SQL, [tables])
         grown = {
             table
