@@ -113,6 +113,9 @@ class Receiver:
         # Where the last claim's walk over partition keys stopped (see wq_claim): the next claim
         # goes on from there, so every key gets its turn when a hot key clogs the oldest rows.
         self.key_cursor: str | None = None
+        # The id of a claim that raised: it may have committed with its answer lost (a dropped
+        # connection), so the next claim sends it again to be handed what it took.
+        self._unanswered_claim: uuid.UUID | None = None
 
     @property
     def enlist_alias(self) -> str | None:
@@ -128,16 +131,29 @@ class Receiver:
         """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).
 
         Also reports deliveries whose expired lease was their last attempt, now dead-lettered.
+        After a claim that raised, this one first takes back what that one may have claimed
+        before its answer was lost: those deliveries, at the attempt they were claimed for.
         """
-        rows = self.driver.call(
-            "wq_claim",
-            {
-                "subscription_id": self.subscription_id,
-                "lease_owner": self.lease_owner,
-                "max_rows": max_rows,
-                "after_key": self.key_cursor,
-            },
-        )
+        retake = self._unanswered_claim is not None
+        claim_id = self._unanswered_claim or uuid.uuid4()
+        try:
+            rows = self.driver.call(
+                "wq_claim",
+                {
+                    "subscription_id": self.subscription_id,
+                    "lease_owner": self.lease_owner,
+                    "max_rows": max_rows,
+                    "after_key": self.key_cursor,
+                    "claim_id": claim_id,
+                    "retake": retake,
+                },
+            )
+        except BaseException:
+            # Whatever the failure, the claim may have committed: taking back what a claim that
+            # never ran would have taken finds nothing and costs one index read.
+            self._unanswered_claim = claim_id
+            raise
+        self._unanswered_claim = None
         walked = False
         lease_seconds = None
         for r in rows:

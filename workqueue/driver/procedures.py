@@ -130,7 +130,10 @@ PROCEDURES: dict[str, Procedure] = {
         # Claiming and leases
         Procedure(
             "wq_claim",
-            _p("subscription_id:uuid, lease_owner:text, max_rows:int, after_key:text"),
+            _p(
+                "subscription_id:uuid, lease_owner:text, max_rows:int, after_key:text, "
+                "claim_id:uuid, retake:bool"
+            ),
             _CLAIMED,
             ResultKind.MANY,
         ),

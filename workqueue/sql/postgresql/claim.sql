@@ -148,7 +148,15 @@ $$;
 -- that key and only that key is skipped. Keyless deliveries are claimed in skip-locked batches,
 -- taking their turn among the keys by priority and then by due time, so keyless work of a
 -- higher priority never waits behind keyed work (nor older keyless work behind newer keys).
--- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1. When anything was
+-- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1. The token is made
+-- from p_claim_id (the caller's new id for each claim) and the row's id, or at random when
+-- p_claim_id is NULL: one of its own for every row either way.
+-- With p_retake, an earlier call with this p_claim_id and p_lease_owner may have committed while
+-- its answer was lost with the connection: the deliveries it took that are still held on that
+-- lease (not run out, no cancel asked) come first, their attempt unchanged and their leases
+-- renewed from now (the caller times renewals from this call), and count against p_max_rows.
+-- Without it they would wait out the lease and run as a further attempt (dead-lettered unrun on
+-- a last one). When anything was
 -- claimed, a last row of kind 'Lease' says how long the leases are, in its attempt_count column
 -- (as a 'KeyCursor' row carries its key in partition_key): the subscription's setting now, which
 -- the caller's copy of it may not be yet; a delivery keeps that length while it is held
@@ -165,7 +173,9 @@ CREATE OR REPLACE FUNCTION wq_claim(
     p_subscription_id uuid,
     p_lease_owner text,
     p_max_rows integer,
-    p_after_key text
+    p_after_key text,
+    p_claim_id uuid DEFAULT NULL,
+    p_retake boolean DEFAULT NULL
 )
 RETURNS TABLE (
     kind text,
@@ -262,6 +272,37 @@ BEGIN
     END IF;
     v_lease := make_interval(secs => v_sub.lease_seconds);
     v_ordered := v_sub.partition_mode = 'Ordered';
+
+    IF p_retake AND p_claim_id IS NOT NULL THEN
+        RETURN QUERY
+        WITH retaken AS (
+            -- Read through wq_dlv_open_ix: the subscription's InFlight rows, a few.
+            UPDATE workqueue_delivery d
+               SET lease_expires_at = now() + v_lease, last_heartbeat_at = now()
+             WHERE d.id IN (
+                   SELECT h.id FROM workqueue_delivery h
+                    WHERE h.subscription_id = p_subscription_id AND h.status = 'InFlight'
+                      AND h.lease_owner = p_lease_owner
+                      AND h.lease_token = md5(p_claim_id::text || h.id::text)::uuid
+                      AND h.lease_expires_at > now() AND h.cancel_requested_at IS NULL
+                    ORDER BY h.visible_at
+                    LIMIT p_max_rows
+                      FOR UPDATE)
+            RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
+                      d.attempt_count::integer, d.is_replay, d.visible_at
+        )
+        SELECT 'Claimed'::text, c.id, c.lease_token, c.lease_expires_at, c.attempt_count,
+               c.is_replay, m.id, m.topic_id, m.partition_key::text, m.attributes, m.payload,
+               m.payload_ref, m.correlation_id::text, m.published_at
+          FROM retaken c
+         CROSS JOIN LATERAL (
+               SELECT x.id, x.topic_id, x.partition_key, x.attributes, x.payload,
+                      x.payload_ref, x.correlation_id, x.published_at
+                 FROM workqueue_message x WHERE x.id = c.message_id OFFSET 0) m
+         ORDER BY c.visible_at;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        v_remaining := v_remaining - v_count;
+    END IF;
 
     IF v_sub.partition_mode <> 'None' THEN
         -- The window: keys of visible keyed Pending rows, priority by priority (highest
@@ -437,7 +478,9 @@ BEGIN
                     -- row.
                     UPDATE workqueue_delivery d
                        SET status = 'InFlight', lease_owner = p_lease_owner,
-                           lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
+                           lease_token = CASE WHEN p_claim_id IS NULL THEN gen_random_uuid()
+                                         ELSE md5(p_claim_id::text || d.id::text)::uuid END,
+                           lease_expires_at = now() + v_lease,
                            last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                            progress = NULL
                      WHERE d.ctid = ANY (v_picked)
@@ -494,7 +537,9 @@ BEGIN
             WITH claimed AS (
                 UPDATE workqueue_delivery d
                    SET status = 'InFlight', lease_owner = p_lease_owner,
-                       lease_token = gen_random_uuid(), lease_expires_at = now() + v_lease,
+                       lease_token = CASE WHEN p_claim_id IS NULL THEN gen_random_uuid()
+                                     ELSE md5(p_claim_id::text || d.id::text)::uuid END,
+                       lease_expires_at = now() + v_lease,
                        last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                        progress = NULL
                  -- By the locked row's ctid (it cannot move while locked): with a status

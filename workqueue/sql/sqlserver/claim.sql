@@ -150,9 +150,14 @@ GO
 -- key, and only that key is skipped. Keyless deliveries are claimed in skip-locked batches
 -- (UPDLOCK, READPAST, ROWLOCK), taking their turn among the keys by priority and then by due
 -- time, so keyless work of a higher priority never waits behind keyed work (nor older keyless
--- work behind newer keys). Each claim sets a fresh lease token, lease_expires_at = now +
--- lease_seconds, last_heartbeat_at = now, attempt_count + 1 and clears progress. Rows of kind
--- 'Claimed' come in claim order.
+-- work behind newer keys). Each claim sets a fresh lease token (made from @claim_id, the
+-- caller's new id for each claim, and the row's id; at random without @claim_id: one of its own
+-- for every row either way), lease_expires_at = now + lease_seconds, last_heartbeat_at = now,
+-- attempt_count + 1 and clears progress. Rows of kind 'Claimed' come in claim order.
+-- With @retake = 1, an earlier call with this @claim_id and @lease_owner may have committed
+-- while its answer was lost with the connection: the deliveries it took that are still held on
+-- that lease (not run out, no cancel asked) come first, their attempt unchanged and their leases
+-- renewed from now (the caller times renewals from this call), and count against @max_rows.
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
 -- is raised instead of skipped. It runs wq_expire_leases through INSERT ... EXEC, so it cannot
 -- itself be the target of an INSERT ... EXEC.
@@ -166,13 +171,16 @@ CREATE OR ALTER PROCEDURE dbo.wq_claim
     @subscription_id uniqueidentifier,
     @lease_owner nvarchar(4000),
     @max_rows int,
-    @after_key nvarchar(4000)
+    @after_key nvarchar(4000),
+    @claim_id uniqueidentifier = NULL,
+    @retake bit = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @claim char(32) = dbo.wq_uuid_text(@claim_id);
     DECLARE @partition_mode nvarchar(20);
     DECLARE @lease_seconds int;
     DECLARE @subscription_status nvarchar(20);
@@ -286,6 +294,43 @@ BEGIN
 
     IF @subscription_status = N'Active' AND @max_rows >= 1
     BEGIN
+        IF @retake = 1 AND @claim IS NOT NULL
+        BEGIN
+            DELETE FROM @claimed;
+            WITH held AS (
+                SELECT TOP (@remaining)
+                       d.lease_expires_at, d.last_heartbeat_at, d.id, d.message_id,
+                       d.lease_token, d.attempt_count, d.is_replay, d.visible_at
+                  FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK)
+                 WHERE d.subscription_id = @subscription_key AND d.status = N'InFlight'
+                   AND d.lease_owner = @lease_owner
+                   AND d.lease_token
+                       = LOWER(CONVERT(char(32), HASHBYTES('MD5', @claim + d.id), 2))
+                   AND d.lease_expires_at > @now AND d.cancel_requested_at IS NULL
+                 ORDER BY d.visible_at
+            )
+            UPDATE held
+               SET lease_expires_at = DATEADD(second, @lease_seconds, @now),
+                   last_heartbeat_at = @now
+            OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
+                   inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
+                   inserted.visible_at
+              INTO @claimed;
+            SET @remaining -= @@ROWCOUNT;
+
+            INSERT INTO @result
+                   (phase, kind, delivery_id, lease_token, lease_expires_at, attempt_count,
+                    is_replay, message_id, topic_id, partition_key, attributes, payload,
+                    payload_ref, correlation_id, published_at)
+            SELECT 2, N'Claimed', dbo.wq_text_uuid(c.id), dbo.wq_text_uuid(c.lease_token),
+                   c.lease_expires_at, c.attempt_count, c.is_replay,
+                   dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id), m.partition_key,
+                   m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
+              FROM @claimed AS c
+              JOIN dbo.workqueue_message AS m ON m.id = c.message_id
+             ORDER BY c.visible_at;
+        END;
+
         IF @partition_mode <> N'None'
         BEGIN
             -- The window: keys of visible keyed Pending rows, priority by priority (highest
@@ -453,7 +498,10 @@ BEGIN
                 UPDATE picked
                    SET status = N'InFlight',
                        lease_owner = @lease_owner,
-                       lease_token = LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
+                       lease_token = CASE WHEN @claim IS NULL
+                                          THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
+                                          ELSE LOWER(CONVERT(char(32),
+                                                     HASHBYTES('MD5', @claim + id), 2)) END,
                        lease_expires_at = DATEADD(second, @lease_seconds, @now),
                        last_heartbeat_at = @now,
                        attempt_count = attempt_count + 1,
@@ -507,7 +555,10 @@ BEGIN
                 UPDATE d
                    SET status = N'InFlight',
                        lease_owner = @lease_owner,
-                       lease_token = LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', '')),
+                       lease_token = CASE WHEN @claim IS NULL
+                                          THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
+                                          ELSE LOWER(CONVERT(char(32),
+                                                     HASHBYTES('MD5', @claim + d.id), 2)) END,
                        lease_expires_at = DATEADD(second, @lease_seconds, @now),
                        last_heartbeat_at = @now,
                        attempt_count = d.attempt_count + 1,

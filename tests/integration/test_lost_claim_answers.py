@@ -1,0 +1,176 @@
+"""A claim that committed but whose answer was lost with its connection (a network drop, a
+failover, a pooler restarting) costs nothing: the next claim of the same consumer sends the
+lost one's lease token again and is handed what that claim took, at the same attempt, with
+fresh leases. Before, those deliveries stayed hidden for a whole lease, then ran as attempt 2
+(on a subscription with ``max_attempts=1``, dead-lettered as LeaseExpired without ever having
+run).
+
+The answer is lost the way the driver sees it: the procedure ran and committed on the
+autocommit connection, then the call raised as a dropped connection does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from tests.factories import SubscriptionFactory
+from tests.support.handlers import probe
+from tests.support.hosts import one, status_of, sub
+from tests.support.waiting import wait_until
+from workqueue import publish, publish_many
+from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
+from workqueue.models import Delivery
+from workqueue.operators import operations
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+LONG_LEASE = 300
+
+
+class LostClaims:
+    """Makes the next ``count`` claims (``wq_claim`` calls) that take something commit and then
+    lose their answer."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pending = 0
+        self.lost: list[list[dict[str, Any]]] = []
+        driver_class = type(get_driver())
+        call = driver_class.call
+
+        def call_losing_claim_answers(driver: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+            rows = call(driver, name, *args, **kwargs)
+            claimed = [r for r in rows if r["kind"] == "Claimed"] if name == "wq_claim" else []
+            if claimed and self.pending:
+                self.pending -= 1
+                self.lost.append(claimed)
+                raise TransientDriverError("server closed the connection unexpectedly (test)")
+            return rows
+
+        monkeypatch.setattr(driver_class, "call", call_losing_claim_answers)
+
+    def lose(self, count: int = 1) -> None:
+        self.pending = count
+
+
+@pytest.fixture
+def lost_claims(monkeypatch: pytest.MonkeyPatch) -> LostClaims:
+    return LostClaims(monkeypatch)
+
+
+def _lease_ends(delivery_id: str) -> dt.datetime:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT lease_expires_at FROM workqueue_delivery WHERE id = %s", [delivery_id]
+        )
+        return cursor.fetchone()[0]
+
+
+def test_a_claim_whose_answer_was_lost_is_handed_back_by_the_next_claim_at_its_attempt(
+    lost_claims,
+):
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
+    published = [publish(subscription.topic.name, {"n": n}).message_id for n in range(3)]
+    receiver = Receiver(subscription.id, "host-1")
+
+    lost_claims.lose()
+    with pytest.raises(TransientDriverError):
+        receiver.receive(3)
+    (lost,) = lost_claims.lost
+    assert len(lost) == 3  # the claim committed: three deliveries InFlight, nobody knowing
+    first_leases = {str(r["delivery_id"]): _lease_ends(r["delivery_id"]) for r in lost}
+
+    handed_back = receiver.receive(3).deliveries
+
+    assert sorted(d.message_id for d in handed_back) == sorted(published)
+    assert [d.attempt for d in handed_back] == [1, 1, 1]
+    for delivery in handed_back:
+        # A fresh lease from the claim that answered: the consumer times its renewals from it.
+        assert _lease_ends(delivery.delivery_id) > first_leases[delivery.delivery_id]
+        assert receiver.complete(delivery).settled
+    assert set(Delivery.objects.values_list("status", flat=True)) == {"Completed"}
+
+
+def test_the_claim_after_a_lost_answer_fills_up_with_new_work_and_the_next_ones_are_fresh(
+    lost_claims,
+):
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(5)])
+    receiver = Receiver(subscription.id, "host-1")
+
+    lost_claims.lose()
+    with pytest.raises(TransientDriverError):
+        receiver.receive(2)
+    again = receiver.receive(4).deliveries
+    later = receiver.receive(4).deliveries
+
+    lost_ids = {str(r["delivery_id"]) for r in lost_claims.lost[0]}
+    assert lost_ids <= {d.delivery_id for d in again}
+    assert len(again) == 4 and len(later) == 1
+    assert {d.attempt for d in again + later} == {1}
+    # Only the claim right after the lost answer takes it up again: what it handed back is
+    # never handed out a second time.
+    assert not {d.delivery_id for d in again} & {d.delivery_id for d in later}
+
+
+def test_a_lost_claim_is_handed_back_only_to_the_consumer_that_sent_it(lost_claims):
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
+    publish(subscription.topic.name, {"n": 1})
+    losing = Receiver(subscription.id, "host-1")
+    other = Receiver(subscription.id, "host-2")
+
+    lost_claims.lose()
+    with pytest.raises(TransientDriverError):
+        losing.receive(1)
+
+    assert other.receive(1).deliveries == []
+    assert len(losing.receive(1).deliveries) == 1
+
+
+def test_a_lost_claim_whose_lease_ran_out_or_was_cancelled_is_not_handed_back(lost_claims):
+    """What the lost claim took and has since ended its lease, or been cancelled by an
+    operator, follows the ordinary rules (expiry, or the cancel settling it), never a hand-back
+    that would run it on a lease already gone or against the operator's cancel."""
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE, max_attempts=5)
+    expired, cancelled = (publish(subscription.topic.name, {"n": n}).message_id for n in (1, 2))
+    receiver = Receiver(subscription.id, "host-1")
+    lost_claims.lose()
+    with pytest.raises(TransientDriverError):
+        receiver.receive(2)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workqueue_delivery SET lease_expires_at = now() - interval '1 second' "
+            "WHERE message_id = %s",
+            [expired],
+        )
+    cancelled_id = str(Delivery.objects.get(message_id=cancelled).id)
+    assert operations.discard(subscription.name, cancelled_id, reason="test").cancel_requested
+
+    handed = receiver.receive(2).deliveries
+
+    # The expired one came back through expiry as attempt 2 (a claim, not a hand-back); the
+    # cancelled one was not handed out at all.
+    assert [(d.message_id, d.attempt) for d in handed] == [(expired, 2)]
+    assert Delivery.objects.get(message_id=cancelled).status == "InFlight"
+
+
+def test_a_host_whose_claim_answer_was_lost_runs_the_work_at_once_at_attempt_1(
+    make_host, lost_claims
+):
+    s = sub(lease_seconds=LONG_LEASE, max_attempts=1)
+    lost_claims.lose()
+    host = make_host(one(s, concurrency=2))
+    host.start()
+
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+
+    # Well within the lease: before, the delivery waited out its 300 s lease and then, on its
+    # only attempt, was dead-lettered as LeaseExpired without ever having run.
+    wait_until(lambda: status_of(message) == "Completed", timeout=20)
+    assert lost_claims.lost and str(lost_claims.lost[0][0]["message_id"]) == message
+    assert [run.attempt for run in probe.wait_for(1, message_id=message)] == [1]
