@@ -30,7 +30,7 @@ system-packages-for-tests:
 	@bash .ci/install-system-packages --for-tests
 
 test: system-packages-for-tests venv
-	$(VENV_PY) -m pytest -n 2 --dist worksteal -m "not slow and not timing"
+	$(VENV_PY) -m pytest -n 4 --dist worksteal -m "not slow and not timing"
 	$(VENV_PY) -m pytest -m "timing and not slow"
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
