@@ -103,6 +103,11 @@ def _claimed(
     )
 
 
+#: How many claims that raised a receiver names again (see ``Receiver.receive``); what a claim
+#: failing beyond them took, if it committed, waits out its lease as it did before 0051.
+UNANSWERED_CLAIMS_KEPT = 32
+
+
 class Receiver:
     """Claims and settles deliveries of one subscription on behalf of ``lease_owner``."""
 
@@ -113,9 +118,11 @@ class Receiver:
         # Where the last claim's walk over partition keys stopped (see wq_claim): the next claim
         # goes on from there, so every key gets its turn when a hot key clogs the oldest rows.
         self.key_cursor: str | None = None
-        # The id of a claim that raised: it may have committed with its answer lost (a dropped
-        # connection), so the next claim sends it again to be handed what it took.
-        self._unanswered_claim: uuid.UUID | None = None
+        # Ids of claims that raised: each may have committed with its answer lost (a dropped
+        # connection). The next claims name them again, oldest first, one a claim, to be handed
+        # what they took (see wq_claim), until one hands back less than it had room for.
+        self._unanswered_claims: list[uuid.UUID] = []
+        self._unanswered_lock = threading.Lock()
 
     @property
     def enlist_alias(self) -> str | None:
@@ -131,11 +138,12 @@ class Receiver:
         """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).
 
         Also reports deliveries whose expired lease was their last attempt, now dead-lettered.
-        After a claim that raised, this one first takes back what that one may have claimed
-        before its answer was lost: those deliveries, at the attempt they were claimed for.
+        After a claim that raised, the next ones first take back what it may have claimed before
+        its answer was lost: those deliveries, at the attempt they were claimed for.
         """
-        retake = self._unanswered_claim is not None
-        claim_id = self._unanswered_claim or uuid.uuid4()
+        claim_id = uuid.uuid4()
+        with self._unanswered_lock:
+            retake_claim_id = self._unanswered_claims[0] if self._unanswered_claims else None
         try:
             rows = self.driver.call(
                 "wq_claim",
@@ -145,15 +153,18 @@ class Receiver:
                     "max_rows": max_rows,
                     "after_key": self.key_cursor,
                     "claim_id": claim_id,
-                    "retake": retake,
+                    "retake_claim_id": retake_claim_id,
                 },
             )
         except BaseException:
-            # Whatever the failure, the claim may have committed: taking back what a claim that
-            # never ran would have taken finds nothing and costs one index read.
-            self._unanswered_claim = claim_id
+            # Whatever the failure, the claim may have committed: naming a claim that never ran
+            # again finds nothing, at the cost of one read. The first claims of an outage are
+            # kept (the one under way when the connection broke is among them); the ones after,
+            # which never reached the server, are not.
+            with self._unanswered_lock:
+                if len(self._unanswered_claims) < UNANSWERED_CLAIMS_KEPT:
+                    self._unanswered_claims.append(claim_id)
             raise
-        self._unanswered_claim = None
         walked = False
         lease_seconds = None
         for r in rows:
@@ -162,6 +173,10 @@ class Receiver:
                 walked = True
             elif r["kind"] == "Lease":
                 lease_seconds = r["attempt_count"]  # how long the claimed rows' leases are
+            elif r["kind"] == "Retaken" and r["attempt_count"] < max_rows:
+                # Everything the named claim still held is handed back: not named again.
+                with self._unanswered_lock, suppress(ValueError):
+                    self._unanswered_claims.remove(retake_claim_id)
         claimed = [
             _claimed(r, self.subscription_id, lease_seconds) for r in rows if r["kind"] == "Claimed"
         ]

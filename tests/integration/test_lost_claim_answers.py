@@ -1,9 +1,8 @@
 """A claim that committed but whose answer was lost with its connection (a network drop, a
-failover, a pooler restarting) costs nothing: the next claim of the same consumer sends the
-lost one's lease token again and is handed what that claim took, at the same attempt, with
-fresh leases. Before, those deliveries stayed hidden for a whole lease, then ran as attempt 2
-(on a subscription with ``max_attempts=1``, dead-lettered as LeaseExpired without ever having
-run).
+failover, a pooler restarting) costs no attempt: the consumer's next claims name the lost claim
+again and are handed what it took, at the same attempt, with fresh leases and tokens. Before,
+those deliveries stayed hidden for a whole lease, then ran as attempt 2 (on a subscription with
+``max_attempts=1``, dead-lettered as LeaseExpired without ever having run).
 
 The answer is lost the way the driver sees it: the procedure ran and committed on the
 autocommit connection, then the call raised as a dropped connection does.
@@ -12,6 +11,7 @@ autocommit connection, then the call raised as a dropped connection does.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
-from workqueue.models import Delivery
+from workqueue.models import Delivery, Subscription
 from workqueue.operators import operations
 from workqueue.transport import Receiver
 
@@ -35,11 +35,12 @@ LONG_LEASE = 300
 
 class LostClaims:
     """Makes the next ``count`` claims (``wq_claim`` calls) that take something commit and then
-    lose their answer."""
+    lose their answer; ``ids`` holds the claim id each lost claim was sent with."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pending = 0
         self.lost: list[list[dict[str, Any]]] = []
+        self.ids: list[uuid.UUID] = []
         driver_class = type(get_driver())
         call = driver_class.call
 
@@ -49,6 +50,7 @@ class LostClaims:
             if claimed and self.pending:
                 self.pending -= 1
                 self.lost.append(claimed)
+                self.ids.append(args[0].get("claim_id"))
                 raise TransientDriverError("server closed the connection unexpectedly (test)")
             return rows
 
@@ -96,46 +98,91 @@ def test_a_claim_whose_answer_was_lost_is_handed_back_by_the_next_claim_at_its_a
     assert set(Delivery.objects.values_list("status", flat=True)) == {"Completed"}
 
 
-def test_the_claim_after_a_lost_answer_fills_up_with_new_work_and_the_next_ones_are_fresh(
+def test_a_lost_claim_larger_than_the_next_is_handed_back_over_several_claims_never_twice(
     lost_claims,
 ):
+    """The next claim may have less room than the lost one had (a rate limit, a one-shot
+    budget): the rest comes with the claims after it, and what one hands back is never handed
+    out again (it carries the new claim's tokens)."""
     subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
-    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(5)])
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(6)])
     receiver = Receiver(subscription.id, "host-1")
 
     lost_claims.lose()
     with pytest.raises(TransientDriverError):
-        receiver.receive(2)
-    again = receiver.receive(4).deliveries
-    later = receiver.receive(4).deliveries
+        receiver.receive(4)
+    claims = [receiver.receive(2).deliveries, receiver.receive(4).deliveries]
+    claims.append(receiver.receive(4).deliveries)
 
     lost_ids = {str(r["delivery_id"]) for r in lost_claims.lost[0]}
-    assert lost_ids <= {d.delivery_id for d in again}
-    assert len(again) == 4 and len(later) == 1
-    assert {d.attempt for d in again + later} == {1}
-    # Only the claim right after the lost answer takes it up again: what it handed back is
-    # never handed out a second time.
-    assert not {d.delivery_id for d in again} & {d.delivery_id for d in later}
+    handed = [d.delivery_id for claim in claims for d in claim]
+    assert len(handed) == len(set(handed)) == 6
+    assert {d.delivery_id for d in claims[0]} <= lost_ids
+    assert lost_ids <= {d.delivery_id for d in claims[0] + claims[1]}
+    assert {d.attempt for claim in claims for d in claim} == {1}
 
 
-def test_a_lost_claim_is_handed_back_only_to_the_consumer_that_sent_it(lost_claims):
+def test_a_lost_claim_hands_back_only_what_it_took_and_only_to_its_consumer(lost_claims):
+    """The hand-back is fenced by the lost claim's tokens and its holder: not a delivery the
+    consumer already runs, not to another consumer naming the same claim, not to a claim
+    naming another id."""
     subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
-    publish(subscription.topic.name, {"n": 1})
-    losing = Receiver(subscription.id, "host-1")
-    other = Receiver(subscription.id, "host-2")
-
+    first = publish(subscription.topic.name, {"n": 0}).message_id
+    receiver = Receiver(subscription.id, "host-1")
+    (running,) = receiver.receive(1).deliveries
+    assert running.message_id == first
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in (1, 2)])
     lost_claims.lose()
     with pytest.raises(TransientDriverError):
-        losing.receive(1)
+        receiver.receive(5)
+    (lost_id,) = lost_claims.ids
 
-    assert other.receive(1).deliveries == []
-    assert len(losing.receive(1).deliveries) == 1
+    def claim_naming(retake_claim_id: uuid.UUID, owner: str) -> list[dict[str, Any]]:
+        rows = get_driver().call(
+            "wq_claim",
+            {
+                "subscription_id": subscription.id,
+                "lease_owner": owner,
+                "max_rows": 5,
+                "claim_id": uuid.uuid4(),
+                "retake_claim_id": retake_claim_id,
+            },
+        )
+        return [r for r in rows if r["kind"] == "Claimed"]
+
+    assert claim_naming(lost_id, "host-2") == []
+    assert claim_naming(uuid.uuid4(), "host-1") == []
+    handed = receiver.receive(5).deliveries
+    assert sorted(d.delivery_id for d in handed) == sorted(
+        str(r["delivery_id"]) for r in lost_claims.lost[0]
+    )
+    assert running.delivery_id not in {d.delivery_id for d in handed}
+
+
+def test_a_lost_claim_is_handed_back_though_the_subscription_was_paused_since(lost_claims):
+    """Claimed while it ran, they run as they would have had the answer arrived; a pause stops
+    new claims only."""
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
+    publish_many(subscription.topic, [{"payload": {"n": n}} for n in range(3)])
+    receiver = Receiver(subscription.id, "host-1")
+    lost_claims.lose()
+    with pytest.raises(TransientDriverError):
+        receiver.receive(2)
+    Subscription.objects.filter(pk=subscription.pk).update(status="Paused")
+
+    handed = receiver.receive(3)
+
+    assert sorted(d.delivery_id for d in handed.deliveries) == sorted(
+        str(r["delivery_id"]) for r in lost_claims.lost[0]
+    )
+    assert [d.attempt for d in handed.deliveries] == [1, 1]
+    assert {d.lease_seconds for d in handed.deliveries} == {LONG_LEASE}
 
 
 def test_a_lost_claim_whose_lease_ran_out_or_was_cancelled_is_not_handed_back(lost_claims):
     """What the lost claim took and has since ended its lease, or been cancelled by an
-    operator, follows the ordinary rules (expiry, or the cancel settling it), never a hand-back
-    that would run it on a lease already gone or against the operator's cancel."""
+    operator, follows the ordinary rules (expiry, a cancel settling it when its lease runs out),
+    never a hand-back that would run it on a lease already gone or against the cancel."""
     subscription = SubscriptionFactory(lease_seconds=LONG_LEASE, max_attempts=5)
     expired, cancelled = (publish(subscription.topic.name, {"n": n}).message_id for n in (1, 2))
     receiver = Receiver(subscription.id, "host-1")

@@ -231,7 +231,7 @@ def test_installing_drops_procedures_the_files_no_longer_declare():
         get_driver().install_procedures(connection)
     names = [row[0] for row in _catalog()["functions"]]
     assert "wq_obsolete()" not in names
-    assert "wq_claim(uuid,text,integer,text,uuid,boolean)" in names
+    assert "wq_claim(uuid,text,integer,text,uuid,uuid)" in names
 
 
 @pytest.mark.django_db(transaction=True)

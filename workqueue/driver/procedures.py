@@ -132,7 +132,7 @@ PROCEDURES: dict[str, Procedure] = {
             "wq_claim",
             _p(
                 "subscription_id:uuid, lease_owner:text, max_rows:int, after_key:text, "
-                "claim_id:uuid, retake:bool"
+                "claim_id:uuid, retake_claim_id:uuid"
             ),
             _CLAIMED,
             ResultKind.MANY,

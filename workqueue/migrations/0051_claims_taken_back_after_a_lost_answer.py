@@ -1,9 +1,9 @@
 """Reinstalls both vendors' procedures: ``wq_claim`` takes an id for each claim from the
-caller, makes the claimed rows' lease tokens from it, and with ``retake`` hands back what an
-earlier call with that id took when that call's answer was lost with its connection (it had
-committed: its deliveries stayed hidden for a lease, then ran as a further attempt). Both
-parameters have defaults, so the previous release's calls bind unchanged during a rolling
-deploy.
+caller (``claim_id``), makes the claimed rows' lease tokens from it, and hands back first what
+an earlier claim named in ``retake_claim_id`` took when that claim's answer was lost with its
+connection (it had committed: its deliveries stayed hidden for a lease, then ran as a further
+attempt). Both parameters have defaults, so the previous release's calls bind unchanged during
+a rolling deploy.
 """
 
 from django.db import migrations

@@ -149,14 +149,17 @@ $$;
 -- taking their turn among the keys by priority and then by due time, so keyless work of a
 -- higher priority never waits behind keyed work (nor older keyless work behind newer keys).
 -- Each claim sets a fresh lease token, the lease expiry and attempt_count + 1. The token is made
--- from p_claim_id (the caller's new id for each claim) and the row's id, or at random when
+-- from p_claim_id (the caller's new id for each call) and the row's id, or at random when
 -- p_claim_id is NULL: one of its own for every row either way.
--- With p_retake, an earlier call with this p_claim_id and p_lease_owner may have committed while
--- its answer was lost with the connection: the deliveries it took that are still held on that
--- lease (not run out, no cancel asked) come first, their attempt unchanged and their leases
--- renewed from now (the caller times renewals from this call), and count against p_max_rows.
--- Without it they would wait out the lease and run as a further attempt (dead-lettered unrun on
--- a last one). When anything was
+-- p_retake_claim_id names an earlier call of this p_lease_owner that may have committed while
+-- its answer was lost with the connection. The deliveries it took that are still held on its
+-- tokens (no cancel asked) come first, whatever the subscription's status (they were claimed
+-- while it ran): their attempt unchanged, their leases renewed from now (the caller times its
+-- renewals from this call) and their tokens made anew from p_claim_id, so a later call naming
+-- that claim again never hands them out twice. They count against p_max_rows; a row of kind
+-- 'Retaken' says how many there were (in its attempt_count column), so the caller names that
+-- claim again while they filled the call. Without this they would wait out their lease and run
+-- as a further attempt (dead-lettered unrun on a last one). When anything was
 -- claimed, a last row of kind 'Lease' says how long the leases are, in its attempt_count column
 -- (as a 'KeyCursor' row carries its key in partition_key): the subscription's setting now, which
 -- the caller's copy of it may not be yet; a delivery keeps that length while it is held
@@ -175,7 +178,7 @@ CREATE OR REPLACE FUNCTION wq_claim(
     p_max_rows integer,
     p_after_key text,
     p_claim_id uuid DEFAULT NULL,
-    p_retake boolean DEFAULT NULL
+    p_retake_claim_id uuid DEFAULT NULL
 )
 RETURNS TABLE (
     kind text,
@@ -266,28 +269,30 @@ BEGIN
           FROM wq_expire_leases(p_subscription_id, 500) e
          WHERE e.new_status = 'DeadLettered';
     END IF;
-    -- (status is never NULL: NULL here means no such subscription.)
-    IF v_sub.status IS DISTINCT FROM 'Active' OR p_max_rows < 1 THEN
-        RETURN;
-    END IF;
     v_lease := make_interval(secs => v_sub.lease_seconds);
-    v_ordered := v_sub.partition_mode = 'Ordered';
 
-    IF p_retake AND p_claim_id IS NOT NULL THEN
+    IF p_retake_claim_id IS NOT NULL AND p_max_rows >= 1 THEN
         RETURN QUERY
         WITH retaken AS (
-            -- Read through wq_dlv_open_ix: the subscription's InFlight rows, a few.
+            -- The subscription's InFlight rows, read through wq_dlv_open_ix: as many as it has
+            -- in flight, on a call after one that raised only. Rows another session holds
+            -- locked are skipped, as every claim skips them, and left to their lease.
             UPDATE workqueue_delivery d
-               SET lease_expires_at = now() + v_lease, last_heartbeat_at = now()
+               SET lease_expires_at = now() + v_lease, last_heartbeat_at = now(),
+                   lease_token = CASE WHEN p_claim_id IS NULL THEN gen_random_uuid()
+                       ELSE substr(encode(sha256(convert_to(
+                                p_claim_id::text || d.id::text, 'UTF8')), 'hex'), 1, 32)::uuid
+                       END
              WHERE d.id IN (
                    SELECT h.id FROM workqueue_delivery h
                     WHERE h.subscription_id = p_subscription_id AND h.status = 'InFlight'
                       AND h.lease_owner = p_lease_owner
-                      AND h.lease_token = md5(p_claim_id::text || h.id::text)::uuid
+                      AND h.lease_token = substr(encode(sha256(convert_to(
+                              p_retake_claim_id::text || h.id::text, 'UTF8')), 'hex'), 1, 32)::uuid
                       AND h.lease_expires_at > now() AND h.cancel_requested_at IS NULL
                     ORDER BY h.visible_at
                     LIMIT p_max_rows
-                      FOR UPDATE)
+                      FOR UPDATE SKIP LOCKED)
             RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
                       d.attempt_count::integer, d.is_replay, d.visible_at
         )
@@ -302,7 +307,22 @@ BEGIN
          ORDER BY c.visible_at;
         GET DIAGNOSTICS v_count = ROW_COUNT;
         v_remaining := v_remaining - v_count;
+        RETURN QUERY
+        SELECT 'Retaken'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, v_count,
+               NULL::boolean, NULL::uuid, NULL::uuid, NULL::text, NULL::jsonb, NULL::jsonb,
+               NULL::jsonb, NULL::text, NULL::timestamptz;
     END IF;
+    -- (status is never NULL: NULL here means no such subscription.)
+    IF v_sub.status IS DISTINCT FROM 'Active' OR p_max_rows < 1 THEN
+        IF v_remaining < p_max_rows THEN
+            RETURN QUERY
+            SELECT 'Lease'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, v_sub.lease_seconds,
+                   NULL::boolean, NULL::uuid, NULL::uuid, NULL::text, NULL::jsonb, NULL::jsonb,
+                   NULL::jsonb, NULL::text, NULL::timestamptz;
+        END IF;
+        RETURN;
+    END IF;
+    v_ordered := v_sub.partition_mode = 'Ordered';
 
     IF v_sub.partition_mode <> 'None' THEN
         -- The window: keys of visible keyed Pending rows, priority by priority (highest
@@ -479,7 +499,9 @@ BEGIN
                     UPDATE workqueue_delivery d
                        SET status = 'InFlight', lease_owner = p_lease_owner,
                            lease_token = CASE WHEN p_claim_id IS NULL THEN gen_random_uuid()
-                                         ELSE md5(p_claim_id::text || d.id::text)::uuid END,
+                               ELSE substr(encode(sha256(convert_to(
+                                        p_claim_id::text || d.id::text, 'UTF8')), 'hex'),
+                                           1, 32)::uuid END,
                            lease_expires_at = now() + v_lease,
                            last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                            progress = NULL
@@ -538,7 +560,9 @@ BEGIN
                 UPDATE workqueue_delivery d
                    SET status = 'InFlight', lease_owner = p_lease_owner,
                        lease_token = CASE WHEN p_claim_id IS NULL THEN gen_random_uuid()
-                                     ELSE md5(p_claim_id::text || d.id::text)::uuid END,
+                           ELSE substr(encode(sha256(convert_to(
+                                    p_claim_id::text || d.id::text, 'UTF8')), 'hex'),
+                                       1, 32)::uuid END,
                        lease_expires_at = now() + v_lease,
                        last_heartbeat_at = now(), attempt_count = d.attempt_count + 1,
                        progress = NULL

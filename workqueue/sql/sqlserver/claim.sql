@@ -151,13 +151,16 @@ GO
 -- (UPDLOCK, READPAST, ROWLOCK), taking their turn among the keys by priority and then by due
 -- time, so keyless work of a higher priority never waits behind keyed work (nor older keyless
 -- work behind newer keys). Each claim sets a fresh lease token (made from @claim_id, the
--- caller's new id for each claim, and the row's id; at random without @claim_id: one of its own
+-- caller's new id for each call, and the row's id; at random without @claim_id: one of its own
 -- for every row either way), lease_expires_at = now + lease_seconds, last_heartbeat_at = now,
 -- attempt_count + 1 and clears progress. Rows of kind 'Claimed' come in claim order.
--- With @retake = 1, an earlier call with this @claim_id and @lease_owner may have committed
--- while its answer was lost with the connection: the deliveries it took that are still held on
--- that lease (not run out, no cancel asked) come first, their attempt unchanged and their leases
--- renewed from now (the caller times renewals from this call), and count against @max_rows.
+-- @retake_claim_id names an earlier call of this @lease_owner that may have committed while its
+-- answer was lost with the connection. The deliveries it took that are still held on its tokens
+-- (no cancel asked) come first, whatever the subscription's status (they were claimed while it
+-- ran): their attempt unchanged, their leases renewed from now and their tokens made anew from
+-- @claim_id, so a later call naming that claim again never hands them out twice. They count
+-- against @max_rows; a row of kind 'Retaken' says how many there were (in its attempt_count
+-- column), so the caller names that claim again while they filled the call.
 -- Call it outside a transaction: inside one, a lost key race dooms the caller's transaction and
 -- is raised instead of skipped. It runs wq_expire_leases through INSERT ... EXEC, so it cannot
 -- itself be the target of an INSERT ... EXEC.
@@ -173,7 +176,7 @@ CREATE OR ALTER PROCEDURE dbo.wq_claim
     @max_rows int,
     @after_key nvarchar(4000),
     @claim_id uniqueidentifier = NULL,
-    @retake bit = NULL
+    @retake_claim_id uniqueidentifier = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -181,6 +184,7 @@ BEGIN
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @claim char(32) = dbo.wq_uuid_text(@claim_id);
+    DECLARE @retake_claim char(32) = dbo.wq_uuid_text(@retake_claim_id);
     DECLARE @partition_mode nvarchar(20);
     DECLARE @lease_seconds int;
     DECLARE @subscription_status nvarchar(20);
@@ -292,45 +296,54 @@ BEGIN
      WHERE s.id = @subscription_key;
     SET @ordered = CASE WHEN @partition_mode = N'Ordered' THEN 1 ELSE 0 END;
 
+    IF @retake_claim IS NOT NULL AND @max_rows >= 1
+    BEGIN
+        -- The subscription's InFlight rows (wq_dlv_open_ix), on a call after one that raised
+        -- only. Rows another session holds locked are skipped, as every claim skips them, and
+        -- left to their lease.
+        DELETE FROM @claimed;
+        WITH held AS (
+            SELECT TOP (@remaining)
+                   d.lease_expires_at, d.last_heartbeat_at, d.lease_token, d.id, d.message_id,
+                   d.attempt_count, d.is_replay, d.visible_at
+              FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
+             WHERE d.subscription_id = @subscription_key AND d.status = N'InFlight'
+               AND d.lease_owner = @lease_owner
+               AND d.lease_token
+                   = LOWER(CONVERT(char(32), HASHBYTES('SHA2_256', @retake_claim + d.id), 2))
+               AND d.lease_expires_at > @now AND d.cancel_requested_at IS NULL
+             ORDER BY d.visible_at
+        )
+        UPDATE held
+           SET lease_expires_at = DATEADD(second, @lease_seconds, @now),
+               last_heartbeat_at = @now,
+               lease_token = CASE WHEN @claim IS NULL
+                                  THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
+                                  ELSE LOWER(CONVERT(char(32),
+                                             HASHBYTES('SHA2_256', @claim + id), 2)) END
+        OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
+               inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
+               inserted.visible_at
+          INTO @claimed;
+        SET @remaining -= @@ROWCOUNT;
+
+        INSERT INTO @result
+               (phase, kind, delivery_id, lease_token, lease_expires_at, attempt_count,
+                is_replay, message_id, topic_id, partition_key, attributes, payload,
+                payload_ref, correlation_id, published_at)
+        SELECT 2, N'Claimed', dbo.wq_text_uuid(c.id), dbo.wq_text_uuid(c.lease_token),
+               c.lease_expires_at, c.attempt_count, c.is_replay,
+               dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id), m.partition_key,
+               m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
+          FROM @claimed AS c
+          JOIN dbo.workqueue_message AS m ON m.id = c.message_id
+         ORDER BY c.visible_at;
+        INSERT INTO @result (phase, kind, attempt_count)
+        VALUES (3, N'Retaken', @max_rows - @remaining);
+    END;
+
     IF @subscription_status = N'Active' AND @max_rows >= 1
     BEGIN
-        IF @retake = 1 AND @claim IS NOT NULL
-        BEGIN
-            DELETE FROM @claimed;
-            WITH held AS (
-                SELECT TOP (@remaining)
-                       d.lease_expires_at, d.last_heartbeat_at, d.id, d.message_id,
-                       d.lease_token, d.attempt_count, d.is_replay, d.visible_at
-                  FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK)
-                 WHERE d.subscription_id = @subscription_key AND d.status = N'InFlight'
-                   AND d.lease_owner = @lease_owner
-                   AND d.lease_token
-                       = LOWER(CONVERT(char(32), HASHBYTES('MD5', @claim + d.id), 2))
-                   AND d.lease_expires_at > @now AND d.cancel_requested_at IS NULL
-                 ORDER BY d.visible_at
-            )
-            UPDATE held
-               SET lease_expires_at = DATEADD(second, @lease_seconds, @now),
-                   last_heartbeat_at = @now
-            OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
-                   inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
-                   inserted.visible_at
-              INTO @claimed;
-            SET @remaining -= @@ROWCOUNT;
-
-            INSERT INTO @result
-                   (phase, kind, delivery_id, lease_token, lease_expires_at, attempt_count,
-                    is_replay, message_id, topic_id, partition_key, attributes, payload,
-                    payload_ref, correlation_id, published_at)
-            SELECT 2, N'Claimed', dbo.wq_text_uuid(c.id), dbo.wq_text_uuid(c.lease_token),
-                   c.lease_expires_at, c.attempt_count, c.is_replay,
-                   dbo.wq_text_uuid(m.id), dbo.wq_text_uuid(m.topic_id), m.partition_key,
-                   m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
-              FROM @claimed AS c
-              JOIN dbo.workqueue_message AS m ON m.id = c.message_id
-             ORDER BY c.visible_at;
-        END;
-
         IF @partition_mode <> N'None'
         BEGIN
             -- The window: keys of visible keyed Pending rows, priority by priority (highest
@@ -501,7 +514,7 @@ BEGIN
                        lease_token = CASE WHEN @claim IS NULL
                                           THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
                                           ELSE LOWER(CONVERT(char(32),
-                                                     HASHBYTES('MD5', @claim + id), 2)) END,
+                                                     HASHBYTES('SHA2_256', @claim + id), 2)) END,
                        lease_expires_at = DATEADD(second, @lease_seconds, @now),
                        last_heartbeat_at = @now,
                        attempt_count = attempt_count + 1,
@@ -558,7 +571,7 @@ BEGIN
                        lease_token = CASE WHEN @claim IS NULL
                                           THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
                                           ELSE LOWER(CONVERT(char(32),
-                                                     HASHBYTES('MD5', @claim + d.id), 2)) END,
+                                                     HASHBYTES('SHA2_256', @claim + d.id), 2)) END,
                        lease_expires_at = DATEADD(second, @lease_seconds, @now),
                        last_heartbeat_at = @now,
                        attempt_count = d.attempt_count + 1,
