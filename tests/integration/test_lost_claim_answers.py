@@ -41,11 +41,13 @@ class LostClaims:
         self.pending = 0
         self.lost: list[list[dict[str, Any]]] = []
         self.ids: list[uuid.UUID] = []
-        driver_class = type(get_driver())
-        call = driver_class.call
+        # The instance every receiver calls (a patch of its class would miss an instance that
+        # an earlier test's patch, undone, left holding its own bound ``call``).
+        driver = get_driver()
+        call = driver.call
 
-        def call_losing_claim_answers(driver: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-            rows = call(driver, name, *args, **kwargs)
+        def call_losing_claim_answers(name: str, *args: Any, **kwargs: Any) -> Any:
+            rows = call(name, *args, **kwargs)
             claimed = [r for r in rows if r["kind"] == "Claimed"] if name == "wq_claim" else []
             if claimed and self.pending:
                 self.pending -= 1
@@ -54,7 +56,7 @@ class LostClaims:
                 raise TransientDriverError("server closed the connection unexpectedly (test)")
             return rows
 
-        monkeypatch.setattr(driver_class, "call", call_losing_claim_answers)
+        monkeypatch.setattr(driver, "call", call_losing_claim_answers)
 
     def lose(self, count: int = 1) -> None:
         self.pending = count
