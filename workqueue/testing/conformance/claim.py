@@ -1,7 +1,10 @@
 """Claim and lease cases: redelivery, backoff, expiry, fencing and heartbeats
-(C04-C09, C21, C22, C29, C30, C41). Time passes through ``advance_time``, never a sleep."""
+(C04-C09, C21, C22, C29, C30, C41), a claim whose answer was lost (C45). Time passes through
+``advance_time``, never a sleep."""
 
 from __future__ import annotations
+
+import uuid
 
 from workqueue.models import Subscription
 from workqueue.testing.conformance.harness import (
@@ -230,3 +233,42 @@ def lease_length_kept_from_the_claim(ctx: CaseContext) -> None:
     ctx.advance_time(20)  # 20 s after the renewal: past the shortened lease, within the claim's
     ctx.expect_nothing_receivable("a", "within the lease length the claim gave")
     expect_settled(ctx.receiver("a").complete(held), "Completed", "complete within the lease")
+
+
+@CASES.case(
+    "C45",
+    "a claim whose answer was lost is handed back once, at its attempt and with new tokens, to "
+    "its holder's claims that name it, over several when they have less room",
+    requires=("claims_through_procedures",),
+)
+def lost_claim_handed_back(ctx: CaseContext) -> None:
+    # A claim that commits while its connection drops leaves its deliveries leased to a
+    # consumer that never heard of them: without the hand-back they would wait out the lease
+    # and run as a further attempt (dead-lettered unrun on a last one).
+    ctx.subscribe("a", lease_seconds=30)
+    for _ in range(3):
+        ctx.publish()
+    lost = uuid.uuid4()
+    taken, _ = ctx.claim_by_procedure("a", 3, claim_id=lost)  # its answer never arrives
+    expect_equal(len(taken), 3, "deliveries the lost claim took")
+
+    stranger = ctx.claim_by_procedure(
+        "a", 3, claim_id=uuid.uuid4(), retake_claim_id=lost, owner="second"
+    )
+    expect_equal(stranger, ([], 0), "another holder's claim naming the lost one (rows, retaken)")
+    first, first_retaken = ctx.claim_by_procedure(
+        "a", 2, claim_id=uuid.uuid4(), retake_claim_id=lost
+    )
+    rest, rest_retaken = ctx.claim_by_procedure("a", 5, claim_id=uuid.uuid4(), retake_claim_id=lost)
+
+    expect_equal((first_retaken, rest_retaken), (2, 1), "retaken by a claim of 2, then of 5")
+    handed = first + rest
+    expect_equal(
+        sorted(str(r["delivery_id"]) for r in handed),
+        sorted(str(r["delivery_id"]) for r in taken),
+        "deliveries handed back, each once",
+    )
+    expect_equal({r["attempt_count"] for r in handed}, {1}, "attempts of the handed-back ones")
+    # The tokens the hand-back gave fence the deliveries now; the lost claim's no longer do.
+    expect_equal([ctx.complete_by_procedure(r) for r in taken], [0, 0, 0], "old tokens")
+    expect_equal([ctx.complete_by_procedure(r) for r in handed], [1, 1, 1], "new tokens")

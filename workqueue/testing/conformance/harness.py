@@ -22,6 +22,7 @@ from django.test.utils import override_settings
 
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
+from workqueue.driver.base import Row
 from workqueue.models import Subscription, Topic, Transport
 from workqueue.models.topology import DATABASE_DRIVER
 from workqueue.publishing import publish
@@ -102,6 +103,9 @@ class TransportTraits:
     #: The harness can move the transport's clock (``advance_time`` shifts stored times);
     #: without it, ``advance_time`` waits that long for real.
     shifts_time: bool = True
+    #: Claims are calls of the queue's stored procedure ``wq_claim``, which the harness can
+    #: make itself and drop the answer of, as a lost connection does (C45).
+    claims_through_procedures: bool = True
     #: The registered transport (``Transport.driver_class``) the cases run on; the case's
     #: topic is bound to the Transport row of the same name.
     transport: str = DATABASE_DRIVER
@@ -253,10 +257,43 @@ class CaseContext:
         """The receiver of subscription ``name`` for lease owner ``owner`` (one per pair)."""
         found = self._receivers.get((name, owner))
         if found is None:
-            lease_owner = f"conformance:{self.case_id}:{owner}"
-            found = self.transport.receiver(str(self.subscriptions[name].id), lease_owner)
+            found = self.transport.receiver(self.sub_id(name), self._lease_owner(owner))
             self._receivers[(name, owner)] = found
         return found
+
+    def _lease_owner(self, owner: str) -> str:
+        return f"conformance:{self.case_id}:{owner}"
+
+    def claim_by_procedure(
+        self,
+        name: str,
+        max_rows: int,
+        *,
+        claim_id: uuid.UUID,
+        retake_claim_id: uuid.UUID | None = None,
+        owner: str = "primary",
+    ) -> tuple[list[Row], int | None]:
+        """Call ``wq_claim`` for subscription ``name`` as ``owner``'s receiver would: its
+        claimed rows and the count its 'Retaken' row gives (None without one). A case drops
+        the answer by not using it, as a lost connection drops it."""
+        rows = self.driver.call(
+            "wq_claim",
+            {
+                "subscription_id": self.sub_id(name),
+                "lease_owner": self._lease_owner(owner),
+                "max_rows": max_rows,
+                "claim_id": claim_id,
+                "retake_claim_id": retake_claim_id,
+            },
+        )
+        retaken = [r["attempt_count"] for r in rows if r["kind"] == "Retaken"]
+        return [r for r in rows if r["kind"] == "Claimed"], (retaken[0] if retaken else None)
+
+    def complete_by_procedure(self, row: Row) -> int:
+        """``wq_complete`` of a claimed row with the token it carries: rows changed (0 or 1)."""
+        return self.driver.call_rowcount(
+            "wq_complete", {"delivery_id": row["delivery_id"], "lease_token": row["lease_token"]}
+        )
 
     def receive_result(self, name: str, max: int = 10, owner: str = "primary") -> ClaimResult:
         return self.receiver(name, owner).receive(max)
