@@ -7,6 +7,8 @@ VENV := .venv
 VENV_PY := $(VENV)/bin/python
 # Touched after a successful install: the venv is rebuilt only when requirements.txt is newer.
 STAMP := $(VENV)/.requirements-installed
+# pytest workers for `make test`: four on two cores, since most tests wait (README, Development).
+PYTEST_WORKERS ?= 4
 
 .PHONY: venv test lint format demo clean-db system-packages system-packages-for-tests
 
@@ -30,7 +32,7 @@ system-packages-for-tests:
 	@bash .ci/install-system-packages --for-tests
 
 test: system-packages-for-tests venv
-	$(VENV_PY) -m pytest -n 4 --dist worksteal -m "not slow and not timing"
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not slow and not timing"
 	$(VENV_PY) -m pytest -m "timing and not slow"
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

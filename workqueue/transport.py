@@ -103,11 +103,6 @@ def _claimed(
     )
 
 
-#: How many claims that raised a receiver names again (see ``Receiver.receive``); what a claim
-#: failing beyond them took, if it committed, waits out its lease as it did before 0051.
-UNANSWERED_CLAIMS_KEPT = 32
-
-
 class Receiver:
     """Claims and settles deliveries of one subscription on behalf of ``lease_owner``."""
 
@@ -118,10 +113,10 @@ class Receiver:
         # Where the last claim's walk over partition keys stopped (see wq_claim): the next claim
         # goes on from there, so every key gets its turn when a hot key clogs the oldest rows.
         self.key_cursor: str | None = None
-        # Ids of claims that raised: each may have committed with its answer lost (a dropped
-        # connection). The next claims name them again, oldest first, one a claim, to be handed
-        # what they took (see wq_claim), until one hands back less than it had room for.
-        self._unanswered_claims: list[uuid.UUID] = []
+        # The id of a claim that raised: it may have committed with its answer lost (a dropped
+        # connection). The next claims name it, to be handed what it took (see wq_claim), until
+        # one hands back less than it had room for.
+        self._unanswered_claim: uuid.UUID | None = None
         self._unanswered_lock = threading.Lock()
 
     @property
@@ -143,7 +138,7 @@ class Receiver:
         """
         claim_id = uuid.uuid4()
         with self._unanswered_lock:
-            retake_claim_id = self._unanswered_claims[0] if self._unanswered_claims else None
+            retake_claim_id = self._unanswered_claim
         try:
             rows = self.driver.call(
                 "wq_claim",
@@ -158,12 +153,15 @@ class Receiver:
             )
         except BaseException:
             # Whatever the failure, the claim may have committed: naming a claim that never ran
-            # again finds nothing, at the cost of one read. The first claims of an outage are
-            # kept (the one under way when the connection broke is among them); the ones after,
-            # which never reached the server, are not.
-            with self._unanswered_lock:
-                if len(self._unanswered_claims) < UNANSWERED_CLAIMS_KEPT:
-                    self._unanswered_claims.append(claim_id)
+            # finds nothing, at the cost of one read. Not a claim that named one itself: what it
+            # handed back and failed to deliver is left to its leases (and so to max_attempts),
+            # or an answer that can never be read (a value the driver cannot decode) would hand
+            # the same deliveries back for ever at the same attempt. The earlier one stays named
+            # (the failure may have come before the call reached the server).
+            if retake_claim_id is None:
+                with self._unanswered_lock:
+                    if self._unanswered_claim is None:
+                        self._unanswered_claim = claim_id
             raise
         walked = False
         lease_seconds = None
@@ -175,8 +173,9 @@ class Receiver:
                 lease_seconds = r["attempt_count"]  # how long the claimed rows' leases are
             elif r["kind"] == "Retaken" and r["attempt_count"] < max_rows:
                 # Everything the named claim still held is handed back: not named again.
-                with self._unanswered_lock, suppress(ValueError):
-                    self._unanswered_claims.remove(retake_claim_id)
+                with self._unanswered_lock:
+                    if self._unanswered_claim == retake_claim_id:
+                        self._unanswered_claim = None
         claimed = [
             _claimed(r, self.subscription_id, lease_seconds) for r in rows if r["kind"] == "Claimed"
         ]

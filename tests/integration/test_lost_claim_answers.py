@@ -223,3 +223,29 @@ def test_a_host_whose_claim_answer_was_lost_runs_the_work_at_once_at_attempt_1(
     wait_until(lambda: status_of(message) == "Completed", timeout=20)
     assert lost_claims.lost and str(lost_claims.lost[0][0]["message_id"]) == message
     assert [run.attempt for run in probe.wait_for(1, message_id=message)] == [1]
+
+
+def test_deliveries_whose_claim_answer_can_never_be_read_reach_their_dead_letter(lost_claims):
+    """Review helper-153: an answer that fails every time (a value the driver cannot decode,
+    say) handed the same delivery back every other claim, renewing its lease at the same
+    attempt, so it never reached max_attempts and held its key for ever. A claim that named a
+    lost one and failed too is not named in turn: the delivery is handed back once, then left
+    to its lease."""
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE, max_attempts=1)
+    message = publish(subscription.topic.name, {"n": 1}).message_id
+    receiver = Receiver(subscription.id, "host-1")
+    lost_claims.lose(count=1_000)
+
+    for _ in range(10):
+        with pytest.raises(TransientDriverError):
+            receiver.receive(1)
+        if len(lost_claims.lost) == 2:
+            break
+    for _ in range(5):
+        assert receiver.receive(1).deliveries == []  # not handed back a third time
+    assert len(lost_claims.lost) == 2
+
+    get_driver().shift_time(LONG_LEASE + 1, subscription_id=str(subscription.id))
+    expired = receiver.receive(1).expired_dead_letters
+    assert [d.delivery_id for d in expired] == [str(lost_claims.lost[0][0]["delivery_id"])]
+    assert Delivery.objects.get(message_id=message).status == "DeadLettered"

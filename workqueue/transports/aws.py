@@ -1422,9 +1422,6 @@ class AwsTransport(BaseTransport):
         "settles_after_expiry_until_taken_back": False,
         # Exclusive runs on FIFO queues, which only a FIFO topic feeds.
         "fifo_topics": True,
-        # Receives are SQS calls, not wq_claim; a FIFO receive whose answer was lost is made
-        # again with its ReceiveRequestAttemptId (tests/integration/test_aws_transport.py).
-        "claims_through_procedures": False,
         # SQS keeps time itself.
         "shifts_time": False,
     }

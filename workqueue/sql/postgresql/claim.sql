@@ -271,7 +271,9 @@ BEGIN
     END IF;
     v_lease := make_interval(secs => v_sub.lease_seconds);
 
-    IF p_retake_claim_id IS NOT NULL AND p_max_rows >= 1 THEN
+    -- (A claim naming itself would hand back, under the same tokens, what it just took.)
+    IF p_retake_claim_id IS NOT NULL AND p_retake_claim_id IS DISTINCT FROM p_claim_id
+       AND p_max_rows >= 1 THEN
         RETURN QUERY
         WITH retaken AS (
             -- The subscription's InFlight rows, read through wq_dlv_open_ix: as many as it has
@@ -312,8 +314,9 @@ BEGIN
                NULL::boolean, NULL::uuid, NULL::uuid, NULL::text, NULL::jsonb, NULL::jsonb,
                NULL::jsonb, NULL::text, NULL::timestamptz;
     END IF;
-    -- (status is never NULL: NULL here means no such subscription.)
-    IF v_sub.status IS DISTINCT FROM 'Active' OR p_max_rows < 1 THEN
+    -- (status is never NULL: NULL here means no such subscription.) Nothing is claimed either
+    -- when what was handed back filled the call.
+    IF v_sub.status IS DISTINCT FROM 'Active' OR v_remaining < 1 THEN
         IF v_remaining < p_max_rows THEN
             RETURN QUERY
             SELECT 'Lease'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, v_sub.lease_seconds,

@@ -296,7 +296,8 @@ BEGIN
      WHERE s.id = @subscription_key;
     SET @ordered = CASE WHEN @partition_mode = N'Ordered' THEN 1 ELSE 0 END;
 
-    IF @retake_claim IS NOT NULL AND @max_rows >= 1
+    -- (A claim naming itself would hand back, under the same tokens, what it just took.)
+    IF @retake_claim IS NOT NULL AND @retake_claim <> ISNULL(@claim, '') AND @max_rows >= 1
     BEGIN
         -- The subscription's InFlight rows (wq_dlv_open_ix), on a call after one that raised
         -- only. Rows another session holds locked are skipped, as every claim skips them, and
@@ -309,8 +310,8 @@ BEGIN
               FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
              WHERE d.subscription_id = @subscription_key AND d.status = N'InFlight'
                AND d.lease_owner = @lease_owner
-               AND d.lease_token
-                   = LOWER(CONVERT(char(32), HASHBYTES('SHA2_256', @retake_claim + d.id), 2))
+               AND d.lease_token = LOWER(LEFT(CONVERT(char(64),
+                       HASHBYTES('SHA2_256', @retake_claim + d.id), 2), 32))
                AND d.lease_expires_at > @now AND d.cancel_requested_at IS NULL
              ORDER BY d.visible_at
         )
@@ -319,8 +320,8 @@ BEGIN
                last_heartbeat_at = @now,
                lease_token = CASE WHEN @claim IS NULL
                                   THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
-                                  ELSE LOWER(CONVERT(char(32),
-                                             HASHBYTES('SHA2_256', @claim + id), 2)) END
+                                  ELSE LOWER(LEFT(CONVERT(char(64),
+                                       HASHBYTES('SHA2_256', @claim + id), 2), 32)) END
         OUTPUT inserted.id, inserted.message_id, inserted.lease_token,
                inserted.lease_expires_at, inserted.attempt_count, inserted.is_replay,
                inserted.visible_at
@@ -342,7 +343,8 @@ BEGIN
         VALUES (3, N'Retaken', @max_rows - @remaining);
     END;
 
-    IF @subscription_status = N'Active' AND @max_rows >= 1
+    -- Nothing is claimed either when what was handed back filled the call.
+    IF @subscription_status = N'Active' AND @remaining >= 1
     BEGIN
         IF @partition_mode <> N'None'
         BEGIN
@@ -513,8 +515,8 @@ BEGIN
                        lease_owner = @lease_owner,
                        lease_token = CASE WHEN @claim IS NULL
                                           THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
-                                          ELSE LOWER(CONVERT(char(32),
-                                                     HASHBYTES('SHA2_256', @claim + id), 2)) END,
+                                          ELSE LOWER(LEFT(CONVERT(char(64),
+                                               HASHBYTES('SHA2_256', @claim + id), 2), 32)) END,
                        lease_expires_at = DATEADD(second, @lease_seconds, @now),
                        last_heartbeat_at = @now,
                        attempt_count = attempt_count + 1,
@@ -570,8 +572,8 @@ BEGIN
                        lease_owner = @lease_owner,
                        lease_token = CASE WHEN @claim IS NULL
                                           THEN LOWER(REPLACE(CONVERT(char(36), NEWID()), '-', ''))
-                                          ELSE LOWER(CONVERT(char(32),
-                                                     HASHBYTES('SHA2_256', @claim + d.id), 2)) END,
+                                          ELSE LOWER(LEFT(CONVERT(char(64),
+                                               HASHBYTES('SHA2_256', @claim + d.id), 2), 32)) END,
                        lease_expires_at = DATEADD(second, @lease_seconds, @now),
                        last_heartbeat_at = @now,
                        attempt_count = d.attempt_count + 1,

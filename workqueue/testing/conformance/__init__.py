@@ -1,8 +1,9 @@
-"""The transport conformance suite: one set of behaviour cases (C01-C45) run against every driver.
+"""The transport conformance suite: one set of behaviour cases (C01-C46) run against every driver.
 
 Each case creates its own topic and subscriptions, drives the transport through
-``workqueue.transport`` and ``workqueue.publishing`` exactly as a consumer or operator would,
-and removes everything it created. Run them with :func:`run_conformance`; print the outcome
+``workqueue.transport`` and ``workqueue.publishing`` exactly as a consumer or operator would
+(C45 and C46 call the claim procedure itself, to drop an answer as a lost connection does), and
+removes everything it created. Run them with :func:`run_conformance`; print the outcome
 with :func:`format_table`.
 """
 

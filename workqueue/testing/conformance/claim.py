@@ -1,5 +1,5 @@
 """Claim and lease cases: redelivery, backoff, expiry, fencing and heartbeats
-(C04-C09, C21, C22, C29, C30, C41), a claim whose answer was lost (C45). Time passes through
+(C04-C09, C21, C22, C29, C30, C41), a claim whose answer was lost (C45, C46). Time passes through
 ``advance_time``, never a sleep."""
 
 from __future__ import annotations
@@ -237,8 +237,8 @@ def lease_length_kept_from_the_claim(ctx: CaseContext) -> None:
 
 @CASES.case(
     "C45",
-    "a claim whose answer was lost is handed back once, at its attempt and with new tokens, to "
-    "its holder's claims that name it, over several when they have less room",
+    "a claim whose answer was lost is handed back once, at its attempt and with new tokens and "
+    "leases, to its holder's claims that name it, over several when they have less room",
     requires=("claims_through_procedures",),
 )
 def lost_claim_handed_back(ctx: CaseContext) -> None:
@@ -249,29 +249,72 @@ def lost_claim_handed_back(ctx: CaseContext) -> None:
     for _ in range(3):
         ctx.publish()
     lost = uuid.uuid4()
-    taken, _ = ctx.claim_by_procedure("a", 3, claim_id=lost)  # its answer never arrives
+    taken = ctx.claim_by_procedure("a", 3, claim_id=lost).claimed  # its answer never arrives
     expect_equal(len(taken), 3, "deliveries the lost claim took")
 
     stranger = ctx.claim_by_procedure(
         "a", 3, claim_id=uuid.uuid4(), retake_claim_id=lost, owner="second"
     )
-    expect_equal(stranger, ([], 0), "another holder's claim naming the lost one (rows, retaken)")
-    ctx.publish()  # new work, which a claim takes only with the room the hand-back leaves
-    first, first_retaken = ctx.claim_by_procedure(
-        "a", 2, claim_id=uuid.uuid4(), retake_claim_id=lost
+    expect_equal(
+        (stranger.claimed, stranger.retaken), ([], 0), "another holder's claim naming the lost one"
     )
-    rest, rest_retaken = ctx.claim_by_procedure("a", 5, claim_id=uuid.uuid4(), retake_claim_id=lost)
+    ctx.publish()  # new work, which a claim takes only with the room the hand-back leaves
+    first = ctx.claim_by_procedure("a", 2, claim_id=uuid.uuid4(), retake_claim_id=lost)
+    rest = ctx.claim_by_procedure("a", 5, claim_id=uuid.uuid4(), retake_claim_id=lost)
 
-    expect_equal((first_retaken, rest_retaken), (2, 1), "retaken by a claim of 2, then of 5")
-    expect_equal((len(first), len(rest)), (2, 2), "rows of those claims (the new work in the 2nd)")
-    taken_ids = {str(r["delivery_id"]) for r in taken}
-    handed = first + [r for r in rest if str(r["delivery_id"]) in taken_ids]
+    expect_equal((first.retaken, rest.retaken), (2, 1), "retaken by a claim of 2, then of 5")
+    expect_equal(
+        (len(first.claimed), len(rest.claimed)), (2, 2), "rows (the new work in the second)"
+    )
+    taken_by_id = {str(r["delivery_id"]): r for r in taken}
+    handed = first.claimed + [r for r in rest.claimed if str(r["delivery_id"]) in taken_by_id]
     expect_equal(
         sorted(str(r["delivery_id"]) for r in handed),
-        sorted(taken_ids),
+        sorted(taken_by_id),
         "deliveries handed back, each once",
     )
-    expect_equal({r["attempt_count"] for r in first + rest}, {1}, "attempts of those claims")
+    expect_equal(
+        {r["attempt_count"] for r in first.claimed + rest.claimed}, {1}, "attempts of those claims"
+    )
+    # Leases from the claim that handed them back, which the consumer times its renewals from.
+    expect_true(
+        all(
+            r["lease_expires_at"] > taken_by_id[str(r["delivery_id"])]["lease_expires_at"]
+            for r in handed
+        ),
+        "each handed-back lease ends after the lost claim's",
+    )
     # The tokens the hand-back gave fence the deliveries now; the lost claim's no longer do.
     expect_equal([ctx.complete_by_procedure(r) for r in taken], [0, 0, 0], "old tokens")
-    expect_equal([ctx.complete_by_procedure(r) for r in first + rest], [1] * 4, "new tokens")
+    expect_equal(
+        [ctx.complete_by_procedure(r) for r in first.claimed + rest.claimed], [1] * 4, "new tokens"
+    )
+
+
+@CASES.case(
+    "C46",
+    "a lost claim's deliveries are handed back after a pause, which stops only new claims, but "
+    "not once an operator asked to cancel one",
+    requires=("claims_through_procedures",),
+)
+def lost_claim_after_pause_or_cancel(ctx: CaseContext) -> None:
+    subscription = ctx.subscribe("a", lease_seconds=30)
+    for _ in range(3):
+        ctx.publish()
+    lost = uuid.uuid4()
+    taken = ctx.claim_by_procedure("a", 2, claim_id=lost).claimed
+    cancelled = ctx.traits.cancel_in_flight
+    if cancelled:
+        expect_true(ctx.discard("a", str(taken[0]["delivery_id"])).cancel_requested, "cancel")
+    Subscription.objects.using(ctx.alias).filter(pk=subscription.pk).update(status="Paused")
+
+    paused = ctx.claim_by_procedure("a", 3, claim_id=uuid.uuid4(), retake_claim_id=lost)
+
+    expected = taken[1:] if cancelled else taken
+    expect_equal(
+        sorted(str(r["delivery_id"]) for r in paused.claimed),
+        sorted(str(r["delivery_id"]) for r in expected),
+        "handed back while paused (the third delivery waits, unclaimed)",
+    )
+    expect_equal(paused.retaken, len(expected), "the Retaken count while paused")
+    expect_equal(paused.lease_seconds, 30, "the lease length the claim says")

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.test.utils import override_settings
@@ -126,6 +126,9 @@ class TransportTraits:
             cls(),
             transport=driver_class,
             transport_configuration=configuration,
+            # Only a transport whose deliveries are the queue tables' rows claims through
+            # wq_claim; any other would fail C45 on tables that hold none of its work.
+            claims_through_procedures=found.keeps_deliveries_in_database,
             **flags,
             **found.conformance_traits,
         )
@@ -143,6 +146,16 @@ TRAIT_CAPABILITIES = {
 
 
 DATABASE_TRAITS = TransportTraits()
+
+
+class ProcedureClaim(NamedTuple):
+    """What one ``wq_claim`` call answered (``CaseContext.claim_by_procedure``)."""
+
+    claimed: list[Row]
+    #: How many of ``claimed`` the named earlier claim handed back (None: it named none).
+    retaken: int | None
+    #: The lease length its 'Lease' row gives (None: it claimed nothing).
+    lease_seconds: int | None
 
 
 class CaseContext:
@@ -272,10 +285,9 @@ class CaseContext:
         claim_id: uuid.UUID,
         retake_claim_id: uuid.UUID | None = None,
         owner: str = "primary",
-    ) -> tuple[list[Row], int | None]:
-        """Call ``wq_claim`` for subscription ``name`` as ``owner``'s receiver would: its
-        claimed rows and the count its 'Retaken' row gives (None without one). A case drops
-        the answer by not using it, as a lost connection drops it."""
+    ) -> ProcedureClaim:
+        """Call ``wq_claim`` for subscription ``name`` as ``owner``'s receiver would. A case
+        drops the answer by not using it, as a lost connection drops it."""
         rows = self.driver.call(
             "wq_claim",
             {
@@ -286,8 +298,10 @@ class CaseContext:
                 "retake_claim_id": retake_claim_id,
             },
         )
-        retaken = [r["attempt_count"] for r in rows if r["kind"] == "Retaken"]
-        return [r for r in rows if r["kind"] == "Claimed"], (retaken[0] if retaken else None)
+        counts = {r["kind"]: r["attempt_count"] for r in rows if r["kind"] in ("Retaken", "Lease")}
+        return ProcedureClaim(
+            [r for r in rows if r["kind"] == "Claimed"], counts.get("Retaken"), counts.get("Lease")
+        )
 
     def complete_by_procedure(self, row: Row) -> int:
         """``wq_complete`` of a claimed row with the token it carries: rows changed (0 or 1)."""
