@@ -243,7 +243,7 @@ def test_payloads_a_caller_may_not_see_are_not_read_from_the_database(client, mo
             returned.extend(rows)
         return rows
 
-    monkeypatch.setattr(driver, "call", recording)
+    monkeypatch.setitem(vars(driver), "call", recording)
     hidden = reader(owner=owner_with(*WITHOUT_PAYLOAD))
     shown = reader()
 

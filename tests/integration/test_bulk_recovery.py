@@ -929,7 +929,7 @@ def connection_dropped_before(
                 pg_conn.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
         return original(name, params, **kw)
 
-    monkeypatch.setattr(driver, "call", dropping)
+    monkeypatch.setitem(vars(driver), "call", dropping)
 
 
 DROPPED = "terminating connection due to administrator command"

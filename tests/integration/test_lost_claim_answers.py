@@ -41,8 +41,9 @@ class LostClaims:
         self.pending = 0
         self.lost: list[list[dict[str, Any]]] = []
         self.ids: list[uuid.UUID] = []
-        # The instance every receiver calls (a patch of its class would miss an instance that
-        # an earlier test's patch, undone, left holding its own bound ``call``).
+        # The instance every receiver calls, patched in its ``__dict__`` so that the undo leaves
+        # nothing behind (``setattr`` on an instance leaves it its own bound ``call`` after the
+        # undo, which a later patch of the class then misses).
         driver = get_driver()
         call = driver.call
 
@@ -56,7 +57,7 @@ class LostClaims:
                 raise TransientDriverError("server closed the connection unexpectedly (test)")
             return rows
 
-        monkeypatch.setattr(driver, "call", call_losing_claim_answers)
+        monkeypatch.setitem(vars(driver), "call", call_losing_claim_answers)
 
     def lose(self, count: int = 1) -> None:
         self.pending = count

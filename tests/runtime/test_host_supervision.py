@@ -67,8 +67,8 @@ def test_a_claim_loop_that_raises_is_reported_as_error_then_restarted(
 ):
     s = sub()
     driver = get_driver()
-    monkeypatch.setattr(
-        driver,
+    monkeypatch.setitem(
+        vars(driver),
         "call",
         failing(3, driver.call, lambda name, *args, **kwargs: name == "wq_claim"),
     )
@@ -173,8 +173,8 @@ def test_a_one_shot_run_whose_claims_keep_raising_reports_them_not_max_deliverie
     MaxDeliveries, with nothing done and nothing reported that could not run (exit 0)."""
     s = sub()
     driver = get_driver()
-    monkeypatch.setattr(
-        driver, "call", failing(10**9, driver.call, lambda name, *a, **k: name == "wq_claim")
+    monkeypatch.setitem(
+        vars(driver), "call", failing(10**9, driver.call, lambda name, *a, **k: name == "wq_claim")
     )
     host = make_host(one(s))
 
