@@ -302,7 +302,6 @@ BEGIN
         -- The subscription's InFlight rows (wq_dlv_open_ix), on a call after one that raised
         -- only. Rows another session holds locked are skipped, as every claim skips them, and
         -- left to their lease.
-        DELETE FROM @claimed;
         WITH held AS (
             SELECT TOP (@remaining)
                    d.lease_expires_at, d.last_heartbeat_at, d.lease_token, d.id, d.message_id,
