@@ -258,6 +258,42 @@ def test_sweeper_passes_failing_through_a_read_only_spell_are_told_once_and_thei
     assert not [r for r in caplog.records if r.exc_info]
 
 
+def test_a_sweeper_step_whose_session_is_cut_says_so_in_a_line_and_the_next_pass_runs(
+    pg_conn, caplog
+):
+    """A session ended under a sweeper pass (a failover, a proxy's restart, a DBA's
+    pg_terminate_backend) logged "Sweeper: expiring leases failed" at ERROR with a traceback,
+    where a consumer whose claim is cut the same way says so in a WARNING line: an alert on
+    ERROR paged for every failover that happened to land on a pass."""
+    import os
+
+    from workqueue import transport
+    from workqueue.runtime.sweeper import Sweeper
+
+    caplog.set_level(logging.INFO, logger="workqueue")
+    transport.expire_leases_all(1)  # opens this thread's session, which the pass's steps use
+    (cut,) = pg_conn.execute(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s",
+        [f"workqueue:{os.getpid()}"],
+    ).fetchone()
+    assert cut == 1
+
+    cut_off = Sweeper().run_once()
+    after = Sweeper().run_once()
+
+    assert cut_off.failed_steps == ["expired_leases"]  # the purges ran on a new session
+    assert after.failed_steps == []
+    said = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "workqueue.runtime.sweeper" and r.levelno >= logging.WARNING
+    ]
+    assert len(said) == 1 and said[0][0] == "WARNING", said
+    assert "expiring leases" in said[0][1] and "terminating connection" in said[0][1]
+    assert "\n" not in said[0][1]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
 def test_health_reports_refused_as_read_only_are_told_once_and_recorded_again_after(
     make_host, read_only, caplog
 ):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workqueue import metrics, transport
+from workqueue.driver import database_away
+from workqueue.exceptions import one_line
 from workqueue.runtime.executor import report_lease_expired_dead_letter
 from workqueue.types import DeliveryStatus
 
@@ -122,8 +124,8 @@ class Sweeper:
                 if len(rows) < EXPIRE_BATCH:
                     return
             result.behind = True
-        except Exception:
-            logger.exception("Sweeper: expiring leases failed")
+        except Exception as exc:
+            _step_failed("expiring leases", exc)
             result.expired = -1
 
     def _release_stalled_listeners(self, result: SweeperPassResult) -> None:
@@ -140,8 +142,8 @@ class Sweeper:
             if usage is None or usage < transport.NOTIFICATION_QUEUE_WARNING_USAGE:
                 return  # no queue (SQL Server), or one that listeners keep reading
             found = transport.release_stalled_listeners(STALLED_LISTENER_CONFIRM_SECONDS)
-        except Exception:
-            logger.exception("Sweeper: looking for sessions that stopped reading failed")
+        except Exception as exc:
+            _step_failed("looking for sessions that stopped reading", exc)
             result.released_listeners = -1
             return
         full = f"{usage:.1%}"
@@ -206,8 +208,8 @@ class Sweeper:
                     break
             else:
                 result.behind = True
-        except Exception:
-            logger.exception("Sweeper: purging %s failed", step)
+        except Exception as exc:
+            _step_failed(f"purging {step}", exc)
             return -1
         return total
 
@@ -226,6 +228,23 @@ def _subscription_names(subscription_ids: set[Any]) -> dict[str, str]:
                 "pk", "name"
             )
         }
-    except Exception:
-        logger.exception("Sweeper: reading the names of subscriptions failed; logging ids")
+    except Exception as exc:
+        _step_failed("reading the names of subscriptions (logging ids instead)", exc)
         return {}
+
+
+def _step_failed(step: str, exc: Exception) -> None:
+    """Log a step that failed, from within its ``except``; the next pass runs it again. A
+    database away or a session cut under the step (a failover, a proxy's restart) is said in a
+    WARNING line, as a consumer whose claim is cut says it: a traceback at ERROR paged whoever
+    alerts on ERROR for every failover that landed on a pass. Anything else keeps its
+    traceback."""
+    if database_away(exc):
+        logger.warning(
+            "Sweeper: %s failed: %s; the next pass tries again",
+            step,
+            one_line(exc),
+            extra={"action": "sweep_step_failed"},
+        )
+    else:
+        logger.exception("Sweeper: %s failed", step)
