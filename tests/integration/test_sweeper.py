@@ -177,7 +177,9 @@ def sweep_lock_held_elsewhere(
                 holder_pid.extend(
                     pg_conn.execute(
                         "SELECT pid FROM pg_stat_activity "
-                        "WHERE query LIKE '%wq_try_sweep_lock%' AND pid <> pg_backend_pid()"
+                        "WHERE query LIKE '%wq_try_sweep_lock%' AND pid <> pg_backend_pid() "
+                        # Not another test database's sweeper (one per xdist worker).
+                        "AND datname = current_database()"
                     ).fetchone()
                 )
                 holding.set()
