@@ -179,6 +179,38 @@ def test_a_settle_cancelled_by_a_statement_timeout_is_tried_again_while_the_leas
     assert "statement_timeout" in said[0].getMessage()  # which setting it was
 
 
+def test_a_claim_cut_off_inside_the_procedure_is_told_in_one_line_without_its_sql(
+    make_host, pg_conn, caplog
+):
+    """A session ended while its claim ran in the procedure (a failover, a proxy's restart, a
+    DBA's pg_terminate_backend) logged "not claiming until the database answers again" with the
+    server's CONTEXT: a dozen lines of the procedure's SQL in the log and in the health reason
+    operators read, where every other outage message is one line (seen in the chaos run with
+    the hosts' sessions cut)."""
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub()
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    wait_until(lambda: states(host)[s.name][0] == "Running", timeout=10)
+    with pg_conn.transaction():  # the next claim waits inside the procedure, and is cut there
+        pg_conn.execute("LOCK TABLE workqueue_delivery IN ACCESS EXCLUSIVE MODE")
+        wait_until(
+            lambda: pg_conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                "AND application_name LIKE 'workqueue:%%' AND query LIKE '%%wq_claim%%'"
+            ).fetchone()[0],
+            timeout=10,
+        )
+        wait_until(lambda: "not claiming until" in caplog.text, timeout=10)
+        reason = states(host)[s.name][1]
+
+    (said,) = [r.getMessage() for r in caplog.records if "not claiming until" in r.getMessage()]
+    assert "terminating connection" in said and "terminating connection" in reason
+    for text in (said, reason):
+        assert "\n" not in text and "CONTEXT" not in text and "workqueue_delivery" not in text
+
+
 def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given_back(
     make_host, pg_conn, caplog
 ):

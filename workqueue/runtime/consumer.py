@@ -750,9 +750,11 @@ class Consumer:
         except WorkQueueError as exc:
             if self.failure is None:
                 logger.warning(
-                    "%s: not claiming until the database answers again: %s", self.plan.name, exc
+                    "%s: not claiming until the database answers again: %s",
+                    self.plan.name,
+                    one_line(exc),
                 )
-            self._failed(f"{RATE_TOKENS_FAILED}: {exc}")
+            self._failed(f"{RATE_TOKENS_FAILED}: {one_line(exc)}")
             self._stopping.wait(max_wait)
             return 0
         if self.failure is not None and self.failure.startswith(RATE_TOKENS_FAILED):
@@ -844,14 +846,17 @@ class Consumer:
         try:
             result = self.receiver.receive(max_rows)
         except WorkQueueError as exc:
-            # Expected while the database is away: no traceback, one log line per outage, and
-            # the idle backoff paces the retries. Running handlers carry on (their settles
+            # Expected while the database is away: no traceback, one log line per outage (on
+            # one line: a session cut inside the procedure adds the server's CONTEXT, its SQL),
+            # and the idle backoff paces the retries. Running handlers carry on (their settles
             # retry on their own); health says why nothing is claimed meanwhile.
             if self.failure is None:
                 logger.warning(
-                    "%s: not claiming until the database answers again: %s", self.plan.name, exc
+                    "%s: not claiming until the database answers again: %s",
+                    self.plan.name,
+                    one_line(exc),
                 )
-            self._failed(f"{RECEIVE_FAILED}: {exc}")
+            self._failed(f"{RECEIVE_FAILED}: {one_line(exc)}")
             result = ClaimResult([])
         else:
             claimed_in = time.monotonic() - began
