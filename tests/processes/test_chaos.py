@@ -32,9 +32,10 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection
 
@@ -81,6 +82,10 @@ class ChaosSize:
     # Assert that the kills found work running and a cancel found a handler ignoring it (the
     # guards that keep the recovery checks from passing vacuously).
     proves_recovery: bool = True
+    # Seconds between cuts of one of the hosts' database sessions, picked at random among the
+    # queue's own (claims, settles, renewals, the listener) and the ORM's (the transactional
+    # handler's), as a failover, a proxy or a DBA's pg_terminate_backend cuts them; None: none.
+    cut_connection_every: float | None = None
 
 
 CI = ChaosSize(
@@ -108,6 +113,9 @@ SOAK = ChaosSize(
     drain_timeout=240,
     rest_api=True,
 )
+# The CI size with the hosts' database sessions cut as well, one every 80 ms on average: a claim,
+# a settle or a transactional handler's commit whose answer never arrives.
+CUT_CONNECTIONS = replace(CI, cut_connection_every=0.08)
 # The soak's REST publishing at a size the default suite can afford.
 REST_SMALL = ChaosSize(
     messages=300,
@@ -211,6 +219,53 @@ class Canceller:
                 self.discarded.append(str(delivery_id))
 
 
+#: How the lines an error's text carries after its first begin (the server's CONTEXT: where in a
+#: procedure, and its SQL, indented).
+SERVER_ERROR_LINES = (" ", "\t", "CONTEXT:", "QUERY:", "PL/pgSQL ", "SQL ")
+
+#: What the hosts' ORM sessions call themselves (PGAPPNAME, which libpq reads where the
+#: connection names none): the queue's own sessions name their process (workqueue:<pid>).
+HOST_ORM_SESSIONS = "chaos-host-orm"
+
+
+@dataclass
+class ConnectionCutter:
+    """Ends one of the hosts' database sessions at a time, at random intervals averaging
+    ``every`` seconds: whatever it was doing (a claim, a settle, a renewal, a handler's own
+    transaction, the listener's wait) gets no answer, and may or may not have committed.
+
+    Not a session inside a transaction older than half a second: the slow messages hold the
+    transactional handler's transaction open for seconds, and cut at this rate most of those
+    attempts would fail, all ten of them now and then (a transaction cut must roll back)."""
+
+    host_pids: Callable[[], list[int]]
+    every: float
+    cut: int = 0
+    error: BaseException | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        rng = random.Random(20261207)
+        try:
+            with psycopg.connect(autocommit=True, **psycopg_params()) as conn:
+                while not self.stop.wait(rng.uniform(0, 2 * self.every)):
+                    names = [f"workqueue:{pid}" for pid in self.host_pids()]
+                    row = conn.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE pid = (SELECT pid FROM pg_stat_activity "
+                        "             WHERE datname = current_database() "
+                        "               AND (application_name = ANY (%s) "
+                        "                    OR application_name = %s) "
+                        "               AND (xact_start IS NULL "
+                        "                    OR xact_start > now() - interval '0.5 s') "
+                        "             ORDER BY random() LIMIT 1)",
+                        [names, HOST_ORM_SESSIONS],
+                    ).fetchone()
+                    self.cut += bool(row and row[0])
+        except BaseException as exc:
+            self.error = exc
+
+
 @dataclass
 class Execution:
     """One handler execution as its process logged it (times: CLOCK_MONOTONIC, ns)."""
@@ -283,6 +338,23 @@ def overlapping(
             if end(run) > end(last):
                 last = run
     return found
+
+
+def tracebacks_told(stderr: str) -> list[str]:
+    """The log messages in a host's ``stderr`` that a traceback follows, but for a handler's
+    failure ("Delivery failed", "Delivery dead-lettered": the traceback is the handler's)."""
+    lines = stderr.splitlines()
+    told = []
+    for at, line in enumerate(lines):
+        if not line.startswith("Traceback") or at == 0 or not lines[at - 1]:
+            continue  # not a traceback, or one chained to the one before
+        message = at - 1
+        # Back over the server's own lines that an error's text carries (its CONTEXT and SQL).
+        while message > 0 and lines[message].startswith(SERVER_ERROR_LINES):
+            message -= 1
+        if not lines[message].startswith("Delivery "):
+            told.append(lines[message])
+    return told
 
 
 def start_rest_server(procs: Processes) -> int:
@@ -396,9 +468,12 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     names = [*(s.name for s in subs.values()), txn.name]
 
     def start_host() -> Any:
-        return procs.host(*names, concurrency=size.concurrency)
+        return procs.host(*names, concurrency=size.concurrency, PGAPPNAME=HOST_ORM_SESSIONS)
 
     hosts = {"a": start_host(), "b": start_host()}
+    cutter = ConnectionCutter(
+        lambda: [host.pid for host in hosts.values()], size.cut_connection_every or 0
+    )
 
     sampler = InFlightSampler(psycopg_params(), interval=0.005)
     canceller = Canceller(
@@ -473,6 +548,8 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         threading.Thread(target=canceller.run, name="chaos-canceller"),
         threading.Thread(target=publish_all, name="chaos-publisher"),
     ]
+    if size.cut_connection_every is not None:
+        threads.append(threading.Thread(target=cutter.run, name="chaos-connection-cutter"))
     sampler.start()
     for thread in threads:
         thread.start()
@@ -538,6 +615,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     finally:
         sampler.stop()
         canceller.stop.set()
+        cutter.stop.set()
         for thread in threads:
             thread.join(timeout=30)
 
@@ -567,6 +645,12 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     # Ten attempts are far more than 2 % failures and two kills can use up.
     assert statuses["DeadLettered"] == 0, dict(statuses)
     assert exit_codes == [0, 0], [h.stderr()[-2000:] for h in hosts.values()]
+
+    assert cutter.error is None, cutter.error
+    if size.cut_connection_every is not None:
+        assert cutter.cut >= 20, f"only {cutter.cut} sessions cut"
+    # Kills, cuts and failovers are told in lines; a traceback is a handler's own failure.
+    assert [told for host in procs.started for told in tracebacks_told(host.stderr())] == []
 
     # -- cancels: every cancelled delivery, and nothing else, was discarded -----------------------
     discarded = {str(r["id"]) for r in rows if r["status"] == "Discarded"}
@@ -657,7 +741,12 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
             "message_id", "status", "attempt_count"
         )
     }
-    assert {status for status, _ in txn_rows.values()} == {"Completed"}
+    not_completed = list(
+        Delivery.objects.filter(subscription=txn)
+        .exclude(status="Completed")
+        .values("id", "status", "attempt_count", "dead_letter_reason", "last_error")
+    )
+    assert {status for status, _ in txn_rows.values()} == {"Completed"}, not_completed
     written: dict[str, list[int]] = defaultdict(list)
     for message_id, attempt in txn_handlers.effects():
         written[message_id].append(attempt)
@@ -680,7 +769,8 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         f"{len(canceller.discarded)} pending ({len(ignored)} ignored past the drain), "
         f"{len(runs)} handler executions, {sampler.samples} samples "
         f"(max keys in flight {sampler.max_keys_in_flight}); transactional: "
-        f"{retried_txn} retried, {len(txn_orphans)} orphaned by kills, one row each"
+        f"{retried_txn} retried, {len(txn_orphans)} orphaned by kills, one row each; "
+        f"{cutter.cut} database sessions cut"
     )
 
 
@@ -692,6 +782,13 @@ def test_chaos_two_hosts_one_killed_twice_with_failures_and_cancels_lose_nothing
     run_chaos(chaos_processes, CI)
 
     assert time.monotonic() - began < 100, "the CI chaos run must stay well under 2 minutes"
+
+
+def test_chaos_with_the_hosts_database_sessions_cut_at_random_loses_nothing(chaos_processes):
+    """The same run, with one of the hosts' database sessions ended every 80 ms on average
+    throughout: claims, settles, renewals and transactional handlers' commits whose answers
+    are lost, on top of the kills, failures and cancels."""
+    run_chaos(chaos_processes, CUT_CONNECTIONS)
 
 
 def test_soak_publishing_through_the_rest_api_one_producer_per_key_runs_at_a_small_size(

@@ -12,13 +12,15 @@ as a session on a standby stays one after DNS points at the new primary.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
 
-from tests.support.database import delivery_of_message
+from tests.support.database import delivery_of_message, psycopg_params
 from tests.support.hosts import one, states, sub
 from tests.support.waiting import wait_until
 from workqueue import publish
@@ -209,6 +211,75 @@ def test_a_claim_cut_off_inside_the_procedure_is_told_in_one_line_without_its_sq
     assert "terminating connection" in said and "terminating connection" in reason
     for text in (said, reason):
         assert "\n" not in text and "CONTEXT" not in text and "workqueue_delivery" not in text
+
+
+def _start_with_its_plan_cut_off(pg_conn: psycopg.Connection, host: Any, start: Any) -> Any:
+    """Run ``start`` on a thread while the subscriptions are locked, ending each session that
+    waits on them (a failover as the host started, a proxy's restart) until ``host``'s
+    planning has failed; then let the lock go and return what ``start`` returns."""
+    from django.db import connections
+
+    answer: list[Any] = []
+
+    def run() -> None:
+        try:
+            answer.append(start())
+        finally:
+            connections.close_all()  # this thread's
+
+    starting = threading.Thread(target=run, name="test-start")
+    # Locked from a session of its own: pg_conn's reads of pg_stat_activity must each see it
+    # afresh, which they do not within one transaction.
+    with psycopg.connect(autocommit=True, **psycopg_params()) as locker, locker.transaction():
+        locker.execute("LOCK TABLE workqueue_subscription IN ACCESS EXCLUSIVE MODE")
+        starting.start()
+
+        def planning_cut_off() -> bool:
+            pg_conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                "AND query LIKE '%%workqueue_subscription%%' AND pid <> pg_backend_pid()"
+            )
+            return host.planning_failure is not None
+
+        wait_until(planning_cut_off, timeout=10)
+    starting.join(30)
+    assert not starting.is_alive()
+    return answer[0]
+
+
+def test_a_host_whose_first_plan_was_cut_off_runs_as_soon_as_a_plan_goes_through(
+    make_host, pg_conn, caplog
+):
+    """A host whose planning read at start was cut off ran nothing until its next re-plan,
+    RECONCILE_INTERVAL_MS later (30 s by default): a host restarted during a failover sat idle
+    with its work waiting (seen in the chaos run with the hosts' sessions cut: a restarted host
+    never reported its subscriptions Running)."""
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub()
+    host = make_host(one(s, concurrency=1), reconcile_interval_ms=60_000)
+
+    _start_with_its_plan_cut_off(pg_conn, host, host.start)
+    message = publish(s.topic.name, {}).message_id
+
+    assert "Planning failed" in caplog.text
+    wait_until(lambda: delivery_of_message(message)[0] == "Completed", timeout=10)
+    assert states(host)[s.name] == ("Running", "")
+    assert "Planning again" in caplog.text
+
+
+def test_a_one_shot_run_whose_first_plan_was_cut_off_plans_again_and_runs(make_host, pg_conn):
+    """A one-shot job (``workqueue_work --once``) whose planning read was cut off exited 2,
+    "Could not plan the subscriptions", for a blip its claims would have been retried past."""
+    s = sub()
+    message = publish(s.topic.name, {}).message_id
+    host = make_host(one(s, concurrency=1))
+
+    result = _start_with_its_plan_cut_off(pg_conn, host, lambda: host.run_once(idle_exit_ms=300))
+
+    assert result.planning_failure is None and result.could_not_run == []
+    assert result.processed == 1
+    assert delivery_of_message(message)[0] == "Completed"
 
 
 def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given_back(

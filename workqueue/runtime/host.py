@@ -21,8 +21,6 @@ from typing import Any
 
 from django.db import (
     DatabaseError,
-    InterfaceError,
-    OperationalError,
     close_old_connections,
     connections,
     router,
@@ -38,6 +36,7 @@ from workqueue.models.hosts import START_FAILED
 from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.activity import LOOK_EVERY_SECONDS, ActivitySummary
 from workqueue.runtime.consumer import (
+    FAILURES_THAT_PERSIST,
     Consumer,
     ConsumerConfig,
     RunBudget,
@@ -264,6 +263,9 @@ class Host:
         self._stuck_log = StuckRunLog()
         self._health_failing = False  # whether this outage's failed report was logged
         self._planning_outage_reported = False  # likewise for planning
+        # Plans in a row that failed with the database away (a failover, a session cut): the
+        # next is tried on a backoff, not a whole re-plan interval later (_next_plan_in).
+        self._plans_failed_away = 0
         self._started = False
         self._shut_down = threading.Event()
         self._shutting_down = False
@@ -332,9 +334,14 @@ class Host:
                 PeriodicService("wq-supervisor", SUPERVISE_INTERVAL_SECONDS, self.supervise)
             )
             if not once:
+                replan_every = self.config.reconcile_interval_ms / 1000
                 self._services.append(
                     PeriodicService(
-                        "wq-reconcile", self.config.reconcile_interval_ms / 1000, self.reconcile
+                        "wq-reconcile",
+                        replan_every,
+                        self.reconcile,
+                        pause=lambda _result, _took, interval: self._next_plan_in(interval),
+                        first_wait_seconds=self._next_plan_in(replan_every),
                     )
                 )
                 self._activity = ActivitySummary(echo=self._console)
@@ -582,6 +589,15 @@ class Host:
             str(subscription.id),
         )
 
+    def _next_plan_in(self, interval: float) -> float:
+        """Seconds to the next re-plan: the interval, or, while plans fail with the database
+        away, the consumers' backoff after a failed claim (1 s, 2 s, 4 s ...) up to it. A host
+        started during a failover otherwise ran nothing for a whole interval (30 s by
+        default) after the database was back."""
+        if self._plans_failed_away == 0:
+            return interval
+        return min(restart_delay_seconds(self._plans_failed_away), interval)
+
     def reconcile(self) -> None:
         """Re-plan and make the consumers match: start new ones, stop paused ones, restart the
         ones whose settings changed (lease, handler key, concurrency, ...)."""
@@ -591,7 +607,9 @@ class Host:
             # A database that is not migrated (new code, a column it reads not there yet) is
             # told as that, naming `migrate`.
             unmigrated = unmigrated_problem(exc) if isinstance(exc, DatabaseError) else None
-            if unmigrated is not None or isinstance(exc, (OperationalError, InterfaceError)):
+            away = unmigrated is None and database_away(exc)
+            self._plans_failed_away = self._plans_failed_away + 1 if away else 0
+            if unmigrated is not None or away:
                 # The database away (the consumers say so too) or behind: one line, once;
                 # anything else is a fault worth its traceback every time.
                 if not self._planning_outage_reported:
@@ -602,7 +620,7 @@ class Host:
                     )
             else:
                 logger.exception("Planning failed; keeping the current consumers")
-            self.planning_failure = unmigrated or f"{type(exc).__name__}: {exc}"
+            self.planning_failure = unmigrated or f"{type(exc).__name__}: {one_line(exc)}"
             return
         finally:
             close_old_connections()
@@ -610,6 +628,7 @@ class Host:
             self._planning_outage_reported = False
             logger.info("Planning again: the subscriptions are read as usual")
         self.planning_failure = None
+        self._plans_failed_away = 0
         with self._lock:
             if self._shutting_down:
                 return
@@ -922,6 +941,13 @@ class Host:
         stop_requested = stop_requested or threading.Event()
         began = time.monotonic()
         self.start(once=True)
+        # A plan that failed with the database away is tried again as a claim is (a blip, as a
+        # session cut, is no reason to end the job), until it fails FAILURES_THAT_PERSIST
+        # times in a row; then the run ends naming why.
+        while 0 < self._plans_failed_away < FAILURES_THAT_PERSIST and not stop_requested.wait(
+            restart_delay_seconds(self._plans_failed_away)
+        ):
+            self.reconcile()
         if on_started is not None:
             on_started(self)
         reason = "Idle"
@@ -1008,6 +1034,10 @@ def _has_the_queue_tables(alias: str) -> bool:
     except DatabaseError as exc:
         if get_driver(alias).names_a_missing_object(exc):
             return False
+        if database_away(exc):
+            # Not known yet (a failover, a session cut): planning asks again, and is tried
+            # again until the database answers, where a raise here ended the host's start.
+            return True
         raise
     return True
 

@@ -62,11 +62,13 @@ class PeriodicService:
         run_once: Callable[[], Any],
         *,
         pause: Callable[[Any, float, float], float] | None = None,
+        first_wait_seconds: float | None = None,
     ) -> None:
         self.name = name
         self.interval_seconds = interval_seconds
         self._run_once = run_once
         self._pause = pause
+        self._first_wait = interval_seconds if first_wait_seconds is None else first_wait_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failures = OutageLog(name, logger)
@@ -87,7 +89,7 @@ class PeriodicService:
 
     def _loop(self) -> None:
         try:
-            wait = self.interval_seconds
+            wait = self._first_wait
             while not self._stop.wait(wait):
                 wait = self.interval_seconds
                 began = time.monotonic()
