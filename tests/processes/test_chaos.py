@@ -27,6 +27,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import random
 import threading
 import time
@@ -113,8 +114,9 @@ SOAK = ChaosSize(
     drain_timeout=240,
     rest_api=True,
 )
-# The CI size with the hosts' database sessions cut as well, one every 80 ms on average: a claim,
-# a settle or a transactional handler's commit whose answer never arrives.
+# The CI size with the hosts' database sessions cut as well, one every 80 ms on average (a claim,
+# a settle or a transactional handler's commit whose answer never arrives), and publishes cut in
+# flight every 400 ms on average.
 CUT_CONNECTIONS = replace(CI, cut_connection_every=0.08)
 # The soak's REST publishing at a size the default suite can afford.
 REST_SMALL = ChaosSize(
@@ -241,8 +243,33 @@ class ConnectionCutter:
     host_pids: Callable[[], list[int]]
     every: float
     cut: int = 0
+    publishes_cut: int = 0
     error: BaseException | None = None
     stop: threading.Event = field(default_factory=threading.Event)
+
+    def cut_publishes(self, publishing: threading.Event) -> None:
+        """While ``publishing`` is set, end the publisher's session (this process's, running a
+        publish) in the middle of a publish, every ``5 * every`` seconds on average: its answer
+        lost, its commit done or not. The publisher sends it again with the same ids, and each
+        message must be stored once."""
+        rng = random.Random(20261208)
+        publisher = f"workqueue:{os.getpid()}"
+        try:
+            with psycopg.connect(autocommit=True, **psycopg_params()) as conn:
+                while publishing.is_set() and not self.stop.wait(rng.uniform(0, 10 * self.every)):
+                    deadline = time.monotonic() + 1.0
+                    while publishing.is_set() and time.monotonic() < deadline:
+                        (cut,) = conn.execute(
+                            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                            "WHERE datname = current_database() AND application_name = %s "
+                            "AND state = 'active' AND query LIKE '%%wq_publish%%'",
+                            [publisher],
+                        ).fetchone()
+                        if cut:
+                            self.publishes_cut += 1
+                            break
+        except BaseException as exc:
+            self.error = exc
 
     def run(self) -> None:
         rng = random.Random(20261207)
@@ -542,14 +569,23 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         finally:
             progress.finished_at = time.monotonic()
             progress.finished = True
+            publishing.clear()
             get_driver().close()
 
+    publishing = threading.Event()
+    publishing.set()
     threads = [
         threading.Thread(target=canceller.run, name="chaos-canceller"),
         threading.Thread(target=publish_all, name="chaos-publisher"),
     ]
     if size.cut_connection_every is not None:
         threads.append(threading.Thread(target=cutter.run, name="chaos-connection-cutter"))
+        if not size.rest_api:  # publishing in this process
+            threads.append(
+                threading.Thread(
+                    target=cutter.cut_publishes, args=(publishing,), name="chaos-publish-cutter"
+                )
+            )
     sampler.start()
     for thread in threads:
         thread.start()
@@ -649,6 +685,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
     assert cutter.error is None, cutter.error
     if size.cut_connection_every is not None:
         assert cutter.cut >= 20, f"only {cutter.cut} sessions cut"
+        assert cutter.publishes_cut >= 3, f"only {cutter.publishes_cut} publishes cut"
     # Kills, cuts and failovers are told in lines; a traceback is a handler's own failure.
     assert [told for host in procs.started for told in tracebacks_told(host.stderr())] == []
 
@@ -770,7 +807,7 @@ def run_chaos(procs: Processes, size: ChaosSize) -> None:
         f"{len(runs)} handler executions, {sampler.samples} samples "
         f"(max keys in flight {sampler.max_keys_in_flight}); transactional: "
         f"{retried_txn} retried, {len(txn_orphans)} orphaned by kills, one row each; "
-        f"{cutter.cut} database sessions cut"
+        f"{cutter.cut} database sessions cut, {cutter.publishes_cut} publishes in flight"
     )
 
 
@@ -786,8 +823,9 @@ def test_chaos_two_hosts_one_killed_twice_with_failures_and_cancels_lose_nothing
 
 def test_chaos_with_the_hosts_database_sessions_cut_at_random_loses_nothing(chaos_processes):
     """The same run, with one of the hosts' database sessions ended every 80 ms on average
-    throughout: claims, settles, renewals and transactional handlers' commits whose answers
-    are lost, on top of the kills, failures and cancels."""
+    throughout (claims, settles, renewals and transactional handlers' commits whose answers
+    are lost) and the publisher's ended in the middle of a publish every 400 ms or so (sent
+    again, each message stored once), on top of the kills, failures and cancels."""
     run_chaos(chaos_processes, CUT_CONNECTIONS)
 
 
