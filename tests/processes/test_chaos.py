@@ -249,9 +249,10 @@ class ConnectionCutter:
 
     def cut_publishes(self, publishing: threading.Event) -> None:
         """While ``publishing`` is set, end the publisher's session (this process's, running a
-        publish) in the middle of a publish, every ``5 * every`` seconds on average: its answer
-        lost, its commit done or not. The publisher sends it again with the same ids, and each
-        message must be stored once."""
+        publish) in the middle of a publish, every ``5 * every`` seconds on average: the call
+        fails unanswered (rolled back, nearly always: a commit whose answer is lost needs the
+        cut to land between the two, which tests/integration/test_publish_validation.py provokes),
+        and the publisher sends it again; each message must be stored once."""
         rng = random.Random(20261208)
         publisher = f"workqueue:{os.getpid()}"
         try:
