@@ -330,6 +330,41 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
     assert "outcomes are recorded again" in caplog.text
 
 
+def test_an_idle_subscription_whose_settles_were_refused_reads_running_once_the_grant_is_back(
+    make_host, pg_conn, caplog
+):
+    """With nothing left to probe settles with (the refused delivery waits out its lease, or
+    was on its last attempt), a subscription read Error, "the database refuses to record
+    outcomes", after the DBA had given the grant back: for the whole lease, or until new work
+    arrived. An operator who fixed the grant at night saw the host still failing."""
+    from tests.support.roles import acting_as_granted_role
+
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub(lease_seconds=120, max_attempts=3)
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
+        completions = [
+            signature
+            for (signature,) in pg_conn.execute(
+                "SELECT oid::regprocedure::text FROM pg_proc "
+                "WHERE proname IN ('wq_complete', 'wq_complete_many')"
+            )
+        ]
+        host = make_host(one(s, concurrency=1))
+        host.start()
+        for signature in completions:
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        message = publish(s.topic.name, {}).message_id
+        wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
+        for signature in completions:
+            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+
+        wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=10)
+        assert delivery_of_message(message) == ("InFlight", 1)  # nothing ran it again
+        host.shutdown()
+    assert "outcomes are recorded again" in caplog.text
+
+
 def test_sweeper_passes_failing_through_a_read_only_spell_are_told_once_and_their_end_once(
     read_only, caplog
 ):

@@ -632,6 +632,18 @@ class Consumer:
         logger.info("%s: outcomes are recorded again; claiming as before", self.plan.name)
         self._wake.set()
 
+    def _probe_settles(self) -> None:
+        """Settles are refused and no delivery is left to probe them with (the refused ones
+        wait out their leases, or were on their last attempt): ask the transport, so that
+        health stops reading Error soon after the grant is given back, not at the next
+        delivery a lease or a publish brings."""
+        try:
+            if not self.receiver.settles_go_through():
+                return
+        except WorkQueueError:
+            return  # not known now: asked again after the next empty claim
+        self._settles_recorded()
+
     def _recovered(self) -> None:
         # Under the lock: a worker's refused settle (_settle_refused) sets the same fields, and
         # cleared between its check and its writes it read as refused with no reason.
@@ -739,6 +751,8 @@ class Consumer:
                     # A one-shot run claims again at once: an empty claim tells it it is done.
                     self._wait(min_delay)
                 continue
+            if self._settles_refused and not self._probes:
+                self._probe_settles()
             # Empty: back off, unless a publish to the topic kicked us awake.
             delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
 

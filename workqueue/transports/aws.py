@@ -1158,6 +1158,11 @@ class AwsReceiver:
             delivery, DeliveryStatus.PENDING, send_delayed_then_delete if resend else hide
         )
 
+    def settles_go_through(self) -> bool:
+        # An IAM refusal is a transport error of its own, naming the policy to change, never a
+        # database grant refused: this transport's settles are never paused for one.
+        return True
+
     def max_attempts(self, planned: int) -> int:
         # The receive path dead-letters by the binding's value, read at the last re-plan (and
         # SQS's redrive by the queue's, set when it was provisioned): going by a newer one here

@@ -98,6 +98,13 @@ class TransportReceiver(Protocol):
 
     def acknowledge_cancel(self, delivery: ClaimedDelivery) -> SettleResult: ...
 
+    def settles_go_through(self) -> bool:
+        """Whether a settle would be recorded now, asked without a delivery: False when the
+        transport refuses this process's settles for want of a grant (``PrivilegeRefusedError``,
+        which a settle of a handled delivery met). A host asks while its settles are refused
+        and it has no delivery to probe with (raising WorkQueueError when it cannot tell)."""
+        ...
+
     def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
         """Whether an operator has asked to cancel ``delivery``, read without renewing its
         lease; asked of a transport with ``supports_cancel`` when a cancel was announced. A
