@@ -269,6 +269,7 @@ class ConnectionCutter:
                         if cut:
                             self.publishes_cut += 1
                             break
+                        time.sleep(0.002)  # a publish takes milliseconds; spare the cores
         except BaseException as exc:
             self.error = exc
 
@@ -374,8 +375,11 @@ def tracebacks_told(stderr: str) -> list[str]:
     lines = stderr.splitlines()
     told = []
     for at, line in enumerate(lines):
-        if not line.startswith("Traceback") or at == 0 or not lines[at - 1]:
+        if not line.startswith("Traceback") or (at > 0 and not lines[at - 1]):
             continue  # not a traceback, or one chained to the one before
+        if at == 0:
+            told.append("(a traceback with no log line before it)")
+            continue
         message = at - 1
         # Back over the server's own lines that an error's text carries (its CONTEXT and SQL).
         while message > 0 and lines[message].startswith(SERVER_ERROR_LINES):

@@ -14,10 +14,12 @@ import subprocess
 import time
 from collections import defaultdict
 
+import psycopg
 import pytest
 from django.utils import timezone
 
 from tests.factories import SubscriptionFactory
+from tests.support.database import psycopg_params
 from tests.support.processes import DRAIN_MS, hello, read_events
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
@@ -47,6 +49,33 @@ def test_a_host_process_processes_published_work_and_records_its_health(processe
     assert HostRecord.objects.live().filter(pk=record.pk).exists()
     assert [(s["name"], s["state"]) for s in record.subscriptions] == [(sub.name, "Running")]
     assert "samples.hello" in record.handler_keys and "tests.record" in record.handler_keys
+
+
+def test_a_host_process_whose_first_plan_was_cut_off_says_so_then_its_subscriptions(
+    processes, pg_conn
+):
+    """Review helper-154: ``workqueue_host`` said its subscriptions once, after its start; a
+    first plan cut off by a failover left nothing to say, and a plan that went through a
+    second later said nothing either (the chaos run's restarted host never said Running)."""
+    s = hello()
+    with (
+        psycopg.connect(autocommit=True, **psycopg_params()) as locker,
+        locker.transaction(),
+    ):
+        locker.execute("LOCK TABLE workqueue_topic IN ACCESS EXCLUSIVE MODE")
+        host = processes.start("workqueue_host", "-s", s.name, PGAPPNAME="test-host-orm")
+        wait_until(
+            lambda: pg_conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'test-host-orm' AND wait_event_type = 'Lock'"
+            ).fetchone()[0],
+            timeout=20,
+        )
+        host.wait_for_line("Planning failed")
+
+    host.wait_for_line(f"{s.name}: Running")
+    message = publish(s.topic.name, {"name": "cut"}).message_id
+    wait_until(lambda: delivery(message).status == "Completed", timeout=10)
 
 
 @pytest.mark.timing

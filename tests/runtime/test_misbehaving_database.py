@@ -194,8 +194,10 @@ def test_a_claim_cut_off_inside_the_procedure_is_told_in_one_line_without_its_sq
     host = make_host(one(s, concurrency=1))
     host.start()
     wait_until(lambda: states(host)[s.name][0] == "Running", timeout=10)
-    with pg_conn.transaction():  # the next claim waits inside the procedure, and is cut there
-        pg_conn.execute("LOCK TABLE workqueue_delivery IN ACCESS EXCLUSIVE MODE")
+    # The next claim waits inside the procedure, and is cut there. Locked from a session of
+    # its own: pg_conn's reads of pg_stat_activity must each see it afresh.
+    with psycopg.connect(autocommit=True, **psycopg_params()) as locker, locker.transaction():
+        locker.execute("LOCK TABLE workqueue_delivery IN ACCESS EXCLUSIVE MODE")
         wait_until(
             lambda: pg_conn.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -213,10 +215,12 @@ def test_a_claim_cut_off_inside_the_procedure_is_told_in_one_line_without_its_sq
         assert "\n" not in text and "CONTEXT" not in text and "workqueue_delivery" not in text
 
 
-def _start_with_its_plan_cut_off(pg_conn: psycopg.Connection, host: Any, start: Any) -> Any:
-    """Run ``start`` on a thread while the subscriptions are locked, ending each session that
-    waits on them (a failover as the host started, a proxy's restart) until ``host``'s
-    planning has failed; then let the lock go and return what ``start`` returns."""
+def _start_with_reads_cut_off(
+    pg_conn: psycopg.Connection, start: Any, table: str, enough: Any
+) -> Any:
+    """Run ``start`` on a thread while ``table`` is locked, ending each session that waits on
+    it (a failover as a host starts, a proxy's restart) until ``enough(sessions_cut)``; then
+    let the lock go, and return what ``start`` returned (or raised)."""
     from django.db import connections
 
     answer: list[Any] = []
@@ -224,25 +228,31 @@ def _start_with_its_plan_cut_off(pg_conn: psycopg.Connection, host: Any, start: 
     def run() -> None:
         try:
             answer.append(start())
+        except Exception as exc:
+            answer.append(exc)
         finally:
             connections.close_all()  # this thread's
 
     starting = threading.Thread(target=run, name="test-start")
+    cut = 0
     # Locked from a session of its own: pg_conn's reads of pg_stat_activity must each see it
     # afresh, which they do not within one transaction.
     with psycopg.connect(autocommit=True, **psycopg_params()) as locker, locker.transaction():
-        locker.execute("LOCK TABLE workqueue_subscription IN ACCESS EXCLUSIVE MODE")
+        locker.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
         starting.start()
 
-        def planning_cut_off() -> bool:
-            pg_conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        def cut_enough() -> bool:
+            nonlocal cut
+            (ended,) = pg_conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND wait_event_type = 'Lock' "
-                "AND query LIKE '%%workqueue_subscription%%' AND pid <> pg_backend_pid()"
-            )
-            return host.planning_failure is not None
+                "AND query LIKE %s AND pid <> pg_backend_pid()",
+                [f"%{table}%"],
+            ).fetchone()
+            cut += ended
+            return enough(cut) or not starting.is_alive()
 
-        wait_until(planning_cut_off, timeout=10)
+        wait_until(cut_enough, timeout=20)
     starting.join(30)
     assert not starting.is_alive()
     return answer[0]
@@ -251,35 +261,84 @@ def _start_with_its_plan_cut_off(pg_conn: psycopg.Connection, host: Any, start: 
 def test_a_host_whose_first_plan_was_cut_off_runs_as_soon_as_a_plan_goes_through(
     make_host, pg_conn, caplog
 ):
-    """A host whose planning read at start was cut off ran nothing until its next re-plan,
-    RECONCILE_INTERVAL_MS later (30 s by default): a host restarted during a failover sat idle
-    with its work waiting (seen in the chaos run with the hosts' sessions cut: a restarted host
-    never reported its subscriptions Running)."""
+    """A host whose first plan was cut off (its read of the subscriptions' topics here) ran
+    nothing until its next re-plan, RECONCILE_INTERVAL_MS later (30 s by default): a host
+    restarted during a failover sat idle with its work waiting (seen in the chaos run with the
+    hosts' sessions cut: a restarted host never reported its subscriptions Running)."""
     caplog.set_level(logging.INFO, logger="workqueue")
     s = sub()
     host = make_host(one(s, concurrency=1), reconcile_interval_ms=60_000)
 
-    _start_with_its_plan_cut_off(pg_conn, host, host.start)
+    started = _start_with_reads_cut_off(
+        pg_conn, host.start, "workqueue_topic", lambda _: host.planning_failure is not None
+    )
     message = publish(s.topic.name, {}).message_id
 
-    assert "Planning failed" in caplog.text
+    assert started is None and "Planning failed" in caplog.text
     wait_until(lambda: delivery_of_message(message)[0] == "Completed", timeout=10)
     assert states(host)[s.name] == ("Running", "")
     assert "Planning again" in caplog.text
 
 
+def test_a_host_planning_nothing_after_a_cut_plans_again_with_re_planning_off(make_host, pg_conn):
+    """Review helper-154: with RECONCILE_INTERVAL_MS = 0 (no re-plans) there was no service
+    to try a failed first plan again: the host ran nothing for good."""
+    s = sub()
+    host = make_host(one(s, concurrency=1), reconcile_interval_ms=0)
+
+    _start_with_reads_cut_off(
+        pg_conn, host.start, "workqueue_topic", lambda _: host.planning_failure is not None
+    )
+
+    wait_until(lambda: states(host).get(s.name, ("",))[0] == "Running", timeout=10)
+
+
 def test_a_one_shot_run_whose_first_plan_was_cut_off_plans_again_and_runs(make_host, pg_conn):
-    """A one-shot job (``workqueue_work --once``) whose planning read was cut off exited 2,
+    """A one-shot job (``workqueue_work --once``) whose first plan was cut off exited 2,
     "Could not plan the subscriptions", for a blip its claims would have been retried past."""
     s = sub()
     message = publish(s.topic.name, {}).message_id
     host = make_host(one(s, concurrency=1))
 
-    result = _start_with_its_plan_cut_off(pg_conn, host, lambda: host.run_once(idle_exit_ms=300))
+    result = _start_with_reads_cut_off(
+        pg_conn,
+        lambda: host.run_once(idle_exit_ms=300),
+        "workqueue_topic",
+        lambda _: host.planning_failure is not None,
+    )
 
     assert result.planning_failure is None and result.could_not_run == []
     assert result.processed == 1
     assert delivery_of_message(message)[0] == "Completed"
+
+
+def test_a_host_whose_start_up_read_was_cut_off_reads_again_and_starts(make_host, pg_conn):
+    """A host's reads before it plans (the system user, the queue's tables) cut off by a
+    failover ended its start with a traceback (review helper-154)."""
+    s = sub()
+    host = make_host(one(s, concurrency=1))
+
+    started = _start_with_reads_cut_off(
+        pg_conn, host.start, "workqueue_subscription", lambda cut: cut >= 1
+    )
+
+    assert started is None
+    wait_until(lambda: states(host)[s.name][0] == "Running", timeout=10)
+
+
+def test_a_host_whose_start_up_reads_keep_failing_ends_its_start(make_host, pg_conn):
+    """A database that stays away, or that refuses the host the same way every time (a wrong
+    password or database name reads as away too), ends the start after three tries, as it
+    always did, instead of keeping a host up that runs nothing."""
+    from django.db import DatabaseError
+
+    host = make_host(one(sub(), concurrency=1))
+
+    started = _start_with_reads_cut_off(
+        pg_conn, host.start, "workqueue_subscription", lambda _: False
+    )
+
+    assert isinstance(started, DatabaseError), started
 
 
 def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given_back(
@@ -330,35 +389,48 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
     assert "outcomes are recorded again" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("refused", "payload"),
+    [
+        (("wq_complete", "wq_complete_many"), {}),
+        (("wq_retry",), {"then": "retry", "delay": 0}),  # review helper-154
+    ],
+    ids=["completions", "retries"],
+)
 def test_an_idle_subscription_whose_settles_were_refused_reads_running_once_the_grant_is_back(
-    make_host, pg_conn, caplog
+    make_host, pg_conn, caplog, refused, payload
 ):
     """With nothing left to probe settles with (the refused delivery waits out its lease, or
     was on its last attempt), a subscription read Error, "the database refuses to record
     outcomes", after the DBA had given the grant back: for the whole lease, or until new work
-    arrived. An operator who fixed the grant at night saw the host still failing."""
+    arrived. An operator who fixed the grant at night saw the host still failing. It reads
+    Error while any way of settling is refused, not only the completions (a grant missing for
+    one procedure read as fixed after every empty claim)."""
     from tests.support.roles import acting_as_granted_role
 
     caplog.set_level(logging.INFO, logger="workqueue")
     s = sub(lease_seconds=120, max_attempts=3)
     with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
         pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
-        completions = [
+        signatures = [
             signature
             for (signature,) in pg_conn.execute(
-                "SELECT oid::regprocedure::text FROM pg_proc "
-                "WHERE proname IN ('wq_complete', 'wq_complete_many')"
+                "SELECT oid::regprocedure::text FROM pg_proc WHERE proname = ANY (%s)",
+                [list(refused)],
             )
         ]
         host = make_host(one(s, concurrency=1))
         host.start()
-        for signature in completions:
+        for signature in signatures:
             pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
-        message = publish(s.topic.name, {}).message_id
+        message = publish(s.topic.name, payload).message_id
         wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
-        for signature in completions:
+        time.sleep(1)  # several empty claims, each followed by the question
+        still_refused = states(host)[s.name]
+        for signature in signatures:
             pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
 
+        assert still_refused[0] == "Error", still_refused
         wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=10)
         assert delivery_of_message(message) == ("InFlight", 1)  # nothing ran it again
         host.shutdown()
@@ -416,8 +488,9 @@ def test_a_sweeper_step_whose_session_is_cut_says_so_in_a_line_and_the_next_pass
     ).fetchone()
     assert cut == 1
 
-    cut_off = Sweeper().run_once()
-    after = Sweeper().run_once()
+    sweeper = Sweeper()  # as a host's, one for every pass
+    cut_off = sweeper.run_once()
+    after = sweeper.run_once()
 
     assert cut_off.failed_steps == ["expired_leases"]  # the purges ran on a new session
     assert after.failed_steps == []
@@ -430,6 +503,7 @@ def test_a_sweeper_step_whose_session_is_cut_says_so_in_a_line_and_the_next_pass
     assert "expiring leases" in said[0][1] and "terminating connection" in said[0][1]
     assert "\n" not in said[0][1]
     assert not [r for r in caplog.records if r.exc_info]
+    assert "Sweeper step 'expiring leases' passes work again" in caplog.text  # and its end
 
 
 def test_health_reports_refused_as_read_only_are_told_once_and_recorded_again_after(

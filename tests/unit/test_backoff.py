@@ -1,10 +1,12 @@
-"""Retry delays: the handler's own, else full jitter rounded up to a whole second."""
+"""Retry delays: the handler's own, else full jitter rounded up to a whole second; and the
+backoff of a failed claim loop or plan."""
 
 from __future__ import annotations
 
 import pytest
 
 from workqueue.runtime.backoff import retry_delay_seconds
+from workqueue.runtime.consumer import restart_delay_seconds
 
 
 @pytest.mark.parametrize("draw", [0.0, 0.01, 0.049])
@@ -28,3 +30,17 @@ def test_no_backoff_and_a_requested_delay_are_kept_as_they_are():
     assert retry_delay_seconds(1, 10, 900, requested=0) == 0
     assert retry_delay_seconds(1, 10, 900, requested=2.1) == 3
     assert retry_delay_seconds(1, 10, 30, requested=60) == 30
+
+
+@pytest.mark.parametrize(("failures", "expected"), [(1, 1.0), (2, 2.0), (5, 16.0), (6, 30.0)])
+def test_a_failed_consumer_or_plan_waits_one_then_twice_as_long_up_to_thirty_seconds(
+    failures, expected
+):
+    assert restart_delay_seconds(failures) == expected
+
+
+def test_the_restart_delay_stays_at_its_cap_through_an_outage_of_any_length():
+    """Review helper-154: 1 s doubled per failure in a row overflowed a float at the 1,025th
+    (8.5 hours of failed re-plans, 85 minutes of failed claims polling every 5 s), and the
+    OverflowError crashed the claim loop."""
+    assert restart_delay_seconds(1_025) == restart_delay_seconds(10**6) == 30.0

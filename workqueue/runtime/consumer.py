@@ -105,8 +105,11 @@ FAILURES_THAT_PERSIST = 3
 
 
 def restart_delay_seconds(failures_in_a_row: int) -> float:
-    """How long a failed consumer waits before it tries again: 1 s, 2 s, 4 s ... at most 30 s."""
-    return min(RESTART_MIN_SECONDS * 2 ** (failures_in_a_row - 1), RESTART_MAX_SECONDS)
+    """How long a failed consumer waits before it tries again: 1 s, 2 s, 4 s ... at most 30 s.
+    The exponent stops growing once past the cap: a float power overflows at 1,025 failures
+    in a row (hours of an outage), which crashed the claim loop."""
+    doublings = min(failures_in_a_row - 1, 16)
+    return min(RESTART_MIN_SECONDS * 2**doublings, RESTART_MAX_SECONDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -637,8 +640,14 @@ class Consumer:
         wait out their leases, or were on their last attempt): ask the transport, so that
         health stops reading Error soon after the grant is given back, not at the next
         delivery a lease or a publish brings."""
+        if self.failure is not None and not self.failure.startswith(SETTLES_REFUSED):
+            return  # the claim itself failed: its failure is what health says, and stays
+        # A receiver from before the question (a third-party transport) is not asked.
+        settles_go_through = getattr(self.receiver, "settles_go_through", None)
+        if settles_go_through is None:
+            return
         try:
-            if not self.receiver.settles_go_through():
+            if not settles_go_through():
                 return
         except WorkQueueError:
             return  # not known now: asked again after the next empty claim

@@ -37,6 +37,7 @@ from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.activity import LOOK_EVERY_SECONDS, ActivitySummary
 from workqueue.runtime.consumer import (
     FAILURES_THAT_PERSIST,
+    RESTART_MAX_SECONDS,
     Consumer,
     ConsumerConfig,
     RunBudget,
@@ -310,8 +311,8 @@ class Host:
                     "with workqueue.testing.run_until_idle() instead."
                 )
             autodiscover(conf.HANDLER_MODULES)
-            self.user = resolve_system_user(conf)
-            if not _has_the_queue_tables(conf.DATABASE_ALIAS):
+            self.user = _read_at_start(lambda: resolve_system_user(conf))
+            if not _read_at_start(lambda: _has_the_queue_tables(conf.DATABASE_ALIAS)):
                 # Started, it would run nothing and log a failed planning every re-plan.
                 raise WorkQueueConfigurationError(
                     f"The work queue's tables are not in database {conf.DATABASE_ALIAS!r}: its "
@@ -334,12 +335,16 @@ class Host:
                 PeriodicService("wq-supervisor", SUPERVISE_INTERVAL_SECONDS, self.supervise)
             )
             if not once:
-                replan_every = self.config.reconcile_interval_ms / 1000
+                # With re-planning off (0), a first plan that failed is still tried again,
+                # on the backoff, until one goes through (and then nothing more is planned).
+                replan_every = self.config.reconcile_interval_ms / 1000 or (
+                    RESTART_MAX_SECONDS if self.planning_failure is not None else 0
+                )
                 self._services.append(
                     PeriodicService(
                         "wq-reconcile",
                         replan_every,
-                        self.reconcile,
+                        self._replan,
                         pause=lambda _result, _took, interval: self._next_plan_in(interval),
                         first_wait_seconds=self._next_plan_in(replan_every),
                     )
@@ -589,11 +594,17 @@ class Host:
             str(subscription.id),
         )
 
+    def _replan(self) -> None:
+        """The re-plan service's pass: a re-plan, or, with re-planning off, a first plan that
+        has not gone through yet."""
+        if self.config.reconcile_interval_ms > 0 or self.planning_failure is not None:
+            self.reconcile()
+
     def _next_plan_in(self, interval: float) -> float:
         """Seconds to the next re-plan: the interval, or, while plans fail with the database
-        away, the consumers' backoff after a failed claim (1 s, 2 s, 4 s ...) up to it. A host
-        started during a failover otherwise ran nothing for a whole interval (30 s by
-        default) after the database was back."""
+        away, the consumers' backoff after a failed claim (1 s, 2 s, 4 s ... at most 30 s) if
+        sooner. A host started during a failover otherwise ran nothing for a whole interval (30 s
+        by default) after the database was back."""
         if self._plans_failed_away == 0:
             return interval
         return min(restart_delay_seconds(self._plans_failed_away), interval)
@@ -1023,6 +1034,25 @@ def _recorded_state(entry: dict[str, Any]) -> tuple[Any, ...]:
     return (entry["name"], entry["state"], entry["reason"], entry["stuck_count"], stuck)
 
 
+def _read_at_start(read: Callable[[], Any]) -> Any:
+    """What ``read`` (one of a host's reads before it plans) returns, tried again while the
+    database is away (a failover as the host starts, a session cut: a raise here ended the
+    start), its broken connection closed first, up to FAILURES_THAT_PERSIST tries in all; then
+    its error is raised, as a database that stays away ends the start naming the fix (a
+    wrong password or database name also reads as away, and must not keep a host up)."""
+    for failures in range(1, FAILURES_THAT_PERSIST + 1):
+        try:
+            return read()
+        except DatabaseError as exc:
+            if failures == FAILURES_THAT_PERSIST or not database_away(exc):
+                raise
+            delay = restart_delay_seconds(failures)
+            logger.warning("Starting: %s; reading again in %.0f s", one_line(exc), delay)
+        close_old_connections()
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def _has_the_queue_tables(alias: str) -> bool:
     """Whether ``alias``'s database holds the work queue's tables: asked as planning will ask,
     with its grants and name resolution (a runtime role may not read ``django_migrations``,
@@ -1034,10 +1064,6 @@ def _has_the_queue_tables(alias: str) -> bool:
     except DatabaseError as exc:
         if get_driver(alias).names_a_missing_object(exc):
             return False
-        if database_away(exc):
-            # Not known yet (a failover, a session cut): planning asks again, and is tried
-            # again until the database answers, where a raise here ended the host's start.
-            return True
         raise
     return True
 

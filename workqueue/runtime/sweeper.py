@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workqueue import metrics, transport
-from workqueue.driver import database_away
-from workqueue.exceptions import one_line
 from workqueue.runtime.executor import report_lease_expired_dead_letter
+from workqueue.runtime.service import OutageLog
 from workqueue.types import DeliveryStatus
 
 logger = logging.getLogger(__name__)
@@ -64,6 +63,19 @@ def pause_after(result: SweeperPassResult, took_seconds: float, interval_seconds
 
 
 class Sweeper:
+    def __init__(self) -> None:
+        # Each step's failures, told as a periodic job's are: a database away (a failover, a
+        # session cut under the step) once a spell in a WARNING line and its end at INFO, as
+        # a consumer whose claim is cut says it (a traceback at ERROR paged whoever alerts on
+        # ERROR for every failover that landed on a pass); anything else each time, with its
+        # traceback.
+        self._steps: dict[str, OutageLog] = {}
+
+    def _step(self, step: str) -> OutageLog:
+        if step not in self._steps:
+            self._steps[step] = OutageLog(f"Sweeper step {step!r}", logger)
+        return self._steps[step]
+
     def run_once(self) -> SweeperPassResult:
         """Run one pass, or skip it (``skipped=True``) when another sweeper holds the lock."""
         try:
@@ -93,7 +105,7 @@ class Sweeper:
             "failed" if result.failed_steps else "behind" if result.behind else "caught_up"
         ).inc()
         if result.expired > 0 or any(n > 0 for n in result.purged.values()):
-            # A step that failed (-1, logged with its traceback) is left out: no count to say.
+            # A step that failed (-1, and logged) is left out: no count to say.
             logger.info(
                 "Sweeper pass: %s lease(s) expired (%d dead-lettered), purged %s%s",
                 result.expired if result.expired >= 0 else "? (the step failed)",
@@ -110,7 +122,7 @@ class Sweeper:
                 rows = transport.expire_leases_all(EXPIRE_BATCH)
                 result.expired += len(rows)
                 dead = [r for r in rows if r["new_status"] == DeliveryStatus.DEAD_LETTERED]
-                names = _subscription_names({r["subscription_id"] for r in dead})
+                names = self._subscription_names({r["subscription_id"] for r in dead})
                 for row in dead:
                     result.expired_dead_letters += 1
                     # By name, as a consumer logs it: the name is what operators act on.
@@ -122,11 +134,14 @@ class Sweeper:
                         row["partition_key"],
                     )
                 if len(rows) < EXPIRE_BATCH:
-                    return
-            result.behind = True
+                    break
+            else:
+                result.behind = True
         except Exception as exc:
-            _step_failed("expiring leases", exc)
+            self._step("expiring leases").failed(exc)
             result.expired = -1
+        else:
+            self._step("expiring leases").passed()
 
     def _release_stalled_listeners(self, result: SweeperPassResult) -> None:
         """Keep the notification queue from filling up behind a listener that stopped reading.
@@ -143,9 +158,10 @@ class Sweeper:
                 return  # no queue (SQL Server), or one that listeners keep reading
             found = transport.release_stalled_listeners(STALLED_LISTENER_CONFIRM_SECONDS)
         except Exception as exc:
-            _step_failed("looking for sessions that stopped reading", exc)
+            self._step("looking for sessions that stopped reading").failed(exc)
             result.released_listeners = -1
             return
+        self._step("looking for sessions that stopped reading").passed()
         full = f"{usage:.1%}"
         result.released_listeners = len(found.released)
         for holder in found.released:
@@ -209,42 +225,28 @@ class Sweeper:
             else:
                 result.behind = True
         except Exception as exc:
-            _step_failed(f"purging {step}", exc)
+            self._step(f"purging {step}").failed(exc)
             return -1
+        self._step(f"purging {step}").passed()
         return total
 
+    def _subscription_names(self, subscription_ids: set[Any]) -> dict[str, str]:
+        """The names of the subscriptions with these ids, by id as text; none when they
+        cannot be read (the leases are expired by then: their log lines and signals must still
+        go out)."""
+        if not subscription_ids:
+            return {}
+        from workqueue.models import Subscription
 
-def _subscription_names(subscription_ids: set[Any]) -> dict[str, str]:
-    """The names of the subscriptions with these ids, by id as text; none when they cannot be
-    read (the leases are expired by then: their log lines and signals must still go out)."""
-    if not subscription_ids:
-        return {}
-    from workqueue.models import Subscription
-
-    try:
-        return {
-            str(pk): name
-            for pk, name in Subscription.objects.filter(pk__in=subscription_ids).values_list(
-                "pk", "name"
-            )
-        }
-    except Exception as exc:
-        _step_failed("reading the names of subscriptions (logging ids instead)", exc)
-        return {}
-
-
-def _step_failed(step: str, exc: Exception) -> None:
-    """Log a step that failed, from within its ``except``; the next pass runs it again. A
-    database away or a session cut under the step (a failover, a proxy's restart) is said in a
-    WARNING line, as a consumer whose claim is cut says it: a traceback at ERROR paged whoever
-    alerts on ERROR for every failover that landed on a pass. Anything else keeps its
-    traceback."""
-    if database_away(exc):
-        logger.warning(
-            "Sweeper: %s failed: %s; the next pass tries again",
-            step,
-            one_line(exc),
-            extra={"action": "sweep_step_failed"},
-        )
-    else:
-        logger.exception("Sweeper: %s failed", step)
+        try:
+            names = {
+                str(pk): name
+                for pk, name in Subscription.objects.filter(pk__in=subscription_ids).values_list(
+                    "pk", "name"
+                )
+            }
+        except Exception as exc:
+            self._step("reading the names of subscriptions (logging ids instead)").failed(exc)
+            return {}
+        self._step("reading the names of subscriptions (logging ids instead)").passed()
+        return names

@@ -79,6 +79,16 @@ class Command(BaseCommand):
                 host.start()
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc)) from exc
+        if host.planning_failure is not None:
+            # The database away as the host started (its start-up reads got through): the
+            # subscriptions are said once a plan goes through (the host tries again on a
+            # backoff), as an orchestrator's readiness check waits for them.
+            self.stdout.write(
+                f"Planning failed ({host.planning_failure}); planning again until it goes through"
+            )
+            self.stdout.flush()
+            while host.planning_failure is not None and not stop.wait(0.2):
+                pass
         for entry in host.health()["subscriptions"]:
             self.stdout.write(describe_subscription(entry))
         if server is not None:
