@@ -355,13 +355,7 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
     s = sub(lease_seconds=5, max_attempts=3)
     with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
         pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
-        completions = [
-            signature
-            for (signature,) in pg_conn.execute(
-                "SELECT oid::regprocedure::text FROM pg_proc "
-                "WHERE proname IN ('wq_complete', 'wq_complete_many')"
-            )
-        ]
+        completions = _signatures(pg_conn)
         host = make_host(one(s, concurrency=2))
         host.start()
         for signature in completions:
@@ -412,13 +406,7 @@ def test_an_idle_subscription_whose_settles_were_refused_reads_running_once_the_
     s = sub(lease_seconds=120, max_attempts=3)
     with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
         pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
-        signatures = [
-            signature
-            for (signature,) in pg_conn.execute(
-                "SELECT oid::regprocedure::text FROM pg_proc WHERE proname = ANY (%s)",
-                [list(refused)],
-            )
-        ]
+        signatures = _signatures(pg_conn, refused)
         host = make_host(one(s, concurrency=1))
         host.start()
         for signature in signatures:
@@ -667,12 +655,15 @@ def test_a_one_shot_job_whose_outcomes_are_refused_for_a_grant_exits_2_naming_it
     assert delivery_of_message(message) == ("InFlight", 1)  # its lease brings it back
 
 
-def _completion_signatures(pg_conn: psycopg.Connection) -> list[str]:
+def _signatures(
+    pg_conn: psycopg.Connection, procedures: tuple[str, ...] = ("wq_complete", "wq_complete_many")
+) -> list[str]:
+    """The signatures of ``procedures`` (the completions by default), for GRANT and REVOKE."""
     return [
         signature
         for (signature,) in pg_conn.execute(
-            "SELECT oid::regprocedure::text FROM pg_proc "
-            "WHERE proname IN ('wq_complete', 'wq_complete_many')"
+            "SELECT oid::regprocedure::text FROM pg_proc WHERE proname = ANY (%s)",
+            [list(procedures)],
         )
     ]
 
@@ -720,7 +711,7 @@ def test_a_long_handler_from_before_a_refusal_does_not_hold_the_probe_back(make_
     s = sub(lease_seconds=30, max_attempts=3)
     with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
         pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')
-        completions = _completion_signatures(pg_conn)
+        completions = _signatures(pg_conn)
         host = make_host(one(s, concurrency=3))
         host.start()
         publish(s.topic.name, {"sleepMs": 60_000})  # runs until the host stops
