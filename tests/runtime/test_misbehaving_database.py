@@ -425,6 +425,36 @@ def test_an_idle_subscription_whose_settles_were_refused_reads_running_once_the_
     assert "outcomes are recorded again" in caplog.text
 
 
+def test_a_claim_refused_during_a_settles_refusal_does_not_keep_an_idle_subscription_in_error(
+    make_host, pg_conn, caplog
+):
+    """Review helper-155: a claim that failed while settles were refused (the whole grant
+    taken away) left its reason in health after claims went through again, and the settle
+    probe, asked only while the refusal was health's reason, was never asked again: the idle
+    subscription read Error after every grant was back."""
+    from tests.support.roles import acting_as_granted_role
+
+    caplog.set_level(logging.INFO, logger="workqueue")
+    s = sub(lease_seconds=120, max_attempts=3)
+    with acting_as_granted_role(pg_conn, "wq_rt", "grant-runtime") as role:
+        pg_conn.execute(f'GRANT SELECT ON auth_user TO "{role}"')  # the system user's lookup
+        completions, claims = _signatures(pg_conn), _signatures(pg_conn, ("wq_claim",))
+        host = make_host(one(s, concurrency=1))
+        host.start()
+        for signature in completions:
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        publish(s.topic.name, {})
+        wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
+        for signature in claims:
+            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        wait_until(lambda: "wq_claim" in states(host)[s.name][1], timeout=20)
+        for signature in [*claims, *completions]:
+            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+
+        wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=30)
+        host.shutdown()
+
+
 def test_sweeper_passes_failing_through_a_read_only_spell_are_told_once_and_their_end_once(
     read_only, caplog
 ):

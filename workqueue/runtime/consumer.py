@@ -372,6 +372,7 @@ class Consumer:
         # the loop claims nothing until ``_claims_resume_at``, then one delivery at a time,
         # until a settle goes through.
         self._settles_refused = False
+        self._refusal = ""  # why they are refused, while they are (health's reason)
         self._claims_resume_at = 0.0
         # The executions claimed while settles are refused (the probes): the next probe waits
         # for these, not for handlers claimed before the refusal (a long or hung one).
@@ -620,8 +621,9 @@ class Consumer:
         now = time.monotonic()
         first = not self._settles_refused
         self._settles_refused = True
+        self._refusal = f"{SETTLES_REFUSED}: {error}"
         if now >= self._claims_resume_at:  # handlers refused together count as one refusal
-            self._claims_resume_at = now + self._failed(f"{SETTLES_REFUSED}: {error}")
+            self._claims_resume_at = now + self._failed(self._refusal)
         return first
 
     def _settles_recorded(self) -> None:
@@ -640,7 +642,7 @@ class Consumer:
         wait out their leases, or were on their last attempt): ask the transport, so that
         health stops reading Error soon after the grant is given back, not at the next
         delivery a lease or a publish brings."""
-        if self.failure is not None and not self.failure.startswith(SETTLES_REFUSED):
+        if self.failure != self._refusal:
             return  # the claim itself failed: its failure is what health says, and stays
         # A receiver from before the question (a third-party transport) is not asked.
         settles_go_through = getattr(self.receiver, "settles_go_through", None)
@@ -658,7 +660,11 @@ class Consumer:
         # cleared between its check and its writes it read as refused with no reason.
         with self._lock:
             if self._settles_refused:
-                return  # not over until a settle goes through (_settles_recorded)
+                # Not over until a settle goes through (_settles_recorded). A claim that
+                # failed meanwhile said why in the failure; claiming again, the refusal is
+                # what holds the work back again (and what the settle probe answers to).
+                self.failure = self._refusal
+                return
             ended, self.failure = self.failure, None
             self._failures_in_a_row = 0
         if ended is not None:

@@ -59,6 +59,11 @@ from workqueue.transport import new_instance_id, procedures_problem
 
 logger = logging.getLogger(__name__)
 
+#: How long the re-plan service of a host with re-planning off (RECONCILE_INTERVAL_MS = 0),
+#: which runs only to try a first plan that failed again, sleeps once one went through: a stop
+#: wakes it, and nothing else will.
+PLANNED_WITH_RE_PLANNING_OFF_SECONDS = 24 * 3600.0
+
 HEALTH_INTERVAL_SECONDS = 10.0
 SUPERVISE_INTERVAL_SECONDS = 0.5
 WILDCARD = "*"
@@ -288,6 +293,8 @@ class Host:
         self.not_handed_back = 0
         #: Why the last planning raised (None once one succeeds): nothing was started then.
         self.planning_failure: str | None = None
+        #: Set once a plan has gone through and its consumers were started (never cleared).
+        self.planned = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -605,9 +612,11 @@ class Host:
         away, the consumers' backoff after a failed claim (1 s, 2 s, 4 s ... at most 30 s) if
         sooner. A host started during a failover otherwise ran nothing for a whole interval (30 s
         by default) after the database was back."""
-        if self._plans_failed_away == 0:
-            return interval
-        return min(restart_delay_seconds(self._plans_failed_away), interval)
+        if self._plans_failed_away > 0:
+            return min(restart_delay_seconds(self._plans_failed_away), interval)
+        if self.config.reconcile_interval_ms == 0 and self.planning_failure is None:
+            return PLANNED_WITH_RE_PLANNING_OFF_SECONDS  # nothing more to plan
+        return interval
 
     def reconcile(self) -> None:
         """Re-plan and make the consumers match: start new ones, stop paused ones, restart the
@@ -694,6 +703,7 @@ class Host:
                     if entry.state == PlanState.RUNNING and name not in self._consumers
                 ]
             )
+            self.planned.set()
 
     def _try_start(self, entries: list[PlanEntry]) -> None:
         """Start the entries' consumers; for each that fails, log why, report Error in health

@@ -152,16 +152,23 @@ class Sweeper:
         grows by each publish's announcement until, some hundreds of millions later, every
         publish fails at its commit. Such a session is disconnected: a host reconnects when it
         resumes and catches up on what it missed, as after any outage."""
+        step = self._step("looking for sessions that stopped reading")
         try:
             usage = transport.notification_queue_usage()
-            if usage is None or usage < transport.NOTIFICATION_QUEUE_WARNING_USAGE:
-                return  # no queue (SQL Server), or one that listeners keep reading
-            found = transport.release_stalled_listeners(STALLED_LISTENER_CONFIRM_SECONDS)
+            stalled = usage is not None and usage >= transport.NOTIFICATION_QUEUE_WARNING_USAGE
+            # Else no queue (SQL Server), or one that listeners keep reading.
+            found = (
+                transport.release_stalled_listeners(STALLED_LISTENER_CONFIRM_SECONDS)
+                if stalled
+                else None
+            )
         except Exception as exc:
-            self._step("looking for sessions that stopped reading").failed(exc)
+            step.failed(exc)
             result.released_listeners = -1
             return
-        self._step("looking for sessions that stopped reading").passed()
+        step.passed()
+        if found is None:
+            return
         full = f"{usage:.1%}"
         result.released_listeners = len(found.released)
         for holder in found.released:
@@ -246,7 +253,7 @@ class Sweeper:
                 )
             }
         except Exception as exc:
-            self._step("reading the names of subscriptions (logging ids instead)").failed(exc)
+            self._step("reading subscription names").failed(exc)
             return {}
-        self._step("reading the names of subscriptions (logging ids instead)").passed()
+        self._step("reading subscription names").passed()
         return names

@@ -79,22 +79,25 @@ class Command(BaseCommand):
                 host.start()
         except WorkQueueConfigurationError as exc:
             raise CommandError(str(exc)) from exc
-        if host.planning_failure is not None:
-            # The database away as the host started (its start-up reads got through): the
-            # subscriptions are said once a plan goes through (the host tries again on a
-            # backoff), as an orchestrator's readiness check waits for them.
+        if not host.planned.is_set():
+            # The first plan failed (the database away as the host started, or a fault the
+            # log tells): the subscriptions are said once a plan goes through (the host plans
+            # again, on a backoff while the database is away), as a readiness check waits for
+            # them; a stop meanwhile says nothing more of them.
             self.stdout.write(
-                f"Planning failed ({host.planning_failure}); planning again until it goes through"
+                f"Planning failed ({host.planning_failure}); planning again until a plan goes "
+                "through"
             )
             self.stdout.flush()
-            while host.planning_failure is not None and not stop.wait(0.2):
+            while not host.planned.is_set() and not stop.wait(0.2):
                 pass
-        for entry in host.health()["subscriptions"]:
-            self.stdout.write(describe_subscription(entry))
-        if server is not None:
-            address, port = server.server_address[:2]
-            self.stdout.write(f"Metrics: http://{address}:{port}/metrics")
-        self.stdout.flush()
+        if host.planned.is_set():
+            for entry in host.health()["subscriptions"]:
+                self.stdout.write(describe_subscription(entry))
+            if server is not None:
+                address, port = server.server_address[:2]
+                self.stdout.write(f"Metrics: http://{address}:{port}/metrics")
+            self.stdout.flush()
         try:
             stop.wait()
             self.stdout.write(
