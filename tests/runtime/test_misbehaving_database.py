@@ -358,8 +358,7 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
         completions = _signatures(pg_conn)
         host = make_host(one(s, concurrency=2))
         host.start()
-        for signature in completions:
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        _revoke(pg_conn, role, completions)
 
         first = publish(s.topic.name, {}).message_id
         wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
@@ -367,8 +366,7 @@ def test_settles_refused_for_a_grant_stop_the_claims_in_health_until_it_is_given
         time.sleep(1.5)
         state, reason = states(host)[s.name]
         claimed = Delivery.objects.filter(message_id__in=later, attempt_count__gt=0).count()
-        for signature in completions:
-            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+        _grant(pg_conn, role, completions)
 
         assert state == "Error" and "permission denied" in reason, reason
         assert "grant-runtime" in reason  # the fix
@@ -409,14 +407,12 @@ def test_an_idle_subscription_whose_settles_were_refused_reads_running_once_the_
         signatures = _signatures(pg_conn, refused)
         host = make_host(one(s, concurrency=1))
         host.start()
-        for signature in signatures:
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        _revoke(pg_conn, role, signatures)
         message = publish(s.topic.name, payload).message_id
         wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
         time.sleep(1)  # several empty claims, each followed by the question
         still_refused = states(host)[s.name]
-        for signature in signatures:
-            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+        _grant(pg_conn, role, signatures)
 
         assert still_refused[0] == "Error", still_refused
         wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=10)
@@ -441,15 +437,12 @@ def test_a_claim_refused_during_a_settles_refusal_does_not_keep_an_idle_subscrip
         completions, claims = _signatures(pg_conn), _signatures(pg_conn, ("wq_claim",))
         host = make_host(one(s, concurrency=1))
         host.start()
-        for signature in completions:
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        _revoke(pg_conn, role, completions)
         publish(s.topic.name, {})
         wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
-        for signature in claims:
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        _revoke(pg_conn, role, claims)
         wait_until(lambda: "wq_claim" in states(host)[s.name][1], timeout=20)
-        for signature in [*claims, *completions]:
-            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+        _grant(pg_conn, role, [*claims, *completions])
 
         wait_until(lambda: states(host)[s.name] == ("Running", ""), timeout=30)
         host.shutdown()
@@ -685,6 +678,16 @@ def test_a_one_shot_job_whose_outcomes_are_refused_for_a_grant_exits_2_naming_it
     assert delivery_of_message(message) == ("InFlight", 1)  # its lease brings it back
 
 
+def _revoke(pg_conn: psycopg.Connection, role: str, signatures: list[str]) -> None:
+    for signature in signatures:
+        pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+
+
+def _grant(pg_conn: psycopg.Connection, role: str, signatures: list[str]) -> None:
+    for signature in signatures:
+        pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+
+
 def _signatures(
     pg_conn: psycopg.Connection, procedures: tuple[str, ...] = ("wq_complete", "wq_complete_many")
 ) -> list[str]:
@@ -746,12 +749,10 @@ def test_a_long_handler_from_before_a_refusal_does_not_hold_the_probe_back(make_
         host.start()
         publish(s.topic.name, {"sleepMs": 60_000})  # runs until the host stops
         probe.wait_for(1)
-        for signature in completions:
-            pg_conn.execute(f'REVOKE EXECUTE ON FUNCTION {signature} FROM "{role}"')
+        _revoke(pg_conn, role, completions)
         publish(s.topic.name, {})
         wait_until(lambda: states(host)[s.name][0] == "Error", timeout=10)
-        for signature in completions:
-            pg_conn.execute(f'GRANT EXECUTE ON FUNCTION {signature} TO "{role}"')
+        _grant(pg_conn, role, completions)
 
         later = [publish(s.topic.name, {}).message_id for _ in range(2)]
         wait_until(lambda: all(delivery_of_message(m)[0] == "Completed" for m in later), timeout=10)
