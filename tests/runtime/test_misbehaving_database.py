@@ -312,6 +312,30 @@ def test_a_one_shot_run_whose_first_plan_was_cut_off_plans_again_and_runs(make_h
     assert delivery_of_message(message)[0] == "Completed"
 
 
+def test_a_one_shot_run_whose_plans_keep_failing_keeps_to_its_max_duration(make_host, pg_conn):
+    """A one-shot job planning again after a cut spent up to 3 s in its plan retries whatever
+    its ``--max-duration-ms``: a job given one second planned three times and ended as "Idle"
+    (review helper-154's leftover)."""
+    host = make_host(one(sub(), concurrency=1))
+    plans = 0
+
+    def count_plans(cut: int) -> bool:
+        nonlocal plans
+        plans = cut
+        return False
+
+    result = _start_with_reads_cut_off(
+        pg_conn,
+        lambda: host.run_once(idle_exit_ms=300, max_duration_ms=1000),
+        "workqueue_topic",
+        count_plans,
+    )
+
+    assert result.reason == "MaxDuration"
+    assert result.planning_failure is not None
+    assert plans <= 2, f"planned {plans} times in a one-second run"
+
+
 def test_a_host_whose_start_up_read_was_cut_off_reads_again_and_starts(make_host, pg_conn):
     """A host's reads before it plans (the system user, the queue's tables) cut off by a
     failover ended its start with a traceback (review helper-154)."""

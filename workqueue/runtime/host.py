@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import socket
 import threading
@@ -961,13 +962,15 @@ class Host:
         self._budget = RunBudget(max_deliveries)
         stop_requested = stop_requested or threading.Event()
         began = time.monotonic()
+        ends_at = math.inf if max_duration_ms is None else began + max_duration_ms / 1000
         self.start(once=True)
         # A plan that failed with the database away is tried again as a claim is (a blip, as a
         # session cut, is no reason to end the job), until it fails FAILURES_THAT_PERSIST
-        # times in a row; then the run ends naming why.
-        while 0 < self._plans_failed_away < FAILURES_THAT_PERSIST and not stop_requested.wait(
-            restart_delay_seconds(self._plans_failed_away)
-        ):
+        # times in a row, or the run's time is up; then the run ends naming why.
+        while 0 < self._plans_failed_away < FAILURES_THAT_PERSIST:
+            wait = min(restart_delay_seconds(self._plans_failed_away), ends_at - time.monotonic())
+            if stop_requested.wait(max(wait, 0)) or time.monotonic() >= ends_at:
+                break
             self.reconcile()
         if on_started is not None:
             on_started(self)
@@ -981,6 +984,9 @@ class Host:
                 # nothing to run at that moment.
                 if stop_requested.is_set():
                     reason = "Shutdown"
+                    break
+                if time.monotonic() >= ends_at:
+                    reason = "MaxDuration"
                     break
                 if not consumers:
                     reason = "Idle"  # nothing could run; health says why
@@ -996,11 +1002,6 @@ class Host:
                 # "Pending" first: a consumer counts a claim's deliveries in flight before it
                 # clears it, so a claim ending between the two reads is seen by the second.
                 busy = any(c.receive_pending or c.in_flight for c in consumers)
-                if max_duration_ms is not None and time.monotonic() - began >= (
-                    max_duration_ms / 1000
-                ):
-                    reason = "MaxDuration"
-                    break
                 # And again after, with no take since: a claim can give back what it took (no
                 # rate token was due, or it came back short) between the first read and "busy"
                 # (helper-135), and another consumer's claim take it again before the second
