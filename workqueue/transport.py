@@ -62,6 +62,8 @@ from workqueue.types import (
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
 
+    from workqueue.transports.base import TransportReceiver
+
 EXPIRE_BATCH_SIZE = 500
 BACKLOG_CAP = 1000
 TRANSIENT_RETRIES = 3
@@ -129,6 +131,17 @@ class Receiver:
     def close(self) -> None:
         """Close the calling thread's connection (a consumer thread's last act)."""
         self.driver.close()
+
+    def carry_over_from(self, previous: TransportReceiver) -> None:
+        """The claim ``previous`` would have named next (one whose answer was lost) and where
+        its walk over the partition keys stood (nothing from another transport's)."""
+        if not isinstance(previous, Receiver):
+            return
+        with previous._unanswered_lock:
+            unanswered = previous._unanswered_claim
+        with self._unanswered_lock:
+            self._unanswered_claim = unanswered
+        self.key_cursor = previous.key_cursor
 
     def receive(self, max_rows: int) -> ClaimResult:
         """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).

@@ -2831,6 +2831,26 @@ def test_a_fifo_receive_that_failed_is_the_next_claims_receive_with_its_attempt_
     assert after_it and after_it != first  # answered: the next receive is a new one
 
 
+def test_a_fifo_receive_that_failed_is_sent_again_by_the_receiver_a_re_plan_put_in_its_place(
+    aws,
+):
+    """A re-plan rebuilding the consumer (the host carries the old receiver over) dropped the
+    failed receive's attempt id with the old receiver: what it hid waited out its lease."""
+    subscription = provisioned(aws, fifo=True)
+    holder = receiver(subscription)
+    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
+        network.losing = True
+        with pytest.raises(TransientTransportError):
+            holder.receive(10)
+        network.losing = False
+        successor = receiver(subscription)
+        successor.carry_over_from(holder)
+        successor.receive(10)
+
+    first, *_, successors = network.attempt_ids
+    assert first and successors == first
+
+
 def test_a_receive_made_again_with_an_earlier_attempt_id_counts_its_lease_from_that_attempt(aws):
     # What SQS answers an attempt id made again are the messages its first try hid, their
     # visibility counted from that try: a lease counted from the repeated call would outlast

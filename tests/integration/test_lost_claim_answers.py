@@ -39,6 +39,8 @@ class LostClaims:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pending = 0
+        #: While set, claims fail before they reach the database (a connection refused).
+        self.refusing = False
         self.lost: list[list[dict[str, Any]]] = []
         self.ids: list[uuid.UUID] = []
         # The instance every receiver calls, patched in its ``__dict__`` so that the undo leaves
@@ -48,6 +50,8 @@ class LostClaims:
         call = driver.call
 
         def call_losing_claim_answers(name: str, *args: Any, **kwargs: Any) -> Any:
+            if name == "wq_claim" and self.refusing:
+                raise TransientDriverError("connection refused (test)")
             rows = call(name, *args, **kwargs)
             claimed = [r for r in rows if r["kind"] == "Claimed"] if name == "wq_claim" else []
             if claimed and self.pending:
@@ -223,6 +227,28 @@ def test_a_host_whose_claim_answer_was_lost_runs_the_work_at_once_at_attempt_1(
     # only attempt, was dead-lettered as LeaseExpired without ever having run.
     wait_until(lambda: status_of(message) == "Completed", timeout=20)
     assert lost_claims.lost and str(lost_claims.lost[0][0]["message_id"]) == message
+    assert [run.attempt for run in probe.wait_for(1, message_id=message)] == [1]
+
+
+def test_a_lost_claim_is_handed_back_to_the_consumer_a_re_plan_put_in_its_place(
+    make_host, lost_claims
+):
+    """A re-plan that rebuilt the subscription's consumer (its settings changed) during the
+    outage that lost a claim's answer dropped the lost claim's id with the old consumer: its
+    deliveries waited out their lease, and on a last attempt were dead-lettered unrun."""
+    s = sub(lease_seconds=LONG_LEASE, max_attempts=1)
+    host = make_host(one(s, concurrency=2))
+    host.start()
+    lost_claims.lose()
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: lost_claims.lost, timeout=10)
+    lost_claims.refusing = True  # the outage goes on: the old consumer claims nothing more
+
+    Subscription.objects.filter(pk=s.pk).update(lease_seconds=LONG_LEASE + 60)
+    host.reconcile()
+    lost_claims.refusing = False
+
+    wait_until(lambda: status_of(message) == "Completed", timeout=20)
     assert [run.attempt for run in probe.wait_for(1, message_id=message)] == [1]
 
 

@@ -57,6 +57,7 @@ from workqueue.runtime.wakeup import Wakeup
 from workqueue.scheduling import load_schedules
 from workqueue.system_user import resolve_system_user
 from workqueue.transport import new_instance_id, procedures_problem
+from workqueue.transports import TransportReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +263,9 @@ class Host:
         # Stopped by a re-plan while handlers they gave up on still run (Consumer.lingering):
         # counted in health and at shutdown until those return.
         self._lingering: list[Consumer] = []
+        # The receivers of consumers a re-plan stopped, by subscription id, for the consumer
+        # that next runs the subscription to carry on from (a claim whose answer was lost).
+        self._retired_receivers: dict[str, TransportReceiver] = {}
         # The consumers a shutdown is draining: their handlers still run, and hear cancels.
         self._draining: list[Consumer] = []
         self._plans: dict[str, PlanEntry] = {}
@@ -689,6 +693,7 @@ class Host:
             with self._lock:
                 for consumer in to_stop:
                     self._retiring.remove(consumer)
+                    self._retired_receivers[consumer.plan.subscription_id] = consumer.receiver
                 self._lingering = [c for c in [*self._lingering, *to_stop] if c.lingering]
                 self._retired.notify_all()
         with self._lock:
@@ -766,7 +771,7 @@ class Host:
 
     def _build_consumer(self, entry: PlanEntry) -> Consumer:
         assert entry.plan is not None and self._timers is not None
-        return Consumer(
+        consumer = Consumer(
             entry.plan,
             ConsumerConfig(
                 concurrency=entry.concurrency,
@@ -786,6 +791,11 @@ class Host:
             # of them, audit helper-134).
             predecessors=[c for c in self._lingering if entry.runs(c)],
         )
+        retired = self._retired_receivers.pop(entry.plan.subscription_id, None)
+        carry_over_from = getattr(consumer.receiver, "carry_over_from", None)
+        if retired is not None and carry_over_from is not None:  # a third party's may lack it
+            carry_over_from(retired)
+        return consumer
 
     def _run_consumer(self, entry: PlanEntry, consumer: Consumer) -> None:
         assert entry.plan is not None

@@ -56,7 +56,12 @@ from workqueue.exceptions import (
 from workqueue.filters import AnyOf, AttributeFilter, FilterError, Operator, parse_filter
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.transport import new_instance_id
-from workqueue.transports.base import BaseTransport, ProvisionChange, without_url_credentials
+from workqueue.transports.base import (
+    BaseTransport,
+    ProvisionChange,
+    TransportReceiver,
+    without_url_credentials,
+)
 from workqueue.transports.ledger import (
     FOLLOWS,
     RESERVATION_SECONDS,
@@ -689,6 +694,15 @@ class AwsReceiver:
     @property
     def enlist_alias(self) -> str | None:
         return None  # SQS cannot settle inside a database transaction
+
+    def carry_over_from(self, previous: TransportReceiver) -> None:
+        """The FIFO receive ``previous`` would have sent again (its answer lost); nothing from
+        another transport's receiver."""
+        if isinstance(previous, AwsReceiver):
+            with previous._lock:
+                unanswered = previous._unanswered_receive
+            with self._lock:
+                self._unanswered_receive = unanswered
 
     def close(self) -> None:
         """Let moves to the dead-letter queue under way end (each within its lease: a process

@@ -105,6 +105,13 @@ class TransportReceiver(Protocol):
         and it has no delivery to probe with (raising WorkQueueError when it cannot tell)."""
         ...
 
+    def carry_over_from(self, previous: TransportReceiver) -> None:
+        """Take on what ``previous``, the receiver this one replaces (the same subscription and
+        holder: a re-plan rebuilt the consumer), still owed its next claims, such as a claim
+        whose answer was lost: dropped with it, what that claim took waited out its lease.
+        Called before this receiver's first claim, once ``previous`` claims no more."""
+        ...
+
     def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
         """Whether an operator has asked to cancel ``delivery``, read without renewing its
         lease; asked of a transport with ``supports_cancel`` when a cancel was announced. A
