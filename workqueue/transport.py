@@ -760,7 +760,28 @@ def discard_or_cancel(
             "cancelled.",
             delivery_id,
         ) from exc
+    if allow_cancel and _cancel_pending(driver.alias, subscription_id, delivery_id):
+        # Asked before (by another operator, or this one again as the handler ran on): not
+        # "nothing to discard", which reads as finished while the delivery holds its key.
+        return DiscardResult(changed=False, cancel_requested=True)
     return DiscardResult(changed=False)
+
+
+def _cancel_pending(alias: str, subscription_id: str, delivery_id: str) -> bool:
+    """Whether the delivery runs with a cancel already asked (read through the ORM: the
+    operator role may read the table)."""
+    from workqueue.models import Delivery
+
+    return (
+        Delivery.objects.using(alias)
+        .filter(
+            pk=delivery_id,
+            subscription_id=subscription_id,
+            status="InFlight",
+            cancel_requested_at__isnull=False,
+        )
+        .exists()
+    )
 
 
 def backlog(subscription_id: str, cap: int = BACKLOG_CAP) -> Backlog | None:

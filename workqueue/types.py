@@ -301,7 +301,8 @@ class SettleResult:
 @dataclass(frozen=True, slots=True)
 class DiscardResult:
     """``changed``: the delivery was discarded or a cancel was requested;
-    ``cancel_requested``: it was running, so its holder was asked to stop."""
+    ``cancel_requested``: it is running and its holder has been asked to stop, by this call
+    when ``changed``, by an earlier one otherwise (the handler has not returned yet)."""
 
     changed: bool
     cancel_requested: bool = False

@@ -179,3 +179,34 @@ def test_the_admin_delivery_list_shows_short_ids_reason_and_last_error(client):
     assert f">{delivery_id}<" not in page  # the full id only as the link target and title
     assert "MaxAttemptsExceeded" in page
     assert "ValueError: card declined for order 42" in page
+
+
+def test_a_discard_sent_again_to_a_running_delivery_says_its_cancel_is_still_pending(client):
+    """An operator whose handler ignores its cancel discards again (or a second operator does):
+    the cancel already asked matches nothing more, and every surface said the delivery was not
+    running (REST ``cancelRequested: false``, the CLI "is not a Pending, running or
+    dead-lettered delivery", the admin "already finished") while it ran on, holding its key
+    (review helper-156)."""
+    from tests.admin.test_admin import OPERATOR_PERMISSIONS, _act, _messages, _staff
+    from tests.api.test_operator_api import discard_path
+    from tests.support.api import call, operator
+
+    sub = SubscriptionFactory()
+    publish(sub.topic.name, {"n": 1})
+    [running] = Receiver(sub.id).receive(1).deliveries
+    delivery_id = running.delivery_id
+    body = {"reason": "hung"}
+    first = call(client, "post", discard_path(sub, delivery_id), body, key=operator())
+    assert first.json()["cancelRequested"] is True
+
+    again = call(client, "post", discard_path(sub, delivery_id), body, key=operator())
+    said = run("discard", "-s", sub.name, "--delivery", delivery_id, "--reason", "hung")
+    client.force_login(_staff("op", *OPERATOR_PERMISSIONS))
+    admin = _act(client, "discard_deliveries", [delivery_id], post="yes", reason="hung")
+
+    assert Delivery.objects.get(pk=delivery_id).status == "InFlight"  # it runs on
+    assert again.json() == {"supported": True, "discarded": False, "cancelRequested": True}
+    assert said.startswith(f"A cancel was already requested: {delivery_id} is still running")
+    assert _messages(admin) == ["Discarded 0; cancel already requested, still running: 1"]
+    # Nothing changed the second time: the first request's note and actor stand.
+    assert Delivery.objects.get(pk=delivery_id).resolution_note == "hung"

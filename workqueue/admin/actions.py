@@ -36,6 +36,7 @@ from workqueue.operators.permissions import OPERATE, Actor, require
 MAX_ROWS = 500
 ACTION_TEMPLATE = "workqueue/admin/delivery_action.html"
 CANCEL_REQUESTED = "cancel requested (running)"
+CANCEL_PENDING = "cancel already requested, still running"
 
 
 def may_operate(request: HttpRequest) -> bool:
@@ -256,7 +257,7 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
             subscription_name, delivery_id, reason=form.cleaned_data["reason"], actor=actor
         )
         if outcome.cancel_requested:
-            return CANCEL_REQUESTED, outcome.discarded
+            return (CANCEL_REQUESTED if outcome.discarded else CANCEL_PENDING), outcome.discarded
         return ("Discarded" if outcome.discarded else "already finished"), outcome.discarded
 
     counts, changed = _apply_each(queryset, discard)
@@ -268,5 +269,7 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
         "Discarded or cancelled",
         form.cleaned_data["reason"],
     )
-    _report(modeladmin, request, counts, "Discarded", ok={"Discarded", CANCEL_REQUESTED})
+    _report(
+        modeladmin, request, counts, "Discarded", ok={"Discarded", CANCEL_REQUESTED, CANCEL_PENDING}
+    )
     return None

@@ -200,11 +200,12 @@ def discard(
 ) -> operations.DiscardOutcome:
     """Needs ``workqueue:operate`` and ``workqueue.operate_subscription``. A Pending or dead-
     lettered delivery is discarded; a running one is asked to stop (``cancelRequested``) and
-    never runs again. 409 with ``deliveryId`` when its handler holds the delivery in an open
+    never runs again (``cancelRequested`` without ``discarded``: it was asked before, and runs
+    still). 409 with ``deliveryId`` when its handler holds the delivery in an open
     transaction (completing it inside ``transaction.atomic()``): nothing changed, ask again."""
     actor: Actor = request.auth  # type: ignore[attr-defined]
     outcome = operations.discard(name, delivery_id, reason=body.reason, actor=actor)
-    if outcome.discarded or outcome.cancel_requested:
+    if outcome.discarded:  # also when this call asked for a cancel
         _log_history(actor, delivery_id, "Discarded or cancelled", body.reason)
     return outcome
 

@@ -359,6 +359,11 @@ class DiscardVerb(Verb):
         )
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))
+        elif outcome.cancel_requested and not outcome.discarded:
+            command.stdout.write(
+                f"A cancel was already requested: {options['delivery']} is still running; it "
+                "becomes Discarded when its handler returns, or when its lease runs out."
+            )
         elif outcome.cancel_requested:
             command.stdout.write(
                 f"Cancel requested: {options['delivery']} is running; its host stops it and "

@@ -528,7 +528,9 @@ def discard(
 ) -> DiscardOutcome:
     """Discard a Pending or dead-lettered delivery; for a running one, ask its holder to stop
     (``cancel_requested``): it becomes Discarded when its handler returns (or at lease expiry,
-    if the handler ignores the signal that long) and never runs again."""
+    if the handler ignores the signal that long) and never runs again. A running delivery whose
+    cancel was asked before reads ``cancel_requested`` without ``discarded``: nothing changed,
+    and its handler has not returned yet."""
     name = _name(subscription_name)
     reason = _note(reason, "reason", required=True)
     require(actor, OPERATE, subscription=name)
