@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.utils import timezone
 
 from tests.factories import SubscriptionFactory, TopicFactory
 from tests.support.queue import dead_letter, row_held
@@ -419,6 +422,54 @@ def test_apikey_create_prints_the_key_once_and_it_can_be_revoked():
 
     run("apikey", "revoke", created["prefix"])
     assert ApiKey.objects.authenticate(created["key"]) is None
+
+
+def test_apikey_list_names_why_a_key_is_refused():
+    """A key that never expires but whose owner was deactivated (each call 401) was listed as
+    "expired", sending an operator chasing 401s to expiry dates (review helper-156)."""
+    from tests.factories import ApiKeyFactory
+
+    owner = get_user_model().objects.create_user("leaver")
+    keys = {
+        "owner inactive": ApiKeyFactory(owner=owner),
+        "revoked": ApiKeyFactory(),
+        "expired": ApiKeyFactory(),
+        "active": ApiKeyFactory(),
+    }
+    keys["revoked"].revoke()
+    ApiKey.objects.filter(pk=keys["expired"].pk).update(
+        expires_at=timezone.now() - dt.timedelta(seconds=1)
+    )
+    owner.is_active = False
+    owner.save()
+
+    listed = run("apikey", "list")
+    as_json = {k["prefix"]: k for k in json.loads(run("apikey", "list", "--json"))}
+
+    for state, key in keys.items():
+        (row,) = [line for line in listed.splitlines() if line.startswith(key.prefix)]
+        assert re.split(r"\s{2,}", row.strip())[5] == state, row  # the STATE column
+        assert as_json[key.prefix]["state"] == state
+        assert as_json[key.prefix]["active"] is (state == "active")
+
+
+def test_apikey_revoke_takes_the_key_as_it_is_shown_or_leaked_and_never_echoes_a_secret():
+    """The audit trail and the admin name a key ``wq_<prefix>``, and a leaked key is found
+    whole: revoke refused both ("No API key has the prefix ..."), echoing a leaked key's secret
+    back to the terminal (review helper-156)."""
+    from tests.factories import ApiKeyFactory
+
+    shown, shown_with_tail, leaked = ApiKeyFactory(), ApiKeyFactory(), ApiKeyFactory()
+
+    run("apikey", "revoke", f"wq_{shown.prefix}")
+    run("apikey", "revoke", f"wq_{shown_with_tail.prefix}_…")
+    run("apikey", "revoke", leaked.raw_key)
+
+    assert all(ApiKey.objects.get(pk=k.pk).revoked_at for k in (shown, shown_with_tail, leaked))
+    unknown = "wq_00000000_" + leaked.raw_key[len("wq_00000000_") :]
+    with pytest.raises(CommandError) as refused:
+        run("apikey", "revoke", unknown)
+    assert "00000000" in str(refused.value) and unknown[12:] not in str(refused.value)
 
 
 def test_apikey_create_refuses_unknown_users_and_scopes():

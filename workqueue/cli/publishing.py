@@ -354,7 +354,7 @@ class ApiKeyVerb(Verb):
         for sub in (create, listing):
             sub.add_argument("--json", action="store_true", help="Print JSON for machines.")
         revoke = actions.add_parser("revoke", help="Revoke a key by its prefix.")
-        revoke.add_argument("prefix")
+        revoke.add_argument("prefix", help="Its prefix, wq_<prefix> as logs show it, or the key.")
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from django.contrib.auth import get_user_model
@@ -400,6 +400,7 @@ class ApiKeyVerb(Verb):
                                 "topics": k.topics,
                                 "subscriptions": k.subscriptions,
                                 "active": k.is_active,
+                                "state": k.state,
                                 "expires_at": k.expires_at,
                                 "last_used_at": k.last_used_at,
                             }
@@ -415,7 +416,7 @@ class ApiKeyVerb(Verb):
                     " ".join(k.scopes),
                     " ".join(k.topics) or "any",
                     " ".join(k.subscriptions) or "any",
-                    "active" if k.is_active else ("revoked" if k.revoked_at else "expired"),
+                    k.state,
                     k.last_used_at,
                 )
                 for k in keys
@@ -427,9 +428,12 @@ class ApiKeyVerb(Verb):
                 )
             )
         else:
-            key = ApiKey.objects.filter(prefix=options["prefix"]).first()
+            key, prefix = ApiKey.objects.named(options["prefix"])
             if key is None:
-                raise CommandError(f"No API key has the prefix {options['prefix']!r}.")
+                raise CommandError(
+                    f"No API key has the prefix {prefix!r} (give the prefix `apikey list` "
+                    "shows, the wq_<prefix> the audit trail shows, or the whole key)."
+                )
             key.revoke()
             command.stdout.write(f"Revoked {key.prefix}.")
 

@@ -72,6 +72,19 @@ class ApiKeyQuerySet(models.QuerySet):
         )
         return key, raw_key
 
+    def named(self, given: str) -> tuple[ApiKey | None, str]:
+        """The key ``given`` names, and the prefix it was read as (the only part of it safe to
+        print): its prefix, the form the audit trail and the admin show (``wq_<prefix>``,
+        ``wq_<prefix>_…``), or the whole key (one found leaked)."""
+        given = given.strip()
+        if given.startswith(f"{KEY_PREFIX}_"):
+            whole = self.filter(key_hash=hash_key(given)).first()
+            if whole is not None:
+                return whole, whole.prefix
+            given = given[len(KEY_PREFIX) + 1 :]
+        prefix = given.split("_", 1)[0]
+        return self.filter(prefix=prefix).first(), prefix
+
     def authenticate(self, raw_key: str) -> ApiKey | None:
         """The active key matching ``raw_key`` (not revoked, not expired, owner active)."""
         if not raw_key or not raw_key.startswith(f"{KEY_PREFIX}_"):
@@ -117,6 +130,15 @@ class ApiKey(models.Model):
             and (self.expires_at is None or self.expires_at > timezone.now())
             and self.owner.is_active
         )
+
+    @property
+    def state(self) -> str:
+        """Why the key is refused, or "active": "revoked", "expired" or "owner inactive"."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= timezone.now():
+            return "expired"
+        return "active" if self.owner.is_active else "owner inactive"
 
     def revoke(self) -> None:
         if self.revoked_at is None:
