@@ -582,3 +582,27 @@ def test_the_revoke_action_revokes_keys(admin_client, admin_user):
     assert _messages(response) == ["Revoked 1 API key(s)."]
     assert ApiKey.objects.get(pk=key.pk).revoked_at is not None
     assert ApiKey.objects.authenticate(raw_key) is None
+
+
+def test_the_key_list_finds_a_key_as_the_audit_trail_names_it_and_says_why_it_is_refused(
+    admin_client,
+):
+    """The audit trail names a key ``wq_<prefix>`` and the list shows ``wq_<prefix>_…``: a
+    search for either found nothing; and a key whose owner was deactivated (every call 401)
+    was listed under the "Active" filter (review helper-156)."""
+    from tests.factories import ApiKeyFactory, UserFactory
+
+    leaver = UserFactory()
+    kept, left = ApiKeyFactory(), ApiKeyFactory(owner=leaver)
+    leaver.is_active = False
+    leaver.save()
+    changelist = _url("workqueue_apikey_changelist")
+
+    def listed(**query: str) -> set[int]:
+        return {row.pk for row in admin_client.get(changelist, query).context["cl"].result_list}
+
+    assert listed(q=f"wq_{kept.prefix}") == {kept.pk}
+    assert listed(q=f"wq_{kept.prefix}_…") == {kept.pk}
+    assert listed(state="active") == {kept.pk}
+    assert listed(state="owner inactive") == {left.pk}
+    assert "owner inactive" in admin_client.get(changelist).content.decode()

@@ -119,14 +119,22 @@ class KeyStateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("active", "Active"), ("revoked", "Revoked"), ("expired", "Expired")]
+        return [
+            ("active", "Active"),
+            ("revoked", "Revoked"),
+            ("expired", "Expired"),
+            ("owner inactive", "Owner inactive"),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         now = timezone.now()
+        unexpired = Q(revoked_at__isnull=True) & (
+            Q(expires_at__isnull=True) | Q(expires_at__gt=now)
+        )
         if self.value() == "active":
-            return queryset.filter(revoked_at__isnull=True).filter(
-                Q(expires_at__isnull=True) | Q(expires_at__gt=now)
-            )
+            return queryset.filter(unexpired, owner__is_active=True)
+        if self.value() == "owner inactive":  # every call 401, though neither of the others
+            return queryset.filter(unexpired, owner__is_active=False)
         if self.value() == "revoked":
             return queryset.filter(revoked_at__isnull=False)
         if self.value() == "expired":
@@ -162,12 +170,12 @@ class ApiKeyAdmin(DeclaredFiltersAdmin):
         "created_at",
         "expires_at",
         "last_used_at",
-        "active",
+        "state",
     )
     list_filter = (KeyStateFilter,)
     list_select_related = ("owner",)
     search_fields = ("name", "prefix", "owner__username")
-    search_help_text = "Name, prefix (the 8 characters after 'wq_') or owner's username."
+    search_help_text = "Name, prefix (wq_<prefix> as the list shows it) or owner's username."
     readonly_fields = ("display_key", "owner", "created_at", "last_used_at", "revoked_at")
     actions = ["revoke_keys"]
 
@@ -189,15 +197,19 @@ class ApiKeyAdmin(DeclaredFiltersAdmin):
         if (stored := stored_text(term)) != term:
             # A name copied from the list, where its invisible characters show as escapes.
             found |= queryset.filter(name__icontains=stored)
+        if term.startswith(f"{KEY_PREFIX}_"):
+            # As the list and the audit trail show a key (wq_<prefix>, wq_<prefix>_…), or a
+            # whole key pasted: by its prefix.
+            found |= queryset.filter(prefix=term[len(KEY_PREFIX) + 1 :].split("_", 1)[0])
         return found, may_have_duplicates
 
     @admin.display(description="scopes")
     def scope_list(self, obj: ApiKey) -> str:
         return ", ".join(obj.scopes or [])
 
-    @admin.display(description="active", boolean=True)
-    def active(self, obj: ApiKey) -> bool:
-        return obj.is_active
+    @admin.display(description="state")
+    def state(self, obj: ApiKey) -> str:
+        return obj.state
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         # Every view, search and action starts here: a non-superuser's admin holds only their
