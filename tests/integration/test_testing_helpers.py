@@ -16,7 +16,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection, transaction
-from django.test import TestCase
+from django.test import SimpleTestCase, TestCase
 
 from tests.factories import SubscriptionFactory
 from workqueue import publish
@@ -393,3 +393,32 @@ def test_test_mode_as_a_class_decorator_covers_set_up_test_data_too():
     )
     assert result.wasSuccessful(), result.errors + result.failures
     assert statuses == ["Accepted", 1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_publish_where_pytest_django_blocks_the_database_is_refused_as_the_orm_is(
+    topology, django_db_blocker
+):
+    """A project's test without the ``django_db`` mark published for real (helper-158): the
+    queue's calls run on connections of their own, past pytest-django's gate, and until a test
+    has set the test database up the settings still name the development one."""
+    publish(topology.topic.name, {"order": 13})  # the thread's queue connection is open
+    messages = Message.objects.count()
+
+    with (
+        django_db_blocker.block(),
+        pytest.raises(RuntimeError, match='use the "django_db" mark'),
+    ):
+        publish(topology.topic.name, {"order": 14})
+
+    assert Message.objects.count() == messages
+
+
+class TestAPublishInASimpleTestCase(SimpleTestCase):
+    """Django's ``SimpleTestCase`` refuses queries; a publish went through all the same."""
+
+    def test_is_refused_as_its_queries_are(self):
+        with pytest.raises(AssertionError, match="SimpleTestCase") as refused:
+            publish("orders.created", {"order": 14})
+        # Refused before any call reached a database (not while explaining one that failed).
+        assert refused.value.__context__ is None

@@ -35,6 +35,7 @@ from workqueue.driver.base import (
     StalledListeners,
     VacuumHorizon,
     error_chain,
+    refuse_where_django_tests_refuse,
     routed_to_django_connection,
     unencodable,
 )
@@ -746,6 +747,7 @@ class PostgresDriver(BaseDriver):
         # connection prepares nothing, where this one prepares the calls it repeats (_connect).
         import psycopg
 
+        refuse_where_django_tests_refuse(self.alias)
         retried = False
         while True:
             owned = getattr(self._local, "raw", None)
