@@ -1057,3 +1057,42 @@ def test_a_dead_letter_of_a_cloud_transport_is_no_task_and_logs_nothing(caplog):
         )
 
     assert caplog.records == []
+
+
+def test_a_results_finished_at_is_when_the_task_finished_not_when_its_transaction_began(
+    run_host,
+):
+    """A task completes inside its own transaction, and PostgreSQL's now() is that
+    transaction's start (its first query): a task that queried, then worked on for a second,
+    read as done in a millisecond, and the dashboard counted its completion back then too
+    (helper-157)."""
+    from tests.task_functions import makes_a_user_then_enqueues_its_check
+
+    run_host()
+
+    done = finished(makes_a_user_then_enqueues_its_check.enqueue("slow-to-finish").id)
+
+    assert str(done.status) == "SUCCESSFUL"
+    assert done.finished_at - done.started_at >= dt.timedelta(seconds=1)
+    (delivery,) = Delivery.objects.filter(message_id=done.id)
+    assert delivery.completed_at == done.finished_at
+
+
+def test_task_finished_is_sent_with_the_time_the_task_finished(run_host):
+    """Django's backends send ``task_finished`` with ``finished_at`` set; a receiver timing
+    tasks read None here and failed on it (helper-157)."""
+    seen: list[Any] = []
+
+    def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append(task_result)
+
+    task_finished.connect(receive)
+    try:
+        run_host()
+        done = finished(add.enqueue(2, 3).id)
+    finally:
+        task_finished.disconnect(receive)
+
+    assert [str(r.status) for r in seen] == ["SUCCESSFUL"]
+    assert seen[0].finished_at is not None
+    assert abs(seen[0].finished_at - done.finished_at) < dt.timedelta(seconds=1)

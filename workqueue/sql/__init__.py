@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0051_claims_taken_back_after_a_lost_answer"
+LATEST_PROCEDURE_MIGRATION = "0052_settles_dated_by_their_call"
 
 INSTALL_ORDER = (
     "filters",

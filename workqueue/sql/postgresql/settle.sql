@@ -6,6 +6,9 @@
 -- A plan kept for the session may have been made while the table was nearly empty, when reading
 -- it end to end looked cheapest: every function here leaves sequential scans aside, so that a
 -- settle still finds its row by primary key after a burst has filled the table.
+-- Times are the call's (statement_timestamp), not now(): a completion enlisted in a handler's
+-- transaction runs at its end, and now() is that transaction's start, its first query (a task
+-- that queried, then worked for an hour, read as completed when it began). Until 0052.
 
 -- wq_complete --
 -- InFlight → Completed.
@@ -21,7 +24,7 @@ DECLARE
     v_rows integer;
 BEGIN
     UPDATE workqueue_delivery d
-       SET status = 'Completed', completed_at = now(),
+       SET status = 'Completed', completed_at = statement_timestamp(),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
        AND d.cancel_requested_at IS NULL;
@@ -60,7 +63,7 @@ DECLARE
 BEGIN
     RETURN QUERY
     UPDATE workqueue_delivery d
-       SET status = 'Completed', completed_at = now(),
+       SET status = 'Completed', completed_at = statement_timestamp(),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
       FROM jsonb_to_recordset(p_items) AS i(delivery_id uuid, lease_token uuid)
      WHERE d.id = ANY (ARRAY(SELECT x.delivery_id
@@ -92,7 +95,8 @@ DECLARE
 BEGIN
     UPDATE workqueue_delivery d
        SET status = 'Pending',
-           visible_at = now() + make_interval(secs => GREATEST(p_delay_seconds, 0)),
+           visible_at = statement_timestamp()
+                        + make_interval(secs => GREATEST(p_delay_seconds, 0)),
            last_error = left(p_error, 16000),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
@@ -124,7 +128,8 @@ DECLARE
 BEGIN
     UPDATE workqueue_delivery d
        SET status = 'DeadLettered', dead_letter_reason = left(p_reason, 100),
-           dead_lettered_at = now(), last_error = COALESCE(left(p_error, 16000), d.last_error),
+           dead_lettered_at = statement_timestamp(),
+           last_error = COALESCE(left(p_error, 16000), d.last_error),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
        AND d.cancel_requested_at IS NULL;
@@ -147,7 +152,7 @@ DECLARE
     v_rows integer;
 BEGIN
     UPDATE workqueue_delivery d
-       SET status = 'Pending', visible_at = now(),
+       SET status = 'Pending', visible_at = statement_timestamp(),
            attempt_count = GREATEST(d.attempt_count - 1, 0),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
@@ -173,7 +178,7 @@ DECLARE
     v_rows integer;
 BEGIN
     UPDATE workqueue_delivery d
-       SET status = 'Discarded', completed_at = now(),
+       SET status = 'Discarded', completed_at = statement_timestamp(),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
        AND d.cancel_requested_at IS NOT NULL;

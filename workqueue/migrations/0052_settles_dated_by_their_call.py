@@ -1,0 +1,24 @@
+"""Reinstalls both vendors' procedures: PostgreSQL's settles date what they record (a
+completion, a dead letter, a retry's or release's due time) by their call, not by the start of
+the transaction they run in. A completion enlisted in a handler's transaction
+(``context.complete(enlist=True)``, every Tasks API task) recorded the time of the
+transaction's first query, so a task's ``finished_at`` read as its start. SQL Server's already
+took the call's time (``SYSDATETIMEOFFSET()``). Rows settled before keep their times.
+"""
+
+from django.db import migrations
+
+from workqueue.driver.install import install_procedures_step
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("workqueue", "0051_claims_taken_back_after_a_lost_answer"),
+    ]
+
+    operations = [
+        migrations.RunPython(
+            install_procedures_step("0052_settles_dated_by_their_call"),
+            migrations.RunPython.noop,
+        ),
+    ]
