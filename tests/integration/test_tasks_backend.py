@@ -267,6 +267,14 @@ def test_queue_names_must_make_topic_names():
     assert error.id == "workqueue.E004" and "'Bulk Mail'" in error.msg
 
 
+@pytest.mark.parametrize(("queues", "named"), [(["default", 7], "7 is not text"), ([None], "None")])
+def test_a_queue_name_that_is_not_text_is_a_check_error_not_a_crash(queues, named):
+    """QUEUES read from the environment, JSON or YAML can hold a number or null: the check
+    died on a bare TypeError instead of naming the entry (helper-157)."""
+    (error,) = list(WorkQueueBackend("other", {"QUEUES": queues}).check())
+    assert error.id == "workqueue.E004" and named in error.msg and "is not text" in error.msg
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [

@@ -264,7 +264,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
 
     def check(self, **kwargs: Any) -> Iterable[checks.CheckMessage]:
         yield from super().check(**kwargs)
-        for queue_name in sorted(self.queues):
+        for queue_name in sorted(self.queues, key=repr):  # not all text, perhaps
             problem = _queue_name_problem(queue_name)
             if problem:
                 yield checks.Error(
@@ -464,12 +464,15 @@ def _why_no_subscription_runs(queue_name: str) -> str:
     )
 
 
-def _queue_name_problem(queue_name: str) -> str | None:
+def _queue_name_problem(queue_name: object) -> str | None:
     # Imported here: this module loads when TASKS is first read, perhaps before the models.
     from workqueue.models.topology import DOTTED_NAME
 
+    if not isinstance(queue_name, str):
+        # A number or null from settings read out of the environment, JSON or YAML.
+        return f"Queue name {queue_name!r} is not text ({type(queue_name).__name__})."
     name = topic_name(queue_name)
-    if not isinstance(queue_name, str) or not DOTTED_NAME.match(name) or len(name) > 200:
+    if not DOTTED_NAME.match(name) or len(name) > 200:
         return (
             f"Queue name {queue_name!r} cannot name a work-queue topic ({name!r}): use "
             "lower-case letters and digits, words joined by '.', '_' or '-', at most 194 "
