@@ -101,19 +101,22 @@ def check_settings(app_configs: list[AppConfig] | None = None, **kwargs: Any) ->
 
 
 def check_handler_modules(app_configs: list[AppConfig] | None = None, **kwargs: Any) -> list[Any]:
-    """Import ``WORKQUEUE["HANDLER_MODULES"]`` as a host does at start: a module missing from
-    a package that exists is misspelt, an error wherever it runs; one that raises while
-    importing, or whose package is not installed, is a warning, since a web-only image may lack
-    a worker's package or what its handlers import (its ``migrate`` must still run)."""
+    """Import the apps' ``work_handlers`` modules and ``WORKQUEUE["HANDLER_MODULES"]`` as a
+    host does at start: a module missing from a package that exists is misspelt, an error
+    wherever it runs; one that raises while importing, or whose package is not installed, is a
+    warning, since a web-only image may lack a worker's package or what its handlers import (its
+    ``migrate`` must still run). An app's own module failed only at the host's start, with a
+    traceback (helper-158)."""
     from workqueue.conf import get_settings
-    from workqueue.runtime.handlers import handler_module_problems
+    from workqueue.runtime.handlers import app_handler_modules, handler_module_problems
 
     try:
         modules = get_settings(ignore_unknown=True).HANDLER_MODULES
     except WorkQueueConfigurationError:
-        return []  # reported by check_settings
+        modules = ()  # reported by check_settings
     if not isinstance(modules, tuple) or not all(isinstance(m, str) for m in modules):
-        return []  # not a list of paths: check_settings says what it takes (E008)
+        modules = ()  # not a list of paths: check_settings says what it takes (E008)
+    modules = (*app_handler_modules(), *modules)
     return [
         checks.Error(
             problem.text,

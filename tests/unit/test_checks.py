@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from workqueue.checks import _routing_errors, check_settings
+from workqueue.exceptions import WorkQueueConfigurationError
 
 
 def test_unknown_setting_is_reported_with_the_known_names(settings):
@@ -392,3 +393,23 @@ def test_two_handlers_under_one_key_are_refused_but_a_module_imported_again_is_n
     with pytest.raises(WorkQueueConfigurationError, match="registered twice"):
         registry.register("greet", handler_class("billing.handlers"))
     assert registry.get("greet") is again
+
+
+def test_an_apps_own_handler_module_that_cannot_import_is_named_by_check_and_host(settings):
+    """An app's ``work_handlers`` (found without HANDLER_MODULES, as the README suggests)
+    importing a library not installed passed ``manage.py check``, and the host then ended in
+    a thirty-line traceback (helper-158)."""
+    from workqueue.checks import check_handler_modules
+    from workqueue.runtime.handlers import autodiscover
+
+    settings.WORKQUEUE = {"SYSTEM_USER": "x"}
+    settings.INSTALLED_APPS = [*settings.INSTALLED_APPS, "tests.support.app_with_broken_handlers"]
+
+    [warning] = check_handler_modules()
+    with pytest.raises(WorkQueueConfigurationError) as refused:
+        autodiscover(())
+
+    module = "'tests.support.app_with_broken_handlers.work_handlers'"
+    assert warning.id == "workqueue.W010" and module in warning.msg
+    assert "No module named 'requests_oauthlib_not_installed'" in warning.msg
+    assert str(refused.value) == warning.msg

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, ClassVar, TypeVar
 
-from django.utils.module_loading import autodiscover_modules
+from django.apps import apps
+from django.utils.module_loading import module_has_submodule
 
 from workqueue.exceptions import WorkQueueConfigurationError
 from workqueue.runtime.context import WorkContext, WorkMessage
@@ -95,10 +96,11 @@ def autodiscover(extra_modules: tuple[str, ...] = ()) -> None:
     """Import every installed app's ``work_handlers`` module, then ``extra_modules``.
 
     Like the admin's autodiscovery: an app without the module is fine; a module that fails to
-    import raises, so a broken handler never silently plans as HandlerNotRegistered.
+    import raises, so a broken handler never silently plans as HandlerNotRegistered: one that
+    cannot import what it needs (ImportError) as WorkQueueConfigurationError, in a line naming
+    it, anything else (a bug inside it) as itself, its traceback saying where.
     """
-    autodiscover_modules("work_handlers")
-    for problem in handler_module_problems(extra_modules):
+    for problem in handler_module_problems((*app_handler_modules(), *extra_modules)):
         if isinstance(problem.error, ImportError):
             raise WorkQueueConfigurationError(problem.text) from problem.error
         raise problem.error  # a bug inside the module: its own traceback says where
@@ -118,11 +120,21 @@ class HandlerModuleProblem:
     error: Exception = field(compare=False)
 
 
-def handler_module_problems(extra_modules: tuple[str, ...]) -> list[HandlerModuleProblem]:
-    """Import each of ``extra_modules`` as :func:`autodiscover` does at host start, and say
-    which fail and how, instead of raising (``manage.py check`` reports them)."""
+def app_handler_modules() -> tuple[str, ...]:
+    """The ``work_handlers`` modules of the installed apps that have one."""
+    return tuple(
+        f"{app.name}.work_handlers"
+        for app in apps.get_app_configs()
+        if module_has_submodule(app.module, "work_handlers")
+    )
+
+
+def handler_module_problems(modules: tuple[str, ...]) -> list[HandlerModuleProblem]:
+    """Import each of ``modules`` (apps' ``work_handlers`` and ``HANDLER_MODULES`` entries) as
+    :func:`autodiscover` does at host start, and say which fail and how, instead of raising
+    (``manage.py check`` reports them)."""
     problems = []
-    for module in extra_modules:
+    for module in modules:
         try:
             import_module(module)
         except Exception as exc:
@@ -144,4 +156,6 @@ def _misspelt(module: str, exc: Exception) -> bool:
 def _cannot_import(module: str, exc: Exception) -> str:
     # An ImportError's text names what is missing; any other exception is named by its type.
     reason = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+    if module.endswith(".work_handlers") and module in app_handler_modules():
+        return f"The handler module {module!r} (found in its app) cannot be imported: {reason}"
     return f"WORKQUEUE['HANDLER_MODULES'] names {module!r}, which cannot be imported: {reason}"
