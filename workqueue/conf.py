@@ -130,6 +130,15 @@ def _from_environment(key: str, raw: str) -> Any:
                 f"got {raw!r}."
             ) from None
     if key == "HANDLER_MODULES":
+        if raw.lstrip().startswith("["):
+            # JSON, as the other list settings take (helper-158: read as one module's name).
+            try:
+                return tuple(json.loads(raw))
+            except (ValueError, TypeError):
+                raise WorkQueueConfigurationError(
+                    "WORKQUEUE_HANDLER_MODULES must be module paths separated by commas, or a "
+                    f'JSON list of them, e.g. \'["shop.jobs", "billing.jobs"]\'; got {raw!r}.'
+                ) from None
         return tuple(part.strip() for part in raw.split(",") if part.strip())
     return raw
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -392,3 +394,75 @@ def test_a_new_project_declares_its_topology_in_code_and_checks_publish_results(
         "('total', '9.90')]"
     ) in published
     assert "raised TopicNotFound None" in published
+
+
+# -- the README's "Your first project, start to finish", block by block ----------------------
+
+
+def _first_project_block(name: str) -> str:
+    """The fenced block after ``<!-- first-project:NAME -->`` in the README."""
+    readme = (ROOT / "README.md").read_text("utf-8")
+    found = re.search(rf"<!-- first-project:{name} -->\n```\w*\n(.*?)```", readme, re.S)
+    assert found, f"README has no first-project block {name!r}"
+    return found.group(1)
+
+
+def _commands(block: str, starting: tuple[str, ...]) -> list[list[str]]:
+    """The block's command lines that start with one of ``starting``, without comments."""
+    lines = [line.split("  #")[0].strip() for line in block.splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith(starting)]
+
+
+def test_the_readmes_first_project_runs_as_written(tmp_path, scratch_database, installed):
+    """Its settings, handler, commands and test, as a newcomer copies them (helper-158: the
+    README had no settings to copy, and its handler example called functions it never
+    defined). The shell's pip install and the embedded database's URL are the fixtures'."""
+    env = _clean_environment()
+    env["DATABASE_URL"] = scratch_database
+    env["PATH"] = f"{installed.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    setup = _commands(_first_project_block("shell-setup"), ("django-admin", "python manage.py"))
+    assert [command[:2] for command in setup] == [
+        ["django-admin", "startproject"],
+        ["python", "manage.py"],
+    ]
+    for command in setup:
+        # django-admin's console script is in the environment that installed Django.
+        command = (
+            [installed.python, "-m", "django", *command[1:]]
+            if command[0] == "django-admin"
+            else [installed.python, *command[1:]]
+        )
+        _run(command, tmp_path, env)
+    with (tmp_path / "mysite" / "settings.py").open("a") as settings_file:
+        settings_file.write("\n" + _first_project_block("settings"))
+    (tmp_path / "greetings" / "work_handlers.py").write_text(_first_project_block("handlers"))
+    (tmp_path / "greetings" / "tests.py").write_text(_first_project_block("tests"))
+    (tmp_path / "pytest.ini").write_text(_first_project_block("pytest-ini"))
+
+    *steps, run_host = _commands(_first_project_block("shell-run"), ("python manage.py",))
+    for command in steps:
+        _run([installed.python, *command[1:]], tmp_path, env)
+    assert run_host == ["python", "manage.py", "workqueue_host"]
+    log = tmp_path / "host.log"
+    with log.open("w") as host_output:
+        host = subprocess.Popen(
+            [installed.python, *run_host[1:]],
+            cwd=tmp_path,
+            env=env,
+            stdout=host_output,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while "Hello, Ada!" not in log.read_text() and time.monotonic() < deadline:
+                assert host.poll() is None, log.read_text()
+                time.sleep(0.2)
+        finally:
+            host.send_signal(signal.SIGINT)  # the README's Ctrl-C
+            host.wait(timeout=60)
+    assert "Hello, Ada!" in log.read_text(), log.read_text()
+    assert host.returncode == 0, log.read_text()
+
+    output = _run([installed.python, "-m", "pytest", "-p", "no:cacheprovider"], tmp_path, env)
+    assert "1 passed" in output, output

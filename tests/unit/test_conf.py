@@ -45,6 +45,8 @@ def test_configured_values_agree(settings):
         ("SWEEPER_ENABLED", "off", False),
         ("SUBSCRIPTIONS", '[{"name": "*", "concurrency": 3}]', ({"name": "*", "concurrency": 3},)),
         ("HANDLER_MODULES", "a.b, c.d", ("a.b", "c.d")),
+        # JSON, as SUBSCRIPTIONS takes: it was read as one module named '["a.b"' (helper-158).
+        ("HANDLER_MODULES", '["a.b", "c.d"]', ("a.b", "c.d")),
     ],
 )
 def test_environment_overrides_win_and_agree(settings, monkeypatch, key, raw, expected):
