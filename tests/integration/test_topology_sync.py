@@ -451,3 +451,31 @@ def test_a_sync_crossing_another_writer_is_tried_again_not_lost(declare, pg_conn
     assert not raised, raised
     assert "Applied 2 change(s)." in printed[0]
     assert set(Topic.objects.values_list("retention_days", flat=True)) == {5}
+
+
+def test_a_handler_key_no_handler_registers_but_one_nearly_does_is_said_where_it_is_applied(
+    declare,
+):
+    """A typo'd handler key was applied without a word ("Applied 1 change(s)", exit 0); only a
+    separate ``check --database`` named it (helper-158). A key unlike every registered one
+    may be another codebase's: not warned, as check W004 does not."""
+    import tests.support.handlers  # noqa: F401  (registers tests.record)
+
+    declare(
+        {
+            "topics": {"shop.orders": {}},
+            "subscriptions": {
+                "shop.orders-typo": {"topic": "shop.orders", "handler_key": "tests.recrod"},
+                "shop.orders-elsewhere": {"topic": "shop.orders", "handler_key": "crm.sync"},
+            },
+        }
+    )
+    out, err = io.StringIO(), io.StringIO()
+
+    call_command("workqueue", "sync-topology", stdout=out, stderr=err)
+
+    assert "Applied 3 change(s)." in out.getvalue()
+    assert err.getvalue().splitlines() == [
+        "Warning: subscription 'shop.orders-typo' runs handler key 'tests.recrod', which no "
+        "handler of this project registers; did you mean 'tests.record'?"
+    ]

@@ -58,6 +58,8 @@ class SyncTopologyVerb(Verb):
                 command.stdout.write(f"Dry run: {written} change(s) validated, nothing written.")
             else:
                 command.stdout.write(f"Applied {written} change(s).")
+            for line in _handler_key_slips():
+                command.stderr.write(line)
         if report.refused:
             raise CommandError(
                 f"{len(report.refused)} undeclared row(s) could not be pruned; see above."
@@ -192,3 +194,31 @@ def _refuse_if_any_refused(report: Any) -> None:
 
 
 TOPOLOGY_VERBS = [SyncTopologyVerb, RetireSubscriptionVerb, ProvisionVerb]
+
+
+def _handler_key_slips() -> list[str]:
+    """A warning for each declared subscription whose handler key no handler of this project
+    registers while one nearly does (check W004's rule: a key unlike every registered one may
+    be another codebase's), said where the typo was applied (helper-158: only a separate
+    ``check --database`` said it). Nothing where the handlers cannot be imported here (a
+    web-only image): the hosts report those."""
+    from workqueue.conf import get_settings
+    from workqueue.operators.topology import declared_topology
+    from workqueue.runtime.handlers import autodiscover, handler_registry
+
+    try:
+        autodiscover(get_settings().HANDLER_MODULES)
+    except Exception:
+        return []
+    slips = []
+    for name, fields in declared_topology().get("subscriptions", {}).items():
+        key = fields.get("handler_key")
+        if not isinstance(key, str) or handler_registry.get(key) is not None:
+            continue
+        near = handler_registry.near(key)
+        if near:
+            slips.append(
+                f"Warning: subscription {name!r} runs handler key {key!r}, which no handler of "
+                f"this project registers; did you mean {' or '.join(map(repr, near))}?"
+            )
+    return slips
