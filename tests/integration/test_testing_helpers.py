@@ -422,3 +422,24 @@ class TestAPublishInASimpleTestCase(SimpleTestCase):
             publish("orders.created", {"order": 14})
         # Refused before any call reached a database (not while explaining one that failed).
         assert refused.value.__context__ is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_wrapper_an_apm_puts_on_djangos_connections_is_not_taken_for_a_test_gate(
+    topology, monkeypatch
+):
+    """Tracing tools wrap Django's connection methods with objects of their own: the queue's
+    calls must not go through Django's connection for them (one opened per host thread)."""
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    real = BaseDatabaseWrapper.ensure_connection
+    calls: list[object] = []
+
+    class Traced:
+        def __get__(self, wrapper, owner=None):
+            return lambda: calls.append(wrapper) or real(wrapper)
+
+    monkeypatch.setattr(BaseDatabaseWrapper, "ensure_connection", Traced())
+
+    assert publish(topology.topic.name, {"order": 15}).status == "Accepted"
+    assert calls == []
