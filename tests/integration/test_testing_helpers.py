@@ -443,3 +443,31 @@ def test_a_wrapper_an_apm_puts_on_djangos_connections_is_not_taken_for_a_test_ga
 
     assert publish(topology.topic.name, {"order": 15}).status == "Accepted"
     assert calls == []
+
+
+RETRIED: list[int] = []
+
+
+@register_handler("testing.retry-once")
+class RetryOnce(BaseWorkHandler):
+    def handle(self, message, context):
+        RETRIED.append(context.attempt)
+        if len(RETRIED) == 1:
+            return Outcome.retry("again", delay_seconds=0)
+        return Outcome.complete()
+
+
+@pytest.mark.django_db
+def test_in_test_mode_a_retry_with_no_delay_runs_again_in_the_same_test(topology):
+    """Inside a TestCase the database clock stands still (now() is the test transaction's
+    start), and claims take what is due by it: a retry dated by its call (statement_timestamp,
+    as 0052 first made it) was never due again in the test (review helper-159)."""
+    RETRIED.clear()
+    subscription = SubscriptionFactory(topic=topology.topic, handler_key="testing.retry-once")
+
+    with use_test_connection():
+        publish(topology.topic.name, {"n": 1})
+        runs = run_until_idle(subscription.name)
+
+    assert [run.status for run in runs] == ["Pending", "Completed"]
+    assert RETRIED == [1, 2]

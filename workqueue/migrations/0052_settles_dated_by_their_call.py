@@ -1,6 +1,6 @@
-"""Reinstalls both vendors' procedures: PostgreSQL's settles date what they record (a
-completion, a dead letter, a retry's or release's due time) by their call, not by the start of
-the transaction they run in. A completion enlisted in a handler's transaction
+"""Reinstalls both vendors' procedures: PostgreSQL's settles date what they record happening
+(a completion, a dead letter) by their call, not by the start of the transaction they run in
+(due times stay on the claims' clock). A completion enlisted in a handler's transaction
 (``context.complete(enlist=True)``, every Tasks API task) recorded the time of the
 transaction's first query, so a task's ``finished_at`` read as its start. SQL Server's already
 took the call's time (``SYSDATETIMEOFFSET()``). Rows settled before keep their times.

@@ -6,9 +6,12 @@
 -- A plan kept for the session may have been made while the table was nearly empty, when reading
 -- it end to end looked cheapest: every function here leaves sequential scans aside, so that a
 -- settle still finds its row by primary key after a burst has filled the table.
--- Times are the call's (statement_timestamp), not now(): a completion enlisted in a handler's
--- transaction runs at its end, and now() is that transaction's start, its first query (a task
--- that queried, then worked for an hour, read as completed when it began). Until 0052.
+-- What a settle records happening (completed_at, dead_lettered_at) is dated by its call
+-- (statement_timestamp), not now(): a completion enlisted in a handler's transaction runs at its
+-- end, and now() is that transaction's start, its first query (a task that queried, then worked
+-- for an hour, read as completed when it began; until 0052). A due time (a retry's or a
+-- release's visible_at) stays on now(), the clock claims compare with: inside a test's
+-- transaction, where now() stands still, a retry dated by its call was never due again.
 
 -- wq_complete --
 -- InFlight → Completed.
@@ -95,8 +98,7 @@ DECLARE
 BEGIN
     UPDATE workqueue_delivery d
        SET status = 'Pending',
-           visible_at = statement_timestamp()
-                        + make_interval(secs => GREATEST(p_delay_seconds, 0)),
+           visible_at = now() + make_interval(secs => GREATEST(p_delay_seconds, 0)),
            last_error = left(p_error, 16000),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
@@ -152,7 +154,7 @@ DECLARE
     v_rows integer;
 BEGIN
     UPDATE workqueue_delivery d
-       SET status = 'Pending', visible_at = statement_timestamp(),
+       SET status = 'Pending', visible_at = now(),
            attempt_count = GREATEST(d.attempt_count - 1, 0),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
