@@ -121,6 +121,9 @@ class Receiver:
         # one hands back less than it had room for.
         self._unanswered_claim: uuid.UUID | None = None
         self._unanswered_lock = threading.Lock()
+        # The receiver this one replaced (carry_over_from), while a claim of its may still end:
+        # one hung on a dead connection outlives its consumer's stop, and fails later.
+        self._previous: Receiver | None = None
 
     @property
     def enlist_alias(self) -> str | None:
@@ -133,15 +136,25 @@ class Receiver:
         self.driver.close()
 
     def carry_over_from(self, previous: TransportReceiver) -> None:
-        """The claim ``previous`` would have named next (one whose answer was lost) and where
-        its walk over the partition keys stood (nothing from another transport's)."""
+        """Name next what ``previous`` would have named (a claim whose answer was lost, now or
+        when a claim of its still out fails), and go on with its walk over the partition keys;
+        nothing from another transport's receiver."""
         if not isinstance(previous, Receiver):
             return
-        with previous._unanswered_lock:
-            unanswered = previous._unanswered_claim
-        with self._unanswered_lock:
-            self._unanswered_claim = unanswered
+        previous._previous = None  # one step back: not a chain of every receiver since start
+        self._previous = previous
         self.key_cursor = previous.key_cursor
+
+    def _take_over_unanswered(self) -> None:
+        """Move the previous receiver's lost claim here (taken, so named by one of us only),
+        unless this one has one of its own to name first."""
+        previous = self._previous
+        if previous is None:
+            return
+        with self._unanswered_lock, previous._unanswered_lock:
+            if self._unanswered_claim is None:
+                self._unanswered_claim = previous._unanswered_claim
+                previous._unanswered_claim = None
 
     def receive(self, max_rows: int) -> ClaimResult:
         """Lease up to ``max_rows`` deliveries in one round trip (none if paused or empty).
@@ -151,6 +164,7 @@ class Receiver:
         its answer was lost: those deliveries, at the attempt they were claimed for.
         """
         claim_id = uuid.uuid4()
+        self._take_over_unanswered()
         with self._unanswered_lock:
             retake_claim_id = self._unanswered_claim
         try:

@@ -2851,6 +2851,26 @@ def test_a_fifo_receive_that_failed_is_sent_again_by_the_receiver_a_re_plan_put_
     assert first and successors == first
 
 
+def test_a_failed_receive_is_not_sent_again_by_a_receiver_with_another_lease(aws):
+    """The re-plan that rebuilt the consumer changed its lease (30 s raised to 300 s at 3 a.m.):
+    what SQS hid for the old lease must not be taken for 300 s (review helper-159)."""
+    subscription = provisioned(aws, fifo=True, lease_seconds=30)
+    holder = receiver(subscription)
+    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
+        network.losing = True
+        with pytest.raises(TransientTransportError):
+            holder.receive(10)
+        network.losing = False
+        Subscription.objects.filter(pk=subscription.pk).update(lease_seconds=300)
+        successor = receiver(Subscription.objects.get(pk=subscription.pk))
+        successor.carry_over_from(holder)
+        successor.receive(10)
+
+    first, *_, successors = network.attempt_ids
+    assert successor.binding.lease_seconds == 300
+    assert successors and successors != first
+
+
 def test_a_receive_made_again_with_an_earlier_attempt_id_counts_its_lease_from_that_attempt(aws):
     # What SQS answers an attempt id made again are the messages its first try hid, their
     # visibility counted from that try: a lease counted from the repeated call would outlast

@@ -252,6 +252,27 @@ def test_a_lost_claim_is_handed_back_to_the_consumer_a_re_plan_put_in_its_place(
     assert [run.attempt for run in probe.wait_for(1, message_id=message)] == [1]
 
 
+def test_a_claim_that_fails_after_its_receiver_was_replaced_is_handed_back_by_the_new_one(
+    lost_claims,
+):
+    """A claim hung on a dead connection outlives its consumer's stop: it fails after the
+    re-plan built the new consumer, which had copied a state that did not name it yet (review
+    helper-159). The new receiver takes it then, and the old one names it no more."""
+    subscription = SubscriptionFactory(lease_seconds=LONG_LEASE)
+    published = [publish(subscription.topic.name, {"n": n}).message_id for n in range(3)]
+    old, new = Receiver(subscription.id, "host-1"), Receiver(subscription.id, "host-1")
+    new.carry_over_from(old)  # the re-plan, while the old consumer's claim is still out
+
+    lost_claims.lose()
+    with pytest.raises(TransientDriverError):
+        old.receive(3)
+    handed = new.receive(3).deliveries
+
+    assert sorted(d.message_id for d in handed) == sorted(published)
+    assert [d.attempt for d in handed] == [1, 1, 1]
+    assert old.receive(3).deliveries == []
+
+
 def test_deliveries_whose_claim_answer_can_never_be_read_reach_their_dead_letter(lost_claims):
     """Review helper-153: an answer that fails every time (a value the driver cannot decode,
     say) handed the same delivery back every other claim, renewing its lease at the same

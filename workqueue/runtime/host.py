@@ -694,6 +694,9 @@ class Host:
                 for consumer in to_stop:
                     self._retiring.remove(consumer)
                     self._retired_receivers[consumer.plan.subscription_id] = consumer.receiver
+                planned = {entry.subscription_id for entry in plans.values()}
+                for gone in set(self._retired_receivers) - planned:  # deleted, or not ours now
+                    del self._retired_receivers[gone]
                 self._lingering = [c for c in [*self._lingering, *to_stop] if c.lingering]
                 self._retired.notify_all()
         with self._lock:
@@ -733,6 +736,7 @@ class Host:
                 self._start_failed(entry, exc)
             else:
                 self._consumers[entry.name] = consumer
+                self._retired_receivers.pop(consumer.plan.subscription_id, None)
                 if self._start_failures.pop(entry.name, None) is not None:
                     logger.info("%s: the consumer started after earlier failures", entry.name)
 
@@ -791,7 +795,8 @@ class Host:
             # of them, audit helper-134).
             predecessors=[c for c in self._lingering if entry.runs(c)],
         )
-        retired = self._retired_receivers.pop(entry.plan.subscription_id, None)
+        # Kept until a consumer started with it: one whose start fails is built again.
+        retired = self._retired_receivers.get(entry.plan.subscription_id)
         carry_over_from = getattr(consumer.receiver, "carry_over_from", None)
         if retired is not None and carry_over_from is not None:  # a third party's may lack it
             carry_over_from(retired)

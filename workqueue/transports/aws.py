@@ -690,19 +690,26 @@ class AwsReceiver:
         #: On a FIFO queue, the ReceiveRequestAttemptId of a receive that failed and when it was
         #: first sent: the next receive sends it again (see _receive_attempt).
         self._unanswered_receive: tuple[str, float] | None = None
+        #: The receiver this one replaced (carry_over_from), while a receive of its may still
+        #: fail (one hung past its consumer's stop).
+        self._previous: AwsReceiver | None = None
 
     @property
     def enlist_alias(self) -> str | None:
         return None  # SQS cannot settle inside a database transaction
 
     def carry_over_from(self, previous: TransportReceiver) -> None:
-        """The FIFO receive ``previous`` would have sent again (its answer lost); nothing from
-        another transport's receiver."""
-        if isinstance(previous, AwsReceiver):
-            with previous._lock:
-                unanswered = previous._unanswered_receive
-            with self._lock:
-                self._unanswered_receive = unanswered
+        """Send again the FIFO receive ``previous`` would have (its answer lost, now or when a
+        receive of its still out fails), if it read the same queue with the same lease: what
+        SQS hid for another lease, or in another queue, is not what this one would be answered
+        (review helper-159). Nothing from another transport's receiver."""
+        if not isinstance(previous, AwsReceiver) or (
+            previous.binding.queue_url,
+            previous.binding.lease_seconds,
+        ) != (self.binding.queue_url, self.binding.lease_seconds):
+            return
+        previous._previous = None  # one step back: not a chain of every receiver since start
+        self._previous = previous
 
     def close(self) -> None:
         """Let moves to the dead-letter queue under way end (each within its lease: a process
@@ -856,8 +863,12 @@ class AwsReceiver:
         what the lost answer held; a receive that failed through all of them is sent again, id
         and all, by the next claim, while SQS still keeps the id. What that answers was hidden
         when the failed receive was first sent, so its lease counts from then."""
+        previous = self._previous
         with self._lock:
             unanswered, self._unanswered_receive = self._unanswered_receive, None
+        if unanswered is None and previous is not None:
+            with previous._lock:  # taken, so sent again by one of us only
+                unanswered, previous._unanswered_receive = previous._unanswered_receive, None
         if unanswered is not None:
             attempt_id, first_sent = unanswered
             if now - first_sent < min(
