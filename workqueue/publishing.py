@@ -719,6 +719,16 @@ def _prepare(
             PublishErrorCode.INVALID_PARTITION_KEY,
             f"partition_key must be a string of 1 to {MAX_KEY_LENGTH} {KEY_UNITS}.",
         )
+    if partition_key is not None and partition_key.endswith(" "):
+        # SQL Server compares text ignoring trailing spaces, even under a binary collation:
+        # there 'a ' would share the key 'a' (and its Ordered line, and bulk operations by key)
+        # while PostgreSQL keeps them apart. Refused on every vendor, so that a key means one
+        # thing wherever the queue runs.
+        raise _Invalid(
+            PublishErrorCode.INVALID_PARTITION_KEY,
+            f"partition_key {partition_key!r} ends with a space, which SQL Server ignores when "
+            "it compares keys: strip it (or end the key with another character).",
+        )
     dedup_key, dedup_ttl = _deduplication(
         message.deduplication_key, message.deduplication_ttl, external
     )

@@ -155,8 +155,20 @@ def test_invalid_partition_key_boundaries(topic):
                 "InvalidPartitionKey",
             ),
             "a number": ({"payload": 7, "partition_key": 7}, "InvalidPartitionKey"),
+            # SQL Server compares text ignoring trailing spaces: 'acct-1 ' would be 'acct-1'
+            # there (one Exclusive key, one Ordered line blocked by the other's dead letter, a
+            # bulk discard by key taking both), and another key on PostgreSQL (review
+            # helper-160). Refused on every vendor, so a key means one thing everywhere.
+            "a trailing space": (
+                {"payload": 10, "partition_key": "acct-1 "},
+                "InvalidPartitionKey",
+            ),
+            "a leading space": ({"payload": 11, "partition_key": " acct-1"}, ACCEPTED),
+            "a trailing tab": ({"payload": 12, "partition_key": "acct-1\t"}, ACCEPTED),
         },
     )
+    [refused] = [r for r in publish_many(topic, [{"payload": 1, "partition_key": "a "}])]
+    assert "ends with a space" in refused.error.message
 
 
 def test_invalid_deduplication_boundaries(topic):
