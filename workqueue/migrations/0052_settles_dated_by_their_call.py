@@ -4,6 +4,12 @@
 (``context.complete(enlist=True)``, every Tasks API task) recorded the time of the
 transaction's first query, so a task's ``finished_at`` read as its start. SQL Server's already
 took the call's time (``SYSDATETIMEOFFSET()``). Rows settled before keep their times.
+
+On SQL Server a publish locks its message id and its deduplication key by application locks
+only: the range locks (HOLDLOCK) it also took made every publish wait for any transaction that
+had published, enlisted, to commit, and could deadlock two batches whose keys fell into the same
+index ranges in opposite orders. ``wq_reserve_deduplication`` (the AWS transport's) takes the
+key's lock as a publish does.
 """
 
 from django.db import migrations

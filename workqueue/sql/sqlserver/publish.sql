@@ -274,6 +274,8 @@ BEGIN
     DECLARE @owner TABLE (message_id char(32));
     DECLARE @inserted TABLE (id char(32));
     DECLARE @same bit;
+    DECLARE @id_lock nvarchar(255);
+    DECLARE @granted int;
 
     SET @out_message_id = @message_id;
     SET @out_status = N'Rejected';
@@ -412,9 +414,11 @@ BEGIN
             @topic_id = @topic_uuid, @deduplication_key = @deduplication_key;
         -- Take the key when it is free, when its window has passed, or when this same message
         -- reserved it before (a retry after a crash); never a confirmed key or another message's
-        -- live reservation. HOLDLOCK keeps the key range locked until commit, so the owner read
-        -- below sees a row that cannot change or vanish meanwhile.
-        MERGE dbo.workqueue_deduplication WITH (HOLDLOCK) AS x
+        -- live reservation. The key's lock, held to commit, keeps every other writer of the key
+        -- out until then, so the owner read below sees the row as this MERGE left it. (Until
+        -- 0052 HOLDLOCK also locked the key ranges around it, and two batches whose keys fell
+        -- into the same ranges in opposite orders deadlocked: review helper-160.)
+        MERGE dbo.workqueue_deduplication AS x
         USING (SELECT @topic_key AS topic_id, @deduplication_key AS deduplication_key) AS k
            ON x.topic_id = k.topic_id AND x.deduplication_key = k.deduplication_key
         WHEN MATCHED AND (x.expires_at <= @now
@@ -449,6 +453,21 @@ BEGIN
         END;
     END;
 
+    -- One publish of a message id at a time, held to commit: the id's own application lock.
+    -- Until 0052 a probe under HOLDLOCK locked the key range past the newest id instead, which
+    -- every publish of a new (time-ordered) id needs too: every publish waited for the commit
+    -- of any transaction that had published, enlisted, however long it ran (review helper-160).
+    SET @id_lock = N'wq-message:' + @message_key;
+    EXEC @granted = sys.sp_getapplock
+        @Resource = @id_lock,
+        @LockMode = N'Exclusive',
+        @LockOwner = N'Transaction',
+        @LockTimeout = 5000;
+    IF @granted IN (-1, -3)
+        THROW 51001, N'wq_publish: the message id''s lock was not granted within 5000 ms (error 51001); publish again.', 1;
+    IF @granted < 0
+        THROW 51000, N'wq_publish: sp_getapplock failed (error 51000).', 1;
+
     SET @ordinal = NEXT VALUE FOR dbo.wq_publish_ordinal_seq;
 
     INSERT INTO dbo.workqueue_message
@@ -457,9 +476,7 @@ BEGIN
     OUTPUT inserted.id INTO @inserted
     SELECT @message_key, @ordinal, @topic_key, @partition_key, @attributes, @payload,
            @payload_ref, @correlation_id, @now, @published_by, ISNULL(@external, 0)
-     WHERE NOT EXISTS (
-           SELECT 1 FROM dbo.workqueue_message AS m WITH (UPDLOCK, HOLDLOCK)
-            WHERE m.id = @message_key);
+     WHERE NOT EXISTS (SELECT 1 FROM dbo.workqueue_message AS m WHERE m.id = @message_key);
 
     IF NOT EXISTS (SELECT 1 FROM @inserted)
     BEGIN
@@ -841,6 +858,7 @@ BEGIN
     DECLARE @owner_key char(32);
     DECLARE @owner_status nvarchar(20);
     DECLARE @status nvarchar(20);
+    DECLARE @topic_uuid uniqueidentifier;
 
     SELECT @topic_key = t.id
       FROM dbo.workqueue_topic AS t
@@ -851,9 +869,12 @@ BEGIN
     ELSE
     BEGIN
         BEGIN TRANSACTION;
-        -- HOLDLOCK keeps the key range locked until commit, so the owner read below sees a
-        -- row that cannot change or vanish meanwhile.
-        MERGE dbo.workqueue_deduplication WITH (HOLDLOCK) AS x
+        -- The key's lock, as wq_publish takes it, held to commit: the owner read below sees
+        -- the row as this MERGE left it (until 0052 HOLDLOCK locked the key ranges around it).
+        SET @topic_uuid = dbo.wq_text_uuid(@topic_key);
+        EXEC dbo.wq_lock_deduplication_key
+            @topic_id = @topic_uuid, @deduplication_key = @deduplication_key;
+        MERGE dbo.workqueue_deduplication AS x
         USING (
             SELECT @topic_key AS topic_id, @deduplication_key AS deduplication_key
         ) AS k
