@@ -459,17 +459,23 @@ def test_apikey_revoke_takes_the_key_as_it_is_shown_or_leaked_and_never_echoes_a
     back to the terminal (review helper-156)."""
     from tests.factories import ApiKeyFactory
 
-    shown, shown_with_tail, leaked = ApiKeyFactory(), ApiKeyFactory(), ApiKeyFactory()
+    keys = [ApiKeyFactory() for _ in range(4)]
+    shown, shown_with_tail, leaked, logged = keys
 
     run("apikey", "revoke", f"wq_{shown.prefix}")
     run("apikey", "revoke", f"wq_{shown_with_tail.prefix}_…")
     run("apikey", "revoke", leaked.raw_key)
+    run("apikey", "revoke", f"Authorization: Bearer {logged.raw_key}")  # a log line
 
-    assert all(ApiKey.objects.get(pk=k.pk).revoked_at for k in (shown, shown_with_tail, leaked))
-    unknown = "wq_00000000_" + leaked.raw_key[len("wq_00000000_") :]
-    with pytest.raises(CommandError) as refused:
-        run("apikey", "revoke", unknown)
-    assert "00000000" in str(refused.value) and unknown[12:] not in str(refused.value)
+    assert all(ApiKey.objects.get(pk=k.pk).revoked_at for k in keys)
+    secret = leaked.raw_key[len("wq_00000000_") :]
+    for given in ("wq_00000000_" + secret, secret):  # no such key; the secret part alone
+        with pytest.raises(CommandError) as refused:
+            run("apikey", "revoke", given)
+        assert secret not in str(refused.value), str(refused.value)
+    assert "'00000000'" in str(
+        pytest.raises(CommandError, run, "apikey", "revoke", "wq_00000000").value
+    )
 
 
 def test_apikey_create_refuses_unknown_users_and_scopes():

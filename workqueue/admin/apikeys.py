@@ -23,7 +23,7 @@ from django.utils.cache import patch_cache_control
 from workqueue.admin.display import stored_text, visible_text
 from workqueue.admin.lookups import DeclaredFiltersAdmin
 from workqueue.models import ApiKey
-from workqueue.models.apikeys import KEY_PREFIX, MAX_EXPIRES_DAYS
+from workqueue.models.apikeys import KEY_PREFIX, MAX_EXPIRES_DAYS, shown_prefix
 from workqueue.operators.permissions import SCOPES, uncovered_scope_problem
 
 
@@ -197,10 +197,9 @@ class ApiKeyAdmin(DeclaredFiltersAdmin):
         if (stored := stored_text(term)) != term:
             # A name copied from the list, where its invisible characters show as escapes.
             found |= queryset.filter(name__icontains=stored)
-        if term.startswith(f"{KEY_PREFIX}_"):
-            # As the list and the audit trail show a key (wq_<prefix>, wq_<prefix>_…), or a
-            # whole key pasted: by its prefix.
-            found |= queryset.filter(prefix=term[len(KEY_PREFIX) + 1 :].split("_", 1)[0])
+        if (prefix := shown_prefix(term)) is not None:
+            # As the list and the audit trail show a key (wq_<prefix>, wq_<prefix>_…).
+            found |= queryset.filter(prefix=prefix)
         return found, may_have_duplicates
 
     @admin.display(description="scopes")

@@ -430,9 +430,11 @@ class ApiKeyVerb(Verb):
         else:
             key, prefix = ApiKey.objects.named(options["prefix"])
             if key is None:
+                # Never the text given: it may be a secret (a key's, or another's).
+                named = f"has the prefix {prefix!r}" if prefix else "is named by the text given"
                 raise CommandError(
-                    f"No API key has the prefix {prefix!r} (give the prefix `apikey list` "
-                    "shows, the wq_<prefix> the audit trail shows, or the whole key)."
+                    f"No API key {named}: give the prefix `apikey list` shows (8 hex digits), "
+                    "wq_<prefix> as the audit trail shows it, or the whole key."
                 )
             key.revoke()
             command.stdout.write(f"Revoked {key.prefix}.")

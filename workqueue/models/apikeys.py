@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 import secrets
 from typing import Any
 
@@ -22,6 +23,20 @@ KEY_PREFIX = "wq"
 MAX_EXPIRES_DAYS = 3_650
 # last_used_at is written at most this often per key, so busy keys do not write every request.
 LAST_USED_RESOLUTION = dt.timedelta(seconds=60)
+
+
+#: A key's prefix (``secrets.token_hex(4)``); the key as the audit trail and the admin show it
+#: (``wq_<prefix>``, perhaps with ``_…``); a whole key (``token_urlsafe``'s alphabet after it).
+_PREFIX = re.compile(r"[0-9a-f]{8}")
+_SHOWN_KEY = re.compile(rf"\b{KEY_PREFIX}_([0-9a-f]{{8}})(?![0-9a-zA-Z])")
+_WHOLE_KEY = re.compile(rf"\b{KEY_PREFIX}_[0-9a-f]{{8}}_[A-Za-z0-9_-]+")
+
+
+def shown_prefix(text: str) -> str | None:
+    """The prefix of the key ``text`` names as the audit trail and the admin show a key
+    (``wq_<prefix>``, ``wq_<prefix>_…``, or a whole key), or None."""
+    shown = _SHOWN_KEY.search(text)
+    return None if shown is None else shown[1]
 
 
 def hash_key(raw_key: str) -> str:
@@ -72,18 +87,19 @@ class ApiKeyQuerySet(models.QuerySet):
         )
         return key, raw_key
 
-    def named(self, given: str) -> tuple[ApiKey | None, str]:
-        """The key ``given`` names, and the prefix it was read as (the only part of it safe to
-        print): its prefix, the form the audit trail and the admin show (``wq_<prefix>``,
-        ``wq_<prefix>_…``), or the whole key (one found leaked)."""
+    def named(self, given: str) -> tuple[ApiKey | None, str | None]:
+        """The key ``given`` names, and the prefix it was read as, the only part of it safe to
+        print (None when it names none): its prefix, the form the audit trail and the admin
+        show (``wq_<prefix>``, ``wq_<prefix>_…``), or the whole key, as found leaked in a log
+        line (``Authorization: Bearer wq_…``)."""
         given = given.strip()
-        if given.startswith(f"{KEY_PREFIX}_"):
-            whole = self.filter(key_hash=hash_key(given)).first()
-            if whole is not None:
-                return whole, whole.prefix
-            given = given[len(KEY_PREFIX) + 1 :]
-        prefix = given.split("_", 1)[0]
-        return self.filter(prefix=prefix).first(), prefix
+        if _PREFIX.fullmatch(given):
+            return self.filter(prefix=given).first(), given
+        whole = _WHOLE_KEY.search(given)
+        if whole is not None and (key := self.filter(key_hash=hash_key(whole[0])).first()):
+            return key, key.prefix
+        prefix = shown_prefix(given)
+        return (None if prefix is None else self.filter(prefix=prefix).first()), prefix
 
     def authenticate(self, raw_key: str) -> ApiKey | None:
         """The active key matching ``raw_key`` (not revoked, not expired, owner active)."""
