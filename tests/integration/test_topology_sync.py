@@ -474,8 +474,10 @@ def test_a_handler_key_no_handler_registers_but_one_nearly_does_is_said_where_it
 
     call_command("workqueue", "sync-topology", stdout=out, stderr=err)
 
-    assert "Applied 3 change(s)." in out.getvalue()
-    assert err.getvalue().splitlines() == [
+    warned = [
         "Warning: subscription 'shop.orders-typo' runs handler key 'tests.recrod', which no "
         "handler of this project registers; did you mean 'tests.record'?"
     ]
+    assert "Applied 3 change(s)." in out.getvalue()
+    assert err.getvalue().splitlines() == warned
+    assert json.loads(sync("--dry-run", "--json"))["warnings"] == warned

@@ -45,6 +45,7 @@ class SyncTopologyVerb(Verb):
                     {
                         "dry_run": report.dry_run,
                         "changes": [dataclasses.asdict(c) for c in report.changes],
+                        "warnings": _handler_key_slips(),
                     }
                 )
             )
@@ -200,16 +201,17 @@ def _handler_key_slips() -> list[str]:
     """A warning for each declared subscription whose handler key no handler of this project
     registers while one nearly does (check W004's rule: a key unlike every registered one may
     be another codebase's), said where the typo was applied (helper-158: only a separate
-    ``check --database`` said it). Nothing where the handlers cannot be imported here (a
-    web-only image): the hosts report those."""
+    ``check --database`` said it). The handler modules that import are read; one that does
+    not (a web-only image without a worker's library) is the check's and the hosts' to report."""
     from workqueue.conf import get_settings
     from workqueue.operators.topology import declared_topology
-    from workqueue.runtime.handlers import autodiscover, handler_registry
+    from workqueue.runtime.handlers import (
+        app_handler_modules,
+        handler_module_problems,
+        handler_registry,
+    )
 
-    try:
-        autodiscover(get_settings().HANDLER_MODULES)
-    except Exception:
-        return []
+    handler_module_problems((*app_handler_modules(), *get_settings().HANDLER_MODULES))
     slips = []
     for name, fields in declared_topology().get("subscriptions", {}).items():
         key = fields.get("handler_key")
