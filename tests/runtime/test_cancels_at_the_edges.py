@@ -292,6 +292,54 @@ def test_a_delivery_next_in_a_slot_never_starts_on_a_lease_that_ran_out_while_th
     )
 
 
+def test_a_delivery_claimed_for_a_free_slot_never_starts_on_a_lease_another_consumer_took(
+    make_host, monkeypatch
+):
+    """The lease check above covered deliveries claimed ahead only: one claimed for a free
+    slot was taken to start at once, but it waits for a worker thread, and every worker may be
+    busy settling (2 x concurrency threads, each on a slow retry), or the host frozen between
+    the claim and the start. It then started after its lease ran out and another consumer
+    had claimed it: one Exclusive key run in two places (review helper-161)."""
+    from workqueue.models import Delivery
+    from workqueue.transport import Receiver
+
+    s = sub(
+        partition_mode="Exclusive",
+        lease_seconds=5,
+        max_attempts=5,
+        backoff_base_seconds=60,
+        backoff_max_seconds=60,
+    )
+    retry = Receiver.retry
+
+    def slow_retry(self: Receiver, delivery: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(7)  # a database that answers slowly
+        return retry(self, delivery, *args, **kwargs)
+
+    monkeypatch.setattr(Receiver, "retry", slow_retry)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 0}])
+    # Claimed by priority: the two failing ones first (one at a time), the victim last.
+    publish(s.topic.name, {"sleepMs": 200, "then": "retry"}, partition_key="a", priority=10)
+    publish(s.topic.name, {"sleepMs": 200, "then": "retry"}, partition_key="b", priority=5)
+    victim = publish(s.topic.name, {"sleepMs": 3000}, partition_key="k", priority=0).message_id
+    host.start()
+    wait_until(lambda: status_of(victim) == "InFlight", timeout=10)
+    row = Delivery.objects.get(message_id=victim)
+    assert row.lease_owner == host.instance_id
+    assert not [r for r in probe.runs if r.message_id == victim]  # claimed, not started yet
+    time.sleep(5.5)  # its lease runs out; another consumer (another host) claims it
+    assert str(row.pk) in {d.delivery_id for d in Receiver(s.id).receive(3).deliveries}
+    taken_at = time.monotonic()
+
+    time.sleep(4)  # the first host's worker threads come back from their slow settles
+
+    late = [r for r in probe.runs if r.message_id == victim]
+    assert not late, (
+        f"host 1 started the victim {late[0].started_at - taken_at:+.1f}s after another "
+        f"consumer claimed it (key 'k' held by both; signal {late[0].signal_reason})"
+    )
+
+
 @pytest.mark.parametrize("settle_returns", ["after the hand-back", "during the hand-back"])
 def test_a_cancelled_delivery_next_in_a_slot_frees_its_key_without_waiting_for_the_slots_settle(
     make_host, monkeypatch, settle_returns

@@ -74,6 +74,9 @@ PREFETCH_MAX_BYTES = 32 * 1024 * 1024
 #: A delivery claimed ahead starts only while at least this share of its lease is left (else it
 #: goes back to the queue, its attempt refunded): a handler never starts on a lease about to end.
 PREFETCH_MIN_LEASE_SHARE = 0.5
+#: A delivery claimed for a free slot starts only while at least this share of its lease is
+#: left: it waits for a worker thread, and they may all be busy settling (review helper-161).
+START_MIN_LEASE_SHARE = 0.5
 #: Weight of the latest handler time in the running mean that decides whether to claim ahead.
 HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
@@ -1010,7 +1013,7 @@ class Consumer:
         current: DeliveryExecution | None = execution
         try:
             while current is not None:
-                if current is not execution and self._too_late_to_start(current):
+                if self._too_late_to_start(current, claimed_ahead=current is not execution):
                     current = self._pass_slot_on()
                     continue
                 if not self._take_for_this_thread(current):
@@ -1028,9 +1031,9 @@ class Consumer:
             # concurrency workers would come to hold one, idle, for the thread's life.
             self.receiver.close()
 
-    def _too_late_to_start(self, execution: DeliveryExecution) -> bool:
-        """Whether ``execution``, claimed ahead and about to start on this worker, has used up
-        its share of the lease meanwhile, and is handed back unrun (attempt refunded) instead.
+    def _too_late_to_start(self, execution: DeliveryExecution, *, claimed_ahead: bool) -> bool:
+        """Whether ``execution``, about to start on this worker, has used up its share of the
+        lease meanwhile, and is handed back unrun (attempt refunded) instead.
 
         A delivery claimed ahead is given its slot when a handler returns, with enough lease
         left then, but starts only once that handler's settle has returned on this thread,
@@ -1038,13 +1041,17 @@ class Consumer:
         outage); a host frozen between a claim and its start does the same. Started anyway,
         it ran on a lease another host may have taken back, two executions of one Exclusive
         key at once, until its first heartbeat a third of a lease later (audit helper-128).
-        (One that got its slot at its claim starts at once.)"""
+        One claimed for a free slot waits for a worker thread, which may all be busy settling
+        the same way: it is checked too (review helper-161)."""
+        least = PREFETCH_MIN_LEASE_SHARE if claimed_ahead else START_MIN_LEASE_SHARE
+        if execution.lease_share_left() >= least:
+            return False  # the usual answer, given without the lock
         with self._lock:
             if (
                 self._running.get(execution.key) is not execution
                 or execution.key in self._handing_back
                 or self._stopping.is_set()
-                or execution.lease_share_left() >= PREFETCH_MIN_LEASE_SHARE
+                or execution.lease_share_left() >= least
             ):
                 # stop() or a cancel decides for it (_take_for_this_thread), or it starts
                 return False
