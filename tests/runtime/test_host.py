@@ -138,6 +138,46 @@ def test_shutdown_lets_handlers_that_finish_within_the_drain_complete_normally(m
     assert status_of(message) == "Completed"
 
 
+@pytest.mark.parametrize("answer_after_s", [1.5, 6.0])
+def test_a_claim_answered_during_the_stop_is_handed_back_or_counted_before_the_stop_returns(
+    make_host, monkeypatch, answer_after_s
+):
+    """A claim whose answer came after the drain (a slow database) was handed back by the
+    claim loop after the host's stop had returned, and the process may end then: the
+    delivery sat leased unrun until expiry spent its attempt (dead-lettered unrun with
+    max_attempts=1), and the host said "every handler finished or was handed back" (review
+    helper-161). Now the stop waits a second drain for the claim; one still out then is
+    counted and said."""
+    from workqueue.runtime.process import describe_left_behind
+    from workqueue.transport import Receiver
+
+    s = sub(max_attempts=1, lease_seconds=60)
+    receive, in_claim = Receiver.receive, threading.Event()
+
+    def slow_answer(self: Receiver, max_rows: int) -> Any:
+        result = receive(self, max_rows)  # committed
+        if result.deliveries:
+            in_claim.set()
+            time.sleep(answer_after_s)  # its answer is slow to come
+        return result
+
+    monkeypatch.setattr(Receiver, "receive", slow_answer)
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=1000)
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    host.start()
+    assert in_claim.wait(10)
+
+    host.shutdown()  # workqueue_host exits right after this
+
+    if answer_after_s < 2:  # within the second drain: handed back, its attempt refunded
+        row = Delivery.objects.get(message_id=message)
+        assert (row.status, row.attempt_count) == ("Pending", 0)
+        assert describe_left_behind(host) == "every handler finished or was handed back."
+    else:
+        assert host.claims_left_out == 1
+        assert "1 claim(s) still waited for the database" in describe_left_behind(host)
+
+
 def test_shutdown_is_idempotent_and_every_caller_returns_after_the_drain(make_host):
     s = sub()
     host = make_host(one(s), shutdown_drain_ms=300)

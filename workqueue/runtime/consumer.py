@@ -366,6 +366,9 @@ class Consumer:
         self.unsettled = 0  # handlers that had returned then, their outcome not yet recorded
         #: Deliveries claimed ahead that a stop could not hand back (left to lease expiry).
         self.not_handed_back = 0
+        #: 1 when this consumer's claim was still waiting for the database as its stop ended:
+        #: what it took is left to lease expiry (said in the host's last line).
+        self.claims_left_out = 0
         #: Why the claim loop is not claiming right now (health reports the subscription as
         #: Error with this reason); None while it works.
         self.failure: str | None = None
@@ -503,6 +506,13 @@ class Consumer:
                 execution.abort(AbortReason.SHUTDOWN)
             gave_up = not self._wait_idle(drain)
         self._workers.shutdown()
+        if self._thread.is_alive():
+            # A claim still out (its answer slower than the drain): the loop hands back what it
+            # took when the answer comes, which must be before the process may end (review
+            # helper-161). Waited for as long again; one still out then is counted and said.
+            self._hand_backs_end = time.monotonic() + drain
+            self._thread.join(drain)
+            self.claims_left_out = int(self._thread.is_alive())
         with self._lock:
             # Taken out, so that no worker starts them after all (_take_for_this_thread), and
             # counted in the same hold, so that what is counted is what is left.

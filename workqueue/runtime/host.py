@@ -296,6 +296,7 @@ class Host:
         #: Deliveries claimed ahead, never started, that could not be handed back (the
         #: database did not answer within the drain): left to lease expiry.
         self.not_handed_back = 0
+        self.claims_left_out = 0
         #: Why the last planning raised (None once one succeeds): nothing was started then.
         self.planning_failure: str | None = None
         #: Set once a plan has gone through and its consumers were started (never cleared).
@@ -513,6 +514,7 @@ class Host:
                 returned for _running, returned in left
             )
             self.not_handed_back = sum(c.not_handed_back for c in consumers)
+            self.claims_left_out = sum(c.claims_left_out for c in consumers)
             if self._wakeup is not None:
                 self._wakeup.stop()
             if self._timers is not None:

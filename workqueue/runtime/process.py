@@ -233,6 +233,11 @@ def describe_left_behind(host: Any) -> str:
             f"{host.not_handed_back} delivery(ies) claimed ahead and never started could not "
             "be handed back"
         )
+    if host.claims_left_out:
+        parts.append(
+            f"{host.claims_left_out} claim(s) still waited for the database, so what they took "
+            "could not be handed back"
+        )
     if not parts:
         return "every handler finished or was handed back."
     return "; ".join(parts) + "; their deliveries are left to lease expiry."
