@@ -540,11 +540,13 @@ def test_the_admin_applies_nothing_but_the_selection_it_counted(client, field, c
     assert statuses(ids) == ["DeadLettered"] * 2
 
 
-@pytest.mark.parametrize("wanted", ["c-7 ", " "], ids=["trailing space", "all whitespace"])
+# Tabs: a key may no longer end with a space (SQL Server ignores trailing spaces; review
+# helper-160), and the form's trimming took tabs as it took spaces.
+@pytest.mark.parametrize("wanted", ["c-7\t", "\t"], ids=["trailing tab", "all whitespace"])
 @pytest.mark.parametrize("operation", ["discard", "discard_pending"])
 def test_the_admin_filters_by_the_partition_key_exactly_as_given(client, wanted, operation):
-    """Audit helper-132: keys are stored and compared exactly as published ("c-7" and "c-7 "
-    are two keys, " " is one), as the CLI and REST filter by them; the admin's form trimmed the
+    """Audit helper-132: keys are stored and compared exactly as published ("c-7" and "c-7\t"
+    are two keys, "\t" is one), as the CLI and REST filter by them; the admin's form trimmed the
     key, so "c-7 " counted and discarded the dead letters (or waiting work) of "c-7", and a key
     of spaces became "any": every one of the subscription's."""
     subscription = SubscriptionFactory(partition_mode="Exclusive")
