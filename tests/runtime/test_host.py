@@ -178,6 +178,39 @@ def test_a_claim_answered_during_the_stop_is_handed_back_or_counted_before_the_s
         assert "1 claim(s) still waited for the database" in describe_left_behind(host)
 
 
+def test_a_handler_told_its_lease_ran_out_while_a_renewal_was_granted_has_its_outcome_recorded(
+    make_host, monkeypatch
+):
+    """The local horizon tells a handler LeaseLost when no renewal answered in time; a renewal
+    the database granted (the token still holds) but whose answer came after the horizon left
+    the holder dropping the handler's outcome unsettled and renewing no more, while the
+    database had just leased the delivery to it: its key blocked for that lease, then its
+    attempt spent by expiry (dead-lettered LeaseExpired with max_attempts=1; review
+    helper-161). Only the database says a lease is lost: the fenced settle is tried."""
+    from workqueue.transport import Receiver
+
+    s = sub(partition_mode="Exclusive", lease_seconds=5, max_attempts=1)
+    extend = Receiver.extend_lease
+
+    def late_renewal(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        granted = extend(self, delivery, progress)  # at ~1.7 s: renewed to ~6.7 s
+        time.sleep(3.6)  # its answer comes back after the local horizon (5 s)
+        return granted
+
+    monkeypatch.setattr(Receiver, "extend_lease", late_renewal)
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 8000}, partition_key="k").message_id
+    (run,) = probe.wait_for(1)
+    assert run.finished.wait(10)  # told LeaseLost by the horizon; returns complete
+
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert run.signal_reason == AbortReason.LEASE_LOST
+    row = Delivery.objects.get(message_id=message)
+    assert (row.status, row.attempt_count) == ("Completed", 1), row.dead_letter_reason
+
+
 def test_shutdown_is_idempotent_and_every_caller_returns_after_the_drain(make_host):
     s = sub()
     host = make_host(one(s), shutdown_drain_ms=300)

@@ -33,6 +33,7 @@ settles nothing, whatever the handler returned; if it rolled back, the rules abo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -41,6 +42,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -308,6 +310,11 @@ class DeliveryExecution:
         self._finished = False  # the handler returned and settling began: renewals stop
         self._horizon: Timer | None = None
         self._handler_returned = False  # from then on no horizon is armed
+        # Whether the database said the lease is gone (a renewal or an enlisted completion
+        # refused), not only the local horizon, which fires when no renewal answered in time:
+        # a renewal granted but answered after it holds the lease on, and the handler's
+        # outcome is then settled, fenced by the token (review helper-161).
+        self._lease_lost_in_database = False
         # When the handler was called (time.monotonic()): how long it has run, for health.
         self._handler_began: float | None = None
         # When the lease may end in the database, by the local clock: the moment the claim
@@ -723,6 +730,19 @@ class DeliveryExecution:
         if not self._stopped_renewing():
             self.services.background.submit(self._beat, None)
 
+    def _lease_held_after_all(self) -> bool:
+        """Whether a lease the local horizon took for lost holds after all: a renewal sent
+        before the horizon was answered Held after it (waited for here, a grace at most), and
+        its lease has not run out. Never once the database said it is gone."""
+        if self._lease_lost_in_database:
+            return False
+        with self._lock:
+            renewal = self._beat_in_flight
+        if renewal is not None:
+            with contextlib.suppress(FutureTimeout):
+                renewal.result(timeout=self.services.lease_grace_seconds)
+        return not self._lease_lost_in_database and time.monotonic() < self._lease_ends
+
     def _stopped_renewing(self) -> bool:
         return (
             self._finished
@@ -780,6 +800,7 @@ class DeliveryExecution:
                 # Not lost but completed, when the handler's transaction committed while this
                 # renewal was on its way.
                 if not self._completed_in_transaction():
+                    self._lease_lost_in_database = True
                     self.signal.abort(AbortReason.LEASE_LOST)
         except WorkQueueError as exc:
             # A failed call is not a lost lease: keep running, and the horizon still aborts the
@@ -897,6 +918,7 @@ class DeliveryExecution:
                 "ran, so it was not completed: let this exception leave the "
                 "transaction.atomic() block, so that your changes roll back."
             )
+        self._lease_lost_in_database = True
         self.signal.abort(AbortReason.LEASE_LOST)
         raise LeaseLost(
             f"Delivery {self.delivery.delivery_id} (attempt {self.delivery.attempt}) is no "
@@ -983,13 +1005,16 @@ class DeliveryExecution:
         try:
             if self.signal.has(AbortReason.CANCELLED):
                 return self._acknowledge_cancel()
-            if self.signal.has(AbortReason.LEASE_LOST):
+            if self.signal.has(AbortReason.LEASE_LOST) and not self._lease_held_after_all():
                 self.log.error(
                     "Lease lost (%s); the handler's outcome was not recorded and the delivery "
                     "may run again",
                     self._where,
                 )
                 return ExecutionResult(ExecutionResult.LEASE_LOST)
+            # Told LeaseLost by the local horizon, then a renewal sent before it was answered
+            # Held: the lease holds on, and the settle below (fenced by the token) records the
+            # outcome, or is refused should another consumer have taken the delivery.
             stopping = self.signal.has(AbortReason.SHUTDOWN) or self.services.stopping.is_set()
             charged = self._outlived_drain and decision.exception is not None
             if stopping and not charged and decision.kind != Outcome.COMPLETE:
