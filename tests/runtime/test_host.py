@@ -211,6 +211,54 @@ def test_a_handler_told_its_lease_ran_out_while_a_renewal_was_granted_has_its_ou
     assert (row.status, row.attempt_count) == ("Completed", 1), row.dead_letter_reason
 
 
+def test_a_claim_slower_than_half_the_lease_still_runs_what_it_took(make_host, monkeypatch):
+    """The start check measured a delivery's wait from its claim's sending: a claim answered
+    after half the lease (a loaded database) handed back every delivery it took, claimed it
+    again, and so on for ever, no attempt spent, nothing said (review helper-162). The wait
+    for a worker thread counts from the claim's answer."""
+    from workqueue.transport import Receiver
+
+    s = sub(lease_seconds=5, max_attempts=3)
+    receive = Receiver.receive
+
+    def slow(self: Receiver, max_rows: int) -> Any:
+        result = receive(self, max_rows)
+        if result.deliveries:
+            time.sleep(2.6)  # the claim's answer takes 2.6 s of a 5 s lease
+        return result
+
+    monkeypatch.setattr(Receiver, "receive", slow)
+    host = make_host(one(s, concurrency=1))
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    host.start()
+
+    wait_until(lambda: status_of(message) == "Completed", timeout=15)
+    assert [run.attempt for run in probe.runs if run.message_id == message] == [1]
+
+
+def test_a_stop_waits_no_longer_for_a_claim_loop_that_holds_no_claim(make_host, monkeypatch):
+    """A loop waiting for rate tokens (or probing settles) holds nothing to hand back: the stop
+    waited a second drain for it and said a claim was still out (review helper-162)."""
+    from workqueue.transport import Receiver
+
+    s = sub(rate_limit_per_second=1.0)
+    take, inside = Receiver.take_rate_tokens, threading.Event()
+
+    def hung(self: Receiver, wanted: int) -> Any:
+        inside.set()
+        time.sleep(6)
+        return take(self, wanted)
+
+    monkeypatch.setattr(Receiver, "take_rate_tokens", hung)
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=1000)
+    host.start()
+    assert inside.wait(5)
+
+    host.shutdown()
+
+    assert host.claims_left_out == 0
+
+
 def test_shutdown_is_idempotent_and_every_caller_returns_after_the_drain(make_host):
     s = sub()
     host = make_host(one(s), shutdown_drain_ms=300)

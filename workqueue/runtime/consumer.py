@@ -74,9 +74,12 @@ PREFETCH_MAX_BYTES = 32 * 1024 * 1024
 #: A delivery claimed ahead starts only while at least this share of its lease is left (else it
 #: goes back to the queue, its attempt refunded): a handler never starts on a lease about to end.
 PREFETCH_MIN_LEASE_SHARE = 0.5
-#: A delivery claimed for a free slot starts only while at least this share of its lease is
-#: left: it waits for a worker thread, and they may all be busy settling (review helper-161).
-START_MIN_LEASE_SHARE = 0.5
+#: A delivery claimed for a free slot goes back unrun (attempt refunded) once it has waited
+#: for a worker thread this share of its lease, counted from its claim's answer: the threads
+#: may all be busy settling (review helper-161). Not from the claim's sending: a claim slower
+#: than half the lease would then have handed back every delivery it took, for ever (review
+#: helper-162).
+START_MAX_WAIT_SHARE = 0.5
 #: Weight of the latest handler time in the running mean that decides whether to claim ahead.
 HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
@@ -369,6 +372,9 @@ class Consumer:
         #: 1 when this consumer's claim was still waiting for the database as its stop ended:
         #: what it took is left to lease expiry (said in the host's last line).
         self.claims_left_out = 0
+        # Whether the claim loop is in a claim, from its call to the start or hand-back of
+        # what it took (not while it waits for rate tokens or probes settles).
+        self._claim_out = False
         #: Why the claim loop is not claiming right now (health reports the subscription as
         #: Error with this reason); None while it works.
         self.failure: str | None = None
@@ -506,13 +512,13 @@ class Consumer:
                 execution.abort(AbortReason.SHUTDOWN)
             gave_up = not self._wait_idle(drain)
         self._workers.shutdown()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._claim_out:
             # A claim still out (its answer slower than the drain): the loop hands back what it
             # took when the answer comes, which must be before the process may end (review
             # helper-161). Waited for as long again; one still out then is counted and said.
             self._hand_backs_end = time.monotonic() + drain
             self._thread.join(drain)
-            self.claims_left_out = int(self._thread.is_alive())
+            self.claims_left_out = int(self._thread.is_alive() and self._claim_out)
         with self._lock:
             # Taken out, so that no worker starts them after all (_take_for_this_thread), and
             # counted in the same hold, so that what is counted is what is left.
@@ -742,6 +748,7 @@ class Consumer:
                     continue  # _take_rate_tokens waited for the next token (or a stop)
                 free = granted
             try:
+                self._claim_out = True  # until what it took is started or handed back
                 leased_at = time.monotonic()  # the leases run from no earlier than this
                 try:
                     claimed = self._receive(free)
@@ -769,6 +776,7 @@ class Consumer:
                 # Only now: until the claimed deliveries count as running, a one-shot run must
                 # not take "budget spent and nothing in flight" for done.
                 self.receive_pending = False
+                self._claim_out = False
             if claimed.deliveries:
                 delay = min_delay
                 if claimed.drained and self.budget is None:
@@ -1053,21 +1061,27 @@ class Consumer:
         key at once, until its first heartbeat a third of a lease later (audit helper-128).
         One claimed for a free slot waits for a worker thread, which may all be busy settling
         the same way: it is checked too (review helper-161)."""
-        least = PREFETCH_MIN_LEASE_SHARE if claimed_ahead else START_MIN_LEASE_SHARE
-        if execution.lease_share_left() >= least:
+        if not self._waited_too_long(execution, claimed_ahead=claimed_ahead):
             return False  # the usual answer, given without the lock
         with self._lock:
             if (
                 self._running.get(execution.key) is not execution
                 or execution.key in self._handing_back
                 or self._stopping.is_set()
-                or execution.lease_share_left() >= least
+                or not self._waited_too_long(execution, claimed_ahead=claimed_ahead)
             ):
                 # stop() or a cancel decides for it (_take_for_this_thread), or it starts
                 return False
             self._to_hand_back(execution)
         self._background.run_or_call(self._hand_back, execution)
         return True
+
+    @staticmethod
+    def _waited_too_long(execution: DeliveryExecution, *, claimed_ahead: bool) -> bool:
+        if claimed_ahead:
+            return execution.lease_share_left() < PREFETCH_MIN_LEASE_SHARE
+        waited = time.monotonic() - execution.received_at
+        return waited >= START_MAX_WAIT_SHARE * execution.lease_seconds
 
     def _take_for_this_thread(self, execution: DeliveryExecution) -> bool:
         """Mark ``execution`` started on this worker; once the consumer is stopping, hand it

@@ -300,6 +300,8 @@ class DeliveryExecution:
         #: Told when a renewal finds the delivery cancelled before its handler started.
         self._on_cancelled_unstarted = on_cancelled_unstarted
         self.started = False
+        #: When the claim's answer came (time.monotonic()): how long it has waited to start.
+        self.received_at = time.monotonic()
         #: What ``on_handler_done`` handed this execution's slot to: the next delivery to run
         #: on this thread, once this one's settling has been handed on.
         self.next_in_slot: DeliveryExecution | None = None
