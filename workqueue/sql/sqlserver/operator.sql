@@ -422,7 +422,9 @@ BEGIN
            CASE WHEN (@reason IS NULL OR LOWER(d.dead_letter_reason) = LOWER(@reason))
                  AND (@partition_key IS NULL OR EXISTS (
                       SELECT 1 FROM dbo.workqueue_message AS m
-                       WHERE m.id = d.message_id AND m.partition_key = @partition_key))
+                       WHERE m.id = d.message_id AND m.partition_key = @partition_key
+                         -- Exactly the key given: = ignores trailing spaces.
+                         AND DATALENGTH(m.partition_key) = DATALENGTH(@partition_key)))
                  AND (@dead_lettered_from IS NULL OR d.dead_lettered_at >= @dead_lettered_from)
                  AND (@dead_lettered_before IS NULL OR d.dead_lettered_at < @dead_lettered_before)
                  AND (@error_contains IS NULL
@@ -520,7 +522,11 @@ BEGIN
                       OR EXISTS (
                           SELECT 1 FROM dbo.workqueue_message AS m
                            WHERE m.id = d.message_id
-                             AND (@partition_key IS NULL OR m.partition_key = @partition_key)
+                             AND (@partition_key IS NULL
+                                  OR (m.partition_key = @partition_key
+                                      -- Exactly the key given: = ignores trailing spaces.
+                                      AND DATALENGTH(m.partition_key)
+                                          = DATALENGTH(@partition_key)))
                              AND (@published_from IS NULL OR m.published_at >= @published_from)
                              AND (@published_before IS NULL
                                   OR m.published_at < @published_before)))

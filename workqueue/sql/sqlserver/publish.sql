@@ -446,7 +446,8 @@ BEGIN
             ELSE IF @owner_key IS NOT NULL
                 SET @out_error_code = N'DeduplicationPending';
             ELSE
-                -- Unreachable while the range lock is held; kept so the outcome is explicit.
+                -- The sweeper purged the row, its window over, between the MERGE and this
+                -- read (it takes no key lock): publish again (retryable).
                 SET @out_error_code = N'TransportUnavailable';
             COMMIT TRANSACTION;
             RETURN;
@@ -909,6 +910,8 @@ BEGIN
              WHERE x.topic_id = @topic_key
                AND x.deduplication_key = @deduplication_key
                AND x.expires_at > @now;
+            -- No owner: the sweeper purged the row, its window just over, after the MERGE
+            -- (it takes no key lock); Pending asks for the reservation again.
             SET @status = CASE WHEN @owner_status = N'Confirmed' THEN N'Duplicate'
                                ELSE N'Pending' END;
         END;
