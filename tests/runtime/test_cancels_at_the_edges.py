@@ -29,6 +29,17 @@ def _on_a_thread(call: Any) -> None:
         connections.close_all()
 
 
+def _exclusive_retried_a_minute_later() -> Any:
+    """An Exclusive subscription of 5 s leases whose retries wait a minute."""
+    return sub(
+        partition_mode="Exclusive",
+        lease_seconds=5,
+        max_attempts=5,
+        backoff_base_seconds=60,
+        backoff_max_seconds=60,
+    )
+
+
 @pytest.mark.parametrize("edge", ["shutdown drain", "re-plan drain"])
 def test_a_cancel_made_while_the_host_drains_reaches_the_handler_at_once(
     make_host, monkeypatch, edge
@@ -244,13 +255,7 @@ def test_a_delivery_next_in_a_slot_never_starts_on_a_lease_that_ran_out_while_th
 
     monkeypatch.setattr(consumer_module, "PREFETCH_HANDLER_SECONDS", 60.0)
     monkeypatch.setattr(consumer_module, "PREFETCH_WINDOW_SECONDS", 60.0)
-    s = sub(
-        partition_mode="Exclusive",
-        lease_seconds=5,
-        max_attempts=5,
-        backoff_base_seconds=60,
-        backoff_max_seconds=60,
-    )
+    s = _exclusive_retried_a_minute_later()
     slow_for: set[str] = set()
     retry = Receiver.retry
 
@@ -303,13 +308,7 @@ def test_a_delivery_claimed_for_a_free_slot_never_starts_on_a_lease_another_cons
     from workqueue.models import Delivery
     from workqueue.transport import Receiver
 
-    s = sub(
-        partition_mode="Exclusive",
-        lease_seconds=5,
-        max_attempts=5,
-        backoff_base_seconds=60,
-        backoff_max_seconds=60,
-    )
+    s = _exclusive_retried_a_minute_later()
     retry = Receiver.retry
 
     def slow_retry(self: Receiver, delivery: Any, *args: Any, **kwargs: Any) -> Any:
