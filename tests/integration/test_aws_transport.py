@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -2799,6 +2800,18 @@ class LosesReceiveAnswers:
             raise ConnectionClosedError(endpoint_url=request.url)
 
 
+@contextmanager
+def every_try_lost(holder: AwsReceiver) -> Iterator[LosesReceiveAnswers]:
+    """A receive of ``holder`` whose every try (botocore's retries too) lost its answer; the
+    block then runs with answers arriving again."""
+    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
+        network.losing = True
+        with pytest.raises(TransientTransportError):
+            holder.receive(10)
+        network.losing = False
+        yield network
+
+
 def test_a_fifo_receive_whose_answer_was_lost_is_asked_again_with_its_attempt_id(aws):
     # SQS FIFO answers a ReceiveMessage sent again with the same ReceiveRequestAttemptId with
     # the messages (and receipt handles) the lost answer held; asked again without it, those
@@ -2818,11 +2831,7 @@ def test_a_fifo_receive_that_failed_is_the_next_claims_receive_with_its_attempt_
     subscription = provisioned(aws, fifo=True)
     holder = receiver(subscription)
 
-    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
-        network.losing = True
-        with pytest.raises(TransientTransportError):
-            holder.receive(10)  # every try of botocore's lost its answer
-        network.losing = False
+    with every_try_lost(holder) as network:
         holder.receive(10)
         holder.receive(10)
 
@@ -2841,11 +2850,7 @@ def test_a_fifo_receive_that_failed_is_sent_again_by_the_receiver_a_re_plan_put_
     old lease must not be taken for the new one (review helper-159)."""
     subscription = provisioned(aws, fifo=True, lease_seconds=30)
     holder = receiver(subscription)
-    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
-        network.losing = True
-        with pytest.raises(TransientTransportError):
-            holder.receive(10)
-        network.losing = False
+    with every_try_lost(holder) as network:
         Subscription.objects.filter(pk=subscription.pk).update(lease_seconds=lease_after)
         successor = receiver(Subscription.objects.get(pk=subscription.pk))
         successor.carry_over_from(holder)
@@ -2862,10 +2867,8 @@ def test_a_receive_made_again_with_an_earlier_attempt_id_counts_its_lease_from_t
     # SQS's, and two holders could run one message.
     subscription = provisioned(aws, fifo=True, lease_seconds=30)
     holder = receiver(subscription)
-    with LosesReceiveAnswers(holder.binding.clients.sqs) as network:
-        network.losing = True
-        with pytest.raises(TransientTransportError):
-            holder.receive(10)
+    with every_try_lost(holder):
+        pass
     failed_at = time.monotonic()
     publish(subscription.topic, {"n": 1}, partition_key="k")
 
