@@ -259,6 +259,42 @@ def test_a_stop_waits_no_longer_for_a_claim_loop_that_holds_no_claim(make_host, 
     assert host.claims_left_out == 0
 
 
+def test_a_loop_granted_rate_tokens_after_the_stop_claims_nothing(make_host, monkeypatch):
+    """The stop waits a second drain only for a loop in a claim; one in a rate-token call that
+    answered after the stop had looked went on to claim, unwaited for, what the ending process
+    then left leased (review helper-163)."""
+    from workqueue.transport import Receiver
+
+    s = sub(rate_limit_per_second=50.0)
+    take, receive = Receiver.take_rate_tokens, Receiver.receive
+    inside, answer, claims_after_stop = threading.Event(), threading.Event(), []
+    stopped = threading.Event()
+
+    def slow_tokens(self: Receiver, wanted: int) -> Any:
+        inside.set()
+        answer.wait(10)  # the database answers after the stop has looked
+        return take(self, wanted)
+
+    def counted(self: Receiver, max_rows: int) -> Any:
+        if stopped.is_set():
+            claims_after_stop.append(max_rows)
+        return receive(self, max_rows)
+
+    monkeypatch.setattr(Receiver, "take_rate_tokens", slow_tokens)
+    monkeypatch.setattr(Receiver, "receive", counted)
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=300)
+    publish(s.topic.name, {"then": "complete"})
+    host.start()
+    assert inside.wait(5)
+
+    host.shutdown()
+    stopped.set()
+    answer.set()
+    time.sleep(1)
+
+    assert claims_after_stop == []
+
+
 def test_shutdown_is_idempotent_and_every_caller_returns_after_the_drain(make_host):
     s = sub()
     host = make_host(one(s), shutdown_drain_ms=300)

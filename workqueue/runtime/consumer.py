@@ -749,6 +749,12 @@ class Consumer:
                 free = granted
             try:
                 self._claim_out = True  # until what it took is started or handed back
+                if self._stopping.is_set():
+                    # Asked after stop() read _claim_out (a rate-token call answered late):
+                    # no claim now that stop() will not wait for (review helper-163).
+                    if self.budget is not None:
+                        self.budget.give_back(free)
+                    break
                 leased_at = time.monotonic()  # the leases run from no earlier than this
                 try:
                     claimed = self._receive(free)
@@ -953,7 +959,7 @@ class Consumer:
                 self._probes.add(execution.key)
             announced = self._recent_cancels.pop(delivery.delivery_id, None)
             cancelled = announced is not None and announced >= leased_at - RECENT_CANCEL_SECONDS
-            ahead = self._handlers_running >= self.config.concurrency
+            ahead = execution.claimed_ahead = self._handlers_running >= self.config.concurrency
             if ahead:
                 self._ready.append(execution)  # claimed ahead: starts when a slot frees
                 if self._ready_check is None:
@@ -1031,7 +1037,7 @@ class Consumer:
         current: DeliveryExecution | None = execution
         try:
             while current is not None:
-                if self._too_late_to_start(current, claimed_ahead=current is not execution):
+                if self._too_late_to_start(current):
                     current = self._pass_slot_on()
                     continue
                 if not self._take_for_this_thread(current):
@@ -1049,7 +1055,7 @@ class Consumer:
             # concurrency workers would come to hold one, idle, for the thread's life.
             self.receiver.close()
 
-    def _too_late_to_start(self, execution: DeliveryExecution, *, claimed_ahead: bool) -> bool:
+    def _too_late_to_start(self, execution: DeliveryExecution) -> bool:
         """Whether ``execution``, about to start on this worker, has used up its share of the
         lease meanwhile, and is handed back unrun (attempt refunded) instead.
 
@@ -1061,14 +1067,14 @@ class Consumer:
         key at once, until its first heartbeat a third of a lease later (audit helper-128).
         One claimed for a free slot waits for a worker thread, which may all be busy settling
         the same way: it is checked too (review helper-161)."""
-        if not self._waited_too_long(execution, claimed_ahead=claimed_ahead):
+        if not self._waited_too_long(execution):
             return False  # the usual answer, given without the lock
         with self._lock:
             if (
                 self._running.get(execution.key) is not execution
                 or execution.key in self._handing_back
                 or self._stopping.is_set()
-                or not self._waited_too_long(execution, claimed_ahead=claimed_ahead)
+                or not self._waited_too_long(execution)
             ):
                 # stop() or a cancel decides for it (_take_for_this_thread), or it starts
                 return False
@@ -1077,8 +1083,8 @@ class Consumer:
         return True
 
     @staticmethod
-    def _waited_too_long(execution: DeliveryExecution, *, claimed_ahead: bool) -> bool:
-        if claimed_ahead:
+    def _waited_too_long(execution: DeliveryExecution) -> bool:
+        if execution.claimed_ahead:  # however it came by its slot (a cancel passes one on)
             return execution.lease_share_left() < PREFETCH_MIN_LEASE_SHARE
         waited = time.monotonic() - execution.received_at
         return waited >= START_MAX_WAIT_SHARE * execution.lease_seconds

@@ -302,6 +302,8 @@ class DeliveryExecution:
         self.started = False
         #: When the claim's answer came (time.monotonic()): how long it has waited to start.
         self.received_at = time.monotonic()
+        #: Claimed beyond the free slots, to wait for one (set by the consumer).
+        self.claimed_ahead = False
         #: What ``on_handler_done`` handed this execution's slot to: the next delivery to run
         #: on this thread, once this one's settling has been handed on.
         self.next_in_slot: DeliveryExecution | None = None
