@@ -791,7 +791,7 @@ def _cancel_pending(alias: str, subscription_id: str, delivery_id: str) -> bool:
         .filter(
             pk=delivery_id,
             subscription_id=subscription_id,
-            status="InFlight",
+            status=DeliveryStatus.IN_FLIGHT,
             cancel_requested_at__isnull=False,
         )
         .exists()

@@ -109,7 +109,8 @@ class TransportReceiver(Protocol):
         """Take on what ``previous``, the receiver this one replaces (the same subscription and
         holder: a re-plan rebuilt the consumer), still owed its next claims, such as a claim
         whose answer was lost: dropped with it, what that claim took waited out its lease.
-        Called before this receiver's first claim, once ``previous`` claims no more."""
+        Called before this receiver's first claim, once ``previous``'s consumer has stopped (a
+        claim of its may still be out, and fail later)."""
         ...
 
     def cancel_requested(self, delivery: ClaimedDelivery) -> bool:
