@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -809,6 +810,24 @@ def test_heartbeats_failing_through_a_read_only_spell_are_told_once_and_their_re
     assert [r.levelno for r in failed].count(logging.WARNING) == 1
     back = [r for r in caplog.records if "Heartbeat went through" in r.getMessage()]
     assert [r.levelno for r in back] == [logging.INFO]
+
+
+def test_a_session_that_opened_read_only_and_only_read_is_not_kept_for_the_writes_after_it(
+    read_only,
+):
+    """CI flake of round 45, a real leftover: a background thread whose session opened during a
+    read-only spell only read on it (a cancel check after the listener reconnected), so it was
+    never found unfit; once the primary was writable again the thread's next renewal failed on
+    it, and the operator was told of a second outage that was not one."""
+    from workqueue.driver import get_driver
+
+    driver = get_driver()
+    read_only.on()
+    assert driver.cancel_requested(str(uuid.uuid4())) is False  # reads go through on a standby
+    read_only.off()
+
+    # The thread's next call, a renewal say, runs on a session that takes writes.
+    assert driver.execute("SHOW transaction_read_only", []) == [("off",)]
 
 
 def test_a_rest_request_whose_orm_read_is_refused_a_grant_is_503_in_a_line(client, pg_conn, caplog):

@@ -763,7 +763,14 @@ class PostgresDriver(BaseDriver):
                 # Whether the statement returned rows, read from the result itself: psycopg
                 # builds ``description`` anew at each access (~15 us for a dozen columns).
                 result = cursor.pgresult
-                return cursor.fetchall() if result is not None and result.nfields else []
+                rows = cursor.fetchall() if result is not None and result.nfields else []
+                if owned.opened_read_only:
+                    # Reads go through on a session a read-only server opened, but it stays
+                    # read-only after the primary is back: one kept by a thread that only read
+                    # (a cancel check) failed that thread's next renewal long after the outage.
+                    self._local.raw = None
+                    owned.close()
+                return rows
             except UnicodeEncodeError as exc:
                 raise unencodable(exc) from exc
             except psycopg.Error as exc:
@@ -921,10 +928,23 @@ class _ThreadConnection:
     """Holds one thread's connection and closes it when the thread ends (its thread-local
     storage is released then), so pool threads that finish never leak an open connection."""
 
-    __slots__ = ("announce_prepared", "announce_statement", "announcing", "connection", "cursor")
+    __slots__ = (
+        "announce_prepared",
+        "announce_statement",
+        "announcing",
+        "connection",
+        "cursor",
+        "opened_read_only",
+    )
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        #: Whether the server said at the start that the session refuses writes (a standby, or
+        #: default_transaction_read_only on), which it does for its life: used for one call.
+        self.opened_read_only = any(
+            connection.info.parameter_status(name) == "on"
+            for name in ("in_hot_standby", "default_transaction_read_only")
+        )
         # One cursor for every statement of the thread: ``connection.execute`` makes a new one
         # each call, ~17 us of CPU (a claim, a completion batch, a publish each pay it).
         self.cursor = connection.cursor()
