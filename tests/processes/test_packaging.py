@@ -461,8 +461,15 @@ def test_the_readmes_first_project_runs_as_written(tmp_path, scratch_database, i
         finally:
             host.send_signal(signal.SIGINT)  # the README's Ctrl-C
             host.wait(timeout=60)
-    assert "Hello, Ada!" in log.read_text(), log.read_text()
-    assert host.returncode == 0, log.read_text()
+    said = log.read_text()
+    assert "Hello, Ada!" in said, said
+    assert host.returncode == 0, said
+    # Under this LOGGING the command printed what the host logs as well (helper-158): the
+    # subscriptions' start and the drain were each said twice.
+    assert said.count("greetings.requested-log: Running, concurrency") == 1, said
+    assert said.count("draining running handlers") == 1, said
+    assert "stopping (SIGINT)" in said, said
+    assert said.count("every handler finished or was handed back") == 1, said
 
     output = _run([installed.python, "-m", "pytest", "-p", "no:cacheprovider"], tmp_path, env)
     assert "1 passed" in output, output

@@ -48,7 +48,12 @@ from workqueue.runtime.consumer import (
 from workqueue.runtime.handler_runs import HandlerRun, StuckRunLog, runs_report
 from workqueue.runtime.handlers import HandlerRegistry, autodiscover, handler_registry
 from workqueue.runtime.plan import SubscriptionPlan
-from workqueue.runtime.process import StopSignal, unmigrated_problem
+from workqueue.runtime.process import (
+    StopSignal,
+    describe_drain,
+    describe_left_behind,
+    unmigrated_problem,
+)
 from workqueue.runtime.scheduler import Scheduler
 from workqueue.runtime.service import PeriodicService
 from workqueue.runtime.sweeper import Sweeper, pause_after
@@ -232,6 +237,12 @@ class HostConfig:
 
 def _normalise(name: Any) -> str:
     return str(name).strip().lower()
+
+
+def start_and_stop_logged() -> bool:
+    """Whether the project's logging shows the host's start and stop lines (INFO), which the
+    host command otherwise prints on its console."""
+    return logger.isEnabledFor(logging.INFO)
 
 
 def describe_subscription(entry: dict[str, Any]) -> str:
@@ -444,9 +455,10 @@ class Host:
         if problem is not None:
             logger.warning(problem, extra={"action": "host_other_procedures"})
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, cause: str | None = None) -> None:
         """Stop claiming, drain running handlers, abort the rest, drain again. Idempotent:
-        every caller returns once the drain is over."""
+        every caller returns once the drain is over. ``cause`` (the signal a command received)
+        is named in the stopping and stopped log lines."""
         with self._lock:
             first = not self._shutting_down
             self._shutting_down = True
@@ -457,10 +469,12 @@ class Host:
         if not first:
             self._shut_down.wait()
             return
+        named = f" ({cause})" if cause else ""
         logger.info(
-            "Host %s stopping: no new claims; draining running handlers for up to %d ms",
+            "Host %s stopping%s: no new claims; %s",
             self.instance_id,
-            self.config.shutdown_drain_ms,
+            named,
+            describe_drain(self.config.shutdown_drain_ms),
             extra={"action": "host_draining"},
         )
         try:
@@ -523,7 +537,13 @@ class Host:
         finally:
             self._shut_down.set()
             close_old_connections()
-        logger.info("Host %s stopped", self.instance_id, extra={"action": "host_stopped"})
+        logger.info(
+            "Host %s stopped%s: %s",
+            self.instance_id,
+            named,
+            describe_left_behind(self),
+            extra={"action": "host_stopped"},
+        )
 
     # -- planning --------------------------------------------------------------------------
 

@@ -12,7 +12,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
-from workqueue.runtime.host import Host, HostConfig, describe_subscription
+from workqueue.runtime.host import (
+    Host,
+    HostConfig,
+    describe_subscription,
+    start_and_stop_logged,
+)
 from workqueue.runtime.process import (
     StopSignal,
     add_concurrency_argument,
@@ -91,24 +96,30 @@ class Command(BaseCommand):
             self.stdout.flush()
             while not host.planned.is_set() and not stop.wait(0.2):
                 pass
+        # The host logs its start and stop with what these lines say: where the logging shows
+        # them (the README's LOGGING) they are not printed too, or each was said twice.
+        logged = start_and_stop_logged()
         if host.planned.is_set():
-            for entry in host.health()["subscriptions"]:
-                self.stdout.write(describe_subscription(entry))
+            if not logged:
+                for entry in host.health()["subscriptions"]:
+                    self.stdout.write(describe_subscription(entry))
             if server is not None:
                 address, port = server.server_address[:2]
                 self.stdout.write(f"Metrics: http://{address}:{port}/metrics")
             self.stdout.flush()
         try:
             stop.wait()
-            self.stdout.write(
-                f"{stop.received} received: stopped claiming; "
-                f"{describe_drain(host.config.shutdown_drain_ms)}"
-            )
-            self.stdout.flush()
+            if not logged:
+                self.stdout.write(
+                    f"{stop.received} received: stopped claiming; "
+                    f"{describe_drain(host.config.shutdown_drain_ms)}"
+                )
+                self.stdout.flush()
         finally:
-            host.shutdown()
-        self.stdout.write(f"Host stopped ({stop.received}); {describe_left_behind(host)}")
-        self.stdout.flush()
+            host.shutdown(cause=stop.received)
+        if not logged:
+            self.stdout.write(f"Host stopped ({stop.received}); {describe_left_behind(host)}")
+            self.stdout.flush()
         exit_now_if_work_left_behind(host)
 
     def _console_line(self, line: str) -> None:
