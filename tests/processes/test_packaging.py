@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,7 +133,18 @@ def installed(tmp_path_factory) -> Installed:
     wheels = where / "wheels"
     offline = ["--no-index", "--no-deps", "-q"]
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", *offline]
-    _run([*pip_wheel, "-w", str(wheels), str(ROOT)], where, env)
+    # Built from a copy of the tree: setuptools builds in the source directory, and a build/
+    # left in the developer's checkout keeps every module since deleted, which the next wheel
+    # built there ships.
+    source = where / "source"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"
+        ),
+    )
+    _run([*pip_wheel, "-w", str(wheels), str(source)], where, env)
     [wheel] = wheels.glob("django_workqueue-*.whl")
     venv = where / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], where, env)
