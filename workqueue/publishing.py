@@ -169,7 +169,9 @@ def publish(
     Returns ``Accepted`` (with the message id), ``Duplicate`` (with the id of the message that
     already owns the deduplication key, or this id if it was published before with the same
     content) or ``Rejected`` with an error code. Re-publishing with the same ``message_id`` is
-    safe: the id makes the publish idempotent. A claim-check ``payload_ref`` (instead of
+    safe while the first message is stored: the id makes the publish idempotent until
+    retention purges that message (its topic's ``retention_days`` after it was published, once
+    its deliveries settled). A claim-check ``payload_ref`` (instead of
     ``payload``) is stored, and reaches handlers, as ``{"uri", "content_type", "size_bytes",
     "checksum"}`` (all but ``uri`` optional) whatever the spelling of its keys; a bad one is
     ``Rejected`` with ``InvalidPayload``.

@@ -355,3 +355,24 @@ def test_messages_stored_before_publishers_were_recorded_read_as_published_by_a_
             conn.execute("SELECT id, published_externally FROM workqueue_message").fetchall()
         )
     assert stored == {before: True, after: False}
+
+
+def test_a_topic_kept_longer_than_the_cap_is_capped_by_the_upgrade(scratch_database):
+    """Migration 0053's range needs the rows stored before it inside it: a topic set to keep
+    its work "for ever" is set to the longest retention, and the upgrade goes through."""
+    _migrate(scratch_database, "workqueue", "0052")
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        transport = conn.execute("SELECT id FROM workqueue_transport LIMIT 1").fetchone()[0]
+        conn.execute(
+            "INSERT INTO workqueue_topic (id, name, description, transport_id, is_fifo, "
+            "retention_days, max_payload_bytes, default_deduplication_ttl_seconds, status, "
+            "allow_external_publish) VALUES (%s, 'kept.for-ever', '', %s, false, 4000000, "
+            "1024, 3600, 'Active', false)",
+            (uuid.uuid4(), transport),
+        )
+    _migrate(scratch_database)
+    with psycopg.connect(scratch_database, autocommit=True) as conn:
+        kept = conn.execute(
+            "SELECT retention_days FROM workqueue_topic WHERE name = 'kept.for-ever'"
+        ).fetchone()
+    assert kept == (36_500,)

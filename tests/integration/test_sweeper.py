@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -134,6 +135,32 @@ def test_one_pass_purges_exactly_what_retention_allows_and_expires_passed_leases
     assert result.purged["terminal_deliveries"] >= 4
     assert result.purged["orphan_messages"] >= 2
     assert result.purged["expired_deduplications"] >= 1
+
+
+def test_a_topic_kept_as_long_as_allowed_stops_no_other_topics_retention(pg_conn):
+    """Review helper-164: a topic whose retention_days an operator set to "for ever" (4,000,000
+    days passed every check) took the purges' cutoff out of the database's range, and the one
+    statement that purges every topic failed: nothing was purged anywhere, each pass logged an
+    ERROR naming neither the topic nor the setting. The longest retention allowed purges the
+    others as usual, and the database refuses a longer one whatever writes it."""
+    longest = TopicFactory(retention_days=36_500)
+    SubscriptionFactory(topic=longest)
+    topic = TopicFactory(retention_days=1)
+    receiver = Receiver(SubscriptionFactory(topic=topic).id, "holder")
+    message = publish(topic.name, {}).message_id
+    (delivery,) = receiver.receive(1).deliveries
+    assert receiver.complete(delivery).settled
+    get_driver().shift_time(2 * 86_400, topic_id=str(topic.id))
+
+    result = Sweeper().run_once()
+
+    assert result.failed_steps == [], result.failed_steps
+    assert not Message.objects.filter(pk=message).exists()
+    assert not Delivery.objects.filter(pk=delivery.delivery_id).exists()
+    with pytest.raises(psycopg.errors.CheckViolation):
+        pg_conn.execute(
+            "UPDATE workqueue_topic SET retention_days = 4000000 WHERE id = %s", [longest.id]
+        )
 
 
 def test_rows_within_retention_are_kept(dead_letters):

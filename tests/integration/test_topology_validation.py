@@ -116,6 +116,9 @@ REFUSED: list[tuple[type[models.Model], dict[str, Any], str, str]] = [
     (Subscription, {"binding_config": ["queue"]}, "binding_config", "JSON object"),
     (Topic, {"name": "Orders Created"}, "name", "lower-case words"),
     (Topic, {"max_payload_bytes": 0}, "max_payload_bytes", "greater than or equal to 1"),
+    # Review helper-164: "for ever" as 4,000,000 days took the purges' cutoff before 4713 BC,
+    # and every topic's retention stopped with it.
+    (Topic, {"retention_days": 36_501}, "retention_days", "at most 36500 days (100 years)"),
     (Topic, {"binding_config": "arn:aws:sns:x"}, "binding_config", "JSON object"),
     (Transport, {"driver_class": "Kafka"}, "driver_class", "No transport is registered as 'Kafka'"),
     (Transport, {"name": "-spare"}, "name", "starting with a letter or digit"),

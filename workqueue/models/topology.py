@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from workqueue.transports import BaseTransport
 
 DATABASE_DRIVER = "Database"
+#: The longest a topic keeps its settled work: a hundred years. The purges count every
+#: topic's cutoff back from now in one statement, and "for ever" written as millions of days
+#: took it out of the database's range, stopping every topic's retention.
+MAX_RETENTION_DAYS = 36_500
 #: The id migration 0003 gives the ``Database`` transport it seeds (fixed, so that topology
 #: dumped in one environment loads into another).
 SEEDED_TRANSPORT_ID = uuid.UUID("e39b2117-80ac-49fd-9883-79105f406947")
@@ -420,7 +424,17 @@ class Topic(TopologyModel):
     default_deduplication_ttl_seconds = models.PositiveIntegerField(
         default=86_400, validators=[MinValueValidator(60), MaxValueValidator(2_592_000)]
     )
-    retention_days = models.PositiveIntegerField(default=7, validators=[MinValueValidator(1)])
+    retention_days = models.PositiveIntegerField(
+        default=7,
+        validators=[
+            MinValueValidator(1),
+            MaxValueValidator(
+                MAX_RETENTION_DAYS,
+                f"Keep settled work at most {MAX_RETENTION_DAYS} days (100 years): the "
+                "longest retention the purges can count back.",
+            ),
+        ],
+    )
     binding_config = models.JSONField(null=True, blank=True)
     status = models.CharField(
         max_length=20, choices=TopologyStatus.choices, default=TopologyStatus.ACTIVE
@@ -437,7 +451,10 @@ class Topic(TopologyModel):
                 condition=Q(default_deduplication_ttl_seconds__gte=60),
                 name="wq_topic_dedup_ttl_min",
             ),
-            models.CheckConstraint(condition=Q(retention_days__gte=1), name="wq_topic_retention"),
+            models.CheckConstraint(
+                condition=Q(retention_days__gte=1, retention_days__lte=MAX_RETENTION_DAYS),
+                name="wq_topic_retention_range",
+            ),
             models.CheckConstraint(
                 condition=Q(status__in=TopologyStatus.values), name="wq_topic_status_valid"
             ),
