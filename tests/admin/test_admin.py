@@ -130,7 +130,10 @@ def test_deleting_a_subscription_or_topic_queue_rows_hold_is_refused_without_loa
     assert "Delivery:" not in text  # no row listed
     with django_assert_max_num_queries(12):
         page = admin_client.get(_url("workqueue_topic_delete", subscription.topic_id))
-    assert "its messages or deduplication records" in page.content.decode()
+    said = page.content.decode()
+    assert "its messages or deduplication records" in said
+    assert "never while one waits or is dead-lettered" in said  # review helper-164
+    assert "retire-subscription" in said
     confirm = admin_client.post(
         _url("workqueue_subscription_changelist"),
         {"action": "delete_selected", "_selected_action": [subscription.pk]},

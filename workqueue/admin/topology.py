@@ -105,10 +105,14 @@ def _queue_rows_holding(obj: Topic | Subscription) -> str | None:
     if Message.objects.filter(topic=obj).exists() or (
         Deduplication.objects.filter(topic=obj).exists()
     ):
+        # Waiting work and dead letters keep their messages for ever (review helper-164: "once
+        # the sweeper has purged them" sent an operator waiting for nothing).
         return (
-            f"Topic {obj.name}: its messages or deduplication records, kept for its retention "
-            f"({obj.retention_days} days). Disable it, and delete it once the sweeper has "
-            "purged them."
+            f"Topic {obj.name}: its messages or deduplication records. The sweeper purges a "
+            f"message {obj.retention_days} days (its retention) after its deliveries settled, "
+            "never while one waits or is dead-lettered. Disable the topic, retire its "
+            "subscriptions (`manage.py workqueue retire-subscription NAME` deals with their "
+            "work), and delete it once the sweeper has purged the rest."
         )
     return None
 
