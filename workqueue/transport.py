@@ -8,6 +8,7 @@ completion explicitly given the caller's connection (``context.complete(enlist=T
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -239,10 +240,16 @@ class Receiver:
         )
         return row["granted"], row["wait_ms"] / 1000
 
-    def return_rate_tokens(self, unused: int) -> None:
-        """Give back tokens a claim did not use (it found fewer deliveries than granted)."""
+    def return_rate_tokens(self, unused: int, held_seconds: float) -> None:
+        """Give back tokens a claim did not use (it found fewer deliveries than granted),
+        asked for ``held_seconds`` ago: the bucket's refill since then counts against them."""
         self.driver.call_rowcount(
-            "wq_return_rate_tokens", {"subscription_id": self.subscription_id, "unused": unused}
+            "wq_return_rate_tokens",
+            {
+                "subscription_id": self.subscription_id,
+                "unused": unused,
+                "held_ms": math.ceil(max(held_seconds, 0.0) * 1000),
+            },
         )
 
     def complete(

@@ -11,12 +11,14 @@ import math
 import threading
 import time
 
+import psycopg
 import pytest
 from django.apps import apps as django_apps
 from django.core.exceptions import ValidationError
 from django.db import connection
 
 from tests.factories import SubscriptionFactory
+from tests.support.database import psycopg_params
 from tests.support.handlers import registry
 from tests.support.processes import hello
 from tests.support.waiting import wait_until
@@ -44,7 +46,7 @@ def test_a_bucket_starts_full_then_refills_at_the_rate_up_to_the_burst():
     assert granted == 0 and 0 < wait <= 0.1  # the next token is due within 1/rate
     time.sleep(0.25)
     assert 2 <= receiver.take_rate_tokens(9)[0] <= 4  # 0.25 s at 10/s, never past the burst
-    receiver.return_rate_tokens(50)
+    receiver.return_rate_tokens(50, held_seconds=0)
     assert receiver.take_rate_tokens(9)[0] == 4  # given back, but only up to the burst
 
 
@@ -242,3 +244,45 @@ def test_a_trickle_starts_no_more_than_the_burst_plus_the_rate(make_host):
 
     started = sum(1 for start in _starts if start <= began + elapsed)
     assert burst <= started <= burst + rate * elapsed + 1, (started, elapsed)
+
+
+def test_tokens_a_slow_claim_gives_back_after_the_bucket_refilled_start_no_second_burst(
+    make_host, pg_conn
+):
+    """Review helper-166: a host took its tokens, and its claim took a while (here a lock holds
+    it) and found nothing. By then the bucket had refilled to its burst, which another host
+    took; the tokens given back were added on top, so a second burst started at once. What
+    comes back is now what the bucket would still hold had they never been taken: nothing
+    once the refill since their taking covers them."""
+    rate, burst = 4, 4
+    subscription = SubscriptionFactory(
+        handler_key="tests.rate.stalling", rate_limit_per_second=rate, rate_limit_burst=burst
+    )
+    # A poll a second: after its empty claim the host takes nothing more during the test.
+    host = make_host(
+        [{"name": subscription.name, "concurrency": burst}],
+        idle_poll_min_ms=1000,
+        idle_poll_max_ms=1000,
+    )
+    host.start()
+    other_host = Receiver(subscription.id)
+    claim_waits = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND query LIKE '%%wq_claim%%'"
+    )
+    with psycopg.connect(**psycopg_params(), autocommit=True) as watcher:
+        with pg_conn.transaction():
+            pg_conn.execute("LOCK TABLE workqueue_delivery IN ACCESS EXCLUSIVE MODE")
+            # The host took its tokens and claims: the claim waits for the lock.
+            wait_until(lambda: watcher.execute(claim_waits).fetchone()[0] > 0, timeout=10)
+            time.sleep(1.5 * burst / rate)  # the bucket refills to its burst meanwhile
+            began = time.monotonic()
+            started = other_host.take_rate_tokens(burst)[0]
+        # The lock is gone: the host's claim finds nothing and gives its tokens back.
+        wait_until(lambda: watcher.execute(claim_waits).fetchone()[0] == 0, timeout=10)
+        time.sleep(0.2)
+        started += other_host.take_rate_tokens(burst)[0]
+        elapsed = time.monotonic() - began
+    other_host.driver.close()
+
+    assert started <= burst + rate * elapsed + 1, (started, elapsed)

@@ -180,7 +180,7 @@ PROCEDURES: dict[str, Procedure] = {
         ),
         Procedure(
             "wq_return_rate_tokens",
-            _p("subscription_id:uuid, unused:int"),
+            _p("subscription_id:uuid, unused:int, held_ms:int"),
             _ROWCOUNT,
             ResultKind.ROWCOUNT,
         ),

@@ -740,6 +740,7 @@ class Consumer:
                     self._wait(max_delay)
                 continue
             if self.plan.rate_limited:
+                tokens_asked_at = time.monotonic()
                 granted = self._take_rate_tokens(free, max_delay)
                 if self.budget is not None:
                     self.budget.give_back(free - granted)
@@ -771,7 +772,7 @@ class Consumer:
                 if self.budget is not None:
                     self.budget.give_back(unused)
                 if self.plan.rate_limited and unused:
-                    self._return_rate_tokens(unused)
+                    self._return_rate_tokens(unused, time.monotonic() - tokens_asked_at)
                 if self._stopping.is_set():
                     for delivery in claimed.deliveries:
                         lease_ends = self._lease_ends(delivery, leased_at)
@@ -823,9 +824,9 @@ class Consumer:
             self._stopping.wait(min(max(wait, 0.001), max_wait))
         return granted
 
-    def _return_rate_tokens(self, unused: int) -> None:
+    def _return_rate_tokens(self, unused: int, held_seconds: float) -> None:
         try:
-            self.receiver.return_rate_tokens(unused)
+            self.receiver.return_rate_tokens(unused, held_seconds)
         except WorkQueueError:
             # Tokens not given back only slow this subscription below its limit for a moment;
             # the next take reports the database being away, if it still is.

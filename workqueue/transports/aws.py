@@ -1080,7 +1080,7 @@ class AwsReceiver:
     def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
         return wanted, 0.0  # supports_rate_limit is off: the host never asks
 
-    def return_rate_tokens(self, unused: int) -> None:
+    def return_rate_tokens(self, unused: int, held_seconds: float) -> None:
         """Nothing to return (no rate limit on this transport)."""
 
     def complete(

@@ -64,8 +64,17 @@ $$;
 
 -- wq_return_rate_tokens --
 -- Give back tokens taken but not used (the claim found fewer deliveries than it was granted),
--- never filling the bucket past its burst. Nothing for an unlimited subscription.
-CREATE OR REPLACE FUNCTION wq_return_rate_tokens(p_subscription_id uuid, p_unused integer)
+-- never filling the bucket past its burst. Nothing for an unlimited subscription. p_held_ms:
+-- how long ago the tokens were asked for. Only what the bucket would still hold had they never
+-- been taken comes back: the refill since then, up to the burst, may have made them up already
+-- (and another host taken that), so each second held cancels a second's refill of them. Added
+-- in full on top, a claim that took a while gave a second burst at once (review helper-166).
+-- A caller that does not say (the previous release) gives back all of them.
+CREATE OR REPLACE FUNCTION wq_return_rate_tokens(
+    p_subscription_id uuid,
+    p_unused integer,
+    p_held_ms integer DEFAULT NULL
+)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
 SECURITY DEFINER
@@ -73,7 +82,10 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     WITH changed AS (
         UPDATE workqueue_rate_limit_bucket b
-           SET tokens = LEAST(b.tokens + GREATEST(coalesce(p_unused, 0), 0),
+           SET tokens = LEAST(b.tokens + GREATEST(coalesce(p_unused, 0)
+                                                  - s.rate_limit_per_second
+                                                    * GREATEST(coalesce(p_held_ms, 0), 0)
+                                                    / 1000.0, 0),
                               coalesce(s.rate_limit_burst,
                                        GREATEST(ceil(s.rate_limit_per_second), 1)))
           FROM workqueue_subscription s

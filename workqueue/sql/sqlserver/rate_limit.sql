@@ -80,30 +80,38 @@ GO
 
 -- wq_return_rate_tokens --
 -- Give back tokens taken but not used (the claim found fewer deliveries than it was granted),
--- never filling the bucket past its burst. Nothing for an unlimited subscription.
+-- never filling the bucket past its burst. Nothing for an unlimited subscription. @held_ms:
+-- how long ago the tokens were asked for. Only what the bucket would still hold had they never
+-- been taken comes back: the refill since then, up to the burst, may have made them up already
+-- (and another host taken that), so each second held cancels a second's refill of them.
+-- A caller that does not say (the previous release) gives back all of them.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_return_rate_tokens
     @subscription_id uniqueidentifier,
-    @unused int
+    @unused int,
+    @held_ms int = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
+    DECLARE @held float = CASE WHEN @held_ms IS NULL OR @held_ms < 0 THEN 0 ELSE @held_ms END;
     DECLARE @changed TABLE (id char(32));
 
     UPDATE b
-       SET tokens = CASE
-               WHEN b.tokens + COALESCE(@unused, 0) > COALESCE(CAST(s.rate_limit_burst AS float),
-                        CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
-                             ELSE CEILING(s.rate_limit_per_second) END)
-               THEN COALESCE(CAST(s.rate_limit_burst AS float),
-                        CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
-                             ELSE CEILING(s.rate_limit_per_second) END)
-               ELSE b.tokens + COALESCE(@unused, 0) END
+       SET tokens = CASE WHEN r.tokens > r.burst THEN r.burst ELSE r.tokens END
     OUTPUT inserted.subscription_id INTO @changed
       FROM dbo.workqueue_rate_limit_bucket AS b
       JOIN dbo.workqueue_subscription AS s ON s.id = b.subscription_id
+     CROSS APPLY (
+        SELECT b.tokens
+                   + CASE WHEN COALESCE(@unused, 0) - s.rate_limit_per_second * @held / 1000 > 0
+                          THEN COALESCE(@unused, 0) - s.rate_limit_per_second * @held / 1000
+                          ELSE 0 END AS tokens,
+               COALESCE(CAST(s.rate_limit_burst AS float),
+                        CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
+                             ELSE CEILING(s.rate_limit_per_second) END) AS burst
+     ) AS r
      WHERE b.subscription_id = @subscription_key AND s.rate_limit_per_second IS NOT NULL
        AND COALESCE(@unused, 0) > 0;
 
