@@ -310,7 +310,10 @@ def publish_many(
             else r
             for r in final
         ]
-    metrics.count_published(name, final)
+    if enlist:
+        _count_once_committed(name, final)
+    else:
+        metrics.count_published(name, final)
     _log_rejections(name, final, external)
     accepted = [r.message_id for r in final if r.accepted]
     if accepted and not enlist:
@@ -321,6 +324,16 @@ def publish_many(
         # not make the publish look failed.
         signals.published.send_robust(sender=publish_many, topic=name, message_ids=accepted)
     return final
+
+
+def _count_once_committed(topic: str, results: list[PublishResult]) -> None:
+    """Count an enlisted publish's results once the caller's transaction commits: one rolled
+    back published nothing, and was counted Accepted all the same (review helper-166)."""
+    connection = connections[setting("DATABASE_ALIAS")]
+    if connection.in_atomic_block:
+        connection.on_commit(lambda: metrics.count_published(topic, results), robust=True)
+    else:  # autocommit (committed already), or a transaction managed by hand: counted now
+        metrics.count_published(topic, results)
 
 
 def _given_topic(topic: Any) -> Topic | None:

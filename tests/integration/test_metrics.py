@@ -22,7 +22,7 @@ import pytest
 import yaml
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,7 +37,7 @@ from tests.support.waiting import wait_until
 from workqueue import metrics, publish, transport
 from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
-from workqueue.models import HostRecord
+from workqueue.models import HostRecord, Message
 from workqueue.operators import operations
 from workqueue.transport import Receiver
 from workqueue.transports.database import DatabaseTransport
@@ -118,6 +118,30 @@ def test_publishes_are_counted_by_topic_status_and_error_code_with_unknown_topic
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 1]
     assert count("Rejected", "TopicNotFound", metrics.UNKNOWN_TOPIC) - unknown_before == 2
     assert count("Rejected", "TopicNotFound", "no-such-topic-a") == 0  # no label per caller text
+
+
+def test_an_enlisted_publish_is_counted_once_its_transaction_commits_and_never_if_rolled_back():
+    """Review helper-166: a publish in the caller's transaction was counted Accepted at once,
+    so one the transaction then rolled back was counted for a message never stored: publish
+    rates, and alerts built on them, overstated what was published."""
+    topic = SubscriptionFactory().topic.name
+
+    def accepted() -> float:
+        return process_value(
+            "workqueue_published_messages_total", topic=topic, status="Accepted", error_code=""
+        )
+
+    before = accepted()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        assert publish(topic, {"n": 1}, enlist=True).accepted
+        raise RuntimeError("the caller's transaction rolls back")
+    assert not Message.objects.filter(topic__name=topic).exists()
+    assert accepted() == before
+
+    with transaction.atomic():
+        assert publish(topic, {"n": 2}, enlist=True).accepted
+        assert accepted() == before  # not yet: the transaction may still roll back
+    assert accepted() == before + 1
 
 
 # -- the queue's gauges, through each door --------------------------------------------------------
