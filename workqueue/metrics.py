@@ -235,8 +235,10 @@ class QueueCollector(Collector):
             return  # host identities are for unrestricted readers only
         seen = GaugeMetricFamily(
             "workqueue_host_last_seen_seconds",
-            "Seconds since each live host last recorded its health.",
-            labels=["instance"],
+            "Seconds since each live host last recorded its health, by host id.",
+            # Not "instance": Prometheus sets that on every series it scrapes and renames a
+            # target's own to exported_instance (review helper-166).
+            labels=["host"],
         )
         for record in live_hosts:
             seen.add_metric(

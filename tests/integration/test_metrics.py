@@ -24,6 +24,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.utils import timezone
+from prometheus_client import generate_latest as metrics_text_bytes
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
@@ -45,6 +46,10 @@ from workqueue.transports.database import DatabaseTransport
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def metrics_text(registry: Any) -> str:
+    return metrics_text_bytes(registry).decode()
 
 
 def process_value(name: str, **labels: str) -> float:
@@ -180,6 +185,28 @@ def test_gauges_read_what_the_queue_holds(client, queue_state):
         assert gauge(text, name, quiet.name) == 0, name
     assert gauge(text, "workqueue_oldest_pending_age_seconds", busy.name) >= 0
     assert "workqueue_live_hosts" in text
+
+
+def test_no_metric_carries_a_label_prometheus_sets_itself(client, queue_state):
+    """Review helper-166: the hosts' gauge labelled each host ``instance``, which Prometheus
+    sets on every scraped series itself, so by default it renamed ours ``exported_instance``
+    and a query by ``instance`` read the scrape target, not the host."""
+    now = timezone.now()
+    HostRecord.objects.create(
+        instance_id="vm:1:abc", hostname="vm", pid=1, started_at=now, last_seen_at=now
+    )
+
+    text = call(client, "get", "/metrics", key=reader()).content.decode()
+    text += metrics_text(metrics.PROCESS)
+
+    labels = {
+        (family.name, label)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        for label in sample.labels
+    }
+    assert ("workqueue_host_last_seen_seconds", "host") in labels
+    assert not {(name, label) for name, label in labels if label in ("instance", "job")}
 
 
 def test_the_endpoint_is_refused_without_credentials_or_the_read_scope(client):
