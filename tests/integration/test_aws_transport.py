@@ -133,6 +133,64 @@ def test_an_aws_transport_configuration_is_checked_on_save_naming_the_key(config
     assert named in str(refused.value.message_dict["configuration"])
 
 
+SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        f"http://AKIAEXAMPLE:{SECRET}@local_stack:4566",  # botocore refuses the underscore
+        f"HTTPS://AKIAEXAMPLE:{SECRET}@localhost:4566",  # not lower-case http(s)
+    ],
+)
+def test_an_endpoint_botocore_would_refuse_is_refused_on_save_without_its_credentials(endpoint):
+    """Review helper-168: an endpoint whose host botocore calls invalid (a docker-compose
+    service such as local_stack) passed the check, and botocore's ValueError, raised while
+    building its client where no AWS call's error is cleaned, quoted the whole URL."""
+    with pytest.raises(TopologyValidationError) as refused:
+        Transport.objects.create(
+            name="aws-x",
+            driver_class="AWS",
+            configuration={"region": "eu-west-1", "endpoint_url": endpoint},
+        )
+
+    said = str(refused.value.message_dict["configuration"])
+    assert "endpoint_url" in said
+    assert SECRET not in said
+
+
+def test_an_endpoint_stored_before_the_check_leaks_no_credentials_where_it_fails(make_host):
+    """The same endpoint in a row stored unchecked (an earlier release, SQL): the publish's
+    error and the host's health (stored, shown by /health and the admin) quoted it whole."""
+    transport = TransportFactory(
+        name="aws-creds", driver_class="AWS", configuration={"region": "eu-west-1"}
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workqueue_transport SET configuration = %s WHERE id = %s",
+            [
+                json.dumps(
+                    {
+                        "region": "eu-west-1",
+                        "endpoint_url": f"http://AKIAEXAMPLE:{SECRET}@local_stack:4566",
+                    }
+                ),
+                transport.id,
+            ],
+        )
+    topic = TopicFactory(transport=transport)
+    subscription = SubscriptionFactory(topic=topic, handler_key="t.script")
+
+    with pytest.raises(WorkQueueConfigurationError) as publishing:
+        publish(topic.name, {"n": 1})
+    host = make_host([{"name": subscription.name, "concurrency": 1}])
+    host.start()
+    wait_until(lambda: host.health()["subscriptions"][0]["state"] == "Error", timeout=10)
+
+    said = [repr(publishing.value), host.health()["subscriptions"][0]["reason"]]
+    assert [text for text in said if SECRET in text] == [], said
+
+
 def test_resource_names_are_derived_from_the_prefix_and_the_topology_names():
     names = AwsNames.of("wq", "orders.created", "orders.created.billing", fifo=True)
 
@@ -738,8 +796,8 @@ def test_fifo_sends_never_reuse_a_deduplication_id_so_sqs_drops_no_dead_letter_o
         sends.append((params["QueueUrl"].rsplit("/", 1)[-1], params["MessageDeduplicationId"]))
 
     binding = QueueBinding.of(str(subscription.id))
-    # A settle sends through the lease's client, a replay through the default one.
-    for sqs in (binding.lease_sqs, binding.clients.sqs):
+    # A settle sends through the lease's client, a replay through the one-attempt one.
+    for sqs in (binding.lease_sqs, binding.clients.sqs_once):
         sqs.meta.events.register("provide-client-params.sqs.SendMessage", record)
     publish(subscription.topic.name, {"n": 1}, partition_key="k")
     holder = receiver(subscription)
@@ -2199,6 +2257,85 @@ def lost_answers(monkeypatch) -> Any:
 
     monkeypatch.setattr(URLLib3Session, "send", send)
     return rig
+
+
+def test_two_replays_of_one_dead_letter_by_id_queue_it_once(aws, monkeypatch):
+    """Review helper-168: a replay by id acted on what its scan of the DLQ found without
+    asking whether the scan still hid it (the bulk path asks). A scan slower than its hiding
+    (a DLQ of a thousand, a slow SQS) let another operator's replay of the same id find it
+    visible and replay it, then replayed it too with its lapsed receipt handle: two copies
+    for one dead letter. Its hiding is cut to 4 s here, and the scan's second read stalled."""
+    import threading
+
+    from botocore.httpsession import URLLib3Session
+
+    from workqueue.transports import aws as aws_transport
+
+    monkeypatch.setattr(aws_transport, "DEAD_LETTER_SCAN_VISIBILITY", 4)
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=30)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    assert holder.dead_letter(receive_one(holder), "Poison", "bad").settled
+    [item] = operations.list_dead_letters(subscription.name).items
+    dlq = holder.binding.dead_letter_queue_url.rsplit("/", 1)[-1].encode()
+    real = URLLib3Session.send
+    slow_thread: list[int] = []
+    reads = {"n": 0}
+
+    def send(session: Any, request: Any) -> Any:
+        target = request.headers.get("X-Amz-Target", b"")
+        body = request.body or b""
+        body = body.encode() if isinstance(body, str) else body
+        if (
+            threading.get_ident() in slow_thread
+            and target.endswith(b"ReceiveMessage")
+            and dlq in body
+        ):
+            reads["n"] += 1
+            if reads["n"] == 2:
+                time.sleep(5)  # the scan's next read, on a slow SQS
+        return real(session, request)
+
+    monkeypatch.setattr(URLLib3Session, "send", send)
+    outcome: dict[str, Any] = {}
+
+    def first_operator() -> None:
+        slow_thread.append(threading.get_ident())
+        try:
+            outcome["first"] = operations.replay(subscription.name, item.delivery_id).replayed
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=first_operator)
+    first.start()
+    time.sleep(4.5)  # the first scan's hiding has lapsed; its read still stalls
+    outcome["second"] = operations.replay(subscription.name, item.delivery_id).replayed
+    first.join()
+    monkeypatch.undo()
+
+    copies = arrivals(receiver(subscription), complete=True)
+    assert len(copies) == 1, (outcome, [c.delivery_id for c in copies])
+    assert sorted(outcome.values()) == [False, True]  # one replayed it; the other found none
+
+
+def test_a_replay_whose_send_goes_unanswered_queues_one_copy_at_most(aws, lost_answers):
+    """Review helper-168: a replay's SendMessage went through the default client, so an answer
+    lost on its way back had each of botocore's attempts reach SQS: one replay queued four
+    copies (and, failed, left the dead letter to be replayed again), as the settles' sends did
+    before helper-123."""
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=30)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    assert holder.dead_letter(receive_one(holder), "Poison", "bad").settled
+    [item] = operations.list_dead_letters(subscription.name).items
+
+    lost_answers.operation = "SendMessage"
+    with pytest.raises(TransientTransportError):  # it cannot know whether its send arrived
+        operations.replay(subscription.name, item.delivery_id)
+    lost_answers.operation = ""
+
+    copies = arrivals(receiver(subscription), complete=True)
+    assert (lost_answers.calls, len(copies)) == (1, 1)
 
 
 @pytest.mark.parametrize("settle", ["release", "retry", "dead_letter"])

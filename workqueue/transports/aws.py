@@ -212,9 +212,29 @@ def configuration_problem(configuration: dict[str, Any] | None) -> str | None:
             f"with a letter or digit; got {prefix!r}."
         )
     endpoint = configuration.get("endpoint_url")
-    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
-        return f"configuration key 'endpoint_url' must be an http(s) URL; got {endpoint!r}."
+    if endpoint is not None:
+        # Quoted without its user and password: the text reaches logs, health and the admin.
+        shown = without_url_credentials(endpoint)
+        if not endpoint.startswith(("http://", "https://")):
+            return f"configuration key 'endpoint_url' must be an http(s) URL; got {shown!r}."
+        if not _endpoint_botocore_accepts(endpoint):
+            return (
+                f"configuration key 'endpoint_url' has a host name botocore refuses ({shown!r}):"
+                " use letters, digits, '-' and '.' (a docker-compose service named with '_' "
+                "needs an alias or its IP address)."
+            )
     return None
+
+
+def _endpoint_botocore_accepts(endpoint: str) -> bool:
+    """Whether botocore builds a client for ``endpoint``: it refuses, with the whole URL in
+    its error, a host name it calls invalid (an underscore in it, say). True without botocore
+    (the transport says then that it needs the extra)."""
+    try:
+        from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
+    except ImportError:
+        return True
+    return bool(is_valid_endpoint_url(endpoint) or is_valid_ipv6_endpoint_url(endpoint))
 
 
 #: Added to a subscription's queue name, the name of its dead-letter queue.
@@ -354,16 +374,23 @@ class AwsClients:
             # A receive waits up to RECEIVE_WAIT_SECONDS for messages before SQS answers.
             read_timeout=RECEIVE_WAIT_SECONDS + 20,
         )
-        self.sns = session.client("sns", endpoint_url=settings.endpoint_url, config=config)
-        # For publishes that hold a deduplication reservation: a Publish whose answer was lost
-        # may have arrived, and each arrival is a message (a standard topic has no
-        # deduplication id), so botocore's retries sent one key's message up to three times.
-        self.sns_once = session.client(
-            "sns",
-            endpoint_url=settings.endpoint_url,
-            config=config.merge(Config(retries={"total_max_attempts": 1, "mode": "standard"})),
-        )
-        self.sqs = session.client("sqs", endpoint_url=settings.endpoint_url, config=config)
+        once = config.merge(Config(retries={"total_max_attempts": 1, "mode": "standard"}))
+        try:
+            self.sns = session.client("sns", endpoint_url=settings.endpoint_url, config=config)
+            # For publishes that hold a deduplication reservation: a Publish whose answer was
+            # lost may have arrived, and each arrival is a message (a standard topic has no
+            # deduplication id), so botocore's retries sent one key's message up to three times.
+            self.sns_once = session.client("sns", endpoint_url=settings.endpoint_url, config=once)
+            self.sqs = session.client("sqs", endpoint_url=settings.endpoint_url, config=config)
+            # For sends a lost answer must not repeat (an operator's replay; see sns_once).
+            self.sqs_once = session.client("sqs", endpoint_url=settings.endpoint_url, config=once)
+        except ValueError as exc:
+            # botocore's refusal of the endpoint quotes it whole, credentials and all (a row
+            # stored before configuration_problem checked what botocore accepts).
+            raise WorkQueueConfigurationError(
+                f"The AWS transport's endpoint_url cannot be used: "
+                f"{without_url_credentials(str(exc))}. Fix it in the transport's configuration."
+            ) from None
         self._session = session
         self._endpoint_url = settings.endpoint_url
         self._lease_clients: dict[float, Any] = {}
@@ -2316,16 +2343,33 @@ def _dead_letter_id(message: dict[str, Any]) -> str:
     )
 
 
+#: How many scans a replay or discard by id makes before it gives up on one that still hides
+#: its dead letter when it finds it.
+BY_ID_SCANS = 3
+
+
 def _resolve_dead_letter_by_id(binding: QueueBinding, action: str, delivery_id: str) -> bool:
     """Replay or discard (``action``) the dead letter of ``delivery_id``, found by a scan of
-    its own; False when the DLQ does not hold it."""
-    with _dead_letter_scan(binding) as found:
-        message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
-        if message is None:
-            return False
-        _resolve_dead_letter(binding, action, message)
-        found.remove(message)
-    return True
+    its own; False when the DLQ does not hold it.
+
+    Only while the scan still hides it (as the bulk path asks): a scan slower than its hiding
+    let another operator's replay of the id find it visible, and both replayed it, the second
+    with a lapsed receipt handle (review helper-168). A scan too slow looks again."""
+    for _ in range(BY_ID_SCANS):
+        scan = _dead_letter_scan(binding)
+        with scan as found:
+            message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
+            if message is None:
+                return False
+            if scan.holds_hidden():
+                _resolve_dead_letter(binding, action, message)
+                found.remove(message)
+                return True
+    raise TransientTransportError(
+        f"Dead letter {delivery_id} was not changed: each of {BY_ID_SCANS} reads of its "
+        "dead-letter queue took longer than it hides what it reads (a slow SQS, or a very "
+        "full queue), so another reader could have taken it. Try again."
+    )
 
 
 def _resolve_dead_letter(binding: QueueBinding, action: str, message: dict[str, Any]) -> None:
@@ -2358,7 +2402,9 @@ def _replay_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
         params["MessageDeduplicationId"] = _deduplication_id(
             "replay", delivery_id, message["MessageId"]
         )
-    _call(binding.clients.sqs.send_message, **params)
+    # One attempt: a send whose answer was lost may have arrived, and botocore's retries put
+    # up to four copies in the queue (review helper-168), where the settles' sends make one.
+    _call(binding.clients.sqs_once.send_message, **params)
     _delete_dead_letter(binding, message)
 
 
