@@ -716,6 +716,26 @@ def test_an_escape_of_what_no_key_can_hold_searches_for_the_text_as_typed(client
         assert _listed(answer) == set()
 
 
+@pytest.mark.parametrize("page", ["delivery", "deduplication", "subscription", "topic"])
+def test_a_nul_in_a_list_filters_value_is_refused_not_a_server_error(client, page):
+    """Review helper-167: helper-144 fixed a NUL typed into the search, but a list filter's
+    value went to the database as given: ``?status__exact=%00``, from any staff user who may
+    view the list, was PostgreSQL's refusal, an unhandled 500 mailed to ADMINS each time."""
+    dead_letter(SubscriptionFactory())
+    client.raise_request_exception = False
+    client.force_login(
+        UserFactory(
+            is_staff=True,
+            perms=[f"workqueue.view_{name}" for name in ("delivery", "deduplication")]
+            + ["workqueue.view_subscription", "workqueue.view_topic"],
+        )
+    )
+
+    answer = client.get(_url(f"workqueue_{page}_changelist"), {"status__exact": "\x00"})
+
+    assert answer.status_code == 400, answer.status_code
+
+
 def test_an_api_keys_name_is_drawn_with_its_invisible_characters_as_escapes(client):
     """Round 40's leftover (helper-143): a staff user names their own key, and the superuser's
     list of every key drew the name as given, so "\\u202etob-yolped" read "deploy-bot" there,

@@ -189,6 +189,26 @@ def test_a_limited_key_reads_why_a_subscription_fails_without_the_errors_text(cl
     assert unrestricted["subscriptions"][0]["reason"] == failing
 
 
+def test_a_limited_key_is_told_no_other_subscriptions_name_in_a_hosts_suggestion(client, make_host):
+    """Review helper-167: a host asked to run a subscription that does not exist (retired, not
+    synced yet) records "Subscription not found; did you mean <near names>?" picked among
+    every subscription, and /health passed it to a key limited to the missing name, where
+    the API's own 404 suggests only names the key may see."""
+    SubscriptionFactory(name="payroll.salaries-ceo", topic=TopicFactory(name="payroll"))
+    host = make_host([{"name": "payroll.salaries-cfo"}])  # retired; the key still names it
+    host.start()
+    host.record_health()
+    key = ApiKeyFactory(scopes=[READ], subscriptions=["payroll.salaries-cfo"])
+
+    limited = call(client, "get", "/health", key=key).json()
+    unrestricted = call(client, "get", "/health", key=unrestricted_reader()).json()
+
+    (entry,) = limited["subscriptions"]
+    assert entry["reason"] == "Subscription not found"
+    assert "payroll.salaries-ceo" not in json.dumps(limited)
+    assert "payroll.salaries-ceo" in json.dumps(unrestricted)  # told to who may see it
+
+
 def test_an_unrestricted_key_still_sees_every_host_by_name_and_pid(client, hosts):
     body = call(client, "get", "/health", key=unrestricted_reader()).json()
 

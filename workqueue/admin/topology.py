@@ -17,7 +17,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 
 from workqueue.admin.display import visible_json
-from workqueue.admin.lookups import DeclaredFiltersAdmin
+from workqueue.admin.lookups import DeclaredFiltersAdmin, RefusesNulLookups
 from workqueue.admin.recovery import DeadLetterRecoveryMixin, recover_dead_letters
 from workqueue.exceptions import WorkQueueConfigurationError, WorkQueueError
 from workqueue.models import Subscription, Topic, Transport
@@ -168,7 +168,7 @@ class TransportAdmin(DeclaredFiltersAdmin):
 
 
 @admin.register(Topic)
-class TopicAdmin(RefusesDeletesQueueRowsHold, admin.ModelAdmin):
+class TopicAdmin(RefusesDeletesQueueRowsHold, RefusesNulLookups):
     form = TopologyForm
     list_display = (
         "name",
@@ -184,7 +184,7 @@ class TopicAdmin(RefusesDeletesQueueRowsHold, admin.ModelAdmin):
 
 
 @admin.register(Subscription)
-class SubscriptionAdmin(RefusesDeletesQueueRowsHold, DeadLetterRecoveryMixin, admin.ModelAdmin):
+class SubscriptionAdmin(RefusesDeletesQueueRowsHold, DeadLetterRecoveryMixin, RefusesNulLookups):
     form = TopologyForm
     actions = [recover_dead_letters]
     list_display = (

@@ -11,7 +11,7 @@ from ninja import Router
 
 from workqueue.api.schemas import BindingIssuesOut, ErrorOut, HealthOut
 from workqueue.models import HostRecord
-from workqueue.models.hosts import SERVING_STATES, STUCK_RUNS_LISTED, reason_without_error
+from workqueue.models.hosts import SERVING_STATES, STUCK_RUNS_LISTED, reason_for_a_limited_caller
 from workqueue.operators import operations
 from workqueue.operators.display import host_pseudonym
 from workqueue.operators.permissions import READ, Actor, require
@@ -50,7 +50,7 @@ def health(request: HttpRequest) -> dict[str, Any]:
             continue
         if limited:
             for entry in entries:
-                entry["reason"] = reason_without_error(entry["reason"])
+                entry["reason"] = reason_for_a_limited_caller(entry["reason"])
         # Machine names and process ids map the deployment (and the instance id is made of
         # them): only callers who may see every subscription get them.
         hosts.append(

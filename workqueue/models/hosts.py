@@ -33,12 +33,18 @@ _ERROR_HEADLINES = (
 STUCK_RUNS_LISTED = 10
 
 
-def reason_without_error(reason: str) -> str:
-    """``reason`` with the error text a host recorded after its headline left out."""
+def reason_for_a_limited_caller(reason: str) -> str:
+    """``reason`` as a caller limited to named subscriptions reads it: without the error text a
+    host recorded after its headline, and without the names it suggested ("did you mean"),
+    which a host picks among every subscription and handler key (review helper-167)."""
     for headline in _ERROR_HEADLINES:
         if reason.startswith(f"{headline}: "):
             return f"{headline} (the error is shown to callers not limited to subscriptions)"
-    return reason
+    return reason.split(SUGGESTION_PREFIX, 1)[0]
+
+
+#: How a host's reason begins the names it suggests, which come last.
+SUGGESTION_PREFIX = "; did you mean "
 
 
 def database_now() -> dt.datetime:

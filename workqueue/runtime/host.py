@@ -33,7 +33,7 @@ from workqueue import signals
 from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, database_away, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError, one_line
-from workqueue.models.hosts import START_FAILED
+from workqueue.models.hosts import START_FAILED, SUGGESTION_PREFIX
 from workqueue.operators.topology import topology_drift_warning
 from workqueue.runtime.activity import LOOK_EVERY_SECONDS, ActivitySummary
 from workqueue.runtime.consumer import (
@@ -586,7 +586,7 @@ class Host:
             return entry(
                 PlanState.ERROR,
                 "Subscription not found"
-                + (f"; did you mean {' or '.join(map(repr, near))}?" if near else ""),
+                + (f"{SUGGESTION_PREFIX}{' or '.join(map(repr, near))}?" if near else ""),
             )
         if subscription.host_type != "Worker":
             return entry(PlanState.UNSUPPORTED, "Consumed by an external host, not this one")
@@ -612,7 +612,7 @@ class Host:
                 PlanState.HANDLER_NOT_REGISTERED,
                 f"No handler registered for key {subscription.handler_key!r}"
                 + (
-                    f"; did you mean {' or '.join(map(repr, near))}?"
+                    f"{SUGGESTION_PREFIX}{' or '.join(map(repr, near))}?"
                     if near
                     else "; handlers are loaded from each installed app's work_handlers.py "
                     "and the modules named in WORKQUEUE['HANDLER_MODULES']: is the one that "
