@@ -1977,9 +1977,9 @@ def test_every_body_sent_to_aws_carries_only_characters_sqs_accepts(aws):
         undo()
     assert result.accepted
     holder = receiver(subscription)
-    # A settle sends through the lease's client, a replay through the default one.
+    # A settle sends through the lease's client, a replay through the one-attempt one.
     settles, undo_settles = _capture(holder.binding.lease_sqs, "sqs.SendMessage")
-    replays, undo = _capture(holder.binding.clients.sqs, "sqs.SendMessage")
+    replays, undo = _capture(holder.binding.clients.sqs_once, "sqs.SendMessage")
     try:
         delivery = receive_one(holder)
         assert (delivery.payload, delivery.partition_key, delivery.correlation_id) == (
@@ -2316,6 +2316,66 @@ def test_two_replays_of_one_dead_letter_by_id_queue_it_once(aws, monkeypatch):
     copies = arrivals(receiver(subscription), complete=True)
     assert len(copies) == 1, (outcome, [c.delivery_id for c in copies])
     assert sorted(outcome.values()) == [False, True]  # one replayed it; the other found none
+
+
+def test_a_key_whose_reservation_a_slow_publish_many_outlived_is_not_published_twice(
+    aws, monkeypatch
+):
+    """Review helper-168: publish_many reserves every message's key, then sends ten to a
+    PublishBatch; batches of a slow SNS (each call up to 5 s to connect and 21 s to read)
+    can outlast the reservation's 120 s. A later message's key lapsed before its batch was
+    sent, another publisher took it and was Accepted, and the first sent its message too: two
+    messages under one key inside its window. The 120 s are stood in for: when the first batch
+    leaves, the reservations are made to lapse and the transport's clock moves 100 s on."""
+    import threading
+
+    from botocore.httpsession import URLLib3Session
+
+    from workqueue.transports import aws as aws_transport
+
+    subscription = provisioned(aws, lease_seconds=30)
+    topic = subscription.topic.name
+    items = [{"payload": {"n": n}, "deduplication_key": f"k{n}"} for n in range(11)]
+    real_send, real_clock = URLLib3Session.send, aws_transport._clock
+    skipped = {"seconds": 0.0}
+    other: list[Any] = []
+
+    def send(session: Any, request: Any) -> Any:
+        body = request.body or b""
+        body = body.encode() if isinstance(body, str) else body
+        if b"Action=PublishBatch&" in body and not other:
+            skipped["seconds"] = 100.0  # a slow SNS: the first batch took that long
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "UPDATE workqueue_deduplication SET expires_at = now() - interval '1 second'"
+                    " WHERE status = 'Reserved'"
+                )
+
+            def competitor_publishes() -> None:
+                try:
+                    other.append(publish(topic, {"n": "other"}, deduplication_key="k10"))
+                finally:
+                    connection.close()
+
+            competitor = threading.Thread(target=competitor_publishes)
+            competitor.start()
+            competitor.join()
+        return real_send(session, request)
+
+    monkeypatch.setattr(URLLib3Session, "send", send)
+    monkeypatch.setattr(aws_transport, "_clock", lambda: real_clock() + skipped["seconds"])
+    results = publish_many(topic, items)
+    monkeypatch.undo()
+
+    assert other[0].status == "Accepted"
+    assert results[10].status == "Rejected"
+    assert results[10].error.code == "TransportUnavailable"  # retryable: not sent
+    keyed = [
+        d.payload
+        for d in arrivals(receiver(subscription), complete=True)
+        if d.payload["n"] in (10, "other")
+    ]
+    assert keyed == [{"n": "other"}]
 
 
 def test_a_replay_whose_send_goes_unanswered_queues_one_copy_at_most(aws, lost_answers):
