@@ -191,6 +191,18 @@ def test_an_endpoint_stored_before_the_check_leaks_no_credentials_where_it_fails
     assert [text for text in said if SECRET in text] == [], said
 
 
+def test_a_region_botocore_cannot_parse_is_named_as_a_configuration_mistake():
+    """botocore refuses to build a client for such a region with a ValueError, which went
+    raw through a publish (a traceback), where every other configuration mistake names the
+    setting to fix."""
+    transport = TransportFactory(
+        name="aws-region", driver_class="AWS", configuration={"region": "eu west 1"}
+    )
+
+    with pytest.raises(WorkQueueConfigurationError, match="region"):
+        publish(TopicFactory(transport=transport).name, {"n": 1})
+
+
 def test_resource_names_are_derived_from_the_prefix_and_the_topology_names():
     names = AwsNames.of("wq", "orders.created", "orders.created.billing", fifo=True)
 

@@ -390,11 +390,12 @@ class AwsClients:
             # For sends a lost answer must not repeat (an operator's replay; see sns_once).
             self.sqs_once = session.client("sqs", endpoint_url=settings.endpoint_url, config=once)
         except ValueError as exc:
-            # botocore's refusal of the endpoint quotes it whole, credentials and all (a row
-            # stored before configuration_problem checked what botocore accepts).
+            # botocore refuses what it cannot build a client for (a region it cannot parse; an
+            # endpoint stored before configuration_problem asked what botocore accepts) with a
+            # ValueError, which quotes an endpoint whole, credentials and all: not chained.
             raise WorkQueueConfigurationError(
-                f"The AWS transport's endpoint_url cannot be used: "
-                f"{without_url_credentials(str(exc))}. Fix it in the transport's configuration."
+                f"The AWS transport's configuration cannot be used: "
+                f"{without_url_credentials(str(exc))} Fix its region or endpoint_url."
             ) from None
         self._session = session
         self._endpoint_url = settings.endpoint_url
