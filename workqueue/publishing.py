@@ -327,13 +327,21 @@ def publish_many(
 
 
 def _count_once_committed(topic: str, results: list[PublishResult]) -> None:
-    """Count an enlisted publish's results once the caller's transaction commits: one rolled
-    back published nothing, and was counted Accepted all the same (review helper-166)."""
+    """Count an enlisted publish's results, the Accepted ones once the caller's transaction
+    commits: one rolled back published nothing, and was counted Accepted all the same (review
+    helper-166). A rejection or a duplicate was answered whatever the transaction does (a
+    rejection raised in the block rolls it back: counted on commit, it was never counted)."""
     connection = connections[setting("DATABASE_ALIAS")]
-    if connection.in_atomic_block:
-        connection.on_commit(lambda: metrics.count_published(topic, results), robust=True)
-    else:  # autocommit (committed already), or a transaction managed by hand: counted now
+    if not connection.in_atomic_block:
+        # Autocommit (committed already), or a transaction managed by hand: counted now.
         metrics.count_published(topic, results)
+        return
+    answered = [r for r in results if not r.accepted]
+    accepted = [r for r in results if r.accepted]
+    if answered:
+        metrics.count_published(topic, answered)
+    if accepted:
+        connection.on_commit(lambda: metrics.count_published(topic, accepted), robust=True)
 
 
 def _given_topic(topic: Any) -> Topic | None:

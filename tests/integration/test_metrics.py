@@ -35,9 +35,9 @@ from tests.support.processes import hello
 from tests.support.queue import dead_letter, pending
 from tests.support.roles import acting_as_granted_role
 from tests.support.waiting import wait_until
-from workqueue import metrics, publish, transport
+from workqueue import metrics, publish, publish_or_raise, transport
 from workqueue.driver import get_driver
-from workqueue.exceptions import TransientDriverError
+from workqueue.exceptions import PublishRejectedError, TransientDriverError
 from workqueue.models import HostRecord, Message
 from workqueue.operators import operations
 from workqueue.transport import Receiver
@@ -147,6 +147,20 @@ def test_an_enlisted_publish_is_counted_once_its_transaction_commits_and_never_i
         assert publish(topic, {"n": 2}, enlist=True).accepted
         assert accepted() == before  # not yet: the transaction may still roll back
     assert accepted() == before + 1
+
+    # A rejection was answered whatever became of the transaction (review helper-169).
+    def rejected() -> float:
+        return process_value(
+            "workqueue_published_messages_total",
+            topic=topic,
+            status="Rejected",
+            error_code="InvalidPartitionKey",
+        )
+
+    refused = rejected()
+    with pytest.raises(PublishRejectedError), transaction.atomic():
+        publish_or_raise(topic, {"n": 3}, partition_key="x" * 201, enlist=True)
+    assert rejected() == refused + 1
 
 
 # -- the queue's gauges, through each door --------------------------------------------------------
