@@ -56,6 +56,7 @@ from workqueue.types import (
     PartitionItem,
     PublishErrorCode,
     PublishStatus,
+    RateTokens,
     SettleOutcome,
     SettleResult,
 )
@@ -232,23 +233,24 @@ class Receiver:
         )
         return LeaseExtension(row["lease_state"], row["lease_expires_at"])
 
-    def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
-        """Take up to ``wanted`` tokens of the subscription's shared rate-limit bucket: how many
-        were granted, and when none were, the seconds until the next is due."""
+    def take_rate_tokens(self, wanted: int) -> RateTokens:
+        """Take up to ``wanted`` tokens of the subscription's shared rate-limit bucket."""
         row = self.driver.call_one(
             "wq_take_rate_tokens", {"subscription_id": self.subscription_id, "wanted": wanted}
         )
-        return row["granted"], row["wait_ms"] / 1000
+        return RateTokens(row["granted"], row["wait_ms"] / 1000, row["full_in_ms"] / 1000)
 
-    def return_rate_tokens(self, unused: int, held_seconds: float) -> None:
-        """Give back tokens a claim did not use (it found fewer deliveries than granted),
-        asked for ``held_seconds`` ago: the bucket's refill since then counts against them."""
+    def return_rate_tokens(self, unused: int, held_seconds: float, full_in_seconds: float) -> None:
+        """Give back tokens a claim did not use (it found fewer deliveries than granted), taken
+        ``held_seconds`` ago by a take that answered ``full_in_seconds``: what the bucket's
+        refill since then would have made up counts against them."""
         self.driver.call_rowcount(
             "wq_return_rate_tokens",
             {
                 "subscription_id": self.subscription_id,
                 "unused": unused,
                 "held_ms": math.ceil(max(held_seconds, 0.0) * 1000),
+                "full_in_ms": math.floor(max(full_in_seconds, 0.0) * 1000),
             },
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import models
 
@@ -209,6 +209,17 @@ class ClaimResult:
     #: publish, a settle, a due time) would come back empty. A transport that cannot tell
     #: leaves it False, and its consumer claims again at once after a short claim.
     drained: bool = False
+
+
+class RateTokens(NamedTuple):
+    """What a take from a subscription's rate-limit bucket came to: ``granted`` tokens; when
+    none were, ``wait_seconds`` until the next is due; ``full_in_seconds``, how long the bucket,
+    as this take left it, would take to refill to its burst (tokens given back later count
+    only as far as that refill had not made them up)."""
+
+    granted: int
+    wait_seconds: float
+    full_in_seconds: float
 
 
 @dataclass(frozen=True, slots=True)

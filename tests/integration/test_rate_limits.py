@@ -35,18 +35,18 @@ pytestmark = pytest.mark.usefixtures("queue_db")
 def test_an_unlimited_subscription_is_granted_what_it_asks_for():
     receiver = Receiver(SubscriptionFactory().id)
 
-    assert receiver.take_rate_tokens(500) == (500, 0.0)
+    assert receiver.take_rate_tokens(500) == (500, 0.0, 0.0)
 
 
 def test_a_bucket_starts_full_then_refills_at_the_rate_up_to_the_burst():
     receiver = Receiver(SubscriptionFactory(rate_limit_per_second=10, rate_limit_burst=4).id)
 
     assert receiver.take_rate_tokens(9)[0] == 4  # a new bucket holds its burst
-    granted, wait = receiver.take_rate_tokens(1)
+    granted, wait, _full_in = receiver.take_rate_tokens(1)
     assert granted == 0 and 0 < wait <= 0.1  # the next token is due within 1/rate
     time.sleep(0.25)
     assert 2 <= receiver.take_rate_tokens(9)[0] <= 4  # 0.25 s at 10/s, never past the burst
-    receiver.return_rate_tokens(50, held_seconds=0)
+    receiver.return_rate_tokens(50, held_seconds=0, full_in_seconds=60)
     assert receiver.take_rate_tokens(9)[0] == 4  # given back, but only up to the burst
 
 
@@ -74,7 +74,7 @@ def test_the_burst_defaults_to_the_rate_rounded_up():
     fast = Receiver(SubscriptionFactory(rate_limit_per_second=2.5).id)
 
     assert slow.take_rate_tokens(10)[0] == 1
-    granted, wait = slow.take_rate_tokens(1)
+    granted, wait, _full_in = slow.take_rate_tokens(1)
     assert granted == 0 and 1.5 < wait <= 2.0  # one token every two seconds
     assert fast.take_rate_tokens(10)[0] == 3
 
@@ -90,7 +90,7 @@ def test_racing_takers_never_get_more_than_the_burst_plus_the_rate_over_their_ru
         receiver = Receiver(subscription.id)  # its own connection, as each host has
         try:
             while time.monotonic() - began < 1.5:
-                got, _wait = receiver.take_rate_tokens(3)
+                got, _wait, _full_in = receiver.take_rate_tokens(3)
                 with lock:
                     granted.append(got)
         finally:
@@ -286,3 +286,20 @@ def test_tokens_a_slow_claim_gives_back_after_the_bucket_refilled_start_no_secon
     other_host.driver.close()
 
     assert started <= burst + rate * elapsed + 1, (started, elapsed)
+
+
+def test_tokens_given_back_while_the_bucket_was_far_from_its_burst_all_come_back():
+    """Review helper-169: the first form of the give-back counted every second the tokens were
+    out against them, so a short claim's tokens were lost even where the bucket, far below its
+    burst, would have kept them all: short claims (busy Ordered keys, competing hosts) held a
+    subscription below its rate."""
+    rate, burst = 10, 100
+    receiver = Receiver(SubscriptionFactory(rate_limit_per_second=rate, rate_limit_burst=burst).id)
+    assert receiver.take_rate_tokens(80).granted == 80
+    taken = receiver.take_rate_tokens(10)  # the bucket is left about 10 of its 100
+    time.sleep(1.0)  # a claim that took a second and found nothing
+
+    receiver.return_rate_tokens(10, held_seconds=1.0, full_in_seconds=taken.full_in_seconds)
+
+    # About 10 left + 10 refilled in the second + the 10 given back.
+    assert receiver.take_rate_tokens(100).granted >= 28

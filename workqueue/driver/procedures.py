@@ -175,12 +175,12 @@ PROCEDURES: dict[str, Procedure] = {
         Procedure(
             "wq_take_rate_tokens",
             _p("subscription_id:uuid, wanted:int"),
-            _c("granted:int, wait_ms:int"),
+            _c("granted:int, wait_ms:int, full_in_ms:int"),
             ResultKind.ONE,
         ),
         Procedure(
             "wq_return_rate_tokens",
-            _p("subscription_id:uuid, unused:int, held_ms:int"),
+            _p("subscription_id:uuid, unused:int, held_ms:int, full_in_ms:int"),
             _ROWCOUNT,
             ResultKind.ROWCOUNT,
         ),

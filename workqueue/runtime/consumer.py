@@ -741,7 +741,7 @@ class Consumer:
                 continue
             if self.plan.rate_limited:
                 tokens_asked_at = time.monotonic()
-                granted = self._take_rate_tokens(free, max_delay)
+                granted, full_in = self._take_rate_tokens(free, max_delay)
                 if self.budget is not None:
                     self.budget.give_back(free - granted)
                 if granted <= 0:
@@ -772,7 +772,7 @@ class Consumer:
                 if self.budget is not None:
                     self.budget.give_back(unused)
                 if self.plan.rate_limited and unused:
-                    self._return_rate_tokens(unused, time.monotonic() - tokens_asked_at)
+                    self._return_rate_tokens(unused, time.monotonic() - tokens_asked_at, full_in)
                 if self._stopping.is_set():
                     for delivery in claimed.deliveries:
                         lease_ends = self._lease_ends(delivery, leased_at)
@@ -799,11 +799,12 @@ class Consumer:
             # Empty: back off, unless a publish to the topic kicked us awake.
             delay = min_delay if self._wait(delay) else min(delay * 2, max_delay)
 
-    def _take_rate_tokens(self, wanted: int, max_wait: float) -> int:
-        """Tokens for up to ``wanted`` claims from the subscription's shared bucket; when none
-        are left, wait until the next is due (at most ``max_wait``) and return 0."""
+    def _take_rate_tokens(self, wanted: int, max_wait: float) -> tuple[int, float]:
+        """Tokens for up to ``wanted`` claims from the subscription's shared bucket, and the
+        seconds it would take to refill as the take left it; when none are left, wait until
+        the next is due (at most ``max_wait``) and return no tokens."""
         try:
-            granted, wait = self.receiver.take_rate_tokens(wanted)
+            granted, wait, full_in = self.receiver.take_rate_tokens(wanted)
         except WorkQueueError as exc:
             if self.failure is None:
                 logger.warning(
@@ -813,7 +814,7 @@ class Consumer:
                 )
             self._failed(f"{RATE_TOKENS_FAILED}: {one_line(exc)}")
             self._stopping.wait(max_wait)
-            return 0
+            return 0, 0.0
         if self.failure is not None and self.failure.startswith(RATE_TOKENS_FAILED):
             # Answered: the failure is over, whether or not a token is due yet. Left to the
             # next claim, it lasted until a token was (up to 1/rate seconds of Error, and a
@@ -822,11 +823,11 @@ class Consumer:
         if not granted:
             # A publish's kick adds no token: only time does, so only a stop cuts this short.
             self._stopping.wait(min(max(wait, 0.001), max_wait))
-        return granted
+        return granted, full_in
 
-    def _return_rate_tokens(self, unused: int, held_seconds: float) -> None:
+    def _return_rate_tokens(self, unused: int, held_seconds: float, full_in: float) -> None:
         try:
-            self.receiver.return_rate_tokens(unused, held_seconds)
+            self.receiver.return_rate_tokens(unused, held_seconds, full_in)
         except WorkQueueError:
             # Tokens not given back only slow this subscription below its limit for a moment;
             # the next take reports the database being away, if it still is.

@@ -82,6 +82,7 @@ from workqueue.types import (
     PartitionMode,
     PublishErrorCode,
     PublishStatus,
+    RateTokens,
     SettleOutcome,
     SettleResult,
     SubscriptionStatus,
@@ -1110,10 +1111,10 @@ class AwsReceiver:
             - math.ceil(time.monotonic() - received_at)
         )
 
-    def take_rate_tokens(self, wanted: int) -> tuple[int, float]:
-        return wanted, 0.0  # supports_rate_limit is off: the host never asks
+    def take_rate_tokens(self, wanted: int) -> RateTokens:
+        return RateTokens(wanted, 0.0, 0.0)  # supports_rate_limit is off: the host never asks
 
-    def return_rate_tokens(self, unused: int, held_seconds: float) -> None:
+    def return_rate_tokens(self, unused: int, held_seconds: float, full_in_seconds: float) -> None:
         """Nothing to return (no rate limit on this transport)."""
 
     def complete(

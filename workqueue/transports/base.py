@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         DiscardResult,
         LeaseExtension,
         PartitionItem,
+        RateTokens,
         SettleResult,
     )
 
@@ -64,9 +65,11 @@ class TransportReceiver(Protocol):
         self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
     ) -> LeaseExtension: ...
 
-    def take_rate_tokens(self, wanted: int) -> tuple[int, float]: ...
+    def take_rate_tokens(self, wanted: int) -> RateTokens: ...
 
-    def return_rate_tokens(self, unused: int, held_seconds: float) -> None: ...
+    def return_rate_tokens(
+        self, unused: int, held_seconds: float, full_in_seconds: float
+    ) -> None: ...
 
     def complete(
         self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None

@@ -8,10 +8,11 @@
 -- Grant up to p_wanted tokens of the subscription's bucket, refilled first at its rate up to its
 -- burst (rate_limit_burst, else the rate rounded up, at least 1). An unlimited (or unknown)
 -- subscription is granted p_wanted at once. wait_ms says how long until a token is next due
--- (0 when something was granted). The bucket row is locked for this call only, so hosts take
--- from it one at a time.
+-- (0 when something was granted); full_in_ms how long the bucket, as this take leaves it, takes
+-- to refill to its burst (what wq_return_rate_tokens weighs tokens given back by; 0 when
+-- unlimited). The bucket row is locked for this call only, so hosts take from it one at a time.
 CREATE OR REPLACE FUNCTION wq_take_rate_tokens(p_subscription_id uuid, p_wanted integer)
-RETURNS TABLE (granted integer, wait_ms integer)
+RETURNS TABLE (granted integer, wait_ms integer, full_in_ms integer)
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -30,7 +31,7 @@ BEGIN
       FROM workqueue_subscription s
      WHERE s.id = p_subscription_id;
     IF v_rate IS NULL THEN
-        RETURN QUERY SELECT v_wanted, 0;
+        RETURN QUERY SELECT v_wanted, 0, 0;
         RETURN;
     END IF;
     -- A new bucket starts full.
@@ -58,22 +59,27 @@ BEGIN
     RETURN QUERY SELECT v_granted,
                         CASE WHEN v_granted > 0 OR v_wanted = 0 THEN 0
                              ELSE ceil(1000 * (1 - (v_available - v_granted)) / v_rate)::integer
-                        END;
+                        END,
+                        -- At most a day: later than that, nothing given back is made up anyway.
+                        LEAST(floor(1000 * GREATEST(v_burst - (v_available - v_granted), 0)
+                                    / v_rate), 86400000)::integer;
 END;
 $$;
 
 -- wq_return_rate_tokens --
 -- Give back tokens taken but not used (the claim found fewer deliveries than it was granted),
 -- never filling the bucket past its burst. Nothing for an unlimited subscription. p_held_ms:
--- how long ago the tokens were asked for. Only what the bucket would still hold had they never
--- been taken comes back: the refill since then, up to the burst, may have made them up already
--- (and another host taken that), so each second held cancels a second's refill of them. Added
--- in full on top, a claim that took a while gave a second burst at once (review helper-166).
--- A caller that does not say (the previous release) gives back all of them.
+-- how long ago the tokens were asked for; p_full_in_ms: what the take answered. Only what the
+-- bucket would hold had they never been taken comes back: left in it, they would have filled
+-- it to its burst (p_full_in_ms - p_unused / rate) after the take, and what it refilled from
+-- then on (which another host may have taken since) is not given again: rate * (p_full_in_ms
+-- - p_held_ms) at most. Added in full, a claim that took a while gave a second burst at once
+-- (review helper-166). A caller that does not say (the previous release) gives back all.
 CREATE OR REPLACE FUNCTION wq_return_rate_tokens(
     p_subscription_id uuid,
     p_unused integer,
-    p_held_ms integer DEFAULT NULL
+    p_held_ms integer DEFAULT NULL,
+    p_full_in_ms integer DEFAULT NULL
 )
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
@@ -82,12 +88,15 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     WITH changed AS (
         UPDATE workqueue_rate_limit_bucket b
-           SET tokens = LEAST(b.tokens + GREATEST(coalesce(p_unused, 0)
-                                                  - s.rate_limit_per_second
-                                                    * GREATEST(coalesce(p_held_ms, 0), 0)
-                                                    / 1000.0, 0),
-                              coalesce(s.rate_limit_burst,
-                                       GREATEST(ceil(s.rate_limit_per_second), 1)))
+           SET tokens = LEAST(
+                   b.tokens + CASE
+                       WHEN p_held_ms IS NULL OR p_full_in_ms IS NULL
+                           THEN GREATEST(coalesce(p_unused, 0), 0)
+                       ELSE GREATEST(LEAST(coalesce(p_unused, 0),
+                                           s.rate_limit_per_second
+                                           * (p_full_in_ms - p_held_ms) / 1000.0), 0)
+                   END,
+                   coalesce(s.rate_limit_burst, GREATEST(ceil(s.rate_limit_per_second), 1)))
           FROM workqueue_subscription s
          WHERE b.subscription_id = p_subscription_id AND s.id = b.subscription_id
            AND s.rate_limit_per_second IS NOT NULL

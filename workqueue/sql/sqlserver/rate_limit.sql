@@ -14,9 +14,10 @@ GO
 -- Grant up to @wanted tokens of the subscription's bucket, refilled first at its rate up to its
 -- burst (rate_limit_burst, else the rate rounded up, at least 1). An unlimited (or unknown)
 -- subscription is granted @wanted at once. wait_ms says how long until a token is next due
--- (0 when something was granted). The bucket row is locked for this call only, so hosts take
--- from it one at a time.
--- returns: granted, wait_ms
+-- (0 when something was granted); full_in_ms how long the bucket, as this take leaves it, takes
+-- to refill to its burst (what wq_return_rate_tokens weighs tokens given back by; 0 when
+-- unlimited). The bucket row is locked for this call only, so hosts take from it one at a time.
+-- returns: granted, wait_ms, full_in_ms
 CREATE OR ALTER PROCEDURE dbo.wq_take_rate_tokens
     @subscription_id uniqueidentifier,
     @wanted int
@@ -74,28 +75,35 @@ BEGIN
     SELECT @granted AS granted,
            CASE WHEN @rate IS NULL OR @granted > 0 OR @want = 0 THEN 0
                 ELSE CAST(CEILING(1000 * (1 - (@available - @granted)) / @rate) AS int)
-           END AS wait_ms;
+           END AS wait_ms,
+           -- At most a day: later than that, nothing given back is made up anyway.
+           CASE WHEN @rate IS NULL OR @burst - (@available - @granted) <= 0 THEN 0
+                WHEN 1000 * (@burst - (@available - @granted)) / @rate > 86400000 THEN 86400000
+                ELSE CAST(FLOOR(1000 * (@burst - (@available - @granted)) / @rate) AS int)
+           END AS full_in_ms;
 END;
 GO
 
 -- wq_return_rate_tokens --
 -- Give back tokens taken but not used (the claim found fewer deliveries than it was granted),
 -- never filling the bucket past its burst. Nothing for an unlimited subscription. @held_ms:
--- how long ago the tokens were asked for. Only what the bucket would still hold had they never
--- been taken comes back: the refill since then, up to the burst, may have made them up already
--- (and another host taken that), so each second held cancels a second's refill of them.
--- A caller that does not say (the previous release) gives back all of them.
+-- how long ago the tokens were asked for; @full_in_ms: what the take answered. Only what the
+-- bucket would hold had they never been taken comes back: left in it, they would have filled
+-- it to its burst (@full_in_ms - @unused / rate) after the take, and what it refilled from
+-- then on (which another host may have taken since) is not given again: rate * (@full_in_ms
+-- - @held_ms) at most. A caller that does not say (the previous release) gives back all.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_return_rate_tokens
     @subscription_id uniqueidentifier,
     @unused int,
-    @held_ms int = NULL
+    @held_ms int = NULL,
+    @full_in_ms int = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
-    DECLARE @held float = CASE WHEN @held_ms IS NULL OR @held_ms < 0 THEN 0 ELSE @held_ms END;
+    DECLARE @given float = CASE WHEN @unused IS NULL OR @unused < 0 THEN 0 ELSE @unused END;
     DECLARE @changed TABLE (id char(32));
 
     UPDATE b
@@ -104,16 +112,19 @@ BEGIN
       FROM dbo.workqueue_rate_limit_bucket AS b
       JOIN dbo.workqueue_subscription AS s ON s.id = b.subscription_id
      CROSS APPLY (
-        SELECT b.tokens
-                   + CASE WHEN COALESCE(@unused, 0) - s.rate_limit_per_second * @held / 1000 > 0
-                          THEN COALESCE(@unused, 0) - s.rate_limit_per_second * @held / 1000
-                          ELSE 0 END AS tokens,
+        SELECT CASE WHEN @held_ms IS NULL OR @full_in_ms IS NULL THEN @given
+                    ELSE s.rate_limit_per_second * (@full_in_ms - @held_ms) / 1000.0 END AS may_return
+     ) AS m
+     CROSS APPLY (
+        SELECT b.tokens + CASE WHEN m.may_return <= 0 THEN 0
+                               WHEN m.may_return < @given THEN m.may_return
+                               ELSE @given END AS tokens,
                COALESCE(CAST(s.rate_limit_burst AS float),
                         CASE WHEN CEILING(s.rate_limit_per_second) < 1 THEN 1
                              ELSE CEILING(s.rate_limit_per_second) END) AS burst
      ) AS r
      WHERE b.subscription_id = @subscription_key AND s.rate_limit_per_second IS NOT NULL
-       AND COALESCE(@unused, 0) > 0;
+       AND @given > 0;
 
     -- result set
     SELECT COUNT(*) AS affected_rows FROM @changed;
