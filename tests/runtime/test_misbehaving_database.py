@@ -279,6 +279,9 @@ def test_a_host_whose_first_plan_was_cut_off_runs_as_soon_as_a_plan_goes_through
     wait_until(lambda: delivery_of_message(message)[0] == "Completed", timeout=10)
     assert states(host)[s.name] == ("Running", "")
     assert "Planning again" in caplog.text
+    # Said once it runs them (review helper-169): its start said it ran no subscription, and
+    # under a LOGGING that shows this the command no longer prints them itself.
+    assert f"planned: {s.name}: Running, concurrency 1" in caplog.text
 
 
 def test_a_host_planning_nothing_after_a_cut_plans_again_with_re_planning_off(make_host, pg_conn):

@@ -125,12 +125,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc), returncode=2) from exc
         why = f" ({stop.received})" if result.reason == "Shutdown" and stop.received else ""
         self.stdout.write(f"processed={result.processed} reason={result.reason}{why}")
-        if (
-            host.abandoned_handlers
-            or host.unsettled_outcomes
-            or host.not_handed_back
-            or host.claims_left_out
-        ):
+        if host.left_work_behind:
             self.stdout.write(f"Stopped: {describe_left_behind(host)}")
         if result.planning_failure is not None:
             raise CommandError(
