@@ -146,11 +146,6 @@ DEAD_LETTER_SCAN_WAIT_SECONDS = 1
 #: Tries of a Publish made through the one-attempt client (``AwsClients.sns_once``) while it
 #: fails in a way that cannot have reached SNS (no connection, throttled), as botocore's three.
 SNS_SAFE_TRIES = 3
-#: How long after taking its deduplication reservations a publish may still start a batch: one
-#: started later could reach SNS after they lapsed (RESERVATION_SECONDS) and another publisher
-#: took the key, two messages under it (review helper-168). The margin covers the longest a
-#: batch of the one-attempt client takes (SNS_SAFE_TRIES connects of 5 s, a read of 21 s).
-SEND_WITHIN_SECONDS = RESERVATION_SECONDS - 45
 
 CONFIGURATION_KEYS = ("region", "prefix", "endpoint_url", "profile")
 PREFIX = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,39}\Z")
@@ -1592,8 +1587,6 @@ class AwsTransport(BaseTransport):
             ]
         rows: list[dict[str, Any] | None] = [None] * len(messages)
         entries: list[tuple[int, dict[str, Any]]] = []
-        ledger = PublishLedger(topic, chosen_message_ids)
-        reserving_from = _clock()  # no later than the first reservation
         published_at = _now().isoformat()
         for index, message in enumerate(messages):
             problem = _attribute_problem(message["attributes"])
@@ -1616,33 +1609,42 @@ class AwsTransport(BaseTransport):
                     "elsewhere and publish a claim-check reference instead (payload_ref).",
                 )
                 continue
-            admitted = ledger.admit(index, message)
-            if admitted is None:
-                entries.append((index, entry))
-            elif admitted is not FOLLOWS:
-                rows[index] = admitted  # type: ignore[assignment]
+            entries.append((index, entry))
+        ledger = PublishLedger(topic, chosen_message_ids)
         refused: dict[int, str] = {}
-        # A FIFO topic's deduplication id makes botocore's re-sends safe.
-        once = ledger.holds_reservations and not topic.is_fifo
-        send_by = reserving_from + SEND_WITHIN_SECONDS if ledger.holds_reservations else None
-        published = _publish_entries(clients, topic_arn, entries, once=once, send_by=send_by)
-        for index, refusal, arrived in published:
-            if refusal is None:
-                ledger.settle(index, messages[index], sent=True)
-                rows[index] = _row(messages[index]["message_id"], PublishStatus.ACCEPTED)
+        for candidates in _batches(entries):
+            # Each batch reserves its keys and ids just before it is sent, in message order:
+            # all reserved before the first send, a long publish_many's later keys lapsed
+            # (RESERVATION_SECONDS) while a slow SNS took the earlier batches, and another
+            # publisher's message under one was sent beside this one's (review helper-168).
+            batch = []
+            for index, entry in candidates:
+                admitted = ledger.admit(index, messages[index])
+                if admitted is None:
+                    batch.append((index, entry))
+                elif admitted is not FOLLOWS:
+                    rows[index] = admitted  # type: ignore[assignment]
+            if not batch:
                 continue
-            if arrived and ledger.holds(index):
-                # Kept reserved, to lapse: a publish again meanwhile is DeduplicationPending
-                # rather than a second message under the key.
-                ledger.settle(index, messages[index], sent=None)
-                refusal += (
-                    " It may have reached SNS all the same: its deduplication key (or message "
-                    f"id) stays reserved for {RESERVATION_SECONDS} s, and a publish with it "
-                    "meanwhile answers DeduplicationPending."
-                )
-            else:
-                ledger.settle(index, messages[index], sent=False)
-            refused[index] = refusal
+            # A FIFO topic's deduplication id makes botocore's re-sends safe.
+            once = not topic.is_fifo and any(ledger.holds(index) for index, _ in batch)
+            for index, refusal, arrived in _sent(clients, topic_arn, batch, once=once):
+                if refusal is None:
+                    ledger.settle(index, messages[index], sent=True)
+                    rows[index] = _row(messages[index]["message_id"], PublishStatus.ACCEPTED)
+                    continue
+                if arrived and ledger.holds(index):
+                    # Kept reserved, to lapse: a publish again meanwhile is
+                    # DeduplicationPending rather than a second message under the key.
+                    ledger.settle(index, messages[index], sent=None)
+                    refusal += (
+                        " It may have reached SNS all the same: its deduplication key (or "
+                        f"message id) stays reserved for {RESERVATION_SECONDS} s, and a "
+                        "publish with it meanwhile answers DeduplicationPending."
+                    )
+                else:
+                    ledger.settle(index, messages[index], sent=False)
+                refused[index] = refusal
         if refused:
             # One log line a call, not one a message, for a batch that SNS refused whole.
             told = _what_the_publisher_reads(
@@ -1992,52 +1994,24 @@ def _sns_entry(
     return entry, len(body.encode()) + _attribute_bytes(attributes)
 
 
-def _publish_entries(
-    clients: AwsClients,
-    topic_arn: str,
-    entries: list[tuple[int, dict[str, Any]]],
-    *,
-    once: bool,
-    send_by: float | None = None,
-) -> Iterator[tuple[int, str | None, bool]]:
+def _sent(
+    clients: AwsClients, topic_arn: str, batch: list[tuple[int, dict[str, Any]]], *, once: bool
+) -> list[tuple[int, str | None, bool]]:
     """(index, None when SNS took it else what SNS said, whether it may have arrived all the
-    same) of each entry, published one by one or in batches of up to ten (and SNS's 256 KiB per
-    batch); with ``once``, a call whose answer may be lost is never made again (see
-    ``AwsClients.sns_once``), while one that cannot have arrived is, as botocore would. No batch
-    starts after ``send_by`` (``_clock()``): its entries are refused, not sent."""
-    for batch in [entries] if len(entries) == 1 else _batches(entries):
-        if send_by is not None and _clock() > send_by:
-            for index, _ in batch:
-                yield index, OUTLIVED_RESERVATIONS, False
-            continue
-        try:
-            failed = (
-                _publish_batch(clients.sns_once, topic_arn, batch, SNS_SAFE_TRIES)
-                if once
-                else _publish_batch(clients.sns, topic_arn, batch, 1)  # botocore retries
-            )
-        except TransportUnavailableError as exc:
-            # Through botocore's retries the last failure tells nothing of the earlier tries.
-            arrived = isinstance(exc, TransientTransportError) and (
-                exc.may_have_arrived or not once
-            )
-            failed = dict.fromkeys(range(len(batch)), (str(exc), arrived))
-        for i, (index, _) in enumerate(batch):
-            refusal, arrived = failed.get(i, (None, False))
-            yield index, refusal, arrived
-
-
-#: What a message a publish did not send in time for its reservations is refused with.
-OUTLIVED_RESERVATIONS = (
-    f"Not sent: the publish's earlier batches took longer than its deduplication reservations "
-    f"may be relied on ({SEND_WITHIN_SECONDS} s of their {RESERVATION_SECONDS} s; a slow SNS), "
-    "so another publish could hold its key by now. Publish it again."
-)
-
-
-def _clock() -> float:
-    """The clock a publish's deadline for its batches is read on (a test moves it)."""
-    return time.monotonic()
+    same) of each entry of ``batch`` (one of ``_batches``), published in one call; with
+    ``once``, a call whose answer may be lost is never made again (see
+    ``AwsClients.sns_once``), while one that cannot have arrived is, as botocore would."""
+    try:
+        failed = (
+            _publish_batch(clients.sns_once, topic_arn, batch, SNS_SAFE_TRIES)
+            if once
+            else _publish_batch(clients.sns, topic_arn, batch, 1)  # botocore retries
+        )
+    except TransportUnavailableError as exc:
+        # Through botocore's retries the last failure tells nothing of the earlier tries.
+        arrived = isinstance(exc, TransientTransportError) and (exc.may_have_arrived or not once)
+        failed = dict.fromkeys(range(len(batch)), (str(exc), arrived))
+    return [(index, *failed.get(i, (None, False))) for i, (index, _) in enumerate(batch)]
 
 
 def _publish_batch(

@@ -139,11 +139,6 @@ class PublishLedger:
         self._held[index] = (key, fingerprint)
         return None
 
-    @property
-    def holds_reservations(self) -> bool:
-        """Whether any message admitted so far reserved a key or an id."""
-        return any(key is not None or fp is not None for key, fp in self._held.values())
-
     def holds(self, index: int) -> bool:
         """Whether the message at ``index`` reserved a key or an id."""
         return any(part is not None for part in self._held.get(index, (None, None)))
