@@ -2386,6 +2386,37 @@ def test_a_key_whose_reservation_a_slow_publish_many_outlived_is_not_published_t
     assert keyed == [{"n": "other"}]
 
 
+def test_a_replay_whose_first_send_could_not_connect_is_made_again(aws, monkeypatch):
+    """Review helper-169: with one attempt for a replay's send (a lost answer must not queue
+    copies), a send that could not even connect, which cannot have arrived, failed the replay
+    where botocore would have tried again."""
+    from botocore.httpsession import URLLib3Session
+
+    subscription = provisioned(aws, max_attempts=1, lease_seconds=30)
+    publish(subscription.topic.name, {"n": 1})
+    holder = receiver(subscription)
+    assert holder.dead_letter(receive_one(holder), "Poison", "bad").settled
+    [item] = operations.list_dead_letters(subscription.name).items
+    real_send = URLLib3Session.send
+    refused = {"sends": 0}
+
+    def send(session: Any, request: Any) -> Any:
+        if (
+            request.headers.get("X-Amz-Target", b"").endswith(b"SendMessage")
+            and not refused["sends"]
+        ):
+            refused["sends"] += 1
+            raise EndpointConnectionError(endpoint_url=request.url)
+        return real_send(session, request)
+
+    monkeypatch.setattr(URLLib3Session, "send", send)
+    replayed = operations.replay(subscription.name, item.delivery_id).replayed
+    monkeypatch.undo()
+
+    assert (replayed, refused["sends"]) == (True, 1)
+    assert len(arrivals(receiver(subscription), complete=True)) == 1
+
+
 def test_a_replay_whose_send_goes_unanswered_queues_one_copy_at_most(aws, lost_answers):
     """Review helper-168: a replay's SendMessage went through the default client, so an answer
     lost on its way back had each of botocore's attempts reach SQS: one replay queued four

@@ -940,7 +940,8 @@ class _ThreadConnection:
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         #: Whether the server said at the start that the session refuses writes (a standby, or
-        #: default_transaction_read_only on), which it does for its life: used for one call.
+        #: default_transaction_read_only on): used for one call, not kept for a primary's
+        #: return (a standby's promotion aside, such a session refuses writes for its life).
         self.opened_read_only = any(
             connection.info.parameter_status(name) == "on"
             for name in ("in_hot_standby", "default_transaction_read_only")

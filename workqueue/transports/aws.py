@@ -143,9 +143,10 @@ DEAD_LETTER_SCAN_VISIBILITY = 30
 #: polling (0) asks a sample of them and can answer empty while dead letters wait, so a scan
 #: that stops at its first empty answer missed some (a replay by id said "not a dead letter").
 DEAD_LETTER_SCAN_WAIT_SECONDS = 1
-#: Tries of a Publish made through the one-attempt client (``AwsClients.sns_once``) while it
-#: fails in a way that cannot have reached SNS (no connection, throttled), as botocore's three.
-SNS_SAFE_TRIES = 3
+#: Tries of a send made through a one-attempt client (``AwsClients.sns_once``, ``sqs_once``)
+#: while it fails in a way that cannot have reached AWS (no connection, throttled), as
+#: botocore's three.
+ONE_ATTEMPT_SAFE_TRIES = 3
 
 CONFIGURATION_KEYS = ("region", "prefix", "endpoint_url", "profile")
 PREFIX = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,39}\Z")
@@ -2003,7 +2004,7 @@ def _sent(
     ``AwsClients.sns_once``), while one that cannot have arrived is, as botocore would."""
     try:
         failed = (
-            _publish_batch(clients.sns_once, topic_arn, batch, SNS_SAFE_TRIES)
+            _publish_batch(clients.sns_once, topic_arn, batch, ONE_ATTEMPT_SAFE_TRIES)
             if once
             else _publish_batch(clients.sns, topic_arn, batch, 1)  # botocore retries
         )
@@ -2292,8 +2293,11 @@ class _dead_letter_scan:
     """Receive the DLQ's messages (up to DEAD_LETTER_SCAN_LIMIT), and on exit make those still
     listed visible again. Two scans at once each see only part of the DLQ."""
 
-    def __init__(self, binding: QueueBinding) -> None:
+    def __init__(self, binding: QueueBinding, looking_for: str | None = None) -> None:
+        """``looking_for``: a delivery id, once read, ends the scan (a replay or discard by id
+        read the whole DLQ first, longer than it hides what it reads on a big one)."""
         self.binding = binding
+        self.looking_for = looking_for
         self.found: list[dict[str, Any]] = []
         self.started = 0.0
 
@@ -2320,6 +2324,10 @@ class _dead_letter_scan:
                 break
             seen.update(m["MessageId"] for m in fresh)
             self.found.extend(fresh)
+            if self.looking_for is not None and any(
+                _dead_letter_id(m) == self.looking_for for m in fresh
+            ):
+                break
         return self.found
 
     def __exit__(self, *exc: object) -> None:
@@ -2362,7 +2370,7 @@ def _resolve_dead_letter_by_id(binding: QueueBinding, action: str, delivery_id: 
     let another operator's replay of the id find it visible, and both replayed it, the second
     with a lapsed receipt handle (review helper-168). A scan too slow looks again."""
     for _ in range(BY_ID_SCANS):
-        scan = _dead_letter_scan(binding)
+        scan = _dead_letter_scan(binding, looking_for=delivery_id)
         with scan as found:
             message = next((m for m in found if _dead_letter_id(m) == delivery_id), None)
             if message is None:
@@ -2408,9 +2416,17 @@ def _replay_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
         params["MessageDeduplicationId"] = _deduplication_id(
             "replay", delivery_id, message["MessageId"]
         )
-    # One attempt: a send whose answer was lost may have arrived, and botocore's retries put
-    # up to four copies in the queue (review helper-168), where the settles' sends make one.
-    _call(binding.clients.sqs_once.send_message, **params)
+    # Made again only while it cannot have arrived (no connection, throttled): a send whose
+    # answer was lost may have, and botocore's retries put up to four copies in the queue
+    # (review helper-168), where the settles' sends make one.
+    for attempt in range(1, ONE_ATTEMPT_SAFE_TRIES + 1):
+        try:
+            _call(binding.clients.sqs_once.send_message, **params)
+            break
+        except TransientTransportError as exc:
+            if exc.may_have_arrived or attempt == ONE_ATTEMPT_SAFE_TRIES:
+                raise
+            time.sleep(0.05 * 2**attempt)
     _delete_dead_letter(binding, message)
 
 
