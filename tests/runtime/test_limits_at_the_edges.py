@@ -126,6 +126,11 @@ def test_a_one_shot_run_never_ends_while_another_consumer_takes_the_budget_one_g
     def take_after_a(self, wanted: int) -> int:
         if threading.current_thread().name == f"wq-{waiting.name}":
             a_claiming.wait(10)  # B comes second: the budget is A's
+        elif step[0] in ("A gave back", "B took"):
+            # A's loop woken again (a kick as the host's listener connects late, on a loaded
+            # machine) took the budget B was kicked to take, and B, refused, slept out its 60 s
+            # poll: the run ended MaxDuration (seen once in CI). Not the interleaving tested.
+            return 0
         return take(self, wanted)
 
     def consumer_named(name: str) -> Consumer:
