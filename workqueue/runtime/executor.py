@@ -792,6 +792,10 @@ class DeliveryExecution:
                     self._where,
                 )
                 self._beat_failures = 0
+            if extension.state != LeaseState.HELD:
+                # Why the handler is told to stop, for whoever reads DEBUG (a heartbeat that
+                # answered so ended a test's handler early once in CI, and nothing said why).
+                self.log.debug("Heartbeat answered %s (%s)", extension.state, self._where)
             if extension.state == LeaseState.CANCELLED:
                 # Renewed all the same (see the module's docstring), but no longer the
                 # handler's to finish: a manual heartbeat tells it so.
