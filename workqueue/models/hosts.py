@@ -33,6 +33,10 @@ _ERROR_HEADLINES = (
 STUCK_RUNS_LISTED = 10
 
 
+#: How a host's reason begins the names it suggests, which come last.
+SUGGESTION_PREFIX = "; did you mean "
+
+
 def reason_for_a_limited_caller(reason: str) -> str:
     """``reason`` as a caller limited to named subscriptions reads it: without the error text a
     host recorded after its headline, and without the names it suggested ("did you mean"),
@@ -41,10 +45,6 @@ def reason_for_a_limited_caller(reason: str) -> str:
         if reason.startswith(f"{headline}: "):
             return f"{headline} (the error is shown to callers not limited to subscriptions)"
     return reason.split(SUGGESTION_PREFIX, 1)[0]
-
-
-#: How a host's reason begins the names it suggests, which come last.
-SUGGESTION_PREFIX = "; did you mean "
 
 
 def database_now() -> dt.datetime:

@@ -2021,24 +2021,30 @@ def _publish_batch(
     """Publish ``batch`` (one entry: Publish; more: PublishBatch); SNS's refusals of single
     entries by position, with False (not taken). A failure of the call is raised, after up to
     ``tries`` tries while it cannot have arrived (no connection, throttled)."""
+    if len(batch) == 1:
+        _call_while_unsent(tries, sns.publish, TopicArn=topic_arn, **batch[0][1])
+        return {}
+    request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
+    answer = _call_while_unsent(
+        tries, sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
+    )
+    return {
+        int(f["Id"]): (f"SNS refused it: {f.get('Code')}: {f.get('Message')}", False)
+        for f in answer.get("Failed", [])
+    }
+
+
+def _call_while_unsent(tries: int, method: Any, **params: Any) -> dict[str, Any]:
+    """``_call(method, **params)``, made again, up to ``tries`` calls in all, while it fails in
+    a way that cannot have reached AWS (no connection, throttled): through a one-attempt
+    client a send whose answer was lost is never made twice, and these lose nothing."""
     for attempt in range(1, tries + 1):
         try:
-            if len(batch) == 1:
-                _call(sns.publish, TopicArn=topic_arn, **batch[0][1])
-                return {}
-            request = [{"Id": str(i), **entry} for i, (_, entry) in enumerate(batch)]
-            answer = _call(
-                sns.publish_batch, TopicArn=topic_arn, PublishBatchRequestEntries=request
-            )
+            return _call(method, **params)
         except TransientTransportError as exc:
             if exc.may_have_arrived or attempt == tries:
                 raise
             time.sleep(0.05 * 2**attempt)
-            continue
-        return {
-            int(f["Id"]): (f"SNS refused it: {f.get('Code')}: {f.get('Message')}", False)
-            for f in answer.get("Failed", [])
-        }
     raise AssertionError("unreachable")
 
 
@@ -2416,17 +2422,10 @@ def _replay_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
         params["MessageDeduplicationId"] = _deduplication_id(
             "replay", delivery_id, message["MessageId"]
         )
-    # Made again only while it cannot have arrived (no connection, throttled): a send whose
-    # answer was lost may have, and botocore's retries put up to four copies in the queue
-    # (review helper-168), where the settles' sends make one.
-    for attempt in range(1, ONE_ATTEMPT_SAFE_TRIES + 1):
-        try:
-            _call(binding.clients.sqs_once.send_message, **params)
-            break
-        except TransientTransportError as exc:
-            if exc.may_have_arrived or attempt == ONE_ATTEMPT_SAFE_TRIES:
-                raise
-            time.sleep(0.05 * 2**attempt)
+    # One attempt while it may have arrived: botocore's retries of a send whose answer was
+    # lost put up to four copies in the queue (review helper-168), where the settles' sends
+    # make one.
+    _call_while_unsent(ONE_ATTEMPT_SAFE_TRIES, binding.clients.sqs_once.send_message, **params)
     _delete_dead_letter(binding, message)
 
 
