@@ -2276,7 +2276,9 @@ def test_two_replays_of_one_dead_letter_by_id_queue_it_once(aws, monkeypatch):
     asking whether the scan still hid it (the bulk path asks). A scan slower than its hiding
     (a DLQ of a thousand, a slow SQS) let another operator's replay of the same id find it
     visible and replay it, then replayed it too with its lapsed receipt handle: two copies
-    for one dead letter. Its hiding is cut to 4 s here, and the scan's second read stalled."""
+    for one dead letter. Its hiding is cut to 4 s here, and the answer of the scan's read that
+    finds it is held up 5 s (a scan stops at the dead letter it looks for: the read after it
+    can no longer be the slow one)."""
     import threading
 
     from botocore.httpsession import URLLib3Session
@@ -2298,15 +2300,16 @@ def test_two_replays_of_one_dead_letter_by_id_queue_it_once(aws, monkeypatch):
         target = request.headers.get("X-Amz-Target", b"")
         body = request.body or b""
         body = body.encode() if isinstance(body, str) else body
+        answer = real(session, request)
         if (
             threading.get_ident() in slow_thread
             and target.endswith(b"ReceiveMessage")
             and dlq in body
         ):
             reads["n"] += 1
-            if reads["n"] == 2:
-                time.sleep(5)  # the scan's next read, on a slow SQS
-        return real(session, request)
+            if reads["n"] == 1:
+                time.sleep(5)  # the scan's first answer, on a slow SQS: its hiding lapses
+        return answer
 
     monkeypatch.setattr(URLLib3Session, "send", send)
     outcome: dict[str, Any] = {}
