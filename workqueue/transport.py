@@ -45,6 +45,7 @@ from workqueue.exceptions import (
 from workqueue.input_limits import within_units
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
+    DEAD_LETTER_PAGE_PAYLOAD_CHARS,
     Backlog,
     ClaimedDelivery,
     ClaimResult,
@@ -622,6 +623,12 @@ def queue_gauges(subscription_id: str, cap: int) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
+#: Dead letters read per call when their payloads come too: at most some 8 MB of payload text
+#: (their stored text can be longer than the message was: jsonb writes a space after each
+#: comma and colon).
+DEAD_LETTERS_READ_WITH_PAYLOADS = 16
+
+
 def list_dead_letters(
     subscription_id: str,
     after_delivery_id: str | None,
@@ -629,35 +636,54 @@ def list_dead_letters(
     *,
     with_payload: bool = True,
 ) -> list[DeadLetterItem]:
-    rows = _driver().call(
-        "wq_list_dead_letters",
-        {
-            "subscription_id": subscription_id,
-            "after_delivery_id": after_delivery_id,
-            "page_size": page_size,
-            "with_payload": with_payload,
-        },
-    )
-    return [
-        DeadLetterItem(
-            delivery_id=r["delivery_id"],
-            partition_key=r["partition_key"],
-            attempts=r["attempt_count"],
-            reason=r["dead_letter_reason"],
-            last_error=r["last_error"],
-            dead_lettered_at=r["dead_lettered_at"],
-            blocks_key=r["blocks_key"],
-            message_id=r["message_id"],
-            topic=r["topic_name"],
-            message_partition_key=r["message_partition_key"],
-            attributes=r["attributes"] or {},
-            payload=r["payload"],
-            payload_ref=stored_payload_ref(r["payload_ref"]),
-            correlation_id=r["correlation_id"],
-            published_at=r["published_at"],
+    """Up to ``page_size`` dead letters after ``after_delivery_id``. With payloads, read
+    DEAD_LETTERS_READ_WITH_PAYLOADS at a time, ending at the one whose payload reaches the
+    page's budget (DEAD_LETTER_PAGE_PAYLOAD_CHARS): what the web process holds stays a few
+    megabytes whatever the page size asked."""
+    items: list[DeadLetterItem] = []
+    payload_chars = 0
+    while len(items) < page_size:
+        asked = page_size - len(items)
+        if with_payload:
+            asked = min(asked, DEAD_LETTERS_READ_WITH_PAYLOADS)
+        rows = _driver().call(
+            "wq_list_dead_letters",
+            {
+                "subscription_id": subscription_id,
+                "after_delivery_id": after_delivery_id,
+                "page_size": asked,
+                "with_payload": with_payload,
+            },
         )
-        for r in rows
-    ]
+        for row in rows:
+            items.append(_dead_letter_item(row))
+            payload_chars += items[-1].payload_chars
+            if payload_chars >= DEAD_LETTER_PAGE_PAYLOAD_CHARS:
+                return items
+        if len(rows) < asked:
+            break
+        after_delivery_id = items[-1].delivery_id
+    return items
+
+
+def _dead_letter_item(row: dict[str, Any]) -> DeadLetterItem:
+    return DeadLetterItem(
+        delivery_id=row["delivery_id"],
+        partition_key=row["partition_key"],
+        attempts=row["attempt_count"],
+        reason=row["dead_letter_reason"],
+        last_error=row["last_error"],
+        dead_lettered_at=row["dead_lettered_at"],
+        blocks_key=row["blocks_key"],
+        message_id=row["message_id"],
+        topic=row["topic_name"],
+        message_partition_key=row["message_partition_key"],
+        attributes=row["attributes"] or {},
+        payload_json=row["payload"],
+        payload_ref=stored_payload_ref(row["payload_ref"]),
+        correlation_id=row["correlation_id"],
+        published_at=row["published_at"],
+    )
 
 
 def list_partitions(

@@ -262,10 +262,23 @@ class DeadLetterItem:
     topic: str
     message_partition_key: str | None
     attributes: dict[str, str]
-    payload: Any
+    #: The payload as the JSON text it is stored as (None when it was not read), never
+    #: decoded on the way to an operator: a payload of 256 KiB can be 25 times that as
+    #: Python objects, and a page holds hundreds.
+    payload_json: str | None
     payload_ref: dict[str, Any] | None
     correlation_id: str | None
     published_at: dt.datetime
+
+    @property
+    def payload_chars(self) -> int:
+        return len(self.payload_json or "")
+
+
+#: A page of dead letters that carries payloads ends early at the item whose payload text
+#: takes the page's total to this many characters (a page holds at least one item). With
+#: MAX_PAYLOAD_BYTES a message, a page of 500 could otherwise hold over a hundred megabytes.
+DEAD_LETTER_PAGE_PAYLOAD_CHARS = 4 * 2**20
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from tests.factories import (
     UserFactory,
 )
 from tests.support.api import call
+from tests.support.memory import SWOLLEN_PAYLOAD, peak_bytes
 from tests.support.queue import dead_letter, pending
 from workqueue.driver.base import SparseIndex
 from workqueue.exceptions import PermissionDeniedError
@@ -35,6 +36,7 @@ from workqueue.operators.permissions import (
     READ_PERMISSION,
     Actor,
 )
+from workqueue.types import MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.usefixtures("queue_db")
 
@@ -533,3 +535,30 @@ def test_an_admin_user_who_may_not_read_cannot_count_dead_letters_by_their_conte
         sub.name, "replay", operations.DeadLetterSelection(), dry_run=True, actor=operate_only
     )
     assert everything.matched == 1
+
+
+# -- a page of dead letters holds its payloads as text, and at most a budget of them ----------
+
+
+def test_a_page_of_swollen_payloads_holds_the_web_process_to_megabytes_not_hundreds(client):
+    """Review helper-167: each payload was decoded to Python objects, validated and encoded
+    again, and JSON of empty objects grows some 25 times decoded: a reader with view_payload
+    made one request of 16 such dead letters hold over 200 MB of the web process (500 of them
+    gigabytes). A page carries its payloads as the stored text, and stops once they reach the
+    page's budget; the rest follow by cursor, whole and once each."""
+    sub = SubscriptionFactory(topic=TopicFactory(max_payload_bytes=MAX_PAYLOAD_BYTES))
+    ids = sorted(dead_letter(sub, SWOLLEN_PAYLOAD) for _ in range(16))
+    key, path = ApiKeyFactory(scopes=[READ]), f"/subscriptions/{sub.name}/dead-letters"
+
+    first, peak = peak_bytes(lambda: call(client, "get", path, key=key, page_size=500))
+    pages = [first.json()]
+    while pages[-1]["nextCursor"]:
+        cursor = pages[-1]["nextCursor"]
+        pages.append(call(client, "get", path, key=key, page_size=500, cursor=cursor).json())
+
+    assert first.status_code == 200, first.content[:500]
+    assert peak < 48 * 2**20, f"one page held {peak / 2**20:.0f} MB"
+    assert len(pages) > 1, "all 16 payloads came in one page: no budget"
+    items = [item for page in pages for item in page["items"]]
+    assert [item["deliveryId"] for item in items] == ids
+    assert all(item["message"]["payload"] == SWOLLEN_PAYLOAD for item in items)

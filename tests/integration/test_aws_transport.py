@@ -2242,7 +2242,7 @@ def test_an_expired_last_attempt_received_with_fresh_work_is_dead_lettered_besid
     wait_until(lambda: operations.list_dead_letters(subscription.name).items, timeout=10)
 
     [item] = operations.list_dead_letters(subscription.name).items
-    assert item.payload == {"n": "expired"} and item.reason == "LeaseExpired"
+    assert json.loads(item.payload_json) == {"n": "expired"} and item.reason == "LeaseExpired"
     assert [e.reason for e in taker.receive(10).expired_dead_letters] == ["LeaseExpired"]
 
 

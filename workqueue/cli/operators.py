@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import json
 import shlex
 import uuid
 from typing import Any
@@ -150,6 +151,21 @@ def _write_page_json(command: BaseCommand, page: Any) -> None:
     command.stdout.write(to_json({"items": items, "next_cursor": page.next_cursor}))
 
 
+def _write_dead_letters_json(command: BaseCommand, page: Any) -> None:
+    # Each payload decoded under "payload", in its place among the fields.
+    items = [
+        dict(_decoded_payload(name, value) for name, value in dataclasses.asdict(item).items())
+        for item in page.items
+    ]
+    command.stdout.write(to_json({"items": items, "next_cursor": page.next_cursor}))
+
+
+def _decoded_payload(name: str, value: Any) -> tuple[str, Any]:
+    if name != "payload_json":
+        return name, value
+    return "payload", None if value is None else json.loads(value)
+
+
 def _write_next_page_hint(command: BaseCommand, page: Any) -> None:
     if page.next_cursor:
         command.stdout.write(f"next page: --cursor {page.next_cursor}")
@@ -173,11 +189,15 @@ class DeadLettersVerb(Verb):
 
         page = _operation_errors(
             lambda: list_dead_letters(
-                options["subscription"], cursor=options["cursor"], page_size=options["page_size"]
+                options["subscription"],
+                cursor=options["cursor"],
+                page_size=options["page_size"],
+                # The table shows none: not read.
+                payloads=options["json"],
             )
         )
         if options["json"]:
-            _write_page_json(command, page)
+            _write_dead_letters_json(command, page)
             return
         from workqueue.operators.display import error_summary
 

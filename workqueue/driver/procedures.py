@@ -238,7 +238,7 @@ PROCEDURES: dict[str, Procedure] = {
             _c(
                 "delivery_id:uuid, attempt_count:int, dead_letter_reason, last_error, "
                 "dead_lettered_at:timestamp, partition_key, blocks_key:bool, message_id:uuid, "
-                "topic_name, message_partition_key, attributes:json, payload:json, "
+                "topic_name, message_partition_key, attributes:json, payload, "
                 "payload_ref:json, correlation_id, published_at:timestamp"
             ),
             ResultKind.MANY,

@@ -47,7 +47,7 @@ from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.runtime.handler_runs import what_to_do
 from workqueue.transports import BaseTransport
 from workqueue.types import (
-    DeadLetterItem,
+    DEAD_LETTER_PAGE_PAYLOAD_CHARS,
     DeliveryStatus,
     PartitionCondition,
     PartitionItem,
@@ -409,10 +409,12 @@ def list_dead_letters(
     *,
     cursor: str | None = None,
     page_size: Any = None,
+    payloads: bool = True,
     actor: Actor = CLI,
 ) -> Page:
-    """One page of a subscription's dead letters, oldest id first. Payloads are blanked for
-    callers without ``workqueue.view_payload``."""
+    """One page of a subscription's dead letters, oldest id first, with their payloads if
+    ``payloads`` and the caller has ``workqueue.view_payload``. A page with payloads may end
+    before ``page_size`` (at DEAD_LETTER_PAGE_PAYLOAD_CHARS of them), with a next cursor."""
     name = _name(subscription_name)
     size = cursors.page_size(page_size)
     after = cursors.decode(cursor, "delivery_id", max_length=DELIVERY_ID_LENGTH, listing=name)
@@ -420,24 +422,18 @@ def list_dead_letters(
         raise InvalidInputError("cursor is not valid; pass the next_cursor of a previous page.")
     require(actor, READ, subscription=name)
     subscription = _subscription(name, actor)
-    viewer = may_view_payload(actor)
     # Not read at all for a caller who may not see them: a page of a thousand payloads read to
     # be blanked cost the web process their whole size, a read key's way to exhaust it.
+    with_payload = payloads and may_view_payload(actor)
     items = _transport_of(subscription).list_dead_letters(
-        str(subscription.id), after, size + 1, with_payload=viewer
+        str(subscription.id), after, size + 1, with_payload=with_payload
     )
-    if not viewer:
-        items = [_without_payload(item) for item in items]
-    next_cursor = (
-        cursors.encode({"delivery_id": items[size - 1].delivery_id}, name)
-        if len(items) > size
-        else None
+    page = items[:size]
+    more = len(items) > size or (
+        sum(item.payload_chars for item in page) >= DEAD_LETTER_PAGE_PAYLOAD_CHARS
     )
-    return Page(True, items[:size], next_cursor)
-
-
-def _without_payload(item: DeadLetterItem) -> DeadLetterItem:
-    return replace(item, payload=None, payload_ref=None)
+    next_cursor = cursors.encode({"delivery_id": page[-1].delivery_id}, name) if more else None
+    return Page(True, page, next_cursor)
 
 
 def list_partitions(

@@ -69,6 +69,7 @@ from workqueue.transports.ledger import (
     content_fingerprint,
 )
 from workqueue.types import (
+    DEAD_LETTER_PAGE_PAYLOAD_CHARS,
     Backlog,
     ClaimedDelivery,
     ClaimResult,
@@ -1772,15 +1773,24 @@ class AwsTransport(BaseTransport):
     ) -> list[DeadLetterItem]:
         """A page of the DLQ by id. SQS cannot be read without receiving: the DLQ's messages
         (up to DEAD_LETTER_SCAN_LIMIT) are received, read and made visible again; their bodies
-        come whole, ``with_payload`` or not (the caller drops what it may not show)."""
+        come whole, and each keeps its payload only ``with_payload`` (as text: one body is
+        decoded at a time)."""
         binding = QueueBinding.of(subscription_id)
         with _dead_letter_scan(binding) as found:
             items = sorted(
-                (_dead_letter_item(binding, m) for m in found), key=lambda i: i.delivery_id
+                (_dead_letter_item(binding, m, with_payload) for m in found),
+                key=lambda i: i.delivery_id,
             )
-        return [i for i in items if after_delivery_id is None or i.delivery_id > after_delivery_id][
-            :page_size
-        ]
+        page: list[DeadLetterItem] = []
+        payload_chars = 0
+        for item in items:
+            if after_delivery_id is not None and item.delivery_id <= after_delivery_id:
+                continue
+            page.append(item)
+            payload_chars += item.payload_chars
+            if len(page) == page_size or payload_chars >= DEAD_LETTER_PAGE_PAYLOAD_CHARS:
+                break
+        return page
 
     # -- operator writes --------------------------------------------------------------------
 
@@ -1871,7 +1881,7 @@ class AwsTransport(BaseTransport):
                 key=_dead_letter_id,
             )[:batch_size]
             for message in ordered:
-                if not _selected(_dead_letter_item(binding, message), selection):
+                if not _selected(_dead_letter_item(binding, message, False), selection):
                     continue
                 if dry_run:
                     changed += 1
@@ -2437,8 +2447,11 @@ def _delete_dead_letter(binding: QueueBinding, message: dict[str, Any]) -> None:
     )
 
 
-def _dead_letter_item(binding: QueueBinding, message: dict[str, Any]) -> DeadLetterItem:
+def _dead_letter_item(
+    binding: QueueBinding, message: dict[str, Any], with_payload: bool
+) -> DeadLetterItem:
     envelope = _envelope(message["Body"])
+    payload = envelope.get("payload") if with_payload else None
     attributes = {
         k: v.get("StringValue", "") for k, v in message.get("MessageAttributes", {}).items()
     }
@@ -2457,8 +2470,8 @@ def _dead_letter_item(binding: QueueBinding, message: dict[str, Any]) -> DeadLet
         topic=binding.topic_name,
         message_partition_key=envelope.get("partition_key"),
         attributes=envelope.get("attributes") or {},
-        payload=envelope.get("payload"),
-        payload_ref=stored_payload_ref(envelope.get("payload_ref")),
+        payload_json=None if payload is None else canonical_json(payload),
+        payload_ref=stored_payload_ref(envelope.get("payload_ref")) if with_payload else None,
         correlation_id=envelope.get("correlation_id"),
         published_at=_parse_time(envelope.get("published_at")),
     )

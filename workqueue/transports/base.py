@@ -341,9 +341,10 @@ class BaseTransport:
         *,
         with_payload: bool = True,
     ) -> list[DeadLetterItem]:
-        """A page of dead letters by delivery id, after ``after_delivery_id``; without their
-        payloads and references (None) when ``with_payload`` is false, read as little of them
-        as the transport can."""
+        """Up to ``page_size`` dead letters by delivery id, after ``after_delivery_id``; without
+        their payloads and references (None) when ``with_payload`` is false, read as little of
+        them as the transport can. With payloads, the page ends at the item whose payload text
+        takes the page's total to DEAD_LETTER_PAGE_PAYLOAD_CHARS."""
         raise NotImplementedError
 
     def list_partitions(
