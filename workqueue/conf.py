@@ -47,6 +47,10 @@ class WorkQueueSettings:
     #: for PUBLISH_MAX_BATCH messages of the topic's max_payload_bytes plus 2 KiB each (the
     #: default, 100 x 258 KiB = 25.2 MiB for a topic of the largest size).
     PUBLISH_BODY_LIMIT_BYTES: int | None = None
+    #: Most JSON values and keys a REST publish request body may hold, counted before it is
+    #: parsed (larger get 413): decoded, a value costs up to some 70 bytes, so this bounds what
+    #: one request makes the web process hold (about 70 MB at the default).
+    PUBLISH_MAX_JSON_VALUES: int = 1_000_000
     #: Topology as code for ``manage.py workqueue sync-topology``: {"topics": {name: fields},
     #: "subscriptions": {name: fields}}, or a dotted path to such a dict (the environment
     #: override takes the path). None: nothing declared.
@@ -88,6 +92,7 @@ _NUMBER_RANGES: dict[str, tuple[int, int | None]] = {
     "SCHEDULER_INTERVAL_MS": (0, None),
     "PUBLISH_MAX_BATCH": (1, None),
     "PUBLISH_BODY_LIMIT_BYTES": (1, None),
+    "PUBLISH_MAX_JSON_VALUES": (1, None),
     "VACUUM_HORIZON_WARNING_SECONDS": (1, None),
     "DEAD_ROWS_WARNING": (1, None),
     "METRICS_COUNT_CAP": (1, 1_000_000),

@@ -22,6 +22,7 @@ __all__ = [
     "NUL_PROBLEM",
     "SURROGATE_PROBLEM",
     "TOO_DEEP_PROBLEM",
+    "holds_more_json_values",
     "json_text_problem",
     "text_problem",
 ]
@@ -86,6 +87,24 @@ def json_text_problem(text: str) -> str | None:
     if _deeper_than(structure, MAX_JSON_DEPTH):
         return TOO_DEEP_PROBLEM
     return None
+
+
+# A JSON string in UTF-8 bytes: no byte of a multi-byte character is a quote or a backslash.
+_STRING_BYTES = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# One for each value and key that follows another, and for each container: with one more for
+# the first value, at least as many as the text holds values and keys.
+_VALUE_MARKS = (b",", b":", b"[", b"{")
+
+
+def holds_more_json_values(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text ``raw`` holds more than ``limit`` values and keys, counted without
+    decoding it (an upper bound: each comma, colon and opening bracket outside its strings,
+    plus one). Decoded, a value costs up to some 70 bytes, so JSON of empty objects grows 25
+    times: what a body's byte limit does not bound."""
+    if sum(raw.count(mark) for mark in _VALUE_MARKS) < limit:
+        return False  # even counting the strings' own commas and colons
+    structure = _STRING_BYTES.sub(b"", raw)
+    return sum(structure.count(mark) for mark in _VALUE_MARKS) + 1 > limit
 
 
 def _has_lone_surrogate(text: str) -> bool:

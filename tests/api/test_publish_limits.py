@@ -18,6 +18,7 @@ from django.core.asgi import get_asgi_application
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
 from tests.support.api import assert_refused, post, url
+from tests.support.memory import SWOLLEN_PAYLOAD, peak_bytes
 from workqueue.api import publish as publish_api
 from workqueue.driver.base import canonical_json
 from workqueue.models import Message
@@ -230,3 +231,26 @@ def test_only_the_messages_that_fit_reach_the_database(client, small_topic, key,
 
     assert [r["status"] for r in response.json()["results"]] == ["Rejected", "Accepted"]
     assert len(statements) == 1 and "wq_publish(" in statements[0]
+
+
+# -- what the body decodes to ----------------------------------------------------------------
+
+
+def test_a_body_within_the_limit_that_decodes_to_hundreds_of_megabytes_is_413_unparsed(client, key):
+    """The body limit bounds bytes, not what they become: 25 MB of JSON empty objects, a full
+    batch of full-size messages, decoded to some 600 MB in the web process for one request of
+    a publish key. A body holding more JSON values than PUBLISH_MAX_JSON_VALUES is refused
+    before it is parsed, naming the setting; one under it is published."""
+    topic = TopicFactory(allow_external_publish=True)
+    SubscriptionFactory(topic=topic)
+    swollen = {"messages": [{"payload": SWOLLEN_PAYLOAD} for _ in range(100)]}
+    raw = json.dumps(swollen, separators=(",", ":"))
+    assert len(raw) <= publish_api.body_limit(topic.max_payload_bytes)
+
+    refused, peak = peak_bytes(lambda: post(client, topic.name, raw=raw, key=key))
+
+    body = assert_refused(refused, 413)
+    assert "PUBLISH_MAX_JSON_VALUES" in body["detail"]
+    assert peak < 128 * 2**20, f"the refusal held {peak / 2**20:.0f} MB"
+    fits = {"messages": [{"payload": SWOLLEN_PAYLOAD}]}
+    assert post(client, topic.name, fits, key=key).status_code == 202

@@ -15,6 +15,7 @@ from workqueue.input_limits import (
     NUL_PROBLEM,
     SURROGATE_PROBLEM,
     TOO_DEEP_PROBLEM,
+    holds_more_json_values,
     json_text_problem,
     key_length,
     text_problem,
@@ -153,3 +154,29 @@ def test_the_function_to_drop_is_found_in_postgresqls_hint_in_any_language(hint)
     from workqueue.driver.postgresql import _DROP_FIRST
 
     assert _DROP_FIRST.search(hint)[1] == "wq_backlog(uuid,integer)"
+
+
+def _values_and_keys(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(1 + _values_and_keys(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_values_and_keys(v) for v in value)
+    return 1
+
+
+@pytest.mark.parametrize(
+    "text, counted",
+    [
+        ("1", 1),
+        ('{"a":1,"b":2}', 5),  # the object, two keys, two values
+        ("[[],{}]", 5),  # three values: an empty container's bracket and comma both count
+        ('["a,b:c[{"]', 2),  # marks inside a string are not values
+        ('["x\\\\",",",1]', 4),  # an escaped backslash ends before the quote
+        ('["\\"[,:",1]', 3),  # an escaped quote does not end the string
+    ],
+)
+def test_json_values_are_counted_without_decoding_never_fewer_than_there_are(text, counted):
+    raw = text.encode()
+    assert counted >= _values_and_keys(json.loads(text))
+    assert holds_more_json_values(raw, counted - 1)
+    assert not holds_more_json_values(raw, counted)

@@ -8,7 +8,8 @@ the caller is known and allowed:
 3. topic name not ``^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$`` or containing ``..`` → 400;
 4. key without ``workqueue:publish``, topic outside the key's limit, or owner without the
    permission → 403;
-5. body larger than the limit → 413 (checked on Content-Length, then on what is read);
+5. body larger than the limit → 413 (checked on Content-Length, then on what is read); body
+   holding more than ``PUBLISH_MAX_JSON_VALUES`` JSON values and keys → 413, unparsed;
 6. body not JSON → 400; more than ``PUBLISH_MAX_BATCH`` messages → 400 (counted on the parsed
    list, before any message is looked at); not ``{"messages": [1..N objects]}`` → 400;
 7. unknown topic → 404; topic without ``allow_external_publish`` → 403;
@@ -49,7 +50,7 @@ from workqueue.api.schemas import (
 )
 from workqueue.conf import get_settings
 from workqueue.exceptions import InvalidMessageError, PermissionDeniedError
-from workqueue.input_limits import MAX_JSON_DEPTH
+from workqueue.input_limits import MAX_JSON_DEPTH, holds_more_json_values
 from workqueue.models import Topic
 from workqueue.models.topology import EXTERNAL_TASKS_PROBLEM
 from workqueue.operators.permissions import PUBLISH, Actor, require
@@ -115,7 +116,9 @@ def publish_messages(request: HttpRequest, topic: str) -> Status[dict[str, Any]]
     # answered 404 only after the body checks, as the order above says.
     found = Topic.objects.select_related("transport").filter(name=topic.lower()).first()
     limit = body_limit(found.max_payload_bytes) if found is not None else body_limit()
-    body = _validate(_parse(_read_body(request, limit)))
+    raw = _read_body(request, limit)
+    _refuse_too_many_values(raw)
+    body = _validate(_parse(raw))
     if found is None:
         raise HttpError(404, "No topic has this name.")
     if not found.allow_external_publish:
@@ -168,6 +171,17 @@ def _read_body(request: HttpRequest, limit: int) -> bytes:
     if len(raw) > limit:
         raise too_large
     return raw
+
+
+def _refuse_too_many_values(raw: bytes) -> None:
+    most = get_settings().PUBLISH_MAX_JSON_VALUES
+    if holds_more_json_values(raw, most):
+        raise HttpError(
+            413,
+            f"The request body holds more than {most} JSON values and keys (counted before it "
+            "is parsed, with the brackets). Send fewer or smaller messages per request, or "
+            'raise WORKQUEUE["PUBLISH_MAX_JSON_VALUES"].',
+        )
 
 
 class ShapeError(HttpError):
