@@ -157,6 +157,12 @@ def slot_message_id(deduplication_key: str, secret: str | None = None) -> str:
     return str(uuid.UUID(bytes=digest.digest()[:16], version=4))
 
 
+def _is_topic_name(value: Any) -> bool:
+    from workqueue.models.topology import DOTTED_NAME  # models: not before the apps are ready
+
+    return isinstance(value, str) and bool(DOTTED_NAME.match(value))
+
+
 def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
     """Validate ``WORKQUEUE["SCHEDULES"]``; the error names the entry and what to change."""
     if not isinstance(entries, (list, tuple)):
@@ -199,6 +205,20 @@ def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
                 f"{where}: timezone {schedule.timezone!r} is not an IANA time zone name such as "
                 "'UTC' or 'Europe/Amsterdam'."
             ) from None
+        if not isinstance(schedule.cron, str):
+            # cronsim reads a number or a list (from YAML, JSON or the environment) with an
+            # AttributeError, which nothing here would name (review helper-170).
+            raise WorkQueueConfigurationError(
+                f"{where}: cron {schedule.cron!r} must be text: five fields, minute hour "
+                "day-of-month month day-of-week, e.g. '0 3 * * *'."
+            )
+        if not _is_topic_name(schedule.topic):
+            # Accepted, the host started and every pass refused the slot's publish: a
+            # schedule that never fired, an ERROR a pass (review helper-170).
+            raise WorkQueueConfigurationError(
+                f"{where}: topic {schedule.topic!r} is not a topic's name: lower-case words of "
+                "letters and digits joined by '.', '_' or '-' (e.g. orders.created)."
+            )
         try:
             CronSim(schedule.cron, dt.datetime.now(zone))
         except (CronSimError, TypeError) as exc:

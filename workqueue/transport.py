@@ -148,6 +148,15 @@ class Receiver:
         self._previous = previous
         self.key_cursor = previous.key_cursor
 
+    @property
+    def owes_a_lost_claim(self) -> bool:
+        """Whether a claim whose answer was lost (this receiver's, or one it carried over) may
+        hold deliveries that the next claim would take back."""
+        previous = self._previous
+        return self._unanswered_claim is not None or (
+            previous is not None and previous._unanswered_claim is not None
+        )
+
     def _take_over_unanswered(self) -> None:
         """Move the previous receiver's lost claim here (taken, so named by one of us only),
         unless this one has one of its own to name first."""

@@ -786,6 +786,40 @@ def test_a_renewals_lease_is_counted_from_when_it_was_sent_not_answered(rig):
     assert 5.0 <= aborted_at - receiver.renewal_sent < 5.0 + 2.5
 
 
+class RenewalTimingReceiver(Receiver):
+    """Notes when each renewal is sent."""
+
+    def __init__(self, subscription_id: Any) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.renewals_sent: list[float] = []
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        self.renewals_sent.append(time.monotonic())
+        return super().extend_lease(delivery, progress)
+
+
+def test_a_delivery_starting_with_little_lease_left_renews_it_before_it_ends(rig):
+    """Review helper-171: the first automatic renewal came a third of a lease after the start
+    whatever was left of it, and only then was the lease watched; a delivery that started with
+    a quarter of its lease left (claimed ahead, or its claim answered late) ran past its lease
+    unrenewed and unwatched, while another consumer could take it over."""
+    sub = rig.subscription(heartbeat_mode="Auto", lease_seconds=6)  # ticks every 2 s
+    publish(sub.topic.name, {"sleepMs": 3000})
+    receiver = RenewalTimingReceiver(sub.id)
+    (delivery,) = receiver.receive(1).deliveries
+    started = time.monotonic()
+    # As if its claim had been sent 4.5 s ago: 1.5 s of its lease left by the local clock.
+    execution = rig.execution(sub, receiver, delivery, leased_at=started - 4.5)
+
+    result = rig.start(execution).result(timeout=20)
+
+    assert receiver.renewals_sent and receiver.renewals_sent[0] - started < 1.5
+    assert probe.runs[0].signal_reason is None
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+
+
 def test_a_heartbeat_that_finds_the_lease_taken_over_aborts_with_lease_lost_and_writes_nothing(
     rig,
 ):

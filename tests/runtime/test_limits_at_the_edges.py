@@ -359,3 +359,34 @@ def test_a_renamed_subscription_listed_under_both_names_counts_its_handler_once_
     assert not lingering.finished.is_set()
     counted = {e["name"]: (e["state"], e["in_flight"]) for e in host.health()["subscriptions"]}
     assert counted == {old: ("Error", 0), new: ("Running", 1)}, counted
+
+
+def test_a_failed_rate_token_call_does_not_spend_the_one_shot_budget(make_host, monkeypatch):
+    """Review helper-171: the budget was taken before the rate-limit tokens were asked for,
+    and a call that raised something other than a WorkQueueError (the loop restarts for it)
+    kept it taken: the job ended MaxDeliveries, processed 0, exit 0, its work still queued."""
+    s = sub(rate_limit_per_second=100)
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    take = Receiver.take_rate_tokens
+    failures = [1]
+
+    def fails_once(self: Receiver, wanted: int) -> object:
+        if failures:
+            failures.pop()
+            raise RuntimeError("an unexpected error from the driver")
+        return take(self, wanted)
+
+    monkeypatch.setattr(Receiver, "take_rate_tokens", fails_once)
+    host = make_host(one(s, concurrency=1))
+
+    result = host.run_once(max_deliveries=1, idle_exit_ms=3000, max_duration_ms=10_000)
+
+    assert not failures  # the failure happened
+    assert (result.processed, result.reason, status_of(message)) == (
+        1,
+        "MaxDeliveries",
+        "Completed",
+    ), (
+        f"the run ended {result.reason} with processed={result.processed} and could_not_run="
+        f"{result.could_not_run} (a job exit 0) while its one delivery is {status_of(message)}"
+    )

@@ -390,6 +390,13 @@ def test_a_task_schedule_of_an_existing_queue_only_reads_the_topology(pg_conn):
             "args must be a list and kwargs a dict (got list and int)",
         ),
         ({"name": "a", "cron": "61 * * * *", "topic": "t"}, "cron '61 * * * *' is not a cron"),
+        # From YAML, JSON or the environment: cronsim's AttributeError crashed `manage.py
+        # check`, and with it migrate and runserver (review helper-170).
+        ({"name": "a", "cron": 5, "topic": "t"}, "cron 5 must be text"),
+        ({"name": "a", "cron": ["0 3 * * *"], "topic": "t"}, "must be text"),
+        # Accepted, every pass refused the slot's publish and the schedule never fired.
+        ({"name": "a", "cron": "* * * * *", "topic": 5}, "topic 5 is not a topic's name"),
+        ({"name": "a", "cron": "* * * * *", "topic": "Bad Topic!"}, "lower-case words"),
         ({"name": "a", "cron": "* * * * *", "topic": "t", "timezone": "Mars/Base"}, "IANA"),
         ({"name": "a", "cron": "* * * * *"}, "missing topic"),
         ({"name": "a", "cron": "* * * * *", "topic": "t", "every": 5}, "unknown key(s) every"),
@@ -442,6 +449,13 @@ def test_two_schedules_cannot_share_a_name(settings):
     with pytest.raises(WorkQueueConfigurationError, match="already named 'a'"):
         load_schedules(twice)
     settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": twice}
+    assert [e.id for e in check_settings()] == ["workqueue.E005"]
+
+
+def test_manage_py_check_reports_a_cron_that_is_not_text(settings):
+    """Review helper-170: check_settings() raised cronsim's AttributeError instead."""
+    entries = [{"name": "nightly", "cron": 3, "topic": "t"}]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
     assert [e.id for e in check_settings()] == ["workqueue.E005"]
 
 

@@ -80,6 +80,12 @@ PREFETCH_MIN_LEASE_SHARE = 0.5
 #: than half the lease would then have handed back every delivery it took, for ever (review
 #: helper-162).
 START_MAX_WAIT_SHARE = 0.5
+#: ... and, whatever it waited for, once less than this share of its lease is left by the
+#: local clock, counted from the claim's sending: a claim answered that late (a host frozen
+#: between its commit and the start, a commit held up by a synchronous standby) may have left
+#: a lease gone in the database, the delivery taken over already (review helper-171). A claim
+#: slower than most of a lease is a database too slow to run on, not a reason to start late.
+START_MIN_LEASE_SHARE = 0.1
 #: Weight of the latest handler time in the running mean that decides whether to claim ahead.
 HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
@@ -532,6 +538,8 @@ class Consumer:
                 self.unsettled = len(left) - self.abandoned
         # Claimed but still queued for a worker thread: handed back, attempts refunded.
         self._hand_back_all(never_started, time.monotonic() + drain)
+        if not process_lives_on and not self._thread.is_alive():
+            self._hand_back_lost_claim(time.monotonic() + drain)
         if gave_up and process_lives_on and self.abandoned:
             logger.warning(
                 "%s: %d handler(s) did not stop; they run on with their leases renewed until "
@@ -741,7 +749,16 @@ class Consumer:
                 continue
             if self.plan.rate_limited:
                 tokens_asked_at = time.monotonic()
-                granted, full_in = self._take_rate_tokens(free, max_delay)
+                try:
+                    granted, full_in = self._take_rate_tokens(free, max_delay)
+                except BaseException:
+                    # Not a database error (those grant nothing): the loop restarts. As for a
+                    # claim that raises (below), the budget taken for it was not spent (review
+                    # helper-171: the run ended MaxDeliveries with nothing done).
+                    self.receive_pending = False
+                    if self.budget is not None:
+                        self.budget.give_back(free)
+                    raise
                 if self.budget is not None:
                     self.budget.give_back(free - granted)
                 if granted <= 0:
@@ -1089,7 +1106,10 @@ class Consumer:
         if execution.claimed_ahead:  # however it came by its slot (a cancel passes one on)
             return execution.lease_share_left() < PREFETCH_MIN_LEASE_SHARE
         waited = time.monotonic() - execution.received_at
-        return waited >= START_MAX_WAIT_SHARE * execution.lease_seconds
+        return (
+            waited >= START_MAX_WAIT_SHARE * execution.lease_seconds
+            or execution.lease_share_left() < START_MIN_LEASE_SHARE
+        )
 
     def _take_for_this_thread(self, execution: DeliveryExecution) -> bool:
         """Mark ``execution`` started on this worker; once the consumer is stopping, hand it
@@ -1340,6 +1360,29 @@ class Consumer:
             except WorkQueueError as exc:
                 self._release_failed(exc)
                 return False
+
+    def _hand_back_lost_claim(self, until: float) -> None:
+        """At a shutdown, a claim whose answer was lost (it may have committed) has taken
+        deliveries that nobody runs: the next claim would have taken them back, and a re-plan's
+        consumer would have (carry_over_from), but none comes. Taken back now and handed back,
+        attempts refunded, rather than left InFlight to lease expiry, each attempt spent unrun
+        and a last one dead-lettered without running (review helper-171); counted among the
+        claims left out when that fails."""
+        if not getattr(self.receiver, "owes_a_lost_claim", False):
+            return  # a transport's receiver without lost claims to name
+        try:
+            retaken = self.receiver.receive(self.config.concurrency + self.config.prefetch)
+        except Exception as exc:
+            logger.warning(
+                "%s: taking back what a claim whose answer was lost took failed: %s",
+                self.plan.name,
+                exc,
+            )
+            self.claims_left_out += 1
+            return
+        for delivery in retaken.deliveries:
+            if not self._release(delivery, until):
+                self.not_handed_back += 1
 
     def _release_failed(self, exc: WorkQueueError) -> None:
         logger.warning(

@@ -333,6 +333,10 @@ class DeliveryExecution:
         self._lease_ends = began + self.lease_seconds
         self._beat_retry_seconds = RETRY_MIN_SECONDS
         self._beat_failures = 0  # renewals failed in a row (logged once, as a settle's are)
+        # Why the database refused a renewal for want of a grant, if it did: a lease then lost
+        # is reported as a refused settle is (review helper-171), since every handler longer
+        # than a third of a lease loses its outcome the same way until the grant is given.
+        self._renewal_refused: str | None = None
         self._timers: list[Timer] = []
         self._beat_in_flight: Future[bool] | None = None
         # Checks for a cancel (check_lease_soon): whether one waits, and when the last began.
@@ -447,9 +451,9 @@ class DeliveryExecution:
     def _run_handler(self) -> _Decision:
         self.started = True
         # With automatic heartbeats the first tick arms the horizon: it comes well before it
-        # (the interval is at most a third of the lease), and most handlers end before either,
-        # so a delivery costs the timer thread one timer, not two.
-        if self.plan.heartbeat_mode != "Auto" or not self._schedule_auto_heartbeat():
+        # (at most a third of the lease, and half of what is left), and most handlers end
+        # before either, so a delivery costs the timer thread one timer, not two.
+        if self.plan.heartbeat_mode != "Auto" or not self._schedule_auto_heartbeat(first=True):
             self._arm_horizon()
         if self.plan.max_processing_seconds:
             self._keep_timer(
@@ -664,15 +668,16 @@ class DeliveryExecution:
                 self._timers = [kept for kept in self._timers if not kept.cancelled]
             self._timers.append(timer)
 
-    def _schedule_auto_heartbeat(self) -> bool:
-        """Schedule the next automatic renewal; False when renewals have stopped."""
+    def _schedule_auto_heartbeat(self, *, first: bool = False) -> bool:
+        """Schedule the next automatic renewal (the ``first``, within half of what is left of
+        the lease: a delivery can start with little of it left, claimed ahead or answered
+        late, review helper-171); False when renewals have stopped."""
         if self._stopped_renewing():
             return False
-        self._keep_timer(
-            self.services.timers.schedule(
-                heartbeat_interval_seconds(self.lease_seconds), self._auto_heartbeat_tick
-            )
-        )
+        delay = heartbeat_interval_seconds(self.lease_seconds)
+        if first:
+            delay = min(delay, max((self._lease_ends - time.monotonic()) / 2, 0.0))
+        self._keep_timer(self.services.timers.schedule(delay, self._auto_heartbeat_tick))
         return True
 
     def _auto_heartbeat_tick(self) -> None:
@@ -823,6 +828,8 @@ class DeliveryExecution:
                 self._where,
                 one_line(exc),
             )
+            if isinstance(exc, PrivilegeRefusedError):
+                self._renewal_refused = f"renewing its lease: {exc}"
             if isinstance(exc, RETRYABLE_SETTLE_ERRORS):
                 self._retry_beat_soon()
         finally:
@@ -1019,7 +1026,7 @@ class DeliveryExecution:
                     "may run again",
                     self._where,
                 )
-                return ExecutionResult(ExecutionResult.LEASE_LOST)
+                return self._lease_lost()
             # Told LeaseLost by the local horizon, then a renewal sent before it was answered
             # Held: the lease holds on, and the settle below (fenced by the token) records the
             # outcome, or is refused should another consumer have taken the delivery.
@@ -1165,7 +1172,12 @@ class DeliveryExecution:
             if self._answer_lost
             else "",
         )
-        return ExecutionResult(ExecutionResult.LEASE_LOST)
+        return self._lease_lost()
+
+    def _lease_lost(self) -> ExecutionResult:
+        """LeaseLost, refused (as a settle refused for want of a grant) when a renewal was."""
+        refused = self._renewal_refused
+        return ExecutionResult(ExecutionResult.LEASE_LOST, error=refused, refused=bool(refused))
 
     def _completion_result(self, settled: SettleResult) -> ExecutionResult:
         """``_result`` of a completion, which may be refused because an earlier call of it
