@@ -14,6 +14,7 @@ Pure Python: no Django.
 
 from __future__ import annotations
 
+import json
 import re
 
 __all__ = [
@@ -89,8 +90,11 @@ def json_text_problem(text: str) -> str | None:
     return None
 
 
-# A JSON string in UTF-8 bytes: no byte of a multi-byte character is a quote or a backslash.
-_STRING_BYTES = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string in UTF-8 bytes (no byte of a multi-byte character is a quote or a backslash),
+# or what is left of an unterminated one: from its quote, the pattern always matches, so a
+# search never starts again inside a string it failed to close (each escaped quote of one
+# would be such a start, each scanning to the end of the body: quadratic, review helper-172).
+_STRING_BYTES = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 # One for each value and key that follows another, and for each container: with one more for
 # the first value, at least as many as the text holds values and keys.
 _VALUE_MARKS = (b",", b":", b"[", b"{")
@@ -101,6 +105,14 @@ def holds_more_json_values(raw: bytes, limit: int) -> bool:
     decoding it (an upper bound: each comma, colon and opening bracket outside its strings,
     plus one). Decoded, a value costs up to some 70 bytes, so JSON of empty objects grows 25
     times: what a body's byte limit does not bound."""
+    encoding = json.detect_encoding(raw)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        # json.loads reads UTF-16 and UTF-32 too, whose characters can hold a quote's byte
+        # (review helper-172): counted as the UTF-8 it stands for.
+        try:
+            raw = raw.decode(encoding).encode("utf-8")
+        except UnicodeError:
+            return False  # not text at all: the parse refuses it
     if sum(raw.count(mark) for mark in _VALUE_MARKS) < limit:
         return False  # even counting the strings' own commas and colons
     structure = _STRING_BYTES.sub(b"", raw)

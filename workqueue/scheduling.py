@@ -158,9 +158,11 @@ def slot_message_id(deduplication_key: str, secret: str | None = None) -> str:
 
 
 def _is_topic_name(value: Any) -> bool:
+    """Whether ``value`` names a topic as publish() reads it: in any case, spaces around it
+    (the procedures compare names so; review helper-172)."""
     from workqueue.models.topology import DOTTED_NAME  # models: not before the apps are ready
 
-    return isinstance(value, str) and bool(DOTTED_NAME.match(value))
+    return isinstance(value, str) and bool(DOTTED_NAME.match(value.strip().lower()))
 
 
 def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:

@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -27,7 +28,7 @@ from tests.support.handlers import probe, registry
 from tests.support.waiting import wait_until
 from workqueue import publish, signals, transport
 from workqueue.driver import get_driver
-from workqueue.exceptions import TransientDriverError
+from workqueue.exceptions import PrivilegeRefusedError, TransientDriverError
 from workqueue.models import Delivery, Subscription
 from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
 from workqueue.runtime.executor import MAX_ERROR_LENGTH, DeliveryExecution, ExecutionResult
@@ -818,6 +819,54 @@ def test_a_delivery_starting_with_little_lease_left_renews_it_before_it_ends(rig
     assert receiver.renewals_sent and receiver.renewals_sent[0] - started < 1.5
     assert probe.runs[0].signal_reason is None
     assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+
+
+class RefusedOnceReceiver(Receiver):
+    def __init__(self, subscription_id: Any) -> None:
+        super().__init__(subscription_id, "test-holder")
+        self.calls = 0
+        self.answers: list[str] = []
+
+    def extend_lease(
+        self, delivery: ClaimedDelivery, progress: dict[str, Any] | None = None
+    ) -> LeaseExtension:
+        self.calls += 1
+        if self.calls == 1:
+            self.answers.append("refused")
+            raise PrivilegeRefusedError("permission denied for function wq_extend_lease (test)")
+        extension = super().extend_lease(delivery, progress)
+        self.answers.append(extension.state)
+        return extension
+
+
+def test_a_renewal_refused_once_then_renewed_does_not_make_a_later_lost_lease_refused(rig):
+    """Review helper-172: the refusal was never forgotten, so a later, unrelated lost lease was
+    reported as refused (health Error, claims paused, a one-shot job exit 2)."""
+    sub = rig.subscription(heartbeat_mode="Auto", lease_seconds=6)  # ticks every 2 s
+    publish(sub.topic.name, {"sleepMs": 9000})
+    receiver = RefusedOnceReceiver(sub.id)
+    (delivery,) = receiver.receive(1).deliveries
+    future = rig.start(rig.execution(sub, receiver, delivery))
+
+    deadline = time.monotonic() + 10
+    while receiver.answers[:2] != ["refused", "Held"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receiver.answers[:2] == ["refused", "Held"], receiver.answers
+    # Another consumer takes the delivery over (its lease token changes): the next renewal is
+    # told LeaseLost, nothing to do with grants.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workqueue_delivery SET lease_token = %s WHERE id = %s",
+            [str(uuid.uuid4()), delivery.delivery_id],
+        )
+    result = future.result(timeout=30)
+
+    assert result.kind == ExecutionResult.LEASE_LOST
+    assert probe.runs[0].signal_reason == "LeaseLost"
+    assert not result.refused, (
+        f"reported as refused ({result.error!r}) although the renewals after the refusal "
+        f"went through: {receiver.answers}"
+    )
 
 
 def test_a_heartbeat_that_finds_the_lease_taken_over_aborts_with_lease_lost_and_writes_nothing(

@@ -16,7 +16,8 @@ from tests.support.handlers import probe
 from tests.support.hosts import one, status_of, sub
 from workqueue import publish
 from workqueue.driver import get_driver
-from workqueue.exceptions import TransientDriverError
+from workqueue.exceptions import PrivilegeRefusedError, TransientDriverError
+from workqueue.models import Delivery
 from workqueue.runtime.process import describe_left_behind
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -57,3 +58,95 @@ def test_a_claim_whose_answer_is_lost_as_the_host_stops_is_handed_back_or_counte
         f"the delivery the lost claim took is {status} until its lease expires (an attempt "
         f"spent unrun), and the stopped host says: {said!r}"
     )
+
+
+def test_the_stop_retakes_only_what_the_lost_claim_took(make_host, monkeypatch):
+    """Review helper-172: the retake had room for concurrency + prefetch, so past what the lost
+    claim took it claimed fresh deliveries too, stranded InFlight when their hand-back failed."""
+    s = sub(lease_seconds=60, max_attempts=5)
+    host = make_host(one(s, concurrency=3), shutdown_drain_ms=1000)
+    host.start()
+    consumer = host._consumers[s.name]
+    driver = get_driver()
+    real_call = driver.call
+    armed, claimed = threading.Event(), threading.Event()
+    claims_at_stop: list[list[str]] = []
+
+    def answer_lost(name: str, params: Any, **kwargs: Any) -> Any:
+        if name == "wq_release" and consumer._stopping.is_set():
+            raise PrivilegeRefusedError("permission denied for function wq_release (test)")
+        rows = real_call(name, params, **kwargs)
+        if name == "wq_claim" and consumer._stopping.is_set():
+            claims_at_stop.append([r["message_id"] for r in rows if r["kind"] == "Claimed"])
+        if name == "wq_claim" and armed.is_set() and any(r["kind"] == "Claimed" for r in rows):
+            armed.clear()
+            claimed.set()
+            consumer._stopping.wait(10)
+            raise TransientDriverError("server closed the connection unexpectedly")
+        return rows
+
+    monkeypatch.setattr(driver, "call", answer_lost)
+    armed.set()
+    victim = publish(s.topic.name, {"then": "complete"}).message_id
+    assert claimed.wait(10)
+    # Published while the lost claim's answer is on its way: no claim of this host took it.
+    bystander = publish(s.topic.name, {"then": "complete"}).message_id
+
+    host.shutdown()
+
+    assert not probe.runs
+    row = Delivery.objects.get(message_id=bystander)
+    assert (row.status, row.attempt_count) == ("Pending", 0), (
+        f"a delivery no lost claim took was claimed at the stop ({claims_at_stop}) and left "
+        f"{row.status} at attempt {row.attempt_count} (victim {victim}: {status_of(victim)})"
+    )
+
+
+def test_handing_back_a_lost_claims_deliveries_gives_up_once_the_database_stops_answering(
+    make_host, monkeypatch
+):
+    """_hand_back_all stops calling once one hand-back failed past the drain ("made one after
+    another they held a stop far past its drain"); _hand_back_lost_claim calls for each
+    delivery in turn, each waiting out its own timeout. README (104930f) says each wait of a
+    stop is bounded by SHUTDOWN_DRAIN_MS."""
+    import time
+
+    s = sub(lease_seconds=60, max_attempts=5)
+    for n in range(4):
+        publish(s.topic.name, {"then": "complete", "n": n})
+    host = make_host(one(s, concurrency=4), shutdown_drain_ms=500)
+    driver = get_driver()
+    real_call = driver.call
+    armed, claimed = threading.Event(), threading.Event()
+
+    seen: list[Any] = []
+
+    def stopping() -> bool:
+        if not seen and host._consumers.get(s.name) is not None:
+            seen.append(host._consumers[s.name])
+        return bool(seen) and seen[0]._stopping.is_set()
+
+    def answer_lost(name: str, params: Any, **kwargs: Any) -> Any:
+        if name == "wq_release" and stopping():
+            time.sleep(1.5)  # a database that no longer answers: the call's own timeout
+            raise TransientDriverError("timed out (test)")
+        rows = real_call(name, params, **kwargs)
+        if name == "wq_claim" and armed.is_set() and any(r["kind"] == "Claimed" for r in rows):
+            armed.clear()
+            claimed.set()
+            deadline = time.monotonic() + 10
+            while not stopping() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise TransientDriverError("server closed the connection unexpectedly")
+        return rows
+
+    monkeypatch.setattr(driver, "call", answer_lost)
+    armed.set()
+    host.start()
+    assert claimed.wait(10)
+
+    began = time.monotonic()
+    host.shutdown()
+    took = time.monotonic() - began
+
+    assert took < 4.0, f"the stop took {took:.1f} s with a drain of 0.5 s"

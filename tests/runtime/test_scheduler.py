@@ -625,3 +625,14 @@ def test_schedules_publish_runs_a_pass_for_deployments_without_a_host(settings, 
 
     # One message per slot (two only if the runs fell either side of the hour).
     assert published(topic_name) == len(slots)
+
+
+def test_a_topic_name_publish_accepts_is_accepted_in_a_schedule():
+    """Review helper-172: publish() reads a name in any case, spaces around it; refused here,
+    a schedule that fired before the check stopped `manage.py check` (E005) and the host."""
+    topic = TopicFactory(name="orders.created")
+    SubscriptionFactory(topic=topic)
+    assert publish("Orders.Created", {"n": 1}).status == "Accepted"  # as the scheduler does
+    assert Message.objects.count() == 1
+
+    load_schedules([{"name": "a", "cron": "* * * * *", "topic": "Orders.Created"}])

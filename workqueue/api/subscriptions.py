@@ -90,7 +90,7 @@ def dead_letters(
     """Dead letters oldest first, ``page_size`` (1-500, default 50) at a time; pass
     ``nextCursor`` back as ``cursor`` for the next page. Payloads are null unless the caller
     has ``workqueue.view_payload``; a page with payloads ends early (with a ``nextCursor``)
-    once they reach some 4 MB."""
+    once they reach 4 Mi characters of JSON."""
     page = operations.list_dead_letters(
         name,
         cursor=cursor,

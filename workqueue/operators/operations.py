@@ -428,6 +428,10 @@ def list_dead_letters(
     items = _transport_of(subscription).list_dead_letters(
         str(subscription.id), after, size + 1, with_payload=with_payload
     )
+    if not with_payload:
+        # Blanked whatever the transport read: one written before the keyword, or careless with
+        # it, must not show a payload to a caller who may not see it (review helper-172).
+        items = [replace(item, payload_json=None, payload_ref=None) for item in items]
     page = items[:size]
     more = len(items) > size or (
         sum(item.payload_chars for item in page) >= DEAD_LETTER_PAGE_PAYLOAD_CHARS

@@ -1367,22 +1367,21 @@ class Consumer:
         consumer would have (carry_over_from), but none comes. Taken back now and handed back,
         attempts refunded, rather than left InFlight to lease expiry, each attempt spent unrun
         and a last one dead-lettered without running (review helper-171); counted among the
-        claims left out when that fails."""
-        if not getattr(self.receiver, "owes_a_lost_claim", False):
-            return  # a transport's receiver without lost claims to name
-        try:
-            retaken = self.receiver.receive(self.config.concurrency + self.config.prefetch)
-        except Exception as exc:
-            logger.warning(
-                "%s: taking back what a claim whose answer was lost took failed: %s",
-                self.plan.name,
-                exc,
-            )
-            self.claims_left_out += 1
-            return
-        for delivery in retaken.deliveries:
-            if not self._release(delivery, until):
+        claims left out when that fails or the drain ends first.
+
+        One delivery a claim: a claim takes back what the lost one took before anything new,
+        so only the last, which finds nothing left to take back, may claim one afresh (handed
+        back at once too; review helper-172). The first hand-back that fails ends it: a
+        database that does not answer would make each of them wait out its own timeout."""
+        while getattr(self.receiver, "owes_a_lost_claim", False) and time.monotonic() < until:
+            retaken = self._receive(1).deliveries
+            if not retaken:
+                break  # the claim failed: still owed, and counted below
+            if not all(self._release(delivery, until) for delivery in retaken):
                 self.not_handed_back += 1
+                break
+        if getattr(self.receiver, "owes_a_lost_claim", False):
+            self.claims_left_out += 1
 
     def _release_failed(self, exc: WorkQueueError) -> None:
         logger.warning(

@@ -789,6 +789,7 @@ class DeliveryExecution:
                 granted = extension.granted_seconds
                 self._lease_ends = began + (self.lease_seconds if granted is None else granted)
                 self._beat_retry_seconds = RETRY_MIN_SECONDS
+                self._renewal_refused = None  # granted again: a later loss is no refusal
                 self._arm_horizon()
             if self._beat_failures:
                 self.log.info(
