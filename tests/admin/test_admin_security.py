@@ -30,6 +30,7 @@ from tests.support.queue import dead_letter
 from workqueue import publish
 from workqueue.models import ApiKey, Delivery
 from workqueue.operators.permissions import OPERATE, PUBLISH, READ
+from workqueue.transport import Receiver
 from workqueue.types import MAX_PAYLOAD_BYTES
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -778,3 +779,21 @@ def test_the_message_list_holds_none_of_its_messages_payloads(client):
     assert listed.status_code == 200 and _listed(listed) == set(ids)
     assert peak < 24 * 2**20, f"the list held {peak / 2**20:.0f} MB"
     assert shown.status_code == 200 and "{}," in shown.content.decode()
+
+
+def test_the_delivery_list_reads_none_of_its_deliveries_progress(client):
+    """Review helper-173: a lease holder's progress is stored whole by the procedure (the
+    runtime cuts it, a role calling the procedure need not), and the delivery list read every
+    listed row's progress to draw a list that shows none of it."""
+    subscription = SubscriptionFactory()
+    for n in range(10):
+        publish(subscription.topic.name, {"n": n})
+    receiver = Receiver(subscription.id)
+    for delivery in receiver.receive(10).deliveries:
+        assert receiver.extend_lease(delivery, {"step": "x" * 2_000_000}).state == "Held"
+    _signed_in(client, "workqueue.view_delivery")
+
+    listed, peak = peak_bytes(lambda: client.get(_url("workqueue_delivery_changelist")))
+
+    assert listed.status_code == 200 and len(_listed(listed)) == 10
+    assert peak < 8 * 2**20, f"the list held {peak / 2**20:.0f} MB"

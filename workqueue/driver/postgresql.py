@@ -158,6 +158,33 @@ def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _revoke_owner_only_rights(role: str) -> str:
+    """A statement taking back from ``role`` what no role but the owner may hold on any of the
+    work queue's tables and sequences, whoever gave it (a GRANT ALL ON ALL TABLES or SEQUENCES
+    before the work queue's grants): TRIGGER, since a trigger on even a topology table runs as
+    whoever writes it, the owner's deploy and admin included; TRUNCATE, which no delete guard
+    sees; REFERENCES; and anything on the procedures' sequences, whose publish ordinals order
+    each Ordered key (review helper-173). Tables that a later migration creates are not there
+    yet when an earlier one renews the grants: the statement finds the ones that are."""
+    name = "'" + role.replace("'", "''") + "'"
+    return f"""DO $wq$
+DECLARE
+    target regclass;
+BEGIN
+    FOR target IN SELECT c.oid::regclass FROM pg_class c
+                   WHERE c.relkind IN ('r', 'p') AND c.relname LIKE 'workqueue\\_%'
+                     AND pg_table_is_visible(c.oid) LOOP
+        EXECUTE format('REVOKE TRIGGER, TRUNCATE, REFERENCES ON %s FROM %I', target, {name});
+    END LOOP;
+    FOR target IN SELECT c.oid::regclass FROM pg_class c
+                   WHERE c.relkind = 'S' AND c.relname LIKE 'wq\\_%'
+                     AND pg_table_is_visible(c.oid) LOOP
+        EXECUTE format('REVOKE ALL ON SEQUENCE %s FROM %I', target, {name});
+    END LOOP;
+END
+$wq$"""
+
+
 # Functions that a CHECK constraint calls. PostgreSQL checks EXECUTE on them as whichever role
 # writes the row, so they stay executable by PUBLIC; they read nothing and return a verdict.
 GUARD_FUNCTIONS = frozenset({"wq_filter_problem(jsonb)"})
@@ -546,7 +573,7 @@ class PostgresDriver(BaseDriver):
     def grant_runtime_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [
-            *self._read_statements(quoted),
+            *self._read_statements(role),
             *(
                 f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
                 for name in (*granted_to(Grant.RUNTIME), *RUNTIME_READABLE_COUNTS)
@@ -560,7 +587,7 @@ class PostgresDriver(BaseDriver):
     def grant_operator_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [
-            *self._read_statements(quoted),
+            *self._read_statements(role),
             *(
                 f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
                 for name in granted_to(Grant.OPERATOR)
@@ -570,7 +597,8 @@ class PostgresDriver(BaseDriver):
         ]
 
     @staticmethod
-    def _read_statements(quoted: str) -> list[str]:
+    def _read_statements(role: str) -> list[str]:
+        quoted = _quote_identifier(role)
         others = ", ".join(t for t in READ_TABLES if t != "workqueue_delivery")
         return [
             # Whatever the role held on the tables only the procedures write (an older release's
@@ -579,6 +607,7 @@ class PostgresDriver(BaseDriver):
             # SELECT on the whole delivery table, which would include the lease tokens. It also
             # takes back column grants, so the order below is idempotent.
             f"REVOKE ALL ON {', '.join(PROCEDURE_WRITTEN_TABLES)} FROM {quoted}",
+            _revoke_owner_only_rights(role),
             f"GRANT SELECT ON {others} TO {quoted}",
             f"GRANT SELECT ({', '.join(DELIVERY_READABLE_COLUMNS)}) ON workqueue_delivery "
             f"TO {quoted}",
@@ -597,6 +626,10 @@ class PostgresDriver(BaseDriver):
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [
+            # A scaler granted before 0006 could read the whole delivery table, lease tokens
+            # included: taken back, with whatever else a broad grant gave (review helper-173).
+            f"REVOKE ALL ON {', '.join(PROCEDURE_WRITTEN_TABLES)} FROM {quoted}",
+            _revoke_owner_only_rights(role),
             f"GRANT SELECT ON workqueue_subscription TO {quoted}",
             f"GRANT EXECUTE ON FUNCTION wq_backlog(uuid, integer) TO {quoted}",
         ]

@@ -118,6 +118,21 @@ def _quote_identifier(name: str) -> str:
     return "[" + name.replace("]", "]]") + "]"
 
 
+def _deny_owner_only_rights(quoted: str) -> list[str]:
+    """What no role but the owner may hold, whoever granted it: ALTER on the work queue's other
+    tables (creating a trigger there takes it, and a trigger runs as whoever writes the table,
+    the owner's deploys and admin edits included; TRUNCATE takes it too), and ALTER or UPDATE
+    on the publish ordinals' sequence, which orders each Ordered key (review helper-173)."""
+    tables = [t for t in READ_TABLES if t not in PROCEDURE_WRITTEN_TABLES]
+    return [
+        *(
+            f"DENY ALTER ON dbo.{table} TO {quoted}"
+            for table in (*tables, "workqueue_hostrecord", TASK_RESULT_TABLE, API_KEY_TABLE)
+        ),
+        f"DENY ALTER, UPDATE ON dbo.wq_publish_ordinal_seq TO {quoted}",
+    ]
+
+
 def split_batches(text: str) -> list[str]:
     """Split a T-SQL script on its GO lines, dropping batches that hold only comments."""
     batches = []
@@ -370,11 +385,17 @@ class SqlServerDriver(BaseDriver):
             # other table, but not this one. (A login in db_datareader that is none of them
             # still could: keep such logins off the queue's database.)
             f"DENY SELECT ON dbo.{SWEEP_LOCK_TABLE} TO {quoted}",
+            *_deny_owner_only_rights(quoted),
         ]
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
         return [
+            *(
+                f"DENY INSERT, UPDATE, DELETE, ALTER ON dbo.{table} TO {quoted}"
+                for table in PROCEDURE_WRITTEN_TABLES
+            ),
+            *_deny_owner_only_rights(quoted),
             f"GRANT SELECT ON dbo.workqueue_subscription TO {quoted}",
             f"GRANT SELECT ON dbo.workqueue_topic TO {quoted}",
             f"GRANT SELECT ON dbo.workqueue_transport TO {quoted}",
