@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0054_rate_tokens_given_back_net_of_refill"
+LATEST_PROCEDURE_MIGRATION = "0055_bounded_sweeper_batches_and_progress"
 
 INSTALL_ORDER = (
     "filters",

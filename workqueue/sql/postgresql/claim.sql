@@ -67,7 +67,7 @@ BEGIN
          WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
            AND d.subscription_id = p_subscription_id
          ORDER BY d.lease_expires_at
-         LIMIT p_batch_size
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 500), 1), 5000)
            FOR UPDATE SKIP LOCKED));
 END;
 $$;

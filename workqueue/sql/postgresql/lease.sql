@@ -4,6 +4,9 @@
 
 -- wq_extend_lease --
 -- Renew a held lease, fenced by the lease token; replace the progress only when one is given.
+-- Progress of more than 16,000 characters of JSON is stored as a note saying so: the runtime
+-- keeps it within 4,000, and a holder calling the procedure itself must not make every read
+-- of the delivery carry megabytes (review helper-173), as error text is cut where it is stored.
 -- The renewal is as long as the lease it renews (its expiry less the time it was claimed or last
 -- renewed), or the subscription's lease_seconds when that is longer: a lease shortened while the
 -- delivery is held would otherwise run out between the holder's renewals, which it times by the
@@ -33,7 +36,10 @@ BEGIN
        SET lease_expires_at = now() + GREATEST(make_interval(secs => s.lease_seconds),
                                                d.lease_expires_at - d.last_heartbeat_at),
            last_heartbeat_at = now(),
-           progress = COALESCE(p_progress, d.progress)
+           progress = COALESCE(CASE WHEN length(p_progress::text) > 16000
+                                    THEN jsonb_build_object('omitted', 'progress over 16000 characters')
+                                    ELSE p_progress END,
+                               d.progress)
       FROM workqueue_subscription s
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
        AND s.id = d.subscription_id

@@ -1,4 +1,6 @@
 -- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches.
+-- Each batch is clamped to 1..5000 (NULL: 1000), as the operators' are: any role granted the
+-- sweeper's steps passes its own batch size, and LIMIT NULL is no limit (review helper-173).
 -- One pass at a time cluster-wide: the sweeper holds wq_try_sweep_lock's row lock, for its
 -- transaction, on a private connection while it runs the steps on another.
 -- Each step reads by index with sequential scans left aside: the sweeper keeps its connection
@@ -27,7 +29,7 @@ BEGIN
           FROM workqueue_delivery d
          WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
          ORDER BY d.lease_expires_at
-         LIMIT p_batch_size
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
            FOR UPDATE SKIP LOCKED));
 END;
 $$;
@@ -61,10 +63,10 @@ AS $$
                    AND x.status IN ('Completed', 'Discarded')
                    AND x.completed_at < now() - make_interval(days => t.retention_days)
                  ORDER BY x.completed_at
-                 LIMIT p_batch_size
+                 LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
                    FOR UPDATE OF x SKIP LOCKED
              ) v
-             LIMIT p_batch_size))
+             LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)))
         RETURNING 1
     )
     SELECT count(*)::integer FROM deleted;
@@ -92,10 +94,10 @@ AS $$
              WHERE m.topic_id = t.id
                AND m.published_at < now() - make_interval(days => t.retention_days)
                AND NOT EXISTS (SELECT 1 FROM workqueue_delivery d WHERE d.message_id = m.id)
-             LIMIT p_batch_size
+             LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
                FOR UPDATE OF m SKIP LOCKED
          ) v
-         LIMIT p_batch_size
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
     ), deleted AS (
         DELETE FROM workqueue_message m USING victims v WHERE m.id = v.id RETURNING 1
     )
@@ -115,7 +117,7 @@ AS $$
     WITH victims AS (
         SELECT x.id FROM workqueue_deduplication x
          WHERE x.expires_at <= now()
-         LIMIT p_batch_size
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
            FOR UPDATE SKIP LOCKED
     ), deleted AS (
         DELETE FROM workqueue_deduplication x USING victims v WHERE x.id = v.id RETURNING 1

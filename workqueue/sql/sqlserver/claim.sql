@@ -23,6 +23,11 @@ CREATE OR ALTER PROCEDURE dbo.wq_expire_leases
 AS
 BEGIN
     SET NOCOUNT ON;
+    -- Clamped as the operators' batches are: any role granted this step passes its own size
+    -- (review helper-173).
+    SET @batch_size = CASE WHEN @batch_size IS NULL THEN 500
+                           WHEN @batch_size > 5000 THEN 5000
+                           WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);

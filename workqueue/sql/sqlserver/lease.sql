@@ -43,7 +43,12 @@ BEGIN
                     ELSE s.lease_seconds END,
                @now),
            last_heartbeat_at = @now,
-           progress = COALESCE(@progress, d.progress)
+           -- Over 16,000 characters of JSON: a note saying so (review helper-173), as the
+           -- PostgreSQL twin stores; the runtime keeps progress within 4,000.
+           progress = COALESCE(CASE WHEN LEN(@progress) > 16000
+                                    THEN N'{"omitted":"progress over 16000 characters"}'
+                                    ELSE @progress END,
+                               d.progress)
     OUTPUT inserted.lease_expires_at,
            CASE WHEN inserted.cancel_requested_at IS NULL THEN 0 ELSE 1 END
       INTO @held

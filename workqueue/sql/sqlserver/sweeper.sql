@@ -18,6 +18,11 @@ CREATE OR ALTER PROCEDURE dbo.wq_expire_leases_all
 AS
 BEGIN
     SET NOCOUNT ON;
+    -- Clamped as the operators' batches are: any role granted this step passes its own size
+    -- (review helper-173).
+    SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
+                           WHEN @batch_size > 5000 THEN 5000
+                           WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @changed TABLE (
@@ -78,6 +83,11 @@ CREATE OR ALTER PROCEDURE dbo.wq_purge_terminal_deliveries
 AS
 BEGIN
     SET NOCOUNT ON;
+    -- Clamped as the operators' batches are: any role granted this step passes its own size
+    -- (review helper-173).
+    SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
+                           WHEN @batch_size > 5000 THEN 5000
+                           WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @deleted TABLE (id char(32));
@@ -112,6 +122,11 @@ CREATE OR ALTER PROCEDURE dbo.wq_purge_orphan_messages
 AS
 BEGIN
     SET NOCOUNT ON;
+    -- Clamped as the operators' batches are: any role granted this step passes its own size
+    -- (review helper-173).
+    SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
+                           WHEN @batch_size > 5000 THEN 5000
+                           WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @deleted TABLE (id char(32));
@@ -141,6 +156,11 @@ CREATE OR ALTER PROCEDURE dbo.wq_purge_expired_deduplications
 AS
 BEGIN
     SET NOCOUNT ON;
+    -- Clamped as the operators' batches are: any role granted this step passes its own size
+    -- (review helper-173).
+    SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
+                           WHEN @batch_size > 5000 THEN 5000
+                           WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @deleted TABLE (id char(32));
