@@ -46,6 +46,8 @@ VENDOR_ONLY_HELPERS = {
         "wq_subscription_delete_guard itself (see test_both_vendors_guard_topology_deletes)",
         "wq_guard_topic_delete": "a trigger function; the T-SQL guard is the trigger "
         "wq_topic_delete_guard itself",
+        "wq_guard_subscription_mode": "a trigger function; the T-SQL guard is the trigger "
+        "wq_subscription_mode_guard itself",
         "wq_new_id": "time-ordered (version 7) ids for the rows the procedures create; the T-SQL "
         "keeps NEWID() until a SQL Server can test a version 7 id built in T-SQL",
         "wq_id_clock": "the time part of a batch's delivery ids (with wq_id_random and "
@@ -560,3 +562,21 @@ def test_both_vendors_guard_topology_deletes():
     tsql = (SQL_ROOT / "sqlserver" / "publish.sql").read_text()
     for table in ("workqueue_subscription", "workqueue_topic"):
         assert f"OBJECT_ID(N'dbo.{table}') AND is_disabled = 1)\n        RETURN;" in tsql, table
+
+
+def test_both_vendors_guard_a_partition_mode_change_under_deliveries():
+    # Review helper-173: the rule lived in the model only. Proved live on PostgreSQL by
+    # tests/integration/test_grants_after_broad_grants.py; the T-SQL twin is checked as text.
+    postgresql = (SQL_ROOT / "postgresql" / "publish.sql").read_text()
+    assert re.search(
+        r"CREATE TRIGGER wq_subscription_mode_guard\s+BEFORE UPDATE OF partition_mode ON "
+        r"workqueue_subscription\s",
+        postgresql,
+    )
+    tsql = (SQL_ROOT / "sqlserver" / "publish.sql").read_text()
+    assert re.search(
+        r"CREATE OR ALTER TRIGGER dbo\.wq_subscription_mode_guard\s+ON dbo\.workqueue_subscription"
+        r"\s+AFTER UPDATE",
+        tsql,
+    )
+    assert "JOIN dbo.workqueue_delivery d ON d.subscription_id = i.id" in tsql

@@ -141,3 +141,40 @@ def test_a_scaler_role_granted_before_keeps_the_lease_tokens(role, pg_conn, befo
         f"{held.lease_token}) after migrate's renewal and grant-scaler; it also holds {writes} "
         "on workqueue_delivery"
     )
+
+
+def test_a_topology_writing_role_changes_the_partition_mode_under_live_deliveries(role, pg_conn):
+    """The partition mode may not change once a subscription has deliveries, but the rule lives
+    in the model's validation only. The web process's role (grant-runtime plus the topology DML
+    the README tells to give a process whose users edit topology) turns an Ordered subscription
+    whose key is blocked by a dead-lettered head into Exclusive with one UPDATE: the key's next
+    delivery runs past its dead-lettered head (Ordered's rule), where the delete guard, for
+    comparison, is a trigger that holds "whatever deletes it"."""
+    call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
+    pg_conn.execute(
+        "GRANT INSERT, UPDATE, DELETE ON workqueue_transport, workqueue_topic, "
+        f'workqueue_subscription TO "{role}"'
+    )
+    subscription = SubscriptionFactory(partition_mode="Ordered")
+    topic = subscription.topic.name
+    publish(topic, {"n": 1}, partition_key="acct")
+    publish(topic, {"n": 2}, partition_key="acct")
+    receiver = Receiver(subscription.id)
+    [head] = receiver.receive(5).deliveries
+    assert receiver.dead_letter(head, "Poison").outcome == "Settled"
+    assert receiver.receive(5).deliveries == []  # the dead-lettered head holds the key
+
+    with connect_as(role) as web:
+        try:
+            web.execute(
+                "UPDATE workqueue_subscription SET partition_mode = 'Exclusive' WHERE id = %s",
+                [subscription.id],
+            )
+        except psycopg.errors.Error:
+            return  # refused by the database, as the admin refuses it
+    receiver = Receiver(subscription.id)
+    overtaken = receiver.receive(5).deliveries
+    assert overtaken == [], (
+        f"role {role} changed the partition mode under live deliveries with one UPDATE; the "
+        f"key's second delivery ran past its dead-lettered head: {overtaken}"
+    )

@@ -234,6 +234,30 @@ BEGIN
 END;
 $$;
 
+-- wq_guard_subscription_mode --
+-- Trigger: a subscription's partition mode cannot change once it has deliveries, whatever
+-- writes the row (the model's validation refuses first; a role with the topology tables' DML
+-- turned an Ordered subscription whose key a dead letter blocks into Exclusive with one UPDATE,
+-- and the key's next delivery ran: review helper-173). Takes the topic's topology lock first,
+-- as the model does, so that deliveries a publish is writing right now are seen.
+CREATE OR REPLACE FUNCTION wq_guard_subscription_mode()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM wq_lock_topology(OLD.topic_id);
+    IF EXISTS (SELECT 1 FROM workqueue_delivery d WHERE d.subscription_id = OLD.id) THEN
+        RAISE EXCEPTION 'the partition mode of subscription % cannot change from % to % once it '
+                        'has deliveries', OLD.name, OLD.partition_mode, NEW.partition_mode
+            USING ERRCODE = 'check_violation',
+                  HINT = 'Create a new subscription with the mode instead.';
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
 -- Created only when missing, told by name (a guard whose definition changes must take a new
 -- name, and drop the old one here): dropping and creating a trigger, or replacing it, locks its
 -- table until the migrate commits, against every reader (each claim and publish reads these two
@@ -253,6 +277,14 @@ BEGIN
         CREATE TRIGGER wq_topic_delete_guard
             BEFORE DELETE ON workqueue_topic
             FOR EACH ROW EXECUTE FUNCTION wq_guard_topic_delete();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger t
+                    WHERE t.tgrelid = 'workqueue_subscription'::regclass
+                      AND t.tgname = 'wq_subscription_mode_guard') THEN
+        CREATE TRIGGER wq_subscription_mode_guard
+            BEFORE UPDATE OF partition_mode ON workqueue_subscription
+            FOR EACH ROW WHEN (OLD.partition_mode IS DISTINCT FROM NEW.partition_mode)
+            EXECUTE FUNCTION wq_guard_subscription_mode();
     END IF;
 END
 $delete_guards$;

@@ -228,6 +228,55 @@ BEGIN
 END;
 GO
 
+-- wq_subscription_mode_guard --
+-- Trigger: a subscription's partition mode cannot change once it has deliveries, whatever
+-- writes the row (the model's validation refuses first; a role with the topology tables' DML
+-- turned an Ordered subscription whose key a dead letter blocks into Exclusive with one UPDATE:
+-- review helper-173); error 51012. Takes the topology lock of each topic concerned first, in
+-- topic order, as the delete guards do. Off while the table's foreign keys are (a flush).
+CREATE OR ALTER TRIGGER dbo.wq_subscription_mode_guard
+ON dbo.workqueue_subscription
+AFTER UPDATE
+AS
+BEGIN
+    SET NOCOUNT ON;
+    IF NOT UPDATE(partition_mode)
+        RETURN;
+    IF EXISTS (SELECT 1 FROM sys.foreign_keys
+                WHERE parent_object_id = OBJECT_ID(N'dbo.workqueue_subscription') AND is_disabled = 1)
+        RETURN;
+    IF NOT EXISTS (SELECT 1 FROM inserted i JOIN deleted o ON o.id = i.id
+                    WHERE i.partition_mode <> o.partition_mode)
+        RETURN;
+    DECLARE @topic_key char(32);
+    DECLARE @resource nvarchar(255);
+    DECLARE @granted int;
+    DECLARE changed_topics CURSOR LOCAL FAST_FORWARD FOR
+        SELECT DISTINCT o.topic_id FROM inserted i JOIN deleted o ON o.id = i.id
+         WHERE i.partition_mode <> o.partition_mode ORDER BY o.topic_id;
+    OPEN changed_topics;
+    FETCH NEXT FROM changed_topics INTO @topic_key;
+    WHILE @@FETCH_STATUS = 0
+    BEGIN
+        SET @resource = N'wq-topology:' + LOWER(CONVERT(nchar(36), dbo.wq_text_uuid(@topic_key)));
+        EXEC @granted = sys.sp_getapplock
+            @Resource = @resource,
+            @LockMode = N'Exclusive',
+            @LockOwner = N'Transaction',
+            @LockTimeout = 5000;
+        IF @granted < 0
+            THROW 51001, N'wq_subscription_mode_guard: the topology lock was not granted within 5000 ms (error 51001); update again.', 1;
+        FETCH NEXT FROM changed_topics INTO @topic_key;
+    END;
+    CLOSE changed_topics;
+    DEALLOCATE changed_topics;
+    IF EXISTS (SELECT 1 FROM inserted i JOIN deleted o ON o.id = i.id
+                JOIN dbo.workqueue_delivery d ON d.subscription_id = i.id
+                WHERE i.partition_mode <> o.partition_mode)
+        THROW 51012, N'A subscription''s partition mode cannot change once it has deliveries (error 51012); create a new subscription with the mode instead.', 1;
+END;
+GO
+
 -- wq_publish_one --
 -- The body of wq_publish, with its result in OUTPUT parameters so that wq_publish_many can run it
 -- once per item without INSERT ... EXEC (which cannot nest and forbids the rollback paths of

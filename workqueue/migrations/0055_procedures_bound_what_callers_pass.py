@@ -4,7 +4,10 @@ operator procedures do, and ``wq_extend_lease`` stores progress of more than 16,
 of JSON as a note saying so. Any role granted these procedures passes its own batch size and
 progress: one call deleted every due row in one transaction (``LIMIT NULL`` is no limit), and a
 holder stored megabytes of progress that every read of the delivery then carried (review
-helper-173). Signatures are unchanged: processes of the previous release call on.
+helper-173). On both vendors a trigger (``wq_subscription_mode_guard``) refuses to change a
+subscription's partition mode once it has deliveries, as the model does: an UPDATE outside the
+ORM turned an Ordered subscription whose key a dead letter blocked into Exclusive, and the
+key's next delivery ran. Signatures are unchanged: processes of the previous release call on.
 """
 
 from django.db import migrations
@@ -19,7 +22,7 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunPython(
-            install_procedures_step("0055_bounded_sweeper_batches_and_progress"),
+            install_procedures_step("0055_procedures_bound_what_callers_pass"),
             migrations.RunPython.noop,
         ),
     ]
