@@ -1374,7 +1374,18 @@ class Consumer:
         back at once too; review helper-172). The first hand-back that fails ends it: a
         database that does not answer would make each of them wait out its own timeout."""
         while getattr(self.receiver, "owes_a_lost_claim", False) and time.monotonic() < until:
-            retaken = self._receive(1).deliveries
+            try:
+                retaken = self._receive(1).deliveries
+            except Exception:
+                # Not a database error (_receive answers those with an empty claim): whatever
+                # it is, the stop goes on; a stop that raised left the consumer's threads and
+                # connections open.
+                logger.warning(
+                    "%s: taking back what a claim whose answer was lost took failed",
+                    self.plan.name,
+                    exc_info=True,
+                )
+                break
             if not retaken:
                 break  # the claim failed: still owed, and counted below
             if not all(self._release(delivery, until) for delivery in retaken):

@@ -235,8 +235,8 @@ def describe_left_behind(host: Any) -> str:
         )
     if host.claims_left_out:
         parts.append(
-            f"{host.claims_left_out} claim(s) still waited for the database, so what they took "
-            "could not be handed back"
+            f"{host.claims_left_out} claim(s) still waited for the database, or lost their "
+            "answer, so what they took could not be handed back"
         )
     if not parts:
         return "every handler finished or was handed back."
