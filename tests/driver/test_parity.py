@@ -580,3 +580,11 @@ def test_both_vendors_guard_a_partition_mode_change_under_deliveries():
         tsql,
     )
     assert "JOIN dbo.workqueue_delivery d ON d.subscription_id = i.id" in tsql
+
+
+def test_the_sqlserver_progress_cap_counts_what_is_stored():
+    """Review helper-174: LEN() leaves out trailing spaces, and N'{}' followed by 8,000,000 of
+    them is valid JSON of LEN 2, stored whole. DATALENGTH counts every byte (two a character)."""
+    tsql = (SQL_ROOT / "sqlserver" / "lease.sql").read_text()
+    assert "LEN(@progress)" not in tsql
+    assert "CASE WHEN DATALENGTH(@progress) > 32000" in tsql

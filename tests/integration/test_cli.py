@@ -736,7 +736,8 @@ def test_grant_operator_prints_the_operator_procedures_and_no_claim():
     out = run("grant-operator", "ops", "--print")
     assert 'GRANT EXECUTE ON FUNCTION wq_replay TO "ops";' in out
     assert 'GRANT EXECUTE ON FUNCTION wq_cancel TO "ops";' in out
-    assert "wq_claim" not in out and "wq_publish" not in out
+    granted = "\n".join(line for line in out.splitlines() if line.startswith("GRANT"))
+    assert "wq_claim" not in granted and "wq_publish" not in granted
     assert "lease_token" not in out and "GRANT SELECT (id, message_id," in out
 
 

@@ -158,31 +158,27 @@ def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _revoke_owner_only_rights(role: str) -> str:
-    """A statement taking back from ``role`` what no role but the owner may hold on any of the
-    work queue's tables and sequences, whoever gave it (a GRANT ALL ON ALL TABLES or SEQUENCES
-    before the work queue's grants): TRIGGER, since a trigger on even a topology table runs as
-    whoever writes it, the owner's deploy and admin included; TRUNCATE, which no delete guard
-    sees; REFERENCES; and anything on the procedures' sequences, whose publish ordinals order
-    each Ordered key (review helper-173). Tables that a later migration creates are not there
-    yet when an earlier one renews the grants: the statement finds the ones that are."""
-    name = "'" + role.replace("'", "''") + "'"
-    return f"""DO $wq$
-DECLARE
-    target regclass;
-BEGIN
-    FOR target IN SELECT c.oid::regclass FROM pg_class c
-                   WHERE c.relkind IN ('r', 'p') AND c.relname LIKE 'workqueue\\_%'
-                     AND pg_table_is_visible(c.oid) LOOP
-        EXECUTE format('REVOKE TRIGGER, TRUNCATE, REFERENCES ON %s FROM %I', target, {name});
-    END LOOP;
-    FOR target IN SELECT c.oid::regclass FROM pg_class c
-                   WHERE c.relkind = 'S' AND c.relname LIKE 'wq\\_%'
-                     AND pg_table_is_visible(c.oid) LOOP
-        EXECUTE format('REVOKE ALL ON SEQUENCE %s FROM %I', target, {name});
-    END LOOP;
-END
-$wq$"""
+def _revoke_owner_only_rights(quoted: str) -> list[str]:
+    """Statements taking back from the role ``quoted`` what no role but the owner may hold on
+    the work queue's tables and sequence, as far as the owner (or a superuser) granted it (a
+    GRANT ALL ON ALL TABLES or SEQUENCES before the work queue's grants): TRIGGER, since a
+    trigger on even a topology table runs as whoever writes it, the owner's deploy and admin
+    included; TRUNCATE, which no delete guard sees; REFERENCES; and anything on the publish
+    ordinals' sequence, which orders each Ordered key (review helper-173). The app's own tables
+    only, named: a pattern also matched other apps' tables (review helper-174)."""
+    from django.apps import apps
+
+    tables = sorted(
+        {
+            model._meta.db_table
+            for model in apps.get_app_config("workqueue").get_models(include_auto_created=True)
+            if model._meta.managed and not model._meta.proxy
+        }
+    )
+    return [
+        f"REVOKE TRIGGER, TRUNCATE, REFERENCES ON {', '.join(tables)} FROM {quoted}",
+        f"REVOKE ALL ON SEQUENCE wq_publish_ordinal_seq FROM {quoted}",
+    ]
 
 
 # Functions that a CHECK constraint calls. PostgreSQL checks EXECUTE on them as whichever role
@@ -607,7 +603,7 @@ class PostgresDriver(BaseDriver):
             # SELECT on the whole delivery table, which would include the lease tokens. It also
             # takes back column grants, so the order below is idempotent.
             f"REVOKE ALL ON {', '.join(PROCEDURE_WRITTEN_TABLES)} FROM {quoted}",
-            _revoke_owner_only_rights(role),
+            *_revoke_owner_only_rights(quoted),
             f"GRANT SELECT ON {others} TO {quoted}",
             f"GRANT SELECT ({', '.join(DELIVERY_READABLE_COLUMNS)}) ON workqueue_delivery "
             f"TO {quoted}",
@@ -629,7 +625,7 @@ class PostgresDriver(BaseDriver):
             # A scaler granted before 0006 could read the whole delivery table, lease tokens
             # included: taken back, with whatever else a broad grant gave (review helper-173).
             f"REVOKE ALL ON {', '.join(PROCEDURE_WRITTEN_TABLES)} FROM {quoted}",
-            _revoke_owner_only_rights(role),
+            *_revoke_owner_only_rights(quoted),
             f"GRANT SELECT ON workqueue_subscription TO {quoted}",
             f"GRANT EXECUTE ON FUNCTION wq_backlog(uuid, integer) TO {quoted}",
         ]

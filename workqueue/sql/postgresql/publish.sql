@@ -238,8 +238,11 @@ $$;
 -- Trigger: a subscription's partition mode cannot change once it has deliveries, whatever
 -- writes the row (the model's validation refuses first; a role with the topology tables' DML
 -- turned an Ordered subscription whose key a dead letter blocks into Exclusive with one UPDATE,
--- and the key's next delivery ran: review helper-173). Takes the topic's topology lock first,
--- as the model does, so that deliveries a publish is writing right now are seen.
+-- and the key's next delivery ran: review helper-173). Takes the topic's topology lock, as the
+-- model does, so that deliveries a publish is writing right now are seen. After the row's lock,
+-- where the model takes it before: a raw UPDATE racing an admin save of the same subscription's
+-- mode can deadlock, and PostgreSQL ends one of them (review helper-174); saves through the
+-- model hold the topology lock already, which this call takes again at no cost.
 CREATE OR REPLACE FUNCTION wq_guard_subscription_mode()
 RETURNS trigger
 LANGUAGE plpgsql

@@ -1,6 +1,7 @@
 -- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches.
--- Each batch is clamped to 1..5000 (NULL: 1000), as the operators' are: any role granted the
--- sweeper's steps passes its own batch size, and LIMIT NULL is no limit (review helper-173).
+-- Each batch is clamped to 1..5000 (NULL: 1000), as the bulk operator procedures' are: any
+-- role granted the sweeper's steps passes its own batch size, and LIMIT NULL is no limit
+-- (review helper-173).
 -- One pass at a time cluster-wide: the sweeper holds wq_try_sweep_lock's row lock, for its
 -- transaction, on a private connection while it runs the steps on another.
 -- Each step reads by index with sequential scans left aside: the sweeper keeps its connection

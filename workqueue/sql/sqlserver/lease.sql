@@ -45,7 +45,9 @@ BEGIN
            last_heartbeat_at = @now,
            -- Over 16,000 characters of JSON: a note saying so (review helper-173), as the
            -- PostgreSQL twin stores; the runtime keeps progress within 4,000.
-           progress = COALESCE(CASE WHEN LEN(@progress) > 16000
+           -- DATALENGTH, not LEN, which leaves out trailing spaces (valid JSON whitespace:
+           -- review helper-174); two bytes a character.
+           progress = COALESCE(CASE WHEN DATALENGTH(@progress) > 32000
                                     THEN N'{"omitted":"progress over 16000 characters"}'
                                     ELSE @progress END,
                                d.progress)
