@@ -586,7 +586,7 @@ def test_scaler_grants_read_the_topology_and_deliveries_only_and_no_lease_token(
     statements = driver.grant_scaler_statements("keda")
     # After denying what no role but the owner may hold (review helper-173).
     assert not [s for s in statements if not s.startswith(("DENY", "GRANT SELECT ON"))]
-    assert "DENY ALTER ON dbo.workqueue_subscription TO [keda]" in statements
+    assert "DENY ALTER, REFERENCES ON dbo.workqueue_subscription TO [keda]" in statements
     assert "DENY INSERT, UPDATE, DELETE, ALTER ON dbo.workqueue_delivery TO [keda]" in statements
     assert [s for s in statements if "SELECT" in s] == [
         "GRANT SELECT ON dbo.workqueue_subscription TO [keda]",
