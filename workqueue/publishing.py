@@ -19,15 +19,17 @@ work and nothing of the call is published.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import difflib
 import logging
 import re
 import sys
+import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -436,6 +438,28 @@ def running_a_task(alias: str) -> bool:
 #: The ``action`` of the line logging a call's rejections (a caller that reports them itself,
 #: as the CLI does, filters it out).
 REJECTIONS_LOGGED = "publish_rejected"
+
+
+@contextlib.contextmanager
+def rejections_reported_by_caller() -> Iterator[None]:
+    """Leave out this thread's lines on a call's rejections (``_log_rejections``), for a caller
+    that reports them itself: the CLI printed the same sentence twice, and the Tasks backend,
+    which raises for any enqueue not accepted, logged a topic it then created as not found
+    (review helper-175)."""
+    caller_thread = threading.get_ident()
+
+    def not_the_callers(record: logging.LogRecord) -> bool:
+        # Only this thread's: a filter applies to the logger in every thread, and other
+        # threads of the process keep their lines.
+        return getattr(record, "action", None) != REJECTIONS_LOGGED or (
+            record.thread != caller_thread
+        )
+
+    logger.addFilter(not_the_callers)
+    try:
+        yield
+    finally:
+        logger.removeFilter(not_the_callers)
 
 
 def _log_rejections(topic: Any, results: list[PublishResult], external: bool) -> None:

@@ -529,9 +529,9 @@ def test_while_the_command_publishes_other_threads_rejections_are_still_logged(c
     lost its other threads' rejection lines meanwhile (review helper-119)."""
     import threading
 
-    from workqueue.cli.publishing import _rejections_told_here
+    from workqueue.publishing import rejections_reported_by_caller
 
-    with caplog.at_level(logging.INFO, logger="workqueue"), _rejections_told_here():
+    with caplog.at_level(logging.INFO, logger="workqueue"), rejections_reported_by_caller():
 
         def publish_elsewhere() -> None:
             try:

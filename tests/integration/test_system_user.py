@@ -70,6 +70,15 @@ def test_create_system_user_makes_an_account_without_password_or_admin_rights_on
     assert resolve_system_user() == user
 
 
+def test_create_system_user_is_quiet_at_verbosity_0(outside_the_test_environment):
+    """Review helper-175: the README's test fixtures call it with verbosity=0, and its line
+    was printed in every test that did, where sync-topology stays quiet."""
+    out = StringIO()
+    call_command("workqueue", "create-system-user", verbosity=0, stdout=out)
+    assert out.getvalue() == ""
+    assert get_user_model().objects.filter(username="robot").exists()
+
+
 def test_a_superuser_as_system_user_is_a_warning(outside_the_test_environment):
     get_user_model().objects.create_superuser("robot", "robot@example.com", "pw")
     [warning] = check_system_user(databases=["default"])

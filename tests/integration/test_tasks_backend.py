@@ -386,6 +386,24 @@ def test_a_task_the_queue_refuses_raises_an_error_naming_the_reason():
     assert published_tasks() == 0
 
 
+def test_a_queue_whose_topic_went_away_is_made_again_without_a_warning_that_it_was_not_found(
+    caplog,
+):
+    """Review helper-175: a topic deleted since the process made it (a flush between
+    transactional tests, an operator) is made again and the task enqueued, but the first
+    try's rejection was logged at WARNING telling to create the topic, which the backend had
+    just done."""
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name=QUEUE).delete()
+    Topic.objects.filter(name=QUEUE).delete()
+
+    with caplog.at_level(logging.INFO, logger="workqueue"):
+        result = add.enqueue(1, 2)
+
+    assert str(Message.objects.get().id) == result.id
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_a_task_whose_publish_answer_was_lost_is_enqueued_once_not_refused(monkeypatch):
     """The publish committed and its connection dropped before the answer came back; sent
     again, it found its message stored. ``enqueue`` raised "not enqueued: Duplicate" for a task

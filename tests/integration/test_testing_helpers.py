@@ -115,6 +115,23 @@ def test_a_publish_a_testcase_cannot_roll_back_warns_and_test_mode_or_enlist_doe
         publish(topology.topic.name, {"n": 5})  # no TestCase transaction: nothing to warn of
 
 
+# Review helper-175: written without parentheses (as @pytest.mark.django_db is), it failed
+# with "__init__() takes 1 positional argument"; on a pytest class (no TestCase), with Django's
+# "Can only decorate subclasses of unittest.TestCase".
+@pytest.mark.django_db
+@use_test_connection
+def test_test_mode_decorates_without_parentheses_too(topology):
+    assert publish(topology.topic.name, {"n": 1}).status == "Accepted"
+
+
+@pytest.mark.django_db
+@use_test_connection()
+class TestTestModeOnAPytestClass:
+    def test_each_test_method_runs_in_test_mode(self, topology):
+        assert publish(topology.topic.name, {"n": 1}).status == "Accepted"
+        assert [run.status for run in run_until_idle()] == ["Completed"]
+
+
 @pytest.mark.django_db
 @use_test_connection()
 def test_in_test_mode_publish_and_run_until_idle_work_inside_the_test_transaction(topology):

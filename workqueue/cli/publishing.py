@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -67,7 +63,7 @@ class PublishVerb(Verb):
 
     def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
         from workqueue.exceptions import InvalidInputError, WorkQueueError
-        from workqueue.publishing import publish_many
+        from workqueue.publishing import publish_many, rejections_reported_by_caller
         from workqueue.runtime.process import unmigrated_problem
 
         payload = _json_option(options, "payload")
@@ -90,7 +86,7 @@ class PublishVerb(Verb):
         progress = _Progress(count, command.stderr) if count >= 1000 else None
         for offset in range(0, count, BATCH):
             try:
-                with _rejections_told_here():
+                with rejections_reported_by_caller():
                     results += publish_many(
                         options["topic"], [message] * min(BATCH, count - offset)
                     )
@@ -136,28 +132,6 @@ class PublishVerb(Verb):
         if rejected:
             first = rejected[0].error
             raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
-
-
-@contextlib.contextmanager
-def _rejections_told_here() -> Iterator[None]:
-    """Leave out the library's line on a call's rejections, which this command reports itself
-    (stderr and its exit status): it printed the same sentence twice."""
-    from workqueue.publishing import REJECTIONS_LOGGED, logger
-
-    command_thread = threading.get_ident()
-
-    def not_the_rejections(record: logging.LogRecord) -> bool:
-        # Only this thread's: a filter applies to the logger in every thread, and other
-        # threads of a process running the command (call_command) keep their lines.
-        return getattr(record, "action", None) != REJECTIONS_LOGGED or (
-            record.thread != command_thread
-        )
-
-    logger.addFilter(not_the_rejections)
-    try:
-        yield
-    finally:
-        logger.removeFilter(not_the_rejections)
 
 
 def _attributes(pairs: list[str]) -> dict[str, str] | None:

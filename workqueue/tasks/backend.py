@@ -126,16 +126,20 @@ class WorkQueueBackend(api.BaseTaskBackend):
         running task is the exception: it joins the transaction the task runs in, and is
         published with the task's writes and result, or not at all.
         """
+        from workqueue.publishing import rejections_reported_by_caller
+
         self.validate_task(task)
         message = TaskMessage.enqueued(task, args, kwargs, run_after=task.run_after)
-        published = self._publish(message)
-        if published.error is not None and published.error.code == (
-            PublishErrorCode.TOPIC_NOT_FOUND
-        ):
-            # The topic went away since this process created it (an operator deleted it, or a
-            # test flushed the database): create it again, once.
-            self._ready_queues.pop(task.queue_name, None)
+        # Not logged as rejections: an enqueue not accepted raises below, saying why.
+        with rejections_reported_by_caller():
             published = self._publish(message)
+            if published.error is not None and published.error.code == (
+                PublishErrorCode.TOPIC_NOT_FOUND
+            ):
+                # The topic went away since this process created it (an operator deleted it,
+                # or a test flushed the database): create it again, once.
+                self._ready_queues.pop(task.queue_name, None)
+                published = self._publish(message)
         # The message's id is made by the publish rather than chosen here, so that a publish
         # whose first answer was lost and that found its message stored when sent again is
         # Accepted, not a Duplicate of itself (which would read as not enqueued, and a caller
