@@ -45,7 +45,6 @@ from workqueue.exceptions import (
 from workqueue.input_limits import within_units
 from workqueue.payload_ref import stored_payload_ref
 from workqueue.types import (
-    DEAD_LETTER_PAGE_PAYLOAD_CHARS,
     Backlog,
     ClaimedDelivery,
     ClaimResult,
@@ -60,6 +59,7 @@ from workqueue.types import (
     RateTokens,
     SettleOutcome,
     SettleResult,
+    fill_dead_letter_page,
 )
 
 if TYPE_CHECKING:
@@ -650,8 +650,7 @@ def list_dead_letters(
     page's budget (DEAD_LETTER_PAGE_PAYLOAD_CHARS): what the web process holds stays a few
     megabytes whatever the page size asked."""
     items: list[DeadLetterItem] = []
-    payload_chars = 0
-    while len(items) < page_size:
+    while True:
         asked = page_size - len(items)
         if with_payload:
             asked = min(asked, DEAD_LETTERS_READ_WITH_PAYLOADS)
@@ -664,15 +663,10 @@ def list_dead_letters(
                 "with_payload": with_payload,
             },
         )
-        for row in rows:
-            items.append(_dead_letter_item(row))
-            payload_chars += items[-1].payload_chars
-            if payload_chars >= DEAD_LETTER_PAGE_PAYLOAD_CHARS:
-                return items
-        if len(rows) < asked:
-            break
+        full = fill_dead_letter_page(items, map(_dead_letter_item, rows), page_size)
+        if full or len(rows) < asked:
+            return items
         after_delivery_id = items[-1].delivery_id
-    return items
 
 
 def _dead_letter_item(row: dict[str, Any]) -> DeadLetterItem:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -279,6 +280,26 @@ class DeadLetterItem:
 #: takes the page's total to this many characters (a page holds at least one item). With
 #: MAX_PAYLOAD_BYTES a message, a page of 500 could otherwise hold over a hundred megabytes.
 DEAD_LETTER_PAGE_PAYLOAD_CHARS = 4 * 2**20
+
+
+def payloads_fill_the_page(page: Iterable[DeadLetterItem]) -> bool:
+    """Whether ``page``'s payloads reach DEAD_LETTER_PAGE_PAYLOAD_CHARS: it ends there."""
+    return sum(item.payload_chars for item in page) >= DEAD_LETTER_PAGE_PAYLOAD_CHARS
+
+
+def fill_dead_letter_page(
+    page: list[DeadLetterItem], more: Iterable[DeadLetterItem], page_size: int
+) -> bool:
+    """Add ``more`` to ``page`` until it holds ``page_size`` items or its payloads fill it (the
+    item that fills it is its last), as every transport pages its dead letters; whether it is
+    full."""
+    chars = sum(item.payload_chars for item in page)
+    for item in more:
+        page.append(item)
+        chars += item.payload_chars
+        if len(page) >= page_size or chars >= DEAD_LETTER_PAGE_PAYLOAD_CHARS:
+            return True
+    return len(page) >= page_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,11 +47,11 @@ from workqueue.publishing import MAX_KEY_LENGTH
 from workqueue.runtime.handler_runs import what_to_do
 from workqueue.transports import BaseTransport
 from workqueue.types import (
-    DEAD_LETTER_PAGE_PAYLOAD_CHARS,
     DeliveryStatus,
     PartitionCondition,
     PartitionItem,
     SubscriptionStats,
+    payloads_fill_the_page,
 )
 
 if TYPE_CHECKING:
@@ -433,9 +433,7 @@ def list_dead_letters(
         # it, must not show a payload to a caller who may not see it (review helper-172).
         items = [replace(item, payload_json=None, payload_ref=None) for item in items]
     page = items[:size]
-    more = len(items) > size or (
-        sum(item.payload_chars for item in page) >= DEAD_LETTER_PAGE_PAYLOAD_CHARS
-    )
+    more = len(items) > size or payloads_fill_the_page(page)
     next_cursor = cursors.encode({"delivery_id": page[-1].delivery_id}, name) if more else None
     return Page(True, page, next_cursor)
 

@@ -69,7 +69,6 @@ from workqueue.transports.ledger import (
     content_fingerprint,
 )
 from workqueue.types import (
-    DEAD_LETTER_PAGE_PAYLOAD_CHARS,
     Backlog,
     ClaimedDelivery,
     ClaimResult,
@@ -87,6 +86,7 @@ from workqueue.types import (
     SettleOutcome,
     SettleResult,
     SubscriptionStatus,
+    fill_dead_letter_page,
 )
 
 if TYPE_CHECKING:
@@ -1782,14 +1782,8 @@ class AwsTransport(BaseTransport):
                 key=lambda i: i.delivery_id,
             )
         page: list[DeadLetterItem] = []
-        payload_chars = 0
-        for item in items:
-            if after_delivery_id is not None and item.delivery_id <= after_delivery_id:
-                continue
-            page.append(item)
-            payload_chars += item.payload_chars
-            if len(page) == page_size or payload_chars >= DEAD_LETTER_PAGE_PAYLOAD_CHARS:
-                break
+        later = [i for i in items if after_delivery_id is None or i.delivery_id > after_delivery_id]
+        fill_dead_letter_page(page, later, page_size)
         return page
 
     # -- operator writes --------------------------------------------------------------------
