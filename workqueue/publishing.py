@@ -435,9 +435,12 @@ def running_a_task(alias: str) -> bool:
     return any(getattr(block, RUNS_A_TASK, False) for block in connections[alias].atomic_blocks)
 
 
-#: The ``action`` of the line logging a call's rejections (a caller that reports them itself,
-#: as the CLI does, filters it out).
+#: The ``action`` of the line logging a call's rejections (for log pipelines that count them).
 REJECTIONS_LOGGED = "publish_rejected"
+
+
+#: Set on a thread while its caller reports rejections itself (rejections_reported_by_caller).
+_rejections_reported = threading.local()
 
 
 @contextlib.contextmanager
@@ -445,21 +448,13 @@ def rejections_reported_by_caller() -> Iterator[None]:
     """Leave out this thread's lines on a call's rejections (``_log_rejections``), for a caller
     that reports them itself: the CLI printed the same sentence twice, and the Tasks backend,
     which raises for any enqueue not accepted, logged a topic it then created as not found
-    (review helper-175)."""
-    caller_thread = threading.get_ident()
-
-    def not_the_callers(record: logging.LogRecord) -> bool:
-        # Only this thread's: a filter applies to the logger in every thread, and other
-        # threads of the process keep their lines.
-        return getattr(record, "action", None) != REJECTIONS_LOGGED or (
-            record.thread != caller_thread
-        )
-
-    logger.addFilter(not_the_callers)
+    (review helper-175). Other threads keep their lines."""
+    before = getattr(_rejections_reported, "on", False)
+    _rejections_reported.on = True
     try:
         yield
     finally:
-        logger.removeFilter(not_the_callers)
+        _rejections_reported.on = before
 
 
 def _log_rejections(topic: Any, results: list[PublishResult], external: bool) -> None:
@@ -468,7 +463,7 @@ def _log_rejections(topic: Any, results: list[PublishResult], external: bool) ->
     with no trace. A WARNING for this process's own publishers; INFO for an API key's, which
     reads its results in the answer (a faulty client would fill the log)."""
     first = next((r for r in results if r.status == PublishStatus.REJECTED), None)
-    if first is None:
+    if first is None or getattr(_rejections_reported, "on", False):
         return  # every publish's path: no list is built
     logger.log(
         logging.INFO if external else logging.WARNING,
