@@ -43,6 +43,17 @@ SWEEP_LOCK_TABLE = "workqueue_sweep_lock"
 PROCEDURE_WRITTEN_TABLES = (*QUEUE_TABLES, "workqueue_rate_limit_bucket", SWEEP_LOCK_TABLE)
 #: Every table the runtime and operator roles read.
 READ_TABLES = ("workqueue_transport", "workqueue_topic", "workqueue_subscription", *QUEUE_TABLES)
+
+
+def app_tables() -> list[str]:
+    """Every table of the work queue's app (none of another app's), sorted: the grants take
+    back from each what only the owner may hold (reviews helper-173 and helper-174)."""
+    from django.apps import apps
+
+    models = apps.get_app_config("workqueue").get_models(include_auto_created=True)
+    return sorted({m._meta.db_table for m in models if m._meta.managed and not m._meta.proxy})
+
+
 #: Tasks API results: hosts record runs in them (the ORM, in the task's transaction), the
 #: sweeper purges them, operators and callers read them.
 TASK_RESULT_TABLE = "workqueue_taskresult"

@@ -34,6 +34,7 @@ from workqueue.driver.base import (
     SparseIndex,
     StalledListeners,
     VacuumHorizon,
+    app_tables,
     error_chain,
     refuse_where_django_tests_refuse,
     routed_to_django_connection,
@@ -166,17 +167,8 @@ def _revoke_owner_only_rights(quoted: str) -> list[str]:
     included; TRUNCATE, which no delete guard sees; REFERENCES; and anything on the publish
     ordinals' sequence, which orders each Ordered key (review helper-173). The app's own tables
     only, named: a pattern also matched other apps' tables (review helper-174)."""
-    from django.apps import apps
-
-    tables = sorted(
-        {
-            model._meta.db_table
-            for model in apps.get_app_config("workqueue").get_models(include_auto_created=True)
-            if model._meta.managed and not model._meta.proxy
-        }
-    )
     return [
-        f"REVOKE TRIGGER, TRUNCATE, REFERENCES ON {', '.join(tables)} FROM {quoted}",
+        f"REVOKE TRIGGER, TRUNCATE, REFERENCES ON {', '.join(app_tables())} FROM {quoted}",
         f"REVOKE ALL ON SEQUENCE wq_publish_ordinal_seq FROM {quoted}",
     ]
 

@@ -30,6 +30,7 @@ from workqueue.driver.base import (
     DriverFeatures,
     QueueTableSize,
     VacuumHorizon,
+    app_tables,
     error_chain,
 )
 from workqueue.driver.procedures import Grant, Param, ParamType, Procedure, granted_to
@@ -119,18 +120,14 @@ def _quote_identifier(name: str) -> str:
 
 
 def _deny_owner_only_rights(quoted: str) -> list[str]:
-    """What no role but the owner may hold, whoever granted it: ALTER on the work queue's other
+    """What no role but the owner may hold, whoever granted it: ALTER on the work queue's
     tables (creating a trigger there takes it, and a trigger runs as whoever writes the table,
     the owner's deploys and admin edits included; TRUNCATE takes it too), REFERENCES (a foreign
     key or a schema-bound view of another role's would block deletes or the owner's ALTERs:
     review helper-174), and ALTER or UPDATE on the publish ordinals' sequence, which orders
     each Ordered key (review helper-173)."""
-    tables = [t for t in READ_TABLES if t not in PROCEDURE_WRITTEN_TABLES]
     return [
-        *(
-            f"DENY ALTER, REFERENCES ON dbo.{table} TO {quoted}"
-            for table in (*tables, "workqueue_hostrecord", TASK_RESULT_TABLE, API_KEY_TABLE)
-        ),
+        *(f"DENY ALTER, REFERENCES ON dbo.{table} TO {quoted}" for table in app_tables()),
         f"DENY ALTER, UPDATE ON dbo.wq_publish_ordinal_seq TO {quoted}",
     ]
 
