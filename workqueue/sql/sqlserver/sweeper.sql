@@ -1,7 +1,9 @@
 -- Sweeper: lease expiry across all subscriptions and retention purges, in bounded batches that
 -- skip rows other sessions hold locked (READPAST). One pass at a time across all hosts: the
 -- sweeper holds wq_try_sweep_lock's row lock, owned by its transaction, on a private connection
--- while it runs the steps on another.
+-- while it runs the steps on another. Each step clamps its batch to 1..5000 (NULL: 1000), as
+-- the bulk operator procedures do: any role granted the steps passes its own batch size
+-- (review helper-173).
 
 -- Procedures keep the ANSI_NULLS and QUOTED_IDENTIFIER settings they were created with, and
 -- writes to tables with filtered indexes fail unless both are ON, whatever client installs them.
@@ -18,8 +20,6 @@ CREATE OR ALTER PROCEDURE dbo.wq_expire_leases_all
 AS
 BEGIN
     SET NOCOUNT ON;
-    -- Clamped as the operators' batches are: any role granted this step passes its own size
-    -- (review helper-173).
     SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
                            WHEN @batch_size > 5000 THEN 5000
                            WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
@@ -83,8 +83,6 @@ CREATE OR ALTER PROCEDURE dbo.wq_purge_terminal_deliveries
 AS
 BEGIN
     SET NOCOUNT ON;
-    -- Clamped as the operators' batches are: any role granted this step passes its own size
-    -- (review helper-173).
     SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
                            WHEN @batch_size > 5000 THEN 5000
                            WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
@@ -122,8 +120,6 @@ CREATE OR ALTER PROCEDURE dbo.wq_purge_orphan_messages
 AS
 BEGIN
     SET NOCOUNT ON;
-    -- Clamped as the operators' batches are: any role granted this step passes its own size
-    -- (review helper-173).
     SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
                            WHEN @batch_size > 5000 THEN 5000
                            WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
@@ -156,8 +152,6 @@ CREATE OR ALTER PROCEDURE dbo.wq_purge_expired_deduplications
 AS
 BEGIN
     SET NOCOUNT ON;
-    -- Clamped as the operators' batches are: any role granted this step passes its own size
-    -- (review helper-173).
     SET @batch_size = CASE WHEN @batch_size IS NULL THEN 1000
                            WHEN @batch_size > 5000 THEN 5000
                            WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
