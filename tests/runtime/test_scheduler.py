@@ -636,3 +636,32 @@ def test_a_topic_name_publish_accepts_is_accepted_in_a_schedule():
     assert Message.objects.count() == 1
 
     load_schedules([{"name": "a", "cron": "* * * * *", "topic": "Orders.Created"}])
+
+
+def test_a_schedule_whose_slot_cannot_be_worked_out_keeps_no_other_from_publishing(
+    topic_name, monkeypatch, caplog
+):
+    """Each schedule's publish failing was caught, but not the slot's arithmetic before it
+    (cronsim's, on a time or an expression it fails on): the pass raised and every schedule
+    after that one went unpublished at each pass (review helper-170)."""
+    clock = Clock(dt.datetime(2026, 5, 4, 9, 0, 20, tzinfo=UTC))
+    entries = [
+        {**schedule(topic_name, "* * * * *"), "name": "broken"},
+        {**schedule(topic_name, "* * * * *"), "name": "fine"},
+    ]
+    schedules = load_schedules(entries)
+    real_latest_slot = type(schedules[0]).latest_slot
+
+    def latest_slot(self, now):
+        if self.name == "broken":
+            raise ValueError("an expression cronsim cannot step through")
+        return real_latest_slot(self, now)
+
+    monkeypatch.setattr(type(schedules[0]), "latest_slot", latest_slot)
+
+    with caplog.at_level(logging.ERROR, logger="workqueue.runtime.scheduler"):
+        result = Scheduler(schedules, clock=clock).run_once()
+
+    assert (list(result.published), result.refused) == (["fine"], {"broken": "Error"})
+    assert published(topic_name) == 1
+    assert "publishing broken failed" in caplog.text

@@ -44,14 +44,15 @@ class Scheduler:
             return result
         now = self.clock()
         for schedule in self.schedules:
-            slot = schedule.latest_slot(now)
-            if slot is None:
-                continue
             try:
+                slot = schedule.latest_slot(now)
+                if slot is None:
+                    continue
                 published = _publish_slot(schedule, slot)
             except Exception:
-                # One schedule's failure (a database error, a payload that cannot be stored)
-                # must not keep the others from publishing; the next pass tries again.
+                # One schedule's failure (its cron's arithmetic, a database error, a payload
+                # that cannot be stored) must not keep the others from publishing; the next
+                # pass tries again.
                 logger.exception("Scheduler: publishing %s failed", schedule.name)
                 result.refused[schedule.name] = "Error"
                 continue
