@@ -510,6 +510,8 @@ def test_publishing_to_a_topic_no_one_created_names_the_topic_and_prints_no_resu
     assert "TopicNotFound" in str(refused.value) and "'orders.craeted'" in str(refused.value)
     assert "sync-topology" in str(refused.value)
     assert "None" not in out.getvalue()
+    # One message, one sentence: no bulk summary ("Published 1: 0 accepted, ... 1 rejected").
+    assert out.getvalue() == "" and str(refused.value).startswith("Rejected: TopicNotFound:")
 
 
 def test_a_rejection_is_told_once_by_the_command_not_again_by_the_librarys_log(caplog):

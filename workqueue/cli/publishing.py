@@ -119,9 +119,9 @@ class PublishVerb(Verb):
                     ]
                 )
             )
-        elif count == 1 and not rejected:
-            r = results[0]
-            command.stdout.write(f"{r.status} {r.message_id}")
+        elif count == 1:
+            if not rejected:  # a rejection is the error below, and nothing else
+                command.stdout.write(f"{results[0].status} {results[0].message_id}")
         else:
             accepted = sum(r.accepted for r in results)
             command.stdout.write(
@@ -131,7 +131,8 @@ class PublishVerb(Verb):
             )
         if rejected:
             first = rejected[0].error
-            raise CommandError(f"{len(rejected)} rejected: {first.code}: {first.message}")
+            how_many = f"{len(rejected)} rejected: " if count > 1 else "Rejected: "
+            raise CommandError(f"{how_many}{first.code}: {first.message}")
 
 
 def _attributes(pairs: list[str]) -> dict[str, str] | None:
