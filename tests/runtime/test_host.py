@@ -1893,3 +1893,24 @@ def test_a_concurrency_over_the_limit_is_that_subscriptions_error_and_the_others
     state, reason = states(host)[too_many.name]
     assert state == "Error" and "at most 1,000 handlers" in reason
     assert states(host)[fine.name] == ("Running", "")
+
+
+def test_shutdown_gives_handlers_a_re_plan_gave_up_on_the_same_drain(make_host):
+    """A handler a re-plan gave up on runs on, its lease renewed, until it returns. A shutdown
+    then counted it as abandoned at once and returned (the process may end), though its
+    handler returned within the shutdown's own drain: the outcome was lost and the delivery
+    ran again after lease expiry. It gets the drain every running handler gets."""
+    s = sub(lease_seconds=10, max_attempts=3)
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=500)
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 1_800, "ignoreSignal": True}).message_id
+    (lingering,) = probe.wait_for(1)
+    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+    host.reconcile()  # two drains of 0.5 s, then the handler runs on
+    assert not lingering.finished.is_set()
+
+    host.shutdown()  # 1.8 s is within its two drains of 0.5 s from here
+
+    assert lingering.finished.is_set()
+    assert (status_of(message), host.abandoned_handlers) == ("Completed", 0)
+    assert len(probe.runs) == 1

@@ -185,3 +185,58 @@ def test_a_one_shot_run_whose_claims_keep_raising_reports_them_not_max_deliverie
     assert (result.processed, result.reason) == (0, "Idle")
     assert [entry["name"] for entry in result.could_not_run] == [s.name]
     assert "stopping the consumer failed" not in caplog.text
+
+
+def test_a_consumer_whose_build_fails_after_its_threads_started_leaves_none_running(
+    make_host, monkeypatch
+):
+    """A consumer starts its handler threads as it is built, then its completion thread. When
+    the system refused that thread (a process at its thread limit), the build failed and the
+    threads already started were left waiting for work forever: each retry of the start added
+    as many again, in the process that was short of threads already."""
+    s = sub()
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    refused = [2]
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == f"wq-{s.name}-completions" and refused[0] > 0:
+            refused[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    host = make_host(one(s, concurrency=3))
+
+    host.start()
+    wait_until(lambda: status_of(message) == "Completed")
+    host.shutdown()
+
+    assert refused == [0]
+    left = [t.name for t in threading.enumerate() if t.name.startswith(f"wq-{s.name}")]
+    assert left == [], f"{len(left)} threads of failed builds still run: {left}"
+
+
+def test_a_consumer_whose_carry_over_fails_leaves_no_threads_running(make_host, monkeypatch):
+    """A consumer built to replace one a re-plan stopped takes over what its receiver still
+    owed (``carry_over_from``, which a third party's transport implements too). When that
+    raised, the consumer built (its threads running) was dropped unstopped."""
+    s = sub()
+    host = make_host(one(s, concurrency=3))
+    host.start()
+    monkeypatch.setattr(
+        transport.Receiver,
+        "carry_over_from",
+        failing(1, transport.Receiver.carry_over_from, lambda *args, **kwargs: True),
+    )
+    type(s).objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+
+    host.reconcile()
+    assert states(host)[s.name][0] == "Error"
+    wait_until(lambda: states(host)[s.name] == ("Running", ""))
+    message = publish(s.topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(message) == "Completed")
+    host.shutdown()
+
+    left = [t.name for t in threading.enumerate() if t.name.startswith(f"wq-{s.name}")]
+    assert left == [], f"{len(left)} threads of the dropped consumer still run: {left}"

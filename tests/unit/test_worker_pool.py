@@ -155,5 +155,21 @@ def test_a_thread_the_system_refuses_leaves_the_task_to_the_pools_threads_or_to_
         pool.shutdown()
 
 
+def test_a_pool_refused_one_of_the_threads_it_starts_with_ends_those_it_started(monkeypatch):
+    """The system refused the third of three threads a pool starts with: the pool's
+    construction fails, and the two started end instead of waiting for work forever."""
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "test-pool-2":
+            _refused(thread)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        WorkerPool(3, "test-pool", started=3)
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("test-pool-")])
+
+
 def _refused(thread: threading.Thread) -> None:
     raise RuntimeError("can't start new thread")

@@ -8,6 +8,7 @@ thread), ``stop`` (drain, abort, drain).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -307,9 +308,15 @@ class Consumer:
         # may still settle (a retry, a dead letter; completions go to the batcher), so
         # claiming overlaps settling. The second half starts only when a delivery is handed
         # over before the thread that freed its slot is back for the next.
-        self._workers = WorkerPool(2 * config.concurrency, name, started=config.concurrency)
-        self._background = WorkerPool(2, f"{name}-bg")
-        self._completions = CompletionBatcher(self.receiver, name)
+        with contextlib.ExitStack() as built:
+            # What started is stopped again should a later step fail (the system refusing a
+            # thread): a consumer that failed to build is retried, and leaked each time.
+            built.callback(self.receiver.close)
+            self._workers = WorkerPool(2 * config.concurrency, name, started=config.concurrency)
+            built.callback(self._workers.shutdown)
+            self._background = WorkerPool(2, f"{name}-bg")
+            self._completions = CompletionBatcher(self.receiver, name)
+            built.pop_all()  # from here, stop() ends them
         self._services = ExecutionServices(
             receiver=self.receiver,
             complete=self._completions.complete,
@@ -511,12 +518,12 @@ class Consumer:
         # end.
         self._hand_back_all(waiting, time.monotonic() + drain)
         gave_up = False
-        if not self._wait_idle(drain):
+        if not self.wait_idle(drain):
             with self._lock:
                 running = list(self._running.values())
             for execution in running:
                 execution.abort(AbortReason.SHUTDOWN)
-            gave_up = not self._wait_idle(drain)
+            gave_up = not self.wait_idle(drain)
         self._workers.shutdown()
         if self._thread.is_alive() and self._claim_out:
             # A claim still out (its answer slower than the drain): the loop hands back what it
@@ -1402,7 +1409,9 @@ class Consumer:
             exc,
         )
 
-    def _wait_idle(self, seconds: float) -> bool:
+    def wait_idle(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for every execution here to be settled or handed back;
+        whether they were."""
         deadline = time.monotonic() + seconds
         with self._lock:
             while self._running:

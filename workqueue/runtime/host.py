@@ -516,6 +516,8 @@ class Host:
                     else entry
                     for name, entry in self._plans.items()
                 }
+            # Both of a drain's phases, counted from now: what every handler has to return.
+            drain_ends = time.monotonic() + 2 * self.config.shutdown_drain_ms / 1000
             stoppers = _stop_at_once(consumers, process_lives_on=False)
             for service in self._services:
                 if service is not self._health_service:
@@ -531,6 +533,10 @@ class Host:
                 # Stopped by a re-plan, before or during this shutdown: what they gave up on
                 # and is still running now (the others have returned since).
                 lingering = {*self._lingering, *retired}
+            for consumer in lingering:
+                # Handlers a re-plan gave up on (told to stop, then aborted) still settle what
+                # they return: they get the drain every running handler gets (review helper-171).
+                consumer.wait_idle(drain_ends - time.monotonic())
             if self._health_service is not None:
                 self._health_service.stop()
             left = [c.left_running() for c in lingering]
@@ -848,7 +854,13 @@ class Host:
         retired = self._retired_receivers.get(entry.plan.subscription_id)
         carry_over_from = getattr(consumer.receiver, "carry_over_from", None)
         if retired is not None and carry_over_from is not None:  # a third party's may lack it
-            carry_over_from(retired)
+            try:
+                carry_over_from(retired)
+            except BaseException:
+                # Built, so its threads run: stopped, not left to wait forever. The host lives
+                # on and builds it again, carrying over from the same receiver.
+                consumer.stop(process_lives_on=True)
+                raise
         return consumer
 
     def _run_consumer(self, entry: PlanEntry, consumer: Consumer) -> None:

@@ -59,9 +59,16 @@ class WorkerPool:
         # thread coming for it; one that finds none starts a thread.
         self._idle = threading.Semaphore(0)
         with self._lock:
-            for _ in range(min(started, size)):
-                self._start_thread()
-                self._idle.release()
+            try:
+                for _ in range(min(started, size)):
+                    self._start_thread()
+                    self._idle.release()
+            except BaseException:
+                # The system refused a thread (a process at its thread limit): those started
+                # would otherwise wait for work forever, as many again at each retry.
+                for _ in self._threads:
+                    self._queue.put(None)
+                raise
 
     def runs_on_current_thread(self) -> bool:
         return threading.current_thread() in self._threads
