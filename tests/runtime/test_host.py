@@ -1795,8 +1795,8 @@ def test_failing_handlers_open_no_queue_connection_on_the_worker_threads(make_ho
     )
     workers = [n for n in opened_on if re.fullmatch(rf"wq-{re.escape(s.name)}-\d+", n)]
     assert workers == [], f"worker threads opened queue connections: {workers}"
-    # Retries and dead letters were settled, on the background threads.
-    assert any(n.startswith(f"wq-{s.name}-bg-") for n in opened_on), opened_on
+    # Retries and dead letters were settled, on the settle threads.
+    assert any(n.startswith(f"wq-{s.name}-settle-") for n in opened_on), opened_on
 
 
 # -- receivers that raise, a listener cut twice (audit helper-72) ----------------------------

@@ -461,7 +461,7 @@ def test_a_hand_back_still_queued_when_the_host_stops_is_not_dropped(
     first = publish(s.topic.name, {"n": 0}).message_id
     wait_until(lambda: status_of(first) == "Completed")  # a handler returned: claiming ahead is on
     busy = threading.Event()
-    background = host._consumers[s.name]._background
+    background = host._consumers[s.name]._settles
     for _ in range(2):
         background.run(busy.wait, 30)
     try:
@@ -535,3 +535,4 @@ def test_a_delivery_next_in_a_slot_is_handed_back_at_shutdown_and_never_run(
     for row in Delivery.objects.filter(message_id__in=ids).exclude(message_id=ran):
         assert (row.status, row.attempt_count) == ("Pending", 0)
     assert host.unsettled_outcomes == (settle_returns == "after the drain")
+

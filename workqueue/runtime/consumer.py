@@ -314,7 +314,14 @@ class Consumer:
             built.callback(self.receiver.close)
             self._workers = WorkerPool(2 * config.concurrency, name, started=config.concurrency)
             built.callback(self._workers.shutdown)
+            # Renewals and cancel checks on two threads, settles made off the handlers' threads
+            # (retries, dead letters, releases, hand-backs) on two others: sharing two, a
+            # renewal waited behind a burst of slow settles past its lease, and another
+            # consumer ran the delivery beside its handler (review helper-177).
             self._background = WorkerPool(2, f"{name}-bg")
+            built.callback(self._background.shutdown)
+            self._settles = WorkerPool(2, f"{name}-settle")
+            built.callback(self._settles.shutdown)
             self._completions = CompletionBatcher(self.receiver, name)
             built.pop_all()  # from here, stop() ends them
         self._services = ExecutionServices(
@@ -323,7 +330,7 @@ class Consumer:
             complete_later=self._completions.complete_later,
             timers=timers,
             background=self._background,
-            settle_threads=self._background,
+            settle_threads=self._settles,
             handlers=handlers,
             user=user,
             cancels=self.hears_cancels,
@@ -343,7 +350,7 @@ class Consumer:
         # until a slot frees (else this host takes the handed-back delivery straight back).
         self._slots_stalled = False
         # Claimed ahead, turned late waiting for a slot, and queued to be handed back on a
-        # background thread; still counted as running until the release returns.
+        # settle thread; still counted as running until the release returns.
         self._late: dict[tuple[str, str], DeliveryExecution] = {}
         # Every delivery going back unstarted, from the moment that is decided until its
         # release has returned (past its time in ``_late``): no worker may start one, and a
@@ -513,7 +520,7 @@ class Consumer:
             for execution in waiting:
                 self._running.pop(execution.key, None)
                 self._handing_back.discard(execution.key)
-        # Claimed ahead and never started (a hand-back still queued behind busy background
+        # Claimed ahead and never started (a hand-back still queued behind busy settle
         # threads included): back to the queue now, attempt refunded, before the process may
         # end.
         self._hand_back_all(waiting, time.monotonic() + drain)
@@ -584,6 +591,7 @@ class Consumer:
     def _close(self) -> None:
         self._completions.stop()
         self._background.shutdown()
+        self._settles.shutdown()
         self.receiver.close()
 
     def _warn_of_left_behind(self) -> None:
@@ -1049,8 +1057,8 @@ class Consumer:
             wanted = wanted and not (self._last_receive_drained and self.config.publishes_wake)
         for execution in late:
             # Waited so long for a slot that its lease is mostly gone: back to the queue,
-            # attempt refunded, on a background thread (this worker holds no connection).
-            self._background.run_or_call(self._hand_back, execution)
+            # attempt refunded, on a settle thread (this worker holds no connection).
+            self._settles.run_or_call(self._hand_back, execution)
         if wanted:
             self._wake.set()
         if self._successors:  # only a consumer a re-plan stopped has any
@@ -1075,9 +1083,9 @@ class Consumer:
                 following, current.next_in_slot = current.next_in_slot, None
                 current = following
         finally:
-            # Settles run on the batcher and the background threads; a worker opens a queue
+            # Settles run on the batcher and the settle threads; a worker opens a queue
             # connection only when its handler renews the lease itself (context.heartbeat()),
-            # or to settle after the background pool stopped. Kept, every one of the 2 x
+            # or to settle after the settle pool stopped. Kept, every one of the 2 x
             # concurrency workers would come to hold one, idle, for the thread's life.
             self.receiver.close()
 
@@ -1105,7 +1113,7 @@ class Consumer:
                 # stop() or a cancel decides for it (_take_for_this_thread), or it starts
                 return False
             self._to_hand_back(execution)
-        self._background.run_or_call(self._hand_back, execution)
+        self._settles.run_or_call(self._hand_back, execution)
         return True
 
     @staticmethod
@@ -1229,7 +1237,7 @@ class Consumer:
             if self._ready and not self._stopping.is_set():
                 self._check_ready_when_late(self._ready[0])
         for execution in late:
-            self._background.run_or_call(self._hand_back, execution)
+            self._settles.run_or_call(self._hand_back, execution)
 
     def _hand_back_cancelled_ahead(self, execution: DeliveryExecution) -> None:
         """A delivery that has not started was found cancelled: it goes back now, which
@@ -1262,7 +1270,7 @@ class Consumer:
             following = self._pass_slot_on()
             if following is not None:
                 self._run_in_slot(following)
-        self._background.run_or_call(self._hand_back, execution)
+        self._settles.run_or_call(self._hand_back, execution)
 
     def _to_hand_back(self, execution: DeliveryExecution) -> None:
         """Mark ``execution``, which never started, as going back (``_hand_back`` next, unless

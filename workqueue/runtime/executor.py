@@ -429,7 +429,7 @@ class DeliveryExecution:
                 return
             if isinstance(outcome, Exception):
                 self._answer_lost = True  # the batch may have committed before it failed
-            self.services.background.run_or_call(settle_alone)
+            (self.services.settle_threads or self.services.background).run_or_call(settle_alone)
 
         if not complete_later(self.delivery, settled):
             settle_alone()
@@ -453,7 +453,7 @@ class DeliveryExecution:
         # With automatic heartbeats the first tick arms the horizon: it comes well before it
         # (at most a third of the lease, and half of what is left), and most handlers end
         # before either, so a delivery costs the timer thread one timer, not two.
-        if self.plan.heartbeat_mode != "Auto" or not self._schedule_auto_heartbeat(first=True):
+        if self.plan.heartbeat_mode != "Auto" or not self._schedule_auto_heartbeat():
             self._arm_horizon()
         if self.plan.max_processing_seconds:
             self._keep_timer(
@@ -668,15 +668,18 @@ class DeliveryExecution:
                 self._timers = [kept for kept in self._timers if not kept.cancelled]
             self._timers.append(timer)
 
-    def _schedule_auto_heartbeat(self, *, first: bool = False) -> bool:
-        """Schedule the next automatic renewal (the ``first``, within half of what is left of
-        the lease: a delivery can start with little of it left, claimed ahead or answered
-        late, review helper-171); False when renewals have stopped."""
+    def _schedule_auto_heartbeat(self) -> bool:
+        """Schedule the next automatic renewal, within half of what is left of the lease: a
+        delivery can start with little of it left (claimed ahead, or its claim answered late:
+        review helper-171), and a renewal answered late leaves little of the lease it granted
+        (helper-177). Never sooner than an eighth of the interval: renewals failing through an
+        outage, the lease left shrinking, would otherwise come ever faster until the horizon.
+        False when renewals have stopped."""
         if self._stopped_renewing():
             return False
-        delay = heartbeat_interval_seconds(self.lease_seconds)
-        if first:
-            delay = min(delay, max((self._lease_ends - time.monotonic()) / 2, 0.0))
+        interval = heartbeat_interval_seconds(self.lease_seconds)
+        left = self._lease_ends - time.monotonic()
+        delay = min(interval, max(left / 2, interval / 8))
         self._keep_timer(self.services.timers.schedule(delay, self._auto_heartbeat_tick))
         return True
 
@@ -756,9 +759,18 @@ class DeliveryExecution:
         return (
             self._finished
             or self._completed_in_transaction()
-            or self.signal.has(AbortReason.LEASE_LOST)
+            or (self.signal.has(AbortReason.LEASE_LOST) and self._lease_gone())
             or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
         )
+
+    def _lease_gone(self) -> bool:
+        """Whether the lease is lost for good: the database said so, or it has run out by the
+        local clock. A handler the horizon told LeaseLost can hold its lease after all (a
+        renewal granted before the horizon, answered after it, moved ``_lease_ends`` on):
+        renewals go on then, or the lease would run out while a handler that does not stop
+        still runs, and another consumer would run the delivery beside it (review
+        helper-177). The signal stays: the handler was told, and may have stopped."""
+        return self._lease_lost_in_database or time.monotonic() >= self._lease_ends
 
     def _beat(self, progress: Mapping[str, Any] | None) -> bool:
         """Renew the lease; concurrent calls share one database call (the first progress wins)."""
