@@ -114,7 +114,7 @@ def test_what_looks_like_malformed_text_but_is_not_is_stored_exactly(client, top
 
     assert response.status_code == 202, response.content
     [delivery] = Receiver(topic.subscriptions.get().id).receive(1).deliveries
-    assert delivery.payload == payload
+    assert delivery.decoded_payload() == payload
     assert delivery.partition_key == "\\u0000"
 
 

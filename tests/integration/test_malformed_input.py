@@ -118,7 +118,7 @@ def test_what_looks_like_malformed_text_but_is_not_is_published_and_delivered_ex
 
     assert result.status == "Accepted"
     [delivery] = Receiver(topic.subscriptions.get().id).receive(1).deliveries
-    assert delivery.payload == payload
+    assert delivery.decoded_payload() == payload
     assert delivery.partition_key == "\\u0000"
     assert delivery.attributes == {"a": "\\x00"}
 

@@ -218,7 +218,7 @@ def _an_open_publish_then_another(
         publish(topic, {"n": "next"}, partition_key="k", attributes={"colour": "red"})
         resume()
         sub = Subscription.objects.get(topic__name=topic)
-        return [d.payload for d in Receiver(sub.id).receive(5).deliveries]
+        return [d.decoded_payload() for d in Receiver(sub.id).receive(5).deliveries]
     finally:
         holder.join(10)
 

@@ -249,8 +249,8 @@ def test_numbers_come_back_to_the_handler_as_they_were_published(topic):
     (subscription,) = topic.subscriptions.all()
     (delivery,) = Receiver(subscription.id).receive(1).deliveries
 
-    assert delivery.payload == payload
-    assert {k: type(v) for k, v in delivery.payload.items()} == {
+    assert delivery.decoded_payload() == payload
+    assert {k: type(v) for k, v in delivery.decoded_payload().items()} == {
         k: type(v) for k, v in payload.items()
     }
 

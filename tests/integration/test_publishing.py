@@ -101,7 +101,7 @@ def test_any_json_payload_round_trips_alone_and_in_a_batch(payload):
     single = publish(sub.topic.name, payload)
     [batched, _] = publish_many(sub.topic.name, [{"payload": payload}, {"payload": payload}])
 
-    claimed = {d.message_id: d.payload for d in Receiver(sub.id).receive(10).deliveries}
+    claimed = {d.message_id: d.decoded_payload() for d in Receiver(sub.id).receive(10).deliveries}
 
     assert claimed[single.message_id] == payload
     assert claimed[batched.message_id] == payload

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 from typing import Any
 
 import pytest
 
+from tests.factories import TopicFactory
 from tests.support.handlers import probe, registry
 from tests.support.hosts import runtime_threads, status_of, sub
+from tests.support.memory import SWOLLEN_PAYLOAD
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many, transport
 from workqueue.exceptions import TransientDriverError, WorkQueueConfigurationError
@@ -536,3 +539,34 @@ def test_a_delivery_next_in_a_slot_is_handed_back_at_shutdown_and_never_run(
         assert (row.status, row.attempt_count) == ("Pending", 0)
     assert host.unsettled_outcomes == (settle_returns == "after the drain")
 
+
+def test_deliveries_claimed_ahead_hold_their_payloads_as_text_until_they_start(make_host):
+    """The prefetch's budget (32 MiB of the topic's largest messages) counts JSON text, but a
+    claim decoded every payload as it came in: JSON of empty objects is some 25 times larger
+    decoded, and 16 deliveries of 256 KiB waiting for a slot held about 100 MB of the host
+    (128 of them, the default at that size, most of a gigabyte). A delivery waiting for a slot
+    keeps its payload as the stored text; its handler decodes it as it starts."""
+    topic = TopicFactory(max_payload_bytes=MAX_PAYLOAD_BYTES)
+    s = sub(topic=topic)
+    host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 16}])
+    host.start()
+    quick = publish(topic.name, {"then": "complete"}).message_id
+    wait_until(lambda: status_of(quick) == "Completed")  # quick handlers: claiming ahead is on
+    blocker = publish(topic.name, {"sleepMs": 4_000}).message_id
+    wait_until(lambda: status_of(blocker) == "InFlight")
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for _ in range(16):  # one at a time: a batch of 4 MB is over publish_many's bound
+            publish(topic.name, {"pad": SWOLLEN_PAYLOAD})
+        waiting = host._consumers[s.name]
+        wait_until(lambda: waiting.in_flight == 17, timeout=30)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert status_of(blocker) == "InFlight", "the blocker ended before the others were claimed"
+    assert held - before < 32 * 2**20, (
+        f"16 deliveries waiting for a slot held {(held - before) / 2**20:.0f} MB of the host"
+    )
+    wait_until(lambda: Delivery.objects.filter(subscription=s, status="Completed").count() == 18)

@@ -86,7 +86,8 @@ _EXPIRED = _c("delivery_id:uuid, subscription_id:uuid, partition_key, new_status
 _CLAIMED = _c(
     "kind, delivery_id:uuid, lease_token:uuid, lease_expires_at:timestamp, attempt_count:int, "
     "is_replay:bool, message_id:uuid, topic_id:uuid, partition_key, attributes:json, "
-    "payload:json, payload_ref:json, correlation_id, published_at:timestamp"
+    # The payload as its stored text: decoded when its handler starts (ClaimedDelivery).
+    "payload, payload_ref:json, correlation_id, published_at:timestamp"
 )
 
 PROCEDURES: dict[str, Procedure] = {

@@ -510,7 +510,7 @@ class DeliveryExecution:
         message = WorkMessage(
             message_id=self.delivery.message_id,
             topic=self.plan.topic_name,
-            payload=self.delivery.payload,
+            payload=self.delivery.decoded_payload(),
             payload_ref=self.delivery.payload_ref,
             partition_key=self.delivery.partition_key,
             attributes=self.delivery.attributes,
