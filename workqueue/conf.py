@@ -79,6 +79,11 @@ class WorkQueueSettings:
 
 #: The most handlers of one subscription a host runs at once (each slot is two threads).
 MAX_CONCURRENCY = 1000
+#: The most deliveries one claim takes: ``wq_claim`` clamps what it is passed to 0..this on
+#: both vendors, whoever calls it (review helper-176), and a host asks for no more. Far above
+#: what a host asks for by default (MAX_CONCURRENCY free slots and DEFAULT_PREFETCH ahead);
+#: a larger ``prefetch`` than it leaves room for claims this many at a time.
+MAX_CLAIM_ROWS = 5000
 #: The keys a ``SUBSCRIPTIONS`` entry may hold.
 SUBSCRIPTION_ENTRY_KEYS = ("name", "concurrency", "prefetch")
 #: Each number setting's smallest and largest value (None: no bound). A value outside them

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
 
-from workqueue.conf import setting
+from workqueue.conf import MAX_CLAIM_ROWS, setting
 from workqueue.driver import get_driver
 from workqueue.driver.base import (
     BaseDriver,
@@ -174,8 +174,11 @@ class Receiver:
 
         Also reports deliveries whose expired lease was their last attempt, now dead-lettered.
         After a claim that raised, the next ones first take back what it may have claimed before
-        its answer was lost: those deliveries, at the attempt they were claimed for.
+        its answer was lost: those deliveries, at the attempt they were claimed for. At most
+        MAX_CLAIM_ROWS, which the procedure clamps to: asked for more, a full claim would read
+        as a short one (drained, everything named handed back).
         """
+        max_rows = min(max_rows, MAX_CLAIM_ROWS)
         claim_id = uuid.uuid4()
         self._take_over_unanswered()
         with self._unanswered_lock:

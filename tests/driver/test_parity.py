@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from workqueue.conf import MAX_CLAIM_ROWS
 from workqueue.driver.postgresql import ANNOUNCE_COLUMNS
 from workqueue.driver.procedures import PROCEDURES, ParamType, Procedure
 from workqueue.sql import INSTALL_ORDER
@@ -588,3 +589,71 @@ def test_the_sqlserver_progress_cap_counts_what_is_stored():
     tsql = (SQL_ROOT / "sqlserver" / "lease.sql").read_text()
     assert "LEN(@progress)" not in tsql
     assert "CASE WHEN DATALENGTH(@progress) > 32000" in tsql
+
+
+def _postgresql_function(file: str, name: str) -> str:
+    text = (SQL_ROOT / "postgresql" / f"{file}.sql").read_text()
+    start = text.index(f"CREATE OR REPLACE FUNCTION {name}(")
+    return text[start : text.index("\n$$;", start)]
+
+
+def _tsql_procedure(file: str, name: str) -> str:
+    from workqueue.driver.sqlserver import split_batches
+
+    text = (SQL_ROOT / "sqlserver" / f"{file}.sql").read_text()
+    [batch] = [b for b in split_batches(text) if f"CREATE OR ALTER PROCEDURE dbo.{name}\n" in b]
+    return _strip_comments(batch)
+
+
+def test_both_vendors_clamp_a_claims_row_count_to_the_claim_cap():
+    """Review helper-176: the claim took any count (100,000 deliveries in one transaction; on
+    PostgreSQL NULL looped for ever). Proved live on PostgreSQL by
+    tests/integration/test_procedures_bound_their_input.py; the T-SQL twin is checked as text,
+    the clamp before the first use of @max_rows (DECLARE ... = runs in order)."""
+    postgresql = _postgresql_function("claim", "wq_claim")
+    body = postgresql[postgresql.index("AS $$") :]
+    clamp = f"v_max_rows integer := LEAST(GREATEST(coalesce(p_max_rows, 0), 0), {MAX_CLAIM_ROWS});"
+    assert clamp in body
+    assert body.count("p_max_rows") == 1  # only the clamp reads it
+    tsql = _tsql_procedure("claim", "wq_claim")
+    clamp = (
+        "SET @max_rows = CASE WHEN @max_rows IS NULL OR @max_rows < 0 THEN 0\n"
+        f"                         WHEN @max_rows > {MAX_CLAIM_ROWS} THEN {MAX_CLAIM_ROWS} "
+        "ELSE @max_rows END;"
+    )
+    assert clamp in tsql
+    body = tsql[tsql.index("\nAS\n") :]
+    assert body.index(clamp) < body.replace(clamp, "", 1).index("@max_rows")
+
+
+@pytest.mark.parametrize("name", ["wq_retire_discard", "wq_retire_purge"])
+def test_both_vendors_clamp_a_retirement_batch_from_above(name):
+    # Review helper-176: clamped from below only, one call changed every row of a subscription.
+    assert "LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)" in _postgresql_function(
+        "operator", name
+    )
+    assert (
+        "DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000\n"
+        "                              WHEN @batch_size > 5000 THEN 5000\n"
+        "                              WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;"
+        in _tsql_procedure("operator", name)
+    )
+
+
+def test_both_vendors_count_locked_rows_a_bulk_discard_batch_walks():
+    """Review helper-176: the walk itself skipped locked rows (SKIP LOCKED, READPAST) uncounted
+    and read on past any number of them. It now walks its batch unlocked and locks what it
+    walked, skipping what others hold; examined counts the walk. Proved live on PostgreSQL by
+    tests/integration/test_procedures_bound_their_input.py; the T-SQL twin is checked as text."""
+    postgresql = _strip_comments(_postgresql_function("operator", "wq_discard_pending"))
+    assert postgresql.count("FOR UPDATE SKIP LOCKED") == 1
+    assert "WHERE x.ctid = w.row_at AND x.status = 'Pending'\n" in postgresql
+    tsql = _tsql_procedure("operator", "wq_discard_pending")
+    walk = tsql[tsql.index("INSERT INTO @walked") : tsql.index("INSERT INTO @batch")]
+    assert "WITH (" not in walk and "SELECT TOP (@limit)" in walk
+    lock = tsql[tsql.index("INSERT INTO @batch") : tsql.index("IF @dry_run = 1")]
+    assert (
+        "FROM @walked AS w\n"
+        "      JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST) ON d.id = w.id"
+    ) in lock
+    assert "SELECT (SELECT COUNT(*) FROM @walked) AS examined," in tsql

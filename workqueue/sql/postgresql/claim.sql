@@ -132,7 +132,11 @@ END;
 $$;
 
 -- wq_claim --
--- Lease up to p_max_rows deliveries of an Active subscription to p_lease_owner in one call.
+-- Lease up to p_max_rows deliveries of an Active subscription to p_lease_owner in one call,
+-- p_max_rows clamped to 0..5000 (NULL: 0, as on SQL Server), the claim cap a host also holds
+-- its ask to (workqueue.conf.MAX_CLAIM_ROWS): any role granted the claim passes its own count,
+-- and one call leased 100,000 deliveries in one transaction, or, given NULL, spun for ever
+-- (review helper-176).
 -- First expires this subscription's passed leases (rows of kind 'ExpiredDeadLetter' report the
 -- ones that were dead-lettered). Partitioned subscriptions then claim at most one delivery per
 -- key: the key's first due Pending row by order_key, when nothing of the key is in flight
@@ -207,8 +211,9 @@ AS $$
 DECLARE
     v_sub record;
     v_ordered boolean;
-    v_remaining integer := p_max_rows;
-    v_window_size integer := p_max_rows * 4 + 32;
+    v_max_rows integer := LEAST(GREATEST(coalesce(p_max_rows, 0), 0), 5000);
+    v_remaining integer := v_max_rows;
+    v_window_size integer := v_max_rows * 4 + 32;
     v_window_keys text[] := '{}';
     v_window_levels integer[] := '{}';
     v_window_since timestamptz[] := '{}';
@@ -221,7 +226,7 @@ DECLARE
     v_count integer;
     v_next integer := 0;
     v_walking boolean := false;
-    v_walk_budget integer := p_max_rows * 4 + 64;
+    v_walk_budget integer := v_max_rows * 4 + 64;
     v_walked_from_start boolean := false;
     v_walk_at text;
     v_walked_key boolean := false;
@@ -273,7 +278,7 @@ BEGIN
 
     -- (A claim naming itself would hand back, under the same tokens, what it just took.)
     IF p_retake_claim_id IS NOT NULL AND p_retake_claim_id IS DISTINCT FROM p_claim_id
-       AND p_max_rows >= 1 THEN
+       AND v_max_rows >= 1 THEN
         RETURN QUERY
         WITH retaken AS (
             -- The subscription's InFlight rows, read through wq_dlv_open_ix: as many as it has
@@ -293,7 +298,7 @@ BEGIN
                               p_retake_claim_id::text || h.id::text, 'UTF8')), 'hex'), 1, 32)::uuid
                       AND h.lease_expires_at > now() AND h.cancel_requested_at IS NULL
                     ORDER BY h.visible_at
-                    LIMIT p_max_rows
+                    LIMIT v_max_rows
                       FOR UPDATE SKIP LOCKED)
             RETURNING d.id, d.message_id, d.lease_token, d.lease_expires_at,
                       d.attempt_count::integer, d.is_replay, d.visible_at
@@ -317,7 +322,7 @@ BEGIN
     -- (status is never NULL: NULL here means no such subscription.) Nothing is claimed either
     -- when what was handed back filled the call.
     IF v_sub.status IS DISTINCT FROM 'Active' OR v_remaining < 1 THEN
-        IF v_remaining < p_max_rows THEN
+        IF v_remaining < v_max_rows THEN
             RETURN QUERY
             SELECT 'Lease'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, v_sub.lease_seconds,
                    NULL::boolean, NULL::uuid, NULL::uuid, NULL::text, NULL::jsonb, NULL::jsonb,
@@ -619,7 +624,7 @@ BEGIN
                NULL::jsonb, NULL::text, NULL::timestamptz;
     END IF;
 
-    IF v_remaining < p_max_rows THEN
+    IF v_remaining < v_max_rows THEN
         RETURN QUERY
         SELECT 'Lease'::text, NULL::uuid, NULL::uuid, NULL::timestamptz, v_sub.lease_seconds,
                NULL::boolean, NULL::uuid, NULL::uuid, NULL::text, NULL::jsonb, NULL::jsonb,

@@ -453,9 +453,14 @@ $$;
 -- p_batch_size of them (clamped to 1..5000; NULL: 1000), and discards those matching every
 -- filter given (NULL matches all): the message's partition key (exactly), its publish time in
 -- [from, before), and the last error of an earlier attempt containing the text (ignoring
--- case). Rows a claim holds at that moment are skipped (they are running: cancel them one by
--- one). With p_dry_run nothing changes: changed reports how many would. The last row examined
--- is where the next batch starts; a batch that examined fewer rows than its size was the last.
+-- case). Rows another session holds locked at that moment (a claim taking them) are examined
+-- and skipped, never changed (they are being claimed: cancel them one by one). With p_dry_run
+-- nothing changes: changed reports how many would. The last row examined is where the next
+-- batch starts; a batch that examined fewer rows than its size was the last.
+-- Until 0056 a locked row was skipped uncounted (SKIP LOCKED in the walk itself), and the
+-- batch walked on until it had examined its size in rows no one held: behind rows held by
+-- open transactions, as many as there were, in one call (review helper-176). Now the walk
+-- reads its rows unlocked and locks each by its ctid, so a held one still counts.
 -- A batch reads what it examines (and the rows sharing the first and last ones' due time), not
 -- the rest of the backlog: each priority is walked as a range of due times, its far end the due
 -- time of the row that fills the batch (read along the claim index), and only that range is
@@ -540,25 +545,30 @@ BEGIN
             SELECT count(*),
                    (array_agg(w.visible_at ORDER BY w.visible_at DESC, w.id DESC))[1],
                    (array_agg(w.id ORDER BY w.visible_at DESC, w.id DESC))[1],
-                   array_agg(w.id) FILTER (WHERE w.matches)
-              FROM (SELECT d.id, d.visible_at,
-                           ($5 IS NULL
-                            OR strpos(lower(coalesce(d.last_error, '')), lower($5)) > 0)
-                           AND ($2 IS NULL AND $3 IS NULL AND $4 IS NULL OR EXISTS (
-                               SELECT 1 FROM workqueue_message m
-                                WHERE m.id = d.message_id
-                                  AND ($2 IS NULL OR m.partition_key = $2)
-                                  AND ($3 IS NULL OR m.published_at >= $3)
-                                  AND ($4 IS NULL OR m.published_at < $4)))
-                           AS matches
+                   array_agg(w.id) FILTER (WHERE l.matches)
+              FROM (SELECT d.id, d.visible_at, d.ctid AS row_at
                       FROM workqueue_delivery d
                      WHERE d.subscription_id = $1 AND d.status = 'Pending'
                        AND d.partition_key IS %s NULL AND d.priority = $9
                        AND d.visible_at >= $6 AND d.visible_at <= $10
                        AND (d.visible_at > $6 OR $7 IS NULL OR d.id > $7)
                      ORDER BY d.visible_at, d.id
-                     LIMIT $8
-                       FOR UPDATE SKIP LOCKED) AS w
+                     LIMIT $8) AS w
+              -- Each walked row locked by its ctid (a TID probe; read by this statement, so
+              -- no other row can be there), unless another session holds it or has changed it.
+              LEFT JOIN LATERAL (
+                    SELECT ($5 IS NULL
+                            OR strpos(lower(coalesce(x.last_error, '')), lower($5)) > 0)
+                           AND ($2 IS NULL AND $3 IS NULL AND $4 IS NULL OR EXISTS (
+                               SELECT 1 FROM workqueue_message m
+                                WHERE m.id = x.message_id
+                                  AND ($2 IS NULL OR m.partition_key = $2)
+                                  AND ($3 IS NULL OR m.published_at >= $3)
+                                  AND ($4 IS NULL OR m.published_at < $4)))
+                           AS matches
+                      FROM workqueue_delivery x
+                     WHERE x.ctid = w.row_at AND x.status = 'Pending'
+                       FOR UPDATE SKIP LOCKED) AS l ON true
         $query$, v_key)
           INTO v_found, v_last_visible_at, v_last_id, v_ids
           USING p_subscription_id, p_partition_key, p_published_from, p_published_before,
@@ -570,8 +580,8 @@ BEGIN
             v_matching := v_matching || coalesce(v_ids, '{}');
         END IF;
         EXIT WHEN v_examined >= v_limit;
-        -- Fewer than wanted: every row up to the bound was examined or is held by a claim
-        -- (skipped, as ever). The priority goes on past the bound, or is done.
+        -- Fewer than wanted: every row up to the bound was examined (rows changed since the
+        -- bound was read leave it short). The priority goes on past the bound, or is done.
         IF v_bound IS NULL THEN
             v_after_at := 'infinity';
         ELSE
@@ -748,9 +758,10 @@ AS $$
 $$;
 
 -- wq_retire_discard --
--- Retiring a subscription: up to p_batch_size of its Pending and DeadLettered deliveries ->
--- Discarded, with the actor and reason recorded. Only for a Disabled subscription (no new
--- deliveries are fanned out to it, no host claims it); for any other it changes nothing.
+-- Retiring a subscription: up to p_batch_size (clamped to 1..5000; NULL: 1000, as the other
+-- operator batches: until 0056 from below only, review helper-176) of its Pending and DeadLettered
+-- deliveries -> Discarded, with the actor and reason recorded. Only for a Disabled subscription (no
+-- new deliveries are fanned out to it, no host claims it); for any other it changes nothing.
 -- InFlight rows are left to their holders.
 CREATE OR REPLACE FUNCTION wq_retire_discard(
     p_subscription_id uuid,
@@ -769,7 +780,7 @@ AS $$
           JOIN workqueue_subscription s ON s.id = d.subscription_id
          WHERE d.subscription_id = p_subscription_id AND s.status = 'Disabled'
            AND d.status IN ('Pending', 'DeadLettered')
-         LIMIT GREATEST(p_batch_size, 1)
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
            FOR UPDATE OF d SKIP LOCKED
     ), changed AS (
         UPDATE workqueue_delivery d
@@ -784,9 +795,10 @@ AS $$
 $$;
 
 -- wq_retire_purge --
--- Retiring a subscription: delete up to p_batch_size of its Completed and Discarded deliveries
--- whatever their age, so its row can be deleted. Only for a Disabled subscription; for any other
--- it deletes nothing. Never a Pending, InFlight or DeadLettered row.
+-- Retiring a subscription: delete up to p_batch_size (clamped as wq_retire_discard's) of its
+-- Completed and Discarded deliveries whatever their age, so its row can be deleted. Only for a
+-- Disabled subscription; for any other it deletes nothing. Never a Pending, InFlight or
+-- DeadLettered row.
 CREATE OR REPLACE FUNCTION wq_retire_purge(p_subscription_id uuid, p_batch_size integer)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
@@ -799,7 +811,7 @@ AS $$
           JOIN workqueue_subscription s ON s.id = d.subscription_id
          WHERE d.subscription_id = p_subscription_id AND s.status = 'Disabled'
            AND d.status IN ('Completed', 'Discarded')
-         LIMIT GREATEST(p_batch_size, 1)
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
            FOR UPDATE OF d SKIP LOCKED
     ), deleted AS (
         DELETE FROM workqueue_delivery d USING victims v

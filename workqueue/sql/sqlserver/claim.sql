@@ -140,7 +140,10 @@ END;
 GO
 
 -- wq_claim --
--- Lease up to @max_rows deliveries of an Active subscription to @lease_owner in one call.
+-- Lease up to @max_rows deliveries of an Active subscription to @lease_owner in one call,
+-- @max_rows clamped to 0..5000 (NULL: 0), the claim cap a host also holds its ask to
+-- (workqueue.conf.MAX_CLAIM_ROWS), as the PostgreSQL twin clamps p_max_rows: any role granted
+-- the claim passes its own count (review helper-176).
 -- First expires this subscription's passed leases (up to 500); rows of kind 'ExpiredDeadLetter'
 -- report the ones that were dead-lettered. Partitioned subscriptions then claim at most one
 -- delivery per key: the key's first due Pending row by order_key when nothing of the key is in
@@ -185,6 +188,8 @@ CREATE OR ALTER PROCEDURE dbo.wq_claim
 AS
 BEGIN
     SET NOCOUNT ON;
+    SET @max_rows = CASE WHEN @max_rows IS NULL OR @max_rows < 0 THEN 0
+                         WHEN @max_rows > 5000 THEN 5000 ELSE @max_rows END;
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);

@@ -475,10 +475,16 @@ GO
 -- @after_delivery_id), at most @batch_size
 -- of them (clamped to 1..5000; NULL: 1000), and discards those matching every filter given (NULL
 -- matches all): the message's partition key (exactly), its publish time in [from, before), and
--- the last error of an earlier attempt containing the text (ignoring case). Rows a claim holds
--- at that moment are skipped (they are running: cancel them one by one). With @dry_run = 1
--- nothing changes: changed reports how many would. The last row examined is where the next
--- batch starts; a batch that examined fewer rows than its size was the last.
+-- the last error of an earlier attempt containing the text (ignoring case). Rows another
+-- session holds locked at that moment (a claim taking them) are examined and skipped, never
+-- changed (they are being claimed: cancel them one by one). With @dry_run = 1 nothing changes:
+-- changed reports how many would. The last row examined is where the next batch starts; a
+-- batch that examined fewer rows than its size was the last.
+-- Until 0056 the walk itself read past locked rows (READPAST) uncounted, and went on until it
+-- had examined its size in rows no one held: behind rows held by open transactions, as many as
+-- there were, in one call (review helper-176). Now it reads its rows without locks (the
+-- committed versions: READ_COMMITTED_SNAPSHOT is on, as validate-bindings requires), then
+-- locks those no other session holds, so a held one still counts.
 -- returns: examined, changed, last_priority, last_visible_at, last_delivery_id
 CREATE OR ALTER PROCEDURE dbo.wq_discard_pending
     @subscription_id uniqueidentifier,
@@ -504,17 +510,35 @@ BEGIN
     DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
                               WHEN @batch_size > 5000 THEN 5000
                               WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
-    DECLARE @batch TABLE (
+    DECLARE @walked TABLE (
         id char(32) PRIMARY KEY,
         priority int NOT NULL,
-        visible_at datetimeoffset(7) NOT NULL,
-        matches bit NOT NULL
+        visible_at datetimeoffset(7) NOT NULL
     );
+    DECLARE @batch TABLE (id char(32) PRIMARY KEY, matches bit NOT NULL);
     DECLARE @changed int = 0;
 
     BEGIN TRANSACTION;
-    INSERT INTO @batch (id, priority, visible_at, matches)
-    SELECT TOP (@limit) d.id, d.priority, d.visible_at,
+    INSERT INTO @walked (id, priority, visible_at)
+    SELECT TOP (@limit) d.id, d.priority, d.visible_at
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+       AND ((@keyed = 1 AND d.partition_key IS NOT NULL)
+            OR (@keyed = 0 AND d.partition_key IS NULL))
+       -- The resume point comes back from Python in whole microseconds while visible_at holds
+       -- 100 ns ticks: rows within the microsecond of the last one examined resume by id.
+       AND (@after_visible_at IS NULL
+            OR d.priority > @after_priority
+            OR (d.priority = @after_priority
+                AND (d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
+                     OR (d.visible_at >= @after_visible_at AND d.id > @after_key))))
+     ORDER BY d.priority, d.visible_at, d.id
+    -- Compiled with the values in place, so the key predicate matches a filtered claim index.
+    OPTION (RECOMPILE);
+
+    -- The walked rows no other session holds, locked until the commit (by primary key).
+    INSERT INTO @batch (id, matches)
+    SELECT d.id,
            CASE WHEN (@error_contains IS NULL
                       OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
                  AND (@partition_key IS NULL AND @published_from IS NULL
@@ -531,20 +555,9 @@ BEGIN
                              AND (@published_before IS NULL
                                   OR m.published_at < @published_before)))
                 THEN 1 ELSE 0 END
-      FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST)
-     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-       AND ((@keyed = 1 AND d.partition_key IS NOT NULL)
-            OR (@keyed = 0 AND d.partition_key IS NULL))
-       -- The resume point comes back from Python in whole microseconds while visible_at holds
-       -- 100 ns ticks: rows within the microsecond of the last one examined resume by id.
-       AND (@after_visible_at IS NULL
-            OR d.priority > @after_priority
-            OR (d.priority = @after_priority
-                AND (d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
-                     OR (d.visible_at >= @after_visible_at AND d.id > @after_key))))
-     ORDER BY d.priority, d.visible_at, d.id
-    -- Compiled with the values in place, so the key predicate matches a filtered claim index.
-    OPTION (RECOMPILE);
+      FROM @walked AS w
+      JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST) ON d.id = w.id
+     WHERE d.status = N'Pending';
 
     IF @dry_run = 1
         SELECT @changed = COUNT(*) FROM @batch WHERE matches = 1;
@@ -561,13 +574,13 @@ BEGIN
     COMMIT TRANSACTION;
 
     -- result set
-    SELECT (SELECT COUNT(*) FROM @batch) AS examined,
+    SELECT (SELECT COUNT(*) FROM @walked) AS examined,
            @changed AS changed,
-           (SELECT TOP (1) priority FROM @batch ORDER BY priority DESC, visible_at DESC, id DESC)
-               AS last_priority,
-           (SELECT TOP (1) visible_at FROM @batch
+           (SELECT TOP (1) priority FROM @walked
+             ORDER BY priority DESC, visible_at DESC, id DESC) AS last_priority,
+           (SELECT TOP (1) visible_at FROM @walked
              ORDER BY priority DESC, visible_at DESC, id DESC) AS last_visible_at,
-           dbo.wq_text_uuid((SELECT TOP (1) id FROM @batch
+           dbo.wq_text_uuid((SELECT TOP (1) id FROM @walked
                               ORDER BY priority DESC, visible_at DESC, id DESC))
                AS last_delivery_id;
 END;
@@ -730,9 +743,10 @@ END;
 GO
 
 -- wq_retire_discard --
--- Retiring a subscription: up to @batch_size of its Pending and DeadLettered deliveries ->
--- Discarded, with the actor and reason recorded. Only for a Disabled subscription (no new
--- deliveries are fanned out to it, no host claims it); for any other it changes nothing.
+-- Retiring a subscription: up to @batch_size (clamped to 1..5000; NULL: 1000, as the other operator
+-- batches: until 0056 from below only, review helper-176) of its Pending and DeadLettered
+-- deliveries -> Discarded, with the actor and reason recorded. Only for a Disabled subscription (no
+-- new deliveries are fanned out to it, no host claims it); for any other it changes nothing.
 -- InFlight rows are left to their holders.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_retire_discard
@@ -746,7 +760,9 @@ BEGIN
     SET XACT_ABORT ON;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
-    DECLARE @limit int = CASE WHEN @batch_size > 1 THEN @batch_size ELSE 1 END;
+    DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
+                              WHEN @batch_size > 5000 THEN 5000
+                              WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     DECLARE @changed TABLE (id char(32));
 
     UPDATE d
@@ -769,9 +785,10 @@ END;
 GO
 
 -- wq_retire_purge --
--- Retiring a subscription: delete up to @batch_size of its Completed and Discarded deliveries
--- whatever their age, so its row can be deleted. Only for a Disabled subscription; for any other
--- it deletes nothing. Never a Pending, InFlight or DeadLettered row.
+-- Retiring a subscription: delete up to @batch_size (clamped as wq_retire_discard's) of its
+-- Completed and Discarded deliveries whatever their age, so its row can be deleted. Only for a
+-- Disabled subscription; for any other it deletes nothing. Never a Pending, InFlight or
+-- DeadLettered row.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_retire_purge
     @subscription_id uniqueidentifier,
@@ -781,7 +798,9 @@ BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
-    DECLARE @limit int = CASE WHEN @batch_size > 1 THEN @batch_size ELSE 1 END;
+    DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
+                              WHEN @batch_size > 5000 THEN 5000
+                              WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
     DECLARE @deleted TABLE (id char(32));
 
     DELETE d
