@@ -278,6 +278,14 @@ def subscription_entry_problems(entries: Any) -> list[SettingProblem]:
                     "number, 0 or more (0 claims only for free slots)."
                 )
             )
+        elif prefetch > MAX_CLAIM_ROWS:
+            problems.append(
+                SettingProblem(
+                    f"{where} entry {name!r} has prefetch {prefetch:,}: a host claims at most "
+                    f"{MAX_CLAIM_ROWS:,} deliveries at once; lower it (the default is at most "
+                    "256)."
+                )
+            )
         normalised = name.strip().lower()
         if normalised in seen:
             problems.append(

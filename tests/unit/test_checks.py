@@ -85,6 +85,7 @@ def test_a_queue_alias_the_orm_does_not_route_to_is_an_error_naming_the_router_f
         ([{"name": "orders", "concurrency": "eight"}], "concurrency 'eight'"),
         ([{"name": "orders", "concurrency": True}], "concurrency True"),
         ([{"name": "orders", "prefetch": -1}], "prefetch -1"),
+        ([{"name": "orders", "prefetch": 50_000}], "prefetch 50,000"),
         (["orders"], "'orders'"),
         ([{"concurrency": 4}], "no name"),
         ([{"name": " ", "concurrency": 4}], "no name"),

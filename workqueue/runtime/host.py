@@ -30,7 +30,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from workqueue import signals
-from workqueue.conf import MAX_CONCURRENCY, WorkQueueSettings, get_settings
+from workqueue.conf import MAX_CLAIM_ROWS, MAX_CONCURRENCY, WorkQueueSettings, get_settings
 from workqueue.driver import close_all_thread_connections, database_away, get_driver
 from workqueue.exceptions import WorkQueueConfigurationError, one_line
 from workqueue.models.hosts import START_FAILED, SUGGESTION_PREFIX
@@ -227,6 +227,13 @@ class HostConfig:
             raise WorkQueueConfigurationError(
                 f"WORKQUEUE['SUBSCRIPTIONS'] gives {name!r} prefetch {value!r}: it must be a "
                 "whole number, 0 or more (0 claims only for free slots)."
+            )
+        if value > MAX_CLAIM_ROWS:
+            # More than one claim takes (`check` says so too: conf.subscription_entry_problems).
+            raise WorkQueueConfigurationError(
+                f"WORKQUEUE['SUBSCRIPTIONS'] gives {name!r} prefetch {value:,}: a host claims "
+                f"at most {MAX_CLAIM_ROWS:,} deliveries at once; lower it (the default is at "
+                "most 256)."
             )
         return value
 
