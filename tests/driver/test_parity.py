@@ -49,6 +49,8 @@ VENDOR_ONLY_HELPERS = {
         "wq_topic_delete_guard itself",
         "wq_guard_subscription_mode": "a trigger function; the T-SQL guard is the trigger "
         "wq_subscription_mode_guard itself",
+        "wq_guard_ordered_subscription": "a trigger function; the T-SQL guard is the trigger "
+        "wq_subscription_ordered_guard itself",
         "wq_new_id": "time-ordered (version 7) ids for the rows the procedures create; the T-SQL "
         "keeps NEWID() until a SQL Server can test a version 7 id built in T-SQL",
         "wq_id_clock": "the time part of a batch's delivery ids (with wq_id_random and "
@@ -581,6 +583,40 @@ def test_both_vendors_guard_a_partition_mode_change_under_deliveries():
         tsql,
     )
     assert "JOIN dbo.workqueue_delivery d ON d.subscription_id = i.id" in tsql
+
+
+def test_both_vendors_lock_the_topology_when_a_subscription_becomes_ordered_and_enabled():
+    # Review helper-179: only a change of mode took the lock in the database. Proved live on
+    # PostgreSQL by tests/integration/test_ordered_publish_locks.py; T-SQL checked as text.
+    postgresql = (SQL_ROOT / "postgresql" / "publish.sql").read_text()
+    assert re.search(
+        r"CREATE TRIGGER wq_subscription_ordered_insert_guard\s+BEFORE INSERT ON "
+        r"workqueue_subscription\s",
+        postgresql,
+    )
+    assert re.search(
+        r"CREATE TRIGGER wq_subscription_ordered_update_guard\s+BEFORE UPDATE OF status, "
+        r"filter, topic_id ON workqueue_subscription\s",
+        postgresql,
+    )
+    tsql = (SQL_ROOT / "sqlserver" / "publish.sql").read_text()
+    assert re.search(
+        r"CREATE OR ALTER TRIGGER dbo\.wq_subscription_ordered_guard\s+ON "
+        r"dbo\.workqueue_subscription\s+AFTER INSERT, UPDATE",
+        tsql,
+    )
+
+
+def test_both_vendors_refuse_a_partition_key_stored_as_another():
+    # Review helper-179: the application refused these keys; a caller of the procedures did not.
+    for text in (
+        _postgresql_function("publish", "wq_publish"),
+        _postgresql_function("publish", "wq_publish_items"),
+    ):
+        assert "LIKE '% '" in text and "> 200" in text and "'InvalidPartitionKey'" in text
+    tsql = _tsql_procedure("publish", "wq_publish_one")
+    assert "DATALENGTH(@partition_key) > 400" in tsql and "@partition_key LIKE N'% '" in tsql
+    assert "SET @out_error_code = N'InvalidPartitionKey';" in tsql
 
 
 def test_the_sqlserver_progress_cap_counts_what_is_stored():

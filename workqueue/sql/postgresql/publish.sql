@@ -261,6 +261,32 @@ BEGIN
 END;
 $$;
 
+-- wq_guard_ordered_subscription --
+-- Trigger: a subscription that becomes one whose keys a publish must lock (Ordered and not
+-- Disabled, made so, enabled, refiltered or moved to another topic) takes the topology lock of
+-- its topic (of both, in id order, when it moves), whatever writes the row. A publish decides
+-- whether to lock its key before it fans out; one that decided without this subscription and
+-- then fanned out to it wrote a delivery whose key it never locked, and a later publish of the
+-- key committed its ordinal first (review helper-179: a plain UPDATE of status). The model
+-- takes these locks before it saves, so they cost its saves nothing; a raw write racing an
+-- admin save of the same subscription can deadlock, as wq_guard_subscription_mode can.
+CREATE OR REPLACE FUNCTION wq_guard_ordered_subscription()
+RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND OLD.topic_id IS DISTINCT FROM NEW.topic_id THEN
+        PERFORM wq_lock_topology(LEAST(OLD.topic_id, NEW.topic_id));
+        PERFORM wq_lock_topology(GREATEST(OLD.topic_id, NEW.topic_id));
+    ELSE
+        PERFORM wq_lock_topology(NEW.topic_id);
+    END IF;
+    RETURN NEW;
+END;
+$$;
+
 -- Created only when missing, told by name (a guard whose definition changes must take a new
 -- name, and drop the old one here): dropping and creating a trigger, or replacing it, locks its
 -- table until the migrate commits, against every reader (each claim and publish reads these two
@@ -288,6 +314,26 @@ BEGIN
             BEFORE UPDATE OF partition_mode ON workqueue_subscription
             FOR EACH ROW WHEN (OLD.partition_mode IS DISTINCT FROM NEW.partition_mode)
             EXECUTE FUNCTION wq_guard_subscription_mode();
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger t
+                    WHERE t.tgrelid = 'workqueue_subscription'::regclass
+                      AND t.tgname = 'wq_subscription_ordered_insert_guard') THEN
+        CREATE TRIGGER wq_subscription_ordered_insert_guard
+            BEFORE INSERT ON workqueue_subscription
+            FOR EACH ROW WHEN (NEW.partition_mode = 'Ordered' AND NEW.status <> 'Disabled')
+            EXECUTE FUNCTION wq_guard_ordered_subscription();
+    END IF;
+    -- (A change of mode to Ordered is wq_subscription_mode_guard's, which takes the lock too.)
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger t
+                    WHERE t.tgrelid = 'workqueue_subscription'::regclass
+                      AND t.tgname = 'wq_subscription_ordered_update_guard') THEN
+        CREATE TRIGGER wq_subscription_ordered_update_guard
+            BEFORE UPDATE OF status, filter, topic_id ON workqueue_subscription
+            FOR EACH ROW WHEN (NEW.partition_mode = 'Ordered' AND NEW.status <> 'Disabled'
+                               AND (OLD.status = 'Disabled'
+                                    OR OLD.filter IS DISTINCT FROM NEW.filter
+                                    OR OLD.topic_id IS DISTINCT FROM NEW.topic_id))
+            EXECUTE FUNCTION wq_guard_ordered_subscription();
     END IF;
 END
 $delete_guards$;
@@ -463,6 +509,12 @@ BEGIN
                WHEN t.status <> 'Active' OR tr.status <> 'Active' THEN 'TopicDisabled'
                WHEN p_external AND NOT t.allow_external_publish
                    THEN 'TopicNotExternallyPublishable'
+               -- A key the column would store as another (over 200 characters, the rest
+               -- spaces, is cut to 200 without an error) would take another key's order lock;
+               -- refused with the rest of what the application refuses (review helper-179).
+               WHEN p_partition_key = '' OR p_partition_key LIKE '% '
+                    OR length(p_partition_key) > 200
+                   THEN 'InvalidPartitionKey'
                WHEN p_priority < -100 OR p_priority > 100 THEN 'InvalidPriority'
                -- A delay is held to the retention in seconds (as on SQL Server), since its due
                -- time and now() + retention count from two clocks.
@@ -743,6 +795,10 @@ AS $$
            i.correlation_id, i.due,
            i.priority,
            CASE
+               -- As in wq_publish: a key stored as another would lock apart from it.
+               WHEN i.partition_key = '' OR i.partition_key LIKE '% '
+                    OR length(i.partition_key) > 200
+                   THEN 'InvalidPartitionKey'
                WHEN i.priority IS NOT NULL AND (i.priority < -100 OR i.priority > 100)
                    THEN 'InvalidPriority'
                WHEN (i.not_before IS NOT NULL AND i.delay_seconds IS NOT NULL)

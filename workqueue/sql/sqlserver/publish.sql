@@ -277,6 +277,55 @@ BEGIN
 END;
 GO
 
+-- wq_subscription_ordered_guard --
+-- Trigger: a subscription that becomes one whose keys a publish must lock (Ordered and not
+-- Disabled, made so, enabled, refiltered or moved to another topic) takes the topology lock of
+-- each topic concerned, in topic order, whatever writes the row: a publish that decided not to
+-- lock its key and then fanned out to it wrote a delivery whose key it never locked (review
+-- helper-179). A change of mode is wq_subscription_mode_guard's. Off while the table's foreign
+-- keys are (a flush).
+CREATE OR ALTER TRIGGER dbo.wq_subscription_ordered_guard
+ON dbo.workqueue_subscription
+AFTER INSERT, UPDATE
+AS
+BEGIN
+    SET NOCOUNT ON;
+    IF EXISTS (SELECT 1 FROM sys.foreign_keys
+                WHERE parent_object_id = OBJECT_ID(N'dbo.workqueue_subscription') AND is_disabled = 1)
+        RETURN;
+    DECLARE @topic_key char(32);
+    DECLARE @resource nvarchar(255);
+    DECLARE @granted int;
+    DECLARE ordered_topics CURSOR LOCAL FAST_FORWARD FOR
+        SELECT t.topic_id FROM (
+            SELECT i.topic_id FROM inserted i LEFT JOIN deleted o ON o.id = i.id
+             WHERE i.partition_mode = N'Ordered' AND i.status <> N'Disabled'
+               AND (o.id IS NULL OR o.status = N'Disabled' OR o.topic_id <> i.topic_id
+                    OR ISNULL(o.filter, N'') <> ISNULL(i.filter, N''))
+            UNION
+            SELECT o.topic_id FROM inserted i JOIN deleted o ON o.id = i.id
+             WHERE i.partition_mode = N'Ordered' AND i.status <> N'Disabled'
+               AND o.topic_id <> i.topic_id
+        ) AS t ORDER BY t.topic_id;
+    OPEN ordered_topics;
+    FETCH NEXT FROM ordered_topics INTO @topic_key;
+    WHILE @@FETCH_STATUS = 0
+    BEGIN
+        SET @resource = N'wq-topology:' + LOWER(CONVERT(nchar(36), dbo.wq_text_uuid(@topic_key)));
+        EXEC @granted = sys.sp_getapplock
+            @Resource = @resource,
+            @LockMode = N'Exclusive',
+            @LockOwner = N'Transaction',
+            @LockTimeout = 5000;
+        IF @granted < 0
+            THROW 51001, N'wq_subscription_ordered_guard: the topology lock was not granted within 5000 ms (error 51001); write again.', 1;
+        FETCH NEXT FROM ordered_topics INTO @topic_key;
+    END;
+    CLOSE ordered_topics;
+    DEALLOCATE ordered_topics;
+END;
+GO
+
 -- wq_publish_one --
 -- The body of wq_publish, with its result in OUTPUT parameters so that wq_publish_many can run it
 -- once per item without INSERT ... EXEC (which cannot nest and forbids the rollback paths of
@@ -363,6 +412,17 @@ BEGIN
     IF @external = 1 AND @allow_external = 0
     BEGIN
         SET @out_error_code = N'TopicNotExternallyPublishable';
+        RETURN;
+    END;
+    -- A key the tables would take for another (SQL Server compares text ignoring trailing
+    -- spaces; the column holds 200 code units) would take another key's order lock: refused
+    -- with the rest of what the application refuses (review helper-179). DATALENGTH, since
+    -- = and LEN() leave trailing spaces out.
+    IF @partition_key IS NOT NULL AND (DATALENGTH(@partition_key) = 0
+                                       OR DATALENGTH(@partition_key) > 400
+                                       OR @partition_key LIKE N'% ')
+    BEGIN
+        SET @out_error_code = N'InvalidPartitionKey';
         RETURN;
     END;
     IF @priority IS NOT NULL AND (@priority < -100 OR @priority > 100)
