@@ -34,6 +34,7 @@ from workqueue.runtime.context import AbortReason, WorkContext, WorkMessage
 from workqueue.runtime.executor import MAX_ERROR_LENGTH, DeliveryExecution, ExecutionResult
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.outcome import Outcome
+from workqueue.runtime.plan import heartbeat_interval_seconds
 from workqueue.transport import Receiver
 from workqueue.types import ClaimedDelivery, LeaseExtension
 
@@ -1408,3 +1409,79 @@ def test_a_long_handler_keeps_only_its_live_timers(rig):
     assert execution.run().status == "Completed"
     assert len(kept) >= 6, f"too few renewals to tell: {kept}"
     assert max(kept) <= 2, f"timers kept as the handler ran: {kept}"
+
+
+class OutageThenSlow(Receiver):
+    """Renewals fail fast (an outage) until ``allow`` is set; the first one after that is
+    granted but answered 1 s late; later ones go through."""
+
+    def __init__(self, sid: Any) -> None:
+        super().__init__(sid, "test-holder")
+        self.allow = threading.Event()
+        self.late_done = False
+        self.log: list[tuple[float, str]] = []
+
+    def extend_lease(self, delivery, progress=None):
+        if not self.allow.is_set():
+            self.log.append((time.monotonic(), "fail"))
+            raise TransientDriverError("connection refused (test)")
+        ext = super().extend_lease(delivery, progress)
+        if not self.late_done:
+            self.late_done = True
+            time.sleep(1.0)
+        self.log.append((time.monotonic(), str(ext.state)))
+        return ext
+
+    def cancel_requested(self, delivery):
+        raise TransientDriverError("read failed (test)")  # the check renews to find out
+
+
+def test_a_late_grant_from_a_cancel_check_keeps_renewals_going(rig, monkeypatch):
+    """Review helper-178: the ticks went on only from a late answer of their own renewal. A
+    renewal sent by a cancel check just before the horizon, granted and answered after it,
+    held the lease on while the tick that came meanwhile found it gone and stopped for good:
+    another consumer took the delivery while its handler ran on."""
+    sub = rig.subscription(lease_seconds=6, heartbeat_mode="Auto")
+    publish(sub.topic.name, {"sleepMs": 20_000, "ignoreSignal": True})
+    receiver = OutageThenSlow(sub.id)
+    sent = time.monotonic()
+    (delivery,) = receiver.receive(1).deliveries
+    execution = rig.execution(sub, receiver, delivery, leased_at=sent)
+    ticks: list[float] = []
+    real_tick = DeliveryExecution._auto_heartbeat_tick
+    real_schedule = DeliveryExecution._schedule_auto_heartbeat
+    floor = heartbeat_interval_seconds(6) / 8
+    triggered = []
+
+    def tick(self):
+        ticks.append(time.monotonic() - sent)
+        real_tick(self)
+
+    def schedule(self):
+        scheduled = real_schedule(self)
+        left = self._lease_ends - time.monotonic()
+        if scheduled and not triggered and 0 < left < floor:
+            # the next tick lands past the horizon: a cancel check renews now (a listener
+            # reconnect's catch-up, or any NOTIFY naming the delivery), its answer slow
+            triggered.append(time.monotonic() - sent)
+            receiver.allow.set()
+            self.check_lease_soon()
+        return scheduled
+
+    monkeypatch.setattr(DeliveryExecution, "_auto_heartbeat_tick", tick)
+    monkeypatch.setattr(DeliveryExecution, "_schedule_auto_heartbeat", schedule)
+    future = rig.start(execution)
+    (run,) = probe.wait_for(1)
+
+    time.sleep(max(0.0, sent + 15.0 - time.monotonic()))
+    still_running = not run.finished.is_set()
+    taken = Receiver(sub.id, "another-host").receive(1).deliveries
+    taken_at = time.monotonic() - sent
+    future.result(timeout=30)
+    renewals = [(round(t - sent, 2), s) for t, s in receiver.log]
+    assert still_running
+    assert not taken, (
+        f"another consumer took the delivery at {taken_at:.1f} s while the handler ran to 20 s; "
+        f"cancel check at {triggered}, ticks at {[round(t, 2) for t in ticks]}, "
+        f"renewals {renewals}, lease_ends-sent {execution.lease_ends - sent:.2f}"
+    )

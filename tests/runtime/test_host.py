@@ -475,7 +475,7 @@ def test_a_handler_that_raises_system_exit_is_retried_and_frees_its_slot(
 def test_a_settle_that_crashes_on_a_background_thread_still_ends_the_execution(
     make_host, monkeypatch, caplog
 ):
-    """A completion whose batch failed is settled alone on a background thread; an error
+    """A completion whose batch failed is settled alone on a settle thread; an error
     there that is no database error (a bug) left the execution counted as running for ever."""
 
     calls = []
@@ -1770,7 +1770,7 @@ def test_databases_that_close_connections_after_every_use_are_named_for_the_star
 
 def test_failing_handlers_open_no_queue_connection_on_the_worker_threads(make_host, monkeypatch):
     # README, Connections: a host's queue connections are its claim loops', completion
-    # batchers' and background threads' (heartbeats and the settles of failed deliveries).
+    # batchers', heartbeat threads' and settle threads' (the settles of failed deliveries).
     # Worker threads, 2 x concurrency per subscription, open none: when they settled retries
     # and dead letters themselves each one came to hold a connection (the slow chaos soak's
     # hosts reached max_connections), and opening one per failure instead would fork a server

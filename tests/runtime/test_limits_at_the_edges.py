@@ -390,3 +390,31 @@ def test_a_failed_rate_token_call_does_not_spend_the_one_shot_budget(make_host, 
         f"the run ended {result.reason} with processed={result.processed} and could_not_run="
         f"{result.could_not_run} (a job exit 0) while its one delivery is {status_of(message)}"
     )
+
+
+def test_a_payload_this_python_cannot_decode_is_dead_lettered_at_once(make_host):
+    """Review helper-178: PostgreSQL stores a number of 5,001 digits in jsonb that json.loads
+    refuses (sys.get_int_max_str_digits()), and a caller of wq_publish itself can store one.
+    Each attempt crashed the execution before the handler ran, held the delivery a lease, and
+    the last was dead-lettered LeaseExpired, "its holder stopped renewing"."""
+    from django.db import connection
+
+    s = sub(lease_seconds=5, max_attempts=2)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT message_id FROM wq_publish(%s, gen_random_uuid(), NULL, '{}'::jsonb, "
+            "'{\"n\": 1e5000}'::jsonb, NULL, NULL, NULL, NULL, 100, false, 'ext', NULL, NULL, "
+            "NULL, NULL)",
+            [s.topic.name],
+        )
+        (unreadable,) = cursor.fetchone()
+    fine = publish(s.topic.name, {"then": "complete"}).message_id
+    host = make_host(one(s, concurrency=2))
+    host.start()
+
+    wait_until(lambda: status_of(fine) == "Completed")
+    wait_until(lambda: status_of(unreadable) == "DeadLettered", timeout=4)  # within a lease
+    row = Delivery.objects.get(message_id=unreadable)
+    assert (row.dead_letter_reason, row.attempt_count) == ("InvalidPayload", 1)
+    assert "cannot be decoded" in row.last_error
+    assert [r.message_id for r in probe.runs] == [fine]  # no handler saw it

@@ -453,7 +453,7 @@ def test_a_hand_back_still_queued_when_the_host_stops_is_not_dropped(
     make_host, releases, monkeypatch
 ):
     """A delivery claimed ahead that turned late goes back on one of the consumer's two
-    background threads. When both are busy as the host stops (a slow database, say), the
+    settle threads. When both are busy as the host stops (a slow database, say), the
     hand-back was first dropped with the pool's plain tasks, then left queued past the host's
     stop, and lost if the process ended then: either way the delivery stayed leased until
     expiry counted the attempt it never used. The stop now hands it back itself."""
@@ -476,7 +476,7 @@ def test_a_hand_back_still_queued_when_the_host_stops_is_not_dropped(
         wait_until(lambda: any(status_of(m) == "Completed" for m in ids))
 
         host.shutdown()
-        # Before the background threads are free again: the process may end as soon as the
+        # Before the settle threads are free again: the process may end as soon as the
         # host has stopped, and a hand-back still queued would end with it.
         left_leased = Delivery.objects.filter(message_id__in=ids, status="InFlight").count()
     finally:

@@ -401,7 +401,7 @@ class DeliveryExecution:
 
         A plain completion goes to ``services.complete_later`` when there is one, so this
         thread is free as soon as the handler returns: ``finish`` is then called on the
-        batcher's thread once the batch has settled, or on a background thread when the
+        batcher's thread once the batch has settled, or on a settle thread when the
         batch's answer needs the ordinary settle path (the completion was refused: a cancel to
         acknowledge or a lost lease; or the batch failed: retried while the lease lasts).
         """
@@ -416,7 +416,7 @@ class DeliveryExecution:
             try:
                 result = self._settle(decision)
             except Exception:
-                # On a background thread nobody else would call finish: the execution would
+                # On a settle thread nobody else would call finish: the execution would
                 # stay counted as running, and the drain would wait for it in vain.
                 self.log.exception("Settling the delivery crashed (%s)", self._where)
                 result = ExecutionResult(ExecutionResult.FAILED, error="settle crashed")
@@ -507,10 +507,22 @@ class DeliveryExecution:
         if handler_class is None:
             return _Decision(Outcome.DEAD_LETTER, reason="HandlerNotRegistered")
         self._handler_logs_failures = handler_class.logs_failures
+        try:
+            payload = self.delivery.decoded_payload()
+        except ValueError as exc:
+            # Stored JSON this Python cannot read (a number of more digits than
+            # sys.get_int_max_str_digits(), written by a caller of wq_publish itself): no
+            # attempt would read it, so it is a dead letter now, not a crash each attempt and a
+            # LeaseExpired at the last (review helper-178).
+            return _Decision(
+                Outcome.DEAD_LETTER,
+                reason="InvalidPayload",
+                error=f"The stored payload cannot be decoded: {one_line(exc)}",
+            )
         message = WorkMessage(
             message_id=self.delivery.message_id,
             topic=self.plan.topic_name,
-            payload=self.delivery.decoded_payload(),
+            payload=payload,
             payload_ref=self.delivery.payload_ref,
             partition_key=self.delivery.partition_key,
             attributes=self.delivery.attributes,
@@ -687,6 +699,13 @@ class DeliveryExecution:
         if self._horizon is None:
             self._arm_horizon()
         if self._stopped_renewing():
+            with self._lock:
+                pending = self._beat_in_flight
+            if pending is not None:
+                # Another renewal is on its way (a cancel check's, a retry's): granted late, it
+                # holds the lease on, and the ticks must go on from its answer (review
+                # helper-178); _schedule_auto_heartbeat decides again then.
+                pending.add_done_callback(lambda _: self._schedule_auto_heartbeat())
             return
         future = self.services.background.submit(self._beat, None)
         future.add_done_callback(lambda _: self._schedule_auto_heartbeat())

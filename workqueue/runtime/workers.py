@@ -9,7 +9,7 @@ closes its connections as it exits.
 A pool starts ``started`` threads at once and the rest of its ``size`` only when a task finds
 none idle, as ThreadPoolExecutor does; a thread once started stays until the pool shuts down.
 A consumer's pools are sized for its busiest moment (twice the concurrency for handlers, two
-for heartbeats and settles off the handlers' threads), which most subscriptions never reach:
+for heartbeats, two for settles off the handlers' threads), which most subscriptions never reach:
 started whole, a host of 50 subscriptions at concurrency 8 ran 1,000 threads, most of them
 never used. The handler threads a subscription's concurrency calls for are started with it all
 the same: a thread start hands the GIL over both ways, which costs a claim loop far more among
