@@ -29,19 +29,27 @@ class AbortSignal:
     settled, whatever arrived first (a cancel is acknowledged even after the lease horizon).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, overdue: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._reasons: list[str] = []
         # Made by the first wait(): most handlers never block on their signal, and an Event
         # per delivery costs more than the rest of the signal.
         self._event: threading.Event | None = None
+        # Called as the handler reads its signal, before any reason is recorded: the runtime
+        # records a reason that is due but not told yet (a lease whose horizon passed while
+        # the process was frozen, its timer not run yet when the handler's wait timed out).
+        self._overdue = overdue
 
     @property
     def aborted(self) -> bool:
+        if not self._reasons and self._overdue is not None:
+            self._overdue()
         return bool(self._reasons)
 
     @property
     def reason(self) -> str | None:
+        if not self._reasons and self._overdue is not None:
+            self._overdue()
         with self._lock:
             return self._reasons[0] if self._reasons else None
 
@@ -52,13 +60,15 @@ class AbortSignal:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until aborted or ``timeout`` seconds pass; True when aborted."""
+        if self.aborted:
+            return True
         with self._lock:
             if self._reasons:
                 return True
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-        return event.wait(timeout)
+        return event.wait(timeout) or self.aborted
 
     def abort(self, reason: str) -> bool:
         """Record ``reason``; True if it is new. (Called by the runtime, not by handlers.)"""

@@ -307,7 +307,7 @@ class DeliveryExecution:
         #: What ``on_handler_done`` handed this execution's slot to: the next delivery to run
         #: on this thread, once this one's settling has been handed on.
         self.next_in_slot: DeliveryExecution | None = None
-        self.signal = AbortSignal()
+        self.signal = AbortSignal(overdue=self._horizon_passed_untold)
         # Set by the consumer when its drain gave up on this handler (see the module's notes).
         self._outlived_drain = False
         self._lock = threading.Lock()
@@ -654,6 +654,23 @@ class DeliveryExecution:
             return
         if not self._completed_in_transaction():
             self.signal.abort(AbortReason.LEASE_LOST)
+
+    def _horizon_passed_untold(self) -> None:
+        """The handler reads its signal: a horizon that passed while this process was frozen
+        (SIGSTOP, a paused VM, a long GC pause) is told now, not when the timer thread gets to
+        it: resumed, a handler's ``signal.wait(3)`` timed out first, and it went on with its
+        work beside the host that had claimed its delivery meanwhile (attack review helper-180).
+        The horizon's own rules, but for the wait it schedules while the handler's open
+        transaction holds the row (the timer keeps that watch)."""
+        if (
+            self._finished
+            or not self.started
+            or time.monotonic() < self._lease_ends
+            or self._holds_row_in_transaction()
+            or self._completed_in_transaction()
+        ):
+            return
+        self.signal.abort(AbortReason.LEASE_LOST)
 
     def _report_held_past_lease(self) -> None:
         """Say, once a lease's length, that the handler's open transaction holds the delivery
