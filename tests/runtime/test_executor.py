@@ -626,16 +626,13 @@ def test_the_lease_horizon_aborts_with_lease_lost_when_heartbeats_cannot_succeed
     elapsed = time.monotonic() - started
 
     assert run.signal_reason == AbortReason.LEASE_LOST
-    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
     assert 1.0 <= elapsed < 30 / 2  # the horizon (the lease), long before the handler's 30 s
     assert receiver.extend_calls >= (2 if mode == "fail" else 1)
-    # Nothing was written: the row is still held by this (now abandoned) token.
-    stored = row(delivery)
-    assert (stored.status, str(stored.lease_token), stored.last_error) == (
-        "InFlight",
-        delivery.lease_token,
-        None,
-    )
+    # The database's lease (60 s) still held the delivery: the outcome the handler returned
+    # once told is recorded, fenced by the token. Until review helper-180 it was dropped
+    # unasked, and the delivery ran again after lease expiry.
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert row(delivery).status == "Completed"
 
 
 def test_the_handler_hears_its_lease_is_lost_when_another_consumer_may_first_claim_it(rig):
@@ -657,14 +654,12 @@ def test_the_handler_hears_its_lease_is_lost_when_another_consumer_may_first_cla
     aborted_after = time.monotonic() - sent
 
     assert run.signal_reason == AbortReason.LEASE_LOST
-    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
     # At the lease, by the clock of the claim's sending, which the database's lease outlasts;
     # before, at the lease plus the grace (10 s).
     assert 5.0 <= aborted_after < 5.0 + 2.5
-    # And the database did give the delivery to another consumer around then.
-    other = Receiver(sub.id, "other-host")
-    wait_until(lambda: other.receive(1).deliveries, timeout=10, interval=0.05)
-    assert row(delivery).lease_owner == "other-host"
+    # The handler stopped when told, and nobody had taken the delivery back yet: its outcome
+    # is recorded, fenced by the token (review helper-180).
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
 
 
 class RenewsOnceReceiver(Receiver):
@@ -740,9 +735,10 @@ def test_a_renewal_racing_the_first_ticks_horizon_leaves_the_lease_watched(rig, 
     result = future.result(timeout=15)  # the handler sleeps 30 s unless told
     told_after_lease = time.monotonic() - execution.lease_ends
 
-    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
     assert probe.runs[-1].signal_reason == AbortReason.LEASE_LOST
     assert told_after_lease < 2.0  # at the renewed lease's end, not some later time
+    # Nobody had taken the delivery back: recorded, fenced by the token (review helper-180).
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
 
 
 class SlowAnswerReceiver(Receiver):
@@ -782,7 +778,7 @@ def test_a_renewals_lease_is_counted_from_when_it_was_sent_not_answered(rig):
     aborted_at = time.monotonic()
 
     assert run.signal_reason == AbortReason.LEASE_LOST
-    assert result == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")  # as above
     assert receiver.renewal_sent is not None
     # At the renewed lease by the clock of its sending; counted from its answer, 3 s later.
     assert 5.0 <= aborted_at - receiver.renewal_sent < 5.0 + 2.5
@@ -1264,10 +1260,17 @@ def test_a_completed_delivery_logs_only_at_debug_and_a_lost_lease_logs_an_error(
     rig.run(sub, {"then": "complete"})
     assert [r.levelname for r in delivery_logs(caplog)] == ["DEBUG"]
 
-    publish(sub.topic.name, {"sleepMs": 30_000})
-    receiver = SlowReceiver(sub.id, "fail")
+    # A lease lost for good: renewals fail, the handler runs on past the database's lease, and
+    # another consumer takes the delivery before it returns (its settle is refused).
+    short = rig.subscription(lease_seconds=5)
+    publish(short.topic.name, {"sleepMs": 7_000, "ignoreSignal": True})
+    receiver = SlowReceiver(short.id, "fail")
     (delivery,) = receiver.receive(1).deliveries
-    rig.execution(sub, receiver, delivery, lease_seconds=1, grace=0.3).run()
+    future = rig.start(rig.execution(short, receiver, delivery, grace=0.3))
+    other = Receiver(short.id, "other-host")
+    wait_until(lambda: other.receive(1).deliveries, timeout=10, interval=0.05)
+    assert future.result(timeout=15) == ExecutionResult(ExecutionResult.LEASE_LOST)
+    assert row(delivery).lease_owner == "other-host"  # nothing written under the old token
 
     errors = [r for r in delivery_logs(caplog) if r.levelname == "ERROR"]
     assert [r.getMessage().split(" (")[0] for r in errors] == ["Lease lost"]

@@ -1194,7 +1194,10 @@ class Consumer:
                 extra={"action": "settles_refused", "subscription": self.plan.name},
             )
         elif (
-            result.kind == ExecutionResult.SETTLED and not result.released and self._settles_refused
+            result.kind == ExecutionResult.SETTLED
+            and not result.released
+            and not result.refused  # recorded, but its renewals were refused
+            and self._settles_refused
         ):
             # A hand-back at shutdown says nothing of whether outcomes are recorded again.
             self._settles_recorded()

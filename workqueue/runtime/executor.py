@@ -307,6 +307,8 @@ class DeliveryExecution:
         #: What ``on_handler_done`` handed this execution's slot to: the next delivery to run
         #: on this thread, once this one's settling has been handed on.
         self.next_in_slot: DeliveryExecution | None = None
+        # How long the handler ran, while its slot is held until its settle has been made.
+        self._slot_held_for_settle: float | None = None
         self.signal = AbortSignal(overdue=self._horizon_passed_untold)
         # Set by the consumer when its drain gave up on this handler (see the module's notes).
         self._outlived_drain = False
@@ -394,7 +396,11 @@ class DeliveryExecution:
 
     def run(self) -> ExecutionResult:
         """Run the handler and settle its outcome; return how the attempt ended."""
-        return self._settle(self._run_handler())
+        decision = self._run_handler()
+        try:
+            return self._settle(decision)
+        finally:
+            self._free_slot_held_for_settle()
 
     def run_then(self, finish: Callable[[ExecutionResult], None]) -> None:
         """Run the handler and settle its outcome, then call ``finish`` with how it ended.
@@ -408,7 +414,12 @@ class DeliveryExecution:
         decision = self._run_handler()
         complete_later = self.services.complete_later
         if complete_later is None or not self._plain_completion(decision):
-            finish(self._settle(decision))
+            # (A slot held for the settle is never a plain completion's: see _run_handler.)
+            try:
+                result = self._settle(decision)
+            finally:
+                self._free_slot_held_for_settle()
+            finish(result)
             return
         self._finished = True  # the handler returned: no renewal starts after this
 
@@ -481,9 +492,21 @@ class DeliveryExecution:
                 if timer is not None:
                     timer.cancel()
             if self._on_handler_done is not None:
-                # The handler's slot is free now; settling goes on without holding it.
-                self.next_in_slot = self._on_handler_done(handled_in)
+                if self.signal.has(AbortReason.LEASE_LOST) and not self._lease_lost_in_database:
+                    # Past its local horizon, the lease may hold until a claim takes the
+                    # delivery back: this consumer's own, woken by a freed slot, did so before
+                    # the settle could record the outcome (review helper-180). The slot stays
+                    # taken until the settle has been made (_free_slot_held_for_settle).
+                    self._slot_held_for_settle = handled_in
+                else:
+                    # The handler's slot is free now; settling goes on without holding it.
+                    self.next_in_slot = self._on_handler_done(handled_in)
         return decision
+
+    def _free_slot_held_for_settle(self) -> None:
+        handled_in, self._slot_held_for_settle = self._slot_held_for_settle, None
+        if handled_in is not None and self._on_handler_done is not None:
+            self.next_in_slot = self._on_handler_done(handled_in)
 
     def abort(self, reason: str) -> None:
         self.signal.abort(reason)
@@ -778,18 +801,21 @@ class DeliveryExecution:
         if not self._stopped_renewing():
             self.services.background.submit(self._beat, None)
 
-    def _lease_held_after_all(self) -> bool:
-        """Whether a lease the local horizon took for lost holds after all: a renewal sent
-        before the horizon was answered Held after it (waited for here, a grace at most), and
-        its lease has not run out. Never once the database said it is gone."""
-        if self._lease_lost_in_database:
-            return False
-        with self._lock:
-            renewal = self._beat_in_flight
-        if renewal is not None:
-            with contextlib.suppress(FutureTimeout):
-                renewal.result(timeout=self.services.lease_grace_seconds)
-        return not self._lease_lost_in_database and time.monotonic() < self._lease_ends
+    def _lease_gone_for_good(self) -> bool:
+        """Whether the database said the lease is gone, once a renewal on its way has been
+        answered (waited for here, a grace at most). A lease only past its local horizon may
+        still hold: until a claim or the sweeper takes the delivery back nobody else can have
+        run it, and the settle, fenced by the token, records the outcome or is refused. An
+        outcome was dropped unasked after every outage longer than the lease, and a Manual
+        handler's that overran, then run again or dead-lettered LeaseExpired (attack review
+        helper-180)."""
+        if not self._lease_lost_in_database:
+            with self._lock:
+                renewal = self._beat_in_flight
+            if renewal is not None:
+                with contextlib.suppress(FutureTimeout):
+                    renewal.result(timeout=self.services.lease_grace_seconds)
+        return self._lease_lost_in_database
 
     def _stopped_renewing(self) -> bool:
         return (
@@ -1051,6 +1077,15 @@ class DeliveryExecution:
             return settled
 
     def _settle(self, decision: _Decision) -> ExecutionResult:
+        result = self._settle_decision(decision)
+        if self._renewal_refused and self.signal.has(AbortReason.LEASE_LOST) and not result.refused:
+            # The lease ran out because its renewals were refused for want of a grant: however
+            # the settle went, that is an operator's to hear (health Error, a one-shot job's
+            # exit 2), as a refused settle is (review helper-171).
+            return replace(result, refused=True, error=self._renewal_refused)
+        return result
+
+    def _settle_decision(self, decision: _Decision) -> ExecutionResult:
         self._finished = True  # the handler returned: no renewal starts after this
         enlisted = self._enlisted
         if enlisted is not None:
@@ -1069,16 +1104,16 @@ class DeliveryExecution:
         try:
             if self.signal.has(AbortReason.CANCELLED):
                 return self._acknowledge_cancel()
-            if self.signal.has(AbortReason.LEASE_LOST) and not self._lease_held_after_all():
+            if self.signal.has(AbortReason.LEASE_LOST) and self._lease_gone_for_good():
                 self.log.error(
                     "Lease lost (%s); the handler's outcome was not recorded and the delivery "
                     "may run again",
                     self._where,
                 )
                 return self._lease_lost()
-            # Told LeaseLost by the local horizon, then a renewal sent before it was answered
-            # Held: the lease holds on, and the settle below (fenced by the token) records the
-            # outcome, or is refused should another consumer have taken the delivery.
+            # Told LeaseLost by the local horizon only: the lease may hold on, and the settle
+            # below (fenced by the token) records the outcome, or is refused should another
+            # consumer have taken the delivery.
             stopping = self.signal.has(AbortReason.SHUTDOWN) or self.services.stopping.is_set()
             charged = self._outlived_drain and decision.exception is not None
             if stopping and not charged and decision.kind != Outcome.COMPLETE:
