@@ -797,3 +797,59 @@ def test_manage_py_check_warns_of_an_isolation_level_that_refuses_completions(
         assert f"is {level.name.replace('_', ' ')}" in text and "READ COMMITTED" in text
     else:
         assert found == []
+
+
+def _slot_freed_at(execution: Any, delivery: Any) -> list[tuple[str, int]]:
+    """The row's (status, attempts) each time the execution passed its slot on."""
+    seen: list[tuple[str, int]] = []
+    execution._on_handler_done = lambda handled: seen.append(status(delivery)) or None
+    return seen
+
+
+def test_a_handler_past_its_horizon_but_never_told_keeps_its_slot_until_its_settle(rig):
+    """Review helper-181: the slot was kept for the settle only when LeaseLost had been
+    signalled. A handler that returns past its horizon before the timer gets there (a process
+    resumed from a freeze) freed it at once, and its completion was batched: this consumer's
+    own claim, woken by the freed slot, could take the delivery back first."""
+
+    def body(message: Any, context: Any) -> Outcome:
+        time.sleep(6.5)  # never reads its signal
+        return Outcome.complete()
+
+    _bodies["untold past the horizon"] = body
+    sub = rig.subscription("tests.txn.body", lease_seconds=5)
+    receiver, delivery = rig.claim(sub, {"body": "untold past the horizon"})
+    execution = rig.execution(sub, receiver, delivery, grace=0.5, heartbeat_mode="Manual")
+    execution._arm_horizon = lambda: None  # the timer thread late, as for a frozen process
+    freed_at = _slot_freed_at(execution, delivery)
+
+    result = execution.run()
+
+    assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
+    assert freed_at == [("Completed", 1)], f"slot freed while the row was {freed_at}"
+
+
+def test_a_block_rolled_back_past_the_lease_keeps_its_slot_until_its_settle(rig):
+    """Review helper-181: the handler's transaction held the row past the lease and rolled
+    back; the held-row watch (once a second) had told nothing by the handler's return, so the
+    slot was freed before the settle recorded the retry."""
+
+    def body(message: Any, context: Any) -> Outcome:
+        try:
+            with transaction.atomic():
+                context.complete(enlist=True)
+                time.sleep(6.5)
+                raise RuntimeError("after completing")
+        except RuntimeError:
+            return Outcome.retry("rolled back")
+
+    _bodies["rolled back past the lease"] = body
+    sub = rig.subscription("tests.txn.body", lease_seconds=5)
+    receiver, delivery = rig.claim(sub, {"body": "rolled back past the lease"})
+    execution = rig.execution(sub, receiver, delivery, grace=0.5, heartbeat_mode="Manual")
+    freed_at = _slot_freed_at(execution, delivery)
+
+    result = execution.run()
+
+    assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Pending")
+    assert freed_at == [("Pending", 1)], f"slot freed while the row was {freed_at}"

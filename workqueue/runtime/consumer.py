@@ -1155,6 +1155,9 @@ class Consumer:
         except BaseException:
             logger.exception("%s: delivery execution crashed", self.plan.name)
             execution.stop_renewing()
+            # A slot its handler's return kept for the settle would otherwise stay taken for
+            # the consumer's life (review helper-181).
+            execution.free_slot_held_for_settle()
             self._finish(
                 execution, ExecutionResult(ExecutionResult.FAILED, error="execution crashed")
             )

@@ -400,7 +400,7 @@ class DeliveryExecution:
         try:
             return self._settle(decision)
         finally:
-            self._free_slot_held_for_settle()
+            self.free_slot_held_for_settle()
 
     def run_then(self, finish: Callable[[ExecutionResult], None]) -> None:
         """Run the handler and settle its outcome, then call ``finish`` with how it ended.
@@ -414,11 +414,10 @@ class DeliveryExecution:
         decision = self._run_handler()
         complete_later = self.services.complete_later
         if complete_later is None or not self._plain_completion(decision):
-            # (A slot held for the settle is never a plain completion's: see _run_handler.)
             try:
                 result = self._settle(decision)
             finally:
-                self._free_slot_held_for_settle()
+                self.free_slot_held_for_settle()
             finish(result)
             return
         self._finished = True  # the handler returned: no renewal starts after this
@@ -451,9 +450,11 @@ class DeliveryExecution:
         self.log.debug("Delivery completed (%s)", self._where)
 
     def _plain_completion(self, decision: _Decision) -> bool:
-        """Whether settling ``decision`` is one fenced completion and nothing else."""
+        """Whether settling ``decision`` is one fenced completion and nothing else (on the
+        batcher's thread, so never one whose slot waits for its settle)."""
         return (
             decision.kind == Outcome.COMPLETE
+            and self._slot_held_for_settle is None
             and self._enlisted is None
             and not self.signal.has(AbortReason.CANCELLED)
             and not self.signal.has(AbortReason.LEASE_LOST)
@@ -483,7 +484,8 @@ class DeliveryExecution:
                 self._handler_began = began
                 decision = self._call_handler()
         finally:
-            handled_in = time.monotonic() - began
+            returned_at = time.monotonic()
+            handled_in = returned_at - began
             metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(handled_in)
             with self._lock:
                 self._handler_returned = True
@@ -492,18 +494,24 @@ class DeliveryExecution:
                 if timer is not None:
                     timer.cancel()
             if self._on_handler_done is not None:
-                if self.signal.has(AbortReason.LEASE_LOST) and not self._lease_lost_in_database:
-                    # Past its local horizon, the lease may hold until a claim takes the
-                    # delivery back: this consumer's own, woken by a freed slot, did so before
-                    # the settle could record the outcome (review helper-180). The slot stays
-                    # taken until the settle has been made (_free_slot_held_for_settle).
+                if not self._lease_lost_in_database and (
+                    returned_at >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST)
+                ):
+                    # Past its local horizon, told or not (a horizon the timer has not reached,
+                    # a transaction that held the row and rolled back: review helper-181), the
+                    # lease may hold until a claim takes the delivery back: this consumer's
+                    # own, woken by a freed slot, did so before the settle could record the
+                    # outcome (helper-180). The slot stays taken until the settle has been made
+                    # (free_slot_held_for_settle), which is never a batched completion's.
                     self._slot_held_for_settle = handled_in
                 else:
                     # The handler's slot is free now; settling goes on without holding it.
                     self.next_in_slot = self._on_handler_done(handled_in)
         return decision
 
-    def _free_slot_held_for_settle(self) -> None:
+    def free_slot_held_for_settle(self) -> None:
+        """Pass on the slot the handler's return kept for its settle, if it kept one; the
+        consumer calls it too when the execution crashed after its handler returned."""
         handled_in, self._slot_held_for_settle = self._slot_held_for_settle, None
         if handled_in is not None and self._on_handler_done is not None:
             self.next_in_slot = self._on_handler_done(handled_in)
