@@ -809,7 +809,7 @@ class DeliveryExecution:
         if not self._stopped_renewing():
             self.services.background.submit(self._beat, None)
 
-    def _lease_gone_for_good(self) -> bool:
+    def _database_took_the_lease(self) -> bool:
         """Whether the database said the lease is gone, once a renewal on its way has been
         answered (waited for here, a grace at most). A lease only past its local horizon may
         still hold: until a claim or the sweeper takes the delivery back nobody else can have
@@ -829,13 +829,13 @@ class DeliveryExecution:
         return (
             self._finished
             or self._completed_in_transaction()
-            or (self.signal.has(AbortReason.LEASE_LOST) and self._lease_gone())
+            or (self.signal.has(AbortReason.LEASE_LOST) and self._lease_ran_out())
             or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
         )
 
-    def _lease_gone(self) -> bool:
-        """Whether the lease is lost for good: the database said so, or it has run out by the
-        local clock. A handler the horizon told LeaseLost can hold its lease after all (a
+    def _lease_ran_out(self) -> bool:
+        """Whether renewing is over: the database said the lease is gone, or it has run out by
+        the local clock. A handler the horizon told LeaseLost can hold its lease after all (a
         renewal granted before the horizon, answered after it, moved ``_lease_ends`` on):
         renewals go on then, or the lease would run out while a handler that does not stop
         still runs, and another consumer would run the delivery beside it (review
@@ -1112,7 +1112,7 @@ class DeliveryExecution:
         try:
             if self.signal.has(AbortReason.CANCELLED):
                 return self._acknowledge_cancel()
-            if self.signal.has(AbortReason.LEASE_LOST) and self._lease_gone_for_good():
+            if self.signal.has(AbortReason.LEASE_LOST) and self._database_took_the_lease():
                 self.log.error(
                     "Lease lost (%s); the handler's outcome was not recorded and the delivery "
                     "may run again",
