@@ -74,6 +74,23 @@ def test_grant_runtime_leaves_other_apps_tables_alone(pg_conn):
         assert kept, f"grant-runtime took TRUNCATE on {table}, not a work-queue table"
 
 
+def test_grant_runtime_leaves_an_installed_apps_workqueue_named_tables_alone(pg_conn):
+    """The grants name the work queue's own tables from its app config: an installed app whose
+    tables are named workqueue_* too (this repository's workqueue_samples) keeps what its roles
+    hold. (Re-read: a list of every installed model's table named workqueue_% passed the test
+    above, whose table belongs to no model.)"""
+    from workqueue_samples.models import GuestbookEntry
+
+    table = GuestbookEntry._meta.db_table
+    with database_role(pg_conn, "r174s") as role:
+        pg_conn.execute(f'GRANT TRUNCATE, REFERENCES ON {table} TO "{role}"')
+        call_command("workqueue", "grant-runtime", role, stdout=io.StringIO())
+        [(kept,)] = pg_conn.execute(
+            "SELECT has_table_privilege(%s, %s, 'TRUNCATE')", [role, table]
+        ).fetchall()
+    assert kept, f"grant-runtime took TRUNCATE on {table}, another app's table"
+
+
 def test_a_runtime_role_named_with_the_dollar_tag_does_not_fail_every_migrate(pg_conn):
     """Granted EXECUTE on wq_claim (by hand, or by grant-runtime of an earlier release), the
     role is renewed by every migrate's renew_grants, which then fails: migrate raises
