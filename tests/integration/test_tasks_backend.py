@@ -1116,6 +1116,7 @@ def test_task_finished_is_sent_with_the_time_the_task_finished(run_host):
     try:
         run_host()
         done = finished(add.enqueue(2, 3).id)
+        wait_until(lambda: seen)  # sent after the settle that made the result read finished
     finally:
         task_finished.disconnect(receive)
 
