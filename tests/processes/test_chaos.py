@@ -255,9 +255,16 @@ class ConnectionCutter:
         and the publisher sends it again; each message must be stored once."""
         rng = random.Random(20261208)
         publisher = f"workqueue:{os.getpid()}"
+        # After a cut the publish is sent again up to 3 times (transport.TRANSIENT_RETRIES),
+        # its pauses under 0.4 s in all; a cut of every try is a database refusing them all,
+        # which the publish answers with TransportUnavailable (a CI run drew three short
+        # waits in a row): the hunt for the next publish lets the retries pass first.
+        retries_pass = 0.5
+        wait = rng.uniform(0, 10 * self.every)
         try:
             with psycopg.connect(autocommit=True, **psycopg_params()) as conn:
-                while publishing.is_set() and not self.stop.wait(rng.uniform(0, 10 * self.every)):
+                while publishing.is_set() and not self.stop.wait(wait):
+                    wait = rng.uniform(0, 10 * self.every)
                     deadline = time.monotonic() + 1.0
                     while publishing.is_set() and time.monotonic() < deadline:
                         (cut,) = conn.execute(
@@ -268,6 +275,7 @@ class ConnectionCutter:
                         ).fetchone()
                         if cut:
                             self.publishes_cut += 1
+                            wait = max(wait, retries_pass)
                             break
                         time.sleep(0.002)  # a publish takes milliseconds; spare the cores
         except BaseException as exc:
