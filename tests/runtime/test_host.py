@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -713,11 +714,21 @@ def test_reconcile_stops_a_subscription_that_was_paused_meanwhile(make_host):
     assert status_of(message) == "Pending"
 
 
-def test_a_replan_lets_go_of_the_consumers_it_stopped(make_host):
+def test_a_replan_lets_go_of_the_consumers_it_stopped(make_host, monkeypatch):
     """Audit helper-129: the wake-up thread keyed each consumer's kick by id(), and a bound
     method is made anew at each read, so the re-plan's unsubscribe found nothing: every
     consumer a re-plan stopped (a pause, a disable, any change of settings) stayed registered,
     kicked and alive for the host's life, and the host listened on topics it no longer ran."""
+    # Consumers counted through weak references, not a walk of the heap while the host's
+    # threads run (see tests/runtime/test_host_memory.py's CountsWhatIsHeld).
+    made: weakref.WeakSet[Consumer] = weakref.WeakSet()
+    build = Consumer.__init__
+
+    def recording(self: Consumer, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        made.add(self)
+
+    monkeypatch.setattr(Consumer, "__init__", recording)
     s = sub()
     other = sub()
     host = make_host([{"name": s.name}, {"name": other.name}], reconcile_interval_ms=0)
@@ -734,7 +745,7 @@ def test_a_replan_lets_go_of_the_consumers_it_stopped(make_host):
     host.reconcile()
     gc.collect()
 
-    live = [c for c in gc.get_objects() if isinstance(c, Consumer) and c.plan.name == s.name]
+    live = [c for c in list(made) if c.plan.name == s.name]
     assert (len(host._wakeup._kicks.get(channel, {})), len(live)) == (1, 1)
     assert other_channel not in host._wakeup._wanted()
 
