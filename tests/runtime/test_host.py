@@ -36,7 +36,7 @@ from workqueue.models import Delivery, HostRecord, Subscription
 from workqueue.models.hosts import database_now
 from workqueue.runtime import host as host_module
 from workqueue.runtime import wakeup
-from workqueue.runtime.consumer import Consumer
+from workqueue.runtime.consumer import CompletionBatcher, Consumer
 from workqueue.runtime.context import AbortReason
 from workqueue.runtime.handlers import handler_registry
 from workqueue.runtime.host import aliases_closing_after_each_use
@@ -853,6 +853,39 @@ def test_handlers_a_re_plan_gave_up_on_count_against_the_concurrency_until_they_
 
     assert most_at_once == 2
     wait_until(lambda: all(status_of(m) == "Completed" for m in messages))
+
+
+def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
+    make_host, monkeypatch
+):
+    """Review helper-181: a handler that returns past its lease keeps its slot until its
+    settle is made, so that the consumer's own claim cannot take the delivery back first
+    (helper-180). A consumer a re-plan started counted only its predecessor's handlers still
+    running, not such a slot: its claim took the delivery back while the settle was on its
+    way, refused the finished outcome and ran the work again."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    late_settles: list[str] = []
+    complete = CompletionBatcher.complete
+
+    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
+        if delivery.message_id in late_settles:
+            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
+        return complete(self, delivery)
+
+    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
+    host = make_host(one(s, concurrency=1))  # a drain of 300 ms
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
+    late_settles.append(message)
+    (late,) = probe.wait_for(1)
+    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+    host.reconcile()  # gives up on the handler after the drain: it runs on, a predecessor
+
+    assert late.finished.wait(10)
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert len(probe.runs) == 1, "the re-plan's consumer took the delivery back and ran it again"
+    assert status_of(message) == "Completed"
 
 
 def test_a_lease_shortened_before_the_host_re_plans_is_renewed_in_time(make_host):

@@ -576,6 +576,11 @@ class Consumer:
             returned = sum(1 for e in self._running.values() if e.handler_returned)
             return len(self._running) - returned, returned
 
+    def slots_taken(self) -> int:
+        """Of its concurrency, the slots its executions still take (``takes_slot``)."""
+        with self._lock:
+            return sum(1 for e in self._running.values() if e.takes_slot)
+
     @property
     def lingering(self) -> bool:
         """Whether handlers it gave up on still run (stopped with ``process_lives_on``)."""
@@ -911,10 +916,11 @@ class Consumer:
         return free + max(ahead - len(self._ready), 0), concurrency + ahead
 
     def _predecessors_running(self) -> int:
-        """Handlers of ``predecessors`` still running; called with the lock held (the order
-        is always this consumer's lock, then a predecessor's)."""
-        counts = [(p, p.left_running()[0]) for p in self._predecessors]
-        # A stopped consumer starts nothing more: one whose handlers have all returned is done.
+        """Slots ``predecessors`` still take (handlers running, or a settle past the lease on
+        its way: review helper-181); called with the lock held (the order is always this
+        consumer's lock, then a predecessor's)."""
+        counts = [(p, p.slots_taken()) for p in self._predecessors]
+        # A stopped consumer starts nothing more: one whose slots are all free is done.
         self._predecessors = [p for p, running in counts if running]
         return sum(running for _, running in counts)
 

@@ -386,6 +386,13 @@ class DeliveryExecution:
         with self._lock:
             return self._handler_returned
 
+    @property
+    def takes_slot(self) -> bool:
+        """Whether it takes one of its subscription's slots: until its handler returns, and
+        after that while the slot is kept for a settle made past the lease."""
+        with self._lock:
+            return not self._handler_returned or self._slot_held_for_settle is not None
+
     def handler_running_since(self) -> float | None:
         """When (``time.monotonic()``) the handler was called, while it runs; None before it
         is called and once it has returned."""
@@ -490,29 +497,34 @@ class DeliveryExecution:
             with self._lock:
                 self._handler_returned = True
                 horizon = self._horizon
+                # Past its local horizon, told or not (a horizon the timer has not reached, a
+                # transaction that held the row and rolled back: review helper-181), the lease
+                # may hold until a claim takes the delivery back: this consumer's own, woken
+                # by a freed slot, did so before the settle could record the outcome
+                # (helper-180). The slot stays taken until the settle has been made
+                # (free_slot_held_for_settle), which is never a batched completion's. Decided
+                # with the return, under one lock: a consumer a re-plan started reads both
+                # (takes_slot) to count its predecessor's slots.
+                holds_slot = (
+                    self._on_handler_done is not None
+                    and not self._lease_lost_in_database
+                    and (returned_at >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST))
+                )
+                if holds_slot:
+                    self._slot_held_for_settle = handled_in
             for timer in [*self._timers, horizon]:
                 if timer is not None:
                     timer.cancel()
-            if self._on_handler_done is not None:
-                if not self._lease_lost_in_database and (
-                    returned_at >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST)
-                ):
-                    # Past its local horizon, told or not (a horizon the timer has not reached,
-                    # a transaction that held the row and rolled back: review helper-181), the
-                    # lease may hold until a claim takes the delivery back: this consumer's
-                    # own, woken by a freed slot, did so before the settle could record the
-                    # outcome (helper-180). The slot stays taken until the settle has been made
-                    # (free_slot_held_for_settle), which is never a batched completion's.
-                    self._slot_held_for_settle = handled_in
-                else:
-                    # The handler's slot is free now; settling goes on without holding it.
-                    self.next_in_slot = self._on_handler_done(handled_in)
+            if self._on_handler_done is not None and not holds_slot:
+                # The handler's slot is free now; settling goes on without holding it.
+                self.next_in_slot = self._on_handler_done(handled_in)
         return decision
 
     def free_slot_held_for_settle(self) -> None:
         """Pass on the slot the handler's return kept for its settle, if it kept one; the
         consumer calls it too when the execution crashed after its handler returned."""
-        handled_in, self._slot_held_for_settle = self._slot_held_for_settle, None
+        with self._lock:
+            handled_in, self._slot_held_for_settle = self._slot_held_for_settle, None
         if handled_in is not None and self._on_handler_done is not None:
             self.next_in_slot = self._on_handler_done(handled_in)
 
