@@ -191,8 +191,8 @@ class ClaimedDelivery:
     #: How long the lease is, as the transport made it at the claim (None: the subscription's
     #: lease_seconds as the consumer last read it).
     lease_seconds: int | None = None
-    #: The payload as the JSON text stored, from a transport that reads it undecoded (the
-    #: Database transport; ``payload`` is None then): a delivery claimed ahead holds the text
+    #: The payload as the JSON text stored, from a transport that keeps it undecoded (the
+    #: Database and AWS transports; ``payload`` is None then): a delivery claimed ahead holds the text
     #: while it waits for a slot, where decoded it could take some 25 times the memory its
     #: size says (JSON of empty objects), and ``decoded_payload()`` decodes it as its handler
     #: starts.

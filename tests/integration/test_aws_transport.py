@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from tests.support.api import post as rest_post
 from tests.support.executions import ExecutionRig
 from tests.support.filter_cases import leaf, root
 from tests.support.handlers import probe, registry
+from tests.support.memory import SWOLLEN_PAYLOAD
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
 from workqueue.exceptions import (
@@ -60,6 +62,7 @@ from workqueue.transports.aws import (
     AwsTransport,
     QueueBinding,
     _attribute_bytes,
+    _payload_held_as_text,
     _Provisioner,
     clients_for,
     send_copy,
@@ -350,7 +353,7 @@ def test_subscription_filters_deliver_through_sns_filter_policies(aws):
     received = {}
     for name, subscription in subscriptions.items():
         found = receiver(subscription).receive(10).deliveries
-        received[name] = sorted(str(d.payload["region"]) for d in found)
+        received[name] = sorted(str(d.decoded_payload()["region"]) for d in found)
     assert received == {
         "eq": ["eu"],
         "neq": ["ex", "us"],
@@ -405,7 +408,7 @@ def test_an_invalid_stored_filter_matches_nothing_and_the_rest_is_provisioned(aw
     transport_for("AWS").provision(aws, dry_run=False)
     assert publish(after.topic.name, {"n": 1}, attributes={"a": "x"}).accepted
 
-    assert [d.payload for d in arrivals(receiver(after), complete=True)] == [{"n": 1}]
+    assert [d.decoded_payload() for d in arrivals(receiver(after), complete=True)] == [{"n": 1}]
     assert arrivals(receiver(broken)) == []
 
 
@@ -435,14 +438,14 @@ def test_a_disabled_subscription_stops_receiving_from_sns_once_provisioned(aws):
         ("update", "subscription", "FilterPolicy")
     ]
     publish(subscription.topic, {"n": 1})
-    assert [d.payload["n"] for d in receive_all(receiver(sibling), 1)] == [1]
+    assert [d.decoded_payload()["n"] for d in receive_all(receiver(sibling), 1)] == [1]
     # As on the Database transport, publishing fans out nothing more to it.
     assert receiver(subscription).receive(10).deliveries == []
 
     Subscription.objects.filter(pk=subscription.pk).update(status="Active")
     transport_for("AWS").provision(aws, dry_run=False)
     publish(subscription.topic, {"n": 2})
-    assert [d.payload["n"] for d in receive_all(receiver(subscription), 1)] == [2]
+    assert [d.decoded_payload()["n"] for d in receive_all(receiver(subscription), 1)] == [2]
 
 
 def receive_all(subscription_receiver: AwsReceiver, count: int, timeout: float = 10) -> list[Any]:
@@ -591,7 +594,7 @@ def test_publish_by_name_goes_to_sns_and_reaches_the_subscription_queue(aws):
     subscription_receiver = receiver(subscription)
     while len(got) < 13:
         got += subscription_receiver.receive(10).deliveries
-    first = next(d for d in got if d.payload == {"n": 1})
+    first = next(d for d in got if d.decoded_payload() == {"n": 1})
     assert (first.message_id, first.attributes, first.correlation_id, first.partition_key) == (
         result.message_id,
         {"kind": "a"},
@@ -645,6 +648,43 @@ def test_a_completed_delivery_is_deleted_from_the_queue(aws):
     assert (settled.outcome, settled.status) == (SettleOutcome.SETTLED, DeliveryStatus.COMPLETED)
     assert operations.subscription_stats(subscription.name).subscriptions[0].pending == 0
     assert operations.subscription_stats(subscription.name).subscriptions[0].in_flight == 0
+
+
+def test_deliveries_received_hold_their_payloads_as_text_until_they_start(aws):
+    """As on the Database transport (tests/runtime/test_prefetch.py): what a host claims ahead
+    waits for a slot, and decoded a payload can take some 25 times its size. An AWS receive
+    decoded each payload with its envelope, and kept it so: 4 deliveries of 256 KiB of {}
+    held some 25 MB. They now hold the payload's JSON text, decoded as their handler starts."""
+    subscription = provisioned(aws)
+    holder = receiver(subscription)
+    assert holder.receive(1).deliveries == []  # what the first call loads is not counted
+    for _ in range(4):
+        assert publish(subscription.topic.name, {"pad": SWOLLEN_PAYLOAD}).accepted
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        held = receive_all(holder, 4)
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert len(held) == 4
+    assert after - before < 8 * 2**20, (
+        f"4 deliveries received held {(after - before) / 2**20:.0f} MB of the host"
+    )
+    assert held[0].decoded_payload() == {"pad": SWOLLEN_PAYLOAD}
+
+
+def test_a_payload_too_deep_to_write_again_is_kept_decoded_not_a_failed_claim():
+    """One body written to the queue by hand, read at the recursion limit's edge, could fail
+    to be written again as text; its claim must not fail with it (every delivery in it would
+    stay hidden for its lease, and come back to fail again)."""
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() * 2):
+        deep = [deep]
+
+    assert _payload_held_as_text(deep) == (deep, None)
+    assert _payload_held_as_text({"n": 1}) == (None, '{"n":1}')
 
 
 def test_a_stale_receipt_handle_is_refused_and_the_new_holder_keeps_the_message(aws):
@@ -865,7 +905,7 @@ def test_a_release_gives_the_attempt_back_so_a_last_attempt_released_at_shutdown
         first.delivery_id,
         1,
     )
-    assert (again.payload, again.partition_key) == ({"n": 1}, "k-1")
+    assert (again.decoded_payload(), again.partition_key) == ({"n": 1}, "k-1")
     # The attempts still count: received once more (here after a retry, which the executor
     # would not make on a last attempt), it has none left.
     assert holder.retry(again, delay_seconds=0).settled
@@ -951,10 +991,10 @@ def test_an_exclusive_subscription_runs_one_message_per_key_at_a_time(aws):
     holder = receiver(subscription)
 
     first = holder.receive(10).deliveries
-    assert sorted(d.payload for d in first) == [0, 10]
+    assert sorted(d.decoded_payload() for d in first) == [0, 10]
     assert holder.receive(10).deliveries == []  # k's next waits for k's first
-    holder.complete(next(d for d in first if d.payload == 0))
-    assert [d.payload for d in holder.receive(10).deliveries] == [1]
+    holder.complete(next(d for d in first if d.decoded_payload() == 0))
+    assert [d.decoded_payload() for d in holder.receive(10).deliveries] == [1]
 
 
 def test_an_exclusive_claim_makes_at_most_ten_receive_calls_however_far_ahead_it_claims(aws):
@@ -1048,7 +1088,7 @@ def test_a_deduplication_key_is_reserved_sent_and_confirmed_in_the_ledger(aws):
     got = []
     while (found := holder.receive(10).deliveries) or not got:
         got += found
-    assert sorted(d.payload["n"] for d in got) == [1, 3]
+    assert sorted(d.decoded_payload()["n"] for d in got) == [1, 3]
 
 
 def test_a_failed_send_releases_the_deduplication_key(aws):
@@ -1212,7 +1252,7 @@ def test_the_rest_api_publishes_to_an_aws_topic_with_message_ids_as_on_the_datab
         ("Rejected", None, "MessageIDConflict"),
     ]
     delivered = receive_all(receiver(subscription), 1)
-    assert [(d.message_id, d.payload, d.attributes) for d in delivered] == [
+    assert [(d.message_id, d.decoded_payload(), d.attributes) for d in delivered] == [
         (chosen, {"n": 1}, {"a": "1"})
     ]
     assert receiver(subscription).receive(10).deliveries == []
@@ -1708,7 +1748,11 @@ def test_a_retry_waits_out_its_backoff_delayed_not_in_flight_on_a_standard_queue
     }
     assert holder.receive(10).deliveries == []  # not before its delay
     again = receive_one(holder)
-    assert (again.delivery_id, again.attempt, again.payload) == (delivery.delivery_id, 2, {"n": 1})
+    assert (again.delivery_id, again.attempt, again.decoded_payload()) == (
+        delivery.delivery_id,
+        2,
+        {"n": 1},
+    )
 
 
 def test_a_heartbeat_near_twelve_hours_from_the_receive_renews_what_sqs_allows(aws):
@@ -1994,17 +2038,17 @@ def test_every_body_sent_to_aws_carries_only_characters_sqs_accepts(aws):
     replays, undo = _capture(holder.binding.clients.sqs_once, "sqs.SendMessage")
     try:
         delivery = receive_one(holder)
-        assert (delivery.payload, delivery.partition_key, delivery.correlation_id) == (
+        assert (delivery.decoded_payload(), delivery.partition_key, delivery.correlation_id) == (
             payload,
             "k\uffff",
             "c\ufffe",
         )
         assert holder.release(delivery).settled
         copy = receive_one(holder)
-        assert copy.payload == payload
+        assert copy.decoded_payload() == payload
         assert holder.dead_letter(copy, "Fatal", "no").settled
         assert operations.replay(subscription.name, copy.delivery_id).replayed
-        assert receive_one(holder).payload == payload
+        assert receive_one(holder).decoded_payload() == payload
     finally:
         undo_settles()
         undo()
@@ -2186,7 +2230,7 @@ def test_a_message_written_to_the_queue_by_hand_does_not_fail_the_claim_it_is_in
     while len(claimed) < 2 and time.monotonic() < deadline:
         claimed += holder.receive(10).deliveries
 
-    assert sorted((d.payload["n"], d.attempt) for d in claimed) == [(1, 1), (2, 1)]
+    assert sorted((d.decoded_payload()["n"], d.attempt) for d in claimed) == [(1, 1), (2, 1)]
 
 
 def an_expired_last_attempt_then_a_fresh_message(lease_seconds: int, aws: Transport) -> Any:
@@ -2226,7 +2270,7 @@ def test_a_slow_move_of_an_expired_last_attempt_leaves_the_rest_of_its_claim_its
     claimed = claim_something(taker)
 
     [fresh] = claimed
-    assert fresh.payload == {"n": "fresh"}
+    assert fresh.decoded_payload() == {"n": "fresh"}
     assert taker.complete(fresh).settled  # its lease was whole when it was handed over
 
 
@@ -2237,7 +2281,7 @@ def test_an_expired_last_attempt_received_with_fresh_work_is_dead_lettered_besid
     move is reported by the next claim."""
     subscription = an_expired_last_attempt_then_a_fresh_message(5, aws)
     taker = receiver(subscription)
-    assert [d.payload for d in claim_something(taker)] == [{"n": "fresh"}]
+    assert [d.decoded_payload() for d in claim_something(taker)] == [{"n": "fresh"}]
 
     wait_until(lambda: operations.list_dead_letters(subscription.name).items, timeout=10)
 
@@ -2382,9 +2426,9 @@ def test_a_key_whose_reservation_a_slow_publish_many_outlived_is_not_published_t
     assert results[10].status == "Duplicate"  # the competitor's message holds the key
     assert [r.status for r in results[:10]] == ["Accepted"] * 10
     keyed = [
-        d.payload
+        d.decoded_payload()
         for d in arrivals(receiver(subscription), complete=True)
-        if d.payload["n"] in (10, "other")
+        if d.decoded_payload()["n"] in (10, "other")
     ]
     assert keyed == [{"n": "other"}]
 
@@ -2517,7 +2561,7 @@ def test_a_keyed_publish_whose_answer_is_lost_is_sent_once_and_keeps_its_key(aws
     lost_answers.operation = ""
     again = publish(subscription.topic.name, {"n": 1}, deduplication_key="order-42")
     assert again.error.code == "DeduplicationPending"
-    assert [d.payload for d in arrivals(receiver(subscription))] == [{"n": 1}]
+    assert [d.decoded_payload() for d in arrivals(receiver(subscription))] == [{"n": 1}]
 
 
 def test_a_fifo_publish_reusing_a_generated_id_with_other_content_is_not_dropped(aws):
@@ -2533,7 +2577,7 @@ def test_a_fifo_publish_reusing_a_generated_id_with_other_content_is_not_dropped
     assert (reused.status, resent.status) == ("Accepted", "Duplicate")
 
     # Each completed as it comes: a FIFO group hands out its next message after.
-    assert [d.payload for d in arrivals(receiver(subscription), complete=True)] == [
+    assert [d.decoded_payload() for d in arrivals(receiver(subscription), complete=True)] == [
         {"order": 1},
         {"order": 2},
     ]
@@ -2681,7 +2725,7 @@ def test_a_receiver_closed_while_moving_dead_letters_lets_the_moves_end_and_logs
     move no claim reported afterwards went unsaid."""
     subscription = an_expired_last_attempt_then_a_fresh_message(10, aws)
     taker = receiver(subscription)
-    assert [d.payload for d in claim_something(taker)] == [{"n": "fresh"}]
+    assert [d.decoded_payload() for d in claim_something(taker)] == [{"n": "fresh"}]
 
     with caplog.at_level(logging.WARNING, logger="workqueue"):
         taker.close()

@@ -911,6 +911,7 @@ class AwsReceiver:
     def _delivery(self, message: dict[str, Any]) -> ClaimedDelivery:
         envelope = _envelope(message["Body"])
         system = message.get("Attributes", {})
+        payload, payload_json = _payload_held_as_text(envelope.get("payload"))
         return ClaimedDelivery(
             # A replayed message is a new SQS message carrying the id its delivery had. As
             # text whatever the body holds (one written by hand): a dead letter carries the id
@@ -927,7 +928,8 @@ class AwsReceiver:
             topic_id=envelope.get("topic_id", ""),
             partition_key=envelope.get("partition_key"),
             attributes=envelope.get("attributes") or {},
-            payload=envelope.get("payload"),
+            payload=payload,
+            payload_json=payload_json,
             payload_ref=stored_payload_ref(envelope.get("payload_ref")),
             correlation_id=envelope.get("correlation_id"),
             published_at=_parse_time(envelope.get("published_at")) or _now(),
@@ -1399,7 +1401,7 @@ def _envelope_of(delivery: ClaimedDelivery) -> dict[str, Any]:
         "topic_id": delivery.topic_id,
         "partition_key": delivery.partition_key,
         "attributes": delivery.attributes or None,
-        "payload": delivery.payload,
+        "payload": delivery.decoded_payload(),
         "payload_ref": delivery.payload_ref,
         "correlation_id": delivery.correlation_id,
         "published_at": delivery.published_at.isoformat(),
@@ -1413,6 +1415,20 @@ def _attempts_before(envelope: dict[str, Any]) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     return 0
+
+
+def _payload_held_as_text(payload: Any) -> tuple[Any, str | None]:
+    """A claimed delivery's ``payload`` and ``payload_json``: the payload as JSON text until
+    its handler starts, as on the Database transport (a delivery claimed ahead may wait for a
+    slot, and decoded a payload can take some 25 times its size). The envelope is one JSON
+    body, decoded to read the rest, so the payload is written back as the text it was sent as
+    (canonical JSON); one nested too deep to be written again from here is kept decoded."""
+    if payload is None:
+        return None, None
+    try:
+        return None, canonical_json(payload)
+    except RecursionError:
+        return payload, None
 
 
 def _envelope(body: str) -> dict[str, Any]:
