@@ -192,10 +192,10 @@ class ClaimedDelivery:
     #: lease_seconds as the consumer last read it).
     lease_seconds: int | None = None
     #: The payload as the JSON text stored, from a transport that keeps it undecoded (the
-    #: Database and AWS transports; ``payload`` is None then): a delivery claimed ahead holds the text
-    #: while it waits for a slot, where decoded it could take some 25 times the memory its
-    #: size says (JSON of empty objects), and ``decoded_payload()`` decodes it as its handler
-    #: starts.
+    #: Database and AWS transports; ``payload`` is None then): a delivery claimed ahead holds
+    #: the text while it waits for a slot, where decoded it could take some 25 times the
+    #: memory its size says (JSON of empty objects), and ``decoded_payload()`` decodes it as
+    #: its handler starts.
     payload_json: str | None = None
 
     def decoded_payload(self) -> Any:
