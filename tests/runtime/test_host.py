@@ -888,6 +888,106 @@ def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
     assert status_of(message) == "Completed"
 
 
+def test_a_predecessors_slot_is_counted_taken_while_its_returned_handlers_connections_refresh(
+    make_host,
+):
+    """Review helper-182: a handler returned past its lease was marked returned before its ORM
+    connections were refreshed (which can hang: a broken connection is pinged first), and its
+    slot was kept for the settle only after: in between the re-plan's consumer counted the
+    slot free (and its predecessor done for good), took the delivery back while the settle was
+    still possible, and ran it a second time."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    host = make_host(one(s, concurrency=1))  # a drain of 300 ms
+    host.start()
+    services = host._consumers[s.name]._services  # the predecessor-to-be's
+    refresh = services.refresh_connections
+
+    def slow_refresh() -> None:
+        if probe.runs and probe.runs[0].finished.is_set():
+            time.sleep(1.5)  # a ping of a broken connection on a slow network
+        refresh()
+
+    services.refresh_connections = slow_refresh
+    message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
+    (late,) = probe.wait_for(1)
+    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
+    host.reconcile()  # gives up on the handler after the drain: it runs on, a predecessor
+
+    assert late.finished.wait(10)
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert len(probe.runs) == 1, "the re-plan's consumer took the delivery back and ran it again"
+    assert status_of(message) == "Completed"
+
+
+def test_a_consumer_does_not_claim_ahead_the_delivery_whose_slot_it_keeps_for_a_late_settle(
+    make_host, monkeypatch
+):
+    """Review helper-182: the slot kept for a late settle stopped claims for a free slot, not
+    claims ahead (handlers read quick until that slot is passed on): the loop took the delivery
+    back ahead (its lease expired in the database), the settle was refused, and the kept slot
+    passed on to the copy: at concurrency 1 this host ran the finished work a second time."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    late_settles: list[str] = []
+    complete = CompletionBatcher.complete
+
+    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
+        if delivery.message_id in late_settles:
+            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
+        return complete(self, delivery)
+
+    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
+    # Claims on kicks only, so that none comes while the handler still runs.
+    host = make_host(one(s, concurrency=1), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000)
+    host.start()
+    quick = [publish(s.topic.name, {}).message_id for _ in range(10)]  # handlers are quick
+    wait_until(lambda: all(status_of(m) == "Completed" for m in quick))
+    probe.reset()
+    message = publish(s.topic.name, {"sleepMs": 5_500, "ignoreSignal": True}).message_id
+    late_settles.append(message)
+    (late,) = probe.wait_for(1)
+    assert late.finished.wait(10)  # returned past its lease: its slot is kept for the settle
+    time.sleep(0.2)
+    host._consumers[s.name].kick()  # a publish to the topic
+
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert len(probe.runs) == 1, "this host claimed the delivery back ahead and ran it again"
+    assert status_of(message) == "Completed"
+
+
+def test_a_late_settle_is_not_overtaken_by_a_claim_for_another_free_slot(make_host, monkeypatch):
+    """Review helper-182: the slot kept for a late settle kept this host's claims off the
+    delivery only while no other slot was free: at concurrency 2 the next claim (a publish's
+    kick here, a poll otherwise) took the delivery back while its settle was on its way, and
+    the finished work ran a second time on this same host. No claim is made while a slot is
+    kept for a settle."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    late_settles: list[str] = []
+    complete = CompletionBatcher.complete
+
+    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
+        if delivery.message_id in late_settles:
+            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
+        return complete(self, delivery)
+
+    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
+    # Claims on kicks only, so that none comes while the handler still runs.
+    host = make_host(one(s, concurrency=2), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000)
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 5_500, "ignoreSignal": True}).message_id
+    late_settles.append(message)
+    (late,) = probe.wait_for(1)
+    assert late.finished.wait(10)  # returned past its lease: its slot is kept for the settle
+    time.sleep(0.2)
+    host._consumers[s.name].kick()  # a publish to the topic
+
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert len(probe.runs) == 1, "this host took the delivery back and ran it again"
+    assert status_of(message) == "Completed"
+
+
 def test_a_lease_shortened_before_the_host_re_plans_is_renewed_in_time(make_host):
     """The host times its renewals by the lease length of its plan; a claim made before the
     plan caught up with a shortened lease (30 s to 5 s) got 5 s from the database, its first

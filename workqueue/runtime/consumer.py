@@ -339,6 +339,9 @@ class Consumer:
         # Cancels announced for deliveries not (yet) held here, oldest first: id -> when.
         self._recent_cancels: dict[str, float] = {}
         self._handlers_running = 0  # slots taken: from claim until the handler returns
+        # Of those, slots kept by handlers returned past their lease until their settle is
+        # made (DeliveryExecution._mark_returned): nothing is claimed while any is.
+        self._slots_kept_for_settle = 0
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
         # Due when the one that has waited longest will have waited too long: nothing renews
@@ -580,6 +583,11 @@ class Consumer:
         """Of its concurrency, the slots its executions still take (``takes_slot``)."""
         with self._lock:
             return sum(1 for e in self._running.values() if e.takes_slot)
+
+    def slots_kept_for_settle(self) -> int:
+        """Slots kept by handlers returned past their lease until their settle is made."""
+        with self._lock:
+            return self._slots_kept_for_settle
 
     @property
     def lingering(self) -> bool:
@@ -892,6 +900,14 @@ class Consumer:
         and no more than the slots get through in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
         running_elsewhere = self._predecessors_running() if self._predecessors else 0
+        if self._slots_kept_for_settle or (
+            self._predecessors and any(p.slots_kept_for_settle() for p in self._predecessors)
+        ):
+            # A handler returned past its lease keeps its slot until its settle is made: a
+            # claim meanwhile, for another free slot or ahead, may take that delivery back
+            # (its lease may have run out in the database) and run the finished work again
+            # (review helper-182). The settle is bounded by the lease's grace.
+            return 0, concurrency
         free = concurrency - self._handlers_running - running_elsewhere
         handler_seconds = self._handler_seconds
         if (
@@ -992,6 +1008,7 @@ class Consumer:
             on_handler_done=self._free_slot,
             leased_at=leased_at,
             on_cancelled_unstarted=self._hand_back_cancelled_ahead,
+            on_slot_kept=self._count_slot_kept,
         )
         with self._lock:
             self._running[execution.key] = execution
@@ -1026,6 +1043,12 @@ class Consumer:
                 raise
             # The pool is shutting down: hand it back.
             self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
+
+    def _count_slot_kept(self, kept: bool) -> None:
+        """A handler returned past its lease keeps its slot for its settle (True), or passes
+        it on once that settle is made (False): no claim meanwhile (see _room)."""
+        with self._lock:
+            self._slots_kept_for_settle += 1 if kept else -1
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
         """A handler returned (on its worker thread): its slot is passed on."""

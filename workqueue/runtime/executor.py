@@ -292,11 +292,15 @@ class DeliveryExecution:
         on_handler_done: Callable[[float], DeliveryExecution | None] | None = None,
         leased_at: float | None = None,
         on_cancelled_unstarted: Callable[[DeliveryExecution], None] | None = None,
+        on_slot_kept: Callable[[bool], None] | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
         self.services = services
         self._on_handler_done = on_handler_done
+        #: Told True when the handler's return keeps its slot for its settle, False as that
+        #: slot is passed on (see _mark_returned).
+        self._on_slot_kept = on_slot_kept
         #: Told when a renewal finds the delivery cancelled before its handler started.
         self._on_cancelled_unstarted = on_cancelled_unstarted
         self.started = False
@@ -309,6 +313,10 @@ class DeliveryExecution:
         self.next_in_slot: DeliveryExecution | None = None
         # How long the handler ran, while its slot is held until its settle has been made.
         self._slot_held_for_settle: float | None = None
+        # Whether on_handler_done has been told the slot is free (under the lock).
+        self._slot_passed_on = False
+        # How long the handler ran, from its call to its return (set by _mark_returned).
+        self._handled_in = 0.0
         self.signal = AbortSignal(overdue=self._horizon_passed_untold)
         # Set by the consumer when its drain gave up on this handler (see the module's notes).
         self._outlived_drain = False
@@ -388,10 +396,11 @@ class DeliveryExecution:
 
     @property
     def takes_slot(self) -> bool:
-        """Whether it takes one of its subscription's slots: until its handler returns, and
-        after that while the slot is kept for a settle made past the lease."""
+        """Whether it takes one of its subscription's slots: until its handler has returned
+        and its slot has been passed on (which a handler returned past its lease does only
+        once its settle has been made)."""
         with self._lock:
-            return not self._handler_returned or self._slot_held_for_settle is not None
+            return not self._slot_passed_on
 
     def handler_running_since(self) -> float | None:
         """When (``time.monotonic()``) the handler was called, while it runs; None before it
@@ -481,51 +490,70 @@ class DeliveryExecution:
                     lambda: self.signal.abort(AbortReason.MAX_PROCESSING_SECONDS),
                 )
             )
-        began = time.monotonic()
+        began = self._handler_began = time.monotonic()
         try:
             if self.signal.has(AbortReason.CANCELLED):
                 # Cancelled while it waited for a slot (claimed ahead, or queued for a worker):
                 # the handler never starts, and settling acknowledges the cancel.
                 decision = _Decision(Outcome.COMPLETE)
             else:
-                self._handler_began = began
                 decision = self._call_handler()
         finally:
-            returned_at = time.monotonic()
-            handled_in = returned_at - began
-            metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(handled_in)
+            self._mark_returned()  # the handler's own finally did, unless it never ran
+            metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(
+                time.monotonic() - began
+            )
             with self._lock:
-                self._handler_returned = True
                 horizon = self._horizon
-                # Past its local horizon, told or not (a horizon the timer has not reached, a
-                # transaction that held the row and rolled back: review helper-181), the lease
-                # may hold until a claim takes the delivery back: this consumer's own, woken
-                # by a freed slot, did so before the settle could record the outcome
-                # (helper-180). The slot stays taken until the settle has been made
-                # (free_slot_held_for_settle), which is never a batched completion's. Decided
-                # with the return, under one lock: a consumer a re-plan started reads both
-                # (takes_slot) to count its predecessor's slots.
-                holds_slot = (
-                    self._on_handler_done is not None
-                    and not self._lease_lost_in_database
-                    and (returned_at >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST))
-                )
-                if holds_slot:
-                    self._slot_held_for_settle = handled_in
+                handled_in = self._handled_in
+                pass_on = self._slot_held_for_settle is None and not self._slot_passed_on
+                if pass_on and self._on_handler_done is not None:
+                    self._slot_passed_on = True
             for timer in [*self._timers, horizon]:
                 if timer is not None:
                     timer.cancel()
-            if self._on_handler_done is not None and not holds_slot:
+            if pass_on and self._on_handler_done is not None:
                 # The handler's slot is free now; settling goes on without holding it.
                 self.next_in_slot = self._on_handler_done(handled_in)
         return decision
+
+    def _mark_returned(self) -> None:
+        """Record that the handler returned (once), and whether its slot is kept for its
+        settle. Past its local horizon, told or not (a horizon the timer has not reached, a
+        transaction that held the row and rolled back: review helper-181), the lease may hold
+        until a claim takes the delivery back: this consumer's own did so before the settle
+        could record the outcome, and ran the finished work again (helper-180). The slot
+        stays taken until the settle has been made (free_slot_held_for_settle), which is
+        never a batched completion's, and the consumer claims nothing meanwhile
+        (on_slot_kept; helper-182). Decided at the return, in the lock hold that records it:
+        a consumer a re-plan started counts its predecessor's slots by it (takes_slot), and
+        the connections refreshed after the handler can take long."""
+        with self._lock:
+            if self._handler_returned:
+                return
+            self._handler_returned = True
+            returned_at = time.monotonic()
+            self._handled_in = returned_at - (self._handler_began or returned_at)
+            kept = (
+                self._on_handler_done is not None
+                and not self._lease_lost_in_database
+                and (returned_at >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST))
+            )
+            if kept:
+                self._slot_held_for_settle = self._handled_in
+        if kept and self._on_slot_kept is not None:
+            self._on_slot_kept(True)
 
     def free_slot_held_for_settle(self) -> None:
         """Pass on the slot the handler's return kept for its settle, if it kept one; the
         consumer calls it too when the execution crashed after its handler returned."""
         with self._lock:
             handled_in, self._slot_held_for_settle = self._slot_held_for_settle, None
+            if handled_in is not None:
+                self._slot_passed_on = True
         if handled_in is not None and self._on_handler_done is not None:
+            if self._on_slot_kept is not None:
+                self._on_slot_kept(False)
             self.next_in_slot = self._on_handler_done(handled_in)
 
     def abort(self, reason: str) -> None:
@@ -614,11 +642,11 @@ class DeliveryExecution:
             # taken and the delivery leased and renewed for the process's life.
             return _Decision(Outcome.RETRY, error=describe_error(exc), exception=exc)
         finally:
-            with self._lock:
-                # Before the connections are refreshed, which can hang on a database that does
-                # not answer (a broken connection is pinged first): a host stopped meanwhile
-                # counts this handler as returned, not as one that did not stop.
-                self._handler_returned = True
+            # Before the connections are refreshed, which can hang on a database that does not
+            # answer (a broken connection is pinged first): a host stopped meanwhile counts
+            # this handler as returned, not as one that did not stop, and a consumer counts
+            # its slot as the return left it (helper-182).
+            self._mark_returned()
             # What the handler used of the ORM is closed if broken or past CONN_MAX_AGE, as at
             # the end of a request; the next handler on this thread then checks the connection
             # at its first query (CONN_HEALTH_CHECKS) unless it was checked within
