@@ -679,17 +679,22 @@ def test_both_vendors_clamp_a_retirement_batch_from_above(name):
 def test_both_vendors_count_locked_rows_a_bulk_discard_batch_walks():
     """Review helper-176: the walk itself skipped locked rows (SKIP LOCKED, READPAST) uncounted
     and read on past any number of them. It now walks its batch unlocked and locks what it
-    walked, skipping what others hold; examined counts the walk. Proved live on PostgreSQL by
-    tests/integration/test_procedures_bound_their_input.py; the T-SQL twin is checked as text."""
+    walked, skipping what others hold; examined counts the walk. A dry run locks nothing
+    (review helper-183: a real run beside it skipped what the dry run held). Proved live on
+    PostgreSQL by tests/integration/test_procedures_bound_their_input.py and
+    tests/integration/test_bulk_recovery.py; the T-SQL twin is checked as text."""
     postgresql = _strip_comments(_postgresql_function("operator", "wq_discard_pending"))
     assert postgresql.count("FOR UPDATE SKIP LOCKED") == 1
     assert "WHERE x.ctid = w.row_at AND x.status = 'Pending'\n" in postgresql
+    assert "CASE WHEN p_dry_run THEN '' ELSE 'FOR UPDATE SKIP LOCKED' END" in postgresql
     tsql = _tsql_procedure("operator", "wq_discard_pending")
-    walk = tsql[tsql.index("INSERT INTO @walked") : tsql.index("INSERT INTO @batch")]
+    walk = tsql[tsql.index("INSERT INTO @walked") : tsql.index("IF @dry_run = 1")]
     assert "WITH (" not in walk and "SELECT TOP (@limit)" in walk
-    lock = tsql[tsql.index("INSERT INTO @batch") : tsql.index("IF @dry_run = 1")]
+    dry_run, real_run = tsql[tsql.index("IF @dry_run = 1") :].split("ELSE", 1)
+    assert "WITH (" not in dry_run and "FROM @walked WHERE matches = 1" in dry_run
     assert (
         "FROM @walked AS w\n"
-        "      JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST) ON d.id = w.id"
-    ) in lock
+        "          JOIN dbo.workqueue_delivery AS d WITH (ROWLOCK, READPAST)\n"
+        "            ON d.id = w.id AND w.matches = 1"
+    ) in real_run
     assert "SELECT (SELECT COUNT(*) FROM @walked) AS examined," in tsql

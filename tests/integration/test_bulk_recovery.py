@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib import messages
 from django.contrib.admin.models import LogEntry
@@ -22,6 +23,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory
+from tests.support.database import psycopg_params
 from tests.support.roles import acting_as_granted_role
 from tests.support.seeding import seed_deliveries
 from workqueue import publish
@@ -682,6 +684,34 @@ def test_discarding_waiting_work_takes_exactly_the_matching_pending_rows_and_nev
         "publisher bug"
     }
     assert receiver.complete(running).settled
+
+
+def test_a_colleagues_dry_run_does_not_make_a_bulk_discard_leave_matching_work_to_run():
+    """Review helper-183: one responder counts (a REST dryRun, the admin's Count, --dry-run)
+    while another applies. The dry run changes nothing, yet it locked every row it walked, and
+    the real discard skips locked rows as being claimed: it reported them examined but not
+    matched ("Discarded 0 of 3") and left them Pending, so the flood it was meant to stop ran.
+    (The dry run's transaction is held open here to widen the moment its batch holds them.)"""
+    subscription = SubscriptionFactory()
+    for n in range(3):
+        publish(subscription.topic.name, {"n": n})
+    with psycopg.connect(autocommit=False, **psycopg_params()) as colleague:
+        [counted] = colleague.execute(
+            "SELECT examined, changed FROM wq_discard_pending(%s, false, NULL, NULL, NULL, "
+            "NULL, NULL, NULL, NULL, 1000, true, 'colleague', 'counting')",
+            [subscription.id],
+        ).fetchall()
+        assert counted == (3, 3)  # the colleague's count: 3 would be discarded
+
+        outcome = operations.discard_pending(
+            subscription.name, operations.PendingSelection(), reason="flood"
+        )
+        colleague.rollback()
+
+    left = Delivery.objects.filter(subscription=subscription, status="Pending").count()
+    assert (outcome.matched, left) == (3, 0), (
+        f"discarded {outcome.matched} of {outcome.examined}; {left} left Pending to run"
+    )
 
 
 def test_discarding_waiting_work_takes_the_windows_start_not_its_end_and_any_case_of_error():

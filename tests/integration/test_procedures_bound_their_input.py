@@ -8,10 +8,12 @@ from __future__ import annotations
 import io
 import json
 
+import psycopg
 import pytest
 from django.core.management import call_command
 
 from tests.factories import SubscriptionFactory
+from tests.support.database import psycopg_params
 from tests.support.roles import connect_as, database_role
 from tests.support.seeding import seed_deliveries
 from workqueue import publish
@@ -153,12 +155,16 @@ def test_a_bulk_discard_batch_walks_no_further_than_its_size_past_locked_rows(ro
         "ORDER BY priority, visible_at, id",
         [subscription.id],
     ).fetchall()
-    with connect_as(role) as operator, connect_as(role) as holder, holder.transaction():
+    with (
+        connect_as(role) as operator,
+        psycopg.connect(**psycopg_params()) as holder,
+        holder.transaction(),
+    ):
         holder.execute(
-            "SELECT 1 FROM wq_discard_pending(%s, false, NULL, NULL, NULL, NULL, NULL, NULL, "
-            "NULL, 2900, true, 'holder', 'held')",
+            "SELECT 1 FROM workqueue_delivery WHERE subscription_id = %s "
+            "ORDER BY priority, visible_at, id LIMIT 2900 FOR UPDATE",
             [subscription.id],
-        )  # a dry run holds the locks of the 2,900 rows it examined until its commit
+        )  # as claims in progress would: 2,900 rows locked until the holder's commit
         [(examined, changed, *last)] = operator.execute(
             "SELECT * FROM wq_discard_pending(%s, false, NULL, NULL, NULL, NULL, NULL, NULL, "
             "NULL, 100, false, 'op', 'discarded')",

@@ -455,8 +455,10 @@ $$;
 -- [from, before), and the last error of an earlier attempt containing the text (ignoring
 -- case). Rows another session holds locked at that moment (a claim taking them) are examined
 -- and skipped, never changed (they are being claimed: cancel them one by one). With p_dry_run
--- nothing changes: changed reports how many would. The last row examined is where the next
--- batch starts; a batch that examined fewer rows than its size was the last.
+-- nothing changes and nothing is locked: changed reports how many would (until 0058 a dry
+-- run locked what it walked too, and a real run beside it skipped those rows: review
+-- helper-183). The last row examined is where the next batch starts; a batch that examined
+-- fewer rows than its size was the last.
 -- Until 0056 a locked row was skipped uncounted (SKIP LOCKED in the walk itself), and the
 -- batch walked on until it had examined its size in rows no one held: behind rows held by
 -- open transactions, as many as there were, in one call (review helper-176). Now the walk
@@ -556,6 +558,8 @@ BEGIN
                      LIMIT $8) AS w
               -- Each walked row locked by its ctid (a TID probe; read by this statement, so
               -- no other row can be there), unless another session holds it or has changed it.
+              -- Not on a dry run, which changes nothing: its locks made a real run beside it
+              -- skip the rows as being claimed, and leave them to run (review helper-183).
               LEFT JOIN LATERAL (
                     SELECT ($5 IS NULL
                             OR strpos(lower(coalesce(x.last_error, '')), lower($5)) > 0)
@@ -568,8 +572,8 @@ BEGIN
                            AS matches
                       FROM workqueue_delivery x
                      WHERE x.ctid = w.row_at AND x.status = 'Pending'
-                       FOR UPDATE SKIP LOCKED) AS l ON true
-        $query$, v_key)
+                       %s) AS l ON true
+        $query$, v_key, CASE WHEN p_dry_run THEN '' ELSE 'FOR UPDATE SKIP LOCKED' END)
           INTO v_found, v_last_visible_at, v_last_id, v_ids
           USING p_subscription_id, p_partition_key, p_published_from, p_published_before,
                 p_error_contains, v_after_at, v_after_id, v_wanted, v_priority,

@@ -477,14 +477,16 @@ GO
 -- matches all): the message's partition key (exactly), its publish time in [from, before), and
 -- the last error of an earlier attempt containing the text (ignoring case). Rows another
 -- session holds locked at that moment (a claim taking them) are examined and skipped, never
--- changed (they are being claimed: cancel them one by one). With @dry_run = 1 nothing changes:
--- changed reports how many would. The last row examined is where the next batch starts; a
--- batch that examined fewer rows than its size was the last.
+-- changed (they are being claimed: cancel them one by one). With @dry_run = 1 nothing changes
+-- and nothing is locked: changed reports how many would (until 0058 a dry run locked what it
+-- walked too, and a real run beside it skipped those rows: review helper-183). The last row
+-- examined is where the next batch starts; a batch that examined fewer rows than its size was
+-- the last.
 -- Until 0056 the walk itself read past locked rows (READPAST) uncounted, and went on until it
 -- had examined its size in rows no one held: behind rows held by open transactions, as many as
 -- there were, in one call (review helper-176). Now it reads its rows without locks (the
--- committed versions: READ_COMMITTED_SNAPSHOT is on, as validate-bindings requires), then
--- locks those no other session holds, so a held one still counts.
+-- committed versions: READ_COMMITTED_SNAPSHOT is on, as validate-bindings requires), so a
+-- held one still counts, then changes those that match and no other session holds.
 -- returns: examined, changed, last_priority, last_visible_at, last_delivery_id
 CREATE OR ALTER PROCEDURE dbo.wq_discard_pending
     @subscription_id uniqueidentifier,
@@ -513,32 +515,14 @@ BEGIN
     DECLARE @walked TABLE (
         id char(32) PRIMARY KEY,
         priority int NOT NULL,
-        visible_at datetimeoffset(7) NOT NULL
+        visible_at datetimeoffset(7) NOT NULL,
+        matches bit NOT NULL
     );
-    DECLARE @batch TABLE (id char(32) PRIMARY KEY, matches bit NOT NULL);
     DECLARE @changed int = 0;
 
     BEGIN TRANSACTION;
-    INSERT INTO @walked (id, priority, visible_at)
-    SELECT TOP (@limit) d.id, d.priority, d.visible_at
-      FROM dbo.workqueue_delivery AS d
-     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
-       AND ((@keyed = 1 AND d.partition_key IS NOT NULL)
-            OR (@keyed = 0 AND d.partition_key IS NULL))
-       -- The resume point comes back from Python in whole microseconds while visible_at holds
-       -- 100 ns ticks: rows within the microsecond of the last one examined resume by id.
-       AND (@after_visible_at IS NULL
-            OR d.priority > @after_priority
-            OR (d.priority = @after_priority
-                AND (d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
-                     OR (d.visible_at >= @after_visible_at AND d.id > @after_key))))
-     ORDER BY d.priority, d.visible_at, d.id
-    -- Compiled with the values in place, so the key predicate matches a filtered claim index.
-    OPTION (RECOMPILE);
-
-    -- The walked rows no other session holds, locked until the commit (by primary key).
-    INSERT INTO @batch (id, matches)
-    SELECT d.id,
+    INSERT INTO @walked (id, priority, visible_at, matches)
+    SELECT TOP (@limit) d.id, d.priority, d.visible_at,
            CASE WHEN (@error_contains IS NULL
                       OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
                  AND (@partition_key IS NULL AND @published_from IS NULL
@@ -555,19 +539,33 @@ BEGIN
                              AND (@published_before IS NULL
                                   OR m.published_at < @published_before)))
                 THEN 1 ELSE 0 END
-      FROM @walked AS w
-      JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST) ON d.id = w.id
-     WHERE d.status = N'Pending';
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.subscription_id = @subscription_key AND d.status = N'Pending'
+       AND ((@keyed = 1 AND d.partition_key IS NOT NULL)
+            OR (@keyed = 0 AND d.partition_key IS NULL))
+       -- The resume point comes back from Python in whole microseconds while visible_at holds
+       -- 100 ns ticks: rows within the microsecond of the last one examined resume by id.
+       AND (@after_visible_at IS NULL
+            OR d.priority > @after_priority
+            OR (d.priority = @after_priority
+                AND (d.visible_at >= DATEADD(microsecond, 1, @after_visible_at)
+                     OR (d.visible_at >= @after_visible_at AND d.id > @after_key))))
+     ORDER BY d.priority, d.visible_at, d.id
+    -- Compiled with the values in place, so the key predicate matches a filtered claim index.
+    OPTION (RECOMPILE);
 
     IF @dry_run = 1
-        SELECT @changed = COUNT(*) FROM @batch WHERE matches = 1;
+        SELECT @changed = COUNT(*) FROM @walked WHERE matches = 1;
     ELSE
     BEGIN
+        -- The matching rows no other session holds (READPAST), locked and changed in one
+        -- statement; what a dry run walked, it never locked.
         UPDATE d
            SET status = N'Discarded', completed_at = @now,
                resolved_by = @actor, resolution_note = LEFT(@reason, 1000)
-          FROM dbo.workqueue_delivery AS d
-          JOIN @batch AS b ON b.id = d.id AND b.matches = 1
+          FROM @walked AS w
+          JOIN dbo.workqueue_delivery AS d WITH (ROWLOCK, READPAST)
+            ON d.id = w.id AND w.matches = 1
          WHERE d.status = N'Pending';
         SET @changed = @@ROWCOUNT;
     END
