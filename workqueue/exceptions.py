@@ -179,6 +179,13 @@ class TransientTransportError(TransportUnavailableError):
         self.may_have_arrived = may_have_arrived
 
 
+class BulkOperationStopped(KeyboardInterrupt):
+    """A bulk replay or discard stopped by Ctrl-C (a KeyboardInterrupt) after at least one
+    batch had committed: still a KeyboardInterrupt, which stops what it stops, but its text
+    says what those batches did, as BulkOperationInterrupted's does; the CLI prints it and
+    exits 130."""
+
+
 class BulkOperationInterrupted(WorkQueueError):
     """A bulk replay or discard, which commits batch by batch, was stopped by a database or
     transport failure (its ``__cause__``) after at least one batch had committed. Those batches

@@ -994,6 +994,40 @@ def test_a_bulk_command_stopped_by_a_dropped_connection_says_what_its_batches_di
     assert f"Discarded 2 of 2 waiting deliveries of {subscription.name}" in run(*argv)
 
 
+def test_a_bulk_command_interrupted_with_ctrl_c_says_how_much_its_batches_did(monkeypatch, pg_conn):
+    """Review helper-183: a failure after committed batches was told with their counts, an
+    operator's Ctrl-C only with "the batches applied before it stay applied": not how many
+    dead letters were discarded, which is what the operator decides the next step by."""
+    subscription = SubscriptionFactory()
+    seed_deliveries(pg_conn, subscription, 5, status="DeadLettered")
+    driver = get_driver()
+    original = driver.call
+    calls = 0
+
+    def interrupted_in_the_third_batch(name: str, params: Any = None, **kw: Any) -> Any:
+        nonlocal calls
+        if name == "wq_resolve_dead_letters":
+            calls += 1
+            if calls == 3:
+                raise KeyboardInterrupt
+        return original(name, params, **kw)
+
+    monkeypatch.setitem(vars(driver), "call", interrupted_in_the_third_batch)
+    argv = ("discard-dead-letters", "-s", subscription.name, "--discard-reason", "poison")
+
+    with pytest.raises(CommandError) as stopped:
+        run(*argv, "--batch-size", "2")
+
+    assert stopped.value.returncode == 130
+    assert str(stopped.value) == (
+        "Interrupted after 2 batches, in which 4 of the 4 dead letters examined were "
+        "discarded: those stay discarded. Running it again is safe and goes on with what is "
+        "left (a dry run counts it)."
+    )
+    discarded = Delivery.objects.filter(subscription=subscription, status="Discarded")
+    assert discarded.count() == 4
+
+
 def test_a_bulk_command_whose_first_batch_fails_says_so(monkeypatch, pg_conn):
     """A failure after a batch committed counts what was done (above); one in the first batch
     said "the batches applied before this error stay applied", of batches there were none

@@ -105,6 +105,7 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
     ``in_batches``: the operation commits batch by batch (a bulk replay or discard)."""
     from workqueue.exceptions import (
         BulkOperationInterrupted,
+        BulkOperationStopped,
         DeliveryBusyError,
         DriverError,
         InvalidInputError,
@@ -136,9 +137,11 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
             f"{exc} (the first batch failed; running it again is safe, and --dry-run counts "
             "what is left)"
         ) from exc
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if not in_batches:
             raise
+        if isinstance(stop, BulkOperationStopped):  # after a batch committed: its counts
+            raise CommandError(str(stop), returncode=130) from None
         raise CommandError(
             "Interrupted: the batches applied before it stay applied; running it again is "
             "safe, and --dry-run counts what is left.",

@@ -19,6 +19,7 @@ from workqueue import transport
 from workqueue.conf import get_settings
 from workqueue.exceptions import (
     BulkOperationInterrupted,
+    BulkOperationStopped,
     DriverError,
     InvalidInputError,
     NotFoundError,
@@ -708,6 +709,12 @@ def _in_batches(
             if not done.batches:
                 raise  # nothing was applied: the failure says all there is
             raise _interrupted(done, rows, exc) from exc
+        except KeyboardInterrupt as stop:
+            if not done.batches:
+                raise
+            # Ctrl-C at a bulk command: the operator needs the counts as much as after a
+            # failure (review helper-183), and the interrupt must still stop what it stops.
+            raise BulkOperationStopped(_what_the_batches_did(done, rows, "interrupted")) from stop
         done = replace(
             done,
             matched=done.matched + batch["changed"],
@@ -728,25 +735,29 @@ def _in_batches(
         after = following
 
 
-def _interrupted(done: BulkOutcome, rows: str, error: WorkQueueError) -> BulkOperationInterrupted:
-    """The error saying what the committed batches (``done``) did before ``error``."""
+def _what_the_batches_did(done: BulkOutcome, rows: str, stopped: str) -> str:
+    """What the committed batches (``done``) did before the operation was ``stopped`` ("stopped
+    by an error", "interrupted"), and what running it again does."""
     changed = "replayed" if done.action == "replay" else "discarded"
     batches = count_of(done.batches, "batch", "batches")
     if done.dry_run:
-        text = (
-            f"The dry run was stopped by an error after {batches}, having found {done.matched} "
-            f"of the {done.examined} {rows} examined to be {changed}; nothing was changed. Run "
-            f"it again to count them all. The error: {one_line(error)}"
+        return (
+            f"The dry run was {stopped} after {batches}, having found {done.matched} of the "
+            f"{done.examined} {rows} examined to be {changed}; nothing was changed. Run it "
+            "again to count them all."
         )
-    else:
-        text = (
-            f"Stopped by an error after {batches}, in which {done.matched} of the "
-            f"{done.examined} {rows} examined were {changed}: those stay {changed}. Running it "
-            f"again is safe and goes on with what is left (a dry run counts it). The error: "
-            f"{one_line(error)}"
-        )
+    return (
+        f"{stopped.capitalize()} after {batches}, in which {done.matched} of the "
+        f"{done.examined} {rows} examined were {changed}: those stay {changed}. Running it "
+        "again is safe and goes on with what is left (a dry run counts it)."
+    )
+
+
+def _interrupted(done: BulkOutcome, rows: str, error: WorkQueueError) -> BulkOperationInterrupted:
+    """The error saying what the committed batches (``done``) did before ``error``."""
+    text = _what_the_batches_did(done, rows, "stopped by an error")
     return BulkOperationInterrupted(
-        text,
+        f"{text} The error: {one_line(error)}",
         action=done.action,
         dry_run=done.dry_run,
         matched=done.matched,
