@@ -694,7 +694,7 @@ def test_both_vendors_count_locked_rows_a_bulk_discard_batch_walks():
     assert "WITH (" not in dry_run and "FROM @walked WHERE matches = 1" in dry_run
     assert (
         "FROM @walked AS w\n"
-        "          JOIN dbo.workqueue_delivery AS d WITH (ROWLOCK, READPAST)\n"
+        "          JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST)\n"
         "            ON d.id = w.id AND w.matches = 1"
     ) in real_run
     assert "SELECT (SELECT COUNT(*) FROM @walked) AS examined," in tsql

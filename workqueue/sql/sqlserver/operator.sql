@@ -564,7 +564,7 @@ BEGIN
            SET status = N'Discarded', completed_at = @now,
                resolved_by = @actor, resolution_note = LEFT(@reason, 1000)
           FROM @walked AS w
-          JOIN dbo.workqueue_delivery AS d WITH (ROWLOCK, READPAST)
+          JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST)
             ON d.id = w.id AND w.matches = 1
          WHERE d.status = N'Pending';
         SET @changed = @@ROWCOUNT;
