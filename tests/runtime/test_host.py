@@ -988,6 +988,45 @@ def test_a_late_settle_is_not_overtaken_by_a_claim_for_another_free_slot(make_ho
     assert status_of(message) == "Completed"
 
 
+def test_a_return_just_before_the_lease_whose_refresh_runs_past_it_keeps_its_slot(
+    make_host, monkeypatch
+):
+    """Review helper-184: the slot's fate was decided at the handler's return only. A handler
+    returned 0.4 s before its lease ran out, refreshing its connections took 1.5 s, and the
+    slot was then passed on: the loop's next claim took the delivery back while its settle
+    was on its way, and the same host ran the finished work a second time. The slot is asked
+    about again as it would be passed on."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    late_settles: list[str] = []
+    complete = CompletionBatcher.complete
+
+    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
+        if delivery.message_id in late_settles:
+            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
+        return complete(self, delivery)
+
+    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
+    host = make_host(one(s, concurrency=1))
+    host.start()
+    services = host._consumers[s.name]._services
+    refresh = services.refresh_connections
+
+    def slow_refresh() -> None:
+        if probe.runs and probe.runs[0].finished.is_set():
+            time.sleep(1.5)  # a ping of a broken connection on a slow network
+        refresh()
+
+    services.refresh_connections = slow_refresh
+    message = publish(s.topic.name, {"sleepMs": 4_600, "ignoreSignal": True}).message_id
+    late_settles.append(message)
+    (late,) = probe.wait_for(1)
+    assert late.finished.wait(10)
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert len(probe.runs) == 1, "this host took the delivery back and ran it again"
+    assert status_of(message) == "Completed"
+
+
 def test_a_lease_shortened_before_the_host_re_plans_is_renewed_in_time(make_host):
     """The host times its renewals by the lease length of its plan; a claim made before the
     plan caught up with a shortened lease (30 s to 5 s) got 5 s from the database, its first

@@ -555,7 +555,7 @@ def test_a_delivery_next_in_a_slot_is_handed_back_at_shutdown_and_never_run(
 
 
 def test_deliveries_claimed_ahead_hold_their_payloads_as_text_until_they_start(
-    make_host, monkeypatch
+    make_host, monkeypatch, request
 ):
     """The prefetch's budget (32 MiB of the topic's largest messages) counts JSON text, but a
     claim decoded every payload as it came in: JSON of empty objects is some 25 times larger
@@ -568,6 +568,7 @@ def test_deliveries_claimed_ahead_hold_their_payloads_as_text_until_they_start(
     monkeypatch.setattr(consumer, "PREFETCH_HANDLER_SECONDS", 60.0)
     monkeypatch.setattr(consumer, "PREFETCH_WINDOW_SECONDS", 60.0)
     GatedHandler.gate.clear()
+    request.addfinalizer(GatedHandler.gate.set)  # however the test ends, the blocker returns
     topic = TopicFactory(max_payload_bytes=MAX_PAYLOAD_BYTES)
     s = sub(topic=topic, handler_key="t.gated")
     host = make_host([{"name": s.name, "concurrency": 1, "prefetch": 16}])

@@ -143,8 +143,8 @@ def _operation_errors(run: Any, *, in_batches: bool = False) -> Any:
         if isinstance(stop, BulkOperationStopped):  # after a batch committed: its counts
             raise CommandError(str(stop), returncode=130) from None
         raise CommandError(
-            "Interrupted: the batches applied before it stay applied; running it again is "
-            "safe, and --dry-run counts what is left.",
+            "Interrupted before a batch was known to be applied; running it again is safe, "
+            "and --dry-run counts what is left.",
             returncode=130,
         ) from None
 

@@ -700,7 +700,8 @@ def _in_batches(
 
     A database or transport failure once a batch has committed is a BulkOperationInterrupted
     with the counts so far (``rows`` names what they count, "dead letters"): those batches
-    stay applied, which the failure alone would not tell the caller."""
+    stay applied, which the failure alone would not tell the caller. Ctrl-C then is a
+    BulkOperationStopped (a KeyboardInterrupt) saying the same."""
     after = None
     while True:
         try:
@@ -714,7 +715,10 @@ def _in_batches(
                 raise
             # Ctrl-C at a bulk command: the operator needs the counts as much as after a
             # failure (review helper-183), and the interrupt must still stop what it stops.
-            raise BulkOperationStopped(_what_the_batches_did(done, rows, "interrupted")) from stop
+            text = _what_the_batches_did(done, rows, "interrupted")
+            raise BulkOperationStopped(
+                f"{text} The batch under way at the interrupt may have been applied too."
+            ) from stop
         done = replace(
             done,
             matched=done.matched + batch["changed"],

@@ -899,7 +899,7 @@ class Consumer:
         ahead has had to go back since a slot last freed: ``prefetch`` at most,
         and no more than the slots get through in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
-        running_elsewhere = self._predecessors_running() if self._predecessors else 0
+        taken_elsewhere = self._predecessors_slots_taken() if self._predecessors else 0
         if self._slots_kept_for_settle or (
             self._predecessors and any(p.slots_kept_for_settle() for p in self._predecessors)
         ):
@@ -908,12 +908,12 @@ class Consumer:
             # (its lease may have run out in the database) and run the finished work again
             # (review helper-182). The settle is bounded by the lease's grace.
             return 0, concurrency
-        free = concurrency - self._handlers_running - running_elsewhere
+        free = concurrency - self._handlers_running - taken_elsewhere
         handler_seconds = self._handler_seconds
         if (
             # Nothing ahead while a predecessor's handlers run: _start would run what this
             # claims on every slot it counts free of its own.
-            running_elsewhere
+            taken_elsewhere
             or self.config.prefetch <= 0
             # A rate limit is taken at the claim: deliveries claimed ahead would keep piling
             # up while every slot hangs on a slow downstream, then all start at its recovery.
@@ -931,7 +931,7 @@ class Consumer:
                 ahead = int(window / handler_seconds)
         return free + max(ahead - len(self._ready), 0), concurrency + ahead
 
-    def _predecessors_running(self) -> int:
+    def _predecessors_slots_taken(self) -> int:
         """Slots ``predecessors`` still take (handlers running, or a settle past the lease on
         its way: review helper-181); called with the lock held (the order is always this
         consumer's lock, then a predecessor's)."""

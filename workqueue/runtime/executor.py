@@ -315,8 +315,6 @@ class DeliveryExecution:
         self._slot_held_for_settle: float | None = None
         # Whether on_handler_done has been told the slot is free (under the lock).
         self._slot_passed_on = False
-        # How long the handler ran, from its call to its return (set by _mark_returned).
-        self._handled_in = 0.0
         self.signal = AbortSignal(overdue=self._horizon_passed_untold)
         # Set by the consumer when its drain gave up on this handler (see the module's notes).
         self._outlived_drain = False
@@ -500,22 +498,38 @@ class DeliveryExecution:
                 decision = self._call_handler()
         finally:
             self._mark_returned()  # the handler's own finally did, unless it never ran
-            metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(
-                time.monotonic() - began
-            )
+            now = time.monotonic()
+            handled_in = now - began  # with the connections' refresh: the slot's time
+            metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(handled_in)
+            kept_now = pass_on = False
             with self._lock:
                 horizon = self._horizon
-                handled_in = self._handled_in
-                pass_on = self._slot_held_for_settle is None and not self._slot_passed_on
-                if pass_on and self._on_handler_done is not None:
-                    self._slot_passed_on = True
+                if self._slot_held_for_settle is None and not self._slot_passed_on:
+                    # Asked again: the lease may have run out while the connections were
+                    # refreshed after a return just before it (review helper-184).
+                    kept_now = self._keeps_slot(now)
+                    if kept_now:
+                        self._slot_held_for_settle = handled_in
+                    elif self._on_handler_done is not None:
+                        pass_on = self._slot_passed_on = True
             for timer in [*self._timers, horizon]:
                 if timer is not None:
                     timer.cancel()
+            if kept_now and self._on_slot_kept is not None:
+                self._on_slot_kept(True)
             if pass_on and self._on_handler_done is not None:
                 # The handler's slot is free now; settling goes on without holding it.
                 self.next_in_slot = self._on_handler_done(handled_in)
         return decision
+
+    def _keeps_slot(self, now: float) -> bool:
+        """Whether the handler's slot is kept for its settle, its handler returned at ``now``
+        or its slot about to be passed on then (see _mark_returned); with the lock held."""
+        return (
+            self._on_handler_done is not None
+            and not self._lease_lost_in_database
+            and (now >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST))
+        )
 
     def _mark_returned(self) -> None:
         """Record that the handler returned (once), and whether its slot is kept for its
@@ -524,23 +538,18 @@ class DeliveryExecution:
         until a claim takes the delivery back: this consumer's own did so before the settle
         could record the outcome, and ran the finished work again (helper-180). The slot
         stays taken until the settle has been made (free_slot_held_for_settle), which is
-        never a batched completion's, and the consumer claims nothing meanwhile
-        (on_slot_kept; helper-182). Decided at the return, in the lock hold that records it:
-        a consumer a re-plan started counts its predecessor's slots by it (takes_slot), and
-        the connections refreshed after the handler can take long."""
+        never a batched completion's, and the consumer starts no claim meanwhile
+        (on_slot_kept; helper-182). Decided at the return, before the connections are
+        refreshed (which can take long), so that no claim starts during the refresh; asked
+        again as the slot would be passed on after it (_run_handler)."""
         with self._lock:
             if self._handler_returned:
                 return
             self._handler_returned = True
             returned_at = time.monotonic()
-            self._handled_in = returned_at - (self._handler_began or returned_at)
-            kept = (
-                self._on_handler_done is not None
-                and not self._lease_lost_in_database
-                and (returned_at >= self._lease_ends or self.signal.has(AbortReason.LEASE_LOST))
-            )
+            kept = self._keeps_slot(returned_at)
             if kept:
-                self._slot_held_for_settle = self._handled_in
+                self._slot_held_for_settle = returned_at - (self._handler_began or returned_at)
         if kept and self._on_slot_kept is not None:
             self._on_slot_kept(True)
 

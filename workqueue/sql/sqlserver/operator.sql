@@ -566,7 +566,10 @@ BEGIN
           FROM @walked AS w
           JOIN dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK, READPAST)
             ON d.id = w.id AND w.matches = 1
-         WHERE d.status = N'Pending';
+         WHERE d.status = N'Pending'
+           -- Read again on the locked row: a retry since the walk may have changed it.
+           AND (@error_contains IS NULL
+                OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0);
         SET @changed = @@ROWCOUNT;
     END
     COMMIT TRANSACTION;

@@ -17,7 +17,7 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.RunPython(
-            install_procedures_step("0058_dry_runs_lock_nothing"),
+            install_procedures_step("0058_pending_discard_dry_runs_lock_nothing"),
             migrations.RunPython.noop,
         ),
     ]
