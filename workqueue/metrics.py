@@ -120,6 +120,18 @@ def count_published(topic: str, results: Iterable[Any]) -> None:
         labelled(PUBLISHED, label, status, code).inc(count)
 
 
+def read_failed_gauge(failed: bool) -> GaugeMetricFamily:
+    """``workqueue_gauges_read_failed``: whether this scrape went without the queue's gauges."""
+    gauge = GaugeMetricFamily(
+        "workqueue_gauges_read_failed",
+        "1 when this scrape could not read the queue's gauges from the database at all (it "
+        "is away, or a read waits on a lock; the error is logged): the gauges above are "
+        "missing, this process's own counters are not.",
+    )
+    gauge.add_metric([], 1 if failed else 0)
+    return gauge
+
+
 class QueueCollector(Collector):
     """Cluster-wide gauges, read from the database when scraped: one capped gauges call and
     one capped backlog call per subscription, the live host records and the database's
@@ -133,12 +145,6 @@ class QueueCollector(Collector):
         self.read_failed = False  # whether the last collect could not read the database
 
     def collect(self) -> Iterator[Metric]:
-        failed = GaugeMetricFamily(
-            "workqueue_gauges_read_failed",
-            "1 when this scrape could not read the queue's gauges from the database at all (it "
-            "is away; the error is logged): the gauges above are missing, this process's own "
-            "counters are not.",
-        )
         try:
             try:
                 yield from self._collect()
@@ -146,12 +152,10 @@ class QueueCollector(Collector):
                 # Raised, it failed the whole scrape (a 500), this process's counters with it,
                 # while the database was away: when they matter most.
                 logger.warning("Metrics: the queue's gauges could not be read: %s", exc)
-                failed.add_metric([], 1)
                 self.read_failed = True
             else:
-                failed.add_metric([], 0)
                 self.read_failed = False
-            yield failed
+            yield read_failed_gauge(self.read_failed)
         finally:
             if self.close_connections:
                 from workqueue.driver import close_all_thread_connections
@@ -434,6 +438,11 @@ def serve(port: int, address: str = "127.0.0.1") -> Any:
     return server
 
 
+#: How long a scrape of the port waits for another scrape's read of the gauges (a read takes
+#: milliseconds) before it answers without them.
+GAUGES_READ_WAIT_SECONDS = 2.0
+
+
 class _OneReadAtATime(Collector):
     """The queue's gauges for an unauthenticated port: one scrape reads the database at a
     time, and a scrape that waited for it serves the read that began after it arrived (as
@@ -450,14 +459,27 @@ class _OneReadAtATime(Collector):
 
     def collect(self) -> Iterator[Metric]:
         arrived = time.monotonic()
-        with self._lock:
+        if not self._lock.acquire(timeout=GAUGES_READ_WAIT_SECONDS):
+            # The read under way has waited this long (a queue table locked by a migrate's
+            # index build, VACUUM FULL or REINDEX; reads have no timeout of their own): answer
+            # with this process's counters now. Waiting on, every scrape sent meanwhile held a
+            # server thread for as long as the lock was held, and the port answered nothing
+            # (review helper-185).
+            logger.warning(
+                "Metrics: the queue's gauges are still being read after %.0f s (a queue table "
+                "locked?); answering without them",
+                GAUGES_READ_WAIT_SECONDS,
+            )
+            return iter([read_failed_gauge(True)])
+        try:
             if self._began < arrived:
                 began = time.monotonic()
                 # Kept only once read: after a read that raised, the next scrape reads again.
                 self._families = list(self._cluster.collect())
                 self._began = began
-            families = self._families
-        return iter(families)
+            return iter(self._families)
+        finally:
+            self._lock.release()
 
 
 def _combined(cluster: QueueCollector | _OneReadAtATime) -> CollectorRegistry:

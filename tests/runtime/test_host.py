@@ -855,8 +855,38 @@ def test_handlers_a_re_plan_gave_up_on_count_against_the_concurrency_until_they_
     wait_until(lambda: all(status_of(m) == "Completed" for m in messages))
 
 
+@pytest.fixture
+def late_settles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Message ids whose completions take 1.5 s (a settle slowed on its way: a busy server, a
+    retried call); patched before the host builds its consumers, which bind the method."""
+    slow: list[str] = []
+    complete = CompletionBatcher.complete
+
+    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
+        if delivery.message_id in slow:
+            time.sleep(1.5)
+        return complete(self, delivery)
+
+    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
+    return slow
+
+
+def refresh_slowly_after_the_first_run(consumer: Consumer) -> None:
+    """The consumer's handlers' connections take 1.5 s to refresh once the first run has
+    returned (a ping of a broken connection on a slow network)."""
+    services = consumer._services
+    refresh = services.refresh_connections
+
+    def slow_refresh() -> None:
+        if probe.runs and probe.runs[0].finished.is_set():
+            time.sleep(1.5)
+        refresh()
+
+    services.refresh_connections = slow_refresh
+
+
 def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
-    make_host, monkeypatch
+    make_host, late_settles
 ):
     """Review helper-181: a handler that returns past its lease keeps its slot until its
     settle is made, so that the consumer's own claim cannot take the delivery back first
@@ -864,15 +894,6 @@ def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
     running, not such a slot: its claim took the delivery back while the settle was on its
     way, refused the finished outcome and ran the work again."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
-    late_settles: list[str] = []
-    complete = CompletionBatcher.complete
-
-    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
-        if delivery.message_id in late_settles:
-            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
-        return complete(self, delivery)
-
-    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
     host = make_host(one(s, concurrency=1))  # a drain of 300 ms
     host.start()
     message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
@@ -899,15 +920,7 @@ def test_a_predecessors_slot_is_counted_taken_while_its_returned_handlers_connec
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
     host = make_host(one(s, concurrency=1))  # a drain of 300 ms
     host.start()
-    services = host._consumers[s.name]._services  # the predecessor-to-be's
-    refresh = services.refresh_connections
-
-    def slow_refresh() -> None:
-        if probe.runs and probe.runs[0].finished.is_set():
-            time.sleep(1.5)  # a ping of a broken connection on a slow network
-        refresh()
-
-    services.refresh_connections = slow_refresh
+    refresh_slowly_after_the_first_run(host._consumers[s.name])  # the predecessor-to-be
     message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
     (late,) = probe.wait_for(1)
     Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
@@ -921,22 +934,13 @@ def test_a_predecessors_slot_is_counted_taken_while_its_returned_handlers_connec
 
 
 def test_a_consumer_does_not_claim_ahead_the_delivery_whose_slot_it_keeps_for_a_late_settle(
-    make_host, monkeypatch
+    make_host, late_settles
 ):
     """Review helper-182: the slot kept for a late settle stopped claims for a free slot, not
     claims ahead (handlers read quick until that slot is passed on): the loop took the delivery
     back ahead (its lease expired in the database), the settle was refused, and the kept slot
     passed on to the copy: at concurrency 1 this host ran the finished work a second time."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
-    late_settles: list[str] = []
-    complete = CompletionBatcher.complete
-
-    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
-        if delivery.message_id in late_settles:
-            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
-        return complete(self, delivery)
-
-    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
     # Claims on kicks only, so that none comes while the handler still runs.
     host = make_host(one(s, concurrency=1), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000)
     host.start()
@@ -956,22 +960,13 @@ def test_a_consumer_does_not_claim_ahead_the_delivery_whose_slot_it_keeps_for_a_
     assert status_of(message) == "Completed"
 
 
-def test_a_late_settle_is_not_overtaken_by_a_claim_for_another_free_slot(make_host, monkeypatch):
+def test_a_late_settle_is_not_overtaken_by_a_claim_for_another_free_slot(make_host, late_settles):
     """Review helper-182: the slot kept for a late settle kept this host's claims off the
     delivery only while no other slot was free: at concurrency 2 the next claim (a publish's
     kick here, a poll otherwise) took the delivery back while its settle was on its way, and
     the finished work ran a second time on this same host. No claim is made while a slot is
     kept for a settle."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
-    late_settles: list[str] = []
-    complete = CompletionBatcher.complete
-
-    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
-        if delivery.message_id in late_settles:
-            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
-        return complete(self, delivery)
-
-    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
     # Claims on kicks only, so that none comes while the handler still runs.
     host = make_host(one(s, concurrency=2), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000)
     host.start()
@@ -989,7 +984,7 @@ def test_a_late_settle_is_not_overtaken_by_a_claim_for_another_free_slot(make_ho
 
 
 def test_a_return_just_before_the_lease_whose_refresh_runs_past_it_keeps_its_slot(
-    make_host, monkeypatch
+    make_host, late_settles
 ):
     """Review helper-184: the slot's fate was decided at the handler's return only. A handler
     returned 0.4 s before its lease ran out, refreshing its connections took 1.5 s, and the
@@ -997,26 +992,9 @@ def test_a_return_just_before_the_lease_whose_refresh_runs_past_it_keeps_its_slo
     was on its way, and the same host ran the finished work a second time. The slot is asked
     about again as it would be passed on."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
-    late_settles: list[str] = []
-    complete = CompletionBatcher.complete
-
-    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
-        if delivery.message_id in late_settles:
-            time.sleep(1.5)  # a settle slowed on its way (a busy server, a retried call)
-        return complete(self, delivery)
-
-    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
     host = make_host(one(s, concurrency=1))
     host.start()
-    services = host._consumers[s.name]._services
-    refresh = services.refresh_connections
-
-    def slow_refresh() -> None:
-        if probe.runs and probe.runs[0].finished.is_set():
-            time.sleep(1.5)  # a ping of a broken connection on a slow network
-        refresh()
-
-    services.refresh_connections = slow_refresh
+    refresh_slowly_after_the_first_run(host._consumers[s.name])
     message = publish(s.topic.name, {"sleepMs": 4_600, "ignoreSignal": True}).message_id
     late_settles.append(message)
     (late,) = probe.wait_for(1)
