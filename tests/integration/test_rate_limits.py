@@ -23,7 +23,7 @@ from tests.support.handlers import registry
 from tests.support.processes import hello
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
-from workqueue.models import Delivery
+from workqueue.models import Delivery, RateLimitBucket
 from workqueue.operators.operations import subscription_stats
 from workqueue.runtime.handlers import BaseWorkHandler
 from workqueue.runtime.outcome import Outcome
@@ -303,3 +303,21 @@ def test_tokens_given_back_while_the_bucket_was_far_from_its_burst_all_come_back
 
     # About 10 left + 10 refilled in the second + the 10 given back.
     assert receiver.take_rate_tokens(100).granted >= 28
+
+
+def test_unused_tokens_of_a_bucket_a_day_or_more_from_full_all_come_back():
+    """Review helper-185: a take answers how long the bucket takes to fill, a day at most, and
+    the give-back was bounded by that day's refill: at 0.001/s with a burst of 100, a claim of
+    100 that found one delivery got 86 of its 99 unused tokens back, some 3.6 hours of the
+    subscription's starts lost. Only what the bucket refilled since the take is held back."""
+    rate, burst = 0.001, 100
+    subscription = SubscriptionFactory(rate_limit_per_second=rate, rate_limit_burst=burst)
+    receiver = Receiver(subscription.id)
+    taken = receiver.take_rate_tokens(burst)
+    assert taken.granted == burst  # the bucket is empty now, 100,000 s from full
+
+    receiver.return_rate_tokens(burst - 1, held_seconds=0.05, full_in_seconds=taken.full_in_seconds)
+
+    # All 99, less the refill of the 50 ms they were out (which the next take adds back).
+    bucket = RateLimitBucket.objects.get(subscription_id=subscription.id)
+    assert bucket.tokens == pytest.approx(burst - 1 - rate * 0.05)

@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0058_pending_discard_dry_runs_lock_nothing"
+LATEST_PROCEDURE_MIGRATION = "0059_slow_buckets_keep_unused_tokens"
 
 INSTALL_ORDER = (
     "filters",

@@ -60,7 +60,8 @@ BEGIN
                         CASE WHEN v_granted > 0 OR v_wanted = 0 THEN 0
                              ELSE ceil(1000 * (1 - (v_available - v_granted)) / v_rate)::integer
                         END,
-                        -- At most a day: later than that, nothing given back is made up anyway.
+                        -- At most a day (an integer): wq_return_rate_tokens reads a day as
+                        -- "a day or more".
                         LEAST(floor(1000 * GREATEST(v_burst - (v_available - v_granted), 0)
                                     / v_rate), 86400000)::integer;
 END;
@@ -75,6 +76,9 @@ $$;
 -- then on (which another host may have taken since) is not given again: rate * (p_full_in_ms
 -- - p_held_ms) at most. Added in full, a claim that took a while gave a second burst at once
 -- (review helper-166). A caller that does not say (the previous release) gives back all.
+-- A take answers a day at most: then the bucket is a day or more from full, and what it
+-- refilled since the take (rate * p_held_ms) is all that is held back. Bounded by the day, a
+-- slow bucket lost tokens it never used: at 0.001/s, 13 of 99 (review helper-185).
 CREATE OR REPLACE FUNCTION wq_return_rate_tokens(
     p_subscription_id uuid,
     p_unused integer,
@@ -92,6 +96,9 @@ AS $$
                    b.tokens + CASE
                        WHEN p_held_ms IS NULL OR p_full_in_ms IS NULL
                            THEN GREATEST(coalesce(p_unused, 0), 0)
+                       WHEN p_full_in_ms >= 86400000
+                           THEN GREATEST(coalesce(p_unused, 0)
+                                         - s.rate_limit_per_second * p_held_ms / 1000.0, 0)
                        ELSE GREATEST(LEAST(coalesce(p_unused, 0),
                                            s.rate_limit_per_second
                                            * (p_full_in_ms - p_held_ms) / 1000.0), 0)

@@ -76,7 +76,7 @@ BEGIN
            CASE WHEN @rate IS NULL OR @granted > 0 OR @want = 0 THEN 0
                 ELSE CAST(CEILING(1000 * (1 - (@available - @granted)) / @rate) AS int)
            END AS wait_ms,
-           -- At most a day: later than that, nothing given back is made up anyway.
+           -- At most a day (an int): wq_return_rate_tokens reads a day as "a day or more".
            CASE WHEN @rate IS NULL OR @burst - (@available - @granted) <= 0 THEN 0
                 WHEN 1000 * (@burst - (@available - @granted)) / @rate > 86400000 THEN 86400000
                 ELSE CAST(FLOOR(1000 * (@burst - (@available - @granted)) / @rate) AS int)
@@ -92,6 +92,8 @@ GO
 -- it to its burst (@full_in_ms - @unused / rate) after the take, and what it refilled from
 -- then on (which another host may have taken since) is not given again: rate * (@full_in_ms
 -- - @held_ms) at most. A caller that does not say (the previous release) gives back all.
+-- A take answers a day at most: then the bucket is a day or more from full, and what it
+-- refilled since the take (rate * @held_ms) is all that is held back (review helper-185).
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_return_rate_tokens
     @subscription_id uniqueidentifier,
@@ -113,7 +115,11 @@ BEGIN
       JOIN dbo.workqueue_subscription AS s ON s.id = b.subscription_id
      CROSS APPLY (
         SELECT CASE WHEN @held_ms IS NULL OR @full_in_ms IS NULL THEN @given
-                    ELSE s.rate_limit_per_second * (@full_in_ms - @held_ms) / 1000.0 END AS may_return
+                    -- A day or more from full: only the refill since the take is held back.
+                    WHEN @full_in_ms >= 86400000
+                        THEN @given - s.rate_limit_per_second * @held_ms / 1000.0
+                    ELSE s.rate_limit_per_second * (@full_in_ms - @held_ms) / 1000.0
+               END AS may_return
      ) AS m
      CROSS APPLY (
         SELECT b.tokens + CASE WHEN m.may_return <= 0 THEN 0
