@@ -318,6 +318,7 @@ def test_unused_tokens_of_a_bucket_a_day_or_more_from_full_all_come_back():
 
     receiver.return_rate_tokens(burst - 1, held_seconds=0.05, full_in_seconds=taken.full_in_seconds)
 
-    # All 99, less the refill of the 50 ms they were out (which the next take adds back).
+    # All 99 but what the bucket may have refilled in the 50 ms they were out: the most that
+    # is sure to fit, the bucket's true time to fill unknown past the day.
     bucket = RateLimitBucket.objects.get(subscription_id=subscription.id)
-    assert bucket.tokens == pytest.approx(burst - 1 - rate * 0.05)
+    assert bucket.tokens == pytest.approx(burst - 1 - rate * 0.05, abs=1e-9)

@@ -298,8 +298,9 @@ class DeliveryExecution:
         self.plan = plan
         self.services = services
         self._on_handler_done = on_handler_done
-        #: Told True when the handler's return keeps its slot for its settle, False as that
-        #: slot is passed on (see _mark_returned).
+        #: Told True when the handler's slot is kept for its settle (returned past its lease,
+        #: or past it once its connections were refreshed), False as that slot is passed on
+        #: (see _mark_returned).
         self._on_slot_kept = on_slot_kept
         #: Told when a renewal finds the delivery cancelled before its handler started.
         self._on_cancelled_unstarted = on_cancelled_unstarted
@@ -540,8 +541,11 @@ class DeliveryExecution:
         stays taken until the settle has been made (free_slot_held_for_settle), which is
         never a batched completion's, and the consumer starts no claim meanwhile
         (on_slot_kept; helper-182). Decided at the return, before the connections are
-        refreshed (which can take long), so that no claim starts during the refresh; asked
-        again as the slot would be passed on after it (_run_handler)."""
+        refreshed (which can take long), so that a kept slot starts no claim during the
+        refresh; asked again as the slot would be passed on after it (_run_handler: a refresh
+        that ran past the lease, helper-184). A handler that returned before its lease ran out
+        keeps nothing until then: a claim for another free slot during a refresh or settle
+        that outlasts the lease may still take the delivery back (its settle is then refused)."""
         with self._lock:
             if self._handler_returned:
                 return

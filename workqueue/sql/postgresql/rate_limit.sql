@@ -76,9 +76,10 @@ $$;
 -- then on (which another host may have taken since) is not given again: rate * (p_full_in_ms
 -- - p_held_ms) at most. Added in full, a claim that took a while gave a second burst at once
 -- (review helper-166). A caller that does not say (the previous release) gives back all.
--- A take answers a day at most: then the bucket is a day or more from full, and what it
--- refilled since the take (rate * p_held_ms) is all that is held back. Bounded by the day, a
--- slow bucket lost tokens it never used: at 0.001/s, 13 of 99 (review helper-185).
+-- A take answers a day at most: then the bucket is a day or more from full, so at least the
+-- unused tokens less what it refilled since the take (rate * p_held_ms) fit, or the day's
+-- bound, whichever is more. Bounded by the day alone, a slow bucket lost tokens it never used:
+-- at 0.001/s, 13 of 99 (review helper-185).
 CREATE OR REPLACE FUNCTION wq_return_rate_tokens(
     p_subscription_id uuid,
     p_unused integer,
@@ -97,8 +98,12 @@ AS $$
                        WHEN p_held_ms IS NULL OR p_full_in_ms IS NULL
                            THEN GREATEST(coalesce(p_unused, 0), 0)
                        WHEN p_full_in_ms >= 86400000
-                           THEN GREATEST(coalesce(p_unused, 0)
-                                         - s.rate_limit_per_second * p_held_ms / 1000.0, 0)
+                           THEN GREATEST(coalesce(p_unused, 0) - s.rate_limit_per_second
+                                                               * GREATEST(p_held_ms, 0) / 1000.0,
+                                         LEAST(coalesce(p_unused, 0),
+                                               s.rate_limit_per_second
+                                               * (86400000 - p_held_ms) / 1000.0),
+                                         0)
                        ELSE GREATEST(LEAST(coalesce(p_unused, 0),
                                            s.rate_limit_per_second
                                            * (p_full_in_ms - p_held_ms) / 1000.0), 0)

@@ -92,8 +92,9 @@ GO
 -- it to its burst (@full_in_ms - @unused / rate) after the take, and what it refilled from
 -- then on (which another host may have taken since) is not given again: rate * (@full_in_ms
 -- - @held_ms) at most. A caller that does not say (the previous release) gives back all.
--- A take answers a day at most: then the bucket is a day or more from full, and what it
--- refilled since the take (rate * @held_ms) is all that is held back (review helper-185).
+-- A take answers a day at most: then the bucket is a day or more from full, so at least the
+-- unused tokens less what it refilled since the take (rate * @held_ms) fit, or the day's
+-- bound, whichever is more (review helper-185).
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_return_rate_tokens
     @subscription_id uniqueidentifier,
@@ -115,9 +116,14 @@ BEGIN
       JOIN dbo.workqueue_subscription AS s ON s.id = b.subscription_id
      CROSS APPLY (
         SELECT CASE WHEN @held_ms IS NULL OR @full_in_ms IS NULL THEN @given
-                    -- A day or more from full: only the refill since the take is held back.
+                    -- A day or more from full: the unused less the refill since the take, or
+                    -- the day's bound, whichever is more (at most @given, below).
                     WHEN @full_in_ms >= 86400000
-                        THEN @given - s.rate_limit_per_second * @held_ms / 1000.0
+                        THEN CASE WHEN @given - s.rate_limit_per_second * @held_ms / 1000.0
+                                       > s.rate_limit_per_second * (86400000 - @held_ms) / 1000.0
+                                  THEN @given - s.rate_limit_per_second * @held_ms / 1000.0
+                                  ELSE s.rate_limit_per_second * (86400000 - @held_ms) / 1000.0
+                             END
                     ELSE s.rate_limit_per_second * (@full_in_ms - @held_ms) / 1000.0
                END AS may_return
      ) AS m
