@@ -446,9 +446,10 @@ GAUGES_READ_WAIT_SECONDS = 2.0
 class _OneReadAtATime(Collector):
     """The queue's gauges for an unauthenticated port: one scrape reads the database at a
     time, and a scrape that waited for it serves the read that began after it arrived (as
-    fresh as its own would be), or, once it has waited GAUGES_READ_WAIT_SECONDS, none. The server answers each request on a thread of its own, so
-    whoever reached the port opened a database session per scrape sent at once, up to
-    ``max_connections`` (review helper-142)."""
+    fresh as its own would be), or, once it has waited GAUGES_READ_WAIT_SECONDS, none. The
+    server answers each request on a thread of its own, so whoever reached the port opened a
+    database session per scrape sent at once, up to ``max_connections`` (review
+    helper-142)."""
 
     def __init__(self, cluster: QueueCollector) -> None:
         self.actor = cluster.actor
