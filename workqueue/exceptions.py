@@ -7,6 +7,7 @@ configuration mistakes, bad input and database failures.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured, ValidationError
@@ -18,13 +19,26 @@ if TYPE_CHECKING:
 def one_line(error: BaseException) -> str:
     """``error``'s text for a log line or a command's message: on one line, its detail and hint
     kept, without where in a procedure it arose (the server's ``CONTEXT``, a dozen lines of
-    SQL) or a query it quotes; its class's name when it has no text."""
+    SQL), a query it quotes, or the line of a statement it points at (``LINE 4: ...`` and its
+    caret: a session cut while the procedure planned a statement); its class's name when it has
+    no text."""
     kept = []
+    pointing = False
     for line in str(error).splitlines():
         if line.startswith(("CONTEXT:", "QUERY:")):
             break
+        if _STATEMENT_LINE.match(line):
+            pointing = True
+            continue
+        if pointing and line.strip() == "^":
+            continue
+        pointing = False
         kept.append(line)
     return " ".join(" ".join(kept).split()) or type(error).__name__
+
+
+#: How libpq quotes the line of a statement an error points at, before a line with a caret.
+_STATEMENT_LINE = re.compile(r"LINE \d+: ")
 
 
 class WorkQueueError(Exception):

@@ -27,6 +27,7 @@ from workqueue.exceptions import (
     TransientDriverError,
     UniqueViolationError,
     UnstorableValueError,
+    one_line,
 )
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -256,3 +257,17 @@ def test_only_a_missing_table_column_or_function_reads_as_not_migrated(tables, s
     """Commands explain these as `migrate` to run (when migrations are pending); any other
     error, a missing grant or a fault, must be told as itself."""
     assert get_driver().names_a_missing_object(raised(sql)) is missing
+
+
+def test_an_error_that_points_at_a_statement_line_is_told_in_one_line_without_it():
+    """A CI run cut a claim's session while the procedure planned one of its statements: the
+    warning and the health reason carried the server's "LINE 4: EXISTS (SELECT 1 FROM
+    public.workqueue_delivery x" and its caret, SQL where every outage is told in one line."""
+    with pytest.raises(DriverError) as raised:
+        get_driver().execute("SELECT 1\nFROM no_such_table", [])
+    assert "LINE 2:" in str(raised.value)  # what psycopg says
+
+    told = one_line(raised.value)
+
+    assert told.endswith('relation "no_such_table" does not exist'), told
+    assert "LINE" not in told and "^" not in told and "FROM" not in told
