@@ -885,43 +885,26 @@ def refresh_slowly_after_the_first_run(consumer: Consumer) -> None:
     services.refresh_connections = slow_refresh
 
 
+@pytest.mark.parametrize("slow", ["settle", "connection refresh"])
 def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
-    make_host, late_settles
+    make_host, late_settles, slow
 ):
     """Review helper-181: a handler that returns past its lease keeps its slot until its
     settle is made, so that the consumer's own claim cannot take the delivery back first
     (helper-180). A consumer a re-plan started counted only its predecessor's handlers still
     running, not such a slot: its claim took the delivery back while the settle was on its
-    way, refused the finished outcome and ran the work again."""
+    way, refused the finished outcome and ran the work again. Review helper-182: the slot was
+    kept only after the returned handler's ORM connections were refreshed (which can hang: a
+    broken connection is pinged first), and in between the re-plan's consumer counted it free
+    (and its predecessor done for good)."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
     host = make_host(one(s, concurrency=1))  # a drain of 300 ms
     host.start()
+    if slow == "connection refresh":
+        refresh_slowly_after_the_first_run(host._consumers[s.name])  # the predecessor-to-be
     message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
-    late_settles.append(message)
-    (late,) = probe.wait_for(1)
-    Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
-    host.reconcile()  # gives up on the handler after the drain: it runs on, a predecessor
-
-    assert late.finished.wait(10)
-    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
-
-    assert len(probe.runs) == 1, "the re-plan's consumer took the delivery back and ran it again"
-    assert status_of(message) == "Completed"
-
-
-def test_a_predecessors_slot_is_counted_taken_while_its_returned_handlers_connections_refresh(
-    make_host,
-):
-    """Review helper-182: a handler returned past its lease was marked returned before its ORM
-    connections were refreshed (which can hang: a broken connection is pinged first), and its
-    slot was kept for the settle only after: in between the re-plan's consumer counted the
-    slot free (and its predecessor done for good), took the delivery back while the settle was
-    still possible, and ran it a second time."""
-    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
-    host = make_host(one(s, concurrency=1))  # a drain of 300 ms
-    host.start()
-    refresh_slowly_after_the_first_run(host._consumers[s.name])  # the predecessor-to-be
-    message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
+    if slow == "settle":
+        late_settles.append(message)
     (late,) = probe.wait_for(1)
     Subscription.objects.filter(pk=s.pk).update(backoff_max_seconds=60)  # an operator edit
     host.reconcile()  # gives up on the handler after the drain: it runs on, a predecessor
