@@ -906,7 +906,7 @@ class Consumer:
             # A handler returned past its lease keeps its slot until its settle is made: a
             # claim meanwhile, for another free slot or ahead, may take that delivery back
             # (its lease may have run out in the database) and run the finished work again
-            # (review helper-182). The settle is bounded by the lease's grace.
+            # (review helper-182). Claims wait as long as that settle takes.
             return 0, concurrency
         free = concurrency - self._handlers_running - taken_elsewhere
         handler_seconds = self._handler_seconds
@@ -937,8 +937,8 @@ class Consumer:
         consumer's lock, then a predecessor's)."""
         counts = [(p, p.slots_taken()) for p in self._predecessors]
         # A stopped consumer starts nothing more: one whose slots are all free is done.
-        self._predecessors = [p for p, running in counts if running]
-        return sum(running for _, running in counts)
+        self._predecessors = [p for p, taken in counts if taken]
+        return sum(taken for _, taken in counts)
 
     def _predecessor_freed_a_slot(self) -> None:
         """A handler of a predecessor returned: its slot is this consumer's now."""
