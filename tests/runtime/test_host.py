@@ -860,14 +860,14 @@ def late_settles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Message ids whose completions take 1.5 s (a settle slowed on its way: a busy server, a
     retried call); patched before the host builds its consumers, which bind the method."""
     slow: list[str] = []
-    complete = CompletionBatcher.complete
+    complete_later = CompletionBatcher.complete_later  # batched or not, a completion's way
 
-    def slow_complete(self: CompletionBatcher, delivery: Any) -> Any:
+    def slow_complete_later(self: CompletionBatcher, delivery: Any, settled: Any) -> bool:
         if delivery.message_id in slow:
             time.sleep(1.5)
-        return complete(self, delivery)
+        return complete_later(self, delivery, settled)
 
-    monkeypatch.setattr(CompletionBatcher, "complete", slow_complete)
+    monkeypatch.setattr(CompletionBatcher, "complete_later", slow_complete_later)
     return slow
 
 
@@ -885,9 +885,13 @@ def refresh_slowly_after_the_first_run(consumer: Consumer) -> None:
     services.refresh_connections = slow_refresh
 
 
-@pytest.mark.parametrize("slow", ["settle", "connection refresh"])
+@pytest.mark.parametrize(
+    ("slow", "sleep_ms"),
+    [("settle", 6_000), ("connection refresh", 6_000), ("settle", 4_600)],
+    ids=["settle", "connection refresh", "settle of a return just before the lease"],
+)
 def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
-    make_host, late_settles, slow
+    make_host, late_settles, slow, sleep_ms
 ):
     """Review helper-181: a handler that returns past its lease keeps its slot until its
     settle is made, so that the consumer's own claim cannot take the delivery back first
@@ -896,13 +900,15 @@ def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
     way, refused the finished outcome and ran the work again. Review helper-182: the slot was
     kept only after the returned handler's ORM connections were refreshed (which can hang: a
     broken connection is pinged first), and in between the re-plan's consumer counted it free
-    (and its predecessor done for good)."""
+    (and its predecessor done for good). Review helper-186: a handler that returned just
+    before its lease passed its slot on, and the re-plan's consumer took its predecessor for
+    done while the settle outlasted the lease."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
     host = make_host(one(s, concurrency=1))  # a drain of 300 ms
     host.start()
     if slow == "connection refresh":
         refresh_slowly_after_the_first_run(host._consumers[s.name])  # the predecessor-to-be
-    message = publish(s.topic.name, {"sleepMs": 6_000, "ignoreSignal": True}).message_id
+    message = publish(s.topic.name, {"sleepMs": sleep_ms, "ignoreSignal": True}).message_id
     if slow == "settle":
         late_settles.append(message)
     (late,) = probe.wait_for(1)
@@ -967,6 +973,35 @@ def test_a_return_just_before_the_lease_whose_refresh_runs_past_it_keeps_its_slo
     late_settles.append(message)
     (late,) = probe.wait_for(1)
     assert late.finished.wait(10)
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+
+    assert len(probe.runs) == 1, "this host took the delivery back and ran it again"
+    assert status_of(message) == "Completed"
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_a_settle_that_outlasts_the_lease_of_a_handler_returned_before_it_is_not_overtaken(
+    make_host, late_settles, concurrency
+):
+    """Review helper-186: a handler that returned 0.4 s before its lease ran out passed its
+    slot on, and its settle then took 1.5 s: a claim of this host made meanwhile, past the
+    lease, took the delivery back, the settle was refused and the finished work ran a second
+    time. No claim is made while a returned handler's settle is on its way that near its
+    lease's end."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    # Claims on kicks only, so that none comes while the handler still runs.
+    host = make_host(
+        one(s, concurrency=concurrency), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000
+    )
+    host.start()
+    message = publish(s.topic.name, {"sleepMs": 4_600, "ignoreSignal": True}).message_id
+    late_settles.append(message)
+    (late,) = probe.wait_for(1)
+    assert late.finished.wait(10)  # returned before its lease ran out: its slot passed on
+    time.sleep(0.6)  # past the lease, the settle still on its way
+    assert status_of(message) == "InFlight"
+    host._consumers[s.name].kick()  # a publish to the topic
+
     wait_until(lambda: status_of(message) != "InFlight", timeout=10)
 
     assert len(probe.runs) == 1, "this host took the delivery back and ran it again"

@@ -87,6 +87,11 @@ START_MAX_WAIT_SHARE = 0.5
 #: a lease gone in the database, the delivery taken over already (review helper-171). A claim
 #: slower than most of a lease is a database too slow to run on, not a reason to start late.
 START_MIN_LEASE_SHARE = 0.1
+#: No claim is made while a handler that returned is still having its outcome recorded this
+#: close to its lease's end, or past it: the database may hand the delivery to that claim (its
+#: lease gone there first), and the finished work would run again (review helper-186). The
+#: margin is for a claim on its way as the lease ends, which the database may answer after it.
+LATE_SETTLE_MARGIN_SECONDS = 1.0
 #: Weight of the latest handler time in the running mean that decides whether to claim ahead.
 HANDLER_TIME_WEIGHT = 0.2
 RESTART_MIN_SECONDS = 1.0
@@ -342,6 +347,9 @@ class Consumer:
         # Of those, slots kept by handlers returned past their lease until their settle is
         # made (DeliveryExecution._mark_returned): nothing is claimed while any is.
         self._slots_kept_for_settle = 0
+        # Handlers returned that passed their slots on, until their settles are made (_finish):
+        # nothing is claimed while any of them nears its lease's end (_holds_a_late_settle).
+        self._settling: dict[tuple[str, str], DeliveryExecution] = {}
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
         # Due when the one that has waited longest will have waited too long: nothing renews
@@ -579,15 +587,20 @@ class Consumer:
             returned = sum(1 for e in self._running.values() if e.handler_returned)
             return len(self._running) - returned, returned
 
-    def slots_taken(self) -> int:
-        """Of its concurrency, the slots its executions still take (``takes_slot``)."""
+    def slots_and_settles(self, now: float) -> tuple[int, bool, bool]:
+        """For the consumer a re-plan started beside this one: (of its concurrency, the slots
+        its executions still take (``takes_slot``); whether a settle of one of them holds
+        claims back at ``now`` (_holds_a_late_settle); whether any settle is on its way)."""
         with self._lock:
-            return sum(1 for e in self._running.values() if e.takes_slot)
+            taken = sum(1 for e in self._running.values() if e.takes_slot)
+            return taken, self._holds_a_late_settle(now), bool(self._settling)
 
-    def slots_kept_for_settle(self) -> int:
-        """Slots kept by handlers returned past their lease until their settle is made."""
-        with self._lock:
-            return self._slots_kept_for_settle
+    def _holds_a_late_settle(self, now: float) -> bool:
+        """Whether a handler that returned is having its outcome recorded past its lease, or
+        within LATE_SETTLE_MARGIN_SECONDS of its end; called with the lock held."""
+        return bool(self._slots_kept_for_settle) or any(
+            now >= e.lease_ends - LATE_SETTLE_MARGIN_SECONDS for e in self._settling.values()
+        )
 
     @property
     def lingering(self) -> bool:
@@ -899,14 +912,16 @@ class Consumer:
         ahead has had to go back since a slot last freed: ``prefetch`` at most,
         and no more than the slots get through in PREFETCH_WINDOW_SECONDS."""
         concurrency = self.config.concurrency
-        taken_elsewhere = self._predecessors_slots_taken() if self._predecessors else 0
-        if self._slots_kept_for_settle or (
-            self._predecessors and any(p.slots_kept_for_settle() for p in self._predecessors)
-        ):
-            # A handler returned past its lease keeps its slot until its settle is made: a
-            # claim meanwhile, for another free slot or ahead, may take that delivery back
-            # (its lease may have run out in the database) and run the finished work again
-            # (review helper-182). Claims wait as long as that settle takes.
+        now = time.monotonic()
+        taken_elsewhere, late_elsewhere = (
+            self._predecessors_hold(now) if self._predecessors else (0, False)
+        )
+        if late_elsewhere or self._holds_a_late_settle(now):
+            # A handler returned past its lease (which keeps its slot), or near its end, has
+            # its outcome still to be recorded: a claim meanwhile, for another free slot or
+            # ahead, may take that delivery back (its lease may have run out in the database)
+            # and run the finished work again (reviews helper-182, helper-186). Claims wait as
+            # long as that settle takes.
             return 0, concurrency
         free = concurrency - self._handlers_running - taken_elsewhere
         handler_seconds = self._handler_seconds
@@ -931,14 +946,15 @@ class Consumer:
                 ahead = int(window / handler_seconds)
         return free + max(ahead - len(self._ready), 0), concurrency + ahead
 
-    def _predecessors_slots_taken(self) -> int:
-        """Slots ``predecessors`` still take (handlers running, or a settle past the lease on
-        its way: review helper-181); called with the lock held (the order is always this
-        consumer's lock, then a predecessor's)."""
-        counts = [(p, p.slots_taken()) for p in self._predecessors]
-        # A stopped consumer starts nothing more: one whose slots are all free is done.
-        self._predecessors = [p for p, taken in counts if taken]
-        return sum(taken for _, taken in counts)
+    def _predecessors_hold(self, now: float) -> tuple[int, bool]:
+        """(slots ``predecessors`` still take: handlers running, or a settle past the lease on
+        its way, review helper-181; whether a settle of theirs holds claims back); called
+        with the lock held (the order is always this consumer's lock, then a predecessor's)."""
+        held = [(p, *p.slots_and_settles(now)) for p in self._predecessors]
+        # A stopped consumer starts nothing more: one whose slots are all free and whose
+        # settles are all made is done.
+        self._predecessors = [p for p, taken, _, settling in held if taken or settling]
+        return sum(taken for _, taken, _, _ in held), any(late for _, _, late, _ in held)
 
     def _predecessor_freed_a_slot(self) -> None:
         """A handler of a predecessor returned: its slot is this consumer's now."""
@@ -1050,9 +1066,13 @@ class Consumer:
         with self._lock:
             self._slots_kept_for_settle += 1 if kept else -1
 
-    def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
-        """A handler returned (on its worker thread): its slot is passed on."""
+    def _free_slot(
+        self, execution: DeliveryExecution, handled_seconds: float
+    ) -> DeliveryExecution | None:
+        """``execution``'s handler returned (on its worker thread): its slot is passed on."""
         with self._lock:
+            if self._running.get(execution.key) is execution:
+                self._settling[execution.key] = execution
             self._slots_stalled = False
             previous = self._handler_seconds
             self._handler_seconds = (
@@ -1202,12 +1222,23 @@ class Consumer:
             refusal_is_news = result.refused and self._settle_refused(result.error)
             del self._running[execution.key]
             self._probes.discard(execution.key)
+            now = time.monotonic()
+            # A settle that held claims back (_holds_a_late_settle) has been made: they resume.
+            held_claims = (
+                self._settling.pop(execution.key, None) is not None
+                and now >= execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS
+            )
             self.finished += 1
             if result.kind == ExecutionResult.SETTLED and not result.released:
                 self.processed += 1
-            if self._stopping.is_set():
-                self._lock.notify_all()  # stop() waits for the running ones to end
-        self.last_activity = time.monotonic()
+            if self._stopping.is_set() or held_claims:
+                # stop() waits for the running ones to end; the loop may be gathering room.
+                self._lock.notify_all()
+        self.last_activity = now
+        if held_claims:
+            self._wake.set()
+            for successor in list(self._successors):
+                successor._predecessor_freed_a_slot()
         # The settle may have made more claimable (a partition key freed, a retry due now):
         # worth a claim when the last one came back short, or one is on its way (it may have
         # looked before this settle committed). A full claim's loop waits for slots instead.

@@ -289,7 +289,8 @@ class DeliveryExecution:
         delivery: ClaimedDelivery,
         plan: SubscriptionPlan,
         services: ExecutionServices,
-        on_handler_done: Callable[[float], DeliveryExecution | None] | None = None,
+        on_handler_done: Callable[[DeliveryExecution, float], DeliveryExecution | None]
+        | None = None,
         leased_at: float | None = None,
         on_cancelled_unstarted: Callable[[DeliveryExecution], None] | None = None,
         on_slot_kept: Callable[[bool], None] | None = None,
@@ -520,7 +521,7 @@ class DeliveryExecution:
                 self._on_slot_kept(True)
             if pass_on and self._on_handler_done is not None:
                 # The handler's slot is free now; settling goes on without holding it.
-                self.next_in_slot = self._on_handler_done(handled_in)
+                self.next_in_slot = self._on_handler_done(self, handled_in)
         return decision
 
     def _keeps_slot(self, now: float) -> bool:
@@ -567,7 +568,7 @@ class DeliveryExecution:
         if handled_in is not None and self._on_handler_done is not None:
             if self._on_slot_kept is not None:
                 self._on_slot_kept(False)
-            self.next_in_slot = self._on_handler_done(handled_in)
+            self.next_in_slot = self._on_handler_done(self, handled_in)
 
     def abort(self, reason: str) -> None:
         self.signal.abort(reason)
