@@ -10,6 +10,7 @@ import datetime as dt
 import io
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -19,6 +20,7 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connections
 from django.urls import reverse
 from django.utils import timezone
 
@@ -712,6 +714,76 @@ def test_a_colleagues_dry_run_does_not_make_a_bulk_discard_leave_matching_work_t
     assert (outcome.matched, left) == (3, 0), (
         f"discarded {outcome.matched} of {outcome.examined}; {left} left Pending to run"
     )
+
+
+def test_a_colleagues_dry_run_over_dead_letters_holds_up_neither_a_discard_nor_a_bulk_run():
+    """Review helper-183: the dry run of a bulk dead-letter replay or discard locked every
+    dead letter of its batch while it ran, changing nothing: a discard of one of them beside
+    it waited 2 s and answered a lock timeout (409), and a real bulk run waited for it.
+    (The dry run's transaction is held open here to widen the moment its batch holds them.)"""
+    subscription = SubscriptionFactory()
+    first, second, third = dead_letters(subscription, {}, {}, {})
+    with psycopg.connect(autocommit=False, **psycopg_params()) as colleague:
+        [counted] = colleague.execute(
+            "SELECT examined, changed FROM wq_resolve_dead_letters(%s, 'Discard', NULL, NULL, "
+            "NULL, NULL, NULL, NULL, 1000, true, 'colleague', 'counting')",
+            [subscription.id],
+        ).fetchall()
+        assert counted == (3, 3)  # the colleague's count: 3 would be discarded
+
+        began = time.monotonic()
+        discarded = operations.discard(subscription.name, first, reason="poison")
+        replayed = resolve_dead_letters(
+            subscription.name, "replay", DeadLetterSelection(), note="after the fix"
+        )
+        waited = time.monotonic() - began
+        colleague.rollback()
+
+    assert discarded.discarded and replayed.matched == 2
+    assert statuses([first, second, third]) == ["Discarded", "Pending", "Pending"]
+    assert waited < 1.5, f"waited {waited:.1f} s behind a dry run"
+
+
+def test_a_bulk_run_changes_a_dead_letter_only_as_its_batch_examined_it():
+    """A dead letter replayed, run and dead-lettered again (another reason) while a bulk run
+    reads its batch is another dead letter: the run that matched the first one must not
+    change the second, which its filter does not match."""
+    subscription = SubscriptionFactory()
+    [delivery] = dead_letters(subscription, {"reason": "Poison", "error": "KeyError: 'sku'"})
+    with psycopg.connect(autocommit=False, **psycopg_params()) as host:
+        # Replayed, claimed and dead-lettered again, not committed yet.
+        host.execute(
+            "SELECT affected_rows FROM wq_replay(%s, %s, 'ops', 'fixed')",
+            [subscription.id, delivery],
+        )
+        [(claimed, token)] = host.execute(
+            "SELECT delivery_id, lease_token FROM wq_claim(%s, 'another-host', 1, NULL) "
+            "WHERE kind = 'Claimed'",
+            [subscription.id],
+        ).fetchall()
+        host.execute(
+            "SELECT affected_rows FROM wq_dead_letter(%s, %s, 'MaxAttemptsExceeded', 'Timeout')",
+            [claimed, token],
+        )
+
+        def discard_poison() -> operations.BulkOutcome:
+            try:
+                return resolve_dead_letters(
+                    subscription.name, "discard", DeadLetterSelection(reason="Poison"), note="p"
+                )
+            finally:
+                get_driver().close()  # this thread's connection
+                connections.close_all()
+
+        with ThreadPoolExecutor(1) as pool:
+            bulk = pool.submit(discard_poison)
+            time.sleep(0.5)  # the bulk run reads the Poison dead letter, committed
+            host.commit()
+            outcome = bulk.result(timeout=10)
+
+    assert outcome.matched == 0
+    assert Delivery.objects.get(pk=uuid_of(delivery)).dead_letter_reason == "MaxAttemptsExceeded"
+    assert statuses([delivery]) == ["DeadLettered"]
 
 
 def test_discarding_waiting_work_takes_the_windows_start_not_its_end_and_any_case_of_error():

@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0059_slow_buckets_keep_unused_tokens"
+LATEST_PROCEDURE_MIGRATION = "0060_dead_letter_dry_runs_lock_nothing"
 
 INSTALL_ORDER = (
     "filters",

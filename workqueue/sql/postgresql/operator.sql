@@ -371,6 +371,11 @@ $$;
 -- With p_dry_run nothing changes: changed reports how many would. last_delivery_id is where the
 -- next batch starts; a batch that examined fewer rows than its size was the last. Each batch is
 -- its own transaction, so a million dead letters never hold their locks together.
+-- The batch is read without locking it, and a row is changed only while it is still the dead
+-- letter the batch examined (its status and its dead_lettered_at): one replayed, run and
+-- dead-lettered again meanwhile is another dead letter, which the filters have not matched.
+-- Until 0060 the batch was locked while the call ran, a dry run's too, and a colleague's count
+-- held up a real run and made a discard of one of its rows time out (review helper-183).
 CREATE OR REPLACE FUNCTION wq_resolve_dead_letters(
     p_subscription_id uuid,
     p_action text,
@@ -397,18 +402,19 @@ DECLARE
     v_limit integer := LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000);
     v_ids uuid[];
     v_matching uuid[];
+    v_matching_at timestamptz[];  -- when each matching one was dead-lettered
     v_changed integer := 0;
 BEGIN
     IF p_action IS NULL OR p_action NOT IN ('Replay', 'Discard') THEN
         RAISE EXCEPTION 'wq_resolve_dead_letters: p_action must be Replay or Discard, not %',
             p_action USING ERRCODE = '22023';
     END IF;
-    -- The batch, in id order along wq_dlv_dead_letter_ix, locked for as long as this call
-    -- runs (a dry run too: it reads what a real run would change, then lets go).
+    -- The batch, in id order along wq_dlv_dead_letter_ix.
     SELECT array_agg(w.id ORDER BY w.id),
-           array_agg(w.id ORDER BY w.id) FILTER (WHERE w.matches)
-      INTO v_ids, v_matching
-      FROM (SELECT d.id,
+           array_agg(w.id ORDER BY w.id) FILTER (WHERE w.matches),
+           array_agg(w.dead_lettered_at ORDER BY w.id) FILTER (WHERE w.matches)
+      INTO v_ids, v_matching, v_matching_at
+      FROM (SELECT d.id, d.dead_lettered_at,
                    (p_reason IS NULL OR lower(d.dead_letter_reason) = lower(p_reason))
                    AND (p_partition_key IS NULL OR EXISTS (
                         SELECT 1 FROM workqueue_message m
@@ -422,8 +428,7 @@ BEGIN
              WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'
                AND (p_after_delivery_id IS NULL OR d.id > p_after_delivery_id)
              ORDER BY d.id
-             LIMIT v_limit
-               FOR UPDATE) AS w;
+             LIMIT v_limit) AS w;
     IF p_dry_run THEN
         v_changed := coalesce(cardinality(v_matching), 0);
     ELSIF p_action = 'Replay' THEN
@@ -431,14 +436,18 @@ BEGIN
            SET status = 'Pending', attempt_count = 0, is_replay = true, visible_at = now(),
                dead_letter_reason = NULL, dead_lettered_at = NULL,
                resolved_by = p_actor, resolution_note = left(p_note, 1000)
-         WHERE d.id = ANY (v_matching) AND d.status = 'DeadLettered';
+          FROM unnest(v_matching, v_matching_at) AS b(id, dead_lettered_at)
+         WHERE d.id = b.id AND d.status = 'DeadLettered'
+           AND d.dead_lettered_at IS NOT DISTINCT FROM b.dead_lettered_at;
         GET DIAGNOSTICS v_changed = ROW_COUNT;
     ELSE
         UPDATE workqueue_delivery d
            SET status = 'Discarded', completed_at = now(),
                resolved_by = p_actor, resolution_note = left(p_note, 1000),
                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-         WHERE d.id = ANY (v_matching) AND d.status = 'DeadLettered';
+          FROM unnest(v_matching, v_matching_at) AS b(id, dead_lettered_at)
+         WHERE d.id = b.id AND d.status = 'DeadLettered'
+           AND d.dead_lettered_at IS NOT DISTINCT FROM b.dead_lettered_at;
         GET DIAGNOSTICS v_changed = ROW_COUNT;
     END IF;
     RETURN QUERY SELECT coalesce(cardinality(v_ids), 0), v_changed, v_ids[cardinality(v_ids)];

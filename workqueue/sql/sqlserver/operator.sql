@@ -385,7 +385,9 @@ GO
 -- letter in [from, before), and the last error containing the text (ignoring case). With
 -- @dry_run = 1 nothing changes: changed reports how many would. last_delivery_id is where the
 -- next batch starts; a batch that examined fewer rows than its size was the last. Each batch is
--- its own transaction.
+-- its own transaction. The batch is read without update locks, and a row is changed only while
+-- it is still the dead letter the batch examined (its status and its dead_lettered_at): until
+-- 0060 a dry run locked its batch too (review helper-183).
 -- returns: examined, changed, last_delivery_id
 CREATE OR ALTER PROCEDURE dbo.wq_resolve_dead_letters
     @subscription_id uniqueidentifier,
@@ -412,13 +414,15 @@ BEGIN
     DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
                               WHEN @batch_size > 5000 THEN 5000
                               WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
-    DECLARE @batch TABLE (id char(32) PRIMARY KEY, matches bit NOT NULL);
+    DECLARE @batch TABLE (
+        id char(32) PRIMARY KEY, dead_lettered_at datetimeoffset(7) NULL, matches bit NOT NULL
+    );
     DECLARE @changed int = 0;
 
     BEGIN TRANSACTION;
-    -- The batch in id order, locked until this call commits (a dry run too).
-    INSERT INTO @batch (id, matches)
-    SELECT TOP (@limit) d.id,
+    -- The batch in id order.
+    INSERT INTO @batch (id, dead_lettered_at, matches)
+    SELECT TOP (@limit) d.id, d.dead_lettered_at,
            CASE WHEN (@reason IS NULL OR LOWER(d.dead_letter_reason) = LOWER(@reason))
                  AND (@partition_key IS NULL OR EXISTS (
                       SELECT 1 FROM dbo.workqueue_message AS m
@@ -430,7 +434,7 @@ BEGIN
                  AND (@error_contains IS NULL
                       OR CHARINDEX(LOWER(@error_contains), LOWER(COALESCE(d.last_error, N''))) > 0)
                 THEN 1 ELSE 0 END
-      FROM dbo.workqueue_delivery AS d WITH (UPDLOCK, ROWLOCK)
+      FROM dbo.workqueue_delivery AS d
      WHERE d.subscription_id = @subscription_key AND d.status = N'DeadLettered'
        AND (@after_key IS NULL OR d.id > @after_key)
      ORDER BY d.id;
@@ -445,7 +449,9 @@ BEGIN
                resolved_by = @actor, resolution_note = LEFT(@note, 1000)
           FROM dbo.workqueue_delivery AS d
           JOIN @batch AS b ON b.id = d.id AND b.matches = 1
-         WHERE d.status = N'DeadLettered';
+         WHERE d.status = N'DeadLettered'
+           AND (d.dead_lettered_at = b.dead_lettered_at
+                OR d.dead_lettered_at IS NULL AND b.dead_lettered_at IS NULL);
         SET @changed = @@ROWCOUNT;
     END
     ELSE
@@ -456,7 +462,9 @@ BEGIN
                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
           FROM dbo.workqueue_delivery AS d
           JOIN @batch AS b ON b.id = d.id AND b.matches = 1
-         WHERE d.status = N'DeadLettered';
+         WHERE d.status = N'DeadLettered'
+           AND (d.dead_lettered_at = b.dead_lettered_at
+                OR d.dead_lettered_at IS NULL AND b.dead_lettered_at IS NULL);
         SET @changed = @@ROWCOUNT;
     END
     COMMIT TRANSACTION;
