@@ -461,11 +461,12 @@ class _OneReadAtATime(Collector):
     def collect(self) -> Iterator[Metric]:
         arrived = time.monotonic()
         if not self._lock.acquire(timeout=GAUGES_READ_WAIT_SECONDS):
-            # The read under way has waited this long (a queue table locked by a migrate's
-            # index build, VACUUM FULL or REINDEX; reads have no timeout of their own): answer
-            # with this process's counters now. Waiting on, every scrape sent meanwhile held a
-            # server thread for as long as the lock was held, and the port answered nothing
-            # (review helper-185).
+            # The read under way has waited this long (a queue table locked by VACUUM FULL or
+            # a migrate's ALTER TABLE: each of its reads waits 2 s at most, and there are a
+            # few): answer with this process's counters now. Waiting on, every scrape sent
+            # meanwhile held a server thread for as long as the read took, and while reads had
+            # no lock timeout, the port answered nothing as long as the lock was held (review
+            # helper-185).
             logger.warning(
                 "Metrics: the queue's gauges are still being read after %.0f s (a queue table "
                 "locked?); answering without them",

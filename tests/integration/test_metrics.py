@@ -15,6 +15,7 @@ import time
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -635,6 +636,45 @@ def test_scrapes_while_a_queue_table_is_locked_answer_with_the_process_counters(
         assert "workqueue_pending_deliveries" not in text
     assert threads_after <= threads_before, "scrapes answered left their threads waiting"
     assert "workqueue_pending_deliveries" in stuck[0]  # read once the lock was let go
+
+
+def test_a_scrape_while_a_queue_table_is_locked_answers_within_seconds_with_no_gauges(
+    client, pg_conn, caplog
+):
+    """Review helpers 185 and 186: the gauges' read had no timeout of its own. While a queue
+    table was locked (VACUUM FULL, a migrate's ALTER TABLE), ``GET /work-queue/metrics`` held
+    its web worker and a database session for as long as the lock was held, as did the
+    metrics port's reading thread. Each read now waits 2 s at most for a lock, then the
+    scrape answers: every subscription's gauges unavailable, read once, not per subscription."""
+    subscriptions = [SubscriptionFactory() for _ in range(3)]
+    key = reader()
+
+    def scrape() -> Any:
+        try:
+            return call(client, "get", "/metrics", key=key)
+        finally:
+            get_driver().close()  # this thread's connections
+            connection.close()
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        with pg_conn.transaction():
+            pg_conn.execute("LOCK TABLE workqueue_delivery IN ACCESS EXCLUSIVE MODE")
+            began = time.monotonic()
+            answer = pool.submit(scrape)
+            futures_wait([answer], timeout=15)
+            took = time.monotonic() - began
+            answered_while_locked = answer.done()
+    finally:
+        pool.shutdown()  # once the lock is let go
+    assert answered_while_locked, f"still waiting for the lock after {took:.0f} s"
+    response = answer.result()
+    assert response.status_code == 200
+    text = response.content.decode()
+    for subscription in subscriptions:
+        assert gauge(text, "workqueue_gauges_unavailable", subscription.name) == 1
+    waited = [r for r in caplog.records if r.getMessage().startswith("Could not read the gauges")]
+    assert len(waited) == 1, "each subscription's read waited for the lock in turn"
 
 
 def _live_host(instance_id: str, entries: list[tuple[str, str]]) -> None:

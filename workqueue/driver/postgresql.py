@@ -653,14 +653,19 @@ class PostgresDriver(BaseDriver):
 
     def queue_table_sizes(self) -> list[QueueTableSize]:
         # The live and dead counts are the statistics system's, kept as rows change: a little
-        # behind, never a scan of the table.
-        rows = self.execute(
-            "SELECT c.relname::text, pg_table_size(c.oid), pg_indexes_size(c.oid), "
-            "coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0) "
-            "FROM pg_class c LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid "
-            "WHERE c.oid = ANY (%s::regclass[]) ORDER BY 1",
-            [list(QUEUE_TABLES)],
-        )
+        # behind, never a scan of the table. The sizes wait for a lock on the table, which
+        # VACUUM FULL or an ALTER TABLE holds as long as it runs: 2 s at most, as the gauge
+        # procedures wait, then LockTimeoutError (the scrape answers without them).
+        with self.transaction() as connection:
+            self.execute("SET LOCAL lock_timeout = '2s'", [], connection)
+            rows = self.execute(
+                "SELECT c.relname::text, pg_table_size(c.oid), pg_indexes_size(c.oid), "
+                "coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0) "
+                "FROM pg_class c LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid "
+                "WHERE c.oid = ANY (%s::regclass[]) ORDER BY 1",
+                [list(QUEUE_TABLES)],
+                connection,
+            )
         return [
             QueueTableSize(name, int(table), int(index), int(live), int(dead))
             for name, table, index, live, dead in rows

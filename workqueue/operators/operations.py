@@ -22,6 +22,7 @@ from workqueue.exceptions import (
     BulkOperationStopped,
     DriverError,
     InvalidInputError,
+    LockTimeoutError,
     NotFoundError,
     PermissionDeniedError,
     TransportUnavailableError,
@@ -368,16 +369,24 @@ def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
     bounded by ``METRICS_COUNT_CAP`` per count whatever the backlog (``workqueue stats`` counts
     everything instead). A subscription whose gauges cannot be read (its transport is away, the
     role may not call the procedure) is listed as unavailable, and logged: a series that
-    vanished would resolve the alerts that watch it."""
+    vanished would resolve the alerts that watch it. A queue table locked (VACUUM FULL, a
+    migrate's ALTER TABLE) fails a read after 2 s, and every database subscription after it
+    is then listed unavailable unread: their reads would each wait the same 2 s."""
     from workqueue.models import Subscription
 
     require(actor, READ)
     cap = get_settings().METRICS_COUNT_CAP
     gauges = []
     unavailable: dict[str, str] = {}
+    # Transports' driver classes whose tables a read found locked, and why: they share them.
+    locked: dict[str, str] = {}
     for subscription in Subscription.objects.order_by("name").select_related("topic__transport"):
         name = subscription.name
         if actor.subscriptions and name not in actor.subscriptions:
+            continue
+        driver_class = subscription.topic.transport.driver_class
+        if driver_class in locked:
+            unavailable[name] = locked[driver_class]
             continue
         try:
             found = _transport_of(subscription)
@@ -386,6 +395,8 @@ def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
         except WorkQueueError as exc:
             logger.warning("Could not read the gauges of %s: %s", name, exc)
             unavailable[name] = str(exc)
+            if isinstance(exc, LockTimeoutError):
+                locked[driver_class] = str(exc)
             continue
         if row is None or backlog is None:
             continue

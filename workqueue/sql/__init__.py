@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0060_dead_letter_dry_runs_lock_nothing"
+LATEST_PROCEDURE_MIGRATION = "0061_gauge_reads_wait_for_locks_two_seconds_at_most"
 
 INSTALL_ORDER = (
     "filters",

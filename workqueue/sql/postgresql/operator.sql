@@ -12,7 +12,9 @@
 -- (NULL for other modes), each counted up to p_cap (clamped to 1..1000000; NULL: 10000), and the
 -- age in whole seconds of the oldest Pending delivery (never negative; NULL when none), read
 -- from the first entry of each priority in each claim index. No row when the subscription does
--- not exist.
+-- not exist. Waits at most 2 s for a lock (a queue table locked by VACUUM FULL or a migrate's
+-- ALTER TABLE), then fails with SQLSTATE 55P03: a scrape answers without the gauges rather than
+-- hold a web worker and a session for as long as the lock is held (reviews helper-185, -186).
 CREATE OR REPLACE FUNCTION wq_queue_gauges(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (
     pending bigint,
@@ -25,6 +27,7 @@ LANGUAGE sql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET enable_seqscan = off
 SET jit = off
 AS $$
@@ -661,13 +664,15 @@ $$;
 -- scaler role calls this directly. No row when the subscription does not exist. Keys are
 -- counted by walking wq_dlv_partition_head_ix one key at a time (as wq_claim walks them), so a
 -- hot key's blocked backlog costs one step, not its rows; the walk takes at most 4 × cap + 64
--- steps, so keys behind that many keys that cannot run now are left out of the count.
+-- steps, so keys behind that many keys that cannot run now are left out of the count. Waits at
+-- most 2 s for a lock, as wq_queue_gauges does (an autoscaler polls it too).
 CREATE OR REPLACE FUNCTION wq_backlog(p_subscription_id uuid, p_cap integer)
 RETURNS TABLE (claimable bigint, in_flight bigint)
 LANGUAGE plpgsql
 STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '2s'
 SET enable_seqscan = off
 SET jit = off
 AS $$

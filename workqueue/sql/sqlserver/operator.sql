@@ -23,6 +23,9 @@ AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
+    -- At most 2 s for a lock (a table being altered or rebuilt offline), then error 1222:
+    -- a scrape answers without the gauges rather than wait as long as the lock is held.
+    SET LOCK_TIMEOUT 2000;
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @limit int = CASE WHEN @cap IS NULL THEN 10000 WHEN @cap < 1 THEN 1
@@ -646,6 +649,7 @@ AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
+    SET LOCK_TIMEOUT 2000;  -- as wq_queue_gauges
     DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @subscription_key char(32) = dbo.wq_uuid_text(@subscription_id);
     DECLARE @limit int = CASE WHEN @cap IS NULL OR @cap > 1000 THEN 1000
