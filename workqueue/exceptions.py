@@ -193,20 +193,10 @@ class TransientTransportError(TransportUnavailableError):
         self.may_have_arrived = may_have_arrived
 
 
-class BulkOperationStopped(KeyboardInterrupt):
-    """A bulk replay or discard stopped by Ctrl-C (a KeyboardInterrupt) after at least one
-    batch had committed: still a KeyboardInterrupt, which stops what it stops, but its text
-    says what those batches did, as BulkOperationInterrupted's does; the CLI prints it and
-    exits 130."""
-
-
-class BulkOperationInterrupted(WorkQueueError):
-    """A bulk replay or discard, which commits batch by batch, was stopped by a database or
-    transport failure (its ``__cause__``) after at least one batch had committed. Those batches
-    stay applied: ``matched`` of the ``examined`` rows were changed (on a ``dry_run``, only
-    counted) in ``batches`` batches; ``action`` is replay or discard. The text says so, and that
-    running the operation again is safe. REST answers as for the failure, with the counts; the
-    CLI exits 1; the admin reports the counts and records them in the subscription's history."""
+class _BulkCounts:
+    """What the committed batches of a stopped bulk replay or discard did: ``matched`` of the
+    ``examined`` rows were changed (on a ``dry_run``, only counted) in ``batches`` batches;
+    ``action`` is replay or discard."""
 
     def __init__(
         self,
@@ -224,6 +214,21 @@ class BulkOperationInterrupted(WorkQueueError):
         self.matched = matched
         self.examined = examined
         self.batches = batches
+
+
+class BulkOperationStopped(_BulkCounts, KeyboardInterrupt):
+    """A bulk replay or discard stopped by Ctrl-C (a KeyboardInterrupt) after at least one
+    batch had committed: still a KeyboardInterrupt, which stops what it stops, but it carries
+    what those batches did, as BulkOperationInterrupted does, and its text says so; the CLI
+    prints it and exits 130."""
+
+
+class BulkOperationInterrupted(_BulkCounts, WorkQueueError):
+    """A bulk replay or discard, which commits batch by batch, was stopped by a database or
+    transport failure (its ``__cause__``) after at least one batch had committed. Those batches
+    stay applied, as its counts say (see _BulkCounts). The text says so, and that running the
+    operation again is safe. REST answers as for the failure, with the counts; the CLI exits 1;
+    the admin reports the counts and records them in the subscription's history."""
 
 
 class DeliveryBusyError(WorkQueueError):

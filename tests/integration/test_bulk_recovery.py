@@ -30,7 +30,7 @@ from tests.support.roles import acting_as_granted_role
 from tests.support.seeding import seed_deliveries
 from workqueue import publish
 from workqueue.driver import get_driver
-from workqueue.exceptions import InvalidInputError, PermissionDeniedError
+from workqueue.exceptions import BulkOperationStopped, InvalidInputError, PermissionDeniedError
 from workqueue.models import Delivery, Subscription
 from workqueue.operators import operations
 from workqueue.operators.operations import DeadLetterSelection, resolve_dead_letters
@@ -1099,6 +1099,23 @@ def test_a_bulk_command_interrupted_with_ctrl_c_says_how_much_its_batches_did(mo
     )
     discarded = Delivery.objects.filter(subscription=subscription, status="Discarded")
     assert discarded.count() == 4
+
+    # A Python caller of the operation reads the same counts from the interrupt, as from
+    # BulkOperationInterrupted (they were in its text only).
+    calls = 0
+    other = SubscriptionFactory()
+    seed_deliveries(pg_conn, other, 4, status="DeadLettered")
+    with pytest.raises(BulkOperationStopped) as interrupt:
+        resolve_dead_letters(other.name, "replay", DeadLetterSelection(), note="back", batch_size=1)
+    assert isinstance(interrupt.value, KeyboardInterrupt)
+    counts = vars(interrupt.value)
+    assert counts == {
+        "action": "replay",
+        "dry_run": False,
+        "matched": 2,
+        "examined": 2,
+        "batches": 2,
+    }
 
 
 def test_a_bulk_command_whose_first_batch_fails_says_so(monkeypatch, pg_conn):

@@ -728,7 +728,8 @@ def _in_batches(
             # failure (review helper-183), and the interrupt must still stop what it stops.
             text = _what_the_batches_did(done, rows, "interrupted")
             raise BulkOperationStopped(
-                f"{text} The batch under way at the interrupt may have been applied too."
+                f"{text} The batch under way at the interrupt may have been applied too.",
+                **_counts_of(done),
             ) from stop
         done = replace(
             done,
@@ -771,14 +772,18 @@ def _what_the_batches_did(done: BulkOutcome, rows: str, stopped: str) -> str:
 def _interrupted(done: BulkOutcome, rows: str, error: WorkQueueError) -> BulkOperationInterrupted:
     """The error saying what the committed batches (``done``) did before ``error``."""
     text = _what_the_batches_did(done, rows, "stopped by an error")
-    return BulkOperationInterrupted(
-        f"{text} The error: {one_line(error)}",
-        action=done.action,
-        dry_run=done.dry_run,
-        matched=done.matched,
-        examined=done.examined,
-        batches=done.batches,
-    )
+    return BulkOperationInterrupted(f"{text} The error: {one_line(error)}", **_counts_of(done))
+
+
+def _counts_of(done: BulkOutcome) -> dict[str, Any]:
+    """What a stopped operation's error carries of the committed batches (``done``)."""
+    return {
+        "action": done.action,
+        "dry_run": done.dry_run,
+        "matched": done.matched,
+        "examined": done.examined,
+        "batches": done.batches,
+    }
 
 
 def _require_read_to_filter_by_content(
