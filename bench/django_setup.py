@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 
 
 def start_django() -> None:
+    # Stopped by `timeout` or `kill`, a script ends through its cleanup (each removes the topics
+    # it created, with their deliveries), as after Ctrl-C: killed outright, it left them in the
+    # database, thousands of pending deliveries that the next `make demo` listed.
+    signal.signal(signal.SIGTERM, _stop)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     os.environ.setdefault("WORKQUEUE_LOCALDB", "1")
     os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
@@ -28,6 +33,10 @@ def start_django() -> None:
     import django
 
     django.setup()
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def prepare_database() -> None:

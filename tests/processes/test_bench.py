@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
@@ -17,7 +19,8 @@ import pytest
 from django.db import connection
 
 from tests.factories import TransportFactory
-from tests.support.processes import run_python, subprocess_environment
+from tests.support.processes import PROJECT_ROOT, run_python, subprocess_environment
+from tests.support.waiting import wait_until
 from workqueue.driver.install import LATEST_PROCEDURE_MIGRATION
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
@@ -35,6 +38,45 @@ def test_the_drain_benchmark_runs_end_to_end_in_a_short_variant():
     assert re.search(r"drain 300 no-op messages, concurrency 4: [\d,]+/s", run.stdout), run.stdout
     assert re.search(r"idle pickup over 20 publishes: p50 [\d.]+ ms", run.stdout), run.stdout
     assert re.search(r"\([\d.]+ claims per pickup", run.stdout), run.stdout
+
+
+def test_a_benchmark_stopped_with_sigterm_removes_what_it_created():
+    """A benchmark stopped by ``timeout`` or ``kill`` (SIGTERM) died without its cleanup: its
+    topic, subscription and thousands of pending deliveries stayed in the database (the
+    embedded default one, which ``make demo``'s stats then listed beside the samples)."""
+    from workqueue.models import Delivery, Topic
+
+    TransportFactory()
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            "bench/drain.py",
+            "--messages",
+            "200000",
+            "--concurrency",
+            "1",
+            "--pickup",
+            "0",
+        ],
+        cwd=PROJECT_ROOT,
+        env=subprocess_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: Delivery.objects.filter(message__topic__name__startswith="bench.").exists(),
+            timeout=60,
+        )
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    left = list(Topic.objects.filter(name__startswith="bench.").values_list("name", flat=True))
+    assert left == [], f"left behind: {left}; {stderr[-2000:]}"
 
 
 def test_the_pickup_benchmark_publishes_from_another_process_in_a_short_variant():
