@@ -350,6 +350,10 @@ class Consumer:
         # Handlers returned that passed their slots on, until their settles are made (_finish):
         # nothing is claimed while any of them nears its lease's end (_holds_a_late_settle).
         self._settling: dict[tuple[str, str], DeliveryExecution] = {}
+        # No earlier than this (monotonic) can one of them near its lease's end: a bound kept
+        # as they come, and made exact only once it is reached, so that the room read at
+        # every handler's return costs no walk of them (settles are made long before it).
+        self._settles_checked_until = math.inf
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
         # Due when the one that has waited longest will have waited too long: nothing renews
@@ -598,9 +602,16 @@ class Consumer:
     def _holds_a_late_settle(self, now: float) -> bool:
         """Whether a handler that returned is having its outcome recorded past its lease, or
         within LATE_SETTLE_MARGIN_SECONDS of its end; called with the lock held."""
-        return bool(self._slots_kept_for_settle) or any(
-            now >= e.lease_ends - LATE_SETTLE_MARGIN_SECONDS for e in self._settling.values()
+        if self._slots_kept_for_settle:
+            return True
+        if now < self._settles_checked_until:
+            return False
+        # The bound is reached (the settle it came from may have been made since): exact now.
+        self._settles_checked_until = min(
+            (e.lease_ends - LATE_SETTLE_MARGIN_SECONDS for e in self._settling.values()),
+            default=math.inf,
         )
+        return now >= self._settles_checked_until
 
     @property
     def lingering(self) -> bool:
@@ -957,7 +968,8 @@ class Consumer:
         return sum(taken for _, taken, _, _ in held), any(late for _, _, late, _ in held)
 
     def _predecessor_freed_a_slot(self) -> None:
-        """A handler of a predecessor returned: its slot is this consumer's now."""
+        """A handler of a predecessor returned (its slot is this consumer's now), or a settle
+        of one that held claims back was made."""
         with self._lock:
             self._lock.notify_all()  # the loop may be gathering room for one claim
         self._wake.set()
@@ -1073,6 +1085,10 @@ class Consumer:
         with self._lock:
             if self._running.get(execution.key) is execution:
                 self._settling[execution.key] = execution
+                self._settles_checked_until = min(
+                    self._settles_checked_until,
+                    execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS,
+                )
             self._slots_stalled = False
             previous = self._handler_seconds
             self._handler_seconds = (
