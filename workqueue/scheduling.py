@@ -21,6 +21,8 @@ All times are the database clock's, so hosts whose own clocks disagree still agr
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -90,17 +92,54 @@ class Schedule:
     def zone(self) -> ZoneInfo:
         return ZoneInfo(self.timezone)
 
+    @property
+    def digest(self) -> str:
+        """A digest of what the schedule publishes and when (everything but its name)."""
+        definition = [
+            self.cron,
+            self.topic,
+            self.timezone,
+            self.payload,
+            self.partition_key,
+            self.attributes,
+            self.priority,
+            self.task,
+        ]
+        text = json.dumps(definition, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
     def next_slot_time(self, now: dt.datetime) -> dt.datetime:
-        """The first slot after ``now``, in UTC."""
-        return next(CronSim(self.cron, now.astimezone(self.zone))).astimezone(dt.UTC)
+        """The first slot after ``now``, in UTC: the next one ``latest_slot`` publishes.
+
+        cronsim's forward search passes over a slot in the half hour a zone repeats or skips
+        at a 30-minute DST change (Australia/Lord_Howe: 01:30 the night clocks go back, 02:30
+        the night they go forward), which its backward search, and so ``latest_slot``, finds:
+        the earliest of both (review helper-188: `workqueue schedules` showed the slot after
+        the one published, and the W009 check measured gaps the slots do not have)."""
+        after = now.astimezone(dt.UTC)
+        forward = CronSim(self.cron, after.astimezone(self.zone))
+        earliest = next(forward).astimezone(dt.UTC)
+        while earliest <= after:
+            # Started in the second pass of an hour a zone repeats, cronsim may answer the
+            # first pass's slot, before the start.
+            earliest = next(forward).astimezone(dt.UTC)
+        while True:
+            try:
+                # cronsim never returns its start time itself: the latest slot before it.
+                before = next(CronSim(self.cron, earliest.astimezone(self.zone), reverse=True))
+            except StopIteration:
+                return earliest
+            before = before.astimezone(dt.UTC)
+            if before <= after:
+                return earliest
+            earliest = before
 
     def shortest_gap(self, start: dt.datetime, slots: int = 200) -> dt.timedelta:
         """The shortest time between two of the next ``slots`` slots after ``start``."""
-        times = CronSim(self.cron, start.astimezone(self.zone))
-        previous = next(times).astimezone(dt.UTC)
+        previous = self.next_slot_time(start)
         shortest = dt.timedelta.max
         for _ in range(slots - 1):
-            current = next(times).astimezone(dt.UTC)
+            current = self.next_slot_time(previous)
             shortest = min(shortest, current - previous)
             previous = current
         return shortest

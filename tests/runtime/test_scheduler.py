@@ -297,7 +297,105 @@ def test_a_schedule_of_a_task_whose_queue_takes_no_delivery_is_reported_not_coun
         result = Scheduler(load_schedules(entries), clock=clock).run_once()
 
     assert (result.published, result.refused) == ({}, {"sums": "NoSubscription"})
-    assert "no subscription of tasks.default took it" in caplog.text
+    assert "subscription tasks.default is Disabled" in caplog.text
+
+
+def test_a_task_slot_refused_for_a_disabled_queue_runs_once_the_queue_is_enabled(settings, capsys):
+    """Review helper-188: `schedules --publish` said "Not published: sums (NoSubscription)
+    ... the next run tries again", but the slot's message had been stored (with no delivery)
+    and its key taken: the next run was a Duplicate, exited 0 and showed the slot published,
+    and once the operator enabled the subscription, that slot's task never ran."""
+    from django_tasks import default_task_backend
+
+    from workqueue.models import Subscription
+
+    get_user_model().objects.create_user("workqueue-system")
+    default_task_backend.ensure_queue("default")
+    Subscription.objects.filter(name="tasks.default").update(status="Disabled")
+    entries = [{"name": "sums", "cron": "0 * * * *", "task": "tests.task_functions.add"}]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+
+    with pytest.raises(CommandError, match="the next run tries again"):
+        call_command("workqueue", "schedules", "--publish", "--json")
+    [refused] = json.loads(capsys.readouterr().out)
+    Subscription.objects.filter(name="tasks.default").update(status="Active")  # the fix
+    call_command("workqueue", "schedules", "--publish", "--json")
+    [published_row] = json.loads(capsys.readouterr().out)
+
+    assert (refused["published"], published_row["published"]) == (False, True)
+    assert Delivery.objects.filter(subscription__name="tasks.default").count() == 1
+
+
+def test_a_schedule_whose_zone_is_fixed_after_its_slot_ran_does_not_run_again_that_day():
+    """Review helper-188: a nightly 03:00 in UTC ran at 03:00 UTC; at 03:30 an operator deploys
+    the zone meant (Europe/Amsterdam): the day's 03:00 Amsterdam slot (01:00 UTC) is still
+    publishable, under another key, and was published at once: the nightly job ran twice. A
+    schedule's slots are published in time order, whatever its definition became."""
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    clock = Clock(dt.datetime(2026, 7, 1, 3, 0, 5, tzinfo=UTC))
+    before = Scheduler(load_schedules([schedule(topic.name, "0 3 * * *")]), clock=clock)
+    assert before.run_once().published == {"report": dt.datetime(2026, 7, 1, 3, 0, tzinfo=UTC)}
+
+    clock.now = dt.datetime(2026, 7, 1, 3, 30, tzinfo=UTC)
+    entries = [schedule(topic.name, "0 3 * * *", timezone="Europe/Amsterdam")]
+    after = Scheduler(load_schedules(entries), clock=clock)
+    fixed = after.run_once()
+    clock.now = dt.datetime(2026, 7, 2, 1, 0, 5, tzinfo=UTC)  # the next night, 03:00 there
+    next_night = after.run_once()
+
+    assert (fixed.published, fixed.duplicates) == (
+        {},
+        {"report": dt.datetime(2026, 7, 1, 1, 0, tzinfo=UTC)},
+    )
+    assert next_night.published == {"report": dt.datetime(2026, 7, 2, 1, 0, tzinfo=UTC)}
+    assert published(topic.name) == 2
+
+
+def test_a_hosts_runtime_role_records_the_slots_its_scheduler_publishes(pg_conn, caplog):
+    """The record that keeps a schedule's slots in time order is written by the host's
+    scheduler as the role ``grant-runtime`` gives: without the grant every pass would warn and
+    the record would stay empty."""
+    from tests.support.roles import acting_as_granted_role
+    from workqueue.models import ScheduleRecord
+
+    topic = TopicFactory()
+    SubscriptionFactory(topic=topic)
+    clock = Clock(dt.datetime(2026, 7, 1, 3, 0, 5, tzinfo=UTC))
+    with (
+        caplog.at_level(logging.WARNING, logger="workqueue.runtime.scheduler"),
+        acting_as_granted_role(pg_conn, "wq_sched", "grant-runtime"),
+    ):
+        result = Scheduler(load_schedules([schedule(topic.name, "0 3 * * *")]), clock=clock)
+        assert result.run_once().published == {"report": dt.datetime(2026, 7, 1, 3, tzinfo=UTC)}
+
+    assert caplog.text == ""
+    record = ScheduleRecord.objects.get(name="report")
+    assert record.last_slot_at == dt.datetime(2026, 7, 1, 3, tzinfo=UTC)
+
+
+def test_a_schedule_moved_to_another_topic_does_not_run_its_slot_again_once_it_was_purged():
+    """Review helper-188: a definition moved to another topic counted the slot it had run as
+    published only while the slot's message existed (its key is kept on the old topic): once
+    the old topic's retention (1 day) purged it, a mid-week deploy moving the weekly schedule
+    published Monday's slot again."""
+    old, new = TopicFactory(retention_days=1), TopicFactory()
+    subscription = SubscriptionFactory(topic=old)
+    SubscriptionFactory(topic=new)
+    clock = Clock(dt.datetime(2026, 7, 6, 1, 0, 5, tzinfo=UTC))  # a Monday
+    ran = Scheduler(load_schedules([schedule(old.name, "0 1 * * 1")]), clock=clock).run_once()
+    assert ran.published == {"report": dt.datetime(2026, 7, 6, 1, 0, tzinfo=UTC)}
+    receiver = Receiver(subscription.id)
+    (delivery,) = receiver.receive(1).deliveries
+    assert receiver.complete(delivery).settled
+    get_driver().shift_time(86_400 + 60, topic_id=str(old.id))
+    Sweeper().run_once()
+    assert not Message.objects.filter(topic=old).exists()
+
+    clock.now = dt.datetime(2026, 7, 8, 12, 0, tzinfo=UTC)  # Wednesday: a deploy moves it
+    moved = Scheduler(load_schedules([schedule(new.name, "0 1 * * 1")]), clock=clock).run_once()
+
+    assert (moved.published, published(new.name)) == ({}, 0)
 
 
 def test_a_schedule_of_a_task_whose_subscription_was_deleted_makes_it_again_as_enqueue_does():

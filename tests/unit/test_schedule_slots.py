@@ -61,3 +61,30 @@ def test_a_slot_in_the_hour_clocks_repeat_stays_publishable_until_the_next(
     slot = schedule.latest_slot(now_utc)
 
     assert slot is not None and slot.at == slot_utc, slot
+
+
+@pytest.mark.parametrize(
+    ("zone", "changes_at"),
+    [
+        # Falls back 2026-04-05 02:00 +11:00 to 01:30 +10:30: a 30-minute repeat.
+        ("Australia/Lord_Howe", dt.datetime(2026, 4, 4, 15, 0, tzinfo=UTC)),
+        # Springs forward 2026-10-04 02:00 +10:30 to 02:30 +11:00: a 30-minute gap.
+        ("Australia/Lord_Howe", dt.datetime(2026, 10, 3, 15, 30, tzinfo=UTC)),
+        ("America/New_York", dt.datetime(2026, 11, 1, 6, 0, tzinfo=UTC)),
+        ("America/New_York", dt.datetime(2026, 3, 8, 7, 0, tzinfo=UTC)),
+    ],
+)
+@pytest.mark.parametrize("cron", ["30 * * * *", "*/15 * * * *", "30 1 * * *", "45 1-3 * * *"])
+def test_the_next_slot_told_is_the_next_slot_published_across_dst_changes(zone, cron, changes_at):
+    """Review helper-188: `workqueue schedules` (and the W009 check of gaps) found the next
+    slot by cronsim's forward search, which passes over the slot of Lord Howe's half hour
+    (01:30 the night clocks go back, 02:30 the night they go forward) that ``latest_slot``
+    publishes, and, started in New York's repeated hour, answered a slot before its start.
+    Every minute from four hours before the change to four after: the next slot told is the
+    next one published."""
+    schedule = Schedule(name="s", cron=cron, topic="t", timezone=zone)
+    minutes = [changes_at + dt.timedelta(minutes=m) for m in range(-240, 24 * 60 + 241)]
+    published = sorted({slot.at for t in minutes if (slot := schedule.latest_slot(t))})
+    for now in minutes[:481]:
+        following = next(at for at in published if at > now)
+        assert schedule.next_slot_time(now) == following, now

@@ -205,7 +205,7 @@ class SchedulesVerb(Verb):
         from workqueue.conf import get_settings
         from workqueue.driver import get_driver
         from workqueue.exceptions import WorkQueueConfigurationError
-        from workqueue.models import Deduplication, Message
+        from workqueue.models import Deduplication, Message, ScheduleRecord
         from workqueue.scheduling import load_schedules
         from workqueue.types import DeduplicationStatus
 
@@ -254,6 +254,13 @@ class SchedulesVerb(Verb):
                 .filter(message_id__in=own_ids)
                 .values_list("message_id", flat=True)
             )
+        # A slot at or before the latest one a schedule published (under any definition) is
+        # not published again: it counts as published (review helper-188).
+        last_slots = dict(
+            ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
+            .filter(name__in=list(slots))
+            .values_list("name", "last_slot_at")
+        )
         rows = [
             {
                 "name": s.name,
@@ -264,8 +271,7 @@ class SchedulesVerb(Verb):
                 # A task schedule's result is read by it (get_result): the id it was published
                 # under (a fallback key's, during a rotation), else the one it will be.
                 "message_id": _slot_message_id(slots[s.name], published),
-                "published": bool(slots[s.name])
-                and not published.isdisjoint(slots[s.name].own_message_ids),
+                "published": _counts_as_published(slots[s.name], published, last_slots.get(s.name)),
                 "next_slot": s.next_slot_time(now),
             }
             for s in schedules
@@ -299,6 +305,16 @@ class SchedulesVerb(Verb):
                 ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
             )
         )
+
+
+def _counts_as_published(slot: Any, published: set[str], last_slot_at: Any) -> bool:
+    """Whether ``slot`` was published (one of its ids is), or is not published again because
+    its schedule published it, or a later slot, under an earlier definition."""
+    if slot is None:
+        return False
+    if not published.isdisjoint(slot.own_message_ids):
+        return True
+    return last_slot_at is not None and slot.at <= last_slot_at
 
 
 def _slot_message_id(slot: Any, published: set[str]) -> str | None:

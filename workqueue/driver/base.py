@@ -57,6 +57,9 @@ def app_tables() -> list[str]:
 #: Tasks API results: hosts record runs in them (the ORM, in the task's transaction), the
 #: sweeper purges them, operators and callers read them.
 TASK_RESULT_TABLE = "workqueue_taskresult"
+#: The latest slot each recurring schedule published: hosts' schedulers read and write it (the
+#: ORM), operators read it.
+SCHEDULE_RECORD_TABLE = "workqueue_schedulerecord"
 #: Operator procedures the runtime role may call too: read-only counts, capped, which a host's
 #: metrics port serves (the gauges) and that tell nothing the role cannot read from the tables.
 RUNTIME_READABLE_COUNTS = ("wq_backlog", "wq_queue_gauges")

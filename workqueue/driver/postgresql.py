@@ -26,6 +26,7 @@ from workqueue.driver.base import (
     QUEUE_TABLES,
     READ_TABLES,
     RUNTIME_READABLE_COUNTS,
+    SCHEDULE_RECORD_TABLE,
     TASK_RESULT_TABLE,
     BaseDriver,
     DriverFeatures,
@@ -570,6 +571,7 @@ class PostgresDriver(BaseDriver):
             # the sweeper deletes the records of hosts long gone.
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON workqueue_hostrecord TO {quoted}",
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON {TASK_RESULT_TABLE} TO {quoted}",
+            f"GRANT SELECT, INSERT, UPDATE ON {SCHEDULE_RECORD_TABLE} TO {quoted}",
         ]
 
     def grant_operator_statements(self, role: str) -> list[str]:
@@ -580,7 +582,8 @@ class PostgresDriver(BaseDriver):
                 f"GRANT EXECUTE ON FUNCTION {name} TO {quoted}"
                 for name in granted_to(Grant.OPERATOR)
             ),
-            f"GRANT SELECT ON workqueue_hostrecord, {TASK_RESULT_TABLE} TO {quoted}",
+            f"GRANT SELECT ON workqueue_hostrecord, {TASK_RESULT_TABLE}, {SCHEDULE_RECORD_TABLE} "
+            f"TO {quoted}",
             f"GRANT SELECT, UPDATE (last_used_at) ON {API_KEY_TABLE} TO {quoted}",
         ]
 

@@ -24,6 +24,7 @@ from workqueue.driver.base import (
     QUEUE_TABLES,
     READ_TABLES,
     RUNTIME_READABLE_COUNTS,
+    SCHEDULE_RECORD_TABLE,
     SWEEP_LOCK_TABLE,
     TASK_RESULT_TABLE,
     BaseDriver,
@@ -336,6 +337,7 @@ class SqlServerDriver(BaseDriver):
             # the sweeper deletes the records of hosts long gone.
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.workqueue_hostrecord TO {quoted}",
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.{TASK_RESULT_TABLE} TO {quoted}",
+            f"GRANT SELECT, INSERT, UPDATE ON dbo.{SCHEDULE_RECORD_TABLE} TO {quoted}",
         ]
 
     def grant_holders(self, connection: BaseDatabaseWrapper) -> dict[Grant, list[str]]:
@@ -365,6 +367,7 @@ class SqlServerDriver(BaseDriver):
             *(f"GRANT EXECUTE ON dbo.{name} TO {quoted}" for name in granted_to(Grant.OPERATOR)),
             f"GRANT SELECT ON dbo.workqueue_hostrecord TO {quoted}",
             f"GRANT SELECT ON dbo.{TASK_RESULT_TABLE} TO {quoted}",
+            f"GRANT SELECT ON dbo.{SCHEDULE_RECORD_TABLE} TO {quoted}",
             f"GRANT SELECT, UPDATE (last_used_at) ON dbo.{API_KEY_TABLE} TO {quoted}",
         ]
 

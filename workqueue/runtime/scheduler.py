@@ -9,11 +9,14 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from django.db import DatabaseError
+
 from workqueue.conf import get_settings
 from workqueue.driver import get_driver
+from workqueue.driver.base import SCHEDULE_RECORD_TABLE
 from workqueue.publishing import publish
 from workqueue.scheduling import Schedule, Slot
-from workqueue.types import PublishErrorCode, PublishResult, PublishStatus
+from workqueue.types import PublishErrorCode, PublishResult, PublishStatus, SubscriptionStatus
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +38,33 @@ class Scheduler:
         self, schedules: Sequence[Schedule], clock: Callable[[], dt.datetime] | None = None
     ) -> None:
         self.schedules = list(schedules)
-        self.clock = clock or get_driver(get_settings().DATABASE_ALIAS).database_now
+        self.alias = get_settings().DATABASE_ALIAS
+        self.clock = clock or get_driver(self.alias).database_now
         self._changed_slots_reported: set[tuple[str, dt.datetime]] = set()
+        self._disabled_queues_reported: set[tuple[str, dt.datetime]] = set()
+        self._records_failed_reported = False
 
     def run_once(self) -> SchedulerPassResult:
         result = SchedulerPassResult()
         if not self.schedules:
             return result
         now = self.clock()
+        last_slots = self._last_slots()
         for schedule in self.schedules:
             try:
                 slot = schedule.latest_slot(now)
                 if slot is None:
                     continue
-                published = _publish_slot(schedule, slot)
+                last, definition = last_slots.get(schedule.name, (None, None))
+                if last is not None and slot.at <= last:
+                    # Published already, or a later slot was, under an earlier definition (its
+                    # zone or cron moved the slot's time, or its topic changed, where the slot's
+                    # key is not kept): published again, the work ran twice (review helper-188).
+                    result.duplicates[schedule.name] = slot.at
+                    if slot.at < last or definition != schedule.digest:
+                        self._report_changed(schedule, slot)
+                    continue
+                published = _publish_slot(schedule, slot, self.alias)
             except Exception:
                 # One schedule's failure (its cron's arithmetic, a database error, a payload
                 # that cannot be stored) must not keep the others from publishing; the next
@@ -56,26 +72,34 @@ class Scheduler:
                 logger.exception("Scheduler: publishing %s failed", schedule.name)
                 result.refused[schedule.name] = "Error"
                 continue
-            if (
+            if published is None or (
                 published.status == PublishStatus.ACCEPTED
                 and schedule.task is not None
                 and (published.delivered_to is not None and not published.delivered_to)
             ):
-                # Stored, but its queue's subscription is Disabled (or was deleted just now):
-                # the task would never run, and the slot must not read as done without a word.
+                # Its queue's subscription is Disabled: the task would never run, and the slot
+                # must not read as done without a word. Checked before the publish (stored with
+                # no delivery, the slot's key was taken: once the subscription was enabled the
+                # slot was a Duplicate, never run: review helper-188), and after it, for one
+                # disabled (or deleted) meanwhile. The slot is tried again at every pass.
                 result.refused[schedule.name] = "NoSubscription"
-                logger.error(
-                    "Scheduler: schedule %s slot %s enqueued task %s as message %s, but no "
-                    "subscription of %s took it (Disabled): it will not run; enable the "
-                    "subscription, or delete it (the next slot makes it again)",
-                    schedule.name,
-                    slot.at.isoformat(),
-                    schedule.task,
-                    published.message_id,
-                    schedule.topic,
-                    extra={"action": "schedule_refused"},
-                )
+                if (schedule.name, slot.at) not in self._disabled_queues_reported:
+                    self._disabled_queues_reported.add((schedule.name, slot.at))
+                    logger.error(
+                        "Scheduler: schedule %s slot %s did not enqueue task %s: subscription "
+                        "%s is Disabled%s; enable it and the next pass publishes the slot "
+                        "(until the next slot)",
+                        schedule.name,
+                        slot.at.isoformat(),
+                        schedule.task,
+                        schedule.topic,
+                        ""
+                        if published is None
+                        else f" (message {published.message_id} was stored, with no delivery)",
+                        extra={"action": "schedule_refused"},
+                    )
             elif published.status == PublishStatus.ACCEPTED:
+                self._record(schedule, slot)
                 result.published[schedule.name] = slot.at
                 logger.info(
                     "Scheduler: published %s slot %s as message %s",
@@ -86,7 +110,9 @@ class Scheduler:
                 )
             elif published.status == PublishStatus.DUPLICATE:
                 result.duplicates[schedule.name] = slot.at
-                if published.message_id not in slot.own_message_ids:
+                if published.message_id in slot.own_message_ids:
+                    self._record(schedule, slot)  # another host published it
+                else:
                     # Not another host's publish of this slot (it has the slot's own id): a
                     # message of some other publisher holds the slot's key, so the slot's
                     # message was not stored.
@@ -109,16 +135,8 @@ class Scheduler:
                 # changed (another payload, topic or cron naming a slot already run). It ran
                 # once; refused, it was logged as an error on every pass until the next slot.
                 result.duplicates[schedule.name] = slot.at
-                if (schedule.name, slot.at) not in self._changed_slots_reported:
-                    self._changed_slots_reported.add((schedule.name, slot.at))
-                    logger.warning(
-                        "Scheduler: schedule %s slot %s was published before its definition "
-                        "changed; it is not published again, and the next slot is published "
-                        "as now defined",
-                        schedule.name,
-                        slot.at.isoformat(),
-                        extra={"action": "schedule_changed"},
-                    )
+                self._record(schedule, slot)
+                self._report_changed(schedule, slot)
             elif published.error is not None and published.error.retryable:
                 # Another host is publishing this slot right now (DeduplicationPending), or the
                 # database is busy: the next pass sees the outcome.
@@ -135,8 +153,68 @@ class Scheduler:
                 )
         return result
 
+    def _report_changed(self, schedule: Schedule, slot: Slot) -> None:
+        """Say once that ``slot`` is not published: it, or a later slot, was published before
+        the schedule's definition changed."""
+        if (schedule.name, slot.at) in self._changed_slots_reported:
+            return
+        self._changed_slots_reported.add((schedule.name, slot.at))
+        logger.warning(
+            "Scheduler: schedule %s slot %s was published before its definition changed, or a "
+            "later slot was; it is not published again, and the next slot is published as now "
+            "defined",
+            schedule.name,
+            slot.at.isoformat(),
+            extra={"action": "schedule_changed"},
+        )
 
-def _publish_slot(schedule: Schedule, slot: Slot) -> PublishResult:
+    def _last_slots(self) -> dict[str, tuple[dt.datetime, str]]:
+        """The latest slot each schedule published and the digest of the definition it was
+        published under (ScheduleRecord), by name; none known if they cannot be read (the
+        slots' keys still keep a slot from being published twice on its topic)."""
+        from workqueue.models import ScheduleRecord
+
+        names = [schedule.name for schedule in self.schedules]
+        try:
+            records = ScheduleRecord.objects.using(self.alias).filter(name__in=names)
+            return {
+                name: (at, digest)
+                for name, at, digest in records.values_list("name", "last_slot_at", "definition")
+            }
+        except DatabaseError as exc:
+            self._records_failed(exc)
+            return {}
+
+    def _record(self, schedule: Schedule, slot: Slot) -> None:
+        """Record that ``slot`` of ``schedule`` was published (by this host or another), unless
+        a later one already is."""
+        from workqueue.models import ScheduleRecord
+
+        records = ScheduleRecord.objects.using(self.alias)
+        recorded = {"last_slot_at": slot.at, "definition": schedule.digest}
+        try:
+            record, made = records.get_or_create(name=schedule.name, defaults=recorded)
+            if not made and record.last_slot_at < slot.at:
+                records.filter(name=schedule.name, last_slot_at__lt=slot.at).update(**recorded)
+        except DatabaseError as exc:
+            self._records_failed(exc)
+
+    def _records_failed(self, exc: DatabaseError) -> None:
+        if not self._records_failed_reported:
+            self._records_failed_reported = True
+            logger.warning(
+                "Scheduler: the schedules' records (%s) could not be read or written: %s; a "
+                "slot is still published once per topic, but a schedule whose zone, cron or "
+                "topic changes may publish a slot it already ran. Run `manage.py migrate`, and "
+                "`manage.py workqueue grant-runtime` for the host's database role.",
+                SCHEDULE_RECORD_TABLE,
+                exc,
+            )
+
+
+def _publish_slot(schedule: Schedule, slot: Slot, alias: str) -> PublishResult | None:
+    """Publish ``slot``; None, publishing nothing, for a task whose queue's subscription is
+    Disabled."""
     publishing = functools.partial(
         publish,
         schedule.topic,
@@ -155,6 +233,16 @@ def _publish_slot(schedule: Schedule, slot: Slot) -> PublishResult:
         # counted as published (audit helper-133).
         from django.utils.module_loading import import_string
 
+        from workqueue.models import Subscription
+
         task = import_string(schedule.task)
         task.get_backend().ensure_queue(task.queue_name)
+        status = (
+            Subscription.objects.using(alias)
+            .filter(name=schedule.topic)
+            .values_list("status", flat=True)
+            .first()
+        )
+        if status == SubscriptionStatus.DISABLED:
+            return None
     return publishing()
