@@ -1008,6 +1008,50 @@ def test_a_settle_that_outlasts_the_lease_of_a_handler_returned_before_it_is_not
     assert status_of(message) == "Completed"
 
 
+def test_a_claim_is_not_sent_near_the_lease_while_a_returned_handler_refreshes(
+    make_host, late_settles
+):
+    """Review helper-187: the late settle held claims back only once the returned handler's
+    slot was passed on, after its connections were refreshed. A handler returned 0.8 s before
+    its lease, its refresh took 0.7 s, and a claim sent 0.5 s before the lease's end (1.2 s on
+    its way) took the delivery back: the same host ran the finished work a second time."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    host = make_host(one(s, concurrency=2), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000)
+    host.start()
+    consumer = host._consumers[s.name]
+    services = consumer._services
+    refresh = services.refresh_connections
+
+    def slow_refresh() -> None:
+        if probe.runs and probe.runs[0].finished.is_set():
+            time.sleep(0.7)
+        refresh()
+
+    services.refresh_connections = slow_refresh
+    receive = consumer.receiver.receive
+
+    def slow_receive(max_rows: int) -> Any:  # a claim 1.2 s on its way
+        if probe.runs and probe.runs[0].finished.is_set():
+            time.sleep(1.2)
+        return receive(max_rows)
+
+    consumer.receiver.receive = slow_receive
+    message = publish(s.topic.name, {"sleepMs": 4_200, "ignoreSignal": True}).message_id
+    late_settles.append(message)
+    (first,) = probe.wait_for(1)
+    with consumer._lock:
+        (execution,) = consumer._running.values()
+    assert first.finished.wait(10)
+    time.sleep(max(execution.lease_ends - 0.5 - time.monotonic(), 0))
+    consumer.kick()  # a publish to the topic, during the refresh
+
+    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
+    time.sleep(2)  # a claim let through would have run it again by now
+
+    assert len(probe.runs) == 1, "this host took the delivery back and ran it again"
+    assert status_of(message) == "Completed"
+
+
 def test_a_lease_shortened_before_the_host_re_plans_is_renewed_in_time(make_host):
     """The host times its renewals by the lease length of its plan; a claim made before the
     plan caught up with a shortened lease (30 s to 5 s) got 5 s from the database, its first

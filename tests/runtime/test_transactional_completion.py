@@ -802,7 +802,7 @@ def test_manage_py_check_warns_of_an_isolation_level_that_refuses_completions(
 def _slot_freed_at(execution: Any, delivery: Any) -> list[tuple[str, int]]:
     """The row's (status, attempts) each time the execution passed its slot on."""
     seen: list[tuple[str, int]] = []
-    execution._on_handler_done = lambda _, handled: seen.append(status(delivery)) or None
+    execution._on_handler_done = lambda handled: seen.append(status(delivery)) or None
     return seen
 
 

@@ -347,8 +347,9 @@ class Consumer:
         # Of those, slots kept by handlers returned past their lease until their settle is
         # made (DeliveryExecution._mark_returned): nothing is claimed while any is.
         self._slots_kept_for_settle = 0
-        # Handlers returned that passed their slots on, until their settles are made (_finish):
-        # nothing is claimed while any of them nears its lease's end (_holds_a_late_settle).
+        # Handlers returned that keep no slot, from their return until their settles are made
+        # (_finish): nothing is claimed while any of them nears its lease's end
+        # (_holds_a_late_settle).
         self._settling: dict[tuple[str, str], DeliveryExecution] = {}
         # No earlier than this (monotonic) can one of them near its lease's end: a bound kept
         # as they come, and made exact only once it is reached, so that the room read at
@@ -1037,6 +1038,7 @@ class Consumer:
             leased_at=leased_at,
             on_cancelled_unstarted=self._hand_back_cancelled_ahead,
             on_slot_kept=self._count_slot_kept,
+            on_returned=self._settle_on_its_way,
         )
         with self._lock:
             self._running[execution.key] = execution
@@ -1078,10 +1080,9 @@ class Consumer:
         with self._lock:
             self._slots_kept_for_settle += 1 if kept else -1
 
-    def _free_slot(
-        self, execution: DeliveryExecution, handled_seconds: float
-    ) -> DeliveryExecution | None:
-        """``execution``'s handler returned (on its worker thread): its slot is passed on."""
+    def _settle_on_its_way(self, execution: DeliveryExecution) -> None:
+        """``execution``'s handler returned, its slot not kept: until its settle is made, no
+        claim while that settle nears its lease's end (_holds_a_late_settle)."""
         with self._lock:
             if self._running.get(execution.key) is execution:
                 self._settling[execution.key] = execution
@@ -1089,6 +1090,10 @@ class Consumer:
                     self._settles_checked_until,
                     execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS,
                 )
+
+    def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
+        """A handler returned (on its worker thread): its slot is passed on."""
+        with self._lock:
             self._slots_stalled = False
             previous = self._handler_seconds
             self._handler_seconds = (
@@ -1239,11 +1244,15 @@ class Consumer:
             del self._running[execution.key]
             self._probes.discard(execution.key)
             now = time.monotonic()
-            # A settle that held claims back (_holds_a_late_settle) has been made: they resume.
+            # A settle that may have held claims back (_holds_a_late_settle: the bound on the
+            # leases' ends was reached) has been made: they resume. Not read from this one's
+            # lease, which a renewal answered after the return may have moved on since.
             held_claims = (
                 self._settling.pop(execution.key, None) is not None
-                and now >= execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS
+                and now >= self._settles_checked_until
             )
+            if not self._settling:
+                self._settles_checked_until = math.inf
             self.finished += 1
             if result.kind == ExecutionResult.SETTLED and not result.released:
                 self.processed += 1
