@@ -224,7 +224,8 @@ class QueueCollector(Collector):
         unavailable = GaugeMetricFamily(
             "workqueue_gauges_unavailable",
             "1 when the subscription's gauges above could not be read this scrape (its "
-            "transport is away, or the role may not call the procedure; the error is logged).",
+            "transport is away, the role may not call the procedure, or a queue table was "
+            "locked for more than 2 s; the error is logged).",
             labels=labels,
         )
         for subscription_name in report.unavailable:
@@ -252,7 +253,8 @@ class QueueCollector(Collector):
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))
         yield live
-        yield from _database_gauges()
+        if not report.locked:  # else it would wait for the lock as long again
+            yield from _database_gauges()
 
 
 def _running_hosts(live_hosts: list[Any], actor: Actor) -> Metric:

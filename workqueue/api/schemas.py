@@ -410,8 +410,8 @@ class HealthOut(_Out):
     subscriptions: list[SubscriptionHealthOut]
     database_warnings: list[str] = Field(
         description="Threats to the queue tables' upkeep (a vacuum horizon held too long, dead "
-        "rows outnumbering live ones, sparse indexes), each naming its fix. Always empty for a "
-        "key limited to named subscriptions."
+        "rows outnumbering live ones, sparse indexes, the tables locked for more than 2 s), each "
+        "naming its fix. Always empty for a key limited to named subscriptions."
     )
 
 

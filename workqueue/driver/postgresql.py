@@ -632,13 +632,15 @@ class PostgresDriver(BaseDriver):
         # Fewer entries than pages, in an index of 64 pages or more: a B-tree page holds
         # hundreds of entries, so this is what a drained backlog leaves, never a busy index.
         # reltuples is as fresh as the last (auto)vacuum or analyze; -1 means never counted.
-        rows = self.execute(
-            "SELECT c.relname::text, (pg_relation_size(c.oid) / "
-            "current_setting('block_size')::int)::int, c.reltuples::bigint "
-            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE i.indrelid = ANY (%s::regclass[]) ORDER BY 1",
-            [list(QUEUE_TABLES)],
-        )
+        with self._waiting_briefly_for_locks() as connection:
+            rows = self.execute(
+                "SELECT c.relname::text, (pg_relation_size(c.oid) / "
+                "current_setting('block_size')::int)::int, c.reltuples::bigint "
+                "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                "WHERE i.indrelid = ANY (%s::regclass[]) ORDER BY 1",
+                [list(QUEUE_TABLES)],
+                connection,
+            )
         return [
             SparseIndex(name, pages, entries)
             for name, pages, entries in rows
@@ -654,13 +656,20 @@ class PostgresDriver(BaseDriver):
             )
             return int(cursor.fetchone()[0])
 
-    def queue_table_sizes(self) -> list[QueueTableSize]:
-        # The live and dead counts are the statistics system's, kept as rows change: a little
-        # behind, never a scan of the table. The sizes wait for a lock on the table, which
-        # VACUUM FULL or an ALTER TABLE holds as long as it runs: 2 s at most, as the gauge
-        # procedures wait, then LockTimeoutError (the scrape answers without them).
+    @contextlib.contextmanager
+    def _waiting_briefly_for_locks(self) -> Iterator[BaseDatabaseWrapper]:
+        """A transaction whose statements wait 2 s at most for a lock, as the gauge procedures
+        do, then fail with LockTimeoutError: the sizes of a table, or of its indexes, wait for
+        the lock VACUUM FULL, REINDEX or an ALTER TABLE holds as long as it runs, and a scrape
+        or /health would wait as long (reviews helper-185, helper-187)."""
         with self.transaction() as connection:
             self.execute("SET LOCAL lock_timeout = '2s'", [], connection)
+            yield connection
+
+    def queue_table_sizes(self) -> list[QueueTableSize]:
+        # The live and dead counts are the statistics system's, kept as rows change: a little
+        # behind, never a scan of the table.
+        with self._waiting_briefly_for_locks() as connection:
             rows = self.execute(
                 "SELECT c.relname::text, pg_table_size(c.oid), pg_indexes_size(c.oid), "
                 "coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0) "

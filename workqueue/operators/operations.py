@@ -362,6 +362,9 @@ class GaugesReport:
 
     gauges: list[QueueGauges]
     unavailable: dict[str, str]
+    #: Whether a read found the queue tables locked (and waited 2 s for them): the scrape
+    #: reads nothing more of them, which would wait as long again.
+    locked: bool = False
 
 
 def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
@@ -413,7 +416,7 @@ def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
                 cap=cap,
             )
         )
-    return GaugesReport(gauges, unavailable)
+    return GaugesReport(gauges, unavailable, locked=bool(locked))
 
 
 def list_dead_letters(
@@ -1079,6 +1082,24 @@ def database_warnings(*, actor: Actor = CLI) -> list[str]:
 
 
 def _database_health_issues() -> list[BindingIssue]:
+    try:
+        return _read_database_health_issues()
+    except LockTimeoutError as exc:
+        # The reads wait 2 s at most for a lock on a queue table: one held longer is itself
+        # what an operator must hear of (claims and publishes wait behind it too), not a
+        # failed /health (review helper-187).
+        return [
+            BindingIssue(
+                "Warning",
+                "database",
+                f"The queue tables are locked (VACUUM FULL, REINDEX, a migrate's ALTER TABLE?): "
+                f"their upkeep could not be checked, and claims and publishes wait for the lock "
+                f"too. Find the holder in pg_locks / sys.dm_tran_locks. ({one_line(exc)})",
+            )
+        ]
+
+
+def _read_database_health_issues() -> list[BindingIssue]:
     settings = get_settings()
     issues: list[BindingIssue] = []
     sparse = transport.sparse_queue_indexes()
@@ -1204,7 +1225,13 @@ def unserved_subscriptions(
     if actor.subscriptions:
         candidates = candidates.filter(name__in=actor.subscriptions)
     unserved = []
-    for subscription in candidates.order_by("name"):
+    # Transports' driver classes whose tables a probe found locked, and why (see queue_gauges).
+    locked: dict[str, str] = {}
+    for subscription in candidates.order_by("name").select_related("topic__transport"):
+        driver_class = subscription.topic.transport.driver_class
+        if driver_class in locked:
+            unserved.append(UnservedSubscription(subscription.name, None, locked[driver_class]))
+            continue
         # One probe each: on the Database transport wq_backlog, which counts what a claim
         # could take now (one per key on partitioned subscriptions) along index paths,
         # whatever the size of the backlog; on a cloud transport the queue's counts.
@@ -1214,8 +1241,13 @@ def unserved_subscriptions(
             TransportUnavailableError,
             UnsupportedByTransportError,
             WorkQueueConfigurationError,
+            # A queue table locked (VACUUM FULL, a migrate's ALTER TABLE) for more than the
+            # probe waits: counted as unreadable, not a failed /health (review helper-187).
+            LockTimeoutError,
         ) as exc:
             unserved.append(UnservedSubscription(subscription.name, None, str(exc)))
+            if isinstance(exc, LockTimeoutError):
+                locked[driver_class] = str(exc)
             continue
         if counted is None:
             continue
