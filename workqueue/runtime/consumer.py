@@ -347,14 +347,12 @@ class Consumer:
         # Of those, slots kept by handlers returned past their lease until their settle is
         # made (DeliveryExecution._mark_returned): nothing is claimed while any is.
         self._slots_kept_for_settle = 0
-        # Handlers returned that keep no slot, from their return until their settles are made
-        # (_finish): nothing is claimed while any of them nears its lease's end
-        # (_holds_a_late_settle).
-        self._settling: dict[tuple[str, str], DeliveryExecution] = {}
-        # No earlier than this (monotonic) can one of them near its lease's end: a bound kept
-        # as they come, and made exact only once it is reached, so that the room read at
-        # every handler's return costs no walk of them (settles are made long before it).
-        self._settles_checked_until = math.inf
+        # No earlier than this (monotonic) can an execution here near its lease's end, when a
+        # returned handler's settle on its way would hold claims back (_holds_a_late_settle):
+        # a bound kept as deliveries start, made exact only once it is reached, so that the
+        # room read at every handler's return costs no walk of them (review helper-187: a walk
+        # of the settles on their way cost ~20% more host CPU per delivery at concurrency 32).
+        self._leases_checked_until = math.inf
         # Claimed ahead, waiting for a slot (only while every slot is taken), in claim order.
         self._ready: deque[DeliveryExecution] = deque()
         # Due when the one that has waited longest will have waited too long: nothing renews
@@ -595,24 +593,30 @@ class Consumer:
     def slots_and_settles(self, now: float) -> tuple[int, bool, bool]:
         """For the consumer a re-plan started beside this one: (of its concurrency, the slots
         its executions still take (``takes_slot``); whether a settle of one of them holds
-        claims back at ``now`` (_holds_a_late_settle); whether any settle is on its way)."""
+        claims back at ``now`` (_holds_a_late_settle); whether any execution is still here,
+        its settle on its way if its handler returned)."""
         with self._lock:
             taken = sum(1 for e in self._running.values() if e.takes_slot)
-            return taken, self._holds_a_late_settle(now), bool(self._settling)
+            return taken, self._holds_a_late_settle(now), bool(self._running)
 
     def _holds_a_late_settle(self, now: float) -> bool:
         """Whether a handler that returned is having its outcome recorded past its lease, or
         within LATE_SETTLE_MARGIN_SECONDS of its end; called with the lock held."""
         if self._slots_kept_for_settle:
             return True
-        if now < self._settles_checked_until:
+        if now < self._leases_checked_until:
             return False
-        # The bound is reached (the settle it came from may have been made since): exact now.
-        self._settles_checked_until = min(
-            (e.lease_ends - LATE_SETTLE_MARGIN_SECONDS for e in self._settling.values()),
-            default=math.inf,
-        )
-        return now >= self._settles_checked_until
+        # The bound is reached: read every execution here (a renewal may have moved its lease
+        # on since; a handler still running may return any moment, so it counts for the bound).
+        late = False
+        earliest = math.inf
+        for execution in self._running.values():
+            near = execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS
+            earliest = min(earliest, near)
+            if now >= near and execution.handler_returned:
+                late = True
+        self._leases_checked_until = earliest
+        return late
 
     @property
     def lingering(self) -> bool:
@@ -965,7 +969,7 @@ class Consumer:
         held = [(p, *p.slots_and_settles(now)) for p in self._predecessors]
         # A stopped consumer starts nothing more: one whose slots are all free and whose
         # settles are all made is done.
-        self._predecessors = [p for p, taken, _, settling in held if taken or settling]
+        self._predecessors = [p for p, taken, _, unsettled in held if taken or unsettled]
         return sum(taken for _, taken, _, _ in held), any(late for _, _, late, _ in held)
 
     def _predecessor_freed_a_slot(self) -> None:
@@ -1038,10 +1042,12 @@ class Consumer:
             leased_at=leased_at,
             on_cancelled_unstarted=self._hand_back_cancelled_ahead,
             on_slot_kept=self._count_slot_kept,
-            on_returned=self._settle_on_its_way,
         )
         with self._lock:
             self._running[execution.key] = execution
+            self._leases_checked_until = min(
+                self._leases_checked_until, execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS
+            )
             if self._settles_refused:
                 self._probes.add(execution.key)
             announced = self._recent_cancels.pop(delivery.delivery_id, None)
@@ -1079,17 +1085,6 @@ class Consumer:
         it on once that settle is made (False): no claim meanwhile (see _room)."""
         with self._lock:
             self._slots_kept_for_settle += 1 if kept else -1
-
-    def _settle_on_its_way(self, execution: DeliveryExecution) -> None:
-        """``execution``'s handler returned, its slot not kept: until its settle is made, no
-        claim while that settle nears its lease's end (_holds_a_late_settle)."""
-        with self._lock:
-            if self._running.get(execution.key) is execution:
-                self._settling[execution.key] = execution
-                self._settles_checked_until = min(
-                    self._settles_checked_until,
-                    execution.lease_ends - LATE_SETTLE_MARGIN_SECONDS,
-                )
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
         """A handler returned (on its worker thread): its slot is passed on."""
@@ -1245,14 +1240,11 @@ class Consumer:
             self._probes.discard(execution.key)
             now = time.monotonic()
             # A settle that may have held claims back (_holds_a_late_settle: the bound on the
-            # leases' ends was reached) has been made: they resume. Not read from this one's
-            # lease, which a renewal answered after the return may have moved on since.
-            held_claims = (
-                self._settling.pop(execution.key, None) is not None
-                and now >= self._settles_checked_until
-            )
-            if not self._settling:
-                self._settles_checked_until = math.inf
+            # leases' ends was reached) has been made: they may resume. Not read from this
+            # one's lease, which a renewal answered after the return may have moved on since.
+            held_claims = now >= self._leases_checked_until
+            if not self._running:
+                self._leases_checked_until = math.inf
             self.finished += 1
             if result.kind == ExecutionResult.SETTLED and not result.released:
                 self.processed += 1

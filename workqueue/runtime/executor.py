@@ -293,7 +293,6 @@ class DeliveryExecution:
         leased_at: float | None = None,
         on_cancelled_unstarted: Callable[[DeliveryExecution], None] | None = None,
         on_slot_kept: Callable[[bool], None] | None = None,
-        on_returned: Callable[[DeliveryExecution], None] | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
@@ -303,9 +302,6 @@ class DeliveryExecution:
         #: or past it once its connections were refreshed), False as that slot is passed on
         #: (see _mark_returned).
         self._on_slot_kept = on_slot_kept
-        #: Told as the handler returns without keeping its slot: its settle is on its way from
-        #: then on, through the connections' refresh (see _mark_returned).
-        self._on_returned = on_returned
         #: Told when a renewal finds the delivery cancelled before its handler started.
         self._on_cancelled_unstarted = on_cancelled_unstarted
         self.started = False
@@ -548,9 +544,9 @@ class DeliveryExecution:
         refreshed (which can take long), so that a kept slot starts no claim during the
         refresh; asked again as the slot would be passed on after it (_run_handler: a refresh
         that ran past the lease, helper-184). A handler that returned before its lease ran out
-        keeps nothing, and the consumer is told its settle is on its way (on_returned): it
-        claims nothing while that settle nears the lease's end (review helper-186), from the
-        return on, through the refresh (helper-187)."""
+        keeps nothing; the consumer claims nothing while its settle, from the return on and
+        through the refresh, nears the lease's end (Consumer._holds_a_late_settle; reviews
+        helper-186, helper-187)."""
         with self._lock:
             if self._handler_returned:
                 return
@@ -561,8 +557,6 @@ class DeliveryExecution:
                 self._slot_held_for_settle = returned_at - (self._handler_began or returned_at)
         if kept and self._on_slot_kept is not None:
             self._on_slot_kept(True)
-        elif not kept and self._on_returned is not None:
-            self._on_returned(self)
 
     def free_slot_held_for_settle(self) -> None:
         """Pass on the slot the handler's return kept for its settle, if it kept one; the
