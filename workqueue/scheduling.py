@@ -101,7 +101,7 @@ class Schedule:
             self.timezone,
             self.payload,
             self.partition_key,
-            self.attributes,
+            None if self.attributes is None else dict(self.attributes),
             self.priority,
             self.task,
         ]

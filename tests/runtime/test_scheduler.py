@@ -371,7 +371,22 @@ def test_a_hosts_runtime_role_records_the_slots_its_scheduler_publishes(pg_conn,
 
     assert caplog.text == ""
     record = ScheduleRecord.objects.get(name="report")
-    assert record.last_slot_at == dt.datetime(2026, 7, 1, 3, tzinfo=UTC)
+    assert record.last_slot == "2026-07-01T03:00:00+00:00"
+
+
+def test_a_schedules_record_reads_back_the_same_without_use_tz(settings, topic_name):
+    """Review helper-189: kept in a datetime column, the latest slot read back naive with
+    ``USE_TZ = False`` (which PostgreSQL deployments may run with), and comparing it with the
+    next slot raised: every pass refused the schedule from its second slot on."""
+    settings.USE_TZ = False
+    clock = Clock(dt.datetime(2026, 7, 1, 1, 0, 5, tzinfo=UTC))
+    scheduler = Scheduler(load_schedules([schedule(topic_name, "0 * * * *")]), clock=clock)
+    first = scheduler.run_once()
+    clock.now = dt.datetime(2026, 7, 1, 2, 0, 5, tzinfo=UTC)
+    second = scheduler.run_once()
+
+    assert (first.refused, second.refused) == ({}, {})
+    assert second.published == {"report": dt.datetime(2026, 7, 1, 2, tzinfo=UTC)}
 
 
 def test_a_schedule_moved_to_another_topic_does_not_run_its_slot_again_once_it_was_purged():

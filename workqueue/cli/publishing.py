@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 import time
@@ -256,11 +257,12 @@ class SchedulesVerb(Verb):
             )
         # A slot at or before the latest one a schedule published (under any definition) is
         # not published again: it counts as published (review helper-188).
-        last_slots = dict(
-            ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
+        last_slots = {
+            name: dt.datetime.fromisoformat(at)
+            for name, at in ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
             .filter(name__in=list(slots))
-            .values_list("name", "last_slot_at")
-        )
+            .values_list("name", "last_slot")
+        }
         rows = [
             {
                 "name": s.name,

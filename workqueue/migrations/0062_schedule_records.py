@@ -15,7 +15,7 @@ class Migration(migrations.Migration):
             name="ScheduleRecord",
             fields=[
                 ("name", models.CharField(max_length=100, primary_key=True, serialize=False)),
-                ("last_slot_at", models.DateTimeField()),
+                ("last_slot", models.CharField(max_length=32)),
                 ("definition", models.CharField(max_length=64)),
             ],
         ),

@@ -13,10 +13,13 @@ class ScheduleRecord(models.Model):
     scheduler (not a queue table: nothing of a delivery's fencing rests on it)."""
 
     name = models.CharField(max_length=100, primary_key=True)
-    last_slot_at = models.DateTimeField()
+    #: The slot's time in UTC, ISO 8601 (``2026-07-01T03:00:00+00:00``): text, which sorts as
+    #: the times do and reads back the same whatever ``USE_TZ`` (a datetime column read back
+    #: naive with ``USE_TZ = False`` could not be compared with a slot's: review helper-189).
+    last_slot = models.CharField(max_length=32)
     #: A digest of the definition the slot was published under (Schedule.digest): a host whose
     #: definition differs says once that the slot is not published again as now defined.
     definition = models.CharField(max_length=64)
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.last_slot_at.isoformat()}"
+        return f"{self.name}: {self.last_slot}"

@@ -48,8 +48,11 @@ class Scheduler:
         result = SchedulerPassResult()
         if not self.schedules:
             return result
-        now = self.clock()
+        # Read before the clock: a slot another host publishes and records in between is then
+        # one this pass sees published (a Duplicate), not one a later slot was recorded past
+        # (a definition changed, it would say: review helper-189).
         last_slots = self._last_slots()
+        now = self.clock()
         for schedule in self.schedules:
             try:
                 slot = schedule.latest_slot(now)
@@ -87,15 +90,16 @@ class Scheduler:
                     self._disabled_queues_reported.add((schedule.name, slot.at))
                     logger.error(
                         "Scheduler: schedule %s slot %s did not enqueue task %s: subscription "
-                        "%s is Disabled%s; enable it and the next pass publishes the slot "
-                        "(until the next slot)",
+                        "%s is Disabled; %s",
                         schedule.name,
                         slot.at.isoformat(),
                         schedule.task,
                         schedule.topic,
-                        ""
+                        "enable it and the next pass publishes the slot (until the next slot)"
                         if published is None
-                        else f" (message {published.message_id} was stored, with no delivery)",
+                        else f"disabled as the slot was published, its message "
+                        f"{published.message_id} was stored with no delivery and will not "
+                        "run; enable the subscription and the next slot runs",
                         extra={"action": "schedule_refused"},
                     )
             elif published.status == PublishStatus.ACCEPTED:
@@ -178,8 +182,8 @@ class Scheduler:
         try:
             records = ScheduleRecord.objects.using(self.alias).filter(name__in=names)
             return {
-                name: (at, digest)
-                for name, at, digest in records.values_list("name", "last_slot_at", "definition")
+                name: (dt.datetime.fromisoformat(at), digest)
+                for name, at, digest in records.values_list("name", "last_slot", "definition")
             }
         except DatabaseError as exc:
             self._records_failed(exc)
@@ -191,11 +195,12 @@ class Scheduler:
         from workqueue.models import ScheduleRecord
 
         records = ScheduleRecord.objects.using(self.alias)
-        recorded = {"last_slot_at": slot.at, "definition": schedule.digest}
+        at = slot.at.isoformat()  # UTC: sorts as the times do
+        recorded = {"last_slot": at, "definition": schedule.digest}
         try:
             record, made = records.get_or_create(name=schedule.name, defaults=recorded)
-            if not made and record.last_slot_at < slot.at:
-                records.filter(name=schedule.name, last_slot_at__lt=slot.at).update(**recorded)
+            if not made and record.last_slot < at:
+                records.filter(name=schedule.name, last_slot__lt=at).update(**recorded)
         except DatabaseError as exc:
             self._records_failed(exc)
 
