@@ -570,9 +570,8 @@ def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_wr
         # A SELECT WITH (UPDLOCK) on it would hold the sweepers' lock.
         assert "DENY SELECT ON dbo.workqueue_sweep_lock TO [work]]er]" in denies
         writes = [s for s in statements if s.startswith("GRANT") and "INSERT" in s]
-        assert all(
-            "dbo.workqueue_hostrecord " in s or "dbo.workqueue_taskresult " in s for s in writes
-        )
+        written = ("hostrecord", "taskresult", "schedulerecord")
+        assert all(any(f"dbo.workqueue_{t} " in s for t in written) for s in writes), writes
     assert "GRANT SELECT, INSERT, UPDATE, DELETE ON dbo.workqueue_hostrecord TO [work]]er]" in (
         runtime
     )
@@ -580,6 +579,9 @@ def test_runtime_and_operator_grants_split_the_procedures_and_deny_tokens_and_wr
         runtime
     )
     assert "GRANT SELECT ON dbo.workqueue_taskresult TO [work]]er]" in operator
+    # Hosts' schedulers record the slots they publish; operators read the records.
+    assert "GRANT SELECT, INSERT, UPDATE ON dbo.workqueue_schedulerecord TO [work]]er]" in runtime
+    assert "GRANT SELECT ON dbo.workqueue_schedulerecord TO [work]]er]" in operator
 
 
 def test_scaler_grants_read_the_topology_and_deliveries_only_and_no_lease_token(driver):
