@@ -923,17 +923,25 @@ def test_a_slot_a_re_plan_gave_up_on_stays_taken_until_its_late_settle_is_made(
 
 
 @pytest.mark.parametrize(
+    ("sleep_ms", "settling_for"),
+    [(5_500, 0.2), (4_600, 0.6)],
+    ids=["returned past its lease", "returned just before it"],
+)
+@pytest.mark.parametrize(
     "concurrency", [1, 2], ids=["a claim ahead", "a claim for another free slot"]
 )
 def test_a_late_settle_is_not_overtaken_by_a_claim_of_the_same_host(
-    make_host, late_settles, concurrency
+    make_host, late_settles, concurrency, sleep_ms, settling_for
 ):
     """Review helper-182: the slot kept for a late settle stopped claims for a free slot only.
     At concurrency 1 the loop still claimed ahead (handlers read quick until that slot is
     passed on) and took the delivery back (its lease expired in the database); the settle was
     refused and the kept slot passed on to the copy. At concurrency 2 the next claim, for the
     other free slot, took it back the same way. Either way this host ran the finished work a
-    second time. No claim is made while a slot is kept for a settle."""
+    second time. No claim is made while a slot is kept for a settle. Review helper-186: a
+    handler that returned 0.4 s before its lease passed its slot on, and its settle then took
+    1.5 s: a claim made past the lease took the delivery back the same way. No claim is made
+    while a returned handler's settle is on its way that near its lease's end either."""
     s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
     # Claims on kicks only, so that none comes while the handler still runs.
     host = make_host(
@@ -944,11 +952,12 @@ def test_a_late_settle_is_not_overtaken_by_a_claim_of_the_same_host(
         quick = [publish(s.topic.name, {}).message_id for _ in range(10)]  # handlers are quick
         wait_until(lambda: all(status_of(m) == "Completed" for m in quick))
         probe.reset()
-    message = publish(s.topic.name, {"sleepMs": 5_500, "ignoreSignal": True}).message_id
+    message = publish(s.topic.name, {"sleepMs": sleep_ms, "ignoreSignal": True}).message_id
     late_settles.append(message)
     (late,) = probe.wait_for(1)
-    assert late.finished.wait(10)  # returned past its lease: its slot is kept for the settle
-    time.sleep(0.2)
+    assert late.finished.wait(10)
+    time.sleep(settling_for)  # past the lease, the settle still on its way
+    assert status_of(message) == "InFlight"
     host._consumers[s.name].kick()  # a publish to the topic
 
     wait_until(lambda: status_of(message) != "InFlight", timeout=10)
@@ -973,35 +982,6 @@ def test_a_return_just_before_the_lease_whose_refresh_runs_past_it_keeps_its_slo
     late_settles.append(message)
     (late,) = probe.wait_for(1)
     assert late.finished.wait(10)
-    wait_until(lambda: status_of(message) != "InFlight", timeout=10)
-
-    assert len(probe.runs) == 1, "this host took the delivery back and ran it again"
-    assert status_of(message) == "Completed"
-
-
-@pytest.mark.parametrize("concurrency", [1, 2])
-def test_a_settle_that_outlasts_the_lease_of_a_handler_returned_before_it_is_not_overtaken(
-    make_host, late_settles, concurrency
-):
-    """Review helper-186: a handler that returned 0.4 s before its lease ran out passed its
-    slot on, and its settle then took 1.5 s: a claim of this host made meanwhile, past the
-    lease, took the delivery back, the settle was refused and the finished work ran a second
-    time. No claim is made while a returned handler's settle is on its way that near its
-    lease's end."""
-    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
-    # Claims on kicks only, so that none comes while the handler still runs.
-    host = make_host(
-        one(s, concurrency=concurrency), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000
-    )
-    host.start()
-    message = publish(s.topic.name, {"sleepMs": 4_600, "ignoreSignal": True}).message_id
-    late_settles.append(message)
-    (late,) = probe.wait_for(1)
-    assert late.finished.wait(10)  # returned before its lease ran out: its slot passed on
-    time.sleep(0.6)  # past the lease, the settle still on its way
-    assert status_of(message) == "InFlight"
-    host._consumers[s.name].kick()  # a publish to the topic
-
     wait_until(lambda: status_of(message) != "InFlight", timeout=10)
 
     assert len(probe.runs) == 1, "this host took the delivery back and ran it again"
