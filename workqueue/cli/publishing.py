@@ -258,7 +258,7 @@ class SchedulesVerb(Verb):
         # A slot at or before the latest one a schedule published (under any definition) is
         # not published again: it counts as published (review helper-188).
         last_slots = {
-            name: dt.datetime.fromisoformat(at)
+            name: _slot_time(at)
             for name, at in ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
             .filter(name__in=list(slots))
             .values_list("name", "last_slot")
@@ -307,6 +307,15 @@ class SchedulesVerb(Verb):
                 ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
             )
         )
+
+
+def _slot_time(text: str) -> dt.datetime | None:
+    """A schedule record's slot time; None for text that is none (a row edited by hand, which
+    the scheduler warns of)."""
+    try:
+        return dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
 
 
 def _counts_as_published(slot: Any, published: set[str], last_slot_at: Any) -> bool:

@@ -181,13 +181,25 @@ class Scheduler:
         names = [schedule.name for schedule in self.schedules]
         try:
             records = ScheduleRecord.objects.using(self.alias).filter(name__in=names)
-            return {
-                name: (dt.datetime.fromisoformat(at), digest)
-                for name, at, digest in records.values_list("name", "last_slot", "definition")
-            }
+            rows = list(records.values_list("name", "last_slot", "definition"))
         except DatabaseError as exc:
             self._records_failed(exc)
             return {}
+        last_slots = {}
+        for name, at, digest in rows:
+            try:
+                last_slots[name] = (dt.datetime.fromisoformat(at), digest)
+            except ValueError:
+                # Not a time (edited by hand): as if none were recorded; the next publish of
+                # the schedule's writes a later one over it only if it sorts before, so say so.
+                logger.warning(
+                    "Scheduler: schedule %s's record holds %r, not a slot time; delete its row "
+                    "of %s",
+                    name,
+                    at,
+                    SCHEDULE_RECORD_TABLE,
+                )
+        return last_slots
 
     def _record(self, schedule: Schedule, slot: Slot) -> None:
         """Record that ``slot`` of ``schedule`` was published (by this host or another), unless
