@@ -389,6 +389,28 @@ def test_a_schedules_record_reads_back_the_same_without_use_tz(settings, topic_n
     assert second.published == {"report": dt.datetime(2026, 7, 1, 2, tzinfo=UTC)}
 
 
+def test_a_schedule_record_edited_into_no_time_is_warned_of_not_a_failed_pass(
+    settings, topic_name, caplog, capsys
+):
+    """A record whose slot an operator edited into something that is not a time: read as a
+    time, it failed every pass (and `workqueue schedules`)."""
+    from workqueue.models import ScheduleRecord
+
+    ScheduleRecord.objects.create(name="report", last_slot="yesterday", definition="x")
+    entries = [schedule(topic_name, "0 * * * *")]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    clock = Clock(dt.datetime(2026, 7, 1, 1, 0, 5, tzinfo=UTC))
+
+    with caplog.at_level(logging.WARNING, logger="workqueue.runtime.scheduler"):
+        result = Scheduler(load_schedules(entries), clock=clock).run_once()
+    call_command("workqueue", "schedules", "--json")
+
+    assert result.published == {"report": dt.datetime(2026, 7, 1, 1, tzinfo=UTC)}
+    assert "holds 'yesterday', not a slot time" in caplog.text
+    assert json.loads(capsys.readouterr().out)[0]["name"] == "report"
+    assert ScheduleRecord.objects.get(name="report").last_slot == "2026-07-01T01:00:00+00:00"
+
+
 def test_a_schedule_moved_to_another_topic_does_not_run_its_slot_again_once_it_was_purged():
     """Review helper-188: a definition moved to another topic counted the slot it had run as
     published only while the slot's message existed (its key is kept on the old topic): once

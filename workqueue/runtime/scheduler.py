@@ -190,8 +190,8 @@ class Scheduler:
             try:
                 last_slots[name] = (dt.datetime.fromisoformat(at), digest)
             except ValueError:
-                # Not a time (edited by hand): as if none were recorded; the next publish of
-                # the schedule's writes a later one over it only if it sorts before, so say so.
+                # Not a time (edited by hand): as if none were recorded, until the next
+                # publish of the schedule's records its slot over it.
                 logger.warning(
                     "Scheduler: schedule %s's record holds %r, not a slot time; delete its row "
                     "of %s",
@@ -211,8 +211,9 @@ class Scheduler:
         recorded = {"last_slot": at, "definition": schedule.digest}
         try:
             record, made = records.get_or_create(name=schedule.name, defaults=recorded)
-            if not made and record.last_slot < at:
-                records.filter(name=schedule.name, last_slot__lt=at).update(**recorded)
+            if not made and (record.last_slot < at or not _is_slot_time(record.last_slot)):
+                # Only over what was read: another host may have recorded a later slot since.
+                records.filter(name=schedule.name, last_slot=record.last_slot).update(**recorded)
         except DatabaseError as exc:
             self._records_failed(exc)
 
@@ -227,6 +228,14 @@ class Scheduler:
                 SCHEDULE_RECORD_TABLE,
                 exc,
             )
+
+
+def _is_slot_time(text: str) -> bool:
+    try:
+        dt.datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _publish_slot(schedule: Schedule, slot: Slot, alias: str) -> PublishResult | None:
