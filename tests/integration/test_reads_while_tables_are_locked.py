@@ -24,9 +24,9 @@ from workqueue.operators import operations
 pytestmark = pytest.mark.usefixtures("queue_db")
 
 
-def while_locked(pg_conn: Any, read: Callable[[], Any]) -> Any:
-    """What ``read`` answers, on a thread of its own, while another session holds
-    workqueue_delivery locked; fails if it has not answered within 15 s."""
+def while_locked(pg_conn: Any, read: Callable[[], Any], table: str = "workqueue_delivery") -> Any:
+    """What ``read`` answers, on a thread of its own, while another session holds ``table``
+    locked; fails if it has not answered within 15 s."""
 
     def on_its_own_connections() -> Any:
         try:
@@ -38,7 +38,7 @@ def while_locked(pg_conn: Any, read: Callable[[], Any]) -> Any:
     pool = ThreadPoolExecutor(1)
     try:
         with pg_conn.transaction():
-            pg_conn.execute("LOCK TABLE workqueue_delivery IN ACCESS EXCLUSIVE MODE")
+            pg_conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
             answer = pool.submit(on_its_own_connections)
             futures_wait([answer], timeout=15)
             answered_while_locked = answer.done()
@@ -91,3 +91,19 @@ def test_a_scrape_waits_for_a_locked_queue_table_once(pg_conn, monkeypatch):
 
     assert "workqueue_gauges_unavailable{" in text
     assert sizes_read == []
+
+
+def test_a_scrape_while_only_the_message_table_is_locked_keeps_the_gauges_it_read(pg_conn):
+    """Review helper-189: the gauges read the delivery table only; the table sizes, read after
+    them, waited for the message table's lock, and their failure then marked the whole scrape
+    failed (``workqueue_gauges_read_failed 1``: "the gauges above are missing") though the
+    subscriptions' gauges had been read. Only the sizes are left out."""
+    from workqueue import metrics
+
+    subscription = SubscriptionFactory()
+
+    text = while_locked(pg_conn, lambda: metrics.render().decode(), table="workqueue_message")
+
+    assert f'workqueue_pending_deliveries{{subscription="{subscription.name}"}} 0.0' in text
+    assert "workqueue_gauges_read_failed 0.0" in text
+    assert "workqueue_db_table_bytes{" not in text
