@@ -434,6 +434,39 @@ def as_recovery_operator(client: Any, subscription: Subscription, **fields: Any)
     return {"action": "recover_dead_letters", "_selected_action": [subscription.pk], **fields}
 
 
+def test_the_admin_counts_by_a_time_window_without_use_tz(client, settings):
+    """Review helper-190: with ``USE_TZ = False`` the admin form's times came without a zone,
+    which the operation refuses ("must be a date and time with its UTC offset"): every count
+    and apply by a time window failed. They are read in the current time zone, as the CLI
+    reads ``--since``."""
+    settings.USE_TZ = False
+    subscription = SubscriptionFactory()
+    ids = dead_letters(subscription, {"reason": "Poison"}, {"reason": "Poison"})
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = as_recovery_operator(client, subscription, operation="replay", post="count")
+
+    counted = client.post(url, {**form, "since": "2000-01-01 00:00:00"})
+
+    assert counted.context["form"].errors == {}
+    assert counted.context["counts"] == [
+        (subscription.name, "2 of 2 dead letters would be replayed")
+    ]
+    assert set(statuses(ids)) == {"DeadLettered"}
+
+
+def test_the_admin_refuses_a_blank_reason_filter_as_rest_and_the_cli_do(client):
+    """Review helper-190: the admin trimmed a reason filter of spaces into no filter, so its
+    count, and the Apply after it, took every dead letter; REST and the CLI refuse it."""
+    subscription = SubscriptionFactory()
+    dead_letters(subscription, {"reason": "Poison"}, {"reason": "MaxAttemptsExceeded"})
+    url = reverse("admin:workqueue_subscription_changelist")
+    form = as_recovery_operator(client, subscription, operation="discard", note="x")
+
+    counted = client.post(url, {**form, "post": "count", "dead_letter_reason": "   "})
+
+    assert "dead_letter_reason" in counted.context["form"].errors
+
+
 def test_the_subscription_admin_counts_then_replays_every_matching_dead_letter(client):
     subscription = SubscriptionFactory()
     rows = outage(subscription)

@@ -16,6 +16,7 @@ from django.contrib.admin import helpers
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
+from django.utils import timezone
 
 from workqueue.admin.actions import may_operate, within_note_length
 from workqueue.exceptions import (
@@ -43,8 +44,10 @@ class DeadLetterRecoveryForm(forms.Form):
         widget=forms.RadioSelect,
         initial="replay",
     )
+    # Untrimmed, so that a blank one is refused (below), not read as no filter.
     dead_letter_reason = forms.CharField(
         required=False,
+        strip=False,
         max_length=100,
         help_text="Dead letters only: e.g. MaxAttemptsExceeded; empty: any.",
     )
@@ -81,11 +84,18 @@ class DeadLetterRecoveryForm(forms.Form):
             self.add_error("note", "Say why they are discarded.")
         if operation == "discard_pending" and data.get("dead_letter_reason"):
             self.add_error("dead_letter_reason", "Waiting deliveries have no dead-letter reason.")
-        if (text := data.get("error_contains")) and not text.strip():
-            # As the CLI and REST refuse it: read as no filter, it would match every delivery.
-            self.add_error(
-                "error_contains", "The error filter is blank: leave it empty to match any error."
-            )
+        for name, what in (("error_contains", "error"), ("dead_letter_reason", "reason")):
+            if (text := data.get(name)) and not text.strip():
+                # As the CLI and REST refuse it: read as no filter, it would match every
+                # delivery (the reason's was trimmed into none: review helper-190).
+                self.add_error(
+                    name, f"The {what} filter is blank: leave it empty to match any {what}."
+                )
+        for name in ("since", "before"):
+            if (when := data.get(name)) is not None and timezone.is_naive(when):
+                # USE_TZ = False gives times without a zone, which the operations refuse:
+                # read in the current time zone, as the CLI reads --since (helper-190).
+                data[name] = timezone.make_aware(when)
         return data
 
     def selection_fingerprint(self) -> str:
