@@ -253,16 +253,8 @@ class QueueCollector(Collector):
         live = GaugeMetricFamily("workqueue_live_hosts", "Hosts that reported recently.")
         live.add_metric([], len(seen.samples))
         yield live
-        if report.locked:
-            return  # the sizes would wait for the lock as long again
-        try:
-            families = list(_database_gauges())
-        except LockTimeoutError as exc:
-            # A lock on a table the gauges above do not read (VACUUM FULL of the message
-            # table): they stand, only the sizes are left out (review helper-189).
-            logger.warning("Metrics: the queue tables' sizes could not be read: %s", exc)
-            return
-        yield from families
+        # Not after the gauges above found the tables locked: the sizes would wait as long again.
+        yield from _database_gauges(read_sizes=not report.locked)
 
 
 def _running_hosts(live_hosts: list[Any], actor: Actor) -> Metric:
@@ -336,10 +328,20 @@ def _handler_runs(live_hosts: list[Any], now: Any, actor: Actor) -> Iterator[Met
     yield counts
 
 
-def _database_gauges() -> Iterator[Metric]:
-    """The DBA's view: queue table sizes against their rows, and the vacuum horizon. Database-
-    wide (sized by every subscription's traffic), so unrestricted readers only."""
+def _database_gauges(*, read_sizes: bool = True) -> Iterator[Metric]:
+    """The DBA's view: queue table sizes against their rows (unless not ``read_sizes``), and
+    the vacuum horizon. Database-wide (sized by every subscription's traffic), so unrestricted
+    readers only."""
     from workqueue import transport
+
+    try:
+        table_sizes = transport.queue_table_sizes() if read_sizes else []
+    except LockTimeoutError as exc:
+        # A lock on a table the gauges do not read (VACUUM FULL of the message table): the
+        # gauges stand, and the horizon and notification queue below, which read no queue
+        # table; only the sizes are left out (reviews helper-189, helper-191).
+        logger.warning("Metrics: the queue tables' sizes could not be read: %s", exc)
+        table_sizes = []
 
     table = ["table"]
     sizes = {
@@ -362,7 +364,7 @@ def _database_gauges() -> Iterator[Metric]:
             labels=table,
         ),
     }
-    for size in transport.queue_table_sizes():
+    for size in table_sizes:
         sizes["table_bytes"].add_metric([size.name], size.table_bytes)
         sizes["index_bytes"].add_metric([size.name], size.index_bytes)
         sizes["live_rows"].add_metric([size.name], size.live_rows)

@@ -181,6 +181,17 @@ class Schedule:
         )
 
 
+def recorded_slot_time(text: str) -> dt.datetime | None:
+    """The slot time a schedule record holds (UTC ISO text), or None for text that is none: a
+    row edited by hand into something else, or into a time without its offset (which could not
+    be compared with a slot's: review helper-191)."""
+    try:
+        at = dt.datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return None
+    return at if at.tzinfo is not None else None
+
+
 def slot_message_id(deduplication_key: str, secret: str | None = None) -> str:
     """The message id of the slot with ``deduplication_key``: an HMAC of it under the
     deployment's ``SECRET_KEY`` (or ``secret``), so every host agrees on it and nobody else can

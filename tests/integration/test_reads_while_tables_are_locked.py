@@ -91,6 +91,8 @@ def test_a_scrape_waits_for_a_locked_queue_table_once(pg_conn, monkeypatch):
 
     assert "workqueue_gauges_unavailable{" in text
     assert sizes_read == []
+    # Read from the server's own views, not the queue tables: kept.
+    assert "workqueue_db_vacuum_horizon_age_seconds " in text
 
 
 def test_a_scrape_while_only_the_message_table_is_locked_keeps_the_gauges_it_read(pg_conn):
@@ -107,3 +109,6 @@ def test_a_scrape_while_only_the_message_table_is_locked_keeps_the_gauges_it_rea
     assert f'workqueue_pending_deliveries{{subscription="{subscription.name}"}} 0.0' in text
     assert "workqueue_gauges_read_failed 0.0" in text
     assert "workqueue_db_table_bytes{" not in text
+    # Read from the server's own views, not the queue tables: kept (review helper-191).
+    assert "workqueue_db_vacuum_horizon_age_seconds " in text
+    assert "workqueue_db_notification_queue_usage " in text

@@ -389,14 +389,16 @@ def test_a_schedules_record_reads_back_the_same_without_use_tz(settings, topic_n
     assert second.published == {"report": dt.datetime(2026, 7, 1, 2, tzinfo=UTC)}
 
 
+@pytest.mark.parametrize("edited", ["yesterday", "2026-07-01T00:00:00"])
 def test_a_schedule_record_edited_into_no_time_is_warned_of_not_a_failed_pass(
-    settings, topic_name, caplog, capsys
+    settings, topic_name, caplog, capsys, edited
 ):
-    """A record whose slot an operator edited into something that is not a time: read as a
-    time, it failed every pass (and `workqueue schedules`)."""
+    """A record whose slot an operator edited into something that is not a time, or a time
+    without its offset (review helper-191): read as a time, it failed every pass (and
+    `workqueue schedules`)."""
     from workqueue.models import ScheduleRecord
 
-    ScheduleRecord.objects.create(name="report", last_slot="yesterday", definition="x")
+    ScheduleRecord.objects.create(name="report", last_slot=edited, definition="x")
     entries = [schedule(topic_name, "0 * * * *")]
     settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
     clock = Clock(dt.datetime(2026, 7, 1, 1, 0, 5, tzinfo=UTC))
@@ -406,9 +408,38 @@ def test_a_schedule_record_edited_into_no_time_is_warned_of_not_a_failed_pass(
     call_command("workqueue", "schedules", "--json")
 
     assert result.published == {"report": dt.datetime(2026, 7, 1, 1, tzinfo=UTC)}
-    assert "holds 'yesterday', not a slot time" in caplog.text
+    assert f"holds {edited!r}, not a slot time" in caplog.text
     assert json.loads(capsys.readouterr().out)[0]["name"] == "report"
     assert ScheduleRecord.objects.get(name="report").last_slot == "2026-07-01T01:00:00+00:00"
+
+
+def test_a_later_slot_is_recorded_over_an_earlier_one_another_host_wrote_meanwhile(
+    monkeypatch, topic_name
+):
+    """Review helper-191: the record was written only over the value read, so a host recording
+    03:00 lost to one that recorded 02:00 between its read and its write, and the record stayed
+    at the earlier slot. It is read again and written until it holds the later one."""
+    from django.db.models import QuerySet
+
+    from workqueue.models import ScheduleRecord
+
+    ScheduleRecord.objects.create(
+        name="report", last_slot="2026-07-01T01:00:00+00:00", definition="x"
+    )
+    [report] = load_schedules([schedule(topic_name, "0 * * * *")])
+    earlier = report.latest_slot(dt.datetime(2026, 7, 1, 2, 0, 5, tzinfo=UTC))
+    later = report.latest_slot(dt.datetime(2026, 7, 1, 3, 0, 5, tzinfo=UTC))
+    update = QuerySet.update
+
+    def another_host_writes_first(self: QuerySet, **fields: Any) -> int:
+        monkeypatch.setattr(QuerySet, "update", update)  # once
+        ScheduleRecord.objects.filter(name="report").update(last_slot=earlier.at.isoformat())
+        return update(self, **fields)
+
+    monkeypatch.setattr(QuerySet, "update", another_host_writes_first)
+    Scheduler([report])._record(report, later)
+
+    assert ScheduleRecord.objects.get(name="report").last_slot == "2026-07-01T03:00:00+00:00"
 
 
 def test_a_schedule_moved_to_another_topic_does_not_run_its_slot_again_once_it_was_purged():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import time
@@ -207,7 +206,7 @@ class SchedulesVerb(Verb):
         from workqueue.driver import get_driver
         from workqueue.exceptions import WorkQueueConfigurationError
         from workqueue.models import Deduplication, Message, ScheduleRecord
-        from workqueue.scheduling import load_schedules
+        from workqueue.scheduling import load_schedules, recorded_slot_time
         from workqueue.types import DeduplicationStatus
 
         conf = get_settings()
@@ -258,7 +257,7 @@ class SchedulesVerb(Verb):
         # A slot at or before the latest one a schedule published (under any definition) is
         # not published again: it counts as published (review helper-188).
         last_slots = {
-            name: _slot_time(at)
+            name: recorded_slot_time(at)
             for name, at in ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
             .filter(name__in=list(slots))
             .values_list("name", "last_slot")
@@ -307,15 +306,6 @@ class SchedulesVerb(Verb):
                 ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
             )
         )
-
-
-def _slot_time(text: str) -> dt.datetime | None:
-    """A schedule record's slot time; None for text that is none (a row edited by hand, which
-    the scheduler warns of)."""
-    try:
-        return dt.datetime.fromisoformat(text)
-    except ValueError:
-        return None
 
 
 def _counts_as_published(slot: Any, published: set[str], last_slot_at: Any) -> bool:

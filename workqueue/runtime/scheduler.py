@@ -15,10 +15,14 @@ from workqueue.conf import get_settings
 from workqueue.driver import get_driver
 from workqueue.driver.base import SCHEDULE_RECORD_TABLE
 from workqueue.publishing import publish
-from workqueue.scheduling import Schedule, Slot
+from workqueue.scheduling import Schedule, Slot, recorded_slot_time
 from workqueue.types import PublishErrorCode, PublishResult, PublishStatus, SubscriptionStatus
 
 logger = logging.getLogger(__name__)
+
+#: How many times a schedule's record is read and written over before the pass leaves it (the
+#: next pass records the slot again): each try loses only to another host's write.
+RECORD_TRIES = 5
 
 
 @dataclass(slots=True)
@@ -187,9 +191,9 @@ class Scheduler:
             return {}
         last_slots = {}
         for name, at, digest in rows:
-            try:
-                last_slots[name] = (dt.datetime.fromisoformat(at), digest)
-            except ValueError:
+            if (last := recorded_slot_time(at)) is not None:
+                last_slots[name] = (last, digest)
+            else:
                 # Not a time (edited by hand): as if none were recorded, until the next
                 # publish of the schedule's records its slot over it.
                 logger.warning(
@@ -207,13 +211,23 @@ class Scheduler:
         from workqueue.models import ScheduleRecord
 
         records = ScheduleRecord.objects.using(self.alias)
-        at = slot.at.isoformat()  # UTC: sorts as the times do
-        recorded = {"last_slot": at, "definition": schedule.digest}
+        recorded = {"last_slot": slot.at.isoformat(), "definition": schedule.digest}
         try:
-            record, made = records.get_or_create(name=schedule.name, defaults=recorded)
-            if not made and (record.last_slot < at or not _is_slot_time(record.last_slot)):
-                # Only over what was read: another host may have recorded a later slot since.
-                records.filter(name=schedule.name, last_slot=record.last_slot).update(**recorded)
+            # Compared here, as times: a database's collation may not order the text as
+            # bytes. Written only over the value read, and read again when another host wrote
+            # first, so that neither an earlier slot overwrites a later one nor the other way
+            # round (review helper-191).
+            for _ in range(RECORD_TRIES):
+                record, made = records.get_or_create(name=schedule.name, defaults=recorded)
+                if made:
+                    return
+                last = recorded_slot_time(record.last_slot)
+                if last is not None and last >= slot.at:
+                    return
+                if records.filter(name=schedule.name, last_slot=record.last_slot).update(
+                    **recorded
+                ):
+                    return
         except DatabaseError as exc:
             self._records_failed(exc)
 
@@ -228,14 +242,6 @@ class Scheduler:
                 SCHEDULE_RECORD_TABLE,
                 exc,
             )
-
-
-def _is_slot_time(text: str) -> bool:
-    try:
-        dt.datetime.fromisoformat(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _publish_slot(schedule: Schedule, slot: Slot, alias: str) -> PublishResult | None:
