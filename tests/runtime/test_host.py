@@ -871,15 +871,15 @@ def late_settles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return slow
 
 
-def refresh_slowly_after_the_first_run(consumer: Consumer) -> None:
-    """The consumer's handlers' connections take 1.5 s to refresh once the first run has
+def refresh_slowly_after_the_first_run(consumer: Consumer, seconds: float = 1.5) -> None:
+    """The consumer's handlers' connections take ``seconds`` to refresh once the first run has
     returned (a ping of a broken connection on a slow network)."""
     services = consumer._services
     refresh = services.refresh_connections
 
     def slow_refresh() -> None:
         if probe.runs and probe.runs[0].finished.is_set():
-            time.sleep(1.5)
+            time.sleep(seconds)
         refresh()
 
     services.refresh_connections = slow_refresh
@@ -999,15 +999,7 @@ def test_a_claim_is_not_sent_near_the_lease_while_a_returned_handler_refreshes(
     host = make_host(one(s, concurrency=2), idle_poll_min_ms=30_000, idle_poll_max_ms=30_000)
     host.start()
     consumer = host._consumers[s.name]
-    services = consumer._services
-    refresh = services.refresh_connections
-
-    def slow_refresh() -> None:
-        if probe.runs and probe.runs[0].finished.is_set():
-            time.sleep(0.7)
-        refresh()
-
-    services.refresh_connections = slow_refresh
+    refresh_slowly_after_the_first_run(consumer, seconds=0.7)
     receive = consumer.receiver.receive
 
     def slow_receive(max_rows: int) -> Any:  # a claim 1.2 s on its way
