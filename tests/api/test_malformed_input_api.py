@@ -15,6 +15,7 @@ import pytest
 
 from tests.factories import ApiKeyFactory, SubscriptionFactory, TopicFactory
 from tests.support.api import assert_refused, post
+from tests.support.queue import pending
 from workqueue import publish
 from workqueue.models import Delivery
 from workqueue.operators.permissions import OPERATE, PUBLISH, READ
@@ -299,6 +300,47 @@ def test_an_operator_body_of_many_values_is_refused_before_it_is_parsed(client):
 
     assert response.status_code == 413, response.content[:300]
     assert "JSON values and keys" in response.json()["detail"]
+
+
+def test_a_signed_in_operators_body_of_many_values_is_refused_too(client):
+    """The count holds for a Django session as for an API key (both authenticate the operator
+    endpoints); the CSRF check comes first, as ever."""
+    from django.test import Client
+
+    from tests.factories import ALL_PERMISSIONS, UserFactory
+
+    browser = Client(enforce_csrf_checks=True)
+    browser.force_login(UserFactory(is_staff=True, perms=ALL_PERMISSIONS))
+    browser.get("/work-queue/docs")  # the docs page sets the CSRF cookie, as in a browser
+    token = browser.cookies["csrftoken"].value
+    subscription = SubscriptionFactory()
+    url = f"/work-queue/subscriptions/{subscription.name}/pending/discard"
+
+    without_token = browser.post(url, data=_many_keys(), content_type="application/json")
+    refused = browser.post(
+        url, data=_many_keys(), content_type="application/json", headers={"X-CSRFToken": token}
+    )
+
+    assert without_token.status_code == 403
+    assert refused.status_code == 413, refused.content[:300]
+
+
+def test_an_operator_note_full_of_commas_is_not_counted_as_values(client):
+    """Text is left out of the count: a note of 1,000 commas and colons is one value."""
+    subscription = SubscriptionFactory()
+    pending(subscription)
+    key = ApiKeyFactory(scopes=[OPERATE, READ])
+    note = ",:" * 500
+
+    response = client.post(
+        f"/work-queue/subscriptions/{subscription.name}/pending/discard",
+        data=json.dumps({"reason": note, "dryRun": True}),
+        content_type="application/json",
+        headers={"X-API-Key": key.raw_key},
+    )
+
+    assert response.status_code == 200, response.content[:300]
+    assert response.json()["matched"] == 1
 
 
 @pytest.mark.parametrize("scopes", [[PUBLISH], [READ]])
