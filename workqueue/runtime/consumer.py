@@ -344,9 +344,6 @@ class Consumer:
         # Cancels announced for deliveries not (yet) held here, oldest first: id -> when.
         self._recent_cancels: dict[str, float] = {}
         self._handlers_running = 0  # slots taken: from claim until the handler returns
-        # Of those, slots kept by handlers returned past their lease until their settle is
-        # made (DeliveryExecution._mark_returned): nothing is claimed while any is.
-        self._slots_kept_for_settle = 0
         # No earlier than this (monotonic) can an execution here near its lease's end, when a
         # returned handler's settle on its way would hold claims back (_holds_a_late_settle):
         # a bound kept as deliveries start, made exact only once it is reached, so that the
@@ -602,8 +599,6 @@ class Consumer:
     def _holds_a_late_settle(self, now: float) -> bool:
         """Whether a handler that returned is having its outcome recorded past its lease, or
         within LATE_SETTLE_MARGIN_SECONDS of its end; called with the lock held."""
-        if self._slots_kept_for_settle:
-            return True
         if now < self._leases_checked_until:
             return False
         # The bound is reached: read every execution here (a renewal may have moved its lease
@@ -1041,7 +1036,6 @@ class Consumer:
             on_handler_done=self._free_slot,
             leased_at=leased_at,
             on_cancelled_unstarted=self._hand_back_cancelled_ahead,
-            on_slot_kept=self._count_slot_kept,
         )
         with self._lock:
             self._running[execution.key] = execution
@@ -1079,12 +1073,6 @@ class Consumer:
                 raise
             # The pool is shutting down: hand it back.
             self._release(execution.delivery, self._hand_back_until(execution.lease_ends))
-
-    def _count_slot_kept(self, kept: bool) -> None:
-        """A handler returned past its lease keeps its slot for its settle (True), or passes
-        it on once that settle is made (False): no claim meanwhile (see _room)."""
-        with self._lock:
-            self._slots_kept_for_settle += 1 if kept else -1
 
     def _free_slot(self, handled_seconds: float) -> DeliveryExecution | None:
         """A handler returned (on its worker thread): its slot is passed on."""

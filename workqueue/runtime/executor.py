@@ -292,16 +292,11 @@ class DeliveryExecution:
         on_handler_done: Callable[[float], DeliveryExecution | None] | None = None,
         leased_at: float | None = None,
         on_cancelled_unstarted: Callable[[DeliveryExecution], None] | None = None,
-        on_slot_kept: Callable[[bool], None] | None = None,
     ) -> None:
         self.delivery = delivery
         self.plan = plan
         self.services = services
         self._on_handler_done = on_handler_done
-        #: Told True when the handler's slot is kept for its settle (returned past its lease,
-        #: or past it once its connections were refreshed), False as that slot is passed on
-        #: (see _mark_returned).
-        self._on_slot_kept = on_slot_kept
         #: Told when a renewal finds the delivery cancelled before its handler started.
         self._on_cancelled_unstarted = on_cancelled_unstarted
         self.started = False
@@ -502,22 +497,19 @@ class DeliveryExecution:
             now = time.monotonic()
             handled_in = now - began  # with the connections' refresh: the slot's time
             metrics.labelled(metrics.HANDLER_SECONDS, self.plan.name).observe(handled_in)
-            kept_now = pass_on = False
+            pass_on = False
             with self._lock:
                 horizon = self._horizon
                 if self._slot_held_for_settle is None and not self._slot_passed_on:
                     # Asked again: the lease may have run out while the connections were
                     # refreshed after a return just before it (review helper-184).
-                    kept_now = self._keeps_slot(now)
-                    if kept_now:
+                    if self._keeps_slot(now):
                         self._slot_held_for_settle = handled_in
                     elif self._on_handler_done is not None:
                         pass_on = self._slot_passed_on = True
             for timer in [*self._timers, horizon]:
                 if timer is not None:
                     timer.cancel()
-            if kept_now and self._on_slot_kept is not None:
-                self._on_slot_kept(True)
             if pass_on and self._on_handler_done is not None:
                 # The handler's slot is free now; settling goes on without holding it.
                 self.next_in_slot = self._on_handler_done(handled_in)
@@ -539,24 +531,19 @@ class DeliveryExecution:
         until a claim takes the delivery back: this consumer's own did so before the settle
         could record the outcome, and ran the finished work again (helper-180). The slot
         stays taken until the settle has been made (free_slot_held_for_settle), which is
-        never a batched completion's, and the consumer starts no claim meanwhile
-        (on_slot_kept; helper-182). Decided at the return, before the connections are
-        refreshed (which can take long), so that a kept slot starts no claim during the
-        refresh; asked again as the slot would be passed on after it (_run_handler: a refresh
-        that ran past the lease, helper-184). A handler that returned before its lease ran out
-        keeps nothing; the consumer claims nothing while its settle, from the return on and
-        through the refresh, nears the lease's end (Consumer._holds_a_late_settle; reviews
-        helper-186, helper-187)."""
+        never a batched completion's. Decided at the return, before the connections are
+        refreshed (which can take long); asked again as the slot would be passed on after it
+        (_run_handler: a refresh that ran past the lease, helper-184). Whether it keeps its
+        slot or not, the consumer claims nothing while the settle of a returned handler, from
+        the return on, nears or passes the lease's end (Consumer._holds_a_late_settle; reviews
+        helper-182, helper-186, helper-187)."""
         with self._lock:
             if self._handler_returned:
                 return
             self._handler_returned = True
             returned_at = time.monotonic()
-            kept = self._keeps_slot(returned_at)
-            if kept:
+            if self._keeps_slot(returned_at):
                 self._slot_held_for_settle = returned_at - (self._handler_began or returned_at)
-        if kept and self._on_slot_kept is not None:
-            self._on_slot_kept(True)
 
     def free_slot_held_for_settle(self) -> None:
         """Pass on the slot the handler's return kept for its settle, if it kept one; the
@@ -566,8 +553,6 @@ class DeliveryExecution:
             if handled_in is not None:
                 self._slot_passed_on = True
         if handled_in is not None and self._on_handler_done is not None:
-            if self._on_slot_kept is not None:
-                self._on_slot_kept(False)
             self.next_in_slot = self._on_handler_done(handled_in)
 
     def abort(self, reason: str) -> None:
