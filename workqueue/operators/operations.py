@@ -381,15 +381,13 @@ def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
     cap = get_settings().METRICS_COUNT_CAP
     gauges = []
     unavailable: dict[str, str] = {}
-    # Transports' driver classes whose tables a read found locked, and why: they share them.
-    locked: dict[str, str] = {}
+    locked = _LockedTables()
     for subscription in Subscription.objects.order_by("name").select_related("topic__transport"):
         name = subscription.name
         if actor.subscriptions and name not in actor.subscriptions:
             continue
-        driver_class = subscription.topic.transport.driver_class
-        if driver_class in locked:
-            unavailable[name] = locked[driver_class]
+        if (why := locked.why(subscription)) is not None:
+            unavailable[name] = why
             continue
         try:
             found = _transport_of(subscription)
@@ -398,8 +396,7 @@ def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
         except WorkQueueError as exc:
             logger.warning("Could not read the gauges of %s: %s", name, exc)
             unavailable[name] = str(exc)
-            if isinstance(exc, LockTimeoutError):
-                locked[driver_class] = str(exc)
+            locked.note(subscription, exc)
             continue
         if row is None or backlog is None:
             continue
@@ -417,6 +414,27 @@ def queue_gauges(*, actor: Actor = CLI) -> GaugesReport:
             )
         )
     return GaugesReport(gauges, unavailable, locked=bool(locked))
+
+
+class _LockedTables:
+    """The transports whose queue tables a read found locked (VACUUM FULL, a migrate's ALTER
+    TABLE) for the 2 s it waits, by driver class (they share the tables), and why: a loop over
+    subscriptions reads none of theirs again, each of which would wait as long."""
+
+    def __init__(self) -> None:
+        self._why: dict[str, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._why)
+
+    def why(self, subscription: Any) -> str | None:
+        """Why ``subscription``'s tables are known locked, or None."""
+        return self._why.get(subscription.topic.transport.driver_class)
+
+    def note(self, subscription: Any, error: Exception) -> None:
+        """Remember ``error`` if it says ``subscription``'s tables are locked."""
+        if isinstance(error, LockTimeoutError):
+            self._why[subscription.topic.transport.driver_class] = str(error)
 
 
 def list_dead_letters(
@@ -1225,12 +1243,10 @@ def unserved_subscriptions(
     if actor.subscriptions:
         candidates = candidates.filter(name__in=actor.subscriptions)
     unserved = []
-    # Transports' driver classes whose tables a probe found locked, and why (see queue_gauges).
-    locked: dict[str, str] = {}
+    locked = _LockedTables()
     for subscription in candidates.order_by("name").select_related("topic__transport"):
-        driver_class = subscription.topic.transport.driver_class
-        if driver_class in locked:
-            unserved.append(UnservedSubscription(subscription.name, None, locked[driver_class]))
+        if (why := locked.why(subscription)) is not None:
+            unserved.append(UnservedSubscription(subscription.name, None, why))
             continue
         # One probe each: on the Database transport wq_backlog, which counts what a claim
         # could take now (one per key on partitioned subscriptions) along index paths,
@@ -1246,8 +1262,7 @@ def unserved_subscriptions(
             LockTimeoutError,
         ) as exc:
             unserved.append(UnservedSubscription(subscription.name, None, str(exc)))
-            if isinstance(exc, LockTimeoutError):
-                locked[driver_class] = str(exc)
+            locked.note(subscription, exc)
             continue
         if counted is None:
             continue
