@@ -8,6 +8,7 @@ handler finished or was handed back."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from workqueue import publish
 from workqueue.driver import get_driver
 from workqueue.exceptions import PrivilegeRefusedError, TransientDriverError
 from workqueue.models import Delivery
+from workqueue.runtime.consumer import CompletionBatcher
 from workqueue.runtime.process import describe_left_behind
 
 pytestmark = pytest.mark.usefixtures("queue_db")
@@ -109,8 +111,6 @@ def test_handing_back_a_lost_claims_deliveries_gives_up_once_the_database_stops_
     another they held a stop far past its drain"); _hand_back_lost_claim calls for each
     delivery in turn, each waiting out its own timeout. README (104930f) says each wait of a
     stop is bounded by SHUTDOWN_DRAIN_MS."""
-    import time
-
     s = sub(lease_seconds=60, max_attempts=5)
     for n in range(4):
         publish(s.topic.name, {"then": "complete", "n": n})
@@ -150,3 +150,61 @@ def test_handing_back_a_lost_claims_deliveries_gives_up_once_the_database_stops_
     took = time.monotonic() - began
 
     assert took < 4.0, f"the stop took {took:.1f} s with a drain of 0.5 s"
+
+
+def test_the_stop_takes_back_no_delivery_whose_late_settle_is_on_its_way(make_host, monkeypatch):
+    """Review helper-187 (proven here): a claim whose answer was lost may have taken nothing, so
+    the stop's retake claims one delivery afresh. A handler that returned just before its lease
+    ended, its settle still on its way past the lease when the drain gave up, had its delivery
+    taken by that claim and handed back: the settle was refused and the finished work would
+    run again. The retake waits for such a settle (as every claim does) or leaves the lost
+    claim to its lease."""
+    s = sub(lease_seconds=5, max_attempts=3, heartbeat_mode="Manual")
+    host = make_host(
+        one(s, concurrency=2),
+        shutdown_drain_ms=3_000,
+        idle_poll_min_ms=30_000,
+        idle_poll_max_ms=30_000,
+    )
+    slow: list[str] = []
+    complete_later = CompletionBatcher.complete_later  # bound by the consumers as they start
+
+    def slow_complete_later(self: CompletionBatcher, delivery: Any, settled: Any) -> bool:
+        if delivery.message_id in slow:
+            time.sleep(3)  # on its way past the lease's end
+        return complete_later(self, delivery, settled)
+
+    monkeypatch.setattr(CompletionBatcher, "complete_later", slow_complete_later)
+    host.start()
+    consumer = host._consumers[s.name]
+    finished = publish(s.topic.name, {"sleepMs": 4_600, "ignoreSignal": True}).message_id
+    slow.append(finished)
+    (run,) = probe.wait_for(1)
+    driver = get_driver()
+    real_call = driver.call
+    armed, lost = threading.Event(), threading.Event()
+
+    def answer_lost(name: str, params: Any, **kwargs: Any) -> Any:
+        rows = real_call(name, params, **kwargs)
+        if name == "wq_claim" and armed.is_set():
+            armed.clear()
+            lost.set()
+            consumer._stopping.wait(10)  # the stop begins while the answer is on its way
+            raise TransientDriverError("server closed the connection unexpectedly")
+        return rows
+
+    monkeypatch.setattr(driver, "call", answer_lost)
+    armed.set()
+    consumer.kick()  # a claim for the free slot, which finds nothing and whose answer is lost
+    assert lost.wait(10)
+
+    # The stop begins now: it gives up at 6 s from the start (the handler returned at 4.6 s,
+    # its lease ended at 5 s), and the settle is made at 7.6 s.
+    host.shutdown()
+
+    assert run.finished.is_set()
+    row = Delivery.objects.get(message_id=finished)
+    assert row.status == "Completed", (
+        f"the finished work's delivery is {row.status} at attempt {row.attempt_count}: the "
+        f"stop's retake took it while its settle was on its way, and it runs again"
+    )

@@ -1458,8 +1458,15 @@ class Consumer:
         One delivery a claim: a claim takes back what the lost one took before anything new,
         so only the last, which finds nothing left to take back, may claim one afresh (handed
         back at once too; review helper-172). The first hand-back that fails ends it: a
-        database that does not answer would make each of them wait out its own timeout."""
+        database that does not answer would make each of them wait out its own timeout.
+
+        A claim that finds nothing to take back may take a delivery whose handler returned and
+        whose settle is still on its way past its lease (the drain gave up on it): handed back,
+        its finished work would run again. So no claim is made while a settle holds claims
+        back (as in _room); one still holding them at ``until`` leaves the lost claim counted."""
         while getattr(self.receiver, "owes_a_lost_claim", False) and time.monotonic() < until:
+            if not self._late_settles_made_by(until):
+                break
             try:
                 retaken = self._receive(1).deliveries
             except Exception:
@@ -1479,6 +1486,18 @@ class Consumer:
                 break
         if getattr(self.receiver, "owes_a_lost_claim", False):
             self.claims_left_out += 1
+
+    def _late_settles_made_by(self, until: float) -> bool:
+        """Wait, at most until ``until``, for no settle here to hold claims back; whether none
+        does."""
+        with self._lock:
+            while self._holds_a_late_settle(time.monotonic()):
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    return False
+                # Timed: a settle's lease moving on (a renewal) notifies nobody.
+                self._lock.wait(min(remaining, 0.1))
+        return True
 
     def _release_failed(self, exc: WorkQueueError) -> None:
         logger.warning(
