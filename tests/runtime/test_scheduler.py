@@ -413,6 +413,67 @@ def test_a_schedule_record_edited_into_no_time_is_warned_of_not_a_failed_pass(
     assert ScheduleRecord.objects.get(name="report").last_slot == "2026-07-01T01:00:00+00:00"
 
 
+def test_a_record_ahead_of_the_clock_is_named_with_its_fix_not_as_a_changed_definition(
+    settings, topic_name, caplog, capsys
+):
+    """A record whose slot lies ahead of the database clock (a clock set back after running
+    ahead) keeps the schedule from publishing until then. The scheduler said at each slot that
+    the schedule's definition had changed, and `workqueue schedules` showed each skipped slot
+    as published, under an id no message had: an operator looked for a deploy that never
+    happened. The warning names the record and how to clear it; the command says skipped."""
+    from workqueue.models import ScheduleRecord
+
+    entries = [schedule(topic_name, "0 * * * *")]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    [report] = load_schedules(entries)
+    ahead = (get_driver().database_now() + dt.timedelta(days=2)).replace(minute=0, second=0)
+    ScheduleRecord.objects.create(
+        name="report", last_slot=ahead.replace(microsecond=0).isoformat(), definition=report.digest
+    )
+
+    with caplog.at_level(logging.WARNING, logger="workqueue.runtime.scheduler"):
+        skipped = Scheduler(load_schedules(entries)).run_once()
+    call_command("workqueue", "schedules", "--json")
+    [row] = json.loads(capsys.readouterr().out)
+    call_command("workqueue", "schedules")
+    shown = capsys.readouterr().out
+
+    assert (skipped.published, published(topic_name)) == ({}, 0)
+    assert "later than the database clock" in caplog.text, caplog.text
+    assert "DELETE FROM workqueue_schedulerecord WHERE name = 'report'" in caplog.text
+    assert "definition changed" not in caplog.text
+    assert (row["published"], row["message_id"]) == (False, None), row
+    assert "later than the database clock" in row["skipped"]
+    assert "report: skipped: its record holds slot" in shown
+    ScheduleRecord.objects.filter(name="report").delete()  # the fix the warning names
+    assert Scheduler(load_schedules(entries)).run_once().published
+
+
+def test_schedules_shows_a_slot_skipped_for_a_later_one_as_skipped_with_no_message_id(
+    settings, topic_name, capsys
+):
+    """A slot before the latest one its schedule published (under an earlier zone or cron) is
+    never published; `workqueue schedules` said "yes" and gave the id it would have had, so a
+    caller of `get_result` with that id found nothing."""
+    from workqueue.models import ScheduleRecord
+
+    entries = [schedule(topic_name, "0 0 * * *")]
+    settings.WORKQUEUE = {**settings.WORKQUEUE, "SCHEDULES": entries}
+    [report] = load_schedules(entries)
+    now = get_driver().database_now()
+    slot = report.latest_slot(now)
+    if (now - slot.at).total_seconds() < 2:  # a later slot recorded must not lie ahead
+        time.sleep(2)
+    later = slot.at + dt.timedelta(seconds=1)
+    ScheduleRecord.objects.create(name="report", last_slot=later.isoformat(), definition="old")
+
+    call_command("workqueue", "schedules", "--json")
+    [row] = json.loads(capsys.readouterr().out)
+
+    assert (row["published"], row["message_id"]) == (False, None), row
+    assert row["skipped"].startswith("a later slot"), row
+
+
 def test_a_later_slot_is_recorded_over_an_earlier_one_another_host_wrote_meanwhile(
     monkeypatch, topic_name
 ):

@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from workqueue.cli import Verb
 from workqueue.cli.output import table, to_json
+from workqueue.driver.base import SCHEDULE_RECORD_TABLE
 
 BATCH = 100
 
@@ -255,28 +256,34 @@ class SchedulesVerb(Verb):
                 .values_list("message_id", flat=True)
             )
         # A slot at or before the latest one a schedule published (under any definition) is
-        # not published again: it counts as published (review helper-188).
-        last_slots = {
-            name: recorded_slot_time(at)
-            for name, at in ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
+        # not published again (review helper-188).
+        records = {
+            name: (recorded_slot_time(at), digest)
+            for name, at, digest in ScheduleRecord.objects.using(conf.DATABASE_ALIAS)
             .filter(name__in=list(slots))
-            .values_list("name", "last_slot")
+            .values_list("name", "last_slot", "definition")
         }
-        rows = [
-            {
-                "name": s.name,
-                "cron": s.cron,
-                "timezone": s.timezone,
-                "topic": s.topic,
-                "slot": slots[s.name].at if slots[s.name] else None,
-                # A task schedule's result is read by it (get_result): the id it was published
-                # under (a fallback key's, during a rotation), else the one it will be.
-                "message_id": _slot_message_id(slots[s.name], published),
-                "published": _counts_as_published(slots[s.name], published, last_slots.get(s.name)),
-                "next_slot": s.next_slot_time(now),
-            }
-            for s in schedules
-        ]
+        rows = []
+        for s in schedules:
+            slot = slots[s.name]
+            skipped = _why_skipped(s, slot, published, records.get(s.name), now)
+            rows.append(
+                {
+                    "name": s.name,
+                    "cron": s.cron,
+                    "timezone": s.timezone,
+                    "topic": s.topic,
+                    "slot": slot.at if slot else None,
+                    # A task schedule's result is read by it (get_result): the id it was
+                    # published under (a fallback key's, during a rotation), else the one it
+                    # will be; none for a slot that is not published.
+                    "message_id": None if skipped else _slot_message_id(slot, published),
+                    "published": not skipped
+                    and _counts_as_published(s, slot, published, records.get(s.name)),
+                    "skipped": skipped,
+                    "next_slot": s.next_slot_time(now),
+                }
+            )
         self._write(command, options, rows)
         if options["publish"] and refused:
             raise CommandError(
@@ -298,7 +305,9 @@ class SchedulesVerb(Verb):
                         r["timezone"],
                         r["topic"],
                         r["slot"],
-                        "yes" if r["published"] else ("no" if r["slot"] else ""),
+                        "yes"
+                        if r["published"]
+                        else ("skipped" if r["skipped"] else ("no" if r["slot"] else "")),
                         r["next_slot"],
                     )
                     for r in rows
@@ -306,16 +315,42 @@ class SchedulesVerb(Verb):
                 ("NAME", "CRON", "TIMEZONE", "TOPIC", "SLOT", "PUBLISHED", "NEXT SLOT"),
             )
         )
+        for r in rows:
+            if r["skipped"]:
+                command.stdout.write(f"{r['name']}: skipped: {r['skipped']}")
 
 
-def _counts_as_published(slot: Any, published: set[str], last_slot_at: Any) -> bool:
-    """Whether ``slot`` was published (one of its ids is), or is not published again because
-    its schedule published it, or a later slot, under an earlier definition."""
+def _counts_as_published(
+    schedule: Any, slot: Any, published: set[str], record: tuple[Any, str] | None
+) -> bool:
+    """Whether ``slot`` was published: one of its ids is, or its schedule's record holds it
+    under the definition it has now (its message and key purged since)."""
     if slot is None:
         return False
     if not published.isdisjoint(slot.own_message_ids):
         return True
-    return last_slot_at is not None and slot.at <= last_slot_at
+    return record is not None and record == (slot.at, schedule.digest)
+
+
+def _why_skipped(
+    schedule: Any, slot: Any, published: set[str], record: tuple[Any, str] | None, now: Any
+) -> str | None:
+    """Why ``slot``, not published under any of its ids, never will be (its schedule's record
+    holds it or a later slot: the scheduler's rule); None if it is published or may be."""
+    if slot is None or record is None or not published.isdisjoint(slot.own_message_ids):
+        return None
+    last, digest = record
+    if last is None or slot.at > last or (slot.at == last and digest == schedule.digest):
+        return None
+    if last > now:
+        return (
+            f"its record holds slot {last.isoformat()}, later than the database clock: no slot "
+            f"is published until then (delete its row of {SCHEDULE_RECORD_TABLE} if that slot "
+            "never ran)"
+        )
+    if slot.at < last:
+        return f"a later slot, {last.isoformat()}, was published under an earlier definition"
+    return "it was published under an earlier definition"
 
 
 def _slot_message_id(slot: Any, published: set[str]) -> str | None:

@@ -46,6 +46,7 @@ class Scheduler:
         self.clock = clock or get_driver(self.alias).database_now
         self._changed_slots_reported: set[tuple[str, dt.datetime]] = set()
         self._disabled_queues_reported: set[tuple[str, dt.datetime]] = set()
+        self._records_ahead_reported: set[tuple[str, dt.datetime]] = set()
         self._records_failed_reported = False
 
     def run_once(self) -> SchedulerPassResult:
@@ -68,7 +69,9 @@ class Scheduler:
                     # zone or cron moved the slot's time, or its topic changed, where the slot's
                     # key is not kept): published again, the work ran twice (review helper-188).
                     result.duplicates[schedule.name] = slot.at
-                    if slot.at < last or definition != schedule.digest:
+                    if last > now:
+                        self._report_record_ahead(schedule, last, now)
+                    elif slot.at < last or definition != schedule.digest:
                         self._report_changed(schedule, slot)
                     continue
                 published = _publish_slot(schedule, slot, self.alias)
@@ -174,6 +177,26 @@ class Scheduler:
             schedule.name,
             slot.at.isoformat(),
             extra={"action": "schedule_changed"},
+        )
+
+    def _report_record_ahead(self, schedule: Schedule, last: dt.datetime, now: dt.datetime) -> None:
+        """Say once that ``schedule`` publishes nothing until ``last``, the slot its record
+        holds, which lies ahead of the database clock: told the definition changed, an
+        operator would look in the wrong place while every slot until then is skipped."""
+        if (schedule.name, last) in self._records_ahead_reported:
+            return
+        self._records_ahead_reported.add((schedule.name, last))
+        logger.warning(
+            "Scheduler: schedule %s's record says slot %s was published, which is later than "
+            "the database clock's %s (a clock set back after running ahead, or a record edited "
+            "by hand): no slot of it is published until then. If that slot never ran, delete "
+            "the record: DELETE FROM %s WHERE name = '%s'",
+            schedule.name,
+            last.isoformat(),
+            now.isoformat(),
+            SCHEDULE_RECORD_TABLE,
+            schedule.name.replace("'", "''"),
+            extra={"action": "schedule_record_ahead"},
         )
 
     def _last_slots(self) -> dict[str, tuple[dt.datetime, str]]:
