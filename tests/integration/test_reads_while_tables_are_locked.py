@@ -50,7 +50,9 @@ def while_locked(pg_conn: Any, read: Callable[[], Any], table: str = "workqueue_
 
 def test_health_while_a_queue_table_is_locked_answers_and_says_so(client, pg_conn):
     """Review helper-187: /health answered 503 "database unavailable" once the backlog probe's
-    wait ran out (before the probes had a lock timeout, it waited as long as the lock)."""
+    wait ran out (before the probes had a lock timeout, it waited as long as the lock). A key
+    limited to its team's subscriptions then read ``ok`` with no warning while their claims
+    waited for the lock: it hears that the tables are locked too (nothing else database-wide)."""
     subscription = SubscriptionFactory()
     unrestricted, limited = reader(), reader(subscriptions=[subscription.name])
 
@@ -58,10 +60,22 @@ def test_health_while_a_queue_table_is_locked_answers_and_says_so(client, pg_con
         response = while_locked(pg_conn, lambda key=key: call(client, "get", "/health", key=key))
         assert response.status_code == 200, (response.status_code, response.content)
         warnings = response.json()["databaseWarnings"]
-        if key is unrestricted:
-            assert len(warnings) == 1 and "The queue tables are locked" in warnings[0], warnings
-        else:
-            assert warnings == []
+        assert len(warnings) == 1 and "The queue tables are locked" in warnings[0], (key, warnings)
+        assert response.json()["status"] != "ok"
+
+
+def test_a_limited_key_hears_no_other_database_warning(client, monkeypatch):
+    """What else /health warns of names indexes sized by every subscription's backlog: for
+    unrestricted readers only."""
+    subscription = SubscriptionFactory()
+    sparse = [operations.BindingIssue("Warning", "database", "Queue indexes far larger (test)")]
+    monkeypatch.setattr(operations, "_read_database_health_issues", lambda: sparse)
+
+    unrestricted = call(client, "get", "/health", key=reader()).json()["databaseWarnings"]
+    limited_key = reader(subscriptions=[subscription.name])
+    limited = call(client, "get", "/health", key=limited_key).json()["databaseWarnings"]
+
+    assert (unrestricted, limited) == (["Queue indexes far larger (test)"], [])
 
 
 def test_unserved_subscriptions_while_a_queue_table_is_locked_are_listed_unread(pg_conn):

@@ -1092,11 +1092,18 @@ def database_warnings(*, actor: Actor = CLI) -> list[str]:
     """What threatens the queue tables' upkeep now (sparse indexes, a vacuum horizon held past
     ``VACUUM_HORIZON_WARNING_SECONDS``, a filling notification queue, dead rows outnumbering
     live ones), as sentences naming
-    the fix. Database-wide, so a caller limited to named subscriptions hears none of it."""
+    the fix. Database-wide, so a caller limited to named subscriptions hears only that the
+    queue tables are locked: its own subscriptions' claims wait for that lock too, and a
+    monitor reading ``ok`` meanwhile would be lied to."""
     require(actor, READ)
+    issues = _database_health_issues()
     if actor.subscriptions:
-        return []
-    return [issue.message for issue in _database_health_issues()]
+        issues = [issue for issue in issues if issue.subject == QUEUE_TABLES_LOCKED]
+    return [issue.message for issue in issues]
+
+
+#: The subject of the issue that says the queue tables are locked: every caller may see it.
+QUEUE_TABLES_LOCKED = "queue tables"
 
 
 def _database_health_issues() -> list[BindingIssue]:
@@ -1109,7 +1116,7 @@ def _database_health_issues() -> list[BindingIssue]:
         return [
             BindingIssue(
                 "Warning",
-                "database",
+                QUEUE_TABLES_LOCKED,
                 f"The queue tables are locked (VACUUM FULL, REINDEX, a migrate's ALTER TABLE?): "
                 f"their upkeep could not be checked, and claims and publishes wait for the lock "
                 f"too. Find the holder in pg_locks / sys.dm_tran_locks. ({one_line(exc)})",
@@ -1283,7 +1290,7 @@ def _visible_subjects(actor: Actor) -> set[str] | None:
 
     if not actor.subscriptions:
         return None
-    visible: set[str] = set()
+    visible: set[str] = {QUEUE_TABLES_LOCKED}
     for name, topic, transport_name in Subscription.objects.filter(
         name__in=actor.subscriptions
     ).values_list("name", "topic__name", "topic__transport__name"):
