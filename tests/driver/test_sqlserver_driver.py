@@ -749,3 +749,16 @@ def test_a_permission_refusal_from_mssql_python_is_a_privilege_refusal(driver):
         ),
     )
     assert isinstance(driver.translate_error(error), PrivilegeRefusedError)
+
+
+def test_restricting_advisory_locks_on_sql_server_says_what_to_do_instead(monkeypatch):
+    """SQL Server's locks are application locks on principal public: the command restricts
+    PostgreSQL's advisory locks only, and says so rather than printing nothing useful."""
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    import workqueue.driver
+
+    monkeypatch.setattr(workqueue.driver, "_drivers", {"default": SqlServerDriver("default")})
+    with pytest.raises(CommandError, match="Keep logins that are not the work queue's out"):
+        call_command("workqueue", "restrict-advisory-locks", "--print")

@@ -173,6 +173,71 @@ class GrantScalerVerb(_GrantVerb):
     statements_for = "grant_scaler_statements"
 
 
+class RestrictAdvisoryLocksVerb(_StatementsVerb):
+    name = "restrict-advisory-locks"
+    help = (
+        "Let only the procedures' owner (and the roles given with --allow) take PostgreSQL "
+        "advisory locks in this database, so that no other login can hold the locks the "
+        "procedures take by name (a partition key's claim lock, a deduplication key's, a "
+        "topic's topology lock); --undo lets every role again. Run as a superuser."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--allow",
+            nargs="+",
+            default=[],
+            metavar="ROLE",
+            help="Roles that keep the right: other applications in this database that use "
+            "advisory locks of bigint keys.",
+        )
+        parser.add_argument(
+            "--undo", action="store_true", help="Give every role the right back (PUBLIC)."
+        )
+        super().add_arguments(parser)
+
+    def run(self, command: BaseCommand, options: dict[str, Any]) -> None:
+        from workqueue.conf import get_settings
+        from workqueue.driver import get_driver, install
+        from workqueue.exceptions import DriverError, WorkQueueConfigurationError
+
+        alias = get_settings().DATABASE_ALIAS
+        if options["undo"] and options["allow"]:
+            raise CommandError("--undo gives the right to every role: drop --allow.")
+        driver = get_driver(alias)
+        try:
+            statements = driver.advisory_lock_statements(
+                options["allow"], restrict=not options["undo"]
+            )
+        except WorkQueueConfigurationError as exc:
+            raise CommandError(str(exc)) from None
+        if self.printed(command, options, statements):
+            return
+        how = (
+            "PostgreSQL's built-in functions belong to its bootstrap superuser: run this as a "
+            "superuser, or run it with --print and have one run the statements"
+        )
+        try:
+            install.apply_statements(statements, alias)
+        except DriverError as exc:
+            raise CommandError(
+                f"Could not change who may take advisory locks: {exc}. {how}; every --allow "
+                "role must exist."
+            ) from exc
+        # A REVOKE or GRANT by a role that may not make it is only a warning: read the outcome.
+        if driver.advisory_locks_open_to_all() == (not options["undo"]):
+            raise CommandError(f"Nothing changed: this user may not change the rights. {how}.")
+        if options["undo"]:
+            command.stdout.write("Every role may take advisory locks again.")
+        else:
+            allowed = ", ".join(options["allow"])
+            command.stdout.write(
+                "Only the work queue's procedures"
+                + (f" and {allowed}" if allowed else "")
+                + " may take advisory locks of bigint keys in this database now."
+            )
+
+
 class ScalerQueryVerb(Verb):
     name = "scaler-query"
     help = (
@@ -327,6 +392,7 @@ DATABASE_VERBS = [
     GrantRuntimeVerb,
     GrantOperatorVerb,
     GrantScalerVerb,
+    RestrictAdvisoryLocksVerb,
     ScalerQueryVerb,
     ReindexVerb,
     InstallProceduresVerb,

@@ -18,7 +18,7 @@ import sys
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FunctionType
@@ -361,6 +361,18 @@ class BaseDriver:
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         """Statements giving an autoscaler login what its scaler query needs, nothing more."""
+        raise NotImplementedError
+
+    def advisory_lock_statements(self, allowed: Iterable[str], *, restrict: bool) -> list[str]:
+        """Statements letting only the procedures' owner and the roles ``allowed`` take the
+        locks the procedures take by name (a claim's partition key, a deduplication key, a
+        topic's topology), or with ``restrict`` False, every role again. Raises
+        WorkQueueConfigurationError, saying what to do instead, where the vendor cannot."""
+        raise NotImplementedError
+
+    def advisory_locks_open_to_all(self) -> bool:
+        """Whether every role may still take the locks ``advisory_lock_statements`` restrict
+        (a REVOKE by a role that may not make it is only a warning on PostgreSQL)."""
         raise NotImplementedError
 
     #: The procedure whose EXECUTE grant marks a role as holding each grant: ``grant-runtime``

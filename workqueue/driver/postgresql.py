@@ -156,6 +156,24 @@ def _is_connection_error(error: BaseException) -> bool:
     return isinstance(error, (*connection_errors, OperationalError, InterfaceError))
 
 
+#: The advisory-lock functions of bigint keys, the key space of every lock the procedures take
+#: by name (hashtextextended): any role may call them unless their EXECUTE is restricted. The
+#: (integer, integer) ones lock another key space, which no procedure uses.
+_ADVISORY_LOCK_FUNCTIONS = tuple(
+    f"pg_catalog.{name}(bigint)"
+    for name in (
+        "pg_advisory_lock",
+        "pg_advisory_lock_shared",
+        "pg_try_advisory_lock",
+        "pg_try_advisory_lock_shared",
+        "pg_advisory_xact_lock",
+        "pg_advisory_xact_lock_shared",
+        "pg_try_advisory_xact_lock",
+        "pg_try_advisory_xact_lock_shared",
+    )
+)
+
+
 def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -613,6 +631,27 @@ class PostgresDriver(BaseDriver):
         return {
             grant: sorted(by_marker.get(marker, [])) for grant, marker in self.GRANT_MARKERS.items()
         }
+
+    def advisory_lock_statements(self, allowed: Iterable[str], *, restrict: bool) -> list[str]:
+        if not restrict:
+            return [f"GRANT EXECUTE ON FUNCTION {f} TO PUBLIC" for f in _ADVISORY_LOCK_FUNCTIONS]
+        # The procedures run as their owner (SECURITY DEFINER), so the owner keeps the right
+        # named: the user running this may be a superuser who owns nothing of the queue's.
+        [(owner, _schema, _creators)] = self.execute(_SCHEMA_CREATORS, [])
+        holders = ", ".join(_quote_identifier(role) for role in dict.fromkeys([owner, *allowed]))
+        return [
+            *(f"REVOKE EXECUTE ON FUNCTION {f} FROM PUBLIC" for f in _ADVISORY_LOCK_FUNCTIONS),
+            *(f"GRANT EXECUTE ON FUNCTION {f} TO {holders}" for f in _ADVISORY_LOCK_FUNCTIONS),
+        ]
+
+    def advisory_locks_open_to_all(self) -> bool:
+        [(open_to_all,)] = self.execute(
+            "SELECT bool_or(a.grantee = 0) FROM pg_proc p, "
+            "aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a "
+            "WHERE p.oid = ANY(%s::regprocedure[]::oid[]) AND a.privilege_type = 'EXECUTE'",
+            [list(_ADVISORY_LOCK_FUNCTIONS)],
+        )
+        return bool(open_to_all)
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)

@@ -43,6 +43,7 @@ from workqueue.exceptions import (
     SerializationFailureError,
     TransientDriverError,
     UniqueViolationError,
+    WorkQueueConfigurationError,
 )
 from workqueue.sql import load_procedures
 
@@ -389,6 +390,14 @@ class SqlServerDriver(BaseDriver):
             f"DENY SELECT ON dbo.{SWEEP_LOCK_TABLE} TO {quoted}",
             *_deny_owner_only_rights(quoted),
         ]
+
+    def advisory_lock_statements(self, allowed: Iterable[str], *, restrict: bool) -> list[str]:
+        raise WorkQueueConfigurationError(
+            "On SQL Server the procedures' locks are application locks (sp_getapplock on "
+            "principal public), which every user of the database may take by name; this "
+            "command restricts PostgreSQL's advisory locks only. Keep logins that are not the "
+            "work queue's out of its database instead."
+        )
 
     def grant_scaler_statements(self, role: str) -> list[str]:
         quoted = _quote_identifier(role)
