@@ -606,7 +606,11 @@ class Subscription(TopologyModel):
                 "Must be at least backoff_base_seconds "
                 f"({self.backoff_base_seconds}); raise it or lower the base."
             )
-        if problem := self.external_tasks_problem() or self._work_becoming_tasks_problem(using):
+        if problem := (
+            self.external_tasks_problem()
+            or self._work_becoming_tasks_problem(using)
+            or self._second_tasks_runner_problem(using)
+        ):
             errors["handler_key"] = problem
         if self.host_type == HostType.WORKER and not self.handler_key.strip():
             errors["handler_key"] = (
@@ -727,6 +731,33 @@ class Subscription(TopologyModel):
             f"{previous.strip()!r}), pending, in flight or dead-lettered: run "
             "as Tasks API tasks, each would import and run whatever task its message names. "
             "Let them finish or discard them first, or make a new subscription for the tasks."
+        )
+
+    def _second_tasks_runner_problem(self, using: str) -> str | None:
+        """Why this subscription may not run its topic's messages as Tasks API tasks: another
+        one on the topic does already, and each task would run once for each (review
+        helper-192: a queue's subscription renamed, and made again beside it)."""
+        if (
+            self.handler_key.strip() != _tasks_handler_key()
+            or self.status == SubscriptionStatus.DISABLED
+            or self.topic_id is None
+        ):
+            return None
+        other = (
+            type(self)
+            ._base_manager.using(using)
+            .filter(topic_id=self.topic_id, handler_key=_tasks_handler_key())
+            .exclude(pk=self.pk)
+            .exclude(status=SubscriptionStatus.DISABLED)
+            .values_list("name", flat=True)
+            .first()
+        )
+        if other is None:
+            return None
+        return (
+            f"Subscription {other!r} already runs this topic's messages as Tasks API tasks: "
+            "with a second one each task would run twice. Disable or delete it first, or "
+            "disable this one."
         )
 
     def external_tasks_problem(self) -> str | None:

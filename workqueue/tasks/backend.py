@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -35,7 +36,12 @@ from workqueue.tasks.messages import (
     build_result,
     topic_name,
 )
-from workqueue.types import PublishErrorCode, PublishResult
+from workqueue.types import PublishErrorCode, PublishResult, SubscriptionStatus
+
+logger = logging.getLogger(__name__)
+
+#: (queue's subscription name, the name of the one that runs it instead) said this process.
+_RUNNERS_UNDER_OTHER_NAMES: set[tuple[str, str]] = set()
 
 #: Subscription fields ``OPTIONS["SUBSCRIPTION"]`` may set for the subscriptions the backend
 #: creates (later changes are the operator's, in the admin; the backend never updates them).
@@ -520,7 +526,31 @@ def _create_topology(queue_name: str, subscription_options: Mapping[str, Any]) -
             "stay on the Database transport: bind the topic back to it (admin, or "
             "sync-topology)."
         )
-    subscription, _ = Subscription.objects.db_manager(alias).get_or_create(
+    subscriptions = Subscription.objects.db_manager(alias)
+    if not subscriptions.filter(name=name).exists():
+        runner = (
+            subscriptions.filter(topic=topic, handler_key=HANDLER_KEY)
+            .exclude(status=SubscriptionStatus.DISABLED)
+            .order_by("name")
+            .first()
+        )
+        if runner is not None:
+            # Renamed (to have the queue made again with new OPTIONS, say): a second one made
+            # beside it would run every task twice (review helper-192).
+            if (name, runner.name) not in _RUNNERS_UNDER_OTHER_NAMES:
+                _RUNNERS_UNDER_OTHER_NAMES.add((name, runner.name))
+                logger.warning(
+                    "Queue %r is run by subscription %r, on its topic %r: %s is not made "
+                    "beside it, which would run every task twice. To make it afresh (with "
+                    "OPTIONS['SUBSCRIPTION'] as they are now), disable or delete %r first.",
+                    queue_name,
+                    runner.name,
+                    name,
+                    name,
+                    runner.name,
+                )
+            return str(runner.pk)
+    subscription, _ = subscriptions.get_or_create(
         name=name,
         defaults={
             "topic": topic,

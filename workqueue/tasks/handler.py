@@ -99,6 +99,8 @@ class TaskHandler(BaseWorkHandler):
                 # Registered before the task's own callbacks, so it runs before any of them.
                 transaction.on_commit(mark_committed, using=alias)
                 value = tuples_as_lists(_call(task, running, task_message))
+                if transaction.get_rollback(using=alias):
+                    raise _DatabaseErrorCaughtInside()
                 try:
                     require_json_round_trip(value, "The task's return value")
                 except (TypeError, ValueError) as exc:
@@ -214,6 +216,24 @@ def _record(result_id: str, error: BaseException, context: WorkContext) -> None:
             type(recording_error).__name__,
             str(recording_error).strip().partition("\n")[0],
             exc_info=error,
+        )
+
+
+class _DatabaseErrorCaughtInside(RuntimeError):
+    """The task returned after catching a database error that its transaction cannot outlive
+    (Django marks the block for rollback): the result's update would fail with "You can't
+    execute queries until the end of the 'atomic' block", which names neither the cause nor
+    the fix (review helper-192)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The task caught a database error (an IntegrityError, say) inside the transaction "
+            "the work queue runs it in, which records its result and completes its delivery "
+            "so that its database work commits with them: after such an error the database "
+            "refuses every further statement of the transaction, so neither its work nor its "
+            "result can commit. Put the statement that may fail in a transaction.atomic() "
+            "block of its own inside the try (a savepoint: only that statement is rolled "
+            "back), as Django advises for any atomic block."
         )
 
 

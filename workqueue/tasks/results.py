@@ -112,12 +112,18 @@ def record_start(result_id: str, topic: str, worker_id: str, *, first_run: bool)
 def record_failure(result_id: str, exc: BaseException, context: WorkContext) -> None:
     """Add the run's error to the result, unless the run no longer holds its delivery: its
     lease ran out and another run took the delivery over (and may have finished it), whose
-    result this failure is not part of."""
+    result this failure is not part of. A replay counts attempts from 1 again, so the run is
+    told by its host and whether it is a replay's too (review helper-192: a run from before a
+    replay wrote its error into the replay's run on another host)."""
     alias = setting("DATABASE_ALIAS")
     still_held = (
         Delivery.objects.using(alias)
         .filter(
-            pk=context.delivery_id, status=DeliveryStatus.IN_FLIGHT, attempt_count=context.attempt
+            pk=context.delivery_id,
+            status=DeliveryStatus.IN_FLIGHT,
+            attempt_count=context.attempt,
+            is_replay=context.is_replay,
+            lease_owner=context.worker_id,
         )
         .exists()
     )
