@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0061_gauge_reads_wait_for_locks_two_seconds_at_most"
+LATEST_PROCEDURE_MIGRATION = "0063_deduplication_keys_refused_as_the_column_would_cut_them"
 
 INSTALL_ORDER = (
     "filters",

@@ -585,7 +585,13 @@ BEGIN
         -- The window's bounds are the application's (60 s to 30 days): a shorter or negative
         -- one would switch the key's deduplication off, a longer one hold the key for decades.
         -- Tested here, where a key is given, so that a publish without one pays nothing.
-        IF p_deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000 THEN
+        -- So is a key the column would store as another (over 200 characters, the rest
+        -- spaces, is cut to 200 without an error): this call's later statements compare the
+        -- key as given, so its reservation would never be confirmed and a duplicate would be
+        -- accepted once it lapsed (review helper-193). The application never sends one.
+        IF p_deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000
+           OR p_deduplication_key = '' OR p_deduplication_key LIKE '% '
+           OR length(p_deduplication_key) > 200 THEN
             RETURN QUERY SELECT p_message_id, 'Rejected'::text, 'InvalidDeduplication'::text,
                                 NULL::uuid, NULL::text;
             RETURN;
@@ -1167,6 +1173,13 @@ DECLARE
     v_owner_status text;
     v_attempt integer := 0;
 BEGIN
+    -- A key the column would store as another could never be confirmed (wq_publish).
+    IF p_deduplication_key = '' OR p_deduplication_key LIKE '% '
+       OR length(p_deduplication_key) > 200 THEN
+        RAISE EXCEPTION 'wq_reserve_deduplication: the deduplication key is empty, ends with a '
+                        'space or is longer than 200 characters'
+              USING ERRCODE = '22023';
+    END IF;
     SELECT t.id INTO v_topic_id
       FROM workqueue_topic t WHERE t.name = lower(btrim(p_topic_name));
     IF NOT FOUND THEN

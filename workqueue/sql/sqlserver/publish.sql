@@ -433,7 +433,13 @@ BEGIN
     -- The window's bounds are the application's (60 s to 30 days): a shorter or negative one
     -- would switch the key's deduplication off, a longer one hold the key for decades. (A
     -- window without a key holds nothing.)
-    IF @deduplication_key IS NOT NULL AND @deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000
+    -- So is a key the tables would take for another (as a partition key above): its
+    -- reservation would never be confirmed, and a duplicate accepted once it lapsed (review
+    -- helper-193).
+    IF @deduplication_key IS NOT NULL AND (@deduplication_ttl_seconds NOT BETWEEN 60 AND 2592000
+                                           OR DATALENGTH(@deduplication_key) = 0
+                                           OR DATALENGTH(@deduplication_key) > 400
+                                           OR @deduplication_key LIKE N'% ')
     BEGIN
         SET @out_error_code = N'InvalidDeduplication';
         RETURN;
@@ -969,6 +975,11 @@ BEGIN
     DECLARE @owner_status nvarchar(20);
     DECLARE @status nvarchar(20);
     DECLARE @topic_uuid uniqueidentifier;
+
+    -- A key the tables would take for another could never be confirmed (wq_publish).
+    IF DATALENGTH(@deduplication_key) = 0 OR DATALENGTH(@deduplication_key) > 400
+       OR @deduplication_key LIKE N'% '
+        THROW 51002, N'wq_reserve_deduplication: the deduplication key is empty, ends with a space or is longer than 200 characters (error 51002).', 1;
 
     SELECT @topic_key = t.id
       FROM dbo.workqueue_topic AS t
