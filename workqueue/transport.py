@@ -269,12 +269,23 @@ class Receiver:
         )
 
     def complete(
-        self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
+        self,
+        delivery: ClaimedDelivery,
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+        holding_key: bool = False,
     ) -> SettleResult:
         """Complete ``delivery`` (fenced by its lease token) on the driver's own connection, or,
         given the caller's ``connection``, inside the caller's open transaction: the completion
-        then commits or rolls back with it, and the row stays locked until it does."""
-        affected = self.driver.call_rowcount("wq_complete", _fence(delivery), connection=connection)
+        then commits or rolls back with it, and the row stays locked until it does. With
+        ``holding_key`` a keyed delivery keeps its lease, which keeps its partition key from
+        being claimed until ``release_key`` (or the lease's end)."""
+        procedure = "wq_complete_holding_key" if holding_key else "wq_complete"
+        affected = self.driver.call_rowcount(procedure, _fence(delivery), connection=connection)
+        return _settled(affected, DeliveryStatus.COMPLETED)
+
+    def release_key(self, delivery: ClaimedDelivery) -> SettleResult:
+        affected = self.driver.call_rowcount("wq_release_key", _fence(delivery))
         return _settled(affected, DeliveryStatus.COMPLETED)
 
     def complete_many(self, deliveries: Iterable[ClaimedDelivery]) -> dict[str, SettleResult]:

@@ -1,4 +1,4 @@
-"""The conformance suite (C01-C46) on the AWS transport, against moto's standalone server
+"""The conformance suite (C01-C47) on the AWS transport, against moto's standalone server
 through real boto3 HTTP calls: every case whose capabilities the transport has (a skip names
 the traits it lacks). Time passes for real here (SQS keeps its own clock)."""
 

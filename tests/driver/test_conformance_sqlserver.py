@@ -1,4 +1,4 @@
-"""The transport conformance suite (C01-C46) against SQL Server, when one is configured.
+"""The transport conformance suite (C01-C47) against SQL Server, when one is configured.
 
 Runs only when ``WORKQUEUE_TEST_MSSQL_URL`` is set *and* the settings define a database alias
 ``mssql`` built from it (pytest-django then creates its test database); otherwise every test is

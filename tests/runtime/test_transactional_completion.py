@@ -139,7 +139,7 @@ def test_the_handlers_write_and_the_completion_commit_together_and_nothing_is_se
     assert effects() == [(delivery.message_id, 1)]
     # The one fenced completion, run once in the handler's transaction; no settle after it.
     [settle] = [s for s in statements if any(name in s for name in SETTLES)]
-    assert "wq_complete(" in settle
+    assert "wq_complete_holding_key(" in settle
 
 
 def test_a_commit_callback_of_the_handler_that_raises_leaves_the_completion_committed(
@@ -169,9 +169,9 @@ def test_a_commit_callback_of_the_handler_that_raises_leaves_the_completion_comm
 
     assert result == ExecutionResult(ExecutionResult.SETTLED, "Completed")
     assert [s for s in statements if any(name in s for name in SETTLES)] == [
-        s for s in statements if "wq_complete(" in s
+        s for s in statements if "wq_complete_holding_key(" in s
     ]
-    assert len([s for s in statements if "wq_complete(" in s]) == 1
+    assert len([s for s in statements if "wq_complete_holding_key(" in s]) == 1
 
 
 def test_an_outcome_returned_after_a_committed_completion_changes_nothing(rig, statements, caplog):

@@ -191,6 +191,18 @@ PROCEDURES: dict[str, Procedure] = {
         ),
         Procedure("wq_complete_many", _p("items:json"), _c("delivery_id:uuid"), ResultKind.MANY),
         Procedure(
+            "wq_complete_holding_key",
+            _p("delivery_id:uuid, lease_token:uuid"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+        ),
+        Procedure(
+            "wq_release_key",
+            _p("delivery_id:uuid, lease_token:uuid"),
+            _ROWCOUNT,
+            ResultKind.ROWCOUNT,
+        ),
+        Procedure(
             "wq_retry",
             _p("delivery_id:uuid, lease_token:uuid, delay_seconds:int, error:text"),
             _ROWCOUNT,

@@ -181,6 +181,14 @@ class Delivery(DriverOwnedModel):
                 condition=Q(status=DeliveryStatus.IN_FLIGHT),
                 name="wq_dlv_lease_ix",
             ),
+            # Completed deliveries that still hold their partition key: their handler completed
+            # in its own transaction and runs on (wq_complete_holding_key). A claim of the key
+            # looks here; the rows are few, and leave when the handler returns.
+            models.Index(
+                fields=["subscription", "partition_key"],
+                condition=Q(status=DeliveryStatus.COMPLETED, lease_expires_at__isnull=False),
+                name="wq_dlv_key_held_ix",
+            ),
             models.Index(
                 fields=["subscription", "status"],
                 condition=Q(status__in=[DeliveryStatus.IN_FLIGHT, DeliveryStatus.DEAD_LETTERED]),

@@ -1026,7 +1026,11 @@ class DeliveryExecution:
                 # handler's transaction.
                 renewal.result()
             try:
-                settled = self.services.receiver.complete(self.delivery, connection=connection)
+                # Holding the key: the handler runs on after its transaction, and the key's
+                # next delivery must not start beside it (review helper-193).
+                settled = self.services.receiver.complete(
+                    self.delivery, connection=connection, holding_key=True
+                )
             except SerializationFailureError as exc:
                 raise EnlistError(
                     f"Delivery {self.delivery.delivery_id} could not be completed in your "
@@ -1136,7 +1140,10 @@ class DeliveryExecution:
         self._finished = True  # the handler returned: no renewal starts after this
         enlisted = self._enlisted
         if enlisted is not None:
-            if enlisted.state(handler_returned=True) != EnlistedCompletion.ROLLED_BACK:
+            state = enlisted.state(handler_returned=True)
+            if state == EnlistedCompletion.COMMITTED:
+                self._release_key()
+            if state != EnlistedCompletion.ROLLED_BACK:
                 return self._completed_by_handler(decision)
             if self._completed_at_its_attempt():
                 # Its commit reached the server though Django saw it fail (the answer was lost
@@ -1221,6 +1228,21 @@ class DeliveryExecution:
         if self.delivery.attempt < self.plan.max_attempts:
             return self.plan.max_attempts
         return self.services.receiver.max_attempts(self.plan.max_attempts)
+
+    def _release_key(self) -> None:
+        """Free the partition key the handler's own completion held while it ran on. Not
+        retried: should it fail, the key is free when the lease ends."""
+        if self.delivery.partition_key is None:
+            return  # nothing held
+        try:
+            self._off_worker(lambda: self.services.receiver.release_key(self.delivery))()
+        except WorkQueueError as exc:
+            self.log.warning(
+                "The partition key of a delivery completed in its handler's transaction could "
+                "not be freed (%s): %s; its next delivery waits for the lease to end",
+                self._where,
+                _first_line(str(exc)),
+            )
 
     def _completed_by_handler(self, decision: _Decision) -> ExecutionResult:
         """The handler's own transaction completed the delivery (or will, with the outer

@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0063_deduplication_keys_refused_as_the_column_would_cut_them"
+LATEST_PROCEDURE_MIGRATION = "0064_enlisted_completions_hold_their_key"
 
 INSTALL_ORDER = (
     "filters",

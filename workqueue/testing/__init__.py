@@ -3,7 +3,7 @@
 ``use_test_connection`` and ``run_until_idle`` (``workqueue.testing.inline``) let a project's
 own tests publish and run handlers inside Django's ``TestCase``, ``TransactionTestCase`` or
 pytest-django (README "Testing your code"). ``workqueue.testing.conformance`` holds the
-transport conformance suite (cases C01-C46), which pytest runs per driver and
+transport conformance suite (cases C01-C47), which pytest runs per driver and
 ``manage.py workqueue conformance`` runs against any configured database. Nothing here imports
 pytest.
 """

@@ -1117,15 +1117,26 @@ class AwsReceiver:
         """Nothing to return (no rate limit on this transport)."""
 
     def complete(
-        self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
+        self,
+        delivery: ClaimedDelivery,
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+        holding_key: bool = False,
     ) -> SettleResult:
-        if connection is not None:
+        if connection is not None or holding_key:
             raise UnsupportedByTransportError(
                 "Completing inside a database transaction needs a transport that settles in "
                 "the database; the AWS transport settles in SQS.",
                 "enlist_alias",
             )
         return self._settle(delivery, DeliveryStatus.COMPLETED, lambda: self._delete(delivery))
+
+    def release_key(self, delivery: ClaimedDelivery) -> SettleResult:
+        raise UnsupportedByTransportError(
+            "Only a completion inside a database transaction holds a key; the AWS transport "
+            "settles in SQS.",
+            "enlist_alias",
+        )
 
     def complete_many(
         self, deliveries: Iterable[ClaimedDelivery]

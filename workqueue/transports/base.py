@@ -72,8 +72,21 @@ class TransportReceiver(Protocol):
     ) -> None: ...
 
     def complete(
-        self, delivery: ClaimedDelivery, *, connection: BaseDatabaseWrapper | None = None
-    ) -> SettleResult: ...
+        self,
+        delivery: ClaimedDelivery,
+        *,
+        connection: BaseDatabaseWrapper | None = None,
+        holding_key: bool = False,
+    ) -> SettleResult:
+        """Complete ``delivery``; given ``connection``, inside the caller's open transaction.
+        ``holding_key`` (with ``connection``: a handler that runs on after its transaction)
+        keeps the delivery's partition key from being claimed until ``release_key``, or until
+        the lease ends."""
+        ...
+
+    def release_key(self, delivery: ClaimedDelivery) -> SettleResult:
+        """Free the partition key a completion ``holding_key`` held: its handler returned."""
+        ...
 
     def complete_many(
         self, deliveries: Iterable[ClaimedDelivery]

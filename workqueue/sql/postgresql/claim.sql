@@ -433,7 +433,12 @@ BEGIN
                      ORDER BY h.order_key
                      LIMIT 1;
                     IF FOUND AND v_head.status = 'Pending' AND v_head.visible_at <= now()
-                       AND v_head.cancel_requested_at IS NULL THEN
+                       AND v_head.cancel_requested_at IS NULL
+                       AND NOT EXISTS (
+                           SELECT 1 FROM workqueue_delivery k
+                            WHERE k.subscription_id = p_subscription_id
+                              AND k.partition_key = v_key AND k.status = 'Completed'
+                              AND k.lease_expires_at > now()) THEN
                         v_candidate_id := v_head.id;
                         v_candidate_priority := v_head.priority;
                         v_candidate_since := v_head.visible_at;
@@ -441,7 +446,11 @@ BEGIN
                 ELSIF NOT EXISTS (
                     SELECT 1 FROM workqueue_delivery f
                      WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
-                       AND f.status = 'InFlight') THEN
+                       AND f.status = 'InFlight')
+                  AND NOT EXISTS (
+                    SELECT 1 FROM workqueue_delivery k
+                     WHERE k.subscription_id = p_subscription_id AND k.partition_key = v_key
+                       AND k.status = 'Completed' AND k.lease_expires_at > now()) THEN
                     -- The key's open rows in order_key order, first runnable one wins. Asking
                     -- for every open status (and fencing the Pending test off with OFFSET 0)
                     -- leaves wq_dlv_partition_head_ix as the only index that fits: with stale
@@ -583,6 +592,13 @@ BEGIN
                        SELECT 1 FROM workqueue_delivery f
                         WHERE f.subscription_id = d.subscription_id
                           AND f.partition_key = d.partition_key AND f.status = 'InFlight')
+                   -- Nor while a completed delivery of the key holds it: its handler, which
+                   -- completed in its own transaction, still runs (wq_complete_holding_key).
+                   AND NOT EXISTS (
+                       SELECT 1 FROM workqueue_delivery k
+                        WHERE k.subscription_id = d.subscription_id
+                          AND k.partition_key = d.partition_key AND k.status = 'Completed'
+                          AND k.lease_expires_at > now())
                    AND (NOT v_ordered OR NOT EXISTS (
                        SELECT 1 FROM workqueue_delivery h
                         WHERE h.subscription_id = d.subscription_id

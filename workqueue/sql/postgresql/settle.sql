@@ -36,6 +36,60 @@ BEGIN
 END;
 $$;
 
+-- wq_complete_holding_key --
+-- InFlight → Completed, as wq_complete, from inside a handler's own transaction (its
+-- context.complete(enlist=True)), whose handler runs on after the commit: a keyed delivery keeps
+-- its lease (owner, token, expiry), which holds its partition key (wq_claim starts none of the
+-- key's deliveries while a Completed row of it holds an unexpired lease) until the handler
+-- returns (wq_release_key) or the lease ends (a host that died). Completed at the commit all
+-- the same: the work never runs again (review helper-193: the key's next delivery started
+-- beside the handler's code after its block).
+CREATE OR REPLACE FUNCTION wq_complete_holding_key(p_delivery_id uuid, p_lease_token uuid)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET jit = off
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET status = 'Completed', completed_at = statement_timestamp(),
+           lease_owner = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_owner END,
+           lease_token = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_token END,
+           lease_expires_at = CASE WHEN d.partition_key IS NULL THEN NULL
+                                   ELSE d.lease_expires_at END
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+       AND d.cancel_requested_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
+-- wq_release_key --
+-- The handler of a delivery completed by wq_complete_holding_key has returned: its partition
+-- key is free again. Fenced by the lease token; 0 rows when the lease had ended already.
+CREATE OR REPLACE FUNCTION wq_release_key(p_delivery_id uuid, p_lease_token uuid)
+RETURNS TABLE (affected_rows integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET jit = off
+AS $$
+DECLARE
+    v_rows integer;
+BEGIN
+    UPDATE workqueue_delivery d
+       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'Completed';
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN QUERY SELECT v_rows;
+END;
+$$;
+
 -- wq_complete_many --
 -- Complete a JSON array of {"delivery_id", "lease_token"} pairs in one statement, each fenced
 -- exactly as wq_complete. Returns the ids that were completed; a missing id lost its lease.

@@ -462,6 +462,11 @@ BEGIN
                         IF @head_id IS NOT NULL AND @head_status = N'Pending'
                            AND @head_visible_at <= @now
                            AND @head_cancel_requested_at IS NULL
+                           AND NOT EXISTS (
+                               SELECT 1 FROM dbo.workqueue_delivery AS k
+                                WHERE k.subscription_id = @subscription_key
+                                  AND k.partition_key = @key AND k.status = N'Completed'
+                                  AND k.lease_expires_at > @now)
                         BEGIN
                             SET @candidate = @head_id;
                             SET @candidate_since = @head_visible_at;
@@ -471,6 +476,10 @@ BEGIN
                         SELECT 1 FROM dbo.workqueue_delivery AS f
                          WHERE f.subscription_id = @subscription_key AND f.partition_key = @key
                            AND f.status = N'InFlight')
+                      AND NOT EXISTS (
+                        SELECT 1 FROM dbo.workqueue_delivery AS k
+                         WHERE k.subscription_id = @subscription_key AND k.partition_key = @key
+                           AND k.status = N'Completed' AND k.lease_expires_at > @now)
                         SELECT TOP (1) @candidate = c.id, @candidate_priority = c.priority,
                                @candidate_since = c.visible_at
                           FROM dbo.workqueue_delivery AS c
@@ -600,6 +609,13 @@ BEGIN
                        SELECT 1 FROM dbo.workqueue_delivery AS f
                         WHERE f.subscription_id = d.subscription_id
                           AND f.partition_key = d.partition_key AND f.status = N'InFlight')
+                   -- Nor while a completed delivery of the key holds it: its handler, which
+                   -- completed in its own transaction, still runs (wq_complete_holding_key).
+                   AND NOT EXISTS (
+                       SELECT 1 FROM dbo.workqueue_delivery AS k
+                        WHERE k.subscription_id = d.subscription_id
+                          AND k.partition_key = d.partition_key AND k.status = N'Completed'
+                          AND k.lease_expires_at > @now)
                    AND (@ordered = 0 OR NOT EXISTS (
                        SELECT 1 FROM dbo.workqueue_delivery AS h
                         WHERE h.subscription_id = d.subscription_id

@@ -38,6 +38,65 @@ BEGIN
 END;
 GO
 
+-- wq_complete_holding_key --
+-- InFlight → Completed, as wq_complete, from inside a handler's own transaction, whose handler
+-- runs on after the commit: a keyed delivery keeps its lease columns, which hold its partition
+-- key (wq_claim starts none of the key's deliveries while a Completed row of it holds an
+-- unexpired lease) until the handler returns (wq_release_key) or the lease ends (a host that
+-- died). Completed at the commit all the same: the work never runs again (review helper-193).
+CREATE OR ALTER PROCEDURE dbo.wq_complete_holding_key
+    @delivery_id uniqueidentifier,
+    @lease_token uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
+    DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
+    DECLARE @token_key char(32) = dbo.wq_uuid_text(@lease_token);
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE d
+       SET status = N'Completed', completed_at = @now,
+           lease_owner = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_owner END,
+           lease_token = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_token END,
+           lease_expires_at = CASE WHEN d.partition_key IS NULL THEN NULL
+                                   ELSE d.lease_expires_at END
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight'
+       AND d.cancel_requested_at IS NULL;
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
+-- wq_release_key --
+-- The handler of a delivery completed by wq_complete_holding_key has returned: its partition
+-- key is free again. Fenced by the lease token; 0 rows when the lease had ended already.
+CREATE OR ALTER PROCEDURE dbo.wq_release_key
+    @delivery_id uniqueidentifier,
+    @lease_token uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @delivery_key char(32) = dbo.wq_uuid_text(@delivery_id);
+    DECLARE @token_key char(32) = dbo.wq_uuid_text(@lease_token);
+    DECLARE @changed TABLE (id char(32));
+
+    UPDATE d
+       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+    OUTPUT inserted.id INTO @changed
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'Completed';
+
+    -- result set
+    SELECT COUNT(*) AS affected_rows FROM @changed;
+END;
+GO
+
 -- wq_complete_many --
 -- Complete a JSON array of {"delivery_id", "lease_token"} objects in one UPDATE, each fenced
 -- exactly as wq_complete. Returns the ids that were completed; an id that is missing lost its

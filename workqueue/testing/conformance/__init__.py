@@ -1,4 +1,4 @@
-"""The transport conformance suite: one set of behaviour cases (C01-C46) run against every driver.
+"""The transport conformance suite: one set of behaviour cases (C01-C47) run against every driver.
 
 Each case creates its own topic and subscriptions, drives the transport through
 ``workqueue.transport`` and ``workqueue.publishing`` exactly as a consumer or operator would

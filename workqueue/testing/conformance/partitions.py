@@ -1,5 +1,5 @@
 """Partition cases: Exclusive single flight per key, Ordered heads, and cancelled heads
-(C11-C17, C25-C28, C42)."""
+(C11-C17, C25-C28, C42, C47)."""
 
 from __future__ import annotations
 
@@ -273,3 +273,34 @@ def ordered_blocked_hot_key_hides_nothing(ctx: CaseContext) -> None:
         [("x1", HOT_BACKLOG + 1), ("x2", HOT_BACKLOG + 3)],
         "each other key's head, received past the blocked backlog",
     )
+
+
+@CASES.case(
+    "C47",
+    "a completion in the holder's own transaction holds its key until let go, or until its "
+    "lease ends",
+    requires=("claims_through_procedures", "supports_ordered"),
+)
+def completion_holding_its_key(ctx: CaseContext) -> None:
+    # A handler that completes in its transaction runs on after the commit: its key's next
+    # delivery must not start beside it (review helper-193).
+    from django.db import transaction
+
+    for name, mode in (("a", "Exclusive"), ("b", "Ordered")):
+        ctx.subscribe(name, partition_mode=mode, lease_seconds=LEASE)
+    ctx.keyed(3)
+    for name in ("a", "b"):
+        receiver = ctx.receiver(name)
+        for let_go in (True, False):
+            held = ctx.receive_one(name)
+            with transaction.atomic(using=ctx.alias):
+                settled = receiver.complete(
+                    held, connection=transaction.get_connection(ctx.alias), holding_key=True
+                )
+            expect_settled(settled, "Completed", f"{name}: completion holding the key")
+            ctx.expect_nothing_receivable(name, "while a completed delivery holds its key")
+            if let_go:
+                expect_settled(receiver.release_key(held), "Completed", f"{name}: letting go")
+            else:
+                ctx.advance_time(LEASE + 1)  # its holder died: the lease ends instead
+        expect_equal(numbers([ctx.receive_one(name)]), [3], f"{name}: the key's third message")

@@ -1,0 +1,129 @@
+"""A handler that completes its delivery inside its own transaction (``context.complete(
+enlist=True)``) runs on after the commit: the README's own example mails the invoice after the
+block. Its partition key was free from the commit on, so the key's next delivery started beside
+the rest of the handler, on the same host or another, and for an Ordered key the second
+message's handler could finish before the first one's returned (attack review helper-193;
+every case failed before the fix). The completion now holds the key until the handler returns
+or its lease ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from tests.factories import SubscriptionFactory
+from tests.support.handlers import registry
+from tests.support.hosts import one, status_of, sub
+from tests.support.waiting import wait_until
+from workqueue import publish
+from workqueue.driver import get_driver
+from workqueue.models import Delivery
+from workqueue.runtime.handlers import BaseWorkHandler
+from workqueue.runtime.outcome import Outcome
+from workqueue.transport import Receiver
+
+pytestmark = pytest.mark.usefixtures("queue_db")
+
+_spans: dict[str, list[float]] = {}
+_lock = threading.Lock()
+
+
+class CompleteThenMail(BaseWorkHandler):
+    """The README's InvoiceHandler: writes and completes in one block, then mails."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        started = time.monotonic()
+        with transaction.atomic():
+            context.complete(enlist=True)  # last in the block
+        time.sleep(message.payload.get("mailMs", 0) / 1000)  # mail_invoice(invoice)
+        with _lock:
+            _spans[message.payload["n"]] = [started, time.monotonic()]
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.complete_then_mail", CompleteThenMail)
+
+
+@pytest.mark.parametrize("mode", ["Ordered", "Exclusive"])
+@pytest.mark.parametrize("hosts", [1, 2], ids=["one host", "two hosts"])
+def test_the_keys_next_delivery_waits_for_the_handler_that_completed_in_its_transaction(
+    make_host, mode, hosts
+):
+    _spans.clear()
+    s = sub(handler_key="tests.enlisted.complete_then_mail", partition_mode=mode, lease_seconds=30)
+    for _ in range(hosts):
+        make_host(one(s, concurrency=2)).start()
+    first = publish(s.topic.name, {"n": "first", "mailMs": 1_500}, partition_key="k")
+    second = publish(s.topic.name, {"n": "second", "mailMs": 0}, partition_key="k")
+
+    wait_until(lambda: len(_spans) == 2, timeout=20)
+    assert status_of(first.message_id) == status_of(second.message_id) == "Completed"
+    (a_start, a_end), (b_start, _) = _spans["first"], _spans["second"]
+    assert b_start >= a_end, (
+        f"{mode}, {hosts} host(s): the second handler of key 'k' started "
+        f"{b_start - a_start:.3f} s after the first started and "
+        f"{a_end - b_start:.3f} s before the first returned"
+    )
+    # Let go when the handler returned: no completed row holds a lease any more.
+    assert not Delivery.objects.filter(status="Completed", lease_expires_at__isnull=False).exists()
+
+
+def _claim_and_complete_holding_the_key(subscription: Any) -> tuple[Receiver, Any]:
+    receiver = Receiver(str(subscription.id), "host-a")
+    (delivery,) = receiver.receive(1).deliveries
+    with transaction.atomic():
+        assert receiver.complete(
+            delivery, connection=transaction.get_connection(), holding_key=True
+        )
+    return receiver, delivery
+
+
+def test_a_key_held_by_a_host_that_died_is_free_when_its_lease_ends():
+    """No release comes from a host killed after the commit: the key is held until the lease
+    it had ends, then the next delivery is claimed (and the completed one never runs again)."""
+    subscription = SubscriptionFactory(partition_mode="Exclusive", lease_seconds=30)
+    done = publish(subscription.topic.name, {}, partition_key="k").message_id
+    waiting = publish(subscription.topic.name, {}, partition_key="k").message_id
+    _claim_and_complete_holding_the_key(subscription)
+    other_host = Receiver(str(subscription.id), "host-b")
+
+    held = other_host.receive(5).deliveries
+    get_driver().shift_time(31, subscription_id=str(subscription.id))
+    after_the_lease = [d.message_id for d in other_host.receive(5).deliveries]
+
+    assert held == []
+    assert after_the_lease == [waiting]
+    assert status_of(done) == "Completed"
+
+
+def test_letting_go_of_a_key_is_fenced_by_the_lease_token():
+    subscription = SubscriptionFactory(partition_mode="Ordered", lease_seconds=30)
+    publish(subscription.topic.name, {}, partition_key="k")
+    waiting = publish(subscription.topic.name, {}, partition_key="k").message_id
+    receiver, delivery = _claim_and_complete_holding_the_key(subscription)
+    forged = dataclasses.replace(delivery, lease_token=str(uuid.uuid4()))
+
+    refused = receiver.release_key(forged)
+    still_held = Receiver(str(subscription.id), "host-b").receive(5).deliveries
+    released = receiver.release_key(delivery)
+    claimed = [d.message_id for d in Receiver(str(subscription.id), "host-b").receive(5).deliveries]
+
+    assert (refused.settled, still_held, released.settled) == (False, [], True)
+    assert claimed == [waiting]
+
+
+def test_a_keyless_delivery_completed_in_its_transaction_holds_no_lease():
+    """Only a partition key is held: a delivery of a subscription without partitions is
+    completed as before, its lease cleared."""
+    subscription = SubscriptionFactory()
+    publish(subscription.topic.name, {}, partition_key="k")
+    _, delivery = _claim_and_complete_holding_the_key(subscription)
+
+    row = Delivery.objects.get(pk=delivery.delivery_id)
+    assert (row.status, row.lease_token, row.lease_expires_at) == ("Completed", None, None)
