@@ -814,3 +814,23 @@ def test_a_task_result_purge_reads_what_it_purges_not_what_longer_retentions_kee
     assert "workqueue_taskresult" in plans
     assert max(_rows_read(plans)) <= 1000, plans
     assert TaskResult.objects.count() == 20_000
+
+
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_a_claims_probe_for_a_held_key_reads_the_held_key_index(pg_conn, mode):
+    """A claim asks, for each key it would start, whether a completed delivery of the key still
+    holds it (wq_complete_holding_key): among 50,000 completed rows of the same keys that is
+    one probe of wq_dlv_key_held_ix, never a walk of the completed rows (review helper-194)."""
+    subscription = SubscriptionFactory(topic=TopicFactory(), partition_mode=mode)
+    seed_deliveries(pg_conn, subscription, 50_000, status="Completed", keys="'k' || mod(g, 5)")
+    seed_deliveries(pg_conn, subscription, 50, keys="'k' || mod(g, 5)")
+    pg_conn.execute("ANALYZE workqueue_delivery")
+    pg_conn.execute("ANALYZE workqueue_message")
+    params = {"subscription_id": subscription.id, "lease_owner": "plan-test", "max_rows": 10}
+
+    plans = _nested_plans(pg_conn, "wq_claim", params, analyze=True, buffers=True)
+
+    probes = [p for p in plans.split("Query Text:") if "'Completed'" in p]
+    assert probes, plans
+    for probe in probes:
+        assert "wq_dlv_key_held_ix" in probe, probe

@@ -15,20 +15,20 @@ import uuid
 from typing import Any
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from tests.factories import SubscriptionFactory
 from tests.support.handlers import registry
 from tests.support.hosts import one, status_of, sub
 from tests.support.waiting import wait_until
-from workqueue import publish
+from workqueue import publish, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery
-from workqueue.runtime.handlers import BaseWorkHandler
+from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome
+from workqueue.testing import run_until_idle, use_test_connection
 from workqueue.transport import Receiver
-
-pytestmark = pytest.mark.usefixtures("queue_db")
 
 _spans: dict[str, list[float]] = {}
 _lock = threading.Lock()
@@ -50,6 +50,7 @@ class CompleteThenMail(BaseWorkHandler):
 registry.register("tests.enlisted.complete_then_mail", CompleteThenMail)
 
 
+@pytest.mark.usefixtures("queue_db")
 @pytest.mark.parametrize("mode", ["Ordered", "Exclusive"])
 @pytest.mark.parametrize("hosts", [1, 2], ids=["one host", "two hosts"])
 def test_the_keys_next_delivery_waits_for_the_handler_that_completed_in_its_transaction(
@@ -84,6 +85,7 @@ def _claim_and_complete_holding_the_key(subscription: Any) -> tuple[Receiver, An
     return receiver, delivery
 
 
+@pytest.mark.usefixtures("queue_db")
 def test_a_key_held_by_a_host_that_died_is_free_when_its_lease_ends():
     """No release comes from a host killed after the commit: the key is held until the lease
     it had ends, then the next delivery is claimed (and the completed one never runs again)."""
@@ -102,6 +104,7 @@ def test_a_key_held_by_a_host_that_died_is_free_when_its_lease_ends():
     assert status_of(done) == "Completed"
 
 
+@pytest.mark.usefixtures("queue_db")
 def test_letting_go_of_a_key_is_fenced_by_the_lease_token():
     subscription = SubscriptionFactory(partition_mode="Ordered", lease_seconds=30)
     publish(subscription.topic.name, {}, partition_key="k")
@@ -118,6 +121,7 @@ def test_letting_go_of_a_key_is_fenced_by_the_lease_token():
     assert claimed == [waiting]
 
 
+@pytest.mark.usefixtures("queue_db")
 def test_a_keyless_delivery_completed_in_its_transaction_holds_no_lease():
     """Only a partition key is held: a delivery of a subscription without partitions is
     completed as before, its lease cleared."""
@@ -127,3 +131,104 @@ def test_a_keyless_delivery_completed_in_its_transaction_holds_no_lease():
 
     row = Delivery.objects.get(pk=delivery.delivery_id)
     assert (row.status, row.lease_token, row.lease_expires_at) == ("Completed", None, None)
+
+
+class CompleteEarlyInALongBlock(BaseWorkHandler):
+    """Completes, then goes on in the same block (the row stays locked until the commit, even
+    past the lease), then runs a tail after it."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        started = time.monotonic()
+        with transaction.atomic():
+            context.complete(enlist=True)
+            time.sleep(message.payload.get("blockMs", 0) / 1000)
+        time.sleep(message.payload.get("mailMs", 0) / 1000)
+        with _lock:
+            _spans[message.payload["n"]] = [started, time.monotonic()]
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.complete_early", CompleteEarlyInALongBlock)
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize(
+    ("handler_key", "first"),
+    [
+        ("tests.enlisted.complete_then_mail", {"mailMs": 9_000}),
+        ("tests.enlisted.complete_early", {"blockMs": 6_000, "mailMs": 1_500}),
+    ],
+    ids=["a tail longer than the lease", "a block that outlasted the lease"],
+)
+def test_the_key_stays_held_past_the_lease_the_handler_had_at_its_commit(
+    make_host, handler_key, first
+):
+    """Review helper-194: renewals stopped at the commit, so the hold lasted what was left of
+    the lease: a tail longer than that, or any tail after a block that had outlasted its
+    lease, ran beside the key's next delivery. The hold starts with a whole lease and is
+    renewed until the handler returns."""
+    _spans.clear()
+    s = sub(handler_key=handler_key, partition_mode="Ordered", lease_seconds=5)
+    make_host(one(s, concurrency=2)).start()
+    publish(s.topic.name, {"n": "first", **first}, partition_key="k")
+    publish(s.topic.name, {"n": "second"}, partition_key="k")
+
+    wait_until(lambda: len(_spans) == 2, timeout=30)
+    (_, a_end), (b_start, _) = _spans["first"], _spans["second"]
+    assert b_start >= a_end, (
+        f"the second handler of key 'k' started {a_end - b_start:.3f} s before the first returned"
+    )
+
+
+@register_handler("tests.enlisted.creates_a_user")
+class CreatesAUserAndCompletes(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        with transaction.atomic():
+            get_user_model().objects.create(username=f"seen-{message.payload['n']}")
+            context.complete(enlist=True)
+        return Outcome.complete()
+
+
+@pytest.mark.django_db
+@use_test_connection()
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_run_until_idle_runs_every_message_of_a_key_whose_handler_completes_in_its_block(mode):
+    """Review helper-194: in a test's transaction the handler's completion is still open when
+    it returns, so the key was never let go, and with the test's clock standing still the
+    key's second message never ran (no warning said so)."""
+    get_user_model().objects.create_user("workqueue-system")
+    s = SubscriptionFactory(handler_key="tests.enlisted.creates_a_user", partition_mode=mode)
+    publish(s.topic.name, {"n": 1}, partition_key="k")
+    publish(s.topic.name, {"n": 2}, partition_key="k")
+
+    runs = run_until_idle()
+
+    assert [r.status for r in runs] == ["Completed", "Completed"], runs
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+def test_the_autoscaler_backlog_counts_a_held_key_in_flight_not_claimable(mode):
+    """Review helper-194: wq_backlog counted the held key's next delivery claimable while every
+    claim returned nothing, and its running handler as nothing in flight."""
+    s = SubscriptionFactory(partition_mode=mode, lease_seconds=60)
+    publish(s.topic.name, {}, partition_key="k")
+    publish(s.topic.name, {}, partition_key="k")
+    _claim_and_complete_holding_the_key(s)
+
+    found = transport.backlog(str(s.id))
+
+    assert Receiver(str(s.id), "host-b").receive(5).deliveries == []
+    assert (found.claimable, found.in_flight) == (0, 1)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_the_partition_listing_shows_a_key_held_by_its_running_handler_in_flight():
+    s = SubscriptionFactory(partition_mode="Exclusive", lease_seconds=60)
+    publish(s.topic.name, {}, partition_key="k")
+    publish(s.topic.name, {}, partition_key="k")
+    _claim_and_complete_holding_the_key(s)
+
+    items, _ = transport.list_partitions(str(s.id), None, None, 100)
+
+    assert [(i.partition_key, i.condition) for i in items] == [("k", "InFlight")], items

@@ -853,3 +853,15 @@ def test_a_block_rolled_back_past_the_lease_keeps_its_slot_until_its_settle(rig)
 
     assert (result.kind, result.status) == (ExecutionResult.SETTLED, "Pending")
     assert freed_at == [("Pending", 1)], f"slot freed while the row was {freed_at}"
+
+
+def test_an_unpartitioned_delivery_of_a_keyed_message_sends_no_key_release(rig, statements):
+    """Review helper-194: the release went by the message's key, so a subscription without
+    partitions sent a wq_release_key (answered with 0 rows) after each such completion."""
+    sub = rig.subscription()  # partition mode None: its deliveries hold no key
+    receiver, delivery = rig.claim(sub, {"n": 1}, key="customer-7")
+    assert delivery.partition_key == "customer-7"  # the message's key, not the delivery's
+
+    rig.execution(sub, receiver, delivery).run()
+
+    assert [s for s in statements if "wq_release_key" in s] == []

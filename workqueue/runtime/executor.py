@@ -50,6 +50,7 @@ from django.db import DatabaseError, InterfaceError, connections
 
 from workqueue import metrics, signals
 from workqueue.driver import refuses_writes
+from workqueue.driver.base import routed_to_django_connection
 from workqueue.exceptions import (
     Cancelled,
     EnlistError,
@@ -867,7 +868,9 @@ class DeliveryExecution:
     def _stopped_renewing(self) -> bool:
         return (
             self._finished
-            or self._completed_in_transaction()
+            # Completed in the handler's transaction: renewed on only while the completion
+            # holds the delivery's partition key for the handler that runs on.
+            or (self._completed_in_transaction() and not self._holds_key_after_commit())
             or (self.signal.has(AbortReason.LEASE_LOST) and self._lease_ran_out())
             or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
         )
@@ -1141,7 +1144,13 @@ class DeliveryExecution:
         enlisted = self._enlisted
         if enlisted is not None:
             state = enlisted.state(handler_returned=True)
-            if state == EnlistedCompletion.COMMITTED:
+            if state == EnlistedCompletion.COMMITTED or (
+                # Still open around the handler, as a test's transaction is around
+                # run_until_idle: let go in it, on the connection the queue's calls share
+                # with it (the database clock stands still there, so no lease would end).
+                state == EnlistedCompletion.PENDING
+                and routed_to_django_connection(self.services.receiver.enlist_alias)
+            ):
                 self._release_key()
             if state != EnlistedCompletion.ROLLED_BACK:
                 return self._completed_by_handler(decision)
@@ -1229,10 +1238,15 @@ class DeliveryExecution:
             return self.plan.max_attempts
         return self.services.receiver.max_attempts(self.plan.max_attempts)
 
+    def _holds_key_after_commit(self) -> bool:
+        """Whether a completion in the handler's transaction holds the delivery's partition
+        key (wq_complete_holding_key) while the handler runs on."""
+        return self.plan.partition_mode != "None" and self.delivery.partition_key is not None
+
     def _release_key(self) -> None:
         """Free the partition key the handler's own completion held while it ran on. Not
         retried: should it fail, the key is free when the lease ends."""
-        if self.delivery.partition_key is None:
+        if not self._holds_key_after_commit():
             return  # nothing held
         try:
             self._off_worker(lambda: self.services.receiver.release_key(self.delivery))()

@@ -41,7 +41,10 @@ BEGIN
                                     ELSE p_progress END,
                                d.progress)
       FROM workqueue_subscription s
-     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
+     WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token
+       -- Or a delivery completed in its handler's transaction whose handler runs on, holding
+       -- its key (wq_complete_holding_key) for as long as it is renewed.
+       AND (d.status = 'InFlight' OR (d.status = 'Completed' AND d.lease_expires_at IS NOT NULL))
        AND s.id = d.subscription_id
     RETURNING d.lease_expires_at, d.cancel_requested_at IS NOT NULL INTO v_expires, v_cancelled;
     IF FOUND THEN

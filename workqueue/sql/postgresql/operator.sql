@@ -288,6 +288,13 @@ BEGIN
                           WHERE f.subscription_id = p_subscription_id
                             AND f.partition_key = v_key AND f.status = 'InFlight')
                 THEN 'InFlight'
+            -- Completed in its handler's transaction, whose handler still runs and holds the
+            -- key (wq_complete_holding_key).
+            WHEN EXISTS (SELECT 1 FROM workqueue_delivery k
+                          WHERE k.subscription_id = p_subscription_id
+                            AND k.partition_key = v_key AND k.status = 'Completed'
+                            AND k.lease_expires_at > now())
+                THEN 'InFlight'
             WHEN v_ordered AND v_head.status = 'DeadLettered' THEN 'Blocked'
             ELSE 'Idle' END;
         CONTINUE WHEN CASE WHEN p_condition IS NULL THEN v_condition = 'Idle'
@@ -699,10 +706,16 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    in_flight := (SELECT count(*) FROM (
+    -- With the handlers that completed in their own transaction and still run, holding
+    -- their keys (wq_complete_holding_key).
+    in_flight := LEAST((SELECT count(*) FROM (
         SELECT 1 FROM workqueue_delivery d
          WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
-         LIMIT v_limit) AS held);
+         LIMIT v_limit) AS held) + (SELECT count(*) FROM (
+        SELECT 1 FROM workqueue_delivery d
+         WHERE d.subscription_id = p_subscription_id AND d.status = 'Completed'
+           AND d.lease_expires_at > now()
+         LIMIT v_limit) AS holding), v_limit);
     IF v_sub.status <> 'Active' THEN
         claimable := 0;
         RETURN NEXT;
@@ -737,13 +750,23 @@ BEGIN
                    AND h.status IN ('Pending', 'InFlight', 'DeadLettered')
                  ORDER BY h.order_key
                  LIMIT 1;
-                IF v_head.status = 'Pending' AND v_head.visible_at <= now() THEN
+                IF v_head.status = 'Pending' AND v_head.visible_at <= now()
+                   AND NOT EXISTS (
+                       SELECT 1 FROM workqueue_delivery k
+                        WHERE k.subscription_id = p_subscription_id
+                          AND k.partition_key = v_key AND k.status = 'Completed'
+                          AND k.lease_expires_at > now()) THEN
                     v_claimable := v_claimable + 1;
                 END IF;
             ELSIF NOT EXISTS (
                     SELECT 1 FROM workqueue_delivery f
                      WHERE f.subscription_id = p_subscription_id AND f.partition_key = v_key
                        AND f.status = 'InFlight')
+              AND NOT EXISTS (
+                    -- Nor a key held by a handler that completed in its own transaction.
+                    SELECT 1 FROM workqueue_delivery k
+                     WHERE k.subscription_id = p_subscription_id AND k.partition_key = v_key
+                       AND k.status = 'Completed' AND k.lease_expires_at > now())
               AND EXISTS (
                     -- Fenced like wq_claim's candidate lookup, to keep to the key's index.
                     SELECT 1 FROM (SELECT c.status, c.visible_at

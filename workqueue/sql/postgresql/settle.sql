@@ -40,8 +40,9 @@ $$;
 -- InFlight → Completed, as wq_complete, from inside a handler's own transaction (its
 -- context.complete(enlist=True)), whose handler runs on after the commit: a keyed delivery keeps
 -- its lease (owner, token, expiry), which holds its partition key (wq_claim starts none of the
--- key's deliveries while a Completed row of it holds an unexpired lease) until the handler
--- returns (wq_release_key) or the lease ends (a host that died). Completed at the commit all
+-- key's deliveries while a Completed row of it holds an unexpired lease, which its holder goes
+-- on renewing) until the handler returns (wq_release_key) or the lease ends (a host that died).
+-- Completed at the commit all
 -- the same: the work never runs again (review helper-193: the key's next delivery started
 -- beside the handler's code after its block).
 CREATE OR REPLACE FUNCTION wq_complete_holding_key(p_delivery_id uuid, p_lease_token uuid)
@@ -55,14 +56,20 @@ AS $$
 DECLARE
     v_rows integer;
 BEGIN
+    -- The hold starts with a whole lease from the call (a block may have outlasted the lease
+    -- it had): the holder renews it (wq_extend_lease) until its handler returns.
     UPDATE workqueue_delivery d
        SET status = 'Completed', completed_at = statement_timestamp(),
            lease_owner = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_owner END,
            lease_token = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_token END,
            lease_expires_at = CASE WHEN d.partition_key IS NULL THEN NULL
-                                   ELSE d.lease_expires_at END
+                                   ELSE GREATEST(d.lease_expires_at, statement_timestamp()
+                                                 + make_interval(secs => s.lease_seconds)) END,
+           last_heartbeat_at = CASE WHEN d.partition_key IS NULL THEN d.last_heartbeat_at
+                                    ELSE statement_timestamp() END
+      FROM workqueue_subscription s
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token AND d.status = 'InFlight'
-       AND d.cancel_requested_at IS NULL;
+       AND d.cancel_requested_at IS NULL AND s.id = d.subscription_id;
     GET DIAGNOSTICS v_rows = ROW_COUNT;
     RETURN QUERY SELECT v_rows;
 END;

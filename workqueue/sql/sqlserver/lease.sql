@@ -56,7 +56,11 @@ BEGIN
       INTO @held
       FROM dbo.workqueue_delivery AS d
       JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
-     WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight';
+     WHERE d.id = @delivery_key AND d.lease_token = @token_key
+       -- Or a delivery completed in its handler's transaction whose handler runs on, holding
+       -- its key (wq_complete_holding_key) for as long as it is renewed.
+       AND (d.status = N'InFlight'
+            OR (d.status = N'Completed' AND d.lease_expires_at IS NOT NULL));
 
     SELECT @expires = h.lease_expires_at, @cancelled = h.cancelled FROM @held AS h;
     IF @expires IS NOT NULL

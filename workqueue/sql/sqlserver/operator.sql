@@ -281,6 +281,13 @@ BEGIN
                           WHERE f.subscription_id = @subscription_key
                             AND f.partition_key = @key AND f.status = N'InFlight')
                 THEN N'InFlight'
+            -- Completed in its handler's transaction, whose handler still runs and holds the
+            -- key (wq_complete_holding_key).
+            WHEN EXISTS (SELECT 1 FROM dbo.workqueue_delivery AS k
+                          WHERE k.subscription_id = @subscription_key
+                            AND k.partition_key = @key AND k.status = N'Completed'
+                            AND k.lease_expires_at > SYSDATETIMEOFFSET())
+                THEN N'InFlight'
             WHEN @partition_mode = N'Ordered' AND @head_status = N'DeadLettered' THEN N'Blocked'
             ELSE N'Idle' END;
         IF (@condition IS NULL AND @key_condition = N'Idle')
@@ -679,6 +686,14 @@ BEGIN
         SELECT @in_flight = COUNT(*) FROM (
             SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
              WHERE d.subscription_id = @subscription_key AND d.status = N'InFlight') AS held;
+        -- With the handlers that completed in their own transaction and still run, holding
+        -- their keys (wq_complete_holding_key).
+        SELECT @in_flight += COUNT(*) FROM (
+            SELECT TOP (@limit) d.id FROM dbo.workqueue_delivery AS d
+             WHERE d.subscription_id = @subscription_key AND d.status = N'Completed'
+               AND d.lease_expires_at > @now) AS holding;
+        IF @in_flight > @limit
+            SET @in_flight = @limit;
     END;
 
     IF @subscription_status = N'Active'
@@ -715,12 +730,21 @@ BEGIN
                    AND h.status IN (N'Pending', N'InFlight', N'DeadLettered')
                  ORDER BY h.order_key;
                 IF @head_status = N'Pending' AND @head_visible_at <= @now
+                   AND NOT EXISTS (
+                       SELECT 1 FROM dbo.workqueue_delivery AS k
+                        WHERE k.subscription_id = @subscription_key AND k.partition_key = @key
+                          AND k.status = N'Completed' AND k.lease_expires_at > @now)
                     SET @claimable += 1;
             END
             ELSE IF NOT EXISTS (
                     SELECT 1 FROM dbo.workqueue_delivery AS f
                      WHERE f.subscription_id = @subscription_key AND f.partition_key = @key
                        AND f.status = N'InFlight')
+                AND NOT EXISTS (
+                    -- Nor a key held by a handler that completed in its own transaction.
+                    SELECT 1 FROM dbo.workqueue_delivery AS k
+                     WHERE k.subscription_id = @subscription_key AND k.partition_key = @key
+                       AND k.status = N'Completed' AND k.lease_expires_at > @now)
                 AND EXISTS (
                     SELECT 1 FROM dbo.workqueue_delivery AS c
                      WHERE c.subscription_id = @subscription_key AND c.partition_key = @key

@@ -42,8 +42,8 @@ GO
 -- InFlight → Completed, as wq_complete, from inside a handler's own transaction, whose handler
 -- runs on after the commit: a keyed delivery keeps its lease columns, which hold its partition
 -- key (wq_claim starts none of the key's deliveries while a Completed row of it holds an
--- unexpired lease) until the handler returns (wq_release_key) or the lease ends (a host that
--- died). Completed at the commit all the same: the work never runs again (review helper-193).
+-- unexpired lease, which its holder goes on renewing) until the handler returns
+-- (wq_release_key) or the lease ends (a host that died). Completed at the commit all the same: the work never runs again (review helper-193).
 CREATE OR ALTER PROCEDURE dbo.wq_complete_holding_key
     @delivery_id uniqueidentifier,
     @lease_token uniqueidentifier
@@ -56,14 +56,22 @@ BEGIN
     DECLARE @token_key char(32) = dbo.wq_uuid_text(@lease_token);
     DECLARE @changed TABLE (id char(32));
 
+    -- The hold starts with a whole lease from the call (a block may have outlasted the lease
+    -- it had): the holder renews it (wq_extend_lease) until its handler returns.
     UPDATE d
        SET status = N'Completed', completed_at = @now,
            lease_owner = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_owner END,
            lease_token = CASE WHEN d.partition_key IS NULL THEN NULL ELSE d.lease_token END,
-           lease_expires_at = CASE WHEN d.partition_key IS NULL THEN NULL
-                                   ELSE d.lease_expires_at END
+           lease_expires_at = CASE
+               WHEN d.partition_key IS NULL THEN NULL
+               WHEN d.lease_expires_at > DATEADD(second, s.lease_seconds, @now)
+                   THEN d.lease_expires_at
+               ELSE DATEADD(second, s.lease_seconds, @now) END,
+           last_heartbeat_at = CASE WHEN d.partition_key IS NULL THEN d.last_heartbeat_at
+                                    ELSE @now END
     OUTPUT inserted.id INTO @changed
       FROM dbo.workqueue_delivery AS d
+      JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
      WHERE d.id = @delivery_key AND d.lease_token = @token_key AND d.status = N'InFlight'
        AND d.cancel_requested_at IS NULL;
 
