@@ -39,11 +39,13 @@ END;
 GO
 
 -- wq_complete_holding_key --
--- InFlight → Completed, as wq_complete, from inside a handler's own transaction, whose handler
--- runs on after the commit: a keyed delivery keeps its lease columns, which hold its partition
--- key (wq_claim starts none of the key's deliveries while a Completed row of it holds an
--- unexpired lease, which its holder goes on renewing) until the handler returns
--- (wq_release_key) or the lease ends (a host that died). Completed at the commit all the same: the work never runs again (review helper-193).
+-- InFlight -> Completed, as wq_complete, from inside a handler's own transaction, whose
+-- handler runs on after the commit: a keyed delivery keeps its lease columns, which hold its
+-- partition key (wq_claim starts none of the key's deliveries while a Completed row of it holds
+-- an unexpired lease, which its holder goes on renewing) until the handler returns
+-- (wq_release_key) or the lease ends (a host that died). Completed at the commit all the same:
+-- the work never runs again (review helper-193).
+-- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_complete_holding_key
     @delivery_id uniqueidentifier,
     @lease_token uniqueidentifier
@@ -83,6 +85,7 @@ GO
 -- wq_release_key --
 -- The handler of a delivery completed by wq_complete_holding_key has returned: its partition
 -- key is free again. Fenced by the lease token; 0 rows when the lease had ended already.
+-- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_release_key
     @delivery_id uniqueidentifier,
     @lease_token uniqueidentifier
