@@ -25,6 +25,7 @@ from tests.support.waiting import wait_until
 from workqueue import publish, transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery
+from workqueue.operators import operations
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome
 from workqueue.testing import run_until_idle, use_test_connection
@@ -230,5 +231,8 @@ def test_the_partition_listing_shows_a_key_held_by_its_running_handler_in_flight
     _claim_and_complete_holding_the_key(s)
 
     items, _ = transport.list_partitions(str(s.id), None, None, 100)
+    (listed,) = operations.list_partitions(s.name, condition="InFlight").items
 
     assert [(i.partition_key, i.condition) for i in items] == [("k", "InFlight")], items
+    # With its holder and the hold's end, as a key in flight is listed.
+    assert (listed.lease_owner, listed.lease_expires_at is not None) == ("host-a", True)

@@ -513,19 +513,27 @@ def _with_leases(
     subscription: Any, items: list[PartitionItem], actor: Actor
 ) -> list[PartitionItem]:
     """``items`` with each InFlight key's holder and lease end, read from the deliveries in
-    flight (at most one per key; a transport that keeps its deliveries elsewhere has none). A
-    caller limited to named subscriptions sees the holder's pseudonym, as on /health."""
+    flight (at most one per key; a transport that keeps its deliveries elsewhere has none), or
+    from the completed one whose handler, which completed in its own transaction, still holds
+    the key. A caller limited to named subscriptions sees the holder's pseudonym, as on
+    /health."""
+    from django.db.models import Q
+
     from workqueue.models import Delivery
 
     keys = [item.partition_key for item in items if item.condition == "InFlight"]
     if not keys:
         return items
-    leases = {
-        row["partition_key"]: row
-        for row in Delivery.objects.filter(
-            subscription=subscription, partition_key__in=keys, status=DeliveryStatus.IN_FLIGHT
-        ).values("partition_key", "lease_owner", "lease_expires_at")
-    }
+    leases: dict[str, Any] = {}
+    for row in Delivery.objects.filter(
+        Q(status=DeliveryStatus.IN_FLIGHT)
+        | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__isnull=False),
+        subscription=subscription,
+        partition_key__in=keys,
+    ).values("partition_key", "status", "lease_owner", "lease_expires_at"):
+        # A delivery in flight is the key's holder before a completed one whose hold lapsed.
+        if row["status"] == DeliveryStatus.IN_FLIGHT or row["partition_key"] not in leases:
+            leases[row["partition_key"]] = row
     return [
         replace(
             item,
