@@ -18,6 +18,7 @@ locked rows, so nobody can take the delivery over in between, even past its leas
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from django.db import transaction
@@ -43,8 +44,12 @@ class EnlistedCompletion:
     COMMITTED = "Committed"
     ROLLED_BACK = "RolledBack"
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+    def __init__(
+        self, connection: BaseDatabaseWrapper, on_committed: Callable[[], None] | None = None
+    ) -> None:
         self.connection = connection
+        #: Called, on the committing thread, once the transaction has committed.
+        self._on_committed = on_committed
         self._committed = False
         self._undone = False
         self._hooks_seen_running_at: float | None = None
@@ -59,6 +64,8 @@ class EnlistedCompletion:
 
     def _mark_committed(self) -> None:
         self._committed = True
+        if self._on_committed is not None:
+            self._on_committed()
 
     def state(self, *, handler_returned: bool = False) -> str:
         """The transaction's fate so far. Timer threads ask too. Django keeps a transaction's

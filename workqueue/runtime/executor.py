@@ -1049,7 +1049,12 @@ class DeliveryExecution:
                     "ISOLATION LEVEL READ COMMITTED` first in the block."
                 ) from exc
             if settled.settled:
-                self._enlisted = EnlistedCompletion(connection)
+                self._enlisted = EnlistedCompletion(
+                    connection,
+                    on_committed=self._renew_after_commit
+                    if self._holds_key_after_commit()
+                    else None,
+                )
                 return
         finally:
             self._enlisting = False
@@ -1237,6 +1242,15 @@ class DeliveryExecution:
         if self.delivery.attempt < self.plan.max_attempts:
             return self.plan.max_attempts
         return self.services.receiver.max_attempts(self.plan.max_attempts)
+
+    def _renew_after_commit(self) -> None:
+        """Renew at once the lease that holds the key after the handler's commit: the hold
+        counts from the completion's call, and a block that went on past the lease after it
+        committed with the hold run out (the key free until the next renewal). Run by the
+        commit's hooks, so it must not raise into the handler's block: a pool that has shut
+        down leaves the renewal to the timer."""
+        with contextlib.suppress(RuntimeError):
+            self._renew_soon()
 
     def _holds_key_after_commit(self) -> bool:
         """Whether a completion in the handler's transaction holds the delivery's partition
