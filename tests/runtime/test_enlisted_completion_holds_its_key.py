@@ -236,3 +236,29 @@ def test_the_partition_listing_shows_a_key_held_by_its_running_handler_in_flight
     assert [(i.partition_key, i.condition) for i in items] == [("k", "InFlight")], items
     # With its holder and the hold's end, as a key in flight is listed.
     assert (listed.lease_owner, listed.lease_expires_at is not None) == ("host-a", True)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_the_sweeper_clears_a_hold_nobody_let_go_of_once_it_has_passed():
+    """Review helper-194: a host that died after the commit (or whose release failed) left the
+    completed row naming a lease holder for good (the admin and the REST API showed it leased,
+    and it stayed in the holds' index); the key itself was free once the lease passed."""
+    from workqueue.runtime.sweeper import Sweeper
+
+    subscription = SubscriptionFactory(partition_mode="Exclusive", lease_seconds=30)
+    publish(subscription.topic.name, {}, partition_key="k")
+    _, held = _claim_and_complete_holding_the_key(subscription)
+    Sweeper().run_once()
+    still_held = Delivery.objects.get(pk=held.delivery_id).lease_token
+    get_driver().shift_time(31, subscription_id=str(subscription.id))
+
+    Sweeper().run_once()
+
+    row = Delivery.objects.get(pk=held.delivery_id)
+    assert still_held is not None  # a live hold is left alone
+    assert (row.status, row.lease_owner, row.lease_token, row.lease_expires_at) == (
+        "Completed",
+        None,
+        None,
+        None,
+    )

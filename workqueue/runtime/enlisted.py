@@ -4,9 +4,10 @@
 fenced completion every settle path uses, keeping a keyed delivery's lease so that its partition
 key stays held while the handler runs on after the commit; the executor renews that lease and
 lets go with ``wq_release_key`` when the handler returns) on the handler's own connection inside
-its open ``transaction.atomic()`` on the work queue's database alias. The procedure's UPDATE locks the delivery's row until that transaction
-ends, and that lock carries the fence from the call to the commit: claims and lease expiry skip
-locked rows, so nobody can take the delivery over in between, even past its lease.
+its open ``transaction.atomic()`` on the work queue's database alias. The procedure's UPDATE
+locks the delivery's row until that transaction ends, and that lock carries the fence from the
+call to the commit: claims and lease expiry skip locked rows, so nobody can take the delivery
+over in between, even past its lease.
 
 * Commit: the handler's writes and the completion become visible together.
 * Rollback (of the block, or of a savepoint around the call): both are undone; the row is

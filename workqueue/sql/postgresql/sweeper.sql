@@ -15,6 +15,9 @@
 -- wq_expire_leases_all --
 -- wq_settle_expired_leases for up to p_batch_size passed leases across every subscription
 -- (each with its own max_attempts), oldest first, skipping rows locked by a concurrent settle.
+-- Also clears up to as many passed key holds (wq_complete_holding_key) that nobody let go of (a
+-- host that died, a release that failed): the key has been free since, and the completed row
+-- would go on naming a lease holder.
 CREATE OR REPLACE FUNCTION wq_expire_leases_all(p_batch_size integer)
 RETURNS TABLE (delivery_id uuid, subscription_id uuid, partition_key text, new_status text)
 LANGUAGE plpgsql
@@ -24,6 +27,15 @@ SET enable_seqscan = off
 SET jit = off
 AS $$
 BEGIN
+    UPDATE workqueue_delivery d
+       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE d.id = ANY (ARRAY(
+        SELECT k.id
+          FROM workqueue_delivery k
+         WHERE k.status = 'Completed' AND k.lease_expires_at < now()
+         LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
+           FOR UPDATE SKIP LOCKED))
+       AND d.status = 'Completed' AND d.lease_expires_at < now();
     RETURN QUERY
     SELECT * FROM wq_settle_expired_leases(ARRAY(
         SELECT d.id

@@ -13,7 +13,8 @@ GO
 
 -- wq_expire_leases_all --
 -- wq_expire_leases for every subscription at once (each with its own max_attempts), at most
--- @batch_size rows, oldest expiry first. Returns every changed row with its new status.
+-- @batch_size rows, oldest expiry first. Returns every changed row with its new status. Also
+-- clears up to as many passed key holds nobody let go of (below).
 -- returns: delivery_id, subscription_id, partition_key, new_status
 CREATE OR ALTER PROCEDURE dbo.wq_expire_leases_all
     @batch_size int
@@ -61,6 +62,18 @@ BEGIN
                 WHERE x.status = N'InFlight' AND x.lease_expires_at < @now
                 ORDER BY x.lease_expires_at)
        AND d.status = N'InFlight' AND d.lease_expires_at < @now;
+
+    -- Passed key holds (wq_complete_holding_key) that nobody let go of (a host that died, a
+    -- release that failed): the key has been free since, and the completed row would go on
+    -- naming a lease holder.
+    UPDATE d
+       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+      FROM dbo.workqueue_delivery AS d
+     WHERE d.id IN (
+               SELECT TOP (@batch_size) k.id
+                 FROM dbo.workqueue_delivery AS k WITH (UPDLOCK, READPAST, ROWLOCK)
+                WHERE k.status = N'Completed' AND k.lease_expires_at < @now)
+       AND d.status = N'Completed' AND d.lease_expires_at < @now;
 
     -- result set
     SELECT dbo.wq_text_uuid(c.id) AS delivery_id,
