@@ -8,7 +8,8 @@ when the handler returns (a host that died lets go when the lease ends). The ind
 rows for a claim. Both vendors' procedures are reinstalled; signatures are unchanged, so
 processes of the previous release call on (their enlisted completions free the key at once,
 as before). ``wq_extend_lease`` renews such a hold, ``wq_backlog`` and ``wq_list_partitions``
-count a held key as in flight (review helper-194).
+count a held key as in flight, and the sweeper clears a passed hold nobody let go of (review
+helper-194).
 
 The index is built while ``migrate`` holds the delivery table's lock (it covers no row yet,
 but the build reads the table): on a large table, run it when a pause in publishing and
