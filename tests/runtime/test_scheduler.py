@@ -474,6 +474,44 @@ def test_schedules_shows_a_slot_skipped_for_a_later_one_as_skipped_with_no_messa
     assert row["skipped"].startswith("a later slot"), row
 
 
+def test_records_that_cannot_be_read_are_warned_of_once_until_they_can_be_again(
+    monkeypatch, topic_name, caplog
+):
+    """The warning that the schedules' records cannot be read (a grant missing) was said once
+    per process: after the grant came back and went again, a host that had warned once said
+    nothing the second time."""
+    from django.db import DatabaseError
+
+    from workqueue.models import ScheduleRecord
+
+    manager = ScheduleRecord.objects
+    reading = manager.using
+
+    class Refusing:
+        """Every query of the records refused, as for a role without their grant."""
+
+        def __getattr__(self, name: str) -> Any:
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise DatabaseError("permission denied for table workqueue_schedulerecord")
+
+            return refuse
+
+    def refused(alias: str) -> Any:
+        return Refusing()
+
+    clock = Clock(dt.datetime(2026, 7, 1, 1, 0, 5, tzinfo=UTC))
+    scheduler = Scheduler(load_schedules([schedule(topic_name, "0 * * * *")]), clock=clock)
+    said = []
+    with caplog.at_level(logging.WARNING, logger="workqueue.runtime.scheduler"):
+        for readable in (False, False, True, False):
+            caplog.clear()
+            monkeypatch.setattr(manager, "using", reading if readable else refused)
+            scheduler.run_once()
+            said.append("could not be read or written" in caplog.text)
+
+    assert said == [True, False, False, True]
+
+
 def test_a_later_slot_is_recorded_over_an_earlier_one_another_host_wrote_meanwhile(
     monkeypatch, topic_name
 ):

@@ -212,6 +212,9 @@ class Scheduler:
         except DatabaseError as exc:
             self._records_failed(exc)
             return {}
+        # Read again: a later failure (a grant taken back, say) is said again, not taken for
+        # the one said before.
+        self._records_failed_reported = False
         last_slots = {}
         for name, at, digest in rows:
             if (last := recorded_slot_time(at)) is not None:
