@@ -24,8 +24,10 @@ from tests.support.hosts import one, status_of, sub
 from tests.support.waiting import wait_until
 from workqueue import publish, transport
 from workqueue.driver import get_driver
+from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery
 from workqueue.operators import operations
+from workqueue.runtime.executor import AbortReason
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome
 from workqueue.testing import run_until_idle, use_test_connection
@@ -262,3 +264,199 @@ def test_the_sweeper_clears_a_hold_nobody_let_go_of_once_it_has_passed():
         None,
         None,
     )
+
+
+_events: dict[str, float] = {}
+_renewals_down = threading.Event()
+
+
+class CompletesAfterTheHorizonThenMails(BaseWorkHandler):
+    """Ignores a LeaseLost from the local horizon (a slow API call), then completes in its
+    transaction (accepted: nobody took the delivery over) and mails for longer than a lease."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        if message.payload.get("n") == "first":
+            deadline = time.monotonic() + 15
+            while not context.signal.has(AbortReason.LEASE_LOST) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _events["told_lost"] = time.monotonic()
+            _renewals_down.clear()  # the renewal outage is over
+            with transaction.atomic():
+                context.complete(enlist=True)
+            _events["committed"] = time.monotonic()
+            time.sleep(message.payload["mailMs"] / 1000)  # mail_invoice(invoice)
+            _events["first_returned"] = time.monotonic()
+        else:
+            _events["second_started"] = time.monotonic()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.after_horizon", CompletesAfterTheHorizonThenMails)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_completion_accepted_after_the_horizon_said_lease_lost_holds_the_key_until_return(
+    make_host, monkeypatch
+):
+    """Review helper-195: renewals failed until the local horizon told the handler LeaseLost;
+    nobody had taken the delivery, so its completion was accepted, but renewing had stopped
+    for good (the stale local lease): the hold lapsed after one lease, and the key's next
+    delivery was claimed while the handler's tail still ran."""
+    _events.clear()
+    extend = Receiver.extend_lease
+
+    def down_for_a_while(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if _renewals_down.is_set():
+            raise TransientDriverError("connection refused (renewal outage)")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", down_for_a_while)
+    _renewals_down.set()
+    s = sub(handler_key="tests.enlisted.after_horizon", partition_mode="Exclusive", lease_seconds=5)
+    make_host(one(s, concurrency=1)).start()
+    first = publish(s.topic.name, {"n": "first", "mailMs": 12_000}, partition_key="k")
+    wait_until(lambda: "committed" in _events, timeout=25)
+    assert Delivery.objects.get(message_id=first.message_id).status == "Completed"
+    publish(s.topic.name, {"n": "second"}, partition_key="k")
+    other_host = Receiver(str(s.id), "host-b")
+    claimed: list[float] = []
+    while "first_returned" not in _events and not claimed:
+        if other_host.receive(1).deliveries:
+            claimed.append(time.monotonic())
+        time.sleep(0.2)
+    assert not claimed, (
+        f"the key's next delivery was claimed {claimed[0] - _events['committed']:.1f} s after the "
+        "commit, while the first handler still ran (its hold was never renewed)"
+    )
+
+
+class CompleteThenTail(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        started = time.monotonic()
+        with transaction.atomic():
+            context.complete(enlist=True)
+        _spans.setdefault("committed:" + message.payload["n"], [time.monotonic()])
+        time.sleep(message.payload.get("mailMs", 0) / 1000)
+        _spans[message.payload["n"]] = [started, time.monotonic()]
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.complete_then_tail", CompleteThenTail)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_release_that_fails_once_does_not_stall_the_key_for_a_whole_lease(make_host, monkeypatch):
+    """Review helper-195: every other settle is tried again while its lease lasts (fenced by
+    the token); the release was sent once, and one dropped connection left the Ordered key idle
+    a whole lease."""
+    _spans.clear()
+    release = Receiver.release_key
+    failed: list[int] = []
+
+    def drops_once(self: Receiver, delivery: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            raise TransientDriverError("server closed the connection unexpectedly")
+        return release(self, delivery)
+
+    monkeypatch.setattr(Receiver, "release_key", drops_once)
+    s = sub(
+        handler_key="tests.enlisted.complete_then_tail", partition_mode="Ordered", lease_seconds=20
+    )
+    make_host(one(s, concurrency=2)).start()
+    publish(s.topic.name, {"n": "first", "mailMs": 500}, partition_key="k")
+    publish(s.topic.name, {"n": "second"}, partition_key="k")
+
+    wait_until(lambda: "second" in _spans, timeout=40)
+    gap = _spans["second"][0] - _spans["first"][1]
+    assert failed and gap < 5, (
+        f"the key's next message started {gap:.1f} s after the first returned"
+    )
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_replan_while_the_handler_runs_on_keeps_the_key_held(make_host, monkeypatch):
+    """The consumer a re-plan stops lets its handler run on (process_lives_on), and the key
+    stays held until it returns."""
+    from workqueue.models import Subscription
+    from workqueue.runtime.consumer import Consumer
+
+    stops: list[bool] = []
+    stop = Consumer.stop
+
+    def watched(self: Any, *, process_lives_on: bool = False) -> None:
+        stops.append(process_lives_on)
+        stop(self, process_lives_on=process_lives_on)
+
+    monkeypatch.setattr(Consumer, "stop", watched)
+
+    _spans.clear()
+    s = sub(
+        handler_key="tests.enlisted.complete_then_tail", partition_mode="Exclusive", lease_seconds=5
+    )
+    host = make_host(one(s, concurrency=2), reconcile_interval_ms=100)
+    host.start()
+    publish(s.topic.name, {"n": "first", "mailMs": 9_000}, partition_key="k")
+    wait_until(lambda: "committed:first" in _spans, timeout=10)
+    Subscription.objects.filter(pk=s.pk).update(max_attempts=7)  # the host re-plans
+    publish(s.topic.name, {"n": "second"}, partition_key="k")
+    wait_until(lambda: "second" in _spans and "first" in _spans, timeout=40)
+    (_, a_end), (b_start, _) = _spans["first"], _spans["second"]
+    assert True in stops, stops  # a re-plan did stop the consumer
+    assert b_start >= a_end, f"second started {a_end - b_start:.1f} s before the first returned"
+
+
+_beats: dict[str, list[bool]] = {}
+
+
+class ManualCompleteThenBeat(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        with transaction.atomic():
+            context.complete(enlist=True)
+        answers = _beats.setdefault(message.payload["n"], [])
+        for _ in range(3):
+            time.sleep(0.5)
+            answers.append(context.heartbeat({"step": len(answers)}))
+        _spans[message.payload["n"]] = [0.0, time.monotonic()]
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.manual_beat", ManualCompleteThenBeat)
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("mode", ["Exclusive", "None"])
+def test_a_manual_handlers_heartbeat_after_its_commit_does_not_tell_it_to_stop(make_host, mode):
+    """Review helper-195: context.heartbeat() 'returns False once the lease is lost, the
+    delivery was cancelled or the time cap passed, and the handler should then stop'. After a
+    commit it answered False (a keyed one True, once the hold was renewed): a handler that
+    obeys dropped the rest of its work (the README's mail_invoice) though nothing went
+    wrong."""
+    _beats.clear()
+    _spans.clear()
+    s = sub(
+        handler_key="tests.enlisted.manual_beat",
+        partition_mode=mode,
+        heartbeat_mode="Manual",
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    publish(s.topic.name, {"n": "x"}, partition_key="k")
+    wait_until(lambda: "x" in _spans, timeout=20)
+    assert _beats["x"] == [True, True, True], (mode, _beats["x"])
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_stats_and_metrics_count_a_held_keys_running_handler_in_flight_as_the_backlog_does():
+    """Review helper-195: wq_backlog and the partition listing counted the handler in flight;
+    the stats (`workqueue stats`, /metrics' workqueue_in_flight_deliveries, retire's wait for
+    running deliveries) said nothing ran."""
+    s = SubscriptionFactory(partition_mode="Exclusive", lease_seconds=60)
+    publish(s.topic.name, {}, partition_key="k")
+    publish(s.topic.name, {}, partition_key="k")
+    _claim_and_complete_holding_the_key(s)
+
+    stats = transport.subscription_stats(str(s.id))
+    gauges = transport.queue_gauges(str(s.id), 1000)
+
+    assert (stats["in_flight"], gauges["in_flight"]) == (1, 1), (stats, gauges)

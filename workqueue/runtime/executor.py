@@ -352,6 +352,10 @@ class DeliveryExecution:
         self._enlisted: EnlistedCompletion | None = None
         self._held_reported_until = 0.0  # monotonic: when to say again that it is held
         self._enlisting = False
+        # A key hold (wq_complete_holding_key) the database says has ended: renewed no more.
+        self._hold_ended = False
+        # Whether the automatic renewals' timer chain has ended (renewals stopped).
+        self._ticks_stopped = False
         # A settle call failed on a lost connection, so it may have committed unanswered: a
         # completion sent again is then refused as already done, which is no lost lease.
         self._answer_lost = False
@@ -776,10 +780,12 @@ class DeliveryExecution:
         outage, the lease left shrinking, would otherwise come ever faster until the horizon.
         False when renewals have stopped."""
         if self._stopped_renewing():
+            self._ticks_stopped = True
             return False
         interval = heartbeat_interval_seconds(self.lease_seconds)
         left = self._lease_ends - time.monotonic()
         delay = min(interval, max(left / 2, interval / 8))
+        self._ticks_stopped = False
         self._keep_timer(self.services.timers.schedule(delay, self._auto_heartbeat_tick))
         return True
 
@@ -794,6 +800,8 @@ class DeliveryExecution:
                 # holds the lease on, and the ticks must go on from its answer (review
                 # helper-178); _schedule_auto_heartbeat decides again then.
                 pending.add_done_callback(lambda _: self._schedule_auto_heartbeat())
+            else:
+                self._ticks_stopped = True
             return
         future = self.services.background.submit(self._beat, None)
         future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
@@ -866,14 +874,21 @@ class DeliveryExecution:
         return self._lease_lost_in_database
 
     def _stopped_renewing(self) -> bool:
-        return (
-            self._finished
+        if self._finished:
+            return True
+        if self._completed_in_transaction():
             # Completed in the handler's transaction: renewed on only while the completion
-            # holds the delivery's partition key for the handler that runs on.
-            or (self._completed_in_transaction() and not self._holds_key_after_commit())
-            or (self.signal.has(AbortReason.LEASE_LOST) and self._lease_ran_out())
-            or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
-        )
+            # holds the delivery's partition key for the handler that runs on, whatever a
+            # horizon said before the completion was accepted (review helper-195), until the
+            # cap stops it as it stops any run or the database says the hold has ended.
+            return (
+                not self._holds_key_after_commit()
+                or self._hold_ended
+                or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
+            )
+        return (
+            self.signal.has(AbortReason.LEASE_LOST) and self._lease_ran_out()
+        ) or self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
 
     def _lease_ran_out(self) -> bool:
         """Whether renewing is over: the database said the lease is gone, or it has run out by
@@ -887,7 +902,12 @@ class DeliveryExecution:
     def _beat(self, progress: Mapping[str, Any] | None) -> bool:
         """Renew the lease; concurrent calls share one database call (the first progress wins)."""
         if self._stopped_renewing():
-            return False
+            # A delivery completed in the handler's transaction is no lease lost: a Manual
+            # handler told False would stop its tail (review helper-195), though nothing went
+            # wrong; the time cap still says stop.
+            return self._completed_in_transaction() and not self.signal.has(
+                AbortReason.MAX_PROCESSING_SECONDS
+            )
         with self._lock:
             if self._holds_row_in_transaction():
                 # The handler's transaction holds the row (and with it the delivery) until it
@@ -936,8 +956,12 @@ class DeliveryExecution:
             elif extension.state != LeaseState.HELD:
                 held = False
                 # Not lost but completed, when the handler's transaction committed while this
-                # renewal was on its way.
-                if not self._completed_in_transaction():
+                # renewal was on its way; or a key hold that has ended (let go, or its row
+                # purged): nothing more to renew.
+                if self._completed_in_transaction():
+                    self._hold_ended = True
+                    held = True
+                else:
                     self._lease_lost_in_database = True
                     self.signal.abort(AbortReason.LEASE_LOST)
         except WorkQueueError as exc:
@@ -1031,6 +1055,7 @@ class DeliveryExecution:
             try:
                 # Holding the key: the handler runs on after its transaction, and the key's
                 # next delivery must not start beside it (review helper-193).
+                called_at = time.monotonic()
                 settled = self.services.receiver.complete(
                     self.delivery, connection=connection, holding_key=True
                 )
@@ -1049,6 +1074,10 @@ class DeliveryExecution:
                     "ISOLATION LEVEL READ COMMITTED` first in the block."
                 ) from exc
             if settled.settled:
+                if self._holds_key_after_commit():
+                    # The hold runs a whole lease from the call (wq_complete_holding_key): a
+                    # horizon that passed before it was accepted must not end its renewals.
+                    self._lease_ends = max(self._lease_ends, called_at + self.lease_seconds)
                 self._enlisted = EnlistedCompletion(
                     connection,
                     on_committed=self._renew_after_commit
@@ -1251,6 +1280,10 @@ class DeliveryExecution:
         down leaves the renewal to the timer."""
         with contextlib.suppress(RuntimeError):
             self._renew_soon()
+            if self.plan.heartbeat_mode == "Auto" and self._ticks_stopped:
+                # The automatic renewals had stopped (a horizon said the lease was lost before
+                # this completion was accepted: review helper-195): they go on for the hold.
+                self._schedule_auto_heartbeat()
 
     def _holds_key_after_commit(self) -> bool:
         """Whether a completion in the handler's transaction holds the delivery's partition
@@ -1258,12 +1291,17 @@ class DeliveryExecution:
         return self.plan.partition_mode != "None" and self.delivery.partition_key is not None
 
     def _release_key(self) -> None:
-        """Free the partition key the handler's own completion held while it ran on. Not
-        retried: should it fail, the key is free when the lease ends."""
+        """Free the partition key the handler's own completion held while it ran on. Should it
+        fail for good, the key is free when the lease ends."""
         if not self._holds_key_after_commit():
             return  # nothing held
         try:
-            self._off_worker(lambda: self.services.receiver.release_key(self.delivery))()
+            # Retried on a lost connection as a settle is (fenced by the token, so safe): a
+            # release dropped once left an Ordered key idle for a whole lease (review
+            # helper-195).
+            self._while_lease_lasts(
+                self._off_worker(lambda: self.services.receiver.release_key(self.delivery))
+            )
         except WorkQueueError as exc:
             self.log.warning(
                 "The partition key of a delivery completed in its handler's transaction could "

@@ -50,11 +50,19 @@ AS $$
                     ORDER BY d.priority, d.visible_at
                     LIMIT (SELECT n FROM cap)) AS x),
               (SELECT n FROM cap)),
-        (SELECT count(*) FROM (
-            SELECT 1 FROM workqueue_delivery d
-             WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
-             ORDER BY d.status
-             LIMIT (SELECT n FROM cap)) AS x),
+        -- With the handlers that completed in their own transaction and still run, holding
+        -- their keys (wq_complete_holding_key), as wq_backlog counts them.
+        LEAST((SELECT count(*) FROM (
+                   SELECT 1 FROM workqueue_delivery d
+                    WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+                    ORDER BY d.status
+                    LIMIT (SELECT n FROM cap)) AS x)
+              + (SELECT count(*) FROM (
+                   SELECT 1 FROM workqueue_delivery d
+                    WHERE d.subscription_id = p_subscription_id AND d.status = 'Completed'
+                      AND d.lease_expires_at > now()
+                    LIMIT (SELECT n FROM cap)) AS x),
+              (SELECT n FROM cap)),
         (SELECT count(*) FROM (
             SELECT 1 FROM workqueue_delivery d
              WHERE d.subscription_id = p_subscription_id AND d.status = 'DeadLettered'

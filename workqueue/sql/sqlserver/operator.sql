@@ -78,10 +78,19 @@ BEGIN
                    AND d.partition_key IS NOT NULL
                  ORDER BY d.priority, d.visible_at) AS y
         ) AS counts) AS pending,
-        (SELECT COUNT_BIG(*) FROM (
-            SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
-             WHERE d.subscription_id = s.id AND d.status = N'InFlight'
-             ORDER BY d.status) AS x) AS in_flight,
+        -- With the handlers that completed in their own transaction and still run, holding
+        -- their keys (wq_complete_holding_key), as wq_backlog counts them.
+        (SELECT CASE WHEN SUM(n) > @limit THEN @limit ELSE SUM(n) END FROM (
+            SELECT COUNT_BIG(*) AS n FROM (
+                SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = s.id AND d.status = N'InFlight'
+                 ORDER BY d.status) AS x
+            UNION ALL
+            SELECT COUNT_BIG(*) FROM (
+                SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
+                 WHERE d.subscription_id = s.id AND d.status = N'Completed'
+                   AND d.lease_expires_at > @now) AS y
+        ) AS counts) AS in_flight,
         (SELECT COUNT_BIG(*) FROM (
             SELECT TOP (@limit) 1 AS one FROM dbo.workqueue_delivery AS d
              WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
