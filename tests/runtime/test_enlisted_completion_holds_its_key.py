@@ -32,6 +32,7 @@ from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome
 from workqueue.testing import run_until_idle, use_test_connection
 from workqueue.transport import Receiver
+from workqueue.types import LeaseState
 
 _spans: dict[str, list[float]] = {}
 _lock = threading.Lock()
@@ -137,17 +138,15 @@ def test_a_keyless_delivery_completed_in_its_transaction_holds_no_lease():
 
 
 class CompleteEarlyInALongBlock(BaseWorkHandler):
-    """Completes, then goes on in the same block (the row stays locked until the commit, even
-    past the lease), then runs a tail after it."""
+    """Completes, then goes on in the same block past a lease's length (the row stays locked
+    until the commit), then looks at its signal after the commit."""
 
     def handle(self, message: Any, context: Any) -> Outcome:
-        started = time.monotonic()
         with transaction.atomic():
             context.complete(enlist=True)
-            time.sleep(message.payload.get("blockMs", 0) / 1000)
-        time.sleep(message.payload.get("mailMs", 0) / 1000)
-        with _lock:
-            _spans[message.payload["n"]] = [started, time.monotonic()]
+            time.sleep(message.payload["blockMs"] / 1000)
+        told = context.signal.wait(3)  # the hold's renewal is refused: it has lapsed
+        _spans[message.payload["n"]] = [float(told), time.monotonic()]
         return Outcome.complete()
 
 
@@ -155,25 +154,35 @@ registry.register("tests.enlisted.complete_early", CompleteEarlyInALongBlock)
 
 
 @pytest.mark.usefixtures("queue_db")
-@pytest.mark.parametrize(
-    ("handler_key", "first"),
-    [
-        ("tests.enlisted.complete_then_mail", {"mailMs": 9_000}),
-        ("tests.enlisted.complete_early", {"blockMs": 6_000, "mailMs": 1_500}),
-    ],
-    ids=["a tail longer than the lease", "a block that outlasted the lease"],
-)
-def test_the_key_stays_held_past_the_lease_the_handler_had_at_its_commit(
-    make_host, handler_key, first
+def test_a_block_that_went_on_past_the_lease_after_the_call_tells_its_handler_the_hold_lapsed(
+    make_host,
 ):
-    """Review helper-194: renewals stopped at the commit, so the hold lasted what was left of
-    the lease: a tail longer than that, or any tail after a block that had outlasted its
-    lease, ran beside the key's next delivery. The hold starts with a whole lease and is
-    renewed until the handler returns."""
+    """The hold counts a whole lease from the complete call (keep the call last in the block):
+    a block that went on for longer commits with the hold run out, and the key may be claimed
+    from then on. The handler is told, as one whose lease ran out (it read "all well" before,
+    or its lapsed hold was renewed beside the key's next holder: review helper-196)."""
     _spans.clear()
-    s = sub(handler_key=handler_key, partition_mode="Ordered", lease_seconds=5)
+    s = sub(handler_key="tests.enlisted.complete_early", partition_mode="Ordered", lease_seconds=5)
+    make_host(one(s, concurrency=1)).start()
+    first = publish(s.topic.name, {"n": "first", "blockMs": 6_000}, partition_key="k")
+
+    wait_until(lambda: "first" in _spans, timeout=20)
+
+    assert _spans["first"][0] == 1.0, "the handler was not told its hold had lapsed"
+    assert status_of(first.message_id) == "Completed"
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_the_key_stays_held_past_the_lease_the_handler_had_at_its_commit(make_host):
+    """Review helper-194: renewals stopped at the commit, so the hold lasted what was left of
+    the lease: a tail longer than that ran beside the key's next delivery. The hold is renewed
+    until the handler returns."""
+    _spans.clear()
+    s = sub(
+        handler_key="tests.enlisted.complete_then_mail", partition_mode="Ordered", lease_seconds=5
+    )
     make_host(one(s, concurrency=2)).start()
-    publish(s.topic.name, {"n": "first", **first}, partition_key="k")
+    publish(s.topic.name, {"n": "first", "mailMs": 9_000}, partition_key="k")
     publish(s.topic.name, {"n": "second"}, partition_key="k")
 
     wait_until(lambda: len(_spans) == 2, timeout=30)
@@ -460,3 +469,220 @@ def test_stats_and_metrics_count_a_held_keys_running_handler_in_flight_as_the_ba
     gauges = transport.queue_gauges(str(s.id), 1000)
 
     assert (stats["in_flight"], gauges["in_flight"]) == (1, 1), (stats, gauges)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_lapsed_hold_is_not_renewed_once_the_keys_next_delivery_was_claimed():
+    """Review helper-196: wq_extend_lease renewed any Completed row with a lease, passed or
+    not. A hold that lapsed (renewals failed for a lease: an outage, a GC pause, a Manual
+    handler that beat late) has let the key's next delivery be claimed; the late renewal then
+    answered Held and put the hold
+    back, so the tail runs beside the key's next delivery told that it holds the key, and the
+    key counts twice in flight."""
+    s = SubscriptionFactory(partition_mode="Exclusive", lease_seconds=30)
+    publish(s.topic.name, {}, partition_key="k")
+    publish(s.topic.name, {}, partition_key="k")
+    receiver, held = _claim_and_complete_holding_the_key(s)
+    get_driver().shift_time(31, subscription_id=str(s.id))  # the hold lapsed
+    (next_one,) = Receiver(str(s.id), "host-b").receive(5).deliveries  # the key's next delivery
+
+    late = receiver.extend_lease(held)
+
+    stats = transport.subscription_stats(str(s.id))
+    assert late.state != LeaseState.HELD, (
+        f"the lapsed hold was renewed ({late.state}) while delivery {next_one.delivery_id} of "
+        f"the same key runs; in_flight counts {stats['in_flight']} for one key"
+    )
+
+
+_waited_beats: list[bool] = []
+_go_on = threading.Event()
+_done = threading.Event()
+
+
+class ManualCompleteWaitBeat(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        with transaction.atomic():
+            context.complete(enlist=True)
+        _go_on.wait(30)  # the hold lapses meanwhile, and the key's next delivery is claimed
+        _waited_beats.append(context.heartbeat())
+        _done.set()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.manual_wait_beat", ManualCompleteWaitBeat)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_manual_heartbeat_says_false_once_the_keys_next_delivery_runs(make_host):
+    """Review helper-196: the heartbeat answered True after the commit whatever the database
+    said. Here the hold lapsed, the sweeper cleared it and another
+    host runs the key's next delivery: the handler's heartbeat answers True, so a Manual
+    handler goes on with its tail beside the key's next delivery, told all is well."""
+    from workqueue.runtime.sweeper import Sweeper
+
+    _waited_beats.clear()
+    _go_on.clear()
+    _done.clear()
+    s = sub(
+        handler_key="tests.enlisted.manual_wait_beat",
+        partition_mode="Exclusive",
+        heartbeat_mode="Manual",
+        lease_seconds=30,
+    )
+    make_host(one(s, concurrency=1)).start()
+    first = publish(s.topic.name, {}, partition_key="k").message_id
+    wait_until(
+        lambda: Delivery.objects.filter(message_id=first, status="Completed").exists(), timeout=20
+    )
+    publish(s.topic.name, {}, partition_key="k")
+    get_driver().shift_time(31, subscription_id=str(s.id))  # the hold lapsed (no beat)
+    Sweeper().run_once()  # and was cleared
+    taken = Receiver(str(s.id), "host-b").receive(5).deliveries
+    assert len(taken) == 1  # the key's next delivery runs on host-b
+
+    _go_on.set()
+    assert _done.wait(20)
+    assert _waited_beats == [False], (
+        f"heartbeat answered {_waited_beats} while host-b runs the key's next one"
+    )
+
+
+_outage = threading.Event()
+_claimed_elsewhere = threading.Event()
+_told: list[bool] = []
+
+
+class CompleteThenTailThroughAnOutage(BaseWorkHandler):
+    def handle(self, message: Any, context: Any) -> Outcome:
+        from workqueue.runtime.executor import AbortReason
+
+        _outage.set()  # the database cannot be reached for renewals from the commit on
+        with transaction.atomic():
+            context.complete(enlist=True)
+        _claimed_elsewhere.wait(20)
+        time.sleep(1.0)  # a horizon's timer has had its time
+        _told.append(context.signal.has(AbortReason.LEASE_LOST))
+        _done.set()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.tail_through_outage", CompleteThenTailThroughAnOutage)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_handler_whose_hold_ran_out_is_told_before_the_keys_next_delivery_runs_beside_it(
+    make_host, monkeypatch
+):
+    """Renewals of the hold fail (an outage for this host only) until it runs out; another host
+    claims the key's next delivery. An InFlight delivery's handler is told LeaseLost by the local
+    horizon at that point; a holding handler's horizon was silenced once it had committed, so
+    its tail ran on beside the key's next delivery, never told (review helper-196)."""
+    _told.clear()
+    _done.clear()
+    _outage.clear()
+    _claimed_elsewhere.clear()
+    extend = Receiver.extend_lease
+
+    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if _outage.is_set():
+            raise TransientDriverError("connection refused (renewal outage)")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", down)
+    s = sub(
+        handler_key="tests.enlisted.tail_through_outage",
+        partition_mode="Exclusive",
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    first = publish(s.topic.name, {}, partition_key="k").message_id
+    wait_until(
+        lambda: Delivery.objects.filter(message_id=first, status="Completed").exists(), timeout=20
+    )
+    publish(s.topic.name, {}, partition_key="k")
+    other_host = Receiver(str(s.id), "host-b")
+    deadline = time.monotonic() + 15
+    taken: list[Any] = []
+    while not taken and time.monotonic() < deadline:
+        taken = other_host.receive(1).deliveries
+        time.sleep(0.2)
+    assert taken, "the key's next delivery was never claimed"
+    _claimed_elsewhere.set()
+    assert _done.wait(20)
+    assert _told == [True], "the handler ran on beside the key's next delivery, never told"
+
+
+_times: dict[str, float] = {}
+
+
+class CompletesThenRollsBackAndGoesOn(BaseWorkHandler):
+    """Renewals fail (an outage of this host's renewals); late in its lease the handler
+    completes in its transaction, then the block raises and rolls back; the handler catches it
+    and goes on (a fallback path), watching its signal as the README says."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        from workqueue.runtime.executor import AbortReason
+
+        if message.payload.get("n") != "first":
+            return Outcome.complete()
+        _outage.set()
+        time.sleep(3.5)
+        try:
+            with transaction.atomic():
+                context.complete(enlist=True)
+                raise ValueError("writing the invoice failed after the complete call")
+        except ValueError:
+            _times["rolled_back"] = time.monotonic()
+        deadline = time.monotonic() + 12
+        while not context.signal.has(AbortReason.LEASE_LOST) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _times["told"] = time.monotonic()
+        _done.set()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.rolls_back", CompletesThenRollsBackAndGoesOn)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_completion_rolled_back_leaves_the_local_horizon_where_the_database_lease_ends(
+    make_host, monkeypatch
+):
+    """Review helper-196: the local lease was moved a whole lease past the complete call as
+    soon as the call was accepted, before the commit. Rolled back, the database lease is where
+    it was (renewals failed), but the horizon, seeing the local lease moved, re-armed a lease
+    later: the sweeper and another host took the delivery back and ran it while this handler,
+    never told LeaseLost, went on for up to a lease."""
+    from workqueue.runtime.sweeper import Sweeper
+
+    _times.clear()
+    _done.clear()
+    _outage.clear()
+    extend = Receiver.extend_lease
+
+    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if _outage.is_set():
+            raise TransientDriverError("connection refused (renewal outage)")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", down)
+    s = sub(handler_key="tests.enlisted.rolls_back", partition_mode="Exclusive", lease_seconds=5)
+    make_host(one(s, concurrency=1)).start()
+    publish(s.topic.name, {"n": "first"}, partition_key="k")
+    wait_until(lambda: "rolled_back" in _times, timeout=20)
+    other_host = Receiver(str(s.id), "host-b")
+    taken: list[Any] = []
+    deadline = time.monotonic() + 15
+    while not taken and time.monotonic() < deadline:
+        Sweeper().run_once()
+        taken = other_host.receive(1).deliveries
+        if not taken:
+            time.sleep(0.1)
+    claimed_at = time.monotonic()
+    assert taken, "never taken back"
+    assert _done.wait(20)
+    late = _times["told"] - claimed_at
+    assert late <= 0.5, (
+        f"host-b took the delivery back and the handler was told LeaseLost {late:.1f} s later"
+    )

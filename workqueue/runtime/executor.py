@@ -354,6 +354,8 @@ class DeliveryExecution:
         self._enlisting = False
         # A key hold (wq_complete_holding_key) the database says has ended: renewed no more.
         self._hold_ended = False
+        # When the completion that holds the key was called (monotonic): the hold's start.
+        self._hold_called_at = 0.0
         # Whether the automatic renewals' timer chain has ended (renewals stopped).
         self._ticks_stopped = False
         # A settle call failed on a lost connection, so it may have committed unanswered: a
@@ -727,7 +729,10 @@ class DeliveryExecution:
                 )
             )
             return
-        if not self._completed_in_transaction():
+        if not self._completed_in_transaction() or self._holds_key_after_commit():
+            # After the commit too, while the completion holds the key: the hold has run out
+            # unrenewed, and the key's next delivery may start beside the handler (review
+            # helper-196): it is told, as a handler whose lease ran out is.
             self.signal.abort(AbortReason.LEASE_LOST)
 
     def _horizon_passed_untold(self) -> None:
@@ -742,7 +747,7 @@ class DeliveryExecution:
             or not self.started
             or time.monotonic() < self._lease_ends
             or self._holds_row_in_transaction()
-            or self._completed_in_transaction()
+            or (self._completed_in_transaction() and not self._holds_key_after_commit())
         ):
             return
         self.signal.abort(AbortReason.LEASE_LOST)
@@ -904,9 +909,11 @@ class DeliveryExecution:
         if self._stopped_renewing():
             # A delivery completed in the handler's transaction is no lease lost: a Manual
             # handler told False would stop its tail (review helper-195), though nothing went
-            # wrong; the time cap still says stop.
-            return self._completed_in_transaction() and not self.signal.has(
-                AbortReason.MAX_PROCESSING_SECONDS
+            # wrong; a hold that has ended, or the time cap, still says stop.
+            return (
+                self._completed_in_transaction()
+                and not self._hold_ended
+                and not self.signal.has(AbortReason.MAX_PROCESSING_SECONDS)
             )
         with self._lock:
             if self._holds_row_in_transaction():
@@ -959,8 +966,11 @@ class DeliveryExecution:
                 # renewal was on its way; or a key hold that has ended (let go, or its row
                 # purged): nothing more to renew.
                 if self._completed_in_transaction():
+                    # The hold has run out (lapsed, and the key's next delivery may run) or was
+                    # cleared: the handler is told, as one whose lease was lost (review
+                    # helper-196), and nothing more is renewed.
                     self._hold_ended = True
-                    held = True
+                    self.signal.abort(AbortReason.LEASE_LOST)
                 else:
                     self._lease_lost_in_database = True
                     self.signal.abort(AbortReason.LEASE_LOST)
@@ -1074,10 +1084,9 @@ class DeliveryExecution:
                     "ISOLATION LEVEL READ COMMITTED` first in the block."
                 ) from exc
             if settled.settled:
-                if self._holds_key_after_commit():
-                    # The hold runs a whole lease from the call (wq_complete_holding_key): a
-                    # horizon that passed before it was accepted must not end its renewals.
-                    self._lease_ends = max(self._lease_ends, called_at + self.lease_seconds)
+                # The hold runs a whole lease from the call (wq_complete_holding_key), once the
+                # transaction commits (a rollback leaves the lease where it was).
+                self._hold_called_at = called_at
                 self._enlisted = EnlistedCompletion(
                     connection,
                     on_committed=self._renew_after_commit
@@ -1273,11 +1282,14 @@ class DeliveryExecution:
         return self.services.receiver.max_attempts(self.plan.max_attempts)
 
     def _renew_after_commit(self) -> None:
-        """Renew at once the lease that holds the key after the handler's commit: the hold
-        counts from the completion's call, and a block that went on past the lease after it
-        committed with the hold run out (the key free until the next renewal). Run by the
-        commit's hooks, so it must not raise into the handler's block: a pool that has shut
-        down leaves the renewal to the timer."""
+        """The handler's transaction committed a completion that holds the key: the local
+        lease now ends a whole lease after the completion's call, as the hold does (review
+        helper-196: moved at the call, a block that then rolled back kept a lease the database
+        never gave), and it is renewed at once (a block that went on past the lease after the
+        call committed with the hold run out). Run by the commit's hooks, so it must not raise
+        into the handler's block: a pool that has shut down leaves the renewal to the timer."""
+        self._lease_ends = max(self._lease_ends, self._hold_called_at + self.lease_seconds)
+        self._arm_horizon()
         with contextlib.suppress(RuntimeError):
             self._renew_soon()
             if self.plan.heartbeat_mode == "Auto" and self._ticks_stopped:

@@ -43,8 +43,11 @@ BEGIN
       FROM workqueue_subscription s
      WHERE d.id = p_delivery_id AND d.lease_token = p_lease_token
        -- Or a delivery completed in its handler's transaction whose handler runs on, holding
-       -- its key (wq_complete_holding_key) for as long as it is renewed.
-       AND (d.status = 'InFlight' OR (d.status = 'Completed' AND d.lease_expires_at IS NOT NULL))
+       -- its key (wq_complete_holding_key) for as long as it is renewed: a live hold only. A
+       -- claim of the key takes no row of the hold's, so a hold renewed once it had lapsed
+       -- could be the key's second holder (review helper-196).
+       AND (d.status = 'InFlight'
+            OR (d.status = 'Completed' AND d.lease_expires_at > now()))
        AND s.id = d.subscription_id
     RETURNING d.lease_expires_at, d.cancel_requested_at IS NOT NULL INTO v_expires, v_cancelled;
     IF FOUND THEN

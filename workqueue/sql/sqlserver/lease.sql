@@ -58,9 +58,11 @@ BEGIN
       JOIN dbo.workqueue_subscription AS s ON s.id = d.subscription_id
      WHERE d.id = @delivery_key AND d.lease_token = @token_key
        -- Or a delivery completed in its handler's transaction whose handler runs on, holding
-       -- its key (wq_complete_holding_key) for as long as it is renewed.
+       -- its key (wq_complete_holding_key) for as long as it is renewed: a live hold only. A
+       -- claim of the key takes no row of the hold's, so a hold renewed once it had lapsed
+       -- could be the key's second holder (review helper-196).
        AND (d.status = N'InFlight'
-            OR (d.status = N'Completed' AND d.lease_expires_at IS NOT NULL));
+            OR (d.status = N'Completed' AND d.lease_expires_at > @now));
 
     SELECT @expires = h.lease_expires_at, @cancelled = h.cancelled FROM @held AS h;
     IF @expires IS NOT NULL
