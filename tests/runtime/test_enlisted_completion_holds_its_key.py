@@ -614,6 +614,7 @@ def test_a_handler_whose_hold_ran_out_is_told_before_the_keys_next_delivery_runs
 
 
 _times: dict[str, float] = {}
+_taken_back = threading.Event()
 
 
 class CompletesThenRollsBackAndGoesOn(BaseWorkHandler):
@@ -638,6 +639,9 @@ class CompletesThenRollsBackAndGoesOn(BaseWorkHandler):
         while not context.signal.has(AbortReason.LEASE_LOST) and time.monotonic() < deadline:
             time.sleep(0.05)
         _times["told"] = time.monotonic()
+        # Returned at once, its completion (the lease passed, nobody had taken the delivery)
+        # would go through before the test's other host could take the delivery back.
+        _taken_back.wait(20)
         _done.set()
         return Outcome.complete()
 
@@ -659,6 +663,7 @@ def test_a_completion_rolled_back_leaves_the_local_horizon_where_the_database_le
     _times.clear()
     _done.clear()
     _outage.clear()
+    _taken_back.clear()
     extend = Receiver.extend_lease
 
     def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
@@ -668,7 +673,8 @@ def test_a_completion_rolled_back_leaves_the_local_horizon_where_the_database_le
 
     monkeypatch.setattr(Receiver, "extend_lease", down)
     s = sub(handler_key="tests.enlisted.rolls_back", partition_mode="Exclusive", lease_seconds=5)
-    make_host(one(s, concurrency=1)).start()
+    # No claim ahead: the host's own consumer must not take the delivery back first.
+    make_host([{"name": s.name, "concurrency": 1, "prefetch": 0}]).start()
     publish(s.topic.name, {"n": "first"}, partition_key="k")
     wait_until(lambda: "rolled_back" in _times, timeout=20)
     other_host = Receiver(str(s.id), "host-b")
@@ -680,9 +686,241 @@ def test_a_completion_rolled_back_leaves_the_local_horizon_where_the_database_le
         if not taken:
             time.sleep(0.1)
     claimed_at = time.monotonic()
+    _taken_back.set()
     assert taken, "never taken back"
     assert _done.wait(20)
     late = _times["told"] - claimed_at
     assert late <= 0.5, (
         f"host-b took the delivery back and the handler was told LeaseLost {late:.1f} s later"
+    )
+
+
+_h197_outage = threading.Event()
+_seen: dict[str, Any] = {}
+_h197_done = threading.Event()
+
+
+class ManualCompleteThenBeatThroughAnOutage(BaseWorkHandler):
+    """Manual heartbeats; this host's renewals fail from before the commit on. After the
+    commit the handler waits to be told its hold ran out, then asks heartbeat()."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        _h197_outage.set()
+        with transaction.atomic():
+            context.complete(enlist=True)
+        committed = time.monotonic()
+        deadline = committed + 15
+        while not context.signal.has(AbortReason.LEASE_LOST) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _seen["told"] = context.signal.has(AbortReason.LEASE_LOST)
+        _seen["told_after"] = time.monotonic() - committed
+        _seen["beat"] = context.heartbeat({"step": 1})
+        _h197_done.set()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.h197_manual_outage", ManualCompleteThenBeatThroughAnOutage)
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("heartbeat_mode", ["Manual", "Auto"])
+def test_heartbeat_answers_false_once_the_handler_was_told_its_hold_ran_out(
+    make_host, monkeypatch, heartbeat_mode
+):
+    """README: a hold that runs out under a running handler is not renewed again, and the
+    handler is told so (LeaseLost on its signal, heartbeat() False). Through an outage the
+    signal says LeaseLost, but heartbeat() answers True (a failed renewal counts as held), so
+    a handler that goes by heartbeat()'s answer, as the README tells a Manual one to, runs its
+    tail on beside the key's next delivery."""
+    _seen.clear()
+    _h197_done.clear()
+    _h197_outage.clear()
+    extend = Receiver.extend_lease
+
+    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if _h197_outage.is_set():
+            raise TransientDriverError("connection refused (renewal outage)")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", down)
+    s = sub(
+        handler_key="tests.enlisted.h197_manual_outage",
+        partition_mode="Exclusive",
+        heartbeat_mode=heartbeat_mode,
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    publish(s.topic.name, {}, partition_key="k")
+    assert _h197_done.wait(30)
+    assert _seen["told"], _seen
+    assert _seen["beat"] is False, (
+        f"told LeaseLost {_seen['told_after']:.1f} s after the commit (the hold ran out), "
+        f"yet heartbeat() answered {_seen['beat']}"
+    )
+
+
+_fail_once = threading.Event()
+_checks: dict[str, Any] = {}
+
+
+class BlockThenTail(BaseWorkHandler):
+    """Completes, stays in the block blockMs, arms a one-off renewal failure at the commit,
+    then runs a tail of tailMs (Manual: beating every second), recording whether it was told."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        p = message.payload
+        time.sleep(p.get("beforeMs", 0) / 1000)
+        with transaction.atomic():
+            context.complete(enlist=True)
+            time.sleep(p.get("blockMs", 0) / 1000)
+            if p.get("failOnce"):
+                _fail_once.set()
+        answers = []
+        end = time.monotonic() + p["tailMs"] / 1000
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            if p.get("beat"):
+                answers.append(context.heartbeat())
+        _checks[p["n"]] = (context.signal.has(AbortReason.LEASE_LOST), answers)
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.h197_block_then_tail", BlockThenTail)
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize(
+    "heartbeat_mode,payload",
+    [
+        ("Auto", {"blockMs": 4_500, "tailMs": 7_000}),
+        (
+            "Manual",
+            {"beforeMs": 3_500, "blockMs": 2_500, "failOnce": True, "tailMs": 7_000, "beat": True},
+        ),
+        ("Manual", {"blockMs": 0, "failOnce": True, "tailMs": 8_000, "beat": True}),
+    ],
+    ids=["a block of most of the lease", "a late call, a renewal failing once", "Manual"],
+)
+def test_no_lease_lost_after_a_normal_commit(make_host, monkeypatch, heartbeat_mode, payload):
+    """Review helper-197: after the fixes to the hold, a commit within the lease is never told
+    LeaseLost, whatever the block's length or a renewal failing once, and a Manual handler's
+    heartbeats answer True."""
+    _checks.clear()
+    _fail_once.clear()
+    extend = Receiver.extend_lease
+    failed: list[int] = []
+
+    def flaky(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if _fail_once.is_set() and not failed:
+            failed.append(1)
+            raise TransientDriverError("server closed the connection unexpectedly")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", flaky)
+    s = sub(
+        handler_key="tests.enlisted.h197_block_then_tail",
+        partition_mode="Exclusive",
+        heartbeat_mode=heartbeat_mode,
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    publish(s.topic.name, {"n": "x", **payload}, partition_key="k")
+    wait_until(lambda: "x" in _checks, timeout=30)
+    assert _checks["x"][0] is False, (heartbeat_mode, payload, _checks["x"], failed)
+    assert all(_checks["x"][1]), _checks["x"]
+
+
+@pytest.mark.usefixtures("queue_db")
+@pytest.mark.parametrize("heartbeat_mode", ["Auto", "Manual"])
+def test_an_unpartitioned_tail_past_the_lease_is_not_told(make_host, heartbeat_mode):
+    """No hold, nothing to run out: a tail past the lease after the commit is not told."""
+    key = "k"
+    _checks.clear()
+    s = sub(
+        handler_key="tests.enlisted.h197_block_then_tail",
+        partition_mode="None",
+        heartbeat_mode=heartbeat_mode,
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    publish(
+        s.topic.name,
+        {"n": "x", "blockMs": 1_000, "tailMs": 7_000, "beat": heartbeat_mode == "Manual"},
+        partition_key=key,
+    )
+    wait_until(lambda: "x" in _checks, timeout=30)
+    assert _checks["x"][0] is False, _checks["x"]
+    assert all(_checks["x"][1]), _checks["x"]
+
+
+class ManualTailAskingHeartbeat(BaseWorkHandler):
+    """A Manual handler that goes by heartbeat()'s answer, as the README tells it to."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        _h197_outage.set()  # this host's renewals fail from here on
+        with transaction.atomic():
+            context.complete(enlist=True)
+        assert _claimed_elsewhere.wait(20)
+        _seen["beat_while_next_runs_elsewhere"] = context.heartbeat()
+        _seen["told"] = context.signal.has(AbortReason.LEASE_LOST)
+        _h197_done.set()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.h197_manual_tail", ManualTailAskingHeartbeat)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_hold_that_ran_out_under_its_handler_is_logged(make_host, monkeypatch, caplog):
+    """Review helper-197: an InFlight delivery whose lease ran out under its handler is logged
+    at ERROR ("Lease lost ... may run again"). A hold that ran out while the tail ran on, the
+    key's next delivery running on another host beside it, left nothing but the first
+    "Heartbeat failed" line."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="workqueue")
+    _seen.clear()
+    _h197_done.clear()
+    _h197_outage.clear()
+    _claimed_elsewhere.clear()
+    extend = Receiver.extend_lease
+
+    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if _h197_outage.is_set() and self.lease_owner != "host-b":
+            raise TransientDriverError("connection refused (renewal outage)")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", down)
+    s = sub(
+        handler_key="tests.enlisted.h197_manual_tail",
+        partition_mode="Exclusive",
+        heartbeat_mode="Auto",
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    first = publish(s.topic.name, {}, partition_key="k").message_id
+    from workqueue.models import Delivery
+
+    wait_until(
+        lambda: Delivery.objects.filter(message_id=first, status="Completed").exists(), timeout=20
+    )
+    publish(s.topic.name, {}, partition_key="k")
+    other_host = Receiver(str(s.id), "host-b")
+    taken: list[Any] = []
+    deadline = time.monotonic() + 15
+    while not taken and time.monotonic() < deadline:
+        taken = other_host.receive(1).deliveries
+        time.sleep(0.2)
+    assert taken
+    _claimed_elsewhere.set()
+    assert _h197_done.wait(20)
+    time.sleep(1.0)  # the settle (the release) has run
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "Heartbeat failed" not in r.getMessage()
+    ]
+    assert _seen["told"] and said, (
+        "the hold ran out and the key's next delivery was claimed by host-b while the tail "
+        f"ran; WARNING+ lines besides 'Heartbeat failed': {said}"
     )

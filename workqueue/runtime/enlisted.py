@@ -48,10 +48,16 @@ class EnlistedCompletion:
     ROLLED_BACK = "RolledBack"
 
     def __init__(
-        self, connection: BaseDatabaseWrapper, on_committed: Callable[[], None] | None = None
+        self,
+        connection: BaseDatabaseWrapper,
+        *,
+        on_commit: Callable[[], None] | None = None,
+        on_committed: Callable[[], None] | None = None,
     ) -> None:
         self.connection = connection
-        #: Called, on the committing thread, once the transaction has committed.
+        #: Called on the committing thread once the transaction has committed: ``on_commit``
+        #: while ``state()`` still reads pending, ``on_committed`` once it reads committed.
+        self._on_commit = on_commit
         self._on_committed = on_committed
         self._committed = False
         self._undone = False
@@ -66,6 +72,8 @@ class EnlistedCompletion:
         hooks.insert(0, hooks.pop())
 
     def _mark_committed(self) -> None:
+        if self._on_commit is not None:
+            self._on_commit()
         self._committed = True
         if self._on_committed is not None:
             self._on_committed()

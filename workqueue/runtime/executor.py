@@ -729,11 +729,29 @@ class DeliveryExecution:
                 )
             )
             return
-        if not self._completed_in_transaction() or self._holds_key_after_commit():
-            # After the commit too, while the completion holds the key: the hold has run out
-            # unrenewed, and the key's next delivery may start beside the handler (review
-            # helper-196): it is told, as a handler whose lease ran out is.
-            self.signal.abort(AbortReason.LEASE_LOST)
+        if self._completed_in_transaction():
+            if self._holds_key_after_commit():
+                self._hold_ran_out()
+            return
+        self.signal.abort(AbortReason.LEASE_LOST)
+
+    def _hold_ran_out(self) -> None:
+        """The key hold ran out unrenewed under the handler that runs on: the key's next
+        delivery may start beside it. It is told, as a handler whose lease ran out is (review
+        helper-196), its heartbeat answers False from now on, nothing renews the lapsed hold,
+        and the operator hears of it once (review helper-197)."""
+        # No lock: its callers include a handler reading its signal. At worst two callers at
+        # once both log.
+        if self._hold_ended:
+            return
+        self._hold_ended = True
+        self.signal.abort(AbortReason.LEASE_LOST)
+        self.log.error(
+            "The partition key held for a handler that completed in its own transaction ran "
+            "out while the handler still ran (%s): renewals failed for a lease; the key's next "
+            "delivery may run beside it",
+            self._where,
+        )
 
     def _horizon_passed_untold(self) -> None:
         """The handler reads its signal: a horizon that passed while this process was frozen
@@ -747,8 +765,11 @@ class DeliveryExecution:
             or not self.started
             or time.monotonic() < self._lease_ends
             or self._holds_row_in_transaction()
-            or (self._completed_in_transaction() and not self._holds_key_after_commit())
         ):
+            return
+        if self._completed_in_transaction():
+            if self._holds_key_after_commit():
+                self._hold_ran_out()
             return
         self.signal.abort(AbortReason.LEASE_LOST)
 
@@ -967,10 +988,8 @@ class DeliveryExecution:
                 # purged): nothing more to renew.
                 if self._completed_in_transaction():
                     # The hold has run out (lapsed, and the key's next delivery may run) or was
-                    # cleared: the handler is told, as one whose lease was lost (review
-                    # helper-196), and nothing more is renewed.
-                    self._hold_ended = True
-                    self.signal.abort(AbortReason.LEASE_LOST)
+                    # cleared: nothing more is renewed, and the handler is told.
+                    self._hold_ran_out()
                 else:
                     self._lease_lost_in_database = True
                     self.signal.abort(AbortReason.LEASE_LOST)
@@ -1087,11 +1106,11 @@ class DeliveryExecution:
                 # The hold runs a whole lease from the call (wq_complete_holding_key), once the
                 # transaction commits (a rollback leaves the lease where it was).
                 self._hold_called_at = called_at
+                holds_key = self._holds_key_after_commit()
                 self._enlisted = EnlistedCompletion(
                     connection,
-                    on_committed=self._renew_after_commit
-                    if self._holds_key_after_commit()
-                    else None,
+                    on_commit=self._hold_starts if holds_key else None,
+                    on_committed=self._renew_after_commit if holds_key else None,
                 )
                 return
         finally:
@@ -1281,15 +1300,19 @@ class DeliveryExecution:
             return self.plan.max_attempts
         return self.services.receiver.max_attempts(self.plan.max_attempts)
 
-    def _renew_after_commit(self) -> None:
+    def _hold_starts(self) -> None:
         """The handler's transaction committed a completion that holds the key: the local
         lease now ends a whole lease after the completion's call, as the hold does (review
         helper-196: moved at the call, a block that then rolled back kept a lease the database
-        never gave), and it is renewed at once (a block that went on past the lease after the
-        call committed with the hold run out). Run by the commit's hooks, so it must not raise
-        into the handler's block: a pool that has shut down leaves the renewal to the timer."""
+        never gave). Run by the commit's hooks before the completion reads committed, so that
+        no horizon looks at the lease the delivery had in between (review helper-197)."""
         self._lease_ends = max(self._lease_ends, self._hold_called_at + self.lease_seconds)
         self._arm_horizon()
+
+    def _renew_after_commit(self) -> None:
+        """Renew the hold at once (a block that went on past the lease after the call committed
+        with the hold run out). Run by the commit's hooks, so it must not raise into the
+        handler's block: a pool that has shut down leaves the renewal to the timer."""
         with contextlib.suppress(RuntimeError):
             self._renew_soon()
             if self.plan.heartbeat_mode == "Auto" and self._ticks_stopped:
