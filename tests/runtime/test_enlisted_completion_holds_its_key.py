@@ -924,3 +924,40 @@ def test_a_hold_that_ran_out_under_its_handler_is_logged(make_host, monkeypatch,
         "the hold ran out and the key's next delivery was claimed by host-b while the tail "
         f"ran; WARNING+ lines besides 'Heartbeat failed': {said}"
     )
+
+
+class CompleteThenIgnoreTheStop(BaseWorkHandler):
+    """Completes in its transaction, then runs on through a host's stop, its signal ignored."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        with transaction.atomic():
+            context.complete(enlist=True)
+        _spans["committed"] = [time.monotonic()]
+        time.sleep(4)
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.ignores_the_stop", CompleteThenIgnoreTheStop)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_a_stop_that_gives_up_on_a_handler_that_completed_in_its_transaction_says_so(
+    make_host, caplog
+):
+    """Review helper-195 (unproven then, shown here): the stop said such a handler's delivery
+    "will be retried after lease expiry"; it is Completed and never runs again."""
+    import logging
+
+    _spans.clear()
+    s = sub(handler_key="tests.enlisted.ignores_the_stop", partition_mode="Exclusive")
+    host = make_host(one(s, concurrency=1), shutdown_drain_ms=300)
+    host.start()
+    done = publish(s.topic.name, {}, partition_key="k").message_id
+    wait_until(lambda: "committed" in _spans, timeout=20)
+
+    with caplog.at_level(logging.WARNING, logger="workqueue.runtime.consumer"):
+        host.shutdown()
+
+    assert "completed their delivery in their own transaction did not stop" in caplog.text
+    assert "will be retried" not in caplog.text, caplog.text
+    assert status_of(done) == "Completed"

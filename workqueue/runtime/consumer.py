@@ -397,6 +397,8 @@ class Consumer:
         self.receive_pending = False
         self.last_receive_empty = False
         self.abandoned = 0  # handlers still running when stop() gave up on them
+        # Of those, the ones that completed their delivery in their own transaction.
+        self.abandoned_completed = 0
         self.unsettled = 0  # handlers that had returned then, their outcome not yet recorded
         #: Deliveries claimed ahead that a stop could not hand back (left to lease expiry).
         self.not_handed_back = 0
@@ -559,7 +561,11 @@ class Consumer:
             if gave_up:
                 left = list(self._running.values())
                 # Marked: should it fail after all, the failure uses its attempt.
-                self.abandoned = sum(1 for e in left if e.mark_outlived_drain())
+                outlived = [e for e in left if e.mark_outlived_drain()]
+                self.abandoned = len(outlived)
+                self.abandoned_completed = sum(
+                    1 for e in outlived if e.completed_in_its_transaction
+                )
                 self.unsettled = len(left) - self.abandoned
         # Claimed but still queued for a worker thread: handed back, attempts refunded.
         self._hand_back_all(never_started, time.monotonic() + drain)
@@ -637,12 +643,23 @@ class Consumer:
         that does not answer). Told apart, because an operator told that handlers "did not
         stop" goes looking for one that ignores its abort signal. Executions that never started
         are not among them: stop() hands them back."""
-        if self.abandoned:
+        retried = self.abandoned - self.abandoned_completed
+        if retried:
             logger.warning(
                 "%s: %d handler(s) did not stop; their deliveries will be retried after lease "
                 "expiry",
                 self.plan.name,
-                self.abandoned,
+                retried,
+            )
+        if self.abandoned_completed:
+            # Told apart: their work committed, and an operator told it "will be retried"
+            # would look for a second run that never comes (review helper-195).
+            logger.warning(
+                "%s: %d handler(s) that completed their delivery in their own transaction did "
+                "not stop; their deliveries are not retried, and their partition keys stay held "
+                "until their leases end",
+                self.plan.name,
+                self.abandoned_completed,
             )
         if self.unsettled:
             logger.warning(

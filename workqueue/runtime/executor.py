@@ -565,6 +565,12 @@ class DeliveryExecution:
     def abort(self, reason: str) -> None:
         self.signal.abort(reason)
 
+    @property
+    def completed_in_its_transaction(self) -> bool:
+        """Whether the handler completed its delivery in its own transaction, committed: it
+        runs on with nothing to retry (a key hold, if any, ends with its lease)."""
+        return self._completed_in_transaction()
+
     def mark_outlived_drain(self) -> bool:
         """Mark that the consumer's drain gave up on this handler, unless it has returned; in
         one hold of the lock that its return is recorded under, so that its settle sees the
