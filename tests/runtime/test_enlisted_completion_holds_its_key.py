@@ -34,6 +34,20 @@ from workqueue.testing import run_until_idle, use_test_connection
 from workqueue.transport import Receiver
 from workqueue.types import LeaseState
 
+
+def renewals_fail_while(monkeypatch: pytest.MonkeyPatch, outage: threading.Event) -> None:
+    """This host's lease renewals fail (the database out of its reach) while ``outage`` is set;
+    the test's other host, ``host-b``, is not cut off."""
+    extend = Receiver.extend_lease
+
+    def cut_off(self: Receiver, delivery: Any, progress: Any = None) -> Any:
+        if outage.is_set() and self.lease_owner != "host-b":
+            raise TransientDriverError("connection refused (renewal outage)")
+        return extend(self, delivery, progress)
+
+    monkeypatch.setattr(Receiver, "extend_lease", cut_off)
+
+
 _spans: dict[str, list[float]] = {}
 _lock = threading.Lock()
 
@@ -312,14 +326,7 @@ def test_a_completion_accepted_after_the_horizon_said_lease_lost_holds_the_key_u
     for good (the stale local lease): the hold lapsed after one lease, and the key's next
     delivery was claimed while the handler's tail still ran."""
     _events.clear()
-    extend = Receiver.extend_lease
-
-    def down_for_a_while(self: Receiver, delivery: Any, progress: Any = None) -> Any:
-        if _renewals_down.is_set():
-            raise TransientDriverError("connection refused (renewal outage)")
-        return extend(self, delivery, progress)
-
-    monkeypatch.setattr(Receiver, "extend_lease", down_for_a_while)
+    renewals_fail_while(monkeypatch, _renewals_down)
     _renewals_down.set()
     s = sub(handler_key="tests.enlisted.after_horizon", partition_mode="Exclusive", lease_seconds=5)
     make_host(one(s, concurrency=1)).start()
@@ -582,14 +589,7 @@ def test_a_handler_whose_hold_ran_out_is_told_before_the_keys_next_delivery_runs
     _done.clear()
     _outage.clear()
     _claimed_elsewhere.clear()
-    extend = Receiver.extend_lease
-
-    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
-        if _outage.is_set():
-            raise TransientDriverError("connection refused (renewal outage)")
-        return extend(self, delivery, progress)
-
-    monkeypatch.setattr(Receiver, "extend_lease", down)
+    renewals_fail_while(monkeypatch, _outage)
     s = sub(
         handler_key="tests.enlisted.tail_through_outage",
         partition_mode="Exclusive",
@@ -664,14 +664,7 @@ def test_a_completion_rolled_back_leaves_the_local_horizon_where_the_database_le
     _done.clear()
     _outage.clear()
     _taken_back.clear()
-    extend = Receiver.extend_lease
-
-    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
-        if _outage.is_set():
-            raise TransientDriverError("connection refused (renewal outage)")
-        return extend(self, delivery, progress)
-
-    monkeypatch.setattr(Receiver, "extend_lease", down)
+    renewals_fail_while(monkeypatch, _outage)
     s = sub(handler_key="tests.enlisted.rolls_back", partition_mode="Exclusive", lease_seconds=5)
     # No claim ahead: the host's own consumer must not take the delivery back first.
     make_host([{"name": s.name, "concurrency": 1, "prefetch": 0}]).start()
@@ -735,14 +728,7 @@ def test_heartbeat_answers_false_once_the_handler_was_told_its_hold_ran_out(
     _seen.clear()
     _h197_done.clear()
     _h197_outage.clear()
-    extend = Receiver.extend_lease
-
-    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
-        if _h197_outage.is_set():
-            raise TransientDriverError("connection refused (renewal outage)")
-        return extend(self, delivery, progress)
-
-    monkeypatch.setattr(Receiver, "extend_lease", down)
+    renewals_fail_while(monkeypatch, _h197_outage)
     s = sub(
         handler_key="tests.enlisted.h197_manual_outage",
         partition_mode="Exclusive",
@@ -883,14 +869,7 @@ def test_a_hold_that_ran_out_under_its_handler_is_logged(make_host, monkeypatch,
     _h197_done.clear()
     _h197_outage.clear()
     _claimed_elsewhere.clear()
-    extend = Receiver.extend_lease
-
-    def down(self: Receiver, delivery: Any, progress: Any = None) -> Any:
-        if _h197_outage.is_set() and self.lease_owner != "host-b":
-            raise TransientDriverError("connection refused (renewal outage)")
-        return extend(self, delivery, progress)
-
-    monkeypatch.setattr(Receiver, "extend_lease", down)
+    renewals_fail_while(monkeypatch, _h197_outage)
     s = sub(
         handler_key="tests.enlisted.h197_manual_tail",
         partition_mode="Exclusive",
