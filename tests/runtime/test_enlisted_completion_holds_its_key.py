@@ -9,6 +9,7 @@ or its lease ends."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from workqueue.driver import get_driver
 from workqueue.exceptions import TransientDriverError
 from workqueue.models import Delivery
 from workqueue.operators import operations
-from workqueue.runtime.executor import AbortReason
+from workqueue.runtime.executor import AbortReason, DeliveryExecution
 from workqueue.runtime.handlers import BaseWorkHandler, register_handler
 from workqueue.runtime.outcome import Outcome
 from workqueue.testing import run_until_idle, use_test_connection
@@ -349,6 +350,82 @@ def test_a_completion_accepted_after_the_horizon_said_lease_lost_holds_the_key_u
     assert not claimed, (
         f"the key's next delivery was claimed {claimed[0] - _events['committed']:.1f} s after the "
         "commit, while the first handler still ran (its hold was never renewed)"
+    )
+
+
+_tick_gave_up = threading.Event()
+_committed = threading.Event()
+
+
+class CompletesAsTheRenewalsGiveUp(BaseWorkHandler):
+    """Completes in its transaction just as the automatic renewals, stopped by a lease that ran
+    out in an outage, decide they are over; then mails for longer than a lease."""
+
+    def handle(self, message: Any, context: Any) -> Outcome:
+        if message.payload.get("n") == "first":
+            _tick_gave_up.wait(15)
+            _renewals_down.clear()
+            with transaction.atomic():
+                context.complete(enlist=True)
+            _events["committed"] = time.monotonic()
+            _committed.set()
+            time.sleep(message.payload["mailMs"] / 1000)
+            _events["first_returned"] = time.monotonic()
+        return Outcome.complete()
+
+
+registry.register("tests.enlisted.as_renewals_give_up", CompletesAsTheRenewalsGiveUp)
+
+
+@pytest.mark.usefixtures("queue_db")
+def test_renewals_that_give_up_as_the_completion_commits_go_on_for_the_hold(make_host, monkeypatch):
+    """Review helper-196's race, made to happen: an automatic renewal decided renewing was over
+    (the lease had run out in an outage), the completion's commit then found the renewals not
+    yet stopped and did not restart them, and only then did the renewal say they had stopped.
+    The hold was renewed once, at the commit, lapsed a lease later, and the key's next delivery
+    was claimed while the handler still ran."""
+    _events.clear()
+    _tick_gave_up.clear()
+    _committed.clear()
+    renewals_fail_while(monkeypatch, _renewals_down)
+    _renewals_down.set()
+    decide = DeliveryExecution._stopped_renewing
+
+    def deciding_as_the_commit_lands(execution: DeliveryExecution) -> bool:
+        stopped = decide(execution)
+        deciding_for_the_ticks = sys._getframe(1).f_code.co_name in (
+            "_auto_heartbeat_tick",
+            "_schedule_auto_heartbeat",
+        )
+        if stopped and deciding_for_the_ticks and not _tick_gave_up.is_set():
+            _tick_gave_up.set()
+            # The commit lands, and the renewal it sends is answered, between the decision
+            # and its effect (a thread descheduled for one round trip on a loaded machine).
+            _committed.wait(3)
+            answered_by = time.monotonic() + 3
+            while execution._beat_in_flight is not None and time.monotonic() < answered_by:
+                time.sleep(0.01)
+        return stopped
+
+    monkeypatch.setattr(DeliveryExecution, "_stopped_renewing", deciding_as_the_commit_lands)
+    s = sub(
+        handler_key="tests.enlisted.as_renewals_give_up",
+        partition_mode="Exclusive",
+        lease_seconds=5,
+    )
+    make_host(one(s, concurrency=1)).start()
+    publish(s.topic.name, {"n": "first", "mailMs": 9_000}, partition_key="k")
+    wait_until(lambda: "committed" in _events, timeout=30)
+    publish(s.topic.name, {"n": "second"}, partition_key="k")
+    other_host = Receiver(str(s.id), "host-b")
+    claimed: list[float] = []
+    while "first_returned" not in _events and not claimed:
+        if other_host.receive(1).deliveries:
+            claimed.append(time.monotonic())
+        time.sleep(0.2)
+    assert not claimed, (
+        f"the key's next delivery was claimed {claimed[0] - _events['committed']:.1f} s after the "
+        "commit, while the first handler still ran (its renewals stopped at the commit)"
     )
 
 

@@ -811,29 +811,33 @@ class DeliveryExecution:
         (helper-177). Never sooner than an eighth of the interval: renewals failing through an
         outage, the lease left shrinking, would otherwise come ever faster until the horizon.
         False when renewals have stopped."""
-        if self._stopped_renewing():
-            self._ticks_stopped = True
-            return False
+        with self._lock:
+            # Decided and recorded in one step: a completion's commit that looks in between
+            # (``_renew_after_commit``) must see the renewals stopped to restart them.
+            self._ticks_stopped = self._stopped_renewing()
+            if self._ticks_stopped:
+                return False
         interval = heartbeat_interval_seconds(self.lease_seconds)
         left = self._lease_ends - time.monotonic()
         delay = min(interval, max(left / 2, interval / 8))
-        self._ticks_stopped = False
         self._keep_timer(self.services.timers.schedule(delay, self._auto_heartbeat_tick))
         return True
 
     def _auto_heartbeat_tick(self) -> None:
         if self._horizon is None:
             self._arm_horizon()
-        if self._stopped_renewing():
-            with self._lock:
-                pending = self._beat_in_flight
-            if pending is not None:
-                # Another renewal is on its way (a cancel check's, a retry's): granted late, it
-                # holds the lease on, and the ticks must go on from its answer (review
-                # helper-178); _schedule_auto_heartbeat decides again then.
-                pending.add_done_callback(lambda _: self._schedule_auto_heartbeat())
-            else:
+        with self._lock:
+            # Decided and recorded in one step, as in _schedule_auto_heartbeat.
+            stopped = self._stopped_renewing()
+            pending = self._beat_in_flight if stopped else None
+            if stopped and pending is None:
                 self._ticks_stopped = True
+        if pending is not None:
+            # Another renewal is on its way (a cancel check's, a retry's): granted late, it
+            # holds the lease on, and the ticks must go on from its answer (review
+            # helper-178); _schedule_auto_heartbeat decides again then.
+            pending.add_done_callback(lambda _: self._schedule_auto_heartbeat())
+        if stopped:
             return
         future = self.services.background.submit(self._beat, None)
         future.add_done_callback(lambda _: self._schedule_auto_heartbeat())
@@ -1321,7 +1325,16 @@ class DeliveryExecution:
         handler's block: a pool that has shut down leaves the renewal to the timer."""
         with contextlib.suppress(RuntimeError):
             self._renew_soon()
-            if self.plan.heartbeat_mode == "Auto" and self._ticks_stopped:
+            if self.plan.heartbeat_mode != "Auto":
+                return
+            with self._lock:
+                # Read under the lock that the renewals' own decision to stop is recorded
+                # under: a renewal that decided to stop before the commit and recorded it after
+                # this look left the hold renewed once, to lapse under its running handler
+                # (review helper-196's race, now a test). Taken over here, so that only one
+                # restarts them.
+                restart, self._ticks_stopped = self._ticks_stopped, False
+            if restart:
                 # The automatic renewals had stopped (a horizon said the lease was lost before
                 # this completion was accepted: review helper-195): they go on for the hold.
                 self._schedule_auto_heartbeat()
