@@ -44,3 +44,12 @@ def test_every_test_the_guarantees_table_names_exists():
                         missing.append(token)
     assert named > 100  # the table was read
     assert missing == []
+
+
+def test_the_readme_counts_the_conformance_cases_there_are():
+    """The README said 46 cases for a round after C47 was added (review helper-198)."""
+    from workqueue.testing.conformance import CASES
+
+    readme = (ROOT / "README.md").read_text()
+    (said,) = re.findall(r"holds the (\d+) transport conformance cases", readme)
+    assert int(said) == len(CASES)

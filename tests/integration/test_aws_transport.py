@@ -1059,8 +1059,9 @@ def test_without_boto3_workqueue_imports_and_the_aws_transport_names_the_extra()
 
     assert done.stdout.splitlines() == [
         "True",
-        "WorkQueueConfigurationError The AWS transport needs boto3: "
-        "pip install django-workqueue[aws].",
+        "WorkQueueConfigurationError The AWS transport needs boto3: install django-workqueue's "
+        'aws extra (pip install "django-workqueue[aws] @ file:///path/to/django-workqueue") or '
+        "boto3 itself.",
     ]
 
 

@@ -95,7 +95,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 AWS_DRIVER = "AWS"
-INSTALL_HINT = "The AWS transport needs boto3: pip install django-workqueue[aws]."
+INSTALL_HINT = (
+    "The AWS transport needs boto3: install django-workqueue's aws extra "
+    '(pip install "django-workqueue[aws] @ file:///path/to/django-workqueue") or boto3 itself.'
+)
 
 #: SNS's largest message (body and attributes, as SQS counts them): a publish must fit it.
 SQS_MAX_MESSAGE_BYTES = 262_144
