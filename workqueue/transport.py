@@ -818,7 +818,10 @@ def discard_or_cancel(
             if driver.call_rowcount("wq_discard", {**params, "allow_pending": True}) == 1:
                 return DiscardResult(changed=True)
             if allow_cancel and driver.call_rowcount("wq_cancel", params) == 1:
-                return DiscardResult(changed=True, cancel_requested=True)
+                # Running InFlight, or completed in its handler's transaction (which runs on,
+                # holding the key): it stays Completed whatever the handler does now.
+                completed = _delivery_status(driver.alias, delivery_id) == DeliveryStatus.COMPLETED
+                return DiscardResult(changed=True, cancel_requested=True, holds_key=completed)
     except LockTimeoutError as exc:
         raise DeliveryBusyError(
             f"Delivery {delivery_id} is held by an open transaction, most likely its handler "
@@ -827,27 +830,47 @@ def discard_or_cancel(
             "cancelled.",
             delivery_id,
         ) from exc
-    if allow_cancel and _cancel_pending(driver.alias, subscription_id, delivery_id):
+    asked = allow_cancel and _cancel_pending(driver.alias, subscription_id, delivery_id)
+    if asked:
         # Asked before (by another operator, or this one again as the handler ran on): not
         # "nothing to discard", which reads as finished while the delivery holds its key.
-        return DiscardResult(changed=False, cancel_requested=True)
+        return DiscardResult(
+            changed=False, cancel_requested=True, holds_key=asked == DeliveryStatus.COMPLETED
+        )
     return DiscardResult(changed=False)
 
 
-def _cancel_pending(alias: str, subscription_id: str, delivery_id: str) -> bool:
-    """Whether the delivery runs with a cancel already asked (read through the ORM: the
-    operator role may read the table)."""
+def _cancel_pending(alias: str, subscription_id: str, delivery_id: str) -> str | None:
+    """The status of the delivery if its handler runs on with a cancel already asked: InFlight,
+    or Completed in its own transaction and holding its key. Read through the ORM: the
+    operator role may read the table."""
+    from django.db.models import Q
+    from django.db.models.functions import Now
+
     from workqueue.models import Delivery
 
     return (
         Delivery.objects.using(alias)
         .filter(
+            Q(status=DeliveryStatus.IN_FLIGHT)
+            | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__gt=Now()),
             pk=delivery_id,
             subscription_id=subscription_id,
-            status=DeliveryStatus.IN_FLIGHT,
             cancel_requested_at__isnull=False,
         )
-        .exists()
+        .values_list("status", flat=True)
+        .first()
+    )
+
+
+def _delivery_status(alias: str, delivery_id: str) -> str | None:
+    from workqueue.models import Delivery
+
+    return (
+        Delivery.objects.using(alias)
+        .filter(pk=delivery_id)
+        .values_list("status", flat=True)
+        .first()
     )
 
 

@@ -358,7 +358,11 @@ class SettleResult:
 class DiscardResult:
     """``changed``: the delivery was discarded or a cancel was requested;
     ``cancel_requested``: it is running and its holder has been asked to stop, by this call
-    when ``changed``, by an earlier one otherwise (the handler has not returned yet)."""
+    when ``changed``, by an earlier one otherwise (the handler has not returned yet);
+    ``holds_key``: with ``cancel_requested``, the delivery is Completed (its handler completed
+    it in its own transaction) and the handler runs on holding its partition key: it stays
+    Completed, and the key is free when the handler returns."""
 
     changed: bool
     cancel_requested: bool = False
+    holds_key: bool = False

@@ -594,7 +594,12 @@ def test_discard_of_a_pending_delivery_discards_it(client):
     )
 
     assert response.status_code == 200, response.content
-    assert response.json() == {"supported": True, "discarded": True, "cancelRequested": False}
+    assert response.json() == {
+        "supported": True,
+        "discarded": True,
+        "cancelRequested": False,
+        "holdsKey": False,
+    }
     assert status_of(delivery_id) == "Discarded"
 
 
@@ -607,7 +612,12 @@ def test_discard_of_an_in_flight_delivery_requests_a_cancel(client):
         client, "post", discard_path(sub, claimed.delivery_id), {"reason": "stuck"}, key=operator()
     )
 
-    assert response.json() == {"supported": True, "discarded": True, "cancelRequested": True}
+    assert response.json() == {
+        "supported": True,
+        "discarded": True,
+        "cancelRequested": True,
+        "holdsKey": False,
+    }
     assert Delivery.objects.get(pk=delivery_id).cancel_requested_at is not None
 
 
@@ -985,4 +995,9 @@ def test_an_unknown_delivery_id_is_not_confused_with_an_unknown_subscription(cli
     )
 
     assert response.status_code == 200
-    assert response.json() == {"supported": True, "discarded": False, "cancelRequested": False}
+    assert response.json() == {
+        "supported": True,
+        "discarded": False,
+        "cancelRequested": False,
+        "holdsKey": False,
+    }

@@ -251,7 +251,12 @@ def test_a_key_whose_owner_may_operate_replays_and_discards(client):
     discarded = call(client, "post", f"{path}/{second}/discard", {"reason": "dupe"}, key=key)
 
     assert replayed.json() == {"supported": True, "replayed": True}
-    assert discarded.json() == {"supported": True, "discarded": True, "cancelRequested": False}
+    assert discarded.json() == {
+        "supported": True,
+        "discarded": True,
+        "cancelRequested": False,
+        "holdsKey": False,
+    }
 
 
 def test_the_operator_service_holds_a_user_to_the_operate_permission():

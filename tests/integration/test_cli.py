@@ -251,7 +251,12 @@ def test_discard_of_a_running_delivery_requests_a_cancel():
         )
     )
 
-    assert out == {"supported": True, "discarded": True, "cancel_requested": True}
+    assert out == {
+        "supported": True,
+        "discarded": True,
+        "cancel_requested": True,
+        "holds_key": False,
+    }
 
 
 def test_discard_of_a_delivery_an_open_transaction_holds_fails_at_once_saying_try_again():

@@ -205,7 +205,12 @@ def test_a_discard_sent_again_to_a_running_delivery_says_its_cancel_is_still_pen
     admin = _act(client, "discard_deliveries", [delivery_id], post="yes", reason="hung")
 
     assert Delivery.objects.get(pk=delivery_id).status == "InFlight"  # it runs on
-    assert again.json() == {"supported": True, "discarded": False, "cancelRequested": True}
+    assert again.json() == {
+        "supported": True,
+        "discarded": False,
+        "cancelRequested": True,
+        "holdsKey": False,
+    }
     assert said.startswith(f"A cancel was already requested: {delivery_id} is still running")
     assert _messages(admin) == ["Discarded 0; cancel already requested, still running: 1"]
     # Nothing changed the second time: the first request's note and actor stand.

@@ -37,6 +37,7 @@ MAX_ROWS = 500
 ACTION_TEMPLATE = "workqueue/admin/delivery_action.html"
 CANCEL_REQUESTED = "cancel requested (running)"
 CANCEL_PENDING = "cancel already requested, still running"
+HOLDER_CANCEL_REQUESTED = "completed, its handler still running with the key: told to stop"
 
 
 def may_operate(request: HttpRequest) -> bool:
@@ -247,7 +248,9 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
             title="Discard or cancel deliveries",
             intro="Pending and dead-lettered deliveries become Discarded and never run. A "
             "running delivery's holder is asked to stop; it is then Discarded. Completed and "
-            "Discarded rows are left alone.",
+            "Discarded rows are left alone, but a handler that completed its delivery in its "
+            "own transaction and still runs, holding the delivery's partition key, is asked to "
+            "stop (the delivery stays Completed; the key is free when it returns).",
             submit="Discard",
         )
     actor = Actor(user=request.user)
@@ -256,6 +259,8 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
         outcome = operations.discard(
             subscription_name, delivery_id, reason=form.cleaned_data["reason"], actor=actor
         )
+        if outcome.holds_key:
+            return HOLDER_CANCEL_REQUESTED, outcome.discarded
         if outcome.cancel_requested:
             return (CANCEL_REQUESTED if outcome.discarded else CANCEL_PENDING), outcome.discarded
         return ("Discarded" if outcome.discarded else "already finished"), outcome.discarded
@@ -270,6 +275,10 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
         form.cleaned_data["reason"],
     )
     _report(
-        modeladmin, request, counts, "Discarded", ok={"Discarded", CANCEL_REQUESTED, CANCEL_PENDING}
+        modeladmin,
+        request,
+        counts,
+        "Discarded",
+        ok={"Discarded", CANCEL_REQUESTED, CANCEL_PENDING, HOLDER_CANCEL_REQUESTED},
     )
     return None

@@ -249,6 +249,12 @@ class DiscardOut(_Out):
     supported: bool
     discarded: bool
     cancel_requested: bool
+    holds_key: bool = Field(
+        default=False,
+        description="With cancelRequested: the handler completed the delivery in its own "
+        "transaction and runs on, holding its partition key; the delivery stays Completed and "
+        "the key is free when the handler returns.",
+    )
 
 
 class DeadLetterFilterIn(Schema):

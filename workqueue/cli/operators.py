@@ -382,6 +382,14 @@ class DiscardVerb(Verb):
         )
         if options["json"]:
             command.stdout.write(to_json(dataclasses.asdict(outcome)))
+        elif outcome.holds_key:
+            asked = "Cancel requested" if outcome.discarded else "A cancel was already requested"
+            command.stdout.write(
+                f"{asked}: {options['delivery']} completed in its handler's own transaction, "
+                "and the handler still runs, holding the delivery's partition key. Its host tells "
+                "it to stop; the key is free when it returns (or its lease runs out). The "
+                "delivery stays Completed."
+            )
         elif outcome.cancel_requested and not outcome.discarded:
             command.stdout.write(
                 f"A cancel was already requested: {options['delivery']} is still running; it "

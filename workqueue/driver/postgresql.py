@@ -333,9 +333,11 @@ class PostgresDriver(BaseDriver):
     vendor_label = "PostgreSQL"
     sql_directory = "postgresql"
     now_sql = "SELECT now()"
+    # Completed too: a handler that completed in its transaction and runs on holding its key
+    # may be asked to stop (wq_cancel); its renewal confirms it against the lease token.
     cancel_requested_sql = (
-        "SELECT 1 FROM workqueue_delivery WHERE id = %s AND status = 'InFlight' "
-        "AND cancel_requested_at IS NOT NULL"
+        "SELECT 1 FROM workqueue_delivery WHERE id = %s "
+        "AND status IN ('InFlight', 'Completed') AND cancel_requested_at IS NOT NULL"
     )
     # Through the search path, as the calls find wq_claim.
     procedures_stamp_sql = "SELECT obj_description(to_regproc('wq_claim'), 'pg_proc')"

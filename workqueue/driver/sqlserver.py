@@ -223,9 +223,9 @@ class SqlServerDriver(BaseDriver):
     vendor_label = "SQL Server"
     sql_directory = "sqlserver"
     now_sql = "SELECT SYSDATETIMEOFFSET()"
-    cancel_requested_sql = (
-        "SELECT 1 FROM dbo.workqueue_delivery WHERE id = %s AND status = N'InFlight' "
-        "AND cancel_requested_at IS NOT NULL"
+    cancel_requested_sql = (  # Completed too: see PostgresDriver's
+        "SELECT 1 FROM dbo.workqueue_delivery WHERE id = %s "
+        "AND status IN (N'InFlight', N'Completed') AND cancel_requested_at IS NOT NULL"
     )
     procedures_stamp_sql = (
         "SELECT CAST(value AS nvarchar(200)) FROM sys.extended_properties "

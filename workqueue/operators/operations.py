@@ -93,6 +93,9 @@ class DiscardOutcome:
     supported: bool
     discarded: bool
     cancel_requested: bool
+    # The running handler completed its delivery in its own transaction and holds its
+    # partition key: the delivery stays Completed; the key is free when the handler returns.
+    holds_key: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,8 +518,10 @@ def _with_leases(
     """``items`` with each InFlight key's holder and lease end, read from the deliveries in
     flight (at most one per key; a transport that keeps its deliveries elsewhere has none), or
     from the completed one whose handler, which completed in its own transaction, still holds
-    the key. A caller limited to named subscriptions sees the holder's pseudonym, as on
-    /health."""
+    the key. The key's head is then that delivery, the one whose run a discard cancels: the
+    first open one was the next message of a held key (review helper-199), and in an
+    Exclusive key may be one waiting to be retried. A caller limited to named subscriptions
+    sees the holder's pseudonym, as on /health."""
     from django.db.models import Q
 
     from workqueue.models import Delivery
@@ -530,13 +535,14 @@ def _with_leases(
         | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__isnull=False),
         subscription=subscription,
         partition_key__in=keys,
-    ).values("partition_key", "status", "lease_owner", "lease_expires_at"):
+    ).values("id", "partition_key", "status", "lease_owner", "lease_expires_at"):
         # A delivery in flight is the key's holder before a completed one whose hold lapsed.
         if row["status"] == DeliveryStatus.IN_FLIGHT or row["partition_key"] not in leases:
             leases[row["partition_key"]] = row
     return [
         replace(
             item,
+            head_delivery_id=str(lease["id"]),
             lease_owner=host_pseudonym(lease["lease_owner"])
             if actor.subscriptions and lease["lease_owner"]
             else lease["lease_owner"],
@@ -569,7 +575,9 @@ def discard(
     (``cancel_requested``): it becomes Discarded when its handler returns (or at lease expiry,
     if the handler ignores the signal that long) and never runs again. A running delivery whose
     cancel was asked before reads ``cancel_requested`` without ``discarded``: nothing changed,
-    and its handler has not returned yet."""
+    and its handler has not returned yet. A handler that completed its delivery in its own
+    transaction and runs on holding its partition key is asked to stop too (``holds_key``):
+    the delivery stays Completed, and the key is free when the handler returns."""
     name = _name(subscription_name)
     reason = _note(reason, "reason", required=True)
     require(actor, OPERATE, subscription=name)
@@ -586,7 +594,7 @@ def discard(
             "Let it run and settle (or its lease expire), then discard it if it dead-letters.",
             "supports_cancel",
         )
-    return DiscardOutcome(True, result.changed, result.cancel_requested)
+    return DiscardOutcome(True, result.changed, result.cancel_requested, result.holds_key)
 
 
 BULK_BATCH_SIZE = 1000

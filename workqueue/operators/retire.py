@@ -175,6 +175,11 @@ def _retire_elsewhere(
 
 
 def _counts(subscription: Any) -> dict[str, int]:
+    """Its deliveries by status; a Completed one whose handler completed it in its own
+    transaction and runs on, holding its key, counts as running (InFlight): retiring waits for
+    it as for any running handler (review helper-199)."""
+    from django.db.models.functions import Now
+
     from workqueue.models import Delivery
 
     rows = (
@@ -185,6 +190,14 @@ def _counts(subscription: Any) -> dict[str, int]:
     )
     counts = dict.fromkeys(DeliveryStatus.values, 0)
     counts.update(dict(rows))
+    if counts[DeliveryStatus.COMPLETED]:
+        holding = Delivery.objects.filter(
+            subscription=subscription,
+            status=DeliveryStatus.COMPLETED,
+            lease_expires_at__gt=Now(),
+        ).count()
+        counts[DeliveryStatus.COMPLETED] -= holding
+        counts[DeliveryStatus.IN_FLIGHT] += holding
     return counts
 
 

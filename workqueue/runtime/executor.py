@@ -741,22 +741,29 @@ class DeliveryExecution:
             return
         self.signal.abort(AbortReason.LEASE_LOST)
 
-    def _hold_ran_out(self) -> None:
+    def _hold_ran_out(self, *, in_database: bool = False) -> None:
         """The key hold ran out unrenewed under the handler that runs on: the key's next
         delivery may start beside it. It is told, as a handler whose lease ran out is (review
         helper-196), its heartbeat answers False from now on, nothing renews the lapsed hold,
-        and the operator hears of it once (review helper-197)."""
+        and the operator hears of it once (review helper-197), with what ended it
+        (``in_database``: a renewal answered that the hold is gone)."""
         # No lock: its callers include a handler reading its signal. At worst two callers at
         # once both log.
         if self._hold_ended:
             return
         self._hold_ended = True
         self.signal.abort(AbortReason.LEASE_LOST)
+        if in_database:
+            why = "a renewal found the hold gone (it lapsed before the renewal, or was cleared)"
+        elif self.signal.has(AbortReason.MAX_PROCESSING_SECONDS):
+            why = "the subscription's max_processing_seconds stopped its renewals"
+        else:
+            why = "renewals failed for a lease"
         self.log.error(
             "The partition key held for a handler that completed in its own transaction ran "
-            "out while the handler still ran (%s): renewals failed for a lease; the key's next "
-            "delivery may run beside it",
+            "out while the handler still ran (%s): %s; the key's next delivery may run beside it",
             self._where,
+            why,
         )
 
     def _horizon_passed_untold(self) -> None:
@@ -999,7 +1006,7 @@ class DeliveryExecution:
                 if self._completed_in_transaction():
                     # The hold has run out (lapsed, and the key's next delivery may run) or was
                     # cleared: nothing more is renewed, and the handler is told.
-                    self._hold_ran_out()
+                    self._hold_ran_out(in_database=True)
                 else:
                     self._lease_lost_in_database = True
                     self.signal.abort(AbortReason.LEASE_LOST)

@@ -10,7 +10,7 @@ from importlib import resources
 
 #: The latest migration that changes the procedures: the one that installs them (older ones are
 #: no-ops; see ``workqueue.driver.install``), and the release the install's stamp names.
-LATEST_PROCEDURE_MIGRATION = "0064_enlisted_completions_hold_their_key"
+LATEST_PROCEDURE_MIGRATION = "0065_held_keys_reached_by_operators_and_kept_by_purges"
 
 INSTALL_ORDER = (
     "filters",

@@ -637,9 +637,13 @@ $$;
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
 -- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
--- again. Hosts listening on channel wq_cancel hear of it at commit. Waits at most 2 s for the
--- row (held by a handler completing the delivery in its own transaction), then fails with
--- SQLSTATE 55P03, as wq_discard does.
+-- again. Also a Completed delivery whose handler completed it in its own transaction and runs
+-- on, holding its partition key (wq_complete_holding_key): it stays Completed, its handler is
+-- told at its next renewal, and the key is free when the handler returns or the hold's lease
+-- ends (until 0065 nothing reached such a handler: review helper-199). Hosts listening on
+-- channel wq_cancel hear of it at commit. Waits at most 2 s for the row (held by a handler
+-- completing the delivery in its own transaction), then fails with SQLSTATE 55P03, as
+-- wq_discard does.
 CREATE OR REPLACE FUNCTION wq_cancel(
     p_subscription_id uuid,
     p_delivery_id uuid,
@@ -661,7 +665,8 @@ BEGIN
        SET cancel_requested_at = now(),
            resolved_by = p_actor, resolution_note = left(p_reason, 1000)
      WHERE d.id = p_delivery_id AND d.subscription_id = p_subscription_id
-       AND d.status = 'InFlight' AND d.cancel_requested_at IS NULL;
+       AND (d.status = 'InFlight' OR (d.status = 'Completed' AND d.lease_expires_at > now()))
+       AND d.cancel_requested_at IS NULL;
     GET DIAGNOSTICS v_rows = ROW_COUNT;
     IF v_rows > 0 THEN
         -- Listening hosts check the delivery's lease at once instead of at the next heartbeat.
@@ -847,7 +852,8 @@ $$;
 -- Retiring a subscription: delete up to p_batch_size (clamped as wq_retire_discard's) of its
 -- Completed and Discarded deliveries whatever their age, so its row can be deleted. Only for a
 -- Disabled subscription; for any other it deletes nothing. Never a Pending, InFlight or
--- DeadLettered row.
+-- DeadLettered row, nor a Completed one whose handler runs on holding its key (its hold's
+-- lease unexpired: review helper-199).
 CREATE OR REPLACE FUNCTION wq_retire_purge(p_subscription_id uuid, p_batch_size integer)
 RETURNS TABLE (affected_rows integer)
 LANGUAGE sql
@@ -860,6 +866,8 @@ AS $$
           JOIN workqueue_subscription s ON s.id = d.subscription_id
          WHERE d.subscription_id = p_subscription_id AND s.status = 'Disabled'
            AND d.status IN ('Completed', 'Discarded')
+           AND NOT (d.status = 'Completed' AND d.lease_expires_at IS NOT NULL
+                    AND d.lease_expires_at > now())
          LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
            FOR UPDATE OF d SKIP LOCKED
     ), deleted AS (

@@ -49,7 +49,8 @@ $$;
 
 -- wq_purge_terminal_deliveries --
 -- Delete up to p_batch_size Completed/Discarded deliveries older than their topic's retention.
--- Dead letters are never purged: they wait for an operator.
+-- Dead letters are never purged: they wait for an operator; nor is a completed delivery whose
+-- handler still holds its partition key (wq_complete_holding_key).
 -- Subscription by subscription, each along wq_dlv_settled_ix up to its own topic's cutoff: until
 -- 0048 every subscription's were read in one order of age, so each batch read all the settled
 -- deliveries that topics with a longer retention than the shortest still keep.
@@ -75,6 +76,9 @@ AS $$
                  WHERE x.subscription_id = s.id
                    AND x.status IN ('Completed', 'Discarded')
                    AND x.completed_at < now() - make_interval(days => t.retention_days)
+                   -- A hold still live: its handler runs on (review helper-199).
+                   AND NOT (x.status = 'Completed' AND x.lease_expires_at IS NOT NULL
+                            AND x.lease_expires_at > now())
                  ORDER BY x.completed_at
                  LIMIT LEAST(GREATEST(coalesce(p_batch_size, 1000), 1), 5000)
                    FOR UPDATE OF x SKIP LOCKED

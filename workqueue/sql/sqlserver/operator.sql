@@ -618,7 +618,11 @@ GO
 -- Ask the holder of an InFlight delivery to stop: set the cancel flag (once) and record the
 -- actor and reason. The lease token is left alone so the holder can acknowledge and free its key
 -- at once; if it never does, lease expiry discards the delivery. A cancelled delivery never runs
--- again. Waits at most 2 s for the row, then fails with error 1222, as wq_discard does.
+-- again. Also a Completed delivery whose handler completed it in its own transaction and runs
+-- on, holding its partition key (wq_complete_holding_key): it stays Completed, its handler is
+-- told at its next renewal, and the key is free when the handler returns or the hold's lease
+-- ends (until 0065 nothing reached such a handler: review helper-199). Waits at most 2 s for
+-- the row, then fails with error 1222, as wq_discard does.
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_cancel
     @subscription_id uniqueidentifier,
@@ -641,7 +645,9 @@ BEGIN
     OUTPUT inserted.id INTO @changed
       FROM dbo.workqueue_delivery AS d
      WHERE d.id = @delivery_key AND d.subscription_id = @subscription_key
-       AND d.status = N'InFlight' AND d.cancel_requested_at IS NULL;
+       AND (d.status = N'InFlight'
+            OR (d.status = N'Completed' AND d.lease_expires_at > @now))
+       AND d.cancel_requested_at IS NULL;
 
     -- result set
     SELECT COUNT(*) AS affected_rows FROM @changed;
@@ -834,7 +840,8 @@ GO
 -- Retiring a subscription: delete up to @batch_size (clamped as wq_retire_discard's) of its
 -- Completed and Discarded deliveries whatever their age, so its row can be deleted. Only for a
 -- Disabled subscription; for any other it deletes nothing. Never a Pending, InFlight or
--- DeadLettered row.
+-- DeadLettered row, nor a Completed one whose handler runs on holding its key (its hold's
+-- lease unexpired: review helper-199).
 -- returns: affected_rows
 CREATE OR ALTER PROCEDURE dbo.wq_retire_purge
     @subscription_id uniqueidentifier,
@@ -847,6 +854,7 @@ BEGIN
     DECLARE @limit int = CASE WHEN @batch_size IS NULL THEN 1000
                               WHEN @batch_size > 5000 THEN 5000
                               WHEN @batch_size < 1 THEN 1 ELSE @batch_size END;
+    DECLARE @now datetimeoffset(7) = SYSDATETIMEOFFSET();
     DECLARE @deleted TABLE (id char(32));
 
     DELETE d
@@ -857,7 +865,9 @@ BEGIN
                  FROM dbo.workqueue_delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
                  JOIN dbo.workqueue_subscription AS s ON s.id = x.subscription_id
                 WHERE x.subscription_id = @subscription_key AND s.status = N'Disabled'
-                  AND x.status IN (N'Completed', N'Discarded'))
+                  AND x.status IN (N'Completed', N'Discarded')
+                  AND NOT (x.status = N'Completed' AND x.lease_expires_at IS NOT NULL
+                           AND x.lease_expires_at > @now))
        AND d.status IN (N'Completed', N'Discarded');
 
     -- result set

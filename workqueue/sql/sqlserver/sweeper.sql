@@ -86,7 +86,8 @@ GO
 
 -- wq_purge_terminal_deliveries --
 -- Delete up to @batch_size Completed/Discarded deliveries whose completed_at is older than their
--- topic's retention_days. Dead letters are never purged: they wait for an operator.
+-- topic's retention_days. Dead letters are never purged: they wait for an operator; nor is a
+-- completed delivery whose handler still holds its partition key (wq_complete_holding_key).
 -- Subscription by subscription, each along wq_dlv_settled_ix up to its own topic's cutoff: until
 -- 0048 every subscription's were read in one order of age, so each batch read all the settled
 -- deliveries that topics with a longer retention than the shortest still keep.
@@ -116,6 +117,9 @@ BEGIN
                      WHERE x.subscription_id = s.id
                        AND x.status IN (N'Completed', N'Discarded')
                        AND x.completed_at < DATEADD(day, -t.retention_days, @now)
+                       -- A hold still live: its handler runs on (review helper-199).
+                       AND NOT (x.status = N'Completed' AND x.lease_expires_at IS NOT NULL
+                                AND x.lease_expires_at > @now)
                      ORDER BY x.completed_at) AS v)
        AND d.status IN (N'Completed', N'Discarded');
 
