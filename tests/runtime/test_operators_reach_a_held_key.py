@@ -86,7 +86,9 @@ def _holding(make_host: Any, mode: str = "Ordered", **fields: Any) -> tuple[Subs
 
 @pytest.mark.parametrize("mode", ["Ordered", "Exclusive"])
 def test_a_discard_asks_a_handler_that_holds_its_key_to_stop(make_host, client, mode):
-    s, second = _holding(make_host, mode, lease_seconds=30)
+    # Renewed every 20 s: the cancel reaches the handler through the check its announcement
+    # sets off (which read InFlight rows only), well before the next renewal would.
+    s, second = _holding(make_host, mode, lease_seconds=60)
     holder = _seen["holder"]
     try:
         out = io.StringIO()
