@@ -30,7 +30,7 @@ from tests.support.api import call, operator
 from tests.support.handlers import registry
 from tests.support.hosts import one, status_of, sub
 from tests.support.waiting import wait_until
-from workqueue import publish
+from workqueue import publish, transport
 from workqueue.models import Delivery, Subscription
 from workqueue.operators import operations
 from workqueue.operators.retire import retire_subscription
@@ -239,3 +239,21 @@ def test_a_hold_the_time_cap_ended_is_logged_as_the_caps_doing(make_host, caplog
     wait_until(lambda: "told" in _capped, timeout=20)
     (line,) = [r.getMessage() for r in caplog.records if "partition key held" in r.getMessage()]
     assert "max_processing_seconds" in line and "renewals failed" not in line, line
+
+
+def test_a_retirements_purge_leaves_a_live_hold_alone():
+    """The procedure itself, should a retirement's count have missed the hold (a handler that
+    completed just after it): its row is the key's hold, and its subscription's delete is then
+    refused while it lasts."""
+    s = SubscriptionFactory(partition_mode="Exclusive", lease_seconds=60)
+    publish(s.topic.name, {}, partition_key="k")
+    holder = Receiver(str(s.id), "host-a")
+    (held,) = holder.receive(1).deliveries
+    with transaction.atomic():
+        assert holder.complete(held, connection=transaction.get_connection(), holding_key=True)
+    Subscription.objects.filter(pk=s.pk).update(status="Disabled")
+
+    assert transport.retire_purge(str(s.id), 100) == 0
+    assert holder.extend_lease(held).state == LeaseState.HELD
+    holder.release_key(held)
+    assert transport.retire_purge(str(s.id), 100) == 1
