@@ -257,3 +257,62 @@ def test_a_retirements_purge_leaves_a_live_hold_alone():
     assert holder.extend_lease(held).state == LeaseState.HELD
     holder.release_key(held)
     assert transport.retire_purge(str(s.id), 100) == 1
+
+
+def _hold(receiver: Receiver) -> Any:
+    """Claim the next delivery and complete it holding its key, as a handler's block does."""
+    (held,) = receiver.receive(1).deliveries
+    with transaction.atomic():
+        assert receiver.complete(held, connection=transaction.get_connection(), holding_key=True)
+    return held
+
+
+def test_the_listing_heads_a_held_key_with_its_live_holder_not_a_lapsed_one():
+    """Review helper-200: a host died holding the key (its row keeps the lapsed lease until the
+    sweeper clears it), then the key's next delivery completed in its handler's transaction
+    and holds it. The listing named the dead host's delivery, whose discard changed nothing."""
+    s = SubscriptionFactory(partition_mode="Ordered", lease_seconds=60)
+    for _ in range(3):
+        publish(s.topic.name, {}, partition_key="k")
+    stale = _hold(Receiver(str(s.id), "host-dead"))
+    with connection.cursor() as cursor:  # the host died and its hold ran out
+        cursor.execute(
+            "UPDATE workqueue_delivery SET lease_expires_at = now() - interval '1 minute' "
+            "WHERE id = %s",
+            [stale.delivery_id],
+        )
+    live = _hold(Receiver(str(s.id), "host-live"))
+
+    (item,) = operations.list_partitions(s.name).items
+    assert (item.condition, item.head_delivery_id, item.lease_owner) == (
+        "InFlight",
+        live.delivery_id,
+        "host-live",
+    )
+    assert operations.discard(s.name, item.head_delivery_id, reason="stuck").holds_key
+
+
+@pytest.mark.parametrize("asked", [None, "InFlight"])
+def test_a_key_let_go_while_it_was_listed_is_listed_as_it_is_now(monkeypatch, asked):
+    """Review helper-200: the listing reads the key's condition, then its holder; a handler
+    that let go in between left the key listed InFlight and headed by its next message, which
+    the operator's "discard the running one" then discarded before it ever ran."""
+    from workqueue.transports.database import DatabaseTransport
+
+    s = SubscriptionFactory(partition_mode="Ordered", lease_seconds=60)
+    publish(s.topic.name, {}, partition_key="k")
+    following = publish(s.topic.name, {}, partition_key="k").message_id
+    holder = Receiver(str(s.id), "host-a")
+    held = _hold(holder)
+    listed = DatabaseTransport.list_partitions
+
+    def then_the_handler_returns(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = listed(self, *args, **kwargs)
+        holder.release_key(held)
+        return found
+
+    monkeypatch.setattr(DatabaseTransport, "list_partitions", then_the_handler_returns)
+    items = operations.list_partitions(s.name, condition=asked).items
+
+    assert items == [], "a key nobody holds any more was listed InFlight, headed by its next"
+    assert status_of(following) == "Pending"

@@ -509,20 +509,28 @@ def list_partitions(
     next_cursor = (
         None if resume_after is None else cursors.encode({"partition_key": resume_after}, name)
     )
-    return Page(True, _with_leases(subscription, items[:size], actor), next_cursor)
+    if found.keeps_deliveries_in_database:
+        items = _with_leases(subscription, items[:size], condition, actor)
+    return Page(True, items[:size], next_cursor)
 
 
 def _with_leases(
-    subscription: Any, items: list[PartitionItem], actor: Actor
+    subscription: Any, items: list[PartitionItem], condition: str | None, actor: Actor
 ) -> list[PartitionItem]:
-    """``items`` with each InFlight key's holder and lease end, read from the deliveries in
-    flight (at most one per key; a transport that keeps its deliveries elsewhere has none), or
-    from the completed one whose handler, which completed in its own transaction, still holds
-    the key. The key's head is then that delivery, the one whose run a discard cancels: the
-    first open one was the next message of a held key (review helper-199), and in an
-    Exclusive key may be one waiting to be retried. A caller limited to named subscriptions
-    sees the holder's pseudonym, as on /health."""
+    """``items`` with each InFlight key's holder and lease end, read from its delivery in
+    flight (at most one per key) or from the completed one whose handler, which completed in
+    its own transaction, still holds the key (its hold's lease unexpired). The key's head is
+    then that delivery, the one whose run a discard cancels: the first open one was the next
+    message of a held key (review helper-199), and in an Exclusive key may be one waiting to be
+    retried. A caller limited to named subscriptions sees the holder's pseudonym, as on
+    /health.
+
+    The holders are read after the listing: a key let go in between has none, and is listed
+    as the key is now (its first open delivery the head, Idle or Blocked), or left out when
+    that is not the ``condition`` asked for (review helper-200: listed InFlight and headed by
+    its next message, a discard of "the running one" discarded a message that never ran)."""
     from django.db.models import Q
+    from django.db.models.functions import Now
 
     from workqueue.models import Delivery
 
@@ -532,26 +540,45 @@ def _with_leases(
     leases: dict[str, Any] = {}
     for row in Delivery.objects.filter(
         Q(status=DeliveryStatus.IN_FLIGHT)
-        | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__isnull=False),
+        | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__gt=Now()),
         subscription=subscription,
         partition_key__in=keys,
     ).values("id", "partition_key", "status", "lease_owner", "lease_expires_at"):
-        # A delivery in flight is the key's holder before a completed one whose hold lapsed.
+        # A delivery in flight is the key's holder before a completed one (whose hold it
+        # outlived, by the time it was read).
         if row["status"] == DeliveryStatus.IN_FLIGHT or row["partition_key"] not in leases:
             leases[row["partition_key"]] = row
-    return [
-        replace(
-            item,
-            head_delivery_id=str(lease["id"]),
-            lease_owner=host_pseudonym(lease["lease_owner"])
-            if actor.subscriptions and lease["lease_owner"]
-            else lease["lease_owner"],
-            lease_expires_at=lease["lease_expires_at"],
-        )
-        if (lease := leases.get(item.partition_key))
-        else item
+    let_go = [
+        item.head_delivery_id
         for item in items
+        if item.condition == "InFlight" and item.partition_key not in leases
     ]
+    head_status = (
+        dict(Delivery.objects.filter(pk__in=let_go).values_list("id", "status")) if let_go else {}
+    )
+    listed = []
+    for item in items:
+        lease = leases.get(item.partition_key)
+        if lease is not None:
+            owner = lease["lease_owner"]
+            item = replace(
+                item,
+                head_delivery_id=str(lease["id"]),
+                lease_owner=host_pseudonym(owner) if actor.subscriptions and owner else owner,
+                lease_expires_at=lease["lease_expires_at"],
+            )
+        elif item.condition == "InFlight":
+            blocked = (
+                subscription.partition_mode == "Ordered"
+                and head_status.get(uuid.UUID(item.head_delivery_id))
+                == DeliveryStatus.DEAD_LETTERED
+            )
+            item = replace(item, condition="Blocked" if blocked else "Idle")
+            # As the listing would choose it now: the condition asked for, or any but Idle.
+            if (item.condition != condition) if condition else (item.condition == "Idle"):
+                continue
+        listed.append(item)
+    return listed
 
 
 def replay(
