@@ -276,6 +276,30 @@ def test_discard_requires_a_reason_discards_pending_and_cancels_running(operator
     assert cancelled.status == "InFlight" and cancelled.cancel_requested_at is not None
 
 
+def test_discard_asks_a_handler_that_holds_its_key_after_completing_to_stop(operator_client):
+    """Review helper-199: the admin reported such a delivery "already finished"."""
+    from django.db import transaction
+
+    from workqueue.transport import Receiver
+
+    subscription = SubscriptionFactory(partition_mode="Exclusive")
+    publish(subscription.topic.name, {}, partition_key="k")
+    receiver = Receiver(str(subscription.id), "host-a")
+    (held,) = receiver.receive(1).deliveries
+    with transaction.atomic():
+        assert receiver.complete(held, connection=transaction.get_connection(), holding_key=True)
+
+    for label in ("told to stop", "already told to stop"):
+        done = _act(
+            operator_client, "discard_deliveries", [held.delivery_id], post="yes", reason="3am"
+        )
+        assert _messages(done) == [
+            f"Discarded 0; completed, its handler still running with the key: {label}: 1"
+        ]
+    row = Delivery.objects.get(pk=held.delivery_id)
+    assert row.status == "Completed" and row.cancel_requested_at is not None
+
+
 @pytest.mark.parametrize(
     ("action", "field"), [("replay_deliveries", "note"), ("discard_deliveries", "reason")]
 )

@@ -38,6 +38,7 @@ ACTION_TEMPLATE = "workqueue/admin/delivery_action.html"
 CANCEL_REQUESTED = "cancel requested (running)"
 CANCEL_PENDING = "cancel already requested, still running"
 HOLDER_CANCEL_REQUESTED = "completed, its handler still running with the key: told to stop"
+HOLDER_CANCEL_PENDING = "completed, its handler still running with the key: already told to stop"
 
 
 def may_operate(request: HttpRequest) -> bool:
@@ -260,7 +261,8 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
             subscription_name, delivery_id, reason=form.cleaned_data["reason"], actor=actor
         )
         if outcome.holds_key:
-            return HOLDER_CANCEL_REQUESTED, outcome.discarded
+            told = HOLDER_CANCEL_REQUESTED if outcome.discarded else HOLDER_CANCEL_PENDING
+            return told, outcome.discarded
         if outcome.cancel_requested:
             return (CANCEL_REQUESTED if outcome.discarded else CANCEL_PENDING), outcome.discarded
         return ("Discarded" if outcome.discarded else "already finished"), outcome.discarded
@@ -279,6 +281,12 @@ def discard_deliveries(modeladmin: Any, request: HttpRequest, queryset: QuerySet
         request,
         counts,
         "Discarded",
-        ok={"Discarded", CANCEL_REQUESTED, CANCEL_PENDING, HOLDER_CANCEL_REQUESTED},
+        ok={
+            "Discarded",
+            CANCEL_REQUESTED,
+            CANCEL_PENDING,
+            HOLDER_CANCEL_REQUESTED,
+            HOLDER_CANCEL_PENDING,
+        },
     )
     return None
