@@ -1203,7 +1203,7 @@ def test_a_cancel_made_while_the_listener_reconnects_is_caught_up(
     s, running, message, first = running_handler_far_from_its_heartbeat(make_host)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_terminate_backend(%s)", [first])
-    wait_until(lambda: len(opened) == 2, timeout=5)  # reconnecting, and held there
+    wait_until(lambda: len(opened) == 2, timeout=15)  # reconnecting, and held there
 
     assert transport.discard_or_cancel(str(s.id), running.delivery_id, "ops", "stop")
     reconnect.set()
