@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -120,7 +121,7 @@ def make_host(queue_db, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..
     from django.contrib.auth import get_user_model
 
     from tests.support.handlers import probe, registry
-    from tests.support.hosts import runtime_threads
+    from tests.support.hosts import listening_sessions, runtime_threads
     from tests.support.waiting import wait_until
     from workqueue.driver import get_driver
     from workqueue.runtime import wakeup
@@ -151,6 +152,11 @@ def make_host(queue_db, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..
     for host in hosts:
         host.shutdown()  # idempotent; harmless on a host that never started
     wait_until(lambda: not runtime_threads(), timeout=15)
+    # A listener's session outlives its close for a moment on the server (under load, for
+    # longer): the next test's search for its host's listener (listener_pid) must not find it.
+    settled_by = time.monotonic() + 5
+    while listening_sessions() and time.monotonic() < settled_by:
+        time.sleep(0.02)
     gc.collect()
     get_driver().close()
 

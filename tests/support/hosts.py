@@ -44,20 +44,26 @@ def states(host: Host) -> dict[str, tuple[str, str]]:
     return {s["name"]: (s["state"], s["reason"]) for s in host.health()["subscriptions"]}
 
 
+def listening_sessions() -> list[int]:
+    """The backends of the test database whose last statement was a LISTEN: hosts'
+    notification listeners, and for a moment after a listener closed, its session."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN %%'"
+        )
+        return [pid for (pid,) in cursor.fetchall()]
+
+
 def listener_pid() -> int | None:
     """The backend of the (only) host's notification listener: its last statement was a LISTEN.
 
     Which channels it listens on is not visible from another session, so tests that need the
     topic's channel shorten the listener's re-read interval and then give it a moment.
     """
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-            "AND query LIKE 'LISTEN %%'"
-        )
-        found = cursor.fetchall()
+    found = listening_sessions()
     assert len(found) <= 1, found
-    return found[0][0] if found else None
+    return found[0] if found else None
 
 
 @contextmanager
