@@ -6,6 +6,7 @@ set earlier, by tests/settings.py; the helpers behind these fixtures are in test
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import tempfile
 import time
@@ -26,6 +27,26 @@ def cheap_transactional_reset() -> Iterator[None]:
     undo = install()
     yield
     undo()
+
+
+@pytest.fixture(autouse=True)
+def drivers_as_their_classes_make_them() -> Iterator[None]:
+    """A test's ``monkeypatch.setattr(driver, "call", ...)`` on the cached driver is undone by
+    setting the method it read back on the instance, where it shadows the class for the rest
+    of the worker: a later test's patch of ``PostgresDriver.open_listener`` was never called
+    (it failed in full runs only, after the test that patched the instance). Those leftovers
+    go before each test (after it, the test's monkeypatch may not have been undone yet)."""
+    from workqueue import driver as drivers
+
+    for cached in list(drivers._drivers.values()):
+        for name, value in list(vars(cached).items()):
+            if (
+                inspect.ismethod(value)
+                and value.__self__ is cached
+                and getattr(type(cached), name, None) is value.__func__
+            ):
+                delattr(cached, name)
+    yield
 
 
 @pytest.fixture
