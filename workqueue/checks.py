@@ -182,17 +182,31 @@ def check_environment(app_configs: list[AppConfig] | None = None, **kwargs: Any)
 
 
 def _scheduler_interval_warnings(schedules: list[Any], interval_ms: int) -> list[Any]:
-    """A schedule whose slots come closer together than the scheduler's passes: a slot is
-    publishable only until the next one, so passes further apart skip slots for good (audit
+    """A schedule whose slots come no further apart than the scheduler's passes: a slot is
+    publishable only until the next one, so passes as far apart skip slots for good (audit
     helper-130: a 90 s interval published 8 of 12 minutely slots, and nothing said so)."""
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms <= 0:
         return []  # no scheduler runs, or a value the settings' own check reports (E008)
+    from workqueue.scheduling import CronSearchError
+
     interval = dt.timedelta(milliseconds=interval_ms)
     now = timezone.now()
     warnings = []
     for schedule in schedules:
-        gap = schedule.shortest_gap(now)
-        if gap < interval:
+        try:
+            gap = schedule.shortest_gap(now)
+        except CronSearchError as exc:
+            warnings.append(
+                checks.Warning(
+                    f"Schedule {schedule.name!r}: {exc}",
+                    hint="Until then its passes log this error and publish nothing for it.",
+                    id="workqueue.W009",
+                )
+            )
+            continue
+        # A gap of exactly one interval skips slots too: each pass starts an interval after
+        # the last one ended, so passes drift later by their own length (review helper-201).
+        if gap <= interval:
             warnings.append(
                 checks.Warning(
                     f"WORKQUEUE['SCHEDULER_INTERVAL_MS'] is {interval_ms} ms, but schedule "

@@ -42,6 +42,44 @@ MAX_LATENESS = dt.timedelta(days=30)
 #: The shortest deduplication window publish accepts.
 MIN_WINDOW = dt.timedelta(seconds=60)
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
+# A slot's search takes a few dozen of cronsim's steps; a search that takes this many will not
+# end (cronsim 2.8's backward search near Pacific/Chatham's fall-back, which is off the hour).
+MAX_CRON_STEPS = 100_000
+
+
+def _machine_local(name: Any) -> bool:
+    """Whether ``name`` is a file of the zone database that is no zone of its own but this
+    machine's setting, or a variant tree of the database: each host would read its own."""
+    return isinstance(name, str) and (
+        name in ("localtime", "posixrules") or name.startswith(("posix/", "right/"))
+    )
+
+
+class CronSearchError(CronSimError):
+    """cronsim's search for a schedule's slot did not end."""
+
+
+class _BoundedCronSim(CronSim):
+    """cronsim, whose search gives up after MAX_CRON_STEPS steps instead of spinning for
+    good: a pass that never returned stopped every schedule of every host, and `manage.py
+    check` and `workqueue schedules` hung with it (review helper-201)."""
+
+    def __init__(self, expr: str, start: dt.datetime, reverse: bool = False) -> None:
+        self._steps, self._expression, self._zone = 0, expr, start.tzinfo
+        super().__init__(expr, start, reverse)
+
+    def tick(self, seconds: int = 1) -> None:
+        self._steps += 1
+        if self._steps > MAX_CRON_STEPS:
+            raise CronSearchError(
+                f"cron {self._expression!r}: cronsim's search for a slot did not end near a "
+                f"time zone change ({self._zone}); write the hour as numbers (e.g. "
+                "'0 0,2,4,6,8,10,12,14,16,18,20,22 * * *', which cronsim handles across "
+                "the change) or use another time zone."
+            )
+        super().tick(seconds)
+
+
 # The unkeyed slot ids of earlier releases: uuid5 of the slot's deduplication key here.
 PREVIOUS_SLOT_NAMESPACE = uuid.UUID("7b0c2f5e-4f1a-4c55-9d0e-2f6c3d1a9b80")
 _REQUIRED = ("name", "cron", "topic")
@@ -117,7 +155,7 @@ class Schedule:
         the earliest of both (review helper-188: `workqueue schedules` showed the slot after
         the one published, and the W009 check measured gaps the slots do not have)."""
         after = now.astimezone(dt.UTC)
-        forward = CronSim(self.cron, after.astimezone(self.zone))
+        forward = _BoundedCronSim(self.cron, after.astimezone(self.zone))
         earliest = next(forward).astimezone(dt.UTC)
         while earliest <= after:
             # Started in the second pass of an hour a zone repeats, cronsim may answer the
@@ -126,7 +164,9 @@ class Schedule:
         while True:
             try:
                 # cronsim never returns its start time itself: the latest slot before it.
-                before = next(CronSim(self.cron, earliest.astimezone(self.zone), reverse=True))
+                before = next(
+                    _BoundedCronSim(self.cron, earliest.astimezone(self.zone), reverse=True)
+                )
             except StopIteration:
                 return earliest
             before = before.astimezone(dt.UTC)
@@ -150,16 +190,16 @@ class Schedule:
         # cronsim never returns its start time itself: start a microsecond later.
         start = (now + dt.timedelta(microseconds=1)).astimezone(self.zone)
         try:
-            at = next(CronSim(self.cron, start, reverse=True))
+            at = next(_BoundedCronSim(self.cron, start, reverse=True))
         except StopIteration:
             return None
-        following = next(CronSim(self.cron, at))
+        following = next(_BoundedCronSim(self.cron, at))
         while following.astimezone(dt.UTC) <= now:
             # Started in the hour a zone repeats when its clocks go back, the backward search
             # passes over a slot made in that hour's first pass (01:30 EDT, searched from
             # 01:10 EST) and returns the day before's, which is no longer publishable: the
             # slot had none for up to an hour (audit helper-130). The forward one does not.
-            at, following = following, next(CronSim(self.cron, following))
+            at, following = following, next(_BoundedCronSim(self.cron, following))
         # In UTC: two times of one zone subtract by their wall clocks, which makes the gap
         # across a DST change an hour short or long (01:00 EDT to 01:00 EST: zero).
         gap = following.astimezone(dt.UTC) - at.astimezone(dt.UTC)
@@ -251,6 +291,11 @@ def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
                 "a schedule's slots, so each must be unique."
             )
         try:
+            if _machine_local(schedule.timezone):
+                # "localtime" (Debian's tzdata links it to /etc/localtime) loads too, as each
+                # host's own zone: hosts in different zones each published the slot at its
+                # own 03:00 (review helper-201).
+                raise ZoneInfoNotFoundError(schedule.timezone)
             zone = ZoneInfo(schedule.timezone)
         except (ZoneInfoNotFoundError, ValueError, TypeError):
             raise WorkQueueConfigurationError(
@@ -270,6 +315,15 @@ def load_schedules(entries: Iterable[Mapping[str, Any]]) -> list[Schedule]:
             raise WorkQueueConfigurationError(
                 f"{where}: topic {schedule.topic!r} is not a topic's name: lower-case words of "
                 "letters and digits joined by '.', '_' or '-' (e.g. orders.created)."
+            )
+        if len(schedule.cron.split()) == 6:
+            # cronsim reads a seconds field first (Quartz's habit) but keeps a DST night's
+            # rules for five fields only: '0 30 1 * * *' ran twice the night New York's clocks
+            # went back, and '0 30 2 * * *' not at all the night they went forward (review
+            # helper-201).
+            raise WorkQueueConfigurationError(
+                f"{where}: cron {schedule.cron!r} has six fields; slots are whole minutes: use "
+                "five fields, minute hour day-of-month month day-of-week, e.g. '0 3 * * *'."
             )
         try:
             CronSim(schedule.cron, dt.datetime.now(zone))

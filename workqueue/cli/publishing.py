@@ -207,7 +207,7 @@ class SchedulesVerb(Verb):
         from workqueue.driver import get_driver
         from workqueue.exceptions import WorkQueueConfigurationError
         from workqueue.models import Deduplication, Message, ScheduleRecord
-        from workqueue.scheduling import load_schedules, recorded_slot_time
+        from workqueue.scheduling import CronSearchError, load_schedules, recorded_slot_time
         from workqueue.types import DeduplicationStatus
 
         conf = get_settings()
@@ -220,7 +220,11 @@ class SchedulesVerb(Verb):
 
             refused = Scheduler(schedules).run_once().refused
         now = get_driver(conf.DATABASE_ALIAS).database_now()
-        slots = {s.name: s.latest_slot(now) for s in schedules}
+        try:
+            slots = {s.name: s.latest_slot(now) for s in schedules}
+            next_slots = {s.name: s.next_slot_time(now) for s in schedules}
+        except CronSearchError as exc:
+            raise CommandError(str(exc)) from None
         own_ids = [i for slot in slots.values() if slot for i in slot.own_message_ids]
         # The unkeyed id of earlier releases (the last of a slot's) counts on the schedule's
         # own topic only: anyone may compute it and publish it elsewhere (audit helper-137).
@@ -281,7 +285,7 @@ class SchedulesVerb(Verb):
                     "published": not skipped
                     and _counts_as_published(s, slot, published, records.get(s.name)),
                     "skipped": skipped,
-                    "next_slot": s.next_slot_time(now),
+                    "next_slot": next_slots[s.name],
                 }
             )
         self._write(command, options, rows)

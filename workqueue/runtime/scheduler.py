@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from django.db import DatabaseError
 
 from workqueue.conf import get_settings
-from workqueue.driver import get_driver
+from workqueue.driver import database_away, get_driver
 from workqueue.driver.base import SCHEDULE_RECORD_TABLE
+from workqueue.exceptions import one_line
 from workqueue.publishing import publish
 from workqueue.scheduling import Schedule, Slot, recorded_slot_time
 from workqueue.types import PublishErrorCode, PublishResult, PublishStatus, SubscriptionStatus
@@ -258,8 +259,20 @@ class Scheduler:
             self._records_failed(exc)
 
     def _records_failed(self, exc: DatabaseError) -> None:
-        if not self._records_failed_reported:
-            self._records_failed_reported = True
+        if self._records_failed_reported:
+            return
+        self._records_failed_reported = True
+        if database_away(exc):
+            # Not the migration or grant the message below names: an outage (a restart, a
+            # failover), which the pass's publishes meet too (review helper-201).
+            logger.warning(
+                "Scheduler: the schedules' records (%s) could not be read or written: the "
+                "database is away (%s); the passes go on, and slots are published once it is "
+                "back.",
+                SCHEDULE_RECORD_TABLE,
+                one_line(exc),
+            )
+        else:
             logger.warning(
                 "Scheduler: the schedules' records (%s) could not be read or written: %s; a "
                 "slot is still published once per topic, but a schedule whose zone, cron or "
