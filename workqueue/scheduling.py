@@ -44,7 +44,7 @@ MIN_WINDOW = dt.timedelta(seconds=60)
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")
 # A slot's search takes a few dozen of cronsim's steps; a search that takes this many will not
 # end (cronsim 2.8's backward search near Pacific/Chatham's fall-back, which is off the hour).
-MAX_CRON_STEPS = 100_000
+MAX_CRON_STEPS = 10_000
 
 
 def _machine_local(name: Any) -> bool:
