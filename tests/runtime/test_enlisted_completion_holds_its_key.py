@@ -662,23 +662,16 @@ registry.register("tests.enlisted.tail_through_outage", CompleteThenTailThroughA
 
 
 @pytest.mark.usefixtures("queue_db")
-def test_a_handler_whose_hold_ran_out_is_told_before_the_keys_next_delivery_runs_beside_it(
-    make_host, monkeypatch
-):
-    """Renewals of the hold fail (an outage for this host only) until it runs out; another host
-    claims the key's next delivery. An InFlight delivery's handler is told LeaseLost by the local
-    horizon at that point; a holding handler's horizon was silenced once it had committed, so
-    its tail ran on beside the key's next delivery, never told (review helper-196)."""
-    _told.clear()
-    _done.clear()
-    _outage.clear()
+def hold_runs_out_and_host_b_claims_the_key(
+    make_host: Any, monkeypatch: pytest.MonkeyPatch, outage: threading.Event, **fields: Any
+) -> None:
+    """A host runs ``fields``' handler (Exclusive, a 5 s lease) on key k's first message,
+    which completes in its transaction; the handler sets ``outage`` to cut this host's
+    renewals, so the hold runs out, and host-b claims the key's next message beside the tail
+    (then ``_claimed_elsewhere`` is set)."""
     _claimed_elsewhere.clear()
-    renewals_fail_while(monkeypatch, _outage)
-    s = sub(
-        handler_key="tests.enlisted.tail_through_outage",
-        partition_mode="Exclusive",
-        lease_seconds=5,
-    )
+    renewals_fail_while(monkeypatch, outage)
+    s = sub(partition_mode="Exclusive", lease_seconds=5, **fields)
     make_host(one(s, concurrency=1)).start()
     first = publish(s.topic.name, {}, partition_key="k").message_id
     wait_until(
@@ -693,6 +686,21 @@ def test_a_handler_whose_hold_ran_out_is_told_before_the_keys_next_delivery_runs
         time.sleep(0.2)
     assert taken, "the key's next delivery was never claimed"
     _claimed_elsewhere.set()
+
+
+def test_a_handler_whose_hold_ran_out_is_told_before_the_keys_next_delivery_runs_beside_it(
+    make_host, monkeypatch
+):
+    """Renewals of the hold fail (an outage for this host only) until it runs out; another host
+    claims the key's next delivery. An InFlight delivery's handler is told LeaseLost by the local
+    horizon at that point; a holding handler's horizon was silenced once it had committed, so
+    its tail ran on beside the key's next delivery, never told (review helper-196)."""
+    _told.clear()
+    _done.clear()
+    _outage.clear()
+    hold_runs_out_and_host_b_claims_the_key(
+        make_host, monkeypatch, _outage, handler_key="tests.enlisted.tail_through_outage"
+    )
     assert _done.wait(20)
     assert _told == [True], "the handler ran on beside the key's next delivery, never told"
 
@@ -952,30 +960,13 @@ def test_a_hold_that_ran_out_under_its_handler_is_logged(make_host, monkeypatch,
     _seen.clear()
     _h197_done.clear()
     _h197_outage.clear()
-    _claimed_elsewhere.clear()
-    renewals_fail_while(monkeypatch, _h197_outage)
-    s = sub(
+    hold_runs_out_and_host_b_claims_the_key(
+        make_host,
+        monkeypatch,
+        _h197_outage,
         handler_key="tests.enlisted.h197_manual_tail",
-        partition_mode="Exclusive",
         heartbeat_mode="Auto",
-        lease_seconds=5,
     )
-    make_host(one(s, concurrency=1)).start()
-    first = publish(s.topic.name, {}, partition_key="k").message_id
-    from workqueue.models import Delivery
-
-    wait_until(
-        lambda: Delivery.objects.filter(message_id=first, status="Completed").exists(), timeout=20
-    )
-    publish(s.topic.name, {}, partition_key="k")
-    other_host = Receiver(str(s.id), "host-b")
-    taken: list[Any] = []
-    deadline = time.monotonic() + 15
-    while not taken and time.monotonic() < deadline:
-        taken = other_host.receive(1).deliveries
-        time.sleep(0.2)
-    assert taken
-    _claimed_elsewhere.set()
     assert _h197_done.wait(20)
     time.sleep(1.0)  # the settle (the release) has run
     said = [
