@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import django
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
@@ -52,7 +53,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "ninja",
     # The Tasks API backport (its system checks and log lines); Django 6.0+ has django.tasks.
-    "django_tasks",
+    *(["django_tasks"] if django.VERSION < (6, 0) else []),
     "workqueue",
     "workqueue_samples",
 ]

@@ -10,7 +10,8 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from django_tasks import TaskContext, task
+
+from workqueue.tasks.api import TaskContext, task
 
 
 @task()

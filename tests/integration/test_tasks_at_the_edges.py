@@ -13,14 +13,20 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import OperationalError, connection, transaction
-from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
-from django_tasks.signals import task_enqueued, task_finished
 
 from tests.factories import TopicFactory
 from tests.support.hosts import running_tasks_queue
 from tests.support.waiting import wait_until
 from workqueue.exceptions import PublishInsideAtomicInTestWarning
 from workqueue.models import Delivery, Message
+from workqueue.tasks.api import (
+    TaskContext,
+    TaskResultStatus,
+    default_task_backend,
+    task,
+    task_enqueued,
+    task_finished,
+)
 from workqueue.testing import run_until_idle, use_test_connection
 
 QUEUE = "tasks.default"

@@ -23,9 +23,6 @@ from django.db.backends.signals import connection_created
 from django.db.models import F
 from django.test import TestCase, override_settings
 from django.utils import timezone
-from django_tasks import TaskResultStatus, default_task_backend, task_backends
-from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
-from django_tasks.signals import task_enqueued, task_finished, task_started
 
 from tests import task_functions
 from tests.factories import SubscriptionFactory, TopicFactory
@@ -57,6 +54,16 @@ from workqueue.runtime.executor import MAX_ERROR_LENGTH
 from workqueue.runtime.host import Host, HostConfig
 from workqueue.runtime.sweeper import Sweeper
 from workqueue.tasks import TaskEnqueueError, WorkQueueBackend
+from workqueue.tasks.api import (
+    InvalidTaskError,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    default_task_backend,
+    task_backends,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
 from workqueue.tasks.results import record_start
 from workqueue.testing import use_test_connection
 

@@ -13,7 +13,6 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django_tasks import TaskResultStatus, default_task_backend, task
 
 from tests.factories import SubscriptionFactory
 from tests.support.hosts import running_tasks_queue
@@ -23,6 +22,7 @@ from workqueue.driver import get_driver
 from workqueue.models import Delivery, Subscription
 from workqueue.operators import operations
 from workqueue.runtime.host import Host, HostConfig
+from workqueue.tasks.api import TaskResultStatus, default_task_backend, task
 from workqueue.tasks.messages import HANDLER_KEY
 from workqueue.transport import Receiver
 

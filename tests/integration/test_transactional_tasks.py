@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 from django.db import connection
-from django_tasks import TaskContext, TaskResultStatus, default_task_backend, task
 
 from tests.support import txn_handlers
 from tests.support.hosts import running_tasks_queue
@@ -19,6 +18,7 @@ from tests.support.waiting import wait_until
 from workqueue import transport
 from workqueue.driver import get_driver
 from workqueue.models import Delivery, Subscription, TaskResult
+from workqueue.tasks.api import TaskContext, TaskResultStatus, default_task_backend, task
 from workqueue.transport import Receiver
 
 pytestmark = pytest.mark.usefixtures("queue_db")

@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import psycopg
@@ -54,7 +55,7 @@ def test_every_walkthrough_command_runs_and_prints_what_the_page_says(scratch_da
     env.update(
         DATABASE_URL=scratch_database,
         PORT=str(_free_port()),
-        PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHONUNBUFFERED="1",
     )
     script = "set -euo pipefail\n" + "\n".join(_shell_blocks())

@@ -141,7 +141,7 @@ def installed(tmp_path_factory) -> Installed:
         ROOT,
         source,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"
+            ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"
         ),
     )
     _run([*pip_wheel, "-w", str(wheels), str(source)], where, env)

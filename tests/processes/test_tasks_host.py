@@ -16,7 +16,6 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
-from django_tasks import TaskResultStatus, default_task_backend
 
 from tests.support.processes import Processes
 from tests.support.waiting import wait_until
@@ -29,6 +28,7 @@ from tests.task_functions import (
     user_exists,
 )
 from workqueue.models import Delivery, HostRecord, Message, Subscription
+from workqueue.tasks.api import TaskResultStatus, default_task_backend
 
 pytestmark = [pytest.mark.processes, pytest.mark.usefixtures("queue_db")]
 
@@ -54,7 +54,7 @@ def finished(result_id: str, timeout: float = 30) -> Any:
 
 def read_in_another_process(processes: Processes, result_id: str) -> dict[str, Any]:
     script = (
-        "import json; from django_tasks import default_task_backend as b; "
+        "import json; from workqueue.tasks.api import default_task_backend as b; "
         f"r = b.get_result({result_id!r}); "
         "print(json.dumps({'status': r.status, 'task': r.task.module_path, 'args': r.args, "
         "'return_value': r.return_value if r.status == 'SUCCESSFUL' else None, "

@@ -253,8 +253,7 @@ def test_a_slot_stays_publishable_until_the_next_across_a_dst_change(topic_name)
 def test_a_schedule_of_a_task_enqueues_it_once_a_slot_and_its_result_reads_by_the_slots_id():
     """There was no way to run a Tasks API task on a schedule but to publish the task's
     internal message by hand (helper-120). Its queue need not exist yet."""
-    from django_tasks import default_task_backend
-
+    from workqueue.tasks.api import default_task_backend
     from workqueue.testing import run_until_idle
 
     get_user_model().objects.create_user("workqueue-system")
@@ -284,9 +283,8 @@ def test_a_schedule_of_a_task_enqueues_it_once_a_slot_and_its_result_reads_by_th
 def test_a_schedule_of_a_task_whose_queue_takes_no_delivery_is_reported_not_counted_done(caplog):
     """Published to a queue whose subscription is Disabled, the slot read as published while
     the task would never run (review helper-121)."""
-    from django_tasks import default_task_backend
-
     from workqueue.models import Subscription
+    from workqueue.tasks.api import default_task_backend
 
     default_task_backend.ensure_queue("default")
     Subscription.objects.filter(name="tasks.default").update(status="Disabled")
@@ -305,9 +303,8 @@ def test_a_task_slot_refused_for_a_disabled_queue_runs_once_the_queue_is_enabled
     ... the next run tries again", but the slot's message had been stored (with no delivery)
     and its key taken: the next run was a Duplicate, exited 0 and showed the slot published,
     and once the operator enabled the subscription, that slot's task never ran."""
-    from django_tasks import default_task_backend
-
     from workqueue.models import Subscription
+    from workqueue.tasks.api import default_task_backend
 
     get_user_model().objects.create_user("workqueue-system")
     default_task_backend.ensure_queue("default")
@@ -570,9 +567,8 @@ def test_a_schedule_of_a_task_whose_subscription_was_deleted_makes_it_again_as_e
     kept and its subscription deleted (the admin, a topology sync), every slot was stored with
     no delivery, counted as published, and the task never ran; a queue fed only by its
     schedule never got the enqueue that would have made the subscription again."""
-    from django_tasks import default_task_backend
-
     from workqueue.models import Subscription
+    from workqueue.tasks.api import default_task_backend
 
     get_user_model().objects.create_user("workqueue-system")
     default_task_backend.ensure_queue("default")
@@ -602,10 +598,9 @@ def test_a_task_schedule_of_an_existing_queue_only_reads_the_topology(pg_conn):
     "Database" first; with the seeded transport renamed (which the topology allows), each pass
     made a new one, or, run as the runtime role (which may not write the topology), failed and
     published nothing, although the queue existed."""
-    from django_tasks import default_task_backend
-
     from tests.support.roles import acting_as_granted_role
     from workqueue.models import Transport
+    from workqueue.tasks.api import default_task_backend
 
     get_user_model().objects.create_user("workqueue-system")
     default_task_backend.ensure_queue("default")

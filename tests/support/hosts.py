@@ -71,9 +71,9 @@ def running_tasks_queue(queue: str = "default") -> Iterator[None]:
     """A host in this process running the Tasks API queue ``tasks.<queue>``, made with its
     system user; a failed task is retried at once, three attempts in all."""
     from django.contrib.auth import get_user_model
-    from django_tasks import default_task_backend
 
     from workqueue.driver import get_driver
+    from workqueue.tasks.api import default_task_backend
 
     get_user_model().objects.create_user("workqueue-system")
     default_task_backend.ensure_queue(queue)

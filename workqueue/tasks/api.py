@@ -4,11 +4,16 @@ backport. The rest of ``workqueue.tasks`` imports the API from here, so one modu
 from __future__ import annotations
 
 try:
-    from django.tasks import base, exceptions, signals, task_backends
+    from django.tasks import base, default_task_backend, exceptions, signals, task, task_backends
     from django.tasks.backends.base import BaseTaskBackend
+
+    #: Where a project imports the API from, for messages that show code to run.
+    MODULE = "django.tasks"
 except ImportError:
-    from django_tasks import base, exceptions, signals, task_backends
+    from django_tasks import base, default_task_backend, exceptions, signals, task, task_backends
     from django_tasks.backends.base import BaseTaskBackend
+
+    MODULE = "django_tasks"
 
 Task = base.Task
 TaskContext = base.TaskContext
@@ -25,6 +30,7 @@ task_started = signals.task_started
 task_finished = signals.task_finished
 
 __all__ = [
+    "MODULE",
     "BaseTaskBackend",
     "InvalidTaskError",
     "Task",
@@ -33,6 +39,8 @@ __all__ = [
     "TaskResult",
     "TaskResultDoesNotExist",
     "TaskResultStatus",
+    "default_task_backend",
+    "task",
     "task_backends",
     "task_enqueued",
     "task_finished",

@@ -267,7 +267,7 @@ class WorkQueueBackend(api.BaseTaskBackend):
                 "refused for lack of privilege: a role that may not write the topology tables "
                 "(the runtime grant gives none) cannot create a queue; create it once as a role "
                 "that may (the tables' owner), e.g. in a deploy step: python manage.py shell -c "
-                f'"from django_tasks import task_backends; task_backends[{self.alias!r}]'
+                f'"from {api.MODULE} import task_backends; task_backends[{self.alias!r}]'
                 f'.ensure_queue({queue_name!r})"'
             ) from exc
         self._ready_queues[queue_name] = runner
