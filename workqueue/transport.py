@@ -830,8 +830,8 @@ def discard_or_cancel(
             "cancelled.",
             delivery_id,
         ) from exc
-    asked = allow_cancel and _cancel_pending(driver.alias, subscription_id, delivery_id)
-    if asked:
+    asked = _cancel_pending(driver.alias, subscription_id, delivery_id) if allow_cancel else None
+    if asked is not None:
         # Asked before (by another operator, or this one again as the handler ran on): not
         # "nothing to discard", which reads as finished while the delivery holds its key.
         return DiscardResult(
@@ -844,16 +844,13 @@ def _cancel_pending(alias: str, subscription_id: str, delivery_id: str) -> str |
     """The status of the delivery if its handler runs on with a cancel already asked: InFlight,
     or Completed in its own transaction and holding its key. Read through the ORM: the
     operator role may read the table."""
-    from django.db.models import Q
-    from django.db.models.functions import Now
-
     from workqueue.models import Delivery
+    from workqueue.models.queue import HANDLER_RUNS
 
     return (
         Delivery.objects.using(alias)
         .filter(
-            Q(status=DeliveryStatus.IN_FLIGHT)
-            | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__gt=Now()),
+            HANDLER_RUNS,
             pk=delivery_id,
             subscription_id=subscription_id,
             cancel_requested_at__isnull=False,

@@ -20,6 +20,11 @@ from workqueue.types import DeduplicationStatus, DeliveryStatus
 
 OPEN_STATUSES = [DeliveryStatus.PENDING, DeliveryStatus.IN_FLIGHT, DeliveryStatus.DEAD_LETTERED]
 TERMINAL_STATUSES = [DeliveryStatus.COMPLETED, DeliveryStatus.DISCARDED]
+#: Completed in its handler's own transaction by a handler that runs on, holding the delivery's
+#: partition key (wq_complete_holding_key) until it returns or its lease runs out.
+HOLDING_ITS_KEY_AFTER_COMPLETING = Q(status=DeliveryStatus.COMPLETED, lease_expires_at__gt=Now())
+#: A delivery whose handler runs: InFlight, or completed and holding its key.
+HANDLER_RUNS = Q(status=DeliveryStatus.IN_FLIGHT) | HOLDING_ITS_KEY_AFTER_COMPLETING
 
 
 class Message(DriverOwnedModel):

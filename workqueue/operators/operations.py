@@ -529,18 +529,15 @@ def _with_leases(
     as the key is now (its first open delivery the head, Idle or Blocked), or left out when
     that is not the ``condition`` asked for (review helper-200: listed InFlight and headed by
     its next message, a discard of "the running one" discarded a message that never ran)."""
-    from django.db.models import Q
-    from django.db.models.functions import Now
-
     from workqueue.models import Delivery
+    from workqueue.models.queue import HANDLER_RUNS
 
     keys = [item.partition_key for item in items if item.condition == "InFlight"]
     if not keys:
         return items
     leases: dict[str, Any] = {}
     for row in Delivery.objects.filter(
-        Q(status=DeliveryStatus.IN_FLIGHT)
-        | Q(status=DeliveryStatus.COMPLETED, lease_expires_at__gt=Now()),
+        HANDLER_RUNS,
         subscription=subscription,
         partition_key__in=keys,
     ).values("id", "partition_key", "status", "lease_owner", "lease_expires_at"):

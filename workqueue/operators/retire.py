@@ -178,9 +178,8 @@ def _counts(subscription: Any) -> dict[str, int]:
     """Its deliveries by status; a Completed one whose handler completed it in its own
     transaction and runs on, holding its key, counts as running (InFlight): retiring waits for
     it as for any running handler (review helper-199)."""
-    from django.db.models.functions import Now
-
     from workqueue.models import Delivery
+    from workqueue.models.queue import HOLDING_ITS_KEY_AFTER_COMPLETING
 
     rows = (
         Delivery.objects.filter(subscription=subscription)
@@ -192,9 +191,7 @@ def _counts(subscription: Any) -> dict[str, int]:
     counts.update(dict(rows))
     if counts[DeliveryStatus.COMPLETED]:
         holding = Delivery.objects.filter(
-            subscription=subscription,
-            status=DeliveryStatus.COMPLETED,
-            lease_expires_at__gt=Now(),
+            HOLDING_ITS_KEY_AFTER_COMPLETING, subscription=subscription
         ).count()
         counts[DeliveryStatus.COMPLETED] -= holding
         counts[DeliveryStatus.IN_FLIGHT] += holding
