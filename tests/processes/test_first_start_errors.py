@@ -42,6 +42,24 @@ def test_a_command_against_a_database_that_is_not_there_says_so_in_a_line(tmp_pa
     assert "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_command_against_a_sql_server_that_is_not_there_says_so_in_a_line(command):
+    """From Django 6.1 on, a command's system checks hand every alias to the model checks, and
+    a JSONField's check asks a SQL Server alias for its version: the connection failed there,
+    before the command could retry it or say what to do, in a traceback of a hundred lines
+    (review helper-203). The queue's commands check no database."""
+    # A refused connection takes the driver's whole login timeout (15 s by default): 1 s here.
+    nowhere = "mssql://scaler:x@127.0.0.1:9/app?python_driver=mssql_python&connection_timeout=1"
+
+    done = run_manage(*command, env=subprocess_environment(nowhere), timeout=90)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "check that it runs and that DATABASE_URL" in done.stderr or (
+        "TransportUnavailable" in done.stderr
+    ), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.fixture
 def queue_not_migrated(scratch_database: str) -> str:
     """A database where Django's own apps are migrated and the system user exists, but the

@@ -6,14 +6,15 @@ import argparse
 import copy
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from workqueue.cli import all_verbs
 from workqueue.input_limits import text_problem
+from workqueue.management.base import QueueCommand
 from workqueue.runtime.process import database_errors_explained
 
 
-class Command(BaseCommand):
+class Command(QueueCommand):
     help = "Work-queue operations: run `manage.py workqueue VERB --help` for each verb."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.management.base import QueueCommand
 from workqueue.runtime.host import (
     Host,
     HostConfig,
@@ -33,7 +34,7 @@ from workqueue.runtime.process import (
 )
 
 
-class Command(BaseCommand):
+class Command(QueueCommand):
     help = (
         "Run the work-queue host: the subscriptions in WORKQUEUE['SUBSCRIPTIONS'] (or -s), the "
         "sweeper and periodic re-planning. SIGTERM/SIGINT drain running work, then exit."

@@ -6,10 +6,11 @@ import logging
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import close_old_connections
 
 from workqueue.conf import get_settings
+from workqueue.management.base import QueueCommand
 from workqueue.runtime.process import (
     StopSignal,
     add_metrics_arguments,
@@ -22,7 +23,7 @@ from workqueue.runtime.sweeper import Sweeper, SweeperPassResult, pause_after
 logger = logging.getLogger("workqueue.runtime.sweeper")
 
 
-class Command(BaseCommand):
+class Command(QueueCommand):
     help = (
         "Expire passed leases and purge settled rows past retention, periodically or, with "
         "--once, until caught up."

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from workqueue.conf import get_settings
 from workqueue.exceptions import WorkQueueConfigurationError
+from workqueue.management.base import QueueCommand
 from workqueue.runtime.host import Host, HostConfig, describe_subscription
 from workqueue.runtime.process import (
     StopSignal,
@@ -31,7 +32,7 @@ from workqueue.runtime.process import (
 )
 
 
-class Command(BaseCommand):
+class Command(QueueCommand):
     help = "Process a subscription's deliveries once (for container jobs), then exit."
 
     def add_arguments(self, parser: CommandParser) -> None:
