@@ -47,4 +47,4 @@ def host_pseudonym(instance_id: str) -> str:
     """A stable name for a host that reveals nothing of it (its instance id carries its
     hostname and process id) without the SECRET_KEY: what an API key limited to named
     subscriptions sees of hosts."""
-    return "host-" + salted_hmac(PSEUDONYM_SALT, instance_id, algorithm="sha256").hexdigest()[:16]
+    return "host-" + salted_hmac(PSEUDONYM_SALT, instance_id, algorithm="sha1").hexdigest()[:16]
