@@ -220,6 +220,33 @@ def test_deliveries_filter_by_subscription_and_status_and_search_by_key_and_ids(
     assert [str(m.pk) for m in messages.context["cl"].result_list] == [message_id]
 
 
+def _breadcrumbs(page) -> str:
+    """The page's breadcrumbs element, from its opening tag to its closing one."""
+    html = page.content.decode()
+    start = html.rindex("<", 0, html.index('class="breadcrumbs"'))
+    tag = html[start + 1 : html.index(" ", start)]
+    return html[start : html.index(f"</{tag}>", start)]
+
+
+def test_the_queues_pages_draw_breadcrumbs_in_the_markup_of_the_admins_own(operator_client):
+    """Django 6.1's admin stylesheet styles only a list of breadcrumbs (``ol.breadcrumbs``),
+    earlier ones only a line of links (``div.breadcrumbs``): pages written the old way lost
+    their styling on 6.1 (review helper-203)."""
+    own = _breadcrumbs(operator_client.get(_url("workqueue_delivery_changelist")))
+    subscription = SubscriptionFactory()
+    pages = {
+        "dashboard": operator_client.get(_url("workqueue_dashboard")),
+        "action": _act(operator_client, "replay_deliveries", [dead_letter(subscription)]),
+    }
+
+    element = own[: own.index(" ")]
+    for name, page in pages.items():
+        trail = _breadcrumbs(page)
+        assert trail.startswith(element), (name, trail, own)
+        assert f'href="{reverse("admin:index")}"' in trail, (name, trail)
+        assert 'href="/admin/workqueue/"' in trail, (name, trail)
+
+
 # -- actions ----------------------------------------------------------------------------------
 
 
