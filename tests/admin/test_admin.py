@@ -7,15 +7,18 @@ Receiver), which runs on the driver's own connection: these tests use committed 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
+from django.contrib.staticfiles import finders
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
+import workqueue
 from tests.factories import SubscriptionFactory
 from tests.support.queue import dead_letter
 from tests.support.queue import pending as _pending
@@ -245,6 +248,26 @@ def test_the_queues_pages_draw_breadcrumbs_in_the_markup_of_the_admins_own(opera
         assert trail.startswith(element), (name, trail, own)
         assert f'href="{reverse("admin:index")}"' in trail, (name, trail)
         assert 'href="/admin/workqueue/"' in trail, (name, trail)
+
+
+def test_the_queues_pages_carry_no_inline_style_so_a_strict_csp_leaves_them_whole(
+    operator_client,
+):
+    """A project that turns on Django 6's Content-Security-Policy without 'unsafe-inline'
+    blocks <style> elements and style="" attributes: the dashboard lost its layout and its
+    chart's legend, the forms their spacing (review helper-203). Their rules are a static
+    file."""
+    templates = Path(workqueue.__file__).parent / "templates" / "workqueue" / "admin"
+    inline = {
+        page.name: re.findall(r"<style\b|\sstyle=", page.read_text())
+        for page in templates.glob("*.html")
+    }
+    assert not any(inline.values()), inline
+
+    dashboard = operator_client.get(_url("workqueue_dashboard")).content.decode()
+    [sheet] = re.findall(r'<link rel="stylesheet" href="/static/(workqueue/[^"]+)">', dashboard)
+    rules = Path(finders.find(sheet)).read_text()
+    assert ".workqueue-legend .dead-lettered" in rules and "#workqueue-new-api-key" in rules
 
 
 # -- actions ----------------------------------------------------------------------------------
