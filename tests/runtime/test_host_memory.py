@@ -24,6 +24,7 @@ from tests.support.handlers import registry
 from tests.support.hosts import sub
 from tests.support.waiting import wait_until
 from workqueue import publish, publish_many
+from workqueue.apps import FROZEN_BEFORE_THE_APPS
 from workqueue.models import Delivery, Subscription
 from workqueue.runtime import consumer
 from workqueue.runtime.executor import DeliveryExecution
@@ -165,7 +166,7 @@ def command_in_this_process() -> Iterator[Subscription]:
     yield s
     signal.signal(signal.SIGTERM, handlers[0])
     signal.signal(signal.SIGINT, handlers[1])
-    if not frozen_before:
+    if frozen_before <= FROZEN_BEFORE_THE_APPS:  # nothing of this process's own was frozen
         gc.unfreeze()  # whatever the test (or a broken command) froze
 
 

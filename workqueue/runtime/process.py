@@ -24,7 +24,12 @@ from django.db import (
 
 from workqueue import metrics
 from workqueue.conf import MAX_CONCURRENCY, get_settings
-from workqueue.exceptions import DriverError, WorkQueueConfigurationError, one_line
+from workqueue.exceptions import (
+    DriverError,
+    TransientDriverError,
+    WorkQueueConfigurationError,
+    one_line,
+)
 
 #: A second signal this soon after the first is the same stop delivered twice.
 SECOND_SIGNAL_AFTER_SECONDS = 1.0
@@ -118,9 +123,10 @@ def database_errors_explained() -> Iterator[None]:
     ``migrate`` said only that ``auth_user`` did not exist."""
     try:
         yield
-    except (OperationalError, InterfaceError) as exc:
-        # Django's OperationalError also covers timeouts, deadlocks and a full server: the
-        # database's own words say which.
+    except (OperationalError, InterfaceError, TransientDriverError) as exc:
+        # Django's OperationalError also covers timeouts, deadlocks and a full server, and the
+        # queue's own calls raise TransientDriverError for the same: the database's own words
+        # say which.
         raise CommandError(
             f"The database could not be used ({one_line(exc)}). If it is away, check that it runs "
             "and that DATABASE_URL (or DATABASES) points at it; then run the command again."
@@ -243,12 +249,6 @@ def describe_left_behind(host: Any) -> str:
     return "; ".join(parts) + "; their deliveries are left to lease expiry."
 
 
-#: What was frozen when this module was first imported, before any command ran: CPython 3.12
-#: reports a few hundred objects frozen from the interpreter's own start (375 for 3.12.1; 3.11
-#: and 3.13 none). Only a count above it means the process froze objects itself.
-_FROZEN_AT_IMPORT = gc.get_freeze_count()
-
-
 @contextlib.contextmanager
 def start_up_objects_frozen() -> Iterator[None]:
     """Run the block with every object alive at its start kept out of the cyclic garbage
@@ -263,13 +263,16 @@ def start_up_objects_frozen() -> Iterator[None]:
     first, so that no garbage is frozen.
 
     The end of the block unfreezes them, so a command run inside another program
-    (``call_command``, a test) leaves that process as it found it. A process that has frozen
-    objects itself (a pre-forking server, say) keeps its own arrangement: then nothing is
-    frozen or unfrozen here.
+    (``call_command``, a test) leaves that process as it found it (on CPython 3.12, with the
+    interpreter's own few hundred unfrozen too). A process that has frozen objects itself since
+    Django loaded its apps (a pre-forking server, say) keeps its own arrangement: then nothing
+    is frozen or unfrozen here.
     """
+    from workqueue.apps import FROZEN_BEFORE_THE_APPS
+
     # Not merely "any": on CPython 3.12 the interpreter's own start-up count made every host
     # skip the freeze (the Django 6 leg of the suite found it).
-    if gc.get_freeze_count() > _FROZEN_AT_IMPORT:
+    if gc.get_freeze_count() > FROZEN_BEFORE_THE_APPS:
         yield
         return
     gc.collect()
