@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from workqueue.exceptions import WorkQueueError
+from workqueue.management.base import QueueCommand
 from workqueue_samples.demo import run_demo
 from workqueue_samples.topology import seed
 
 
-class Command(BaseCommand):
+class Command(QueueCommand):
     help = (
         "seed: create the sample topology (topic samples.hello, three subscriptions; topic "
         "samples.guestbook, one); "
