@@ -17,6 +17,8 @@ COMMANDS = {
     "one-shot": ("workqueue_work", "-s", "orders.billing", "--once"),
     "stats": ("workqueue", "stats"),
     "publish": ("workqueue", "publish", "--topic", "orders.created", "--payload", "{}"),
+    # A sweep job printed the driver's traceback (review helper-204).
+    "sweep": ("workqueue_sweep", "--once"),
 }
 
 

@@ -14,6 +14,7 @@ from workqueue.management.base import QueueCommand
 from workqueue.runtime.process import (
     StopSignal,
     add_metrics_arguments,
+    database_errors_explained,
     metrics_served,
     stop_on_signals,
 )
@@ -52,7 +53,8 @@ class Command(QueueCommand):
                 )
             # No signal handlers of its own, as before: a single sweep may run on any thread
             # (call_command from a job), and Ctrl-C ends it as it ends any command.
-            self._sweep(sweeper, interval, StopSignal(), until=time.monotonic() + interval)
+            with database_errors_explained():
+                self._sweep(sweeper, interval, StopSignal(), until=time.monotonic() + interval)
             return
         with (
             stop_on_signals() as stop,
