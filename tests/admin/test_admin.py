@@ -264,10 +264,17 @@ def test_the_queues_pages_carry_no_inline_style_so_a_strict_csp_leaves_them_whol
     }
     assert not any(inline.values()), inline
 
-    dashboard = operator_client.get(_url("workqueue_dashboard")).content.decode()
-    [sheet] = re.findall(r'<link rel="stylesheet" href="/static/(workqueue/[^"]+)">', dashboard)
-    rules = Path(finders.find(sheet)).read_text()
-    assert ".workqueue-legend .dead-lettered" in rules and "#workqueue-new-api-key" in rules
+    pages = {
+        "dashboard": operator_client.get(_url("workqueue_dashboard")),
+        "action": _act(operator_client, "replay_deliveries", [dead_letter(SubscriptionFactory())]),
+    }
+    for name, page in pages.items():
+        [sheet] = re.findall(
+            r'<link rel="stylesheet" href="/static/(workqueue/[^"]+)">', page.content.decode()
+        )
+        rules = Path(finders.find(sheet)).read_text()
+        assert ".workqueue-legend .dead-lettered" in rules, name
+        assert "#workqueue-action-form fieldset" in rules, name
 
 
 # -- actions ----------------------------------------------------------------------------------
@@ -623,6 +630,7 @@ def test_creating_an_api_key_shows_the_raw_key_once_and_never_the_hash(admin_cli
     key = ApiKey.objects.get()
     raw_key = response.context["raw_key"]
     assert '<code id="workqueue-new-api-key"' in response.content.decode()
+    assert '<link rel="stylesheet" href="/static/workqueue/admin.css">' in response.content.decode()
     assert raw_key in response.content.decode()
     assert _messages(response) == []
     assert not any(raw_key in morsel.value for morsel in response.cookies.values())

@@ -158,6 +158,26 @@ def installed(tmp_path_factory) -> Installed:
     return installed
 
 
+def _files(root: Path, package: str) -> set[Path]:
+    return {
+        path.relative_to(root)
+        for path in (root / package).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+def test_the_wheel_carries_every_file_of_the_packages(tmp_path, installed):
+    """Templates, SQL, static files: one missing from the wheel works in a checkout and fails
+    in a user's project (the admin's stylesheet needed package data of its own)."""
+    find = "import os, workqueue; print(os.path.dirname(os.path.dirname(workqueue.__file__)))"
+    env = _clean_environment()
+    site_packages = Path(_run([installed.python, "-c", find], tmp_path, env).strip())
+
+    for package in ("workqueue", "workqueue_samples"):
+        missing = _files(ROOT, package) - _files(site_packages, package)
+        assert not missing, (package, sorted(map(str, missing)))
+
+
 def test_the_wheel_installs_into_a_new_project_and_processes_a_message(
     tmp_path, scratch_database, installed
 ):
