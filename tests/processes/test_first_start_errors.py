@@ -62,6 +62,25 @@ def test_a_command_against_a_sql_server_that_is_not_there_says_so_in_a_line(comm
     assert "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("command", COMMANDS.values(), ids=COMMANDS.keys())
+def test_a_command_whose_odbc_driver_is_missing_says_how_to_get_one_in_a_line(command):
+    """mssql-django's default, pyodbc, needs Microsoft's ODBC driver installed: without it
+    every command died in a traceback of pyodbc's own Error, which no retry mends."""
+    import pyodbc
+
+    nowhere = "mssql://scaler:x@127.0.0.1:9/app?connection_timeout=1"
+
+    done = run_manage(*command, env=subprocess_environment(nowhere), timeout=90)
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    if any("SQL Server" in driver for driver in pyodbc.drivers()):
+        assert "check that it runs and that DATABASE_URL" in done.stderr, done.stderr
+    else:
+        assert "ODBC driver could not be loaded" in done.stderr, done.stderr
+        assert "msodbcsql18" in done.stderr and "python_driver" in done.stderr, done.stderr
+
+
 @pytest.fixture
 def queue_not_migrated(scratch_database: str) -> str:
     """A database where Django's own apps are migrated and the system user exists, but the

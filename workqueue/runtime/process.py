@@ -21,6 +21,7 @@ from django.db import (
     ProgrammingError,
     connections,
 )
+from django.db import Error as DjangoDatabaseError
 
 from workqueue import metrics
 from workqueue.conf import MAX_CONCURRENCY, get_settings
@@ -136,6 +137,17 @@ def database_errors_explained() -> Iterator[None]:
         if problem is None:
             raise
         raise CommandError(problem) from exc
+    except DjangoDatabaseError as exc:
+        # pyodbc's own Error, outside the DB-API classes above: most often unixODBC finding no
+        # driver of the name mssql-django asks for, which no retry mends.
+        if "Can't open lib" not in str(exc):
+            raise
+        raise CommandError(
+            f"The database's ODBC driver could not be loaded ({one_line(exc)}). Install "
+            "Microsoft's ODBC Driver 18 for SQL Server (msodbcsql18), or use Microsoft's Python "
+            'driver, which needs no ODBC set-up: OPTIONS {"python_driver": "mssql_python"} '
+            "(?python_driver=mssql_python in DATABASE_URL)."
+        ) from exc
 
 
 def unmigrated_problem(error: BaseException) -> str | None:
