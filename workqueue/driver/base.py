@@ -268,6 +268,11 @@ class BaseDriver:
         does not exist: what a database not migrated answers."""
         return False
 
+    def client_setup_problem(self, error: BaseException) -> str | None:
+        """Why ``error`` (or what it was raised from) says this machine lacks the database's
+        client software, naming the fix; else None. No retry mends it."""
+        return None
+
     def install_procedures(self, connection: BaseDatabaseWrapper) -> None:
         """Create or replace every procedure on ``connection`` (inside a migration), drop
         ``wq_*`` procedures that the current files no longer declare, and leave

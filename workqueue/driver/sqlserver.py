@@ -44,6 +44,7 @@ from workqueue.exceptions import (
     TransientDriverError,
     UniqueViolationError,
     WorkQueueConfigurationError,
+    one_line,
 )
 from workqueue.sql import load_procedures
 
@@ -292,6 +293,18 @@ class SqlServerDriver(BaseDriver):
         # 208: invalid object name (a table); 207: invalid column name; 2812: could not find
         # stored procedure.
         return any(error_number(cause) in (207, 208, 2812) for cause in error_chain(error))
+
+    def client_setup_problem(self, error: BaseException) -> str | None:
+        # pyodbc's own Error (outside the DB-API classes) when unixODBC finds no driver of the
+        # name mssql-django asks for.
+        if not any("Can't open lib" in str(cause) for cause in error_chain(error)):
+            return None
+        return (
+            f"The database's ODBC driver could not be loaded ({one_line(error)}). Install "
+            "Microsoft's ODBC Driver 18 for SQL Server (msodbcsql18), or use Microsoft's Python "
+            'driver, which needs no ODBC set-up: OPTIONS {"python_driver": "mssql_python"} '
+            "(?python_driver=mssql_python in DATABASE_URL)."
+        )
 
     # -- installation ----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from django.db import Error as DjangoDatabaseError
 
 from workqueue import metrics
 from workqueue.conf import MAX_CONCURRENCY, get_settings
+from workqueue.driver.base import BaseDriver
 from workqueue.exceptions import (
     DriverError,
     TransientDriverError,
@@ -138,16 +139,28 @@ def database_errors_explained() -> Iterator[None]:
             raise
         raise CommandError(problem) from exc
     except DjangoDatabaseError as exc:
-        # pyodbc's own Error, outside the DB-API classes above: most often unixODBC finding no
-        # driver of the name mssql-django asks for, which no retry mends.
-        if "Can't open lib" not in str(exc):
+        # A database library's own error outside the DB-API classes above (pyodbc's, for a
+        # missing ODBC driver): the driver tells which mean this machine lacks a part.
+        driver = _queue_driver()
+        problem = driver.client_setup_problem(exc) if driver is not None else None
+        if problem is None:
             raise
-        raise CommandError(
-            f"The database's ODBC driver could not be loaded ({one_line(exc)}). Install "
-            "Microsoft's ODBC Driver 18 for SQL Server (msodbcsql18), or use Microsoft's Python "
-            'driver, which needs no ODBC set-up: OPTIONS {"python_driver": "mssql_python"} '
-            "(?python_driver=mssql_python in DATABASE_URL)."
-        ) from exc
+        raise CommandError(problem) from exc
+
+
+def _queue_driver() -> BaseDriver | None:
+    """The driver of the queue's database, or None when the settings give none (their own
+    problem, reported elsewhere)."""
+    from workqueue.driver import get_driver
+
+    try:
+        alias = get_settings().DATABASE_ALIAS
+    except WorkQueueConfigurationError:
+        alias = DEFAULT_DB_ALIAS
+    try:
+        return get_driver(alias)
+    except (DatabaseError, WorkQueueConfigurationError):
+        return None
 
 
 def unmigrated_problem(error: BaseException) -> str | None:
@@ -157,16 +170,11 @@ def unmigrated_problem(error: BaseException) -> str | None:
     migration file."""
     from django.db.migrations.executor import MigrationExecutor
 
-    from workqueue.driver import get_driver
-
+    driver = _queue_driver()
     try:
-        alias = get_settings().DATABASE_ALIAS
-    except WorkQueueConfigurationError:
-        alias = DEFAULT_DB_ALIAS  # the settings' own problem is reported elsewhere
-    try:
-        if not get_driver(alias).names_a_missing_object(error):
+        if driver is None or not driver.names_a_missing_object(error):
             return None
-        executor = MigrationExecutor(connections[alias])
+        executor = MigrationExecutor(connections[driver.alias])
         plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
     except (DatabaseError, WorkQueueConfigurationError):
         return None
@@ -174,7 +182,7 @@ def unmigrated_problem(error: BaseException) -> str | None:
         return None
     first = plan[0][0]
     return (
-        f"The database {alias!r} is not migrated: {len(plan)} migration(s) to apply, the "
+        f"The database {driver.alias!r} is not migrated: {len(plan)} migration(s) to apply, the "
         f"first {first.app_label}.{first.name}. Run `manage.py migrate`, then run the command "
         "again."
     )
