@@ -38,7 +38,7 @@ DJANGO6_TESTS := tests/unit tests/api tests/admin tests/integration/test_tasks_b
 	tests/integration/test_container_job_examples.py \
 	tests/runtime/test_scheduler.py tests/runtime/test_host_memory.py \
 	tests/processes/test_tasks_host.py tests/processes/test_packaging.py \
-	tests/processes/test_first_start_errors.py::test_a_command_against_a_sql_server_that_is_not_there_says_so_in_a_line
+	tests/processes/test_first_start_errors.py::test_a_command_against_a_database_that_is_not_there_says_so_in_a_line
 
 .PHONY: venv test test-django6 lint format demo clean-db system-packages system-packages-for-tests
 
